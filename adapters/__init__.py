@@ -1,0 +1,1 @@
+"""Task adapters shipped with Echo (found through the ``echo.adapters`` entry points)."""

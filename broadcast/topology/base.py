@@ -1,0 +1,21 @@
+"""A topology decides where each worker fetches a snapshot from."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Peer:
+    worker_id: str
+    down_mbit: float = 0.0  # 0: unknown
+    up_mbit: float = 0.0
+    reachable: bool = True
+    endpoint: str = ""  # where this peer serves chunks, if it relays
+
+
+class Topology(ABC):
+    @abstractmethod
+    def plan(self, peers: list[Peer], source: str) -> dict[str, str]:
+        """Map every worker id to the endpoint it pulls chunks from (``source`` is the learner)."""

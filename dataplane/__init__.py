@@ -1,0 +1,1 @@
+"""Data Plane: the record schema, adapters and what turns records into learner tensors."""

@@ -1,0 +1,80 @@
+"""``echo-rl``: the learner-side entry point. Heavy libraries load after argument parsing, so
+``echo-rl --help`` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = "examples/quickstart.toml"
+
+
+def _add_config_args(p: argparse.ArgumentParser, config_required: bool) -> None:
+    if config_required:
+        p.add_argument("config", help="TOML config file")
+    else:
+        p.add_argument("--config", default=None,
+                       help=f"TOML config file (default: {DEFAULT_CONFIG} if present, else built-in defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set learner.max_steps=50 (repeatable)")
+    p.add_argument("--run-dir", type=Path, default=None, help="run folder (default: runs/<run-id>)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="echo-rl", description="Echo: RL post-training with a "
+                                "data-center learner and a wide-area rollout fleet.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    learn = sub.add_parser("learn", help="run the learner (workers join it with echo-worker join)")
+    _add_config_args(learn, config_required=True)
+    qs = sub.add_parser("quickstart", help="learner + workers as local processes on loopback")
+    _add_config_args(qs, config_required=False)
+    qs.add_argument("--workers", type=int, default=None, help="worker processes (default: config)")
+    return p
+
+
+def default_run_dir(run_name: str) -> Path:
+    return Path("runs") / f"{run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _load(args: argparse.Namespace):
+    from echo.config import ConfigError, load_config
+
+    path = getattr(args, "config", None)
+    if path is None and Path(DEFAULT_CONFIG).is_file():
+        path = DEFAULT_CONFIG
+    try:
+        return path, load_config(path, args.overrides)
+    except ConfigError as err:
+        print(f"echo-rl: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    path, cfg = _load(args)
+    run_dir = args.run_dir or default_run_dir(cfg.run_name)
+    if args.cmd == "learn":
+        from echo.models import ModelError
+        from dataplane.adapter import AdapterError
+        from learner.main import LearnerStall, run_learner
+
+        try:
+            run_learner(cfg, run_dir)
+        except (ModelError, AdapterError, LearnerStall) as err:
+            print(f"echo-rl learn: {err}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("echo-rl learn: interrupted; workers were told to stop", file=sys.stderr)
+            return 130
+        return 0
+    if args.cmd == "quickstart":
+        from echo.quickstart import run_quickstart
+
+        return run_quickstart(cfg, path, args.overrides, run_dir, args.workers)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Models and tokenizers, one code path for the tiny local model and real checkpoints.
+
+``model.name = "tiny-qwen3"`` builds a Qwen3-architecture model with random weights and a
+character-level tokenizer, both in memory (no download): the quickstart and the tests use it.
+Any other name is a Hugging Face model directory on local disk, loaded with ``AutoTokenizer``
+and ``AutoModelForCausalLM``. Both end up as a ``transformers`` causal LM plus a fast tokenizer,
+so everything downstream (generation, snapshots, the loss) is the same code.
+
+Weights travel as snapshots (``broadcast``); this module turns parameters into one byte payload
+with a tensor index, and back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from echo.config import ModelConfig
+
+if TYPE_CHECKING:  # torch and transformers load late: entry points must start instantly
+    import torch
+
+TINY = "tiny-qwen3"
+# Digits and arithmetic first: the toy tasks use them; letters keep room for small words.
+TINY_CHARS = list("0123456789+-*=") + list("abcdef")
+TINY_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<bos>{{ m['role'][0] }}={{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<bos>a={% endif %}"
+)
+
+
+class ModelError(ValueError):
+    pass
+
+
+def build_tiny_tokenizer() -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(TINY_SPECIALS + TINY_CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", unk_token="<unk>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def _model_dir(cfg: ModelConfig) -> Path:
+    path = Path(cfg.name).expanduser()
+    if not path.is_dir():
+        raise ModelError(
+            f"model.name = {cfg.name!r}: no such directory. Use \"{TINY}\" for the built-in tiny "
+            f"model, or the path of a Hugging Face model folder on this machine (downloads are "
+            f"not attempted)")
+    if not (path / "config.json").is_file():
+        raise ModelError(f"model.name = {cfg.name!r}: {path}/config.json is missing; point "
+                         f"model.name at a folder written by save_pretrained()")
+    return path
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    if cfg.name == TINY:
+        return build_tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    path = _model_dir(cfg)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelError(f"model.name = {cfg.name!r}: cannot load its tokenizer ({exc}); "
+                         f"the folder needs tokenizer files saved with save_pretrained()") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # generation pads finished rows; EOS is the usual choice
+    return tok
+
+
+def tiny_config(cfg: ModelConfig, tokenizer: Any) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )
+
+
+def load_model(cfg: ModelConfig, tokenizer: Any, dtype: str = "float32") -> Any:
+    """A causal LM on CPU in ``dtype``: random init (seeded) for tiny, weights from disk else."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    if cfg.name == TINY:
+        torch.manual_seed(cfg.seed)
+        model = Qwen3ForCausalLM(tiny_config(cfg, tokenizer)).to(torch_dtype)
+    else:
+        path = _model_dir(cfg)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                         local_files_only=True)
+        except Exception as exc:
+            raise ModelError(f"model.name = {cfg.name!r}: not a loadable causal LM ({exc})") from None
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        raise ModelError(f"model.name = {cfg.name!r}: tokenizer has {len(tokenizer)} tokens but "
+                         f"the model's embedding has {model.get_input_embeddings().num_embeddings}")
+    return model
+
+
+def vocab_size(model: Any) -> int:
+    return int(model.get_input_embeddings().num_embeddings)
+
+
+# ----------------------------------------------------------------------------- payloads
+
+
+def params_to_payload(model: Any, dtype: str) -> tuple[list[dict[str, Any]], bytes]:
+    """All parameters as one contiguous byte stream in ``dtype`` plus a tensor index.
+
+    ``named_parameters`` lists a tied weight once, so tied embeddings travel once.
+    """
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    index, parts, offset = [], [], 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            t = p.detach().to(torch_dtype).contiguous().view(-1)
+            raw = t.view(torch.uint8).numpy().tobytes()
+            index.append({"name": name, "dtype": dtype, "shape": list(p.shape),
+                          "offset": offset, "nbytes": len(raw)})
+            parts.append(raw)
+            offset += len(raw)
+    return index, b"".join(parts)
+
+
+def install_payload(model: Any, index: list[dict[str, Any]], payload: bytes | bytearray) -> None:
+    """Copy a snapshot payload into the model's parameters (shapes and names must match)."""
+    import torch
+
+    params = dict(model.named_parameters())
+    names = {e["name"] for e in index}
+    if names != set(params):
+        missing, extra = set(params) - names, names - set(params)
+        raise ModelError(f"snapshot does not fit this model: missing {sorted(missing)[:3]}, "
+                         f"unexpected {sorted(extra)[:3]}; worker and learner must use the same "
+                         f"model.name")
+    buf = memoryview(payload)
+    with torch.no_grad():
+        for e in index:
+            raw = buf[e["offset"] : e["offset"] + e["nbytes"]]
+            src = torch.frombuffer(bytearray(raw), dtype=getattr(torch, e["dtype"]))
+            dst = params[e["name"]]
+            if list(dst.shape) != e["shape"]:
+                raise ModelError(f"snapshot tensor {e['name']} has shape {e['shape']}, model has "
+                                 f"{list(dst.shape)}")
+            dst.copy_(src.view(e["shape"]).to(dst.dtype))

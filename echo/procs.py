@@ -1,0 +1,92 @@
+"""Child processes for the quickstart and the integration tests.
+
+Children run in their own session (so a terminal's Ctrl-C reaches only the parent, which then
+stops them in order) and get ``PR_SET_PDEATHSIG`` so that even a SIGKILLed parent leaves no
+orphans. They are stopped by their own pid, never by name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The learner prints this line, then its control address, on stdout once it serves.
+READY_PREFIX = "ECHO_LEARNER_READY "
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the parent's own cleanup still stops the children
+
+
+@dataclass
+class ProcessGroup:
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str, argv: list[str], log_path: Path, *, pipe_stdout: bool = False,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(log_path, "ab")
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE if pipe_stdout else log, stderr=log, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent, env={**os.environ, **(env or {})})
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def stop(self, name: str, timeout: float = 15.0, sig: int = signal.SIGTERM) -> int | None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def stop_all(self, timeout: float = 15.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def python_argv(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def wait_ready(proc: subprocess.Popen, timeout: float) -> str:
+    """Read the learner's stdout until it prints its address (or dies, or time runs out)."""
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while time.monotonic() < deadline:
+        if not sel.select(deadline - time.monotonic()):
+            break
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        if not chunk:
+            raise RuntimeError(f"learner exited (code {proc.wait()}) before it was ready; see its log")
+        buf += chunk
+        for line in buf.decode(errors="replace").splitlines():
+            if line.startswith(READY_PREFIX):
+                return line[len(READY_PREFIX):].strip()
+    raise RuntimeError(f"learner not ready within {timeout}s")

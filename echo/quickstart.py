@@ -1,0 +1,126 @@
+"""``echo-rl quickstart``: a learner and N workers as separate OS processes on loopback.
+
+Shows live progress (step, reward, staleness, bubble ratio, workers) read from the run's
+``metrics.jsonl``, ends with a summary table and the run folder. Ctrl-C stops every child.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from echo.config import EchoConfig, dump_toml
+from echo.procs import ProcessGroup, python_argv, wait_ready
+
+console = Console()
+
+
+class MetricsTail:
+    """Reads the lines appended to metrics.jsonl since the last call."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.rows: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with self.path.open() as f:
+            f.seek(self.offset)
+            data = f.read()
+        complete = data[: data.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        new = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        self.rows.extend(new)
+        return new
+
+
+def _describe(row: dict[str, Any]) -> str:
+    return (f"reward {row['reward_mean']:.3f}  staleness {row['staleness_max']}  "
+            f"bubble {row['bubble_ratio']:.2f}  workers {row['active_workers']}")
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows) if rows else float("nan")
+
+
+def summary_table(cfg: EchoConfig, rows: list[dict[str, Any]], run_dir: Path) -> Table:
+    t = Table(title=f"Echo quickstart: {run_dir}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    first, last = rows[:10], rows[-10:]
+    t.add_row("learner steps", str(len(rows)))
+    t.add_row("reward, mean of first 10 steps", f"{_mean(first, 'reward_mean'):.3f}")
+    t.add_row("reward, mean of last 10 steps", f"{_mean(last, 'reward_mean'):.3f}")
+    t.add_row("max staleness (budget S)", f"{max((r['staleness_max'] for r in rows), default=0)} "
+              f"({cfg.learner.staleness})")
+    if rows:
+        r = rows[-1]
+        t.add_row("bubble ratio", f"{r['bubble_ratio']:.3f}")
+        t.add_row("admitted samples", str(r["admitted"]))
+        t.add_row("dropped stale samples", str(r["dropped_stale"]))
+        t.add_row("rejected records", str(sum(r["rejected"].values())))
+        t.add_row("learner bytes sent (snapshots)", f"{r['learner_bytes_sent'] / 2**20:.1f} MiB")
+        t.add_row("wall time", f"{r['wall_s']:.1f} s")
+    return t
+
+
+def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str], run_dir: Path,
+                   workers: int | None) -> int:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    n = workers or cfg.quickstart.workers
+    prices = cfg.quickstart.worker_prices
+    group = ProcessGroup()
+    # The learner gets the config exactly as resolved here (file plus overrides).
+    resolved = run_dir / "quickstart.toml"
+    resolved.write_text(dump_toml(cfg))
+    learn_args = ["learn", str(resolved), "--run-dir", str(run_dir)]
+    tail = MetricsTail(run_dir / "metrics.jsonl")
+    try:
+        learner = group.start("learner", python_argv("echo.cli", *learn_args),
+                              run_dir / "learner.stderr.log", pipe_stdout=True)
+        console.print(f"[bold]Echo quickstart[/] run folder [cyan]{run_dir}[/]; starting learner...")
+        endpoint = wait_ready(learner, timeout=180)
+        console.print(f"learner at [cyan]{endpoint}[/]; starting {n} workers")
+        for i in range(n):
+            price = prices[i % len(prices)]
+            group.start(f"worker-{i}", python_argv("worker.cli", "join", endpoint, "--id",
+                                                   f"worker-{i}", "--price", str(price)),
+                        run_dir / f"worker-{i}.log")
+        _follow(cfg, learner, tail)
+        code = learner.wait()
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping learner and workers[/]")
+        code = 130
+    finally:
+        group.stop_all()
+    tail.poll()
+    console.print(summary_table(cfg, tail.rows, run_dir))
+    if code not in (0, 130):
+        console.print(f"[red]learner exited with code {code}; see {run_dir}/learner.log[/]")
+    console.print(f"metrics: {run_dir / 'metrics.jsonl'}")
+    return code
+
+
+def _follow(cfg: EchoConfig, learner: Any, tail: MetricsTail) -> None:
+    columns = [TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+               TextColumn("{task.description}")]
+    with Progress(*columns, console=console, refresh_per_second=4) as progress:
+        task = progress.add_task("waiting for workers...", total=cfg.learner.max_steps)
+        while True:
+            done = learner.poll() is not None
+            for row in tail.poll():
+                progress.update(task, completed=row["step"] + 1, description=_describe(row))
+            if done:
+                return
+            try:
+                learner.wait(0.5)  # wake on exit, or redraw twice a second
+            except subprocess.TimeoutExpired:
+                pass

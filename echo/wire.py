@@ -1,0 +1,221 @@
+"""Echo's wire schema: every message between learner and workers, in one place.
+
+Transport: pyzmq. The learner binds a ROUTER socket (control) and a second ROUTER (snapshot
+chunks); each worker connects one DEALER to each. A message is one frame: a msgpack map with
+``v`` (schema version, ``WIRE_VERSION``) and ``type``; a chunk reply carries the chunk bytes in
+a second frame so they are never copied into msgpack.
+
+Worker -> learner (control socket)
+  join            worker_id, price, backend, can_relay  -> join_ack | error
+  heartbeat       worker_id, version, throughput, state -> heartbeat_ack
+  work_request    worker_id, max_groups                 -> work_grant
+  trajectories    worker_id, batch_id, count, payload   -> ack
+                  payload = lz4.frame(msgpack([record, ...])), record schema in
+                  ``dataplane.records``; at-least-once: the worker resends until acked.
+  leave           worker_id                             -> (none)
+Learner -> worker (control socket, unsolicited)
+  snapshot_notice version, manifest                     a new snapshot is published
+  shutdown        reason                                the run is over
+Worker -> learner (snapshot socket)
+  chunk_request   version, index                        -> chunk (+ bytes frame) | error
+
+Receipt: ``decode`` checks size, msgpack, version, type and fields, and raises ``WireError``
+with a short machine reason (counted by the receiver) and a human detail (logged with the
+sender's id). Unknown fields are rejected so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import lz4.frame
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+WIRE_VERSION = 1
+
+
+class WireError(ValueError):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    TYPE: ClassVar[str] = ""
+    v: int = WIRE_VERSION
+    type: str = ""
+    rid: int = 0  # request id, echoed in the reply so late replies can be told apart
+
+    def __init__(self, **data: Any):
+        data.setdefault("type", self.TYPE)
+        super().__init__(**data)
+
+
+class Join(Message):
+    TYPE = "join"
+    worker_id: str = Field(min_length=1, max_length=128)
+    price: float = Field(0.0, ge=0)
+    backend: str = "transformers"
+    can_relay: bool = True
+
+
+class JoinAck(Message):
+    TYPE = "join_ack"
+    run_id: str
+    instance_id: str  # changes when the learner restarts; workers re-join when it does
+    public_key: bytes  # Ed25519 key that signs every snapshot manifest
+    version: int  # latest published snapshot version, -1 if none yet
+    manifest: dict[str, Any] | None = None
+    config: dict[str, Any]  # EchoConfig.worker_view()
+    snapshot_endpoint: str
+
+
+class Heartbeat(Message):
+    TYPE = "heartbeat"
+    worker_id: str
+    version: int  # installed snapshot version, -1 if none
+    throughput: float = Field(0.0, ge=0)  # trajectories/s the worker measured itself
+    state: Literal["idle", "generating", "installing", "leaving"] = "idle"
+
+
+class HeartbeatAck(Message):
+    TYPE = "heartbeat_ack"
+    instance_id: str
+    version: int
+    manifest: dict[str, Any] | None = None  # included when the worker is behind
+    source: str = ""  # where to pull that snapshot's chunks from
+    known: bool = True  # False: the learner does not know this worker (restart): re-join
+
+
+class Group(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group_id: str
+    prompt_ids: list[int]
+    n: int = Field(ge=1)
+    seed: int
+    task: dict[str, Any] = Field(default_factory=dict)  # what the reward needs (e.g. answer)
+
+
+class WorkRequest(Message):
+    TYPE = "work_request"
+    worker_id: str
+    max_groups: int = Field(ge=1, le=1024)
+
+
+class WorkGrant(Message):
+    TYPE = "work_grant"
+    groups: list[Group]
+    retry_after_s: float = 0.0  # set when no work could be handed out
+
+
+class Trajectories(Message):
+    TYPE = "trajectories"
+    worker_id: str
+    batch_id: str
+    count: int = Field(ge=0)
+    payload: bytes
+
+
+class Ack(Message):
+    TYPE = "ack"
+    batch_id: str
+    accepted: int
+    duplicates: int
+    rejected: dict[str, int] = Field(default_factory=dict)
+
+
+class Leave(Message):
+    TYPE = "leave"
+    worker_id: str
+
+
+class SnapshotNotice(Message):
+    TYPE = "snapshot_notice"
+    version: int
+    manifest: dict[str, Any]
+    source: str  # endpoint to pull the chunks from (the topology's choice for this worker)
+
+
+class Shutdown(Message):
+    TYPE = "shutdown"
+    reason: str
+
+
+class ChunkRequest(Message):
+    TYPE = "chunk_request"
+    version: int
+    index: int = Field(ge=0)
+
+
+class Chunk(Message):
+    TYPE = "chunk"
+    version: int
+    index: int
+
+
+class Error(Message):
+    TYPE = "error"
+    reason: str
+    detail: str
+    ref: str = ""  # batch id or request the error answers, if any
+
+
+MESSAGES: dict[str, type[Message]] = {
+    m.TYPE: m
+    for m in (Join, JoinAck, Heartbeat, HeartbeatAck, WorkRequest, WorkGrant, Trajectories, Ack,
+              Leave, SnapshotNotice, Shutdown, ChunkRequest, Chunk, Error)
+}
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb(msg.model_dump(), use_bin_type=True)
+
+
+def decode(frame: bytes, max_bytes: int) -> Message:
+    """Parse and validate one frame; raise WireError naming what is wrong."""
+    if len(frame) > max_bytes:
+        raise WireError("oversize", f"{len(frame)} bytes > limit {max_bytes} "
+                        f"(raise transport.max_message_mib or send smaller batches)")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on junk
+        raise WireError("malformed", f"not a msgpack message ({type(exc).__name__})") from None
+    if not isinstance(obj, dict):
+        raise WireError("malformed", f"message is a {type(obj).__name__}, expected a map")
+    if obj.get("v") != WIRE_VERSION:
+        raise WireError("wrong_version", f"wire version {obj.get('v')!r}, this learner speaks "
+                        f"{WIRE_VERSION}: upgrade echo-rl on the worker")
+    cls = MESSAGES.get(obj.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise WireError("unknown_type", f"unknown message type {obj.get('type')!r}")
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise WireError("invalid_fields", f"{cls.TYPE}.{loc}: {first['msg']}") from None
+
+
+def pack_records(records: list[dict[str, Any]]) -> bytes:
+    return lz4.frame.compress(msgpack.packb(records, use_bin_type=True))
+
+
+def unpack_records(payload: bytes, max_bytes: int) -> list[Any]:
+    """Decompress a trajectory payload, refusing to inflate past ``max_bytes`` (lz4 bombs)."""
+    try:
+        d = lz4.frame.LZ4FrameDecompressor()
+        raw = d.decompress(payload, max_length=max_bytes)
+        if not d.eof:
+            raise WireError("oversize", f"trajectory payload inflates past {max_bytes} bytes")
+        obj = msgpack.unpackb(raw, raw=False)
+    except WireError:
+        raise
+    except Exception as exc:
+        raise WireError("malformed", f"trajectory payload is not lz4+msgpack "
+                        f"({type(exc).__name__})") from None
+    if not isinstance(obj, list):
+        raise WireError("malformed", "trajectory payload is not a list of records")
+    return obj

@@ -1,0 +1,125 @@
+"""Bounded-staleness replay buffer (DESIGN 3 and 6).
+
+Thread-safe: the control plane admits records from its thread, the trainer takes groups from
+its own. Rules:
+  * admissible iff ``version_now - S <= u <= version_now``; a future version is rejected, an
+    old one is dropped and counted (``dropped_stale``), both at admission and when the trainer
+    asks for a batch (data can go stale while it waits);
+  * exactly-once: a (group id, sample index) already admitted, or of a group already complete,
+    counts as a duplicate and is acknowledged without being stored again;
+  * whole groups only: a group becomes available when all of its ``n`` samples are in; its
+    version is the oldest of its samples;
+  * bounded: at most ``capacity_groups`` partial plus ready groups. Overflow policy: records of
+    a new group are rejected with reason ``buffer_full`` (counted, not acknowledged as stored).
+    The learner never hands out more groups than the buffer holds, so only a sender that
+    ignores its grants reaches this.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from dataplane.records import Record
+
+ACCEPTED, DUPLICATE, STALE, COMPLETED = "accepted", "duplicate", "stale", "completed"
+
+
+@dataclass
+class BufferStats:
+    admitted: int = 0
+    duplicates: int = 0
+    dropped_stale: int = 0
+    rejected: Counter = field(default_factory=Counter)
+
+
+class ReplayBuffer:
+    def __init__(self, staleness: int, capacity_groups: int, group_size: int,
+                 remember_groups: int = 1_000_000):
+        self.staleness = staleness
+        self.capacity = capacity_groups
+        self.group_size = group_size
+        self.version = 0
+        self.stats = BufferStats()
+        self._cond = threading.Condition()
+        self._partial: dict[str, dict[int, Record]] = {}
+        self._ready: OrderedDict[str, list[Record]] = OrderedDict()
+        # Ids of groups already complete (ready or trained on), for exactly-once admission of
+        # late resends; bounded so a long run cannot grow it without limit.
+        self._done: OrderedDict[str, None] = OrderedDict()
+        self._remember = remember_groups
+
+    # ------------------------------------------------------------------ admission (control)
+
+    def is_done(self, group_id: str) -> bool:
+        with self._cond:
+            return group_id in self._done
+
+    def admit(self, rec: Record) -> str:
+        """Returns ACCEPTED, COMPLETED (accepted and its group is now whole), DUPLICATE, STALE,
+        or a rejection reason."""
+        with self._cond:
+            if rec.version > self.version:
+                return self._reject("future_version")
+            if rec.version < self.version - self.staleness:
+                self.stats.dropped_stale += 1
+                return STALE
+            if rec.group_id in self._done or rec.sample_idx in self._partial.get(rec.group_id, {}):
+                self.stats.duplicates += 1
+                return DUPLICATE
+            if rec.group_id not in self._partial and len(self._partial) + len(self._ready) >= self.capacity:
+                return self._reject("buffer_full")
+            group = self._partial.setdefault(rec.group_id, {})
+            group[rec.sample_idx] = rec
+            self.stats.admitted += 1
+            if len(group) < self.group_size:
+                return ACCEPTED
+            del self._partial[rec.group_id]
+            self._ready[rec.group_id] = [group[i] for i in range(self.group_size)]
+            self._mark_done(rec.group_id)
+            self._cond.notify_all()
+            return COMPLETED
+
+    def _reject(self, reason: str) -> str:
+        self.stats.rejected[reason] += 1
+        return reason
+
+    def _mark_done(self, group_id: str) -> None:
+        self._done[group_id] = None
+        while len(self._done) > self._remember:
+            self._done.popitem(last=False)
+
+    # ------------------------------------------------------------------ consumption (trainer)
+
+    def set_version(self, version: int) -> None:
+        with self._cond:
+            self.version = version
+            self._evict_stale()
+
+    def _evict_stale(self) -> None:
+        floor = self.version - self.staleness
+        for gid in [g for g, recs in self._ready.items() if min(r.version for r in recs) < floor]:
+            self.stats.dropped_stale += len(self._ready.pop(gid))
+        for gid in [g for g, recs in self._partial.items() if min(r.version for r in recs.values()) < floor]:
+            self.stats.dropped_stale += len(self._partial.pop(gid))
+
+    def take(self, k: int, timeout: float) -> list[list[Record]] | None:
+        """The ``k`` oldest admissible whole groups, or None if they do not arrive in time."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._evict_stale()
+                if len(self._ready) >= k:
+                    return [self._ready.popitem(last=False)[1] for _ in range(k)]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    # ------------------------------------------------------------------ metrics
+
+    def depth(self) -> dict[str, int]:
+        with self._cond:
+            return {"ready_groups": len(self._ready), "partial_groups": len(self._partial)}

@@ -1,0 +1,323 @@
+"""Control plane inside the learner process: its own thread running an asyncio loop.
+
+Two ROUTER sockets: control (join, heartbeat, work, trajectories, leave; wire schema in
+``echo.wire``) and snapshot chunks (``broadcast.source``). Every frame is validated; a bad one
+is answered with ``error{reason}``, counted under that reason and logged with the sender's id,
+and the loop goes on serving everyone else. The trainer thread talks to this object only
+through ``publish``, ``stats`` and ``shutdown``, which hop onto the loop thread-safely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from broadcast.snapshot import RunKey, Snapshot
+from broadcast.source import ChunkServer, SnapshotStore
+from broadcast.topology import Peer, make_topology
+from dataplane.records import Limits, RecordError, parse_record
+from echo import wire
+from echo.config import EchoConfig
+from learner.buffer import COMPLETED, DUPLICATE, STALE, ACCEPTED, ReplayBuffer
+from learner.work import WorkQueue
+
+log = logging.getLogger("echo.control")
+
+EWMA_ALPHA = 0.3
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    ident: bytes
+    price: float
+    last_seen: float
+    version: int = -1
+    state: str = "idle"
+    claimed_throughput: float = 0.0
+    measured_throughput: float = 0.0  # EWMA of admitted samples/s, measured here
+    admitted: int = 0
+    last_batch_at: float = field(default_factory=time.monotonic)
+
+
+class ControlPlane:
+    def __init__(self, cfg: EchoConfig, *, run_id: str, key: RunKey, buffer: ReplayBuffer,
+                 work: WorkQueue, limits: Limits):
+        self.cfg = cfg
+        self.run_id = run_id
+        self.key = key
+        self.buffer = buffer
+        self.work = work
+        self.limits = limits
+        self.instance_id = uuid.uuid4().hex[:12]
+        self.max_bytes = int(cfg.transport.max_message_mib * 2**20)
+        self.topology = make_topology(cfg.broadcast.topology)
+        self.store = SnapshotStore()
+        self.workers: dict[str, WorkerState] = {}
+        self.rejected: Counter[str] = Counter()
+        self.endpoint = ""
+        self.snapshot_endpoint = ""
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ctrl: zmq.asyncio.Socket | None = None
+        self._thread = threading.Thread(target=self._run, name="echo-control", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout: float = 30.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout) or self._error:
+            raise RuntimeError(f"control plane failed to start: {self._error}")
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # surfaced to the trainer through start()/stats()
+            self._error = exc
+            log.exception("control plane crashed")
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        ctx = zmq.asyncio.Context()
+        ctrl = self._ctrl = self._router(ctx, self.cfg.learner.port)
+        snap = self._router(ctx, 0)
+        self.endpoint = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.snapshot_endpoint = snap.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ready.set()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._serve(ctrl)),
+                         tg.create_task(ChunkServer(snap, self.store, self.max_bytes).serve_forever()),
+                         tg.create_task(self._housekeeping())]
+                await self._stop.wait()
+                for t in tasks:
+                    t.cancel()
+        finally:
+            ctrl.close(linger=500)
+            snap.close(linger=0)
+            ctx.term()
+
+    def _router(self, ctx: zmq.asyncio.Context, port: int) -> zmq.asyncio.Socket:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer surfaces as an error
+        # Hard cap far above the app-level limit: frames past it drop the connection before
+        # they are buffered; frames between the two are rejected and counted as "oversize".
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_bytes)
+        sock.bind(f"tcp://{self.cfg.learner.host}:{port or '*'}")
+        return sock
+
+    def _call(self, coro_fn, *args, timeout: float = 30.0) -> Any:
+        if self._error:
+            raise RuntimeError(f"control plane crashed: {self._error}")
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro_fn(*args), self._loop).result(timeout)
+
+    def publish(self, snap: Snapshot) -> None:
+        self._call(self._publish, snap)
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(self._stats)
+
+    def shutdown(self, reason: str) -> None:
+        if self._loop is None or not self._thread.is_alive():
+            return
+        try:
+            self._call(self._shutdown, reason)
+        finally:
+            self._thread.join(10)
+
+    # ------------------------------------------------------------------ loop side
+
+    async def _publish(self, snap: Snapshot) -> None:
+        self.store.add(snap)
+        plan = self.topology.plan([Peer(w) for w in self.workers], self.snapshot_endpoint)
+        for w in list(self.workers.values()):
+            await self._send(w, wire.SnapshotNotice(version=snap.version, manifest=snap.manifest,
+                                                    source=plan[w.worker_id]))
+
+    async def _stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        timeout = self.cfg.transport.heartbeat_timeout_s
+        return {
+            "active_workers": sum(1 for w in self.workers.values() if now - w.last_seen < timeout),
+            "rejected": dict(self.rejected + self.buffer.stats.rejected),
+            "learner_bytes_sent": self.store.bytes_sent,
+            "in_flight_groups": self.work.in_flight,
+            "reissued_groups": self.work.reissued,
+            "workers": {w.worker_id: {"price": w.price, "version": w.version, "state": w.state,
+                                      "throughput": round(w.measured_throughput, 3),
+                                      "admitted": w.admitted} for w in self.workers.values()},
+        }
+
+    async def _shutdown(self, reason: str) -> None:
+        for w in list(self.workers.values()):
+            await self._send(w, wire.Shutdown(reason=reason))
+        assert self._stop is not None
+        self._stop.set()
+
+    async def _send(self, w: WorkerState, msg: wire.Message) -> None:
+        await self._send_ident(w.ident, msg, w.worker_id)
+
+    async def _send_ident(self, ident: bytes, msg: wire.Message, who: str = "") -> None:
+        assert self._ctrl is not None
+        try:
+            await self._ctrl.send_multipart([ident, wire.encode(msg)])
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected; heartbeats reap it
+            log.info("could not send %s to %s: %s", msg.type, who or ident.hex(), exc)
+
+    async def _housekeeping(self) -> None:
+        timeout = self.cfg.transport.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(min(0.5, timeout / 4))
+            now = time.monotonic()
+            for w in [w for w in self.workers.values() if now - w.last_seen > timeout]:
+                self._forget(w.worker_id, f"no heartbeat for {now - w.last_seen:.1f}s")
+            expired = self.work.expire()
+            if expired:
+                log.info("%d group lease(s) expired: handed out again", expired)
+
+    def _forget(self, worker_id: str, why: str) -> None:
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return
+        n = self.work.release_worker(worker_id)
+        log.info("worker %s removed (%s); %d group(s) handed out again", worker_id, why, n)
+
+    # ------------------------------------------------------------------ request handling
+
+    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            ident, *frames = await sock.recv_multipart()
+            try:
+                if len(frames) != 1:
+                    raise wire.WireError("malformed", f"{len(frames)} frames, expected 1")
+                msg = wire.decode(frames[0], self.max_bytes)
+                reply = await self._dispatch(ident, msg)
+            except wire.WireError as err:
+                self.rejected[err.reason] += 1
+                log.warning("rejected message from %s: %s", ident.hex(), err)
+                reply = wire.Error(reason=err.reason, detail=err.detail)
+            if reply is not None:
+                await self._send_ident(ident, reply)
+
+    async def _dispatch(self, ident: bytes, msg: wire.Message) -> wire.Message | None:
+        handler = {
+            wire.Join: self._on_join, wire.Heartbeat: self._on_heartbeat,
+            wire.WorkRequest: self._on_work_request, wire.Trajectories: self._on_trajectories,
+            wire.Leave: self._on_leave,
+        }.get(type(msg))
+        if handler is None:
+            raise wire.WireError("unknown_type", f"{msg.type} is not a request the learner serves")
+        reply = handler(ident, msg)
+        if reply is not None:
+            reply.rid = msg.rid
+        return reply
+
+    def _touch(self, ident: bytes, worker_id: str) -> WorkerState | None:
+        w = self.workers.get(worker_id)
+        if w is not None:
+            w.ident = ident  # a reconnecting DEALER gets a new routing id
+            w.last_seen = time.monotonic()
+        return w
+
+    def _latest(self) -> tuple[int, dict[str, Any] | None]:
+        snap = self.store.latest()
+        return (snap.version, snap.manifest) if snap else (-1, None)
+
+    def _on_join(self, ident: bytes, msg: wire.Join) -> wire.Message:
+        now = time.monotonic()
+        known = self._touch(ident, msg.worker_id)
+        if known is None:
+            self.workers[msg.worker_id] = WorkerState(msg.worker_id, ident, msg.price, now)
+            log.info("worker %s joined (price $%.3f/h)", msg.worker_id, msg.price)
+        version, manifest = self._latest()
+        return wire.JoinAck(run_id=self.run_id, instance_id=self.instance_id,
+                            public_key=self.key.public_bytes, version=version, manifest=manifest,
+                            config=self.cfg.worker_view(), snapshot_endpoint=self.snapshot_endpoint)
+
+    def _on_heartbeat(self, ident: bytes, msg: wire.Heartbeat) -> wire.Message:
+        w = self._touch(ident, msg.worker_id)
+        version, manifest = self._latest()
+        if w is None:
+            return wire.HeartbeatAck(instance_id=self.instance_id, version=version, known=False)
+        w.version, w.state, w.claimed_throughput = msg.version, msg.state, msg.throughput
+        behind = msg.version < version
+        return wire.HeartbeatAck(instance_id=self.instance_id, version=version,
+                                 manifest=manifest if behind else None,
+                                 source=self.snapshot_endpoint if behind else "")
+
+    def _on_work_request(self, ident: bytes, msg: wire.WorkRequest) -> wire.Message:
+        if self._touch(ident, msg.worker_id) is None:
+            raise wire.WireError("unknown_worker", f"{msg.worker_id} has not joined: send join first")
+        groups = self.work.grant(msg.worker_id, msg.max_groups, self.buffer.depth()["ready_groups"])
+        return wire.WorkGrant(groups=groups, retry_after_s=0.0 if groups else 0.2)
+
+    def _on_leave(self, ident: bytes, msg: wire.Leave) -> None:
+        self._forget(msg.worker_id, "left")
+        return None
+
+    def _on_trajectories(self, ident: bytes, msg: wire.Trajectories) -> wire.Message:
+        w = self._touch(ident, msg.worker_id)
+        try:
+            raw = wire.unpack_records(msg.payload, self.max_bytes)
+        except wire.WireError as err:
+            self.rejected[err.reason] += 1
+            log.warning("rejected trajectory batch %s from %s: %s", msg.batch_id, msg.worker_id, err)
+            return wire.Error(reason=err.reason, detail=err.detail, ref=msg.batch_id)
+        accepted = duplicates = 0
+        rejected: Counter[str] = Counter()
+        for obj in raw:
+            outcome = self._admit(obj)
+            if outcome in (ACCEPTED, COMPLETED):
+                accepted += 1
+            elif outcome == DUPLICATE:
+                duplicates += 1
+            elif outcome != STALE:
+                rejected[outcome] += 1
+        if rejected:
+            self.rejected.update({k: v for k, v in rejected.items() if k not in ("future_version", "buffer_full")})
+            log.warning("batch %s from %s: rejected %s", msg.batch_id, msg.worker_id, dict(rejected))
+        if w is not None and accepted:
+            self._measure(w, accepted)
+        return wire.Ack(batch_id=msg.batch_id, accepted=accepted, duplicates=duplicates,
+                        rejected=dict(rejected))
+
+    def _admit(self, obj: Any) -> str:
+        try:
+            rec = parse_record(obj, self.limits)
+        except RecordError as err:
+            return err.reason
+        if self.buffer.is_done(rec.group_id):
+            return self.buffer.admit(rec)  # counted there as a duplicate
+        group = self.work.lookup(rec.group_id)
+        if group is None:
+            return "unknown_group"
+        if rec.prompt_ids != group.prompt_ids:
+            return "prompt_mismatch"
+        outcome = self.buffer.admit(rec)
+        if outcome == COMPLETED:
+            self.work.fulfilled(rec.group_id)
+        elif outcome == STALE:
+            self.work.requeue(rec.group_id)  # regenerate it under a fresh snapshot
+        return outcome
+
+    def _measure(self, w: WorkerState, accepted: int) -> None:
+        now = time.monotonic()
+        rate = accepted / max(now - w.last_batch_at, 1e-3)
+        w.measured_throughput = (rate if w.admitted == 0 else
+                                 EWMA_ALPHA * rate + (1 - EWMA_ALPHA) * w.measured_throughput)
+        w.admitted += accepted
+        w.last_batch_at = now

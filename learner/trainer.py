@@ -1,0 +1,53 @@
+"""One learner step: log-probs at step start, then ``updates_per_step`` mini-batch updates."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from dataplane.adapter import LearnerBatch
+from echo.config import LearnerConfig
+from learner.loss import LossConfig, grpo_loss
+
+
+def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """log p(token_{j+1} | tokens_{<=j}) for every position j: shape [B, L-1]."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+class Trainer:
+    def __init__(self, model: Any, cfg: LearnerConfig, seed: int = 0):
+        self.model = model
+        self.cfg = cfg
+        self.loss_cfg = LossConfig(epsilon=cfg.epsilon, is_cap=cfg.is_cap, beta=cfg.beta,
+                                   agg=cfg.loss_agg)
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        # The reference model costs a full copy; it exists only when the KL term is on.
+        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def step(self, batch: LearnerBatch) -> dict[str, float]:
+        self.model.train()
+        with torch.no_grad():
+            old = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+            ref = (token_logprobs(self.ref_model, batch.input_ids, batch.attention_mask)
+                   if self.ref_model is not None else None)
+        order = torch.randperm(batch.input_ids.shape[0], generator=self.generator)
+        sums: dict[str, float] = {}
+        for idx in order.chunk(self.cfg.updates_per_step):
+            logp = token_logprobs(self.model, batch.input_ids[idx], batch.attention_mask[idx])
+            loss, stats = grpo_loss(logp, old[idx], batch.behaviour_logprobs[idx],
+                                    batch.advantages[idx], batch.loss_mask[idx], self.loss_cfg,
+                                    None if ref is None else ref[idx])
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
+            self.optimizer.step()
+            stats["loss"] = float(loss)
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v / self.cfg.updates_per_step
+        return sums

@@ -1,0 +1,99 @@
+"""Hands prompt groups out to workers as leases, and takes them back when a worker goes.
+
+A group is issued with a lease (worker, deadline). It is fulfilled when the buffer holds all
+of its samples. A lease that expires, or whose worker leaves or stops heart-beating, puts the
+group back at the head of the queue so the next request gets it: a worker killed mid-group
+costs time, never the run.
+
+Bounded: at most ``max_outstanding`` groups are in flight (issued and not yet whole) plus
+waiting in the buffer; past that, requests get an empty grant with a retry hint. This keeps the
+fleet from generating data that would go stale before the learner can use it.
+Only the control-plane thread touches this object.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from dataplane.adapter import Prompt
+from echo import wire
+
+
+@dataclass
+class Issued:
+    group: wire.Group
+    worker_id: str
+    deadline: float
+
+
+class WorkQueue:
+    def __init__(self, prompts: Iterator[Prompt], *, group_size: int, max_outstanding: int,
+                 lease_timeout_s: float, prefix: str, seed: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
+        self._prompts = prompts
+        self.group_size = group_size
+        self.max_outstanding = max_outstanding
+        self.lease_timeout_s = lease_timeout_s
+        self._clock = clock
+        self._ids = itertools.count()
+        self._prefix = prefix
+        self._seed = seed
+        self.issued: dict[str, Issued] = {}
+        self._requeued: deque[str] = deque()
+        self.reissued = 0
+
+    def grant(self, worker_id: str, max_groups: int, buffered_groups: int) -> list[wire.Group]:
+        out: list[wire.Group] = []
+        now = self._clock()
+        while len(out) < max_groups:
+            if self._requeued:
+                gid = self._requeued.popleft()
+                item = self.issued.get(gid)
+                if item is None:
+                    continue  # fulfilled meanwhile
+                item.worker_id, item.deadline = worker_id, now + self.lease_timeout_s
+                self.reissued += 1
+                out.append(item.group)
+                continue
+            if len(self.issued) + buffered_groups >= self.max_outstanding:
+                break
+            n = next(self._ids)
+            prompt = next(self._prompts)
+            group = wire.Group(group_id=f"{self._prefix}-{n}", prompt_ids=prompt.prompt_ids,
+                               n=self.group_size, seed=self._seed * 1_000_003 + n, task=prompt.task)
+            self.issued[group.group_id] = Issued(group, worker_id, now + self.lease_timeout_s)
+            out.append(group)
+        return out
+
+    def lookup(self, group_id: str) -> wire.Group | None:
+        item = self.issued.get(group_id)
+        return item.group if item else None
+
+    def fulfilled(self, group_id: str) -> None:
+        self.issued.pop(group_id, None)
+
+    def requeue(self, group_id: str) -> None:
+        if group_id in self.issued and group_id not in self._requeued:
+            self.issued[group_id].deadline = float("inf")
+            self._requeued.append(group_id)
+
+    def release_worker(self, worker_id: str) -> int:
+        gids = [g for g, it in self.issued.items() if it.worker_id == worker_id]
+        for gid in gids:
+            self.requeue(gid)
+        return len(gids)
+
+    def expire(self) -> int:
+        now = self._clock()
+        gids = [g for g, it in self.issued.items() if it.deadline < now]
+        for gid in gids:
+            self.requeue(gid)
+        return len(gids)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.issued)

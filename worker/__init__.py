@@ -1,0 +1,1 @@
+"""Rollout plane: the volunteer's process (``echo-worker join``)."""

@@ -1,0 +1,312 @@
+"""The worker: join, keep the newest snapshot installed, generate, score, push, heartbeat.
+
+Delivery is at-least-once: every trajectory batch stays in ``unacked`` until the learner
+acknowledges it and is resent otherwise (bounded by ``worker.max_unacked_batches``: when full,
+the worker stops generating and only retries delivery). If the learner restarts (a heartbeat
+acknowledgement names a new instance, or says it does not know us) the worker joins again and
+carries on with its unacknowledged batches. SIGTERM or SIGINT: finish the current group, try
+to deliver what is pending, say ``leave``, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from broadcast.fetch import fetch_snapshot
+from broadcast.snapshot import SnapshotError, verify_manifest
+from dataplane.adapter import Adapter, load_adapter
+from echo import wire
+from echo.config import ModelConfig
+from worker.backends import Backend, Sample, make_backend
+from worker.client import Client, RequestTimeout
+
+log = logging.getLogger("echo.worker")
+
+BOOT_MAX_BYTES = 64 * 2**20  # frame limit before the learner's config arrives
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class Worker:
+    def __init__(self, endpoint: str, *, worker_id: str | None = None, price: float = 0.0,
+                 threads: int | None = None, join_timeout_s: float = 5.0):
+        self.endpoint = endpoint
+        self.worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
+        self.price = price
+        self.threads = threads
+        self.join_timeout_s = join_timeout_s
+        self.view: dict[str, Any] = {}
+        self.instance_id = ""
+        self.public_key = b""
+        self.backend: Backend | None = None
+        self.adapter: Adapter | None = None
+        self.installed_version = -1
+        self.offered: tuple[int, dict[str, Any], str] | None = None
+        self.unacked: OrderedDict[str, wire.Trajectories] = OrderedDict()
+        self.throughput = 0.0
+        self.delivered = 0
+        self.state = "idle"
+        self.exit_reason = ""
+        self.stopping = asyncio.Event()
+        self.new_snapshot = asyncio.Event()
+        self._sources: dict[str, Any] = {}
+        self._last_ack: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> str:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop, f"signal {sig.name}")
+        self.ctx = zmq.asyncio.Context()
+        self.client = Client(self.ctx, self.endpoint, BOOT_MAX_BYTES)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self.client.receive_forever())]
+                if await self._join():
+                    # Heartbeats start before the (slow) model load so the learner keeps us.
+                    tasks += [tg.create_task(self._heartbeats()), tg.create_task(self._notices())]
+                    self.backend, self.adapter = await asyncio.to_thread(self._load)
+                    work = tg.create_task(self._work())
+                    await self.stopping.wait()
+                    if self.state != "generating":
+                        work.cancel()  # waiting on the learner: nothing to finish
+                    await asyncio.wait([work], timeout=60)  # else the current groups finish
+                    await self._drain()
+                for t in tasks:
+                    t.cancel()
+        finally:
+            for s in self._sources.values():
+                s.close(linger=0)
+            self.client.close()
+            self.ctx.term()
+        return self.exit_reason
+
+    def _stop(self, reason: str) -> None:
+        if not self.stopping.is_set():
+            log.info("worker %s stopping: %s", self.worker_id, reason)
+            self.exit_reason = reason
+            self.stopping.set()
+
+    @property
+    def _timeout(self) -> float:
+        return float(self.view.get("transport", {}).get("request_timeout_s", self.join_timeout_s))
+
+    async def _join(self) -> bool:
+        """Join (or re-join) the learner; retry until it answers or we are told to stop."""
+        while not self.stopping.is_set():
+            try:
+                ack = await self.client.request(
+                    wire.Join(worker_id=self.worker_id, price=self.price), self.join_timeout_s)
+            except RequestTimeout:
+                log.info("no answer from learner at %s yet; retrying", self.endpoint)
+                continue
+            if isinstance(ack, wire.Error):
+                raise WorkerError(f"learner refused join: {ack.reason}: {ack.detail}")
+            assert isinstance(ack, wire.JoinAck)
+            await self._on_join_ack(ack)
+            return True
+        return False
+
+    async def _on_join_ack(self, ack: wire.JoinAck) -> None:
+        if self.instance_id and ack.instance_id != self.instance_id:
+            log.info("learner restarted (instance %s -> %s); re-joined", self.instance_id, ack.instance_id)
+        self.instance_id, self.public_key, self.view = ack.instance_id, ack.public_key, ack.config
+        self.client.max_bytes = int(self.view["transport"]["max_message_mib"] * 2**20)
+        if ack.manifest is not None:
+            self._offer(ack.version, ack.manifest, ack.snapshot_endpoint)
+        log.info("worker %s joined run %s (snapshot v%d)", self.worker_id, ack.run_id, ack.version)
+
+    def _load(self) -> tuple[Backend, Adapter]:
+        threads = self.threads or self.view["worker"]["torch_threads"]
+        backend = make_backend(self.view["worker"]["backend"],
+                               model_cfg=ModelConfig(**self.view["model"]), threads=threads)
+        adapter = load_adapter(self.view["adapter"]["name"], self.view["adapter"]["options"],
+                               backend.tokenizer)
+        return backend, adapter
+
+    # ------------------------------------------------------------------ control traffic
+
+    async def _heartbeats(self) -> None:
+        period = float(self.view["worker"]["heartbeat_s"])
+        timeout = float(self.view["transport"]["heartbeat_timeout_s"])
+        while not self.stopping.is_set():
+            await asyncio.sleep(period)  # a period, not a wait for an event
+            hb = wire.Heartbeat(worker_id=self.worker_id, version=self.installed_version,
+                                throughput=self.throughput, state=self.state)
+            try:
+                ack = await self.client.request(hb, timeout)
+            except RequestTimeout:
+                log.warning("learner silent for %.1fs; will re-join when it is back", timeout)
+                continue
+            if not isinstance(ack, wire.HeartbeatAck):
+                continue
+            if not ack.known or ack.instance_id != self.instance_id:
+                await self._join()
+            elif ack.manifest is not None:
+                self._offer(ack.version, ack.manifest, ack.source)
+
+    async def _notices(self) -> None:
+        while True:
+            msg = await self.client.notices.get()
+            if isinstance(msg, wire.SnapshotNotice):
+                self._offer(msg.version, msg.manifest, msg.source)
+            elif isinstance(msg, wire.Shutdown):
+                self._stop(f"learner shut down: {msg.reason}")
+
+    def _offer(self, version: int, manifest: dict[str, Any], source: str) -> None:
+        if version > max(self.installed_version, self.offered[0] if self.offered else -1):
+            self.offered = (version, manifest, source)
+            self.new_snapshot.set()
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def _ensure_installed(self) -> None:
+        if self.offered is None or self.offered[0] <= self.installed_version:
+            return
+        version, manifest, source = self.offered
+        self.state = "installing"
+        try:
+            verify_manifest(manifest, self.public_key)
+            payload = await fetch_snapshot(
+                self._source(source), manifest, window=self.view["broadcast"]["window"],
+                timeout_s=self._timeout, max_bytes=self.client.max_bytes)
+            assert self.backend is not None
+            await asyncio.to_thread(self.backend.install, manifest["tensors"], payload)
+            self.installed_version = version
+            log.info("installed snapshot v%d (%d bytes)", version, manifest["payload_size"])
+        except SnapshotError as err:
+            log.warning("snapshot v%d not installed: %s", version, err)
+            self._drop_source(source)  # a fresh socket: no late replies from the failed fetch
+            if self.offered and self.offered[0] == version:
+                self.offered = None  # wait for the next offer (heartbeat acks repeat it)
+        finally:
+            self.state = "idle"
+
+    def _source(self, endpoint: str) -> Any:
+        if endpoint not in self._sources:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self._sources[endpoint] = sock
+        return self._sources[endpoint]
+
+    def _drop_source(self, endpoint: str) -> None:
+        sock = self._sources.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    # ------------------------------------------------------------------ rollouts
+
+    async def _work(self) -> None:
+        while not self.stopping.is_set():
+            await self._ensure_installed()
+            if self.installed_version < 0:
+                await self._wait_snapshot(1.0)
+                continue
+            await self._resend_unacked()
+            if len(self.unacked) >= self.view["worker"]["max_unacked_batches"]:
+                await self._wait_snapshot(0.5)  # back-pressure: deliver before generating more
+                continue
+            groups = await self._request_work()
+            if groups:
+                await self._rollout(groups)
+
+    async def _wait_snapshot(self, timeout: float) -> None:
+        self.new_snapshot.clear()
+        try:
+            await asyncio.wait_for(self.new_snapshot.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def _request_work(self) -> list[wire.Group]:
+        req = wire.WorkRequest(worker_id=self.worker_id,
+                               max_groups=self.view["worker"]["groups_per_request"])
+        try:
+            grant = await self.client.request(req, self._timeout)
+        except RequestTimeout:
+            return []
+        if isinstance(grant, wire.Error):
+            log.info("work request refused (%s); re-joining", grant.reason)
+            await self._join()
+            return []
+        assert isinstance(grant, wire.WorkGrant)
+        if not grant.groups:
+            await self._wait_snapshot(grant.retry_after_s)
+        return grant.groups
+
+    async def _rollout(self, groups: list[wire.Group]) -> None:
+        version = self.installed_version
+        self.state = "generating"
+        t0 = time.monotonic()
+        samples = await asyncio.to_thread(self._generate_and_score, groups)
+        gen_s = time.monotonic() - t0
+        self.state = "idle"
+        records = [
+            {"group_id": g.group_id, "sample_idx": i, "prompt_ids": g.prompt_ids,
+             "completion_ids": s.completion_ids, "logprobs": s.logprobs, "reward": r,
+             "version": version, "worker_id": self.worker_id, "gen_s": gen_s}
+            for g, group_samples in zip(groups, samples)
+            for i, (s, r) in enumerate(group_samples)
+        ]
+        batch = wire.Trajectories(worker_id=self.worker_id, batch_id=uuid.uuid4().hex,
+                                  count=len(records), payload=wire.pack_records(records))
+        self.unacked[batch.batch_id] = batch
+        await self._deliver(batch)
+
+    def _generate_and_score(self, groups: list[wire.Group]) -> list[list[tuple[Sample, float]]]:
+        assert self.backend is not None and self.adapter is not None
+        wv = self.view["worker"]
+        out = self.backend.generate(groups, wv["max_new_tokens"], wv["temperature"])
+        tok = self.backend.tokenizer
+        return [[(s, float(self.adapter.reward(g.task, s.completion_ids,
+                                               tok.decode(s.completion_ids, skip_special_tokens=True))))
+                 for s in samples] for g, samples in zip(groups, out)]
+
+    async def _deliver(self, batch: wire.Trajectories) -> None:
+        try:
+            reply = await self.client.request(batch, self._timeout)
+        except RequestTimeout:
+            log.info("batch %s not acknowledged yet; will resend", batch.batch_id)
+            return
+        self.unacked.pop(batch.batch_id, None)
+        if isinstance(reply, wire.Error):
+            # The learner judged the batch itself bad: resending the same bytes cannot help.
+            log.error("learner rejected batch %s: %s: %s", batch.batch_id, reply.reason, reply.detail)
+            return
+        assert isinstance(reply, wire.Ack)
+        if reply.rejected:
+            log.warning("batch %s: learner rejected records %s", batch.batch_id, reply.rejected)
+        self._measure(batch.count)
+
+    async def _resend_unacked(self) -> None:
+        for batch in list(self.unacked.values()):
+            await self._deliver(batch)
+
+    async def _drain(self) -> None:
+        if self.exit_reason.startswith("learner shut down"):
+            return  # the run is over: nobody left to deliver to or say goodbye to
+        if self.unacked:
+            await self._resend_unacked()
+        if self.unacked:
+            log.warning("leaving with %d unacknowledged batch(es)", len(self.unacked))
+        await self.client.send(wire.Leave(worker_id=self.worker_id))
+
+    def _measure(self, count: int) -> None:
+        now = time.monotonic()
+        last, self._last_ack = self._last_ack, now
+        self.delivered += count
+        if last is not None:
+            rate = count / max(now - last, 1e-3)
+            self.throughput = rate if self.throughput == 0 else 0.3 * rate + 0.7 * self.throughput

@@ -1,0 +1,58 @@
+"""Batched sampling with Hugging Face ``generate`` on the installed snapshot.
+
+All samples of all requested groups go through one ``generate`` call (left-padded prompts).
+Behaviour log-probs come from the *processed* scores, i.e. the distribution the sampler really
+drew from (temperature applied; top-k and top-p off), so the learner's importance weights are
+exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from echo import wire
+from echo.config import ModelConfig
+from echo.models import install_payload, load_model, load_tokenizer, vocab_size
+from worker.backends.base import Backend, Sample
+
+
+class TransformersBackend(Backend):
+    def __init__(self, model_cfg: ModelConfig, threads: int = 1):
+        torch.set_num_threads(threads)
+        self.tokenizer = load_tokenizer(model_cfg)
+        self.model = load_model(model_cfg, self.tokenizer, "float32").eval()
+        self.vocab_size = vocab_size(self.model)
+
+    def install(self, tensors: list[dict[str, Any]], payload: bytes | bytearray) -> None:
+        install_payload(self.model, tensors, payload)
+
+    @torch.no_grad()
+    def generate(self, groups: list[wire.Group], max_new_tokens: int,
+                 temperature: float) -> list[list[Sample]]:
+        prompts = [g.prompt_ids for g in groups for _ in range(g.n)]
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        torch.manual_seed(groups[0].seed)
+        out = self.model.generate(
+            input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
+            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
+            output_scores=True, pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id)
+        new = out.sequences[:, width:]
+        scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] after temperature
+        logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        samples = [self._cut(new[i].tolist(), logp[i].tolist()) for i in range(len(prompts))]
+        out_groups, k = [], 0
+        for g in groups:
+            out_groups.append(samples[k : k + g.n])
+            k += g.n
+        return out_groups
+
+    def _cut(self, tokens: list[int], logps: list[float]) -> Sample:
+        """Keep tokens up to and including the first end-of-sequence (the rest is padding)."""
+        eos = self.tokenizer.eos_token_id
+        end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        return Sample(tokens[:end], logps[:end])

@@ -1,0 +1,52 @@
+"""``echo-worker``: the volunteer's entry point. Heavy imports happen after parsing."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="echo-worker", description="Run an Echo rollout worker.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    j = sub.add_parser("join", help="join a learner and generate rollouts until told to stop")
+    j.add_argument("learner", help="learner control address, e.g. tcp://203.0.113.5:5555")
+    j.add_argument("--price", type=float, default=0.0, help="what this worker costs, USD per hour")
+    j.add_argument("--id", dest="worker_id", default=None, help="worker id (default: random)")
+    j.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: learner's)")
+    j.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.learner.startswith("tcp://"):
+        print(f"echo-worker: learner address {args.learner!r} must look like tcp://HOST:PORT",
+              file=sys.stderr)
+        return 2
+    if args.price < 0:
+        print("echo-worker: --price must be >= 0 (USD per hour)", file=sys.stderr)
+        return 2
+    import asyncio
+    import logging
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from worker.agent import Worker, WorkerError
+
+    worker = Worker(args.learner, worker_id=args.worker_id, price=args.price, threads=args.threads)
+    try:
+        reason = asyncio.run(worker.run())
+    except BaseExceptionGroup as eg:  # raised out of the worker's TaskGroup
+        fatal, rest = eg.split(WorkerError)
+        if rest is not None or fatal is None:
+            raise
+        for e in fatal.exceptions:
+            print(f"echo-worker: {e}", file=sys.stderr)
+        return 1
+    logging.getLogger("echo.worker").info("exited: %s", reason or "done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

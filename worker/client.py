@@ -1,0 +1,72 @@
+"""Request/response over one DEALER socket, plus a bounded queue of unsolicited notices.
+
+Replies are matched to requests by ``rid``; a reply that arrives after its request timed out
+is dropped. Notices (snapshot_notice, shutdown) go to ``notices``, bounded at 64; on overflow
+the oldest is dropped, which loses nothing because only the newest snapshot matters and the
+heartbeat acknowledgement repeats it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import zmq
+import zmq.asyncio
+
+from echo import wire
+
+log = logging.getLogger("echo.worker.client")
+
+NOTICE_QUEUE = 64
+
+
+class RequestTimeout(TimeoutError):
+    pass
+
+
+class Client:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, max_bytes: int):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.max_bytes = max_bytes
+        self._rids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[wire.Message]] = {}
+        self.notices: asyncio.Queue[wire.Message] = asyncio.Queue(NOTICE_QUEUE)
+
+    async def receive_forever(self) -> None:
+        while True:
+            frame = await self.sock.recv()
+            try:
+                msg = wire.decode(frame, self.max_bytes)
+            except wire.WireError as err:
+                log.warning("dropping bad message from the learner: %s", err)
+                continue
+            fut = self._pending.pop(msg.rid, None) if msg.rid else None
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, (wire.SnapshotNotice, wire.Shutdown)):
+                if self.notices.full():
+                    self.notices.get_nowait()
+                self.notices.put_nowait(msg)
+
+    async def request(self, msg: wire.Message, timeout: float) -> wire.Message:
+        msg.rid = next(self._rids)
+        fut: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+        self._pending[msg.rid] = fut
+        try:
+            await self.sock.send(wire.encode(msg))
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise RequestTimeout(f"no reply to {msg.type} within {timeout}s") from None
+        finally:
+            self._pending.pop(msg.rid, None)
+
+    async def send(self, msg: wire.Message) -> None:
+        await self.sock.send(wire.encode(msg))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
