@@ -1,0 +1,41 @@
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args, **kw):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60, **kw)
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys, contextlib, io\n"
+            "import echo.cli, worker.cli\n"
+            "for m in (echo.cli, worker.cli):\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "        m.main(['--help'])\n"
+            "heavy = [m for m in ('torch', 'transformers', 'zmq') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    r = run("-c", code)
+    assert r.returncode == 0, r.stderr
+
+
+def test_bad_config_exits_2_with_key_named(tmp_path):
+    r = run("-m", "echo.cli", "learn", "examples/quickstart.toml", "--set", "learner.group_size=1",
+            "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 2
+    assert "learner.group_size" in r.stderr and "--set learner.group_size" in r.stderr
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    r = run("-m", "echo.cli", "learn", "examples/quickstart.toml", "--set",
+            f"model.name={tmp_path / 'nope'}", "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 1
+    assert "no such directory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_worker_rejects_bad_address():
+    r = run("-m", "worker.cli", "join", "localhost:5555")
+    assert r.returncode == 2 and "tcp://HOST:PORT" in r.stderr

@@ -1,0 +1,59 @@
+from pathlib import Path
+
+import pytest
+
+from echo.config import ConfigError, EchoConfig, dump_toml, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quickstart_example_loads_and_matches_documented_task():
+    cfg = load_config(ROOT / "examples/quickstart.toml")
+    assert cfg.adapter.name == "toy-add"
+    assert cfg.learner.effective_kappa == max(1, cfg.learner.staleness - 1)
+
+
+def test_overrides_are_parsed_as_toml_values():
+    cfg = load_config(None, ["learner.max_steps=7", "model.name=/some/dir", "learner.lr=0.5"])
+    assert cfg.learner.max_steps == 7 and cfg.learner.lr == 0.5
+    assert cfg.model.name == "/some/dir"
+
+
+def test_unknown_key_names_key_and_suggests_fix():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["learner.max_step=7"])
+    assert "learner.max_step" in str(e.value) and "learner.max_steps" in str(e.value)
+
+
+def test_bad_value_names_key_value_and_fix():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["learner.staleness=0"])
+    msg = str(e.value)
+    assert "learner.staleness" in msg and "0" in msg and "--set learner.staleness" in msg
+
+
+def test_cross_field_rule_kappa_within_staleness():
+    with pytest.raises(ConfigError, match="kappa"):
+        load_config(None, ["learner.staleness=2", "learner.kappa=3"])
+
+
+def test_buffer_must_hold_one_step():
+    with pytest.raises(ConfigError, match="capacity_groups"):
+        load_config(None, ["buffer.capacity_groups=4", "learner.prompts_per_step=8"])
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[learner\nx=1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(ROOT / "examples/quickstart.toml", ["learner.max_steps=3"])
+    p = tmp_path / "c.toml"
+    p.write_text(dump_toml(cfg))
+    assert load_config(p) == cfg
+    assert isinstance(cfg, EchoConfig)

@@ -1,0 +1,140 @@
+"""The learner's control plane on real loopback sockets, driven by a hand-written client."""
+
+import asyncio
+import math
+import random
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from broadcast.fetch import fetch_snapshot
+from broadcast.snapshot import RunKey, Snapshot, SnapshotError, build_manifest
+from dataplane.adapter import load_adapter
+from dataplane.records import Limits
+from echo import wire
+from learner.buffer import ReplayBuffer
+from learner.control import ControlPlane
+from learner.work import WorkQueue
+
+
+@pytest.fixture
+def plane(small_cfg, tokenizer):
+    lc = small_cfg.learner
+    adapter = load_adapter("toy-add", {}, tokenizer)
+    buffer = ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size)
+    work = WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
+                     max_outstanding=8, lease_timeout_s=30, prefix="t")
+    cp = ControlPlane(small_cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
+                      limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size))
+    cp.start()
+    yield cp
+    cp.shutdown("test over")
+
+
+@pytest.fixture
+def client(plane):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(plane.endpoint)
+    yield sock
+    sock.close()
+    ctx.term()
+
+
+def ask(sock, frame):
+    sock.send(frame if isinstance(frame, bytes) else wire.encode(frame))
+    return wire.decode(sock.recv(), 1 << 24)
+
+
+def records(group, *, version=0, **patch):
+    out = []
+    for i in range(group.n):
+        r = {"group_id": group.group_id, "sample_idx": i, "prompt_ids": group.prompt_ids,
+             "completion_ids": [11, 1], "logprobs": [-1.0, -0.5], "reward": float(i % 2),
+             "version": version, "worker_id": "w1", "gen_s": 0.01}
+        r.update(patch)
+        out.append(r)
+    return out
+
+
+def batch(recs, bid="b1"):
+    return wire.Trajectories(worker_id="w1", batch_id=bid, count=len(recs),
+                             payload=wire.pack_records(recs))
+
+
+def test_junk_is_rejected_and_counted_while_serving_continues(plane, client):
+    junk = [
+        (b"\x00\xffgarbage", "malformed"),
+        (b"x" * (2 * 2**20), "oversize"),  # over the 1 MiB limit, under the socket hard cap
+        (msgpack.packb({"v": 42, "type": "join", "worker_id": "w"}), "wrong_version"),
+        (msgpack.packb({"v": wire.WIRE_VERSION, "type": "launch_missiles"}), "unknown_type"),
+        (wire.WorkRequest(worker_id="stranger", max_groups=1), "unknown_worker"),
+    ]
+    for frame, reason in junk:
+        reply = ask(client, frame)
+        assert isinstance(reply, wire.Error) and reply.reason == reason
+    ack = ask(client, wire.Join(worker_id="w1", price=0.35))
+    assert isinstance(ack, wire.JoinAck) and len(ack.public_key) == 32
+    assert ack.config["group_size"] == 4
+    rejected = plane.stats()["rejected"]
+    assert {r: rejected[r] for _, r in junk} == {r: 1 for _, r in junk}
+
+
+def test_trajectories_validated_admitted_once(plane, client):
+    ask(client, wire.Join(worker_id="w1"))
+    grant = ask(client, wire.WorkRequest(worker_id="w1", max_groups=4))
+    g0, g1, g2, g3 = grant.groups
+    recs = (records(g0)
+            + records(g1, completion_ids=[11, 99])       # token id outside the vocabulary
+            + records(g2, reward=math.nan)                # NaN reward
+            + records(g3, version=5)                      # from the future
+            + [dict(records(g0)[0], group_id="forged")])  # never handed out
+    ack = ask(client, batch(recs))
+    assert isinstance(ack, wire.Ack)
+    assert ack.accepted == 4 and ack.duplicates == 0
+    assert ack.rejected == {"out_of_vocab": 4, "non_finite_reward": 4, "future_version": 4,
+                            "unknown_group": 1}
+    again = ask(client, batch(records(g0), bid="b1-resend"))  # at-least-once delivery
+    assert again.accepted == 0 and again.duplicates == 4
+    assert plane.buffer.depth()["ready_groups"] == 1
+    mismatch = ask(client, batch(records(g1, prompt_ids=[4, 4, 4]), bid="b2"))
+    assert mismatch.rejected == {"prompt_mismatch": 4}
+    bad_payload = ask(client, wire.Trajectories(worker_id="w1", batch_id="b3", count=1, payload=b"zz"))
+    assert isinstance(bad_payload, wire.Error) and bad_payload.ref == "b3"
+    assert plane.buffer.depth()["ready_groups"] == 1  # nothing admitted was lost
+
+
+def test_leave_hands_groups_out_again(plane, client):
+    ask(client, wire.Join(worker_id="w1"))
+    first = ask(client, wire.WorkRequest(worker_id="w1", max_groups=2)).groups
+    client.send(wire.encode(wire.Leave(worker_id="w1")))
+    ask(client, wire.Join(worker_id="w2"))
+    again = ask(client, wire.WorkRequest(worker_id="w2", max_groups=2)).groups
+    assert [g.group_id for g in again] == [g.group_id for g in first]
+
+
+def test_snapshot_chunks_served_and_verified(plane):
+    payload = bytes(range(256)) * 1000
+    m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=4096,
+                       dtype="float32", key=plane.key)
+    plane.publish(Snapshot(m, payload))
+
+    async def fetch(manifest):
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(plane.snapshot_endpoint)
+        try:
+            return await fetch_snapshot(sock, manifest, window=4, timeout_s=10, max_bytes=1 << 20)
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    assert bytes(asyncio.run(fetch(m))) == payload
+    assert plane.stats()["learner_bytes_sent"] == len(payload)
+    forged = dict(m, chunk_hashes=[b"\0" * 32] + m["chunk_hashes"][1:])
+    with pytest.raises(SnapshotError, match="BLAKE3"):
+        asyncio.run(fetch(forged))

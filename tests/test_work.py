@@ -1,0 +1,56 @@
+import itertools
+
+from dataplane.adapter import Prompt
+from learner.work import WorkQueue
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(clock, cap=4):
+    prompts = (Prompt([i], {"i": i}) for i in itertools.count())
+    return WorkQueue(prompts, group_size=3, max_outstanding=cap, lease_timeout_s=10,
+                     prefix="run", clock=clock)
+
+
+def test_grant_respects_outstanding_cap():
+    wq = make(FakeClock(), cap=4)
+    assert len(wq.grant("w1", 3, buffered_groups=0)) == 3
+    assert len(wq.grant("w2", 3, buffered_groups=0)) == 1
+    assert wq.grant("w2", 3, buffered_groups=0) == []
+    wq.fulfilled("run-0")
+    assert len(wq.grant("w2", 3, buffered_groups=1)) == 0  # the buffer still holds it
+    assert len(wq.grant("w2", 3, buffered_groups=0)) == 1
+
+
+def test_dead_worker_groups_are_handed_out_again_first():
+    wq = make(FakeClock())
+    first = wq.grant("w1", 2, 0)
+    assert wq.release_worker("w1") == 2
+    again = wq.grant("w2", 3, 0)
+    assert [g.group_id for g in again[:2]] == [g.group_id for g in first]
+    assert again[0].prompt_ids == first[0].prompt_ids and wq.reissued == 2
+
+
+def test_expired_leases_requeue_with_fake_clock():
+    clock = FakeClock()
+    wq = make(clock)
+    [g] = wq.grant("w1", 1, 0)
+    clock.t = 5
+    assert wq.expire() == 0
+    clock.t = 11
+    assert wq.expire() == 1
+    assert wq.grant("w2", 1, 0)[0].group_id == g.group_id
+
+
+def test_fulfilled_group_is_not_reissued():
+    wq = make(FakeClock())
+    [g] = wq.grant("w1", 1, 0)
+    wq.requeue(g.group_id)
+    wq.fulfilled(g.group_id)
+    assert all(x.group_id != g.group_id for x in wq.grant("w2", 4, 0))
