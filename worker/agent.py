@@ -48,6 +48,7 @@ class Worker:
         self.join_timeout_s = join_timeout_s
         self.view: dict[str, Any] = {}
         self.instance_id = ""
+        self.run_id = ""
         self.public_key = b""
         self.backend: Backend | None = None
         self.adapter: Adapter | None = None
@@ -122,6 +123,10 @@ class Worker:
     async def _on_join_ack(self, ack: wire.JoinAck) -> None:
         if self.instance_id and ack.instance_id != self.instance_id:
             log.info("learner restarted (instance %s -> %s); re-joined", self.instance_id, ack.instance_id)
+        if ack.run_id != self.run_id or ack.version < self.installed_version:
+            # Another run, or one that went back in versions: what we hold is not its policy.
+            self.installed_version, self.offered = -1, None
+        self.run_id = ack.run_id
         self.instance_id, self.public_key, self.view = ack.instance_id, ack.public_key, ack.config
         self.client.max_bytes = int(self.view["transport"]["max_message_mib"] * 2**20)
         if ack.manifest is not None:

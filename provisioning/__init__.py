@@ -1,0 +1,1 @@
+"""Control plane: capacity model and cost-aware provisioning (DESIGN 4)."""

@@ -1,0 +1,159 @@
+"""The real thing on loopback: a learner process and worker processes, started and stopped by pid."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from echo import wire
+from echo.config import EchoConfig, dump_toml
+from echo.procs import ProcessGroup, python_argv, wait_ready
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, tmp: Path, cfg: EchoConfig):
+        self.tmp, self.cfg, self.group = tmp, cfg, ProcessGroup()
+        self.endpoint = ""
+
+    def learner(self, name: str = "learner", **learner_overrides) -> Path:
+        cfg = self.cfg.model_copy(deep=True)
+        for k, v in learner_overrides.items():
+            setattr(cfg.learner, k, v)
+        run_dir = self.tmp / name
+        run_dir.mkdir()
+        (run_dir / "in.toml").write_text(dump_toml(cfg))
+        proc = self.group.start(name, python_argv("echo.cli", "learn", str(run_dir / "in.toml"),
+                                                  "--run-dir", str(run_dir)),
+                                self.tmp / f"{name}.err", pipe_stdout=True)
+        self.endpoint = wait_ready(proc, timeout=120)
+        return run_dir
+
+    def worker(self, name: str) -> None:
+        self.group.start(name, python_argv("worker.cli", "join", self.endpoint, "--id", name,
+                                           "--price", "0.35"), self.tmp / f"{name}.log")
+
+    def wait(self, name: str, timeout: float = 180) -> int:
+        return self.group.procs[name].wait(timeout)
+
+
+@pytest.fixture
+def cluster(tmp_path, small_cfg):
+    c = Cluster(tmp_path, small_cfg)
+    yield c
+    c.group.stop_all()
+
+
+def rows(run_dir: Path) -> list[dict]:
+    p = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def wait_rows(run_dir: Path, n: int, timeout: float = 120) -> list[dict]:
+    """Polls the learner's append-only metrics file (it has no other progress signal)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = rows(run_dir)
+        if len(got) >= n:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {n} learner steps within {timeout}s")
+
+
+def wait_log(path: Path, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not in {path} within {timeout}s")
+
+
+def test_learner_and_two_workers_train_within_staleness(cluster):
+    run = cluster.learner(max_steps=6)
+    cluster.worker("w0")
+    cluster.worker("w1")
+    assert cluster.wait("learner") == 0
+    got = rows(run)
+    assert [r["step"] for r in got] == list(range(6))
+    assert all(r["staleness_max"] <= cluster.cfg.learner.staleness for r in got)
+    assert got[-1]["admitted"] >= 6 * 4 * 4 and got[-1]["active_workers"] == 2
+    # told the run is over, workers exit on their own with status 0
+    assert cluster.wait("w0", 30) == 0 and cluster.wait("w1", 30) == 0
+
+
+def test_killed_worker_does_not_stop_training(cluster):
+    run = cluster.learner(max_steps=10_000)
+    cluster.worker("w0")
+    cluster.worker("w1")
+    wait_rows(run, 2)
+    cluster.group.stop("w0", sig=signal.SIGKILL)
+    wait_log(run / "learner.log", "w0 removed (no heartbeat")
+    after = len(rows(run))
+    got = wait_rows(run, after + 5)  # the learner keeps stepping on w1 alone
+    assert got[-1]["active_workers"] == 1
+    assert cluster.group.procs["learner"].poll() is None
+    cluster.group.stop("learner", timeout=60)
+
+
+def test_junk_on_learner_sockets_is_rejected_while_training(cluster):
+    run = cluster.learner(max_steps=8)
+    cluster.worker("w0")
+    wait_rows(run, 1)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(cluster.endpoint)
+    junk = [b"\xc1", msgpack.packb({"v": 7, "type": "join"}), b"y" * (3 * 2**20),
+            wire.encode(wire.Trajectories(worker_id="evil", batch_id="x", count=1,
+                                          payload=wire.pack_records([{"group_id": 1}])))]
+    reasons = []
+    for frame in junk:
+        sock.send(frame)
+        reply = wire.decode(sock.recv(), 1 << 24)
+        reasons.append(reply.reason if isinstance(reply, wire.Error) else reply.rejected)
+    sock.close(linger=0)
+    ctx.term()
+    assert reasons == ["malformed", "wrong_version", "oversize", {"invalid_fields": 1}]
+    assert cluster.wait("learner") == 0
+    last = rows(run)[-1]
+    assert len(rows(run)) == 8
+    assert {"malformed", "wrong_version", "oversize", "invalid_fields"} <= set(last["rejected"])
+    assert "rejected message from" in (run / "learner.log").read_text()
+
+
+def test_worker_leaves_cleanly_on_sigterm(cluster):
+    run = cluster.learner(max_steps=1000)
+    cluster.worker("w0")
+    wait_rows(run, 1)
+    assert cluster.group.stop("w0", timeout=60) == 0
+    cluster.group.stop("learner", timeout=60)
+    assert "w0 removed (left)" in (run / "learner.log").read_text()
+
+
+def test_worker_survives_learner_restart(cluster):
+    port = free_port()
+    cluster.cfg.learner.port = port
+    first = cluster.learner("learner-a", max_steps=1000)
+    cluster.worker("w0")
+    wait_rows(first, 1)
+    cluster.group.stop("learner-a", sig=signal.SIGKILL)
+    second = cluster.learner("learner-b", max_steps=3)  # same address, new instance
+    assert cluster.wait("learner-b") == 0
+    assert len(rows(second)) == 3 and rows(second)[-1]["active_workers"] == 1
+    assert cluster.wait("w0", 30) == 0
+    assert "learner restarted" in (cluster.tmp / "w0.log").read_text()
