@@ -48,7 +48,13 @@ class ChunkServer:
     async def serve_forever(self) -> None:
         while True:
             ident, *frames = await self.sock.recv_multipart(copy=True)
-            await self.handle(ident, frames)
+            try:
+                await self.handle(ident, frames)
+            except zmq.ZMQError as exc:
+                # EHOSTUNREACH: the requester closed its socket (left, restarted, gave up on
+                # this fetch). Its loss, not ours: keep serving everyone else.
+                self.rejected["peer_gone"] = self.rejected.get("peer_gone", 0) + 1
+                log.info("snapshot socket: could not reply to %s: %s", ident.hex(), exc)
 
     async def handle(self, ident: bytes, frames: list[bytes]) -> None:
         try:
@@ -60,7 +66,8 @@ class ChunkServer:
         except wire.WireError as err:
             self.rejected[err.reason] = self.rejected.get(err.reason, 0) + 1
             log.warning("snapshot socket: rejected message from %s: %s", ident.hex(), err)
-            await self.sock.send_multipart([ident, wire.encode(wire.Error(reason=err.reason, detail=err.detail))])
+            await self.sock.send_multipart(
+                [ident, wire.encode(wire.Error(reason=err.reason, detail=err.detail))])
             return
         snap = self.store.get(msg.version)
         if snap is None or msg.index >= len(snap.manifest["chunk_hashes"]):

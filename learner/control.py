@@ -210,6 +210,12 @@ class ControlPlane:
                 self.rejected[err.reason] += 1
                 log.warning("rejected message from %s: %s", ident.hex(), err)
                 reply = wire.Error(reason=err.reason, detail=err.detail)
+            except Exception:
+                # A bug in one handler must not take the learner's control plane down with it:
+                # the message is answered, counted and logged with its traceback.
+                self.rejected["internal_error"] += 1
+                log.exception("internal error handling a message from %s", ident.hex())
+                reply = wire.Error(reason="internal_error", detail="see the learner's log")
             if reply is not None:
                 await self._send_ident(ident, reply)
 

@@ -138,3 +138,26 @@ def test_snapshot_chunks_served_and_verified(plane):
     forged = dict(m, chunk_hashes=[b"\0" * 32] + m["chunk_hashes"][1:])
     with pytest.raises(SnapshotError, match="BLAKE3"):
         asyncio.run(fetch(forged))
+
+
+def test_chunk_server_survives_requesters_that_vanish(plane):
+    payload = bytes(200_000)
+    m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=1000,
+                       dtype="float32", key=plane.key)
+    plane.publish(Snapshot(m, payload))
+    ctx = zmq.Context()
+    for _ in range(5):  # ask for every chunk, then close without reading a single reply
+        s = ctx.socket(zmq.DEALER)
+        s.connect(plane.snapshot_endpoint)
+        for i in range(200):
+            s.send(wire.encode(wire.ChunkRequest(version=0, index=i, rid=i + 1)))
+        s.close(linger=-1)
+    live = ctx.socket(zmq.DEALER)
+    live.setsockopt(zmq.RCVTIMEO, 10_000)
+    live.connect(plane.snapshot_endpoint)
+    live.send(wire.encode(wire.ChunkRequest(version=0, index=3, rid=99)))
+    header, data = live.recv_multipart()
+    assert wire.decode(header, 1 << 20).rid == 99 and len(data) == 1000
+    live.close(linger=0)
+    ctx.term()
+    assert plane.stats()["active_workers"] == 0  # the control plane is alive too
