@@ -7,6 +7,7 @@ Shows live progress (step, reward, staleness, bubble ratio, workers) read from t
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -72,8 +73,16 @@ def summary_table(cfg: EchoConfig, rows: list[dict[str, Any]], run_dir: Path) ->
     return t
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str], run_dir: Path,
                    workers: int | None) -> int:
+    # Explicit handlers: a shell that starts us in the background ignores SIGINT, and SIGTERM
+    # from a supervisor must stop the children just like Ctrl-C.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     run_dir.mkdir(parents=True, exist_ok=True)
     n = workers or cfg.quickstart.workers
     prices = cfg.quickstart.worker_prices

@@ -157,3 +157,26 @@ def test_worker_survives_learner_restart(cluster):
     assert len(rows(second)) == 3 and rows(second)[-1]["active_workers"] == 1
     assert cluster.wait("w0", 30) == 0
     assert "learner restarted" in (cluster.tmp / "w0.log").read_text()
+
+
+def test_quickstart_interrupt_leaves_no_orphans(tmp_path):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "qs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "echo.cli", "quickstart", "--workers", "2", "--run-dir", str(run_dir),
+         "--set", "learner.max_steps=10000", "--set", "learner.prompts_per_step=4",
+         "--set", "learner.group_size=4", "--set", "learner.max_outstanding_groups=8"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_rows(run_dir, 2)
+        children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        assert len(children) == 3  # learner + 2 workers
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+        for pid in children:
+            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

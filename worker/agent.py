@@ -32,6 +32,7 @@ from worker.client import Client, RequestTimeout
 log = logging.getLogger("echo.worker")
 
 BOOT_MAX_BYTES = 64 * 2**20  # frame limit before the learner's config arrives
+DRAIN_TIMEOUT_S = 5.0  # on SIGTERM, how long to keep trying to deliver pending batches
 
 
 class WorkerError(RuntimeError):
@@ -303,7 +304,11 @@ class Worker:
         if self.exit_reason.startswith("learner shut down"):
             return  # the run is over: nobody left to deliver to or say goodbye to
         if self.unacked:
-            await self._resend_unacked()
+            try:  # bounded: a learner that is going away too must not hold us hostage
+                async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                    await self._resend_unacked()
+            except TimeoutError:
+                pass
         if self.unacked:
             log.warning("leaving with %d unacknowledged batch(es)", len(self.unacked))
         await self.client.send(wire.Leave(worker_id=self.worker_id))
