@@ -24,6 +24,7 @@ from broadcast.snapshot import RunKey, Snapshot, build_manifest
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits, Record
 from echo.config import EchoConfig, dump_toml
+from echo.machine import machine_info
 from echo.procs import READY_PREFIX
 from echo.models import load_model, load_tokenizer, params_to_payload, vocab_size
 from learner.buffer import ReplayBuffer
@@ -97,6 +98,19 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
     }
 
 
+def _summary(cfg: EchoConfig, rows: list[dict[str, Any]], totals: RunTotals) -> dict[str, Any]:
+    def mean(rs: list[dict[str, Any]]) -> float:
+        return sum(r["reward_mean"] for r in rs) / len(rs)
+
+    return {
+        "steps": len(rows), "staleness_budget": cfg.learner.staleness,
+        "staleness_max": max(r["staleness_max"] for r in rows),
+        "reward_first10": mean(rows[:10]), "reward_last10": mean(rows[-10:]),
+        "bubble_ratio": totals.bubble_ratio, "startup_wait_s": totals.startup_wait,
+        "wall_s": time.monotonic() - totals.started, "last": rows[-1], "machine": machine_info(),
+    }
+
+
 def _setup_logging(run_dir: Path) -> None:
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     root = logging.getLogger()
@@ -158,7 +172,7 @@ def _train_loop(cfg: EchoConfig, run_dir: Path, adapter: Any, buffer: ReplayBuff
     lc = cfg.learner
     totals = RunTotals()
     version = 0
-    row: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
     with (run_dir / "metrics.jsonl").open("a") as metrics:
         for step in range(lc.max_steps):
             t0 = time.monotonic()
@@ -177,10 +191,10 @@ def _train_loop(cfg: EchoConfig, run_dir: Path, adapter: Any, buffer: ReplayBuff
             t3 = time.monotonic()
             row = _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, t3 - t2, totals,
                                buffer, control.stats())
+            rows.append(row)
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
             version += 1
-    summary = {"steps": lc.max_steps, "final_version": version, "bubble_ratio": totals.bubble_ratio,
-               "wall_s": time.monotonic() - totals.started, "last": row}
+    summary = _summary(cfg, rows, totals)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
