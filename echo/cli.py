@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     learn = sub.add_parser("learn", help="run the learner (workers join it with echo-worker join)")
     _add_config_args(learn, config_required=True)
+    learn.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                       help="continue the run in RUN_DIR from its last checkpoint and buffer log")
     qs = sub.add_parser("quickstart", help="learner + workers as local processes on loopback")
     _add_config_args(qs, config_required=False)
     qs.add_argument("--workers", type=int, default=None, help="worker processes (default: config)")
@@ -54,14 +56,19 @@ def _load(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     path, cfg = _load(args)
-    run_dir = args.run_dir or default_run_dir(cfg.run_name)
+    run_dir = getattr(args, "resume", None) or args.run_dir or default_run_dir(cfg.run_name)
     if args.cmd == "learn":
         from echo.models import ModelError
         from dataplane.adapter import AdapterError
         from learner.main import LearnerStall, run_learner
 
         try:
-            run_learner(cfg, run_dir)
+            if args.resume is not None and not (args.resume / "checkpoints" / "latest").exists():
+                print(f"echo-rl learn: --resume {args.resume}: no checkpoint there (expected "
+                      f"{args.resume}/checkpoints/latest); start a new run without --resume",
+                      file=sys.stderr)
+                return 2
+            run_learner(cfg, run_dir, resume=args.resume is not None)
         except (ModelError, AdapterError, LearnerStall) as err:
             print(f"echo-rl learn: {err}", file=sys.stderr)
             return 1

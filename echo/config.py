@@ -66,6 +66,8 @@ class LearnerConfig(_Section):
     lease_timeout_s: float = Field(30.0, gt=0)
     wait_timeout_s: float = Field(120.0, gt=0)  # give up when no admissible data this long
     price_per_hour: float = Field(0.0, ge=0)
+    checkpoint: bool = True  # checkpoint before every publication (needed for --resume)
+    fsync: bool = True  # fsync the buffer log before acknowledging (off only for benchmarks)
 
     @property
     def effective_kappa(self) -> int:

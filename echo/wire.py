@@ -125,6 +125,7 @@ class Ack(Message):
     accepted: int
     duplicates: int
     rejected: dict[str, int] = Field(default_factory=dict)
+    rejected_idx: list[int] = Field(default_factory=list)  # positions in the batch not stored
 
 
 class Leave(Message):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dataplane.records import Record
@@ -37,7 +38,8 @@ class BufferStats:
 
 class ReplayBuffer:
     def __init__(self, staleness: int, capacity_groups: int, group_size: int,
-                 remember_groups: int = 1_000_000):
+                 remember_groups: int = 1_000_000,
+                 on_drop: Callable[[list[Record]], None] | None = None):
         self.staleness = staleness
         self.capacity = capacity_groups
         self.group_size = group_size
@@ -50,6 +52,7 @@ class ReplayBuffer:
         # late resends; bounded so a long run cannot grow it without limit.
         self._done: OrderedDict[str, None] = OrderedDict()
         self._remember = remember_groups
+        self.on_drop = on_drop  # audit hook: records evicted as stale after admission
 
     # ------------------------------------------------------------------ admission (control)
 
@@ -100,10 +103,14 @@ class ReplayBuffer:
 
     def _evict_stale(self) -> None:
         floor = self.version - self.staleness
-        for gid in [g for g, recs in self._ready.items() if min(r.version for r in recs) < floor]:
-            self.stats.dropped_stale += len(self._ready.pop(gid))
-        for gid in [g for g, recs in self._partial.items() if min(r.version for r in recs.values()) < floor]:
-            self.stats.dropped_stale += len(self._partial.pop(gid))
+        dropped = [r for g, recs in list(self._ready.items())
+                   if min(r.version for r in recs) < floor for r in self._ready.pop(g)]
+        dropped += [r for g, recs in list(self._partial.items())
+                    if min(r.version for r in recs.values()) < floor
+                    for r in self._partial.pop(g).values()]
+        self.stats.dropped_stale += len(dropped)
+        if dropped and self.on_drop is not None:
+            self.on_drop(dropped)
 
     def take(self, k: int, timeout: float) -> list[list[Record]] | None:
         """The ``k`` oldest admissible whole groups, or None if they do not arrive in time."""
@@ -117,6 +124,25 @@ class ReplayBuffer:
                 if left <= 0:
                     return None
                 self._cond.wait(left)
+
+    def restore(self, records: list[Record], done_groups: set[str]) -> None:
+        """Refill from the write-ahead log after a restart (see ``learner.durable``)."""
+        with self._cond:
+            for gid in done_groups:
+                self._mark_done(gid)
+            for rec in records:
+                self._partial.setdefault(rec.group_id, {})[rec.sample_idx] = rec
+            for gid in [g for g, recs in self._partial.items() if len(recs) == self.group_size]:
+                recs = self._partial.pop(gid)
+                self._ready[gid] = [recs[i] for i in range(self.group_size)]
+                self._mark_done(gid)
+            self._cond.notify_all()
+
+    def contents(self) -> list[Record]:
+        """Every record held (ready and partial), for compacting the write-ahead log."""
+        with self._cond:
+            return ([r for g in self._ready.values() for r in g]
+                    + [r for g in self._partial.values() for r in g.values()])
 
     # ------------------------------------------------------------------ metrics
 

@@ -24,10 +24,11 @@ import zmq.asyncio
 from broadcast.snapshot import RunKey, Snapshot
 from broadcast.source import ChunkServer, SnapshotStore
 from broadcast.topology import Peer, make_topology
-from dataplane.records import Limits, RecordError, parse_record
+from dataplane.records import Limits, Record, RecordError, parse_record
 from echo import wire
 from echo.config import EchoConfig
-from learner.buffer import COMPLETED, DUPLICATE, STALE, ACCEPTED, ReplayBuffer
+from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
+from learner.durable import BufferLog
 from learner.work import WorkQueue
 
 log = logging.getLogger("echo.control")
@@ -51,13 +52,14 @@ class WorkerState:
 
 class ControlPlane:
     def __init__(self, cfg: EchoConfig, *, run_id: str, key: RunKey, buffer: ReplayBuffer,
-                 work: WorkQueue, limits: Limits):
+                 work: WorkQueue, limits: Limits, buffer_log: BufferLog | None = None):
         self.cfg = cfg
         self.run_id = run_id
         self.key = key
         self.buffer = buffer
         self.work = work
         self.limits = limits
+        self.buffer_log = buffer_log
         self.instance_id = uuid.uuid4().hex[:12]
         self.max_bytes = int(cfg.transport.max_message_mib * 2**20)
         self.topology = make_topology(cfg.broadcast.topology)
@@ -283,42 +285,48 @@ class ControlPlane:
             self.rejected[err.reason] += 1
             log.warning("rejected trajectory batch %s from %s: %s", msg.batch_id, msg.worker_id, err)
             return wire.Error(reason=err.reason, detail=err.detail, ref=msg.batch_id)
-        accepted = duplicates = 0
+        accepted: list[Record] = []
+        duplicates = 0
         rejected: Counter[str] = Counter()
-        for obj in raw:
-            outcome = self._admit(obj)
+        rejected_idx: list[int] = []
+        for i, obj in enumerate(raw):
+            outcome, rec = self._admit(obj)
             if outcome in (ACCEPTED, COMPLETED):
-                accepted += 1
+                accepted.append(rec)
             elif outcome == DUPLICATE:
                 duplicates += 1
-            elif outcome != STALE:
+            else:  # stale ones are counted by the buffer as dropped_stale, the rest here
                 rejected[outcome] += 1
+                rejected_idx.append(i)
         if rejected:
-            self.rejected.update({k: v for k, v in rejected.items() if k not in ("future_version", "buffer_full")})
+            self.rejected.update({k: v for k, v in rejected.items()
+                                  if k not in (STALE, "future_version", "buffer_full")})
             log.warning("batch %s from %s: rejected %s", msg.batch_id, msg.worker_id, dict(rejected))
+        if self.buffer_log is not None:
+            self.buffer_log.admitted(accepted)  # durable before acknowledged
         if w is not None and accepted:
-            self._measure(w, accepted)
-        return wire.Ack(batch_id=msg.batch_id, accepted=accepted, duplicates=duplicates,
-                        rejected=dict(rejected))
+            self._measure(w, len(accepted))
+        return wire.Ack(batch_id=msg.batch_id, accepted=len(accepted), duplicates=duplicates,
+                        rejected=dict(rejected), rejected_idx=rejected_idx)
 
-    def _admit(self, obj: Any) -> str:
+    def _admit(self, obj: Any) -> tuple[str, Record | None]:
         try:
             rec = parse_record(obj, self.limits)
         except RecordError as err:
-            return err.reason
+            return err.reason, None
         if self.buffer.is_done(rec.group_id):
-            return self.buffer.admit(rec)  # counted there as a duplicate
+            return self.buffer.admit(rec), rec  # counted there as a duplicate
         group = self.work.lookup(rec.group_id)
         if group is None:
-            return "unknown_group"
+            return "unknown_group", rec
         if rec.prompt_ids != group.prompt_ids:
-            return "prompt_mismatch"
+            return "prompt_mismatch", rec
         outcome = self.buffer.admit(rec)
         if outcome == COMPLETED:
             self.work.fulfilled(rec.group_id)
         elif outcome == STALE:
             self.work.requeue(rec.group_id)  # regenerate it under a fresh snapshot
-        return outcome
+        return outcome, rec
 
     def _measure(self, w: WorkerState, accepted: int) -> None:
         now = time.monotonic()

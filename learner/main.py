@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import signal
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from broadcast.snapshot import RunKey, Snapshot, build_manifest
+from broadcast.snapshot import Snapshot, build_manifest
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits, Record
 from echo.config import EchoConfig, dump_toml
@@ -28,6 +29,8 @@ from echo.machine import machine_info
 from echo.procs import READY_PREFIX
 from echo.models import load_model, load_tokenizer, params_to_payload, vocab_size
 from learner.buffer import ReplayBuffer
+from learner.checkpoint import load_checkpoint, load_or_create_key, save_checkpoint
+from learner.durable import BufferLog, live_after, read_log
 from learner.control import ControlPlane
 from learner.trainer import Trainer
 from learner.work import WorkQueue
@@ -62,18 +65,6 @@ class RunTotals:
     def bubble_ratio(self) -> float:
         busy = self.t_train + self.t_wait
         return self.t_wait / busy if busy > 0 else 0.0
-
-
-class Publisher:
-    def __init__(self, model: Any, control: ControlPlane, cfg: EchoConfig, key: RunKey, run_id: str):
-        self.model, self.control, self.cfg, self.key, self.run_id = model, control, cfg, key, run_id
-
-    def publish(self, version: int) -> None:
-        tensors, payload = params_to_payload(self.model, self.cfg.broadcast.dtype)
-        manifest = build_manifest(run_id=self.run_id, version=version, tensors=tensors,
-                                  payload=payload, chunk_size=self.cfg.broadcast.chunk_kib * 1024,
-                                  dtype=self.cfg.broadcast.dtype, key=self.key)
-        self.control.publish(Snapshot(manifest, payload))
 
 
 def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dict[str, float],
@@ -128,73 +119,194 @@ def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run_learner(cfg: EchoConfig, run_dir: Path) -> dict[str, Any]:
+def _endpoint_port(run_dir: Path) -> int:
+    """On resume, listen where the workers knew us, unless the config names a port."""
+    info = run_dir / "learner.json"
+    if info.exists():
+        return int(json.loads(info.read_text())["endpoint"].rsplit(":", 1)[1])
+    return 0
+
+
+def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_toml(cfg))
     _setup_logging(run_dir)
     # SIGTERM ends the run like Ctrl-C: workers are told, sockets closed, metrics flushed.
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
-    torch.set_num_threads(cfg.learner.torch_threads)
-    random.seed(cfg.seed)
-
-    tokenizer = load_tokenizer(cfg.model)
-    model = load_model(cfg.model, tokenizer, "float32")
-    adapter = load_adapter(cfg.adapter.name, cfg.adapter.options, tokenizer)
-    lc = cfg.learner
-    limits = Limits(vocab_size(model), cfg.worker.max_new_tokens, lc.group_size)
-    buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size)
-    work = WorkQueue(adapter.prompts(random.Random(cfg.seed)), group_size=lc.group_size,
-                     max_outstanding=min(lc.effective_outstanding, cfg.buffer.capacity_groups),
-                     lease_timeout_s=lc.lease_timeout_s, prefix=run_dir.name, seed=cfg.seed)
-    key = RunKey.generate()
-    control = ControlPlane(cfg, run_id=run_dir.name, key=key, buffer=buffer, work=work, limits=limits)
-    control.start()
-    (run_dir / "learner.json").write_text(json.dumps(
-        {"endpoint": control.endpoint, "snapshot_endpoint": control.snapshot_endpoint}))
-    print(READY_PREFIX + control.endpoint, flush=True)
-    log.info("learner up at %s, run %s, kappa=%d", control.endpoint, run_dir.name, lc.effective_kappa)
-
-    trainer = Trainer(model, lc, seed=cfg.seed)
-    publisher = Publisher(model, control, cfg, key, run_dir.name)
+    if resume and cfg.learner.port == 0:
+        cfg.learner.port = _endpoint_port(run_dir)
+    (run_dir / "config.toml").write_text(dump_toml(cfg))
+    learner = Learner(cfg, run_dir)
     reason = "run complete"
     try:
-        publisher.publish(0)
-        return _train_loop(cfg, run_dir, adapter, buffer, trainer, publisher, control)
+        learner.start(resume)
+        return learner.run()
     except KeyboardInterrupt:
         reason = "learner stopped"
         raise
     finally:
-        control.shutdown(reason)
+        learner.close(reason)
 
 
-def _train_loop(cfg: EchoConfig, run_dir: Path, adapter: Any, buffer: ReplayBuffer,
-                trainer: Trainer, publisher: Publisher, control: ControlPlane) -> dict[str, Any]:
-    lc = cfg.learner
-    totals = RunTotals()
-    version = 0
-    rows: list[dict[str, Any]] = []
-    with (run_dir / "metrics.jsonl").open("a") as metrics:
-        for step in range(lc.max_steps):
-            t0 = time.monotonic()
-            groups = buffer.take(lc.prompts_per_step, timeout=lc.wait_timeout_s)
-            if groups is None:
-                raise LearnerStall(
-                    f"no {lc.prompts_per_step} admissible groups within {lc.wait_timeout_s}s at "
-                    f"version {version}: are workers connected? (learner.wait_timeout_s)")
-            t1 = time.monotonic()
-            stats = trainer.step(adapter.materialise(groups, lc.adv_eps))
-            t2 = time.monotonic()
-            totals.add(step, t1 - t0, t2 - t1)
-            buffer.set_version(version + 1)
-            if (version + 1) % lc.effective_kappa == 0:
-                publisher.publish(version + 1)
-            t3 = time.monotonic()
-            row = _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, t3 - t2, totals,
-                               buffer, control.stats())
-            rows.append(row)
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-            version += 1
-    summary = _summary(cfg, rows, totals)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+class Learner:
+    """One run's learner: model, trainer, buffer (with its log), work queue, control plane."""
+
+    def __init__(self, cfg: EchoConfig, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        lc = cfg.learner
+        torch.set_num_threads(lc.torch_threads)
+        random.seed(cfg.seed)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.model = load_model(cfg.model, self.tokenizer, "float32")
+        self.adapter = load_adapter(cfg.adapter.name, cfg.adapter.options, self.tokenizer)
+        self.limits = Limits(vocab_size(self.model), cfg.worker.max_new_tokens, lc.group_size)
+        self.buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size,
+                                   on_drop=self._audit_drop)
+        self.log = BufferLog(run_dir / "buffer.log", fsync=lc.fsync)
+        self.prompt_rng = random.Random(cfg.seed)
+        self.key = load_or_create_key(run_dir)
+        self.run_id = run_dir.name
+        self.control: ControlPlane | None = None
+        self.trainer = Trainer(self.model, lc, seed=cfg.seed)
+        self.totals = RunTotals()
+        self.step = 0  # next step to run
+        self.rows: list[dict[str, Any]] = []
+
+    def _audit(self, name: str, entry: dict[str, Any]) -> None:
+        """Append-only audit trails (consumed.jsonl, dropped.jsonl), keyed by step so a
+        resume can set aside what the crash undid."""
+        with (self.run_dir / f"{name}.jsonl").open("a") as f:
+            f.write(json.dumps({"step": self.step, **entry}) + "\n")
+
+    def _audit_drop(self, records: list[Record]) -> None:
+        self._audit("dropped", {"pairs": [[r.group_id, r.sample_idx] for r in records]})
+
+    # ------------------------------------------------------------------ start / restore
+
+    def start(self, resume: bool) -> None:
+        lc = self.cfg.learner
+        instance = os.urandom(3).hex()  # group ids never repeat across restarts
+        self.work = WorkQueue(self.adapter.prompts(self.prompt_rng), group_size=lc.group_size,
+                              max_outstanding=min(lc.effective_outstanding, self.cfg.buffer.capacity_groups),
+                              lease_timeout_s=lc.lease_timeout_s, prefix=f"{self.run_id}.{instance}",
+                              seed=self.cfg.seed)
+        if resume:
+            self._restore()
+        self.control = ControlPlane(self.cfg, run_id=self.run_id, key=self.key, buffer=self.buffer,
+                                    work=self.work, limits=self.limits, buffer_log=self.log)
+        self.control.start()
+        (self.run_dir / "learner.json").write_text(json.dumps(
+            {"endpoint": self.control.endpoint, "snapshot_endpoint": self.control.snapshot_endpoint}))
+        print(READY_PREFIX + self.control.endpoint, flush=True)
+        log.info("learner up at %s, run %s, step %d, kappa=%d", self.control.endpoint,
+                 self.run_id, self.step, lc.effective_kappa)
+        if not resume or self.step == 0:
+            self._checkpoint()
+        self._publish(self.step)
+
+    def _restore(self) -> None:
+        ckpt = load_checkpoint(self.run_dir)
+        last = ckpt["step"] if ckpt else -1
+        admitted, consumed = read_log(self.run_dir / "buffer.log")
+        live, trained = live_after(admitted, consumed, last)
+        if ckpt:
+            self.model.load_state_dict(ckpt["model"])
+            self.trainer.optimizer.load_state_dict(ckpt["optimizer"])
+            self.trainer.generator.set_state(ckpt["trainer_rng"])
+            torch.set_rng_state(ckpt["torch_rng"])
+            random.setstate(ckpt["python_rng"])
+            self.prompt_rng.setstate(ckpt["prompt_rng"])
+            self.work.restore(ckpt["work"])
+            self.buffer.stats = ckpt["buffer_stats"]
+            self.totals = ckpt["totals"]
+            self.totals.started = time.monotonic() - ckpt["wall_s"]
+            self.step = last + 1
+        self.buffer.set_version(self.step)
+        self.buffer.restore(live, trained)
+        self.log.compact(lambda: live)
+        self._trim_metrics()
+        log.info("resumed at step %d: %d buffered records restored, %d groups already trained",
+                 self.step, len(live), len(trained))
+
+    def _trim_metrics(self) -> None:
+        """Steps after the checkpoint were lost with the crash: set their lines aside."""
+        for name in ("metrics", "consumed", "dropped"):
+            path = self.run_dir / f"{name}.jsonl"
+            if not path.exists():
+                continue
+            rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+            keep = [r for r in rows if r["step"] < self.step]
+            lost = [r for r in rows if r["step"] >= self.step]
+            if lost:
+                with (self.run_dir / f"{name}.lost.jsonl").open("a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in lost)
+            path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            if name == "metrics":
+                self.rows = keep
+
+    # ------------------------------------------------------------------ checkpoint / publish
+
+    def _checkpoint(self) -> None:
+        save_checkpoint(self.run_dir, self.step - 1, {
+            "step": self.step - 1, "model": self.model.state_dict(),
+            "optimizer": self.trainer.optimizer.state_dict(),
+            "trainer_rng": self.trainer.generator.get_state(), "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(), "prompt_rng": self.prompt_rng.getstate(),
+            "work": self.work.state(), "buffer_stats": self.buffer.stats, "totals": self.totals,
+            "wall_s": time.monotonic() - self.totals.started,
+        })
+        # Everything consumed so far is now inside the checkpoint: the log keeps only the
+        # records still owed to training.
+        self.log.compact(self.buffer.contents)
+
+    def _publish(self, version: int) -> None:
+        tensors, payload = params_to_payload(self.model, self.cfg.broadcast.dtype)
+        manifest = build_manifest(run_id=self.run_id, version=version, tensors=tensors,
+                                  payload=payload, chunk_size=self.cfg.broadcast.chunk_kib * 1024,
+                                  dtype=self.cfg.broadcast.dtype, key=self.key)
+        assert self.control is not None
+        self.control.publish(Snapshot(manifest, payload))
+
+    # ------------------------------------------------------------------ the step loop
+
+    def run(self) -> dict[str, Any]:
+        with (self.run_dir / "metrics.jsonl").open("a") as metrics:
+            while self.step < self.cfg.learner.max_steps:
+                row = self._one_step()
+                self.rows.append(row)
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+        summary = _summary(self.cfg, self.rows, self.totals)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _one_step(self) -> dict[str, Any]:
+        lc, step = self.cfg.learner, self.step
+        version = step  # one version per learner step
+        t0 = time.monotonic()
+        groups = self.buffer.take(lc.prompts_per_step, timeout=lc.wait_timeout_s)
+        if groups is None:
+            raise LearnerStall(
+                f"no {lc.prompts_per_step} admissible groups within {lc.wait_timeout_s}s at "
+                f"version {version}: are workers connected? (learner.wait_timeout_s)")
+        gids = [g[0].group_id for g in groups]
+        self.log.consumed(step, gids)
+        self._audit("consumed", {"groups": gids})
+        t1 = time.monotonic()
+        stats = self.trainer.step(self.adapter.materialise(groups, lc.adv_eps))
+        t2 = time.monotonic()
+        self.totals.add(step, t1 - t0, t2 - t1)
+        self.step += 1
+        self.buffer.set_version(self.step)
+        if self.step % lc.effective_kappa == 0:
+            if lc.checkpoint:
+                self._checkpoint()  # before publishing: no worker runs ahead of a checkpoint
+            self._publish(self.step)
+        t3 = time.monotonic()
+        assert self.control is not None
+        return _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, t3 - t2, self.totals,
+                            self.buffer, self.control.stats())
+
+    def close(self, reason: str) -> None:
+        if self.control is not None:
+            self.control.shutdown(reason)
+        self.log.close()

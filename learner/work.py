@@ -94,6 +94,18 @@ class WorkQueue:
             self.requeue(gid)
         return len(gids)
 
+    def state(self) -> dict:
+        """Open leases and the id counter, for checkpoints (leases restart their clocks)."""
+        return {"issued": [it.group.model_dump() for it in self.issued.values()],
+                "reissued": self.reissued}
+
+    def restore(self, state: dict) -> None:
+        for g in state["issued"]:
+            group = wire.Group.model_validate(g)
+            self.issued[group.group_id] = Issued(group, "", float("inf"))
+            self._requeued.append(group.group_id)  # whoever held it may be gone: hand out again
+        self.reissued = state["reissued"]
+
     @property
     def in_flight(self) -> int:
         return len(self.issued)

@@ -11,6 +11,7 @@ to deliver what is pending, say ``leave``, exit 0.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import time
@@ -41,12 +42,15 @@ class WorkerError(RuntimeError):
 
 class Worker:
     def __init__(self, endpoint: str, *, worker_id: str | None = None, price: float = 0.0,
-                 threads: int | None = None, join_timeout_s: float = 5.0):
+                 threads: int | None = None, join_timeout_s: float = 5.0,
+                 ledger: str | None = None):
         self.endpoint = endpoint
         self.worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
         self.price = price
         self.threads = threads
         self.join_timeout_s = join_timeout_s
+        self.ledger = ledger  # JSONL of what the learner acknowledged storing, per batch
+        self._batch_keys: dict[str, list[list[Any]]] = {}
         self.view: dict[str, Any] = {}
         self.instance_id = ""
         self.run_id = ""
@@ -269,6 +273,8 @@ class Worker:
         batch = wire.Trajectories(worker_id=self.worker_id, batch_id=uuid.uuid4().hex,
                                   count=len(records), payload=wire.pack_records(records))
         self.unacked[batch.batch_id] = batch
+        if self.ledger:
+            self._batch_keys[batch.batch_id] = [[r["group_id"], r["sample_idx"]] for r in records]
         await self._deliver(batch)
 
     def _generate_and_score(self, groups: list[wire.Group]) -> list[list[tuple[Sample, float]]]:
@@ -294,7 +300,18 @@ class Worker:
         assert isinstance(reply, wire.Ack)
         if reply.rejected:
             log.warning("batch %s: learner rejected records %s", batch.batch_id, reply.rejected)
+        self._record_ack(batch.batch_id, reply)
         self._measure(batch.count)
+
+    def _record_ack(self, batch_id: str, ack: wire.Ack) -> None:
+        keys = self._batch_keys.pop(batch_id, None)
+        if not self.ledger or keys is None:
+            return
+        bad = set(ack.rejected_idx)
+        stored = [k for i, k in enumerate(keys) if i not in bad]
+        with open(self.ledger, "a") as f:
+            f.write(json.dumps({"batch_id": batch_id, "stored": stored,
+                                "rejected": ack.rejected}) + "\n")
 
     async def _resend_unacked(self) -> None:
         for batch in list(self.unacked.values()):

@@ -14,6 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--price", type=float, default=0.0, help="what this worker costs, USD per hour")
     j.add_argument("--id", dest="worker_id", default=None, help="worker id (default: random)")
     j.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: learner's)")
+    j.add_argument("--ledger", default=None, metavar="FILE",
+                   help="append one JSON line per acknowledged batch: what the learner stored")
     j.add_argument("--log-level", default="INFO")
     return p
 
@@ -34,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from worker.agent import Worker, WorkerError
 
-    worker = Worker(args.learner, worker_id=args.worker_id, price=args.price, threads=args.threads)
+    worker = Worker(args.learner, worker_id=args.worker_id, price=args.price, threads=args.threads,
+                    ledger=args.ledger)
     try:
         reason = asyncio.run(worker.run())
     except BaseExceptionGroup as eg:  # raised out of the worker's TaskGroup

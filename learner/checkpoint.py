@@ -1,0 +1,64 @@
+"""Learner checkpoints: everything needed to continue a run as if it had not stopped.
+
+Taken right before every publication (so no worker ever holds a snapshot newer than the last
+checkpoint, and every trajectory in the buffer log is admissible again after a restore).
+Layout in the run folder::
+
+    run.key                      the run's Ed25519 signing key (0600): survives restarts so
+                                 workers keep trusting the snapshots
+    checkpoints/step-00000041.pt model, optimizer, RNG states, version, work leases, counters
+    checkpoints/latest           name of the newest complete checkpoint (atomic rename)
+
+Only the two newest checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from broadcast.snapshot import RunKey
+
+KEEP = 2
+
+
+def load_or_create_key(run_dir: Path) -> RunKey:
+    path = run_dir / "run.key"
+    if path.exists():
+        return RunKey.from_bytes(path.read_bytes())
+    key = RunKey.generate()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.private_bytes())
+    return key
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir.mkdir(exist_ok=True)
+    path = ckpt_dir / f"step-{step:08d}.pt"
+    _atomic_write(path, lambda f: torch.save(state, f))
+    _atomic_write(ckpt_dir / "latest", lambda f: f.write(path.name.encode()))
+    for old in sorted(ckpt_dir.glob("step-*.pt"))[:-KEEP]:
+        old.unlink()
+    return path
+
+
+def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    latest = run_dir / "checkpoints" / "latest"
+    if not latest.exists():
+        return None
+    path = run_dir / "checkpoints" / latest.read_text().strip()
+    return torch.load(path, weights_only=False)
