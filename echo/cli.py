@@ -33,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     qs = sub.add_parser("quickstart", help="learner + workers as local processes on loopback")
     _add_config_args(qs, config_required=False)
     qs.add_argument("--workers", type=int, default=None, help="worker processes (default: config)")
+    bench = sub.add_parser("bench", help="benchmarks (results as JSON under benchmarks/results/)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    prov = bench_sub.add_parser("provisioning", help="worker selection: greedy vs ours vs exact")
+    prov.add_argument("--pools", type=int, default=1000)
+    prov.add_argument("--seed", type=int, default=0)
+    prov.add_argument("--candidates", type=int, default=100_000)
+    prov.add_argument("--json", default=None, help="output file (default benchmarks/results/provisioning.json)")
     return p
 
 
@@ -55,6 +62,8 @@ def _load(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd == "bench":
+        return _bench(args)
     path, cfg = _load(args)
     run_dir = getattr(args, "resume", None) or args.run_dir or default_run_dir(cfg.run_name)
     if args.cmd == "learn":
@@ -80,6 +89,16 @@ def main(argv: list[str] | None = None) -> int:
         from echo.quickstart import run_quickstart
 
         return run_quickstart(cfg, path, args.overrides, run_dir, args.workers)
+    return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "provisioning":
+        from provisioning.bench import main as bench_main
+
+        argv = ["--pools", str(args.pools), "--seed", str(args.seed),
+                "--candidates", str(args.candidates)]
+        return bench_main(argv + (["--json", args.json] if args.json else []))
     return 2
 
 

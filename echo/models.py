@@ -12,6 +12,7 @@ with a tensor index, and back.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,17 +120,18 @@ def vocab_size(model: Any) -> int:
 # ----------------------------------------------------------------------------- payloads
 
 
-def params_to_payload(model: Any, dtype: str) -> tuple[list[dict[str, Any]], bytes]:
-    """All parameters as one contiguous byte stream in ``dtype`` plus a tensor index.
+def params_to_payload(named: Iterable[tuple[str, Any]], dtype: str) -> tuple[list[dict[str, Any]], bytes]:
+    """Tensors as one contiguous byte stream in ``dtype`` plus a tensor index.
 
-    ``named_parameters`` lists a tied weight once, so tied embeddings travel once.
+    Pass ``model.named_parameters()`` (it lists a tied weight once, so tied embeddings travel
+    once) or the same names picked from a gathered state dict.
     """
     import torch
 
     torch_dtype = getattr(torch, dtype)
     index, parts, offset = [], [], 0
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in named:
             t = p.detach().to(torch_dtype).contiguous().view(-1)
             raw = t.view(torch.uint8).numpy().tobytes()
             index.append({"name": name, "dtype": dtype, "shape": list(p.shape),

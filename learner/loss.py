@@ -29,8 +29,13 @@ class LossConfig:
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, behaviour_logp: torch.Tensor,
               advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig,
-              ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Shapes: logp, old_logp, behaviour_logp, mask, ref_logp [B, T]; advantages [B]."""
+              ref_logp: torch.Tensor | None = None,
+              denom: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Shapes: logp, old_logp, behaviour_logp, mask, ref_logp [B, T]; advantages [B].
+
+    ``denom`` replaces the local count (tokens for token-mean, sequences for seq-mean) when
+    this batch is one rank's shard of a larger one.
+    """
     mask = mask.to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
     w = torch.clamp(torch.exp(old_logp - behaviour_logp), max=cfg.is_cap).detach()
@@ -46,9 +51,9 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, behaviour_logp: torch.
         kl = torch.exp(delta) - delta - 1
         per_token = per_token - cfg.beta * kl
     if cfg.agg == "token-mean":
-        loss = -(per_token * mask).sum() / mask.sum().clamp(min=1)
+        loss = -(per_token * mask).sum() / (denom or mask.sum().clamp(min=1))
     elif cfg.agg == "seq-mean":
-        loss = -((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+        loss = -((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / (denom or mask.shape[0])
     else:
         raise ValueError(f"unknown loss aggregation {cfg.agg!r}: use token-mean or seq-mean")
     with torch.no_grad():

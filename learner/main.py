@@ -27,12 +27,12 @@ from dataplane.records import Limits, Record
 from echo.config import EchoConfig, dump_toml
 from echo.machine import machine_info
 from echo.procs import READY_PREFIX
-from echo.models import load_model, load_tokenizer, params_to_payload, vocab_size
+from echo.models import params_to_payload
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_checkpoint, load_or_create_key, save_checkpoint
 from learner.durable import BufferLog, live_after, read_log
 from learner.control import ControlPlane
-from learner.trainer import Trainer
+from learner.policy import FullState, Policy
 from learner.work import WorkQueue
 
 log = logging.getLogger("echo.learner")
@@ -128,6 +128,13 @@ def _endpoint_port(run_dir: Path) -> int:
 
 
 def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> dict[str, Any]:
+    policy = Policy(cfg)
+    if not policy.par.is_main:
+        try:
+            policy.follow()  # torchrun ranks > 0: train on their shards, nothing else
+        finally:
+            policy.par.close()
+        return {}
     run_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(run_dir)
     # SIGTERM ends the run like Ctrl-C: workers are told, sockets closed, metrics flushed.
@@ -135,7 +142,7 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> dict[st
     if resume and cfg.learner.port == 0:
         cfg.learner.port = _endpoint_port(run_dir)
     (run_dir / "config.toml").write_text(dump_toml(cfg))
-    learner = Learner(cfg, run_dir)
+    learner = Learner(cfg, run_dir, policy)
     reason = "run complete"
     try:
         learner.start(resume)
@@ -148,17 +155,14 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> dict[st
 
 
 class Learner:
-    """One run's learner: model, trainer, buffer (with its log), work queue, control plane."""
+    """Rank 0's side of a run: buffer (with its log), work queue, control plane, checkpoints,
+    publication and metrics around the ``Policy``."""
 
-    def __init__(self, cfg: EchoConfig, run_dir: Path):
-        self.cfg, self.run_dir = cfg, run_dir
+    def __init__(self, cfg: EchoConfig, run_dir: Path, policy: Policy):
+        self.cfg, self.run_dir, self.policy = cfg, run_dir, policy
         lc = cfg.learner
-        torch.set_num_threads(lc.torch_threads)
-        random.seed(cfg.seed)
-        self.tokenizer = load_tokenizer(cfg.model)
-        self.model = load_model(cfg.model, self.tokenizer, "float32")
-        self.adapter = load_adapter(cfg.adapter.name, cfg.adapter.options, self.tokenizer)
-        self.limits = Limits(vocab_size(self.model), cfg.worker.max_new_tokens, lc.group_size)
+        self.adapter = load_adapter(cfg.adapter.name, cfg.adapter.options, policy.tokenizer)
+        self.limits = Limits(policy.vocab_size, cfg.worker.max_new_tokens, lc.group_size)
         self.buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size,
                                    on_drop=self._audit_drop)
         self.log = BufferLog(run_dir / "buffer.log", fsync=lc.fsync)
@@ -166,7 +170,6 @@ class Learner:
         self.key = load_or_create_key(run_dir)
         self.run_id = run_dir.name
         self.control: ControlPlane | None = None
-        self.trainer = Trainer(self.model, lc, seed=cfg.seed)
         self.totals = RunTotals()
         self.step = 0  # next step to run
         self.rows: list[dict[str, Any]] = []
@@ -197,11 +200,13 @@ class Learner:
         (self.run_dir / "learner.json").write_text(json.dumps(
             {"endpoint": self.control.endpoint, "snapshot_endpoint": self.control.snapshot_endpoint}))
         print(READY_PREFIX + self.control.endpoint, flush=True)
-        log.info("learner up at %s, run %s, step %d, kappa=%d", self.control.endpoint,
-                 self.run_id, self.step, lc.effective_kappa)
+        log.info("learner up at %s, run %s, step %d, kappa=%d, ranks=%d", self.control.endpoint,
+                 self.run_id, self.step, lc.effective_kappa, self.policy.par.world)
+        _, full = self.policy.command({"op": "sync"})
+        assert full is not None
         if not resume or self.step == 0:
-            self._checkpoint()
-        self._publish(self.step)
+            self._checkpoint(full)
+        self._publish(self.step, full[0])
 
     def _restore(self) -> None:
         ckpt = load_checkpoint(self.run_dir)
@@ -209,11 +214,7 @@ class Learner:
         admitted, consumed = read_log(self.run_dir / "buffer.log")
         live, trained = live_after(admitted, consumed, last)
         if ckpt:
-            self.model.load_state_dict(ckpt["model"])
-            self.trainer.optimizer.load_state_dict(ckpt["optimizer"])
-            self.trainer.generator.set_state(ckpt["trainer_rng"])
-            torch.set_rng_state(ckpt["torch_rng"])
-            random.setstate(ckpt["python_rng"])
+            self.policy.command({"op": "load", "state": ckpt})
             self.prompt_rng.setstate(ckpt["prompt_rng"])
             self.work.restore(ckpt["work"])
             self.buffer.stats = ckpt["buffer_stats"]
@@ -223,11 +224,11 @@ class Learner:
         self.buffer.set_version(self.step)
         self.buffer.restore(live, trained)
         self.log.compact(lambda: live)
-        self._trim_metrics()
+        self._trim_audit()
         log.info("resumed at step %d: %d buffered records restored, %d groups already trained",
                  self.step, len(live), len(trained))
 
-    def _trim_metrics(self) -> None:
+    def _trim_audit(self) -> None:
         """Steps after the checkpoint were lost with the crash: set their lines aside."""
         for name in ("metrics", "consumed", "dropped"):
             path = self.run_dir / f"{name}.jsonl"
@@ -245,12 +246,10 @@ class Learner:
 
     # ------------------------------------------------------------------ checkpoint / publish
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, full: FullState) -> None:
         save_checkpoint(self.run_dir, self.step - 1, {
-            "step": self.step - 1, "model": self.model.state_dict(),
-            "optimizer": self.trainer.optimizer.state_dict(),
-            "trainer_rng": self.trainer.generator.get_state(), "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(), "prompt_rng": self.prompt_rng.getstate(),
+            "step": self.step - 1, "model": full[0], "optimizer": full[1],
+            **self.policy.rng_state(), "prompt_rng": self.prompt_rng.getstate(),
             "work": self.work.state(), "buffer_stats": self.buffer.stats, "totals": self.totals,
             "wall_s": time.monotonic() - self.totals.started,
         })
@@ -258,11 +257,12 @@ class Learner:
         # records still owed to training.
         self.log.compact(self.buffer.contents)
 
-    def _publish(self, version: int) -> None:
-        tensors, payload = params_to_payload(self.model, self.cfg.broadcast.dtype)
+    def _publish(self, version: int, model_sd: dict[str, Any]) -> None:
+        dtype = self.cfg.broadcast.dtype
+        tensors, payload = params_to_payload(self.policy.named_tensors(model_sd), dtype)
         manifest = build_manifest(run_id=self.run_id, version=version, tensors=tensors,
                                   payload=payload, chunk_size=self.cfg.broadcast.chunk_kib * 1024,
-                                  dtype=self.cfg.broadcast.dtype, key=self.key)
+                                  dtype=dtype, key=self.key)
         assert self.control is not None
         self.control.publish(Snapshot(manifest, payload))
 
@@ -288,19 +288,20 @@ class Learner:
             raise LearnerStall(
                 f"no {lc.prompts_per_step} admissible groups within {lc.wait_timeout_s}s at "
                 f"version {version}: are workers connected? (learner.wait_timeout_s)")
-        gids = [g[0].group_id for g in groups]
-        self.log.consumed(step, gids)
-        self._audit("consumed", {"groups": gids})
+        self.log.consumed(step, [g[0].group_id for g in groups])
+        self._audit("consumed", {"groups": [g[0].group_id for g in groups]})
         t1 = time.monotonic()
-        stats = self.trainer.step(self.adapter.materialise(groups, lc.adv_eps))
+        publish = (step + 1) % lc.effective_kappa == 0
+        stats, full = self.policy.command({"op": "step", "sync": publish,
+                                           "batch": self.adapter.materialise(groups, lc.adv_eps)})
         t2 = time.monotonic()
         self.totals.add(step, t1 - t0, t2 - t1)
         self.step += 1
         self.buffer.set_version(self.step)
-        if self.step % lc.effective_kappa == 0:
+        if full is not None:
             if lc.checkpoint:
-                self._checkpoint()  # before publishing: no worker runs ahead of a checkpoint
-            self._publish(self.step)
+                self._checkpoint(full)  # before publishing: no worker runs ahead of a checkpoint
+            self._publish(self.step, full[0])
         t3 = time.monotonic()
         assert self.control is not None
         return _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, t3 - t2, self.totals,
@@ -310,3 +311,4 @@ class Learner:
         if self.control is not None:
             self.control.shutdown(reason)
         self.log.close()
+        self.policy.close()

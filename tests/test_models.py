@@ -32,7 +32,7 @@ def test_missing_or_broken_model_folder_explains_fix(tmp_path):
 def test_payload_round_trip(tokenizer, dtype):
     src = load_model(ModelConfig(seed=1), tokenizer)
     dst = load_model(ModelConfig(seed=2), tokenizer)
-    index, payload = params_to_payload(src, dtype)
+    index, payload = params_to_payload(src.named_parameters(), dtype)
     install_payload(dst, index, payload)
     for (n, a), (_, b) in zip(src.named_parameters(), dst.named_parameters()):
         assert torch.equal(a.to(getattr(torch, dtype)).float(), b), n
@@ -41,7 +41,7 @@ def test_payload_round_trip(tokenizer, dtype):
 def test_payload_for_another_model_is_refused(tokenizer):
     src = load_model(ModelConfig(num_layers=1), tokenizer)
     dst = load_model(ModelConfig(num_layers=2), tokenizer)
-    index, payload = params_to_payload(src, "float32")
+    index, payload = params_to_payload(src.named_parameters(), "float32")
     with pytest.raises(ModelError, match="does not fit"):
         install_payload(dst, index, payload)
 

@@ -1,0 +1,20 @@
+"""Provisioning benchmark: greedy (paper) and ours against the MILP optimum, plus the time of
+one decision over 100,000 candidates. The implementation lives in ``provisioning.bench`` so
+the installed ``echo-rl`` can import it from any directory; this file is the by-path entry.
+
+    python benchmarks/bench_provisioning.py [--pools 1000] [--json FILE]
+    python -m benchmarks.bench_provisioning [...]        # from the repository root
+
+Writes ``benchmarks/results/provisioning.json`` (with the machine it ran on) and prints a table.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from provisioning.bench import main, run
+
+__all__ = ["main", "run"]
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

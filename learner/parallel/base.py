@@ -1,0 +1,40 @@
+"""What the learner needs from a parallelism strategy."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+
+class Parallel(ABC):
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @abstractmethod
+    def wrap(self, model: Any) -> Any:
+        """Prepare the model for training (shard it); returns the model to train."""
+
+    def shard(self, idx: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a mini-batch (every rank sees the same ``idx``)."""
+        return idx[self.rank :: self.world]
+
+    @abstractmethod
+    def full_state(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
+        """Unsharded model and optimizer state on rank 0 (a collective: all ranks call it)."""
+
+    @abstractmethod
+    def load_state(self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict) -> None:
+        """Load rank 0's unsharded state into every rank (a collective)."""
+
+    @abstractmethod
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+
+    def close(self) -> None:
+        pass

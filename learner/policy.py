@@ -1,0 +1,78 @@
+"""The policy being trained, on every rank: model, trainer and the parallelism strategy.
+
+Rank 0 drives: each ``command`` is broadcast to the other ranks (which sit in ``follow``)
+and then executed everywhere, so collectives (sharded forward/backward, gathering the full
+state for a checkpoint or a snapshot) line up. In a single process the broadcast is a no-op.
+
+Commands: ``{"op": "step", "batch", "sync"}`` (train; with ``sync`` also gather the full
+state), ``{"op": "sync"}``, ``{"op": "load", "state"}``, ``{"op": "stop"}``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from echo.config import EchoConfig
+from echo.models import load_model, load_tokenizer
+from learner.parallel import make_parallel
+from learner.trainer import Trainer
+
+FullState = tuple[dict[str, Any], dict[str, Any]]  # (model state dict, optimizer state dict)
+
+
+class Policy:
+    def __init__(self, cfg: EchoConfig):
+        torch.set_num_threads(cfg.learner.torch_threads)
+        random.seed(cfg.seed)
+        self.par = make_parallel()
+        self.tokenizer = load_tokenizer(cfg.model)
+        model = load_model(cfg.model, self.tokenizer, "float32")
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        # Names of the parameters a snapshot carries (tied weights once), as before sharding.
+        self.param_names = [n for n, _ in model.named_parameters()]
+        self.model = self.par.wrap(model)
+        self.trainer = Trainer(self.model, cfg.learner, seed=cfg.seed, parallel=self.par)
+
+    def command(self, cmd: dict[str, Any]) -> tuple[dict[str, float], FullState | None]:
+        return self._execute(self.par.broadcast(cmd))
+
+    def follow(self) -> None:
+        """Non-main ranks: execute rank 0's commands until it says stop."""
+        while True:
+            cmd = self.par.broadcast(None)
+            if cmd["op"] == "stop":
+                return
+            self._execute(cmd)
+
+    def _execute(self, cmd: dict[str, Any]) -> tuple[dict[str, float], FullState | None]:
+        op = cmd["op"]
+        stats: dict[str, float] = {}
+        if op == "step":
+            stats = self.trainer.step(cmd["batch"])
+        elif op == "load":
+            self._load(cmd["state"])
+        elif op not in ("sync", "stop"):
+            raise ValueError(f"unknown policy command {op!r}")
+        full = self.par.full_state(self.model, self.trainer.optimizer) if cmd.get("sync") or op == "sync" else None
+        return stats, full
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.par.load_state(self.model, self.trainer.optimizer, state["model"], state["optimizer"])
+        self.trainer.generator.set_state(state["trainer_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+
+    def rng_state(self) -> dict[str, Any]:
+        return {"trainer_rng": self.trainer.generator.get_state(),
+                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+
+    def named_tensors(self, model_sd: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        return [(n, model_sd[n]) for n in self.param_names]
+
+    def close(self) -> None:
+        if self.par.world > 1 and self.par.is_main:
+            self.par.broadcast({"op": "stop"})
+        self.par.close()

@@ -1,0 +1,303 @@
+"""Closed-loop provisioning (DESIGN 4, "Closed loop"): keep just enough cheap capacity active.
+
+The controller lives in the learner's control plane. It is told what the learner actually
+receives from each worker (``observe``), whether each worker's heartbeat is alive
+(``heartbeat``) and the capacity requirement ``mu_req`` (``set_requirement``, from
+``provisioning.capacity``). Each ``tick`` it folds the measurements in and may return
+decisions, which it has already applied to its own view of who is active; the caller carries
+them out (hand work to / stop handing work to the worker) and logs them.
+
+* ``mu_hat_i``: EWMA of *measured* throughput, time-aware (``1 - exp(-dt/tau_s)`` weight per
+  interval, so irregular ticks weigh evidence by the time it covers). A worker's claim is only
+  the prior the first measurements pull away from; a silent active worker decays to 0.
+* ``a_i``: EWMA of heartbeat samples (1 up, 0 missed). The control plane reports misses with
+  ``heartbeat(id, up=False)``. For a flaky worker a_i and mu_hat_i both fall, which counts its
+  downtime twice: conservative, the loop errs towards more capacity.
+* ``C_eff = sum(a_i * mu_hat_i)`` over active workers; target ``alpha * mu_req``.
+* Hysteresis: act only after a condition held at every tick for ``window_s`` seconds, and
+  release only above ``(alpha + delta) * mu_req``, so a worker just activated or released
+  does not bounce. After any action both timers restart: the next action needs a fresh
+  window of evidence that includes the effect of this one.
+* A worker activated less than ``warmup_s`` ago keeps its prior estimate: installing the
+  snapshot is not slowness.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ACTIVE, STANDBY = "active", "standby"
+ACTIVATE, RELEASE, SHORT = "activate", "release", "short"
+
+
+class UnknownWorker(KeyError):
+    """A call named a worker the controller was never told about (or was told it left)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    time: float
+    action: str  # ACTIVATE, RELEASE, or SHORT (no standby left to close the gap)
+    worker_id: str | None  # None for SHORT
+    reason: str  # human-readable, with the numbers that triggered it
+    c_eff: float  # effective capacity when decided, before this decision (trajectories/s)
+    target: float  # alpha * mu_req (trajectories/s)
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """Read-only view of one worker, for metrics and dashboards."""
+
+    worker_id: str
+    state: str
+    price: float  # $/h
+    mu_hat: float  # trajectories/s
+    availability: float
+    effective_mu: float  # availability * mu_hat
+
+    @property
+    def unit_cost(self) -> float:
+        """$/h per trajectory/s; infinite when the worker is expected to deliver nothing."""
+        return self.price / self.effective_mu if self.effective_mu > 0 else math.inf
+
+
+@dataclass
+class _Worker:
+    worker_id: str
+    price: float
+    state: str
+    mu_hat: float
+    availability: float = 1.0
+    pending: int = 0  # trajectories delivered since the last fold
+    since: float = 0.0  # start of the current measurement interval
+    activated_at: float = -math.inf
+
+    @property
+    def effective_mu(self) -> float:
+        return self.availability * self.mu_hat
+
+    @property
+    def unit_cost(self) -> float:
+        mu = self.effective_mu
+        return self.price / mu if mu > 0 else math.inf
+
+
+class Controller:
+    """Hysteretic activate/release loop over a registry of priced workers. Thread-safe."""
+
+    def __init__(self, alpha: float = 1.1, delta: float = 0.2, window_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic, *, tau_s: float = 60.0,
+                 avail_beta: float = 0.2, warmup_s: float = 30.0, history: int = 1000) -> None:
+        _check_params(alpha, delta, window_s, tau_s, avail_beta, warmup_s)
+        self.alpha, self.delta, self.window_s = alpha, delta, window_s
+        self.tau_s, self.avail_beta, self.warmup_s = tau_s, avail_beta, warmup_s
+        self._clock = clock
+        self._workers: dict[str, _Worker] = {}
+        self._mu_req: float | None = None
+        self._low_since: float | None = None  # C_eff < target since (None: not now)
+        self._high_since: float | None = None  # C_eff > (alpha + delta) mu_req since
+        self._lock = threading.Lock()
+        self.history: deque[Decision] = deque(maxlen=history)
+
+    # -- registry -------------------------------------------------------------------------
+
+    def add_worker(self, worker_id: str, price: float, state: str = STANDBY,
+                   mu_prior: float = 0.0) -> None:
+        """Register a worker. ``mu_prior``: its claimed or benchmarked throughput, the EWMA's
+        starting point until measurements replace it."""
+        if state not in (ACTIVE, STANDBY):
+            raise ValueError(f"state must be {ACTIVE!r} or {STANDBY!r}, got {state!r}")
+        if not (price >= 0 and math.isfinite(price)):
+            raise ValueError(f"price of {worker_id!r} must be a finite $/h >= 0, got {price}")
+        if not (mu_prior >= 0 and math.isfinite(mu_prior)):
+            raise ValueError(f"mu_prior of {worker_id!r} must be finite and >= 0, got {mu_prior}")
+        with self._lock:
+            if worker_id in self._workers:
+                raise ValueError(f"worker {worker_id!r} is already registered; remove_worker "
+                                 f"first to re-register it with a new price or prior")
+            now = self._clock()
+            w = _Worker(worker_id, float(price), STANDBY, float(mu_prior), since=now)
+            self._workers[worker_id] = w
+            if state == ACTIVE:
+                self._set_active(w, now)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker that left or timed out."""
+        with self._lock:
+            self._get(worker_id)
+            del self._workers[worker_id]
+
+    # -- measurements -----------------------------------------------------------------------
+
+    def observe(self, worker_id: str, delivered: int) -> None:
+        """``delivered`` trajectories from this worker reached the learner (admitted or not:
+        this measures the worker, not the buffer). Ignored for standby workers, which may
+        still be finishing leases after a release."""
+        if delivered < 0:
+            raise ValueError(f"delivered must be >= 0, got {delivered} from {worker_id!r}")
+        with self._lock:
+            w = self._get(worker_id)
+            if w.state == ACTIVE:
+                w.pending += int(delivered)
+
+    def heartbeat(self, worker_id: str, up: bool = True) -> None:
+        """One heartbeat sample: ``up=True`` when it arrived, ``False`` when it was missed."""
+        with self._lock:
+            w = self._get(worker_id)
+            w.availability += self.avail_beta * (float(up) - w.availability)
+
+    def set_requirement(self, mu_req: float | None) -> None:
+        """Capacity requirement in trajectories/s; None pauses all decisions."""
+        if mu_req is not None and not (mu_req >= 0 and math.isfinite(mu_req)):
+            raise ValueError(f"mu_req must be a finite number >= 0 (or None), got {mu_req}")
+        with self._lock:
+            self._mu_req = None if mu_req is None else float(mu_req)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def tick(self) -> list[Decision]:
+        """Fold measurements, update the hysteresis timers, act if a window has elapsed."""
+        with self._lock:
+            now = self._clock()
+            self._fold(now)
+            if self._mu_req is None:
+                self._low_since = self._high_since = None
+                return []
+            decisions = self._decide(now)
+            if decisions:
+                self._low_since = self._high_since = None
+                self.history.extend(decisions)
+            return decisions
+
+    def _fold(self, now: float) -> None:
+        for w in self._workers.values():
+            if w.state != ACTIVE:
+                continue
+            dt = now - w.since
+            if now - w.activated_at < self.warmup_s:
+                w.pending, w.since = 0, now  # measure from the end of warm-up
+            elif dt > 0:
+                weight = 1.0 - math.exp(-dt / self.tau_s)
+                w.mu_hat += weight * (w.pending / dt - w.mu_hat)
+                w.pending, w.since = 0, now
+
+    def _decide(self, now: float) -> list[Decision]:
+        assert self._mu_req is not None
+        target = self.alpha * self._mu_req
+        c_eff = self._c_eff()
+        low = c_eff < target
+        high = c_eff > (self.alpha + self.delta) * self._mu_req
+        self._low_since = _held_since(self._low_since, low, now)
+        self._high_since = _held_since(self._high_since, high, now)
+        if low and now - self._low_since >= self.window_s:
+            return self._activate(now, c_eff, target, now - self._low_since)
+        if high and now - self._high_since >= self.window_s:
+            return self._release(now, c_eff, target, now - self._high_since)
+        return []
+
+    def _activate(self, now: float, c_eff: float, target: float, held: float) -> list[Decision]:
+        """Next-cheapest standby workers by unit cost until the projected C_eff reaches target."""
+        standby = sorted((w for w in self._workers.values()
+                          if w.state == STANDBY and w.effective_mu > 0),
+                         key=lambda w: (w.unit_cost, w.worker_id))
+        why = (f"C_eff {c_eff:.4g}/s < alpha*mu_req = {self.alpha:g} x {self._mu_req:.4g} = "
+               f"{target:.4g}/s for {held:.0f} s (window {self.window_s:g} s)")
+        decisions, projected = [], c_eff
+        for w in standby:
+            if projected >= target:
+                break
+            decisions.append(Decision(now, ACTIVATE, w.worker_id,
+                                      f"{why}; {_describe(w)}, cheapest standby per trajectory; "
+                                      f"C_eff -> {projected + w.effective_mu:.4g}/s",
+                                      projected, target))
+            projected += w.effective_mu
+            self._set_active(w, now)
+        if projected < target:
+            decisions.append(Decision(now, SHORT, None,
+                                      f"{why}; no standby worker left, still short by "
+                                      f"{target - projected:.4g}/s: add workers or lower mu_req",
+                                      projected, target))
+        return decisions
+
+    def _release(self, now: float, c_eff: float, target: float, held: float) -> list[Decision]:
+        """The priciest active worker whose removal keeps C_eff >= target (one per window)."""
+        spare = [w for w in self._workers.values()
+                 if w.state == ACTIVE and c_eff - w.effective_mu >= target]
+        if not spare:
+            return []  # over-provisioned, but every single release would undershoot
+        w = max(spare, key=lambda w: (w.price, w.unit_cost, w.worker_id))
+        bound = (self.alpha + self.delta) * self._mu_req
+        reason = (f"C_eff {c_eff:.4g}/s > (alpha+delta)*mu_req = ({self.alpha:g}+{self.delta:g}) "
+                  f"x {self._mu_req:.4g} = {bound:.4g}/s for {held:.0f} s (window "
+                  f"{self.window_s:g} s); {_describe(w)} is the priciest whose removal keeps "
+                  f"C_eff = {c_eff - w.effective_mu:.4g}/s >= {target:.4g}/s")
+        w.state = STANDBY
+        return [Decision(now, RELEASE, w.worker_id, reason, c_eff, target)]
+
+    # -- views --------------------------------------------------------------------------------
+
+    def c_eff(self) -> float:
+        """Effective capacity of the active set (trajectories/s), as of the last tick."""
+        with self._lock:
+            return self._c_eff()
+
+    def cost_per_hour(self) -> float:
+        """$/h of the active workers (the learner's own price is the caller's to add)."""
+        with self._lock:
+            return sum(w.price for w in self._workers.values() if w.state == ACTIVE)
+
+    def workers(self) -> list[WorkerStatus]:
+        with self._lock:
+            return [WorkerStatus(w.worker_id, w.state, w.price, w.mu_hat, w.availability,
+                                 w.effective_mu) for w in self._workers.values()]
+
+    def active_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(w.worker_id for w in self._workers.values() if w.state == ACTIVE)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _c_eff(self) -> float:
+        return sum(w.effective_mu for w in self._workers.values() if w.state == ACTIVE)
+
+    def _set_active(self, w: _Worker, now: float) -> None:
+        w.state, w.activated_at, w.pending, w.since = ACTIVE, now, 0, now
+
+    def _get(self, worker_id: str) -> _Worker:
+        try:
+            return self._workers[worker_id]
+        except KeyError:
+            raise UnknownWorker(f"unknown worker {worker_id!r}: call add_worker first (or it "
+                                f"was removed)") from None
+
+
+def _held_since(since: float | None, holds: bool, now: float) -> float | None:
+    """Start of the current run of ticks where the condition held (None: it does not)."""
+    if not holds:
+        return None
+    return now if since is None else since
+
+
+def _describe(w: _Worker) -> str:
+    per_1k = w.price / 3600 / w.effective_mu * 1000 if w.effective_mu > 0 else math.inf
+    return (f"{w.worker_id} (${w.price:.3g}/h, a={w.availability:.2f} x mu_hat={w.mu_hat:.4g}/s "
+            f"= {w.effective_mu:.4g}/s, ${per_1k:.3g} per 1k trajectories)")
+
+
+def _check_params(alpha: float, delta: float, window_s: float, tau_s: float, avail_beta: float,
+                  warmup_s: float) -> None:
+    if not alpha > 0:
+        raise ValueError(f"alpha (safety factor) must be > 0, got {alpha}; DESIGN default 1.1")
+    if not delta >= 0:
+        raise ValueError(f"delta (release margin) must be >= 0, got {delta}")
+    if not (window_s >= 0 and warmup_s >= 0):
+        raise ValueError(f"window_s and warmup_s must be >= 0 s, got {window_s}, {warmup_s}")
+    if not tau_s > 0:
+        raise ValueError(f"tau_s (EWMA time constant) must be > 0 s, got {tau_s}")
+    if not 0 < avail_beta <= 1:
+        raise ValueError(f"avail_beta must be in (0, 1], got {avail_beta}")

@@ -1,0 +1,224 @@
+"""Closed-loop provisioning controller, driven by a fake clock (no sleeps)."""
+
+import pytest
+
+from provisioning.controller import (
+    ACTIVATE,
+    RELEASE,
+    SHORT,
+    Controller,
+    UnknownWorker,
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(window_s: float = 60.0, **kw) -> tuple[Controller, FakeClock]:
+    clock = FakeClock()
+    return Controller(alpha=1.1, delta=0.2, window_s=window_s, clock=clock, **kw), clock
+
+
+def run(ctl: Controller, clock: FakeClock, until: float, rates: dict[str, int], step: float = 1.0):
+    """Advance to ``until``; each active worker delivers at its true integer rate per second,
+    so measured throughput equals the rate exactly. Returns all decisions taken."""
+    decisions = []
+    while clock.t < until:
+        clock.t += step
+        for wid in ctl.active_ids():
+            ctl.observe(wid, int(rates[wid] * step))
+        decisions += ctl.tick()
+    return decisions
+
+
+def test_no_action_before_the_window_then_activation():
+    # mu_req 10 -> target alpha*mu_req = 11; active w0 delivers 5/s: C_eff 5 < 11 from t=1
+    ctl, clock = make()
+    ctl.add_worker("w0", price=1.0, state="active", mu_prior=5)
+    ctl.add_worker("s1", price=1.0, mu_prior=10)
+    ctl.set_requirement(10.0)
+    rates = {"w0": 5, "s1": 10}
+    assert run(ctl, clock, 60.0, rates) == []  # low since t=1, held 59 s < 60 s
+    [d] = run(ctl, clock, 61.0, rates)  # held 60 s at t=61
+    assert (d.action, d.worker_id, d.time) == (ACTIVATE, "s1", 61.0)
+    assert ctl.active_ids() == ["s1", "w0"]
+    assert ctl.c_eff() == pytest.approx(15.0)
+
+
+def test_condition_must_hold_for_the_whole_window():
+    ctl, clock = make()
+    ctl.add_worker("w0", price=1.0, state="active", mu_prior=5)
+    ctl.add_worker("s1", price=1.0, mu_prior=10)
+    rates = {"w0": 5, "s1": 10}
+    ctl.set_requirement(10.0)  # target 11 > 5: low
+    assert run(ctl, clock, 30.0, rates) == []
+    ctl.set_requirement(4.0)  # target 4.4 <= 5 <= (1.1+0.2)*4 = 5.2: neither low nor high
+    assert run(ctl, clock, 40.0, rates) == []
+    ctl.set_requirement(10.0)  # low again from t=41: the earlier 30 s do not count
+    assert run(ctl, clock, 100.0, rates) == []  # held 59 s
+    [d] = run(ctl, clock, 101.0, rates)
+    assert d.action == ACTIVATE and d.time == 101.0
+
+
+def test_activation_order_is_by_unit_cost_and_short_is_reported():
+    # target 1.1 * 20 = 22; active w0 gives 5. Standby unit costs ($/h per traj/s):
+    # big 3/10 = 0.3, mid 2/4 = 0.5, small 1/1 = 1.0 -> activate big (15), mid (19), small (20),
+    # still 2 short of 22: a SHORT decision says so
+    ctl, clock = make(window_s=10.0)
+    ctl.add_worker("w0", price=1.0, state="active", mu_prior=5)
+    ctl.add_worker("small", price=1.0, mu_prior=1)
+    ctl.add_worker("mid", price=2.0, mu_prior=4)
+    ctl.add_worker("big", price=3.0, mu_prior=10)
+    ctl.set_requirement(20.0)
+    decisions = run(ctl, clock, 11.0, {"w0": 5, "small": 1, "mid": 4, "big": 10})
+    assert [(d.action, d.worker_id) for d in decisions] == [
+        (ACTIVATE, "big"), (ACTIVATE, "mid"), (ACTIVATE, "small"), (SHORT, None)]
+    assert "still short by 2/s" in decisions[-1].reason
+
+
+def test_activation_stops_once_the_gap_is_closed():
+    # target 11, C_eff 5: the cheapest per trajectory (big, 10/s) alone closes it
+    ctl, clock = make(window_s=10.0)
+    ctl.add_worker("w0", price=1.0, state="active", mu_prior=5)
+    ctl.add_worker("mid", price=2.0, mu_prior=4)
+    ctl.add_worker("big", price=3.0, mu_prior=10)
+    ctl.set_requirement(10.0)
+    decisions = run(ctl, clock, 11.0, {"w0": 5, "mid": 4, "big": 10})
+    assert [d.worker_id for d in decisions] == ["big"]
+
+
+def test_release_priciest_that_keeps_the_constraint_one_per_window():
+    # mu_req 10: target 11, release above (1.1+0.2)*10 = 13. Active a($3, 2/s), b($2, 2/s),
+    # c($1, 12/s): C_eff 16. Without a: 14 >= 11 ok; without b: 14 ok; without c: 4 no.
+    # -> release a (priciest) at t=11. C_eff 14 > 13 still, but the timers restart: high again
+    # from the tick at t=12, so b goes at t=22 (14 - 2 = 12 >= 11). Then 12 <= 13: stop.
+    ctl, clock = make(window_s=10.0)
+    for wid, price, mu in (("a", 3.0, 2), ("b", 2.0, 2), ("c", 1.0, 12)):
+        ctl.add_worker(wid, price=price, state="active", mu_prior=mu)
+    ctl.set_requirement(10.0)
+    rates = {"a": 2, "b": 2, "c": 12}
+    decisions = run(ctl, clock, 11.0, rates)
+    assert [(d.action, d.worker_id, d.time) for d in decisions] == [(RELEASE, "a", 11.0)]
+    assert run(ctl, clock, 21.0, rates) == []  # timers restarted after the release
+    decisions = run(ctl, clock, 100.0, rates)
+    assert [(d.action, d.worker_id, d.time) for d in decisions] == [(RELEASE, "b", 22.0)]
+    assert ctl.active_ids() == ["c"]
+    assert ctl.c_eff() == pytest.approx(12.0)  # >= target 11
+    assert ctl.cost_per_hour() == pytest.approx(1.0)
+
+
+def test_no_release_when_every_removal_would_undershoot():
+    # C_eff 20 > 13 but the only worker is needed (20 - 20 < 11)
+    ctl, clock = make(window_s=10.0)
+    ctl.add_worker("only", price=5.0, state="active", mu_prior=20)
+    ctl.set_requirement(10.0)
+    assert run(ctl, clock, 100.0, {"only": 20}) == []
+
+
+def test_decisions_carry_reasons_with_numbers():
+    ctl, clock = make(window_s=10.0)
+    ctl.add_worker("w0", price=1.0, state="active", mu_prior=5)
+    ctl.add_worker("s1", price=0.36, mu_prior=10)
+    ctl.set_requirement(10.0)
+    [d] = run(ctl, clock, 11.0, {"w0": 5, "s1": 10})
+    assert "C_eff 5/s < alpha*mu_req = 1.1 x 10 = 11/s for 10 s (window 10 s)" in d.reason
+    # $0.36/h at 10/s: 0.36 / 3600 / 10 * 1000 = $0.01 per 1k trajectories
+    assert "s1 ($0.36/h" in d.reason and "$0.01 per 1k trajectories" in d.reason
+    assert (d.c_eff, d.target) == (pytest.approx(5.0), pytest.approx(11.0))
+    assert list(ctl.history) == [d]
+
+
+def test_estimate_follows_measurements_not_the_claim():
+    # claims 20/s, delivers 2/s. mu_req 1: target 1.1, release above 1.3.
+    # At first C_eff = 20 (prior); measurements pull it to 2 (EWMA, tau 60 s).
+    ctl, clock = make(window_s=1e9, tau_s=60.0, warmup_s=30.0)
+    ctl.add_worker("liar", price=1.0, state="active", mu_prior=20)
+    ctl.set_requirement(1.0)
+    run(ctl, clock, 29.0, {"liar": 2})
+    assert ctl.c_eff() == pytest.approx(20.0)  # warm-up (30 s): prior kept
+    run(ctl, clock, 29.0 + 600.0, {"liar": 2})  # 10 time constants: 2 + 18 e^-10 = 2.0008
+    assert ctl.c_eff() == pytest.approx(2.0, rel=1e-3)
+
+
+def test_silent_worker_decays_and_triggers_activation():
+    ctl, clock = make(window_s=10.0, tau_s=10.0, warmup_s=0.0)
+    ctl.add_worker("dead", price=1.0, state="active", mu_prior=20)
+    ctl.add_worker("spare", price=1.0, mu_prior=20)
+    # target 11, release above 13. dead: mu_hat = 20 e^(-t/10) < 11 from t = 6 (10 ln(20/11)
+    # = 5.98) -> spare activated at t = 16. Then C_eff = 20 + a little > 13 and dropping the
+    # dead worker keeps 20 >= 11 -> released one window later (high from t=17, at t=27).
+    ctl.set_requirement(10.0)
+    decisions = run(ctl, clock, 200.0, {"dead": 0, "spare": 20})
+    assert [(d.action, d.worker_id, d.time) for d in decisions] == [
+        (ACTIVATE, "spare", 16.0), (RELEASE, "dead", 27.0)]
+
+
+def test_availability_from_heartbeats_scales_capacity():
+    ctl, clock = make(avail_beta=0.5)
+    ctl.add_worker("w", price=1.0, state="active", mu_prior=10)
+    ctl.heartbeat("w", up=False)  # a: 1 -> 0.5
+    assert ctl.c_eff() == pytest.approx(5.0)
+    ctl.heartbeat("w", up=False)  # 0.5 -> 0.25
+    ctl.heartbeat("w", up=True)  # 0.25 -> 0.625
+    assert ctl.c_eff() == pytest.approx(6.25)
+
+
+def test_standby_deliveries_are_ignored_and_unknown_workers_raise():
+    ctl, clock = make(warmup_s=0.0)
+    ctl.add_worker("s", price=1.0, mu_prior=3)
+    ctl.observe("s", 1000)  # finishing old leases after a release: not a measurement
+    clock.t = 10.0
+    ctl.tick()
+    [status] = ctl.workers()
+    assert status.mu_hat == 3 and status.state == "standby"
+    with pytest.raises(UnknownWorker, match="add_worker first"):
+        ctl.observe("nobody", 1)
+    ctl.remove_worker("s")
+    with pytest.raises(UnknownWorker):
+        ctl.heartbeat("s")
+
+
+def test_no_requirement_no_decisions():
+    ctl, clock = make(window_s=0.0)
+    ctl.add_worker("s", price=1.0, mu_prior=3)
+    clock.t = 100.0
+    assert ctl.tick() == []
+
+
+def test_invalid_arguments():
+    ctl, _ = make()
+    ctl.add_worker("w", price=1.0)
+    with pytest.raises(ValueError, match="already registered"):
+        ctl.add_worker("w", price=1.0)
+    with pytest.raises(ValueError, match="state must be"):
+        ctl.add_worker("x", price=1.0, state="on")
+    with pytest.raises(ValueError, match="price"):
+        ctl.add_worker("y", price=-1.0)
+    with pytest.raises(ValueError, match="mu_req"):
+        ctl.set_requirement(float("nan"))
+    with pytest.raises(ValueError, match="alpha"):
+        Controller(alpha=0.0)
+
+
+def test_every_release_keeps_the_target():
+    # 12 workers of mixed speed (1..4 /s, 30 in all), requirement stepping down: after every
+    # tick that released someone, C_eff >= alpha * mu_req still holds
+    ctl, clock = make(window_s=5.0)
+    rates = {f"w{i}": 1 + i % 4 for i in range(12)}
+    for wid, mu in rates.items():
+        ctl.add_worker(wid, price=1.0 + mu / 10, state="active", mu_prior=mu)
+    releases = 0
+    for req in (20.0, 12.0, 5.0):
+        ctl.set_requirement(req)
+        end = clock.t + 200.0
+        while clock.t < end:
+            decisions = run(ctl, clock, clock.t + 1.0, rates)
+            assert all(d.action == RELEASE for d in decisions)
+            releases += len(decisions)
+            assert ctl.c_eff() >= 1.1 * req - 1e-9
+    assert releases > 0

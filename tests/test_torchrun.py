@@ -1,0 +1,58 @@
+"""The learner under torchrun (FSDP2, gloo on CPU): same math as one process, same system."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from echo.procs import ProcessGroup, wait_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_fsdp2_two_ranks_match_single_process(tmp_path):
+    script = str(ROOT / "tests" / "torchrun_steps.py")
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, script, str(tmp_path / "one.pt")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240, env={**_env(), **env})
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([*TORCHRUN, script, str(tmp_path / "two.pt")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240, env={**_env(), **env})
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert a.keys() == b.keys()
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst < 1e-4, worst
+
+
+def test_learner_runs_under_torchrun_with_a_worker(tmp_path, small_cfg):
+    from echo.config import dump_toml
+
+    conf = tmp_path / "cfg.toml"
+    small_cfg.learner.max_steps = 4
+    conf.write_text(dump_toml(small_cfg))
+    group = ProcessGroup()
+    try:
+        learner = group.start("learner", [*TORCHRUN, "-m", "echo.cli", "learn", str(conf),
+                                          "--run-dir", str(tmp_path / "run")],
+                              tmp_path / "learner.err", pipe_stdout=True)
+        endpoint = wait_ready(learner, timeout=180)
+        group.start("w0", [sys.executable, "-m", "worker.cli", "join", endpoint, "--id", "w0"],
+                    tmp_path / "w0.log")
+        assert learner.wait(240) == 0, (tmp_path / "learner.err").read_text()[-2000:]
+        rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        assert len(rows) == 4
+        assert "ranks=2" in (tmp_path / "run" / "learner.log").read_text()
+    finally:
+        group.stop_all()
+
+
+def _env():
+    import os
+
+    return dict(os.environ)

@@ -1,0 +1,43 @@
+"""Run 3 learner steps on fixed batches and save the parameters (used by test_torchrun.py).
+
+    python tests/torchrun_steps.py OUT.pt                      # one process
+    torchrun --nproc_per_node=2 tests/torchrun_steps.py OUT.pt # FSDP2, same data
+"""
+
+import sys
+
+import torch
+
+from dataplane.adapter import LearnerBatch
+from echo.config import EchoConfig
+from learner.policy import Policy
+
+
+def batch(seed: int, n: int = 16, prompt: int = 4, completion: int = 3) -> LearnerBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 24, (n, prompt + completion), generator=g)
+    mask = torch.zeros(n, prompt + completion - 1)
+    mask[:, prompt - 1:] = 1
+    mask[::3, -1] = 0  # ragged completions: token-mean differs from seq-mean
+    return LearnerBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask,
+                        behaviour_logprobs=-torch.rand(n, prompt + completion - 1, generator=g) * 3,
+                        advantages=torch.randn(n, generator=g), rewards=torch.zeros(n),
+                        versions=torch.zeros(n, dtype=torch.long))
+
+
+def main(out: str) -> None:
+    cfg = EchoConfig.model_validate({"learner": {"lr": 1e-2, "prompts_per_step": 4, "group_size": 4}})
+    policy = Policy(cfg)
+    if not policy.par.is_main:
+        policy.follow()
+        policy.par.close()
+        return
+    for step in range(3):
+        policy.command({"op": "step", "batch": batch(step), "sync": False})
+    _, (model_sd, _) = policy.command({"op": "sync"})
+    torch.save({n: t for n, t in policy.named_tensors(model_sd)}, out)
+    policy.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
