@@ -1,59 +1,162 @@
-"""Pulls a whole snapshot from one source, a window of chunk requests in flight.
+"""Pulls a snapshot into a ``SnapshotBuffer``, a window of chunk requests in flight.
 
-Every chunk is checked against the manifest's BLAKE3 hash before it is written into the
-pre-allocated payload; a bad chunk aborts the fetch with ``SnapshotError`` (nothing corrupt
-is ever installed). Replies to earlier, abandoned requests are recognised by ``rid`` and ignored.
+Every chunk is checked against the manifest's BLAKE3 hash before it is stored (and so before
+it can be forwarded or installed). When the source fails, the fetch asks ``reattach`` for a
+new one and resumes with the chunks it still misses; nothing restarts from zero:
+
+  * ``disconnected``: the source's connection closed (zmq socket monitor; immediate on a dead
+    process);
+  * ``timeout``: no reply for ``timeout_s`` (a silent host);
+  * ``corrupt``: a chunk failed its hash (a relay that alters bytes is routed around);
+  * ``refused``: the source answered with an error (it no longer holds that version).
+
+Download shaping: each received chunk first takes its size from the ``download`` bucket, so
+the window of requests never outruns the link.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
+import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
-from broadcast.snapshot import SnapshotError, chunk_range, num_chunks, verify_chunk
+from broadcast.shaping import TokenBucket
+from broadcast.snapshot import SnapshotError, chunk_range, verify_chunk
+from broadcast.store import SnapshotStore
 from echo import wire
 
 _rids = itertools.count(1)
+SOCKET_BUFFER = 8 << 20  # large kernel buffers: fewer wake-ups per MiB on fast links
+
+Reattach = Callable[[str, str], Awaitable[str]]  # (failed source, reason) -> new source
 
 
-async def fetch_snapshot(sock: zmq.asyncio.Socket, manifest: dict[str, Any], *, window: int,
-                         timeout_s: float, max_bytes: int) -> bytearray:
-    total = num_chunks(manifest)
-    payload = bytearray(manifest["payload_size"])
-    pending: dict[int, int] = {}  # rid -> chunk index
-    next_index = 0
-    done = 0
+class SourceFailed(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
 
-    async def request(index: int) -> None:
-        rid = next(_rids)
-        pending[rid] = index
-        await sock.send(wire.encode(wire.ChunkRequest(version=manifest["version"], index=index, rid=rid)))
 
-    while next_index < min(window, total):
-        await request(next_index)
-        next_index += 1
-    while done < total:
+@dataclass
+class FetchStats:
+    sources: list[str] = field(default_factory=list)
+    failures: list[tuple[str, str]] = field(default_factory=list)  # (source, reason)
+    chunks: int = 0
+
+
+async def fetch_into(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int,
+                     source: str, *, window: int, timeout_s: float, max_bytes: int,
+                     download: TokenBucket | None = None, reattach: Reattach | None = None,
+                     max_attempts: int = 16) -> FetchStats:
+    buf = store.get(version)
+    assert buf is not None, "add the SnapshotBuffer to the store before fetching"
+    stats = FetchStats()
+    for _ in range(max_attempts):
+        stats.sources.append(source)
         try:
-            frames = await asyncio.wait_for(sock.recv_multipart(), timeout_s)
-        except TimeoutError:
-            raise SnapshotError(f"no chunk within {timeout_s}s fetching version "
-                                f"{manifest['version']} ({done}/{total} chunks)") from None
-        msg = wire.decode(frames[0], max_bytes)
-        index = pending.pop(msg.rid, None)
+            await _pull(ctx, store, version, source, window, timeout_s, max_bytes, download, stats)
+            return stats
+        except SourceFailed as fail:
+            stats.failures.append((source, fail.reason))
+            if reattach is None:
+                raise SnapshotError(f"fetching version {version} from {source}: {fail}") from None
+            source = await reattach(source, fail.reason)
+    raise SnapshotError(f"version {version}: gave up after {max_attempts} sources ({stats.failures})")
+
+
+async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, source: str,
+                window: int, timeout_s: float, max_bytes: int, download: TokenBucket | None,
+                stats: FetchStats) -> None:
+    buf = store.get(version)
+    assert buf is not None
+    todo = iter(buf.missing())
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.connect(source)
+    plain = zmq.Socket.shadow(sock.underlying)
+    poller = zmq.asyncio.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    pending: dict[int, int] = {}  # rid -> chunk index
+
+    async def request_next() -> None:
+        for index in todo:
+            if not buf.have[index]:
+                rid = next(_rids)
+                pending[rid] = index
+                await sock.send(wire.encode(wire.ChunkRequest(version=version, index=index, rid=rid)))
+                return
+
+    try:
+        for _ in range(window):
+            await request_next()
+        while pending:
+            events = dict(await poller.poll(timeout_s * 1000))
+            if not events:
+                raise SourceFailed("timeout", f"no chunk from {source} within {timeout_s}s")
+            if monitor in events:
+                parse_monitor_message(await monitor.recv_multipart())
+                raise SourceFailed("disconnected", f"{source} closed the connection")
+            await _receive(plain, buf, store, pending, max_bytes, download, stats)
+            await request_next()
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+
+
+async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[int, int],
+                   max_bytes: int, download: TokenBucket | None, stats: FetchStats) -> None:
+    """Read one reply (the poller said one is waiting: all its frames are here).
+
+    ``sock`` is a plain (non-asyncio) shadow of the DEALER so that the chunk bytes can be
+    received straight into their place in the payload buffer (``recv_into``): no copy. They
+    only count as held once their hash verified; a bad chunk is overwritten by the retry.
+    """
+    header = sock.recv(zmq.NOBLOCK)
+    msg = wire.decode(header, max_bytes)
+    more = sock.getsockopt(zmq.RCVMORE)
+    index = pending.pop(msg.rid, None)
+    if index is None or isinstance(msg, wire.Error) or not isinstance(msg, wire.Chunk) \
+            or msg.index != index or not more:
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv(zmq.NOBLOCK)  # drain the rest of this reply
         if index is None:
-            continue  # a late reply to an abandoned request
+            return  # a late reply to a request of an earlier attempt
         if isinstance(msg, wire.Error):
-            raise SnapshotError(f"source refused chunk {index}: {msg.reason} ({msg.detail})")
-        if len(frames) != 2 or not isinstance(msg, wire.Chunk) or msg.index != index:
-            raise SnapshotError(f"bad chunk reply for chunk {index}")
-        verify_chunk(manifest, index, frames[1])
-        start, end = chunk_range(manifest, index)
-        payload[start:end] = frames[1]
-        done += 1
-        if next_index < total:
-            await request(next_index)
-            next_index += 1
-    return payload
+            raise SourceFailed("refused", f"chunk {index}: {msg.reason} ({msg.detail})")
+        raise SourceFailed("corrupt", f"malformed reply for chunk {index}")
+    start, end = chunk_range(buf.manifest, index)
+    target = buf.view[start:end]
+    n = sock.recv_into(target, flags=zmq.NOBLOCK)
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv(zmq.NOBLOCK)
+    if download is not None:
+        await download.consume(n)
+    if n != end - start:
+        raise SourceFailed("corrupt", f"chunk {index} has {n} bytes, expected {end - start}")
+    try:
+        verify_chunk(buf.manifest, index, target)
+    except SnapshotError as err:
+        raise SourceFailed("corrupt", str(err)) from None
+    store.mark(buf.version, index)
+    stats.chunks += 1
+
+
+async def fetch_snapshot(sock_ctx: zmq.asyncio.Context, manifest: dict, source: str, *,
+                         window: int, timeout_s: float, max_bytes: int) -> bytearray:
+    """One-shot convenience: a whole snapshot from one source into a fresh buffer."""
+    from broadcast.store import SnapshotBuffer
+
+    store = SnapshotStore()
+    buf = store.add(SnapshotBuffer(manifest))
+    await fetch_into(sock_ctx, store, buf.version, source, window=window, timeout_s=timeout_s,
+                     max_bytes=max_bytes)
+    return buf.payload

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     qs.add_argument("--workers", type=int, default=None, help="worker processes (default: config)")
     bench = sub.add_parser("bench", help="benchmarks (results as JSON under benchmarks/results/)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
+    bench_sub.add_parser("broadcast", add_help=False,
+                         help="snapshot broadcast with real relay processes (see --help)")
     prov = bench_sub.add_parser("provisioning", help="worker selection: greedy vs ours vs exact")
     prov.add_argument("--pools", type=int, default=1000)
     prov.add_argument("--seed", type=int, default=0)
@@ -61,6 +63,11 @@ def _load(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "broadcast"]:  # its own parser: many options, no config file
+        from broadcast.bench import main as broadcast_main
+
+        return broadcast_main(argv[2:])
     args = build_parser().parse_args(argv)
     if args.cmd == "bench":
         return _bench(args)

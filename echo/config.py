@@ -102,10 +102,14 @@ class WorkerConfig(_Section):
 
 
 class BroadcastConfig(_Section):
-    topology: Literal["star"] = "star"
+    topology: Literal["chains", "star", "star-unlimited"] = "chains"
     chunk_kib: int = Field(1024, gt=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    window: int = Field(4, gt=0)
+    window: int = Field(4, gt=0)  # chunk requests in flight per stream
+    uplink_mbit: float = Field(0.0, ge=0)  # learner uplink U: plans k = U/b chains; 0 = unknown
+    link_mbit: float = Field(0.0, ge=0)  # nominal worker link b; 0 = median of declared rates
+    timeout_s: float = Field(10.0, gt=0)  # a source silent this long is replaced
+    q: float = Field(1.0, gt=0, le=1)  # T_bcast = time until this fraction of workers installed
 
 
 class TransportConfig(_Section):

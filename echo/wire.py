@@ -13,11 +13,15 @@ Worker -> learner (control socket)
                   payload = lz4.frame(msgpack([record, ...])), record schema in
                   ``dataplane.records``; at-least-once: the worker resends until acked.
   leave           worker_id                             -> (none)
+  source_request  worker_id, version, bad_source, reason -> source_grant{source}
+  installed       worker_id, version, digest            -> (none)
 Learner -> worker (control socket, unsolicited)
   snapshot_notice version, manifest                     a new snapshot is published
   shutdown        reason                                the run is over
-Worker -> learner (snapshot socket)
+Worker -> learner or parent relay (snapshot socket)
   chunk_request   version, index                        -> chunk (+ bytes frame) | error
+                  (a relay parks a request for a chunk it does not hold yet and answers
+                  when the chunk has arrived and verified: see ``broadcast.source``)
 
 Receipt: ``decode`` checks size, msgpack, version, type and fields, and raises ``WireError``
 with a short machine reason (counted by the receiver) and a human detail (logged with the
@@ -60,6 +64,9 @@ class Join(Message):
     price: float = Field(0.0, ge=0)
     backend: str = "transformers"
     can_relay: bool = True
+    relay_endpoint: str = ""  # where this worker serves chunks to a child; "" = unreachable
+    down_mbit: float = Field(0.0, ge=0)  # declared link rates, 0 = unknown
+    up_mbit: float = Field(0.0, ge=0)
 
 
 class JoinAck(Message):
@@ -140,6 +147,29 @@ class SnapshotNotice(Message):
     source: str  # endpoint to pull the chunks from (the topology's choice for this worker)
 
 
+class SourceRequest(Message):
+    """A worker's snapshot source failed (disconnected, timeout, corrupt, refused): where now?"""
+    TYPE = "source_request"
+    worker_id: str
+    version: int
+    bad_source: str
+    reason: str
+
+
+class SourceGrant(Message):
+    TYPE = "source_grant"
+    version: int
+    source: str
+
+
+class Installed(Message):
+    """A worker installed (or, for a pure relay, completely received) a snapshot."""
+    TYPE = "installed"
+    worker_id: str
+    version: int
+    digest: bytes = b""  # BLAKE3 of the whole payload, so the root can count corrupt installs
+
+
 class Shutdown(Message):
     TYPE = "shutdown"
     reason: str
@@ -167,7 +197,8 @@ class Error(Message):
 MESSAGES: dict[str, type[Message]] = {
     m.TYPE: m
     for m in (Join, JoinAck, Heartbeat, HeartbeatAck, WorkRequest, WorkGrant, Trajectories, Ack,
-              Leave, SnapshotNotice, Shutdown, ChunkRequest, Chunk, Error)
+              Leave, SnapshotNotice, Shutdown, ChunkRequest, Chunk, Error, SourceRequest,
+              SourceGrant, Installed)
 }
 
 

@@ -21,9 +21,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from broadcast.coordinator import Coordinator
 from broadcast.snapshot import RunKey, Snapshot
-from broadcast.source import ChunkServer, SnapshotStore
-from broadcast.topology import Peer, make_topology
+from broadcast.source import ChunkServer
+from broadcast.store import SnapshotBuffer, SnapshotStore
+from broadcast.topology import make_topology
 from dataplane.records import Limits, Record, RecordError, parse_record
 from echo import wire
 from echo.config import EchoConfig
@@ -62,8 +64,12 @@ class ControlPlane:
         self.buffer_log = buffer_log
         self.instance_id = uuid.uuid4().hex[:12]
         self.max_bytes = int(cfg.transport.max_message_mib * 2**20)
-        self.topology = make_topology(cfg.broadcast.topology)
+        bc = cfg.broadcast
+        # uplink_mbit / link_mbit inform the chain planner; they do not throttle anything.
+        self.topology = make_topology(bc.topology, uplink_mbit=bc.uplink_mbit or None,
+                                      link_mbit=bc.link_mbit or None, chunk_bytes=bc.chunk_kib * 1024)
         self.store = SnapshotStore()
+        self.coordinator: Coordinator | None = None
         self.workers: dict[str, WorkerState] = {}
         self.rejected: Counter[str] = Counter()
         self.endpoint = ""
@@ -98,6 +104,7 @@ class ControlPlane:
         snap = self._router(ctx, 0)
         self.endpoint = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
         self.snapshot_endpoint = snap.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.coordinator = Coordinator(self.topology, self.snapshot_endpoint, q=self.cfg.broadcast.q)
         self._ready.set()
         try:
             async with asyncio.TaskGroup() as tg:
@@ -144,11 +151,12 @@ class ControlPlane:
     # ------------------------------------------------------------------ loop side
 
     async def _publish(self, snap: Snapshot) -> None:
-        self.store.add(snap)
-        plan = self.topology.plan([Peer(w) for w in self.workers], self.snapshot_endpoint)
+        assert self.coordinator is not None
+        self.store.add(SnapshotBuffer(snap.manifest, snap.payload))
+        plan = self.coordinator.publish(snap.version)
         for w in list(self.workers.values()):
             await self._send(w, wire.SnapshotNotice(version=snap.version, manifest=snap.manifest,
-                                                    source=plan[w.worker_id]))
+                                                    source=plan.get(w.worker_id, self.snapshot_endpoint)))
 
     async def _stats(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -157,6 +165,7 @@ class ControlPlane:
             "active_workers": sum(1 for w in self.workers.values() if now - w.last_seen < timeout),
             "rejected": dict(self.rejected + self.buffer.stats.rejected),
             "learner_bytes_sent": self.store.bytes_sent,
+            "t_bcast": self._last_t_bcast(),
             "in_flight_groups": self.work.in_flight,
             "reissued_groups": self.work.reissued,
             "workers": {w.worker_id: {"price": w.price, "version": w.version, "state": w.state,
@@ -196,6 +205,8 @@ class ControlPlane:
         if w is None:
             return
         n = self.work.release_worker(worker_id)
+        if self.coordinator is not None:
+            self.coordinator.leave(worker_id)
         log.info("worker %s removed (%s); %d group(s) handed out again", worker_id, why, n)
 
     # ------------------------------------------------------------------ request handling
@@ -225,7 +236,8 @@ class ControlPlane:
         handler = {
             wire.Join: self._on_join, wire.Heartbeat: self._on_heartbeat,
             wire.WorkRequest: self._on_work_request, wire.Trajectories: self._on_trajectories,
-            wire.Leave: self._on_leave,
+            wire.Leave: self._on_leave, wire.SourceRequest: self._on_source_request,
+            wire.Installed: self._on_installed,
         }.get(type(msg))
         if handler is None:
             raise wire.WireError("unknown_type", f"{msg.type} is not a request the learner serves")
@@ -242,19 +254,25 @@ class ControlPlane:
         return w
 
     def _latest(self) -> tuple[int, dict[str, Any] | None]:
-        snap = self.store.latest()
-        return (snap.version, snap.manifest) if snap else (-1, None)
+        buf = self.store.latest()
+        return (buf.version, buf.manifest) if buf else (-1, None)
 
     def _on_join(self, ident: bytes, msg: wire.Join) -> wire.Message:
         now = time.monotonic()
         known = self._touch(ident, msg.worker_id)
         if known is None:
             self.workers[msg.worker_id] = WorkerState(msg.worker_id, ident, msg.price, now)
-            log.info("worker %s joined (price $%.3f/h)", msg.worker_id, msg.price)
+            log.info("worker %s joined (price $%.3f/h, relay %s)", msg.worker_id, msg.price,
+                     msg.relay_endpoint or "none")
+        assert self.coordinator is not None
+        self.coordinator.join(msg.worker_id, msg.relay_endpoint if msg.can_relay else "",
+                              msg.down_mbit, msg.up_mbit)
         version, manifest = self._latest()
+        # A late joiner pulls the current snapshot from its place in the plan: a peer.
         return wire.JoinAck(run_id=self.run_id, instance_id=self.instance_id,
                             public_key=self.key.public_bytes, version=version, manifest=manifest,
-                            config=self.cfg.worker_view(), snapshot_endpoint=self.snapshot_endpoint)
+                            config=self.cfg.worker_view(),
+                            snapshot_endpoint=self.coordinator.source_for(msg.worker_id))
 
     def _on_heartbeat(self, ident: bytes, msg: wire.Heartbeat) -> wire.Message:
         w = self._touch(ident, msg.worker_id)
@@ -263,15 +281,39 @@ class ControlPlane:
             return wire.HeartbeatAck(instance_id=self.instance_id, version=version, known=False)
         w.version, w.state, w.claimed_throughput = msg.version, msg.state, msg.throughput
         behind = msg.version < version
+        assert self.coordinator is not None
         return wire.HeartbeatAck(instance_id=self.instance_id, version=version,
                                  manifest=manifest if behind else None,
-                                 source=self.snapshot_endpoint if behind else "")
+                                 source=self.coordinator.source_for(msg.worker_id) if behind else "")
 
     def _on_work_request(self, ident: bytes, msg: wire.WorkRequest) -> wire.Message:
         if self._touch(ident, msg.worker_id) is None:
             raise wire.WireError("unknown_worker", f"{msg.worker_id} has not joined: send join first")
         groups = self.work.grant(msg.worker_id, msg.max_groups, self.buffer.depth()["ready_groups"])
         return wire.WorkGrant(groups=groups, retry_after_s=0.0 if groups else 0.2)
+
+    def _on_source_request(self, ident: bytes, msg: wire.SourceRequest) -> wire.Message:
+        assert self.coordinator is not None
+        self._touch(ident, msg.worker_id)
+        source = self.coordinator.reattach(msg.worker_id, msg.bad_source, msg.reason)
+        log.info("worker %s: source %s failed (%s); now pulls from %s", msg.worker_id,
+                 msg.bad_source, msg.reason, source)
+        return wire.SourceGrant(version=msg.version, source=source)
+
+    def _on_installed(self, ident: bytes, msg: wire.Installed) -> None:
+        assert self.coordinator is not None
+        self._touch(ident, msg.worker_id)
+        self.coordinator.installed(msg.worker_id, msg.version)
+        return None
+
+    def _last_t_bcast(self) -> float | None:
+        if self.coordinator is None or not self.coordinator.published:
+            return None
+        for version in sorted(self.coordinator.published, reverse=True):
+            t = self.coordinator.t_bcast(version)
+            if t is not None:
+                return round(t, 4)
+        return None
 
     def _on_leave(self, ident: bytes, msg: wire.Leave) -> None:
         self._forget(msg.worker_id, "left")

@@ -82,7 +82,7 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
         "admitted": buffer.stats.admitted, "duplicates": buffer.stats.duplicates,
         "dropped_stale": buffer.stats.dropped_stale,
         "active_workers": control["active_workers"], "rejected": control["rejected"],
-        "learner_bytes_sent": control["learner_bytes_sent"],
+        "learner_bytes_sent": control["learner_bytes_sent"], "t_bcast": control["t_bcast"],
         "reissued_groups": control["reissued_groups"], **buffer.depth(),
         **{k: round(v, 5) for k, v in stats.items()},
         "wall_s": round(time.monotonic() - totals.started, 3),

@@ -22,13 +22,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from broadcast.fetch import fetch_snapshot
-from broadcast.snapshot import SnapshotError, verify_manifest
+from broadcast.relay import Relay, RelayConfig
+from broadcast.snapshot import SnapshotError
 from dataplane.adapter import Adapter, load_adapter
 from echo import wire
 from echo.config import ModelConfig
 from worker.backends import Backend, Sample, make_backend
-from worker.client import Client, RequestTimeout
+from echo.client import Client, RequestTimeout
 
 log = logging.getLogger("echo.worker")
 
@@ -43,7 +43,7 @@ class WorkerError(RuntimeError):
 class Worker:
     def __init__(self, endpoint: str, *, worker_id: str | None = None, price: float = 0.0,
                  threads: int | None = None, join_timeout_s: float = 5.0,
-                 ledger: str | None = None):
+                 ledger: str | None = None, relay: RelayConfig | None = None):
         self.endpoint = endpoint
         self.worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
         self.price = price
@@ -66,8 +66,9 @@ class Worker:
         self.exit_reason = ""
         self.stopping = asyncio.Event()
         self.new_snapshot = asyncio.Event()
-        self._sources: dict[str, Any] = {}
+        self.relay_cfg = relay or RelayConfig()
         self._last_ack: float | None = None
+        self._fetching = -1  # version being pulled right now
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -77,9 +78,11 @@ class Worker:
             loop.add_signal_handler(sig, self._stop, f"signal {sig.name}")
         self.ctx = zmq.asyncio.Context()
         self.client = Client(self.ctx, self.endpoint, BOOT_MAX_BYTES)
+        self.relay = Relay(self.ctx, self.relay_cfg)
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self.client.receive_forever())]
+                tasks = [tg.create_task(self.client.receive_forever()),
+                         tg.create_task(self.relay.serve_forever())]
                 if await self._join():
                     # Heartbeats start before the (slow) model load so the learner keeps us.
                     tasks += [tg.create_task(self._heartbeats()), tg.create_task(self._notices())]
@@ -93,8 +96,7 @@ class Worker:
                 for t in tasks:
                     t.cancel()
         finally:
-            for s in self._sources.values():
-                s.close(linger=0)
+            self.relay.close()
             self.client.close()
             self.ctx.term()
         return self.exit_reason
@@ -113,8 +115,10 @@ class Worker:
         """Join (or re-join) the learner; retry until it answers or we are told to stop."""
         while not self.stopping.is_set():
             try:
-                ack = await self.client.request(
-                    wire.Join(worker_id=self.worker_id, price=self.price), self.join_timeout_s)
+                ack = await self.client.request(wire.Join(
+                    worker_id=self.worker_id, price=self.price, relay_endpoint=self.relay.endpoint,
+                    can_relay=bool(self.relay.endpoint), down_mbit=self.relay_cfg.down_mbit,
+                    up_mbit=self.relay_cfg.up_mbit), self.join_timeout_s)
             except RequestTimeout:
                 log.info("no answer from learner at %s yet; retrying", self.endpoint)
                 continue
@@ -129,11 +133,15 @@ class Worker:
         if self.instance_id and ack.instance_id != self.instance_id:
             log.info("learner restarted (instance %s -> %s); re-joined", self.instance_id, ack.instance_id)
         if ack.run_id != self.run_id or ack.version < self.installed_version:
-            # Another run, or one that went back in versions: what we hold is not its policy.
+            # Another run, or one that went back in versions: what we hold is not its policy,
+            # and what our relay holds must not be served under that run's version numbers.
             self.installed_version, self.offered = -1, None
+            self.relay.reset()
         self.run_id = ack.run_id
         self.instance_id, self.public_key, self.view = ack.instance_id, ack.public_key, ack.config
         self.client.max_bytes = int(self.view["transport"]["max_message_mib"] * 2**20)
+        bc = self.view["broadcast"]
+        self.relay.cfg.window, self.relay.cfg.timeout_s = bc["window"], bc["timeout_s"]
         if ack.manifest is not None:
             self._offer(ack.version, ack.manifest, ack.snapshot_endpoint)
         log.info("worker %s joined run %s (snapshot v%d)", self.worker_id, ack.run_id, ack.version)
@@ -186,36 +194,39 @@ class Worker:
         if self.offered is None or self.offered[0] <= self.installed_version:
             return
         version, manifest, source = self.offered
+        self._fetching = version
         self.state = "installing"
         try:
-            verify_manifest(manifest, self.public_key)
-            payload = await fetch_snapshot(
-                self._source(source), manifest, window=self.view["broadcast"]["window"],
-                timeout_s=self._timeout, max_bytes=self.client.max_bytes)
+            buf, stats = await self.relay.receive(manifest, self.public_key, source, self._reattach)
             assert self.backend is not None
-            await asyncio.to_thread(self.backend.install, manifest["tensors"], payload)
+            await asyncio.to_thread(self.backend.install, manifest["tensors"], buf.payload)
             self.installed_version = version
-            log.info("installed snapshot v%d (%d bytes)", version, manifest["payload_size"])
+            await self.client.send(wire.Installed(worker_id=self.worker_id, version=version))
+            log.info("installed snapshot v%d (%d bytes, %d chunks from %s)", version,
+                     manifest["payload_size"], stats.chunks, " then ".join(stats.sources))
         except SnapshotError as err:
             log.warning("snapshot v%d not installed: %s", version, err)
-            self._drop_source(source)  # a fresh socket: no late replies from the failed fetch
             if self.offered and self.offered[0] == version:
                 self.offered = None  # wait for the next offer (heartbeat acks repeat it)
         finally:
             self.state = "idle"
 
-    def _source(self, endpoint: str) -> Any:
-        if endpoint not in self._sources:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
-            self._sources[endpoint] = sock
-        return self._sources[endpoint]
-
-    def _drop_source(self, endpoint: str) -> None:
-        sock = self._sources.pop(endpoint, None)
-        if sock is not None:
-            sock.close(linger=0)
+    async def _reattach(self, bad_source: str, reason: str) -> str:
+        """Our snapshot source failed: the learner re-plans and names a new one."""
+        if self.offered is None or self.offered[0] != self._fetching:
+            raise SnapshotError(f"v{self._fetching} superseded while fetching (learner restarted "
+                                f"or a newer snapshot was offered)")
+        version = self._fetching
+        log.warning("snapshot source %s failed (%s); asking the learner for another", bad_source, reason)
+        try:
+            grant = await self.client.request(wire.SourceRequest(
+                worker_id=self.worker_id, version=version, bad_source=bad_source, reason=reason),
+                self._timeout)
+        except RequestTimeout:
+            raise SnapshotError("learner did not answer a source request") from None
+        if not isinstance(grant, wire.SourceGrant):
+            raise SnapshotError(f"source request refused: {grant}")
+        return grant.source
 
     # ------------------------------------------------------------------ rollouts
 

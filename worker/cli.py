@@ -16,6 +16,13 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: learner's)")
     j.add_argument("--ledger", default=None, metavar="FILE",
                    help="append one JSON line per acknowledged batch: what the learner stored")
+    j.add_argument("--relay-host", default="127.0.0.1",
+                   help="address this worker serves snapshot chunks on, for its chain child "
+                        "(must be reachable by other workers; default loopback)")
+    j.add_argument("--no-relay", action="store_true",
+                   help="behind NAT / no inbound connections: never relay (placed at a chain tail)")
+    j.add_argument("--down-mbit", type=float, default=0.0, help="declared download rate, Mbit/s")
+    j.add_argument("--up-mbit", type=float, default=0.0, help="declared upload rate, Mbit/s")
     j.add_argument("--log-level", default="INFO")
     return p
 
@@ -34,10 +41,14 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from broadcast.relay import RelayConfig
     from worker.agent import Worker, WorkerError
 
+    relay = RelayConfig(bind_host=args.relay_host, serve=not args.no_relay,
+                        down_mbit=args.down_mbit, up_mbit=args.up_mbit)
+
     worker = Worker(args.learner, worker_id=args.worker_id, price=args.price, threads=args.threads,
-                    ledger=args.ledger)
+                    ledger=args.ledger, relay=relay)
     try:
         reason = asyncio.run(worker.run())
     except BaseExceptionGroup as eg:  # raised out of the worker's TaskGroup

@@ -16,6 +16,12 @@ class Peer:
 
 
 class Topology(ABC):
+    @classmethod
+    def from_params(cls, *, uplink_mbit: float | None, link_mbit: float | None,
+                    chunk_bytes: int) -> "Topology":
+        """Build from the broadcast config; topologies that need no rates ignore them."""
+        return cls()
+
     @abstractmethod
     def plan(self, peers: list[Peer], source: str) -> dict[str, str]:
         """Map every worker id to the endpoint it pulls chunks from (``source`` is the learner)."""

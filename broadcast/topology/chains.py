@@ -25,6 +25,12 @@ class ChainsTopology(Topology):
         self.tolerance = tolerance
         self.last_plan: ChainPlan | None = None  # predictions for the learner's logs
 
+    @classmethod
+    def from_params(cls, *, uplink_mbit: float | None, link_mbit: float | None,
+                    chunk_bytes: int) -> "ChainsTopology":
+        return cls(uplink_mbit=uplink_mbit or None, link_mbit=link_mbit or None,
+                   chunk_bytes=chunk_bytes)
+
     def plan(self, peers: list[Peer], source: str, *, uplink_mbit: float | None = None,
              snapshot_bytes: int | None = None) -> dict[str, str]:
         """``uplink_mbit`` / ``snapshot_bytes`` override the constructor's for this and later

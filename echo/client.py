@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from echo import wire
 
-log = logging.getLogger("echo.worker.client")
+log = logging.getLogger("echo.client")
 
 NOTICE_QUEUE = 64
 

@@ -1,0 +1,348 @@
+"""``echo-rl bench broadcast``: real processes moving a real snapshot over loopback.
+
+The root (this process) plays the learner's broadcast side with the same code the learner
+uses (``Coordinator`` + ``ChunkServer``, uplink shaped at U); each of N relay processes
+(``python -m broadcast.bench relay``) is what a worker runs (``Relay``: download and upload
+shaped at b). Optionally a fraction of relays is SIGKILLed at random moments and K relays
+corrupt every chunk they forward. Reports per-worker install times, ``T_bcast`` (q = 1), the
+lower bound of DESIGN 5, bytes the root sent, and corrupt installs (payload digests that differ
+from the root's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from broadcast.coordinator import Coordinator
+from broadcast.fetch import SOCKET_BUFFER
+from broadcast.planner import lower_bound_s, star_limited_s, star_unlimited_s
+from broadcast.relay import Relay, RelayConfig, bucket
+from broadcast.snapshot import RunKey, build_manifest, chunk_hash
+from broadcast.source import ChunkServer
+from broadcast.store import SnapshotBuffer, SnapshotStore
+from broadcast.topology import TOPOLOGIES, make_topology
+from echo import wire
+from echo.client import Client, RequestTimeout
+from echo.machine import machine_info
+
+MAX_BYTES = 64 * 2**20
+
+
+# ----------------------------------------------------------------------------- relay process
+
+
+async def relay_process(args: argparse.Namespace) -> int:
+    ctx = zmq.asyncio.Context()
+    relay = Relay(ctx, RelayConfig(serve=not args.no_serve, window=args.window,
+                                   timeout_s=args.timeout, down_mbit=args.down_mbit,
+                                   up_mbit=args.up_mbit, shape=True, chunk_bytes=args.chunk_kib * 1024,
+                                   corrupt=args.corrupt))
+    if args.reserve_mib:
+        relay.store.reserve(int(args.reserve_mib * 2**20))
+    client = Client(ctx, args.root, MAX_BYTES)
+    join = wire.Join(worker_id=args.id, relay_endpoint=relay.endpoint, down_mbit=args.down_mbit,
+                     up_mbit=args.up_mbit, can_relay=not args.no_serve)
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(client.receive_forever()), tg.create_task(relay.serve_forever())]
+        ack = await client.request(join, 60)
+        assert isinstance(ack, wire.JoinAck)
+        while True:
+            msg = await client.notices.get()
+            if isinstance(msg, wire.Shutdown):
+                break
+            assert isinstance(msg, wire.SnapshotNotice)
+
+            async def reattach(bad: str, reason: str, version: int = msg.version) -> str:
+                grant = await client.request(wire.SourceRequest(
+                    worker_id=args.id, version=version, bad_source=bad, reason=reason), 30)
+                assert isinstance(grant, wire.SourceGrant)
+                return grant.source
+
+            buf, _ = await relay.receive(msg.manifest, ack.public_key, msg.source, reattach)
+            await client.send(wire.Installed(worker_id=args.id, version=buf.version, digest=buf.digest()))
+        for t in tasks:
+            t.cancel()
+    relay.close()
+    client.close()
+    ctx.term()
+    return 0
+
+
+# ----------------------------------------------------------------------------- root
+
+
+@dataclass
+class BenchParams:
+    workers: int
+    snapshot_mib: float
+    uplink_mbit: float
+    link_mbit: float
+    topology: str
+    kill_fraction: float = 0.0
+    corrupt_relays: int = 0
+    chunk_kib: int = 1024
+    window: int = 4
+    chains: int = 0
+    timeout_s: float = 10.0
+    seed: int = 0
+
+
+class Root:
+    def __init__(self, p: BenchParams):
+        self.p = p
+        self.ctx = zmq.asyncio.Context()
+        self.ctrl = self.ctx.socket(zmq.ROUTER)
+        self.ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.ctrl.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
+        snap = self.ctx.socket(zmq.ROUTER)
+        snap.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        snap.setsockopt(zmq.SNDBUF, SOCKET_BUFFER)
+        snap.bind("tcp://127.0.0.1:*")
+        self.store = SnapshotStore()
+        uplink = None if p.topology == "star-unlimited" else bucket(p.uplink_mbit, p.chunk_kib * 1024)
+        self.server = ChunkServer(snap, self.store, MAX_BYTES, upload=uplink)
+        topo = make_topology(p.topology, uplink_mbit=p.uplink_mbit or None,
+                             link_mbit=p.link_mbit or None, chunk_bytes=p.chunk_kib * 1024)
+        if p.chains and hasattr(topo, "params"):
+            from dataclasses import replace
+            topo.params = replace(topo.params, chains=p.chains)  # type: ignore[attr-defined]
+        self.coord = Coordinator(topo, snap.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.key = RunKey.generate()
+        self.idents: dict[str, bytes] = {}
+        self.joined = asyncio.Event()
+        self.digests: dict[str, bytes] = {}
+        self.all_installed = asyncio.Event()
+        self.dead: set[str] = set()
+        self.reattaches: list[tuple[str, str, str]] = []
+
+    async def serve(self) -> None:
+        while True:
+            ident, frame = await self.ctrl.recv_multipart()
+            msg = wire.decode(frame, MAX_BYTES)
+            reply: wire.Message | None = None
+            if isinstance(msg, wire.Join):
+                self.idents[msg.worker_id] = ident
+                self.coord.join(msg.worker_id, msg.relay_endpoint, msg.down_mbit, msg.up_mbit)
+                reply = wire.JoinAck(run_id="bench", instance_id="bench", public_key=self.key.public_bytes,
+                                     version=-1, config={}, snapshot_endpoint=self.coord.source)
+                if len(self.idents) == self.p.workers:
+                    self.joined.set()
+            elif isinstance(msg, wire.SourceRequest):
+                self.reattaches.append((msg.worker_id, msg.bad_source, msg.reason))
+                reply = wire.SourceGrant(version=msg.version,
+                                         source=self.coord.reattach(msg.worker_id, msg.bad_source, msg.reason))
+            elif isinstance(msg, wire.Installed):
+                self.coord.installed(msg.worker_id, msg.version)
+                self.digests[msg.worker_id] = msg.digest
+                self._check_done()
+            if reply is not None:
+                reply.rid = msg.rid
+                await self.ctrl.send_multipart([ident, wire.encode(reply)])
+
+    def _check_done(self) -> None:
+        alive = set(self.idents) - self.dead
+        if alive and alive <= set(self.digests):
+            self.all_installed.set()
+
+    def prepare(self, payload: bytes) -> dict[str, Any]:
+        manifest = build_manifest(run_id="bench", version=1, tensors=[], payload=payload,
+                                  chunk_size=self.p.chunk_kib * 1024, dtype="uint8", key=self.key)
+        self.store.add(SnapshotBuffer(manifest, payload))
+        return manifest
+
+    async def publish(self, manifest: dict[str, Any]) -> dict[str, str]:
+        sources = self.coord.publish(1)
+        for wid, src in sources.items():
+            await self.ctrl.send_multipart([self.idents[wid], wire.encode(
+                wire.SnapshotNotice(version=1, manifest=manifest, source=src))])
+        return sources
+
+    async def shutdown(self) -> None:
+        for ident in self.idents.values():
+            try:
+                await self.ctrl.send_multipart([ident, wire.encode(wire.Shutdown(reason="bench over"))])
+            except zmq.ZMQError:
+                pass
+
+
+def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
+    import subprocess
+
+    from echo.procs import _die_with_parent
+
+    rng = random.Random(p.seed)
+    corrupt = set(rng.sample(range(p.workers), p.corrupt_relays)) if p.corrupt_relays else set()
+    procs = {}
+    for i in range(p.workers):
+        argv = [sys.executable, "-m", "broadcast.bench", "relay", "--root", root.endpoint,
+                "--id", f"r{i:02d}", "--down-mbit", str(p.link_mbit), "--up-mbit", str(p.link_mbit),
+                "--chunk-kib", str(p.chunk_kib), "--window", str(p.window), "--timeout", str(p.timeout_s),
+                "--reserve-mib", str(p.snapshot_mib)]
+        if i in corrupt:
+            argv.append("--corrupt")
+        procs[f"r{i:02d}"] = subprocess.Popen(argv, preexec_fn=_die_with_parent,
+                                              stdin=subprocess.DEVNULL)
+    return procs
+
+
+async def _killer(root: Root, procs: dict[str, Any], p: BenchParams, horizon_s: float) -> None:
+    rng = random.Random(p.seed + 1)
+    victims = rng.sample(sorted(procs), round(p.kill_fraction * p.workers))
+    moments = sorted(rng.uniform(0.05, 0.8) * horizon_s for _ in victims)
+    t0 = time.monotonic()
+    for wid, at in zip(victims, moments):
+        await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
+        procs[wid].send_signal(signal.SIGKILL)
+        root.dead.add(wid)
+        root._check_done()
+
+
+async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
+    root = Root(p)
+    procs = _spawn_relays(root, p)
+    payload = np.random.default_rng(p.seed).bytes(int(p.snapshot_mib * 2**20))
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(root.serve()), tg.create_task(root.server.serve_forever())]
+            await asyncio.wait_for(root.joined.wait(), 120)
+            m = len(payload)
+            lb = lower_bound_s(m, p.uplink_mbit or 1e9, [p.link_mbit or 1e9] * p.workers,
+                               [p.link_mbit or 1e9] * p.workers)
+            horizon = star_limited_s(m, p.link_mbit, p.uplink_mbit, p.workers) if p.topology == "star" and p.link_mbit else max(lb, 0.5)
+            manifest = root.prepare(payload)  # hashing and signing happen before the clock
+            t0 = time.monotonic()
+            sources = await root.publish(manifest)
+            if p.kill_fraction:
+                tasks.append(tg.create_task(_killer(root, procs, p, horizon)))
+            await asyncio.wait_for(root.all_installed.wait(), max(120.0, 10 * horizon))
+            elapsed = time.monotonic() - t0
+            await root.shutdown()
+            for t in tasks:
+                t.cancel()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(10)
+            except Exception:
+                proc.kill()
+        root.ctx.destroy(linger=0)
+    survivors = sorted(set(procs) - root.dead)
+    times = root.coord.install_times(1)
+    digest = chunk_hash(payload)
+    return {
+        "params": p.__dict__, "t_bcast_s": max(times[w] for w in survivors), "elapsed_s": elapsed,
+        "lower_bound_s": lb,
+        "star_limited_s": star_limited_s(m, p.link_mbit, p.uplink_mbit, p.workers) if p.link_mbit and p.uplink_mbit else None,
+        "star_unlimited_s": star_unlimited_s(m, p.link_mbit) if p.link_mbit else None,
+        "learner_bytes_sent": root.store.bytes_sent, "snapshot_bytes": m,
+        "installed": sum(1 for w in survivors if w in root.digests), "survivors": len(survivors),
+        "killed": sorted(root.dead),
+        "corrupt_installs": sum(1 for w in survivors if root.digests.get(w) != digest),
+        "reattaches": root.reattaches,
+        "parents": _parents(sources, root.coord),
+        "install_times_s": times,
+    }
+
+
+def _parents(sources: dict[str, str], coord: Coordinator) -> dict[str, str]:
+    """worker -> the worker it pulled from ("root" for the learner side)."""
+    by_ep = {p.endpoint: p.worker_id for p in coord.peers.values() if p.endpoint}
+    return {w: by_ep.get(s, "root") for w, s in sorted(sources.items())}
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="echo-rl bench broadcast")
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--snapshot-mib", type=float, default=64)
+    ap.add_argument("--uplink-mbit", type=float, default=400, help="learner uplink U (0 = unshaped)")
+    ap.add_argument("--link-mbit", type=float, default=100, help="worker link b, both ways (0 = unshaped)")
+    ap.add_argument("--topology", default="chains",
+                    help=f"one or several of {sorted(TOPOLOGIES)}, comma-separated")
+    ap.add_argument("--kill-fraction", type=float, default=0.0)
+    ap.add_argument("--corrupt-relays", type=int, default=0)
+    ap.add_argument("--chunk-kib", type=int, default=1024)
+    ap.add_argument("--window", type=int, default=4)
+    ap.add_argument("--chains", type=int, default=0, help="force the number of chains (0 = planner)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write results here (e.g. benchmarks/results/broadcast.json)")
+    return ap
+
+
+def relay_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m broadcast.bench relay")
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--down-mbit", type=float, default=0.0)
+    ap.add_argument("--up-mbit", type=float, default=0.0)
+    ap.add_argument("--chunk-kib", type=int, default=1024)
+    ap.add_argument("--window", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--corrupt", action="store_true")
+    ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--reserve-mib", type=float, default=0.0, help="pre-allocate a receive buffer")
+    return ap
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="Snapshot broadcast (real processes, loopback)")
+    for col in ("topology", "N", "M MiB", "U / b Mbit/s", "killed", "corrupt relays",
+                "T_bcast s", "lower bound s", "ratio", "installed", "corrupt installs",
+                "learner sent MiB"):
+        t.add_column(col, justify="right")
+    for r in results:
+        p = r["params"]
+        t.add_row(p["topology"], str(p["workers"]), f"{p['snapshot_mib']:g}",
+                  f"{p['uplink_mbit']:g} / {p['link_mbit']:g}", str(len(r["killed"])),
+                  str(p["corrupt_relays"]), f"{r['t_bcast_s']:.2f}", f"{r['lower_bound_s']:.2f}",
+                  f"{r['t_bcast_s'] / r['lower_bound_s']:.3f}",
+                  f"{r['installed']}/{r['survivors']}", str(r["corrupt_installs"]),
+                  f"{r['learner_bytes_sent'] / 2**20:.0f}")
+    Console(width=200).print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    results = []
+    for topo in args.topology.split(","):
+        if topo not in TOPOLOGIES:
+            print(f"unknown topology {topo!r}: choose from {sorted(TOPOLOGIES)}", file=sys.stderr)
+            return 2
+        p = BenchParams(args.workers, args.snapshot_mib, args.uplink_mbit, args.link_mbit, topo,
+                        args.kill_fraction, args.corrupt_relays, args.chunk_kib, args.window,
+                        args.chains, seed=args.seed)
+        results.append(asyncio.run(run_one(p)))
+    print_table(results)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"machine": machine_info(), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "relay":
+        sys.exit(asyncio.run(relay_process(relay_parser().parse_args(sys.argv[2:]))))
+    sys.exit(main())

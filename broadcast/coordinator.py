@@ -1,0 +1,106 @@
+"""Who pulls each snapshot from whom, and how long publication took.
+
+Runs wherever the broadcast is rooted: inside the learner's control plane, and in the
+broadcast benchmark's root process (same code). It keeps the relay peers (endpoint, rates,
+reachability, liveness, corruption reports), asks the topology for a plan at every
+publication, re-plans when a worker reports a failed source (the failed relay is routed
+around: a dead one leaves the plan, a corrupting one may never be a parent again), and turns
+install reports into per-worker install times and ``T_bcast`` at quantile q.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from broadcast.topology import Peer, Topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerState:
+    worker_id: str
+    endpoint: str  # "" when the worker cannot accept connections (NAT): never a parent
+    down_mbit: float = 0.0
+    up_mbit: float = 0.0
+    alive: bool = True
+    corrupt: bool = False
+    installed: dict[int, float] = field(default_factory=dict)  # version -> s after publication
+
+
+class Coordinator:
+    def __init__(self, topology: Topology, source: str, *, q: float = 1.0):
+        self.topology = topology
+        self.source = source
+        self.q = q
+        self.peers: dict[str, PeerState] = {}
+        self.published: dict[int, float] = {}  # version -> monotonic publication time
+        self.sources: dict[str, str] = {}  # the last plan: worker -> endpoint it pulls from
+        self.corrupt_reports: list[tuple[str, str]] = []  # (reporter, accused endpoint)
+
+    def join(self, worker_id: str, endpoint: str, down_mbit: float = 0.0, up_mbit: float = 0.0) -> None:
+        self.peers[worker_id] = PeerState(worker_id, endpoint, down_mbit, up_mbit)
+
+    def leave(self, worker_id: str) -> None:
+        self.peers.pop(worker_id, None)
+        self.sources.pop(worker_id, None)
+
+    def _plan(self) -> dict[str, str]:
+        peers = [Peer(p.worker_id, p.down_mbit, p.up_mbit,
+                      reachable=bool(p.endpoint) and not p.corrupt,
+                      endpoint="" if p.corrupt else p.endpoint)
+                 for p in self.peers.values() if p.alive]
+        self.sources = self.topology.plan(peers, self.source) if peers else {}
+        return self.sources
+
+    def publish(self, version: int, now: float | None = None) -> dict[str, str]:
+        self.published[version] = time.monotonic() if now is None else now
+        return self._plan()
+
+    def source_for(self, worker_id: str) -> str:
+        """Where a worker (e.g. a late joiner) pulls the current snapshot from: its place in
+        the plan, usually a peer that already holds it rather than the learner."""
+        if worker_id not in self.sources:
+            self._plan()
+        return self.sources.get(worker_id, self.source)
+
+    def reattach(self, worker_id: str, bad_source: str, reason: str) -> str:
+        accused = next((p for p in self.peers.values() if p.endpoint and p.endpoint == bad_source), None)
+        if accused is not None:
+            if reason == "corrupt":
+                accused.corrupt = True
+                self.corrupt_reports.append((worker_id, bad_source))
+                log.warning("relay %s sent corrupt chunks to %s: it will not relay again",
+                            accused.worker_id, worker_id)
+            elif reason in ("disconnected", "timeout"):
+                accused.alive = False
+                log.info("relay %s unreachable (%s) for %s: re-planning", accused.worker_id,
+                         reason, worker_id)
+        self._plan()
+        new = self.sources.get(worker_id, self.source)
+        if new == bad_source:  # the plan still trusts it (e.g. a learner hiccup): go to the root
+            new = self.source
+        return new
+
+    def installed(self, worker_id: str, version: int, now: float | None = None) -> float | None:
+        t0 = self.published.get(version)
+        peer = self.peers.get(worker_id)
+        if t0 is None or peer is None:
+            return None
+        dt = (time.monotonic() if now is None else now) - t0
+        peer.installed.setdefault(version, dt)
+        return dt
+
+    def install_times(self, version: int) -> dict[str, float]:
+        return {p.worker_id: p.installed[version] for p in self.peers.values() if version in p.installed}
+
+    def t_bcast(self, version: int, q: float | None = None) -> float | None:
+        """Seconds from publication until a fraction q of the live workers installed it."""
+        q = self.q if q is None else q
+        live = [p for p in self.peers.values() if p.alive]
+        times = sorted(p.installed[version] for p in live if version in p.installed)
+        need = max(1, math.ceil(q * len(live)))
+        return times[need - 1] if len(times) >= need else None

@@ -1,0 +1,87 @@
+"""A relay node: receives snapshots chunk by chunk and serves them onward at once.
+
+Every worker runs one (and so does each process of the broadcast benchmark). It binds a
+ROUTER for its child, holds the newest snapshots in a ``SnapshotStore`` and pulls from the
+parent the coordinator assigned, with a bounded window. A chunk is verified before it is
+stored, and the chunk server answers the child's parked request the moment it is stored:
+store-and-forward per chunk, one inbound and at most one outbound stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from broadcast.fetch import SOCKET_BUFFER, FetchStats, Reattach, fetch_into
+from broadcast.shaping import TokenBucket
+from broadcast.snapshot import verify_manifest
+from broadcast.source import ChunkServer
+from broadcast.store import SnapshotBuffer, SnapshotStore
+
+MBIT = 125_000.0  # bytes per second in one Mbit/s
+
+
+def bucket(mbit: float, chunk_bytes: int) -> TokenBucket | None:
+    """A link shaped at ``mbit`` (0 = not shaped) holding two chunks of burst."""
+    return TokenBucket(mbit * MBIT, 2 * chunk_bytes) if mbit > 0 else None
+
+
+@dataclass
+class RelayConfig:
+    bind_host: str = "127.0.0.1"
+    serve: bool = True  # False: behind NAT, cannot accept a child
+    window: int = 4
+    timeout_s: float = 10.0
+    max_bytes: int = 64 * 2**20
+    down_mbit: float = 0.0  # declared link rates (the planner uses them), 0 = unknown
+    up_mbit: float = 0.0
+    shape: bool = False  # also throttle the links to those rates (tests and benchmarks)
+    chunk_bytes: int = 1 << 20
+    corrupt: bool = False  # test hook: alter every chunk served
+
+
+class Relay:
+    def __init__(self, ctx: zmq.asyncio.Context, cfg: RelayConfig):
+        self.ctx = ctx
+        self.cfg = cfg
+        self.store = SnapshotStore(keep=2)
+        self.endpoint = ""
+        self.server: ChunkServer | None = None
+        self.download = bucket(cfg.down_mbit, cfg.chunk_bytes) if cfg.shape else None
+        if cfg.serve:
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER)
+            sock.bind(f"tcp://{cfg.bind_host}:*")
+            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.server = ChunkServer(sock, self.store, cfg.max_bytes,
+                                      upload=bucket(cfg.up_mbit, cfg.chunk_bytes) if cfg.shape else None,
+                                      corrupt=cfg.corrupt)
+
+    async def serve_forever(self) -> None:
+        if self.server is not None:
+            await self.server.serve_forever()
+
+    async def receive(self, manifest: dict[str, Any], public_key: bytes, source: str,
+                      reattach: Reattach | None) -> tuple[SnapshotBuffer, FetchStats]:
+        """Verify the manifest, then pull every missing chunk (resuming across sources)."""
+        verify_manifest(manifest, public_key)
+        buf = self.store.get(manifest["version"]) or self.store.add(
+            SnapshotBuffer(manifest, storage=self.store.storage_for(manifest)))
+        stats = await fetch_into(self.ctx, self.store, buf.version, source,
+                                 window=self.cfg.window, timeout_s=self.cfg.timeout_s,
+                                 max_bytes=self.cfg.max_bytes, download=self.download,
+                                 reattach=reattach)
+        return buf, stats
+
+    def reset(self) -> None:
+        """Forget every snapshot held (the learner's run changed)."""
+        self.store.clear()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.sock.close(linger=0)

@@ -1,0 +1,137 @@
+"""Snapshots held by a node, complete (the learner) or arriving chunk by chunk (a relay).
+
+A relay serves a chunk the moment it has verified it: ``put`` marks the chunk held and calls
+the listeners (the chunk server releases requests it parked for that chunk). The payload
+buffer is allocated once per version and received into; chunks are served as slices of it,
+never copied. Only the newest ``keep`` versions are held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import blake3
+
+from broadcast.snapshot import chunk_range, num_chunks
+
+Listener = Callable[[int, int], None]  # (version, chunk index)
+
+
+class SnapshotBuffer:
+    def __init__(self, manifest: dict[str, Any], payload: bytes | bytearray | None = None, *,
+                 storage: bytearray | None = None):
+        """``payload``: a complete snapshot (the learner); else chunks arrive into ``storage``
+        (a recycled buffer of the right size) or a fresh one."""
+        self.manifest = manifest
+        self.version = int(manifest["version"])
+        self.total = num_chunks(manifest)
+        if payload is None:
+            size = manifest["payload_size"]
+            self.payload = storage if storage is not None and len(storage) == size else bytearray(size)
+            self.have = bytearray(self.total)
+            self.count = 0
+        else:
+            self.payload = payload
+            self.have = bytearray(b"\x01" * self.total)
+            self.count = self.total
+        self.view = memoryview(self.payload)
+        self.complete = asyncio.Event() if self.count < self.total else None
+
+    @property
+    def done(self) -> bool:
+        return self.count == self.total
+
+    def chunk(self, index: int) -> memoryview:
+        start, end = chunk_range(self.manifest, index)
+        return self.view[start:end]
+
+    def put(self, index: int, data: bytes | memoryview) -> bool:
+        """Store a verified chunk; False if it was already held."""
+        if self.have[index]:
+            return False
+        start, end = chunk_range(self.manifest, index)
+        self.view[start:end] = data
+        return self.mark(index)
+
+    def mark(self, index: int) -> bool:
+        """The chunk's bytes are already in place (received into the buffer) and verified."""
+        if self.have[index]:
+            return False
+        self.have[index] = 1
+        self.count += 1
+        if self.done and self.complete is not None:
+            self.complete.set()
+        return True
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.total) if not self.have[i]]
+
+    def digest(self) -> bytes:
+        """BLAKE3 of the whole payload (all cores): the end-to-end check of an install."""
+        return blake3.blake3(self.view, max_threads=blake3.blake3.AUTO).digest()
+
+
+class SnapshotStore:
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._bufs: OrderedDict[int, SnapshotBuffer] = OrderedDict()
+        self.listeners: list[Listener] = []
+        self.bytes_sent = 0
+        self._free: list[bytearray] = []  # recycled receive buffers
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate and touch a receive buffer ahead of time: allocating (and faulting in)
+        hundreds of MiB when a notice arrives would delay the first chunk request."""
+        if not any(len(b) == nbytes for b in self._free):
+            self._free.append(bytearray(nbytes))
+
+    def storage_for(self, manifest: dict[str, Any]) -> bytearray | None:
+        size = manifest["payload_size"]
+        for i, b in enumerate(self._free):
+            if len(b) == size:
+                return self._free.pop(i)
+        return None
+
+    def add(self, buf: SnapshotBuffer) -> SnapshotBuffer:
+        self._bufs[buf.version] = buf
+        self._bufs.move_to_end(buf.version)
+        while len(self._bufs) > self.keep:
+            # An evicted version is ``keep`` publications old: no send of it is still in
+            # flight, so its buffer can take the next version's chunks.
+            old = self._bufs.popitem(last=False)[1]
+            if isinstance(old.payload, bytearray) and len(self._free) < 2:
+                self._free.append(old.payload)
+        if buf.done:
+            for i in range(buf.total):
+                self._notify(buf.version, i)
+        return buf
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+    def get(self, version: int) -> SnapshotBuffer | None:
+        return self._bufs.get(version)
+
+    def latest(self) -> SnapshotBuffer | None:
+        return next(reversed(self._bufs.values()), None)
+
+    @property
+    def newest_version(self) -> int:
+        return max(self._bufs, default=-1)
+
+    def put(self, version: int, index: int, data: bytes | memoryview) -> None:
+        buf = self._bufs.get(version)
+        if buf is not None and buf.put(index, data):
+            self._notify(version, index)
+
+    def mark(self, version: int, index: int) -> None:
+        buf = self._bufs.get(version)
+        if buf is not None and buf.mark(index):
+            self._notify(version, index)
+
+    def _notify(self, version: int, index: int) -> None:
+        for listener in self.listeners:
+            listener(version, index)

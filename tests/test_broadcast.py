@@ -1,0 +1,231 @@
+"""Relays on real loopback sockets inside one event loop: chains, resume, churn, integrity."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from broadcast.coordinator import Coordinator
+from broadcast.relay import Relay, RelayConfig
+from broadcast.snapshot import RunKey, SnapshotError, build_manifest, chunk_hash
+from broadcast.source import ChunkServer
+from broadcast.store import SnapshotBuffer, SnapshotStore
+from broadcast.topology import Peer, make_topology
+
+CHUNK = 64 * 1024
+
+
+def snapshot(key, version=1, size=40 * CHUNK + 123):
+    payload = np.random.default_rng(version).bytes(size)
+    return build_manifest(run_id="t", version=version, tensors=[], payload=payload,
+                          chunk_size=CHUNK, dtype="uint8", key=key), payload
+
+
+class Root:
+    def __init__(self, ctx, key, corrupt=False):
+        self.store = SnapshotStore()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.bind("tcp://127.0.0.1:*")
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.server = ChunkServer(sock, self.store, 1 << 24, corrupt=corrupt)
+        self.key = key
+
+
+def relay(ctx, **kw):
+    return Relay(ctx, RelayConfig(window=3, timeout_s=kw.pop("timeout_s", 5.0), chunk_bytes=CHUNK, **kw))
+
+
+async def run(coro_fn, timeout=30):
+    ctx = zmq.asyncio.Context()
+    try:
+        return await asyncio.wait_for(coro_fn(ctx), timeout)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_chain_forwards_chunks_as_they_arrive_and_installs_exact_bytes():
+    key = RunKey.generate()
+    manifest, payload = snapshot(key)
+
+    async def body(ctx):
+        root = Root(ctx, key)
+        root.store.add(SnapshotBuffer(manifest, payload))
+        chain = [relay(ctx) for _ in range(3)]
+        async with asyncio.TaskGroup() as tg:
+            servers = [tg.create_task(root.server.serve_forever())]
+            servers += [tg.create_task(r.serve_forever()) for r in chain]
+            # every relay starts at once; each parent's requests park until chunks arrive
+            sources = [root.endpoint] + [r.endpoint for r in chain[:-1]]
+            results = await asyncio.gather(*(r.receive(manifest, key.public_bytes, s, None)
+                                             for r, s in zip(chain, sources)))
+            for t in servers:
+                t.cancel()
+        return root, results
+
+    root, results = asyncio.run(run(body))
+    for buf, stats in results:
+        assert bytes(buf.payload) == payload and stats.failures == []
+    assert root.store.bytes_sent == len(payload)  # the root fed only the chain head
+
+
+def test_resume_fetches_only_missing_chunks():
+    key = RunKey.generate()
+    manifest, payload = snapshot(key)
+
+    async def body(ctx):
+        root = Root(ctx, key)
+        root.store.add(SnapshotBuffer(manifest, payload))
+        r = relay(ctx)
+        buf = r.store.add(SnapshotBuffer(manifest))
+        for i in range(0, buf.total, 2):  # half the chunks arrived before an interruption
+            buf.put(i, bytes(SnapshotBuffer(manifest, payload).chunk(i)))
+        held = buf.count
+        async with asyncio.TaskGroup() as tg:
+            t = tg.create_task(root.server.serve_forever())
+            got, stats = await r.receive(manifest, key.public_bytes, root.endpoint, None)
+            t.cancel()
+        return held, got, stats, root
+
+    held, got, stats, root = asyncio.run(run(body))
+    assert stats.chunks == got.total - held
+    assert bytes(got.payload) == payload
+    assert root.store.bytes_sent < len(payload) * 0.6
+
+
+def test_dead_relay_child_reattaches_and_resumes():
+    key = RunKey.generate()
+    manifest, payload = snapshot(key, size=200 * CHUNK)
+
+    async def body(ctx):
+        root = Root(ctx, key)
+        root.store.add(SnapshotBuffer(manifest, payload))
+        parent = relay(ctx, down_mbit=40, shape=True)  # slow, so it dies mid-way
+        child = relay(ctx)
+        reasons = []
+
+        async def reattach(bad, reason):
+            reasons.append((bad, reason))
+            return root.endpoint
+
+        async with asyncio.TaskGroup() as tg:
+            servers = [tg.create_task(root.server.serve_forever()),
+                       tg.create_task(parent.serve_forever())]
+            ptask = tg.create_task(parent.receive(manifest, key.public_bytes, root.endpoint, None))
+            ctask = tg.create_task(child.receive(manifest, key.public_bytes, parent.endpoint, reattach))
+            while child.store.get(1) is None or child.store.get(1).count < 20:
+                await asyncio.sleep(0.01)
+            ptask.cancel()
+            servers[1].cancel()
+            parent.close()  # the relay's process is gone: its socket closes
+            buf, stats = await ctask
+            servers[0].cancel()
+        return buf, stats, reasons
+
+    buf, stats, reasons = asyncio.run(run(body))
+    assert bytes(buf.payload) == payload
+    assert reasons and reasons[0][1] in ("disconnected", "timeout")
+    assert stats.chunks == buf.total  # nothing fetched twice: it resumed where it stopped
+
+
+def test_corrupting_relay_is_detected_and_routed_around():
+    key = RunKey.generate()
+    manifest, payload = snapshot(key)
+
+    async def body(ctx):
+        root = Root(ctx, key)
+        root.store.add(SnapshotBuffer(manifest, payload))
+        evil = relay(ctx, corrupt=True)
+        child = relay(ctx)
+        reasons = []
+
+        async def reattach(bad, reason):
+            reasons.append(reason)
+            return root.endpoint
+
+        async with asyncio.TaskGroup() as tg:
+            servers = [tg.create_task(root.server.serve_forever()), tg.create_task(evil.serve_forever())]
+            await evil.receive(manifest, key.public_bytes, root.endpoint, None)
+            buf, _ = await child.receive(manifest, key.public_bytes, evil.endpoint, reattach)
+            for t in servers:
+                t.cancel()
+        return buf, reasons
+
+    buf, reasons = asyncio.run(run(body))
+    assert reasons == ["corrupt"]
+    assert buf.digest() == chunk_hash(payload)
+
+
+def test_manifest_from_another_key_is_refused():
+    key = RunKey.generate()
+    manifest, _ = snapshot(key)
+
+    async def body(ctx):
+        with pytest.raises(SnapshotError, match="signature"):
+            await relay(ctx).receive(manifest, RunKey.generate().public_bytes, "tcp://127.0.0.1:1", None)
+
+    asyncio.run(run(body))
+
+
+def test_coordinator_routes_around_failures_and_measures():
+    coord = Coordinator(make_topology("chains", uplink_mbit=100, link_mbit=100), "tcp://root")
+    for i in range(4):
+        coord.join(f"w{i}", f"tcp://w{i}", 100, 100)
+    plan = coord.publish(1, now=0.0)
+    heads = [w for w, s in plan.items() if s == "tcp://root"]
+    assert len(heads) == 1  # k = floor(U/b) = 1 chain
+    parent_of_w = {w: s for w, s in plan.items()}
+    child = next(w for w, s in parent_of_w.items() if s != "tcp://root")
+    bad = parent_of_w[child]
+    new = coord.reattach(child, bad, "disconnected")
+    assert new != bad
+    assert not next(p for p in coord.peers.values() if p.endpoint == bad).alive
+    times = {w: 1.0 + i for i, w in enumerate(sorted(coord.peers))}
+    for w, t in times.items():
+        coord.installed(w, 1, now=t)
+    live = sorted(t for w, t in times.items() if coord.peers[w].alive)
+    assert len(live) == 3  # the dead relay no longer counts
+    assert coord.t_bcast(1, q=1.0) == live[-1]
+    assert coord.t_bcast(1, q=0.5) == live[1]
+    # a late joiner pulls from a peer, not from the learner
+    coord.join("late", "tcp://late")
+    assert coord.source_for("late") != "tcp://root"
+
+
+def test_corrupt_reports_keep_a_relay_out_of_parent_positions():
+    coord = Coordinator(make_topology("chains", uplink_mbit=100, link_mbit=100), "tcp://root")
+    for i in range(3):
+        coord.join(f"w{i}", f"tcp://w{i}", 100, 100)
+    plan = coord.publish(1)
+    victim = next(w for w, s in plan.items() if s != "tcp://root")
+    coord.reattach(victim, plan[victim], "corrupt")
+    bad = plan[victim]
+    assert bad not in coord.publish(2).values()
+    assert isinstance(Peer("x"), Peer)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_broadcast_with_processes_kill_and_corruption(tmp_path):
+    """The benchmark's machinery end to end: kills land mid-broadcast (links shaped so it lasts
+    about a second), a corrupting relay is routed around. No timing is asserted here."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "-m", "echo.cli", "bench", "broadcast", "--workers", "6",
+                        "--snapshot-mib", "4", "--chunk-kib", "256", "--uplink-mbit", "80",
+                        "--link-mbit", "40", "--topology", "chains,star", "--kill-fraction", "0.34",
+                        "--corrupt-relays", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [x["params"]["topology"] for x in results] == ["chains", "star"]
+    for x in results:
+        assert len(x["killed"]) == 2 and x["installed"] == x["survivors"] == 4
+        assert x["corrupt_installs"] == 0
+        for key in ("t_bcast_s", "lower_bound_s", "learner_bytes_sent"):
+            assert key in x
