@@ -17,6 +17,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from broadcast import netns
 from broadcast.coordinator import Coordinator
 from broadcast.fetch import SOCKET_BUFFER
 from broadcast.planner import lower_bound_s, star_limited_s, star_unlimited_s
@@ -47,9 +49,10 @@ MAX_BYTES = 64 * 2**20
 
 async def relay_process(args: argparse.Namespace) -> int:
     ctx = zmq.asyncio.Context()
-    relay = Relay(ctx, RelayConfig(serve=not args.no_serve, window=args.window,
-                                   timeout_s=args.timeout, down_mbit=args.down_mbit,
-                                   up_mbit=args.up_mbit, shape=True, chunk_bytes=args.chunk_kib * 1024,
+    relay = Relay(ctx, RelayConfig(bind_host=args.bind_host, serve=not args.no_serve,
+                                   window=args.window, timeout_s=args.timeout,
+                                   down_mbit=args.down_mbit, up_mbit=args.up_mbit,
+                                   shape=not args.kernel_shaped, chunk_bytes=args.chunk_kib * 1024,
                                    corrupt=args.corrupt))
     if args.reserve_mib:
         relay.store.reserve(int(args.reserve_mib * 2**20))
@@ -99,6 +102,7 @@ class BenchParams:
     chains: int = 0
     timeout_s: float = 10.0
     seed: int = 0
+    netns: bool = False  # links shaped by the kernel (tc tbf in namespaces), not in the app
 
 
 class Root:
@@ -107,14 +111,16 @@ class Root:
         self.ctx = zmq.asyncio.Context()
         self.ctrl = self.ctx.socket(zmq.ROUTER)
         self.ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.ctrl.bind("tcp://127.0.0.1:*")
+        host = netns.address(None) if p.netns else "127.0.0.1"
+        self.ctrl.bind(f"tcp://{host}:*")
         self.endpoint = self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
         snap = self.ctx.socket(zmq.ROUTER)
         snap.setsockopt(zmq.ROUTER_MANDATORY, 1)
         snap.setsockopt(zmq.SNDBUF, SOCKET_BUFFER)
-        snap.bind("tcp://127.0.0.1:*")
+        snap.bind(f"tcp://{host}:*")
         self.store = SnapshotStore()
-        uplink = None if p.topology == "star-unlimited" else bucket(p.uplink_mbit, p.chunk_kib * 1024)
+        uplink = (None if p.topology == "star-unlimited" or p.netns
+                  else bucket(p.uplink_mbit, p.chunk_kib * 1024))
         self.server = ChunkServer(snap, self.store, MAX_BYTES, upload=uplink)
         topo = make_topology(p.topology, uplink_mbit=p.uplink_mbit or None,
                              link_mbit=p.link_mbit or None, chunk_bytes=p.chunk_kib * 1024)
@@ -181,8 +187,6 @@ class Root:
 
 
 def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
-    import subprocess
-
     from echo.procs import _die_with_parent
 
     rng = random.Random(p.seed)
@@ -195,6 +199,9 @@ def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
                 "--reserve-mib", str(p.snapshot_mib)]
         if i in corrupt:
             argv.append("--corrupt")
+        if p.netns:
+            argv = ["ip", "netns", "exec", netns.node_name(i), *argv, "--kernel-shaped",
+                    "--bind-host", netns.address(i)]
         procs[f"r{i:02d}"] = subprocess.Popen(argv, preexec_fn=_die_with_parent,
                                               stdin=subprocess.DEVNULL)
     return procs
@@ -286,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chains", type=int, default=0, help="force the number of chains (0 = planner)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write results here (e.g. benchmarks/results/broadcast.json)")
+    ap.add_argument("--netns", action="store_true",
+                    help="shape with the kernel: namespaces, veth, tc tbf (needs root)")
+    ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 
@@ -300,6 +310,8 @@ def relay_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--corrupt", action="store_true")
     ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--bind-host", default="127.0.0.1")
+    ap.add_argument("--kernel-shaped", action="store_true", help="links are shaped by tc: no app shaping")
     ap.add_argument("--reserve-mib", type=float, default=0.0, help="pre-allocate a receive buffer")
     return ap
 
@@ -325,7 +337,16 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.netns and not args.inside:
+        if os.geteuid() != 0:
+            print("--netns needs root (it creates namespaces, veth and tc qdiscs)", file=sys.stderr)
+            return 2
+        with netns.lab(args.workers, args.uplink_mbit, args.link_mbit):
+            # The root runs inside its own namespace, behind its own shaped veth.
+            return subprocess.run(["ip", "netns", "exec", netns.node_name(None), sys.executable,
+                                   "-m", "broadcast.bench", *argv, "--inside"]).returncode
     results = []
     for topo in args.topology.split(","):
         if topo not in TOPOLOGIES:
@@ -333,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         p = BenchParams(args.workers, args.snapshot_mib, args.uplink_mbit, args.link_mbit, topo,
                         args.kill_fraction, args.corrupt_relays, args.chunk_kib, args.window,
-                        args.chains, seed=args.seed)
+                        args.chains, seed=args.seed, netns=args.netns)
         results.append(asyncio.run(run_one(p)))
     print_table(results)
     if args.json:

@@ -229,3 +229,25 @@ def test_bench_broadcast_with_processes_kill_and_corruption(tmp_path):
         assert x["corrupt_installs"] == 0
         for key in ("t_bcast_s", "lower_bound_s", "learner_bytes_sent"):
             assert key in x
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="needs root to create namespaces and qdiscs")
+def test_bench_broadcast_in_network_namespaces(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "n.json"
+    r = subprocess.run([sys.executable, "-m", "echo.cli", "bench", "broadcast", "--workers", "4",
+                        "--snapshot-mib", "2", "--chunk-kib", "256", "--uplink-mbit", "100",
+                        "--link-mbit", "50", "--netns", "--json", str(out)],
+                       capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stderr[-3000:]
+    [x] = json.loads(out.read_text())["results"]
+    assert x["params"]["netns"] is True
+    assert x["installed"] == 4 and x["corrupt_installs"] == 0
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "echo-" not in listed  # the lab is torn down
