@@ -322,7 +322,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
     t = Table(title="Snapshot broadcast (real processes, loopback)")
     for col in ("topology", "N", "M MiB", "U / b Mbit/s", "killed", "corrupt relays",
-                "T_bcast s", "lower bound s", "ratio", "installed", "corrupt installs",
+                "T_bcast s", "lower bound s", "ratio", "MB/s", "installed", "corrupt installs",
                 "learner sent MiB"):
         t.add_column(col, justify="right")
     for r in results:
@@ -330,7 +330,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         t.add_row(p["topology"], str(p["workers"]), f"{p['snapshot_mib']:g}",
                   f"{p['uplink_mbit']:g} / {p['link_mbit']:g}", str(len(r["killed"])),
                   str(p["corrupt_relays"]), f"{r['t_bcast_s']:.2f}", f"{r['lower_bound_s']:.2f}",
-                  f"{r['t_bcast_s'] / r['lower_bound_s']:.3f}",
+                  f"{r['t_bcast_s'] / r['lower_bound_s']:.3f}" if p["link_mbit"] else "unshaped",
+                  f"{r['snapshot_bytes'] / r['t_bcast_s'] / 1e6:.0f}",
                   f"{r['installed']}/{r['survivors']}", str(r["corrupt_installs"]),
                   f"{r['learner_bytes_sent'] / 2**20:.0f}")
     Console(width=200).print(t)
