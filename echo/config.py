@@ -118,6 +118,19 @@ class TransportConfig(_Section):
     request_timeout_s: float = Field(10.0, gt=0)
 
 
+class ProvisioningConfig(_Section):
+    """The closed-loop controller (DESIGN 4). Off: every joined worker is active."""
+
+    enabled: bool = False
+    alpha: float = Field(1.1, ge=1.0)  # safety factor on mu_req
+    delta: float = Field(0.2, gt=0)  # release margin: release above (alpha + delta) * mu_req
+    window_s: float = Field(60.0, gt=0)  # a condition must hold this long before acting
+    tau_s: float = Field(60.0, gt=0)  # EWMA time constant of measured throughput
+    warmup_s: float = Field(30.0, ge=0)  # a newly active worker keeps its prior this long
+    initial_active: int = Field(1, ge=1)  # the first joiners start active (bootstrap)
+    mu_prior: float = Field(1.0, gt=0)  # trajectories/s assumed for a worker before any measurement
+
+
 class QuickstartConfig(_Section):
     workers: int = Field(4, gt=0)
     worker_prices: list[float] = Field(default_factory=lambda: [0.35])
@@ -133,6 +146,7 @@ class EchoConfig(_Section):
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     broadcast: BroadcastConfig = Field(default_factory=BroadcastConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
+    provisioning: ProvisioningConfig = Field(default_factory=ProvisioningConfig)
     quickstart: QuickstartConfig = Field(default_factory=QuickstartConfig)
 
     @model_validator(mode="after")

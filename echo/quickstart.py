@@ -45,7 +45,8 @@ class MetricsTail:
 
 def _describe(row: dict[str, Any]) -> str:
     return (f"reward {row['reward_mean']:.3f}  staleness {row['staleness_max']}  "
-            f"bubble {row['bubble_ratio']:.2f}  workers {row['active_workers']}")
+            f"bubble {row['bubble_ratio']:.2f}  workers {row['active_workers']} active "
+            f"/ {row['standby_workers']} standby")
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float:
@@ -69,6 +70,11 @@ def summary_table(cfg: EchoConfig, rows: list[dict[str, Any]], run_dir: Path) ->
         t.add_row("dropped stale samples", str(r["dropped_stale"]))
         t.add_row("rejected records", str(sum(r["rejected"].values())))
         t.add_row("learner bytes sent (snapshots)", f"{r['learner_bytes_sent'] / 2**20:.1f} MiB")
+        t.add_row("workers at the end", f"{r['active_workers']} active, {r['standby_workers']} standby")
+        t.add_row("fleet cost of the run", f"${sum(x['cost_step_usd'] for x in rows):.4f}")
+        decisions = run_dir / "decisions.jsonl"
+        if decisions.exists():
+            t.add_row("provisioner decisions", str(len(decisions.read_text().splitlines())))
         t.add_row("wall time", f"{r['wall_s']:.1f} s")
     return t
 

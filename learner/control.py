@@ -32,6 +32,7 @@ from echo.config import EchoConfig
 from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
 from learner.durable import BufferLog
 from learner.work import WorkQueue
+from provisioning.controller import ACTIVE, STANDBY, Controller, Decision
 
 log = logging.getLogger("echo.control")
 
@@ -70,6 +71,12 @@ class ControlPlane:
                                       link_mbit=bc.link_mbit or None, chunk_bytes=bc.chunk_kib * 1024)
         self.store = SnapshotStore()
         self.coordinator: Coordinator | None = None
+        pc = cfg.provisioning
+        # Without the controller every worker is active; with it, workers join as standby
+        # (they keep their snapshot current and relay) until it activates them.
+        self.controller = (Controller(pc.alpha, pc.delta, pc.window_s, tau_s=pc.tau_s,
+                                      warmup_s=pc.warmup_s) if pc.enabled else None)
+        self.decisions: list[Decision] = []  # appended by the loop, drained by the trainer
         self.workers: dict[str, WorkerState] = {}
         self.rejected: Counter[str] = Counter()
         self.endpoint = ""
@@ -161,14 +168,18 @@ class ControlPlane:
     async def _stats(self) -> dict[str, Any]:
         now = time.monotonic()
         timeout = self.cfg.transport.heartbeat_timeout_s
+        live = [w for w in self.workers.values() if now - w.last_seen < timeout]
+        active = [w for w in live if self.is_active(w.worker_id)]
         return {
-            "active_workers": sum(1 for w in self.workers.values() if now - w.last_seen < timeout),
+            "active_workers": len(active), "standby_workers": len(live) - len(active),
+            "fleet_price_per_hour": sum(w.price for w in active),
             "rejected": dict(self.rejected + self.buffer.stats.rejected),
             "learner_bytes_sent": self.store.bytes_sent,
             "t_bcast": self._last_t_bcast(),
             "in_flight_groups": self.work.in_flight,
             "reissued_groups": self.work.reissued,
             "workers": {w.worker_id: {"price": w.price, "version": w.version, "state": w.state,
+                                      "active": self.is_active(w.worker_id),
                                       "throughput": round(w.measured_throughput, 3),
                                       "admitted": w.admitted} for w in self.workers.values()},
         }
@@ -196,9 +207,32 @@ class ControlPlane:
             now = time.monotonic()
             for w in [w for w in self.workers.values() if now - w.last_seen > timeout]:
                 self._forget(w.worker_id, f"no heartbeat for {now - w.last_seen:.1f}s")
+            self._provision()
             expired = self.work.expire()
             if expired:
                 log.info("%d group lease(s) expired: handed out again", expired)
+
+    def _mu_prior(self) -> float:
+        """An unmeasured worker is assumed as fast as the measured fleet's average (the
+        measurements replace this after warm-up); before any measurement, the config's prior."""
+        assert self.controller is not None
+        measured = [w.mu_hat for w in self.controller.workers() if w.state == ACTIVE and w.mu_hat > 0]
+        return sum(measured) / len(measured) if measured else self.cfg.provisioning.mu_prior
+
+    def is_active(self, worker_id: str) -> bool:
+        return self.controller is None or worker_id in self.controller.active_ids()
+
+    def set_requirement(self, mu_req: float | None) -> None:
+        """From the trainer thread: the capacity the learner needs (trajectories/s)."""
+        if self.controller is not None:
+            self.controller.set_requirement(mu_req)
+
+    def _provision(self) -> None:
+        if self.controller is None:
+            return
+        for d in self.controller.tick():
+            log.info("provisioner: %s %s: %s", d.action, d.worker_id or "-", d.reason)
+            self.decisions.append(d)
 
     def _forget(self, worker_id: str, why: str) -> None:
         w = self.workers.pop(worker_id, None)
@@ -207,6 +241,8 @@ class ControlPlane:
         n = self.work.release_worker(worker_id)
         if self.coordinator is not None:
             self.coordinator.leave(worker_id)
+        if self.controller is not None:
+            self.controller.remove_worker(worker_id)
         log.info("worker %s removed (%s); %d group(s) handed out again", worker_id, why, n)
 
     # ------------------------------------------------------------------ request handling
@@ -267,6 +303,12 @@ class ControlPlane:
         assert self.coordinator is not None
         self.coordinator.join(msg.worker_id, msg.relay_endpoint if msg.can_relay else "",
                               msg.down_mbit, msg.up_mbit)
+        if known is None and self.controller is not None:
+            active = len(self.controller.active_ids())
+            state = ACTIVE if active < self.cfg.provisioning.initial_active else STANDBY
+            self.controller.add_worker(msg.worker_id, msg.price, state=state,
+                                       mu_prior=self._mu_prior())
+            log.info("worker %s is %s", msg.worker_id, state)
         version, manifest = self._latest()
         # A late joiner pulls the current snapshot from its place in the plan: a peer.
         return wire.JoinAck(run_id=self.run_id, instance_id=self.instance_id,
@@ -280,6 +322,8 @@ class ControlPlane:
         if w is None:
             return wire.HeartbeatAck(instance_id=self.instance_id, version=version, known=False)
         w.version, w.state, w.claimed_throughput = msg.version, msg.state, msg.throughput
+        if self.controller is not None:
+            self.controller.heartbeat(msg.worker_id, up=True)
         behind = msg.version < version
         assert self.coordinator is not None
         return wire.HeartbeatAck(instance_id=self.instance_id, version=version,
@@ -289,6 +333,8 @@ class ControlPlane:
     def _on_work_request(self, ident: bytes, msg: wire.WorkRequest) -> wire.Message:
         if self._touch(ident, msg.worker_id) is None:
             raise wire.WireError("unknown_worker", f"{msg.worker_id} has not joined: send join first")
+        if not self.is_active(msg.worker_id):
+            return wire.WorkGrant(groups=[], retry_after_s=0.5)  # standby: relay, don't roll out
         groups = self.work.grant(msg.worker_id, msg.max_groups, self.buffer.depth()["ready_groups"])
         return wire.WorkGrant(groups=groups, retry_after_s=0.0 if groups else 0.2)
 
@@ -348,6 +394,8 @@ class ControlPlane:
             self.buffer_log.admitted(accepted)  # durable before acknowledged
         if w is not None and accepted:
             self._measure(w, len(accepted))
+        if w is not None and self.controller is not None:
+            self.controller.observe(w.worker_id, len(raw))
         return wire.Ack(batch_id=msg.batch_id, accepted=len(accepted), duplicates=duplicates,
                         rejected=dict(rejected), rejected_idx=rejected_idx)
 

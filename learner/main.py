@@ -34,6 +34,7 @@ from learner.durable import BufferLog, live_after, read_log
 from learner.control import ControlPlane
 from learner.policy import FullState, Policy
 from learner.work import WorkQueue
+from provisioning.capacity import Infeasible, mu_req
 
 log = logging.getLogger("echo.learner")
 
@@ -81,7 +82,10 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
         "bubble_ratio": round(totals.bubble_ratio, 4),
         "admitted": buffer.stats.admitted, "duplicates": buffer.stats.duplicates,
         "dropped_stale": buffer.stats.dropped_stale,
-        "active_workers": control["active_workers"], "rejected": control["rejected"],
+        "active_workers": control["active_workers"], "standby_workers": control["standby_workers"],
+        "fleet_price_per_hour": control["fleet_price_per_hour"],
+        "cost_step_usd": round(control["fleet_price_per_hour"] * (t_train + t_wait) / 3600, 8),
+        "rejected": control["rejected"],
         "learner_bytes_sent": control["learner_bytes_sent"], "t_bcast": control["t_bcast"],
         "reissued_groups": control["reissued_groups"], **buffer.depth(),
         **{k: round(v, 5) for k, v in stats.items()},
@@ -173,6 +177,7 @@ class Learner:
         self.totals = RunTotals()
         self.step = 0  # next step to run
         self.rows: list[dict[str, Any]] = []
+        self.t_train_ewma: float | None = None
 
     def _audit(self, name: str, entry: dict[str, Any]) -> None:
         """Append-only audit trails (consumed.jsonl, dropped.jsonl), keyed by step so a
@@ -304,8 +309,28 @@ class Learner:
             self._publish(self.step, full[0])
         t3 = time.monotonic()
         assert self.control is not None
+        self._provisioning(t2 - t1)
         return _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, t3 - t2, self.totals,
                             self.buffer, self.control.stats())
+
+    def _provisioning(self, t_train: float) -> None:
+        """Tell the controller what capacity the learner needs now (DESIGN 4), and record the
+        decisions it took since the last step."""
+        assert self.control is not None
+        lc = self.cfg.learner
+        self.t_train_ewma = t_train if self.t_train_ewma is None else 0.8 * self.t_train_ewma + 0.2 * t_train
+        t_bcast = self.control.stats()["t_bcast"] or 0.0
+        try:
+            need = mu_req(lc.prompts_per_step * lc.group_size, lc.effective_kappa,
+                          self.t_train_ewma, t_bcast)
+        except Infeasible as err:
+            log.warning("%s", err)
+            need = None
+        self.control.set_requirement(need)
+        while self.control.decisions:
+            d = self.control.decisions.pop(0)
+            self._audit("decisions", {"action": d.action, "worker": d.worker_id, "reason": d.reason,
+                                      "c_eff": d.c_eff, "target": d.target, "mu_req": need})
 
     def close(self, reason: str) -> None:
         if self.control is not None:
