@@ -91,23 +91,91 @@ class Adapter(ABC):
 
 
 _REQUIRED = ("prompts", "reward", "materialise")
+_HOW = {
+    "prompts": "prompts(self, rng) -> Iterator[Prompt]: endless prompts (token ids + task dict)",
+    "reward": "reward(self, task, completion_ids, completion_text) -> float: scores one sample",
+    "materialise": "materialise(self, groups, adv_eps) -> LearnerBatch (the default fits single-turn)",
+    "episode": "episode(self, task, seed, sample_idx): a generator yielding prompt ids and "
+               "returning an EpisodeSample (multi-turn; see dataplane/episodes.py)",
+}
 
 
-def load_adapter(name: str, options: dict[str, Any], tokenizer: Any) -> Adapter:
-    """Find ``name`` in the ``echo.adapters`` entry points, check it, instantiate it."""
+def load_adapter(name: str, options: dict[str, Any], tokenizer: Any, *,
+                 check_prompts: bool = True) -> Adapter:
+    """Find ``name`` in the ``echo.adapters`` entry points, check it, instantiate it.
+
+    ``check_prompts`` draws one prompt (from a private RNG, so the run's prompt stream is
+    untouched) and checks its shape: a bad adapter fails here, at start-up, with a message
+    saying what to fix. Workers pass ``False``: they never call ``prompts()`` and need not
+    hold the adapter's data set.
+    """
     eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
     if name not in eps:
         raise AdapterError(
             f"adapter {name!r} not found in entry-point group {ENTRY_POINT_GROUP!r} "
             f"(installed: {sorted(eps) or 'none'}): set [adapter] name to one of them, or "
             f"pip install the package that provides it")
-    cls = eps[name].load()
+    try:
+        cls = eps[name].load()
+    except Exception as exc:
+        raise AdapterError(f"adapter {name!r}: cannot import {eps[name].value} "
+                           f"({type(exc).__name__}: {exc}); fix the entry point in the providing "
+                           f"package's [project.entry-points.\"{ENTRY_POINT_GROUP}\"]") from exc
     if not (isinstance(cls, type) and issubclass(cls, Adapter)):
         raise AdapterError(f"adapter {name!r} ({eps[name].value}) is not a subclass of "
                            f"dataplane.adapter.Adapter: derive from it")
     missing = [m for m in _REQUIRED if getattr(cls, m, None) is None
                or getattr(getattr(cls, m), "__isabstractmethod__", False)]
+    missing += sorted(set(getattr(cls, "__abstractmethods__", ())) - set(missing))
     if missing:
-        raise AdapterError(f"adapter {name!r} does not implement {missing}: add these methods "
-                           f"(see docs/adapters.md)")
-    return cls(options, tokenizer)
+        raise AdapterError(f"adapter {name!r} does not implement {missing}: add "
+                           + "; ".join(_HOW.get(m, f"{m}(...)") for m in missing)
+                           + " (see docs/adapters.md)")
+    try:
+        adapter = cls(options, tokenizer)
+    except AdapterError:
+        raise
+    except TypeError as exc:
+        raise AdapterError(f"adapter {name!r}: cannot construct {cls.__name__}(options, tokenizer) "
+                           f"({exc}); its __init__ must take (options: dict, tokenizer)") from exc
+    if check_prompts:
+        check_adapter(adapter, tokenizer, name)
+    return adapter
+
+
+def check_adapter(adapter: Adapter, tokenizer: Any, name: str = "") -> None:
+    """Draw one prompt and check what the learner and the wire need from it."""
+    import msgpack
+
+    name = name or type(adapter).__name__
+    try:
+        it = adapter.prompts(random.Random(0))
+        prompt = next(iter(it))
+    except AdapterError:
+        raise
+    except StopIteration:
+        raise AdapterError(f"adapter {name!r}: prompts() yielded nothing; it must be an endless "
+                           f"iterator of Prompt (cycle or sample the data set)") from None
+    except Exception as exc:
+        raise AdapterError(f"adapter {name!r}: prompts(rng) failed ({type(exc).__name__}: "
+                           f"{exc})") from exc
+    if not isinstance(prompt, Prompt):
+        raise AdapterError(f"adapter {name!r}: prompts() yielded a {type(prompt).__name__}, "
+                           f"expected dataplane.adapter.Prompt(prompt_ids=[int, ...], task={{...}})")
+    ids = prompt.prompt_ids
+    if not isinstance(ids, list) or not ids or any(type(t) is not int for t in ids):
+        raise AdapterError(f"adapter {name!r}: Prompt.prompt_ids must be a non-empty list of int "
+                           f"token ids (got {type(ids).__name__} {str(ids)[:60]}); encode the text "
+                           f"with the tokenizer and pass a plain list")
+    vocab = len(tokenizer) if tokenizer is not None else None
+    if vocab is not None and not all(0 <= t < vocab for t in ids):
+        raise AdapterError(f"adapter {name!r}: Prompt.prompt_ids holds ids outside the "
+                           f"tokenizer's vocabulary [0, {vocab})")
+    if not isinstance(prompt.task, dict):
+        raise AdapterError(f"adapter {name!r}: Prompt.task must be a dict (got "
+                           f"{type(prompt.task).__name__})")
+    try:
+        msgpack.packb(prompt.task, use_bin_type=True, strict_types=False)
+    except Exception as exc:
+        raise AdapterError(f"adapter {name!r}: Prompt.task must travel to workers as msgpack "
+                           f"(str, int, float, bool, None, lists and dicts of them): {exc}") from None

@@ -41,6 +41,7 @@ class Record:
     version: int
     worker_id: str
     gen_s: float = 0.0
+    loss_mask: list[int] | None = None  # multi-turn: 1 on tokens the policy generated
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,7 +73,7 @@ def parse_record(obj: Any, limits: Limits) -> Record:
     """Schema, type and range checks that need no learner state."""
     if not isinstance(obj, dict):
         raise RecordError("invalid_fields", f"record is a {type(obj).__name__}, expected a map")
-    extra = set(obj) - set(_FIELDS)
+    extra = set(obj) - set(_FIELDS) - {"loss_mask"}
     if extra:
         raise RecordError("invalid_fields", f"unknown record fields {sorted(extra)}")
     for name, typ in _FIELDS.items():
@@ -91,6 +92,10 @@ def parse_record(obj: Any, limits: Limits) -> Record:
     for lp in obj["logprobs"]:
         if not isinstance(lp, (float, int)) or not math.isfinite(lp) or lp > 1e-4:
             raise RecordError("bad_logprob", f"behaviour log-prob {lp!r} is not finite and <= 0")
+    mask = obj.get("loss_mask")
+    if mask is not None and (not isinstance(mask, list) or len(mask) != n
+                             or any(type(m) is not int or m not in (0, 1) for m in mask)):
+        raise RecordError("bad_loss_mask", f"loss_mask must be a list of {n} ints in {{0, 1}}")
     if not math.isfinite(obj["reward"]):
         raise RecordError("non_finite_reward", f"reward {obj['reward']!r}")
     if not 0 <= obj["sample_idx"] < limits.group_size:

@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bench_sub.add_parser("broadcast", add_help=False,
                          help="snapshot broadcast with real relay processes (see --help)")
+    ev = sub.add_parser("eval", help="evaluate a model: eval poker ... | eval math ... (see --help)")
+    ev_sub = ev.add_subparsers(dest="eval", required=True)
+    ev_sub.add_parser("poker", add_help=False, help="chip change against each opponent, 95%% CI")
+    ev_sub.add_parser("math", add_help=False, help="accuracy on a JSONL set")
+    sub.add_parser("sim", add_help=False, help="discrete-event simulation: sim SCENARIO.toml [--json FILE]")
     prov = bench_sub.add_parser("provisioning", help="worker selection: greedy vs ours vs exact")
     prov.add_argument("--pools", type=int, default=1000)
     prov.add_argument("--seed", type=int, default=0)
@@ -64,10 +69,23 @@ def _load(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["bench", "broadcast"]:  # its own parser: many options, no config file
+    # Subcommands with parsers of their own (many options, no config file):
+    if argv[:2] == ["bench", "broadcast"]:
         from broadcast.bench import main as broadcast_main
 
         return broadcast_main(argv[2:])
+    if argv[:2] == ["eval", "poker"]:
+        from adapters.poker.eval import main as poker_eval
+
+        return poker_eval(argv[2:])
+    if argv[:2] == ["eval", "math"]:
+        from adapters.math_eval import main as math_eval
+
+        return math_eval(argv[2:])
+    if argv[:1] == ["sim"]:
+        from provisioning.sim import main as sim_main
+
+        return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.cmd == "bench":
         return _bench(args)

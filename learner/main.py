@@ -166,7 +166,11 @@ class Learner:
         self.cfg, self.run_dir, self.policy = cfg, run_dir, policy
         lc = cfg.learner
         self.adapter = load_adapter(cfg.adapter.name, cfg.adapter.options, policy.tokenizer)
-        self.limits = Limits(policy.vocab_size, cfg.worker.max_new_tokens, lc.group_size)
+        # A multi-turn episode carries several generations (and the text between them).
+        max_tokens = max(cfg.worker.max_new_tokens,
+                         getattr(self.adapter, "max_completion_tokens", 0)
+                         if getattr(self.adapter, "multi_turn", False) else 0)
+        self.limits = Limits(policy.vocab_size, max_tokens, lc.group_size)
         self.buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size,
                                    on_drop=self._audit_drop)
         self.log = BufferLog(run_dir / "buffer.log", fsync=lc.fsync)

@@ -151,7 +151,7 @@ class Worker:
         backend = make_backend(self.view["worker"]["backend"],
                                model_cfg=ModelConfig(**self.view["model"]), threads=threads)
         adapter = load_adapter(self.view["adapter"]["name"], self.view["adapter"]["options"],
-                               backend.tokenizer)
+                               backend.tokenizer, check_prompts=False)  # prompts are the learner's
         return backend, adapter
 
     # ------------------------------------------------------------------ control traffic
@@ -277,7 +277,8 @@ class Worker:
         records = [
             {"group_id": g.group_id, "sample_idx": i, "prompt_ids": g.prompt_ids,
              "completion_ids": s.completion_ids, "logprobs": s.logprobs, "reward": r,
-             "version": version, "worker_id": self.worker_id, "gen_s": gen_s}
+             "version": version, "worker_id": self.worker_id, "gen_s": gen_s,
+             **({"loss_mask": s.loss_mask} if getattr(s, "loss_mask", None) is not None else {})}
             for g, group_samples in zip(groups, samples)
             for i, (s, r) in enumerate(group_samples)
         ]
@@ -291,6 +292,11 @@ class Worker:
     def _generate_and_score(self, groups: list[wire.Group]) -> list[list[tuple[Sample, float]]]:
         assert self.backend is not None and self.adapter is not None
         wv = self.view["worker"]
+        if getattr(self.adapter, "multi_turn", False):
+            # Episodes: one generation per decision, played by the adapter's environment.
+            from dataplane.episodes import backend_generate_fn
+            gen = backend_generate_fn(self.backend, wv["max_new_tokens"], wv["temperature"], groups[0].seed)
+            return [[(s, float(s.reward)) for s in samples] for samples in self.adapter.rollout(groups, gen)]
         out = self.backend.generate(groups, wv["max_new_tokens"], wv["temperature"])
         tok = self.backend.tokenizer
         return [[(s, float(self.adapter.reward(g.task, s.completion_ids,

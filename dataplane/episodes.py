@@ -1,0 +1,179 @@
+"""Multi-turn (environment) adapters: the adapter drives generation, one call per decision.
+
+A single-turn adapter is asked for ``reward(task, completion)`` after the worker generated the
+completion. An environment (a game, a tool loop) needs a generation per decision, with the
+environment's reply between decisions. An ``EpisodeAdapter`` therefore plays whole episodes on
+the worker, given a ``generate`` callable:
+
+    generate(prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]
+
+(token ids in; generated ids and their behaviour log-probs out, one per prompt, under the
+installed snapshot). ``rollout(groups, generate)`` plays ``group.n`` episodes for every group
+in lockstep, so each round of decisions across all episodes is one batched ``generate`` call,
+and returns one ``EpisodeSample`` per episode: the transcript after the group's prompt
+(``completion_ids``), per-token ``logprobs`` (0 on environment tokens), a per-token
+``loss_mask`` (1 on tokens the policy generated) and the episode's scalar ``reward``.
+
+The record a worker sends for it is the usual one plus ``loss_mask`` (same length as
+``completion_ids``); ``materialise`` places the mask under the completion tokens, shifted for
+next-token targets, and group-normalised advantages then reach only the policy's tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import abstractmethod
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataplane.adapter import Adapter, AdapterError, LearnerBatch
+from dataplane.advantages import group_advantages
+from dataplane.records import Record
+
+Generated = tuple[list[int], list[float]]
+GenerateFn = Callable[[list[list[int]]], list[Generated]]
+# An episode yields the ids the policy must continue, receives what was generated, and finally
+# returns its sample.
+Episode = Generator[list[int], Generated, "EpisodeSample"]
+
+
+@dataclass
+class EpisodeSample:
+    completion_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    reward: float
+    info: dict[str, Any] = field(default_factory=dict)  # stays on the worker (stats, logs)
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.logprobs) != n or len(self.loss_mask) != n:
+            raise ValueError(f"episode sample: {n} ids, {len(self.logprobs)} log-probs, "
+                             f"{len(self.loss_mask)} mask entries")
+
+
+@dataclass(frozen=True)
+class EpisodeRecord(Record):
+    """A ``Record`` with a per-completion-token loss mask (None: every token trained)."""
+
+    loss_mask: list[int] | None = None
+
+
+def record_mask(r: Record) -> list[int]:
+    m = getattr(r, "loss_mask", None)
+    return [1] * len(r.completion_ids) if m is None else list(m)
+
+
+def drive(episodes: Sequence[Episode], generate: GenerateFn) -> list[EpisodeSample]:
+    """Run episodes in lockstep: every round, all pending decisions go to one ``generate``."""
+    results: list[EpisodeSample | None] = [None] * len(episodes)
+    pending: dict[int, list[int]] = {}
+    for i, ep in enumerate(episodes):
+        try:
+            pending[i] = next(ep)
+        except StopIteration as stop:
+            results[i] = stop.value
+    while pending:
+        order = sorted(pending)
+        outs = generate([pending[i] for i in order])
+        if len(outs) != len(order):
+            raise RuntimeError(f"generate returned {len(outs)} results for {len(order)} prompts")
+        pending = {}
+        for i, out in zip(order, outs):
+            try:
+                pending[i] = episodes[i].send((list(out[0]), list(out[1])))
+            except StopIteration as stop:
+                results[i] = stop.value
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+def backend_generate_fn(backend: Any, max_new_tokens: int, temperature: float, seed: int) -> GenerateFn:
+    """A ``generate`` over a worker ``Backend`` (its ``generate`` takes wire groups): each
+    prompt becomes a one-sample group; the seed advances every call so decisions differ."""
+    from echo import wire
+
+    calls = itertools.count()
+
+    def generate(prompts: list[list[int]]) -> list[Generated]:
+        k = next(calls)
+        groups = [wire.Group(group_id=f"ep{k}.{i}", prompt_ids=p, n=1,
+                             seed=(seed * 1_000_003 + k) % (1 << 62)) for i, p in enumerate(prompts)]
+        out = backend.generate(groups, max_new_tokens, temperature)
+        return [(s[0].completion_ids, s[0].logprobs) for s in out]
+
+    generate.max_new_tokens = max_new_tokens  # type: ignore[attr-defined]
+    return generate
+
+
+class EpisodeAdapter(Adapter):
+    """Base class for multi-turn adapters (see the module docstring)."""
+
+    multi_turn = True
+    max_completion_tokens: int = 4096  # bound on an episode's transcript after the prompt
+    group_by: str = "group"  # "group": advantages within each group; "batch": across the batch
+
+    @abstractmethod
+    def episode(self, task: dict[str, Any], seed: int, sample_idx: int) -> Episode:
+        """One episode of the group with ``task`` (sample ``sample_idx``, RNG ``seed``)."""
+
+    def rollout(self, groups: Sequence[Any], generate: GenerateFn) -> list[list[EpisodeSample]]:
+        """``group.n`` episodes for every group (objects with ``task``, ``n`` and ``seed``),
+        decisions batched across all of them."""
+        eps = [self.episode(g.task, g.seed, i) for g in groups for i in range(g.n)]
+        flat = drive(eps, generate)
+        out, k = [], 0
+        for g in groups:
+            out.append(flat[k : k + g.n])
+            k += g.n
+        return out
+
+    def reward(self, task: dict[str, Any], completion_ids: list[int], completion_text: str) -> float:
+        raise AdapterError(f"{type(self).__name__} is a multi-turn adapter: workers must call "
+                           f"rollout(groups, generate), not reward() (see dataplane/episodes.py)")
+
+    def advantages(self, groups: Sequence[Sequence[Record]], adv_eps: float) -> list[float]:
+        if self.group_by == "batch":
+            return group_advantages([r.reward for g in groups for r in g], adv_eps)
+        return [a for g in groups for a in group_advantages([r.reward for r in g], adv_eps)]
+
+    def materialise(self, groups: Sequence[Sequence[Record]], adv_eps: float = 1e-4) -> LearnerBatch:
+        return materialise_masked(groups, self.advantages(groups, adv_eps),
+                                  self.tokenizer.pad_token_id or 0)
+
+
+def materialise_masked(groups: Sequence[Sequence[Record]], advantages: Sequence[float],
+                       pad: int) -> LearnerBatch:
+    """Like ``Adapter.materialise`` but with each record's ``loss_mask`` over its completion."""
+    import torch
+
+    records = [r for g in groups for r in g]
+    seqs = [r.prompt_ids + r.completion_ids for r in records]
+    length = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad, dtype=torch.long)
+    attn = torch.zeros((len(seqs), length), dtype=torch.long)
+    mask = torch.zeros((len(seqs), length - 1))
+    blp = torch.zeros((len(seqs), length - 1))
+    for i, (r, s) in enumerate(zip(records, seqs)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        start = len(r.prompt_ids) - 1  # completion token j is predicted from position start + j
+        m = record_mask(r)
+        if len(m) != len(r.completion_ids):
+            raise ValueError(f"record {r.group_id}/{r.sample_idx}: loss_mask has {len(m)} entries "
+                             f"for {len(r.completion_ids)} completion tokens")
+        mask[i, start : len(s) - 1] = torch.tensor(m, dtype=torch.float32)
+        blp[i, start : len(s) - 1] = torch.tensor(r.logprobs) * mask[i, start : len(s) - 1]
+    return LearnerBatch(
+        input_ids=ids, attention_mask=attn, loss_mask=mask, behaviour_logprobs=blp,
+        advantages=torch.tensor(list(advantages), dtype=torch.float32),
+        rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
+        versions=torch.tensor([r.version for r in records], dtype=torch.long),
+    )
+
+
+def token_advantages(batch: LearnerBatch) -> Any:
+    """Appendix D eq. 22: the sequence advantage broadcast to the trained (assistant) tokens,
+    zero elsewhere; shape [B, L-1]. (The loss does this itself; this is for inspection.)"""
+    return batch.advantages.unsqueeze(-1) * batch.loss_mask

@@ -1,0 +1,201 @@
+"""Adapters are found through the ``echo.adapters`` entry-point group, and a bad one fails at
+start-up with a message that says what to implement."""
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dataplane.adapter import AdapterError, load_adapter
+from dataplane.records import Record
+from dataplane.testing import write_entry_points
+
+THIRD_PARTY = '''
+import random
+from dataplane.adapter import Adapter, Prompt
+
+
+class EchoTask(Adapter):
+    """Reward 1 when the completion repeats the prompt's first token."""
+
+    def prompts(self, rng: random.Random):
+        while True:
+            d = rng.randrange(10)
+            yield Prompt(self.tokenizer.encode(f"{d}=", add_special_tokens=False), {"d": d})
+
+    def reward(self, task, completion_ids, completion_text):
+        return float(completion_text[:1] == str(task["d"]))
+'''
+
+BAD = '''
+import random
+from dataplane.adapter import Adapter, Prompt
+
+
+class NoReward(Adapter):
+    def prompts(self, rng):
+        yield Prompt([5], {})
+
+
+class NotAnAdapter:
+    pass
+
+
+class Base(Adapter):
+    def reward(self, task, completion_ids, completion_text):
+        return 0.0
+
+
+class TuplePrompts(Base):
+    def prompts(self, rng):
+        while True:
+            yield ([5, 6], {})
+
+
+class TextIds(Base):
+    def prompts(self, rng):
+        while True:
+            yield Prompt("12+7=", {})
+
+
+class NumpyIds(Base):
+    def prompts(self, rng):
+        while True:
+            yield Prompt([5.0, 6.0], {})
+
+
+class HugeIds(Base):
+    def prompts(self, rng):
+        while True:
+            yield Prompt([10**6], {})
+
+
+class Finite(Base):
+    def prompts(self, rng):
+        return iter([])
+
+
+class SetTask(Base):
+    def prompts(self, rng):
+        while True:
+            yield Prompt([5], {"answers": {1, 2}})
+
+
+from dataplane.episodes import EpisodeAdapter
+
+
+class NoEpisode(EpisodeAdapter):
+    def prompts(self, rng):
+        yield Prompt([5], {})
+
+
+class BadInit(Base):
+    def __init__(self, tokenizer):
+        pass
+
+    def prompts(self, rng):
+        yield Prompt([5], {})
+'''
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    (site / "echo_thirdparty_demo").mkdir(parents=True)
+    (site / "echo_thirdparty_demo" / "__init__.py").write_text(THIRD_PARTY)
+    (site / "echo_bad_adapters.py").write_text(BAD)
+    monkeypatch.syspath_prepend(str(site))
+    return site
+
+
+def test_third_party_adapter_is_found_through_its_entry_point(site, tokenizer, rng):
+    with pytest.raises(AdapterError, match="not found"):
+        load_adapter("echo-demo", {}, tokenizer)
+    write_entry_points(site, "echo-thirdparty-demo", {"echo-demo": "echo_thirdparty_demo:EchoTask"})
+    ad = load_adapter("echo-demo", {}, tokenizer)
+    assert type(ad).__module__ == "echo_thirdparty_demo"
+    p = next(ad.prompts(rng))
+    assert ad.reward(p.task, [], str(p.task["d"])) == 1.0
+    # the default materialise serves it: single-turn tasks need nothing more
+    recs = [Record("g", i, p.prompt_ids, [5 + i], [-0.5], float(i), 0, "w") for i in range(2)]
+    batch = ad.materialise([recs])
+    assert batch.loss_mask.tolist() == [[0, 1], [0, 1]]
+
+
+@pytest.mark.parametrize("target,message", [
+    ("echo_bad_adapters:NoReward", r"does not implement \['reward'\].*reward\(self, task, "
+                                   r"completion_ids, completion_text\) -> float"),
+    ("echo_bad_adapters:NotAnAdapter", "not a subclass of dataplane.adapter.Adapter"),
+    ("echo_bad_adapters:Missing", "cannot import echo_bad_adapters:Missing"),
+    ("no_such_module_xyz:Adapter", "cannot import no_such_module_xyz"),
+    ("echo_bad_adapters:TuplePrompts", "yielded a tuple, expected dataplane.adapter.Prompt"),
+    ("echo_bad_adapters:TextIds", "prompt_ids must be a non-empty list of int"),
+    ("echo_bad_adapters:NumpyIds", "prompt_ids must be a non-empty list of int"),
+    ("echo_bad_adapters:HugeIds", "outside the tokenizer's vocabulary"),
+    ("echo_bad_adapters:Finite", "yielded nothing; it must be an endless iterator"),
+    ("echo_bad_adapters:SetTask", "task must travel to workers as msgpack"),
+    ("echo_bad_adapters:BadInit", r"its __init__ must take \(options: dict, tokenizer\)"),
+    ("echo_bad_adapters:NoEpisode", r"does not implement \['episode'\]: add episode\(self, task"),
+])
+def test_bad_adapters_fail_at_start_up_saying_what_to_fix(site, tokenizer, target, message):
+    write_entry_points(site, "echo-bad-adapters", {"bad": target})
+    with pytest.raises(AdapterError, match=message):
+        load_adapter("bad", {}, tokenizer)
+
+
+def test_workers_can_skip_the_prompt_probe(site, tokenizer):
+    # a worker never calls prompts() (and need not hold the data set)
+    write_entry_points(site, "echo-bad-adapters", {"bad": "echo_bad_adapters:Finite"})
+    assert load_adapter("bad", {}, tokenizer, check_prompts=False) is not None
+
+
+@pytest.mark.parametrize("name,target", [("math", "adapters.math:MathAdapter"),
+                                         ("poker", "adapters.poker:PokerAdapter")])
+def test_in_repo_adapters_load_by_name(site, tokenizer, monkeypatch, name, target):
+    # pyproject.toml declares these; a dist-info here makes the test independent of whether
+    # the editable install was refreshed since.
+    write_entry_points(site, "echo-inrepo-adapters", {name: target})
+    options = {"math": {"path": "examples/data/arith.jsonl"},
+               "poker": {"obs_format": "compact"}}[name]
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert type(load_adapter(name, options, tokenizer)).__name__ == target.split(":")[1]
+
+
+def test_pip_installed_third_party_package(tmp_path, tokenizer):
+    """The real thing: build and pip-install (offline, into a target folder) a package that
+    declares an adapter, then find it from a fresh interpreter."""
+    pkg = tmp_path / "pkg"
+    (pkg / "echo_thirdparty_demo").mkdir(parents=True)
+    (pkg / "echo_thirdparty_demo" / "__init__.py").write_text(THIRD_PARTY)
+    (pkg / "pyproject.toml").write_text(textwrap.dedent('''
+        [build-system]
+        requires = ["setuptools>=68"]
+        build-backend = "setuptools.build_meta"
+
+        [project]
+        name = "echo-thirdparty-demo"
+        version = "0.1.0"
+
+        [project.entry-points."echo.adapters"]
+        echo-demo = "echo_thirdparty_demo:EchoTask"
+
+        [tool.setuptools]
+        packages = ["echo_thirdparty_demo"]
+    '''))
+    target = tmp_path / "target"
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--no-build-isolation", "--target", str(target), str(pkg)], check=True,
+                   capture_output=True)
+    code = ("from dataplane.adapter import load_adapter; from echo.models import build_tiny_tokenizer;"
+            "print(type(load_adapter('echo-demo', {}, build_tiny_tokenizer())).__name__)")
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env=env)
+    assert out.stdout.strip() == "EchoTask"
+    assert time.monotonic() - t0 < 60
