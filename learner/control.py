@@ -173,6 +173,9 @@ class ControlPlane:
         return {
             "active_workers": len(active), "standby_workers": len(live) - len(active),
             "fleet_price_per_hour": sum(w.price for w in active),
+            # what the active workers report they generate per busy second (heartbeats)
+            "worker_rate_mean": (sum(w.claimed_throughput for w in active) / len(active)
+                                 if active else 0.0),
             "rejected": dict(self.rejected + self.buffer.stats.rejected),
             "learner_bytes_sent": self.store.bytes_sent,
             "t_bcast": self._last_t_bcast(),

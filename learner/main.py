@@ -78,12 +78,16 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
         "reward_mean": sum(r.reward for r in records) / len(records),
         "staleness_max": version - min_u,
         "staleness_mean": sum(version - r.version for r in records) / len(records),
+        # seconds a worker spent generating the batch each record came in (its busy time):
+        # the capacity the simulator and the provisioner should use, not demand-capped rates
+        "gen_s_mean": round(sum(r.gen_s for r in records) / len(records), 5),
         "t_train": round(t_train, 4), "t_wait": round(t_wait, 4), "t_publish": round(t_publish, 4),
         "bubble_ratio": round(totals.bubble_ratio, 4),
         "admitted": buffer.stats.admitted, "duplicates": buffer.stats.duplicates,
         "dropped_stale": buffer.stats.dropped_stale,
         "active_workers": control["active_workers"], "standby_workers": control["standby_workers"],
         "fleet_price_per_hour": control["fleet_price_per_hour"],
+        "worker_rate_mean": round(control["worker_rate_mean"], 2),
         "cost_step_usd": round(control["fleet_price_per_hour"] * (t_train + t_wait) / 3600, 8),
         "rejected": control["rejected"],
         "learner_bytes_sent": control["learner_bytes_sent"], "t_bcast": control["t_bcast"],

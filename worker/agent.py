@@ -67,7 +67,6 @@ class Worker:
         self.stopping = asyncio.Event()
         self.new_snapshot = asyncio.Event()
         self.relay_cfg = relay or RelayConfig()
-        self._last_ack: float | None = None
         self._fetching = -1  # version being pulled right now
 
     # ------------------------------------------------------------------ lifecycle
@@ -240,9 +239,14 @@ class Worker:
             if len(self.unacked) >= self.view["worker"]["max_unacked_batches"]:
                 await self._wait_snapshot(0.5)  # back-pressure: deliver before generating more
                 continue
+            t0 = time.monotonic()
             groups = await self._request_work()
             if groups:
                 await self._rollout(groups)
+                # Busy-time throughput: one request-generate-score-deliver cycle. It measures
+                # what this worker can do, not how much work it was given (idle waits and
+                # snapshot installs are outside the cycle).
+                self._measure(sum(g.n for g in groups), time.monotonic() - t0)
 
     async def _wait_snapshot(self, timeout: float) -> None:
         self.new_snapshot.clear()
@@ -318,7 +322,7 @@ class Worker:
         if reply.rejected:
             log.warning("batch %s: learner rejected records %s", batch.batch_id, reply.rejected)
         self._record_ack(batch.batch_id, reply)
-        self._measure(batch.count)
+        self.delivered += batch.count
 
     def _record_ack(self, batch_id: str, ack: wire.Ack) -> None:
         keys = self._batch_keys.pop(batch_id, None)
@@ -347,10 +351,6 @@ class Worker:
             log.warning("leaving with %d unacknowledged batch(es)", len(self.unacked))
         await self.client.send(wire.Leave(worker_id=self.worker_id))
 
-    def _measure(self, count: int) -> None:
-        now = time.monotonic()
-        last, self._last_ack = self._last_ack, now
-        self.delivered += count
-        if last is not None:
-            rate = count / max(now - last, 1e-3)
-            self.throughput = rate if self.throughput == 0 else 0.3 * rate + 0.7 * self.throughput
+    def _measure(self, count: int, seconds: float) -> None:
+        rate = count / max(seconds, 1e-3)
+        self.throughput = rate if self.throughput == 0 else 0.3 * rate + 0.7 * self.throughput

@@ -1,0 +1,78 @@
+"""Simulated against measured bubble ratio, on the same parameters (issue: provisioning, item 7).
+
+    .venv/bin/python benchmarks/sim_vs_real.py [--pools 1,2,4] [--steps 60]
+
+For each pool size: run the real system on loopback (``echo-rl quickstart`` with that many
+worker processes, provisioning off), measure T_train, T_bcast and each worker's generation
+rate (samples / seconds generating), then simulate exactly those numbers with
+``provisioning.sim.simulate_fixed`` and compare bubble ratios. Writes
+benchmarks/results/sim_vs_real.json with the machine.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from echo.config import load_config  # noqa: E402
+from echo.machine import machine_info  # noqa: E402
+from provisioning.sim import simulate_fixed  # noqa: E402
+
+
+def measure(n: int, steps: int, tmp: Path) -> dict:
+    run = tmp / f"pool-{n}"
+    sets = [f"learner.max_steps={steps}", "provisioning.enabled=false"]
+    argv = [sys.executable, "-m", "echo.cli", "quickstart", "--workers", str(n), "--run-dir", str(run)]
+    for s in sets:
+        argv += ["--set", s]
+    subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    cfg = load_config(ROOT / "examples/quickstart.toml", sets)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][1:]
+    summary = json.loads((run / "summary.json").read_text())
+    batch = cfg.worker.groups_per_request * cfg.learner.group_size
+    bcast = [r["t_bcast"] for r in rows if r.get("t_bcast")]
+    return {
+        "workers": n, "bubble_ratio": summary["bubble_ratio"],
+        "t_train": sum(r["t_train"] + r["t_publish"] for r in rows) / len(rows),
+        "t_bcast": sum(bcast) / len(bcast) if bcast else 0.0,
+        # each worker's busy-time rate (request, generate, score, deliver), from heartbeats
+        "mu_per_worker": sum(r["worker_rate_mean"] for r in rows) / len(rows),
+        "mu_generate_only": batch / (sum(r["gen_s_mean"] for r in rows) / len(rows)),
+        "cfg": cfg,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pools", default="1,2,4")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--json", default=str(ROOT / "benchmarks/results/sim_vs_real.json"))
+    args = ap.parse_args(argv)
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in [int(x) for x in args.pools.split(",")]:
+            m = measure(n, args.steps, Path(tmp))
+            lc, wc = m.pop("cfg").learner, None
+            sim = simulate_fixed(n, m["mu_per_worker"], m["t_train"], m["t_bcast"],
+                                 lc.prompts_per_step * lc.group_size, lc.staleness,
+                                 lc.effective_kappa, args.steps, group_size=lc.group_size,
+                                 groups_per_request=2, max_outstanding_groups=lc.effective_outstanding,
+                                 measure_from_step=1)
+            m["bubble_ratio_sim"] = sim["bubble_ratio"]
+            m["abs_diff"] = abs(sim["bubble_ratio"] - m["bubble_ratio"])
+            out.append(m)
+            print(f"workers={n}: measured B={m['bubble_ratio']:.3f} simulated B={sim['bubble_ratio']:.3f} "
+                  f"(T_train {m['t_train']:.3f}s, T_bcast {m['t_bcast']:.3f}s, mu/worker {m['mu_per_worker']:.0f}/s)")
+    Path(args.json).write_text(json.dumps({"machine": machine_info(), "results": out}, indent=2))
+    worst = max(r["abs_diff"] for r in out)
+    print(f"largest |simulated - measured| = {worst:.3f} (target <= 0.05)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,469 @@
+"""Scenario files for the discrete-event simulator (``echo-rl sim SCENARIO.toml``).
+
+A scenario describes one simulated Echo run: the learner (DESIGN 3, 4), the worker pool (mu_i,
+c_i, links), how rollouts are generated, the broadcast (DESIGN 5), provisioning (selection and
+the closed-loop controller) and churn. Validated like ``echo.config``: typed sections,
+``extra="forbid"``, and every error names the key, the bad value and the fix.
+
+Units: seconds, trajectories/s, $/h, Mbit/s (decimal), decimal GB for the snapshot.
+Relative paths inside a scenario (``pool.file``, ``churn.trace``) are relative to the TOML file.
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ScenarioError(ValueError):
+    """A scenario problem, phrased for the user: key, value, fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(_Section):
+    name: str = "sim"
+    seed: int = 0
+    steps: int = Field(100, gt=0)  # learner steps to simulate
+    # Workers start with snapshot v0 installed (a run in progress); false: v0 is broadcast at t=0
+    # and the first step waits for it.
+    warm_start: bool = True
+    # Aggregates (bubble ratio, cost, ...) count steps >= this index (skip the pipeline fill).
+    measure_from_step: int = Field(0, ge=0)
+    # Abort (result "stalled") when the learner waits this long for one batch.
+    stall_timeout_s: float = Field(7 * 24 * 3600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _measure_inside_run(self) -> "RunSection":
+        if self.measure_from_step >= self.steps:
+            raise ValueError(f"measure_from_step={self.measure_from_step} leaves no step of "
+                             f"steps={self.steps} to measure; set run.measure_from_step < "
+                             f"run.steps")
+        return self
+
+
+class LearnerSection(_Section):
+    t_train_s: float = Field(60.0, gt=0)  # T_train, seconds per learner step
+    t_train_cv: float = Field(0.0, ge=0)  # lognormal spread of T_train per step (0: constant)
+    prompts_per_step: int = Field(32, gt=0)
+    group_size: int = Field(16, gt=0)  # N = prompts_per_step x group_size
+    staleness: int = Field(3, ge=1)  # S
+    kappa: int = Field(0, ge=0)  # 0: max(1, S-1) (DESIGN 3)
+    price_per_hour: float = Field(3.06, ge=0)  # p_learner, A100 80GB (paper Table 1)
+    # Groups issued-and-unfinished plus waiting in the buffer; 0: 2 x prompts_per_step, as in
+    # learner.max_outstanding_groups (learner/work.py). Keeps the fleet from running ahead.
+    max_outstanding_groups: int = Field(0, ge=0)
+
+    @property
+    def n(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def effective_kappa(self) -> int:
+        return self.kappa or max(1, self.staleness - 1)
+
+    @property
+    def effective_outstanding(self) -> int:
+        return self.max_outstanding_groups or 2 * self.prompts_per_step
+
+    @model_validator(mode="after")
+    def _checks(self) -> "LearnerSection":
+        if self.kappa > self.staleness:
+            raise ValueError(f"kappa={self.kappa} exceeds staleness={self.staleness}: every "
+                             f"publication would arrive too late; set learner.kappa <= "
+                             f"learner.staleness (or 0 for max(1, S-1))")
+        if self.max_outstanding_groups and self.max_outstanding_groups < self.prompts_per_step:
+            raise ValueError(f"max_outstanding_groups={self.max_outstanding_groups} is below "
+                             f"prompts_per_step={self.prompts_per_step}: the learner could never "
+                             f"assemble a batch; raise learner.max_outstanding_groups (or 0)")
+        return self
+
+
+class WorkerClass(_Section):
+    name: str = "gpu"
+    count: int = Field(gt=0)
+    mu: float = Field(gt=0)  # trajectories/s delivered by one worker of this class
+    price: float = Field(ge=0)  # $/h
+    mu_sigma: float = Field(0.0, ge=0)  # lognormal spread of mu between workers
+    price_sigma: float = Field(0.0, ge=0)
+    # Explicit per-worker prices (length count) instead of price/price_sigma, e.g. a
+    # marketplace's listing; overrides `price`.
+    prices: list[float] | None = None
+    down_mbit: float | None = Field(None, gt=0)  # None: pool.down_mbit
+    up_mbit: float | None = Field(None, gt=0)  # None: pool.up_mbit
+    reachable: float | None = Field(None, ge=0, le=1)  # fraction reachable; None: pool's
+
+    @model_validator(mode="after")
+    def _prices_length(self) -> "WorkerClass":
+        if self.prices is not None:
+            if len(self.prices) != self.count:
+                raise ValueError(f"class {self.name!r}: prices has {len(self.prices)} entries "
+                                 f"but count={self.count}; give one price per worker")
+            if any(not (p >= 0 and math.isfinite(p)) for p in self.prices):
+                raise ValueError(f"class {self.name!r}: prices must be finite $/h >= 0")
+        return self
+
+
+class PoolSection(_Section):
+    # Sources (any combination): explicit classes, a CSV file, or a random fleet drawn like
+    # provisioning.bench.random_pool (a mix of GPU classes, lognormal speeds, marketplace prices).
+    classes: list[WorkerClass] = Field(default_factory=list)
+    file: str = ""  # CSV with columns mu,price[,down_mbit,up_mbit,reachable,id]
+    random_workers: int = Field(0, ge=0)
+    mu_scale: float = Field(1.0, gt=0)  # multiplies random_workers' mu (task speed)
+    # Links for workers that do not set their own.
+    down_mbit: float = Field(100.0, gt=0)
+    up_mbit: float = Field(100.0, gt=0)
+    link_sigma: float = Field(0.0, ge=0)  # lognormal spread of every worker's down and up
+    up_sigma: float | None = Field(None, ge=0)  # spread of up alone; None: link_sigma
+    reachable: float = Field(1.0, ge=0, le=1)  # fraction that accepts inbound connections
+
+    @model_validator(mode="after")
+    def _has_workers(self) -> "PoolSection":
+        if not self.classes and not self.file and not self.random_workers:
+            raise ValueError("the pool is empty: add [[pool.classes]] (count, mu, price), "
+                             "pool.file (CSV) or pool.random_workers")
+        return self
+
+
+class RolloutSection(_Section):
+    groups_per_request: int = Field(2, gt=0)  # as worker.groups_per_request
+    duration_sigma: float = Field(0.1, ge=0)  # lognormal spread of each request's duration
+    # false (worker/agent.py today): a worker finishes its current request, then fetches and
+    # installs the new snapshot before generating again -- no rollouts during its broadcast.
+    # true: it keeps generating with the old snapshot while the new one downloads and pauses
+    # only for broadcast.reload_s.
+    generate_during_download: bool = False
+
+
+class BroadcastSection(_Section):
+    # "fixed": every worker installs broadcast.fixed_s after publication (for replaying a
+    # measured T_bcast, e.g. sim-vs-reality); the others use broadcast.planner's model.
+    topology: Literal["chains", "star", "star-unlimited", "fixed"] = "chains"
+    snapshot_gb: float = Field(1.0, gt=0)  # M, decimal GB
+    uplink_mbit: float | None = Field(1000.0, gt=0)  # learner U; needed by chains and star
+    chunk_mib: float = Field(1.0, gt=0)
+    latency_ms: float = Field(0.0, ge=0)  # per hop
+    reload_s: float = Field(0.0, ge=0)  # load weights into the inference engine after download
+    q: float = Field(1.0, gt=0, le=1)  # T_bcast = until this fraction of recipients installed
+    fixed_s: float = Field(0.0, ge=0)  # topology = "fixed" only
+    reattach_s: float = Field(1.0, ge=0)  # delay for a chain child whose relay left
+    extra_chains: bool = True  # planner option (more chains for poor uploaders)
+    # Above this many recipients the planner runs on binned peers (see provisioning.sim).
+    plan_max_peers: int = Field(256, ge=8)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return int(round(self.snapshot_gb * 1e9))
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(round(self.chunk_mib * (1 << 20)))
+
+    @model_validator(mode="after")
+    def _uplink_needed(self) -> "BroadcastSection":
+        if self.topology in ("chains", "star") and self.uplink_mbit is None:
+            raise ValueError(f"topology {self.topology!r} needs the learner uplink: set "
+                             f"broadcast.uplink_mbit (Mbit/s), or use topology = "
+                             f"\"star-unlimited\"")
+        return self
+
+
+class ProvisioningSection(_Section):
+    # Initial active set. greedy/ours/exact: provisioning.selection against alpha*mu_req;
+    # random: random order until alpha*mu_req (the paper's "w/o cost" ablation); all: everyone.
+    selection: Literal["ours", "greedy", "exact", "random", "all"] = "ours"
+    # > 0: activate exactly this many workers (in the selection's order: by unit cost for
+    # greedy/ours/exact, random for random) instead of meeting alpha*mu_req.
+    active: int = Field(0, ge=0)
+    controller: bool = True  # closed loop (provisioning.controller.Controller)
+    alpha: float = Field(1.1, gt=0)
+    delta: float = Field(0.2, ge=0)
+    window_s: float = Field(60.0, ge=0)
+    tau_s: float = Field(60.0, gt=0)
+    warmup_s: float = Field(30.0, ge=0)
+    tick_s: float = Field(10.0, gt=0)
+    # What the controller observes. "delivered": every delivered trajectory, as the real
+    # control plane does (learner/control.py). That rate is capped by the work the learner
+    # hands out (max_outstanding_groups) and by install pauses, so it measures demand once the
+    # fleet is large enough. "capacity": each active, installed worker's nominal mu_i x time
+    # (an oracle), to show what the loop does when its input measures capacity.
+    measure: Literal["delivered", "capacity"] = "delivered"
+    # T_bcast behind mu_req before the first publication is measured; None: the planner's
+    # prediction for the initial active set.
+    t_bcast_initial_s: float | None = Field(None, ge=0)
+
+
+class ChurnSection(_Section):
+    leave_per_hour: float = Field(0.0, ge=0)  # per present worker
+    rejoin_per_hour: float = Field(0.0, ge=0)  # per absent worker (0: gone for good)
+    start_absent: float = Field(0.0, ge=0, lt=1)  # fraction absent at t=0 (may join later)
+    # CSV with columns time_s,worker,event (event: leave | join; worker: pool index or id).
+    # A worker whose first traced event is "join" starts absent.
+    trace: str = ""
+    heartbeat_timeout_s: float = Field(15.0, ge=0)  # until the controller forgets a leaver
+
+
+class Scenario(_Section):
+    run: RunSection = Field(default_factory=RunSection)
+    learner: LearnerSection = Field(default_factory=LearnerSection)
+    pool: PoolSection
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    broadcast: BroadcastSection = Field(default_factory=BroadcastSection)
+    provisioning: ProvisioningSection = Field(default_factory=ProvisioningSection)
+    churn: ChurnSection = Field(default_factory=ChurnSection)
+    # Where the TOML lives, to resolve pool.file and churn.trace; set by load_scenario.
+    base_dir: str = ""
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_known_keys(ann, prefix + name + "."))
+    keys.extend(f"pool.classes.{k}" for k in WorkerClass.model_fields)
+    return keys
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        key = ".".join(loc) or "(top level)"
+        plain = ".".join(p for p in loc if not p.isdigit())
+        if e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(plain, _known_keys(Scenario), n=1)
+            hint = (f"did you mean {close[0]!r}?" if close
+                    else "remove it (see examples/sim/*.toml for the known keys)")
+            lines.append(f"unknown key {key!r}: {hint}")
+            continue
+        if e["type"] == "missing":
+            lines.append(f"{key} is required: add it to the scenario (or --set {plain}=...)")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "value_error" and isinstance(e.get("input"), dict):
+            lines.append(f"[{key}] {msg}")  # a check across keys of one table
+            continue
+        how = ("fix it in the scenario" if plain != key
+               else f"fix it in the scenario or with --set {key}=...")
+        lines.append(f"{key} = {e.get('input')!r}: {msg}; {how}")
+    return "invalid scenario:\n  " + "\n  ".join(lines)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ScenarioError(f"override {item!r} has no '=': write --set section.key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
+    """``section.key=value`` strings (or a ``{"section.key": value}`` dict) onto raw data."""
+    items = (overrides.items() if isinstance(overrides, dict)
+             else (_parse_override(o) for o in overrides))
+    for key, value in items:
+        path = key.split(".") if isinstance(key, str) else key
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ScenarioError(f"override {'.'.join(path)}: {part!r} is not a table")
+        node[path[-1]] = value
+    return data
+
+
+def scenario_from_dict(data: dict[str, Any], base_dir: str | Path = ".") -> Scenario:
+    data = dict(data)
+    data.setdefault("base_dir", str(base_dir))
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError(_explain(exc)) from None
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ScenarioError(f"scenario file {str(p)!r} not found: pass an existing TOML file "
+                            f"(see examples/sim/)")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"scenario file {str(p)!r} is not valid TOML: {exc}") from None
+
+
+def load_scenario(path: str | Path,
+                  overrides: list[str] | dict[str, Any] | None = None) -> Scenario:
+    data = apply_overrides(read_toml(path), overrides or [])
+    return scenario_from_dict(data, Path(path).resolve().parent)
+
+
+# ----------------------------------------------------------------------------- the pool
+
+
+@dataclass
+class Pool:
+    """Every candidate worker, as arrays indexed by worker number."""
+
+    ids: list[str]
+    mu: np.ndarray  # trajectories/s
+    price: np.ndarray  # $/h
+    down: np.ndarray  # Mbit/s
+    up: np.ndarray
+    reachable: np.ndarray  # bool
+    cls: list[str]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _resolve(base_dir: str, name: str) -> Path:
+    p = Path(name)
+    return p if p.is_absolute() else Path(base_dir or ".") / p
+
+
+def build_pool(sc: Scenario, rng: np.random.Generator) -> Pool:
+    """Draw (or read) the candidate workers. Deterministic for a given ``run.seed``."""
+    ps = sc.pool
+    mu, price, down, up, reach, cls, ids = [], [], [], [], [], [], []
+
+    def spread(n: int, sigma: float) -> np.ndarray | float:
+        return rng.lognormal(0.0, sigma, n) if sigma else 1.0
+
+    def links(n: int, d: float | None, u: float | None, r: float | None) -> None:
+        up_sigma = ps.link_sigma if ps.up_sigma is None else ps.up_sigma
+        down.append(np.full(n, d or ps.down_mbit) * spread(n, ps.link_sigma))
+        up.append(np.full(n, u or ps.up_mbit) * spread(n, up_sigma))
+        frac = ps.reachable if r is None else r
+        reach.append(rng.random(n) < frac if frac < 1 else np.ones(n, bool))
+
+    for c in ps.classes:
+        m = np.full(c.count, c.mu)
+        if c.mu_sigma:
+            m = m * rng.lognormal(0.0, c.mu_sigma, c.count)
+        if c.prices is not None:
+            p = np.asarray(c.prices, float)
+        else:
+            p = np.full(c.count, c.price)
+            if c.price_sigma:
+                p = p * rng.lognormal(0.0, c.price_sigma, c.count)
+        mu.append(m)
+        price.append(p)
+        links(c.count, c.down_mbit, c.up_mbit, c.reachable)
+        cls += [c.name] * c.count
+    if ps.random_workers:
+        from provisioning.bench import random_pool
+
+        m, p = random_pool(rng, ps.random_workers)
+        mu.append(m * ps.mu_scale)
+        price.append(p)
+        links(ps.random_workers, None, None, None)
+        cls += ["bench-mix"] * ps.random_workers
+    if ps.file:
+        rows = _read_pool_csv(_resolve(sc.base_dir, ps.file))
+        mu.append(np.array([r["mu"] for r in rows]))
+        price.append(np.array([r["price"] for r in rows]))
+        down.append(np.array([r.get("down_mbit") or ps.down_mbit for r in rows]))
+        up.append(np.array([r.get("up_mbit") or ps.up_mbit for r in rows]))
+        reach.append(np.array([bool(r.get("reachable", True)) for r in rows]))
+        cls += ["file"] * len(rows)
+        ids_from_file = [r.get("id") for r in rows]
+    else:
+        ids_from_file = []
+    n = len(cls)
+    ids = [f"w{i}" for i in range(n - len(ids_from_file))]
+    ids += [x or f"w{len(ids) + j}" for j, x in enumerate(ids_from_file)]
+    if len(set(ids)) != n:
+        raise ScenarioError(f"pool.file {ps.file!r}: worker ids must be unique (ids w0..w{n - 1} "
+                            f"are taken by the generated workers)")
+    return Pool(ids=ids, mu=np.concatenate(mu), price=np.concatenate(price),
+                down=np.concatenate(down), up=np.concatenate(up),
+                reachable=np.concatenate(reach).astype(bool), cls=cls)
+
+
+def _read_pool_csv(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise ScenarioError(f"pool.file {str(path)!r} not found: give a CSV with columns "
+                            f"mu,price[,down_mbit,up_mbit,reachable,id]")
+    rows = []
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"mu", "price"} - set(reader.fieldnames or [])
+        if missing:
+            raise ScenarioError(f"pool.file {str(path)!r} lacks column(s) {sorted(missing)}: "
+                                f"the header must name at least mu,price")
+        for line, r in enumerate(reader, start=2):
+            try:
+                row: dict[str, Any] = {"mu": float(r["mu"]), "price": float(r["price"])}
+                for k in ("down_mbit", "up_mbit"):
+                    if r.get(k):
+                        row[k] = float(r[k])
+                if r.get("reachable"):
+                    row["reachable"] = r["reachable"].strip().lower() in ("1", "true", "yes")
+                if r.get("id"):
+                    row["id"] = r["id"].strip()
+            except ValueError as exc:
+                raise ScenarioError(f"pool.file {str(path)!r} line {line}: {exc}; numbers "
+                                    f"expected in mu, price, down_mbit, up_mbit") from None
+            if row["mu"] <= 0 or row["price"] < 0:
+                raise ScenarioError(f"pool.file {str(path)!r} line {line}: mu must be > 0 and "
+                                    f"price >= 0, got mu={row['mu']}, price={row['price']}")
+            rows.append(row)
+    if not rows:
+        raise ScenarioError(f"pool.file {str(path)!r} has no workers")
+    return rows
+
+
+def read_trace(sc: Scenario, pool: Pool) -> list[tuple[float, int, str]]:
+    """``(time_s, worker index, "leave"|"join")`` sorted by time."""
+    path = _resolve(sc.base_dir, sc.churn.trace)
+    if not path.is_file():
+        raise ScenarioError(f"churn.trace {str(path)!r} not found: give a CSV with columns "
+                            f"time_s,worker,event")
+    index = {wid: i for i, wid in enumerate(pool.ids)}
+    out = []
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if not {"time_s", "worker", "event"} <= set(reader.fieldnames or []):
+            raise ScenarioError(f"churn.trace {str(path)!r}: the header must be "
+                                f"time_s,worker,event")
+        for line, r in enumerate(reader, start=2):
+            w = r["worker"].strip()
+            i = index.get(w)
+            if i is None and w.isdigit() and int(w) < len(pool):
+                i = int(w)
+            if i is None:
+                raise ScenarioError(f"churn.trace line {line}: unknown worker {w!r}; use a pool "
+                                    f"index 0..{len(pool) - 1} or an id such as {pool.ids[0]!r}")
+            ev = r["event"].strip().lower()
+            if ev not in ("leave", "join"):
+                raise ScenarioError(f"churn.trace line {line}: event {ev!r} must be leave or join")
+            try:
+                t = float(r["time_s"])
+            except ValueError:
+                raise ScenarioError(f"churn.trace line {line}: time_s {r['time_s']!r} is not a "
+                                    f"number of seconds") from None
+            if not (t >= 0 and math.isfinite(t)):
+                raise ScenarioError(f"churn.trace line {line}: time_s must be >= 0, got {t}")
+            out.append((t, i, ev))
+    out.sort(key=lambda e: e[0])
+    return out

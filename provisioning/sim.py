@@ -1,0 +1,1167 @@
+"""Discrete-event simulator of an Echo run (SimPy), on the project's own models.
+
+``echo-rl sim SCENARIO.toml [--json FILE] [--plots DIR] [--set key=value ...]``
+(or ``python -m provisioning.sim ...``). The scenario format is ``provisioning.scenario``.
+
+What runs, and what it reuses (no second copy of the logic):
+
+* **Learner** (one SimPy process): step t trains on ``N = prompts x group_size`` rollouts taken
+  from the replay buffer, oldest first, whole groups only, admissible iff ``u >= v - S``
+  (DESIGN 3, as ``learner.buffer.ReplayBuffer``); it waits (``T_wait``) until enough are there,
+  then trains ``T_train``; ``v += 1``; every ``kappa`` steps it publishes snapshot ``v``.
+  Stale groups are dropped at admission and when the version moves, and counted. Work is
+  handed out like ``learner.work.WorkQueue``: at most ``max_outstanding_groups`` issued plus
+  buffered, so the fleet cannot run far ahead (a worker that gets no grant waits).
+* **Workers** (one SimPy process each, for the whole run): request ``groups_per_request``
+  groups, generate them with the installed snapshot (duration ``groups x G / mu_i``, lognormal
+  jitter), deliver them tagged with that version. By default a worker stops generating when a
+  snapshot is published until it has installed it (what ``worker/agent.py`` does: it fetches
+  in its work loop); ``rollout.generate_during_download`` keeps old-snapshot generation going.
+* **Broadcast**: per publication, per-worker arrival times from ``broadcast.planner``:
+  chains are planned with ``plan_chains`` and each worker at position ``j`` of a chain installs
+  at ``predict_chain_s(M, c, rate, j + 1, latency)`` (the planner's chain rate and per-chunk
+  pipeline formula), plus ``reload_s``; star-limited and star-unlimited use
+  ``star_limited_s`` / ``star_unlimited_s`` per worker. ``T_bcast`` is the time until a fraction
+  ``q`` of the recipients installed; ``lower_bound_s`` is reported beside it. Above
+  ``broadcast.plan_max_peers`` recipients the planner (whose local search is superlinear, ~1.6 s
+  for 1,000 heterogeneous peers here) runs on *binned* peers: reachable workers sorted by relay
+  rate are cut into contiguous blocks, each block is one synthetic peer with the block's
+  slowest down and up rates, and each planned chain is expanded back into its blocks' workers.
+  The chain rates are therefore the planner's (conservative: a block's slowest member); chain
+  lengths and per-position times are the expanded ones. Unreachable workers are always planned
+  individually.
+* **Provisioning**: the initial active set comes from ``provisioning.selection`` (greedy,
+  ours, exact) against ``alpha * mu_req`` with ``mu_req`` from ``provisioning.capacity`` and
+  ``T_bcast`` predicted by the planner for that set (iterated to a fixed point), or random
+  (the paper's "w/o cost" ablation), or all, or a fixed count. The closed loop is
+  ``provisioning.controller.Controller`` itself, with ``env.now`` as its clock: it observes
+  every delivery (admitted or not, as in the real control plane), ticks every ``tick_s``, and
+  its activate/release decisions are carried out; ``mu_req`` is updated from each measured
+  ``T_bcast``. An activated worker pulls the current snapshot from a peer (``M / b_down``).
+* **Churn**: per-worker leave/rejoin rates, or a trace CSV ``time_s,worker,event``. A leaver's
+  in-flight groups are lost and re-issued, its chain children re-attach upstream (``reattach_s``,
+  nothing restarts), and the controller forgets it after ``heartbeat_timeout_s``; a joiner
+  pulls the current snapshot on activation.
+
+Costs: a worker is billed while present and active (from activation, including its download,
+until release or departure); the learner always. Cost of a step = learner price x step time +
+the integral of the active workers' prices over the step, i.e. DESIGN 4's
+``(p_learner + sum c_i) * (T_train + T_wait) / 3600`` when the set does not change in the step.
+
+Public API: ``run_scenario``, ``simulate`` (path or dict), ``simulate_fixed`` (sim-vs-reality),
+``main`` (CLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import simpy
+
+from broadcast import planner
+from broadcast.topology.base import Peer
+from provisioning import capacity, selection
+from provisioning.controller import ACTIVATE, ACTIVE, RELEASE, SHORT, STANDBY, Controller
+from provisioning.scenario import (Pool, Scenario, ScenarioError, apply_overrides, build_pool,
+                                   load_scenario, read_toml, read_trace, scenario_from_dict)
+
+DEFAULT_JSON_DIR = Path("benchmarks/results/sim")
+
+
+# ============================================================================ broadcast model
+
+
+@dataclass
+class BcastPlan:
+    """Per-recipient arrival offsets (seconds after publication, before reload) and context."""
+
+    idx: np.ndarray  # recipients (worker indices)
+    offsets: np.ndarray  # aligned with idx
+    chains: list[np.ndarray] | None  # worker indices per chain, head first (chains only)
+    predicted_s: float  # slowest recipient (planner's / star formula's prediction)
+    lower_bound_s: float | None
+    streams: int  # learner streams
+    egress_bytes: float  # what the learner sends
+    mode: str  # "planner", "binned", "star", "star-unlimited", "fixed"
+
+
+class BroadcastModel:
+    """Turns a recipient set into per-worker arrival times with ``broadcast.planner``."""
+
+    def __init__(self, sc: Scenario, pool: Pool):
+        self.b = sc.broadcast
+        self.pool = pool
+        self.M = float(self.b.snapshot_bytes)
+        self.c = self.b.chunk_bytes
+        self.lat = self.b.latency_ms / 1000.0
+        self._cache: dict[bytes, BcastPlan] = {}
+        self.plan_wall_s = 0.0
+
+    def pull_s(self, i: int) -> float:
+        """Pull-on-join: a late joiner fetches the whole snapshot from one peer at its own rate."""
+        return float(planner.star_unlimited_s(self.M, self.pool.down[i])) + self.lat
+
+    def plan(self, idx: np.ndarray) -> BcastPlan:
+        idx = np.asarray(idx, dtype=np.int64)
+        key = idx.tobytes()
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        t0 = time.perf_counter()
+        out = self._plan(idx)
+        self.plan_wall_s += time.perf_counter() - t0
+        if len(self._cache) > 64:
+            self._cache.clear()
+        self._cache[key] = out
+        return out
+
+    def _lower_bound(self, idx: np.ndarray) -> float | None:
+        if not len(idx) or not self.b.uplink_mbit:
+            return None
+        return planner.lower_bound_s(self.M, self.b.uplink_mbit, self.pool.down[idx].tolist(),
+                                     self.pool.up[idx].tolist())
+
+    def _plan(self, idx: np.ndarray) -> BcastPlan:
+        n, b, M = len(idx), self.b, self.M
+        lb = self._lower_bound(idx)
+        if n == 0:
+            return BcastPlan(idx, np.zeros(0), None, 0.0, lb, 0, 0.0, b.topology)
+        if b.topology == "fixed":
+            off = np.full(n, b.fixed_s)
+            return BcastPlan(idx, off, None, b.fixed_s, lb, n, n * M, "fixed")
+        down = self.pool.down[idx]
+        if b.topology == "star-unlimited":
+            off = np.asarray(planner.star_unlimited_s(M, down), dtype=float) + self.lat
+            return BcastPlan(idx, off, None, float(off.max()), lb, n, n * M, "star-unlimited")
+        if b.topology == "star":
+            uniq, inv = np.unique(down, return_inverse=True)
+            per = np.array([planner.star_limited_s(M, float(d), b.uplink_mbit, n) for d in uniq])
+            off = per[inv] + self.lat
+            return BcastPlan(idx, off, None, float(off.max()), lb, n, n * M, "star")
+        return self._chains(idx, lb)
+
+    def _chains(self, idx: np.ndarray, lb: float | None) -> BcastPlan:
+        pool, b = self.pool, self.b
+        binned = len(idx) > b.plan_max_peers
+        members: dict[str, np.ndarray] = {}
+        if not binned:
+            peers = [Peer(pool.ids[i], float(pool.down[i]), float(pool.up[i]),
+                          bool(pool.reachable[i])) for i in idx]
+            for i in idx:
+                members[pool.ids[i]] = np.array([i])
+        else:
+            peers = self._binned_peers(idx, members)
+        plan = planner.plan_chains(peers, uplink_mbit=b.uplink_mbit, snapshot_bytes=int(self.M),
+                                   chunk_bytes=self.c, latency_s=self.lat,
+                                   extra_chains=b.extra_chains)
+        pos_of = {int(w): j for j, w in enumerate(idx)}
+        off = np.zeros(len(idx))
+        chains = []
+        for chain, pred in zip(plan.chains, plan.predictions):
+            workers = np.concatenate([members[w] for w in chain])
+            rate = planner.mbit_to_bytes_per_s(pred.rate_mbit)
+            t = planner.predict_chain_s(self.M, self.c, rate, np.arange(1, len(workers) + 1),
+                                        self.lat)
+            off[[pos_of[int(w)] for w in workers]] = t
+            chains.append(workers)
+        return BcastPlan(idx, off, chains, float(off.max()), lb, plan.streams,
+                         plan.streams * self.M, "binned" if binned else "planner")
+
+    def _binned_peers(self, idx: np.ndarray, members: dict[str, np.ndarray]) -> list[Peer]:
+        pool = self.pool
+        reach = pool.reachable[idx]
+        unreachable, relays = idx[~reach], idx[reach]
+        peers = [Peer(pool.ids[i], float(pool.down[i]), float(pool.up[i]), False)
+                 for i in unreachable]
+        for i in unreachable:
+            members[pool.ids[i]] = np.array([i])
+        if len(relays):
+            relay_rate = np.minimum(pool.down[relays], pool.up[relays])
+            order = relays[np.lexsort((-pool.down[relays], -relay_rate))]
+            blocks = max(1, min(len(order), self.b.plan_max_peers - len(unreachable)))
+            for j, block in enumerate(np.array_split(order, blocks)):
+                wid = f"#block{j}"
+                members[wid] = block
+                peers.append(Peer(wid, float(pool.down[block].min()),
+                                  float(pool.up[block].min()), True))
+        return peers
+
+
+# ============================================================================ results
+
+
+@dataclass
+class StepRecord:
+    step: int
+    version: int
+    t_start: float
+    wait_s: float
+    train_s: float
+    staleness: int
+    n_active: int
+    mu_active: float
+    cost_usd: float
+
+
+@dataclass
+class Publication:
+    version: int
+    time: float
+    recipients: int
+    t_bcast_s: float  # until fraction q of recipients installed (includes reload)
+    tail_s: float  # last recipient
+    predicted_s: float  # planner's prediction (arrival of the slowest, before reload)
+    lower_bound_s: float | None
+    streams: int
+    egress_gb: float
+    mode: str
+
+
+@dataclass
+class _Counters:
+    delivered_groups: int = 0
+    admitted_groups: int = 0
+    dropped_stale_groups: int = 0  # at admission or evicted when the version moved
+    lost_groups: int = 0  # in flight on a worker that left
+    trained_groups: int = 0
+    installs: int = 0
+    leaves: int = 0
+    joins: int = 0
+    activations: int = 0
+    releases: int = 0
+    short: int = 0
+
+
+# ============================================================================ the simulation
+
+
+class Sim:
+    def __init__(self, sc: Scenario, *, on_step: Callable[[int], None] | None = None):
+        self.sc = sc
+        self.rng = np.random.default_rng(sc.run.seed)
+        self.pool = build_pool(sc, self.rng)
+        self.env = simpy.Environment()
+        self.bmodel = BroadcastModel(sc, self.pool)
+        self.on_step = on_step
+        L = sc.learner
+        self.G, self.S, self.kappa = L.group_size, L.staleness, L.effective_kappa
+        self.need = L.prompts_per_step
+        self.max_out = L.effective_outstanding
+        self.gpr = sc.rollout.groups_per_request
+        self.gdd = sc.rollout.generate_during_download
+        self.reload = sc.broadcast.reload_s
+        n = len(self.pool)
+        self.n = n
+        self.mu = self.pool.mu.tolist()
+        self.price = self.pool.price.tolist()
+        # per-worker state (lists: touched one element at a time in the hot loop)
+        self.present = [True] * n
+        self.active = [False] * n
+        self.inst_ver = [-1] * n
+        self.pend_ver = [-1] * n
+        self.pend_arrival = [0.0] * n
+        self.pend_install = [0.0] * n
+        self.nxt_ver = [-1] * n  # published while the worker still fetches pend_ver
+        self.nxt_arrival = [0.0] * n
+        self.busy = [0] * n  # groups being generated
+        self.granted = [0] * n  # groups reserved by _fill for a woken worker
+        self.queued = [False] * n  # in the idle queue
+        self.wake: list[simpy.Event | None] = [None] * n
+        self.leave_epoch = [0] * n
+        self.registered = [False] * n
+        self.procs: list[simpy.Process] = []
+        self.chain_of = np.full(n, -1, dtype=np.int64)
+        self.chain_pos = np.full(n, -1, dtype=np.int64)
+        self.cur_chains: list[np.ndarray] = []
+        # learner / buffer
+        self.version = 0
+        self.latest = 0  # newest published snapshot
+        self.buffer: deque[list[int]] = deque()  # [version, groups], arrival order
+        self.buffered = 0
+        self.in_flight = 0
+        self.idle: deque[int] = deque()
+        self.learner_ev: simpy.Event | None = None
+        self.done = False
+        self.stalled = False
+        # accounting
+        self.price_active = 0.0
+        self.mu_active = 0.0
+        self.n_active = 0
+        self.cost_workers = 0.0  # cumulative $ of workers up to self.cost_t
+        self.cost_t = 0.0
+        self.timeline: list[tuple[float, int, float, float]] = []
+        self.steps: list[StepRecord] = []
+        self.pubs: list[Publication] = []
+        self.decisions: list[dict[str, Any]] = []
+        self.counters = _Counters()
+        self.warnings: list[str] = []
+        self.t_bcast_est: float | None = None
+        self.mu_req_now: float | None = None
+        self.mu_req_history: list[tuple[float, float | None]] = []
+        self._jitter = np.empty(0)
+        self._jit_pos = 0
+        self.ctl: Controller | None = None
+        self.observe_delivered = False  # feed deliveries to the controller (measure=delivered)
+        self.initial: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ helpers
+
+    def _rand_jitter(self) -> float:
+        sigma = self.sc.rollout.duration_sigma
+        if not sigma:
+            return 1.0
+        if self._jit_pos >= len(self._jitter):
+            # mean-one lognormal, drawn in batches (one numpy call per 65k requests)
+            self._jitter = self.rng.lognormal(-sigma * sigma / 2, sigma, 65536)
+            self._jit_pos = 0
+        x = self._jitter[self._jit_pos]
+        self._jit_pos += 1
+        return float(x)
+
+    def _bill(self) -> None:
+        now = self.env.now
+        self.cost_workers += self.price_active * (now - self.cost_t) / 3600.0
+        self.cost_t = now
+
+    def _mark_timeline(self) -> None:
+        now = self.env.now
+        row = (now, self.n_active, self.mu_active, self.price_active)
+        if self.timeline and self.timeline[-1][0] == now:
+            self.timeline[-1] = row
+        else:
+            self.timeline.append(row)
+
+    def _billing_on(self, i: int, on: bool) -> None:
+        self._bill()
+        sign = 1 if on else -1
+        self.price_active += sign * self.price[i]
+        self.mu_active += sign * self.mu[i]
+        self.n_active += sign
+        self._mark_timeline()
+
+    def _wake(self, i: int) -> None:
+        ev = self.wake[i]
+        if ev is not None and not ev.triggered:
+            ev.succeed()
+
+    # ------------------------------------------------------------------ snapshot state
+
+    def _install_wait(self, i: int) -> float:
+        """0 if worker i may start generating now, else how long to wait for its pending
+        snapshot. Applies every install that is due first (a worker installs what it has
+        downloaded even while it has no work, as worker/agent.py does in its loop)."""
+        now = self.env.now
+        while self.pend_ver[i] > self.inst_ver[i] and now >= self.pend_install[i] - 1e-9:
+            self._installed(i)
+        if self.pend_ver[i] > self.inst_ver[i]:
+            if not self.gdd or self.inst_ver[i] < 0 or now >= self.pend_arrival[i] - 1e-9:
+                return self.pend_install[i] - now
+            return 0.0
+        if self.inst_ver[i] < 0:
+            return math.inf  # nothing to install and nothing pending: not provisioned yet
+        return 0.0
+
+    def _installed(self, i: int) -> None:
+        """The pending snapshot is installed; a newer one queued behind it becomes pending
+        (its bytes may have arrived meanwhile; loading waits for this install)."""
+        done = self.pend_install[i]
+        self.inst_ver[i] = self.pend_ver[i]
+        self.counters.installs += 1
+        if self.nxt_ver[i] > self.inst_ver[i]:
+            self.pend_ver[i] = self.nxt_ver[i]
+            self.pend_arrival[i] = max(self.nxt_arrival[i], done)
+            self.pend_install[i] = self.pend_arrival[i] + self.reload
+        else:
+            self.pend_ver[i] = -1
+        self.nxt_ver[i] = -1
+
+    def _offer(self, i: int, v: int, arrival: float) -> None:
+        """Snapshot v reaches worker i at ``arrival``. A worker still fetching an older one
+        finishes that first (worker/agent.py fetches one snapshot at a time)."""
+        now = self.env.now
+        while self.pend_ver[i] > self.inst_ver[i] and now >= self.pend_install[i] - 1e-9:
+            self._installed(i)
+        if self.pend_ver[i] > self.inst_ver[i]:
+            self.nxt_ver[i], self.nxt_arrival[i] = v, arrival
+        else:
+            self.pend_ver[i], self.pend_arrival[i] = v, arrival
+            self.pend_install[i] = arrival + self.reload
+
+    def _pull_latest(self, i: int) -> None:
+        """Activation or return: fetch the current snapshot from a peer unless it has it."""
+        if max(self.inst_ver[i], self.pend_ver[i], self.nxt_ver[i]) >= self.latest:
+            return
+        self.nxt_ver[i] = -1
+        self.pend_ver[i] = -1  # a fresh pull fetches the newest directly
+        self._offer(i, self.latest, self.env.now + self.bmodel.pull_s(i))
+
+    # ------------------------------------------------------------------ work grants
+
+    def _free_slots(self) -> int:
+        return self.max_out - self.in_flight - self.buffered
+
+    def _fill(self) -> None:
+        """Hand free slots to queued idle workers (oldest request first)."""
+        while self.idle and self._free_slots() > 0:
+            i = self.idle.popleft()
+            self.queued[i] = False
+            if not (self.present[i] and self.active[i]) or self.granted[i] or self.busy[i]:
+                continue  # gone, or it already found work by itself
+            if self._install_wait(i) > 0:
+                self._wake(i)  # it goes to wait for its snapshot, and queues again later
+                continue
+            g = min(self.gpr, self._free_slots())
+            self.granted[i] = g
+            self.in_flight += g
+            self._wake(i)
+
+    def _sleep(self, i: int):
+        ev = self.env.event()
+        self.wake[i] = ev
+        try:
+            yield ev
+        except simpy.Interrupt:
+            pass
+        self.wake[i] = None
+
+    def _worker(self, i: int):
+        env = self.env
+        Gmu = self.G / self.mu[i]
+        while True:
+            if not (self.present[i] and self.active[i]):
+                if self.granted[i]:  # reserved for it, but it was released/left meanwhile
+                    self.in_flight -= self.granted[i]
+                    self.granted[i] = 0
+                    self._fill()
+                yield from self._sleep(i)
+                continue
+            g = self.granted[i]
+            if not g:
+                wait = self._install_wait(i)
+                if wait > 0:
+                    if not math.isinf(wait) and self._free_slots() <= 0:
+                        # no work for it anyway: queue now, _fill re-checks the install
+                        # (saves one wake-up per worker and publication on large fleets)
+                        if not self.queued[i]:
+                            self.queued[i] = True
+                            self.idle.append(i)
+                        yield from self._sleep(i)
+                    elif math.isinf(wait):
+                        yield from self._sleep(i)
+                    else:
+                        try:
+                            yield env.timeout(wait)
+                        except simpy.Interrupt:
+                            pass
+                    continue
+                free = self._free_slots()
+                if free <= 0 or self.idle:
+                    if not self.queued[i]:
+                        self.queued[i] = True
+                        self.idle.append(i)
+                        self._fill()
+                    if not self.granted[i]:
+                        yield from self._sleep(i)
+                    continue
+                g = min(self.gpr, free)
+                self.in_flight += g
+            else:
+                self.granted[i] = 0
+            u = self.inst_ver[i]
+            self.busy[i] = g
+            epoch = self.leave_epoch[i]
+            try:
+                yield env.timeout(g * Gmu * self._rand_jitter())
+            except simpy.Interrupt:
+                pass
+            self.busy[i] = 0
+            if epoch != self.leave_epoch[i]:
+                # left while generating: the groups are lost (the learner re-issues them)
+                self.in_flight -= g
+                self.counters.lost_groups += g
+                self._fill()
+                continue
+            self._deliver(i, g, u)
+
+    def _deliver(self, i: int, g: int, u: int) -> None:
+        self.in_flight -= g
+        c = self.counters
+        c.delivered_groups += g
+        if self.observe_delivered and self.registered[i]:
+            self.ctl.observe(self.pool.ids[i], g * self.G)
+        if u < self.version - self.S:
+            c.dropped_stale_groups += g
+        else:
+            c.admitted_groups += g
+            buf = self.buffer
+            if buf and buf[-1][0] == u:
+                buf[-1][1] += g
+            else:
+                buf.append([u, g])
+            self.buffered += g
+            ev = self.learner_ev
+            if ev is not None and self.buffered >= self.need and not ev.triggered:
+                ev.succeed()
+        self._fill()
+
+    # ------------------------------------------------------------------ learner
+
+    def _evict_stale(self) -> None:
+        floor = self.version - self.S
+        if not self.buffer or min(e[0] for e in self.buffer) >= floor:
+            return
+        keep: deque[list[int]] = deque()
+        for e in self.buffer:
+            if e[0] < floor:
+                self.counters.dropped_stale_groups += e[1]
+                self.buffered -= e[1]
+            else:
+                keep.append(e)
+        self.buffer = keep
+
+    def _take(self, k: int) -> int:
+        """Take the k oldest admissible groups; returns their oldest version."""
+        oldest = self.version
+        while k:
+            e = self.buffer[0]
+            oldest = min(oldest, e[0])
+            if e[1] <= k:
+                k -= e[1]
+                self.buffered -= e[1]
+                self.buffer.popleft()
+            else:
+                e[1] -= k
+                self.buffered -= k
+                k = 0
+        return oldest
+
+    def _learner(self):
+        env, sc = self.env, self.sc
+        L = sc.learner
+        for step in range(sc.run.steps):
+            t0 = env.now
+            n_active, mu_active = self.n_active, self.mu_active
+            self._bill()
+            cost0 = self.cost_workers
+            self._evict_stale()
+            if self.buffered < self.need:
+                self.learner_ev = env.event()
+                yield self.learner_ev | env.timeout(sc.run.stall_timeout_s)
+                if not self.learner_ev.triggered:
+                    self.stalled = True
+                    self.warnings.append(
+                        f"stalled at step {step}: no batch for {sc.run.stall_timeout_s:g} s "
+                        f"(buffer {self.buffered}/{self.need} groups, "
+                        f"{self.n_active} active workers)")
+                    break
+                self.learner_ev = None
+            wait = env.now - t0
+            oldest = self._take(self.need)
+            self.counters.trained_groups += self.need
+            self._fill()
+            train = L.t_train_s
+            if L.t_train_cv:
+                s = L.t_train_cv
+                train *= float(self.rng.lognormal(-s * s / 2, s))
+            yield env.timeout(train)
+            self._bill()
+            cost = (L.price_per_hour * (wait + train) / 3600.0 + self.cost_workers - cost0)
+            self.steps.append(StepRecord(step, self.version, t0, wait, train,
+                                         self.version - oldest, n_active, mu_active, cost))
+            self.version += 1
+            self._evict_stale()
+            self._fill()
+            if self.version % self.kappa == 0:
+                self._publish(self.version)
+            if self.on_step:
+                self.on_step(step)
+        self.done = True
+
+    # ------------------------------------------------------------------ broadcast
+
+    def _recipients(self) -> np.ndarray:
+        return np.array([i for i in range(self.n) if self.present[i] and self.active[i]],
+                        dtype=np.int64)
+
+    def _publish(self, v: int) -> None:
+        now = self.env.now
+        self.latest = v
+        idx = self._recipients()
+        plan = self.bmodel.plan(idx)
+        arrival = now + plan.offsets
+        for j, i in enumerate(idx.tolist()):
+            self._offer(i, v, float(arrival[j]))
+        self.chain_of[:] = -1
+        self.chain_pos[:] = -1
+        self.cur_chains = plan.chains or []
+        for c, ch in enumerate(self.cur_chains):
+            self.chain_of[ch] = c
+            self.chain_pos[ch] = np.arange(len(ch))
+        done = np.sort(plan.offsets) + self.reload
+        if len(done):
+            k = max(1, math.ceil(self.sc.broadcast.q * len(done) - 1e-9))
+            t_b, tail = float(done[k - 1]), float(done[-1])
+        else:
+            t_b = tail = 0.0
+        self.pubs.append(Publication(v, now, len(idx), t_b, tail, plan.predicted_s,
+                                     plan.lower_bound_s, plan.streams, plan.egress_bytes / 1e9,
+                                     plan.mode))
+        if len(idx):
+            self.t_bcast_est = t_b
+            self._update_requirement()
+
+    def _update_requirement(self) -> None:
+        L = self.sc.learner
+        if self.t_bcast_est is None:
+            return
+        try:
+            req = capacity.mu_req(L.n, self.kappa, L.t_train_s, self.t_bcast_est)
+        except capacity.Infeasible as err:
+            req = None
+            msg = f"mu_req infeasible at t={self.env.now:.0f} s: {err}"
+            if not any(w.startswith("mu_req infeasible") for w in self.warnings):
+                self.warnings.append(msg)
+        self.mu_req_now = req
+        self.mu_req_history.append((self.env.now, req))
+        if self.ctl is not None:
+            self.ctl.set_requirement(req)
+
+    # ------------------------------------------------------------------ provisioning
+
+    def _activate(self, i: int) -> None:
+        if self.active[i]:
+            return
+        self.active[i] = True
+        if self.present[i]:
+            self._billing_on(i, True)
+            self._pull_latest(i)
+            self._wake(i)
+
+    def _release(self, i: int) -> None:
+        if not self.active[i]:
+            return
+        self.active[i] = False
+        if self.present[i]:
+            self._billing_on(i, False)
+
+    def _initial_selection(self) -> np.ndarray:
+        sc, p = self.sc, self.sc.provisioning
+        L = sc.learner
+        cand = np.array([i for i in range(self.n) if self.present[i]], dtype=np.int64)
+        mu, price = self.pool.mu[cand], self.pool.price[cand]
+        info: dict[str, Any] = {"method": p.selection, "candidates": int(len(cand))}
+        self.initial = info
+
+        perm = self.rng.permutation(len(cand)) if p.selection == "random" else None
+
+        def choose(target: float) -> np.ndarray:
+            if p.selection == "all":
+                return cand
+            if perm is not None:
+                order = perm
+            else:
+                order = selection.unit_cost_order(mu, price)
+            if p.active:
+                return cand[np.sort(order[:p.active])]
+            if p.selection == "random":
+                reach = np.searchsorted(np.cumsum(mu[order]), target * (1 - 1e-9)) + 1
+                return cand[np.sort(order[:reach])]
+            solver = {"ours": selection.ours, "greedy": selection.greedy,
+                      "exact": selection.exact}[p.selection]
+            sel = solver(mu, price, target)
+            if not sel.feasible:
+                info["message"] = sel.message
+            return cand[sel.indices]
+
+        def t_bcast_for(chosen: np.ndarray) -> float:
+            if p.t_bcast_initial_s is not None:
+                return p.t_bcast_initial_s
+            plan = self.bmodel.plan(chosen)
+            done = np.sort(plan.offsets) + self.reload
+            if not len(done):
+                return 0.0
+            return float(done[max(1, math.ceil(sc.broadcast.q * len(done) - 1e-9)) - 1])
+
+        if p.selection == "all" or p.active or not len(cand):
+            chosen = choose(0.0)  # no requirement involved
+            t_b = t_bcast_for(chosen)
+        else:
+            # T_bcast depends on the set and the set on mu_req(T_bcast): start from the
+            # broadcast to the single cheapest worker (a lower bound for growing sets) and
+            # iterate to a fixed point
+            chosen = cand[selection.unit_cost_order(mu, price)[:1]]
+            t_b = t_bcast_for(chosen)
+            for _ in range(6):
+                try:
+                    req = capacity.mu_req(L.n, self.kappa, L.t_train_s, t_b)
+                except capacity.Infeasible as err:
+                    self.warnings.append(f"initial selection: {err}; activating every "
+                                         f"candidate")
+                    chosen = cand
+                    t_b = t_bcast_for(chosen)
+                    break
+                new = choose(p.alpha * req)
+                new_tb = t_bcast_for(new)
+                stable = np.array_equal(new, chosen)
+                chosen, t_b = new, new_tb
+                if stable:
+                    break
+        self.t_bcast_est = t_b
+        info.update(t_bcast_predicted_s=t_b, chosen=int(len(chosen)),
+                    mu=float(self.pool.mu[chosen].sum()), cost_per_hour=float(
+                        self.pool.price[chosen].sum()))
+        return chosen
+
+    def _setup_controller(self) -> None:
+        p = self.sc.provisioning
+        env = self.env
+        self.ctl = Controller(alpha=p.alpha, delta=p.delta, window_s=p.window_s,
+                              clock=lambda: env.now, tau_s=p.tau_s, warmup_s=p.warmup_s)
+        for i in range(self.n):
+            if self.present[i]:
+                self._register(i)
+        self.observe_delivered = p.measure == "delivered"
+        self._update_requirement()
+
+    def _register(self, i: int) -> None:
+        assert self.ctl is not None
+        self.ctl.add_worker(self.pool.ids[i], self.price[i],
+                            state=ACTIVE if self.active[i] else STANDBY, mu_prior=self.mu[i])
+        self.registered[i] = True
+
+    def registered_np(self) -> np.ndarray:
+        return np.array(self.registered)
+
+    def _controller_loop(self):
+        assert self.ctl is not None
+        index = {wid: i for i, wid in enumerate(self.pool.ids)}
+        tick = self.sc.provisioning.tick_s
+        acc = np.zeros(self.n)
+        mu = self.pool.mu
+        while not self.done:
+            yield self.env.timeout(tick)
+            if not self.observe_delivered:  # measure = "capacity": nominal mu_i x time
+                up = (np.array(self.present) & np.array(self.active) & self.registered_np()
+                      & (np.array(self.inst_ver) >= 0))
+                acc[up] += mu[up] * tick
+                for i in np.flatnonzero(acc >= 1).tolist():
+                    k = int(acc[i])
+                    acc[i] -= k
+                    self.ctl.observe(self.pool.ids[i], k)
+            for d in self.ctl.tick():
+                rec = {"time": d.time, "action": d.action, "worker": d.worker_id,
+                       "c_eff": d.c_eff, "target": d.target}
+                if len(self.decisions) < 300:  # the first ones; counts are in summary
+                    rec["reason"] = d.reason if len(self.decisions) < 50 else None
+                    self.decisions.append(rec)
+                if d.action == ACTIVATE:
+                    self.counters.activations += 1
+                    self._activate(index[d.worker_id])
+                elif d.action == RELEASE:
+                    self.counters.releases += 1
+                    self._release(index[d.worker_id])
+                elif d.action == SHORT:
+                    self.counters.short += 1
+
+    # ------------------------------------------------------------------ churn
+
+    def _leave(self, i: int) -> None:
+        if not self.present[i]:
+            return
+        self.counters.leaves += 1
+        if self.active[i]:
+            self._billing_on(i, False)
+        self.present[i] = False
+        self.leave_epoch[i] += 1
+        now = self.env.now
+        c = int(self.chain_of[i])
+        if c >= 0:  # children re-attach upstream and resume: a short delay, no restart
+            chain = self.cur_chains[c]
+            for j in chain[int(self.chain_pos[i]) + 1:].tolist():
+                if self.pend_ver[j] == self.latest and self.pend_arrival[j] > now:
+                    self.pend_arrival[j] += self.sc.broadcast.reattach_s
+                    self.pend_install[j] += self.sc.broadcast.reattach_s
+                elif self.nxt_ver[j] == self.latest and self.nxt_arrival[j] > now:
+                    self.nxt_arrival[j] += self.sc.broadcast.reattach_s
+            self.chain_of[i] = -1
+        if self.busy[i]:  # generating: stop now; its groups are lost (epoch check)
+            self.procs[i].interrupt("left")
+        if self.ctl is not None and self.registered[i]:
+            epoch = self.leave_epoch[i]
+            self.env.process(self._forget(i, epoch))
+
+    def _forget(self, i: int, epoch: int):
+        yield self.env.timeout(self.sc.churn.heartbeat_timeout_s)
+        if self.leave_epoch[i] == epoch and not self.present[i] and self.registered[i]:
+            assert self.ctl is not None
+            self.ctl.remove_worker(self.pool.ids[i])
+            self.registered[i] = False
+            if self.active[i]:
+                self.active[i] = False  # the controller no longer counts it
+
+    def _join(self, i: int) -> None:
+        if self.present[i]:
+            return
+        self.counters.joins += 1
+        self.present[i] = True
+        if self.ctl is not None:
+            if not self.registered[i]:
+                self.active[i] = False
+                self._register(i)
+        if self.active[i]:
+            self._billing_on(i, True)
+            self._pull_latest(i)
+        self._wake(i)
+
+    def _churn_rates(self):
+        ch = self.sc.churn
+        lam_l, lam_j = ch.leave_per_hour / 3600.0, ch.rejoin_per_hour / 3600.0
+        heap: list[tuple[float, int, int]] = []
+        rng = self.rng
+
+        def schedule(i: int) -> None:
+            lam = lam_l if self.present[i] else lam_j
+            if lam > 0:
+                heapq.heappush(heap, (self.env.now + float(rng.exponential(1.0 / lam)), i,
+                                      self.leave_epoch[i] * 2 + self.present[i]))
+
+        for i in range(self.n):
+            schedule(i)
+        while heap and not self.done:
+            t, i, tag = heapq.heappop(heap)
+            if t > self.env.now:
+                yield self.env.timeout(t - self.env.now)
+            if self.done:
+                return
+            if tag != self.leave_epoch[i] * 2 + self.present[i]:
+                continue  # state changed by something else (trace): reschedule
+            if self.present[i]:
+                self._leave(i)
+            else:
+                self._join(i)
+            schedule(i)
+
+    def _churn_trace(self, events: list[tuple[float, int, str]]):
+        for t, i, ev in events:
+            if t > self.env.now:
+                yield self.env.timeout(t - self.env.now)
+            if self.done:
+                return
+            (self._leave if ev == "leave" else self._join)(i)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> dict[str, Any]:
+        sc, env = self.sc, self.env
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        trace = read_trace(sc, self.pool) if sc.churn.trace else []
+        first: dict[int, str] = {}
+        for _, i, ev in trace:
+            first.setdefault(i, ev)
+        for i, ev in first.items():
+            if ev == "join":
+                self.present[i] = False
+        if sc.churn.start_absent:
+            absent = self.rng.random(self.n) < sc.churn.start_absent
+            for i in np.flatnonzero(absent).tolist():
+                self.present[i] = False
+        chosen = self._initial_selection()
+        for i in chosen.tolist():
+            self.active[i] = True
+        if sc.provisioning.selection == "all" and not sc.provisioning.controller:
+            # "all" means the whole pool: workers absent now work when they (re)join
+            self.active = [True] * self.n
+        self._bill()
+        self.price_active = float(self.pool.price[chosen].sum())
+        self.mu_active = float(self.pool.mu[chosen].sum())
+        self.n_active = int(len(chosen))
+        self._mark_timeline()
+        if sc.run.warm_start:
+            for i in chosen.tolist():
+                self.inst_ver[i] = 0
+        else:
+            self._publish(0)
+        if sc.provisioning.controller:
+            self._setup_controller()
+        else:
+            self._update_requirement()
+        self.procs = [env.process(self._worker(i)) for i in range(self.n)]
+        learner = env.process(self._learner())
+        if sc.provisioning.controller:
+            env.process(self._controller_loop())
+        if sc.churn.trace:
+            env.process(self._churn_trace(trace))
+        if sc.churn.leave_per_hour or sc.churn.rejoin_per_hour:
+            env.process(self._churn_rates())
+        env.run(until=learner)
+        self._bill()
+        return self._results(time.perf_counter() - wall0, time.process_time() - cpu0)
+
+    # ------------------------------------------------------------------ report
+
+    def _results(self, wall_s: float, cpu_s: float) -> dict[str, Any]:
+        sc = self.sc
+        L = sc.learner
+        steps = [s for s in self.steps if s.step >= sc.run.measure_from_step]
+        wait = sum(s.wait_s for s in steps)
+        busy = sum(s.train_s for s in steps)
+        cost = sum(s.cost_usd for s in steps)
+        trained = len(steps) * L.n
+        pubs = [p for p in self.pubs if p.recipients]
+        c = self.counters
+        G = self.G
+        tb = [p.t_bcast_s for p in pubs]
+        t_b_mean = float(np.mean(tb)) if tb else None
+        try:
+            req = (capacity.mu_req(L.n, self.kappa, L.t_train_s, t_b_mean)
+                   if t_b_mean is not None else None)
+        except capacity.Infeasible:
+            req = None
+        summary = {
+            "steps_done": len(self.steps),
+            "steps_measured": len(steps),
+            "stalled": self.stalled,
+            "bubble_ratio": wait / (wait + busy) if steps else None,
+            "wait_s_per_step": wait / len(steps) if steps else None,
+            "t_train_s_per_step": busy / len(steps) if steps else None,
+            "staleness_max": max((s.staleness for s in steps), default=None),
+            "staleness_mean": float(np.mean([s.staleness for s in steps])) if steps else None,
+            "cost_per_step_usd": cost / len(steps) if steps else None,
+            "usd_per_1k_trajectories": cost / trained * 1000 if trained else None,
+            "cost_total_usd": cost,
+            "t_bcast_mean_s": t_b_mean,
+            "t_bcast_max_s": max(tb) if tb else None,
+            "publications": len(pubs),
+            "active_mean": float(np.mean([s.n_active for s in steps])) if steps else None,
+            "mu_active_mean": float(np.mean([s.mu_active for s in steps])) if steps else None,
+            "mu_req_at_mean_t_bcast": req,
+            "kappa": self.kappa,
+            "n_per_step": L.n,
+            "sim_time_s": self.env.now,
+            "trajectories": {"delivered": c.delivered_groups * G, "admitted": c.admitted_groups * G,
+                             "trained": c.trained_groups * G,
+                             "dropped_stale": c.dropped_stale_groups * G,
+                             "lost_to_churn": c.lost_groups * G},
+            "events": {"installs": c.installs, "leaves": c.leaves, "joins": c.joins,
+                       "activations": c.activations, "releases": c.releases, "short": c.short},
+            "wall_s": wall_s,
+            "cpu_s": cpu_s,  # this process's CPU time: robust to other load on the machine
+            "planner_wall_s": self.bmodel.plan_wall_s,
+        }
+        return {
+            "scenario": sc.model_dump(exclude={"base_dir"}),
+            "pool": {"workers": self.n, "mu_total": float(self.pool.mu.sum()),
+                     "price_total": float(self.pool.price.sum()),
+                     "classes": sorted(set(self.pool.cls))},
+            "initial": self.initial,
+            "summary": summary,
+            "steps": [s.__dict__ for s in self.steps],
+            "publications": [p.__dict__ for p in self.pubs],
+            "active_timeline": _downsample(self.timeline, 2000),
+            "mu_req_history": self.mu_req_history[-2000:],
+            "decisions": self.decisions,
+            "warnings": self.warnings,
+        }
+
+
+def _downsample(rows: list[tuple], limit: int) -> list[list[float]]:
+    if len(rows) <= limit:
+        return [list(r) for r in rows]
+    keep = np.unique(np.linspace(0, len(rows) - 1, limit).astype(int))
+    return [list(rows[k]) for k in keep]
+
+
+# ============================================================================ public API
+
+
+def run_scenario(sc: Scenario, *, progress: bool = False,
+                 machine: bool = True) -> dict[str, Any]:
+    """Simulate one scenario; returns the result dict (summary, steps, publications, ...)."""
+    if progress:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn)
+
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                      MofNCompleteColumn(), TextColumn("steps"), TimeElapsedColumn(),
+                      transient=True) as bar:
+            task = bar.add_task(f"simulating {sc.run.name}", total=sc.run.steps)
+            result = Sim(sc, on_step=lambda _s: bar.advance(task)).run()
+    else:
+        result = Sim(sc).run()
+    if machine:
+        from echo.machine import machine_info
+
+        info = machine_info()
+        info.update(numpy=np.__version__, simpy=simpy.__version__)
+        result["machine"] = info
+    result["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return result
+
+
+def simulate(scenario: str | Path | dict[str, Any] | Scenario,
+             overrides: list[str] | dict[str, Any] | None = None, *,
+             progress: bool = False, machine: bool = True) -> dict[str, Any]:
+    """Simulate a scenario given as a TOML path, a raw dict (TOML layout) or a ``Scenario``."""
+    if isinstance(scenario, Scenario):
+        sc = scenario
+        if overrides:
+            data = apply_overrides(sc.model_dump(), overrides)
+            sc = scenario_from_dict(data, sc.base_dir)
+    elif isinstance(scenario, dict):
+        sc = scenario_from_dict(apply_overrides(json.loads(json.dumps(scenario)),
+                                                overrides or []))
+    else:
+        sc = load_scenario(scenario, overrides)
+    return run_scenario(sc, progress=progress, machine=machine)
+
+
+def simulate_fixed(n_workers: int, mu_per_worker: float, t_train: float, t_bcast: float,
+                   N: int, S: int, kappa: int, steps: int, *, group_size: int = 16,
+                   groups_per_request: int = 2, max_outstanding_groups: int = 0,
+                   duration_sigma: float = 0.1, t_train_cv: float = 0.0,
+                   generate_during_download: bool = False, measure_from_step: int = 0,
+                   seed: int = 0) -> dict[str, Any]:
+    """The parameters of a real (e.g. loopback) run, simulated: for sim-vs-reality checks.
+
+    ``n_workers`` identical workers of ``mu_per_worker`` trajectories/s, all active, no
+    controller, no churn; every publication installs on every worker ``t_bcast`` seconds
+    after it is made (topology ``fixed``: replay the measured ``T_bcast``); ``N`` rollouts per
+    step in groups of ``group_size`` (``N`` must be a multiple); ``kappa`` as the run used
+    (0: ``max(1, S-1)``). The other knobs mirror the real learner/worker config
+    (``learner.max_outstanding_groups``, ``worker.groups_per_request``).
+
+    Returns the summary dict: ``bubble_ratio``, ``wait_s_per_step``, ``staleness_max``,
+    ``staleness_mean``, ``trajectories`` (delivered/admitted/dropped_stale), ``sim_time_s``, ...
+    plus ``per_step_wait_s`` and ``per_step_staleness``.
+    """
+    if N % group_size:
+        raise ValueError(f"N={N} is not a multiple of group_size={group_size}: N = prompts x "
+                         f"group_size")
+    data = {
+        "run": {"name": "fixed", "seed": seed, "steps": steps,
+                "measure_from_step": measure_from_step},
+        "learner": {"t_train_s": t_train, "t_train_cv": t_train_cv,
+                    "prompts_per_step": N // group_size, "group_size": group_size,
+                    "staleness": S, "kappa": kappa, "price_per_hour": 0.0,
+                    "max_outstanding_groups": max_outstanding_groups},
+        "pool": {"classes": [{"name": "worker", "count": n_workers, "mu": mu_per_worker,
+                              "price": 0.0}]},
+        "rollout": {"groups_per_request": groups_per_request, "duration_sigma": duration_sigma,
+                    "generate_during_download": generate_during_download},
+        "broadcast": {"topology": "fixed", "fixed_s": t_bcast, "uplink_mbit": None},
+        "provisioning": {"selection": "all", "controller": False},
+    }
+    res = simulate(data, machine=False)
+    out = dict(res["summary"])
+    out["per_step_wait_s"] = [s["wait_s"] for s in res["steps"]]
+    out["per_step_staleness"] = [s["staleness"] for s in res["steps"]]
+    return out
+
+
+# ============================================================================ CLI
+
+
+def print_report(result: dict[str, Any], console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    s = result["summary"]
+    sc = result["scenario"]
+
+    def f(x: Any, fmt: str = ".4g") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    t = Table(title=f"sim {sc['run']['name']}: {result['pool']['workers']:,} candidate workers, "
+                    f"{s['steps_done']} steps ({s['steps_measured']} measured), "
+                    f"topology {sc['broadcast']['topology']}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [
+        ("bubble ratio B", f(s["bubble_ratio"], ".2%") if s["bubble_ratio"] is not None else "-"),
+        ("T_wait per step (s)", f(s["wait_s_per_step"], ".1f")),
+        ("T_train per step (s)", f(s["t_train_s_per_step"], ".1f")),
+        ("staleness max / mean (S)", f"{f(s['staleness_max'], 'd')} / "
+                                     f"{f(s['staleness_mean'], '.2f')} "
+                                     f"(S={sc['learner']['staleness']}, kappa={s['kappa']})"),
+        ("cost per step ($)", f(s["cost_per_step_usd"], ".3f")),
+        ("$ per 1k trained trajectories", f(s["usd_per_1k_trajectories"], ".4f")),
+        ("T_bcast mean / max (s)", f"{f(s['t_bcast_mean_s'], '.1f')} / "
+                                  f"{f(s['t_bcast_max_s'], '.1f')} ({s['publications']} pubs)"),
+        ("active workers (mean)", f(s["active_mean"], ".1f")),
+        ("capacity active (mean, traj/s)", f(s["mu_active_mean"], ".4g")),
+        ("mu_req at mean T_bcast (traj/s)", f(s["mu_req_at_mean_t_bcast"], ".4g")),
+        ("trajectories trained / dropped stale / lost",
+         f"{s['trajectories']['trained']:,} / {s['trajectories']['dropped_stale']:,} / "
+         f"{s['trajectories']['lost_to_churn']:,}"),
+        ("churn leaves / joins", f"{s['events']['leaves']} / {s['events']['joins']}"),
+        ("controller activate / release / short",
+         f"{s['events']['activations']} / {s['events']['releases']} / {s['events']['short']}"),
+        ("simulated time (h)", f(s["sim_time_s"] / 3600, ".2f")),
+        ("wall / CPU time (s)", f"{s['wall_s']:.2f} / {s['cpu_s']:.2f}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+    for w in result["warnings"][:10]:
+        console.print(f"[yellow]warning:[/] {w}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="echo-rl sim", description="Discrete-event simulation of "
+                                "an Echo run (learner, fleet, broadcast, provisioning, churn).")
+    p.add_argument("scenario", help="scenario TOML (see examples/sim/)")
+    p.add_argument("--json", type=Path, default=None, help="write the full result here")
+    p.add_argument("--plots", type=Path, default=None, help="write PNG plots into this folder")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a scenario key, e.g. --set run.steps=20 (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        sc = load_scenario(args.scenario, args.overrides)
+        result = run_scenario(sc, progress=not args.no_progress)
+    except ScenarioError as err:
+        print(f"echo-rl sim: {err}", file=sys.stderr)
+        return 2
+    print_report(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+        print(f"wrote {args.json}")
+    if args.plots:
+        from provisioning.sim_plots import plot_run
+
+        for path in plot_run(result, args.plots):
+            print(f"wrote {path}")
+    return 1 if result["summary"]["stalled"] else 0
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+__all__ = ["BroadcastModel", "Sim", "run_scenario", "simulate", "simulate_fixed", "main",
+           "print_report", "read_toml"]
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
