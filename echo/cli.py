@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev_sub = ev.add_subparsers(dest="eval", required=True)
     ev_sub.add_parser("poker", add_help=False, help="chip change against each opponent, 95%% CI")
     ev_sub.add_parser("math", add_help=False, help="accuracy on a JSONL set")
+    sub.add_parser("report", add_help=False, help="compare runs: HTML, CSV, Parquet (see --help)")
     sub.add_parser("sim", add_help=False, help="discrete-event simulation: sim SCENARIO.toml [--json FILE]")
     prov = bench_sub.add_parser("provisioning", help="worker selection: greedy vs ours vs exact")
     prov.add_argument("--pools", type=int, default=1000)
@@ -82,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         from adapters.math_eval import main as math_eval
 
         return math_eval(argv[2:])
+    if argv[:1] == ["report"]:
+        from echo.report import main as report_main
+
+        return report_main(argv[1:])
     if argv[:1] == ["sim"]:
         from provisioning.sim import main as sim_main
 

@@ -131,6 +131,14 @@ class ProvisioningConfig(_Section):
     mu_prior: float = Field(1.0, gt=0)  # trajectories/s assumed for a worker before any measurement
 
 
+class MetricsConfig(_Section):
+    """The learner's /metrics (Prometheus), /health and live dashboard."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"  # keep it local or on a private network: no authentication
+    port: int = Field(0, ge=0, le=65535)  # 0: the OS picks; the address is in learner.json
+
+
 class QuickstartConfig(_Section):
     workers: int = Field(4, gt=0)
     worker_prices: list[float] = Field(default_factory=lambda: [0.35])
@@ -147,6 +155,7 @@ class EchoConfig(_Section):
     broadcast: BroadcastConfig = Field(default_factory=BroadcastConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
     provisioning: ProvisioningConfig = Field(default_factory=ProvisioningConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     quickstart: QuickstartConfig = Field(default_factory=QuickstartConfig)
 
     @model_validator(mode="after")

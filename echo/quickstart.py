@@ -104,6 +104,9 @@ def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str
         console.print(f"[bold]Echo quickstart[/] run folder [cyan]{run_dir}[/]; starting learner...")
         endpoint = wait_ready(learner, timeout=180)
         console.print(f"learner at [cyan]{endpoint}[/]; starting {n} workers")
+        info = json.loads((run_dir / "learner.json").read_text())
+        if "metrics" in info:
+            console.print(f"dashboard: [cyan]{info['metrics']}/[/]  (Prometheus: {info['metrics']}/metrics)")
         for i in range(n):
             price = prices[i % len(prices)]
             group.start(f"worker-{i}", python_argv("worker.cli", "join", endpoint, "--id",

@@ -181,8 +181,12 @@ class ControlPlane:
             "t_bcast": self._last_t_bcast(),
             "in_flight_groups": self.work.in_flight,
             "reissued_groups": self.work.reissued,
+            "installs": ({v: self.coordinator.install_times(v)
+                          for v in sorted(self.coordinator.published)[-20:]}
+                         if self.coordinator else {}),
             "workers": {w.worker_id: {"price": w.price, "version": w.version, "state": w.state,
                                       "active": self.is_active(w.worker_id),
+                                      "reachable": now - w.last_seen < timeout,
                                       "throughput": round(w.measured_throughput, 3),
                                       "admitted": w.admitted} for w in self.workers.values()},
         }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import Counter
 import random
 import signal
 import sys
@@ -25,6 +26,7 @@ from broadcast.snapshot import Snapshot, build_manifest
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits, Record
 from echo.config import EchoConfig, dump_toml
+from echo.metrics import LearnerMetrics
 from echo.machine import machine_info
 from echo.procs import READY_PREFIX
 from echo.models import params_to_payload
@@ -78,6 +80,7 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
         "reward_mean": sum(r.reward for r in records) / len(records),
         "staleness_max": version - min_u,
         "staleness_mean": sum(version - r.version for r in records) / len(records),
+        "staleness_counts": dict(Counter(version - r.version for r in records)),
         # seconds a worker spent generating the batch each record came in (its busy time):
         # the capacity the simulator and the provisioner should use, not demand-capped rates
         "gen_s_mean": round(sum(r.gen_s for r in records) / len(records), 5),
@@ -186,6 +189,9 @@ class Learner:
         self.step = 0  # next step to run
         self.rows: list[dict[str, Any]] = []
         self.t_train_ewma: float | None = None
+        self.metrics = (LearnerMetrics(learner_price_per_hour=lc.price_per_hour, run_id=self.run_id)
+                        if cfg.metrics.enabled else None)
+        self.metrics_server: Any = None
 
     def _audit(self, name: str, entry: dict[str, Any]) -> None:
         """Append-only audit trails (consumed.jsonl, dropped.jsonl), keyed by step so a
@@ -210,8 +216,14 @@ class Learner:
         self.control = ControlPlane(self.cfg, run_id=self.run_id, key=self.key, buffer=self.buffer,
                                     work=self.work, limits=self.limits, buffer_log=self.log)
         self.control.start()
-        (self.run_dir / "learner.json").write_text(json.dumps(
-            {"endpoint": self.control.endpoint, "snapshot_endpoint": self.control.snapshot_endpoint}))
+        info = {"endpoint": self.control.endpoint, "snapshot_endpoint": self.control.snapshot_endpoint}
+        if self.metrics is not None:
+            self.metrics_server = self.metrics.serve(self.cfg.metrics.host, self.cfg.metrics.port)
+            info["metrics"] = self.metrics_server.url
+            for r in self.rows:  # after --resume: cost and curves continue
+                self.metrics.update(r, {})
+            log.info("dashboard and /metrics at %s", self.metrics_server.url)
+        (self.run_dir / "learner.json").write_text(json.dumps(info))
         print(READY_PREFIX + self.control.endpoint, flush=True)
         log.info("learner up at %s, run %s, step %d, kappa=%d, ranks=%d", self.control.endpoint,
                  self.run_id, self.step, lc.effective_kappa, self.policy.par.world)
@@ -318,8 +330,12 @@ class Learner:
         t3 = time.monotonic()
         assert self.control is not None
         self._provisioning(t2 - t1)
-        return _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, t3 - t2, self.totals,
-                            self.buffer, self.control.stats())
+        control = self.control.stats()
+        row = _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, t3 - t2, self.totals,
+                           self.buffer, control)
+        if self.metrics is not None:
+            self.metrics.update(row, control)
+        return row
 
     def _provisioning(self, t_train: float) -> None:
         """Tell the controller what capacity the learner needs now (DESIGN 4), and record the
@@ -337,10 +353,15 @@ class Learner:
         self.control.set_requirement(need)
         while self.control.decisions:
             d = self.control.decisions.pop(0)
-            self._audit("decisions", {"action": d.action, "worker": d.worker_id, "reason": d.reason,
-                                      "c_eff": d.c_eff, "target": d.target, "mu_req": need})
+            entry = {"action": d.action, "worker": d.worker_id, "reason": d.reason,
+                     "c_eff": d.c_eff, "target": d.target, "mu_req": need}
+            self._audit("decisions", entry)
+            if self.metrics is not None:
+                self.metrics.add_decision({"step": self.step, **entry})
 
     def close(self, reason: str) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         if self.control is not None:
             self.control.shutdown(reason)
         self.log.close()
