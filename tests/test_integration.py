@@ -219,3 +219,42 @@ def test_sigkill_learner_and_resume_loses_nothing_acknowledged(cluster):
                for k in json.loads(line)["pairs"]}
     assert len(acked) > ckpt_step * 4 * n
     assert acked - trained - buffered - dropped == set()
+
+
+@pytest.mark.skipif(__import__("shutil").which("chromium") is None,
+                    reason="needs the chromium binary (Debian package `chromium`)")
+def test_quickstart_dashboard_in_chromium_matches_metrics(cluster, tmp_path):
+    import re
+    import shutil
+    import subprocess
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    run = cluster.learner(max_steps=10_000)
+    cluster.worker("w0")
+    wait_rows(run, 3)
+    cluster.group.stop("w0", sig=signal.SIGKILL)  # the learner starves: its figures settle
+    wait_log(run / "learner.log", "w0 removed (no heartbeat")
+    url = json.loads((run / "learner.json").read_text())["metrics"]
+    flags = [shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu",
+             "--disable-background-networking", "--disable-component-update", "--no-first-run",
+             "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1000",
+             "--virtual-time-budget=5000"]
+    png = tmp_path / "dashboard.png"
+    subprocess.run(flags + [f"--screenshot={png}", url + "/"], check=True, capture_output=True, timeout=120)
+    assert png.stat().st_size > 10_000
+    dom = subprocess.run(flags + ["--dump-dom", url + "/"], check=True, capture_output=True,
+                         text=True, timeout=120).stdout
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    metric = {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.samples}
+
+    def shown(elem_id: str) -> float:
+        m = re.search(rf'id="{elem_id}"[^>]*data-value="([^"]*)"', dom)
+        assert m and m.group(1), f"#{elem_id} not rendered"
+        return float(m.group(1))
+
+    assert shown("step") == metric["echo_learner_step"] >= 2
+    assert shown("cost-usd") == pytest.approx(metric["echo_cost_usd"], rel=1e-9)
+    assert shown("bubble-ratio") == pytest.approx(metric["echo_bubble_ratio"])
+    cluster.group.stop("learner", timeout=60)
