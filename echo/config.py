@@ -44,6 +44,13 @@ class AdapterConfig(_Section):
     name: str = "toy-add"
     # Adapter-specific options, validated by the adapter itself at start-up.
     options: dict[str, Any] = Field(default_factory=dict)
+    # Options per adapter name ([adapter.presets.math] ...): a config can carry settings for
+    # several tasks so that switching task is only the ``name`` line. ``options`` wins.
+    presets: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @property
+    def effective_options(self) -> dict[str, Any]:
+        return {**self.presets.get(self.name, {}), **self.options}
 
 
 class LearnerConfig(_Section):
@@ -172,7 +179,7 @@ class EchoConfig(_Section):
         """The part of the config a worker needs, sent to it on join."""
         return {
             "model": self.model.model_dump(),
-            "adapter": self.adapter.model_dump(),
+            "adapter": {"name": self.adapter.name, "options": self.adapter.effective_options},
             "worker": self.worker.model_dump(),
             "broadcast": self.broadcast.model_dump(),
             "transport": self.transport.model_dump(),

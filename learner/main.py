@@ -172,7 +172,7 @@ class Learner:
     def __init__(self, cfg: EchoConfig, run_dir: Path, policy: Policy):
         self.cfg, self.run_dir, self.policy = cfg, run_dir, policy
         lc = cfg.learner
-        self.adapter = load_adapter(cfg.adapter.name, cfg.adapter.options, policy.tokenizer)
+        self.adapter = load_adapter(cfg.adapter.name, cfg.adapter.effective_options, policy.tokenizer)
         # A multi-turn episode carries several generations (and the text between them).
         max_tokens = max(cfg.worker.max_new_tokens,
                          getattr(self.adapter, "max_completion_tokens", 0)

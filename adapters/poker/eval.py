@@ -102,7 +102,7 @@ def evaluate(model: str, hands: int, *, opponent_model: str | None = None, seats
             return hero.generate(prompts, max_new_tokens, temperature)
 
         generate.max_new_tokens = max_new_tokens  # type: ignore[attr-defined]
-    trained = dict(getattr(hero, "run_config", None) and hero.run_config.adapter.options or {})
+    trained = dict(getattr(hero, "run_config", None) and hero.run_config.adapter.effective_options or {})
     tiny = model == "tiny-qwen3" or getattr(getattr(hero, "run_config", None), "model", None) \
         and hero.run_config.model.name == "tiny-qwen3"
     fmt = obs_format or trained.get("obs_format") or ("compact" if tiny else "text")
