@@ -56,7 +56,7 @@ class Trainer:
             loss.backward()
             stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
             self.optimizer.step()
-            stats["loss"] = float(loss)
+            stats["loss"] = loss.item()
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v / self.cfg.updates_per_step
         return sums
