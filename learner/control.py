@@ -402,7 +402,10 @@ class ControlPlane:
         if w is not None and accepted:
             self._measure(w, len(accepted))
         if w is not None and self.controller is not None:
-            self.controller.observe(w.worker_id, len(raw))
+            # Busy time of the batch (every record of a batch carries the same gen_s): the
+            # controller then measures capacity, not how much work it was handed.
+            busy = max((r.gen_s for r in accepted if r is not None), default=None)
+            self.controller.observe(w.worker_id, len(raw), busy_s=busy)
         return wire.Ack(batch_id=msg.batch_id, accepted=len(accepted), duplicates=duplicates,
                         rejected=dict(rejected), rejected_idx=rejected_idx)
 

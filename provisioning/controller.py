@@ -74,6 +74,8 @@ class _Worker:
     mu_hat: float
     availability: float = 1.0
     pending: int = 0  # trajectories delivered since the last fold
+    pending_busy: float = 0.0  # seconds the worker spent producing them, if reported
+    busy_mode: bool = False  # deliveries come with busy time: rate = delivered / busy
     since: float = 0.0  # start of the current measurement interval
     activated_at: float = -math.inf
 
@@ -134,16 +136,28 @@ class Controller:
 
     # -- measurements -----------------------------------------------------------------------
 
-    def observe(self, worker_id: str, delivered: int) -> None:
+    def observe(self, worker_id: str, delivered: int, busy_s: float | None = None) -> None:
         """``delivered`` trajectories from this worker reached the learner (admitted or not:
         this measures the worker, not the buffer). Ignored for standby workers, which may
-        still be finishing leases after a release."""
+        still be finishing leases after a release.
+
+        ``busy_s``: the seconds the worker spent producing them. With it, throughput is
+        delivered / busy time, i.e. capacity; without it, delivered / wall time, which
+        under-states capacity whenever the learner hands out less work than the fleet can do
+        (its outstanding-work cap), and makes the loop over-provision. In busy mode an
+        interval without deliveries is no evidence of slowness (silence shows up in
+        availability instead)."""
         if delivered < 0:
             raise ValueError(f"delivered must be >= 0, got {delivered} from {worker_id!r}")
+        if busy_s is not None and not (busy_s >= 0 and math.isfinite(busy_s)):
+            raise ValueError(f"busy_s must be finite and >= 0, got {busy_s} from {worker_id!r}")
         with self._lock:
             w = self._get(worker_id)
             if w.state == ACTIVE:
                 w.pending += int(delivered)
+                if busy_s is not None:
+                    w.pending_busy += busy_s
+                    w.busy_mode = True
 
     def heartbeat(self, worker_id: str, up: bool = True) -> None:
         """One heartbeat sample: ``up=True`` when it arrived, ``False`` when it was missed."""
@@ -180,7 +194,12 @@ class Controller:
                 continue
             dt = now - w.since
             if now - w.activated_at < self.warmup_s:
-                w.pending, w.since = 0, now  # measure from the end of warm-up
+                w.pending, w.pending_busy, w.since = 0, 0.0, now  # measure after warm-up
+            elif w.busy_mode:
+                if w.pending_busy > 0:
+                    weight = 1.0 - math.exp(-w.pending_busy / self.tau_s)
+                    w.mu_hat += weight * (w.pending / w.pending_busy - w.mu_hat)
+                w.pending, w.pending_busy, w.since = 0, 0.0, now
             elif dt > 0:
                 weight = 1.0 - math.exp(-dt / self.tau_s)
                 w.mu_hat += weight * (w.pending / dt - w.mu_hat)

@@ -222,3 +222,33 @@ def test_every_release_keeps_the_target():
             releases += len(decisions)
             assert ctl.c_eff() >= 1.1 * req - 1e-9
     assert releases > 0
+
+
+def test_busy_time_measures_capacity_not_demand():
+    """A worker handed little work (the learner's outstanding cap) is not mistaken for a slow
+    one when deliveries come with the seconds spent producing them."""
+    from provisioning.controller import Controller
+
+    clock = FakeClockForBusy()
+    c = Controller(alpha=1.1, delta=0.2, window_s=5, clock=clock, tau_s=1.0, warmup_s=0.0)
+    c.add_worker("idle-ish", price=1.0, state="active", mu_prior=1.0)
+    c.add_worker("demand", price=1.0, state="active", mu_prior=1.0)
+    for _ in range(60):  # each second: 10 trajectories made in 0.1 s of work, then idle
+        clock.t += 1.0
+        c.observe("idle-ish", 10, busy_s=0.1)
+        c.observe("demand", 10)
+        c.tick()
+    rates = {w.worker_id: w.mu_hat for w in c.workers()}
+    assert rates["idle-ish"] == pytest.approx(100.0, rel=0.01)  # capacity: 10 / 0.1 s
+    assert rates["demand"] == pytest.approx(10.0, rel=0.01)  # wall-clock rate: 10 / 1 s
+    clock.t += 10.0  # no deliveries for a while: no evidence of slowness in busy mode
+    c.tick()
+    assert {w.worker_id: w.mu_hat for w in c.workers()}["idle-ish"] == pytest.approx(100.0, rel=0.01)
+
+
+class FakeClockForBusy:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
