@@ -63,31 +63,47 @@ class Adapter(ABC):
     def reward(self, task: dict[str, Any], completion_ids: list[int], completion_text: str) -> float: ...
 
     def materialise(self, groups: Sequence[Sequence[Record]], adv_eps: float = 1e-4) -> LearnerBatch:
-        import torch  # late: the adapter API itself must stay importable without torch
-
-        records = [r for g in groups for r in g]
         advs = [a for g in groups for a in group_advantages([r.reward for r in g], adv_eps)]
-        seqs = [r.prompt_ids + r.completion_ids for r in records]
-        length = max(len(s) for s in seqs)
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.full((len(seqs), length), pad, dtype=torch.long)
-        attn = torch.zeros((len(seqs), length), dtype=torch.long)
-        mask = torch.zeros((len(seqs), length - 1))
-        blp = torch.zeros((len(seqs), length - 1))
-        for i, (r, s) in enumerate(zip(records, seqs)):
-            ids[i, : len(s)] = torch.tensor(s)
-            attn[i, : len(s)] = 1
-            # target position j predicts token j+1: completion tokens sit at
-            # len(prompt) .. len(s)-1, so their predicting positions start one earlier.
-            start = len(r.prompt_ids) - 1
-            mask[i, start : len(s) - 1] = 1.0
-            blp[i, start : len(s) - 1] = torch.tensor(r.logprobs)
-        return LearnerBatch(
-            input_ids=ids, attention_mask=attn, loss_mask=mask, behaviour_logprobs=blp,
-            advantages=torch.tensor(advs, dtype=torch.float32),
-            rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
-            versions=torch.tensor([r.version for r in records], dtype=torch.long),
-        )
+        return materialise_records(groups, advs, self.tokenizer.pad_token_id or 0)
+
+
+def record_mask(r: Record) -> list[int]:
+    """Which completion tokens are trained on: all of them, unless the record says otherwise
+    (multi-turn episodes mark only the policy's own tokens)."""
+    m = getattr(r, "loss_mask", None)
+    return [1] * len(r.completion_ids) if m is None else list(m)
+
+
+def materialise_records(groups: Sequence[Sequence[Record]], advantages: Sequence[float],
+                        pad: int) -> LearnerBatch:
+    """Records -> right-padded learner tensors, the loss mask aligned with next-token targets."""
+    import torch  # late: the adapter API itself must stay importable without torch
+
+    records = [r for g in groups for r in g]
+    seqs = [r.prompt_ids + r.completion_ids for r in records]
+    length = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad, dtype=torch.long)
+    attn = torch.zeros((len(seqs), length), dtype=torch.long)
+    mask = torch.zeros((len(seqs), length - 1))
+    blp = torch.zeros((len(seqs), length - 1))
+    for i, (r, s) in enumerate(zip(records, seqs)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        # target position j predicts token j+1: completion tokens sit at len(prompt) ..
+        # len(s)-1, so their predicting positions start one earlier.
+        start = len(r.prompt_ids) - 1
+        m = record_mask(r)
+        if len(m) != len(r.completion_ids):
+            raise ValueError(f"record {r.group_id}/{r.sample_idx}: loss_mask has {len(m)} entries "
+                             f"for {len(r.completion_ids)} completion tokens")
+        mask[i, start : len(s) - 1] = torch.tensor(m, dtype=torch.float32)
+        blp[i, start : len(s) - 1] = torch.tensor(r.logprobs) * mask[i, start : len(s) - 1]
+    return LearnerBatch(
+        input_ids=ids, attention_mask=attn, loss_mask=mask, behaviour_logprobs=blp,
+        advantages=torch.tensor(list(advantages), dtype=torch.float32),
+        rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
+        versions=torch.tensor([r.version for r in records], dtype=torch.long),
+    )
 
 
 _REQUIRED = ("prompts", "reward", "materialise")

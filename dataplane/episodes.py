@@ -27,7 +27,8 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataplane.adapter import Adapter, AdapterError, LearnerBatch
+from dataplane.adapter import (Adapter, AdapterError, LearnerBatch, materialise_records,  # noqa: F401
+                               record_mask)
 from dataplane.advantages import group_advantages
 from dataplane.records import Record
 
@@ -58,11 +59,6 @@ class EpisodeRecord(Record):
     """A ``Record`` with a per-completion-token loss mask (None: every token trained)."""
 
     loss_mask: list[int] | None = None
-
-
-def record_mask(r: Record) -> list[int]:
-    m = getattr(r, "loss_mask", None)
-    return [1] * len(r.completion_ids) if m is None else list(m)
 
 
 def drive(episodes: Sequence[Episode], generate: GenerateFn) -> list[EpisodeSample]:
@@ -143,34 +139,8 @@ class EpisodeAdapter(Adapter):
                                   self.tokenizer.pad_token_id or 0)
 
 
-def materialise_masked(groups: Sequence[Sequence[Record]], advantages: Sequence[float],
-                       pad: int) -> LearnerBatch:
-    """Like ``Adapter.materialise`` but with each record's ``loss_mask`` over its completion."""
-    import torch
-
-    records = [r for g in groups for r in g]
-    seqs = [r.prompt_ids + r.completion_ids for r in records]
-    length = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), length), pad, dtype=torch.long)
-    attn = torch.zeros((len(seqs), length), dtype=torch.long)
-    mask = torch.zeros((len(seqs), length - 1))
-    blp = torch.zeros((len(seqs), length - 1))
-    for i, (r, s) in enumerate(zip(records, seqs)):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-        start = len(r.prompt_ids) - 1  # completion token j is predicted from position start + j
-        m = record_mask(r)
-        if len(m) != len(r.completion_ids):
-            raise ValueError(f"record {r.group_id}/{r.sample_idx}: loss_mask has {len(m)} entries "
-                             f"for {len(r.completion_ids)} completion tokens")
-        mask[i, start : len(s) - 1] = torch.tensor(m, dtype=torch.float32)
-        blp[i, start : len(s) - 1] = torch.tensor(r.logprobs) * mask[i, start : len(s) - 1]
-    return LearnerBatch(
-        input_ids=ids, attention_mask=attn, loss_mask=mask, behaviour_logprobs=blp,
-        advantages=torch.tensor(list(advantages), dtype=torch.float32),
-        rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
-        versions=torch.tensor([r.version for r in records], dtype=torch.long),
-    )
+# One implementation for single- and multi-turn records (the mask decides what is trained).
+materialise_masked = materialise_records
 
 
 def token_advantages(batch: LearnerBatch) -> Any:
