@@ -41,7 +41,7 @@ def measure(n: int, steps: int, tmp: Path) -> dict:
         "t_train": sum(r["t_train"] + r["t_publish"] for r in rows) / len(rows),
         "t_bcast": sum(bcast) / len(bcast) if bcast else 0.0,
         # each worker's busy-time rate (request, generate, score, deliver), from heartbeats
-        "mu_per_worker": sum(r["worker_rate_mean"] for r in rows) / len(rows),
+        "mu_per_worker": rows[-1]["worker_busy_rate"],  # whole-run average per busy second
         "mu_generate_only": batch / (sum(r["gen_s_mean"] for r in rows) / len(rows)),
         "cfg": cfg,
     }

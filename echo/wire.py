@@ -84,7 +84,9 @@ class Heartbeat(Message):
     TYPE = "heartbeat"
     worker_id: str
     version: int  # installed snapshot version, -1 if none
-    throughput: float = Field(0.0, ge=0)  # trajectories/s the worker measured itself
+    throughput: float = Field(0.0, ge=0)  # trajectories/s per busy second, recent (EWMA)
+    busy_s: float = Field(0.0, ge=0)  # total seconds in request-generate-deliver cycles
+    busy_samples: int = Field(0, ge=0)  # trajectories produced in those cycles
     state: Literal["idle", "generating", "installing", "leaving"] = "idle"
 
 

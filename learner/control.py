@@ -51,6 +51,8 @@ class WorkerState:
     measured_throughput: float = 0.0  # EWMA of admitted samples/s, measured here
     admitted: int = 0
     last_batch_at: float = field(default_factory=time.monotonic)
+    busy_s: float = 0.0  # the worker's cumulative busy seconds and output (heartbeats)
+    busy_samples: int = 0
 
 
 class ControlPlane:
@@ -176,6 +178,9 @@ class ControlPlane:
             # what the active workers report they generate per busy second (heartbeats)
             "worker_rate_mean": (sum(w.claimed_throughput for w in active) / len(active)
                                  if active else 0.0),
+            # whole-run average busy-time rate per active worker
+            "worker_busy_rate": (sum(w.busy_samples for w in active) / sum(w.busy_s for w in active)
+                                 if active and sum(w.busy_s for w in active) > 0 else 0.0),
             "rejected": dict(self.rejected + self.buffer.stats.rejected),
             "learner_bytes_sent": self.store.bytes_sent,
             "t_bcast": self._last_t_bcast(),
@@ -329,6 +334,7 @@ class ControlPlane:
         if w is None:
             return wire.HeartbeatAck(instance_id=self.instance_id, version=version, known=False)
         w.version, w.state, w.claimed_throughput = msg.version, msg.state, msg.throughput
+        w.busy_s, w.busy_samples = msg.busy_s, msg.busy_samples
         if self.controller is not None:
             self.controller.heartbeat(msg.worker_id, up=True)
         behind = msg.version < version

@@ -91,6 +91,7 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
         "active_workers": control["active_workers"], "standby_workers": control["standby_workers"],
         "fleet_price_per_hour": control["fleet_price_per_hour"],
         "worker_rate_mean": round(control["worker_rate_mean"], 2),
+        "worker_busy_rate": round(control["worker_busy_rate"], 2),
         "cost_step_usd": round(control["fleet_price_per_hour"] * (t_train + t_wait) / 3600, 8),
         "rejected": control["rejected"],
         "learner_bytes_sent": control["learner_bytes_sent"], "t_bcast": control["t_bcast"],

@@ -61,6 +61,8 @@ class Worker:
         self.offered: tuple[int, dict[str, Any], str] | None = None
         self.unacked: OrderedDict[str, wire.Trajectories] = OrderedDict()
         self.throughput = 0.0
+        self.busy_s = 0.0  # cumulative busy time and output, for an unbiased average rate
+        self.busy_samples = 0
         self.delivered = 0
         self.state = "idle"
         self.exit_reason = ""
@@ -161,7 +163,8 @@ class Worker:
         while not self.stopping.is_set():
             await asyncio.sleep(period)  # a period, not a wait for an event
             hb = wire.Heartbeat(worker_id=self.worker_id, version=self.installed_version,
-                                throughput=self.throughput, state=self.state)
+                                throughput=self.throughput, state=self.state,
+                                busy_s=self.busy_s, busy_samples=self.busy_samples)
             try:
                 ack = await self.client.request(hb, timeout)
             except RequestTimeout:
@@ -352,5 +355,7 @@ class Worker:
         await self.client.send(wire.Leave(worker_id=self.worker_id))
 
     def _measure(self, count: int, seconds: float) -> None:
+        self.busy_s += seconds
+        self.busy_samples += count
         rate = count / max(seconds, 1e-3)
         self.throughput = rate if self.throughput == 0 else 0.3 * rate + 0.7 * self.throughput
