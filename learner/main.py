@@ -330,21 +330,20 @@ class Learner:
             self._publish(self.step, full[0])
         t3 = time.monotonic()
         assert self.control is not None
-        self._provisioning(t2 - t1)
         control = self.control.stats()
+        self._provisioning(t2 - t1, control["t_bcast"] or 0.0)
         row = _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, t3 - t2, self.totals,
                            self.buffer, control)
         if self.metrics is not None:
             self.metrics.update(row, control)
         return row
 
-    def _provisioning(self, t_train: float) -> None:
+    def _provisioning(self, t_train: float, t_bcast: float) -> None:
         """Tell the controller what capacity the learner needs now (DESIGN 4), and record the
         decisions it took since the last step."""
         assert self.control is not None
         lc = self.cfg.learner
         self.t_train_ewma = t_train if self.t_train_ewma is None else 0.8 * self.t_train_ewma + 0.2 * t_train
-        t_bcast = self.control.stats()["t_bcast"] or 0.0
         try:
             need = mu_req(lc.prompts_per_step * lc.group_size, lc.effective_kappa,
                           self.t_train_ewma, t_bcast)
