@@ -53,7 +53,31 @@ class AdapterConfig(_Section):
         return {**self.presets.get(self.name, {}), **self.options}
 
 
-class LearnerConfig(_Section):
+class StalenessRules:
+    """What the learner and the simulator derive from the same fields (staleness, kappa,
+    prompts_per_step, max_outstanding_groups): one definition for both."""
+
+    staleness: int
+    kappa: int
+    prompts_per_step: int
+    max_outstanding_groups: int
+
+    @property
+    def effective_kappa(self) -> int:
+        return self.kappa or max(1, self.staleness - 1)  # DESIGN 3
+
+    @property
+    def effective_outstanding(self) -> int:
+        return self.max_outstanding_groups or 2 * self.prompts_per_step
+
+    def check_kappa(self) -> None:
+        if self.kappa > self.staleness:
+            raise ValueError(
+                f"kappa={self.kappa} exceeds staleness={self.staleness}: every publication would "
+                f"arrive too late; set learner.kappa <= learner.staleness (or 0 for max(1, S-1))")
+
+
+class LearnerConfig(StalenessRules, _Section):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: the OS picks a free port
     max_steps: int = Field(200, gt=0)
@@ -76,21 +100,9 @@ class LearnerConfig(_Section):
     checkpoint: bool = True  # checkpoint before every publication (needed for --resume)
     fsync: bool = True  # fsync the buffer log before acknowledging (off only for benchmarks)
 
-    @property
-    def effective_kappa(self) -> int:
-        return self.kappa or max(1, self.staleness - 1)
-
-    @property
-    def effective_outstanding(self) -> int:
-        return self.max_outstanding_groups or 2 * self.prompts_per_step
-
     @model_validator(mode="after")
     def _kappa_within_budget(self) -> "LearnerConfig":
-        if self.kappa > self.staleness:
-            raise ValueError(
-                f"kappa={self.kappa} exceeds staleness={self.staleness}: every publication would "
-                f"arrive too late; set learner.kappa <= learner.staleness (or 0 for auto)"
-            )
+        self.check_kappa()
         return self
 
 

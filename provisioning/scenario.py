@@ -22,6 +22,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from echo.config import StalenessRules
+
 
 class ScenarioError(ValueError):
     """A scenario problem, phrased for the user: key, value, fix."""
@@ -52,7 +54,7 @@ class RunSection(_Section):
         return self
 
 
-class LearnerSection(_Section):
+class LearnerSection(StalenessRules, _Section):
     t_train_s: float = Field(60.0, gt=0)  # T_train, seconds per learner step
     t_train_cv: float = Field(0.0, ge=0)  # lognormal spread of T_train per step (0: constant)
     prompts_per_step: int = Field(32, gt=0)
@@ -68,20 +70,9 @@ class LearnerSection(_Section):
     def n(self) -> int:
         return self.prompts_per_step * self.group_size
 
-    @property
-    def effective_kappa(self) -> int:
-        return self.kappa or max(1, self.staleness - 1)
-
-    @property
-    def effective_outstanding(self) -> int:
-        return self.max_outstanding_groups or 2 * self.prompts_per_step
-
     @model_validator(mode="after")
     def _checks(self) -> "LearnerSection":
-        if self.kappa > self.staleness:
-            raise ValueError(f"kappa={self.kappa} exceeds staleness={self.staleness}: every "
-                             f"publication would arrive too late; set learner.kappa <= "
-                             f"learner.staleness (or 0 for max(1, S-1))")
+        self.check_kappa()
         if self.max_outstanding_groups and self.max_outstanding_groups < self.prompts_per_step:
             raise ValueError(f"max_outstanding_groups={self.max_outstanding_groups} is below "
                              f"prompts_per_step={self.prompts_per_step}: the learner could never "
