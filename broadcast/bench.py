@@ -63,6 +63,7 @@ async def relay_process(args: argparse.Namespace) -> int:
         tasks = [tg.create_task(client.receive_forever()), tg.create_task(relay.serve_forever())]
         ack = await client.request(join, 60)
         assert isinstance(ack, wire.JoinAck)
+        held = None
         while True:
             msg = await client.notices.get()
             if isinstance(msg, wire.Shutdown):
@@ -75,8 +76,18 @@ async def relay_process(args: argparse.Namespace) -> int:
                 assert isinstance(grant, wire.SourceGrant)
                 return grant.source
 
-            buf, _ = await relay.receive(msg.manifest, ack.public_key, msg.source, reattach)
-            await client.send(wire.Installed(worker_id=args.id, version=buf.version, digest=buf.digest()))
+            held, _ = await relay.receive(msg.manifest, ack.public_key, msg.source, reattach)
+            # Installed the moment the last chunk verified against the signed manifest: that is
+            # what a worker relies on before it installs.
+            await client.send(wire.Installed(worker_id=args.id, version=held.version))
+        if held is not None:
+            # The audit, after the clock stopped: a BLAKE3 of the whole payload, which only the
+            # benchmark computes, so that the root counts corrupt installs independently of
+            # the per-chunk checks (computing it earlier would steal CPU from the hops still
+            # relaying on this 2-core machine and slow the measured broadcast).
+            await client.send(wire.Installed(worker_id=args.id, version=held.version,
+                                             digest=held.digest()))
+            client.sock.setsockopt(zmq.LINGER, 5000)  # let the audit leave before close
         for t in tasks:
             t.cancel()
     relay.close()
@@ -133,6 +144,7 @@ class Root:
         self.joined = asyncio.Event()
         self.digests: dict[str, bytes] = {}
         self.all_installed = asyncio.Event()
+        self.audited = asyncio.Event()
         self.dead: set[str] = set()
         self.reattaches: list[tuple[str, str, str]] = []
 
@@ -153,17 +165,25 @@ class Root:
                 reply = wire.SourceGrant(version=msg.version,
                                          source=self.coord.reattach(msg.worker_id, msg.bad_source, msg.reason))
             elif isinstance(msg, wire.Installed):
-                self.coord.installed(msg.worker_id, msg.version)
-                self.digests[msg.worker_id] = msg.digest
-                self._check_done()
+                if msg.digest:  # the audit digest, sent after the shutdown
+                    self.digests[msg.worker_id] = msg.digest
+                    self._check_audited()
+                else:
+                    self.coord.installed(msg.worker_id, msg.version)
+                    self._check_done()
             if reply is not None:
                 reply.rid = msg.rid
                 await self.ctrl.send_multipart([ident, wire.encode(reply)])
 
     def _check_done(self) -> None:
         alive = set(self.idents) - self.dead
-        if alive and alive <= set(self.digests):
+        if alive and alive <= set(self.coord.install_times(1)):
             self.all_installed.set()
+
+    def _check_audited(self) -> None:
+        alive = set(self.idents) - self.dead
+        if alive and alive <= set(self.digests):
+            self.audited.set()
 
     def prepare(self, payload: bytes) -> dict[str, Any]:
         manifest = build_manifest(run_id="bench", version=1, tensors=[], payload=payload,
@@ -238,7 +258,8 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
                 tasks.append(tg.create_task(_killer(root, procs, p, horizon)))
             await asyncio.wait_for(root.all_installed.wait(), max(120.0, 10 * horizon))
             elapsed = time.monotonic() - t0
-            await root.shutdown()
+            await root.shutdown()  # each survivor answers with its audit digest
+            await asyncio.wait_for(root.audited.wait(), 120)
             for t in tasks:
                 t.cancel()
     finally:

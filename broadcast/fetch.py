@@ -104,8 +104,13 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, so
             if monitor in events:
                 parse_monitor_message(await monitor.recv_multipart())
                 raise SourceFailed("disconnected", f"{source} closed the connection")
-            await _receive(plain, buf, store, pending, max_bytes, download, stats)
-            await request_next()
+            # Drain every reply already queued before polling again: one poll per chunk costs
+            # a round through the event loop that a fast link does not need.
+            while True:
+                await _receive(plain, buf, store, pending, max_bytes, download, stats)
+                await request_next()
+                if not (pending and plain.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+                    break
     finally:
         sock.disable_monitor()
         monitor.close(linger=0)

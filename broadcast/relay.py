@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from broadcast.fetch import SOCKET_BUFFER, FetchStats, Reattach, fetch_into
+from broadcast.memory import keep_chunk_buffers
 from broadcast.shaping import TokenBucket
 from broadcast.snapshot import verify_manifest
 from broadcast.source import ChunkServer
@@ -45,6 +46,7 @@ class RelayConfig:
 
 class Relay:
     def __init__(self, ctx: zmq.asyncio.Context, cfg: RelayConfig):
+        keep_chunk_buffers()  # every relaying process receives chunk after chunk
         self.ctx = ctx
         self.cfg = cfg
         self.store = SnapshotStore(keep=2)
