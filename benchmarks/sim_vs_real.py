@@ -3,14 +3,15 @@
     .venv/bin/python benchmarks/sim_vs_real.py [--pools 1,2,4] [--steps 60]
 
 For each pool size: run the real system on loopback (``echo-rl quickstart`` with that many
-worker processes, provisioning off), measure T_train, T_bcast and each worker's generation
-rate (samples / seconds generating), then simulate exactly those numbers with
-``provisioning.sim.simulate_fixed`` and compare bubble ratios. Writes
+worker processes, provisioning off), measure T_train (mean and spread across steps), T_bcast
+and each worker's generation rate (samples / busy second), then simulate exactly those
+numbers with ``provisioning.sim.simulate_fixed`` and compare bubble ratios. Writes
 benchmarks/results/sim_vs_real.json with the machine.
 """
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,9 +37,13 @@ def measure(n: int, steps: int, tmp: Path) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     batch = cfg.worker.groups_per_request * cfg.learner.group_size
     bcast = [r["t_bcast"] for r in rows if r.get("t_bcast")]
+    train = [r["t_train"] + r["t_publish"] for r in rows]
     return {
         "workers": n, "bubble_ratio": summary["bubble_ratio"],
-        "t_train": sum(r["t_train"] + r["t_publish"] for r in rows) / len(rows),
+        "t_train": statistics.fmean(train),
+        # step-to-step spread: near saturation a slow step the workers did not cover is a wait
+        # that a constant T_train never produces
+        "t_train_cv": statistics.pstdev(train) / statistics.fmean(train),
         "t_bcast": sum(bcast) / len(bcast) if bcast else 0.0,
         # each worker's busy-time rate (request, generate, score, deliver), from heartbeats
         "mu_per_worker": rows[-1]["worker_busy_rate"],  # whole-run average per busy second
@@ -62,12 +67,12 @@ def main(argv=None) -> int:
                                  lc.prompts_per_step * lc.group_size, lc.staleness,
                                  lc.effective_kappa, args.steps, group_size=lc.group_size,
                                  groups_per_request=2, max_outstanding_groups=lc.effective_outstanding,
-                                 measure_from_step=1)
+                                 measure_from_step=1, t_train_cv=m["t_train_cv"])
             m["bubble_ratio_sim"] = sim["bubble_ratio"]
             m["abs_diff"] = abs(sim["bubble_ratio"] - m["bubble_ratio"])
             out.append(m)
             print(f"workers={n}: measured B={m['bubble_ratio']:.3f} simulated B={sim['bubble_ratio']:.3f} "
-                  f"(T_train {m['t_train']:.3f}s, T_bcast {m['t_bcast']:.3f}s, mu/worker {m['mu_per_worker']:.0f}/s)")
+                  f"(T_train {m['t_train']:.3f}s cv {m['t_train_cv']:.2f}, T_bcast {m['t_bcast']:.3f}s, mu/worker {m['mu_per_worker']:.0f}/s)")
     Path(args.json).write_text(json.dumps({"machine": machine_info(), "results": out}, indent=2))
     worst = max(r["abs_diff"] for r in out)
     print(f"largest |simulated - measured| = {worst:.3f} (target <= 0.05)")
