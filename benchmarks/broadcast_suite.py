@@ -23,7 +23,7 @@ CASES = {
     "n16-chains-corrupt1": BASE + ["--topology", "chains", "--corrupt-relays", "1"],
     "loopback-4hop-unshaped": ["--workers", "4", "--chains", "1", "--snapshot-mib", "256",
                                "--uplink-mbit", "0", "--link-mbit", "0", "--chunk-kib", "4096",
-                               "--topology", "chains"],
+                               "--topology", "chains", "--repeat", "5"],
     "netns-n8-chains": ["--workers", "8", "--snapshot-mib", "64", "--uplink-mbit", "400",
                         "--link-mbit", "100", "--topology", "chains", "--netns"],
 }

@@ -313,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--chains", type=int, default=0, help="force the number of chains (0 = planner)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each topology this many times (seeds seed, seed+1, ...): the spread")
     ap.add_argument("--json", default=None, help="write results here (e.g. benchmarks/results/broadcast.json)")
     ap.add_argument("--netns", action="store_true",
                     help="shape with the kernel: namespaces, veth, tc tbf (needs root)")
@@ -374,10 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         if topo not in TOPOLOGIES:
             print(f"unknown topology {topo!r}: choose from {sorted(TOPOLOGIES)}", file=sys.stderr)
             return 2
-        p = BenchParams(args.workers, args.snapshot_mib, args.uplink_mbit, args.link_mbit, topo,
-                        args.kill_fraction, args.corrupt_relays, args.chunk_kib, args.window,
-                        args.chains, seed=args.seed, netns=args.netns)
-        results.append(asyncio.run(run_one(p)))
+        for rep in range(args.repeat):
+            p = BenchParams(args.workers, args.snapshot_mib, args.uplink_mbit, args.link_mbit, topo,
+                            args.kill_fraction, args.corrupt_relays, args.chunk_kib, args.window,
+                            args.chains, seed=args.seed + rep, netns=args.netns)
+            results.append(asyncio.run(run_one(p)))
     print_table(results)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
