@@ -251,3 +251,13 @@ def test_bench_broadcast_in_network_namespaces(tmp_path):
     assert x["installed"] == 4 and x["corrupt_installs"] == 0
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "echo-" not in listed  # the lab is torn down
+
+
+@pytest.mark.skipif(not __import__("platform").libc_ver()[0] == "glibc", reason="glibc's mallopt")
+def test_relay_malloc_tuning_is_accepted_by_glibc():
+    """glibc silently keeps its defaults when a threshold is out of range (mallopt returns 0):
+    an mmap threshold above 32 MiB would undo the tuning the loopback figure relies on."""
+    from broadcast import memory
+
+    memory._done = False
+    assert memory.keep_chunk_buffers()
