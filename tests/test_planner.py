@@ -255,6 +255,31 @@ def test_random_plans_keep_invariants_and_beat_star():
         assert plan.predicted_s <= star * 1.05 + 1e-9
 
 
+def test_swap_scoring_matches_ordering_the_chain():
+    """The local search scores swaps with ``_Members`` (no sorting); every score must equal the
+    rate of the swapped chain in the order the planner would give it, or the search would take
+    swaps that do not help."""
+    from broadcast.planner import _Members, _Model, _rates
+
+    rng = random.Random(11)
+    for trial in range(400):
+        n = rng.randint(2, 9)
+        ps = [Peer(f"w{i}", rng.choice([0, 20, 50, 100, rng.uniform(1, 500)]),
+                   rng.choice([0, 5, 50, 100, rng.uniform(1, 500)]), rng.random() > 0.3, f"e{i}")
+              for i in range(n)]
+        model = _Model(_rates(ps, rng.choice([None, 100.0])), PlanParams(uplink_mbit=400))
+        ids = [p.worker_id for p in ps]
+        members, add = ids[:-1], ids[-1]
+        drop = rng.choice([None, *members])
+        share = rng.choice([math.inf, mbit_to_bytes_per_s(rng.uniform(10, 400))])
+        got = _Members(model, members).rate_with(add, drop, share)
+        ordered = model.order([w for w in members if w != drop] + [add])
+        if ordered is None:
+            assert got is None, trial
+        else:
+            assert got == model.rate(ordered, share)[0], trial
+
+
 # ------------------------------------------------------------------ sources, topologies
 
 
