@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -13,11 +14,49 @@ from learner.loss import LossConfig, grpo_loss
 from learner.parallel import Parallel, Single
 
 
-def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """log p(token_{j+1} | tokens_{<=j}) for every position j: shape [B, L-1]."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(token_{j+1} | tokens_{<=j}) for every position j: shape [B, L-1].
+
+    With ``loss_mask`` ([B, L-1]) only the span of columns some row trains on is computed
+    (zeros elsewhere): the prompt in front needs no logits and the padding behind it no forward
+    pass. On a real vocabulary (150k) the logits of prompt positions are most of the memory.
+    """
+    full = (0, input_ids.shape[1] - 2)
+    s, e = (_trained_span(loss_mask) if loss_mask is not None else None) or full
+    logits = _logits(model, input_ids[:, :e + 1], attention_mask[:, :e + 1], keep=e + 1 - s)
+    lp = selective_logprobs(logits, input_ids[:, s + 1:e + 2])
+    return torch.nn.functional.pad(lp, (s, input_ids.shape[1] - 2 - e))
+
+
+def _trained_span(loss_mask: torch.Tensor) -> tuple[int, int] | None:
+    """First and last target column any row trains on (None: no row trains on anything)."""
+    cols = loss_mask.any(dim=0).nonzero().flatten()
+    return (int(cols[0]), int(cols[-1])) if len(cols) else None
+
+
+def _logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int) -> torch.Tensor:
+    """Logits of the last ``keep`` positions; the LM head runs only there when the model
+    supports ``logits_to_keep`` (current transformers models do)."""
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep)
+    else:  # an older model class: full logits, then slice
+        out = model(input_ids=input_ids, attention_mask=attention_mask)
+    return out.logits[:, -keep:]
+
+
+def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits).gather(targets) without the [B, K, V] log-softmax tensor: the
+    target's logit minus the log-sum-exp, in float32. Low-precision logits go one row at a
+    time so that only one row's float32 copy exists at once."""
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
+    rows = []
+    for row_logits, row_targets in zip(logits, targets):
+        row = row_logits.float()
+        rows.append(row.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(row, dim=-1))
+    return torch.stack(rows)
 
 
 class Trainer:
@@ -41,14 +80,14 @@ class Trainer:
         minibatches = order.chunk(self.cfg.updates_per_step)
         shards = [self.par.shard(mb) for mb in minibatches]
         with torch.no_grad():  # logp_old: parameters at step start, before any update
-            olds = [token_logprobs(self.model, batch.input_ids[i], batch.attention_mask[i]) for i in shards]
-            refs = ([token_logprobs(self.ref_model, batch.input_ids[i], batch.attention_mask[i]) for i in shards]
+            olds = [self._logprobs(self.model, batch, i) for i in shards]
+            refs = ([self._logprobs(self.ref_model, batch, i) for i in shards]
                     if self.ref_model is not None else [None] * len(shards))
         sums: dict[str, float] = {}
         for mb, idx, old, ref in zip(minibatches, shards, olds, refs):
             global_count = (float(batch.loss_mask[mb].sum().clamp(min=1))
                             if self.loss_cfg.agg == "token-mean" else float(len(mb)))
-            logp = token_logprobs(self.model, batch.input_ids[idx], batch.attention_mask[idx])
+            logp = self._logprobs(self.model, batch, idx)
             loss, stats = grpo_loss(logp, old, batch.behaviour_logprobs[idx],
                                     batch.advantages[idx], batch.loss_mask[idx], self.loss_cfg,
                                     ref, denom=global_count / self.par.world)
@@ -60,3 +99,8 @@ class Trainer:
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v / self.cfg.updates_per_step
         return sums
+
+    @staticmethod
+    def _logprobs(model: Any, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
+                              batch.loss_mask[rows])
