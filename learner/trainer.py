@@ -96,9 +96,27 @@ class Trainer:
             stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
             self.optimizer.step()
             stats["loss"] = loss.item()
+            stats = self._global(stats, float(batch.loss_mask[idx].sum()))
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v / self.cfg.updates_per_step
         return sums
+
+    TOKEN_MEANS = ("clip_frac", "is_weight_mean", "kl_mean")
+
+    def _global(self, stats: dict[str, float], tokens: float) -> dict[str, float]:
+        """This rank's shard statistics made the mini-batch's: token means weighted by each
+        rank's trained tokens; the loss averaged (each rank divides by 1/world of the global
+        count, ``denom``, so their mean is the global loss, as their averaged gradients are
+        the global gradient); the clipped grad norm is already global."""
+        if self.par.world == 1:
+            return stats
+        local = [stats[k] * tokens for k in self.TOKEN_MEANS] + [tokens, stats["loss"]]
+        total = self.par.all_sum(torch.tensor(local, dtype=torch.float64)).tolist()
+        out = dict(stats)
+        for i, k in enumerate(self.TOKEN_MEANS):
+            out[k] = total[i] / max(total[-2], 1.0)
+        out["loss"] = total[-1] / self.par.world
+        return out
 
     @staticmethod
     def _logprobs(model: Any, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:

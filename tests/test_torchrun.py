@@ -24,10 +24,15 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path):
     two = subprocess.run([*TORCHRUN, script, str(tmp_path / "two.pt")], cwd=ROOT,
                          capture_output=True, text=True, timeout=240, env={**_env(), **env})
     assert two.returncode == 0, two.stderr[-2000:]
-    a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    one_run, two_run = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    a, b = one_run["params"], two_run["params"]
     assert a.keys() == b.keys()
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst < 1e-4, worst
+    # the statistics rank 0 reports are the whole batch's, not its own shard's
+    for single, fsdp in zip(one_run["stats"], two_run["stats"]):
+        for k in ("loss", "clip_frac", "is_weight_mean", "grad_norm"):
+            assert fsdp[k] == pytest.approx(single[k], rel=1e-4, abs=1e-6), k
 
 
 def test_learner_runs_under_torchrun_with_a_worker(tmp_path, small_cfg):

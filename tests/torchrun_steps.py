@@ -1,4 +1,5 @@
-"""Run 3 learner steps on fixed batches and save the parameters (used by test_torchrun.py).
+"""Run 3 learner steps on fixed batches; save the parameters and the step statistics
+(used by test_torchrun.py).
 
     python tests/torchrun_steps.py OUT.pt                      # one process
     torchrun --nproc_per_node=2 tests/torchrun_steps.py OUT.pt # FSDP2, same data
@@ -32,10 +33,10 @@ def main(out: str) -> None:
         policy.follow()
         policy.par.close()
         return
-    for step in range(3):
-        policy.command({"op": "step", "batch": batch(step), "sync": False})
+    stats = [policy.command({"op": "step", "batch": batch(step), "sync": False})[0]
+             for step in range(3)]
     _, (model_sd, _) = policy.command({"op": "sync"})
-    torch.save({n: t for n, t in policy.named_tensors(model_sd)}, out)
+    torch.save({"params": {n: t for n, t in policy.named_tensors(model_sd)}, "stats": stats}, out)
     policy.close()
 
 

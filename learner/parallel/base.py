@@ -36,5 +36,9 @@ class Parallel(ABC):
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
 
+    @abstractmethod
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``values`` over the ranks, on every rank (a collective)."""
+
     def close(self) -> None:
         pass

@@ -44,6 +44,13 @@ class FSDP2(Parallel):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        # NCCL reduces device tensors only; gloo reduces CPU ones
+        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+        out = values.to(device, copy=True)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out.cpu()
+
     def close(self) -> None:
         if dist.is_initialized():
             # Without the barrier rank 0 may tear gloo down while another rank is still

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from learner.parallel.base import Parallel
 
 
@@ -20,3 +22,6 @@ class Single(Parallel):
 
     def broadcast(self, obj: Any) -> Any:
         return obj
+
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
