@@ -251,6 +251,8 @@ class Learner:
         self.buffer.restore(live, trained)
         self.log.compact(lambda: live)
         self._trim_audit()
+        if ckpt and ckpt.get("row") and not any(r["step"] == last for r in self.rows):
+            self._restore_row(ckpt["row"])
         log.info("resumed at step %d: %d buffered records restored, %d groups already trained",
                  self.step, len(live), len(trained))
 
@@ -270,11 +272,19 @@ class Learner:
             if name == "metrics":
                 self.rows = keep
 
+    def _restore_row(self, row: dict[str, Any]) -> None:
+        """The crash came after the checkpoint and before the step's metrics line."""
+        self.rows.append(row)
+        with (self.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        log.info("metrics line of step %d restored from the checkpoint (t_publish unknown: 0)",
+                 row["step"])
+
     # ------------------------------------------------------------------ checkpoint / publish
 
-    def _checkpoint(self, full: FullState) -> None:
+    def _checkpoint(self, full: FullState, row: dict[str, Any] | None = None) -> None:
         save_checkpoint(self.run_dir, self.step - 1, {
-            "step": self.step - 1, "model": full[0], "optimizer": full[1],
+            "step": self.step - 1, "model": full[0], "optimizer": full[1], "row": row,
             **self.policy.rng_state(), "prompt_rng": self.prompt_rng.getstate(),
             "work": self.work.state(), "buffer_stats": self.buffer.stats, "totals": self.totals,
             "wall_s": time.monotonic() - self.totals.started,
@@ -324,16 +334,22 @@ class Learner:
         self.totals.add(step, t1 - t0, t2 - t1)
         self.step += 1
         self.buffer.set_version(self.step)
-        if full is not None:
-            if lc.checkpoint:
-                self._checkpoint(full)  # before publishing: no worker runs ahead of a checkpoint
-            self._publish(self.step, full[0])
-        t3 = time.monotonic()
         assert self.control is not None
-        control = self.control.stats()
+        if full is None:
+            control = self.control.stats()
+            row = _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1,
+                               time.monotonic() - t2, self.totals, self.buffer, control)
+        else:
+            # The row goes into the checkpoint too: a crash between the checkpoint and the
+            # metrics line would otherwise lose the line of a step the resumed run skips.
+            control = self.control.stats()
+            row = _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, 0.0, self.totals,
+                               self.buffer, control)
+            if lc.checkpoint:
+                self._checkpoint(full, row)  # before publishing: no worker runs ahead of it
+            self._publish(self.step, full[0])
+            row["t_publish"] = round(time.monotonic() - t2, 4)
         self._provisioning(t2 - t1, control["t_bcast"] or 0.0)
-        row = _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, t3 - t2, self.totals,
-                           self.buffer, control)
         if self.metrics is not None:
             self.metrics.update(row, control)
         return row
