@@ -87,11 +87,10 @@ async def relay_process(args: argparse.Namespace) -> int:
             # relaying on this 2-core machine and slow the measured broadcast).
             await client.send(wire.Installed(worker_id=args.id, version=held.version,
                                              digest=held.digest()))
-            client.sock.setsockopt(zmq.LINGER, 5000)  # let the audit leave before close
         for t in tasks:
             t.cancel()
     relay.close()
-    client.close()
+    client.close(linger_ms=5000)  # let the audit digest leave before the socket closes
     ctx.term()
     return 0
 

@@ -4,6 +4,10 @@ Replies are matched to requests by ``rid``; a reply that arrives after its reque
 is dropped. Notices (snapshot_notice, shutdown) go to ``notices``, bounded at 64; on overflow
 the oldest is dropped, which loses nothing because only the newest snapshot matters and the
 heartbeat acknowledgement repeats it.
+
+When the connection drops (a zmq socket monitor sees it), every waiting request fails at once
+with ``ConnectionLost`` rather than after its timeout: on a flapping link the replies of those
+requests are gone, and waiting the full timeout for each would starve the learner.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from echo import wire
 
@@ -26,17 +31,42 @@ class RequestTimeout(TimeoutError):
     pass
 
 
+class ConnectionLost(RequestTimeout):
+    """The connection dropped while a request waited: its reply, if any, is gone (the learner
+    answers the old connection). Raised at once instead of after the timeout; the socket
+    reconnects by itself and queues what is sent meanwhile, so the caller may retry now."""
+
+
 class Client:
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, max_bytes: int):
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(endpoint)
+        self.disconnects = 0
         self.max_bytes = max_bytes
         self._rids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[wire.Message]] = {}
         self.notices: asyncio.Queue[wire.Message] = asyncio.Queue(NOTICE_QUEUE)
 
     async def receive_forever(self) -> None:
+        """Replies and notices, and the connection's drops (until cancelled)."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._receive())
+            tg.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            parse_monitor_message(await self._monitor.recv_multipart())
+            self.disconnects += 1
+            lost, self._pending = self._pending, {}
+            for fut in lost.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionLost("connection to the learner dropped"))
+            if lost:
+                log.info("connection to the learner dropped; %d request(s) will be retried", len(lost))
+
+    async def _receive(self) -> None:
         while True:
             frame = await self.sock.recv()
             try:
@@ -60,6 +90,8 @@ class Client:
         try:
             await self.sock.send(wire.encode(msg))
             return await asyncio.wait_for(fut, timeout)
+        except ConnectionLost:
+            raise
         except TimeoutError:
             raise RequestTimeout(f"no reply to {msg.type} within {timeout}s") from None
         finally:
@@ -68,5 +100,8 @@ class Client:
     async def send(self, msg: wire.Message) -> None:
         await self.sock.send(wire.encode(msg))
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        """``linger_ms``: how long queued messages may still leave (0: drop them)."""
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self.sock.close(linger=linger_ms)
