@@ -8,7 +8,7 @@ a second frame so they are never copied into msgpack.
 Worker -> learner (control socket)
   join            worker_id, price, backend, can_relay  -> join_ack | error
   heartbeat       worker_id, version, throughput, state -> heartbeat_ack
-  work_request    worker_id, max_groups                 -> work_grant
+  work_request    worker_id, max_groups, holding        -> work_grant
   trajectories    worker_id, batch_id, count, payload   -> ack
                   payload = lz4.frame(msgpack([record, ...])), record schema in
                   ``dataplane.records``; at-least-once: the worker resends until acked.
@@ -112,6 +112,12 @@ class WorkRequest(Message):
     TYPE = "work_request"
     worker_id: str
     max_groups: int = Field(ge=1, le=1024)
+    # Groups this worker generated whose batch is not acknowledged yet. A worker asks for work
+    # only when it generates nothing, so every other open lease of its own is a grant that was
+    # lost on the way: the learner hands those out again at once instead of waiting for the
+    # lease to expire. (Absent, from an older worker: every open lease is re-granted and the
+    # duplicates are deduplicated at admission.)
+    holding: list[str] = Field(default_factory=list, max_length=4096)
 
 
 class WorkGrant(Message):

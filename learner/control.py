@@ -348,7 +348,8 @@ class ControlPlane:
             raise wire.WireError("unknown_worker", f"{msg.worker_id} has not joined: send join first")
         if not self.is_active(msg.worker_id):
             return wire.WorkGrant(groups=[], retry_after_s=0.5)  # standby: relay, don't roll out
-        groups = self.work.grant(msg.worker_id, msg.max_groups, self.buffer.depth()["ready_groups"])
+        groups = self.work.grant(msg.worker_id, msg.max_groups, self.buffer.depth()["ready_groups"],
+                                 msg.holding)
         return wire.WorkGrant(groups=groups, retry_after_s=0.0 if groups else 0.2)
 
     def _on_source_request(self, ident: bytes, msg: wire.SourceRequest) -> wire.Message:

@@ -3,7 +3,9 @@
 A group is issued with a lease (worker, deadline). It is fulfilled when the buffer holds all
 of its samples. A lease that expires, or whose worker leaves or stops heart-beating, puts the
 group back at the head of the queue so the next request gets it: a worker killed mid-group
-costs time, never the run.
+costs time, never the run. A grant lost on the way (the link dropped the reply) is noticed at
+the worker's next request, which lists the groups it holds undelivered: its other open leases
+are handed to it again at once.
 
 Bounded: at most ``max_outstanding`` groups are in flight (issued and not yet whole) plus
 waiting in the buffer; past that, requests get an empty grant with a retry hint. This keeps the
@@ -16,7 +18,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from dataplane.adapter import Prompt
@@ -46,9 +48,13 @@ class WorkQueue:
         self._requeued: deque[str] = deque()
         self.reissued = 0
 
-    def grant(self, worker_id: str, max_groups: int, buffered_groups: int) -> list[wire.Group]:
-        out: list[wire.Group] = []
+    def grant(self, worker_id: str, max_groups: int, buffered_groups: int,
+              holding: Collection[str] = ()) -> list[wire.Group]:
+        """Up to ``max_groups`` groups: first this worker's own leases whose grant was lost
+        (open, and not among the groups it ``holding``s undelivered), then re-queued groups,
+        then new ones while the outstanding bound allows."""
         now = self._clock()
+        out = self._lost_grants(worker_id, set(holding), max_groups, now)
         while len(out) < max_groups:
             if self._requeued:
                 gid = self._requeued.popleft()
@@ -68,6 +74,14 @@ class WorkQueue:
             self.issued[group.group_id] = Issued(group, worker_id, now + self.lease_timeout_s)
             out.append(group)
         return out
+
+    def _lost_grants(self, worker_id: str, holding: set[str], limit: int, now: float) -> list[wire.Group]:
+        lost = [it for gid, it in self.issued.items()
+                if it.worker_id == worker_id and gid not in holding and it.deadline != float("inf")]
+        for it in lost[:limit]:
+            it.deadline = now + self.lease_timeout_s
+            self.reissued += 1
+        return [it.group for it in lost[:limit]]
 
     def lookup(self, group_id: str) -> wire.Group | None:
         item = self.issued.get(group_id)

@@ -21,11 +21,11 @@ def make(clock, cap=4):
 def test_grant_respects_outstanding_cap():
     wq = make(FakeClock(), cap=4)
     assert len(wq.grant("w1", 3, buffered_groups=0)) == 3
-    assert len(wq.grant("w2", 3, buffered_groups=0)) == 1
-    assert wq.grant("w2", 3, buffered_groups=0) == []
+    [g] = wq.grant("w2", 3, buffered_groups=0)
+    assert wq.grant("w2", 3, buffered_groups=0, holding=[g.group_id]) == []
     wq.fulfilled("run-0")
-    assert len(wq.grant("w2", 3, buffered_groups=1)) == 0  # the buffer still holds it
-    assert len(wq.grant("w2", 3, buffered_groups=0)) == 1
+    assert len(wq.grant("w2", 3, buffered_groups=1, holding=[g.group_id])) == 0  # buffered
+    assert len(wq.grant("w2", 3, buffered_groups=0, holding=[g.group_id])) == 1
 
 
 def test_dead_worker_groups_are_handed_out_again_first():
@@ -54,3 +54,20 @@ def test_fulfilled_group_is_not_reissued():
     wq.requeue(g.group_id)
     wq.fulfilled(g.group_id)
     assert all(x.group_id != g.group_id for x in wq.grant("w2", 4, 0))
+
+
+def test_a_lost_grant_is_handed_to_the_same_worker_at_its_next_request():
+    """The worker asks for work again without holding the groups it was granted: the reply
+    was lost on the way. It gets them again at once (same groups, fresh lease), not after the
+    lease expires; groups it holds undelivered are left alone."""
+    clock = FakeClock()
+    wq = make(clock, cap=8)
+    lost = wq.grant("w1", 2, 0)
+    clock.t = 3
+    again = wq.grant("w1", 2, 0)
+    assert [g.group_id for g in again] == [g.group_id for g in lost] and wq.reissued == 2
+    clock.t = 12  # 13 s after the first grant, 9 s after the second: the lease was renewed
+    assert wq.expire() == 0
+    held = wq.grant("w1", 2, 0, holding=[g.group_id for g in lost])
+    assert {g.group_id for g in held}.isdisjoint(g.group_id for g in lost)
+    assert wq.grant("w2", 2, 0)[0].group_id not in {g.group_id for g in lost + held}

@@ -60,6 +60,7 @@ class Worker:
         self.installed_version = -1
         self.offered: tuple[int, dict[str, Any], str] | None = None
         self.unacked: OrderedDict[str, wire.Trajectories] = OrderedDict()
+        self._groups_of: dict[str, list[str]] = {}  # batch id -> its group ids (while unacked)
         self.throughput = 0.0
         self.busy_s = 0.0  # cumulative busy time and output, for an unbiased average rate
         self.busy_samples = 0
@@ -259,8 +260,9 @@ class Worker:
             pass
 
     async def _request_work(self) -> list[wire.Group]:
+        holding = [g for batch_id in self.unacked for g in self._groups_of.get(batch_id, ())]
         req = wire.WorkRequest(worker_id=self.worker_id,
-                               max_groups=self.view["worker"]["groups_per_request"])
+                               max_groups=self.view["worker"]["groups_per_request"], holding=holding)
         try:
             grant = await self.client.request(req, self._timeout)
         except RequestTimeout:
@@ -292,6 +294,7 @@ class Worker:
         batch = wire.Trajectories(worker_id=self.worker_id, batch_id=uuid.uuid4().hex,
                                   count=len(records), payload=wire.pack_records(records))
         self.unacked[batch.batch_id] = batch
+        self._groups_of[batch.batch_id] = [g.group_id for g in groups]
         if self.ledger:
             self._batch_keys[batch.batch_id] = [[r["group_id"], r["sample_idx"]] for r in records]
         await self._deliver(batch)
@@ -317,6 +320,7 @@ class Worker:
             log.info("batch %s not acknowledged yet; will resend", batch.batch_id)
             return
         self.unacked.pop(batch.batch_id, None)
+        self._groups_of.pop(batch.batch_id, None)
         if isinstance(reply, wire.Error):
             # The learner judged the batch itself bad: resending the same bytes cannot help.
             log.error("learner rejected batch %s: %s: %s", batch.batch_id, reply.reason, reply.detail)
