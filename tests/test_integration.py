@@ -264,3 +264,55 @@ def test_quickstart_dashboard_in_chromium_matches_metrics(cluster, tmp_path):
     assert shown("bubble-ratio") == pytest.approx(metric["echo_bubble_ratio"])
     cluster.group.stop("learner", timeout=60)
 
+
+def _chaos(cluster: Cluster, name: str, target: str, *flags: str) -> str:
+    """A chaos proxy process in front of ``target``; returns the endpoint workers should join."""
+    from echo.chaos import READY_PREFIX
+
+    host_port = target.removeprefix("tcp://")
+    proc = cluster.group.start(name, python_argv("echo.chaos", "--target", host_port, *flags,
+                                                 "--stats", str(cluster.tmp / f"{name}.json")),
+                               cluster.tmp / f"{name}.err", pipe_stdout=True)
+    line = proc.stdout.readline().decode()  # printed once it listens (or it exits)
+    assert line.startswith(READY_PREFIX), (cluster.tmp / f"{name}.err").read_text()
+    return f"tcp://127.0.0.1:{line[len(READY_PREFIX):].strip()}"
+
+
+def test_nothing_acknowledged_is_lost_or_trained_twice_over_a_misbehaving_link(cluster):
+    """Workers reach the learner only through a link that adds latency, stalls, and cuts
+    connections with RSTs every second or so (messages in flight are lost). Training goes on;
+    every batch a worker saw acknowledged is trained on, still buffered or a counted stale drop;
+    no sample is trained twice (at-least-once delivery, exactly-once admission)."""
+    from learner.checkpoint import load_checkpoint
+    from learner.durable import live_after, read_log
+
+    cluster.cfg.transport.request_timeout_s = 2.0  # a lost request is retried soon
+    cluster.cfg.transport.heartbeat_timeout_s = 8.0
+    run = cluster.learner(max_steps=30)
+    learner_endpoint = cluster.endpoint
+    cluster.endpoint = _chaos(cluster, "chaos", learner_endpoint, "--latency-ms", "20",
+                              "--reset-every-s", "0.3", "--stall-every-s", "3", "--stall-s", "0.5")
+    workers = ["w0", "w1"]
+    for w in workers:
+        cluster.worker(w)
+    assert cluster.wait("learner", 200) == 0
+    assert cluster.group.stop("chaos") == 0
+    chaos = json.loads((cluster.tmp / "chaos.json").read_text())
+    assert chaos["resets"] >= 3, chaos  # the link really misbehaved
+    got = rows(run)
+    assert [r["step"] for r in got] == list(range(30))
+    assert all(r["staleness_max"] <= cluster.cfg.learner.staleness for r in got)
+    n = cluster.cfg.learner.group_size
+    steps = [json.loads(line)["groups"] for line in (run / "consumed.jsonl").read_text().splitlines()]
+    groups = [g for s in steps for g in s]
+    assert len(groups) == len(set(groups)), "a group was trained twice"
+    trained = {(g, i) for g in groups for i in range(n)}
+    live, _ = live_after(*read_log(run / "buffer.log"), load_checkpoint(run)["step"])
+    buffered = {(r.group_id, r.sample_idx) for r in live}
+    acked = {tuple(k) for w in workers if (cluster.tmp / f"{w}.ledger").exists()
+             for line in (cluster.tmp / f"{w}.ledger").read_text().splitlines()
+             for k in json.loads(line)["stored"]}
+    dropped_path = run / "dropped.jsonl"
+    dropped = {tuple(k) for line in (dropped_path.read_text().splitlines() if dropped_path.exists() else [])
+               for k in json.loads(line)["pairs"]}
+    assert acked and acked - trained - buffered - dropped == set()
