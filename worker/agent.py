@@ -2,7 +2,11 @@
 
 Delivery is at-least-once: every trajectory batch stays in ``unacked`` until the learner
 acknowledges it and is resent otherwise (bounded by ``worker.max_unacked_batches``: when full,
-the worker stops generating and only retries delivery). If the learner restarts (a heartbeat
+the worker stops generating until acknowledgements come). Nothing waits on a round trip that
+it need not: batches are delivered by their own tasks, several at once, while the worker
+generates the next groups, and the next work request leaves while the current groups are
+generated. On a long link (100 ms round trips) a worker that waited for each grant and each
+acknowledgement would spend more time waiting than generating. If the learner restarts (a heartbeat
 acknowledgement names a new instance, or says it does not know us) the worker joins again and
 carries on with its unacknowledged batches. SIGTERM or SIGINT: finish the current group, try
 to deliver what is pending, say ``leave``, exit 0.
@@ -61,6 +65,10 @@ class Worker:
         self.offered: tuple[int, dict[str, Any], str] | None = None
         self.unacked: OrderedDict[str, wire.Trajectories] = OrderedDict()
         self._groups_of: dict[str, list[str]] = {}  # batch id -> its group ids (while unacked)
+        self._generating: list[str] = []  # group ids being generated now
+        self._delivering: set[str] = set()  # batch ids with a delivery in flight
+        self.to_deliver = asyncio.Event()  # a batch needs a delivery started
+        self.acked = asyncio.Event()  # a batch left ``unacked``
         self.throughput = 0.0
         self.busy_s = 0.0  # cumulative busy time and output, for an unbiased average rate
         self.busy_samples = 0
@@ -87,7 +95,8 @@ class Worker:
                          tg.create_task(self.relay.serve_forever())]
                 if await self._join():
                     # Heartbeats start before the (slow) model load so the learner keeps us.
-                    tasks += [tg.create_task(self._heartbeats()), tg.create_task(self._notices())]
+                    tasks += [tg.create_task(self._heartbeats()), tg.create_task(self._notices()),
+                              tg.create_task(self._deliveries())]
                     self.backend, self.adapter = await asyncio.to_thread(self._load)
                     work = tg.create_task(self._work())
                     await self.stopping.wait()
@@ -234,23 +243,36 @@ class Worker:
     # ------------------------------------------------------------------ rollouts
 
     async def _work(self) -> None:
-        while not self.stopping.is_set():
-            await self._ensure_installed()
-            if self.installed_version < 0:
-                await self._wait_snapshot(1.0)
-                continue
-            await self._resend_unacked()
-            if len(self.unacked) >= self.view["worker"]["max_unacked_batches"]:
-                await self._wait_snapshot(0.5)  # back-pressure: deliver before generating more
-                continue
-            t0 = time.monotonic()
-            groups = await self._request_work()
-            if groups:
-                await self._rollout(groups)
-                # Busy-time throughput: one request-generate-score-deliver cycle. It measures
-                # what this worker can do, not how much work it was given (idle waits and
-                # snapshot installs are outside the cycle).
-                self._measure(sum(g.n for g in groups), time.monotonic() - t0)
+        async with asyncio.TaskGroup() as tg:
+            prefetch: asyncio.Task[list[wire.Group]] | None = None
+            while not self.stopping.is_set():
+                await self._ensure_installed()
+                if self.installed_version < 0:
+                    await self._wait_snapshot(1.0)
+                    continue
+                if len(self.unacked) >= self.view["worker"]["max_unacked_batches"]:
+                    await self._wait_acked(0.5)  # back-pressure: deliver before generating more
+                    continue
+                t0 = time.monotonic()
+                groups = await (prefetch or self._request_work())
+                prefetch = None
+                if groups:
+                    # the next grant's round trip overlaps this rollout
+                    prefetch = tg.create_task(self._request_work())
+                    await self._rollout(groups)
+                    # Busy-time throughput: one wait-for-grant, generate, score cycle. It
+                    # measures what this worker can do, not how much work it was given (idle
+                    # waits and snapshot installs are outside the cycle).
+                    self._measure(sum(g.n for g in groups), time.monotonic() - t0)
+            if prefetch is not None:
+                prefetch.cancel()  # its groups come back to the learner with our leave
+
+    async def _wait_acked(self, timeout: float) -> None:
+        self.acked.clear()
+        try:
+            await asyncio.wait_for(self.acked.wait(), timeout)
+        except TimeoutError:
+            pass
 
     async def _wait_snapshot(self, timeout: float) -> None:
         self.new_snapshot.clear()
@@ -260,7 +282,7 @@ class Worker:
             pass
 
     async def _request_work(self) -> list[wire.Group]:
-        holding = [g for batch_id in self.unacked for g in self._groups_of.get(batch_id, ())]
+        holding = self._generating + [g for batch_id in self.unacked for g in self._groups_of.get(batch_id, ())]
         req = wire.WorkRequest(worker_id=self.worker_id,
                                max_groups=self.view["worker"]["groups_per_request"], holding=holding)
         try:
@@ -279,8 +301,12 @@ class Worker:
     async def _rollout(self, groups: list[wire.Group]) -> None:
         version = self.installed_version
         self.state = "generating"
+        self._generating = [g.group_id for g in groups]
         t0 = time.monotonic()
-        samples = await asyncio.to_thread(self._generate_and_score, groups)
+        try:
+            samples = await asyncio.to_thread(self._generate_and_score, groups)
+        finally:
+            self._generating = []
         gen_s = time.monotonic() - t0
         self.state = "idle"
         records = [
@@ -297,7 +323,7 @@ class Worker:
         self._groups_of[batch.batch_id] = [g.group_id for g in groups]
         if self.ledger:
             self._batch_keys[batch.batch_id] = [[r["group_id"], r["sample_idx"]] for r in records]
-        await self._deliver(batch)
+        self.to_deliver.set()
 
     def _generate_and_score(self, groups: list[wire.Group]) -> list[list[tuple[Sample, float]]]:
         assert self.backend is not None and self.adapter is not None
@@ -313,14 +339,31 @@ class Worker:
                                                tok.decode(s.completion_ids, skip_special_tokens=True))))
                  for s in samples] for g, samples in zip(groups, out)]
 
+    async def _deliveries(self) -> None:
+        """Keeps one delivery in flight for every unacknowledged batch (at most
+        ``worker.max_unacked_batches``), starting a new attempt as soon as one fails."""
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                self.to_deliver.clear()
+                for batch_id, batch in list(self.unacked.items()):
+                    if batch_id not in self._delivering:
+                        self._delivering.add(batch_id)
+                        tg.create_task(self._deliver(batch))
+                await self.to_deliver.wait()
+
     async def _deliver(self, batch: wire.Trajectories) -> None:
         try:
             reply = await self.client.request(batch, self._timeout)
-        except RequestTimeout:
-            log.info("batch %s not acknowledged yet; will resend", batch.batch_id)
+        except RequestTimeout as err:  # ConnectionLost included: the reply, if any, is gone
+            log.info("batch %s not acknowledged yet (%s); will resend", batch.batch_id, err)
             return
-        self.unacked.pop(batch.batch_id, None)
+        finally:
+            self._delivering.discard(batch.batch_id)
+            self.to_deliver.set()  # a failed attempt is retried at once (queued till reconnect)
+        if self.unacked.pop(batch.batch_id, None) is None:
+            return  # an earlier copy's acknowledgement came first
         self._groups_of.pop(batch.batch_id, None)
+        self.acked.set()
         if isinstance(reply, wire.Error):
             # The learner judged the batch itself bad: resending the same bytes cannot help.
             log.error("learner rejected batch %s: %s: %s", batch.batch_id, reply.reason, reply.detail)
@@ -341,19 +384,16 @@ class Worker:
             f.write(json.dumps({"batch_id": batch_id, "stored": stored,
                                 "rejected": ack.rejected}) + "\n")
 
-    async def _resend_unacked(self) -> None:
-        for batch in list(self.unacked.values()):
-            await self._deliver(batch)
-
     async def _drain(self) -> None:
         if self.exit_reason.startswith("learner shut down"):
             return  # the run is over: nobody left to deliver to or say goodbye to
-        if self.unacked:
-            try:  # bounded: a learner that is going away too must not hold us hostage
-                async with asyncio.timeout(DRAIN_TIMEOUT_S):
-                    await self._resend_unacked()
-            except TimeoutError:
-                pass
+        try:  # bounded: a learner that is going away too must not hold us hostage
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                while self.unacked:  # the deliveries task keeps retrying meanwhile
+                    self.acked.clear()
+                    await self.acked.wait()
+        except TimeoutError:
+            pass
         if self.unacked:
             log.warning("leaving with %d unacknowledged batch(es)", len(self.unacked))
         await self.client.send(wire.Leave(worker_id=self.worker_id))
