@@ -4,8 +4,8 @@ Delivery is at-least-once: every trajectory batch stays in ``unacked`` until the
 acknowledges it and is resent otherwise (bounded by ``worker.max_unacked_batches``: when full,
 the worker stops generating until acknowledgements come). Nothing waits on a round trip that
 it need not: batches are delivered by their own tasks, several at once, while the worker
-generates the next groups, and the next work request leaves while the current groups are
-generated. On a long link (100 ms round trips) a worker that waited for each grant and each
+generates the next groups, and (when a round trip is over 10% of a rollout) the next work
+request leaves while the current groups are generated. On a long link (100 ms round trips) a worker that waited for each grant and each
 acknowledgement would spend more time waiting than generating. If the learner restarts (a heartbeat
 acknowledgement names a new instance, or says it does not know us) the worker joins again and
 carries on with its unacknowledged batches. SIGTERM or SIGINT: finish the current group, try
@@ -37,6 +37,7 @@ from echo.client import Client, RequestTimeout
 log = logging.getLogger("echo.worker")
 
 BOOT_MAX_BYTES = 64 * 2**20  # frame limit before the learner's config arrives
+PREFETCH_SHARE = 0.1  # prefetch work when a grant's round trip exceeds this share of a rollout
 DRAIN_TIMEOUT_S = 5.0  # on SIGTERM, how long to keep trying to deliver pending batches
 
 
@@ -69,6 +70,9 @@ class Worker:
         self._delivering: set[str] = set()  # batch ids with a delivery in flight
         self.to_deliver = asyncio.Event()  # a batch needs a delivery started
         self.acked = asyncio.Event()  # a batch left ``unacked``
+        self._grant_rtt = 0.0  # EWMA seconds of a work request's round trip
+        self._rollout_s = 0.0  # EWMA seconds of generating and scoring one grant
+        self._prefetching = False
         self.throughput = 0.0
         self.busy_s = 0.0  # cumulative busy time and output, for an unbiased average rate
         self.busy_samples = 0
@@ -257,8 +261,8 @@ class Worker:
                 groups = await (prefetch or self._request_work())
                 prefetch = None
                 if groups:
-                    # the next grant's round trip overlaps this rollout
-                    prefetch = tg.create_task(self._request_work())
+                    if self._prefetch_pays():  # the next grant's round trip overlaps this rollout
+                        prefetch = tg.create_task(self._request_work())
                     await self._rollout(groups)
                     # Busy-time throughput: one wait-for-grant, generate, score cycle. It
                     # measures what this worker can do, not how much work it was given (idle
@@ -266,6 +270,18 @@ class Worker:
                     self._measure(sum(g.n for g in groups), time.monotonic() - t0)
             if prefetch is not None:
                 prefetch.cancel()  # its groups come back to the learner with our leave
+
+    def _prefetch_pays(self) -> bool:
+        """Ask for the next groups before these are done only when a grant's round trip is a
+        noticeable share (over 10%) of a rollout, i.e. on a long link or with a fast model.
+        On a LAN it would only lease groups earlier and hold them longer, for no gain."""
+        pays = self._grant_rtt > PREFETCH_SHARE * self._rollout_s
+        if pays != self._prefetching:
+            self._prefetching = pays
+            log.info("%s work: a grant's round trip is %.1f ms, a rollout %.1f ms",
+                     "prefetching" if pays else "no longer prefetching", 1000 * self._grant_rtt,
+                     1000 * self._rollout_s)
+        return pays
 
     async def _wait_acked(self, timeout: float) -> None:
         self.acked.clear()
@@ -286,7 +302,9 @@ class Worker:
         req = wire.WorkRequest(worker_id=self.worker_id,
                                max_groups=self.view["worker"]["groups_per_request"], holding=holding)
         try:
+            sent = time.monotonic()
             grant = await self.client.request(req, self._timeout)
+            self._grant_rtt = 0.8 * self._grant_rtt + 0.2 * (time.monotonic() - sent)
         except RequestTimeout:
             return []
         if isinstance(grant, wire.Error):
@@ -308,6 +326,7 @@ class Worker:
         finally:
             self._generating = []
         gen_s = time.monotonic() - t0
+        self._rollout_s = 0.8 * self._rollout_s + 0.2 * gen_s if self._rollout_s else gen_s
         self.state = "idle"
         records = [
             {"group_id": g.group_id, "sample_idx": i, "prompt_ids": g.prompt_ids,
