@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import time
 import uuid
@@ -37,6 +38,7 @@ from echo.client import Client, RequestTimeout
 log = logging.getLogger("echo.worker")
 
 BOOT_MAX_BYTES = 64 * 2**20  # frame limit before the learner's config arrives
+MAX_GRANT_SCALE = 8  # at most this many times worker.groups_per_request in one grant
 PREFETCH_SHARE = 0.1  # prefetch work when a grant's round trip exceeds this share of a rollout
 DRAIN_TIMEOUT_S = 5.0  # on SIGTERM, how long to keep trying to deliver pending batches
 
@@ -73,6 +75,7 @@ class Worker:
         self._grant_rtt = 0.0  # EWMA seconds of a work request's round trip
         self._rollout_s = 0.0  # EWMA seconds of generating and scoring one grant
         self._prefetching = False
+        self._group_s = 0.0  # EWMA seconds of generating and scoring one group
         self.throughput = 0.0
         self.busy_s = 0.0  # cumulative busy time and output, for an unbiased average rate
         self.busy_samples = 0
@@ -283,6 +286,15 @@ class Worker:
                      1000 * self._rollout_s)
         return pays
 
+    def _grant_size(self) -> int:
+        """``worker.groups_per_request``, times as many as it takes for one rollout to last a
+        grant's round trip (at most 8 times): with a prefetched grant arriving while the
+        current one is generated, the worker then never waits on the link."""
+        base = int(self.view["worker"]["groups_per_request"])
+        if self._group_s <= 0:
+            return base
+        return base * max(1, min(MAX_GRANT_SCALE, math.ceil(self._grant_rtt / (base * self._group_s))))
+
     async def _wait_acked(self, timeout: float) -> None:
         self.acked.clear()
         try:
@@ -299,8 +311,7 @@ class Worker:
 
     async def _request_work(self) -> list[wire.Group]:
         holding = self._generating + [g for batch_id in self.unacked for g in self._groups_of.get(batch_id, ())]
-        req = wire.WorkRequest(worker_id=self.worker_id,
-                               max_groups=self.view["worker"]["groups_per_request"], holding=holding)
+        req = wire.WorkRequest(worker_id=self.worker_id, max_groups=self._grant_size(), holding=holding)
         try:
             sent = time.monotonic()
             grant = await self.client.request(req, self._timeout)
@@ -327,6 +338,8 @@ class Worker:
             self._generating = []
         gen_s = time.monotonic() - t0
         self._rollout_s = 0.8 * self._rollout_s + 0.2 * gen_s if self._rollout_s else gen_s
+        per_group = gen_s / len(groups)
+        self._group_s = 0.8 * self._group_s + 0.2 * per_group if self._group_s else per_group
         self.state = "idle"
         records = [
             {"group_id": g.group_id, "sample_idx": i, "prompt_ids": g.prompt_ids,
