@@ -38,8 +38,7 @@ SCENARIOS = {
 
 def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Path) -> dict:
     from echo.chaos import READY_PREFIX
-    from learner.checkpoint import load_checkpoint
-    from learner.durable import live_after, read_log
+    from learner.audit import audit_run
 
     cfg = load_config(ROOT / "examples/quickstart.toml", [f"learner.max_steps={steps}",
                                                          "provisioning.enabled=false"])
@@ -68,16 +67,7 @@ def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Pat
     finally:
         group.stop_all()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    consumed = [g for x in (run / "consumed.jsonl").read_text().splitlines() for g in json.loads(x)["groups"]]
-    n = cfg.learner.group_size
-    trained = {(g, i) for g in consumed for i in range(n)}
-    live, _ = live_after(*read_log(run / "buffer.log"), load_checkpoint(run)["step"])
-    buffered = {(r.group_id, r.sample_idx) for r in live}
-    acked = {tuple(k) for i in range(workers) if (tmp / f"w{i}.ledger").exists()
-             for x in (tmp / f"w{i}.ledger").read_text().splitlines() for k in json.loads(x)["stored"]}
-    dropped_path = run / "dropped.jsonl"
-    dropped = {tuple(k) for x in (dropped_path.read_text().splitlines() if dropped_path.exists() else [])
-               for k in json.loads(x)["pairs"]}
+    audit = audit_run(run, [tmp / f"w{i}.ledger" for i in range(workers)], cfg.learner.group_size)
     chaos_stats = json.loads((tmp / "chaos.json").read_text())
     last = rows[-1]
     return {
@@ -86,8 +76,8 @@ def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Pat
         "staleness_max": max(r["staleness_max"] for r in rows),
         "resets": chaos_stats["resets"], "stalls": chaos_stats["stalls"],
         "duplicates": last["duplicates"], "reissued_groups": last["reissued_groups"],
-        "acked_samples": len(acked), "lost_acked_samples": len(acked - trained - buffered - dropped),
-        "groups_trained_twice": len(consumed) - len(set(consumed)),
+        "acked_samples": len(audit.acked), "lost_acked_samples": len(audit.lost),
+        "groups_trained_twice": audit.groups_trained_twice,
     }
 
 

@@ -186,8 +186,8 @@ def test_quickstart_interrupt_leaves_no_orphans(tmp_path):
 
 
 def test_sigkill_learner_and_resume_loses_nothing_acknowledged(cluster):
+    from learner.audit import audit_run
     from learner.checkpoint import load_checkpoint
-    from learner.durable import live_after, read_log
 
     cluster.cfg.learner.port = free_port()
     cluster.cfg.learner.staleness = 4  # kappa = 3: steps after a checkpoint are lost and redone
@@ -211,19 +211,9 @@ def test_sigkill_learner_and_resume_loses_nothing_acknowledged(cluster):
     got = rows(run)
     assert [r["step"] for r in got] == list(range(ckpt_step + 8))  # the version continues
     assert all(r["version"] == r["step"] for r in got)
-    n = cluster.cfg.learner.group_size
-    trained = {(g, i) for line in (run / "consumed.jsonl").read_text().splitlines()
-               for g in json.loads(line)["groups"] for i in range(n)}
-    live, _ = live_after(*read_log(run / "buffer.log"), load_checkpoint(run)["step"])
-    buffered = {(r.group_id, r.sample_idx) for r in live}
-    acked = {tuple(k) for w in workers
-             for line in (cluster.tmp / f"{w}.ledger").read_text().splitlines()
-             for k in json.loads(line)["stored"]}
-    dropped_path = run / "dropped.jsonl"  # evicted as stale by policy: counted, not lost
-    dropped = {tuple(k) for line in (dropped_path.read_text().splitlines() if dropped_path.exists() else [])
-               for k in json.loads(line)["pairs"]}
-    assert len(acked) > ckpt_step * 4 * n
-    assert acked - trained - buffered - dropped == set()
+    audit = audit_run(run, [cluster.tmp / f"{w}.ledger" for w in workers], cluster.cfg.learner.group_size)
+    assert len(audit.acked) > ckpt_step * 4 * cluster.cfg.learner.group_size
+    assert audit.lost == set()
 
 
 @pytest.mark.skipif(__import__("shutil").which("chromium") is None,
@@ -283,8 +273,7 @@ def test_nothing_acknowledged_is_lost_or_trained_twice_over_a_misbehaving_link(c
     connections with RSTs every second or so (messages in flight are lost). Training goes on;
     every batch a worker saw acknowledged is trained on, still buffered or a counted stale drop;
     no sample is trained twice (at-least-once delivery, exactly-once admission)."""
-    from learner.checkpoint import load_checkpoint
-    from learner.durable import live_after, read_log
+    from learner.audit import audit_run
 
     cluster.cfg.transport.request_timeout_s = 2.0  # a lost request is retried soon
     cluster.cfg.transport.heartbeat_timeout_s = 8.0
@@ -302,17 +291,6 @@ def test_nothing_acknowledged_is_lost_or_trained_twice_over_a_misbehaving_link(c
     got = rows(run)
     assert [r["step"] for r in got] == list(range(30))
     assert all(r["staleness_max"] <= cluster.cfg.learner.staleness for r in got)
-    n = cluster.cfg.learner.group_size
-    steps = [json.loads(line)["groups"] for line in (run / "consumed.jsonl").read_text().splitlines()]
-    groups = [g for s in steps for g in s]
-    assert len(groups) == len(set(groups)), "a group was trained twice"
-    trained = {(g, i) for g in groups for i in range(n)}
-    live, _ = live_after(*read_log(run / "buffer.log"), load_checkpoint(run)["step"])
-    buffered = {(r.group_id, r.sample_idx) for r in live}
-    acked = {tuple(k) for w in workers if (cluster.tmp / f"{w}.ledger").exists()
-             for line in (cluster.tmp / f"{w}.ledger").read_text().splitlines()
-             for k in json.loads(line)["stored"]}
-    dropped_path = run / "dropped.jsonl"
-    dropped = {tuple(k) for line in (dropped_path.read_text().splitlines() if dropped_path.exists() else [])
-               for k in json.loads(line)["pairs"]}
-    assert acked and acked - trained - buffered - dropped == set()
+    audit = audit_run(run, [cluster.tmp / f"{w}.ledger" for w in workers], cluster.cfg.learner.group_size)
+    assert audit.groups_trained_twice == 0
+    assert audit.acked and audit.lost == set()
