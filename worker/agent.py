@@ -4,10 +4,11 @@ Delivery is at-least-once: every trajectory batch stays in ``unacked`` until the
 acknowledges it and is resent otherwise (bounded by ``worker.max_unacked_batches``: when full,
 the worker stops generating until acknowledgements come). Nothing waits on a round trip that
 it need not: batches are delivered by their own tasks, several at once, while the worker
-generates the next groups, and (when a round trip is over 10% of a rollout) the next work
-request leaves while the current groups are generated. On a long link (100 ms round trips) a worker that waited for each grant and each
-acknowledgement would spend more time waiting than generating. If the learner restarts (a heartbeat
-acknowledgement names a new instance, or says it does not know us) the worker joins again and
+generates the next groups; when a round trip is over 10% of a rollout the next work request
+leaves while the current groups are generated, and grants grow so that a rollout outlasts a
+round trip. On a long link a worker that waited for each grant and each acknowledgement would
+spend more time waiting than generating (docs/wide_area.md). If the learner restarts (a
+heartbeat acknowledgement names a new instance, or says it does not know us) the worker joins again and
 carries on with its unacknowledged batches. SIGTERM or SIGINT: finish the current group, try
 to deliver what is pending, say ``leave``, exit 0.
 """
@@ -41,6 +42,15 @@ BOOT_MAX_BYTES = 64 * 2**20  # frame limit before the learner's config arrives
 MAX_GRANT_SCALE = 8  # at most this many times worker.groups_per_request in one grant
 PREFETCH_SHARE = 0.1  # prefetch work when a grant's round trip exceeds this share of a rollout
 DRAIN_TIMEOUT_S = 5.0  # on SIGTERM, how long to keep trying to deliver pending batches
+
+
+async def _wait_next(event: asyncio.Event, timeout: float) -> None:
+    """Until ``event`` is next set, or ``timeout`` seconds."""
+    event.clear()
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except TimeoutError:
+        pass
 
 
 class WorkerError(RuntimeError):
@@ -296,18 +306,10 @@ class Worker:
         return base * max(1, min(MAX_GRANT_SCALE, math.ceil(self._grant_rtt / (base * self._group_s))))
 
     async def _wait_acked(self, timeout: float) -> None:
-        self.acked.clear()
-        try:
-            await asyncio.wait_for(self.acked.wait(), timeout)
-        except TimeoutError:
-            pass
+        await _wait_next(self.acked, timeout)
 
     async def _wait_snapshot(self, timeout: float) -> None:
-        self.new_snapshot.clear()
-        try:
-            await asyncio.wait_for(self.new_snapshot.wait(), timeout)
-        except TimeoutError:
-            pass
+        await _wait_next(self.new_snapshot, timeout)
 
     async def _request_work(self) -> list[wire.Group]:
         holding = self._generating + [g for batch_id in self.unacked for g in self._groups_of.get(batch_id, ())]
