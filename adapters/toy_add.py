@@ -5,9 +5,14 @@ CPU cores in minutes, which makes it the smallest task that proves the loop lear
 
 Reward (in [0, 1]):
   1.0  the right digit, then end-of-sequence (exact);
-  0.5  the right digit first, anything after it;
+  0.5 + 0.5 / (1 + k)  the right digit first, end-of-sequence after k > 0 extra tokens;
+  0.5  the right digit first, no end-of-sequence;
   0.1  some other digit first (format credit: it answered with a number);
   0.0  otherwise.
+The credit for ending sooner is what makes the run reliable: with a flat 0.5 for "right digit,
+anything after", stopping is learned only once a group happens to sample end-of-sequence
+right after the digit, and four 500-step quickstarts ended at 0.23, 0.40, 0.47 and 0.75
+reward; with it, three ended at 0.57, 0.69 and 0.73.
 """
 
 from __future__ import annotations
@@ -47,5 +52,8 @@ class ToyAddAdapter(Adapter):
             return 0.0
         if first != task["answer"]:
             return 0.1
-        exact = len(completion_ids) == 2 and completion_ids[1] == self.tokenizer.eos_token_id
-        return 1.0 if exact else 0.5
+        eos = self.tokenizer.eos_token_id
+        if eos not in completion_ids[1:]:
+            return 0.5
+        extra = completion_ids.index(eos, 1) - 1  # tokens between the digit and the end
+        return 0.5 + 0.5 / (1 + extra)

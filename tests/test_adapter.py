@@ -17,7 +17,9 @@ def test_toy_prompts_and_rewards(tokenizer, rng):
     eos = tokenizer.eos_token_id
     ans = p.task["answer"]
     assert ad.reward(p.task, [digit(ans), eos], "") == 1.0
-    assert ad.reward(p.task, [digit(ans), digit(ans)], "") == 0.5
+    assert ad.reward(p.task, [digit(ans), digit(ans)], "") == 0.5  # never ends
+    assert ad.reward(p.task, [digit(ans), digit(ans), eos], "") == 0.75  # ends one token late
+    assert ad.reward(p.task, [digit(ans), digit(ans), digit(ans), eos], "") == pytest.approx(0.5 + 0.5 / 3)
     assert ad.reward(p.task, [digit((ans + 1) % 10), eos], "") == 0.1
     assert ad.reward(p.task, [eos], "") == 0.0
 
