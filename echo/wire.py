@@ -85,7 +85,7 @@ class Heartbeat(Message):
     worker_id: str
     version: int  # installed snapshot version, -1 if none
     throughput: float = Field(0.0, ge=0)  # trajectories/s per busy second, recent (EWMA)
-    busy_s: float = Field(0.0, ge=0)  # total seconds in request-generate-deliver cycles
+    busy_s: float = Field(0.0, ge=0)  # total seconds in wait-for-grant, generate, score cycles
     busy_samples: int = Field(0, ge=0)  # trajectories produced in those cycles
     state: Literal["idle", "generating", "installing", "leaving"] = "idle"
 
