@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 import uuid
@@ -348,9 +349,17 @@ class ControlPlane:
             raise wire.WireError("unknown_worker", f"{msg.worker_id} has not joined: send join first")
         if not self.is_active(msg.worker_id):
             return wire.WorkGrant(groups=[], retry_after_s=0.5)  # standby: relay, don't roll out
-        groups = self.work.grant(msg.worker_id, msg.max_groups, self.buffer.depth()["ready_groups"],
-                                 msg.holding)
+        groups = self.work.grant(msg.worker_id, min(msg.max_groups, self._fair_share()),
+                                 self.buffer.depth()["ready_groups"], msg.holding)
         return wire.WorkGrant(groups=groups, retry_after_s=0.0 if groups else 0.2)
+
+    def _fair_share(self) -> int:
+        """Groups one grant may carry: the outstanding bound split over the active workers.
+        Workers on long links ask for large grants (worker/agent.py); without this one of
+        them could lease most of the bound and leave the others idle."""
+        active = (len(self.controller.active_ids()) if self.controller is not None
+                  else len(self.workers))
+        return max(1, math.ceil(self.work.max_outstanding / max(1, active)))
 
     def _on_source_request(self, ident: bytes, msg: wire.SourceRequest) -> wire.Message:
         assert self.coordinator is not None

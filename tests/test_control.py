@@ -108,6 +108,15 @@ def test_trajectories_validated_admitted_once(plane, client):
     assert plane.buffer.depth()["ready_groups"] == 1  # nothing admitted was lost
 
 
+def test_one_grant_carries_at_most_a_fair_share_of_the_outstanding_bound(plane, client):
+    """Two workers and a bound of 8 groups: a worker asking for 8 (a long link) gets 4, and
+    the other still finds work."""
+    ask(client, wire.Join(worker_id="w1"))
+    ask(client, wire.Join(worker_id="w2"))
+    assert len(ask(client, wire.WorkRequest(worker_id="w1", max_groups=8)).groups) == 4
+    assert len(ask(client, wire.WorkRequest(worker_id="w2", max_groups=8)).groups) == 4
+
+
 def test_leave_hands_groups_out_again(plane, client):
     ask(client, wire.Join(worker_id="w1"))
     first = ask(client, wire.WorkRequest(worker_id="w1", max_groups=2)).groups
