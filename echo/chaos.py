@@ -62,6 +62,7 @@ class ChaosStats:
     connections: int = 0
     resets: int = 0
     stalls: int = 0
+    broken: int = 0  # links that ended in a connection error (our resets, or a peer's)
     bytes: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0})
 
 
@@ -145,8 +146,10 @@ class ChaosProxy:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._direction(reader, t_writer, "up", link))
                 tg.create_task(self._direction(t_reader, writer, "down", link))
-        except* (ConnectionError, OSError):
-            pass  # a reset (ours or a peer's): the link is gone, both sides see it
+        except* (ConnectionError, OSError) as errors:
+            # a reset (ours or a peer's): the link is gone and both sides see it; counted
+            self.stats.broken += 1
+            log.debug("chaos: link ended: %s", errors.exceptions[0])
         finally:
             self.links.discard(link)
             for w in link.writers:
