@@ -202,9 +202,11 @@ class EchoConfig(_Section):
 # ----------------------------------------------------------------------------- loading
 
 
-def _parse_override(item: str) -> tuple[list[str], Any]:
+def parse_override(item: str, error: type[Exception] = ConfigError) -> tuple[list[str], Any]:
+    """``section.key=value`` (value in TOML syntax, a bare word being a string) -> (path,
+    value). Shared with the simulator's scenarios, which raise their own ``error``."""
     if "=" not in item:
-        raise ConfigError(f"override {item!r} has no '=': write --set section.key=value")
+        raise error(f"override {item!r} has no '=': write --set section.key=value")
     key, raw = item.split("=", 1)
     key = key.strip()
     try:
@@ -214,22 +216,24 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def _apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
+def apply_override(data: dict[str, Any], path: list[str], value: Any,
+                   error: type[Exception] = ConfigError) -> None:
     node = data
     for part in path[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {'.'.join(path)}: {part!r} is not a table")
+            raise error(f"override {'.'.join(path)}: {part!r} is not a table")
     node[path[-1]] = value
 
 
-def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+def known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key of a config model (for "did you mean ...?" hints)."""
     keys = []
     for name, field in model.model_fields.items():
         keys.append(prefix + name)
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys.extend(_known_keys(ann, prefix + name + "."))
+            keys.extend(known_keys(ann, prefix + name + "."))
     return keys
 
 
@@ -238,7 +242,7 @@ def _explain(err: ValidationError, data: dict[str, Any]) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(key, _known_keys(EchoConfig), n=1)
+            close = difflib.get_close_matches(key, known_keys(EchoConfig), n=1)
             hint = f"did you mean {close[0]!r}?" if close else "remove it (see examples/quickstart.toml)"
             lines.append(f"unknown key {key!r}: {hint}")
             continue
@@ -260,8 +264,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
     for item in overrides or []:
-        keypath, value = _parse_override(item)
-        _apply_override(data, keypath, value)
+        apply_override(data, *parse_override(item))
     try:
         return EchoConfig.model_validate(data)
     except ValidationError as exc:

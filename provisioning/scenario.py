@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from echo.config import StalenessRules
+from echo.config import StalenessRules, apply_override, known_keys, parse_override
 
 
 class ScenarioError(ValueError):
@@ -220,15 +220,8 @@ class Scenario(_Section):
 # ----------------------------------------------------------------------------- loading
 
 
-def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    keys = []
-    for name, field in model.model_fields.items():
-        keys.append(prefix + name)
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys.extend(_known_keys(ann, prefix + name + "."))
-    keys.extend(f"pool.classes.{k}" for k in WorkerClass.model_fields)
-    return keys
+def _known_keys() -> list[str]:
+    return known_keys(Scenario) + [f"pool.classes.{k}" for k in WorkerClass.model_fields]
 
 
 def _explain(err: ValidationError) -> str:
@@ -238,7 +231,7 @@ def _explain(err: ValidationError) -> str:
         key = ".".join(loc) or "(top level)"
         plain = ".".join(p for p in loc if not p.isdigit())
         if e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(plain, _known_keys(Scenario), n=1)
+            close = difflib.get_close_matches(plain, _known_keys(), n=1)
             hint = (f"did you mean {close[0]!r}?" if close
                     else "remove it (see examples/sim/*.toml for the known keys)")
             lines.append(f"unknown key {key!r}: {hint}")
@@ -256,29 +249,12 @@ def _explain(err: ValidationError) -> str:
     return "invalid scenario:\n  " + "\n  ".join(lines)
 
 
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ScenarioError(f"override {item!r} has no '=': write --set section.key=value")
-    key, raw = item.split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.strip().split("."), value
-
-
 def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
     """``section.key=value`` strings (or a ``{"section.key": value}`` dict) onto raw data."""
     items = (overrides.items() if isinstance(overrides, dict)
-             else (_parse_override(o) for o in overrides))
+             else (parse_override(o, ScenarioError) for o in overrides))
     for key, value in items:
-        path = key.split(".") if isinstance(key, str) else key
-        node = data
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ScenarioError(f"override {'.'.join(path)}: {part!r} is not a table")
-        node[path[-1]] = value
+        apply_override(data, key.split(".") if isinstance(key, str) else key, value, ScenarioError)
     return data
 
 
