@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         assert learner.control is not None
         for i in range(args.workers):
             price = cfg.quickstart.worker_prices[i % len(cfg.quickstart.worker_prices)]
-            group.start(f"worker-{i}", python_argv("worker.cli", "join", learner.control.endpoint,
-                                                   "--id", f"worker-{i}", "--price", str(price)),
+            group.start(f"worker-{i}", python_argv("worker.cli", "join", learner.control.join_line(),
+                                                   "--id", f"worker-{i}", "--price", str(price),
+                                                   "--identity", str(run_dir / f"worker-{i}.key")),
                         run_dir / f"worker-{i}.log")
         with (run_dir / "metrics.jsonl").open("a") as f:
             while learner.step < cfg.learner.max_steps:

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from echo.config import dump_toml, load_config  # noqa: E402
 from echo.machine import machine_info  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
+from echo.security import JoinLine  # noqa: E402
 
 SCENARIOS = {
     "clean": [],
@@ -48,18 +49,20 @@ def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Pat
     try:
         learner = group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
                               tmp / "learner.err", pipe_stdout=True)
-        endpoint = wait_ready(learner, timeout=120).removeprefix("tcp://")
+        join = JoinLine.parse(wait_ready(learner, timeout=120))
+        endpoint = join.endpoint.removeprefix("tcp://")
         chaos = group.start("chaos", python_argv("echo.chaos", "--target", endpoint, *flags,
                                                  "--stats", str(tmp / "chaos.json")),
                             tmp / "chaos.err", pipe_stdout=True)
         line = chaos.stdout.readline().decode()
         if not line.startswith(READY_PREFIX):
             raise RuntimeError((tmp / "chaos.err").read_text())
-        proxied = f"tcp://127.0.0.1:{line[len(READY_PREFIX):].strip()}"
+        proxied = str(JoinLine(f"tcp://127.0.0.1:{line[len(READY_PREFIX):].strip()}", join.server_key))
         t0 = time.monotonic()
         for i in range(workers):
             group.start(f"w{i}", python_argv("worker.cli", "join", proxied, "--id", f"w{i}",
-                                             "--ledger", str(tmp / f"w{i}.ledger")), tmp / f"w{i}.log")
+                                             "--ledger", str(tmp / f"w{i}.ledger"),
+                                             "--identity", str(tmp / f"w{i}.key")), tmp / f"w{i}.log")
         if learner.wait(600) != 0:
             raise RuntimeError((tmp / "learner.err").read_text()[-2000:])
         wall = time.monotonic() - t0

@@ -36,10 +36,12 @@ from broadcast.relay import Relay, RelayConfig, bucket
 from broadcast.snapshot import RunKey, build_manifest, chunk_hash
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
+from broadcast.tickets import Source, TicketCheck, mint
 from broadcast.topology import TOPOLOGIES, make_topology
 from echo import wire
 from echo.client import Client, RequestTimeout
 from echo.machine import machine_info
+from echo.security import KeyPair, curve_server, key_from_hex, key_hex, peer_key, serve_zap
 
 MAX_BYTES = 64 * 2**20
 
@@ -49,20 +51,25 @@ MAX_BYTES = 64 * 2**20
 
 async def relay_process(args: argparse.Namespace) -> int:
     ctx = zmq.asyncio.Context()
+    # With --root-key: the relay a worker runs, CURVE and pull tickets (docs/security.md).
+    server_key = key_from_hex(args.root_key) if args.root_key else None
+    keys = KeyPair.generate() if server_key else None
+    run_key = b""
     relay = Relay(ctx, RelayConfig(bind_host=args.bind_host, serve=not args.no_serve,
                                    window=args.window, timeout_s=args.timeout,
                                    down_mbit=args.down_mbit, up_mbit=args.up_mbit,
                                    shape=not args.kernel_shaped, chunk_bytes=args.chunk_kib * 1024,
-                                   corrupt=args.corrupt))
+                                   corrupt=args.corrupt), keys=keys, run_key=lambda: run_key)
     if args.reserve_mib:
         relay.store.reserve(int(args.reserve_mib * 2**20))
-    client = Client(ctx, args.root, MAX_BYTES)
+    client = Client(ctx, args.root, MAX_BYTES, keys=keys, server_key=server_key)
     join = wire.Join(worker_id=args.id, relay_endpoint=relay.endpoint, down_mbit=args.down_mbit,
                      up_mbit=args.up_mbit, can_relay=not args.no_serve)
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(client.receive_forever()), tg.create_task(relay.serve_forever())]
         ack = await client.request(join, 60)
         assert isinstance(ack, wire.JoinAck)
+        run_key = ack.public_key
         held = None
         while True:
             msg = await client.notices.get()
@@ -70,13 +77,15 @@ async def relay_process(args: argparse.Namespace) -> int:
                 break
             assert isinstance(msg, wire.SnapshotNotice)
 
-            async def reattach(bad: str, reason: str, version: int = msg.version) -> str:
+            async def reattach(bad: Source, fail: Any, version: int = msg.version) -> Source:
                 grant = await client.request(wire.SourceRequest(
-                    worker_id=args.id, version=version, bad_source=bad, reason=reason), 30)
+                    worker_id=args.id, version=version, bad_source=bad.endpoint,
+                    reason=fail.reason), 30)
                 assert isinstance(grant, wire.SourceGrant)
-                return grant.source
+                return Source(grant.source, grant.source_key, grant.ticket)
 
-            held, _ = await relay.receive(msg.manifest, ack.public_key, msg.source, reattach)
+            held, _ = await relay.receive(msg.manifest, ack.public_key,
+                                          Source(msg.source, msg.source_key, msg.ticket), reattach)
             # Installed the moment the last chunk verified against the signed manifest: that is
             # what a worker relies on before it installs.
             await client.send(wire.Installed(worker_id=args.id, version=held.version))
@@ -113,6 +122,7 @@ class BenchParams:
     timeout_s: float = 10.0
     seed: int = 0
     netns: bool = False  # links shaped by the kernel (tc tbf in namespaces), not in the app
+    curve: bool = False  # CurveZMQ on every socket and pull tickets, as a real run has
 
 
 class Root:
@@ -121,24 +131,33 @@ class Root:
         self.ctx = zmq.asyncio.Context()
         self.ctrl = self.ctx.socket(zmq.ROUTER)
         self.ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.keys = KeyPair.generate() if p.curve else None
+        if self.keys is not None:
+            curve_server(self.ctrl, self.keys)
         host = netns.address(None) if p.netns else "127.0.0.1"
         self.ctrl.bind(f"tcp://{host}:*")
         self.endpoint = self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
         snap = self.ctx.socket(zmq.ROUTER)
         snap.setsockopt(zmq.ROUTER_MANDATORY, 1)
         snap.setsockopt(zmq.SNDBUF, SOCKET_BUFFER)
+        if self.keys is not None:
+            curve_server(snap, self.keys)
         snap.bind(f"tcp://{host}:*")
         self.store = SnapshotStore()
         uplink = (None if p.topology == "star-unlimited" or p.netns
                   else bucket(p.uplink_mbit, p.chunk_kib * 1024))
-        self.server = ChunkServer(snap, self.store, MAX_BYTES, upload=uplink)
+        self.key = RunKey.generate()
+        tickets = (TicketCheck(lambda: self.key.public_bytes, snap.getsockopt_string(zmq.LAST_ENDPOINT)).check
+                   if self.keys is not None else None)
+        self.server = ChunkServer(snap, self.store, MAX_BYTES, upload=uplink, authorize=tickets)
+        self.peer_keys: dict[str, str] = {}  # worker -> its CURVE key
+        self.relay_keys: dict[str, str] = {}  # relay endpoint -> its CURVE key
         topo = make_topology(p.topology, uplink_mbit=p.uplink_mbit or None,
                              link_mbit=p.link_mbit or None, chunk_bytes=p.chunk_kib * 1024)
         if p.chains and hasattr(topo, "params"):
             from dataclasses import replace
             topo.params = replace(topo.params, chains=p.chains)  # type: ignore[attr-defined]
         self.coord = Coordinator(topo, snap.getsockopt_string(zmq.LAST_ENDPOINT))
-        self.key = RunKey.generate()
         self.idents: dict[str, bytes] = {}
         self.joined = asyncio.Event()
         self.digests: dict[str, bytes] = {}
@@ -147,13 +166,26 @@ class Root:
         self.dead: set[str] = set()
         self.reattaches: list[tuple[str, str, str]] = []
 
+    def source(self, wid: str, endpoint: str) -> Source:
+        if self.keys is None:
+            return Source(endpoint)
+        server = self.keys.text if endpoint == self.coord.source else self.relay_keys.get(endpoint, "")
+        return Source(endpoint, server.encode(),
+                      mint(self.key, self.peer_keys[wid], endpoint, "bench", 3600))
+
     async def serve(self) -> None:
+        if self.keys is not None:
+            self.zap = asyncio.ensure_future(serve_zap(self.ctx, lambda addr, key: ""))
         while True:
-            ident, frame = await self.ctrl.recv_multipart()
-            msg = wire.decode(frame, MAX_BYTES)
+            ident, frame = await self.ctrl.recv_multipart(copy=False)
+            key = peer_key(frame)
+            ident = ident.bytes
+            msg = wire.decode(frame.bytes, MAX_BYTES)
             reply: wire.Message | None = None
             if isinstance(msg, wire.Join):
                 self.idents[msg.worker_id] = ident
+                self.peer_keys[msg.worker_id] = key
+                self.relay_keys[msg.relay_endpoint] = key
                 self.coord.join(msg.worker_id, msg.relay_endpoint, msg.down_mbit, msg.up_mbit)
                 reply = wire.JoinAck(run_id="bench", instance_id="bench", public_key=self.key.public_bytes,
                                      version=-1, config={}, snapshot_endpoint=self.coord.source)
@@ -161,8 +193,9 @@ class Root:
                     self.joined.set()
             elif isinstance(msg, wire.SourceRequest):
                 self.reattaches.append((msg.worker_id, msg.bad_source, msg.reason))
-                reply = wire.SourceGrant(version=msg.version,
-                                         source=self.coord.reattach(msg.worker_id, msg.bad_source, msg.reason))
+                src = self.source(msg.worker_id, self.coord.reattach(msg.worker_id, msg.bad_source, msg.reason))
+                reply = wire.SourceGrant(version=msg.version, source=src.endpoint,
+                                         source_key=src.key, ticket=src.ticket)
             elif isinstance(msg, wire.Installed):
                 if msg.digest:  # the audit digest, sent after the shutdown
                     self.digests[msg.worker_id] = msg.digest
@@ -192,9 +225,14 @@ class Root:
 
     async def publish(self, manifest: dict[str, Any]) -> dict[str, str]:
         sources = self.coord.publish(1)
-        for wid, src in sources.items():
-            await self.ctrl.send_multipart([self.idents[wid], wire.encode(
-                wire.SnapshotNotice(version=1, manifest=manifest, source=src))])
+        notices = {}  # minted before the first goes out: signing is not broadcast time
+        for wid, endpoint in sources.items():
+            src = self.source(wid, endpoint)
+            notices[wid] = wire.encode(wire.SnapshotNotice(version=1, manifest=manifest,
+                                                           source=src.endpoint, source_key=src.key,
+                                                           ticket=src.ticket))
+        for wid, frame in notices.items():
+            await self.ctrl.send_multipart([self.idents[wid], frame])
         return sources
 
     async def shutdown(self) -> None:
@@ -216,6 +254,8 @@ def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
                 "--id", f"r{i:02d}", "--down-mbit", str(p.link_mbit), "--up-mbit", str(p.link_mbit),
                 "--chunk-kib", str(p.chunk_kib), "--window", str(p.window), "--timeout", str(p.timeout_s),
                 "--reserve-mib", str(p.snapshot_mib)]
+        if root.keys is not None:
+            argv += ["--root-key", key_hex(root.keys.public)]
         if i in corrupt:
             argv.append("--corrupt")
         if p.netns:
@@ -318,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--netns", action="store_true",
                     help="shape with the kernel: namespaces, veth, tc tbf (needs root)")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--curve", action="store_true",
+                    help="CurveZMQ on every socket with pull tickets, as a real run (docs/security.md)")
     return ap
 
 
@@ -335,6 +377,7 @@ def relay_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bind-host", default="127.0.0.1")
     ap.add_argument("--kernel-shaped", action="store_true", help="links are shaped by tc: no app shaping")
     ap.add_argument("--reserve-mib", type=float, default=0.0, help="pre-allocate a receive buffer")
+    ap.add_argument("--root-key", default="", help="root's CURVE key (hex): encrypt, with tickets")
     return ap
 
 
@@ -378,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeat):
             p = BenchParams(args.workers, args.snapshot_mib, args.uplink_mbit, args.link_mbit, topo,
                             args.kill_fraction, args.corrupt_relays, args.chunk_kib, args.window,
-                            args.chains, seed=args.seed + rep, netns=args.netns)
+                            args.chains, seed=args.seed + rep, netns=args.netns, curve=args.curve)
             results.append(asyncio.run(run_one(p)))
     print_table(results)
     if args.json:

@@ -10,6 +10,10 @@ new one and resumes with the chunks it still misses; nothing restarts from zero:
   * ``corrupt``: a chunk failed its hash (a relay that alters bytes is routed around);
   * ``refused``: the source answered with an error (it no longer holds that version).
 
+Encryption and admission: a ``Source`` carries the server's CURVE key and this worker's pull
+ticket (``broadcast.tickets``); with ``keys`` the DEALER speaks CURVE and pins that key. Any
+reply, however malformed, fails that source (``corrupt``), never the fetch or the process.
+
 Download shaping: each received chunk first takes its size from the ``download`` bucket, so
 the window of requests never outruns the link.
 """
@@ -27,19 +31,23 @@ from zmq.utils.monitor import parse_monitor_message
 from broadcast.shaping import TokenBucket
 from broadcast.snapshot import SnapshotError, chunk_range, verify_chunk
 from broadcast.store import SnapshotStore
+from broadcast.tickets import Source
 from echo import wire
+from echo.security import KeyPair, curve_client
 
 _rids = itertools.count(1)
-SOCKET_BUFFER = 8 << 20  # large kernel buffers: fewer wake-ups per MiB on fast links
-
-Reattach = Callable[[str, str], Awaitable[str]]  # (failed source, reason) -> new source
-
+SOCKET_BUFFER = 8 << 20
+REQUEST_BYTES = 4096  # bound on a chunk request or a reply header (a ticket is < 512 bytes)  # large kernel buffers: fewer wake-ups per MiB on fast links
 
 class SourceFailed(Exception):
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, index: int = -1):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.index = index  # the chunk that failed, when one did (corrupt)
+
+
+Reattach = Callable[[Source, SourceFailed], Awaitable[Source | str]]  # failed source -> new one
 
 
 @dataclass
@@ -50,33 +58,41 @@ class FetchStats:
 
 
 async def fetch_into(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int,
-                     source: str, *, window: int, timeout_s: float, max_bytes: int,
+                     source: Source | str, *, window: int, timeout_s: float, max_bytes: int,
                      download: TokenBucket | None = None, reattach: Reattach | None = None,
-                     max_attempts: int = 16) -> FetchStats:
+                     max_attempts: int = 16, keys: KeyPair | None = None) -> FetchStats:
     buf = store.get(version)
     assert buf is not None, "add the SnapshotBuffer to the store before fetching"
     stats = FetchStats()
+    src = Source(source) if isinstance(source, str) else source
     for _ in range(max_attempts):
-        stats.sources.append(source)
+        stats.sources.append(src.endpoint)
         try:
-            await _pull(ctx, store, version, source, window, timeout_s, max_bytes, download, stats)
+            await _pull(ctx, store, version, src, window, timeout_s, max_bytes, download, stats, keys)
             return stats
         except SourceFailed as fail:
-            stats.failures.append((source, fail.reason))
+            stats.failures.append((src.endpoint, fail.reason))
             if reattach is None:
-                raise SnapshotError(f"fetching version {version} from {source}: {fail}") from None
-            source = await reattach(source, fail.reason)
+                raise SnapshotError(f"fetching version {version} from {src}: {fail}") from None
+            new = await reattach(src, fail)
+            src = Source(new) if isinstance(new, str) else new
     raise SnapshotError(f"version {version}: gave up after {max_attempts} sources ({stats.failures})")
 
 
-async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, source: str,
+async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, src: Source,
                 window: int, timeout_s: float, max_bytes: int, download: TokenBucket | None,
-                stats: FetchStats) -> None:
+                stats: FetchStats, keys: KeyPair | None) -> None:
     buf = store.get(version)
     assert buf is not None
     todo = iter(buf.missing())
+    source = src.endpoint
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if src.key:
+        curve_client(sock, keys or KeyPair.generate(), src.key)
+    # A reply is one chunk and a small header: anything larger is a hostile peer, dropped by
+    # libzmq before it is buffered (an unbounded frame could take gigabytes).
+    sock.setsockopt(zmq.MAXMSGSIZE, int(buf.manifest["chunk_size"]) + REQUEST_BYTES)
     sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(source)
@@ -91,7 +107,8 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, so
             if not buf.have[index]:
                 rid = next(_rids)
                 pending[rid] = index
-                await sock.send(wire.encode(wire.ChunkRequest(version=version, index=index, rid=rid)))
+                await sock.send(wire.encode(wire.ChunkRequest(version=version, index=index, rid=rid,
+                                                              ticket=src.ticket)))
                 return
 
     try:
@@ -126,8 +143,15 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
     only count as held once their hash verified; a bad chunk is overwritten by the retry.
     """
     header = sock.recv(zmq.NOBLOCK)
-    msg = wire.decode(header, max_bytes)
+    try:
+        msg: wire.Message | None = wire.decode(header, max_bytes)
+    except Exception:  # WireError, or anything a hostile relay's bytes provoke
+        msg = None
     more = sock.getsockopt(zmq.RCVMORE)
+    if msg is None:
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv(zmq.NOBLOCK)
+        raise SourceFailed("corrupt", "an undecodable reply")
     index = pending.pop(msg.rid, None)
     if index is None or isinstance(msg, wire.Error) or not isinstance(msg, wire.Chunk) \
             or msg.index != index or not more:
@@ -137,7 +161,7 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
             return  # a late reply to a request of an earlier attempt
         if isinstance(msg, wire.Error):
             raise SourceFailed("refused", f"chunk {index}: {msg.reason} ({msg.detail})")
-        raise SourceFailed("corrupt", f"malformed reply for chunk {index}")
+        raise SourceFailed("corrupt", f"malformed reply for chunk {index}", index)
     start, end = chunk_range(buf.manifest, index)
     target = buf.view[start:end]
     n = sock.recv_into(target, flags=zmq.NOBLOCK)
@@ -146,22 +170,23 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
     if download is not None:
         await download.consume(n)
     if n != end - start:
-        raise SourceFailed("corrupt", f"chunk {index} has {n} bytes, expected {end - start}")
+        raise SourceFailed("corrupt", f"chunk {index} has {n} bytes, expected {end - start}", index)
     try:
         verify_chunk(buf.manifest, index, target)
     except SnapshotError as err:
-        raise SourceFailed("corrupt", str(err)) from None
+        raise SourceFailed("corrupt", str(err), index) from None
     store.mark(buf.version, index)
     stats.chunks += 1
 
 
-async def fetch_snapshot(sock_ctx: zmq.asyncio.Context, manifest: dict, source: str, *,
-                         window: int, timeout_s: float, max_bytes: int) -> bytearray:
+async def fetch_snapshot(sock_ctx: zmq.asyncio.Context, manifest: dict, source: Source | str, *,
+                         window: int, timeout_s: float, max_bytes: int,
+                         keys: KeyPair | None = None) -> bytearray:
     """One-shot convenience: a whole snapshot from one source into a fresh buffer."""
     from broadcast.store import SnapshotBuffer
 
     store = SnapshotStore()
     buf = store.add(SnapshotBuffer(manifest))
     await fetch_into(sock_ctx, store, buf.version, source, window=window, timeout_s=timeout_s,
-                     max_bytes=max_bytes)
+                     max_bytes=max_bytes, keys=keys)
     return buf.payload

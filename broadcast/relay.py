@@ -5,22 +5,30 @@ ROUTER for its child, holds the newest snapshots in a ``SnapshotStore`` and pull
 parent the coordinator assigned, with a bounded window. A chunk is verified before it is
 stored, and the chunk server answers the child's parked request the moment it is stored:
 store-and-forward per chunk, one inbound and at most one outbound stream.
+
+With ``keys`` (the worker's CURVE key pair) the relay's socket is a CURVE server: it serves only
+the peers holding a pull ticket for this relay signed by the run's key (``broadcast.tickets``),
+and its fetches pin their source's key. Its ZAP handler bounds new connections per second.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from broadcast.fetch import SOCKET_BUFFER, FetchStats, Reattach, fetch_into
+from broadcast.fetch import REQUEST_BYTES, SOCKET_BUFFER, FetchStats, Reattach, fetch_into
 from broadcast.memory import keep_chunk_buffers
 from broadcast.shaping import TokenBucket
 from broadcast.snapshot import verify_manifest
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
+from broadcast.tickets import Source, TicketCheck
+from echo.security import Bucket, KeyPair, PeerLimits, curve_server, serve_zap
 
 MBIT = 125_000.0  # bytes per second in one Mbit/s
 
@@ -42,13 +50,22 @@ class RelayConfig:
     shape: bool = False  # also throttle the links to those rates (tests and benchmarks)
     chunk_bytes: int = 1 << 20
     corrupt: bool = False  # test hook: alter every chunk served
+    max_parked_per_peer: int = 64  # security.max_parked_per_peer (from the learner's config)
+    max_parked_total: int = 4096
+    handshakes_per_s: float = 50.0  # new connections accepted per second (burst 2x)
 
 
 class Relay:
-    def __init__(self, ctx: zmq.asyncio.Context, cfg: RelayConfig):
+    def __init__(self, ctx: zmq.asyncio.Context, cfg: RelayConfig, *, keys: KeyPair | None = None,
+                 run_key: Callable[[], bytes] | None = None):
+        """``keys``: serve and fetch over CURVE; ``run_key``: the run's Ed25519 public key
+        (it checks pull tickets; it changes when the worker joins another run)."""
         keep_chunk_buffers()  # every relaying process receives chunk after chunk
         self.ctx = ctx
         self.cfg = cfg
+        self.keys = keys
+        self._handshakes = Bucket(cfg.handshakes_per_s, 2 * cfg.handshakes_per_s)
+        self._per_ip = PeerLimits(cfg.handshakes_per_s / 5, cfg.handshakes_per_s / 2.5)
         self.store = SnapshotStore(keep=2)
         self.endpoint = ""
         self.server: ChunkServer | None = None
@@ -58,17 +75,35 @@ class Relay:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER)
+            sock.setsockopt(zmq.MAXMSGSIZE, REQUEST_BYTES)  # children send only requests
+            if keys is not None:
+                curve_server(sock, keys)
             sock.bind(f"tcp://{cfg.bind_host}:*")
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            tickets = (TicketCheck(run_key, self.endpoint).check
+                       if keys is not None and run_key is not None else None)
             self.server = ChunkServer(sock, self.store, cfg.max_bytes,
                                       upload=bucket(cfg.up_mbit, cfg.chunk_bytes) if cfg.shape else None,
-                                      corrupt=cfg.corrupt)
+                                      corrupt=cfg.corrupt, authorize=tickets,
+                                      max_parked_per_peer=cfg.max_parked_per_peer,
+                                      max_parked_total=cfg.max_parked_total)
 
     async def serve_forever(self) -> None:
-        if self.server is not None:
-            await self.server.serve_forever()
+        if self.server is None:
+            return
+        async with asyncio.TaskGroup() as tg:
+            if self.keys is not None:
+                tg.create_task(serve_zap(self.ctx, self._admit))
+            tg.create_task(self.server.serve_forever())
 
-    async def receive(self, manifest: dict[str, Any], public_key: bytes, source: str,
+    def _admit(self, address: str, key: str) -> str:
+        """Any key may connect (the ticket decides what it gets), at a bounded rate."""
+        if not self._per_ip.take(address) or not self._handshakes.take():
+            self.server.rejected["handshake_rate"] += 1  # type: ignore[union-attr]
+            return "rate_limited"
+        return ""
+
+    async def receive(self, manifest: dict[str, Any], public_key: bytes, source: Source | str,
                       reattach: Reattach | None) -> tuple[SnapshotBuffer, FetchStats]:
         """Verify the manifest, then pull every missing chunk (resuming across sources)."""
         verify_manifest(manifest, public_key)
@@ -77,7 +112,7 @@ class Relay:
         stats = await fetch_into(self.ctx, self.store, buf.version, source,
                                  window=self.cfg.window, timeout_s=self.cfg.timeout_s,
                                  max_bytes=self.cfg.max_bytes, download=self.download,
-                                 reattach=reattach)
+                                 reattach=reattach, keys=self.keys)
         return buf, stats
 
     def reset(self) -> None:

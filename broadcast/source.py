@@ -6,6 +6,13 @@ does not hold *yet* (it is still arriving from upstream, or the version's notice
 reached this node) is parked and answered the moment the chunk verifies here: that is the
 per-chunk store-and-forward of a chain. Parked requests expire after ``park_timeout_s``.
 
+Who is served (docs/security.md): on a CURVE socket every request carries its sender's key
+(``User-Id``); ``authorize(key, ticket)`` says whether that key may pull here (the learner: a
+joined worker; a relay: the holder of a ticket for this relay, see ``broadcast.tickets``).
+Requests for chunks not held yet are parked only for the next version at most, and at most
+``max_parked_per_peer`` per peer and ``max_parked_total`` in all; past that they are refused
+with a counted reason. A peer's requests, however malformed, end that request at most.
+
 Replies leave through one sender task, paced by an optional token bucket (the node's upload
 rate). Its queue holds at most one entry per outstanding request, i.e. window x children.
 ``corrupt=True`` flips a byte in every chunk sent (for integrity tests and benchmarks only).
@@ -16,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -24,6 +32,9 @@ import zmq.asyncio
 from broadcast.shaping import TokenBucket
 from broadcast.store import SnapshotStore
 from echo import wire
+from echo.security import peer_key
+
+Authorize = Callable[[str, bytes], str]  # (peer key, ticket) -> "" or the refusal reason
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +42,25 @@ log = logging.getLogger(__name__)
 class ChunkServer:
     def __init__(self, sock: zmq.asyncio.Socket, store: SnapshotStore, max_bytes: int, *,
                  upload: TokenBucket | None = None, park_timeout_s: float = 30.0,
-                 corrupt: bool = False):
+                 corrupt: bool = False, authorize: Authorize | None = None,
+                 max_parked_per_peer: int = 64, max_parked_total: int = 4096):
         self.sock = sock
         self.store = store
         self.max_bytes = max_bytes
         self.upload = upload
         self.park_timeout_s = park_timeout_s
         self.corrupt = corrupt
+        self.authorize = authorize
+        self.max_parked_per_peer = max_parked_per_peer
+        self.max_parked_total = max_parked_total
         self.rejected: dict[str, int] = defaultdict(int)
-        self._parked: dict[tuple[int, int], list[tuple[bytes, int, float]]] = defaultdict(list)
-        self._outbox: asyncio.Queue[tuple[bytes, int, int, int]] = asyncio.Queue()
+        # Parked requests: (version, index) -> [(ident, rid, since, peer)]. Bounded as above.
+        self._parked: dict[tuple[int, int], list[tuple[bytes, int, float, str]]] = defaultdict(list)
+        self._parked_by: Counter[str] = Counter()
+        # Replies to send. Unbounded as a queue, bounded by what feeds it: one entry per
+        # authorised request, and a peer's requests in flight here are capped like parked ones.
+        self._outbox: asyncio.Queue[tuple[bytes, int, int, int, str]] = asyncio.Queue()
+        self._queued_by: Counter[str] = Counter()
         store.listeners.append(self._released)
 
     async def serve_forever(self) -> None:
@@ -51,40 +71,83 @@ class ChunkServer:
 
     async def _receive(self) -> None:
         while True:
-            ident, *frames = await self.sock.recv_multipart()
-            await self.handle(ident, frames)
+            ident, *frames = await self.sock.recv_multipart(copy=False)
+            await self.handle(ident.bytes, [f.bytes for f in frames], peer_key(ident))
 
-    async def handle(self, ident: bytes, frames: list[bytes]) -> None:
+    async def handle(self, ident: bytes, frames: list[bytes], peer: str = "") -> None:
+        """One request from one peer; whatever it holds ends at most this request."""
         try:
-            if len(frames) != 1:
-                raise wire.WireError("malformed", f"{len(frames)} frames, expected 1")
-            msg = wire.decode(frames[0], self.max_bytes)
-            if not isinstance(msg, wire.ChunkRequest):
-                raise wire.WireError("unknown_type", f"{msg.type} sent to the snapshot socket")
+            msg = self._parse(frames, peer)
         except wire.WireError as err:
             self.rejected[err.reason] += 1
-            log.warning("snapshot socket: rejected message from %s: %s", ident.hex(), err)
+            log.warning("snapshot socket: refused a request from %s: %s", peer or ident.hex(), err)
             await self._reply_error(ident, 0, err.reason, err.detail)
             return
+        who = peer or ident.hex()
         buf = self.store.get(msg.version)
         if buf is not None and msg.index >= buf.total:
-            await self._reply_error(ident, msg.rid, "bad_index", f"version {msg.version} has "
-                                    f"{buf.total} chunks, asked for {msg.index}")
+            await self._refuse(ident, msg.rid, "bad_index", f"version {msg.version} has "
+                               f"{buf.total} chunks, asked for {msg.index}")
+        elif self._parked_by[who] + self._queued_by[who] >= self.max_parked_per_peer:
+            await self._refuse(ident, msg.rid, "too_many_requests", f"more than "
+                               f"{self.max_parked_per_peer} requests waiting; keep a smaller window")
         elif buf is not None and buf.have[msg.index]:
-            self._outbox.put_nowait((ident, msg.rid, msg.version, msg.index))
+            self._enqueue(ident, msg.rid, msg.version, msg.index, who)
+        elif buf is None and msg.version > self.store.newest_version + 1:
+            await self._refuse(ident, msg.rid, "future_version", f"version {msg.version} is "
+                               f"beyond the next one ({self.store.newest_version + 1})")
         elif buf is not None or msg.version > self.store.newest_version:
-            self._parked[(msg.version, msg.index)].append((ident, msg.rid, time.monotonic()))
+            if self.parked >= self.max_parked_total:
+                await self._refuse(ident, msg.rid, "parking_full", "too many waiting requests")
+                return
+            self._parked[(msg.version, msg.index)].append((ident, msg.rid, time.monotonic(), who))
+            self._parked_by[who] += 1
         else:
             await self._reply_error(ident, msg.rid, "unknown_version",
                                     f"version {msg.version} is no longer held here")
 
+    def _parse(self, frames: list[bytes], peer: str) -> wire.ChunkRequest:
+        if len(frames) != 1:
+            raise wire.WireError("malformed", f"{len(frames)} frames, expected 1")
+        try:
+            msg = wire.decode(frames[0], self.max_bytes)
+        except wire.WireError:
+            raise
+        except Exception as exc:  # a decoder bug must cost one request, not the process
+            raise wire.WireError("malformed", f"undecodable ({type(exc).__name__})") from None
+        if not isinstance(msg, wire.ChunkRequest):
+            raise wire.WireError("unknown_type", f"{msg.type} sent to the snapshot socket")
+        if self.authorize is not None:
+            reason = self.authorize(peer, msg.ticket)
+            if reason:
+                raise wire.WireError(reason, "this peer is not assigned to pull from here: ask "
+                                     "the learner for a source (source_request)")
+        return msg
+
+    async def _refuse(self, ident: bytes, rid: int, reason: str, detail: str) -> None:
+        self.rejected[reason] += 1
+        await self._reply_error(ident, rid, reason, detail)
+
+    def _enqueue(self, ident: bytes, rid: int, version: int, index: int, who: str) -> None:
+        self._queued_by[who] += 1
+        self._outbox.put_nowait((ident, rid, version, index, who))
+
     def _released(self, version: int, index: int) -> None:
-        for ident, rid, _ in self._parked.pop((version, index), ()):
-            self._outbox.put_nowait((ident, rid, version, index))
+        for ident, rid, _, who in self._parked.pop((version, index), ()):
+            self._unpark(who)
+            self._enqueue(ident, rid, version, index, who)
+
+    def _unpark(self, who: str) -> None:
+        self._parked_by[who] -= 1
+        if self._parked_by[who] <= 0:
+            del self._parked_by[who]
 
     async def _send_loop(self) -> None:
         while True:
-            ident, rid, version, index = await self._outbox.get()
+            ident, rid, version, index, who = await self._outbox.get()
+            self._queued_by[who] -= 1
+            if self._queued_by[who] <= 0:
+                del self._queued_by[who]
             buf = self.store.get(version)
             if buf is None:
                 await self._reply_error(ident, rid, "unknown_version", f"version {version} dropped")
@@ -97,7 +160,9 @@ class ChunkServer:
                 data[len(data) // 2] ^= 0xFF
             header = wire.encode(wire.Chunk(version=version, index=index, rid=rid))
             try:
-                await self.sock.send_multipart([ident, header, data], copy=False)
+                # NOBLOCK: a peer that requests but never reads fills its queue; its replies
+                # are then dropped (it times out) instead of stalling every other child.
+                await self.sock.send_multipart([ident, header, data], copy=False, flags=zmq.NOBLOCK)
                 self.store.bytes_sent += len(data)
             except zmq.ZMQError as exc:
                 # EHOSTUNREACH: the requester went away (left, died, gave up on us).
@@ -109,14 +174,16 @@ class ChunkServer:
             await asyncio.sleep(min(1.0, self.park_timeout_s / 4))
             cutoff = time.monotonic() - self.park_timeout_s
             for key in [k for k, v in self._parked.items() if v and v[0][2] < cutoff]:
-                for ident, rid, _ in self._parked.pop(key):
+                for ident, rid, _, who in self._parked.pop(key):
+                    self._unpark(who)
                     await self._reply_error(ident, rid, "unknown_version",
                                             f"version {key[0]} chunk {key[1]} never arrived here")
 
     async def _reply_error(self, ident: bytes, rid: int, reason: str, detail: str) -> None:
         try:
             await self.sock.send_multipart(
-                [ident, wire.encode(wire.Error(reason=reason, detail=detail, rid=rid))])
+                [ident, wire.encode(wire.Error(reason=reason, detail=detail, rid=rid))],
+                flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             self.rejected["peer_gone"] += 1
 

@@ -5,6 +5,11 @@ is dropped. Notices (snapshot_notice, shutdown) go to ``notices``, bounded at 64
 the oldest is dropped, which loses nothing because only the newest snapshot matters and the
 heartbeat acknowledgement repeats it.
 
+With ``keys`` and ``server_key`` the socket speaks CurveZMQ and pins the learner's key. A failed
+handshake never reaches the application as an error by itself (libzmq retries quietly), so the
+same monitor watches for it: ``handshake_error`` then says why in words (wrong learner key,
+refused key, plaintext learner), and waiting requests fail with ``HandshakeFailed``.
+
 When the connection drops (a zmq socket monitor sees it), every waiting request fails at once
 with ``ConnectionLost`` rather than after its timeout: on a flapping link the replies of those
 requests are gone, and waiting the full timeout for each would starve the learner.
@@ -21,6 +26,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from echo import wire
+from echo.security import KeyPair, curve_client
 
 log = logging.getLogger("echo.client")
 
@@ -37,12 +43,39 @@ class ConnectionLost(RequestTimeout):
     reconnects by itself and queues what is sent meanwhile, so the caller may retry now."""
 
 
+class HandshakeFailed(ConnectionLost):
+    """The encrypted handshake failed: retrying with the same keys will not help."""
+
+
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+
+
+def explain_handshake(event: int, value: int, endpoint: str) -> str:
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        if value == 300:
+            return f"{endpoint} is busy (too many new connections): retrying"
+        return (f"{endpoint} refused this worker's key (banned, not on its allow-list, or the "
+                f"learner is full): ask its operator, or use the key they registered (--identity)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return (f"{endpoint} does not hold the learner key in the join line: copy the line the "
+                f"learner printed again (a wrong or stale key, or not the learner you think)")
+    return (f"{endpoint} does not speak Echo's encrypted protocol (a plaintext --insecure learner? "
+            f"then join with tcp://HOST:PORT --insecure)")
+
+
 class Client:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, max_bytes: int):
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, max_bytes: int, *,
+                 keys: KeyPair | None = None, server_key: bytes | None = None):
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if server_key is not None:
+            curve_client(self.sock, keys or KeyPair.generate(), server_key)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_EVENTS)
         self.sock.connect(endpoint)
+        self.endpoint = endpoint
+        self.handshake_error = ""  # why the last handshake failed; "" once one succeeded
+        self.retryable = True  # False when the last failure needs the user, not a retry
         self.disconnects = 0
         self.max_bytes = max_bytes
         self._rids = itertools.count(1)
@@ -57,14 +90,26 @@ class Client:
 
     async def _watch(self) -> None:
         while True:
-            parse_monitor_message(await self._monitor.recv_multipart())
+            ev = parse_monitor_message(await self._monitor.recv_multipart())
+            if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshake_error, self.retryable = "", True
+                continue
+            if ev["event"] & _HANDSHAKE_EVENTS:
+                self.handshake_error = explain_handshake(ev["event"], ev["value"], self.endpoint)
+                self.retryable = ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and ev["value"] == 300
+                self._fail_pending(HandshakeFailed(self.handshake_error))
+                continue
             self.disconnects += 1
-            lost, self._pending = self._pending, {}
-            for fut in lost.values():
-                if not fut.done():
-                    fut.set_exception(ConnectionLost("connection to the learner dropped"))
+            lost = self._fail_pending(ConnectionLost("connection to the learner dropped"))
             if lost:
-                log.info("connection to the learner dropped; %d request(s) will be retried", len(lost))
+                log.info("connection to the learner dropped; %d request(s) will be retried", lost)
+
+    def _fail_pending(self, exc: Exception) -> int:
+        lost, self._pending = self._pending, {}
+        for fut in lost.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        return len(lost)
 
     async def _receive(self) -> None:
         while True:

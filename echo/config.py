@@ -158,6 +158,30 @@ class MetricsConfig(_Section):
     port: int = Field(0, ge=0, le=65535)  # 0: the OS picks; the address is in learner.json
 
 
+class SecurityConfig(_Section):
+    """Who may connect and what one peer may cost (docs/security.md)."""
+
+    # CurveZMQ on every socket (control, chunks, relays): peers are their public keys. Off
+    # only for experiments on loopback; a non-loopback learner.host without it is refused
+    # unless ``insecure = true`` (then anyone can impersonate anyone).
+    curve: bool = True
+    insecure: bool = False
+    # Who may join: anyone with a key ("open"), a key that redeems a token from
+    # `echo-rl token create` ("token"), or a key listed in ``allowlist_file`` ("allowlist").
+    join: Literal["open", "token", "allowlist"] = "open"
+    allowlist_file: str = ""  # one public key per line; "" = <run dir>/security/allowlist.txt
+    max_workers: int = Field(1024, gt=0)  # joined sessions at once; more are refused
+    handshakes_per_s: float = Field(200.0, gt=0)  # new encrypted connections, all peers
+    handshakes_per_s_per_ip: float = Field(20.0, gt=0)  # ... from one IP address (burst 2x)
+    joins_per_s: float = Field(50.0, gt=0)  # join requests, all peers (burst 2x)
+    peer_msgs_per_s: float = Field(200.0, gt=0)  # control messages one key may send (burst 2x)
+    peer_mib_per_s: float = Field(64.0, gt=0)  # control-socket bytes one key may send (burst 2x)
+    max_parked_per_peer: int = Field(64, gt=0)  # chunk requests one peer may have waiting
+    max_parked_total: int = Field(4096, gt=0)  # ... all peers of one chunk server
+    false_reports: int = Field(2, gt=0)  # disproved corruption reports before a key is banned
+    ticket_ttl_s: float = Field(3600.0, gt=0)  # how long a relay honours a pull ticket
+
+
 class QuickstartConfig(_Section):
     workers: int = Field(4, gt=0)
     worker_prices: list[float] = Field(default_factory=lambda: [0.35])
@@ -175,6 +199,7 @@ class EchoConfig(_Section):
     transport: TransportConfig = Field(default_factory=TransportConfig)
     provisioning: ProvisioningConfig = Field(default_factory=ProvisioningConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     quickstart: QuickstartConfig = Field(default_factory=QuickstartConfig)
 
     @model_validator(mode="after")
@@ -187,6 +212,17 @@ class EchoConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _public_needs_security(self) -> "EchoConfig":
+        host = self.learner.host
+        local = host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+        if not local and not self.security.curve and not self.security.insecure:
+            raise ValueError(
+                f"learner.host={host!r} is not loopback and security.curve is off: strangers "
+                f"could impersonate any worker; turn security.curve on, or pass --insecure "
+                f"(security.insecure=true) if this network is private")
+        return self
+
     def worker_view(self) -> dict[str, Any]:
         """The part of the config a worker needs, sent to it on join."""
         return {
@@ -195,6 +231,8 @@ class EchoConfig(_Section):
             "worker": self.worker.model_dump(),
             "broadcast": self.broadcast.model_dump(),
             "transport": self.transport.model_dump(),
+            "security": {"max_parked_per_peer": self.security.max_parked_per_peer,
+                         "max_parked_total": self.security.max_parked_total},
             "group_size": self.learner.group_size,
         }
 

@@ -109,8 +109,10 @@ def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str
             console.print(f"dashboard: [cyan]{info['metrics']}/[/]  (Prometheus: {info['metrics']}/metrics)")
         for i in range(n):
             price = prices[i % len(prices)]
+            # Each worker is its own identity: one key pair per worker, kept in the run folder.
             group.start(f"worker-{i}", python_argv("worker.cli", "join", endpoint, "--id",
-                                                   f"worker-{i}", "--price", str(price)),
+                                                   f"worker-{i}", "--price", str(price),
+                                                   "--identity", str(run_dir / "keys" / f"worker-{i}.key")),
                         run_dir / f"worker-{i}.log")
         _follow(cfg, learner, tail)
         code = learner.wait()

@@ -1,6 +1,8 @@
 """Echo's wire schema: every message between learner and workers, in one place.
 
-Transport: pyzmq. The learner binds a ROUTER socket (control) and a second ROUTER (snapshot
+Transport: pyzmq with CurveZMQ (``echo.security``): the sender of every message is the public
+key its connection authenticated, never a field of the message; a ``worker_id`` field must be the
+id bound to that key at join, else the message is refused (``identity_mismatch``). The learner binds a ROUTER socket (control) and a second ROUTER (snapshot
 chunks); each worker connects one DEALER to each. A message is one frame: a msgpack map with
 ``v`` (schema version, ``WIRE_VERSION``) and ``type``; a chunk reply carries the chunk bytes in
 a second frame so they are never copied into msgpack.
@@ -67,6 +69,7 @@ class Join(Message):
     relay_endpoint: str = ""  # where this worker serves chunks to a child; "" = unreachable
     down_mbit: float = Field(0.0, ge=0)  # declared link rates, 0 = unknown
     up_mbit: float = Field(0.0, ge=0)
+    token: str = Field("", max_length=128)  # join token, when the learner asks for one
 
 
 class JoinAck(Message):
@@ -78,6 +81,9 @@ class JoinAck(Message):
     manifest: dict[str, Any] | None = None
     config: dict[str, Any]  # EchoConfig.worker_view()
     snapshot_endpoint: str
+    snapshot_key: bytes = b""  # CURVE public key of that source (b"": plaintext)
+    ticket: bytes = b""  # lets this worker pull from it (broadcast.tickets)
+    worker_id: str = ""  # the id this session is known by (bound to the worker's key)
 
 
 class Heartbeat(Message):
@@ -96,6 +102,8 @@ class HeartbeatAck(Message):
     version: int
     manifest: dict[str, Any] | None = None  # included when the worker is behind
     source: str = ""  # where to pull that snapshot's chunks from
+    source_key: bytes = b""
+    ticket: bytes = b""
     known: bool = True  # False: the learner does not know this worker (restart): re-join
 
 
@@ -153,6 +161,8 @@ class SnapshotNotice(Message):
     version: int
     manifest: dict[str, Any]
     source: str  # endpoint to pull the chunks from (the topology's choice for this worker)
+    source_key: bytes = b""  # its CURVE public key
+    ticket: bytes = b""  # lets this worker pull from it (broadcast.tickets)
 
 
 class SourceRequest(Message):
@@ -162,12 +172,15 @@ class SourceRequest(Message):
     version: int
     bad_source: str
     reason: str
+    chunk: int = -1  # with reason "corrupt": the chunk that failed its hash (checked by the learner)
 
 
 class SourceGrant(Message):
     TYPE = "source_grant"
     version: int
     source: str
+    source_key: bytes = b""
+    ticket: bytes = b""
 
 
 class Installed(Message):
@@ -187,6 +200,7 @@ class ChunkRequest(Message):
     TYPE = "chunk_request"
     version: int
     index: int = Field(ge=0)
+    ticket: bytes = Field(b"", max_length=512)  # broadcast.tickets: who may pull from this server
 
 
 class Chunk(Message):

@@ -1,8 +1,11 @@
 """Control plane inside the learner process: its own thread running an asyncio loop.
 
 Two ROUTER sockets: control (join, heartbeat, work, trajectories, leave; wire schema in
-``echo.wire``) and snapshot chunks (``broadcast.source``). Every frame is validated; a bad one
-is answered with ``error{reason}``, counted under that reason and logged with the sender's id,
+``echo.wire``) and snapshot chunks (``broadcast.source``), both CurveZMQ servers whose ZAP
+handler is the ``Gate`` (docs/security.md). A worker *is* its public key: its session is bound to
+that key at join, every later message must come from the same key and name the same worker id,
+so nobody can speak for, redirect or remove another worker. Every frame is validated; a bad one
+is answered with ``error{reason}``, counted under that reason and logged with the sender's key,
 and the loop goes on serving everyone else. The trainer thread talks to this object only
 through ``publish``, ``stats`` and ``shutdown``, which hop onto the loop thread-safely.
 """
@@ -12,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -26,16 +31,33 @@ from broadcast.coordinator import Coordinator
 from broadcast.snapshot import RunKey, Snapshot
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
+from broadcast.tickets import Source, mint
 from broadcast.topology import make_topology
 from dataplane.records import Limits, Record, RecordError, parse_record
 from echo import wire
 from echo.config import EchoConfig
+from echo.security import JoinLine, curve_server, fingerprint, peer_key, serve_zap
+from learner.gate import Gate
+from learner.verify import Verifier
 from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
 from learner.durable import BufferLog
 from learner.work import WorkQueue
 from provisioning.controller import ACTIVE, STANDBY, Controller, Decision
 
 log = logging.getLogger("echo.control")
+
+_JOIN_FIX = {
+    "banned": "this key is banned from the run",
+    "not_allowlisted": "this key is not on the learner's allow-list: send its public key to the operator",
+    "token_required": "this learner needs a join token: use the join line with ?token=... from its operator",
+    "bad_token": "the token is not valid for this run: ask the operator for a new one",
+    "token_expired": "the token has expired: ask the operator for a new one",
+    "token_used": "the token has no uses left: ask the operator for a new one",
+    "learner_full": "the learner has as many workers as it accepts (security.max_workers)",
+    "rate_limited": "too many joins right now: try again in a few seconds",
+    "id_taken": "another worker holds this id: pick another --id (or none)",
+    "endpoint_taken": "another worker serves at this relay address: check --relay-host",
+}
 
 EWMA_ALPHA = 0.3
 
@@ -44,6 +66,7 @@ EWMA_ALPHA = 0.3
 class WorkerState:
     worker_id: str
     ident: bytes
+    key: str  # the CURVE public key this session is bound to (its identity)
     price: float
     last_seen: float
     version: int = -1
@@ -58,8 +81,15 @@ class WorkerState:
 
 class ControlPlane:
     def __init__(self, cfg: EchoConfig, *, run_id: str, key: RunKey, buffer: ReplayBuffer,
-                 work: WorkQueue, limits: Limits, buffer_log: BufferLog | None = None):
+                 work: WorkQueue, limits: Limits, buffer_log: BufferLog | None = None,
+                 run_dir: Path | None = None):
         self.cfg = cfg
+        # Key pair, tokens, bans and allow-list live in the run folder (a throwaway one in tests).
+        self.gate = Gate(cfg.security, run_dir or Path(tempfile.mkdtemp(prefix="echo-sec-")))
+        self.sessions: dict[str, str] = {}  # public key -> worker id (one session per key)
+        self.relay_keys: dict[str, str] = {}  # relay endpoint -> the key that serves there
+        self.verifier: Verifier | None = None
+        self.chunks: ChunkServer | None = None
         self.run_id = run_id
         self.key = key
         self.buffer = buffer
@@ -110,17 +140,28 @@ class ControlPlane:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         ctx = zmq.asyncio.Context()
-        ctrl = self._ctrl = self._router(ctx, self.cfg.learner.port)
-        snap = self._router(ctx, 0)
+        ctrl = self._ctrl = self._router(ctx, self.cfg.learner.port, 4 * self.max_bytes)
+        snap = self._router(ctx, 0, 1 << 16)  # chunk requests only
         self.endpoint = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
         self.snapshot_endpoint = snap.getsockopt_string(zmq.LAST_ENDPOINT)
         self.coordinator = Coordinator(self.topology, self.snapshot_endpoint, q=self.cfg.broadcast.q)
+        sc = self.cfg.security
+        self.chunks = ChunkServer(snap, self.store, self.max_bytes, authorize=self._may_pull,
+                                  max_parked_per_peer=sc.max_parked_per_peer,
+                                  max_parked_total=sc.max_parked_total)
+        self.verifier = Verifier(ctx, lambda child, parent: mint(
+            self.key, child, parent, self.run_id, 600.0), self.max_bytes)
         self._ready.set()
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._serve(ctrl)),
-                         tg.create_task(ChunkServer(snap, self.store, self.max_bytes).serve_forever()),
-                         tg.create_task(self._housekeeping())]
+                         tg.create_task(self.chunks.serve_forever()),
+                         tg.create_task(self._housekeeping()),
+                         tg.create_task(self._watch_handshakes(ctrl)),
+                         tg.create_task(self._watch_handshakes(snap)),
+                         tg.create_task(self.verifier.serve_forever(self._verdict))]
+                if self.gate.keys is not None:
+                    tasks.append(tg.create_task(serve_zap(ctx, self.gate.handshake)))
                 await self._stop.wait()
                 for t in tasks:
                     t.cancel()
@@ -129,14 +170,46 @@ class ControlPlane:
             snap.close(linger=0)
             ctx.term()
 
-    def _router(self, ctx: zmq.asyncio.Context, port: int) -> zmq.asyncio.Socket:
+    def _router(self, ctx: zmq.asyncio.Context, port: int, max_msg: int) -> zmq.asyncio.Socket:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer surfaces as an error
-        # Hard cap far above the app-level limit: frames past it drop the connection before
-        # they are buffered; frames between the two are rejected and counted as "oversize".
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_bytes)
+        # Hard cap above the app-level limit: frames past it drop the connection before they
+        # are buffered; frames between the two are rejected and counted as "oversize".
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
+        if self.gate.keys is not None:
+            curve_server(sock, self.gate.keys)
         sock.bind(f"tcp://{self.cfg.learner.host}:{port or '*'}")
         return sock
+
+    @property
+    def public_key(self) -> bytes | None:
+        """The learner's CURVE public key (Z85), None when running plaintext."""
+        return self.gate.keys.public if self.gate.keys is not None else None
+
+    def join_line(self, token: str = "") -> str:
+        """What a volunteer passes to ``echo-worker join``: address, key (and a token)."""
+        return str(JoinLine(self.endpoint, self.public_key, token))
+
+    async def _watch_handshakes(self, sock: zmq.asyncio.Socket) -> None:
+        """Counts failed handshakes: plaintext clients and clients pinning another key (ZAP
+        refusals are counted by the gate with their reason)."""
+        if self.gate.keys is None:
+            return
+        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        try:
+            while True:
+                await mon.recv_multipart()
+                self.gate.refused["handshake_failed"] += 1
+        finally:
+            sock.disable_monitor()
+            mon.close(linger=0)
+
+    def _may_pull(self, key: str, ticket: bytes) -> str:
+        """The learner's own chunk socket serves joined workers only (by key)."""
+        if self.gate.keys is None or key in self.sessions:
+            return ""
+        return "not_joined"
 
     def _call(self, coro_fn, *args, timeout: float = 30.0) -> Any:
         if self._error:
@@ -163,10 +236,12 @@ class ControlPlane:
     async def _publish(self, snap: Snapshot) -> None:
         assert self.coordinator is not None
         self.store.add(SnapshotBuffer(snap.manifest, snap.payload))
-        plan = self.coordinator.publish(snap.version)
+        self.coordinator.publish(snap.version)
         for w in list(self.workers.values()):
+            src = self._source(w.worker_id)
             await self._send(w, wire.SnapshotNotice(version=snap.version, manifest=snap.manifest,
-                                                    source=plan.get(w.worker_id, self.snapshot_endpoint)))
+                                                    source=src.endpoint, source_key=src.key,
+                                                    ticket=src.ticket))
 
     async def _stats(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -183,6 +258,13 @@ class ControlPlane:
             "worker_busy_rate": (sum(w.busy_samples for w in active) / sum(w.busy_s for w in active)
                                  if active and sum(w.busy_s for w in active) > 0 else 0.0),
             "rejected": dict(self.rejected + self.buffer.stats.rejected),
+            # docs/security.md: refused joins and connections, rate-limited or banned messages,
+            # refused chunk requests (this socket's), by reason
+            "join_refused": dict(self.gate.refused),
+            "limited": dict(self.gate.limited),
+            "chunk_rejected": dict(self.chunks.rejected) if self.chunks else {},
+            "chunk_parked": self.chunks.parked if self.chunks else 0,
+            "sessions": len(self.sessions),
             "learner_bytes_sent": self.store.bytes_sent,
             "t_bcast": self._last_t_bcast(),
             "in_flight_groups": self.work.in_flight,
@@ -209,7 +291,9 @@ class ControlPlane:
     async def _send_ident(self, ident: bytes, msg: wire.Message, who: str = "") -> None:
         assert self._ctrl is not None
         try:
-            await self._ctrl.send_multipart([ident, wire.encode(msg)])
+            # NOBLOCK: a peer that sends but never reads fills its queue; a reply it will not
+            # read is dropped rather than stalling the loop that serves everyone.
+            await self._ctrl.send_multipart([ident, wire.encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected; heartbeats reap it
             log.info("could not send %s to %s: %s", msg.type, who or ident.hex(), exc)
 
@@ -217,6 +301,7 @@ class ControlPlane:
         timeout = self.cfg.transport.heartbeat_timeout_s
         while True:
             await asyncio.sleep(min(0.5, timeout / 4))
+            self.gate.reload()
             now = time.monotonic()
             for w in [w for w in self.workers.values() if now - w.last_seen > timeout]:
                 self._forget(w.worker_id, f"no heartbeat for {now - w.last_seen:.1f}s")
@@ -251,6 +336,7 @@ class ControlPlane:
         w = self.workers.pop(worker_id, None)
         if w is None:
             return
+        self.sessions.pop(w.key, None)
         n = self.work.release_worker(worker_id)
         if self.coordinator is not None:
             self.coordinator.leave(worker_id)
@@ -262,26 +348,41 @@ class ControlPlane:
 
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            ident, *frames = await sock.recv_multipart()
-            try:
-                if len(frames) != 1:
-                    raise wire.WireError("malformed", f"{len(frames)} frames, expected 1")
-                msg = wire.decode(frames[0], self.max_bytes)
-                reply = await self._dispatch(ident, msg)
-            except wire.WireError as err:
-                self.rejected[err.reason] += 1
-                log.warning("rejected message from %s: %s", ident.hex(), err)
-                reply = wire.Error(reason=err.reason, detail=err.detail)
-            except Exception:
-                # A bug in one handler must not take the learner's control plane down with it:
-                # the message is answered, counted and logged with its traceback.
-                self.rejected["internal_error"] += 1
-                log.exception("internal error handling a message from %s", ident.hex())
-                reply = wire.Error(reason="internal_error", detail="see the learner's log")
+            ident, *frames = await sock.recv_multipart(copy=False)
+            key = peer_key(frames[0]) if frames else ""
+            reply = await self._handle(ident.bytes, key, [f.bytes for f in frames])
             if reply is not None:
-                await self._send_ident(ident, reply)
+                await self._send_ident(ident.bytes, reply)
 
-    async def _dispatch(self, ident: bytes, msg: wire.Message) -> wire.Message | None:
+    async def _handle(self, ident: bytes, key: str, frames: list[bytes]) -> wire.Message | None:
+        """One message from one peer: whatever it holds ends at most this message."""
+        try:
+            if len(frames) != 1:
+                raise wire.WireError("malformed", f"{len(frames)} frames, expected 1")
+            refused = self.gate.message(key, len(frames[0])) if key else ""
+            if refused:
+                self._end_banned(key, refused)
+                raise wire.WireError(refused, "this key is banned" if refused == "banned" else
+                                     "too many messages from this key: slow down")
+            msg = wire.decode(frames[0], self.max_bytes)
+            return await self._dispatch(ident, key, msg)
+        except wire.WireError as err:
+            self.rejected[err.reason] += 1
+            log.warning("rejected message from %s: %s", key or ident.hex(), err)
+            return wire.Error(reason=err.reason, detail=err.detail)
+        except Exception:
+            # A bug in one handler must not take the learner's control plane down with it:
+            # the message is answered, counted and logged with its traceback.
+            self.rejected["internal_error"] += 1
+            log.exception("internal error handling a message from %s", key or ident.hex())
+            return wire.Error(reason="internal_error", detail="see the learner's log")
+
+    def _end_banned(self, key: str, refused: str) -> None:
+        """A banned key's live session ends at its next message (CURVE keeps the connection)."""
+        if refused == "banned" and key in self.sessions:
+            self._forget(self.sessions[key], "banned")
+
+    async def _dispatch(self, ident: bytes, key: str, msg: wire.Message) -> wire.Message | None:
         handler = {
             wire.Join: self._on_join, wire.Heartbeat: self._on_heartbeat,
             wire.WorkRequest: self._on_work_request, wire.Trajectories: self._on_trajectories,
@@ -290,47 +391,103 @@ class ControlPlane:
         }.get(type(msg))
         if handler is None:
             raise wire.WireError("unknown_type", f"{msg.type} is not a request the learner serves")
-        reply = handler(ident, msg)
+        if not key:  # plaintext (security.curve off): the claimed id is all there is
+            key = f"id:{getattr(msg, 'worker_id', '')}"
+        reply = handler(ident, key, msg)
         if reply is not None:
             reply.rid = msg.rid
         return reply
 
-    def _touch(self, ident: bytes, worker_id: str) -> WorkerState | None:
-        w = self.workers.get(worker_id)
-        if w is not None:
-            w.ident = ident  # a reconnecting DEALER gets a new routing id
-            w.last_seen = time.monotonic()
+    def _session(self, ident: bytes, key: str, worker_id: str) -> WorkerState | None:
+        """The sender's own session, refreshed; None if this key has not joined. A message
+        naming another worker's id is refused: a key speaks only for itself."""
+        own = self.sessions.get(key)
+        if own is None:
+            return None
+        if worker_id != own:
+            raise wire.WireError("identity_mismatch", f"this key joined as {own!r}, not "
+                                 f"{worker_id!r}: a worker speaks only for itself")
+        w = self.workers[own]
+        w.ident = ident  # a reconnecting DEALER gets a new routing id
+        w.last_seen = time.monotonic()
+        return w
+
+    def _joined(self, ident: bytes, key: str, worker_id: str) -> WorkerState:
+        w = self._session(ident, key, worker_id)
+        if w is None:
+            raise wire.WireError("not_joined", "this key has not joined: send join first")
         return w
 
     def _latest(self) -> tuple[int, dict[str, Any] | None]:
         buf = self.store.latest()
         return (buf.version, buf.manifest) if buf else (-1, None)
 
-    def _on_join(self, ident: bytes, msg: wire.Join) -> wire.Message:
-        now = time.monotonic()
-        known = self._touch(ident, msg.worker_id)
+    def _on_join(self, ident: bytes, key: str, msg: wire.Join) -> wire.Message:
+        known = self._session(ident, key, self.sessions.get(key, msg.worker_id))
+        refused = self.gate.join(key, msg.token, len(self.sessions), known is not None)
+        if not refused:
+            refused = self._claim(key, msg, known)
+        if refused:
+            log.info("join refused for key %s (%s): %s", key, msg.worker_id, refused)
+            raise wire.WireError(refused, _JOIN_FIX.get(refused, "the learner refused this join"))
         if known is None:
-            self.workers[msg.worker_id] = WorkerState(msg.worker_id, ident, msg.price, now)
-            log.info("worker %s joined (price $%.3f/h, relay %s)", msg.worker_id, msg.price,
-                     msg.relay_endpoint or "none")
+            self._add_worker(ident, key, msg)
         assert self.coordinator is not None
-        self.coordinator.join(msg.worker_id, msg.relay_endpoint if msg.can_relay else "",
+        self.coordinator.join(self.sessions[key], msg.relay_endpoint if msg.can_relay else "",
                               msg.down_mbit, msg.up_mbit)
-        if known is None and self.controller is not None:
+        version, manifest = self._latest()
+        src = self._source(self.sessions[key])
+        # A late joiner pulls the current snapshot from its place in the plan: a peer.
+        return wire.JoinAck(run_id=self.run_id, instance_id=self.instance_id,
+                            public_key=self.key.public_bytes, version=version, manifest=manifest,
+                            config=self.cfg.worker_view(), snapshot_endpoint=src.endpoint,
+                            snapshot_key=src.key, ticket=src.ticket, worker_id=self.sessions[key])
+
+    def _claim(self, key: str, msg: wire.Join, known: WorkerState | None) -> str:
+        """The worker id and relay endpoint a join asks for must not belong to another key."""
+        if known is None:
+            holder = self.workers.get(msg.worker_id)
+            if holder is not None and holder.key != key:
+                return "id_taken"
+        ep = msg.relay_endpoint
+        if ep and msg.can_relay:
+            if ep in (self.endpoint, self.snapshot_endpoint):
+                return "endpoint_taken"
+            owner = self.relay_keys.get(ep)
+            if owner is not None and owner != key and owner in self.sessions:
+                return "endpoint_taken"
+        return ""
+
+    def _add_worker(self, ident: bytes, key: str, msg: wire.Join) -> None:
+        now = time.monotonic()
+        self.sessions[key] = msg.worker_id
+        self.workers[msg.worker_id] = WorkerState(msg.worker_id, ident, key, msg.price, now)
+        if msg.relay_endpoint and msg.can_relay:
+            self.relay_keys[msg.relay_endpoint] = key
+        log.info("worker %s joined (key %s, price $%.3f/h, relay %s)", msg.worker_id,
+                 fingerprint(key), msg.price, msg.relay_endpoint or "none")
+        if self.controller is not None:
             active = len(self.controller.active_ids())
             state = ACTIVE if active < self.cfg.provisioning.initial_active else STANDBY
             self.controller.add_worker(msg.worker_id, msg.price, state=state,
                                        mu_prior=self._mu_prior())
             log.info("worker %s is %s", msg.worker_id, state)
-        version, manifest = self._latest()
-        # A late joiner pulls the current snapshot from its place in the plan: a peer.
-        return wire.JoinAck(run_id=self.run_id, instance_id=self.instance_id,
-                            public_key=self.key.public_bytes, version=version, manifest=manifest,
-                            config=self.cfg.worker_view(),
-                            snapshot_endpoint=self.coordinator.source_for(msg.worker_id))
 
-    def _on_heartbeat(self, ident: bytes, msg: wire.Heartbeat) -> wire.Message:
-        w = self._touch(ident, msg.worker_id)
+    def _source(self, worker_id: str) -> Source:
+        """Where ``worker_id`` pulls the current snapshot from: endpoint, that server's key, and
+        a ticket that lets this worker (and only it) in there."""
+        assert self.coordinator is not None
+        endpoint = self.coordinator.source_for(worker_id)
+        w = self.workers.get(worker_id)
+        if self.gate.keys is None or w is None:
+            return Source(endpoint)
+        server = (self.gate.keys.text if endpoint == self.snapshot_endpoint
+                  else self.relay_keys.get(endpoint, ""))
+        ticket = mint(self.key, w.key, endpoint, self.run_id, self.cfg.security.ticket_ttl_s)
+        return Source(endpoint, server.encode(), ticket)
+
+    def _on_heartbeat(self, ident: bytes, key: str, msg: wire.Heartbeat) -> wire.Message:
+        w = self._session(ident, key, msg.worker_id)
         version, manifest = self._latest()
         if w is None:
             return wire.HeartbeatAck(instance_id=self.instance_id, version=version, known=False)
@@ -338,15 +495,14 @@ class ControlPlane:
         w.busy_s, w.busy_samples = msg.busy_s, msg.busy_samples
         if self.controller is not None:
             self.controller.heartbeat(msg.worker_id, up=True)
-        behind = msg.version < version
-        assert self.coordinator is not None
-        return wire.HeartbeatAck(instance_id=self.instance_id, version=version,
-                                 manifest=manifest if behind else None,
-                                 source=self.coordinator.source_for(msg.worker_id) if behind else "")
+        if msg.version >= version:
+            return wire.HeartbeatAck(instance_id=self.instance_id, version=version)
+        src = self._source(msg.worker_id)
+        return wire.HeartbeatAck(instance_id=self.instance_id, version=version, manifest=manifest,
+                                 source=src.endpoint, source_key=src.key, ticket=src.ticket)
 
-    def _on_work_request(self, ident: bytes, msg: wire.WorkRequest) -> wire.Message:
-        if self._touch(ident, msg.worker_id) is None:
-            raise wire.WireError("unknown_worker", f"{msg.worker_id} has not joined: send join first")
+    def _on_work_request(self, ident: bytes, key: str, msg: wire.WorkRequest) -> wire.Message:
+        self._joined(ident, key, msg.worker_id)
         if not self.is_active(msg.worker_id):
             return wire.WorkGrant(groups=[], retry_after_s=0.5)  # standby: relay, don't roll out
         groups = self.work.grant(msg.worker_id, min(msg.max_groups, self._fair_share()),
@@ -361,17 +517,65 @@ class ControlPlane:
                   else len(self.workers))
         return max(1, math.ceil(self.work.max_outstanding / max(1, active)))
 
-    def _on_source_request(self, ident: bytes, msg: wire.SourceRequest) -> wire.Message:
+    def _on_source_request(self, ident: bytes, key: str, msg: wire.SourceRequest) -> wire.Message:
         assert self.coordinator is not None
-        self._touch(ident, msg.worker_id)
-        source = self.coordinator.reattach(msg.worker_id, msg.bad_source, msg.reason)
+        self._joined(ident, key, msg.worker_id)
+        reason = msg.reason
+        if reason == "corrupt":
+            reason = self._corrupt_report(key, msg)
+        self.coordinator.reattach(msg.worker_id, msg.bad_source, reason)
+        src = self._source(msg.worker_id)
+        if src.endpoint == msg.bad_source:  # the plan still trusts it: go to the root
+            src = self._root_source(msg.worker_id)
         log.info("worker %s: source %s failed (%s); now pulls from %s", msg.worker_id,
-                 msg.bad_source, msg.reason, source)
-        return wire.SourceGrant(version=msg.version, source=source)
+                 msg.bad_source, msg.reason, src.endpoint)
+        return wire.SourceGrant(version=msg.version, source=src.endpoint, source_key=src.key,
+                                ticket=src.ticket)
 
-    def _on_installed(self, ident: bytes, msg: wire.Installed) -> None:
+    def _root_source(self, worker_id: str) -> Source:
+        if self.gate.keys is None:
+            return Source(self.snapshot_endpoint)
+        ticket = mint(self.key, self.workers[worker_id].key, self.snapshot_endpoint, self.run_id,
+                      self.cfg.security.ticket_ttl_s)
+        return Source(self.snapshot_endpoint, self.gate.keys.public, ticket)
+
+    def _corrupt_report(self, key: str, msg: wire.SourceRequest) -> str:
+        """A corruption report counts only from a child the accused relay was serving, and
+        only once the learner has fetched that chunk from it and seen the hash fail
+        (``learner.verify``). Until then the child is routed around the relay (reason
+        ``suspect``), which costs the accused nothing if the report is false."""
         assert self.coordinator is not None
-        self._touch(ident, msg.worker_id)
+        served = self.coordinator.sources.get(msg.worker_id) == msg.bad_source
+        if self.gate.keys is None:  # plaintext: no way to check, believe the served child
+            return "corrupt" if served else "suspect"
+        accused = self.relay_keys.get(msg.bad_source)
+        buf = self.store.get(msg.version)
+        if not served or accused is None or buf is None or not 0 <= msg.chunk < buf.total:
+            self.rejected["unfounded_report"] += 1
+            return "suspect"
+        assert self.verifier is not None
+        if not self.verifier.submit(msg.bad_source, accused, key, buf.manifest, msg.chunk):
+            self.rejected["verify_queue_full"] += 1
+        return "suspect"
+
+    def _verdict(self, endpoint: str, accused: str, accuser: str, outcome: str) -> None:
+        """The learner's own fetch of the reported chunk: ``corrupt`` (the relay lied),
+        ``intact`` (the reporter lied) or ``unreachable`` (no verdict)."""
+        assert self.coordinator is not None
+        if outcome == "corrupt":
+            self.coordinator.reattach("", endpoint, "corrupt")
+            self.gate.ban(accused, f"served a corrupt chunk at {endpoint}")
+            self.rejected["relay_corrupt"] += 1
+        elif outcome == "intact":
+            self.rejected["false_report"] += 1
+            if self.gate.false_report(accuser) and accuser in self.sessions:
+                self._forget(self.sessions[accuser], "banned for false corruption reports")
+        log.info("corruption report against %s from %s: %s", fingerprint(accused),
+                 fingerprint(accuser), outcome)
+
+    def _on_installed(self, ident: bytes, key: str, msg: wire.Installed) -> None:
+        assert self.coordinator is not None
+        self._joined(ident, key, msg.worker_id)
         self.coordinator.installed(msg.worker_id, msg.version)
         return None
 
@@ -384,12 +588,13 @@ class ControlPlane:
                 return round(t, 4)
         return None
 
-    def _on_leave(self, ident: bytes, msg: wire.Leave) -> None:
+    def _on_leave(self, ident: bytes, key: str, msg: wire.Leave) -> None:
+        self._joined(ident, key, msg.worker_id)
         self._forget(msg.worker_id, "left")
         return None
 
-    def _on_trajectories(self, ident: bytes, msg: wire.Trajectories) -> wire.Message:
-        w = self._touch(ident, msg.worker_id)
+    def _on_trajectories(self, ident: bytes, key: str, msg: wire.Trajectories) -> wire.Message:
+        w = self._joined(ident, key, msg.worker_id)
         try:
             raw = wire.unpack_records(msg.payload, self.max_bytes)
         except wire.WireError as err:
@@ -415,9 +620,9 @@ class ControlPlane:
             log.warning("batch %s from %s: rejected %s", msg.batch_id, msg.worker_id, dict(rejected))
         if self.buffer_log is not None:
             self.buffer_log.admitted(accepted)  # durable before acknowledged
-        if w is not None and accepted:
+        if accepted:
             self._measure(w, len(accepted))
-        if w is not None and self.controller is not None:
+        if self.controller is not None:
             # Busy time of the batch (every record of a batch carries the same gen_s): the
             # controller then measures capacity, not how much work it was handed.
             busy = max((r.gen_s for r in accepted if r is not None), default=None)

@@ -215,9 +215,12 @@ class Learner:
         if resume:
             self._restore()
         self.control = ControlPlane(self.cfg, run_id=self.run_id, key=self.key, buffer=self.buffer,
-                                    work=self.work, limits=self.limits, buffer_log=self.log)
+                                    work=self.work, limits=self.limits, buffer_log=self.log,
+                                    run_dir=self.run_dir)
         self.control.start()
-        info = {"endpoint": self.control.endpoint, "snapshot_endpoint": self.control.snapshot_endpoint}
+        join = self.control.join_line()
+        info = {"endpoint": self.control.endpoint, "snapshot_endpoint": self.control.snapshot_endpoint,
+                "join": join, "public_key": (self.control.public_key or b"").decode()}
         if self.metrics is not None:
             self.metrics_server = self.metrics.serve(self.cfg.metrics.host, self.cfg.metrics.port)
             info["metrics"] = self.metrics_server.url
@@ -225,7 +228,13 @@ class Learner:
                 self.metrics.update(r, {})
             log.info("dashboard and /metrics at %s", self.metrics_server.url)
         (self.run_dir / "learner.json").write_text(json.dumps(info))
-        print(READY_PREFIX + self.control.endpoint, flush=True)
+        # The join line carries the learner's public key: workers pin it (docs/security.md).
+        print(READY_PREFIX + join, flush=True)
+        if self.cfg.security.join == "token":
+            log.info("joining needs a token: `echo-rl token create --run-dir %s`, then "
+                     "`echo-worker join %s?token=TOKEN`", self.run_dir, join)
+        else:
+            log.info("workers join with: echo-worker join %s", join)
         log.info("learner up at %s, run %s, step %d, kappa=%d, ranks=%d", self.control.endpoint,
                  self.run_id, self.step, lc.effective_kappa, self.policy.par.world)
         _, full = self.policy.command({"op": "sync"})

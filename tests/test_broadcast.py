@@ -106,8 +106,8 @@ def test_dead_relay_child_reattaches_and_resumes():
         child = relay(ctx)
         reasons = []
 
-        async def reattach(bad, reason):
-            reasons.append((bad, reason))
+        async def reattach(bad, fail):
+            reasons.append((bad, fail.reason))
             return root.endpoint
 
         async with asyncio.TaskGroup() as tg:
@@ -141,8 +141,8 @@ def test_corrupting_relay_is_detected_and_routed_around():
         child = relay(ctx)
         reasons = []
 
-        async def reattach(bad, reason):
-            reasons.append(reason)
+        async def reattach(bad, fail):
+            reasons.append(fail.reason)
             return root.endpoint
 
         async with asyncio.TaskGroup() as tg:

@@ -10,10 +10,12 @@ import zmq
 import zmq.asyncio
 
 from broadcast.fetch import fetch_snapshot
+from broadcast.tickets import Source
 from broadcast.snapshot import RunKey, Snapshot, SnapshotError, build_manifest
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits
 from echo import wire
+from echo.security import KeyPair, curve_client
 from learner.buffer import ReplayBuffer
 from learner.control import ControlPlane
 from learner.work import WorkQueue
@@ -33,16 +35,31 @@ def plane(small_cfg, tokenizer):
     cp.shutdown("test over")
 
 
-@pytest.fixture
-def client(plane):
-    ctx = zmq.Context()
+def connect(plane, ctx, endpoint=None, keys=None):
+    """A DEALER speaking CURVE to the plane, with its own key pair (its identity)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.RCVTIMEO, 10_000)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(plane.endpoint)
-    yield sock
-    sock.close()
-    ctx.term()
+    curve_client(sock, keys or KeyPair.generate(), plane.public_key)
+    sock.connect(endpoint or plane.endpoint)
+    return sock
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+@pytest.fixture
+def keys():
+    return KeyPair.generate()
+
+
+@pytest.fixture
+def client(plane, ctx, keys):
+    return connect(plane, ctx, keys=keys)
 
 
 def ask(sock, frame):
@@ -72,7 +89,7 @@ def test_junk_is_rejected_and_counted_while_serving_continues(plane, client):
         (b"x" * (2 * 2**20), "oversize"),  # over the 1 MiB limit, under the socket hard cap
         (msgpack.packb({"v": 42, "type": "join", "worker_id": "w"}), "wrong_version"),
         (msgpack.packb({"v": wire.WIRE_VERSION, "type": "launch_missiles"}), "unknown_type"),
-        (wire.WorkRequest(worker_id="stranger", max_groups=1), "unknown_worker"),
+        (wire.WorkRequest(worker_id="stranger", max_groups=1), "not_joined"),
     ]
     for frame, reason in junk:
         reply = ask(client, frame)
@@ -111,10 +128,11 @@ def test_trajectories_validated_admitted_once(plane, client):
 def test_one_grant_carries_at_most_a_fair_share_of_the_outstanding_bound(plane, client):
     """Two workers and a bound of 8 groups: a worker asking for 8 (a long link) gets 4, and
     the other still finds work."""
+    other = connect(plane, client.context)
     ask(client, wire.Join(worker_id="w1"))
-    ask(client, wire.Join(worker_id="w2"))
+    ask(other, wire.Join(worker_id="w2"))
     assert len(ask(client, wire.WorkRequest(worker_id="w1", max_groups=8)).groups) == 4
-    assert len(ask(client, wire.WorkRequest(worker_id="w2", max_groups=8)).groups) == 4
+    assert len(ask(other, wire.WorkRequest(worker_id="w2", max_groups=8)).groups) == 4
 
 
 def test_leave_hands_groups_out_again(plane, client):
@@ -126,7 +144,8 @@ def test_leave_hands_groups_out_again(plane, client):
     assert [g.group_id for g in again] == [g.group_id for g in first]
 
 
-def test_snapshot_chunks_served_and_verified(plane):
+def test_snapshot_chunks_served_and_verified(plane, client, keys):
+    ask(client, wire.Join(worker_id="w1"))  # the learner serves chunks to joined keys only
     payload = bytes(range(256)) * 1000
     m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=4096,
                        dtype="float32", key=plane.key)
@@ -135,8 +154,8 @@ def test_snapshot_chunks_served_and_verified(plane):
     async def fetch(manifest):
         ctx = zmq.asyncio.Context()
         try:
-            return await fetch_snapshot(ctx, manifest, plane.snapshot_endpoint, window=4,
-                                        timeout_s=10, max_bytes=1 << 20)
+            return await fetch_snapshot(ctx, manifest, Source(plane.snapshot_endpoint, plane.public_key),
+                                        window=4, timeout_s=10, max_bytes=1 << 20, keys=keys)
         finally:
             ctx.term()
 
@@ -147,24 +166,22 @@ def test_snapshot_chunks_served_and_verified(plane):
         asyncio.run(fetch(forged))
 
 
-def test_chunk_server_survives_requesters_that_vanish(plane):
+def test_chunk_server_survives_requesters_that_vanish(plane, ctx):
     payload = bytes(200_000)
     m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=1000,
                        dtype="float32", key=plane.key)
     plane.publish(Snapshot(m, payload))
-    ctx = zmq.Context()
-    for _ in range(5):  # ask for every chunk, then close without reading a single reply
-        s = ctx.socket(zmq.DEALER)
-        s.connect(plane.snapshot_endpoint)
+    for n in range(5):  # ask for every chunk, then close without reading a single reply
+        k = KeyPair.generate()
+        ask(connect(plane, ctx, keys=k), wire.Join(worker_id=f"gone{n}"))
+        s = connect(plane, ctx, plane.snapshot_endpoint, keys=k)
         for i in range(200):
             s.send(wire.encode(wire.ChunkRequest(version=0, index=i, rid=i + 1)))
         s.close(linger=-1)
-    live = ctx.socket(zmq.DEALER)
-    live.setsockopt(zmq.RCVTIMEO, 10_000)
-    live.connect(plane.snapshot_endpoint)
+    k = KeyPair.generate()
+    ask(connect(plane, ctx, keys=k), wire.Join(worker_id="live"))
+    live = connect(plane, ctx, plane.snapshot_endpoint, keys=k)
     live.send(wire.encode(wire.ChunkRequest(version=0, index=3, rid=99)))
     header, data = live.recv_multipart()
     assert wire.decode(header, 1 << 20).rid == 99 and len(data) == 1000
-    live.close(linger=0)
-    ctx.term()
-    assert plane.stats()["active_workers"] == 0  # the control plane is alive too
+    assert plane.stats()["sessions"] == 6  # the control plane is alive too

@@ -15,6 +15,7 @@ import zmq
 from echo import wire
 from echo.config import EchoConfig, dump_toml
 from echo.procs import ProcessGroup, python_argv, wait_ready
+from echo.security import JoinLine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -47,7 +48,8 @@ class Cluster:
     def worker(self, name: str) -> None:
         self.group.start(name, python_argv("worker.cli", "join", self.endpoint, "--id", name,
                                            "--price", "0.35", "--ledger",
-                                           str(self.tmp / f"{name}.ledger")),
+                                           str(self.tmp / f"{name}.ledger"),
+                                           "--identity", str(self.tmp / f"{name}.key")),
                          self.tmp / f"{name}.log")
 
     def wait(self, name: str, timeout: float = 180) -> int:
@@ -259,13 +261,15 @@ def _chaos(cluster: Cluster, name: str, target: str, *flags: str) -> str:
     """A chaos proxy process in front of ``target``; returns the endpoint workers should join."""
     from echo.chaos import READY_PREFIX
 
-    host_port = target.removeprefix("tcp://")
+    line = JoinLine.parse(target)
+    host_port = line.endpoint.removeprefix("tcp://")
     proc = cluster.group.start(name, python_argv("echo.chaos", "--target", host_port, *flags,
                                                  "--stats", str(cluster.tmp / f"{name}.json")),
                                cluster.tmp / f"{name}.err", pipe_stdout=True)
-    line = proc.stdout.readline().decode()  # printed once it listens (or it exits)
-    assert line.startswith(READY_PREFIX), (cluster.tmp / f"{name}.err").read_text()
-    return f"tcp://127.0.0.1:{line[len(READY_PREFIX):].strip()}"
+    ready = proc.stdout.readline().decode()  # printed once it listens (or it exits)
+    assert ready.startswith(READY_PREFIX), (cluster.tmp / f"{name}.err").read_text()
+    port = ready[len(READY_PREFIX):].strip()
+    return str(JoinLine(f"tcp://127.0.0.1:{port}", line.server_key, line.token))
 
 
 def test_nothing_acknowledged_is_lost_or_trained_twice_over_a_misbehaving_link(cluster):

@@ -47,7 +47,8 @@ def test_learner_runs_under_torchrun_with_a_worker(tmp_path, small_cfg):
                                           "--run-dir", str(tmp_path / "run")],
                               tmp_path / "learner.err", pipe_stdout=True)
         endpoint = wait_ready(learner, timeout=180)
-        group.start("w0", [sys.executable, "-m", "worker.cli", "join", endpoint, "--id", "w0"],
+        group.start("w0", [sys.executable, "-m", "worker.cli", "join", endpoint, "--id", "w0",
+                                     "--identity", str(tmp_path / "w0.key")],
                     tmp_path / "w0.log")
         assert learner.wait(240) == 0, (tmp_path / "learner.err").read_text()[-2000:]
         rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

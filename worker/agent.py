@@ -9,7 +9,12 @@ leaves while the current groups are generated, and grants grow so that a rollout
 round trip. On a long link a worker that waited for each grant and each acknowledgement would
 spend more time waiting than generating (docs/wide_area.md). If the learner restarts (a
 heartbeat acknowledgement names a new instance, or says it does not know us) the worker joins again and
-carries on with its unacknowledged batches. SIGTERM or SIGINT: finish the current group, try
+carries on with its unacknowledged batches.
+
+Security (docs/security.md): the worker's identity is its CURVE key pair (``--identity``); it
+pins the learner's key from the join line, and tells the user in words when the handshake fails
+(wrong learner key, key refused, plaintext learner) instead of retrying silently. Its relay
+serves only children holding a pull ticket for it. SIGTERM or SIGINT: finish the current group, try
 to deliver what is pending, say ``leave``, exit 0.
 """
 
@@ -28,13 +33,16 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from broadcast.fetch import SourceFailed
 from broadcast.relay import Relay, RelayConfig
 from broadcast.snapshot import SnapshotError
+from broadcast.tickets import Source
 from dataplane.adapter import Adapter, load_adapter
 from echo import wire
 from echo.config import ModelConfig
 from worker.backends import Backend, Sample, make_backend
 from echo.client import Client, RequestTimeout
+from echo.security import JoinLine, KeyPair, fingerprint
 
 log = logging.getLogger("echo.worker")
 
@@ -42,6 +50,9 @@ BOOT_MAX_BYTES = 64 * 2**20  # frame limit before the learner's config arrives
 MAX_GRANT_SCALE = 8  # at most this many times worker.groups_per_request in one grant
 PREFETCH_SHARE = 0.1  # prefetch work when a grant's round trip exceeds this share of a rollout
 DRAIN_TIMEOUT_S = 5.0  # on SIGTERM, how long to keep trying to deliver pending batches
+# Refusals of a batch that say nothing about the batch itself: keep it and send it again.
+RETRY_REASONS = {"not_joined", "rate_limited", "internal_error"}
+JOIN_RETRY_REASONS = {"rate_limited", "learner_full"}
 
 
 async def _wait_next(event: asyncio.Event, timeout: float) -> None:
@@ -58,11 +69,16 @@ class WorkerError(RuntimeError):
 
 
 class Worker:
-    def __init__(self, endpoint: str, *, worker_id: str | None = None, price: float = 0.0,
+    def __init__(self, endpoint: str | JoinLine, *, worker_id: str | None = None, price: float = 0.0,
                  threads: int | None = None, join_timeout_s: float = 5.0,
-                 ledger: str | None = None, relay: RelayConfig | None = None):
-        self.endpoint = endpoint
-        self.worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
+                 ledger: str | None = None, relay: RelayConfig | None = None,
+                 keys: KeyPair | None = None):
+        self.line = endpoint if isinstance(endpoint, JoinLine) else JoinLine(endpoint, None)
+        self.endpoint = self.line.endpoint
+        # Identity is the key pair; without CURVE (an --insecure learner) the id is all there is.
+        self.keys = (keys or KeyPair.generate()) if self.line.server_key is not None else None
+        default_id = f"w-{fingerprint(self.keys.public)[:8]}" if self.keys else f"w-{uuid.uuid4().hex[:8]}"
+        self.worker_id = worker_id or default_id
         self.price = price
         self.threads = threads
         self.join_timeout_s = join_timeout_s
@@ -75,7 +91,7 @@ class Worker:
         self.backend: Backend | None = None
         self.adapter: Adapter | None = None
         self.installed_version = -1
-        self.offered: tuple[int, dict[str, Any], str] | None = None
+        self.offered: tuple[int, dict[str, Any], Source] | None = None
         self.unacked: OrderedDict[str, wire.Trajectories] = OrderedDict()
         self._groups_of: dict[str, list[str]] = {}  # batch id -> its group ids (while unacked)
         self._generating: list[str] = []  # group ids being generated now
@@ -104,8 +120,9 @@ class Worker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop, f"signal {sig.name}")
         self.ctx = zmq.asyncio.Context()
-        self.client = Client(self.ctx, self.endpoint, BOOT_MAX_BYTES)
-        self.relay = Relay(self.ctx, self.relay_cfg)
+        self.client = Client(self.ctx, self.endpoint, BOOT_MAX_BYTES, keys=self.keys,
+                             server_key=self.line.server_key)
+        self.relay = Relay(self.ctx, self.relay_cfg, keys=self.keys, run_key=lambda: self.public_key)
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.client.receive_forever()),
@@ -129,6 +146,13 @@ class Worker:
             self.ctx.term()
         return self.exit_reason
 
+    def _check_handshake(self) -> None:
+        """A handshake that failed for a reason retrying cannot fix ends the worker, saying why."""
+        if self.client.handshake_error and not self.client.retryable:
+            raise WorkerError(self.client.handshake_error)
+        if self.client.handshake_error:
+            log.warning("%s", self.client.handshake_error)
+
     def _stop(self, reason: str) -> None:
         if not self.stopping.is_set():
             log.info("worker %s stopping: %s", self.worker_id, reason)
@@ -146,9 +170,14 @@ class Worker:
                 ack = await self.client.request(wire.Join(
                     worker_id=self.worker_id, price=self.price, relay_endpoint=self.relay.endpoint,
                     can_relay=bool(self.relay.endpoint), down_mbit=self.relay_cfg.down_mbit,
-                    up_mbit=self.relay_cfg.up_mbit), self.join_timeout_s)
+                    up_mbit=self.relay_cfg.up_mbit, token=self.line.token), self.join_timeout_s)
             except RequestTimeout:
+                self._check_handshake()
                 log.info("no answer from learner at %s yet; retrying", self.endpoint)
+                continue
+            if isinstance(ack, wire.Error) and ack.reason in JOIN_RETRY_REASONS:
+                log.warning("learner busy (%s): %s; retrying", ack.reason, ack.detail)
+                await asyncio.sleep(2.0)  # a back-off period, not a wait for an event
                 continue
             if isinstance(ack, wire.Error):
                 raise WorkerError(f"learner refused join: {ack.reason}: {ack.detail}")
@@ -167,11 +196,15 @@ class Worker:
             self.relay.reset()
         self.run_id = ack.run_id
         self.instance_id, self.public_key, self.view = ack.instance_id, ack.public_key, ack.config
+        if ack.worker_id and ack.worker_id != self.worker_id:
+            self.worker_id = ack.worker_id  # this key's session already has an id: keep it
         self.client.max_bytes = int(self.view["transport"]["max_message_mib"] * 2**20)
         bc = self.view["broadcast"]
         self.relay.cfg.window, self.relay.cfg.timeout_s = bc["window"], bc["timeout_s"]
+        sec = self.view.get("security", {})
+        self.relay.cfg.max_parked_per_peer = sec.get("max_parked_per_peer", 64)
         if ack.manifest is not None:
-            self._offer(ack.version, ack.manifest, ack.snapshot_endpoint)
+            self._offer(ack.version, ack.manifest, Source(ack.snapshot_endpoint, ack.snapshot_key, ack.ticket))
         log.info("worker %s joined run %s (snapshot v%d)", self.worker_id, ack.run_id, ack.version)
 
     def _load(self) -> tuple[Backend, Adapter]:
@@ -195,24 +228,27 @@ class Worker:
             try:
                 ack = await self.client.request(hb, timeout)
             except RequestTimeout:
+                self._check_handshake()
                 log.warning("learner silent for %.1fs; will re-join when it is back", timeout)
                 continue
+            if isinstance(ack, wire.Error) and ack.reason == "banned":
+                raise WorkerError(f"the learner banned this worker's key: {ack.detail}")
             if not isinstance(ack, wire.HeartbeatAck):
                 continue
             if not ack.known or ack.instance_id != self.instance_id:
                 await self._join()
             elif ack.manifest is not None:
-                self._offer(ack.version, ack.manifest, ack.source)
+                self._offer(ack.version, ack.manifest, Source(ack.source, ack.source_key, ack.ticket))
 
     async def _notices(self) -> None:
         while True:
             msg = await self.client.notices.get()
             if isinstance(msg, wire.SnapshotNotice):
-                self._offer(msg.version, msg.manifest, msg.source)
+                self._offer(msg.version, msg.manifest, Source(msg.source, msg.source_key, msg.ticket))
             elif isinstance(msg, wire.Shutdown):
                 self._stop(f"learner shut down: {msg.reason}")
 
-    def _offer(self, version: int, manifest: dict[str, Any], source: str) -> None:
+    def _offer(self, version: int, manifest: dict[str, Any], source: Source) -> None:
         if version > max(self.installed_version, self.offered[0] if self.offered else -1):
             self.offered = (version, manifest, source)
             self.new_snapshot.set()
@@ -240,8 +276,9 @@ class Worker:
         finally:
             self.state = "idle"
 
-    async def _reattach(self, bad_source: str, reason: str) -> str:
+    async def _reattach(self, bad: Source, fail: SourceFailed) -> Source:
         """Our snapshot source failed: the learner re-plans and names a new one."""
+        bad_source, reason = bad.endpoint, fail.reason
         if self.offered is None or self.offered[0] != self._fetching:
             raise SnapshotError(f"v{self._fetching} superseded while fetching (learner restarted "
                                 f"or a newer snapshot was offered)")
@@ -249,13 +286,13 @@ class Worker:
         log.warning("snapshot source %s failed (%s); asking the learner for another", bad_source, reason)
         try:
             grant = await self.client.request(wire.SourceRequest(
-                worker_id=self.worker_id, version=version, bad_source=bad_source, reason=reason),
-                self._timeout)
+                worker_id=self.worker_id, version=version, bad_source=bad_source, reason=reason,
+                chunk=fail.index), self._timeout)
         except RequestTimeout:
             raise SnapshotError("learner did not answer a source request") from None
         if not isinstance(grant, wire.SourceGrant):
             raise SnapshotError(f"source request refused: {grant}")
-        return grant.source
+        return Source(grant.source, grant.source_key, grant.ticket)
 
     # ------------------------------------------------------------------ rollouts
 
@@ -387,15 +424,12 @@ class Worker:
 
     async def _deliver(self, batch: wire.Trajectories) -> None:
         try:
-            reply = await self.client.request(batch, self._timeout)
-        except RequestTimeout as err:  # ConnectionLost included: the reply, if any, is gone
-            log.info("batch %s not acknowledged yet (%s); will resend", batch.batch_id, err)
-            return
+            reply = await self._attempt(batch)
         finally:
             self._delivering.discard(batch.batch_id)
             self.to_deliver.set()  # a failed attempt is retried at once (queued till reconnect)
-        if self.unacked.pop(batch.batch_id, None) is None:
-            return  # an earlier copy's acknowledgement came first
+        if reply is None or self.unacked.pop(batch.batch_id, None) is None:
+            return  # not delivered yet, or an earlier copy's acknowledgement came first
         self._groups_of.pop(batch.batch_id, None)
         self.acked.set()
         if isinstance(reply, wire.Error):
@@ -407,6 +441,22 @@ class Worker:
             log.warning("batch %s: learner rejected records %s", batch.batch_id, reply.rejected)
         self._record_ack(batch.batch_id, reply)
         self.delivered += batch.count
+
+    async def _attempt(self, batch: wire.Trajectories) -> wire.Message | None:
+        """One delivery; None when the batch must be sent again (no reply, or a refusal that
+        says nothing about the batch: not joined yet after a learner restart, sent too fast)."""
+        try:
+            reply = await self.client.request(batch, self._timeout)
+        except RequestTimeout as err:  # ConnectionLost included: the reply, if any, is gone
+            log.info("batch %s not acknowledged yet (%s); will resend", batch.batch_id, err)
+            return None
+        if isinstance(reply, wire.Error) and reply.reason == "banned":
+            raise WorkerError(f"the learner banned this worker's key: {reply.detail}")
+        if isinstance(reply, wire.Error) and reply.reason in RETRY_REASONS:
+            log.info("batch %s not taken yet (%s); will resend", batch.batch_id, reply.reason)
+            await asyncio.sleep(0.5)  # back-off before the retry, not a wait for an event
+            return None
+        return reply
 
     def _record_ack(self, batch_id: str, ack: wire.Ack) -> None:
         keys = self._batch_keys.pop(batch_id, None)

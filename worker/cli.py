@@ -10,7 +10,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="echo-worker", description="Run an Echo rollout worker.")
     sub = p.add_subparsers(dest="cmd", required=True)
     j = sub.add_parser("join", help="join a learner and generate rollouts until told to stop")
-    j.add_argument("learner", help="learner control address, e.g. tcp://203.0.113.5:5555")
+    j.add_argument("learner", help="the join line the learner printed: echo://HOST:PORT/KEY[?token=T] "
+                   "(or tcp://HOST:PORT with --insecure, for a plaintext learner)")
+    j.add_argument("--identity", default=None, metavar="FILE",
+                   help="this worker's key pair (made on first use; default $ECHO_HOME/worker.key "
+                        "or ~/.config/echo/worker.key): the learner knows this worker by it")
+    j.add_argument("--token", default="", help="join token from the learner's operator "
+                   "(same as ?token= in the join line)")
+    j.add_argument("--insecure", action="store_true",
+                   help="talk plaintext to a learner started with security.curve off")
     j.add_argument("--price", type=float, default=0.0, help="what this worker costs, USD per hour")
     j.add_argument("--id", dest="worker_id", default=None, help="worker id (default: random)")
     j.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: learner's)")
@@ -29,9 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not args.learner.startswith("tcp://"):
-        print(f"echo-worker: learner address {args.learner!r} must look like tcp://HOST:PORT",
-              file=sys.stderr)
+    from echo.security import JoinLine, KeyPair, SecurityError, default_identity_path
+
+    try:
+        line = JoinLine.parse(args.learner)
+        if line.server_key is None and not args.insecure:
+            raise SecurityError(f"{args.learner!r} carries no learner key: use the join line the "
+                                f"learner printed (echo://HOST:PORT/KEY), or --insecure for a "
+                                f"plaintext learner")
+        if args.token:
+            line = JoinLine(line.endpoint, line.server_key, args.token)
+        keys = KeyPair.load_or_create(args.identity or default_identity_path())
+    except SecurityError as exc:
+        print(f"echo-worker: {exc}", file=sys.stderr)
         return 2
     if args.price < 0:
         print("echo-worker: --price must be >= 0 (USD per hour)", file=sys.stderr)
@@ -47,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     relay = RelayConfig(bind_host=args.relay_host, serve=not args.no_relay,
                         down_mbit=args.down_mbit, up_mbit=args.up_mbit)
 
-    worker = Worker(args.learner, worker_id=args.worker_id, price=args.price, threads=args.threads,
-                    ledger=args.ledger, relay=relay)
+    worker = Worker(line, worker_id=args.worker_id, price=args.price, threads=args.threads,
+                    ledger=args.ledger, relay=relay, keys=keys)
     try:
         reason = asyncio.run(worker.run())
     except BaseExceptionGroup as eg:  # raised out of the worker's TaskGroup

@@ -1,0 +1,370 @@
+"""Who a peer is, and who may join: CurveZMQ keys, the join line, tokens, bans, rate limits.
+
+Identity comes from keys (docs/security.md). Every Echo socket speaks CurveZMQ: the learner's
+control and chunk sockets and every relay's chunk socket are CURVE servers; a peer's identity is
+its CURVE public key, which libzmq authenticates in the handshake and our ZAP handler attaches to
+every message it receives (``User-Id``). No message field can claim another identity.
+
+On disk (all written atomically, secrets with mode 0600):
+  * a key pair: two lines, public then secret, Z85 (``KeyPair``);
+  * ``<run>/security/tokens.json``: join tokens, stored hashed (``TokenStore``);
+  * ``<run>/security/bans.txt``: banned public keys, one per line (``BanList``);
+  * an allow-list: public keys, one per line (``security.join = "allowlist"``).
+The CLI (``echo-rl token create``, ``echo-rl worker ban``) edits these files; the running learner
+re-reads them when they change, so a ban reaches live sessions at their next message.
+
+The join line a volunteer copies: ``echo://HOST:PORT/<learner public key, hex>[?token=T]``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import parse_qs, urlsplit
+
+import zmq
+import zmq.utils.z85 as z85
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+KEY_ENV = "ECHO_HOME"
+
+
+class SecurityError(ValueError):
+    """A key, token or join line that cannot be used; the message says what to do."""
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    public: bytes  # Z85, 40 bytes: what peers pin and what identifies us
+    secret: bytes
+
+    @classmethod
+    def generate(cls) -> "KeyPair":
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "KeyPair":
+        p = Path(path)
+        try:
+            lines = p.read_text().split()
+        except OSError as exc:
+            raise SecurityError(f"cannot read key file {str(p)!r}: {exc.strerror}") from None
+        if len(lines) != 2 or any(len(x) != 40 for x in lines):
+            raise SecurityError(f"key file {str(p)!r} is not an Echo key pair (two Z85 lines): "
+                                f"delete it and a new one is made, or pass another --identity")
+        pair = cls(lines[0].encode(), lines[1].encode())
+        if zmq.curve_public(pair.secret) != pair.public:
+            raise SecurityError(f"key file {str(p)!r}: the public key does not match the secret")
+        return pair
+
+    @classmethod
+    def load_or_create(cls, path: str | Path) -> "KeyPair":
+        p = Path(path)
+        if p.exists():
+            return cls.load(p)
+        pair = cls.generate()
+        atomic_write(p, (pair.public + b"\n" + pair.secret + b"\n").decode(), mode=0o600)
+        return pair
+
+    @property
+    def text(self) -> str:
+        return self.public.decode()
+
+
+def default_identity_path() -> Path:
+    """Where ``echo-worker join`` keeps this host's key pair unless ``--identity`` says."""
+    base = os.environ.get(KEY_ENV) or os.path.join(os.path.expanduser("~"), ".config", "echo")
+    return Path(base) / "worker.key"
+
+
+def key_hex(public: bytes) -> str:
+    return z85.decode(public).hex()
+
+
+def key_from_hex(text: str) -> bytes:
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise SecurityError(f"learner key {text!r} is not 64 hex digits: copy the whole join "
+                            f"line the learner printed")
+    return z85.encode(raw)
+
+
+def fingerprint(public: bytes | str) -> str:
+    """A short stable name for a key (logs, default worker ids)."""
+    raw = public.encode() if isinstance(public, str) else public
+    return hashlib.sha256(raw).hexdigest()[:10]
+
+
+# ----------------------------------------------------------------------------- join line
+
+
+@dataclass(frozen=True)
+class JoinLine:
+    endpoint: str  # tcp://HOST:PORT
+    server_key: bytes | None  # None: plaintext (insecure learner)
+    token: str = ""
+
+    def __str__(self) -> str:
+        host_port = self.endpoint.removeprefix("tcp://")
+        if self.server_key is None:
+            return self.endpoint
+        q = f"?token={self.token}" if self.token else ""
+        return f"echo://{host_port}/{key_hex(self.server_key)}{q}"
+
+    @classmethod
+    def parse(cls, text: str) -> "JoinLine":
+        if text.startswith("tcp://"):
+            return cls(text, None)
+        if not text.startswith("echo://"):
+            raise SecurityError(f"learner address {text!r} must be the join line the learner "
+                                f"printed (echo://HOST:PORT/KEY) or tcp://HOST:PORT with --insecure")
+        parts = urlsplit(text)
+        if not parts.hostname or not parts.port:
+            raise SecurityError(f"join line {text!r} names no HOST:PORT")
+        key = key_from_hex(parts.path.strip("/"))
+        token = parse_qs(parts.query).get("token", [""])[0]
+        return cls(f"tcp://{parts.netloc}", key, token)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def atomic_write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Serialises the CLI and the learner editing the same file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class _Watched:
+    """A file re-read when its mtime or size changes (polled by the learner's housekeeping)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+
+    def changed(self) -> bool:
+        try:
+            st = self.path.stat()
+            stamp = (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = (0, 0)
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        return True
+
+
+def _hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class TokenStore:
+    """Join tokens: random, stored only as SHA-256, with a use count and an expiry; a key that
+    redeemed a token may re-join with it (a restart must not burn another use)."""
+
+    def __init__(self, path: Path, clock: Callable[[], float] = time.time):
+        self.path = Path(path)
+        self.clock = clock
+        self._watch = _Watched(self.path)
+        self.tokens: dict[str, dict[str, Any]] = {}
+        self.reload()
+
+    def reload(self) -> bool:
+        if not self._watch.changed():
+            return False
+        try:
+            self.tokens = json.loads(self.path.read_text())["tokens"]
+        except FileNotFoundError:
+            self.tokens = {}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SecurityError(f"{self.path} is corrupt ({exc}): fix or delete it") from None
+        return True
+
+    def _save(self) -> None:
+        atomic_write(self.path, json.dumps({"tokens": self.tokens}, indent=1), mode=0o600)
+        self._watch.changed()
+
+    def create(self, uses: int, ttl_s: float, note: str = "") -> str:
+        if uses < 1 or ttl_s <= 0:
+            raise SecurityError("a token needs --uses >= 1 and a positive --expires")
+        token = "echo_" + secrets.token_urlsafe(24)
+        with locked(self.path):
+            self._watch._stamp = None
+            self.reload()
+            self.tokens[_hash_token(token)] = {"uses_left": uses, "expires": self.clock() + ttl_s,
+                                               "keys": [], "note": note}
+            self._save()
+        return token
+
+    def redeem(self, token: str, key: str) -> str:
+        """"" when ``key`` may join with ``token``, else the refusal reason."""
+        digest = _hash_token(token)
+        entry = next((e for h, e in self.tokens.items() if hmac.compare_digest(h, digest)), None)
+        if entry is None:
+            return "bad_token"
+        if key in entry["keys"]:
+            return ""
+        if entry["expires"] < self.clock():
+            return "token_expired"
+        if entry["uses_left"] < 1:
+            return "token_used"
+        with locked(self.path):
+            entry["uses_left"] -= 1
+            entry["keys"].append(key)
+            self._save()
+        return ""
+
+
+class KeyList:
+    """A set of public keys in a text file, one per line (bans, allow-list); '#' comments."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._watch = _Watched(self.path)
+        self.keys: set[str] = set()
+        self.reload()
+
+    def reload(self) -> bool:
+        if not self._watch.changed():
+            return False
+        try:
+            lines = self.path.read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        self.keys = {ln.split("#", 1)[0].strip() for ln in lines} - {""}
+        return True
+
+    def add(self, key: str, note: str = "") -> None:
+        if len(key) != 40:
+            raise SecurityError(f"{key!r} is not a public key (40 Z85 characters, as shown by "
+                                f"the dashboard and the learner's log)")
+        with locked(self.path):
+            with self.path.open("a") as f:
+                f.write(f"{key}  # {note}\n" if note else f"{key}\n")
+        self.reload()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+
+# ----------------------------------------------------------------------------- rate limits
+
+
+class Bucket:
+    """A synchronous token bucket: ``take(n)`` succeeds when n tokens are there (no waiting:
+    a peer over its rate is refused, not queued)."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.stamp = burst, clock()
+
+    def take(self, n: float = 1.0) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < n:
+            return False
+        self.tokens -= n
+        return True
+
+
+class PeerLimits:
+    """One bucket per peer, for at most ``max_peers`` peers (least recently seen evicted: an
+    evicted peer starts again with a full bucket, which costs at most one burst)."""
+
+    def __init__(self, rate: float, burst: float, max_peers: int = 65536,
+                 clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.max_peers, self.clock = rate, burst, max_peers, clock
+        self._buckets: OrderedDict[str, Bucket] = OrderedDict()
+
+    def take(self, peer: str, n: float = 1.0) -> bool:
+        b = self._buckets.pop(peer, None) or Bucket(self.rate, self.burst, self.clock)
+        self._buckets[peer] = b
+        if len(self._buckets) > self.max_peers:
+            self._buckets.popitem(last=False)
+        return b.take(n)
+
+
+# ----------------------------------------------------------------------------- sockets
+
+
+def curve_server(sock: zmq.Socket, keys: KeyPair) -> None:
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_server = True
+
+
+def curve_client(sock: zmq.Socket, keys: KeyPair, server_key: bytes) -> None:
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_serverkey = server_key
+
+
+def peer_key(frame: zmq.Frame) -> str:
+    """The authenticated public key of the peer that sent ``frame`` ("" on a plaintext socket)."""
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return ""
+
+
+Decide = Callable[[str, str], str]  # (address, public key) -> "" to accept, else the reason
+
+
+async def serve_zap(ctx: Any, decide: Decide) -> None:
+    """The ZAP handler for every CURVE server socket of ``ctx`` (RFC 27). libzmq has already
+    proven the client holds the secret of the key it presents; ``decide`` says whether that key
+    may connect. The reply's user id is the key, so every message carries it as ``User-Id``."""
+    sock = ctx.socket(zmq.REP)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(ZAP_ENDPOINT)
+    try:
+        while True:
+            frames = await sock.recv_multipart()
+            req_id = frames[1] if len(frames) > 1 else b""
+            reason, key = "malformed", ""
+            if len(frames) == 7 and frames[5] == b"CURVE" and len(frames[6]) == 32:
+                key = z85.encode(frames[6]).decode()
+                reason = decide(frames[3].decode("ascii", "replace"), key)
+            ok = reason == ""
+            # 300 is a temporary refusal (the client may retry), 400 a final one.
+            status = b"200" if ok else b"300" if reason == "rate_limited" else b"400"
+            await sock.send_multipart([b"1.0", req_id, status,
+                                       (reason or "OK").encode(), key.encode() if ok else b"", b""])
+    finally:
+        sock.close(linger=0)
