@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(learn, config_required=True)
     learn.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                        help="continue the run in RUN_DIR from its last checkpoint and buffer log")
+    learn.add_argument("--insecure", action="store_true",
+                       help="plaintext sockets, even on a public address: anyone can impersonate "
+                            "any worker (security.curve=false, security.insecure=true)")
     qs = sub.add_parser("quickstart", help="learner + workers as local processes on loopback")
     _add_config_args(qs, config_required=False)
     qs.add_argument("--workers", type=int, default=None, help="worker processes (default: config)")
@@ -42,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev_sub.add_parser("poker", add_help=False, help="chip change against each opponent, 95%% CI")
     ev_sub.add_parser("math", add_help=False, help="accuracy on a JSONL set")
     sub.add_parser("report", add_help=False, help="compare runs: HTML, CSV, Parquet (see --help)")
+    sub.add_parser("token", add_help=False, help="token create --run-dir DIR --uses N --expires 24h")
+    sub.add_parser("worker", add_help=False, help="worker ban KEY --run-dir DIR")
     sub.add_parser("sim", add_help=False, help="discrete-event simulation: sim SCENARIO.toml [--json FILE]")
     prov = bench_sub.add_parser("provisioning", help="worker selection: greedy vs ours vs exact")
     prov.add_argument("--pools", type=int, default=1000)
@@ -61,8 +66,11 @@ def _load(args: argparse.Namespace):
     path = getattr(args, "config", None)
     if path is None and Path(DEFAULT_CONFIG).is_file():
         path = DEFAULT_CONFIG
+    overrides = list(args.overrides)
+    if getattr(args, "insecure", False):
+        overrides += ["security.curve=false", "security.insecure=true"]
     try:
-        return path, load_config(path, args.overrides)
+        return path, load_config(path, overrides)
     except ConfigError as err:
         print(f"echo-rl: {err}", file=sys.stderr)
         sys.exit(2)
@@ -87,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         from echo.report import main as report_main
 
         return report_main(argv[1:])
+    if argv[:2] in (["token", "create"], ["worker", "ban"]) or argv[:1] in (["token"], ["worker"]):
+        from echo.admin import main as admin_main
+
+        return admin_main(argv)
     if argv[:1] == ["sim"]:
         from provisioning.sim import main as sim_main
 

@@ -154,7 +154,9 @@ class MetricsConfig(_Section):
     """The learner's /metrics (Prometheus), /health and live dashboard."""
 
     enabled: bool = True
-    host: str = "127.0.0.1"  # keep it local or on a private network: no authentication
+    # Read-only pages, no authentication: keep it local or on a private network. At most 32
+    # connections are served at once; idle ones close after 10 s (echo/metrics.py).
+    host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: the OS picks; the address is in learner.json
 
 

@@ -94,6 +94,13 @@ class LearnerMetrics:
         self.g_buffer = g("echo_buffer_groups", "groups in the replay buffer", ("kind",))
         self.g_in_flight = g("echo_in_flight_groups", "groups handed out and not yet returned")
         self.g_rejected = g("echo_rejected", "records/frames rejected so far", ("reason",))
+        # docs/security.md: what the door refused, by reason
+        self.g_refusals = {
+            "join_refused": g("echo_join_refused", "joins and connections refused so far", ("reason",)),
+            "limited": g("echo_messages_refused", "messages refused (rate limit, ban) so far", ("reason",)),
+            "chunk_rejected": g("echo_chunk_requests_refused", "learner chunk requests refused so far",
+                                ("reason",)),
+        }
         self.g_bytes = g("echo_learner_bytes_sent", "snapshot bytes sent by the learner so far")
         self.g_t_bcast = g("echo_t_bcast_seconds", "T_bcast of the latest measured publication")
         self.g_bcast_v = g("echo_broadcast_seconds", "per version: seconds until the last worker "
@@ -181,6 +188,9 @@ class LearnerMetrics:
         for reason, n in rejected.items():
             self._rejected_reasons.add(reason)
             self.g_rejected.labels(reason=reason).set(n)
+        for key, gauge in self.g_refusals.items():
+            for reason, n in (stats.get(key) or {}).items():
+                gauge.labels(reason=reason).set(n)
         workers = stats.get("workers")
         if isinstance(workers, dict):
             for gone in set(self.workers) - set(workers):
@@ -261,6 +271,7 @@ class LearnerMetrics:
 
 class _Handler(BaseHTTPRequestHandler):
     metrics: LearnerMetrics  # set on the subclass made per server
+    timeout = 10  # seconds a connection may sit idle (an idle flood must not hold threads)
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
@@ -304,13 +315,39 @@ def _finite(x: Any) -> Any:
     return x
 
 
+MAX_CONNECTIONS = 32
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """At most ``MAX_CONNECTIONS`` connections served at once (one thread each); more are closed
+    at once and counted, so 780 idle connections cost 32 threads, not 780."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 class MetricsServer:
     """``/metrics``, ``/health``, ``/api/state``, ``/`` on host:port (port 0: the OS picks) in a
-    daemon thread. ``close()`` stops it."""
+    daemon thread, read-only, at most ``MAX_CONNECTIONS`` at once. ``close()`` stops it."""
 
     def __init__(self, metrics: LearnerMetrics, host: str = "127.0.0.1", port: int = 0):
         handler = type("Handler", (_Handler,), {"metrics": metrics})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd = _BoundedServer((host, port), handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="echo-metrics",
                                        daemon=True)

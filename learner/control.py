@@ -149,6 +149,7 @@ class ControlPlane:
         self.chunks = ChunkServer(snap, self.store, self.max_bytes, authorize=self._may_pull,
                                   max_parked_per_peer=sc.max_parked_per_peer,
                                   max_parked_total=sc.max_parked_total)
+        mons = [self._handshake_monitor(ctrl), self._handshake_monitor(snap)]
         self.verifier = Verifier(ctx, lambda child, parent: mint(
             self.key, child, parent, self.run_id, 600.0), self.max_bytes)
         self._ready.set()
@@ -157,8 +158,8 @@ class ControlPlane:
                 tasks = [tg.create_task(self._serve(ctrl)),
                          tg.create_task(self.chunks.serve_forever()),
                          tg.create_task(self._housekeeping()),
-                         tg.create_task(self._watch_handshakes(ctrl)),
-                         tg.create_task(self._watch_handshakes(snap)),
+                         tg.create_task(self._count_handshakes(mons[0])),
+                         tg.create_task(self._count_handshakes(mons[1])),
                          tg.create_task(self.verifier.serve_forever(self._verdict))]
                 if self.gate.keys is not None:
                     tasks.append(tg.create_task(serve_zap(ctx, self.gate.handshake)))
@@ -166,6 +167,9 @@ class ControlPlane:
                 for t in tasks:
                     t.cancel()
         finally:
+            for sock in (ctrl, snap):
+                if self.gate.keys is not None:
+                    sock.disable_monitor()
             ctrl.close(linger=500)
             snap.close(linger=0)
             ctx.term()
@@ -190,19 +194,23 @@ class ControlPlane:
         """What a volunteer passes to ``echo-worker join``: address, key (and a token)."""
         return str(JoinLine(self.endpoint, self.public_key, token))
 
-    async def _watch_handshakes(self, sock: zmq.asyncio.Socket) -> None:
+    def _handshake_monitor(self, sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket | None:
+        """Set up before the socket serves anyone, so no failed handshake goes uncounted."""
+        if self.gate.keys is None:
+            return None
+        return sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+    async def _count_handshakes(self, mon: zmq.asyncio.Socket | None) -> None:
         """Counts failed handshakes: plaintext clients and clients pinning another key (ZAP
         refusals are counted by the gate with their reason)."""
-        if self.gate.keys is None:
+        if mon is None:
             return
-        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         try:
             while True:
                 await mon.recv_multipart()
                 self.gate.refused["handshake_failed"] += 1
         finally:
-            sock.disable_monitor()
             mon.close(linger=0)
 
     def _may_pull(self, key: str, ticket: bytes) -> str:
@@ -356,6 +364,7 @@ class ControlPlane:
 
     async def _handle(self, ident: bytes, key: str, frames: list[bytes]) -> wire.Message | None:
         """One message from one peer: whatever it holds ends at most this message."""
+        msg: wire.Message | None = None
         try:
             if len(frames) != 1:
                 raise wire.WireError("malformed", f"{len(frames)} frames, expected 1")
@@ -369,7 +378,8 @@ class ControlPlane:
         except wire.WireError as err:
             self.rejected[err.reason] += 1
             log.warning("rejected message from %s: %s", key or ident.hex(), err)
-            return wire.Error(reason=err.reason, detail=err.detail)
+            # The request id, when the message had one, so the sender's request ends now.
+            return wire.Error(reason=err.reason, detail=err.detail, rid=msg.rid if msg else 0)
         except Exception:
             # A bug in one handler must not take the learner's control plane down with it:
             # the message is answered, counted and logged with its traceback.
