@@ -245,3 +245,72 @@ def test_finite_or_null_counts_what_it_replaces():
     clean, n = finite_or_null({"a": math.nan, "b": [1.0, math.inf, {"c": -math.inf}], "d": 2})
     assert clean == {"a": None, "b": [1.0, None, {"c": None}], "d": 2} and n == 3
     assert json.loads(json.dumps(clean, allow_nan=False)) == clean
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _strict_json(line: str) -> dict:
+    def refuse(const: str) -> None:
+        raise AssertionError(f"metrics.jsonl holds {const}")
+    return json.loads(line, parse_constant=refuse)
+
+
+def _hostile_batches(groups: list) -> list[wire.Trajectories]:
+    """The findings, one batch each: a 1e200 reward, a whole group at 1e308, -1e39 on a masked
+    token, NaN as a float32, a forged worker id, and a count that lies."""
+    g = iter(groups)
+    huge = records(next(g), worker_id="evil")
+    huge[0]["reward"] = 1e200
+    nan32 = lz4.frame.compress(msgpack.packb(records(next(g), worker_id="evil", reward=math.nan),
+                                             use_bin_type=True, use_single_float=True))
+    recs = [huge, records(next(g), worker_id="evil", reward=1e308),
+            records(next(g), worker_id="evil", loss_mask=[1, 0], logprobs=[-1.0, -1e39]),
+            records(next(g), worker_id="w0")]
+    out = [wire.Trajectories(worker_id="evil", batch_id=f"e{i}", count=len(r),
+                             payload=wire.pack_records(r)) for i, r in enumerate(recs)]
+    out.append(wire.Trajectories(worker_id="evil", batch_id="nan32", count=4, payload=nan32))
+    out.append(wire.Trajectories(worker_id="evil", batch_id="lie", count=True,
+                                 payload=wire.pack_records(recs[0])))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_hostile_sender_cannot_stop_a_real_learner(tmp_path, small_cfg):
+    import zmq
+
+    from test_integration import Cluster, rows, wait_rows
+
+    c = Cluster(tmp_path, small_cfg)
+    try:
+        run = c.learner(max_steps=10, lease_timeout_s=3.0)
+        c.worker("w0")
+        wait_rows(run, 1)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sock.connect(c.endpoint)
+        try:
+            ask(sock, wire.Join(worker_id="evil", price=0.1))
+            groups: list = []
+            while len(groups) < 5:
+                groups += ask(sock, wire.WorkRequest(worker_id="evil", max_groups=5 - len(groups))).groups
+            replies = [ask(sock, b) for b in _hostile_batches(groups)]
+            sock.send(wire.encode(wire.Leave(worker_id="evil")))
+        finally:
+            sock.close(linger=500)
+            ctx.term()
+        assert [r.rejected for r in replies[:5]] == [
+            {"reward_out_of_range": 1}, {"reward_out_of_range": 4}, {"logprob_below_floor": 4},
+            {"identity_mismatch": 4}, {"non_finite_reward": 4}]
+        assert isinstance(replies[5], wire.Error)
+        assert c.wait("learner") == 0  # trained to the end
+        assert c.wait("w0", 60) == 0  # the honest worker was never sent a NaN snapshot
+        got = [_strict_json(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in got] == list(range(10)) == [r["step"] for r in rows(run)]
+        assert all(r["skipped_nonfinite"] == 0 and r["publish_refused"] == 0 for r in got)
+        assert {"reward_out_of_range", "logprob_below_floor", "identity_mismatch",
+                "non_finite_reward"} <= set(got[-1]["rejected"])
+    finally:
+        c.group.stop_all()
