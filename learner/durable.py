@@ -14,7 +14,8 @@ A torn frame at the tail (crash mid-write) is detected by length or CRC and igno
 never acknowledged. An intact entry that cannot be replayed (it does not decode, or a record
 fails today's admission checks, e.g. a reward past ``learner.max_abs_reward``) is set aside
 into ``buffer.log.rejected`` with its reason (``scan_log``, ``quarantine``) and the resume
-goes on: it is never replayed into the crash it may have caused. ``compact`` rewrites the log with only what is still live (atomic rename).
+goes on: it is never replayed into the crash it may have caused. ``compact`` rewrites the
+log with only what is still live (atomic rename).
 """
 
 from __future__ import annotations
