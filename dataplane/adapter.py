@@ -97,7 +97,8 @@ def materialise_records(groups: Sequence[Sequence[Record]], advantages: Sequence
             raise ValueError(f"record {r.group_id}/{r.sample_idx}: loss_mask has {len(m)} entries "
                              f"for {len(r.completion_ids)} completion tokens")
         mask[i, start : len(s) - 1] = torch.tensor(m, dtype=torch.float32)
-        blp[i, start : len(s) - 1] = torch.tensor(r.logprobs) * mask[i, start : len(s) - 1]
+        # where, not a product: an untrained token's log-prob never enters (-inf * 0 is NaN)
+        blp[i, start : len(s) - 1] = torch.where(torch.tensor(m) > 0, torch.tensor(r.logprobs), 0.0)
     return LearnerBatch(
         input_ids=ids, attention_mask=attn, loss_mask=mask, behaviour_logprobs=blp,
         advantages=torch.tensor(list(advantages), dtype=torch.float32),

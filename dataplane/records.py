@@ -8,12 +8,18 @@ record = {
   "sample_idx": int,        # 0 <= idx < group size
   "prompt_ids": [int],      # must equal the prompt the learner handed out
   "completion_ids": [int],  # generated tokens, each < vocab size, len <= max_new_tokens
-  "logprobs": [float],      # behaviour log-prob of each completion token (finite, <= 0)
-  "reward": float,          # finite, scored on the worker by the adapter
+  "logprobs": [float],      # behaviour log-prob of each completion token (finite, in
+                            # [min_logprob, 0]; masked tokens too)
+  "reward": float,          # finite, |reward| <= max_abs_reward; scored on the worker
   "version": int,           # snapshot version the generation started with (oldest if mixed)
   "worker_id": str,
-  "gen_s": float,           # seconds the worker spent generating this sample's group
+  "gen_s": float,           # seconds the worker spent generating this sample's group (>= 0)
 }
+
+Every number is bounded here, at admission, so that nothing a worker can send overflows or
+turns into NaN downstream (advantages, the loss, metrics): with |reward| <= max_abs_reward
+(at most 1e30, ``echo.config``) the group advantages are finite, and a log-prob floor keeps
+``exp(logp_old - logp_behaviour)`` and float32 conversion away from infinity.
 """
 
 from __future__ import annotations
@@ -52,7 +58,12 @@ class Limits:
     vocab_size: int
     max_new_tokens: int
     group_size: int
+    max_abs_reward: float = 1e6  # learner.max_abs_reward
+    min_logprob: float = -1e4  # learner.min_behaviour_logprob
 
+
+# log-probs a hair above 0 are rounding in the worker's sampler, not probabilities above 1
+LOGPROB_TOLERANCE = 1e-4
 
 _FIELDS = {
     "group_id": str, "sample_idx": int, "prompt_ids": list, "completion_ids": list,
@@ -67,6 +78,42 @@ def _check_ids(ids: list, vocab: int, what: str) -> None:
             raise RecordError("invalid_fields", f"{what} holds {type(t).__name__}, expected int")
         if not 0 <= t < vocab:
             raise RecordError("out_of_vocab", f"{what} holds token id {t} outside [0, {vocab})")
+
+
+def _check_logprobs(logprobs: list, floor: float) -> None:
+    """Every token, trained on or not: a masked -1e39 becomes -inf in float32, and -inf times
+    a zero mask is NaN."""
+    for lp in logprobs:
+        if not isinstance(lp, (float, int)) or isinstance(lp, bool):
+            raise RecordError("invalid_fields", f"logprobs hold {type(lp).__name__}, expected float")
+        lp = _as_float(lp, "non_finite_logprob")
+        if not math.isfinite(lp):
+            raise RecordError("non_finite_logprob", f"behaviour log-prob {lp!r} is not finite")
+        if lp > LOGPROB_TOLERANCE:
+            raise RecordError("bad_logprob", f"behaviour log-prob {lp!r} is above 0")
+        if lp < floor:
+            raise RecordError("logprob_below_floor",
+                              f"behaviour log-prob {lp!r} is below the floor {floor:g}; a sampled "
+                              f"token cannot be this unlikely (learner.min_behaviour_logprob)")
+
+
+def _as_float(x: float | int, reason: str) -> float:
+    """An int too large for a float (possible in-process, not over msgpack) is out of range,
+    not an OverflowError."""
+    try:
+        return float(x)
+    except OverflowError:
+        raise RecordError(reason, f"{x!r} does not fit a float") from None
+
+
+def _check_reward(reward: float | int, bound: float) -> None:
+    reward = _as_float(reward, "reward_out_of_range")
+    if not math.isfinite(reward):
+        raise RecordError("non_finite_reward", f"reward {reward!r}")
+    if abs(reward) > bound:
+        raise RecordError("reward_out_of_range",
+                          f"reward {reward!r} is outside [-{bound:g}, {bound:g}]: scale the "
+                          f"adapter's rewards down, or raise learner.max_abs_reward (at most 1e30)")
 
 
 def parse_record(obj: Any, limits: Limits) -> Record:
@@ -89,15 +136,15 @@ def parse_record(obj: Any, limits: Limits) -> Record:
         raise RecordError("bad_length", f"{n} completion tokens, expected 1..{limits.max_new_tokens}")
     if len(obj["logprobs"]) != n:
         raise RecordError("bad_length", f"{len(obj['logprobs'])} logprobs for {n} tokens")
-    for lp in obj["logprobs"]:
-        if not isinstance(lp, (float, int)) or not math.isfinite(lp) or lp > 1e-4:
-            raise RecordError("bad_logprob", f"behaviour log-prob {lp!r} is not finite and <= 0")
+    _check_logprobs(obj["logprobs"], limits.min_logprob)
     mask = obj.get("loss_mask")
     if mask is not None and (not isinstance(mask, list) or len(mask) != n
                              or any(type(m) is not int or m not in (0, 1) for m in mask)):
         raise RecordError("bad_loss_mask", f"loss_mask must be a list of {n} ints in {{0, 1}}")
-    if not math.isfinite(obj["reward"]):
-        raise RecordError("non_finite_reward", f"reward {obj['reward']!r}")
+    _check_reward(obj["reward"], limits.max_abs_reward)
+    gen_s = _as_float(obj["gen_s"], "bad_gen_s")
+    if not math.isfinite(gen_s) or gen_s < 0:
+        raise RecordError("bad_gen_s", f"gen_s {obj['gen_s']!r} is not a finite number of seconds >= 0")
     if not 0 <= obj["sample_idx"] < limits.group_size:
         raise RecordError("bad_sample_idx",
                           f"sample_idx {obj['sample_idx']} outside [0, {limits.group_size})")

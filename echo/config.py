@@ -99,6 +99,13 @@ class LearnerConfig(StalenessRules, _Section):
     price_per_hour: float = Field(0.0, ge=0)
     checkpoint: bool = True  # checkpoint before every publication (needed for --resume)
     fsync: bool = True  # fsync the buffer log before acknowledging (off only for benchmarks)
+    # Admission bounds (dataplane/records.py): a record whose |reward| exceeds this is rejected
+    # ("reward_out_of_range"). Raise it if an adapter's rewards are legitimately larger; the cap
+    # of 1e30 keeps rewards, their squares and the advantages finite in float32/float64.
+    max_abs_reward: float = Field(1e6, gt=0, le=1e30)
+    # Lowest behaviour log-prob accepted on any token, masked or not ("logprob_below_floor"):
+    # a sampled token is never this unlikely; -1e39 would become -inf in float32.
+    min_behaviour_logprob: float = Field(-1e4, ge=-1e30, lt=0)
 
     @model_validator(mode="after")
     def _kappa_within_budget(self) -> "LearnerConfig":

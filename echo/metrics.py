@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import threading
 import time
 from collections import deque
@@ -47,10 +48,13 @@ ROW_FIELDS = ("step", "version", "reward_mean", "staleness_max", "staleness_mean
 
 
 def _num(x: Any) -> float | None:
+    """A finite float, else None (the metric keeps its last value: one NaN must not stick in
+    a running total such as the cost)."""
     try:
-        return None if x is None else float(x)
-    except (TypeError, ValueError):
+        v = None if x is None else float(x)
+    except (TypeError, ValueError, OverflowError):
         return None
+    return v if v is not None and math.isfinite(v) else None
 
 
 class LearnerMetrics:
@@ -306,13 +310,21 @@ class _Handler(BaseHTTPRequestHandler):
 
 def _finite(x: Any) -> Any:
     """NaN/inf are not JSON: send null."""
-    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
-        return None
+    return finite_or_null(x)[0]
+
+
+def finite_or_null(x: Any) -> tuple[Any, int]:
+    """``x`` with every non-finite float (nested in dicts, lists, tuples) replaced by None,
+    and how many were replaced: what ``json.dumps(..., allow_nan=False)`` accepts."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None, 1
     if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
+        items = [(k, finite_or_null(v)) for k, v in x.items()]
+        return {k: v for k, (v, _) in items}, sum(n for _, (_, n) in items)
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
+        items = [finite_or_null(v) for v in x]
+        return [v for v, _ in items], sum(n for _, n in items)
+    return x, 0
 
 
 MAX_CONNECTIONS = 32

@@ -611,12 +611,20 @@ class ControlPlane:
             self.rejected[err.reason] += 1
             log.warning("rejected trajectory batch %s from %s: %s", msg.batch_id, msg.worker_id, err)
             return wire.Error(reason=err.reason, detail=err.detail, ref=msg.batch_id)
+        # (echo.wire refuses a bool count; were one let through, True == 1 must not pass here)
+        if type(msg.count) is not int or msg.count != len(raw):
+            self.rejected["count_mismatch"] += 1
+            log.warning("rejected trajectory batch %s from %s: count %r for %d records",
+                        msg.batch_id, msg.worker_id, msg.count, len(raw))
+            return wire.Error(reason="count_mismatch", ref=msg.batch_id,
+                              detail=f"count {msg.count!r} but {len(raw)} records: send count=len(records)")
         accepted: list[Record] = []
         duplicates = 0
         rejected: Counter[str] = Counter()
         rejected_idx: list[int] = []
+        details: dict[str, str] = {}  # one example per reason, for the log
         for i, obj in enumerate(raw):
-            outcome, rec = self._admit(obj)
+            outcome, rec = self._admit(obj, msg.worker_id)
             if outcome in (ACCEPTED, COMPLETED):
                 accepted.append(rec)
             elif outcome == DUPLICATE:
@@ -624,10 +632,13 @@ class ControlPlane:
             else:  # stale ones are counted by the buffer as dropped_stale, the rest here
                 rejected[outcome] += 1
                 rejected_idx.append(i)
+                if isinstance(rec, RecordError):
+                    details.setdefault(outcome, rec.detail)
         if rejected:
             self.rejected.update({k: v for k, v in rejected.items()
                                   if k not in (STALE, "future_version", "buffer_full")})
-            log.warning("batch %s from %s: rejected %s", msg.batch_id, msg.worker_id, dict(rejected))
+            log.warning("batch %s from %s: rejected %s %s", msg.batch_id, msg.worker_id,
+                        dict(rejected), details or "")
         if self.buffer_log is not None:
             self.buffer_log.admitted(accepted)  # durable before acknowledged
         if accepted:
@@ -640,11 +651,14 @@ class ControlPlane:
         return wire.Ack(batch_id=msg.batch_id, accepted=len(accepted), duplicates=duplicates,
                         rejected=dict(rejected), rejected_idx=rejected_idx)
 
-    def _admit(self, obj: Any) -> tuple[str, Record | None]:
+    def _admit(self, obj: Any, sender: str) -> tuple[str, Record | RecordError | None]:
+        """(outcome, the record; or the parse error when it did not parse)."""
         try:
             rec = parse_record(obj, self.limits)
         except RecordError as err:
-            return err.reason, None
+            return err.reason, err
+        if rec.worker_id != sender:  # a record speaks for the worker that sent it, no other
+            return "identity_mismatch", rec
         if self.buffer.is_done(rec.group_id):
             return self.buffer.admit(rec), rec  # counted there as a duplicate
         group = self.work.lookup(rec.group_id)

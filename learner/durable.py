@@ -11,23 +11,29 @@ Replay is order-independent: the live buffer after a restart is every admitted r
 group was not consumed by a step that the restored checkpoint contains. Groups consumed by
 steps after the checkpoint (trained, but the training was lost with the crash) come back.
 A torn frame at the tail (crash mid-write) is detected by length or CRC and ignored: it was
-never acknowledged. ``compact`` rewrites the log with only what is still live (atomic rename).
+never acknowledged. An intact entry that cannot be replayed (it does not decode, or a record
+fails today's admission checks, e.g. a reward past ``learner.max_abs_reward``) is set aside
+into ``buffer.log.rejected`` with its reason (``scan_log``, ``quarantine``) and the resume
+goes on: it is never replayed into the crash it may have caused. ``compact`` rewrites the
+log with only what is still live (atomic rename).
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import struct
 import threading
 import zlib
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
-from dataplane.records import Record
+from dataplane.records import Limits, Record, RecordError, parse_record
 
 _HEADER = struct.Struct("<II")
 
@@ -90,12 +96,33 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_log(path: Path) -> tuple[list[Record], dict[int, list[str]]]:
-    """All intact frames: (admitted records, {step: consumed group ids})."""
+@dataclass
+class SetAside:
+    """A log entry that cannot be replayed: why, and its bytes (msgpack) for inspection."""
+    reason: str
+    detail: str
+    body: bytes
+
+
+def read_log(path: Path, limits: Limits | None = None
+             ) -> tuple[list[Record], dict[int, list[str]]]:
+    """All intact frames: (admitted records, {step: consumed group ids}); entries that cannot
+    be replayed are left out (see ``scan_log``)."""
+    admitted, consumed, _ = scan_log(path, limits)
+    return admitted, consumed
+
+
+def scan_log(path: Path, limits: Limits | None = None
+             ) -> tuple[list[Record], dict[int, list[str]], list[SetAside]]:
+    """Like ``read_log``, plus the entries set aside: a frame whose body does not decode, and
+    each record that is not a valid record (or, with ``limits``, fails today's admission
+    bounds). Nothing in the log can make the replay raise, so a poisoned entry cannot crash
+    every resume."""
     admitted: list[Record] = []
     consumed: dict[int, list[str]] = {}
+    aside: list[SetAside] = []
     if not path.exists():
-        return admitted, consumed
+        return admitted, consumed, aside
     data = path.read_bytes()
     pos = 0
     while pos + _HEADER.size <= len(data):
@@ -103,13 +130,60 @@ def read_log(path: Path) -> tuple[list[Record], dict[int, list[str]]]:
         body = data[pos + _HEADER.size : pos + _HEADER.size + length]
         if len(body) < length or zlib.crc32(body) != crc:
             break  # torn tail: written during the crash, never acknowledged
-        kind, payload = msgpack.unpackb(body, raw=False)
-        if kind == "admit":
-            admitted.extend(Record(**r) for r in payload)
-        elif kind == "consume":
-            consumed.setdefault(payload[0], []).extend(payload[1])
         pos += _HEADER.size + length
-    return admitted, consumed
+        try:
+            kind, payload = msgpack.unpackb(body, raw=False)
+            if kind == "consume":
+                step, gids = payload
+                if (type(step) is not int or not isinstance(gids, list)
+                        or not all(isinstance(g, str) for g in gids)):
+                    raise ValueError("a consume entry is [int step, [str group ids]]")
+                consumed.setdefault(step, []).extend(gids)
+                continue
+            if kind != "admit" or not isinstance(payload, list):
+                raise ValueError(f"unknown entry kind {kind!r}")
+        except Exception as exc:
+            aside.append(SetAside("unparseable", f"{type(exc).__name__}: {exc}", body))
+            continue
+        for obj in payload:
+            rec = _replayed(obj, limits, aside)
+            if rec is not None:
+                admitted.append(rec)
+    return admitted, consumed, aside
+
+
+def _replayed(obj: Any, limits: Limits | None, aside: list[SetAside]) -> Record | None:
+    try:
+        if limits is not None:
+            return parse_record(obj, limits)
+        return Record(**obj)
+    except RecordError as err:
+        aside.append(SetAside(err.reason, err.detail, _pack(obj)))
+    except Exception as exc:
+        aside.append(SetAside("unreplayable", f"{type(exc).__name__}: {exc}", _pack(obj)))
+    return None
+
+
+def _pack(obj: Any) -> bytes:
+    try:
+        return msgpack.packb(obj, use_bin_type=True)
+    except Exception:
+        return repr(obj).encode()
+
+
+def quarantine(log_path: Path, entries: list[SetAside]) -> Path:
+    """Append ``entries`` to ``<log>.rejected`` next to the log (JSON lines: reason, detail,
+    the entry's msgpack bytes in base64), fsynced: the compaction that follows removes them
+    from the log itself."""
+    out = log_path.with_name(log_path.name + ".rejected")
+    if entries:
+        with open(out, "a") as f:
+            for e in entries:
+                f.write(json.dumps({"reason": e.reason, "detail": e.detail,
+                                    "msgpack_b64": base64.b64encode(e.body).decode()}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return out
 
 
 def live_after(admitted: list[Record], consumed: dict[int, list[str]],

@@ -26,13 +26,13 @@ from broadcast.snapshot import Snapshot, build_manifest
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits, Record
 from echo.config import EchoConfig, dump_toml
-from echo.metrics import LearnerMetrics
+from echo.metrics import LearnerMetrics, finite_or_null
 from echo.machine import machine_info
 from echo.procs import READY_PREFIX
 from echo.models import params_to_payload
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_checkpoint, load_or_create_key, save_checkpoint
-from learner.durable import BufferLog, live_after, read_log
+from learner.durable import BufferLog, live_after, quarantine, scan_log
 from learner.control import ControlPlane
 from learner.policy import FullState, Policy
 from learner.work import WorkQueue
@@ -102,8 +102,9 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
 
 
 def _summary(cfg: EchoConfig, rows: list[dict[str, Any]], totals: RunTotals) -> dict[str, Any]:
-    def mean(rs: list[dict[str, Any]]) -> float:
-        return sum(r["reward_mean"] for r in rs) / len(rs)
+    def mean(rs: list[dict[str, Any]]) -> float | None:
+        vals = [r["reward_mean"] for r in rs if r.get("reward_mean") is not None]
+        return sum(vals) / len(vals) if vals else None
 
     return {
         "steps": len(rows), "staleness_budget": cfg.learner.staleness,
@@ -178,7 +179,8 @@ class Learner:
         max_tokens = max(cfg.worker.max_new_tokens,
                          getattr(self.adapter, "max_completion_tokens", 0)
                          if getattr(self.adapter, "multi_turn", False) else 0)
-        self.limits = Limits(policy.vocab_size, max_tokens, lc.group_size)
+        self.limits = Limits(policy.vocab_size, max_tokens, lc.group_size,
+                             max_abs_reward=lc.max_abs_reward, min_logprob=lc.min_behaviour_logprob)
         self.buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size,
                                    on_drop=self._audit_drop)
         self.log = BufferLog(run_dir / "buffer.log", fsync=lc.fsync)
@@ -193,6 +195,8 @@ class Learner:
         self.metrics = (LearnerMetrics(learner_price_per_hour=lc.price_per_hour, run_id=self.run_id)
                         if cfg.metrics.enabled else None)
         self.metrics_server: Any = None
+        self.publish_refused = 0  # snapshots not published because a tensor was not finite
+        self.struck: Counter[str] = Counter()  # worker id -> records behind skipped updates
 
     def _audit(self, name: str, entry: dict[str, Any]) -> None:
         """Append-only audit trails (consumed.jsonl, dropped.jsonl), keyed by step so a
@@ -246,7 +250,7 @@ class Learner:
     def _restore(self) -> None:
         ckpt = load_checkpoint(self.run_dir)
         last = ckpt["step"] if ckpt else -1
-        admitted, consumed = read_log(self.run_dir / "buffer.log")
+        admitted, consumed, aside = scan_log(self.run_dir / "buffer.log", self.limits)
         live, trained = live_after(admitted, consumed, last)
         if ckpt:
             self.policy.command({"op": "load", "state": ckpt})
@@ -258,6 +262,7 @@ class Learner:
             self.step = last + 1
         self.buffer.set_version(self.step)
         self.buffer.restore(live, trained)
+        self._set_aside(aside)  # before the compaction drops them from the log
         self.log.compact(lambda: live)
         self._trim_audit()
         if ckpt and ckpt.get("row") and not any(r["step"] == last for r in self.rows):
@@ -265,9 +270,19 @@ class Learner:
         log.info("resumed at step %d: %d buffered records restored, %d groups already trained",
                  self.step, len(live), len(trained))
 
+    def _set_aside(self, aside: list[Any]) -> None:
+        """Log entries that cannot be replayed go to buffer.log.rejected, counted under
+        ``set_aside_on_resume``; the resume goes on without them."""
+        if not aside:
+            return
+        path = quarantine(self.run_dir / "buffer.log", aside)
+        self.buffer.stats.rejected["set_aside_on_resume"] += len(aside)
+        log.error("resume: %d buffer log entr%s set aside into %s (%s)", len(aside),
+                  "y" if len(aside) == 1 else "ies", path, dict(Counter(a.reason for a in aside)))
+
     def _trim_audit(self) -> None:
         """Steps after the checkpoint were lost with the crash: set their lines aside."""
-        for name in ("metrics", "consumed", "dropped"):
+        for name in ("metrics", "consumed", "dropped", "nonfinite"):
             path = self.run_dir / f"{name}.jsonl"
             if not path.exists():
                 continue
@@ -285,7 +300,7 @@ class Learner:
         """The crash came after the checkpoint and before the step's metrics line."""
         self.rows.append(row)
         with (self.run_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(finite_or_null(row)[0], allow_nan=False) + "\n")
         log.info("metrics line of step %d restored from the checkpoint (t_publish unknown: 0)",
                  row["step"])
 
@@ -302,7 +317,24 @@ class Learner:
         # records still owed to training.
         self.log.compact(self.buffer.contents)
 
+    def _state_finite(self, version: int, model_sd: dict[str, Any]) -> bool:
+        """A snapshot with a NaN or inf would break every worker that installs it: refuse it,
+        loudly; the workers keep the previous version."""
+        bad = [n for n, t in self.policy.named_tensors(model_sd)
+               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            self.publish_refused += 1
+            log.error("version %d NOT published (nor checkpointed): non-finite values in %d "
+                      "tensor(s), first %s; workers keep the previous version", version,
+                      len(bad), bad[:3])
+        return not bad
+
     def _publish(self, version: int, model_sd: dict[str, Any]) -> None:
+        if self._state_finite(version, model_sd):
+            self._send_snapshot(version, model_sd)
+
+    def _send_snapshot(self, version: int, model_sd: dict[str, Any]) -> None:
+        """Build and publish; the caller has checked that the state is finite."""
         dtype = self.cfg.broadcast.dtype
         tensors, payload = params_to_payload(self.policy.named_tensors(model_sd), dtype)
         manifest = build_manifest(run_id=self.run_id, version=version, tensors=tensors,
@@ -318,10 +350,11 @@ class Learner:
             while self.step < self.cfg.learner.max_steps:
                 row = self._one_step()
                 self.rows.append(row)
-                metrics.write(json.dumps(row) + "\n")
+                metrics.write(json.dumps(row, allow_nan=False) + "\n")  # _finite_row made it so
                 metrics.flush()
         summary = _summary(self.cfg, self.rows, self.totals)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (self.run_dir / "summary.json").write_text(
+            json.dumps(finite_or_null(summary)[0], indent=2, allow_nan=False))
         return summary
 
     def _one_step(self) -> dict[str, Any]:
@@ -340,28 +373,49 @@ class Learner:
         stats, full = self.policy.command({"op": "step", "sync": publish,
                                            "batch": self.adapter.materialise(groups, lc.adv_eps)})
         t2 = time.monotonic()
+        if stats.get("skipped_nonfinite"):
+            self._strike(groups, self.policy.trainer.nonfinite_rows)
         self.totals.add(step, t1 - t0, t2 - t1)
         self.step += 1
         self.buffer.set_version(self.step)
         assert self.control is not None
-        if full is None:
-            control = self.control.stats()
-            row = _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1,
-                               time.monotonic() - t2, self.totals, self.buffer, control)
-        else:
+        control = self.control.stats()
+        row = self._finite_row(_metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, 0.0,
+                                            self.totals, self.buffer, control))
+        if full is not None and self._state_finite(self.step, full[0]):
             # The row goes into the checkpoint too: a crash between the checkpoint and the
             # metrics line would otherwise lose the line of a step the resumed run skips.
-            control = self.control.stats()
-            row = _metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, 0.0, self.totals,
-                               self.buffer, control)
             if lc.checkpoint:
                 self._checkpoint(full, row)  # before publishing: no worker runs ahead of it
-            self._publish(self.step, full[0])
-            row["t_publish"] = round(time.monotonic() - t2, 4)
+            self._send_snapshot(self.step, full[0])
+        row["t_publish"] = round(time.monotonic() - t2, 4)
+        row["publish_refused"] = self.publish_refused
         self._provisioning(t2 - t1, control["t_bcast"] or 0.0)
         if self.metrics is not None:
             self.metrics.update(row, control)
         return row
+
+    def _finite_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        """NaN and inf are not JSON (and not numbers a reader can plot): written as null and
+        counted in the row's ``nonfinite_values``."""
+        clean, n = finite_or_null(row)
+        if n:
+            log.warning("step %s: %d non-finite metric value(s) written as null", row["step"], n)
+        clean["nonfinite_values"] = n
+        return clean
+
+    def _strike(self, groups: list[list[Record]], rows: list[int]) -> list[str]:
+        """Trace the rows behind skipped non-finite updates to their groups and senders:
+        logged, written to ``nonfinite.jsonl``, counted in ``self.struck``; returned."""
+        records = [r for g in groups for r in g]
+        culprits = [records[i] for i in sorted(set(rows)) if 0 <= i < len(records)]
+        workers = sorted({r.worker_id for r in culprits})
+        gids = sorted({r.group_id for r in culprits})
+        self.struck.update(r.worker_id for r in culprits)
+        self._audit("nonfinite", {"groups": gids, "workers": workers})
+        log.error("step %d: update(s) skipped for non-finite loss/gradient; behind them %d "
+                  "group(s) %s from worker(s) %s", self.step, len(gids), gids[:5], workers)
+        return workers
 
     def _provisioning(self, t_train: float, t_bcast: float) -> None:
         """Tell the controller what capacity the learner needs now (DESIGN 4), and record the

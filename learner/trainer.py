@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
+import math
 from typing import Any
 
 import torch
@@ -12,6 +14,19 @@ from dataplane.adapter import LearnerBatch
 from echo.config import LearnerConfig
 from learner.loss import LossConfig, grpo_loss
 from learner.parallel import Parallel, Single
+
+log = logging.getLogger("echo.trainer")
+
+
+def _blame(batch: LearnerBatch, rows: torch.Tensor) -> list[int]:
+    """The rows of a skipped mini-batch behind it: those whose own inputs are not finite
+    (reward, advantage, a trained behaviour log-prob), else all of them (a gradient that
+    overflowed has no single culprit)."""
+    trained = batch.loss_mask[rows] > 0
+    blp_ok = torch.where(trained, torch.isfinite(batch.behaviour_logprobs[rows]), True).all(-1)
+    ok = torch.isfinite(batch.advantages[rows]) & torch.isfinite(batch.rewards[rows]) & blp_ok
+    bad = rows[~ok] if not ok.all() else rows
+    return [int(r) for r in bad]
 
 
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -71,11 +86,18 @@ class Trainer:
         # The reference model costs a full copy; it exists only when the KL term is on.
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
         self.generator = torch.Generator().manual_seed(seed)
+        self.nonfinite_rows: list[int] = []  # rows behind the last step's skipped updates
 
     def step(self, batch: LearnerBatch) -> dict[str, float]:
         """Every rank calls this with the whole batch and trains on its shard of each
-        mini-batch; losses are scaled so the rank-averaged gradient is the global one."""
+        mini-batch; losses are scaled so the rank-averaged gradient is the global one.
+
+        An update whose loss or gradient is not finite on any rank is skipped on every rank:
+        weights and optimizer state stay as they were. Skips are counted in the returned
+        ``skipped_nonfinite``, and the batch rows behind them are left in ``nonfinite_rows``
+        so the caller can trace them to their senders."""
         self.model.train()
+        self.nonfinite_rows = []
         order = torch.randperm(batch.input_ids.shape[0], generator=self.generator)
         minibatches = order.chunk(self.cfg.updates_per_step)
         shards = [self.par.shard(mb) for mb in minibatches]
@@ -83,23 +105,48 @@ class Trainer:
             olds = [self._logprobs(self.model, batch, i) for i in shards]
             refs = ([self._logprobs(self.ref_model, batch, i) for i in shards]
                     if self.ref_model is not None else [None] * len(shards))
-        sums: dict[str, float] = {}
+        applied: list[dict[str, float]] = []
         for mb, idx, old, ref in zip(minibatches, shards, olds, refs):
-            global_count = (float(batch.loss_mask[mb].sum().clamp(min=1))
-                            if self.loss_cfg.agg == "token-mean" else float(len(mb)))
-            logp = self._logprobs(self.model, batch, idx)
-            loss, stats = grpo_loss(logp, old, batch.behaviour_logprobs[idx],
-                                    batch.advantages[idx], batch.loss_mask[idx], self.loss_cfg,
-                                    ref, denom=global_count / self.par.world)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
-            self.optimizer.step()
-            stats["loss"] = loss.item()
-            stats = self._global(stats, float(batch.loss_mask[idx].sum()))
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v / self.cfg.updates_per_step
-        return sums
+            stats = self._update(batch, mb, idx, old, ref)
+            if stats is None:
+                self.nonfinite_rows += _blame(batch, mb)
+            else:
+                applied.append(stats)
+        skipped = len(minibatches) - len(applied)
+        if skipped:
+            log.error("skipped %d of %d updates: non-finite loss or gradient (rows %s)",
+                      skipped, len(minibatches), sorted(self.nonfinite_rows))
+        keys = (*self.TOKEN_MEANS, "grad_norm", "loss")
+        out = ({k: sum(s[k] for s in applied) / len(applied) for k in keys} if applied
+               else {k: math.nan for k in keys})  # nothing trained: no loss to report
+        return {**out, "skipped_nonfinite": float(skipped)}
+
+    def _update(self, batch: LearnerBatch, mb: torch.Tensor, idx: torch.Tensor,
+                old: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float] | None:
+        """One mini-batch update; None (and no optimizer step) when it is not finite."""
+        global_count = (float(batch.loss_mask[mb].sum().clamp(min=1))
+                        if self.loss_cfg.agg == "token-mean" else float(len(mb)))
+        logp = self._logprobs(self.model, batch, idx)
+        loss, stats = grpo_loss(logp, old, batch.behaviour_logprobs[idx],
+                                batch.advantages[idx], batch.loss_mask[idx], self.loss_cfg,
+                                ref, denom=global_count / self.par.world)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # on every rank even when non-finite: FSDP2's collectives must line up
+        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
+        stats["loss"] = loss.item()
+        if not self._all_finite(stats["loss"], stats["grad_norm"]):
+            self.optimizer.zero_grad(set_to_none=True)  # the NaN gradients go, unused
+            return None
+        self.optimizer.step()
+        return self._global(stats, float(batch.loss_mask[idx].sum()))
+
+    def _all_finite(self, loss: float, grad_norm: float) -> bool:
+        """Finite on every rank (an all-reduced flag: each rank sees only its shard's loss,
+        and all must agree to skip). A non-finite gradient anywhere makes the norm non-finite."""
+        bad = float(not (math.isfinite(loss) and math.isfinite(grad_norm)))
+        if self.par.world > 1:
+            bad = float(self.par.all_sum(torch.tensor([bad], dtype=torch.float64))[0])
+        return bad == 0
 
     TOKEN_MEANS = ("clip_frac", "is_weight_mean", "kl_mean")
 

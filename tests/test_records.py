@@ -28,7 +28,17 @@ def test_good_record_parses():
     ({"completion_ids": [], "logprobs": []}, "bad_length"),
     ({"completion_ids": [5] * 5, "logprobs": [-1.0] * 5}, "bad_length"),
     ({"logprobs": [-0.5, 3.0]}, "bad_logprob"),
-    ({"logprobs": [-0.5, math.nan]}, "bad_logprob"),
+    ({"logprobs": [-0.5, math.nan]}, "non_finite_logprob"),
+    ({"logprobs": [-0.5, -math.inf]}, "non_finite_logprob"),
+    ({"logprobs": [-0.5, -1e39]}, "logprob_below_floor"),
+    # a masked token is checked too: -1e39 is -inf in float32, and -inf * 0 is NaN
+    ({"logprobs": [-0.5, -1e39], "loss_mask": [1, 0]}, "logprob_below_floor"),
+    ({"logprobs": [-0.5, True]}, "invalid_fields"),
+    ({"reward": 1e200}, "reward_out_of_range"),
+    ({"reward": -1e308}, "reward_out_of_range"),
+    ({"reward": 10**400}, "reward_out_of_range"),  # in-process only: msgpack ints are 64-bit
+    ({"gen_s": math.inf}, "bad_gen_s"),
+    ({"gen_s": -1.0}, "bad_gen_s"),
     ({"sample_idx": 4}, "bad_sample_idx"),
     ({"version": "1"}, "invalid_fields"),
     ({"sample_idx": True}, "invalid_fields"),
@@ -38,6 +48,20 @@ def test_bad_records_rejected_with_reason(patch, reason):
     with pytest.raises(RecordError) as e:
         parse_record(good(**patch), LIM)
     assert e.value.reason == reason
+
+
+def test_bounds_follow_the_limits():
+    """The reward bound and the log-prob floor come from the config (Limits); a value on the
+    bound is admitted, just past it is not, and a log-prob a rounding error above 0 passes."""
+    lim = Limits(24, 4, 4, max_abs_reward=10.0, min_logprob=-50.0)
+    assert parse_record(good(reward=-10.0, logprobs=[-50.0, 5e-5]), lim).reward == -10.0
+    for patch, reason in [({"reward": 10.5}, "reward_out_of_range"),
+                          ({"logprobs": [-50.5, -1.0]}, "logprob_below_floor")]:
+        with pytest.raises(RecordError) as e:
+            parse_record(good(**patch), lim)
+        assert e.value.reason == reason
+    with pytest.raises(RecordError, match="learner.max_abs_reward"):  # the error names the fix
+        parse_record(good(reward=1e200), LIM)
 
 
 def test_missing_field_and_non_map():

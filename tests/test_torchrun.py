@@ -29,6 +29,10 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path):
     assert a.keys() == b.keys()
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst < 1e-4, worst
+    assert all(torch.isfinite(t).all() for t in b.values())
+    # the non-finite update was skipped by both ranks together, and by the single process
+    assert [s["skipped_nonfinite"] for s in two_run["stats"]] == [0, 0, 0, 1]
+    assert [s["skipped_nonfinite"] for s in one_run["stats"]] == [0, 0, 0, 1]
     # the statistics rank 0 reports are the whole batch's, not its own shard's
     for single, fsdp in zip(one_run["stats"], two_run["stats"]):
         for k in ("loss", "clip_frac", "is_weight_mean", "grad_norm"):

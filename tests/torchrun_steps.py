@@ -1,5 +1,6 @@
-"""Run 3 learner steps on fixed batches; save the parameters and the step statistics
-(used by test_torchrun.py).
+"""Run 3 learner steps on fixed batches, then one whose row 5 has a NaN advantage (the update
+holding it must be skipped on every rank, the other applied); save the parameters and the step
+statistics (used by test_torchrun.py).
 
     python tests/torchrun_steps.py OUT.pt                      # one process
     torchrun --nproc_per_node=2 tests/torchrun_steps.py OUT.pt # FSDP2, same data
@@ -33,8 +34,10 @@ def main(out: str) -> None:
         policy.follow()
         policy.par.close()
         return
-    stats = [policy.command({"op": "step", "batch": batch(step), "sync": False})[0]
-             for step in range(3)]
+    poisoned = batch(3)
+    poisoned.advantages[5] = float("nan")  # on one rank's shard of one mini-batch
+    stats = [policy.command({"op": "step", "batch": b, "sync": False})[0]
+             for b in (batch(0), batch(1), batch(2), poisoned)]
     _, (model_sd, _) = policy.command({"op": "sync"})
     torch.save({"params": {n: t for n, t in policy.named_tensors(model_sd)}, "stats": stats}, out)
     policy.close()
