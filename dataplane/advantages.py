@@ -1,7 +1,9 @@
-"""Group-normalised advantages (GRPO): A_e = (R_e - mean_group R) / (std_group R + eps).
+"""Group-relative advantages (GRPO): A_e = (R_e - mean_group R) / (std R + eps).
 
-The standard deviation is the sample (Bessel-corrected) one, as TRL computes it, so our
-advantages match TRL's on identical rewards.
+``scale`` picks the std (TRL's ``scale_rewards``): ``"group"`` the group's own, ``"batch"`` one
+std over every reward of the learner step's batch, ``"none"`` no division (Dr. GRPO). The
+standard deviation is the sample (Bessel-corrected) one, as TRL computes it, so our advantages
+match TRL's on identical rewards.
 """
 
 from __future__ import annotations
@@ -9,12 +11,35 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+SCALES = ("group", "batch", "none")
+
+
+def _std(xs: Sequence[float]) -> float:
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mean = sum(xs) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+
 
 def group_advantages(rewards: Sequence[float], eps: float = 1e-4) -> list[float]:
-    n = len(rewards)
-    if n == 0:
+    if not rewards:
         return []
-    mean = sum(rewards) / n
-    var = sum((r - mean) ** 2 for r in rewards) / (n - 1) if n > 1 else 0.0
-    std = math.sqrt(var)
+    mean = sum(rewards) / len(rewards)
+    std = _std(rewards)
     return [(r - mean) / (std + eps) for r in rewards]
+
+
+def batch_advantages(groups: Sequence[Sequence[float]], eps: float = 1e-4,
+                     scale: str = "group") -> list[float]:
+    """Advantages of every reward of ``groups`` (one list of rewards per group), flattened in
+    order: centred on each group's mean, divided per ``scale``."""
+    if scale == "group":
+        return [a for g in groups for a in group_advantages(g, eps)]
+    if scale not in SCALES:
+        raise ValueError(f"unknown reward scaling {scale!r}: use one of {SCALES}")
+    centred = [r - sum(g) / len(g) for g in groups for r in g]
+    if scale == "none":
+        return centred
+    std = _std([r for g in groups for r in g])
+    return [c / (std + eps) for c in centred]
