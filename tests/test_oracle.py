@@ -21,7 +21,8 @@ Mapping (trl 1.16, ``GRPOTrainer._compute_loss``):
   ours ``agg="seq-mean"``    ==  TRL ``loss_type="grpo"`` (per-sequence mean, then batch mean).
   ours ``beta*kl``           ==  TRL ``beta`` with ``use_bias_correction_kl=False``. TRL 1.16 defaults
                                  that flag to True (KL multiplied by the differentiable ratio r, the
-                                 DeepSeek-V3.2 unbiased estimator); DESIGN 7 uses the plain k3 term.
+                                 DeepSeek-V3.2 unbiased estimator); DESIGN 7 and Echo's default use the
+                                 plain k3 term (``learner.use_bias_correction_kl`` switches).
   ours ``w`` (truncated IS)  ==  TRL's vLLM IS correction with ``vllm_importance_sampling_mode=
                                  "token_truncate"``, ``clip_max=C``, ``clip_min=None``: TRL multiplies
                                  the clipped per-token surrogate by ``clamp(exp(old - sampling), max=C)``
@@ -32,6 +33,10 @@ Mapping (trl 1.16, ``GRPOTrainer._compute_loss``):
                                  w=1 where ours would propagate NaN. The ratio itself is computed inside
                                  TRL's generation function, so the test computes it with TRL's formula
                                  and, separately, checks our w against an independent computation.
+
+The GRPO options (temperature, epsilon_high, scale_rewards, the four IS modes, GSPO, dr_grpo,
+the bias-corrected KL, mask_truncated_completions) are checked further down on a whole step, with
+TRL's own ``_generate_and_score_completions`` computing the weights, advantages and masks.
 """
 
 from __future__ import annotations
@@ -304,7 +309,7 @@ def test_sharded_denominator_matches_trl_full_batch(model_dir, tok, batch, tmp_p
 
 
 def test_trl_default_kl_differs_from_design(model_dir, tok, batch, tmp_path):
-    """Documents a design difference: TRL's default use_bias_correction_kl=True is not DESIGN 7."""
+    """Documents a default difference: TRL's use_bias_correction_kl=True is not Echo's default."""
     cfg = LossConfig(beta=0.05, agg="token-mean")
     ours_model = fresh_model(model_dir, tok)
     loss_a, _ = our_loss(ours_model, batch, cfg, use_is=False)
