@@ -67,7 +67,7 @@ def truncated_rows(input_ids: torch.Tensor, loss_mask: torch.Tensor, eos_token_i
     """[B] bool: rows whose last trained token (the last token the policy generated) is not
     end-of-sequence, i.e. generation stopped at max_new_tokens. Rows that train on nothing: False."""
     trained = loss_mask > 0
-    cols = torch.arange(loss_mask.shape[1]).expand_as(loss_mask)
+    cols = torch.arange(loss_mask.shape[1], device=loss_mask.device).expand_as(loss_mask)
     last = torch.where(trained, cols, -1).max(dim=1).values  # last trained target column
     token = input_ids.gather(1, (last + 1).clamp(min=1).unsqueeze(1)).squeeze(1)
     return (last >= 0) & (token != eos_token_id)
