@@ -4,8 +4,8 @@ An adapter is a small class that owns one task:
   * ``prompts(rng)``: an endless iterator of ``Prompt`` (token ids plus the task facts the
     reward needs); runs on the learner, which hands prompts out as groups;
   * ``reward(task, completion_ids, completion_text)``: a float, runs on the worker;
-  * ``materialise(groups)``: records -> learner tensors (ids, loss masks, advantages); the
-    default here fits single-turn tasks, multi-turn adapters override it.
+  * ``materialise(groups, adv_eps, scale_rewards)``: records -> learner tensors (ids, loss
+    masks, advantages); the default here fits single-turn tasks, multi-turn adapters override it.
 
 Adapters are found through the entry-point group ``echo.adapters`` so a researcher can
 ``pip install`` one; ``[adapter] name = "..."`` in the TOML selects it.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-from dataplane.advantages import group_advantages
+from dataplane.advantages import batch_advantages
 from dataplane.records import Record
 
 ENTRY_POINT_GROUP = "echo.adapters"
@@ -62,8 +62,9 @@ class Adapter(ABC):
     @abstractmethod
     def reward(self, task: dict[str, Any], completion_ids: list[int], completion_text: str) -> float: ...
 
-    def materialise(self, groups: Sequence[Sequence[Record]], adv_eps: float = 1e-4) -> LearnerBatch:
-        advs = [a for g in groups for a in group_advantages([r.reward for r in g], adv_eps)]
+    def materialise(self, groups: Sequence[Sequence[Record]], adv_eps: float = 1e-4,
+                    scale_rewards: str = "group") -> LearnerBatch:
+        advs = batch_advantages([[r.reward for r in g] for g in groups], adv_eps, scale_rewards)
         return materialise_records(groups, advs, self.tokenizer.pad_token_id or 0)
 
 
@@ -111,7 +112,8 @@ _REQUIRED = ("prompts", "reward", "materialise")
 _HOW = {
     "prompts": "prompts(self, rng) -> Iterator[Prompt]: endless prompts (token ids + task dict)",
     "reward": "reward(self, task, completion_ids, completion_text) -> float: scores one sample",
-    "materialise": "materialise(self, groups, adv_eps) -> LearnerBatch (the default fits single-turn)",
+    "materialise": "materialise(self, groups, adv_eps, scale_rewards) -> LearnerBatch (the default "
+                   "fits single-turn)",
     "episode": "episode(self, task, seed, sample_idx): a generator yielding prompt ids and "
                "returning an EpisodeSample (multi-turn; see dataplane/episodes.py)",
 }

@@ -29,7 +29,7 @@ from typing import Any
 
 from dataplane.adapter import (Adapter, AdapterError, LearnerBatch, materialise_records,  # noqa: F401
                                record_mask)
-from dataplane.advantages import group_advantages
+from dataplane.advantages import batch_advantages
 from dataplane.records import Record
 
 Generated = tuple[list[int], list[float]]
@@ -129,13 +129,16 @@ class EpisodeAdapter(Adapter):
         raise AdapterError(f"{type(self).__name__} is a multi-turn adapter: workers must call "
                            f"rollout(groups, generate), not reward() (see dataplane/episodes.py)")
 
-    def advantages(self, groups: Sequence[Sequence[Record]], adv_eps: float) -> list[float]:
-        if self.group_by == "batch":
-            return group_advantages([r.reward for g in groups for r in g], adv_eps)
-        return [a for g in groups for a in group_advantages([r.reward for r in g], adv_eps)]
+    def advantages(self, groups: Sequence[Sequence[Record]], adv_eps: float,
+                   scale_rewards: str = "group") -> list[float]:
+        rewards = [[r.reward for r in g] for g in groups]
+        if self.group_by == "batch":  # the whole batch is one group
+            rewards = [[x for g in rewards for x in g]]
+        return batch_advantages(rewards, adv_eps, scale_rewards)
 
-    def materialise(self, groups: Sequence[Sequence[Record]], adv_eps: float = 1e-4) -> LearnerBatch:
-        return materialise_masked(groups, self.advantages(groups, adv_eps),
+    def materialise(self, groups: Sequence[Sequence[Record]], adv_eps: float = 1e-4,
+                    scale_rewards: str = "group") -> LearnerBatch:
+        return materialise_masked(groups, self.advantages(groups, adv_eps, scale_rewards),
                                   self.tokenizer.pad_token_id or 0)
 
 

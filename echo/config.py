@@ -87,11 +87,32 @@ class LearnerConfig(StalenessRules, _Section):
     updates_per_step: int = Field(2, gt=0)
     staleness: int = Field(2, ge=1)  # S
     kappa: int = Field(0, ge=0)  # 0: derive max(1, S-1)
+    # --- GRPO objective (DESIGN 7; docs/learner.md maps every key onto TRL's GRPOConfig).
+    # Clip range [1 - epsilon, 1 + epsilon_high] of the ratio (TRL epsilon, epsilon_high).
     epsilon: float = Field(0.2, gt=0, lt=1)
-    is_cap: float = Field(2.0, gt=0)  # C, truncated importance-sampling cap
-    beta: float = Field(0.0, ge=0)
+    epsilon_high: float = Field(0.0, ge=0)  # 0: = epsilon (symmetric); DAPO uses 0.28
+    # Behaviour-policy correction w from exp(logp_old - logp_behaviour) (TRL
+    # vllm_importance_sampling_mode / _clip_max): *_truncate caps w at is_cap, *_mask zeroes it
+    # above is_cap; token_* per token, sequence_* one w per sequence (product of token ratios).
+    is_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
+    is_cap: float = Field(2.0, gt=0)  # C, the cap of is_mode
+    # The clipped ratio per token, or one per sequence = exp(mean token log-ratio), i.e. GSPO
+    # (TRL importance_sampling_level).
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    beta: float = Field(0.0, ge=0)  # KL weight (TRL beta); > 0 keeps a reference model
+    # Multiply the k3 KL term by the ratio (TRL use_bias_correction_kl, DeepSeek-V3.2).
+    use_bias_correction_kl: bool = False
+    # Advantages (r - group mean) / (std + adv_eps), std of the group, of the whole step's
+    # batch, or none (TRL scale_rewards; "none" is Dr. GRPO's).
+    scale_rewards: Literal["group", "batch", "none"] = "group"
     adv_eps: float = Field(1e-4, gt=0)
-    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
+    # How per-token terms become the loss (TRL loss_type): token-mean = bnpo/dapo (over the
+    # mini-batch's tokens), seq-mean = grpo (per sequence, then over sequences),
+    # seq-mean-token-sum-norm = dr_grpo (token sums / (sequences * worker.max_new_tokens)).
+    loss_agg: Literal["token-mean", "seq-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    # Zero the loss of completions that hit max_new_tokens without end-of-sequence (TRL
+    # mask_truncated_completions); they still count in the advantages.
+    mask_truncated_completions: bool = False
     torch_threads: int = Field(1, gt=0)
     max_outstanding_groups: int = Field(0, ge=0)  # 0: 2 * prompts_per_step
     lease_timeout_s: float = Field(30.0, gt=0)
@@ -112,6 +133,20 @@ class LearnerConfig(StalenessRules, _Section):
         self.check_kappa()
         return self
 
+    @model_validator(mode="after")
+    def _objective_is_consistent(self) -> "LearnerConfig":
+        if self.epsilon_high and self.epsilon_high < self.epsilon:
+            raise ValueError(
+                f"epsilon_high={self.epsilon_high} is below epsilon={self.epsilon}: the upper clip "
+                f"would be tighter than the lower one; set learner.epsilon_high >= learner.epsilon "
+                f"(or 0 for a symmetric clip)")
+        if self.is_mode.endswith("_mask") and self.is_cap <= 1.0:
+            raise ValueError(
+                f"is_cap={self.is_cap} with is_mode={self.is_mode!r} zeroes every token whose "
+                f"behaviour policy was less likely than the learner's; set learner.is_cap > 1 "
+                f"(TRL uses 3.0) or a *_truncate is_mode")
+        return self
+
 
 class BufferConfig(_Section):
     capacity_groups: int = Field(256, gt=0)
@@ -120,6 +155,8 @@ class BufferConfig(_Section):
 class WorkerConfig(_Section):
     groups_per_request: int = Field(2, gt=0)
     max_new_tokens: int = Field(4, gt=0)
+    # Sampling temperature. The learner computes its log-probs at the same temperature (logits /
+    # temperature, as TRL does), so importance weights compare one distribution.
     temperature: float = Field(1.0, gt=0)
     torch_threads: int = Field(1, gt=0)
     heartbeat_s: float = Field(1.0, gt=0)

@@ -370,8 +370,8 @@ class Learner:
         self._audit("consumed", {"groups": [g[0].group_id for g in groups]})
         t1 = time.monotonic()
         publish = (step + 1) % lc.effective_kappa == 0
-        stats, full = self.policy.command({"op": "step", "sync": publish,
-                                           "batch": self.adapter.materialise(groups, lc.adv_eps)})
+        batch = self.adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards)
+        stats, full = self.policy.command({"op": "step", "sync": publish, "batch": batch})
         t2 = time.monotonic()
         if stats.get("skipped_nonfinite"):
             self._strike(groups, self.policy.trainer.nonfinite_rows)

@@ -34,7 +34,11 @@ class Policy:
         # Names of the parameters a snapshot carries (tied weights once), as before sharding.
         self.param_names = [n for n, _ in model.named_parameters()]
         self.model = self.par.wrap(model)
-        self.trainer = Trainer(self.model, cfg.learner, seed=cfg.seed, parallel=self.par)
+        # Log-probs at the workers' sampling temperature: the distribution they sampled from.
+        self.trainer = Trainer(self.model, cfg.learner, seed=cfg.seed, parallel=self.par,
+                               temperature=cfg.worker.temperature,
+                               max_new_tokens=cfg.worker.max_new_tokens,
+                               eos_token_id=self.tokenizer.eos_token_id)
 
     def command(self, cmd: dict[str, Any]) -> tuple[dict[str, float], FullState | None]:
         return self._execute(self.par.broadcast(cmd))

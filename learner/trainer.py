@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import logging
 import math
@@ -30,8 +31,9 @@ def _blame(batch: LearnerBatch, rows: torch.Tensor) -> list[int]:
 
 
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """log p(token_{j+1} | tokens_{<=j}) for every position j: shape [B, L-1].
+                   loss_mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """log p(token_{j+1} | tokens_{<=j}) for every position j: shape [B, L-1], under
+    softmax(logits / temperature), the distribution a sampler at that temperature draws from.
 
     With ``loss_mask`` ([B, L-1]) only the span of columns some row trains on is computed
     (zeros elsewhere): the prompt in front needs no logits and the padding behind it no forward
@@ -40,7 +42,7 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     full = (0, input_ids.shape[1] - 2)
     s, e = (_trained_span(loss_mask) if loss_mask is not None else None) or full
     logits = _logits(model, input_ids[:, :e + 1], attention_mask[:, :e + 1], keep=e + 1 - s)
-    lp = selective_logprobs(logits, input_ids[:, s + 1:e + 2])
+    lp = selective_logprobs(logits, input_ids[:, s + 1:e + 2], temperature)
     return torch.nn.functional.pad(lp, (s, input_ids.shape[1] - 2 - e))
 
 
@@ -60,28 +62,49 @@ def _logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, k
     return out.logits[:, -keep:]
 
 
-def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits).gather(targets) without the [B, K, V] log-softmax tensor: the
-    target's logit minus the log-sum-exp, in float32. Low-precision logits go one row at a
-    time so that only one row's float32 copy exists at once."""
+def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                       temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature).gather(targets) without the [B, K, V] log-softmax
+    tensor: the target's scaled logit minus the log-sum-exp, in float32. Low-precision logits
+    go one row at a time so that only one row's float32 copy exists at once (the temperature
+    is applied to that copy, not to a second low-precision [B, K, V] tensor)."""
+    def rows_logprobs(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if temperature != 1.0:
+            x = x / temperature
+        return x.gather(-1, t.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
+
     if logits.dtype in (torch.float32, torch.float64):
-        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        return picked - torch.logsumexp(logits, dim=-1)
-    rows = []
-    for row_logits, row_targets in zip(logits, targets):
-        row = row_logits.float()
-        rows.append(row.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(row, dim=-1))
-    return torch.stack(rows)
+        return rows_logprobs(logits, targets)
+    return torch.stack([rows_logprobs(row.float(), t) for row, t in zip(logits, targets)])
+
+
+def truncated_rows(input_ids: torch.Tensor, loss_mask: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """[B] bool: rows whose last trained token (the last token the policy generated) is not
+    end-of-sequence, i.e. generation stopped at max_new_tokens. Rows that train on nothing: False."""
+    trained = loss_mask > 0
+    cols = torch.arange(loss_mask.shape[1], device=loss_mask.device).expand_as(loss_mask)
+    last = torch.where(trained, cols, -1).max(dim=1).values  # last trained target column
+    token = input_ids.gather(1, (last + 1).clamp(min=1).unsqueeze(1)).squeeze(1)
+    return (last >= 0) & (token != eos_token_id)
 
 
 class Trainer:
+    """``temperature``: the workers' sampling temperature (``worker.temperature``), at which every
+    log-prob is computed; ``max_new_tokens``: the constant of ``seq-mean-token-sum-norm``;
+    ``eos_token_id``: needed by ``mask_truncated_completions``."""
+
     def __init__(self, model: Any, cfg: LearnerConfig, seed: int = 0,
-                 parallel: Parallel | None = None):
+                 parallel: Parallel | None = None, *, temperature: float = 1.0,
+                 max_new_tokens: int = 0, eos_token_id: int | None = None):
         self.model = model
         self.par = parallel or Single()
         self.cfg = cfg
-        self.loss_cfg = LossConfig(epsilon=cfg.epsilon, is_cap=cfg.is_cap, beta=cfg.beta,
-                                   agg=cfg.loss_agg)
+        self.temperature = temperature
+        self.loss_cfg = loss_config(cfg, max_new_tokens)
+        if cfg.mask_truncated_completions and eos_token_id is None:
+            raise ValueError("learner.mask_truncated_completions needs the tokenizer's eos_token_id: "
+                             "pass eos_token_id to Trainer, or set it to false")
+        self.eos_token_id = eos_token_id
         self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         # The reference model costs a full copy; it exists only when the KL term is on.
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
@@ -98,12 +121,13 @@ class Trainer:
         so the caller can trace them to their senders."""
         self.model.train()
         self.nonfinite_rows = []
+        batch, extra = self.prepare(batch)
         order = torch.randperm(batch.input_ids.shape[0], generator=self.generator)
         minibatches = order.chunk(self.cfg.updates_per_step)
         shards = [self.par.shard(mb) for mb in minibatches]
         with torch.no_grad():  # logp_old: parameters at step start, before any update
-            olds = [self._logprobs(self.model, batch, i) for i in shards]
-            refs = ([self._logprobs(self.ref_model, batch, i) for i in shards]
+            olds = [self.logprobs(self.model, batch, i) for i in shards]
+            refs = ([self.logprobs(self.ref_model, batch, i) for i in shards]
                     if self.ref_model is not None else [None] * len(shards))
         applied: list[dict[str, float]] = []
         for mb, idx, old, ref in zip(minibatches, shards, olds, refs):
@@ -119,17 +143,13 @@ class Trainer:
         keys = (*self.TOKEN_MEANS, "grad_norm", "loss")
         out = ({k: sum(s[k] for s in applied) / len(applied) for k in keys} if applied
                else {k: math.nan for k in keys})  # nothing trained: no loss to report
-        return {**out, "skipped_nonfinite": float(skipped)}
+        return {**extra, **out, "skipped_nonfinite": float(skipped)}
 
     def _update(self, batch: LearnerBatch, mb: torch.Tensor, idx: torch.Tensor,
                 old: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float] | None:
         """One mini-batch update; None (and no optimizer step) when it is not finite."""
-        global_count = (float(batch.loss_mask[mb].sum().clamp(min=1))
-                        if self.loss_cfg.agg == "token-mean" else float(len(mb)))
-        logp = self._logprobs(self.model, batch, idx)
-        loss, stats = grpo_loss(logp, old, batch.behaviour_logprobs[idx],
-                                batch.advantages[idx], batch.loss_mask[idx], self.loss_cfg,
-                                ref, denom=global_count / self.par.world)
+        global_count = self.loss_cfg.count(batch.loss_mask[mb])
+        loss, stats = self.minibatch_loss(batch, idx, old, ref, denom=global_count / self.par.world)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # on every rank even when non-finite: FSDP2's collectives must line up
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
@@ -148,7 +168,27 @@ class Trainer:
             bad = float(self.par.all_sum(torch.tensor([bad], dtype=torch.float64))[0])
         return bad == 0
 
-    TOKEN_MEANS = ("clip_frac", "is_weight_mean", "kl_mean")
+    def prepare(self, batch: LearnerBatch) -> tuple[LearnerBatch, dict[str, float]]:
+        """The batch as trained on: with ``mask_truncated_completions``, completions that ended
+        without end-of-sequence lose their loss mask (their advantages already counted in their
+        groups). Same on every rank: each holds the whole batch."""
+        if not self.cfg.mask_truncated_completions:
+            return batch, {}
+        assert self.eos_token_id is not None
+        cut = truncated_rows(batch.input_ids, batch.loss_mask, self.eos_token_id)
+        mask = batch.loss_mask * (~cut).unsqueeze(1).to(batch.loss_mask.dtype)
+        return dataclasses.replace(batch, loss_mask=mask), {"truncated_frac": float(cut.float().mean())}
+
+    def minibatch_loss(self, batch: LearnerBatch, rows: torch.Tensor, old: torch.Tensor,
+                       ref: torch.Tensor | None, denom: float | None = None
+                       ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The GRPO loss of ``rows`` under the current parameters (``old``, ``ref``: their
+        step-start and reference log-probs from ``logprobs``)."""
+        logp = self.logprobs(self.model, batch, rows)
+        return grpo_loss(logp, old, batch.behaviour_logprobs[rows], batch.advantages[rows],
+                         batch.loss_mask[rows], self.loss_cfg, ref, denom=denom)
+
+    TOKEN_MEANS = ("clip_frac", "is_weight_mean", "is_zeroed_frac", "kl_mean")
 
     def _global(self, stats: dict[str, float], tokens: float) -> dict[str, float]:
         """This rank's shard statistics made the mini-batch's: token means weighted by each
@@ -165,7 +205,14 @@ class Trainer:
         out["loss"] = total[-1] / self.par.world
         return out
 
-    @staticmethod
-    def _logprobs(model: Any, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, model: Any, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:
         return token_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
-                              batch.loss_mask[rows])
+                              batch.loss_mask[rows], self.temperature)
+
+
+def loss_config(cfg: LearnerConfig, max_new_tokens: int = 0) -> LossConfig:
+    """The loss options of the learner's config (``max_new_tokens``: dr_grpo's constant)."""
+    return LossConfig(epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or None, is_cap=cfg.is_cap,
+                      is_mode=cfg.is_mode, level=cfg.importance_sampling_level, beta=cfg.beta,
+                      kl_bias_correction=cfg.use_bias_correction_kl, agg=cfg.loss_agg,
+                      max_len=max_new_tokens)

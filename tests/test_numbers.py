@@ -27,7 +27,7 @@ from echo import wire
 from echo.metrics import finite_or_null
 from learner.durable import BufferLog, scan_log
 from learner.trainer import Trainer
-from test_control import ask, batch, client, plane, records  # noqa: F401 (fixtures)
+from test_control import ask, batch, client, ctx, keys, plane, records  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -224,8 +224,8 @@ def test_a_non_finite_step_is_skipped_traced_and_written_as_null(learner_factory
             lrn.buffer.admit(r)
     honest = lrn.adapter.materialise
 
-    def poisoned(groups, eps):  # as if an advantage had come out NaN for group g2
-        b = honest(groups, eps)
+    def poisoned(groups, eps, **kw):  # as if an advantage had come out NaN for group g2
+        b = honest(groups, eps, **kw)
         b.advantages[8:12] = math.nan
         return b
 

@@ -21,7 +21,8 @@ Mapping (trl 1.16, ``GRPOTrainer._compute_loss``):
   ours ``agg="seq-mean"``    ==  TRL ``loss_type="grpo"`` (per-sequence mean, then batch mean).
   ours ``beta*kl``           ==  TRL ``beta`` with ``use_bias_correction_kl=False``. TRL 1.16 defaults
                                  that flag to True (KL multiplied by the differentiable ratio r, the
-                                 DeepSeek-V3.2 unbiased estimator); DESIGN 7 uses the plain k3 term.
+                                 DeepSeek-V3.2 unbiased estimator); DESIGN 7 and Echo's default use the
+                                 plain k3 term (``learner.use_bias_correction_kl`` switches).
   ours ``w`` (truncated IS)  ==  TRL's vLLM IS correction with ``vllm_importance_sampling_mode=
                                  "token_truncate"``, ``clip_max=C``, ``clip_min=None``: TRL multiplies
                                  the clipped per-token surrogate by ``clamp(exp(old - sampling), max=C)``
@@ -32,6 +33,10 @@ Mapping (trl 1.16, ``GRPOTrainer._compute_loss``):
                                  w=1 where ours would propagate NaN. The ratio itself is computed inside
                                  TRL's generation function, so the test computes it with TRL's formula
                                  and, separately, checks our w against an independent computation.
+
+The GRPO options (temperature, epsilon_high, scale_rewards, the four IS modes, GSPO, dr_grpo,
+the bias-corrected KL, mask_truncated_completions) are checked further down on a whole step, with
+TRL's own ``_generate_and_score_completions`` computing the weights, advantages and masks.
 """
 
 from __future__ import annotations
@@ -168,19 +173,22 @@ def trl_is_ratio(old, sampling, mask, clip_max, clip_min=None):
     return torch.clamp(torch.exp(diff), min=clip_min, max=clip_max)
 
 
-def make_trl_trainer(model, tok, tmp_path, loss_type, beta, epsilon):
+def make_trl_trainer(model, tok, tmp_path, loss_type, beta, epsilon, rewards=None, **args_overrides):
+    """TRL's GRPOTrainer on ``model``; ``rewards`` (one per completion) is what its reward
+    function returns, ``args_overrides`` are further GRPOConfig fields."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, fp16=False,
-        activation_checkpointing=False, per_device_train_batch_size=B, num_generations=2,
-        max_completion_length=C, loss_type=loss_type, beta=beta, epsilon=epsilon,
-        use_bias_correction_kl=False, save_strategy="no", logging_steps=1, seed=0,
-        disable_dropout=True,
-    )
+    args = GRPOConfig(**{
+        "output_dir": str(tmp_path), "report_to": "none", "use_cpu": True, "bf16": False, "fp16": False,
+        "activation_checkpointing": False, "per_device_train_batch_size": B, "num_generations": 2,
+        "max_completion_length": C, "loss_type": loss_type, "beta": beta, "epsilon": epsilon,
+        "use_bias_correction_kl": False, "save_strategy": "no", "logging_steps": 1, "seed": 0,
+        "disable_dropout": True, **args_overrides,
+    })
     ds = Dataset.from_dict({"prompt": ["1+2="] * B})
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+    scores = [0.0] * B if rewards is None else list(rewards)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: scores[:len(completions)],
                           args=args, train_dataset=ds, processing_class=tok)
     trainer.current_gradient_accumulation_steps = 1  # set by the HF training loop otherwise
     return trainer
@@ -301,7 +309,7 @@ def test_sharded_denominator_matches_trl_full_batch(model_dir, tok, batch, tmp_p
 
 
 def test_trl_default_kl_differs_from_design(model_dir, tok, batch, tmp_path):
-    """Documents a design difference: TRL's default use_bias_correction_kl=True is not DESIGN 7."""
+    """Documents a default difference: TRL's use_bias_correction_kl=True is not Echo's default."""
     cfg = LossConfig(beta=0.05, agg="token-mean")
     ours_model = fresh_model(model_dir, tok)
     loss_a, _ = our_loss(ours_model, batch, cfg, use_is=False)
@@ -323,6 +331,183 @@ def test_advantages_match_trl_formula():
     expected = (rewards - rewards.mean(1, keepdim=True)) / (nanstd(rewards, dim=1).unsqueeze(1) + 1e-4)
     ours = torch.tensor([group_advantages(row.tolist(), 1e-4) for row in rewards], dtype=torch.float64)
     torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- a whole step, GRPO options
+#
+# The cases above hand TRL's loss fixed inputs. Here TRL runs its own
+# ``_generate_and_score_completions`` on records we hand it (its ``_generate`` replaced by one that
+# returns fixed completions and their sampling log-probs), so TRL itself computes the old
+# log-probs at its temperature, the importance-sampling weights of its
+# ``vllm_importance_sampling_mode``, the reward scaling, the truncation mask and the reference
+# log-probs. Then both models take the same parameter perturbation (the policy moved since the
+# step started) and TRL's ``compute_loss`` is compared with Echo's path on the same records:
+# ``Adapter.materialise`` (advantages), ``Trainer.prepare`` (truncation mask), ``Trainer.logprobs``
+# (old and reference log-probs at the temperature), ``Trainer.minibatch_loss``.
+# Prompts all have P tokens, so TRL's left-padded layout and ours (right-padded) coincide.
+
+# Echo learner key -> TRL GRPOConfig field (loss_agg comes from the case's TRL loss_type).
+TRL_NAME = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "beta": "beta",
+            "scale_rewards": "scale_rewards", "importance_sampling_level": "importance_sampling_level",
+            "use_bias_correction_kl": "use_bias_correction_kl",
+            "mask_truncated_completions": "mask_truncated_completions",
+            "is_mode": "vllm_importance_sampling_mode", "is_cap": "vllm_importance_sampling_clip_max"}
+ECHO_AGG = {"bnpo": "token-mean", "dapo": "token-mean", "grpo": "seq-mean",
+            "dr_grpo": "seq-mean-token-sum-norm"}
+REWARDS = [1.0, 0.0, 0.0, 1.0, 0.3, 0.3, 2.0, -1.0]  # groups of 2, one tied
+
+
+@pytest.fixture(scope="module")
+def step_records(model_dir, tok):
+    """records(temperature): 8 records (4 groups of 2) whose behaviour log-probs sit around the
+    model's own at that temperature: far on some rows (the cap binds per token and per sequence),
+    close on others. Rows 0 and 5 hit max_new_tokens (= C) without EOS; the rest end in EOS."""
+    from dataplane.records import Record
+
+    g = torch.Generator().manual_seed(17)
+    lens = [C, 7, C, 1, 4, C, 9, 3]
+    ends_eos = [False, True, True, True, True, False, True, True]
+    prompts = torch.randint(4, len(tok), (B, P), generator=g)
+    comps = []
+    for n, eos in zip(lens, ends_eos):
+        ids = torch.randint(4, len(tok), (n,), generator=g).tolist()  # ids >= 4: no special token
+        comps.append(ids[:-1] + [tok.eos_token_id] if eos else ids)
+    scale = [1.0, 0.05, 1.0, -0.1, 0.03, 1.0, 0.2, -0.05]  # behaviour far from / close to the model
+    noise = [(0.8 * torch.randn(n, generator=g).abs() - 0.3 * torch.randn(n, generator=g)) * a
+             for n, a in zip(lens, scale)]
+    model, cache = fresh_model(model_dir, tok), {}
+
+    def records(temperature):
+        if temperature not in cache:
+            recs = []
+            for i in range(B):
+                ids = torch.tensor([prompts[i].tolist() + comps[i]])
+                with torch.no_grad():
+                    cur = token_logprobs(model, ids, torch.ones_like(ids), temperature=temperature)[0, P - 1:]
+                recs.append(Record(group_id=f"g{i // 2}", sample_idx=i % 2, prompt_ids=prompts[i].tolist(),
+                                   completion_ids=comps[i], logprobs=(cur - noise[i]).tolist(),
+                                   reward=REWARDS[i], version=0, worker_id="w"))
+            cache[temperature] = recs
+        return cache[temperature]
+
+    return records
+
+
+def perturb(model, scale=0.08):
+    """The same deterministic parameter change on either side: the update since step start."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g))
+
+
+def echo_step_loss(model_dir, tok, recs, options, loss_type, temperature):
+    from dataplane.adapter import load_adapter
+    from echo.config import LearnerConfig
+    from learner.trainer import Trainer
+
+    lc = LearnerConfig(**options, loss_agg=ECHO_AGG[loss_type])
+    trainer = Trainer(fresh_model(model_dir, tok), lc, temperature=temperature, max_new_tokens=C,
+                      eos_token_id=tok.eos_token_id)
+    adapter = load_adapter("toy-add", {}, tok, check_prompts=False)
+    groups = [recs[k:k + 2] for k in range(0, B, 2)]
+    batch, extra = trainer.prepare(adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards))
+    rows = torch.arange(B)
+    with torch.no_grad():
+        old = trainer.logprobs(trainer.model, batch, rows)
+        ref = trainer.logprobs(trainer.ref_model, batch, rows) if trainer.ref_model is not None else None
+    perturb(trainer.model)
+    loss, stats = trainer.minibatch_loss(batch, rows, old, ref)
+    return trainer.model, loss, {**stats, **extra}
+
+
+def trl_step_loss(model_dir, tok, tmp_path, recs, options, loss_type, temperature):
+    trl_args = {TRL_NAME[k]: v for k, v in options.items()}
+    trl_args.setdefault("vllm_importance_sampling_mode", "token_truncate")  # Echo's default
+    trl_args.setdefault("vllm_importance_sampling_clip_max", 2.0)
+    trainer = make_trl_trainer(fresh_model(model_dir, tok), tok, tmp_path, loss_type,
+                               trl_args.pop("beta", 0.0), trl_args.pop("epsilon", 0.2),
+                               rewards=[r.reward for r in recs], temperature=temperature,
+                               num_iterations=2,  # so that TRL computes old log-probs at all
+                               **trl_args)
+    # TRL applies the sampler correction only behind use_vllm; generation itself is replaced.
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    trainer._generate = lambda prompts: (
+        [r.prompt_ids for r in recs], [r.completion_ids for r in recs], None,
+        [tok.decode(r.completion_ids) for r in recs], [r.logprobs for r in recs], {}, None, None)
+    trainer.model.train()
+    inputs = trainer._generate_and_score_completions([{"prompt": "1+2="}] * B)
+    perturb(trainer.model)
+    return trainer, trainer.compute_loss(trainer.model, inputs), inputs
+
+
+STEP_CASES = [
+    # (id, TRL loss_type, temperature, Echo learner options)
+    ("temperature0.7-dapo-kl", "dapo", 0.7, {"beta": 0.05}),
+    ("temperature0.7-grpo", "grpo", 0.7, {}),
+    ("epsilon_high", "dapo", 1.0, {"epsilon_high": 0.28}),
+    ("scale_rewards-batch", "bnpo", 1.0, {"scale_rewards": "batch"}),
+    ("scale_rewards-none", "grpo", 1.0, {"scale_rewards": "none"}),
+    ("is-token_mask", "bnpo", 1.0, {"is_mode": "token_mask"}),
+    ("is-sequence_truncate", "dapo", 1.0, {"is_mode": "sequence_truncate"}),
+    ("is-sequence_mask", "grpo", 1.0, {"is_mode": "sequence_mask", "is_cap": 3.0}),
+    ("gspo", "grpo", 1.0, {"importance_sampling_level": "sequence"}),
+    ("gspo-bias_kl", "dapo", 1.0, {"importance_sampling_level": "sequence", "beta": 0.05,
+                                   "use_bias_correction_kl": True}),
+    ("dr_grpo", "dr_grpo", 1.0, {}),
+    ("bias_corrected_kl", "bnpo", 1.0, {"beta": 0.05, "use_bias_correction_kl": True}),
+    ("mask_truncated-bnpo", "bnpo", 1.0, {"mask_truncated_completions": True}),
+    ("mask_truncated-grpo", "grpo", 1.0, {"mask_truncated_completions": True}),
+    ("trl-defaults-with-kl", "dapo", 1.0, {"is_mode": "sequence_mask", "is_cap": 3.0, "beta": 0.05,
+                                           "use_bias_correction_kl": True}),
+    ("everything", "dr_grpo", 0.7, {"epsilon_high": 0.28, "scale_rewards": "batch",
+                                    "is_mode": "sequence_truncate", "importance_sampling_level": "sequence",
+                                    "beta": 0.05, "use_bias_correction_kl": True,
+                                    "mask_truncated_completions": True}),
+]
+
+
+@pytest.mark.parametrize("loss_type,temperature,options", [c[1:] for c in STEP_CASES],
+                         ids=[c[0] for c in STEP_CASES])
+def test_step_with_grpo_options_matches_trl(model_dir, tok, step_records, tmp_path, loss_type,
+                                            temperature, options):
+    recs = step_records(temperature)
+    ours_model, loss_a, stats = echo_step_loss(model_dir, tok, recs, options, loss_type, temperature)
+    loss_a.backward()
+    trainer, loss_b, inputs = trl_step_loss(model_dir, tok, tmp_path, recs, options, loss_type, temperature)
+    loss_b.backward()
+
+    assert math.isfinite(loss_a.item())
+    assert loss_a.item() == pytest.approx(loss_b.item(), rel=RTOL, abs=1e-7)
+    assert_grads_equal(ours_model, trainer.model)
+
+    m = trainer._metrics["train"]
+    if options.get("beta"):
+        assert stats["kl_mean"] == pytest.approx(m["kl"][-1], rel=1e-5)
+    if options.get("importance_sampling_level", "token") == "token":  # TRL's sequence stats are per sequence
+        assert m["clip_ratio/low_mean"][-1] > 0 and m["clip_ratio/high_mean"][-1] > 0
+        assert stats["clip_frac"] == pytest.approx(m["clip_ratio/region_mean"][-1], rel=1e-6)
+    else:
+        assert 0 < m["clip_ratio/region_mean"][-1] < 1
+    mode = options.get("is_mode", "token_truncate")
+    if mode.startswith("token"):
+        assert stats["is_weight_mean"] == pytest.approx(m["sampling/importance_sampling_ratio/mean"][-1], rel=1e-5)
+    # The weights exercise the mode: the cap binds (truncate) / zeroes (mask) some, not all.
+    mask = inputs["completion_mask"].bool()
+    w = inputs["importance_sampling_ratio"]
+    w = w[mask] if mode.startswith("token") else w[mask.any(1)].flatten()
+    cap = options.get("is_cap", 2.0)
+    hit = (w == 0) if mode.endswith("mask") else (w == cap)
+    assert hit.any() and (~hit).any() and (w < 1).any()
+    if options.get("mask_truncated_completions"):
+        assert stats["truncated_frac"] == pytest.approx(2 / B)
+        assert int(inputs["completion_mask"].sum(1).eq(0).sum()) == 2
+
+    # Each option changes the loss: without it (temperature 1, beta kept) ours differs.
+    base = {k: v for k, v in options.items() if k == "beta"}
+    if base != options or temperature != 1.0:
+        _, loss_base, _ = echo_step_loss(model_dir, tok, step_records(1.0), base, loss_type, 1.0)
+        assert loss_base.item() != pytest.approx(loss_a.item(), rel=1e-4, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------- no TRL counterpart
