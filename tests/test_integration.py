@@ -15,7 +15,7 @@ import zmq
 from echo import wire
 from echo.config import EchoConfig, dump_toml
 from echo.procs import ProcessGroup, python_argv, wait_ready
-from echo.security import JoinLine
+from echo.security import JoinLine, KeyPair, curve_client
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -122,7 +122,11 @@ def test_junk_on_learner_sockets_is_rejected_while_training(cluster):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    sock.connect(cluster.endpoint)
+    line = JoinLine.parse(cluster.endpoint)
+    curve_client(sock, KeyPair.generate(), line.server_key)
+    sock.connect(line.endpoint)
+    sock.send(wire.encode(wire.Join(worker_id="evil", can_relay=False)))
+    assert isinstance(wire.decode(sock.recv(), 1 << 24), wire.JoinAck)
     junk = [b"\xc1", msgpack.packb({"v": 7, "type": "join"}), b"y" * (3 * 2**20),
             wire.encode(wire.Trajectories(worker_id="evil", batch_id="x", count=1,
                                           payload=wire.pack_records([{"group_id": 1}])))]
