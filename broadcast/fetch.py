@@ -78,6 +78,9 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, so
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER)
+    # A peer that sends a frame larger than a header or a chunk can be is cut off by zmq
+    # before the frame is buffered (the source then fails as ``disconnected``).
+    sock.setsockopt(zmq.MAXMSGSIZE, max(max_bytes, buf.manifest["chunk_size"]))
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(source)
     plain = zmq.Socket.shadow(sock.underlying)
@@ -117,6 +120,31 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, so
         sock.close(linger=0)
 
 
+def check_reply(header: bytes, more: bool, pending: dict[int, int], version: int,
+                max_bytes: int) -> int | None:
+    """Which requested chunk's bytes follow this reply header; None for a late reply (to a
+    request of an earlier attempt). A reply of any other shape fails the source with a reason
+    (``SourceFailed``), never another exception: a relay is a peer, not a trusted party."""
+    try:
+        msg = wire.decode(header, max_bytes)
+    except wire.WireError as err:
+        raise SourceFailed("corrupt", f"unreadable reply ({err})") from None
+    index = pending.pop(msg.rid, None)
+    if index is None:
+        return None
+    if isinstance(msg, wire.Error):
+        raise SourceFailed("refused", f"chunk {index}: {msg.reason} ({msg.detail[:200]})")
+    if not isinstance(msg, wire.Chunk) or msg.index != index or msg.version != version \
+            or not more:
+        raise SourceFailed("corrupt", f"malformed reply for chunk {index} of version {version}")
+    return index
+
+
+def _drain(sock: zmq.Socket) -> None:
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv(zmq.NOBLOCK)  # the rest of this reply
+
+
 async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[int, int],
                    max_bytes: int, download: TokenBucket | None, stats: FetchStats) -> None:
     """Read one reply (the poller said one is waiting: all its frames are here).
@@ -126,27 +154,23 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
     only count as held once their hash verified; a bad chunk is overwritten by the retry.
     """
     header = sock.recv(zmq.NOBLOCK)
-    msg = wire.decode(header, max_bytes)
-    more = sock.getsockopt(zmq.RCVMORE)
-    index = pending.pop(msg.rid, None)
-    if index is None or isinstance(msg, wire.Error) or not isinstance(msg, wire.Chunk) \
-            or msg.index != index or not more:
-        while sock.getsockopt(zmq.RCVMORE):
-            sock.recv(zmq.NOBLOCK)  # drain the rest of this reply
-        if index is None:
-            return  # a late reply to a request of an earlier attempt
-        if isinstance(msg, wire.Error):
-            raise SourceFailed("refused", f"chunk {index}: {msg.reason} ({msg.detail})")
-        raise SourceFailed("corrupt", f"malformed reply for chunk {index}")
+    try:
+        index = check_reply(header, bool(sock.getsockopt(zmq.RCVMORE)), pending, buf.version,
+                            max_bytes)
+    except SourceFailed:
+        _drain(sock)
+        raise
+    if index is None:
+        _drain(sock)
+        return
     start, end = chunk_range(buf.manifest, index)
     target = buf.view[start:end]
-    n = sock.recv_into(target, flags=zmq.NOBLOCK)
-    while sock.getsockopt(zmq.RCVMORE):
-        sock.recv(zmq.NOBLOCK)
-    if download is not None:
-        await download.consume(n)
+    n = sock.recv_into(target, flags=zmq.NOBLOCK)  # a longer frame is cut: n says its size
+    _drain(sock)
     if n != end - start:
         raise SourceFailed("corrupt", f"chunk {index} has {n} bytes, expected {end - start}")
+    if download is not None:
+        await download.consume(n)
     try:
         verify_chunk(buf.manifest, index, target)
     except SnapshotError as err:
