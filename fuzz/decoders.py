@@ -139,11 +139,30 @@ def check_model(obj: BaseModel, where: str) -> None:
         check_value(info.annotation, info.metadata, getattr(obj, name), f"{where}.{name}")
 
 
-def check_message(msg: wire.Message) -> None:
-    """What ``wire.decode`` promises about a message it returned."""
+def same(decoded: Any, sent: Any) -> bool:
+    """``decoded`` is ``sent`` without coercion (an int for a float field is the one allowed)."""
+    if type(decoded) is float and type(sent) is int:
+        return decoded == float(sent)
+    if type(decoded) is not type(sent):
+        return False
+    if type(sent) is dict:
+        return decoded.keys() == sent.keys() and all(same(decoded[k], sent[k]) for k in sent)
+    if type(sent) is list:
+        return len(decoded) == len(sent) and all(map(same, decoded, sent))
+    if type(sent) is float and math.isnan(sent):
+        return math.isnan(decoded)
+    return decoded == sent
+
+
+def check_message(msg: wire.Message, sent: dict[str, Any] | None = None) -> None:
+    """What ``wire.decode`` promises about a message it returned (from the map ``sent``)."""
     assert type(msg) is wire.MESSAGES[msg.type], f"{msg.type} decoded as {type(msg).__name__}"
     assert type(msg.v) is int and msg.v == wire.WIRE_VERSION
     check_model(msg, msg.type)
+    if sent is not None:  # every value sent was kept as it was: nothing coerced (True as 1)
+        dump = msg.model_dump()
+        for k, v in sent.items():
+            assert same(dump[k], v), f"{msg.type}.{k}: sent {v!r}, decoded {dump[k]!r}"
     # What was accepted re-encodes to a frame that decodes to the same message (compared as
     # bytes: a NaN inside a free-form map, e.g. a group's task, is kept but unequal to itself).
     frame = wire.encode(msg)
@@ -189,7 +208,7 @@ def decode_message(data: bytes) -> None:
         assert err.reason in ("oversize", "malformed", "wrong_version", "unknown_type",
                               "invalid_fields"), err.reason
         return
-    check_message(msg)
+    check_message(msg, wire.unpack(data))
     if isinstance(msg, wire.Trajectories):
         records(msg.payload)
 
