@@ -88,7 +88,6 @@ def _failure_excerpt(log: str) -> str:
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())
-    import atheris  # noqa: F401  (the version is in its metadata)
     from importlib.metadata import version
 
     return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
