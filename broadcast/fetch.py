@@ -134,6 +134,31 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
         sock.close(linger=0)
 
 
+def check_reply(header: bytes, more: bool, pending: dict[int, int], version: int,
+                max_bytes: int) -> int | None:
+    """Which requested chunk's bytes follow this reply header; None for a late reply (to a
+    request of an earlier attempt). A reply of any other shape fails the source with a reason
+    (``SourceFailed``), never another exception: a relay is a peer, not a trusted party."""
+    try:
+        msg = wire.decode(header, max_bytes)
+    except wire.WireError as err:
+        raise SourceFailed("corrupt", f"unreadable reply ({err})") from None
+    index = pending.pop(msg.rid, None)
+    if index is None:
+        return None
+    if isinstance(msg, wire.Error):
+        raise SourceFailed("refused", f"chunk {index}: {msg.reason} ({msg.detail[:200]})")
+    if not isinstance(msg, wire.Chunk) or msg.index != index or msg.version != version \
+            or not more:
+        raise SourceFailed("corrupt", f"malformed reply for chunk {index} of version {version}", index)
+    return index
+
+
+def _drain(sock: zmq.Socket) -> None:
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv(zmq.NOBLOCK)  # the rest of this reply
+
+
 async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[int, int],
                    max_bytes: int, download: TokenBucket | None, stats: FetchStats) -> None:
     """Read one reply (the poller said one is waiting: all its frames are here).
@@ -144,33 +169,22 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
     """
     header = sock.recv(zmq.NOBLOCK)
     try:
-        msg: wire.Message | None = wire.decode(header, max_bytes)
-    except Exception:  # WireError, or anything a hostile relay's bytes provoke
-        msg = None
-    more = sock.getsockopt(zmq.RCVMORE)
-    if msg is None:
-        while sock.getsockopt(zmq.RCVMORE):
-            sock.recv(zmq.NOBLOCK)
-        raise SourceFailed("corrupt", "an undecodable reply")
-    index = pending.pop(msg.rid, None)
-    if index is None or isinstance(msg, wire.Error) or not isinstance(msg, wire.Chunk) \
-            or msg.index != index or not more:
-        while sock.getsockopt(zmq.RCVMORE):
-            sock.recv(zmq.NOBLOCK)  # drain the rest of this reply
-        if index is None:
-            return  # a late reply to a request of an earlier attempt
-        if isinstance(msg, wire.Error):
-            raise SourceFailed("refused", f"chunk {index}: {msg.reason} ({msg.detail})")
-        raise SourceFailed("corrupt", f"malformed reply for chunk {index}", index)
+        index = check_reply(header, bool(sock.getsockopt(zmq.RCVMORE)), pending, buf.version,
+                            max_bytes)
+    except SourceFailed:
+        _drain(sock)
+        raise
+    if index is None:
+        _drain(sock)
+        return
     start, end = chunk_range(buf.manifest, index)
     target = buf.view[start:end]
-    n = sock.recv_into(target, flags=zmq.NOBLOCK)
-    while sock.getsockopt(zmq.RCVMORE):
-        sock.recv(zmq.NOBLOCK)
-    if download is not None:
-        await download.consume(n)
+    n = sock.recv_into(target, flags=zmq.NOBLOCK)  # a longer frame is cut: n says its size
+    _drain(sock)
     if n != end - start:
         raise SourceFailed("corrupt", f"chunk {index} has {n} bytes, expected {end - start}", index)
+    if download is not None:
+        await download.consume(n)
     try:
         verify_chunk(buf.manifest, index, target)
     except SnapshotError as err:

@@ -11,6 +11,10 @@ manifest = {
 
 Workers get the run's public key when they join and refuse a manifest whose signature does not
 verify, and any chunk whose hash differs from the manifest's, before using or forwarding it.
+A manifest arrives as a map from the wire: ``verify_manifest`` checks its shape (every key's
+type and range, the tensor index inside the payload) before the signature, so a manifest of
+any shape is refused with a ``SnapshotError`` naming the key, never a KeyError or TypeError
+later (docs/fuzzing.md).
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 SCHEMA = 1
+ENCODINGS = ("full",)  # the payloads a worker can install
+# Bytes per element of the dtypes a tensor may declare (a snapshot's tensors are installed with
+# ``getattr(torch, dtype)``: only these names may reach it).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1,
+               "float8_e5m2": 1, "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8,
+               "bool": 1}
+MAX_PAYLOAD = 1 << 40  # 1 TiB: far above any policy, far below what would overflow a size
+MAX_CHUNK = 1 << 31
+MAX_RANK = 16
 
 
 class SnapshotError(ValueError):
@@ -81,20 +94,88 @@ def build_manifest(*, run_id: str, version: int, tensors: list[dict[str, Any]], 
     return manifest
 
 
-def verify_manifest(manifest: dict[str, Any], public_key: bytes) -> None:
-    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
-        raise SnapshotError(f"manifest schema {manifest.get('schema') if isinstance(manifest, dict) else None!r} "
-                            f"is not {SCHEMA}: upgrade echo-rl")
+def _int(obj: dict[str, Any], key: str, lo: int, hi: int, where: str = "manifest") -> int:
+    value = obj.get(key)
+    if type(value) is not int or not lo <= value <= hi:  # type(): True is no version
+        raise SnapshotError(f"{where} {key!r} is {_show(value)}, expected an int in "
+                            f"[{lo}, {hi}]: not a manifest from an echo-rl learner; refusing it")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if isinstance(value, (int, float, str, bytes, type(None))) else \
+        f"a {type(value).__name__}"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_tensor(i: int, t: Any, payload_size: int) -> None:
+    where = f"manifest tensor {i}"
+    if not isinstance(t, dict):
+        raise SnapshotError(f"{where} is {_show(t)}, expected a map")
+    name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
+    if not isinstance(name, str) or not name:
+        raise SnapshotError(f"{where}: name is {_show(name)}, expected a non-empty str")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise SnapshotError(f"{where} ({name}): dtype {_show(dtype)} is not one of "
+                            f"{sorted(DTYPE_BYTES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_RANK or \
+            any(type(d) is not int or d < 0 for d in shape):
+        raise SnapshotError(f"{where} ({name}): shape {_show(shape)} is not a list of at most "
+                            f"{MAX_RANK} ints >= 0")
+    offset = _int(t, "offset", 0, payload_size, where)
+    nbytes = _int(t, "nbytes", 0, payload_size - offset, where)  # the tensor lies in the payload
+    numel = 1
+    for d in shape:
+        numel *= d
+    if nbytes != numel * DTYPE_BYTES[dtype]:
+        raise SnapshotError(f"{where} ({name}): {nbytes} bytes do not hold a {dtype} tensor of "
+                            f"shape {shape}")
+
+
+def check_manifest(manifest: Any) -> None:
+    """The manifest's shape: every key a worker reads, its type and its range."""
+    if not isinstance(manifest, dict):
+        raise SnapshotError(f"manifest is {_show(manifest)}, expected a map")
+    if type(manifest.get("schema")) is not int or manifest["schema"] != SCHEMA:
+        raise SnapshotError(f"manifest schema {_show(manifest.get('schema'))} is not {SCHEMA}: "
+                            f"upgrade echo-rl")
+    for key in ("run_id", "encoding", "dtype"):
+        if not isinstance(manifest.get(key), str):
+            raise SnapshotError(f"manifest {key!r} is {_show(manifest.get(key))}, expected a str")
+    if manifest["encoding"] not in ENCODINGS:
+        raise SnapshotError(f"manifest encoding {_show(manifest['encoding'])} is not one of "
+                            f"{ENCODINGS}: upgrade echo-rl on this worker")
+    version = _int(manifest, "version", 0, 2**63 - 1)
+    _int(manifest, "base_version", -1, version)
+    size = _int(manifest, "payload_size", 0, MAX_PAYLOAD)
+    chunk = _int(manifest, "chunk_size", 1, MAX_CHUNK)
+    hashes, sig = manifest.get("chunk_hashes"), manifest.get("signature")
+    if not isinstance(hashes, list) or \
+            any(not isinstance(h, bytes) or len(h) != 32 for h in hashes):
+        raise SnapshotError("manifest chunk_hashes is not a list of 32-byte BLAKE3 hashes")
+    if len(hashes) != -(-size // chunk):
+        raise SnapshotError(f"manifest lists {len(hashes)} chunk hashes, payload needs "
+                            f"{-(-size // chunk)}")
+    if not isinstance(sig, bytes) or len(sig) != 64:
+        raise SnapshotError(f"manifest signature is {_show(sig)}, expected 64 bytes (Ed25519)")
+    tensors = manifest.get("tensors")
+    if not isinstance(tensors, list):
+        raise SnapshotError(f"manifest tensors is {_show(tensors)}, expected a list")
+    for i, t in enumerate(tensors):
+        _check_tensor(i, t, size)
+    if len({t["name"] for t in tensors}) != len(tensors):
+        raise SnapshotError("manifest names a tensor twice")
+
+
+def verify_manifest(manifest: Any, public_key: bytes) -> None:
+    """Refuse (SnapshotError) a manifest of the wrong shape, or not signed by this run's key."""
+    check_manifest(manifest)
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(manifest.get("signature", b""),
+        Ed25519PublicKey.from_public_bytes(public_key).verify(manifest["signature"],
                                                               _signed_part(manifest))
-    except (InvalidSignature, ValueError, TypeError):
-        raise SnapshotError(f"manifest for version {manifest.get('version')} fails its Ed25519 "
+    except (InvalidSignature, ValueError, TypeError):  # ValueError: packb past its depth limit
+        raise SnapshotError(f"manifest for version {manifest['version']} fails its Ed25519 "
                             f"signature: not from this run's learner; refusing it") from None
-    n = -(-manifest["payload_size"] // manifest["chunk_size"]) if manifest["payload_size"] else 0
-    if len(manifest["chunk_hashes"]) != n:
-        raise SnapshotError(f"manifest lists {len(manifest['chunk_hashes'])} chunk hashes, "
-                            f"payload needs {n}")
 
 
 def num_chunks(manifest: dict[str, Any]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import time
@@ -134,6 +135,8 @@ def test_junk_on_learner_sockets_is_rejected_while_training(cluster):
     for frame in junk:
         sock.send(frame)
         reply = wire.decode(sock.recv(), 1 << 24)
+        while isinstance(reply, wire.SnapshotNotice):  # a joined key also gets notices
+            reply = wire.decode(sock.recv(), 1 << 24)
         reasons.append(reply.reason if isinstance(reply, wire.Error) else reply.rejected)
     sock.close(linger=0)
     ctx.term()
@@ -161,7 +164,12 @@ def test_worker_survives_learner_restart(cluster):
     cluster.worker("w0")
     wait_rows(first, 1)
     cluster.group.stop("learner-a", sig=signal.SIGKILL)
-    second = cluster.learner("learner-b", max_steps=3)  # same address, new instance
+    # Same address and the same learner key (the operator's), new run and instance: workers
+    # pin the key, so a learner with another key would be refused (test_security.py).
+    key = cluster.tmp / "learner-b" / "security" / "learner.key"
+    key.parent.mkdir(parents=True)
+    shutil.copy(first / "security" / "learner.key", key)
+    second = cluster.learner("learner-b", max_steps=3)
     assert cluster.wait("learner-b") == 0
     assert len(rows(second)) == 3 and rows(second)[-1]["active_workers"] == 1
     assert cluster.wait("w0", 30) == 0

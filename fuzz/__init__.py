@@ -1,0 +1,1 @@
+"""Fuzzing harness for Echo's decoders (docs/fuzzing.md); not installed with the package."""

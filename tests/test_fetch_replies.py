@@ -1,0 +1,97 @@
+"""A peer relay's reply of any shape fails that source with a reason; the fetch goes on.
+
+A junk source (a ROUTER on loopback) answers every chunk request with one kind of bad reply;
+the fetch must report the failure to ``reattach`` (which names the real root) and finish with
+the exact payload, never raise out of ``fetch_into``.
+"""
+
+import asyncio
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from broadcast.fetch import fetch_into
+from broadcast.snapshot import RunKey, build_manifest, chunk_hash
+from broadcast.source import ChunkServer
+from broadcast.store import SnapshotBuffer, SnapshotStore
+from echo import wire
+
+CHUNK = 4096
+MAX_BYTES = 1 << 16
+
+
+def _chunk(version, index, rid, **kw):
+    return wire.encode(wire.Chunk(version=version, index=index, rid=rid, **kw))
+
+
+# (name, reply frames for a request, expected failure reason)
+BAD_REPLIES = [
+    ("junk_header", lambda r: [b"\xc1\xff junk", b"x"], "corrupt"),
+    ("unhashable_type", lambda r: [msgpack.packb({"v": 1, "type": ["x"]})], "corrupt"),
+    ("bool_version", lambda r: [msgpack.packb({"v": True, "type": "chunk", "version": 1,
+                                               "index": r.index, "rid": r.rid}), b"x"], "corrupt"),
+    ("wrong_index", lambda r: [_chunk(r.version, r.index + 1, r.rid), b"\0" * CHUNK], "corrupt"),
+    ("wrong_version", lambda r: [_chunk(r.version + 1, r.index, r.rid), b"\0" * CHUNK], "corrupt"),
+    ("no_bytes_frame", lambda r: [_chunk(r.version, r.index, r.rid)], "corrupt"),
+    ("short_bytes", lambda r: [_chunk(r.version, r.index, r.rid), b"\0" * 10], "corrupt"),
+    ("wrong_bytes", lambda r: [_chunk(r.version, r.index, r.rid), b"\0" * CHUNK], "corrupt"),
+    ("not_a_chunk", lambda r: [wire.encode(wire.Leave(worker_id="w", rid=r.rid))], "corrupt"),
+    ("error", lambda r: [wire.encode(wire.Error(reason="nope", detail="x" * 10_000,
+                                                rid=r.rid))], "refused"),
+    # Larger than any header or chunk: zmq cuts the peer off (MAXMSGSIZE) before buffering it.
+    ("huge_frame", lambda r: [_chunk(r.version, r.index, r.rid), b"\0" * (4 * MAX_BYTES)],
+     "disconnected"),
+]
+
+
+async def _junk_source(sock, make_reply):
+    while True:
+        ident, frame = await sock.recv_multipart()
+        req = wire.decode(frame, MAX_BYTES)
+        await sock.send_multipart([ident, *make_reply(req)])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name,make_reply,reason", BAD_REPLIES, ids=[b[0] for b in BAD_REPLIES])
+def test_bad_reply_fails_the_source_and_the_fetch_resumes_elsewhere(name, make_reply, reason):
+    key = RunKey.generate()
+    payload = np.random.default_rng(1).bytes(10 * CHUNK + 7)
+    manifest = build_manifest(run_id="t", version=1, tensors=[], payload=payload,
+                              chunk_size=CHUNK, dtype="uint8", key=key)
+
+    async def body(ctx):
+        root_store = SnapshotStore()
+        root_store.add(SnapshotBuffer(manifest, payload))
+        root_sock, junk_sock = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+        for s in (root_sock, junk_sock):
+            s.bind("tcp://127.0.0.1:*")
+        root = root_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        junk = junk_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        store = SnapshotStore()
+        store.add(SnapshotBuffer(manifest))
+        failures = []
+
+        async def reattach(bad, why):
+            failures.append((bad, why))
+            return root
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(ChunkServer(root_sock, root_store, MAX_BYTES).serve_forever()),
+                     tg.create_task(_junk_source(junk_sock, make_reply))]
+            stats = await fetch_into(ctx, store, 1, junk, window=3, timeout_s=10,
+                                     max_bytes=MAX_BYTES, reattach=reattach)
+            for t in tasks:
+                t.cancel()
+        return store.get(1), stats, failures
+
+    ctx = zmq.asyncio.Context()
+    try:
+        buf, stats, failures = asyncio.run(asyncio.wait_for(body(ctx), 50))
+    finally:
+        ctx.destroy(linger=0)
+    assert failures[0][1] == reason
+    assert stats.failures[0] == (stats.sources[0], reason)
+    assert buf.digest() == chunk_hash(payload)
