@@ -251,7 +251,8 @@ class TokenStore:
 
 
 class KeyList:
-    """A set of public keys in a text file, one per line (bans, allow-list); '#' comments."""
+    """A set of public keys in a text file, one per line, optionally followed by a note
+    (bans, allow-list); a line whose first word is not a 40-character key is a comment."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -266,7 +267,10 @@ class KeyList:
             lines = self.path.read_text().splitlines()
         except FileNotFoundError:
             lines = []
-        self.keys = {ln.split("#", 1)[0].strip() for ln in lines} - {""}
+        # The key is a line's first word when it is 40 characters (Z85 has no spaces, but it
+        # does have '#', so a key may start with one); other lines are comments.
+        words = (ln.split()[0] for ln in lines if ln.strip())
+        self.keys = {w for w in words if len(w) == 40}
         return True
 
     def add(self, key: str, note: str = "") -> None:
