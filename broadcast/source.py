@@ -72,7 +72,11 @@ class ChunkServer:
     async def _receive(self) -> None:
         while True:
             ident, *frames = await self.sock.recv_multipart(copy=False)
-            await self.handle(ident.bytes, [f.bytes for f in frames], peer_key(ident))
+            try:
+                await self.handle(ident.bytes, [f.bytes for f in frames], peer_key(ident))
+            except Exception:  # a bug here must cost one request, not every child's stream
+                self.rejected["internal_error"] += 1
+                log.exception("snapshot socket: internal error on a request")
 
     async def handle(self, ident: bytes, frames: list[bytes], peer: str = "") -> None:
         """One request from one peer; whatever it holds ends at most this request."""

@@ -40,6 +40,7 @@ from broadcast.tickets import Source
 from dataplane.adapter import Adapter, load_adapter
 from echo import wire
 from echo.config import ModelConfig
+from echo.models import ModelError
 from worker.backends import Backend, Sample, make_backend
 from echo.client import Client, RequestTimeout
 from echo.security import JoinLine, KeyPair, fingerprint
@@ -269,10 +270,16 @@ class Worker:
             await self.client.send(wire.Installed(worker_id=self.worker_id, version=version))
             log.info("installed snapshot v%d (%d bytes, %d chunks from %s)", version,
                      manifest["payload_size"], stats.chunks, " then ".join(stats.sources))
-        except SnapshotError as err:
+        except (SnapshotError, ModelError) as err:
             log.warning("snapshot v%d not installed: %s", version, err)
             if self.offered and self.offered[0] == version:
                 self.offered = None  # wait for the next offer (heartbeat acks repeat it)
+        except (RuntimeError, ValueError) as err:
+            # A verified snapshot that still fails to load (a torch error on a tensor the
+            # manifest describes): this version is skipped, the worker keeps serving.
+            log.exception("snapshot v%d could not be installed: %s", version, err)
+            if self.offered and self.offered[0] == version:
+                self.offered = None
         finally:
             self.state = "idle"
 
