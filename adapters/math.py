@@ -7,8 +7,10 @@ Options (``[adapter] options = {...}``):
   question_key    field holding the question (default "question")
   answer_key      field holding the reference answer (default "answer"; a string or a number)
   system          optional system message put before the question
-  chat_template   true (default): the question goes through the tokenizer's chat template
-                  (``apply_chat_template(..., add_generation_prompt=True)``); false: raw text
+  chat_template   true: the question goes through the tokenizer's chat template
+                  (``apply_chat_template(..., add_generation_prompt=True)``; an error if the
+                  tokenizer has none); false: raw text; unset (default): the template when
+                  the tokenizer has one (tiny-qwen3's and SmolLM2's do), raw text otherwise
   format_reward   reward for an answer that was found but is wrong (default 0.0): a little
                   shaping for tiny models that have yet to learn to answer with a number
   verify_timeout_s  bound for math-verify's parse and verify (default 5; see mathcheck)
@@ -36,6 +38,7 @@ from typing import Any
 
 from adapters.mathcheck import MathChecker, extract_answer
 from dataplane.adapter import Adapter, AdapterError, Prompt
+from dataplane.multiturn import render_ids
 
 _OPTIONS = {"path", "question_key", "answer_key", "system", "chat_template", "format_reward",
             "verify_timeout_s", "max_prompt_tokens"}
@@ -43,11 +46,7 @@ _OPTIONS = {"path", "question_key", "answer_key", "system", "chat_template", "fo
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template, as a plain list."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, return_dict=False)
-    if isinstance(out, dict) or hasattr(out, "input_ids"):
-        out = out["input_ids"]
-    return [int(t) for t in out]
+    return render_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt)
 
 
 def read_jsonl(path: str | Path, question_key: str = "question",
@@ -91,12 +90,13 @@ class MathAdapter(Adapter):
         self.question_key = str(self.options.get("question_key", "question"))
         self.answer_key = str(self.options.get("answer_key", "answer"))
         self.system = self.options.get("system")
-        self.chat = bool(self.options.get("chat_template", True))
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.chat = bool(self.options.get("chat_template", has_template))
         self.format_reward = float(self.options.get("format_reward", 0.0))
         self.max_prompt_tokens = int(self.options.get("max_prompt_tokens", 0))
         if not 0.0 <= self.format_reward < 1.0:
             raise AdapterError(f"math: format_reward={self.format_reward} must be in [0, 1)")
-        if self.chat and not getattr(tokenizer, "chat_template", None):
+        if self.chat and not has_template:
             raise AdapterError("math: the tokenizer has no chat template; set options.chat_template"
                                " = false to feed the raw question text")
         self.checker = MathChecker(float(self.options.get("verify_timeout_s", 5.0)))

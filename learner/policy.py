@@ -27,13 +27,14 @@ class Policy:
     def __init__(self, cfg: EchoConfig):
         torch.set_num_threads(cfg.learner.torch_threads)
         random.seed(cfg.seed)
-        self.par = make_parallel()
+        self.par = make_parallel(cfg.learner.device)
         self.tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, self.tokenizer, "float32")
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         # Names of the parameters a snapshot carries (tied weights once), as before sharding.
         self.param_names = [n for n, _ in model.named_parameters()]
-        self.model = self.par.wrap(model)
+        self.model = self.par.wrap(model)  # on learner.device: the Trainer's optimizer and
+        # reference copy are made from it, so they live there too.
         # Log-probs at the workers' sampling temperature: the distribution they sampled from.
         self.trainer = Trainer(self.model, cfg.learner, seed=cfg.seed, parallel=self.par,
                                temperature=cfg.worker.temperature,
@@ -55,7 +56,7 @@ class Policy:
         op = cmd["op"]
         stats: dict[str, float] = {}
         if op == "step":
-            stats = self.trainer.step(cmd["batch"])
+            stats = self.trainer.step(self.par.to_device(cmd["batch"]))
         elif op == "load":
             self._load(cmd["state"])
         elif op not in ("sync", "stop"):

@@ -141,3 +141,17 @@ def test_shipped_data_is_what_the_generator_writes(tmp_path):
     rows = [json.loads(x) for x in (DATA / "arith.jsonl").read_text().splitlines()]
     assert len(rows) == 400 and all(set(r["question"]) <= set("0123456789+-*=") for r in rows)
     assert all(str(eval(r["question"][:-1])) == r["answer"] for r in rows)
+
+
+def test_chat_template_is_used_when_the_tokenizer_has_one(chatml):
+    """Unset chat_template: the template if there is one, else the raw question; set to true
+    without a template: an error saying how to fix it."""
+    from dataplane.testing import build_chatml_char_tokenizer
+
+    bare = build_chatml_char_tokenizer()
+    bare.chat_template = None
+    opts = {"path": str(DATA / "arith.jsonl")}
+    assert chatml.decode(MathAdapter(opts, chatml).encode("1+1=")).endswith("<|im_start|>assistant\n")
+    assert bare.decode(MathAdapter(opts, bare).encode("1+1=")) == "1+1="
+    with pytest.raises(AdapterError, match="no chat template.*chat_template = false"):
+        MathAdapter({**opts, "chat_template": True}, bare)

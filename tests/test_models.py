@@ -108,3 +108,102 @@ def test_low_precision_logits_go_row_by_row_in_float32():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(selective_logprobs(logits, targets),
                                torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+@pytest.mark.parametrize("spec, rank, count, want", [
+    ("cpu", None, 2, "cpu"),
+    ("auto", None, 0, "cpu"),
+    ("auto", None, 2, "cuda:0"),
+    ("auto", 1, 2, "cuda:1"),  # torchrun: rank r takes cuda:LOCAL_RANK
+    ("cuda", None, 1, "cuda:0"),
+    ("cuda", 1, 2, "cuda:1"),
+    ("cuda:1", None, 2, "cuda:1"),
+])
+def test_device_specs_resolve(spec, rank, count, want):
+    from echo.models import resolve_device
+
+    assert resolve_device(spec, "learner.device", local_rank=rank, cuda_count=count) == torch.device(want)
+
+
+@pytest.mark.parametrize("spec, rank, count, match", [
+    ("cuda", None, 0, r"learner.device = 'cuda' but no CUDA GPU.*set learner.device = \"cpu\""),
+    ("cuda:0", None, 0, "no CUDA GPU"),
+    ("cuda:2", None, 2, "GPU 2 does not exist.*cuda:0 to cuda:1"),
+    ("cuda", 3, 2, "GPU 3 does not exist"),
+    ("cuda:0", 1, 2, "under torchrun.*set learner.device = \"cuda\""),
+    ("tpu", None, 1, "unknown device"),
+])
+def test_bad_device_specs_explain_the_fix(spec, rank, count, match):
+    from echo.models import resolve_device
+
+    with pytest.raises(ModelError, match=match):
+        resolve_device(spec, "learner.device", local_rank=rank, cuda_count=count)
+
+
+def test_device_keys_are_validated_in_the_config():
+    from echo.config import ConfigError, load_config
+
+    cfg = load_config(None, ["learner.device=cuda:1", "worker.device=cpu"])
+    assert (cfg.learner.device, cfg.worker.device) == ("cuda:1", "cpu")
+    assert cfg.worker_view()["worker"]["device"] == "cpu"  # workers get it on join
+    assert load_config(None).learner.device == "auto"
+    for bad in ("gpu", "cuda:", "cuda:x", "CPU"):
+        with pytest.raises(ConfigError, match=rf"learner.device = '{bad}'.*auto.*cpu.*cuda:N"):
+            load_config(None, [f"learner.device={bad}"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_asking_for_cuda_without_one_fails_at_start_up():
+    from learner.parallel import make_parallel
+    from worker.backends import make_backend
+
+    with pytest.raises(ModelError, match="learner.device = 'cuda' but no CUDA GPU"):
+        make_parallel("cuda")
+    with pytest.raises(ModelError, match="worker.device = 'cuda:0' but no CUDA GPU"):
+        make_backend("transformers", model_cfg=ModelConfig(), device="cuda:0")
+    assert make_parallel("auto").device == torch.device("cpu")
+
+
+def test_cpu_learner_stays_float32_and_moves_batches_to_its_device(tokenizer):
+    from dataplane.adapter import LearnerBatch
+    from learner.parallel import Single
+
+    par = Single("cpu")
+    model = par.wrap(load_model(ModelConfig(), tokenizer))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model(torch.tensor([[4, 5, 6]])).logits.dtype == torch.float32  # no autocast on CPU
+    t = torch.ones(2, 3)
+    batch = LearnerBatch(t.long(), t.long(), t, t, t[:, 0], t[:, 0], t[:, 0].long())
+    moved = par.to_device(batch)
+    assert moved.input_ids is batch.input_ids  # on the CPU nothing is copied
+    model_sd, optim_sd = par.full_state(model, torch.optim.Adam(model.parameters()))
+    assert all(v.device.type == "cpu" for v in model_sd.values())
+
+
+def test_autocast_forward_covers_the_forward_only(tokenizer):
+    """The bf16 path of a GPU learner, exercised on the CPU's autocast: forward in bf16,
+    parameters and gradients float32, autocast off after the call (also after an error), and
+    a deepcopy (the reference model) autocasts on its own."""
+    import copy
+
+    from learner.parallel.single import autocast_forward
+
+    model = load_model(ModelConfig(), tokenizer)
+    autocast_forward(model, "cpu", torch.bfloat16)
+    ids = torch.tensor([[4, 5, 6, 7]])
+    out = model(ids).logits
+    assert out.dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
+    out.float().sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+    with pytest.raises(Exception):
+        model(torch.tensor([[10_000]]))  # out of the vocabulary: the forward raises
+    assert not torch.is_autocast_enabled("cpu")
+    ref = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.add_(1.0)
+    assert ref(ids).logits.dtype == torch.bfloat16
+    assert not torch.equal(ref(ids).logits, model(ids).logits)  # its own weights, not the original's

@@ -211,7 +211,8 @@ class Worker:
     def _load(self) -> tuple[Backend, Adapter]:
         threads = self.threads or self.view["worker"]["torch_threads"]
         backend = make_backend(self.view["worker"]["backend"],
-                               model_cfg=ModelConfig(**self.view["model"]), threads=threads)
+                               model_cfg=ModelConfig(**self.view["model"]), threads=threads,
+                               device=self.view["worker"].get("device", "auto"))
         adapter = load_adapter(self.view["adapter"]["name"], self.view["adapter"]["options"],
                                backend.tokenizer, check_prompts=False)  # prompts are the learner's
         return backend, adapter

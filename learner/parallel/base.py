@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 class Parallel(ABC):
     rank: int = 0
     world: int = 1
+    device: torch.device = torch.device("cpu")  # where this rank's shard trains
 
     @property
     def is_main(self) -> bool:
@@ -19,6 +21,13 @@ class Parallel(ABC):
     @abstractmethod
     def wrap(self, model: Any) -> Any:
         """Prepare the model for training (shard it); returns the model to train."""
+
+    def to_device(self, batch: Any) -> Any:
+        """A copy of a dataclass of tensors (a ``LearnerBatch``) on this rank's device; on the
+        CPU the tensors are the same objects."""
+        moved = {f.name: getattr(batch, f.name).to(self.device)
+                 for f in dataclasses.fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)}
+        return dataclasses.replace(batch, **moved)
 
     def shard(self, idx: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a mini-batch (every rank sees the same ``idx``)."""

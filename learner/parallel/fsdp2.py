@@ -1,7 +1,9 @@
 """FSDP2 (``fully_shard``) under torchrun: gloo on CPU, NCCL on GPUs.
 
 Each decoder layer is its own shard group, the root holds embeddings and the head (tied
-weights stay together). Gradients are averaged across ranks by the reduce-scatter, so the
+weights stay together). On GPUs each rank binds ``cuda:LOCAL_RANK`` before the process group
+exists (NCCL needs it); with bf16 the sharded weights and Adam stay float32, the all-gathered
+copies used in forward and backward are bf16 and gradients are reduced in float32. Gradients are averaged across ranks by the reduce-scatter, so the
 trainer scales each rank's loss to make the average equal the single-process loss.
 """
 
@@ -13,22 +15,34 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from learner.parallel.base import Parallel
 
 
 class FSDP2(Parallel):
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
 
     def wrap(self, model: Any) -> Any:
+        from echo.models import bf16_compute
+
+        # An explicit mesh: the default one is CUDA whenever a GPU is visible, even with
+        # learner.device = "cpu". fully_shard moves the shards to the mesh's device.
+        opts: dict[str, Any] = {"mesh": init_device_mesh(self.device.type, (self.world,))}
+        if bf16_compute(self.device):
+            opts["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                     reduce_dtype=torch.float32)
         for layer in _decoder_layers(model):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, **opts)
+        fully_shard(model, **opts)
         return model
 
     def full_state(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
@@ -45,9 +59,7 @@ class FSDP2(Parallel):
         return box[0]
 
     def all_sum(self, values: torch.Tensor) -> torch.Tensor:
-        # NCCL reduces device tensors only; gloo reduces CPU ones
-        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
-        out = values.to(device, copy=True)
+        out = values.to(self.device, copy=True)  # NCCL reduces GPU tensors, gloo CPU ones
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out.cpu()
 
