@@ -103,7 +103,8 @@ def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str
                               run_dir / "learner.stderr.log", pipe_stdout=True)
         console.print(f"[bold]Echo quickstart[/] run folder [cyan]{run_dir}[/]; starting learner...")
         endpoint = wait_ready(learner, timeout=180)
-        console.print(f"learner at [cyan]{endpoint}[/]; starting {n} workers")
+        # soft_wrap: the join line must stay one line (a volunteer copies it whole)
+        console.print(f"learner at [cyan]{endpoint}[/]; starting {n} workers", soft_wrap=True)
         info = json.loads((run_dir / "learner.json").read_text())
         if "metrics" in info:
             console.print(f"dashboard: [cyan]{info['metrics']}/[/]  (Prometheus: {info['metrics']}/metrics)")
