@@ -108,11 +108,12 @@ def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str
         info = json.loads((run_dir / "learner.json").read_text())
         if "metrics" in info:
             console.print(f"dashboard: [cyan]{info['metrics']}/[/]  (Prometheus: {info['metrics']}/metrics)")
+        plain = [] if cfg.security.curve else ["--insecure"]  # security.curve=false: plaintext
         for i in range(n):
             price = prices[i % len(prices)]
             # Each worker is its own identity: one key pair per worker, kept in the run folder.
             group.start(f"worker-{i}", python_argv("worker.cli", "join", endpoint, "--id",
-                                                   f"worker-{i}", "--price", str(price),
+                                                   f"worker-{i}", "--price", str(price), *plain,
                                                    "--identity", str(run_dir / "keys" / f"worker-{i}.key")),
                         run_dir / f"worker-{i}.log")
         _follow(cfg, learner, tail)
