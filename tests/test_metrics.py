@@ -48,6 +48,8 @@ def synthetic_row(step: int) -> dict:
 def synthetic_stats(step: int) -> dict:
     return {"active_workers": 2, "standby_workers": 1, "fleet_price_per_hour": 0.7,
             "rejected": {"bad_signature": 1, "stale": step}, "learner_bytes_sent": 1000 * (step + 1),
+            "join_refused": {"token_required": step}, "limited": {"rate_limited": step},
+            "chunk_rejected": {"not_joined": step},
             "t_bcast": 0.25, "in_flight_groups": 4, "reissued_groups": 0,
             "workers": {f"w{i}": {"price": 0.35 * (i + 1), "version": step, "state": "generating",
                                   "active": i < 2, "throughput": 1.5 + i, "admitted": 10 * i}
