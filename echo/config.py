@@ -92,6 +92,9 @@ class StalenessRules:
 
 class LearnerConfig(StalenessRules, _Section):
     host: str = "127.0.0.1"
+    # The address workers reach the learner at, for the printed join line ("" = host): set it
+    # when binding 0.0.0.0 or behind a NAT/port forward.
+    public_host: str = ""
     port: int = Field(0, ge=0, le=65535)  # 0: the OS picks a free port
     max_steps: int = Field(200, gt=0)
     prompts_per_step: int = Field(32, gt=0)

@@ -192,7 +192,10 @@ class ControlPlane:
 
     def join_line(self, token: str = "") -> str:
         """What a volunteer passes to ``echo-worker join``: address, key (and a token)."""
-        return str(JoinLine(self.endpoint, self.public_key, token))
+        endpoint = self.endpoint
+        if self.cfg.learner.public_host:
+            endpoint = f"tcp://{self.cfg.learner.public_host}:{endpoint.rsplit(':', 1)[1]}"
+        return str(JoinLine(endpoint, self.public_key, token))
 
     def _handshake_monitor(self, sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket | None:
         """Set up before the socket serves anyone, so no failed handshake goes uncounted."""
