@@ -53,6 +53,7 @@ class RelayConfig:
     max_parked_per_peer: int = 64  # security.max_parked_per_peer (from the learner's config)
     max_parked_total: int = 4096
     handshakes_per_s: float = 50.0  # new connections accepted per second (burst 2x)
+    requests_per_s: float = 5000.0  # chunk requests per second per peer (burst 2x)
 
 
 class Relay:
@@ -86,7 +87,8 @@ class Relay:
                                       upload=bucket(cfg.up_mbit, cfg.chunk_bytes) if cfg.shape else None,
                                       corrupt=cfg.corrupt, authorize=tickets,
                                       max_parked_per_peer=cfg.max_parked_per_peer,
-                                      max_parked_total=cfg.max_parked_total)
+                                      max_parked_total=cfg.max_parked_total,
+                                      requests_per_s=cfg.requests_per_s)
 
     async def serve_forever(self) -> None:
         if self.server is None:

@@ -32,7 +32,7 @@ import zmq.asyncio
 from broadcast.shaping import TokenBucket
 from broadcast.store import SnapshotStore
 from echo import wire
-from echo.security import peer_key
+from echo.security import LogThrottle, PeerLimits, peer_key
 
 Authorize = Callable[[str, bytes], str]  # (peer key, ticket) -> "" or the refusal reason
 
@@ -43,7 +43,8 @@ class ChunkServer:
     def __init__(self, sock: zmq.asyncio.Socket, store: SnapshotStore, max_bytes: int, *,
                  upload: TokenBucket | None = None, park_timeout_s: float = 30.0,
                  corrupt: bool = False, authorize: Authorize | None = None,
-                 max_parked_per_peer: int = 64, max_parked_total: int = 4096):
+                 max_parked_per_peer: int = 64, max_parked_total: int = 4096,
+                 requests_per_s: float = 5000.0):
         self.sock = sock
         self.store = store
         self.max_bytes = max_bytes
@@ -54,6 +55,10 @@ class ChunkServer:
         self.max_parked_per_peer = max_parked_per_peer
         self.max_parked_total = max_parked_total
         self.rejected: dict[str, int] = defaultdict(int)
+        # Requests per second per peer (burst 2x); past it requests are dropped unanswered
+        # and counted: a flood costs a recv and a bucket look-up, not a reply or a log line.
+        self._rate = PeerLimits(requests_per_s, 2 * requests_per_s)
+        self._log = LogThrottle()
         # Parked requests: (version, index) -> [(ident, rid, since, peer)]. Bounded as above.
         self._parked: dict[tuple[int, int], list[tuple[bytes, int, float, str]]] = defaultdict(list)
         self._parked_by: Counter[str] = Counter()
@@ -80,14 +85,18 @@ class ChunkServer:
 
     async def handle(self, ident: bytes, frames: list[bytes], peer: str = "") -> None:
         """One request from one peer; whatever it holds ends at most this request."""
+        who = peer or ident.hex()
+        if not self._rate.take(who):
+            self.rejected["rate_limited"] += 1
+            return
         try:
             msg = self._parse(frames, peer)
         except wire.WireError as err:
             self.rejected[err.reason] += 1
-            log.warning("snapshot socket: refused a request from %s: %s", peer or ident.hex(), err)
+            if self._log.ok(who):
+                log.warning("snapshot socket: refused a request from %s: %s", who, err)
             await self._reply_error(ident, 0, err.reason, err.detail)
             return
-        who = peer or ident.hex()
         buf = self.store.get(msg.version)
         if buf is not None and msg.index >= buf.total:
             await self._refuse(ident, msg.rid, "bad_index", f"version {msg.version} has "

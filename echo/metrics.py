@@ -328,20 +328,31 @@ def finite_or_null(x: Any) -> tuple[Any, int]:
 
 
 MAX_CONNECTIONS = 32
+MAX_PER_IP = 8
 
 
 class _BoundedServer(ThreadingHTTPServer):
-    """At most ``MAX_CONNECTIONS`` connections served at once (one thread each); more are closed
-    at once and counted, so 780 idle connections cost 32 threads, not 780."""
+    """At most ``MAX_CONNECTIONS`` connections served at once (one thread each), and at most
+    ``MAX_PER_IP`` from one address; more are closed at once and counted. 780 idle connections
+    then cost 32 threads, not 780, and one address cannot take every slot from the others."""
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.per_ip: dict[str, int] = {}
+        self.lock = threading.Lock()
         self.refused = 0
 
+    def _admit(self, ip: str) -> bool:
+        with self.lock:
+            if self.per_ip.get(ip, 0) >= MAX_PER_IP or not self.slots.acquire(blocking=False):
+                self.refused += 1
+                return False
+            self.per_ip[ip] = self.per_ip.get(ip, 0) + 1
+            return True
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            self.refused += 1
+        if not self._admit(client_address[0]):
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
@@ -350,6 +361,10 @@ class _BoundedServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self.lock:
+                self.per_ip[client_address[0]] -= 1
+                if not self.per_ip[client_address[0]]:
+                    del self.per_ip[client_address[0]]
             self.slots.release()
 
 

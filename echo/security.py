@@ -324,6 +324,29 @@ class PeerLimits:
         return b.take(n)
 
 
+class LogThrottle:
+    """At most one log line per peer per ``period_s`` (a flood must not become a flood of log
+    lines: 100,000 refusals once wrote 23 MB of learner.log). The counters still count all."""
+
+    def __init__(self, period_s: float = 10.0, max_peers: int = 4096,
+                 clock: Callable[[], float] = time.monotonic):
+        self.period_s, self.max_peers, self.clock = period_s, max_peers, clock
+        self._last: OrderedDict[str, float] = OrderedDict()
+        self.suppressed = 0
+
+    def ok(self, peer: str) -> bool:
+        now = self.clock()
+        last = self._last.get(peer)
+        if last is not None and now - last < self.period_s:
+            self.suppressed += 1
+            return False
+        self._last.pop(peer, None)
+        self._last[peer] = now
+        if len(self._last) > self.max_peers:
+            self._last.popitem(last=False)
+        return True
+
+
 # ----------------------------------------------------------------------------- sockets
 
 

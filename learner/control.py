@@ -36,7 +36,7 @@ from broadcast.topology import make_topology
 from dataplane.records import Limits, Record, RecordError, parse_record
 from echo import wire
 from echo.config import EchoConfig
-from echo.security import JoinLine, curve_server, fingerprint, peer_key, serve_zap
+from echo.security import JoinLine, LogThrottle, curve_server, fingerprint, peer_key, serve_zap
 from learner.gate import Gate
 from learner.verify import Verifier
 from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
@@ -45,6 +45,20 @@ from learner.work import WorkQueue
 from provisioning.controller import ACTIVE, STANDBY, Controller, Decision
 
 log = logging.getLogger("echo.control")
+
+SMALL_FRAME = 1 << 16
+
+
+def _small(frame: bytes, max_bytes: int) -> wire.Message | None:
+    """A refused frame decoded only when small (for its request id, so the sender's request
+    ends with the refusal instead of a timeout); a large one is not worth the CPU."""
+    if len(frame) > SMALL_FRAME:
+        return None
+    try:
+        return wire.decode(frame, max_bytes)
+    except wire.WireError:
+        return None
+
 
 _JOIN_FIX = {
     "banned": "this key is banned from the run",
@@ -87,6 +101,7 @@ class ControlPlane:
         # Key pair, tokens, bans and allow-list live in the run folder (a throwaway one in tests).
         self.gate = Gate(cfg.security, run_dir or Path(tempfile.mkdtemp(prefix="echo-sec-")))
         self.sessions: dict[str, str] = {}  # public key -> worker id (one session per key)
+        self._log_gate = LogThrottle()  # one refusal line per peer per 10 s
         self.relay_keys: dict[str, str] = {}  # relay endpoint -> the key that serves there
         self.verifier: Verifier | None = None
         self.chunks: ChunkServer | None = None
@@ -148,7 +163,8 @@ class ControlPlane:
         sc = self.cfg.security
         self.chunks = ChunkServer(snap, self.store, self.max_bytes, authorize=self._may_pull,
                                   max_parked_per_peer=sc.max_parked_per_peer,
-                                  max_parked_total=sc.max_parked_total)
+                                  max_parked_total=sc.max_parked_total,
+                                  requests_per_s=sc.peer_chunk_requests_per_s)
         mons = [self._handshake_monitor(ctrl), self._handshake_monitor(snap)]
         self.verifier = Verifier(ctx, lambda child, parent: mint(
             self.key, child, parent, self.run_id, 600.0), self.max_bytes)
@@ -374,13 +390,15 @@ class ControlPlane:
             refused = self.gate.message(key, len(frames[0])) if key else ""
             if refused:
                 self._end_banned(key, refused)
+                msg = _small(frames[0], self.max_bytes)  # for its request id, if cheap
                 raise wire.WireError(refused, "this key is banned" if refused == "banned" else
                                      "too many messages from this key: slow down")
             msg = wire.decode(frames[0], self.max_bytes)
             return await self._dispatch(ident, key, msg)
         except wire.WireError as err:
             self.rejected[err.reason] += 1
-            log.warning("rejected message from %s: %s", key or ident.hex(), err)
+            if self._log_gate.ok(key or ident.hex()):
+                log.warning("rejected message from %s: %s", key or ident.hex(), err)
             # The request id, when the message had one, so the sender's request ends now.
             return wire.Error(reason=err.reason, detail=err.detail, rid=msg.rid if msg else 0)
         except Exception:
@@ -437,11 +455,13 @@ class ControlPlane:
 
     def _on_join(self, ident: bytes, key: str, msg: wire.Join) -> wire.Message:
         known = self._session(ident, key, self.sessions.get(key, msg.worker_id))
-        refused = self.gate.join(key, msg.token, len(self.sessions), known is not None)
-        if not refused:
-            refused = self._claim(key, msg, known)
+        # The claim first: a join refused for its id must not spend a token's use.
+        refused = self._claim(key, msg, known)
         if refused:
-            log.info("join refused for key %s (%s): %s", key, msg.worker_id, refused)
+            self.gate.refused[refused] += 1
+        else:
+            refused = self.gate.join(key, msg.token, len(self.sessions), known is not None)
+        if refused:
             raise wire.WireError(refused, _JOIN_FIX.get(refused, "the learner refused this join"))
         if known is None:
             self._add_worker(ident, key, msg)

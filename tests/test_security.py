@@ -231,7 +231,12 @@ def test_token_mode_needs_a_token_and_binds_it_to_one_key(make_plane, zctx):
     assert refused(ask(peer(plane, zctx, a), wire.Join(worker_id="a")), "token_required")
     assert isinstance(ask(peer(plane, zctx, a), wire.Join(worker_id="a", token=token)), wire.JoinAck)
     assert refused(ask(peer(plane, zctx, b), wire.Join(worker_id="b", token=token)), "token_used")
-    assert plane.stats()["join_refused"] == {"token_required": 1, "token_used": 1}
+    other = TokenStore(security_dir(run_dir) / "tokens.json").create(uses=1, ttl_s=60)
+    plane.gate.reload()
+    # A join refused for its id does not spend the token: the same key then joins with it.
+    assert refused(ask(peer(plane, zctx, b), wire.Join(worker_id="a", token=other)), "id_taken")
+    assert isinstance(ask(peer(plane, zctx, b), wire.Join(worker_id="b", token=other)), wire.JoinAck)
+    assert plane.stats()["join_refused"] == {"token_required": 1, "token_used": 1, "id_taken": 1}
 
 
 def test_allowlist_refuses_unknown_keys_at_the_handshake(make_plane, zctx, tmp_path):
@@ -254,7 +259,8 @@ def test_a_ban_ends_the_live_session_at_its_next_message(make_plane, zctx):
     assert isinstance(ask(sock, wire.Join(worker_id="w1")), wire.JoinAck)
     KeyList(plane.gate.bans.path).add(keys.text, "test")  # `echo-rl worker ban`
     plane.gate.reload()
-    assert refused(ask(sock, wire.Heartbeat(worker_id="w1", version=-1)), "banned")
+    reply = ask(sock, wire.Heartbeat(worker_id="w1", version=-1, rid=7))
+    assert refused(reply, "banned") and reply.rid == 7  # the worker's request ends with it
     assert "w1" not in plane.stats()["workers"]
 
 
@@ -287,6 +293,42 @@ def test_parked_chunk_requests_are_bounded(make_plane, zctx):
     stats = plane.stats()
     assert stats["chunk_parked"] == 8
     assert stats["chunk_rejected"] == {"future_version": 1, "too_many_requests": 1, "not_joined": 1}
+
+
+def test_chunk_request_floods_are_dropped_per_peer(make_plane, zctx):
+    plane = make_plane(peer_chunk_requests_per_s=50.0)
+    payload = bytes(8192)
+    m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=4096,
+                       dtype="float32", key=plane.key)
+    plane.publish(Snapshot(m, payload))
+    keys = KeyPair.generate()
+    ask(peer(plane, zctx, keys), wire.Join(worker_id="w1"))
+    snap = peer(plane, zctx, keys, plane.snapshot_endpoint)
+    for i in range(1000):
+        snap.send(wire.encode(wire.ChunkRequest(version=0, index=0, rid=i + 1)))
+    assert eventually(lambda: plane.stats()["chunk_rejected"].get("rate_limited", 0) >= 800)
+    other = KeyPair.generate()  # another peer is still served
+    ask(peer(plane, zctx, other), wire.Join(worker_id="w2"))
+    head = ask(peer(plane, zctx, other, plane.snapshot_endpoint), wire.ChunkRequest(version=0, index=1))
+    assert isinstance(head, wire.Chunk)
+
+
+def test_dashboard_connections_are_bounded_per_address():
+    import socket
+
+    from echo.metrics import MAX_PER_IP, LearnerMetrics
+
+    server = LearnerMetrics().serve("127.0.0.1", 0)
+    held = []
+    try:
+        for _ in range(MAX_PER_IP + 1):
+            held.append(socket.create_connection(server.address, timeout=10))
+        assert held[-1].recv(1) == b""  # the one over the cap is closed at once
+        assert server.httpd.refused == 1
+    finally:
+        for c in held:
+            c.close()
+        server.close()
 
 
 # ----------------------------------------------------------------------------- relays

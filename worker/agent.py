@@ -204,6 +204,9 @@ class Worker:
         self.relay.cfg.window, self.relay.cfg.timeout_s = bc["window"], bc["timeout_s"]
         sec = self.view.get("security", {})
         self.relay.cfg.max_parked_per_peer = sec.get("max_parked_per_peer", 64)
+        if self.relay.server is not None:  # the relay's server already exists: tune it
+            self.relay.server.max_parked_per_peer = self.relay.cfg.max_parked_per_peer
+            self.relay.server.max_parked_total = sec.get("max_parked_total", 4096)
         if ack.manifest is not None:
             self._offer(ack.version, ack.manifest, Source(ack.snapshot_endpoint, ack.snapshot_key, ack.ticket))
         log.info("worker %s joined run %s (snapshot v%d)", self.worker_id, ack.run_id, ack.version)
