@@ -51,6 +51,9 @@ _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
 
 
+WRONG_KEY_AFTER = 10  # failed handshakes in a row, never one accepted: the key is wrong
+
+
 def explain_handshake(event: int, value: int, endpoint: str) -> str:
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         if value == 300:
@@ -76,6 +79,8 @@ class Client:
         self.endpoint = endpoint
         self.handshake_error = ""  # why the last handshake failed; "" once one succeeded
         self.retryable = True  # False when the last failure needs the user, not a retry
+        self.handshakes_ok = 0
+        self._failed_in_row = 0
         self.disconnects = 0
         self.max_bytes = max_bytes
         self._rids = itertools.count(1)
@@ -93,16 +98,29 @@ class Client:
             ev = parse_monitor_message(await self._monitor.recv_multipart())
             if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshake_error, self.retryable = "", True
+                self.handshakes_ok += 1
+                self._failed_in_row = 0
                 continue
             if ev["event"] & _HANDSHAKE_EVENTS:
-                self.handshake_error = explain_handshake(ev["event"], ev["value"], self.endpoint)
-                self.retryable = ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and ev["value"] == 300
-                self._fail_pending(HandshakeFailed(self.handshake_error))
+                self._handshake_failed(ev["event"], ev["value"])
                 continue
             self.disconnects += 1
             lost = self._fail_pending(ConnectionLost("connection to the learner dropped"))
             if lost:
                 log.info("connection to the learner dropped; %d request(s) will be retried", lost)
+
+    def _handshake_failed(self, event: int, value: int) -> None:
+        """A refused key (ZAP 400) is final. A wrong learner key and a connection reset in the
+        middle of a handshake look the same to libzmq (no detail), so that is judged final only
+        when this learner never accepted us and it failed ``WRONG_KEY_AFTER`` times in a row;
+        on a flaky link the worker keeps retrying."""
+        self._failed_in_row += 1
+        self.handshake_error = explain_handshake(event, value, self.endpoint)
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            self.retryable = value == 300
+        else:
+            self.retryable = self.handshakes_ok > 0 or self._failed_in_row < WRONG_KEY_AFTER
+        self._fail_pending(HandshakeFailed(self.handshake_error))
 
     def _fail_pending(self, exc: Exception) -> int:
         lost, self._pending = self._pending, {}

@@ -454,7 +454,14 @@ class ControlPlane:
         return (buf.version, buf.manifest) if buf else (-1, None)
 
     def _on_join(self, ident: bytes, key: str, msg: wire.Join) -> wire.Message:
-        known = self._session(ident, key, self.sessions.get(key, msg.worker_id))
+        own = self.sessions.get(key)
+        if own is not None and own != msg.worker_id:
+            if time.monotonic() - self.workers[own].last_seen < self.cfg.transport.heartbeat_timeout_s:
+                self.gate.refused["key_in_use"] += 1
+                raise wire.WireError("key_in_use", f"this key is joined as {own!r} by a live "
+                                     f"worker: give each worker its own --identity FILE")
+            self._forget(own, f"its key re-joined as {msg.worker_id}")
+        known = self._session(ident, key, msg.worker_id)
         # The claim first: a join refused for its id must not spend a token's use.
         refused = self._claim(key, msg, known)
         if refused:

@@ -63,8 +63,12 @@ def client(plane, ctx, keys):
 
 
 def ask(sock, frame):
+    """Send, and return the reply (a joined key also gets unsolicited snapshot notices)."""
     sock.send(frame if isinstance(frame, bytes) else wire.encode(frame))
-    return wire.decode(sock.recv(), 1 << 24)
+    reply = wire.decode(sock.recv(), 1 << 24)
+    while isinstance(reply, (wire.SnapshotNotice, wire.Shutdown)):
+        reply = wire.decode(sock.recv(), 1 << 24)
+    return reply
 
 
 def records(group, *, version=0, **patch):

@@ -113,7 +113,8 @@ def test_two_learner_steps_with_two_workers_on_cpu(smollm2, tmp_path):
                               pipe_stdout=True)
         endpoint = wait_ready(learner, timeout=300)
         for w in ("w0", "w1"):
-            group.start(w, python_argv("worker.cli", "join", endpoint, "--id", w, "--threads", "1"),
+            group.start(w, python_argv("worker.cli", "join", endpoint, "--id", w, "--threads", "1",
+                                       "--identity", str(tmp_path / f"{w}.key")),
                         tmp_path / f"{w}.log")
         assert learner.wait(800) == 0, (tmp_path / "learner.err").read_text()[-3000:]
     finally:
