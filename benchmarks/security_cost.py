@@ -39,7 +39,8 @@ def _zap_accept_all(ctx: zmq.Context) -> None:
         while True:
             try:
                 f = sock.recv_multipart()
-            except zmq.ContextTerminated:
+            except zmq.ContextTerminated:  # ctx.term() in the main thread: close and go
+                sock.close(linger=0)
                 return
             sock.send_multipart([b"1.0", f[1], b"200", b"OK", b"user", b""])
 
@@ -77,7 +78,8 @@ def transfer(curve: bool, mib: int) -> dict[str, float]:
         pull.recv(copy=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     proc.join()
-    ctx.destroy(linger=0)
+    pull.close(linger=0)
+    ctx.term()  # not destroy(): the ZAP thread closes its own socket (sockets are per thread)
     n = mib - 1
     return {"mb_per_s": n * FRAME / wall / 1e6, "receiver_cpu_ms_per_mib": 1000 * cpu / n}
 
