@@ -53,7 +53,7 @@ class RelayConfig:
     max_parked_per_peer: int = 64  # security.max_parked_per_peer (from the learner's config)
     max_parked_total: int = 4096
     handshakes_per_s: float = 50.0  # new connections accepted per second (burst 2x)
-    requests_per_s: float = 5000.0  # chunk requests per second per peer (burst 2x)
+    requests_per_s: float = 1000.0  # chunk requests per second per peer (burst 2x)
 
 
 class Relay:

@@ -44,7 +44,7 @@ class ChunkServer:
                  upload: TokenBucket | None = None, park_timeout_s: float = 30.0,
                  corrupt: bool = False, authorize: Authorize | None = None,
                  max_parked_per_peer: int = 64, max_parked_total: int = 4096,
-                 requests_per_s: float = 5000.0):
+                 requests_per_s: float = 1000.0):
         self.sock = sock
         self.store = store
         self.max_bytes = max_bytes

@@ -248,7 +248,9 @@ class SecurityConfig(_Section):
     joins_per_s: float = Field(50.0, gt=0)  # join requests, all peers (burst 2x)
     peer_msgs_per_s: float = Field(200.0, gt=0)  # control messages one key may send (burst 2x)
     peer_mib_per_s: float = Field(64.0, gt=0)  # control-socket bytes one key may send (burst 2x)
-    peer_chunk_requests_per_s: float = Field(5000.0, gt=0)  # per peer and chunk server (burst 2x)
+    # Per peer and chunk server (burst 2x): 1000 x 1 MiB chunks is 1 GB/s, above what one
+    # encrypted connection carries here; past it requests are dropped unanswered.
+    peer_chunk_requests_per_s: float = Field(1000.0, gt=0)
     max_parked_per_peer: int = Field(64, gt=0)  # chunk requests one peer may have waiting
     max_parked_total: int = Field(4096, gt=0)  # ... all peers of one chunk server
     false_reports: int = Field(2, gt=0)  # disproved corruption reports before a key is banned

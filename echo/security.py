@@ -373,7 +373,7 @@ def peer_key(frame: zmq.Frame) -> str:
 Decide = Callable[[str, str], str]  # (address, public key) -> "" to accept, else the reason
 
 
-async def serve_zap(ctx: Any, decide: Decide) -> None:
+async def serve_zap(ctx: Any, decide: Decide, domains: dict[bytes, Decide] | None = None) -> None:
     """The ZAP handler for every CURVE server socket of ``ctx`` (RFC 27). libzmq has already
     proven the client holds the secret of the key it presents; ``decide`` says whether that key
     may connect. The reply's user id is the key, so every message carries it as ``User-Id``."""
@@ -387,7 +387,9 @@ async def serve_zap(ctx: Any, decide: Decide) -> None:
             reason, key = "malformed", ""
             if len(frames) == 7 and frames[5] == b"CURVE" and len(frames[6]) == 32:
                 key = z85.encode(frames[6]).decode()
-                reason = decide(frames[3].decode("ascii", "replace"), key)
+                # A socket with a ZAP domain (``sock.zap_domain``) may have a stricter rule.
+                rule = (domains or {}).get(frames[2], decide)
+                reason = rule(frames[3].decode("ascii", "replace"), key)
             ok = reason == ""
             # 300 is a temporary refusal (the client may retry), 400 a final one.
             status = b"200" if ok else b"300" if reason == "rate_limited" else b"400"

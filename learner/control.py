@@ -47,6 +47,7 @@ from provisioning.controller import ACTIVE, STANDBY, Controller, Decision
 log = logging.getLogger("echo.control")
 
 SMALL_FRAME = 1 << 16
+CHUNK_DOMAIN = b"echo-chunks"
 
 
 def _small(frame: bytes, max_bytes: int) -> wire.Message | None:
@@ -156,7 +157,8 @@ class ControlPlane:
         self._stop = asyncio.Event()
         ctx = zmq.asyncio.Context()
         ctrl = self._ctrl = self._router(ctx, self.cfg.learner.port, 4 * self.max_bytes)
-        snap = self._router(ctx, 0, 1 << 16)  # chunk requests only
+        # Chunk requests only; only joined keys connect here (_zap_chunks).
+        snap = self._router(ctx, 0, 1 << 16, zap_domain=CHUNK_DOMAIN)
         self.endpoint = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
         self.snapshot_endpoint = snap.getsockopt_string(zmq.LAST_ENDPOINT)
         self.coordinator = Coordinator(self.topology, self.snapshot_endpoint, q=self.cfg.broadcast.q)
@@ -178,7 +180,8 @@ class ControlPlane:
                          tg.create_task(self._count_handshakes(mons[1])),
                          tg.create_task(self.verifier.serve_forever(self._verdict))]
                 if self.gate.keys is not None:
-                    tasks.append(tg.create_task(serve_zap(ctx, self.gate.handshake)))
+                    tasks.append(tg.create_task(serve_zap(ctx, self.gate.handshake,
+                                                          {CHUNK_DOMAIN: self._zap_chunks})))
                 await self._stop.wait()
                 for t in tasks:
                     t.cancel()
@@ -190,7 +193,8 @@ class ControlPlane:
             snap.close(linger=0)
             ctx.term()
 
-    def _router(self, ctx: zmq.asyncio.Context, port: int, max_msg: int) -> zmq.asyncio.Socket:
+    def _router(self, ctx: zmq.asyncio.Context, port: int, max_msg: int,
+                zap_domain: bytes = b"") -> zmq.asyncio.Socket:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer surfaces as an error
         # Hard cap above the app-level limit: frames past it drop the connection before they
@@ -198,6 +202,8 @@ class ControlPlane:
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
         if self.gate.keys is not None:
             curve_server(sock, self.gate.keys)
+            if zap_domain:  # before bind: it applies to connections accepted after
+                sock.zap_domain = zap_domain
         sock.bind(f"tcp://{self.cfg.learner.host}:{port or '*'}")
         return sock
 
@@ -231,6 +237,15 @@ class ControlPlane:
                 self.gate.refused["handshake_failed"] += 1
         finally:
             mon.close(linger=0)
+
+    def _zap_chunks(self, address: str, key: str) -> str:
+        """The learner's chunk socket accepts connections from joined keys only: a stranger's
+        requests then cost a refused handshake, not a decode and a reply each."""
+        reason = self.gate.handshake(address, key)
+        if not reason and key not in self.sessions:
+            self.gate.refused["not_joined"] += 1
+            reason = "not_joined"
+        return reason
 
     def _may_pull(self, key: str, ticket: bytes) -> str:
         """The learner's own chunk socket serves joined workers only (by key)."""
