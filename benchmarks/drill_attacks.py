@@ -87,7 +87,11 @@ def flood(sock: zmq.Socket, frame: bytes, n: int, window: int = 500, timeout_s: 
         k = min(window, n - start)
         for _ in range(k):
             sock.send(frame)
-        got += drain(sock, k, timeout_s)
+        window_got = drain(sock, k, timeout_s)
+        got += window_got
+        if not window_got:  # nothing came back: refused at the handshake (e.g. an unjoined
+            got["no_connection"] += n - start  # key at the learner's chunk socket); stop here
+            break
     return got
 
 
@@ -178,7 +182,8 @@ def future_chunks(t: Target, n: int = 200_000) -> dict[str, Any]:
         got: Counter[str] = Counter()
         beat = 0.0
         for _ in range(0, n // 2, 1000):
-            got += flood(sock, frame, 1000, window=1000)
+            # 1 s per window: requests over a peer's rate are dropped unanswered by design
+            got += flood(sock, frame, 1000, window=1000, timeout_s=1.0)
             if time.monotonic() - beat > 1.0:  # keep the insider's session (heartbeat timeout 5 s)
                 beat = time.monotonic()
                 joined.send(wire.encode(wire.Heartbeat(worker_id="evil", version=-1)))
