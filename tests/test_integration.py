@@ -46,6 +46,15 @@ class Cluster:
         self.endpoint = wait_ready(proc, timeout=120)
         return run_dir
 
+    def dealer(self, ctx: zmq.Context) -> zmq.Socket:
+        """A hand-driven peer of the learner: CURVE with a fresh key, pinned to its key."""
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        line = JoinLine.parse(self.endpoint)
+        curve_client(sock, KeyPair.generate(), line.server_key)
+        sock.connect(line.endpoint)
+        return sock
+
     def worker(self, name: str) -> None:
         self.group.start(name, python_argv("worker.cli", "join", self.endpoint, "--id", name,
                                            "--price", "0.35", "--ledger",
@@ -121,11 +130,7 @@ def test_junk_on_learner_sockets_is_rejected_while_training(cluster):
     cluster.worker("w0")
     wait_rows(run, 1)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    line = JoinLine.parse(cluster.endpoint)
-    curve_client(sock, KeyPair.generate(), line.server_key)
-    sock.connect(line.endpoint)
+    sock = cluster.dealer(ctx)
     sock.send(wire.encode(wire.Join(worker_id="evil", can_relay=False)))
     assert isinstance(wire.decode(sock.recv(), 1 << 24), wire.JoinAck)
     junk = [b"\xc1", msgpack.packb({"v": 7, "type": "join"}), b"y" * (3 * 2**20),

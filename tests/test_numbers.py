@@ -25,7 +25,6 @@ from dataplane.advantages import group_advantages
 from dataplane.records import Record
 from echo import wire
 from echo.metrics import finite_or_null
-from echo.security import JoinLine, KeyPair, curve_client
 from learner.durable import BufferLog, scan_log
 from learner.trainer import Trainer
 from test_control import ask, batch, client, ctx, keys, plane, records  # noqa: F401 (fixtures)
@@ -289,11 +288,7 @@ def test_a_hostile_sender_cannot_stop_a_real_learner(tmp_path, small_cfg):
         c.worker("w0")
         wait_rows(run, 1)
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.RCVTIMEO, 10_000)
-        line = JoinLine.parse(c.endpoint)
-        curve_client(sock, KeyPair.generate(), line.server_key)
-        sock.connect(line.endpoint)
+        sock = c.dealer(ctx)
         try:
             ask(sock, wire.Join(worker_id="evil", price=0.1, can_relay=False))
             groups: list = []
