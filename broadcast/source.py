@@ -78,7 +78,10 @@ class ChunkServer:
         while True:
             ident, *frames = await self.sock.recv_multipart(copy=False)
             try:
-                await self.handle(ident.bytes, [f.bytes for f in frames], peer_key(ident))
+                # The key from a payload frame: the routing-id frame is made by the ROUTER
+                # and does not reliably carry the connection's metadata.
+                await self.handle(ident.bytes, [f.bytes for f in frames],
+                                  peer_key(frames[0]) if frames else "")
             except Exception:  # a bug here must cost one request, not every child's stream
                 self.rejected["internal_error"] += 1
                 log.exception("snapshot socket: internal error on a request")
