@@ -277,15 +277,20 @@ def test_floods_are_cut_per_key_and_others_are_served(make_plane, zctx):
     assert plane.stats()["limited"]["rate_limited"] >= 50
 
 
-def test_parked_chunk_requests_are_bounded(make_plane, zctx):
-    plane = make_plane(max_parked_per_peer=8)
-    payload = bytes(64 * 1024)
+def published_and_joined(plane, zctx, size):
+    """Version 0 (``size`` bytes, 4 KiB chunks) published; a joined key's chunk-socket peer."""
+    payload = bytes(size)
     m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=4096,
                        dtype="float32", key=plane.key)
     plane.publish(Snapshot(m, payload))
     keys = KeyPair.generate()
     ask(peer(plane, zctx, keys), wire.Join(worker_id="w1"))
-    snap = peer(plane, zctx, keys, plane.snapshot_endpoint)
+    return peer(plane, zctx, keys, plane.snapshot_endpoint)
+
+
+def test_parked_chunk_requests_are_bounded(make_plane, zctx):
+    plane = make_plane(max_parked_per_peer=8)
+    snap = published_and_joined(plane, zctx, 64 * 1024)
     assert refused(ask(snap, wire.ChunkRequest(version=5, index=0)), "future_version")
     for i in range(8):  # the next version: parked, no reply yet
         snap.send(wire.encode(wire.ChunkRequest(version=1, index=i, rid=i + 1)))
@@ -302,13 +307,7 @@ def test_parked_chunk_requests_are_bounded(make_plane, zctx):
 
 def test_chunk_request_floods_are_dropped_per_peer(make_plane, zctx):
     plane = make_plane(peer_chunk_requests_per_s=50.0)
-    payload = bytes(8192)
-    m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=4096,
-                       dtype="float32", key=plane.key)
-    plane.publish(Snapshot(m, payload))
-    keys = KeyPair.generate()
-    ask(peer(plane, zctx, keys), wire.Join(worker_id="w1"))
-    snap = peer(plane, zctx, keys, plane.snapshot_endpoint)
+    snap = published_and_joined(plane, zctx, 8192)
     for i in range(1000):
         snap.send(wire.encode(wire.ChunkRequest(version=0, index=0, rid=i + 1)))
     assert eventually(lambda: plane.stats()["chunk_rejected"].get("rate_limited", 0) >= 800)
