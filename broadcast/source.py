@@ -32,7 +32,7 @@ import zmq.asyncio
 from broadcast.shaping import TokenBucket
 from broadcast.store import SnapshotStore
 from echo import wire
-from echo.security import LogThrottle, PeerLimits, peer_key
+from echo.security import LogThrottle, PeerLimits, sender_key
 
 Authorize = Callable[[str, bytes], str]  # (peer key, ticket) -> "" or the refusal reason
 
@@ -78,10 +78,9 @@ class ChunkServer:
         while True:
             ident, *frames = await self.sock.recv_multipart(copy=False)
             try:
-                # The key from a payload frame: the routing-id frame is made by the ROUTER
-                # and does not reliably carry the connection's metadata.
+                # The key from whichever frame carries the connection's metadata.
                 await self.handle(ident.bytes, [f.bytes for f in frames],
-                                  peer_key(frames[0]) if frames else "")
+                                  sender_key([ident, *frames]))
             except Exception:  # a bug here must cost one request, not every child's stream
                 self.rejected["internal_error"] += 1
                 log.exception("snapshot socket: internal error on a request")

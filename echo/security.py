@@ -370,6 +370,17 @@ def peer_key(frame: zmq.Frame) -> str:
         return ""
 
 
+def sender_key(frames: list[zmq.Frame]) -> str:
+    """The sender's key from any frame of a message that carries it: libzmq does not attach
+    the connection's metadata to every frame reliably (seen missing on the routing-id frame
+    and, rarely, on the payload frame), so one frame alone misreads a peer now and then."""
+    for frame in reversed(frames):
+        key = peer_key(frame)
+        if key:
+            return key
+    return ""
+
+
 Decide = Callable[[str, str], str]  # (address, public key) -> "" to accept, else the reason
 
 

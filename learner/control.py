@@ -36,7 +36,7 @@ from broadcast.topology import make_topology
 from dataplane.records import Limits, Record, RecordError, parse_record
 from echo import wire
 from echo.config import EchoConfig
-from echo.security import JoinLine, LogThrottle, curve_server, fingerprint, peer_key, serve_zap
+from echo.security import JoinLine, LogThrottle, curve_server, fingerprint, sender_key, serve_zap
 from learner.gate import Gate
 from learner.verify import Verifier
 from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
@@ -391,7 +391,7 @@ class ControlPlane:
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             ident, *frames = await sock.recv_multipart(copy=False)
-            key = peer_key(frames[0]) if frames else ""
+            key = sender_key([ident, *frames])
             reply = await self._handle(ident.bytes, key, [f.bytes for f in frames])
             if reply is not None:
                 await self._send_ident(ident.bytes, reply)
