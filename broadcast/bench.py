@@ -41,7 +41,7 @@ from broadcast.topology import TOPOLOGIES, make_topology
 from echo import wire
 from echo.client import Client, RequestTimeout
 from echo.machine import machine_info
-from echo.security import KeyPair, curve_server, key_from_hex, key_hex, peer_key, serve_zap
+from echo.security import KeyPair, ZapHandler, curve_server, key_from_hex, key_hex, peer_key
 
 MAX_BYTES = 64 * 2**20
 
@@ -132,6 +132,7 @@ class Root:
         self.ctrl = self.ctx.socket(zmq.ROUTER)
         self.ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.keys = KeyPair.generate() if p.curve else None
+        self.zap = ZapHandler(self.ctx, lambda addr, key: "") if self.keys is not None else None
         if self.keys is not None:
             curve_server(self.ctrl, self.keys)
         host = netns.address(None) if p.netns else "127.0.0.1"
@@ -174,8 +175,8 @@ class Root:
                       mint(self.key, self.peer_keys[wid], endpoint, "bench", 3600))
 
     async def serve(self) -> None:
-        if self.keys is not None:
-            self.zap = asyncio.ensure_future(serve_zap(self.ctx, lambda addr, key: ""))
+        if self.zap is not None:
+            self.zap_task = asyncio.ensure_future(self.zap.serve())
         while True:
             ident, frame = await self.ctrl.recv_multipart(copy=False)
             key = peer_key(frame)

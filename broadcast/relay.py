@@ -28,7 +28,7 @@ from broadcast.snapshot import verify_manifest
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import Source, TicketCheck
-from echo.security import Bucket, KeyPair, PeerLimits, curve_server, serve_zap
+from echo.security import Bucket, KeyPair, PeerLimits, ZapHandler, curve_server
 
 MBIT = 125_000.0  # bytes per second in one Mbit/s
 
@@ -70,6 +70,7 @@ class Relay:
         self.store = SnapshotStore(keep=2)
         self.endpoint = ""
         self.server: ChunkServer | None = None
+        self.zap: ZapHandler | None = None
         self.download = bucket(cfg.down_mbit, cfg.chunk_bytes) if cfg.shape else None
         if cfg.serve:
             sock = ctx.socket(zmq.ROUTER)
@@ -78,6 +79,7 @@ class Relay:
             sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER)
             sock.setsockopt(zmq.MAXMSGSIZE, REQUEST_BYTES)  # children send only requests
             if keys is not None:
+                self.zap = ZapHandler(ctx, self._admit)  # before the bind: it judges every handshake
                 curve_server(sock, keys)
             sock.bind(f"tcp://{cfg.bind_host}:*")
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -94,8 +96,8 @@ class Relay:
         if self.server is None:
             return
         async with asyncio.TaskGroup() as tg:
-            if self.keys is not None:
-                tg.create_task(serve_zap(self.ctx, self._admit))
+            if self.zap is not None:
+                tg.create_task(self.zap.serve())
             tg.create_task(self.server.serve_forever())
 
     def _admit(self, address: str, key: str) -> str:
@@ -124,3 +126,5 @@ class Relay:
     def close(self) -> None:
         if self.server is not None:
             self.server.sock.close(linger=0)
+        if self.zap is not None:
+            self.zap.close()

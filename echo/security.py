@@ -37,6 +37,7 @@ import zmq
 import zmq.utils.z85 as z85
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+ZAP_DOMAIN = b"echo"  # every CURVE server socket has one: without, libzmq may skip ZAP
 KEY_ENV = "ECHO_HOME"
 
 
@@ -350,7 +351,13 @@ class LogThrottle:
 # ----------------------------------------------------------------------------- sockets
 
 
-def curve_server(sock: zmq.Socket, keys: KeyPair) -> None:
+def curve_server(sock: zmq.Socket, keys: KeyPair, zap_domain: bytes = ZAP_DOMAIN) -> None:
+    """Make ``sock`` a CURVE server; bind a ``ZapHandler`` on its context first. libzmq 4.3
+    by default admits a CURVE client when no ZAP handler is bound (and, with
+    ZAP_ENFORCE_DOMAIN, skips ZAP on an empty domain): either way a peer with no ``User-Id``,
+    no identity. A domain *and* ZAP_ENFORCE_DOMAIN make every handshake need the handler."""
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    sock.zap_domain = zap_domain
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_server = True
@@ -371,9 +378,8 @@ def peer_key(frame: zmq.Frame) -> str:
 
 
 def sender_key(frames: list[zmq.Frame]) -> str:
-    """The sender's key from any frame of a message that carries it: libzmq does not attach
-    the connection's metadata to every frame reliably (seen missing on the routing-id frame
-    and, rarely, on the payload frame), so one frame alone misreads a peer now and then."""
+    """The sender's key from the frames of one message ("" when none carries it: a plaintext
+    socket, or a CURVE socket whose handshake skipped ZAP, which ``curve_server`` prevents)."""
     for frame in reversed(frames):
         key = peer_key(frame)
         if key:
@@ -384,27 +390,40 @@ def sender_key(frames: list[zmq.Frame]) -> str:
 Decide = Callable[[str, str], str]  # (address, public key) -> "" to accept, else the reason
 
 
-async def serve_zap(ctx: Any, decide: Decide, domains: dict[bytes, Decide] | None = None) -> None:
+class ZapHandler:
     """The ZAP handler for every CURVE server socket of ``ctx`` (RFC 27). libzmq has already
     proven the client holds the secret of the key it presents; ``decide`` says whether that key
-    may connect. The reply's user id is the key, so every message carries it as ``User-Id``."""
-    sock = ctx.socket(zmq.REP)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(ZAP_ENDPOINT)
-    try:
-        while True:
-            frames = await sock.recv_multipart()
-            req_id = frames[1] if len(frames) > 1 else b""
-            reason, key = "malformed", ""
-            if len(frames) == 7 and frames[5] == b"CURVE" and len(frames[6]) == 32:
-                key = z85.encode(frames[6]).decode()
-                # A socket with a ZAP domain (``sock.zap_domain``) may have a stricter rule.
-                rule = (domains or {}).get(frames[2], decide)
-                reason = rule(frames[3].decode("ascii", "replace"), key)
-            ok = reason == ""
-            # 300 is a temporary refusal (the client may retry), 400 a final one.
-            status = b"200" if ok else b"300" if reason == "rate_limited" else b"400"
-            await sock.send_multipart([b"1.0", req_id, status,
-                                       (reason or "OK").encode(), key.encode() if ok else b"", b""])
-    finally:
-        sock.close(linger=0)
+    may connect. The reply's user id is the key, so every message carries it as ``User-Id``.
+
+    It binds when constructed: build it before binding any CURVE server socket of ``ctx``, so no
+    handshake can come before it (``curve_server`` makes such a handshake fail, not pass)."""
+
+    def __init__(self, ctx: Any, decide: Decide, domains: dict[bytes, Decide] | None = None):
+        self.decide = decide
+        self.domains = domains or {}  # a socket with a ZAP domain may have a stricter rule
+        self.sock = ctx.socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(ZAP_ENDPOINT)
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                frames = await self.sock.recv_multipart()
+                req_id = frames[1] if len(frames) > 1 else b""
+                reason, key = self._judge(frames)
+                # 300 is a temporary refusal (the client may retry), 400 a final one.
+                status = b"200" if not reason else b"300" if reason == "rate_limited" else b"400"
+                await self.sock.send_multipart([b"1.0", req_id, status, (reason or "OK").encode(),
+                                                b"" if reason else key.encode(), b""])
+        finally:
+            self.close()
+
+    def _judge(self, frames: list[bytes]) -> tuple[str, str]:
+        if len(frames) != 7 or frames[5] != b"CURVE" or len(frames[6]) != 32:
+            return "malformed", ""
+        key = z85.encode(frames[6]).decode()
+        rule = self.domains.get(frames[2], self.decide)
+        return rule(frames[3].decode("ascii", "replace"), key), key
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

@@ -36,7 +36,8 @@ from broadcast.topology import make_topology
 from dataplane.records import Limits, Record, RecordError, parse_record
 from echo import wire
 from echo.config import EchoConfig
-from echo.security import JoinLine, LogThrottle, curve_server, fingerprint, sender_key, serve_zap
+from echo.security import (ZAP_DOMAIN, JoinLine, LogThrottle, ZapHandler, curve_server, fingerprint,
+                           sender_key)
 from learner.gate import Gate
 from learner.verify import Verifier
 from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
@@ -156,6 +157,9 @@ class ControlPlane:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         ctx = zmq.asyncio.Context()
+        # Bound before the sockets: no handshake may come before the handler that judges it.
+        zap = (ZapHandler(ctx, self.gate.handshake, {CHUNK_DOMAIN: self._zap_chunks})
+               if self.gate.keys is not None else None)
         ctrl = self._ctrl = self._router(ctx, self.cfg.learner.port, 4 * self.max_bytes)
         # Chunk requests only; only joined keys connect here (_zap_chunks).
         snap = self._router(ctx, 0, 1 << 16, zap_domain=CHUNK_DOMAIN)
@@ -179,9 +183,8 @@ class ControlPlane:
                          tg.create_task(self._count_handshakes(mons[0])),
                          tg.create_task(self._count_handshakes(mons[1])),
                          tg.create_task(self.verifier.serve_forever(self._verdict))]
-                if self.gate.keys is not None:
-                    tasks.append(tg.create_task(serve_zap(ctx, self.gate.handshake,
-                                                          {CHUNK_DOMAIN: self._zap_chunks})))
+                if zap is not None:
+                    tasks.append(tg.create_task(zap.serve()))
                 await self._stop.wait()
                 for t in tasks:
                     t.cancel()
@@ -191,6 +194,8 @@ class ControlPlane:
                     sock.disable_monitor()
             ctrl.close(linger=500)
             snap.close(linger=0)
+            if zap is not None:
+                zap.close()
             ctx.term()
 
     def _router(self, ctx: zmq.asyncio.Context, port: int, max_msg: int,
@@ -201,9 +206,7 @@ class ControlPlane:
         # are buffered; frames between the two are rejected and counted as "oversize".
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
         if self.gate.keys is not None:
-            curve_server(sock, self.gate.keys)
-            if zap_domain:  # before bind: it applies to connections accepted after
-                sock.zap_domain = zap_domain
+            curve_server(sock, self.gate.keys, zap_domain or ZAP_DOMAIN)
         sock.bind(f"tcp://{self.cfg.learner.host}:{port or '*'}")
         return sock
 
@@ -437,8 +440,11 @@ class ControlPlane:
         }.get(type(msg))
         if handler is None:
             raise wire.WireError("unknown_type", f"{msg.type} is not a request the learner serves")
-        if not key:  # plaintext (security.curve off): the claimed id is all there is
-            key = f"id:{getattr(msg, 'worker_id', '')}"
+        if not key:
+            if self.gate.keys is not None:  # CURVE on, yet no key: never trust the claimed id
+                raise wire.WireError("unauthenticated", "this connection carries no verified "
+                                     "key; reconnect (the learner may have been starting)")
+            key = f"id:{getattr(msg, 'worker_id', '')}"  # plaintext: the claimed id is all there is
         reply = handler(ident, key, msg)
         if reply is not None:
             reply.rid = msg.rid

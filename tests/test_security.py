@@ -13,6 +13,7 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from broadcast.relay import Relay, RelayConfig
 from broadcast.snapshot import RunKey, Snapshot, build_manifest
@@ -24,7 +25,7 @@ from echo import wire
 from echo.admin import parse_duration
 from echo.config import EchoConfig
 from echo.security import (Bucket, JoinLine, KeyList, KeyPair, SecurityError, TokenStore,
-                           curve_client, key_hex)
+                           curve_client, curve_server, key_hex)
 from learner.buffer import ReplayBuffer
 from learner.control import ControlPlane
 from learner.gate import security_dir
@@ -391,6 +392,27 @@ def test_relay_serves_only_the_child_the_learner_assigned():
         assert isinstance(head, wire.Chunk)
 
     asyncio.run(_with_relay(body))
+
+
+def test_a_curve_socket_with_no_zap_handler_refuses_handshakes(zctx):
+    """libzmq's default admits a CURVE client when no ZAP handler is bound yet (the start-up
+    window): that peer would speak with no verified key. ``curve_server`` makes it fail."""
+    server_keys, client_keys = KeyPair.generate(), KeyPair.generate()
+    server = zctx.socket(zmq.ROUTER)
+    curve_server(server, server_keys)
+    server.bind("tcp://127.0.0.1:*")
+    events = server.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    client = zctx.socket(zmq.DEALER)
+    curve_client(client, client_keys, server_keys.public)
+    client.connect(server.getsockopt_string(zmq.LAST_ENDPOINT))
+    try:
+        assert events.poll(10_000), "no handshake event within 10 s"
+        event = zmq.utils.monitor.recv_monitor_message(events)["event"]
+        assert event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    finally:
+        server.disable_monitor()
+        for s in (events, client, server):
+            s.close(linger=0)
 
 
 def test_false_corruption_report_strikes_the_accuser_not_the_relay(make_plane, zctx):
