@@ -51,6 +51,10 @@ class LearnerBatch:
 
 class Adapter(ABC):
     name: str = ""
+    # The learner recomputes every delivered reward with ``reward()`` and refuses a group
+    # whose worker reported another (docs/security.md). An adapter whose reward the learner
+    # cannot recompute (it needs an environment the learner does not replay) sets False.
+    recomputes_rewards: bool = True
 
     def __init__(self, options: dict[str, Any], tokenizer: Any):
         self.options = dict(options)

@@ -107,6 +107,7 @@ class EpisodeAdapter(Adapter):
     """Base class for multi-turn adapters (see the module docstring)."""
 
     multi_turn = True
+    recomputes_rewards = False  # an episode's reward needs its environment replayed: not yet
     max_completion_tokens: int = 4096  # bound on an episode's transcript after the prompt
     group_by: str = "group"  # "group": advantages within each group; "batch": across the batch
 

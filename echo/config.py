@@ -255,6 +255,24 @@ class SecurityConfig(_Section):
     max_parked_total: int = Field(4096, gt=0)  # ... all peers of one chunk server
     false_reports: int = Field(2, gt=0)  # disproved corruption reports before a key is banned
     ticket_ttl_s: float = Field(3600.0, gt=0)  # how long a relay honours a pull ticket
+    # What workers report is checked before it trains (docs/security.md, "Trust but verify").
+    # Rewards are recomputed on the learner for adapters that can (``recomputes_rewards``);
+    # a share of delivered groups is audited: behaviour log-probs recomputed under the claimed
+    # snapshot version, and a test that the tokens were sampled from it.
+    audit: bool = True
+    audit_rate: float = Field(0.05, ge=0, le=1)  # share of groups audited after probation
+    probation_groups: int = Field(4, ge=0)  # a worker's first groups: every one is audited
+    audit_budget: float = Field(0.10, gt=0, le=1)  # audits may take this share of learner time
+    audit_queue: int = Field(256, gt=0)  # groups waiting for audit; past it the oldest
+                                          # non-probation job is dropped (counted)
+    # Mean per-token |claimed - recomputed| log-prob of one sample above this fails the audit.
+    # Honest backends differ by ~0.01 mean (bf16, vLLM): 0.5 nats is far outside that.
+    audit_logprob_tol: float = Field(0.5, gt=0)
+    # Sampling test (Azuma-Hoeffding on clipped log p + entropy): false-alarm bound per audit,
+    # and the clip. Honest samples fail with probability <= audit_alpha whatever the model.
+    audit_alpha: float = Field(1e-6, gt=0, lt=1)
+    audit_clip: float = Field(4.0, gt=0)
+    strikes: int = Field(2, gt=0)  # failed checks before a worker is quarantined
 
 
 class QuickstartConfig(_Section):

@@ -125,6 +125,20 @@ class ReplayBuffer:
                     return None
                 self._cond.wait(left)
 
+    def remove_worker(self, worker_id: str) -> list[Record]:
+        """Take out every group holding a record of ``worker_id`` (it was quarantined): its
+        records go to ``on_drop`` (the audit trail) and are counted as ``dropped_quarantined``."""
+        with self._cond:
+            gone = [g for g, recs in self._ready.items() if any(r.worker_id == worker_id for r in recs)]
+            dropped = [r for g in gone for r in self._ready.pop(g)]
+            gone = [g for g, recs in self._partial.items()
+                    if any(r.worker_id == worker_id for r in recs.values())]
+            dropped += [r for g in gone for r in self._partial.pop(g).values()]
+            self.stats.rejected["dropped_quarantined"] += len(dropped)
+        if dropped and self.on_drop is not None:
+            self.on_drop(dropped)
+        return dropped
+
     def restore(self, records: list[Record], done_groups: set[str]) -> None:
         """Refill from the write-ahead log after a restart (see ``learner.durable``)."""
         with self._cond:

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,15 +34,18 @@ from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import Source, mint
 from broadcast.topology import make_topology
-from dataplane.records import Limits, Record, RecordError, parse_record
+from dataplane.records import Limits
 from echo import wire
 from echo.config import EchoConfig
 from echo.security import (ZAP_DOMAIN, JoinLine, LogThrottle, ZapHandler, curve_server, fingerprint,
                            sender_key)
 from learner.gate import Gate
 from learner.verify import Verifier
-from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
+from learner.buffer import ReplayBuffer
 from learner.durable import BufferLog
+from learner.gate import security_dir
+from learner.intake import NOT_COUNTED, AuditJob, Intake
+from learner.reputation import Reputation, Verdict
 from learner.work import WorkQueue
 from provisioning.controller import ACTIVE, STANDBY, Controller, Decision
 
@@ -98,10 +102,21 @@ class WorkerState:
 class ControlPlane:
     def __init__(self, cfg: EchoConfig, *, run_id: str, key: RunKey, buffer: ReplayBuffer,
                  work: WorkQueue, limits: Limits, buffer_log: BufferLog | None = None,
-                 run_dir: Path | None = None):
+                 run_dir: Path | None = None, adapter: Any = None,
+                 audit: Callable[[AuditJob], None] | None = None, step: Callable[[], int] = lambda: 0):
+        """``adapter``: recompute rewards with it (None: no recomputation, for protocol tests);
+        ``audit``: where groups chosen for audit go (``learner.auditor``); ``step``: the
+        learner's current step, for the security files."""
         self.cfg = cfg
         # Key pair, tokens, bans and allow-list live in the run folder (a throwaway one in tests).
-        self.gate = Gate(cfg.security, run_dir or Path(tempfile.mkdtemp(prefix="echo-sec-")))
+        run_dir = run_dir or Path(tempfile.mkdtemp(prefix="echo-sec-"))
+        self.gate = Gate(cfg.security, run_dir)
+        sc = cfg.security
+        self.reputation = Reputation(security_dir(run_dir), sc.strikes, step, self._quarantine)
+        self.intake = Intake(limits=limits, buffer=buffer, work=work, reputation=self.reputation,
+                             buffer_log=buffer_log, adapter=adapter,
+                             audit=audit if sc.audit else None, audit_rate=sc.audit_rate,
+                             probation_groups=sc.probation_groups)
         self.sessions: dict[str, str] = {}  # public key -> worker id (one session per key)
         self._log_gate = LogThrottle()  # one refusal line per peer per 10 s
         self.relay_keys: dict[str, str] = {}  # relay endpoint -> the key that serves there
@@ -321,7 +336,14 @@ class ControlPlane:
                                       "active": self.is_active(w.worker_id),
                                       "reachable": now - w.last_seen < timeout,
                                       "throughput": round(w.measured_throughput, 3),
-                                      "admitted": w.admitted} for w in self.workers.values()},
+                                      "admitted": w.admitted,
+                                      "granted": self.work.granted[w.worker_id],
+                                      "returned": self.work.returned[w.worker_id],
+                                      "taken_back": self.work.taken_back[w.worker_id]}
+                        for w in self.workers.values()},
+            # per worker id, quarantined ones included: checks made, failed, quarantined
+            "reputation": self.reputation.per_worker(),
+            "checks": dict(self.reputation.by_check),
         }
 
     async def _shutdown(self, reason: str) -> None:
@@ -669,60 +691,38 @@ class ControlPlane:
                         msg.batch_id, msg.worker_id, msg.count, len(raw))
             return wire.Error(reason="count_mismatch", ref=msg.batch_id,
                               detail=f"count {msg.count!r} but {len(raw)} records: send count=len(records)")
-        accepted: list[Record] = []
-        duplicates = 0
-        rejected: Counter[str] = Counter()
-        rejected_idx: list[int] = []
-        details: dict[str, str] = {}  # one example per reason, for the log
-        for i, obj in enumerate(raw):
-            outcome, rec = self._admit(obj, msg.worker_id)
-            if outcome in (ACCEPTED, COMPLETED):
-                accepted.append(rec)
-            elif outcome == DUPLICATE:
-                duplicates += 1
-            else:  # stale ones are counted by the buffer as dropped_stale, the rest here
-                rejected[outcome] += 1
-                rejected_idx.append(i)
-                if isinstance(rec, RecordError):
-                    details.setdefault(outcome, rec.detail)
-        if rejected:
-            self.rejected.update({k: v for k, v in rejected.items()
-                                  if k not in (STALE, "future_version", "buffer_full")})
+        out = self.intake.batch(msg.worker_id, key, raw)
+        if out.rejected:
+            self.rejected.update({k: v for k, v in out.rejected.items() if k not in NOT_COUNTED})
             log.warning("batch %s from %s: rejected %s %s", msg.batch_id, msg.worker_id,
-                        dict(rejected), details or "")
-        if self.buffer_log is not None:
-            self.buffer_log.admitted(accepted)  # durable before acknowledged
-        if accepted:
-            self._measure(w, len(accepted))
+                        dict(out.rejected), out.details or "")
+        if msg.worker_id in self.reputation.quarantined:
+            raise wire.WireError("banned", "this worker was quarantined: its deliveries failed "
+                                 "the learner's checks (docs/security.md)")
+        if out.accepted:
+            self._measure(w, len(out.accepted))
         if self.controller is not None:
             # Busy time of the batch (every record of a batch carries the same gen_s): the
             # controller then measures capacity, not how much work it was handed.
-            busy = max((r.gen_s for r in accepted if r is not None), default=None)
+            busy = max((r.gen_s for r in out.accepted), default=None)
             self.controller.observe(w.worker_id, len(raw), busy_s=busy)
-        return wire.Ack(batch_id=msg.batch_id, accepted=len(accepted), duplicates=duplicates,
-                        rejected=dict(rejected), rejected_idx=rejected_idx)
+        return wire.Ack(batch_id=msg.batch_id, accepted=len(out.accepted), duplicates=out.duplicates,
+                        rejected=dict(out.rejected), rejected_idx=out.rejected_idx)
 
-    def _admit(self, obj: Any, sender: str) -> tuple[str, Record | RecordError | None]:
-        """(outcome, the record; or the parse error when it did not parse)."""
-        try:
-            rec = parse_record(obj, self.limits)
-        except RecordError as err:
-            return err.reason, err
-        if rec.worker_id != sender:  # a record speaks for the worker that sent it, no other
-            return "identity_mismatch", rec
-        if self.buffer.is_done(rec.group_id):
-            return self.buffer.admit(rec), rec  # counted there as a duplicate
-        group = self.work.lookup(rec.group_id)
-        if group is None:
-            return "unknown_group", rec
-        if rec.prompt_ids != group.prompt_ids:
-            return "prompt_mismatch", rec
-        outcome = self.buffer.admit(rec)
-        if outcome == COMPLETED:
-            self.work.fulfilled(rec.group_id)
-        elif outcome == STALE:
-            self.work.requeue(rec.group_id)  # regenerate it under a fresh snapshot
-        return outcome, rec
+    # ------------------------------------------------------------------ strikes and quarantine
+
+    def report(self, verdict: Verdict) -> None:
+        """From the trainer thread (audits): recorded on the loop, in order."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.reputation.record, verdict)
+
+    def _quarantine(self, worker_id: str, key: str, reason: str) -> None:
+        """The worker's key is banned, its unconsumed records leave the buffer, its leases go
+        to others. Runs on the loop (reputation calls it)."""
+        self.gate.ban(key, f"quarantined: {reason}")
+        removed = self.buffer.remove_worker(worker_id)
+        log.error("quarantine of %s: %d buffered record(s) removed", worker_id, len(removed))
+        self._forget(worker_id, "quarantined")
 
     def _measure(self, w: WorkerState, accepted: int) -> None:
         now = time.monotonic()

@@ -8,6 +8,7 @@ steps, append one line to ``metrics.jsonl``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -32,8 +33,11 @@ from echo.procs import READY_PREFIX
 from echo.models import params_to_payload
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_checkpoint, load_or_create_key, save_checkpoint
-from learner.durable import BufferLog, live_after, quarantine, scan_log
+from learner.auditor import Auditor
+from learner.durable import BufferLog, SetAside, live_after, quarantine, scan_log
 from learner.control import ControlPlane
+from learner.gate import security_dir
+from learner.reputation import quarantined_workers
 from learner.policy import FullState, Policy
 from learner.work import WorkQueue
 from provisioning.capacity import Infeasible, mu_req
@@ -215,12 +219,15 @@ class Learner:
         self.work = WorkQueue(self.adapter.prompts(self.prompt_rng), group_size=lc.group_size,
                               max_outstanding=min(lc.effective_outstanding, self.cfg.buffer.capacity_groups),
                               lease_timeout_s=lc.lease_timeout_s, prefix=f"{self.run_id}.{instance}",
-                              seed=self.cfg.seed)
+                              secret=hashlib.sha256(b"echo group seeds" + self.key.private_bytes()).digest())
         if resume:
             self._restore()
+        self.auditor = Auditor(self.cfg, self.policy.tokenizer, self._report,
+                               lambda w: w in self.control.reputation.quarantined if self.control else False)
         self.control = ControlPlane(self.cfg, run_id=self.run_id, key=self.key, buffer=self.buffer,
                                     work=self.work, limits=self.limits, buffer_log=self.log,
-                                    run_dir=self.run_dir)
+                                    run_dir=self.run_dir, adapter=self.adapter,
+                                    audit=self.auditor.submit, step=lambda: self.step)
         self.control.start()
         join = self.control.join_line()
         info = {"endpoint": self.control.endpoint, "snapshot_endpoint": self.control.snapshot_endpoint,
@@ -247,11 +254,19 @@ class Learner:
             self._checkpoint(full)
         self._publish(self.step, full[0])
 
+    def _report(self, verdict: Any) -> None:
+        if self.control is not None:
+            self.control.report(verdict)
+
     def _restore(self) -> None:
         ckpt = load_checkpoint(self.run_dir)
         last = ckpt["step"] if ckpt else -1
         admitted, consumed, aside = scan_log(self.run_dir / "buffer.log", self.limits)
         live, trained = live_after(admitted, consumed, last)
+        banned = quarantined_workers(security_dir(self.run_dir))
+        aside += [SetAside("quarantined", f"worker {r.worker_id} was quarantined", b"")
+                  for r in live if r.worker_id in banned]
+        live = [r for r in live if r.worker_id not in banned]
         if ckpt:
             self.policy.command({"op": "load", "state": ckpt})
             self.prompt_rng.setstate(ckpt["prompt_rng"])
@@ -340,6 +355,7 @@ class Learner:
         manifest = build_manifest(run_id=self.run_id, version=version, tensors=tensors,
                                   payload=payload, chunk_size=self.cfg.broadcast.chunk_kib * 1024,
                                   dtype=dtype, key=self.key)
+        self.auditor.add_snapshot(version, tensors, payload)  # the bytes workers install
         assert self.control is not None
         self.control.publish(Snapshot(manifest, payload))
 
@@ -390,10 +406,20 @@ class Learner:
             self._send_snapshot(self.step, full[0])
         row["t_publish"] = round(time.monotonic() - t2, 4)
         row["publish_refused"] = self.publish_refused
+        row.update(self._audits(t2 - t1))
         self._provisioning(t2 - t1, control["t_bcast"] or 0.0)
         if self.metrics is not None:
             self.metrics.update(row, control)
         return row
+
+    def _audits(self, t_train: float) -> dict[str, Any]:
+        """Audit waiting groups for at most ``security.audit_budget`` of the learner's time
+        (audit / (train + audit) <= budget); their cost goes into the metrics row."""
+        share = self.cfg.security.audit_budget
+        used = self.auditor.run(share / (1 - share) * t_train if share < 1 else float("inf"))
+        a = self.auditor
+        return {"t_audit": round(used, 4), "audits": a.done, "audit_failures": a.failed,
+                "audit_queue": a.waiting, "audits_dropped": a.dropped, "audits_expired": a.expired}
 
     def _finite_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """NaN and inf are not JSON (and not numbers a reader can plot): written as null and

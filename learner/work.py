@@ -10,14 +10,22 @@ are handed to it again at once.
 Bounded: at most ``max_outstanding`` groups are in flight (issued and not yet whole) plus
 waiting in the buffer; past that, requests get an empty grant with a retry hint. This keeps the
 fleet from generating data that would go stale before the learner can use it.
+Grants are bound to the worker they were leased to (``holder``; ``learner.intake`` refuses a
+delivery from anyone else) and the sampling seed of a group is derived from a learner secret,
+so a worker can neither pick its seeds nor predict another group's. Per worker, groups granted,
+returned whole and taken back (lease expired or worker gone) are counted: a worker that keeps
+groups it does not like undelivered shows up as granted far above returned.
 Only the control-plane thread touches this object.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
+import os
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
@@ -34,7 +42,7 @@ class Issued:
 
 class WorkQueue:
     def __init__(self, prompts: Iterator[Prompt], *, group_size: int, max_outstanding: int,
-                 lease_timeout_s: float, prefix: str, seed: int = 0,
+                 lease_timeout_s: float, prefix: str, secret: bytes = b"",
                  clock: Callable[[], float] = time.monotonic):
         self._prompts = prompts
         self.group_size = group_size
@@ -43,10 +51,18 @@ class WorkQueue:
         self._clock = clock
         self._ids = itertools.count()
         self._prefix = prefix
-        self._seed = seed
+        self._secret = secret or os.urandom(32)  # the run folder keeps it (learner.main)
         self.issued: dict[str, Issued] = {}
         self._requeued: deque[str] = deque()
         self.reissued = 0
+        self.granted: Counter[str] = Counter()  # worker id -> groups leased to it
+        self.returned: Counter[str] = Counter()  # ... delivered whole by it
+        self.taken_back: Counter[str] = Counter()  # ... lease expired or released
+
+    def seed_of(self, group_id: str) -> int:
+        """The group's sampling seed: HMAC of its id under the learner's secret (63 bits)."""
+        return int.from_bytes(hmac.new(self._secret, group_id.encode(), hashlib.sha256).digest()[:8],
+                              "big") >> 1
 
     def grant(self, worker_id: str, max_groups: int, buffered_groups: int,
               holding: Collection[str] = ()) -> list[wire.Group]:
@@ -63,15 +79,18 @@ class WorkQueue:
                     continue  # fulfilled meanwhile
                 item.worker_id, item.deadline = worker_id, now + self.lease_timeout_s
                 self.reissued += 1
+                self.granted[worker_id] += 1
                 out.append(item.group)
                 continue
             if len(self.issued) + buffered_groups >= self.max_outstanding:
                 break
             n = next(self._ids)
             prompt = next(self._prompts)
-            group = wire.Group(group_id=f"{self._prefix}-{n}", prompt_ids=prompt.prompt_ids,
-                               n=self.group_size, seed=self._seed * 1_000_003 + n, task=prompt.task)
-            self.issued[group.group_id] = Issued(group, worker_id, now + self.lease_timeout_s)
+            gid = f"{self._prefix}-{n}"
+            group = wire.Group(group_id=gid, prompt_ids=prompt.prompt_ids, n=self.group_size,
+                               seed=self.seed_of(gid), task=prompt.task)
+            self.issued[gid] = Issued(group, worker_id, now + self.lease_timeout_s)
+            self.granted[worker_id] += 1
             out.append(group)
         return out
 
@@ -87,12 +106,22 @@ class WorkQueue:
         item = self.issued.get(group_id)
         return item.group if item else None
 
+    def holder(self, group_id: str) -> str | None:
+        """The worker the group is leased to now; None if it is not out."""
+        item = self.issued.get(group_id)
+        return item.worker_id if item else None
+
     def fulfilled(self, group_id: str) -> None:
-        self.issued.pop(group_id, None)
+        item = self.issued.pop(group_id, None)
+        if item is not None:
+            self.returned[item.worker_id] += 1
 
     def requeue(self, group_id: str) -> None:
         if group_id in self.issued and group_id not in self._requeued:
-            self.issued[group_id].deadline = float("inf")
+            item = self.issued[group_id]
+            if item.deadline != float("inf"):
+                self.taken_back[item.worker_id] += 1
+            item.deadline = float("inf")
             self._requeued.append(group_id)
 
     def release_worker(self, worker_id: str) -> int:

@@ -1,0 +1,193 @@
+"""Audits of delivered groups: were these tokens sampled from the snapshot the worker claims,
+and are the behaviour log-probs the ones that snapshot gives?
+
+The learner keeps the last few published snapshots (their payload bytes, exactly what workers
+installed). For an audited group it installs the claimed version into an audit copy of the
+model and recomputes, for every trained token t of every sample, at the sampling temperature:
+the log-prob ``l_t`` of the token, and the entropy ``H_t`` of the distribution it was drawn from.
+
+Two checks, each per group:
+
+* ``logprob``: the mean over a sample's tokens of ``|claimed - l_t|`` must stay under
+  ``security.audit_logprob_tol``. Honest backends differ by about 0.01 nats per token (bf16,
+  vLLM kernels; ``../shared/research/security.md``), so 0.5 leaves a wide margin: this compares
+  trajectory statistics, never single tokens.
+* ``sampling``: for a token drawn from its distribution, ``E[l_t + H_t] = 0``. With
+  ``Y_t = max(l_t + H_t, -c)`` (so ``E[Y_t] >= 0`` and ``-c <= Y_t <= H_t``), the sum over the
+  group's tokens is a supermartingale with bounded steps, and Azuma-Hoeffding bounds
+  ``P(sum Y_t <= -s) <= exp(-2 s^2 / sum (H_t + c)^2)``. The check fails when the sum falls
+  below ``s`` set for ``security.audit_alpha``: an honest group fails with probability at most
+  ``audit_alpha``, whatever the model and however short the samples. Tokens a worker chose
+  instead of sampling (garbage, a fixed answer) sit far below ``-H_t`` under a model that has
+  learned anything, and fail it; under a near-uniform (random-init) model they cannot be told
+  from samples, and cannot do more harm than samples either.
+
+Cost is bounded: the trainer thread runs audits between steps for at most
+``security.audit_budget`` of its time (probation jobs first); the queue of waiting jobs is
+bounded (``security.audit_queue``), overflow drops the oldest non-probation job and counts it
+(``dropped``). A job whose snapshot is no longer held is skipped and counted (``expired``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from echo.config import EchoConfig
+from learner.intake import AuditJob
+from learner.reputation import Verdict
+
+log = logging.getLogger("echo.auditor")
+
+
+@dataclass
+class TokenStats:
+    """Per trained token of one sample, under the claimed snapshot."""
+
+    logprob: list[float]  # recomputed log-prob of the token
+    entropy: list[float]  # entropy of the distribution it was drawn from
+    claimed: list[float]  # what the worker reported
+
+
+def logprob_check(samples: list[TokenStats], tol: float) -> tuple[bool, dict[str, Any]]:
+    gaps = [sum(abs(c - l) for c, l in zip(s.claimed, s.logprob)) / len(s.logprob)
+            for s in samples if s.logprob]
+    worst = max(gaps, default=0.0)
+    return worst <= tol, {"max_mean_gap": round(worst, 4), "tol": tol}
+
+
+def sampling_check(samples: list[TokenStats], alpha: float, clip: float) -> tuple[bool, dict[str, Any]]:
+    total, spread = 0.0, 0.0
+    for s in samples:
+        for lp, h in zip(s.logprob, s.entropy):
+            total += max(lp + h, -clip)
+            spread += (h + clip) ** 2
+    threshold = -math.sqrt(math.log(1 / alpha) * spread / 2)
+    return total > threshold, {"sum": round(total, 3), "threshold": round(threshold, 3),
+                               "tokens": sum(len(s.logprob) for s in samples)}
+
+
+class Auditor:
+    def __init__(self, cfg: EchoConfig, tokenizer: Any, report: Callable[[Verdict], None],
+                 is_quarantined: Callable[[str], bool] = lambda w: False):
+        sc = cfg.security
+        self.cfg, self.tokenizer, self.report = cfg, tokenizer, report
+        self.is_quarantined = is_quarantined
+        self.tol, self.alpha, self.clip = sc.audit_logprob_tol, sc.audit_alpha, sc.audit_clip
+        self.keep = cfg.learner.staleness + 2  # every version a record may still claim
+        self._snapshots: OrderedDict[int, tuple[list[dict[str, Any]], bytes]] = OrderedDict()
+        self._jobs: deque[AuditJob] = deque()
+        self._max_jobs = sc.audit_queue
+        self._lock = threading.Lock()
+        self._model: Any = None
+        self._installed = -1
+        self.done = self.failed = self.dropped = self.expired = 0
+        self.seconds = 0.0
+
+    # ------------------------------------------------------------------ inputs (any thread)
+
+    def add_snapshot(self, version: int, tensors: list[dict[str, Any]], payload: bytes) -> None:
+        with self._lock:
+            self._snapshots[version] = (tensors, bytes(payload))
+            while len(self._snapshots) > self.keep:
+                self._snapshots.popitem(last=False)
+
+    def submit(self, job: AuditJob) -> None:
+        with self._lock:
+            if len(self._jobs) >= self._max_jobs:
+                victim = next((j for j in self._jobs if not j.probation), self._jobs[0])
+                self._jobs.remove(victim)
+                self.dropped += 1
+            self._jobs.append(job)
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    # ------------------------------------------------------------------ the work (trainer thread)
+
+    def run(self, budget_s: float) -> float:
+        """Audit waiting groups, probation first, until ``budget_s`` is spent; seconds used."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < budget_s:
+            job = self._next()
+            if job is None:
+                break
+            self._audit(job)
+        used = time.monotonic() - t0
+        self.seconds += used
+        return used
+
+    def _next(self) -> AuditJob | None:
+        with self._lock:
+            if not self._jobs:
+                return None
+            job = next((j for j in self._jobs if j.probation), self._jobs[0])
+            self._jobs.remove(job)
+            return job
+
+    def _audit(self, job: AuditJob) -> None:
+        if self.is_quarantined(job.worker_id):
+            return
+        with self._lock:
+            snap = self._snapshots.get(job.version)
+        if snap is None:
+            self.expired += 1
+            return
+        samples = self.token_stats(job.version, snap, job.records)
+        for check, (ok, stats) in (("logprob", logprob_check(samples, self.tol)),
+                                   ("sampling", sampling_check(samples, self.alpha, self.clip))):
+            self.done += 1
+            self.failed += not ok
+            self.report(Verdict(job.worker_id, job.key, job.group_id, job.version, check, ok, stats))
+
+    def token_stats(self, version: int, snap: tuple[list[dict[str, Any]], bytes],
+                    records: list[Any]) -> list[TokenStats]:
+        import torch
+
+        from echo.models import install_payload, load_model, resolve_device
+
+        if self._model is None:  # a copy of the policy: the trainer's weights move on
+            device = resolve_device(self.cfg.learner.device, "learner.device")
+            self._model = load_model(self.cfg.model, self.tokenizer, "float32").to(device).eval()
+        if self._installed != version:
+            install_payload(self._model, *snap)
+            self._installed = version
+        with torch.no_grad():
+            return self._batch(records)
+
+    def _batch(self, records: list[Any]) -> list[TokenStats]:
+        """One right-padded forward pass over the group's samples."""
+        import torch
+
+        seqs = [r.prompt_ids + r.completion_ids for r in records]
+        width = max(len(q) for q in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        attn = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, q in enumerate(seqs):
+            ids[i, : len(q)] = torch.tensor(q)
+            attn[i, : len(q)] = 1
+        dev = self._model.device
+        logits = self._model(input_ids=ids.to(dev), attention_mask=attn.to(dev)).logits[:, :-1]
+        logp = torch.log_softmax(logits.float() / self.cfg.worker.temperature, dim=-1).cpu()
+        return [self._one(rec, logp[i]) for i, rec in enumerate(records)]
+
+    @staticmethod
+    def _one(rec: Any, logp: Any) -> TokenStats:
+        import torch
+
+        start = len(rec.prompt_ids) - 1  # position j predicts token j+1
+        pos = torch.arange(start, start + len(rec.completion_ids))
+        lp = logp[pos, torch.tensor(rec.completion_ids)]
+        ent = -(logp[pos].exp() * logp[pos]).nansum(-1)  # 0 * -inf is 0 here, not NaN
+        mask = getattr(rec, "loss_mask", None) or [1] * len(rec.completion_ids)
+        keep = [i for i, m in enumerate(mask) if m]
+        return TokenStats([lp[i].item() for i in keep], [ent[i].item() for i in keep],
+                          [rec.logprobs[i] for i in keep])

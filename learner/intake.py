@@ -1,0 +1,187 @@
+"""Admission of one trajectory batch: what a worker delivers is checked before it is stored.
+
+Per record (``dataplane.records``): schema, vocabulary, bounds on rewards and log-probs, and
+that it speaks for its sender. Then per group, in this order, each failure refusing the whole
+group with a counted reason:
+
+  * ``unknown_group``: not a group the learner handed out (or already fulfilled and forgotten);
+  * ``not_your_group``: leased to another worker (grants are bound to the key's worker; a
+    late delivery after the lease moved on is refused, not credited);
+  * ``prompt_mismatch``: the prompt is not the one granted;
+  * ``partial_group``: groups come back whole, every sample index once, in one batch; a
+    worker that drops the samples it does not like shows up here (a strike);
+  * ``reward_mismatch``: the learner recomputed a reward (``Adapter.recomputes_rewards``)
+    and the worker reported another (a strike).
+
+A group that passes is admitted sample by sample into the buffer (duplicates of a finished
+group are acknowledged, not stored again) and, once whole, may be chosen for an audit
+(``learner.auditor``): always during a worker's probation, then at ``security.audit_rate``,
+drawn after receipt from the OS's randomness so a worker cannot tell which of its groups will
+be looked at. Only the control-plane thread calls this object.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataplane.records import Limits, Record, RecordError, parse_record
+from echo import wire
+from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
+from learner.durable import BufferLog
+from learner.reputation import Reputation, Verdict
+from learner.work import WorkQueue
+
+log = logging.getLogger("echo.intake")
+
+NOT_COUNTED = (STALE, "future_version", "buffer_full")  # the buffer counts these itself
+
+
+@dataclass
+class AuditJob:
+    worker_id: str
+    key: str
+    records: list[Record]  # one whole group
+    probation: bool
+
+    @property
+    def group_id(self) -> str:
+        return self.records[0].group_id
+
+    @property
+    def version(self) -> int:
+        return min(r.version for r in self.records)
+
+
+@dataclass
+class Outcome:
+    """What one batch came to."""
+
+    accepted: list[Record] = field(default_factory=list)
+    duplicates: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    rejected_idx: list[int] = field(default_factory=list)
+    details: dict[str, str] = field(default_factory=dict)  # one example per reason
+
+    def refuse(self, reason: str, idx: list[int], detail: str = "") -> None:
+        self.rejected[reason] += len(idx)
+        self.rejected_idx.extend(idx)
+        if detail:
+            self.details.setdefault(reason, detail)
+
+
+class Intake:
+    def __init__(self, *, limits: Limits, buffer: ReplayBuffer, work: WorkQueue,
+                 reputation: Reputation, buffer_log: BufferLog | None = None,
+                 adapter: Any = None, audit: Callable[[AuditJob], None] | None = None,
+                 audit_rate: float = 0.0, probation_groups: int = 0):
+        self.limits, self.buffer, self.work = limits, buffer, work
+        self.reputation, self.buffer_log = reputation, buffer_log
+        # The reward is recomputed only where the adapter says it can be.
+        self.adapter = adapter if getattr(adapter, "recomputes_rewards", False) else None
+        self.audit, self.audit_rate, self.probation_groups = audit, audit_rate, probation_groups
+        self.delivered: Counter[str] = Counter()  # worker id -> whole groups admitted
+        self._rng = random.SystemRandom()
+
+    def batch(self, sender: str, key: str, raw: list[Any]) -> Outcome:
+        """Check and admit the records of one batch; durable before the caller acknowledges."""
+        out = Outcome()
+        groups: dict[str, list[tuple[int, Record]]] = defaultdict(list)
+        for i, obj in enumerate(raw):
+            try:
+                rec = parse_record(obj, self.limits)
+            except RecordError as err:
+                out.refuse(err.reason, [i], err.detail)
+                continue
+            if rec.worker_id != sender:  # a record speaks for the worker that sent it, no other
+                out.refuse("identity_mismatch", [i], f"record names {rec.worker_id!r}")
+                continue
+            groups[rec.group_id].append((i, rec))
+        for gid, members in groups.items():
+            if sender in self.reputation.quarantined:  # a strike in this very batch
+                out.refuse("quarantined", [i for i, _ in members])
+                continue
+            self._group(sender, key, gid, members, out)
+        if sender in self.reputation.quarantined:
+            out.accepted = []  # what was admitted before is out of the buffer again
+        if self.buffer_log is not None:
+            self.buffer_log.admitted(out.accepted)  # durable before acknowledged
+        return out
+
+    def _group(self, sender: str, key: str, gid: str, members: list[tuple[int, Record]],
+               out: Outcome) -> None:
+        idx = [i for i, _ in members]
+        recs = [r for _, r in members]
+        if self.buffer.is_done(gid):
+            for i, r in members:  # a resend of a finished group: counted by the buffer, acknowledged
+                self._store(i, r, out)
+            return
+        reason, detail = self._refusal(sender, key, gid, recs)
+        if reason:
+            out.refuse(reason, idx, detail)
+            return
+        if COMPLETED in [self._store(i, r, out) for i, r in members]:
+            self._maybe_audit(sender, key, recs)
+
+    def _refusal(self, sender: str, key: str, gid: str, recs: list[Record]) -> tuple[str, str]:
+        holder = self.work.holder(gid)
+        if holder is None:
+            return "unknown_group", f"group {gid} was not handed out (or is finished)"
+        if holder != sender:
+            return "not_your_group", f"group {gid} is leased to another worker"
+        group = self.work.lookup(gid)
+        assert group is not None
+        if any(r.prompt_ids != group.prompt_ids for r in recs):
+            return "prompt_mismatch", f"group {gid}: a prompt is not the one granted"
+        got = sorted(r.sample_idx for r in recs)
+        if got != list(range(group.n)):
+            self._verdict(sender, key, recs, "whole_group", False, {"samples": got[:64]})
+            return "partial_group", (f"group {gid}: samples {got[:16]} of {group.n}; deliver every "
+                                     f"sample of a group, once, in one batch")
+        if self.adapter is not None:
+            bad = self._reward_lies(group.task, recs)
+            self._verdict(sender, key, recs, "reward", not bad, {"mismatched": bad[:8]})
+            if bad:
+                return "reward_mismatch", (f"group {gid}: reported rewards differ from the "
+                                           f"adapter's for samples {[b[0] for b in bad[:8]]}")
+        return "", ""
+
+    def _reward_lies(self, task: dict[str, Any], recs: list[Record]) -> list[list[float]]:
+        """[sample index, reported, recomputed] for every reward the adapter scores otherwise."""
+        tok = self.adapter.tokenizer
+        bad = []
+        for r in recs:
+            text = tok.decode(r.completion_ids, skip_special_tokens=True)
+            want = float(self.adapter.reward(task, r.completion_ids, text))
+            if abs(r.reward - want) > 1e-6 * (1.0 + abs(want)):
+                bad.append([r.sample_idx, r.reward, want])
+        return bad
+
+    def _store(self, i: int, rec: Record, out: Outcome) -> str:
+        outcome = self.buffer.admit(rec)
+        if outcome in (ACCEPTED, COMPLETED):
+            out.accepted.append(rec)
+        elif outcome == DUPLICATE:
+            out.duplicates += 1
+        else:  # stale ones are counted by the buffer as dropped_stale, the rest here
+            out.refuse(outcome, [i])
+        if outcome == COMPLETED:
+            self.work.fulfilled(rec.group_id)
+        elif outcome == STALE:
+            self.work.requeue(rec.group_id)  # regenerate it under a fresh snapshot
+        return outcome
+
+    def _maybe_audit(self, sender: str, key: str, recs: list[Record]) -> None:
+        self.delivered[sender] += 1
+        probation = self.delivered[sender] <= self.probation_groups
+        if self.audit is not None and (probation or self._rng.random() < self.audit_rate):
+            self.audit(AuditJob(sender, key, sorted(recs, key=lambda r: r.sample_idx), probation))
+
+    def _verdict(self, sender: str, key: str, recs: list[Record], check: str, ok: bool,
+                 stats: dict[str, Any]) -> None:
+        self.reputation.record(Verdict(sender, key, recs[0].group_id, min(r.version for r in recs),
+                                       check, ok, stats))
