@@ -117,6 +117,13 @@ class LearnerMetrics:
         self.g_w_active = g("echo_worker_active", "1 active, 0 standby", ("worker",))
         self.g_w_version = g("echo_worker_version", "policy version the worker runs", ("worker",))
         self.g_w_admitted = g("echo_worker_admitted", "trajectories admitted from the worker", ("worker",))
+        # docs/security.md, "Trust but verify": checks of what each worker delivered
+        self.g_w_checks = g("echo_worker_checks", "checks made of the worker's deliveries "
+                            "(recomputed rewards, whole groups, audits)", ("worker",))
+        self.g_w_failed = g("echo_worker_check_failures", "checks the worker failed (strikes)", ("worker",))
+        self.g_w_quarantined = g("echo_worker_quarantined", "1 if the worker was quarantined", ("worker",))
+        self.g_checks = g("echo_checks", "checks so far, by kind and outcome", ("check", "outcome"))
+        self.reputation: dict[str, dict[str, Any]] = {}
         self._bcast_versions: list[str] = []
         self._rejected_reasons: set[str] = set()
 
@@ -212,6 +219,19 @@ class LearnerMetrics:
                 self.g_w_active.labels(worker=wid).set(1.0 if w.get("active") else 0.0)
                 self.g_w_version.labels(worker=wid).set(_num(w.get("version")) or -1.0)
                 self.g_w_admitted.labels(worker=wid).set(_num(w.get("admitted")) or 0.0)
+        self._update_checks(stats)
+
+    def _update_checks(self, stats: dict[str, Any]) -> None:
+        rep = stats.get("reputation")
+        if isinstance(rep, dict):
+            self.reputation = {wid: dict(r) for wid, r in rep.items()}
+            for wid, r in rep.items():
+                self.g_w_checks.labels(worker=wid).set(_num(r.get("audits")) or 0.0)
+                self.g_w_failed.labels(worker=wid).set(_num(r.get("failures")) or 0.0)
+                self.g_w_quarantined.labels(worker=wid).set(_num(r.get("quarantined")) or 0.0)
+        for name, n in (stats.get("checks") or {}).items():
+            check, _, outcome = str(name).partition(":")
+            self.g_checks.labels(check=check, outcome=outcome).set(_num(n) or 0.0)
 
     def _update_installs(self, installs: dict[Any, dict[str, float]]) -> None:
         for version, times in installs.items():
@@ -262,6 +282,7 @@ class LearnerMetrics:
                 },
                 "rows": list(self.rows)[-rows:],
                 "workers": [{"worker": wid, **w} for wid, w in sorted(self.workers.items())],
+                "checks": [{"worker": wid, **r} for wid, r in sorted(self.reputation.items())],
                 "decisions": list(self.decisions)[-20:],
                 "installs": {str(v): t for v, t in sorted(self.installs.items())},
                 "staleness": {str(k): n for k, n in sorted(self.stale_counts.items())},

@@ -34,10 +34,10 @@ from echo.models import params_to_payload
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_checkpoint, load_or_create_key, save_checkpoint
 from learner.auditor import Auditor
-from learner.durable import BufferLog, SetAside, live_after, quarantine, scan_log
+from learner.durable import BufferLog, live_after, quarantine, scan_log
 from learner.control import ControlPlane
 from learner.gate import security_dir
-from learner.reputation import quarantined_workers
+from learner.reputation import without_quarantined
 from learner.policy import FullState, Policy
 from learner.work import WorkQueue
 from provisioning.capacity import Infeasible, mu_req
@@ -263,10 +263,8 @@ class Learner:
         last = ckpt["step"] if ckpt else -1
         admitted, consumed, aside = scan_log(self.run_dir / "buffer.log", self.limits)
         live, trained = live_after(admitted, consumed, last)
-        banned = quarantined_workers(security_dir(self.run_dir))
-        aside += [SetAside("quarantined", f"worker {r.worker_id} was quarantined", b"")
-                  for r in live if r.worker_id in banned]
-        live = [r for r in live if r.worker_id not in banned]
+        live, out = without_quarantined(live, security_dir(self.run_dir))
+        aside += out
         if ckpt:
             self.policy.command({"op": "load", "state": ckpt})
             self.prompt_rng.setstate(ckpt["prompt_rng"])

@@ -27,7 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
+from dataplane.records import Record
 from echo.metrics import finite_or_null
+from learner.durable import SetAside
 
 log = logging.getLogger("echo.reputation")
 
@@ -107,3 +111,12 @@ def quarantined_workers(folder: Path) -> dict[str, str]:
         except (ValueError, KeyError, TypeError):
             continue  # a torn last line after a crash
     return out
+
+
+def without_quarantined(live: list[Record], folder: Path) -> tuple[list[Record], list[SetAside]]:
+    """On resume: the buffered records of quarantined workers are set aside, never replayed."""
+    banned = quarantined_workers(folder)
+    aside = [SetAside("quarantined", f"worker {r.worker_id} was quarantined: {banned[r.worker_id]}",
+                      msgpack.packb(vars(r), use_bin_type=True))
+             for r in live if r.worker_id in banned]
+    return [r for r in live if r.worker_id not in banned], aside

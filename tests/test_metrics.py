@@ -54,7 +54,10 @@ def synthetic_stats(step: int) -> dict:
             "workers": {f"w{i}": {"price": 0.35 * (i + 1), "version": step, "state": "generating",
                                   "active": i < 2, "throughput": 1.5 + i, "admitted": 10 * i}
                         for i in range(3)},
-            "installs": {step: {"w0": 0.1, "w1": 0.2 + 0.01 * step}}}
+            "installs": {step: {"w0": 0.1, "w1": 0.2 + 0.01 * step}},
+            "reputation": {"w0": {"audits": 5 + step, "failures": 0, "quarantined": 0},
+                           "evil": {"audits": 2, "failures": 2, "quarantined": 1}},
+            "checks": {"reward:ok": 10 * step, "sampling:fail": 2}}
 
 
 @pytest.fixture
@@ -117,6 +120,9 @@ def test_metric_values(served):
     assert value("echo_worker_price_per_hour", worker="w1") == pytest.approx(0.7)
     assert value("echo_broadcast_seconds", version="5") == pytest.approx(0.25)
     assert value("echo_buffer_groups", kind="ready") == 3
+    assert value("echo_worker_checks", worker="w0") == 10
+    assert value("echo_worker_quarantined", worker="evil") == 1
+    assert value("echo_checks", check="sampling", outcome="fail") == 2
     count = [s for s in fams["echo_staleness"].samples if s.name == "echo_staleness_count"][0]
     assert count.value == 6 + 16 * 5  # step 0: {"0": 10, "0": 6} is one key
 
@@ -184,3 +190,4 @@ def test_dashboard_in_headless_chromium(served, tmp_path):
     assert shown("cost-per-1k") == pytest.approx(metric("echo_cost_per_1k_admitted_usd"), rel=1e-9)
     assert shown("bubble-ratio") == pytest.approx(metric("echo_bubble_ratio"))
     assert 'id="worker-w1"' in dom and "C_eff 1 &lt; 2" in dom
+    assert re.search(r'id="checks-evil">.*?quarantined', dom)  # the checks table

@@ -221,3 +221,16 @@ def test_audit_queue_is_bounded_and_drops_non_probation_first(small_cfg, tokeniz
     assert aud.dropped == 1 and aud.waiting == 2
     aud.run(budget_s=10)  # version 3 was never published here: skipped and counted
     assert aud.expired == 2 and aud.done == 0
+
+
+def test_a_resume_sets_aside_what_quarantined_workers_had_buffered(tmp_path):
+    from learner.reputation import Reputation, Verdict, without_quarantined
+
+    rep = Reputation(tmp_path, strikes=1, step=lambda: 7, on_quarantine=lambda *a: None)
+    rep.record(Verdict("evil", "k", "g1", 0, "reward", False, {}))
+    live = [Record(group_id=f"g{i}", sample_idx=0, prompt_ids=[4], completion_ids=[5], logprobs=[-1.0],
+                   reward=0.0, version=0, worker_id=w, gen_s=0.0) for i, w in enumerate(["evil", "w1"])]
+    kept, aside = without_quarantined(live, tmp_path)
+    assert [r.worker_id for r in kept] == ["w1"]
+    assert [a.reason for a in aside] == ["quarantined"]
+    assert json.loads((tmp_path / "quarantine.jsonl").read_text())["step"] == 7
