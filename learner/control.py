@@ -643,6 +643,9 @@ class ControlPlane:
         assert self.coordinator is not None
         self._joined(ident, key, msg.worker_id)
         self.coordinator.installed(msg.worker_id, msg.version)
+        # Its measured link rates: combined with the other end of each link (broadcast.links),
+        # the first report per version only; the next publication plans on them.
+        self.coordinator.measured(msg.worker_id, msg.version, msg.down_mbit, msg.up_mbit)
         return None
 
     def _last_t_bcast(self) -> float | None:
