@@ -7,6 +7,13 @@ shaped at b). Optionally a fraction of relays is SIGKILLed at random moments and
 corrupt every chunk they forward. Reports per-worker install times, ``T_bcast`` (q = 1), the
 lower bound of DESIGN 5, bytes the root sent, and corrupt installs (payload digests that differ
 from the root's).
+
+``--publications P`` publishes P versions in a row (the coordinator re-plans at each, on the
+link rates the relays measured for the previous ones: ``broadcast.links``). ``--liar-up-mbit X``
+shapes relay r00's uplink at X but has it declare 10x X; ``--trust-declared`` plans on the
+declarations alone (the old behaviour). ``--liar-json FILE`` runs the honest fleet, the fleet
+with the liar, and (as a baseline) the liar with declarations trusted, and writes T_bcast per
+publication and whether the liar headed a chain.
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ async def relay_process(args: argparse.Namespace) -> int:
     run_key = b""
     relay = Relay(ctx, RelayConfig(bind_host=args.bind_host, serve=not args.no_serve,
                                    window=args.window, timeout_s=args.timeout,
-                                   down_mbit=args.down_mbit, up_mbit=args.up_mbit,
+                                   down_mbit=args.down_mbit, up_mbit=args.real_up_mbit or args.up_mbit,
                                    shape=not args.kernel_shaped, chunk_bytes=args.chunk_kib * 1024,
                                    corrupt=args.corrupt), keys=keys, run_key=lambda: run_key)
     if args.reserve_mib:
@@ -84,11 +91,12 @@ async def relay_process(args: argparse.Namespace) -> int:
                 assert isinstance(grant, wire.SourceGrant)
                 return Source(grant.source, grant.source_key, grant.ticket)
 
-            held, _ = await relay.receive(msg.manifest, ack.public_key,
+            held, stats = await relay.receive(msg.manifest, ack.public_key,
                                           Source(msg.source, msg.source_key, msg.ticket), reattach)
             # Installed the moment the last chunk verified against the signed manifest: that is
             # what a worker relies on before it installs.
-            await client.send(wire.Installed(worker_id=args.id, version=held.version))
+            await client.send(wire.Installed(worker_id=args.id, version=held.version,
+                                             **relay.measured(held.version, stats)))
         if held is not None:
             # The audit, after the clock stopped: a BLAKE3 of the whole payload, which only the
             # benchmark computes, so that the root counts corrupt installs independently of
@@ -123,6 +131,9 @@ class BenchParams:
     seed: int = 0
     netns: bool = False  # links shaped by the kernel (tc tbf in namespaces), not in the app
     curve: bool = False  # CurveZMQ on every socket and pull tickets, as a real run has
+    publications: int = 1  # versions published in a row (re-planned at each)
+    liar_up_mbit: float = 0.0  # r00's real uplink; it declares 10x this (0: no liar)
+    trust_declared: bool = False  # plan on declared rates only (the old behaviour)
 
 
 class Root:
@@ -158,7 +169,9 @@ class Root:
         if p.chains and hasattr(topo, "params"):
             from dataclasses import replace
             topo.params = replace(topo.params, chains=p.chains)  # type: ignore[attr-defined]
-        self.coord = Coordinator(topo, snap.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.coord = Coordinator(topo, snap.getsockopt_string(zmq.LAST_ENDPOINT),
+                                 trust_declared=p.trust_declared)
+        self.version = 1  # the version being broadcast
         self.idents: dict[str, bytes] = {}
         self.joined = asyncio.Event()
         self.digests: dict[str, bytes] = {}
@@ -203,6 +216,7 @@ class Root:
                     self._check_audited()
                 else:
                     self.coord.installed(msg.worker_id, msg.version)
+                    self.coord.measured(msg.worker_id, msg.version, msg.down_mbit, msg.up_mbit)
                     self._check_done()
             if reply is not None:
                 reply.rid = msg.rid
@@ -210,7 +224,7 @@ class Root:
 
     def _check_done(self) -> None:
         alive = set(self.idents) - self.dead
-        if alive and alive <= set(self.coord.install_times(1)):
+        if alive and alive <= set(self.coord.install_times(self.version)):
             self.all_installed.set()
 
     def _check_audited(self) -> None:
@@ -218,18 +232,20 @@ class Root:
         if alive and alive <= set(self.digests):
             self.audited.set()
 
-    def prepare(self, payload: bytes) -> dict[str, Any]:
-        manifest = build_manifest(run_id="bench", version=1, tensors=[], payload=payload,
+    def prepare(self, payload: bytes, version: int = 1) -> dict[str, Any]:
+        manifest = build_manifest(run_id="bench", version=version, tensors=[], payload=payload,
                                   chunk_size=self.p.chunk_kib * 1024, dtype="uint8", key=self.key)
         self.store.add(SnapshotBuffer(manifest, payload))
         return manifest
 
     async def publish(self, manifest: dict[str, Any]) -> dict[str, str]:
-        sources = self.coord.publish(1)
+        self.version = manifest["version"]
+        self.all_installed.clear()
+        sources = self.coord.publish(self.version)
         notices = {}  # minted before the first goes out: signing is not broadcast time
         for wid, endpoint in sources.items():
             src = self.source(wid, endpoint)
-            notices[wid] = wire.encode(wire.SnapshotNotice(version=1, manifest=manifest,
+            notices[wid] = wire.encode(wire.SnapshotNotice(version=self.version, manifest=manifest,
                                                            source=src.endpoint, source_key=src.key,
                                                            ticket=src.ticket))
         for wid, frame in notices.items():
@@ -259,6 +275,8 @@ def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
             argv += ["--root-key", key_hex(root.keys.public)]
         if i in corrupt:
             argv.append("--corrupt")
+        if i == 0 and p.liar_up_mbit:  # declares 10x the uplink it is shaped at
+            argv += ["--up-mbit", str(10 * p.liar_up_mbit), "--real-up-mbit", str(p.liar_up_mbit)]
         if p.netns:
             argv = ["ip", "netns", "exec", netns.node_name(i), *argv, "--kernel-shaped",
                     "--bind-host", netns.address(i)]
@@ -291,13 +309,16 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
             lb = lower_bound_s(m, p.uplink_mbit or 1e9, [p.link_mbit or 1e9] * p.workers,
                                [p.link_mbit or 1e9] * p.workers)
             horizon = star_limited_s(m, p.link_mbit, p.uplink_mbit, p.workers) if p.topology == "star" and p.link_mbit else max(lb, 0.5)
-            manifest = root.prepare(payload)  # hashing and signing happen before the clock
-            t0 = time.monotonic()
-            sources = await root.publish(manifest)
-            if p.kill_fraction:
-                tasks.append(tg.create_task(_killer(root, procs, p, horizon)))
-            await asyncio.wait_for(root.all_installed.wait(), max(120.0, 10 * horizon))
-            elapsed = time.monotonic() - t0
+            pubs = []
+            for version in range(1, p.publications + 1):
+                manifest = root.prepare(payload, version)  # hashing, signing: before the clock
+                t0 = time.monotonic()
+                sources = await root.publish(manifest)
+                if p.kill_fraction and version == 1:
+                    tasks.append(tg.create_task(_killer(root, procs, p, horizon)))
+                await asyncio.wait_for(root.all_installed.wait(), max(120.0, 10 * horizon))
+                elapsed = time.monotonic() - t0
+                pubs.append(_publication(root, version, sources))
             await root.shutdown()  # each survivor answers with its audit digest
             await asyncio.wait_for(root.audited.wait(), 120)
             for t in tasks:
@@ -313,7 +334,7 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
                 proc.kill()
         root.ctx.destroy(linger=0)
     survivors = sorted(set(procs) - root.dead)
-    times = root.coord.install_times(1)
+    times = root.coord.install_times(p.publications)
     digest = chunk_hash(payload)
     return {
         "params": p.__dict__, "t_bcast_s": max(times[w] for w in survivors), "elapsed_s": elapsed,
@@ -327,7 +348,23 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
         "reattaches": root.reattaches,
         "parents": _parents(sources, root.coord),
         "install_times_s": times,
+        "publications": pubs,
     }
+
+
+def _publication(root: Root, version: int, sources: dict[str, str]) -> dict[str, Any]:
+    """One publication: T_bcast, the plan, and the rates it was planned with."""
+    parents = _parents(sources, root.coord)
+    times = root.coord.install_times(version)
+    alive = set(root.idents) - root.dead
+    return {"version": version, "t_bcast_s": max(times[w] for w in alive if w in times),
+            # the liar (r00) heads a chain that it feeds: it pulls from the root and uploads
+            "parents": parents, "liar_head": (parents.get("r00") == "root"
+                                              and any(p == "r00" for p in parents.values()))
+            if root.p.liar_up_mbit else None,
+            # (down, up) the *next* plan gets, after this publication's measurements
+            "next_plan_mbit": {w: [round(d, 1), round(u, 1)] for w, (d, u)
+                             in sorted(root.coord.rates().items())}}
 
 
 def _parents(sources: dict[str, str], coord: Coordinator) -> dict[str, str]:
@@ -361,6 +398,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--curve", action="store_true",
                     help="CurveZMQ on every socket with pull tickets, as a real run (docs/security.md)")
+    ap.add_argument("--publications", type=int, default=1,
+                    help="publish this many versions in a row, re-planned on measured rates")
+    ap.add_argument("--liar-up-mbit", type=float, default=0.0,
+                    help="relay r00's real uplink; it declares 10x this (0 = no liar)")
+    ap.add_argument("--trust-declared", action="store_true",
+                    help="plan on declared link rates only (the behaviour before measurement)")
+    ap.add_argument("--liar-json", default=None,
+                    help="run honest / liar / liar-with-declarations-trusted (needs --liar-up-mbit) "
+                         "and write T_bcast per publication here")
     return ap
 
 
@@ -379,6 +425,8 @@ def relay_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernel-shaped", action="store_true", help="links are shaped by tc: no app shaping")
     ap.add_argument("--reserve-mib", type=float, default=0.0, help="pre-allocate a receive buffer")
     ap.add_argument("--root-key", default="", help="root's CURVE key (hex): encrypt, with tickets")
+    ap.add_argument("--real-up-mbit", type=float, default=0.0,
+                    help="shape the uplink at this rate, whatever --up-mbit declares (a liar)")
     return ap
 
 
@@ -414,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             # The root runs inside its own namespace, behind its own shaped veth.
             return subprocess.run(["ip", "netns", "exec", netns.node_name(None), sys.executable,
                                    "-m", "broadcast.bench", *argv, "--inside"]).returncode
+    if args.liar_json:
+        return liar_main(args)
     results = []
     for topo in args.topology.split(","):
         if topo not in TOPOLOGIES:
@@ -422,12 +472,45 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeat):
             p = BenchParams(args.workers, args.snapshot_mib, args.uplink_mbit, args.link_mbit, topo,
                             args.kill_fraction, args.corrupt_relays, args.chunk_kib, args.window,
-                            args.chains, seed=args.seed + rep, netns=args.netns, curve=args.curve)
+                            args.chains, seed=args.seed + rep, netns=args.netns, curve=args.curve,
+                            publications=args.publications, liar_up_mbit=args.liar_up_mbit,
+                            trust_declared=args.trust_declared)
             results.append(asyncio.run(run_one(p)))
     print_table(results)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"machine": machine_info(), "results": results}, indent=2))
+    return 0
+
+
+def liar_main(args: argparse.Namespace) -> int:
+    """Honest fleet vs the same fleet with one liar (measured rates, then declared ones)."""
+    if not args.liar_up_mbit or args.publications < 2:
+        print("--liar-json needs --liar-up-mbit X and --publications >= 2", file=sys.stderr)
+        return 2
+    arms = {"honest": {}, "liar_measured": {"liar_up_mbit": args.liar_up_mbit},
+            "liar_declared_trusted": {"liar_up_mbit": args.liar_up_mbit, "trust_declared": True}}
+    out: dict[str, Any] = {}
+    for name, extra in arms.items():
+        p = BenchParams(args.workers, args.snapshot_mib, args.uplink_mbit, args.link_mbit,
+                        args.topology, chunk_kib=args.chunk_kib, window=args.window,
+                        seed=args.seed, curve=args.curve, publications=args.publications, **extra)
+        r = asyncio.run(run_one(p))
+        out[name] = {"params": r["params"], "publications": r["publications"],
+                     "corrupt_installs": r["corrupt_installs"], "lower_bound_s": r["lower_bound_s"]}
+        print(name, [(x["version"], round(x["t_bcast_s"], 3), x["liar_head"])
+                     for x in r["publications"]], flush=True)
+    honest = [x["t_bcast_s"] for x in out["honest"]["publications"]]
+    ratios = {arm: [round(x["t_bcast_s"] / h, 3) for x, h in zip(out[arm]["publications"], honest)]
+              for arm in ("liar_measured", "liar_declared_trusted")}
+    summary = {"t_bcast_ratio_vs_honest": ratios,
+               "liar_head": {arm: [x["liar_head"] for x in out[arm]["publications"]]
+                             for arm in ("liar_measured", "liar_declared_trusted")}}
+    print(json.dumps(summary))
+    Path(args.liar_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.liar_json).write_text(json.dumps({"machine": machine_info(), "load": os.getloadavg(),
+                                                "argv": sys.argv[1:], "summary": summary,
+                                                "arms": out}, indent=2))
     return 0
 
 

@@ -6,6 +6,11 @@ reachability, liveness, corruption reports), asks the topology for a plan at eve
 publication, re-plans when a worker reports a failed source (the failed relay is routed
 around: a dead one leaves the plan, a corrupting one may never be a parent again), and turns
 install reports into per-worker install times and ``T_bcast`` at quantile q.
+
+Link rates: the plan uses what the workers *measured* (``measured``, combined at both ends of
+each link by ``broadcast.links.LinkMeter``), and a worker's declared rates only until it is
+measured, capped at the fleet's median measured rate. ``trust_declared=True`` plans on the
+declarations alone (the old behaviour; the liar benchmark's baseline).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from broadcast.links import LinkMeter
 from broadcast.topology import Peer, Topology
 
 log = logging.getLogger(__name__)
@@ -32,10 +38,14 @@ class PeerState:
 
 
 class Coordinator:
-    def __init__(self, topology: Topology, source: str, *, q: float = 1.0):
+    def __init__(self, topology: Topology, source: str, *, q: float = 1.0,
+                 trust_declared: bool = False):
         self.topology = topology
         self.source = source
         self.q = q
+        self.trust_declared = trust_declared
+        self.links = LinkMeter()
+        self.plans: dict[int, dict[str, str]] = {}  # version -> the plan it was published with
         self.peers: dict[str, PeerState] = {}
         self.published: dict[int, float] = {}  # version -> monotonic publication time
         self.sources: dict[str, str] = {}  # the last plan: worker -> endpoint it pulls from
@@ -47,18 +57,48 @@ class Coordinator:
     def leave(self, worker_id: str) -> None:
         self.peers.pop(worker_id, None)
         self.sources.pop(worker_id, None)
+        self.links.forget(worker_id)
+
+    def rates(self) -> dict[str, tuple[float, float]]:
+        """(down, up) Mbit/s per live peer, as the planner gets them."""
+        declared = {p.worker_id: (p.down_mbit, p.up_mbit) for p in self.peers.values() if p.alive}
+        return declared if self.trust_declared else self.links.rates(declared)
 
     def _plan(self) -> dict[str, str]:
-        peers = [Peer(p.worker_id, p.down_mbit, p.up_mbit,
+        rates = self.rates()
+        peers = [Peer(p.worker_id, *rates[p.worker_id],
                       reachable=bool(p.endpoint) and not p.corrupt,
                       endpoint="" if p.corrupt else p.endpoint)
                  for p in self.peers.values() if p.alive]
         self.sources = self.topology.plan(peers, self.source) if peers else {}
+        if self.published:
+            self.plans[max(self.published)] = dict(self.sources)
         return self.sources
 
     def publish(self, version: int, now: float | None = None) -> dict[str, str]:
         self.published[version] = time.monotonic() if now is None else now
+        for old in sorted(self.plans)[:-4]:
+            del self.plans[old]
         return self._plan()
+
+    def measured(self, worker_id: str, version: int, down_mbit: float, up_mbit: float) -> bool:
+        """A worker's measured link rates for ``version`` (its install report), combined with
+        the other end of each of its links in that version's plan; used from the next plan."""
+        if worker_id not in self.peers or version not in self.published:
+            return False
+        by_ep = {p.endpoint: p.worker_id for p in self.peers.values() if p.endpoint}
+        plan = {w: by_ep.get(ep) for w, ep in self.plans.get(version, self.sources).items()}
+        return self.links.report(version, worker_id, down_mbit, up_mbit, plan, self._root_share())
+
+    def _root_share(self) -> float:
+        """The learner's uplink per chain (Mbit/s), when the topology knows it: a head that
+        downloads at that rate was limited by the learner, not by its own link."""
+        params = getattr(self.topology, "params", None)
+        plan = getattr(self.topology, "last_plan", None)
+        uplink = getattr(params, "uplink_mbit", None)
+        if not uplink or plan is None or not plan.streams:
+            return math.inf
+        return uplink / plan.streams
 
     def source_for(self, worker_id: str) -> str:
         """Where a worker (e.g. a late joiner) pulls the current snapshot from: its place in

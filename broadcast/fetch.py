@@ -21,6 +21,7 @@ the window of requests never outruns the link.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -55,6 +56,13 @@ class FetchStats:
     sources: list[str] = field(default_factory=list)
     failures: list[tuple[str, str]] = field(default_factory=list)  # (source, reason)
     chunks: int = 0
+    bytes: int = 0  # received and verified
+    seconds: float = 0.0  # from the start of the fetch to its last chunk (all sources)
+
+    @property
+    def down_mbit(self) -> float:
+        """The download rate this fetch measured (0: nothing received)."""
+        return self.bytes * 8 / 1e6 / self.seconds if self.bytes and self.seconds > 0 else 0.0
 
 
 async def fetch_into(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int,
@@ -65,10 +73,12 @@ async def fetch_into(ctx: zmq.asyncio.Context, store: SnapshotStore, version: in
     assert buf is not None, "add the SnapshotBuffer to the store before fetching"
     stats = FetchStats()
     src = Source(source) if isinstance(source, str) else source
+    t0 = time.monotonic()
     for _ in range(max_attempts):
         stats.sources.append(src.endpoint)
         try:
             await _pull(ctx, store, version, src, window, timeout_s, max_bytes, download, stats, keys)
+            stats.seconds = time.monotonic() - t0
             return stats
         except SourceFailed as fail:
             stats.failures.append((src.endpoint, fail.reason))
@@ -191,6 +201,7 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
         raise SourceFailed("corrupt", str(err), index) from None
     store.mark(buf.version, index)
     stats.chunks += 1
+    stats.bytes += n
 
 
 async def fetch_snapshot(sock_ctx: zmq.asyncio.Context, manifest: dict, source: Source | str, *,

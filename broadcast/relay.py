@@ -119,6 +119,11 @@ class Relay:
                                  reattach=reattach, keys=self.keys)
         return buf, stats
 
+    def measured(self, version: int, stats: FetchStats) -> dict[str, float]:
+        """The ``wire.Installed`` fields for ``version``: measured download and upload."""
+        up = self.server.upload_mbit(version) if self.server is not None else 0.0
+        return {"down_mbit": stats.down_mbit, "up_mbit": up}
+
     def reset(self) -> None:
         """Forget every snapshot held (the learner's run changed)."""
         self.store.clear()

@@ -15,6 +15,10 @@ with a counted reason. A peer's requests, however malformed, end that request at
 
 Replies leave through one sender task, paced by an optional token bucket (the node's upload
 rate). Its queue holds at most one entry per outstanding request, i.e. window x children.
+It measures its upload per version (``upload_mbit``): bytes sent / seconds a reply was waiting
+to go out, so time spent waiting for chunks from upstream (parked requests) does not count.
+On an unshaped link a send only queues into the socket, so this end reads high: the child's
+download report is then what binds (``broadcast.links``).
 ``corrupt=True`` flips a byte in every chunk sent (for integrity tests and benchmarks only).
 """
 
@@ -64,8 +68,10 @@ class ChunkServer:
         self._parked_by: Counter[str] = Counter()
         # Replies to send. Unbounded as a queue, bounded by what feeds it: one entry per
         # authorised request, and a peer's requests in flight here are capped like parked ones.
-        self._outbox: asyncio.Queue[tuple[bytes, int, int, int, str]] = asyncio.Queue()
+        self._outbox: asyncio.Queue[tuple[bytes, int, int, int, str, float]] = asyncio.Queue()
         self._queued_by: Counter[str] = Counter()
+        self.served: dict[int, list[float]] = {}  # version -> [bytes sent, seconds busy sending]
+        self._last_sent = 0.0
         store.listeners.append(self._released)
 
     async def serve_forever(self) -> None:
@@ -145,7 +151,7 @@ class ChunkServer:
 
     def _enqueue(self, ident: bytes, rid: int, version: int, index: int, who: str) -> None:
         self._queued_by[who] += 1
-        self._outbox.put_nowait((ident, rid, version, index, who))
+        self._outbox.put_nowait((ident, rid, version, index, who, time.monotonic()))
 
     def _released(self, version: int, index: int) -> None:
         for ident, rid, _, who in self._parked.pop((version, index), ()):
@@ -159,7 +165,7 @@ class ChunkServer:
 
     async def _send_loop(self) -> None:
         while True:
-            ident, rid, version, index, who = await self._outbox.get()
+            ident, rid, version, index, who, queued_at = await self._outbox.get()
             self._queued_by[who] -= 1
             if self._queued_by[who] <= 0:
                 del self._queued_by[who]
@@ -179,10 +185,28 @@ class ChunkServer:
                 # are then dropped (it times out) instead of stalling every other child.
                 await self.sock.send_multipart([ident, header, data], copy=False, flags=zmq.NOBLOCK)
                 self.store.bytes_sent += len(data)
+                self._count_sent(version, len(data), queued_at)
             except zmq.ZMQError as exc:
                 # EHOSTUNREACH: the requester went away (left, died, gave up on us).
                 self.rejected["peer_gone"] += 1
                 log.info("snapshot socket: could not reply to %s: %s", ident.hex(), exc)
+
+    def _count_sent(self, version: int, n: int, queued_at: float) -> None:
+        """Charge this reply the time since it, or the reply before it, was ready to go:
+        the sum is the time the server had something to send (its busy time)."""
+        now = time.monotonic()
+        start = max(queued_at, self._last_sent)
+        self._last_sent = now
+        entry = self.served.setdefault(version, [0.0, 0.0])
+        entry[0] += n
+        entry[1] += now - start
+        for old in sorted(self.served)[:-4]:
+            del self.served[old]
+
+    def upload_mbit(self, version: int) -> float:
+        """What this server measured uploading ``version`` so far (0: served nothing)."""
+        sent, busy = self.served.get(version, (0.0, 0.0))
+        return sent * 8 / 1e6 / busy if sent and busy > 0 else 0.0
 
     async def _expire_loop(self) -> None:
         while True:

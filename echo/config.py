@@ -216,8 +216,13 @@ class ProvisioningConfig(_Section):
     window_s: float = Field(60.0, gt=0)  # a condition must hold this long before acting
     tau_s: float = Field(60.0, gt=0)  # EWMA time constant of measured throughput
     warmup_s: float = Field(30.0, ge=0)  # a newly active worker keeps its prior this long
-    initial_active: int = Field(1, ge=1)  # the first joiners start active (bootstrap)
-    mu_prior: float = Field(1.0, gt=0)  # trajectories/s assumed for a worker before any measurement
+    # The first joiners start active (bootstrap), only while no worker has been measured yet.
+    initial_active: int = Field(1, ge=1)
+    # No worker gets throughput credit before it delivers (docs/security.md, "Measured, not
+    # declared"). When measured capacity is short, at most this many unmeasured workers are
+    # active at once on probation (cheapest first) so they can be measured; one that delivers
+    # nothing within warmup_s + window_s goes back to standby. 0: only measured workers.
+    probation_slots: int = Field(4, ge=0)
 
 
 class MetricsConfig(_Section):

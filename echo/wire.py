@@ -16,7 +16,11 @@ Worker -> learner (control socket)
                   ``dataplane.records``; at-least-once: the worker resends until acked.
   leave           worker_id                             -> (none)
   source_request  worker_id, version, bad_source, reason -> source_grant{source}
-  installed       worker_id, version, digest            -> (none)
+  installed       worker_id, version, digest, down_mbit, up_mbit -> (none)
+                  down_mbit/up_mbit: the link rates this worker *measured* for that version
+                  (its fetch; its chunk server's serving), 0 = not measured. Added with
+                  defaults in v1: an older worker's report parses as "not measured"; the
+                  learner believes them only combined with the other end (broadcast.links).
 Learner -> worker (control socket, unsolicited)
   snapshot_notice version, manifest                     a new snapshot is published
   shutdown        reason                                the run is over
@@ -200,6 +204,11 @@ class Installed(Message):
     worker_id: str
     version: int
     digest: bytes = b""  # BLAKE3 of the whole payload, so the root can count corrupt installs
+    # Measured for this version (Mbit/s, 0 = not measured), docs/security.md "Measured, not
+    # declared": bytes received / seconds the fetch took, and bytes this worker's chunk server
+    # sent / seconds a reply was waiting to go out (its upload while it had something to send).
+    down_mbit: float = Field(0.0, ge=0)
+    up_mbit: float = Field(0.0, ge=0)
 
 
 class Shutdown(Message):

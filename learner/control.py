@@ -140,7 +140,8 @@ class ControlPlane:
         # Without the controller every worker is active; with it, workers join as standby
         # (they keep their snapshot current and relay) until it activates them.
         self.controller = (Controller(pc.alpha, pc.delta, pc.window_s, tau_s=pc.tau_s,
-                                      warmup_s=pc.warmup_s) if pc.enabled else None)
+                                      warmup_s=pc.warmup_s, probation_slots=pc.probation_slots)
+                           if pc.enabled else None)
         self.decisions: list[Decision] = []  # appended by the loop, drained by the trainer
         self.workers: dict[str, WorkerState] = {}
         self.rejected: Counter[str] = Counter()
@@ -378,11 +379,11 @@ class ControlPlane:
                 log.info("%d group lease(s) expired: handed out again", expired)
 
     def _mu_prior(self) -> float:
-        """An unmeasured worker is assumed as fast as the measured fleet's average (the
-        measurements replace this after warm-up); before any measurement, the config's prior."""
-        assert self.controller is not None
-        measured = [w.mu_hat for w in self.controller.workers() if w.state == ACTIVE and w.mu_hat > 0]
-        return sum(measured) / len(measured) if measured else self.cfg.provisioning.mu_prior
+        """No throughput credit before delivery: a joiner's capacity is what the learner
+        measures it deliver, never what it (or the fleet's average) claims; otherwise 10,000
+        fake $0 joiners would out-bid paying workers. The controller activates unmeasured
+        workers only on bounded probation (``provisioning.probation_slots``)."""
+        return 0.0
 
     def is_active(self, worker_id: str) -> bool:
         return self.controller is None or worker_id in self.controller.active_ids()
@@ -550,8 +551,12 @@ class ControlPlane:
         log.info("worker %s joined (key %s, price $%.3f/h, relay %s)", msg.worker_id,
                  fingerprint(key), msg.price, msg.relay_endpoint or "none")
         if self.controller is not None:
+            # Bootstrap: the first joiners start active while nobody has been measured; after
+            # that a joiner waits in standby for the controller (probation when short).
             active = len(self.controller.active_ids())
-            state = ACTIVE if active < self.cfg.provisioning.initial_active else STANDBY
+            boot = (active < self.cfg.provisioning.initial_active
+                    and not self.controller.measured_any())
+            state = ACTIVE if boot else STANDBY
             self.controller.add_worker(msg.worker_id, msg.price, state=state,
                                        mu_prior=self._mu_prior())
             log.info("worker %s is %s", msg.worker_id, state)
@@ -660,6 +665,9 @@ class ControlPlane:
         assert self.coordinator is not None
         self._joined(ident, key, msg.worker_id)
         self.coordinator.installed(msg.worker_id, msg.version)
+        # Its measured link rates: combined with the other end of each link (broadcast.links),
+        # the first report per version only; the next publication plans on them.
+        self.coordinator.measured(msg.worker_id, msg.version, msg.down_mbit, msg.up_mbit)
         return None
 
     def _last_t_bcast(self) -> float | None:

@@ -20,6 +20,15 @@ them out (hand work to / stop handing work to the worker) and logs them.
   window of evidence that includes the effect of this one.
 * A worker activated less than ``warmup_s`` ago keeps its prior estimate: installing the
   snapshot is not slowness.
+* **No credit before delivery** (docs/security.md, "Measured, not declared"). The learner
+  registers joiners with ``mu_prior=0``: price is a bid, capacity is measured. Such a worker
+  is *unmeasured* until a fold finds trajectories it delivered. Activation goes to measured
+  standby workers first (by unit cost); only when they cannot close the gap are unmeasured
+  ones put on *probation*: at most ``probation_slots`` unmeasured workers active at once,
+  cheapest first among those that failed probation least often. A probationer that has
+  delivered nothing ``warmup_s + window_s`` after activation goes back to standby (a failed
+  probation, logged as a release), so a joiner that delivers nothing never gains credit and
+  holds a slot for a bounded time.
 """
 
 from __future__ import annotations
@@ -78,6 +87,8 @@ class _Worker:
     busy_mode: bool = False  # deliveries come with busy time: rate = delivered / busy
     since: float = 0.0  # start of the current measurement interval
     activated_at: float = -math.inf
+    measured: bool = False  # has delivered trajectories (a fold saw some): capacity is evidence
+    failed_probations: int = 0  # times it was active unmeasured and delivered nothing
 
     @property
     def effective_mu(self) -> float:
@@ -94,8 +105,12 @@ class Controller:
 
     def __init__(self, alpha: float = 1.1, delta: float = 0.2, window_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, *, tau_s: float = 60.0,
-                 avail_beta: float = 0.2, warmup_s: float = 30.0, history: int = 1000) -> None:
+                 avail_beta: float = 0.2, warmup_s: float = 30.0, history: int = 1000,
+                 probation_slots: int = 4) -> None:
         _check_params(alpha, delta, window_s, tau_s, avail_beta, warmup_s)
+        if probation_slots < 0:
+            raise ValueError(f"probation_slots must be >= 0, got {probation_slots}")
+        self.probation_slots = probation_slots
         self.alpha, self.delta, self.window_s = alpha, delta, window_s
         self.tau_s, self.avail_beta, self.warmup_s = tau_s, avail_beta, warmup_s
         self._clock = clock
@@ -110,8 +125,9 @@ class Controller:
 
     def add_worker(self, worker_id: str, price: float, state: str = STANDBY,
                    mu_prior: float = 0.0) -> None:
-        """Register a worker. ``mu_prior``: its claimed or benchmarked throughput, the EWMA's
-        starting point until measurements replace it."""
+        """Register a worker. ``mu_prior``: a *trusted* (benchmarked) throughput, the EWMA's
+        starting point until measurements replace it; 0 (what the learner passes for a joiner
+        it has not measured) gives no credit, and the worker is activated only on probation."""
         if state not in (ACTIVE, STANDBY):
             raise ValueError(f"state must be {ACTIVE!r} or {STANDBY!r}, got {state!r}")
         if not (price >= 0 and math.isfinite(price)):
@@ -123,7 +139,10 @@ class Controller:
                 raise ValueError(f"worker {worker_id!r} is already registered; remove_worker "
                                  f"first to re-register it with a new price or prior")
             now = self._clock()
-            w = _Worker(worker_id, float(price), STANDBY, float(mu_prior), since=now)
+            # A trusted prior is credit (a benchmark said so); without one the worker is
+            # unmeasured until it delivers.
+            w = _Worker(worker_id, float(price), STANDBY, float(mu_prior), since=now,
+                        measured=mu_prior > 0)
             self._workers[worker_id] = w
             if state == ACTIVE:
                 self._set_active(w, now)
@@ -179,14 +198,32 @@ class Controller:
         with self._lock:
             now = self._clock()
             self._fold(now)
+            expired = self._end_probations(now)
+            self.history.extend(expired)
             if self._mu_req is None:
                 self._low_since = self._high_since = None
-                return []
+                return expired
             decisions = self._decide(now)
             if decisions:
                 self._low_since = self._high_since = None
                 self.history.extend(decisions)
-            return decisions
+            return expired + decisions
+
+    def _end_probations(self, now: float) -> list[Decision]:
+        """Active workers that delivered nothing in ``warmup_s + window_s`` go back to standby:
+        no credit, and their probation slot (if they held one) goes to the next candidate."""
+        limit = self.warmup_s + self.window_s
+        out = []
+        for w in sorted(self._workers.values(), key=lambda w: w.worker_id):
+            if w.state == ACTIVE and not w.measured and now - w.activated_at >= limit:
+                w.state, w.mu_hat = STANDBY, 0.0
+                w.failed_probations += 1
+                out.append(Decision(now, RELEASE, w.worker_id,
+                                    f"probation over: {w.worker_id} delivered nothing in "
+                                    f"{now - w.activated_at:.0f} s (warmup_s + window_s = "
+                                    f"{limit:g} s); no credit", self._c_eff(),
+                                    self.alpha * (self._mu_req or 0.0)))
+        return out
 
     def _fold(self, now: float) -> None:
         for w in self._workers.values():
@@ -195,7 +232,10 @@ class Controller:
             dt = now - w.since
             if now - w.activated_at < self.warmup_s:
                 w.pending, w.pending_busy, w.since = 0, 0.0, now  # measure after warm-up
-            elif w.busy_mode:
+                continue
+            if w.pending > 0:
+                w.measured = True  # delivered something: its mu_hat is now evidence
+            if w.busy_mode:
                 if w.pending_busy > 0:
                     weight = 1.0 - math.exp(-w.pending_busy / self.tau_s)
                     w.mu_hat += weight * (w.pending / w.pending_busy - w.mu_hat)
@@ -237,11 +277,31 @@ class Controller:
             projected += w.effective_mu
             self._set_active(w, now)
         if projected < target:
+            decisions += self._probation(now, why, projected, target)
+        if projected < target:
             decisions.append(Decision(now, SHORT, None,
                                       f"{why}; no standby worker left, still short by "
                                       f"{target - projected:.4g}/s: add workers or lower mu_req",
                                       projected, target))
         return decisions
+
+    def _probation(self, now: float, why: str, projected: float, target: float) -> list[Decision]:
+        """Measured capacity is short: activate unmeasured standby workers so they can be
+        measured, at most ``probation_slots`` of them active at once, cheapest first among
+        those that failed probation least often. They add nothing to C_eff until measured."""
+        free = self.probation_slots - sum(1 for w in self._workers.values()
+                                          if w.state == ACTIVE and not w.measured)
+        candidates = sorted((w for w in self._workers.values()
+                             if w.state == STANDBY and not w.measured and w.effective_mu <= 0),
+                            key=lambda w: (w.failed_probations, w.price, w.worker_id))
+        out = []
+        for w in candidates[:max(0, free)]:
+            out.append(Decision(now, ACTIVATE, w.worker_id,
+                                f"{why}; {w.worker_id} (${w.price:.3g}/h, unmeasured) on "
+                                f"probation ({self.probation_slots} slots): no credit until it "
+                                f"delivers", projected, target))
+            self._set_active(w, now)
+        return out
 
     def _release(self, now: float, c_eff: float, target: float, held: float) -> list[Decision]:
         """The priciest active worker whose removal keeps C_eff >= target (one per window)."""
@@ -269,6 +329,15 @@ class Controller:
         """$/h of the active workers (the learner's own price is the caller's to add)."""
         with self._lock:
             return sum(w.price for w in self._workers.values() if w.state == ACTIVE)
+
+    def unmeasured_active(self) -> int:
+        """Active workers that have delivered nothing yet (bootstrap or probation)."""
+        with self._lock:
+            return sum(1 for w in self._workers.values() if w.state == ACTIVE and not w.measured)
+
+    def measured_any(self) -> bool:
+        with self._lock:
+            return any(w.measured for w in self._workers.values())
 
     def workers(self) -> list[WorkerStatus]:
         with self._lock:

@@ -252,3 +252,64 @@ class FakeClockForBusy:
 
     def __call__(self):
         return self.t
+
+
+# ------------------------------------------------------------------ no credit before delivery
+
+
+def test_fake_free_joiners_never_outbid_a_measured_paying_worker():
+    # honest: $2/h, unmeasured at first (mu_prior 0, as the learner registers every joiner),
+    # delivers 10/s. mu_req 8: target 8.8 <= 10 <= 10.4, neither low nor high once measured.
+    ctl, clock = make(window_s=20.0, tau_s=5.0, warmup_s=10.0, probation_slots=3)
+    ctl.add_worker("honest", price=2.0, state="active")
+    ctl.set_requirement(8.0)
+    rates = {"honest": 10}
+    run(ctl, clock, 60.0, rates)
+    fakes = [f"fake{i:04d}" for i in range(1000)]
+    for f in fakes:  # $0 and silent: the cheapest bid there is
+        ctl.add_worker(f, price=0.0)
+        rates[f] = 0
+    decisions = run(ctl, clock, 400.0, rates)
+    assert ctl.active_ids() == ["honest"] and decisions == []  # capacity met: no probation at all
+    # Now short (target 22 > 10): unmeasured workers go on probation, a bounded few at a time.
+    ctl.set_requirement(20.0)
+    most = 0
+    for _ in range(600):
+        run(ctl, clock, clock.t + 1.0, rates)
+        active = ctl.active_ids()
+        assert "honest" in active
+        most = max(most, len(active) - 1)
+    assert most == 3  # probation_slots, and never more
+    assert ctl.c_eff() == pytest.approx(10.0, rel=1e-3)  # the fakes added no credit
+    status = {w.worker_id: w for w in ctl.workers()}
+    assert all(status[f].mu_hat == 0 for f in fakes)
+    released = [d for d in ctl.history if d.action == RELEASE]
+    assert released and all("probation over" in d.reason for d in released)
+
+
+def test_probation_measures_a_real_worker_and_credits_it():
+    ctl, clock = make(window_s=20.0, tau_s=5.0, warmup_s=10.0, probation_slots=1)
+    ctl.add_worker("honest", price=2.0, state="active", mu_prior=10)
+    ctl.add_worker("fake", price=0.0)
+    ctl.add_worker("new", price=1.0)
+    ctl.set_requirement(15.0)  # target 16.5 > 10: short
+    rates = {"honest": 10, "fake": 0, "new": 8}
+    run(ctl, clock, 400.0, rates)
+    # fake (cheaper) went first, delivered nothing and was sent back; new then got the slot,
+    # delivered and now counts; fake never gained credit.
+    first = [(d.action, d.worker_id) for d in ctl.history if d.action != SHORT][:3]
+    assert first == [(ACTIVATE, "fake"), (RELEASE, "fake"), (ACTIVATE, "new")]
+    status = {w.worker_id: w for w in ctl.workers()}
+    assert status["new"].state == "active" and status["new"].mu_hat == pytest.approx(8, rel=0.01)
+    assert status["fake"].mu_hat == 0
+    assert ctl.c_eff() == pytest.approx(18.0, rel=0.01)
+
+
+def test_no_probation_slots_means_only_measured_workers():
+    ctl, clock = make(window_s=5.0, warmup_s=0.0, probation_slots=0)
+    ctl.add_worker("honest", price=2.0, state="active", mu_prior=10)
+    ctl.add_worker("new", price=0.0)
+    ctl.set_requirement(15.0)
+    decisions = run(ctl, clock, 100.0, {"honest": 10, "new": 5})
+    assert ctl.active_ids() == ["honest"]
+    assert decisions and all(d.action == SHORT for d in decisions)

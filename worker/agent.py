@@ -271,7 +271,9 @@ class Worker:
             assert self.backend is not None
             await asyncio.to_thread(self.backend.install, manifest["tensors"], buf.payload)
             self.installed_version = version
-            await self.client.send(wire.Installed(worker_id=self.worker_id, version=version))
+            # With what it measured: the learner plans on measured rates (broadcast.links).
+            await self.client.send(wire.Installed(worker_id=self.worker_id, version=version,
+                                                  **self.relay.measured(version, stats)))
             log.info("installed snapshot v%d (%d bytes, %d chunks from %s)", version,
                      manifest["payload_size"], stats.chunks, " then ".join(stats.sources))
         except (SnapshotError, ModelError) as err:
