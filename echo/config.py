@@ -223,6 +223,9 @@ class ProvisioningConfig(_Section):
     # active at once on probation (cheapest first) so they can be measured; one that delivers
     # nothing within warmup_s + window_s goes back to standby. 0: only measured workers.
     probation_slots: int = Field(4, ge=0)
+    # The delivery clock starts at the probationer's first work request (model loaded,
+    # snapshot installed); one that never asks within this long also goes back to standby.
+    probation_ready_s: float = Field(600.0, gt=0)
 
 
 class MetricsConfig(_Section):

@@ -140,7 +140,8 @@ class ControlPlane:
         # Without the controller every worker is active; with it, workers join as standby
         # (they keep their snapshot current and relay) until it activates them.
         self.controller = (Controller(pc.alpha, pc.delta, pc.window_s, tau_s=pc.tau_s,
-                                      warmup_s=pc.warmup_s, probation_slots=pc.probation_slots)
+                                      warmup_s=pc.warmup_s, probation_slots=pc.probation_slots,
+                                      probation_ready_s=pc.probation_ready_s)
                            if pc.enabled else None)
         self.decisions: list[Decision] = []  # appended by the loop, drained by the trainer
         self.workers: dict[str, WorkerState] = {}
@@ -593,6 +594,8 @@ class ControlPlane:
         self._joined(ident, key, msg.worker_id)
         if not self.is_active(msg.worker_id):
             return wire.WorkGrant(groups=[], retry_after_s=0.5)  # standby: relay, don't roll out
+        if self.controller is not None:
+            self.controller.ready(msg.worker_id)
         groups = self.work.grant(msg.worker_id, min(msg.max_groups, self._fair_share()),
                                  self.buffer.depth()["ready_groups"], msg.holding)
         return wire.WorkGrant(groups=groups, retry_after_s=0.0 if groups else 0.2)
@@ -713,7 +716,7 @@ class ControlPlane:
             # Busy time of the batch (every record of a batch carries the same gen_s): the
             # controller then measures capacity, not how much work it was handed.
             busy = max((r.gen_s for r in out.accepted), default=None)
-            self.controller.observe(w.worker_id, len(raw), busy_s=busy)
+            self.controller.observe(w.worker_id, len(out.accepted), busy_s=busy)  # refused ones earn nothing
         return wire.Ack(batch_id=msg.batch_id, accepted=len(out.accepted), duplicates=out.duplicates,
                         rejected=dict(out.rejected), rejected_idx=out.rejected_idx)
 

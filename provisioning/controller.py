@@ -87,6 +87,7 @@ class _Worker:
     busy_mode: bool = False  # deliveries come with busy time: rate = delivered / busy
     since: float = 0.0  # start of the current measurement interval
     activated_at: float = -math.inf
+    ready_at: float | None = None  # first work request while active: model loaded, snapshot in
     measured: bool = False  # has delivered trajectories (a fold saw some): capacity is evidence
     failed_probations: int = 0  # times it was active unmeasured and delivered nothing
 
@@ -106,11 +107,12 @@ class Controller:
     def __init__(self, alpha: float = 1.1, delta: float = 0.2, window_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, *, tau_s: float = 60.0,
                  avail_beta: float = 0.2, warmup_s: float = 30.0, history: int = 1000,
-                 probation_slots: int = 4) -> None:
+                 probation_slots: int = 4, probation_ready_s: float = 600.0) -> None:
         _check_params(alpha, delta, window_s, tau_s, avail_beta, warmup_s)
         if probation_slots < 0:
             raise ValueError(f"probation_slots must be >= 0, got {probation_slots}")
         self.probation_slots = probation_slots
+        self.probation_ready_s = probation_ready_s
         self.alpha, self.delta, self.window_s = alpha, delta, window_s
         self.tau_s, self.avail_beta, self.warmup_s = tau_s, avail_beta, warmup_s
         self._clock = clock
@@ -156,9 +158,9 @@ class Controller:
     # -- measurements -----------------------------------------------------------------------
 
     def observe(self, worker_id: str, delivered: int, busy_s: float | None = None) -> None:
-        """``delivered`` trajectories from this worker reached the learner (admitted or not:
-        this measures the worker, not the buffer). Ignored for standby workers, which may
-        still be finishing leases after a release.
+        """``delivered`` trajectories from this worker were admitted by the learner (refused
+        ones earn no credit). Ignored for standby workers, which may still be finishing leases
+        after a release.
 
         ``busy_s``: the seconds the worker spent producing them. With it, throughput is
         delivered / busy time, i.e. capacity; without it, delivered / wall time, which
@@ -177,6 +179,15 @@ class Controller:
                 if busy_s is not None:
                     w.pending_busy += busy_s
                     w.busy_mode = True
+
+    def ready(self, worker_id: str) -> None:
+        """The active worker asked for work: its model is loaded and its snapshot installed.
+        A probation's delivery clock starts here, not at activation (loading a real model
+        takes minutes)."""
+        with self._lock:
+            w = self._workers.get(worker_id)
+            if w is not None and w.state == ACTIVE and w.ready_at is None:
+                w.ready_at = self._clock()
 
     def heartbeat(self, worker_id: str, up: bool = True) -> None:
         """One heartbeat sample: ``up=True`` when it arrived, ``False`` when it was missed."""
@@ -215,14 +226,19 @@ class Controller:
         limit = self.warmup_s + self.window_s
         out = []
         for w in sorted(self._workers.values(), key=lambda w: w.worker_id):
-            if w.state == ACTIVE and not w.measured and now - w.activated_at >= limit:
-                w.state, w.mu_hat = STANDBY, 0.0
-                w.failed_probations += 1
-                out.append(Decision(now, RELEASE, w.worker_id,
-                                    f"probation over: {w.worker_id} delivered nothing in "
-                                    f"{now - w.activated_at:.0f} s (warmup_s + window_s = "
-                                    f"{limit:g} s); no credit", self._c_eff(),
-                                    self.alpha * (self._mu_req or 0.0)))
+            if w.state != ACTIVE or w.measured:
+                continue
+            if w.ready_at is None and now - w.activated_at >= self.probation_ready_s:
+                why = f"never asked for work in {now - w.activated_at:.0f} s (probation_ready_s)"
+            elif w.ready_at is not None and now - w.ready_at >= limit:
+                why = (f"delivered nothing in {now - w.ready_at:.0f} s after asking for work "
+                       f"(warmup_s + window_s = {limit:g} s)")
+            else:
+                continue
+            w.state, w.mu_hat, w.ready_at = STANDBY, 0.0, None
+            w.failed_probations += 1
+            out.append(Decision(now, RELEASE, w.worker_id, f"probation over: {w.worker_id} {why}; "
+                                f"no credit", self._c_eff(), self.alpha * (self._mu_req or 0.0)))
         return out
 
     def _fold(self, now: float) -> None:
@@ -355,6 +371,7 @@ class Controller:
 
     def _set_active(self, w: _Worker, now: float) -> None:
         w.state, w.activated_at, w.pending, w.since = ACTIVE, now, 0, now
+        w.ready_at = None  # its delivery clock starts at its next work request
 
     def _get(self, worker_id: str) -> _Worker:
         try:

@@ -25,12 +25,14 @@ def make(window_s: float = 60.0, **kw) -> tuple[Controller, FakeClock]:
 
 
 def run(ctl: Controller, clock: FakeClock, until: float, rates: dict[str, int], step: float = 1.0):
-    """Advance to ``until``; each active worker delivers at its true integer rate per second,
-    so measured throughput equals the rate exactly. Returns all decisions taken."""
+    """Advance to ``until``; each active worker asks for work (``ready``) and delivers at its
+    true integer rate per second, so measured throughput equals the rate exactly. Returns all
+    decisions taken."""
     decisions = []
     while clock.t < until:
         clock.t += step
         for wid in ctl.active_ids():
+            ctl.ready(wid)
             ctl.observe(wid, int(rates[wid] * step))
         decisions += ctl.tick()
     return decisions
@@ -313,3 +315,24 @@ def test_no_probation_slots_means_only_measured_workers():
     decisions = run(ctl, clock, 100.0, {"honest": 10, "new": 5})
     assert ctl.active_ids() == ["honest"]
     assert decisions and all(d.action == SHORT for d in decisions)
+
+
+def test_probation_clock_starts_when_the_worker_asks_for_work():
+    """Loading a real model takes minutes: a probationer is judged from its first work request,
+    and one that never asks is sent back after probation_ready_s."""
+    ctl, clock = make(window_s=5.0, warmup_s=2.0, probation_slots=2, probation_ready_s=100.0)
+    ctl.add_worker("slow_loader", price=1.0)
+    ctl.add_worker("silent", price=1.0)
+    ctl.set_requirement(5.0)
+    while clock.t < 60:  # both on probation; neither has asked for work yet
+        clock.t += 1
+        ctl.tick()
+    assert sorted(ctl.active_ids()) == ["silent", "slow_loader"]
+    ctl.ready("slow_loader")  # loaded at t=60, delivers from t=61
+    while clock.t < 120:
+        clock.t += 1
+        ctl.observe("slow_loader", 4)
+        ctl.tick()
+    assert "slow_loader" in ctl.active_ids()
+    released = [d for d in ctl.history if d.action == RELEASE]
+    assert [d.worker_id for d in released] == ["silent"] and "never asked" in released[0].reason
