@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None = None) -> int:
+    """``make_worker`` (default ``worker.agent.Worker``) builds the worker from the parsed
+    arguments: the security drill passes one that lies (benchmarks/drill_workers.py)."""
     args = build_parser().parse_args(argv)
     from echo.security import JoinLine, KeyPair, SecurityError, default_identity_path
 
@@ -65,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     relay = RelayConfig(bind_host=args.relay_host, serve=not args.no_relay,
                         down_mbit=args.down_mbit, up_mbit=args.up_mbit)
 
-    worker = Worker(line, worker_id=args.worker_id, price=args.price, threads=args.threads,
-                    ledger=args.ledger, relay=relay, keys=keys)
+    make = make_worker or Worker
+    worker = make(line, worker_id=args.worker_id, price=args.price, threads=args.threads,
+                  ledger=args.ledger, relay=relay, keys=keys)
     try:
         reason = asyncio.run(worker.run())
     except BaseExceptionGroup as eg:  # raised out of the worker's TaskGroup
