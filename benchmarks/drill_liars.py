@@ -8,8 +8,9 @@ what they deliver, and how fast the learner's checks catch them (docs/security.m
 toy-add, 4 workers of which the last, ``w3``, lies; learner and workers on loopback, CURVE and a
 join token), and ``--runs`` all-honest runs for the baseline spread. Per run it records:
 
-  * the learner step at the liar's first acknowledged delivery (its ``--ledger`` file, polled
-    every 0.25 s: at most one step late) and the step it was quarantined
+  * the learner step at the liar's first delivery: its first acknowledged batch (its ``--ledger``
+    file, polled every 0.25 s: at most one step late) or the learner's first check of it
+    (``audits.jsonl``), whichever comes first; and the step it was quarantined
     (``<run>/security/quarantine.jsonl``) -> steps to quarantine (target: <= 5);
   * the final reward: mean ``reward_mean`` of the last 20 steps (``metrics.jsonl``; what the
     learner trained on, so claimed rewards count until they are recomputed), and the honest
@@ -70,8 +71,8 @@ def run_fleet(tmp: Path, kind: str | None, steps: int, overrides: list[str] | No
               stop_at_quarantine: bool = False, progress: Progress | None = None,
               workers: int = WORKERS, timeout_s: float | None = None) -> dict[str, Any]:
     """A learner and ``workers`` drill workers, the last one lying as ``kind`` (None: all honest),
-    until the learner has made ``steps`` steps (and exits), or the liar is quarantined with
-    ``stop_at_quarantine``, or ``timeout_s``."""
+    until the learner has made ``steps`` steps (and exits), or ``timeout_s``; with
+    ``stop_at_quarantine``, until the liar is quarantined and has exited."""
     fleet = Fleet(tmp, BASE_OVERRIDES + [f"learner.max_steps={steps}", *(overrides or [])])
     names = [f"w{i}" for i in range(workers)]
     liar = names[-1] if kind else None
@@ -111,8 +112,8 @@ def _watch(fleet: Fleet, liar: str | None, timeout_s: float, stop_at_quarantine:
             w["first_ack_step"] = step
         if liar and w["liar_exit_step"] is None and not fleet.alive(liar):
             w["liar_exit_step"] = step
-        if stop_at_quarantine and liar and _quarantine_of(fleet.run, liar):
-            break
+        if stop_at_quarantine and w["liar_exit_step"] is not None and _quarantine_of(fleet.run, liar):
+            break  # quarantined, and its key's ban has reached it
         time.sleep(0.25)  # a polling period: the learner offers no event to wait on
     return w
 
@@ -144,11 +145,16 @@ def _summarize(fleet: Fleet, kind: str | None, liar: str | None, names: list[str
     }
     if liar:
         liar_audits = [a for a in audits if a.get("worker_id") == liar]
+        first_audit = min((a.get("step", 0) for a in liar_audits), default=None)
+        # A liar caught in its first batch never sees an acknowledgement: its first delivery is
+        # then the step of the learner's first check of it.
+        known = [s for s in (first, first_audit) if s is not None]
+        delivered = min(known) if known else None
         out.update({
-            "first_ack_step": first, "quarantine": q,
+            "first_ack_step": first, "first_liar_audit_step": first_audit,
+            "first_delivery_step": delivered, "quarantine": q,
             "quarantine_step": q.get("step") if q else None,
-            "steps_to_quarantine": q["step"] - first if q and first is not None else None,
-            "first_liar_audit_step": min((a.get("step", 0) for a in liar_audits), default=None),
+            "steps_to_quarantine": q["step"] - delivered if q and delivered is not None else None,
             "liar_audits": len(liar_audits), "liar_flags": sum(not a.get("ok", True) for a in liar_audits),
             "liar_exit_step": watch["liar_exit_step"],
             "liar_said_banned": "banned" in (fleet.tmp / f"{liar}.log").read_text(),
@@ -294,7 +300,7 @@ def print_liars(result: dict[str, Any]) -> None:
     base = result["honest_final_reward"]
     table = Table(title=f"Lying workers ({result['steps']} steps, {result['workers']} workers, 1 lying; "
                         f"honest final reward {base['mean']} in [{base['min']}, {base['max']}], n={base['n']})")
-    for col in ("kind", "1st ack step", "quarantined at", "steps to q.", "final reward", "honest truth",
+    for col in ("kind", "1st delivery step", "quarantined at", "steps to q.", "final reward", "honest truth",
                 "rejected by the learner", "lies told / stored", "honest audits / flags"):
         table.add_column(col, overflow="fold")
     for kind, r in result["kinds"].items():
@@ -303,7 +309,7 @@ def print_liars(result: dict[str, Any]) -> None:
                 f"logp {ev['logprobs_replaced']}, reward≠adapter {ev.get('claimed_ne_adapter', '-')}; "
                 f"learner stored {ev['stored_records']} ({ev['stored_partial_groups']} partial groups, "
                 f"reward≠adapter {ev.get('stored_reward_ne_adapter', '-')})")
-        table.add_row(kind, str(r["first_ack_step"]), str(r["quarantine_step"] if v["quarantined"] else "no"),
+        table.add_row(kind, str(r["first_delivery_step"]), str(r["quarantine_step"] if v["quarantined"] else "no"),
                       str(v["steps_to_quarantine"]), str(r["final_reward"]), str(r["honest_true_reward"]),
                       ", ".join(f"{k}={n}" for k, n in r["rejected"].items()) or "-", told,
                       f"{r['honest_audits']} / {r['honest_flags']}")

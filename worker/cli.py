@@ -78,11 +78,18 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
         fatal, rest = eg.split(WorkerError)
         if rest is not None or fatal is None:
             raise
-        for e in fatal.exceptions:
+        for e in _leaves(fatal):
             print(f"echo-worker: {e}", file=sys.stderr)
         return 1
     logging.getLogger("echo.worker").info("exited: %s", reason or "done")
     return 0
+
+
+def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:
+    """The errors inside ``eg``, however deeply nested: a refusal met by a delivery task arrives
+    inside the deliveries' own TaskGroup, and its message must reach the user."""
+    return [leaf for e in eg.exceptions
+            for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
 
 
 if __name__ == "__main__":
