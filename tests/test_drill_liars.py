@@ -100,7 +100,6 @@ SMALL = ["learner.prompts_per_step=4", "learner.group_size=4", "learner.max_outs
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=False, reason="needs learner quarantine")
 def test_forge_rewards_worker_is_quarantined_within_5_steps(tmp_path):
     from drill_liars import run_fleet
 
