@@ -1,6 +1,7 @@
 """Security drill: every attack of docs/security.md against a real, training learner.
 
     .venv/bin/python benchmarks/security_drill.py [--baseline-s 60] [--json FILE]
+    .venv/bin/python benchmarks/security_drill.py liars|calibrate ...   (benchmarks/drill_liars.py)
 
 First an honest run (learner in token mode + 2 workers, the quickstart's model, small steps) for
 ``--baseline-s`` seconds: its peak RSS, threads and steps/s are the baseline. Then the same setup
@@ -119,14 +120,21 @@ class Sampler(threading.Thread):
 class Fleet:
     """A learner in token mode and its honest workers, in ``tmp``."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, overrides: list[str] | None = None):
         self.tmp, self.run = tmp, tmp / "run"
         self.group = ProcessGroup()
-        self.cfg = load_config(ROOT / "examples/quickstart.toml", OVERRIDES)
+        self.cfg = load_config(ROOT / "examples/quickstart.toml", OVERRIDES if overrides is None else overrides)
         self.line = ""
         self.info: dict[str, Any] = {}
 
     def start(self, workers: int = 2) -> None:
+        self.start_learner()
+        token = self.token(workers, "honest")
+        for i in range(workers):
+            self.worker(f"w{i}", token)
+        self.wait_step(2, timeout=180)
+
+    def start_learner(self) -> None:
         conf = self.tmp / "cfg.toml"
         conf.write_text(dump_toml(self.cfg))
         learner = self.group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir",
@@ -134,10 +142,6 @@ class Fleet:
                                    self.tmp / "learner.err", pipe_stdout=True)
         self.line = wait_ready(learner, timeout=180)
         self.info = json.loads((self.run / "learner.json").read_text())
-        token = self.token(workers, "honest")
-        for i in range(workers):
-            self.worker(f"w{i}", token)
-        self.wait_step(2, timeout=180)
 
     def token(self, uses: int, note: str) -> str:
         out = subprocess.run(python_argv("echo.cli", "token", "create", "--run-dir", str(self.run),
@@ -145,10 +149,15 @@ class Fleet:
                              capture_output=True, text=True, check=True, timeout=60)
         return out.stdout.strip()
 
-    def worker(self, name: str, token: str) -> None:
-        self.group.start(name, python_argv("worker.cli", "join", f"{self.line}?token={token}",
-                                           "--id", name, "--ledger", str(self.tmp / f"{name}.ledger"),
-                                           "--identity", str(self.tmp / f"{name}.key")),
+    def worker(self, name: str, token: str, kind: str | None = None) -> None:
+        """``echo-worker join``; with ``kind``, the same worker with one lie (or ``honest``),
+        logging what it scored to ``<name>.truth`` (benchmarks/drill_workers.py)."""
+        prog = python_argv("worker.cli") if kind is None else [
+            sys.executable, str(ROOT / "benchmarks/drill_workers.py"), "--kind", kind,
+            "--truth", str(self.tmp / f"{name}.truth")]
+        self.group.start(name, prog + ["join", f"{self.line}?token={token}", "--id", name,
+                                       "--ledger", str(self.tmp / f"{name}.ledger"),
+                                       "--identity", str(self.tmp / f"{name}.key")],
                          self.tmp / f"{name}.log")
 
     def pid(self, name: str) -> int:
@@ -542,4 +551,8 @@ def attack_main(argv: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["attack"]:
         sys.exit(attack_main(sys.argv[2:]))
+    if sys.argv[1:2] in (["liars"], ["calibrate"]):  # lying workers: benchmarks/drill_liars.py
+        import drill_liars
+
+        sys.exit((drill_liars.liars_main if sys.argv[1] == "liars" else drill_liars.calibrate_main)(sys.argv[2:]))
     sys.exit(main())

@@ -39,3 +39,22 @@ def test_missing_model_is_a_clear_error(tmp_path):
 def test_worker_rejects_bad_address():
     r = run("-m", "worker.cli", "join", "localhost:5555")
     assert r.returncode == 2 and "tcp://HOST:PORT" in r.stderr
+
+
+def test_worker_says_why_it_stopped_when_the_error_is_nested(tmp_path, capsys):
+    """A refusal met by a delivery task comes out of two TaskGroups: its words must still show."""
+    from worker import cli
+    from worker.agent import WorkerError
+
+    class Banned:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        async def run(self):
+            raise ExceptionGroup("worker", [ExceptionGroup("deliveries", [
+                WorkerError("the learner banned this worker's key: quarantined")])])
+
+    rc = cli.main(["join", "tcp://127.0.0.1:9", "--insecure", "--identity", str(tmp_path / "k")],
+                  make_worker=Banned)
+    assert rc == 1
+    assert "echo-worker: the learner banned this worker's key: quarantined" in capsys.readouterr().err

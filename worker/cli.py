@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None = None) -> int:
+    """``make_worker`` (default ``worker.agent.Worker``) builds the worker from the parsed
+    arguments: the security drill passes one that lies (benchmarks/drill_workers.py)."""
     args = build_parser().parse_args(argv)
     from echo.security import JoinLine, KeyPair, SecurityError, default_identity_path
 
@@ -65,19 +69,27 @@ def main(argv: list[str] | None = None) -> int:
     relay = RelayConfig(bind_host=args.relay_host, serve=not args.no_relay,
                         down_mbit=args.down_mbit, up_mbit=args.up_mbit)
 
-    worker = Worker(line, worker_id=args.worker_id, price=args.price, threads=args.threads,
-                    ledger=args.ledger, relay=relay, keys=keys)
+    make = make_worker or Worker
+    worker = make(line, worker_id=args.worker_id, price=args.price, threads=args.threads,
+                  ledger=args.ledger, relay=relay, keys=keys)
     try:
         reason = asyncio.run(worker.run())
     except BaseExceptionGroup as eg:  # raised out of the worker's TaskGroup
         fatal, rest = eg.split(WorkerError)
         if rest is not None or fatal is None:
             raise
-        for e in fatal.exceptions:
+        for e in _leaves(fatal):
             print(f"echo-worker: {e}", file=sys.stderr)
         return 1
     logging.getLogger("echo.worker").info("exited: %s", reason or "done")
     return 0
+
+
+def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:
+    """The errors inside ``eg``, however deeply nested: a refusal met by a delivery task arrives
+    inside the deliveries' own TaskGroup, and its message must reach the user."""
+    return [leaf for e in eg.exceptions
+            for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
 
 
 if __name__ == "__main__":
