@@ -7,7 +7,9 @@ that key at join, every later message must come from the same key and name the s
 so nobody can speak for, redirect or remove another worker. Every frame is validated; a bad one
 is answered with ``error{reason}``, counted under that reason and logged with the sender's key,
 and the loop goes on serving everyone else. The trainer thread talks to this object only
-through ``publish``, ``stats`` and ``shutdown``, which hop onto the loop thread-safely.
+through ``publish``, ``stats``, ``report`` and ``shutdown``, which hop onto the loop
+thread-safely. Trajectory admission is ``learner.intake``; snapshot routes (sources, tickets,
+corruption reports) are ``learner.routes``; strikes and quarantine ``learner.reputation``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from broadcast.coordinator import Coordinator
 from broadcast.snapshot import RunKey, Snapshot
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
-from broadcast.tickets import Source, mint
+from broadcast.tickets import mint
 from broadcast.topology import make_topology
 from dataplane.records import Limits
 from echo import wire
@@ -46,6 +48,7 @@ from learner.durable import BufferLog
 from learner.gate import security_dir
 from learner.intake import NOT_COUNTED, AuditJob, Intake
 from learner.reputation import Reputation, Verdict
+from learner.routes import SnapshotRoutes
 from learner.work import WorkQueue
 from provisioning.controller import ACTIVE, STANDBY, Controller, Decision
 
@@ -99,7 +102,7 @@ class WorkerState:
     busy_samples: int = 0
 
 
-class ControlPlane:
+class ControlPlane(SnapshotRoutes):
     def __init__(self, cfg: EchoConfig, *, run_id: str, key: RunKey, buffer: ReplayBuffer,
                  work: WorkQueue, limits: Limits, buffer_log: BufferLog | None = None,
                  run_dir: Path | None = None, adapter: Any = None,
@@ -257,21 +260,6 @@ class ControlPlane:
                 self.gate.refused["handshake_failed"] += 1
         finally:
             mon.close(linger=0)
-
-    def _zap_chunks(self, address: str, key: str) -> str:
-        """The learner's chunk socket accepts connections from joined keys only: a stranger's
-        requests then cost a refused handshake, not a decode and a reply each."""
-        reason = self.gate.handshake(address, key)
-        if not reason and key not in self.sessions:
-            self.gate.refused["not_joined"] += 1
-            reason = "not_joined"
-        return reason
-
-    def _may_pull(self, key: str, ticket: bytes) -> str:
-        """The learner's own chunk socket serves joined workers only (by key)."""
-        if self.gate.keys is None or key in self.sessions:
-            return ""
-        return "not_joined"
 
     def _call(self, coro_fn, *args, timeout: float = 30.0) -> Any:
         if self._error:
@@ -562,19 +550,6 @@ class ControlPlane:
                                        mu_prior=self._mu_prior())
             log.info("worker %s is %s", msg.worker_id, state)
 
-    def _source(self, worker_id: str) -> Source:
-        """Where ``worker_id`` pulls the current snapshot from: endpoint, that server's key, and
-        a ticket that lets this worker (and only it) in there."""
-        assert self.coordinator is not None
-        endpoint = self.coordinator.source_for(worker_id)
-        w = self.workers.get(worker_id)
-        if self.gate.keys is None or w is None:
-            return Source(endpoint)
-        server = (self.gate.keys.text if endpoint == self.snapshot_endpoint
-                  else self.relay_keys.get(endpoint, ""))
-        ticket = mint(self.key, w.key, endpoint, self.run_id, self.cfg.security.ticket_ttl_s)
-        return Source(endpoint, server.encode(), ticket)
-
     def _on_heartbeat(self, ident: bytes, key: str, msg: wire.Heartbeat) -> wire.Message:
         w = self._session(ident, key, msg.worker_id)
         version, manifest = self._latest()
@@ -607,80 +582,6 @@ class ControlPlane:
         active = (len(self.controller.active_ids()) if self.controller is not None
                   else len(self.workers))
         return max(1, math.ceil(self.work.max_outstanding / max(1, active)))
-
-    def _on_source_request(self, ident: bytes, key: str, msg: wire.SourceRequest) -> wire.Message:
-        assert self.coordinator is not None
-        self._joined(ident, key, msg.worker_id)
-        reason = msg.reason
-        if reason == "corrupt":
-            reason = self._corrupt_report(key, msg)
-        self.coordinator.reattach(msg.worker_id, msg.bad_source, reason)
-        src = self._source(msg.worker_id)
-        if src.endpoint == msg.bad_source:  # the plan still trusts it: go to the root
-            src = self._root_source(msg.worker_id)
-        log.info("worker %s: source %s failed (%s); now pulls from %s", msg.worker_id,
-                 msg.bad_source, msg.reason, src.endpoint)
-        return wire.SourceGrant(version=msg.version, source=src.endpoint, source_key=src.key,
-                                ticket=src.ticket)
-
-    def _root_source(self, worker_id: str) -> Source:
-        if self.gate.keys is None:
-            return Source(self.snapshot_endpoint)
-        ticket = mint(self.key, self.workers[worker_id].key, self.snapshot_endpoint, self.run_id,
-                      self.cfg.security.ticket_ttl_s)
-        return Source(self.snapshot_endpoint, self.gate.keys.public, ticket)
-
-    def _corrupt_report(self, key: str, msg: wire.SourceRequest) -> str:
-        """A corruption report counts only from a child the accused relay was serving, and
-        only once the learner has fetched that chunk from it and seen the hash fail
-        (``learner.verify``). Until then the child is routed around the relay (reason
-        ``suspect``), which costs the accused nothing if the report is false."""
-        assert self.coordinator is not None
-        served = self.coordinator.sources.get(msg.worker_id) == msg.bad_source
-        if self.gate.keys is None:  # plaintext: no way to check, believe the served child
-            return "corrupt" if served else "suspect"
-        accused = self.relay_keys.get(msg.bad_source)
-        buf = self.store.get(msg.version)
-        if not served or accused is None or buf is None or not 0 <= msg.chunk < buf.total:
-            self.rejected["unfounded_report"] += 1
-            return "suspect"
-        assert self.verifier is not None
-        if not self.verifier.submit(msg.bad_source, accused, key, buf.manifest, msg.chunk):
-            self.rejected["verify_queue_full"] += 1
-        return "suspect"
-
-    def _verdict(self, endpoint: str, accused: str, accuser: str, outcome: str) -> None:
-        """The learner's own fetch of the reported chunk: ``corrupt`` (the relay lied),
-        ``intact`` (the reporter lied) or ``unreachable`` (no verdict)."""
-        assert self.coordinator is not None
-        if outcome == "corrupt":
-            self.coordinator.reattach("", endpoint, "corrupt")
-            self.gate.ban(accused, f"served a corrupt chunk at {endpoint}")
-            self.rejected["relay_corrupt"] += 1
-        elif outcome == "intact":
-            self.rejected["false_report"] += 1
-            if self.gate.false_report(accuser) and accuser in self.sessions:
-                self._forget(self.sessions[accuser], "banned for false corruption reports")
-        log.info("corruption report against %s from %s: %s", fingerprint(accused),
-                 fingerprint(accuser), outcome)
-
-    def _on_installed(self, ident: bytes, key: str, msg: wire.Installed) -> None:
-        assert self.coordinator is not None
-        self._joined(ident, key, msg.worker_id)
-        self.coordinator.installed(msg.worker_id, msg.version)
-        # Its measured link rates: combined with the other end of each link (broadcast.links),
-        # the first report per version only; the next publication plans on them.
-        self.coordinator.measured(msg.worker_id, msg.version, msg.down_mbit, msg.up_mbit)
-        return None
-
-    def _last_t_bcast(self) -> float | None:
-        if self.coordinator is None or not self.coordinator.published:
-            return None
-        for version in sorted(self.coordinator.published, reverse=True):
-            t = self.coordinator.t_bcast(version)
-            if t is not None:
-                return round(t, 4)
-        return None
 
     def _on_leave(self, ident: bytes, key: str, msg: wire.Leave) -> None:
         self._joined(ident, key, msg.worker_id)
