@@ -1,0 +1,156 @@
+"""The control plane's sessions: a worker *is* its key. Joining binds a key to a worker id
+(with the join policy of ``learner.gate``), and every later message from that key must name
+the same id (docs/security.md, "Identity").
+
+A mixin of ``learner.control.ControlPlane`` (split out by job; it runs on the control loop and
+uses the plane's ``gate``, ``sessions``, ``workers``, ``relay_keys``, ``coordinator``,
+``controller`` and ``_forget``/``_source``/``_latest``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from echo import wire
+from echo.security import fingerprint
+from provisioning.controller import ACTIVE, STANDBY
+
+log = logging.getLogger("echo.control")
+
+_JOIN_FIX = {
+    "banned": "this key is banned from the run",
+    "not_allowlisted": "this key is not on the learner's allow-list: send its public key to the operator",
+    "token_required": "this learner needs a join token: use the join line with ?token=... from its operator",
+    "bad_token": "the token is not valid for this run: ask the operator for a new one",
+    "token_expired": "the token has expired: ask the operator for a new one",
+    "token_used": "the token has no uses left: ask the operator for a new one",
+    "learner_full": "the learner has as many workers as it accepts (security.max_workers)",
+    "rate_limited": "too many joins right now: try again in a few seconds",
+    "id_taken": "another worker holds this id: pick another --id (or none)",
+    "endpoint_taken": "another worker serves at this relay address: check --relay-host",
+}
+
+EWMA_ALPHA = 0.3
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    ident: bytes
+    key: str  # the CURVE public key this session is bound to (its identity)
+    price: float
+    last_seen: float
+    version: int = -1
+    state: str = "idle"
+    claimed_throughput: float = 0.0
+    measured_throughput: float = 0.0  # EWMA of admitted samples/s, measured here
+    admitted: int = 0
+    last_batch_at: float = field(default_factory=time.monotonic)
+    busy_s: float = 0.0  # the worker's cumulative busy seconds and output (heartbeats)
+    busy_samples: int = 0
+
+
+class Sessions:
+    cfg: Any
+    gate: Any
+    sessions: dict[str, str]
+    workers: dict[str, WorkerState]
+    relay_keys: dict[str, str]
+    coordinator: Any
+    controller: Any
+    endpoint: str
+    snapshot_endpoint: str
+
+    def _session(self, ident: bytes, key: str, worker_id: str) -> WorkerState | None:
+        """The sender's own session, refreshed; None if this key has not joined. A message
+        naming another worker's id is refused: a key speaks only for itself."""
+        own = self.sessions.get(key)
+        if own is None:
+            return None
+        if worker_id != own:
+            raise wire.WireError("identity_mismatch", f"this key joined as {own!r}, not "
+                                 f"{worker_id!r}: a worker speaks only for itself")
+        w = self.workers[own]
+        w.ident = ident  # a reconnecting DEALER gets a new routing id
+        w.last_seen = time.monotonic()
+        return w
+
+    def _joined(self, ident: bytes, key: str, worker_id: str) -> WorkerState:
+        w = self._session(ident, key, worker_id)
+        if w is None:
+            raise wire.WireError("not_joined", "this key has not joined: send join first")
+        return w
+
+    def _on_join(self, ident: bytes, key: str, msg: wire.Join) -> wire.Message:
+        own = self.sessions.get(key)
+        if own is not None and own != msg.worker_id:
+            if time.monotonic() - self.workers[own].last_seen < self.cfg.transport.heartbeat_timeout_s:
+                self.gate.refused["key_in_use"] += 1
+                raise wire.WireError("key_in_use", f"this key is joined as {own!r} by a live "
+                                     f"worker: give each worker its own --identity FILE")
+            self._forget(own, f"its key re-joined as {msg.worker_id}")
+        known = self._session(ident, key, msg.worker_id)
+        # The claim first: a join refused for its id must not spend a token's use.
+        refused = self._claim(key, msg, known)
+        if refused:
+            self.gate.refused[refused] += 1
+        else:
+            refused = self.gate.join(key, msg.token, len(self.sessions), known is not None)
+        if refused:
+            raise wire.WireError(refused, _JOIN_FIX.get(refused, "the learner refused this join"))
+        if known is None:
+            self._add_worker(ident, key, msg)
+        assert self.coordinator is not None
+        self.coordinator.join(self.sessions[key], msg.relay_endpoint if msg.can_relay else "",
+                              msg.down_mbit, msg.up_mbit)
+        version, manifest = self._latest()
+        src = self._source(self.sessions[key])
+        # A late joiner pulls the current snapshot from its place in the plan: a peer.
+        return wire.JoinAck(run_id=self.run_id, instance_id=self.instance_id,
+                            public_key=self.key.public_bytes, version=version, manifest=manifest,
+                            config=self.cfg.worker_view(), snapshot_endpoint=src.endpoint,
+                            snapshot_key=src.key, ticket=src.ticket, worker_id=self.sessions[key])
+
+    def _claim(self, key: str, msg: wire.Join, known: WorkerState | None) -> str:
+        """The worker id and relay endpoint a join asks for must not belong to another key."""
+        if known is None:
+            holder = self.workers.get(msg.worker_id)
+            if holder is not None and holder.key != key:
+                return "id_taken"
+        ep = msg.relay_endpoint
+        if ep and msg.can_relay:
+            if ep in (self.endpoint, self.snapshot_endpoint):
+                return "endpoint_taken"
+            owner = self.relay_keys.get(ep)
+            if owner is not None and owner != key and owner in self.sessions:
+                return "endpoint_taken"
+        return ""
+
+    def _add_worker(self, ident: bytes, key: str, msg: wire.Join) -> None:
+        now = time.monotonic()
+        self.sessions[key] = msg.worker_id
+        self.workers[msg.worker_id] = WorkerState(msg.worker_id, ident, key, msg.price, now)
+        if msg.relay_endpoint and msg.can_relay:
+            self.relay_keys[msg.relay_endpoint] = key
+        log.info("worker %s joined (key %s, price $%.3f/h, relay %s)", msg.worker_id,
+                 fingerprint(key), msg.price, msg.relay_endpoint or "none")
+        if self.controller is not None:
+            # Bootstrap: the first joiners start active while nobody has been measured; after
+            # that a joiner waits in standby for the controller (probation when short).
+            active = len(self.controller.active_ids())
+            boot = (active < self.cfg.provisioning.initial_active
+                    and not self.controller.measured_any())
+            state = ACTIVE if boot else STANDBY
+            self.controller.add_worker(msg.worker_id, msg.price, state=state,
+                                       mu_prior=self._mu_prior())
+            log.info("worker %s is %s", msg.worker_id, state)
+
+    def _mu_prior(self) -> float:
+        """No throughput credit before delivery: a joiner's capacity is what the learner
+        measures it deliver, never what it (or the fleet's average) claims; otherwise 10,000
+        fake $0 joiners would out-bid paying workers. The controller activates unmeasured
+        workers only on bounded probation (``provisioning.probation_slots``)."""
+        return 0.0
