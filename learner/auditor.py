@@ -23,7 +23,8 @@ Two checks, each per group:
   from samples, and cannot do more harm than samples either.
 
 Cost is bounded: the trainer thread runs audits between steps for at most
-``security.audit_budget`` of its time (probation jobs first); the queue of waiting jobs is
+``security.audit_budget`` of its time (probation jobs first, the least-audited worker's
+first); the queue of waiting jobs is
 bounded (``security.audit_queue``), overflow drops the oldest non-probation job and counts it
 (``dropped``). A job whose snapshot is no longer held is skipped and counted (``expired``).
 """
@@ -34,7 +35,7 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,7 @@ class Auditor:
         self._lock = threading.Lock()
         self._model: Any = None
         self._installed = -1
+        self._audited: Counter[str] = Counter()  # worker id -> jobs taken
         self.done = self.failed = self.dropped = self.expired = 0
         self.seconds = 0.0
 
@@ -129,8 +131,12 @@ class Auditor:
         with self._lock:
             if not self._jobs:
                 return None
-            job = next((j for j in self._jobs if j.probation), self._jobs[0])
+            # Probation first, and among it the worker audited least so far: each newcomer's
+            # first group is looked at before anyone's second, so a liar needs few steps.
+            pool = [j for j in self._jobs if j.probation] or [self._jobs[0]]
+            job = min(pool, key=lambda j: self._audited[j.worker_id])
             self._jobs.remove(job)
+            self._audited[job.worker_id] += 1
             return job
 
     def _audit(self, job: AuditJob) -> None:

@@ -234,3 +234,16 @@ def test_a_resume_sets_aside_what_quarantined_workers_had_buffered(tmp_path):
     assert [r.worker_id for r in kept] == ["w1"]
     assert [a.reason for a in aside] == ["quarantined"]
     assert json.loads((tmp_path / "quarantine.jsonl").read_text())["step"] == 7
+
+
+def test_probation_audits_go_round_robin_over_workers(small_cfg, tokenizer):
+    """Each newcomer's first group before anyone's second: a liar's groups wait for one round
+    of the others' at most, not for all their probation groups."""
+    aud = Auditor(small_cfg, tokenizer, lambda v: None)
+    rec = Record(group_id="g", sample_idx=0, prompt_ids=[4], completion_ids=[5], logprobs=[-1.0],
+                 reward=0.0, version=0, worker_id="w", gen_s=0.0)
+    for w in ("a", "a", "a", "b", "b", "liar"):
+        aud.submit(AuditJob(w, "k", [rec], probation=True))
+    aud.submit(AuditJob("c", "k", [rec], probation=False))
+    order = [aud._next().worker_id for _ in range(7)]
+    assert order[:3] == ["a", "b", "liar"] and order[-1] == "c"
