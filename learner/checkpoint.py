@@ -62,3 +62,28 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
         return None
     path = run_dir / "checkpoints" / latest.read_text().strip()
     return torch.load(path, weights_only=False)
+
+
+def export_checkpoint(run_dir: Path, out: Path) -> Path:
+    """The policy of ``run_dir``'s latest checkpoint as a Hugging Face folder (weights and
+    tokenizer, save_pretrained) for ``model.name``: fine-tune on, evaluate, or start a run from
+    a model that has learned something."""
+    from echo.config import ConfigError, load_config
+    from echo.gguf_import import ImportFailed
+    from echo.models import load_model, load_tokenizer
+
+    if out.exists():
+        raise ImportFailed(f"{out} exists: pick a new --out folder")
+    try:
+        cfg = load_config(run_dir / "config.toml")
+    except (ConfigError, OSError) as err:
+        raise ImportFailed(f"{run_dir}/config.toml: {err}; is --run-dir a learner's run folder?") from None
+    state = load_checkpoint(run_dir)
+    if state is None:
+        raise ImportFailed(f"{run_dir} has no checkpoint (learner.checkpoint = false?)")
+    tok = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, tok, "float32")
+    model.load_state_dict(state["model"])
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -207,3 +207,25 @@ def test_autocast_forward_covers_the_forward_only(tokenizer):
         model.get_input_embeddings().weight.add_(1.0)
     assert ref(ids).logits.dtype == torch.bfloat16
     assert not torch.equal(ref(ids).logits, model(ids).logits)  # its own weights, not the original's
+
+
+def test_a_runs_checkpoint_exports_as_a_model_folder(tmp_path, small_cfg, tokenizer):
+    """`echo-rl model export`: the trained policy, loadable by model.name like any HF folder."""
+    from echo.config import dump_toml
+    from echo.gguf_import import ImportFailed
+    from learner.checkpoint import export_checkpoint, save_checkpoint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(dump_toml(small_cfg))
+    with pytest.raises(ImportFailed, match="no checkpoint"):
+        export_checkpoint(run, tmp_path / "none")
+    trained = load_model(small_cfg.model, tokenizer)
+    with torch.no_grad():
+        trained.lm_head.weight.mul_(3.0)  # anything the random init would not give
+    save_checkpoint(run, 5, {"model": trained.state_dict(), "step": 5})
+    out = export_checkpoint(run, tmp_path / "out")
+    back = load_model(ModelConfig(name=str(out)), load_tokenizer(ModelConfig(name=str(out))))
+    assert torch.equal(back.lm_head.weight, trained.lm_head.weight)
+    with pytest.raises(ImportFailed, match="exists"):
+        export_checkpoint(run, out)
