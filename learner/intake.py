@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane.records import Limits, Record, RecordError, parse_record
-from echo import wire
 from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
 from learner.durable import BufferLog
 from learner.reputation import Reputation, Verdict
