@@ -59,6 +59,7 @@ class Reputation:
         self.failures: Counter[str] = Counter()  # worker id -> checks failed
         self.by_check: Counter[str] = Counter()  # "<check>:<ok|fail>"
         self.quarantined: dict[str, str] = quarantined_workers(folder)  # worker id -> reason
+        self._files: dict[str, Any] = {}
 
     def record(self, v: Verdict) -> None:
         self.audits[v.worker_id] += 1
@@ -86,10 +87,14 @@ class Reputation:
         self.on_quarantine(worker_id, key, reason)
 
     def _append(self, name: str, entry: dict[str, Any]) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with (self.folder / name).open("a") as f:
-            row, _ = finite_or_null({"step": self.step(), **entry})  # a NaN statistic: null
-            f.write(json.dumps(row, allow_nan=False) + "\n")
+        """One line, flushed; the files stay open (a check per delivered group is written)."""
+        f = self._files.get(name)
+        if f is None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            f = self._files[name] = (self.folder / name).open("a")
+        row, _ = finite_or_null({"step": self.step(), **entry})  # a NaN statistic: null
+        f.write(json.dumps(row, allow_nan=False) + "\n")
+        f.flush()
 
     def per_worker(self) -> dict[str, dict[str, Any]]:
         """For /metrics and the dashboard."""

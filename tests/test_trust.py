@@ -247,3 +247,25 @@ def test_probation_audits_go_round_robin_over_workers(small_cfg, tokenizer):
     aud.submit(AuditJob("c", "k", [rec], probation=False))
     order = [aud._next().worker_id for _ in range(7)]
     assert order[:3] == ["a", "b", "liar"] and order[-1] == "c"
+
+
+def test_hostile_link_reports_end_one_message_and_are_counted(trusting, ctx):  # noqa: F811
+    """Installed carries the link rates the planner uses: junk types, negative, NaN and huge
+    values, reports for versions never published and floods cost one message each."""
+    import msgpack
+
+    a = connect(trusting, ctx)
+    ask(a, wire.Join(worker_id="w1"))
+    base = {"v": wire.WIRE_VERSION, "type": "installed", "worker_id": "w1", "version": 0}
+    for patch in ({"down_mbit": -5.0}, {"up_mbit": float("nan")}, {"down_mbit": "fast"},
+                  {"version": [1]}):
+        reply = ask(a, msgpack.packb({**base, **patch}))
+        assert isinstance(reply, wire.Error) and reply.reason == "invalid_fields", patch
+    a.send(wire.encode(wire.Installed(worker_id="w1", version=99, down_mbit=1e300)))  # never published
+    for _ in range(600):  # a flood: past the per-key message rate it is refused, not served
+        a.send(wire.encode(wire.Installed(worker_id="w1", version=0, down_mbit=1e300, up_mbit=1e300)))
+    stats = trusting.stats()
+    assert stats["rejected"]["invalid_fields"] == 4
+    assert stats["limited"].get("rate_limited", 0) > 0
+    assert "w1" not in trusting.coordinator.links.down  # no published version: nothing measured
+    assert isinstance(ask(connect(trusting, ctx), wire.Join(worker_id="w2")), wire.JoinAck)
