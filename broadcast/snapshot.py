@@ -1,13 +1,24 @@
 """Snapshot = signed manifest + payload cut into fixed-size chunks (DESIGN 5).
 
 manifest = {
-  "schema": 1, "run_id": str, "version": int, "base_version": int (-1: full snapshot),
-  "encoding": "full", "dtype": str,
-  "tensors": [{"name", "dtype", "shape", "offset", "nbytes"}, ...],
+  "schema": 2, "run_id": str, "version": int,
+  "encoding": "full" | "delta",     # delta: rebuilt from the full payload of base_version
+  "base_version": int,              # -1 for a full snapshot (a keyframe)
+  "dtype": str,
+  "tensors": [{"name", "dtype", "shape",
+               "offset", "nbytes",  # the tensor's place in the rebuilt (full) payload
+               "enc", "doff", "dlen"}, ...],  # its encoding and its slice of this payload
   "payload_size": int, "chunk_size": int,
-  "chunk_hashes": [bytes32, ...],   # BLAKE3 of every chunk, in order
+  "chunk_hashes": [bytes32, ...],   # BLAKE3 of every chunk of the payload sent, in order
+  "result_size": int,               # the full payload the worker installs
+  "result_hashes": [bytes32, ...],  # BLAKE3 of every chunk of it (== chunk_hashes when full)
   "signature": bytes64,             # Ed25519 over the canonical msgpack of everything else
 }
+
+The signature covers the hashes of the result, so a worker that rebuilt a version from a delta
+proves, chunk by chunk, that it holds exactly the learner's bytes before it installs them; and a
+peer holding that result can serve it as a keyframe (``result_view``) to a worker without the
+base, whose chunks are checked against the same signed hashes (docs/broadcast.md).
 
 Workers get the run's public key when they join and refuse a manifest whose signature does not
 verify, and any chunk whose hash differs from the manifest's, before using or forwarding it.
@@ -28,8 +39,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-SCHEMA = 1
-ENCODINGS = ("full",)  # the payloads a worker can install
+SCHEMA = 2
+ENCODINGS = ("full", "delta")  # the payloads a worker can install
+TENSOR_ENCODINGS = ("full", "xor_lz4", "sparse")  # per tensor (broadcast.delta)
 # Bytes per element of the dtypes a tensor may declare (a snapshot's tensors are installed with
 # ``getattr(torch, dtype)``: only these names may reach it).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1,
@@ -81,17 +93,37 @@ def chunk_hash(data: bytes | memoryview) -> bytes:
     return blake3.blake3(data).digest()
 
 
+def chunk_hashes(data: bytes | bytearray | memoryview, chunk_size: int) -> list[bytes]:
+    view = memoryview(data)
+    return [chunk_hash(view[i : i + chunk_size]) for i in range(0, len(view), chunk_size)]
+
+
 def build_manifest(*, run_id: str, version: int, tensors: list[dict[str, Any]], payload: bytes,
-                   chunk_size: int, dtype: str, key: RunKey) -> dict[str, Any]:
-    view = memoryview(payload)
-    hashes = [chunk_hash(view[i : i + chunk_size]) for i in range(0, len(payload), chunk_size)]
+                   chunk_size: int, dtype: str, key: RunKey, base_version: int = -1,
+                   result: bytes | bytearray | None = None) -> dict[str, Any]:
+    """A full snapshot (``tensors``: the layout of ``payload``), or with ``base_version`` and
+    ``result`` a delta (``tensors``: the entries ``broadcast.delta.encode`` returned,
+    ``payload``: the delta, ``result``: the full payload it rebuilds)."""
+    hashes = chunk_hashes(payload, chunk_size)
+    if result is None:
+        tensors = [{**t, "enc": "full", "doff": t["offset"], "dlen": t["nbytes"]} for t in tensors]
     manifest = {
-        "schema": SCHEMA, "run_id": run_id, "version": version, "base_version": -1,
-        "encoding": "full", "dtype": dtype, "tensors": tensors, "payload_size": len(payload),
-        "chunk_size": chunk_size, "chunk_hashes": hashes,
+        "schema": SCHEMA, "run_id": run_id, "version": version, "base_version": base_version,
+        "encoding": "full" if result is None else "delta", "dtype": dtype, "tensors": tensors,
+        "payload_size": len(payload), "chunk_size": chunk_size, "chunk_hashes": hashes,
+        "result_size": len(payload if result is None else result),
+        "result_hashes": hashes if result is None else chunk_hashes(result, chunk_size),
     }
     manifest["signature"] = key.sign(_signed_part(manifest))
     return manifest
+
+
+def result_view(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The rebuilt (full) payload of a verified manifest, described as a payload: what a
+    keyframe fetch receives into and checks chunk by chunk (``form`` "full")."""
+    return {"version": manifest["version"], "payload_size": manifest["result_size"],
+            "chunk_size": manifest["chunk_size"], "chunk_hashes": manifest["result_hashes"],
+            "form": "full"}
 
 
 def _int(obj: dict[str, Any], key: str, lo: int, hi: int, where: str = "manifest") -> int:
@@ -108,7 +140,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check_tensor(i: int, t: Any, payload_size: int) -> None:
+def _check_tensor(i: int, t: Any, result_size: int, payload_size: int) -> None:
     where = f"manifest tensor {i}"
     if not isinstance(t, dict):
         raise SnapshotError(f"{where} is {_show(t)}, expected a map")
@@ -122,8 +154,16 @@ def _check_tensor(i: int, t: Any, payload_size: int) -> None:
             any(type(d) is not int or d < 0 for d in shape):
         raise SnapshotError(f"{where} ({name}): shape {_show(shape)} is not a list of at most "
                             f"{MAX_RANK} ints >= 0")
-    offset = _int(t, "offset", 0, payload_size, where)
-    nbytes = _int(t, "nbytes", 0, payload_size - offset, where)  # the tensor lies in the payload
+    offset = _int(t, "offset", 0, result_size, where)
+    nbytes = _int(t, "nbytes", 0, result_size - offset, where)  # the tensor lies in the result
+    enc = t.get("enc")
+    if enc not in TENSOR_ENCODINGS:
+        raise SnapshotError(f"{where} ({name}): encoding {_show(enc)} is not one of "
+                            f"{TENSOR_ENCODINGS}: upgrade echo-rl on this worker")
+    doff = _int(t, "doff", 0, payload_size, where)
+    dlen = _int(t, "dlen", 0, payload_size - doff, where)  # its encoding lies in the payload
+    if enc == "full" and dlen != nbytes:
+        raise SnapshotError(f"{where} ({name}): full encoding of {dlen} bytes for {nbytes}")
     numel = 1
     for d in shape:
         numel *= d
@@ -146,25 +186,43 @@ def check_manifest(manifest: Any) -> None:
         raise SnapshotError(f"manifest encoding {_show(manifest['encoding'])} is not one of "
                             f"{ENCODINGS}: upgrade echo-rl on this worker")
     version = _int(manifest, "version", 0, 2**63 - 1)
-    _int(manifest, "base_version", -1, version)
     size = _int(manifest, "payload_size", 0, MAX_PAYLOAD)
     chunk = _int(manifest, "chunk_size", 1, MAX_CHUNK)
     hashes, sig = manifest.get("chunk_hashes"), manifest.get("signature")
-    if not isinstance(hashes, list) or \
-            any(not isinstance(h, bytes) or len(h) != 32 for h in hashes):
-        raise SnapshotError("manifest chunk_hashes is not a list of 32-byte BLAKE3 hashes")
-    if len(hashes) != -(-size // chunk):
-        raise SnapshotError(f"manifest lists {len(hashes)} chunk hashes, payload needs "
-                            f"{-(-size // chunk)}")
+    _check_hashes("chunk_hashes", hashes, size, chunk)
+    result = _int(manifest, "result_size", 0, MAX_PAYLOAD)
+    _check_hashes("result_hashes", manifest.get("result_hashes"), result, chunk)
+    _check_encoding(manifest, version, size, result)
     if not isinstance(sig, bytes) or len(sig) != 64:
         raise SnapshotError(f"manifest signature is {_show(sig)}, expected 64 bytes (Ed25519)")
     tensors = manifest.get("tensors")
     if not isinstance(tensors, list):
         raise SnapshotError(f"manifest tensors is {_show(tensors)}, expected a list")
     for i, t in enumerate(tensors):
-        _check_tensor(i, t, size)
+        _check_tensor(i, t, result, size)
     if len({t["name"] for t in tensors}) != len(tensors):
         raise SnapshotError("manifest names a tensor twice")
+    if manifest["encoding"] == "full" and any(t["enc"] != "full" for t in tensors):
+        raise SnapshotError("a full manifest with a tensor not encoded in full")
+
+
+def _check_hashes(key: str, hashes: Any, size: int, chunk: int) -> None:
+    if not isinstance(hashes, list) or \
+            any(not isinstance(h, bytes) or len(h) != 32 for h in hashes):
+        raise SnapshotError(f"manifest {key} is not a list of 32-byte BLAKE3 hashes")
+    if len(hashes) != -(-size // chunk):
+        raise SnapshotError(f"manifest lists {len(hashes)} {key}, {size} bytes need "
+                            f"{-(-size // chunk)}")
+
+
+def _check_encoding(manifest: dict[str, Any], version: int, size: int, result: int) -> None:
+    """A full snapshot is its own result; a delta names an earlier version as its base."""
+    if manifest["encoding"] == "full":
+        _int(manifest, "base_version", -1, -1)
+        if size != result or manifest["result_hashes"] != manifest["chunk_hashes"]:
+            raise SnapshotError("a full manifest whose result differs from its payload")
+    else:
+        _int(manifest, "base_version", 0, version - 1)
 
 
 def verify_manifest(manifest: Any, public_key: bytes) -> None:

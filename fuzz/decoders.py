@@ -172,14 +172,18 @@ def check_message(msg: wire.Message, sent: dict[str, Any] | None = None) -> None
 def check_accepted_manifest(m: dict[str, Any]) -> None:
     """What a worker reads from a manifest ``verify_manifest`` accepted."""
     size, chunk, hashes = m["payload_size"], m["chunk_size"], m["chunk_hashes"]
-    for k in ("version", "base_version", "payload_size", "chunk_size", "schema"):
+    for k in ("version", "base_version", "payload_size", "chunk_size", "schema", "result_size"):
         assert type(m[k]) is int, f"manifest {k} is a {type(m[k]).__name__}"
     assert 0 <= size and chunk >= 1 and len(hashes) == -(-size // chunk)
+    assert len(m["result_hashes"]) == -(-m["result_size"] // chunk)
+    assert m["encoding"] == "delta" or m["base_version"] == -1
     for i in range(len(hashes)):
         start, end = chunk_range(m, i)
         assert 0 <= start < end <= size and isinstance(hashes[i], bytes)
     for t in m["tensors"]:
-        assert t["dtype"] in DTYPE_BYTES and 0 <= t["offset"] <= t["offset"] + t["nbytes"] <= size
+        assert t["dtype"] in DTYPE_BYTES
+        assert 0 <= t["offset"] <= t["offset"] + t["nbytes"] <= m["result_size"]
+        assert 0 <= t["doff"] <= t["doff"] + t["dlen"] <= size
         assert all(type(d) is int and d >= 0 for d in t["shape"])
 
 
