@@ -50,12 +50,15 @@ class Coordinator:
         self.published: dict[int, float] = {}  # version -> monotonic publication time
         self.sources: dict[str, str] = {}  # the last plan: worker -> endpoint it pulls from
         self.corrupt_reports: list[tuple[str, str]] = []  # (reporter, accused endpoint)
+        self.keyframes_served: dict[str, int] = {}  # endpoint -> keyframe fetches sent there
 
     def join(self, worker_id: str, endpoint: str, down_mbit: float = 0.0, up_mbit: float = 0.0) -> None:
         self.peers[worker_id] = PeerState(worker_id, endpoint, down_mbit, up_mbit)
 
     def leave(self, worker_id: str) -> None:
-        self.peers.pop(worker_id, None)
+        gone = self.peers.pop(worker_id, None)
+        if gone is not None:
+            self.keyframes_served.pop(gone.endpoint, None)
         self.sources.pop(worker_id, None)
         self.links.forget(worker_id)
 
@@ -106,6 +109,17 @@ class Coordinator:
         if worker_id not in self.sources:
             self._plan()
         return self.sources.get(worker_id, self.source)
+
+    def keyframe_source(self, worker_id: str, version: int, bad_source: str = "") -> str:
+        """Where a worker without the base of a delta fetches ``version``'s full payload: the
+        live, relaying peer that installed it and has been sent the fewest keyframe fetches
+        (spreading them off the chains' heads), else the root."""
+        held = [p.endpoint for p in self.peers.values()
+                if p.alive and p.endpoint and not p.corrupt and version in p.installed
+                and p.worker_id != worker_id and p.endpoint != bad_source]
+        best = min(held, key=lambda ep: self.keyframes_served.get(ep, 0), default=self.source)
+        self.keyframes_served[best] = self.keyframes_served.get(best, 0) + 1
+        return best
 
     def reattach(self, worker_id: str, bad_source: str, reason: str) -> str:
         accused = next((p for p in self.peers.values() if p.endpoint and p.endpoint == bad_source), None)

@@ -111,6 +111,7 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
     pending: dict[int, int] = {}  # rid -> chunk index
+    form = buf.manifest.get("form", "payload")  # "full": a keyframe (snapshot.result_view)
 
     async def request_next() -> None:
         for index in todo:
@@ -118,7 +119,7 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
                 rid = next(_rids)
                 pending[rid] = index
                 await sock.send(wire.encode(wire.ChunkRequest(version=version, index=index, rid=rid,
-                                                              ticket=src.ticket)))
+                                                              ticket=src.ticket, form=form)))
                 return
 
     try:

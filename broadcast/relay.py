@@ -9,6 +9,12 @@ store-and-forward per chunk, one inbound and at most one outbound stream.
 With ``keys`` (the worker's CURVE key pair) the relay's socket is a CURVE server: it serves only
 the peers holding a pull ticket for this relay signed by the run's key (``broadcast.tickets``),
 and its fetches pin their source's key. Its ZAP handler bounds new connections per second.
+
+Delta snapshots (docs/broadcast.md): the relay moves a delta's bytes like any payload. The
+worker around it rebuilds the version (``broadcast.versions.rebuild``) and hands the result
+back (``hold_result``): the relay keeps the full payload of the installed version, the base of
+the next delta, and serves it as a keyframe (chunk requests of form "full") to a worker that
+lacks the base; ``receive_keyframe`` is the other end of that.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import zmq.asyncio
 from broadcast.fetch import REQUEST_BYTES, SOCKET_BUFFER, FetchStats, Reattach, fetch_into
 from broadcast.memory import keep_chunk_buffers
 from broadcast.shaping import TokenBucket
-from broadcast.snapshot import verify_manifest
+from broadcast.snapshot import result_view, verify_manifest
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import Source, TicketCheck
@@ -68,6 +74,8 @@ class Relay:
         self._handshakes = Bucket(cfg.handshakes_per_s, 2 * cfg.handshakes_per_s)
         self._per_ip = PeerLimits(cfg.handshakes_per_s / 5, cfg.handshakes_per_s / 2.5)
         self.store = SnapshotStore(keep=2)
+        # The installed version's full payload (a keyframe source, the next delta's base).
+        self.results = SnapshotStore(keep=1, recycle=False)
         self.endpoint = ""
         self.server: ChunkServer | None = None
         self.zap: ZapHandler | None = None
@@ -90,7 +98,7 @@ class Relay:
                                       corrupt=cfg.corrupt, authorize=tickets,
                                       max_parked_per_peer=cfg.max_parked_per_peer,
                                       max_parked_total=cfg.max_parked_total,
-                                      requests_per_s=cfg.requests_per_s)
+                                      requests_per_s=cfg.requests_per_s, results=self.results)
 
     async def serve_forever(self) -> None:
         if self.server is None:
@@ -119,6 +127,29 @@ class Relay:
                                  reattach=reattach, keys=self.keys)
         return buf, stats
 
+    async def receive_keyframe(self, manifest: dict[str, Any], source: Source | str,
+                               reattach: Reattach | None) -> tuple[bytearray, FetchStats]:
+        """The full payload of a verified manifest's version, from a node that rebuilt it,
+        every chunk checked against the signed result hashes."""
+        store = SnapshotStore(keep=1, recycle=False)
+        buf = store.add(SnapshotBuffer(result_view(manifest)))
+        stats = await fetch_into(self.ctx, store, buf.version, source,
+                                 window=self.cfg.window, timeout_s=self.cfg.timeout_s,
+                                 max_bytes=self.cfg.max_bytes, download=self.download,
+                                 reattach=reattach, keys=self.keys)
+        return buf.payload, stats
+
+    def base_for(self, manifest: dict[str, Any]) -> Any | None:
+        """The full payload of the base of a delta, if this node holds it."""
+        held = self.results.get(manifest["base_version"])
+        return held.payload if held is not None and held.done else None
+
+    def hold_result(self, manifest: dict[str, Any], result: Any) -> None:
+        """Keep an installed version's full payload: its own copy when it is the payload's
+        receive buffer, which the snapshot store recycles for a later version."""
+        own = bytearray(result) if self.store.holds(result) else result
+        self.results.add(SnapshotBuffer(result_view(manifest), own))
+
     def measured(self, version: int, stats: FetchStats) -> dict[str, float]:
         """The ``wire.Installed`` fields for ``version``: measured download and upload."""
         up = self.server.upload_mbit(version) if self.server is not None else 0.0
@@ -127,6 +158,7 @@ class Relay:
     def reset(self) -> None:
         """Forget every snapshot held (the learner's run changed)."""
         self.store.clear()
+        self.results.clear()
 
     def close(self) -> None:
         if self.server is not None:

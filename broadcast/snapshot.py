@@ -259,6 +259,11 @@ def verify_chunk(manifest: dict[str, Any], index: int, data: bytes | memoryview)
 class Snapshot:
     manifest: dict[str, Any]
     payload: bytes
+    result: bytes | bytearray | None = None  # the full payload, when ``payload`` is a delta
+
+    @property
+    def full(self) -> bytes | bytearray:
+        return self.payload if self.result is None else self.result
 
     @property
     def version(self) -> int:

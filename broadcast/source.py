@@ -20,6 +20,11 @@ to go out, so time spent waiting for chunks from upstream (parked requests) does
 On an unshaped link a send only queues into the socket, so this end reads high: the child's
 download report is then what binds (``broadcast.links``).
 ``corrupt=True`` flips a byte in every chunk sent (for integrity tests and benchmarks only).
+
+Keyframes (docs/broadcast.md, "Delta snapshots"): a request with ``form`` "full" asks for a chunk
+of a version's rebuilt payload, served from ``results`` (the full payload of what this node
+installed) to a worker that lacks the base of a delta. Only complete versions are served in
+that form (nothing is parked: what is not held is refused ``unknown_version``).
 """
 
 from __future__ import annotations
@@ -48,9 +53,10 @@ class ChunkServer:
                  upload: TokenBucket | None = None, park_timeout_s: float = 30.0,
                  corrupt: bool = False, authorize: Authorize | None = None,
                  max_parked_per_peer: int = 64, max_parked_total: int = 4096,
-                 requests_per_s: float = 1000.0):
+                 requests_per_s: float = 1000.0, results: SnapshotStore | None = None):
         self.sock = sock
         self.store = store
+        self.results = results
         self.max_bytes = max_bytes
         self.upload = upload
         self.park_timeout_s = park_timeout_s
@@ -68,7 +74,7 @@ class ChunkServer:
         self._parked_by: Counter[str] = Counter()
         # Replies to send. Unbounded as a queue, bounded by what feeds it: one entry per
         # authorised request, and a peer's requests in flight here are capped like parked ones.
-        self._outbox: asyncio.Queue[tuple[bytes, int, int, int, str, float]] = asyncio.Queue()
+        self._outbox: asyncio.Queue[tuple[bytes, int, int, int, str, float, str]] = asyncio.Queue()
         self._queued_by: Counter[str] = Counter()
         self.served: dict[int, list[float]] = {}  # version -> [bytes sent, seconds busy sending]
         self._last_sent = 0.0
@@ -105,6 +111,9 @@ class ChunkServer:
                 log.warning("snapshot socket: refused a request from %s: %s", who, err)
             await self._reply_error(ident, 0, err.reason, err.detail)
             return
+        if msg.form == "full":
+            await self._handle_full(ident, msg, who)
+            return
         buf = self.store.get(msg.version)
         if buf is not None and msg.index >= buf.total:
             await self._refuse(ident, msg.rid, "bad_index", f"version {msg.version} has "
@@ -126,6 +135,20 @@ class ChunkServer:
         else:
             await self._reply_error(ident, msg.rid, "unknown_version",
                                     f"version {msg.version} is no longer held here")
+
+    async def _handle_full(self, ident: bytes, msg: wire.ChunkRequest, who: str) -> None:
+        buf = self.results.get(msg.version) if self.results is not None else None
+        if buf is None or not buf.done:
+            await self._refuse(ident, msg.rid, "unknown_version", f"the full payload of version "
+                               f"{msg.version} is not held here: ask the learner for another")
+        elif msg.index >= buf.total:
+            await self._refuse(ident, msg.rid, "bad_index", f"version {msg.version} has "
+                               f"{buf.total} full chunks, asked for {msg.index}")
+        elif self._parked_by[who] + self._queued_by[who] >= self.max_parked_per_peer:
+            await self._refuse(ident, msg.rid, "too_many_requests", f"more than "
+                               f"{self.max_parked_per_peer} requests waiting; keep a smaller window")
+        else:
+            self._enqueue(ident, msg.rid, msg.version, msg.index, who, "full")
 
     def _parse(self, frames: list[bytes], peer: str) -> wire.ChunkRequest:
         if len(frames) != 1:
@@ -149,9 +172,10 @@ class ChunkServer:
         self.rejected[reason] += 1
         await self._reply_error(ident, rid, reason, detail)
 
-    def _enqueue(self, ident: bytes, rid: int, version: int, index: int, who: str) -> None:
+    def _enqueue(self, ident: bytes, rid: int, version: int, index: int, who: str,
+                 form: str = "payload") -> None:
         self._queued_by[who] += 1
-        self._outbox.put_nowait((ident, rid, version, index, who, time.monotonic()))
+        self._outbox.put_nowait((ident, rid, version, index, who, time.monotonic(), form))
 
     def _released(self, version: int, index: int) -> None:
         for ident, rid, _, who in self._parked.pop((version, index), ()):
@@ -165,11 +189,12 @@ class ChunkServer:
 
     async def _send_loop(self) -> None:
         while True:
-            ident, rid, version, index, who, queued_at = await self._outbox.get()
+            ident, rid, version, index, who, queued_at, form = await self._outbox.get()
             self._queued_by[who] -= 1
             if self._queued_by[who] <= 0:
                 del self._queued_by[who]
-            buf = self.store.get(version)
+            store = self.results if form == "full" else self.store
+            buf = store.get(version) if store is not None else None
             if buf is None:
                 await self._reply_error(ident, rid, "unknown_version", f"version {version} dropped")
                 continue

@@ -75,8 +75,11 @@ class SnapshotBuffer:
 
 
 class SnapshotStore:
-    def __init__(self, keep: int = 2):
+    def __init__(self, keep: int = 2, recycle: bool = True):
+        """``recycle``: reuse an evicted version's buffer for a later one (False where the
+        payloads are not receive buffers)."""
         self.keep = keep
+        self.recycle = recycle
         self._bufs: OrderedDict[int, SnapshotBuffer] = OrderedDict()
         self.listeners: list[Listener] = []
         self.bytes_sent = 0
@@ -102,12 +105,17 @@ class SnapshotStore:
             # An evicted version is ``keep`` publications old: no send of it is still in
             # flight, so its buffer can take the next version's chunks.
             old = self._bufs.popitem(last=False)[1]
-            if isinstance(old.payload, bytearray) and len(self._free) < 2:
+            if self.recycle and isinstance(old.payload, bytearray) and len(self._free) < 2:
                 self._free.append(old.payload)
         if buf.done:
             for i in range(buf.total):
                 self._notify(buf.version, i)
         return buf
+
+    def holds(self, payload: Any) -> bool:
+        """Is this object one of this store's payload buffers (held or recyclable)?"""
+        return any(b.payload is payload for b in self._bufs.values()) or \
+            any(f is payload for f in self._free)
 
     def clear(self) -> None:
         self._bufs.clear()

@@ -199,6 +199,12 @@ class BroadcastConfig(_Section):
     link_mbit: float = Field(0.0, ge=0)  # nominal worker link b; 0 = median of declared rates
     timeout_s: float = Field(10.0, gt=0)  # a source silent this long is replaced
     q: float = Field(1.0, gt=0, le=1)  # T_bcast = time until this fraction of workers installed
+    # Delta snapshots (docs/broadcast.md): publish what changed since the previous version,
+    # rebuilt bit-exact by the workers; a worker without the base fetches a keyframe from a peer.
+    delta: bool = True
+    keyframe_every: int = Field(10, ge=1)  # every K-th publication is full; 1 = never a delta
+    # A delta bigger than this share of the full payload is published as a keyframe instead.
+    delta_max_ratio: float = Field(0.8, gt=0, le=1)
 
 
 class TransportConfig(_Section):

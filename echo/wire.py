@@ -15,8 +15,11 @@ Worker -> learner (control socket)
                   payload = lz4.frame(msgpack([record, ...])), record schema in
                   ``dataplane.records``; at-least-once: the worker resends until acked.
   leave           worker_id                             -> (none)
-  source_request  worker_id, version, bad_source, reason -> source_grant{source}
-  installed       worker_id, version, digest, down_mbit, up_mbit -> (none)
+  source_request  worker_id, version, bad_source, reason, form -> source_grant{source}
+                  form "full": where to fetch the version's rebuilt (full) payload, a
+                  keyframe: this worker lacks the base of a delta (reason "no_base") or its
+                  keyframe source failed (docs/broadcast.md, "Delta snapshots")
+  installed       worker_id, version, digest, down_mbit, up_mbit, decode_s, keyframe -> (none)
                   down_mbit/up_mbit: the link rates this worker *measured* for that version
                   (its fetch; its chunk server's serving), 0 = not measured. Added with
                   defaults in v1: an older worker's report parses as "not measured"; the
@@ -25,9 +28,10 @@ Learner -> worker (control socket, unsolicited)
   snapshot_notice version, manifest                     a new snapshot is published
   shutdown        reason                                the run is over
 Worker -> learner or parent relay (snapshot socket)
-  chunk_request   version, index                        -> chunk (+ bytes frame) | error
+  chunk_request   version, index, form                  -> chunk (+ bytes frame) | error
                   (a relay parks a request for a chunk it does not hold yet and answers
-                  when the chunk has arrived and verified: see ``broadcast.source``)
+                  when the chunk has arrived and verified: see ``broadcast.source``;
+                  form "full" asks for a chunk of the rebuilt payload of an installed version)
 
 Receipt: ``decode`` checks size, msgpack, version, type and fields, and raises ``WireError``
 with a short machine reason (counted by the receiver) and a human detail (logged with the
@@ -188,6 +192,7 @@ class SourceRequest(Message):
     bad_source: str
     reason: str
     chunk: int = -1  # with reason "corrupt": the chunk that failed its hash (checked by the learner)
+    form: Literal["payload", "full"] = "payload"  # "full": a keyframe source for this version
 
 
 class SourceGrant(Message):
@@ -209,6 +214,10 @@ class Installed(Message):
     # sent / seconds a reply was waiting to go out (its upload while it had something to send).
     down_mbit: float = Field(0.0, ge=0)
     up_mbit: float = Field(0.0, ge=0)
+    # Rebuilding the version from its delta (s; 0 for a full snapshot), and whether this worker
+    # had to fetch a keyframe (it lacked the base). Shown on the dashboard, trusted for nothing.
+    decode_s: float = Field(0.0, ge=0, le=86400)
+    keyframe: bool = False
 
 
 class Shutdown(Message):
@@ -221,6 +230,7 @@ class ChunkRequest(Message):
     version: int
     index: int = Field(ge=0)
     ticket: bytes = Field(b"", max_length=512)  # broadcast.tickets: who may pull from this server
+    form: Literal["payload", "full"] = "payload"  # "full": the rebuilt payload (a keyframe)
 
 
 class Chunk(Message):

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from broadcast.coordinator import Coordinator
-from broadcast.snapshot import RunKey, Snapshot
+from broadcast.snapshot import RunKey, Snapshot, result_view
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import mint
@@ -104,6 +104,12 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.topology = make_topology(bc.topology, uplink_mbit=bc.uplink_mbit or None,
                                       link_mbit=bc.link_mbit or None, chunk_bytes=bc.chunk_kib * 1024)
         self.store = SnapshotStore()
+        # Full payloads of the versions held (what a delta rebuilds): served as keyframes to
+        # workers without the base when no peer that installed the version is left.
+        self.results = SnapshotStore(keep=2, recycle=False)
+        # (version, decode seconds, took a keyframe) per accepted install report; bounded.
+        self.installs: deque[tuple[int, float, bool]] = deque(maxlen=1024)
+        self.keyframe_installs = 0  # installs that needed a keyframe (the run's total)
         self.coordinator: Coordinator | None = None
         pc = cfg.provisioning
         # Without the controller every worker is active; with it, workers join as standby
@@ -156,7 +162,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.chunks = ChunkServer(snap, self.store, self.max_bytes, authorize=self._may_pull,
                                   max_parked_per_peer=sc.max_parked_per_peer,
                                   max_parked_total=sc.max_parked_total,
-                                  requests_per_s=sc.peer_chunk_requests_per_s)
+                                  requests_per_s=sc.peer_chunk_requests_per_s,
+                                  results=self.results)
         mons = [self._handshake_monitor(ctrl), self._handshake_monitor(snap)]
         self.verifier = Verifier(ctx, lambda child, parent: mint(
             self.key, child, parent, self.run_id, 600.0), self.max_bytes)
@@ -252,6 +259,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
     async def _publish(self, snap: Snapshot) -> None:
         assert self.coordinator is not None
         self.store.add(SnapshotBuffer(snap.manifest, snap.payload))
+        self.results.add(SnapshotBuffer(result_view(snap.manifest), snap.full))
         self.coordinator.publish(snap.version)
         for w in list(self.workers.values()):
             src = self._source(w.worker_id)
@@ -282,6 +290,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             "chunk_parked": self.chunks.parked if self.chunks else 0,
             "sessions": len(self.sessions),
             "learner_bytes_sent": self.store.bytes_sent,
+            **self._install_stats(),
             "t_bcast": self._last_t_bcast(),
             "in_flight_groups": self.work.in_flight,
             "reissued_groups": self.work.reissued,
@@ -420,6 +429,15 @@ class ControlPlane(Sessions, SnapshotRoutes):
         if reply is not None:
             reply.rid = msg.rid
         return reply
+
+    def _install_stats(self) -> dict[str, Any]:
+        """Of the newest version workers reported: median rebuild seconds, keyframes taken."""
+        if not self.installs:
+            return {"decode_s": None, "keyframes": self.keyframe_installs}
+        newest = max(v for v, _, _ in self.installs)
+        times = sorted(d for v, d, k in self.installs if v == newest and not k)
+        return {"decode_s": round(times[len(times) // 2], 4) if times else None,
+                "keyframes": self.keyframe_installs}
 
     def _latest(self) -> tuple[int, dict[str, Any] | None]:
         buf = self.store.latest()

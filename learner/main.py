@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from broadcast.snapshot import Snapshot, build_manifest
+from broadcast.versions import VersionEncoder
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits, Record
 from echo.config import EchoConfig, dump_toml
@@ -39,6 +39,7 @@ from learner.control import ControlPlane
 from learner.gate import security_dir
 from learner.reputation import without_quarantined
 from learner.policy import FullState, Policy
+from learner.publisher import Publisher
 from learner.work import WorkQueue
 from provisioning.capacity import Infeasible, mu_req
 
@@ -229,6 +230,11 @@ class Learner:
                                     run_dir=self.run_dir, adapter=self.adapter,
                                     audit=self.auditor.submit, step=lambda: self.step)
         self.control.start()
+        bc = self.cfg.broadcast
+        self.publisher = Publisher(VersionEncoder(
+            run_id=self.run_id, key=self.key, chunk_size=bc.chunk_kib * 1024, dtype=bc.dtype,
+            delta=bc.delta, keyframe_every=bc.keyframe_every, max_ratio=bc.delta_max_ratio),
+            self.control.publish)
         join = self.control.join_line()
         info = {"endpoint": self.control.endpoint, "snapshot_endpoint": self.control.snapshot_endpoint,
                 "join": join, "public_key": (self.control.public_key or b"").decode()}
@@ -253,6 +259,7 @@ class Learner:
         if not resume or self.step == 0:
             self._checkpoint(full)
         self._publish(self.step, full[0])
+        self.publisher.flush()  # workers that join now get a snapshot at once
 
     def _report(self, verdict: Any) -> None:
         if self.control is not None:
@@ -347,15 +354,22 @@ class Learner:
             self._send_snapshot(version, model_sd)
 
     def _send_snapshot(self, version: int, model_sd: dict[str, Any]) -> None:
-        """Build and publish; the caller has checked that the state is finite."""
-        dtype = self.cfg.broadcast.dtype
-        tensors, payload = params_to_payload(self.policy.named_tensors(model_sd), dtype)
-        manifest = build_manifest(run_id=self.run_id, version=version, tensors=tensors,
-                                  payload=payload, chunk_size=self.cfg.broadcast.chunk_kib * 1024,
-                                  dtype=dtype, key=self.key)
+        """Hand the version to the publisher thread (it encodes, signs and publishes); the
+        caller has checked that the state is finite."""
+        tensors, payload = params_to_payload(self.policy.named_tensors(model_sd),
+                                             self.cfg.broadcast.dtype)
         self.auditor.add_snapshot(version, tensors, payload)  # the bytes workers install
-        assert self.control is not None
-        self.control.publish(Snapshot(manifest, payload))
+        self.publisher.submit(version, tensors, payload)
+
+    def _publication_row(self) -> dict[str, Any]:
+        """The newest publication: what it sent, against the full payload, and its costs."""
+        pub = self.publisher.last
+        if pub is None:
+            return {}
+        return {"publish_encoding": pub.manifest["encoding"], "publish_bytes": len(pub.payload),
+                "publish_full_bytes": len(pub.result), "delta_ratio": round(pub.stats.ratio, 5),
+                "delta_changed": round(pub.stats.changed_fraction, 6),
+                "encode_s": round(pub.build_s, 4), "keyframes_published": self.publisher.keyframes}
 
     # ------------------------------------------------------------------ the step loop
 
@@ -366,6 +380,7 @@ class Learner:
                 self.rows.append(row)
                 metrics.write(json.dumps(row, allow_nan=False) + "\n")  # _finite_row made it so
                 metrics.flush()
+        self.publisher.flush()
         summary = _summary(self.cfg, self.rows, self.totals)
         (self.run_dir / "summary.json").write_text(
             json.dumps(finite_or_null(summary)[0], indent=2, allow_nan=False))
@@ -404,6 +419,8 @@ class Learner:
             self._send_snapshot(self.step, full[0])
         row["t_publish"] = round(time.monotonic() - t2, 4)
         row["publish_refused"] = self.publish_refused
+        row.update(self._publication_row())
+        row.update(decode_s=control["decode_s"], keyframe_installs=control["keyframes"])
         row.update(self._audits(t2 - t1))
         self._provisioning(t2 - t1, control["t_bcast"] or 0.0)
         if self.metrics is not None:
@@ -463,6 +480,8 @@ class Learner:
                 self.metrics.add_decision({"step": self.step, **entry})
 
     def close(self, reason: str) -> None:
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
         if self.control is not None:

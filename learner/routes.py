@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from broadcast.snapshot import result_view
 from broadcast.tickets import Source, mint
 from echo import wire
 from echo.security import fingerprint
@@ -27,6 +28,9 @@ class SnapshotRoutes:
     verifier: Any
     relay_keys: dict[str, str]
     snapshot_endpoint: str
+    results: Any
+    installs: Any
+    keyframe_installs: int
 
     def _zap_chunks(self, address: str, key: str) -> str:
         """The learner's chunk socket accepts connections from joined keys only: a stranger's
@@ -47,7 +51,10 @@ class SnapshotRoutes:
         """Where ``worker_id`` pulls the current snapshot from: endpoint, that server's key, and
         a ticket that lets this worker (and only it) in there."""
         assert self.coordinator is not None
-        endpoint = self.coordinator.source_for(worker_id)
+        return self._ticketed(worker_id, self.coordinator.source_for(worker_id))
+
+    def _ticketed(self, worker_id: str, endpoint: str) -> Source:
+        """``endpoint`` with its server's key and a ticket for ``worker_id`` to pull there."""
         w = self.workers.get(worker_id)
         if self.gate.keys is None or w is None:
             return Source(endpoint)
@@ -56,9 +63,42 @@ class SnapshotRoutes:
         ticket = mint(self.key, w.key, endpoint, self.run_id, self.cfg.security.ticket_ttl_s)
         return Source(endpoint, server.encode(), ticket)
 
+    def _keyframe_grant(self, key: str, msg: wire.SourceRequest) -> wire.Message:
+        """A worker lacks the base of a delta (or its keyframe source failed): a peer that
+        installed the version serves its rebuilt payload, else the learner does."""
+        assert self.coordinator is not None
+        if msg.reason == "corrupt" and msg.bad_source != self.snapshot_endpoint:
+            self._report_keyframe(key, msg)
+        endpoint = self.coordinator.keyframe_source(msg.worker_id, msg.version, msg.bad_source)
+        if endpoint == self.snapshot_endpoint and self.results.get(msg.version) is None:
+            return wire.Error(reason="unknown_version", detail=f"version {msg.version} is no "
+                              f"longer held: install the current one (heartbeat replies offer it)")
+        log.info("worker %s: keyframe of v%d from %s (%s)", msg.worker_id, msg.version, endpoint,
+                 msg.reason)
+        src = self._ticketed(msg.worker_id, endpoint)
+        return wire.SourceGrant(version=msg.version, source=src.endpoint, source_key=src.key,
+                                ticket=src.ticket)
+
+    def _report_keyframe(self, key: str, msg: wire.SourceRequest) -> None:
+        """A keyframe chunk that failed its hash: the learner fetches it from the accused
+        itself before anyone is banned (as for the chain's chunks, ``_corrupt_report``)."""
+        accused = self.relay_keys.get(msg.bad_source)
+        buf = self.results.get(msg.version)
+        if accused is None or buf is None or not 0 <= msg.chunk < buf.total or \
+                self.verifier is None:
+            self.rejected["unfounded_report"] += 1
+        elif not self.verifier.submit(msg.bad_source, accused, key,
+                                      result_view(self.store.get(msg.version).manifest), msg.chunk):
+            self.rejected["verify_queue_full"] += 1
+
     def _on_source_request(self, ident: bytes, key: str, msg: wire.SourceRequest) -> wire.Message:
         assert self.coordinator is not None
         self._joined(ident, key, msg.worker_id)
+        if msg.form == "full":
+            return self._keyframe_grant(key, msg)
+        if self.store.get(msg.version) is None:  # superseded: no source holds it any more
+            return wire.Error(reason="unknown_version", detail=f"version {msg.version} is no "
+                              f"longer held: install the current one (heartbeat replies offer it)")
         reason = msg.reason
         if reason == "corrupt":
             reason = self._corrupt_report(key, msg)
@@ -115,7 +155,11 @@ class SnapshotRoutes:
     def _on_installed(self, ident: bytes, key: str, msg: wire.Installed) -> None:
         assert self.coordinator is not None
         self._joined(ident, key, msg.worker_id)
-        self.coordinator.installed(msg.worker_id, msg.version)
+        peer = self.coordinator.peers.get(msg.worker_id)
+        first = peer is not None and msg.version not in peer.installed  # a repeat counts once
+        if self.coordinator.installed(msg.worker_id, msg.version) is not None and first:
+            self.installs.append((msg.version, msg.decode_s, msg.keyframe))
+            self.keyframe_installs += msg.keyframe
         # Its measured link rates: combined with the other end of each link (broadcast.links),
         # the first report per version only; the next publication plans on them.
         self.coordinator.measured(msg.worker_id, msg.version, msg.down_mbit, msg.up_mbit)

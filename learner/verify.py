@@ -77,7 +77,8 @@ class Verifier:
         sock.connect(r.endpoint)
         try:
             req = wire.ChunkRequest(version=r.manifest["version"], index=r.chunk, rid=1,
-                                    ticket=self.mint(keys.text, r.endpoint))
+                                    ticket=self.mint(keys.text, r.endpoint),
+                                    form=r.manifest.get("form", "payload"))
             await sock.send(wire.encode(req))
             async with asyncio.timeout(TIMEOUT_S):
                 frames = await sock.recv_multipart()

@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from broadcast.fetch import SourceFailed
+from broadcast.fetch import FetchStats
 from broadcast.relay import Relay, RelayConfig
 from broadcast.snapshot import SnapshotError
 from broadcast.tickets import Source
@@ -42,6 +42,7 @@ from echo import wire
 from echo.config import ModelConfig
 from echo.models import ModelError
 from worker.backends import Backend, Sample, make_backend
+from worker.snapshots import SnapshotFeed
 from echo.client import Client, RequestTimeout
 from echo.security import JoinLine, KeyPair, fingerprint
 
@@ -92,7 +93,6 @@ class Worker:
         self.backend: Backend | None = None
         self.adapter: Adapter | None = None
         self.installed_version = -1
-        self.offered: tuple[int, dict[str, Any], Source] | None = None
         self.unacked: OrderedDict[str, wire.Trajectories] = OrderedDict()
         self._groups_of: dict[str, list[str]] = {}  # batch id -> its group ids (while unacked)
         self._generating: list[str] = []  # group ids being generated now
@@ -112,7 +112,7 @@ class Worker:
         self.stopping = asyncio.Event()
         self.new_snapshot = asyncio.Event()
         self.relay_cfg = relay or RelayConfig()
-        self._fetching = -1  # version being pulled right now
+        self.feed: SnapshotFeed | None = None  # made with the relay, in run()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -124,6 +124,8 @@ class Worker:
         self.client = Client(self.ctx, self.endpoint, BOOT_MAX_BYTES, keys=self.keys,
                              server_key=self.line.server_key)
         self.relay = Relay(self.ctx, self.relay_cfg, keys=self.keys, run_key=lambda: self.public_key)
+        self.feed = SnapshotFeed(self.relay, self._ask_source, self._report_install)
+        self.feed.on_ready = self.new_snapshot.set
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.client.receive_forever()),
@@ -131,7 +133,7 @@ class Worker:
                 if await self._join():
                     # Heartbeats start before the (slow) model load so the learner keeps us.
                     tasks += [tg.create_task(self._heartbeats()), tg.create_task(self._notices()),
-                              tg.create_task(self._deliveries())]
+                              tg.create_task(self._deliveries()), tg.create_task(self.feed.run())]
                     self.backend, self.adapter = await asyncio.to_thread(self._load)
                     work = tg.create_task(self._work())
                     await self.stopping.wait()
@@ -193,10 +195,11 @@ class Worker:
         if ack.run_id != self.run_id or ack.version < self.installed_version:
             # Another run, or one that went back in versions: what we hold is not its policy,
             # and what our relay holds must not be served under that run's version numbers.
-            self.installed_version, self.offered = -1, None
-            self.relay.reset()
+            self.installed_version = -1
+            self.feed.reset()
         self.run_id = ack.run_id
         self.instance_id, self.public_key, self.view = ack.instance_id, ack.public_key, ack.config
+        self.feed.public_key = ack.public_key
         if ack.worker_id and ack.worker_id != self.worker_id:
             self.worker_id = ack.worker_id  # this key's session already has an id: keep it
         self.client.max_bytes = int(self.view["transport"]["max_message_mib"] * 2**20)
@@ -254,53 +257,47 @@ class Worker:
                 self._stop(f"learner shut down: {msg.reason}")
 
     def _offer(self, version: int, manifest: dict[str, Any], source: Source) -> None:
-        if version > max(self.installed_version, self.offered[0] if self.offered else -1):
-            self.offered = (version, manifest, source)
-            self.new_snapshot.set()
+        if version > self.installed_version:
+            self.feed.offer(version, manifest, source)
 
     # ------------------------------------------------------------------ snapshots
 
     async def _ensure_installed(self) -> None:
-        if self.offered is None or self.offered[0] <= self.installed_version:
+        """Between rollouts: load the newest version the feed rebuilt into the model."""
+        ready = self.feed.take_ready()
+        if ready is None or ready[0] <= self.installed_version:
             return
-        version, manifest, source = self.offered
-        self._fetching = version
+        version, manifest, result = ready
         self.state = "installing"
         try:
-            buf, stats = await self.relay.receive(manifest, self.public_key, source, self._reattach)
             assert self.backend is not None
-            await asyncio.to_thread(self.backend.install, manifest["tensors"], buf.payload)
+            await asyncio.to_thread(self.backend.install, manifest["tensors"], result)
             self.installed_version = version
-            # With what it measured: the learner plans on measured rates (broadcast.links).
-            await self.client.send(wire.Installed(worker_id=self.worker_id, version=version,
-                                                  **self.relay.measured(version, stats)))
-            log.info("installed snapshot v%d (%d bytes, %d chunks from %s)", version,
-                     manifest["payload_size"], stats.chunks, " then ".join(stats.sources))
-        except (SnapshotError, ModelError) as err:
+            log.info("installed snapshot v%d", version)
+        except ModelError as err:
             log.warning("snapshot v%d not installed: %s", version, err)
-            if self.offered and self.offered[0] == version:
-                self.offered = None  # wait for the next offer (heartbeat acks repeat it)
         except (RuntimeError, ValueError) as err:
             # A verified snapshot that still fails to load (a torch error on a tensor the
             # manifest describes): this version is skipped, the worker keeps serving.
             log.exception("snapshot v%d could not be installed: %s", version, err)
-            if self.offered and self.offered[0] == version:
-                self.offered = None
         finally:
             self.state = "idle"
 
-    async def _reattach(self, bad: Source, fail: SourceFailed) -> Source:
-        """Our snapshot source failed: the learner re-plans and names a new one."""
-        bad_source, reason = bad.endpoint, fail.reason
-        if self.offered is None or self.offered[0] != self._fetching:
-            raise SnapshotError(f"v{self._fetching} superseded while fetching (learner restarted "
-                                f"or a newer snapshot was offered)")
-        version = self._fetching
-        log.warning("snapshot source %s failed (%s); asking the learner for another", bad_source, reason)
+    async def _report_install(self, version: int, stats: FetchStats, decode_s: float,
+                              keyframe: bool) -> None:
+        """The version is here, verified and rebuilt, with what this worker measured: the
+        learner times the broadcast and plans on measured rates (broadcast.links)."""
+        await self.client.send(wire.Installed(worker_id=self.worker_id, version=version,
+                                              decode_s=decode_s, keyframe=keyframe,
+                                              **self.relay.measured(version, stats)))
+
+    async def _ask_source(self, version: int, bad_source: str, reason: str, chunk: int,
+                          form: str) -> Source:
+        """A snapshot source failed (or this worker needs a keyframe): ask the learner."""
         try:
             grant = await self.client.request(wire.SourceRequest(
-                worker_id=self.worker_id, version=version, bad_source=bad_source, reason=reason,
-                chunk=fail.index), self._timeout)
+                worker_id=self.worker_id, version=version, bad_source=bad_source,
+                reason=reason, chunk=chunk, form=form), self._timeout)
         except RequestTimeout:
             raise SnapshotError("learner did not answer a source request") from None
         if not isinstance(grant, wire.SourceGrant):

@@ -1,0 +1,139 @@
+"""The worker's snapshot feed: every published version fetched, relayed and rebuilt as it comes.
+
+The feed runs beside generation (its own task), so the chain keeps flowing while the model is
+busy: each notice's payload is pulled through the relay (which serves it onward chunk by chunk)
+and rebuilt into the version's full payload (``broadcast.versions.rebuild``): a full snapshot is
+its own, a delta is applied to the previous version's full payload held here, and a worker
+without that base (it joined late, a fetch failed, it fell behind) fetches the rebuilt version
+from a peer that installed it (a keyframe, ``Relay.receive_keyframe``; the learner names it).
+The newest rebuilt version waits in ``ready`` until the worker installs it into its model
+between rollouts.
+
+Versions are fetched oldest first, so each delta finds its base; a worker that cannot rebuild
+the oldest (no base) goes straight to the newest. ``pending`` holds at most
+``MAX_PENDING`` notices; past that the oldest are dropped (a worker that far behind catches up
+with one keyframe instead of replaying every delta).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from broadcast.fetch import FetchStats, SourceFailed
+from broadcast.relay import Relay
+from broadcast.snapshot import SnapshotError
+from broadcast.tickets import Source
+from broadcast.versions import rebuild
+
+log = logging.getLogger("worker.agent")
+
+MAX_PENDING = 8
+# (version, bad source, reason, failed chunk, form) -> a new source from the learner
+AskSource = Callable[[int, str, str, int, str], Awaitable[Source]]
+# (version, fetch stats, rebuild seconds, took a keyframe) -> the install report is sent
+Report = Callable[[int, FetchStats, float, bool], Awaitable[None]]
+
+
+class SnapshotFeed:
+    def __init__(self, relay: Relay, ask: AskSource, report: Report):
+        self.relay, self.ask, self.report = relay, ask, report
+        self.public_key = b""
+        self.pending: dict[int, tuple[dict[str, Any], Source]] = {}
+        self.rebuilt = -1  # newest version rebuilt here
+        self.ready: tuple[int, dict[str, Any], Any] | None = None  # rebuilt, not yet installed
+        self.offers = asyncio.Event()  # a notice arrived
+        self.on_ready: Callable[[], None] = lambda: None
+        self._epoch = 0  # bumped by reset: a fetch of the old run gives up
+
+    def offer(self, version: int, manifest: dict[str, Any], source: Source) -> None:
+        if version <= self.rebuilt:
+            return
+        self.pending[version] = (manifest, source)
+        for old in sorted(self.pending)[:-MAX_PENDING]:
+            del self.pending[old]
+        self.offers.set()
+
+    def reset(self) -> None:
+        """Another run (or one that went back in versions): forget every version."""
+        self.pending.clear()
+        self.rebuilt, self.ready = -1, None
+        self._epoch += 1
+        self.relay.reset()
+
+    def take_ready(self) -> tuple[int, dict[str, Any], Any] | None:
+        ready, self.ready = self.ready, None
+        return ready
+
+    async def run(self) -> None:
+        while True:
+            await self.offers.wait()
+            self.offers.clear()
+            while self.pending:
+                version = self._next()
+                manifest, source = self.pending.pop(version)
+                for older in [v for v in self.pending if v < version]:
+                    del self.pending[older]
+                if version > self.rebuilt:
+                    await self._fetch(version, manifest, source)
+
+    def _next(self) -> int:
+        """The oldest pending version, when this node can rebuild it (a full snapshot, or a
+        delta whose base is held here); else the newest: a keyframe is needed either way, and
+        the newest is the one the learner and the peers still hold."""
+        version = min(self.pending)
+        manifest = self.pending[version][0]
+        if manifest["encoding"] == "full" or self.relay.base_for(manifest) is not None:
+            return version
+        return max(self.pending)
+
+    async def _fetch(self, version: int, manifest: dict[str, Any], source: Source) -> None:
+        epoch = self._epoch
+        try:
+            buf, stats = await self.relay.receive(manifest, self.public_key, source,
+                                                  self._reattacher(version, epoch, "payload"))
+            result, decode_s, keyframe = await self._rebuild(version, manifest, buf.payload, epoch)
+        except SnapshotError as err:
+            log.warning("snapshot v%d not received: %s", version, err)
+            return
+        if epoch != self._epoch:
+            return
+        self.relay.hold_result(manifest, result)  # the next delta's base, a keyframe source
+        self.rebuilt, self.ready = version, (version, manifest, result)
+        self.on_ready()
+        await self.report(version, stats, decode_s, keyframe)
+        log.info("received snapshot v%d (%s, %d bytes, %d chunks from %s%s)", version,
+                 manifest["encoding"], manifest["payload_size"], stats.chunks,
+                 " then ".join(stats.sources), ", then a keyframe" if keyframe else "")
+
+    async def _rebuild(self, version: int, manifest: dict[str, Any], payload: Any,
+                       epoch: int) -> tuple[Any, float, bool]:
+        """The full payload, the rebuild's seconds, and whether it took a keyframe."""
+        t0 = time.perf_counter()
+        try:
+            result = await asyncio.to_thread(rebuild, manifest, payload,
+                                             self.relay.base_for(manifest))
+            return result, time.perf_counter() - t0, False
+        except SnapshotError as err:  # BaseMissing, or a result that fails its signed hashes
+            log.info("snapshot v%d: %s; fetching a keyframe", version, err)
+        first = await self._ask(version, epoch, "", "no_base", -1, "full")
+        result, _ = await self.relay.receive_keyframe(manifest, first,
+                                                      self._reattacher(version, epoch, "full"))
+        return result, 0.0, True
+
+    def _reattacher(self, version: int, epoch: int, form: str):
+        async def reattach(bad: Source, fail: SourceFailed) -> Source:
+            log.warning("snapshot source %s failed (%s); asking the learner for another",
+                        bad.endpoint, fail.reason)
+            return await self._ask(version, epoch, bad.endpoint, fail.reason, fail.index, form)
+        return reattach
+
+    async def _ask(self, version: int, epoch: int, bad: str, reason: str, chunk: int,
+                   form: str) -> Source:
+        if epoch != self._epoch:
+            raise SnapshotError(f"v{version} superseded while fetching (the learner restarted "
+                                f"into another run)")
+        return await self.ask(version, bad, reason, chunk, form)
