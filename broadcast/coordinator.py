@@ -51,6 +51,9 @@ class Coordinator:
         self.sources: dict[str, str] = {}  # the last plan: worker -> endpoint it pulls from
         self.corrupt_reports: list[tuple[str, str]] = []  # (reporter, accused endpoint)
         self.keyframes_served: dict[str, int] = {}  # endpoint -> keyframe fetches sent there
+        # (endpoint, version) a keyframe fetch failed at: that peer is not asked again for it
+        # (a worker that reported an install it cannot serve, or that went away)
+        self.keyframe_failed: set[tuple[str, int]] = set()
 
     def join(self, worker_id: str, endpoint: str, down_mbit: float = 0.0, up_mbit: float = 0.0) -> None:
         self.peers[worker_id] = PeerState(worker_id, endpoint, down_mbit, up_mbit)
@@ -114,9 +117,13 @@ class Coordinator:
         """Where a worker without the base of a delta fetches ``version``'s full payload: the
         live, relaying peer that installed it and has been sent the fewest keyframe fetches
         (spreading them off the chains' heads), else the root."""
+        if bad_source:
+            self.keyframe_failed.add((bad_source, version))
+            newest = max(self.published, default=version)
+            self.keyframe_failed = {(e, v) for e, v in self.keyframe_failed if v > newest - 4}
         held = [p.endpoint for p in self.peers.values()
                 if p.alive and p.endpoint and not p.corrupt and version in p.installed
-                and p.worker_id != worker_id and p.endpoint != bad_source]
+                and p.worker_id != worker_id and (p.endpoint, version) not in self.keyframe_failed]
         best = min(held, key=lambda ep: self.keyframes_served.get(ep, 0), default=self.source)
         self.keyframes_served[best] = self.keyframes_served.get(best, 0) + 1
         return best

@@ -205,6 +205,8 @@ class BroadcastConfig(_Section):
     keyframe_every: int = Field(10, ge=1)  # every K-th publication is full; 1 = never a delta
     # A delta bigger than this share of the full payload is published as a keyframe instead.
     delta_max_ratio: float = Field(0.8, gt=0, le=1)
+    # Encode, hash and sign publications on a thread of their own (false: on the training thread).
+    publish_thread: bool = True
 
 
 class TransportConfig(_Section):

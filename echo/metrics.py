@@ -44,7 +44,8 @@ KEEP_VERSIONS = 20  # broadcast gauges/timeline keep this many recent versions
 # Row fields sent to the dashboard (the rest stay in metrics.jsonl).
 ROW_FIELDS = ("step", "version", "reward_mean", "staleness_max", "staleness_mean", "t_train",
               "t_wait", "bubble_ratio", "admitted", "cost_step_usd", "cost_usd", "active_workers",
-              "standby_workers", "t_bcast", "wall_s")
+              "standby_workers", "t_bcast", "wall_s", "publish_encoding", "publish_bytes",
+              "publish_full_bytes", "delta_ratio", "encode_s", "decode_s")
 
 
 def _num(x: Any) -> float | None:
@@ -107,6 +108,17 @@ class LearnerMetrics:
         }
         self.g_bytes = g("echo_learner_bytes_sent", "snapshot bytes sent by the learner so far")
         self.g_t_bcast = g("echo_t_bcast_seconds", "T_bcast of the latest measured publication")
+        # docs/broadcast.md, "Delta snapshots": what the newest publication sent and cost
+        self.g_pub_bytes = g("echo_publish_bytes", "bytes of the newest publication's payload "
+                             "(a delta, or a keyframe's full payload)")
+        self.g_pub_full = g("echo_publish_full_bytes", "bytes of the newest version in full")
+        self.g_delta_ratio = g("echo_delta_ratio", "newest publication's bytes / full bytes")
+        self.g_encode = g("echo_encode_seconds", "building the newest publication (encode, "
+                          "hashes, signature; on the publisher thread)")
+        self.g_decode = g("echo_decode_seconds", "median seconds workers took to rebuild the "
+                          "newest version they reported from its delta")
+        self.g_keyframes = g("echo_keyframe_installs", "installs that needed a keyframe (the "
+                             "worker lacked the base of a delta) so far")
         self.g_bcast_v = g("echo_broadcast_seconds", "per version: seconds until the last worker "
                            "installed it (recent versions)", ("version",))
         self.g_active = g("echo_active_workers", "live active workers")
@@ -161,7 +173,10 @@ class LearnerMetrics:
         for gauge, key in ((self.g_version, "version"), (self.g_reward, "reward_mean"),
                            (self.g_bubble, "bubble_ratio"), (self.g_stale_max, "staleness_max"),
                            (self.g_t_train, "t_train"), (self.g_t_wait, "t_wait"),
-                           (self.g_admitted, "admitted"), (self.g_dropped, "dropped_stale")):
+                           (self.g_admitted, "admitted"), (self.g_dropped, "dropped_stale"),
+                           (self.g_pub_bytes, "publish_bytes"), (self.g_pub_full, "publish_full_bytes"),
+                           (self.g_delta_ratio, "delta_ratio"), (self.g_encode, "encode_s"),
+                           (self.g_decode, "decode_s"), (self.g_keyframes, "keyframe_installs")):
             v = _num(row.get(key))
             if v is not None:
                 gauge.set(v)
@@ -278,6 +293,7 @@ class LearnerMetrics:
                     "cost_per_1k_admitted_usd": 1000 * self.cost_usd / admitted if admitted else None,
                     "bubble_ratio": last.get("bubble_ratio"), "reward_mean": last.get("reward_mean"),
                     "admitted": last.get("admitted"), "t_bcast": last.get("t_bcast"),
+                    "publish_bytes": last.get("publish_bytes"), "delta_ratio": last.get("delta_ratio"),
                     "learner_price_per_hour": self.learner_price,
                 },
                 "rows": list(self.rows)[-rows:],

@@ -189,3 +189,42 @@ def test_chunk_server_survives_requesters_that_vanish(plane, ctx):
     header, data = live.recv_multipart()
     assert wire.decode(header, 1 << 20).rid == 99 and len(data) == 1000
     assert plane.stats()["sessions"] == 6  # the control plane is alive too
+
+
+def test_keyframes_from_the_learner_and_refusals_for_versions_gone(plane, client, keys):
+    """A worker without a delta's base asks where to fetch the version in full: with no peer
+    holding it, the learner serves the rebuilt payload itself (form "full", checked against the
+    signed result hashes); a version no longer held is refused at once, for either form."""
+    from broadcast.relay import Relay, RelayConfig
+    from broadcast.versions import VersionEncoder
+
+    ask(client, wire.Join(worker_id="w1"))
+    enc = VersionEncoder(run_id="t", key=plane.key, chunk_size=4096, dtype="uint8")
+    tensors = [{"name": "w", "dtype": "uint8", "shape": [50_000], "offset": 0, "nbytes": 50_000}]
+    base = bytes(range(250)) * 200
+    new = bytearray(base)
+    new[123] ^= 1
+    for version, full in enumerate((base, bytes(new))):
+        pub = enc.build(version, tensors, full)
+        plane.publish(Snapshot(pub.manifest, pub.payload, pub.result))
+    assert pub.manifest["encoding"] == "delta"
+    grant = ask(client, wire.SourceRequest(worker_id="w1", version=1, bad_source="",
+                                           reason="no_base", form="full"))
+    assert isinstance(grant, wire.SourceGrant) and grant.source == plane.snapshot_endpoint
+
+    async def fetch():
+        ctx = zmq.asyncio.Context()
+        relay = Relay(ctx, RelayConfig(serve=False), keys=keys)
+        try:
+            return await relay.receive_keyframe(pub.manifest, Source(grant.source, grant.source_key,
+                                                                     grant.ticket), None)
+        finally:
+            relay.close()
+            ctx.term()
+
+    result, _ = asyncio.run(fetch())
+    assert bytes(result) == bytes(new)
+    for form in ("payload", "full"):
+        gone = ask(client, wire.SourceRequest(worker_id="w1", version=99, bad_source="x",
+                                              reason="refused", form=form))
+        assert isinstance(gone, wire.Error) and gone.reason == "unknown_version"

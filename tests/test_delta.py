@@ -229,3 +229,21 @@ def test_a_full_payload_held_as_a_keyframe_is_never_recycled_under_it():
         return held.payload is not buf.payload and r.base_for(dict(m, base_version=0)) is not None
 
     assert asyncio.run(_run(body))
+
+
+def test_keyframes_come_from_peers_that_installed_the_version_spread_and_never_twice_from_a_failure():
+    from broadcast.coordinator import Coordinator
+    from broadcast.topology import make_topology
+
+    coord = Coordinator(make_topology("chains"), "tcp://learner")
+    for w in ("a", "b", "c", "late"):
+        coord.join(w, f"tcp://{w}" if w != "c" else "")  # c is behind NAT: serves nobody
+    coord.publish(5, now=0.0)
+    for w in ("a", "b", "c"):
+        coord.installed(w, 5, now=1.0)
+    first, second = coord.keyframe_source("late", 5), coord.keyframe_source("late", 5)
+    assert {first, second} == {"tcp://a", "tcp://b"}  # spread over the holders that serve
+    # a holder that failed to serve it (lied about its install, or left) is not asked again
+    assert coord.keyframe_source("late", 5, bad_source="tcp://a") == "tcp://b"
+    assert coord.keyframe_source("late", 5, bad_source="tcp://b") == "tcp://learner"
+    assert coord.keyframe_source("late", 4) == "tcp://learner"  # nobody installed v4

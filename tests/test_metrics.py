@@ -42,7 +42,10 @@ def synthetic_row(step: int) -> dict:
             "cost_step_usd": 0.7 * (0.6 if step else 5.5) / 3600, "rejected": {"bad_signature": 1},
             "learner_bytes_sent": 1000 * (step + 1), "t_bcast": 0.25, "reissued_groups": 0,
             "ready_groups": 3, "partial_groups": 1, "staleness_counts": {"0": 10, str(min(step, 2)): 6},
-            "wall_s": step * 0.6}
+            "wall_s": step * 0.6, "publish_encoding": "delta" if step else "full",
+            "publish_bytes": 30_000 if step else 1_000_000, "publish_full_bytes": 1_000_000,
+            "delta_ratio": 0.03 if step else 1.0, "encode_s": 0.2, "decode_s": 0.05 * step or None,
+            "keyframe_installs": step // 2}
 
 
 def synthetic_stats(step: int) -> dict:
@@ -123,6 +126,11 @@ def test_metric_values(served):
     assert value("echo_worker_checks", worker="w0") == 10
     assert value("echo_worker_quarantined", worker="evil") == 1
     assert value("echo_checks", check="sampling", outcome="fail") == 2
+    assert value("echo_publish_bytes") == 30_000 and value("echo_publish_full_bytes") == 1_000_000
+    assert value("echo_delta_ratio") == pytest.approx(0.03)
+    assert value("echo_encode_seconds") == pytest.approx(0.2)
+    assert value("echo_decode_seconds") == pytest.approx(0.25)
+    assert value("echo_keyframe_installs") == 2
     count = [s for s in fams["echo_staleness"].samples if s.name == "echo_staleness_count"][0]
     assert count.value == 6 + 16 * 5  # step 0: {"0": 10, "0": 6} is one key
 
@@ -189,5 +197,6 @@ def test_dashboard_in_headless_chromium(served, tmp_path):
     assert shown("cost-usd") == pytest.approx(metric("echo_cost_usd"), rel=1e-9)
     assert shown("cost-per-1k") == pytest.approx(metric("echo_cost_per_1k_admitted_usd"), rel=1e-9)
     assert shown("bubble-ratio") == pytest.approx(metric("echo_bubble_ratio"))
+    assert shown("publish-bytes") == metric("echo_publish_bytes")
     assert 'id="worker-w1"' in dom and "C_eff 1 &lt; 2" in dom
     assert re.search(r'id="checks-evil">.*?quarantined', dom)  # the checks table
