@@ -431,11 +431,12 @@ class ControlPlane(Sessions, SnapshotRoutes):
         return reply
 
     def _install_stats(self) -> dict[str, Any]:
-        """Of the newest version workers reported: median rebuild seconds, keyframes taken."""
-        if not self.installs:
+        """Of the newest delta workers rebuilt: the median seconds; and keyframes taken."""
+        rebuilt = [(v, d) for v, d, k in self.installs if d > 0 and not k]
+        if not rebuilt:
             return {"decode_s": None, "keyframes": self.keyframe_installs}
-        newest = max(v for v, _, _ in self.installs)
-        times = sorted(d for v, d, k in self.installs if v == newest and not k)
+        newest = max(v for v, _ in rebuilt)
+        times = sorted(d for v, d in rebuilt if v == newest)
         return {"decode_s": round(times[len(times) // 2], 4) if times else None,
                 "keyframes": self.keyframe_installs}
 

@@ -126,7 +126,7 @@ def test_two_learner_steps_with_two_workers_on_cpu(smollm2, tmp_path):
     assert 0.8 < rows[0]["is_weight_mean"] < 1.2, rows[0]  # samples came from the learner's weights
     assert rows[0]["t_publish"] > 0  # v1 built (device -> host copy, bf16) and published
     snapshot_ep = json.loads((run / "learner.json").read_text())["snapshot_endpoint"]
-    installs = {w: re.findall(r"installed snapshot v0 \((\d+) bytes, \d+ chunks from ([^\s)]+)",
+    installs = {w: re.findall(r"received snapshot v0 \(full, (\d+) bytes, \d+ chunks from ([^\s)]+)",
                               (tmp_path / f"{w}.log").read_text()) for w in ("w0", "w1")}
     assert all(installs.values()), installs
     sizes = {int(size) for got in installs.values() for size, _ in got}
