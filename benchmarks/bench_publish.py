@@ -1,5 +1,6 @@
 """How long a learner step waits for its publication: before (full snapshots built on the
-training thread) and after (deltas built on the publisher thread), with real weights.
+training thread) and after (deltas built on the publisher thread), with real weights; and
+deltas built on the training thread, to tell what the thread itself buys on this machine.
 
 Each mode runs the same real training steps of SmolLM2-135M-Instruct on this CPU (Adam at
 ``--lr`` on a fixed SFT batch, float32 weights, bf16 snapshots), and after each step hands the
@@ -34,6 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MODES = {"before": {"delta": False, "background": False},  # full, on the training thread
+         "delta-inline": {"delta": True, "background": False},  # deltas, on the training thread
          "after": {"delta": True, "background": True}}  # deltas, on the publisher thread
 TEXTS = ["The learner publishes a new version of the policy after every step.",
          "Workers on home connections relay each chunk to the next worker in the chain.",

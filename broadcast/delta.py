@@ -75,34 +75,32 @@ def _elements(buf: Any, t: dict[str, Any]) -> np.ndarray:
     return raw.view(_UINT[width])
 
 
-def _encode_tensor(t: dict[str, Any], new: Any, base: Any, stats: DeltaStats) -> tuple[str, Any]:
+def _encode_tensor(t: dict[str, Any], new: Any, base: Any, stats: DeltaStats,
+                   scratch: np.ndarray) -> tuple[str, Any]:
     a, b = _elements(new, t), _elements(base, t)
-    xor = np.bitwise_xor(a, b)
-    idx = np.flatnonzero(xor)
+    # Into a buffer reused across tensors: a fresh array per tensor costs its page faults.
+    xor = np.bitwise_xor(a, b, out=scratch[: t["nbytes"]].view(a.dtype))
+    changed = int(np.count_nonzero(xor))  # cheap; the indices are found only if sparse wins
     width = a.itemsize
     stats.elements += a.size
-    stats.changed += idx.size
+    stats.changed += changed
     stats.full_bytes += t["nbytes"]
-    options: dict[str, Any] = {"full": memoryview(new)[t["offset"] : t["offset"] + t["nbytes"]]}
-    if idx.size == 0:
-        options["sparse"] = b""
-    elif a.size < 2**32:
-        # Computed before choosing: the size of the sparse form is known without building it.
-        options["sparse"] = idx.size * (_INDEX.itemsize + width)
-    if idx.size:
-        options["xor_lz4"] = lz4.block.compress(xor.view(np.uint8), store_size=False)
-    sizes = {k: v if isinstance(v, int) else len(v) for k, v in options.items()}
-    for k, n in sizes.items():
-        stats.sizes[k] += n
+    sizes = {"full": t["nbytes"]}
+    if a.size < 2**32:  # uint32 indices
+        sizes["sparse"] = changed * (_INDEX.itemsize + width)
+    packed = lz4.block.compress(xor.view(np.uint8), store_size=False) if changed else b""
+    if changed:
+        sizes["xor_lz4"] = len(packed)
     for k in TENSOR_ENCODINGS:  # an encoding not possible for this tensor costs the full bytes
-        if k not in sizes:
-            stats.sizes[k] += t["nbytes"]
+        stats.sizes[k] += sizes.get(k, t["nbytes"])
     enc = min(sizes, key=lambda k: (sizes[k], TENSOR_ENCODINGS.index(k)))
     stats.chosen[enc] += 1
-    data = options[enc]
-    if enc == "sparse" and idx.size:
-        data = idx.astype(_INDEX).tobytes() + a[idx].tobytes()
-    return enc, data
+    if enc == "full":
+        return enc, memoryview(new)[t["offset"] : t["offset"] + t["nbytes"]]
+    if enc == "xor_lz4":
+        return enc, packed
+    idx = np.flatnonzero(xor)
+    return enc, idx.astype(_INDEX).tobytes() + a[idx].tobytes()
 
 
 def encode(tensors: list[dict[str, Any]], new: Any, base: Any) -> tuple[list[dict[str, Any]], bytes, DeltaStats]:
@@ -116,8 +114,9 @@ def encode(tensors: list[dict[str, Any]], new: Any, base: Any) -> tuple[list[dic
     t0 = time.perf_counter()
     stats = DeltaStats()
     entries, parts, off = [], [], 0
+    scratch = np.empty(max((t["nbytes"] for t in tensors), default=0), dtype=np.uint8)
     for t in tensors:
-        enc, data = _encode_tensor(t, new, base, stats)
+        enc, data = _encode_tensor(t, new, base, stats, scratch)
         entries.append({**t, "enc": enc, "doff": off, "dlen": len(data)})
         parts.append(data)
         off += len(data)
