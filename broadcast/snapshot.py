@@ -30,6 +30,8 @@ later (docs/fuzzing.md).
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,8 +96,13 @@ def chunk_hash(data: bytes | memoryview) -> bytes:
 
 
 def chunk_hashes(data: bytes | bytearray | memoryview, chunk_size: int) -> list[bytes]:
+    """BLAKE3 of every chunk, on up to 4 threads (BLAKE3 releases the GIL)."""
     view = memoryview(data)
-    return [chunk_hash(view[i : i + chunk_size]) for i in range(0, len(view), chunk_size)]
+    starts = range(0, len(view), chunk_size)
+    if len(starts) < 8:
+        return [chunk_hash(view[i : i + chunk_size]) for i in starts]
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda i: chunk_hash(view[i : i + chunk_size]), starts))
 
 
 def build_manifest(*, run_id: str, version: int, tensors: list[dict[str, Any]], payload: bytes,

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broadcast.delta import DeltaError, DeltaStats, decode, encode
-from broadcast.snapshot import RunKey, SnapshotError, build_manifest, chunk_hash, chunk_range, \
-    result_view
+from broadcast.snapshot import RunKey, SnapshotError, build_manifest, chunk_hashes
 
 
 @dataclass
@@ -108,13 +107,13 @@ def rebuild(manifest: dict[str, Any], payload: Any, base: Any | None,
 
 def check_result(manifest: dict[str, Any], result: Any) -> None:
     """Every chunk of a rebuilt payload against the signed result hashes."""
-    view, rv = memoryview(result), result_view(manifest)
+    view = memoryview(result)
     if len(view) != manifest["result_size"]:
         raise SnapshotError(f"version {manifest['version']}: rebuilt {len(view)} bytes, the "
                             f"manifest says {manifest['result_size']}")
-    for i, expected in enumerate(manifest["result_hashes"]):
-        start, end = chunk_range(rv, i)
-        if chunk_hash(view[start:end]) != expected:
+    hashes = chunk_hashes(view, manifest["chunk_size"])
+    for i, (got, expected) in enumerate(zip(hashes, manifest["result_hashes"])):
+        if got != expected:
             raise SnapshotError(f"version {manifest['version']}: rebuilt chunk {i} differs from "
                                 f"the learner's (base {manifest['base_version']} not the "
                                 f"learner's?); fetching a keyframe")
