@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import numpy as np
 import zmq
 import zmq.asyncio
@@ -40,7 +41,8 @@ from broadcast.coordinator import Coordinator
 from broadcast.fetch import SOCKET_BUFFER
 from broadcast.planner import lower_bound_s, star_limited_s, star_unlimited_s
 from broadcast.relay import Relay, RelayConfig, bucket
-from broadcast.snapshot import RunKey, build_manifest, chunk_hash
+from broadcast.snapshot import RunKey, SnapshotError, build_manifest
+from broadcast.versions import VersionEncoder, rebuild
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import Source, TicketCheck, mint
@@ -77,9 +79,12 @@ async def relay_process(args: argparse.Namespace) -> int:
         ack = await client.request(join, 60)
         assert isinstance(ack, wire.JoinAck)
         run_key = ack.public_key
-        held = None
+        held, base = None, None
         while True:
             msg = await client.notices.get()
+            if isinstance(msg, wire.Shutdown) and msg.reason == "audit" and held is not None:
+                base = await _audit(client, args.id, held, base)
+                continue
             if isinstance(msg, wire.Shutdown):
                 break
             assert isinstance(msg, wire.SnapshotNotice)
@@ -97,19 +102,27 @@ async def relay_process(args: argparse.Namespace) -> int:
             # what a worker relies on before it installs.
             await client.send(wire.Installed(worker_id=args.id, version=held.version,
                                              **relay.measured(held.version, stats)))
-        if held is not None:
-            # The audit, after the clock stopped: a BLAKE3 of the whole payload, which only the
-            # benchmark computes, so that the root counts corrupt installs independently of
-            # the per-chunk checks (computing it earlier would steal CPU from the hops still
-            # relaying on this 2-core machine and slow the measured broadcast).
-            await client.send(wire.Installed(worker_id=args.id, version=held.version,
-                                             digest=held.digest()))
         for t in tasks:
             t.cancel()
     relay.close()
     client.close(linger_ms=5000)  # let the audit digest leave before the socket closes
     ctx.term()
     return 0
+
+
+async def _audit(client: Client, wid: str, held: SnapshotBuffer, base: Any) -> Any:
+    """The audit of one publication, when the root asks (after every relay installed it, so its
+    CPU slows no hop still relaying): rebuild the version as a worker does (a delta applied to
+    the previous version's full payload) and send the BLAKE3 of the whole result, which the
+    root compares with the learner's full payload: every install checked bit for bit,
+    independently of the per-chunk checks. Returns the result: the next delta's base."""
+    try:
+        result = await asyncio.to_thread(rebuild, held.manifest, held.payload, base)
+        digest = await asyncio.to_thread(lambda: blake3.blake3(result, max_threads=blake3.blake3.AUTO).digest())
+    except SnapshotError:
+        result, digest = None, bytes(32)  # counted as a corrupt install
+    await client.send(wire.Installed(worker_id=wid, version=held.version, digest=digest))
+    return result
 
 
 # ----------------------------------------------------------------------------- root
@@ -134,6 +147,9 @@ class BenchParams:
     publications: int = 1  # versions published in a row (re-planned at each)
     liar_up_mbit: float = 0.0  # r00's real uplink; it declares 10x this (0: no liar)
     trust_declared: bool = False  # plan on declared rates only (the old behaviour)
+    versions_dir: str = ""  # replay recorded full payloads (layout.json, v000.bin, ...)
+    delta: bool = True  # with versions_dir: publish deltas between keyframes
+    keyframe_every: int = 10
 
 
 class Root:
@@ -174,7 +190,7 @@ class Root:
         self.version = 1  # the version being broadcast
         self.idents: dict[str, bytes] = {}
         self.joined = asyncio.Event()
-        self.digests: dict[str, bytes] = {}
+        self.digests: dict[int, dict[str, bytes]] = {}  # version -> worker -> audit digest
         self.all_installed = asyncio.Event()
         self.audited = asyncio.Event()
         self.dead: set[str] = set()
@@ -211,8 +227,8 @@ class Root:
                 reply = wire.SourceGrant(version=msg.version, source=src.endpoint,
                                          source_key=src.key, ticket=src.ticket)
             elif isinstance(msg, wire.Installed):
-                if msg.digest:  # the audit digest, sent after the shutdown
-                    self.digests[msg.worker_id] = msg.digest
+                if msg.digest:  # an audit digest, sent when asked
+                    self.digests.setdefault(msg.version, {})[msg.worker_id] = msg.digest
                     self._check_audited()
                 else:
                     self.coord.installed(msg.worker_id, msg.version)
@@ -229,14 +245,23 @@ class Root:
 
     def _check_audited(self) -> None:
         alive = set(self.idents) - self.dead
-        if alive and alive <= set(self.digests):
+        if alive and alive <= set(self.digests.get(self.version, {})):
             self.audited.set()
+
+    async def audit(self) -> None:
+        """Ask every live relay for the digest of what it rebuilt (untimed)."""
+        self.audited.clear()
+        for wid, ident in self.idents.items():
+            if wid not in self.dead:
+                await self.ctrl.send_multipart([ident, wire.encode(wire.Shutdown(reason="audit"))])
+        await asyncio.wait_for(self.audited.wait(), 120)
 
     def prepare(self, payload: bytes, version: int = 1) -> dict[str, Any]:
         manifest = build_manifest(run_id="bench", version=version, tensors=[], payload=payload,
                                   chunk_size=self.p.chunk_kib * 1024, dtype="uint8", key=self.key)
         self.store.add(SnapshotBuffer(manifest, payload))
         return manifest
+
 
     async def publish(self, manifest: dict[str, Any]) -> dict[str, str]:
         self.version = manifest["version"]
@@ -258,6 +283,30 @@ class Root:
                 await self.ctrl.send_multipart([ident, wire.encode(wire.Shutdown(reason="bench over"))])
             except zmq.ZMQError:
                 pass
+
+
+class RecordedVersions:
+    """Real versions replayed (``--versions-dir``, written by ``benchmarks/delta_real.py
+    --record``): each file's full payload goes through the learner's ``VersionEncoder``."""
+
+    def __init__(self, p: BenchParams, key: RunKey):
+        folder = Path(p.versions_dir)
+        self.layout = json.loads((folder / "layout.json").read_text())
+        self.files = sorted(folder.glob("v[0-9][0-9][0-9].bin"))
+        if not self.files:
+            raise SystemExit(f"--versions-dir {folder}: no v000.bin ... (record some with "
+                             f"benchmarks/delta_real.py --record {folder})")
+        self.encoder = VersionEncoder(run_id="bench", key=key, chunk_size=p.chunk_kib * 1024,
+                                      dtype="bfloat16", delta=p.delta,
+                                      keyframe_every=p.keyframe_every)
+        self.full_bytes = self.files[0].stat().st_size
+
+    def prepare(self, root: "Root", version: int) -> tuple[dict[str, Any], bytes]:
+        """The publication of ``version`` (1-based) in the root's store; its full digest."""
+        full = self.files[version - 1].read_bytes()
+        pub = self.encoder.build(version, self.layout, full)
+        root.store.add(SnapshotBuffer(pub.manifest, pub.payload))
+        return pub.manifest, blake3.blake3(full).digest()
 
 
 def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
@@ -299,28 +348,37 @@ async def _killer(root: Root, procs: dict[str, Any], p: BenchParams, horizon_s: 
 
 async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
     root = Root(p)
+    recorded = RecordedVersions(p, root.key) if p.versions_dir else None
+    if recorded is not None:
+        p.snapshot_mib = recorded.full_bytes / 2**20  # relays reserve a keyframe's buffer
+        p.publications = min(p.publications, len(recorded.files)) if p.publications > 1 \
+            else len(recorded.files)
     procs = _spawn_relays(root, p)
-    payload = np.random.default_rng(p.seed).bytes(int(p.snapshot_mib * 2**20))
+    payload = b"" if recorded else np.random.default_rng(p.seed).bytes(int(p.snapshot_mib * 2**20))
+    expected: dict[int, bytes] = {}  # version -> digest of its full payload
     try:
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(root.serve()), tg.create_task(root.server.serve_forever())]
             await asyncio.wait_for(root.joined.wait(), 120)
-            m = len(payload)
-            lb = lower_bound_s(m, p.uplink_mbit or 1e9, [p.link_mbit or 1e9] * p.workers,
-                               [p.link_mbit or 1e9] * p.workers)
+            m = recorded.full_bytes if recorded else len(payload)
+            lb = _lower_bound(p, m)
             horizon = star_limited_s(m, p.link_mbit, p.uplink_mbit, p.workers) if p.topology == "star" and p.link_mbit else max(lb, 0.5)
             pubs = []
             for version in range(1, p.publications + 1):
-                manifest = root.prepare(payload, version)  # hashing, signing: before the clock
+                # encoding, hashing, signing: before the clock
+                if recorded is not None:
+                    manifest, expected[version] = recorded.prepare(root, version)
+                else:
+                    manifest, expected[version] = root.prepare(payload, version), blake3.blake3(payload).digest()
                 t0 = time.monotonic()
                 sources = await root.publish(manifest)
                 if p.kill_fraction and version == 1:
                     tasks.append(tg.create_task(_killer(root, procs, p, horizon)))
                 await asyncio.wait_for(root.all_installed.wait(), max(120.0, 10 * horizon))
                 elapsed = time.monotonic() - t0
-                pubs.append(_publication(root, version, sources))
-            await root.shutdown()  # each survivor answers with its audit digest
-            await asyncio.wait_for(root.audited.wait(), 120)
+                await root.audit()  # each survivor rebuilds it and answers with its digest
+                pubs.append(_publication(root, version, sources, manifest, expected[version]))
+            await root.shutdown()
             for t in tasks:
                 t.cancel()
     finally:
@@ -335,16 +393,16 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
         root.ctx.destroy(linger=0)
     survivors = sorted(set(procs) - root.dead)
     times = root.coord.install_times(p.publications)
-    digest = chunk_hash(payload)
+    last = root.digests.get(p.publications, {})
     return {
         "params": p.__dict__, "t_bcast_s": max(times[w] for w in survivors), "elapsed_s": elapsed,
         "lower_bound_s": lb,
         "star_limited_s": star_limited_s(m, p.link_mbit, p.uplink_mbit, p.workers) if p.link_mbit and p.uplink_mbit else None,
         "star_unlimited_s": star_unlimited_s(m, p.link_mbit) if p.link_mbit else None,
         "learner_bytes_sent": root.store.bytes_sent, "snapshot_bytes": m,
-        "installed": sum(1 for w in survivors if w in root.digests), "survivors": len(survivors),
+        "installed": sum(1 for w in survivors if w in last), "survivors": len(survivors),
         "killed": sorted(root.dead),
-        "corrupt_installs": sum(1 for w in survivors if root.digests.get(w) != digest),
+        "corrupt_installs": sum(x["corrupt_installs"] for x in pubs),
         "reattaches": root.reattaches,
         "parents": _parents(sources, root.coord),
         "install_times_s": times,
@@ -352,12 +410,23 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
     }
 
 
-def _publication(root: Root, version: int, sources: dict[str, str]) -> dict[str, Any]:
-    """One publication: T_bcast, the plan, and the rates it was planned with."""
+def _lower_bound(p: BenchParams, m: int) -> float:
+    return lower_bound_s(m, p.uplink_mbit or 1e9, [p.link_mbit or 1e9] * p.workers,
+                         [p.link_mbit or 1e9] * p.workers)
+
+
+def _publication(root: Root, version: int, sources: dict[str, str], manifest: dict[str, Any],
+                 expected: bytes) -> dict[str, Any]:
+    """One publication: T_bcast, what it sent, its audit, the plan and its rates."""
     parents = _parents(sources, root.coord)
     times = root.coord.install_times(version)
     alive = set(root.idents) - root.dead
+    digests = root.digests.get(version, {})
     return {"version": version, "t_bcast_s": max(times[w] for w in alive if w in times),
+            "encoding": manifest["encoding"], "payload_bytes": manifest["payload_size"],
+            "full_bytes": manifest["result_size"],
+            "lower_bound_s": _lower_bound(root.p, manifest["payload_size"]),
+            "corrupt_installs": sum(1 for w in alive if digests.get(w) != expected),
             # the liar (r00) heads a chain that it feeds: it pulls from the root and uploads
             "parents": parents, "liar_head": (parents.get("r00") == "root"
                                               and any(p == "r00" for p in parents.values()))
@@ -404,6 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="relay r00's real uplink; it declares 10x this (0 = no liar)")
     ap.add_argument("--trust-declared", action="store_true",
                     help="plan on declared link rates only (the behaviour before measurement)")
+    ap.add_argument("--versions-dir", default="",
+                    help="replay recorded real versions (benchmarks/delta_real.py --record DIR) "
+                         "instead of a random payload, one publication per file")
+    ap.add_argument("--delta", choices=("on", "off", "both"), default="both",
+                    help="with --versions-dir: deltas between keyframes, full snapshots, or both "
+                         "runs and their T_bcast ratio")
+    ap.add_argument("--keyframe-every", type=int, default=10)
     ap.add_argument("--liar-json", default=None,
                     help="run honest / liar / liar-with-declarations-trusted (needs --liar-up-mbit) "
                          "and write T_bcast per publication here")
@@ -464,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "-m", "broadcast.bench", *argv, "--inside"]).returncode
     if args.liar_json:
         return liar_main(args)
+    if args.versions_dir:
+        return versions_main(args)
     results = []
     for topo in args.topology.split(","):
         if topo not in TOPOLOGIES:
@@ -481,6 +559,53 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"machine": machine_info(), "results": results}, indent=2))
     return 0
+
+
+def versions_main(args: argparse.Namespace) -> int:
+    """Recorded real versions broadcast as deltas and as full snapshots: T_bcast per version."""
+    arms = {"on": [True], "off": [False], "both": [True, False]}[args.delta]
+    out: dict[str, Any] = {}
+    for delta in arms:
+        p = BenchParams(args.workers, 0.0, args.uplink_mbit, args.link_mbit, args.topology,
+                        corrupt_relays=args.corrupt_relays, chunk_kib=args.chunk_kib, window=args.window, chains=args.chains,
+                        seed=args.seed, curve=args.curve, publications=args.publications,
+                        versions_dir=args.versions_dir, delta=delta,
+                        keyframe_every=args.keyframe_every)
+        out["delta" if delta else "full"] = asyncio.run(run_one(p))
+    if len(out) == 2:
+        out["t_bcast_ratio_delta_full"] = [
+            d["t_bcast_s"] / f["t_bcast_s"] for d, f in
+            zip(out["delta"]["publications"], out["full"]["publications"])]
+    print_versions(out)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"machine": machine_info(), "load": os.getloadavg(),
+                                               "argv": sys.argv[1:], **out}, indent=2))
+    return 0
+
+
+def print_versions(out: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="Recorded real versions: T_bcast per publication (real processes, loopback)")
+    for col in ("arm", "version", "encoding", "MiB sent", "T_bcast s", "lower bound s",
+                "corrupt installs", "learner sent MiB"):
+        t.add_column(col, justify="right")
+    for arm in ("delta", "full"):
+        if arm not in out:
+            continue
+        for x in out[arm]["publications"]:
+            t.add_row(arm, str(x["version"]), x["encoding"], f"{x['payload_bytes'] / 2**20:.2f}",
+                      f"{x['t_bcast_s']:.2f}", f"{x['lower_bound_s']:.2f}",
+                      str(x["corrupt_installs"]), "")
+        t.add_row(arm, "all", "", "", f"{sum(x['t_bcast_s'] for x in out[arm]['publications']):.2f}",
+                  "", str(out[arm]["corrupt_installs"]),
+                  f"{out[arm]['learner_bytes_sent'] / 2**20:.0f}")
+    Console(width=200).print(t)
+    if "t_bcast_ratio_delta_full" in out:
+        print("T_bcast delta / full per version:",
+              " ".join(f"{r:.3f}" for r in out["t_bcast_ratio_delta_full"]))
 
 
 def liar_main(args: argparse.Namespace) -> int:

@@ -231,6 +231,43 @@ def test_bench_broadcast_with_processes_kill_and_corruption(tmp_path):
             assert key in x
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+def test_bench_replays_recorded_versions_as_deltas_and_audits_every_install(tmp_path):
+    """Recorded versions (a keyframe, then 1% of elements changed per version) go out as deltas
+    and as full snapshots; every relay rebuilds every version and its digest matches the full
+    payload's, and one relay that corrupts what it forwards changes nothing installed."""
+    import json
+    import subprocess
+    import sys
+
+    folder = tmp_path / "versions"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    n = 300_000
+    (folder / "layout.json").write_text(json.dumps(
+        [{"name": "w", "dtype": "bfloat16", "shape": [n], "offset": 0, "nbytes": 2 * n}]))
+    a = rng.integers(0, 2**16, n, dtype=np.uint16)
+    for v in range(4):
+        (folder / f"v{v:03d}.bin").write_bytes(a.tobytes())
+        a = a.copy()
+        a[rng.choice(n, n // 100, replace=False)] ^= 1
+    out = tmp_path / "v.json"
+    r = subprocess.run([sys.executable, "-m", "echo.cli", "bench", "broadcast", "--workers", "4",
+                        "--chunk-kib", "64", "--uplink-mbit", "0", "--link-mbit", "0",
+                        "--versions-dir", str(folder), "--corrupt-relays", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    for arm, kinds in (("delta", ["full", "delta", "delta", "delta"]), ("full", ["full"] * 4)):
+        pubs = got[arm]["publications"]
+        assert [x["encoding"] for x in pubs] == kinds
+        assert all(x["corrupt_installs"] == 0 for x in pubs) and got[arm]["installed"] == 4
+    sizes = [x["payload_bytes"] for x in got["delta"]["publications"]]
+    assert all(s < 0.1 * sizes[0] for s in sizes[1:])  # 1% of elements: a few % of the bytes
+    assert len(got["t_bcast_ratio_delta_full"]) == 4
+
+
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.timeout(180)
