@@ -268,6 +268,14 @@ def test_bench_replays_recorded_versions_as_deltas_and_audits_every_install(tmp_
     assert len(got["t_bcast_ratio_delta_full"]) == 4
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_bare_chain_yardstick_delivers_every_byte_to_every_hop():
+    from broadcast import bare_chain
+
+    assert bare_chain.run(3, 4 * 2**20 + 5, 256 * 1024) > 0  # it raises if a hop got less
+
+
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.timeout(180)
