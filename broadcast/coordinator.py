@@ -26,6 +26,13 @@ from broadcast.topology import Peer, Topology
 log = logging.getLogger(__name__)
 
 
+def quantile_rank(q: float, n: int) -> int:
+    """How many of ``n`` installs ``T_bcast`` at quantile ``q`` waits for: ceil(q * n), at least
+    1, with float noise ignored (0.9 * 10 is 9.000000000000002 and means 9). The one rule for
+    the learner, the broadcast benchmark and the simulator (provisioning/sim.py)."""
+    return max(1, math.ceil(q * n - 1e-9))
+
+
 @dataclass
 class PeerState:
     worker_id: str
@@ -163,5 +170,5 @@ class Coordinator:
         q = self.q if q is None else q
         live = [p for p in self.peers.values() if p.alive]
         times = sorted(p.installed[version] for p in live if version in p.installed)
-        need = max(1, math.ceil(q * len(live)))
+        need = quantile_rank(q, len(live))
         return times[need - 1] if len(times) >= need else None

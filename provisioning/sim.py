@@ -69,6 +69,7 @@ import numpy as np
 import simpy
 
 from broadcast import planner
+from broadcast.coordinator import quantile_rank
 from broadcast.topology.base import Peer
 from provisioning import capacity, selection
 from provisioning.controller import ACTIVATE, ACTIVE, RELEASE, SHORT, STANDBY, Controller
@@ -609,7 +610,7 @@ class Sim:
             self.chain_pos[ch] = np.arange(len(ch))
         done = np.sort(plan.offsets) + self.reload
         if len(done):
-            k = max(1, math.ceil(self.sc.broadcast.q * len(done) - 1e-9))
+            k = quantile_rank(self.sc.broadcast.q, len(done))
             t_b, tail = float(done[k - 1]), float(done[-1])
         else:
             t_b = tail = 0.0
@@ -690,7 +691,7 @@ class Sim:
             done = np.sort(plan.offsets) + self.reload
             if not len(done):
                 return 0.0
-            return float(done[max(1, math.ceil(sc.broadcast.q * len(done) - 1e-9)) - 1])
+            return float(done[quantile_rank(sc.broadcast.q, len(done)) - 1])
 
         if p.selection == "all" or p.active or not len(cand):
             chosen = choose(0.0)  # no requirement involved
@@ -844,7 +845,8 @@ class Sim:
             if self.done:
                 return
             if tag != self.leave_epoch[i] * 2 + self.present[i]:
-                continue  # state changed by something else (trace): reschedule
+                schedule(i)  # a trace changed its state: random churn goes on from the new one
+                continue
             if self.present[i]:
                 self._leave(i)
             else:

@@ -337,3 +337,35 @@ def test_example_scenarios_load_and_start(path):
         return  # scale-10k: validated only; benchmarks/reproduce_sim.py runs it
     r = simulate(path, {"run.steps": 3, "run.measure_from_step": 0}, machine=False)
     assert r["summary"]["steps_done"] == 3
+
+
+def test_a_worker_touched_by_a_trace_keeps_its_random_churn(tmp_path):
+    """A trace event makes the worker's pending random event stale; the worker must get a new
+    one from its new state, not drop out of random churn for the rest of the run."""
+    from provisioning.sim import Sim
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("time_s,worker,event\n1,w0,leave\n2,w0,join\n")
+    data = base(churn__trace=str(trace), churn__leave_per_hour=360.0,
+                churn__rejoin_per_hour=720.0)
+    data["pool"]["classes"] = [{"count": 2, "mu": 5.0, "price": 0.35}]
+    data["run"]["steps"] = 12
+    sim = Sim(scenario_from_dict(data))
+    sim.run()
+    # about one leave per 10 s present over 12+ minutes: dozens for either worker
+    assert sim.leave_epoch[0] > 10 and sim.leave_epoch[1] > 10
+
+
+def test_the_install_quantile_is_one_rule_without_float_noise():
+    from broadcast.coordinator import Coordinator, quantile_rank
+    from broadcast.topology import make_topology
+
+    assert [quantile_rank(0.9, 10), quantile_rank(1.0, 7), quantile_rank(0.01, 5)] == [9, 7, 1]
+    assert quantile_rank(0.3, 10) == 3  # 0.3 * 10 = 3.0000000000000004
+    coord = Coordinator(make_topology("chains"), "tcp://root", q=0.3)
+    for i in range(10):
+        coord.join(f"w{i}", f"tcp://w{i}")
+    coord.publish(1, now=0.0)
+    for i in range(3):
+        coord.installed(f"w{i}", 1, now=1.0 + i)
+    assert coord.t_bcast(1) == 3.0  # the third install, not a fourth that never came
