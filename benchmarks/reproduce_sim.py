@@ -10,8 +10,8 @@
             examples/sim/fig4-broadcast.toml, homogeneous and heterogeneous links;
 * table2 -- the ablation table (paper Table 2) from examples/sim/table2-ablation.toml;
 * scale  -- examples/sim/scale-10k.toml (10,000 workers, 100 steps) with its wall time, and the
-            same run with the controller fed capacity instead of deliveries;
-* churn  -- examples/sim/churn-controller.toml, both controller measurements.
+            same run with the controller fed deliveries, and capacity (the oracle);
+* churn  -- examples/sim/churn-controller.toml, the three controller measurements.
 
 Every result JSON carries the machine it ran on (echo.machine.machine_info).
 """
@@ -299,18 +299,22 @@ def _full_run(out: Path, scenario: str, name: str, over: dict[str, Any]) -> dict
     return r
 
 
+def _measures(out: Path, toml: str, name: str) -> dict[str, Any]:
+    """The controller fed busy time (the default, as the learner feeds it), deliveries over
+    wall time, and the capacity oracle."""
+    runs = {"busy": _full_run(out, toml, name, {})}
+    for measure in ("delivered", "capacity"):
+        runs[measure] = _full_run(out, toml, f"{name}-{measure}",
+                                  {"provisioning.measure": measure})
+    return {m: r["summary"] for m, r in runs.items()}
+
+
 def scale(out: Path) -> dict[str, Any]:
-    a = _full_run(out, "scale-10k.toml", "scale-10k", {})
-    b = _full_run(out, "scale-10k.toml", "scale-10k-capacity",
-                  {"provisioning.measure": "capacity"})
-    return {"delivered": a["summary"], "capacity": b["summary"]}
+    return _measures(out, "scale-10k.toml", "scale-10k")
 
 
 def churn(out: Path) -> dict[str, Any]:
-    a = _full_run(out, "churn-controller.toml", "churn-controller", {})
-    b = _full_run(out, "churn-controller.toml", "churn-controller-capacity",
-                  {"provisioning.measure": "capacity"})
-    return {"delivered": a["summary"], "capacity": b["summary"]}
+    return _measures(out, "churn-controller.toml", "churn-controller")
 
 
 def _table(title: str, cols: list[str]):

@@ -184,12 +184,13 @@ class ProvisioningSection(_Section):
     tau_s: float = Field(60.0, gt=0)
     warmup_s: float = Field(30.0, ge=0)
     tick_s: float = Field(10.0, gt=0)
-    # What the controller observes. "delivered": every delivered trajectory, as the real
-    # control plane does (learner/control.py). That rate is capped by the work the learner
-    # hands out (max_outstanding_groups) and by install pauses, so it measures demand once the
-    # fleet is large enough. "capacity": each active, installed worker's nominal mu_i x time
-    # (an oracle), to show what the loop does when its input measures capacity.
-    measure: Literal["delivered", "capacity"] = "delivered"
+    # What the controller observes. "busy": every delivered batch with the seconds the worker
+    # spent generating it, as the real control plane feeds it (learner/control.py: the batch's
+    # gen_s), so throughput is delivered / busy time. "delivered": deliveries over wall time
+    # (the control plane before it fed busy time); that rate is capped by the work the learner
+    # hands out and by install pauses, so it measures demand once the fleet is large enough.
+    # "capacity": each active, installed worker's nominal mu_i x time (an oracle).
+    measure: Literal["busy", "delivered", "capacity"] = "busy"
     # T_bcast behind mu_req before the first publication is measured; None: the planner's
     # prediction for the initial active set.
     t_bcast_initial_s: float | None = Field(None, ge=0)

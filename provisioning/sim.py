@@ -313,6 +313,7 @@ class Sim:
         self._jit_pos = 0
         self.ctl: Controller | None = None
         self.observe_delivered = False  # feed deliveries to the controller (measure=delivered)
+        self.observe_busy = False  # ... with the batch's generation seconds (measure=busy)
         self.initial: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -481,8 +482,9 @@ class Sim:
             u = self.inst_ver[i]
             self.busy[i] = g
             epoch = self.leave_epoch[i]
+            gen_s = g * Gmu * self._rand_jitter()
             try:
-                yield env.timeout(g * Gmu * self._rand_jitter())
+                yield env.timeout(gen_s)
             except simpy.Interrupt:
                 pass
             self.busy[i] = 0
@@ -492,14 +494,15 @@ class Sim:
                 self.counters.lost_groups += g
                 self._fill()
                 continue
-            self._deliver(i, g, u)
+            self._deliver(i, g, u, gen_s)
 
-    def _deliver(self, i: int, g: int, u: int) -> None:
+    def _deliver(self, i: int, g: int, u: int, gen_s: float) -> None:
         self.in_flight -= g
         c = self.counters
         c.delivered_groups += g
         if self.observe_delivered and self.registered[i]:
-            self.ctl.observe(self.pool.ids[i], g * self.G)
+            self.ctl.observe(self.pool.ids[i], g * self.G,
+                             busy_s=gen_s if self.observe_busy else None)
         if u < self.version - self.S:
             c.dropped_stale_groups += g
         else:
@@ -731,7 +734,8 @@ class Sim:
         for i in range(self.n):
             if self.present[i]:
                 self._register(i)
-        self.observe_delivered = p.measure == "delivered"
+        self.observe_delivered = p.measure in ("delivered", "busy")
+        self.observe_busy = p.measure == "busy"
         self._update_requirement()
 
     def _register(self, i: int) -> None:

@@ -369,3 +369,24 @@ def test_the_install_quantile_is_one_rule_without_float_noise():
     for i in range(3):
         coord.installed(f"w{i}", 1, now=1.0 + i)
     assert coord.t_bcast(1) == 3.0  # the third install, not a fourth that never came
+
+
+def test_busy_time_measures_capacity_as_the_oracle_does():
+    """Fed what the learner's control plane feeds it (each batch with its generation seconds),
+    the controller holds about the capacity the oracle holds; fed deliveries over wall time it
+    over-provisions (the rate it sees is the learner's demand, not the fleet's capacity)."""
+    data = base(provisioning__controller=True, provisioning__selection="ours",
+                provisioning__tick_s=5.0, provisioning__window_s=10.0,
+                churn__leave_per_hour=3.0, churn__rejoin_per_hour=3.0,
+                churn__heartbeat_timeout_s=5.0)
+    data["pool"]["classes"] = [{"count": 40, "mu": 0.5, "price": 0.35}]
+    data["run"]["steps"] = 40
+
+    def summary(measure: str) -> dict:
+        d = {**data, "provisioning": {**data["provisioning"], "measure": measure}}
+        return run(d)["summary"]
+
+    busy, delivered, oracle = summary("busy"), summary("delivered"), summary("capacity")
+    assert abs(busy["mu_active_mean"] / oracle["mu_active_mean"] - 1) < 0.10
+    assert delivered["mu_active_mean"] > 1.5 * busy["mu_active_mean"]
+    assert busy["cost_per_step_usd"] < delivered["cost_per_step_usd"]
