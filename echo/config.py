@@ -136,6 +136,8 @@ class LearnerConfig(StalenessRules, _Section):
     price_per_hour: float = Field(0.0, ge=0)
     checkpoint: bool = True  # checkpoint before every publication (needed for --resume)
     fsync: bool = True  # fsync the buffer log before acknowledging (off only for benchmarks)
+    # A slow disk, for tests and the control plane's load test: each fsync sleeps this long.
+    fsync_delay_s: float = Field(0.0, ge=0, le=10)
     # Admission bounds (dataplane/records.py): a record whose |reward| exceeds this is rejected
     # ("reward_out_of_range"). Raise it if an adapter's rewards are legitimately larger; the cap
     # of 1e30 keeps rewards, their squares and the advantages finite in float32/float64.

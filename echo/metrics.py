@@ -98,6 +98,8 @@ class LearnerMetrics:
         self.g_dropped = g("echo_dropped_stale", "trajectories dropped as too stale so far")
         self.g_buffer = g("echo_buffer_groups", "groups in the replay buffer", ("kind",))
         self.g_in_flight = g("echo_in_flight_groups", "groups handed out and not yet returned")
+        self.g_ack_queue = g("echo_ack_queue", "batch acknowledgements waiting for the write-ahead "
+                             "log's fsync (group commit; bounded, learner.control.ACK_QUEUE)")
         self.g_rejected = g("echo_rejected", "records/frames rejected so far", ("reason",))
         # docs/security.md: what the door refused, by reason
         self.g_refusals = {
@@ -206,7 +208,7 @@ class LearnerMetrics:
         for gauge, key in ((self.g_active, "active_workers"), (self.g_standby, "standby_workers"),
                            (self.g_fleet_price, "fleet_price_per_hour"),
                            (self.g_bytes, "learner_bytes_sent"), (self.g_t_bcast, "t_bcast"),
-                           (self.g_in_flight, "in_flight_groups")):
+                           (self.g_in_flight, "in_flight_groups"), (self.g_ack_queue, "ack_queue")):
             v = _num(stats.get(key))
             if v is not None:
                 gauge.set(v)

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,17 @@ from provisioning.controller import Controller, Decision
 log = logging.getLogger("echo.control")
 
 SMALL_FRAME = 1 << 16
+# Acknowledgements waiting for their records to be durable (group commit). Overflow policy:
+# when full, the control loop waits for room before it reads the next message (back-pressure).
+ACK_QUEUE = 1024
+
+
+@dataclass
+class Deferred:
+    """A reply that may leave only once ``durable`` (a buffer log future) has resolved."""
+
+    reply: wire.Message
+    durable: Any
 CHUNK_DOMAIN = b"echo-chunks"
 
 
@@ -167,10 +179,12 @@ class ControlPlane(Sessions, SnapshotRoutes):
         mons = [self._handshake_monitor(ctrl), self._handshake_monitor(snap)]
         self.verifier = Verifier(ctx, lambda child, parent: mint(
             self.key, child, parent, self.run_id, 600.0), self.max_bytes)
+        self._acks: asyncio.Queue[tuple[bytes, Deferred]] = asyncio.Queue(ACK_QUEUE)
         self._ready.set()
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._serve(ctrl)),
+                         tg.create_task(self._send_acks()),
                          tg.create_task(self.chunks.serve_forever()),
                          tg.create_task(self._housekeeping()),
                          tg.create_task(self._count_handshakes(mons[0])),
@@ -290,6 +304,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             "chunk_parked": self.chunks.parked if self.chunks else 0,
             "sessions": len(self.sessions),
             "learner_bytes_sent": self.store.bytes_sent,
+            "ack_queue": self._acks.qsize(),
             **self._install_stats(),
             "t_bcast": self._last_t_bcast(),
             "in_flight_groups": self.work.in_flight,
@@ -376,8 +391,25 @@ class ControlPlane(Sessions, SnapshotRoutes):
             ident, *frames = await sock.recv_multipart(copy=False)
             key = sender_key([ident, *frames])
             reply = await self._handle(ident.bytes, key, [f.bytes for f in frames])
-            if reply is not None:
+            if isinstance(reply, Deferred):
+                await self._acks.put((ident.bytes, reply))  # full: back-pressure on this loop
+            elif reply is not None:
                 await self._send_ident(ident.bytes, reply)
+
+    async def _send_acks(self) -> None:
+        """Acknowledgements, in order, each once its records are durable (group commit,
+        ``learner.durable``): the loop serves heartbeats and chunks meanwhile. A failed write
+        ends the control plane: what was not made durable must not be acknowledged, ever."""
+        while True:
+            ident, deferred = await self._acks.get()
+            try:
+                await asyncio.wrap_future(deferred.durable)
+            except Exception as exc:
+                await self._send_ident(ident, wire.Error(
+                    reason="internal_error", detail="the learner could not store the batch; "
+                    "resend it", rid=deferred.reply.rid))
+                raise RuntimeError(f"buffer log write failed: {exc!r}") from exc
+            await self._send_ident(ident, deferred.reply)
 
     async def _handle(self, ident: bytes, key: str, frames: list[bytes]) -> wire.Message | None:
         """One message from one peer: whatever it holds ends at most this message."""
@@ -426,7 +458,9 @@ class ControlPlane(Sessions, SnapshotRoutes):
                                      "key; reconnect (the learner may have been starting)")
             key = f"id:{getattr(msg, 'worker_id', '')}"  # plaintext: the claimed id is all there is
         reply = handler(ident, key, msg)
-        if reply is not None:
+        if isinstance(reply, Deferred):
+            reply.reply.rid = msg.rid
+        elif reply is not None:
             reply.rid = msg.rid
         return reply
 
@@ -512,8 +546,11 @@ class ControlPlane(Sessions, SnapshotRoutes):
             # controller then measures capacity, not how much work it was handed.
             busy = max((r.gen_s for r in out.accepted), default=None)
             self.controller.observe(w.worker_id, len(out.accepted), busy_s=busy)  # refused ones earn nothing
-        return wire.Ack(batch_id=msg.batch_id, accepted=len(out.accepted), duplicates=out.duplicates,
-                        rejected=dict(out.rejected), rejected_idx=out.rejected_idx)
+        ack = wire.Ack(batch_id=msg.batch_id, accepted=len(out.accepted), duplicates=out.duplicates,
+                       rejected=dict(out.rejected), rejected_idx=out.rejected_idx)
+        if out.durable is not None and not out.durable.done():
+            return Deferred(ack, out.durable)  # sent when the write-ahead log has it on disk
+        return ack
 
     # ------------------------------------------------------------------ strikes and quarantine
 

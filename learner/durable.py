@@ -16,6 +16,17 @@ fails today's admission checks, e.g. a reward past ``learner.max_abs_reward``) i
 into ``buffer.log.rejected`` with its reason (``scan_log``, ``quarantine``) and the resume
 goes on: it is never replayed into the crash it may have caused. ``compact`` rewrites the
 log with only what is still live (atomic rename).
+
+Group commit (the default): appends go to a writer thread, which writes every frame waiting
+and then fsyncs once for all of them; each append returns a future that resolves when its
+frame is durable. The control plane acknowledges a batch only when that future has resolved,
+so the guarantee is unchanged (nothing acknowledged before it is durable), but a slow disk no
+longer stalls the event loop that serves heartbeats and snapshot chunks. Frames are written in
+the order they were appended, so a ``consume`` never becomes durable before the ``admit`` of
+the records it names; ``compact`` (at a checkpoint) first waits for every pending frame, so a
+checkpoint never contains training on records whose admission could still be lost. The queue
+is unbounded here and bounded by what feeds it: the control plane's pending acknowledgements
+(``learner.control.ACK_QUEUE``) and one ``consume`` per learner step.
 """
 
 from __future__ import annotations
@@ -23,9 +34,12 @@ from __future__ import annotations
 import base64
 import json
 import os
+import queue
 import struct
 import threading
+import time
 import zlib
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from collections.abc import Callable
@@ -39,29 +53,88 @@ _HEADER = struct.Struct("<II")
 
 
 class BufferLog:
-    def __init__(self, path: Path, fsync: bool = True):
+    def __init__(self, path: Path, fsync: bool = True, group_commit: bool = True,
+                 fsync_delay_s: float = 0.0):
+        """``fsync_delay_s``: a slow disk, for tests and benchmarks (sleeps in each fsync)."""
         self.path = path
         self.fsync = fsync
+        self.fsync_delay_s = fsync_delay_s
         self._lock = threading.Lock()
         self._f = open(path, "ab")
         self.bytes_written = 0
+        self.commits = 0  # fsyncs (or flushes) that made appended frames durable
+        self._pending: queue.Queue[tuple[bytes, Future] | None] | None = None
+        self._error: BaseException | None = None
+        self._writer: threading.Thread | None = None
+        if group_commit:
+            self._pending = queue.Queue()
+            self._writer = threading.Thread(target=self._write_loop, name="echo-wal", daemon=True)
+            self._writer.start()
 
-    def _append(self, kind: str, payload: Any) -> None:
+    def _append(self, kind: str, payload: Any) -> Future:
+        """Queue a frame; the future resolves when it is durable (at once without group commit)."""
         body = msgpack.packb([kind, payload], use_bin_type=True)
         frame = _HEADER.pack(len(body), zlib.crc32(body)) + body
+        done: Future = Future()
+        if self._error is not None:
+            raise RuntimeError(f"buffer log writer failed: {self._error!r}") from self._error
+        if self._pending is None:
+            self._commit([frame])
+            done.set_result(None)
+        else:
+            self._pending.put((frame, done))
+        return done
+
+    def _commit(self, frames: list[bytes]) -> None:
         with self._lock:
-            self._f.write(frame)
+            for frame in frames:
+                self._f.write(frame)
+                self.bytes_written += len(frame)
             self._f.flush()
             if self.fsync:
+                if self.fsync_delay_s:
+                    time.sleep(self.fsync_delay_s)
                 os.fsync(self._f.fileno())
-            self.bytes_written += len(frame)
+            self.commits += 1
 
-    def admitted(self, records: list[Record]) -> None:
+    def _write_loop(self) -> None:
+        assert self._pending is not None
+        while True:
+            batch = [self._pending.get()]
+            while True:  # everything already waiting goes into this one fsync
+                try:
+                    batch.append(self._pending.get_nowait())
+                except queue.Empty:
+                    break
+            items = [b for b in batch if b is not None]
+            try:
+                self._commit([frame for frame, _ in items if frame])
+            except BaseException as exc:  # every waiter hears of it; later appends raise
+                self._error = exc
+                for _, done in items:
+                    done.set_exception(exc)
+            else:
+                for _, done in items:
+                    done.set_result(None)
+            if len(items) < len(batch):  # close() asked the writer to stop
+                return
+
+    def flush(self) -> None:
+        """Wait until every frame appended so far is durable."""
+        if self._pending is not None and self._writer is not None and self._writer.is_alive():
+            done: Future = Future()
+            self._pending.put((b"", done))
+            done.result()
+
+    def admitted(self, records: list[Record]) -> Future | None:
+        """Durable when the returned future resolves (None: nothing to log)."""
         if records:
-            self._append("admit", [asdict(r) for r in records])
+            return self._append("admit", [asdict(r) for r in records])
+        return None
 
-    def consumed(self, step: int, group_ids: list[str]) -> None:
-        self._append("consume", [step, group_ids])
+    def consumed(self, step: int, group_ids: list[str]) -> Future:
+        # Not waited for: frames are written in order, and the checkpoint flushes (compact).
+        return self._append("consume", [step, group_ids])
 
     def compact(self, live: Callable[[], list[Record]]) -> None:
         """Rewrite the log as just the records ``live()`` returns: call it right after a
@@ -72,6 +145,7 @@ class BufferLog:
         admitted in memory but not yet logged may end up written twice; replay dedupes.
         """
         tmp = self.path.with_suffix(".log.tmp")
+        self.flush()  # every admit and consume so far durable before the checkpoint counts
         with self._lock:
             with open(tmp, "wb") as f:
                 body = msgpack.packb(["admit", [asdict(r) for r in live()]], use_bin_type=True)
@@ -84,6 +158,10 @@ class BufferLog:
             self._f = open(self.path, "ab")
 
     def close(self) -> None:
+        if self._pending is not None and self._writer is not None and self._writer.is_alive():
+            self.flush()
+            self._pending.put(None)
+            self._writer.join(30)
         with self._lock:
             self._f.close()
 

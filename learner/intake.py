@@ -65,6 +65,7 @@ class Outcome:
     rejected: Counter = field(default_factory=Counter)
     rejected_idx: list[int] = field(default_factory=list)
     details: dict[str, str] = field(default_factory=dict)  # one example per reason
+    durable: Any = None  # the buffer log's future for the accepted records (None: nothing to wait for)
 
     def refuse(self, reason: str, idx: list[int], detail: str = "") -> None:
         self.rejected[reason] += len(idx)
@@ -107,8 +108,8 @@ class Intake:
             self._group(sender, key, gid, members, out)
         if sender in self.reputation.quarantined:
             out.accepted = []  # what was admitted before is out of the buffer again
-        if self.buffer_log is not None:
-            self.buffer_log.admitted(out.accepted)  # durable before acknowledged
+        if self.buffer_log is not None:  # the caller acknowledges once this is durable
+            out.durable = self.buffer_log.admitted(out.accepted)
         return out
 
     def _group(self, sender: str, key: str, gid: str, members: list[tuple[int, Record]],

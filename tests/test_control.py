@@ -228,3 +228,71 @@ def test_keyframes_from_the_learner_and_refusals_for_versions_gone(plane, client
         gone = ask(client, wire.SourceRequest(worker_id="w1", version=99, bad_source="x",
                                               reason="refused", form=form))
         assert isinstance(gone, wire.Error) and gone.reason == "unknown_version"
+
+
+def test_a_slow_disk_delays_only_the_acknowledgement_not_the_loop(small_cfg, tokenizer, tmp_path,
+                                                                   ctx, keys):
+    """Group commit: the batch's records go to the write-ahead log's writer thread; the loop
+    answers a heartbeat sent after the batch while the fsync is still sleeping, and the batch
+    is acknowledged only once its records are on disk (and readable back from the log)."""
+    from learner.durable import BufferLog, read_log
+
+    lc = small_cfg.learner
+    adapter = load_adapter("toy-add", {}, tokenizer)
+    log = BufferLog(tmp_path / "buffer.log", fsync=True, fsync_delay_s=1.0)
+    cp = ControlPlane(small_cfg, run_id="t", key=RunKey.generate(),
+                      buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
+                      work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
+                                     max_outstanding=8, lease_timeout_s=30, prefix="t"),
+                      limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
+                      buffer_log=log)
+    cp.start()
+    try:
+        client = connect(cp, ctx, keys=keys)
+        ask(client, wire.Join(worker_id="w1"))
+        group = ask(client, wire.WorkRequest(worker_id="w1", max_groups=1)).groups[0]
+        commits = log.commits
+        client.send(wire.encode(batch(records(group))))
+        client.send(wire.encode(wire.Heartbeat(worker_id="w1", version=0)))
+        order = []
+        while len(order) < 2:
+            msg = wire.decode(client.recv(), 1 << 24)
+            if isinstance(msg, (wire.HeartbeatAck, wire.Ack)):
+                order.append(type(msg).__name__)
+                if isinstance(msg, wire.Ack):
+                    assert msg.accepted == 4 and log.commits > commits  # durable first
+        assert order == ["HeartbeatAck", "Ack"]
+        assert {r.group_id for r in read_log(tmp_path / "buffer.log")[0]} == {group.group_id}
+    finally:
+        cp.shutdown("test over")
+        log.close()
+
+
+def test_group_commit_makes_many_appends_durable_in_few_fsyncs(tmp_path):
+    import threading
+
+    from dataplane.records import Record
+    from learner.durable import BufferLog, read_log
+
+    log = BufferLog(tmp_path / "buffer.log", fsync=True, fsync_delay_s=0.05)
+    futures, lock = [], threading.Lock()
+
+    def append(k: int) -> None:
+        for j in range(10):
+            rec = Record(group_id=f"g{k}-{j}", sample_idx=0, prompt_ids=[3, 4],
+                         completion_ids=[11, 1], logprobs=[-1.0, -0.5], reward=1.0, version=0,
+                         worker_id="w1", gen_s=0.01)
+            f = log.admitted([rec])
+            with lock:
+                futures.append(f)
+
+    threads = [threading.Thread(target=append, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for f in futures:
+        f.result(timeout=30)
+    log.close()
+    assert len(futures) == 80 and log.commits < 40  # grouped: far fewer fsyncs than appends
+    assert len({r.group_id for r in read_log(tmp_path / "buffer.log")[0]}) == 80

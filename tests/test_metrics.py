@@ -53,7 +53,7 @@ def synthetic_stats(step: int) -> dict:
             "rejected": {"bad_signature": 1, "stale": step}, "learner_bytes_sent": 1000 * (step + 1),
             "join_refused": {"token_required": step}, "limited": {"rate_limited": step},
             "chunk_rejected": {"not_joined": step},
-            "t_bcast": 0.25, "in_flight_groups": 4, "reissued_groups": 0,
+            "t_bcast": 0.25, "in_flight_groups": 4, "reissued_groups": 0, "ack_queue": 2,
             "workers": {f"w{i}": {"price": 0.35 * (i + 1), "version": step, "state": "generating",
                                   "active": i < 2, "throughput": 1.5 + i, "admitted": 10 * i}
                         for i in range(3)},
@@ -131,6 +131,7 @@ def test_metric_values(served):
     assert value("echo_encode_seconds") == pytest.approx(0.2)
     assert value("echo_decode_seconds") == pytest.approx(0.25)
     assert value("echo_keyframe_installs") == 2
+    assert value("echo_ack_queue") == 2
     count = [s for s in fams["echo_staleness"].samples if s.name == "echo_staleness_count"][0]
     assert count.value == 6 + 16 * 5  # step 0: {"0": 10, "0": 6} is one key
 
