@@ -275,11 +275,16 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.store.add(SnapshotBuffer(snap.manifest, snap.payload))
         self.results.add(SnapshotBuffer(result_view(snap.manifest), snap.full))
         self.coordinator.publish(snap.version)
-        for w in list(self.workers.values()):
+        for n, w in enumerate(list(self.workers.values())):
             src = self._source(w.worker_id)
             await self._send(w, wire.SnapshotNotice(version=snap.version, manifest=snap.manifest,
                                                     source=src.endpoint, source_key=src.key,
                                                     ticket=src.ticket))
+            if n % 8 == 7:
+                # A notice costs a ticket signature and an encryption: with hundreds of workers
+                # the fan-out takes tens of ms; let waiting heartbeats in between (a send to a
+                # ROUTER does not suspend, so nothing else would run until the last notice).
+                await asyncio.sleep(0)
 
     async def _stats(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -155,6 +155,10 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> dict[st
         return {}
     run_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(run_dir)
+    # The control plane's loop shares the GIL with the training, publisher and log threads:
+    # a 1 ms switch interval (default 5 ms) bounds how long a heartbeat waits for it when the
+    # trainer runs Python code (benchmarks/load_control.py measures the round trip).
+    sys.setswitchinterval(0.001)
     # SIGTERM ends the run like Ctrl-C: workers are told, sockets closed, metrics flushed.
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     if resume and cfg.learner.port == 0:
