@@ -247,3 +247,23 @@ def test_keyframes_come_from_peers_that_installed_the_version_spread_and_never_t
     assert coord.keyframe_source("late", 5, bad_source="tcp://a") == "tcp://b"
     assert coord.keyframe_source("late", 5, bad_source="tcp://b") == "tcp://learner"
     assert coord.keyframe_source("late", 4) == "tcp://learner"  # nobody installed v4
+
+
+@pytest.mark.parametrize("fields", [
+    {"type": "chunk_request", "version": 1, "index": 0, "form": "evil"},
+    {"type": "chunk_request", "version": 1, "index": 0, "form": 7},
+    {"type": "source_request", "worker_id": "w", "version": 1, "bad_source": "", "reason": "x",
+     "form": "keyframe-please"},
+    {"type": "installed", "worker_id": "w", "version": 1, "decode_s": -1.0},
+    {"type": "installed", "worker_id": "w", "version": 1, "decode_s": 1e12},
+    {"type": "installed", "worker_id": "w", "version": 1, "keyframe": "yes"},
+])
+def test_junk_in_the_delta_fields_is_a_counted_wire_error(fields):
+    import msgpack
+
+    from echo import wire
+
+    frame = msgpack.packb({"v": wire.WIRE_VERSION, "rid": 1, **fields}, use_bin_type=True)
+    with pytest.raises(wire.WireError) as err:
+        wire.decode(frame, 1 << 20)
+    assert err.value.reason in ("invalid_fields", "malformed")
