@@ -148,14 +148,16 @@ async def swarm(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_once(workers: int, per_process: int, seconds: float, group_s: float,
-             fsync_delay_ms: float, tmp: Path) -> dict[str, Any]:
+             fsync_delay_ms: float, tmp: Path, group_commit: bool = True) -> dict[str, Any]:
     from echo.config import dump_toml, load_config
     from echo.procs import ProcessGroup, python_argv, wait_ready
 
     cfg = load_config(ROOT / "examples/quickstart.toml",
-                      OVERRIDES + [f"learner.fsync_delay_s={fsync_delay_ms / 1000}"])
-    run = tmp / f"run-{fsync_delay_ms:g}ms"
-    conf = tmp / f"cfg-{fsync_delay_ms:g}.toml"
+                      OVERRIDES + [f"learner.fsync_delay_s={fsync_delay_ms / 1000}",
+                                   f"learner.group_commit={str(group_commit).lower()}"])
+    tag = f"{fsync_delay_ms:g}ms-{'group' if group_commit else 'sync'}"
+    run = tmp / f"run-{tag}"
+    conf = tmp / f"cfg-{tag}.toml"
     conf.write_text(dump_toml(cfg))
     group = ProcessGroup()
     try:
@@ -165,7 +167,7 @@ def run_once(workers: int, per_process: int, seconds: float, group_s: float,
         outs = []
         for p in range(-(-workers // per_process)):
             n = min(per_process, workers - p * per_process)
-            out = tmp / f"swarm{p}-{fsync_delay_ms:g}.json"
+            out = tmp / f"swarm{p}-{tag}.json"
             outs.append(out)
             group.start(f"swarm{p}", [sys.executable, str(Path(__file__)), "swarm", "--line", line,
                                       "--n", str(n), "--prefix", f"s{p}w", "--seconds",
@@ -179,6 +181,7 @@ def run_once(workers: int, per_process: int, seconds: float, group_s: float,
         group.stop_all()
     out = _summary([json.loads(o.read_text()) for o in outs if o.exists()], rows, run, seconds,
                    workers, fsync_delay_ms)
+    out["group_commit"] = group_commit
     out["durable_records"] = durable_records(run, cfg.learner.group_size)
     return out
 
@@ -226,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--group-s", type=float, default=1.0, help="seconds a synthetic group takes")
     ap.add_argument("--fsync-delay-ms", type=float, nargs="+", default=[0.0, 50.0])
+    ap.add_argument("--sync-baseline", action="store_true",
+                    help="also run each delay with the log written on the event loop "
+                         "(learner.group_commit = false, the old behaviour)")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "load_control.json")
     args = ap.parse_args(argv)
     if args.cmd == "swarm":
@@ -241,19 +247,21 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="echo-load-") as tmp:
         for delay in args.fsync_delay_ms:
-            results.append(run_once(args.workers, args.per_process, args.seconds, args.group_s,
-                                    delay, Path(tmp)))
-            print(json.dumps(results[-1]), flush=True)
+            for group_commit in (True, False) if args.sync_baseline else (True,):
+                results.append(run_once(args.workers, args.per_process, args.seconds,
+                                        args.group_s, delay, Path(tmp), group_commit))
+                print(json.dumps(results[-1]), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": machine_info(), "load": os.getloadavg(),
                                      "argv": sys.argv[1:], "results": results}, indent=2))
     t = Table(title=f"control plane under {args.workers} synthetic workers, {args.seconds:g} s")
-    for col in ("fsync delay ms", "heartbeats", "RTT p50 ms", "RTT p99 ms", "RTT max ms",
+    for col in ("fsync delay ms", "log", "heartbeats", "RTT p50 ms", "RTT p99 ms", "RTT max ms",
                 "admitted/s", "bubble", "evicted", "acked / durable"):
         t.add_column(col, justify="right")
     for r in results:
         h = r["heartbeat_rtt_ms"]
-        t.add_row(f"{r['fsync_delay_ms']:g}", str(r["heartbeats"]), f"{h['p50']:.1f}",
+        t.add_row(f"{r['fsync_delay_ms']:g}", "group commit" if r["group_commit"] else "on the loop",
+                  str(r["heartbeats"]), f"{h['p50']:.1f}",
                   f"{h['p99']:.1f}", f"{h['max']:.1f}", f"{r['admitted_per_s']:.0f}",
                   f"{r['bubble_ratio']}", str(r["evicted"]),
                   f"{r['acked_records']} / {r['durable_records']}")

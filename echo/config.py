@@ -138,6 +138,9 @@ class LearnerConfig(StalenessRules, _Section):
     fsync: bool = True  # fsync the buffer log before acknowledging (off only for benchmarks)
     # A slow disk, for tests and the control plane's load test: each fsync sleeps this long.
     fsync_delay_s: float = Field(0.0, ge=0, le=10)
+    # Write-ahead log on its own thread with group commit (false: written and fsynced on the
+    # control plane's event loop, the old behaviour; the load test's baseline).
+    group_commit: bool = True
     # Admission bounds (dataplane/records.py): a record whose |reward| exceeds this is rejected
     # ("reward_out_of_range"). Raise it if an adapter's rewards are legitimately larger; the cap
     # of 1e30 keeps rewards, their squares and the advantages finite in float32/float64.

@@ -192,7 +192,8 @@ class Learner:
                              max_abs_reward=lc.max_abs_reward, min_logprob=lc.min_behaviour_logprob)
         self.buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size,
                                    on_drop=self._audit_drop)
-        self.log = BufferLog(run_dir / "buffer.log", fsync=lc.fsync, fsync_delay_s=lc.fsync_delay_s)
+        self.log = BufferLog(run_dir / "buffer.log", fsync=lc.fsync, fsync_delay_s=lc.fsync_delay_s,
+                             group_commit=lc.group_commit)
         self.prompt_rng = random.Random(cfg.seed)
         self.key = load_or_create_key(run_dir)
         self.run_id = run_dir.name

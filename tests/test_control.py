@@ -296,3 +296,15 @@ def test_group_commit_makes_many_appends_durable_in_few_fsyncs(tmp_path):
     log.close()
     assert len(futures) == 80 and log.commits < 40  # grouped: far fewer fsyncs than appends
     assert len({r.group_id for r in read_log(tmp_path / "buffer.log")[0]}) == 80
+
+
+def test_without_group_commit_an_append_is_durable_when_it_returns(tmp_path):
+    from dataplane.records import Record
+    from learner.durable import BufferLog, read_log
+
+    log = BufferLog(tmp_path / "buffer.log", fsync=True, group_commit=False)
+    rec = Record(group_id="g", sample_idx=0, prompt_ids=[3], completion_ids=[11, 1],
+                 logprobs=[-1.0, -0.5], reward=1.0, version=0, worker_id="w1", gen_s=0.01)
+    assert log.admitted([rec]).done() and log.commits == 1
+    assert [r.group_id for r in read_log(tmp_path / "buffer.log")[0]] == ["g"]
+    log.close()
