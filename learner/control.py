@@ -553,8 +553,10 @@ class ControlPlane(Sessions, SnapshotRoutes):
             self.controller.observe(w.worker_id, len(out.accepted), busy_s=busy)  # refused ones earn nothing
         ack = wire.Ack(batch_id=msg.batch_id, accepted=len(out.accepted), duplicates=out.duplicates,
                        rejected=dict(out.rejected), rejected_idx=out.rejected_idx)
-        if out.durable is not None and not out.durable.done():
-            return Deferred(ack, out.durable)  # sent when the write-ahead log has it on disk
+        if out.durable is not None:
+            # Sent when the write-ahead log has it on disk; a future that already failed must
+            # still go through _send_acks, which answers with an error, never an ack.
+            return Deferred(ack, out.durable)
         return ack
 
     # ------------------------------------------------------------------ strikes and quarantine
