@@ -187,7 +187,10 @@ class WorkerConfig(_Section):
     torch_threads: int = Field(1, gt=0)
     heartbeat_s: float = Field(1.0, gt=0)
     max_unacked_batches: int = Field(8, gt=0)
-    backend: Literal["transformers"] = "transformers"
+    # transformers (default; CPU or GPU) or vllm (CUDA only; pip install -e '.[vllm]' with the
+    # CUDA build of torch, docs/worker.md). vllm_gpu_memory is the share of GPU memory vLLM takes.
+    backend: Literal["transformers", "vllm"] = "transformers"
+    vllm_gpu_memory: float = Field(0.5, gt=0, le=1)
     # Where a worker generates: auto (cuda:0 if the worker has a GPU, else cpu), cpu, cuda,
     # cuda:N. The model runs in bf16 on a GPU that supports it, float32 on the CPU.
     device: str = "auto"

@@ -26,5 +26,14 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "mem_gib": mem, "python": sys.version.split()[0],
         "torch": ver("torch"), "transformers": ver("transformers"), "pyzmq": ver("pyzmq"),
-        "hostname": platform.node(),
+        "hostname": platform.node(), "vllm": ver("vllm"), "gpu": _gpu(),
     }
+
+
+def _gpu() -> str | None:
+    """The CUDA device's name, when torch is already loaded (never imported just for this)."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch.cuda.get_device_name() if torch is not None and torch.cuda.is_available() else None
+    except Exception:  # a broken driver must not cost the benchmark its result
+        return None

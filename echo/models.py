@@ -117,6 +117,49 @@ def load_model(cfg: ModelConfig, tokenizer: Any, dtype: str = "float32") -> Any:
     return model
 
 
+def vocab_size_of_folder(folder: str | Path) -> int:
+    """The model's vocabulary size from its config.json (the engine holds the weights)."""
+    import json
+
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return int(cfg.get("vocab_size") or cfg.get("text_config", {})["vocab_size"])
+
+
+def engine_model_dir(cfg: ModelConfig, cache_root: str | Path | None = None) -> Path:
+    """A folder an inference engine can load (config, safetensors, tokenizer files).
+
+    A real model is its own folder. The tiny model exists only in memory, so it is written once
+    (weights from ``cfg.seed``, the same as every other process builds) under ``cache_root``
+    (default ``$ECHO_HOME/models`` or ``~/.cache/echo/models``), in a folder named by a hash of
+    its config: a changed size or seed gets a new folder, never a stale one.
+    """
+    if cfg.name != TINY:
+        return _model_dir(cfg)
+    import hashlib
+    import json
+    import os
+
+    key = hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(cache_root or os.environ.get("ECHO_HOME", Path.home() / ".cache" / "echo")) / "models"
+    folder = root / f"{TINY}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    tok = build_tiny_tokenizer()
+    model = load_model(cfg, tok, "float32")
+    tmp = root / f".{folder.name}.{os.getpid()}.tmp"
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, folder)  # whole or absent: a crashed write leaves only the .tmp folder
+    except OSError:
+        if not (folder / "config.json").is_file():
+            raise
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)  # another process wrote the same folder first
+    return folder
+
+
 # ----------------------------------------------------------------------------- devices
 
 

@@ -74,7 +74,8 @@ class Worker:
     def __init__(self, endpoint: str | JoinLine, *, worker_id: str | None = None, price: float = 0.0,
                  threads: int | None = None, join_timeout_s: float = 5.0,
                  ledger: str | None = None, relay: RelayConfig | None = None,
-                 keys: KeyPair | None = None):
+                 keys: KeyPair | None = None, backend: str | None = None,
+                 device: str | None = None):
         self.line = endpoint if isinstance(endpoint, JoinLine) else JoinLine(endpoint, None)
         self.endpoint = self.line.endpoint
         # Identity is the key pair; without CURVE (an --insecure learner) the id is all there is.
@@ -83,6 +84,9 @@ class Worker:
         self.worker_id = worker_id or default_id
         self.price = price
         self.threads = threads
+        # The volunteer's own choice of generation backend and device, over the learner's view:
+        # the hardware is theirs (echo-worker join --backend vllm --device cuda:1).
+        self.backend_name, self.device = backend, device
         self.join_timeout_s = join_timeout_s
         self.ledger = ledger  # JSONL of what the learner acknowledged storing, per batch
         self._batch_keys: dict[str, list[list[Any]]] = {}
@@ -216,9 +220,11 @@ class Worker:
 
     def _load(self) -> tuple[Backend, Adapter]:
         threads = self.threads or self.view["worker"]["torch_threads"]
-        backend = make_backend(self.view["worker"]["backend"],
-                               model_cfg=ModelConfig(**self.view["model"]), threads=threads,
-                               device=self.view["worker"].get("device", "auto"))
+        wv = self.view["worker"]
+        name = self.backend_name or wv["backend"]
+        extra = {"gpu_memory_utilization": wv.get("vllm_gpu_memory", 0.5)} if name == "vllm" else {}
+        backend = make_backend(name, model_cfg=ModelConfig(**self.view["model"]), threads=threads,
+                               device=self.device or wv.get("device", "auto"), **extra)
         adapter = load_adapter(self.view["adapter"]["name"], self.view["adapter"]["options"],
                                backend.tokenizer, check_prompts=False)  # prompts are the learner's
         return backend, adapter
@@ -271,7 +277,7 @@ class Worker:
         self.state = "installing"
         try:
             assert self.backend is not None
-            await asyncio.to_thread(self.backend.install, manifest["tensors"], result)
+            await asyncio.to_thread(self.backend.install, manifest["tensors"], result, version)
             self.installed_version = version
             log.info("installed snapshot v%d", version)
         except ModelError as err:

@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="behind NAT / no inbound connections: never relay (placed at a chain tail)")
     j.add_argument("--down-mbit", type=float, default=0.0, help="declared download rate, Mbit/s")
     j.add_argument("--up-mbit", type=float, default=0.0, help="declared upload rate, Mbit/s")
+    j.add_argument("--backend", choices=["transformers", "vllm"], default=None,
+                   help="generation backend (default: the learner's worker.backend); vllm needs "
+                        "a CUDA GPU and pip install -e '.[vllm]' (docs/worker.md)")
+    j.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the "
+                   "learner's worker.device)")
     j.add_argument("--log-level", default="INFO")
     return p
 
@@ -55,6 +60,14 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     except SecurityError as exc:
         print(f"echo-worker: {exc}", file=sys.stderr)
         return 2
+    if args.device is not None:
+        from echo.config import check_device
+
+        try:
+            check_device(args.device)
+        except ValueError as exc:
+            print(f"echo-worker: --device: {exc}", file=sys.stderr)
+            return 2
     if args.price < 0:
         print("echo-worker: --price must be >= 0 (USD per hour)", file=sys.stderr)
         return 2
@@ -71,7 +84,8 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
 
     make = make_worker or Worker
     worker = make(line, worker_id=args.worker_id, price=args.price, threads=args.threads,
-                  ledger=args.ledger, relay=relay, keys=keys)
+                  ledger=args.ledger, relay=relay, keys=keys, backend=args.backend,
+                  device=args.device)
     try:
         reason = asyncio.run(worker.run())
     except BaseExceptionGroup as eg:  # raised out of the worker's TaskGroup

@@ -10,7 +10,8 @@ from typing import Any
 
 from worker.backends.base import Backend, Sample
 
-BACKENDS = {"transformers": "worker.backends.transformers:TransformersBackend"}
+BACKENDS = {"transformers": "worker.backends.transformers:TransformersBackend",
+            "vllm": "worker.backends.vllm:VLLMBackend"}
 
 
 def make_backend(name: str, **kwargs: Any) -> Backend:

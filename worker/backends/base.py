@@ -20,7 +20,9 @@ class Backend(ABC):
     vocab_size: int
 
     @abstractmethod
-    def install(self, tensors: list[dict[str, Any]], payload: bytes | bytearray) -> None: ...
+    def install(self, tensors: list[dict[str, Any]], payload: bytes | bytearray,
+                version: int = -1) -> None:
+        """Load a verified snapshot's full payload; ``version`` is the snapshot's version."""
 
     @abstractmethod
     def generate(self, groups: list[wire.Group], max_new_tokens: int,

@@ -31,7 +31,8 @@ class TransformersBackend(Backend):
         self.model = load_model(model_cfg, self.tokenizer, dtype).to(self.device).eval()
         self.vocab_size = vocab_size(self.model)
 
-    def install(self, tensors: list[dict[str, Any]], payload: bytes | bytearray) -> None:
+    def install(self, tensors: list[dict[str, Any]], payload: bytes | bytearray,
+                version: int = -1) -> None:
         install_payload(self.model, tensors, payload)
 
     @torch.no_grad()
