@@ -1,4 +1,5 @@
-"""Bounded-staleness replay buffer (DESIGN 3 and 6).
+"""Bounded-staleness replay buffer (docs/learner.md; the rules are ``dataplane/rules.py``,
+shared with the simulator).
 
 Thread-safe: the control plane admits records from its thread, the trainer takes groups from
 its own. Rules:
@@ -23,6 +24,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dataplane import rules
 from dataplane.records import Record
 
 ACCEPTED, DUPLICATE, STALE, COMPLETED = "accepted", "duplicate", "stale", "completed"
@@ -47,7 +49,8 @@ class ReplayBuffer:
         self.stats = BufferStats()
         self._cond = threading.Condition()
         self._partial: dict[str, dict[int, Record]] = {}
-        self._ready: OrderedDict[str, list[Record]] = OrderedDict()
+        # Whole groups, oldest arrival first, each as (group id, its records).
+        self._ready: rules.ReadyQueue[tuple[str, list[Record]]] = rules.ReadyQueue()
         # Ids of groups already complete (ready or trained on), for exactly-once admission of
         # late resends; bounded so a long run cannot grow it without limit.
         self._done: OrderedDict[str, None] = OrderedDict()
@@ -64,9 +67,10 @@ class ReplayBuffer:
         """Returns ACCEPTED, COMPLETED (accepted and its group is now whole), DUPLICATE, STALE,
         or a rejection reason."""
         with self._cond:
-            if rec.version > self.version:
+            verdict = rules.admission(rec.version, self.version, self.staleness)
+            if verdict == rules.FUTURE:
                 return self._reject("future_version")
-            if rec.version < self.version - self.staleness:
+            if verdict == rules.STALE:
                 self.stats.dropped_stale += 1
                 return STALE
             if rec.group_id in self._done or rec.sample_idx in self._partial.get(rec.group_id, {}):
@@ -80,10 +84,13 @@ class ReplayBuffer:
             if len(group) < self.group_size:
                 return ACCEPTED
             del self._partial[rec.group_id]
-            self._ready[rec.group_id] = [group[i] for i in range(self.group_size)]
-            self._mark_done(rec.group_id)
+            self._push_ready(rec.group_id, [group[i] for i in range(self.group_size)])
             self._cond.notify_all()
             return COMPLETED
+
+    def _push_ready(self, group_id: str, recs: list[Record]) -> None:
+        self._ready.push(min(r.version for r in recs), (group_id, recs))
+        self._mark_done(group_id)
 
     def _reject(self, reason: str) -> str:
         self.stats.rejected[reason] += 1
@@ -102,11 +109,10 @@ class ReplayBuffer:
             self._evict_stale()
 
     def _evict_stale(self) -> None:
-        floor = self.version - self.staleness
-        dropped = [r for g, recs in list(self._ready.items())
-                   if min(r.version for r in recs) < floor for r in self._ready.pop(g)]
+        _, groups = self._ready.evict(self.version, self.staleness)
+        dropped = [r for _, recs in groups for r in recs]
         dropped += [r for g, recs in list(self._partial.items())
-                    if min(r.version for r in recs.values()) < floor
+                    if rules.is_stale(min(r.version for r in recs.values()), self.version, self.staleness)
                     for r in self._partial.pop(g).values()]
         self.stats.dropped_stale += len(dropped)
         if dropped and self.on_drop is not None:
@@ -119,7 +125,7 @@ class ReplayBuffer:
             while True:
                 self._evict_stale()
                 if len(self._ready) >= k:
-                    return [self._ready.popitem(last=False)[1] for _ in range(k)]
+                    return [recs for _, recs in self._ready.take(k, self.version)[1]]
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -129,8 +135,8 @@ class ReplayBuffer:
         """Take out every group holding a record of ``worker_id`` (it was quarantined): its
         records go to ``on_drop`` (the audit trail) and are counted as ``dropped_quarantined``."""
         with self._cond:
-            gone = [g for g, recs in self._ready.items() if any(r.worker_id == worker_id for r in recs)]
-            dropped = [r for g in gone for r in self._ready.pop(g)]
+            groups = self._ready.remove(lambda item: any(r.worker_id == worker_id for r in item[1]))
+            dropped = [r for _, recs in groups for r in recs]
             gone = [g for g, recs in self._partial.items()
                     if any(r.worker_id == worker_id for r in recs.values())]
             dropped += [r for g in gone for r in self._partial.pop(g).values()]
@@ -148,14 +154,13 @@ class ReplayBuffer:
                 self._partial.setdefault(rec.group_id, {})[rec.sample_idx] = rec
             for gid in [g for g, recs in self._partial.items() if len(recs) == self.group_size]:
                 recs = self._partial.pop(gid)
-                self._ready[gid] = [recs[i] for i in range(self.group_size)]
-                self._mark_done(gid)
+                self._push_ready(gid, [recs[i] for i in range(self.group_size)])
             self._cond.notify_all()
 
     def contents(self) -> list[Record]:
         """Every record held (ready and partial), for compacting the write-ahead log."""
         with self._cond:
-            return ([r for g in self._ready.values() for r in g]
+            return ([r for _, g in self._ready.items() for r in g]
                     + [r for g in self._partial.values() for r in g.values()])
 
     # ------------------------------------------------------------------ metrics

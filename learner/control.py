@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import tempfile
 import threading
 import time
@@ -36,6 +35,7 @@ from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import mint
 from broadcast.topology import make_topology
+from dataplane import rules
 from dataplane.records import Limits
 from echo import wire
 from echo.config import EchoConfig
@@ -514,7 +514,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         them could lease most of the bound and leave the others idle."""
         active = (len(self.controller.active_ids()) if self.controller is not None
                   else len(self.workers))
-        return max(1, math.ceil(self.work.max_outstanding / max(1, active)))
+        return rules.fair_share(self.work.max_outstanding, active)
 
     def _on_leave(self, ident: bytes, key: str, msg: wire.Leave) -> None:
         self._joined(ident, key, msg.worker_id)

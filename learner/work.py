@@ -29,6 +29,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
+from dataplane import rules
 from dataplane.adapter import Prompt
 from echo import wire
 
@@ -82,7 +83,7 @@ class WorkQueue:
                 self.granted[worker_id] += 1
                 out.append(item.group)
                 continue
-            if len(self.issued) + buffered_groups >= self.max_outstanding:
+            if not rules.room(self.max_outstanding, len(self.issued), buffered_groups):
                 break
             n = next(self._ids)
             prompt = next(self._prompts)

@@ -71,6 +71,8 @@ import simpy
 from broadcast import planner
 from broadcast.coordinator import quantile_rank
 from broadcast.topology.base import Peer
+from dataplane import rules
+from dataplane.rules import ReadyQueue
 from provisioning import capacity, selection
 from provisioning.controller import ACTIVATE, ACTIVE, RELEASE, SHORT, STANDBY, Controller
 from provisioning.scenario import (Pool, Scenario, ScenarioError, apply_overrides, build_pool,
@@ -287,8 +289,7 @@ class Sim:
         # learner / buffer
         self.version = 0
         self.latest = 0  # newest published snapshot
-        self.buffer: deque[list[int]] = deque()  # [version, groups], arrival order
-        self.buffered = 0
+        self.buffer: ReadyQueue[None] = ReadyQueue()  # counts per version, arrival order
         self.in_flight = 0
         self.idle: deque[int] = deque()
         self.learner_ev: simpy.Event | None = None
@@ -409,8 +410,15 @@ class Sim:
 
     # ------------------------------------------------------------------ work grants
 
+    @property
+    def buffered(self) -> int:
+        return len(self.buffer)
+
     def _free_slots(self) -> int:
-        return self.max_out - self.in_flight - self.buffered
+        return rules.room(self.max_out, self.in_flight, self.buffered)
+
+    def _grant_size(self) -> int:
+        return rules.grant_size(self.gpr, self.max_out, self.in_flight, self.buffered, self.n_active)
 
     def _fill(self) -> None:
         """Hand free slots to queued idle workers (oldest request first)."""
@@ -422,7 +430,7 @@ class Sim:
             if self._install_wait(i) > 0:
                 self._wake(i)  # it goes to wait for its snapshot, and queues again later
                 continue
-            g = min(self.gpr, self._free_slots())
+            g = self._grant_size()
             self.granted[i] = g
             self.in_flight += g
             self._wake(i)
@@ -475,7 +483,7 @@ class Sim:
                     if not self.granted[i]:
                         yield from self._sleep(i)
                     continue
-                g = min(self.gpr, free)
+                g = self._grant_size()
                 self.in_flight += g
             else:
                 self.granted[i] = 0
@@ -503,16 +511,11 @@ class Sim:
         if self.observe_delivered and self.registered[i]:
             self.ctl.observe(self.pool.ids[i], g * self.G,
                              busy_s=gen_s if self.observe_busy else None)
-        if u < self.version - self.S:
+        if rules.admission(u, self.version, self.S) != rules.OK:
             c.dropped_stale_groups += g
         else:
             c.admitted_groups += g
-            buf = self.buffer
-            if buf and buf[-1][0] == u:
-                buf[-1][1] += g
-            else:
-                buf.append([u, g])
-            self.buffered += g
+            self.buffer.push(u, count=g)
             ev = self.learner_ev
             if ev is not None and self.buffered >= self.need and not ev.triggered:
                 ev.succeed()
@@ -521,33 +524,11 @@ class Sim:
     # ------------------------------------------------------------------ learner
 
     def _evict_stale(self) -> None:
-        floor = self.version - self.S
-        if not self.buffer or min(e[0] for e in self.buffer) >= floor:
-            return
-        keep: deque[list[int]] = deque()
-        for e in self.buffer:
-            if e[0] < floor:
-                self.counters.dropped_stale_groups += e[1]
-                self.buffered -= e[1]
-            else:
-                keep.append(e)
-        self.buffer = keep
+        self.counters.dropped_stale_groups += self.buffer.evict(self.version, self.S)[0]
 
     def _take(self, k: int) -> int:
         """Take the k oldest admissible groups; returns their oldest version."""
-        oldest = self.version
-        while k:
-            e = self.buffer[0]
-            oldest = min(oldest, e[0])
-            if e[1] <= k:
-                k -= e[1]
-                self.buffered -= e[1]
-                self.buffer.popleft()
-            else:
-                e[1] -= k
-                self.buffered -= k
-                k = 0
-        return oldest
+        return self.buffer.take(k, self.version)[0]
 
     def _learner(self):
         env, sc = self.env, self.sc

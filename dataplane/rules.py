@@ -1,0 +1,131 @@
+"""The data plane's rules, once: admission, eviction, take and grant sizes.
+
+The learner (``learner/buffer.py``, ``learner/work.py``, ``learner/control.py``) and the
+simulator (``provisioning/sim.py``) both call these, so a simulated run applies exactly the rules
+of a real one (docs/simulator.md, "One set of rules"). Nothing here does I/O, takes a lock or
+reads a clock; the install quantile, the fourth shared rule, is
+``broadcast.coordinator.quantile_rank``.
+
+* **Admission.** A trajectory of version ``u`` is admissible at learner version ``v`` iff
+  ``v - S <= u <= v``. A future version is rejected; an older one is dropped as stale.
+* **Eviction.** Whatever falls below ``v - S`` while it waits is dropped when the version moves
+  and again when the trainer asks for a batch.
+* **Take.** The trainer takes the oldest whole groups first (arrival order); a batch's staleness
+  is the version of its oldest group.
+* **Grants.** At most ``max_outstanding`` groups are out (granted, not yet whole) plus waiting in
+  the buffer. One grant carries at most the worker's ask, its fair share of that bound
+  (``ceil(max_outstanding / active workers)``), and what room is left.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+OK, FUTURE, STALE = "ok", "future_version", "stale"
+
+T = TypeVar("T")
+
+
+def admission(u: int, version: int, staleness: int) -> str:
+    if u > version:
+        return FUTURE
+    if u < version - staleness:
+        return STALE
+    return OK
+
+
+def is_stale(u: int, version: int, staleness: int) -> bool:
+    return u < version - staleness
+
+
+def room(max_outstanding: int, in_flight: int, buffered: int) -> int:
+    """Groups that may still be granted: the outstanding bound less what is out and waiting."""
+    return max(0, max_outstanding - in_flight - buffered)
+
+
+def fair_share(max_outstanding: int, active_workers: int) -> int:
+    return max(1, math.ceil(max_outstanding / max(1, active_workers)))
+
+
+def grant_size(ask: int, max_outstanding: int, in_flight: int, buffered: int,
+               active_workers: int) -> int:
+    """How many new groups one request gets."""
+    return min(ask, fair_share(max_outstanding, active_workers),
+               room(max_outstanding, in_flight, buffered))
+
+
+class ReadyQueue(Generic[T]):
+    """Whole groups waiting for the trainer, in arrival order, each tagged with its version.
+
+    An entry is ``[version, count, item]``. The learner pushes one entry per group with the group
+    as the item; the simulator pushes counts without items, and consecutive entries of one
+    version merge (a fleet of 10,000 workers then costs one entry per version, not per group).
+    """
+
+    def __init__(self) -> None:
+        self._q: deque[list] = deque()
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def push(self, version: int, item: T | None = None, count: int = 1) -> None:
+        if item is None and self._q and self._q[-1][0] == version and self._q[-1][2] is None:
+            self._q[-1][1] += count
+        else:
+            self._q.append([version, count, item])
+        self.count += count
+
+    def oldest_version(self) -> int | None:
+        return min((e[0] for e in self._q), default=None)
+
+    def evict(self, version: int, staleness: int) -> tuple[int, list[T]]:
+        """Drop every entry below ``version - staleness``: (groups dropped, their items)."""
+        if not self._q or all(not is_stale(e[0], version, staleness) for e in self._q):
+            return 0, []
+        keep: deque[list] = deque()
+        dropped, items = 0, []
+        for e in self._q:
+            if is_stale(e[0], version, staleness):
+                dropped += e[1]
+                if e[2] is not None:
+                    items.append(e[2])
+            else:
+                keep.append(e)
+        self._q = keep
+        self.count -= dropped
+        return dropped, items
+
+    def take(self, k: int, version: int) -> tuple[int, list[T]]:
+        """The ``k`` oldest groups (the caller checked ``len(self) >= k``): (the version of the
+        oldest taken, or ``version`` if none, and their items)."""
+        oldest, items = version, []
+        while k:
+            e = self._q[0]
+            oldest = min(oldest, e[0])
+            n = min(k, e[1])
+            if n == e[1]:
+                self._q.popleft()
+                if e[2] is not None:
+                    items.append(e[2])
+            else:
+                if e[2] is not None:
+                    raise ValueError("an entry with an item is one group: it cannot be split")
+                e[1] -= n
+            self.count -= n
+            k -= n
+        return oldest, items
+
+    def remove(self, pred: Callable[[T], bool]) -> list[T]:
+        """Take out the items ``pred`` selects (a quarantined worker's groups)."""
+        gone = [e for e in self._q if e[2] is not None and pred(e[2])]
+        if gone:
+            self._q = deque(e for e in self._q if not (e[2] is not None and pred(e[2])))
+            self.count -= sum(e[1] for e in gone)
+        return [e[2] for e in gone]
+
+    def items(self) -> Iterator[T]:
+        return (e[2] for e in self._q if e[2] is not None)
