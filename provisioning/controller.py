@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -107,7 +107,8 @@ class Controller:
     def __init__(self, alpha: float = 1.1, delta: float = 0.2, window_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, *, tau_s: float = 60.0,
                  avail_beta: float = 0.2, warmup_s: float = 30.0, history: int = 1000,
-                 probation_slots: int = 4, probation_ready_s: float = 600.0) -> None:
+                 probation_slots: int = 4, probation_ready_s: float = 600.0,
+                 memory: int = 100_000) -> None:
         _check_params(alpha, delta, window_s, tau_s, avail_beta, warmup_s)
         if probation_slots < 0:
             raise ValueError(f"probation_slots must be >= 0, got {probation_slots}")
@@ -122,14 +123,22 @@ class Controller:
         self._high_since: float | None = None  # C_eff > (alpha + delta) mu_req since
         self._lock = threading.Lock()
         self.history: deque[Decision] = deque(maxlen=history)
+        # Measured throughput of workers that left, by identity (the learner passes the
+        # worker's public key, never a name it chose): one that comes back is not a stranger
+        # again. Bounded, oldest forgotten first.
+        self._memory: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self._memory_size = memory
+        self._identity: dict[str, str] = {}
 
     # -- registry -------------------------------------------------------------------------
 
     def add_worker(self, worker_id: str, price: float, state: str = STANDBY,
-                   mu_prior: float = 0.0) -> None:
+                   mu_prior: float = 0.0, identity: str | None = None) -> None:
         """Register a worker. ``mu_prior``: a *trusted* (benchmarked) throughput, the EWMA's
         starting point until measurements replace it; 0 (what the learner passes for a joiner
-        it has not measured) gives no credit, and the worker is activated only on probation."""
+        it has not measured) gives no credit, and the worker is activated only on probation.
+        ``identity``: what the worker proved to be (its public key); a worker measured under
+        that identity before it left starts from that measurement."""
         if state not in (ACTIVE, STANDBY):
             raise ValueError(f"state must be {ACTIVE!r} or {STANDBY!r}, got {state!r}")
         if not (price >= 0 and math.isfinite(price)):
@@ -145,6 +154,12 @@ class Controller:
             # unmeasured until it delivers.
             w = _Worker(worker_id, float(price), STANDBY, float(mu_prior), since=now,
                         measured=mu_prior > 0)
+            if identity is not None:
+                self._identity[worker_id] = identity
+                past = self._memory.pop(identity, None)
+                if past is not None and mu_prior <= 0:
+                    w.mu_hat, w.failed_probations = past
+                    w.measured = w.mu_hat > 0
             self._workers[worker_id] = w
             if state == ACTIVE:
                 self._set_active(w, now)
@@ -152,8 +167,13 @@ class Controller:
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker that left or timed out."""
         with self._lock:
-            self._get(worker_id)
+            w = self._get(worker_id)
             del self._workers[worker_id]
+            identity = self._identity.pop(worker_id, None)
+            if identity is not None and (w.measured or w.failed_probations):
+                self._memory[identity] = (w.mu_hat if w.measured else 0.0, w.failed_probations)
+                while len(self._memory) > self._memory_size:
+                    self._memory.popitem(last=False)
 
     # -- measurements -----------------------------------------------------------------------
 
@@ -249,11 +269,15 @@ class Controller:
             if now - w.activated_at < self.warmup_s:
                 w.pending, w.pending_busy, w.since = 0, 0.0, now  # measure after warm-up
                 continue
+            first = w.pending > 0 and not w.measured and w.mu_hat <= 0
             if w.pending > 0:
                 w.measured = True  # delivered something: its mu_hat is now evidence
             if w.busy_mode:
                 if w.pending_busy > 0:
-                    weight = 1.0 - math.exp(-w.pending_busy / self.tau_s)
+                    # The first measurement of a worker without a prior is its rate: an EWMA
+                    # from 0 would report a fraction of it for minutes, and the loop would
+                    # activate more workers against a shortfall that is not there.
+                    weight = 1.0 if first else 1.0 - math.exp(-w.pending_busy / self.tau_s)
                     w.mu_hat += weight * (w.pending / w.pending_busy - w.mu_hat)
                 w.pending, w.pending_busy, w.since = 0, 0.0, now
             elif dt > 0:
@@ -276,24 +300,39 @@ class Controller:
         return []
 
     def _activate(self, now: float, c_eff: float, target: float, held: float) -> list[Decision]:
-        """Next-cheapest standby workers by unit cost until the projected C_eff reaches target."""
-        standby = sorted((w for w in self._workers.values()
-                          if w.state == STANDBY and w.effective_mu > 0),
-                         key=lambda w: (w.unit_cost, w.worker_id))
+        """Standby workers in order of unit cost until the projected C_eff reaches target.
+
+        A measured worker's unit cost is its price over its measured throughput, and it adds
+        that throughput. An unmeasured one is ranked by its price over the fleet's typical
+        measured throughput (an estimate for the order only, never credit) and goes on
+        probation: it adds the typical throughput to the projection, so the loop does not
+        activate more while it warms up, but nothing to C_eff until it delivers. Without this
+        the loop would only ever reuse workers it measured before, however pricey, and never
+        find the cheap ones that joined since. Workers that failed probation come last.
+        """
+        typical = self._typical_mu()
         why = (f"C_eff {c_eff:.4g}/s < alpha*mu_req = {self.alpha:g} x {self._mu_req:.4g} = "
                f"{target:.4g}/s for {held:.0f} s (window {self.window_s:g} s)")
-        decisions, projected = [], c_eff
-        for w in standby:
+        decisions, projected = [], c_eff + self._pending_mu(typical)
+        free = self._probation_limit(target - projected) - self._on_probation()
+        for w in self._standby_by_estimate(typical):
             if projected >= target:
                 break
-            decisions.append(Decision(now, ACTIVATE, w.worker_id,
-                                      f"{why}; {_describe(w)}, cheapest standby per trajectory; "
-                                      f"C_eff -> {projected + w.effective_mu:.4g}/s",
-                                      projected, target))
-            projected += w.effective_mu
+            if w.measured:
+                decisions.append(Decision(now, ACTIVATE, w.worker_id,
+                                          f"{why}; {_describe(w)}, cheapest standby per "
+                                          f"trajectory; C_eff -> {projected + w.effective_mu:.4g}/s",
+                                          projected, target))
+                projected += w.effective_mu
+            elif free > 0:
+                free -= 1
+                decisions.append(Decision(now, ACTIVATE, w.worker_id,
+                                          f"{why}; {w.worker_id} (${w.price:.3g}/h, unmeasured) on "
+                                          f"probation: no credit until it delivers", projected, target))
+                projected += typical or 0.0
+            else:
+                continue
             self._set_active(w, now)
-        if projected < target:
-            decisions += self._probation(now, why, projected, target)
         if projected < target:
             decisions.append(Decision(now, SHORT, None,
                                       f"{why}; no standby worker left, still short by "
@@ -301,23 +340,32 @@ class Controller:
                                       projected, target))
         return decisions
 
-    def _probation(self, now: float, why: str, projected: float, target: float) -> list[Decision]:
-        """Measured capacity is short: activate unmeasured standby workers so they can be
-        measured, at most ``probation_slots`` of them active at once, cheapest first among
-        those that failed probation least often. They add nothing to C_eff until measured."""
-        free = self.probation_slots - sum(1 for w in self._workers.values()
-                                          if w.state == ACTIVE and not w.measured)
-        candidates = sorted((w for w in self._workers.values()
-                             if w.state == STANDBY and not w.measured and w.effective_mu <= 0),
-                            key=lambda w: (w.failed_probations, w.price, w.worker_id))
-        out = []
-        for w in candidates[:max(0, free)]:
-            out.append(Decision(now, ACTIVATE, w.worker_id,
-                                f"{why}; {w.worker_id} (${w.price:.3g}/h, unmeasured) on "
-                                f"probation ({self.probation_slots} slots): no credit until it "
-                                f"delivers", projected, target))
-            self._set_active(w, now)
-        return out
+    def _typical_mu(self) -> float | None:
+        measured = sorted(w.mu_hat for w in self._workers.values() if w.measured and w.mu_hat > 0)
+        return measured[len(measured) // 2] if measured else None
+
+    def _on_probation(self) -> int:
+        return sum(1 for w in self._workers.values() if w.state == ACTIVE and not w.measured)
+
+    def _pending_mu(self, typical: float | None) -> float:
+        """What the active workers still on probation are expected to add once measured."""
+        return (typical or 0.0) * self._on_probation()
+
+    def _standby_by_estimate(self, typical: float | None) -> list[_Worker]:
+        def key(w: _Worker) -> tuple:
+            if w.measured:
+                return (0, w.unit_cost, w.worker_id)
+            est = w.price / typical if typical else w.price
+            return (w.failed_probations, est, w.worker_id)
+
+        return sorted((w for w in self._workers.values() if w.state == STANDBY
+                       and (w.effective_mu > 0 or not w.measured)), key=key)
+
+    def _probation_limit(self, shortfall: float) -> int:
+        typical = self._typical_mu()
+        if typical is None or self.probation_slots == 0:
+            return self.probation_slots
+        return max(self.probation_slots, math.ceil(shortfall / typical))
 
     def _release(self, now: float, c_eff: float, target: float, held: float) -> list[Decision]:
         """The priciest active worker whose removal keeps C_eff >= target (one per window)."""
@@ -325,7 +373,7 @@ class Controller:
                  if w.state == ACTIVE and c_eff - w.effective_mu >= target]
         if not spare:
             return []  # over-provisioned, but every single release would undershoot
-        w = max(spare, key=lambda w: (w.price, w.unit_cost, w.worker_id))
+        w = max(spare, key=lambda w: (w.unit_cost, w.price, w.worker_id))
         bound = (self.alpha + self.delta) * self._mu_req
         reason = (f"C_eff {c_eff:.4g}/s > (alpha+delta)*mu_req = ({self.alpha:g}+{self.delta:g}) "
                   f"x {self._mu_req:.4g} = {bound:.4g}/s for {held:.0f} s (window "

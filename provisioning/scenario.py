@@ -191,6 +191,13 @@ class ProvisioningSection(_Section):
     # hands out and by install pauses, so it measures demand once the fleet is large enough.
     # "capacity": each active, installed worker's nominal mu_i x time (an oracle).
     measure: Literal["busy", "delivered", "capacity"] = "busy"
+    # What the controller knows of a worker before it delivers. "none", as the real learner
+    # (learner/sessions.py: no credit before delivery): unmeasured workers are activated on
+    # probation. "nominal": each worker's mu_i as a trusted prior (the oracle's knowledge).
+    prior: Literal["none", "nominal"] = "none"
+    # The real config's keys, with its defaults (echo/config.py ProvisioningConfig).
+    probation_slots: int = Field(4, ge=0)
+    probation_ready_s: float = Field(600.0, gt=0)
     # T_bcast behind mu_req before the first publication is measured; None: the planner's
     # prediction for the initial active set.
     t_bcast_initial_s: float | None = Field(None, ge=0)

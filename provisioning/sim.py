@@ -488,6 +488,8 @@ class Sim:
             else:
                 self.granted[i] = 0
             u = self.inst_ver[i]
+            if self.ctl is not None and self.registered[i]:
+                self.ctl.ready(self.pool.ids[i])  # as a work request does (learner/control.py)
             self.busy[i] = g
             epoch = self.leave_epoch[i]
             gen_s = g * Gmu * self._rand_jitter()
@@ -508,10 +510,13 @@ class Sim:
         self.in_flight -= g
         c = self.counters
         c.delivered_groups += g
+        admitted = rules.admission(u, self.version, self.S) == rules.OK
         if self.observe_delivered and self.registered[i]:
-            self.ctl.observe(self.pool.ids[i], g * self.G,
-                             busy_s=gen_s if self.observe_busy else None)
-        if rules.admission(u, self.version, self.S) != rules.OK:
+            # learner/control.py: admitted records only, with the batch's generation seconds
+            # (none when nothing was admitted: refused work earns nothing).
+            self.ctl.observe(self.pool.ids[i], g * self.G if admitted else 0,
+                             busy_s=gen_s if self.observe_busy and admitted else None)
+        if not admitted:
             c.dropped_stale_groups += g
         else:
             c.admitted_groups += g
@@ -711,7 +716,11 @@ class Sim:
         p = self.sc.provisioning
         env = self.env
         self.ctl = Controller(alpha=p.alpha, delta=p.delta, window_s=p.window_s,
-                              clock=lambda: env.now, tau_s=p.tau_s, warmup_s=p.warmup_s)
+                              clock=lambda: env.now, tau_s=p.tau_s, warmup_s=p.warmup_s,
+                              probation_slots=p.probation_slots,
+                              probation_ready_s=p.probation_ready_s)
+        # As the learner: no credit before delivery, unless the scenario grants the oracle's.
+        self.nominal_prior = p.prior == "nominal" or p.measure == "capacity"
         for i in range(self.n):
             if self.present[i]:
                 self._register(i)
@@ -722,7 +731,9 @@ class Sim:
     def _register(self, i: int) -> None:
         assert self.ctl is not None
         self.ctl.add_worker(self.pool.ids[i], self.price[i],
-                            state=ACTIVE if self.active[i] else STANDBY, mu_prior=self.mu[i])
+                            state=ACTIVE if self.active[i] else STANDBY,
+                            mu_prior=self.mu[i] if self.nominal_prior else 0.0,
+                            identity=self.pool.ids[i])
         self.registered[i] = True
 
     def registered_np(self) -> np.ndarray:
