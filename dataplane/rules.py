@@ -14,7 +14,8 @@ reads a clock; the install quantile, the fourth shared rule, is
   is the version of its oldest group.
 * **Grants.** At most ``max_outstanding`` groups are out (granted, not yet whole) plus waiting in
   the buffer. One grant carries at most the worker's ask, its fair share of that bound
-  (``ceil(max_outstanding / active workers)``), and what room is left.
+  (``ceil(max_outstanding / active workers)``), and what room is left; one group while the
+  worker is on probation (the provisioner has not measured it yet).
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ def fair_share(max_outstanding: int, active_workers: int) -> int:
 
 
 def grant_size(ask: int, max_outstanding: int, in_flight: int, buffered: int,
-               active_workers: int) -> int:
-    """How many new groups one request gets."""
-    return min(ask, fair_share(max_outstanding, active_workers),
+               active_workers: int, probation: bool = False) -> int:
+    """How many new groups one request gets. A worker on probation (not yet measured) gets one
+    group at a time: its first delivery then comes after one group's generation, within the
+    probation window even on a slow GPU, and a joiner that never delivers holds one group."""
+    return min(ask, 1 if probation else fair_share(max_outstanding, active_workers),
                room(max_outstanding, in_flight, buffered))
 
 

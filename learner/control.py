@@ -504,8 +504,10 @@ class ControlPlane(Sessions, SnapshotRoutes):
             return wire.WorkGrant(groups=[], retry_after_s=0.5)  # standby: relay, don't roll out
         if self.controller is not None:
             self.controller.ready(msg.worker_id)
-        groups = self.work.grant(msg.worker_id, min(msg.max_groups, self._fair_share()),
-                                 self.buffer.depth()["ready_groups"], msg.holding)
+        probation = self.controller is not None and self.controller.on_probation(msg.worker_id)
+        ask = 1 if probation else min(msg.max_groups, self._fair_share())  # dataplane/rules.py
+        groups = self.work.grant(msg.worker_id, ask, self.buffer.depth()["ready_groups"],
+                                 msg.holding)
         return wire.WorkGrant(groups=groups, retry_after_s=0.0 if groups else 0.2)
 
     def _fair_share(self) -> int:

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 ACTIVE, STANDBY = "active", "standby"
 ACTIVATE, RELEASE, SHORT = "activate", "release", "short"
+SWAP_GAIN = 0.2  # a swap must cut the unit cost of the swapped worker by at least this share
+SWAP_SHARE = 0.05  # at most this share of the active workers is swapped per window
 
 
 class UnknownWorker(KeyError):
@@ -121,6 +123,7 @@ class Controller:
         self._mu_req: float | None = None
         self._low_since: float | None = None  # C_eff < target since (None: not now)
         self._high_since: float | None = None  # C_eff > (alpha + delta) mu_req since
+        self._steady_since: float | None = None  # C_eff >= target since
         self._lock = threading.Lock()
         self.history: deque[Decision] = deque(maxlen=history)
         # Measured throughput of workers that left, by identity (the learner passes the
@@ -297,7 +300,43 @@ class Controller:
             return self._activate(now, c_eff, target, now - self._low_since)
         if high and now - self._high_since >= self.window_s:
             return self._release(now, c_eff, target, now - self._high_since)
+        # Swaps run every window whatever the level: when short, a swap may not lower C_eff.
+        self._steady_since = _held_since(self._steady_since, True, now)
+        if now - self._steady_since >= self.window_s:
+            return self._swap(now, c_eff, min(target, c_eff))
         return []
+
+    def _swap(self, now: float, c_eff: float, target: float) -> list[Decision]:
+        """Every window: trade active workers with the worst unit costs for measured standby
+        workers with the best, pair by pair while each pair is at least ``SWAP_GAIN`` cheaper
+        per trajectory and C_eff stays at ``target`` (the caller passes min(target, C_eff):
+        when short, a swap may not lower capacity); at most ``SWAP_SHARE`` of the active set
+        per window. Churn otherwise leaves whatever replaced the leavers active for good, while
+        cheaper measured workers wait in standby."""
+        standby = sorted((w for w in self._workers.values()
+                          if w.state == STANDBY and w.measured and w.effective_mu > 0),
+                         key=lambda w: (w.unit_cost, w.worker_id))
+        active = sorted((w for w in self._workers.values() if w.state == ACTIVE and w.measured),
+                        key=lambda w: (-w.unit_cost, w.worker_id))
+        limit = max(1, int(SWAP_SHARE * len(active)))
+        out: list[Decision] = []
+        for best, worst in zip(standby, active[:limit]):
+            if best.unit_cost > (1 - SWAP_GAIN) * worst.unit_cost:
+                break
+            after = c_eff - worst.effective_mu + best.effective_mu
+            if after < target:
+                continue
+            why = (f"unit-cost check (every {self.window_s:g} s); swap: {_describe(best)} per "
+                   f"trajectory is {1 - best.unit_cost / worst.unit_cost:.0%} cheaper than "
+                   f"{_describe(worst)}")
+            self._set_active(best, now)
+            worst.state = STANDBY
+            out += [Decision(now, ACTIVATE, best.worker_id, why, after, target),
+                    Decision(now, RELEASE, worst.worker_id, why, after, target)]
+            c_eff = after
+        if out:
+            self._steady_since = None
+        return out
 
     def _activate(self, now: float, c_eff: float, target: float, held: float) -> list[Decision]:
         """Standby workers in order of unit cost until the projected C_eff reaches target.
@@ -407,6 +446,12 @@ class Controller:
         with self._lock:
             return [WorkerStatus(w.worker_id, w.state, w.price, w.mu_hat, w.availability,
                                  w.effective_mu) for w in self._workers.values()]
+
+    def on_probation(self, worker_id: str) -> bool:
+        """Active and not yet measured (unknown workers count as not on probation)."""
+        with self._lock:
+            w = self._workers.get(worker_id)
+            return w is not None and w.state == ACTIVE and not w.measured
 
     def active_ids(self) -> list[str]:
         with self._lock:

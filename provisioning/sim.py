@@ -417,8 +417,11 @@ class Sim:
     def _free_slots(self) -> int:
         return rules.room(self.max_out, self.in_flight, self.buffered)
 
-    def _grant_size(self) -> int:
-        return rules.grant_size(self.gpr, self.max_out, self.in_flight, self.buffered, self.n_active)
+    def _grant_size(self, i: int) -> int:
+        probation = (self.ctl is not None and self.registered[i]
+                     and self.ctl.on_probation(self.pool.ids[i]))
+        return rules.grant_size(self.gpr, self.max_out, self.in_flight, self.buffered,
+                                self.n_active, probation)
 
     def _fill(self) -> None:
         """Hand free slots to queued idle workers (oldest request first)."""
@@ -430,7 +433,7 @@ class Sim:
             if self._install_wait(i) > 0:
                 self._wake(i)  # it goes to wait for its snapshot, and queues again later
                 continue
-            g = self._grant_size()
+            g = self._grant_size(i)
             self.granted[i] = g
             self.in_flight += g
             self._wake(i)
@@ -483,7 +486,7 @@ class Sim:
                     if not self.granted[i]:
                         yield from self._sleep(i)
                     continue
-                g = self._grant_size()
+                g = self._grant_size(i)
                 self.in_flight += g
             else:
                 self.granted[i] = 0

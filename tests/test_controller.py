@@ -55,7 +55,8 @@ def test_no_action_before_the_window_then_activation():
 def test_condition_must_hold_for_the_whole_window():
     ctl, clock = make()
     ctl.add_worker("w0", price=1.0, state="active", mu_prior=5)
-    ctl.add_worker("s1", price=1.0, mu_prior=10)
+    # unit cost 0.19 against w0's 0.2: not the 20 % a swap needs, so only hysteresis acts
+    ctl.add_worker("s1", price=1.9, mu_prior=10)
     rates = {"w0": 5, "s1": 10}
     ctl.set_requirement(10.0)  # target 11 > 5: low
     assert run(ctl, clock, 30.0, rates) == []
@@ -151,13 +152,14 @@ def test_silent_worker_decays_and_triggers_activation():
     ctl, clock = make(window_s=10.0, tau_s=10.0, warmup_s=0.0)
     ctl.add_worker("dead", price=1.0, state="active", mu_prior=20)
     ctl.add_worker("spare", price=1.0, mu_prior=20)
-    # target 11, release above 13. dead: mu_hat = 20 e^(-t/10) < 11 from t = 6 (10 ln(20/11)
-    # = 5.98) -> spare activated at t = 16. Then C_eff = 20 + a little > 13 and dropping the
-    # dead worker keeps 20 >= 11 -> released one window later (high from t=17, at t=27).
+    # target 11. dead: mu_hat = 20 e^(-t/10), low from t = 6 (10 ln(20/11) = 5.98). The
+    # unit-cost check after the first window (t = 11) finds spare at $1 / 20 per trajectory
+    # against dead's $1 / 6.7: swapped at once (C_eff 6.7 -> 20), before the low window ends.
     ctl.set_requirement(10.0)
     decisions = run(ctl, clock, 200.0, {"dead": 0, "spare": 20})
     assert [(d.action, d.worker_id, d.time) for d in decisions] == [
-        (ACTIVATE, "spare", 16.0), (RELEASE, "dead", 27.0)]
+        (ACTIVATE, "spare", 11.0), (RELEASE, "dead", 11.0)]
+    assert ctl.active_ids() == ["spare"] and ctl.c_eff() == pytest.approx(20.0, rel=0.01)
 
 
 def test_availability_from_heartbeats_scales_capacity():
@@ -402,3 +404,14 @@ def test_probation_grows_with_the_shortfall_in_typical_workers():
     ctl.set_requirement(45.0)  # target 49.5: short by 39.5, i.e. 4 typical workers
     decisions = busy_run(ctl, clock, 41.0, {"base": 10})
     assert sum(d.action == "activate" for d in decisions) == 4
+
+
+def test_swap_trades_a_pricey_active_worker_for_a_cheaper_measured_standby_one():
+    ctl, clock = make(window_s=10.0, tau_s=5.0, warmup_s=0.0)
+    ctl.add_worker("pricey", price=5.0, state="active", mu_prior=10)
+    ctl.add_worker("cheap", price=1.0, mu_prior=10)  # measured before (a trusted prior here)
+    ctl.add_worker("close", price=4.5, mu_prior=10)  # only 10 % cheaper: never swapped in
+    ctl.set_requirement(8.0)  # target 8.8 <= 10 <= 10.4: steady
+    decisions = run(ctl, clock, 30.0, {"pricey": 10, "cheap": 10, "close": 10})
+    assert [(d.action, d.worker_id) for d in decisions] == [(ACTIVATE, "cheap"), (RELEASE, "pricey")]
+    assert ctl.active_ids() == ["cheap"]
