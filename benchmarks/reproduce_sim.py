@@ -1,6 +1,6 @@
 """Regenerate the simulator's paper reproductions and scale run (docs/simulator.md).
 
-    .venv/bin/python benchmarks/reproduce_sim.py [--only fig3c,fig4,table2,scale,churn]
+    .venv/bin/python benchmarks/reproduce_sim.py [--only fig3c,fig4,table2,scale,churn,central]
                                                  [--out benchmarks/results/sim]
 
 * fig3c  -- bubble ratio against pool size for S = 2, 3, 4 (paper Fig. 3c), from
@@ -11,7 +11,9 @@
 * table2 -- the ablation table (paper Table 2) from examples/sim/table2-ablation.toml;
 * scale  -- examples/sim/scale-10k.toml (10,000 workers, 100 steps) with its wall time, and the
             same run with the controller fed deliveries, and capacity (the oracle);
-* churn  -- examples/sim/churn-controller.toml, the three controller measurements.
+* churn  -- examples/sim/churn-controller.toml, the three controller measurements;
+* central -- examples/sim/centralized-8b.toml: Echo against rollouts on the learner's own A100s
+            (sync on 8, async 4 + 4) and the saving as the A100's rollout rate grows.
 
 Every result JSON carries the machine it ran on (echo.machine.machine_info).
 """
@@ -317,6 +319,40 @@ def churn(out: Path) -> dict[str, Any]:
     return _measures(out, "churn-controller.toml", "churn-controller")
 
 
+def central(out: Path) -> dict[str, Any]:
+    """Echo against rollouts on the learner's own A100s (examples/sim/centralized-8b.toml): sync
+    on 8 GPUs, async 4 + 4, and the saving as the A100's rollout rate grows."""
+    from provisioning.sim import print_centralized
+
+    base = _full_run(out, "centralized-8b.toml", "centralized-8b", {})
+    rows = list(base["centralized"]["baselines"])
+    sweep = []
+    for mu in (0.3165, 0.5, 0.75, 1.0, 1.25):
+        for mode, t_train in (("sync", 203.9), ("async", 407.8)):
+            r = simulate(EX / "centralized-8b.toml", {"centralized.mu_per_gpu": mu,
+                                                       "centralized.modes": [mode],
+                                                       "centralized.t_train_s": t_train})
+            row = r["centralized"]["baselines"][0]
+            if mu == 0.3165 and mode == "async":
+                rows.append(row)
+            sweep.append({"mu_per_gpu": mu, "a100_vs_5090": mu / 0.28, **row})
+    base["centralized"]["baselines"] = rows
+    print_centralized(base["centralized"], _console())
+    t = _table("Echo's saving as one A100's rollout rate grows (RTX 5090: 0.28 traj/s)",
+               ["A100 traj/s", "A100 / 5090", "sync cost", "Echo saves", "async cost", "Echo saves"])
+    for mu in sorted({x["mu_per_gpu"] for x in sweep}):
+        s_, a_ = (next(x for x in sweep if x["mu_per_gpu"] == mu and x["mode"] == m)
+                  for m in ("sync", "async"))
+        t.add_row(f"{mu:g}", f"{mu / 0.28:.2f}", f"${s_['cost_per_step_usd']:.3f}",
+                  f"{s_['echo_saving']:.1%}", f"${a_['cost_per_step_usd']:.3f}",
+                  f"{a_['echo_saving']:.1%}")
+    _console().print(t)
+    data = {"echo": base["summary"], "centralized": base["centralized"], "sweep": sweep,
+            "command": ".venv/bin/python benchmarks/reproduce_sim.py --only central"}
+    _write(out, "centralized-8b-comparison", data)
+    return data
+
+
 def _table(title: str, cols: list[str]):
     from rich.table import Table
 
@@ -326,7 +362,8 @@ def _table(title: str, cols: list[str]):
     return t
 
 
-PARTS = {"fig3c": fig3c, "fig4": fig4, "table2": table2, "scale": scale, "churn": churn}
+PARTS = {"fig3c": fig3c, "fig4": fig4, "table2": table2, "scale": scale, "churn": churn,
+         "central": central}
 
 
 def main(argv: list[str] | None = None) -> int:

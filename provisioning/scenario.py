@@ -213,6 +213,26 @@ class ChurnSection(_Section):
     heartbeat_timeout_s: float = Field(15.0, ge=0)  # until the controller forgets a leaver
 
 
+class CentralizedSection(_Section):
+    """Baselines with rollouts on the learner's own GPUs (provisioning/centralized.py)."""
+
+    enabled: bool = False
+    gpus: int = Field(8, gt=0)
+    gpu_price: float = Field(3.06, ge=0)  # $/h per GPU (paper: A100 80GB on Google Cloud)
+    mu_per_gpu: float = Field(0.0, ge=0)  # trajectories/s one GPU generates; required when enabled
+    train_gpus: int = Field(4, gt=0)  # async: GPUs that train; the rest generate
+    # Time of one update on the training GPUs; None: learner.t_train_s (the same update).
+    t_train_s: float | None = Field(None, gt=0)
+    modes: list[Literal["sync", "async"]] = Field(default_factory=lambda: ["sync", "async"])
+
+    @model_validator(mode="after")
+    def _usable(self) -> "CentralizedSection":
+        from provisioning.centralized import check
+
+        check(self)
+        return self
+
+
 class Scenario(_Section):
     run: RunSection = Field(default_factory=RunSection)
     learner: LearnerSection = Field(default_factory=LearnerSection)
@@ -221,6 +241,7 @@ class Scenario(_Section):
     broadcast: BroadcastSection = Field(default_factory=BroadcastSection)
     provisioning: ProvisioningSection = Field(default_factory=ProvisioningSection)
     churn: ChurnSection = Field(default_factory=ChurnSection)
+    centralized: CentralizedSection = Field(default_factory=CentralizedSection)
     # Where the TOML lives, to resolve pool.file and churn.trace; set by load_scenario.
     base_dir: str = ""
 

@@ -999,6 +999,10 @@ def run_scenario(sc: Scenario, *, progress: bool = False,
             result = Sim(sc, on_step=lambda _s: bar.advance(task)).run()
     else:
         result = Sim(sc).run()
+    if sc.centralized.enabled:
+        from provisioning.centralized import compare
+
+        result["centralized"] = compare(sc, result["summary"])
     if machine:
         from echo.machine import machine_info
 
@@ -1114,8 +1118,26 @@ def print_report(result: dict[str, Any], console: Any = None) -> None:
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+    if "centralized" in result:
+        print_centralized(result["centralized"], console)
     for w in result["warnings"][:10]:
         console.print(f"[yellow]warning:[/] {w}")
+
+
+def print_centralized(c: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title="against rollouts on the learner's own GPUs (provisioning/centralized.py)")
+    for col in ("pipeline", "GPUs (train / generate)", "step (s)", "bubble", "cost / step",
+                "Echo saves"):
+        t.add_column(col, justify="right")
+    t.add_row("Echo (this run)", "-", "-", f"{c['echo_bubble_ratio']:.2%}",
+              f"${c['echo_cost_per_step_usd']:.3f}", "-")
+    for r in c["baselines"]:
+        t.add_row(f"centralized {r['mode']}", f"{r['gpus']} ({r['training_gpus']} / "
+                  f"{r['generating_gpus']})", f"{r['step_s']:.0f}", f"{r['bubble_ratio']:.1%}",
+                  f"${r['cost_per_step_usd']:.3f}", f"{r['echo_saving']:.1%}")
+    console.print(t)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,8 +10,10 @@ import pytest
 
 from broadcast import planner
 from provisioning import capacity
-from provisioning.scenario import ScenarioError, build_pool, scenario_from_dict
+from provisioning.scenario import ScenarioError, build_pool, load_scenario, scenario_from_dict
 from provisioning.sim import BroadcastModel, main, simulate, simulate_fixed
+
+EXAMPLES = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "sim"
 
 
 def base(**over) -> dict:
@@ -390,3 +392,39 @@ def test_busy_time_measures_capacity_as_the_oracle_does():
     assert abs(busy["mu_active_mean"] / oracle["mu_active_mean"] - 1) < 0.10
     assert delivered["mu_active_mean"] > 1.5 * busy["mu_active_mean"]
     assert busy["cost_per_step_usd"] < delivered["cost_per_step_usd"]
+
+
+# ----------------------------------------------------------------------------- centralized
+
+
+def test_centralized_baselines_bill_every_gpu_for_the_whole_step():
+    from provisioning.centralized import run_baseline
+    from provisioning.scenario import CentralizedSection
+
+    c = CentralizedSection(enabled=True, gpus=8, gpu_price=3.0, mu_per_gpu=0.5, train_gpus=4)
+    # 2,048 trajectories in requests of 32: 64 requests of 64 s, 8 per GPU on 8 GPUs = 512 s
+    sync = run_baseline("sync", c, n_traj=2048, t_train=200.0, per_request=32, sigma=0.0,
+                        steps=3, seed=0)
+    assert sync["step_s"] == pytest.approx(512 + 200)
+    assert sync["cost_per_step_usd"] == pytest.approx(8 * 3.0 * 712 / 3600)
+    assert sync["bubble_ratio"] == pytest.approx(512 / 712)
+    # async: 4 generate (1,024 s) while 4 train (200 s): the step is the slower side
+    asy = run_baseline("async", c, n_traj=2048, t_train=200.0, per_request=32, sigma=0.0,
+                       steps=3, seed=0)
+    assert asy["step_s"] == pytest.approx(1024) and asy["generating_gpus"] == 4
+
+
+def test_a_centralized_section_without_a_rollout_rate_names_the_key():
+    with pytest.raises(Exception, match="centralized.mu_per_gpu"):
+        load_scenario(EXAMPLES / "centralized-8b.toml", ["centralized.mu_per_gpu=0"])
+    with pytest.raises(Exception, match="centralized.train_gpus"):
+        load_scenario(EXAMPLES / "centralized-8b.toml", ["centralized.train_gpus=8",
+                                                         "centralized.modes=[\"async\"]"])
+
+
+def test_the_centralized_scenario_compares_echo_with_its_baseline():
+    r = simulate(EXAMPLES / "centralized-8b.toml", {"run.steps": 6}, machine=False)
+    c = r["centralized"]
+    assert [b["mode"] for b in c["baselines"]] == ["sync"]
+    saving = 1 - r["summary"]["cost_per_step_usd"] / c["baselines"][0]["cost_per_step_usd"]
+    assert c["echo_saving_vs_cheapest"] == pytest.approx(saving)
