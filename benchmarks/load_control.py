@@ -46,12 +46,18 @@ OVERRIDES = ["security.audit=false", "provisioning.enabled=false", "learner.max_
 class Synthetic:
     """One made-up worker on a shared event loop."""
 
-    def __init__(self, ctx: Any, line: Any, wid: str, adapter: Any, vocab: int, group_s: float):
+    def __init__(self, ctx: Any, line: Any, wid: str, adapter: Any, vocab: int, group_s: float,
+                 keys: Any = None, price: float = 0.1, gate: Any = None):
+        """``keys``: the worker's identity (a restarted worker passes the same pair); a new
+        pair when None. ``price``: what it declares, $/h. ``gate``: an async callable; the worker
+        joins and heart-beats at once but asks for work only once it returns (a fleet that
+        starts together)."""
         from echo.client import Client
         from echo.security import KeyPair
 
         self.wid, self.adapter, self.vocab, self.group_s = wid, adapter, vocab, group_s
-        self.client = Client(ctx, line.endpoint, 16 << 20, keys=KeyPair.generate(),
+        self.price, self.gate = price, gate
+        self.client = Client(ctx, line.endpoint, 16 << 20, keys=keys or KeyPair.generate(),
                              server_key=line.server_key)
         self.version, self.rtts, self.acked, self.batches = 0, [], 0, 0
         self.rng = random.Random(wid)
@@ -61,7 +67,7 @@ class Synthetic:
 
         async with asyncio.TaskGroup() as tg:
             recv = tg.create_task(self.client.receive_forever())
-            ack = await self.client.request(wire.Join(worker_id=self.wid, price=0.1), 60)
+            ack = await self.client.request(wire.Join(worker_id=self.wid, price=self.price), 60)
             if not isinstance(ack, wire.JoinAck):
                 raise RuntimeError(f"{self.wid}: join refused: {ack}")
             self.wid, self.version = ack.worker_id or self.wid, max(ack.version, 0)
@@ -96,6 +102,8 @@ class Synthetic:
     async def _work(self, until: float) -> None:
         from echo import wire
 
+        if self.gate is not None:
+            await self.gate()
         while time.monotonic() < until:
             grant = await self.client.request(wire.WorkRequest(worker_id=self.wid, max_groups=1), 30)
             if not isinstance(grant, wire.WorkGrant) or not grant.groups:

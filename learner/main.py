@@ -41,7 +41,7 @@ from learner.reputation import without_quarantined
 from learner.policy import FullState, Policy
 from learner.publisher import Publisher
 from learner.work import WorkQueue
-from provisioning.capacity import Infeasible, mu_req
+from provisioning.capacity import Infeasible, mu_req, t_train_average
 
 log = logging.getLogger("echo.learner")
 
@@ -468,7 +468,7 @@ class Learner:
         decisions it took since the last step."""
         assert self.control is not None
         lc = self.cfg.learner
-        self.t_train_ewma = t_train if self.t_train_ewma is None else 0.8 * self.t_train_ewma + 0.2 * t_train
+        self.t_train_ewma = t_train_average(self.t_train_ewma, t_train)
         try:
             need = mu_req(lc.prompts_per_step * lc.group_size, lc.effective_kappa,
                           self.t_train_ewma, t_bcast)

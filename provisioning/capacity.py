@@ -73,6 +73,15 @@ def _ceil(x: float) -> int:
     return math.ceil(x - RTOL * max(1.0, abs(x)))
 
 
+T_TRAIN_WEIGHT = 0.2  # weight of the newest step in the learner's T_train average
+
+
+def t_train_average(previous: float | None, t_train: float) -> float:
+    """The T_train behind mu_req: an exponential average over steps, as the learner keeps it
+    (learner/main.py) and the simulator replays it, so one slow step does not swing the fleet."""
+    return t_train if previous is None else (1 - T_TRAIN_WEIGHT) * previous + T_TRAIN_WEIGHT * t_train
+
+
 def mu_req(n: int, kappa: int, t_train: float, t_bcast: float) -> float:
     """Least aggregate throughput (trajectories/s) that keeps the learner free of bubbles.
 

@@ -407,7 +407,8 @@ class Controller:
         return max(self.probation_slots, math.ceil(shortfall / typical))
 
     def _release(self, now: float, c_eff: float, target: float, held: float) -> list[Decision]:
-        """The priciest active worker whose removal keeps C_eff >= target (one per window)."""
+        """The active worker with the worst unit cost whose removal keeps C_eff >= target (one
+        per window)."""
         spare = [w for w in self._workers.values()
                  if w.state == ACTIVE and c_eff - w.effective_mu >= target]
         if not spare:
@@ -416,7 +417,8 @@ class Controller:
         bound = (self.alpha + self.delta) * self._mu_req
         reason = (f"C_eff {c_eff:.4g}/s > (alpha+delta)*mu_req = ({self.alpha:g}+{self.delta:g}) "
                   f"x {self._mu_req:.4g} = {bound:.4g}/s for {held:.0f} s (window "
-                  f"{self.window_s:g} s); {_describe(w)} is the priciest whose removal keeps "
+                  f"{self.window_s:g} s); {_describe(w)} has the worst unit cost of those "
+                  f"whose removal keeps "
                   f"C_eff = {c_eff - w.effective_mu:.4g}/s >= {target:.4g}/s")
         w.state = STANDBY
         return [Decision(now, RELEASE, w.worker_id, reason, c_eff, target)]

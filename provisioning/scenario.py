@@ -173,7 +173,9 @@ class BroadcastSection(_Section):
 class ProvisioningSection(_Section):
     # Initial active set. greedy/ours/exact: provisioning.selection against alpha*mu_req;
     # random: random order until alpha*mu_req (the paper's "w/o cost" ablation); all: everyone.
-    selection: Literal["ours", "greedy", "exact", "random", "all"] = "ours"
+    # first: the first `active` present workers in pool order (the learner's boot: its first
+    # `initial_active` joiners start active).
+    selection: Literal["ours", "greedy", "exact", "random", "all", "first"] = "ours"
     # > 0: activate exactly this many workers (in the selection's order: by unit cost for
     # greedy/ours/exact, random for random) instead of meeting alpha*mu_req.
     active: int = Field(0, ge=0)
@@ -198,6 +200,13 @@ class ProvisioningSection(_Section):
     # The real config's keys, with its defaults (echo/config.py ProvisioningConfig).
     probation_slots: int = Field(4, ge=0)
     probation_ready_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _first_needs_count(self) -> "ProvisioningSection":
+        if self.selection == "first" and self.active <= 0:
+            raise ValueError("provisioning.selection = \"first\" boots the first "
+                             "provisioning.active workers: set provisioning.active >= 1")
+        return self
     # T_bcast behind mu_req before the first publication is measured; None: the planner's
     # prediction for the initial active set.
     t_bcast_initial_s: float | None = Field(None, ge=0)

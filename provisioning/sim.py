@@ -111,7 +111,10 @@ class BroadcastModel:
         self.plan_wall_s = 0.0
 
     def pull_s(self, i: int) -> float:
-        """Pull-on-join: a late joiner fetches the whole snapshot from one peer at its own rate."""
+        """Pull-on-join: a late joiner fetches the whole snapshot from one peer at its own rate
+        (topology "fixed": the replayed install time, like every other install)."""
+        if self.b.topology == "fixed":
+            return self.b.fixed_s
         return float(planner.star_unlimited_s(self.M, self.pool.down[i])) + self.lat
 
     def plan(self, idx: np.ndarray) -> BcastPlan:
@@ -308,6 +311,7 @@ class Sim:
         self.counters = _Counters()
         self.warnings: list[str] = []
         self.t_bcast_est: float | None = None
+        self.t_train_avg: float | None = None  # as the learner averages it (capacity.py)
         self.mu_req_now: float | None = None
         self.mu_req_history: list[tuple[float, float | None]] = []
         self._jitter = np.empty(0)
@@ -572,6 +576,10 @@ class Sim:
             self.steps.append(StepRecord(step, self.version, t0, wait, train,
                                          self.version - oldest, n_active, mu_active, cost))
             self.version += 1
+            # The learner recomputes mu_req after every step from its T_train average and the
+            # latest T_bcast (learner/main.py _provisioning): so does the simulation.
+            self.t_train_avg = capacity.t_train_average(self.t_train_avg, train)
+            self._update_requirement()
             self._evict_stale()
             self._fill()
             if self.version % self.kappa == 0:
@@ -618,7 +626,8 @@ class Sim:
         if self.t_bcast_est is None:
             return
         try:
-            req = capacity.mu_req(L.n, self.kappa, L.t_train_s, self.t_bcast_est)
+            req = capacity.mu_req(L.n, self.kappa, self.t_train_avg or L.t_train_s,
+                                  self.t_bcast_est)
         except capacity.Infeasible as err:
             req = None
             msg = f"mu_req infeasible at t={self.env.now:.0f} s: {err}"
@@ -662,6 +671,8 @@ class Sim:
                 return cand
             if perm is not None:
                 order = perm
+            elif p.selection == "first":  # join order, as the learner's initial_active boot
+                order = np.arange(len(cand))
             else:
                 order = selection.unit_cost_order(mu, price)
             if p.active:

@@ -428,3 +428,25 @@ def test_the_centralized_scenario_compares_echo_with_its_baseline():
     assert [b["mode"] for b in c["baselines"]] == ["sync"]
     saving = 1 - r["summary"]["cost_per_step_usd"] / c["baselines"][0]["cost_per_step_usd"]
     assert c["echo_saving_vs_cheapest"] == pytest.approx(saving)
+
+
+def test_boot_in_join_order_and_late_activations_install_at_the_replayed_time():
+    """selection "first" boots the first worker only (the learner's initial_active); the
+    controller then activates others, which under topology "fixed" install fixed_s after
+    activation (not after a full-snapshot pull over their links)."""
+    r = run(base(provisioning__selection="first", provisioning__active=1,
+                 provisioning__controller=True, provisioning__window_s=5.0,
+                 provisioning__warmup_s=1.0, provisioning__tick_s=1.0,
+                 broadcast__fixed_s=2.0, run__steps=30))
+    assert r["initial"]["chosen"] == 1
+    steps = r["steps"]
+    assert steps[0]["n_active"] == 1
+    assert r["summary"]["events"]["activations"] >= 1
+    assert max(s["n_active"] for s in steps) > 1
+    # the activated workers work: the late steps wait no longer than the first one did
+    assert steps[-1]["wait_s"] < steps[0]["wait_s"]
+
+
+def test_first_selection_needs_a_count():
+    with pytest.raises(Exception, match="provisioning.active"):
+        run(base(provisioning__selection="first"))
