@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--cache", default=str(ROOT / "models" / "bench"))
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "vllm" / "bench.json"))
     a = ap.parse_args()
-    import torch  # noqa: F401  (loaded first so machine_info can name the GPU)
+    import torch  # noqa: F401 (loaded first so machine_info can name the GPU)
 
     from echo.machine import machine_info
 

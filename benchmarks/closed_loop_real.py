@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import csv
 import json
-import os
 import signal
 import statistics
 import sys

@@ -34,10 +34,13 @@ What runs, and what it reuses (no second copy of the logic):
   ours, exact) against ``alpha * mu_req`` with ``mu_req`` from ``provisioning.capacity`` and
   ``T_bcast`` predicted by the planner for that set (iterated to a fixed point), or random
   (the paper's "w/o cost" ablation), or all, or a fixed count. The closed loop is
-  ``provisioning.controller.Controller`` itself, with ``env.now`` as its clock: it observes
-  every delivery (admitted or not, as in the real control plane), ticks every ``tick_s``, and
-  its activate/release decisions are carried out; ``mu_req`` is updated from each measured
-  ``T_bcast``. An activated worker pulls the current snapshot from a peer (``M / b_down``).
+  ``provisioning.controller.Controller`` itself, with ``env.now`` as its clock, fed what the
+  control plane feeds it: no prior for a joiner, ``ready`` at its first work request, admitted
+  records only with their generation seconds. It ticks every ``tick_s`` and its decisions are
+  carried out; ``mu_req`` is recomputed after every step from the learner's T_train average
+  and the latest ``T_bcast``. An activated worker pulls the current snapshot from a peer
+  (``M / b_down``). Admission, eviction, take and grant sizes are ``dataplane.rules``, the
+  learner's own.
 * **Churn**: per-worker leave/rejoin rates, or a trace CSV ``time_s,worker,event``. A leaver's
   in-flight groups are lost and re-issued, its chain children re-attach upstream (``reattach_s``,
   nothing restarts), and the controller forgets it after ``heartbeat_timeout_s``; a joiner
@@ -50,12 +53,15 @@ the integral of the active workers' prices over the step, i.e. DESIGN 4's
 
 Public API: ``run_scenario``, ``simulate`` (path or dict), ``simulate_fixed`` (sim-vs-reality),
 ``main`` (CLI).
+
+Files, by job: this one (the learner, the workers, grants and publications, the run), the
+broadcast model (``sim_broadcast.py``), provisioning and churn (``sim_fleet.py``), the report
+and command line (``sim_report.py``), plots (``sim_plots.py``), and the centralized baselines
+(``centralized.py``).
 """
 
 from __future__ import annotations
 
-import argparse
-import heapq
 import json
 import math
 import sys
@@ -68,142 +74,17 @@ from typing import Any, Callable
 import numpy as np
 import simpy
 
-from broadcast import planner
 from broadcast.coordinator import quantile_rank
-from broadcast.topology.base import Peer
 from dataplane import rules
 from dataplane.rules import ReadyQueue
-from provisioning import capacity, selection
-from provisioning.controller import ACTIVATE, ACTIVE, RELEASE, SHORT, STANDBY, Controller
-from provisioning.scenario import (Pool, Scenario, ScenarioError, apply_overrides, build_pool,
+from provisioning import capacity
+from provisioning.controller import Controller
+from provisioning.sim_broadcast import BroadcastModel
+from provisioning.sim_fleet import FleetMixin
+from provisioning.scenario import (Scenario, apply_overrides, build_pool,
                                    load_scenario, read_toml, read_trace, scenario_from_dict)
 
 DEFAULT_JSON_DIR = Path("benchmarks/results/sim")
-
-
-# ============================================================================ broadcast model
-
-
-@dataclass
-class BcastPlan:
-    """Per-recipient arrival offsets (seconds after publication, before reload) and context."""
-
-    idx: np.ndarray  # recipients (worker indices)
-    offsets: np.ndarray  # aligned with idx
-    chains: list[np.ndarray] | None  # worker indices per chain, head first (chains only)
-    predicted_s: float  # slowest recipient (planner's / star formula's prediction)
-    lower_bound_s: float | None
-    streams: int  # learner streams
-    egress_bytes: float  # what the learner sends
-    mode: str  # "planner", "binned", "star", "star-unlimited", "fixed"
-
-
-class BroadcastModel:
-    """Turns a recipient set into per-worker arrival times with ``broadcast.planner``."""
-
-    def __init__(self, sc: Scenario, pool: Pool):
-        self.b = sc.broadcast
-        self.pool = pool
-        self.M = float(self.b.snapshot_bytes)
-        self.c = self.b.chunk_bytes
-        self.lat = self.b.latency_ms / 1000.0
-        self._cache: dict[bytes, BcastPlan] = {}
-        self.plan_wall_s = 0.0
-
-    def pull_s(self, i: int) -> float:
-        """Pull-on-join: a late joiner fetches the whole snapshot from one peer at its own rate
-        (topology "fixed": the replayed install time, like every other install)."""
-        if self.b.topology == "fixed":
-            return self.b.fixed_s
-        return float(planner.star_unlimited_s(self.M, self.pool.down[i])) + self.lat
-
-    def plan(self, idx: np.ndarray) -> BcastPlan:
-        idx = np.asarray(idx, dtype=np.int64)
-        key = idx.tobytes()
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        t0 = time.perf_counter()
-        out = self._plan(idx)
-        self.plan_wall_s += time.perf_counter() - t0
-        if len(self._cache) > 64:
-            self._cache.clear()
-        self._cache[key] = out
-        return out
-
-    def _lower_bound(self, idx: np.ndarray) -> float | None:
-        if not len(idx) or not self.b.uplink_mbit:
-            return None
-        return planner.lower_bound_s(self.M, self.b.uplink_mbit, self.pool.down[idx].tolist(),
-                                     self.pool.up[idx].tolist())
-
-    def _plan(self, idx: np.ndarray) -> BcastPlan:
-        n, b, M = len(idx), self.b, self.M
-        lb = self._lower_bound(idx)
-        if n == 0:
-            return BcastPlan(idx, np.zeros(0), None, 0.0, lb, 0, 0.0, b.topology)
-        if b.topology == "fixed":
-            off = np.full(n, b.fixed_s)
-            return BcastPlan(idx, off, None, b.fixed_s, lb, n, n * M, "fixed")
-        down = self.pool.down[idx]
-        if b.topology == "star-unlimited":
-            off = np.asarray(planner.star_unlimited_s(M, down), dtype=float) + self.lat
-            return BcastPlan(idx, off, None, float(off.max()), lb, n, n * M, "star-unlimited")
-        if b.topology == "star":
-            uniq, inv = np.unique(down, return_inverse=True)
-            per = np.array([planner.star_limited_s(M, float(d), b.uplink_mbit, n) for d in uniq])
-            off = per[inv] + self.lat
-            return BcastPlan(idx, off, None, float(off.max()), lb, n, n * M, "star")
-        return self._chains(idx, lb)
-
-    def _chains(self, idx: np.ndarray, lb: float | None) -> BcastPlan:
-        pool, b = self.pool, self.b
-        binned = len(idx) > b.plan_max_peers
-        members: dict[str, np.ndarray] = {}
-        if not binned:
-            peers = [Peer(pool.ids[i], float(pool.down[i]), float(pool.up[i]),
-                          bool(pool.reachable[i])) for i in idx]
-            for i in idx:
-                members[pool.ids[i]] = np.array([i])
-        else:
-            peers = self._binned_peers(idx, members)
-        plan = planner.plan_chains(peers, uplink_mbit=b.uplink_mbit, snapshot_bytes=int(self.M),
-                                   chunk_bytes=self.c, latency_s=self.lat,
-                                   extra_chains=b.extra_chains)
-        pos_of = {int(w): j for j, w in enumerate(idx)}
-        off = np.zeros(len(idx))
-        chains = []
-        for chain, pred in zip(plan.chains, plan.predictions):
-            workers = np.concatenate([members[w] for w in chain])
-            rate = planner.mbit_to_bytes_per_s(pred.rate_mbit)
-            t = planner.predict_chain_s(self.M, self.c, rate, np.arange(1, len(workers) + 1),
-                                        self.lat)
-            off[[pos_of[int(w)] for w in workers]] = t
-            chains.append(workers)
-        return BcastPlan(idx, off, chains, float(off.max()), lb, plan.streams,
-                         plan.streams * self.M, "binned" if binned else "planner")
-
-    def _binned_peers(self, idx: np.ndarray, members: dict[str, np.ndarray]) -> list[Peer]:
-        pool = self.pool
-        reach = pool.reachable[idx]
-        unreachable, relays = idx[~reach], idx[reach]
-        peers = [Peer(pool.ids[i], float(pool.down[i]), float(pool.up[i]), False)
-                 for i in unreachable]
-        for i in unreachable:
-            members[pool.ids[i]] = np.array([i])
-        if len(relays):
-            relay_rate = np.minimum(pool.down[relays], pool.up[relays])
-            order = relays[np.lexsort((-pool.down[relays], -relay_rate))]
-            blocks = max(1, min(len(order), self.b.plan_max_peers - len(unreachable)))
-            for j, block in enumerate(np.array_split(order, blocks)):
-                wid = f"#block{j}"
-                members[wid] = block
-                peers.append(Peer(wid, float(pool.down[block].min()),
-                                  float(pool.up[block].min()), True))
-        return peers
-
-
-# ============================================================================ results
 
 
 @dataclass
@@ -251,7 +132,7 @@ class _Counters:
 # ============================================================================ the simulation
 
 
-class Sim:
+class Sim(FleetMixin):
     def __init__(self, sc: Scenario, *, on_step: Callable[[int], None] | None = None):
         self.sc = sc
         self.rng = np.random.default_rng(sc.run.seed)
@@ -638,239 +519,6 @@ class Sim:
         if self.ctl is not None:
             self.ctl.set_requirement(req)
 
-    # ------------------------------------------------------------------ provisioning
-
-    def _activate(self, i: int) -> None:
-        if self.active[i]:
-            return
-        self.active[i] = True
-        if self.present[i]:
-            self._billing_on(i, True)
-            self._pull_latest(i)
-            self._wake(i)
-
-    def _release(self, i: int) -> None:
-        if not self.active[i]:
-            return
-        self.active[i] = False
-        if self.present[i]:
-            self._billing_on(i, False)
-
-    def _initial_selection(self) -> np.ndarray:
-        sc, p = self.sc, self.sc.provisioning
-        L = sc.learner
-        cand = np.array([i for i in range(self.n) if self.present[i]], dtype=np.int64)
-        mu, price = self.pool.mu[cand], self.pool.price[cand]
-        info: dict[str, Any] = {"method": p.selection, "candidates": int(len(cand))}
-        self.initial = info
-
-        perm = self.rng.permutation(len(cand)) if p.selection == "random" else None
-
-        def choose(target: float) -> np.ndarray:
-            if p.selection == "all":
-                return cand
-            if perm is not None:
-                order = perm
-            elif p.selection == "first":  # join order, as the learner's initial_active boot
-                order = np.arange(len(cand))
-            else:
-                order = selection.unit_cost_order(mu, price)
-            if p.active:
-                return cand[np.sort(order[:p.active])]
-            if p.selection == "random":
-                reach = np.searchsorted(np.cumsum(mu[order]), target * (1 - 1e-9)) + 1
-                return cand[np.sort(order[:reach])]
-            solver = {"ours": selection.ours, "greedy": selection.greedy,
-                      "exact": selection.exact}[p.selection]
-            sel = solver(mu, price, target)
-            if not sel.feasible:
-                info["message"] = sel.message
-            return cand[sel.indices]
-
-        def t_bcast_for(chosen: np.ndarray) -> float:
-            if p.t_bcast_initial_s is not None:
-                return p.t_bcast_initial_s
-            plan = self.bmodel.plan(chosen)
-            done = np.sort(plan.offsets) + self.reload
-            if not len(done):
-                return 0.0
-            return float(done[quantile_rank(sc.broadcast.q, len(done)) - 1])
-
-        if p.selection == "all" or p.active or not len(cand):
-            chosen = choose(0.0)  # no requirement involved
-            t_b = t_bcast_for(chosen)
-        else:
-            # T_bcast depends on the set and the set on mu_req(T_bcast): start from the
-            # broadcast to the single cheapest worker (a lower bound for growing sets) and
-            # iterate to a fixed point
-            chosen = cand[selection.unit_cost_order(mu, price)[:1]]
-            t_b = t_bcast_for(chosen)
-            for _ in range(6):
-                try:
-                    req = capacity.mu_req(L.n, self.kappa, L.t_train_s, t_b)
-                except capacity.Infeasible as err:
-                    self.warnings.append(f"initial selection: {err}; activating every "
-                                         f"candidate")
-                    chosen = cand
-                    t_b = t_bcast_for(chosen)
-                    break
-                new = choose(p.alpha * req)
-                new_tb = t_bcast_for(new)
-                stable = np.array_equal(new, chosen)
-                chosen, t_b = new, new_tb
-                if stable:
-                    break
-        self.t_bcast_est = t_b
-        info.update(t_bcast_predicted_s=t_b, chosen=int(len(chosen)),
-                    mu=float(self.pool.mu[chosen].sum()), cost_per_hour=float(
-                        self.pool.price[chosen].sum()))
-        return chosen
-
-    def _setup_controller(self) -> None:
-        p = self.sc.provisioning
-        env = self.env
-        self.ctl = Controller(alpha=p.alpha, delta=p.delta, window_s=p.window_s,
-                              clock=lambda: env.now, tau_s=p.tau_s, warmup_s=p.warmup_s,
-                              probation_slots=p.probation_slots,
-                              probation_ready_s=p.probation_ready_s)
-        # As the learner: no credit before delivery, unless the scenario grants the oracle's.
-        self.nominal_prior = p.prior == "nominal" or p.measure == "capacity"
-        for i in range(self.n):
-            if self.present[i]:
-                self._register(i)
-        self.observe_delivered = p.measure in ("delivered", "busy")
-        self.observe_busy = p.measure == "busy"
-        self._update_requirement()
-
-    def _register(self, i: int) -> None:
-        assert self.ctl is not None
-        self.ctl.add_worker(self.pool.ids[i], self.price[i],
-                            state=ACTIVE if self.active[i] else STANDBY,
-                            mu_prior=self.mu[i] if self.nominal_prior else 0.0,
-                            identity=self.pool.ids[i])
-        self.registered[i] = True
-
-    def registered_np(self) -> np.ndarray:
-        return np.array(self.registered)
-
-    def _controller_loop(self):
-        assert self.ctl is not None
-        index = {wid: i for i, wid in enumerate(self.pool.ids)}
-        tick = self.sc.provisioning.tick_s
-        acc = np.zeros(self.n)
-        mu = self.pool.mu
-        while not self.done:
-            yield self.env.timeout(tick)
-            if not self.observe_delivered:  # measure = "capacity": nominal mu_i x time
-                up = (np.array(self.present) & np.array(self.active) & self.registered_np()
-                      & (np.array(self.inst_ver) >= 0))
-                acc[up] += mu[up] * tick
-                for i in np.flatnonzero(acc >= 1).tolist():
-                    k = int(acc[i])
-                    acc[i] -= k
-                    self.ctl.observe(self.pool.ids[i], k)
-            for d in self.ctl.tick():
-                rec = {"time": d.time, "action": d.action, "worker": d.worker_id,
-                       "c_eff": d.c_eff, "target": d.target}
-                if len(self.decisions) < 300:  # the first ones; counts are in summary
-                    rec["reason"] = d.reason if len(self.decisions) < 50 else None
-                    self.decisions.append(rec)
-                if d.action == ACTIVATE:
-                    self.counters.activations += 1
-                    self._activate(index[d.worker_id])
-                elif d.action == RELEASE:
-                    self.counters.releases += 1
-                    self._release(index[d.worker_id])
-                elif d.action == SHORT:
-                    self.counters.short += 1
-
-    # ------------------------------------------------------------------ churn
-
-    def _leave(self, i: int) -> None:
-        if not self.present[i]:
-            return
-        self.counters.leaves += 1
-        if self.active[i]:
-            self._billing_on(i, False)
-        self.present[i] = False
-        self.leave_epoch[i] += 1
-        now = self.env.now
-        c = int(self.chain_of[i])
-        if c >= 0:  # children re-attach upstream and resume: a short delay, no restart
-            chain = self.cur_chains[c]
-            for j in chain[int(self.chain_pos[i]) + 1:].tolist():
-                if self.pend_ver[j] == self.latest and self.pend_arrival[j] > now:
-                    self.pend_arrival[j] += self.sc.broadcast.reattach_s
-                    self.pend_install[j] += self.sc.broadcast.reattach_s
-                elif self.nxt_ver[j] == self.latest and self.nxt_arrival[j] > now:
-                    self.nxt_arrival[j] += self.sc.broadcast.reattach_s
-            self.chain_of[i] = -1
-        if self.busy[i]:  # generating: stop now; its groups are lost (epoch check)
-            self.procs[i].interrupt("left")
-        if self.ctl is not None and self.registered[i]:
-            epoch = self.leave_epoch[i]
-            self.env.process(self._forget(i, epoch))
-
-    def _forget(self, i: int, epoch: int):
-        yield self.env.timeout(self.sc.churn.heartbeat_timeout_s)
-        if self.leave_epoch[i] == epoch and not self.present[i] and self.registered[i]:
-            assert self.ctl is not None
-            self.ctl.remove_worker(self.pool.ids[i])
-            self.registered[i] = False
-            if self.active[i]:
-                self.active[i] = False  # the controller no longer counts it
-
-    def _join(self, i: int) -> None:
-        if self.present[i]:
-            return
-        self.counters.joins += 1
-        self.present[i] = True
-        if self.ctl is not None:
-            if not self.registered[i]:
-                self.active[i] = False
-                self._register(i)
-        if self.active[i]:
-            self._billing_on(i, True)
-            self._pull_latest(i)
-        self._wake(i)
-
-    def _churn_rates(self):
-        ch = self.sc.churn
-        lam_l, lam_j = ch.leave_per_hour / 3600.0, ch.rejoin_per_hour / 3600.0
-        heap: list[tuple[float, int, int]] = []
-        rng = self.rng
-
-        def schedule(i: int) -> None:
-            lam = lam_l if self.present[i] else lam_j
-            if lam > 0:
-                heapq.heappush(heap, (self.env.now + float(rng.exponential(1.0 / lam)), i,
-                                      self.leave_epoch[i] * 2 + self.present[i]))
-
-        for i in range(self.n):
-            schedule(i)
-        while heap and not self.done:
-            t, i, tag = heapq.heappop(heap)
-            if t > self.env.now:
-                yield self.env.timeout(t - self.env.now)
-            if self.done:
-                return
-            if tag != self.leave_epoch[i] * 2 + self.present[i]:
-                schedule(i)  # a trace changed its state: random churn goes on from the new one
-                continue
-            if self.present[i]:
-                self._leave(i)
-            else:
-                self._join(i)
-            schedule(i)
-
-    def _churn_trace(self, events: list[tuple[float, int, str]]):
-        for t, i, ev in events:
-            if t > self.env.now:
-                yield self.env.timeout(t - self.env.now)
-            if self.done:
-                return
-            (self._leave if ev == "leave" else self._join)(i)
-
     # ------------------------------------------------------------------ run
 
     def run(self) -> dict[str, Any]:
@@ -1087,112 +735,10 @@ def simulate_fixed(n_workers: int, mu_per_worker: float, t_train: float, t_bcast
 # ============================================================================ CLI
 
 
-def print_report(result: dict[str, Any], console: Any = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    s = result["summary"]
-    sc = result["scenario"]
-
-    def f(x: Any, fmt: str = ".4g") -> str:
-        return "-" if x is None else format(x, fmt)
-
-    t = Table(title=f"sim {sc['run']['name']}: {result['pool']['workers']:,} candidate workers, "
-                    f"{s['steps_done']} steps ({s['steps_measured']} measured), "
-                    f"topology {sc['broadcast']['topology']}")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    rows = [
-        ("bubble ratio B", f(s["bubble_ratio"], ".2%") if s["bubble_ratio"] is not None else "-"),
-        ("T_wait per step (s)", f(s["wait_s_per_step"], ".1f")),
-        ("T_train per step (s)", f(s["t_train_s_per_step"], ".1f")),
-        ("staleness max / mean (S)", f"{f(s['staleness_max'], 'd')} / "
-                                     f"{f(s['staleness_mean'], '.2f')} "
-                                     f"(S={sc['learner']['staleness']}, kappa={s['kappa']})"),
-        ("cost per step ($)", f(s["cost_per_step_usd"], ".3f")),
-        ("$ per 1k trained trajectories", f(s["usd_per_1k_trajectories"], ".4f")),
-        ("T_bcast mean / max (s)", f"{f(s['t_bcast_mean_s'], '.1f')} / "
-                                  f"{f(s['t_bcast_max_s'], '.1f')} ({s['publications']} pubs)"),
-        ("active workers (mean)", f(s["active_mean"], ".1f")),
-        ("capacity active (mean, traj/s)", f(s["mu_active_mean"], ".4g")),
-        ("mu_req at mean T_bcast (traj/s)", f(s["mu_req_at_mean_t_bcast"], ".4g")),
-        ("trajectories trained / dropped stale / lost",
-         f"{s['trajectories']['trained']:,} / {s['trajectories']['dropped_stale']:,} / "
-         f"{s['trajectories']['lost_to_churn']:,}"),
-        ("churn leaves / joins", f"{s['events']['leaves']} / {s['events']['joins']}"),
-        ("controller activate / release / short",
-         f"{s['events']['activations']} / {s['events']['releases']} / {s['events']['short']}"),
-        ("simulated time (h)", f(s["sim_time_s"] / 3600, ".2f")),
-        ("wall / CPU time (s)", f"{s['wall_s']:.2f} / {s['cpu_s']:.2f}"),
-    ]
-    for k, v in rows:
-        t.add_row(k, v)
-    console.print(t)
-    if "centralized" in result:
-        print_centralized(result["centralized"], console)
-    for w in result["warnings"][:10]:
-        console.print(f"[yellow]warning:[/] {w}")
-
-
-def print_centralized(c: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
-
-    t = Table(title="against rollouts on the learner's own GPUs (provisioning/centralized.py)")
-    for col in ("pipeline", "GPUs (train / generate)", "step (s)", "bubble", "cost / step",
-                "Echo saves"):
-        t.add_column(col, justify="right")
-    t.add_row("Echo (this run)", "-", "-", f"{c['echo_bubble_ratio']:.2%}",
-              f"${c['echo_cost_per_step_usd']:.3f}", "-")
-    for r in c["baselines"]:
-        t.add_row(f"centralized {r['mode']}", f"{r['gpus']} ({r['training_gpus']} / "
-                  f"{r['generating_gpus']})", f"{r['step_s']:.0f}", f"{r['bubble_ratio']:.1%}",
-                  f"${r['cost_per_step_usd']:.3f}", f"{r['echo_saving']:.1%}")
-    console.print(t)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="echo-rl sim", description="Discrete-event simulation of "
-                                "an Echo run (learner, fleet, broadcast, provisioning, churn).")
-    p.add_argument("scenario", help="scenario TOML (see examples/sim/)")
-    p.add_argument("--json", type=Path, default=None, help="write the full result here")
-    p.add_argument("--plots", type=Path, default=None, help="write PNG plots into this folder")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a scenario key, e.g. --set run.steps=20 (repeatable)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        sc = load_scenario(args.scenario, args.overrides)
-        result = run_scenario(sc, progress=not args.no_progress)
-    except ScenarioError as err:
-        print(f"echo-rl sim: {err}", file=sys.stderr)
-        return 2
-    print_report(result)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
-        print(f"wrote {args.json}")
-    if args.plots:
-        from provisioning.sim_plots import plot_run
-
-        for path in plot_run(result, args.plots):
-            print(f"wrote {path}")
-    return 1 if result["summary"]["stalled"] else 0
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    raise TypeError(f"not JSON serialisable: {type(x)}")
-
+# The report and the command line live in provisioning/sim_report.py; these names stay here for
+# callers of ``provisioning.sim``.
+from provisioning.sim_report import (_json_default, build_parser, main,  # noqa: E402,F401
+                                     print_centralized, print_report)
 
 __all__ = ["BroadcastModel", "Sim", "run_scenario", "simulate", "simulate_fixed", "main",
            "print_report", "read_toml"]
