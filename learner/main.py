@@ -168,12 +168,25 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> dict[st
     reason = "run complete"
     try:
         learner.start(resume)
+        freeze_startup_objects()
         return learner.run()
     except KeyboardInterrupt:
         reason = "learner stopped"
         raise
     finally:
         learner.close(reason)
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive after start-up (torch, transformers, the model: about 400,000
+    here) out of the garbage collector's reach. A full collection walks every tracked object
+    while holding the GIL: 160 ms on this machine, which stalled the control plane's loop and
+    was the whole tail of the heartbeat round trip (benchmarks/load_control.py, docs/learner.md).
+    Those objects live as long as the process, so nothing collectable is frozen for long."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 class Learner:

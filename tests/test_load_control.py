@@ -18,3 +18,16 @@ def test_synthetic_workers_are_served_and_every_acknowledged_record_is_durable(t
     assert r["swarms_reported"] == 2 and r["heartbeats"] > 6 * 5
     assert r["evicted"] == 0
     assert r["acked_records"] > 0 and r["acked_records"] == r["durable_records"]
+
+
+def test_the_learner_freezes_its_start_up_objects_out_of_the_collector():
+    import gc
+
+    from learner.main import freeze_startup_objects
+
+    before = gc.get_freeze_count()
+    try:
+        freeze_startup_objects()
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()  # the rest of the test session collects as usual

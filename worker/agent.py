@@ -21,6 +21,7 @@ to deliver what is pending, say ``leave``, exit 0.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import math
@@ -139,6 +140,10 @@ class Worker:
                     tasks += [tg.create_task(self._heartbeats()), tg.create_task(self._notices()),
                               tg.create_task(self._deliveries()), tg.create_task(self.feed.run())]
                     self.backend, self.adapter = await asyncio.to_thread(self._load)
+                    # The model and its libraries live as long as the process: out of the
+                    # collector's full passes, which would stall heartbeats and relaying.
+                    gc.collect()
+                    gc.freeze()
                     work = tg.create_task(self._work())
                     await self.stopping.wait()
                     if self.state != "generating":
