@@ -145,7 +145,9 @@ class Sessions:
                     and not self.controller.measured_any())
             state = ACTIVE if boot else STANDBY
             self.controller.add_worker(msg.worker_id, msg.price, state=state,
-                                       mu_prior=self._mu_prior(), identity=key)
+                                       mu_prior=self._mu_prior(),
+                                       # plaintext (--insecure) workers prove no key: no memory
+                                       identity=key or None)
             log.info("worker %s is %s", msg.worker_id, state)
 
     def _mu_prior(self) -> float:

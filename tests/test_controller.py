@@ -415,3 +415,12 @@ def test_swap_trades_a_pricey_active_worker_for_a_cheaper_measured_standby_one()
     decisions = run(ctl, clock, 30.0, {"pricey": 10, "cheap": 10, "close": 10})
     assert [(d.action, d.worker_id) for d in decisions] == [(ACTIVATE, "cheap"), (RELEASE, "pricey")]
     assert ctl.active_ids() == ["cheap"]
+
+
+def test_a_worker_without_a_proven_key_is_not_remembered():
+    ctl, clock = make(window_s=20.0, tau_s=5.0, warmup_s=5.0)
+    ctl.add_worker("w", price=1.0, state="active", identity=None)  # plaintext: no key proven
+    busy_run(ctl, clock, 30.0, {"w": 10})
+    ctl.remove_worker("w")
+    ctl.add_worker("w", price=1.0, identity=None)
+    assert {w.worker_id: w.mu_hat for w in ctl.workers()}["w"] == 0.0
