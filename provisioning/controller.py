@@ -123,7 +123,8 @@ class Controller:
         self._mu_req: float | None = None
         self._low_since: float | None = None  # C_eff < target since (None: not now)
         self._high_since: float | None = None  # C_eff > (alpha + delta) mu_req since
-        self._steady_since: float | None = None  # C_eff >= target since
+        self._swap_window: float | None = None  # start of the current swap budget's window
+        self._swapped = 0  # swaps made in it
         self._lock = threading.Lock()
         self.history: deque[Decision] = deque(maxlen=history)
         # Measured throughput of workers that left, by identity (the learner passes the
@@ -238,9 +239,7 @@ class Controller:
                 self._low_since = self._high_since = None
                 return expired
             decisions = self._decide(now)
-            if decisions:
-                self._low_since = self._high_since = None
-                self.history.extend(decisions)
+            self.history.extend(decisions)
             return expired + decisions
 
     def _end_probations(self, now: float) -> list[Decision]:
@@ -296,31 +295,37 @@ class Controller:
         high = c_eff > (self.alpha + self.delta) * self._mu_req
         self._low_since = _held_since(self._low_since, low, now)
         self._high_since = _held_since(self._high_since, high, now)
+        acted: list[Decision] = []
         if low and now - self._low_since >= self.window_s:
-            return self._activate(now, c_eff, target, now - self._low_since)
-        if high and now - self._high_since >= self.window_s:
-            return self._release(now, c_eff, target, now - self._high_since)
-        # Swaps run every window whatever the level: when short, a swap may not lower C_eff.
-        self._steady_since = _held_since(self._steady_since, True, now)
-        if now - self._steady_since >= self.window_s:
-            return self._swap(now, c_eff, min(target, c_eff))
-        return []
+            acted = self._activate(now, c_eff, target, now - self._low_since)
+        elif high and now - self._high_since >= self.window_s:
+            acted = self._release(now, c_eff, target, now - self._high_since)
+        if acted:
+            # After acting, a condition must hold for a whole window again. Swaps below do not
+            # restart these timers: they keep capacity, and a shortfall must still be met.
+            self._low_since = self._high_since = None
+            return acted
+        # Swaps are checked at every tick whatever the level (when short, a swap may not lower
+        # C_eff), within a budget of SWAP_SHARE of the active set per window.
+        if self._swap_window is None or now - self._swap_window >= self.window_s:
+            self._swap_window, self._swapped = now, 0
+        return self._swap(now, c_eff, min(target, c_eff))
 
     def _swap(self, now: float, c_eff: float, target: float) -> list[Decision]:
-        """Every window: trade active workers with the worst unit costs for measured standby
+        """Trade active workers with the worst unit costs for measured standby
         workers with the best, pair by pair while each pair is at least ``SWAP_GAIN`` cheaper
         per trajectory and C_eff stays at ``target`` (the caller passes min(target, C_eff):
         when short, a swap may not lower capacity); at most ``SWAP_SHARE`` of the active set
-        per window. Churn otherwise leaves whatever replaced the leavers active for good, while
+        per window, checked at every tick. Churn otherwise leaves whatever replaced the leavers active for good, while
         cheaper measured workers wait in standby."""
         standby = sorted((w for w in self._workers.values()
                           if w.state == STANDBY and w.measured and w.effective_mu > 0),
                          key=lambda w: (w.unit_cost, w.worker_id))
         active = sorted((w for w in self._workers.values() if w.state == ACTIVE and w.measured),
                         key=lambda w: (-w.unit_cost, w.worker_id))
-        limit = max(1, int(SWAP_SHARE * len(active)))
+        limit = max(1, int(SWAP_SHARE * len(active))) - self._swapped
         out: list[Decision] = []
-        for best, worst in zip(standby, active[:limit]):
+        for best, worst in zip(standby, active[:max(0, limit)]):
             if best.unit_cost > (1 - SWAP_GAIN) * worst.unit_cost:
                 break
             after = c_eff - worst.effective_mu + best.effective_mu
@@ -334,8 +339,7 @@ class Controller:
             out += [Decision(now, ACTIVATE, best.worker_id, why, after, target),
                     Decision(now, RELEASE, worst.worker_id, why, after, target)]
             c_eff = after
-        if out:
-            self._steady_since = None
+            self._swapped += 1
         return out
 
     def _activate(self, now: float, c_eff: float, target: float, held: float) -> list[Decision]:

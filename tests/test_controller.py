@@ -42,7 +42,8 @@ def test_no_action_before_the_window_then_activation():
     # mu_req 10 -> target alpha*mu_req = 11; active w0 delivers 5/s: C_eff 5 < 11 from t=1
     ctl, clock = make()
     ctl.add_worker("w0", price=1.0, state="active", mu_prior=5)
-    ctl.add_worker("s1", price=1.0, mu_prior=10)
+    # unit cost 0.19 against w0's 0.2: not the 20 % a swap needs, so only hysteresis acts
+    ctl.add_worker("s1", price=1.9, mu_prior=10)
     ctl.set_requirement(10.0)
     rates = {"w0": 5, "s1": 10}
     assert run(ctl, clock, 60.0, rates) == []  # low since t=1, held 59 s < 60 s
@@ -125,7 +126,8 @@ def test_no_release_when_every_removal_would_undershoot():
 
 def test_decisions_carry_reasons_with_numbers():
     ctl, clock = make(window_s=10.0)
-    ctl.add_worker("w0", price=1.0, state="active", mu_prior=5)
+    # w0 $0.2/h at 5/s and s1 $0.36/h at 10/s: s1 only 10 % cheaper per trajectory, no swap
+    ctl.add_worker("w0", price=0.2, state="active", mu_prior=5)
     ctl.add_worker("s1", price=0.36, mu_prior=10)
     ctl.set_requirement(10.0)
     [d] = run(ctl, clock, 11.0, {"w0": 5, "s1": 10})
@@ -152,13 +154,14 @@ def test_silent_worker_decays_and_triggers_activation():
     ctl, clock = make(window_s=10.0, tau_s=10.0, warmup_s=0.0)
     ctl.add_worker("dead", price=1.0, state="active", mu_prior=20)
     ctl.add_worker("spare", price=1.0, mu_prior=20)
-    # target 11. dead: mu_hat = 20 e^(-t/10), low from t = 6 (10 ln(20/11) = 5.98). The
-    # unit-cost check after the first window (t = 11) finds spare at $1 / 20 per trajectory
-    # against dead's $1 / 6.7: swapped at once (C_eff 6.7 -> 20), before the low window ends.
+    # target 11. dead: mu_hat = 20 e^(-t/10), so its unit cost is e^(t/10) / 20 per traj/s
+    # against spare's 1 / 20. The swap check at every tick trades them once spare is 20 %
+    # cheaper: e^(t/10) >= 1.25, t >= 2.23, the tick at t = 3 (C_eff 14.8 -> 20), long
+    # before dead alone would have made the loop short for a whole window.
     ctl.set_requirement(10.0)
     decisions = run(ctl, clock, 200.0, {"dead": 0, "spare": 20})
     assert [(d.action, d.worker_id, d.time) for d in decisions] == [
-        (ACTIVATE, "spare", 11.0), (RELEASE, "dead", 11.0)]
+        (ACTIVATE, "spare", 3.0), (RELEASE, "dead", 3.0)]
     assert ctl.active_ids() == ["spare"] and ctl.c_eff() == pytest.approx(20.0, rel=0.01)
 
 
