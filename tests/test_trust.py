@@ -20,6 +20,7 @@ from learner.gate import security_dir
 from learner.intake import AuditJob
 from learner.work import WorkQueue
 from test_control import ask, batch, connect, ctx, records  # noqa: F401 (fixtures)
+from test_security import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -264,8 +265,8 @@ def test_hostile_link_reports_end_one_message_and_are_counted(trusting, ctx):  #
     a.send(wire.encode(wire.Installed(worker_id="w1", version=99, down_mbit=1e300)))  # never published
     for _ in range(600):  # a flood: past the per-key message rate it is refused, not served
         a.send(wire.encode(wire.Installed(worker_id="w1", version=0, down_mbit=1e300, up_mbit=1e300)))
-    stats = trusting.stats()
-    assert stats["rejected"]["invalid_fields"] == 4
-    assert stats["limited"].get("rate_limited", 0) > 0
+    # the flood is served on the learner's thread: wait until it has got that far
+    assert eventually(lambda: trusting.stats()["limited"].get("rate_limited", 0) > 0)
+    assert trusting.stats()["rejected"]["invalid_fields"] == 4
     assert "w1" not in trusting.coordinator.links.down  # no published version: nothing measured
     assert isinstance(ask(connect(trusting, ctx), wire.Join(worker_id="w2")), wire.JoinAck)
