@@ -1,9 +1,10 @@
 """Request/response over one DEALER socket, plus a bounded queue of unsolicited notices.
 
 Replies are matched to requests by ``rid``; a reply that arrives after its request timed out
-is dropped. Notices (snapshot_notice, shutdown) go to ``notices``, bounded at 64; on overflow
-the oldest is dropped, which loses nothing because only the newest snapshot matters and the
-heartbeat acknowledgement repeats it.
+is dropped. Notices (snapshot_notice, shutdown, punch) go to ``notices``, bounded at 64; on
+overflow the oldest is dropped, which loses nothing because only the newest snapshot matters and
+the heartbeat acknowledgement repeats it (a dropped punch fails its link, and the child asks the
+learner for another source: ``broadcast.nat.links``).
 
 With ``keys`` and ``server_key`` the socket speaks CurveZMQ and pins the learner's key. A failed
 handshake never reaches the application as an error by itself (libzmq retries quietly), so the
@@ -141,7 +142,7 @@ class Client:
             if fut is not None:
                 if not fut.done():
                     fut.set_result(msg)
-            elif isinstance(msg, (wire.SnapshotNotice, wire.Shutdown)):
+            elif isinstance(msg, (wire.SnapshotNotice, wire.Shutdown, wire.Punch)):
                 if self.notices.full():
                     self.notices.get_nowait()
                 self.notices.put_nowait(msg)

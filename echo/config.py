@@ -215,6 +215,11 @@ class BroadcastConfig(_Section):
     delta_max_ratio: float = Field(0.8, gt=0, le=1)
     # Encode, hash and sign publications on a thread of their own (false: on the training thread).
     publish_thread: bool = True
+    # NAT traversal (docs/nat.md): the learner's reflector classifies each worker at join, and a
+    # worker behind an endpoint-independent NAT relays through punched TCP links. Off: every
+    # worker that offers a relay endpoint is trusted to be reachable (the old behaviour).
+    nat_traversal: bool = True
+    punch_timeout_s: float = Field(10.0, gt=0, le=120)  # a link not open by then: the child is a tail
 
 
 class TransportConfig(_Section):

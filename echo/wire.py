@@ -24,8 +24,14 @@ Worker -> learner (control socket)
                   (its fetch; its chunk server's serving), 0 = not measured. Added with
                   defaults in v1: an older worker's report parses as "not measured"; the
                   learner believes them only combined with the other end (broadcast.links).
+  nat_report      worker_id, nonces                     -> nat_status{nat, address}
+                  nonces: the two probes this worker sent to the learner's reflector from
+                  its punch port (``broadcast.nat.reflect``); the learner classifies from
+                  what its reflector saw, not from anything the worker says it saw
 Learner -> worker (control socket, unsolicited)
   snapshot_notice version, manifest                     a new snapshot is published
+  punch           punch_id, role, address, endpoint     open a punched link to a peer now
+                  (docs/nat.md): the child's source is then "punch/<id>/<endpoint>"
   shutdown        reason                                the run is over
 Worker -> learner or parent relay (snapshot socket)
   chunk_request   version, index, form                  -> chunk (+ bytes frame) | error
@@ -91,6 +97,31 @@ class Join(Message):
     token: str = Field("", max_length=128)  # join token, when the learner asks for one
 
 
+class NatReport(Message):
+    TYPE = "nat_report"
+    worker_id: str
+    nonces: list[bytes] = Field(min_length=2, max_length=2)
+
+
+class NatStatus(Message):
+    TYPE = "nat_status"
+    nat: Literal["reachable", "punchable", "none"]
+    address: str = ""  # the punch port's public ip:port as the learner saw it
+
+
+class Punch(Message):
+    """Open a punched link: connect from the punch port to ``address`` now (the peer is told
+    the same). ``endpoint`` is the parent's relay endpoint: the parent forwards the link's
+    sessions there; the child's fetches name it in their tickets."""
+
+    TYPE = "punch"
+    punch_id: bytes = Field(min_length=16, max_length=16)
+    role: Literal["parent", "child"]
+    address: str = Field(min_length=3, max_length=64)
+    endpoint: str = Field(min_length=1, max_length=256)
+    timeout_s: float = Field(10.0, gt=0, le=120)
+
+
 class JoinAck(Message):
     TYPE = "join_ack"
     run_id: str
@@ -103,6 +134,7 @@ class JoinAck(Message):
     snapshot_key: bytes = b""  # CURVE public key of that source (b"": plaintext)
     ticket: bytes = b""  # lets this worker pull from it (broadcast.tickets)
     worker_id: str = ""  # the id this session is known by (bound to the worker's key)
+    reflectors: list[str] = Field(default_factory=list, max_length=2)  # "ip:port": NAT probes
 
 
 class Heartbeat(Message):
@@ -250,7 +282,7 @@ MESSAGES: dict[str, type[Message]] = {
     m.TYPE: m
     for m in (Join, JoinAck, Heartbeat, HeartbeatAck, WorkRequest, WorkGrant, Trajectories, Ack,
               Leave, SnapshotNotice, Shutdown, ChunkRequest, Chunk, Error, SourceRequest,
-              SourceGrant, Installed)
+              SourceGrant, Installed, NatReport, NatStatus, Punch)
 }
 
 

@@ -66,6 +66,9 @@ def examples() -> list[wire.Message]:
                      snapshot_endpoint="tcp://10.0.0.1:5001"),
         wire.JoinAck(run_id="r", instance_id="i", public_key=KEY.public_bytes, version=-1,
                      config={}, snapshot_endpoint="tcp://10.0.0.1:5001"),
+        wire.JoinAck(run_id="r", instance_id="i", public_key=KEY.public_bytes, version=-1,
+                     config={}, snapshot_endpoint="tcp://10.0.0.1:5001",
+                     reflectors=["10.0.0.1:5002", "10.0.0.1:5003"]),
         wire.Heartbeat(worker_id="w1", version=4, throughput=1.5, busy_s=10.0, busy_samples=12,
                        state="generating"),
         wire.HeartbeatAck(instance_id="i", version=4, manifest=m, source="tcp://10.0.0.3:1"),
@@ -87,6 +90,10 @@ def examples() -> list[wire.Message]:
         wire.SourceRequest(worker_id="w1", version=4, bad_source="tcp://x:1", reason="timeout"),
         wire.SourceGrant(version=4, source="tcp://10.0.0.1:5001"),
         wire.Installed(worker_id="w1", version=4, digest=bytes(32)),
+        wire.NatReport(worker_id="w1", nonces=[b"a" * 16, b"b" * 16]),
+        wire.NatStatus(nat="punchable", address="203.0.113.2:40001"),
+        wire.Punch(punch_id=b"p" * 16, role="child", address="203.0.113.3:40002",
+                   endpoint="tcp://10.0.0.3:5000", timeout_s=10),
     ]
 
 

@@ -65,6 +65,7 @@ def valid(ann: Any, metadata: list[Any] = ()) -> st.SearchStrategy:
     metadata = list(metadata)
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     lo, hi = _bound(metadata, at.Ge, "ge", None), _bound(metadata, at.Le, "le", None)
+    above = _bound(metadata, at.Gt, "gt", None)  # strict lower bound (a timeout > 0)
     short = _bound(metadata, at.MinLen, "min_length", 0)
     long = _bound(metadata, at.MaxLen, "max_length", None)
     if ann is Any:
@@ -81,10 +82,11 @@ def valid(ann: Any, metadata: list[Any] = ()) -> st.SearchStrategy:
         return st.dictionaries(valid(args[0]), valid(args[1]), max_size=4)
     return {
         int: st.integers(-(2**63) if lo is None else lo, 2**63 - 1 if hi is None else hi),
-        float: st.floats(min_value=lo, max_value=hi, allow_nan=False, allow_infinity=False),
+        float: st.floats(min_value=above if above is not None else lo, max_value=hi,
+                         exclude_min=above is not None, allow_nan=False, allow_infinity=False),
         bool: st.booleans(),
         str: st.text(min_size=short, max_size=min(long or 30, 30)),
-        bytes: st.binary(max_size=64),
+        bytes: st.binary(min_size=short, max_size=min(long or 64, 64)),
     }[ann]
 
 
