@@ -21,7 +21,9 @@ import time
 from dataclasses import dataclass, field
 
 from broadcast.links import LinkMeter
+from broadcast.nat.links import PunchBook, plain
 from broadcast.topology import Peer, Topology
+from echo import wire
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,10 @@ class PeerState:
     up_mbit: float = 0.0
     alive: bool = True
     corrupt: bool = False
+    # docs/nat.md: "reachable" (anyone can connect), "punchable" (a parent through a punched
+    # link), "none" (a tail fed by a reachable parent), "unknown" (not classified yet: a tail)
+    nat: str = "reachable"
+    address: str = ""  # public ip:port of its punch port, as the reflector saw it
     installed: dict[int, float] = field(default_factory=dict)  # version -> s after publication
 
 
@@ -61,14 +67,48 @@ class Coordinator:
         # (endpoint, version) a keyframe fetch failed at: that peer is not asked again for it
         # (a worker that reported an install it cannot serve, or that went away)
         self.keyframe_failed: set[tuple[str, int]] = set()
+        self.punches = PunchBook()
 
-    def join(self, worker_id: str, endpoint: str, down_mbit: float = 0.0, up_mbit: float = 0.0) -> None:
-        self.peers[worker_id] = PeerState(worker_id, endpoint, down_mbit, up_mbit)
+    def join(self, worker_id: str, endpoint: str, down_mbit: float = 0.0, up_mbit: float = 0.0,
+             nat: str = "reachable") -> None:
+        self.peers[worker_id] = PeerState(worker_id, endpoint, down_mbit, up_mbit, nat=nat)
+
+    def classify(self, worker_id: str, nat: str, address: str) -> None:
+        """The learner's verdict on a worker's NAT (``broadcast.nat.reflect``)."""
+        peer = self.peers.get(worker_id)
+        if peer is not None:
+            peer.nat, peer.address = nat, address
+            self.punches.forget(worker_id)
+
+    def _relays(self, p: PeerState) -> bool:
+        return bool(p.endpoint) and not p.corrupt and p.nat in ("reachable", "punchable")
+
+    def route(self, worker_id: str, endpoint: str) -> tuple[str, list[tuple[str, wire.Punch]]]:
+        """The source ``worker_id`` is sent for ``endpoint`` and the punches that link needs
+        (to send first): a reachable parent's endpoint as it is, a punchable one's through a
+        punched link (docs/nat.md)."""
+        parent = self.owner(endpoint)
+        child = self.peers.get(worker_id)
+        if parent is None or child is None or parent.nat != "punchable" or not child.address \
+                or not parent.address:
+            return endpoint, []
+        return self.punches.route(worker_id, parent.worker_id, endpoint, child.address, parent.address)
+
+    def transport(self, worker_id: str) -> str:
+        """How this worker's planned snapshot link is carried: "punched" (through a punched
+        link to a punchable parent) or "tcp" (the learner or a reachable parent)."""
+        parent = self.owner(self.sources.get(worker_id, ""))
+        return "punched" if parent is not None and parent.nat == "punchable" else "tcp"
+
+    def owner(self, endpoint: str) -> PeerState | None:
+        endpoint = plain(endpoint)
+        return next((p for p in self.peers.values() if p.endpoint and p.endpoint == endpoint), None)
 
     def leave(self, worker_id: str) -> None:
         gone = self.peers.pop(worker_id, None)
         if gone is not None:
             self.keyframes_served.pop(gone.endpoint, None)
+        self.punches.forget(worker_id)
         self.sources.pop(worker_id, None)
         self.links.forget(worker_id)
 
@@ -79,9 +119,9 @@ class Coordinator:
 
     def _plan(self) -> dict[str, str]:
         rates = self.rates()
-        peers = [Peer(p.worker_id, *rates[p.worker_id],
-                      reachable=bool(p.endpoint) and not p.corrupt,
-                      endpoint="" if p.corrupt else p.endpoint)
+        peers = [Peer(p.worker_id, *rates[p.worker_id], reachable=self._relays(p),
+                      endpoint="" if p.corrupt else p.endpoint,
+                      nat=p.nat if p.nat in ("reachable", "punchable") else "none")
                  for p in self.peers.values() if p.alive]
         self.sources = self.topology.plan(peers, self.source) if peers else {}
         if self.published:
@@ -129,15 +169,19 @@ class Coordinator:
             newest = max(self.published, default=version)
             self.keyframe_failed = {(e, v) for e, v in self.keyframe_failed if v > newest - 4}
         held = [p.endpoint for p in self.peers.values()
-                if p.alive and p.endpoint and not p.corrupt and version in p.installed
+                if p.alive and p.endpoint and not p.corrupt and p.nat == "reachable"
+                and version in p.installed
                 and p.worker_id != worker_id and (p.endpoint, version) not in self.keyframe_failed]
         best = min(held, key=lambda ep: self.keyframes_served.get(ep, 0), default=self.source)
         self.keyframes_served[best] = self.keyframes_served.get(best, 0) + 1
         return best
 
     def reattach(self, worker_id: str, bad_source: str, reason: str) -> str:
-        accused = next((p for p in self.peers.values() if p.endpoint and p.endpoint == bad_source), None)
-        if accused is not None:
+        bad_source = plain(bad_source)
+        accused = self.owner(bad_source)
+        if accused is not None and reason in ("unpunchable", "tunnel_lost"):
+            self._link_failed(worker_id, accused, reason)
+        elif accused is not None:
             if reason == "corrupt":
                 accused.corrupt = True
                 self.corrupt_reports.append((worker_id, bad_source))
@@ -152,6 +196,20 @@ class Coordinator:
         if new == bad_source:  # the plan still trusts it (e.g. a learner hiccup): go to the root
             new = self.source
         return new
+
+    def _link_failed(self, worker_id: str, parent: PeerState, reason: str) -> None:
+        """A punched link failed: the child becomes a tail fed by a reachable source, and a
+        parent that failed two children relays no more through punched links."""
+        demote_child, demote_parent = self.punches.failed_link(worker_id, parent.worker_id, reason)
+        child = self.peers.get(worker_id)
+        if demote_child and child is not None and child.nat == "punchable":
+            child.nat = "none"
+            log.warning("punch from %s to %s failed: %s is now a tail fed by a reachable source",
+                        worker_id, parent.worker_id, worker_id)
+        if demote_parent and parent.nat == "punchable":
+            parent.nat = "none"
+            log.warning("%s failed punched links with two workers: it no longer relays",
+                        parent.worker_id)
 
     def installed(self, worker_id: str, version: int, now: float | None = None) -> float | None:
         t0 = self.published.get(version)

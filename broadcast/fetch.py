@@ -49,6 +49,7 @@ class SourceFailed(Exception):
 
 
 Reattach = Callable[[Source, SourceFailed], Awaitable[Source | str]]  # failed source -> new one
+Resolve = Callable[[str], Awaitable[str]]  # source endpoint -> address to connect to
 
 
 @dataclass
@@ -68,7 +69,8 @@ class FetchStats:
 async def fetch_into(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int,
                      source: Source | str, *, window: int, timeout_s: float, max_bytes: int,
                      download: TokenBucket | None = None, reattach: Reattach | None = None,
-                     max_attempts: int = 16, keys: KeyPair | None = None) -> FetchStats:
+                     max_attempts: int = 16, keys: KeyPair | None = None,
+                     resolve: Resolve | None = None) -> FetchStats:
     buf = store.get(version)
     assert buf is not None, "add the SnapshotBuffer to the store before fetching"
     stats = FetchStats()
@@ -77,7 +79,9 @@ async def fetch_into(ctx: zmq.asyncio.Context, store: SnapshotStore, version: in
     for _ in range(max_attempts):
         stats.sources.append(src.endpoint)
         try:
-            await _pull(ctx, store, version, src, window, timeout_s, max_bytes, download, stats, keys)
+            address = await _address(src.endpoint, resolve)
+            await _pull(ctx, store, version, src, address, window, timeout_s, max_bytes,
+                        download, stats, keys)
             stats.seconds = time.monotonic() - t0
             return stats
         except SourceFailed as fail:
@@ -89,8 +93,21 @@ async def fetch_into(ctx: zmq.asyncio.Context, store: SnapshotStore, version: in
     raise SnapshotError(f"version {version}: gave up after {max_attempts} sources ({stats.failures})")
 
 
+async def _address(endpoint: str, resolve: Resolve | None) -> str:
+    """Where to connect for ``endpoint``: itself, or the local end of a punched link
+    (``broadcast.nat``); a link that cannot be had fails this source, not the fetch."""
+    if resolve is None:
+        if endpoint.startswith("punch/"):
+            raise SourceFailed("unpunchable", f"{endpoint}: this node opens no punched links")
+        return endpoint
+    try:
+        return await resolve(endpoint)
+    except Exception as exc:  # LinkFailed (broadcast.nat.links) carries the reason
+        raise SourceFailed(getattr(exc, "reason", "unpunchable"), str(exc)) from None
+
+
 async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, src: Source,
-                window: int, timeout_s: float, max_bytes: int, download: TokenBucket | None,
+                address: str, window: int, timeout_s: float, max_bytes: int, download: TokenBucket | None,
                 stats: FetchStats, keys: KeyPair | None) -> None:
     buf = store.get(version)
     assert buf is not None
@@ -105,7 +122,7 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
     sock.setsockopt(zmq.MAXMSGSIZE, int(buf.manifest["chunk_size"]) + REQUEST_BYTES)
     sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    sock.connect(source)
+    sock.connect(address)
     plain = zmq.Socket.shadow(sock.underlying)
     poller = zmq.asyncio.Poller()
     poller.register(sock, zmq.POLLIN)

@@ -187,6 +187,8 @@ class _Rates:
     down: float  # bytes/s, math.inf when unknown and no b
     up: float
     relay: bool  # may be a parent
+    direct: bool = True  # any child can connect to it (else only children that punch)
+    needs_direct: bool = False  # cannot punch (symmetric NAT): its parent must be direct
 
     @property
     def as_relay(self) -> float:
@@ -208,7 +210,8 @@ def _rates(peers: Iterable[Peer], b_mbit: float | None) -> dict[str, _Rates]:
         out[p.worker_id] = _Rates(
             down=mbit_to_bytes_per_s(p.down_mbit) if p.down_mbit > 0 else default,
             up=mbit_to_bytes_per_s(p.up_mbit) if p.up_mbit > 0 else default,
-            relay=p.reachable)
+            relay=p.reachable, direct=p.reachable and p.nat == "reachable",
+            needs_direct=p.nat == "none")
     return out
 
 
@@ -238,7 +241,11 @@ class _Model:
         return mbit_to_bytes_per_s(u) / streams if u and streams else math.inf
 
     def valid(self, chain: Sequence[str]) -> bool:
-        return all(self.rates[w].relay for w in chain[:-1])
+        """Every member but the tail relays, and a tail that cannot punch hangs from a
+        directly reachable relay (or from the learner)."""
+        if not all(self.rates[w].relay for w in chain[:-1]):
+            return False
+        return len(chain) < 2 or not self.rates[chain[-1]].needs_direct or self.rates[chain[-2]].direct
 
     def rate(self, chain: Sequence[str], share: float) -> tuple[float, str | None]:
         """(rate, bottleneck): the slowest of the learner share, every download, every upload
@@ -273,6 +280,12 @@ class _Model:
             tail = self._best_tail(members)
         relays = sorted((w for w in members if w != tail),
                         key=lambda w: (-self.rates[w].as_relay, -self.rates[w].up, w))
+        if relays and self.rates[tail].needs_direct and not self.rates[relays[-1]].direct:
+            direct = [w for w in relays if self.rates[w].direct]
+            if not direct:
+                return None
+            relays.remove(direct[-1])  # the slowest direct relay feeds the tail
+            relays.append(direct[-1])
         return relays + [tail]
 
     def _best_tail(self, members: list[str]) -> str:
@@ -389,7 +402,35 @@ def _initial(model: _Model, count: int, b: float | None) -> list[list[str]]:
     nominal = mbit_to_bytes_per_s(b) if b else math.inf
     _spread(chains, model, lambda w: not model.rates[w].relay)
     _spread(chains, model, lambda w: not model.rates[w].relay or _poor_upload(model.rates[w], nominal))
+    _feed_directly(chains, model)
     return [model.order(c) or c for c in chains]
+
+
+def _feed_directly(chains: list[list[str]], model: _Model) -> None:
+    """A tail that cannot punch needs a directly reachable relay in its chain: swap one in
+    from a chain that can spare it (for a punchable relay of this chain), else the tail pulls
+    from the learner on a chain of its own (docs/nat.md)."""
+    r = model.rates
+
+    def spare(d: list[str]) -> int:
+        needs = any(r[w].needs_direct for w in d)
+        return sum(r[w].direct for w in d) - (1 if needs else 0)
+
+    for i in range(len(chains)):
+        c = chains[i]
+        tail = next((w for w in c if r[w].needs_direct), None)
+        if tail is None or len(c) == 1 or any(r[w].direct for w in c if w != tail):
+            continue
+        donor = next((d for j, d in enumerate(chains) if j != i and spare(d) > 0), None)
+        mine = [w for w in c if w != tail and r[w].relay]
+        if donor is not None and mine:
+            give = min((w for w in donor if r[w].direct and not r[w].needs_direct),
+                       key=lambda w: (r[w].as_relay, w))
+            take = mine[-1]
+            donor[donor.index(give)], c[c.index(take)] = take, give
+        else:
+            c.remove(tail)
+            chains.append([tail])
 
 
 def _poor_upload(r: _Rates, nominal: float) -> bool:

@@ -47,6 +47,7 @@ def bucket(mbit: float, chunk_bytes: int) -> TokenBucket | None:
 @dataclass
 class RelayConfig:
     bind_host: str = "127.0.0.1"
+    punch_host: str = ""  # the address probes and punched links leave from ("" = bind_host)
     serve: bool = True  # False: behind NAT, cannot accept a child
     window: int = 4
     timeout_s: float = 10.0
@@ -77,6 +78,7 @@ class Relay:
         # The installed version's full payload (a keyframe source, the next delta's base).
         self.results = SnapshotStore(keep=1, recycle=False)
         self.endpoint = ""
+        self.resolve = None  # punched links (broadcast.nat.links.Tunnels.resolve), if any
         self.server: ChunkServer | None = None
         self.zap: ZapHandler | None = None
         self.download = bucket(cfg.down_mbit, cfg.chunk_bytes) if cfg.shape else None
@@ -124,7 +126,7 @@ class Relay:
         stats = await fetch_into(self.ctx, self.store, buf.version, source,
                                  window=self.cfg.window, timeout_s=self.cfg.timeout_s,
                                  max_bytes=self.cfg.max_bytes, download=self.download,
-                                 reattach=reattach, keys=self.keys)
+                                 reattach=reattach, keys=self.keys, resolve=self.resolve)
         return buf, stats
 
     async def receive_keyframe(self, manifest: dict[str, Any], source: Source | str,
@@ -136,7 +138,7 @@ class Relay:
         stats = await fetch_into(self.ctx, store, buf.version, source,
                                  window=self.cfg.window, timeout_s=self.cfg.timeout_s,
                                  max_bytes=self.cfg.max_bytes, download=self.download,
-                                 reattach=reattach, keys=self.keys)
+                                 reattach=reattach, keys=self.keys, resolve=self.resolve)
         return buf.payload, stats
 
     def base_for(self, manifest: dict[str, Any]) -> Any | None:

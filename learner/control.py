@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 from broadcast.coordinator import Coordinator
+from broadcast.nat.reflect import Reflector
 from broadcast.snapshot import RunKey, Snapshot, result_view
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
@@ -123,6 +124,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.installs: deque[tuple[int, float, bool]] = deque(maxlen=1024)
         self.keyframe_installs = 0  # installs that needed a keyframe (the run's total)
         self.coordinator: Coordinator | None = None
+        self.reflector: Reflector | None = None  # docs/nat.md; None with nat_traversal off
         pc = cfg.provisioning
         # Without the controller every worker is active; with it, workers join as standby
         # (they keep their snapshot current and relay) until it activates them.
@@ -170,6 +172,10 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.endpoint = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
         self.snapshot_endpoint = snap.getsockopt_string(zmq.LAST_ENDPOINT)
         self.coordinator = Coordinator(self.topology, self.snapshot_endpoint, q=self.cfg.broadcast.q)
+        self.coordinator.punches.timeout_s = self.cfg.broadcast.punch_timeout_s
+        if self.cfg.broadcast.nat_traversal:
+            self.reflector = Reflector(self.cfg.learner.host)
+            await self.reflector.start()
         sc = self.cfg.security
         self.chunks = ChunkServer(snap, self.store, self.max_bytes, authorize=self._may_pull,
                                   max_parked_per_peer=sc.max_parked_per_peer,
@@ -201,6 +207,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
                     sock.disable_monitor()
             ctrl.close(linger=500)
             snap.close(linger=0)
+            if self.reflector is not None:
+                self.reflector.close()
             if zap is not None:
                 zap.close()
             ctx.term()
@@ -320,6 +328,11 @@ class ControlPlane(Sessions, SnapshotRoutes):
             "workers": {w.worker_id: {"price": w.price, "version": w.version, "state": w.state,
                                       "active": self.is_active(w.worker_id),
                                       "reachable": now - w.last_seen < timeout,
+                                      # docs/nat.md: the reflector's verdict, and how its
+                                      # snapshot link is carried now
+                                      "nat": w.nat,
+                                      "transport": (self.coordinator.transport(w.worker_id)
+                                                    if self.coordinator else "tcp"),
                                       "throughput": round(w.measured_throughput, 3),
                                       "admitted": w.admitted,
                                       "granted": self.work.granted[w.worker_id],
@@ -339,6 +352,20 @@ class ControlPlane(Sessions, SnapshotRoutes):
 
     async def _send(self, w: WorkerState, msg: wire.Message) -> None:
         await self._send_ident(w.ident, msg, w.worker_id)
+
+    def _push(self, worker_id: str, msg: wire.Message) -> None:
+        """Send ``msg`` to a worker now, from synchronous code (a punch must leave before the
+        source it goes with). NOBLOCK: a full queue drops it; the link then fails and the
+        worker asks again (``unpunchable``)."""
+        w = self.workers.get(worker_id)
+        assert self._ctrl is not None
+        if w is None:
+            return
+        try:
+            zmq.Socket.shadow(self._ctrl.underlying).send_multipart(
+                [w.ident, wire.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.info("could not send %s to %s: %s", msg.type, worker_id, exc)
 
     async def _send_ident(self, ident: bytes, msg: wire.Message, who: str = "") -> None:
         assert self._ctrl is not None
@@ -453,7 +480,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             wire.Join: self._on_join, wire.Heartbeat: self._on_heartbeat,
             wire.WorkRequest: self._on_work_request, wire.Trajectories: self._on_trajectories,
             wire.Leave: self._on_leave, wire.SourceRequest: self._on_source_request,
-            wire.Installed: self._on_installed,
+            wire.Installed: self._on_installed, wire.NatReport: self._on_nat_report,
         }.get(type(msg))
         if handler is None:
             raise wire.WireError("unknown_type", f"{msg.type} is not a request the learner serves")

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from broadcast.snapshot import result_view
+from broadcast.nat.links import plain
 from broadcast.tickets import Source, mint
 from echo import wire
 from echo.security import fingerprint
@@ -24,6 +25,7 @@ class SnapshotRoutes:
     sessions: dict[str, str]
     workers: dict[str, Any]
     coordinator: Any
+    _push: Any  # LearnerControl._push: a message to a worker now
     store: Any
     verifier: Any
     relay_keys: dict[str, str]
@@ -54,14 +56,18 @@ class SnapshotRoutes:
         return self._ticketed(worker_id, self.coordinator.source_for(worker_id))
 
     def _ticketed(self, worker_id: str, endpoint: str) -> Source:
-        """``endpoint`` with its server's key and a ticket for ``worker_id`` to pull there."""
+        """``endpoint`` with its server's key and a ticket for ``worker_id`` to pull there;
+        through a punched link when the server is only punchable (its punches leave first)."""
         w = self.workers.get(worker_id)
+        source, punches = self.coordinator.route(worker_id, endpoint)
+        for to, punch in punches:
+            self._push(to, punch)
         if self.gate.keys is None or w is None:
-            return Source(endpoint)
+            return Source(source)
         server = (self.gate.keys.text if endpoint == self.snapshot_endpoint
                   else self.relay_keys.get(endpoint, ""))
         ticket = mint(self.key, w.key, endpoint, self.run_id, self.cfg.security.ticket_ttl_s)
-        return Source(endpoint, server.encode(), ticket)
+        return Source(source, server.encode(), ticket)
 
     def _keyframe_grant(self, key: str, msg: wire.SourceRequest) -> wire.Message:
         """A worker lacks the base of a delta (or its keyframe source failed): a peer that
@@ -94,6 +100,8 @@ class SnapshotRoutes:
     def _on_source_request(self, ident: bytes, key: str, msg: wire.SourceRequest) -> wire.Message:
         assert self.coordinator is not None
         self._joined(ident, key, msg.worker_id)
+        # a punched source is named by its relay endpoint (docs/nat.md)
+        msg = msg.model_copy(update={"bad_source": plain(msg.bad_source)})
         if msg.form == "full":
             return self._keyframe_grant(key, msg)
         if self.store.get(msg.version) is None:  # superseded: no source holds it any more
@@ -104,7 +112,7 @@ class SnapshotRoutes:
             reason = self._corrupt_report(key, msg)
         self.coordinator.reattach(msg.worker_id, msg.bad_source, reason)
         src = self._source(msg.worker_id)
-        if src.endpoint == msg.bad_source:  # the plan still trusts it: go to the root
+        if plain(src.endpoint) == plain(msg.bad_source):  # the plan still trusts it: go to the root
             src = self._root_source(msg.worker_id)
         log.info("worker %s: source %s failed (%s); now pulls from %s", msg.worker_id,
                  msg.bad_source, msg.reason, src.endpoint)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from broadcast.nat.reflect import NatError
 from echo import wire
 from echo.security import fingerprint
 from provisioning.controller import ACTIVE, STANDBY
@@ -51,6 +52,7 @@ class WorkerState:
     last_batch_at: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0  # the worker's cumulative busy seconds and output (heartbeats)
     busy_samples: int = 0
+    nat: str = "unknown"  # docs/nat.md: reachable, punchable, none (the reflector's verdict)
 
 
 class Sessions:
@@ -61,6 +63,7 @@ class Sessions:
     relay_keys: dict[str, str]
     coordinator: Any
     controller: Any
+    reflector: Any
     endpoint: str
     snapshot_endpoint: str
 
@@ -104,15 +107,35 @@ class Sessions:
         if known is None:
             self._add_worker(ident, key, msg)
         assert self.coordinator is not None
+        # With NAT traversal on, a worker relays only once the reflector has classified it.
         self.coordinator.join(self.sessions[key], msg.relay_endpoint if msg.can_relay else "",
-                              msg.down_mbit, msg.up_mbit)
+                              msg.down_mbit, msg.up_mbit,
+                              nat="unknown" if self.reflector is not None else "reachable")
         version, manifest = self._latest()
         src = self._source(self.sessions[key])
         # A late joiner pulls the current snapshot from its place in the plan: a peer.
         return wire.JoinAck(run_id=self.run_id, instance_id=self.instance_id,
                             public_key=self.key.public_bytes, version=version, manifest=manifest,
                             config=self.cfg.worker_view(), snapshot_endpoint=src.endpoint,
-                            snapshot_key=src.key, ticket=src.ticket, worker_id=self.sessions[key])
+                            snapshot_key=src.key, ticket=src.ticket, worker_id=self.sessions[key],
+                            reflectors=self.reflector.endpoints if self.reflector else [])
+
+    def _on_nat_report(self, ident: bytes, key: str, msg: wire.NatReport) -> wire.Message:
+        """Classify a worker's NAT from what the learner's own reflector saw (docs/nat.md)."""
+        w = self._joined(ident, key, msg.worker_id)
+        if self.reflector is None:
+            raise wire.WireError("nat_off", "this learner runs without NAT traversal "
+                                 "(broadcast.nat_traversal = false): relay endpoints are trusted")
+        peer = self.coordinator.peers.get(w.worker_id) if self.coordinator else None
+        try:
+            nat, address = self.reflector.classify(msg.nonces, peer.endpoint if peer else "")
+        except NatError as err:
+            raise wire.WireError("probe_not_seen", str(err)) from None
+        if self.coordinator is not None:
+            self.coordinator.classify(w.worker_id, nat, address)
+        w.nat = nat
+        log.info("worker %s: NAT %s (punch port seen as %s)", w.worker_id, nat, address)
+        return wire.NatStatus(nat=nat, address=address)
 
     def _claim(self, key: str, msg: wire.Join, known: WorkerState | None) -> str:
         """The worker id and relay endpoint a join asks for must not belong to another key."""

@@ -35,6 +35,8 @@ import zmq
 import zmq.asyncio
 
 from broadcast.fetch import FetchStats
+from broadcast.nat.links import Tunnels
+from broadcast.nat.reflect import NatError, pick_punch_port, probe_all
 from broadcast.relay import Relay, RelayConfig
 from broadcast.snapshot import SnapshotError
 from broadcast.tickets import Source
@@ -56,6 +58,13 @@ DRAIN_TIMEOUT_S = 5.0  # on SIGTERM, how long to keep trying to deliver pending 
 # Refusals of a batch that say nothing about the batch itself: keep it and send it again.
 RETRY_REASONS = {"not_joined", "rate_limited", "internal_error"}
 JOIN_RETRY_REASONS = {"rate_limited", "learner_full"}
+
+
+_NAT_MEANING = {
+    "reachable": ": other workers connect to this one directly",
+    "punchable": ": this worker relays through punched links",
+    "none": ": the NAT maps each destination apart (symmetric); this worker stays a chain tail",
+}
 
 
 async def _wait_next(event: asyncio.Event, timeout: float) -> None:
@@ -98,6 +107,7 @@ class Worker:
         self.backend: Backend | None = None
         self.adapter: Adapter | None = None
         self.installed_version = -1
+        self.nat = "unknown"  # the learner's verdict on our NAT (docs/nat.md)
         self.unacked: OrderedDict[str, wire.Trajectories] = OrderedDict()
         self._groups_of: dict[str, list[str]] = {}  # batch id -> its group ids (while unacked)
         self._generating: list[str] = []  # group ids being generated now
@@ -129,12 +139,16 @@ class Worker:
         self.client = Client(self.ctx, self.endpoint, BOOT_MAX_BYTES, keys=self.keys,
                              server_key=self.line.server_key)
         self.relay = Relay(self.ctx, self.relay_cfg, keys=self.keys, run_key=lambda: self.public_key)
+        host = self.relay_cfg.punch_host or self.relay_cfg.bind_host
+        self.tunnels = Tunnels(host, pick_punch_port(host))
+        self.relay.resolve = self.tunnels.resolve
         self.feed = SnapshotFeed(self.relay, self._ask_source, self._report_install)
         self.feed.on_ready = self.new_snapshot.set
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.client.receive_forever()),
-                         tg.create_task(self.relay.serve_forever())]
+                         tg.create_task(self.relay.serve_forever()),
+                         tg.create_task(self.tunnels.serve_forever())]
                 if await self._join():
                     # Heartbeats start before the (slow) model load so the learner keeps us.
                     tasks += [tg.create_task(self._heartbeats()), tg.create_task(self._notices()),
@@ -195,6 +209,8 @@ class Worker:
                 raise WorkerError(f"learner refused join: {ack.reason}: {ack.detail}")
             assert isinstance(ack, wire.JoinAck)
             await self._on_join_ack(ack)
+            if ack.reflectors:
+                await self._probe_nat(ack.reflectors)
             return True
         return False
 
@@ -259,10 +275,30 @@ class Worker:
             elif ack.manifest is not None:
                 self._offer(ack.version, ack.manifest, Source(ack.source, ack.source_key, ack.ticket))
 
+    async def _probe_nat(self, reflectors: list[str]) -> None:
+        """Probe the learner's reflector from the punch port and have the learner classify
+        this worker's NAT (docs/nat.md). A failure leaves this worker a tail, nothing worse."""
+        port = int(self.relay.endpoint.rpartition(":")[2]) if self.relay.endpoint else 0
+        try:
+            nonces = await probe_all(reflectors, self.tunnels.host, self.tunnels.port, port)
+            status = await self.client.request(wire.NatReport(worker_id=self.worker_id,
+                                                              nonces=nonces), self._timeout)
+        except (NatError, RequestTimeout) as err:
+            log.warning("NAT probe failed (%s): this worker will not relay", err)
+            return
+        if isinstance(status, wire.NatStatus):
+            self.nat = status.nat
+            log.info("NAT: %s (punch port seen as %s)%s", status.nat, status.address,
+                     _NAT_MEANING.get(status.nat, ""))
+        else:
+            log.warning("NAT report refused: %s", getattr(status, "detail", status))
+
     async def _notices(self) -> None:
         while True:
             msg = await self.client.notices.get()
-            if isinstance(msg, wire.SnapshotNotice):
+            if isinstance(msg, wire.Punch):
+                self.tunnels.open(msg)
+            elif isinstance(msg, wire.SnapshotNotice):
                 self._offer(msg.version, msg.manifest, Source(msg.source, msg.source_key, msg.ticket))
             elif isinstance(msg, wire.Shutdown):
                 self._stop(f"learner shut down: {msg.reason}")

@@ -11,8 +11,11 @@ class Peer:
     worker_id: str
     down_mbit: float = 0.0  # 0: unknown
     up_mbit: float = 0.0
-    reachable: bool = True
+    reachable: bool = True  # may be a parent
     endpoint: str = ""  # where this peer serves chunks, if it relays
+    # docs/nat.md: "reachable" (any child), "punchable" (a parent of children that can punch
+    # too), "none" (never a parent; its own parent must be "reachable")
+    nat: str = "reachable"
 
 
 class Topology(ABC):

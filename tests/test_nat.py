@@ -1,0 +1,357 @@
+"""NAT traversal (docs/nat.md): the reflector's verdicts, punched links, the tunnel that carries
+zmq sessions over one, and how the planner and coordinator place workers that are behind NAT.
+
+Loopback has no NAT: a "punch" here is two sockets on one host connecting to each other's
+ports, which exercises the same code (simultaneous open, greetings, tunnel) that the netns
+tier (``test_nat_lab_*``) runs through real MASQUERADE routers."""
+
+import asyncio
+import os
+import socket
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from broadcast.coordinator import Coordinator
+from broadcast.nat import links as nat_links
+from broadcast.nat.links import Tunnels, plain, split_via, via
+from broadcast.nat.punch import MAGIC
+from broadcast.nat.reflect import (NatError, Observation, Reflector, pick_punch_port, probe,
+                                   probe_all)
+from broadcast.nat.tunnel import HEADER, MAX_FRAME, Tunnel
+from broadcast.planner import plan_chains
+from broadcast.relay import Relay, RelayConfig
+from broadcast.snapshot import RunKey, build_manifest
+from broadcast.store import SnapshotBuffer
+from broadcast.topology import Peer, make_topology
+from echo import wire
+
+pytestmark = pytest.mark.timeout(60)
+HOST = "127.0.0.1"
+
+
+def run(coro, timeout=30):
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout)
+    return asyncio.run(bounded())
+
+
+# ----------------------------------------------------------------------------- reflector
+
+
+async def _reflector(**kw) -> Reflector:
+    r = Reflector(HOST, **kw)
+    await r.start()
+    return r
+
+
+def test_reflector_classifies_a_listening_worker_reachable_and_a_closed_one_punchable():
+    async def body():
+        ref = await _reflector()
+        relay = await asyncio.start_server(lambda r, w: w.close(), HOST, 0)
+        relay_port = relay.sockets[0].getsockname()[1]
+        port = pick_punch_port(HOST)
+        open_nonces = await probe_all(ref.endpoints, HOST, port, relay_port)
+        closed_port = pick_punch_port(HOST)  # nobody listens there: the dial-back fails
+        port2 = pick_punch_port(HOST)
+        closed_nonces = await probe_all(ref.endpoints, HOST, port2, closed_port)
+        relay.close()
+        ref.close()
+        return (ref.classify(open_nonces, f"tcp://{HOST}:{relay_port}"),
+                ref.classify(closed_nonces, f"tcp://{HOST}:{closed_port}"),
+                ref.classify(open_nonces, "tcp://10.0.0.9:1234"), port, port2)
+
+    reachable, closed, elsewhere, port, port2 = run(body())
+    assert reachable == ("reachable", f"{HOST}:{port}")
+    # both probes left from one port and kept it (no NAT): a punched link can reach it
+    assert closed == ("punchable", f"{HOST}:{port2}")
+    # dialled back fine, but the endpoint it joined with is not the address we saw
+    assert elsewhere[0] == "punchable"
+
+
+def test_reflector_says_none_when_the_mapping_differs_per_destination():
+    ref = Reflector(HOST)
+    ref.seen[b"a" * 16] = Observation("198.51.100.7", 40001, 0, False, 0, 0.0)
+    ref.seen[b"b" * 16] = Observation("198.51.100.7", 40777, 1, False, 0, 0.0)
+    assert ref.classify([b"a" * 16, b"b" * 16], "") == ("none", "198.51.100.7:40001")
+
+
+def test_reflector_judges_only_its_own_records():
+    ref = Reflector(HOST)
+    ref.seen[b"a" * 16] = Observation("198.51.100.7", 40001, 0, True, 9, 0.0)
+    with pytest.raises(NatError, match="probe_not_seen"):
+        ref.classify([b"a" * 16, b"z" * 16], "tcp://198.51.100.7:9")  # one nonce never probed
+    with pytest.raises(NatError, match="probe_not_seen"):
+        ref.classify([b"a" * 16, b"a" * 16], "tcp://198.51.100.7:9")  # both on one listener
+
+
+def test_reflector_counts_malformed_probes_and_keeps_serving():
+    async def body():
+        ref = await _reflector()
+        rhost, rport = ref.endpoints[0].rsplit(":", 1)
+        for junk in (b"\xc1" * 10, b"x" * 300, msgpack.packb({"v": 7, "nonce": b"n" * 16}),
+                     msgpack.packb({"v": 1, "nonce": b"short"}),
+                     msgpack.packb({"v": 1, "nonce": b"n" * 16, "dial": 70000})):
+            r, w = await asyncio.open_connection(rhost, int(rport))
+            w.write(junk)
+            await w.drain()
+            assert await r.read() == b""  # closed without a reply
+            w.close()
+        nonce, reply = await probe(ref.endpoints[0], HOST, pick_punch_port(HOST), 0)
+        ref.close()
+        return ref, nonce, reply
+
+    ref, nonce, reply = run(body())
+    assert ref.refused["malformed"] == 5
+    assert reply["ip"] == HOST and nonce in ref.seen
+
+
+def test_reflector_rate_limits_one_address_not_the_others():
+    async def body():
+        ref = await _reflector(per_address_per_s=1.0)
+        rport = ref.ports[0]
+        refused = 0
+        for _ in range(12):  # burst of 4 allowed, then refused without a reply
+            r, w = await asyncio.open_connection(HOST, rport, local_addr=("127.0.0.2", 0))
+            try:
+                w.write(msgpack.packb({"v": 1, "nonce": os.urandom(16), "dial": 0}))
+                refused += await r.read() == b""
+            except ConnectionResetError:  # closed before our probe arrived
+                refused += 1
+            w.close()
+        _, reply = await probe(f"{HOST}:{rport}", "127.0.0.3", pick_punch_port("127.0.0.3"), 0)
+        ref.close()
+        return ref, refused, reply
+
+    ref, refused, reply = run(body())
+    assert refused >= 7 and ref.refused["rate"] == refused
+    assert reply["ip"] == "127.0.0.3"  # another address is still served
+
+
+# ----------------------------------------------------------------------------- punching
+
+
+def test_punch_greeting_with_another_links_id_is_refused():
+    async def body():
+        child, parent = (Tunnels(HOST, pick_punch_port(HOST)) for _ in range(2))
+        tasks = [asyncio.create_task(t.serve_forever()) for t in (child, parent)]
+        await asyncio.gather(child.listening.wait(), parent.listening.wait())
+        parent.open(wire.Punch(punch_id=b"a" * 16, role="parent", address=f"{HOST}:{child.port}",
+                               endpoint="tcp://127.0.0.1:9", timeout_s=1.5))
+        child.open(wire.Punch(punch_id=b"b" * 16, role="child", address=f"{HOST}:{parent.port}",
+                              endpoint="tcp://127.0.0.1:9", timeout_s=1.5))
+        got = await asyncio.gather(_error(child.resolve(via(b"b" * 16, "tcp://127.0.0.1:9"), 5)),
+                                   _error(parent.resolve(via(b"a" * 16, "tcp://127.0.0.1:9"), 5)))
+        for t in tasks:
+            t.cancel()
+        return got, child, parent
+
+    (c_err, p_err), child, parent = run(body())
+    assert c_err.reason == p_err.reason == "unpunchable"
+    assert child.opened == parent.opened == 0 and child.failed == parent.failed == 1
+    assert child.strays + parent.strays > 0  # each side's listener refused the other's id
+
+
+async def _punched_pair(endpoint: str, *, stray: bytes = b""):
+    """Two workers' Tunnels on loopback, told to punch one link (child -> parent ``endpoint``);
+    ``stray``: a connection greeting with this id hits the parent's punch port first."""
+    child, parent = (Tunnels(HOST, pick_punch_port(HOST)) for _ in range(2))
+    pid = os.urandom(16)
+    tasks = [asyncio.create_task(t.serve_forever()) for t in (child, parent)]
+    await asyncio.gather(child.listening.wait(), parent.listening.wait())
+    if stray:
+        _, w = await asyncio.open_connection(HOST, parent.port)
+        w.write(MAGIC + stray)
+        await w.drain()
+    parent.open(wire.Punch(punch_id=pid, role="parent", address=f"{HOST}:{child.port}",
+                           endpoint=endpoint, timeout_s=5))
+    child.open(wire.Punch(punch_id=pid, role="child", address=f"{HOST}:{parent.port}",
+                          endpoint=endpoint, timeout_s=5))
+    return child, parent, pid, tasks
+
+
+def test_tunnel_carries_a_signed_snapshot_fetch_through_a_punched_link():
+    key = RunKey.generate()
+    payload = np.random.default_rng(3).bytes(300 * 1024 + 17)
+    manifest = build_manifest(run_id="t", version=1, tensors=[], payload=payload,
+                              chunk_size=64 * 1024, dtype="uint8", key=key)
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        try:
+            parent = Relay(ctx, RelayConfig(window=3, timeout_s=5, chunk_bytes=64 * 1024))
+            parent.store.add(SnapshotBuffer(manifest, payload))
+            child = Relay(ctx, RelayConfig(window=3, timeout_s=5, chunk_bytes=64 * 1024, serve=False))
+            serving = asyncio.create_task(parent.serve_forever())
+            ct, pt, pid, tasks = await _punched_pair(parent.endpoint, stray=os.urandom(16))
+            child.resolve = ct.resolve
+            buf, stats = await child.receive(manifest, key.public_bytes, via(pid, parent.endpoint), None)
+            for t in tasks + [serving]:
+                t.cancel()
+            ends = [(await t.links[pid]).sock for t in (ct, pt)]
+            ends = [(e.getsockname()[1], e.getpeername()[1]) for e in ends]
+            return bytes(buf.payload), stats, ct, pt, ends
+        finally:
+            ctx.destroy(linger=0)
+
+    got, stats, ct, pt, ends = run(body())
+    assert got == payload and stats.failures == []
+    # one connection between the two punch ports (the addresses the reflector reports)
+    assert ends == [(ct.port, pt.port), (pt.port, ct.port)]
+    assert ct.opened == pt.opened == 1
+    assert pt.strays == 1  # the connection with a foreign punch id was closed, the link opened
+
+
+def test_resolve_reports_an_unknown_link_as_lost_and_a_failed_punch_as_unpunchable():
+    async def body():
+        t = Tunnels(HOST, pick_punch_port(HOST))
+        task = asyncio.create_task(t.serve_forever())
+        lost = await _error(t.resolve(via(b"q" * 16, "tcp://127.0.0.1:9"), 1))
+        nobody = pick_punch_port(HOST)  # no peer punches back: the punch times out
+        t.open(wire.Punch(punch_id=b"p" * 16, role="child", address=f"{HOST}:{nobody}",
+                          endpoint="tcp://127.0.0.1:9", timeout_s=1))
+        failed = await _error(t.resolve(via(b"p" * 16, "tcp://127.0.0.1:9"), 5))
+        task.cancel()
+        return lost, failed, t
+
+    lost, failed, t = run(body())
+    assert lost.reason == "tunnel_lost" and failed.reason == "unpunchable" and t.failed == 1
+
+
+async def _error(coro):
+    try:
+        await coro
+    except nat_links.LinkFailed as exc:
+        return exc
+    raise AssertionError("no LinkFailed")
+
+
+@pytest.mark.parametrize("frame", [
+    HEADER.pack(9, 1, 0),  # unknown kind
+    HEADER.pack(2, 1, MAX_FRAME + 1),  # oversize
+    HEADER.pack(1, 1, 0),  # an "open" sent to the child end
+])
+def test_hostile_frame_ends_the_tunnel(frame):
+    async def body():
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        child = Tunnel(a)
+        task = asyncio.create_task(child.run())
+        await child.ready.wait()
+        await asyncio.get_running_loop().sock_sendall(b, frame)
+        await task  # returns: the tunnel ended itself
+        return await asyncio.get_running_loop().sock_recv(b, 16)
+
+    assert run(body(), 10) == b""  # and closed its end
+
+
+def test_tunnel_refuses_sessions_past_its_bound():
+    async def body():
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        target = await asyncio.start_server(lambda r, w: None, HOST, 0)
+        parent = Tunnel(a, target=f"tcp://{HOST}:{target.sockets[0].getsockname()[1]}", max_sessions=2)
+        task = asyncio.create_task(parent.run())
+        loop = asyncio.get_running_loop()
+        for sid in (1, 2, 3):
+            await loop.sock_sendall(b, HEADER.pack(1, sid, 0))
+        got = b""
+        while len(got) < HEADER.size:
+            got += await loop.sock_recv(b, HEADER.size - len(got))
+        task.cancel()
+        target.close()
+        return struct.unpack("!BII", got), len(parent.sessions)
+
+    (kind, sid, n), open_sessions = run(body(), 10)
+    assert (kind, sid, n) == (3, 3, 0)  # the third session was closed at once
+    assert open_sessions == 2
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+def _peers(nats):
+    return [Peer(f"w{i}", 100.0, 100.0, reachable=n != "none", endpoint=f"tcp://h{i}:1", nat=n)
+            for i, n in enumerate(nats)]
+
+
+def _parents(chains):
+    return {c[i]: (c[i - 1] if i else "learner") for c in chains for i in range(len(c))}
+
+
+def test_planner_uses_punchable_workers_as_relays_and_feeds_symmetric_ones_directly():
+    nats = ["reachable"] * 4 + ["punchable"] * 11 + ["none"]
+    peers = _peers(nats)
+    chains = plan_chains(peers, uplink_mbit=400, link_mbit=100).chains
+    kinds = {p.worker_id: p.nat for p in peers}
+    parents = _parents(chains)
+    assert sum(len(c) for c in chains) == 16
+    assert len(chains) <= 5  # the chains do not collapse toward the star
+    assert any(kinds[c[i]] == "punchable" for c in chains for i in range(len(c) - 1))
+    for c in chains:
+        assert all(kinds[w] != "none" for w in c[:-1])  # a symmetric NAT never relays
+    tail = "w15"
+    assert parents[tail] == "learner" or kinds[parents[tail]] == "reachable"
+
+
+def test_coordinator_punches_to_punchable_parents_once_and_demotes_on_failure():
+    c = Coordinator(make_topology("chains"), "tcp://learner:1")
+    c.join("p", "tcp://10.0.0.2:5", nat="punchable")
+    c.join("k", "tcp://10.0.0.3:5", nat="punchable")
+    c.join("r", "tcp://10.0.0.4:5")
+    c.classify("p", "punchable", "203.0.113.2:4000")
+    c.classify("k", "punchable", "203.0.113.3:4000")
+    assert c.route("k", "tcp://10.0.0.4:5") == ("tcp://10.0.0.4:5", [])  # reachable: as is
+    source, punches = c.route("k", "tcp://10.0.0.2:5")
+    pid, endpoint = split_via(source)
+    assert endpoint == "tcp://10.0.0.2:5" and plain(source) == endpoint
+    assert {(who, m.role, m.address) for who, m in punches} == {
+        ("p", "parent", "203.0.113.3:4000"), ("k", "child", "203.0.113.2:4000")}
+    assert all(m.punch_id == pid for _, m in punches)
+    assert c.route("k", "tcp://10.0.0.2:5") == (source, [])  # the live link is reused
+    # the punch failed: the child becomes a tail, the parent keeps relaying (one strike)
+    new = c.reattach("k", source, "unpunchable")
+    assert c.peers["k"].nat == "none" and c.peers["p"].nat == "punchable"
+    assert plain(new) != "tcp://10.0.0.2:5" and c.peers["p"].alive
+    c.join("j", "tcp://10.0.0.5:5", nat="punchable")
+    c.classify("j", "punchable", "203.0.113.5:4000")
+    src2, _ = c.route("j", "tcp://10.0.0.2:5")
+    c.reattach("j", src2, "unpunchable")
+    assert c.peers["p"].nat == "none"  # a second child failed: it relays no more
+
+
+def test_a_lost_tunnel_is_punched_again_not_held_against_anyone():
+    c = Coordinator(make_topology("chains"), "tcp://learner:1")
+    for w, n in (("p", "10.0.0.2"), ("k", "10.0.0.3")):
+        c.join(w, f"tcp://{n}:5", nat="punchable")
+        c.classify(w, "punchable", f"{n}:4000")
+    first, _ = c.route("k", "tcp://10.0.0.2:5")
+    c.reattach("k", first, "tunnel_lost")
+    again, punches = c.route("k", "tcp://10.0.0.2:5")
+    assert again != first and len(punches) == 2
+    assert c.peers["k"].nat == c.peers["p"].nat == "punchable"
+
+
+def test_keyframes_come_only_from_directly_reachable_workers():
+    c = Coordinator(make_topology("chains"), "tcp://learner:1")
+    c.join("p", "tcp://10.0.0.2:5", nat="punchable")
+    c.join("k", "tcp://10.0.0.3:5")
+    c.publish(1)
+    c.installed("p", 1)
+    assert c.keyframe_source("k", 1) == "tcp://learner:1"
+
+
+def test_punch_message_round_trips_and_rejects_a_bad_role():
+    m = wire.Punch(punch_id=b"i" * 16, role="child", address="203.0.113.2:4000",
+                   endpoint="tcp://10.0.0.2:5", timeout_s=10)
+    assert wire.decode(wire.encode(m), 4096) == m
+    bad = m.model_dump() | {"role": "king"}
+    with pytest.raises(wire.WireError, match="role"):
+        wire.decode(msgpack.packb(bad, use_bin_type=True), 4096)
+    assert via(b"\x01" * 16, "tcp://x:1").startswith("punch/01") and split_via("tcp://x:1") == (b"", "tcp://x:1")
