@@ -39,6 +39,9 @@ import zmq.asyncio
 from broadcast import netns
 from broadcast.coordinator import Coordinator
 from broadcast.fetch import SOCKET_BUFFER
+from broadcast import natlab
+from broadcast.nat.links import Tunnels
+from broadcast.nat.reflect import Reflector, pick_punch_port, probe_all
 from broadcast.planner import lower_bound_s, star_limited_s, star_unlimited_s
 from broadcast.relay import Relay, RelayConfig, bucket
 from broadcast.snapshot import RunKey, SnapshotError, build_manifest
@@ -48,7 +51,7 @@ from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import Source, TicketCheck, mint
 from broadcast.topology import TOPOLOGIES, make_topology
 from echo import wire
-from echo.client import Client, RequestTimeout
+from echo.client import Client
 from echo.machine import machine_info
 from echo.security import KeyPair, ZapHandler, curve_server, key_from_hex, key_hex, peer_key
 
@@ -71,17 +74,27 @@ async def relay_process(args: argparse.Namespace) -> int:
                                    corrupt=args.corrupt), keys=keys, run_key=lambda: run_key)
     if args.reserve_mib:
         relay.store.reserve(int(args.reserve_mib * 2**20))
+    tunnels = Tunnels(args.bind_host, pick_punch_port(args.bind_host))
+    relay.resolve = tunnels.resolve
     client = Client(ctx, args.root, MAX_BYTES, keys=keys, server_key=server_key)
     join = wire.Join(worker_id=args.id, relay_endpoint=relay.endpoint, down_mbit=args.down_mbit,
                      up_mbit=args.up_mbit, can_relay=not args.no_serve)
     async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(client.receive_forever()), tg.create_task(relay.serve_forever())]
+        inbox: asyncio.Queue[wire.Message] = asyncio.Queue()
+        tasks = [tg.create_task(client.receive_forever()), tg.create_task(relay.serve_forever()),
+                 tg.create_task(tunnels.serve_forever()),
+                 tg.create_task(_punches_first(client, tunnels, inbox))]
         ack = await client.request(join, 60)
         assert isinstance(ack, wire.JoinAck)
         run_key = ack.public_key
+        if ack.reflectors:  # the root classifies our NAT (docs/nat.md)
+            port = int(relay.endpoint.rpartition(":")[2]) if relay.endpoint else 0
+            nonces = await probe_all(ack.reflectors, tunnels.host, tunnels.port, port)
+            status = await client.request(wire.NatReport(worker_id=args.id, nonces=nonces), 30)
+            assert isinstance(status, wire.NatStatus), status
         held, base = None, None
         while True:
-            msg = await client.notices.get()
+            msg = await inbox.get()
             if isinstance(msg, wire.Shutdown) and msg.reason == "audit" and held is not None:
                 base = await _audit(client, args.id, held, base)
                 continue
@@ -108,6 +121,17 @@ async def relay_process(args: argparse.Namespace) -> int:
     client.close(linger_ms=5000)  # let the audit digest leave before the socket closes
     ctx.term()
     return 0
+
+
+async def _punches_first(client: Client, tunnels: Tunnels, inbox: asyncio.Queue) -> None:
+    """A punch is acted on the moment it arrives, even while this relay is fetching (its
+    peer is punching now); everything else waits its turn in ``inbox``."""
+    while True:
+        msg = await client.notices.get()
+        if isinstance(msg, wire.Punch):
+            tunnels.open(msg)
+        else:
+            inbox.put_nowait(msg)
 
 
 async def _audit(client: Client, wid: str, held: SnapshotBuffer, base: Any) -> Any:
@@ -143,6 +167,9 @@ class BenchParams:
     timeout_s: float = 10.0
     seed: int = 0
     netns: bool = False  # links shaped by the kernel (tc tbf in namespaces), not in the app
+    nat: int = 0  # with netns: this many workers behind home NATs (docs/nat.md)
+    symmetric: int = 0  # ... of which this many behind symmetric NATs
+    punch: bool = True  # NAT'd workers relay through punched links (False: they are tails)
     curve: bool = False  # CurveZMQ on every socket and pull tickets, as a real run has
     publications: int = 1  # versions published in a row (re-planned at each)
     liar_up_mbit: float = 0.0  # r00's real uplink; it declares 10x this (0: no liar)
@@ -162,7 +189,10 @@ class Root:
         self.zap = ZapHandler(self.ctx, lambda addr, key: "") if self.keys is not None else None
         if self.keys is not None:
             curve_server(self.ctrl, self.keys)
-        host = netns.address(None) if p.netns else "127.0.0.1"
+        host = (natlab.ROOT_ADDR if p.nat else netns.address(None)) if p.netns else "127.0.0.1"
+        self.host = host
+        self.reflector: Reflector | None = None  # started in serve() when NAT'd workers punch
+        self.classified: set[str] = set()
         self.ctrl.bind(f"tcp://{host}:*")
         self.endpoint = self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
         snap = self.ctx.socket(zmq.ROUTER)
@@ -196,6 +226,15 @@ class Root:
         self.dead: set[str] = set()
         self.reattaches: list[tuple[str, str, str]] = []
 
+    async def source_routed(self, wid: str, endpoint: str) -> Source:
+        """``source``, through a punched link when the parent is only punchable (its punches
+        leave first, as the learner's do)."""
+        routed, punches = self.coord.route(wid, endpoint)
+        for to, punch in punches:
+            await self.ctrl.send_multipart([self.idents[to], wire.encode(punch)])
+        src = self.source(wid, endpoint)
+        return Source(routed, src.key, src.ticket)
+
     def source(self, wid: str, endpoint: str) -> Source:
         if self.keys is None:
             return Source(endpoint)
@@ -204,6 +243,9 @@ class Root:
                       mint(self.key, self.peer_keys[wid], endpoint, "bench", 3600))
 
     async def serve(self) -> None:
+        if self.p.nat and self.p.punch:
+            self.reflector = Reflector(self.host)
+            await self.reflector.start()
         if self.zap is not None:
             self.zap_task = asyncio.ensure_future(self.zap.serve())
         while True:
@@ -216,14 +258,23 @@ class Root:
                 self.idents[msg.worker_id] = ident
                 self.peer_keys[msg.worker_id] = key
                 self.relay_keys[msg.relay_endpoint] = key
-                self.coord.join(msg.worker_id, msg.relay_endpoint, msg.down_mbit, msg.up_mbit)
+                self.coord.join(msg.worker_id, msg.relay_endpoint, msg.down_mbit, msg.up_mbit,
+                                nat="unknown" if self.reflector else "reachable")
                 reply = wire.JoinAck(run_id="bench", instance_id="bench", public_key=self.key.public_bytes,
-                                     version=-1, config={}, snapshot_endpoint=self.coord.source)
-                if len(self.idents) == self.p.workers:
-                    self.joined.set()
+                                     version=-1, config={}, snapshot_endpoint=self.coord.source,
+                                     reflectors=self.reflector.endpoints if self.reflector else [])
+                self._check_joined()
+            elif isinstance(msg, wire.NatReport) and self.reflector is not None:
+                peer = self.coord.peers[msg.worker_id]
+                nat, address = self.reflector.classify(msg.nonces, peer.endpoint)
+                self.coord.classify(msg.worker_id, nat, address)
+                self.classified.add(msg.worker_id)
+                reply = wire.NatStatus(nat=nat, address=address)
+                self._check_joined()
             elif isinstance(msg, wire.SourceRequest):
                 self.reattaches.append((msg.worker_id, msg.bad_source, msg.reason))
-                src = self.source(msg.worker_id, self.coord.reattach(msg.worker_id, msg.bad_source, msg.reason))
+                src = await self.source_routed(
+                    msg.worker_id, self.coord.reattach(msg.worker_id, msg.bad_source, msg.reason))
                 reply = wire.SourceGrant(version=msg.version, source=src.endpoint,
                                          source_key=src.key, ticket=src.ticket)
             elif isinstance(msg, wire.Installed):
@@ -237,6 +288,11 @@ class Root:
             if reply is not None:
                 reply.rid = msg.rid
                 await self.ctrl.send_multipart([ident, wire.encode(reply)])
+
+    def _check_joined(self) -> None:
+        if len(self.idents) == self.p.workers and (
+                self.reflector is None or len(self.classified) == self.p.workers):
+            self.joined.set()
 
     def _check_done(self) -> None:
         alive = set(self.idents) - self.dead
@@ -269,7 +325,7 @@ class Root:
         sources = self.coord.publish(self.version)
         notices = {}  # minted before the first goes out: signing is not broadcast time
         for wid, endpoint in sources.items():
-            src = self.source(wid, endpoint)
+            src = await self.source_routed(wid, endpoint)
             notices[wid] = wire.encode(wire.SnapshotNotice(version=self.version, manifest=manifest,
                                                            source=src.endpoint, source_key=src.key,
                                                            ticket=src.ticket))
@@ -326,7 +382,13 @@ def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
             argv.append("--corrupt")
         if i == 0 and p.liar_up_mbit:  # declares 10x the uplink it is shaped at
             argv += ["--up-mbit", str(10 * p.liar_up_mbit), "--real-up-mbit", str(p.liar_up_mbit)]
-        if p.netns:
+        if p.netns and p.nat:
+            node = natlab.fleet(p.workers, p.nat, p.symmetric)[i]
+            argv = ["ip", "netns", "exec", node.ns, *argv, "--kernel-shaped",
+                    "--bind-host", node.address]
+            if node.nat != "public" and not p.punch:
+                argv.append("--no-serve")  # today's way in: behind NAT, a tail
+        elif p.netns:
             argv = ["ip", "netns", "exec", netns.node_name(i), *argv, "--kernel-shaped",
                     "--bind-host", netns.address(i)]
         procs[f"r{i:02d}"] = subprocess.Popen(argv, preexec_fn=_die_with_parent,
@@ -465,6 +527,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--netns", action="store_true",
                     help="shape with the kernel: namespaces, veth, tc tbf (needs root)")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--nat", type=int, default=0,
+                    help="with --netns: this many workers behind home NAT routers (docs/nat.md)")
+    ap.add_argument("--symmetric", type=int, default=0,
+                    help="of the --nat workers, this many behind symmetric NATs (cannot punch)")
+    ap.add_argument("--no-punch", action="store_true",
+                    help="NAT'd workers join without a relay (tails), as before hole punching")
     ap.add_argument("--curve", action="store_true",
                     help="CurveZMQ on every socket with pull tickets, as a real run (docs/security.md)")
     ap.add_argument("--publications", type=int, default=1,
@@ -534,6 +602,14 @@ def main(argv: list[str] | None = None) -> int:
         if os.geteuid() != 0:
             print("--netns needs root (it creates namespaces, veth and tc qdiscs)", file=sys.stderr)
             return 2
+        if args.nat:
+            if natlab.missing_tools():
+                print(f"--nat: {natlab.missing_tools()}", file=sys.stderr)
+                return 2
+            with natlab.lab(natlab.fleet(args.workers, args.nat, args.symmetric),
+                            args.uplink_mbit, args.link_mbit):
+                return subprocess.run(["ip", "netns", "exec", natlab.ROOT_NS, sys.executable,
+                                       "-m", "broadcast.bench", *argv, "--inside"]).returncode
         with netns.lab(args.workers, args.uplink_mbit, args.link_mbit):
             # The root runs inside its own namespace, behind its own shaped veth.
             return subprocess.run(["ip", "netns", "exec", netns.node_name(None), sys.executable,
@@ -552,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
                             args.kill_fraction, args.corrupt_relays, args.chunk_kib, args.window,
                             args.chains, seed=args.seed + rep, netns=args.netns, curve=args.curve,
                             publications=args.publications, liar_up_mbit=args.liar_up_mbit,
-                            trust_declared=args.trust_declared)
+                            trust_declared=args.trust_declared, nat=args.nat,
+                            symmetric=args.symmetric, punch=not args.no_punch)
             results.append(asyncio.run(run_one(p)))
     print_table(results)
     if args.json:
@@ -641,5 +718,8 @@ def liar_main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "relay":
+        import logging  # relays log warnings (a failed punch, a lost link) to stderr
+        logging.basicConfig(level=os.environ.get("ECHO_BENCH_LOG", "WARNING"),
+                            format=f"%(asctime)s {sys.argv[sys.argv.index('--id') + 1]} %(name)s: %(message)s")
         sys.exit(asyncio.run(relay_process(relay_parser().parse_args(sys.argv[2:]))))
     sys.exit(main())
