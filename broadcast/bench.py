@@ -74,7 +74,7 @@ async def relay_process(args: argparse.Namespace) -> int:
                                    corrupt=args.corrupt), keys=keys, run_key=lambda: run_key)
     if args.reserve_mib:
         relay.store.reserve(int(args.reserve_mib * 2**20))
-    tunnels = Tunnels(args.bind_host, pick_punch_port(args.bind_host))
+    tunnels = Tunnels(args.bind_host, pick_punch_port(args.bind_host), endpoint=relay.endpoint)
     relay.resolve = tunnels.resolve
     client = Client(ctx, args.root, MAX_BYTES, keys=keys, server_key=server_key)
     join = wire.Join(worker_id=args.id, relay_endpoint=relay.endpoint, down_mbit=args.down_mbit,

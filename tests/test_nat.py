@@ -156,10 +156,11 @@ def test_punch_greeting_with_another_links_id_is_refused():
     assert child.strays + parent.strays > 0  # each side's listener refused the other's id
 
 
-async def _punched_pair(endpoint: str, *, stray: bytes = b""):
-    """Two workers' Tunnels on loopback, told to punch one link (child -> parent ``endpoint``);
+async def _punched_pair(parent_endpoint: str, child_endpoint: str = "", *, stray: bytes = b""):
+    """Two workers' Tunnels on loopback, told to punch one link (child -> parent's relay);
     ``stray``: a connection greeting with this id hits the parent's punch port first."""
-    child, parent = (Tunnels(HOST, pick_punch_port(HOST)) for _ in range(2))
+    child = Tunnels(HOST, pick_punch_port(HOST), endpoint=child_endpoint)
+    parent = Tunnels(HOST, pick_punch_port(HOST), endpoint=parent_endpoint)
     pid = os.urandom(16)
     tasks = [asyncio.create_task(t.serve_forever()) for t in (child, parent)]
     await asyncio.gather(child.listening.wait(), parent.listening.wait())
@@ -168,42 +169,56 @@ async def _punched_pair(endpoint: str, *, stray: bytes = b""):
         w.write(MAGIC + stray)
         await w.drain()
     parent.open(wire.Punch(punch_id=pid, role="parent", address=f"{HOST}:{child.port}",
-                           endpoint=endpoint, timeout_s=5))
+                           endpoint=parent_endpoint, timeout_s=5))
     child.open(wire.Punch(punch_id=pid, role="child", address=f"{HOST}:{parent.port}",
-                          endpoint=endpoint, timeout_s=5))
+                          endpoint=parent_endpoint, timeout_s=5))
     return child, parent, pid, tasks
 
 
-def test_tunnel_carries_a_signed_snapshot_fetch_through_a_punched_link():
+def _snapshot(key, version):
+    payload = np.random.default_rng(version).bytes(300 * 1024 + 17 * version)
+    return build_manifest(run_id="t", version=version, tensors=[], payload=payload,
+                          chunk_size=64 * 1024, dtype="uint8", key=key), payload
+
+
+def test_punched_link_carries_signed_snapshot_fetches_both_ways():
+    """The child pulls v1 through the punched link; after a re-plan swaps the two, the old
+    parent pulls v2 from the old child through the same connection (a second one between the
+    same punch ports could not be opened)."""
     key = RunKey.generate()
-    payload = np.random.default_rng(3).bytes(300 * 1024 + 17)
-    manifest = build_manifest(run_id="t", version=1, tensors=[], payload=payload,
-                              chunk_size=64 * 1024, dtype="uint8", key=key)
+    (m1, p1), (m2, p2) = _snapshot(key, 1), _snapshot(key, 2)
 
     async def body():
         ctx = zmq.asyncio.Context()
         try:
-            parent = Relay(ctx, RelayConfig(window=3, timeout_s=5, chunk_bytes=64 * 1024))
-            parent.store.add(SnapshotBuffer(manifest, payload))
-            child = Relay(ctx, RelayConfig(window=3, timeout_s=5, chunk_bytes=64 * 1024, serve=False))
-            serving = asyncio.create_task(parent.serve_forever())
-            ct, pt, pid, tasks = await _punched_pair(parent.endpoint, stray=os.urandom(16))
-            child.resolve = ct.resolve
-            buf, stats = await child.receive(manifest, key.public_bytes, via(pid, parent.endpoint), None)
-            for t in tasks + [serving]:
-                t.cancel()
-            ends = [(await t.links[pid]).sock for t in (ct, pt)]
+            cfg = dict(window=3, timeout_s=5, chunk_bytes=64 * 1024)
+            a, b = Relay(ctx, RelayConfig(**cfg)), Relay(ctx, RelayConfig(**cfg))
+            a.store.add(SnapshotBuffer(m1, p1))
+            serving = [asyncio.create_task(r.serve_forever()) for r in (a, b)]
+            bt, at, pid, tasks = await _punched_pair(a.endpoint, b.endpoint, stray=os.urandom(16))
+            a.resolve, b.resolve = at.resolve, bt.resolve
+            got1, s1 = await b.receive(m1, key.public_bytes, via(pid, a.endpoint), None)
+            b.store.add(SnapshotBuffer(m2, p2))
+            got2, s2 = await a.receive(m2, key.public_bytes, via(pid, b.endpoint), None)
+            ends = [(await t.links[pid]).sock for t in (bt, at)]
             ends = [(e.getsockname()[1], e.getpeername()[1]) for e in ends]
-            return bytes(buf.payload), stats, ct, pt, ends
+            # a new punch id for the same pair (the learner forgot the link) reuses it too
+            again = os.urandom(16)
+            bt.open(wire.Punch(punch_id=again, role="child", address=f"{HOST}:{at.port}",
+                               endpoint=a.endpoint, timeout_s=5))
+            same = await bt.resolve(via(again, a.endpoint)) == await bt.resolve(via(pid, a.endpoint))
+            for t in tasks + serving:
+                t.cancel()
+            return bytes(got1.payload), bytes(got2.payload), (s1, s2), bt, at, ends, same
         finally:
             ctx.destroy(linger=0)
 
-    got, stats, ct, pt, ends = run(body())
-    assert got == payload and stats.failures == []
+    got1, got2, stats, bt, at, ends, same = run(body())
+    assert got1 == p1 and got2 == p2 and all(s.failures == [] for s in stats)
+    assert bt.opened == at.opened == 1 and same
     # one connection between the two punch ports (the addresses the reflector reports)
-    assert ends == [(ct.port, pt.port), (pt.port, ct.port)]
-    assert ct.opened == pt.opened == 1
-    assert pt.strays == 1  # the connection with a foreign punch id was closed, the link opened
+    assert ends == [(bt.port, at.port), (at.port, bt.port)]
+    assert at.strays == 1  # the connection with a foreign punch id was closed, the link opened
 
 
 def test_resolve_reports_an_unknown_link_as_lost_and_a_failed_punch_as_unpunchable():
@@ -233,7 +248,7 @@ async def _error(coro):
 @pytest.mark.parametrize("frame", [
     HEADER.pack(9, 1, 0),  # unknown kind
     HEADER.pack(2, 1, MAX_FRAME + 1),  # oversize
-    HEADER.pack(1, 1, 0),  # an "open" sent to the child end
+    HEADER.pack(1, 1, 0),  # an "open" numbered as this end numbers its own sessions
 ])
 def test_hostile_frame_ends_the_tunnel(frame):
     async def body():
@@ -256,20 +271,21 @@ def test_tunnel_refuses_sessions_past_its_bound():
         a.setblocking(False)
         b.setblocking(False)
         target = await asyncio.start_server(lambda r, w: None, HOST, 0)
-        parent = Tunnel(a, target=f"tcp://{HOST}:{target.sockets[0].getsockname()[1]}", max_sessions=2)
+        parent = Tunnel(a, target=f"tcp://{HOST}:{target.sockets[0].getsockname()[1]}", odd=False,
+                        max_sessions=2)
         task = asyncio.create_task(parent.run())
         loop = asyncio.get_running_loop()
-        for sid in (1, 2, 3):
+        for sid in (1, 3, 5):  # the peer numbers its sessions odd
             await loop.sock_sendall(b, HEADER.pack(1, sid, 0))
         got = b""
-        while len(got) < HEADER.size:
-            got += await loop.sock_recv(b, HEADER.size - len(got))
+        while len(got) < HEADER.size and (part := await loop.sock_recv(b, HEADER.size - len(got))):
+            got += part
         task.cancel()
         target.close()
         return struct.unpack("!BII", got), len(parent.sessions)
 
     (kind, sid, n), open_sessions = run(body(), 10)
-    assert (kind, sid, n) == (3, 3, 0)  # the third session was closed at once
+    assert (kind, sid, n) == (3, 5, 0)  # the third session was closed at once
     assert open_sessions == 2
 
 
@@ -355,3 +371,33 @@ def test_punch_message_round_trips_and_rejects_a_bad_role():
     with pytest.raises(wire.WireError, match="role"):
         wire.decode(msgpack.packb(bad, use_bin_type=True), 4096)
     assert via(b"\x01" * 16, "tcp://x:1").startswith("punch/01") and split_via("tcp://x:1") == (b"", "tcp://x:1")
+
+
+# ----------------------------------------------------------------------------- the learner
+
+
+from test_control import ask, connect, ctx, plane  # noqa: E402,F401 (fixtures)
+
+
+def test_learner_classifies_a_worker_from_its_reflector_and_shows_it(plane, ctx):  # noqa: F811
+    """Join, probe the reflectors the JoinAck names from the punch port, report the nonces:
+    the learner answers from its own records and the stats (dashboard) carry the verdict."""
+    relay = socket.socket()
+    relay.bind((HOST, 0))
+    relay.listen(4)  # the worker's relay socket, for the dial-back
+    endpoint = f"tcp://{HOST}:{relay.getsockname()[1]}"
+    sock = connect(plane, ctx)
+    ack = ask(sock, wire.Join(worker_id="w1", relay_endpoint=endpoint))
+    assert len(ack.reflectors) == 2
+    assert plane.stats()["workers"]["w1"]["nat"] == "unknown"  # a tail until it reports
+    port = pick_punch_port(HOST)
+    nonces = asyncio.run(probe_all(ack.reflectors, HOST, port, relay.getsockname()[1]))
+    # a report naming nonces the reflector never saw is refused, and the session goes on
+    err = ask(sock, wire.NatReport(worker_id="w1", nonces=[os.urandom(16), os.urandom(16)]))
+    assert isinstance(err, wire.Error) and err.reason == "probe_not_seen"
+    status = ask(sock, wire.NatReport(worker_id="w1", nonces=nonces))
+    relay.close()
+    assert status == wire.NatStatus(nat="reachable", address=f"{HOST}:{port}")
+    w = plane.stats()["workers"]["w1"]
+    assert w["nat"] == "reachable" and w["transport"] == "tcp"
+    assert plane.coordinator.peers["w1"].nat == "reachable"

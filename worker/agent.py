@@ -140,7 +140,7 @@ class Worker:
                              server_key=self.line.server_key)
         self.relay = Relay(self.ctx, self.relay_cfg, keys=self.keys, run_key=lambda: self.public_key)
         host = self.relay_cfg.punch_host or self.relay_cfg.bind_host
-        self.tunnels = Tunnels(host, pick_punch_port(host))
+        self.tunnels = Tunnels(host, pick_punch_port(host), endpoint=self.relay.endpoint)
         self.relay.resolve = self.tunnels.resolve
         self.feed = SnapshotFeed(self.relay, self._ask_source, self._report_install)
         self.feed.on_ready = self.new_snapshot.set

@@ -28,9 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append one JSON line per acknowledged batch: what the learner stored")
     j.add_argument("--relay-host", default="127.0.0.1",
                    help="address this worker serves snapshot chunks on, for its chain child "
-                        "(must be reachable by other workers; default loopback)")
+                        "(public workers: an address others can reach; behind a home router "
+                        "any local address works, children come through punched links, "
+                        "docs/nat.md; default loopback)")
+    j.add_argument("--punch-host", default=None,
+                   help="address NAT probes and punched links leave from (default: the relay "
+                        "host, or 0.0.0.0 when that is loopback and the learner is not)")
     j.add_argument("--no-relay", action="store_true",
-                   help="behind NAT / no inbound connections: never relay (placed at a chain tail)")
+                   help="never relay, even through punched links (placed at a chain tail)")
     j.add_argument("--down-mbit", type=float, default=0.0, help="declared download rate, Mbit/s")
     j.add_argument("--up-mbit", type=float, default=0.0, help="declared upload rate, Mbit/s")
     j.add_argument("--backend", choices=["transformers", "vllm"], default=None,
@@ -80,6 +85,7 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     from worker.agent import Worker, WorkerError
 
     relay = RelayConfig(bind_host=args.relay_host, serve=not args.no_relay,
+                        punch_host=args.punch_host or _punch_host(args.relay_host, line.endpoint),
                         down_mbit=args.down_mbit, up_mbit=args.up_mbit)
 
     make = make_worker or Worker
@@ -108,3 +114,13 @@ def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _punch_host(relay_host: str, learner: str) -> str:
+    """Probes must reach the learner: a loopback relay host (the default) only serves when the
+    learner is local too; otherwise probe and punch from every interface (docs/nat.md)."""
+    local = ("127.", "localhost", "::1")
+    learner_host = learner.removeprefix("tcp://").rpartition(":")[0]
+    if relay_host.startswith(local) and not learner_host.startswith(local):
+        return "0.0.0.0"
+    return relay_host

@@ -4,7 +4,8 @@
 "child C pulls from endpoint E" into the source C is sent. When E's owner is reachable, E
 itself: zmq TCP as always. When it is only punchable, ``punch/<id>/E`` plus two ``wire.Punch``
 messages, one to each end, sent before C's source so both start at once. A link is punched once
-and reused while it lives. A punch that fails (reason ``unpunchable``) makes the child a tail
+per pair of workers and reused while it lives, in either direction (a re-plan that swaps two
+neighbours pulls through the connection they have). A punch that fails (reason ``unpunchable``) makes the child a tail
 fed only by reachable sources; a parent whose punches fail with two different children is no
 longer used as a punched relay. ``tunnel_lost`` (a link that worked and closed) only forgets
 the link: the next assignment punches again.
@@ -62,7 +63,7 @@ class _Link:
 class PunchBook:
     timeout_s: float = 10.0
     ttl_s: float = 3600.0
-    links: dict[tuple[str, str], _Link] = field(default_factory=dict)  # (child, parent) -> link
+    links: dict[frozenset[str], _Link] = field(default_factory=dict)  # {child, parent} -> link
     strikes: dict[str, set[str]] = field(default_factory=dict)  # parent -> children it failed
     punched: int = 0
     failed: int = 0
@@ -70,11 +71,11 @@ class PunchBook:
     def route(self, child: str, parent: str, endpoint: str, child_addr: str,
               parent_addr: str) -> tuple[str, list[tuple[str, wire.Punch]]]:
         """The source string for ``child`` and the punch messages to send (to whom)."""
-        link = self.links.get((child, parent))
+        link = self.links.get(frozenset((child, parent)))
         if link is not None and time.monotonic() - link.at < self.ttl_s:
             return via(link.punch_id, endpoint), []
         pid = os.urandom(16)
-        self.links[(child, parent)] = _Link(pid, time.monotonic())
+        self.links[frozenset((child, parent))] = _Link(pid, time.monotonic())
         self.punched += 1
         return via(pid, endpoint), [
             (parent, wire.Punch(punch_id=pid, role="parent", address=child_addr, endpoint=endpoint,
@@ -84,7 +85,7 @@ class PunchBook:
 
     def failed_link(self, child: str, parent: str, reason: str) -> tuple[bool, bool]:
         """A child reported its punched link failed: (demote the child, demote the parent)."""
-        self.links.pop((child, parent), None)
+        self.links.pop(frozenset((child, parent)), None)
         if reason != "unpunchable":
             return False, False
         self.failed += 1
@@ -100,10 +101,14 @@ class PunchBook:
 class Tunnels:
     """A worker's punched links: opened when told (``open``), served in ``serve_forever``."""
 
-    def __init__(self, host: str, port: int, *, max_links: int = 8):
+    def __init__(self, host: str, port: int, *, endpoint: str = "", max_links: int = 8):
         self.host, self.port = host, port
+        self.endpoint = endpoint  # our relay socket: where sessions the peer opens go ("" none)
         self.max_links = max_links
         self.links: OrderedDict[bytes, asyncio.Future[Tunnel]] = OrderedDict()
+        # peer's public address -> its link: one connection per pair of punch ports, so a
+        # punch to a peer we have a live link with reuses it (the learner forgot it, or a TTL)
+        self.peers: dict[str, asyncio.Future[Tunnel]] = {}
         # greeted connections our listener accepted, per punch still opening
         self.accepted: dict[bytes, asyncio.Queue] = {}
         self.strays = 0  # accepted connections that did not greet with a punch we expect
@@ -117,13 +122,22 @@ class Tunnels:
         """Queue a punch (False: 32 are already waiting; the learner re-plans on failure)."""
         if msg.punch_id in self.links:
             return True
+        live = self.peers.get(msg.address)
+        if live is not None and live.done() and not live.exception() \
+                and not isinstance(live.result(), _Lost):
+            self.links[msg.punch_id] = live
+            return True
         fut: asyncio.Future[Tunnel] = asyncio.get_running_loop().create_future()
         self.links[msg.punch_id] = fut
+        self.peers[msg.address] = fut
         self.accepted[msg.punch_id] = asyncio.Queue(maxsize=4)
         self._arrived.set()
         self._arrived = asyncio.Event()
         while len(self.links) > self.max_links:
             _, old = self.links.popitem(last=False)
+            if any(f is old for f in self.links.values()):
+                continue  # another punch id still names that connection
+            self.peers = {a: f for a, f in self.peers.items() if f is not old}
             if old.done() and not old.exception():
                 old.result().close()
             elif not old.done():
@@ -194,7 +208,8 @@ class Tunnels:
             queue = self.accepted.pop(msg.punch_id, None)
             while queue is not None and not queue.empty():
                 queue.get_nowait().close()
-        tunnel = Tunnel(sock, target=msg.endpoint if msg.role == "parent" else "")
+        tunnel = Tunnel(sock, target=msg.endpoint if msg.role == "parent" else self.endpoint,
+                        odd=msg.role == "child")
         self.opened += 1
         log.info("punched link to %s open (%s of %s)", msg.address, msg.role, msg.endpoint)
         async with asyncio.TaskGroup() as tg:
@@ -203,8 +218,10 @@ class Tunnels:
             if not fut.done():
                 fut.set_result(tunnel)
         # the link closed: a later fetch through it asks the learner again (tunnel_lost)
-        if self.links.get(msg.punch_id) is fut:
-            self.links[msg.punch_id] = _lost()
+        lost = _lost()
+        for table in (self.links, self.peers):
+            for k in [k for k, f in table.items() if f is fut]:
+                table[k] = lost
 
     async def resolve(self, source: str, wait_s: float = 15.0) -> str:
         """The address a fetch connects to for ``source`` (its own, unless it is punched)."""

@@ -2,14 +2,17 @@
 
 A fetch opens a new zmq connection per version; a punched connection costs a round of
 signalling and up to seconds of SYN retries. So a link is punched once and then carries
-sessions: the child listens on 127.0.0.1 (its fetches connect there, CURVE and tickets
-unchanged) and the parent, for each session the child opens, connects to its own relay socket
-and copies bytes both ways.
+sessions, in either direction: each end listens on 127.0.0.1 (its fetches connect there, CURVE
+and tickets unchanged) and, for each session the other end opens, connects to its own relay
+socket and copies bytes both ways. Either way matters: when a re-plan swaps two neighbours,
+the new child pulls through the connection that already exists (a second connection between
+the same two punch ports cannot be opened: same address pair).
 
-Frame (both directions): ``kind (u8) | session (u32) | length (u32) | bytes``, kind 1 = open
-(child -> parent only), 2 = data, 3 = close; at most ``MAX_FRAME`` bytes each. A frame of an
-unknown kind, an oversize frame or an open from the parent ends the tunnel (a hostile or broken
-peer); a session beyond ``max_sessions`` is closed at once. Back-pressure: a session's bytes are
+Frame (both directions): ``kind (u8) | session (u32) | length (u32) | bytes``, kind 1 = open,
+2 = data, 3 = close; at most ``MAX_FRAME`` bytes each. The end that punched as child numbers
+its sessions odd, the other even. A frame of an unknown kind, an oversize frame or an open with
+our own parity ends the tunnel (a hostile or broken peer); a session beyond ``max_sessions``, or
+an open to an end that relays nothing, is closed at once. Back-pressure: a session's bytes are
 written to its local connection before the next frame is read (``drain``), so a slow reader
 slows the TCP connection instead of filling memory; at most one frame per session is buffered.
 """
@@ -35,18 +38,21 @@ class TunnelError(Exception):
 
 
 class Tunnel:
-    """One end of a punched link. ``target`` ("tcp://host:port", the parent's own relay socket)
-    makes this the parent end; without it, the child end (``listen`` gives the local address)."""
+    """One end of a punched link. ``target`` ("tcp://host:port"): this end's own relay socket,
+    where sessions the other end opens go ("" = it relays nothing). ``odd``: this end punched
+    as the child (session numbering). ``local``: where this end's fetches connect."""
 
-    def __init__(self, sock: socket.socket, *, target: str = "", max_sessions: int = 8):
+    def __init__(self, sock: socket.socket, *, target: str = "", odd: bool = True,
+                 max_sessions: int = 8):
         self.sock = sock
         self.target = target
+        self.odd = odd
         self.max_sessions = max_sessions
         self.sessions: dict[int, asyncio.StreamWriter] = {}
-        self.local = ""  # child end: "tcp://127.0.0.1:port" for the fetches
+        self.local = ""  # "tcp://127.0.0.1:port" for this end's fetches
         self.bytes_in = 0
         self.bytes_out = 0
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1 if odd else 2, 2)
         self._writer: asyncio.StreamWriter | None = None
         self._tg: asyncio.TaskGroup | None = None
         self.ready = asyncio.Event()
@@ -58,9 +64,8 @@ class Tunnel:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                if not self.target:
-                    server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-                    self.local = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+                server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+                self.local = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
                 self.ready.set()
                 await self._read(reader)
                 raise _Ended()
@@ -86,7 +91,7 @@ class Tunnel:
                 kind, sid, n = HEADER.unpack(await reader.readexactly(HEADER.size))
             except asyncio.IncompleteReadError:
                 return  # the peer closed the link
-            if n > MAX_FRAME or kind not in (OPEN, DATA, CLOSE) or (kind == OPEN and not self.target):
+            if n > MAX_FRAME or kind not in (OPEN, DATA, CLOSE) or (kind == OPEN and sid % 2 == self.odd):
                 raise TunnelError(f"bad frame (kind {kind}, {n} bytes): closing the tunnel")
             data = await reader.readexactly(n) if n else b""
             self.bytes_in += n
@@ -107,8 +112,8 @@ class Tunnel:
                     w.close()
 
     async def _open(self, sid: int) -> None:
-        """Parent end: the child opened a session; connect it to our relay socket."""
-        if sid in self.sessions or len(self.sessions) >= self.max_sessions:
+        """The other end opened a session: connect it to our relay socket."""
+        if not self.target or sid in self.sessions or len(self.sessions) >= self.max_sessions:
             await self._send(CLOSE, sid)
             return
         host, _, port = self.target.removeprefix("tcp://").rpartition(":")
@@ -122,7 +127,7 @@ class Tunnel:
         self._tg.create_task(self._pump(sid, r, w))
 
     async def _accept(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        """Child end: a fetch connected locally; open a session for it."""
+        """A fetch of ours connected locally: open a session for it."""
         if len(self.sessions) >= self.max_sessions:
             w.close()
             return
