@@ -306,3 +306,39 @@ def test_relay_malloc_tuning_is_accepted_by_glibc():
 
     memory._done = False
     assert memory.keep_chunk_buffers()
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="needs root to create namespaces and qdiscs")
+def test_bench_broadcast_through_real_nat_routers(tmp_path):
+    """One chain of 4 in network namespaces: r00 public, r01 and r02 behind endpoint-independent
+    MASQUERADE routers, r03 behind a symmetric one (--random-fully). The learner sends each
+    version once: the NAT'd workers relay to each other through punched links, and the
+    symmetric one is a tail fed by the public worker (docs/nat.md)."""
+    import json
+    import subprocess
+    import sys
+
+    from broadcast import natlab
+
+    if natlab.missing_tools():
+        pytest.skip(f"NAT lab: {natlab.missing_tools()}")
+    out = tmp_path / "nat.json"
+    r = subprocess.run([sys.executable, "-m", "echo.cli", "bench", "broadcast", "--workers", "4",
+                        "--snapshot-mib", "4", "--chunk-kib", "256", "--uplink-mbit", "200",
+                        "--link-mbit", "100", "--netns", "--nat", "3", "--symmetric", "1",
+                        "--chains", "1", "--curve", "--publications", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=230)
+    assert r.returncode == 0, r.stderr[-3000:]
+    [x] = json.loads(out.read_text())["results"]
+    assert x["params"]["nat"] == 3 and x["params"]["punch"] is True
+    assert x["installed"] == 4 and x["corrupt_installs"] == 0
+    for pub in x["publications"]:
+        parents = pub["parents"]
+        assert parents["r03"] == "r00"  # the symmetric NAT hangs from the reachable worker
+        assert sorted(parents.values()).count("root") == 1  # one chain: punched hops relayed
+    assert x["learner_bytes_sent"] == 2 * x["snapshot_bytes"]  # once per version
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "echo-" not in listed  # the lab is torn down
