@@ -73,7 +73,7 @@ async def relay_process(args: argparse.Namespace) -> int:
                                    shape=not args.kernel_shaped, chunk_bytes=args.chunk_kib * 1024,
                                    corrupt=args.corrupt), keys=keys, run_key=lambda: run_key)
     if args.reserve_mib:
-        relay.store.reserve(int(args.reserve_mib * 2**20))
+        relay.store.reserve(int(args.reserve_mib * 2**20), args.reserve_count)
     tunnels = Tunnels(args.bind_host, pick_punch_port(args.bind_host), endpoint=relay.endpoint)
     relay.resolve = tunnels.resolve
     client = Client(ctx, args.root, MAX_BYTES, keys=keys, server_key=server_key)
@@ -375,7 +375,7 @@ def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
         argv = [sys.executable, "-m", "broadcast.bench", "relay", "--root", root.endpoint,
                 "--id", f"r{i:02d}", "--down-mbit", str(p.link_mbit), "--up-mbit", str(p.link_mbit),
                 "--chunk-kib", str(p.chunk_kib), "--window", str(p.window), "--timeout", str(p.timeout_s),
-                "--reserve-mib", str(p.snapshot_mib)]
+                "--reserve-mib", str(p.snapshot_mib), "--reserve-count", str(min(2, p.publications))]
         if root.keys is not None:
             argv += ["--root-key", key_hex(root.keys.public)]
         if i in corrupt:
@@ -490,6 +490,7 @@ def _publication(root: Root, version: int, sources: dict[str, str], manifest: di
             "lower_bound_s": _lower_bound(root.p, manifest["payload_size"]),
             "corrupt_installs": sum(1 for w in alive if digests.get(w) != expected),
             # the liar (r00) heads a chain that it feeds: it pulls from the root and uploads
+            "install_times_s": {w: round(t, 3) for w, t in sorted(times.items())},
             "parents": parents, "liar_head": (parents.get("r00") == "root"
                                               and any(p == "r00" for p in parents.values()))
             if root.p.liar_up_mbit else None,
@@ -568,6 +569,8 @@ def relay_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bind-host", default="127.0.0.1")
     ap.add_argument("--kernel-shaped", action="store_true", help="links are shaped by tc: no app shaping")
     ap.add_argument("--reserve-mib", type=float, default=0.0, help="pre-allocate a receive buffer")
+    ap.add_argument("--reserve-count", type=int, default=1,
+                    help="that many (2 = the steady state of a relay keeping two versions)")
     ap.add_argument("--root-key", default="", help="root's CURVE key (hex): encrypt, with tickets")
     ap.add_argument("--real-up-mbit", type=float, default=0.0,
                     help="shape the uplink at this rate, whatever --up-mbit declares (a liar)")
