@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from broadcast.netns import tbf_burst
+
 BRIDGE = "echo-nbr0"
 ROOT_NS = "echo-npub"
 ROOT_ADDR = "10.99.0.1"
@@ -56,7 +58,7 @@ def _run(*args: str, ns: str | None = None) -> None:
 
 def _tbf(dev: str, mbit: float, ns: str | None) -> None:
     if mbit > 0:
-        burst = max(16384, int(mbit * 1e6 / 8 * 0.002))  # ~2 ms at the rate (see broadcast.netns)
+        burst = tbf_burst(mbit)  # broadcast.netns says why
         _run("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
              "burst", str(burst), "latency", "100ms", ns=ns)
 

@@ -22,13 +22,20 @@ def _ip(*args: str, ns: str | None = None) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
+def tbf_burst(mbit: float) -> int:
+    """tc tbf's bucket for a link of ``mbit``: ~2 ms at the rate, and at least two 64 KiB GSO
+    packets (~10 ms at 100 Mbit/s). A tiny bucket (32 kbit) makes the shaper CPU-bound on this
+    machine; one below 64 KiB makes tbf cut every GSO packet into MTU segments, and each then
+    crosses veth, bridge and NAT on its own: 16 workers at 100 Mbit/s spent 60 % of 2 cores in
+    the kernel and ran at half rate (T_bcast 1.8-2.0x the bound, every worker public); with
+    128 KiB, 20 % (docs/nat.md). Over a 64 MiB snapshot it lets through 0.2 % above the rate."""
+    return max(131072, int(mbit * 1e6 / 8 * 0.002))
+
+
 def _tbf(dev: str, mbit: float, ns: str | None = None) -> None:
     if mbit > 0:
-        # burst: ~2 ms at the rate (at least 16 KiB): a tiny bucket (32 kbit) makes the
-        # shaper CPU-bound on this machine; latency bounds the queue.
-        burst = max(16384, int(mbit * 1e6 / 8 * 0.002))
         _ip("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-            "burst", str(burst), "latency", "100ms", ns=ns)
+            "burst", str(tbf_burst(mbit)), "latency", "100ms", ns=ns)
 
 
 def node_name(i: int | None) -> str:
