@@ -174,7 +174,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.coordinator = Coordinator(self.topology, self.snapshot_endpoint, q=self.cfg.broadcast.q)
         self.coordinator.punches.timeout_s = self.cfg.broadcast.punch_timeout_s
         if self.cfg.broadcast.nat_traversal:
-            self.reflector = Reflector(self.cfg.learner.host)
+            # bound where the control plane is, announced where workers reach it
+            self.reflector = Reflector(self.cfg.learner.host, advertise=self.cfg.learner.public_host)
             await self.reflector.start()
         sc = self.cfg.security
         self.chunks = ChunkServer(snap, self.store, self.max_bytes, authorize=self._may_pull,

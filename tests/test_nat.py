@@ -29,6 +29,7 @@ from broadcast.snapshot import RunKey, build_manifest
 from broadcast.store import SnapshotBuffer
 from broadcast.topology import Peer, make_topology
 from echo import wire
+from test_control import ask, connect, ctx, plane  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(60)
 HOST = "127.0.0.1"
@@ -71,6 +72,16 @@ def test_reflector_classifies_a_listening_worker_reachable_and_a_closed_one_punc
     assert closed == ("punchable", f"{HOST}:{port2}")
     # dialled back fine, but the endpoint it joined with is not the address we saw
     assert elsewhere[0] == "punchable"
+
+
+def test_reflector_announces_the_public_host_it_is_given():
+    async def body():
+        ref = await _reflector(advertise="203.0.113.1")
+        ref.close()
+        return ref
+
+    ref = run(body())
+    assert ref.endpoints == [f"203.0.113.1:{p}" for p in ref.ports] and len(ref.ports) == 2
 
 
 def test_reflector_says_none_when_the_mapping_differs_per_destination():
@@ -189,10 +200,10 @@ def test_punched_link_carries_signed_snapshot_fetches_both_ways():
     (m1, p1), (m2, p2) = _snapshot(key, 1), _snapshot(key, 2)
 
     async def body():
-        ctx = zmq.asyncio.Context()
+        zctx = zmq.asyncio.Context()
         try:
             cfg = dict(window=3, timeout_s=5, chunk_bytes=64 * 1024)
-            a, b = Relay(ctx, RelayConfig(**cfg)), Relay(ctx, RelayConfig(**cfg))
+            a, b = Relay(zctx, RelayConfig(**cfg)), Relay(zctx, RelayConfig(**cfg))
             a.store.add(SnapshotBuffer(m1, p1))
             serving = [asyncio.create_task(r.serve_forever()) for r in (a, b)]
             bt, at, pid, tasks = await _punched_pair(a.endpoint, b.endpoint, stray=os.urandom(16))
@@ -211,7 +222,7 @@ def test_punched_link_carries_signed_snapshot_fetches_both_ways():
                 t.cancel()
             return bytes(got1.payload), bytes(got2.payload), (s1, s2), bt, at, ends, same
         finally:
-            ctx.destroy(linger=0)
+            zctx.destroy(linger=0)
 
     got1, got2, stats, bt, at, ends, same = run(body())
     assert got1 == p1 and got2 == p2 and all(s.failures == [] for s in stats)
@@ -374,9 +385,6 @@ def test_punch_message_round_trips_and_rejects_a_bad_role():
 
 
 # ----------------------------------------------------------------------------- the learner
-
-
-from test_control import ask, connect, ctx, plane  # noqa: E402,F401 (fixtures)
 
 
 def test_learner_classifies_a_worker_from_its_reflector_and_shows_it(plane, ctx):  # noqa: F811

@@ -85,9 +85,10 @@ def pick_punch_port(host: str) -> int:
 
 
 class Reflector:
-    def __init__(self, host: str, *, probes_per_s: float = 200.0, per_address_per_s: float = 5.0,
-                 max_dials: int = 64):
+    def __init__(self, host: str, *, advertise: str = "", probes_per_s: float = 200.0,
+                 per_address_per_s: float = 5.0, max_dials: int = 64):
         self.host = host
+        self.advertise = advertise or host  # the address workers probe (learner.public_host)
         self.ports: list[int] = []
         self.seen: OrderedDict[bytes, Observation] = OrderedDict()
         self.refused: dict[str, int] = {"rate": 0, "malformed": 0}
@@ -98,7 +99,7 @@ class Reflector:
 
     @property
     def endpoints(self) -> list[str]:
-        return [f"{self.host}:{p}" for p in self.ports]
+        return [f"{self.advertise}:{p}" for p in self.ports]
 
     async def start(self) -> None:
         for i in range(2):
