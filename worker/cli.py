@@ -112,10 +112,6 @@ def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:
             for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _punch_host(relay_host: str, learner: str) -> str:
     """Probes must reach the learner: a loopback relay host (the default) only serves when the
     learner is local too; otherwise probe and punch from every interface (docs/nat.md)."""
@@ -124,3 +120,7 @@ def _punch_host(relay_host: str, learner: str) -> str:
     if relay_host.startswith(local) and not learner_host.startswith(local):
         return "0.0.0.0"
     return relay_host
+
+
+if __name__ == "__main__":
+    sys.exit(main())
