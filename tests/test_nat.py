@@ -409,3 +409,45 @@ def test_learner_classifies_a_worker_from_its_reflector_and_shows_it(plane, ctx)
     w = plane.stats()["workers"]["w1"]
     assert w["nat"] == "reachable" and w["transport"] == "tcp"
     assert plane.coordinator.peers["w1"].nat == "reachable"
+
+
+def test_fetch_through_a_punched_link_that_dies_resumes_elsewhere_without_refetching():
+    """Churn on the punched path behaves as on TCP: the parent's link closes mid-fetch, the
+    child's fetch fails over to another source and fetches only the chunks it lacks."""
+    key = RunKey.generate()
+    manifest, payload = _snapshot(key, 1)
+
+    async def body():
+        zctx = zmq.asyncio.Context()
+        try:
+            cfg = dict(window=2, timeout_s=5, chunk_bytes=64 * 1024)
+            slow = Relay(zctx, RelayConfig(**cfg, up_mbit=4, shape=True))  # ~0.13 s per chunk
+            spare = Relay(zctx, RelayConfig(**cfg))
+            child = Relay(zctx, RelayConfig(**cfg, serve=False))
+            for r in (slow, spare):
+                r.store.add(SnapshotBuffer(manifest, payload))
+            serving = [asyncio.create_task(r.serve_forever()) for r in (slow, spare)]
+            ct, pt, pid, tasks = await _punched_pair(slow.endpoint)
+            child.resolve = ct.resolve
+            reasons = []
+
+            async def reattach(bad, fail):
+                reasons.append((bad.endpoint, fail.reason))
+                return spare.endpoint
+
+            fetch = asyncio.create_task(child.receive(manifest, key.public_bytes,
+                                                      via(pid, slow.endpoint), reattach))
+            while child.store.get(1) is None or child.store.get(1).count < 2:
+                await asyncio.sleep(0.01)  # two chunks came through the link
+            (await pt.links[pid]).close()  # the parent's end of the link goes away
+            buf, stats = await fetch
+            for t in tasks + serving:
+                t.cancel()
+            return bytes(buf.payload), stats, reasons
+        finally:
+            zctx.destroy(linger=0)
+
+    got, stats, reasons = run(body())
+    assert got == payload
+    assert reasons and reasons[0][0].startswith("punch/") and reasons[0][1] in ("disconnected", "timeout")
+    assert stats.chunks == len(manifest["chunk_hashes"])  # none fetched twice
