@@ -142,7 +142,7 @@ class Client:
             if fut is not None:
                 if not fut.done():
                     fut.set_result(msg)
-            elif isinstance(msg, (wire.SnapshotNotice, wire.Shutdown, wire.Punch)):
+            elif isinstance(msg, (wire.SnapshotNotice, wire.Shutdown, wire.Punch, wire.Farewell)):
                 if self.notices.full():
                     self.notices.get_nowait()
                 self.notices.put_nowait(msg)

@@ -137,6 +137,22 @@ class LearnerMetrics:
         self.g_w_failed = g("echo_worker_check_failures", "checks the worker failed (strikes)", ("worker",))
         self.g_w_quarantined = g("echo_worker_quarantined", "1 if the worker was quarantined", ("worker",))
         self.g_checks = g("echo_checks", "checks so far, by kind and outcome", ("check", "outcome"))
+        # learner.accounts: each worker's books, exactly what the worker is told (departed
+        # workers included, bounded); read live at each scrape when ``accounts_source`` is set
+        self.g_acct = {
+            "accepted": g("echo_worker_records_accepted", "records of the worker admitted", ("worker",)),
+            "duplicates": g("echo_worker_records_duplicate", "resent records already held "
+                            "(acknowledged, not counted twice)", ("worker",)),
+            "active_s": g("echo_worker_active_seconds", "seconds the learner counted the worker "
+                          "active", ("worker",)),
+            "earned_usd": g("echo_worker_earned_usd", "declared price x active seconds, $", ("worker",)),
+        }
+        self.g_acct_rejected = g("echo_worker_records_rejected", "records of the worker refused, "
+                                 "by reason", ("worker", "reason"))
+        self.g_acct_state = g("echo_worker_state", "1 for the worker's state in the learner's "
+                              "books (standby, active, quarantined, left)", ("worker", "state"))
+        self.accounts: dict[str, dict[str, Any]] = {}
+        self.accounts_source: Any = None  # () -> {worker: account dict}, e.g. Accounts.export
         self.reputation: dict[str, dict[str, Any]] = {}
         self._bcast_versions: list[str] = []
         self._rejected_reasons: set[str] = set()
@@ -237,6 +253,32 @@ class LearnerMetrics:
                 self.g_w_version.labels(worker=wid).set(_num(w.get("version")) or -1.0)
                 self.g_w_admitted.labels(worker=wid).set(_num(w.get("admitted")) or 0.0)
         self._update_checks(stats)
+        if isinstance(stats.get("accounts"), dict):
+            self._update_accounts(stats["accounts"])
+
+    def _update_accounts(self, accounts: dict[str, dict[str, Any]]) -> None:
+        for wid in set(self.accounts) - set(accounts):
+            for gauge in self.g_acct.values():
+                gauge.remove(wid)
+        for wid, old in self.accounts.items():  # labels (reason, state) no longer there
+            new = accounts.get(wid, {})
+            for reason in set(old.get("rejected", {})) - set(new.get("rejected", {})):
+                self.g_acct_rejected.remove(wid, reason)
+            if old.get("state") != new.get("state"):
+                self.g_acct_state.remove(wid, old.get("state"))
+        for wid, a in accounts.items():
+            for key, gauge in self.g_acct.items():
+                gauge.labels(worker=wid).set(_num(a.get(key)) or 0.0)
+            for reason, n in (a.get("rejected") or {}).items():
+                self.g_acct_rejected.labels(worker=wid, reason=reason).set(_num(n) or 0.0)
+            self.g_acct_state.labels(worker=wid, state=str(a.get("state"))).set(1.0)
+        self.accounts = {wid: dict(a) for wid, a in accounts.items()}
+
+    def _pull_accounts(self) -> None:
+        if self.accounts_source is not None:
+            accounts = self.accounts_source()
+            with self._lock:
+                self._update_accounts(accounts)
 
     def _update_checks(self, stats: dict[str, Any]) -> None:
         rep = stats.get("reputation")
@@ -276,7 +318,9 @@ class LearnerMetrics:
     # ------------------------------------------------------------------ reading
 
     def prometheus_text(self) -> bytes:
-        return generate_latest(self.registry)
+        self._pull_accounts()
+        with self._lock:
+            return generate_latest(self.registry)
 
     def health(self) -> dict[str, Any]:
         with self._lock:
@@ -284,6 +328,7 @@ class LearnerMetrics:
                     "uptime_s": round(time.time() - self.started, 3)}
 
     def state(self, rows: int = 500) -> dict[str, Any]:
+        self._pull_accounts()
         with self._lock:
             last = self.rows[-1] if self.rows else {}
             admitted = _num(last.get("admitted")) or 0.0
@@ -301,6 +346,7 @@ class LearnerMetrics:
                 "rows": list(self.rows)[-rows:],
                 "workers": [{"worker": wid, **w} for wid, w in sorted(self.workers.items())],
                 "checks": [{"worker": wid, **r} for wid, r in sorted(self.reputation.items())],
+                "accounts": [{"worker": wid, **a} for wid, a in sorted(self.accounts.items())],
                 "decisions": list(self.decisions)[-20:],
                 "installs": {str(v): t for v, t in sorted(self.installs.items())},
                 "staleness": {str(k): n for k, n in sorted(self.stale_counts.items())},

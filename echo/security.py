@@ -259,6 +259,7 @@ class KeyList:
         self.path = Path(path)
         self._watch = _Watched(self.path)
         self.keys: set[str] = set()
+        self.notes: dict[str, str] = {}
         self.reload()
 
     def reload(self) -> bool:
@@ -270,9 +271,15 @@ class KeyList:
             lines = []
         # The key is a line's first word when it is 40 characters (Z85 has no spaces, but it
         # does have '#', so a key may start with one); other lines are comments.
-        words = (ln.split()[0] for ln in lines if ln.strip())
-        self.keys = {w for w in words if len(w) == 40}
+        parts = (ln.split(None, 1) for ln in lines if ln.strip())
+        self.notes = {p[0]: (p[1].strip().removeprefix("#").strip() if len(p) > 1 else "")
+                      for p in parts if len(p[0]) == 40}
+        self.keys = set(self.notes)
         return True
+
+    def note(self, key: str) -> str:
+        """The note written beside ``key`` (why it was banned), "" if none."""
+        return self.notes.get(key, "")
 
     def add(self, key: str, note: str = "") -> None:
         if len(key) != 40:

@@ -9,12 +9,15 @@ a second frame so they are never copied into msgpack.
 
 Worker -> learner (control socket)
   join            worker_id, price, backend, can_relay  -> join_ack | error
-  heartbeat       worker_id, version, throughput, state -> heartbeat_ack
+  heartbeat       worker_id, version, throughput, state -> heartbeat_ack{account}
+                  account: the learner's books on this worker (``Account``): what the
+                  worker's status view shows (docs/volunteers.md)
   work_request    worker_id, max_groups, holding        -> work_grant
   trajectories    worker_id, batch_id, count, payload   -> ack
                   payload = lz4.frame(msgpack([record, ...])), record schema in
                   ``dataplane.records``; at-least-once: the worker resends until acked.
-  leave           worker_id                             -> (none)
+  leave           worker_id                             -> farewell{account}
+                  the final account; a worker that does not wait for it loses nothing
   source_request  worker_id, version, bad_source, reason, form -> source_grant{source}
                   form "full": where to fetch the version's rebuilt (full) payload, a
                   keyframe: this worker lacks the base of a delta (reason "no_base") or its
@@ -32,7 +35,9 @@ Learner -> worker (control socket, unsolicited)
   snapshot_notice version, manifest                     a new snapshot is published
   punch           punch_id, role, address, endpoint     open a punched link to a peer now
                   (docs/nat.md): the child's source is then "punch/<id>/<endpoint>"
-  shutdown        reason                                the run is over
+  shutdown        reason, account                       the run is over (with the final account)
+  farewell        account                               quarantined: the final account, just
+                                                        before the refusal that stops the worker
 Worker -> learner or parent relay (snapshot socket)
   chunk_request   version, index, form                  -> chunk (+ bytes frame) | error
                   (a relay parks a request for a chunk it does not hold yet and answers
@@ -137,6 +142,32 @@ class JoinAck(Message):
     reflectors: list[str] = Field(default_factory=list, max_length=2)  # "ip:port": NAT probes
 
 
+class Account(BaseModel):
+    """The learner's books on one worker, as the worker is told them (heartbeat_ack, farewell,
+    shutdown) and as /metrics exports them (``learner.accounts``): the volunteer sees the
+    learner's accounting, not its own guess (docs/volunteers.md)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    state: Literal["standby", "active", "quarantined", "left"]
+    version: int = -1  # the snapshot version the learner knows this worker holds
+    install_s: float = Field(0.0, ge=0)  # publication to this worker's install report, that version
+    granted: int = Field(0, ge=0)  # groups handed to this worker
+    accepted: int = Field(0, ge=0)  # records admitted to the buffer
+    duplicates: int = Field(0, ge=0)  # records already held (resends), acknowledged, not paid twice
+    rejected: dict[str, int] = Field(default_factory=dict, max_length=64)  # records, by reason
+    checks: int = Field(0, ge=0)  # deliveries checked (recomputed rewards, audits)
+    check_failures: int = Field(0, ge=0)  # strikes
+    throughput: float = Field(0.0, ge=0)  # admitted trajectories/s, measured by the learner
+    down_mbit: float = Field(0.0, ge=0)  # link rates the learner measured (0 = not yet)
+    up_mbit: float = Field(0.0, ge=0)
+    nat: str = Field("unknown", max_length=16)
+    price: float = Field(0.0, ge=0)  # the declared price, USD/hour
+    active_s: float = Field(0.0, ge=0)  # seconds the learner counted this worker active
+    earned_usd: float = Field(0.0, ge=0)  # price * active_s / 3600
+    message: str = Field("", max_length=512)  # the learner's last word to this worker
+    message_age_s: float = Field(0.0, ge=0)
+
+
 class Heartbeat(Message):
     TYPE = "heartbeat"
     worker_id: str
@@ -156,6 +187,7 @@ class HeartbeatAck(Message):
     source_key: bytes = b""
     ticket: bytes = b""
     known: bool = True  # False: the learner does not know this worker (restart): re-join
+    account: Account | None = None  # the learner's books on this worker (None: unknown worker)
 
 
 class Group(BaseModel):
@@ -252,9 +284,17 @@ class Installed(Message):
     keyframe: bool = False
 
 
+class Farewell(Message):
+    """The reply to ``leave``: the worker's final account."""
+
+    TYPE = "farewell"
+    account: Account
+
+
 class Shutdown(Message):
     TYPE = "shutdown"
     reason: str
+    account: Account | None = None  # this worker's final account
 
 
 class ChunkRequest(Message):
@@ -282,7 +322,7 @@ MESSAGES: dict[str, type[Message]] = {
     m.TYPE: m
     for m in (Join, JoinAck, Heartbeat, HeartbeatAck, WorkRequest, WorkGrant, Trajectories, Ack,
               Leave, SnapshotNotice, Shutdown, ChunkRequest, Chunk, Error, SourceRequest,
-              SourceGrant, Installed, NatReport, NatStatus, Punch)
+              SourceGrant, Installed, NatReport, NatStatus, Punch, Farewell)
 }
 
 

@@ -34,6 +34,11 @@ PENDING = {7: 2}  # the chunk reply target waits for chunk 2 of version 4 under 
 RECORD = {"group_id": "g1", "sample_idx": 1, "prompt_ids": [1, 2, 3], "completion_ids": [4, 5],
           "logprobs": [-0.5, -1.25], "reward": 1.0, "version": 4, "worker_id": "w1",
           "gen_s": 0.5}
+ACCOUNT = wire.Account(state="active", version=4, install_s=0.8, granted=12, accepted=40,
+                       duplicates=2, rejected={"reward_mismatch": 4}, checks=3, check_failures=1,
+                       throughput=1.5, down_mbit=90.0, up_mbit=20.0, nat="punchable", price=0.35,
+                       active_s=120.0, earned_usd=0.0117, message="activate: capacity short",
+                       message_age_s=3.0)
 
 
 def manifest(version: int = 4, **over: Any) -> dict[str, Any]:
@@ -73,6 +78,7 @@ def examples() -> list[wire.Message]:
                        state="generating"),
         wire.HeartbeatAck(instance_id="i", version=4, manifest=m, source="tcp://10.0.0.3:1"),
         wire.HeartbeatAck(instance_id="i", version=4, known=False),
+        wire.HeartbeatAck(instance_id="i", version=4, account=ACCOUNT),
         wire.WorkRequest(worker_id="w1", max_groups=4, holding=["g1", "g2"]),
         wire.WorkGrant(groups=[wire.Group(group_id="g1", prompt_ids=[1, 2, 3], n=4, seed=7,
                                           task={"answer": "42", "k": [1, 2.5]})]),
@@ -84,6 +90,8 @@ def examples() -> list[wire.Message]:
         wire.Leave(worker_id="w1"),
         wire.SnapshotNotice(version=4, manifest=m, source="tcp://10.0.0.3:1"),
         wire.Shutdown(reason="run finished"),
+        wire.Shutdown(reason="run finished", account=ACCOUNT),
+        wire.Farewell(account=ACCOUNT.model_copy(update={"state": "left"})),
         wire.ChunkRequest(version=4, index=2, rid=7),
         wire.Chunk(version=4, index=2, rid=7),
         wire.Error(reason="oversize", detail="too big", ref="b1"),

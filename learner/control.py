@@ -41,6 +41,7 @@ from dataplane.records import Limits
 from echo import wire
 from echo.config import EchoConfig
 from echo.security import ZAP_DOMAIN, JoinLine, LogThrottle, ZapHandler, curve_server, sender_key
+from learner.accounts import Accounts
 from learner.gate import Gate
 from learner.verify import Verifier
 from learner.buffer import ReplayBuffer
@@ -68,6 +69,11 @@ class Deferred:
     reply: wire.Message
     durable: Any
 CHUNK_DOMAIN = b"echo-chunks"
+
+
+def _ban_detail(note: str) -> str:
+    """What a banned worker is told: the reason written with the ban (docs/volunteers.md)."""
+    return f"this key is banned ({note})" if note else "this key is banned"
 
 
 def _small(frame: bytes, max_bytes: int) -> wire.Message | None:
@@ -134,6 +140,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
                            if pc.enabled else None)
         self.decisions: list[Decision] = []  # appended by the loop, drained by the trainer
         self.workers: dict[str, WorkerState] = {}
+        self.accounts = Accounts()  # what each worker is told about itself (docs/volunteers.md)
         self.rejected: Counter[str] = Counter()
         self.endpoint = ""
         self.snapshot_endpoint = ""
@@ -343,11 +350,13 @@ class ControlPlane(Sessions, SnapshotRoutes):
             # per worker id, quarantined ones included: checks made, failed, quarantined
             "reputation": self.reputation.per_worker(),
             "checks": dict(self.reputation.by_check),
+            # learner.accounts: each worker's books, departed ones included (bounded)
+            "accounts": self.accounts.export(),
         }
 
     async def _shutdown(self, reason: str) -> None:
         for w in list(self.workers.values()):
-            await self._send(w, wire.Shutdown(reason=reason))
+            await self._send(w, wire.Shutdown(reason=reason, account=self._account(w, reason)))
         assert self._stop is not None
         self._stop.set()
 
@@ -386,6 +395,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             for w in [w for w in self.workers.values() if now - w.last_seen > timeout]:
                 self._forget(w.worker_id, f"no heartbeat for {now - w.last_seen:.1f}s")
             self._provision()
+            self.accounts.tick([w for w in self.workers if self.is_active(w)], now)
             expired = self.work.expire()
             if expired:
                 log.info("%d group lease(s) expired: handed out again", expired)
@@ -404,11 +414,15 @@ class ControlPlane(Sessions, SnapshotRoutes):
         for d in self.controller.tick():
             log.info("provisioner: %s %s: %s", d.action, d.worker_id or "-", d.reason)
             self.decisions.append(d)
+            if d.worker_id:
+                self.accounts.note(d.worker_id, f"provisioner: {d.action}: {d.reason}")
 
     def _forget(self, worker_id: str, why: str) -> None:
         w = self.workers.pop(worker_id, None)
         if w is None:
             return
+        self._refresh_book(w)
+        self.accounts.close(worker_id, "left", f"removed: {why}")
         self.sessions.pop(w.key, None)
         n = self.work.release_worker(worker_id)
         if self.coordinator is not None:
@@ -454,7 +468,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
             if refused:
                 self._end_banned(key, refused)
                 msg = _small(frames[0], self.max_bytes)  # for its request id, if cheap
-                raise wire.WireError(refused, "this key is banned" if refused == "banned" else
+                raise wire.WireError(refused, _ban_detail(self.gate.bans.note(key))
+                                     if refused == "banned" else
                                      "too many messages from this key: slow down")
             msg = wire.decode(frames[0], self.max_bytes)
             return await self._dispatch(ident, key, msg)
@@ -520,11 +535,13 @@ class ControlPlane(Sessions, SnapshotRoutes):
         w.busy_s, w.busy_samples = msg.busy_s, msg.busy_samples
         if self.controller is not None:
             self.controller.heartbeat(msg.worker_id, up=True)
+        account = self._account(w)
         if msg.version >= version:
-            return wire.HeartbeatAck(instance_id=self.instance_id, version=version)
+            return wire.HeartbeatAck(instance_id=self.instance_id, version=version, account=account)
         src = self._source(msg.worker_id)
         return wire.HeartbeatAck(instance_id=self.instance_id, version=version, manifest=manifest,
-                                 source=src.endpoint, source_key=src.key, ticket=src.ticket)
+                                 source=src.endpoint, source_key=src.key, ticket=src.ticket,
+                                 account=account)
 
     def _on_work_request(self, ident: bytes, key: str, msg: wire.WorkRequest) -> wire.Message:
         self._joined(ident, key, msg.worker_id)
@@ -536,6 +553,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         ask = 1 if probation else min(msg.max_groups, self._fair_share())  # dataplane/rules.py
         groups = self.work.grant(msg.worker_id, ask, self.buffer.depth()["ready_groups"],
                                  msg.holding)
+        self.accounts.granted(msg.worker_id, len(groups))
         return wire.WorkGrant(groups=groups, retry_after_s=0.0 if groups else 0.2)
 
     def _fair_share(self) -> int:
@@ -546,10 +564,43 @@ class ControlPlane(Sessions, SnapshotRoutes):
                   else len(self.workers))
         return rules.fair_share(self.work.max_outstanding, active)
 
-    def _on_leave(self, ident: bytes, key: str, msg: wire.Leave) -> None:
+    def _on_leave(self, ident: bytes, key: str, msg: wire.Leave) -> wire.Message:
         self._joined(ident, key, msg.worker_id)
         self._forget(msg.worker_id, "left")
-        return None
+        account = self.accounts.account(msg.worker_id)
+        assert account is not None  # _forget closed the book; closed books are kept
+        return wire.Farewell(account=account)
+
+    def _farewell(self, worker_id: str, ident: bytes) -> None:
+        """A quarantined worker's final books, sent before the refusal that stops it (its
+        key is banned: nothing it sends is answered any more)."""
+        account = self.accounts.account(worker_id)
+        if account is None or self._ctrl is None:
+            return
+        try:
+            zmq.Socket.shadow(self._ctrl.underlying).send_multipart(
+                [ident, wire.encode(wire.Farewell(account=account))], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.info("could not send the farewell to %s: %s", worker_id, exc)
+
+    def _account(self, w: WorkerState, message: str = "") -> wire.Account:
+        """This worker's books, brought up to date (learner.accounts)."""
+        self._refresh_book(w)
+        if message:
+            self.accounts.note(w.worker_id, message)
+        account = self.accounts.account(w.worker_id)
+        assert account is not None  # every joined worker has a book
+        return account
+
+    def _refresh_book(self, w: WorkerState) -> None:
+        rep, co = self.reputation, self.coordinator
+        install = co.install_times(w.version).get(w.worker_id, 0.0) if co and w.version >= 0 else 0.0
+        self.accounts.refresh(
+            w.worker_id, version=w.version, install_s=install, nat=w.nat,
+            throughput=w.measured_throughput,
+            checks=rep.audits[w.worker_id], check_failures=rep.failures[w.worker_id],
+            down_mbit=co.links.down.get(w.worker_id, 0.0) if co else 0.0,
+            up_mbit=co.links.up.get(w.worker_id, 0.0) if co else 0.0)
 
     def _on_trajectories(self, ident: bytes, key: str, msg: wire.Trajectories) -> wire.Message:
         w = self._joined(ident, key, msg.worker_id)
@@ -557,23 +608,29 @@ class ControlPlane(Sessions, SnapshotRoutes):
             raw = wire.unpack_records(msg.payload, self.max_bytes)
         except wire.WireError as err:
             self.rejected[err.reason] += 1
+            self.accounts.delivered(w.worker_id, 0, 0, {err.reason: 1}, {err.reason: err.detail})
             log.warning("rejected trajectory batch %s from %s: %s", msg.batch_id, msg.worker_id, err)
             return wire.Error(reason=err.reason, detail=err.detail, ref=msg.batch_id)
         # (echo.wire refuses a bool count; were one let through, True == 1 must not pass here)
         if type(msg.count) is not int or msg.count != len(raw):
             self.rejected["count_mismatch"] += 1
+            self.accounts.delivered(w.worker_id, 0, 0, {"count_mismatch": 1})
             log.warning("rejected trajectory batch %s from %s: count %r for %d records",
                         msg.batch_id, msg.worker_id, msg.count, len(raw))
             return wire.Error(reason="count_mismatch", ref=msg.batch_id,
                               detail=f"count {msg.count!r} but {len(raw)} records: send count=len(records)")
         out = self.intake.batch(msg.worker_id, key, raw)
+        self.accounts.delivered(w.worker_id, len(out.accepted), out.duplicates, out.rejected,
+                                out.details)
         if out.rejected:
             self.rejected.update({k: v for k, v in out.rejected.items() if k not in NOT_COUNTED})
             log.warning("batch %s from %s: rejected %s %s", msg.batch_id, msg.worker_id,
                         dict(out.rejected), out.details or "")
         if msg.worker_id in self.reputation.quarantined:
-            raise wire.WireError("banned", "this worker was quarantined: its deliveries failed "
-                                 "the learner's checks (docs/security.md)")
+            self._farewell(msg.worker_id, ident)  # its books are complete only now
+            why = self.reputation.quarantined[msg.worker_id]
+            raise wire.WireError("banned", f"this worker was quarantined ({why}): its "
+                                 f"deliveries failed the learner's checks (docs/security.md)")
         if out.accepted:
             self._measure(w, len(out.accepted))
         if self.controller is not None:
@@ -600,6 +657,12 @@ class ControlPlane(Sessions, SnapshotRoutes):
         """The worker's key is banned, its unconsumed records leave the buffer, its leases go
         to others. Runs on the loop (reputation calls it)."""
         self.gate.ban(key, f"quarantined: {reason}")
+        w = self.workers.get(worker_id)
+        if w is not None:
+            self._refresh_book(w)
+        self.accounts.close(worker_id, "quarantined", f"quarantined: {reason}")
+        if w is not None:
+            self._farewell(worker_id, w.ident)
         removed = self.buffer.remove_worker(worker_id)
         log.error("quarantine of %s: %d buffered record(s) removed", worker_id, len(removed))
         self._forget(worker_id, "quarantined")

@@ -258,6 +258,7 @@ class Learner:
                 "join": join, "public_key": (self.control.public_key or b"").decode()}
         if self.metrics is not None:
             self.metrics_server = self.metrics.serve(self.cfg.metrics.host, self.cfg.metrics.port)
+            self.metrics.accounts_source = self.control.accounts.export  # live per scrape
             info["metrics"] = self.metrics_server.url
             for r in self.rows:  # after --resume: cost and curves continue
                 self.metrics.update(r, {})

@@ -55,8 +55,16 @@ class WorkerState:
     nat: str = "unknown"  # docs/nat.md: reachable, punchable, none (the reflector's verdict)
 
 
+_JOINED = {
+    True: "joined: active, generating rollouts",
+    False: "joined: standby (keeps the snapshot current and relays; the provisioner activates "
+           "workers when the learner needs more rollouts)",
+}
+
+
 class Sessions:
     cfg: Any
+    accounts: Any
     gate: Any
     sessions: dict[str, str]
     workers: dict[str, WorkerState]
@@ -160,6 +168,7 @@ class Sessions:
             self.relay_keys[msg.relay_endpoint] = key
         log.info("worker %s joined (key %s, price $%.3f/h, relay %s)", msg.worker_id,
                  fingerprint(key), msg.price, msg.relay_endpoint or "none")
+        state = ACTIVE
         if self.controller is not None:
             # Bootstrap: the first joiners start active while nobody has been measured; after
             # that a joiner waits in standby for the controller (probation when short).
@@ -172,6 +181,7 @@ class Sessions:
                                        # plaintext (--insecure) workers prove no key: no memory
                                        identity=key or None)
             log.info("worker %s is %s", msg.worker_id, state)
+        self.accounts.open(msg.worker_id, key, msg.price, state == ACTIVE, _JOINED[state == ACTIVE])
 
     def _mu_prior(self) -> float:
         """No throughput credit before delivery: a joiner's capacity is what the learner

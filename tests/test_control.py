@@ -63,10 +63,13 @@ def client(plane, ctx, keys):
 
 
 def ask(sock, frame):
-    """Send, and return the reply (a joined key also gets unsolicited snapshot notices)."""
+    """Send, and return the reply (a joined key also gets unsolicited snapshot notices, and a
+    quarantined one its final books, a farewell, before the refusal)."""
     sock.send(frame if isinstance(frame, bytes) else wire.encode(frame))
+    unsolicited = (wire.SnapshotNotice, wire.Shutdown) + (() if isinstance(frame, wire.Leave)
+                                                          else (wire.Farewell,))
     reply = wire.decode(sock.recv(), 1 << 24)
-    while isinstance(reply, (wire.SnapshotNotice, wire.Shutdown)):
+    while isinstance(reply, unsolicited):
         reply = wire.decode(sock.recv(), 1 << 24)
     return reply
 
@@ -142,7 +145,7 @@ def test_one_grant_carries_at_most_a_fair_share_of_the_outstanding_bound(plane, 
 def test_leave_hands_groups_out_again(plane, client):
     ask(client, wire.Join(worker_id="w1"))
     first = ask(client, wire.WorkRequest(worker_id="w1", max_groups=2)).groups
-    client.send(wire.encode(wire.Leave(worker_id="w1")))
+    assert isinstance(ask(client, wire.Leave(worker_id="w1")), wire.Farewell)
     ask(client, wire.Join(worker_id="w2"))
     again = ask(client, wire.WorkRequest(worker_id="w2", max_groups=2)).groups
     assert [g.group_id for g in again] == [g.group_id for g in first]

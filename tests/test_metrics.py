@@ -60,7 +60,14 @@ def synthetic_stats(step: int) -> dict:
             "installs": {step: {"w0": 0.1, "w1": 0.2 + 0.01 * step}},
             "reputation": {"w0": {"audits": 5 + step, "failures": 0, "quarantined": 0},
                            "evil": {"audits": 2, "failures": 2, "quarantined": 1}},
-            "checks": {"reward:ok": 10 * step, "sampling:fail": 2}}
+            "checks": {"reward:ok": 10 * step, "sampling:fail": 2},
+            # learner.accounts: the books, a departed worker's included
+            "accounts": {"w0": {"state": "active", "accepted": 40 * step, "duplicates": 1,
+                                "rejected": {"stale": step}, "active_s": 10.0 * step,
+                                "earned_usd": 0.001 * step},
+                         "gone": {"state": "left", "accepted": 3, "duplicates": 0,
+                                  "rejected": {"reward_mismatch": 4}, "active_s": 5.0,
+                                  "earned_usd": 0.0005}}}
 
 
 @pytest.fixture
@@ -90,6 +97,22 @@ def families(server) -> dict:
 def test_doc_table_is_parsed():
     doc = documented()
     assert len(doc) >= 25 and "echo_cost_usd" in doc and doc["echo_worker_price_per_hour"][0] == {"worker"}
+
+
+def test_worker_books_follow_the_learner_and_drop_what_is_gone():
+    m = LearnerMetrics()
+    books = {"w0": {"state": "active", "accepted": 5, "rejected": {"stale": 2}, "earned_usd": 0.01},
+             "w1": {"state": "standby", "accepted": 0, "rejected": {}, "earned_usd": 0.0}}
+    m.accounts_source = lambda: books
+    text = m.prometheus_text().decode()
+    assert 'echo_worker_records_rejected{reason="stale",worker="w0"} 2.0' in text
+    assert 'echo_worker_state{state="standby",worker="w1"} 1.0' in text
+    books = {"w0": {"state": "left", "accepted": 6, "rejected": {}, "earned_usd": 0.02}}
+    text = m.prometheus_text().decode()  # w1's books were dropped, w0 left, its stale count gone
+    assert 'worker="w1"' not in text and 'reason="stale"' not in text
+    assert 'echo_worker_state{state="left",worker="w0"} 1.0' in text
+    assert 'state="active"' not in text and 'echo_worker_earned_usd{worker="w0"} 0.02' in text
+    assert m.state()["accounts"][0]["worker"] == "w0"
 
 
 def test_metrics_match_the_documented_names_and_labels(served):

@@ -148,8 +148,16 @@ def test_two_strikes_quarantine_the_worker_and_take_its_records_out(trusting, ct
     assert trusting.buffer.depth()["ready_groups"] == 1
     lies = [[{**r, "reward": 1.0 - r["reward"]} for r in honest(trusting, x, tokenizer)]
             for x in g[1:]]  # wrong answers scored 1, right ones 0
-    reply = ask(a, batch(lies[0] + lies[1], "b1"))
-    assert isinstance(reply, wire.Error) and reply.reason == "banned"
+    a.send(wire.encode(batch(lies[0] + lies[1], "b1")))
+    got = [wire.decode(a.recv(), 1 << 24)]
+    while not isinstance(got[-1], wire.Error):
+        got.append(wire.decode(a.recv(), 1 << 24))
+    reply, farewell = got[-1], [m for m in got if isinstance(m, wire.Farewell)][-1]
+    assert reply.reason == "banned" and "2 failed checks" in reply.detail  # told why
+    # the final books, complete (the batch's refusals included), before the refusal
+    assert farewell.account.state == "quarantined" and farewell.account.accepted == 4
+    assert farewell.account.rejected == {"reward_mismatch": 8}
+    assert farewell.account.message.startswith("quarantined: 2 failed checks")
     assert trusting.buffer.depth()["ready_groups"] == 0  # its honest-looking group left too
     row = json.loads((security_dir(tmp_path) / "quarantine.jsonl").read_text())
     assert row["worker_id"] == "w1" and row["strikes"] == 2
