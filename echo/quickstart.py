@@ -114,7 +114,8 @@ def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str
             # Each worker is its own identity: one key pair per worker, kept in the run folder.
             group.start(f"worker-{i}", python_argv("worker.cli", "join", endpoint, "--id",
                                                    f"worker-{i}", "--price", str(price), *plain,
-                                                   "--identity", str(run_dir / "keys" / f"worker-{i}.key")),
+                                                   "--identity", str(run_dir / "keys" / f"worker-{i}.key"),
+                                                   "--status-file", str(run_dir / "status" / f"worker-{i}.json")),
                         run_dir / f"worker-{i}.log")
         _follow(cfg, learner, tail)
         code = learner.wait()

@@ -7,6 +7,20 @@ import pytest
 from echo.config import EchoConfig
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _worker_status_dir(tmp_path_factory):
+    """Workers started by tests keep their status files here, not in the user's home."""
+    import os
+
+    old = os.environ.get("ECHO_STATUS_DIR")
+    os.environ["ECHO_STATUS_DIR"] = str(tmp_path_factory.mktemp("worker-status"))
+    yield
+    if old is None:
+        os.environ.pop("ECHO_STATUS_DIR", None)
+    else:
+        os.environ["ECHO_STATUS_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from echo.models import build_tiny_tokenizer

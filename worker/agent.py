@@ -46,6 +46,7 @@ from echo.config import ModelConfig
 from echo.models import ModelError
 from worker.backends import Backend, Sample, make_backend
 from worker.snapshots import SnapshotFeed
+from worker.status import StatusBoard
 from echo.client import Client, RequestTimeout
 from echo.security import JoinLine, KeyPair, fingerprint
 
@@ -85,7 +86,10 @@ class Worker:
                  threads: int | None = None, join_timeout_s: float = 5.0,
                  ledger: str | None = None, relay: RelayConfig | None = None,
                  keys: KeyPair | None = None, backend: str | None = None,
-                 device: str | None = None):
+                 device: str | None = None, status: StatusBoard | None = None,
+                 show: Any = None):
+        """``status``: where the worker's status goes (docs/volunteers.md; default: kept in
+        memory only); ``show``: called with it every second (a live view or a plain line)."""
         self.line = endpoint if isinstance(endpoint, JoinLine) else JoinLine(endpoint, None)
         self.endpoint = self.line.endpoint
         # Identity is the key pair; without CURVE (an --insecure learner) the id is all there is.
@@ -128,6 +132,9 @@ class Worker:
         self.new_snapshot = asyncio.Event()
         self.relay_cfg = relay or RelayConfig()
         self.feed: SnapshotFeed | None = None  # made with the relay, in run()
+        self.status = status or StatusBoard(self.worker_id, self.endpoint, price, None)
+        self.status.update(worker_id=self.worker_id)
+        self.show = show
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -148,7 +155,8 @@ class Worker:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.client.receive_forever()),
                          tg.create_task(self.relay.serve_forever()),
-                         tg.create_task(self.tunnels.serve_forever())]
+                         tg.create_task(self.tunnels.serve_forever()),
+                         tg.create_task(self._status_loop())]
                 if await self._join():
                     # Heartbeats start before the (slow) model load so the learner keeps us.
                     tasks += [tg.create_task(self._heartbeats()), tg.create_task(self._notices()),
@@ -167,10 +175,22 @@ class Worker:
                 for t in tasks:
                     t.cancel()
         finally:
+            self.status.update(activity="stopped", exit=self.exit_reason or "error")
+            self.status.flush(force=True)
             self.relay.close()
             self.client.close()
             self.ctx.term()
         return self.exit_reason
+
+    async def _status_loop(self) -> None:
+        """Once a second: the status view and file follow what the worker does."""
+        while True:
+            if self.status.doc["activity"] != self.state:
+                self.status.update(activity=self.state)
+            if self.show is not None:
+                self.show(self.status)
+            self.status.flush()
+            await asyncio.sleep(1.0)  # a display period, not a wait for an event
 
     def _check_handshake(self) -> None:
         """A handshake that failed for a reason retrying cannot fix ends the worker, saying why."""
@@ -227,6 +247,7 @@ class Worker:
         self.feed.public_key = ack.public_key
         if ack.worker_id and ack.worker_id != self.worker_id:
             self.worker_id = ack.worker_id  # this key's session already has an id: keep it
+        self.status.update(worker_id=self.worker_id, run_id=ack.run_id)
         self.client.max_bytes = int(self.view["transport"]["max_message_mib"] * 2**20)
         bc = self.view["broadcast"]
         self.relay.cfg.window, self.relay.cfg.timeout_s = bc["window"], bc["timeout_s"]
@@ -267,9 +288,10 @@ class Worker:
                 log.warning("learner silent for %.1fs; will re-join when it is back", timeout)
                 continue
             if isinstance(ack, wire.Error) and ack.reason == "banned":
-                raise WorkerError(f"the learner banned this worker's key: {ack.detail}")
+                raise self._banned(ack.detail)
             if not isinstance(ack, wire.HeartbeatAck):
                 continue
+            self.status.account(ack.account)
             if not ack.known or ack.instance_id != self.instance_id:
                 await self._join()
             elif ack.manifest is not None:
@@ -300,7 +322,10 @@ class Worker:
                 self.tunnels.open(msg)
             elif isinstance(msg, wire.SnapshotNotice):
                 self._offer(msg.version, msg.manifest, Source(msg.source, msg.source_key, msg.ticket))
+            elif isinstance(msg, wire.Farewell):  # quarantined: the final books come first
+                self.status.account(msg.account)
             elif isinstance(msg, wire.Shutdown):
+                self.status.account(msg.account)
                 self._stop(f"learner shut down: {msg.reason}")
 
     def _offer(self, version: int, manifest: dict[str, Any], source: Source) -> None:
@@ -318,8 +343,11 @@ class Worker:
         self.state = "installing"
         try:
             assert self.backend is not None
+            t0 = time.monotonic()
             await asyncio.to_thread(self.backend.install, manifest["tensors"], result, version)
             self.installed_version = version
+            self.status.update(installed_version=version, installed_at=time.time(),
+                               install_s=round(time.monotonic() - t0, 3))
             log.info("installed snapshot v%d", version)
         except ModelError as err:
             log.warning("snapshot v%d not installed: %s", version, err)
@@ -449,6 +477,7 @@ class Worker:
                                   count=len(records), payload=wire.pack_records(records))
         self.unacked[batch.batch_id] = batch
         self._groups_of[batch.batch_id] = [g.group_id for g in groups]
+        self.status.generated(len(groups), len(records))
         if self.ledger:
             self._batch_keys[batch.batch_id] = [[r["group_id"], r["sample_idx"]] for r in records]
         self.to_deliver.set()
@@ -508,7 +537,7 @@ class Worker:
             log.info("batch %s not acknowledged yet (%s); will resend", batch.batch_id, err)
             return None
         if isinstance(reply, wire.Error) and reply.reason == "banned":
-            raise WorkerError(f"the learner banned this worker's key: {reply.detail}")
+            raise self._banned(reply.detail)
         if isinstance(reply, wire.Error) and reply.reason in RETRY_REASONS:
             log.info("batch %s not taken yet (%s); will resend", batch.batch_id, reply.reason)
             await asyncio.sleep(0.5)  # back-off before the retry, not a wait for an event
@@ -537,7 +566,27 @@ class Worker:
             pass
         if self.unacked:
             log.warning("leaving with %d unacknowledged batch(es)", len(self.unacked))
-        await self.client.send(wire.Leave(worker_id=self.worker_id))
+        try:  # the final account comes back; a learner that does not answer costs 2 s at most
+            reply = await self.client.request(wire.Leave(worker_id=self.worker_id),
+                                              min(2.0, self._timeout))
+        except RequestTimeout:
+            return
+        if isinstance(reply, wire.Farewell):
+            self.status.account(reply.account)
+
+    def _banned(self, detail: str) -> WorkerError:
+        """The learner refuses this key from now on: the status says so, with its reason. A
+        quarantine's final books arrive just before the refusal (a farewell notice), and one
+        still queued is applied here, so the status shows the learner's last figures."""
+        while not self.client.notices.empty():
+            msg = self.client.notices.get_nowait()
+            if isinstance(msg, wire.Farewell):
+                self.status.account(msg.account)
+        account = dict(self.status.doc.get("account") or {})
+        if account.get("state") != "quarantined":  # no farewell: the refusal's words
+            self.status.update(account={**account, "state": "quarantined", "message": detail,
+                                        "message_age_s": 0.0})
+        return WorkerError(f"the learner banned this worker's key: {detail}")
 
     def _measure(self, count: int, seconds: float) -> None:
         self.busy_s += seconds

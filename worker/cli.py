@@ -43,7 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "a CUDA GPU and pip install -e '.[vllm]' (docs/worker.md)")
     j.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the "
                    "learner's worker.device)")
+    j.add_argument("--status-file", default=None, metavar="FILE",
+                   help="where the worker keeps its status as JSON, for `echo-worker status` "
+                        "(default $ECHO_STATUS_DIR/ID.json or ~/.local/state/echo/workers/ID.json)")
+    j.add_argument("--plain", action="store_true",
+                   help="no live view: one status line a minute in the log (the default "
+                        "without a terminal)")
     j.add_argument("--log-level", default="INFO")
+    s = sub.add_parser("status", help="show a running (or finished) worker's status, from the "
+                       "file it keeps")
+    s.add_argument("file", nargs="?", default=None,
+                   help="its status file (default: the newest in $ECHO_STATUS_DIR or "
+                        "~/.local/state/echo/workers)")
+    s.add_argument("--json", action="store_true", help="print the file's JSON as it is")
     return p
 
 
@@ -51,6 +63,8 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     """``make_worker`` (default ``worker.agent.Worker``) builds the worker from the parsed
     arguments: the security drill passes one that lies (benchmarks/drill_workers.py)."""
     args = build_parser().parse_args(argv)
+    if args.cmd == "status":
+        return _status(args)
     from echo.security import JoinLine, KeyPair, SecurityError, default_identity_path
 
     try:
@@ -78,9 +92,22 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
         return 2
     import asyncio
     import logging
+    from pathlib import Path
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rich.console import Console
+
+    from worker import status as st
+
+    live = sys.stdout.isatty() and not args.plain
+    console = Console()
+    if live:  # log lines scroll above the live view instead of tearing it
+        from rich.logging import RichHandler
+
+        logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s",
+                            handlers=[RichHandler(console=console, show_path=False)])
+    else:
+        logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from broadcast.relay import RelayConfig
     from worker.agent import Worker, WorkerError
 
@@ -89,20 +116,79 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
                         down_mbit=args.down_mbit, up_mbit=args.up_mbit)
 
     make = make_worker or Worker
+    view = st.LiveView(console) if live else st.PlainView(logging.getLogger("echo.worker.status"))
+    board = st.StatusBoard(args.worker_id or "", line.endpoint, args.price, None)
     worker = make(line, worker_id=args.worker_id, price=args.price, threads=args.threads,
                   ledger=args.ledger, relay=relay, keys=keys, backend=args.backend,
-                  device=args.device)
+                  device=args.device, status=board, show=view.show)
+    # The worker settled its id (from its key, unless --id): the file is named after it.
+    board.path = (Path(args.status_file) if args.status_file else
+                  st.default_status_dir() / f"{board.doc['worker_id'] or 'worker'}.json")
     try:
-        reason = asyncio.run(worker.run())
+        with view:
+            reason = asyncio.run(worker.run())
     except BaseExceptionGroup as eg:  # raised out of the worker's TaskGroup
         fatal, rest = eg.split(WorkerError)
         if rest is not None or fatal is None:
             raise
-        for e in _leaves(fatal):
+        errors = [str(e) for e in _leaves(fatal)]
+        board.update(exit=errors[0])
+        board.flush(force=True)
+        _summary(console, board)
+        for e in errors:
             print(f"echo-worker: {e}", file=sys.stderr)
         return 1
     logging.getLogger("echo.worker").info("exited: %s", reason or "done")
+    _summary(console, board)
     return 0
+
+
+def _summary(console: Any, board: Any) -> None:
+    from worker.status import table
+
+    console.print(table(board.doc, title=f"echo-worker {board.doc['worker_id']}: summary"))
+    if board.path is not None:
+        console.print(f"status file: {board.path}")
+
+
+def _status(args: argparse.Namespace) -> int:
+    """``echo-worker status``: the table from a worker's status file."""
+    import json
+    import os
+    import time
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from worker.status import default_status_dir, latest_status, read_status, table
+
+    try:
+        path = Path(args.file) if args.file else latest_status(default_status_dir())
+        doc = read_status(path)
+    except ValueError as exc:
+        print(f"echo-worker status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    age = time.time() - float(doc.get("updated_at", 0))
+    running = not doc.get("exit") and _alive(int(doc.get("pid", 0)), os)
+    Console().print(table(doc, title=f"echo-worker {doc.get('worker_id')} "
+                                     f"({'running' if running else 'not running'}; "
+                                     f"updated {age:.0f} s ago)"))
+    return 0
+
+
+def _alive(pid: int, os: Any) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: is there such a process (it may be another's by now)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:

@@ -1,0 +1,240 @@
+"""What a volunteer sees of their worker: the learner's books on it, and its own state.
+
+The figures that matter to a volunteer (records accepted, refused and why, checks, earnings,
+the rates the learner measured, the learner's last message) are the learner's accounting
+(``learner.accounts``), delivered in every heartbeat acknowledgement and, at the end, in the
+``farewell`` or ``shutdown`` message: the worker shows them as told, never its own estimate.
+Beside them it shows what only it knows: what it is doing now, the snapshot it installed and
+how long that took, the groups it generated.
+
+Three ways to look (docs/volunteers.md):
+  * a live view on a terminal (``rich``), refreshed every second;
+  * without a terminal, one plain line per minute in the log;
+  * a status file, JSON, replaced atomically (written beside, then renamed) at most once a
+    second when something changed: ``echo-worker status`` reads it, for workers run as a
+    service. Its ``schema`` field versions the layout.
+On exit the worker prints a summary table of the final account.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+STATUS_SCHEMA = 1
+PLAIN_EVERY_S = 60.0
+STATUS_ENV = "ECHO_STATUS_DIR"
+
+
+def default_status_dir() -> Path:
+    """``$ECHO_STATUS_DIR``, else ``~/.local/state/echo/workers``."""
+    env = os.environ.get(STATUS_ENV)
+    return Path(env) if env else Path.home() / ".local" / "state" / "echo" / "workers"
+
+
+class StatusBoard:
+    """The worker's status: updated by the worker, shown and written from here."""
+
+    def __init__(self, worker_id: str, learner: str, price: float, path: Path | None):
+        self.path = path
+        self.doc: dict[str, Any] = {
+            "schema": STATUS_SCHEMA, "worker_id": worker_id, "learner": learner, "pid": os.getpid(),
+            "price_per_hour": price, "started_at": time.time(), "updated_at": time.time(),
+            "activity": "starting", "installed_version": -1, "installed_at": None,
+            "install_s": None, "groups_generated": 0, "samples_generated": 0,
+            "exit": None, "account": None,
+        }
+        self._dirty = True
+        self._written = 0.0
+
+    # ------------------------------------------------------------------ updates (the worker)
+
+    def update(self, **fields: Any) -> None:
+        self.doc.update(fields)
+        self._dirty = True
+
+    def account(self, account: Any) -> None:
+        """The learner's books (a ``wire.Account``), as received."""
+        if account is not None:
+            self.update(account=account.model_dump())
+
+    def generated(self, groups: int, samples: int) -> None:
+        self.update(groups_generated=self.doc["groups_generated"] + groups,
+                    samples_generated=self.doc["samples_generated"] + samples)
+
+    # ------------------------------------------------------------------ the file
+
+    def flush(self, force: bool = False) -> bool:
+        """Write the status file when something changed (at most once a second unless
+        ``force``). Returns whether it wrote."""
+        now = time.time()
+        if self.path is None or not self._dirty or (not force and now - self._written < 1.0):
+            return False
+        self.doc["updated_at"] = now
+        write_atomic(self.path, self.doc)
+        self._dirty, self._written = False, now
+        return True
+
+
+def write_atomic(path: Path, doc: dict[str, Any]) -> None:
+    """Readers see the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, allow_nan=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_status(path: Path) -> dict[str, Any]:
+    """A status file, checked enough to show it; ValueError says what is wrong with it."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no status file at {path}: is the worker running with "
+                         f"--status-file {path}?") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a worker status file ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("schema") != STATUS_SCHEMA:
+        raise ValueError(f"{path}: status schema {doc.get('schema') if isinstance(doc, dict) else '?'}"
+                         f", this echo-worker reads {STATUS_SCHEMA}: use the same version as the worker")
+    return doc
+
+
+def latest_status(folder: Path) -> Path:
+    files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    if not files:
+        raise ValueError(f"no worker status file in {folder}: start a worker (echo-worker join), "
+                         f"or pass the file it writes (--status-file)")
+    return files[-1]
+
+
+# ------------------------------------------------------------------ showing it
+
+
+def state_of(doc: dict[str, Any]) -> str:
+    """standby, active, quarantined or left (the learner's word), with what the worker does."""
+    acct = doc.get("account") or {}
+    state = acct.get("state") or "joining"
+    if doc.get("exit"):
+        return f"{state}, exited"
+    return f"{state} · {doc.get('activity')}" if state in ("standby", "active") else state
+
+
+def _money(x: float) -> str:
+    return f"${x:.6f}"
+
+
+def _age(seconds: float) -> str:
+    return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
+
+
+def rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """The figures, as (name, value) rows: the live view, the summary and ``status`` show these."""
+    a = doc.get("account") or {}
+    out = [("state", state_of(doc)), ("worker", str(doc.get("worker_id"))),
+           ("learner", str(doc.get("learner")))]
+    v = doc.get("installed_version", -1)
+    inst = f"v{v}" if v >= 0 else "none yet"
+    if doc.get("install_s") is not None and v >= 0:
+        inst += f" (loaded in {doc['install_s']:.2f} s"
+        if a.get("install_s"):
+            inst += f"; {a['install_s']:.2f} s after publication"
+        inst += ")"
+    out += [("installed snapshot", inst),
+            ("groups generated", f"{doc.get('groups_generated', 0)} "
+                                 f"({doc.get('samples_generated', 0)} samples)")]
+    if not a:
+        return out + [("learner's books", "none yet (they come with the first heartbeat reply)")]
+    rejected = a.get("rejected") or {}
+    out += [("groups granted", str(a.get("granted", 0))),
+            ("records accepted", str(a.get("accepted", 0))),
+            ("records rejected", str(sum(rejected.values())))]
+    out += [(f"  rejected: {reason}", str(n)) for reason, n in sorted(rejected.items())]
+    out += [("duplicates (resends)", str(a.get("duplicates", 0))),
+            ("checks / failed", f"{a.get('checks', 0)} / {a.get('check_failures', 0)}"),
+            ("throughput (learner)", f"{a.get('throughput', 0.0):.3f} traj/s"),
+            ("links (learner)", _links(a)),
+            ("NAT", str(a.get("nat", "unknown"))),
+            ("active time", f"{a.get('active_s', 0.0):.1f} s"),
+            ("earned", f"{_money(a.get('earned_usd', 0.0))} at ${a.get('price', 0.0):.3f}/h"),
+            ("learner says", f"{a.get('message') or '-'} ({_age(a.get('message_age_s', 0.0))})")]
+    if doc.get("exit"):
+        out.append(("exit", str(doc["exit"])))
+    return out
+
+
+def _links(a: dict[str, Any]) -> str:
+    down, up = a.get("down_mbit", 0.0), a.get("up_mbit", 0.0)
+    if not down and not up:
+        return "not measured yet"
+    fmt = lambda x: f"{x:.1f} Mbit/s" if x else "not measured"  # noqa: E731
+    return f"down {fmt(down)}, up {fmt(up)}"
+
+
+def table(doc: dict[str, Any], title: str = "echo-worker") -> Any:
+    from rich.table import Table
+
+    t = Table(title=title, show_header=False, title_justify="left", expand=False)
+    t.add_column("figure", style="bold")
+    t.add_column("value", overflow="fold")
+    for name, value in rows(doc):
+        t.add_row(name, value)
+    return t
+
+
+def plain_line(doc: dict[str, Any]) -> str:
+    """One line for a log without a terminal (once a minute)."""
+    a = doc.get("account") or {}
+    rejected = sum((a.get("rejected") or {}).values())
+    return (f"status: {state_of(doc)}; snapshot v{doc.get('installed_version')}; "
+            f"groups {doc.get('groups_generated', 0)}; accepted {a.get('accepted', 0)}, "
+            f"rejected {rejected}, checks {a.get('checks', 0)}/{a.get('check_failures', 0)} failed; "
+            f"earned {_money(a.get('earned_usd', 0.0))}; learner says: {a.get('message') or '-'}")
+
+
+class LiveView:
+    """The status as a live table on a terminal (log lines scroll above it)."""
+
+    def __init__(self, console: Any):
+        self.console = console
+        self.live: Any = None
+
+    def __enter__(self) -> "LiveView":
+        from rich.live import Live
+
+        self.live = Live(console=self.console, refresh_per_second=2, transient=True)
+        self.live.start()
+        return self
+
+    def show(self, board: StatusBoard) -> None:
+        self.live.update(table(board.doc))
+
+    def __exit__(self, *exc: Any) -> None:
+        self.live.stop()
+
+
+class PlainView:
+    """Without a terminal: one plain status line per minute, in the log."""
+
+    def __init__(self, log: Any, every_s: float = PLAIN_EVERY_S):
+        self.log, self.every_s, self.last = log, every_s, -float("inf")
+
+    def __enter__(self) -> "PlainView":
+        return self
+
+    def show(self, board: StatusBoard) -> None:
+        now = time.monotonic()
+        if board.doc.get("account") and now - self.last >= self.every_s:
+            self.last = now
+            self.log.info("%s", plain_line(board.doc))
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
