@@ -84,7 +84,8 @@ class StalenessRules:
         return self.max_outstanding_groups or 2 * self.prompts_per_step
 
     def check_kappa(self) -> None:
-        if self.kappa > self.staleness:
+        # S = 0 (synchronous) publishes every step: kappa 1 is the one period it allows.
+        if self.kappa > max(1, self.staleness):
             raise ValueError(
                 f"kappa={self.kappa} exceeds staleness={self.staleness}: every publication would "
                 f"arrive too late; set learner.kappa <= learner.staleness (or 0 for max(1, S-1))")
@@ -101,7 +102,9 @@ class LearnerConfig(StalenessRules, _Section):
     group_size: int = Field(16, ge=2)
     lr: float = Field(1e-3, gt=0)
     updates_per_step: int = Field(2, gt=0)
-    staleness: int = Field(2, ge=1)  # S
+    # S. 0 is synchronous: only the current version's trajectories train, so every step waits
+    # for its own broadcast and rollouts (the baseline of benchmarks/staleness_sweep.py).
+    staleness: int = Field(2, ge=0)
     kappa: int = Field(0, ge=0)  # 0: derive max(1, S-1)
     # --- GRPO objective (DESIGN 7; docs/learner.md maps every key onto TRL's GRPOConfig).
     # Clip range [1 - epsilon, 1 + epsilon_high] of the ratio (TRL epsilon, epsilon_high).
@@ -110,7 +113,9 @@ class LearnerConfig(StalenessRules, _Section):
     # Behaviour-policy correction w from exp(logp_old - logp_behaviour) (TRL
     # vllm_importance_sampling_mode / _clip_max): *_truncate caps w at is_cap, *_mask zeroes it
     # above is_cap; token_* per token, sequence_* one w per sequence (product of token ratios).
-    is_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
+    # "none": w = 1, no correction (trains stale samples as if on-policy; the sweep's "IS off").
+    is_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                     "none"] = "token_truncate"
     is_cap: float = Field(2.0, gt=0)  # C, the cap of is_mode
     # The clipped ratio per token, or one per sequence = exp(mean token log-ratio), i.e. GSPO
     # (TRL importance_sampling_level).

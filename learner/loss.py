@@ -12,7 +12,8 @@ Per completion token j of sample e, with loss mask m (all log-probs at the sampl
 exp(mean_j m*(logp_theta - logp_old)). ``is_mode`` picks w: ``token_truncate`` as above;
 ``token_mask`` w = exp(.) where it is <= C, else 0; ``sequence_*`` the same on one weight per
 sequence, exp(sum_j m*(logp_old - logp_behaviour)). Each mirrors TRL 1.16's option of the same
-name (tests/test_oracle.py).
+name (tests/test_oracle.py). ``none`` sets w = 1: no correction at all, stale samples trained as
+if on-policy (what the staleness sweep compares against, benchmarks/staleness_sweep.py).
 
 ``agg``: ``token-mean`` averages over every masked token of the batch (TRL bnpo/dapo);
 ``seq-mean`` within each sequence, then over sequences (TRL grpo); ``seq-mean-token-sum-norm``
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 AGGREGATIONS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class LossConfig:
 def behaviour_weight(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor,
                      cfg: LossConfig) -> torch.Tensor:
     """w per token [B, T] (token_* modes) or per sequence [B, 1]; no gradient."""
+    if cfg.is_mode == "none":  # no behaviour correction: stale samples count as on-policy
+        return torch.ones_like(old_logp)
     diff = (old_logp - behaviour_logp).detach() * mask  # masked positions: exp(0), never inf
     if cfg.is_mode.startswith("sequence"):
         diff = diff.sum(-1, keepdim=True)

@@ -157,9 +157,13 @@ def choose_kappa(staleness: int, n: int, t_train: float, t_bcast: float,
     ``bcast_slower_than_train`` (with a warning) flags ``T_bcast > T_train``, where even
     ``S - 1`` may exceed the budget: speed up the broadcast or raise S.
     """
-    if int(staleness) != staleness or staleness < 1:
-        raise ValueError(f"staleness budget S must be an integer >= 1, got {staleness}")
+    if int(staleness) != staleness or staleness < 0:
+        raise ValueError(f"staleness budget S must be an integer >= 0, got {staleness}")
     _check_timings(n, t_train, t_bcast)
+    if staleness == 0:  # synchronous: publish every step, wait for its broadcast and rollouts
+        return KappaChoice(1, 0, False, False, t_bcast > t_train, (),
+                           "S = 0 is synchronous: kappa = 1, every step waits for the broadcast "
+                           "and the rollouts of its own version (no overlap)")
     warnings = _kappa_warnings(t_train, t_bcast)
     for kappa in range(staleness, 0, -1):
         bound = staleness_bound_overlap(kappa, t_train, t_bcast)

@@ -59,7 +59,7 @@ class LearnerSection(StalenessRules, _Section):
     t_train_cv: float = Field(0.0, ge=0)  # lognormal spread of T_train per step (0: constant)
     prompts_per_step: int = Field(32, gt=0)
     group_size: int = Field(16, gt=0)  # N = prompts_per_step x group_size
-    staleness: int = Field(3, ge=1)  # S
+    staleness: int = Field(3, ge=0)  # S; 0 = synchronous (kappa 1, no overlap)
     kappa: int = Field(0, ge=0)  # 0: max(1, S-1) (DESIGN 3)
     price_per_hour: float = Field(3.06, ge=0)  # p_learner, A100 80GB (paper Table 1)
     # Groups issued-and-unfinished plus waiting in the buffer; 0: 2 x prompts_per_step, as in

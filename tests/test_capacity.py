@@ -125,7 +125,9 @@ def test_choose_kappa_warns_when_broadcast_slower_than_training():
 
 def test_choose_kappa_rejects_bad_budget():
     with pytest.raises(ValueError, match="staleness budget S"):
-        choose_kappa(0, 64, 10.0, 2.0, 8.0)
+        choose_kappa(-1, 64, 10.0, 2.0, 8.0)
+    sync = choose_kappa(0, 64, 10.0, 2.0, 8.0)  # synchronous: every step, no overlap
+    assert (sync.kappa, sync.bound, sync.overlap) == (1, 0, False) and "synchronous" in sync.reason
 
 
 def test_capacity_inputs_delegate_and_are_frozen():

@@ -27,9 +27,16 @@ def test_unknown_key_names_key_and_suggests_fix():
 
 def test_bad_value_names_key_value_and_fix():
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["learner.staleness=0"])
+        load_config(None, ["learner.staleness=-1"])
     msg = str(e.value)
-    assert "learner.staleness" in msg and "0" in msg and "--set learner.staleness" in msg
+    assert "learner.staleness" in msg and "-1" in msg and "--set learner.staleness" in msg
+
+
+def test_staleness_zero_is_synchronous_with_one_publication_per_step():
+    cfg = load_config(None, ["learner.staleness=0"])
+    assert cfg.learner.effective_kappa == 1
+    with pytest.raises(ConfigError, match="kappa"):
+        load_config(None, ["learner.staleness=0", "learner.kappa=2"])
 
 
 def test_cross_field_rule_kappa_within_staleness():

@@ -153,7 +153,8 @@ def test_is_modes_by_hand():
     beh = torch.log(t(0.1, 0.2))
     adv, mask = torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
     expect = {"token_truncate": (2.0 + 0.5) / 2, "token_mask": (0.0 + 0.5) / 2,
-              "sequence_truncate": 1.5, "sequence_mask": 1.5}  # sequence: w = 3 * 0.5 = 1.5 < cap
+              "sequence_truncate": 1.5, "sequence_mask": 1.5,  # sequence: w = 3 * 0.5 = 1.5 < cap
+              "none": 1.0}  # no correction: w = 1 whatever the behaviour policy was
     for mode, value in expect.items():
         loss, _ = grpo_loss(old, old, beh, adv, mask, LossConfig(is_mode=mode, is_cap=2.0))
         assert -loss.item() == pytest.approx(value), mode

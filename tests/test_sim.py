@@ -279,8 +279,8 @@ def test_unknown_key_names_the_key_and_suggests_the_fix():
 
 
 def test_bad_value_names_key_value_and_fix():
-    with pytest.raises(ScenarioError, match=r"learner\.staleness = 0.*--set learner\.staleness"):
-        scenario_from_dict(base(learner__staleness=0))
+    with pytest.raises(ScenarioError, match=r"learner\.staleness = -1.*--set learner\.staleness"):
+        scenario_from_dict(base(learner__staleness=-1))
     with pytest.raises(ScenarioError, match=r"kappa=4 exceeds staleness=3"):
         scenario_from_dict(base(learner__kappa=4))
     with pytest.raises(ScenarioError, match=r"pool is empty"):
