@@ -5,7 +5,7 @@ uses (``Coordinator`` + ``ChunkServer``, uplink shaped at U); each of N relay pr
 (``python -m broadcast.bench relay``) is what a worker runs (``Relay``: download and upload
 shaped at b). Optionally a fraction of relays is SIGKILLed at random moments and K relays
 corrupt every chunk they forward. Reports per-worker install times, ``T_bcast`` (q = 1), the
-lower bound of DESIGN 5, bytes the root sent, and corrupt installs (payload digests that differ
+lower bound of docs/design.md §5, bytes the root sent, and corrupt installs (payload digests that differ
 from the root's).
 
 ``--publications P`` publishes P versions in a row (the coordinator re-plans at each, on the

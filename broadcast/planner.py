@@ -1,10 +1,10 @@
-"""Chain planner for the peer-to-peer snapshot broadcast (DESIGN 5).
+"""Chain planner for the peer-to-peer snapshot broadcast (docs/design.md §5).
 
 The learner has uplink ``U`` and opens ``k = max(1, floor(U / b))`` parallel streams, one per
 chain; the active workers are split into those chains. **Every chain carries the whole
 snapshot.** The paper's text speaks of "k disjoint stripes of size M/k", which cannot give every
 worker the whole snapshot while each worker has a single parent; we implement the consistent
-reading of DESIGN 5 instead: each worker holds exactly one inbound stream (from the learner if it
+reading of docs/design.md §5 instead: each worker holds exactly one inbound stream (from the learner if it
 heads a chain, else from the previous worker in its chain) and at most one outbound stream, and
 forwards each chunk to its child as soon as it is verified.
 
@@ -68,7 +68,7 @@ if TYPE_CHECKING:  # a type only: broadcast.topology imports this module
     from broadcast.topology.base import Peer
 
 BYTES_PER_MBIT = 1e6 / 8  # 1 Mbit/s = 125,000 bytes/s (network units are decimal)
-DEFAULT_CHUNK_BYTES = 1 << 20  # DESIGN 5: 1 MiB chunks on shaped links
+DEFAULT_CHUNK_BYTES = 1 << 20  # docs/design.md §5: 1 MiB chunks on shaped links
 _EPS = 1e-9
 
 
@@ -108,7 +108,7 @@ def star_limited_s(M_bytes: float, b_mbit: float, U_mbit: float, n_workers: int)
 
 def predict_chain_s(M_bytes: float, chunk_bytes: int, rate_bytes_per_s: float, length: int,
                     latency_s: float = 0.0) -> float:
-    """DESIGN 5: the tail gets the last chunk M/rate after the head started, plus one chunk time
+    """docs/design.md §5: the tail gets the last chunk M/rate after the head started, plus one chunk time
     per extra hop (store-and-forward per chunk), plus the per-hop latency."""
     c = min(chunk_bytes, M_bytes)
     if math.isinf(rate_bytes_per_s):

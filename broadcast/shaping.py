@@ -1,4 +1,4 @@
-"""Link shaping in user space, for tests and benchmarks (DESIGN 5).
+"""Link shaping in user space, for tests and benchmarks (docs/design.md §5).
 
 A link is a token bucket (rate, burst) followed by a delay line (fixed latency). The sender
 spends its bucket's credit and hands the message to the delay line; the receiver gets it

@@ -1,4 +1,4 @@
-"""Snapshot = signed manifest + payload cut into fixed-size chunks (DESIGN 5).
+"""Snapshot = signed manifest + payload cut into fixed-size chunks (docs/design.md §5).
 
 manifest = {
   "schema": 2, "run_id": str, "version": int,

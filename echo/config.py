@@ -77,7 +77,7 @@ class StalenessRules:
 
     @property
     def effective_kappa(self) -> int:
-        return self.kappa or max(1, self.staleness - 1)  # DESIGN 3
+        return self.kappa or max(1, self.staleness - 1)  # docs/design.md §3
 
     @property
     def effective_outstanding(self) -> int:
@@ -106,7 +106,7 @@ class LearnerConfig(StalenessRules, _Section):
     # for its own broadcast and rollouts (the baseline of benchmarks/staleness_sweep.py).
     staleness: int = Field(2, ge=0)
     kappa: int = Field(0, ge=0)  # 0: derive max(1, S-1)
-    # --- GRPO objective (DESIGN 7; docs/learner.md maps every key onto TRL's GRPOConfig).
+    # --- GRPO objective (docs/design.md §7; docs/learner.md maps every key onto TRL's GRPOConfig).
     # Clip range [1 - epsilon, 1 + epsilon_high] of the ratio (TRL epsilon, epsilon_high).
     epsilon: float = Field(0.2, gt=0, lt=1)
     epsilon_high: float = Field(0.0, ge=0)  # 0: = epsilon (symmetric); DAPO uses 0.28
@@ -234,7 +234,7 @@ class TransportConfig(_Section):
 
 
 class ProvisioningConfig(_Section):
-    """The closed-loop controller (DESIGN 4). Off: every joined worker is active."""
+    """The closed-loop controller (docs/design.md §4). Off: every joined worker is active."""
 
     enabled: bool = False
     alpha: float = Field(1.1, ge=1.0)  # safety factor on mu_req

@@ -1,4 +1,4 @@
-"""GRPO with importance-corrected off-policy data (DESIGN 7), with TRL's GRPO options.
+"""GRPO with importance-corrected off-policy data (docs/design.md §7), with TRL's GRPO options.
 
 Per completion token j of sample e, with loss mask m (all log-probs at the sampling temperature):
 

@@ -478,7 +478,7 @@ class Learner:
         return workers
 
     def _provisioning(self, t_train: float, t_bcast: float) -> None:
-        """Tell the controller what capacity the learner needs now (DESIGN 4), and record the
+        """Tell the controller what capacity the learner needs now (docs/design.md §4), and record the
         decisions it took since the last step."""
         assert self.control is not None
         lc = self.cfg.learner

@@ -1,1 +1,1 @@
-"""Control plane: capacity model and cost-aware provisioning (DESIGN 4)."""
+"""Control plane: capacity model and cost-aware provisioning (docs/design.md §4)."""

@@ -26,7 +26,7 @@ import numpy as np
 from provisioning import selection
 
 DEFAULT_JSON = Path("benchmarks/results/provisioning.json")
-GAP_TARGET = 0.01  # DESIGN targets: ours within 1 % of optimal on average ...
+GAP_TARGET = 0.01  # targets: ours within 1 % of optimal on average ...
 DECISION_MS_TARGET = 100.0  # ... and a decision over 100,000 candidates under 100 ms
 
 

@@ -1,7 +1,7 @@
-"""Capacity model (DESIGN 3 and 4): how much rollout throughput keeps the learner busy, and
+"""Capacity model (docs/design.md §3 and §4): how much rollout throughput keeps the learner busy, and
 how often to publish snapshots without breaking the staleness budget.
 
-Notation as in DESIGN 4: ``N`` rollouts consumed per learner step, ``T_train`` seconds per step,
+Notation as in docs/design.md §4: ``N`` rollouts consumed per learner step, ``T_train`` seconds per step,
 ``T_bcast`` learner-visible broadcast time, ``mu`` aggregate rollout throughput (trajectories/s),
 ``kappa`` learner steps between snapshots, ``S`` the staleness budget.
 
@@ -138,14 +138,14 @@ class KappaChoice:
     bound: int | None  # staleness bound that holds for this kappa; None: none (mu_total <= 0)
     overlap: bool  # whether the overlap condition holds at mu_total
     fallback: bool  # True: no kappa met both conditions, kappa = max(1, S-1)
-    bcast_slower_than_train: bool  # DESIGN 3 asks for a warning in that case
+    bcast_slower_than_train: bool  # docs/design.md §3 asks for a warning in that case
     warnings: tuple[str, ...] = ()
     reason: str = ""
 
 
 def choose_kappa(staleness: int, n: int, t_train: float, t_bcast: float,
                  mu_total: float) -> KappaChoice:
-    """Publication period for staleness budget ``S`` (DESIGN 3).
+    """Publication period for staleness budget ``S`` (docs/design.md §3).
 
     Rule: the largest ``kappa`` in ``1..S`` that satisfies the overlap condition at
     ``mu_total`` *and* whose overlap bound ``kappa + ceil((1 - 1/kappa) T_bcast/T_train)`` is

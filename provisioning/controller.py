@@ -1,4 +1,4 @@
-"""Closed-loop provisioning (DESIGN 4, "Closed loop"): keep just enough cheap capacity active.
+"""Closed-loop provisioning (docs/design.md §4, "Closed loop"): keep just enough cheap capacity active.
 
 The controller lives in the learner's control plane. It is told what the learner actually
 receives from each worker (``observe``), whether each worker's heartbeat is alive
@@ -496,7 +496,7 @@ def _describe(w: _Worker) -> str:
 def _check_params(alpha: float, delta: float, window_s: float, tau_s: float, avail_beta: float,
                   warmup_s: float) -> None:
     if not alpha > 0:
-        raise ValueError(f"alpha (safety factor) must be > 0, got {alpha}; DESIGN default 1.1")
+        raise ValueError(f"alpha (safety factor) must be > 0, got {alpha}; the default is 1.1")
     if not delta >= 0:
         raise ValueError(f"delta (release margin) must be >= 0, got {delta}")
     if not (window_s >= 0 and warmup_s >= 0):

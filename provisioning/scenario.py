@@ -1,7 +1,7 @@
 """Scenario files for the discrete-event simulator (``echo-rl sim SCENARIO.toml``).
 
-A scenario describes one simulated Echo run: the learner (DESIGN 3, 4), the worker pool (mu_i,
-c_i, links), how rollouts are generated, the broadcast (DESIGN 5), provisioning (selection and
+A scenario describes one simulated Echo run: the learner (docs/design.md §3, §4), the worker pool (mu_i,
+c_i, links), how rollouts are generated, the broadcast (docs/design.md §5), provisioning (selection and
 the closed-loop controller) and churn. Validated like ``echo.config``: typed sections,
 ``extra="forbid"``, and every error names the key, the bad value and the fix.
 
@@ -60,7 +60,7 @@ class LearnerSection(StalenessRules, _Section):
     prompts_per_step: int = Field(32, gt=0)
     group_size: int = Field(16, gt=0)  # N = prompts_per_step x group_size
     staleness: int = Field(3, ge=0)  # S; 0 = synchronous (kappa 1, no overlap)
-    kappa: int = Field(0, ge=0)  # 0: max(1, S-1) (DESIGN 3)
+    kappa: int = Field(0, ge=0)  # 0: max(1, S-1) (docs/design.md §3)
     price_per_hour: float = Field(3.06, ge=0)  # p_learner, A100 80GB (paper Table 1)
     # Groups issued-and-unfinished plus waiting in the buffer; 0: 2 x prompts_per_step, as in
     # learner.max_outstanding_groups (learner/work.py). Keeps the fleet from running ahead.

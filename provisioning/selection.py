@@ -1,4 +1,4 @@
-"""Choosing the active set of rollout workers (DESIGN 4, "Provisioning").
+"""Choosing the active set of rollout workers (docs/design.md §4, "Provisioning").
 
 Problem: given worker throughputs ``mu_i`` (trajectories/s) and prices ``c_i`` ($/h), pick the
 set A minimising ``sum(c_i, A)`` subject to ``sum(mu_i, A) >= target`` (target =

@@ -7,7 +7,7 @@ What runs, and what it reuses (no second copy of the logic):
 
 * **Learner** (one SimPy process): step t trains on ``N = prompts x group_size`` rollouts taken
   from the replay buffer, oldest first, whole groups only, admissible iff ``u >= v - S``
-  (DESIGN 3, as ``learner.buffer.ReplayBuffer``); it waits (``T_wait``) until enough are there,
+  (docs/design.md §3, as ``learner.buffer.ReplayBuffer``); it waits (``T_wait``) until enough are there,
   then trains ``T_train``; ``v += 1``; every ``kappa`` steps it publishes snapshot ``v``.
   Stale groups are dropped at admission and when the version moves, and counted. Work is
   handed out like ``learner.work.WorkQueue``: at most ``max_outstanding_groups`` issued plus
@@ -48,7 +48,7 @@ What runs, and what it reuses (no second copy of the logic):
 
 Costs: a worker is billed while present and active (from activation, including its download,
 until release or departure); the learner always. Cost of a step = learner price x step time +
-the integral of the active workers' prices over the step, i.e. DESIGN 4's
+the integral of the active workers' prices over the step, i.e. docs/design.md §4's
 ``(p_learner + sum c_i) * (T_train + T_wait) / 3600`` when the set does not change in the step.
 
 Public API: ``run_scenario``, ``simulate`` (path or dict), ``simulate_fixed`` (sim-vs-reality),

@@ -1,4 +1,4 @@
-"""Capacity model (DESIGN 3/4) on hand-computed cases; the arithmetic is in the comments."""
+"""Capacity model (docs/design.md §3/§4) on hand-computed cases; the arithmetic is in the comments."""
 
 import dataclasses
 
@@ -73,7 +73,7 @@ def test_overlap_bound():
     assert staleness_bound_overlap(1, 1.0, 5.0) == 1
     # (1 - 1/3) * 3 is 2.0000000000000004 naively; 3 + ceil(2) = 5, not 6
     assert staleness_bound_overlap(3, 1.0, 3.0) == 5
-    # DESIGN 3: kappa = S - 1 and T_bcast <= T_train gives s_max <= S (here S = 5)
+    # docs/design.md §3: kappa = S - 1 and T_bcast <= T_train gives s_max <= S (here S = 5)
     assert staleness_bound_overlap(4, 1.0, 1.0) <= 5
 
 

@@ -1,4 +1,4 @@
-"""Oracle parity: our GRPO loss (learner/loss.py, DESIGN 7) against TRL's GRPOTrainer.
+"""Oracle parity: our GRPO loss (learner/loss.py, docs/design.md §7) against TRL's GRPOTrainer.
 
 Identical batches (prompt/completion ids and masks, advantages, old, behaviour and reference
 log-probs) go to
@@ -21,7 +21,7 @@ Mapping (trl 1.16, ``GRPOTrainer._compute_loss``):
   ours ``agg="seq-mean"``    ==  TRL ``loss_type="grpo"`` (per-sequence mean, then batch mean).
   ours ``beta*kl``           ==  TRL ``beta`` with ``use_bias_correction_kl=False``. TRL 1.16 defaults
                                  that flag to True (KL multiplied by the differentiable ratio r, the
-                                 DeepSeek-V3.2 unbiased estimator); DESIGN 7 and Echo's default use the
+                                 DeepSeek-V3.2 unbiased estimator); docs/design.md §7 and Echo's default use the
                                  plain k3 term (``learner.use_bias_correction_kl`` switches).
   ours ``w`` (truncated IS)  ==  TRL's vLLM IS correction with ``vllm_importance_sampling_mode=
                                  "token_truncate"``, ``clip_max=C``, ``clip_min=None``: TRL multiplies
@@ -516,7 +516,7 @@ def test_step_with_grpo_options_matches_trl(model_dir, tok, step_records, tmp_pa
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean"])
 @pytest.mark.parametrize("beta", [0.0, 0.05])
 def test_truncated_is_against_direct_computation(agg, beta):
-    """Our w = min(exp(logp_old - logp_behaviour), C), no gradient, vs DESIGN 7 written out here.
+    """Our w = min(exp(logp_old - logp_behaviour), C), no gradient, vs docs/design.md §7 written out here.
 
     Float64 elementwise loops (math.exp, explicit min/clip) share no code with learner/loss.py.
     """

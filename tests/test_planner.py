@@ -1,4 +1,4 @@
-"""Chain planner (DESIGN 5): k, grouping, tails, predictions, bounds, re-planning."""
+"""Chain planner (docs/design.md §5): k, grouping, tails, predictions, bounds, re-planning."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_lower_bound_and_stars_design_example():
     #   M/min(b_down)         = 67,108,864 / 12.5e6                 = 5.36870912 s
     #   M/U                   = 67,108,864 / 50e6                   = 1.34217728 s
     #   N*M/(U + sum b_up)    = 1,073,741,824 / (50e6 + 16*12.5e6)  = 4.294967296 s
-    #   LB = 5.36870912 s (DESIGN 5 quotes the prototype's "5.37 s bound")
+    #   LB = 5.36870912 s (the lower bound of docs/design.md §5; a prototype's "5.37 s bound")
     downs, ups = [100.0] * 16, [100.0] * 16
     assert lower_bound_s(M, 400, downs, ups) == pytest.approx(5.36870912, rel=1e-12)
     # star-unlimited = M/b = 5.36870912 s; star-limited = max(M/b, N*M/U)
