@@ -43,17 +43,18 @@ class ModelConfig(_Section):
     # "tiny-qwen3" builds a random-init Qwen3 and a character tokenizer locally (no download);
     # anything else is a path to a Hugging Face model directory on disk.
     name: str = "tiny-qwen3"
-    hidden_size: int = Field(64, gt=0)
-    intermediate_size: int = Field(256, gt=0)
-    num_layers: int = Field(2, gt=0)
-    num_heads: int = Field(4, gt=0)
-    num_kv_heads: int = Field(2, gt=0)
-    head_dim: int = Field(16, gt=0)
-    max_positions: int = Field(64, gt=0)
-    seed: int = 0
+    hidden_size: int = Field(64, gt=0)  # tiny-qwen3 only (a real model brings its own config)
+    intermediate_size: int = Field(256, gt=0)  # tiny-qwen3 only
+    num_layers: int = Field(2, gt=0)  # tiny-qwen3 only
+    num_heads: int = Field(4, gt=0)  # tiny-qwen3 only
+    num_kv_heads: int = Field(2, gt=0)  # tiny-qwen3 only
+    head_dim: int = Field(16, gt=0)  # tiny-qwen3 only
+    max_positions: int = Field(64, gt=0)  # tiny-qwen3 only: longest prompt + completion, tokens
+    seed: int = 0  # tiny-qwen3 only: seed of the random initialisation
 
 
 class AdapterConfig(_Section):
+    # The task: toy-add, math, poker, or any installed adapter (docs/adapters.md).
     name: str = "toy-add"
     # Adapter-specific options, validated by the adapter itself at start-up.
     options: dict[str, Any] = Field(default_factory=dict)
@@ -92,16 +93,17 @@ class StalenessRules:
 
 
 class LearnerConfig(StalenessRules, _Section):
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # address the control plane binds (0.0.0.0: every interface)
     # The address workers reach the learner at, for the printed join line ("" = host): set it
     # when binding 0.0.0.0 or behind a NAT/port forward.
     public_host: str = ""
     port: int = Field(0, ge=0, le=65535)  # 0: the OS picks a free port
-    max_steps: int = Field(200, gt=0)
+    max_steps: int = Field(200, gt=0)  # learner steps, then the run ends and workers are told
+    # Prompt groups per learner step (N = this x group_size).
     prompts_per_step: int = Field(32, gt=0)
-    group_size: int = Field(16, ge=2)
-    lr: float = Field(1e-3, gt=0)
-    updates_per_step: int = Field(2, gt=0)
+    group_size: int = Field(16, ge=2)  # samples per prompt: GRPO normalises rewards within a group
+    lr: float = Field(1e-3, gt=0)  # Adam learning rate
+    updates_per_step: int = Field(2, gt=0)  # optimiser updates (mini-batches) per learner step
     # S. 0 is synchronous: only the current version's trajectories train, so every step waits
     # for its own broadcast and rollouts (the baseline of benchmarks/staleness_sweep.py).
     staleness: int = Field(2, ge=0)
@@ -126,6 +128,7 @@ class LearnerConfig(StalenessRules, _Section):
     # Advantages (r - group mean) / (std + adv_eps), std of the group, of the whole step's
     # batch, or none (TRL scale_rewards; "none" is Dr. GRPO's).
     scale_rewards: Literal["group", "batch", "none"] = "group"
+    # Added to the standard deviation when normalising advantages.
     adv_eps: float = Field(1e-4, gt=0)
     # How per-token terms become the loss (TRL loss_type): token-mean = bnpo/dapo (over the
     # mini-batch's tokens), seq-mean = grpo (per sequence, then over sequences),
@@ -134,11 +137,12 @@ class LearnerConfig(StalenessRules, _Section):
     # Zero the loss of completions that hit max_new_tokens without end-of-sequence (TRL
     # mask_truncated_completions); they still count in the advantages.
     mask_truncated_completions: bool = False
-    torch_threads: int = Field(1, gt=0)
+    torch_threads: int = Field(1, gt=0)  # CPU threads of the learner's torch
     max_outstanding_groups: int = Field(0, ge=0)  # 0: 2 * prompts_per_step
+    # A granted group not delivered this long is granted again.
     lease_timeout_s: float = Field(30.0, gt=0)
     wait_timeout_s: float = Field(120.0, gt=0)  # give up when no admissible data this long
-    price_per_hour: float = Field(0.0, ge=0)
+    price_per_hour: float = Field(0.0, ge=0)  # the learner's own price, $/h, in the cost per step
     checkpoint: bool = True  # checkpoint before every publication (needed for --resume)
     fsync: bool = True  # fsync the buffer log before acknowledging (off only for benchmarks)
     # A slow disk, for tests and the control plane's load test: each fsync sleeps this long.
@@ -180,21 +184,27 @@ class LearnerConfig(StalenessRules, _Section):
 
 
 class BufferConfig(_Section):
+    # Groups the replay buffer holds; past it deliveries are refused (buffer_full).
     capacity_groups: int = Field(256, gt=0)
 
 
 class WorkerConfig(_Section):
+    # Groups one work request asks for (grown on long links).
     groups_per_request: int = Field(2, gt=0)
+    # Longest completion; longer ones are cut (set it per task).
     max_new_tokens: int = Field(4, gt=0)
     # Sampling temperature. The learner computes its log-probs at the same temperature (logits /
     # temperature, as TRL does), so importance weights compare one distribution.
     temperature: float = Field(1.0, gt=0)
+    # CPU threads of a worker's torch (echo-worker --threads overrides).
     torch_threads: int = Field(1, gt=0)
-    heartbeat_s: float = Field(1.0, gt=0)
+    heartbeat_s: float = Field(1.0, gt=0)  # seconds between a worker's heartbeats
+    # Batches a worker holds unacknowledged before it stops generating.
     max_unacked_batches: int = Field(8, gt=0)
     # transformers (default; CPU or GPU) or vllm (CUDA only; pip install -e '.[vllm]' with the
     # CUDA build of torch, docs/worker.md). vllm_gpu_memory is the share of GPU memory vLLM takes.
     backend: Literal["transformers", "vllm"] = "transformers"
+    # Share of GPU memory the vLLM engine takes (backend vllm).
     vllm_gpu_memory: float = Field(0.5, gt=0, le=1)
     # Where a worker generates: auto (cuda:0 if the worker has a GPU, else cpu), cpu, cuda,
     # cuda:N. The model runs in bf16 on a GPU that supports it, float32 on the CPU.
@@ -204,9 +214,11 @@ class WorkerConfig(_Section):
 
 
 class BroadcastConfig(_Section):
+    # Chains (peer-to-peer), star, or star-unlimited (benchmark baselines).
     topology: Literal["chains", "star", "star-unlimited"] = "chains"
+    # Chunk size; every chunk is hashed and verified at every hop.
     chunk_kib: int = Field(1024, gt=0)
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # dtype of the published weights
     window: int = Field(4, gt=0)  # chunk requests in flight per stream
     uplink_mbit: float = Field(0.0, ge=0)  # learner uplink U: plans k = U/b chains; 0 = unknown
     link_mbit: float = Field(0.0, ge=0)  # nominal worker link b; 0 = median of declared rates
@@ -228,15 +240,18 @@ class BroadcastConfig(_Section):
 
 
 class TransportConfig(_Section):
+    # Largest message accepted; larger ones are refused (oversize).
     max_message_mib: float = Field(16.0, gt=0)
+    # A worker silent this long is removed; its groups go to others.
     heartbeat_timeout_s: float = Field(5.0, gt=0)
+    # A worker's request unanswered this long is sent again.
     request_timeout_s: float = Field(10.0, gt=0)
 
 
 class ProvisioningConfig(_Section):
     """The closed-loop controller (docs/design.md §4). Off: every joined worker is active."""
 
-    enabled: bool = False
+    enabled: bool = False  # off: every joined worker is active
     alpha: float = Field(1.1, ge=1.0)  # safety factor on mu_req
     delta: float = Field(0.2, gt=0)  # release margin: release above (alpha + delta) * mu_req
     window_s: float = Field(60.0, gt=0)  # a condition must hold this long before acting
@@ -257,7 +272,7 @@ class ProvisioningConfig(_Section):
 class MetricsConfig(_Section):
     """The learner's /metrics (Prometheus), /health and live dashboard."""
 
-    enabled: bool = True
+    enabled: bool = True  # serve /metrics, /health, /api/state and the dashboard
     # Read-only pages, no authentication: keep it local or on a private network. At most 32
     # connections are served at once; idle ones close after 10 s (echo/metrics.py).
     host: str = "127.0.0.1"
@@ -271,7 +286,7 @@ class SecurityConfig(_Section):
     # only for experiments on loopback; a non-loopback learner.host without it is refused
     # unless ``insecure = true`` (then anyone can impersonate anyone).
     curve: bool = True
-    insecure: bool = False
+    insecure: bool = False  # allow plaintext on a non-loopback host (echo-rl learn --insecure)
     # Who may join: anyone with a key ("open"), a key that redeems a token from
     # `echo-rl token create` ("token"), or a key listed in ``allowlist_file`` ("allowlist").
     join: Literal["open", "token", "allowlist"] = "open"
@@ -305,18 +320,19 @@ class SecurityConfig(_Section):
     # Sampling test (Azuma-Hoeffding on clipped log p + entropy): false-alarm bound per audit,
     # and the clip. Honest samples fail with probability <= audit_alpha whatever the model.
     audit_alpha: float = Field(1e-6, gt=0, lt=1)
-    audit_clip: float = Field(4.0, gt=0)
+    audit_clip: float = Field(4.0, gt=0)  # the clip of the sampling test
     strikes: int = Field(2, gt=0)  # failed checks before a worker is quarantined
 
 
 class QuickstartConfig(_Section):
-    workers: int = Field(4, gt=0)
+    workers: int = Field(4, gt=0)  # worker processes echo-rl quickstart starts
+    # Their prices, $/h, cycled over the workers.
     worker_prices: list[float] = Field(default_factory=lambda: [0.35])
 
 
 class EchoConfig(_Section):
-    run_name: str = "echo"
-    seed: int = 0
+    run_name: str = "echo"  # name of the run: runs/RUN_NAME-TIME/ unless --run-dir
+    seed: int = 0  # seeds the prompt order (model.seed seeds the tiny model)
     model: ModelConfig = Field(default_factory=ModelConfig)
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)

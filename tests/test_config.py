@@ -64,3 +64,20 @@ def test_dump_round_trips(tmp_path):
     p.write_text(dump_toml(cfg))
     assert load_config(p) == cfg
     assert isinstance(cfg, EchoConfig)
+
+
+def test_config_reference_is_generated_from_the_code(tmp_path, capsys):
+    """docs/config.md is what echo.config_doc prints: a key added without regenerating it fails."""
+    from pathlib import Path
+
+    from echo import config_doc
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    assert config_doc.main(["--check", str(page)]) == 0
+    stale = tmp_path / "config.md"
+    stale.write_text(page.read_text().replace("| `max_new_tokens` |", "| `max_tokens` |"))
+    assert config_doc.main(["--check", str(stale)]) == 1
+    assert "out of date" in capsys.readouterr().err
+    text = page.read_text()
+    for key in ("`staleness`", "`is_mode`", "`nat_traversal`", "`strikes`", "`presets`"):
+        assert key in text, key
