@@ -48,6 +48,7 @@ class PeerState:
     nat: str = "reachable"
     address: str = ""  # public ip:port of its punch port, as the reflector saw it
     installed: dict[int, float] = field(default_factory=dict)  # version -> s after publication
+    joined: float = field(default_factory=time.monotonic)
 
 
 class Coordinator:
@@ -70,8 +71,9 @@ class Coordinator:
         self.punches = PunchBook()
 
     def join(self, worker_id: str, endpoint: str, down_mbit: float = 0.0, up_mbit: float = 0.0,
-             nat: str = "reachable") -> None:
-        self.peers[worker_id] = PeerState(worker_id, endpoint, down_mbit, up_mbit, nat=nat)
+             nat: str = "reachable", now: float | None = None) -> None:
+        self.peers[worker_id] = PeerState(worker_id, endpoint, down_mbit, up_mbit, nat=nat,
+                                          joined=time.monotonic() if now is None else now)
 
     def classify(self, worker_id: str, nat: str, address: str) -> None:
         """The learner's verdict on a worker's NAT (``broadcast.nat.reflect``)."""
@@ -224,9 +226,14 @@ class Coordinator:
         return {p.worker_id: p.installed[version] for p in self.peers.values() if version in p.installed}
 
     def t_bcast(self, version: int, q: float | None = None) -> float | None:
-        """Seconds from publication until a fraction q of the live workers installed it."""
+        """Seconds from publication until a fraction q of the live workers installed it.
+        Only workers that had joined when it was published count: one that joined later (the
+        fleet starting up, a late joiner loading its model) measures its own start-up, not the
+        broadcast, and a start-up of 29 s would pass for a 29 s broadcast. None when no worker
+        was there to receive it."""
         q = self.q if q is None else q
-        live = [p for p in self.peers.values() if p.alive]
+        t0 = self.published.get(version)
+        live = [p for p in self.peers.values() if p.alive and (t0 is None or p.joined <= t0)]
         times = sorted(p.installed[version] for p in live if version in p.installed)
         need = quantile_rank(q, len(live))
         return times[need - 1] if len(times) >= need else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,14 @@ def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str
     return code
 
 
+PLAIN_EVERY_S = 10.0  # without a terminal: one progress line this often
+
+
 def _follow(cfg: EchoConfig, learner: Any, tail: MetricsTail) -> None:
+    """A live progress bar on a terminal; without one (a pipe, CI, a log file) a bar would be
+    cut to the terminal width rich assumes, so plain lines instead, every 10 s and at the end."""
+    if not console.is_terminal:
+        return _follow_plain(cfg, learner, tail)
     columns = [TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                TextColumn("{task.description}")]
     with Progress(*columns, console=console, refresh_per_second=4) as progress:
@@ -143,7 +151,33 @@ def _follow(cfg: EchoConfig, learner: Any, tail: MetricsTail) -> None:
                 progress.update(task, completed=row["step"] + 1, description=_describe(row))
             if done:
                 return
-            try:
-                learner.wait(0.5)  # wake on exit, or redraw twice a second
-            except subprocess.TimeoutExpired:
-                pass
+            _wait(learner, 0.5)  # wake on exit, or redraw twice a second
+
+
+def _follow_plain(cfg: EchoConfig, learner: Any, tail: MetricsTail) -> None:
+    last, shown, row = time.monotonic(), None, None
+    while True:
+        done = learner.poll() is not None
+        for row in tail.poll():
+            pass
+        if row is not None and row is not shown and (done or time.monotonic() - last >= PLAIN_EVERY_S):
+            print(f"step {row['step'] + 1}/{cfg.learner.max_steps}  {_plain(_describe(row))}",
+                  flush=True)
+            last, shown = time.monotonic(), row
+        if done:
+            return
+        _wait(learner, 0.5)
+
+
+def _plain(text: str) -> str:
+    """A rich markup line as plain text."""
+    from rich.text import Text
+
+    return Text.from_markup(text).plain
+
+
+def _wait(learner: Any, seconds: float) -> None:
+    try:
+        learner.wait(seconds)
+    except subprocess.TimeoutExpired:
+        pass

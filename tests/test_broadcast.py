@@ -172,7 +172,7 @@ def test_manifest_from_another_key_is_refused():
 def test_coordinator_routes_around_failures_and_measures():
     coord = Coordinator(make_topology("chains", uplink_mbit=100, link_mbit=100), "tcp://root")
     for i in range(4):
-        coord.join(f"w{i}", f"tcp://w{i}", 100, 100)
+        coord.join(f"w{i}", f"tcp://w{i}", 100, 100, now=-1.0)
     plan = coord.publish(1, now=0.0)
     heads = [w for w, s in plan.items() if s == "tcp://root"]
     assert len(heads) == 1  # k = floor(U/b) = 1 chain
@@ -190,8 +190,13 @@ def test_coordinator_routes_around_failures_and_measures():
     assert coord.t_bcast(1, q=1.0) == live[-1]
     assert coord.t_bcast(1, q=0.5) == live[1]
     # a late joiner pulls from a peer, not from the learner
-    coord.join("late", "tcp://late")
+    coord.join("late", "tcp://late", now=0.5)
     assert coord.source_for("late") != "tcp://root"
+    # ... and its install (after loading its model, say) is its start-up, not the broadcast
+    coord.installed("late", 1, now=29.0)
+    assert coord.t_bcast(1, q=1.0) == live[-1]
+    coord.publish(2, now=40.0)
+    assert coord.t_bcast(2) is None  # nobody installed it yet
 
 
 def test_corrupt_reports_keep_a_relay_out_of_parent_positions():

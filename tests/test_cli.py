@@ -58,3 +58,37 @@ def test_worker_says_why_it_stopped_when_the_error_is_nested(tmp_path, capsys):
                   make_worker=Banned)
     assert rc == 1
     assert "echo-worker: the learner banned this worker's key: quarantined" in capsys.readouterr().err
+
+
+def test_quickstart_progress_is_plain_lines_without_a_terminal(capsys, monkeypatch):
+    """Piped (CI, a log file), the quickstart prints whole lines, not a bar cut to 80 columns."""
+    from echo import quickstart
+    from echo.config import EchoConfig
+
+    rows = [{"step": i, "reward_mean": 0.1 * i, "staleness_max": 1, "bubble_ratio": 0.0,
+             "active_workers": 2, "standby_workers": 0} for i in range(3)]
+
+    class Tail:
+        def __init__(self):
+            self.batches = [[rows[0]], [], [rows[1], rows[2]]]
+
+        def poll(self):
+            return self.batches.pop(0) if self.batches else []
+
+    class Learner:  # exits once the tail has given everything
+        def __init__(self, tail):
+            self.tail = tail
+
+        def poll(self):
+            return 0 if not self.tail.batches else None
+
+        def wait(self, seconds):
+            return None
+
+    monkeypatch.setattr(quickstart, "PLAIN_EVERY_S", 0.0)
+    cfg = EchoConfig.model_validate({"learner": {"max_steps": 3}})
+    tail = Tail()
+    quickstart._follow_plain(cfg, Learner(tail), tail)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["step 1/3  reward 0.000  staleness 1  bubble 0.00  workers 2 active / 0 standby",
+                     "step 3/3  reward 0.200  staleness 1  bubble 0.00  workers 2 active / 0 standby"]
