@@ -366,7 +366,7 @@ def test_the_install_quantile_is_one_rule_without_float_noise():
     assert quantile_rank(0.3, 10) == 3  # 0.3 * 10 = 3.0000000000000004
     coord = Coordinator(make_topology("chains"), "tcp://root", q=0.3)
     for i in range(10):
-        coord.join(f"w{i}", f"tcp://w{i}")
+        coord.join(f"w{i}", f"tcp://w{i}", now=-1.0)  # joined before the publication (clock 0)
     coord.publish(1, now=0.0)
     for i in range(3):
         coord.installed(f"w{i}", 1, now=1.0 + i)
