@@ -53,18 +53,38 @@ class ModelConfig(_Section):
     seed: int = 0  # tiny-qwen3 only: seed of the random initialisation
 
 
+GENERATION_KEYS = ("max_new_tokens", "temperature")  # what a preset may set for [worker]
+
+
 class AdapterConfig(_Section):
     # The task: toy-add, math, poker, or any installed adapter (docs/adapters.md).
     name: str = "toy-add"
     # Adapter-specific options, validated by the adapter itself at start-up.
     options: dict[str, Any] = Field(default_factory=dict)
     # Options per adapter name ([adapter.presets.math] ...): a config can carry settings for
-    # several tasks so that switching task is only the ``name`` line. ``options`` wins.
+    # several tasks so that switching task is only the ``name`` line. ``options`` wins. A
+    # preset's ``generation`` table ([adapter.presets.math.generation] max_new_tokens = 16,
+    # temperature = 1.0) sets the [worker] generation keys for that task, where [worker] does
+    # not set them itself.
     presets: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @property
     def effective_options(self) -> dict[str, Any]:
-        return {**self.presets.get(self.name, {}), **self.options}
+        preset = {k: v for k, v in self.presets.get(self.name, {}).items() if k != "generation"}
+        return {**preset, **self.options}
+
+    @property
+    def generation(self) -> dict[str, Any]:
+        """The chosen adapter's generation settings from its preset (may be empty)."""
+        gen = self.presets.get(self.name, {}).get("generation", {})
+        if not isinstance(gen, dict):
+            raise ValueError(f"adapter.presets.{self.name}.generation must be a table "
+                             f"(max_new_tokens, temperature), got {gen!r}")
+        unknown = sorted(set(gen) - set(GENERATION_KEYS))
+        if unknown:
+            raise ValueError(f"adapter.presets.{self.name}.generation.{unknown[0]} is not a "
+                             f"generation setting: use {', '.join(GENERATION_KEYS)}")
+        return gen
 
 
 class StalenessRules:
@@ -346,6 +366,14 @@ class EchoConfig(_Section):
     quickstart: QuickstartConfig = Field(default_factory=QuickstartConfig)
 
     @model_validator(mode="after")
+    def _preset_generation(self) -> "EchoConfig":
+        """The chosen task's generation settings, unless [worker] (or --set) gives its own."""
+        for key, value in self.adapter.generation.items():
+            if key not in self.worker.model_fields_set:
+                setattr(self.worker, key, value)  # validated as [worker] would be
+        return self
+
+    @model_validator(mode="after")
     def _buffer_holds_a_step(self) -> "EchoConfig":
         if self.buffer.capacity_groups < self.learner.prompts_per_step:
             raise ValueError(
@@ -430,6 +458,11 @@ def _explain(err: ValidationError, data: dict[str, Any]) -> str:
             continue
         value = e.get("input")
         msg = e["msg"].removeprefix("Value error, ")
+        if not e["loc"] or isinstance(value, dict):
+            # a rule across keys: its message names them and the fix; the input is a whole
+            # section (or the whole config), not worth printing
+            lines.append(msg)
+            continue
         lines.append(f"{key} = {value!r}: {msg}; fix it in the TOML or with --set {key}=...")
     return "invalid config:\n  " + "\n  ".join(lines)
 

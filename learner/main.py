@@ -106,6 +106,22 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
     }
 
 
+CUT_WARN_SHARE = 0.5  # warn when more than this share of a step's completions were cut
+CUT_WARN_EVERY = 50  # ... at most once per this many steps
+
+
+def cut_share(records: list[Record], max_new_tokens: int, eos_token_id: int | None) -> float | None:
+    """Share of single-turn completions that stopped at ``worker.max_new_tokens`` without
+    end-of-sequence: answers cut short. None for a batch of multi-turn episodes (their turns
+    have their own limit)."""
+    single = [r for r in records if r.loss_mask is None]
+    if not single:
+        return None
+    cut = sum(1 for r in single if len(r.completion_ids) >= max_new_tokens
+              and (not r.completion_ids or r.completion_ids[-1] != eos_token_id))
+    return cut / len(single)
+
+
 def _summary(cfg: EchoConfig, rows: list[dict[str, Any]], totals: RunTotals) -> dict[str, Any]:
     def mean(rs: list[dict[str, Any]]) -> float | None:
         vals = [r["reward_mean"] for r in rs if r.get("reward_mean") is not None]
@@ -220,6 +236,7 @@ class Learner:
         self.metrics_server: Any = None
         self.publish_refused = 0  # snapshots not published because a tensor was not finite
         self.struck: Counter[str] = Counter()  # worker id -> records behind skipped updates
+        self._cut_warned = -CUT_WARN_EVERY  # step of the last "completions cut" warning
 
     def _audit(self, name: str, entry: dict[str, Any]) -> None:
         """Append-only audit trails (consumed.jsonl, dropped.jsonl), keyed by step so a
@@ -430,6 +447,7 @@ class Learner:
         control = self.control.stats()
         row = self._finite_row(_metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, 0.0,
                                             self.totals, self.buffer, control))
+        row["completions_cut"] = self._cut(step, [r for g in groups for r in g])
         if full is not None and self._state_finite(self.step, full[0]):
             # The row goes into the checkpoint too: a crash between the checkpoint and the
             # metrics line would otherwise lose the line of a step the resumed run skips.
@@ -445,6 +463,20 @@ class Learner:
         if self.metrics is not None:
             self.metrics.update(row, control)
         return row
+
+    def _cut(self, step: int, records: list[Record]) -> float | None:
+        """The step's share of cut completions, with a warning when most were cut: nothing
+        else would say that worker.max_new_tokens is too small for the task."""
+        max_new = self.cfg.worker.max_new_tokens
+        share = cut_share(records, max_new, self.policy.tokenizer.eos_token_id)
+        if share is not None and share > CUT_WARN_SHARE and step - self._cut_warned >= CUT_WARN_EVERY:
+            self._cut_warned = step
+            log.warning("step %d: %.0f%% of completions stopped at worker.max_new_tokens = %d "
+                        "without end-of-sequence: answers are being cut short. Raise it for this "
+                        "task ([adapter.presets.%s.generation] max_new_tokens, or --set "
+                        "worker.max_new_tokens=N; docs/config.md)", step, 100 * share, max_new,
+                        self.cfg.adapter.name)
+        return None if share is None else round(share, 4)
 
     def _audits(self, t_train: float) -> dict[str, Any]:
         """Audit waiting groups for at most ``security.audit_budget`` of the learner's time

@@ -81,3 +81,22 @@ def test_config_reference_is_generated_from_the_code(tmp_path, capsys):
     text = page.read_text()
     for key in ("`staleness`", "`is_mode`", "`nat_traversal`", "`strikes`", "`presets`"):
         assert key in text, key
+
+
+def test_a_tasks_preset_carries_its_generation_settings():
+    """Switching task is one line: each preset brings its own max_new_tokens, which [worker] or
+    --set still override; a misspelt generation key is named with the fix."""
+    from pathlib import Path
+
+    qs = Path(__file__).resolve().parents[1] / "examples" / "quickstart.toml"
+    lengths = {name: load_config(qs, [f'adapter.name="{name}"']).worker.max_new_tokens
+               for name in ("toy-add", "math", "poker")}
+    assert lengths == {"toy-add": 4, "math": 6, "poker": 5}
+    math = load_config(qs, ['adapter.name="math"'])
+    assert "generation" not in math.adapter.effective_options  # not an option of the adapter
+    assert math.worker_view()["worker"]["max_new_tokens"] == 6  # what workers are told
+    assert load_config(qs, ['adapter.name="math"', "worker.max_new_tokens=9"]).worker.max_new_tokens == 9
+    with pytest.raises(ConfigError, match=r"generation\.max_tokens is not a generation setting: use max_new_tokens"):
+        load_config(qs, ['adapter.name="math"', "adapter.presets.math.generation.max_tokens=3"])
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        load_config(qs, ['adapter.name="math"', "adapter.presets.math.generation.max_new_tokens=0"])

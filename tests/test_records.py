@@ -71,3 +71,21 @@ def test_missing_field_and_non_map():
         parse_record(rec, LIM)
     with pytest.raises(RecordError):
         parse_record([1, 2], LIM)
+
+
+def test_cut_completions_are_counted():
+    """A completion that stops at max_new_tokens without end-of-sequence was cut short: the
+    learner's metrics line counts them (completions_cut) and warns when most are."""
+    from dataplane.records import Record
+    from learner.main import cut_share
+
+    eos = 2
+
+    def rec(completion, mask=None):
+        return Record("g", 0, [5], completion, [-0.1] * len(completion), 0.0, 0, "w", 0.1,
+                      loss_mask=mask)
+
+    batch = [rec([7, 7, 7, 7]), rec([7, 2]), rec([7, 7, 7, 2]), rec([7, 7, 7, 7])]
+    assert cut_share(batch, 4, eos) == 0.5  # two hit 4 tokens without eos; one ended on eos at 4
+    assert cut_share([rec([7, 7], mask=[1, 1])], 4, eos) is None  # episodes: per-turn limits
+    assert cut_share(batch, 8, eos) == 0.0
