@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev_sub.add_parser("poker", add_help=False, help="chip change against each opponent, 95%% CI")
     ev_sub.add_parser("math", add_help=False, help="accuracy on a JSONL set")
     sub.add_parser("report", add_help=False, help="compare runs: HTML, CSV, Parquet (see --help)")
+    sub.add_parser("sample", add_help=False,
+                   help="sample RUN_DIR: prompts, completions and rewards from the latest checkpoint")
     sub.add_parser("token", add_help=False, help="token create --run-dir DIR --uses N --expires 24h")
     sub.add_parser("worker", add_help=False, help="worker ban KEY --run-dir DIR")
     sub.add_parser("sim", add_help=False, help="discrete-event simulation: sim SCENARIO.toml [--json FILE]")
@@ -107,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         from adapters.math_eval import main as math_eval
 
         return math_eval(argv[2:])
+    if argv[:1] == ["sample"]:
+        from echo.sample import main as sample_main
+
+        return sample_main(argv[1:])
     if argv[:1] == ["report"]:
         from echo.report import main as report_main
 

@@ -92,3 +92,30 @@ def test_quickstart_progress_is_plain_lines_without_a_terminal(capsys, monkeypat
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["step 1/3  reward 0.000  staleness 1  bubble 0.00  workers 2 active / 0 standby",
                      "step 3/3  reward 0.200  staleness 1  bubble 0.00  workers 2 active / 0 standby"]
+
+
+def test_sample_shows_what_a_runs_checkpoint_generates_for_its_task(tmp_path, capsys):
+    """echo-rl sample RUN_DIR: the run's adapter, the latest checkpoint's weights, the worker's
+    generation settings; a folder that is not a run is explained."""
+    import json
+
+    from echo import cli
+    from echo.config import dump_toml, load_config
+    from echo.models import load_model, load_tokenizer
+    from learner.checkpoint import save_checkpoint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(None, ['adapter.name="toy-add"', "worker.max_new_tokens=3"])
+    (run / "config.toml").write_text(dump_toml(cfg))
+    model = load_model(cfg.model, load_tokenizer(cfg.model), "float32")
+    save_checkpoint(run, 1, {"model": model.state_dict()})
+    out = tmp_path / "rows.json"
+    assert cli.main(["sample", str(run), "--n", "3", "--samples", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 6 and all(r["tokens"] <= 3 for r in rows)
+    assert all("+" in r["prompt"] and r["reward"] >= 0 for r in rows)  # toy-add's "a+b=" prompts
+    printed = capsys.readouterr().out
+    assert "mean reward" in printed and "cut at max_new_tokens" in printed
+    assert cli.main(["sample", str(tmp_path)]) == 1
+    assert "not an Echo run folder" in capsys.readouterr().err
