@@ -194,6 +194,15 @@ def check_adapter(adapter: Adapter, tokenizer: Any, name: str = "") -> None:
     if vocab is not None and not all(0 <= t < vocab for t in ids):
         raise AdapterError(f"adapter {name!r}: Prompt.prompt_ids holds ids outside the "
                            f"tokenizer's vocabulary [0, {vocab})")
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is not None and unk in ids:
+        # The tokenizer met characters it cannot spell and put <unk> in their place: the
+        # model would train on prompts it cannot read. Say so now, not after a run.
+        raise AdapterError(
+            f"adapter {name!r}: a prompt holds {ids.count(unk)} unknown token(s) (<unk>): the "
+            f"tokenizer cannot spell some of its characters ({tokenizer.decode(ids)[:80]!r}). "
+            f"With the tiny model set model.tiny_vocab = \"text\" (letters, space, "
+            f"punctuation), or use a real model (model.name = a Hugging Face folder)")
     if not isinstance(prompt.task, dict):
         raise AdapterError(f"adapter {name!r}: Prompt.task must be a dict (got "
                            f"{type(prompt.task).__name__})")

@@ -51,6 +51,10 @@ class ModelConfig(_Section):
     head_dim: int = Field(16, gt=0)  # tiny-qwen3 only
     max_positions: int = Field(64, gt=0)  # tiny-qwen3 only: longest prompt + completion, tokens
     seed: int = 0  # tiny-qwen3 only: seed of the random initialisation
+    # tiny-qwen3 only: its character tokenizer. "arith" (24 tokens): digits, + - * = and a-f,
+    # what the toy tasks need; "text": also letters, space and punctuation (ordinary text).
+    # A prompt the tokenizer cannot spell stops the learner at start-up.
+    tiny_vocab: Literal["arith", "text"] = "arith"
 
 
 GENERATION_KEYS = ("max_new_tokens", "temperature")  # what a preset may set for [worker]

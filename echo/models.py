@@ -16,6 +16,7 @@ with a tensor index, and back (the payload is always built in host memory).
 
 from __future__ import annotations
 
+import string
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,9 +29,15 @@ if TYPE_CHECKING:  # torch and transformers load late: entry points must start i
 TINY = "tiny-qwen3"
 # Digits and arithmetic first: the toy tasks use them; letters keep room for small words.
 TINY_CHARS = list("0123456789+-*=") + list("abcdef")
+# model.tiny_vocab = "text": the same ids first (so "arith" checkpoints' ids keep their meaning),
+# then what ordinary English text needs: the rest of printable ASCII, space and newline.
+TINY_TEXT_CHARS = TINY_CHARS + [c for c in " \n" + string.printable.strip() if c not in TINY_CHARS]
 TINY_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+# Roles as one letter each that the "arith" vocabulary can spell (assistant a, user b, system
+# c, anything else d): the first letter of "user" or "system" was an <unk> token.
 TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<bos>{{ m['role'][0] }}={{ m['content'] }}<eos>{% endfor %}"
+    "{% set r = {'assistant': 'a', 'user': 'b', 'system': 'c'} %}"
+    "{% for m in messages %}<bos>{{ r.get(m['role'], 'd') }}={{ m['content'] }}<eos>{% endfor %}"
     "{% if add_generation_prompt %}<bos>a={% endif %}"
 )
 
@@ -39,11 +46,15 @@ class ModelError(ValueError):
     pass
 
 
-def build_tiny_tokenizer() -> Any:
+def build_tiny_tokenizer(vocab_kind: str = "arith") -> Any:
+    """A character tokenizer built here (no download). ``arith`` (the default, 24 tokens):
+    digits, ``+-*=`` and ``a-f``, what the toy tasks need (a small vocabulary learns fast);
+    ``text``: also every printable ASCII character, space and newline."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(TINY_SPECIALS + TINY_CHARS)}
+    chars = {"arith": TINY_CHARS, "text": TINY_TEXT_CHARS}[vocab_kind]
+    vocab = {t: i for i, t in enumerate(TINY_SPECIALS + chars)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -68,7 +79,7 @@ def _model_dir(cfg: ModelConfig) -> Path:
 
 def load_tokenizer(cfg: ModelConfig) -> Any:
     if cfg.name == TINY:
-        return build_tiny_tokenizer()
+        return build_tiny_tokenizer(cfg.tiny_vocab)
     from transformers import AutoTokenizer
 
     path = _model_dir(cfg)

@@ -229,3 +229,36 @@ def test_a_runs_checkpoint_exports_as_a_model_folder(tmp_path, small_cfg, tokeni
     assert torch.equal(back.lm_head.weight, trained.lm_head.weight)
     with pytest.raises(ImportFailed, match="exists"):
         export_checkpoint(run, out)
+
+
+def test_the_text_vocabulary_spells_ordinary_text_and_keeps_the_arith_ids():
+    from echo.models import build_tiny_tokenizer
+
+    arith, text = build_tiny_tokenizer(), load_tokenizer(ModelConfig(tiny_vocab="text"))
+    sentence = "Sort these numbers: 3, 1, 2.\nAnswer (ascending):"
+    ids = text.encode(sentence)
+    assert text.unk_token_id not in ids and text.decode(ids) == sentence
+    assert arith.encode("12+3=") == text.encode("12+3=")  # the toy tasks' ids do not move
+    assert len(arith) == 24 and len(text) > 90
+    model = load_model(ModelConfig(tiny_vocab="text"), text)
+    assert model.get_input_embeddings().weight.shape[0] == len(text)
+
+
+def test_a_prompt_the_tokenizer_cannot_spell_stops_at_start_up():
+    """<unk> in a prompt used to pass the start-up check: the model trained on unreadable text."""
+    import random
+
+    from dataplane.adapter import Adapter, AdapterError, Prompt, check_adapter
+    from echo.models import build_tiny_tokenizer
+
+    class Words(Adapter):
+        def prompts(self, rng: random.Random):
+            while True:
+                yield Prompt(self.tokenizer.encode("sort: b a c"), {})
+
+        def reward(self, task, completion_ids, completion_text):
+            return 0.0
+
+    with pytest.raises(AdapterError, match=r'unknown token.*model.tiny_vocab = "text"'):
+        check_adapter(Words({}, build_tiny_tokenizer()), build_tiny_tokenizer(), "words")
+    check_adapter(Words({}, build_tiny_tokenizer("text")), build_tiny_tokenizer("text"), "words")
