@@ -395,7 +395,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
             for w in [w for w in self.workers.values() if now - w.last_seen > timeout]:
                 self._forget(w.worker_id, f"no heartbeat for {now - w.last_seen:.1f}s")
             self._provision()
-            self.accounts.tick([w for w in self.workers if self.is_active(w)], now)
+            self.accounts.tick(self.workers if self.controller is None
+                               else self.controller.active_ids(), now)
             expired = self.work.expire()
             if expired:
                 log.info("%d group lease(s) expired: handed out again", expired)
@@ -594,7 +595,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
 
     def _refresh_book(self, w: WorkerState) -> None:
         rep, co = self.reputation, self.coordinator
-        install = co.install_times(w.version).get(w.worker_id, 0.0) if co and w.version >= 0 else 0.0
+        peer = co.peers.get(w.worker_id) if co else None  # O(1): this runs at every heartbeat
+        install = peer.installed.get(w.version, 0.0) if peer is not None else 0.0
         self.accounts.refresh(
             w.worker_id, version=w.version, install_s=install, nat=w.nat,
             throughput=w.measured_throughput,
