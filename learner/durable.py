@@ -39,7 +39,7 @@ import struct
 import threading
 import time
 import zlib
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from collections.abc import Callable
@@ -112,10 +112,10 @@ class BufferLog:
             except BaseException as exc:  # every waiter hears of it; later appends raise
                 self._error = exc
                 for _, done in items:
-                    done.set_exception(exc)
+                    _settle(done, exc)
             else:
                 for _, done in items:
-                    done.set_result(None)
+                    _settle(done, None)
             if len(items) < len(batch):  # close() asked the writer to stop
                 return
 
@@ -164,6 +164,21 @@ class BufferLog:
             self._writer.join(30)
         with self._lock:
             self._f.close()
+
+
+def _settle(done: Future, exc: BaseException | None) -> None:
+    """Resolve a waiter's future. One its waiter cancelled (an acknowledgement task that ended
+    with the control plane) is skipped: setting it would raise in the writer thread, which
+    then died and left every later append, the learner's own included, waiting forever."""
+    if done.cancelled():
+        return
+    try:
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
+    except InvalidStateError:  # cancelled between the check and the set
+        pass
 
 
 def _fsync_dir(path: Path) -> None:

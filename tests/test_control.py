@@ -311,3 +311,23 @@ def test_without_group_commit_an_append_is_durable_when_it_returns(tmp_path):
     assert log.admitted([rec]).done() and log.commits == 1
     assert [r.group_id for r in read_log(tmp_path / "buffer.log")[0]] == ["g"]
     log.close()
+
+
+def test_a_cancelled_waiter_does_not_kill_the_log_writer(tmp_path):
+    """An acknowledgement task cancelled at shutdown cancels its durable future; the writer used
+    to die setting it, and the learner's own next append then waited forever (a hung exit)."""
+    from dataplane.records import Record
+    from learner.durable import BufferLog, read_log
+
+    def rec(g: str) -> Record:
+        return Record(group_id=g, sample_idx=0, prompt_ids=[3, 4], completion_ids=[11, 1],
+                      logprobs=[-1.0, -0.5], reward=1.0, version=0, worker_id="w1", gen_s=0.01)
+
+    log = BufferLog(tmp_path / "buffer.log", fsync=True, fsync_delay_s=0.2)
+    first = log.admitted([rec("g1")])  # the writer is now inside a 0.2 s fsync with it
+    assert first.cancel()
+    second = log.admitted([rec("g2")])
+    second.result(timeout=10)  # the writer lives on
+    log.consumed(1, ["g2"]).result(timeout=10)
+    log.close()
+    assert {r.group_id for r in read_log(tmp_path / "buffer.log")[0]} == {"g1", "g2"}
