@@ -46,7 +46,13 @@ def run_name(s: int, is_on: str, seed: int) -> str:
 
 
 def train(s: int, is_on: str, seed: int, steps: int, workers: int, out: Path) -> dict[str, Any]:
-    """One real training run; its reward curve and final reward."""
+    """One real training run; its reward curve and final reward. A run whose result file is
+    already there (same steps) is read back, not run again: an interrupted sweep resumes."""
+    path = out / "runs" / f"{run_name(s, is_on, seed)}.json"
+    if path.exists():
+        done = json.loads(path.read_text())
+        if done.get("steps") == steps:
+            return done
     with tempfile.TemporaryDirectory(prefix="echo-sweep-") as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "echo.cli", "quickstart", "--config",
@@ -73,7 +79,6 @@ def train(s: int, is_on: str, seed: int, steps: int, workers: int, out: Path) ->
         "t_train_s": round(sum(float(r.get("t_train") or 0) for r in rows[1:]), 2),
         "dropped_stale": rows[-1].get("dropped_stale"),
     }
-    path = out / "runs" / f"{run_name(s, is_on, seed)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
     return res
