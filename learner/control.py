@@ -368,14 +368,17 @@ class ControlPlane(Sessions, SnapshotRoutes):
         source it goes with). NOBLOCK: a full queue drops it; the link then fails and the
         worker asks again (``unpunchable``)."""
         w = self.workers.get(worker_id)
+        if w is not None:
+            self._push_ident(w.ident, msg, worker_id)
+
+    def _push_ident(self, ident: bytes, msg: wire.Message, who: str) -> None:
+        """``_push`` to a connection, for a worker the plane no longer holds a session for."""
         assert self._ctrl is not None
-        if w is None:
-            return
         try:
             zmq.Socket.shadow(self._ctrl.underlying).send_multipart(
-                [w.ident, wire.encode(msg)], flags=zmq.NOBLOCK)
+                [ident, wire.encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.info("could not send %s to %s: %s", msg.type, worker_id, exc)
+            log.info("could not send %s to %s: %s", msg.type, who, exc)
 
     async def _send_ident(self, ident: bytes, msg: wire.Message, who: str = "") -> None:
         assert self._ctrl is not None
@@ -576,13 +579,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
         """A quarantined worker's final books, sent before the refusal that stops it (its
         key is banned: nothing it sends is answered any more)."""
         account = self.accounts.account(worker_id)
-        if account is None or self._ctrl is None:
-            return
-        try:
-            zmq.Socket.shadow(self._ctrl.underlying).send_multipart(
-                [ident, wire.encode(wire.Farewell(account=account))], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.info("could not send the farewell to %s: %s", worker_id, exc)
+        if account is not None:
+            self._push_ident(ident, wire.Farewell(account=account), worker_id)
 
     def _account(self, w: WorkerState, message: str = "") -> wire.Account:
         """This worker's books, brought up to date (learner.accounts)."""
