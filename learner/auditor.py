@@ -70,8 +70,11 @@ def sampling_check(samples: list[TokenStats], alpha: float, clip: float) -> tupl
             total += max(lp + h, -clip)
             spread += (h + clip) ** 2
     threshold = -math.sqrt(math.log(1 / alpha) * spread / 2)
-    return total > threshold, {"sum": round(total, 3), "threshold": round(threshold, 3),
-                               "tokens": sum(len(s.logprob) for s in samples)}
+    tokens = sum(len(s.logprob) for s in samples)
+    # No trained token, no evidence: a poker group whose opponent folded before the policy
+    # ever acted has none, and 0 > -0.0 would have been a strike against an honest worker.
+    return tokens == 0 or total > threshold, {"sum": round(total, 3), "threshold": round(threshold, 3),
+                               "tokens": tokens}
 
 
 class Auditor:

@@ -61,6 +61,15 @@ def test_sampling_check_passes_honest_samples_and_fails_chosen_tokens():
     assert garbage.count(False) >= 190
 
 
+def test_sampling_check_without_trained_tokens_is_no_evidence():
+    # a multi-turn group where the policy never acted (the opponent folded first): nothing to
+    # judge, so no strike; one garbage token in it is judged again
+    empty = [TokenStats([], [], []) for _ in range(8)]
+    assert sampling_check(empty, 1e-3, 4.0) == (True, {"sum": 0.0, "threshold": -0.0, "tokens": 0})
+    garbage = TokenStats([math.log(1e-4)] * 6, [0.05] * 6, [math.log(1e-4)] * 6)
+    assert not sampling_check([*empty, garbage], 1e-3, 4.0)[0]
+
+
 def test_logprob_check_compares_per_sample_means_with_a_tolerance():
     s = TokenStats([-1.0, -2.0], [1.0, 1.0], [-1.01, -1.99])  # backend noise
     assert logprob_check([s], 0.5)[0]
