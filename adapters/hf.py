@@ -2,7 +2,8 @@
 
 ``HFModel(name)``: ``name`` is ``tiny-qwen3`` (random init, for tests), a folder written by
 ``save_pretrained``, or an Echo run folder (``runs/<id>``: the run's model with the weights of
-its latest checkpoint); loaded through ``echo.models`` like everywhere else, on ``device``
+its latest checkpoint, or with ``untrained=True`` the weights the run started from: the same
+seeded init, or the pretrained model); loaded through ``echo.models`` like everywhere else, on ``device``
 (``cpu`` by default; ``auto``/``cuda``/``cuda:N`` as in ``worker.device``).
 ``generate(prompts, max_new_tokens, temperature)`` -> ``[(ids, logprobs)]`` (greedy when
 ``temperature == 0``), cut after the first end-of-sequence; ``chat(messages)`` -> text.
@@ -26,7 +27,7 @@ def run_config(name: str) -> Any:
 
 class HFModel:
     def __init__(self, name: str, threads: int | None = None, seed: int = 0, device: str = "cpu",
-                 **model_cfg: Any):
+                 untrained: bool = False, **model_cfg: Any):
         import torch
 
         from echo.config import ModelConfig
@@ -43,7 +44,10 @@ class HFModel:
         self.device = resolve_device(device, "device")
         dtype = "bfloat16" if bf16_compute(self.device) else "float32"
         self.model = load_model(cfg, self.tokenizer, dtype).eval()
-        if self.run_config is not None:
+        if untrained and self.run_config is None:
+            raise ValueError(f"{name}: untrained needs an Echo run folder (config.toml and "
+                             "checkpoints/); a model folder is untrained already")
+        if self.run_config is not None and not untrained:  # untrained: the run's initial weights
             ckpt = Path(name) / "checkpoints"
             state = torch.load(ckpt / (ckpt / "latest").read_text().strip(), map_location="cpu",
                                weights_only=False)["model"]

@@ -85,14 +85,23 @@ def drive(episodes: Sequence[Episode], generate: GenerateFn) -> list[EpisodeSamp
     return results  # type: ignore[return-value]
 
 
-def backend_generate_fn(backend: Any, max_new_tokens: int, temperature: float, seed: int) -> GenerateFn:
+class Cut(Exception):
+    """The worker was preempted between two decisions: the episodes stop here and their
+    groups are handed back whole (an episode's environment cannot travel; docs/preemption.md)."""
+
+
+def backend_generate_fn(backend: Any, max_new_tokens: int, temperature: float, seed: int,
+                        stop: Any = None) -> GenerateFn:
     """A ``generate`` over a worker ``Backend`` (its ``generate`` takes wire groups): each
-    prompt becomes a one-sample group; the seed advances every call so decisions differ."""
+    prompt becomes a one-sample group; the seed advances every call so decisions differ.
+    ``stop`` (an event) set: the next call raises ``Cut`` instead of generating."""
     from echo import wire
 
     calls = itertools.count()
 
     def generate(prompts: list[list[int]]) -> list[Generated]:
+        if stop is not None and stop.is_set():
+            raise Cut()
         k = next(calls)
         groups = [wire.Group(group_id=f"ep{k}.{i}", prompt_ids=p, n=1,
                              seed=(seed * 1_000_003 + k) % (1 << 62)) for i, p in enumerate(prompts)]

@@ -14,6 +14,10 @@ record = {
   "version": int,           # snapshot version the generation started with (oldest if mixed)
   "worker_id": str,
   "gen_s": float,           # seconds the worker spent generating this sample's group (>= 0)
+  "loss_mask": [int],       # optional, multi-turn: 1 on tokens the policy generated
+  "versions": [[v, count]], # optional: the snapshot version of each completion token as runs,
+                            # oldest first; a sample continued after a preemption has two or
+                            # more (docs/preemption.md). Absent: every token is ``version``.
 }
 
 Every number is bounded here, at admission, so that nothing a worker can send overflows or
@@ -48,6 +52,7 @@ class Record:
     worker_id: str
     gen_s: float = 0.0
     loss_mask: list[int] | None = None  # multi-turn: 1 on tokens the policy generated
+    versions: list[list[int]] | None = None  # [version, count] runs (None: all ``version``)
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,11 +121,33 @@ def _check_reward(reward: float | int, bound: float) -> None:
                           f"adapter's rewards down, or raise learner.max_abs_reward (at most 1e30)")
 
 
+MAX_VERSION_RUNS = 64
+
+
+def check_versions(runs: Any, n: int, oldest: int) -> None:
+    """Per-token versions as ``[version, count]`` runs: counts >= 1 summing to ``n``, versions
+    increasing, the first one ``oldest`` (the record's ``version``, which the staleness rule
+    judges: the rule applies to the oldest token)."""
+    ok = (isinstance(runs, list) and 1 <= len(runs) <= MAX_VERSION_RUNS
+          and all(isinstance(r, (list, tuple)) and len(r) == 2
+                  and all(type(x) is int for x in r) and r[1] >= 1 for r in runs))
+    if not ok:
+        raise RecordError("bad_versions", f"versions must be 1..{MAX_VERSION_RUNS} [version, "
+                          f"count] pairs of ints with count >= 1")
+    if sum(r[1] for r in runs) != n:
+        raise RecordError("bad_versions", f"versions cover {sum(r[1] for r in runs)} tokens, "
+                          f"the completion has {n}")
+    vs = [r[0] for r in runs]
+    if vs[0] != oldest or any(b <= a for a, b in zip(vs, vs[1:])):
+        raise RecordError("bad_versions", f"versions {vs[:8]} must increase from the record's "
+                          f"version {oldest}")
+
+
 def parse_record(obj: Any, limits: Limits) -> Record:
     """Schema, type and range checks that need no learner state."""
     if not isinstance(obj, dict):
         raise RecordError("invalid_fields", f"record is a {type(obj).__name__}, expected a map")
-    extra = set(obj) - set(_FIELDS) - {"loss_mask"}
+    extra = set(obj) - set(_FIELDS) - {"loss_mask", "versions"}
     if extra:
         raise RecordError("invalid_fields", f"unknown record fields {sorted(extra)}")
     for name, typ in _FIELDS.items():
@@ -141,6 +168,8 @@ def parse_record(obj: Any, limits: Limits) -> Record:
     if mask is not None and (not isinstance(mask, list) or len(mask) != n
                              or any(type(m) is not int or m not in (0, 1) for m in mask)):
         raise RecordError("bad_loss_mask", f"loss_mask must be a list of {n} ints in {{0, 1}}")
+    if obj.get("versions") is not None:
+        check_versions(obj["versions"], n, obj["version"])
     _check_reward(obj["reward"], limits.max_abs_reward)
     gen_s = _as_float(obj["gen_s"], "bad_gen_s")
     if not math.isfinite(gen_s) or gen_s < 0:
@@ -149,4 +178,6 @@ def parse_record(obj: Any, limits: Limits) -> Record:
         raise RecordError("bad_sample_idx",
                           f"sample_idx {obj['sample_idx']} outside [0, {limits.group_size})")
     return Record(**{**obj, "reward": float(obj["reward"]), "gen_s": float(obj["gen_s"]),
-                     "logprobs": [float(x) for x in obj["logprobs"]]})
+                     "logprobs": [float(x) for x in obj["logprobs"]],
+                     **({"versions": [list(r) for r in obj["versions"]]}
+                        if obj.get("versions") is not None else {})})

@@ -16,6 +16,9 @@ Worker -> learner (control socket)
   trajectories    worker_id, batch_id, count, payload   -> ack
                   payload = lz4.frame(msgpack([record, ...])), record schema in
                   ``dataplane.records``; at-least-once: the worker resends until acked.
+  handback        worker_id, reason, groups, prefixes   -> handback_ack
+                  leases given back before stopping (preempted, yielded): prefixes are
+                  the samples cut short, continued by another worker (docs/preemption.md)
   leave           worker_id                             -> farewell{account}
                   the final account; a worker that does not wait for it loses nothing
   source_request  worker_id, version, bad_source, reason, form -> source_grant{source}
@@ -55,7 +58,7 @@ are validated strictly (``True`` is not an int, ``1`` is not a bool, no NaN or i
 from __future__ import annotations
 
 import reprlib
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import lz4.frame
 import msgpack
@@ -175,7 +178,9 @@ class Heartbeat(Message):
     throughput: float = Field(0.0, ge=0)  # trajectories/s per busy second, recent (EWMA)
     busy_s: float = Field(0.0, ge=0)  # total seconds in wait-for-grant, generate, score cycles
     busy_samples: int = Field(0, ge=0)  # trajectories produced in those cycles
-    state: Literal["idle", "generating", "installing", "leaving"] = "idle"
+    # yielded: the machine's owner needs it (docs/preemption.md); the learner treats the
+    # worker as standby, not as gone
+    state: Literal["idle", "generating", "installing", "leaving", "yielded"] = "idle"
 
 
 class HeartbeatAck(Message):
@@ -190,6 +195,22 @@ class HeartbeatAck(Message):
     account: Account | None = None  # the learner's books on this worker (None: unknown worker)
 
 
+class Prefix(BaseModel):
+    """A sample cut short by preemption (docs/preemption.md): the tokens generated so far,
+    their behaviour log-probs, and the snapshot version of each as runs ``[version, count]``,
+    oldest first. Sent by the preempted worker (``handback``); handed by the learner to the
+    worker that continues the sample (``Group.prefixes``), which must deliver a record whose
+    completion starts with exactly these tokens and log-probs."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    sample_idx: int = Field(ge=0, le=4096)
+    ids: list[int] = Field(min_length=1, max_length=65536)
+    logprobs: list[float] = Field(min_length=1, max_length=65536)
+    # [version, count] pairs (lists: msgpack has no tuples)
+    versions: list[Annotated[list[int], Field(min_length=2, max_length=2)]] = Field(
+        min_length=1, max_length=64)
+
+
 class Group(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     group_id: str
@@ -197,6 +218,9 @@ class Group(BaseModel):
     n: int = Field(ge=1)
     seed: int
     task: dict[str, Any] = Field(default_factory=dict)  # what the reward needs (e.g. answer)
+    # A continuation (docs/preemption.md): these samples go on from their prefix, the others
+    # are generated from the prompt; every sample of the group is delivered, as always.
+    prefixes: list[Prefix] = Field(default_factory=list, max_length=4096)
 
 
 class WorkRequest(Message):
@@ -237,6 +261,25 @@ class Ack(Message):
 class Leave(Message):
     TYPE = "leave"
     worker_id: str
+
+
+class Handback(Message):
+    """A worker gives its leases back before it stops generating (preempted, or yielding
+    the machine to its owner): ``groups`` it will not deliver, with ``prefixes`` of the
+    samples it had started, per group id. Answered by ``handback_ack``."""
+
+    TYPE = "handback"
+    worker_id: str
+    reason: Literal["preempted", "yielded"]
+    groups: list[str] = Field(max_length=4096)
+    prefixes: dict[str, list[Prefix]] = Field(default_factory=dict, max_length=4096)
+
+
+class HandbackAck(Message):
+    TYPE = "handback_ack"
+    groups: int = Field(ge=0)  # leases taken back
+    prefixes: int = Field(ge=0)  # prefixes kept for a continuation
+    refused: dict[str, int] = Field(default_factory=dict)  # prefixes not kept, by reason
 
 
 class SnapshotNotice(Message):
@@ -322,7 +365,8 @@ MESSAGES: dict[str, type[Message]] = {
     m.TYPE: m
     for m in (Join, JoinAck, Heartbeat, HeartbeatAck, WorkRequest, WorkGrant, Trajectories, Ack,
               Leave, SnapshotNotice, Shutdown, ChunkRequest, Chunk, Error, SourceRequest,
-              SourceGrant, Installed, NatReport, NatStatus, Punch, Farewell)
+              SourceGrant, Installed, NatReport, NatStatus, Punch, Farewell, Handback,
+              HandbackAck)
 }
 
 

@@ -88,6 +88,16 @@ def examples() -> list[wire.Message]:
         wire.Ack(batch_id="b1", accepted=1, duplicates=0, rejected={"out_of_vocab": 1},
                  rejected_idx=[1]),
         wire.Leave(worker_id="w1"),
+        wire.Heartbeat(worker_id="w1", version=4, state="yielded"),
+        wire.WorkGrant(groups=[wire.Group(
+            group_id="g2", prompt_ids=[1, 2], n=2, seed=9,
+            prefixes=[wire.Prefix(sample_idx=1, ids=[5, 6], logprobs=[-0.5, -1.0],
+                                  versions=[[3, 1], [4, 1]])])]),
+        wire.Handback(worker_id="w1", reason="preempted", groups=["g1", "g2"],
+                      prefixes={"g1": [wire.Prefix(sample_idx=0, ids=[7], logprobs=[-0.1],
+                                                   versions=[[4, 1]])]}),
+        wire.Handback(worker_id="w1", reason="yielded", groups=[]),
+        wire.HandbackAck(groups=2, prefixes=1, refused={"stale": 1}),
         wire.SnapshotNotice(version=4, manifest=m, source="tcp://10.0.0.3:1"),
         wire.Shutdown(reason="run finished"),
         wire.Shutdown(reason="run finished", account=ACCOUNT),
@@ -124,6 +134,9 @@ def check_value(ann: Any, metadata: list[Any], value: Any, where: str) -> None:
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     if ann is Any:
         return
+    if origin is typing.Annotated:  # the inner type, with its own bounds
+        inner = [m for a in args[1:] for m in (getattr(a, "metadata", None) or [a])]
+        return check_value(args[0], inner, value, where)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return

@@ -47,6 +47,7 @@ from learner.verify import Verifier
 from learner.buffer import ReplayBuffer
 from learner.durable import BufferLog
 from learner.gate import security_dir
+from learner.handback import PrefixLimits, check_prefixes
 from learner.intake import NOT_COUNTED, AuditJob, Intake
 from learner.reputation import Reputation, Verdict
 from learner.routes import SnapshotRoutes
@@ -142,6 +143,9 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.workers: dict[str, WorkerState] = {}
         self.accounts = Accounts()  # what each worker is told about itself (docs/volunteers.md)
         self.rejected: Counter[str] = Counter()
+        # docs/preemption.md: leases and prefixes given back, prefixes refused by reason
+        self.handbacks: Counter[str] = Counter()
+        self.multi_turn = bool(getattr(adapter, "multi_turn", False))
         self.endpoint = ""
         self.snapshot_endpoint = ""
         self._ready = threading.Event()
@@ -317,6 +321,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             "worker_busy_rate": (sum(w.busy_samples for w in active) / sum(w.busy_s for w in active)
                                  if active and sum(w.busy_s for w in active) > 0 else 0.0),
             "rejected": dict(self.rejected + self.buffer.stats.rejected),
+            "handbacks": dict(self.handbacks),  # docs/preemption.md
             # docs/security.md: refused joins and connections, rate-limited or banned messages,
             # refused chunk requests (this socket's), by reason
             "join_refused": dict(self.gate.refused),
@@ -501,6 +506,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             wire.WorkRequest: self._on_work_request, wire.Trajectories: self._on_trajectories,
             wire.Leave: self._on_leave, wire.SourceRequest: self._on_source_request,
             wire.Installed: self._on_installed, wire.NatReport: self._on_nat_report,
+            wire.Handback: self._on_handback,
         }.get(type(msg))
         if handler is None:
             raise wire.WireError("unknown_type", f"{msg.type} is not a request the learner serves")
@@ -539,6 +545,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
         w.busy_s, w.busy_samples = msg.busy_s, msg.busy_samples
         if self.controller is not None:
             self.controller.heartbeat(msg.worker_id, up=True)
+            if self.controller.set_yielded(msg.worker_id, msg.state == "yielded"):
+                log.info("worker %s yielded to its owner: standby", msg.worker_id)
         account = self._account(w)
         if msg.version >= version:
             return wire.HeartbeatAck(instance_id=self.instance_id, version=version, account=account)
@@ -567,6 +575,39 @@ class ControlPlane(Sessions, SnapshotRoutes):
         active = (len(self.controller.active_ids()) if self.controller is not None
                   else len(self.workers))
         return rules.fair_share(self.work.max_outstanding, active)
+
+    def _on_handback(self, ident: bytes, key: str, msg: wire.Handback) -> wire.Message:
+        """Leases given back before the worker stops generating (docs/preemption.md): each
+        group goes to the head of the queue with the prefixes that pass ``learner.handback``;
+        the next worker continues them. Only the holder's own leases are taken."""
+        self._joined(ident, key, msg.worker_id)
+        lim = PrefixLimits(self.limits.vocab_size, self.limits.max_new_tokens,
+                           self.limits.min_logprob, self.cfg.learner.staleness)
+        refused: Counter[str] = Counter()
+        for gid in set(msg.prefixes) - set(msg.groups):
+            refused["not_handed_back"] += len(msg.prefixes[gid])
+        groups = kept = 0
+        for gid in dict.fromkeys(msg.groups):
+            given = msg.prefixes.get(gid, [])
+            group = self.work.lookup(gid)
+            if group is None or self.work.holder(gid) != msg.worker_id:
+                refused["not_your_group"] += max(1, len(given))
+                continue
+            if given and self.multi_turn:  # episodes carry an environment: replayed from scratch
+                refused["multi_turn"] += len(given)
+                given = []
+            before = sum(refused.values())
+            keep = check_prefixes(group, given, self.buffer.version, lim, refused) if given \
+                else list(group.prefixes)
+            kept += len(given) - (sum(refused.values()) - before)
+            self.work.hand_back(gid, keep)
+            groups += 1
+        self.handbacks.update({"groups": groups, "prefixes": kept, **{f"refused_{k}": v
+                                                                       for k, v in refused.items()}})
+        if refused:
+            log.info("handback from %s: %d groups, %d prefixes kept, refused %s", msg.worker_id,
+                     groups, kept, dict(refused))
+        return wire.HandbackAck(groups=groups, prefixes=kept, refused=dict(refused))
 
     def _on_leave(self, ident: bytes, key: str, msg: wire.Leave) -> wire.Message:
         self._joined(ident, key, msg.worker_id)

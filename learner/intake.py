@@ -10,6 +10,8 @@ group with a counted reason:
   * ``prompt_mismatch``: the prompt is not the one granted;
   * ``partial_group``: groups come back whole, every sample index once, in one batch; a
     worker that drops the samples it does not like shows up here (a strike);
+  * ``prefix_mismatch``: a continued sample (docs/preemption.md) must start with exactly the
+    prefix the learner handed out, tokens, log-probs and versions (a strike);
   * ``reward_mismatch``: the learner recomputed a reward (``Adapter.recomputes_rewards``)
     and the worker reported another (a strike).
 
@@ -26,12 +28,13 @@ import logging
 import random
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dataplane.records import Limits, Record, RecordError, parse_record
 from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
 from learner.durable import BufferLog
+from learner.handback import expand
 from learner.reputation import Reputation, Verdict
 from learner.work import WorkQueue
 
@@ -51,9 +54,11 @@ class AuditJob:
     def group_id(self) -> str:
         return self.records[0].group_id
 
+    at_version: int | None = None  # a continued group: the continuing worker's version
+
     @property
     def version(self) -> int:
-        return min(r.version for r in self.records)
+        return self.at_version if self.at_version is not None else min(r.version for r in self.records)
 
 
 @dataclass
@@ -72,6 +77,18 @@ class Outcome:
         self.rejected_idx.extend(idx)
         if detail:
             self.details.setdefault(reason, detail)
+
+
+def own_tokens(recs: list[Record], cut: dict[int, int]) -> tuple[list[Record], int]:
+    """A continued group as an audit sees it: prefix tokens (another worker's) masked out,
+    and the version the continuing worker generated under (the newest run)."""
+    version = max((r.versions or [[r.version, 1]])[-1][0] for r in recs)
+    out = []
+    for r in recs:
+        k = cut.get(r.sample_idx, 0)
+        mask = list(r.loss_mask or [1] * len(r.completion_ids))
+        out.append(replace(r, loss_mask=[0] * k + mask[k:]))
+    return out, version
 
 
 class Intake:
@@ -124,8 +141,10 @@ class Intake:
         if reason:
             out.refuse(reason, idx, detail)
             return
+        group = self.work.lookup(gid)
+        prefixes = list(group.prefixes) if group is not None else []
         if COMPLETED in [self._store(i, r, out) for i, r in members]:
-            self._maybe_audit(sender, key, recs)
+            self._maybe_audit(sender, key, recs, prefixes)
 
     def _refusal(self, sender: str, key: str, gid: str, recs: list[Record]) -> tuple[str, str]:
         holder = self.work.holder(gid)
@@ -142,6 +161,12 @@ class Intake:
             self._verdict(sender, key, recs, "whole_group", False, {"samples": got[:64]})
             return "partial_group", (f"group {gid}: samples {got[:16]} of {group.n}; deliver every "
                                      f"sample of a group, once, in one batch")
+        if group.prefixes:
+            bad = [r.sample_idx for r in recs if not self._continues(group, r)]
+            self._verdict(sender, key, recs, "prefix", not bad, {"mismatched": bad[:8]})
+            if bad:
+                return "prefix_mismatch", (f"group {gid}: samples {bad[:8]} do not start with "
+                                           f"the prefix handed out (tokens, log-probs, versions)")
         if self.adapter is not None:
             bad = self._reward_lies(group.task, recs)
             self._verdict(sender, key, recs, "reward", not bad, {"mismatched": bad[:8]})
@@ -149,6 +174,15 @@ class Intake:
                 return "reward_mismatch", (f"group {gid}: reported rewards differ from the "
                                            f"adapter's for samples {[b[0] for b in bad[:8]]}")
         return "", ""
+
+    def _continues(self, group: Any, rec: Record) -> bool:
+        p = next((q for q in group.prefixes if q.sample_idx == rec.sample_idx), None)
+        if p is None:
+            return True
+        k = len(p.ids)
+        versions = expand(rec.versions or [[rec.version, len(rec.completion_ids)]])
+        return (rec.completion_ids[:k] == p.ids and rec.logprobs[:k] == p.logprobs
+                and versions[:k] == expand(p.versions))
 
     def _reward_lies(self, task: dict[str, Any], recs: list[Record]) -> list[list[float]]:
         """[sample index, reported, recomputed] for every reward the adapter scores otherwise."""
@@ -172,14 +206,19 @@ class Intake:
         if outcome == COMPLETED:
             self.work.fulfilled(rec.group_id)
         elif outcome == STALE:
+            self.work.drop_prefixes(rec.group_id)  # a stale prefix would make stale records
             self.work.requeue(rec.group_id)  # regenerate it under a fresh snapshot
         return outcome
 
-    def _maybe_audit(self, sender: str, key: str, recs: list[Record]) -> None:
+    def _maybe_audit(self, sender: str, key: str, recs: list[Record], prefixes: list[Any]) -> None:
         self.delivered[sender] += 1
         probation = self.delivered[sender] <= self.probation_groups
         if self.audit is not None and (probation or self._rng.random() < self.audit_rate):
-            self.audit(AuditJob(sender, key, sorted(recs, key=lambda r: r.sample_idx), probation))
+            recs = sorted(recs, key=lambda r: r.sample_idx)
+            at = None
+            if prefixes:  # audit the sender's own tokens, under the sender's version
+                recs, at = own_tokens(recs, {p.sample_idx: len(p.ids) for p in prefixes})
+            self.audit(AuditJob(sender, key, recs, probation, at))
 
     def _verdict(self, sender: str, key: str, recs: list[Record], check: str, ok: bool,
                  stats: dict[str, Any]) -> None:

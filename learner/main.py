@@ -86,6 +86,10 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
         "staleness_max": version - min_u,
         "staleness_mean": sum(version - r.version for r in records) / len(records),
         "staleness_counts": dict(Counter(version - r.version for r in records)),
+        # generated tokens this step trains on, and those of samples continued after a
+        # preemption (docs/preemption.md): the preemption drill's goodput
+        "tokens_trained": sum(len(r.completion_ids) for r in records),
+        "continued_samples": sum(1 for r in records if r.versions and len(r.versions) > 1),
         # seconds a worker spent generating the batch each record came in (its busy time):
         # the capacity the simulator and the provisioner should use, not demand-capped rates
         "gen_s_mean": round(sum(r.gen_s for r in records) / len(records), 5),
@@ -99,6 +103,7 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
         "worker_busy_rate": round(control["worker_busy_rate"], 2),
         "cost_step_usd": round(control["fleet_price_per_hour"] * (t_train + t_wait) / 3600, 8),
         "rejected": control["rejected"],
+        "handbacks": control.get("handbacks", {}),  # docs/preemption.md
         "learner_bytes_sent": control["learner_bytes_sent"], "t_bcast": control["t_bcast"],
         "reissued_groups": control["reissued_groups"], **buffer.depth(),
         **{k: round(v, 5) for k, v in stats.items()},

@@ -125,6 +125,32 @@ class WorkQueue:
             item.deadline = float("inf")
             self._requeued.append(group_id)
 
+    def hand_back(self, group_id: str, prefixes: list[wire.Prefix]) -> None:
+        """The holder gave the group back (preempted or yielded, docs/preemption.md): it goes
+        to the head of the queue carrying ``prefixes``, so the next worker continues those
+        samples instead of generating them again. Not counted as taken back: a handback is
+        the worker doing the right thing."""
+        item = self.issued.get(group_id)
+        if item is None:
+            return
+        if prefixes:
+            item.group = item.group.model_copy(update={"prefixes": prefixes})
+        if group_id not in self._requeued:
+            item.deadline = float("inf")
+            self._requeued.appendleft(group_id)
+
+    def drop_prefixes(self, group_id: str) -> None:
+        """The group's continuation went stale: it is generated again from scratch."""
+        item = self.issued.get(group_id)
+        if item is not None and item.group.prefixes:
+            item.group = item.group.model_copy(update={"prefixes": []})
+
+    def prefix(self, group_id: str, sample_idx: int) -> wire.Prefix | None:
+        group = self.lookup(group_id)
+        if group is None:
+            return None
+        return next((p for p in group.prefixes if p.sample_idx == sample_idx), None)
+
     def release_worker(self, worker_id: str) -> int:
         gids = [g for g, it in self.issued.items() if it.worker_id == worker_id]
         for gid in gids:

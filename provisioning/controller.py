@@ -92,6 +92,7 @@ class _Worker:
     ready_at: float | None = None  # first work request while active: model loaded, snapshot in
     measured: bool = False  # has delivered trajectories (a fold saw some): capacity is evidence
     failed_probations: int = 0  # times it was active unmeasured and delivered nothing
+    yielded: bool = False  # its owner needs the machine: standby, and not a candidate
 
     @property
     def effective_mu(self) -> float:
@@ -218,6 +219,26 @@ class Controller:
         with self._lock:
             w = self._get(worker_id)
             w.availability += self.avail_beta * (float(up) - w.availability)
+
+    def set_yielded(self, worker_id: str, yielded: bool) -> Decision | None:
+        """The worker's owner took the machine (docs/preemption.md), or gave it back. A
+        yielded worker is standby, not gone: it keeps its measured throughput and its
+        availability is not charged for the yield; it is not activated again while yielded.
+        Returns the release, when it was active."""
+        with self._lock:
+            w = self._workers.get(worker_id)
+            if w is None or w.yielded == yielded:
+                return None
+            w.yielded = yielded
+            if not yielded or w.state != ACTIVE:
+                return None
+            now = self._clock()
+            c_eff = self._c_eff()
+            w.state, w.since, w.pending, w.pending_busy = STANDBY, now, 0, 0.0
+            d = Decision(now, RELEASE, worker_id, f"{worker_id} yielded to its owner: standby "
+                         f"until the machine is quiet", c_eff, self.alpha * (self._mu_req or 0.0))
+            self.history.append(d)
+            return d
 
     def set_requirement(self, mu_req: float | None) -> None:
         """Capacity requirement in trajectories/s; None pauses all decisions."""
@@ -401,7 +422,7 @@ class Controller:
             est = w.price / typical if typical else w.price
             return (w.failed_probations, est, w.worker_id)
 
-        return sorted((w for w in self._workers.values() if w.state == STANDBY
+        return sorted((w for w in self._workers.values() if w.state == STANDBY and not w.yielded
                        and (w.effective_mu > 0 or not w.measured)), key=key)
 
     def _probation_limit(self, shortfall: float) -> int:

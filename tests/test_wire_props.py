@@ -70,6 +70,8 @@ def valid(ann: Any, metadata: list[Any] = ()) -> st.SearchStrategy:
     long = _bound(metadata, at.MaxLen, "max_length", None)
     if ann is Any:
         return PLAIN
+    if origin is typing.Annotated:  # list[Annotated[list[int], Field(...)]]: the inner bounds
+        return valid(args[0], [m for a in args[1:] for m in (getattr(a, "metadata", None) or [a])])
     if origin in (typing.Union, types.UnionType):
         return st.one_of(*(st.none() if a is type(None) else valid(a, metadata) for a in args))
     if origin is typing.Literal:

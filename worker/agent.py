@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import signal
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -77,6 +78,28 @@ async def _wait_next(event: asyncio.Event, timeout: float) -> None:
         pass
 
 
+def _runs(s: Sample, version: int) -> list[list[int]]:
+    """Per-token versions of a sample as ``[version, count]`` runs: the prefix's (another
+    worker's tokens, for a continued sample), then this worker's own tokens."""
+    runs = [list(r) for r in getattr(s, "prefix_versions", [])]  # episodes have no prefix
+    own = len(s.completion_ids) - getattr(s, "prefix_len", 0)
+    if own > 0:
+        if runs and runs[-1][0] == version:
+            runs[-1][1] += own
+        else:
+            runs.append([version, own])
+    return runs
+
+
+def _versions(s: Sample, version: int) -> dict[str, Any]:
+    """The record's ``version`` (its oldest token's: the staleness rule judges that one) and,
+    when they differ, the per-token ``versions``."""
+    runs = _runs(s, version)
+    if len(runs) <= 1:
+        return {"version": runs[0][0] if runs else version}
+    return {"version": runs[0][0], "versions": runs}
+
+
 class WorkerError(RuntimeError):
     pass
 
@@ -87,9 +110,12 @@ class Worker:
                  ledger: str | None = None, relay: RelayConfig | None = None,
                  keys: KeyPair | None = None, backend: str | None = None,
                  device: str | None = None, status: StatusBoard | None = None,
-                 show: Any = None):
+                 show: Any = None, migrate: bool = True, owner: Any = None):
         """``status``: where the worker's status goes (docs/volunteers.md; default: kept in
-        memory only); ``show``: called with it every second (a live view or a plain line)."""
+        memory only); ``show``: called with it every second (a live view or a plain line).
+        ``migrate``: on SIGTERM, cut the samples being generated and hand them back as
+        prefixes (docs/preemption.md) instead of finishing the current groups; ``owner``: an
+        ``worker.owner`` watch: yield the machine whenever its owner's work appears."""
         self.line = endpoint if isinstance(endpoint, JoinLine) else JoinLine(endpoint, None)
         self.endpoint = self.line.endpoint
         # Identity is the key pair; without CURVE (an --insecure learner) the id is all there is.
@@ -135,6 +161,11 @@ class Worker:
         self.status = status or StatusBoard(self.worker_id, self.endpoint, price, None)
         self.status.update(worker_id=self.worker_id)
         self.show = show
+        self.migrate = migrate
+        self.owner = owner
+        self.cut = threading.Event()  # set: cut the samples being generated now (preemption)
+        self.yielded = False  # the machine's owner needs it (docs/preemption.md)
+        self.quiet = asyncio.Event()  # set when a yield ends
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -167,6 +198,8 @@ class Worker:
                     gc.collect()
                     gc.freeze()
                     work = tg.create_task(self._work())
+                    if self.owner is not None:
+                        tasks.append(tg.create_task(self._watch_owner()))
                     await self.stopping.wait()
                     if self.state != "generating":
                         work.cancel()  # waiting on the learner: nothing to finish
@@ -175,7 +208,8 @@ class Worker:
                 for t in tasks:
                     t.cancel()
         finally:
-            self.status.update(activity="stopped", exit=self.exit_reason or "error")
+            self.status.update(activity="stopped", exit=self.exit_reason or "error",
+                           **({"tokens_sampled": self.backend.tokens_sampled} if self.backend else {}))
             self.status.flush(force=True)
             self.relay.close()
             self.client.close()
@@ -187,6 +221,8 @@ class Worker:
         while True:
             if self.status.doc["activity"] != self.state:
                 self.status.update(activity=self.state)
+            if self.backend is not None and self.status.doc.get("tokens_sampled") != self.backend.tokens_sampled:
+                self.status.update(tokens_sampled=self.backend.tokens_sampled)
             if self.show is not None:
                 self.show(self.status)
             self.status.flush()
@@ -203,7 +239,10 @@ class Worker:
         if not self.stopping.is_set():
             log.info("worker %s stopping: %s", self.worker_id, reason)
             self.exit_reason = reason
+            if self.migrate and reason.startswith("signal"):
+                self.cut.set()  # preempted: what is being generated goes back as prefixes
             self.stopping.set()
+            self.quiet.set()
 
     @property
     def _timeout(self) -> float:
@@ -385,6 +424,9 @@ class Worker:
         async with asyncio.TaskGroup() as tg:
             prefetch: asyncio.Task[list[wire.Group]] | None = None
             while not self.stopping.is_set():
+                if self.yielded:  # the owner's turn: no leases, no generation
+                    await self.quiet.wait()
+                    continue
                 await self._ensure_installed()
                 if self.installed_version < 0:
                     await self._wait_snapshot(1.0)
@@ -398,11 +440,11 @@ class Worker:
                 if groups:
                     if self._prefetch_pays():  # the next grant's round trip overlaps this rollout
                         prefetch = tg.create_task(self._request_work())
-                    await self._rollout(groups)
-                    # Busy-time throughput: one wait-for-grant, generate, score cycle. It
-                    # measures what this worker can do, not how much work it was given (idle
-                    # waits and snapshot installs are outside the cycle).
-                    self._measure(sum(g.n for g in groups), time.monotonic() - t0)
+                    if await self._rollout(groups):
+                        # Busy-time throughput: one wait-for-grant, generate, score cycle. It
+                        # measures what this worker can do, not how much work it was given
+                        # (idle waits and snapshot installs are outside the cycle).
+                        self._measure(sum(g.n for g in groups), time.monotonic() - t0)
             if prefetch is not None:
                 prefetch.cancel()  # its groups come back to the learner with our leave
 
@@ -451,7 +493,8 @@ class Worker:
             await self._wait_snapshot(grant.retry_after_s)
         return grant.groups
 
-    async def _rollout(self, groups: list[wire.Group]) -> None:
+    async def _rollout(self, groups: list[wire.Group]) -> bool:
+        """Generate, score and queue the groups for delivery; False if they were handed back."""
         version = self.installed_version
         self.state = "generating"
         self._generating = [g.group_id for g in groups]
@@ -461,14 +504,19 @@ class Worker:
         finally:
             self._generating = []
         gen_s = time.monotonic() - t0
+        self.state = "yielded" if self.yielded else "idle"
+        if self.yielded and "yielded_at" in self.status.doc:  # how long the cut took
+            self.status.update(yield_stop_s=round(time.time() - self.status.doc["yielded_at"], 3))
+        if samples is None or any(not getattr(s, "finished", True) for g in samples for s, _ in g):
+            await self._hand_back(groups, samples, version)  # cut short: another worker goes on
+            return False
         self._rollout_s = 0.8 * self._rollout_s + 0.2 * gen_s if self._rollout_s else gen_s
         per_group = gen_s / len(groups)
         self._group_s = 0.8 * self._group_s + 0.2 * per_group if self._group_s else per_group
-        self.state = "idle"
         records = [
             {"group_id": g.group_id, "sample_idx": i, "prompt_ids": g.prompt_ids,
              "completion_ids": s.completion_ids, "logprobs": s.logprobs, "reward": r,
-             "version": version, "worker_id": self.worker_id, "gen_s": gen_s,
+             "worker_id": self.worker_id, "gen_s": gen_s, **_versions(s, version),
              **({"loss_mask": s.loss_mask} if getattr(s, "loss_mask", None) is not None else {})}
             for g, group_samples in zip(groups, samples)
             for i, (s, r) in enumerate(group_samples)
@@ -478,20 +526,69 @@ class Worker:
         self.unacked[batch.batch_id] = batch
         self._groups_of[batch.batch_id] = [g.group_id for g in groups]
         self.status.generated(len(groups), len(records))
+        self._sent(sum(len(s.completion_ids) - getattr(s, "prefix_len", 0)
+                       for g in samples for s, _ in g))
         if self.ledger:
             self._batch_keys[batch.batch_id] = [[r["group_id"], r["sample_idx"]] for r in records]
         self.to_deliver.set()
+        return True
 
-    def _generate_and_score(self, groups: list[wire.Group]) -> list[list[tuple[Sample, float]]]:
+    def _sent(self, tokens: int) -> None:
+        """Own sampled tokens that left in a batch or a handback (the drill's accounting:
+        sampled minus sent is what this worker threw away); written at once, since a
+        preempted worker may be killed before the next periodic write."""
+        if self.backend is not None:
+            self.status.update(tokens_sent=int(self.status.doc.get("tokens_sent", 0)) + tokens,
+                               tokens_sampled=self.backend.tokens_sampled)
+            self.status.flush(force=True)
+
+    async def _hand_back(self, groups: list[wire.Group], samples: Any, version: int) -> None:
+        """Give the groups back with what was generated of each sample (docs/preemption.md).
+        Whole groups only: finished samples go back as prefixes too, so the worker that
+        continues the group delivers all of it (a group is delivered whole, by one worker)."""
+        prefixes: dict[str, list[wire.Prefix]] = {}
+        for g, group_samples in zip(groups, samples or [[] for _ in groups]):
+            prefixes[g.group_id] = [
+                wire.Prefix(sample_idx=i, ids=s.completion_ids, logprobs=s.logprobs,
+                            versions=_runs(s, version))
+                for i, (s, _) in enumerate(group_samples) if s.completion_ids]
+        msg = wire.Handback(worker_id=self.worker_id,
+                            reason="yielded" if self.yielded else "preempted",
+                            groups=[g.group_id for g in groups], prefixes=prefixes)
+        self._sent(sum(len(s.completion_ids) - getattr(s, "prefix_len", 0)
+                       for g in samples or [] for s, _ in g))
+        kept = sum(len(p) for p in prefixes.values())
+        tokens = sum(len(p.ids) for ps in prefixes.values() for p in ps)
+        try:
+            ack = await self.client.request(msg, min(2.0, self._timeout))
+        except RequestTimeout:
+            log.warning("handback of %d groups unanswered: their leases expire instead", len(groups))
+            return
+        if isinstance(ack, wire.HandbackAck):
+            log.info("handed back %d groups, %d of %d prefixes (%d tokens) kept%s", ack.groups,
+                     ack.prefixes, kept, tokens, f"; refused {ack.refused}" if ack.refused else "")
+            self.status.update(handed_back_tokens=int(self.status.doc.get("handed_back_tokens", 0))
+                               + tokens)
+
+    def _generate_and_score(self, groups: list[wire.Group]) -> list[list[tuple[Sample, float]]] | None:
+        """Samples and rewards per group; None when a multi-turn rollout was cut (episodes
+        carry an environment: they are handed back whole and played again from the start)."""
         assert self.backend is not None and self.adapter is not None
         wv = self.view["worker"]
         if getattr(self.adapter, "multi_turn", False):
             # Episodes: one generation per decision, played by the adapter's environment.
-            from dataplane.episodes import backend_generate_fn
-            gen = backend_generate_fn(self.backend, wv["max_new_tokens"], wv["temperature"], groups[0].seed)
-            return [[(s, float(s.reward)) for s in samples] for samples in self.adapter.rollout(groups, gen)]
-        out = self.backend.generate(groups, wv["max_new_tokens"], wv["temperature"])
+            from dataplane.episodes import Cut, backend_generate_fn
+            gen = backend_generate_fn(self.backend, wv["max_new_tokens"], wv["temperature"],
+                                      groups[0].seed, stop=self.cut)
+            try:
+                out = self.adapter.rollout(groups, gen)
+            except Cut:
+                return None
+            return [[(s, float(s.reward)) for s in samples] for samples in out]
+        out = self.backend.generate(groups, wv["max_new_tokens"], wv["temperature"], stop=self.cut)
         tok = self.backend.tokenizer
+        if any(not s.finished for g in out for s in g):
+            return [[(s, 0.0) for s in g] for g in out]  # handed back: the continuer scores
         return [[(s, float(self.adapter.reward(g.task, s.completion_ids,
                                                tok.decode(s.completion_ids, skip_special_tokens=True))))
                  for s in samples] for g, samples in zip(groups, out)]
@@ -587,6 +684,27 @@ class Worker:
             self.status.update(account={**account, "state": "quarantined", "message": detail,
                                         "message_age_s": 0.0})
         return WorkerError(f"the learner banned this worker's key: {detail}")
+
+    async def _watch_owner(self) -> None:
+        """Owner first (docs/preemption.md): when the owner's work appears, cut what is being
+        generated within a token, hand it back and take no work until the machine has been
+        quiet for ``owner.quiet_s``."""
+        assert self.owner is not None
+        while not self.stopping.is_set():
+            busy = await asyncio.to_thread(self.owner.busy)
+            if busy and not self.yielded:
+                self.yielded, self.quiet = True, asyncio.Event()
+                self.cut.set()
+                self.state = "yielded"
+                self.status.update(yielded_at=time.time())
+                log.info("the owner needs this machine (%s): yielding", self.owner.describe())
+            elif self.yielded and self.owner.quiet_for() >= self.owner.quiet_s:
+                self.yielded = False
+                self.cut.clear()
+                self.state = "idle"
+                self.quiet.set()
+                log.info("the machine has been quiet for %.0f s: generating again", self.owner.quiet_s)
+            await asyncio.sleep(self.owner.period_s)  # a sampling period, not a wait for an event
 
     def _measure(self, count: int, seconds: float) -> None:
         self.busy_s += seconds

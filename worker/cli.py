@@ -49,6 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--plain", action="store_true",
                    help="no live view: one status line a minute in the log (the default "
                         "without a terminal)")
+    j.add_argument("--no-migrate", action="store_true",
+                   help="on SIGTERM finish the current groups instead of handing back what was "
+                        "generated (docs/preemption.md; the drill's baseline)")
+    j.add_argument("--yield-to-owner", action="store_true",
+                   help="stop generating within a second when the machine's owner needs it, "
+                        "hand the work back, resume when it has been quiet (docs/preemption.md)")
+    j.add_argument("--owner-signal", choices=["auto", "cpu", "nvml", "file"], default="auto",
+                   help="how the owner's work is seen: GPU processes (nvml; auto where there "
+                        "is one), other processes' CPU load (cpu), or a flag file (file)")
+    j.add_argument("--owner-quiet-s", type=float, default=30.0,
+                   help="seconds without the owner's work before generating again")
+    j.add_argument("--owner-cpu-cores", type=float, default=0.5,
+                   help="cpu signal: other processes using more than this many cores is the owner")
+    j.add_argument("--owner-file", default="", metavar="PATH",
+                   help="file signal: the owner is busy while this file exists")
     j.add_argument("--log-level", default="INFO")
     s = sub.add_parser("status", help="show a running (or finished) worker's status, from the "
                        "file it keeps")
@@ -116,11 +131,22 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
                         down_mbit=args.down_mbit, up_mbit=args.up_mbit)
 
     make = make_worker or Worker
+    owner = None
+    if args.yield_to_owner:
+        from worker.owner import make_signal
+
+        try:
+            owner = make_signal(args.owner_signal, quiet_s=args.owner_quiet_s,
+                                cpu_cores=args.owner_cpu_cores, path=args.owner_file)
+        except ValueError as exc:
+            print(f"echo-worker: {exc}", file=sys.stderr)
+            return 2
     view = st.LiveView(console) if live else st.PlainView(logging.getLogger("echo.worker.status"))
     board = st.StatusBoard(args.worker_id or "", line.endpoint, args.price, None)
     worker = make(line, worker_id=args.worker_id, price=args.price, threads=args.threads,
                   ledger=args.ledger, relay=relay, keys=keys, backend=args.backend,
-                  device=args.device, status=board, show=view.show)
+                  device=args.device, status=board, show=view.show,
+                  migrate=not args.no_migrate, owner=owner)
     # The worker settled its id (from its key, unless --id): the file is named after it.
     board.path = (Path(args.status_file) if args.status_file else
                   st.default_status_dir() / f"{board.doc['worker_id'] or 'worker'}.json")

@@ -11,6 +11,8 @@ Options (``[adapter] options = {...}``), all optional:
                           state); "random": each episode its own deal; "batch": own deals and
                           advantages normalised across the whole learner batch
   obs_format = "text"     "text" for real models; "compact" for the tiny-qwen3 vocabulary
+  strength_hint = false   end each observation with the hand's strength (0-9 digit in compact,
+                          "Hand strength: 0.63" in text; adapters/poker/render.py)
   show_results = true     put each hand's result in the transcript as a user message
   reward_unit = "bb"      episode return in big blinds ("chips": raw chips)
   invalid_penalty = 1.0   subtracted from the return (in reward units) per invalid action
@@ -46,7 +48,7 @@ from dataplane.multiturn import ChatBuilder, ChatFormat, Transcript
 _DEFAULTS: dict[str, Any] = {
     "seats": 2, "stack": 200, "blinds": [1, 2], "hands": 1,
     "opponents": ["tag", "station", "maniac"], "opponent_model": "", "group_by": "deal",
-    "obs_format": "text", "show_results": True, "reward_unit": "bb", "invalid_penalty": 1.0,
+    "obs_format": "text", "strength_hint": False, "show_results": True, "reward_unit": "bb", "invalid_penalty": 1.0,
     "hero_seat": -1, "max_decisions": 24, "max_episode_tokens": 4096, "offpolicy_player": "",
     "offpolicy_fraction": 0.0, "bot_samples": 48, "system": "", "turn_start_token": "",
 }
@@ -92,6 +94,8 @@ class PokerAdapter(EpisodeAdapter):
         self.offpolicy_player = str(o["offpolicy_player"])
         self.offpolicy_fraction = float(o["offpolicy_fraction"])
         self.bot_samples = int(o["bot_samples"])
+        # the hint uses the bots' Monte Carlo estimate (and cache): bot_samples run-outs
+        self.hint = self.bot_samples if bool(o["strength_hint"]) else 0
         self.opponent_model = str(o["opponent_model"])
         checks = [
             (self.fmt in FORMATS, f"obs_format={self.fmt!r}: use one of {FORMATS}"),
@@ -108,6 +112,8 @@ class PokerAdapter(EpisodeAdapter):
             (self.offpolicy_player in ("", *RULE_PLAYERS),
              f"offpolicy_player={self.offpolicy_player!r}: empty or one of {sorted(RULE_PLAYERS)}"),
             (0.0 <= self.offpolicy_fraction <= 1.0, "offpolicy_fraction must be in [0, 1]"),
+            (self.hint == 0 or self.bot_samples >= 1,
+             "strength_hint needs bot_samples >= 1 (the run-outs behind the estimate)"),
             (self.max_decisions >= 1 and self.max_completion_tokens > RESULT_RESERVE,
              "max_decisions >= 1 and max_episode_tokens > 160"),
         ]
@@ -143,7 +149,10 @@ class PokerAdapter(EpisodeAdapter):
 
             self._llm_policy = HFChatPolicy(self.opponent_model)
         return {"policy": self._llm_policy, "system": self.system,
-                "render": lambda d: render(d, self.fmt)}
+                "render": self.observe}
+
+    def observe(self, d: Any) -> str:
+        return render(d, self.fmt, self.hint)
 
     def rollout(self, groups: Any, generate: Any) -> list[list[EpisodeSample]]:
         self._max_new = int(getattr(generate, "max_new_tokens", 64))
@@ -170,7 +179,7 @@ class PokerAdapter(EpisodeAdapter):
             seating: list[Any] = list(opponents)
             seating.insert(seat, None)
             game = play_hand(seating, (deal * 64 + h) & 0x7FFFFFFF, self.table, h + 1,
-                             render=lambda d: render(d, self.fmt))
+                             render=self.observe)
             reply: str | None = None
             while True:
                 try:
@@ -178,7 +187,7 @@ class PokerAdapter(EpisodeAdapter):
                 except StopIteration as stop:
                     result = stop.value
                     break
-                obs = self.builder.user(render(d, self.fmt))
+                obs = self.builder.user(self.observe(d))
                 tr.add_context(obs)
                 decisions += 1
                 room = self.max_completion_tokens - RESULT_RESERVE - len(tr)

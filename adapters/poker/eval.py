@@ -12,7 +12,10 @@ Reported: mean chip change per hand in big blinds with a 95% confidence interval
 ``--model`` is a Hugging Face folder, an Echo run folder (its latest checkpoint; the
 observation format it trained with), ``tiny-qwen3`` (random init; a smoke test), or
 ``rule:tag`` / ``rule:station`` / ``rule:maniac`` to put a rule-based player in the policy's
-seat (baselines, and a check of the harness without a model). The LLM column's opponent is
+seat (baselines, and a check of the harness without a model). ``--untrained`` with a run
+folder evaluates the run's model as it started (its seeded initial weights, or the pretrained
+ones), which is the "before" of a before/after comparison. A run folder's observation options
+(``obs_format``, ``strength_hint``) are the ones it trained with. The LLM column's opponent is
 ``--opponent-model`` (default: a frozen copy of ``--model``, i.e. self-play); skip it with
 ``--no-llm``. Decisions of the policy are batched across hands (``--batch``).
 """
@@ -81,7 +84,8 @@ def play_column(adapter: Any, opponent: str, hands: int, seed: int, generate: An
 def evaluate(model: str, hands: int, *, opponent_model: str | None = None, seats: int = 2,
              seed: int = 0, batch: int = 32, max_new_tokens: int = 32, temperature: float = 0.0,
              obs_format: str | None = None, llm: bool = True, bot_samples: int = 48,
-             hero: Any = None, opponent_policy: Any = None) -> dict[str, Any]:
+             hero: Any = None, opponent_policy: Any = None, strength_hint: bool | None = None,
+             untrained: bool = False) -> dict[str, Any]:
     """Rows of Table 4 for one policy. ``hero``/``opponent_policy`` inject ready objects
     (an ``HFModel``; a ``policy(messages) -> text``) instead of loading folders."""
     from adapters.poker.adapter import PokerAdapter
@@ -95,7 +99,8 @@ def evaluate(model: str, hands: int, *, opponent_model: str | None = None, seats
         from adapters.hf import HFModel
 
         # poker transcripts outgrow the tiny model's default 64 positions
-        hero = hero or HFModel(model, **({"max_positions": 1024} if model == "tiny-qwen3" else {}))
+        hero = hero or HFModel(model, untrained=untrained,
+                               **({"max_positions": 1024} if model == "tiny-qwen3" else {}))
         tokenizer = hero.tokenizer
 
         def generate(prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
@@ -106,8 +111,10 @@ def evaluate(model: str, hands: int, *, opponent_model: str | None = None, seats
     tiny = model == "tiny-qwen3" or getattr(getattr(hero, "run_config", None), "model", None) \
         and hero.run_config.model.name == "tiny-qwen3"
     fmt = obs_format or trained.get("obs_format") or ("compact" if tiny else "text")
+    hint = trained.get("strength_hint", False) if strength_hint is None else strength_hint
     options: dict[str, Any] = {"seats": seats, "obs_format": fmt, "group_by": "deal",
-                               "bot_samples": bot_samples, "max_episode_tokens": 1 << 20}
+                               "bot_samples": bot_samples, "max_episode_tokens": 1 << 20,
+                               "strength_hint": bool(hint)}
     if rule:
         options.update(offpolicy_player=model.split(":", 1)[1], offpolicy_fraction=1.0)
     adapter = PokerAdapter(options, tokenizer)
@@ -128,8 +135,8 @@ def evaluate(model: str, hands: int, *, opponent_model: str | None = None, seats
         t0 = time.monotonic()
         col = play_column(adapter, opp, hands, seed, generate, batch)
         columns.append({"column": label, **col, "seconds": round(time.monotonic() - t0, 2)})
-    return {"model": model, "seats": seats, "hands": hands, "unit": "big blinds per hand",
-            "columns": columns}
+    return {"model": model + (" (untrained)" if untrained else ""), "seats": seats,
+            "hands": hands, "unit": "big blinds per hand", "options": options, "columns": columns}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -159,13 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--obs-format", choices=["text", "compact"], default=None)
+    ap.add_argument("--strength-hint", action=argparse.BooleanOptionalAction, default=None,
+                    help="show the policy its hand strength (default: as the run trained)")
+    ap.add_argument("--untrained", action="store_true",
+                    help="a run folder's model before training (its initial weights)")
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = ap.parse_args(argv)
     try:
         res = evaluate(args.model, args.hands, opponent_model=args.opponent_model, seats=args.seats,
                        seed=args.seed, batch=args.batch, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, obs_format=args.obs_format,
-                       llm=not args.no_llm)
+                       llm=not args.no_llm, strength_hint=args.strength_hint,
+                       untrained=args.untrained)
     except Exception as exc:  # a readable line, not a traceback, for a bad model/option
         from dataplane.adapter import AdapterError
         from echo.models import ModelError

@@ -47,7 +47,7 @@ class TableConfig:
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # fold | check | call | raise | allin
+    kind: str  # fold | check | call | raise | allin | pot (a raise to the size of the pot)
     amount: int = 0  # raise-to total for "raise"
 
 
@@ -118,19 +118,19 @@ def fresh_deck(seed: int) -> list[str]:
 # ----------------------------------------------------------------------------- actions
 
 _VERBOSE = re.compile(r"\b(fold|check|call|all[\s-]?in|bet|raise)\b(?:\s*(?:to\s*)?\$?(\d+))?", re.I)
-_COMPACT = re.compile(r"^\s*(f|c|a|b(\d+))(?![a-z0-9])", re.I)
+_COMPACT = re.compile(r"^\s*(f|c|a|b(\d*))(?![a-z0-9])", re.I)
 
 
 def parse_action(text: str) -> Action | None:
-    """The action in ``text``, or None. Compact: ``f``, ``c``, ``a`` or ``bN`` at the start,
-    not followed by a letter or digit; verbose: the action word right after the last
-    ``Action:`` (else at the very start of the text)."""
+    """The action in ``text``, or None. Compact: ``f``, ``c``, ``a``, ``bN`` (raise to N) or a
+    bare ``b`` (a pot-size raise) at the start, not followed by a letter or digit; verbose: the
+    action word right after the last ``Action:`` (else at the very start of the text)."""
     text = re.sub(r"(?s)<think>.*?</think>", "", text)
     m = _COMPACT.match(text)
     if m:
         k = m.group(1)[0].lower()
         if k == "b":
-            return Action("raise", int(m.group(2)))
+            return Action("raise", int(m.group(2))) if m.group(2) else Action("pot")
         return Action({"f": "fold", "c": "call", "a": "allin"}[k])
     idx = text.lower().rfind("action:")
     tail = text[idx + 7 :] if idx >= 0 else text
@@ -147,7 +147,8 @@ def parse_action(text: str) -> Action | None:
 
 def format_action(a: Action, fmt: str = "text", facing_bet: bool = True) -> str:
     if fmt == "compact":
-        return {"fold": "f", "check": "c", "call": "c", "allin": "a"}.get(a.kind, f"b{a.amount}")
+        return {"fold": "f", "check": "c", "call": "c", "allin": "a", "pot": "b"}.get(
+            a.kind, f"b{a.amount}")
     if a.kind == "raise":
         return f"Action: {'Raise' if facing_bet else 'Bet'} {a.amount}"
     return "Action: " + {"fold": "Fold", "check": "Check", "call": "Call", "allin": "All-in"}[a.kind]
@@ -229,6 +230,8 @@ def legalise(a: Action | None, d: Decision) -> tuple[Action, bool]:
     assert d.max_raise_to is not None
     if a.kind == "allin":
         return Action("raise", d.max_raise_to), False
+    if a.kind == "pot":  # call, then raise by the pot that call leaves: the classic pot raise
+        a = Action("raise", d.bet + d.to_call + d.pot + d.to_call)
     return Action("raise", min(max(a.amount, d.min_raise_to), d.max_raise_to)), False
 
 

@@ -69,6 +69,16 @@ def equity(hole: tuple[str, ...], board: tuple[str, ...], opponents: int, sample
     return won / samples
 
 
+def strength(d: Decision, samples: int) -> float:
+    """0..1: Chen score / 20 before the flop, equity against the live opponents after.
+    What the rule-based players judge their hand by, and the policy's ``strength_hint``."""
+    if d.street == "preflop":
+        return min(max(chen_score(d.hole), 0) / 20, 1.0)
+    live = max(1, sum(1 for o in d.opponents if not o[3]))
+    # a fixed MC seed: equity is a function of the cards alone, cached across decisions
+    return equity(tuple(d.hole), tuple(d.board), min(live, 3), samples, 0)
+
+
 class RuleBased:
     """Shared plumbing: a seeded RNG, the hand-strength estimate, action text."""
 
@@ -82,12 +92,7 @@ class RuleBased:
         self.last_logprob = 0.0
 
     def strength(self, d: Decision) -> float:
-        """0..1: Chen score preflop, equity against the live opponents after."""
-        if d.street == "preflop":
-            return min(max(chen_score(d.hole), 0) / 20, 1.0)
-        live = max(1, sum(1 for o in d.opponents if not o[3]))
-        # a fixed MC seed: equity is a function of the cards alone, cached across decisions
-        return equity(tuple(d.hole), tuple(d.board), min(live, 3), self.samples, 0)
+        return strength(d, self.samples)
 
     def say(self, a: Action, d: Decision, logprob: float = 0.0) -> str:
         self.last_logprob = logprob

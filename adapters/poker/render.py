@@ -16,7 +16,15 @@
 where a card is its rank as two digits (02..14, ace 14) and its suit as a letter (clubs a,
 diamonds b, hearts c, spades d), history lists the opponents' actions since the seat's last
 turn (``f`` fold, ``c`` check/call, ``bN`` raise to N, ``a`` all-in) joined by ``+``, and the
-answer is ``f``, ``c``, ``bN`` or ``a``. Hand results are ``=+12`` / ``=-4``.
+answer is ``f``, ``c``, ``bN``, ``b`` (a pot-size raise) or ``a``. Hand results are ``=+12`` /
+``=-4``.
+
+With the adapter's ``strength_hint`` the compact line ends in ``*S``, a digit 0-9
+(``floor(10 x strength)``, capped at 9) and the text gets a last line ``Hand strength: 0.63``.
+Strength is what the rule-based players judge their hand by: Chen score / 20 before the flop,
+Monte Carlo equity against the live opponents after. A small model cannot learn card
+combinatorics from a few thousand hands; with the hint it only has to learn what to do with
+a strong or a weak hand (docs/adapters.md, "Poker that learns").
 """
 
 from __future__ import annotations
@@ -78,8 +86,16 @@ def render_compact(d: Decision) -> str:
     return f"{hist}*{hole}*{board}*{d.pot}*{d.to_call}*{d.stack}"
 
 
-def render(d: Decision, fmt: str) -> str:
-    return render_compact(d) if fmt == "compact" else render_text(d)
+def render(d: Decision, fmt: str, hint_samples: int = 0) -> str:
+    """The observation; ``hint_samples > 0`` adds the hand-strength hint (Monte Carlo run-outs
+    for the post-flop equity; the rule-based players' estimate, from the same cache)."""
+    text = render_compact(d) if fmt == "compact" else render_text(d)
+    if hint_samples <= 0:
+        return text
+    from adapters.poker.players import strength
+
+    s = strength(d, hint_samples)
+    return f"{text}*{min(int(10 * s), 9)}" if fmt == "compact" else f"{text}\nHand strength: {s:.2f}"
 
 
 def result_text(result: HandResult, seat: int, fmt: str) -> str:

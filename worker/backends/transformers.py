@@ -11,15 +11,37 @@ snapshot's dtype is converted at install). Prompts go to the device, samples com
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from echo import wire
 from echo.config import ModelConfig
 from echo.models import (bf16_compute, install_payload, load_model, load_tokenizer,
                          resolve_device, vocab_size)
-from worker.backends.base import Backend, Sample
+from worker.backends.base import Backend, Sample, finish, needs_tokens, plan_rows, regroup
+
+
+class _Watch(StoppingCriteria):
+    """Called by ``generate`` after every token: counts the rows still sampling (the drill's
+    live token count) and ends the call at once when ``stop`` is set (preemption)."""
+
+    def __init__(self, backend: Any, stop: threading.Event | None, eos: int | None, rows: int):
+        self.backend, self.stop, self.eos = backend, stop, eos
+        self.done = None
+        self.stopped = False
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        last = input_ids[:, -1] == self.eos if self.eos is not None else input_ids[:, -1] < 0
+        before = torch.zeros_like(last) if self.done is None else self.done
+        self.backend.tokens_sampled += int((~before).sum())  # rows that sampled this token
+        self.done = before | last
+        if self.stop is not None and self.stop.is_set():
+            self.stopped = True
+            return torch.ones_like(last)
+        return torch.zeros_like(last)
 
 
 class TransformersBackend(Backend):
@@ -36,32 +58,37 @@ class TransformersBackend(Backend):
         install_payload(self.model, tensors, payload)
 
     @torch.no_grad()
-    def generate(self, groups: list[wire.Group], max_new_tokens: int,
-                 temperature: float) -> list[list[Sample]]:
-        prompts = [g.prompt_ids for g in groups for _ in range(g.n)]
+    def generate(self, groups: list[wire.Group], max_new_tokens: int, temperature: float,
+                 stop: threading.Event | None = None) -> list[list[Sample]]:
+        eos = self.tokenizer.eos_token_id
+        rows = plan_rows(groups, max_new_tokens)
+        todo = [r for r in rows if needs_tokens(r, eos)]
+        new: dict[int, tuple[list[int], list[float]]] = {}
+        stopped = False
+        if todo:
+            ids, lps, stopped = self._sample([r.prompt for r in todo], max(r.budget for r in todo),
+                                             temperature, groups[0].seed, stop)
+            new = {id(r): (ids[k], lps[k]) for k, r in enumerate(todo)}
+        samples = [finish(r, *new.get(id(r), ([], [])), eos, stopped) for r in rows]
+        return regroup(groups, rows, samples)
+
+    def _sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                seed: int, stop: threading.Event | None) -> tuple[list[list[int]], list[list[float]], bool]:
+        """One left-padded ``generate`` call: (new tokens, their log-probs) per prompt, and
+        whether ``stop`` cut it short."""
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=self.device)
-        torch.manual_seed(groups[0].seed)
+        torch.manual_seed(seed)
+        watch = _Watch(self, stop, self.tokenizer.eos_token_id, len(prompts))
         out = self.model.generate(
             input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
             top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
-            output_scores=True, pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id)
+            output_scores=True, pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id,
+            stopping_criteria=StoppingCriteriaList([watch]))
         new = out.sequences[:, width:]
         scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] after temperature
         logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        new, logp = new.tolist(), logp.tolist()  # one device->host copy each
-        samples = [self._cut(new[i], logp[i]) for i in range(len(prompts))]
-        out_groups, k = [], 0
-        for g in groups:
-            out_groups.append(samples[k : k + g.n])
-            k += g.n
-        return out_groups
-
-    def _cut(self, tokens: list[int], logps: list[float]) -> Sample:
-        """Keep tokens up to and including the first end-of-sequence (the rest is padding)."""
-        eos = self.tokenizer.eos_token_id
-        end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
-        return Sample(tokens[:end], logps[:end])
+        return new.tolist(), logp.tolist(), watch.stopped  # one device->host copy each

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from typing import Any
 
 from echo import wire
 from echo.config import ModelConfig
 from echo.models import engine_model_dir, load_tokenizer, vocab_size_of_folder
-from worker.backends.base import Backend, Sample
+from worker.backends.base import Backend, Sample, finish, needs_tokens, plan_rows, regroup
 from worker.backends.refit import (RefitError, VersionBook, build_layout, checkpoint_names,
                                    tied_embeddings, write_shared)
 
@@ -126,8 +127,13 @@ class VLLMBackend(Backend):
         finally:
             path.unlink(missing_ok=True)
 
-    def generate(self, groups: list[wire.Group], max_new_tokens: int,
-                 temperature: float) -> list[list[Sample]]:
+    def generate(self, groups: list[wire.Group], max_new_tokens: int, temperature: float,
+                 stop: threading.Event | None = None) -> list[list[Sample]]:
+        """``stop`` is not seen inside the engine's call (it runs the whole batch): a worker
+        on vLLM hands back whole groups, not prefixes, unless its grace outlasts a rollout.
+        Groups with prefixes are continued one sample per request (docs/preemption.md)."""
+        if any(g.prefixes for g in groups):
+            return self._continue(groups, max_new_tokens, temperature)
         SamplingParams, TokensPrompt = self.types
         eos = self.tokenizer.eos_token_id
         params = [SamplingParams(n=g.n, temperature=temperature, top_p=1.0, top_k=0,
@@ -140,3 +146,25 @@ class VLLMBackend(Backend):
             outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[cut_at_eos(list(c.token_ids), sampled_logprobs(list(c.token_ids), c.logprobs), eos)
                  for c in o.outputs] for o in outs]
+
+    def _continue(self, groups: list[wire.Group], max_new_tokens: int,
+                  temperature: float) -> list[list[Sample]]:
+        SamplingParams, TokensPrompt = self.types
+        eos = self.tokenizer.eos_token_id
+        rows = plan_rows(groups, max_new_tokens)
+        todo = [r for r in rows if needs_tokens(r, eos)]
+        params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0,
+                                 max_tokens=r.budget, logprobs=0,
+                                 seed=groups[r.group].seed + r.sample_idx,
+                                 stop_token_ids=[eos] if eos is not None else None) for r in todo]
+        new: dict[int, tuple[list[int], list[float]]] = {}
+        if todo:
+            with self.book.dispatch() as version:
+                prompts = [TokensPrompt(prompt_token_ids=r.prompt, cache_salt=f"v{version}")
+                           for r in todo]
+                outs = self.llm.generate(prompts, params, use_tqdm=False)
+            for r, o in zip(todo, outs):
+                c = o.outputs[0]
+                new[id(r)] = (list(c.token_ids), sampled_logprobs(list(c.token_ids), c.logprobs))
+        samples = [finish(r, *new.get(id(r), ([], [])), eos, False) for r in rows]
+        return regroup(groups, rows, samples)

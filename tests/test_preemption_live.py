@@ -1,0 +1,96 @@
+"""Preemption and owner-first yield with real processes on loopback (docs/preemption.md)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from echo.procs import python_argv
+from test_integration import Cluster, free_port, rows, wait_rows
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def cluster(tmp_path, small_cfg):
+    small_cfg.learner.port = free_port()
+    c = Cluster(tmp_path, small_cfg)
+    yield c
+    c.group.stop_all()
+
+
+def start_worker(cluster: Cluster, name: str, *flags: str) -> Path:
+    status = cluster.tmp / f"{name}.json"
+    cluster.group.start(name, python_argv("worker.cli", "join", cluster.endpoint, "--id", name,
+                                          "--plain", "--ledger", str(cluster.tmp / f"{name}.ledger"),
+                                          "--identity", str(cluster.tmp / f"{name}.key"),
+                                          "--status-file", str(status), *flags),
+                        cluster.tmp / f"{name}.log")
+    return status
+
+
+def wait_status(path: Path, ok, timeout: float = 60) -> dict:
+    """Polls the worker's status file (its published state; it is rewritten once a second)."""
+    deadline = time.monotonic() + timeout
+    doc: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            doc = {}
+        if doc and ok(doc):
+            return doc
+        time.sleep(0.1)
+    raise AssertionError(f"{path.name} never reached the expected state; last: {doc}")
+
+
+def test_a_sigterm_hands_back_prefixes_another_worker_continues(cluster):
+    from learner.audit import audit_run
+
+    cluster.cfg.worker.max_new_tokens = 160  # long rollouts: the SIGTERM lands mid-generation
+    cluster.cfg.learner.lr = 1e-5  # the random model keeps writing long completions
+    run = cluster.learner("learner", max_steps=8)
+    a = start_worker(cluster, "a")
+    wait_status(a, lambda d: d.get("tokens_sampled", 0) > 0 and d["activity"] == "generating")
+    cluster.group.stop("a")  # SIGTERM: cut, hand back, drain, leave
+    assert cluster.group.procs["a"].returncode == 0
+    start_worker(cluster, "b")
+    assert cluster.wait("learner") == 0
+    got = rows(run)
+    assert len(got) == 8
+    assert sum(r["continued_samples"] for r in got) > 0  # b finished what a had started
+    assert got[-1]["handbacks"]["prefixes"] > 0
+    assert all(r["staleness_max"] <= cluster.cfg.learner.staleness for r in got)
+    assert "handed back" in (cluster.tmp / "a.log").read_text()
+    audit = audit_run(run, [cluster.tmp / f"{w}.ledger" for w in "ab"], cluster.cfg.learner.group_size)
+    assert audit.lost == set() and audit.groups_trained_twice == 0
+
+
+def test_an_owner_burning_cpu_makes_the_worker_yield_then_resume(cluster):
+    from learner.audit import audit_run
+
+    cluster.cfg.worker.max_new_tokens = 64
+    run = cluster.learner("learner", max_steps=10_000)
+    status = start_worker(cluster, "w", "--yield-to-owner", "--owner-signal", "cpu",
+                          "--owner-quiet-s", "1", "--owner-cpu-cores", "0.5")
+    wait_rows(run, 2)
+    # The owner: a process of the machine's user that is not Echo, burning a core.
+    cluster.group.start("owner", [sys.executable, "-c", "while True: pass"], cluster.tmp / "owner.log")
+    yielded = wait_status(status, lambda d: d["activity"] == "yielded")
+    assert yielded.get("yield_stop_s", 0.0) < 1.0  # generation stopped within a second of the yield
+    before = yielded["samples_generated"]
+    cluster.group.stop("owner", sig=signal.SIGKILL)
+    resumed = wait_status(status, lambda d: d["samples_generated"] > before
+                          and d["activity"] != "yielded")
+    assert resumed["samples_generated"] > before
+    log = (cluster.tmp / "w.log").read_text()
+    assert "yielding" in log and "generating again" in log
+    cluster.group.stop("w")
+    cluster.group.stop("learner")
+    audit = audit_run(run, [cluster.tmp / "w.ledger"], cluster.cfg.learner.group_size)
+    assert audit.acked and audit.lost == set()
