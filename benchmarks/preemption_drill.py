@@ -5,7 +5,7 @@ without migrating their partial rollouts.
 
 One learner and ``--workers`` real worker processes on loopback (tiny model, toy-add, long
 completions). ``--spot`` of them are spot instances: each is reclaimed at random moments
-(exponential, mean ``--mean-up`` seconds after it started) with SIGTERM, SIGKILLed if still
+(exponential, mean ``--mean-up`` seconds after it started generating) with SIGTERM, SIGKILLed if still
 alive after ``--grace`` seconds, and replaced by a new instance (a new key and id, as a new
 cloud machine would be) ``--down`` seconds later. The same schedule (same seed) runs twice:
 workers that migrate (hand back what they generated as prefixes, the default) and workers
@@ -37,18 +37,19 @@ from echo.machine import machine_info  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
 
 
-def schedule(rng: random.Random, spot: int, mean_up: float, horizon: float) -> list[list[float]]:
-    """Per spot slot, the times (s from the start) its instances are reclaimed."""
-    out = []
-    for _ in range(spot):
-        t, times = 0.0, []
-        while True:
-            t += rng.expovariate(1 / mean_up)
-            if t > horizon:
-                break
-            times.append(t)
-        out.append(times)
-    return out
+def schedule(rng: random.Random, spot: int, mean_up: float, count: int = 1000) -> list[list[float]]:
+    """Per spot slot, how long each of its instances generates before it is reclaimed
+    (exponential: a reclaim is as likely at any moment of the work)."""
+    return [[rng.expovariate(1 / mean_up) for _ in range(count)] for _ in range(spot)]
+
+
+def _sampling(run_dir: Path, inst: dict) -> bool:
+    """The instance has started generating (its status file counts sampled tokens)."""
+    try:
+        return json.loads((run_dir / "status" / f"{inst['name']}.json").read_text()).get(
+            "tokens_sampled", 0) > 0
+    except (OSError, ValueError):
+        return False
 
 
 def run_mode(args: argparse.Namespace, migrate: bool, reclaim: list[list[float]], out: Path) -> dict:
@@ -57,7 +58,8 @@ def run_mode(args: argparse.Namespace, migrate: bool, reclaim: list[list[float]]
     cfg = load_config(ROOT / "examples" / "quickstart.toml", [
         f"learner.max_steps={args.steps}", "learner.prompts_per_step=8", "learner.group_size=8",
         "learner.lr=1e-5", f"worker.max_new_tokens={args.max_new_tokens}",
-        "worker.groups_per_request=2", "learner.lease_timeout_s=20", "provisioning.enabled=false"])
+        "worker.groups_per_request=4", "learner.lease_timeout_s=20", "provisioning.enabled=false",
+        f"model.max_positions={args.max_new_tokens + 64}"])
     (run_dir / "drill.toml").write_text(dump_toml(cfg))
     procs = ProcessGroup()
     learner = procs.start("learner", python_argv("echo.cli", "learn", str(run_dir / "drill.toml"),
@@ -79,15 +81,14 @@ def run_mode(args: argparse.Namespace, migrate: bool, reclaim: list[list[float]]
     spots = [start(f"spot{k}-0") for k in range(args.spot)]
     for i in range(args.workers - args.spot):
         start(f"stable{i}")
-    t0 = time.monotonic()
     pending = [list(ts) for ts in reclaim]
     born = [1] * args.spot
     while learner.poll() is None:
-        now = time.monotonic() - t0
         for k in range(args.spot):
             inst = spots[k]
-            if inst["end"] is None and pending[k] and now >= pending[k][0]:
-                pending[k].pop(0)
+            if inst["end"] is None and inst.get("due") is None and pending[k] and _sampling(run_dir, inst):
+                inst["due"] = time.monotonic() + pending[k].pop(0)  # a random moment of its work
+            if inst["end"] is None and inst.get("due") is not None and time.monotonic() >= inst["due"]:
                 inst["reclaimed"] = True
                 inst["proc"].send_signal(signal.SIGTERM)
                 try:
@@ -136,15 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--spot", type=int, default=2, help="workers reclaimed (25%% of 8)")
     ap.add_argument("--grace", type=float, default=2.0, help="seconds between SIGTERM and SIGKILL")
-    ap.add_argument("--mean-up", type=float, default=15.0, help="mean seconds a spot instance lives")
+    ap.add_argument("--mean-up", type=float, default=8.0,
+                    help="mean seconds a spot instance generates before it is reclaimed")
     ap.add_argument("--down", type=float, default=3.0, help="seconds before a replacement starts")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("/tmp/echo-preemption-drill"))
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "preemption_drill.json")
     args = ap.parse_args(argv)
-    reclaim = schedule(random.Random(args.seed), args.spot, args.mean_up, 3600.0)
+    reclaim = schedule(random.Random(args.seed), args.spot, args.mean_up)
     result = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}}
     for migrate in (True, False):
         t = time.monotonic()

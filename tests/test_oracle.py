@@ -574,3 +574,23 @@ def test_truncated_is_against_direct_computation(agg, beta):
     assert stats["is_weight_mean"] == pytest.approx(sum(ws) / len(ws), rel=1e-12)
     # w carries no gradient: the behaviour log-probs get none.
     assert behaviour.grad is None or float(behaviour.grad.abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("loss_type,temperature,options", [c[1:] for c in STEP_CASES[:1]] + [
+    c[1:] for c in STEP_CASES if c[0] == "everything"], ids=["default", "everything"])
+def test_mixed_version_records_match_trl(model_dir, tok, step_records, tmp_path, loss_type,
+                                         temperature, options):
+    """Records continued after a preemption (docs/preemption.md) carry tokens of two snapshot
+    versions, each with its own behaviour log-prob: the step is TRL's, token by token."""
+    import dataclasses
+
+    recs = [dataclasses.replace(r, version=0, versions=[[0, len(r.completion_ids) // 2],
+                                                        [1, len(r.completion_ids) - len(r.completion_ids) // 2]])
+            if len(r.completion_ids) >= 2 else r for r in step_records(temperature)]
+    assert any(r.versions for r in recs)
+    ours_model, loss_a, _ = echo_step_loss(model_dir, tok, recs, options, loss_type, temperature)
+    loss_a.backward()
+    trainer, loss_b, _ = trl_step_loss(model_dir, tok, tmp_path, recs, options, loss_type, temperature)
+    loss_b.backward()
+    assert loss_a.item() == pytest.approx(loss_b.item(), rel=RTOL, abs=1e-7)
+    assert_grads_equal(ours_model, trainer.model)
