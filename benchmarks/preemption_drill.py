@@ -124,7 +124,7 @@ def summarize(run_dir: Path, instances: list[dict], end: float, budget: int) -> 
         "wasted_tokens": sampled - sent, "tokens_trained": trained,
         "worker_seconds": round(worker_s, 1),
         "goodput_tokens_per_worker_s": round(trained / worker_s, 2) if worker_s else 0.0,
-        "continued_samples": sum(r.get("continued_samples", 0) for r in rows),
+        "mixed_version_samples": sum(r.get("mixed_version_samples", 0) for r in rows),
         "handbacks": last.get("handbacks", {}),
         "staleness_max": max((r["staleness_max"] for r in rows), default=0), "staleness_budget": budget,
         "staleness_violations": sum(1 for r in rows if r["staleness_max"] > budget),

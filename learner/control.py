@@ -321,7 +321,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             "worker_busy_rate": (sum(w.busy_samples for w in active) / sum(w.busy_s for w in active)
                                  if active and sum(w.busy_s for w in active) > 0 else 0.0),
             "rejected": dict(self.rejected + self.buffer.stats.rejected),
-            "handbacks": dict(self.handbacks),  # docs/preemption.md
+            "handbacks": {**self.handbacks, "continued_samples": self.intake.continued},
             # docs/security.md: refused joins and connections, rate-limited or banned messages,
             # refused chunk requests (this socket's), by reason
             "join_refused": dict(self.gate.refused),

@@ -102,6 +102,7 @@ class Intake:
         self.adapter = adapter if getattr(adapter, "recomputes_rewards", False) else None
         self.audit, self.audit_rate, self.probation_groups = audit, audit_rate, probation_groups
         self.delivered: Counter[str] = Counter()  # worker id -> whole groups admitted
+        self.continued = 0  # samples admitted that continued a handed-back prefix
         self._rng = random.SystemRandom()
 
     def batch(self, sender: str, key: str, raw: list[Any]) -> Outcome:
@@ -143,7 +144,11 @@ class Intake:
             return
         group = self.work.lookup(gid)
         prefixes = list(group.prefixes) if group is not None else []
-        if COMPLETED in [self._store(i, r, out) for i, r in members]:
+        before = len(out.accepted)
+        stored = [self._store(i, r, out) for i, r in members]
+        started = {p.sample_idx for p in prefixes}
+        self.continued += sum(1 for r in out.accepted[before:] if r.sample_idx in started)
+        if COMPLETED in stored:
             self._maybe_audit(sender, key, recs, prefixes)
 
     def _refusal(self, sender: str, key: str, gid: str, recs: list[Record]) -> tuple[str, str]:

@@ -89,7 +89,7 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
         # generated tokens this step trains on, and those of samples continued after a
         # preemption (docs/preemption.md): the preemption drill's goodput
         "tokens_trained": sum(len(r.completion_ids) for r in records),
-        "continued_samples": sum(1 for r in records if r.versions and len(r.versions) > 1),
+        "mixed_version_samples": sum(1 for r in records if r.versions and len(r.versions) > 1),
         # seconds a worker spent generating the batch each record came in (its busy time):
         # the capacity the simulator and the provisioner should use, not demand-capped rates
         "gen_s_mean": round(sum(r.gen_s for r in records) / len(records), 5),

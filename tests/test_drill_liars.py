@@ -30,7 +30,7 @@ class ScriptedBackend:
         self.completions = [[digit[5], eos], [digit[5], digit[1]], [digit[7], eos],
                             [tok.encode("+", add_special_tokens=False)[0], eos]]
 
-    def generate(self, groups, max_new_tokens, temperature):
+    def generate(self, groups, max_new_tokens, temperature, stop=None):
         return [[Sample(list(c), [-0.5, -1.5]) for c in self.completions] for _ in groups]
 
 
