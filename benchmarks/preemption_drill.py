@@ -59,7 +59,9 @@ def run_mode(args: argparse.Namespace, migrate: bool, reclaim: list[list[float]]
         f"learner.max_steps={args.steps}", "learner.prompts_per_step=8", "learner.group_size=8",
         "learner.lr=1e-5", f"worker.max_new_tokens={args.max_new_tokens}",
         "worker.groups_per_request=4", "learner.lease_timeout_s=20", "provisioning.enabled=false",
-        f"model.max_positions={args.max_new_tokens + 64}"])
+        f"model.max_positions={args.max_new_tokens + 64}", f"model.hidden_size={args.hidden}",
+        f"model.intermediate_size={4 * args.hidden}", f"model.num_layers={args.layers}",
+        f"model.head_dim={args.hidden // 4}", f'model.tiny_vocab="{args.vocab}"'])
     (run_dir / "drill.toml").write_text(dump_toml(cfg))
     procs = ProcessGroup()
     learner = procs.start("learner", python_argv("echo.cli", "learn", str(run_dir / "drill.toml"),
@@ -141,7 +143,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="mean seconds a spot instance generates before it is reclaimed")
     ap.add_argument("--down", type=float, default=3.0, help="seconds before a replacement starts")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    # Rollouts must outlast the grace for the comparison to mean anything (a real model's
+    # take tens of seconds): a wider model and the text vocabulary (end-of-sequence drawn
+    # less often by the random init) make the tiny model's last seconds on these CPUs.
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", choices=["arith", "text"], default="text")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("/tmp/echo-preemption-drill"))
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "preemption_drill.json")

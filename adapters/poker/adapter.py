@@ -16,6 +16,9 @@ Options (``[adapter] options = {...}``), all optional:
   show_results = true     put each hand's result in the transcript as a user message
   reward_unit = "bb"      episode return in big blinds ("chips": raw chips)
   invalid_penalty = 1.0   subtracted from the return (in reward units) per invalid action
+  reward_clip = 0         > 0: the return is clipped to [-reward_clip, reward_clip] (reward
+                          units) before the penalty: one all-in swing no longer sets the group's
+                          standard deviation and flattens every other sample's advantage
   hero_seat = -1          the policy's seat; -1: drawn per group
   max_decisions = 24      per episode; later decisions are played check/fold, untrained
   max_episode_tokens = 4096   bound on the transcript after the prompt (the record's completion)
@@ -48,7 +51,8 @@ from dataplane.multiturn import ChatBuilder, ChatFormat, Transcript
 _DEFAULTS: dict[str, Any] = {
     "seats": 2, "stack": 200, "blinds": [1, 2], "hands": 1,
     "opponents": ["tag", "station", "maniac"], "opponent_model": "", "group_by": "deal",
-    "obs_format": "text", "strength_hint": False, "show_results": True, "reward_unit": "bb", "invalid_penalty": 1.0,
+    "obs_format": "text", "strength_hint": False, "show_results": True, "reward_unit": "bb",
+    "invalid_penalty": 1.0, "reward_clip": 0.0,
     "hero_seat": -1, "max_decisions": 24, "max_episode_tokens": 4096, "offpolicy_player": "",
     "offpolicy_fraction": 0.0, "bot_samples": 48, "system": "", "turn_start_token": "",
 }
@@ -88,6 +92,7 @@ class PokerAdapter(EpisodeAdapter):
         self.show_results = bool(o["show_results"])
         self.unit = float(self.table.big_blind if o["reward_unit"] == "bb" else 1)
         self.invalid_penalty = float(o["invalid_penalty"])
+        self.reward_clip = float(o["reward_clip"])
         self.hero_seat = int(o["hero_seat"])
         self.max_decisions = int(o["max_decisions"])
         self.max_completion_tokens = int(o["max_episode_tokens"])
@@ -112,6 +117,7 @@ class PokerAdapter(EpisodeAdapter):
             (self.offpolicy_player in ("", *RULE_PLAYERS),
              f"offpolicy_player={self.offpolicy_player!r}: empty or one of {sorted(RULE_PLAYERS)}"),
             (0.0 <= self.offpolicy_fraction <= 1.0, "offpolicy_fraction must be in [0, 1]"),
+            (self.reward_clip >= 0, "reward_clip must be >= 0 (0: off)"),
             (self.hint == 0 or self.bot_samples >= 1,
              "strength_hint needs bot_samples >= 1 (the run-outs behind the estimate)"),
             (self.max_decisions >= 1 and self.max_completion_tokens > RESULT_RESERVE,
@@ -218,7 +224,10 @@ class PokerAdapter(EpisodeAdapter):
         if len(tr) > self.max_completion_tokens:  # a long result message: cut the tail context
             del tr.ids[self.max_completion_tokens :], tr.mask[self.max_completion_tokens :]
             del tr.logprobs[self.max_completion_tokens :]
-        reward = net / self.unit - self.invalid_penalty * invalid
+        ret = net / self.unit
+        if self.reward_clip > 0:
+            ret = min(max(ret, -self.reward_clip), self.reward_clip)
+        reward = ret - self.invalid_penalty * invalid
         self.stats["episodes"] += 1
         self.stats["decisions"] += decisions
         self.stats["invalid_actions"] += invalid
