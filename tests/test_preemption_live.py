@@ -49,15 +49,23 @@ def wait_status(path: Path, ok, timeout: float = 60) -> dict:
     raise AssertionError(f"{path.name} never reached the expected state; last: {doc}")
 
 
-def test_a_sigterm_hands_back_prefixes_another_worker_continues(cluster):
+@pytest.mark.parametrize("how", ["sigterm", "notice"])
+def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster, how):
     from learner.audit import audit_run
 
-    cluster.cfg.worker.max_new_tokens = 160  # long rollouts: the SIGTERM lands mid-generation
+    cluster.cfg.worker.max_new_tokens = 160  # long rollouts: the stop lands mid-generation
     cluster.cfg.learner.lr = 1e-5  # the random model keeps writing long completions
     run = cluster.learner("learner", max_steps=8)
     a = start_worker(cluster, "a")
     wait_status(a, lambda d: d.get("tokens_sampled", 0) > 0 and d["activity"] == "generating")
-    cluster.group.stop("a")  # SIGTERM: cut, hand back, drain, leave
+    if how == "sigterm":
+        cluster.group.stop("a")  # SIGTERM: cut, hand back, drain, leave
+    else:  # a spot notice: the worker stops on its own 2 s (its margin) before the deadline
+        from worker import cli
+
+        assert cli.main(["preempt", str(a), "--in", "2.5"]) == 0
+        assert cluster.wait("a", 60) == 0
+        assert "preemption notice" in (cluster.tmp / "a.log").read_text()
     assert cluster.group.procs["a"].returncode == 0
     start_worker(cluster, "b")
     assert cluster.wait("learner") == 0

@@ -166,6 +166,7 @@ class Worker:
         self.cut = threading.Event()  # set: cut the samples being generated now (preemption)
         self.yielded = False  # the machine's owner needs it (docs/preemption.md)
         self.quiet = asyncio.Event()  # set when a yield ends
+        self._notice_timer: asyncio.TimerHandle | None = None  # a preemption notice's stop
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -173,6 +174,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop, f"signal {sig.name}")
+        loop.add_signal_handler(signal.SIGUSR1, self._notice)  # echo-worker preempt --in S
         self.ctx = zmq.asyncio.Context()
         self.client = Client(self.ctx, self.endpoint, BOOT_MAX_BYTES, keys=self.keys,
                              server_key=self.line.server_key)
@@ -235,11 +237,34 @@ class Worker:
         if self.client.handshake_error:
             log.warning("%s", self.client.handshake_error)
 
+    def _notice(self) -> None:
+        """A preemption notice (``echo-worker preempt --in S``): keep generating until the
+        deadline minus a margin for the handback (two round trips, at least 2 s), then stop
+        as on SIGTERM. A later notice replaces an earlier one."""
+        from worker.status import notice_path
+
+        try:
+            path = notice_path(self.status.path) if self.status.path else None
+            deadline = float(json.loads(path.read_text())["deadline"]) if path else None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("preemption notice unreadable (%s): stopping now", exc)
+            deadline = time.time()
+        if deadline is None:
+            deadline = time.time()
+        margin = max(2.0, 2 * self._grant_rtt)
+        delay = max(0.0, deadline - time.time() - margin)
+        log.info("preemption notice: the machine goes in %.1f s; handing work back in %.1f s",
+                 deadline - time.time(), delay)
+        if self._notice_timer is not None:
+            self._notice_timer.cancel()
+        self._notice_timer = asyncio.get_running_loop().call_later(
+            delay, self._stop, "preemption notice")
+
     def _stop(self, reason: str) -> None:
         if not self.stopping.is_set():
             log.info("worker %s stopping: %s", self.worker_id, reason)
             self.exit_reason = reason
-            if self.migrate and reason.startswith("signal"):
+            if self.migrate and reason.startswith(("signal", "preemption")):
                 self.cut.set()  # preempted: what is being generated goes back as prefixes
             self.stopping.set()
             self.quiet.set()

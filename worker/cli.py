@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="its status file (default: the newest in $ECHO_STATUS_DIR or "
                         "~/.local/state/echo/workers)")
     s.add_argument("--json", action="store_true", help="print the file's JSON as it is")
+    n = sub.add_parser("preempt", help="tell a running worker its machine goes away in SECONDS "
+                       "(a spot notice): it generates until just before, then hands its work "
+                       "back and leaves (docs/preemption.md)")
+    n.add_argument("file", nargs="?", default=None,
+                   help="the worker's status file (default: the newest, as for status)")
+    n.add_argument("--in", dest="seconds", type=float, required=True, metavar="SECONDS",
+                   help="seconds until the machine is reclaimed")
     return p
 
 
@@ -80,6 +87,8 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     args = build_parser().parse_args(argv)
     if args.cmd == "status":
         return _status(args)
+    if args.cmd == "preempt":
+        return _preempt(args)
     from echo.security import JoinLine, KeyPair, SecurityError, default_identity_path
 
     try:
@@ -175,6 +184,36 @@ def _summary(console: Any, board: Any) -> None:
     console.print(table(board.doc, title=f"echo-worker {board.doc['worker_id']}: summary"))
     if board.path is not None:
         console.print(f"status file: {board.path}")
+
+
+def _preempt(args: argparse.Namespace) -> int:
+    """``echo-worker preempt --in S``: write the deadline next to the worker's status file and
+    wake it with SIGUSR1 (the worker's own pid, from its status file)."""
+    import json
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from worker.status import default_status_dir, latest_status, notice_path, read_status
+
+    try:
+        path = Path(args.file) if args.file else latest_status(default_status_dir())
+        doc = read_status(path)
+    except ValueError as exc:
+        print(f"echo-worker preempt: {exc}", file=sys.stderr)
+        return 1
+    pid = int(doc.get("pid", 0))
+    if doc.get("exit") or not _alive(pid, os):
+        print(f"echo-worker preempt: the worker of {path} is not running", file=sys.stderr)
+        return 1
+    if not args.seconds >= 0:
+        print("echo-worker preempt: --in must be >= 0 seconds", file=sys.stderr)
+        return 2
+    notice_path(path).write_text(json.dumps({"deadline": time.time() + args.seconds}))
+    os.kill(pid, signal.SIGUSR1)
+    print(f"told worker {doc.get('worker_id')} (pid {pid}): reclaimed in {args.seconds:g} s")
+    return 0
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -80,6 +80,11 @@ class StatusBoard:
         return True
 
 
+def notice_path(status: Path) -> Path:
+    """Where ``echo-worker preempt`` leaves a preemption notice for the worker of ``status``."""
+    return status.with_name(status.name + ".preempt")
+
+
 def write_atomic(path: Path, doc: dict[str, Any]) -> None:
     """Readers see the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
