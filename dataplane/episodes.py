@@ -61,9 +61,15 @@ class EpisodeRecord(Record):
     loss_mask: list[int] | None = None
 
 
-def drive(episodes: Sequence[Episode], generate: GenerateFn) -> list[EpisodeSample]:
-    """Run episodes in lockstep: every round, all pending decisions go to one ``generate``."""
+def drive(episodes: Sequence[Episode], generate: GenerateFn,
+          replay: dict[int, list[Generated]] | None = None) -> list[EpisodeSample]:
+    """Run episodes in lockstep: every round, all pending decisions go to one ``generate``.
+    ``replay[i]``: decisions episode ``i`` already made elsewhere (a continuation after a
+    preemption, docs/preemption.md): fed back in order before it asks ``generate``. A
+    ``Cut`` raised by ``generate`` leaves with every episode's decisions so far."""
     results: list[EpisodeSample | None] = [None] * len(episodes)
+    queued = {i: list(d) for i, d in (replay or {}).items()}
+    made: dict[int, list[Generated]] = {i: [] for i in range(len(episodes))}
     pending: dict[int, list[int]] = {}
     for i, ep in enumerate(episodes):
         try:
@@ -72,11 +78,18 @@ def drive(episodes: Sequence[Episode], generate: GenerateFn) -> list[EpisodeSamp
             results[i] = stop.value
     while pending:
         order = sorted(pending)
-        outs = generate([pending[i] for i in order])
-        if len(outs) != len(order):
-            raise RuntimeError(f"generate returned {len(outs)} results for {len(order)} prompts")
+        ask = [i for i in order if not queued.get(i)]
+        try:
+            outs = dict(zip(ask, generate([pending[i] for i in ask]) if ask else []))
+        except Cut as cut:
+            cut.decisions = made
+            raise
+        if len(outs) != len(ask):
+            raise RuntimeError(f"generate returned {len(outs)} results for {len(ask)} prompts")
         pending = {}
-        for i, out in zip(order, outs):
+        for i in order:
+            out = outs[i] if i in outs else queued[i].pop(0)
+            made[i].append((list(out[0]), list(out[1])))
             try:
                 pending[i] = episodes[i].send((list(out[0]), list(out[1])))
             except StopIteration as stop:
@@ -85,9 +98,29 @@ def drive(episodes: Sequence[Episode], generate: GenerateFn) -> list[EpisodeSamp
     return results  # type: ignore[return-value]
 
 
+def replay_of(groups: Sequence[Any]) -> dict[int, list[Generated]]:
+    """The decisions to replay, per episode index of ``rollout``, from the groups' prefixes
+    (``Prefix.turns`` splits a prefix into its decisions)."""
+    out: dict[int, list[Generated]] = {}
+    k = 0
+    for g in groups:
+        for p in getattr(g, "prefixes", None) or []:
+            at, turns = 0, []
+            for n in p.turns:
+                turns.append((list(p.ids[at : at + n]), list(p.logprobs[at : at + n])))
+                at += n
+            out[k + p.sample_idx] = turns
+        k += g.n
+    return out
+
+
 class Cut(Exception):
-    """The worker was preempted between two decisions: the episodes stop here and their
-    groups are handed back whole (an episode's environment cannot travel; docs/preemption.md)."""
+    """The worker was preempted between two decisions: the episodes stop here. ``decisions``
+    (set by ``drive``): per episode, the decisions made so far, which go back as prefixes
+    with their turn lengths and are replayed by the worker that continues the group
+    (docs/preemption.md)."""
+
+    decisions: dict[int, list[Generated]] = {}
 
 
 def backend_generate_fn(backend: Any, max_new_tokens: int, temperature: float, seed: int,
@@ -128,7 +161,7 @@ class EpisodeAdapter(Adapter):
         """``group.n`` episodes for every group (objects with ``task``, ``n`` and ``seed``),
         decisions batched across all of them."""
         eps = [self.episode(g.task, g.seed, i) for g in groups for i in range(g.n)]
-        flat = drive(eps, generate)
+        flat = drive(eps, generate, replay_of(groups))
         out, k = [], 0
         for g in groups:
             out.append(flat[k : k + g.n])

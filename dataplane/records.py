@@ -125,9 +125,10 @@ MAX_VERSION_RUNS = 64
 
 
 def check_versions(runs: Any, n: int, oldest: int) -> None:
-    """Per-token versions as ``[version, count]`` runs: counts >= 1 summing to ``n``, versions
-    increasing, the first one ``oldest`` (the record's ``version``, which the staleness rule
-    judges: the rule applies to the oldest token)."""
+    """Per-token versions as ``[version, count]`` runs: counts >= 1 summing to ``n``, adjacent
+    runs of different versions, and ``oldest`` (the record's ``version``, which the staleness
+    rule judges) the smallest. Runs need not increase: a worker that continues a sample may
+    hold an older snapshot than the one that started it."""
     ok = (isinstance(runs, list) and 1 <= len(runs) <= MAX_VERSION_RUNS
           and all(isinstance(r, (list, tuple)) and len(r) == 2
                   and all(type(x) is int for x in r) and r[1] >= 1 for r in runs))
@@ -138,9 +139,9 @@ def check_versions(runs: Any, n: int, oldest: int) -> None:
         raise RecordError("bad_versions", f"versions cover {sum(r[1] for r in runs)} tokens, "
                           f"the completion has {n}")
     vs = [r[0] for r in runs]
-    if vs[0] != oldest or any(b <= a for a, b in zip(vs, vs[1:])):
-        raise RecordError("bad_versions", f"versions {vs[:8]} must increase from the record's "
-                          f"version {oldest}")
+    if min(vs) != oldest or any(b == a for a, b in zip(vs, vs[1:])):
+        raise RecordError("bad_versions", f"versions {vs[:8]}: adjacent runs must differ and the "
+                          f"oldest must be the record's version {oldest}")
 
 
 def parse_record(obj: Any, limits: Limits) -> Record:

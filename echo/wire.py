@@ -209,6 +209,10 @@ class Prefix(BaseModel):
     # [version, count] pairs (lists: msgpack has no tuples)
     versions: list[Annotated[list[int], Field(min_length=2, max_length=2)]] = Field(
         min_length=1, max_length=64)
+    # Multi-turn: the prefix is the policy's decisions so far, in order, and these are their
+    # lengths; the continuing worker replays them in the episode's environment (empty: one
+    # stretch of tokens of a single-turn sample).
+    turns: list[int] = Field(default_factory=list, max_length=4096)
 
 
 class Group(BaseModel):

@@ -582,7 +582,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         the next worker continues them. Only the holder's own leases are taken."""
         self._joined(ident, key, msg.worker_id)
         lim = PrefixLimits(self.limits.vocab_size, self.limits.max_new_tokens,
-                           self.limits.min_logprob, self.cfg.learner.staleness)
+                           self.limits.min_logprob, self.cfg.learner.staleness, self.multi_turn)
         refused: Counter[str] = Counter()
         for gid in set(msg.prefixes) - set(msg.groups):
             refused["not_handed_back"] += len(msg.prefixes[gid])
@@ -593,9 +593,6 @@ class ControlPlane(Sessions, SnapshotRoutes):
             if group is None or self.work.holder(gid) != msg.worker_id:
                 refused["not_your_group"] += max(1, len(given))
                 continue
-            if given and self.multi_turn:  # episodes carry an environment: replayed from scratch
-                refused["multi_turn"] += len(given)
-                given = []
             before = sum(refused.values())
             keep = check_prefixes(group, given, self.buffer.version, lim, refused) if given \
                 else list(group.prefixes)

@@ -3,9 +3,10 @@
 
 A prefix is kept only if it could have been a real start of the sample: the group is leased to
 the sender and handed back in the same message, the sample index is in the group, tokens are
-in the vocabulary and fewer than ``worker.max_new_tokens`` plus one, log-probs are finite
-and at most 0, versions are increasing runs of snapshots the learner has published and the
-oldest is still admissible (a stale prefix would only make a stale record), and a sample that
+in the vocabulary and at most ``worker.max_new_tokens`` of them, log-probs are finite and at
+most 0, versions are runs of snapshots the learner has published and the
+oldest is still admissible (a stale prefix would only make a stale record), a multi-turn prefix
+comes with its decisions' lengths (``turns``, replayed by the next worker), and a sample that
 was already continued once keeps its earlier prefix as its start. Anything else is refused
 with a counted reason and the sample is generated again from scratch: a refused prefix costs
 tokens, never correctness. The tokens of a kept prefix are the sender's; the worker that
@@ -30,6 +31,7 @@ class PrefixLimits:
     max_new_tokens: int
     min_logprob: float
     staleness: int
+    multi_turn: bool = False  # prefixes must carry their decisions' lengths (``turns``)
 
 
 def expand(runs: list[list[int]] | list[tuple[int, int]]) -> list[int]:
@@ -49,14 +51,18 @@ def _problem(p: wire.Prefix, group: wire.Group, version: int, lim: PrefixLimits)
         return "bad_logprob"
     vs = [v for v, _ in p.versions]
     if (len(p.versions) > MAX_VERSION_RUNS or any(c < 1 for _, c in p.versions)
-            or sum(c for _, c in p.versions) != n or any(b <= a for a, b in zip(vs, vs[1:]))):
+            or sum(c for _, c in p.versions) != n or any(b == a for a, b in zip(vs, vs[1:]))):
         return "bad_versions"
-    if vs[-1] > version:
+    if p.turns and (any(t < 1 for t in p.turns) or sum(p.turns) != n):
+        return "bad_turns"
+    if lim.multi_turn != bool(p.turns):  # episodes replay decisions; a stretch of tokens not
+        return "bad_turns"
+    if max(vs) > version:
         return "future_version"
-    if rules.admission(vs[0], version, lim.staleness) != rules.OK:
+    if rules.admission(min(vs), version, lim.staleness) != rules.OK:
         return "stale"
     old = next((q for q in group.prefixes if q.sample_idx == p.sample_idx), None)
-    if old is not None and (p.ids[: len(old.ids)] != old.ids
+    if old is not None and (p.ids[: len(old.ids)] != old.ids or p.turns[: len(old.turns)] != old.turns
                             or p.logprobs[: len(old.logprobs)] != old.logprobs
                             or expand(p.versions)[: len(old.ids)] != expand(old.versions)):
         return "prefix_mismatch"

@@ -85,9 +85,14 @@ def own_tokens(recs: list[Record], cut: dict[int, int]) -> tuple[list[Record], i
     version = max((r.versions or [[r.version, 1]])[-1][0] for r in recs)
     out = []
     for r in recs:
-        k = cut.get(r.sample_idx, 0)
+        left = cut.get(r.sample_idx, 0)  # the first ``left`` policy tokens are the prefix
         mask = list(r.loss_mask or [1] * len(r.completion_ids))
-        out.append(replace(r, loss_mask=[0] * k + mask[k:]))
+        for j, m in enumerate(mask):
+            if left == 0:
+                break
+            if m:
+                mask[j], left = 0, left - 1
+        out.append(replace(r, loss_mask=mask))
     return out, version
 
 
@@ -186,8 +191,12 @@ class Intake:
             return True
         k = len(p.ids)
         versions = expand(rec.versions or [[rec.version, len(rec.completion_ids)]])
-        return (rec.completion_ids[:k] == p.ids and rec.logprobs[:k] == p.logprobs
-                and versions[:k] == expand(p.versions))
+        # the policy's tokens in order: the whole completion, or a multi-turn record's masked
+        # ones (its decisions, with the environment's replies between them)
+        keep = [j for j, m in enumerate(rec.loss_mask or [1] * len(rec.completion_ids)) if m]
+        return ([rec.completion_ids[j] for j in keep[:k]] == p.ids
+                and [rec.logprobs[j] for j in keep[:k]] == p.logprobs
+                and [versions[j] for j in keep[:k]] == expand(p.versions))
 
     def _reward_lies(self, task: dict[str, Any], recs: list[Record]) -> list[list[float]]:
         """[sample index, reported, recomputed] for every reward the adapter scores otherwise."""

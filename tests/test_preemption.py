@@ -42,7 +42,7 @@ def test_a_sound_prefix_is_kept_and_each_hostile_one_is_refused_by_name():
         prefix(1, lps=(-0.5, 0.5)),  # a probability above 1
         prefix(1, ids=range(9), lps=[-0.1] * 9, versions=((4, 9),)),  # longer than max_new_tokens
         prefix(1, versions=((4, 1),)),  # versions cover 1 token of 2
-        prefix(1, versions=((4, 1), (3, 1))),  # versions going back
+        prefix(1, versions=((4, 1), (4, 1))),  # two runs of one version
         prefix(1, versions=((6, 2),)),  # a version not published yet
         prefix(2, versions=((1, 2),)),  # stale at version 4 with S = 2
         prefix(0, ids=(9,), lps=(-0.1,), versions=((4, 1),)),  # a second prefix for sample 0
@@ -187,3 +187,68 @@ def test_a_stop_cuts_every_unfinished_sample_at_the_next_token(backend):
     assert all(len(s.completion_ids) == 1 for s in samples)
     assert all(s.finished == (s.completion_ids == [eos]) for s in samples)
     assert backend.tokens_sampled - before == 4
+
+
+# ----------------------------------------------------------------------------- multi-turn
+
+
+def test_a_cut_episode_is_replayed_at_its_turn_boundary_and_ends_as_if_never_cut():
+    """Poker episodes cut after two rounds of decisions are handed back as their decisions;
+    another worker replays them in the environment and plays on: the transcripts, masks and
+    rewards are those of an uncut run, and the record passes the intake's prefix check."""
+    import random
+
+    from adapters.poker.adapter import PokerAdapter
+    from dataplane.episodes import Cut
+    from dataplane.testing import build_chatml_char_tokenizer
+    from learner.intake import own_tokens
+    from worker.agent import _cut_episodes, _episode_versions
+
+    tok = build_chatml_char_tokenizer()
+    ad = PokerAdapter({"bot_samples": 6, "obs_format": "compact", "opponents": ["station"]}, tok)
+    task = next(ad.prompts(random.Random(3))).task
+    g = wire.Group(group_id="g", prompt_ids=[1], n=3, seed=11, task=task)
+    act = {a: tok.encode(a, add_special_tokens=False) + [tok.eos_token_id] for a in "cb"}
+
+    def scripted(cut_after=None):
+        calls = itertools.count()
+
+        def generate(prompts):
+            k = next(calls)
+            if cut_after is not None and k >= cut_after:
+                raise Cut()
+            # a deterministic policy: raise on even calls, call on odd ones
+            return [(act["b" if (k + len(p)) % 2 else "c"], [-0.5] * 2) for p in prompts]
+        return generate
+
+    whole = ad.rollout([g], scripted())[0]
+    with pytest.raises(Cut) as cut:
+        ad.rollout([g], scripted(cut_after=2))
+    (cut_samples,) = [[s for s, _ in row] for row in _cut_episodes([g], cut.value.decisions)]
+    prefixes = [wire.Prefix(sample_idx=i, ids=s.completion_ids, logprobs=s.logprobs,
+                            versions=[[3, len(s.completion_ids)]], turns=s.turns)
+                for i, s in enumerate(cut_samples) if s.completion_ids]
+    assert prefixes and all(len(p.turns) >= 1 for p in prefixes)
+    assert check_prefixes(g, prefixes, 4, PrefixLimits(10_000, 4096, -1e4, 2, multi_turn=True),
+                          Counter()) == prefixes
+    cont = g.model_copy(update={"prefixes": prefixes})
+    # the continuing worker's policy differs (it only calls): replayed decisions come first
+    resumed = ad.rollout([cont], lambda ps: [(act["c"], [-0.1] * 2) for _ in ps])[0]
+    for p in prefixes:
+        s = resumed[p.sample_idx]
+        mine = [t for t, m in zip(s.completion_ids, s.loss_mask) if m]
+        assert mine[: len(p.ids)] == p.ids  # the decisions made before the cut, unchanged
+        full = whole[p.sample_idx]
+        if len(p.turns) == sum(1 for h in full.info["log"]["hands"] for _ in h["turns"]):
+            assert s.completion_ids == full.completion_ids and s.reward == full.reward
+        v = _episode_versions(s, p, 5)  # the continuing worker holds version 5
+        rec = _record("g", p.sample_idx, s.completion_ids, s.logprobs, v["version"])
+        assert v["version"] == 3 and v["versions"][0][0] == 3
+        rec = parse_record({**rec, "loss_mask": s.loss_mask, **v}, Limits(10_000, 4096, 3))
+        assert intake_continues(cont, rec)
+        (masked,), at = own_tokens([rec], {p.sample_idx: len(p.ids)})
+        assert at == 5 and sum(masked.loss_mask) == sum(s.loss_mask) - len(p.ids)
+
+
+def intake_continues(group, rec) -> bool:
+    return Intake._continues(None, group, rec)

@@ -97,7 +97,58 @@ def _versions(s: Sample, version: int) -> dict[str, Any]:
     runs = _runs(s, version)
     if len(runs) <= 1:
         return {"version": runs[0][0] if runs else version}
-    return {"version": runs[0][0], "versions": runs}
+    return {"version": min(v for v, _ in runs), "versions": runs}
+
+
+def _prefix(g: wire.Group, i: int) -> wire.Prefix | None:
+    return next((p for p in g.prefixes if p.sample_idx == i), None)
+
+
+def _cut_episodes(groups: list[wire.Group], decisions: dict[int, list[Any]]
+                  ) -> list[list[tuple[Sample, float]]]:
+    """Episodes cut between decisions, as unfinished samples: each one's decisions so far
+    (replayed ones first, with the versions they came with), and their lengths."""
+    out, k = [], 0
+    for g in groups:
+        row = []
+        for i in range(g.n):
+            made = decisions.get(k + i, [])
+            old = _prefix(g, i)
+            s = Sample([t for ids, _ in made for t in ids], [x for _, lps in made for x in lps],
+                       prefix_len=len(old.ids) if old else 0,
+                       prefix_versions=[list(r) for r in old.versions] if old else [],
+                       finished=False, turns=[len(ids) for ids, _ in made])
+            row.append((s, 0.0))
+        out.append(row)
+        k += g.n
+    return out
+
+
+def _episode_versions(s: Any, prefix: wire.Prefix | None, version: int) -> dict[str, Any]:
+    """A multi-turn record's versions: the policy's tokens (mask 1) in order are the
+    decisions, replayed ones with the prefix's versions, then this worker's; an environment
+    token takes the version of the decision before it (the first one's, before any)."""
+    if prefix is None:
+        return {"version": version}
+    trained = [v for v, c in prefix.versions for _ in range(c)]
+    per_token, k = [], 0
+    for m in s.loss_mask:
+        if m:
+            per_token.append(trained[k] if k < len(trained) else version)
+            k += 1
+        else:
+            per_token.append(None)
+    first = next((v for v in per_token if v is not None), version)
+    runs: list[list[int]] = []
+    last = first
+    for v in per_token:
+        last = last if v is None else v
+        if runs and runs[-1][0] == last:
+            runs[-1][1] += 1
+        else:
+            runs.append([last, 1])
+    return {"version": min(v for v, _ in runs), "versions": runs} if len(runs) > 1 \
+        else {"version": runs[0][0]}
 
 
 class WorkerError(RuntimeError):
@@ -532,7 +583,7 @@ class Worker:
         self.state = "yielded" if self.yielded else "idle"
         if self.yielded and "yielded_at" in self.status.doc:  # how long the cut took
             self.status.update(yield_stop_s=round(time.time() - self.status.doc["yielded_at"], 3))
-        if samples is None or any(not getattr(s, "finished", True) for g in samples for s, _ in g):
+        if any(not getattr(s, "finished", True) for g in samples for s, _ in g):
             await self._hand_back(groups, samples, version)  # cut short: another worker goes on
             return False
         self._rollout_s = 0.8 * self._rollout_s + 0.2 * gen_s if self._rollout_s else gen_s
@@ -541,7 +592,9 @@ class Worker:
         records = [
             {"group_id": g.group_id, "sample_idx": i, "prompt_ids": g.prompt_ids,
              "completion_ids": s.completion_ids, "logprobs": s.logprobs, "reward": r,
-             "worker_id": self.worker_id, "gen_s": gen_s, **_versions(s, version),
+             "worker_id": self.worker_id, "gen_s": gen_s,
+             **(_episode_versions(s, _prefix(g, i), version) if getattr(s, "loss_mask", None)
+                else _versions(s, version)),
              **({"loss_mask": s.loss_mask} if getattr(s, "loss_mask", None) is not None else {})}
             for g, group_samples in zip(groups, samples)
             for i, (s, r) in enumerate(group_samples)
@@ -572,16 +625,16 @@ class Worker:
         Whole groups only: finished samples go back as prefixes too, so the worker that
         continues the group delivers all of it (a group is delivered whole, by one worker)."""
         prefixes: dict[str, list[wire.Prefix]] = {}
-        for g, group_samples in zip(groups, samples or [[] for _ in groups]):
+        for g, group_samples in zip(groups, samples):
             prefixes[g.group_id] = [
                 wire.Prefix(sample_idx=i, ids=s.completion_ids, logprobs=s.logprobs,
-                            versions=_runs(s, version))
+                            versions=_runs(s, version), turns=list(getattr(s, "turns", [])))
                 for i, (s, _) in enumerate(group_samples) if s.completion_ids]
         msg = wire.Handback(worker_id=self.worker_id,
                             reason="yielded" if self.yielded else "preempted",
                             groups=[g.group_id for g in groups], prefixes=prefixes)
         self._sent(sum(len(s.completion_ids) - getattr(s, "prefix_len", 0)
-                       for g in samples or [] for s, _ in g))
+                       for g in samples for s, _ in g))
         kept = sum(len(p) for p in prefixes.values())
         tokens = sum(len(p.ids) for ps in prefixes.values() for p in ps)
         try:
@@ -595,9 +648,10 @@ class Worker:
             self.status.update(handed_back_tokens=int(self.status.doc.get("handed_back_tokens", 0))
                                + tokens)
 
-    def _generate_and_score(self, groups: list[wire.Group]) -> list[list[tuple[Sample, float]]] | None:
-        """Samples and rewards per group; None when a multi-turn rollout was cut (episodes
-        carry an environment: they are handed back whole and played again from the start)."""
+    def _generate_and_score(self, groups: list[wire.Group]) -> list[list[tuple[Sample, float]]]:
+        """Samples and rewards per group. Cut short (preempted, yielded): unfinished samples;
+        a multi-turn rollout is cut between two decisions, and its episodes' decisions so far
+        become the prefixes, replayed in the environment by the worker that continues."""
         assert self.backend is not None and self.adapter is not None
         wv = self.view["worker"]
         if getattr(self.adapter, "multi_turn", False):
@@ -607,8 +661,8 @@ class Worker:
                                       groups[0].seed, stop=self.cut)
             try:
                 out = self.adapter.rollout(groups, gen)
-            except Cut:
-                return None
+            except Cut as cut:
+                return _cut_episodes(groups, cut.decisions)
             return [[(s, float(s.reward)) for s in samples] for samples in out]
         out = self.backend.generate(groups, wv["max_new_tokens"], wv["temperature"], stop=self.cut)
         tok = self.backend.tokenizer

@@ -16,6 +16,8 @@ Options (``[adapter] options = {...}``), all optional:
   show_results = true     put each hand's result in the transcript as a user message
   reward_unit = "bb"      episode return in big blinds ("chips": raw chips)
   invalid_penalty = 1.0   subtracted from the return (in reward units) per invalid action
+  allin = true            false: the policy's "all-in" answer is an invalid action (raises,
+                          pot-size "b" included, stay legal)
   reward_clip = 0         > 0: the return is clipped to [-reward_clip, reward_clip] (reward
                           units) before the penalty: one all-in swing no longer sets the group's
                           standard deviation and flattens every other sample's advantage
@@ -40,7 +42,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from adapters.poker.game import Action, TableConfig, legalise, play_hand
+from adapters.poker.game import Action, TableConfig, legalise, parse_action, play_hand
 from adapters.poker.pipeline import hand_entry
 from adapters.poker.players import RULE_PLAYERS, make_player
 from adapters.poker.render import FORMATS, action_text, render, result_text, system_prompt
@@ -52,7 +54,7 @@ _DEFAULTS: dict[str, Any] = {
     "seats": 2, "stack": 200, "blinds": [1, 2], "hands": 1,
     "opponents": ["tag", "station", "maniac"], "opponent_model": "", "group_by": "deal",
     "obs_format": "text", "strength_hint": False, "show_results": True, "reward_unit": "bb",
-    "invalid_penalty": 1.0, "reward_clip": 0.0,
+    "invalid_penalty": 1.0, "reward_clip": 0.0, "allin": True,
     "hero_seat": -1, "max_decisions": 24, "max_episode_tokens": 4096, "offpolicy_player": "",
     "offpolicy_fraction": 0.0, "bot_samples": 48, "system": "", "turn_start_token": "",
 }
@@ -93,6 +95,7 @@ class PokerAdapter(EpisodeAdapter):
         self.unit = float(self.table.big_blind if o["reward_unit"] == "bb" else 1)
         self.invalid_penalty = float(o["invalid_penalty"])
         self.reward_clip = float(o["reward_clip"])
+        self.allow_allin = bool(o["allin"])
         self.hero_seat = int(o["hero_seat"])
         self.max_decisions = int(o["max_decisions"])
         self.max_completion_tokens = int(o["max_episode_tokens"])
@@ -214,6 +217,8 @@ class PokerAdapter(EpisodeAdapter):
                     tr.add_action(ids, lps)
                     tr.add_context(self.builder.close(ids))
                     text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                    if not self.allow_allin and getattr(parse_action(text), "kind", "") == "allin":
+                        text = ""  # refused: played as an invalid action
                 reply = text
             invalid += result.invalid[seat]
             net += result.net[seat]
