@@ -340,7 +340,8 @@ class Controller:
         per window, checked at every tick. Churn otherwise leaves whatever replaced the leavers active for good, while
         cheaper measured workers wait in standby."""
         standby = sorted((w for w in self._workers.values()
-                          if w.state == STANDBY and w.measured and w.effective_mu > 0),
+                          if w.state == STANDBY and not w.yielded and w.measured
+                          and w.effective_mu > 0),
                          key=lambda w: (w.unit_cost, w.worker_id))
         active = sorted((w for w in self._workers.values() if w.state == ACTIVE and w.measured),
                         key=lambda w: (-w.unit_cost, w.worker_id))

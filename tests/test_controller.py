@@ -427,3 +427,25 @@ def test_a_worker_without_a_proven_key_is_not_remembered():
     ctl.remove_worker("w")
     ctl.add_worker("w", price=1.0, identity=None)
     assert {w.worker_id: w.mu_hat for w in ctl.workers()}["w"] == 0.0
+
+
+def test_a_yielded_worker_is_standby_not_dead_and_comes_back_when_needed():
+    """docs/preemption.md: the owner took the machine. The worker goes to standby with its
+    measured throughput kept, is not picked while yielded, and is picked again after."""
+    ctl, clock = make(window_s=5.0, warmup_s=0.0, tau_s=1.0)
+    ctl.add_worker("cheap", 0.2, state="active", mu_prior=10.0)
+    ctl.add_worker("dear", 0.9, mu_prior=10.0)
+    ctl.set_requirement(8.0)  # one worker's 10/s covers 1.1 x 8
+    run(ctl, clock, 10, {"cheap": 10, "dear": 10})
+    assert ctl.active_ids() == ["cheap"]
+    release = ctl.set_yielded("cheap", True)
+    assert release is not None and release.action == RELEASE and "yielded" in release.reason
+    assert ctl.set_yielded("cheap", True) is None  # already yielded: nothing to do
+    decisions = run(ctl, clock, 30, {"cheap": 10, "dear": 10})
+    assert ctl.active_ids() == ["dear"]  # the gap is closed by the other worker, not by it
+    assert not any(d.worker_id == "cheap" and d.action == ACTIVATE for d in decisions)
+    (cheap,) = [w for w in ctl.workers() if w.worker_id == "cheap"]
+    assert cheap.state == "standby" and cheap.mu_hat == pytest.approx(10.0, rel=0.05)
+    assert ctl.set_yielded("cheap", False) is None
+    run(ctl, clock, 60, {"cheap": 10, "dear": 10})
+    assert "cheap" in ctl.active_ids()  # back in the pool, and the cheapest per trajectory
