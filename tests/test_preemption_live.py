@@ -49,16 +49,22 @@ def wait_status(path: Path, ok, timeout: float = 60) -> dict:
     raise AssertionError(f"{path.name} never reached the expected state; last: {doc}")
 
 
-@pytest.mark.parametrize("how", ["sigterm", "notice"])
+@pytest.mark.parametrize("how", ["sigterm", "notice", "poker"])
 def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster, how):
     from learner.audit import audit_run
 
     cluster.cfg.worker.max_new_tokens = 160  # long rollouts: the stop lands mid-generation
     cluster.cfg.learner.lr = 1e-5  # the random model keeps writing long completions
+    if how == "poker":  # episodes: cut between decisions, replayed by the next worker
+        cluster.cfg.adapter.name = "poker"
+        cluster.cfg.adapter.options = {"obs_format": "compact", "bot_samples": 6,
+                                       "opponents": ["station"], "max_episode_tokens": 400}
+        cluster.cfg.model.max_positions = 512
+        cluster.cfg.worker.max_new_tokens = 5
     run = cluster.learner("learner", max_steps=8)
     a = start_worker(cluster, "a")
     wait_status(a, lambda d: d.get("tokens_sampled", 0) > 0 and d["activity"] == "generating")
-    if how == "sigterm":
+    if how != "notice":
         cluster.group.stop("a")  # SIGTERM: cut, hand back, drain, leave
     else:  # a spot notice: the worker stops on its own 2 s (its margin) before the deadline
         from worker import cli
