@@ -72,3 +72,31 @@ def test_models_load_from_an_echo_run_folder(tmp_path, tiny):
     w = "model.embed_tokens.weight"
     assert torch.equal(m.model.state_dict()[w], state[w])
     assert m.run_config.adapter.options["obs_format"] == "compact"
+
+
+def test_a_run_folder_is_evaluated_as_it_trained(tmp_path, tiny):
+    """The hero answers with the run's token budget and sees the run's observation options: a
+    policy trained on one-letter answers given 32 tokens says "c5..." (invalid), and one
+    trained without all-in must not be handed it."""
+    import torch
+
+    from echo.config import EchoConfig, dump_toml
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    cfg = EchoConfig.model_validate({
+        "model": {"max_positions": 1024}, "worker": {"max_new_tokens": 1},
+        "adapter": {"name": "poker", "options": {"obs_format": "compact", "strength_hint": True,
+                                                 "allin": False, "bot_samples": 4}}})
+    (run / "config.toml").write_text(dump_toml(cfg))
+    torch.save({"model": tiny.model.state_dict()}, run / "checkpoints" / "step-00000001.pt")
+    (run / "checkpoints" / "latest").write_text("step-00000001.pt")
+    hero = HFModel(str(run))
+    budgets = []
+    real = hero.generate
+    hero.generate = lambda prompts, n, t=0.0: budgets.append(n) or real(prompts, n, t)
+    res = poker_eval.evaluate(str(run), 2, hero=hero, llm=False, bot_samples=4)
+    assert budgets and set(budgets) == {1}
+    assert res["options"]["strength_hint"] is True and res["options"]["allin"] is False
+    res = poker_eval.evaluate(str(run), 1, hero=hero, llm=False, bot_samples=4, max_new_tokens=3)
+    assert budgets[-1] == 3  # an explicit budget still wins

@@ -212,7 +212,8 @@ def test_prompts_and_start_up_check(chatml, tokenizer):
     assert len(next(tiny.prompts(random.Random(0))).task["opponents"]) == 2
 
 
-@pytest.mark.parametrize("fmt,action", [("text", "Action: Call"), ("compact", "c")])
+@pytest.mark.parametrize("fmt,action", [("text", "Action: Call"), ("compact", "c"),
+                                        ("strength", "c")])
 def test_live_transcript_equals_the_log_pipeline(chatml, tokenizer, fmt, action):
     tok = chatml if fmt == "text" else tokenizer
     ad = PokerAdapter({**FAST, "obs_format": fmt, "hands": 2}, tok)
@@ -253,6 +254,35 @@ def test_invalid_actions_fold_with_a_penalty_and_are_counted(chatml):
         turns = [t for h in s.info["log"]["hands"] for t in h["turns"]]
         assert all(t["invalid"] and t["action"] == "I fold? maybe" for t in turns)
     assert ad.stats["invalid_actions"] == sum(s.info["invalid"] for s in samples)
+
+
+def test_strength_observations_hold_street_strength_and_the_bet_faced(tokenizer):
+    import re
+
+    ad = PokerAdapter({**FAST, "obs_format": "strength"}, tokenizer)
+    task = {"deal_seed": 11, "hero_seat": 1, "opponents": ["station"]}
+    (samples,) = ad.rollout([Group(task=task, n=1, seed=0)], scripted(tokenizer, "c"))
+    turns = [t for h in samples[0].info["log"]["hands"] for t in h["turns"]]
+    obs = [t["observation"] for t in turns]
+    assert obs and all(re.fullmatch(r"[de][0-9][+=]", o) for o in obs)
+    assert obs[0][0] == "d" and obs[0][2] == "+"  # the button faces the big blind preflop
+    assert samples[0].info["invalid"] == 0
+
+
+def test_an_episode_the_policy_never_acted_in_still_has_a_completion(tokenizer):
+    """Without result notes, a hand the opponent folded before the policy's first turn left an
+    empty transcript: admission refused it (bad_length) and struck the honest worker."""
+    ad = PokerAdapter({**FAST, "obs_format": "strength", "show_results": False}, tokenizer)
+    empty = None
+    for seed in range(40):  # the tag opponent (button, first to act) folds most hands
+        task = {"deal_seed": seed, "hero_seat": 0, "opponents": ["tag"]}
+        (samples,) = ad.rollout([Group(task=task, n=1, seed=0)], scripted(tokenizer, "c"))
+        if samples[0].info["decisions"] == 0:
+            empty = samples[0]
+            break
+    assert empty is not None, "no deal where the opponent folded first"
+    assert len(empty.completion_ids) >= 1 and not any(empty.loss_mask)
+    assert empty.reward == pytest.approx(1 / 2)  # won the small blind: +1 chip = +0.5 bb
 
 
 def test_episode_budget_forces_untrained_check_fold(chatml):

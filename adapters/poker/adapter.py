@@ -10,7 +10,10 @@ Options (``[adapter] options = {...}``), all optional:
   group_by = "deal"       "deal": a group's episodes share the cards (GRPO on one initial
                           state); "random": each episode its own deal; "batch": own deals and
                           advantages normalised across the whole learner batch
-  obs_format = "text"     "text" for real models; "compact" for the tiny-qwen3 vocabulary
+  obs_format = "text"     "text" for real models; "compact" for the tiny-qwen3 vocabulary;
+                          "strength": only street, strength digit and whether a bet is faced
+                          (three characters; what a tiny model can learn from, see
+                          docs/adapters.md, "Poker that learns")
   strength_hint = false   end each observation with the hand's strength (0-9 digit in compact,
                           "Hand strength: 0.63" in text; adapters/poker/render.py)
   show_results = true     put each hand's result in the transcript as a user message
@@ -103,7 +106,7 @@ class PokerAdapter(EpisodeAdapter):
         self.offpolicy_fraction = float(o["offpolicy_fraction"])
         self.bot_samples = int(o["bot_samples"])
         # the hint uses the bots' Monte Carlo estimate (and cache): bot_samples run-outs
-        self.hint = self.bot_samples if bool(o["strength_hint"]) else 0
+        self.hint = self.bot_samples if bool(o["strength_hint"]) or self.fmt == "strength" else 0
         self.opponent_model = str(o["opponent_model"])
         checks = [
             (self.fmt in FORMATS, f"obs_format={self.fmt!r}: use one of {FORMATS}"),
@@ -224,7 +227,9 @@ class PokerAdapter(EpisodeAdapter):
             net += result.net[seat]
             res = result_text(result, seat, self.fmt)
             hands.append(hand_entry(result.logs[seat], res, result.net[seat], result.invalid[seat]))
-            if self.show_results:
+            if self.show_results or (h == self.hands - 1 and len(tr) == 0):
+                # a hand the opponents ended before the policy acted still leaves the result:
+                # an empty completion is refused by admission (bad_length) and its worker struck
                 tr.add_context(self.builder.note(res))
         if len(tr) > self.max_completion_tokens:  # a long result message: cut the tail context
             del tr.ids[self.max_completion_tokens :], tr.mask[self.max_completion_tokens :]

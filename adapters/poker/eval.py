@@ -82,7 +82,8 @@ def play_column(adapter: Any, opponent: str, hands: int, seed: int, generate: An
 
 
 def evaluate(model: str, hands: int, *, opponent_model: str | None = None, seats: int = 2,
-             seed: int = 0, batch: int = 32, max_new_tokens: int = 32, temperature: float = 0.0,
+             seed: int = 0, batch: int = 32, max_new_tokens: int | None = None,
+             temperature: float = 0.0,
              obs_format: str | None = None, llm: bool = True, bot_samples: int = 48,
              hero: Any = None, opponent_policy: Any = None, strength_hint: bool | None = None,
              untrained: bool = False) -> dict[str, Any]:
@@ -102,6 +103,10 @@ def evaluate(model: str, hands: int, *, opponent_model: str | None = None, seats
         hero = hero or HFModel(model, untrained=untrained,
                                **({"max_positions": 1024} if model == "tiny-qwen3" else {}))
         tokenizer = hero.tokenizer
+        if max_new_tokens is None:  # as the run generated: a longer budget lets a policy that
+            # learned "c" then any token (its end of turn is appended) answer "c5", invalid
+            run = getattr(hero, "run_config", None)
+            max_new_tokens = run.worker.max_new_tokens if run is not None else 32
 
         def generate(prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
             return hero.generate(prompts, max_new_tokens, temperature)
@@ -114,7 +119,10 @@ def evaluate(model: str, hands: int, *, opponent_model: str | None = None, seats
     hint = trained.get("strength_hint", False) if strength_hint is None else strength_hint
     options: dict[str, Any] = {"seats": seats, "obs_format": fmt, "group_by": "deal",
                                "bot_samples": bot_samples, "max_episode_tokens": 1 << 20,
-                               "strength_hint": bool(hint)}
+                               "strength_hint": bool(hint),
+                               # what the policy saw and could answer as it trained
+                               "allin": bool(trained.get("allin", True)),
+                               "show_results": bool(trained.get("show_results", True))}
     if rule:
         options.update(offpolicy_player=model.split(":", 1)[1], offpolicy_fraction=1.0)
     adapter = PokerAdapter(options, tokenizer)
@@ -125,7 +133,7 @@ def evaluate(model: str, hands: int, *, opponent_model: str | None = None, seats
                 continue
             if opponent_policy is None:
                 if opponent_model:
-                    opponent_policy = HFChatPolicy(opponent_model, max_new_tokens, temperature)
+                    opponent_policy = HFChatPolicy(opponent_model, max_new_tokens or 32, temperature)
                 elif not rule:  # a frozen copy of the evaluated model
                     opponent_policy = HFChatPolicy(model, max_new_tokens, temperature,
                                                    model=hero)
@@ -163,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=32, help="hands whose decisions are batched")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="per decision (default: a run folder's worker.max_new_tokens, else 32)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    ap.add_argument("--obs-format", choices=["text", "compact"], default=None)
+    ap.add_argument("--obs-format", choices=["text", "compact", "strength"], default=None)
     ap.add_argument("--strength-hint", action=argparse.BooleanOptionalAction, default=None,
                     help="show the policy its hand strength (default: as the run trained)")
     ap.add_argument("--untrained", action="store_true",

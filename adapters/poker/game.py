@@ -146,7 +146,7 @@ def parse_action(text: str) -> Action | None:
 
 
 def format_action(a: Action, fmt: str = "text", facing_bet: bool = True) -> str:
-    if fmt == "compact":
+    if fmt in ("compact", "strength"):  # the letter formats (render.LETTER_FORMATS)
         return {"fold": "f", "check": "c", "call": "c", "allin": "a", "pot": "b"}.get(
             a.kind, f"b{a.amount}")
     if a.kind == "raise":

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 from adapters.poker.game import Action, Decision, HandResult, TableConfig, format_action, positions
 
-FORMATS = ("text", "compact")
+FORMATS = ("text", "compact", "strength")
+LETTER_FORMATS = ("compact", "strength")  # answers are action letters (f, c, b, a)
 
 
 def system_prompt(cfg: TableConfig, fmt: str, hands: int = 1) -> str:
-    if fmt == "compact":
+    if fmt in LETTER_FORMATS:
         return "fcab"
     n = "heads-up" if cfg.seats == 2 else f"{cfg.seats}-handed"
     return (
@@ -86,23 +87,39 @@ def render_compact(d: Decision) -> str:
     return f"{hist}*{hole}*{board}*{d.pot}*{d.to_call}*{d.stack}"
 
 
+def strength_digit(d: Decision, samples: int) -> int:
+    from adapters.poker.players import strength
+
+    return min(int(10 * strength(d, samples)), 9)
+
+
+def render_strength(d: Decision, samples: int) -> str:
+    """Three characters: ``d`` preflop / ``e`` after the flop, the strength digit, ``+``
+    facing a bet / ``=`` free to check. Nothing else: no cards, no pot, no history."""
+    return ("d" if d.street == "preflop" else "e") + str(strength_digit(d, samples)) + \
+        ("+" if d.to_call else "=")
+
+
 def render(d: Decision, fmt: str, hint_samples: int = 0) -> str:
     """The observation; ``hint_samples > 0`` adds the hand-strength hint (Monte Carlo run-outs
     for the post-flop equity; the rule-based players' estimate, from the same cache)."""
+    if fmt == "strength":
+        return render_strength(d, max(hint_samples, 1))
     text = render_compact(d) if fmt == "compact" else render_text(d)
     if hint_samples <= 0:
         return text
     from adapters.poker.players import strength
 
     s = strength(d, hint_samples)
-    return f"{text}*{min(int(10 * s), 9)}" if fmt == "compact" else f"{text}\nHand strength: {s:.2f}"
+    return f"{text}*{strength_digit(d, hint_samples)}" if fmt == "compact" else \
+        f"{text}\nHand strength: {s:.2f}"
 
 
 def result_text(result: HandResult, seat: int, fmt: str) -> str:
-    if fmt == "compact":
+    if fmt in LETTER_FORMATS:
         return f"={result.net[seat]:+d}" if result.net[seat] else "=0"
     return result.summary[seat]
 
 
 def action_text(a: Action, fmt: str, facing_bet: bool = True) -> str:
-    return format_action(a, fmt, facing_bet)
+    return format_action(a, "compact" if fmt in LETTER_FORMATS else fmt, facing_bet)
