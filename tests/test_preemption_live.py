@@ -55,11 +55,17 @@ def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster
 
     cluster.cfg.worker.max_new_tokens = 160  # long rollouts: the stop lands mid-generation
     cluster.cfg.learner.lr = 1e-5  # the random model keeps writing long completions
+    # the text vocabulary: end-of-sequence is one token in ~100, so most completions run to
+    # 160 tokens and a rollout lasts longer than the status file's one-second period
+    cluster.cfg.model.tiny_vocab = "text"
+    cluster.cfg.model.max_positions = 256
     if how == "poker":  # episodes: cut between decisions, replayed by the next worker
         cluster.cfg.adapter.name = "poker"
-        cluster.cfg.adapter.options = {"obs_format": "compact", "bot_samples": 6,
-                                       "opponents": ["station"], "max_episode_tokens": 400}
-        cluster.cfg.model.max_positions = 512
+        # six hands an episode: a rollout lasts seconds, so the stop (sent up to a second
+        # after the status file said "generating") lands inside one, not between two
+        cluster.cfg.adapter.options = {"obs_format": "compact", "bot_samples": 6, "hands": 6,
+                                       "opponents": ["station"], "max_episode_tokens": 1600}
+        cluster.cfg.model.max_positions = 2048
         cluster.cfg.worker.max_new_tokens = 5
     run = cluster.learner("learner", max_steps=8)
     a = start_worker(cluster, "a")
