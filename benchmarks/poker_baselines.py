@@ -52,12 +52,13 @@ RULES: dict[str, Rule] = {
 }
 
 
-def scripted(tokenizer: Any, rule: Rule) -> Any:
-    """A ``generate`` that answers by ``rule`` from the last observation (``[de][0-9][+=]``)."""
+def scripted(tokenizer: Any, rule: Rule, user: str) -> Any:
+    """A ``generate`` that answers by ``rule`` from the last observation (``[de][0-9][+=]``),
+    found after the last ``user`` turn header."""
     def generate(prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
         out = []
         for p in prompts:
-            obs = tokenizer.decode(p).split(generate.user)[-1][:3]
+            obs = tokenizer.decode(p).split(user)[-1][:3]
             letter = rule(obs[0], int(obs[1]), obs[2] == "+")
             out.append((tokenizer.encode(letter, add_special_tokens=False), [0.0]))
         return out
@@ -90,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(console=Console(stderr=True)) as bar:
         job = bar.add_task("rules x opponents", total=len(RULES) * 3)
         for name, rule in RULES.items():
-            gen = scripted(tok, rule)
-            gen.user = user
+            gen = scripted(tok, rule, user)
             for opp in ("tag", "station", "maniac"):
                 tasks = [SimpleNamespace(task={"deal_seed": h, "hero_seat": h % 2,
                                                "opponents": [opp]}, n=1, seed=h)  # as echo-rl eval poker deals them

@@ -18,6 +18,20 @@ def tiny():
     return HFModel("tiny-qwen3", max_positions=1024)
 
 
+def run_folder(tmp_path, config: dict, state: dict) -> Path:
+    """An Echo run folder as the learner leaves it: config.toml and one checkpoint."""
+    import torch
+
+    from echo.config import EchoConfig, dump_toml
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text(dump_toml(EchoConfig.model_validate(config)))
+    torch.save({"model": state}, run / "checkpoints" / "step-00000003.pt")
+    (run / "checkpoints" / "latest").write_text("step-00000003.pt")
+    return run
+
+
 def test_confidence_intervals():
     m, ci = poker_eval.mean_ci([1.0, -1.0, 1.0, -1.0])
     assert m == 0 and ci == pytest.approx(1.96 * math.sqrt(4 / 3) / 2)
@@ -58,16 +72,9 @@ def test_math_eval(tiny, capsys, tmp_path):
 def test_models_load_from_an_echo_run_folder(tmp_path, tiny):
     import torch
 
-    from echo.config import EchoConfig, dump_toml
-
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    cfg = EchoConfig.model_validate({"model": {"max_positions": 1024}, "adapter": {
-        "name": "poker", "options": {"obs_format": "compact"}}})
-    (run / "config.toml").write_text(dump_toml(cfg))
     state = {k: v + 0.01 for k, v in tiny.model.state_dict().items()}
-    torch.save({"model": state}, run / "checkpoints" / "step-00000003.pt")
-    (run / "checkpoints" / "latest").write_text("step-00000003.pt")
+    run = run_folder(tmp_path, {"model": {"max_positions": 1024}, "adapter": {
+        "name": "poker", "options": {"obs_format": "compact"}}}, state)
     m = HFModel(str(run))
     w = "model.embed_tokens.weight"
     assert torch.equal(m.model.state_dict()[w], state[w])
@@ -78,19 +85,11 @@ def test_a_run_folder_is_evaluated_as_it_trained(tmp_path, tiny):
     """The hero answers with the run's token budget and sees the run's observation options: a
     policy trained on one-letter answers given 32 tokens says "c5..." (invalid), and one
     trained without all-in must not be handed it."""
-    import torch
-
-    from echo.config import EchoConfig, dump_toml
-
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    cfg = EchoConfig.model_validate({
+    run = run_folder(tmp_path, {
         "model": {"max_positions": 1024}, "worker": {"max_new_tokens": 1},
         "adapter": {"name": "poker", "options": {"obs_format": "compact", "strength_hint": True,
-                                                 "allin": False, "bot_samples": 4}}})
-    (run / "config.toml").write_text(dump_toml(cfg))
-    torch.save({"model": tiny.model.state_dict()}, run / "checkpoints" / "step-00000001.pt")
-    (run / "checkpoints" / "latest").write_text("step-00000001.pt")
+                                                 "allin": False, "bot_samples": 4}}},
+        tiny.model.state_dict())
     hero = HFModel(str(run))
     budgets = []
     real = hero.generate

@@ -103,18 +103,18 @@ def evaluate(model: str, hands: int, *, opponent_model: str | None = None, seats
         hero = hero or HFModel(model, untrained=untrained,
                                **({"max_positions": 1024} if model == "tiny-qwen3" else {}))
         tokenizer = hero.tokenizer
-        if max_new_tokens is None:  # as the run generated: a longer budget lets a policy that
-            # learned "c" then any token (its end of turn is appended) answer "c5", invalid
-            run = getattr(hero, "run_config", None)
-            max_new_tokens = run.worker.max_new_tokens if run is not None else 32
 
         def generate(prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
             return hero.generate(prompts, max_new_tokens, temperature)
 
+    run = getattr(hero, "run_config", None)
+    if max_new_tokens is None:  # as the run generated: a longer budget lets a policy that
+        # learned "c" then any token (its end of turn is appended) answer "c5", invalid
+        max_new_tokens = run.worker.max_new_tokens if run is not None else 32
+    if generate is not None:
         generate.max_new_tokens = max_new_tokens  # type: ignore[attr-defined]
-    trained = dict(getattr(hero, "run_config", None) and hero.run_config.adapter.effective_options or {})
-    tiny = model == "tiny-qwen3" or getattr(getattr(hero, "run_config", None), "model", None) \
-        and hero.run_config.model.name == "tiny-qwen3"
+    trained = dict(run.adapter.effective_options if run is not None else {})
+    tiny = model == "tiny-qwen3" or (run is not None and run.model.name == "tiny-qwen3")
     fmt = obs_format or trained.get("obs_format") or ("compact" if tiny else "text")
     hint = trained.get("strength_hint", False) if strength_hint is None else strength_hint
     options: dict[str, Any] = {"seats": seats, "obs_format": fmt, "group_by": "deal",
@@ -133,7 +133,7 @@ def evaluate(model: str, hands: int, *, opponent_model: str | None = None, seats
                 continue
             if opponent_policy is None:
                 if opponent_model:
-                    opponent_policy = HFChatPolicy(opponent_model, max_new_tokens or 32, temperature)
+                    opponent_policy = HFChatPolicy(opponent_model, max_new_tokens, temperature)
                 elif not rule:  # a frozen copy of the evaluated model
                     opponent_policy = HFChatPolicy(model, max_new_tokens, temperature,
                                                    model=hero)

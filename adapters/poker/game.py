@@ -145,8 +145,11 @@ def parse_action(text: str) -> Action | None:
     return Action(word)
 
 
+LETTER_FORMATS = ("compact", "strength")  # observation formats whose answers are letters
+
+
 def format_action(a: Action, fmt: str = "text", facing_bet: bool = True) -> str:
-    if fmt in ("compact", "strength"):  # the letter formats (render.LETTER_FORMATS)
+    if fmt in LETTER_FORMATS:
         return {"fold": "f", "check": "c", "call": "c", "allin": "a", "pot": "b"}.get(
             a.kind, f"b{a.amount}")
     if a.kind == "raise":

@@ -98,7 +98,7 @@ def simulate_logs(players: Sequence[str], episodes: int, seed: int = 0,
         for h in range(hands):
             order = [(i + h) % cfg.seats for i in range(cfg.seats)]  # button moves every hand
             game = play_hand([bots[j] for j in order], (seed * 1_000_003 + e) * 16 + h, cfg, h + 1,
-                             render=lambda d: render(d, fmt))
+                             render=lambda d: render(d, fmt, samples if fmt == "strength" else 0))
             try:
                 next(game)
                 raise RuntimeError("rule-based players never yield")

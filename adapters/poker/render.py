@@ -29,10 +29,10 @@ a strong or a weak hand (docs/adapters.md, "Poker that learns").
 
 from __future__ import annotations
 
-from adapters.poker.game import Action, Decision, HandResult, TableConfig, format_action, positions
+from adapters.poker.game import (LETTER_FORMATS, Action, Decision, HandResult, TableConfig,
+                                 format_action, positions)
 
-FORMATS = ("text", "compact", "strength")
-LETTER_FORMATS = ("compact", "strength")  # answers are action letters (f, c, b, a)
+FORMATS = ("text", *LETTER_FORMATS)
 
 
 def system_prompt(cfg: TableConfig, fmt: str, hands: int = 1) -> str:
@@ -87,32 +87,24 @@ def render_compact(d: Decision) -> str:
     return f"{hist}*{hole}*{board}*{d.pot}*{d.to_call}*{d.stack}"
 
 
-def strength_digit(d: Decision, samples: int) -> int:
-    from adapters.poker.players import strength
-
-    return min(int(10 * strength(d, samples)), 9)
-
-
-def render_strength(d: Decision, samples: int) -> str:
-    """Three characters: ``d`` preflop / ``e`` after the flop, the strength digit, ``+``
-    facing a bet / ``=`` free to check. Nothing else: no cards, no pot, no history."""
-    return ("d" if d.street == "preflop" else "e") + str(strength_digit(d, samples)) + \
-        ("+" if d.to_call else "=")
-
-
 def render(d: Decision, fmt: str, hint_samples: int = 0) -> str:
     """The observation; ``hint_samples > 0`` adds the hand-strength hint (Monte Carlo run-outs
-    for the post-flop equity; the rule-based players' estimate, from the same cache)."""
-    if fmt == "strength":
-        return render_strength(d, max(hint_samples, 1))
-    text = render_compact(d) if fmt == "compact" else render_text(d)
+    for the post-flop equity; the rule-based players' estimate, from the same cache).
+    ``strength`` is the hint alone: ``d`` preflop / ``e`` after the flop, the digit, ``+``
+    facing a bet / ``=`` free to check; no cards, no pot, no history."""
+    if fmt == "strength" and hint_samples <= 0:
+        raise ValueError("obs_format 'strength' needs hint_samples > 0 (the run-outs behind it)")
     if hint_samples <= 0:
-        return text
+        return render_compact(d) if fmt == "compact" else render_text(d)
     from adapters.poker.players import strength
 
     s = strength(d, hint_samples)
-    return f"{text}*{strength_digit(d, hint_samples)}" if fmt == "compact" else \
-        f"{text}\nHand strength: {s:.2f}"
+    digit = min(int(10 * s), 9)
+    if fmt == "strength":
+        return ("d" if d.street == "preflop" else "e") + str(digit) + ("+" if d.to_call else "=")
+    if fmt == "compact":
+        return f"{render_compact(d)}*{digit}"
+    return f"{render_text(d)}\nHand strength: {s:.2f}"
 
 
 def result_text(result: HandResult, seat: int, fmt: str) -> str:
@@ -122,4 +114,4 @@ def result_text(result: HandResult, seat: int, fmt: str) -> str:
 
 
 def action_text(a: Action, fmt: str, facing_bet: bool = True) -> str:
-    return format_action(a, "compact" if fmt in LETTER_FORMATS else fmt, facing_bet)
+    return format_action(a, fmt, facing_bet)
