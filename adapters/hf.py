@@ -6,7 +6,8 @@ its latest checkpoint, or with ``untrained=True`` the weights the run started fr
 seeded init, or the pretrained model); loaded through ``echo.models`` like everywhere else, on ``device``
 (``cpu`` by default; ``auto``/``cuda``/``cuda:N`` as in ``worker.device``).
 ``generate(prompts, max_new_tokens, temperature)`` -> ``[(ids, logprobs)]`` (greedy when
-``temperature == 0``), cut after the first end-of-sequence; ``chat(messages)`` -> text.
+``temperature == 0``), cut after the first end-of-sequence, from the tokens in
+``answer_tokens`` only when it is set (an adapter's restricted answers); ``chat(messages)`` -> text.
 """
 
 from __future__ import annotations
@@ -59,10 +60,16 @@ class HFModel:
         self.model.to(self.device)
         self.seed = seed
         self.calls = 0
+        # an adapter's restricted answers (dataplane/answers.py): set by whoever knows the
+        # adapter (eval, echo-rl sample), so a run is played with the sampler it trained with
+        self.answer_tokens: tuple[int, ...] | None = None
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float = 0.0) -> list[tuple[list[int], list[float]]]:
         import torch
+        from transformers import LogitsProcessorList
+
+        from dataplane.answers import answer_processor
 
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -78,6 +85,7 @@ class HFModel:
                 input_ids=ids, attention_mask=attn, do_sample=sample,
                 max_new_tokens=max_new_tokens, return_dict_in_generate=True, output_scores=True,
                 pad_token_id=pad, eos_token_id=tok.eos_token_id,
+                logits_processor=LogitsProcessorList(answer_processor(self.answer_tokens)),
                 **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if sample else {}))
         new = out.sequences[:, width:]
         logp = torch.log_softmax(torch.stack(out.scores, 1).float(), -1)

@@ -55,6 +55,10 @@ class Adapter(ABC):
     # whose worker reported another (docs/security.md). An adapter whose reward the learner
     # cannot recompute (it needs an environment the learner does not replay) sets False.
     recomputes_rewards: bool = True
+    # The only token ids the policy may generate (None: the whole vocabulary). Workers sample
+    # from the softmax renormalised over them and the learner computes log-probs the same way
+    # (dataplane/answers.py); set it in ``__init__`` from the adapter's options.
+    answer_tokens: tuple[int, ...] | None = None
 
     def __init__(self, options: dict[str, Any], tokenizer: Any):
         self.options = dict(options)

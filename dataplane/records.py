@@ -65,6 +65,8 @@ class Limits:
     group_size: int
     max_abs_reward: float = 1e6  # learner.max_abs_reward
     min_logprob: float = -1e4  # learner.min_behaviour_logprob
+    # the adapter's answer_tokens (dataplane/answers.py): every trained token must be one
+    answer_tokens: frozenset[int] | None = None
 
 
 # log-probs a hair above 0 are rounding in the worker's sampler, not probabilities above 1
@@ -144,6 +146,15 @@ def check_versions(runs: Any, n: int, oldest: int) -> None:
                           f"oldest must be the record's version {oldest}")
 
 
+def _check_answers(ids: list[int], mask: list[int] | None, allowed: frozenset[int]) -> None:
+    """The policy's tokens (all, or the loss-masked ones of an episode) are allowed answers:
+    a worker that samples outside the adapter's set is not running the run's sampler."""
+    bad = [t for t, m in zip(ids, mask or [1] * len(ids)) if m and t not in allowed]
+    if bad:
+        raise RecordError("bad_answer_token", f"trained tokens {sorted(set(bad))[:8]} are not "
+                          f"among the adapter's answer tokens {sorted(allowed)[:16]}")
+
+
 def parse_record(obj: Any, limits: Limits) -> Record:
     """Schema, type and range checks that need no learner state."""
     if not isinstance(obj, dict):
@@ -169,6 +180,8 @@ def parse_record(obj: Any, limits: Limits) -> Record:
     if mask is not None and (not isinstance(mask, list) or len(mask) != n
                              or any(type(m) is not int or m not in (0, 1) for m in mask)):
         raise RecordError("bad_loss_mask", f"loss_mask must be a list of {n} ints in {{0, 1}}")
+    if limits.answer_tokens is not None:
+        _check_answers(obj["completion_ids"], mask, limits.answer_tokens)
     if obj.get("versions") is not None:
         check_versions(obj["versions"], n, obj["version"])
     _check_reward(obj["reward"], limits.max_abs_reward)

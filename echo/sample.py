@@ -35,6 +35,7 @@ def sample(run_dir: Path, n: int = 5, samples: int = 2, temperature: float | Non
     model = HFModel(str(run_dir), seed=seed)
     tok = model.tokenizer
     adapter = load_adapter(cfg.adapter.name, cfg.adapter.effective_options, tok)
+    model.answer_tokens = adapter.answer_tokens  # the sampler the run trained with
     temp = cfg.worker.temperature if temperature is None else temperature
     max_new = cfg.worker.max_new_tokens
     prompts = _take(adapter.prompts(random.Random(seed)), n)

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dataplane.answers import answer_bias
 from echo.config import EchoConfig
 from learner.intake import AuditJob
 from learner.reputation import Verdict
@@ -79,8 +80,10 @@ def sampling_check(samples: list[TokenStats], alpha: float, clip: float) -> tupl
 
 class Auditor:
     def __init__(self, cfg: EchoConfig, tokenizer: Any, report: Callable[[Verdict], None],
-                 is_quarantined: Callable[[str], bool] = lambda w: False):
+                 is_quarantined: Callable[[str], bool] = lambda w: False,
+                 answer_tokens: tuple[int, ...] | None = None):
         sc = cfg.security
+        self.answer_tokens = answer_tokens  # the workers' restricted sampler (dataplane/answers.py)
         self.cfg, self.tokenizer, self.report = cfg, tokenizer, report
         self.is_quarantined = is_quarantined
         self.tol, self.alpha, self.clip = sc.audit_logprob_tol, sc.audit_alpha, sc.audit_clip
@@ -185,7 +188,10 @@ class Auditor:
             attn[i, : len(q)] = 1
         dev = self._model.device
         logits = self._model(input_ids=ids.to(dev), attention_mask=attn.to(dev)).logits[:, :-1]
-        logp = torch.log_softmax(logits.float() / self.cfg.worker.temperature, dim=-1).cpu()
+        scaled = logits.float() / self.cfg.worker.temperature
+        if self.answer_tokens is not None:  # the distribution the worker sampled from
+            scaled = scaled + answer_bias(self.answer_tokens, scaled.shape[-1], scaled.device)
+        logp = torch.log_softmax(scaled, dim=-1).cpu()
         return [self._one(rec, logp[i]) for i, rec in enumerate(records)]
 
     @staticmethod

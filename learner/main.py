@@ -222,8 +222,10 @@ class Learner:
         max_tokens = max(cfg.worker.max_new_tokens,
                          getattr(self.adapter, "max_completion_tokens", 0)
                          if getattr(self.adapter, "multi_turn", False) else 0)
+        answers = policy.answer_tokens
         self.limits = Limits(policy.vocab_size, max_tokens, lc.group_size,
-                             max_abs_reward=lc.max_abs_reward, min_logprob=lc.min_behaviour_logprob)
+                             max_abs_reward=lc.max_abs_reward, min_logprob=lc.min_behaviour_logprob,
+                             answer_tokens=frozenset(answers) if answers is not None else None)
         self.buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size,
                                    on_drop=self._audit_drop)
         self.log = BufferLog(run_dir / "buffer.log", fsync=lc.fsync, fsync_delay_s=lc.fsync_delay_s,
@@ -264,7 +266,8 @@ class Learner:
         if resume:
             self._restore()
         self.auditor = Auditor(self.cfg, self.policy.tokenizer, self._report,
-                               lambda w: w in self.control.reputation.quarantined if self.control else False)
+                               lambda w: w in self.control.reputation.quarantined if self.control else False,
+                               answer_tokens=self.policy.answer_tokens)
         self.control = ControlPlane(self.cfg, run_id=self.run_id, key=self.key, buffer=self.buffer,
                                     work=self.work, limits=self.limits, buffer_log=self.log,
                                     run_dir=self.run_dir, adapter=self.adapter,

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dataplane.adapter import load_adapter
+from dataplane.answers import check_answer_tokens
 from echo.config import EchoConfig
 from echo.models import load_model, load_tokenizer
 from learner.parallel import make_parallel
@@ -33,13 +35,20 @@ class Policy:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         # Names of the parameters a snapshot carries (tied weights once), as before sharding.
         self.param_names = [n for n, _ in model.named_parameters()]
+        # Every rank builds the adapter for its answer set: the log-probs of a restricted
+        # adapter are renormalised over it (dataplane/answers.py), on every rank alike.
+        adapter = load_adapter(cfg.adapter.name, cfg.adapter.effective_options, self.tokenizer)
+        self.answer_tokens = check_answer_tokens(adapter.answer_tokens, self.vocab_size,
+                                                 cfg.worker.max_new_tokens,
+                                                 self.tokenizer.eos_token_id)
         self.model = self.par.wrap(model)  # on learner.device: the Trainer's optimizer and
         # reference copy are made from it, so they live there too.
         # Log-probs at the workers' sampling temperature: the distribution they sampled from.
         self.trainer = Trainer(self.model, cfg.learner, seed=cfg.seed, parallel=self.par,
                                temperature=cfg.worker.temperature,
                                max_new_tokens=cfg.worker.max_new_tokens,
-                               eos_token_id=self.tokenizer.eos_token_id)
+                               eos_token_id=self.tokenizer.eos_token_id,
+                               answer_tokens=self.answer_tokens)
 
     def command(self, cmd: dict[str, Any]) -> tuple[dict[str, float], FullState | None]:
         return self._execute(self.par.broadcast(cmd))

@@ -7,11 +7,13 @@ import dataclasses
 import inspect
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from dataplane.adapter import LearnerBatch
+from dataplane.answers import answer_bias
 from echo.config import LearnerConfig
 from learner.loss import LossConfig, grpo_loss
 from learner.parallel import Parallel, Single
@@ -31,9 +33,11 @@ def _blame(batch: LearnerBatch, rows: torch.Tensor) -> list[int]:
 
 
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   loss_mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+                   loss_mask: torch.Tensor | None = None, temperature: float = 1.0,
+                   answer_tokens: Sequence[int] | None = None) -> torch.Tensor:
     """log p(token_{j+1} | tokens_{<=j}) for every position j: shape [B, L-1], under
-    softmax(logits / temperature), the distribution a sampler at that temperature draws from.
+    softmax(logits / temperature), the distribution a sampler at that temperature draws from
+    (renormalised over ``answer_tokens`` when the adapter restricts answers).
 
     With ``loss_mask`` ([B, L-1]) only the span of columns some row trains on is computed
     (zeros elsewhere): the prompt in front needs no logits and the padding behind it no forward
@@ -42,7 +46,7 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     full = (0, input_ids.shape[1] - 2)
     s, e = (_trained_span(loss_mask) if loss_mask is not None else None) or full
     logits = _logits(model, input_ids[:, :e + 1], attention_mask[:, :e + 1], keep=e + 1 - s)
-    lp = selective_logprobs(logits, input_ids[:, s + 1:e + 2], temperature)
+    lp = selective_logprobs(logits, input_ids[:, s + 1:e + 2], temperature, answer_tokens)
     return torch.nn.functional.pad(lp, (s, input_ids.shape[1] - 2 - e))
 
 
@@ -62,16 +66,25 @@ def _logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, k
     return out.logits[:, -keep:]
 
 
-def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor,
-                       temperature: float = 1.0) -> torch.Tensor:
+def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                       answer_tokens: Sequence[int] | None = None) -> torch.Tensor:
     """log_softmax(logits / temperature).gather(targets) without the [B, K, V] log-softmax
     tensor: the target's scaled logit minus the log-sum-exp, in float32. Low-precision logits
     go one row at a time so that only one row's float32 copy exists at once (the temperature
-    is applied to that copy, not to a second low-precision [B, K, V] tensor)."""
+    is applied to that copy, not to a second low-precision [B, K, V] tensor).
+
+    ``answer_tokens``: the log-sum-exp runs over those tokens only (dataplane/answers.py).
+    A target outside the set gets a finite number, not -inf: such positions are the context
+    between an episode's answers, which the loss mask leaves out (a -inf there would turn
+    the masked product into NaN)."""
+    bias = None if answer_tokens is None else answer_bias(answer_tokens, logits.shape[-1],
+                                                           logits.device)
+
     def rows_logprobs(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         if temperature != 1.0:
             x = x / temperature
-        return x.gather(-1, t.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
+        norm = torch.logsumexp(x if bias is None else x + bias, dim=-1)
+        return x.gather(-1, t.unsqueeze(-1)).squeeze(-1) - norm
 
     if logits.dtype in (torch.float32, torch.float64):
         return rows_logprobs(logits, targets)
@@ -91,12 +104,15 @@ def truncated_rows(input_ids: torch.Tensor, loss_mask: torch.Tensor, eos_token_i
 class Trainer:
     """``temperature``: the workers' sampling temperature (``worker.temperature``), at which every
     log-prob is computed; ``max_new_tokens``: the constant of ``seq-mean-token-sum-norm``;
-    ``eos_token_id``: needed by ``mask_truncated_completions``."""
+    ``eos_token_id``: needed by ``mask_truncated_completions``; ``answer_tokens``: the adapter's
+    restricted answers (dataplane/answers.py), under which every log-prob is computed."""
 
     def __init__(self, model: Any, cfg: LearnerConfig, seed: int = 0,
                  parallel: Parallel | None = None, *, temperature: float = 1.0,
-                 max_new_tokens: int = 0, eos_token_id: int | None = None):
+                 max_new_tokens: int = 0, eos_token_id: int | None = None,
+                 answer_tokens: Sequence[int] | None = None):
         self.model = model
+        self.answer_tokens = answer_tokens
         self.par = parallel or Single()
         self.cfg = cfg
         self.temperature = temperature
@@ -207,7 +223,7 @@ class Trainer:
 
     def logprobs(self, model: Any, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:
         return token_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
-                              batch.loss_mask[rows], self.temperature)
+                              batch.loss_mask[rows], self.temperature, self.answer_tokens)
 
 
 def loss_config(cfg: LearnerConfig, max_new_tokens: int = 0) -> LossConfig:

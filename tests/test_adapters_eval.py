@@ -99,3 +99,23 @@ def test_a_run_folder_is_evaluated_as_it_trained(tmp_path, tiny):
     assert res["options"]["strength_hint"] is True and res["options"]["allin"] is False
     res = poker_eval.evaluate(str(run), 1, hero=hero, llm=False, bot_samples=4, max_new_tokens=3)
     assert budgets[-1] == 3  # an explicit budget still wins
+
+
+def test_a_run_with_restricted_answers_is_evaluated_with_them(tmp_path, tiny):
+    """A run trained on answer_letters is played from its softmax over those letters: the
+    untrained tiny model, free, answers mostly non-actions (played as check or fold)."""
+    cfg = {"model": {"max_positions": 1024}, "worker": {"max_new_tokens": 1},
+           "adapter": {"name": "poker", "options": {"obs_format": "strength", "allin": False,
+                                                    "answer_letters": "fcb", "bot_samples": 4}}}
+    run = run_folder(tmp_path, cfg, tiny.model.state_dict())
+    hero = HFModel(str(run))
+    res = poker_eval.evaluate(str(run), 6, hero=hero, llm=False, bot_samples=4)
+    assert hero.answer_tokens == (23, 20, 19)  # f, c, b
+    # only a "b" when no raise is left (facing an all-in) is invalid now
+    rate = lambda r: sum(c["invalid_rate"] * c["decisions"] for c in r["columns"]) / sum(  # noqa: E731
+        c["decisions"] for c in r["columns"])
+    assert rate(res) < 0.25
+    cfg["adapter"]["options"]["answer_letters"] = ""
+    free = poker_eval.evaluate(str(run_folder(tmp_path / "free", cfg, tiny.model.state_dict())),
+                               6, llm=False, bot_samples=4)
+    assert rate(free) > 0.5

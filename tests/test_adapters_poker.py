@@ -12,7 +12,7 @@ from adapters.poker.game import Action, TableConfig, fresh_deck, legalise, parse
 from adapters.poker.pipeline import (log_messages, read_logs, records_from_logs, sample_from_log,
                                      simulate_logs, write_logs)
 from adapters.poker.players import CallingStation, Maniac, TightAggressive, chen_score
-from dataplane.adapter import check_adapter
+from dataplane.adapter import AdapterError, check_adapter
 from dataplane.advantages import group_advantages
 from dataplane.episodes import EpisodeRecord, backend_generate_fn, drive, token_advantages
 from dataplane.multiturn import ChatBuilder, ChatFormat, target_mask, turn_indices
@@ -386,7 +386,6 @@ def test_worker_path_to_a_learner_step(tokenizer, small_cfg):
 
 
 def test_chat_builder_refuses_templates_that_do_not_compose():
-    from dataplane.adapter import AdapterError
     from dataplane.testing import build_chatml_char_tokenizer as build
 
     tok = build()
@@ -416,3 +415,17 @@ def test_drive_runs_episodes_in_lockstep():
     res = drive([ep(1), ep(3), ep(0)], gen)
     assert [r.completion_ids for r in res] == [[10], [30, 30, 30], []]
     assert calls == [2, 1, 1]
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"obs_format": "text", "answer_letters": "fcb"}, "letter obs_format"),
+    ({"obs_format": "strength", "allin": False, "answer_letters": "fcba"}, "drop 'a'"),
+    ({"obs_format": "strength", "answer_letters": "fcx"}, "distinct letters"),
+    ({"obs_format": "strength", "answer_letters": "ff"}, "distinct letters"),
+])
+def test_bad_answer_letters_name_the_fix(options, match):
+    from echo.config import ModelConfig
+    from echo.models import load_tokenizer
+
+    with pytest.raises(AdapterError, match=match):
+        PokerAdapter(options, load_tokenizer(ModelConfig()))

@@ -42,6 +42,7 @@ from broadcast.relay import Relay, RelayConfig
 from broadcast.snapshot import SnapshotError
 from broadcast.tickets import Source
 from dataplane.adapter import Adapter, load_adapter
+from dataplane.answers import check_answer_tokens
 from echo import wire
 from echo.config import ModelConfig
 from echo.models import ModelError
@@ -384,6 +385,10 @@ class Worker:
                                device=self.device or wv.get("device", "auto"), **extra)
         adapter = load_adapter(self.view["adapter"]["name"], self.view["adapter"]["options"],
                                backend.tokenizer, check_prompts=False)  # prompts are the learner's
+        # the adapter's answer set, from the run's config as the learner builds it
+        backend.restrict_answers(check_answer_tokens(adapter.answer_tokens, backend.vocab_size,
+                                                     wv["max_new_tokens"],
+                                                     backend.tokenizer.eos_token_id))
         return backend, adapter
 
     # ------------------------------------------------------------------ control traffic

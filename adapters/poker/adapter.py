@@ -21,6 +21,10 @@ Options (``[adapter] options = {...}``), all optional:
   invalid_penalty = 1.0   subtracted from the return (in reward units) per invalid action
   allin = true            false: the policy's "all-in" answer is an invalid action (raises,
                           pot-size "b" included, stay legal)
+  answer_letters = ""     e.g. "fcb": the policy generates only these action letters (letter
+                          formats, worker.max_new_tokens = 1): sampled from its softmax over
+                          them, with log-probs computed the same way on the learner
+                          (dataplane/answers.py); "" lets it write any token
   reward_clip = 0         > 0: the return is clipped to [-reward_clip, reward_clip] (reward
                           units) before the penalty: one all-in swing no longer sets the group's
                           standard deviation and flattens every other sample's advantage
@@ -45,7 +49,8 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from adapters.poker.game import Action, TableConfig, legalise, parse_action, play_hand
+from adapters.poker.game import (LETTER_FORMATS, Action, TableConfig, legalise, parse_action,
+                                 play_hand)
 from adapters.poker.pipeline import hand_entry
 from adapters.poker.players import RULE_PLAYERS, make_player
 from adapters.poker.render import FORMATS, action_text, render, result_text, system_prompt
@@ -57,7 +62,7 @@ _DEFAULTS: dict[str, Any] = {
     "seats": 2, "stack": 200, "blinds": [1, 2], "hands": 1,
     "opponents": ["tag", "station", "maniac"], "opponent_model": "", "group_by": "deal",
     "obs_format": "text", "strength_hint": False, "show_results": True, "reward_unit": "bb",
-    "invalid_penalty": 1.0, "reward_clip": 0.0, "allin": True,
+    "invalid_penalty": 1.0, "reward_clip": 0.0, "allin": True, "answer_letters": "",
     "hero_seat": -1, "max_decisions": 24, "max_episode_tokens": 4096, "offpolicy_player": "",
     "offpolicy_fraction": 0.0, "bot_samples": 48, "system": "", "turn_start_token": "",
 }
@@ -132,12 +137,33 @@ class PokerAdapter(EpisodeAdapter):
         for ok, msg in checks:
             if not ok:
                 raise AdapterError(f"poker: {msg}")
+        self.answer_tokens = self._answer_tokens(str(o["answer_letters"]), tokenizer)
         self.system = str(o["system"]) or system_prompt(self.table, self.fmt, self.hands)
         self.chat = ChatFormat.learn(tokenizer, str(o["turn_start_token"]) or None)
         self.builder = ChatBuilder(tokenizer, self.system, self.chat)
         self._llm_policy: Any = None
         self._max_new = 64
         self.stats = {"episodes": 0, "decisions": 0, "invalid_actions": 0, "forced": 0}
+
+    def _answer_tokens(self, letters: str, tokenizer: Any) -> tuple[int, ...] | None:
+        """The token ids of ``answer_letters`` (None when empty): one token per letter."""
+        if not letters:
+            return None
+        if self.fmt not in LETTER_FORMATS:
+            raise AdapterError(f"poker: answer_letters needs a letter obs_format {LETTER_FORMATS}, "
+                               f"not {self.fmt!r} (its answers are words)")
+        if set(letters) - set("fcab") or len(set(letters)) != len(letters):
+            raise AdapterError(f"poker: answer_letters={letters!r}: distinct letters among f, c, "
+                               f"b, a (fold, check/call, pot raise, all-in)")
+        if "a" in letters and not self.allow_allin:
+            raise AdapterError("poker: answer_letters has 'a' but allin = false makes it an "
+                               "invalid answer: drop 'a', or set allin = true")
+        ids = [tokenizer.encode(c, add_special_tokens=False) for c in letters]
+        split = [c for c, i in zip(letters, ids) if len(i) != 1]
+        if split:
+            raise AdapterError(f"poker: answer_letters {split} are not single tokens of this "
+                               f"tokenizer: leave answer_letters empty for this model")
+        return tuple(i[0] for i in ids)
 
     # ----------------------------------------------------------------- learner side
 

@@ -122,10 +122,13 @@ def evaluate(model: str, hands: int, *, opponent_model: str | None = None, seats
                                "strength_hint": bool(hint),
                                # what the policy saw and could answer as it trained
                                "allin": bool(trained.get("allin", True)),
-                               "show_results": bool(trained.get("show_results", True))}
+                               "show_results": bool(trained.get("show_results", True)),
+                               "answer_letters": str(trained.get("answer_letters", ""))}
     if rule:
         options.update(offpolicy_player=model.split(":", 1)[1], offpolicy_fraction=1.0)
     adapter = PokerAdapter(options, tokenizer)
+    if hero is not None:  # answers restricted as the run sampled them (dataplane/answers.py)
+        hero.answer_tokens = adapter.answer_tokens
     columns = []
     for label, opp in COLUMNS:
         if opp == "llm":

@@ -87,6 +87,14 @@ class Backend(ABC):
                 version: int = -1) -> None:
         """Load a verified snapshot's full payload; ``version`` is the snapshot's version."""
 
+    # The adapter's answer set (dataplane/answers.py): None samples the whole vocabulary.
+    answer_tokens: tuple[int, ...] | None = None
+
+    def restrict_answers(self, tokens: tuple[int, ...] | None) -> None:
+        """Sample only ``tokens`` from now on (None: no restriction), from the softmax
+        renormalised over them, and report log-probs of that distribution."""
+        self.answer_tokens = tokens
+
     @abstractmethod
     def generate(self, groups: list[wire.Group], max_new_tokens: int, temperature: float,
                  stop: threading.Event | None = None) -> list[list[Sample]]:

@@ -15,8 +15,9 @@ import threading
 from typing import Any
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from dataplane.answers import answer_processor
 from echo import wire
 from echo.config import ModelConfig
 from echo.models import (bf16_compute, install_payload, load_model, load_tokenizer,
@@ -87,7 +88,8 @@ class TransformersBackend(Backend):
             input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
             top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
             output_scores=True, pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id,
-            stopping_criteria=StoppingCriteriaList([watch]))
+            stopping_criteria=StoppingCriteriaList([watch]),
+            logits_processor=LogitsProcessorList(answer_processor(self.answer_tokens)))
         new = out.sequences[:, width:]
         scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] after temperature
         logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)

@@ -104,6 +104,16 @@ class VLLMBackend(Backend):
                    worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
                    enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization)
 
+    def restrict_answers(self, tokens: tuple[int, ...] | None) -> None:
+        # vLLM's allowed_token_ids masks sampling, but whether its reported log-probs are
+        # renormalised over the set depends on its logprobs mode; untested here (no GPU in CI),
+        # so a restricted adapter is refused rather than audited as a liar.
+        if tokens is not None:
+            raise ValueError("the adapter restricts answers (dataplane/answers.py), which the vllm "
+                             "backend does not support yet: run this worker with "
+                             "--backend transformers")
+        self.answer_tokens = None
+
     def install(self, tensors: list[dict[str, Any]], payload: bytes | bytearray,
                 version: int = -1) -> None:
         entries, size = build_layout(tensors, self.tied, self.expected)

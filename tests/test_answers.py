@@ -1,0 +1,119 @@
+"""Restricted answers (dataplane/answers.py): workers sample only the adapter's answer tokens,
+the learner and the auditor compute log-probs under the same renormalised softmax, admission
+refuses a trained token outside the set, and bad settings stop with the fix."""
+
+import types
+
+import pytest
+import torch
+
+from dataplane.answers import AnswerTokensError, check_answer_tokens
+from dataplane.records import Limits, RecordError, parse_record
+from echo import wire
+from echo.config import ModelConfig
+from echo.models import load_model, params_to_payload
+from learner.trainer import selective_logprobs, token_logprobs
+
+LETTERS = (23, 20, 19)  # f, c, b in the tiny tokenizer
+
+
+def test_selective_logprobs_renormalise_over_the_answer_set():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 24, generator=g)
+    targets = torch.tensor([[23, 20, 19, 23, 20]] * 2)
+    got = selective_logprobs(logits, targets, 0.7, LETTERS)
+    sub = torch.log_softmax(logits[..., list(LETTERS)] / 0.7, -1)
+    want = sub.gather(-1, torch.tensor([[0, 1, 2, 0, 1]] * 2).unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got, want)
+    # a target outside the set (context between an episode's answers) stays finite
+    assert torch.isfinite(selective_logprobs(logits, torch.full((2, 5), 4), 1.0, LETTERS)).all()
+
+
+def test_restricted_worker_samples_only_answers_and_the_learner_agrees(tokenizer):
+    from worker.backends import make_backend
+
+    backend = make_backend("transformers", model_cfg=ModelConfig(), threads=1)
+    backend.restrict_answers(LETTERS)
+    prompt = [4, 14, 5, 17]
+    [samples] = backend.generate([wire.Group(group_id="g", prompt_ids=prompt, n=16, seed=3)],
+                                 max_new_tokens=1, temperature=1.0)
+    assert {s.completion_ids[0] for s in samples} <= set(LETTERS)
+    assert len({s.completion_ids[0] for s in samples}) > 1  # near uniform over three letters
+    learner = load_model(ModelConfig(), tokenizer)  # same seed, same weights
+    for s in samples:
+        ids = torch.tensor([prompt + s.completion_ids])
+        with torch.no_grad():
+            lp = token_logprobs(learner, ids, torch.ones_like(ids), answer_tokens=LETTERS)[0, 3:]
+            free = token_logprobs(learner, ids, torch.ones_like(ids))[0, 3:]
+        assert lp.tolist() == pytest.approx(s.logprobs, abs=1e-4)
+        assert float(free[0]) < float(lp[0]) - 0.5  # the whole vocabulary: a different number
+
+
+def test_admission_refuses_a_trained_token_outside_the_answer_set():
+    lim = Limits(24, 8, 4, answer_tokens=frozenset(LETTERS))
+    rec = {"group_id": "g", "sample_idx": 0, "prompt_ids": [4, 5], "completion_ids": [23, 7, 19],
+           "logprobs": [-1.0, 0.0, -1.0], "reward": 0.0, "version": 0, "worker_id": "w",
+           "gen_s": 0.1, "loss_mask": [1, 0, 1]}
+    assert parse_record(rec, lim).completion_ids == [23, 7, 19]  # untrained context: any token
+    with pytest.raises(RecordError) as err:
+        parse_record({**rec, "completion_ids": [23, 7, 5]}, lim)  # a trained 5: not an answer
+    assert err.value.reason == "bad_answer_token" and "[5]" in str(err.value)
+    with pytest.raises(RecordError, match="answer tokens"):
+        parse_record({**rec, "loss_mask": None, "completion_ids": [23, 7, 19]}, lim)
+
+
+def test_the_auditor_passes_an_honest_restricted_worker(small_cfg, tokenizer):
+    from dataplane.records import Record
+    from learner.auditor import Auditor
+    from learner.intake import AuditJob
+    from worker.backends import make_backend
+
+    model = load_model(small_cfg.model, tokenizer, "float32").eval()
+    tensors, payload = params_to_payload(model.named_parameters(), "float32")
+    backend = make_backend("transformers", model_cfg=small_cfg.model, threads=1)
+    backend.install(tensors, payload, 0)
+    backend.restrict_answers(LETTERS)
+    [samples] = backend.generate([wire.Group(group_id="g", prompt_ids=[4, 14, 5], n=8, seed=1)],
+                                 max_new_tokens=1, temperature=small_cfg.worker.temperature)
+    recs = [Record(group_id="g", sample_idx=i, prompt_ids=[4, 14, 5], completion_ids=s.completion_ids,
+                   logprobs=s.logprobs, reward=0.0, version=0, worker_id="w", gen_s=0.0)
+            for i, s in enumerate(samples)]
+    verdicts: list = []
+    aud = Auditor(small_cfg, tokenizer, verdicts.append, answer_tokens=LETTERS)
+    aud.add_snapshot(0, tensors, payload)
+    aud.submit(AuditJob("w", "k", recs, probation=True))
+    blind = Auditor(small_cfg, tokenizer, verdicts.append)  # one that ignores the restriction
+    blind.add_snapshot(0, tensors, payload)
+    blind.submit(AuditJob("w", "k", recs, probation=True))
+    aud.run(budget_s=60)
+    blind.run(budget_s=60)
+    got = [(v.check, v.ok) for v in verdicts]
+    assert got[:2] == [("logprob", True), ("sampling", True)]
+    assert verdicts[0].stats["max_mean_gap"] < 1e-4
+    assert ("logprob", False) in got[2:]  # the renormalisation is what makes them agree
+
+
+@pytest.mark.parametrize("tokens, max_new, match", [
+    ((), 1, "empty"),
+    ((23, 99), 1, "outside the vocabulary"),
+    ((23, 20), 4, "worker.max_new_tokens = 1"),
+])
+def test_bad_answer_sets_name_the_fix(tokens, max_new, match):
+    with pytest.raises(AnswerTokensError, match=match):
+        check_answer_tokens(tokens, 24, max_new, eos_token_id=1)
+
+
+def test_answer_sets_that_can_end_pass():
+    assert check_answer_tokens(None, 24, 8, 1) is None
+    assert check_answer_tokens([20, 23, 20], 24, 1, 1) == (20, 23)
+    assert check_answer_tokens([20, 1], 24, 8, 1) == (1, 20)  # with end-of-sequence: any length
+
+
+def test_the_vllm_backend_refuses_a_restricted_adapter():
+    from worker.backends.vllm import VLLMBackend
+
+    stub = types.SimpleNamespace(answer_tokens=None)
+    with pytest.raises(ValueError, match="--backend transformers"):
+        VLLMBackend.restrict_answers(stub, LETTERS)
+    VLLMBackend.restrict_answers(stub, None)  # unrestricted adapters run as before
+    assert stub.answer_tokens is None
