@@ -6,7 +6,9 @@ For every observation the ``strength`` format can show (street d/e, strength dig
 faced + or not =) the run's latest checkpoint (or, with ``--untrained``, its initial weights)
 gives a distribution over its next token. Printed per state: the most likely action letter
 among f / c / b and its probability, and the probability of all tokens that are not an action
-letter (invalid answers: check when free, else fold). A policy that learned poker answers
+letter (invalid answers: check when free, else fold). A run with ``answer_letters`` samples
+from the softmax over those letters only (dataplane/answers.py): its probabilities are
+renormalised over them and its invalid share is 0. A policy that learned poker answers
 differently for a strong and a weak hand; one that did not shows the same row everywhere.
 """
 
@@ -26,6 +28,7 @@ def policy_map(run: str, untrained: bool = False) -> dict[str, dict[str, float]]
 
     from adapters.hf import HFModel
     from adapters.poker.adapter import PokerAdapter
+    from dataplane.answers import answer_bias
 
     m = HFModel(run, untrained=untrained)
     if m.run_config is None or m.run_config.adapter.effective_options.get("obs_format") != "strength":
@@ -37,7 +40,10 @@ def policy_map(run: str, untrained: bool = False) -> dict[str, dict[str, float]]
     for obs in (f"{s}{d}{f}" for s in "de" for f in "+=" for d in range(10)):
         ids = adapter.builder.start() + adapter.builder.user(obs)
         with torch.no_grad():
-            p = torch.softmax(m.model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            logits = m.model(torch.tensor([ids])).logits[0, -1].float()
+        if adapter.answer_tokens is not None:  # the distribution the run samples from
+            logits = logits + answer_bias(adapter.answer_tokens, logits.shape[-1])
+        p = torch.softmax(logits, -1)
         row = {c: float(p[i]) for c, i in letters.items()}
         row["invalid"] = 1.0 - sum(row.values())
         out[obs] = row
@@ -64,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             for d in range(10):
                 r = rows[f"{street}{d}{faced}"]
                 best = max("fcb", key=r.__getitem__)
-                cells.append(f"{best} {r[best]:.3f} / {r['invalid']:.2f}")
+                cells.append(f"{best} {r[best]:.3f} / {abs(r['invalid']):.2f}")
             name = ("preflop" if street == "d" else "post-flop") + \
                 (", bet faced" if faced == "+" else ", free")
             table.add_row(name, *cells)

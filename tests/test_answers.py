@@ -117,3 +117,29 @@ def test_the_vllm_backend_refuses_a_restricted_adapter():
         VLLMBackend.restrict_answers(stub, LETTERS)
     VLLMBackend.restrict_answers(stub, None)  # unrestricted adapters run as before
     assert stub.answer_tokens is None
+
+
+@pytest.mark.timeout(300)
+def test_poker_learn_trains_with_restricted_answers_end_to_end(tmp_path):
+    """examples/poker-learn.toml over loopback: a learner and a worker, every group of the
+    worker's probation audited under the restricted distribution, none refused; then
+    echo-rl sample plays the checkpoint with the same letters."""
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "echo.cli", "quickstart", "--config",
+                        "examples/poker-learn.toml", "--workers", "1", "--run-dir", str(run),
+                        "--set", "learner.max_steps=3"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    assert rows[-1]["audits"] > 0 and rows[-1]["audit_failures"] == 0
+    assert not any(rows[-1]["rejected"].values())
+    out = tmp_path / "sample.json"
+    r = subprocess.run([sys.executable, "-m", "echo.cli", "sample", str(run), "--n", "2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    answers = [line for s in json.loads(out.read_text()) for line in s["completion"].split("a=")[1:]]
+    assert answers and all(a[0] in "fcb" for a in answers)

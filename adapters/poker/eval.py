@@ -199,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     print(table(res))
-    if args.json:
+    if args.json:  # with what produced it: the command line and the machine
+        from echo.machine import machine_info
+
+        res = {**res, "command": " ".join(["echo-rl eval poker", *(argv if argv is not None
+                                                                  else sys.argv[1:])]),
+               "machine": machine_info()}
         args.json.write_text(json.dumps(res, indent=2))
     return 0
 
