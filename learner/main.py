@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from broadcast.versions import VersionEncoder
-from dataplane.adapter import load_adapter
 from dataplane.records import Limits, Record
 from echo.config import EchoConfig, dump_toml
 from echo.metrics import LearnerMetrics, finite_or_null
@@ -217,7 +216,7 @@ class Learner:
     def __init__(self, cfg: EchoConfig, run_dir: Path, policy: Policy):
         self.cfg, self.run_dir, self.policy = cfg, run_dir, policy
         lc = cfg.learner
-        self.adapter = load_adapter(cfg.adapter.name, cfg.adapter.effective_options, policy.tokenizer)
+        self.adapter = policy.adapter  # built once, with the policy's tokenizer
         # A multi-turn episode carries several generations (and the text between them).
         max_tokens = max(cfg.worker.max_new_tokens,
                          getattr(self.adapter, "max_completion_tokens", 0)

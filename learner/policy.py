@@ -37,8 +37,8 @@ class Policy:
         self.param_names = [n for n, _ in model.named_parameters()]
         # Every rank builds the adapter for its answer set: the log-probs of a restricted
         # adapter are renormalised over it (dataplane/answers.py), on every rank alike.
-        adapter = load_adapter(cfg.adapter.name, cfg.adapter.effective_options, self.tokenizer)
-        self.answer_tokens = check_answer_tokens(adapter.answer_tokens, self.vocab_size,
+        self.adapter = load_adapter(cfg.adapter.name, cfg.adapter.effective_options, self.tokenizer)
+        self.answer_tokens = check_answer_tokens(self.adapter.answer_tokens, self.vocab_size,
                                                  cfg.worker.max_new_tokens,
                                                  self.tokenizer.eos_token_id)
         self.model = self.par.wrap(model)  # on learner.device: the Trainer's optimizer and
