@@ -143,3 +143,39 @@ def test_poker_learn_trains_with_restricted_answers_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     answers = [line for s in json.loads(out.read_text()) for line in s["completion"].split("a=")[1:]]
     assert answers and all(a[0] in "fcb" for a in answers)
+
+
+def test_intake_counts_non_answers_and_junk_and_keeps_admitting(tmp_path):
+    """A hostile worker's batch: a group with a trained non-answer token, records of junk
+    types and huge lists, repeated as a flood. Each bad record is refused with its reason
+    counted; the same batch's honest group and another worker's later group are admitted."""
+    import itertools
+
+    from dataplane.adapter import Prompt
+    from learner.buffer import ReplayBuffer
+    from learner.intake import Intake
+    from learner.reputation import Reputation
+    from learner.work import WorkQueue
+
+    prompts = (Prompt([1, 2], {"i": i}) for i in itertools.count())
+    work = WorkQueue(prompts, group_size=2, max_outstanding=64, lease_timeout_s=60, prefix="r")
+    buffer = ReplayBuffer(staleness=2, capacity_groups=64, group_size=2)
+    it = Intake(limits=Limits(24, 8, 2, answer_tokens=frozenset(LETTERS)), buffer=buffer,
+                work=work, reputation=Reputation(tmp_path, 2, lambda: 0, lambda *a: None))
+
+    def rec(gid, i, ids, worker="evil"):
+        return {"group_id": gid, "sample_idx": i, "prompt_ids": [1, 2], "completion_ids": ids,
+                "logprobs": [-1.0] * len(ids) if isinstance(ids, list) else [], "reward": 0.5,
+                "version": 0, "worker_id": worker, "gen_s": 0.1}
+
+    bad_g, good_g = work.grant("evil", 2, 0)
+    junk = [rec(bad_g.group_id, 0, [23, 5]),  # 5 is no answer
+            rec(bad_g.group_id, 1, "fcb"), rec(bad_g.group_id, 1, [23] * 100_000),
+            {**rec(bad_g.group_id, 1, [20]), "loss_mask": "x"}, 7, None]
+    out = it.batch("evil", "k", junk * 50 + [rec(good_g.group_id, 0, [23]), rec(good_g.group_id, 1, [19])])
+    assert out.rejected["bad_answer_token"] == 50
+    assert sum(out.rejected.values()) == len(junk) * 50
+    assert [r.group_id for r in out.accepted] == [good_g.group_id] * 2
+    (later,) = work.grant("honest", 1, 0)
+    out = it.batch("honest", "k2", [rec(later.group_id, i, [20], "honest") for i in range(2)])
+    assert len(out.accepted) == 2 and not out.rejected
