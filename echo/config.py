@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from echo.addresses import is_loopback, public_host_problem
+
 
 class ConfigError(ValueError):
     """A configuration problem, phrased for the user: key, value, fix."""
@@ -118,8 +120,9 @@ class StalenessRules:
 
 class LearnerConfig(StalenessRules, _Section):
     host: str = "127.0.0.1"  # address the control plane binds (0.0.0.0: every interface)
-    # The address workers reach the learner at, for the printed join line ("" = host): set it
-    # when binding 0.0.0.0 or behind a NAT/port forward.
+    # The address workers reach the learner at ("" = host): every endpoint the learner hands
+    # out (join line, snapshot source, reflectors, learner.json) names it. Required when host
+    # is a wildcard (0.0.0.0, ::); set it too behind a NAT or port forward (a cloud VM's public IP).
     public_host: str = ""
     port: int = Field(0, ge=0, le=65535)  # 0: the OS picks a free port
     max_steps: int = Field(200, gt=0)  # learner steps, then the run ends and workers are told
@@ -190,6 +193,13 @@ class LearnerConfig(StalenessRules, _Section):
     @model_validator(mode="after")
     def _kappa_within_budget(self) -> "LearnerConfig":
         self.check_kappa()
+        return self
+
+    @model_validator(mode="after")
+    def _advertises_a_usable_address(self) -> "LearnerConfig":
+        problem = public_host_problem(self.host, self.public_host)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -291,6 +301,10 @@ class ProvisioningConfig(_Section):
     # The delivery clock starts at the probationer's first work request (model loaded,
     # snapshot installed); one that never asks within this long also goes back to standby.
     probation_ready_s: float = Field(600.0, gt=0)
+    # A probation lasts warmup_s + window_s plus two generation times of one group: the
+    # fleet's measured time once anyone delivered, this many seconds before (a SmolLM2 group
+    # on a CPU takes tens of seconds; the toy task's a fraction of one).
+    probation_group_s: float = Field(30.0, ge=0)
 
 
 class MetricsConfig(_Section):
@@ -390,8 +404,7 @@ class EchoConfig(_Section):
     @model_validator(mode="after")
     def _public_needs_security(self) -> "EchoConfig":
         host = self.learner.host
-        local = host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
-        if not local and not self.security.curve and not self.security.insecure:
+        if not is_loopback(host) and not self.security.curve and not self.security.insecure:
             raise ValueError(
                 f"learner.host={host!r} is not loopback and security.curve is off: strangers "
                 f"could impersonate any worker; turn security.curve on, or pass --insecure "

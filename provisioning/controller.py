@@ -28,7 +28,18 @@ them out (hand work to / stop handing work to the worker) and logs them.
   cheapest first among those that failed probation least often. A probationer that has
   delivered nothing ``warmup_s + window_s`` after activation goes back to standby (a failed
   probation, logged as a release), so a joiner that delivers nothing never gains credit and
-  holds a slot for a bounded time.
+  holds a slot for a bounded time. The probation lasts ``warmup_s + window_s`` plus two
+  group generation times (the fleet's measured time per group, ``probation_group_s`` until
+  anything is measured): a SmolLM2 group on a CPU takes tens of seconds, and a window fit for
+  the toy task would fail every honest probationer on a real model.
+* **Liveness** (docs/provisioning.md, "Liveness"): whatever the estimates say (no mu_req yet,
+  every probation failed, every rate decayed to 0), while the learner waits for data
+  (``waiting``) and a standby worker exists, one is activated per ``window_s``. The shortfall
+  rule needs a mu_req, and mu_req needs learner steps: without this the two can wait for each
+  other forever (issue 39: a restarted learner with both workers released).
+* **Restart** (``state``/``restore``): the measured throughput, failed probations and active
+  set, by identity, go into the run folder and come back on ``--resume``: a returning key is
+  not a stranger, and a worker that was active is active again when it re-joins.
 """
 
 from __future__ import annotations
@@ -38,12 +49,32 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 ACTIVE, STANDBY = "active", "standby"
 ACTIVATE, RELEASE, SHORT = "activate", "release", "short"
 SWAP_GAIN = 0.2  # a swap must cut the unit cost of the swapped worker by at least this share
 SWAP_SHARE = 0.05  # at most this share of the active workers is swapped per window
+
+
+@dataclass(frozen=True)
+class Remembered:
+    """What the controller keeps of one identity across a departure or a learner restart."""
+
+    mu_hat: float  # measured throughput (0: never measured)
+    failed_probations: int
+    active: bool = False  # active when the state was taken (restart only; a leaver is not)
+
+    @classmethod
+    def parse(cls, obj: object) -> "Remembered":
+        """From the run folder's JSON; anything malformed raises ValueError."""
+        if not isinstance(obj, dict) or set(obj) != {"mu_hat", "failed_probations", "active"}:
+            raise ValueError(f"not a remembered worker: {obj!r:.80}")
+        mu, failed, active = obj["mu_hat"], obj["failed_probations"], obj["active"]
+        if (not isinstance(mu, (int, float)) or isinstance(mu, bool) or not (mu >= 0 and math.isfinite(mu))
+                or type(failed) is not int or failed < 0 or type(active) is not bool):
+            raise ValueError(f"bad values in a remembered worker: {obj!r:.80}")
+        return cls(float(mu), failed, active)
 
 
 class UnknownWorker(KeyError):
@@ -111,12 +142,17 @@ class Controller:
                  clock: Callable[[], float] = time.monotonic, *, tau_s: float = 60.0,
                  avail_beta: float = 0.2, warmup_s: float = 30.0, history: int = 1000,
                  probation_slots: int = 4, probation_ready_s: float = 600.0,
-                 memory: int = 100_000) -> None:
+                 memory: int = 100_000, group_size: int = 1,
+                 probation_group_s: float = 0.0) -> None:
+        """``group_size``: trajectories per group (a group's generation time is group_size /
+        mu_hat); ``probation_group_s``: the expected seconds to generate one group before any
+        worker has been measured (0: none expected beyond the window)."""
         _check_params(alpha, delta, window_s, tau_s, avail_beta, warmup_s)
         if probation_slots < 0:
             raise ValueError(f"probation_slots must be >= 0, got {probation_slots}")
         self.probation_slots = probation_slots
         self.probation_ready_s = probation_ready_s
+        self.group_size, self.probation_group_s = max(1, group_size), max(0.0, probation_group_s)
         self.alpha, self.delta, self.window_s = alpha, delta, window_s
         self.tau_s, self.avail_beta, self.warmup_s = tau_s, avail_beta, warmup_s
         self._clock = clock
@@ -131,9 +167,11 @@ class Controller:
         # Measured throughput of workers that left, by identity (the learner passes the
         # worker's public key, never a name it chose): one that comes back is not a stranger
         # again. Bounded, oldest forgotten first.
-        self._memory: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self._memory: OrderedDict[str, Remembered] = OrderedDict()
         self._memory_size = memory
         self._identity: dict[str, str] = {}
+        self._waiting_since: float | None = None  # the learner waits for data since (liveness)
+        self._last_activation = -math.inf
 
     # -- registry -------------------------------------------------------------------------
 
@@ -159,14 +197,16 @@ class Controller:
             # unmeasured until it delivers.
             w = _Worker(worker_id, float(price), STANDBY, float(mu_prior), since=now,
                         measured=mu_prior > 0)
+            past = None
             if identity is not None:
                 self._identity[worker_id] = identity
                 past = self._memory.pop(identity, None)
                 if past is not None and mu_prior <= 0:
-                    w.mu_hat, w.failed_probations = past
+                    w.mu_hat, w.failed_probations = past.mu_hat, past.failed_probations
                     w.measured = w.mu_hat > 0
             self._workers[worker_id] = w
-            if state == ACTIVE:
+            # Active before the learner restarted: active again (its leases may be in flight).
+            if state == ACTIVE or (past is not None and past.active):
                 self._set_active(w, now)
 
     def remove_worker(self, worker_id: str) -> None:
@@ -176,9 +216,40 @@ class Controller:
             del self._workers[worker_id]
             identity = self._identity.pop(worker_id, None)
             if identity is not None and (w.measured or w.failed_probations):
-                self._memory[identity] = (w.mu_hat if w.measured else 0.0, w.failed_probations)
-                while len(self._memory) > self._memory_size:
-                    self._memory.popitem(last=False)
+                self._remember(identity, Remembered(w.mu_hat if w.measured else 0.0,
+                                                    w.failed_probations))
+
+    def _remember(self, identity: str, past: Remembered) -> None:
+        self._memory[identity] = past
+        self._memory.move_to_end(identity)
+        while len(self._memory) > self._memory_size:
+            self._memory.popitem(last=False)
+
+    def state(self) -> dict[str, dict]:
+        """Every identity's books as plain data (for the run folder): the workers registered
+        now (with whether they are active) and those remembered after they left."""
+        with self._lock:
+            out = {i: asdict(r) for i, r in self._memory.items()}
+            for wid, identity in self._identity.items():
+                w = self._workers[wid]
+                out[identity] = asdict(Remembered(w.mu_hat if w.measured else 0.0,
+                                                  w.failed_probations, w.state == ACTIVE))
+            return out
+
+    def restore(self, state: dict[str, object]) -> int:
+        """Books from ``state()`` of an earlier instance (``--resume``). Malformed entries are
+        skipped; returns how many were restored."""
+        n = 0
+        with self._lock:
+            for identity, obj in state.items():
+                try:
+                    past = Remembered.parse(obj)
+                except ValueError:
+                    continue
+                if isinstance(identity, str) and identity:
+                    self._remember(identity, past)
+                    n += 1
+        return n
 
     # -- measurements -----------------------------------------------------------------------
 
@@ -240,6 +311,14 @@ class Controller:
             self.history.append(d)
             return d
 
+    def waiting(self, waiting: bool) -> None:
+        """The learner started (True) or stopped (False) waiting for admissible data."""
+        with self._lock:
+            if not waiting:
+                self._waiting_since = None
+            elif self._waiting_since is None:
+                self._waiting_since = self._clock()
+
     def set_requirement(self, mu_req: float | None) -> None:
         """Capacity requirement in trajectories/s; None pauses all decisions."""
         if mu_req is not None and not (mu_req >= 0 and math.isfinite(mu_req)):
@@ -255,18 +334,41 @@ class Controller:
             now = self._clock()
             self._fold(now)
             expired = self._end_probations(now)
-            self.history.extend(expired)
             if self._mu_req is None:
                 self._low_since = self._high_since = None
-                return expired
-            decisions = self._decide(now)
-            self.history.extend(decisions)
+                decisions = []
+            else:
+                decisions = self._decide(now)
+            if any(d.action == ACTIVATE for d in decisions):
+                self._last_activation = now
+            decisions += self._liveness(now)
+            self.history.extend(expired + decisions)
             return expired + decisions
+
+    def _liveness(self, now: float) -> list[Decision]:
+        """The learner has waited a whole window and nobody was activated in it: activate the
+        best standby worker, whatever the estimates say (module docstring, "Liveness")."""
+        since = self._waiting_since
+        if since is None or now - max(since, self._last_activation) < self.window_s:
+            return []
+        typical = self._typical_mu()
+        standby = [w for w in self._workers.values() if w.state == STANDBY and not w.yielded]
+        if not standby:
+            return []
+        w = min(standby, key=lambda w: (w.measured and w.effective_mu <= 0, self._rank(w, typical)))
+        self._set_active(w, now)
+        self._last_activation = now
+        self._low_since = self._high_since = None
+        return [Decision(now, ACTIVATE, w.worker_id,
+                         f"liveness: the learner has waited {now - since:.0f} s for data and "
+                         f"nobody was activated for a window ({self.window_s:g} s); "
+                         f"{w.worker_id} (${w.price:.3g}/h) is the best standby worker",
+                         self._c_eff(), self.alpha * (self._mu_req or 0.0))]
 
     def _end_probations(self, now: float) -> list[Decision]:
         """Active workers that delivered nothing in ``warmup_s + window_s`` go back to standby:
         no credit, and their probation slot (if they held one) goes to the next candidate."""
-        limit = self.warmup_s + self.window_s
+        limit = self.probation_s()
         out = []
         for w in sorted(self._workers.values(), key=lambda w: w.worker_id):
             if w.state != ACTIVE or w.measured:
@@ -275,7 +377,7 @@ class Controller:
                 why = f"never asked for work in {now - w.activated_at:.0f} s (probation_ready_s)"
             elif w.ready_at is not None and now - w.ready_at >= limit:
                 why = (f"delivered nothing in {now - w.ready_at:.0f} s after asking for work "
-                       f"(warmup_s + window_s = {limit:g} s)")
+                       f"(warmup_s + window_s + 2 group times = {limit:.3g} s)")
             else:
                 continue
             w.state, w.mu_hat, w.ready_at = STANDBY, 0.0, None
@@ -348,7 +450,9 @@ class Controller:
         limit = max(1, int(SWAP_SHARE * len(active))) - self._swapped
         out: list[Decision] = []
         for best, worst in zip(standby, active[:max(0, limit)]):
-            if best.unit_cost > (1 - SWAP_GAIN) * worst.unit_cost:
+            # (a $0 volunteer's unit cost is 0: nothing is cheaper, and the ratio below would
+            # divide by it; found by tests/test_liveness.py)
+            if worst.unit_cost <= 0 or best.unit_cost > (1 - SWAP_GAIN) * worst.unit_cost:
                 break
             after = c_eff - worst.effective_mu + best.effective_mu
             if after < target:
@@ -405,6 +509,14 @@ class Controller:
                                       projected, target))
         return decisions
 
+    def probation_s(self) -> float:
+        """How long a probationer has, from its first work request, to deliver a group:
+        ``warmup_s + window_s`` plus two generation times of one group (measured across the
+        fleet; ``probation_group_s`` before anything is measured)."""
+        typical = self._typical_mu()
+        group_s = self.group_size / typical if typical else self.probation_group_s
+        return self.warmup_s + self.window_s + 2 * group_s
+
     def _typical_mu(self) -> float | None:
         measured = sorted(w.mu_hat for w in self._workers.values() if w.measured and w.mu_hat > 0)
         return measured[len(measured) // 2] if measured else None
@@ -416,15 +528,19 @@ class Controller:
         """What the active workers still on probation are expected to add once measured."""
         return (typical or 0.0) * self._on_probation()
 
-    def _standby_by_estimate(self, typical: float | None) -> list[_Worker]:
-        def key(w: _Worker) -> tuple:
-            if w.measured:
-                return (0, w.unit_cost, w.worker_id)
-            est = w.price / typical if typical else w.price
-            return (w.failed_probations, est, w.worker_id)
+    @staticmethod
+    def _rank(w: _Worker, typical: float | None) -> tuple:
+        """Activation order: measured workers by unit cost, then unmeasured ones by failed
+        probations and their price over the fleet's typical rate."""
+        if w.measured:
+            return (0, w.unit_cost, w.worker_id)
+        est = w.price / typical if typical else w.price
+        return (w.failed_probations, est, w.worker_id)
 
+    def _standby_by_estimate(self, typical: float | None) -> list[_Worker]:
         return sorted((w for w in self._workers.values() if w.state == STANDBY and not w.yielded
-                       and (w.effective_mu > 0 or not w.measured)), key=key)
+                       and (w.effective_mu > 0 or not w.measured)),
+                      key=lambda w: self._rank(w, typical))
 
     def _probation_limit(self, shortfall: float) -> int:
         typical = self._typical_mu()
