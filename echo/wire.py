@@ -253,6 +253,19 @@ class Trajectories(Message):
     payload: bytes
 
 
+# What a volunteer is told, in words, about records refused for reasons that are no fault of
+# theirs (the worker's log adds it to the counts an ``ack`` carries).
+REFUSAL_WORDS = {
+    "learner_restarted": "the learner restarted and did not keep the lease these groups were "
+                         "generated under; this work is not counted, nothing to fix: new work "
+                         "follows",
+    "stale": "generated under a snapshot older than the staleness bound allows; the group is "
+             "generated again under a newer one",
+    "not_your_group": "the lease moved to another worker (it expired first); deliver sooner or "
+                      "ask for fewer groups",
+}
+
+
 class Ack(Message):
     TYPE = "ack"
     batch_id: str

@@ -171,6 +171,26 @@ class Accounts:
         with self._lock:
             return {w: b.account(now).model_dump() for w, b in self._books.items()}
 
+    def state(self) -> dict[str, dict[str, Any]]:
+        """The counts of every book, by worker id, for the run folder (``learner.fleet``)."""
+        with self._lock:
+            return {w: {"key": b.key, "price": b.price, "active_s": b.active_s,
+                        "accepted": b.accepted, "duplicates": b.duplicates,
+                        "rejected": dict(b.rejected), "granted": b.granted}
+                    for w, b in self._books.items()}
+
+    def restore(self, state: dict[str, Any]) -> int:
+        """Books of the instance before a restart, closed until their worker re-joins with
+        the same id and key (``open`` then continues them). Malformed entries are skipped."""
+        n = 0
+        with self._lock:
+            for wid, obj in list(state.items())[-self.keep:]:
+                book = _parse_book(wid, obj)
+                if book is not None:
+                    self._books[wid] = book
+                    n += 1
+        return n
+
     @staticmethod
     def _accrue(book: Book, now: float) -> None:
         if book.state == "active":
@@ -181,3 +201,24 @@ class Accounts:
     def _say(book: Book, message: str) -> None:
         if message:
             book.message, book.message_at = message, time.monotonic()
+
+
+def _parse_book(worker_id: Any, obj: Any) -> Book | None:
+    """One restored book, or None when the entry is not what ``Accounts.state`` writes."""
+    try:
+        if not isinstance(worker_id, str) or not isinstance(obj, dict) or not isinstance(obj["key"], str):
+            return None
+        nums = {k: obj[k] for k in ("price", "active_s", "accepted", "duplicates", "granted")}
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in nums.values()):
+            return None
+        rejected = obj["rejected"]
+        if not isinstance(rejected, dict) or not all(
+                isinstance(k, str) and type(v) is int and v >= 0 for k, v in rejected.items()):
+            return None
+    except (KeyError, TypeError):
+        return None
+    return Book(worker_id, obj["key"], float(nums["price"]), state="left",
+                active_s=float(nums["active_s"]), accepted=int(nums["accepted"]),
+                duplicates=int(nums["duplicates"]), granted=int(nums["granted"]),
+                rejected=Counter(dict(list(rejected.items())[:MAX_REASONS])),
+                message="the learner restarted: these books wait for this worker to re-join")

@@ -39,6 +39,7 @@ from broadcast.topology import make_topology
 from dataplane import rules
 from dataplane.records import Limits
 from echo import wire
+from echo.addresses import public_endpoint
 from echo.config import EchoConfig
 from echo.security import ZAP_DOMAIN, JoinLine, LogThrottle, ZapHandler, curve_server, sender_key
 from learner.accounts import Accounts
@@ -52,6 +53,7 @@ from learner.intake import NOT_COUNTED, AuditJob, Intake
 from learner.reputation import Reputation, Verdict
 from learner.routes import SnapshotRoutes
 from learner.sessions import EWMA_ALPHA, Sessions, WorkerState
+from learner.fleet import FLEET_FILE, FleetBooks
 from learner.work import WorkQueue
 from provisioning.controller import Controller, Decision
 
@@ -137,7 +139,9 @@ class ControlPlane(Sessions, SnapshotRoutes):
         # (they keep their snapshot current and relay) until it activates them.
         self.controller = (Controller(pc.alpha, pc.delta, pc.window_s, tau_s=pc.tau_s,
                                       warmup_s=pc.warmup_s, probation_slots=pc.probation_slots,
-                                      probation_ready_s=pc.probation_ready_s)
+                                      probation_ready_s=pc.probation_ready_s,
+                                      group_size=cfg.learner.group_size,
+                                      probation_group_s=pc.probation_group_s)
                            if pc.enabled else None)
         self.decisions: list[Decision] = []  # appended by the loop, drained by the trainer
         self.workers: dict[str, WorkerState] = {}
@@ -146,6 +150,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         # docs/preemption.md: leases and prefixes given back, prefixes refused by reason
         self.handbacks: Counter[str] = Counter()
         self.multi_turn = bool(getattr(adapter, "multi_turn", False))
+        self.books = FleetBooks(run_dir / FLEET_FILE)  # the fleet's books across a restart
         self.endpoint = ""
         self.snapshot_endpoint = ""
         self._ready = threading.Event()
@@ -180,13 +185,16 @@ class ControlPlane(Sessions, SnapshotRoutes):
         ctrl = self._ctrl = self._router(ctx, self.cfg.learner.port, 4 * self.max_bytes)
         # Chunk requests only; only joined keys connect here (_zap_chunks).
         snap = self._router(ctx, 0, 1 << 16, zap_domain=CHUNK_DOMAIN)
-        self.endpoint = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.snapshot_endpoint = snap.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Every endpoint handed out names the learner's public host (echo.addresses).
+        lc = self.cfg.learner
+        self.endpoint, self.snapshot_endpoint = (
+            public_endpoint(s.getsockopt_string(zmq.LAST_ENDPOINT), lc.host, lc.public_host)
+            for s in (ctrl, snap))
         self.coordinator = Coordinator(self.topology, self.snapshot_endpoint, q=self.cfg.broadcast.q)
         self.coordinator.punches.timeout_s = self.cfg.broadcast.punch_timeout_s
         if self.cfg.broadcast.nat_traversal:
             # bound where the control plane is, announced where workers reach it
-            self.reflector = Reflector(self.cfg.learner.host, advertise=self.cfg.learner.public_host)
+            self.reflector = Reflector(lc.host, advertise=lc.public_host)
             await self.reflector.start()
         sc = self.cfg.security
         self.chunks = ChunkServer(snap, self.store, self.max_bytes, authorize=self._may_pull,
@@ -244,10 +252,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
 
     def join_line(self, token: str = "") -> str:
         """What a volunteer passes to ``echo-worker join``: address, key (and a token)."""
-        endpoint = self.endpoint
-        if self.cfg.learner.public_host:
-            endpoint = f"tcp://{self.cfg.learner.public_host}:{endpoint.rsplit(':', 1)[1]}"
-        return str(JoinLine(endpoint, self.public_key, token))
+        return str(JoinLine(self.endpoint, self.public_key, token))
 
     def _handshake_monitor(self, sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket | None:
         """Set up before the socket serves anyone, so no failed handshake goes uncounted."""
@@ -334,6 +339,9 @@ class ControlPlane(Sessions, SnapshotRoutes):
             **self._install_stats(),
             "t_bcast": self._last_t_bcast(),
             "in_flight_groups": self.work.in_flight,
+            # learner.grants: leases kept across a restart, and what was admitted under them
+            "restored_leases": len(self.work.restored),
+            "restored_admitted": self.intake.restored_admitted,
             "reissued_groups": self.work.reissued,
             "installs": ({v: self.coordinator.install_times(v)
                           for v in sorted(self.coordinator.published)[-20:]}
@@ -360,6 +368,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         }
 
     async def _shutdown(self, reason: str) -> None:
+        await asyncio.to_thread(self.books.save, self._fleet_state())
         for w in list(self.workers.values()):
             await self._send(w, wire.Shutdown(reason=reason, account=self._account(w, reason)))
         assert self._stop is not None
@@ -408,6 +417,26 @@ class ControlPlane(Sessions, SnapshotRoutes):
             expired = self.work.expire()
             if expired:
                 log.info("%d group lease(s) expired: handed out again", expired)
+            if self.books.due(now):
+                await asyncio.to_thread(self.books.save, self._fleet_state())
+
+    def _fleet_state(self) -> dict[str, Any]:
+        """What a restarted learner needs to know about its fleet (``learner.fleet``)."""
+        return {"controller": self.controller.state() if self.controller is not None else {},
+                "accounts": self.accounts.state()}
+
+    def restore_fleet(self) -> None:
+        """``--resume``: the books the last instance saved; before ``start``."""
+        state = self.books.load()
+        n = self.controller.restore(state.controller) if self.controller is not None else 0
+        m = self.accounts.restore(state.accounts)
+        log.info("resume: fleet books restored for %d worker identities (provisioner) and %d "
+                 "accounts", n, m)
+
+    def waiting(self, waiting: bool) -> None:
+        """From the trainer thread: the learner started or stopped waiting for data."""
+        if self.controller is not None:
+            self.controller.waiting(waiting)
 
     def is_active(self, worker_id: str) -> bool:
         return self.controller is None or worker_id in self.controller.active_ids()
@@ -433,7 +462,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self._refresh_book(w)
         self.accounts.close(worker_id, "left", f"removed: {why}")
         self.sessions.pop(w.key, None)
-        n = self.work.release_worker(worker_id)
+        n = self.work.release_worker(worker_id, w.key)
         if self.coordinator is not None:
             self.coordinator.leave(worker_id)
         if self.controller is not None:
@@ -564,7 +593,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         probation = self.controller is not None and self.controller.on_probation(msg.worker_id)
         ask = 1 if probation else min(msg.max_groups, self._fair_share())  # dataplane/rules.py
         groups = self.work.grant(msg.worker_id, ask, self.buffer.depth()["ready_groups"],
-                                 msg.holding)
+                                 msg.holding, key=key)
         self.accounts.granted(msg.worker_id, len(groups))
         return wire.WorkGrant(groups=groups, retry_after_s=0.0 if groups else 0.2)
 

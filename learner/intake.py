@@ -5,7 +5,9 @@ that it speaks for its sender. Then per group, in this order, each failure refus
 group with a counted reason:
 
   * ``unknown_group``: not a group the learner handed out (or already fulfilled and forgotten);
-  * ``not_your_group``: leased to another worker (grants are bound to the key's worker; a
+  * ``learner_restarted``: a group of this run granted by an earlier instance of the learner
+    whose lease the restart did not keep (``learner.grants``; kept leases are admitted);
+  * ``not_your_group``: leased to another worker or key (grants are bound to the key's worker; a
     late delivery after the lease moved on is refused, not credited);
   * ``prompt_mismatch``: the prompt is not the one granted;
   * ``partial_group``: groups come back whole, every sample index once, in one batch; a
@@ -108,6 +110,7 @@ class Intake:
         self.audit, self.audit_rate, self.probation_groups = audit, audit_rate, probation_groups
         self.delivered: Counter[str] = Counter()  # worker id -> whole groups admitted
         self.continued = 0  # samples admitted that continued a handed-back prefix
+        self.restored_admitted = 0  # samples admitted under leases from before a restart
         self._rng = random.SystemRandom()
 
     def batch(self, sender: str, key: str, raw: list[Any]) -> Outcome:
@@ -153,14 +156,21 @@ class Intake:
         stored = [self._store(i, r, out) for i, r in members]
         started = {p.sample_idx for p in prefixes}
         self.continued += sum(1 for r in out.accepted[before:] if r.sample_idx in started)
+        if gid in self.work.restored:
+            self.restored_admitted += len(out.accepted) - before
         if COMPLETED in stored:
             self._maybe_audit(sender, key, recs, prefixes)
 
     def _refusal(self, sender: str, key: str, gid: str, recs: list[Record]) -> tuple[str, str]:
         holder = self.work.holder(gid)
         if holder is None:
+            if self.work.past_instance(gid):
+                return "learner_restarted", (f"group {gid} was granted before the learner "
+                                             f"restarted and its lease was not kept (or it went "
+                                             f"to another worker); new work follows")
             return "unknown_group", f"group {gid} was not handed out (or is finished)"
-        if holder != sender:
+        held_by = self.work.holder_key(gid)
+        if holder != sender or (held_by and held_by != key):
             return "not_your_group", f"group {gid} is leased to another worker"
         group = self.work.lookup(gid)
         assert group is not None

@@ -36,6 +36,7 @@ from learner.auditor import Auditor
 from learner.durable import BufferLog, live_after, quarantine, scan_log
 from learner.control import ControlPlane
 from learner.gate import security_dir
+from learner.grants import GrantJournal, Lease, load as load_grants, open_leases
 from learner.reputation import without_quarantined
 from learner.policy import FullState, Policy
 from learner.publisher import Publisher
@@ -105,6 +106,9 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
         "handbacks": control.get("handbacks", {}),  # docs/preemption.md
         "learner_bytes_sent": control["learner_bytes_sent"], "t_bcast": control["t_bcast"],
         "reissued_groups": control["reissued_groups"], **buffer.depth(),
+        # learner.grants: leases kept across a restart and the samples admitted under them
+        "restored_leases": control["restored_leases"],
+        "restored_admitted": control["restored_admitted"],
         **{k: round(v, 5) for k, v in stats.items()},
         "wall_s": round(time.monotonic() - totals.started, 3),
     }
@@ -264,6 +268,7 @@ class Learner:
                               secret=hashlib.sha256(b"echo group seeds" + self.key.private_bytes()).digest())
         if resume:
             self._restore()
+        self._open_journal()
         self.auditor = Auditor(self.cfg, self.policy.tokenizer, self._report,
                                lambda w: w in self.control.reputation.quarantined if self.control else False,
                                answer_tokens=self.policy.answer_tokens)
@@ -271,6 +276,8 @@ class Learner:
                                     work=self.work, limits=self.limits, buffer_log=self.log,
                                     run_dir=self.run_dir, adapter=self.adapter,
                                     audit=self.auditor.submit, step=lambda: self.step)
+        if resume:
+            self.control.restore_fleet()
         self.control.start()
         bc = self.cfg.broadcast
         self.publisher = Publisher(VersionEncoder(
@@ -303,6 +310,15 @@ class Learner:
             self._checkpoint(full)
         self._publish(self.step, full[0])
         self.publisher.flush()  # workers that join now get a snapshot at once
+        if self.rows:  # after --resume: the capacity the run needed, from its own history
+            self._provisioning(None, self.rows[-1].get("t_bcast") or 0.0)
+
+    def _open_journal(self) -> None:
+        """Leases from here on go to the grant journal (``learner.grants``), which starts
+        with the leases open now (restored ones included)."""
+        journal = GrantJournal(self.run_dir / "grants.jsonl")
+        journal.compact([Lease(it.group, it.worker_id, it.key) for it in self.work.issued.values()])
+        self.work.journal = journal
 
     def _report(self, verdict: Any) -> None:
         if self.control is not None:
@@ -325,6 +341,7 @@ class Learner:
             self.step = last + 1
         self.buffer.set_version(self.step)
         self.buffer.restore(live, trained)
+        self._restore_leases(live, trained)
         self._set_aside(aside)  # before the compaction drops them from the log
         self.log.compact(lambda: live)
         self._trim_audit()
@@ -332,6 +349,28 @@ class Learner:
             self._restore_row(ckpt["row"])
         log.info("resumed at step %d: %d buffered records restored, %d groups already trained",
                  self.step, len(live), len(trained))
+
+    def _restore_leases(self, live: list[Record], trained: set[str]) -> None:
+        """Leases open at the crash come back bound to their holders (``learner.grants``),
+        but for groups already trained or whole in the restored buffer."""
+        leases, bad = load_grants(self.run_dir / "grants.jsonl")
+        counts = Counter(r.group_id for r in live)
+        done = (trained | self._trained_groups()
+                | {g for g, n in counts.items() if n >= self.cfg.learner.group_size})
+        kept = open_leases(leases, done)
+        self.work.restore_leases(kept)
+        self.work.forget(done)
+        log.info("resume: %d lease(s) restored from grants.jsonl (%d finished, %d unreadable "
+                 "line(s) skipped)", len(kept), len(leases) - len(kept), bad)
+
+    def _trained_groups(self) -> set[str]:
+        """Groups the restored steps trained on (``consumed.jsonl``; the buffer log forgets
+        them at each checkpoint's compaction)."""
+        path = self.run_dir / "consumed.jsonl"
+        if not path.exists():
+            return set()
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        return {g for r in rows if r["step"] < self.step for g in r["groups"]}
 
     def _set_aside(self, aside: list[Any]) -> None:
         """Log entries that cannot be replayed go to buffer.log.rejected, counted under
@@ -433,7 +472,12 @@ class Learner:
         lc, step = self.cfg.learner, self.step
         version = step  # one version per learner step
         t0 = time.monotonic()
-        groups = self.buffer.take(lc.prompts_per_step, timeout=lc.wait_timeout_s)
+        assert self.control is not None
+        self.control.waiting(True)  # the provisioner's liveness rule (provisioning/controller.py)
+        try:
+            groups = self.buffer.take(lc.prompts_per_step, timeout=lc.wait_timeout_s)
+        finally:
+            self.control.waiting(False)
         if groups is None:
             raise LearnerStall(
                 f"no {lc.prompts_per_step} admissible groups within {lc.wait_timeout_s}s at "
@@ -516,12 +560,18 @@ class Learner:
                   "group(s) %s from worker(s) %s", self.step, len(gids), gids[:5], workers)
         return workers
 
-    def _provisioning(self, t_train: float, t_bcast: float) -> None:
+    def _provisioning(self, t_train: float | None, t_bcast: float) -> None:
         """Tell the controller what capacity the learner needs now (docs/design.md §4), and record the
-        decisions it took since the last step."""
+        decisions it took since the last step. ``t_train`` None: after ``--resume``, from the
+        run's own history (the restored metrics rows), so a restarted learner knows its
+        mu_req before its first step."""
         assert self.control is not None
         lc = self.cfg.learner
-        self.t_train_ewma = t_train_average(self.t_train_ewma, t_train)
+        for t in ([r["t_train"] for r in self.rows if r.get("t_train")] if t_train is None
+                  else [t_train]):
+            self.t_train_ewma = t_train_average(self.t_train_ewma, t)
+        if self.t_train_ewma is None:
+            return
         try:
             need = mu_req(lc.prompts_per_step * lc.group_size, lc.effective_kappa,
                           self.t_train_ewma, t_bcast)
@@ -545,4 +595,7 @@ class Learner:
         if self.control is not None:
             self.control.shutdown(reason)
         self.log.close()
+        work = getattr(self, "work", None)
+        if work is not None and work.journal is not None:
+            work.journal.close()
         self.policy.close()

@@ -15,6 +15,8 @@ delivery from anyone else) and the sampling seed of a group is derived from a le
 so a worker can neither pick its seeds nor predict another group's. Per worker, groups granted,
 returned whole and taken back (lease expired or worker gone) are counted: a worker that keeps
 groups it does not like undelivered shows up as granted far above returned.
+Leases are written to the grant journal (``learner.grants``) when it is set, so that work in
+flight survives a learner restart: ``restore_leases`` brings them back bound to the same key.
 Only the control-plane thread touches this object.
 """
 
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from dataplane import rules
 from dataplane.adapter import Prompt
 from echo import wire
+from learner.grants import GrantJournal, Lease
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Issued:
     group: wire.Group
     worker_id: str
     deadline: float
+    key: str = ""  # the key the holder proved at join ("" : any session of that worker id)
 
 
 class WorkQueue:
@@ -59,6 +63,8 @@ class WorkQueue:
         self.granted: Counter[str] = Counter()  # worker id -> groups leased to it
         self.returned: Counter[str] = Counter()  # ... delivered whole by it
         self.taken_back: Counter[str] = Counter()  # ... lease expired or released
+        self.journal: GrantJournal | None = None  # learner.grants; None: leases die with us
+        self.restored: set[str] = set()  # groups whose lease came back from the journal
 
     def seed_of(self, group_id: str) -> int:
         """The group's sampling seed: HMAC of its id under the learner's secret (63 bits)."""
@@ -66,10 +72,11 @@ class WorkQueue:
                               "big") >> 1
 
     def grant(self, worker_id: str, max_groups: int, buffered_groups: int,
-              holding: Collection[str] = ()) -> list[wire.Group]:
+              holding: Collection[str] = (), key: str = "") -> list[wire.Group]:
         """Up to ``max_groups`` groups: first this worker's own leases whose grant was lost
         (open, and not among the groups it ``holding``s undelivered), then re-queued groups,
-        then new ones while the outstanding bound allows."""
+        then new ones while the outstanding bound allows. ``key``: the holder's proven key,
+        kept with each lease (and in the journal)."""
         now = self._clock()
         out = self._lost_grants(worker_id, set(holding), max_groups, now)
         while len(out) < max_groups:
@@ -79,8 +86,10 @@ class WorkQueue:
                 if item is None:
                     continue  # fulfilled meanwhile
                 item.worker_id, item.deadline = worker_id, now + self.lease_timeout_s
+                item.key = key
                 self.reissued += 1
                 self.granted[worker_id] += 1
+                self._journal(item)
                 out.append(item.group)
                 continue
             if not rules.room(self.max_outstanding, len(self.issued), buffered_groups):
@@ -90,10 +99,44 @@ class WorkQueue:
             gid = f"{self._prefix}-{n}"
             group = wire.Group(group_id=gid, prompt_ids=prompt.prompt_ids, n=self.group_size,
                                seed=self.seed_of(gid), task=prompt.task)
-            self.issued[gid] = Issued(group, worker_id, now + self.lease_timeout_s)
+            self.issued[gid] = Issued(group, worker_id, now + self.lease_timeout_s, key)
             self.granted[worker_id] += 1
+            self._journal(self.issued[gid])
             out.append(group)
         return out
+
+    def _journal(self, item: Issued) -> None:
+        if self.journal is not None:
+            self.journal.write(Lease(item.group, item.worker_id, item.key))
+            if self.journal.oversize(len(self.issued)):
+                self.journal.compact([Lease(it.group, it.worker_id, it.key)
+                                      for it in self.issued.values()])
+
+    def restore_leases(self, leases: list[Lease]) -> None:
+        """Leases of the instance before a restart (``learner.grants.load``), bound to the
+        same worker and key, each with a fresh lease clock: the holder may deliver what it
+        generated, or it expires and goes to someone else."""
+        now = self._clock()
+        for lease in leases:
+            gid = lease.group.group_id
+            self.issued[gid] = Issued(lease.group, lease.worker_id, now + self.lease_timeout_s,
+                                      lease.key)
+            self.restored.add(gid)
+        self._requeued = deque(g for g in self._requeued if g not in self.restored)
+
+    def forget(self, group_ids: Collection[str]) -> None:
+        """Groups finished before a restart (trained, or whole in the restored buffer)."""
+        for gid in group_ids:
+            self.issued.pop(gid, None)
+
+    def past_instance(self, group_id: str) -> bool:
+        """A group id of this run handed out by an earlier instance of the learner."""
+        run = self._prefix.rsplit(".", 1)[0]
+        return group_id.startswith(run + ".") and not group_id.startswith(self._prefix + "-")
+
+    def holder_key(self, group_id: str) -> str:
+        item = self.issued.get(group_id)
+        return item.key if item else ""
 
     def _lost_grants(self, worker_id: str, holding: set[str], limit: int, now: float) -> list[wire.Group]:
         lost = [it for gid, it in self.issued.items()
@@ -151,8 +194,11 @@ class WorkQueue:
             return None
         return next((p for p in group.prefixes if p.sample_idx == sample_idx), None)
 
-    def release_worker(self, worker_id: str) -> int:
-        gids = [g for g, it in self.issued.items() if it.worker_id == worker_id]
+    def release_worker(self, worker_id: str, key: str = "") -> int:
+        """The worker's leases go back to the queue; with ``key``, only those bound to that
+        key (a stranger that claimed a restored holder's id must not free its leases)."""
+        gids = [g for g, it in self.issued.items()
+                if it.worker_id == worker_id and (not key or not it.key or it.key == key)]
         for gid in gids:
             self.requeue(gid)
         return len(gids)

@@ -705,7 +705,10 @@ class Worker:
             return
         assert isinstance(reply, wire.Ack)
         if reply.rejected:
-            log.warning("batch %s: learner rejected records %s", batch.batch_id, reply.rejected)
+            words = "; ".join(f"{r}: {wire.REFUSAL_WORDS[r]}" for r in reply.rejected
+                              if r in wire.REFUSAL_WORDS)
+            log.warning("batch %s: learner rejected records %s%s", batch.batch_id, reply.rejected,
+                        f" ({words})" if words else "")
         self._record_ack(batch.batch_id, reply)
         self.delivered += batch.count
 
