@@ -434,7 +434,11 @@ class Sim(FleetMixin):
             self._evict_stale()
             if self.buffered < self.need:
                 self.learner_ev = env.event()
+                if self.ctl is not None:  # the liveness rule, as learner/main.py tells it
+                    self.ctl.waiting(True)
                 yield self.learner_ev | env.timeout(sc.run.stall_timeout_s)
+                if self.ctl is not None:
+                    self.ctl.waiting(False)
                 if not self.learner_ev.triggered:
                     self.stalled = True
                     self.warnings.append(

@@ -9,14 +9,7 @@ from provisioning.controller import (
     Controller,
     UnknownWorker,
 )
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from fakes import FakeClock
 
 
 def make(window_s: float = 60.0, **kw) -> tuple[Controller, FakeClock]:

@@ -22,16 +22,10 @@ from learner.fleet import FleetBooks
 from learner.grants import GrantJournal, Lease, load, open_leases
 from learner.work import WorkQueue
 from test_control import ask, batch, connect, ctx, records  # noqa: F401 (fixtures)
+from fakes import FakeClock
 
 pytestmark = pytest.mark.timeout(120)
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def queue(prefix: str, clock=None) -> WorkQueue:

@@ -17,16 +17,10 @@ from dataclasses import dataclass
 import pytest
 
 from provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller
+from fakes import FakeClock
 
 pytestmark = pytest.mark.timeout(120)
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @dataclass

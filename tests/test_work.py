@@ -2,14 +2,8 @@ import itertools
 
 from dataplane.adapter import Prompt
 from learner.work import WorkQueue
+from fakes import FakeClock
 
-
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def make(clock, cap=4):
