@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("sample", add_help=False,
                    help="sample RUN_DIR: prompts, completions and rewards from the latest checkpoint")
     sub.add_parser("token", add_help=False, help="token create --run-dir DIR --uses N --expires 24h")
-    sub.add_parser("worker", add_help=False, help="worker ban KEY --run-dir DIR")
+    sub.add_parser("workers", add_help=False, help="workers --run-dir DIR: every worker the run "
+                   "knows (id, fingerprint, state, key)")
+    sub.add_parser("worker", add_help=False, help="worker ban ID|FINGERPRINT|'KEY' --run-dir DIR")
     sub.add_parser("sim", add_help=False, help="discrete-event simulation: sim SCENARIO.toml [--json FILE]")
     model = sub.add_parser("model", help="model folders: import-gguf FILE --out DIR | smollm2 | "
                            "export --run-dir RUN --out DIR")
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         from echo.report import main as report_main
 
         return report_main(argv[1:])
-    if argv[:2] in (["token", "create"], ["worker", "ban"]) or argv[:1] in (["token"], ["worker"]):
+    if argv[:1] in (["token"], ["worker"], ["workers"]):
         from echo.admin import main as admin_main
 
         return admin_main(argv)
