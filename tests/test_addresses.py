@@ -178,3 +178,26 @@ def test_a_plane_given_an_unchecked_wildcard_config_refuses_to_start(small_cfg, 
     plane = _plane(small_cfg, tokenizer)
     with pytest.raises(RuntimeError, match="learner.public_host"):
         plane.start()
+
+
+@pytest.mark.xfail(strict=True, reason="learner/sessions.py _claim compares relay endpoints as "
+                   "strings; the fix calls echo.addresses.canonical_endpoint there (issue 30)")
+def test_a_relay_address_spelled_another_way_is_still_taken(small_cfg, tokenizer):
+    plane = _plane(small_cfg, tokenizer)
+    plane.start()
+    ctx = zmq.Context()
+    try:
+        replies = []
+        for n, ep in enumerate(("tcp://127.0.0.1:7000", "tcp://localhost:7000")):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.RCVTIMEO, 10_000)
+            sock.setsockopt(zmq.LINGER, 0)
+            curve_client(sock, KeyPair.generate(), plane.public_key)
+            sock.connect(plane.endpoint)
+            sock.send(wire.encode(wire.Join(worker_id=f"w{n}", relay_endpoint=ep)))
+            replies.append(wire.decode(sock.recv(), 1 << 24))
+        assert isinstance(replies[0], wire.JoinAck)
+        assert isinstance(replies[1], wire.Error) and replies[1].reason == "endpoint_taken"
+    finally:
+        ctx.destroy(linger=0)
+        plane.shutdown("test over")
