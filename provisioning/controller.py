@@ -32,6 +32,10 @@ them out (hand work to / stop handing work to the worker) and logs them.
   group generation times (the fleet's measured time per group, ``probation_group_s`` until
   anything is measured): a SmolLM2 group on a CPU takes tens of seconds, and a window fit for
   the toy task would fail every honest probationer on a real model.
+* **Staleness is not free** (``learner.staleness``): the learner passes each batch's
+  ``credit``, its admitted trajectories discounted by how stale they were, so mu_hat and the
+  unit cost measure useful throughput: a worker that delivers at the staleness edge is
+  swapped and released before an equal fresh one.
 * **Liveness** (docs/provisioning.md, "Liveness"): whatever the estimates say (no mu_req yet,
   every probation failed, every rate decayed to 0), while the learner waits for data
   (``waiting``) and a standby worker exists, one is activated per ``window_s``. The shortfall
@@ -115,7 +119,7 @@ class _Worker:
     state: str
     mu_hat: float
     availability: float = 1.0
-    pending: int = 0  # trajectories delivered since the last fold
+    pending: float = 0.0  # trajectories delivered since the last fold (credited, learner.staleness)
     pending_busy: float = 0.0  # seconds the worker spent producing them, if reported
     busy_mode: bool = False  # deliveries come with busy time: rate = delivered / busy
     since: float = 0.0  # start of the current measurement interval
@@ -253,10 +257,15 @@ class Controller:
 
     # -- measurements -----------------------------------------------------------------------
 
-    def observe(self, worker_id: str, delivered: int, busy_s: float | None = None) -> None:
+    def observe(self, worker_id: str, delivered: int, busy_s: float | None = None,
+                credit: float | None = None) -> None:
         """``delivered`` trajectories from this worker were admitted by the learner (refused
         ones earn no credit). Ignored for standby workers, which may still be finishing leases
         after a release.
+
+        ``credit``: what they count for, at most ``delivered`` (None: all of it). The learner
+        discounts stale trajectories (``learner.staleness``): throughput, and with it the
+        unit cost that activation, swaps and releases compare, is in credited trajectories.
 
         ``busy_s``: the seconds the worker spent producing them. With it, throughput is
         delivered / busy time, i.e. capacity; without it, delivered / wall time, which
@@ -268,10 +277,13 @@ class Controller:
             raise ValueError(f"delivered must be >= 0, got {delivered} from {worker_id!r}")
         if busy_s is not None and not (busy_s >= 0 and math.isfinite(busy_s)):
             raise ValueError(f"busy_s must be finite and >= 0, got {busy_s} from {worker_id!r}")
+        if credit is not None and not (0 <= credit <= delivered and math.isfinite(credit)):
+            raise ValueError(f"credit must be in [0, delivered = {delivered}], got {credit} "
+                             f"from {worker_id!r}")
         with self._lock:
             w = self._get(worker_id)
             if w.state == ACTIVE:
-                w.pending += int(delivered)
+                w.pending += int(delivered) if credit is None else credit
                 if busy_s is not None:
                     w.pending_busy += busy_s
                     w.busy_mode = True
