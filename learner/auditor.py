@@ -109,7 +109,7 @@ class Auditor:
     def submit(self, job: AuditJob) -> None:
         with self._lock:
             if len(self._jobs) >= self._max_jobs:
-                victim = next((j for j in self._jobs if not j.probation), self._jobs[0])
+                victim = next((j for j in self._jobs if not (j.probation or j.prefix)), self._jobs[0])
                 self._jobs.remove(victim)
                 self.dropped += 1
             self._jobs.append(job)
@@ -137,9 +137,11 @@ class Auditor:
         with self._lock:
             if not self._jobs:
                 return None
-            # Probation first, and among it the worker audited least so far: each newcomer's
-            # first group is looked at before anyone's second, so a liar needs few steps.
-            pool = [j for j in self._jobs if j.probation] or [self._jobs[0]]
+            # Handed-back prefixes first (a group waits for them), then probation, and among
+            # it the worker audited least so far: each newcomer's first group is looked at
+            # before anyone's second, so a liar needs few steps.
+            pool = ([j for j in self._jobs if j.prefix] or [j for j in self._jobs if j.probation]
+                    or [self._jobs[0]])
             job = min(pool, key=lambda j: self._audited[j.worker_id])
             self._jobs.remove(job)
             self._audited[job.worker_id] += 1
@@ -154,11 +156,13 @@ class Auditor:
             self.expired += 1
             return
         samples = self.token_stats(job.version, snap, job.records)
+        kind = "handback_" if job.prefix else ""  # a prefix's author answers for it
         for check, (ok, stats) in (("logprob", logprob_check(samples, self.tol)),
                                    ("sampling", sampling_check(samples, self.alpha, self.clip))):
             self.done += 1
             self.failed += not ok
-            self.report(Verdict(job.worker_id, job.key, job.group_id, job.version, check, ok, stats))
+            self.report(Verdict(job.worker_id, job.key, job.group_id, job.version, kind + check,
+                                ok, stats))
 
     def token_stats(self, version: int, snap: tuple[list[dict[str, Any]], bytes],
                     records: list[Any]) -> list[TokenStats]:

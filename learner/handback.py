@@ -6,12 +6,14 @@ the sender and handed back in the same message, the sample index is in the group
 in the vocabulary and at most ``worker.max_new_tokens`` of them, log-probs are finite and at
 most 0, versions are runs of snapshots the learner has published and the
 oldest is still admissible (a stale prefix would only make a stale record), a multi-turn prefix
-comes with its decisions' lengths (``turns``, replayed by the next worker), and a sample that
-was already continued once keeps its earlier prefix as its start. Anything else is refused
+comes with its decisions' lengths (``turns``, replayed by the next worker), a sample that
+was already continued once keeps its earlier prefix as its start, and the sender's own tokens
+(those after an earlier prefix) all name one version, the snapshot its rollout used. Anything else is refused
 with a counted reason and the sample is generated again from scratch: a refused prefix costs
 tokens, never correctness. The tokens of a kept prefix are the sender's; the worker that
 continues the sample must deliver them unchanged (``learner.intake``), and an audit of the
-continued group checks only the continuing worker's own tokens (``learner.auditor``).
+continued group checks only the continuing worker's own tokens (``learner.auditor``); the
+sender's own tokens are recomputed before anyone continues them (``learner.handbacks``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def _problem(p: wire.Prefix, group: wire.Group, version: int, lim: PrefixLimits)
     if rules.admission(min(vs), version, lim.staleness) != rules.OK:
         return "stale"
     old = next((q for q in group.prefixes if q.sample_idx == p.sample_idx), None)
+    if len(set(expand(p.versions)[len(old.ids) if old else 0:])) > 1:
+        return "bad_versions"  # the sender's own tokens came from one snapshot (its rollout's)
     if old is not None and (p.ids[: len(old.ids)] != old.ids or p.turns[: len(old.turns)] != old.turns
                             or p.logprobs[: len(old.logprobs)] != old.logprobs
                             or expand(p.versions)[: len(old.ids)] != expand(old.versions)):

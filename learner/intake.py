@@ -57,6 +57,9 @@ class AuditJob:
         return self.records[0].group_id
 
     at_version: int | None = None  # a continued group: the continuing worker's version
+    # A handed-back group's prefixes (``learner.handbacks``), checked before anyone continues
+    # them: its verdicts are named ``handback_<check>`` and go first in the auditor's queue.
+    prefix: bool = False
 
     @property
     def version(self) -> int:
@@ -111,6 +114,9 @@ class Intake:
         self.delivered: Counter[str] = Counter()  # worker id -> whole groups admitted
         self.continued = 0  # samples admitted that continued a handed-back prefix
         self.restored_admitted = 0  # samples admitted under leases from before a restart
+        # Called with (sender, the group's records, who had handed it back) when a group is
+        # complete (learner.handbacks ranks its reward); None: nobody listens.
+        self.on_complete: Callable[[str, list[Record], tuple[str, ...]], None] | None = None
         self._rng = random.SystemRandom()
 
     def batch(self, sender: str, key: str, raw: list[Any]) -> Outcome:
@@ -153,6 +159,7 @@ class Intake:
         group = self.work.lookup(gid)
         prefixes = list(group.prefixes) if group is not None else []
         before = len(out.accepted)
+        returners = self.work.handed_by(gid)  # read before the group is fulfilled and forgotten
         stored = [self._store(i, r, out) for i, r in members]
         started = {p.sample_idx for p in prefixes}
         self.continued += sum(1 for r in out.accepted[before:] if r.sample_idx in started)
@@ -160,6 +167,8 @@ class Intake:
             self.restored_admitted += len(out.accepted) - before
         if COMPLETED in stored:
             self._maybe_audit(sender, key, recs, prefixes)
+            if self.on_complete is not None:
+                self.on_complete(sender, recs, returners)
 
     def _refusal(self, sender: str, key: str, gid: str, recs: list[Record]) -> tuple[str, str]:
         holder = self.work.holder(gid)

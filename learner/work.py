@@ -13,8 +13,11 @@ fleet from generating data that would go stale before the learner can use it.
 Grants are bound to the worker they were leased to (``holder``; ``learner.intake`` refuses a
 delivery from anyone else) and the sampling seed of a group is derived from a learner secret,
 so a worker can neither pick its seeds nor predict another group's. Per worker, groups granted,
-returned whole and taken back (lease expired or worker gone) are counted: a worker that keeps
-groups it does not like undelivered shows up as granted far above returned.
+returned whole, taken back (lease expired or worker gone) and handed back (preempted or
+yielded) are counted: a worker that keeps or returns the groups it does not like shows up as
+granted far above returned (``learner.handbacks`` bounds and judges hand-backs). A handed-back
+group may be *held* off the queue while its prefixes are checked (``hand_back(..., hold_until)``):
+``release`` or the hold's deadline puts it back at the head of the queue.
 Leases are written to the grant journal (``learner.grants``) when it is set, so that work in
 flight survives a learner restart: ``restore_leases`` brings them back bound to the same key.
 Only the control-plane thread touches this object.
@@ -43,6 +46,8 @@ class Issued:
     worker_id: str
     deadline: float
     key: str = ""  # the key the holder proved at join ("" : any session of that worker id)
+    granted_at: float = 0.0  # when the current holder got it (staleness books, learner.staleness)
+    handed_by: tuple[str, ...] = ()  # workers that handed it back, in order (learner.handbacks)
 
 
 class WorkQueue:
@@ -63,6 +68,8 @@ class WorkQueue:
         self.granted: Counter[str] = Counter()  # worker id -> groups leased to it
         self.returned: Counter[str] = Counter()  # ... delivered whole by it
         self.taken_back: Counter[str] = Counter()  # ... lease expired or released
+        self.handed_back: Counter[str] = Counter()  # ... given back by the holder (handback)
+        self.held: dict[str, float] = {}  # group id -> until when it waits for a prefix check
         self.journal: GrantJournal | None = None  # learner.grants; None: leases die with us
         self.restored: set[str] = set()  # groups whose lease came back from the journal
 
@@ -86,7 +93,7 @@ class WorkQueue:
                 if item is None:
                     continue  # fulfilled meanwhile
                 item.worker_id, item.deadline = worker_id, now + self.lease_timeout_s
-                item.key = key
+                item.key, item.granted_at = key, now
                 self.reissued += 1
                 self.granted[worker_id] += 1
                 self._journal(item)
@@ -99,7 +106,7 @@ class WorkQueue:
             gid = f"{self._prefix}-{n}"
             group = wire.Group(group_id=gid, prompt_ids=prompt.prompt_ids, n=self.group_size,
                                seed=self.seed_of(gid), task=prompt.task)
-            self.issued[gid] = Issued(group, worker_id, now + self.lease_timeout_s, key)
+            self.issued[gid] = Issued(group, worker_id, now + self.lease_timeout_s, key, now)
             self.granted[worker_id] += 1
             self._journal(self.issued[gid])
             out.append(group)
@@ -156,11 +163,14 @@ class WorkQueue:
         return item.worker_id if item else None
 
     def fulfilled(self, group_id: str) -> None:
+        self.held.pop(group_id, None)
         item = self.issued.pop(group_id, None)
         if item is not None:
             self.returned[item.worker_id] += 1
 
     def requeue(self, group_id: str) -> None:
+        if group_id in self.held:
+            return  # waits for its prefix check (``release``, or the hold's deadline)
         if group_id in self.issued and group_id not in self._requeued:
             item = self.issued[group_id]
             if item.deadline != float("inf"):
@@ -168,19 +178,53 @@ class WorkQueue:
             item.deadline = float("inf")
             self._requeued.append(group_id)
 
-    def hand_back(self, group_id: str, prefixes: list[wire.Prefix]) -> None:
+    def hand_back(self, group_id: str, prefixes: list[wire.Prefix],
+                  hold_until: float | None = None) -> None:
         """The holder gave the group back (preempted or yielded, docs/preemption.md): it goes
         to the head of the queue carrying ``prefixes``, so the next worker continues those
-        samples instead of generating them again. Not counted as taken back: a handback is
-        the worker doing the right thing."""
+        samples instead of generating them again; with ``hold_until`` it is kept off the queue
+        until ``release`` (its new prefixes are being checked, ``learner.handbacks``) or that
+        time. Counted as handed back, not as taken back: a handback is the worker doing the
+        right thing, within the bounds ``learner.handbacks`` sets."""
+        item = self.issued.get(group_id)
+        if item is None or item.deadline == float("inf"):
+            return  # not out, or already given back
+        self.handed_back[item.worker_id] += 1
+        item.handed_by = (*item.handed_by, item.worker_id)[-8:]
+        # nobody holds it now: a late delivery by the one that gave it back is not_your_group
+        item.worker_id, item.key, item.deadline = "", "", float("inf")
+        if hold_until is not None:
+            self.held[group_id] = hold_until
+            return
+        self.release(group_id, prefixes)
+
+    def release(self, group_id: str, prefixes: list[wire.Prefix]) -> None:
+        """A group handed back goes to the head of the queue carrying ``prefixes``."""
+        self.held.pop(group_id, None)
         item = self.issued.get(group_id)
         if item is None:
             return
-        if prefixes:
-            item.group = item.group.model_copy(update={"prefixes": prefixes})
+        item.group = item.group.model_copy(update={"prefixes": prefixes})
         if group_id not in self._requeued:
             item.deadline = float("inf")
             self._requeued.appendleft(group_id)
+
+    def held_past(self, now: float) -> list[str]:
+        """Held groups whose prefix check did not come back in time."""
+        return [g for g, until in self.held.items() if until <= now]
+
+    def leased_to(self, group_id: str, worker_id: str) -> bool:
+        """Out to this worker now (not given back, not waiting in the queue)."""
+        item = self.issued.get(group_id)
+        return item is not None and item.worker_id == worker_id and item.deadline != float("inf")
+
+    def handed_by(self, group_id: str) -> tuple[str, ...]:
+        item = self.issued.get(group_id)
+        return item.handed_by if item else ()
+
+    def granted_at(self, group_id: str) -> float | None:
+        item = self.issued.get(group_id)
+        return item.granted_at if item else None
 
     def drop_prefixes(self, group_id: str) -> None:
         """The group's continuation went stale: it is generated again from scratch."""
