@@ -3,9 +3,11 @@
 Runs wherever the broadcast is rooted: inside the learner's control plane, and in the
 broadcast benchmark's root process (same code). It keeps the relay peers (endpoint, rates,
 reachability, liveness, corruption reports), asks the topology for a plan at every
-publication, re-plans when a worker reports a failed source (the failed relay is routed
-around: a dead one leaves the plan, a corrupting one may never be a parent again), and turns
-install reports into per-worker install times and ``T_bcast`` at quantile q.
+publication, re-plans when a worker reports a failed source, and turns install reports into
+per-worker install times and ``T_bcast`` at quantile q. A report moves the reporter off the
+accused at once; the accused leaves the plan (unreachable) or parent positions (corrupt) only
+when convicted by distinct assigned children or by the learner's own probe, for a while, and
+comes back after a re-probe (``broadcast.reports``).
 
 Link rates: the plan uses what the workers *measured* (``measured``, combined at both ends of
 each link by ``broadcast.links.LinkMeter``), and a worker's declared rates only until it is
@@ -22,10 +24,14 @@ from dataclasses import dataclass, field
 
 from broadcast.links import LinkMeter
 from broadcast.nat.links import PunchBook, plain
+from broadcast.reports import CORRUPT, UNREACHABLE, ReportBook
 from broadcast.topology import Peer, Topology
 from echo import wire
 
 log = logging.getLogger(__name__)
+
+
+GIVEN = 8  # sources remembered per worker (what it may report on)
 
 
 def quantile_rank(q: float, n: int) -> int:
@@ -53,7 +59,7 @@ class PeerState:
 
 class Coordinator:
     def __init__(self, topology: Topology, source: str, *, q: float = 1.0,
-                 trust_declared: bool = False):
+                 trust_declared: bool = False, reports: ReportBook | None = None):
         self.topology = topology
         self.source = source
         self.q = q
@@ -64,6 +70,8 @@ class Coordinator:
         self.published: dict[int, float] = {}  # version -> monotonic publication time
         self.sources: dict[str, str] = {}  # the last plan: worker -> endpoint it pulls from
         self.corrupt_reports: list[tuple[str, str]] = []  # (reporter, accused endpoint)
+        self.reports = reports or ReportBook()
+        self.given: dict[str, list[str]] = {}  # worker -> the last GIVEN sources it was sent
         self.keyframes_served: dict[str, int] = {}  # endpoint -> keyframe fetches sent there
         # (endpoint, version) a keyframe fetch failed at: that peer is not asked again for it
         # (a worker that reported an install it cannot serve, or that went away)
@@ -88,7 +96,10 @@ class Coordinator:
     def route(self, worker_id: str, endpoint: str) -> tuple[str, list[tuple[str, wire.Punch]]]:
         """The source ``worker_id`` is sent for ``endpoint`` and the punches that link needs
         (to send first): a reachable parent's endpoint as it is, a punchable one's through a
-        punched link (docs/nat.md)."""
+        punched link (docs/nat.md). Remembered: the worker may report on that source."""
+        given = self.given.setdefault(worker_id, [])
+        if endpoint not in given:
+            given[:] = [*given[-(GIVEN - 1):], endpoint]
         parent = self.owner(endpoint)
         child = self.peers.get(worker_id)
         if parent is None or child is None or parent.nat != "punchable" or not child.address \
@@ -110,8 +121,10 @@ class Coordinator:
         gone = self.peers.pop(worker_id, None)
         if gone is not None:
             self.keyframes_served.pop(gone.endpoint, None)
+        self.reports.forget(worker_id, gone.endpoint if gone is not None else "")
         self.punches.forget(worker_id)
         self.sources.pop(worker_id, None)
+        self.given.pop(worker_id, None)
         self.links.forget(worker_id)
 
     def rates(self) -> dict[str, tuple[float, float]]:
@@ -126,9 +139,23 @@ class Coordinator:
                       nat=p.nat if p.nat in ("reachable", "punchable") else "none")
                  for p in self.peers.values() if p.alive]
         self.sources = self.topology.plan(peers, self.source) if peers else {}
+        now = time.monotonic()
+        for w in list(self.sources):  # a reporter stays off the relay it accused
+            self.sources[w] = self._upstream(w, self.reports.avoided(w, now))
         if self.published:
             self.plans[max(self.published)] = dict(self.sources)
         return self.sources
+
+    def _upstream(self, worker_id: str, avoided: set[str]) -> str:
+        """The worker's planned source, or, when it avoids that relay, the relay's own source
+        (and so on up): it re-attaches upstream, as after a relay's death."""
+        src = self.sources.get(worker_id, self.source)
+        for _ in range(len(self.sources) + 1):
+            if src == self.source or src not in avoided:
+                return src
+            owner = self.owner(src)
+            src = self.sources.get(owner.worker_id, self.source) if owner else self.source
+        return self.source
 
     def publish(self, version: int, now: float | None = None) -> dict[str, str]:
         self.published[version] = time.monotonic() if now is None else now
@@ -178,26 +205,62 @@ class Coordinator:
         self.keyframes_served[best] = self.keyframes_served.get(best, 0) + 1
         return best
 
-    def reattach(self, worker_id: str, bad_source: str, reason: str) -> str:
+    def assigned(self, worker_id: str, endpoint: str) -> bool:
+        """Was ``endpoint`` this worker's source: handed to it (``route``), or in the current
+        plan or a kept earlier one (a report about a superseded version still counts)?"""
+        return endpoint in self.given.get(worker_id, ()) or any(
+            plan.get(worker_id) == endpoint for plan in (self.sources, *self.plans.values()))
+
+    def reattach(self, worker_id: str, bad_source: str, reason: str,
+                 now: float | None = None, count: bool = True) -> str:
+        """A worker's source failed: the worker gets another one at once; the report is
+        evidence against the source (``broadcast.reports``), counted when ``count``."""
+        now = time.monotonic() if now is None else now
         bad_source = plain(bad_source)
         accused = self.owner(bad_source)
         if accused is not None and reason in ("unpunchable", "tunnel_lost"):
             self._link_failed(worker_id, accused, reason)
         elif accused is not None:
+            assigned = count and self.assigned(worker_id, bad_source)
+            outcome = self.reports.report(worker_id, bad_source, reason, assigned, now)
             if reason == "corrupt":
-                accused.corrupt = True
                 self.corrupt_reports.append((worker_id, bad_source))
-                log.warning("relay %s sent corrupt chunks to %s: it will not relay again",
-                            accused.worker_id, worker_id)
-            elif reason in ("disconnected", "timeout"):
-                accused.alive = False
-                log.info("relay %s unreachable (%s) for %s: re-planning", accused.worker_id,
-                         reason, worker_id)
+            if outcome == "convicted":
+                self._apply(accused)
+                log.warning("relay %s convicted by reports from %d children (%s): kept out "
+                            "until re-probed", accused.worker_id, self.reports.convict_after, reason)
+            else:
+                log.info("relay %s reported by %s (%s, %s): %s routed around it", accused.worker_id,
+                         worker_id, reason, outcome, worker_id)
         self._plan()
         new = self.sources.get(worker_id, self.source)
         if new == bad_source:  # the plan still trusts it (e.g. a learner hiccup): go to the root
             new = self.source
         return new
+
+    def confirm(self, endpoint: str, outcome: str, now: float | None = None) -> None:
+        """The learner's own probe of ``endpoint``: ``corrupt`` or ``unreachable`` convicts it,
+        ``intact`` after an expired mark lifts the mark (a passed re-probe)."""
+        now = time.monotonic() if now is None else now
+        peer = self.owner(endpoint)
+        if outcome in (CORRUPT, UNREACHABLE):
+            if self.reports.marks.get(endpoint) is not None:
+                self.reports.extend(endpoint, now)
+            else:
+                self.reports.convict(endpoint, outcome, now)
+        elif endpoint in self.reports.due(now):  # a re-probe: passed, or marked for longer
+            if outcome == "intact":
+                self.reports.clear(endpoint)
+            else:
+                self.reports.extend(endpoint, now)
+        if peer is not None:
+            self._apply(peer)
+        self._plan()
+
+    def _apply(self, peer: PeerState) -> None:
+        mark = self.reports.marks.get(peer.endpoint)
+        peer.corrupt = mark is not None and mark.kind == CORRUPT
+        peer.alive = not (mark is not None and mark.kind == UNREACHABLE)
 
     def _link_failed(self, worker_id: str, parent: PeerState, reason: str) -> None:
         """A punched link failed: the child becomes a tail fed by a reachable source, and a

@@ -21,6 +21,7 @@ the window of requests never outruns the link.
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,7 +37,9 @@ from broadcast.tickets import Source
 from echo import wire
 from echo.security import KeyPair, curve_client
 
-_rids = itertools.count(1)
+# Request ids start at a random point per process: a relay must not tell the learner's
+# probe (learner/verify.py, which draws its ids the same way) from a child by its ids.
+_rids = itertools.count(random.SystemRandom().randrange(1, 1 << 31))
 SOCKET_BUFFER = 8 << 20
 REQUEST_BYTES = 4096  # bound on a chunk request or a reply header (a ticket is < 512 bytes)  # large kernel buffers: fewer wake-ups per MiB on fast links
 

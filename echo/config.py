@@ -271,6 +271,13 @@ class BroadcastConfig(_Section):
     # worker that offers a relay endpoint is trusted to be reachable (the old behaviour).
     nat_traversal: bool = True
     punch_timeout_s: float = Field(10.0, gt=0, le=120)  # a link not open by then: the child is a tail
+    # Relay reports (docs/security.md, "Relay reports"): a reporter is kept off the relay it
+    # reported for report_avoid_s; a relay is convicted (out of the plan, or out of parent
+    # positions) by reports of one kind from this many distinct assigned children, or by the
+    # learner's own probe, for relay_mark_s (doubled at each repeat), then probed again.
+    convict_after: int = Field(2, ge=1)
+    report_avoid_s: float = Field(600.0, gt=0)
+    relay_mark_s: float = Field(60.0, gt=0)
 
 
 class TransportConfig(_Section):
@@ -340,7 +347,10 @@ class SecurityConfig(_Section):
     peer_chunk_requests_per_s: float = Field(1000.0, gt=0)
     max_parked_per_peer: int = Field(64, gt=0)  # chunk requests one peer may have waiting
     max_parked_total: int = Field(4096, gt=0)  # ... all peers of one chunk server
-    false_reports: int = Field(2, gt=0)  # disproved corruption reports before a key is banned
+    # Relay reports from one key that the learner's probes did not confirm, after which its
+    # reports no longer count as evidence (nor start probes). Never a ban: an intact probe is
+    # no proof, a relay may serve probes well and children badly (docs/security.md).
+    false_reports: int = Field(10, gt=0)
     ticket_ttl_s: float = Field(3600.0, gt=0)  # how long a relay honours a pull ticket
     # What workers report is checked before it trains (docs/security.md, "Trust but verify").
     # Rewards are recomputed on the learner for adapters that can (``recomputes_rewards``);

@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 from broadcast.coordinator import Coordinator
+from broadcast.reports import ReportBook
 from broadcast.nat.reflect import Reflector
 from broadcast.snapshot import RunKey, Snapshot, result_view
 from broadcast.source import ChunkServer
@@ -111,6 +112,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.sessions: dict[str, str] = {}  # public key -> worker id (one session per key)
         self._log_gate = LogThrottle()  # one refusal line per peer per 10 s
         self.relay_keys: dict[str, str] = {}  # relay endpoint -> the key that serves there
+        self.relay_canon: dict[str, str] = {}  # the same, by canonical endpoint (sessions)
         self.verifier: Verifier | None = None
         self.chunks: ChunkServer | None = None
         self.run_id = run_id
@@ -147,6 +149,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.workers: dict[str, WorkerState] = {}
         self.accounts = Accounts()  # what each worker is told about itself (docs/volunteers.md)
         self.rejected: Counter[str] = Counter()
+        self.unconfirmed: Counter[str] = Counter()  # learner.routes: reports not confirmed
+        self.reprobing: set[str] = set()
         # docs/preemption.md: leases and prefixes given back, prefixes refused by reason
         self.handbacks: Counter[str] = Counter()
         self.multi_turn = bool(getattr(adapter, "multi_turn", False))
@@ -190,7 +194,10 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.endpoint, self.snapshot_endpoint = (
             public_endpoint(s.getsockopt_string(zmq.LAST_ENDPOINT), lc.host, lc.public_host)
             for s in (ctrl, snap))
-        self.coordinator = Coordinator(self.topology, self.snapshot_endpoint, q=self.cfg.broadcast.q)
+        bc = self.cfg.broadcast
+        self.coordinator = Coordinator(self.topology, self.snapshot_endpoint, q=bc.q,
+                                       reports=ReportBook(bc.convict_after, bc.report_avoid_s,
+                                                          bc.relay_mark_s))
         self.coordinator.punches.timeout_s = self.cfg.broadcast.punch_timeout_s
         if self.cfg.broadcast.nat_traversal:
             # bound where the control plane is, announced where workers reach it
@@ -203,8 +210,10 @@ class ControlPlane(Sessions, SnapshotRoutes):
                                   requests_per_s=sc.peer_chunk_requests_per_s,
                                   results=self.results)
         mons = [self._handshake_monitor(ctrl), self._handshake_monitor(snap)]
+        # The probe's tickets live as long as a child's: nothing in them tells the two apart.
         self.verifier = Verifier(ctx, lambda child, parent: mint(
-            self.key, child, parent, self.run_id, 600.0), self.max_bytes)
+            self.key, child, parent, self.run_id, sc.ticket_ttl_s), self.max_bytes,
+            window=self.cfg.broadcast.window)
         self._acks: asyncio.Queue[tuple[bytes, Deferred]] = asyncio.Queue(ACK_QUEUE)
         self._ready.set()
         try:
@@ -333,6 +342,10 @@ class ControlPlane(Sessions, SnapshotRoutes):
             "limited": dict(self.gate.limited),
             "chunk_rejected": dict(self.chunks.rejected) if self.chunks else {},
             "chunk_parked": self.chunks.parked if self.chunks else 0,
+            # broadcast.reports: relay reports by "reason:outcome", the learner's probes by
+            # outcome, and the relays kept out now (docs/security.md, "Relay reports")
+            "relay_reports": dict(self.coordinator.reports.counts) if self.coordinator else {},
+            "relays_marked": len(self.coordinator.reports.marks) if self.coordinator else 0,
             "sessions": len(self.sessions),
             "learner_bytes_sent": self.store.bytes_sent,
             "ack_queue": self._acks.qsize(),
@@ -412,6 +425,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             for w in [w for w in self.workers.values() if now - w.last_seen > timeout]:
                 self._forget(w.worker_id, f"no heartbeat for {now - w.last_seen:.1f}s")
             self._provision()
+            self._reprobe()
             self.accounts.tick(self.workers if self.controller is None
                                else self.controller.active_ids(), now)
             expired = self.work.expire()

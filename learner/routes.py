@@ -9,10 +9,14 @@ uses the plane's ``gate``, ``sessions``, ``workers``, ``coordinator``, ``store``
 from __future__ import annotations
 
 import logging
+import random
+import time
+from collections import Counter
 from typing import Any
 
 from broadcast.snapshot import result_view
 from broadcast.nat.links import plain
+from broadcast.reports import KIND
 from broadcast.tickets import Source, mint
 from echo import wire
 from echo.security import fingerprint
@@ -33,6 +37,9 @@ class SnapshotRoutes:
     results: Any
     installs: Any
     keyframe_installs: int
+    rejected: Counter
+    unconfirmed: Counter  # reporter key -> its reports the learner's probe did not confirm
+    reprobing: set  # endpoints with a re-probe in the verifier's queue
 
     def _zap_chunks(self, address: str, key: str) -> str:
         """The learner's chunk socket accepts connections from joined keys only: a stranger's
@@ -104,13 +111,12 @@ class SnapshotRoutes:
         msg = msg.model_copy(update={"bad_source": plain(msg.bad_source)})
         if msg.form == "full":
             return self._keyframe_grant(key, msg)
+        # The report is evidence even when its version was superseded meanwhile (a black hole
+        # that held a child past the next publication must not escape the count).
+        self._relay_report(key, msg)
         if self.store.get(msg.version) is None:  # superseded: no source holds it any more
             return wire.Error(reason="unknown_version", detail=f"version {msg.version} is no "
                               f"longer held: install the current one (heartbeat replies offer it)")
-        reason = msg.reason
-        if reason == "corrupt":
-            reason = self._corrupt_report(key, msg)
-        self.coordinator.reattach(msg.worker_id, msg.bad_source, reason)
         src = self._source(msg.worker_id)
         if plain(src.endpoint) == plain(msg.bad_source):  # the plan still trusts it: go to the root
             src = self._root_source(msg.worker_id)
@@ -126,39 +132,59 @@ class SnapshotRoutes:
                       self.cfg.security.ticket_ttl_s)
         return Source(self.snapshot_endpoint, self.gate.keys.public, ticket)
 
-    def _corrupt_report(self, key: str, msg: wire.SourceRequest) -> str:
-        """A corruption report counts only from a child the accused relay was serving, and
-        only once the learner has fetched that chunk from it and seen the hash fail
-        (``learner.verify``). Until then the child is routed around the relay (reason
-        ``suspect``), which costs the accused nothing if the report is false."""
+    def _relay_report(self, key: str, msg: wire.SourceRequest) -> None:
+        """A child says its source failed (docs/security.md, "Relay reports"): it is moved off
+        that relay at once; the report counts as evidence only from an assigned child whose
+        earlier reports the learner's probes have not kept failing to confirm, and then the
+        learner probes the relay itself (``learner.verify``)."""
         assert self.coordinator is not None
-        served = self.coordinator.sources.get(msg.worker_id) == msg.bad_source
-        if self.gate.keys is None:  # plaintext: no way to check, believe the served child
-            return "corrupt" if served else "suspect"
-        accused = self.relay_keys.get(msg.bad_source)
-        buf = self.store.get(msg.version)
-        if not served or accused is None or buf is None or not 0 <= msg.chunk < buf.total:
-            self.rejected["unfounded_report"] += 1
-            return "suspect"
-        assert self.verifier is not None
-        if not self.verifier.submit(msg.bad_source, accused, key, buf.manifest, msg.chunk):
+        credible = self.unconfirmed[key] < self.cfg.security.false_reports
+        if not credible:
+            self.rejected["report_not_counted"] += 1
+        assigned = self.coordinator.assigned(msg.worker_id, msg.bad_source)
+        self.coordinator.reattach(msg.worker_id, msg.bad_source, msg.reason, count=credible)
+        if credible and assigned and msg.reason in KIND:
+            self._probe(msg.bad_source, key, msg.version, msg.chunk)
+
+    def _probe(self, endpoint: str, accuser: str, version: int, chunk: int = -1) -> bool:
+        """Queue the learner's own fetch from ``endpoint`` (``version``, or the newest held);
+        False when there is nothing to probe with or the queue is full (counted)."""
+        accused = self.relay_keys.get(endpoint)
+        buf = self.store.get(version) or self.store.latest()
+        if accused is None or buf is None or self.verifier is None or self.gate.keys is None:
+            return False
+        if not 0 <= chunk < buf.total:
+            chunk = random.randrange(buf.total)
+        if not self.verifier.submit(endpoint, accused, accuser, buf.manifest, chunk):
             self.rejected["verify_queue_full"] += 1
-        return "suspect"
+            return False
+        return True
+
+    def _reprobe(self) -> None:
+        """Relays whose conviction has run out are probed again before they are planned
+        (from housekeeping; one probe in the queue per relay)."""
+        assert self.coordinator is not None
+        for endpoint in self.coordinator.reports.due(time.monotonic()):
+            if endpoint not in self.reprobing and endpoint in self.relay_keys:
+                if self._probe(endpoint, "", -1):
+                    self.reprobing.add(endpoint)
 
     def _verdict(self, endpoint: str, accused: str, accuser: str, outcome: str) -> None:
-        """The learner's own fetch of the reported chunk: ``corrupt`` (the relay lied),
-        ``intact`` (the reporter lied) or ``unreachable`` (no verdict)."""
+        """The learner's own fetch from a reported (or re-probed) relay: ``corrupt`` (the
+        learner saw it: banned), ``unreachable`` (out of the plan for a while), ``intact`` or
+        ``answered`` (no verdict on anyone: the reporter's report stays unconfirmed)."""
         assert self.coordinator is not None
+        self.reprobing.discard(endpoint)
+        self.coordinator.reports.counts[f"probe:{outcome}"] += 1
+        self.coordinator.confirm(endpoint, outcome)
         if outcome == "corrupt":
-            self.coordinator.reattach("", endpoint, "corrupt")
             self.gate.ban(accused, f"served a corrupt chunk at {endpoint}")
             self.rejected["relay_corrupt"] += 1
-        elif outcome == "intact":
-            self.rejected["false_report"] += 1
-            if self.gate.false_report(accuser) and accuser in self.sessions:
-                self._forget(self.sessions[accuser], "banned for false corruption reports")
-        log.info("corruption report against %s from %s: %s", fingerprint(accused),
-                 fingerprint(accuser), outcome)
+        elif outcome in ("intact", "answered") and accuser:
+            self.unconfirmed[accuser] += 1
+            self.rejected["unconfirmed_report"] += 1
+        log.info("probe of %s (%s) after a report from %s: %s", endpoint, fingerprint(accused),
+                 fingerprint(accuser) if accuser else "-", outcome)
 
     def _on_installed(self, ident: bytes, key: str, msg: wire.Installed) -> None:
         assert self.coordinator is not None

@@ -1,11 +1,15 @@
-"""Checks a corruption report before anyone is punished for it (docs/security.md).
+"""The learner's own probe of a relay that a child reported (docs/security.md, "Relay reports").
 
-A worker that says "relay R sent me a corrupt chunk" may be right, or may be lying to get an
-honest relay banned. The learner finds out itself: it fetches that chunk from R, as a child
-would (a fresh key each time, with a ticket minted for it, so R cannot tell the learner from a
-child), and checks it against the manifest. The verdict goes to a callback: ``corrupt`` (R is
-banned and never relays again), ``intact`` (the reporter gets a strike; ``security.false_reports``
-strikes ban it) or ``unreachable`` (no verdict; R is routed around as a dead relay would be).
+A worker that says "relay R sent me a corrupt chunk" or "R timed out" may be right, or may be
+lying to get an honest relay removed. The learner looks itself: it fetches from R as a child
+resuming at the reported chunk would (a fresh key; a ticket minted for it with the children's
+lifetime, ``security.ticket_ttl_s``; ``broadcast.window`` requests from that chunk on, with
+request ids drawn as a child process draws them) and checks what comes back against the
+manifest. The verdict goes to a callback: ``corrupt`` (the learner saw it: R is banned and
+never relays again), ``intact`` (no verdict on anyone: R may serve probes well and children
+badly, so the reporter is not punished either), ``answered`` (R replied with an error, e.g.
+it no longer holds that version: no verdict) or ``unreachable`` (R is taken out of the plan
+for a while, then probed again).
 
 Reports wait in a bounded queue (``QUEUE`` entries; when full, a report is dropped and counted:
 the reporter was already routed around R, so nothing is lost but the verdict).
@@ -22,8 +26,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from broadcast.fetch import REQUEST_BYTES
-from broadcast.snapshot import SnapshotError, chunk_range, verify_chunk
+from broadcast.fetch import REQUEST_BYTES, _rids
+from broadcast.snapshot import SnapshotError, chunk_range, num_chunks, verify_chunk
 from echo import wire
 from echo.security import KeyPair, curve_client
 
@@ -46,7 +50,8 @@ class Report:
 
 
 class Verifier:
-    def __init__(self, ctx: zmq.asyncio.Context, mint: Mint, max_bytes: int):
+    def __init__(self, ctx: zmq.asyncio.Context, mint: Mint, max_bytes: int, window: int = 4):
+        self.window = window
         self.ctx = ctx
         self.mint = mint
         self.max_bytes = max_bytes
@@ -64,7 +69,11 @@ class Verifier:
     async def serve_forever(self, verdict: Verdict) -> None:
         while True:
             r = await self.queue.get()
-            outcome = await self.check(r)
+            try:
+                outcome = await self.check(r)
+            except Exception:  # a bug here must not end the control plane: no verdict
+                log.exception("probe of %s failed", r.endpoint)
+                outcome = "answered"
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
             verdict(r.endpoint, r.accused, r.accuser, outcome)
 
@@ -75,18 +84,25 @@ class Verifier:
         sock.setsockopt(zmq.MAXMSGSIZE, int(r.manifest["chunk_size"]) + REQUEST_BYTES)
         curve_client(sock, keys, r.accused.encode())
         sock.connect(r.endpoint)
+        total = num_chunks(r.manifest)
+        indices = list(range(r.chunk, min(total, r.chunk + self.window)))
+        ticket = self.mint(keys.text, r.endpoint)
+        replies: list[list[bytes]] = []
         try:
-            req = wire.ChunkRequest(version=r.manifest["version"], index=r.chunk, rid=1,
-                                    ticket=self.mint(keys.text, r.endpoint),
-                                    form=r.manifest.get("form", "payload"))
-            await sock.send(wire.encode(req))
+            for index in indices:  # a window of requests, as a child resuming there sends
+                await sock.send(wire.encode(wire.ChunkRequest(
+                    version=r.manifest["version"], index=index, rid=next(_rids), ticket=ticket,
+                    form=r.manifest.get("form", "payload"))))
             async with asyncio.timeout(TIMEOUT_S):
-                frames = await sock.recv_multipart()
+                for _ in indices:
+                    replies.append(await sock.recv_multipart())
         except (TimeoutError, zmq.ZMQError):
-            return "unreachable"
+            if not replies:
+                return "unreachable"
         finally:
             sock.close(linger=0)
-        return self._judge(r, frames)
+        verdicts = [self._judge(r, frames) for frames in replies]
+        return "corrupt" if "corrupt" in verdicts else verdicts[0]
 
     def _judge(self, r: Report, frames: list[bytes]) -> str:
         try:
@@ -94,12 +110,15 @@ class Verifier:
         except Exception:  # any bytes the relay sends are evidence, not a crash
             return "corrupt"
         if isinstance(head, wire.Error):
-            return "unreachable"  # it no longer holds that version: no verdict
-        start, end = chunk_range(r.manifest, r.chunk)
-        if not isinstance(head, wire.Chunk) or len(frames) != 2 or len(frames[1]) != end - start:
+            return "answered"  # it answered without the chunk (e.g. a superseded version)
+        index = getattr(head, "index", -1)
+        if not isinstance(head, wire.Chunk) or not 0 <= index < num_chunks(r.manifest):
+            return "corrupt"
+        start, end = chunk_range(r.manifest, index)
+        if len(frames) != 2 or len(frames[1]) != end - start:
             return "corrupt"
         try:
-            verify_chunk(r.manifest, r.chunk, frames[1])
+            verify_chunk(r.manifest, index, frames[1])
         except SnapshotError:
             return "corrupt"
         return "intact"

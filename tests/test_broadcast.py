@@ -180,8 +180,11 @@ def test_coordinator_routes_around_failures_and_measures():
     child = next(w for w, s in parent_of_w.items() if s != "tcp://root")
     bad = parent_of_w[child]
     new = coord.reattach(child, bad, "disconnected")
-    assert new != bad
-    assert not next(p for p in coord.peers.values() if p.endpoint == bad).alive
+    assert new != bad  # the reporter re-attaches upstream at once
+    relay = next(p for p in coord.peers.values() if p.endpoint == bad)
+    assert relay.alive  # one child's word is not a verdict (broadcast/reports.py) ...
+    coord.confirm(bad, "unreachable")  # ... the learner's own probe is
+    assert not relay.alive
     times = {w: 1.0 + i for i, w in enumerate(sorted(coord.peers))}
     for w, t in times.items():
         coord.installed(w, 1, now=t)
@@ -207,7 +210,9 @@ def test_corrupt_reports_keep_a_relay_out_of_parent_positions():
     victim = next(w for w, s in plan.items() if s != "tcp://root")
     coord.reattach(victim, plan[victim], "corrupt")
     bad = plan[victim]
-    assert bad not in coord.publish(2).values()
+    assert coord.publish(2)[victim] != bad  # the reporter is kept off it
+    coord.confirm(bad, "corrupt")  # the learner's probe got a corrupt chunk: no parent at all
+    assert bad not in coord.publish(3).values()
     assert isinstance(Peer("x"), Peer)
 
 
