@@ -64,6 +64,9 @@ SMALL_FRAME = 1 << 16
 # Acknowledgements waiting for their records to be durable (group commit). Overflow policy:
 # when full, the control loop waits for room before it reads the next message (back-pressure).
 ACK_QUEUE = 1024
+# How long the trainer's thread waits for the loop to store a version or answer a stats call
+# before it goes on without (counted in stats()["slow"]); it never ends the run.
+LOOP_WAIT_S = 10.0
 
 
 @dataclass
@@ -149,6 +152,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.workers: dict[str, WorkerState] = {}
         self.accounts = Accounts()  # what each worker is told about itself (docs/volunteers.md)
         self.rejected: Counter[str] = Counter()
+        self.noticed: Counter[str] = Counter()  # snapshot notices sent / deferred to heartbeats
         self.unconfirmed: Counter[str] = Counter()  # learner.routes: reports not confirmed
         self.reprobing: set[str] = set()
         # docs/preemption.md: leases and prefixes given back, prefixes refused by reason
@@ -163,6 +167,9 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self._stop: asyncio.Event | None = None
         self._ctrl: zmq.asyncio.Socket | None = None
         self._thread = threading.Thread(target=self._run, name="echo-control", daemon=True)
+        self.slow: Counter[str] = Counter()  # trainer calls the loop answered late (publish, stats)
+        self._last_stats: dict[str, Any] = {}
+        self._notices: set[asyncio.Task[None]] = set()  # fan-outs in flight (kept referenced)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -184,7 +191,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self._stop = asyncio.Event()
         ctx = zmq.asyncio.Context()
         # Bound before the sockets: no handshake may come before the handler that judges it.
-        zap = (ZapHandler(ctx, self.gate.handshake, {CHUNK_DOMAIN: self._zap_chunks})
+        zap = (ZapHandler(ctx, self._zap_control, {CHUNK_DOMAIN: self._zap_chunks})
                if self.gate.keys is not None else None)
         ctrl = self._ctrl = self._router(ctx, self.cfg.learner.port, 4 * self.max_bytes)
         # Chunk requests only; only joined keys connect here (_zap_chunks).
@@ -263,6 +270,16 @@ class ControlPlane(Sessions, SnapshotRoutes):
         """What a volunteer passes to ``echo-worker join``: address, key (and a token)."""
         return str(JoinLine(self.endpoint, self.public_key, token))
 
+    def _zap_control(self, address: str, key: str) -> str:
+        """The control socket's door: the gate's checks, and for a key without a session (a
+        newcomer) the admission budget of its IP prefix (``security.newcomers_per_s_per_prefix``):
+        a thousand fresh keys from one host wait their turn at the handshake, before any
+        message of theirs is decoded. A key with a session reconnects freely."""
+        reason = self.gate.handshake(address, key)
+        if not reason and key not in self.sessions:
+            reason = self.gate.newcomer(address)
+        return reason
+
     def _handshake_monitor(self, sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket | None:
         """Set up before the socket serves anyone, so no failed handshake goes uncounted."""
         if self.gate.keys is None:
@@ -289,10 +306,35 @@ class ControlPlane(Sessions, SnapshotRoutes):
         return asyncio.run_coroutine_threadsafe(coro_fn(*args), self._loop).result(timeout)
 
     def publish(self, snap: Snapshot) -> None:
-        self._call(self._publish, snap)
+        """From the publisher thread: the version is stored on the loop (servable, offered in
+        heartbeat replies) and its notices go out from a task of their own; this waits for the
+        store only, and a slow loop delays it without ending the run (counted
+        ``publish_slow``, after ``LOOP_WAIT_S``). Versions are stored in the order they are
+        published (FIFO)."""
+        if self._error:
+            raise RuntimeError(f"control plane crashed: {self._error}")
+        assert self._loop is not None
+        stored = asyncio.run_coroutine_threadsafe(self._publish(snap), self._loop)
+        try:
+            stored.result(LOOP_WAIT_S)
+        except TimeoutError:
+            self.slow["publish_slow"] += 1
+            log.warning("the control loop took over %.0fs to store v%d: it will when it gets to "
+                        "it; training goes on", LOOP_WAIT_S, snap.version)
 
     def stats(self) -> dict[str, Any]:
-        return self._call(self._stats)
+        """The plane's statistics for the trainer's metrics row. A loop that does not answer
+        in ``LOOP_WAIT_S`` gives the last statistics (counted ``stats_slow``)
+        instead of ending the run; a crashed loop still raises."""
+        try:
+            self._last_stats = self._call(self._stats, timeout=LOOP_WAIT_S)
+        except TimeoutError:
+            if self._error:
+                raise
+            self.slow["stats_slow"] += 1
+            log.warning("the control loop did not answer a stats call in %.0fs: last stats used",
+                        LOOP_WAIT_S)
+        return {**self._last_stats, "slow": dict(self.slow)}
 
     def shutdown(self, reason: str) -> None:
         if self._loop is None or not self._thread.is_alive():
@@ -305,19 +347,43 @@ class ControlPlane(Sessions, SnapshotRoutes):
     # ------------------------------------------------------------------ loop side
 
     async def _publish(self, snap: Snapshot) -> None:
+        """Store the version and plan it (members only: pending keys are not in the plan);
+        the notices go out from their own task, so the publisher waits for none of them."""
         assert self.coordinator is not None
         self.store.add(SnapshotBuffer(snap.manifest, snap.payload))
         self.results.add(SnapshotBuffer(result_view(snap.manifest), snap.full))
         self.coordinator.publish(snap.version)
-        for n, w in enumerate(list(self.workers.values())):
-            src = self._source(w.worker_id)
-            await self._send(w, wire.SnapshotNotice(version=snap.version, manifest=snap.manifest,
+        task = asyncio.create_task(self._notify(snap.version, snap.manifest))
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
+
+    def _notice_order(self, version: int) -> list[WorkerState]:
+        """Who is told of ``version`` now: at most ``security.notices_per_publication``,
+        active members first, then other members, then pending keys, each least recently
+        told first. The rest learn it from their next heartbeat reply (``worker.heartbeat_s``
+        later), so a thousand idle keys add no work to a publication."""
+        order = sorted(self.workers.values(), key=lambda w: (
+            not w.member, not (w.member and self.is_active(w.worker_id)), w.noticed))
+        chosen = order[:self.cfg.security.notices_per_publication]
+        for w in chosen:
+            w.noticed = version
+        self.noticed["sent"] += len(chosen)
+        self.noticed["deferred"] += len(order) - len(chosen)
+        return chosen
+
+    async def _notify(self, version: int, manifest: dict[str, Any]) -> None:
+        for n, w in enumerate(self._notice_order(version)):
+            if self.store.latest() is None or self.store.latest().version != version:
+                return  # superseded: the next publication's notices carry the newer version
+            if self.workers.get(w.worker_id) is not w:
+                continue  # left meanwhile
+            src = self._snapshot_source(w)
+            await self._send(w, wire.SnapshotNotice(version=version, manifest=manifest,
                                                     source=src.endpoint, source_key=src.key,
                                                     ticket=src.ticket))
             if n % 8 == 7:
-                # A notice costs a ticket signature and an encryption: with hundreds of workers
-                # the fan-out takes tens of ms; let waiting heartbeats in between (a send to a
-                # ROUTER does not suspend, so nothing else would run until the last notice).
+                # A notice costs a ticket signature and an encryption: let waiting heartbeats
+                # in between (a send to a ROUTER does not suspend).
                 await asyncio.sleep(0)
 
     async def _stats(self) -> dict[str, Any]:
@@ -347,6 +413,10 @@ class ControlPlane(Sessions, SnapshotRoutes):
             "relay_reports": dict(self.coordinator.reports.counts) if self.coordinator else {},
             "relays_marked": len(self.coordinator.reports.marks) if self.coordinator else 0,
             "sessions": len(self.sessions),
+            # docs/security.md, "Sybils": joined keys not yet members, notices sent and left
+            # to heartbeat replies
+            "pending_workers": sum(not w.member for w in self.workers.values()),
+            "notices": dict(self.noticed),
             "learner_bytes_sent": self.store.bytes_sent,
             "ack_queue": self._acks.qsize(),
             **self._install_stats(),
@@ -479,7 +549,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         n = self.work.release_worker(worker_id, w.key)
         if self.coordinator is not None:
             self.coordinator.leave(worker_id)
-        if self.controller is not None:
+        if self.controller is not None and w.member:
             self.controller.remove_worker(worker_id)
         log.info("worker %s removed (%s); %d group(s) handed out again", worker_id, why, n)
 
@@ -494,6 +564,10 @@ class ControlPlane(Sessions, SnapshotRoutes):
                 await self._acks.put((ident.bytes, reply))  # full: back-pressure on this loop
             elif reply is not None:
                 await self._send_ident(ident.bytes, reply)
+            # A receive that finds a message queued returns without suspending: under a backlog
+            # (a join flood) this loop would serve every queued message before the trainer's
+            # publish or stats call got a turn. One message, then everyone else's turn.
+            await asyncio.sleep(0)
 
     async def _send_acks(self) -> None:
         """Acknowledgements, in order, each once its records are durable (group commit,
@@ -548,7 +622,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             wire.Join: self._on_join, wire.Heartbeat: self._on_heartbeat,
             wire.WorkRequest: self._on_work_request, wire.Trajectories: self._on_trajectories,
             wire.Leave: self._on_leave, wire.SourceRequest: self._on_source_request,
-            wire.Installed: self._on_installed, wire.NatReport: self._on_nat_report,
+            wire.Installed: self._on_install_report, wire.NatReport: self._on_nat_report,
             wire.Handback: self._on_handback,
         }.get(type(msg))
         if handler is None:
@@ -564,6 +638,11 @@ class ControlPlane(Sessions, SnapshotRoutes):
         elif reply is not None:
             reply.rid = msg.rid
         return reply
+
+    def _on_install_report(self, ident: bytes, key: str, msg: wire.Installed) -> None:
+        """A pending key that installed a snapshot has done its first useful act."""
+        self._promote(self._joined(ident, key, msg.worker_id), f"installed v{msg.version}")
+        return self._on_installed(ident, key, msg)
 
     def _install_stats(self) -> dict[str, Any]:
         """Of the newest delta workers rebuilt: the median seconds; and keyframes taken."""
@@ -586,20 +665,20 @@ class ControlPlane(Sessions, SnapshotRoutes):
             return wire.HeartbeatAck(instance_id=self.instance_id, version=version, known=False)
         w.version, w.state, w.claimed_throughput = msg.version, msg.state, msg.throughput
         w.busy_s, w.busy_samples = msg.busy_s, msg.busy_samples
-        if self.controller is not None:
+        if self.controller is not None and w.member:
             self.controller.heartbeat(msg.worker_id, up=True)
             if self.controller.set_yielded(msg.worker_id, msg.state == "yielded"):
                 log.info("worker %s yielded to its owner: standby", msg.worker_id)
         account = self._account(w)
         if msg.version >= version:
             return wire.HeartbeatAck(instance_id=self.instance_id, version=version, account=account)
-        src = self._source(msg.worker_id)
+        src = self._snapshot_source(w)
         return wire.HeartbeatAck(instance_id=self.instance_id, version=version, manifest=manifest,
                                  source=src.endpoint, source_key=src.key, ticket=src.ticket,
                                  account=account)
 
     def _on_work_request(self, ident: bytes, key: str, msg: wire.WorkRequest) -> wire.Message:
-        self._joined(ident, key, msg.worker_id)
+        self._promote(self._joined(ident, key, msg.worker_id), "asked for work")
         if not self.is_active(msg.worker_id):
             return wire.WorkGrant(groups=[], retry_after_s=0.5)  # standby: relay, don't roll out
         if self.controller is not None:

@@ -3,6 +3,8 @@
 Three checks, each returning "" to let through or the reason that is counted and answered:
   * ``handshake(address, key)`` runs in the ZAP handler for every new encrypted connection:
     bans, the allow-list, and new connections per second (all peers, and per IP address);
+  * ``newcomer(address)`` for a key that has no session yet: the admission budget of its IP
+    prefix (``security.newcomers_per_s_per_prefix``), so one host cannot bring keys faster;
   * ``join(key, token, sessions)`` when a key asks to join: bans, allow-list or token, joins per
     second and the number of sessions;
   * ``message(key, nbytes)`` for every control message: bans (so a ban ends a live session at
@@ -14,6 +16,7 @@ The token, ban and allow-list files live in ``<run>/security/`` and are re-read 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections import Counter
 from pathlib import Path
@@ -43,6 +46,7 @@ class Gate:
         self._handshakes = Bucket(cfg.handshakes_per_s, 2 * cfg.handshakes_per_s)
         self._per_ip = PeerLimits(cfg.handshakes_per_s_per_ip, 2 * cfg.handshakes_per_s_per_ip)
         self._joins = Bucket(cfg.joins_per_s, 2 * cfg.joins_per_s)
+        self._newcomers = PeerLimits(cfg.newcomers_per_s_per_prefix, cfg.newcomer_burst)
         self._msgs = PeerLimits(cfg.peer_msgs_per_s, 2 * cfg.peer_msgs_per_s)
         self._bytes = PeerLimits(cfg.peer_mib_per_s * MIB, 2 * cfg.peer_mib_per_s * MIB)
         self.false_reports: Counter[str] = Counter()
@@ -69,6 +73,24 @@ class Gate:
         if reason:
             self.refused[reason] += 1
         return reason
+
+    def prefix(self, address: str) -> str:
+        """The source an address belongs to: its /24 (IPv4) or /48 (IPv6) network; an
+        address that is no IP (a unix socket) is its own source."""
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return address
+        bits = self.cfg.prefix_v4 if ip.version == 4 else self.cfg.prefix_v6
+        return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
+
+    def newcomer(self, address: str) -> str:
+        """A key without a session connects: "" while its prefix has budget, else
+        ``rate_limited`` (counted as ``newcomer_limited``; ZAP answers 300, try later)."""
+        if self._newcomers.take(self.prefix(address)):
+            return ""
+        self.refused["newcomer_limited"] += 1
+        return "rate_limited"
 
     def join(self, key: str, token: str, sessions: int, known: bool) -> str:
         """``known``: this key already has a session (a re-join costs no slot or token use)."""

@@ -2,6 +2,14 @@
 (with the join policy of ``learner.gate``), and every later message from that key must name
 the same id (docs/security.md, "Identity").
 
+Joining is cheap for the learner (docs/security.md, "Sybils"): a joined key is *pending*: it
+holds its session and books, is a tail in the broadcast plan from the next publication (never
+a parent of anyone), is not registered with the provisioner and is told of new versions last.
+Until the plan places it, it pulls from the learner with a ticket minted once per half ticket
+lifetime. Its first act beyond joining and heartbeats (an ``installed`` report or a work
+request) makes it a *member*: a relay candidate from the next publication, registered with the
+provisioner. No join or heartbeat re-plans (O(fleet)): a join costs O(1) whatever the fleet.
+
 A mixin of ``learner.control.ControlPlane`` (split out by job; it runs on the control loop and
 uses the plane's ``gate``, ``sessions``, ``workers``, ``relay_keys``, ``coordinator``,
 ``controller`` and ``_forget``/``_source``/``_latest``).
@@ -15,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broadcast.nat.reflect import NatError
+from broadcast.tickets import Source, mint
 from echo import wire
 from echo.security import fingerprint
 from provisioning.controller import ACTIVE, STANDBY
@@ -53,6 +62,15 @@ class WorkerState:
     busy_s: float = 0.0  # the worker's cumulative busy seconds and output (heartbeats)
     busy_samples: int = 0
     nat: str = "unknown"  # docs/nat.md: reachable, punchable, none (the reflector's verdict)
+    # Lazy state (docs/security.md, "Sybils"): a pending key is no member of the plan or of the
+    # provisioner until its first useful act; what its join asked for is kept until then.
+    member: bool = False
+    relay_endpoint: str = ""
+    down_mbit: float = 0.0
+    up_mbit: float = 0.0
+    nat_address: str = ""  # the punch port the reflector saw (replayed at promotion)
+    entry_ticket: tuple[float, bytes] = (0.0, b"")  # (expiry, ticket) for the learner's socket
+    noticed: int = -1  # the last version it was sent a notice of (least recent go first)
 
 
 _JOINED = {
@@ -114,14 +132,13 @@ class Sessions:
             raise wire.WireError(refused, _JOIN_FIX.get(refused, "the learner refused this join"))
         if known is None:
             self._add_worker(ident, key, msg)
-        assert self.coordinator is not None
-        # With NAT traversal on, a worker relays only once the reflector has classified it.
-        self.coordinator.join(self.sessions[key], msg.relay_endpoint if msg.can_relay else "",
-                              msg.down_mbit, msg.up_mbit,
-                              nat="unknown" if self.reflector is not None else "reachable")
+        w = self.workers[self.sessions[key]]
+        w.relay_endpoint = msg.relay_endpoint if msg.can_relay else ""
+        w.down_mbit, w.up_mbit = msg.down_mbit, msg.up_mbit
+        self._place(w)
         version, manifest = self._latest()
-        src = self._source(self.sessions[key])
-        # A late joiner pulls the current snapshot from its place in the plan: a peer.
+        # From its place in the last plan (a peer); until a plan places it, from the learner.
+        src = self._snapshot_source(w)
         return wire.JoinAck(run_id=self.run_id, instance_id=self.instance_id,
                             public_key=self.key.public_bytes, version=version, manifest=manifest,
                             config=self.cfg.worker_view(), snapshot_endpoint=src.endpoint,
@@ -134,14 +151,13 @@ class Sessions:
         if self.reflector is None:
             raise wire.WireError("nat_off", "this learner runs without NAT traversal "
                                  "(broadcast.nat_traversal = false): relay endpoints are trusted")
-        peer = self.coordinator.peers.get(w.worker_id) if self.coordinator else None
-        try:
-            nat, address = self.reflector.classify(msg.nonces, peer.endpoint if peer else "")
+        try:  # the endpoint it asked to relay at (a pending key is planned as a tail)
+            nat, address = self.reflector.classify(msg.nonces, w.relay_endpoint)
         except NatError as err:
             raise wire.WireError("probe_not_seen", str(err)) from None
         if self.coordinator is not None:
             self.coordinator.classify(w.worker_id, nat, address)
-        w.nat = nat
+        w.nat, w.nat_address = nat, address
         log.info("worker %s: NAT %s (punch port seen as %s)", w.worker_id, nat, address)
         return wire.NatStatus(nat=nat, address=address)
 
@@ -166,22 +182,61 @@ class Sessions:
         self.workers[msg.worker_id] = WorkerState(msg.worker_id, ident, key, msg.price, now)
         if msg.relay_endpoint and msg.can_relay:
             self.relay_keys[msg.relay_endpoint] = key
-        log.info("worker %s joined (key %s, price $%.3f/h, relay %s)", msg.worker_id,
-                 fingerprint(key), msg.price, msg.relay_endpoint or "none")
-        state = ACTIVE
+        log.info("worker %s joined (key %s, price $%.3f/h, relay %s): pending its first "
+                 "install", msg.worker_id, fingerprint(key), msg.price, msg.relay_endpoint or "none")
+        active = self.controller is None  # with the provisioner, decided at promotion
+        self.accounts.open(msg.worker_id, key, msg.price, active, _JOINED[active])
+
+    def _promote(self, w: WorkerState, why: str) -> None:
+        """A pending key's first useful act: it becomes a member of the broadcast plan (from
+        the next publication) and of the provisioner. Idempotent."""
+        if w.member:
+            return
+        w.member = True
+        self._place(w)
         if self.controller is not None:
-            # Bootstrap: the first joiners start active while nobody has been measured; after
-            # that a joiner waits in standby for the controller (probation when short).
+            # Bootstrap: the first members start active while nobody has been measured; after
+            # that a member waits in standby for the controller (probation when short).
             active = len(self.controller.active_ids())
             boot = (active < self.cfg.provisioning.initial_active
                     and not self.controller.measured_any())
             state = ACTIVE if boot else STANDBY
-            self.controller.add_worker(msg.worker_id, msg.price, state=state,
+            self.controller.add_worker(w.worker_id, w.price, state=state,
                                        mu_prior=self._mu_prior(),
                                        # plaintext (--insecure) workers prove no key: no memory
-                                       identity=key or None)
-            log.info("worker %s is %s", msg.worker_id, state)
-        self.accounts.open(msg.worker_id, key, msg.price, state == ACTIVE, _JOINED[state == ACTIVE])
+                                       identity=w.key or None)
+            self.accounts.note(w.worker_id, _JOINED[state == ACTIVE])
+            log.info("worker %s is a member (%s): %s", w.worker_id, why, state)
+        else:
+            log.info("worker %s is a member (%s)", w.worker_id, why)
+
+    def _place(self, w: WorkerState) -> None:
+        """Into the broadcast plan (O(1) here; planned at the next publication): a pending key
+        as a tail, never a parent; a member with the relay endpoint it asked for. With NAT
+        traversal on, a worker relays only once the reflector has classified it."""
+        assert self.coordinator is not None
+        self.coordinator.join(w.worker_id, w.relay_endpoint if w.member else "", w.down_mbit,
+                              w.up_mbit,
+                              nat="unknown" if self.reflector is not None else "reachable")
+        if self.reflector is not None and w.nat != "unknown":
+            self.coordinator.classify(w.worker_id, w.nat, w.nat_address)
+
+    def _snapshot_source(self, w: WorkerState) -> Source:
+        """Where ``w`` pulls the current snapshot: its place in the last plan when it has one,
+        else the learner itself (a pending key, or a member planned from the next
+        publication). Never a re-plan: that is O(fleet) and a join or heartbeat must be O(1)."""
+        assert self.coordinator is not None
+        if w.member and w.worker_id in self.coordinator.sources:
+            return self._source(w.worker_id)
+        if self.gate.keys is None:
+            return Source(self.snapshot_endpoint)
+        expires, ticket = w.entry_ticket
+        now = time.time()
+        ttl = self.cfg.security.ticket_ttl_s
+        if expires - now < ttl / 2:  # minted once per half lifetime, not per heartbeat
+            ticket = mint(self.key, w.key, self.snapshot_endpoint, self.run_id, ttl, now=now)
+            w.entry_ticket = (now + ttl, ticket)
+        return Source(self.snapshot_endpoint, self.gate.keys.public, ticket)
 
     def _mu_prior(self) -> float:
         """No throughput credit before delivery: a joiner's capacity is what the learner
