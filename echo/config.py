@@ -344,12 +344,14 @@ class SecurityConfig(_Section):
     # IPv4, /48 of IPv6) may bring this many per second (and a burst), refused at the handshake
     # ("rate_limited", try later) past it: a thousand fresh keys from one host take minutes.
     newcomers_per_s_per_prefix: float = Field(2.0, gt=0)
-    newcomer_burst: float = Field(32.0, ge=1)
+    newcomer_burst: float = Field(32.0, ge=1)  # ... at once (a NAT whose workers all rejoin)
     prefix_v4: int = Field(24, ge=8, le=32)  # bits of an IPv4 address that make one source
     prefix_v6: int = Field(48, ge=16, le=128)  # ... of an IPv6 address
-    # Snapshot notices sent per publication (active members first, then other members, then
-    # keys that have only joined); the others learn the version from their next heartbeat reply.
-    notices_per_publication: int = Field(128, gt=0)
+    # Snapshot notices sent per publication (members whose deliveries were admitted first, then
+    # other members, then keys that have only joined); the others learn the version from their
+    # next heartbeat reply. A notice costs a ticket and an encryption: at 7 publications/s (the
+    # toy run) 128 notices took a third of the learner's step rate.
+    notices_per_publication: int = Field(32, gt=0)
     peer_msgs_per_s: float = Field(200.0, gt=0)  # control messages one key may send (burst 2x)
     peer_mib_per_s: float = Field(64.0, gt=0)  # control-socket bytes one key may send (burst 2x)
     # Per peer and chunk server (burst 2x): 1000 x 1 MiB chunks is 1 GB/s, above what one

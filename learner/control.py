@@ -358,12 +358,14 @@ class ControlPlane(Sessions, SnapshotRoutes):
         task.add_done_callback(self._notices.discard)
 
     def _notice_order(self, version: int) -> list[WorkerState]:
-        """Who is told of ``version`` now: at most ``security.notices_per_publication``,
-        active members first, then other members, then pending keys, each least recently
+        """Who is told of ``version`` now: at most ``security.notices_per_publication``;
+        members first, among them those whose deliveries were admitted (what no key fakes
+        without doing the work), then active ones, then pending keys, each least recently
         told first. The rest learn it from their next heartbeat reply (``worker.heartbeat_s``
-        later), so a thousand idle keys add no work to a publication."""
+        later), so a thousand keys add a bounded amount of work to a publication."""
         order = sorted(self.workers.values(), key=lambda w: (
-            not w.member, not (w.member and self.is_active(w.worker_id)), w.noticed))
+            not w.member, w.admitted == 0, not (w.member and self.is_active(w.worker_id)),
+            w.noticed))
         chosen = order[:self.cfg.security.notices_per_publication]
         for w in chosen:
             w.noticed = version
