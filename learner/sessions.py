@@ -25,6 +25,7 @@ from typing import Any
 from broadcast.nat.reflect import NatError
 from broadcast.tickets import Source, mint
 from echo import wire
+from echo.addresses import canonical_endpoint, same_endpoint
 from echo.security import fingerprint
 from provisioning.controller import ACTIVE, STANDBY
 
@@ -87,6 +88,7 @@ class Sessions:
     sessions: dict[str, str]
     workers: dict[str, WorkerState]
     relay_keys: dict[str, str]
+    relay_canon: dict[str, str]  # canonical relay endpoint -> key (echo.addresses)
     coordinator: Any
     controller: Any
     reflector: Any
@@ -169,9 +171,10 @@ class Sessions:
                 return "id_taken"
         ep = msg.relay_endpoint
         if ep and msg.can_relay:
-            if ep in (self.endpoint, self.snapshot_endpoint):
+            if any(same_endpoint(ep, own) for own in (self.endpoint, self.snapshot_endpoint)):
                 return "endpoint_taken"
-            owner = self.relay_keys.get(ep)
+            # by canonical form: localhost:7000 is 127.0.0.1:7000 (one lookup, not a scan)
+            owner = self.relay_canon.get(canonical_endpoint(ep))
             if owner is not None and owner != key and owner in self.sessions:
                 return "endpoint_taken"
         return ""
@@ -182,6 +185,7 @@ class Sessions:
         self.workers[msg.worker_id] = WorkerState(msg.worker_id, ident, key, msg.price, now)
         if msg.relay_endpoint and msg.can_relay:
             self.relay_keys[msg.relay_endpoint] = key
+            self.relay_canon[canonical_endpoint(msg.relay_endpoint)] = key
         log.info("worker %s joined (key %s, price $%.3f/h, relay %s): pending its first "
                  "install", msg.worker_id, fingerprint(key), msg.price, msg.relay_endpoint or "none")
         active = self.controller is None  # with the provisioner, decided at promotion

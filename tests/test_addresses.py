@@ -180,8 +180,6 @@ def test_a_plane_given_an_unchecked_wildcard_config_refuses_to_start(small_cfg, 
         plane.start()
 
 
-@pytest.mark.xfail(strict=True, reason="learner/sessions.py _claim compares relay endpoints as "
-                   "strings; the fix calls echo.addresses.canonical_endpoint there (issue 30)")
 def test_a_relay_address_spelled_another_way_is_still_taken(small_cfg, tokenizer):
     plane = _plane(small_cfg, tokenizer)
     plane.start()
