@@ -312,6 +312,10 @@ class ProvisioningConfig(_Section):
     # fleet's measured time once anyone delivered, this many seconds before (a SmolLM2 group
     # on a CPU takes tens of seconds; the toy task's a fraction of one).
     probation_group_s: float = Field(30.0, ge=0)
+    # Staleness is not free (docs/security.md): a trajectory admitted s
+    # versions behind counts 1 - staleness_discount * s / learner.staleness in its worker's
+    # throughput credit (fresh: 1, at the edge: 1 - staleness_discount). 0: staleness is free.
+    staleness_discount: float = Field(0.5, ge=0, lt=1)
 
 
 class MetricsConfig(_Section):
@@ -382,6 +386,27 @@ class SecurityConfig(_Section):
     audit_alpha: float = Field(1e-6, gt=0, lt=1)
     audit_clip: float = Field(4.0, gt=0)  # the clip of the sampling test
     strikes: int = Field(2, gt=0)  # failed checks before a worker is quarantined
+    # Hand-backs are work products (docs/preemption.md, "Hand-backs are checked"). Before a
+    # worker continues them, the prefix tokens a worker handed back are recomputed as an audit
+    # would (a failure is a strike against their author): every group of a key's first
+    # handback_probation, then handback_audit_rate of them (OS randomness). The group waits off
+    # the queue for its check at most handback_hold_s, then goes out without the new prefixes.
+    handback_audit_rate: float = Field(0.25, ge=0, le=1)
+    handback_probation: int = Field(4, ge=0)  # groups of a key checked before sampling starts
+    handback_hold_s: float = Field(60.0, gt=0)  # a held group waits at most this for its check
+    # Per worker, groups handed back may exceed handback_share of the groups it was granted by
+    # at most handback_allowance (about one preemption's grant), at handback_groups_per_min
+    # (burst: the allowance). Past either bound the groups are taken back without their
+    # prefixes (counted) and the worker gets one group per request while it stays past it.
+    handback_share: float = Field(0.5, ge=0, le=1)
+    handback_allowance: int = Field(16, ge=1)  # groups handed back beyond the share (and the burst)
+    handback_groups_per_min: float = Field(16.0, gt=0)  # groups one worker may hand back a minute
+    # Cherry-picking: the mean reward percentile of the groups a worker handed back (once
+    # completed by others) is tested against 1/2 from handback_bias_min groups on (Hoeffding,
+    # union bound over its life: an honest worker is flagged with probability at most
+    # handback_bias_alpha). A flagged worker's prefixes are no longer kept; no strike.
+    handback_bias_alpha: float = Field(1e-3, gt=0, lt=1)
+    handback_bias_min: int = Field(32, ge=2)  # returned groups completed before the test may flag
 
 
 class QuickstartConfig(_Section):

@@ -49,11 +49,13 @@ from learner.verify import Verifier
 from learner.buffer import ReplayBuffer
 from learner.durable import BufferLog
 from learner.gate import security_dir
-from learner.handback import PrefixLimits, check_prefixes
+from learner.handback import PrefixLimits
+from learner.handbacks import Handbacks
 from learner.intake import NOT_COUNTED, AuditJob, Intake
 from learner.reputation import Reputation, Verdict
 from learner.routes import SnapshotRoutes
 from learner.sessions import EWMA_ALPHA, Sessions, WorkerState
+from learner.staleness import Staleness
 from learner.fleet import FLEET_FILE, FleetBooks
 from learner.work import WorkQueue
 from provisioning.controller import Controller, Decision
@@ -155,8 +157,11 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.noticed: Counter[str] = Counter()  # snapshot notices sent / deferred to heartbeats
         self.unconfirmed: Counter[str] = Counter()  # learner.routes: reports not confirmed
         self.reprobing: set[str] = set()
-        # docs/preemption.md: leases and prefixes given back, prefixes refused by reason
-        self.handbacks: Counter[str] = Counter()
+        # docs/preemption.md: hand-backs checked, counted and bounded (learner.handbacks)
+        self.returns = Handbacks(sc, work, audit if sc.audit else None)
+        self.intake.on_complete = self.returns.completed
+        # docs/security.md, "Staleness is not free": stale deliveries earn less credit
+        self.staleness = Staleness(cfg.learner.staleness, cfg.provisioning.staleness_discount)
         self.multi_turn = bool(getattr(adapter, "multi_turn", False))
         self.books = FleetBooks(run_dir / FLEET_FILE)  # the fleet's books across a restart
         self.endpoint = ""
@@ -403,7 +408,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
             "worker_busy_rate": (sum(w.busy_samples for w in active) / sum(w.busy_s for w in active)
                                  if active and sum(w.busy_s for w in active) > 0 else 0.0),
             "rejected": dict(self.rejected + self.buffer.stats.rejected),
-            "handbacks": {**self.handbacks, "continued_samples": self.intake.continued},
+            "handbacks": {**self.returns.counts, "continued_samples": self.intake.continued,
+                          "held": len(self.work.held)},
             # docs/security.md: refused joins and connections, rate-limited or banned messages,
             # refused chunk requests (this socket's), by reason
             "join_refused": dict(self.gate.refused),
@@ -443,7 +449,10 @@ class ControlPlane(Sessions, SnapshotRoutes):
                                       "admitted": w.admitted,
                                       "granted": self.work.granted[w.worker_id],
                                       "returned": self.work.returned[w.worker_id],
-                                      "taken_back": self.work.taken_back[w.worker_id]}
+                                      "taken_back": self.work.taken_back[w.worker_id],
+                                      # learner.handbacks, learner.staleness
+                                      **self.returns.per_worker(w.worker_id),
+                                      **self.staleness.view(w.worker_id)}
                         for w in self.workers.values()},
             # per worker id, quarantined ones included: checks made, failed, quarantined
             "reputation": self.reputation.per_worker(),
@@ -503,6 +512,10 @@ class ControlPlane(Sessions, SnapshotRoutes):
             expired = self.work.expire()
             if expired:
                 log.info("%d group lease(s) expired: handed out again", expired)
+            late = self.returns.expire()
+            if late:
+                log.info("%d handed-back group(s) went out without prefixes whose check was "
+                         "not back within security.handback_hold_s", late)
             if self.books.due(now):
                 await asyncio.to_thread(self.books.save, self._fleet_state())
 
@@ -686,7 +699,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
         if self.controller is not None:
             self.controller.ready(msg.worker_id)
         probation = self.controller is not None and self.controller.on_probation(msg.worker_id)
-        ask = 1 if probation else min(msg.max_groups, self._fair_share())  # dataplane/rules.py
+        capped = self.returns.capped(msg.worker_id)  # past its share of hand-backs
+        ask = 1 if probation or capped else min(msg.max_groups, self._fair_share())  # dataplane/rules.py
         groups = self.work.grant(msg.worker_id, ask, self.buffer.depth()["ready_groups"],
                                  msg.holding, key=key)
         self.accounts.granted(msg.worker_id, len(groups))
@@ -701,34 +715,13 @@ class ControlPlane(Sessions, SnapshotRoutes):
         return rules.fair_share(self.work.max_outstanding, active)
 
     def _on_handback(self, ident: bytes, key: str, msg: wire.Handback) -> wire.Message:
-        """Leases given back before the worker stops generating (docs/preemption.md): each
-        group goes to the head of the queue with the prefixes that pass ``learner.handback``;
-        the next worker continues them. Only the holder's own leases are taken."""
+        """Leases given back before the worker stops generating (docs/preemption.md): only
+        the holder's own; their prefixes are checked, counted and bounded, and may wait for a
+        recomputation before anyone continues them (``learner.handbacks``)."""
         self._joined(ident, key, msg.worker_id)
         lim = PrefixLimits(self.limits.vocab_size, self.limits.max_new_tokens,
                            self.limits.min_logprob, self.cfg.learner.staleness, self.multi_turn)
-        refused: Counter[str] = Counter()
-        for gid in set(msg.prefixes) - set(msg.groups):
-            refused["not_handed_back"] += len(msg.prefixes[gid])
-        groups = kept = 0
-        for gid in dict.fromkeys(msg.groups):
-            given = msg.prefixes.get(gid, [])
-            group = self.work.lookup(gid)
-            if group is None or self.work.holder(gid) != msg.worker_id:
-                refused["not_your_group"] += max(1, len(given))
-                continue
-            before = sum(refused.values())
-            keep = check_prefixes(group, given, self.buffer.version, lim, refused) if given \
-                else list(group.prefixes)
-            kept += len(given) - (sum(refused.values()) - before)
-            self.work.hand_back(gid, keep)
-            groups += 1
-        self.handbacks.update({"groups": groups, "prefixes": kept, **{f"refused_{k}": v
-                                                                       for k, v in refused.items()}})
-        if refused:
-            log.info("handback from %s: %d groups, %d prefixes kept, refused %s", msg.worker_id,
-                     groups, kept, dict(refused))
-        return wire.HandbackAck(groups=groups, prefixes=kept, refused=dict(refused))
+        return self.returns.receive(msg.worker_id, key, msg, self.buffer.version, lim)
 
     def _on_leave(self, ident: bytes, key: str, msg: wire.Leave) -> wire.Message:
         self._joined(ident, key, msg.worker_id)
@@ -795,11 +788,14 @@ class ControlPlane(Sessions, SnapshotRoutes):
                                  f"deliveries failed the learner's checks (docs/security.md)")
         if out.accepted:
             self._measure(w, len(out.accepted))
+        # stale trajectories earn less (learner.staleness); refused ones earn nothing
+        credit = self.staleness.admitted(w.worker_id, out.accepted, self.buffer.version)
         if self.controller is not None:
             # Busy time of the batch (every record of a batch carries the same gen_s): the
             # controller then measures capacity, not how much work it was handed.
             busy = max((r.gen_s for r in out.accepted), default=None)
-            self.controller.observe(w.worker_id, len(out.accepted), busy_s=busy)  # refused ones earn nothing
+            self.controller.observe(w.worker_id, len(out.accepted), busy_s=busy,
+                                    credit=min(credit, len(out.accepted)))
         ack = wire.Ack(batch_id=msg.batch_id, accepted=len(out.accepted), duplicates=out.duplicates,
                        rejected=dict(out.rejected), rejected_idx=out.rejected_idx)
         if out.durable is not None:
@@ -813,7 +809,13 @@ class ControlPlane(Sessions, SnapshotRoutes):
     def report(self, verdict: Verdict) -> None:
         """From the trainer thread (audits): recorded on the loop, in order."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.reputation.record, verdict)
+            self._loop.call_soon_threadsafe(self._record, verdict)
+
+    def _record(self, verdict: Verdict) -> None:
+        """On the loop: the strike first (a forged prefix's author answers for it), then a
+        held hand-back goes out with or without its prefixes (learner.handbacks)."""
+        self.reputation.record(verdict)
+        self.returns.verdict(verdict)
 
     def _quarantine(self, worker_id: str, key: str, reason: str) -> None:
         """The worker's key is banned, its unconsumed records leave the buffer, its leases go
@@ -827,6 +829,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             self._farewell(worker_id, w.ident)
         removed = self.buffer.remove_worker(worker_id)
         log.error("quarantine of %s: %d buffered record(s) removed", worker_id, len(removed))
+        self.returns.forget(worker_id)  # its held hand-backs go out without its prefixes
         self._forget(worker_id, "quarantined")
 
     def _measure(self, w: WorkerState, accepted: int) -> None:
