@@ -1,0 +1,303 @@
+"""Hand-back and staleness attacks for the security drill (issue 31, attacks 2 and 6), with the
+``Target`` interface of ``benchmarks/drill_attacks.py``: each function runs against a real,
+training learner and returns a dict of what happened; each ``check_*`` returns the problems
+found in it (empty: refused or neutralised, counted, and no honest worker harmed).
+
+  * ``forged_handback``: a scripted insider takes groups and hands them back as prefixes of
+    tokens it never sampled (log-prob -9999). Expected: the learner checks them before anyone
+    continues them, refuses them, strikes and quarantines the insider, and nothing of them is
+    continued (``learner.handbacks``);
+  * ``cherry_pick``: a real worker (``worker.agent.Worker``, its own model) that generates its
+    groups honestly, hands back those whose mean reward is below the median it has seen (as
+    finished prefixes), and delivers the rest. Expected: counted per worker, bounded, and
+    flagged from the reward percentiles of what it returned;
+  * ``edge_holder``: a real worker that holds each batch until the learner has moved on
+    ``learner.staleness - 1`` versions, so its deliveries sit at the staleness edge. Expected:
+    its credit per trajectory is below the honest workers' (``learner.staleness``).
+
+The two real workers run as child processes of this file::
+
+    python benchmarks/drill_handbacks.py worker --kind cherry_pick|edge_holder join LINE [echo-worker options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from drill_attacks import Target, drain, join_evil  # noqa: E402
+from echo import wire  # noqa: E402
+
+HONEST = ("w0", "w1")
+STALENESS = 2  # learner.staleness in the drill's config (echo/config.py default)
+
+
+# ----------------------------------------------------------------------------- the learner's books
+
+
+def _state(t: Target) -> dict[str, Any]:
+    with urllib.request.urlopen(t.info["metrics"] + "/api/state", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _workers(t: Target) -> dict[str, dict[str, Any]]:
+    return {w["worker"]: w for w in _state(t).get("workers", [])}
+
+
+def _handbacks(t: Target) -> dict[str, Any]:
+    rows = _state(t).get("rows") or [{}]
+    return dict(rows[-1].get("handbacks") or {})
+
+
+def _security(t: Target) -> dict[str, Any]:
+    """Quarantined workers, and failed checks by worker and check (the run's security files)."""
+    sec = t.run_dir / "security"
+    quarantined = []
+    failed: Counter[str] = Counter()
+    for name, sink in (("quarantine.jsonl", quarantined), ("audits.jsonl", None)):
+        path = sec / name
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if sink is not None:
+                sink.append(row.get("worker_id"))
+            elif not row.get("ok"):
+                failed[f"{row.get('worker_id')}:{row.get('check')}"] += 1
+    return {"quarantined": quarantined, "failed_checks": dict(failed)}
+
+
+def _honest_harm(sec: dict[str, Any]) -> list[str]:
+    out = [f"honest worker {w} quarantined" for w in sec["quarantined"] if w in HONEST]
+    return out + [f"honest check failed: {k} x{n}" for k, n in sec["failed_checks"].items()
+                  if k.split(":")[0] in HONEST]
+
+
+def _attack(r: dict[str, Any]) -> dict[str, Any]:
+    """The attack's own report, bare or as ``security_drill.run_attack`` wraps it."""
+    return r.get("attacker", r)
+
+
+# ----------------------------------------------------------------------------- forged hand-back
+
+
+def _heartbeat(sock: Any, name: str, rid: int) -> str:
+    """One heartbeat of the insider's session: its reply type, or the refusal reason."""
+    sock.send(wire.encode(wire.Heartbeat(worker_id=name, version=-1, rid=rid)))
+    deadline = time.monotonic() + 5
+    while sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+        msg = wire.decode(sock.recv(), 1 << 24)
+        if isinstance(msg, wire.Error):
+            return msg.reason
+        if getattr(msg, "rid", None) == rid:
+            return msg.type
+    return "no_reply"
+
+
+def forged_handback(t: Target, groups: int = 4, tokens: int = 3, wait_s: float = 90.0) -> dict[str, Any]:
+    name = "forger"
+    before = _handbacks(t)
+    sock, _, ack = join_evil(t, name)
+    sock.send(wire.encode(wire.WorkRequest(worker_id=name, max_groups=groups, rid=1)))
+    grant: list[wire.Group] = []
+    deadline = time.monotonic() + 30
+    while not grant and time.monotonic() < deadline:  # standby or no room: ask again
+        if sock.poll(1000):
+            msg = wire.decode(sock.recv(), 1 << 24)
+            if isinstance(msg, wire.WorkGrant):
+                grant = msg.groups
+                if not grant:
+                    time.sleep(0.5)
+                    sock.send(wire.encode(wire.WorkRequest(worker_id=name, max_groups=groups, rid=1)))
+    version = max(ack.version, 0)
+    pick = random.Random(0)
+    prefixes = {g.group_id: [wire.Prefix(sample_idx=i, ids=[pick.randrange(3, 20) for _ in range(tokens)],
+                                         logprobs=[-9999.0] * tokens, versions=[[version, tokens]])
+                             for i in range(g.n)] for g in grant}
+    sock.send(wire.encode(wire.Handback(worker_id=name, reason="preempted", rid=2,
+                                        groups=list(prefixes), prefixes=prefixes)))
+    reply: dict[str, Any] = {}
+    end = time.monotonic() + 10
+    while not reply and sock.poll(max(1, int(1000 * (end - time.monotonic())))):
+        msg = wire.decode(sock.recv(), 1 << 24)
+        if isinstance(msg, (wire.HandbackAck, wire.Error)):
+            reply = msg.model_dump(exclude={"v", "rid"})
+    t0, fate = time.monotonic(), "no_reply"
+    while time.monotonic() - t0 < wait_s:  # the check runs between two trainer steps
+        fate = _heartbeat(sock, name, rid=10 + int(time.monotonic() - t0))
+        if fate in ("banned", "not_joined"):
+            break
+        time.sleep(0.5)
+        drain(sock, 10**6, 0)
+    after = _handbacks(t)
+    return {"groups": len(grant), "prefixes_sent": sum(len(v) for v in prefixes.values()),
+            "ack": reply, "fate": fate, "seconds_to_fate": round(time.monotonic() - t0, 1),
+            "handbacks": {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)
+                          if isinstance(after.get(k, 0), int)},
+            **_security(t)}
+
+
+def check_forged_handback(r: dict[str, Any]) -> list[str]:
+    a = _attack(r)
+    out = [] if a.get("groups") else ["the insider got no groups to hand back"]
+    hb = a.get("handbacks", {})
+    if a.get("fate") != "banned" or "forger" not in a.get("quarantined", []):
+        out.append(f"the forger was not quarantined (its heartbeat: {a.get('fate')})")
+    if hb.get("checks_failed", 0) < 1 or hb.get("refused_forged", 0) < 1:
+        out.append(f"no failed prefix check counted: {hb}")
+    if hb.get("continued_samples", 0):
+        out.append(f"{hb['continued_samples']} samples were continued from prefixes meanwhile")
+    return out + _honest_harm(a)
+
+
+# ----------------------------------------------------------------------------- real modified workers
+
+
+def _worker_child(t: Target, kind: str, seconds: float) -> dict[str, Any]:
+    name = kind.replace("_", "")
+    argv = [sys.executable, str(Path(__file__).resolve()), "worker", "--kind", kind, "join",
+            f"{t.info['join']}?token={t.token}", "--id", name,
+            "--identity", str(t.run_dir.parent / f"{name}.key")]
+    log = t.run_dir.parent / f"{name}.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    books = _workers(t)
+    return {"worker": name, "seconds": seconds, "exit": proc.returncode, "books": books.get(name, {}),
+            "honest_books": {w: books.get(w, {}) for w in HONEST}, **_security(t)}
+
+
+def cherry_pick(t: Target, seconds: float = 180.0) -> dict[str, Any]:
+    return _worker_child(t, "cherry_pick", seconds)
+
+
+def check_cherry_pick(r: dict[str, Any]) -> list[str]:
+    a = _attack(r)
+    book = a.get("books", {})
+    out = []
+    if not book.get("handed_back"):
+        out.append("the picker handed nothing back")
+    elif book.get("cherry_pick") != "low":
+        out.append(f"not flagged after {book.get('returns_n')} returned groups completed "
+                   f"(mean percentile {book.get('returns_pct')})")
+    if (book.get("handed_back") or 0) > 0.5 * (book.get("granted") or 0) + 16 + (book.get("limited") or 0):
+        out.append(f"hand-backs past the share bound were not limited: {book}")
+    out += [f"honest worker {w} flagged as a cherry-picker" for w, b in a.get("honest_books", {}).items()
+            if b.get("cherry_pick")]
+    return out + _honest_harm(a)
+
+
+def edge_holder(t: Target, seconds: float = 120.0) -> dict[str, Any]:
+    return _worker_child(t, "edge_holder", seconds)
+
+
+def check_edge_holder(r: dict[str, Any]) -> list[str]:
+    a = _attack(r)
+    mine = a.get("books", {}).get("credit_per_trajectory")
+    honest = [b.get("credit_per_trajectory") for b in a.get("honest_books", {}).values()]
+    honest = [c for c in honest if c is not None]
+    out = []
+    if mine is None:
+        out.append("the holder delivered nothing")
+    elif not honest or mine >= min(honest):
+        out.append(f"the holder's credit per trajectory {mine} is not below the honest "
+                   f"workers' {honest}")
+    if (a.get("books", {}).get("at_edge") or 0) < 0.5:
+        out.append(f"the holder did not reach the edge: {a.get('books')}")
+    return out + _honest_harm(a)
+
+
+# ----------------------------------------------------------------------------- the workers' code
+
+
+def _make(kind: str) -> Any:
+    from worker.agent import Worker
+
+    class Picker(Worker):
+        """Generates honestly; hands back its groups below the median reward it has seen."""
+
+        seen: list[float] = []
+        stash: Any = None
+
+        def _generate_and_score(self, groups: list[wire.Group]) -> Any:
+            if self.stash is not None:
+                out, self.stash = self.stash, None
+                return out
+            return super()._generate_and_score(groups)
+
+        async def _rollout(self, groups: list[wire.Group]) -> bool:
+            version = self.installed_version
+            samples = await asyncio.to_thread(self._generate_and_score, groups)
+            means = [sum(r for _, r in g) / len(g) for g in samples]
+            self.seen = (self.seen + means)[-256:]
+            median = sorted(self.seen)[len(self.seen) // 2]
+            low = [i for i, m in enumerate(means) if m < median or (m == median and random.random() < 0.5)]
+            if low:
+                await self._hand_back([groups[i] for i in low], [samples[i] for i in low], version)
+            keep = [i for i in range(len(groups)) if i not in low]
+            if not keep:
+                return False
+            self.stash = [samples[i] for i in keep]
+            saved, self.installed_version = self.installed_version, version
+            try:
+                return await super()._rollout([groups[i] for i in keep])
+            finally:
+                self.installed_version = max(self.installed_version, saved)
+
+    class Holder(Picker):
+        """Generates honestly, then waits until the learner is staleness - 1 versions on."""
+
+        async def _rollout(self, groups: list[wire.Group]) -> bool:
+            version = self.installed_version
+            samples = await asyncio.to_thread(super()._generate_and_score, groups)
+            # S - 1 installed versions on (the drill's S is the default 2): the learner, about a
+            # version ahead of what a worker has installed, then sees the batch at S - 1 or S
+            edge = version + max(1, STALENESS - 1)
+            deadline = time.monotonic() + 60
+            while self.installed_version < edge and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            self.stash = samples
+            saved, self.installed_version = self.installed_version, version
+            try:
+                return await Worker._rollout(self, groups)
+            finally:
+                self.installed_version = max(self.installed_version, saved)
+
+    return {"cherry_pick": Picker, "edge_holder": Holder}[kind]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="drill_handbacks.py")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("worker", help="run a modified worker: worker --kind KIND join LINE ...")
+    w.add_argument("--kind", required=True, choices=("cherry_pick", "edge_holder"))
+    args, rest = p.parse_known_args(argv)
+    from worker import cli
+
+    cls = _make(args.kind)
+    return cli.main(rest, make_worker=lambda *a, **kw: cls(*a, **kw))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
