@@ -181,10 +181,12 @@ class Fleet:
 
     def relay_of(self, worker: str) -> tuple[str, str]:
         """The relay endpoint ``worker`` announced at join (learner's log) and its key."""
+        import re
+
         for line in (self.run / "learner.log").read_text().splitlines():
-            if f"worker {worker} joined" in line and "relay tcp://" in line:
-                ep = line.rsplit("relay ", 1)[1].rstrip(")")
-                return ep, (self.tmp / f"{worker}.key").read_text().split()[0]
+            m = re.search(r"relay (tcp://[^\s)]+)", line)
+            if f"worker {worker} joined" in line and m:
+                return m.group(1), (self.tmp / f"{worker}.key").read_text().split()[0]
         return "", ""
 
     def log_bytes(self) -> int:
@@ -222,8 +224,11 @@ def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, dict[str, 
 
 def run_attack(fleet: Fleet, sampler: Sampler, name: str, relay: tuple[str, str], token: str,
                timeout: float) -> dict[str, Any]:
+    import drill_relays
+
     url = fleet.info["metrics"]
     before, adm0 = counters(url), fleet.admitted()
+    reports0, checks0 = drill_relays.last_row(fleet.run).get("relay_reports", {}), _failures(url)
     sampler.take()
     log0, tb0 = fleet.log_bytes(), fleet.tracebacks()
     w0_before = proc_status(fleet.pid("w0")).get("rss_mib")
@@ -242,8 +247,13 @@ def run_attack(fleet: Fleet, sampler: Sampler, name: str, relay: tuple[str, str]
     steps = fleet.step() - before.get("step", 0)
     stepped = fleet.wait_step(fleet.step() + 2, timeout=30)  # fresh counters come with a step
     after = counters(url)
-    adm1 = fleet.admitted()
+    adm1, checks1, row = fleet.admitted(), _failures(url), drill_relays.last_row(fleet.run)
+    reports = {k: n - reports0.get(k, 0) for k, n in row.get("relay_reports", {}).items()
+               if n != reports0.get(k, 0)}
     return {"attack": name, "wall_s": round(wall, 1), "attacker": report,
+            "relay_reports_delta": reports, "relays_marked": row.get("relays_marked", 0),
+            "honest_struck": {w: checks1.get(w, 0) - checks0.get(w, 0) for w in ("w0", "w1")
+                              if checks1.get(w, 0) > checks0.get(w, 0)},
             "counted": delta(after, before), "steps_during": steps,
             "learner_log_kib": (fleet.log_bytes() - log0) // 1024,
             "learner_tracebacks": fleet.tracebacks() - tb0,
@@ -290,6 +300,57 @@ def ban_phase(fleet: Fleet, sampler: Sampler) -> dict[str, Any]:
             "honest_admitted": {w: adm1.get(w, 0) - adm0.get(w, 0) for w in ("w0", "w1")},
             **sampler.take(), "learner_alive": fleet.alive("learner"),
             "honest_alive": all(fleet.alive(w) for w in ("w0", "w1"))}
+
+
+def relay_phase(fleet: Fleet, sampler: Sampler, kind: str, token: str,
+                seconds: float = 90.0) -> dict[str, Any]:
+    """A third worker whose relay is hostile (``benchmarks/drill_relays.py``): its id sorts
+    first, so the chain planner gives it a child; the phase lasts until the learner's counts
+    show the child's report handled (or ``seconds``)."""
+    import drill_relays
+
+    url = fleet.info["metrics"]
+    row0, adm0, checks0 = drill_relays.last_row(fleet.run), fleet.admitted(), _failures(url)
+    sampler.take()
+    tb0, s0, t0 = fleet.tracebacks(), fleet.step(), time.monotonic()
+    name = "a-" + kind.replace("_", "-")
+    fleet.group.start(name, [sys.executable, str(ROOT / "benchmarks/drill_relays.py"), "--kind", kind,
+                             "join", f"{fleet.line}?token={token}", "--id", name, "--identity",
+                             str(fleet.tmp / f"{name}.key")], fleet.tmp / f"{name}.log")
+    done = {"black_hole": ("probe:unreachable", "timeout:convicted", "disconnected:convicted"),
+            "selective_relay": ("probe:intact", "probe:corrupt", "corrupt:convicted")}[kind]
+
+    def reports() -> dict[str, int]:
+        now = drill_relays.last_row(fleet.run).get("relay_reports", {})
+        return {k: n - row0.get("relay_reports", {}).get(k, 0) for k, n in now.items()
+                if n != row0.get("relay_reports", {}).get(k, 0)}
+
+    drill_relays.wait_for(lambda: any(k in reports() for k in done), seconds)
+    fleet.group.stop(name)
+    wall = time.monotonic() - t0
+    steps = fleet.step() - s0
+    stepped = fleet.wait_step(fleet.step() + 2, timeout=30)
+    adm1, checks1 = fleet.admitted(), _failures(url)
+    bans = (fleet.run / "security" / "bans.txt")
+    banned_text = bans.read_text() if bans.exists() else ""
+    honest_keys = {w: (fleet.tmp / f"{w}.key").read_text().split()[0] for w in ("w0", "w1")}
+    return {"attack": kind, "wall_s": round(wall, 1), "attacker": {"worker": name},
+            "relay_reports_delta": reports(),
+            "relays_marked": drill_relays.last_row(fleet.run).get("relays_marked", 0),
+            "steps_during": steps, "kept_stepping": steps > 0 and stepped,
+            "steps_per_s": round(steps / max(wall, 1e-3), 3),
+            "learner_tracebacks": fleet.tracebacks() - tb0,
+            "honest_admitted": {w: adm1.get(w, 0) - adm0.get(w, 0) for w in ("w0", "w1")},
+            "honest_struck": {w: checks1.get(w, 0) - checks0.get(w, 0) for w in ("w0", "w1")
+                              if checks1.get(w, 0) > checks0.get(w, 0)},
+            "reporters_banned": [w for w, k in honest_keys.items() if k in banned_text],
+            **sampler.take(), "learner_alive": fleet.alive("learner"),
+            "honest_alive": all(fleet.alive(w) for w in ("w0", "w1"))}
+
+
+def _failures(url: str) -> dict[str, int]:
+    """Failed checks per worker, as the learner counts them (its reputation)."""
+    return {c["worker"]: int(c.get("failures") or 0) for c in api_state(url).get("checks", [])}
 
 
 def _replies(r: dict[str, Any]) -> dict[str, int]:
@@ -379,10 +440,22 @@ EXPECT = {  # what "refused" means for each attack: the problems found in the ph
                                         else ["handshake_failed not counted"]),
     "banned": _check_ban,
     "oversize": _check_oversize,
+    **__import__("drill_relays").CHECKS,
+    "forged_handback": __import__("drill_handbacks").check_forged_handback,
+    "cherry_pick": __import__("drill_handbacks").check_cherry_pick,
+    "edge_holder": __import__("drill_handbacks").check_edge_holder,
+    "sybil_flood": lambda r: __import__("drill_sybil").check_sybil(r, r.get("baseline_steps_per_s")),
 }
+# Issue 31's attacks follow the first nine: relays and reports (benchmarks/drill_relays.py),
+# hand-backs and staleness (drill_handbacks.py), and Sybils in open mode (drill_sybil.py, on a
+# fleet of its own: the main fleet admits by token).
 ORDER = ["junk13", "impersonate", "leave_flood", "future_chunks", "join_flood", "idle_http",
-         "plaintext", "banned", "oversize"]
-TIMEOUT = {"future_chunks": 150, "join_flood": 150, "leave_flood": 60}
+         "plaintext", "banned", "oversize", "stranger_reports", "black_hole", "selective_relay",
+         "forged_handback", "cherry_pick", "edge_holder", "sybil_flood"]
+OPEN_MODE = ("sybil_flood",)
+RELAY_PHASES = ("black_hole", "selective_relay")  # a hostile worker, not a scripted peer
+TIMEOUT = {"future_chunks": 150, "join_flood": 150, "leave_flood": 60, "forged_handback": 150,
+           "cherry_pick": 260, "edge_holder": 200, "sybil_flood": 240}
 
 
 def judge(r: dict[str, Any]) -> str:
@@ -442,7 +515,7 @@ def final_checks(fleet: Fleet) -> dict[str, Any]:
             "learner_log_mib": round((fleet.run / "learner.log").stat().st_size / 2**20, 2)}
 
 
-def attack_run(tmp: Path, baseline: dict[str, Any]) -> dict[str, Any]:
+def attack_run(tmp: Path, baseline: dict[str, Any], only: list[str] | None = None) -> dict[str, Any]:
     fleet = Fleet(tmp)
     results = []
     try:
@@ -450,13 +523,17 @@ def attack_run(tmp: Path, baseline: dict[str, Any]) -> dict[str, Any]:
         sampler = Sampler({"learner": fleet.pid("learner"), "w0": fleet.pid("w0")})
         sampler.start()
         relay = fleet.relay_of("w0")
-        token = fleet.token(2, "insider turned attacker")
-        for name in ORDER:
+        token = fleet.token(8, "insider turned attacker")
+        for name in [n for n in ORDER if (not only or n in only) and n not in OPEN_MODE]:
             if not fleet.alive("learner"):
                 results.append({"attack": name, "outcome": "FAILED: learner not running"})
                 continue
-            r = (ban_phase(fleet, sampler) if name == "banned" else
-                 run_attack(fleet, sampler, name, relay, token, TIMEOUT.get(name, 60)))
+            if name == "banned":
+                r = ban_phase(fleet, sampler)
+            elif name in RELAY_PHASES:
+                r = relay_phase(fleet, sampler, name, fleet.token(1, name))
+            else:
+                r = run_attack(fleet, sampler, name, relay, token, TIMEOUT.get(name, 60))
             if name == "impersonate":
                 r["insider_token"] = token_state(fleet.run, token)
             r["baseline_threads"] = baseline.get("learner_threads_peak", 0)
@@ -469,6 +546,35 @@ def attack_run(tmp: Path, baseline: dict[str, Any]) -> dict[str, Any]:
     finally:
         fleet.group.stop_all()
     return {"relay_attacked": relay[0], "attacks": results, "exit_codes": rcs, **final_checks(fleet)}
+
+
+def open_mode_run(tmp: Path, only: list[str] | None = None) -> list[dict[str, Any]]:
+    """Attacks that need ``security.join = "open"`` (Sybils), on a fleet of their own, judged
+    against that fleet's own step rate measured just before."""
+    names = [n for n in OPEN_MODE if not only or n in only]
+    if not names:
+        return []
+    fleet = Fleet(tmp, [o for o in OVERRIDES if not o.startswith("security.join")]
+                  + ['security.join="open"'])
+    results = []
+    try:
+        fleet.start()
+        sampler = Sampler({"learner": fleet.pid("learner"), "w0": fleet.pid("w0")})
+        sampler.start()
+        s0, t0 = fleet.step(), time.monotonic()
+        time.sleep(30)
+        before = (fleet.step() - s0) / (time.monotonic() - t0)
+        for name in names:
+            r = run_attack(fleet, sampler, name, fleet.relay_of("w0"), "", TIMEOUT.get(name, 60))
+            r["baseline_steps_per_s"] = round(before, 3)
+            r["steps_vs_honest"] = round(r["steps_per_s"] / max(before, 1e-9), 3)
+            r["outcome"] = judge(r)
+            results.append(r)
+            print(f"{name}: {r['outcome']}", file=sys.stderr, flush=True)
+        fleet.stop()
+    finally:
+        fleet.group.stop_all()
+    return results
 
 
 def summarize(baseline: dict[str, Any], attacked: dict[str, Any]) -> dict[str, Any]:
@@ -486,6 +592,18 @@ def summarize(baseline: dict[str, Any], attacked: dict[str, Any]) -> dict[str, A
     }
 
 
+def harmed(r: dict[str, Any]) -> str:
+    """Honest workers harmed in a phase: struck, banned, dead or starved (delivered nothing)."""
+    out = [f"{w} struck" for w in r.get("honest_struck", {})]
+    out += [f"{w} banned" for w in r.get("reporters_banned", [])]
+    if r.get("honest_alive") is False:
+        out.append("one died")
+    adm = r.get("honest_admitted")
+    if adm is not None and min(adm.values(), default=0) <= 0:
+        out.append("one delivered nothing")
+    return ", ".join(out) or "none"
+
+
 def print_table(baseline: dict[str, Any], attacked: dict[str, Any], summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -493,17 +611,21 @@ def print_table(baseline: dict[str, Any], attacked: dict[str, Any], summary: dic
     table = Table(title=f"Security drill (honest run: {baseline['steps_per_s']:.2f} steps/s, "
                         f"learner RSS peak {baseline.get('learner_rss_mib_peak')} MiB, "
                         f"threads {baseline.get('learner_threads_peak')})")
-    for col in ("attack", "outcome", "counted by the learner", "s", "steps/s vs honest", "honest adm.",
-                "RSS MiB", "thr"):
+    for col in ("attack", "refused / neutralised", "counted by the learner", "s",
+                "kept stepping (steps/s vs honest)", "RSS vs honest", "honest workers harmed"):
         table.add_column(col, overflow="fold")
+    base_rss = max(1, baseline.get("learner_rss_mib_peak") or 1)
     for r in attacked["attacks"]:
         counted = "; ".join(f"{k}: " + ", ".join(f"{a}={n}" for a, n in v.items())
                             for k, v in r.get("counted", {}).items())
-        adm = r.get("honest_admitted", {})
-        table.add_row(r["attack"], r["outcome"], counted or "-", str(r.get("wall_s", "")),
-                      str(r.get("steps_vs_honest", "-")), f"{adm.get('w0', 0)}+{adm.get('w1', 0)}",
-                      str(r.get("learner_rss_mib_peak", "")), str(r.get("learner_threads_peak", "")))
-    console = Console(width=200)
+        if r.get("relay_reports_delta"):
+            counted += ("; " if counted else "") + "relay_reports: " + ", ".join(
+                f"{k}={n}" for k, n in r["relay_reports_delta"].items())
+        stepping = f"{'yes' if r.get('kept_stepping') else 'NO'} ({r.get('steps_vs_honest', '-')})"
+        rss = r.get("learner_rss_mib_peak")
+        table.add_row(r["attack"], r["outcome"], counted or "-", str(r.get("wall_s", "")), stepping,
+                      f"{rss / base_rss:.2f}" if rss else "-", harmed(r))
+    console = Console(width=220)
     console.print(table)
     console.print(summary)
 
@@ -512,14 +634,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline-s", type=float, default=60.0)
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/security_drill.json"))
+    ap.add_argument("--only", default="", help="comma-separated attacks (default: all, in order: "
+                    + ", ".join(ORDER) + ")")
     args = ap.parse_args(argv)
+    only = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(only) - set(ORDER))
+    if unknown:
+        ap.error(f"unknown attack(s) {unknown}: choose from {ORDER}")
     from echo.machine import machine_info
 
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, \
+            tempfile.TemporaryDirectory() as c:
         baseline = honest_run(Path(a), args.baseline_s)
         print(f"honest run: {baseline}", file=sys.stderr, flush=True)
-        attacked = attack_run(Path(b), baseline)
+        attacked = attack_run(Path(b), baseline, only)
+        attacked["attacks"] += open_mode_run(Path(c), only)
     summary = summarize(baseline, attacked)
     print_table(baseline, attacked, summary)
     Path(args.json).write_text(json.dumps({
@@ -530,7 +660,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def attack_main(argv: list[str]) -> int:
-    from drill_attacks import ATTACKS, Target
+    import drill_handbacks
+    import drill_sybil
+    from drill_attacks import ATTACKS as BASIC, Target
+    from drill_relays import ATTACKS as RELAYS
+
+    ATTACKS = {**BASIC, **RELAYS, "sybil_flood": drill_sybil.sybil_flood,
+               **{f.__name__: f for f in (drill_handbacks.forged_handback,
+                                          drill_handbacks.cherry_pick, drill_handbacks.edge_holder)}}
 
     ap = argparse.ArgumentParser(prog="security_drill.py attack")
     ap.add_argument("name", choices=sorted(ATTACKS))

@@ -72,6 +72,7 @@ class Coordinator:
         self.corrupt_reports: list[tuple[str, str]] = []  # (reporter, accused endpoint)
         self.reports = reports or ReportBook()
         self.given: dict[str, list[str]] = {}  # worker -> the last GIVEN sources it was sent
+        self._by_endpoint: dict[str, str] = {}  # relay endpoint -> worker id (``owner``)
         self.keyframes_served: dict[str, int] = {}  # endpoint -> keyframe fetches sent there
         # (endpoint, version) a keyframe fetch failed at: that peer is not asked again for it
         # (a worker that reported an install it cannot serve, or that went away)
@@ -82,6 +83,8 @@ class Coordinator:
              nat: str = "reachable", now: float | None = None) -> None:
         self.peers[worker_id] = PeerState(worker_id, endpoint, down_mbit, up_mbit, nat=nat,
                                           joined=time.monotonic() if now is None else now)
+        if endpoint:
+            self._by_endpoint[endpoint] = worker_id
 
     def classify(self, worker_id: str, nat: str, address: str) -> None:
         """The learner's verdict on a worker's NAT (``broadcast.nat.reflect``)."""
@@ -114,13 +117,17 @@ class Coordinator:
         return "punched" if parent is not None and parent.nat == "punchable" else "tcp"
 
     def owner(self, endpoint: str) -> PeerState | None:
-        endpoint = plain(endpoint)
-        return next((p for p in self.peers.values() if p.endpoint and p.endpoint == endpoint), None)
+        """The peer relaying at ``endpoint`` (an index: reports and routes call this per
+        message, and a scan of the fleet each time is O(fleet))."""
+        p = self.peers.get(self._by_endpoint.get(plain(endpoint), ""))
+        return p if p is not None and p.endpoint and p.endpoint == plain(endpoint) else None
 
     def leave(self, worker_id: str) -> None:
         gone = self.peers.pop(worker_id, None)
         if gone is not None:
             self.keyframes_served.pop(gone.endpoint, None)
+            if self._by_endpoint.get(gone.endpoint) == worker_id:
+                del self._by_endpoint[gone.endpoint]
         self.reports.forget(worker_id, gone.endpoint if gone is not None else "")
         self.punches.forget(worker_id)
         self.sources.pop(worker_id, None)
@@ -161,7 +168,7 @@ class Coordinator:
         self.published[version] = time.monotonic() if now is None else now
         for old in sorted(self.plans)[:-4]:
             del self.plans[old]
-        return self._plan()
+        return dict(self._plan())  # a copy: reports move single workers in self.sources
 
     def measured(self, worker_id: str, version: int, down_mbit: float, up_mbit: float) -> bool:
         """A worker's measured link rates for ``version`` (its install report), combined with
@@ -197,9 +204,10 @@ class Coordinator:
             self.keyframe_failed.add((bad_source, version))
             newest = max(self.published, default=version)
             self.keyframe_failed = {(e, v) for e, v in self.keyframe_failed if v > newest - 4}
+        avoided = self.reports.avoided(worker_id, time.monotonic())  # relays it reported
         held = [p.endpoint for p in self.peers.values()
                 if p.alive and p.endpoint and not p.corrupt and p.nat == "reachable"
-                and version in p.installed
+                and version in p.installed and p.endpoint not in avoided
                 and p.worker_id != worker_id and (p.endpoint, version) not in self.keyframe_failed]
         best = min(held, key=lambda ep: self.keyframes_served.get(ep, 0), default=self.source)
         self.keyframes_served[best] = self.keyframes_served.get(best, 0) + 1
@@ -225,13 +233,18 @@ class Coordinator:
             outcome = self.reports.report(worker_id, bad_source, reason, assigned, now)
             if reason == "corrupt":
                 self.corrupt_reports.append((worker_id, bad_source))
-            if outcome == "convicted":
-                self._apply(accused)
-                log.warning("relay %s convicted by reports from %d children (%s): kept out "
-                            "until re-probed", accused.worker_id, self.reports.convict_after, reason)
-            else:
-                log.info("relay %s reported by %s (%s, %s): %s routed around it", accused.worker_id,
-                         worker_id, reason, outcome, worker_id)
+            if outcome != "convicted":
+                # Only the reporter moves: no re-plan of the fleet (O(fleet) per report)
+                log.info("relay %s reported by %s (%s, %s): %s routed around it",
+                         accused.worker_id, worker_id, reason, outcome, worker_id)
+                if worker_id in self.sources:
+                    self.sources[worker_id] = self._upstream(
+                        worker_id, self.reports.avoided(worker_id, now))
+                new = self.sources.get(worker_id, self.source)
+                return self.source if new == bad_source else new
+            self._apply(accused)
+            log.warning("relay %s convicted by reports from %d children (%s): kept out "
+                        "until re-probed", accused.worker_id, self.reports.convict_after, reason)
         self._plan()
         new = self.sources.get(worker_id, self.source)
         if new == bad_source:  # the plan still trusts it (e.g. a learner hiccup): go to the root
@@ -256,6 +269,14 @@ class Coordinator:
         if peer is not None:
             self._apply(peer)
         self._plan()
+
+    def lift(self, endpoint: str) -> None:
+        """An expired mark the learner cannot re-probe (a relay only punched links reach):
+        planned again, on its strikes' record."""
+        self.reports.clear(endpoint)
+        peer = self.owner(endpoint)
+        if peer is not None:
+            self._apply(peer)
 
     def _apply(self, peer: PeerState) -> None:
         mark = self.reports.marks.get(peer.endpoint)

@@ -109,6 +109,9 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
         # learner.grants: leases kept across a restart and the samples admitted under them
         "restored_leases": control["restored_leases"],
         "restored_admitted": control["restored_admitted"],
+        # broadcast.reports: relay reports by reason:outcome, probes by outcome (docs/security.md)
+        "relay_reports": control.get("relay_reports", {}),
+        "relays_marked": control.get("relays_marked", 0),
         **{k: round(v, 5) for k, v in stats.items()},
         "wall_s": round(time.monotonic() - totals.started, 3),
     }

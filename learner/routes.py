@@ -151,7 +151,8 @@ class SnapshotRoutes:
         False when there is nothing to probe with or the queue is full (counted)."""
         accused = self.relay_keys.get(endpoint)
         buf = self.store.get(version) or self.store.latest()
-        if accused is None or buf is None or self.verifier is None or self.gate.keys is None:
+        if accused is None or buf is None or self.verifier is None or self.gate.keys is None \
+                or not self._reachable(endpoint):
             return False
         if not 0 <= chunk < buf.total:
             chunk = random.randrange(buf.total)
@@ -165,9 +166,17 @@ class SnapshotRoutes:
         (from housekeeping; one probe in the queue per relay)."""
         assert self.coordinator is not None
         for endpoint in self.coordinator.reports.due(time.monotonic()):
-            if endpoint not in self.reprobing and endpoint in self.relay_keys:
+            if not self._reachable(endpoint):
+                self.coordinator.lift(endpoint)  # the learner cannot look: another chance
+            elif endpoint not in self.reprobing and endpoint in self.relay_keys:
                 if self._probe(endpoint, "", -1):
                     self.reprobing.add(endpoint)
+
+    def _reachable(self, endpoint: str) -> bool:
+        """Can the learner connect to this relay itself? Not to one behind a NAT that only
+        punched links reach (docs/nat.md): no probe there, so no verdict from one."""
+        peer = self.coordinator.owner(endpoint) if self.coordinator else None
+        return peer is None or peer.nat != "punchable"
 
     def _verdict(self, endpoint: str, accused: str, accuser: str, outcome: str) -> None:
         """The learner's own fetch from a reported (or re-probed) relay: ``corrupt`` (the

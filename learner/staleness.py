@@ -1,4 +1,4 @@
-"""Staleness is not free (docs/provisioning.md, "Staleness"; issue 31).
+"""Staleness is not free (docs/security.md, "Staleness is not free"; issue 31).
 
 A trajectory is admissible while its version is at most ``learner.staleness`` (S) behind the
 learner's. Inside that window it is not worth the same: the older the policy that sampled it,

@@ -189,3 +189,12 @@ def test_reports_reach_the_plane_from_children_only_and_about_old_versions_too(m
                                           bad_source="tcp://127.0.0.1:9", reason="timeout"))
     assert isinstance(reply, wire.Error) and reply.reason == "unknown_version"
     assert plane.stats()["relay_reports"]["timeout:counted"] == 1
+
+
+def test_a_reporter_is_not_sent_to_the_relay_it_reported_for_a_keyframe_either():
+    c, plan = chain()
+    ep, child = relay_with_child(plan)
+    c.installed(c.owner(ep).worker_id, 1)
+    assert c.keyframe_source(child, 1) == ep  # the relay holds version 1's full payload
+    c.reattach(child, ep, "timeout")
+    assert c.keyframe_source(child, 1) != ep

@@ -1,0 +1,174 @@
+"""Hostile relays and reporters for ``benchmarks/security_drill.py`` (issue 31, attacks 1, 3, 4;
+docs/security.md, "Relay reports").
+
+Two real workers whose relay misbehaves (the rest of the worker is honest: it joins, installs,
+generates), started as ``drill_relays.py --kind KIND join LINE [echo-worker join options]``:
+
+  * ``black_hole``: accepts its children's chunk requests and never answers one;
+  * ``selective_relay``: serves a child that fetches from the start intact chunks until
+    chunk 1, then corrupt ones; serves anyone whose first request is mid-snapshot (a child that
+    re-attached, or the learner's probe) intact. The old probe told itself apart by its
+    ticket's lifetime; this relay does not even need that.
+
+and one scripted peer for the attack registry (``ATTACKS``, same ``Target`` as
+``drill_attacks.py``):
+
+  * ``stranger_reports``: an insider that is no child of the honest relay reports it as timed
+    out, disconnected and corrupt, again and again.
+
+The ``check_*`` functions say what "refused or neutralised" means for each, from the learner's
+metrics rows (``relay_reports``, ``relays_marked``) and the honest workers' figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+KINDS = ("black_hole", "selective_relay")
+
+
+class _HostileOutbox(asyncio.Queue):
+    """The relay's outgoing chunk queue, hostile: ``black_hole`` never hands an item to the
+    sender; ``selective_relay`` switches the server's corruption on per item."""
+
+    def __init__(self, server: Any, kind: str):
+        super().__init__()
+        self.server, self.kind = server, kind
+        self.first: dict[tuple[str, int], int] = {}  # (requester, version) -> first index asked
+
+    def put_nowait(self, item: Any) -> None:
+        _ident, _rid, version, index, who, _t, _form = item
+        self.first.setdefault((who, version), index)
+        super().put_nowait(item)
+
+    async def get(self) -> Any:
+        if self.kind == "black_hole":
+            await asyncio.Event().wait()  # never
+        item = await super().get()
+        _ident, _rid, version, index, who, _t, _form = item
+        self.server.corrupt = self.first.get((who, version)) == 0 and index >= 1
+        return item
+
+
+def _install_hostile_relay(kind: str) -> None:
+    """Every ChunkServer this process builds (the worker's relay) gets the hostile outbox."""
+    from broadcast.source import ChunkServer
+
+    init = ChunkServer.__init__
+
+    def hostile_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._outbox = _HostileOutbox(self, kind)
+
+    ChunkServer.__init__ = hostile_init  # type: ignore[method-assign]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="drill_relays.py", usage="%(prog)s --kind KIND join LINE ...")
+    ap.add_argument("--kind", required=True, choices=KINDS)
+    args, rest = ap.parse_known_args(argv)
+    _install_hostile_relay(args.kind)
+    from worker import cli
+
+    return cli.main(rest)
+
+
+# ----------------------------------------------------------------------------- scripted reporter
+
+
+def stranger_reports(t: Any, rounds: int = 20) -> dict[str, Any]:
+    """An insider (a token, a session, no child of anyone's) names the honest relay in
+    timeout, disconnected and corrupt reports."""
+    from drill_attacks import ask, join_evil
+
+    from echo import wire
+
+    sock, _, ack = join_evil(t, "reporter")
+    version = ack.version  # the learner's newest, as its join reply says
+    replies: dict[str, int] = {}
+    for i in range(rounds):
+        for reason in ("timeout", "disconnected", "corrupt"):
+            got = ask(sock, wire.SourceRequest(worker_id="reporter", version=version,
+                                               bad_source=t.relay, reason=reason, chunk=0), 5.0)
+            replies[got] = replies.get(got, 0) + 1
+    sock.close()
+    return {"reports_sent": 3 * rounds, "replies": replies}
+
+
+ATTACKS = {"stranger_reports": stranger_reports}
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def last_row(run_dir: Path) -> dict[str, Any]:
+    """The learner's newest metrics line (``relay_reports``, ``relays_marked`` ...)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1]) if lines else {}
+
+
+def _honest(r: dict[str, Any]) -> list[str]:
+    adm = r.get("honest_admitted", {})
+    out = [f"honest {w} admitted nothing" for w in ("w0", "w1") if not adm.get(w)]
+    if r.get("honest_struck"):
+        out.append(f"honest workers struck: {r['honest_struck']}")
+    return out
+
+
+def check_stranger(r: dict[str, Any]) -> list[str]:
+    reports = r.get("relay_reports_delta", {})
+    out = _honest(r)
+    unassigned = sum(n for k, n in reports.items() if k.endswith(":unassigned"))
+    if unassigned < r["attacker"].get("reports_sent", 1):
+        out.append(f"only {unassigned} of {r['attacker'].get('reports_sent')} reports counted unassigned")
+    if r.get("relays_marked", 0):
+        out.append(f"{r['relays_marked']} relay(s) marked: a stranger removed a relay")
+    return out
+
+
+def check_black_hole(r: dict[str, Any]) -> list[str]:
+    reports = r.get("relay_reports_delta", {})
+    out = _honest(r)
+    if not any(k.startswith(("timeout:", "disconnected:")) for k in reports):
+        out.append("no child reported the black hole (it was given no child: not exercised)")
+    elif not reports.get("probe:unreachable") and not any(k.endswith(":convicted") for k in reports):
+        out.append(f"the black hole was not convicted: {reports}")
+    return out
+
+
+def check_selective(r: dict[str, Any]) -> list[str]:
+    reports = r.get("relay_reports_delta", {})
+    out = _honest(r)
+    if not reports.get("corrupt:counted") and not reports.get("corrupt:convicted"):
+        out.append("no child reported a corrupt chunk (it was given no child: not exercised)")
+    if r.get("reporters_banned"):
+        out.append(f"honest reporters banned: {r['reporters_banned']}")
+    return out
+
+
+CHECKS = {"stranger_reports": check_stranger, "black_hole": check_black_hole,
+          "selective_relay": check_selective}
+
+
+def wait_for(pred: Any, timeout: float, poll: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(poll)
+    return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
