@@ -40,12 +40,21 @@ from echo.config import EchoConfig, dump_toml  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
 
 
-def drill_config(port: int) -> EchoConfig:
-    """The quickstart's provisioning (3-second windows) on a small, fast task."""
+BATCHES = {  # (prompts_per_step, group_size, max_outstanding_groups, buffer capacity)
+    "small": (4, 4, 0, 16),  # fast rounds (tests/test_restart.py)
+    "quickstart": (32, 16, 40, 256),  # examples/quickstart.toml's batch: a first step longer
+                                      # than the 3-second probation window
+}
+
+
+def drill_config(port: int, batch: str = "small") -> EchoConfig:
+    """The quickstart's provisioning (3-second windows) on the toy task."""
+    prompts, group, outstanding, capacity = BATCHES[batch]
     return EchoConfig.model_validate({
-        "learner": {"prompts_per_step": 4, "group_size": 4, "max_steps": 10_000, "staleness": 2,
-                    "wait_timeout_s": 120, "port": port, "lease_timeout_s": 30.0},
-        "buffer": {"capacity_groups": 16},
+        "learner": {"prompts_per_step": prompts, "group_size": group, "max_steps": 10_000,
+                    "staleness": 2, "wait_timeout_s": 120, "port": port, "lease_timeout_s": 30.0,
+                    "max_outstanding_groups": outstanding},
+        "buffer": {"capacity_groups": capacity},
         "worker": {"groups_per_request": 2, "heartbeat_s": 0.3},
         "transport": {"heartbeat_timeout_s": 3.0, "request_timeout_s": 3.0, "max_message_mib": 1.0},
         "broadcast": {"dtype": "float32", "chunk_kib": 64},
@@ -95,10 +104,10 @@ def _wait(pred, timeout: float, what: str, poll: float = 0.05):
 
 
 class Drill:
-    def __init__(self, tmp: Path, steps_after: int = 8):
+    def __init__(self, tmp: Path, steps_after: int = 8, batch: str = "small"):
         self.tmp, self.steps_after = tmp, steps_after
         self.group = ProcessGroup()
-        self.cfg = drill_config(free_port())
+        self.cfg = drill_config(free_port(), batch)
         self.run = tmp / "run"
 
     def learner(self, name: str, resume: bool, max_steps: int) -> tuple[float, float]:
@@ -163,8 +172,8 @@ class Drill:
         self.group.stop_all()
 
 
-def one_round(tmp: Path, kill_at: int) -> Round:
-    drill = Drill(tmp)
+def one_round(tmp: Path, kill_at: int, batch: str = "small") -> Round:
+    drill = Drill(tmp, batch=batch)
     try:
         return drill.round(kill_at)
     finally:
@@ -188,15 +197,18 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--batch", choices=sorted(BATCHES), default="small",
+                    help="small (4 prompts x 4) or quickstart (32 x 16, as examples/quickstart.toml)")
+    ap.add_argument("--max-kill", type=int, default=30, help="kills land at steps 3 .. 3 + this")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/restart_drill.json")
     args = ap.parse_args(argv)
     rounds: list[Round] = []
     failures: list[str] = []
     for i in range(args.rounds):
-        kill_at = 3 + (i * 7) % 30  # varied: 3, 10, 17, 24, 31, 8, ...
+        kill_at = 3 + (i * 7) % args.max_kill  # varied: 3, 10, 17, 24, 31, 8, ...
         with tempfile.TemporaryDirectory(prefix="echo-restart-") as tmp:
             try:
-                r = one_round(Path(tmp), kill_at)
+                r = one_round(Path(tmp), kill_at, args.batch)
             except (TimeoutError, RuntimeError) as err:
                 failures.append(f"round {i} (kill at {kill_at}): {err}")
                 print(f"round {i}: FAILED: {err}", flush=True)
