@@ -139,12 +139,17 @@ class Coordinator:
         declared = {p.worker_id: (p.down_mbit, p.up_mbit) for p in self.peers.values() if p.alive}
         return declared if self.trust_declared else self.links.rates(declared)
 
-    def _plan(self) -> dict[str, str]:
+    def _planned_peers(self, hidden: set[str] = frozenset()) -> list[Peer]:
+        """The live peers as the planner sees them; corrupt and ``hidden`` relays as no one's
+        parent."""
         rates = self.rates()
-        peers = [Peer(p.worker_id, *rates[p.worker_id], reachable=self._relays(p),
-                      endpoint="" if p.corrupt else p.endpoint,
-                      nat=p.nat if p.nat in ("reachable", "punchable") else "none")
-                 for p in self.peers.values() if p.alive]
+        return [Peer(p.worker_id, *rates[p.worker_id], reachable=self._relays(p),
+                     endpoint="" if p.corrupt or p.endpoint in hidden else p.endpoint,
+                     nat=p.nat if p.nat in ("reachable", "punchable") else "none")
+                for p in self.peers.values() if p.alive]
+
+    def _plan(self) -> dict[str, str]:
+        peers = self._planned_peers()
         self.sources = self.topology.plan(peers, self.source) if peers else {}
         now = time.monotonic()
         for w in list(self.sources):  # a reporter stays off the relay it accused
@@ -152,6 +157,16 @@ class Coordinator:
         if self.published:
             self.plans[max(self.published)] = dict(self.sources)
         return self.sources
+
+    def _placement(self, worker_id: str, hidden: set[str]) -> str:
+        """Where a plan with the ``hidden`` relays in no parent position would put this
+        worker (one planning pass: an assigned child's report, i.e. a real failure). After a
+        relay dies its child lands where the planner finds free upload, as before reports
+        were evidence; the re-attached child's grandparent would split its own upload."""
+        peers = self._planned_peers(hidden)
+        plan = self.topology.plan(peers, self.source) if peers else {}
+        src = plan.get(worker_id, self.source)
+        return self.source if src in hidden else src
 
     def _upstream(self, worker_id: str, avoided: set[str]) -> str:
         """The worker's planned source, or, when it avoids that relay, the relay's own source
@@ -234,12 +249,14 @@ class Coordinator:
             if reason == "corrupt":
                 self.corrupt_reports.append((worker_id, bad_source))
             if outcome != "convicted":
-                # Only the reporter moves: no re-plan of the fleet (O(fleet) per report)
+                # Only the reporter moves; everyone else keeps the source it is pulling from.
                 log.info("relay %s reported by %s (%s, %s): %s routed around it",
                          accused.worker_id, worker_id, reason, outcome, worker_id)
-                if worker_id in self.sources:
-                    self.sources[worker_id] = self._upstream(
-                        worker_id, self.reports.avoided(worker_id, now))
+                avoided = self.reports.avoided(worker_id, now)
+                if outcome == "counted":  # a real child: its place in a plan without the relay
+                    self.sources[worker_id] = self._placement(worker_id, avoided)
+                elif worker_id in self.sources:  # anyone else: upstream, no planning cost
+                    self.sources[worker_id] = self._upstream(worker_id, avoided)
                 new = self.sources.get(worker_id, self.source)
                 return self.source if new == bad_source else new
             self._apply(accused)

@@ -57,8 +57,9 @@ class ReportBook:
     def report(self, child: str, endpoint: str, reason: str, assigned: bool, now: float) -> str:
         """Record one report; returns its outcome: ``unassigned``, ``counted`` or
         ``convicted`` (this report made the count)."""
-        self.avoid.setdefault(child, {})[endpoint] = now + self.avoid_s
         kind = KIND.get(reason)
+        if kind is not None:  # a refusal (say, a version the relay does not hold yet) is no failure
+            self.avoid.setdefault(child, {})[endpoint] = now + self.avoid_s
         if kind is None:
             outcome = "other"
         elif not assigned:

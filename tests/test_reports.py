@@ -55,11 +55,12 @@ def test_a_stranger_cannot_remove_a_relay_by_reporting_it():  # attack 3
                                 "corrupt:unassigned": 1}
 
 
-def test_one_childs_report_moves_that_child_upstream_for_good():  # attack 1: not put back
+def test_one_childs_report_moves_that_child_off_the_relay_for_good():  # attack 1: not put back
     c, plan = chain()
     ep, child = relay_with_child(plan)
-    upstream = plan[c.owner(ep).worker_id]
-    assert c.reattach(child, ep, "corrupt") == upstream  # re-attached to the relay's source
+    others = {w: s for w, s in plan.items() if w != child}
+    assert c.reattach(child, ep, "corrupt") != ep  # placed as a plan without the relay would
+    assert {w: s for w, s in c.sources.items() if w != child} == others  # nobody else moved
     for v in range(2, 6):  # later publications never put it back under the relay
         assert c.publish(v)[child] != ep
     relay = c.owner(ep)
