@@ -47,7 +47,9 @@ def bucket(mbit: float, chunk_bytes: int) -> TokenBucket | None:
 @dataclass
 class RelayConfig:
     bind_host: str = "127.0.0.1"
+    port: int = 0  # the relay's listening port (echo-worker join --relay-port; 0: the OS picks)
     punch_host: str = ""  # the address probes and punched links leave from ("" = bind_host)
+    punch_port: int = 0  # their port (--punch-port; 0: the OS picks)
     serve: bool = True  # False: behind NAT, cannot accept a child
     window: int = 4
     timeout_s: float = 10.0
@@ -61,6 +63,10 @@ class RelayConfig:
     max_parked_total: int = 4096
     handshakes_per_s: float = 50.0  # new connections accepted per second (burst 2x)
     requests_per_s: float = 1000.0  # chunk requests per second per peer (burst 2x)
+
+
+class RelayPortTaken(RuntimeError):
+    pass
 
 
 class Relay:
@@ -91,7 +97,15 @@ class Relay:
             if keys is not None:
                 self.zap = ZapHandler(ctx, self._admit)  # before the bind: it judges every handshake
                 curve_server(sock, keys)
-            sock.bind(f"tcp://{cfg.bind_host}:*")
+            try:
+                sock.bind(f"tcp://{cfg.bind_host}:{cfg.port or '*'}")
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                raise RelayPortTaken(
+                    f"cannot listen on {cfg.bind_host} port {cfg.port} for the relay: {exc}. "
+                    f"Another process holds it (a second worker on this machine?): give each "
+                    f"worker its own --relay-port, or --relay-port 0 to let the OS pick "
+                    f"(docs/ports.md)") from None
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             tickets = (TicketCheck(run_key, self.endpoint).check
                        if keys is not None and run_key is not None else None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import re
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -118,13 +119,49 @@ class StalenessRules:
                 f"arrive too late; set learner.kappa <= learner.staleness (or 0 for max(1, S-1))")
 
 
+DEFAULT_PORT = 5555  # learner.port when the learner listens beyond loopback (docs/ports.md)
+DEFAULT_RELAY_PORT = 5560  # a worker's relay (its punch port: + 1) when it listens beyond loopback
+LAYOUT_SPAN = 4  # ports after learner.port: chunks +1, reflectors +2 and +3, dashboard +4
+
+
+@dataclass(frozen=True)
+class ListenPorts:
+    """Every port the learner listens on, resolved from the config (0: the OS picks)."""
+
+    control: int
+    chunks: int
+    reflectors: tuple[int, int]
+    metrics: int
+
+    def named(self) -> dict[str, int]:
+        """Config key -> port, for messages (the reflector's two as one key each)."""
+        return {"learner.port": self.control, "learner.chunk_port": self.chunks,
+                "learner.reflector_ports[0]": self.reflectors[0],
+                "learner.reflector_ports[1]": self.reflectors[1], "metrics.port": self.metrics}
+
+    def reusing(self, previous: "ListenPorts") -> "ListenPorts":
+        """Each port the OS would pick taken from ``previous`` (a resumed run's), so the fleet
+        finds the learner where it was; a port the config fixes stays as it is."""
+        return ListenPorts(self.control or previous.control, self.chunks or previous.chunks,
+                           (self.reflectors[0] or previous.reflectors[0],
+                            self.reflectors[1] or previous.reflectors[1]),
+                           self.metrics or previous.metrics)
+
+
 class LearnerConfig(StalenessRules, _Section):
     host: str = "127.0.0.1"  # address the control plane binds (0.0.0.0: every interface)
     # The address workers reach the learner at ("" = host): every endpoint the learner hands
     # out (join line, snapshot source, reflectors, learner.json) names it. Required when host
     # is a wildcard (0.0.0.0, ::); set it too behind a NAT or port forward (a cloud VM's public IP).
     public_host: str = ""
-    port: int = Field(0, ge=0, le=65535)  # 0: the OS picks a free port
+    # The learner's ports (docs/ports.md): the control plane listens on port, snapshot chunks
+    # on port + 1, the NAT reflector on port + 2 and port + 3, the dashboard (metrics.port) on
+    # port + 4. Unset: 5555 when host is reachable from other machines, 0 on loopback (tests,
+    # the quickstart, several runs on one machine). 0: the OS picks every one of them.
+    port: int | None = Field(None, ge=0, le=65535)
+    chunk_port: int | None = Field(None, ge=0, le=65535)  # unset: port + 1 (0 when port is 0)
+    # The reflector's two TCP listeners (docs/nat.md). Unset: [port + 2, port + 3].
+    reflector_ports: list[int] | None = None
     max_steps: int = Field(200, gt=0)  # learner steps, then the run ends and workers are told
     # Prompt groups per learner step (N = this x group_size).
     prompts_per_step: int = Field(32, gt=0)
@@ -193,6 +230,28 @@ class LearnerConfig(StalenessRules, _Section):
     @model_validator(mode="after")
     def _kappa_within_budget(self) -> "LearnerConfig":
         self.check_kappa()
+        return self
+
+    @property
+    def base_port(self) -> int:
+        """learner.port, or its default: fixed off loopback, the OS's choice on loopback."""
+        if self.port is not None:
+            return self.port
+        return 0 if is_loopback(self.host) else DEFAULT_PORT
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> "LearnerConfig":
+        if self.reflector_ports is not None:
+            if len(self.reflector_ports) != 2 or not all(0 <= p <= 65535 for p in self.reflector_ports):
+                raise ValueError(
+                    f"learner.reflector_ports={self.reflector_ports!r}: the NAT reflector listens "
+                    f"on two TCP ports; give two ports in 0-65535 (0: the OS picks), e.g. [5557, 5558]")
+        derived = self.chunk_port is None or self.reflector_ports is None
+        if derived and self.base_port + LAYOUT_SPAN > 65535:
+            raise ValueError(
+                f"learner.port={self.base_port}: the ports after it (chunks, reflectors, dashboard: "
+                f"port + 1 to port + {LAYOUT_SPAN}) run past 65535; set learner.port <= "
+                f"{65535 - LAYOUT_SPAN}, or learner.chunk_port and learner.reflector_ports yourself")
         return self
 
     @model_validator(mode="after")
@@ -325,7 +384,9 @@ class MetricsConfig(_Section):
     # Read-only pages, no authentication: keep it local or on a private network. At most 32
     # connections are served at once; idle ones close after 10 s (echo/metrics.py).
     host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)  # 0: the OS picks; the address is in learner.json
+    # Unset: learner.port + 4 (docs/ports.md; 0 when learner.port is 0). 0: the OS picks.
+    # The address is in learner.json.
+    port: int | None = Field(None, ge=0, le=65535)
 
 
 class SecurityConfig(_Section):
@@ -458,6 +519,36 @@ class EchoConfig(_Section):
                 f"(security.insecure=true) if this network is private")
         return self
 
+    def listen_ports(self) -> ListenPorts:
+        """The learner's ports (docs/ports.md): learner.port and the layout after it, each
+        key that is set taking precedence over the layout."""
+        lc, base = self.learner, self.learner.base_port
+
+        def after(offset: int) -> int:
+            return base + offset if base else 0
+
+        refl = lc.reflector_ports or [after(2), after(3)]
+        metrics = self.metrics.port if self.metrics.port is not None else after(LAYOUT_SPAN)
+        return ListenPorts(base, after(1) if lc.chunk_port is None else lc.chunk_port,
+                           (refl[0], refl[1]), metrics)
+
+    @model_validator(mode="after")
+    def _ports_distinct(self) -> "EchoConfig":
+        named = self.listen_ports().named()
+        if not self.metrics.enabled:
+            named.pop("metrics.port")
+        if not self.broadcast.nat_traversal:
+            named.pop("learner.reflector_ports[0]")
+            named.pop("learner.reflector_ports[1]")
+        seen: dict[int, str] = {}
+        for key, port in named.items():
+            if port and port in seen:
+                raise ValueError(
+                    f"{seen[port]} and {key} are both {port}: each of the learner's sockets needs "
+                    f"a port of its own; change one (docs/ports.md gives the layout)")
+            seen[port] = key
+        return self
+
     def worker_view(self) -> dict[str, Any]:
         """The part of the config a worker needs, sent to it on join."""
         return {
@@ -566,10 +657,10 @@ def dump_toml(cfg: EchoConfig) -> str:
     out = []
     data = cfg.model_dump()
     for k, v in data.items():
-        if not isinstance(v, dict):
+        if not isinstance(v, dict) and v is not None:
             out.append(f"{k} = {fmt(v)}")
     for k, v in data.items():
         if isinstance(v, dict):
-            out.append(f"\n[{k}]")
-            out.extend(f"{kk} = {fmt(vv)}" for kk, vv in v.items())
+            out.append(f"\n[{k}]")  # TOML has no null: an unset key is left out
+            out.extend(f"{kk} = {fmt(vv)}" for kk, vv in v.items() if vv is not None)
     return "\n".join(out) + "\n"

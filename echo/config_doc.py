@@ -85,6 +85,9 @@ def _starts_of(body: list[ast.stmt]) -> set[int]:
 
 def _type(ann: Any) -> str:
     origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if type(None) in args:  # X | None: a key that may stay unset
+        rest = [a for a in args if a is not type(None)]
+        return (_type(rest[0]) if len(rest) == 1 else " \\| ".join(_type(a) for a in rest)) + ", optional"
     if origin is typing.Literal:
         return " \\| ".join(f'`"{a}"`' if isinstance(a, str) else f"`{a}`" for a in args)
     if origin in (list, dict):
@@ -105,6 +108,8 @@ def _default(info: FieldInfo) -> str:
         return f'`"{value}"`'
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
+    if value is None:
+        return "unset"
     return f"`{value}`"
 
 

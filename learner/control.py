@@ -80,6 +80,14 @@ class Deferred:
 CHUNK_DOMAIN = b"echo-chunks"
 
 
+def port_taken(key: str, host: str, port: Any, exc: Exception) -> RuntimeError:
+    """A listening port the learner cannot have, said with the key that sets it."""
+    return RuntimeError(
+        f"cannot listen on {host} port {port} ({key}): {exc}. Another process holds it (a "
+        f"learner still running?): stop it, or set {key} to a free port (0: the OS picks; "
+        f"docs/ports.md)")
+
+
 def _ban_detail(note: str) -> str:
     """What a banned worker is told: the reason written with the ban (docs/volunteers.md)."""
     return f"this key is banned ({note})" if note else "this key is banned"
@@ -195,26 +203,16 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         ctx = zmq.asyncio.Context()
-        # Bound before the sockets: no handshake may come before the handler that judges it.
-        zap = (ZapHandler(ctx, self._zap_control, {CHUNK_DOMAIN: self._zap_chunks})
-               if self.gate.keys is not None else None)
-        ctrl = self._ctrl = self._router(ctx, self.cfg.learner.port, 4 * self.max_bytes)
-        # Chunk requests only; only joined keys connect here (_zap_chunks).
-        snap = self._router(ctx, 0, 1 << 16, zap_domain=CHUNK_DOMAIN)
-        # Every endpoint handed out names the learner's public host (echo.addresses).
-        lc = self.cfg.learner
-        self.endpoint, self.snapshot_endpoint = (
-            public_endpoint(s.getsockopt_string(zmq.LAST_ENDPOINT), lc.host, lc.public_host)
-            for s in (ctrl, snap))
+        try:
+            zap, ctrl, snap = await self._listen(ctx)
+        except BaseException:
+            ctx.destroy(linger=0)  # a start that failed (a port taken) frees what it bound
+            raise
         bc = self.cfg.broadcast
         self.coordinator = Coordinator(self.topology, self.snapshot_endpoint, q=bc.q,
                                        reports=ReportBook(bc.convict_after, bc.report_avoid_s,
                                                           bc.relay_mark_s))
         self.coordinator.punches.timeout_s = self.cfg.broadcast.punch_timeout_s
-        if self.cfg.broadcast.nat_traversal:
-            # bound where the control plane is, announced where workers reach it
-            self.reflector = Reflector(lc.host, advertise=lc.public_host)
-            await self.reflector.start()
         sc = self.cfg.security
         self.chunks = ChunkServer(snap, self.store, self.max_bytes, authorize=self._may_pull,
                                   max_parked_per_peer=sc.max_parked_per_peer,
@@ -254,8 +252,35 @@ class ControlPlane(Sessions, SnapshotRoutes):
                 zap.close()
             ctx.term()
 
-    def _router(self, ctx: zmq.asyncio.Context, port: int, max_msg: int,
+    async def _listen(self, ctx: zmq.asyncio.Context) -> tuple[ZapHandler | None, zmq.asyncio.Socket,
+                                                              zmq.asyncio.Socket]:
+        """Every listening socket on its port (docs/ports.md): ZAP, control, chunks, reflector."""
+        # Bound before the sockets: no handshake may come before the handler that judges it.
+        zap = (ZapHandler(ctx, self._zap_control, {CHUNK_DOMAIN: self._zap_chunks})
+               if self.gate.keys is not None else None)
+        ports = self.cfg.listen_ports()
+        ctrl = self._ctrl = self._router(ctx, ports.control, 4 * self.max_bytes, "learner.port")
+        # Chunk requests only; only joined keys connect here (_zap_chunks).
+        snap = self._router(ctx, ports.chunks, 1 << 16, "learner.chunk_port",
+                            zap_domain=CHUNK_DOMAIN)
+        # Every endpoint handed out names the learner's public host (echo.addresses).
+        lc = self.cfg.learner
+        self.endpoint, self.snapshot_endpoint = (
+            public_endpoint(s.getsockopt_string(zmq.LAST_ENDPOINT), lc.host, lc.public_host)
+            for s in (ctrl, snap))
+        if self.cfg.broadcast.nat_traversal:
+            # bound where the control plane is, announced where workers reach it
+            self.reflector = Reflector(lc.host, advertise=lc.public_host, ports=ports.reflectors)
+            try:
+                await self.reflector.start()
+            except OSError as exc:
+                raise port_taken("learner.reflector_ports", lc.host,
+                                 getattr(exc, "port", ports.reflectors), exc) from None
+        return zap, ctrl, snap
+
+    def _router(self, ctx: zmq.asyncio.Context, port: int, max_msg: int, key: str,
                 zap_domain: bytes = b"") -> zmq.asyncio.Socket:
+        """A CURVE ROUTER listening on learner.host:``port`` (the config's ``key``)."""
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer surfaces as an error
         # Hard cap above the app-level limit: frames past it drop the connection before they
@@ -263,8 +288,20 @@ class ControlPlane(Sessions, SnapshotRoutes):
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
         if self.gate.keys is not None:
             curve_server(sock, self.gate.keys, zap_domain or ZAP_DOMAIN)
-        sock.bind(f"tcp://{self.cfg.learner.host}:{port or '*'}")
+        try:
+            sock.bind(f"tcp://{self.cfg.learner.host}:{port or '*'}")
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise port_taken(key, self.cfg.learner.host, port, exc) from None
         return sock
+
+    def bound_ports(self) -> dict[str, Any]:
+        """The ports this plane listens on (learner.json's "ports"; --resume reuses them)."""
+        def port(endpoint: str) -> int:
+            return int(endpoint.rsplit(":", 1)[1])
+
+        return {"control": port(self.endpoint), "chunks": port(self.snapshot_endpoint),
+                "reflectors": list(self.reflector.ports) if self.reflector else [0, 0]}
 
     @property
     def public_key(self) -> bytes | None:

@@ -25,7 +25,7 @@ import torch
 
 from broadcast.versions import VersionEncoder
 from dataplane.records import Limits, Record
-from echo.config import EchoConfig, dump_toml
+from echo.config import EchoConfig, ListenPorts, dump_toml
 from echo.metrics import LearnerMetrics, finite_or_null
 from echo.machine import machine_info
 from echo.procs import READY_PREFIX
@@ -34,7 +34,7 @@ from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_checkpoint, load_or_create_key, save_checkpoint
 from learner.auditor import Auditor
 from learner.durable import BufferLog, live_after, quarantine, scan_log
-from learner.control import ControlPlane
+from learner.control import ControlPlane, port_taken
 from learner.gate import security_dir
 from learner.grants import GrantJournal, Lease, load as load_grants, open_leases
 from learner.reputation import without_quarantined
@@ -164,12 +164,30 @@ def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _endpoint_port(run_dir: Path) -> int:
-    """On resume, listen where the workers knew us, unless the config names a port."""
+def _previous_ports(run_dir: Path) -> ListenPorts | None:
+    """The ports the run's last learner listened on, from its learner.json (one written
+    before the ports were recorded gives its control port only)."""
     info = run_dir / "learner.json"
-    if info.exists():
-        return int(json.loads(info.read_text())["endpoint"].rsplit(":", 1)[1])
-    return 0
+    if not info.exists():
+        return None
+    doc = json.loads(info.read_text())
+    p = doc.get("ports") or {}
+    control = int(doc["endpoint"].rsplit(":", 1)[1])
+    return ListenPorts(control, int(p.get("chunks", 0)), tuple(p.get("reflectors", (0, 0))),
+                       int(p.get("metrics", 0)))
+
+
+def reuse_ports(cfg: EchoConfig, run_dir: Path) -> None:
+    """On resume, listen where the workers knew us: every port the config leaves to the OS
+    takes the run's previous one; a port the config fixes stays (docs/ports.md)."""
+    previous = _previous_ports(run_dir)
+    if previous is None:
+        return
+    ports = cfg.listen_ports().reusing(previous)
+    cfg.learner = cfg.learner.model_copy(update={
+        "port": ports.control, "chunk_port": ports.chunks,
+        "reflector_ports": list(ports.reflectors)})
+    cfg.metrics = cfg.metrics.model_copy(update={"port": ports.metrics})
 
 
 def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> dict[str, Any]:
@@ -188,8 +206,8 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> dict[st
     sys.setswitchinterval(0.001)
     # SIGTERM ends the run like Ctrl-C: workers are told, sockets closed, metrics flushed.
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
-    if resume and cfg.learner.port == 0:
-        cfg.learner.port = _endpoint_port(run_dir)
+    if resume:
+        reuse_ports(cfg, run_dir)
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     learner = Learner(cfg, run_dir, policy)
     reason = "run complete"
@@ -289,9 +307,15 @@ class Learner:
             self.control.publish, background=bc.publish_thread)
         join = self.control.join_line()
         info = {"endpoint": self.control.endpoint, "snapshot_endpoint": self.control.snapshot_endpoint,
-                "join": join, "public_key": (self.control.public_key or b"").decode()}
+                "join": join, "public_key": (self.control.public_key or b"").decode(),
+                "ports": self.control.bound_ports()}
         if self.metrics is not None:
-            self.metrics_server = self.metrics.serve(self.cfg.metrics.host, self.cfg.metrics.port)
+            port = self.cfg.listen_ports().metrics
+            try:
+                self.metrics_server = self.metrics.serve(self.cfg.metrics.host, port)
+            except OSError as exc:
+                raise port_taken("metrics.port", self.cfg.metrics.host, port, exc) from None
+            info["ports"]["metrics"] = self.metrics_server.address[1]
             self.metrics.accounts_source = self.control.accounts.export  # live per scrape
             info["metrics"] = self.metrics_server.url
             for r in self.rows:  # after --resume: cost and curves continue

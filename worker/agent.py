@@ -37,8 +37,8 @@ import zmq.asyncio
 
 from broadcast.fetch import FetchStats
 from broadcast.nat.links import Tunnels
-from broadcast.nat.reflect import NatError, pick_punch_port, probe_all
-from broadcast.relay import Relay, RelayConfig
+from broadcast.nat.reflect import NatError, pick_punch_port, probe_all, punch_port_free
+from broadcast.relay import Relay, RelayConfig, RelayPortTaken
 from broadcast.snapshot import SnapshotError
 from broadcast.tickets import Source
 from dataplane.adapter import Adapter, load_adapter
@@ -230,9 +230,23 @@ class Worker:
         self.ctx = zmq.asyncio.Context()
         self.client = Client(self.ctx, self.endpoint, BOOT_MAX_BYTES, keys=self.keys,
                              server_key=self.line.server_key)
-        self.relay = Relay(self.ctx, self.relay_cfg, keys=self.keys, run_key=lambda: self.public_key)
+        try:
+            self.relay = Relay(self.ctx, self.relay_cfg, keys=self.keys,
+                               run_key=lambda: self.public_key)
+        except RelayPortTaken as exc:
+            self.client.close()
+            self.ctx.term()
+            raise WorkerError(str(exc)) from None
         host = self.relay_cfg.punch_host or self.relay_cfg.bind_host
-        self.tunnels = Tunnels(host, pick_punch_port(host), endpoint=self.relay.endpoint)
+        punch = self.relay_cfg.punch_port
+        if punch and not punch_port_free(host, punch):
+            self.relay.close()
+            self.client.close()
+            self.ctx.term()
+            raise WorkerError(f"punch port {punch} on {host} is in use (a second worker on this "
+                              f"machine?): give each worker its own --relay-port and "
+                              f"--punch-port, or 0 to let the OS pick (docs/ports.md)")
+        self.tunnels = Tunnels(host, punch or pick_punch_port(host), endpoint=self.relay.endpoint)
         self.relay.resolve = self.tunnels.resolve
         self.feed = SnapshotFeed(self.relay, self._ask_source, self._report_install)
         self.feed.on_ready = self.new_snapshot.set

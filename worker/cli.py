@@ -31,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(public workers: an address others can reach; behind a home router "
                         "any local address works, children come through punched links, "
                         "docs/nat.md; default loopback)")
+    j.add_argument("--relay-port", type=int, default=None, metavar="PORT",
+                   help="TCP port the relay listens on: open it to others if this worker is "
+                        "public (default 5560 when --relay-host is not loopback, else the OS "
+                        "picks; 0: the OS picks; docs/ports.md)")
+    j.add_argument("--punch-port", type=int, default=None, metavar="PORT",
+                   help="TCP port NAT probes and punched links use (default: relay port + 1 "
+                        "when the relay port is fixed, else the OS picks; 0: the OS picks)")
     j.add_argument("--punch-host", default=None,
                    help="address NAT probes and punched links leave from (default: the relay "
                         "host, or 0.0.0.0 when that is loopback and the learner is not)")
@@ -111,6 +118,11 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
         except ValueError as exc:
             print(f"echo-worker: --device: {exc}", file=sys.stderr)
             return 2
+    for flag, port in (("--relay-port", args.relay_port), ("--punch-port", args.punch_port)):
+        if port is not None and not 0 <= port <= 65535:
+            print(f"echo-worker: {flag} {port} is not a port: give 1-65535, or 0 to let the OS "
+                  f"pick", file=sys.stderr)
+            return 2
     if args.price < 0:
         print("echo-worker: --price must be >= 0 (USD per hour)", file=sys.stderr)
         return 2
@@ -135,9 +147,10 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     from broadcast.relay import RelayConfig
     from worker.agent import Worker, WorkerError
 
-    relay = RelayConfig(bind_host=args.relay_host, serve=not args.no_relay,
+    relay_port, punch_port = relay_ports(args.relay_host, args.relay_port, args.punch_port)
+    relay = RelayConfig(bind_host=args.relay_host, port=relay_port, serve=not args.no_relay,
                         punch_host=args.punch_host or _punch_host(args.relay_host, line.endpoint),
-                        down_mbit=args.down_mbit, up_mbit=args.up_mbit)
+                        punch_port=punch_port, down_mbit=args.down_mbit, up_mbit=args.up_mbit)
 
     make = make_worker or Worker
     owner = None
@@ -162,7 +175,9 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     try:
         with view:
             reason = asyncio.run(worker.run())
-    except BaseExceptionGroup as eg:  # raised out of the worker's TaskGroup
+    except (WorkerError, BaseExceptionGroup) as eg:  # a group: out of the worker's TaskGroup
+        if isinstance(eg, WorkerError):
+            eg = BaseExceptionGroup("worker", [eg])
         fatal, rest = eg.split(WorkerError)
         if rest is not None or fatal is None:
             raise
@@ -261,6 +276,20 @@ def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:
     inside the deliveries' own TaskGroup, and its message must reach the user."""
     return [leaf for e in eg.exceptions
             for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
+
+
+def relay_ports(relay_host: str, relay_port: int | None, punch_port: int | None) -> tuple[int, int]:
+    """The relay's and the punch socket's ports (docs/ports.md): fixed (5560 and 5561) when
+    the relay listens beyond loopback, so a public volunteer knows what to open; on loopback
+    (several workers on one machine, tests) the OS picks. 0 always means the OS picks."""
+    from echo.addresses import is_loopback
+    from echo.config import DEFAULT_RELAY_PORT
+
+    if relay_port is None:
+        relay_port = 0 if is_loopback(relay_host) else DEFAULT_RELAY_PORT
+    if punch_port is None:
+        punch_port = relay_port + 1 if 0 < relay_port < 65535 else 0
+    return relay_port, punch_port
 
 
 def _punch_host(relay_host: str, learner: str) -> str:

@@ -84,10 +84,28 @@ def pick_punch_port(host: str) -> int:
     return port
 
 
+def punch_port_free(host: str, port: int) -> bool:
+    """Whether no other process listens on ``port``: punch sockets share their port
+    (SO_REUSEPORT), so a second worker given the same fixed port would bind it without an
+    error and take the first one's punched connections. A socket without SO_REUSEPORT cannot
+    bind beside a listener."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # old connections' TIME_WAIT is no owner
+    try:
+        s.bind((host, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 class Reflector:
-    def __init__(self, host: str, *, advertise: str = "", probes_per_s: float = 200.0,
-                 per_address_per_s: float = 5.0, max_dials: int = 64):
+    def __init__(self, host: str, *, advertise: str = "", ports: tuple[int, int] = (0, 0),
+                 probes_per_s: float = 200.0, per_address_per_s: float = 5.0, max_dials: int = 64):
+        """``ports``: the two listeners' (learner.reflector_ports; 0: the OS picks)."""
         self.host = host
+        self._bind_ports = ports
         self.advertise = advertise or host  # the address workers probe (learner.public_host)
         self.ports: list[int] = []
         self.seen: OrderedDict[bytes, Observation] = OrderedDict()
@@ -102,8 +120,14 @@ class Reflector:
         return [f"{self.advertise}:{p}" for p in self.ports]
 
     async def start(self) -> None:
-        for i in range(2):
-            srv = await asyncio.start_server(lambda r, w, i=i: self._serve(r, w, i), self.host, 0)
+        for i, port in enumerate(self._bind_ports):
+            try:
+                srv = await asyncio.start_server(lambda r, w, i=i: self._serve(r, w, i),
+                                                 self.host, port)
+            except OSError as exc:
+                exc.port = port  # type: ignore[attr-defined]  # which of the two was taken
+                self.close()
+                raise
             self._servers.append(srv)
             self.ports.append(srv.sockets[0].getsockname()[1])
 
