@@ -133,17 +133,20 @@ def cut_share(records: list[Record], max_new_tokens: int, eos_token_id: int | No
     return cut / len(single)
 
 
-def _summary(cfg: EchoConfig, rows: list[dict[str, Any]], totals: RunTotals) -> dict[str, Any]:
+def _summary(cfg: EchoConfig, rows: list[dict[str, Any]], totals: RunTotals,
+             ended: str) -> dict[str, Any]:
+    """summary.json; ``ended``: how the run ended (complete, stopped by a signal, stalled)."""
     def mean(rs: list[dict[str, Any]]) -> float | None:
         vals = [r["reward_mean"] for r in rs if r.get("reward_mean") is not None]
         return sum(vals) / len(vals) if vals else None
 
     return {
-        "steps": len(rows), "staleness_budget": cfg.learner.staleness,
-        "staleness_max": max(r["staleness_max"] for r in rows),
+        "steps": len(rows), "ended": ended, "staleness_budget": cfg.learner.staleness,
+        "staleness_max": max((r["staleness_max"] for r in rows), default=None),
         "reward_first10": mean(rows[:10]), "reward_last10": mean(rows[-10:]),
         "bubble_ratio": totals.bubble_ratio, "startup_wait_s": totals.startup_wait,
-        "wall_s": time.monotonic() - totals.started, "last": rows[-1], "machine": machine_info(),
+        "wall_s": time.monotonic() - totals.started, "last": rows[-1] if rows else None,
+        "machine": machine_info(),
     }
 
 
@@ -160,8 +163,12 @@ def _setup_logging(run_dir: Path) -> None:
     root.addHandler(err)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (the summary tells the two apart)."""
+
+
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 def _previous_ports(run_dir: Path) -> ListenPorts | None:
@@ -215,8 +222,14 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> dict[st
         learner.start(resume)
         freeze_startup_objects()
         return learner.run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         reason = "learner stopped"
+        # a run stopped by hand has a summary too, of the steps it took
+        learner.write_summary("stopped (SIGTERM)" if isinstance(stop, Terminated)
+                              else "stopped (Ctrl-C)")
+        raise
+    except LearnerStall as stall:
+        learner.write_summary(f"stalled: {stall}")
         raise
     finally:
         learner.close(reason)
@@ -490,9 +503,14 @@ class Learner:
                 metrics.write(json.dumps(row, allow_nan=False) + "\n")  # _finite_row made it so
                 metrics.flush()
         self.publisher.flush()
-        summary = _summary(self.cfg, self.rows, self.totals)
-        (self.run_dir / "summary.json").write_text(
-            json.dumps(finite_or_null(summary)[0], indent=2, allow_nan=False))
+        return self.write_summary("complete")
+
+    def write_summary(self, ended: str) -> dict[str, Any]:
+        """summary.json, whole or not at all (a second Ctrl-C may come while it is written)."""
+        summary = _summary(self.cfg, self.rows, self.totals, ended)
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(finite_or_null(summary)[0], indent=2, allow_nan=False))
+        tmp.replace(self.run_dir / "summary.json")
         return summary
 
     def _one_step(self) -> dict[str, Any]:
