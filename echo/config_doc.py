@@ -31,7 +31,8 @@ that this page matches the code. One TOML file configures every process: the lea
 workers receive the part they need when they join (`EchoConfig.worker_view`). Any key can be
 overridden on the command line with `--set section.key=value` (values in TOML syntax, strings
 quoted: `--set 'adapter.name="math"'`). A bad key or value stops at load with the key, the value
-and the fix. Example files: `examples/quickstart.toml`, `examples/math.toml`, `examples/poker.toml`.
+and the fix. Example files: `examples/quickstart.toml`, `examples/math.toml`, `examples/poker.toml`,
+`examples/public.toml` (a real run of hours, README "Running for real").
 
 `[adapter.presets.NAME]` tables hold options for the adapter called NAME, so one file can carry
 settings for several tasks and switching task stays the one line `[adapter] name = ...`: the
