@@ -58,8 +58,23 @@ def _workers(t: Target) -> dict[str, dict[str, Any]]:
 
 
 def _handbacks(t: Target) -> dict[str, Any]:
-    rows = _state(t).get("rows") or [{}]
-    return dict(rows[-1].get("handbacks") or {})
+    """The learner's hand-back counts in its newest metrics line (the dashboard's rows keep
+    only the plotted fields)."""
+    path = t.run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return dict(json.loads(lines[-1]).get("handbacks") or {}) if lines else {}
+
+
+def _version(sock: Any, name: str) -> int:
+    """The learner's newest version now, from a heartbeat reply (the join's is long stale at
+    several steps a second: a prefix under it would be refused as stale, never checked)."""
+    sock.send(wire.encode(wire.Heartbeat(worker_id=name, version=-1, rid=99)))
+    deadline = time.monotonic() + 5
+    while sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+        msg = wire.decode(sock.recv(), 1 << 24)
+        if isinstance(msg, wire.HeartbeatAck) and msg.rid == 99:
+            return msg.version
+    raise RuntimeError("no heartbeat reply for the forger")
 
 
 def _security(t: Target) -> dict[str, Any]:
@@ -123,7 +138,7 @@ def forged_handback(t: Target, groups: int = 4, tokens: int = 3, wait_s: float =
                 if not grant:
                     time.sleep(0.5)
                     sock.send(wire.encode(wire.WorkRequest(worker_id=name, max_groups=groups, rid=1)))
-    version = max(ack.version, 0)
+    version = max(_version(sock, name), 0)
     pick = random.Random(0)
     prefixes = {g.group_id: [wire.Prefix(sample_idx=i, ids=[pick.randrange(3, 20) for _ in range(tokens)],
                                          logprobs=[-9999.0] * tokens, versions=[[version, tokens]])

@@ -454,7 +454,7 @@ ORDER = ["junk13", "impersonate", "leave_flood", "future_chunks", "join_flood", 
          "forged_handback", "cherry_pick", "edge_holder", "sybil_flood"]
 OPEN_MODE = ("sybil_flood",)
 RELAY_PHASES = ("black_hole", "selective_relay")  # a hostile worker, not a scripted peer
-TIMEOUT = {"future_chunks": 150, "join_flood": 150, "leave_flood": 60, "forged_handback": 150,
+TIMEOUT = {"future_chunks": 240,  # 100 windows of up to 1 s (rate-limited requests go unanswered) "join_flood": 150, "leave_flood": 60, "forged_handback": 150,
            "cherry_pick": 260, "edge_holder": 200, "sybil_flood": 240}
 
 
@@ -634,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline-s", type=float, default=60.0)
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/security_drill.json"))
+    ap.add_argument("--keep", default="", metavar="DIR",
+                    help="run the fleets in DIR/honest, DIR/attacked, DIR/open and keep them")
     ap.add_argument("--only", default="", help="comma-separated attacks (default: all, in order: "
                     + ", ".join(ORDER) + ")")
     args = ap.parse_args(argv)
@@ -644,8 +646,14 @@ def main(argv: list[str] | None = None) -> int:
     from echo.machine import machine_info
 
     t0 = time.monotonic()
+    keep = Path(args.keep) if args.keep else None
+    if keep is not None:
+        for d in ("honest", "attacked", "open"):
+            (keep / d).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, \
             tempfile.TemporaryDirectory() as c:
+        if keep is not None:  # run folders and logs kept for a look afterwards
+            a, b, c = (str(keep / d) for d in ("honest", "attacked", "open"))
         baseline = honest_run(Path(a), args.baseline_s)
         print(f"honest run: {baseline}", file=sys.stderr, flush=True)
         attacked = attack_run(Path(b), baseline, only)
