@@ -59,6 +59,7 @@ from learner.staleness import Staleness
 from learner.fleet import FLEET_FILE, FleetBooks
 from learner.work import WorkQueue
 from provisioning.controller import Controller, Decision
+from provisioning.words import in_words
 
 log = logging.getLogger("echo.control")
 
@@ -589,7 +590,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             log.info("provisioner: %s %s: %s", d.action, d.worker_id or "-", d.reason)
             self.decisions.append(d)
             if d.worker_id:
-                self.accounts.note(d.worker_id, f"provisioner: {d.action}: {d.reason}")
+                self.accounts.note(d.worker_id, in_words(d))  # a sentence, then the numbers
 
     def _forget(self, worker_id: str, why: str) -> None:
         w = self.workers.pop(worker_id, None)

@@ -93,6 +93,9 @@ class Decision:
     reason: str  # human-readable, with the numbers that triggered it
     c_eff: float  # effective capacity when decided, before this decision (trajectories/s)
     target: float  # alpha * mu_req (trajectories/s)
+    # Which rule decided (provisioning.words puts it in words for the volunteer): shortfall,
+    # probation, liveness, swap, surplus, probation_over, yielded, short.
+    cause: str = ""
 
 
 @dataclass(frozen=True)
@@ -319,7 +322,8 @@ class Controller:
             c_eff = self._c_eff()
             w.state, w.since, w.pending, w.pending_busy = STANDBY, now, 0, 0.0
             d = Decision(now, RELEASE, worker_id, f"{worker_id} yielded to its owner: standby "
-                         f"until the machine is quiet", c_eff, self.alpha * (self._mu_req or 0.0))
+                         f"until the machine is quiet", c_eff, self.alpha * (self._mu_req or 0.0),
+                         "yielded")
             self.history.append(d)
             return d
 
@@ -375,7 +379,7 @@ class Controller:
                          f"liveness: the learner has waited {now - since:.0f} s for data and "
                          f"nobody was activated for a window ({self.window_s:g} s); "
                          f"{w.worker_id} (${w.price:.3g}/h) is the best standby worker",
-                         self._c_eff(), self.alpha * (self._mu_req or 0.0))]
+                         self._c_eff(), self.alpha * (self._mu_req or 0.0), "liveness")]
 
     def _end_probations(self, now: float) -> list[Decision]:
         """Active workers that delivered nothing in ``warmup_s + window_s`` go back to standby:
@@ -395,7 +399,8 @@ class Controller:
             w.state, w.mu_hat, w.ready_at = STANDBY, 0.0, None
             w.failed_probations += 1
             out.append(Decision(now, RELEASE, w.worker_id, f"probation over: {w.worker_id} {why}; "
-                                f"no credit", self._c_eff(), self.alpha * (self._mu_req or 0.0)))
+                                f"no credit", self._c_eff(), self.alpha * (self._mu_req or 0.0),
+                                "probation_over"))
         return out
 
     def _fold(self, now: float) -> None:
@@ -474,8 +479,8 @@ class Controller:
                    f"{_describe(worst)}")
             self._set_active(best, now)
             worst.state = STANDBY
-            out += [Decision(now, ACTIVATE, best.worker_id, why, after, target),
-                    Decision(now, RELEASE, worst.worker_id, why, after, target)]
+            out += [Decision(now, ACTIVATE, best.worker_id, why, after, target, "swap"),
+                    Decision(now, RELEASE, worst.worker_id, why, after, target, "swap")]
             c_eff = after
             self._swapped += 1
         return out
@@ -503,13 +508,14 @@ class Controller:
                 decisions.append(Decision(now, ACTIVATE, w.worker_id,
                                           f"{why}; {_describe(w)}, cheapest standby per "
                                           f"trajectory; C_eff -> {projected + w.effective_mu:.4g}/s",
-                                          projected, target))
+                                          projected, target, "shortfall"))
                 projected += w.effective_mu
             elif free > 0:
                 free -= 1
                 decisions.append(Decision(now, ACTIVATE, w.worker_id,
                                           f"{why}; {w.worker_id} (${w.price:.3g}/h, unmeasured) on "
-                                          f"probation: no credit until it delivers", projected, target))
+                                          f"probation: no credit until it delivers", projected,
+                                          target, "probation"))
                 projected += typical or 0.0
             else:
                 continue
@@ -518,7 +524,7 @@ class Controller:
             decisions.append(Decision(now, SHORT, None,
                                       f"{why}; no standby worker left, still short by "
                                       f"{target - projected:.4g}/s: add workers or lower mu_req",
-                                      projected, target))
+                                      projected, target, "short"))
         return decisions
 
     def probation_s(self) -> float:
@@ -575,7 +581,7 @@ class Controller:
                   f"whose removal keeps "
                   f"C_eff = {c_eff - w.effective_mu:.4g}/s >= {target:.4g}/s")
         w.state = STANDBY
-        return [Decision(now, RELEASE, w.worker_id, reason, c_eff, target)]
+        return [Decision(now, RELEASE, w.worker_id, reason, c_eff, target, "surplus")]
 
     # -- views --------------------------------------------------------------------------------
 

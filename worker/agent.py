@@ -49,6 +49,7 @@ from echo.models import ModelError
 from worker.backends import Backend, Sample, make_backend
 from worker.snapshots import SnapshotFeed
 from worker.status import StatusBoard
+from worker.unreachable import Unreachable
 from echo.client import Client, RequestTimeout
 from echo.security import JoinLine, KeyPair, fingerprint
 
@@ -162,12 +163,15 @@ class Worker:
                  ledger: str | None = None, relay: RelayConfig | None = None,
                  keys: KeyPair | None = None, backend: str | None = None,
                  device: str | None = None, status: StatusBoard | None = None,
-                 show: Any = None, migrate: bool = True, owner: Any = None):
+                 show: Any = None, migrate: bool = True, owner: Any = None,
+                 give_up_after_s: float | None = None, clock: Any = time.monotonic):
         """``status``: where the worker's status goes (docs/volunteers.md; default: kept in
         memory only); ``show``: called with it every second (a live view or a plain line).
         ``migrate``: on SIGTERM, cut the samples being generated and hand them back as
         prefixes (docs/preemption.md) instead of finishing the current groups; ``owner``: an
-        ``worker.owner`` watch: yield the machine whenever its owner's work appears."""
+        ``worker.owner`` watch: yield the machine whenever its owner's work appears.
+        ``give_up_after_s``: stop when the learner has not answered a join this long (None:
+        keep trying; either way, say what to check after 30 s)."""
         self.line = endpoint if isinstance(endpoint, JoinLine) else JoinLine(endpoint, None)
         self.endpoint = self.line.endpoint
         # Identity is the key pair; without CURVE (an --insecure learner) the id is all there is.
@@ -180,6 +184,7 @@ class Worker:
         # the hardware is theirs (echo-worker join --backend vllm --device cuda:1).
         self.backend_name, self.device = backend, device
         self.join_timeout_s = join_timeout_s
+        self.unreachable = Unreachable(self.endpoint, give_up_after_s, clock=clock)
         self.ledger = ledger  # JSONL of what the learner acknowledged storing, per batch
         self._batch_keys: dict[str, list[list[Any]]] = {}
         self.view: dict[str, Any] = {}
@@ -340,8 +345,10 @@ class Worker:
         return float(self.view.get("transport", {}).get("request_timeout_s", self.join_timeout_s))
 
     async def _join(self) -> bool:
-        """Join (or re-join) the learner; retry until it answers or we are told to stop."""
+        """Join (or re-join) the learner; retry until it answers, we are told to stop, or
+        --give-up-after passes (saying what to check while it does not answer)."""
         while not self.stopping.is_set():
+            self.unreachable.trying()
             try:
                 ack = await self.client.request(wire.Join(
                     worker_id=self.worker_id, price=self.price, relay_endpoint=self.relay.endpoint,
@@ -349,8 +356,16 @@ class Worker:
                     up_mbit=self.relay_cfg.up_mbit, token=self.line.token), self.join_timeout_s)
             except RequestTimeout:
                 self._check_handshake()
-                log.info("no answer from learner at %s yet; retrying", self.endpoint)
+                if gave_up := self.unreachable.given_up():
+                    raise WorkerError(gave_up) from None
+                if hint := self.unreachable.silent():
+                    log.warning("%s", hint)
+                    self.status.update(problem=hint)
+                else:
+                    log.info("no answer from learner at %s yet; retrying", self.endpoint)
                 continue
+            self.unreachable.answered()
+            self.status.update(problem=None)
             if isinstance(ack, wire.Error) and ack.reason in JOIN_RETRY_REASONS:
                 log.warning("learner busy (%s): %s; retrying", ack.reason, ack.detail)
                 await asyncio.sleep(2.0)  # a back-off period, not a wait for an event

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu signal: other processes using more than this many cores is the owner")
     j.add_argument("--owner-file", default="", metavar="PATH",
                    help="file signal: the owner is busy while this file exists")
+    j.add_argument("--give-up-after", type=float, default=None, metavar="SECONDS",
+                   help="stop when the learner has not answered a join this long (default: keep "
+                        "trying; after 30 s the worker says what to check either way)")
     j.add_argument("--log-level", default="INFO")
     s = sub.add_parser("status", help="show a running (or finished) worker's status, from the "
                        "file it keeps")
@@ -123,6 +126,10 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
             print(f"echo-worker: {flag} {port} is not a port: give 1-65535, or 0 to let the OS "
                   f"pick", file=sys.stderr)
             return 2
+    if args.give_up_after is not None and not args.give_up_after > 0:
+        print(f"echo-worker: --give-up-after {args.give_up_after:g}: give a number of seconds "
+              f"> 0, or leave it out to keep trying", file=sys.stderr)
+        return 2
     if args.price < 0:
         print("echo-worker: --price must be >= 0 (USD per hour)", file=sys.stderr)
         return 2
@@ -168,7 +175,7 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     worker = make(line, worker_id=args.worker_id, price=args.price, threads=args.threads,
                   ledger=args.ledger, relay=relay, keys=keys, backend=args.backend,
                   device=args.device, status=board, show=view.show,
-                  migrate=not args.no_migrate, owner=owner)
+                  migrate=not args.no_migrate, owner=owner, give_up_after_s=args.give_up_after)
     # The worker settled its id (from its key, unless --id): the file is named after it.
     board.path = (Path(args.status_file) if args.status_file else
                   st.default_status_dir() / f"{board.doc['worker_id'] or 'worker'}.json")

@@ -46,7 +46,7 @@ class StatusBoard:
             "price_per_hour": price, "started_at": time.time(), "updated_at": time.time(),
             "activity": "starting", "installed_version": -1, "installed_at": None,
             "install_s": None, "groups_generated": 0, "samples_generated": 0,
-            "exit": None, "account": None,
+            "exit": None, "account": None, "problem": None,
         }
         self._dirty = True
         self._written = 0.0
@@ -125,12 +125,19 @@ def latest_status(folder: Path) -> Path:
 
 
 def state_of(doc: dict[str, Any]) -> str:
-    """standby, active, quarantined or left (the learner's word), with what the worker does."""
+    """standby, active, quarantined or left (the learner's word), with what the worker does:
+    "installing" until the first snapshot is in the model (loading the model, fetching and
+    rebuilding the snapshot), whatever the worker's loop says meanwhile."""
     acct = doc.get("account") or {}
     state = acct.get("state") or "joining"
     if doc.get("exit"):
         return f"{state}, exited"
-    return f"{state} · {doc.get('activity')}" if state in ("standby", "active") else state
+    if state not in ("standby", "active"):
+        return state
+    activity = doc.get("activity")
+    if doc.get("installed_version", -1) < 0 and activity != "yielded":
+        activity = "installing (model and first snapshot)"
+    return f"{state} · {activity}"
 
 
 def _money(x: float) -> str:
@@ -146,6 +153,8 @@ def rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     a = doc.get("account") or {}
     out = [("state", state_of(doc)), ("worker", str(doc.get("worker_id"))),
            ("learner", str(doc.get("learner")))]
+    if doc.get("problem") and not doc.get("exit"):
+        out.append(("problem", str(doc["problem"])))
     v = doc.get("installed_version", -1)
     inst = f"v{v}" if v >= 0 else "none yet"
     if doc.get("install_s") is not None and v >= 0:
