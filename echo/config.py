@@ -241,11 +241,11 @@ class LearnerConfig(StalenessRules, _Section):
 
     @model_validator(mode="after")
     def _ports_fit(self) -> "LearnerConfig":
-        if self.reflector_ports is not None:
-            if len(self.reflector_ports) != 2 or not all(0 <= p <= 65535 for p in self.reflector_ports):
-                raise ValueError(
-                    f"learner.reflector_ports={self.reflector_ports!r}: the NAT reflector listens "
-                    f"on two TCP ports; give two ports in 0-65535 (0: the OS picks), e.g. [5557, 5558]")
+        refl = self.reflector_ports
+        if refl is not None and (len(refl) != 2 or not all(0 <= p <= 65535 for p in refl)):
+            raise ValueError(
+                f"learner.reflector_ports={refl!r}: the NAT reflector listens on two TCP ports; "
+                f"give two ports in 0-65535 (0: the OS picks), e.g. [5557, 5558]")
         derived = self.chunk_port is None or self.reflector_ports is None
         if derived and self.base_port + LAYOUT_SPAN > 65535:
             raise ValueError(

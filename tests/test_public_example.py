@@ -6,14 +6,15 @@ in the same world flip volunteers within seconds: the check tells the two apart.
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
 import pytest
+from fakes import FakeClock
 
 from echo.config import EchoConfig, ListenPorts, load_config
 from provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller
-from fakes import FakeClock
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,7 +109,7 @@ class Fleet:
         """(worker, seconds between two flips, the later one's reason), failures left out."""
         out = []
         for wid, flips in self.flips.items():
-            for (t0, _, _), (t1, _, why) in zip(flips, flips[1:]):
+            for (t0, _, _), (t1, _, why) in itertools.pairwise(flips):
                 if "probation over" not in why:
                     out.append((wid, t1 - t0, why))
         return out

@@ -13,6 +13,7 @@ import random
 import socket
 
 import pytest
+from fakes import FakeClock
 
 from broadcast.snapshot import RunKey
 from dataplane.adapter import load_adapter
@@ -26,7 +27,6 @@ from provisioning.words import SENTENCES, in_words
 from worker.agent import Worker, WorkerError
 from worker.status import rows, state_of
 from worker.unreachable import Unreachable
-from fakes import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 
