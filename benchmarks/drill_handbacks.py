@@ -249,8 +249,20 @@ def check_edge_holder(r: dict[str, Any]) -> list[str]:
 def _make(kind: str) -> Any:
     from worker.agent import Worker
 
+    def ewma(mean: float, x: float) -> float:  # worker.agent's rollout timing average
+        return 0.8 * mean + 0.2 * x if mean else x
+
     class Picker(Worker):
-        """Generates honestly; hands back its groups below the median reward it has seen."""
+        """Generates honestly; hands back its groups below the median reward it has seen.
+
+        It generates outside ``Worker._rollout`` (which then only queues what was generated),
+        so it does that method's book-keeping itself: the groups are listed as held
+        (``_generating``) from the start of their generation until they are delivered or handed
+        back, or a work request meanwhile (a prefetch) leaves them out and the learner takes
+        them for lost grants and leases them to this worker again (each generated twice, the
+        second hand-back and delivery refused ``not_your_group``); and the rollout timing is
+        that of the real generation, not of serving the stash (near 0 s: every request would
+        be prefetched and 8 times ``groups_per_request``)."""
 
         seen: list[float] = []
         stash: Any = None
@@ -261,43 +273,64 @@ def _make(kind: str) -> Any:
                 return out
             return super()._generate_and_score(groups)
 
-        async def _rollout(self, groups: list[wire.Group]) -> bool:
-            version = self.installed_version
+        async def _generate(self, groups: list[wire.Group]) -> tuple[Any, float]:
+            self._generating = [g.group_id for g in groups]
+            t0 = time.monotonic()
             samples = await asyncio.to_thread(self._generate_and_score, groups)
-            means = [sum(r for _, r in g) / len(g) for g in samples]
-            self.seen = (self.seen + means)[-256:]
-            median = sorted(self.seen)[len(self.seen) // 2]
-            low = [i for i, m in enumerate(means) if m < median or (m == median and random.random() < 0.5)]
-            if low:
-                await self._hand_back([groups[i] for i in low], [samples[i] for i in low], version)
-            keep = [i for i in range(len(groups)) if i not in low]
-            if not keep:
-                return False
-            self.stash = [samples[i] for i in keep]
+            return samples, time.monotonic() - t0
+
+        async def _queue(self, groups: list[wire.Group], samples: Any, version: int,
+                         gen_s: float, n: int) -> bool:
+            """``Worker._rollout`` of samples generated under ``version`` in ``gen_s`` for
+            ``n`` groups (those handed back included)."""
+            timing = (self._rollout_s, self._group_s)
+            self.stash = samples
             saved, self.installed_version = self.installed_version, version
             try:
-                return await super()._rollout([groups[i] for i in keep])
+                ok = await Worker._rollout(self, groups)
             finally:
                 self.installed_version = max(self.installed_version, saved)
+            self._rollout_s, self._group_s = timing
+            if ok:
+                self._rollout_s, self._group_s = ewma(timing[0], gen_s), ewma(timing[1], gen_s / n)
+            return ok
+
+        async def _rollout(self, groups: list[wire.Group]) -> bool:
+            version = self.installed_version
+            try:
+                samples, gen_s = await self._generate(groups)
+                means = [sum(r for _, r in g) / len(g) for g in samples]
+                self.seen = (self.seen + means)[-256:]
+                median = sorted(self.seen)[len(self.seen) // 2]
+                low = [i for i, m in enumerate(means)
+                       if m < median or (m == median and random.random() < 0.5)]
+                if low:
+                    await self._hand_back([groups[i] for i in low], [samples[i] for i in low], version)
+                keep = [i for i in range(len(groups)) if i not in low]
+                if not keep:
+                    return False
+                return await self._queue([groups[i] for i in keep], [samples[i] for i in keep],
+                                         version, gen_s, len(groups))
+            finally:
+                self._generating = []
 
     class Holder(Picker):
         """Generates honestly, then waits until the learner is staleness - 1 versions on."""
 
         async def _rollout(self, groups: list[wire.Group]) -> bool:
             version = self.installed_version
-            samples = await asyncio.to_thread(super()._generate_and_score, groups)
-            # S - 1 installed versions on (the drill's S is the default 2): the learner, about a
-            # version ahead of what a worker has installed, then sees the batch at S - 1 or S
-            edge = version + max(1, STALENESS - 1)
-            deadline = time.monotonic() + 60
-            while self.installed_version < edge and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            self.stash = samples
-            saved, self.installed_version = self.installed_version, version
             try:
-                return await Worker._rollout(self, groups)
+                samples, gen_s = await self._generate(groups)
+                # S - 1 installed versions on (the drill's S is the default 2): the learner,
+                # about a version ahead of what a worker has installed, then sees the batch at
+                # S - 1 or S
+                edge = version + max(1, STALENESS - 1)
+                deadline = time.monotonic() + 60
+                while self.installed_version < edge and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                return await self._queue(groups, samples, version, gen_s, len(groups))
             finally:
-                self.installed_version = max(self.installed_version, saved)
+                self._generating = []
 
     return {"cherry_pick": Picker, "edge_holder": Holder}[kind]
 

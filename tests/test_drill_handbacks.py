@@ -1,0 +1,73 @@
+"""The security drill's cherry-picker (benchmarks/drill_handbacks.py) generates outside
+``Worker._rollout``: it must keep that method's books itself, or the learner takes the groups
+it is generating for lost grants and leases them to it again (each generated twice, the second
+hand-back and delivery refused ``not_your_group``, the drill's picker 'handed nothing back')."""
+
+import asyncio
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import drill_handbacks  # noqa: E402
+from echo import wire  # noqa: E402
+from worker.backends import Sample  # noqa: E402
+
+
+class Clock:
+    t = 100.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+class Backend:
+    """Four finished samples per group; generating one grant takes 2 s of the fake clock. It
+    records what a work request sent meanwhile would list as held."""
+
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "")
+    tokens_sampled = 0
+
+    def __init__(self, worker, clock):
+        self.worker, self.clock, self.held_meanwhile = worker, clock, []
+
+    def generate(self, groups, max_new_tokens, temperature, stop=None):
+        self.held_meanwhile.append(list(self.worker._generating))
+        self.clock.t += 2.0
+        return [[Sample([5, 2], [-0.5, -0.5]) for _ in range(g.n)] for g in groups]
+
+
+class Adapter:
+    def reward(self, task, ids, text):
+        return task["r"]
+
+
+class Client:
+    def __init__(self):
+        self.sent = []
+
+    async def request(self, msg, timeout):
+        self.sent.append(msg)
+        return wire.HandbackAck(groups=len(msg.groups), prefixes=0)
+
+
+def test_the_picker_lists_its_groups_as_held_and_times_the_real_generation(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(drill_handbacks, "time", SimpleNamespace(monotonic=clock.monotonic))
+    w = drill_handbacks._make("cherry_pick")("tcp://127.0.0.1:9", worker_id="picker")
+    w.backend, w.adapter, w.client = Backend(w, clock), Adapter(), Client()
+    w.view = {"worker": {"max_new_tokens": 4, "temperature": 1.0}, "transport": {"request_timeout_s": 5}}
+    w.installed_version, w.seen = 3, [0.5] * 9  # median 0.5: the 0.0 group goes back
+    groups = [wire.Group(group_id=f"g{i}", prompt_ids=[1, 2], n=4, seed=i, task={"r": r})
+              for i, r in enumerate((1.0, 0.0, 0.9))]
+
+    assert asyncio.run(w._rollout(groups)) is True
+
+    assert w.backend.held_meanwhile == [["g0", "g1", "g2"]]  # not []: no lost grant to re-lease
+    assert [m.groups for m in w.client.sent] == [["g1"]]
+    assert [w._groups_of[b] for b in w.unacked] == [["g0", "g2"]]
+    assert w._generating == []
+    # the grant's real generation (2 s for 3 groups), not the stash's 0 s
+    assert (w._rollout_s, round(w._group_s, 3)) == (2.0, 0.667)
