@@ -57,6 +57,14 @@ def _workers(t: Target) -> dict[str, dict[str, Any]]:
     return {w["worker"]: w for w in _state(t).get("workers", [])}
 
 
+def _live_workers(t: Target) -> dict[str, dict[str, Any]]:
+    """``_workers``, or nothing when the learner did not answer this time."""
+    try:
+        return _workers(t)
+    except (OSError, ValueError):
+        return {}
+
+
 def _handbacks(t: Target) -> dict[str, Any]:
     """The learner's hand-back counts in its newest metrics line (the dashboard's rows keep
     only the plotted fields)."""
@@ -190,15 +198,20 @@ def _worker_child(t: Target, kind: str, seconds: float) -> dict[str, Any]:
     log = t.run_dir.parent / f"{name}.log"
     with log.open("w") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
-    try:
-        proc.wait(timeout=seconds)
-    except subprocess.TimeoutExpired:
+    # The learner's /api/state lists joined workers only: the child's row is gone once it has
+    # left, so its books are read while it runs (the last row seen is what it ended with)
+    books: dict[str, dict[str, Any]] = {}
+    end = time.monotonic() + seconds
+    while proc.poll() is None and time.monotonic() < end:
+        time.sleep(min(3.0, max(0.1, end - time.monotonic())))
+        books.update(_live_workers(t))
+    if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
-    books = _workers(t)
+    books.update(_live_workers(t))
     return {"worker": name, "seconds": seconds, "exit": proc.returncode, "books": books.get(name, {}),
             "honest_books": {w: books.get(w, {}) for w in HONEST}, **_security(t)}
 
