@@ -23,8 +23,9 @@ answers for them. Only the control-plane thread calls it.
   ``security.handback_hold_s`` (its job dropped, its snapshot gone, its author quarantined)
   releases the group without the new prefixes: that costs tokens, never correctness.
   Multi-turn prefixes are decisions without the environment's replies between them, which
-  this check cannot rebuild: a multi-turn group drawn for a check loses its new prefixes
-  (``unverifiable``); one not drawn keeps them unchecked.
+  this check cannot rebuild: they are kept unchecked and counted (``unchecked_multi_turn``).
+  Refusing them instead made migration at turn boundaries (docs/preemption.md) impossible
+  for every new worker; checking them needs the episode replayed on the learner (not built).
 * **Counted and bounded.** Per worker: groups handed back, prefixes kept and refused, groups
   whose prefixes were forged, groups taken back past the bounds (``WorkQueue`` counts granted
   and returned). A worker may hand back at most ``handback_share`` of the groups it was
@@ -202,11 +203,12 @@ class Handbacks:
         """One group back on the queue (or held for its check); the new prefixes kept."""
         gid = group.group_id
         new = [p for p in merged if p not in group.prefixes]
-        drawn = bool(new) and self.submit is not None and (
+        multi = any(p.turns for p in new)  # decisions without the replies between: no check
+        drawn = bool(new) and not multi and self.submit is not None and (
             self.passed[key] < self.sc.handback_probation
             or self._rng.random() < self.sc.handback_audit_rate)
         if not drawn:
-            self.counts["unchecked_groups"] += bool(new)
+            self.counts["unchecked_multi_turn" if multi else "unchecked_groups"] += bool(new)
             self.work.hand_back(gid, merged)
             return len(new)
         job, why = self._job(worker_id, key, group, new)
