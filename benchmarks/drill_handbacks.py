@@ -328,7 +328,10 @@ def _make(kind: str) -> Any:
                 self._generating = []
 
     class Holder(Picker):
-        """Generates honestly, then waits until the learner is staleness - 1 versions on."""
+        """Generates honestly, then waits until it has installed staleness - 1 versions on
+        (installing them as they come: snapshots are installed between rollouts, by the loop
+        this wait holds up, so a wait that only watched ``installed_version`` saw none and ran
+        its 60 s out, delivering past the bound)."""
 
         async def _rollout(self, groups: list[wire.Group]) -> bool:
             version = self.installed_version
@@ -339,7 +342,10 @@ def _make(kind: str) -> Any:
                 # S - 1 or S
                 edge = version + max(1, STALENESS - 1)
                 deadline = time.monotonic() + 60
-                while self.installed_version < edge and time.monotonic() < deadline:
+                while time.monotonic() < deadline:
+                    await self._ensure_installed()
+                    if self.installed_version >= edge:
+                        break
                     await asyncio.sleep(0.05)
                 return await self._queue(groups, samples, version, gen_s, len(groups))
             finally:

@@ -71,3 +71,38 @@ def test_the_picker_lists_its_groups_as_held_and_times_the_real_generation(monke
     assert w._generating == []
     # the grant's real generation (2 s for 3 groups), not the stash's 0 s
     assert (w._rollout_s, round(w._group_s, 3)) == (2.0, 0.667)
+
+
+class Feed:
+    """The snapshot feed: version 4 is rebuilt and ready to install."""
+
+    def __init__(self):
+        self.ready = [(4, {"tensors": {}}, None)]
+
+    def take_ready(self):
+        return self.ready.pop() if self.ready else None
+
+
+class Ticking(Clock):
+    def monotonic(self) -> float:  # a second per look: a wait that never ends runs out
+        self.t += 1.0
+        return self.t
+
+
+def test_the_edge_holder_installs_the_versions_it_waits_for(monkeypatch):
+    clock = Ticking()
+    monkeypatch.setattr(drill_handbacks, "time", SimpleNamespace(monotonic=clock.monotonic))
+    w = drill_handbacks._make("edge_holder")("tcp://127.0.0.1:9", worker_id="holder")
+    w.backend, w.adapter, w.client, w.feed = Backend(w, clock), Adapter(), Client(), Feed()
+    w.backend.install = lambda tensors, result, version: None
+    w.view = {"worker": {"max_new_tokens": 4, "temperature": 1.0}, "transport": {"request_timeout_s": 5}}
+    w.installed_version = 3
+    g = wire.Group(group_id="g0", prompt_ids=[1, 2], n=4, seed=0, task={"r": 1.0})
+    start = clock.t
+
+    assert asyncio.run(w._rollout([g])) is True
+
+    assert w.installed_version == 4 and clock.t - start < 60  # not the 60 s give-up
+    batch = next(iter(w.unacked.values()))
+    assert {r["version"] for r in wire.unpack_records(batch.payload, 1 << 20)} == {3}  # generated under 3
+    assert w.backend.held_meanwhile == [["g0"]] and w._generating == []
