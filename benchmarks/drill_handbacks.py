@@ -328,25 +328,29 @@ def _make(kind: str) -> Any:
                 self._generating = []
 
     class Holder(Picker):
-        """Generates honestly, then waits until it has installed staleness - 1 versions on
-        (installing them as they come: snapshots are installed between rollouts, by the loop
-        this wait holds up, so a wait that only watched ``installed_version`` saw none and ran
-        its 60 s out, delivering past the bound)."""
+        """Generates honestly, then holds the batch until the learner has published the
+        version ``learner.staleness`` on from the one it was generated under (notices and
+        heartbeat replies say so at once), so it arrives at the edge. Meanwhile it installs
+        what the feed has ready: snapshots are installed between rollouts, by the loop this
+        wait holds up (a wait on ``installed_version`` alone saw none and ran its 60 s out;
+        one for staleness - 1 installed versions delivered two thirds at S - 1)."""
+
+        newest = -1  # the newest version the learner offered
+
+        def _offer(self, version: int, manifest: dict[str, Any], source: Any) -> None:
+            self.newest = max(self.newest, version)
+            super()._offer(version, manifest, source)
 
         async def _rollout(self, groups: list[wire.Group]) -> bool:
             version = self.installed_version
             try:
                 samples, gen_s = await self._generate(groups)
-                # S - 1 installed versions on (the drill's S is the default 2): the learner,
-                # about a version ahead of what a worker has installed, then sees the batch at
-                # S - 1 or S
-                edge = version + max(1, STALENESS - 1)
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
                     await self._ensure_installed()
-                    if self.installed_version >= edge:
+                    if self.newest >= version + STALENESS:
                         break
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.01)
                 return await self._queue(groups, samples, version, gen_s, len(groups))
             finally:
                 self._generating = []

@@ -77,7 +77,10 @@ class Feed:
     """The snapshot feed: version 4 is rebuilt and ready to install."""
 
     def __init__(self):
-        self.ready = [(4, {"tensors": {}}, None)]
+        self.ready, self.offered = [(4, {"tensors": {}}, None)], []
+
+    def offer(self, version, manifest, source):
+        self.offered.append(version)
 
     def take_ready(self):
         return self.ready.pop() if self.ready else None
@@ -89,7 +92,7 @@ class Ticking(Clock):
         return self.t
 
 
-def test_the_edge_holder_installs_the_versions_it_waits_for(monkeypatch):
+def test_the_edge_holder_delivers_when_the_learner_is_at_the_edge_and_installs_meanwhile(monkeypatch):
     clock = Ticking()
     monkeypatch.setattr(drill_handbacks, "time", SimpleNamespace(monotonic=clock.monotonic))
     w = drill_handbacks._make("edge_holder")("tcp://127.0.0.1:9", worker_id="holder")
@@ -100,9 +103,19 @@ def test_the_edge_holder_installs_the_versions_it_waits_for(monkeypatch):
     g = wire.Group(group_id="g0", prompt_ids=[1, 2], n=4, seed=0, task={"r": 1.0})
     start = clock.t
 
-    assert asyncio.run(w._rollout([g])) is True
+    async def learner_publishes():
+        for v in (4, 5):  # S = 2: version 5 is the edge for a batch generated under 3
+            await asyncio.sleep(0.05)
+            assert not w.unacked  # held until then
+            w._offer(v, {}, None)
 
-    assert w.installed_version == 4 and clock.t - start < 60  # not the 60 s give-up
+    async def both():
+        return (await asyncio.gather(w._rollout([g]), learner_publishes()))[0]
+
+    assert asyncio.run(both()) is True
+
+    assert clock.t - start < 60  # not the 60 s give-up
+    assert w.installed_version == 4 and w.newest == 5
     batch = next(iter(w.unacked.values()))
     assert {r["version"] for r in wire.unpack_records(batch.payload, 1 << 20)} == {3}  # generated under 3
     assert w.backend.held_meanwhile == [["g0"]] and w._generating == []
