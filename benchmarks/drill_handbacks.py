@@ -216,7 +216,7 @@ def _worker_child(t: Target, kind: str, seconds: float) -> dict[str, Any]:
             "honest_books": {w: books.get(w, {}) for w in HONEST}, **_security(t)}
 
 
-def cherry_pick(t: Target, seconds: float = 180.0) -> dict[str, Any]:
+def cherry_pick(t: Target, seconds: float = 300.0) -> dict[str, Any]:
     return _worker_child(t, "cherry_pick", seconds)
 
 

@@ -276,6 +276,8 @@ def calibrate_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="security_drill.py calibrate")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more config override for every run (repeatable)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/security_calibrate.json"))
     args = ap.parse_args(argv)
     from echo.machine import machine_info
@@ -283,7 +285,8 @@ def calibrate_main(argv: list[str]) -> int:
     t0 = time.monotonic()
     bars, run = _progress_runner()
     with bars:
-        runs = [run(f"honest {i + 1}/{args.runs}", None, args.steps) for i in range(args.runs)]
+        runs = [run(f"honest {i + 1}/{args.runs}", None, args.steps, args.set)
+                for i in range(args.runs)]
     result = {"machine": machine_info(), "overrides": BASE_OVERRIDES + args.set, "steps": args.steps,
               "workers": WORKERS, "wall_s": round(time.monotonic() - t0, 1),
               "audits": sum(r["honest_audits"] for r in runs), "flags": sum(r["honest_flags"] for r in runs),

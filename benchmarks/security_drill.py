@@ -454,8 +454,9 @@ ORDER = ["junk13", "impersonate", "leave_flood", "future_chunks", "join_flood", 
          "forged_handback", "cherry_pick", "edge_holder", "sybil_flood"]
 OPEN_MODE = ("sybil_flood",)
 RELAY_PHASES = ("black_hole", "selective_relay")  # a hostile worker, not a scripted peer
-TIMEOUT = {"future_chunks": 240,  # 100 windows of up to 1 s (rate-limited requests go unanswered) "join_flood": 150, "leave_flood": 60, "forged_handback": 150,
-           "cherry_pick": 260, "edge_holder": 200, "sybil_flood": 240}
+# future_chunks: 100 windows of up to 1 s each (requests over a peer's rate go unanswered)
+TIMEOUT = {"future_chunks": 240, "join_flood": 150, "leave_flood": 60, "forged_handback": 150,
+           "cherry_pick": 380, "edge_holder": 200, "sybil_flood": 240}
 
 
 def judge(r: dict[str, Any]) -> str:

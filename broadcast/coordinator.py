@@ -73,6 +73,8 @@ class Coordinator:
         self.reports = reports or ReportBook()
         self.given: dict[str, list[str]] = {}  # worker -> the last GIVEN sources it was sent
         self._by_endpoint: dict[str, str] = {}  # relay endpoint -> worker id (``owner``)
+        self._holders: dict[int, list[str]] = {}  # version -> relays that installed it, in order
+        self._turn = 0  # round robin over them (``joiner_source``)
         self.keyframes_served: dict[str, int] = {}  # endpoint -> keyframe fetches sent there
         # (endpoint, version) a keyframe fetch failed at: that peer is not asked again for it
         # (a worker that reported an install it cannot serve, or that went away)
@@ -320,8 +322,27 @@ class Coordinator:
         if t0 is None or peer is None:
             return None
         dt = (time.monotonic() if now is None else now) - t0
+        if version not in peer.installed and peer.endpoint:
+            held = self._holders.setdefault(version, [])
+            held.append(worker_id)
+            for old in sorted(self._holders)[:-4]:
+                del self._holders[old]
         peer.installed.setdefault(version, dt)
         return dt
+
+    def joiner_source(self, worker_id: str, version: int, tries: int = 8) -> str:
+        """A peer that installed ``version`` for a worker the plan has not placed yet (a
+        joiner pulls from a peer, not the learner: its egress is the cost), round robin over
+        the holders, in O(1): a join must not cost O(fleet). The learner when none fits."""
+        held = self._holders.get(version, [])
+        avoided = self.reports.avoided(worker_id, time.monotonic())
+        for _ in range(min(tries, len(held))):
+            self._turn += 1
+            p = self.peers.get(held[self._turn % len(held)])
+            if (p is not None and p.worker_id != worker_id and p.alive and not p.corrupt
+                    and p.nat == "reachable" and p.endpoint not in avoided):
+                return p.endpoint
+        return self.source
 
     def install_times(self, version: int) -> dict[str, float]:
         return {p.worker_id: p.installed[version] for p in self.peers.values() if version in p.installed}

@@ -227,11 +227,15 @@ class Sessions:
 
     def _snapshot_source(self, w: WorkerState) -> Source:
         """Where ``w`` pulls the current snapshot: its place in the last plan when it has one,
-        else the learner itself (a pending key, or a member planned from the next
-        publication). Never a re-plan: that is O(fleet) and a join or heartbeat must be O(1)."""
+        else a peer that installed it (``Coordinator.joiner_source``), else the learner itself.
+        Never a re-plan: that is O(fleet) and a join or heartbeat must be O(1)."""
         assert self.coordinator is not None
         if w.member and w.worker_id in self.coordinator.sources:
             return self._source(w.worker_id)
+        version, _ = self._latest()
+        peer = self.coordinator.joiner_source(w.worker_id, version)
+        if peer != self.snapshot_endpoint:  # a member that installed it (pull-on-join)
+            return self._ticketed(w.worker_id, peer)
         if self.gate.keys is None:
             return Source(self.snapshot_endpoint)
         expires, ticket = w.entry_ticket

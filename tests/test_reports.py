@@ -199,3 +199,14 @@ def test_a_reporter_is_not_sent_to_the_relay_it_reported_for_a_keyframe_either()
     assert c.keyframe_source(child, 1) == ep  # the relay holds version 1's full payload
     c.reattach(child, ep, "timeout")
     assert c.keyframe_source(child, 1) != ep
+
+
+def test_a_joiner_pulls_from_a_peer_that_installed_the_version_not_the_learner():
+    c, _ = chain(3)
+    assert c.joiner_source("new", 1) == "tcp://root"  # nobody holds it yet
+    for w in ("w0", "w1"):
+        c.installed(w, 1)
+    got = {c.joiner_source("new", 1) for _ in range(4)}
+    assert got == {"tcp://w0", "tcp://w1"}  # round robin over the holders
+    c.reattach("new", "tcp://w0", "timeout")  # a joiner that reported w0 is not sent back there
+    assert {c.joiner_source("new", 1) for _ in range(4)} == {"tcp://w1"}
