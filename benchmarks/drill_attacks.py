@@ -170,7 +170,7 @@ def leave_flood(t: Target, seconds: float = 20.0, rate: float = 40.0) -> dict[st
     return {"sent": sent, "seconds": seconds, "replies": dict(got)}
 
 
-def future_chunks(t: Target, n: int = 200_000) -> dict[str, Any]:
+def future_chunks(t: Target, n: int = 60_000) -> dict[str, Any]:
     joined, _, ack = join_evil(t)
     future = max(ack.version, 0) + 1000
     frame = wire.encode(wire.ChunkRequest(version=future, index=0, rid=1))
