@@ -144,15 +144,20 @@ class SnapshotRoutes:
         assigned = self.coordinator.assigned(msg.worker_id, msg.bad_source)
         self.coordinator.reattach(msg.worker_id, msg.bad_source, msg.reason, count=credible)
         if credible and assigned and msg.reason in KIND:
-            self._probe(msg.bad_source, key, msg.version, msg.chunk)
+            # A timeout is probed on the newest version: by the time the probe runs the
+            # reported one is often superseded, and "no longer held" is an answer, no verdict.
+            corrupt = KIND[msg.reason] == "corrupt"
+            self._probe(msg.bad_source, key, msg.version if corrupt else -1,
+                        msg.chunk if corrupt else -1)
 
     def _probe(self, endpoint: str, accuser: str, version: int, chunk: int = -1) -> bool:
         """Queue the learner's own fetch from ``endpoint`` (``version``, or the newest held);
         False when there is nothing to probe with or the queue is full (counted)."""
         accused = self.relay_keys.get(endpoint)
-        buf = self.store.get(version) or self.store.latest()
-        if accused is None or buf is None or self.verifier is None or self.gate.keys is None \
-                or not self._reachable(endpoint):
+        buf = self.store.get(version) if version >= 0 else None
+        buf = self.store.latest() if buf is None else buf
+        if accused is None or buf is None or buf.total == 0 or self.verifier is None \
+                or self.gate.keys is None or not self._reachable(endpoint):
             return False
         if not 0 <= chunk < buf.total:
             chunk = random.randrange(buf.total)

@@ -210,3 +210,20 @@ def test_a_joiner_pulls_from_a_peer_that_installed_the_version_not_the_learner()
     assert got == {"tcp://w0", "tcp://w1"}  # round robin over the holders
     c.reattach("new", "tcp://w0", "timeout")  # a joiner that reported w0 is not sent back there
     assert {c.joiner_source("new", 1) for _ in range(4)} == {"tcp://w1"}
+
+
+def test_a_probe_is_not_queued_for_an_empty_payload(make_plane):  # noqa: F811
+    """A version with no chunks (an empty delta) gives the probe nothing to ask for: no probe,
+    no crash (it was a ValueError from randrange in the message handler)."""
+    from broadcast.snapshot import Snapshot
+
+    plane = make_plane()
+    m = build_manifest(run_id="t", version=0, tensors=[], payload=b"", chunk_size=1024,
+                       dtype="uint8", key=plane.key)
+    plane.publish(Snapshot(m, b""))
+    plane.relay_keys["tcp://127.0.0.1:9"] = "K"
+
+    async def probe(plane):
+        return plane._probe("tcp://127.0.0.1:9", "accuser", 0)
+
+    assert plane._call(probe, plane) is False
