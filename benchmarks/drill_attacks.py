@@ -85,8 +85,14 @@ def flood(sock: zmq.Socket, frame: bytes, n: int, window: int = 500, timeout_s: 
     got: Counter[str] = Counter()
     for start in range(0, n, window):
         k = min(window, n - start)
-        for _ in range(k):
-            sock.send(frame)
+        try:
+            for _ in range(k):
+                # NOBLOCK: a DEALER whose handshake was refused has no peer, and a blocking
+                # send then waits forever (the attacker hung until the drill's time limit)
+                sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            got["no_connection"] += n - start
+            break
         window_got = drain(sock, k, timeout_s)
         got += window_got
         if not window_got:  # nothing came back: refused at the handshake (e.g. an unjoined
