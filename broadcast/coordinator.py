@@ -69,7 +69,6 @@ class Coordinator:
         self.peers: dict[str, PeerState] = {}
         self.published: dict[int, float] = {}  # version -> monotonic publication time
         self.sources: dict[str, str] = {}  # the last plan: worker -> endpoint it pulls from
-        self.corrupt_reports: list[tuple[str, str]] = []  # (reporter, accused endpoint)
         self.reports = reports or ReportBook()
         self.given: dict[str, list[str]] = {}  # worker -> the last GIVEN sources it was sent
         self._by_endpoint: dict[str, str] = {}  # relay endpoint -> worker id (``owner``)
@@ -248,8 +247,6 @@ class Coordinator:
         elif accused is not None:
             assigned = count and self.assigned(worker_id, bad_source)
             outcome = self.reports.report(worker_id, bad_source, reason, assigned, now)
-            if reason == "corrupt":
-                self.corrupt_reports.append((worker_id, bad_source))
             if outcome != "convicted":
                 # Only the reporter moves; everyone else keeps the source it is pulling from.
                 log.info("relay %s reported by %s (%s, %s): %s routed around it",

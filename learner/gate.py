@@ -49,7 +49,6 @@ class Gate:
         self._newcomers = PeerLimits(cfg.newcomers_per_s_per_prefix, cfg.newcomer_burst)
         self._msgs = PeerLimits(cfg.peer_msgs_per_s, 2 * cfg.peer_msgs_per_s)
         self._bytes = PeerLimits(cfg.peer_mib_per_s * MIB, 2 * cfg.peer_mib_per_s * MIB)
-        self.false_reports: Counter[str] = Counter()
 
     def reload(self) -> None:
         for name, f in (("tokens", self.tokens), ("bans", self.bans), ("allow-list", self.allow)):
@@ -119,11 +118,3 @@ class Gate:
         if key and key not in self.bans:
             log.warning("banning key %s: %s", key, why)
             self.bans.add(key, why)
-
-    def false_report(self, key: str) -> bool:
-        """A corruption report that the learner disproved; True when the key is now banned."""
-        self.false_reports[key] += 1
-        if self.false_reports[key] >= self.cfg.false_reports:
-            self.ban(key, f"{self.false_reports[key]} disproved corruption reports")
-            return True
-        return False
