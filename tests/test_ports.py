@@ -6,7 +6,6 @@ taken said with the key or flag that sets it."""
 from __future__ import annotations
 
 import json
-import random
 import socket
 
 import pytest
@@ -15,14 +14,8 @@ import zmq.asyncio
 
 from broadcast.nat.reflect import punch_port_free, reuse_socket
 from broadcast.relay import Relay, RelayConfig, RelayPortTaken
-from broadcast.snapshot import RunKey
-from dataplane.adapter import load_adapter
-from dataplane.records import Limits
 from echo.config import ConfigError, EchoConfig, ListenPorts, dump_toml, load_config
-from learner.buffer import ReplayBuffer
-from learner.control import ControlPlane
 from learner.main import reuse_ports
-from learner.work import WorkQueue
 from worker.cli import relay_ports
 
 pytestmark = pytest.mark.timeout(60)
@@ -97,14 +90,7 @@ def test_unset_ports_survive_the_run_folders_config_toml(tmp_path):
 # ----------------------------------------------------------------------------- the learner binds them
 
 
-def _plane(cfg: EchoConfig, tokenizer) -> ControlPlane:
-    lc = cfg.learner
-    adapter = load_adapter("toy-add", {}, tokenizer)
-    return ControlPlane(cfg, run_id="t", key=RunKey.generate(),
-                        buffer=ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size),
-                        work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
-                                       max_outstanding=8, lease_timeout_s=30, prefix="t"),
-                        limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size))
+from test_addresses import _plane  # noqa: E402 (one control-plane builder for both)
 
 
 def _with(cfg: EchoConfig, **learner) -> EchoConfig:
