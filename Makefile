@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: quickstart test venv dev clean smollm2
+.PHONY: quickstart test venv dev clean smollm2 gpu-wheels gpu-weights gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,16 @@ SMOLLM2 ?= models/smollm2-135m-instruct
 smollm2: $(SMOLLM2)/config.json
 $(SMOLLM2)/config.json: | $(VENV)/.installed
 	$(BIN)/echo-rl model smollm2 --out $(SMOLLM2) --cache models/.cache
+
+# A lent GPU machine reaches no package index: carry what it lacks (docs/gpu.md).
+gpu-wheels: | $(VENV)/.installed
+	$(BIN)/python benchmarks/gpu_carry.py wheels
+gpu-weights: | $(VENV)/.installed
+	$(BIN)/python benchmarks/gpu_carry.py weights
+
+# On the GPU machine (its python3 holds a CUDA torch): every GPU figure in one call, ~8 minutes.
+gpu-check:
+	$(PY) benchmarks/gpu_suite.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,403 @@
+"""The stages of ``make gpu-check``: each runs in its own process, under its own time budget,
+started by ``benchmarks/gpu_suite.py``, and writes what it has measured so far to ``--json``
+after every figure (a stage stopped at its budget keeps its finished figures).
+
+    python benchmarks/gpu_stages.py STAGE --json FILE [--dry-run]
+
+Stages: ``model`` (SmolLM2 from its GGUF), ``tests`` (the ``gpu``-marked tests), ``learner``
+(learner step tokens/s and MFU, full and LoRA), ``generation`` (worker tokens/s at batch 1, 16,
+64 and the install time of a version), ``learning`` (SmolLM2 learning the math example: a
+learner and two workers on the GPU). ``--dry-run`` runs every stage's code path on the CPU with
+the tiny model and small sizes: ``make test`` does, so the script cannot rot between GPU runs.
+
+MFU (model FLOPs utilisation) = counted FLOPs per second / the device's dense bf16 peak
+(PEAK_TFLOPS; null for a device not listed). A learner step is one no-grad forward over the
+batch (the step-start log-probs) plus a forward and backward over it (split into
+``updates_per_step`` mini-batches), so it counts, per sequence of S = P + C tokens,
+
+    forward  F = 2 * (N_mm - V*d) * S  +  2 * V*d * C  +  2 * L * d_attn * S^2
+    step     full fine-tuning: F + 3F = 4F;  LoRA: F + 2F = 3F (no weight gradients of the frozen base)
+
+with N_mm the parameters that multiply (the input embedding excluded unless tied to the head),
+V*d the LM head (evaluated on completion positions only, as ``token_logprobs`` does), L layers,
+d_attn = heads * head_dim and causal attention (QK^T and AV, half of S^2 each). The small
+LoRA matrices are left out of the count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+    os.environ.setdefault(_k, _v)
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts), TFLOP/s.
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "L4": 121.0,
+               "RTX 4090": 165.2, "RTX 3090": 71.0}
+# SmolLM2-135M's architecture (its config.json), for a random-init stand-in when the weights
+# are not at hand; and a ~1.1B Qwen3 (Qwen3-1.7B's widths, 16 layers) for a larger figure.
+SMOLLM2_ARCH = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=100000.0)
+QWEN3_1B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                tie_word_embeddings=True, max_position_embeddings=4096)
+TINY = dict(model_type="qwen3", vocab_size=24, hidden_size=64, intermediate_size=256,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            tie_word_embeddings=True, max_position_embeddings=256)
+
+
+class Record:
+    """The stage's JSON, rewritten whole after every figure."""
+
+    def __init__(self, path: Path, stage: str) -> None:
+        self.path, self.data = path, {"stage": stage}
+
+    def put(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        tmp.replace(self.path)
+
+
+def _device(a: argparse.Namespace) -> str:
+    return "cpu" if a.dry_run else "cuda"
+
+
+def _sync(device: str) -> Callable[[], None]:
+    import torch
+
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+def _timed(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> list[float]:
+    fn()  # warm-up: kernels, allocator, autotuning
+    out = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def peak_tflops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+# ------------------------------------------------------------------------------ model
+
+
+def stage_model(a: argparse.Namespace, rec: Record) -> None:
+    """SmolLM2's Hugging Face folder, imported from its GGUF (carried in parts: gpu_suite.py)."""
+    if a.dry_run:
+        rec.put("skipped", "dry run: the tiny model stands in for SmolLM2")
+        return
+    if (SMOLLM2 / "config.json").is_file():
+        rec.put("folder", "present")
+        return
+    gguf = Path(a.gguf) if a.gguf else None
+    if gguf is None or not gguf.is_file():
+        rec.put("skipped", f"no SmolLM2 GGUF at {gguf}: stages use its architecture with random weights")
+        return
+    from echo.gguf_import import import_gguf
+
+    t0 = time.perf_counter()
+    import_gguf(gguf, SMOLLM2)
+    rec.put("import_s", time.perf_counter() - t0)
+
+
+def real_smollm2() -> bool:
+    return (SMOLLM2 / "config.json").is_file()
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+def stage_tests(a: argparse.Namespace, rec: Record) -> None:
+    import xml.etree.ElementTree as ET
+
+    xml = Path(a.json).with_suffix(".junit.xml")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+           "tests/test_gpu.py", "tests/test_vllm_gpu.py", f"--junitxml={xml}"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    print(run.stdout[-6000:], run.stderr[-3000:], sep="\n")
+    cases = []
+    if xml.is_file():
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+            why = next((c.get("message", "")[:300] for c in case if c.tag != "system-out"), "")
+            cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                          "seconds": float(case.get("time", 0)), "message": why})
+    rec.put("returncode", run.returncode)
+    rec.put("cases", cases)
+    rec.put("passed", sum(c["outcome"] == "passed" for c in cases))
+    rec.put("failed", sum(c["outcome"] in ("failure", "error") for c in cases))
+    rec.put("skipped", sum(c["outcome"] == "skipped" for c in cases))
+
+
+# ------------------------------------------------------------------------------ learner
+
+
+def build(arch: dict[str, Any], device: str, seed: int = 0) -> Any:
+    """A random-init causal LM of ``arch``, built on ``device`` (a 1B model inits in seconds there)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch = dict(arch)
+    cfg = AutoConfig.for_model(arch.pop("model_type"), **arch)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def smollm2_model(a: argparse.Namespace, device: str) -> tuple[Any, str]:
+    if a.dry_run:
+        return build(TINY, device), "tiny-qwen3 (random init)"
+    if real_smollm2():
+        from echo.config import ModelConfig
+        from echo.models import load_model, load_tokenizer
+
+        cfg = ModelConfig(name=str(SMOLLM2))
+        return load_model(cfg, load_tokenizer(cfg)).to(device), "SmolLM2-135M-Instruct"
+    return build(SMOLLM2_ARCH, device), "SmolLM2-135M architecture (random init)"
+
+
+def random_batch(model: Any, batch: int, prompt: int, completion: int, device: str, seed: int = 0) -> Any:
+    import torch
+
+    from dataplane.adapter import LearnerBatch
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(4, vocab, (batch, prompt + completion), generator=g)
+    loss_mask = torch.zeros(batch, prompt + completion - 1)
+    loss_mask[:, prompt - 1:] = 1
+    adv = torch.randn(batch, generator=g)
+    lb = LearnerBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=loss_mask,
+                      behaviour_logprobs=-torch.rand(batch, prompt + completion - 1, generator=g) * loss_mask,
+                      advantages=adv, rewards=torch.zeros(batch), versions=torch.zeros(batch, dtype=torch.long))
+    return lb
+
+
+def step_flops(model: Any, batch: int, prompt: int, completion: int, lora: bool) -> float:
+    """FLOPs of one learner step by the formula in this module's docstring."""
+    cfg = model.config
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    tied = emb.data_ptr() == head.data_ptr()
+    base = [p for n, p in model.named_parameters() if "lora_" not in n]
+    n_mm = sum(p.numel() for p in base) - (0 if tied else emb.numel())
+    vd = head.numel()
+    seq = prompt + completion
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    d_attn = cfg.num_attention_heads * head_dim
+    fwd = 2 * (n_mm - vd) * seq + 2 * vd * completion + 2 * cfg.num_hidden_layers * d_attn * seq**2
+    return batch * fwd * (3 if lora else 4)
+
+
+def lora_wrap(model: Any) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                            target_modules="all-linear"))
+
+
+def learner_case(a: argparse.Namespace, make: Callable[[], tuple[Any, str]], lora: bool,
+                 shape: tuple[int, int, int]) -> dict[str, Any]:
+    import torch
+
+    from echo.config import LearnerConfig
+    from learner.parallel import make_parallel
+    from learner.trainer import Trainer
+
+    device = _device(a)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model, name = make()
+    if lora:
+        model = lora_wrap(model)
+    par = make_parallel(device)
+    model = par.wrap(model)
+    trainer = Trainer(model, LearnerConfig(lr=1e-6, updates_per_step=2), parallel=par)
+    B, P, C = shape
+    batch = par.to_device(random_batch(model, B, P, C, device))
+    times = _timed(lambda: trainer.step(batch), a.reps, _sync(device))
+    step_s = statistics.median(times)
+    flops = step_flops(model, B, P, C, lora)
+    peak = peak_tflops()
+    out = {"model": name, "lora": lora, "device": str(par.device),
+           "params": sum(p.numel() for p in model.parameters()),
+           "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+           "batch": {"sequences": B, "prompt": P, "completion": C}, "step_s": times,
+           "step_s_median": step_s, "tokens_per_s": B * (P + C) / step_s,
+           "tflops_per_s": flops / step_s / 1e12, "peak_tflops": peak,
+           "mfu": flops / step_s / 1e12 / peak if peak else None,
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+    del trainer, model, batch
+    return out
+
+
+def _lora_available() -> str | None:
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return "peft is not installed"
+    return None
+
+
+def stage_learner(a: argparse.Namespace, rec: Record) -> None:
+    device = _device(a)
+    shape = (4, 8, 8) if a.dry_run else (16, 256, 256)
+    big = (lambda: (build(TINY, device), "tiny-qwen3 (random init)")) if a.dry_run else \
+        (lambda: (build(QWEN3_1B, device), "Qwen3 ~1.1B (random init)"))
+    cases = [("smollm2_full", lambda: smollm2_model(a, device), False),
+             ("qwen3_1b_full", big, False),
+             ("smollm2_lora", lambda: smollm2_model(a, device), True),
+             ("qwen3_1b_lora", big, True)]
+    for key, make, lora in cases:
+        why = _lora_available() if lora else None
+        if why:
+            rec.put(key, {"skipped": why})
+            continue
+        t0 = time.perf_counter()
+        r = learner_case(a, make, lora, shape)
+        r["wall_s"] = time.perf_counter() - t0
+        rec.put(key, r)
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        print(f"{key}: {r['model']}, {r['tokens_per_s']:.0f} tokens/s, {r['tflops_per_s']:.1f} TFLOP/s, MFU {mfu}",
+              flush=True)
+
+
+# ------------------------------------------------------------------------------ generation
+
+
+def _backend(a: argparse.Namespace) -> Any:
+    from echo.config import ModelConfig
+    from worker.backends import make_backend
+
+    cfg = ModelConfig() if a.dry_run or not real_smollm2() else ModelConfig(name=str(SMOLLM2))
+    return make_backend("transformers", model_cfg=cfg, threads=os.cpu_count() or 1, device=_device(a)), cfg
+
+
+def _prompts(backend: Any, cfg: Any, n: int) -> list[list[int]]:
+    if cfg.name == "tiny-qwen3":
+        return [[5 + i % 10, 6, 7, 8, 9, 10] for i in range(n)]
+    from adapters.math import MathAdapter
+
+    adapter = MathAdapter({"path": str(ROOT / "examples" / "data" / "arith_words.jsonl")}, backend.tokenizer)
+    items = adapter.items()
+    return [items[i % len(items)][0] for i in range(n)]
+
+
+def stage_generation(a: argparse.Namespace, rec: Record) -> None:
+    from echo import wire
+    from echo.models import params_to_payload
+
+    backend, cfg = _backend(a)
+    sync = _sync(_device(a))
+    rec.put("model", cfg.name)
+    new_tokens = 8 if a.dry_run else 128
+    for rows, groups_n in ((1, 1), (16, 4), (64, 8)):
+        n = rows // groups_n
+        groups = [wire.Group(group_id=f"g{i}", prompt_ids=p, n=n, seed=i)
+                  for i, p in enumerate(_prompts(backend, cfg, groups_n))]
+        made: list[int] = []
+        times = _timed(lambda: made.append(sum(len(s.completion_ids) for g in backend.generate(
+            groups, new_tokens, 1.0) for s in g)), a.reps, sync)
+        tokens = made[-1]
+        rec.put(f"batch_{rows}", {"sequences": rows, "max_new_tokens": new_tokens, "seconds": times,
+                                  "tokens": tokens, "tokens_per_s": tokens / statistics.median(times)})
+        print(f"generation batch {rows}: {tokens / statistics.median(times):.0f} tokens/s", flush=True)
+    index, payload = params_to_payload(backend.model.named_parameters(), "bfloat16")
+    times = _timed(lambda: backend.install(index, payload, version=2), a.reps, sync)
+    rec.put("install", {"payload_mib": len(payload) / 2**20, "seconds": times,
+                        "seconds_median": statistics.median(times)})
+    print(f"install of a {len(payload) / 2**20:.0f} MiB version: {statistics.median(times) * 1e3:.0f} ms", flush=True)
+
+
+# ------------------------------------------------------------------------------ learning
+
+
+def learning_argv(a: argparse.Namespace, run_dir: Path) -> list[str]:
+    base = [sys.executable, "-m", "echo.cli", "quickstart", "--run-dir", str(run_dir)]
+    if a.dry_run:
+        return base + ["--config", "examples/quickstart.toml", "--set", "learner.max_steps=3"]
+    sets = [f"learner.max_steps={a.steps}", "learner.lr=5e-6", "learner.device=cuda",
+            "worker.device=cuda", "worker.groups_per_request=4", "learner.lease_timeout_s=120",
+            "learner.wait_timeout_s=120", "broadcast.timeout_s=30", "learner.torch_threads=4",
+            "worker.torch_threads=4"]
+    return base + ["--config", "examples/smollm2-math.toml"] + [x for s in sets for x in ("--set", s)]
+
+
+def stage_learning(a: argparse.Namespace, rec: Record) -> None:
+    if not a.dry_run and not real_smollm2():
+        rec.put("skipped", "SmolLM2's weights are not here (stage model): a learning run needs them")
+        return
+    run_dir = Path(a.json).parent / "learning-run"
+    argv = learning_argv(a, run_dir)
+    rec.put("command", " ".join(argv[1:]))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, timeout=a.budget_s, stdin=subprocess.DEVNULL)
+        rec.put("returncode", proc.returncode)
+    except subprocess.TimeoutExpired:
+        rec.put("returncode", None)
+        rec.put("stopped", f"at the stage's budget, {a.budget_s:.0f} s: the steps made so far are kept")
+    rec.put("wall_s", time.perf_counter() - t0)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
+        if (run_dir / "metrics.jsonl").is_file() else []
+    keys = ("step", "version", "reward_mean", "t_train", "t_publish", "t_bcast", "bubble_ratio", "wall_s")
+    rec.put("curve", [{k: r.get(k) for k in keys if k in r} for r in rows])
+    if rows:
+        first = [r["reward_mean"] for r in rows[:10]]
+        last = [r["reward_mean"] for r in rows[-10:]]
+        rec.put("reward_first10", statistics.mean(first))
+        rec.put("reward_last10", statistics.mean(last))
+        print(f"learning: {len(rows)} steps, reward first 10 {statistics.mean(first):.3f} -> "
+              f"last 10 {statistics.mean(last):.3f}", flush=True)
+
+
+STAGES: dict[str, Callable[[argparse.Namespace, Record], None]] = {
+    "model": stage_model, "tests": stage_tests, "learner": stage_learner,
+    "generation": stage_generation, "learning": stage_learning}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("stage", choices=sorted(STAGES))
+    p.add_argument("--json", required=True)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60, help="learning: learner steps")
+    p.add_argument("--budget-s", type=float, default=300.0, help="learning: the run's wall limit")
+    p.add_argument("--gguf", help="model: the SmolLM2 GGUF to import")
+    a = p.parse_args(argv)
+    if a.dry_run:
+        a.reps = 1
+    STAGES[a.stage](a, Record(Path(a.json), a.stage))
+
+
+if __name__ == "__main__":
+    main()
