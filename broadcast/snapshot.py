@@ -12,6 +12,8 @@ manifest = {
   "chunk_hashes": [bytes32, ...],   # BLAKE3 of every chunk of the payload sent, in order
   "result_size": int,               # the full payload the worker installs
   "result_hashes": [bytes32, ...],  # BLAKE3 of every chunk of it (== chunk_hashes when full)
+  "base_model": str,                # LoRA runs only: hex BLAKE3 of the base model the tensors
+                                    # (an adapter's) apply to (echo/lora.py)
   "signature": bytes64,             # Ed25519 over the canonical msgpack of everything else
 }
 
@@ -31,6 +33,7 @@ later (docs/fuzzing.md).
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +55,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_
 MAX_PAYLOAD = 1 << 40  # 1 TiB: far above any policy, far below what would overflow a size
 MAX_CHUNK = 1 << 31
 MAX_RANK = 16
+BASE_HASH = re.compile(r"[0-9a-f]{64}")
 
 
 class SnapshotError(ValueError):
@@ -107,10 +111,12 @@ def chunk_hashes(data: bytes | bytearray | memoryview, chunk_size: int) -> list[
 
 def build_manifest(*, run_id: str, version: int, tensors: list[dict[str, Any]], payload: bytes,
                    chunk_size: int, dtype: str, key: RunKey, base_version: int = -1,
-                   result: bytes | bytearray | None = None) -> dict[str, Any]:
+                   result: bytes | bytearray | None = None,
+                   base_model: str | None = None) -> dict[str, Any]:
     """A full snapshot (``tensors``: the layout of ``payload``), or with ``base_version`` and
     ``result`` a delta (``tensors``: the entries ``broadcast.delta.encode`` returned,
-    ``payload``: the delta, ``result``: the full payload it rebuilds)."""
+    ``payload``: the delta, ``result``: the full payload it rebuilds). ``base_model``: the
+    base model's content hash when the tensors are a LoRA adapter's (signed with the rest)."""
     hashes = chunk_hashes(payload, chunk_size)
     if result is None:
         tensors = [{**t, "enc": "full", "doff": t["offset"], "dlen": t["nbytes"]} for t in tensors]
@@ -121,6 +127,8 @@ def build_manifest(*, run_id: str, version: int, tensors: list[dict[str, Any]], 
         "result_size": len(payload if result is None else result),
         "result_hashes": hashes if result is None else chunk_hashes(result, chunk_size),
     }
+    if base_model is not None:
+        manifest["base_model"] = base_model
     manifest["signature"] = key.sign(_signed_part(manifest))
     return manifest
 
@@ -211,6 +219,10 @@ def check_manifest(manifest: Any) -> None:
         raise SnapshotError("manifest names a tensor twice")
     if manifest["encoding"] == "full" and any(t["enc"] != "full" for t in tensors):
         raise SnapshotError("a full manifest with a tensor not encoded in full")
+    base = manifest.get("base_model", "0" * 64)
+    if not isinstance(base, str) or not BASE_HASH.fullmatch(base):
+        raise SnapshotError(f"manifest base_model is {_show(base)}, expected 64 hex digits "
+                            f"(the BLAKE3 of a LoRA run's base model)")
 
 
 def _check_hashes(key: str, hashes: Any, size: int, chunk: int) -> None:

@@ -37,8 +37,10 @@ class Publication:
 
 class VersionEncoder:
     def __init__(self, *, run_id: str, key: RunKey, chunk_size: int, dtype: str,
-                 delta: bool = True, keyframe_every: int = 10, max_ratio: float = 0.8):
+                 delta: bool = True, keyframe_every: int = 10, max_ratio: float = 0.8,
+                 base_model: str | None = None):
         self.run_id, self.key, self.chunk_size, self.dtype = run_id, key, chunk_size, dtype
+        self.base_model = base_model  # LoRA: every version is an adapter for this base model
         self.delta, self.keyframe_every, self.max_ratio = delta, keyframe_every, max_ratio
         self._base: tuple[int, list[dict[str, Any]], bytes] | None = None
         self._since_keyframe = 0
@@ -53,7 +55,7 @@ class VersionEncoder:
         if pub is None:
             manifest = build_manifest(run_id=self.run_id, version=version, tensors=tensors,
                                       payload=full, chunk_size=self.chunk_size, dtype=self.dtype,
-                                      key=self.key)
+                                      key=self.key, base_model=self.base_model)
             pub = Publication(manifest, full, full, DeltaStats(full_bytes=len(full),
                                                                payload_bytes=len(full)))
             self._since_keyframe = 0
@@ -77,7 +79,8 @@ class VersionEncoder:
             return None
         manifest = build_manifest(run_id=self.run_id, version=version, tensors=entries,
                                   payload=payload, chunk_size=self.chunk_size, dtype=self.dtype,
-                                  key=self.key, base_version=base_version, result=full)
+                                  key=self.key, base_version=base_version, result=full,
+                                  base_model=self.base_model)
         return Publication(manifest, payload, full, stats)
 
 

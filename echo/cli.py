@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "(the trained policy, with its tokenizer) for model.name or any tool")
     ex.add_argument("--run-dir", type=Path, required=True)
     ex.add_argument("--out", type=Path, required=True, help="new folder to write (must not exist)")
+    ex.add_argument("--merged", action="store_true", help="a LoRA run: write the model with the "
+                    "adapter merged in (the adapter alone goes to OUT/adapter)")
     prov = bench_sub.add_parser("provisioning", help="worker selection: greedy vs ours vs exact")
     prov.add_argument("--pools", type=int, default=1000)
     prov.add_argument("--seed", type=int, default=0)
@@ -169,12 +171,16 @@ def _model(args: argparse.Namespace) -> int:
         elif args.model == "export":
             from learner.checkpoint import export_checkpoint
 
-            out = export_checkpoint(args.run_dir, args.out)
+            out = export_checkpoint(args.run_dir, args.out, merged=args.merged)
         else:
             out = ensure_smollm2(args.out, args.cache)
     except ImportFailed as err:
         print(f"echo-rl model {args.model}: {err}", file=sys.stderr)
         return 1
+    if not (out / "config.json").exists():  # a LoRA run's adapter alone
+        print(f"{out}: a LoRA adapter (peft: PeftModel.from_pretrained(base, \"{out}\")) for the "
+              f"run's base model; --merged writes a whole model for model.name")
+        return 0
     print(f"{out}: set model.name = \"{out}\"")
     return 0
 

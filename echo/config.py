@@ -148,6 +148,31 @@ class ListenPorts:
                            self.metrics or previous.metrics)
 
 
+class LoraConfig(_Section):
+    """LoRA through peft (docs/learner.md, "LoRA"): the learner trains a low-rank adapter on the
+    frozen base model, and every published version carries only the adapter's tensors plus the
+    base model's content hash; workers hold the base model and apply each version's adapter."""
+
+    enabled: bool = False  # train a LoRA adapter instead of every weight of the model
+    rank: int = Field(16, gt=0)  # r: each adapted layer gets A (r x in) and B (out x r)
+    alpha: float = Field(32.0, gt=0)  # the adapter's output is scaled by alpha / rank
+    # Dropout on the adapter's input while training. 0 keeps the learner's forward passes
+    # deterministic, so the step-start log-probs and the trained ones see the same function.
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # Modules to adapt: a list of module names (["q_proj", "v_proj"]: every module whose name
+    # ends so), or "all-linear" (every linear layer but the output head, peft's keyword).
+    target_modules: str | list[str] = "all-linear"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError(f'give a list of module names (["{value}"]) or "all-linear"')
+        if isinstance(value, list) and (not value or not all(v.strip() for v in value)):
+            raise ValueError('name at least one module (["q_proj", "v_proj"]), or use "all-linear"')
+        return value
+
+
 class LearnerConfig(StalenessRules, _Section):
     host: str = "127.0.0.1"  # address the control plane binds (0.0.0.0: every interface)
     # The address workers reach the learner at ("" = host): every endpoint the learner hands
@@ -224,6 +249,7 @@ class LearnerConfig(StalenessRules, _Section):
     # Where the policy trains: auto (cuda:LOCAL_RANK if a GPU is visible, else cpu), cpu, cuda,
     # cuda:N. On a GPU with bf16 the weights and Adam stay float32 and the forward runs in bf16.
     device: str = "auto"
+    lora: LoraConfig = Field(default_factory=LoraConfig)  # [learner.lora]
 
     _device = field_validator("device")(check_device)
 
@@ -510,6 +536,15 @@ class EchoConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _lora_has_a_backend(self) -> "EchoConfig":
+        if self.learner.lora.enabled and self.worker.backend != "transformers":
+            raise ValueError(
+                f"learner.lora.enabled with worker.backend={self.worker.backend!r}: only the "
+                f"transformers backend applies LoRA adapters so far; set worker.backend = "
+                f"\"transformers\", or learner.lora.enabled = false")
+        return self
+
+    @model_validator(mode="after")
     def _public_needs_security(self) -> "EchoConfig":
         host = self.learner.host
         if not is_loopback(host) and not self.security.curve and not self.security.insecure:
@@ -561,6 +596,8 @@ class EchoConfig(_Section):
                          "peer_chunk_requests_per_s": self.security.peer_chunk_requests_per_s,
                          "max_parked_total": self.security.max_parked_total},
             "group_size": self.learner.group_size,
+            # how versions are applied: a LoRA run's versions are adapters on the base model
+            "lora": self.learner.lora.model_dump(),
         }
 
 

@@ -17,6 +17,7 @@ import inspect
 import io
 import sys
 import tokenize
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,8 @@ def _type(ann: Any) -> str:
     if type(None) in args:  # X | None: a key that may stay unset
         rest = [a for a in args if a is not type(None)]
         return (_type(rest[0]) if len(rest) == 1 else " \\| ".join(_type(a) for a in rest)) + ", optional"
+    if origin in (typing.Union, types.UnionType):  # X | Y, e.g. a name or a list of names
+        return " \\| ".join(_type(a) for a in args)
     if origin is typing.Literal:
         return " \\| ".join(f'`"{a}"`' if isinstance(a, str) else f"`{a}`" for a in args)
     if origin in (list, dict):
@@ -148,12 +151,17 @@ def section(name: str, cls: type[BaseModel]) -> str:
 def render() -> str:
     from echo.config import EchoConfig
 
-    parts = [HEADER, section("", EchoConfig)]
-    for key, info in EchoConfig.model_fields.items():
+    return "\n".join([HEADER, *_sections("", EchoConfig)])
+
+
+def _sections(name: str, cls: type[BaseModel]) -> list[str]:
+    """The section's table, then each of its subsections' ([learner.lora] after [learner])."""
+    parts = [section(name, cls)]
+    for key, info in cls.model_fields.items():
         ann = info.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            parts.append(section(key, ann))
-    return "\n".join(parts)
+            parts += _sections(f"{name}.{key}" if name else key, ann)
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:

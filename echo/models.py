@@ -245,16 +245,19 @@ def params_to_payload(named: Iterable[tuple[str, Any]], dtype: str) -> tuple[lis
 
 
 def install_payload(model: Any, index: list[dict[str, Any]], payload: bytes | bytearray) -> None:
-    """Copy a snapshot payload into the model's parameters (shapes and names must match)."""
+    """Copy a snapshot payload into the model's parameters (shapes and names must match); into
+    its LoRA adapter's parameters when ``model`` is a peft model (``echo.lora``)."""
     import torch
 
-    params = dict(model.named_parameters())
+    from echo.lora import adapter_parameters, is_peft
+
+    params = adapter_parameters(model) if is_peft(model) else dict(model.named_parameters())
     names = {e["name"] for e in index}
     if names != set(params):
         missing, extra = set(params) - names, names - set(params)
         raise ModelError(f"snapshot does not fit this model: missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(extra)[:3]}; worker and learner must use the same "
-                         f"model.name")
+                         f"model.name and the same [learner.lora] settings")
     buf = memoryview(payload)
     with torch.no_grad():
         for e in index:

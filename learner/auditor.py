@@ -168,11 +168,15 @@ class Auditor:
                     records: list[Any]) -> list[TokenStats]:
         import torch
 
-        from echo.models import install_payload, load_model, resolve_device
+        from echo.lora import load_policy_model
+        from echo.models import install_payload, resolve_device
 
         if self._model is None:  # a copy of the policy: the trainer's weights move on
             device = resolve_device(self.cfg.learner.device, "learner.device")
-            self._model = load_model(self.cfg.model, self.tokenizer, "float32").to(device).eval()
+            # with LoRA: the base model plus an adapter, into which the claimed version's
+            # adapter tensors are installed (base + adapter of that version)
+            model, _ = load_policy_model(self.cfg.model, self.cfg.learner.lora, self.tokenizer)
+            self._model = model.to(device).eval()
         if self._installed != version:
             install_payload(self._model, *snap)
             self._installed = version

@@ -64,10 +64,10 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
     return torch.load(path, weights_only=False)
 
 
-def export_checkpoint(run_dir: Path, out: Path) -> Path:
+def export_checkpoint(run_dir: Path, out: Path, merged: bool = False) -> Path:
     """The policy of ``run_dir``'s latest checkpoint as a Hugging Face folder (weights and
     tokenizer, save_pretrained) for ``model.name``: fine-tune on, evaluate, or start a run from
-    a model that has learned something."""
+    a model that has learned something. A LoRA run's is its adapter (``_export_lora``)."""
     from echo.config import ConfigError, load_config
     from echo.gguf_import import ImportFailed
     from echo.models import load_model, load_tokenizer
@@ -83,7 +83,29 @@ def export_checkpoint(run_dir: Path, out: Path) -> Path:
         raise ImportFailed(f"{run_dir} has no checkpoint (learner.checkpoint = false?)")
     tok = load_tokenizer(cfg.model)
     model = load_model(cfg.model, tok, "float32")
-    model.load_state_dict(state["model"])
-    model.save_pretrained(out)
+    if cfg.learner.lora.enabled:
+        _export_lora(model, cfg.learner.lora, state["model"], out, merged)
+    else:
+        model.load_state_dict(state["model"])
+        model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def _export_lora(base: Any, lora: Any, adapter_sd: dict[str, Any], out: Path, merged: bool) -> None:
+    """The trained adapter in peft's format (adapter_config.json, adapter_model.safetensors:
+    ``PeftModel.from_pretrained(base, folder)`` loads it) in ``out``; with ``merged``, ``out``
+    is the whole model with the adapter merged in (for model.name) and the adapter goes to
+    ``out/adapter`` (beside a config.json, transformers would take the folder for an adapter)."""
+    from echo.lora import adapter_parameters, wrap
+
+    model = wrap(base, lora)
+    if set(adapter_sd) != set(adapter_parameters(model)):
+        from echo.gguf_import import ImportFailed
+
+        raise ImportFailed("the checkpoint's tensors are not this run's LoRA adapter (the "
+                           "[learner.lora] settings in config.toml changed?)")
+    model.load_state_dict({**model.state_dict(), **adapter_sd})
+    model.save_pretrained(out / "adapter" if merged else out)
+    if merged:
+        model.merge_and_unload().save_pretrained(out)

@@ -316,7 +316,8 @@ class Learner:
         bc = self.cfg.broadcast
         self.publisher = Publisher(VersionEncoder(
             run_id=self.run_id, key=self.key, chunk_size=bc.chunk_kib * 1024, dtype=bc.dtype,
-            delta=bc.delta, keyframe_every=bc.keyframe_every, max_ratio=bc.delta_max_ratio),
+            delta=bc.delta, keyframe_every=bc.keyframe_every, max_ratio=bc.delta_max_ratio,
+            base_model=self.policy.base_hash),
             self.control.publish, background=bc.publish_thread)
         join = self.control.join_line()
         info = {"endpoint": self.control.endpoint, "snapshot_endpoint": self.control.snapshot_endpoint,

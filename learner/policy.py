@@ -33,8 +33,13 @@ class Policy:
         self.tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, self.tokenizer, "float32")
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
-        # Names of the parameters a snapshot carries (tied weights once), as before sharding.
-        self.param_names = [n for n, _ in model.named_parameters()]
+        self.lora = cfg.learner.lora.enabled
+        self.base_hash: str | None = None  # LoRA: the base model's content hash (echo/lora.py)
+        if self.lora:
+            model = self._wrap_lora(model, cfg)
+        # Names of the parameters a snapshot carries (tied weights once), as before sharding:
+        # every parameter, or with LoRA the adapter's only.
+        self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         # Every rank builds the adapter for its answer set: the log-probs of a restricted
         # adapter are renormalised over it (dataplane/answers.py), on every rank alike.
         self.adapter = load_adapter(cfg.adapter.name, cfg.adapter.effective_options, self.tokenizer)
@@ -49,6 +54,18 @@ class Policy:
                                max_new_tokens=cfg.worker.max_new_tokens,
                                eos_token_id=self.tokenizer.eos_token_id,
                                answer_tokens=self.answer_tokens)
+
+    def _wrap_lora(self, model: Any, cfg: EchoConfig) -> Any:
+        from echo.lora import base_hash, wrap
+
+        if self.par.world > 1:
+            raise ValueError("learner.lora.enabled under torchrun (FSDP2) is not supported yet: "
+                             "run the learner as one process (the frozen base needs no optimizer "
+                             "state, so one GPU holds far larger models with LoRA), or set "
+                             "learner.lora.enabled = false")
+        self.base_hash = base_hash(model)  # of the base as loaded, before peft renames it
+        torch.manual_seed(cfg.seed)  # the adapter's initialisation (A random, B zero)
+        return wrap(model, cfg.learner.lora)
 
     def command(self, cmd: dict[str, Any]) -> tuple[dict[str, float], FullState | None]:
         return self._execute(self.par.broadcast(cmd))
@@ -70,14 +87,33 @@ class Policy:
             self._load(cmd["state"])
         elif op not in ("sync", "stop"):
             raise ValueError(f"unknown policy command {op!r}")
-        full = self.par.full_state(self.model, self.trainer.optimizer) if cmd.get("sync") or op == "sync" else None
+        full = self._full_state() if cmd.get("sync") or op == "sync" else None
         return stats, full
 
+    def _full_state(self) -> FullState:
+        """Model and optimizer state for checkpoints and snapshots: with LoRA the adapter's
+        tensors only (the frozen base is the model folder's, never copied)."""
+        model_sd, optim_sd = self.par.full_state(self.model, self.trainer.optimizer)
+        if self.lora:
+            model_sd = {n: model_sd[n] for n in self.param_names}
+        return model_sd, optim_sd
+
     def _load(self, state: dict[str, Any]) -> None:
-        self.par.load_state(self.model, self.trainer.optimizer, state["model"], state["optimizer"])
+        model_sd = state["model"]
+        if self.lora:
+            model_sd = self._with_base(model_sd)
+        self.par.load_state(self.model, self.trainer.optimizer, model_sd, state["optimizer"])
         self.trainer.generator.set_state(state["trainer_rng"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
+
+    def _with_base(self, adapter_sd: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's adapter tensors completed with the (frozen) base weights held here."""
+        if set(adapter_sd) != set(self.param_names):
+            raise ValueError(f"the checkpoint holds {len(adapter_sd)} tensors, this learner trains "
+                             f"{len(self.param_names)} (learner.lora.enabled = {self.lora}): resume "
+                             f"with the [learner.lora] settings the run was started with")
+        return {**self.model.state_dict(), **adapter_sd}
 
     def rng_state(self) -> dict[str, Any]:
         return {"trainer_rng": self.trainer.generator.get_state(),

@@ -15,6 +15,7 @@ import torch
 from dataplane.adapter import LearnerBatch
 from dataplane.answers import answer_bias
 from echo.config import LearnerConfig
+from echo.lora import is_peft
 from learner.loss import LossConfig, grpo_loss
 from learner.parallel import Parallel, Single
 
@@ -59,7 +60,8 @@ def _trained_span(loss_mask: torch.Tensor) -> tuple[int, int] | None:
 def _logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int) -> torch.Tensor:
     """Logits of the last ``keep`` positions; the LM head runs only there when the model
     supports ``logits_to_keep`` (current transformers models do)."""
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+    inner = model.get_base_model() if is_peft(model) else model  # peft passes it on
+    if "logits_to_keep" in inspect.signature(inner.forward).parameters:
         out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep)
     else:  # an older model class: full logits, then slice
         out = model(input_ids=input_ids, attention_mask=attention_mask)
@@ -121,9 +123,15 @@ class Trainer:
             raise ValueError("learner.mask_truncated_completions needs the tokenizer's eos_token_id: "
                              "pass eos_token_id to Trainer, or set it to false")
         self.eos_token_id = eos_token_id
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-        # The reference model costs a full copy; it exists only when the KL term is on.
-        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
+        # The trained parameters: all of them, or a LoRA adapter's (the base is frozen).
+        self.optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
+                                          lr=cfg.lr)
+        # The reference model costs a full copy; it exists only when the KL term is on. With
+        # LoRA the reference is the base model: the policy with its adapter disabled, no copy
+        # (as TRL does with a peft_config).
+        self.ref_base = cfg.beta > 0 and is_peft(model)
+        self.ref_model = (copy.deepcopy(model).eval().requires_grad_(False)
+                          if cfg.beta > 0 and not self.ref_base else None)
         self.generator = torch.Generator().manual_seed(seed)
         self.nonfinite_rows: list[int] = []  # rows behind the last step's skipped updates
 
@@ -143,8 +151,7 @@ class Trainer:
         shards = [self.par.shard(mb) for mb in minibatches]
         with torch.no_grad():  # logp_old: parameters at step start, before any update
             olds = [self.logprobs(self.model, batch, i) for i in shards]
-            refs = ([self.logprobs(self.ref_model, batch, i) for i in shards]
-                    if self.ref_model is not None else [None] * len(shards))
+            refs = [self.ref_logprobs(batch, i) for i in shards]
         applied: list[dict[str, float]] = []
         for mb, idx, old, ref in zip(minibatches, shards, olds, refs):
             stats = self._update(batch, mb, idx, old, ref)
@@ -220,6 +227,13 @@ class Trainer:
             out[k] = total[i] / max(total[-2], 1.0)
         out["loss"] = total[-1] / self.par.world
         return out
+
+    def ref_logprobs(self, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor | None:
+        """Reference log-probs of ``rows`` (None when the KL term is off)."""
+        if self.ref_base:
+            with self.model.disable_adapter():
+                return self.logprobs(self.model, batch, rows)
+        return None if self.ref_model is None else self.logprobs(self.ref_model, batch, rows)
 
     def logprobs(self, model: Any, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:
         return token_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],

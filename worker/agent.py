@@ -44,7 +44,8 @@ from broadcast.tickets import Source
 from dataplane.adapter import Adapter, load_adapter
 from dataplane.answers import check_answer_tokens
 from echo import wire
-from echo.config import ModelConfig
+from echo.config import LoraConfig, ModelConfig
+from echo.lora import base_problem
 from echo.models import ModelError
 from worker.backends import Backend, Sample, make_backend
 from worker.snapshots import SnapshotFeed
@@ -410,6 +411,13 @@ class Worker:
         wv = self.view["worker"]
         name = self.backend_name or wv["backend"]
         extra = {"gpu_memory_utilization": wv.get("vllm_gpu_memory", 0.5)} if name == "vllm" else {}
+        lora = LoraConfig(**self.view.get("lora", {}))
+        if lora.enabled:  # versions are adapters: the backend holds the base and an adapter
+            if name != "transformers":
+                raise WorkerError(f"this run trains a LoRA adapter (learner.lora.enabled) and the "
+                                  f"{name} backend does not apply adapters yet: join with "
+                                  f"--backend transformers")
+            extra["lora"] = lora
         backend = make_backend(name, model_cfg=ModelConfig(**self.view["model"]), threads=threads,
                                device=self.device or wv.get("device", "auto"), **extra)
         adapter = load_adapter(self.view["adapter"]["name"], self.view["adapter"]["options"],
@@ -489,6 +497,7 @@ class Worker:
         if ready is None or ready[0] <= self.installed_version:
             return
         version, manifest, result = ready
+        self._check_base(manifest)  # a WorkerError: out of the try, it ends the worker
         self.state = "installing"
         try:
             assert self.backend is not None
@@ -506,6 +515,14 @@ class Worker:
             log.exception("snapshot v%d could not be installed: %s", version, err)
         finally:
             self.state = "idle"
+
+    def _check_base(self, manifest: dict[str, Any]) -> None:
+        """A LoRA version applies to the base model it names, and to no other: a worker holding
+        another base could only generate from a model nobody trained (fatal, with the fix)."""
+        assert self.backend is not None
+        problem = base_problem(manifest, self.backend.base_hash, self.view["model"]["name"])
+        if problem:
+            raise WorkerError(problem)
 
     async def _report_install(self, version: int, stats: FetchStats, decode_s: float,
                               keyframe: bool) -> None:

@@ -78,6 +78,9 @@ def regroup(groups: list[wire.Group], rows: list[Row], samples: list[Sample]) ->
 class Backend(ABC):
     tokenizer: Any
     vocab_size: int
+    # A LoRA run's backend: the content hash of the base model it holds (echo/lora.py), which
+    # every version's manifest must name. None: versions are whole models.
+    base_hash: str | None = None
     # New tokens sampled so far, updated while a generation runs where the backend can:
     # the preemption drill's count of work done (benchmarks/preemption_drill.py).
     tokens_sampled: int = 0

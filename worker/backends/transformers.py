@@ -19,9 +19,9 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 
 from dataplane.answers import answer_processor
 from echo import wire
-from echo.config import ModelConfig
-from echo.models import (bf16_compute, install_payload, load_model, load_tokenizer,
-                         resolve_device, vocab_size)
+from echo.config import LoraConfig, ModelConfig
+from echo.lora import load_policy_model
+from echo.models import bf16_compute, install_payload, load_tokenizer, resolve_device, vocab_size
 from worker.backends.base import Backend, Sample, finish, needs_tokens, plan_rows, regroup
 
 
@@ -46,12 +46,17 @@ class _Watch(StoppingCriteria):
 
 
 class TransformersBackend(Backend):
-    def __init__(self, model_cfg: ModelConfig, threads: int = 1, device: str = "cpu"):
+    """``lora`` (a LoRA run, echo/lora.py): the base model is loaded once and hashed, and each
+    version's adapter is copied into a peft adapter on it (unmerged)."""
+
+    def __init__(self, model_cfg: ModelConfig, threads: int = 1, device: str = "cpu",
+                 lora: LoraConfig | None = None):
         torch.set_num_threads(threads)
         self.device = resolve_device(device, "worker.device")
         dtype = "bfloat16" if bf16_compute(self.device) else "float32"
         self.tokenizer = load_tokenizer(model_cfg)
-        self.model = load_model(model_cfg, self.tokenizer, dtype).to(self.device).eval()
+        model, self.base_hash = load_policy_model(model_cfg, lora, self.tokenizer, dtype)
+        self.model = model.to(self.device).eval()
         self.vocab_size = vocab_size(self.model)
 
     def install(self, tensors: list[dict[str, Any]], payload: bytes | bytearray,

@@ -1,0 +1,227 @@
+"""LoRA (issue 32): the learner trains a peft adapter on the frozen base model; a version is the
+adapter's tensors plus the base model's content hash; workers and the auditor apply it to the
+base they hold, after checking the hash (echo/lora.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from broadcast.snapshot import RunKey, SnapshotError, build_manifest, verify_manifest  # noqa: E402
+from echo.config import ConfigError, EchoConfig, load_config  # noqa: E402
+from echo.models import params_to_payload  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def lora_cfg(**lora) -> EchoConfig:
+    return EchoConfig.model_validate({
+        "learner": {"prompts_per_step": 2, "group_size": 2, "lr": 0.05, "device": "cpu",
+                    "lora": {"enabled": True, "rank": 4, **lora}},
+        "worker": {"device": "cpu"},
+        "broadcast": {"dtype": "float32", "chunk_kib": 4},
+    })
+
+
+def batch_of(tokenizer, seed: int = 0):
+    """Two groups of two samples with rewards 1 and 0: non-zero advantages."""
+    from dataplane.adapter import materialise_records
+    from dataplane.records import Record
+
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for k in range(2):
+        prompt = torch.randint(4, len(tokenizer), (4,), generator=g).tolist()
+        groups.append([Record(group_id=f"g{k}", sample_idx=i, prompt_ids=prompt,
+                              completion_ids=torch.randint(4, len(tokenizer), (5,), generator=g).tolist(),
+                              logprobs=[-3.0] * 5, reward=float(i), version=0, worker_id="w")
+                       for i in range(2)])
+    return groups, materialise_records(groups, [1.0, -1.0, 1.0, -1.0], tokenizer.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def trained(tokenizer):
+    """A LoRA policy after one learner step, and its state as a snapshot would carry it."""
+    from learner.policy import Policy
+
+    policy = Policy(lora_cfg())
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    _, batch = batch_of(tokenizer)
+    stats, full = policy.command({"op": "step", "batch": batch, "sync": True})
+    return policy, before, stats, full
+
+
+def test_lora_is_off_by_default_and_bad_settings_name_the_key():
+    assert not EchoConfig().learner.lora.enabled
+    assert EchoConfig().worker_view()["lora"]["enabled"] is False
+    with pytest.raises(ConfigError, match=r"learner\.lora\.rank = 0"):
+        load_config(None, ["learner.lora.rank=0"])
+    with pytest.raises(ConfigError, match=r'learner\.lora\.target_modules.*\["q_proj"\]'):
+        load_config(None, ['learner.lora.target_modules="q_proj"'])
+    with pytest.raises(ConfigError, match="did you mean 'learner.lora.alpha'"):
+        load_config(None, ["learner.lora.alpah=8"])
+    with pytest.raises(ConfigError, match="transformers backend applies LoRA"):
+        load_config(None, ["learner.lora.enabled=true", 'worker.backend="vllm"'])
+
+
+def test_unknown_target_module_is_refused_with_the_model_s_linear_layers(tokenizer):
+    from echo.lora import wrap
+    from echo.models import ModelError, load_model
+
+    model = load_model(EchoConfig().model, tokenizer)
+    with pytest.raises(ModelError, match=r"target_modules = \['qkv'\].*q_proj"):
+        wrap(model, lora_cfg(target_modules=["qkv"]).learner.lora)
+
+
+def test_a_step_trains_the_adapter_only(trained):
+    policy, before, stats, full = trained
+    assert stats["loss"] == stats["loss"] and stats["skipped_nonfinite"] == 0
+    assert policy.param_names and all(".lora_" in n for n in policy.param_names)
+    changed = {n for n, p in policy.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed <= set(policy.param_names)  # the base never moves
+    assert any(".lora_B." in n for n in changed)  # B starts at zero: the adapter now acts
+    assert list(full[0]) == policy.param_names  # checkpoints and snapshots: the adapter alone
+    opt_params = [p for g in policy.trainer.optimizer.param_groups for p in g["params"]]
+    assert len(opt_params) == len(policy.param_names)
+
+
+def test_a_version_is_the_adapter_plus_the_signed_base_hash(trained, tokenizer):
+    from echo.lora import base_hash
+    from echo.models import load_model
+
+    policy, _, _, full = trained
+    tensors, payload = params_to_payload(policy.named_tensors(full[0]), "bfloat16")
+    base = load_model(EchoConfig().model, tokenizer)
+    _, whole = params_to_payload(base.named_parameters(), "bfloat16")
+    assert len(payload) < 0.2 * len(whole)  # rank 4 on a 64-wide toy; SmolLM2: benchmarks/lora_bytes.py
+    assert policy.base_hash == base_hash(base) and len(policy.base_hash) == 64
+    key = RunKey.generate()
+    manifest = build_manifest(run_id="r", version=1, tensors=tensors, payload=payload,
+                              chunk_size=4096, dtype="bfloat16", key=key, base_model=policy.base_hash)
+    verify_manifest(manifest, key.public_bytes)
+    forged = {**manifest, "base_model": "0" * 64}
+    with pytest.raises(SnapshotError, match="signature"):
+        verify_manifest(forged, key.public_bytes)
+    with pytest.raises(SnapshotError, match="base_model"):
+        verify_manifest({**manifest, "base_model": "not hex"}, key.public_bytes)
+
+
+def test_adapter_versions_go_as_deltas_and_rebuild_bit_exact(trained):
+    from broadcast.versions import VersionEncoder, rebuild
+
+    policy, _, _, full = trained
+    enc = VersionEncoder(run_id="r", key=RunKey.generate(), chunk_size=4096, dtype="bfloat16",
+                         base_model=policy.base_hash)
+    tensors, v1 = params_to_payload(policy.named_tensors(full[0]), "bfloat16")
+    moved = {n: t + 0.01 * (i % 3 == 0) for i, (n, t) in enumerate(full[0].items())}
+    _, v2 = params_to_payload(policy.named_tensors(moved), "bfloat16")
+    first, second = enc.build(1, tensors, v1), enc.build(2, tensors, v2)
+    assert first.manifest["encoding"] == "full" and second.manifest["encoding"] == "delta"
+    assert first.manifest["base_model"] == second.manifest["base_model"] == policy.base_hash
+    assert len(second.payload) < len(v2)
+    assert bytes(rebuild(second.manifest, second.payload, v1)) == v2
+
+
+def test_worker_applies_the_version_to_its_base_and_generates_from_the_learner_s_policy(trained, tokenizer):
+    from echo.lora import base_problem
+    from worker.backends import make_backend
+
+    policy, _, _, full = trained
+    cfg = lora_cfg()
+    backend = make_backend("transformers", model_cfg=cfg.model, threads=1, device="cpu",
+                           lora=cfg.learner.lora)
+    assert backend.base_hash == policy.base_hash
+    tensors, payload = params_to_payload(policy.named_tensors(full[0]), "float32")
+    manifest = {"version": 1, "base_model": policy.base_hash}
+    assert base_problem(manifest, backend.base_hash, "tiny-qwen3") is None
+    backend.install(tensors, payload, 1)
+    ids = torch.tensor([[4, 9, 14, 5, 7, 12]])
+    with torch.no_grad():
+        torch.testing.assert_close(backend.model(input_ids=ids).logits,
+                                   policy.model(input_ids=ids).logits, rtol=0, atol=1e-6)
+    other = make_backend("transformers", model_cfg=cfg.model.model_copy(update={"seed": 1}),
+                         threads=1, device="cpu", lora=cfg.learner.lora)
+    problem = base_problem(manifest, other.base_hash, "tiny-qwen3")
+    assert "hashes to" in problem and "learner's base model" in problem
+    assert "applies LoRA" in base_problem({"version": 1}, backend.base_hash, "m")
+    assert "without an adapter" in base_problem(manifest, None, "m")
+
+
+def test_auditor_recomputes_under_base_plus_the_claimed_adapter(trained, tokenizer):
+    from learner.auditor import Auditor
+
+    policy, _, _, full = trained
+    cfg = lora_cfg()
+    groups, batch = batch_of(tokenizer, seed=3)
+    rows = torch.arange(4)
+    with torch.no_grad():
+        truth = policy.trainer.logprobs(policy.model, batch, rows)
+    aud = Auditor(cfg, tokenizer, lambda v: None)
+    aud.add_snapshot(1, *params_to_payload(policy.named_tensors(full[0]), "float32"))
+    records = [r for g in groups for r in g]
+    stats = aud.token_stats(1, aud._snapshots[1], records)
+    for i, (rec, s) in enumerate(zip(records, stats)):
+        start = len(rec.prompt_ids) - 1
+        expected = truth[i, start:start + len(rec.completion_ids)]
+        torch.testing.assert_close(torch.tensor(s.logprob), expected, rtol=0, atol=1e-5)
+    zero = {n: torch.zeros_like(t) for n, t in full[0].items()}  # another version: base alone
+    aud.add_snapshot(0, *params_to_payload(policy.named_tensors(zero), "float32"))
+    base_stats = aud.token_stats(0, aud._snapshots[0], records)
+    assert base_stats[0].logprob != pytest.approx(stats[0].logprob, abs=1e-4)
+
+
+def test_checkpoint_resumes_the_adapter_and_export_writes_it(trained, tokenizer, tmp_path):
+    from peft import PeftModel
+
+    from echo.config import dump_toml
+    from echo.models import load_model
+    from learner.checkpoint import export_checkpoint, save_checkpoint
+    from learner.policy import Policy
+
+    policy, _, _, full = trained
+    cfg = lora_cfg()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(dump_toml(cfg))
+    save_checkpoint(run, 0, {"model": full[0], "optimizer": full[1], **policy.rng_state()})
+    resumed = Policy(cfg)
+    resumed.command({"op": "load", "state": {"model": full[0], "optimizer": full[1],
+                                             **policy.rng_state()}})
+    ids = torch.tensor([[4, 9, 14, 5, 7]])
+    with torch.no_grad():
+        want = policy.model(input_ids=ids).logits
+        torch.testing.assert_close(resumed.model(input_ids=ids).logits, want, rtol=0, atol=0)
+
+    adapter = export_checkpoint(run, tmp_path / "adapter")
+    assert (adapter / "adapter_model.safetensors").exists() and not (adapter / "config.json").exists()
+    loaded = PeftModel.from_pretrained(load_model(cfg.model, tokenizer), adapter)
+    merged = export_checkpoint(run, tmp_path / "merged", merged=True)
+    whole = load_model(cfg.model.model_copy(update={"name": str(merged)}), tokenizer)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(whole(input_ids=ids).logits, want, rtol=0, atol=1e-5)
+    assert (merged / "adapter" / "adapter_config.json").exists()
+
+
+def test_a_checkpoint_of_other_lora_settings_is_refused(trained):
+    from learner.policy import Policy
+
+    policy, _, _, full = trained
+    other = Policy(lora_cfg(target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"resume with the \[learner.lora\] settings"):
+        other.command({"op": "load", "state": {"model": full[0], "optimizer": full[1],
+                                               **policy.rng_state()}})
+
+
+def test_torchrun_with_lora_is_refused_clearly(monkeypatch):
+    import learner.policy as lp
+    from learner.parallel import Single
+
+    class TwoRanks(Single):
+        world = 2
+
+    monkeypatch.setattr(lp, "make_parallel", lambda device: TwoRanks("cpu"))
+    with pytest.raises(ValueError, match="torchrun.*one process"):
+        lp.Policy(lora_cfg())
