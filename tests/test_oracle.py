@@ -173,9 +173,11 @@ def trl_is_ratio(old, sampling, mask, clip_max, clip_min=None):
     return torch.clamp(torch.exp(diff), min=clip_min, max=clip_max)
 
 
-def make_trl_trainer(model, tok, tmp_path, loss_type, beta, epsilon, rewards=None, **args_overrides):
+def make_trl_trainer(model, tok, tmp_path, loss_type, beta, epsilon, rewards=None, peft_config=None,
+                     **args_overrides):
     """TRL's GRPOTrainer on ``model``; ``rewards`` (one per completion) is what its reward
-    function returns, ``args_overrides`` are further GRPOConfig fields."""
+    function returns, ``peft_config`` wraps the model in a LoRA adapter (tests/test_oracle_lora.py),
+    ``args_overrides`` are further GRPOConfig fields."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -189,7 +191,7 @@ def make_trl_trainer(model, tok, tmp_path, loss_type, beta, epsilon, rewards=Non
     ds = Dataset.from_dict({"prompt": ["1+2="] * B})
     scores = [0.0] * B if rewards is None else list(rewards)
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: scores[:len(completions)],
-                          args=args, train_dataset=ds, processing_class=tok)
+                          args=args, train_dataset=ds, processing_class=tok, peft_config=peft_config)
     trainer.current_gradient_accumulation_steps = 1  # set by the HF training loop otherwise
     return trainer
 
