@@ -93,6 +93,8 @@ async def relay_process(args: argparse.Namespace) -> int:
             status = await client.request(wire.NatReport(worker_id=args.id, nonces=nonces), 30)
             assert isinstance(status, wire.NatStatus), status
         held, base = None, None
+        trace: dict[str, Any] = {"id": args.id, "endpoint": relay.endpoint, "joined": time.time(),
+                                 "versions": []}
         while True:
             msg = await inbox.get()
             if isinstance(msg, wire.Shutdown) and msg.reason == "audit" and held is not None:
@@ -101,16 +103,26 @@ async def relay_process(args: argparse.Namespace) -> int:
             if isinstance(msg, wire.Shutdown):
                 break
             assert isinstance(msg, wire.SnapshotNotice)
+            entry: dict[str, Any] = {"version": msg.version, "noticed": time.time(),
+                                     "source": msg.source, "reattaches": []}
+            trace["versions"].append(entry)
 
-            async def reattach(bad: Source, fail: Any, version: int = msg.version) -> Source:
+            async def reattach(bad: Source, fail: Any, version: int = msg.version,
+                               entry: dict[str, Any] = entry) -> Source:
                 grant = await client.request(wire.SourceRequest(
                     worker_id=args.id, version=version, bad_source=bad.endpoint,
                     reason=fail.reason), 30)
                 assert isinstance(grant, wire.SourceGrant)
+                entry["reattaches"].append({"at": time.time(), "bad": bad.endpoint,
+                                            "reason": fail.reason, "detail": fail.detail[:200],
+                                            "granted": grant.source})
                 return Source(grant.source, grant.source_key, grant.ticket)
 
             held, stats = await relay.receive(msg.manifest, ack.public_key,
                                           Source(msg.source, msg.source_key, msg.ticket), reattach)
+            entry.update(installed=time.time(), attempts=stats.attempts)
+            if args.trace:
+                Path(args.trace).write_text(json.dumps(trace, indent=1))
             # Installed the moment the last chunk verified against the signed manifest: that is
             # what a worker relies on before it installs.
             await client.send(wire.Installed(worker_id=args.id, version=held.version,
@@ -177,6 +189,7 @@ class BenchParams:
     versions_dir: str = ""  # replay recorded full payloads (layout.json, v000.bin, ...)
     delta: bool = True  # with versions_dir: publish deltas between keyframes
     keyframe_every: int = 10
+    trace: str = ""  # a folder: per-node traces (root.json, rNN.json) of who fed whom, when
 
 
 class Root:
@@ -225,6 +238,7 @@ class Root:
         self.audited = asyncio.Event()
         self.dead: set[str] = set()
         self.reattaches: list[tuple[str, str, str]] = []
+        self.events: list[dict[str, Any]] = []  # the root's trace (--trace)
 
     async def source_routed(self, wid: str, endpoint: str) -> Source:
         """``source``, through a punched link when the parent is only punchable (its punches
@@ -275,6 +289,9 @@ class Root:
                 self.reattaches.append((msg.worker_id, msg.bad_source, msg.reason))
                 src = await self.source_routed(
                     msg.worker_id, self.coord.reattach(msg.worker_id, msg.bad_source, msg.reason))
+                self.events.append({"at": time.time(), "event": "reattach", "worker": msg.worker_id,
+                                    "bad": msg.bad_source, "reason": msg.reason,
+                                    "granted": src.endpoint})
                 reply = wire.SourceGrant(version=msg.version, source=src.endpoint,
                                          source_key=src.key, ticket=src.ticket)
             elif isinstance(msg, wire.Installed):
@@ -329,8 +346,11 @@ class Root:
             notices[wid] = wire.encode(wire.SnapshotNotice(version=self.version, manifest=manifest,
                                                            source=src.endpoint, source_key=src.key,
                                                            ticket=src.ticket))
+        self.events.append({"at": time.time(), "event": "publish", "version": self.version,
+                            "sources": sources})
         for wid, frame in notices.items():
             await self.ctrl.send_multipart([self.idents[wid], frame])
+        self.events.append({"at": time.time(), "event": "notices_sent", "version": self.version})
         return sources
 
     async def shutdown(self) -> None:
@@ -378,6 +398,8 @@ def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
                 "--reserve-mib", str(p.snapshot_mib), "--reserve-count", str(min(2, p.publications))]
         if root.keys is not None:
             argv += ["--root-key", key_hex(root.keys.public)]
+        if p.trace:
+            argv += ["--trace", str(Path(p.trace) / f"r{i:02d}.json")]
         if i in corrupt:
             argv.append("--corrupt")
         if i == 0 and p.liar_up_mbit:  # declares 10x the uplink it is shaped at
@@ -404,6 +426,7 @@ async def _killer(root: Root, procs: dict[str, Any], p: BenchParams, horizon_s: 
     for wid, at in zip(victims, moments):
         await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
         procs[wid].send_signal(signal.SIGKILL)
+        root.events.append({"at": time.time(), "event": "killed", "worker": wid})
         root.dead.add(wid)
         root._check_done()
 
@@ -453,6 +476,11 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
             except Exception:
                 proc.kill()
         root.ctx.destroy(linger=0)
+        if p.trace:
+            Path(p.trace, "root.json").write_text(json.dumps(
+                {"endpoint": root.coord.source, "events": root.events,
+                 "relays": {w: x.endpoint for w, x in root.coord.peers.items()},
+                 "load": os.getloadavg()}, indent=1))
     survivors = sorted(set(procs) - root.dead)
     times = root.coord.install_times(p.publications)
     last = root.digests.get(p.publications, {})
@@ -549,6 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --versions-dir: deltas between keyframes, full snapshots, or both "
                          "runs and their T_bcast ratio")
     ap.add_argument("--keyframe-every", type=int, default=10)
+    ap.add_argument("--trace", default="",
+                    help="write per-node traces into this folder: root.json (publications, "
+                         "re-attaches granted, kills) and rNN.json (each relay's sources per "
+                         "version: chunks, first/last chunk time, why it left one)")
     ap.add_argument("--liar-json", default=None,
                     help="run honest / liar / liar-with-declarations-trusted (needs --liar-up-mbit) "
                          "and write T_bcast per publication here")
@@ -572,6 +604,7 @@ def relay_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reserve-count", type=int, default=1,
                     help="that many (2 = the steady state of a relay keeping two versions)")
     ap.add_argument("--root-key", default="", help="root's CURVE key (hex): encrypt, with tickets")
+    ap.add_argument("--trace", default="", help="write this relay's per-version trace here (JSON)")
     ap.add_argument("--real-up-mbit", type=float, default=0.0,
                     help="shape the uplink at this rate, whatever --up-mbit declares (a liar)")
     return ap
@@ -632,7 +665,10 @@ def main(argv: list[str] | None = None) -> int:
                             args.chains, seed=args.seed + rep, netns=args.netns, curve=args.curve,
                             publications=args.publications, liar_up_mbit=args.liar_up_mbit,
                             trust_declared=args.trust_declared, nat=args.nat,
-                            symmetric=args.symmetric, punch=not args.no_punch)
+                            symmetric=args.symmetric, punch=not args.no_punch,
+                            trace=str(Path(args.trace) / f"{topo}-{rep}") if args.trace else "")
+            if p.trace:
+                Path(p.trace).mkdir(parents=True, exist_ok=True)
             results.append(asyncio.run(run_one(p)))
     print_table(results)
     if args.json:

@@ -10,6 +10,15 @@ new one and resumes with the chunks it still misses; nothing restarts from zero:
   * ``corrupt``: a chunk failed its hash (a relay that alters bytes is routed around);
   * ``refused``: the source answered with an error (it no longer holds that version).
 
+"Not held yet" is no failure: a parent whose own notice of the version has not been read yet
+(it holds nothing, at start-up, or only a version further back than the one before) answers
+``future_version``. The request goes to the same source again after a short back-off
+(``NOT_YET_S``, doubling to ``NOT_YET_MAX_S``), in the same window slot, until the parent holds
+the version and parks or serves it. A source that still answers so after ``timeout_s`` has
+served nothing in that time and is reported as ``timeout``, like a silent one (before, the
+child reported ``refused`` at once and was sent to the learner: one more stream off the
+learner's uplink for the whole broadcast).
+
 Encryption and admission: a ``Source`` carries the server's CURVE key and this worker's pull
 ticket (``broadcast.tickets``); with ``keys`` the DEALER speaks CURVE and pins that key. Any
 reply, however malformed, fails that source (``corrupt``), never the fetch or the process.
@@ -41,6 +50,8 @@ from echo.security import KeyPair, curve_client
 # probe (learner/verify.py, which draws its ids the same way) from a child by its ids.
 _rids = itertools.count(random.SystemRandom().randrange(1, 1 << 31))
 SOCKET_BUFFER = 8 << 20
+NOT_YET = ("future_version",)  # a source's answer for "I do not hold this version yet"
+NOT_YET_S, NOT_YET_MAX_S = 0.02, 0.5  # first back-off before asking again, and its cap
 REQUEST_BYTES = 4096  # bound on a chunk request or a reply header (a ticket is < 512 bytes)  # large kernel buffers: fewer wake-ups per MiB on fast links
 
 class SourceFailed(Exception):
@@ -49,6 +60,14 @@ class SourceFailed(Exception):
         self.reason = reason
         self.detail = detail
         self.index = index  # the chunk that failed, when one did (corrupt)
+
+
+class NotYet(SourceFailed):
+    """The source does not hold the version yet (``NOT_YET``): ask it again, later."""
+
+    def __init__(self, detail: str, chunk: int):
+        super().__init__("refused", detail)
+        self.chunk = chunk  # the chunk to ask for again
 
 
 Reattach = Callable[[Source, SourceFailed], Awaitable[Source | str]]  # failed source -> new one
@@ -62,6 +81,10 @@ class FetchStats:
     chunks: int = 0
     bytes: int = 0  # received and verified
     seconds: float = 0.0  # from the start of the fetch to its last chunk (all sources)
+    # One entry per source tried, in order: where the chunks came from and when (wall-clock
+    # seconds, comparable across processes), and why the source was left (the trace a
+    # benchmark writes per node: ``echo-rl bench broadcast --trace DIR``).
+    attempts: list[dict] = field(default_factory=list)
 
     @property
     def down_mbit(self) -> float:
@@ -81,14 +104,18 @@ async def fetch_into(ctx: zmq.asyncio.Context, store: SnapshotStore, version: in
     t0 = time.monotonic()
     for _ in range(max_attempts):
         stats.sources.append(src.endpoint)
+        attempt = {"source": src.endpoint, "start": time.time(), "first": None, "last": None,
+                   "chunks": 0}
+        stats.attempts.append(attempt)
         try:
             address = await _address(src.endpoint, resolve)
             await _pull(ctx, store, version, src, address, window, timeout_s, max_bytes,
-                        download, stats, keys)
+                        download, stats, keys, attempt)
             stats.seconds = time.monotonic() - t0
             return stats
         except SourceFailed as fail:
             stats.failures.append((src.endpoint, fail.reason))
+            attempt.update(end=time.time(), reason=fail.reason, detail=fail.detail[:200])
             if reattach is None:
                 raise SnapshotError(f"fetching version {version} from {src}: {fail}") from None
             new = await reattach(src, fail)
@@ -111,7 +138,7 @@ async def _address(endpoint: str, resolve: Resolve | None) -> str:
 
 async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, src: Source,
                 address: str, window: int, timeout_s: float, max_bytes: int, download: TokenBucket | None,
-                stats: FetchStats, keys: KeyPair | None) -> None:
+                stats: FetchStats, keys: KeyPair | None, attempt: dict | None = None) -> None:
     buf = store.get(version)
     assert buf is not None
     todo = iter(buf.missing())
@@ -136,18 +163,37 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
     async def request_next() -> None:
         for index in todo:
             if not buf.have[index]:
-                rid = next(_rids)
-                pending[rid] = index
-                await sock.send(wire.encode(wire.ChunkRequest(version=version, index=index, rid=rid,
-                                                              ticket=src.ticket, form=form)))
+                await request(index)
                 return
 
+    async def request(index: int) -> None:
+        rid = next(_rids)
+        pending[rid] = index
+        await sock.send(wire.encode(wire.ChunkRequest(version=version, index=index, rid=rid,
+                                                      ticket=src.ticket, form=form)))
+
+    # Chunks the source does not hold yet (``NotYet``): asked again at ``retry_at``; each keeps
+    # its window slot meanwhile. ``not_yet_since``: when the source last had nothing for us.
+    deferred: list[int] = []
+    retry_at, backoff, not_yet_since = 0.0, NOT_YET_S, None
     try:
         for _ in range(window):
             await request_next()
-        while pending:
-            events = dict(await poller.poll(timeout_s * 1000))
+        while pending or deferred:
+            now = time.monotonic()
+            if deferred and now >= retry_at:
+                if now - not_yet_since >= timeout_s:
+                    raise SourceFailed("timeout", f"{source} did not hold version {version} "
+                                       f"within {timeout_s}s (it answered 'not yet')")
+                for index in deferred:
+                    await request(index)
+                deferred.clear()
+                backoff = min(2 * backoff, NOT_YET_MAX_S)
+            wait = timeout_s if not deferred else max(0.0, retry_at - time.monotonic())
+            events = dict(await poller.poll(wait * 1000))
             if not events:
+                if deferred:
+                    continue
                 raise SourceFailed("timeout", f"no chunk from {source} within {timeout_s}s")
             if monitor in events:
                 parse_monitor_message(await monitor.recv_multipart())
@@ -155,8 +201,20 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
             # Drain every reply already queued before polling again: one poll per chunk costs
             # a round through the event loop that a fast link does not need.
             while True:
-                await _receive(plain, buf, store, pending, max_bytes, download, stats)
-                await request_next()
+                chunks = stats.chunks
+                try:
+                    await _receive(plain, buf, store, pending, max_bytes, download, stats, attempt)
+                except NotYet as ny:
+                    if not deferred:
+                        retry_at = time.monotonic() + backoff
+                    not_yet_since = not_yet_since or time.monotonic()
+                    deferred.append(ny.chunk)
+                    if attempt is not None:
+                        attempt["not_yet"] = attempt.get("not_yet", 0) + 1
+                else:
+                    if stats.chunks > chunks:  # the source holds the version now
+                        backoff, not_yet_since = NOT_YET_S, None
+                    await request_next()
                 if not (pending and plain.getsockopt(zmq.EVENTS) & zmq.POLLIN):
                     break
     finally:
@@ -178,6 +236,8 @@ def check_reply(header: bytes, more: bool, pending: dict[int, int], version: int
     if index is None:
         return None
     if isinstance(msg, wire.Error):
+        if msg.reason in NOT_YET:
+            raise NotYet(f"chunk {index}: {msg.reason} ({msg.detail[:200]})", index)
         raise SourceFailed("refused", f"chunk {index}: {msg.reason} ({msg.detail[:200]})")
     if not isinstance(msg, wire.Chunk) or msg.index != index or msg.version != version \
             or not more:
@@ -191,7 +251,8 @@ def _drain(sock: zmq.Socket) -> None:
 
 
 async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[int, int],
-                   max_bytes: int, download: TokenBucket | None, stats: FetchStats) -> None:
+                   max_bytes: int, download: TokenBucket | None, stats: FetchStats,
+                   attempt: dict | None = None) -> None:
     """Read one reply (the poller said one is waiting: all its frames are here).
 
     ``sock`` is a plain (non-asyncio) shadow of the DEALER so that the chunk bytes can be
@@ -223,6 +284,11 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
     store.mark(buf.version, index)
     stats.chunks += 1
     stats.bytes += n
+    if attempt is not None:
+        now = time.time()
+        attempt["first"] = attempt["first"] or now
+        attempt["last"] = now
+        attempt["chunks"] += 1
 
 
 async def fetch_snapshot(sock_ctx: zmq.asyncio.Context, manifest: dict, source: Source | str, *,

@@ -352,3 +352,96 @@ def test_bench_broadcast_through_real_nat_routers(tmp_path):
     assert x["learner_bytes_sent"] == 2 * x["snapshot_bytes"]  # once per version
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "echo-" not in listed  # the lab is torn down
+
+
+def _refusing_first(relay_, reason="future_version"):
+    """An event set when ``relay_``'s chunk server first refuses a request with ``reason``."""
+    refused = asyncio.Event()
+    server = relay_.server
+    original = server._refuse
+
+    async def spy(ident, rid, why, detail):
+        await original(ident, rid, why, detail)
+        if why == reason:
+            refused.set()
+
+    server._refuse = spy
+    return refused
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("parent_holds", [None, 1], ids=["fresh_parent", "parent_skipped_a_version"])
+def test_child_whose_request_beats_its_parents_notice_stays_on_its_parent(parent_holds):
+    """Start-up in the multi-process benchmark (and a worker after kappa > 1 steps): the child's
+    first request reaches the parent before the parent has read its own notice, so the parent
+    answers future_version (it holds nothing, or only a version more than one back). That is
+    'not yet', not a failed source: the child must not report it and be sent to the learner
+    (one more stream off the learner's uplink for the whole broadcast: T_bcast 5.4 s -> 6.8 s
+    per such child in the benchmark). It asks its parent again and gets every chunk there."""
+    key = RunKey.generate()
+    manifest, payload = snapshot(key, version=3)
+    old, old_payload = snapshot(key, version=1, size=4 * CHUNK)
+
+    async def body(ctx):
+        root = Root(ctx, key)
+        root.store.add(SnapshotBuffer(manifest, payload))
+        parent, child = relay(ctx), relay(ctx)
+        if parent_holds is not None:
+            parent.store.add(SnapshotBuffer(old, old_payload))
+        refused = _refusing_first(parent)
+        reports = []
+
+        async def reattach(bad, fail):  # what the coordinator did: the learner
+            reports.append((bad.endpoint, fail.reason))
+            return root.endpoint
+
+        async def parent_gets_its_notice_late():
+            await refused.wait()  # only after it has turned the child away once
+            return await parent.receive(manifest, key.public_bytes, root.endpoint, None)
+
+        async with asyncio.TaskGroup() as tg:
+            servers = [tg.create_task(s.serve_forever()) for s in (root.server, parent, child)]
+            ptask = tg.create_task(parent_gets_its_notice_late())
+            buf, stats = await child.receive(manifest, key.public_bytes, parent.endpoint, reattach)
+            await ptask
+            for t in servers:
+                t.cancel()
+        return root, parent, buf, stats, reports
+
+    root, parent, buf, stats, reports = asyncio.run(run(body))
+    assert parent.server.rejected["future_version"] >= 1  # the race did happen
+    assert bytes(buf.payload) == payload
+    assert reports == [] and stats.failures == [] and stats.sources == [parent.endpoint]
+    assert root.store.bytes_sent == len(payload)  # the learner fed the parent only
+
+
+@pytest.mark.timeout(30)
+def test_a_parent_that_never_gets_the_version_is_reported_as_timed_out():
+    """A source that keeps answering 'not held yet' is one that serves nothing: after the
+    fetch's timeout the child reports it (``timeout``, evidence against it), as it would a
+    silent relay, and goes on elsewhere; it does not wait forever or ask it without end."""
+    key = RunKey.generate()
+    manifest, payload = snapshot(key, version=3)
+
+    async def body(ctx):
+        root = Root(ctx, key)
+        root.store.add(SnapshotBuffer(manifest, payload))
+        stuck, child = relay(ctx), relay(ctx, timeout_s=0.5)
+        reports = []
+
+        async def reattach(bad, fail):
+            reports.append((bad.endpoint, fail.reason))
+            return root.endpoint
+
+        async with asyncio.TaskGroup() as tg:
+            servers = [tg.create_task(s.serve_forever()) for s in (root.server, stuck, child)]
+            buf, stats = await child.receive(manifest, key.public_bytes, stuck.endpoint, reattach)
+            for t in servers:
+                t.cancel()
+        return stuck, buf, reports
+
+    stuck, buf, reports = asyncio.run(run(body))
+    assert bytes(buf.payload) == payload
+    assert reports == [(stuck.endpoint, "timeout")]
+    # backed off (20 ms doubling): a handful of rounds of the window of 3 in 0.5 s, not a flood
+    assert stuck.server.rejected["future_version"] <= 3 * 6
