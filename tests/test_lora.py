@@ -225,3 +225,18 @@ def test_torchrun_with_lora_is_refused_clearly(monkeypatch):
     monkeypatch.setattr(lp, "make_parallel", lambda device: TwoRanks("cpu"))
     with pytest.raises(ValueError, match="torchrun.*one process"):
         lp.Policy(lora_cfg())
+
+
+def test_the_bytes_benchmark_measures_published_versions(tmp_path):
+    """benchmarks/lora_bytes.py on the tiny model (the SmolLM2 folder is not needed here)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lora_bytes.py"
+    spec = importlib.util.spec_from_file_location("lora_bytes", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.measure("tiny-qwen3", "lora", {"lr": 1e-3, "lora": {"enabled": True, "rank": 2}}, 1)
+    assert [v["encoding"] for v in row["versions"]][0] == "full" and len(row["versions"]) == 2
+    assert row["keyframe_bytes"] == 2 * row["trained_params"]  # bf16 adapter tensors only
+    assert row["trained_params"] < row["total_params"] and len(row["base_hash"]) == 64
