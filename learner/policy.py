@@ -58,13 +58,9 @@ class Policy:
     def _wrap_lora(self, model: Any, cfg: EchoConfig) -> Any:
         from echo.lora import base_hash, wrap
 
-        if self.par.world > 1:
-            raise ValueError("learner.lora.enabled under torchrun (FSDP2) is not supported yet: "
-                             "run the learner as one process (the frozen base needs no optimizer "
-                             "state, so one GPU holds far larger models with LoRA), or set "
-                             "learner.lora.enabled = false")
         self.base_hash = base_hash(model)  # of the base as loaded, before peft renames it
-        torch.manual_seed(cfg.seed)  # the adapter's initialisation (A random, B zero)
+        # The adapter's initialisation (A random, B zero): the same on every rank, before sharding.
+        torch.manual_seed(cfg.seed)
         return wrap(model, cfg.learner.lora)
 
     def command(self, cmd: dict[str, Any]) -> tuple[dict[str, float], FullState | None]:
@@ -94,26 +90,27 @@ class Policy:
         """Model and optimizer state for checkpoints and snapshots: with LoRA the adapter's
         tensors only (the frozen base is the model folder's, never copied)."""
         model_sd, optim_sd = self.par.full_state(self.model, self.trainer.optimizer)
-        if self.lora:
-            model_sd = {n: model_sd[n] for n in self.param_names}
+        if self.lora:  # (ranks > 0 get an empty state under FSDP2: only rank 0 gathers)
+            model_sd = {n: model_sd[n] for n in self.param_names if n in model_sd}
         return model_sd, optim_sd
 
     def _load(self, state: dict[str, Any]) -> None:
-        model_sd = state["model"]
         if self.lora:
-            model_sd = self._with_base(model_sd)
-        self.par.load_state(self.model, self.trainer.optimizer, model_sd, state["optimizer"])
+            self._check_adapter(state["model"])
+        # LoRA: the checkpoint holds the adapter; the frozen base stays as loaded
+        self.par.load_state(self.model, self.trainer.optimizer, state["model"], state["optimizer"],
+                            strict=not self.lora)
         self.trainer.generator.set_state(state["trainer_rng"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
 
-    def _with_base(self, adapter_sd: dict[str, Any]) -> dict[str, Any]:
-        """A checkpoint's adapter tensors completed with the (frozen) base weights held here."""
+    def _check_adapter(self, adapter_sd: dict[str, Any]) -> None:
+        """A checkpoint of this adapter: exactly its tensors (a non-strict load would skip
+        the others silently)."""
         if set(adapter_sd) != set(self.param_names):
             raise ValueError(f"the checkpoint holds {len(adapter_sd)} tensors, this learner trains "
                              f"{len(self.param_names)} (learner.lora.enabled = {self.lora}): resume "
                              f"with the [learner.lora] settings the run was started with")
-        return {**self.model.state_dict(), **adapter_sd}
 
     def rng_state(self) -> dict[str, Any]:
         return {"trainer_rng": self.trainer.generator.get_state(),

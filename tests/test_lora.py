@@ -215,18 +215,6 @@ def test_a_checkpoint_of_other_lora_settings_is_refused(trained):
                                                **policy.rng_state()}})
 
 
-def test_torchrun_with_lora_is_refused_clearly(monkeypatch):
-    import learner.policy as lp
-    from learner.parallel import Single
-
-    class TwoRanks(Single):
-        world = 2
-
-    monkeypatch.setattr(lp, "make_parallel", lambda device: TwoRanks("cpu"))
-    with pytest.raises(ValueError, match="torchrun.*one process"):
-        lp.Policy(lora_cfg())
-
-
 def test_the_bytes_benchmark_measures_published_versions(tmp_path):
     """benchmarks/lora_bytes.py on the tiny model (the SmolLM2 folder is not needed here)."""
     import importlib.util
@@ -240,3 +228,20 @@ def test_the_bytes_benchmark_measures_published_versions(tmp_path):
     assert [v["encoding"] for v in row["versions"]][0] == "full" and len(row["versions"]) == 2
     assert row["keyframe_bytes"] == 2 * row["trained_params"]  # bf16 adapter tensors only
     assert row["trained_params"] < row["total_params"] and len(row["base_hash"]) == 64
+
+
+def test_base_hash_is_the_same_for_a_float32_and_a_bfloat16_load(tokenizer, tmp_path):
+    """The learner loads float32, a GPU worker bfloat16: one base, one hash. Other weights
+    (another seed) hash differently."""
+    from echo.lora import load_policy_model
+    from echo.models import ModelConfig, load_model
+
+    load_model(ModelConfig(), tokenizer).save_pretrained(tmp_path / "m")
+    folder = ModelConfig(name=str(tmp_path / "m"))
+    lora = lora_cfg().learner.lora
+    model32, h32 = load_policy_model(folder, lora, tokenizer, "float32")
+    model16, h16 = load_policy_model(folder, lora, tokenizer, "bfloat16")
+    assert next(model16.parameters()).dtype == torch.bfloat16
+    assert h32 == h16
+    assert load_policy_model(ModelConfig(seed=1), lora, tokenizer)[1] != h32
+    assert load_policy_model(folder, None, tokenizer)[1] is None

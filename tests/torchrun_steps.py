@@ -4,6 +4,10 @@ statistics (used by test_torchrun.py).
 
     python tests/torchrun_steps.py OUT.pt                      # one process
     torchrun --nproc_per_node=2 tests/torchrun_steps.py OUT.pt # FSDP2, same data
+    ... OUT.pt lora                                            # a LoRA adapter on the frozen base
+
+With ``lora`` the saved state also holds a checkpoint round trip: the adapter's state loaded
+back (``{"op": "load"}``) and gathered again.
 """
 
 import sys
@@ -27,8 +31,10 @@ def batch(seed: int, n: int = 16, prompt: int = 4, completion: int = 3) -> Learn
                         versions=torch.zeros(n, dtype=torch.long))
 
 
-def main(out: str) -> None:
-    cfg = EchoConfig.model_validate({"learner": {"lr": 1e-2, "prompts_per_step": 4, "group_size": 4}})
+def main(out: str, lora: bool = False) -> None:
+    cfg = EchoConfig.model_validate({"learner": {
+        "lr": 1e-2, "prompts_per_step": 4, "group_size": 4,
+        "lora": {"enabled": lora, "rank": 4}, "beta": 0.05 if lora else 0.0}})
     policy = Policy(cfg)
     if not policy.par.is_main:
         policy.follow()
@@ -38,10 +44,16 @@ def main(out: str) -> None:
     poisoned.advantages[5] = float("nan")  # on one rank's shard of one mini-batch
     stats = [policy.command({"op": "step", "batch": b, "sync": False})[0]
              for b in (batch(0), batch(1), batch(2), poisoned)]
-    _, (model_sd, _) = policy.command({"op": "sync"})
-    torch.save({"params": {n: t for n, t in policy.named_tensors(model_sd)}, "stats": stats}, out)
+    _, (model_sd, optim_sd) = policy.command({"op": "sync"})
+    saved = {"params": {n: t for n, t in policy.named_tensors(model_sd)}, "stats": stats}
+    if lora:  # resume from the adapter alone: the same adapter comes back
+        policy.command({"op": "load", "state": {"model": model_sd, "optimizer": optim_sd,
+                                                **policy.rng_state()}})
+        _, (again, _) = policy.command({"op": "sync"})
+        saved["reloaded"] = dict(policy.named_tensors(again))
+    torch.save(saved, out)
     policy.close()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], lora=sys.argv[2:] == ["lora"])

@@ -38,8 +38,10 @@ class Parallel(ABC):
         """Unsharded model and optimizer state on rank 0 (a collective: all ranks call it)."""
 
     @abstractmethod
-    def load_state(self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict) -> None:
-        """Load rank 0's unsharded state into every rank (a collective)."""
+    def load_state(self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict,
+                   strict: bool = True) -> None:
+        """Load rank 0's unsharded state into every rank (a collective). ``strict`` False:
+        ``model_sd`` may hold only some of the model's tensors (a LoRA adapter's)."""
 
     @abstractmethod
     def broadcast(self, obj: Any) -> Any:

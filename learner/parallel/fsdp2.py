@@ -49,9 +49,11 @@ class FSDP2(Parallel):
         return get_state_dict(model, optimizer, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
 
-    def load_state(self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict) -> None:
+    def load_state(self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict,
+                   strict: bool = True) -> None:
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                strict=strict))
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj]
@@ -72,6 +74,8 @@ class FSDP2(Parallel):
 
 
 def _decoder_layers(model: Any) -> list[Any]:
+    if hasattr(model, "get_base_model"):  # a peft model (LoRA): the layers are its base's
+        model = model.get_base_model()
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
