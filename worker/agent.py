@@ -371,6 +371,8 @@ class Worker:
                 log.warning("learner busy (%s): %s; retrying", ack.reason, ack.detail)
                 await asyncio.sleep(2.0)  # a back-off period, not a wait for an event
                 continue
+            if isinstance(ack, wire.Error) and ack.reason == "banned":
+                raise self._banned(ack.detail)  # the status says so, as on any other refusal
             if isinstance(ack, wire.Error):
                 raise WorkerError(f"learner refused join: {ack.reason}: {ack.detail}")
             assert isinstance(ack, wire.JoinAck)
@@ -611,6 +613,8 @@ class Worker:
             self._grant_rtt = 0.8 * self._grant_rtt + 0.2 * (time.monotonic() - sent)
         except RequestTimeout:
             return []
+        if isinstance(grant, wire.Error) and grant.reason == "banned":
+            raise self._banned(grant.detail)
         if isinstance(grant, wire.Error):
             log.info("work request refused (%s); re-joining", grant.reason)
             await self._join()

@@ -1,0 +1,93 @@
+"""After a ban every line of the volunteer's summary agrees (issue 30, item 5): the state row
+said "active" after a ban. A real learner and worker on loopback, banned by the id the
+operator sees; and the refusal met by a work request or a join (not only by a heartbeat or a
+delivery) ends the worker through the same path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+
+import pytest
+
+from echo import wire
+from echo.admin import main as admin_main
+from echo.config import dump_toml
+from echo.procs import ProcessGroup, python_argv, wait_ready
+from worker.agent import Worker, WorkerError
+from worker.status import rows
+
+BANNED = "this key is banned (banned by the operator)"
+
+
+def _agrees(doc: dict) -> list[tuple[str, str]]:
+    """The rows that still speak of the worker as taking part."""
+    return [(name, value) for name, value in rows(doc)
+            if name != "active time" and ("active" in value or "standby" in value)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_banned_worker_s_summary_and_status_agree(tmp_path, small_cfg):
+    small_cfg.learner.max_steps = 100_000
+    conf, run = tmp_path / "learner.toml", tmp_path / "run"
+    conf.write_text(dump_toml(small_cfg))
+    group = ProcessGroup()
+    try:
+        learner = group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir",
+                                                     str(run)), tmp_path / "l.log", pipe_stdout=True)
+        line = wait_ready(learner, timeout=120)
+        status = tmp_path / "w0.json"
+        worker = group.start("w0", python_argv(
+            "worker.cli", "join", line, "--id", "w0", "--identity", str(tmp_path / "w0.key"),
+            "--status-file", str(status), "--plain"), tmp_path / "w0.log")
+        deadline = time.monotonic() + 90
+        while not _delivered(status):  # a worker in the middle of its work
+            assert time.monotonic() < deadline and worker.poll() is None, "nothing delivered"
+            time.sleep(0.05)
+        assert admin_main(["worker", "ban", "w0", "--run-dir", str(run)]) == 0
+        assert worker.wait(30) == 1
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the banned worker did not exit within 30 s") from None
+    finally:
+        group.stop_all()
+    doc = json.loads(status.read_text())
+    table = dict(rows(doc))
+    assert table["state"] == "quarantined, exited"
+    assert "banned" in table["exit"] and "banned" in table["learner says"]
+    assert _agrees(doc) == []
+    log = (tmp_path / "w0.log").read_text()
+    summary = log[log.rindex("echo-worker w0: summary"):]  # the table printed at exit
+    assert "quarantined, exited" in summary and "active ·" not in summary
+
+
+def _delivered(status) -> bool:
+    try:
+        return (json.loads(status.read_text()).get("account") or {}).get("accepted", 0) > 0
+    except (OSError, ValueError):
+        return False
+
+
+class _Refusing:
+    """A learner link that answers every request with a ban."""
+
+    notices: asyncio.Queue = asyncio.Queue()
+
+    async def request(self, msg, timeout):
+        return wire.Error(reason="banned", detail=BANNED, rid=msg.rid)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("step", ["work", "join"])
+def test_a_ban_met_by_a_work_request_or_a_join_is_a_ban(step):
+    w = Worker("tcp://127.0.0.1:1", worker_id="w0")
+    w.view = {"worker": {"groups_per_request": 2}, "transport": {"request_timeout_s": 1.0}}
+    w.status.update(account={"state": "active", "message": "joined: active"})
+    w.client, w.relay = _Refusing(), type("R", (), {"endpoint": ""})()
+    with pytest.raises(WorkerError, match="banned this worker's key"):
+        asyncio.run(w._request_work() if step == "work" else w._join())
+    doc = w.status.doc
+    assert doc["account"]["state"] == "quarantined" and doc["account"]["message"] == BANNED
+    assert _agrees({**doc, "exit": "banned"}) == []
