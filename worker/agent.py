@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq
@@ -49,7 +50,7 @@ from echo.lora import base_problem
 from echo.models import ModelError
 from worker.backends import Backend, Sample, make_backend
 from worker.snapshots import SnapshotFeed
-from worker.status import StatusBoard
+from worker.status import InstallProgress, StatusBoard
 from worker.unreachable import Unreachable
 from echo.client import Client, RequestTimeout
 from echo.security import JoinLine, KeyPair, fingerprint
@@ -59,7 +60,10 @@ log = logging.getLogger("echo.worker")
 BOOT_MAX_BYTES = 64 * 2**20  # frame limit before the learner's config arrives
 MAX_GRANT_SCALE = 8  # at most this many times worker.groups_per_request in one grant
 PREFETCH_SHARE = 0.1  # prefetch work when a grant's round trip exceeds this share of a rollout
-DRAIN_TIMEOUT_S = 5.0  # on SIGTERM, how long to keep trying to deliver pending batches
+# SIGTERM to exit (issue 30): the handback, the pending deliveries and the goodbye share
+# STOP_S; the last LEAVE_S of it is kept for the goodbye, so the process is gone within 5 s.
+STOP_S = 4.0
+LEAVE_S = 1.0
 # Refusals of a batch that say nothing about the batch itself: keep it and send it again.
 RETRY_REASONS = {"not_joined", "rate_limited", "internal_error"}
 JOIN_RETRY_REASONS = {"rate_limited", "learner_full"}
@@ -70,6 +74,30 @@ _NAT_MEANING = {
     "punchable": ": this worker relays through punched links",
     "none": ": the NAT maps each destination apart (symmetric); this worker stays a chain tail",
 }
+
+
+async def in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a daemon thread: unlike ``asyncio.to_thread`` nobody waits for it at exit,
+    so a stop during a model load of minutes leaves at once (the load dies with the process)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if not fut.done():
+            fut.set_exception(exc) if exc is not None else fut.set_result(result)
+
+    def target() -> None:
+        try:
+            result, exc = fn(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task as it is
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits for it any more
+
+    threading.Thread(target=target, name="echo-load", daemon=True).start()
+    return await fut
 
 
 async def _wait_next(event: asyncio.Event, timeout: float) -> None:
@@ -225,6 +253,10 @@ class Worker:
         self.yielded = False  # the machine's owner needs it (docs/preemption.md)
         self.quiet = asyncio.Event()  # set when a yield ends
         self._notice_timer: asyncio.TimerHandle | None = None  # a preemption notice's stop
+        self._stop_at: float | None = None  # monotonic time of the stop signal
+        self._work_task: asyncio.Task[None] | None = None
+        self._side_tasks: set[asyncio.Future[Any]] = set()
+        self.progress = InstallProgress()  # the first install's phases, shown to the volunteer
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -255,7 +287,7 @@ class Worker:
         self.tunnels = Tunnels(host, punch or pick_punch_port(host), endpoint=self.relay.endpoint)
         self.relay.resolve = self.tunnels.resolve
         self.feed = SnapshotFeed(self.relay, self._ask_source, self._report_install)
-        self.feed.on_ready = self.new_snapshot.set
+        self.feed.on_ready = self._snapshot_ready
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.client.receive_forever()),
@@ -266,20 +298,10 @@ class Worker:
                     # Heartbeats start before the (slow) model load so the learner keeps us.
                     tasks += [tg.create_task(self._heartbeats()), tg.create_task(self._notices()),
                               tg.create_task(self._deliveries()), tg.create_task(self.feed.run())]
-                    self.backend, self.adapter = await asyncio.to_thread(self._load)
-                    # The model and its libraries live as long as the process: out of the
-                    # collector's full passes, which would stall heartbeats and relaying.
-                    gc.collect()
-                    gc.freeze()
-                    work = tg.create_task(self._work())
-                    if self.owner is not None:
-                        tasks.append(tg.create_task(self._watch_owner()))
-                    await self.stopping.wait()
-                    if self.state != "generating":
-                        work.cancel()  # waiting on the learner: nothing to finish
-                    await asyncio.wait([work], timeout=60)  # else the current groups finish
+                    if await self._start_work(tg, tasks):
+                        await self._finish_work()
                     await self._drain()
-                for t in tasks:
+                for t in tasks + list(self._side_tasks):
                     t.cancel()
         finally:
             self.status.update(activity="stopped", exit=self.exit_reason or "error",
@@ -290,6 +312,61 @@ class Worker:
             self.ctx.term()
         return self.exit_reason
 
+    def _snapshot_ready(self) -> None:
+        self.progress.received()
+        self.new_snapshot.set()
+
+    async def _start_work(self, tg: asyncio.TaskGroup, tasks: list[asyncio.Task[Any]]) -> bool:
+        """Load the model (unless told to stop meanwhile), then generate until told to stop."""
+        loaded = await self._or_stopped(in_daemon_thread(self._load))
+        if loaded is None:
+            return False
+        self.backend, self.adapter = loaded
+        self.progress.loaded()
+        # The model and its libraries live as long as the process: out of the
+        # collector's full passes, which would stall heartbeats and relaying.
+        gc.collect()
+        gc.freeze()
+        self._work_task = tg.create_task(self._work())
+        if self.owner is not None:
+            tasks.append(tg.create_task(self._watch_owner()))
+        await self.stopping.wait()
+        return True
+
+    async def _finish_work(self) -> None:
+        """Told to stop: cut what is being generated and hand it back (or, with --no-migrate,
+        finish the current groups: up to a minute)."""
+        work = self._work_task
+        if self.state != "generating":
+            work.cancel()  # waiting on the learner: nothing to finish
+        await asyncio.wait([work], timeout=self._stop_left(LEAVE_S) if self.migrate else 60)
+
+    async def _or_stopped(self, aw: Awaitable[Any]) -> Any:
+        """``aw``'s result, or None as soon as the worker is told to stop (``aw`` is
+        cancelled): a stop never waits on a silent learner or a long model load."""
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        return None
+
+    def _stop_left(self, reserve: float = 0.0) -> float:
+        """Seconds left of the stop's budget (STOP_S from the signal), less ``reserve``."""
+        if self._stop_at is None:
+            return STOP_S - reserve
+        return max(0.1, self._stop_at + STOP_S - reserve - time.monotonic())
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        """A side job (a NAT probe) that nothing waits for; cancelled at exit."""
+        task = asyncio.ensure_future(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
     async def _status_loop(self) -> None:
         """Once a second: the status view and file follow what the worker does."""
         while True:
@@ -297,6 +374,10 @@ class Worker:
                 self.status.update(activity=self.state)
             if self.backend is not None and self.status.doc.get("tokens_sampled") != self.backend.tokens_sampled:
                 self.status.update(tokens_sampled=self.backend.tokens_sampled)
+            if self.installed_version < 0 and self.feed is not None:
+                phase = self.progress.phase(self.feed.progress())
+                if phase != self.status.doc.get("install_phase"):
+                    self.status.update(install_phase=phase)
             if self.show is not None:
                 self.show(self.status)
             self.status.flush()
@@ -336,6 +417,7 @@ class Worker:
         if not self.stopping.is_set():
             log.info("worker %s stopping: %s", self.worker_id, reason)
             self.exit_reason = reason
+            self._stop_at = time.monotonic()
             if self.migrate and reason.startswith(("signal", "preemption")):
                 self.cut.set()  # preempted: what is being generated goes back as prefixes
             self.stopping.set()
@@ -351,10 +433,12 @@ class Worker:
         while not self.stopping.is_set():
             self.unreachable.trying()
             try:
-                ack = await self.client.request(wire.Join(
+                ack = await self._or_stopped(self.client.request(wire.Join(
                     worker_id=self.worker_id, price=self.price, relay_endpoint=self.relay.endpoint,
                     can_relay=bool(self.relay.endpoint), down_mbit=self.relay_cfg.down_mbit,
-                    up_mbit=self.relay_cfg.up_mbit, token=self.line.token), self.join_timeout_s)
+                    up_mbit=self.relay_cfg.up_mbit, token=self.line.token), self.join_timeout_s))
+                if ack is None:
+                    return False  # told to stop while waiting
             except RequestTimeout:
                 self._check_handshake()
                 if gave_up := self.unreachable.given_up():
@@ -369,7 +453,7 @@ class Worker:
             self.status.update(problem=None)
             if isinstance(ack, wire.Error) and ack.reason in JOIN_RETRY_REASONS:
                 log.warning("learner busy (%s): %s; retrying", ack.reason, ack.detail)
-                await asyncio.sleep(2.0)  # a back-off period, not a wait for an event
+                await self._or_stopped(asyncio.sleep(2.0))  # a back-off, cut short by a stop
                 continue
             if isinstance(ack, wire.Error) and ack.reason == "banned":
                 raise self._banned(ack.detail)  # the status says so, as on any other refusal
@@ -377,8 +461,9 @@ class Worker:
                 raise WorkerError(f"learner refused join: {ack.reason}: {ack.detail}")
             assert isinstance(ack, wire.JoinAck)
             await self._on_join_ack(ack)
-            if ack.reflectors:
-                await self._probe_nat(ack.reflectors)
+            self.progress.joined()
+            if ack.reflectors:  # beside the model load and the first fetch, not before them
+                self._spawn(self._probe_nat(ack.reflectors))
             return True
         return False
 
@@ -508,6 +593,7 @@ class Worker:
             self.installed_version = version
             self.status.update(installed_version=version, installed_at=time.time(),
                                install_s=round(time.monotonic() - t0, 3))
+            self._first_install()
             log.info("installed snapshot v%d", version)
         except ModelError as err:
             log.warning("snapshot v%d not installed: %s", version, err)
@@ -525,6 +611,15 @@ class Worker:
         problem = base_problem(manifest, self.backend.base_hash, self.view["model"]["name"])
         if problem:
             raise WorkerError(problem)
+
+    def _first_install(self) -> None:
+        first = self.progress.installed()
+        if first is not None:
+            self.status.update(first_install=first, install_phase=None)
+            self.status.flush(force=True)
+            log.info("first install %.1f s after joining (%.1f s after start): model loaded "
+                     "after %.1f s, snapshot received after %.1f s", first["since_join_s"],
+                     first["since_start_s"], first["model_s"], first["snapshot_s"])
 
     async def _report_install(self, version: int, stats: FetchStats, decode_s: float,
                               keyframe: bool) -> None:
@@ -792,7 +887,7 @@ class Worker:
         if self.exit_reason.startswith("learner shut down"):
             return  # the run is over: nobody left to deliver to or say goodbye to
         try:  # bounded: a learner that is going away too must not hold us hostage
-            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            async with asyncio.timeout(self._stop_left(LEAVE_S)):
                 while self.unacked:  # the deliveries task keeps retrying meanwhile
                     self.acked.clear()
                     await self.acked.wait()
@@ -800,9 +895,9 @@ class Worker:
             pass
         if self.unacked:
             log.warning("leaving with %d unacknowledged batch(es)", len(self.unacked))
-        try:  # the final account comes back; a learner that does not answer costs 2 s at most
+        try:  # the final account comes back; a learner that does not answer costs LEAVE_S
             reply = await self.client.request(wire.Leave(worker_id=self.worker_id),
-                                              min(2.0, self._timeout))
+                                              min(self._stop_left(), self._timeout))
         except RequestTimeout:
             return
         if isinstance(reply, wire.Farewell):

@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     if args.price < 0:
         print("echo-worker: --price must be >= 0 (USD per hour)", file=sys.stderr)
         return 2
+    if make_worker is None:  # the worker this module builds loads its model with them
+        from worker.backends import warm
+
+        warm(args.backend)  # torch and transformers load while the worker joins
     import asyncio
     import logging
     from pathlib import Path

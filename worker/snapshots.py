@@ -48,6 +48,7 @@ class SnapshotFeed:
         self.offers = asyncio.Event()  # a notice arrived
         self.on_ready: Callable[[], None] = lambda: None
         self._epoch = 0  # bumped by reset: a fetch of the old run gives up
+        self.fetching: int | None = None  # the version being fetched now
 
     def offer(self, version: int, manifest: dict[str, Any], source: Source) -> None:
         if version <= self.rebuilt:
@@ -63,6 +64,11 @@ class SnapshotFeed:
         self.rebuilt, self.ready = -1, None
         self._epoch += 1
         self.relay.reset()
+
+    def progress(self) -> tuple[int, int, int] | None:
+        """(version, chunks held, chunks) of the fetch under way, or None."""
+        buf = self.relay.store.get(self.fetching) if self.fetching is not None else None
+        return (buf.version, buf.count, buf.total) if buf is not None else None
 
     def take_ready(self) -> tuple[int, dict[str, Any], Any] | None:
         ready, self.ready = self.ready, None
@@ -92,6 +98,7 @@ class SnapshotFeed:
 
     async def _fetch(self, version: int, manifest: dict[str, Any], source: Source) -> None:
         epoch = self._epoch
+        self.fetching = version
         try:
             buf, stats = await self.relay.receive(manifest, self.public_key, source,
                                                   self._reattacher(version, epoch, "payload"))
@@ -99,6 +106,8 @@ class SnapshotFeed:
         except SnapshotError as err:
             log.warning("snapshot v%d not received: %s", version, err)
             return
+        finally:
+            self.fetching = None
         if epoch != self._epoch:
             return
         self.relay.hold_result(manifest, result)  # the next delta's base, a keyframe source

@@ -22,6 +22,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,8 @@ class StatusBoard:
             "price_per_hour": price, "started_at": time.time(), "updated_at": time.time(),
             "activity": "starting", "installed_version": -1, "installed_at": None,
             "install_s": None, "groups_generated": 0, "samples_generated": 0,
-            "exit": None, "account": None, "problem": None,
+            "exit": None, "account": None, "problem": None, "install_phase": None,
+            "first_install": None,
         }
         self._dirty = True
         self._written = 0.0
@@ -78,6 +80,57 @@ class StatusBoard:
         write_atomic(self.path, self.doc)
         self._dirty, self._written = False, now
         return True
+
+
+class InstallProgress:
+    """The first install's phases on the worker's clock: joined, model loaded, snapshot
+    received, installed. While they last the status says which one it waits on and for how
+    long; after, how long each took (``first_install``)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.started_at = clock()
+        self.joined_at: float | None = None
+        self.loaded_at: float | None = None
+        self.received_at: float | None = None
+        self.done = False
+
+    def joined(self) -> None:
+        if self.joined_at is None:
+            self.joined_at = self.clock()
+
+    def loaded(self) -> None:
+        self.loaded_at = self.clock()
+
+    def received(self) -> None:
+        if self.received_at is None:
+            self.received_at = self.clock()
+
+    def phase(self, fetching: tuple[int, int, int] | None) -> str | None:
+        """What the first install waits on, in words (None before the join and after it)."""
+        if self.joined_at is None or self.done:
+            return None
+        now = self.clock()
+        model = ("loading the model" if self.loaded_at is None else
+                 f"model loaded in {self.loaded_at - self.joined_at:.1f} s")
+        if self.received_at is not None:
+            snap = "snapshot received, installing"
+        elif fetching is not None:
+            snap = f"fetching snapshot v{fetching[0]}: {fetching[1]}/{fetching[2]} chunks"
+        else:
+            snap = "waiting for the learner's snapshot"
+        return f"{model}; {snap} ({now - self.joined_at:.0f} s since joining)"
+
+    def installed(self) -> dict[str, float] | None:
+        """The first install's figures, once (None after): seconds from the start and from
+        the join, the model's load and the snapshot's arrival after the join."""
+        if self.done or self.joined_at is None:
+            return None
+        self.done = True
+        now, j = self.clock(), self.joined_at
+        return {"since_start_s": round(now - self.started_at, 3), "since_join_s": round(now - j, 3),
+                "model_s": round((self.loaded_at or now) - j, 3),
+                "snapshot_s": round((self.received_at or now) - j, 3)}
 
 
 def notice_path(status: Path) -> Path:
@@ -155,14 +208,7 @@ def rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
            ("learner", str(doc.get("learner")))]
     if doc.get("problem") and not doc.get("exit"):
         out.append(("problem", str(doc["problem"])))
-    v = doc.get("installed_version", -1)
-    inst = f"v{v}" if v >= 0 else "none yet"
-    if doc.get("install_s") is not None and v >= 0:
-        inst += f" (loaded in {doc['install_s']:.2f} s"
-        if a.get("install_s"):
-            inst += f"; {a['install_s']:.2f} s after publication"
-        inst += ")"
-    out += [("installed snapshot", inst),
+    out += [("installed snapshot", _installed(doc, a)),
             ("groups generated", f"{doc.get('groups_generated', 0)} "
                                  f"({doc.get('samples_generated', 0)} samples)")]
     if not a:
@@ -183,6 +229,25 @@ def rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if doc.get("exit"):
         out.append(("exit", str(doc["exit"])))
     return out
+
+
+def _installed(doc: dict[str, Any], a: dict[str, Any]) -> str:
+    """The installed version and its timing; before the first install, what it waits on."""
+    v = doc.get("installed_version", -1)
+    if v < 0:
+        phase = doc.get("install_phase")
+        return f"none yet: {phase}" if phase and not doc.get("exit") else "none yet"
+    inst = f"v{v}"
+    if doc.get("install_s") is not None:
+        inst += f" (loaded in {doc['install_s']:.2f} s"
+        if a.get("install_s"):
+            inst += f"; {a['install_s']:.2f} s after publication"
+        inst += ")"
+    first = doc.get("first_install")
+    if first:
+        inst += (f"; first install {first['since_join_s']:.1f} s after joining (model "
+                 f"{first['model_s']:.1f} s, snapshot {first['snapshot_s']:.1f} s)")
+    return inst
 
 
 def _links(a: dict[str, Any]) -> str:
