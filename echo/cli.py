@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("workers", add_help=False, help="workers --run-dir DIR: every worker the run "
                    "knows (id, fingerprint, state, key)")
     sub.add_parser("worker", add_help=False, help="worker ban ID|FINGERPRINT|'KEY' --run-dir DIR")
+    doc = sub.add_parser("doctor", help="check the learner's host: config, every port bound "
+                         "and reachable on the public address, the learner answering (docs/ports.md)")
+    _add_config_args(doc, config_required=False)
     sub.add_parser("sim", add_help=False, help="discrete-event simulation: sim SCENARIO.toml [--json FILE]")
     model = sub.add_parser("model", help="model folders: import-gguf FILE --out DIR | smollm2 | "
                            "export --run-dir RUN --out DIR")
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.cmd == "model":
         return _model(args)
+    if args.cmd == "doctor":
+        return _doctor(args)
     path, cfg = _load(args)
     run_dir = getattr(args, "resume", None) or args.run_dir or default_run_dir(cfg.run_name)
     if args.cmd == "learn":
@@ -160,6 +165,27 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_quickstart(cfg, path, args.overrides, run_dir, args.workers)
     return 2
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """``echo-rl doctor --run-dir RUN``: the run's resolved config and the learner it started."""
+    if args.config is None and args.run_dir is not None and (args.run_dir / "config.toml").is_file():
+        args.config = str(args.run_dir / "config.toml")
+    if args.config is None:
+        print("echo-rl doctor: give --run-dir RUN (the folder echo-rl learn writes: it reads "
+              "RUN/config.toml and RUN/learner.json) or --config CONFIG", file=sys.stderr)
+        return 2
+    from echo.config import ConfigError, load_config
+    from echo.doctor import Check, show
+
+    try:
+        cfg = load_config(args.config, list(args.overrides))
+    except ConfigError as err:  # a check of its own: the learner would refuse to start
+        return show([Check("config", "fail", str(err).replace("\n", " "),
+                           "fix the key as the message says (docs/config.md lists every key)")])
+    from learner.doctor import diagnose
+
+    return show(diagnose(cfg, args.run_dir))
 
 
 def _model(args: argparse.Namespace) -> int:

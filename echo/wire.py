@@ -30,6 +30,9 @@ Worker -> learner (control socket)
                   (its fetch; its chunk server's serving), 0 = not measured. Added with
                   defaults in v1: an older worker's report parses as "not measured"; the
                   learner believes them only combined with the other end (broadcast.links).
+  doctor          (nothing)                             -> doctor_ack{snapshot_endpoint, reflectors}
+                  a health check (``echo-worker doctor``, ``echo-rl doctor``): answered to any
+                  key that passed the handshake, joined or not; nothing is stored or counted
   nat_report      worker_id, nonces                     -> nat_status{nat, address}
                   nonces: the two probes this worker sent to the learner's reflector from
                   its punch port (``broadcast.nat.reflect``); the learner classifies from
@@ -371,6 +374,22 @@ class Chunk(Message):
     index: int
 
 
+class Doctor(Message):
+    TYPE = "doctor"
+
+
+class DoctorAck(Message):
+    """What a doctor checks next: the learner's other endpoints, as it hands them out."""
+
+    TYPE = "doctor_ack"
+    run_id: str = Field(max_length=128)
+    instance_id: str = Field(max_length=64)
+    snapshot_endpoint: str = Field(max_length=256)
+    reflectors: list[str] = Field(default_factory=list, max_length=2)
+    join: str = Field(max_length=32)  # how it admits workers: open, token, allowlist
+    version: int  # the newest snapshot, -1 before the first
+
+
 class Error(Message):
     TYPE = "error"
     reason: str
@@ -383,7 +402,7 @@ MESSAGES: dict[str, type[Message]] = {
     for m in (Join, JoinAck, Heartbeat, HeartbeatAck, WorkRequest, WorkGrant, Trajectories, Ack,
               Leave, SnapshotNotice, Shutdown, ChunkRequest, Chunk, Error, SourceRequest,
               SourceGrant, Installed, NatReport, NatStatus, Punch, Farewell, Handback,
-              HandbackAck)
+              HandbackAck, Doctor, DoctorAck)
 }
 
 

@@ -112,6 +112,9 @@ def examples() -> list[wire.Message]:
         wire.NatStatus(nat="punchable", address="203.0.113.2:40001"),
         wire.Punch(punch_id=b"p" * 16, role="child", address="203.0.113.3:40002",
                    endpoint="tcp://10.0.0.3:5000", timeout_s=10),
+        wire.Doctor(rid=5),
+        wire.DoctorAck(run_id="r", instance_id="i", snapshot_endpoint="tcp://10.0.0.1:5556",
+                       reflectors=["10.0.0.1:5557", "10.0.0.1:5558"], join="token", version=3),
     ]
 
 

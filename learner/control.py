@@ -676,7 +676,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             wire.WorkRequest: self._on_work_request, wire.Trajectories: self._on_trajectories,
             wire.Leave: self._on_leave, wire.SourceRequest: self._on_source_request,
             wire.Installed: self._on_install_report, wire.NatReport: self._on_nat_report,
-            wire.Handback: self._on_handback,
+            wire.Handback: self._on_handback, wire.Doctor: self._on_doctor,
         }.get(type(msg))
         if handler is None:
             raise wire.WireError("unknown_type", f"{msg.type} is not a request the learner serves")
@@ -691,6 +691,13 @@ class ControlPlane(Sessions, SnapshotRoutes):
         elif reply is not None:
             reply.rid = msg.rid
         return reply
+
+    def _on_doctor(self, ident: bytes, key: str, msg: wire.Doctor) -> wire.Message:
+        """A health check (``echo-worker doctor``): the endpoints a worker is handed."""
+        return wire.DoctorAck(run_id=self.run_id, instance_id=self.instance_id,
+                              snapshot_endpoint=self.snapshot_endpoint,
+                              reflectors=self.reflector.endpoints if self.reflector else [],
+                              join=self.cfg.security.join, version=self._latest()[0])
 
     def _on_install_report(self, ident: bytes, key: str, msg: wire.Installed) -> None:
         """A pending key that installed a snapshot has done its first useful act."""

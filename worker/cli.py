@@ -75,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop when the learner has not answered a join this long (default: keep "
                         "trying; after 30 s the worker says what to check either way)")
     j.add_argument("--log-level", default="INFO")
+    d = sub.add_parser("doctor", help="check this host against a learner before joining: its "
+                       "ports, its key, this host's NAT, the relay port (docs/volunteers.md)")
+    d.add_argument("learner", help="the join line, as for join (quote it)")
+    d.add_argument("--token", default="", help="join token (same as ?token= in the join line)")
+    d.add_argument("--identity", default=None, metavar="FILE",
+                   help="this worker's key pair, as for join (not created if missing: a "
+                        "throwaway key is used)")
+    d.add_argument("--insecure", action="store_true", help="a plaintext learner (tcp://HOST:PORT)")
+    d.add_argument("--relay-host", default="127.0.0.1",
+                   help="as for join: a public relay's address is checked from the learner")
+    d.add_argument("--relay-port", type=int, default=None, metavar="PORT",
+                   help="as for join (default 5560 when --relay-host is not loopback)")
+    d.add_argument("--punch-host", default=None, help="as for join")
     s = sub.add_parser("status", help="show a running (or finished) worker's status, from the "
                        "file it keeps")
     s.add_argument("file", nargs="?", default=None,
@@ -99,6 +112,8 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
         return _status(args)
     if args.cmd == "preempt":
         return _preempt(args)
+    if args.cmd == "doctor":
+        return _doctor(args)
     from echo.security import JoinLine, KeyPair, SecurityError, default_identity_path
 
     try:
@@ -202,6 +217,42 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     logging.getLogger("echo.worker").info("exited: %s", reason or "done")
     _summary(console, board)
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """``echo-worker doctor LINE``: each check's verdict and fix; 1 when any failed."""
+    import asyncio
+    from pathlib import Path
+
+    from echo.addresses import is_loopback
+    from echo.doctor import show
+    from echo.security import JoinLine, KeyPair, SecurityError, default_identity_path
+
+    try:
+        line = JoinLine.parse(args.learner)
+        if line.server_key is None and not args.insecure:
+            raise SecurityError(f"{args.learner!r} carries no learner key: give the join line "
+                                f"the learner printed (echo://HOST:PORT/KEY), or --insecure")
+        if args.token:
+            line = JoinLine(line.endpoint, line.server_key, args.token)
+        path = Path(args.identity) if args.identity else default_identity_path()
+        keys = KeyPair.load(path) if path.exists() else KeyPair.generate()
+    except SecurityError as exc:
+        print(f"echo-worker doctor: {exc}", file=sys.stderr)
+        return 2
+    if args.relay_port is not None and not 0 <= args.relay_port <= 65535:
+        print(f"echo-worker doctor: --relay-port {args.relay_port} is not a port: give "
+              f"1-65535, or 0 to let the OS pick", file=sys.stderr)
+        return 2
+    from worker.doctor import diagnose
+
+    relay_port = args.relay_port
+    if relay_port is None and not is_loopback(args.relay_host):
+        relay_port = relay_ports(args.relay_host, None, None)[0]
+    punch = args.punch_host or _punch_host(args.relay_host, line.endpoint)
+    checks = asyncio.run(diagnose(line, keys if line.server_key else None, args.relay_host,
+                                  relay_port, punch))
+    return show(checks)
 
 
 def _summary(console: Any, board: Any) -> None:

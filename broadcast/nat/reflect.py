@@ -182,14 +182,19 @@ class Reflector:
         if len(obs) < 2 or any(o is None for o in obs) or {o.listener for o in obs} != {0, 1}:
             raise NatError("probe_not_seen: probe both reflector addresses from the punch port "
                            "(within 120 s) before reporting")
-        first, second = obs  # type: ignore[misc]
-        addr = f"{first.ip}:{first.port}"
-        dial = next(o for o in obs if o.listener == 0)
-        if dial.dialed and relay_endpoint == f"tcp://{dial.ip}:{dial.dial_port}":
-            return "reachable", addr
-        if (first.ip, first.port) == (second.ip, second.port):
-            return "punchable", addr
-        return "none", addr
+        return nat_class(obs[0], obs[1], relay_endpoint)  # type: ignore[arg-type]
+
+
+def nat_class(first: Observation, second: Observation, relay_endpoint: str) -> tuple[str, str]:
+    """(nat, the punch port's public "ip:port") from the two listeners' observations of one
+    worker's probes: the rule the learner judges by, and ``echo-worker doctor`` reports."""
+    addr = f"{first.ip}:{first.port}"
+    dial = first if first.listener == 0 else second
+    if dial.dialed and relay_endpoint == f"tcp://{dial.ip}:{dial.dial_port}":
+        return "reachable", addr
+    if (first.ip, first.port) == (second.ip, second.port):
+        return "punchable", addr
+    return "none", addr
 
 
 def _parse_probe(raw: bytes) -> dict:

@@ -1,0 +1,120 @@
+"""What ``echo-rl doctor`` and ``echo-worker doctor`` share: a check's verdict and fix, and
+the probes of one port (docs/ports.md): is something listening, is it Echo, does the learner
+answer with the key the join line pins.
+
+Each probe says what it found in a short word (``open``, ``refused``, ``timeout``, ``silent``,
+...) and the checks turn that into a sentence naming the host, the port, the config key or flag
+behind it and what to do. Nothing here needs the planes: the NAT probe lives with the reflector
+(``broadcast.nat.reflect``), the checks that use it in ``worker.doctor`` and ``learner.doctor``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+ZMTP_SIGNATURE_LEN = 10  # 0xFF, 8 bytes of padding, 0x7F: the first bytes any ZeroMQ peer sends
+TIMEOUT_S = 3.0
+MARK = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # ok, warn (works, with a cost named), fail (something does not work)
+    verdict: str
+    fix: str = ""
+
+
+def show(checks: list[Check], out: TextIO | None = None) -> int:
+    """Print each check (verdict, then the fix); 1 when any failed, else 0."""
+    out = out or sys.stdout
+    for c in checks:
+        print(f"[{MARK[c.status]}] {c.name}: {c.verdict}", file=out)
+        if c.fix and c.status != "ok":
+            print(f"       fix: {c.fix}", file=out)
+    failed = [c.name for c in checks if c.status == "fail"]
+    print(f"{len(checks) - len(failed)} of {len(checks)} checks passed"
+          + (f"; failed: {', '.join(failed)}" if failed else ""), file=out)
+    return 1 if failed else 0
+
+
+def tcp_greeting(host: str, port: int, timeout: float = TIMEOUT_S) -> str:
+    """Connect to (host, port) and wait for a ZeroMQ greeting: ``zmtp`` (an Echo socket, or any
+    ZeroMQ peer), ``refused`` (nobody listens), ``timeout`` (no answer to the connection: a
+    firewall dropping it, or no such host), ``silent`` (accepted, said nothing), ``other`` (it
+    speaks, but not ZeroMQ), or ``error: ...``."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return "timeout"
+    except OSError as exc:
+        return f"error: {exc.strerror or exc}"
+    with sock:
+        sock.settimeout(timeout)
+        try:
+            head = sock.recv(ZMTP_SIGNATURE_LEN)
+        except TimeoutError:
+            return "silent"
+        except OSError:
+            return "silent"
+    if len(head) >= 1 and head[0] == 0xFF:
+        return "zmtp"
+    return "silent" if not head else "other"
+
+
+def tcp_open(host: str, port: int, timeout: float = TIMEOUT_S) -> str:
+    """``open``, ``refused``, ``timeout`` or ``error: ...``: only whether a connection opens."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return "open"
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return "timeout"
+    except OSError as exc:
+        return f"error: {exc.strerror or exc}"
+
+
+def port_words(found: str, host: str, port: int, what: str) -> tuple[str, str]:
+    """(status, verdict) for a ``tcp_greeting`` or ``tcp_open`` result on ``what``."""
+    where = f"{host} port {port}"
+    if found in ("zmtp", "open"):
+        return "ok", f"{where} answers ({what})"
+    return "fail", {
+        "refused": f"nothing listens on {where} (connection refused)",
+        "timeout": f"no answer from {where} within {TIMEOUT_S:g} s: a firewall drops the "
+                   f"connection, or {host} is not the address",
+        "silent": f"{where} accepts connections but never speaks: not an Echo learner (another "
+                  f"program holds the port, or a proxy swallows the connection)",
+        "other": f"{where} answers, but not in ZeroMQ: another program holds the port",
+    }.get(found, f"cannot connect to {where} ({found})")
+
+
+async def ask_learner(endpoint: str, server_key: bytes | None, keys: Any,
+                      timeout: float = TIMEOUT_S) -> tuple[Any, str]:
+    """One ``doctor`` request over CurveZMQ, pinning ``server_key``: (the reply, "") or (None,
+    why not, in words: the handshake's own explanation when it failed)."""
+    import zmq.asyncio
+
+    from echo import wire
+    from echo.client import Client, RequestTimeout
+
+    ctx = zmq.asyncio.Context()
+    client = Client(ctx, endpoint, 1 << 20, keys=keys, server_key=server_key)
+    listen = asyncio.ensure_future(client.receive_forever())
+    try:
+        reply = await client.request(wire.Doctor(), timeout)
+        return reply, ""
+    except RequestTimeout as exc:
+        return None, client.handshake_error or str(exc)
+    finally:
+        listen.cancel()
+        await asyncio.gather(listen, return_exceptions=True)
+        client.close()
+        ctx.term()

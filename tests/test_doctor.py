@@ -1,0 +1,174 @@
+"""``echo-worker doctor`` and ``echo-rl doctor`` (issue 30, item 3) against real learners on
+loopback (port 0): a healthy learner passes; a port nobody listens on, a listener that never
+answers, a learner whose public address does not reach its snapshot port and reflectors (the
+issue's unreachable advertised address), a wrong key, a missing token and a relay port nobody
+can connect to each fail, naming the port, the key or flag behind it and the fix."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from echo.cli import main as rl_main
+from echo.config import EchoConfig, dump_toml
+from echo.procs import ProcessGroup, python_argv, wait_ready
+from worker.cli import main as worker_main
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+class Learner:
+    def __init__(self, tmp: Path, cfg: EchoConfig, *sets: str):
+        self.run_dir, self.group = tmp / "run", ProcessGroup()
+        conf = tmp / "learner.toml"
+        conf.write_text(dump_toml(cfg))
+        argv = python_argv("echo.cli", "learn", str(conf), "--run-dir", str(self.run_dir),
+                           *[a for s in sets for a in ("--set", s)])
+        proc = self.group.start("learner", argv, tmp / "learner.log", pipe_stdout=True)
+        self.line = wait_ready(proc, timeout=120)
+
+    def stop(self) -> None:
+        self.group.stop_all()
+
+
+def _cfg() -> EchoConfig:
+    return EchoConfig.model_validate({"learner": {"max_steps": 100_000, "prompts_per_step": 4,
+                                                  "group_size": 4},
+                                      "broadcast": {"dtype": "float32", "chunk_kib": 64}})
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory) -> Iterator[Learner]:
+    learner = Learner(tmp_path_factory.mktemp("healthy"), _cfg())
+    yield learner
+    learner.stop()
+
+
+@pytest.fixture(scope="module")
+def blocked(tmp_path_factory) -> Iterator[Learner]:
+    """Binds 127.0.0.1 and hands out 127.0.0.2, where nothing listens: the join line (fixed
+    by hand below) reaches it, its snapshot port and reflectors do not. Joining by token."""
+    learner = Learner(tmp_path_factory.mktemp("blocked"), _cfg(), "learner.public_host=127.0.0.2",
+                      "security.join=token")
+    yield learner
+    learner.stop()
+
+
+def _worker_doctor(capsys, *argv: str) -> tuple[int, str]:
+    rc = worker_main(["doctor", *argv, "--identity", "/nonexistent/worker.key"])
+    return rc, capsys.readouterr().out
+
+
+def _rl_doctor(capsys, *argv: str) -> tuple[int, str]:
+    rc = rl_main(["doctor", *argv])
+    return rc, capsys.readouterr().out
+
+
+def _lines(out: str, name: str) -> str:
+    """A check's verdict line and its fix line."""
+    lines = out.splitlines()
+    i = next(k for k, line in enumerate(lines) if f"] {name}:" in line)
+    return "\n".join(lines[i:i + 2])
+
+
+# ----------------------------------------------------------------------------- echo-worker doctor
+
+
+def test_a_healthy_learner_passes_every_check(healthy, capsys):
+    rc, out = _worker_doctor(capsys, healthy.line)
+    assert rc == 0, out
+    assert "[ok  ] learner port" in out and "holds the key in the join line" in out
+    assert "[ok  ] snapshot port" in out and "punchable" in out  # loopback: one mapping per port
+    rc, out = _worker_doctor(capsys, healthy.line, "--relay-port", "0")  # a relay others dial
+    assert rc == 0, out
+    assert "reachable" in _lines(out, "NAT") and "[ok  ] relay port" in out
+
+
+def test_the_entry_point_exits_non_zero_on_a_failure(healthy):
+    done = subprocess.run(python_argv("worker.cli", "doctor", healthy.line[:-2] + "00"),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1
+    assert "[FAIL] learner key" in done.stdout and "copy the join line" in done.stdout
+
+
+def test_a_port_nobody_listens_on(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    rc, out = _worker_doctor(capsys, f"tcp://127.0.0.1:{port}", "--insecure")
+    assert rc == 1
+    check = _lines(out, "learner port")
+    assert f"nothing listens on 127.0.0.1 port {port}" in check
+    assert "docs/ports.md" in check and "learner is running" in check
+
+
+def test_a_listener_that_never_answers(capsys):
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        rc, out = _worker_doctor(capsys, f"tcp://127.0.0.1:{silent.getsockname()[1]}", "--insecure")
+    assert rc == 1
+    assert "accepts connections but never speaks: not an Echo learner" in _lines(out, "learner port")
+
+
+def test_closed_snapshot_and_reflector_ports_and_a_missing_token(blocked, capsys):
+    rc, out = _worker_doctor(capsys, blocked.line.replace("127.0.0.2", "127.0.0.1"))
+    assert rc == 1
+    assert "[ok  ] learner port" in out
+    assert "admits workers by token" in _lines(out, "learner key")
+    snap = _lines(out, "snapshot port")
+    assert "[FAIL]" in snap and "nothing listens on 127.0.0.2" in snap
+    assert "learner.chunk_port" in snap and "never receives a snapshot" in snap
+    nat = _lines(out, "NAT")
+    assert "[FAIL]" in nat and "will not relay" in nat and "learner.reflector_ports" in nat
+
+
+def test_a_relay_port_nobody_can_connect_to(healthy, capsys):
+    with socket.socket() as held:  # bound, never listening: every connection is refused
+        held.bind(("127.0.0.1", 0))
+        rc, out = _worker_doctor(capsys, healthy.line, "--relay-port", str(held.getsockname()[1]))
+    assert rc == 1
+    relay = _lines(out, "relay port")
+    assert "[FAIL]" in relay and "could not connect" in relay and "open TCP" in relay
+
+
+# ----------------------------------------------------------------------------- echo-rl doctor
+
+
+def test_the_operator_s_doctor_on_a_healthy_learner(healthy, capsys):
+    rc, out = _rl_doctor(capsys, "--run-dir", str(healthy.run_dir))
+    assert rc == 0, out
+    for key in ("learner.port", "learner.chunk_port", "learner.reflector_ports[0]",
+                "learner.reflector_ports[1]", "metrics.port"):
+        assert f"[ok  ] {key}:" in out, key
+    assert "[ok  ] learner: answers" in out and "echo-worker join 'echo://" in out
+    assert "[warn] public address" in out  # loopback: only this machine's workers reach it
+
+
+def test_the_operator_s_doctor_when_the_public_address_does_not_reach_the_ports(blocked, capsys):
+    rc, out = _rl_doctor(capsys, "--run-dir", str(blocked.run_dir))
+    assert rc == 1
+    check = _lines(out, "learner.chunk_port")
+    assert "bound on 127.0.0.1, but on the public address" in check
+    assert "learner.public_host" in check and "ufw allow" in check
+
+
+def test_the_operator_s_doctor_when_the_learner_is_not_running(tmp_path, capsys):
+    learner = Learner(tmp_path, _cfg())
+    learner.stop()
+    rc, out = _rl_doctor(capsys, "--run-dir", str(learner.run_dir))
+    assert rc == 1
+    check = _lines(out, "learner.port")
+    assert "nothing listens on 127.0.0.1" in check and "start it (echo-rl learn" in check
+
+
+def test_the_operator_s_doctor_on_a_config_that_hands_out_a_wildcard(capsys, tmp_path):
+    conf = tmp_path / "c.toml"
+    conf.write_text(dump_toml(_cfg()))
+    rc, out = _rl_doctor(capsys, "--config", str(conf), "--set", "learner.host=0.0.0.0")
+    assert rc == 1
+    assert "[FAIL] config" in out and "learner.public_host" in out
