@@ -245,3 +245,29 @@ def test_base_hash_is_the_same_for_a_float32_and_a_bfloat16_load(tokenizer, tmp_
     assert h32 == h16
     assert load_policy_model(ModelConfig(seed=1), lora, tokenizer)[1] != h32
     assert load_policy_model(folder, None, tokenizer)[1] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make gpu-check)")
+def test_on_a_gpu_a_bf16_worker_holds_the_learner_s_base_and_follows_its_adapter(tokenizer):
+    """The learner trains on the GPU (float32 weights, bf16 autocast); a worker on the GPU loads
+    the base in bf16: the same base hash, and after installing the bf16 adapter version its
+    log-probs are the learner's within bf16 noise."""
+    from learner.policy import Policy
+    from learner.trainer import token_logprobs
+    from worker.backends import make_backend
+
+    cfg = lora_cfg()
+    cfg.learner.device = "cuda"
+    policy = Policy(cfg)
+    _, batch = batch_of(tokenizer)
+    _, full = policy.command({"op": "step", "batch": batch, "sync": True})
+    backend = make_backend("transformers", model_cfg=cfg.model, device="cuda", lora=cfg.learner.lora)
+    assert next(backend.model.parameters()).dtype == torch.bfloat16
+    assert backend.base_hash == policy.base_hash
+    backend.install(*params_to_payload(policy.named_tensors(full[0]), "bfloat16"), 1)
+    ids, attn = batch.input_ids.cuda(), batch.attention_mask.cuda()
+    with torch.no_grad():
+        want = token_logprobs(policy.model, ids, attn)
+        got = token_logprobs(backend.model, ids, attn)
+    assert float((want - got).abs().mean()) < 0.05
