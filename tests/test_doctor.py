@@ -172,3 +172,28 @@ def test_the_operator_s_doctor_on_a_config_that_hands_out_a_wildcard(capsys, tmp
     rc, out = _rl_doctor(capsys, "--config", str(conf), "--set", "learner.host=0.0.0.0")
     assert rc == 1
     assert "[FAIL] config" in out and "learner.public_host" in out
+
+
+# ----------------------------------------------------------------------------- the README's lines
+
+
+def _readme_doctor_lines() -> list[list[str]]:
+    """The doctor commands of README "Running for real", as argv lists (comments cut)."""
+    import shlex
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("## Running for real", 1)[1].split("```", 2)[1]
+    return [shlex.split(line.split("#", 1)[0]) for line in block.splitlines()
+            if line.split()[:2] in (["echo-rl", "doctor"], ["echo-worker", "doctor"])]
+
+
+def test_the_readme_s_doctor_lines_run_as_written(healthy, capsys):
+    """Only the run folder and the join line are put in: HOST, the key and the token are the
+    operator's. Both pass against a healthy learner on this host."""
+    lines = _readme_doctor_lines()
+    assert [argv[0] for argv in lines] == ["echo-rl", "echo-worker"]
+    for argv in lines:
+        argv = [str(healthy.run_dir) if a == "runs/r1" else
+                healthy.line if a.startswith("echo://HOST") else a for a in argv]
+        rc, out = (_rl_doctor if argv[0] == "echo-rl" else _worker_doctor)(capsys, *argv[2:])
+        assert rc == 0, (argv, out)
