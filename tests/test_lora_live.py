@@ -68,3 +68,20 @@ def wait_installs(log: Path, n: int, timeout: float = 120) -> set[int]:
             return versions
         time.sleep(0.2)
     raise AssertionError(f"{log.name}: fewer than {n} installed versions within {timeout}s")
+
+
+def test_a_lora_run_resumes_from_its_adapter_checkpoint(cluster):
+    from learner.checkpoint import load_checkpoint
+
+    cluster.cfg.learner.lora = LoraConfig(enabled=True, rank=4, alpha=8.0)
+    run = cluster.learner("first", max_steps=4)
+    cluster.worker("w0")
+    assert cluster.wait("first") == 0 and cluster.wait("w0", 30) == 0
+    ckpt = load_checkpoint(run)
+    assert ckpt["step"] == 3 and ckpt["model"] and all(".lora_" in k for k in ckpt["model"])
+    cluster.learner("second", resume=run, max_steps=7)
+    cluster.worker("w1")
+    assert cluster.wait("second") == 0
+    got = rows(run)
+    assert [r["step"] for r in got] == list(range(7)) and all(r["version"] == r["step"] for r in got)
+    assert "resumed at step 4" in (run / "learner.log").read_text()
