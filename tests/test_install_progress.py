@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fakes import FakeClock
 
-from worker.status import InstallProgress, StatusBoard, rows
+from worker.status import InstallProgress, StatusBoard, plain_line, rows
 
 
 def _installed_row(board: StatusBoard) -> str:
@@ -46,3 +46,13 @@ def test_a_worker_waiting_for_a_snapshot_that_never_comes_says_so():
     clock.t = 40.0
     assert p.phase(None) == ("model loaded in 0.0 s; waiting for the learner's snapshot "
                              "(40 s since joining)")
+
+
+def test_the_plain_log_line_carries_the_install_s_progress():
+    board = StatusBoard("w0", "tcp://127.0.0.1:5555", 0.0, None)
+    board.update(account={"state": "active"}, install_phase="loading the model; waiting for "
+                 "the learner's snapshot (3 s since joining)")
+    assert "; first snapshot: loading the model; waiting for the learner's snapshot (3 s since " \
+        "joining);" in plain_line(board.doc)
+    board.update(installed_version=2, install_phase=None)
+    assert "; snapshot v2;" in plain_line(board.doc)

@@ -273,7 +273,9 @@ def plain_line(doc: dict[str, Any]) -> str:
     """One line for a log without a terminal (once a minute)."""
     a = doc.get("account") or {}
     rejected = sum((a.get("rejected") or {}).values())
-    return (f"status: {state_of(doc)}; snapshot v{doc.get('installed_version')}; "
+    v, phase = doc.get("installed_version", -1), doc.get("install_phase")
+    snapshot = f"snapshot v{v}" if v >= 0 or not phase else f"first snapshot: {phase}"
+    return (f"status: {state_of(doc)}; {snapshot}; "
             f"groups {doc.get('groups_generated', 0)}; accepted {a.get('accepted', 0)}, "
             f"rejected {rejected}, checks {a.get('checks', 0)}/{a.get('check_failures', 0)} failed; "
             f"earned {_money(a.get('earned_usd', 0.0))}; learner says: {a.get('message') or '-'}")
