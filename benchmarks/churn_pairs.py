@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -46,12 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     pairs = []
     for i in range(args.pairs):
+        load = [round(os.getloadavg()[0], 2)]  # 1-minute load before each run: others' work shows
         clean = t_bcast([], seed=i)
+        load.append(round(os.getloadavg()[0], 2))
         killed = t_bcast(["--kill-fraction", str(args.kill_fraction)], seed=i)
         pairs.append({"seed": i, "fault_free_s": round(clean, 3), "killed_s": round(killed, 3),
-                      "ratio": round(killed / clean, 3)})
+                      "ratio": round(killed / clean, 3), "load_1min": load})
         print(f"pair {i}: fault-free {clean:.2f} s, {args.kill_fraction:.0%} killed {killed:.2f} s, "
-              f"ratio {killed / clean:.3f}", flush=True)
+              f"ratio {killed / clean:.3f} (1-min load before each: {load[0]}, {load[1]})",
+              flush=True)
     within = sum(p["ratio"] <= args.limit for p in pairs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
