@@ -23,10 +23,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Python 3.12 manylinux x86-64 builds of what the machine lacks, at the versions this checkout
-# is tested with (pyproject.toml's ranges), their own needs included.
+# is tested with (pyproject.toml's ranges), their own needs included (at versions those need:
+# pydantic 2.14 wants typing-inspection >= 0.4.4, which the first GPU run found the hard way).
 PINS = ["pyzmq==27.3.0", "lz4==4.4.5", "blake3==1.0.11", "cryptography==50.0.2", "cffi==2.0.0",
         "pycparser==2.23", "pydantic==2.14.4", "pydantic_core==2.50.5", "annotated-types==0.7.0",
-        "typing-inspection==0.4.2", "math-verify==0.9.0", "latex2sympy2_extended==1.11.0",
+        "typing-inspection==0.4.5", "math-verify==0.9.0", "latex2sympy2_extended==1.11.0",
         "antlr4-python3-runtime==4.13.2", "gguf==0.19.0", "simpy==4.1.2", "pokerkit==0.7.7"]
 PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64",
@@ -61,22 +62,27 @@ def wheels(dest: Path) -> int:
     return 0
 
 
-def weights(dest: Path, parts: int) -> int:
+def weights(dest: Path, parts: int, first_mib: float = 0.0) -> int:
+    """``parts`` pieces; with ``first_mib`` the first is that size (the call that also carries
+    the wheels), the rest share the remainder."""
     if not GGUF.is_file():
         from echo.gguf_import import fetch_smollm2
 
         fetch_smollm2(GGUF.parent)
     data = GGUF.read_bytes()
     dest.mkdir(exist_ok=True)
-    size = -(-len(data) // parts)
+    first = int(first_mib * 2**20) if first_mib else -(-len(data) // parts)
+    rest = -(-(len(data) - first) // max(parts - 1, 1))
+    bounds = [0, first] + [min(first + rest * k, len(data)) for k in range(1, parts)]
     names = []
     for i in range(parts):
         name = f"{GGUF.name}.part{i}"
-        (dest / name).write_bytes(data[i * size:(i + 1) * size])
+        (dest / name).write_bytes(data[bounds[i]:bounds[i + 1]])
         names.append(name)
     man = {"parts": names, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     (dest / "manifest.json").write_text(json.dumps(man, indent=2) + "\n")
-    print(f"{GGUF.name}: {len(data) / 2**20:.1f} MiB in {parts} parts of {size / 2**20:.1f} MiB in {dest}; "
+    sizes = ", ".join(f"{(bounds[i + 1] - bounds[i]) / 2**20:.1f}" for i in range(parts))
+    print(f"{GGUF.name}: {len(data) / 2**20:.1f} MiB in {parts} parts ({sizes} MiB) in {dest}; "
           f"carry one part per call (move the others out of {dest} for that call)")
     return 0
 
@@ -86,11 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", choices=["wheels", "weights"])
     p.add_argument("--dest", type=Path)
     p.add_argument("--parts", type=int, default=2)
+    p.add_argument("--first-mib", type=float, default=44.0,
+                   help="size of part 0, carried with the wheels; later calls need not carry them again")
     a = p.parse_args(argv)
     if a.what == "wheels":
         return wheels(a.dest or ROOT / ".whl")
     sys.path.insert(0, str(ROOT))
-    return weights(a.dest or ROOT / ".gpu", a.parts)
+    return weights(a.dest or ROOT / ".gpu", a.parts, a.first_mib)
 
 
 if __name__ == "__main__":

@@ -325,7 +325,7 @@ def stage_generation(a: argparse.Namespace, rec: Record) -> None:
                   for i, p in enumerate(_prompts(backend, cfg, groups_n))]
         made: list[int] = []
         times = _timed(lambda: made.append(sum(len(s.completion_ids) for g in backend.generate(
-            groups, new_tokens, 1.0) for s in g)), a.reps, sync)
+            groups, new_tokens, 1.0) for s in g)), min(a.reps, 2), sync)
         tokens = made[-1]
         rec.put(f"batch_{rows}", {"sequences": rows, "max_new_tokens": new_tokens, "seconds": times,
                                   "tokens": tokens, "tokens_per_s": tokens / statistics.median(times)})
@@ -344,7 +344,7 @@ def learning_argv(a: argparse.Namespace, run_dir: Path) -> list[str]:
     base = [sys.executable, "-m", "echo.cli", "quickstart", "--run-dir", str(run_dir)]
     if a.dry_run:
         return base + ["--config", "examples/quickstart.toml", "--set", "learner.max_steps=3"]
-    sets = [f"learner.max_steps={a.steps}", "learner.lr=5e-6", "learner.device=cuda",
+    sets = [f"learner.max_steps={a.steps}", "learner.lr=1e-5", "learner.device=cuda",
             "worker.device=cuda", "worker.groups_per_request=4", "learner.lease_timeout_s=120",
             "learner.wait_timeout_s=120", "broadcast.timeout_s=30", "learner.torch_threads=4",
             "worker.torch_threads=4"]
