@@ -47,17 +47,19 @@ def wheels(dest: Path) -> int:
         if run.returncode:
             print(f"{pin}: pip download failed: {run.stderr.strip()[-400:]}", file=sys.stderr)
             return 1
-    names = {p.name.split("-")[0].lower().replace("_", "-") for p in dest.glob("*.whl")}
-    extra = sorted(p.name for p in dest.glob("*.whl")
-                   if p.name.split("-")[0].lower().replace("_", "-") not in
-                   {x.split("==")[0].lower().replace("_", "-") for x in PINS})
-    for name in extra:  # an older pin's wheel: two versions of one package stop the install
-        (dest / name).unlink()
+    def key(name: str) -> str:  # "typing_inspection-0.4.5-...whl" and "typing-inspection==0.4.5" alike
+        pkg, ver = name.split("==") if "==" in name else name.split("-")[:2]
+        return f"{pkg.lower().replace('_', '-')}=={ver}"
+
+    pinned = {key(x) for x in PINS}
+    for stale in [p for p in dest.glob("*.whl") if key(p.name) not in pinned]:
+        stale.unlink()  # another version of a pin: two versions of one package stop the install
+    names = {key(p.name) for p in dest.glob("*.whl")}
     total = sum(p.stat().st_size for p in dest.glob("*.whl"))
     print(f"{len(names)} wheels, {total / 2**20:.1f} MiB in {dest} (budget {WHEELS_MIB} MiB of a "
           f"{CALL_MIB} MiB call)")
     if total > WHEELS_MIB * 2**20:
-        print(f"over budget: drop a package from PINS or raise WHEELS_MIB", file=sys.stderr)
+        print("over budget: drop a package from PINS or raise WHEELS_MIB", file=sys.stderr)
         return 1
     return 0
 

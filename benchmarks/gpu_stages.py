@@ -255,8 +255,7 @@ def learner_case(a: argparse.Namespace, make: Callable[[], tuple[Any, str]], lor
            "tflops_per_s": flops / step_s / 1e12, "peak_tflops": peak,
            "mfu": flops / step_s / 1e12 / peak if peak else None,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
-    del trainer, model, batch
-    return out
+    return out  # the model, Adam and batch go with this frame: the next case starts empty
 
 
 def _lora_available() -> str | None:
