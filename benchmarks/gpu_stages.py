@@ -217,10 +217,11 @@ def step_flops(model: Any, batch: int, prompt: int, completion: int, lora: bool)
 
 
 def lora_wrap(model: Any) -> Any:
-    from peft import LoraConfig, get_peft_model
+    """Echo's LoRA (``[learner.lora]``: echo/lora.py), at its defaults: r 16, alpha 32, all linear layers."""
+    from echo.config import LoraConfig
+    from echo.lora import wrap
 
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                            target_modules="all-linear"))
+    return wrap(model, LoraConfig(enabled=True))
 
 
 def learner_case(a: argparse.Namespace, make: Callable[[], tuple[Any, str]], lora: bool,
