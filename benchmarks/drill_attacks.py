@@ -74,10 +74,23 @@ def drain(sock: zmq.Socket, want: int, timeout_s: float) -> Counter[str]:
     return got
 
 
+# What the learner pushes to a joined session unasked: never the reply to a request. A new
+# version published between a request and its reply put a snapshot_notice first (a drill under
+# load read it as the reply to an impersonating heartbeat).
+PUSHED = {"snapshot_notice"}
+
+
 def ask(sock: zmq.Socket, msg: wire.Message, timeout_s: float = 5.0) -> str:
+    """The reply to ``msg``, skipping pushed notices."""
     sock.send(wire.encode(msg))
-    got = drain(sock, 1, timeout_s)
-    return next(iter(got), "no_reply")
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        kind = next(iter(drain(sock, 1, left)), None)
+        if kind is None:
+            break
+        if kind not in PUSHED:
+            return kind
+    return "no_reply"
 
 
 def flood(sock: zmq.Socket, frame: bytes, n: int, window: int = 500, timeout_s: float = 10.0) -> Counter[str]:
