@@ -15,6 +15,10 @@ Options (``[adapter] options = {...}``):
                   shaping for tiny models that have yet to learn to answer with a number
   verify_timeout_s  bound for math-verify's parse and verify (default 5; see mathcheck)
   max_prompt_tokens  drop questions longer than this many tokens (default 0: keep all)
+  heldout_path    JSONL of held-out questions (same keys): ``echo-rl eval --split heldout``
+                  scores each once; training never draws them. A question that is also in
+                  ``path`` is refused when the data is read (examples/data/arith_heldout.jsonl
+                  and arith_words_heldout.jsonl hold none of their training file's questions)
 
 Reward (worker side): extract the final answer of the completion (last ``\\boxed{}``, else the
 last number); 1.0 if ``math-verify`` judges it equal to the reference answer, else
@@ -41,7 +45,7 @@ from dataplane.adapter import Adapter, AdapterError, Prompt
 from dataplane.multiturn import render_ids
 
 _OPTIONS = {"path", "question_key", "answer_key", "system", "chat_template", "format_reward",
-            "verify_timeout_s", "max_prompt_tokens"}
+            "verify_timeout_s", "max_prompt_tokens", "heldout_path"}
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
@@ -116,30 +120,59 @@ class MathAdapter(Adapter):
         if self._items is None:
             if not self.path:
                 raise AdapterError("math: set options.path to a JSONL file of questions and answers")
-            rows = read_jsonl(self.path, self.question_key, self.answer_key)
-            unk = getattr(self.tokenizer, "unk_token_id", None)
-            items = []
-            for row in rows:
-                if unk is not None and unk in self.tokenizer.encode(row["question"], add_special_tokens=False):
-                    raise AdapterError(
-                        f"math: {self.path}:{row['line']}: the tokenizer cannot encode question "
-                        f"{row['question'][:60]!r} (unknown characters); the tiny-qwen3 tokenizer "
-                        f"knows only digits, +-*= and a-f: use examples/data/arith.jsonl or a real model")
-                ids = self.encode(row["question"])
-                if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
-                    continue
-                items.append((ids, {"answer": row["answer"]}))
-            if not items:
-                raise AdapterError(f"math: no question of {self.path} fits max_prompt_tokens="
-                                   f"{self.max_prompt_tokens}")
-            self._items = items
+            self._items = self._encode_file(self.path)
+            heldout = self.options.get("heldout_path")
+            if heldout:
+                self._check_disjoint(str(heldout))
         return self._items
+
+    def _encode_file(self, path: str) -> list[tuple[list[int], dict[str, Any]]]:
+        rows = read_jsonl(path, self.question_key, self.answer_key)
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        items = []
+        for row in rows:
+            if unk is not None and unk in self.tokenizer.encode(row["question"], add_special_tokens=False):
+                raise AdapterError(
+                    f"math: {path}:{row['line']}: the tokenizer cannot encode question "
+                    f"{row['question'][:60]!r} (unknown characters); the tiny-qwen3 tokenizer "
+                    f"knows only digits, +-*= and a-f: use examples/data/arith.jsonl or a real model")
+            ids = self.encode(row["question"])
+            if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
+                continue
+            items.append((ids, {"answer": row["answer"]}))
+        if not items:
+            raise AdapterError(f"math: no question of {path} fits max_prompt_tokens="
+                               f"{self.max_prompt_tokens}")
+        return items
+
+    def _check_disjoint(self, heldout: str) -> None:
+        """A held-out question that training also draws measures memory, not learning."""
+        train = {q["question"] for q in read_jsonl(self.path, self.question_key, self.answer_key)}
+        both = [q for q in read_jsonl(heldout, self.question_key, self.answer_key)
+                if q["question"] in train]
+        if both:
+            raise AdapterError(f"math: {len(both)} question(s) of heldout_path {heldout} are also "
+                               f"in path {self.path} (line {both[0]['line']}: "
+                               f"{both[0]['question'][:60]!r}); remove them from one of the files")
+
+    def heldout_prompts(self, rng: random.Random) -> Iterator[Prompt] | None:
+        """Each question of ``heldout_path`` once, in file order (None without one)."""
+        heldout = self.options.get("heldout_path")
+        if not heldout:
+            return None
+        self.items()  # the disjointness check
+        return (Prompt(prompt_ids=list(ids), task=dict(task))
+                for ids, task in self._encode_file(str(heldout)))
 
     def prompts(self, rng: random.Random) -> Iterator[Prompt]:
         items = self.items()
         while True:  # sampling with replacement: the stream is a function of the RNG alone
             ids, task = items[rng.randrange(len(items))]
             yield Prompt(prompt_ids=list(ids), task=dict(task))
+
+    def close(self) -> None:
+        """Stop the checker's child process (an evaluation's end; workers keep theirs)."""
+        self.checker.close()
 
     # ----------------------------------------------------------------- worker side
 

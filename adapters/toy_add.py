@@ -9,6 +9,11 @@ Reward (in [0, 1]):
   0.5  the right digit first, no end-of-sequence;
   0.1  some other digit first (format credit: it answered with a number);
   0.0  otherwise.
+Held-out split (``echo-rl eval --split heldout``): option ``heldout = K`` (default 0, none) sets
+K of the pairs aside, chosen by a fixed seed: training never draws them, eval scores each once.
+With K > 0 the quickstart's model must generalise addition to pairs it never saw, which a 2-layer
+random-init model mostly does not: a strict test, not the quickstart's default.
+
 The credit for ending sooner is what makes the run reliable: with a flat 0.5 for "right digit,
 anything after", stopping is learned only once a group happens to sample end-of-sequence
 right after the digit, and four 500-step quickstarts ended at 0.23, 0.40, 0.47 and 0.75
@@ -23,26 +28,41 @@ from typing import Any
 
 from dataplane.adapter import Adapter, AdapterError, Prompt
 
+HELDOUT_SEED = 20261126  # which pairs ``heldout`` sets aside: fixed, so every run agrees
+
 
 class ToyAddAdapter(Adapter):
     name = "toy-add"
 
     def __init__(self, options: dict[str, Any], tokenizer: Any):
         super().__init__(options, tokenizer)
-        unknown = set(self.options) - {"max_sum"}
+        unknown = set(self.options) - {"max_sum", "heldout"}
         if unknown:
-            raise AdapterError(f"toy-add: unknown option(s) {sorted(unknown)}; it takes max_sum")
+            raise AdapterError(f"toy-add: unknown option(s) {sorted(unknown)}; it takes max_sum, heldout")
         self.max_sum = int(self.options.get("max_sum", 9))
         if not 0 <= self.max_sum <= 9:
             raise AdapterError(f"toy-add: max_sum={self.max_sum} must be 0..9 (one-digit answers)")
-        self.pairs = [(a, b) for a in range(10) for b in range(10) if a + b <= self.max_sum]
+        pairs = [(a, b) for a in range(10) for b in range(10) if a + b <= self.max_sum]
+        k = int(self.options.get("heldout", 0))
+        if not 0 <= k < len(pairs):
+            raise AdapterError(f"toy-add: heldout={k} must be 0..{len(pairs) - 1} (pairs set aside "
+                               f"of the {len(pairs)} with a + b <= {self.max_sum})")
+        aside = set(random.Random(HELDOUT_SEED).sample(pairs, k))
+        self.heldout = [p for p in pairs if p in aside]
+        self.pairs = [p for p in pairs if p not in aside]
         self._digits = {tokenizer.convert_tokens_to_ids(str(d)): d for d in range(10)}
+
+    def _prompt(self, a: int, b: int) -> Prompt:
+        ids = self.tokenizer.encode(f"{a}+{b}=", add_special_tokens=False)
+        return Prompt(prompt_ids=ids, task={"answer": a + b})
 
     def prompts(self, rng: random.Random) -> Iterator[Prompt]:
         while True:
-            a, b = rng.choice(self.pairs)
-            ids = self.tokenizer.encode(f"{a}+{b}=", add_special_tokens=False)
-            yield Prompt(prompt_ids=ids, task={"answer": a + b})
+            yield self._prompt(*rng.choice(self.pairs))
+
+    def heldout_prompts(self, rng: random.Random) -> Iterator[Prompt] | None:
+        """Each set-aside pair once (None with heldout = 0)."""
+        return (self._prompt(a, b) for a, b in self.heldout) if self.heldout else None
 
     def reward(self, task: dict[str, Any], completion_ids: list[int], completion_text: str) -> float:
         if not completion_ids:

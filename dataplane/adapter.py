@@ -5,7 +5,9 @@ An adapter is a small class that owns one task:
     reward needs); runs on the learner, which hands prompts out as groups;
   * ``reward(task, completion_ids, completion_text)``: a float, runs on the worker;
   * ``materialise(groups, adv_eps, scale_rewards)``: records -> learner tensors (ids, loss
-    masks, advantages); the default here fits single-turn tasks, multi-turn adapters override it.
+    masks, advantages); the default here fits single-turn tasks, multi-turn adapters override it;
+  * ``heldout_prompts(rng)`` (optional): prompts of a held-out split that ``prompts()`` never
+    yields, for ``echo-rl eval --split heldout``; the default declares none (None).
 
 Adapters are found through the entry-point group ``echo.adapters`` so a researcher can
 ``pip install`` one; ``[adapter] name = "..."`` in the TOML selects it.
@@ -69,6 +71,14 @@ class Adapter(ABC):
 
     @abstractmethod
     def reward(self, task: dict[str, Any], completion_ids: list[int], completion_text: str) -> float: ...
+
+    def heldout_prompts(self, rng: random.Random) -> Iterator[Prompt] | None:
+        """The held-out split: prompts training never draws, to measure what a run learned
+        rather than what it memorised (``echo-rl eval --split heldout``). A finite iterator is a
+        fixed set, scored once each in order; an endless one is drawn from, every choice from
+        ``rng``. None (this default): the adapter declares no held-out split, and eval says so
+        and names ``--split train``."""
+        return None
 
     def materialise(self, groups: Sequence[Sequence[Record]], adv_eps: float = 1e-4,
                     scale_rewards: str = "group") -> LearnerBatch:

@@ -40,10 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bench_sub.add_parser("broadcast", add_help=False,
                          help="snapshot broadcast with real relay processes (see --help)")
-    ev = sub.add_parser("eval", help="evaluate a model: eval poker ... | eval math ... (see --help)")
-    ev_sub = ev.add_subparsers(dest="eval", required=True)
-    ev_sub.add_parser("poker", add_help=False, help="chip change against each opponent, 95%% CI")
-    ev_sub.add_parser("math", add_help=False, help="accuracy on a JSONL set")
+    sub.add_parser("eval", add_help=False, help="eval --run-dir RUN [--checkpoint N | --untrained] "
+                   "[--compare N] [--split heldout]: mean reward, 95%% CI, any adapter; also eval "
+                   "poker ... | eval math ... (see --help)")
     sub.add_parser("report", add_help=False, help="compare runs: HTML, CSV, Parquet (see --help)")
     sub.add_parser("sample", add_help=False,
                    help="sample RUN_DIR: prompts, completions and rewards from the latest checkpoint")
@@ -116,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         from adapters.math_eval import main as math_eval
 
         return math_eval(argv[2:])
+    if argv[:1] == ["eval"]:  # any adapter: eval --run-dir RUN (echo/evaluate.py)
+        from echo.evaluate import main as eval_main
+
+        return eval_main(argv[1:])
     if argv[:1] == ["sample"]:
         from echo.sample import main as sample_main
 

@@ -66,6 +66,7 @@ _DEFAULTS: dict[str, Any] = {
     "hero_seat": -1, "max_decisions": 24, "max_episode_tokens": 4096, "offpolicy_player": "",
     "offpolicy_fraction": 0.0, "bot_samples": 48, "system": "", "turn_start_token": "",
 }
+HELDOUT_SALT = 0x48454C44  # "HELD": the held-out split's deals come from their own stream
 RESULT_RESERVE = 160  # tokens kept free for the last hand's result message
 
 
@@ -174,6 +175,13 @@ class PokerAdapter(EpisodeAdapter):
             task = {"deal_seed": rng.randrange(1 << 31), "hero_seat": hero,
                     "opponents": [rng.choice(self.opponents) for _ in range(self.table.seats - 1)]}
             yield Prompt(prompt_ids=list(prompt), task=task)
+
+    def heldout_prompts(self, rng: random.Random) -> Iterator[Prompt] | None:
+        """Endless deals from an RNG of their own (seeded from ``rng`` and a constant that
+        training's stream never mixes in), opponents and seats drawn as in training. A deal is
+        one of 2^31: the chance that a held-out deal was also trained on is the run's deals /
+        2^31 (under 1e-4 for 200,000 deals), so held-out here means unseen cards."""
+        return self.prompts(random.Random(_mix(rng.randrange(1 << 62), HELDOUT_SALT)))
 
     # ----------------------------------------------------------------- worker side
 

@@ -8,6 +8,12 @@ arith.jsonl        400 questions like ``12+7=`` / ``9*3=`` / ``4-11=``: written 
 arith_words.jsonl  300 one- or two-step arithmetic word problems ("Ana has 12 shells and
                    finds 7 more. ...") with integer answers, for real models.
 
+arith_heldout.jsonl, arith_words_heldout.jsonl
+                   100 questions each of the same kinds, none of them in the training file:
+                   the math adapter's held-out split (options.heldout_path; echo-rl eval
+                   --split heldout). Drawn from their own RNG (seed + 1), so adding them left
+                   the training files as they were.
+
 Each line is ``{"question": ..., "answer": ...}`` with the answer as a string.
 """
 
@@ -66,13 +72,30 @@ def words(rng: random.Random, n: int) -> list[dict[str, str]]:
     return rows
 
 
+def heldout(make, rng: random.Random, n: int, train: list[dict[str, str]]) -> list[dict[str, str]]:
+    """``n`` rows from ``make`` whose questions are not in ``train`` (nor repeated)."""
+    seen = {r["question"] for r in train}
+    rows: list[dict[str, str]] = []
+    while len(rows) < n:
+        for r in make(rng, n):
+            if r["question"] not in seen and len(rows) < n:
+                seen.add(r["question"])
+                rows.append(r)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    for name, rows in (("arith.jsonl", arith(rng, 400)), ("arith_words.jsonl", words(rng, 300))):
+    train = {"arith.jsonl": arith(rng, 400), "arith_words.jsonl": words(rng, 300)}
+    rng_heldout = random.Random(args.seed + 1)
+    files = {**train,
+             "arith_heldout.jsonl": heldout(arith, rng_heldout, 100, train["arith.jsonl"]),
+             "arith_words_heldout.jsonl": heldout(words, rng_heldout, 100, train["arith_words.jsonl"])}
+    for name, rows in files.items():
         path = args.out / name
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         print(f"wrote {len(rows)} rows to {path}")
