@@ -37,6 +37,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from echo.tree import RelayTree
+from echo.tree_metrics import TreeGauges
+
 DASHBOARD = Path(__file__).parent / "dashboard" / "index.html"
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 KEEP_VERSIONS = 20  # broadcast gauges/timeline keep this many recent versions
@@ -156,6 +159,11 @@ class LearnerMetrics:
         self.reputation: dict[str, dict[str, Any]] = {}
         self._bcast_versions: list[str] = []
         self._rejected_reasons: set[str] = set()
+        # echo.tree: the current version's relay tree, read live at each scrape and each
+        # dashboard poll when ``tree_source`` is set (ControlPlane.relay_tree)
+        self.tree: RelayTree | None = None
+        self.tree_source: Any = None  # () -> RelayTree; may raise TimeoutError: last one kept
+        self._tree_gauges = TreeGauges(r)
 
     # ------------------------------------------------------------------ feeding
 
@@ -280,6 +288,20 @@ class LearnerMetrics:
             with self._lock:
                 self._update_accounts(accounts)
 
+    def set_tree(self, tree: RelayTree) -> None:
+        with self._lock:
+            self.tree = tree
+            self._tree_gauges.update(tree)
+
+    def _pull_tree(self) -> None:
+        if self.tree_source is None:
+            return
+        try:
+            tree = self.tree_source()
+        except (TimeoutError, RuntimeError):  # a busy or stopped control loop: keep the last
+            return
+        self.set_tree(tree)
+
     def _update_checks(self, stats: dict[str, Any]) -> None:
         rep = stats.get("reputation")
         if isinstance(rep, dict):
@@ -319,6 +341,7 @@ class LearnerMetrics:
 
     def prometheus_text(self) -> bytes:
         self._pull_accounts()
+        self._pull_tree()
         with self._lock:
             return generate_latest(self.registry)
 
@@ -329,6 +352,7 @@ class LearnerMetrics:
 
     def state(self, rows: int = 500) -> dict[str, Any]:
         self._pull_accounts()
+        self._pull_tree()
         with self._lock:
             last = self.rows[-1] if self.rows else {}
             admitted = _num(last.get("admitted")) or 0.0
@@ -350,6 +374,7 @@ class LearnerMetrics:
                 "decisions": list(self.decisions)[-20:],
                 "installs": {str(v): t for v, t in sorted(self.installs.items())},
                 "staleness": {str(k): n for k, n in sorted(self.stale_counts.items())},
+                "tree": self.tree.model_dump() if self.tree is not None else None,
             }
 
     # ------------------------------------------------------------------ serving

@@ -37,12 +37,14 @@ from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import mint
 from broadcast.topology import make_topology
+from broadcast.tree import relay_tree
 from dataplane import rules
 from dataplane.records import Limits
 from echo import wire
 from echo.addresses import public_endpoint
 from echo.config import EchoConfig
 from echo.security import ZAP_DOMAIN, JoinLine, LogThrottle, ZapHandler, curve_server, sender_key
+from echo.tree import RelayTree
 from learner.accounts import Accounts
 from learner.gate import Gate
 from learner.verify import Verifier
@@ -70,6 +72,7 @@ ACK_QUEUE = 1024
 # How long the trainer's thread waits for the loop to store a version or answer a stats call
 # before it goes on without (counted in stats()["slow"]); it never ends the run.
 LOOP_WAIT_S = 10.0
+TREE_WAIT_S = 2.0  # a dashboard poll or a scrape waits this long for the loop's relay tree
 
 
 @dataclass
@@ -378,6 +381,16 @@ class ControlPlane(Sessions, SnapshotRoutes):
             log.warning("the control loop did not answer a stats call in %.0fs: last stats used",
                         LOOP_WAIT_S)
         return {**self._last_stats, "slow": dict(self.slow)}
+
+    def relay_tree(self) -> RelayTree:
+        """The current version's relay tree (``echo.tree``), built on the loop, from any thread:
+        the dashboard reads it at each poll. TimeoutError after ``TREE_WAIT_S`` of a busy loop."""
+        return self._call(self._relay_tree, timeout=TREE_WAIT_S)
+
+    async def _relay_tree(self) -> RelayTree:
+        if self.coordinator is None:
+            return RelayTree(version=None, source=self.snapshot_endpoint, nodes=[])
+        return relay_tree(self.coordinator)
 
     def shutdown(self, reason: str) -> None:
         if self._loop is None or not self._thread.is_alive():

@@ -331,6 +331,7 @@ class Learner:
                 raise port_taken("metrics.port", self.cfg.metrics.host, port, exc) from None
             info["ports"]["metrics"] = self.metrics_server.address[1]
             self.metrics.accounts_source = self.control.accounts.export  # live per scrape
+            self.metrics.tree_source = self.control.relay_tree  # live per scrape and poll
             info["metrics"] = self.metrics_server.url
             for r in self.rows:  # after --resume: cost and curves continue
                 self.metrics.update(r, {})

@@ -18,6 +18,7 @@ pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from echo.metrics import LearnerMetrics, from_run_dir  # noqa: E402
+from echo.tree import RelayTree, TreeNode  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "observability.md"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -70,11 +71,28 @@ def synthetic_stats(step: int) -> dict:
                                   "earned_usd": 0.0005}}}
 
 
+def synthetic_tree() -> RelayTree:
+    """w0 fed by the learner, w1 by w0 through a punched link; w2 not placed yet."""
+    def node(w, parent, role, **kw):
+        return TreeNode(worker=w, parent=parent, source=kw.pop("source", ""), role=role,
+                        children=kw.pop("children", 0), transport=kw.pop("transport", "tcp"),
+                        nat=kw.pop("nat", "reachable"), relay_endpoint=f"tcp://10.0.0.{w[1]}:5560",
+                        declared_down_mbit=100.0, declared_up_mbit=50.0, **kw)
+
+    return RelayTree(version=5, source="tcp://learner:5556", nodes=[
+        node("w0", "learner", "head", source="tcp://learner:5556", children=1,
+             measured_down_mbit=80.0, measured_up_mbit=30.5, installed_s=0.1),
+        node("w1", "w0", "tail", source="tcp://10.0.0.0:5560", transport="punched",
+             nat="punchable", measured_down_mbit=30.5),
+        node("w2", None, "unplaced", nat="unknown")])
+
+
 @pytest.fixture
 def served():
     m = LearnerMetrics(learner_price_per_hour=3.06, run_id="synthetic")
     for step in range(6):
         m.update(synthetic_row(step), synthetic_stats(step))
+    m.set_tree(synthetic_tree())
     m.add_decision({"step": 3, "action": "activate", "worker": "w2", "reason": "C_eff 1 < 2",
                     "c_eff": 1.0, "target": 2.0, "mu_req": 1.8})
     server = m.serve("127.0.0.1", 0)
@@ -155,6 +173,14 @@ def test_metric_values(served):
     assert value("echo_decode_seconds") == pytest.approx(0.25)
     assert value("echo_keyframe_installs") == 2
     assert value("echo_ack_queue") == 2
+    assert value("echo_worker_nat", worker="w1", nat="punchable") == 1
+    assert value("echo_worker_transport", worker="w1", transport="punched") == 1
+    assert value("echo_worker_relay_role", worker="w1", role="tail", parent="w0") == 1
+    assert value("echo_worker_relay_role", worker="w2", role="unplaced", parent="") == 1
+    assert value("echo_worker_link_mbit", worker="w0", direction="up") == pytest.approx(30.5)
+    assert value("echo_worker_declared_mbit", worker="w2", direction="down") == 100
+    assert ("w1", "up") not in {(s.labels["worker"], s.labels["direction"])  # not measured
+                                for s in fams["echo_worker_link_mbit"].samples}
     count = [s for s in fams["echo_staleness"].samples if s.name == "echo_staleness_count"][0]
     assert count.value == 6 + 16 * 5  # step 0: {"0": 10, "0": 6} is one key
 
@@ -224,3 +250,8 @@ def test_dashboard_in_headless_chromium(served, tmp_path):
     assert shown("publish-bytes") == metric("echo_publish_bytes")
     assert 'id="worker-w1"' in dom and "C_eff 1 &lt; 2" in dom
     assert re.search(r'id="checks-evil">.*?quarantined', dom)  # the checks table
+    # the relay tree: parents, roles, transport, and which rates are measured or declared
+    assert re.search(r'id="tree-w1" data-parent="w0" data-role="tail">.*?punched.*?punchable'
+                     r'.*?30\.5 / –.*?100\.0 / 50\.0', dom)
+    assert 'id="tree-w2" data-parent="" data-role="unplaced"' in dom and "version 5" in dom
+    assert "measured by the learner" in dom and "declared by the worker" in dom
