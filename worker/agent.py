@@ -340,6 +340,8 @@ class Worker:
         if self.state != "generating":
             work.cancel()  # waiting on the learner: nothing to finish
         await asyncio.wait([work], timeout=self._stop_left(LEAVE_S) if self.migrate else 60)
+        if not self.migrate:  # the groups it finished get the whole budget to be delivered
+            self._stop_at = time.monotonic()
 
     async def _or_stopped(self, aw: Awaitable[Any]) -> Any:
         """``aw``'s result, or None as soon as the worker is told to stop (``aw`` is
