@@ -29,6 +29,7 @@ class Backend:
 
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "")
     tokens_sampled = 0
+    base_hash = None  # worker.backends.base.Backend's: no LoRA base held
 
     def __init__(self, worker, clock):
         self.worker, self.clock, self.held_meanwhile = worker, clock, []
