@@ -367,7 +367,12 @@ class Worker:
         """A side job (a NAT probe) that nothing waits for; cancelled at exit."""
         task = asyncio.ensure_future(coro)
         self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
+        task.add_done_callback(self._side_done)
+
+    def _side_done(self, task: asyncio.Future[Any]) -> None:
+        self._side_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # said, not left unretrieved
+            log.error("%s", task.exception(), exc_info=task.exception())
 
     async def _status_loop(self) -> None:
         """Once a second: the status view and file follow what the worker does."""

@@ -24,7 +24,8 @@ def checks(endpoint: str) -> str:
             f"TCP to {host}:{port} (the learner's operator opens TCP {port} and the three ports "
             f"after it: docs/ports.md); (3) that the join line was pasted whole, quoted, with the "
             f"learner's key as it printed it (once the learner is reached, a key that is not its "
-            f"own is reported as such)")
+            f"own is reported as such); echo-worker doctor with the same join line checks each "
+            f"of these")
 
 
 class Unreachable:
