@@ -59,7 +59,8 @@ def test_the_picker_lists_its_groups_as_held_and_times_the_real_generation(monke
     monkeypatch.setattr(drill_handbacks, "time", SimpleNamespace(monotonic=clock.monotonic))
     w = drill_handbacks._make("cherry_pick")("tcp://127.0.0.1:9", worker_id="picker")
     w.backend, w.adapter, w.client = Backend(w, clock), Adapter(), Client()
-    w.view = {"worker": {"max_new_tokens": 4, "temperature": 1.0}, "transport": {"request_timeout_s": 5}}
+    w.view = {"worker": {"max_new_tokens": 4, "temperature": 1.0}, "transport": {"request_timeout_s": 5},
+              "model": {"name": "tiny-qwen3"}}
     w.installed_version, w.seen = 3, [0.5] * 9  # median 0.5: the 0.0 group goes back
     groups = [wire.Group(group_id=f"g{i}", prompt_ids=[1, 2], n=4, seed=i, task={"r": r})
               for i, r in enumerate((1.0, 0.0, 0.9))]
@@ -99,7 +100,8 @@ def test_the_edge_holder_delivers_when_the_learner_is_at_the_edge_and_installs_m
     w = drill_handbacks._make("edge_holder")("tcp://127.0.0.1:9", worker_id="holder")
     w.backend, w.adapter, w.client, w.feed = Backend(w, clock), Adapter(), Client(), Feed()
     w.backend.install = lambda tensors, result, version: None
-    w.view = {"worker": {"max_new_tokens": 4, "temperature": 1.0}, "transport": {"request_timeout_s": 5}}
+    w.view = {"worker": {"max_new_tokens": 4, "temperature": 1.0}, "transport": {"request_timeout_s": 5},
+              "model": {"name": "tiny-qwen3"}}
     w.installed_version = 3
     g = wire.Group(group_id="g0", prompt_ids=[1, 2], n=4, seed=0, task={"r": 1.0})
     start = clock.t
