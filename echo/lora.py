@@ -42,7 +42,7 @@ def is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def adapter_parameters(model: Any) -> dict[str, "torch.nn.Parameter"]:
+def adapter_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
     """The adapter's parameters by name, in the model's order: what a version carries."""
     return {n: p for n, p in model.named_parameters() if is_adapter_name(n)}
 

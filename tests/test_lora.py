@@ -9,9 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from broadcast.snapshot import RunKey, SnapshotError, build_manifest, verify_manifest  # noqa: E402
-from echo.config import ConfigError, EchoConfig, load_config  # noqa: E402
-from echo.models import params_to_payload  # noqa: E402
+from broadcast.snapshot import RunKey, SnapshotError, build_manifest, verify_manifest
+from echo.config import ConfigError, EchoConfig, load_config
+from echo.models import params_to_payload
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -239,7 +239,7 @@ def test_base_hash_is_the_same_for_a_float32_and_a_bfloat16_load(tokenizer, tmp_
     load_model(ModelConfig(), tokenizer).save_pretrained(tmp_path / "m")
     folder = ModelConfig(name=str(tmp_path / "m"))
     lora = lora_cfg().learner.lora
-    model32, h32 = load_policy_model(folder, lora, tokenizer, "float32")
+    _, h32 = load_policy_model(folder, lora, tokenizer, "float32")
     model16, h16 = load_policy_model(folder, lora, tokenizer, "bfloat16")
     assert next(model16.parameters()).dtype == torch.bfloat16
     assert h32 == h16
@@ -271,3 +271,18 @@ def test_on_a_gpu_a_bf16_worker_holds_the_learner_s_base_and_follows_its_adapter
         want = token_logprobs(policy.model, ids, attn)
         got = token_logprobs(backend.model, ids, attn)
     assert float((want - got).abs().mean()) < 0.05
+
+
+def test_a_worker_holding_another_base_stops_with_the_fix():
+    """The agent's check before an install: a mismatch is a WorkerError (out of its install
+    try, so it ends the worker with the message), not a version skipped and retried forever."""
+    from types import SimpleNamespace
+
+    from worker.agent import Worker, WorkerError
+
+    worker = Worker.__new__(Worker)  # only the check's two attributes
+    worker.backend = SimpleNamespace(base_hash="a" * 64)
+    worker.view = {"model": {"name": "models/base"}}
+    worker._check_base({"version": 3, "base_model": "a" * 64})
+    with pytest.raises(WorkerError, match="models/base.*hashes to aaaa.*learner's base model"):
+        worker._check_base({"version": 3, "base_model": "b" * 64})

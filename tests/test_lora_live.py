@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_integration import Cluster, rows
 
 from echo.config import LoraConfig
-from test_integration import Cluster, rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

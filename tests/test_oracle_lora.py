@@ -19,13 +19,25 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from test_oracle import (B, C, ECHO_AGG, RTOL, TRL_NAME, batch, make_trl_trainer,  # noqa: E402,F401
-                         model_dir, our_loss, step_records, tok, trl_loss)
+from test_oracle import (  # noqa: F401
+    ECHO_AGG,
+    RTOL,
+    TRL_NAME,
+    B,
+    C,
+    batch,
+    make_trl_trainer,
+    model_dir,
+    our_loss,
+    step_records,
+    tok,
+    trl_loss,
+)
 
-from echo.config import LoraConfig  # noqa: E402
-from echo.lora import adapter_parameters, peft_config, wrap  # noqa: E402
-from echo.models import ModelConfig, load_model  # noqa: E402
-from learner.loss import LossConfig  # noqa: E402
+from echo.config import LoraConfig
+from echo.lora import adapter_parameters, peft_config, wrap
+from echo.models import ModelConfig, load_model
+from learner.loss import LossConfig
 
 pytestmark = pytest.mark.oracle
 
@@ -75,7 +87,7 @@ def assert_adapter_grads_equal(ours, theirs):
         assert ga is not None and gb is not None, name
         assert float(gb.abs().max()) > 0, name  # every adapter tensor is trained
         atol = RTOL * float(gb.abs().max()) + 1e-12
-        torch.testing.assert_close(ga, gb, rtol=RTOL, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(ga, gb, rtol=RTOL, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ----------------------------------------------------------------------------- fixed inputs
