@@ -7,6 +7,8 @@ Layout in the run folder::
     run.key                      the run's Ed25519 signing key (0600): survives restarts so
                                  workers keep trusting the snapshots
     checkpoints/step-00000041.pt model, optimizer, RNG states, version, work leases, counters
+                                 (LoRA: the adapter's tensors and their optimizer state; the
+                                 frozen base is the model folder's)
     checkpoints/latest           name of the newest complete checkpoint (atomic rename)
 
 Only the two newest checkpoints are kept.
