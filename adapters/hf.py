@@ -32,7 +32,8 @@ class HFModel:
         import torch
 
         from echo.config import ModelConfig
-        from echo.models import bf16_compute, load_model, load_tokenizer, resolve_device
+        from echo.lora import load_policy_model
+        from echo.models import bf16_compute, load_tokenizer, resolve_device
 
         if threads:
             torch.set_num_threads(threads)
@@ -44,25 +45,37 @@ class HFModel:
         self.tokenizer = load_tokenizer(cfg)
         self.device = resolve_device(device, "device")
         dtype = "bfloat16" if bf16_compute(self.device) else "float32"
-        self.model = load_model(cfg, self.tokenizer, dtype).eval()
+        # a LoRA run's model is its base with the run's adapter (untrained: B = 0, the base)
+        lora = self.run_config.learner.lora if self.run_config is not None else None
+        self.model = load_policy_model(cfg, lora, self.tokenizer, dtype)[0].eval()
         if untrained and self.run_config is None:
             raise ValueError(f"{name}: untrained needs an Echo run folder (config.toml and "
                              "checkpoints/); a model folder is untrained already")
         if self.run_config is not None and not untrained:  # untrained: the run's initial weights
-            ckpt = Path(name) / "checkpoints"
-            state = torch.load(ckpt / (ckpt / "latest").read_text().strip(), map_location="cpu",
-                               weights_only=False)["model"]
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-            tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-            if set(missing) - tied or unexpected:
-                raise ValueError(f"{name}: checkpoint does not fit the run's model "
-                                 f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+            self._load_checkpoint(Path(name))
         self.model.to(self.device)
         self.seed = seed
         self.calls = 0
         # an adapter's restricted answers (dataplane/answers.py): set by whoever knows the
         # adapter (eval, echo-rl sample), so a run is played with the sampler it trained with
         self.answer_tokens: tuple[int, ...] | None = None
+
+    def _load_checkpoint(self, run: Path) -> None:
+        """The run's latest weights (a LoRA run's: its adapter, on the base loaded here)."""
+        import torch
+
+        from echo.lora import adapter_parameters, is_peft
+
+        ckpt = run / "checkpoints"
+        state = torch.load(ckpt / (ckpt / "latest").read_text().strip(), map_location="cpu",
+                           weights_only=False)["model"]
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if is_peft(self.model):  # the base is not in the checkpoint: only the adapter must fit
+            missing = set(adapter_parameters(self.model)) - set(state)
+        tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"{run}: checkpoint does not fit the run's model "
+                             f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float = 0.0) -> list[tuple[list[int], list[float]]]:

@@ -286,3 +286,24 @@ def test_a_worker_holding_another_base_stops_with_the_fix():
     worker._check_base({"version": 3, "base_model": "a" * 64})
     with pytest.raises(WorkerError, match="models/base.*hashes to aaaa.*learner's base model"):
         worker._check_base({"version": 3, "base_model": "b" * 64})
+
+
+def test_evaluation_models_play_a_lora_run_with_its_adapter(trained, tokenizer, tmp_path):
+    """adapters/hf.py (echo-rl eval, frozen opponents) on a LoRA run folder: its base with the
+    latest checkpoint's adapter; untrained, the base alone."""
+    from adapters.hf import HFModel
+    from echo.config import dump_toml
+    from echo.models import load_model
+    from learner.checkpoint import save_checkpoint
+
+    policy, _, _, full = trained
+    cfg = lora_cfg()
+    (tmp_path / "config.toml").write_text(dump_toml(cfg))
+    save_checkpoint(tmp_path, 0, {"model": full[0], "optimizer": full[1]})
+    ids = torch.tensor([[4, 9, 14, 5, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(HFModel(str(tmp_path)).model(input_ids=ids).logits,
+                                   policy.model(input_ids=ids).logits, rtol=0, atol=1e-6)
+        torch.testing.assert_close(HFModel(str(tmp_path), untrained=True).model(input_ids=ids).logits,
+                                   load_model(cfg.model, tokenizer)(input_ids=ids).logits,
+                                   rtol=0, atol=1e-6)
