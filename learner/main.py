@@ -346,6 +346,8 @@ class Learner:
             log.info("workers join with: echo-worker join %s", join)
         log.info("learner up at %s, run %s, step %d, kappa=%d, ranks=%d", self.control.endpoint,
                  self.run_id, self.step, lc.effective_kappa, self.policy.par.world)
+        if self.policy.lora_note:
+            log.info("%s", self.policy.lora_note)
         _, full = self.policy.command({"op": "sync"})
         assert full is not None
         if not resume or self.step == 0:
