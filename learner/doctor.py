@@ -206,6 +206,9 @@ def _answer_check(info: dict[str, Any]) -> Check:
     if isinstance(reply, wire.Error):
         return Check("learner", "ok", f"answers at {info['endpoint']} (refused the check: "
                      f"{reply.reason}; an older learner?)")
+    if "refused this worker's key" in why:  # allowlist: it judged the check's throwaway key
+        return Check("learner", "ok", f"answers at {info['endpoint']} with its key, and refuses "
+                     f"keys it does not know (security.join = allowlist)")
     return Check("learner", "fail", f"no answer at {info['endpoint']}: {why}",
                  "the learner in this run folder is not the one listening: restart it, or "
                  "point --run-dir at the run that is running")

@@ -197,3 +197,17 @@ def test_the_readme_s_doctor_lines_run_as_written(healthy, capsys):
                 healthy.line if a.startswith("echo://HOST") else a for a in argv]
         rc, out = (_rl_doctor if argv[0] == "echo-rl" else _worker_doctor)(capsys, *argv[2:])
         assert rc == 0, (argv, out)
+
+
+def test_an_allowlist_learner_that_refuses_the_check_s_key_still_answers(monkeypatch):
+    """With security.join = allowlist the learner refuses the throwaway key the operator's
+    doctor asks with: that refusal is the learner's own answer, with its key."""
+    from learner import doctor
+
+    async def refused(*args, **kwargs):
+        return None, ("tcp://127.0.0.1:5555 refused this worker's key (banned, not on its "
+                      "allow-list, or the learner is full): ask its operator")
+
+    monkeypatch.setattr(doctor, "ask_learner", refused)
+    check = doctor._answer_check({"endpoint": "tcp://127.0.0.1:5555", "public_key": "k" * 40})
+    assert check.status == "ok" and "allowlist" in check.verdict

@@ -49,7 +49,7 @@ async def diagnose(line: JoinLine, keys: Any, relay_host: str, relay_port: int |
     out.append(_key_check(line, reply, why))
     if not isinstance(reply, wire.DoctorAck):
         return out
-    out.append(_snapshot_check(reply.snapshot_endpoint))
+    out.append(await _snapshot_check(reply.snapshot_endpoint))
     out += await _nat_checks(reply.reflectors, relay_host, relay_port, punch_host)
     return out
 
@@ -76,10 +76,10 @@ def _key_check(line: JoinLine, reply: Any, why: str) -> Check:
     return Check("learner key", "ok", named + f"; joining: {reply.join}")
 
 
-def _snapshot_check(endpoint: str) -> Check:
+async def _snapshot_check(endpoint: str) -> Check:
     _, host, port = split_endpoint(endpoint)
-    status, verdict = port_words(tcp_greeting(host, int(port)), host, int(port),
-                                 "snapshot chunks, learner.chunk_port")
+    found = await asyncio.to_thread(tcp_greeting, host, int(port))
+    status, verdict = port_words(found, host, int(port), "snapshot chunks, learner.chunk_port")
     return Check("snapshot port", status, verdict,
                  f"the learner's operator opens TCP {port} to workers (learner.chunk_port) and "
                  f"sets learner.public_host to an address workers reach: without it a worker "
