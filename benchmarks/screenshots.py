@@ -5,7 +5,9 @@ the way ``learner/main.py`` is meant to wire it: ``LearnerMetrics.update(row, co
 after every step, decisions and install times fed as they appear) and 4 worker processes,
 screenshots the live dashboard with headless Chromium, then builds ``echo-rl report`` for the
 run and screenshots that. Writes docs/img/dashboard.png and docs/img/report.png (and keeps the
-run folder given by --run-dir, default /tmp/echo-screenshots-run).
+run folder given by --run-dir, default /tmp/echo-screenshots-run), and docs/img/relay-tree.png,
+the dashboard's relay tree cropped out of the same page: the workers declare 100 Mbit/s and the
+learner 200, so the plan is two chains of two (a head and a tail each).
 """
 
 from __future__ import annotations
@@ -42,6 +44,34 @@ def chromium_shot(url: str, png: Path, size: str = "1400,1000") -> None:
     print(f"wrote {png}")
 
 
+def crop_tree(page_png: Path, png: Path, x: int = 22) -> None:
+    """The relay tree card cut out of a dashboard screenshot 1400 px wide. Cards are white on
+    a grey page: the white runs down column ``x`` (inside the cards' padding) are the boxes of
+    the left column, and the tree's is the first that also covers the gaps between the grid's
+    three columns (the first full-width card)."""
+    from PIL import Image
+
+    img = Image.open(page_png).convert("RGB")
+
+    def white(px: int, y: int) -> bool:
+        return img.getpixel((px, y)) == (255, 255, 255)
+
+    runs, start = [], None
+    for y in range(img.height):
+        if white(x, y) and start is None:
+            start = y
+        elif not white(x, y) and start is not None:
+            runs.append((start, y))
+            start = None
+    gaps = (img.width // 3, 2 * img.width // 3, img.width - 30)
+    wide = [(a, b) for a, b in runs if b - a > 100 and all(white(g, (a + b) // 2) for g in gaps)]
+    if not wide:
+        raise SystemExit(f"{page_png}: no full-width card (white runs {runs})")
+    top, bottom = wide[0]
+    img.crop((8, top - 8, img.width - 8, bottom + 8)).save(png)
+    print(f"wrote {png}")
+
+
 def installs(learner: Learner) -> dict[int, dict[str, float]]:
     """Install times of recent versions. Read across threads here (a script); the proposed
     wiring puts them into ControlPlane._stats() on the loop thread instead."""
@@ -67,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(args.run_dir, ignore_errors=True)
     run_dir = args.run_dir
     run_dir.mkdir(parents=True)
-    cfg = load_config(str(ROOT / "examples" / "quickstart.toml"), [f"learner.max_steps={args.steps}"])
+    cfg = load_config(str(ROOT / "examples" / "quickstart.toml"),
+                      [f"learner.max_steps={args.steps}", "broadcast.uplink_mbit=200",
+                       "broadcast.link_mbit=100"])
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     policy = Policy(cfg)
     learner = Learner(cfg, run_dir, policy)
@@ -79,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         learner.start(False)
         assert learner.control is not None
+        metrics.tree_source = learner.control.relay_tree  # as learner/main.py wires it
         for i in range(args.workers):
             price = cfg.quickstart.worker_prices[i % len(cfg.quickstart.worker_prices)]
             group.start(f"worker-{i}", python_argv("worker.cli", "join", learner.control.join_line(),
                                                    "--id", f"worker-{i}", "--price", str(price),
+                                                   "--down-mbit", "100", "--up-mbit", "100",
                                                    "--identity", str(run_dir / f"worker-{i}.key")),
                         run_dir / f"worker-{i}.log")
         with (run_dir / "metrics.jsonl").open("a") as f:
@@ -98,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                     metrics.add_decision(json.loads(line))
                 seen_decisions = len(lines)
                 print(f"step {row['step']} reward {row['reward_mean']:.3f}", flush=True)
-        chromium_shot(server.url + "/", args.img / "dashboard.png", "1400,1250")
+        chromium_shot(server.url + "/", args.img / "dashboard.png", "1400,1900")
+        crop_tree(args.img / "dashboard.png", args.img / "relay-tree.png")
     finally:
         learner.close("run complete")
         group.stop_all()
