@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--expires", default="24h", help="lifetime, e.g. 90m, 24h, 7d")
     create.add_argument("--note", default="", help="a label kept with it (who it is for)")
     ls = sub.add_parser("workers", help="every worker the run knows: id, fingerprint, state, "
-                        "NAT, transport, accepted work, strikes, key (shell-quoted)")
+                        "NAT, parent and role in the relay tree, transport, measured link rates, "
+                        "accepted work, strikes, key (shell-quoted)")
     _run_dir(ls)
     ls.add_argument("--json", action="store_true", help="one JSON object per worker, all fields")
     ls.add_argument("--offline", action="store_true",
@@ -88,8 +89,10 @@ def main(argv: list[str]) -> int:
         return 2
 
 
-COLUMNS = ("worker_id", "fingerprint", "state", "nat", "transport", "accepted", "strikes", "key")
-HEADERS = ("ID", "FINGERPRINT", "STATE", "NAT", "TRANSPORT", "ACCEPTED", "STRIKES", "KEY")
+COLUMNS = ("worker_id", "fingerprint", "state", "nat", "parent", "role", "transport", "links",
+           "accepted", "strikes", "key")
+HEADERS = ("ID", "FINGERPRINT", "STATE", "NAT", "PARENT", "ROLE", "TRANSPORT", "MBIT_DOWN/UP",
+           "ACCEPTED", "STRIKES", "KEY")
 
 
 def _cell(name: str, value: object) -> str:

@@ -10,7 +10,8 @@ Sources, all written by the learner:
   * ``security/bans.txt`` and ``security/tokens.json``: banned keys (with why), keys that
     redeemed a token (they joined, though perhaps before fleet.json names them);
   * the learner's ``/api/state`` (its URL in ``learner.json``), when it answers: each worker's
-    state, NAT class, transport, measured link rates and strikes as the learner counts them now.
+    state, NAT class, transport, measured link rates and strikes as the learner counts them now,
+    and its parent and role in the current relay tree (``echo.tree.RelayTree``, validated).
 Nothing here writes; a missing or damaged file is skipped (the roster says so).
 """
 
@@ -53,7 +54,16 @@ class Entry:
     throughput: float | None = None  # trajectories/s the learner measured
     down_mbit: float | None = None
     up_mbit: float | None = None
+    parent: str = ""  # live: "learner" or a worker id, in the current version's relay tree
+    role: str = ""  # live: head | relay | tail | unplaced
     note: str = ""  # why banned or quarantined
+
+    @property
+    def links(self) -> str:
+        """Measured down/up Mbit/s, "" until measured (the learner's books say 0 then)."""
+        if not self.down_mbit and not self.up_mbit:
+            return ""
+        return f"{self.down_mbit or 0:.0f}/{self.up_mbit or 0:.0f}"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -255,7 +265,29 @@ def _live(run_dir: Path, rows: dict[str, Entry], notes: list[str]) -> str:
         if e is not None:
             e.transport = str(w.get("transport", ""))
             e.nat = e.nat or (str(w["nat"]) if w.get("nat") not in (None, "unknown") else "")
+    _tree(state, rows, notes)
     return url
+
+
+def _tree(state: Any, rows: dict[str, Entry], notes: list[str]) -> None:
+    """Parents and roles from the served relay tree (absent from an older learner)."""
+    raw = state.get("tree") if isinstance(state, dict) else None
+    if raw is None:
+        return
+    from pydantic import ValidationError
+
+    from echo.tree import RelayTree
+
+    try:
+        tree = RelayTree.model_validate(raw)
+    except ValidationError as exc:
+        notes.append(f"the learner's relay tree did not validate ({exc.error_count()} errors): "
+                     f"no parents shown")
+        return
+    for n in tree.nodes:
+        e = rows.get(n.worker)
+        if e is not None:
+            e.parent, e.role = n.parent or "", n.role
 
 
 def _rows(state: Any, name: str) -> list[dict[str, Any]]:

@@ -82,6 +82,7 @@ def test_workers_lists_ids_fingerprints_states_and_quoted_keys_from_the_live_lea
     plane, run, keys = fleet
     metrics = LearnerMetrics()
     metrics.accounts_source = plane.accounts.export  # as learner.main wires it
+    metrics.tree_source = plane.relay_tree
     metrics.update({"step": 0}, plane.stats())
     server = metrics.serve("127.0.0.1", 0)
     try:
@@ -101,6 +102,10 @@ def test_workers_lists_ids_fingerprints_states_and_quoted_keys_from_the_live_lea
     assert {r["state"] for r in rows} <= {"active", "standby"}
     assert by_id["w1"]["transport"] == "tcp" and by_id["w1"]["accepted"] == 0
     assert by_id["w2"]["key"] == keys["w2"] and by_id["w2"]["price"] == 0.25
+    # the relay tree's view: joined, nothing published yet, so in no plan
+    assert {r["role"] for r in rows} == {"unplaced"} and {r["parent"] for r in rows} == {""}
+    assert out.splitlines()[0].split()[4:8] == ["PARENT", "ROLE", "TRANSPORT", "MBIT_DOWN/UP"]
+    assert lines["w1"].split()[4:8] == ["-", "unplaced", "tcp", "-"]
 
 
 def test_ban_by_id_fingerprint_or_key_and_refusals_in_words(fleet, capsys):
@@ -159,3 +164,18 @@ def test_help_is_instant():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_parents_roles_and_links_come_from_the_served_tree_which_is_validated():
+    from learner.roster import Entry, _tree
+
+    rows = {"a": Entry("a", ""), "b": Entry("b", "", down_mbit=51.2, up_mbit=0.0)}
+    node = {"worker": "b", "parent": "a", "source": "tcp://h:1", "role": "tail", "children": 0,
+            "transport": "punched", "nat": "punchable", "relay_endpoint": ""}
+    notes: list[str] = []
+    _tree({"tree": {"version": 3, "source": "tcp://l:1", "nodes": [node]}}, rows, notes)
+    assert (rows["b"].parent, rows["b"].role, rows["b"].links) == ("a", "tail", "51/0")
+    assert rows["a"].links == "" and not notes
+    _tree({"tree": {"version": 3, "source": "tcp://l:1", "nodes": [{**node, "role": "boss"}]}},
+          rows, notes)
+    assert "did not validate" in notes[0]
