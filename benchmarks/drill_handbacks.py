@@ -65,11 +65,20 @@ def _live_workers(t: Target) -> dict[str, dict[str, Any]]:
         return {}
 
 
-def _handbacks(t: Target) -> dict[str, Any]:
-    """The learner's hand-back counts in its newest metrics line (the dashboard's rows keep
-    only the plotted fields)."""
+def _rows(t: Target) -> list[str]:
     path = t.run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _handbacks(t: Target, newer_than: int = 0, wait_s: float = 0.0) -> dict[str, Any]:
+    """The learner's hand-back counts in its newest metrics line (the dashboard's rows keep
+    only the plotted fields). With ``wait_s``: from a line written after the first
+    ``newer_than`` lines, waiting for the learner's next step: a verdict reached between two
+    steps is in the counts only from the next line on (a drill that read the line already
+    written found the forger banned and its failed check not yet counted)."""
+    deadline = time.monotonic() + wait_s
+    while len(lines := _rows(t)) <= newer_than and time.monotonic() < deadline:
+        time.sleep(0.2)  # metrics.jsonl is a file another process appends to: polled
     return dict(json.loads(lines[-1]).get("handbacks") or {}) if lines else {}
 
 
@@ -166,7 +175,7 @@ def forged_handback(t: Target, groups: int = 4, tokens: int = 3, wait_s: float =
             break
         time.sleep(0.5)
         drain(sock, 10**6, 0)
-    after = _handbacks(t)
+    after = _handbacks(t, newer_than=len(_rows(t)), wait_s=15.0)
     return {"groups": len(grant), "prefixes_sent": sum(len(v) for v in prefixes.values()),
             "ack": reply, "fate": fate, "seconds_to_fate": round(time.monotonic() - t0, 1),
             "handbacks": {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)
