@@ -35,6 +35,7 @@ class Policy:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.lora = cfg.learner.lora.enabled
         self.base_hash: str | None = None  # LoRA: the base model's content hash (echo/lora.py)
+        self.lora_note = ""  # LoRA: what is trained, in a line
         if self.lora:
             model = self._wrap_lora(model, cfg)
         # Names of the parameters a snapshot carries (tied weights once), as before sharding:
@@ -61,7 +62,14 @@ class Policy:
         self.base_hash = base_hash(model)  # of the base as loaded, before peft renames it
         # The adapter's initialisation (A random, B zero): the same on every rank, before sharding.
         torch.manual_seed(cfg.seed)
-        return wrap(model, cfg.learner.lora)
+        lc = cfg.learner.lora
+        model = wrap(model, lc)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        self.lora_note = (f"LoRA rank {lc.rank} on {lc.target_modules}: {trained} of {total} "
+                          f"parameters trained ({100 * trained / total:.2f}%); base model "
+                          f"{self.base_hash[:16]}")  # for the learner's log (set up later)
+        return model
 
     def command(self, cmd: dict[str, Any]) -> tuple[dict[str, float], FullState | None]:
         return self._execute(self.par.broadcast(cmd))

@@ -56,6 +56,7 @@ def test_lora_run_advances_and_workers_install_adapter_versions(cluster):
     # The auditor recomputed under base + the claimed adapter: the honest workers pass.
     assert got[-1]["audits"] > 0 and got[-1]["audit_failures"] == 0
     assert (run / "checkpoints" / "latest").exists()
+    assert "LoRA rank 4 on all-linear" in (run / "learner.log").read_text()
 
 
 def wait_installs(log: Path, n: int, timeout: float = 120) -> set[int]:
