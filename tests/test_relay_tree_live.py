@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -22,6 +24,7 @@ from echo.tree import LEARNER, RelayTree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 WORKERS = ("w0", "w1", "w2")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")  # the page, if present
 
 
 @pytest.fixture
@@ -99,6 +102,24 @@ def compared(c: Cluster, url: str) -> RelayTree | None:
     return tree
 
 
+def dashboard_shows_a_tree(url: str, profile: Path) -> None:
+    """The page in headless Chromium: a row per worker under the learner, each parent shown
+    one of the rows, roles as the rows' children make them (the plan may have moved on since
+    the check above, so the page is held to the shape, not to that version)."""
+    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+                          "--no-first-run", f"--user-data-dir={profile}",
+                          "--virtual-time-budget=5000", "--dump-dom", url + "/"],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    rows = {w: (p, r) for w, p, r in re.findall(
+        r'id="tree-([^"]+)" data-parent="([^"]*)" data-role="([^"]*)"', dom)}
+    assert set(rows) == set(WORKERS) and 'id="tree-learner"' in dom, rows
+    kids = {w: sum(p == w for p, _ in rows.values()) for w in rows}
+    for w, (parent, role) in rows.items():
+        assert parent in {LEARNER, *WORKERS} - {w}, (w, parent)
+        assert role == ("head" if parent == LEARNER else "relay" if kids[w] else "tail"), rows
+    assert "measured by the learner" in dom and "declared by the worker" in dom
+
+
 def series(url: str, family: str) -> list[dict[str, str]]:
     fams = {f.name: f for f in text_string_to_metric_families(get(url + "/metrics").decode())}
     return [{**s.labels, "value": s.value} for s in fams[family].samples]
@@ -124,6 +145,9 @@ def test_dashboard_tree_matches_what_the_workers_fetched_and_metrics_follow(clus
     assert transport == {(w, "tcp") for w in WORKERS}
     measured = poll("a measured link rate", lambda: series(url, "echo_worker_link_mbit"))
     assert all(s["worker"] in WORKERS and s["value"] > 0 for s in measured)
+
+    if CHROMIUM:
+        dashboard_shows_a_tree(url, cluster.tmp / "profile")
 
     cluster.group.stop("w2", sig=signal.SIGKILL)  # leaves by heartbeat timeout: series go
     gone = poll("w2's series removed", lambda: all(
