@@ -16,7 +16,9 @@ installs ({version: {worker: seconds after publication}}, e.g. from
 
 The server (stdlib ``http.server``, daemon thread) serves ``/metrics`` (Prometheus text),
 ``/health`` (JSON), ``/api/state`` (JSON for the dashboard) and ``/`` (the dashboard page,
-``echo/dashboard/index.html``, no external assets).
+``echo/dashboard/index.html``, no external assets). The relay tree (``echo.tree.RelayTree``) and
+the workers' books are not fed per step: ``tree_source`` and ``accounts_source`` are read at
+each scrape and each ``/api/state``.
 
 ``python -m echo.metrics serve RUN_DIR [--host H] [--port P]`` serves a recorded run (rows and
 decisions replayed from its files; no live worker data).
