@@ -1,8 +1,8 @@
 """``/metrics`` for the relay tree (``echo.tree``): each worker's place, NAT verdict, transport and
 link rates. Owned by ``echo.metrics.LearnerMetrics`` (one registry).
 
-Cardinality is bounded by the coordinator's peers, i.e. the workers the learner holds now: one
-series per worker in each family (two for the rates, by direction), with the state-like labels
+Cardinality is bounded by the coordinator's peers, i.e. the sessions the learner holds now (at
+most ``security.max_workers``): one series per worker in each family (two for the rates, by direction), with the state-like labels
 (``role``/``parent``, ``nat``, ``transport``) holding one value each at a time. A worker that
 leaves the plan's peers loses all its series at the next update, and a changed label value
 replaces the old series rather than adding one.
