@@ -135,8 +135,11 @@ class Relay:
                       reattach: Reattach | None) -> tuple[SnapshotBuffer, FetchStats]:
         """Verify the manifest, then pull every missing chunk (resuming across sources)."""
         verify_manifest(manifest, public_key)
-        buf = self.store.get(manifest["version"]) or self.store.add(
-            SnapshotBuffer(manifest, storage=self.store.storage_for(manifest)))
+        buf = self.store.get(manifest["version"])
+        if buf is None or buf.manifest["chunk_hashes"] != manifest["chunk_hashes"]:
+            # (a held buffer of this version with other chunks: a crashed learner's, whose
+            # resumed instance published the version again; its chunks would never verify)
+            buf = self.store.add(SnapshotBuffer(manifest, storage=self.store.storage_for(manifest)))
         stats = await fetch_into(self.ctx, self.store, buf.version, source,
                                  window=self.cfg.window, timeout_s=self.cfg.timeout_s,
                                  max_bytes=self.cfg.max_bytes, download=self.download,

@@ -96,6 +96,33 @@ def test_resume_fetches_only_missing_chunks():
     assert root.store.bytes_sent < len(payload) * 0.6
 
 
+def test_a_held_version_with_other_chunks_is_fetched_again_not_resumed():
+    """A learner resumed after a crash publishes a version number again with other bytes:
+    the chunks a relay held of the crashed instance's version are dropped, not resumed from
+    (they would fail every hash: 'corrupt' from every source, found by tests/test_readme_real.py)."""
+    key = RunKey.generate()
+    old, old_payload = snapshot(key, version=7)
+    new = build_manifest(run_id="t", version=7, tensors=[], payload=bytes(len(old_payload)),
+                         chunk_size=CHUNK, dtype="uint8", key=key)
+
+    async def body(ctx):
+        root = Root(ctx, key)
+        root.store.add(SnapshotBuffer(new, bytes(len(old_payload))))
+        r = relay(ctx)
+        buf = r.store.add(SnapshotBuffer(old))
+        for i in range(0, buf.total, 2):  # half of the crashed instance's v7 arrived
+            buf.put(i, bytes(SnapshotBuffer(old, old_payload).chunk(i)))
+        async with asyncio.TaskGroup() as tg:
+            t = tg.create_task(root.server.serve_forever())
+            got, stats = await r.receive(new, key.public_bytes, root.endpoint, None)
+            t.cancel()
+        return got, stats
+
+    got, stats = asyncio.run(run(body))
+    assert bytes(got.payload) == bytes(len(old_payload)) and stats.failures == []
+    assert stats.chunks == got.total
+
+
 def test_dead_relay_child_reattaches_and_resumes():
     key = RunKey.generate()
     manifest, payload = snapshot(key, size=200 * CHUNK)

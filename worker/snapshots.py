@@ -65,6 +65,11 @@ class SnapshotFeed:
         self._epoch += 1
         self.relay.reset()
 
+    def newest_held(self) -> int:
+        """The newest version this node knows anything of: rebuilt, fetched in part, or
+        offered (-1: none)."""
+        return max([self.rebuilt, self.relay.store.newest_version, *self.pending])
+
     def progress(self) -> tuple[int, int, int] | None:
         """(version, chunks held, chunks) of the fetch under way, or None."""
         buf = self.relay.store.get(self.fetching) if self.fetching is not None else None
