@@ -339,11 +339,12 @@ class Learner:
         (self.run_dir / "learner.json").write_text(json.dumps(info))
         # The join line carries the learner's public key: workers pin it (docs/security.md).
         print(READY_PREFIX + join, flush=True)
-        if self.cfg.security.join == "token":
-            log.info("joining needs a token: `echo-rl token create --run-dir %s`, then "
-                     "`echo-worker join %s?token=TOKEN`", self.run_dir, join)
-        else:
-            log.info("workers join with: echo-worker join %s", join)
+        # The line an operator copies, on the terminal (README "Running for real" quotes it).
+        words = (f"echo-worker join '{join}?token=TOKEN' (a token: echo-rl token create "
+                 f"--run-dir {self.run_dir})" if self.cfg.security.join == "token"
+                 else f"echo-worker join '{join}'")
+        print(f"workers join with: {words}", file=sys.stderr, flush=True)
+        log.info("workers join with: %s", words)
         log.info("learner up at %s, run %s, step %d, kappa=%d, ranks=%d", self.control.endpoint,
                  self.run_id, self.step, lc.effective_kappa, self.policy.par.world)
         if self.policy.lora_note:
