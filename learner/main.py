@@ -29,6 +29,7 @@ from echo.config import EchoConfig, ListenPorts, dump_toml
 from echo.metrics import LearnerMetrics, finite_or_null
 from echo.machine import machine_info
 from echo.procs import READY_PREFIX
+from echo.security import KeyList
 from echo.models import params_to_payload
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_checkpoint, load_or_create_key, save_checkpoint
@@ -405,8 +406,14 @@ class Learner:
         kept = open_leases(leases, done)
         self.work.restore_leases(kept)
         self.work.forget(done)
-        log.info("resume: %d lease(s) restored from grants.jsonl (%d finished, %d unreadable "
-                 "line(s) skipped)", len(kept), len(leases) - len(kept), bad)
+        # A banned holder never delivers (intake refuses it): its groups are handed out at
+        # once, not held for lease_timeout_s (15 minutes in examples/public.toml, a stalled run).
+        bans = KeyList(security_dir(self.run_dir) / "bans.txt")
+        banned = {(lease.worker_id, lease.key) for lease in kept if lease.key and lease.key in bans}
+        freed = sum(self.work.release_worker(wid, key) for wid, key in banned)
+        log.info("resume: %d lease(s) restored from grants.jsonl (%d finished, %d of banned "
+                 "keys handed out again, %d unreadable line(s) skipped)", len(kept) - freed,
+                 len(leases) - len(kept), freed, bad)
 
     def _trained_groups(self) -> set[str]:
         """Groups the restored steps trained on (``consumed.jsonl``; the buffer log forgets
