@@ -143,14 +143,20 @@ def _port_check(key: str, port: int, kind: str, local: str, public: str, cfg: Ec
     if kind == "http":  # the dashboard is for the operator: on metrics.host only
         return _http_check(key, cfg.metrics.host if not is_wildcard(cfg.metrics.host) else local,
                            port)
-    status, verdict = _probe(kind, local, port)
+    status, verdict, found = _probe(kind, local, port)
+    if found == "timeout":  # a listener refuses or answers; silence is a rule dropping packets
+        return Check(key, "fail", f"{verdict}: a firewall on this host drops connections to "
+                     f"port {port}, even from the host itself",
+                     f"allow TCP {port} in this host's firewall (ufw allow {port}/tcp; "
+                     f"iptables -S INPUT lists the rule that drops it), then run echo-rl doctor "
+                     f"again ({PORTS_DOC})")
     if status == "fail":
         return Check(key, "fail", f"{verdict}: the learner is not running, or not on this port",
                      f"start it (echo-rl learn CONFIG --run-dir RUN); if another program holds "
                      f"port {port}, set {key} to a free port ({PORTS_DOC})")
     if canonical_host(public) == canonical_host(local):
         return Check(key, "ok", verdict)
-    status, far = _probe(kind, public, port)
+    status, far, _ = _probe(kind, public, port)
     if status == "ok":
         return Check(key, "ok", f"bound on {local}, and {far}")
     return Check(key, "fail", f"bound on {local}, but on the public address: {far}",
@@ -161,13 +167,15 @@ def _port_check(key: str, port: int, kind: str, local: str, public: str, cfg: Ec
                  f"machine ({PORTS_DOC})")
 
 
-def _probe(kind: str, host: str, port: int) -> tuple[str, str]:
+def _probe(kind: str, host: str, port: int) -> tuple[str, str, str]:
+    """(status, verdict, what the probe found: ``tcp_greeting``'s word)."""
     if kind == "reflector":
         return _reflector(host, port)
-    return port_words(tcp_greeting(host, port), host, port, "ZeroMQ")
+    found = tcp_greeting(host, port)
+    return (*port_words(found, host, port, "ZeroMQ"), found)
 
 
-def _reflector(host: str, port: int) -> tuple[str, str]:
+def _reflector(host: str, port: int) -> tuple[str, str, str]:
     """A real NAT probe, as a worker sends it: the reflector answers with what it saw."""
     async def one() -> dict:
         _, reply = await probe(f"{host}:{port}", "0.0.0.0", pick_punch_port("0.0.0.0"), 0,
@@ -178,8 +186,8 @@ def _reflector(host: str, port: int) -> tuple[str, str]:
         reply = asyncio.run(one())
     except NatError as exc:
         found = "refused" if "refused" in str(exc) or "111" in str(exc) else "timeout"
-        return port_words(found, host, port, "a NAT reflector")
-    return "ok", f"{host} port {port} answers a NAT probe (saw this host as {reply.get('ip')})"
+        return (*port_words(found, host, port, "a NAT reflector"), found)
+    return "ok", f"{host} port {port} answers a NAT probe (saw this host as {reply.get('ip')})", "ok"
 
 
 def _http_check(key: str, host: str, port: int) -> Check:

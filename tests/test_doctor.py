@@ -211,3 +211,17 @@ def test_an_allowlist_learner_that_refuses_the_check_s_key_still_answers(monkeyp
     monkeypatch.setattr(doctor, "ask_learner", refused)
     check = doctor._answer_check({"endpoint": "tcp://127.0.0.1:5555", "public_key": "k" * 40})
     assert check.status == "ok" and "allowlist" in check.verdict
+
+
+def test_the_operator_s_doctor_tells_a_dropping_firewall_from_a_stopped_learner(monkeypatch):
+    """A port that times out even from the learner's own host is a firewall rule dropping it,
+    not a learner that is not running (refused): the fix names the firewall (the netns README
+    test, tests/test_readme_real.py, drops learner.chunk_port with iptables and sees this)."""
+    from learner import doctor
+
+    cfg = _cfg()
+    for found, words, fix in (("timeout", "a firewall on this host drops", "ufw allow 5556/tcp"),
+                              ("refused", "the learner is not running", "start it")):
+        monkeypatch.setattr(doctor, "tcp_greeting", lambda host, port, f=found: f)
+        check = doctor._port_check("learner.chunk_port", 5556, "zmq", "127.0.0.1", "127.0.0.1", cfg)
+        assert check.status == "fail" and words in check.verdict and fix in check.fix, check
