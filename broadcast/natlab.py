@@ -11,7 +11,7 @@
 
 Each worker's upload is shaped at b on its own veth and its download at b where its traffic
 enters its namespace. Needs root (CAP_NET_ADMIN) and iptables; every object is named ``echo-n*``
-and removed on exit, also after a failure. ``../shared/research/nat-traversal.md`` has the bed
+(or as the ``Names`` given say) and removed on exit, also after a failure. ``../shared/research/nat-traversal.md`` has the bed
 this follows (and its pitfalls: without the WAN drop rule, an early SYN leaves a conntrack entry
 that makes the router remap the host's own flow, and punching fails even on a cone NAT).
 """
@@ -26,23 +26,44 @@ from dataclasses import dataclass
 
 from broadcast.netns import tbf_burst
 
-BRIDGE = "echo-nbr0"
-ROOT_NS = "echo-npub"
 ROOT_ADDR = "10.99.0.1"
+
+
+@dataclass(frozen=True)
+class Names:
+    """What the lab's objects are called: namespaces ``{ns}pub``, ``{ns}w<i>``, ``{ns}r<i>``
+    and the bridge ``{ns}br0``; host-side veths ``{dev}pub``, ``{dev}w<i>``, ``{dev}r<i>``
+    (at most 15 characters). Another pair lets two labs stand side by side on one host."""
+
+    ns: str = "echo-n"
+    dev: str = "en"
+
+    @property
+    def root(self) -> str:
+        return f"{self.ns}pub"
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.ns}br0"
+
+
+BRIDGE = Names().bridge
+ROOT_NS = Names().root
 
 
 @dataclass(frozen=True)
 class Node:
     index: int
     nat: str  # "public", "cone" or "symmetric"
+    names: Names = Names()
 
     @property
     def ns(self) -> str:
-        return f"echo-nw{self.index}"
+        return f"{self.names.ns}w{self.index}"
 
     @property
     def router(self) -> str:
-        return f"echo-nr{self.index}"
+        return f"{self.names.ns}r{self.index}"
 
     @property
     def address(self) -> str:
@@ -51,7 +72,7 @@ class Node:
 
 def _run(*args: str, ns: str | None = None) -> None:
     cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
 
@@ -71,21 +92,22 @@ def missing_tools() -> str:
     return ""
 
 
-def teardown(n: int) -> None:
+def teardown(n: int, names: Names = Names()) -> None:
     for i in range(n):
-        for ns in (f"echo-nw{i}", f"echo-nr{i}"):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        for dev in (f"enw{i}", f"enr{i}"):
-            subprocess.run(["ip", "link", "del", dev], capture_output=True)
-    subprocess.run(["ip", "netns", "del", ROOT_NS], capture_output=True)
-    subprocess.run(["ip", "link", "del", "enpub"], capture_output=True)
-    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+        for ns in (f"{names.ns}w{i}", f"{names.ns}r{i}"):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+        for dev in (f"{names.dev}w{i}", f"{names.dev}r{i}"):
+            subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
+    subprocess.run(["ip", "netns", "del", names.root], capture_output=True, check=False)
+    subprocess.run(["ip", "link", "del", f"{names.dev}pub"], capture_output=True, check=False)
+    subprocess.run(["ip", "link", "del", names.bridge], capture_output=True, check=False)
 
 
-def _attach(ns: str, host_dev: str, addr: str, up_mbit: float, down_mbit: float) -> None:
+def _attach(ns: str, host_dev: str, addr: str, up_mbit: float, down_mbit: float,
+            bridge: str) -> None:
     """A veth from the bridge into ``ns`` as eth0 with ``addr``/24; upload and download shaped."""
     _run("ip", "link", "add", host_dev, "type", "veth", "peer", "name", "eth0", "netns", ns)
-    _run("ip", "link", "set", host_dev, "master", BRIDGE, "up")
+    _run("ip", "link", "set", host_dev, "master", bridge, "up")
     _run("ip", "addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
     _run("ip", "link", "set", "eth0", "up", ns=ns)
     _tbf("eth0", up_mbit, ns)
@@ -96,7 +118,7 @@ def _home(node: Node, link_mbit: float) -> None:
     r, h, i = node.router, node.ns, node.index
     _run("ip", "netns", "add", r)
     _run("ip", "link", "set", "lo", "up", ns=r)
-    _attach(r, f"enr{i}", f"10.99.0.{10 + i}", 0, 0)
+    _attach(r, f"{node.names.dev}r{i}", f"10.99.0.{10 + i}", 0, 0, node.names.bridge)
     _run("ip", "link", "set", "eth0", "name", "wan", ns=r)
     _run("ip", "link", "add", "lan", "netns", r, "type", "veth", "peer", "name", "eth0", "netns", h)
     _run("ip", "addr", "add", f"172.16.{i}.1/24", "dev", "lan", ns=r)
@@ -115,30 +137,34 @@ def _home(node: Node, link_mbit: float) -> None:
 
 
 @contextmanager
-def lab(nodes: list[Node], uplink_mbit: float, link_mbit: float) -> Iterator[None]:
+def lab(nodes: list[Node], uplink_mbit: float, link_mbit: float,
+        names: Names = Names()) -> Iterator[None]:
+    """The learner's namespace ``names.root`` and every node's; ``nodes`` carry ``names``."""
     n = max((x.index for x in nodes), default=-1) + 1
-    teardown(n)  # leftovers of an interrupted run
+    assert all(x.names == names for x in nodes), "nodes of another lab"
+    teardown(n, names)  # leftovers of an interrupted run
     try:
-        _run("ip", "link", "add", BRIDGE, "type", "bridge")
-        _run("ip", "link", "set", BRIDGE, "up")
-        _run("ip", "netns", "add", ROOT_NS)
-        _run("ip", "link", "set", "lo", "up", ns=ROOT_NS)
-        _attach(ROOT_NS, "enpub", ROOT_ADDR, uplink_mbit, 0)
+        _run("ip", "link", "add", names.bridge, "type", "bridge")
+        _run("ip", "link", "set", names.bridge, "up")
+        _run("ip", "netns", "add", names.root)
+        _run("ip", "link", "set", "lo", "up", ns=names.root)
+        _attach(names.root, f"{names.dev}pub", ROOT_ADDR, uplink_mbit, 0, names.bridge)
         for node in nodes:
             if node.nat == "public":
                 _run("ip", "netns", "add", node.ns)
                 _run("ip", "link", "set", "lo", "up", ns=node.ns)
-                _attach(node.ns, f"enw{node.index}", node.address, link_mbit, link_mbit)
+                _attach(node.ns, f"{names.dev}w{node.index}", node.address, link_mbit, link_mbit,
+                        names.bridge)
             else:
                 _run("ip", "netns", "add", node.ns)
                 _run("ip", "link", "set", "lo", "up", ns=node.ns)
                 _home(node, link_mbit)
         yield
     finally:
-        teardown(n)
+        teardown(n, names)
 
 
-def fleet(workers: int, nat: int, symmetric: int) -> list[Node]:
+def fleet(workers: int, nat: int, symmetric: int, names: Names = Names()) -> list[Node]:
     """The first ``workers - nat`` public, then ``nat`` behind NATs, the last ``symmetric`` of
     them symmetric."""
     out = []
@@ -149,5 +175,5 @@ def fleet(workers: int, nat: int, symmetric: int) -> list[Node]:
             kind = "symmetric"
         else:
             kind = "cone"
-        out.append(Node(i, kind))
+        out.append(Node(i, kind, names))
     return out
