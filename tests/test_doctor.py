@@ -225,3 +225,14 @@ def test_the_operator_s_doctor_tells_a_dropping_firewall_from_a_stopped_learner(
         monkeypatch.setattr(doctor, "tcp_greeting", lambda host, port, f=found: f)
         check = doctor._port_check("learner.chunk_port", 5556, "zmq", "127.0.0.1", "127.0.0.1", cfg)
         assert check.status == "fail" and words in check.verdict and fix in check.fix, check
+
+
+def test_an_older_learner_without_the_doctor_request_is_a_warning_not_a_failure():
+    from echo import wire
+    from echo.security import JoinLine, KeyPair
+    from worker.doctor import _key_check
+
+    line = JoinLine("tcp://127.0.0.1:5555", KeyPair.generate().public)
+    check = _key_check(line, wire.Error(reason="unknown_type", detail="doctor is not a request "
+                                        "the learner serves"), "")
+    assert check.status == "warn" and "older than this echo-worker" in check.verdict

@@ -59,6 +59,11 @@ def _key_check(line: JoinLine, reply: Any, why: str) -> Check:
         return Check("learner key", "fail", why or "the learner did not answer a request",
                      "copy the join line the learner printed again, whole and in single "
                      "quotes (its key is the part after the port)")
+    if isinstance(reply, wire.Error) and reply.reason == "unknown_type":
+        return Check("learner key", "warn", "the learner holds the key in the join line, but "
+                     "is older than this echo-worker (it does not know the doctor's request): "
+                     "its snapshot port and reflectors are not checked", "nothing, to join; "
+                     "the same echo-rl version on both sides checks everything")
     if isinstance(reply, wire.Error):
         fix = ("ask the learner's operator why (echo-rl workers lists bans), or use the key "
                "they registered (--identity FILE)" if reply.reason == "banned" else
