@@ -489,9 +489,9 @@ class SecurityConfig(_Section):
     handback_allowance: int = Field(16, ge=1)  # groups handed back beyond the share (and the burst)
     handback_groups_per_min: float = Field(16.0, gt=0)  # groups one worker may hand back a minute
     # Cherry-picking: the mean reward percentile of the groups a worker handed back (once
-    # completed by others) is tested against 1/2 from handback_bias_min groups on (Hoeffding,
-    # union bound over its life: an honest worker is flagged with probability at most
-    # handback_bias_alpha). A flagged worker's prefixes are no longer kept; no strike.
+    # completed by others) is tested against 1/2 from handback_bias_min groups on, at checkpoints
+    # 25 % apart (Hoeffding, union bound over its life: an honest worker is flagged with
+    # probability at most handback_bias_alpha; learner/handbacks.py). A flagged worker's prefixes are no longer kept; no strike.
     handback_bias_alpha: float = Field(1e-3, gt=0, lt=1)
     handback_bias_min: int = Field(32, ge=2)  # returned groups completed before the test may flag
 

@@ -41,10 +41,15 @@ answers for them. Only the control-plane thread calls it.
   deliveries are staler and score lower). An honest hand-back is cut by the clock (a
   preemption, the owner), not by what the group holds, so the percentiles of the groups a
   worker returns are draws with mean 1/2: Hoeffding gives
-  ``P(|mean u - 1/2| >= e) <= 2 exp(-2 n e^2)`` for ``n`` of them, and testing at every ``n``
-  with ``e_n = sqrt(ln(2 n (n + 1) / alpha) / (2 n))`` keeps the chance that an honest worker
-  is ever flagged, over its whole life, at most ``alpha`` (``handback_bias_alpha``; the sum of
-  ``alpha / (n (n + 1))`` is ``alpha``). A worker that returns only its low (or high) groups
+  ``P(|mean u - 1/2| >= e) <= 2 exp(-2 n e^2)`` for ``n`` of them. The test runs at
+  checkpoints ``n_k = ceil(min * 1.25^k)`` (``min``: ``handback_bias_min``), the k-th at level
+  ``alpha / ((k + 1) (k + 2))``, so ``e_k = sqrt(ln(2 (k + 1) (k + 2) / alpha) / (2 n_k))``;
+  the levels sum to ``alpha``, so the chance that an honest worker is ever flagged, over its
+  whole life, stays at most ``alpha`` (``handback_bias_alpha``). Testing at every ``n`` would
+  spend the same ``alpha`` on thousands of tests instead of a few dozen: at n = 1,000 the
+  threshold is 0.086 from 1/2 instead of 0.104, and a drill's picker whose returns sat at a
+  mean of 0.40 went unflagged under it (``benchmarks/results/security_drill.json``). A flag
+  comes at most one checkpoint (25 % more returns) after the mean first crosses. A worker that returns only its low (or high) groups
   moves its mean towards 0 (or 1) and is flagged after a few dozen returns. Residual honest
   bias: a rollout batch is handed back whole, and a long batch is likelier to be cut than a
   short one; if length correlates with reward that tilts ``u`` a little, which is why a flag
@@ -86,9 +91,17 @@ def midrank(x: float, ref: deque[float] | list[float]) -> float:
     return (below + 0.5 * ties) / len(ref)
 
 
-def bias_threshold(n: int, alpha: float) -> float:
-    """How far from 1/2 the mean of ``n`` percentiles may stray before a flag (module doc)."""
-    return math.sqrt(math.log(2 * n * (n + 1) / alpha) / (2 * n))
+CHECKPOINT_GROWTH = 1.25  # returns between two tests of one worker's books grow by this factor
+
+
+def checkpoint(k: int, first: int) -> int:
+    """The number of returns at which a worker's books are tested for the k-th time."""
+    return math.ceil(first * CHECKPOINT_GROWTH ** k)
+
+
+def bias_threshold(n: int, alpha: float, k: int) -> float:
+    """How far from 1/2 the mean of ``n`` percentiles may stray at the k-th test (module doc)."""
+    return math.sqrt(math.log(2 * (k + 1) * (k + 2) / alpha) / (2 * n))
 
 
 @dataclass
@@ -117,6 +130,7 @@ class Returns:
     delivered_n: int = 0
     delivered_u: float = 0.0
     flagged: str = ""  # "low" | "high": it returns the groups it does not like
+    tests: int = 0  # checkpoints tested so far
 
     def view(self) -> dict[str, object]:
         mean = (lambda s, n: round(s / n, 4) if n else None)
@@ -307,11 +321,12 @@ class Handbacks:
             self._judge(author, b)
 
     def _judge(self, worker_id: str, b: Returns) -> None:
-        n = b.returns_n
-        if b.flagged or n < self.sc.handback_bias_min:
+        n, k = b.returns_n, b.tests
+        if b.flagged or n < checkpoint(k, self.sc.handback_bias_min):
             return
+        b.tests += 1
         dev = b.returns_u / n - 0.5
-        if abs(dev) >= bias_threshold(n, self.sc.handback_bias_alpha):
+        if abs(dev) >= bias_threshold(n, self.sc.handback_bias_alpha, k):
             b.flagged = "low" if dev < 0 else "high"
             self.counts["cherry_pick_flagged"] += 1
             log.warning("worker %s hands back its %s-reward groups: mean percentile %.3f over %d "

@@ -7,6 +7,7 @@ at the staleness edge earns less credit and is swapped first."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -23,7 +24,7 @@ from learner.auditor import Auditor
 from learner.buffer import ReplayBuffer
 from learner.control import ControlPlane
 from learner.handback import PrefixLimits
-from learner.handbacks import Handbacks, bias_threshold, midrank
+from learner.handbacks import Handbacks, bias_threshold, checkpoint, midrank
 from learner.staleness import Staleness, credit
 from learner.work import WorkQueue
 from provisioning.controller import ACTIVE, Controller
@@ -277,7 +278,28 @@ def test_honest_returners_are_not_flagged():
 def test_midrank_and_the_union_bound():
     assert midrank(0.5, [0.0, 0.5, 1.0, 0.5]) == 0.5
     assert midrank(2.0, [0.0, 1.0]) == 1.0 and midrank(-1.0, [0.0]) == 0.0
-    assert bias_threshold(32, 1e-3) > bias_threshold(256, 1e-3) > 0.1
+    assert bias_threshold(32, 1e-3, 0) > bias_threshold(256, 1e-3, 10) > 0.1
+    # the levels alpha / ((k + 1) (k + 2)) of all checkpoints sum to alpha
+    assert sum(1e-3 / ((k + 1) * (k + 2)) for k in range(10**6)) == pytest.approx(1e-3, rel=1e-5)
+    ks = [k for k in range(60) if checkpoint(k, 32) <= 1000]
+    assert len(ks) == 16 and checkpoint(ks[-1], 32) <= 1000 < checkpoint(ks[-1] + 1, 32)
+    # a picker at a mean percentile of 0.40 over ~1,000 returns: flagged by the checkpoints,
+    # not by a test at every n, which spends alpha on each of the 1,000
+    n, k = checkpoint(ks[-1], 32), ks[-1]
+    assert 0.5 - bias_threshold(n, 1e-3, k) > 0.40
+    assert 0.5 - math.sqrt(math.log(2 * 1000 * 1001 / 1e-3) / 2000) < 0.40
+
+
+def test_a_worker_returning_at_a_mean_percentile_of_040_is_flagged(small_cfg):
+    """The drill's picker under load (security_drill.json): returns at mean 0.40."""
+    hb = Handbacks(small_cfg.security, _queue(), None)
+    b = hb._book("p")
+    rng = random.Random(0)
+    for _ in range(1000):
+        b.returns_n += 1
+        b.returns_u += min(1.0, max(0.0, rng.gauss(0.40, 0.25)))
+        hb._judge("p", b)
+    assert b.flagged == "low"
 
 
 # ----------------------------------------------------------------------------- staleness
