@@ -282,7 +282,7 @@ def describe(res: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="echo-rl eval", description="The mean reward of a run's policy on its own task, any "
-                    "adapter, with a 95%% confidence interval; --compare: the paired difference.",
+                    "adapter, with a 95 % confidence interval; --compare: the paired difference.",
         epilog="Also: echo-rl eval poker ... (chips against each opponent) and echo-rl eval "
                "math ... (accuracy of a model folder on a JSONL); each has its own --help.")
     p.add_argument("--run-dir", type=Path, required=True, help="the run folder (config.toml, checkpoints/)")
