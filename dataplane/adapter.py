@@ -29,12 +29,20 @@ ENTRY_POINT_GROUP = "echo.adapters"
 
 
 class AdapterError(ValueError):
-    pass
+    """A problem with an adapter or its options, found at start-up: raise it from ``__init__``
+    with a message that names the option, the value and the fix; the learner, workers, eval
+    and sample print it as one line."""
 
 
 @dataclass(frozen=True)
 class Prompt:
+    """One prompt the learner hands out as a group of ``learner.group_size`` samples."""
+
+    # the token ids the policy continues (a plain, non-empty list of ints in the vocabulary);
+    # a multi-turn adapter's episodes start every context they yield with them
     prompt_ids: list[int]
+    # what reward() or episode() needs (the answer, a seed): travels to workers as msgpack, so
+    # str, int, float, bool, None, lists and dicts of them
     task: dict[str, Any] = field(default_factory=dict)
 
 
@@ -52,6 +60,17 @@ class LearnerBatch:
 
 
 class Adapter(ABC):
+    """A single-turn task: the learner draws prompts, workers generate one completion per
+    sample and score it with ``reward``, the learner trains on every completion token.
+
+    One instance is built from the same run config on the learner and on every worker, with
+    ``(options, tokenizer)``; the learner calls ``prompts``, ``heldout_prompts`` (eval) and
+    ``materialise``, workers call ``reward``. The learner recomputes, at every step, the
+    log-prob of every trained token under the current policy (the step-start log-probs of the
+    importance ratio, and the reference model's for the KL term): what a worker reports is the
+    behaviour log-prob only."""
+
+    # informational; the entry-point name in ``echo.adapters`` is what [adapter] name selects
     name: str = ""
     # The learner recomputes every delivered reward with ``reward()`` and refuses a group
     # whose worker reported another (docs/security.md). An adapter whose reward the learner
@@ -63,14 +82,28 @@ class Adapter(ABC):
     answer_tokens: tuple[int, ...] | None = None
 
     def __init__(self, options: dict[str, Any], tokenizer: Any):
+        """``options``: the adapter's preset overridden by ``[adapter.options]`` (a dict; the
+        ``generation`` table is taken out before). ``tokenizer``: the run's (a transformers
+        fast tokenizer). Keep both (``self.options``, ``self.tokenizer``), check every option
+        and refuse unknown ones with ``AdapterError``; set ``answer_tokens`` here."""
         self.options = dict(options)
         self.tokenizer = tokenizer
 
     @abstractmethod
-    def prompts(self, rng: random.Random) -> Iterator[Prompt]: ...
+    def prompts(self, rng: random.Random) -> Iterator[Prompt]:
+        """An endless iterator of ``Prompt`` (runs on the learner). Every random choice comes
+        from ``rng`` (seeded from the run's ``seed`` and checkpointed), never from global
+        state: a resumed run then draws the same prompts. It must never yield a held-out
+        prompt. Workers never call it, so they need not hold the data set."""
 
     @abstractmethod
-    def reward(self, task: dict[str, Any], completion_ids: list[int], completion_text: str) -> float: ...
+    def reward(self, task: dict[str, Any], completion_ids: list[int], completion_text: str) -> float:
+        """The score of one sample (runs on a worker, in a worker thread). ``completion_ids``
+        are the sampled ids, end-of-sequence included when the model produced one (none when
+        cut at ``worker.max_new_tokens``); ``completion_text`` is
+        ``tokenizer.decode(completion_ids, skip_special_tokens=True)``. Deterministic (the
+        learner recomputes it when ``recomputes_rewards``), finite (|reward| <=
+        ``learner.max_abs_reward``), fast, and not relying on ``signal``."""
 
     def heldout_prompts(self, rng: random.Random) -> Iterator[Prompt] | None:
         """The held-out split: prompts training never draws, to measure what a run learned
@@ -82,6 +115,11 @@ class Adapter(ABC):
 
     def materialise(self, groups: Sequence[Sequence[Record]], adv_eps: float = 1e-4,
                     scale_rewards: str = "group") -> LearnerBatch:
+        """Records of whole groups -> the tensors of one step (runs on the learner). This
+        default fits every single-turn task and, through ``record_mask``, multi-turn records
+        too: every completion token is trained unless the record carries a ``loss_mask``;
+        advantages are group-normalised rewards (``learner.scale_rewards``, ``learner.adv_eps``).
+        Override it only for another grouping of advantages."""
         advs = batch_advantages([[r.reward for r in g] for g in groups], adv_eps, scale_rewards)
         return materialise_records(groups, advs, self.tokenizer.pad_token_id or 0)
 

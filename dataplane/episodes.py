@@ -41,11 +41,22 @@ Episode = Generator[list[int], Generated, "EpisodeSample"]
 
 @dataclass
 class EpisodeSample:
+    """What an episode returns: its transcript after the group's prompt, and its reward."""
+
+    # every token after the group's prompt_ids, in order: the policy's generated ids exactly as
+    # generated (never re-tokenised) and the environment's ids between them; 1 to the adapter's
+    # max_completion_tokens of them
     completion_ids: list[int]
+    # one per completion token: the behaviour log-prob of each generated token as `generate`
+    # returned it, 0.0 on environment tokens (masked, so never used)
     logprobs: list[float]
+    # one per completion token: 1 on the policy's tokens (trained), 0 on environment tokens
     loss_mask: list[int]
+    # the episode's scalar return (finite, |reward| <= learner.max_abs_reward)
     reward: float
-    info: dict[str, Any] = field(default_factory=dict)  # stays on the worker (stats, logs)
+    # free-form, for the adapter's own stats and logs: it stays on the worker, is never sent
+    # to the learner and never trained on
+    info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -58,7 +69,7 @@ class EpisodeSample:
 class EpisodeRecord(Record):
     """A ``Record`` with a per-completion-token loss mask (None: every token trained)."""
 
-    loss_mask: list[int] | None = None
+    loss_mask: list[int] | None = None  # per completion token, 1 where trained (None: all)
 
 
 def drive(episodes: Sequence[Episode], generate: GenerateFn,
@@ -120,6 +131,7 @@ class Cut(Exception):
     with their turn lengths and are replayed by the worker that continues the group
     (docs/preemption.md)."""
 
+    # per episode index, the decisions made before the cut
     decisions: dict[int, list[Generated]] = {}
 
 
@@ -146,16 +158,36 @@ def backend_generate_fn(backend: Any, max_new_tokens: int, temperature: float, s
 
 
 class EpisodeAdapter(Adapter):
-    """Base class for multi-turn adapters (see the module docstring)."""
+    """Base class for multi-turn adapters: implement ``prompts`` and ``episode`` (not
+    ``reward``). Workers call ``rollout``; the inherited ``materialise`` already trains only
+    the tokens an episode's ``loss_mask`` marks, so a multi-turn adapter need not override it.
+    Every generation of an episode is one decision of at most ``worker.max_new_tokens`` tokens;
+    the whole transcript is bounded by ``max_completion_tokens``."""
 
-    multi_turn = True
-    recomputes_rewards = False  # an episode's reward needs its environment replayed: not yet
-    max_completion_tokens: int = 4096  # bound on an episode's transcript after the prompt
-    group_by: str = "group"  # "group": advantages within each group; "batch": across the batch
+    # marks the adapter as multi-turn for workers, the learner, eval and sample
+    multi_turn: bool = True
+    # False here (True in Adapter): an episode's reward needs its environment replayed, which
+    # the learner does not do yet; rewards are bounded and groups audited instead
+    recomputes_rewards: bool = False
+    # bound on an episode's completion_ids (the transcript after the prompt, every decision and
+    # environment token); the learner admits records and prefixes up to
+    # max(worker.max_new_tokens, max_completion_tokens) tokens. worker.max_new_tokens bounds
+    # each decision (one generate call)
+    max_completion_tokens: int = 4096
+    # "group": advantages within each group; "batch": across the whole batch
+    group_by: str = "group"
 
     @abstractmethod
     def episode(self, task: dict[str, Any], seed: int, sample_idx: int) -> Episode:
-        """One episode of the group with ``task`` (sample ``sample_idx``, RNG ``seed``)."""
+        """One episode: a generator that yields the whole context the policy continues (the
+        group's ``prompt_ids`` followed by the transcript so far, not only the new environment
+        tokens), receives ``(generated_ids, logprobs)`` for that decision, and returns an
+        ``EpisodeSample`` whose ``completion_ids`` are exactly the context after the prompt
+        (each decision's ids as received, in place). ``seed`` is the group's (the same for
+        every sample of a group); ``sample_idx`` tells its samples apart (0 .. n-1). Given
+        ``(task, seed, sample_idx)`` and the decisions received, the episode is deterministic:
+        draw randomness from ``random.Random`` seeded with them, never global state, since a
+        preempted episode is replayed from its decisions by another worker."""
 
     def rollout(self, groups: Sequence[Any], generate: GenerateFn) -> list[list[EpisodeSample]]:
         """``group.n`` episodes for every group (objects with ``task``, ``n`` and ``seed``),
@@ -169,11 +201,14 @@ class EpisodeAdapter(Adapter):
         return out
 
     def reward(self, task: dict[str, Any], completion_ids: list[int], completion_text: str) -> float:
+        """Not used: an episode returns its reward in ``EpisodeSample.reward``; raises."""
         raise AdapterError(f"{type(self).__name__} is a multi-turn adapter: workers must call "
                            f"rollout(groups, generate), not reward() (see dataplane/episodes.py)")
 
     def advantages(self, groups: Sequence[Sequence[Record]], adv_eps: float,
                    scale_rewards: str = "group") -> list[float]:
+        """One advantage per record: rewards normalised within each group, or across the
+        batch when ``group_by == "batch"``."""
         rewards = [[r.reward for r in g] for g in groups]
         if self.group_by == "batch":  # the whole batch is one group
             rewards = [[x for g in rewards for x in g]]
@@ -181,6 +216,8 @@ class EpisodeAdapter(Adapter):
 
     def materialise(self, groups: Sequence[Sequence[Record]], adv_eps: float = 1e-4,
                     scale_rewards: str = "group") -> LearnerBatch:
+        """``Adapter.materialise`` with ``advantages``: the records' ``loss_mask`` puts the
+        sequence advantage on the policy's tokens only (environment tokens get none)."""
         return materialise_masked(groups, self.advantages(groups, adv_eps, scale_rewards),
                                   self.tokenizer.pad_token_id or 0)
 

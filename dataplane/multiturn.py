@@ -44,21 +44,22 @@ def _find(hay: list[int], needle: list[int], start: int = 0) -> int:
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """What a chat template puts around messages, learnt by rendering probe conversations.
+    """What a chat template puts around messages, learnt by rendering probe conversations."""
 
-    header:     the generation prompt (e.g. ``<|im_start|>assistant\\n``), which opens an
-                assistant turn; its first token is the turn-start token.
-    turn_start: the token that opens every turn (Appendix D's turn-start token).
-    turn_end:   tokens the template puts after an assistant message's content (e.g.
-                ``<|im_end|>\\n``); the first is the end-of-turn token the model generates.
-    """
-
+    # the generation prompt (e.g. `<|im_start|>assistant\n`), which opens an assistant turn;
+    # its first token is the turn-start token
     header: tuple[int, ...]
+    # the token that opens every turn (Appendix D's turn-start token)
     turn_start: int
+    # the tokens the template puts after an assistant message's content (e.g. `<|im_end|>\n`);
+    # the first is the end-of-turn token the model generates
     turn_end: tuple[int, ...]
 
     @classmethod
     def learn(cls, tokenizer: Any, turn_start_token: str | None = None) -> "ChatFormat":
+        """Learn the format from ``tokenizer``'s chat template by rendering probe
+        conversations; ``turn_start_token`` overrides the guessed turn-start token. Raises
+        ``AdapterError`` when the tokenizer has no chat template or one it cannot read."""
         if not getattr(tokenizer, "chat_template", None):
             raise AdapterError("the tokenizer has no chat template; multi-turn adapters need one")
         u = [{"role": "user", "content": "1"}]
@@ -87,6 +88,7 @@ class ChatFormat:
 
     @property
     def end_of_turn(self) -> int:
+        """The end-of-turn token id the model generates to end an assistant message."""
         return self.turn_end[0]
 
 
@@ -140,16 +142,22 @@ class Transcript:
     """A growing sequence of token ids with, per token, whether it is trained on (the policy
     produced it) and its behaviour log-prob (0 where not trained)."""
 
+    # the transcript's token ids: an EpisodeSample's completion_ids
     ids: list[int] = field(default_factory=list)
+    # per token, 1 where trained (the policy's decisions): an EpisodeSample's loss_mask
     mask: list[int] = field(default_factory=list)
+    # per token, the behaviour log-prob (0.0 on context): an EpisodeSample's logprobs
     logprobs: list[float] = field(default_factory=list)
 
     def add_context(self, ids: Sequence[int]) -> None:
+        """Append environment tokens: not trained, log-prob 0.0."""
         self.ids += list(ids)
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
 
     def add_action(self, ids: Sequence[int], logprobs: Sequence[float], trained: bool = True) -> None:
+        """Append a decision's ids as generated with their behaviour log-probs; ``trained``
+        False keeps them in the transcript without training them (a forced move)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"{len(ids)} action tokens with {len(logprobs)} log-probs")
         self.ids += list(ids)
@@ -157,22 +165,27 @@ class Transcript:
         self.logprobs += [float(x) for x in logprobs]
 
     def __len__(self) -> int:
+        """Tokens so far."""
         return len(self.ids)
 
 
 class ChatBuilder:
-    """Builds transcripts the way the live loop sees them, one template piece at a time.
+    """Builds transcripts through the tokenizer's chat template the way the live loop sees
+    them, one piece at a time: `start()` is the system turn (the group prompt), `user(text)` a
+    user turn with the assistant header after it (the context of a decision), `note(text)` a
+    user turn without it, `close(action_ids)` the end-of-turn tokens a generated action lacks.
 
-    ``start(system)``          -> ids of the system turn (the group prompt)
-    ``user(content)``          -> ids of a user turn followed by the assistant header
-    ``note(content)``          -> ids of a user turn without the header (results, bookkeeping)
-    ``close(action_ids)``      -> the template's end-of-turn tokens the generation lacks
-    The pieces are cut from renderings of short probe conversations, and the class checks
-    that the template renders messages independently (true for ChatML/Qwen-style templates);
+    The pieces are cut from renderings of short probe conversations, and the class checks that
+    the template renders messages independently (true for ChatML/Qwen-style templates);
     otherwise concatenated pieces would differ from a full rendering, and it refuses.
     """
 
     def __init__(self, tokenizer: Any, system: str, fmt: ChatFormat | None = None):
+        """``system``: the system message every episode starts with; ``fmt``: learnt from
+        the tokenizer's chat template when not given (``ChatFormat.learn``, which raises
+        ``AdapterError`` for a tokenizer without one). The tiny model's tokenizer has a small
+        template (``<bos>ROLE=content<eos>``, roles a/b/c); for a model folder without a
+        template, build the transcript with ``tokenizer.encode`` and ``Transcript`` instead."""
         self.tokenizer = tokenizer
         self.fmt = fmt or ChatFormat.learn(tokenizer)
         self.system = system
@@ -180,6 +193,7 @@ class ChatBuilder:
         self.system_ids = render_ids(tokenizer, self._sys)
 
     def start(self) -> list[int]:
+        """Ids of the system turn: the group's ``prompt_ids``."""
         return list(self.system_ids)
 
     def _delta(self, content: str, gen: bool) -> list[int]:
@@ -191,12 +205,16 @@ class ChatBuilder:
         return full[len(self.system_ids) :]
 
     def user(self, content: str) -> list[int]:
+        """Ids of a user turn followed by the assistant header: the context before a decision."""
         return self._delta(content, True)
 
     def note(self, content: str) -> list[int]:
+        """Ids of a user turn without the assistant header (results, bookkeeping)."""
         return self._delta(content, False)
 
     def close(self, action_ids: Sequence[int]) -> list[int]:
+        """The template's end-of-turn ids that a generated action lacks (all of them when it
+        was cut before the end-of-turn token; the rest when it ends with it)."""
         end = list(self.fmt.turn_end)
         if action_ids and action_ids[-1] == end[0]:
             return end[1:]

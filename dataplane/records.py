@@ -42,19 +42,22 @@ class RecordError(ValueError):
 
 @dataclass(frozen=True)
 class Record:
-    group_id: str
-    sample_idx: int
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    reward: float
-    version: int
-    worker_id: str
-    gen_s: float = 0.0
+    """One sample as a worker delivered it and the learner admitted it."""
+
+    group_id: str  # as handed out by the learner
+    sample_idx: int  # 0 <= idx < group size
+    prompt_ids: list[int]  # equal to the Prompt's prompt_ids handed out
+    completion_ids: list[int]  # generated tokens (multi-turn: the transcript after the prompt)
+    logprobs: list[float]  # behaviour log-prob per completion token (0.0 on environment tokens)
+    reward: float  # reward() or EpisodeSample.reward, scored on the worker
+    version: int  # snapshot version the generation started with (oldest if mixed)
+    worker_id: str  # who sent it
+    gen_s: float = 0.0  # seconds the worker spent generating its group
     loss_mask: list[int] | None = None  # multi-turn: 1 on tokens the policy generated
     versions: list[list[int]] | None = None  # [version, count] runs (None: all ``version``)
 
     def to_wire(self) -> dict[str, Any]:
+        """The record as the dict a worker sends (msgpack)."""
         return asdict(self)
 
 
