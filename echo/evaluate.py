@@ -6,9 +6,9 @@ with a 95 % confidence interval; two policies compared on the same prompts and s
 
 The run's config (``RUN/config.toml``) names the model, the adapter and its options, the
 generation settings and, for a LoRA run, the adapter's shape. The policy is the latest checkpoint
-(``RUN/checkpoints/latest``), the one of step N (``--checkpoint N``; the learner keeps the
-newest two), or the model the run started from (``--untrained``). Generation goes through the
-worker's transformers backend, with the run's answer restriction, ``worker.max_new_tokens`` and
+(``RUN/checkpoints/latest``), the one after N steps (``--checkpoint N``, the file
+``after-0000000N.pt``; the learner keeps the newest two), or the model the run started from
+(``--untrained``). Generation goes through the worker's transformers backend, with the run's answer restriction, ``worker.max_new_tokens`` and
 ``worker.temperature`` (unless ``--temperature``); multi-turn adapters play whole episodes.
 
 Prompts come from the adapter's held-out split when it declares one (``--split auto``, the
@@ -71,16 +71,22 @@ def run_config(run_dir: Path) -> Any:
         raise EvalError(f"{run_dir}/config.toml: {err}") from None
 
 
-def _steps(run_dir: Path) -> list[int]:
-    return sorted(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*.pt"))
+def _kept(run_dir: Path) -> dict[int, Path]:
+    """Steps taken -> checkpoint file (``after-N.pt``, or a run folder's older ``step-K.pt``)."""
+    from learner.checkpoint import kept_checkpoints
+
+    return kept_checkpoints(run_dir)
 
 
 def resolve_policy(run_dir: Path, which: str) -> Policy:
     """``which``: ``untrained``, ``latest`` or a step number."""
     if which == "untrained":
         return Policy("untrained", None)
+    from learner.checkpoint import steps_of
+
     ckpt = run_dir / "checkpoints"
-    kept = ", ".join(map(str, _steps(run_dir))) or "none"
+    files = _kept(run_dir)
+    kept = ", ".join(map(str, files)) or "none"
     if which == "latest":
         for _ in range(3):  # a live run may replace its latest between the two reads
             if not (ckpt / "latest").is_file():
@@ -89,7 +95,7 @@ def resolve_policy(run_dir: Path, which: str) -> Policy:
                                 f"--untrained to evaluate the model it starts from")
             path = ckpt / (ckpt / "latest").read_text().strip()
             try:
-                return Policy(f"step {int(path.stem.split('-')[1])}", path, _read(path))
+                return Policy(f"step {steps_of(path.name)}", path, _read(path))
             except FileNotFoundError:
                 continue
         raise EvalError(f"{ckpt}: the latest checkpoint kept changing while being read; try again")
@@ -97,7 +103,9 @@ def resolve_policy(run_dir: Path, which: str) -> Policy:
         step = int(which)
     except ValueError:
         raise EvalError(f"checkpoint {which!r}: give a step number, latest or untrained") from None
-    path = ckpt / f"step-{step:08d}.pt"
+    from learner.checkpoint import checkpoint_name
+
+    path = files.get(step, ckpt / checkpoint_name(step))
     try:
         return Policy(f"step {step}", path, _read(path))
     except FileNotFoundError:

@@ -6,12 +6,17 @@ Layout in the run folder::
 
     run.key                      the run's Ed25519 signing key (0600): survives restarts so
                                  workers keep trusting the snapshots
-    checkpoints/step-00000041.pt model, optimizer, RNG states, version, work leases, counters
-                                 (LoRA: the adapter's tensors and their optimizer state; the
-                                 frozen base is the model folder's)
+    checkpoints/after-00000041.pt the policy after 41 steps (snapshot version 41, progress
+                                 41/N; metrics.jsonl rows 0..40), model, optimizer, RNG states,
+                                 work leases, counters (LoRA: the adapter's tensors and their
+                                 optimizer state; the frozen base is the model folder's).
+                                 after-00000000.pt is the model the run starts from
     checkpoints/latest           name of the newest complete checkpoint (atomic rename)
 
-Only the two newest checkpoints are kept.
+Only the two newest checkpoints are kept. Run folders written before this naming hold
+``step-K.pt``, named by the index of the last step taken (``step--0000001.pt``: none, the
+start; ``step-00000199.pt``: after 200 steps). They still load (``latest`` names the file) and
+``steps_of`` reads both names as the number of steps taken.
 """
 
 from __future__ import annotations
@@ -47,13 +52,42 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def checkpoint_name(steps: int) -> str:
+    """The file of the policy after ``steps`` learner steps (0: the start)."""
+    return f"after-{steps:08d}.pt"
+
+
+def steps_of(name: str) -> int | None:
+    """Steps taken at a checkpoint file ``name``: ``after-N.pt`` -> N; the older
+    ``step-K.pt`` (K the last step's index, -1 before any) -> K + 1; None for other files."""
+    for prefix, add in (("after-", 0), ("step-", 1)):
+        if name.startswith(prefix) and name.endswith(".pt"):
+            try:
+                return int(name[len(prefix):-3]) + add
+            except ValueError:
+                return None
+    return None
+
+
+def kept_checkpoints(run_dir: Path) -> dict[int, Path]:
+    """Steps taken -> checkpoint file, for every checkpoint in ``run_dir`` (either naming)."""
+    out = {}
+    for path in (run_dir / "checkpoints").glob("*.pt"):
+        steps = steps_of(path.name)
+        if steps is not None:
+            out[steps] = path
+    return dict(sorted(out.items()))
+
+
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
+    """``step``: the index of the last step taken (-1: none yet), as ``state["step"]``; the
+    file is named by the steps taken, ``step + 1``. Keeps the newest ``KEEP``."""
     ckpt_dir = run_dir / "checkpoints"
     ckpt_dir.mkdir(exist_ok=True)
-    path = ckpt_dir / f"step-{step:08d}.pt"
+    path = ckpt_dir / checkpoint_name(step + 1)
     _atomic_write(path, lambda f: torch.save(state, f))
     _atomic_write(ckpt_dir / "latest", lambda f: f.write(path.name.encode()))
-    for old in sorted(ckpt_dir.glob("step-*.pt"))[:-KEEP]:
+    for old in list(kept_checkpoints(run_dir).values())[:-KEEP]:
         old.unlink()
     return path
 

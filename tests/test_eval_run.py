@@ -1,7 +1,7 @@
 """``echo-rl eval --run-dir``: any adapter's mean reward with a 95 % interval, paired comparisons,
 held-out splits, LoRA checkpoints, and errors that name the problem and the fix.
 
-Run folders are built as the learner leaves them (config.toml, checkpoints/step-N.pt, latest)
+Run folders are built as the learner leaves them (config.toml, checkpoints/after-N.pt, latest)
 around the tiny model, with checkpoints of perturbed weights: no learner needed.
 """
 
@@ -40,6 +40,7 @@ def make_run(tmp_path: Path, config: dict, steps=(3,), noise: float = 0.5, name:
     from echo.config import EchoConfig, dump_toml
     from echo.lora import adapter_parameters, load_policy_model
     from echo.models import load_tokenizer
+    from learner.checkpoint import checkpoint_name
 
     cfg = EchoConfig.model_validate({"model": TINY, **config})
     run = tmp_path / name
@@ -51,8 +52,9 @@ def make_run(tmp_path: Path, config: dict, steps=(3,), noise: float = 0.5, name:
     for step in steps:
         g = torch.Generator().manual_seed(step)
         sd = {k: v.detach() + noise * torch.randn(v.shape, generator=g) for k, v in base.items()}
-        torch.save({"step": step, "model": sd}, run / "checkpoints" / f"step-{step:08d}.pt")
-        (run / "checkpoints" / "latest").write_text(f"step-{step:08d}.pt")
+        name = checkpoint_name(step)  # the policy after `step` steps, as the learner names it
+        torch.save({"step": step - 1, "model": sd}, run / "checkpoints" / name)
+        (run / "checkpoints" / "latest").write_text(name)
     return run
 
 
