@@ -1,15 +1,20 @@
-"""``echo-rl sample RUN_DIR``: what a trained model generates for its task, any adapter.
+"""``echo-rl sample RUN_DIR``: what a run's policy generates for its task, any adapter.
 
-    echo-rl sample runs/my-run [--n 5] [--samples 2] [--temperature T] [--seed 0] [--json FILE]
+    echo-rl sample runs/my-run [--checkpoint N | --untrained] [--n 5] [--samples 2]
+        [--temperature T] [--seed 0] [--json FILE]
 
-Loads the run's config (``RUN_DIR/config.toml``) and the weights of its latest checkpoint, draws
-``--n`` prompts from the run's own adapter (``[adapter] name`` and options, so a researcher's
-installed adapter works as well as the built-in ones), generates ``--samples`` completions per
-prompt with the worker's settings (``worker.max_new_tokens``, ``worker.temperature`` unless
-``--temperature``) and scores each with the adapter's reward, exactly as a worker would. Prints
-a table: prompt, completion, reward, and whether the completion was cut at max_new_tokens.
-Multi-turn adapters (poker) play whole episodes; the table then shows the episode's transcript
-tail and its return.
+Loads the run's config (``RUN_DIR/config.toml``) and the weights of its latest checkpoint (or of
+the checkpoint after N steps, ``--checkpoint N``; the learner keeps the newest two), or the model
+the run started from (``--untrained``). Draws ``--n`` prompts from the run's own adapter
+(``[adapter] name`` and options, so a researcher's installed adapter works as well as the
+built-in ones), generates ``--samples`` completions per prompt through the worker's backend with
+the worker's settings (``worker.max_new_tokens``, ``worker.temperature`` unless
+``--temperature``, the adapter's answer restriction) and scores each with the adapter's reward,
+exactly as a worker would. Prints a table: the prompt as the model reads it (its token ids
+decoded), the completion, the reward, and whether the completion was cut at max_new_tokens.
+Multi-turn adapters play whole episodes; the completion is then the episode's transcript (the
+policy's decisions and the environment's replies, special tokens shown) and the reward its
+return. ``--json`` rows also carry the prompt's ``task`` dict.
 """
 
 from __future__ import annotations
@@ -23,33 +28,38 @@ from typing import Any
 
 
 def sample(run_dir: Path, n: int = 5, samples: int = 2, temperature: float | None = None,
-           seed: int = 0) -> list[dict[str, Any]]:
-    from adapters.hf import HFModel, run_config
+           seed: int = 0, checkpoint: str = "latest", threads: int = 2) -> list[dict[str, Any]]:
+    """Rows of prompt, completion, reward, cut, tokens, task. ``checkpoint``: ``latest``, a
+    number of steps, or ``untrained``. Raises ``ValueError`` with the fix for a bad folder,
+    checkpoint or adapter."""
     from dataplane.adapter import load_adapter
+    from dataplane.answers import check_answer_tokens
+    from echo.evaluate import install_policy, load_backend, resolve_policy, run_config
 
-    cfg = run_config(str(run_dir))
-    if cfg is None:
-        raise ValueError(f"{run_dir} is not an Echo run folder with a checkpoint (expected "
-                         f"{run_dir}/config.toml and {run_dir}/checkpoints/latest): pass the "
-                         f"--run-dir of a run that took at least one step")
-    model = HFModel(str(run_dir), seed=seed)
-    tok = model.tokenizer
+    cfg = run_config(run_dir)
+    policy = resolve_policy(run_dir, checkpoint)
+    backend = load_backend(cfg, threads)
+    tok = backend.tokenizer
     adapter = load_adapter(cfg.adapter.name, cfg.adapter.effective_options, tok)
-    model.answer_tokens = adapter.answer_tokens  # the sampler the run trained with
-    temp = cfg.worker.temperature if temperature is None else temperature
     max_new = cfg.worker.max_new_tokens
+    backend.restrict_answers(check_answer_tokens(adapter.answer_tokens, backend.vocab_size,
+                                                 max_new, tok.eos_token_id))
+    install_policy(backend, policy, backend.model.state_dict())
+    temp = cfg.worker.temperature if temperature is None else temperature
     prompts = _take(adapter.prompts(random.Random(seed)), n)
-    if getattr(adapter, "multi_turn", False):
-        return _episodes(adapter, model, prompts, samples, max_new, temp, seed)
-    rows = []
-    for p in prompts:
-        for gen, _ in model.generate([p.prompt_ids] * samples, max_new, temp):
-            text = tok.decode(gen, skip_special_tokens=True)
-            cut = len(gen) >= max_new and (not gen or gen[-1] != tok.eos_token_id)
-            rows.append({"prompt": tok.decode(p.prompt_ids, skip_special_tokens=True),
-                         "completion": text, "reward": float(adapter.reward(p.task, gen, text)),
-                         "cut": cut, "tokens": len(gen)})
-    return rows
+    from echo import wire
+
+    groups = [wire.Group(group_id=f"sample-{i}", prompt_ids=p.prompt_ids, n=samples,
+                         seed=(seed * 1_000_003 + i) % (1 << 62), task=p.task)
+              for i, p in enumerate(prompts)]
+    try:
+        if getattr(adapter, "multi_turn", False):
+            return _episodes(adapter, backend, groups, max_new, temp)
+        return _completions(adapter, backend, groups, max_new, temp)
+    finally:
+        close = getattr(adapter, "close", None)
+        if callable(close):
+            close()
 
 
 def _take(it: Any, n: int) -> list[Any]:
@@ -61,28 +71,51 @@ def _take(it: Any, n: int) -> list[Any]:
     return out
 
 
-def _episodes(adapter: Any, model: Any, prompts: list[Any], samples: int, max_new: int,
-              temp: float, seed: int) -> list[dict[str, Any]]:
-    from types import SimpleNamespace
-
-    tok = model.tokenizer
-
-    def generate(batch: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-        return model.generate(batch, max_new, temp)
-
-    groups = [SimpleNamespace(task=p.task, n=samples, seed=seed * 1000 + i) for i, p in enumerate(prompts)]
+def _completions(adapter: Any, backend: Any, groups: list[Any], max_new: int,
+                 temp: float) -> list[dict[str, Any]]:
+    tok = backend.tokenizer
     rows = []
-    for g, episodes in zip(groups, adapter.rollout(groups, generate)):
-        for ep in episodes:
-            text = tok.decode(ep.completion_ids, skip_special_tokens=True)
-            rows.append({"prompt": str(g.task)[:120], "completion": text[-400:],
-                         "reward": float(ep.reward), "cut": False, "tokens": len(ep.completion_ids)})
+    for g, out in zip(groups, backend.generate(groups, max_new, temp)):
+        for s in out:
+            gen = list(s.completion_ids)
+            text = tok.decode(gen, skip_special_tokens=True)
+            cut = len(gen) >= max_new and (not gen or gen[-1] != tok.eos_token_id)
+            rows.append({"prompt": tok.decode(g.prompt_ids, skip_special_tokens=True),
+                         "completion": text, "reward": float(adapter.reward(g.task, gen, text)),
+                         "cut": cut, "tokens": len(gen), "task": g.task})
     return rows
+
+
+def _episodes(adapter: Any, backend: Any, groups: list[Any], max_new: int,
+              temp: float) -> list[dict[str, Any]]:
+    from dataplane.episodes import backend_generate_fn
+
+    tok = backend.tokenizer
+    gen = backend_generate_fn(backend, max_new, temp, groups[0].seed)
+    rows = []
+    for g, episodes in zip(groups, adapter.rollout(groups, gen)):
+        for ep in episodes:
+            rows.append({"prompt": _special(tok, g.prompt_ids),
+                         "completion": _special(tok, ep.completion_ids), "reward": float(ep.reward),
+                         "cut": False, "tokens": len(ep.completion_ids), "task": g.task})
+    return rows
+
+
+def _special(tok: Any, ids: list[int]) -> str:
+    """Text with special tokens shown (a transcript's turns end with them), padding left out."""
+    pad = tok.pad_token_id
+    return tok.decode([t for t in ids if t != pad], skip_special_tokens=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="echo-rl sample", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--checkpoint", default="latest", metavar="N",
+                       help="the checkpoint after N steps (default: the latest; the learner keeps "
+                            "the newest two)")
+    which.add_argument("--untrained", action="store_true",
+                       help="the model the run started from, before any step")
     p.add_argument("--n", type=int, default=5, help="prompts")
     p.add_argument("--samples", type=int, default=2, help="completions per prompt")
     p.add_argument("--temperature", type=float, default=None,
@@ -94,14 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         print("echo-rl sample: --n and --samples must be at least 1", file=sys.stderr)
         return 2
     try:
-        rows = sample(args.run_dir, args.n, args.samples, args.temperature, args.seed)
+        rows = sample(args.run_dir, args.n, args.samples, args.temperature, args.seed,
+                      "untrained" if args.untrained else args.checkpoint)
     except (ValueError, OSError) as exc:
         print(f"echo-rl sample: {exc}", file=sys.stderr)
         return 1
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"{args.run_dir}: latest checkpoint", show_lines=True)
+    which = "untrained" if args.untrained else (
+        "latest checkpoint" if args.checkpoint == "latest" else f"checkpoint {args.checkpoint}")
+    t = Table(title=f"{args.run_dir}: {which}", show_lines=True)
     for col, kw in (("prompt", {"overflow": "fold"}), ("completion", {"overflow": "fold"}),
                     ("reward", {"justify": "right"}), ("cut", {})):
         t.add_column(col, **kw)

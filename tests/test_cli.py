@@ -119,3 +119,10 @@ def test_sample_shows_what_a_runs_checkpoint_generates_for_its_task(tmp_path, ca
     assert "mean reward" in printed and "cut at max_new_tokens" in printed
     assert cli.main(["sample", str(tmp_path)]) == 1
     assert "not an Echo run folder" in capsys.readouterr().err
+    # another checkpoint, or the model the run started from; the table says which
+    assert cli.main(["sample", str(run), "--checkpoint", "2", "--n", "1"]) == 0  # after-00000002.pt
+    assert "checkpoint 2" in capsys.readouterr().out
+    assert cli.main(["sample", str(run), "--untrained", "--n", "1", "--json", str(out)]) == 0
+    assert "untrained" in capsys.readouterr().out and json.loads(out.read_text())[0]["task"]
+    assert cli.main(["sample", str(run), "--checkpoint", "7"]) == 1
+    assert "no checkpoint of step 7" in capsys.readouterr().err
