@@ -27,9 +27,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from dataplane.adapter import AdapterError
 
-class AnswerTokensError(ValueError):
-    pass
+
+class AnswerTokensError(AdapterError):
+    """The adapter's answer restriction does not fit the run: a start-up error, printed as one
+    line with its fix like every other ``AdapterError``."""
 
 
 def check_answer_tokens(tokens: Sequence[int] | None, vocab_size: int, max_new_tokens: int,

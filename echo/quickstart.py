@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,11 @@ def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str
         learner = group.start("learner", python_argv("echo.cli", *learn_args),
                               run_dir / "learner.stderr.log", pipe_stdout=True)
         console.print(f"[bold]Echo quickstart[/] run folder [cyan]{run_dir}[/]; starting learner...")
-        endpoint = wait_ready(learner, timeout=180)
+        try:
+            endpoint = wait_ready(learner, timeout=180)
+        except RuntimeError as err:  # a start-up error: one line with its fix, no traceback
+            print(f"echo-rl quickstart: {_startup_error(run_dir, err)}", file=sys.stderr)
+            return 1
         # soft_wrap: the join line must stay one line (a volunteer copies it whole)
         console.print(f"learner at [cyan]{endpoint}[/]; starting {n} workers", soft_wrap=True)
         info = json.loads((run_dir / "learner.json").read_text())
@@ -131,6 +136,18 @@ def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str
         console.print(f"[red]learner exited with code {code}; see {run_dir}/learner.log[/]")
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}")
     return code
+
+
+def _startup_error(run_dir: Path, err: Exception) -> str:
+    """What stopped the learner before it was ready: the last line it wrote on stderr (its
+    start-up errors are one line that names the fix), else ``err``; and where its log is."""
+    log = run_dir / "learner.stderr.log"
+    try:
+        lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        lines = []
+    last = (lines[-1].strip() if lines else str(err)).removeprefix("echo-rl learn: ")
+    return f"the learner stopped at start-up: {last} (log: {log})"
 
 
 PLAIN_EVERY_S = 10.0  # without a terminal: one progress line this often

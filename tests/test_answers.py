@@ -179,3 +179,27 @@ def test_intake_counts_non_answers_and_junk_and_keeps_admitting(tmp_path):
     (later,) = work.grant("honest", 1, 0)
     out = it.batch("honest", "k2", [rec(later.group_id, i, [20], "honest") for i in range(2)])
     assert len(out.accepted) == 2 and not out.rejected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_bad_answer_set_stops_quickstart_with_one_line_and_its_fix(tmp_path):
+    """Issue 37, point 17: the check's message used to arrive inside a traceback (the learner's,
+    then quickstart's RuntimeError). Now the learner prints it as one line, and quickstart
+    repeats that line with the log's path and exits 1."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "echo.cli", "quickstart", "--config",
+                        str(root / "examples" / "poker-learn.toml"), "--run-dir", str(tmp_path / "r"),
+                        "--set", "worker.max_new_tokens=4"], capture_output=True, check=False, text=True,
+                       timeout=220)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr + r.stdout
+    [line] = r.stderr.strip().splitlines()
+    assert line.startswith("echo-rl quickstart: the learner stopped at start-up: the adapter "
+                           "restricts answers") and "set worker.max_new_tokens = 1" in line
+    log = (tmp_path / "r" / "learner.stderr.log").read_text()
+    assert "Traceback" not in log and "set worker.max_new_tokens = 1" in log
