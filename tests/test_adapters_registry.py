@@ -1,6 +1,7 @@
 """Adapters are found through the ``echo.adapters`` entry-point group, and a bad one fails at
 start-up with a message that says what to implement."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -201,12 +202,20 @@ def test_pip_installed_third_party_package(tmp_path, tokenizer):
     assert time.monotonic() - t0 < 60
 
 
-def tutorial_files() -> dict[str, str]:
-    """Every code block of docs/adapters.md whose fence names a file (```python file=PATH)."""
+MULTI_TURN = "takelast/"  # the multi-turn tutorial's files live under this folder
+
+
+def tutorial_files(folder: str = "") -> dict[str, str]:
+    """Code blocks of docs/adapters.md whose fence names a file (```python file=PATH): the
+    single-turn tutorial's (no folder), or those under ``folder`` (the multi-turn one's,
+    ``takelast/``), with paths relative to it."""
     import re
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "adapters.md").read_text()
-    return {m.group(1): m.group(2) for m in re.finditer(r"```\w+ file=(\S+)\n(.*?)```", doc, re.S)}
+    blocks = {m.group(1): m.group(2) for m in re.finditer(r"```\w+ file=(\S+)\n(.*?)```", doc, re.DOTALL)}
+    if not folder:
+        return {k: v for k, v in blocks.items() if not k.startswith(MULTI_TURN)}
+    return {k[len(folder):]: v for k, v in blocks.items() if k.startswith(folder)}
 
 
 def test_the_tutorial_has_a_package_a_registration_and_a_config():
@@ -247,3 +256,103 @@ def test_the_tutorial_builds_installs_and_trains(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     samples = json.loads(out.read_text())
     assert len(samples) == 4 and all(s["prompt"].endswith("=") and s["tokens"] <= 6 for s in samples)
+
+
+def _install(files: dict[str, str], tmp_path: Path) -> Path:
+    """Write the files out and pip-install them offline into a target folder."""
+    pkg = tmp_path / "pkg"
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    target = tmp_path / "target"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--no-build-isolation", "--target", str(target), str(pkg)], check=True,
+                   capture_output=True)
+    return target
+
+
+@pytest.mark.timeout(120)
+def test_the_multi_turn_tutorials_game_keeps_the_episode_contract(tmp_path):
+    """docs/adapters.md's take-last game, played with scripted decisions: every context it
+    yields is the prompt plus the transcript so far, environment tokens carry log-prob 0.0 and
+    mask 0, the page's example transcript is what it builds, and replaying the same decisions
+    (a preemption's continuation) gives the same episode."""
+    import os
+
+    files = tutorial_files(MULTI_TURN)
+    assert {"echo_takelast/__init__.py", "pyproject.toml", "takelast.toml"} <= set(files)
+    target = _install(files, tmp_path)
+    code = r"""
+import json, random
+from types import SimpleNamespace
+from dataplane.adapter import load_adapter
+from echo.models import build_tiny_tokenizer
+tok = build_tiny_tokenizer()
+ad = load_adapter("take-last", {}, tok)
+move = {n: tok.encode(str(n), add_special_tokens=False) + [tok.eos_token_id] for n in (1, 2, 3)}
+seen = []
+def generate(script):
+    it = iter(script)
+    def gen(contexts):
+        seen.extend(contexts)
+        return [(move[next(it)], [-0.5, -0.25]) for _ in contexts]
+    return gen
+# the page's example: pile 7; the policy takes 2, 1, 1 (the opponent's moves come from the seed)
+for seed in range(200):
+    g = SimpleNamespace(task={"pile": 7}, n=1, seed=seed)
+    seen.clear()
+    [[ep]] = ad.rollout([g], generate([2, 1, 1, 1, 1]))
+    if tok.decode(ep.completion_ids) == "2<eos>4=1<eos>1=1<eos>":
+        break
+prompt = tok.encode("7=", add_special_tokens=False)
+ok_prefix = all(c == prompt + ep.completion_ids[:len(c) - len(prompt)] for c in seen)
+env = [i for i, m in enumerate(ep.loss_mask) if m == 0]
+again = ad.rollout([g], generate([2, 1, 1, 1, 1]))[0][0]
+print(json.dumps({"text": tok.decode(ep.completion_ids), "reward": ep.reward, "info": ep.info,
+                  "prefix": ok_prefix, "env_lp": [ep.logprobs[i] for i in env],
+                  "mask": ep.loss_mask, "same": again.completion_ids == ep.completion_ids,
+                  "bound": ad.max_completion_tokens, "recomputes": ad.recomputes_rewards}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False, text=True, env=env,
+                         timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)
+    assert r["text"] == "2<eos>4=1<eos>1=1<eos>" and r["reward"] == 1.0 and r["info"] == {"end": "won"}
+    assert r["prefix"] and r["same"]
+    assert r["env_lp"] == [0.0] * 4 and r["mask"] == [1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
+    assert r["recomputes"] is False and r["bound"] == 32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_the_multi_turn_tutorial_builds_installs_and_trains(tmp_path):
+    """docs/adapters.md's multi-turn tutorial as a newcomer would use it: its blocks written out,
+    the package pip-installed offline, a learner and a worker training it for a few steps,
+    echo-rl sample showing the rendered prompts and transcripts before and after."""
+    import os
+
+    files = tutorial_files(MULTI_TURN)
+    target = _install(files, tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "echo.cli", "quickstart", "--config",
+                        str(tmp_path / "pkg" / "takelast.toml"), "--workers", "1", "--run-dir",
+                        str(run), "--set", "learner.max_steps=3"], capture_output=True, check=False, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(0.0 <= row["reward_mean"] <= 1.0 for row in rows)
+    assert sorted(p.name for p in (run / "checkpoints").glob("*.pt")) == [
+        "after-00000002.pt", "after-00000003.pt"]
+    for which in (["--untrained"], []):
+        out = tmp_path / "sample.json"
+        r = subprocess.run([sys.executable, "-m", "echo.cli", "sample", str(run), "--n", "2",
+                            "--json", str(out), *which], capture_output=True, check=False, text=True, env=env,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        samples = json.loads(out.read_text())
+        assert len(samples) == 4
+        for s in samples:  # the prompt as the model reads it, not the task dict
+            assert s["prompt"] == f"{s['task']['pile']}=" and s["reward"] in (0.0, 1.0)
+            assert 1 <= s["tokens"] <= 32
