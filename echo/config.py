@@ -55,8 +55,9 @@ class ModelConfig(_Section):
     max_positions: int = Field(64, gt=0)  # tiny-qwen3 only: longest prompt + completion, tokens
     seed: int = 0  # tiny-qwen3 only: seed of the random initialisation
     # tiny-qwen3 only: its character tokenizer. "arith" (24 tokens): digits, + - * = and a-f,
-    # what the toy tasks need; "text": also letters, space and punctuation (ordinary text).
-    # A prompt the tokenizer cannot spell stops the learner at start-up.
+    # what the toy tasks need; "text" (100 tokens): those and every other printable ASCII
+    # character, space and newline (ordinary text). A prompt the tokenizer cannot spell stops
+    # the learner at start-up (docs/adapters.md, 'What is checked at start-up').
     tiny_vocab: Literal["arith", "text"] = "arith"
 
 

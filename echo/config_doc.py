@@ -62,7 +62,10 @@ def field_notes(cls: type) -> dict[str, str]:
         if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
             continue
         above, i = [], node.lineno - 1
-        while i >= 1 and lines[i - 1].strip().startswith("#"):
+        # comment lines above, at the field's own indentation: a deeper one continues the
+        # comment beside the previous field (audit_queue's), not this field's
+        while i >= 1 and lines[i - 1].strip().startswith("#") \
+                and lines[i - 1].index("#") <= node.col_offset:
             above.insert(0, comments.get(i, ""))
             i -= 1
         beside = [comments[n] for n in range(node.lineno, (node.end_lineno or node.lineno) + 1)
