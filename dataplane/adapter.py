@@ -213,6 +213,11 @@ def load_adapter(name: str, options: dict[str, Any], tokenizer: Any, *,
     except TypeError as exc:
         raise AdapterError(f"adapter {name!r}: cannot construct {cls.__name__}(options, tokenizer) "
                            f"({exc}); its __init__ must take (options: dict, tokenizer)") from exc
+    except Exception as exc:  # a start-up error all the same: one line, not a traceback
+        raise AdapterError(f"adapter {name!r}: {cls.__name__}(options, tokenizer) failed "
+                           f"({type(exc).__name__}: {exc}); check the adapter's options "
+                           f"([adapter.options], [adapter.presets.{name}]) against what it "
+                           f"takes") from exc
     if check_prompts:
         check_adapter(adapter, tokenizer, name)
     return adapter

@@ -99,6 +99,15 @@ class BadInit(Base):
 
     def prompts(self, rng):
         yield Prompt([5], {})
+
+
+class BadOption(Base):
+    def __init__(self, options, tokenizer):
+        super().__init__(options, tokenizer)
+        self.n = int(options.get("n", "three"))  # a ValueError, not an AdapterError
+
+    def prompts(self, rng):
+        yield Prompt([5], {})
 '''
 
 
@@ -139,6 +148,9 @@ def test_third_party_adapter_is_found_through_its_entry_point(site, tokenizer, r
     ("echo_bad_adapters:Finite", "yielded nothing; it must be an endless iterator"),
     ("echo_bad_adapters:SetTask", "task must travel to workers as msgpack"),
     ("echo_bad_adapters:BadInit", r"its __init__ must take \(options: dict, tokenizer\)"),
+    ("echo_bad_adapters:BadOption", r"BadOption\(options, tokenizer\) failed \(ValueError: invalid "
+                                    r"literal.*check the adapter's options \(\[adapter.options\], "
+                                    r"\[adapter.presets.bad\]\)"),
     ("echo_bad_adapters:NoEpisode", r"does not implement \['episode'\]: add episode\(self, task"),
 ])
 def test_bad_adapters_fail_at_start_up_saying_what_to_fix(site, tokenizer, target, message):
