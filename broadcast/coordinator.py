@@ -54,6 +54,7 @@ class PeerState:
     nat: str = "reachable"
     address: str = ""  # public ip:port of its punch port, as the reflector saw it
     installed: dict[int, float] = field(default_factory=dict)  # version -> s after publication
+    base: bool = False  # serves the run's base model (LoRA; broadcast.basemodel)
     joined: float = field(default_factory=time.monotonic)
 
 
@@ -78,6 +79,7 @@ class Coordinator:
         # (endpoint, version) a keyframe fetch failed at: that peer is not asked again for it
         # (a worker that reported an install it cannot serve, or that went away)
         self.keyframe_failed: set[tuple[str, int]] = set()
+        self.base_failed: set[str] = set()  # endpoints a base fetch failed at: not asked again
         self.punches = PunchBook()
 
     def join(self, worker_id: str, endpoint: str, down_mbit: float = 0.0, up_mbit: float = 0.0,
@@ -220,14 +222,31 @@ class Coordinator:
             self.keyframe_failed.add((bad_source, version))
             newest = max(self.published, default=version)
             self.keyframe_failed = {(e, v) for e, v in self.keyframe_failed if v > newest - 4}
+        return self._least_served(worker_id, lambda p: version in p.installed and
+                                  (p.endpoint, version) not in self.keyframe_failed)
+
+    def base_source(self, worker_id: str, bad_source: str = "") -> str:
+        """Where a worker without the run's base model fetches it: a live, relaying peer that
+        holds it whole (it says so in its heartbeats), the one sent the fewest whole-payload
+        fetches, else the root. A peer a fetch failed at is not asked again."""
+        if bad_source:
+            self.base_failed.add(plain(bad_source))
+        return self._least_served(worker_id, lambda p: p.base and p.endpoint not in self.base_failed)
+
+    def _least_served(self, worker_id: str, holds) -> str:
         avoided = self.reports.avoided(worker_id, time.monotonic())  # relays it reported
         held = [p.endpoint for p in self.peers.values()
                 if p.alive and p.endpoint and not p.corrupt and p.nat == "reachable"
-                and version in p.installed and p.endpoint not in avoided
-                and p.worker_id != worker_id and (p.endpoint, version) not in self.keyframe_failed]
+                and holds(p) and p.endpoint not in avoided and p.worker_id != worker_id]
         best = min(held, key=lambda ep: self.keyframes_served.get(ep, 0), default=self.source)
         self.keyframes_served[best] = self.keyframes_served.get(best, 0) + 1
         return best
+
+    def holds_base(self, worker_id: str, held: bool) -> None:
+        """A worker's heartbeat says whether its relay serves the base model."""
+        peer = self.peers.get(worker_id)
+        if peer is not None:
+            peer.base = held
 
     def assigned(self, worker_id: str, endpoint: str) -> bool:
         """Was ``endpoint`` this worker's source: handed to it (``route``), or in the current

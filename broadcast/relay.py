@@ -83,6 +83,8 @@ class Relay:
         self.store = SnapshotStore(keep=2)
         # The installed version's full payload (a keyframe source, the next delta's base).
         self.results = SnapshotStore(keep=1, recycle=False)
+        # The run's base model (a LoRA run), once this node holds all of it, verified.
+        self.bases = SnapshotStore(keep=1, recycle=False)
         self.endpoint = ""
         self.resolve = None  # punched links (broadcast.nat.links.Tunnels.resolve), if any
         self.server: ChunkServer | None = None
@@ -114,7 +116,8 @@ class Relay:
                                       corrupt=cfg.corrupt, authorize=tickets,
                                       max_parked_per_peer=cfg.max_parked_per_peer,
                                       max_parked_total=cfg.max_parked_total,
-                                      requests_per_s=cfg.requests_per_s, results=self.results)
+                                      requests_per_s=cfg.requests_per_s, results=self.results,
+                                      bases=self.bases)
 
     async def serve_forever(self) -> None:
         if self.server is None:
@@ -158,6 +161,26 @@ class Relay:
                                  reattach=reattach, keys=self.keys, resolve=self.resolve)
         return buf.payload, stats
 
+    async def receive_base(self, manifest: dict[str, Any], source: Source | str,
+                           reattach: Reattach | None) -> tuple[bytearray, FetchStats]:
+        """The base model's payload of a verified base manifest (``broadcast.basemodel``),
+        every chunk checked against its signed hashes; served onward once whole."""
+        store = SnapshotStore(keep=1, recycle=False)
+        buf = store.add(SnapshotBuffer(manifest))
+        stats = await fetch_into(self.ctx, store, buf.version, source,
+                                 window=self.cfg.window, timeout_s=self.cfg.timeout_s,
+                                 max_bytes=self.cfg.max_bytes, download=self.download,
+                                 reattach=reattach, keys=self.keys, resolve=self.resolve)
+        return buf.payload, stats
+
+    def hold_base(self, manifest: dict[str, Any], payload: bytes | bytearray) -> None:
+        """Serve the whole, verified base model to peers (chunk requests of form "base")."""
+        self.bases.add(SnapshotBuffer(manifest, payload))
+
+    @property
+    def holds_base(self) -> bool:
+        return self.bases.latest() is not None
+
     def base_for(self, manifest: dict[str, Any]) -> Any | None:
         """The full payload of the base of a delta, if this node holds it."""
         held = self.results.get(manifest["base_version"])
@@ -178,6 +201,7 @@ class Relay:
         """Forget every snapshot held (the learner's run changed)."""
         self.store.clear()
         self.results.clear()
+        self.bases.clear()  # another run's base manifest may differ (its chunks would not verify)
 
     def close(self) -> None:
         if self.server is not None:

@@ -247,12 +247,17 @@ def _check_encoding(manifest: dict[str, Any], version: int, size: int, result: i
 def verify_manifest(manifest: Any, public_key: bytes) -> None:
     """Refuse (SnapshotError) a manifest of the wrong shape, or not signed by this run's key."""
     check_manifest(manifest)
+    verify_manifest_signature(manifest, public_key, f"version {manifest['version']}")
+
+
+def verify_manifest_signature(manifest: dict[str, Any], public_key: bytes, what: str) -> None:
+    """Refuse a manifest (of a checked shape) not signed by this run's key."""
     try:
         Ed25519PublicKey.from_public_bytes(public_key).verify(manifest["signature"],
                                                               _signed_part(manifest))
     except (InvalidSignature, ValueError, TypeError):  # ValueError: packb past its depth limit
-        raise SnapshotError(f"manifest for version {manifest['version']} fails its Ed25519 "
-                            f"signature: not from this run's learner; refusing it") from None
+        raise SnapshotError(f"manifest for {what} fails its Ed25519 signature: not from this "
+                            f"run's learner; refusing it") from None
 
 
 def num_chunks(manifest: dict[str, Any]) -> int:

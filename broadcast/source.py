@@ -28,7 +28,8 @@ download report is then what binds (``broadcast.links``).
 Keyframes (docs/broadcast.md, "Delta snapshots"): a request with ``form`` "full" asks for a chunk
 of a version's rebuilt payload, served from ``results`` (the full payload of what this node
 installed) to a worker that lacks the base of a delta. Only complete versions are served in
-that form (nothing is parked: what is not held is refused ``unknown_version``).
+that form (nothing is parked: what is not held is refused ``unknown_version``). Form "base"
+is the same for the base model of a LoRA run, served from ``bases`` (``broadcast.basemodel``).
 """
 
 from __future__ import annotations
@@ -57,10 +58,14 @@ class ChunkServer:
                  upload: TokenBucket | None = None, park_timeout_s: float = 30.0,
                  corrupt: bool = False, authorize: Authorize | None = None,
                  max_parked_per_peer: int = 64, max_parked_total: int = 4096,
-                 requests_per_s: float = 1000.0, results: SnapshotStore | None = None):
+                 requests_per_s: float = 1000.0, results: SnapshotStore | None = None,
+                 bases: SnapshotStore | None = None):
         self.sock = sock
         self.store = store
         self.results = results
+        self.bases = bases
+        # What a request's form is served from: only complete payloads, never parked.
+        self._held = {"full": results, "base": bases}
         self.max_bytes = max_bytes
         self.upload = upload
         self.park_timeout_s = park_timeout_s
@@ -118,8 +123,8 @@ class ChunkServer:
                 log.warning("snapshot socket: refused a request from %s: %s", who, err)
             await self._reply_error(ident, 0, err.reason, err.detail)
             return
-        if msg.form == "full":
-            await self._handle_full(ident, msg, who)
+        if msg.form != "payload":
+            await self._handle_held(ident, msg, who)
             return
         buf = self.store.get(msg.version)
         if buf is not None and msg.index >= buf.total:
@@ -143,19 +148,22 @@ class ChunkServer:
             await self._reply_error(ident, msg.rid, "unknown_version",
                                     f"version {msg.version} is no longer held here")
 
-    async def _handle_full(self, ident: bytes, msg: wire.ChunkRequest, who: str) -> None:
-        buf = self.results.get(msg.version) if self.results is not None else None
+    async def _handle_held(self, ident: bytes, msg: wire.ChunkRequest, who: str) -> None:
+        """A chunk of a complete payload: a keyframe ("full") or the base model ("base")."""
+        store = self._held[msg.form]
+        buf = store.get(msg.version) if store is not None else None
+        what = "the base model" if msg.form == "base" else f"the full payload of version {msg.version}"
         if buf is None or not buf.done:
-            await self._refuse(ident, msg.rid, "unknown_version", f"the full payload of version "
-                               f"{msg.version} is not held here: ask the learner for another")
+            await self._refuse(ident, msg.rid, "unknown_version", f"{what} is not held here: "
+                               f"ask the learner for another source")
         elif msg.index >= buf.total:
-            await self._refuse(ident, msg.rid, "bad_index", f"version {msg.version} has "
-                               f"{buf.total} full chunks, asked for {msg.index}")
+            await self._refuse(ident, msg.rid, "bad_index", f"{what} has {buf.total} chunks, "
+                               f"asked for {msg.index}")
         elif self._parked_by[who] + self._queued_by[who] >= self.max_parked_per_peer:
             await self._refuse(ident, msg.rid, "too_many_requests", f"more than "
                                f"{self.max_parked_per_peer} requests waiting; keep a smaller window")
         else:
-            self._enqueue(ident, msg.rid, msg.version, msg.index, who, "full")
+            self._enqueue(ident, msg.rid, msg.version, msg.index, who, msg.form)
 
     def _parse(self, frames: list[bytes], peer: str) -> wire.ChunkRequest:
         if len(frames) != 1:
@@ -219,7 +227,7 @@ class ChunkServer:
             self._queued_by[who] -= 1
             if self._queued_by[who] <= 0:
                 del self._queued_by[who]
-            store = self.results if form == "full" else self.store
+            store = self._held[form] if form != "payload" else self.store
             buf = store.get(version) if store is not None else None
             if buf is None:
                 await self._reply_error(ident, rid, "unknown_version", f"version {version} dropped")

@@ -9,7 +9,11 @@ a second frame so they are never copied into msgpack.
 
 Worker -> learner (control socket)
   join            worker_id, price, backend, can_relay  -> join_ack | error
-  heartbeat       worker_id, version, throughput, state -> heartbeat_ack{account}
+                  join_ack.base_manifest: a LoRA run's signed base model manifest
+                  (``broadcast.basemodel``), or None
+  heartbeat       worker_id, version, throughput, state, base -> heartbeat_ack{account}
+                  base: this worker's relay holds the run's base model whole (a LoRA run;
+                  the learner may send others to fetch it there, form "base")
                   account: the learner's books on this worker (``Account``): what the
                   worker's status view shows (docs/volunteers.md)
   work_request    worker_id, max_groups, holding        -> work_grant
@@ -24,7 +28,8 @@ Worker -> learner (control socket)
   source_request  worker_id, version, bad_source, reason, form -> source_grant{source}
                   form "full": where to fetch the version's rebuilt (full) payload, a
                   keyframe: this worker lacks the base of a delta (reason "no_base") or its
-                  keyframe source failed (docs/broadcast.md, "Delta snapshots")
+                  keyframe source failed (docs/broadcast.md, "Delta snapshots"); form "base":
+                  where to fetch the base model of a LoRA run (join_ack.base_manifest)
   installed       worker_id, version, digest, down_mbit, up_mbit, decode_s, keyframe -> (none)
                   down_mbit/up_mbit: the link rates this worker *measured* for that version
                   (its fetch; its chunk server's serving), 0 = not measured. Added with
@@ -146,6 +151,9 @@ class JoinAck(Message):
     ticket: bytes = b""  # lets this worker pull from it (broadcast.tickets)
     worker_id: str = ""  # the id this session is known by (bound to the worker's key)
     reflectors: list[str] = Field(default_factory=list, max_length=2)  # "ip:port": NAT probes
+    # A LoRA run on a model folder: the signed manifest of its base model, which a worker
+    # without it fetches (chunk requests of form "base") and caches (broadcast.basemodel)
+    base_manifest: dict[str, Any] | None = None
 
 
 class Account(BaseModel):
@@ -184,6 +192,7 @@ class Heartbeat(Message):
     # yielded: the machine's owner needs it (docs/preemption.md); the learner treats the
     # worker as standby, not as gone
     state: Literal["idle", "generating", "installing", "leaving", "yielded"] = "idle"
+    base: bool = False  # this worker's relay serves the run's base model (form "base")
 
 
 class HeartbeatAck(Message):
@@ -319,7 +328,9 @@ class SourceRequest(Message):
     bad_source: str
     reason: str
     chunk: int = -1  # with reason "corrupt": the chunk that failed its hash (checked by the learner)
-    form: Literal["payload", "full"] = "payload"  # "full": a keyframe source for this version
+    # "full": a keyframe source for this version; "base": a source of the run's base model
+    # (a LoRA run, broadcast.basemodel; version 0)
+    form: Literal["payload", "full", "base"] = "payload"
 
 
 class SourceGrant(Message):
@@ -365,7 +376,8 @@ class ChunkRequest(Message):
     version: int
     index: int = Field(ge=0)
     ticket: bytes = Field(b"", max_length=512)  # broadcast.tickets: who may pull from this server
-    form: Literal["payload", "full"] = "payload"  # "full": the rebuilt payload (a keyframe)
+    # "full": the rebuilt payload (a keyframe); "base": the run's base model (broadcast.basemodel)
+    form: Literal["payload", "full", "base"] = "payload"
 
 
 class Chunk(Message):

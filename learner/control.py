@@ -148,6 +148,10 @@ class ControlPlane(Sessions, SnapshotRoutes):
         # Full payloads of the versions held (what a delta rebuilds): served as keyframes to
         # workers without the base when no peer that installed the version is left.
         self.results = SnapshotStore(keep=2, recycle=False)
+        # A LoRA run on a model folder: its base model, served to workers that lack it
+        # (``hold_base``, before ``start``; broadcast.basemodel).
+        self.bases = SnapshotStore(keep=1, recycle=False)
+        self.base_manifest: dict[str, Any] | None = None
         # (version, decode seconds, took a keyframe) per accepted install report; bounded.
         self.installs: deque[tuple[int, float, bool]] = deque(maxlen=1024)
         self.keyframe_installs = 0  # installs that needed a keyframe (the run's total)
@@ -222,7 +226,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
                                   max_parked_per_peer=sc.max_parked_per_peer,
                                   max_parked_total=sc.max_parked_total,
                                   requests_per_s=sc.peer_chunk_requests_per_s,
-                                  results=self.results)
+                                  results=self.results, bases=self.bases)
         mons = [self._handshake_monitor(ctrl), self._handshake_monitor(snap)]
         # The probe's tickets live as long as a child's: nothing in them tells the two apart.
         self.verifier = Verifier(ctx, lambda child, parent: mint(
@@ -350,6 +354,12 @@ class ControlPlane(Sessions, SnapshotRoutes):
             raise RuntimeError(f"control plane crashed: {self._error}")
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro_fn(*args), self._loop).result(timeout)
+
+    def hold_base(self, manifest: dict[str, Any], payload: bytes) -> None:
+        """Serve this run's base model (call before ``start``): its manifest goes out with
+        every join_ack, its chunks to whoever the learner sends to fetch it here."""
+        self.base_manifest = manifest
+        self.bases.add(SnapshotBuffer(manifest, payload))
 
     def publish(self, snap: Snapshot) -> None:
         """From the publisher thread: the version is stored on the loop (servable, offered in
@@ -738,6 +748,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
             return wire.HeartbeatAck(instance_id=self.instance_id, version=version, known=False)
         w.version, w.state, w.claimed_throughput = msg.version, msg.state, msg.throughput
         w.busy_s, w.busy_samples = msg.busy_s, msg.busy_samples
+        if self.coordinator is not None:
+            self.coordinator.holds_base(msg.worker_id, msg.base and self.base_manifest is not None)
         if self.controller is not None and w.member:
             self.controller.heartbeat(msg.worker_id, up=True)
             if self.controller.set_yielded(msg.worker_id, msg.state == "yielded"):

@@ -30,7 +30,7 @@ from echo.metrics import LearnerMetrics, finite_or_null
 from echo.machine import machine_info
 from echo.procs import READY_PREFIX
 from echo.security import KeyList
-from echo.models import params_to_payload
+from echo.models import TINY, params_to_payload
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_checkpoint, load_or_create_key, save_checkpoint
 from learner.auditor import Auditor
@@ -313,6 +313,7 @@ class Learner:
                                     audit=self.auditor.submit, step=lambda: self.step)
         if resume:
             self.control.restore_fleet()
+        self._hold_base()
         self.control.start()
         bc = self.cfg.broadcast
         self.publisher = Publisher(VersionEncoder(
@@ -457,6 +458,29 @@ class Learner:
             f.write(json.dumps(finite_or_null(row)[0], allow_nan=False) + "\n")
         log.info("metrics line of step %d restored from the checkpoint (t_publish unknown: 0)",
                  row["step"])
+
+    def _hold_base(self) -> None:
+        """A LoRA run on a model folder publishes that folder, signed and chunked, to workers
+        that lack it (broadcast.basemodel); the built-in tiny model is built by every worker."""
+        from broadcast.basemodel import build_base_manifest
+        from broadcast.snapshot import SnapshotError
+
+        name = self.cfg.model.name
+        if self.policy.base_hash is None or name == TINY:
+            return
+        try:
+            manifest, payload = build_base_manifest(
+                run_id=self.run_id, base_model=self.policy.base_hash,
+                folder=Path(name).expanduser(), chunk_size=self.cfg.broadcast.chunk_kib * 1024,
+                key=self.key)
+        except SnapshotError as err:  # no safetensors file, too many files
+            log.warning("base model not published to workers (%s): each worker needs it at "
+                        "model.name = %r on its own machine", err, name)
+            return
+        self.control.hold_base(manifest, payload)
+        log.info("base model %s... published for workers without it: %d files, %d bytes, "
+                 "%d chunks", self.policy.base_hash[:16], len(manifest["files"]), len(payload),
+                 len(manifest["chunk_hashes"]))
 
     # ------------------------------------------------------------------ checkpoint / publish
 

@@ -38,6 +38,7 @@ class SnapshotRoutes:
     installs: Any
     keyframe_installs: int
     rejected: Counter
+    base_manifest: dict[str, Any] | None
     unconfirmed: Counter  # reporter key -> its reports the learner's probe did not confirm
     reprobing: set  # endpoints with a re-probe in the verifier's queue
 
@@ -92,6 +93,27 @@ class SnapshotRoutes:
         return wire.SourceGrant(version=msg.version, source=src.endpoint, source_key=src.key,
                                 ticket=src.ticket)
 
+    def _base_grant(self, key: str, msg: wire.SourceRequest) -> wire.Message:
+        """A worker lacks the run's base model (or its base source failed): a peer that holds
+        it whole serves it, else the learner does; a corrupt chunk is probed as any other."""
+        assert self.coordinator is not None
+        if self.base_manifest is None:
+            return wire.Error(reason="no_base", detail="this run publishes no base model (not a "
+                              "LoRA run on a model folder): load model.name on the worker")
+        if msg.reason == "corrupt" and msg.bad_source != self.snapshot_endpoint:
+            accused = self.relay_keys.get(msg.bad_source)
+            if accused is None or not 0 <= msg.chunk < len(self.base_manifest["chunk_hashes"]) \
+                    or self.verifier is None:
+                self.rejected["unfounded_report"] += 1
+            elif not self.verifier.submit(msg.bad_source, accused, key, self.base_manifest,
+                                          msg.chunk):
+                self.rejected["verify_queue_full"] += 1
+        endpoint = self.coordinator.base_source(msg.worker_id, msg.bad_source)
+        log.info("worker %s: base model from %s (%s)", msg.worker_id, endpoint, msg.reason)
+        src = self._ticketed(msg.worker_id, endpoint)
+        return wire.SourceGrant(version=msg.version, source=src.endpoint, source_key=src.key,
+                                ticket=src.ticket)
+
     def _report_keyframe(self, key: str, msg: wire.SourceRequest) -> None:
         """A keyframe chunk that failed its hash: the learner fetches it from the accused
         itself before anyone is banned (as for the chain's chunks, ``_corrupt_report``)."""
@@ -111,6 +133,8 @@ class SnapshotRoutes:
         msg = msg.model_copy(update={"bad_source": plain(msg.bad_source)})
         if msg.form == "full":
             return self._keyframe_grant(key, msg)
+        if msg.form == "base":
+            return self._base_grant(key, msg)
         # The report is evidence even when its version was superseded meanwhile (a black hole
         # that held a child past the next publication must not escape the count).
         self._relay_report(key, msg)

@@ -145,7 +145,8 @@ class Sessions:
                             public_key=self.key.public_bytes, version=version, manifest=manifest,
                             config=self.cfg.worker_view(), snapshot_endpoint=src.endpoint,
                             snapshot_key=src.key, ticket=src.ticket, worker_id=self.sessions[key],
-                            reflectors=self.reflector.endpoints if self.reflector else [])
+                            reflectors=self.reflector.endpoints if self.reflector else [],
+                            base_manifest=self.base_manifest)
 
     def _on_nat_report(self, ident: bytes, key: str, msg: wire.NatReport) -> wire.Message:
         """Classify a worker's NAT from what the learner's own reflector saw (docs/nat.md)."""

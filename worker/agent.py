@@ -49,6 +49,7 @@ from echo.config import LoraConfig, ModelConfig
 from echo.lora import base_problem
 from echo.models import ModelError
 from worker.backends import Backend, Sample, make_backend
+from worker.base import BaseResult, mismatch, obtain_base, refuse
 from worker.snapshots import SnapshotFeed
 from worker.status import InstallProgress, StatusBoard
 from worker.unreachable import Unreachable
@@ -257,6 +258,8 @@ class Worker:
         self._work_task: asyncio.Task[None] | None = None
         self._side_tasks: set[asyncio.Future[Any]] = set()
         self.progress = InstallProgress()  # the first install's phases, shown to the volunteer
+        self.base_manifest: dict[str, Any] | None = None  # a LoRA run's base (worker.base)
+        self.base: BaseResult | None = None  # where this worker's base model came from
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -318,6 +321,9 @@ class Worker:
 
     async def _start_work(self, tg: asyncio.TaskGroup, tasks: list[asyncio.Task[Any]]) -> bool:
         """Load the model (unless told to stop meanwhile), then generate until told to stop."""
+        await self._or_stopped(self._obtain_base())
+        if self.stopping.is_set():
+            return False
         loaded = await self._or_stopped(in_daemon_thread(self._load))
         if loaded is None:
             return False
@@ -489,6 +495,7 @@ class Worker:
             self.feed.reset()
         self.run_id = ack.run_id
         self.instance_id, self.public_key, self.view = ack.instance_id, ack.public_key, ack.config
+        self.base_manifest = ack.base_manifest
         self.feed.public_key = ack.public_key
         if ack.worker_id and ack.worker_id != self.worker_id:
             self.worker_id = ack.worker_id  # this key's session already has an id: keep it
@@ -517,8 +524,15 @@ class Worker:
                                   f"{name} backend does not apply adapters yet: join with "
                                   f"--backend transformers")
             extra["lora"] = lora
-        backend = make_backend(name, model_cfg=ModelConfig(**self.view["model"]), threads=threads,
+        model = dict(self.view["model"])
+        if self.base is not None and self.base.folder is not None:
+            model["name"] = str(self.base.folder)  # the base model from the cache or a fetch
+        backend = make_backend(name, model_cfg=ModelConfig(**model), threads=threads,
                                device=self.device or wv.get("device", "auto"), **extra)
+        if self.base is not None and self.base_manifest is not None:
+            problem = mismatch(self.base_manifest, backend.base_hash, self.base)
+            if problem:
+                raise WorkerError(problem)
         adapter = load_adapter(self.view["adapter"]["name"], self.view["adapter"]["options"],
                                backend.tokenizer, check_prompts=False)  # prompts are the learner's
         # the adapter's answer set, from the run's config as the learner builds it
@@ -526,6 +540,22 @@ class Worker:
                                                      wv["max_new_tokens"],
                                                      backend.tokenizer.eos_token_id))
         return backend, adapter
+
+    async def _obtain_base(self) -> None:
+        """A LoRA run on a model folder: the base model from the cache, this machine's
+        model.name, or fetched from a peer or the learner (worker.base)."""
+        m = self.base_manifest
+        if m is None or not self.view.get("lora", {}).get("enabled"):
+            return
+        try:
+            self.base = await obtain_base(m, public_key=self.public_key, run_id=self.run_id,
+                                          model_name=self.view["model"]["name"],
+                                          relay=self.relay, ask=self._ask_source)
+        except (SnapshotError, OSError) as err:  # OSError: the cache's disk
+            raise WorkerError(refuse(err)) from None
+        log.info("%s", self.base.line(m))
+        self.status.update(base_model=m["base_model"], base_origin=self.base.origin,
+                           base_fetched_bytes=self.base.fetched_bytes)
 
     # ------------------------------------------------------------------ control traffic
 
@@ -536,7 +566,8 @@ class Worker:
             await asyncio.sleep(period)  # a period, not a wait for an event
             hb = wire.Heartbeat(worker_id=self.worker_id, version=self.installed_version,
                                 throughput=self.throughput, state=self.state,
-                                busy_s=self.busy_s, busy_samples=self.busy_samples)
+                                busy_s=self.busy_s, busy_samples=self.busy_samples,
+                                base=self.relay.holds_base)
             try:
                 ack = await self.client.request(hb, timeout)
             except RequestTimeout:
