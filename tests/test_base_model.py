@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import zmq.asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_security import zctx  # noqa: F401  (a fixture)
 
 from broadcast.basemodel import (
@@ -304,3 +306,32 @@ def test_a_run_without_a_base_refuses_base_sources(small_cfg, tokenizer, tmp_pat
         assert isinstance(reply, wire.Error) and reply.reason == "no_base"
     finally:
         plane.shutdown("test over")
+
+
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=8),
+                 st.binary(max_size=40), st.lists(st.integers(), max_size=3),
+                 st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+_FILE = st.fixed_dictionaries({"name": st.one_of(st.text(max_size=12), _ANY),
+                               "offset": st.one_of(st.integers(-5, 60_000), _ANY),
+                               "nbytes": st.one_of(st.integers(-5, 60_000), _ANY)})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(over=st.dictionaries(
+    st.sampled_from(["schema", "kind", "run_id", "version", "base_model", "files", "payload_size",
+                     "chunk_size", "chunk_hashes", "form", "signature"]),
+    st.one_of(_ANY, st.lists(_FILE, max_size=4)), max_size=3))
+def test_any_base_manifest_is_refused_or_keeps_its_files_inside_the_payload(base, over):
+    """A manifest of any shape is refused with a SnapshotError, or every file it lists is a
+    plain name inside the payload (the cache writes nothing outside its folder)."""
+    _, manifest, _ = base
+    m = {**manifest, **over}
+    try:
+        check_base_manifest(m)
+    except SnapshotError:
+        return
+    at = 0
+    for f in m["files"]:
+        assert "/" not in f["name"] and not f["name"].startswith(".") and f["offset"] == at
+        at += f["nbytes"]
+    assert at == m["payload_size"] and len(m["chunk_hashes"]) == -(-at // m["chunk_size"])
