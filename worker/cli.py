@@ -148,10 +148,6 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     if args.price < 0:
         print("echo-worker: --price must be >= 0 (USD per hour)", file=sys.stderr)
         return 2
-    if make_worker is None:  # the worker this module builds loads its model with them
-        from worker.backends import warm
-
-        warm(args.backend)  # torch and transformers load while the worker joins
     import asyncio
     import logging
     from pathlib import Path
@@ -198,6 +194,13 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     # The worker settled its id (from its key, unless --id): the file is named after it.
     board.path = (Path(args.status_file) if args.status_file else
                   st.default_status_dir() / f"{board.doc['worker_id'] or 'worker'}.json")
+    if make_worker is None:  # the worker this module builds loads its model with them
+        from worker.backends import warm
+
+        # Torch and transformers load while the worker joins: started once this thread's own
+        # imports are done, so the two do not take turns on the GIL (on a busy machine that
+        # made both slower), and this thread mostly waits on the network from here on.
+        warm(args.backend)
     try:
         with view:
             reason = asyncio.run(worker.run())
