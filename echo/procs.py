@@ -35,11 +35,12 @@ class ProcessGroup:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def start(self, name: str, argv: list[str], log_path: Path, *, pipe_stdout: bool = False,
-              env: dict[str, str] | None = None) -> subprocess.Popen:
+              env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
         log = open(log_path, "ab")
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE if pipe_stdout else log, stderr=log, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent, env={**os.environ, **(env or {})})
+            start_new_session=True, preexec_fn=_die_with_parent, env={**os.environ, **(env or {})},
+            cwd=cwd)
         log.close()
         self.procs[name] = proc
         return proc

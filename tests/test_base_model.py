@@ -73,6 +73,10 @@ def test_base_manifest_signed_and_cached_whole_by_hash(base, tmp_path):
                                                         "tokenizer.json"]
     hit = cache.lookup(manifest)
     assert hit is not None and hit[0] == folder and bytes(hit[1]) == payload
+    # a new run on the same base (another key, run id and chunk size) finds it too
+    again, _ = build_base_manifest(run_id="r2", base_model=HASH, folder=tmp_path / "smol",
+                                   chunk_size=CHUNK * 3, key=RunKey.generate())
+    assert cache.lookup(again)[0] == folder
     # A damaged cache is no hit: it is removed, and the worker fetches again.
     blob = folder / "model.safetensors"
     data = bytearray(blob.read_bytes())
