@@ -129,6 +129,7 @@ class Coordinator:
         gone = self.peers.pop(worker_id, None)
         if gone is not None:
             self.keyframes_served.pop(gone.endpoint, None)
+            self.base_failed.discard(gone.endpoint)  # bounded by the live peers
             if self._by_endpoint.get(gone.endpoint) == worker_id:
                 del self._by_endpoint[gone.endpoint]
         self.reports.forget(worker_id, gone.endpoint if gone is not None else "")
