@@ -74,20 +74,21 @@ def folder_files(folder: Path) -> list[Path]:
 
 
 def build_base_manifest(*, run_id: str, base_model: str, folder: Path, chunk_size: int,
-                        key: RunKey) -> tuple[dict[str, Any], bytes]:
+                        key: RunKey) -> tuple[dict[str, Any], bytearray]:
     """The signed manifest of ``folder`` (a base model whose content hash is ``base_model``)
     and its payload, the files concatenated in name order."""
-    entries, parts, offset = [], [], 0
+    entries, offset = [], 0
     for path in folder_files(folder):
-        data = path.read_bytes()
-        entries.append({"name": path.name, "offset": offset, "nbytes": len(data)})
-        parts.append(data)
-        offset += len(data)
-    payload = b"".join(parts)
+        size = path.stat().st_size
+        entries.append({"name": path.name, "offset": offset, "nbytes": size})
+        offset += size
     manifest = {"schema": SCHEMA, "kind": KIND, "run_id": run_id, "version": VERSION,
-                "base_model": base_model, "files": entries, "payload_size": len(payload),
-                "chunk_size": chunk_size, "chunk_hashes": chunk_hashes(payload, chunk_size),
-                "form": KIND}
+                "base_model": base_model, "files": entries, "payload_size": offset,
+                "chunk_size": chunk_size, "form": KIND}
+    payload = pack(folder, manifest)  # read once into one buffer (no second copy)
+    if payload is None:
+        raise SnapshotError(f"{folder} changed while it was being read")
+    manifest["chunk_hashes"] = chunk_hashes(payload, chunk_size)
     manifest["signature"] = key.sign(_signed_part(manifest))
     return manifest, payload
 

@@ -174,8 +174,10 @@ class Relay:
         return buf.payload, stats
 
     def hold_base(self, manifest: dict[str, Any], payload: bytes | bytearray) -> None:
-        """Serve the whole, verified base model to peers (chunk requests of form "base")."""
-        self.bases.add(SnapshotBuffer(manifest, payload))
+        """Serve the whole, verified base model to peers (chunk requests of form "base");
+        a relay that serves nobody (behind NAT) keeps no copy."""
+        if self.server is not None:
+            self.bases.add(SnapshotBuffer(manifest, payload))
 
     @property
     def holds_base(self) -> bool:

@@ -355,7 +355,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro_fn(*args), self._loop).result(timeout)
 
-    def hold_base(self, manifest: dict[str, Any], payload: bytes) -> None:
+    def hold_base(self, manifest: dict[str, Any], payload: bytes | bytearray) -> None:
         """Serve this run's base model (call before ``start``): its manifest goes out with
         every join_ack, its chunks to whoever the learner sends to fetch it here."""
         self.base_manifest = manifest

@@ -30,7 +30,6 @@ from typing import Any
 from broadcast.basemodel import BaseCache, verify_base_manifest
 from broadcast.fetch import SourceFailed
 from broadcast.relay import Relay
-from broadcast.snapshot import SnapshotError
 from broadcast.tickets import Source
 
 log = logging.getLogger("echo.worker")
