@@ -23,13 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import zmq.asyncio  # noqa: E402
+import zmq.asyncio
 
-from broadcast.basemodel import BaseCache, build_base_manifest  # noqa: E402
-from broadcast.relay import Relay, RelayConfig  # noqa: E402
-from broadcast.snapshot import RunKey  # noqa: E402
-from broadcast.tickets import Source  # noqa: E402
-from worker.base import obtain_base  # noqa: E402
+from broadcast.basemodel import BaseCache, build_base_manifest
+from broadcast.relay import Relay, RelayConfig
+from broadcast.snapshot import RunKey
+from broadcast.tickets import Source
+from worker.base import obtain_base
 
 
 async def one_run(folder: Path, chunk_kib: int, tmp: Path) -> dict:
