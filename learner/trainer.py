@@ -146,6 +146,7 @@ class Trainer:
         self.model.train()
         self.nonfinite_rows = []
         batch, extra = self.prepare(batch)
+        extra["entropy_est"] = sampled_entropy(batch.behaviour_logprobs, batch.loss_mask)
         order = torch.randperm(batch.input_ids.shape[0], generator=self.generator)
         minibatches = order.chunk(self.cfg.updates_per_step)
         shards = [self.par.shard(mb) for mb in minibatches]
@@ -238,6 +239,14 @@ class Trainer:
     def logprobs(self, model: Any, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:
         return token_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
                               batch.loss_mask[rows], self.temperature, self.answer_tokens)
+
+
+def sampled_entropy(behaviour_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean negative log-prob of the sampled tokens under the policy that sampled them: an
+    unbiased estimate of the sampling distribution's per-token entropy (nats), free since the
+    workers send the log-probs. A collapse toward 0 means the policy stopped exploring."""
+    m = mask.to(behaviour_logp.dtype)
+    return float(-(behaviour_logp * m).sum() / m.sum().clamp(min=1))
 
 
 def loss_config(cfg: LearnerConfig, max_new_tokens: int = 0) -> LossConfig:
