@@ -303,10 +303,12 @@ def ban_phase(fleet: Fleet, sampler: Sampler) -> dict[str, Any]:
 
 
 def relay_phase(fleet: Fleet, sampler: Sampler, kind: str, token: str,
-                seconds: float = 90.0) -> dict[str, Any]:
+                seconds: float = 240.0) -> dict[str, Any]:
     """A third worker whose relay is hostile (``benchmarks/drill_relays.py``): its id sorts
     first, so the chain planner gives it a child; the phase lasts until the learner's counts
-    show the child's report handled (or ``seconds``)."""
+    show the child's report handled (or ``seconds``: the worker's start, a publication that
+    places it, the child's fetch timeout and the report took over 90 s on a loaded 2-core
+    machine, and the phase ended before anything was reported).
     import drill_relays
 
     url = fleet.info["metrics"]
