@@ -308,7 +308,7 @@ def relay_phase(fleet: Fleet, sampler: Sampler, kind: str, token: str,
     first, so the chain planner gives it a child; the phase lasts until the learner's counts
     show the child's report handled (or ``seconds``: the worker's start, a publication that
     places it, the child's fetch timeout and the report took over 90 s on a loaded 2-core
-    machine, and the phase ended before anything was reported).
+    machine, and the phase ended before anything was reported)."""
     import drill_relays
 
     url = fleet.info["metrics"]
