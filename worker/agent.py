@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -57,6 +58,7 @@ from echo.client import Client, RequestTimeout
 from echo.security import JoinLine, KeyPair, fingerprint
 
 log = logging.getLogger("echo.worker")
+DEFAULT_SWITCH_S = sys.getswitchinterval()
 
 BOOT_MAX_BYTES = 64 * 2**20  # frame limit before the learner's config arrives
 MAX_GRANT_SCALE = 8  # at most this many times worker.groups_per_request in one grant
@@ -65,6 +67,11 @@ PREFETCH_SHARE = 0.1  # prefetch work when a grant's round trip exceeds this sha
 # STOP_S; the last LEAVE_S of it is kept for the goodbye, so the process is gone within 5 s.
 STOP_S = 4.0
 LEAVE_S = 1.0
+# GIL switch intervals (Python's default: 5 ms). While the model's libraries import on another
+# thread, this loop (heartbeats, relaying, a stop) gets the GIL back within LOAD_SWITCH_S;
+# once stopping during the load, within STOP_SWITCH_S. The default returns after the load.
+LOAD_SWITCH_S = 1e-3
+STOP_SWITCH_S = 1e-4
 # Refusals of a batch that say nothing about the batch itself: keep it and send it again.
 RETRY_REASONS = {"not_joined", "rate_limited", "internal_error"}
 JOIN_RETRY_REASONS = {"rate_limited", "learner_full"}
@@ -264,6 +271,7 @@ class Worker:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> str:
+        sys.setswitchinterval(LOAD_SWITCH_S)  # until the model is loaded (see LOAD_SWITCH_S)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop, f"signal {sig.name}")
@@ -307,6 +315,7 @@ class Worker:
                 for t in tasks + list(self._side_tasks):
                     t.cancel()
         finally:
+            sys.setswitchinterval(DEFAULT_SWITCH_S)
             self.status.update(activity="stopped", exit=self.exit_reason or "error",
                            **({"tokens_sampled": self.backend.tokens_sampled} if self.backend else {}))
             self.status.flush(force=True)
@@ -328,6 +337,7 @@ class Worker:
         if loaded is None:
             return False
         self.backend, self.adapter = loaded
+        sys.setswitchinterval(DEFAULT_SWITCH_S)
         self.progress.loaded()
         # The model and its libraries live as long as the process: out of the
         # collector's full passes, which would stall heartbeats and relaying. No collection
@@ -432,6 +442,11 @@ class Worker:
             log.info("worker %s stopping: %s", self.worker_id, reason)
             self.exit_reason = reason
             self._stop_at = time.monotonic()
+            if self.backend is None:
+                # The model's libraries may still be importing on another thread, which keeps
+                # the GIL for the interpreter's switch interval (5 ms) at a time: every blocking
+                # call on the way out waited that long to get it back (5 s in all, measured).
+                sys.setswitchinterval(STOP_SWITCH_S)
             if self.migrate and reason.startswith(("signal", "preemption")):
                 self.cut.set()  # preempted: what is being generated goes back as prefixes
             self.stopping.set()

@@ -216,9 +216,13 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
         _summary(console, board)
         for e in errors:
             print(f"echo-worker: {e}", file=sys.stderr)
+        if _loading():
+            _leave_now(1)
         return 1
     logging.getLogger("echo.worker").info("exited: %s", reason or "done")
     _summary(console, board)
+    if _loading():
+        _leave_now(0)
     return 0
 
 
@@ -256,6 +260,27 @@ def _doctor(args: argparse.Namespace) -> int:
     checks = asyncio.run(diagnose(line, keys if line.server_key else None, args.relay_host,
                                   relay_port, punch))
     return show(checks)
+
+
+def _loading() -> bool:
+    """A stop came while the model's libraries were still loading (worker.agent's threads)."""
+    import threading
+
+    return any(t.name in ("echo-load", "echo-warm") and t.is_alive()
+               for t in threading.enumerate())
+
+
+def _leave_now(code: int) -> None:
+    """Exit without unwinding a half-imported torch: the interpreter's teardown of it, beside
+    a thread still importing, took seconds of a stop that must end within 5 (issue 30). The
+    status file is written and the summary printed by now; the logs and streams are flushed."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _summary(console: Any, board: Any) -> None:
