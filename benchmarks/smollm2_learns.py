@@ -18,6 +18,7 @@ the ``echo-rl eval --compare untrained --json`` output of each run. Writes:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -58,7 +59,7 @@ def summarise(name: str, run: Path) -> dict:
     rk = reward_key(rows)
     rew = [r[rk] for r in rows if r.get(rk) is not None]
     sent = [r.get("learner_bytes_sent") for r in rows]
-    per_version = [b - a for a, b in zip(sent, sent[1:]) if a is not None and b is not None and b > a]
+    per_version = [b - a for a, b in itertools.pairwise(sent) if a is not None and b is not None and b > a]
     enc: dict[str, list[int]] = {}
     for r in rows:
         if r.get("publish_bytes"):
