@@ -37,40 +37,36 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 KINDS = ("black_hole", "selective_relay")
 
 
-class _HostileOutbox(asyncio.Queue):
-    """The relay's outgoing chunk queue, hostile: ``black_hole`` never hands an item to the
-    sender; ``selective_relay`` switches the server's corruption on per item."""
-
-    def __init__(self, server: Any, kind: str):
-        super().__init__()
-        self.server, self.kind = server, kind
-        self.first: dict[tuple[str, int], int] = {}  # (requester, version) -> first index asked
-
-    def put_nowait(self, item: Any) -> None:
-        _ident, _rid, version, index, who, _t, _form = item
-        self.first.setdefault((who, version), index)
-        super().put_nowait(item)
-
-    async def get(self) -> Any:
-        if self.kind == "black_hole":
-            await asyncio.Event().wait()  # never
-        item = await super().get()
-        _ident, _rid, version, index, who, _t, _form = item
-        self.server.corrupt = self.first.get((who, version)) == 0 and index >= 1
-        return item
-
-
 def _install_hostile_relay(kind: str) -> None:
-    """Every ChunkServer this process builds (the worker's relay) gets the hostile outbox."""
+    """Every ChunkServer this process builds (the worker's relay) turns hostile, at the two
+    points where a reply is queued and taken to be sent (``_enqueue``, ``_next_reply``): the
+    server's own request checks, tickets and limits stay as they are. ``black_hole`` never
+    takes a reply; ``selective_relay`` switches the server's corruption on for every reply to
+    a requester whose first request of that version was chunk 0, from chunk 1 on.
+
+    (It used to swap the server's outbox for a hostile queue. When the server began keeping
+    one queue per peer, that swap made it crash on its first request: the relay read as
+    unreachable and the drill's selective relay never corrupted anything.)"""
     from broadcast.source import ChunkServer
 
-    init = ChunkServer.__init__
+    enqueue, next_reply = ChunkServer._enqueue, ChunkServer._next_reply
+    first: dict[tuple[int, str, int], int] = {}  # (server, requester, version) -> first index
 
-    def hostile_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        self._outbox = _HostileOutbox(self, kind)
+    def hostile_enqueue(self: Any, ident: bytes, rid: int, version: int, index: int, who: str,
+                        form: str = "payload") -> None:
+        first.setdefault((id(self), who, version), index)
+        enqueue(self, ident, rid, version, index, who, form)
 
-    ChunkServer.__init__ = hostile_init  # type: ignore[method-assign]
+    async def hostile_next_reply(self: Any) -> Any:
+        if kind == "black_hole":
+            await asyncio.Event().wait()  # never
+        item = await next_reply(self)
+        _ident, _rid, version, index, who, _t, _form = item
+        self.corrupt = first.get((id(self), who, version)) == 0 and index >= 1
+        return item
+
+    ChunkServer._enqueue = hostile_enqueue  # type: ignore[method-assign]
+    ChunkServer._next_reply = hostile_next_reply  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> int:
