@@ -26,7 +26,6 @@ import gc
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path

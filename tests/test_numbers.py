@@ -13,7 +13,6 @@ import math
 import struct
 import zlib
 from dataclasses import asdict
-from pathlib import Path
 
 import lz4.frame
 import msgpack

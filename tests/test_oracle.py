@@ -41,7 +41,6 @@ TRL's own ``_generate_and_score_completions`` computing the weights, advantages 
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 

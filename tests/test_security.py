@@ -18,7 +18,7 @@ import zmq.utils.monitor
 from broadcast.relay import Relay, RelayConfig
 from broadcast.snapshot import RunKey, Snapshot, build_manifest
 from broadcast.store import SnapshotBuffer
-from broadcast.tickets import Source, TicketCheck, mint
+from broadcast.tickets import TicketCheck, mint
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits
 from echo import wire
