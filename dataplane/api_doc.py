@@ -14,15 +14,13 @@ method or function has no docstring.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import sys
 import types
-from pathlib import Path
 from typing import Any
 
-from echo.config_doc import field_notes
+from echo.config_doc import field_notes, page_cli
 
 MODULES = ("dataplane.adapter", "dataplane.episodes", "dataplane.multiturn")
 # Public names that are not part of what an adapter author uses (the worker's and learner's
@@ -242,19 +240,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Print docs/adapter_api.md from the adapter API's code.")
-    p.add_argument("--check", type=Path, default=None, metavar="FILE",
-                   help="exit 1 if FILE differs from what would be generated")
-    args = p.parse_args(argv)
-    text = render()
-    if args.check is not None:
-        if args.check.read_text() != text:
-            print(f"{args.check} is out of date: run python -m dataplane.api_doc > {args.check}",
-                  file=sys.stderr)
-            return 1
-        return 0
-    sys.stdout.write(text)
-    return 0
+    return page_cli(argv, render, "Print docs/adapter_api.md from the adapter API's code.",
+                    "dataplane.api_doc")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import tokenize
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -167,20 +167,26 @@ def _sections(name: str, cls: type[BaseModel]) -> list[str]:
     return parts
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Print docs/config.md from echo/config.py.")
+def page_cli(argv: list[str] | None, render: Callable[[], str], description: str, module: str) -> int:
+    """A generated page's command line: print it, or ``--check FILE`` against it (exit 1 and
+    the command that regenerates it when they differ). Shared by every generated page."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--check", type=Path, default=None, metavar="FILE",
                    help="exit 1 if FILE differs from what would be generated")
     args = p.parse_args(argv)
     text = render()
     if args.check is not None:
         if args.check.read_text() != text:
-            print(f"{args.check} is out of date: run python -m echo.config_doc > {args.check}",
+            print(f"{args.check} is out of date: run python -m {module} > {args.check}",
                   file=sys.stderr)
             return 1
         return 0
     sys.stdout.write(text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return page_cli(argv, render, "Print docs/config.md from echo/config.py.", "echo.config_doc")
 
 
 if __name__ == "__main__":
