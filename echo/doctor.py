@@ -47,14 +47,9 @@ def tcp_greeting(host: str, port: int, timeout: float = TIMEOUT_S) -> str:
     ZeroMQ peer), ``refused`` (nobody listens), ``timeout`` (no answer to the connection: a
     firewall dropping it, or no such host), ``silent`` (accepted, said nothing), ``other`` (it
     speaks, but not ZeroMQ), or ``error: ...``."""
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except ConnectionRefusedError:
-        return "refused"
-    except TimeoutError:
-        return "timeout"
-    except OSError as exc:
-        return f"error: {exc.strerror or exc}"
+    sock = _connect(host, port, timeout)
+    if isinstance(sock, str):
+        return sock
     with sock:
         sock.settimeout(timeout)
         try:
@@ -68,17 +63,25 @@ def tcp_greeting(host: str, port: int, timeout: float = TIMEOUT_S) -> str:
     return "silent" if not head else "other"
 
 
-def tcp_open(host: str, port: int, timeout: float = TIMEOUT_S) -> str:
-    """``open``, ``refused``, ``timeout`` or ``error: ...``: only whether a connection opens."""
+def _connect(host: str, port: int, timeout: float) -> socket.socket | str:
+    """A connected socket, or why none: ``refused``, ``timeout`` or ``error: ...``."""
     try:
-        socket.create_connection((host, port), timeout=timeout).close()
-        return "open"
+        return socket.create_connection((host, port), timeout=timeout)
     except ConnectionRefusedError:
         return "refused"
     except TimeoutError:
         return "timeout"
     except OSError as exc:
         return f"error: {exc.strerror or exc}"
+
+
+def tcp_open(host: str, port: int, timeout: float = TIMEOUT_S) -> str:
+    """``open``, ``refused``, ``timeout`` or ``error: ...``: only whether a connection opens."""
+    sock = _connect(host, port, timeout)
+    if isinstance(sock, str):
+        return sock
+    sock.close()
+    return "open"
 
 
 def port_words(found: str, host: str, port: int, what: str) -> tuple[str, str]:

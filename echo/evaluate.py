@@ -125,16 +125,17 @@ def eval_prompts(adapter: Any, split: str, n: int, seed: int,
     if split in ("auto", "heldout"):
         stream = adapter.heldout_prompts(rng)
         if stream is not None:
-            return _take(stream, n), "heldout"
+            return take(stream, n), "heldout"
         if split == "heldout":
             raise EvalError(f"adapter {name or type(adapter).__name__!r} declares no "
                             f"held-out split with this run's options (docs/adapters.md, "
                             f"'Held-out split': toy-add takes heldout = K, math heldout_path); "
                             f"pass --split train to score training prompts")
-    return _take(adapter.prompts(rng), n), "train"
+    return take(adapter.prompts(rng), n), "train"
 
 
-def _take(it: Any, n: int) -> list[Any]:
+def take(it: Any, n: int) -> list[Any]:
+    """The first ``n`` items of ``it`` (shared with ``echo-rl sample``)."""
     out = []
     for p in it:
         out.append(p)

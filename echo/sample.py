@@ -34,7 +34,7 @@ def sample(run_dir: Path, n: int = 5, samples: int = 2, temperature: float | Non
     checkpoint or adapter."""
     from dataplane.adapter import load_adapter
     from dataplane.answers import check_answer_tokens
-    from echo.evaluate import install_policy, load_backend, resolve_policy, run_config
+    from echo.evaluate import install_policy, load_backend, resolve_policy, run_config, take
 
     cfg = run_config(run_dir)
     policy = resolve_policy(run_dir, checkpoint)
@@ -46,7 +46,7 @@ def sample(run_dir: Path, n: int = 5, samples: int = 2, temperature: float | Non
                                                  max_new, tok.eos_token_id))
     install_policy(backend, policy, backend.model.state_dict())
     temp = cfg.worker.temperature if temperature is None else temperature
-    prompts = _take(adapter.prompts(random.Random(seed)), n)
+    prompts = take(adapter.prompts(random.Random(seed)), n)
     from echo import wire
 
     groups = [wire.Group(group_id=f"sample-{i}", prompt_ids=p.prompt_ids, n=samples,
@@ -60,15 +60,6 @@ def sample(run_dir: Path, n: int = 5, samples: int = 2, temperature: float | Non
         close = getattr(adapter, "close", None)
         if callable(close):
             close()
-
-
-def _take(it: Any, n: int) -> list[Any]:
-    out = []
-    for p in it:
-        out.append(p)
-        if len(out) == n:
-            break
-    return out
 
 
 def _completions(adapter: Any, backend: Any, groups: list[Any], max_new: int,
