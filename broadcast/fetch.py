@@ -140,7 +140,8 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
                 address: str, window: int, timeout_s: float, max_bytes: int, download: TokenBucket | None,
                 stats: FetchStats, keys: KeyPair | None, attempt: dict | None = None) -> None:
     buf = store.get(version)
-    assert buf is not None
+    if buf is None:  # dropped meanwhile (a restarted learner's versions are forgotten): no fetch
+        raise SnapshotError(f"version {version} was dropped while it was being fetched")
     todo = iter(buf.missing())
     source = src.endpoint
     sock = ctx.socket(zmq.DEALER)
