@@ -42,6 +42,7 @@ class ProcessGroup:
             start_new_session=True, preexec_fn=_die_with_parent, env={**os.environ, **(env or {})},
             cwd=cwd)
         log.close()
+        proc.echo_log = log_path  # type: ignore[attr-defined]  # wait_ready quotes it on failure
         self.procs[name] = proc
         return proc
 
@@ -85,9 +86,19 @@ def wait_ready(proc: subprocess.Popen, timeout: float) -> str:
             break
         chunk = os.read(proc.stdout.fileno(), 4096)
         if not chunk:
-            raise RuntimeError(f"learner exited (code {proc.wait()}) before it was ready; see its log")
+            raise RuntimeError(f"learner exited (code {proc.wait()}) before it was ready"
+                               + _log_tail(proc))
         buf += chunk
         for line in buf.decode(errors="replace").splitlines():
             if line.startswith(READY_PREFIX):
                 return line[len(READY_PREFIX):].strip()
-    raise RuntimeError(f"learner not ready within {timeout}s")
+    raise RuntimeError(f"learner not ready within {timeout}s" + _log_tail(proc))
+
+
+def _log_tail(proc: subprocess.Popen, chars: int = 3000) -> str:
+    """The end of a process's log (ProcessGroup.start's), so a failure says why, not 'see its log'
+    after the log's temporary folder is gone."""
+    path = getattr(proc, "echo_log", None)
+    if path is None or not Path(path).exists():
+        return "; see its log"
+    return f"; the end of {path}:\n" + Path(path).read_text(errors="replace")[-chars:]

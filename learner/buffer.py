@@ -59,6 +59,13 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ admission (control)
 
+    def stats_copy(self) -> BufferStats:
+        """The counters as of now, for another thread (a checkpoint pickles them while the
+        control loop admits)."""
+        with self._cond:
+            st = self.stats
+            return BufferStats(st.admitted, st.duplicates, st.dropped_stale, Counter(st.rejected))
+
     def is_done(self, group_id: str) -> bool:
         with self._cond:
             return group_id in self._done

@@ -392,6 +392,17 @@ class ControlPlane(Sessions, SnapshotRoutes):
                         LOOP_WAIT_S)
         return {**self._last_stats, "slow": dict(self.slow)}
 
+    def work_state(self, prompt_rng: Any) -> tuple[dict[str, Any], Any]:
+        """The work queue's leases and the prompt generator's state, for a checkpoint, read on
+        the loop that grants work: read from the trainer's thread, a grant meanwhile changed
+        the leases under it ("dictionary changed size during iteration" ended a run)."""
+        if self._loop is None or not self._thread.is_alive():
+            return self.work.state(), prompt_rng.getstate()  # no loop: nobody else touches them
+        return self._call(self._work_state, prompt_rng, timeout=LOOP_WAIT_S)
+
+    async def _work_state(self, prompt_rng: Any) -> tuple[dict[str, Any], Any]:
+        return self.work.state(), prompt_rng.getstate()
+
     def relay_tree(self) -> RelayTree:
         """The current version's relay tree (``echo.tree``), built on the loop, from any thread:
         the dashboard reads it at each poll. TimeoutError after ``TREE_WAIT_S`` of a busy loop."""

@@ -485,10 +485,11 @@ class Learner:
     # ------------------------------------------------------------------ checkpoint / publish
 
     def _checkpoint(self, full: FullState, row: dict[str, Any] | None = None) -> None:
+        work, prompt_rng = self.control.work_state(self.prompt_rng)
         save_checkpoint(self.run_dir, self.step - 1, {
             "step": self.step - 1, "model": full[0], "optimizer": full[1], "row": row,
-            **self.policy.rng_state(), "prompt_rng": self.prompt_rng.getstate(),
-            "work": self.work.state(), "buffer_stats": self.buffer.stats, "totals": self.totals,
+            **self.policy.rng_state(), "prompt_rng": prompt_rng,
+            "work": work, "buffer_stats": self.buffer.stats_copy(), "totals": self.totals,
             "wall_s": time.monotonic() - self.totals.started,
         })
         # Everything consumed so far is now inside the checkpoint: the log keeps only the

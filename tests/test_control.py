@@ -331,3 +331,21 @@ def test_a_cancelled_waiter_does_not_kill_the_log_writer(tmp_path):
     log.consumed(1, ["g2"]).result(timeout=10)
     log.close()
     assert {r.group_id for r in read_log(tmp_path / "buffer.log")[0]} == {"g1", "g2"}
+
+
+def test_a_checkpoint_reads_the_leases_on_the_loop_that_grants_them(plane, client):
+    """The trainer's checkpoint takes the work queue's leases through the control loop: read
+    from the trainer's thread, a grant meanwhile changed the dict under it and ended a run."""
+    import threading
+
+    ask(client, wire.Join(worker_id="w1", price=0.1))
+    grant = ask(client, wire.WorkRequest(worker_id="w1", max_groups=1))
+    assert isinstance(grant, wire.WorkGrant) and grant.groups
+    seen: list[str] = []
+    real = plane.work.state
+    plane.work.state = lambda: seen.append(threading.current_thread().name) or real()
+    rng = random.Random(7)
+    work, rng_state = plane.work_state(rng)
+    assert seen == [plane._thread.name] and seen[0] != threading.current_thread().name
+    assert [g["group_id"] for g in work["issued"]] == [g.group_id for g in grant.groups]
+    assert rng_state == random.Random(7).getstate()

@@ -27,6 +27,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def fix_learner_port(cfg: EchoConfig) -> int:
+    """A fixed learner.port (workers find a restarted learner there) with every other learner
+    socket on a port the OS picks: the ports after a free port (chunks, reflector, dashboard
+    at +1..+4, docs/ports.md) may belong to any process's connection meanwhile."""
+    cfg.learner.port = free_port()
+    cfg.learner.chunk_port, cfg.learner.reflector_ports, cfg.metrics.port = 0, [0, 0], 0
+    return cfg.learner.port
+
+
 class Cluster:
     def __init__(self, tmp: Path, cfg: EchoConfig):
         self.tmp, self.cfg, self.group = tmp, cfg, ProcessGroup()
@@ -163,8 +172,7 @@ def test_worker_leaves_cleanly_on_sigterm(cluster):
 
 
 def test_worker_survives_learner_restart(cluster):
-    port = free_port()
-    cluster.cfg.learner.port = port
+    fix_learner_port(cluster.cfg)
     first = cluster.learner("learner-a", max_steps=1000)
     cluster.worker("w0")
     wait_rows(first, 1)
@@ -208,7 +216,7 @@ def test_sigkill_learner_and_resume_loses_nothing_acknowledged(cluster):
     from learner.audit import audit_run
     from learner.checkpoint import load_checkpoint
 
-    cluster.cfg.learner.port = free_port()
+    fix_learner_port(cluster.cfg)
     cluster.cfg.learner.staleness = 4  # kappa = 3: steps after a checkpoint are lost and redone
     run = cluster.learner("first", max_steps=10_000)
     workers = ["w0", "w1"]

@@ -68,7 +68,8 @@ def wait_installs(log: Path, n: int, timeout: float = 120) -> set[int]:
         if len(versions) >= n:
             return versions
         time.sleep(0.2)
-    raise AssertionError(f"{log.name}: fewer than {n} installed versions within {timeout}s")
+    raise AssertionError(f"{log.name}: fewer than {n} installed versions within {timeout}s; "
+                         f"its log ends:\n{text[-3000:]}")
 
 
 def test_a_lora_run_resumes_from_its_adapter_checkpoint(cluster):

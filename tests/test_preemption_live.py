@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from echo.procs import python_argv
-from test_integration import Cluster, free_port, rows, wait_rows
+from test_integration import Cluster, fix_learner_port, rows, wait_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture
 def cluster(tmp_path, small_cfg):
-    small_cfg.learner.port = free_port()
+    fix_learner_port(small_cfg)
     c = Cluster(tmp_path, small_cfg)
     yield c
     c.group.stop_all()
