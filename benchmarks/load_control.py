@@ -60,6 +60,8 @@ class Synthetic:
         self.client = Client(ctx, line.endpoint, 16 << 20, keys=keys or KeyPair.generate(),
                              server_key=line.server_key)
         self.version, self.rtts, self.acked, self.batches = 0, [], 0, 0
+        self.ledger: list[dict[str, Any]] = []  # per acknowledged batch: the keys stored
+        self.periods: list[float] = []  # heartbeat periods the learner asked for
         self.rng = random.Random(wid)
 
     async def run(self, until: float) -> None:
@@ -67,7 +69,7 @@ class Synthetic:
 
         async with asyncio.TaskGroup() as tg:
             recv = tg.create_task(self.client.receive_forever())
-            ack = await self.client.request(wire.Join(worker_id=self.wid, price=self.price), 60)
+            ack = await self._join()
             if not isinstance(ack, wire.JoinAck):
                 raise RuntimeError(f"{self.wid}: join refused: {ack}")
             self.wid, self.version = ack.worker_id or self.wid, max(ack.version, 0)
@@ -78,6 +80,20 @@ class Synthetic:
             tasks[1].cancel()
             await self.client.send(wire.Leave(worker_id=self.wid))  # its leases go back at once
             recv.cancel()
+
+    async def _join(self) -> Any:
+        """Join, retrying a handshake that failed while many connect at once, as a real
+        worker does (echo.client: a failure is final only after WRONG_KEY_AFTER in a row)."""
+        from echo import wire
+        from echo.client import ConnectionLost
+
+        for attempt in range(10):
+            try:
+                return await self.client.request(wire.Join(worker_id=self.wid, price=self.price), 60)
+            except ConnectionLost:
+                if not self.client.retryable or attempt == 9:
+                    raise
+                await asyncio.sleep(0.5 * (attempt + 1))
 
     async def _heartbeats(self, period: float, until: float) -> None:
         from echo import wire
@@ -90,6 +106,8 @@ class Synthetic:
             self.rtts.append(time.monotonic() - t0)
             if isinstance(reply, wire.HeartbeatAck):
                 self.version = max(self.version, reply.version)
+                period = reply.heartbeat_s or period  # as a real worker: the learner's period
+                self.periods.append(period)
 
     async def _notices(self) -> None:
         from echo import wire
@@ -118,6 +136,10 @@ class Synthetic:
                 self.batches += 1
                 if isinstance(reply, wire.Ack):
                     self.acked += reply.accepted
+                    not_stored = set(reply.rejected_idx)
+                    self.ledger.append({"batch_id": f"{self.wid}-{self.batches - 1}", "stored": [
+                        [r["group_id"], r["sample_idx"]] for i, r in enumerate(recs)
+                        if i not in not_stored]})
 
     def _record(self, g: Any, i: int) -> dict[str, Any]:
         ids = [self.rng.randrange(4, self.vocab) for _ in range(2)]
@@ -152,63 +174,118 @@ async def swarm(args: argparse.Namespace) -> dict[str, Any]:
         for w in workers:
             w.client.close()
         ctx.term()
+    # the swarm's ledger, as a real worker's --ledger (learner.audit reads it)
+    args.out.with_suffix(".ledger").write_text(
+        "".join(json.dumps(row) + "\n" for w in workers for row in w.ledger))
     return {"rtts": [r for w in workers for r in w.rtts], "acked": sum(w.acked for w in workers),
+            "period_max": max((p for w in workers for p in w.periods), default=0.0),
             "batches": sum(w.batches for w in workers)}
 
 
 # ----------------------------------------------------------------------------- driver
 
 
+def pinned(argv: list[str], cpus: str | None) -> list[str]:
+    """``argv`` confined to ``cpus`` (taskset), so the learner's figures do not include the
+    swarm's: the learner gets its core, the swarm the rest."""
+    return ["taskset", "-c", cpus, *argv] if cpus else argv
+
+
+def cpu_split() -> tuple[str | None, str | None]:
+    """(learner's CPUs, swarm's CPUs): CPU 0 for the learner, the others for the swarm; no
+    split on one CPU or without taskset."""
+    import shutil
+
+    n = os.cpu_count() or 1
+    if n < 2 or shutil.which("taskset") is None:
+        return None, None
+    return "0", f"1-{n - 1}"
+
+
 def run_once(workers: int, per_process: int, seconds: float, group_s: float,
-             fsync_delay_ms: float, tmp: Path, group_commit: bool = True) -> dict[str, Any]:
+             fsync_delay_ms: float, tmp: Path, group_commit: bool = True,
+             pin: bool = True, heartbeat_s: float | None = None) -> dict[str, Any]:
     from echo.config import dump_toml, load_config
     from echo.procs import ProcessGroup, python_argv, wait_ready
 
+    extra = [f"worker.heartbeat_s={heartbeat_s}"] if heartbeat_s else []
     cfg = load_config(ROOT / "examples/quickstart.toml",
-                      OVERRIDES + [f"learner.fsync_delay_s={fsync_delay_ms / 1000}",
-                                   f"learner.group_commit={str(group_commit).lower()}"])
-    tag = f"{fsync_delay_ms:g}ms-{'group' if group_commit else 'sync'}"
+                      OVERRIDES + extra + [f"learner.fsync_delay_s={fsync_delay_ms / 1000}",
+                                           f"learner.group_commit={str(group_commit).lower()}"])
+    tag = f"{workers}w-{fsync_delay_ms:g}ms-{'group' if group_commit else 'sync'}"
     run = tmp / f"run-{tag}"
     conf = tmp / f"cfg-{tag}.toml"
     conf.write_text(dump_toml(cfg))
+    learner_cpus, swarm_cpus = cpu_split() if pin else (None, None)
     group = ProcessGroup()
     try:
-        learner = group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir",
-                                                     str(run)), tmp / "learner.err", pipe_stdout=True)
+        learner = group.start("learner", pinned(python_argv("echo.cli", "learn", str(conf), "--run-dir",
+                                                            str(run)), learner_cpus),
+                              tmp / f"learner-{tag}.err", pipe_stdout=True)
         line = wait_ready(learner, timeout=180)
         outs = []
         for p in range(-(-workers // per_process)):
             n = min(per_process, workers - p * per_process)
             out = tmp / f"swarm{p}-{tag}.json"
             outs.append(out)
-            group.start(f"swarm{p}", [sys.executable, str(Path(__file__)), "swarm", "--line", line,
-                                      "--n", str(n), "--prefix", f"s{p}w", "--seconds",
-                                      str(seconds), "--group-s", str(group_s), "--out", str(out)],
-                        tmp / f"swarm{p}.log")
+            group.start(f"swarm{p}", pinned([sys.executable, str(Path(__file__)), "swarm", "--line", line,
+                                             "--n", str(n), "--prefix", f"s{p}w", "--seconds",
+                                             str(seconds), "--group-s", str(group_s), "--out",
+                                             str(out)], swarm_cpus),
+                        tmp / f"swarm{p}-{tag}.log")
         for p in range(len(outs)):
             group.procs[f"swarm{p}"].wait(seconds + 240)
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
         group.stop("learner", timeout=60)
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     finally:
         group.stop_all()
     out = _summary([json.loads(o.read_text()) for o in outs if o.exists()], rows, run, seconds,
                    workers, fsync_delay_ms)
-    out["group_commit"] = group_commit
-    out["durable_records"] = durable_records(run, cfg.learner.group_size)
+    out.update(group_commit=group_commit, pinned={"learner": learner_cpus, "swarm": swarm_cpus},
+               heartbeat_s=cfg.worker.heartbeat_s)
+    out["accounting"] = accounting(run, [o.with_suffix(".ledger") for o in outs], cfg.learner.group_size)
+    out["cpu"] = cpu_costs(rows[-1].get("control_cpu", {}) if rows else {}, workers,
+                           cfg.worker.heartbeat_s, seconds)
     return out
 
 
-def durable_records(run: Path, group_size: int) -> int:
-    """Records the learner holds after it stopped: every sample of each group a step consumed
-    (consumed.jsonl), plus what its write-ahead log still holds unconsumed."""
-    from learner.durable import read_log
+def accounting(run: Path, ledgers: list[Path], group_size: int) -> dict[str, int]:
+    """Every record the swarm saw acknowledged: trained, dropped by a named rule, or still
+    buffered (learner.audit); ``unaccounted`` must be 0."""
+    from learner.audit import audit_run
 
-    trained = {g for line in (run / "consumed.jsonl").read_text().splitlines() if line.strip()
-               for g in json.loads(line)["groups"]} if (run / "consumed.jsonl").exists() else set()
-    admitted, consumed = read_log(run / "buffer.log")
-    trained |= {g for groups in consumed.values() for g in groups}
-    live = {(r.group_id, r.sample_idx) for r in admitted if r.group_id not in trained}
-    return group_size * len(trained) + len(live)
+    return audit_run(run, [p for p in ledgers if p.exists()], group_size).accounting()
+
+
+REQUESTS = ("heartbeat", "work_request", "trajectories", "join", "leave", "installed",
+            "source_request", "nat_report", "handback", "refused")
+
+
+def cpu_costs(cpu: dict[str, Any], workers: int, heartbeat_s: float, seconds: float) -> dict[str, Any]:
+    """The learner's CPU per unit of work, from its own counters (learner.cpu): microseconds
+    on the control loop per message of each kind, plus ZeroMQ's I/O threads (CURVE, sockets)
+    shared out per message in or out; the fleet-wide passes (housekeeping, stats) per worker
+    per second."""
+    kinds = {k: (int(v[0]), float(v[1])) for k, v in cpu.get("kinds", {}).items()}
+    threads = cpu.get("threads", {})
+    messages = sum(2 * kinds[k][0] for k in REQUESTS if k in kinds) + kinds.get("notice", (0, 0))[0]
+    io_us = threads.get("zmq_io", 0.0) / messages * 1e6 if messages else 0.0
+    per = {k: round(s / n * 1e6, 1) for k, (n, s) in kinds.items() if n}
+    sweep_s = sum(kinds.get(k, (0, 0.0))[1] for k in ("housekeeping", "stats"))
+    sweep_us = sweep_s / max(seconds, 1e-9) / max(workers, 1) * 1e6  # per worker-second
+    out = {"loop_us": per, "zmq_io_us_per_message": round(io_us, 1),
+           "sweep_us_per_worker_s": round(sweep_us, 2), "threads_s": threads}
+    if "heartbeat" in per:
+        hb = per["heartbeat"] + 2 * io_us  # one message in, one reply out
+        out["heartbeat_us"] = round(hb, 1)
+        out["per_worker_us_per_s"] = round(hb / heartbeat_s + sweep_us, 2)
+        out["workers_per_core"] = int(1e6 / out["per_worker_us_per_s"])
+    if "trajectories" in per:
+        batches = kinds["trajectories"][0]
+        out["trajectories_us"] = round(per["trajectories"] + 2 * io_us, 1)
+        out["work_request_us"] = round(per.get("work_request", 0.0) + 2 * io_us, 1)
+        out["batches"] = batches
+    return out
 
 
 def _summary(swarms: list[dict[str, Any]], rows: list[dict[str, Any]], run: Path, seconds: float,
@@ -236,14 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seconds", type=float, required=True)
     s.add_argument("--group-s", type=float, default=1.0)
     s.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--workers", type=int, default=128)
+    ap.add_argument("--workers", type=int, nargs="+", default=[128])
     ap.add_argument("--per-process", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--group-s", type=float, default=1.0, help="seconds a synthetic group takes")
-    ap.add_argument("--fsync-delay-ms", type=float, nargs="+", default=[0.0, 50.0])
+    ap.add_argument("--fsync-delay-ms", type=float, nargs="+", default=[0.0])
     ap.add_argument("--sync-baseline", action="store_true",
                     help="also run each delay with the log written on the event loop "
                          "(learner.group_commit = false, the old behaviour)")
+    ap.add_argument("--heartbeat-s", type=float, default=None,
+                    help="worker.heartbeat_s for the run (default: the config's)")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="let the learner and the swarm share every CPU (the old figures)")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "load_control.json")
     args = ap.parse_args(argv)
     if args.cmd == "swarm":
@@ -252,33 +333,64 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     from rich.console import Console
-    from rich.table import Table
 
     from echo.machine import machine_info
 
     results = []
     with tempfile.TemporaryDirectory(prefix="echo-load-") as tmp:
-        for delay in args.fsync_delay_ms:
-            for group_commit in (True, False) if args.sync_baseline else (True,):
-                results.append(run_once(args.workers, args.per_process, args.seconds,
-                                        args.group_s, delay, Path(tmp), group_commit))
-                print(json.dumps(results[-1]), flush=True)
+        for workers in args.workers:
+            for delay in args.fsync_delay_ms:
+                for group_commit in (True, False) if args.sync_baseline else (True,):
+                    results.append(run_once(workers, args.per_process, args.seconds, args.group_s,
+                                            delay, Path(tmp), group_commit, pin=not args.no_pin,
+                                            heartbeat_s=args.heartbeat_s))
+                    print(json.dumps(results[-1]), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": machine_info(), "load": os.getloadavg(),
                                      "argv": sys.argv[1:], "results": results}, indent=2))
-    t = Table(title=f"control plane under {args.workers} synthetic workers, {args.seconds:g} s")
-    for col in ("fsync delay ms", "log", "heartbeats", "RTT p50 ms", "RTT p99 ms", "RTT max ms",
-                "admitted/s", "bubble", "evicted", "acked / durable"):
+    console = Console()
+    console.print(_rtt_table(results, args.seconds))
+    console.print(_cpu_table(results))
+    bad = [r for r in results if r["accounting"]["unaccounted"]]
+    for r in bad:
+        console.print(f"[red]{r['workers']} workers: {r['accounting']['unaccounted']} acknowledged "
+                      f"records are neither trained, dropped by a rule, nor buffered[/red]")
+    return 1 if bad else 0
+
+
+def _rtt_table(results: list[dict[str, Any]], seconds: float) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"control plane under synthetic workers, {seconds:g} s (learner on its own core)")
+    for col in ("workers", "fsync ms", "log", "heartbeats", "RTT p50 ms", "RTT p99 ms", "RTT max ms",
+                "admitted/s", "bubble", "evicted", "acked = trained + dropped + buffered"):
         t.add_column(col, justify="right")
     for r in results:
-        h = r["heartbeat_rtt_ms"]
-        t.add_row(f"{r['fsync_delay_ms']:g}", "group commit" if r["group_commit"] else "on the loop",
-                  str(r["heartbeats"]), f"{h['p50']:.1f}",
-                  f"{h['p99']:.1f}", f"{h['max']:.1f}", f"{r['admitted_per_s']:.0f}",
-                  f"{r['bubble_ratio']}", str(r["evicted"]),
-                  f"{r['acked_records']} / {r['durable_records']}")
-    Console().print(t)
-    return 0
+        h, a = r["heartbeat_rtt_ms"], r["accounting"]
+        dropped = " + ".join(f"{v} {k[len('dropped_'):]}" for k, v in a.items() if k.startswith("dropped_"))
+        books = (f"{a['acked']} = {a['trained']} + {dropped or '0'} + {a['buffered']}"
+                 + (f" ({a['unaccounted']} UNACCOUNTED)" if a["unaccounted"] else ""))
+        t.add_row(str(r["workers"]), f"{r['fsync_delay_ms']:g}",
+                  "group commit" if r["group_commit"] else "on the loop", str(r["heartbeats"]),
+                  f"{h['p50']:.1f}", f"{h['p99']:.1f}", f"{h['max']:.1f}", f"{r['admitted_per_s']:.0f}",
+                  f"{r['bubble_ratio']}", str(r["evicted"]), books)
+    return t
+
+
+def _cpu_table(results: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    t = Table(title="the learner's CPU per unit of work (its own counters; learner.cpu)")
+    for col in ("workers", "heartbeat s", "heartbeat µs", "work request µs", "trajectory batch µs",
+                "ZMQ I/O µs/msg", "sweeps µs/worker/s", "µs/worker/s", "workers per core"):
+        t.add_column(col, justify="right")
+    for r in results:
+        c = r["cpu"]
+        t.add_row(str(r["workers"]), f"{r['heartbeat_s']:g}", str(c.get("heartbeat_us", "-")),
+                  str(c.get("work_request_us", "-")), str(c.get("trajectories_us", "-")),
+                  str(c["zmq_io_us_per_message"]), str(c["sweep_us_per_worker_s"]),
+                  str(c.get("per_worker_us_per_s", "-")), f"{c.get('workers_per_core', 0):,}")
+    return t
 
 
 if __name__ == "__main__":

@@ -369,8 +369,14 @@ class BroadcastConfig(_Section):
 class TransportConfig(_Section):
     # Largest message accepted; larger ones are refused (oversize).
     max_message_mib: float = Field(16.0, gt=0)
-    # A worker silent this long is removed; its groups go to others.
+    # A worker silent this long is removed; its groups go to others. With the heartbeat period
+    # lengthened for a large fleet (heartbeats_per_s), the timeout grows in proportion.
     heartbeat_timeout_s: float = Field(5.0, gt=0)
+    # The learner's budget of heartbeats a second, the whole fleet together (docs/scale.md):
+    # past worker.heartbeat_s x this many workers, each worker is told a longer period,
+    # fleet size / heartbeats_per_s, so a heartbeat's cost stops growing with the fleet.
+    # 0: every worker beats at worker.heartbeat_s whatever the fleet's size.
+    heartbeats_per_s: float = Field(1000.0, ge=0)
     # A worker's request unanswered this long is sent again.
     request_timeout_s: float = Field(10.0, gt=0)
 

@@ -205,6 +205,9 @@ class HeartbeatAck(Message):
     ticket: bytes = b""
     known: bool = True  # False: the learner does not know this worker (restart): re-join
     account: Account | None = None  # the learner's books on this worker (None: unknown worker)
+    # Seconds until this worker's next heartbeat (docs/scale.md: longer in a large fleet);
+    # 0: its configured worker.heartbeat_s.
+    heartbeat_s: float = Field(0.0, ge=0)
 
 
 class Prefix(BaseModel):

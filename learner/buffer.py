@@ -28,6 +28,8 @@ from dataplane import rules
 from dataplane.records import Record
 
 ACCEPTED, DUPLICATE, STALE, COMPLETED = "accepted", "duplicate", "stale", "completed"
+# The rules that drop an admitted (acknowledged) record, as dropped.jsonl names them.
+STALE_RULE, QUARANTINE_RULE = "stale", "quarantined"
 
 
 @dataclass
@@ -41,7 +43,7 @@ class BufferStats:
 class ReplayBuffer:
     def __init__(self, staleness: int, capacity_groups: int, group_size: int,
                  remember_groups: int = 1_000_000,
-                 on_drop: Callable[[list[Record]], None] | None = None):
+                 on_drop: Callable[[list[Record], str], None] | None = None):
         self.staleness = staleness
         self.capacity = capacity_groups
         self.group_size = group_size
@@ -55,7 +57,10 @@ class ReplayBuffer:
         # late resends; bounded so a long run cannot grow it without limit.
         self._done: OrderedDict[str, None] = OrderedDict()
         self._remember = remember_groups
-        self.on_drop = on_drop  # audit hook: records evicted as stale after admission
+        # Audit hook: records dropped after admission, with the rule that dropped them
+        # (STALE_RULE: evicted past the staleness bound; QUARANTINE_RULE: their worker was
+        # quarantined), so every acknowledged record is accounted for (learner.audit).
+        self.on_drop = on_drop
 
     # ------------------------------------------------------------------ admission (control)
 
@@ -123,7 +128,7 @@ class ReplayBuffer:
                     for r in self._partial.pop(g).values()]
         self.stats.dropped_stale += len(dropped)
         if dropped and self.on_drop is not None:
-            self.on_drop(dropped)
+            self.on_drop(dropped, STALE_RULE)
 
     def take(self, k: int, timeout: float) -> list[list[Record]] | None:
         """The ``k`` oldest admissible whole groups, or None if they do not arrive in time."""
@@ -149,7 +154,7 @@ class ReplayBuffer:
             dropped += [r for g in gone for r in self._partial.pop(g).values()]
             self.stats.rejected["dropped_quarantined"] += len(dropped)
         if dropped and self.on_drop is not None:
-            self.on_drop(dropped)
+            self.on_drop(dropped, QUARANTINE_RULE)
         return dropped
 
     def restore(self, records: list[Record], done_groups: set[str]) -> None:

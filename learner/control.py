@@ -57,6 +57,7 @@ from learner.intake import NOT_COUNTED, AuditJob, Intake
 from learner.reputation import Reputation, Verdict
 from learner.routes import SnapshotRoutes
 from learner.sessions import EWMA_ALPHA, Sessions, WorkerState
+from learner.cpu import CpuBook
 from learner.staleness import Staleness
 from learner.fleet import FLEET_FILE, FleetBooks
 from learner.work import WorkQueue
@@ -72,6 +73,11 @@ ACK_QUEUE = 1024
 # How long the trainer's thread waits for the loop to store a version or answer a stats call
 # before it goes on without (counted in stats()["slow"]); it never ends the run.
 LOOP_WAIT_S = 10.0
+# The per-worker tables in the stats (dashboard rows, /metrics labels) of a fleet larger than
+# PER_WORKER_FRESH_UP_TO are rebuilt at most every PER_WORKER_EVERY_S: each costs the loop time
+# in proportion to the fleet, and stats are asked for at every step (docs/scale.md).
+PER_WORKER_EVERY_S = 2.0
+PER_WORKER_FRESH_UP_TO = 256
 TREE_WAIT_S = 2.0  # a dashboard poll or a scrape waits this long for the loop's relay tree
 
 
@@ -171,6 +177,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self.accounts = Accounts()  # what each worker is told about itself (docs/volunteers.md)
         self.rejected: Counter[str] = Counter()
         self.noticed: Counter[str] = Counter()  # snapshot notices sent / deferred to heartbeats
+        self.cpu = CpuBook()  # the loop's CPU per kind of work (learner.cpu, docs/scale.md)
+        self._kind = ""  # the kind of the message being handled, for self.cpu
         self.unconfirmed: Counter[str] = Counter()  # learner.routes: reports not confirmed
         self.reprobing: set[str] = set()
         # docs/preemption.md: hand-backs checked, counted and bounded (learner.handbacks)
@@ -190,6 +198,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         self._thread = threading.Thread(target=self._run, name="echo-control", daemon=True)
         self.slow: Counter[str] = Counter()  # trainer calls the loop answered late (publish, stats)
         self._last_stats: dict[str, Any] = {}
+        self._per_worker_cache: tuple[float, dict[str, Any]] | None = None  # (built at, tables)
         self._notices: set[asyncio.Task[None]] = set()  # fan-outs in flight (kept referenced)
 
     # ------------------------------------------------------------------ lifecycle
@@ -209,6 +218,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.cpu.bind_thread()
         self._stop = asyncio.Event()
         ctx = zmq.asyncio.Context()
         try:
@@ -456,19 +466,27 @@ class ControlPlane(Sessions, SnapshotRoutes):
                 return  # superseded: the next publication's notices carry the newer version
             if self.workers.get(w.worker_id) is not w:
                 continue  # left meanwhile
+            t0 = time.thread_time()
             src = self._snapshot_source(w)
             await self._send(w, wire.SnapshotNotice(version=version, manifest=manifest,
                                                     source=src.endpoint, source_key=src.key,
                                                     ticket=src.ticket))
+            self.cpu.add("notice", time.thread_time() - t0)
             if n % 8 == 7:
                 # A notice costs a ticket signature and an encryption: let waiting heartbeats
                 # in between (a send to a ROUTER does not suspend).
                 await asyncio.sleep(0)
 
     async def _stats(self) -> dict[str, Any]:
+        t0 = time.thread_time()
+        out = self._stats_now()
+        self.cpu.add("stats", time.thread_time() - t0)
+        out["control_cpu"] = self.cpu.snapshot()
+        return out
+
+    def _stats_now(self) -> dict[str, Any]:
         now = time.monotonic()
-        timeout = self.cfg.transport.heartbeat_timeout_s
-        live = [w for w in self.workers.values() if now - w.last_seen < timeout]
+        live = [w for w in self.workers.values() if now - w.last_seen < self._timeout(w)]
         active = [w for w in live if self.is_active(w.worker_id)]
         return {
             "active_workers": len(active), "standby_workers": len(live) - len(active),
@@ -509,29 +527,38 @@ class ControlPlane(Sessions, SnapshotRoutes):
             "installs": ({v: self.coordinator.install_times(v)
                           for v in sorted(self.coordinator.published)[-20:]}
                          if self.coordinator else {}),
-            "workers": {w.worker_id: {"price": w.price, "version": w.version, "state": w.state,
-                                      "active": self.is_active(w.worker_id),
-                                      "reachable": now - w.last_seen < timeout,
-                                      # docs/nat.md: the reflector's verdict, and how its
-                                      # snapshot link is carried now
-                                      "nat": w.nat,
-                                      "transport": (self.coordinator.transport(w.worker_id)
-                                                    if self.coordinator else "tcp"),
-                                      "throughput": round(w.measured_throughput, 3),
-                                      "admitted": w.admitted,
-                                      "granted": self.work.granted[w.worker_id],
-                                      "returned": self.work.returned[w.worker_id],
-                                      "taken_back": self.work.taken_back[w.worker_id],
-                                      # learner.handbacks, learner.staleness
-                                      **self.returns.per_worker(w.worker_id),
-                                      **self.staleness.view(w.worker_id)}
-                        for w in self.workers.values()},
+            **self._per_worker(now),
+        }
+
+    def _per_worker(self, now: float) -> dict[str, Any]:
+        """The per-worker tables (the dashboard's and /metrics' rows); for a large fleet,
+        rebuilt at most every PER_WORKER_EVERY_S (docs/scale.md)."""
+        cached = self._per_worker_cache
+        if (cached and len(self.workers) > PER_WORKER_FRESH_UP_TO
+                and now - cached[0] < PER_WORKER_EVERY_S):
+            return cached[1]
+        workers = {w.worker_id: {
+            "price": w.price, "version": w.version, "state": w.state,
+            "active": self.is_active(w.worker_id), "reachable": now - w.last_seen < self._timeout(w),
+            # docs/nat.md: the reflector's verdict, and how its snapshot link is carried now
+            "nat": w.nat,
+            "transport": self.coordinator.transport(w.worker_id) if self.coordinator else "tcp",
+            "throughput": round(w.measured_throughput, 3), "admitted": w.admitted,
+            "granted": self.work.granted[w.worker_id], "returned": self.work.returned[w.worker_id],
+            "taken_back": self.work.taken_back[w.worker_id],
+            # learner.handbacks, learner.staleness
+            **self.returns.per_worker(w.worker_id), **self.staleness.view(w.worker_id)}
+            for w in self.workers.values()}
+        tables = {
+            "workers": workers,
             # per worker id, quarantined ones included: checks made, failed, quarantined
             "reputation": self.reputation.per_worker(),
             "checks": dict(self.reputation.by_check),
             # learner.accounts: each worker's books, departed ones included (bounded)
             "accounts": self.accounts.export(),
         }
+        self._per_worker_cache = (now, tables)
+        return tables
 
     async def _shutdown(self, reason: str) -> None:
         await asyncio.to_thread(self.books.save, self._fleet_state())
@@ -573,9 +600,10 @@ class ControlPlane(Sessions, SnapshotRoutes):
         timeout = self.cfg.transport.heartbeat_timeout_s
         while True:
             await asyncio.sleep(min(0.5, timeout / 4))
+            t0 = time.thread_time()
             self.gate.reload()
             now = time.monotonic()
-            for w in [w for w in self.workers.values() if now - w.last_seen > timeout]:
+            for w in [w for w in self.workers.values() if now - w.last_seen > self._timeout(w)]:
                 self._forget(w.worker_id, f"no heartbeat for {now - w.last_seen:.1f}s")
             self._provision()
             self._reprobe()
@@ -588,6 +616,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
             if late:
                 log.info("%d handed-back group(s) went out without prefixes whose check was "
                          "not back within security.handback_hold_s", late)
+            self.cpu.add("housekeeping", time.thread_time() - t0)
             if self.books.due(now):
                 await asyncio.to_thread(self.books.save, self._fleet_state())
 
@@ -645,12 +674,15 @@ class ControlPlane(Sessions, SnapshotRoutes):
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             ident, *frames = await sock.recv_multipart(copy=False)
+            t0 = time.thread_time()
             key = sender_key([ident, *frames])
+            self._kind = "refused"  # until _dispatch names the request
             reply = await self._handle(ident.bytes, key, [f.bytes for f in frames])
             if isinstance(reply, Deferred):
                 await self._acks.put((ident.bytes, reply))  # full: back-pressure on this loop
             elif reply is not None:
                 await self._send_ident(ident.bytes, reply)
+            self.cpu.add(self._kind, time.thread_time() - t0)
             # A receive that finds a message queued returns without suspending: under a backlog
             # (a join flood) this loop would serve every queued message before the trainer's
             # publish or stats call got a turn. One message, then everyone else's turn.
@@ -714,6 +746,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         }.get(type(msg))
         if handler is None:
             raise wire.WireError("unknown_type", f"{msg.type} is not a request the learner serves")
+        self._kind = msg.TYPE
         if not key:
             if self.gate.keys is not None:  # CURVE on, yet no key: never trust the claimed id
                 raise wire.WireError("unauthenticated", "this connection carries no verified "
@@ -766,12 +799,14 @@ class ControlPlane(Sessions, SnapshotRoutes):
             if self.controller.set_yielded(msg.worker_id, msg.state == "yielded"):
                 log.info("worker %s yielded to its owner: standby", msg.worker_id)
         account = self._account(w)
+        w.period = self._period()
         if msg.version >= version:
-            return wire.HeartbeatAck(instance_id=self.instance_id, version=version, account=account)
+            return wire.HeartbeatAck(instance_id=self.instance_id, version=version, account=account,
+                                     heartbeat_s=w.period)
         src = self._snapshot_source(w)
         return wire.HeartbeatAck(instance_id=self.instance_id, version=version, manifest=manifest,
                                  source=src.endpoint, source_key=src.key, ticket=src.ticket,
-                                 account=account)
+                                 account=account, heartbeat_s=w.period)
 
     def _on_work_request(self, ident: bytes, key: str, msg: wire.WorkRequest) -> wire.Message:
         self._promote(self._joined(ident, key, msg.worker_id), "asked for work")

@@ -105,6 +105,8 @@ def _metrics_row(step: int, version: int, groups: list[list[Record]], stats: dic
         "cost_step_usd": round(control["fleet_price_per_hour"] * (t_train + t_wait) / 3600, 8),
         "rejected": control["rejected"],
         "handbacks": control.get("handbacks", {}),  # docs/preemption.md
+        # the control loop's CPU per kind of message, cumulative (learner.cpu, docs/scale.md)
+        "control_cpu": control.get("control_cpu", {}),
         "learner_bytes_sent": control["learner_bytes_sent"], "t_bcast": control["t_bcast"],
         "reissued_groups": control["reissued_groups"], **buffer.depth(),
         # learner.grants: leases kept across a restart and the samples admitted under them
@@ -289,8 +291,8 @@ class Learner:
         with (self.run_dir / f"{name}.jsonl").open("a") as f:
             f.write(json.dumps({"step": self.step, **entry}) + "\n")
 
-    def _audit_drop(self, records: list[Record]) -> None:
-        self._audit("dropped", {"pairs": [[r.group_id, r.sample_idx] for r in records]})
+    def _audit_drop(self, records: list[Record], rule: str) -> None:
+        self._audit("dropped", {"rule": rule, "pairs": [[r.group_id, r.sample_idx] for r in records]})
 
     # ------------------------------------------------------------------ start / restore
 

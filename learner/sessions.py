@@ -72,6 +72,7 @@ class WorkerState:
     nat_address: str = ""  # the punch port the reflector saw (replayed at promotion)
     entry_ticket: tuple[float, bytes] = (0.0, b"")  # (expiry, ticket) for the learner's socket
     noticed: int = -1  # the last version it was sent a notice of (least recent go first)
+    period: float = 0.0  # the heartbeat period it was last told (0: worker.heartbeat_s)
 
 
 _JOINED = {
@@ -109,6 +110,18 @@ class Sessions:
         w.last_seen = time.monotonic()
         return w
 
+    def _period(self) -> float:
+        """The heartbeat period to tell a worker now (docs/scale.md): worker.heartbeat_s, or
+        longer once the fleet would send more than transport.heartbeats_per_s heartbeats."""
+        base, budget = self.cfg.worker.heartbeat_s, self.cfg.transport.heartbeats_per_s
+        return max(base, len(self.workers) / budget) if budget > 0 else base
+
+    def _timeout(self, w: WorkerState) -> float:
+        """How long ``w`` may stay silent: transport.heartbeat_timeout_s, stretched as its
+        heartbeat period was (the same number of missed beats)."""
+        base = self.cfg.worker.heartbeat_s
+        return self.cfg.transport.heartbeat_timeout_s * max(1.0, (w.period or base) / base)
+
     def _joined(self, ident: bytes, key: str, worker_id: str) -> WorkerState:
         w = self._session(ident, key, worker_id)
         if w is None:
@@ -118,7 +131,7 @@ class Sessions:
     def _on_join(self, ident: bytes, key: str, msg: wire.Join) -> wire.Message:
         own = self.sessions.get(key)
         if own is not None and own != msg.worker_id:
-            if time.monotonic() - self.workers[own].last_seen < self.cfg.transport.heartbeat_timeout_s:
+            if time.monotonic() - self.workers[own].last_seen < self._timeout(self.workers[own]):
                 self.gate.refused["key_in_use"] += 1
                 raise wire.WireError("key_in_use", f"this key is joined as {own!r} by a live "
                                      f"worker: give each worker its own --identity FILE")
@@ -141,9 +154,11 @@ class Sessions:
         version, manifest = self._latest()
         # From its place in the last plan (a peer); until a plan places it, from the learner.
         src = self._snapshot_source(w)
+        view = self.cfg.worker_view()
+        view["worker"]["heartbeat_s"] = w.period = self._period()  # from the first beat on
         return wire.JoinAck(run_id=self.run_id, instance_id=self.instance_id,
                             public_key=self.key.public_bytes, version=version, manifest=manifest,
-                            config=self.cfg.worker_view(), snapshot_endpoint=src.endpoint,
+                            config=view, snapshot_endpoint=src.endpoint,
                             snapshot_key=src.key, ticket=src.ticket, worker_id=self.sessions[key],
                             reflectors=self.reflector.endpoints if self.reflector else [],
                             base_manifest=self.base_manifest)

@@ -349,3 +349,35 @@ def test_a_checkpoint_reads_the_leases_on_the_loop_that_grants_them(plane, clien
     assert seen == [plane._thread.name] and seen[0] != threading.current_thread().name
     assert [g["group_id"] for g in work["issued"]] == [g.group_id for g in grant.groups]
     assert rng_state == random.Random(7).getstate()
+
+
+def test_a_large_fleet_is_told_a_longer_heartbeat_period_and_given_longer_to_beat(
+        small_cfg, tokenizer, ctx):
+    """transport.heartbeats_per_s bounds the fleet's heartbeats (docs/scale.md): past it, each
+    worker is told period = fleet size / budget, at join and in every heartbeat reply, and is
+    removed only after as many missed beats as before."""
+    small_cfg.worker.heartbeat_s, small_cfg.transport.heartbeats_per_s = 0.5, 1.0
+    lc = small_cfg.learner
+    adapter = load_adapter("toy-add", {}, tokenizer)
+    cp = ControlPlane(small_cfg, run_id="t", key=RunKey.generate(),
+                      buffer=ReplayBuffer(lc.staleness, 8, lc.group_size),
+                      work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
+                                     max_outstanding=8, lease_timeout_s=30, prefix="t"),
+                      limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size))
+    cp.start()
+    try:
+        first, second, third = (connect(cp, ctx) for _ in range(3))
+        assert ask(first, wire.Join(worker_id="w1", price=0.1)).config["worker"]["heartbeat_s"] == 1.0
+        ask(second, wire.Join(worker_id="w2", price=0.1))
+        assert ask(second, wire.Heartbeat(worker_id="w2", version=0)).heartbeat_s == 2.0
+        joined = ask(third, wire.Join(worker_id="w3", price=0.1))
+        assert joined.config["worker"]["heartbeat_s"] == 3.0  # three workers, one beat a second
+        assert ask(first, wire.Heartbeat(worker_id="w1", version=0)).heartbeat_s == 3.0
+        w1 = cp.workers["w1"]
+        # five missed beats, as at the configured period: 5.0 s at 0.5 s, 30 s at 3 s
+        assert cp._timeout(w1) == small_cfg.transport.heartbeat_timeout_s * 6
+        small_cfg.transport.heartbeats_per_s = 0  # off: the configured period, whatever the size
+        assert ask(first, wire.Heartbeat(worker_id="w1", version=0)).heartbeat_s == 0.5
+        assert cp._timeout(w1) == small_cfg.transport.heartbeat_timeout_s
+    finally:
+        cp.shutdown("test over")

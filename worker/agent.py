@@ -67,6 +67,7 @@ PREFETCH_SHARE = 0.1  # prefetch work when a grant's round trip exceeds this sha
 # STOP_S; the last LEAVE_S of it is kept for the goodbye, so the process is gone within 5 s.
 STOP_S = 4.0
 LEAVE_S = 1.0
+MIN_HEARTBEAT_S = 0.1  # the shortest heartbeat period a learner may ask for (docs/scale.md)
 # GIL switch intervals (Python's default: 5 ms). While the model's libraries import on another
 # thread, this loop (heartbeats, relaying, a stop) gets the GIL back within LOAD_SWITCH_S;
 # once stopping during the load, within STOP_SWITCH_S. The default returns after the load.
@@ -594,6 +595,9 @@ class Worker:
             if not isinstance(ack, wire.HeartbeatAck):
                 continue
             self.status.account(ack.account)
+            # The period the learner asks for now (docs/scale.md: longer in a large fleet,
+            # shorter again as it shrinks, when the learner also expects beats sooner).
+            period = max(MIN_HEARTBEAT_S, ack.heartbeat_s) if ack.heartbeat_s else period
             if not ack.known or ack.instance_id != self.instance_id:
                 await self._join()
             elif ack.manifest is not None:
