@@ -376,7 +376,7 @@ class TransportConfig(_Section):
     # past worker.heartbeat_s x this many workers, each worker is told a longer period,
     # fleet size / heartbeats_per_s, so a heartbeat's cost stops growing with the fleet.
     # 0: every worker beats at worker.heartbeat_s whatever the fleet's size.
-    heartbeats_per_s: float = Field(1000.0, ge=0)
+    heartbeats_per_s: float = Field(500.0, ge=0)
     # A worker's request unanswered this long is sent again.
     request_timeout_s: float = Field(10.0, gt=0)
 

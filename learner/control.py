@@ -77,6 +77,9 @@ LOOP_WAIT_S = 10.0
 # PER_WORKER_FRESH_UP_TO are rebuilt at most every PER_WORKER_EVERY_S: each costs the loop time
 # in proportion to the fleet, and stats are asked for at every step (docs/scale.md).
 PER_WORKER_EVERY_S = 2.0
+STANDBY_RETRY_S, EMPTY_RETRY_S = 0.5, 0.2  # a small fleet's retry after a grant without work
+SERVE_BURST = 8  # messages served back to back before the loop lets its other tasks run
+SERVE_SLICE_S = 0.005  # ... or this long, whichever comes first
 PER_WORKER_FRESH_UP_TO = 256
 TREE_WAIT_S = 2.0  # a dashboard poll or a scrape waits this long for the loop's relay tree
 
@@ -672,6 +675,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
     # ------------------------------------------------------------------ request handling
 
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        served, turn = 0, time.monotonic()
         while True:
             ident, *frames = await sock.recv_multipart(copy=False)
             t0 = time.thread_time()
@@ -685,8 +689,13 @@ class ControlPlane(Sessions, SnapshotRoutes):
             self.cpu.add(self._kind, time.thread_time() - t0)
             # A receive that finds a message queued returns without suspending: under a backlog
             # (a join flood) this loop would serve every queued message before the trainer's
-            # publish or stats call got a turn. One message, then everyone else's turn.
-            await asyncio.sleep(0)
+            # publish or stats call got a turn. SERVE_BURST messages or SERVE_SLICE_S (a join
+            # flood: 22 ms a join), then everyone else's turn: a turn after every message cost a
+            # loop cycle each (docs/scale.md).
+            served += 1
+            if served >= SERVE_BURST or time.monotonic() - turn > SERVE_SLICE_S:
+                await asyncio.sleep(0)
+                served, turn = 0, time.monotonic()
 
     async def _send_acks(self) -> None:
         """Acknowledgements, in order, each once its records are durable (group commit,
@@ -810,8 +819,8 @@ class ControlPlane(Sessions, SnapshotRoutes):
 
     def _on_work_request(self, ident: bytes, key: str, msg: wire.WorkRequest) -> wire.Message:
         self._promote(self._joined(ident, key, msg.worker_id), "asked for work")
-        if not self.is_active(msg.worker_id):
-            return wire.WorkGrant(groups=[], retry_after_s=0.5)  # standby: relay, don't roll out
+        if not self.is_active(msg.worker_id):  # standby: relay, don't roll out
+            return wire.WorkGrant(groups=[], retry_after_s=self._poll_after(STANDBY_RETRY_S))
         if self.controller is not None:
             self.controller.ready(msg.worker_id)
         probation = self.controller is not None and self.controller.on_probation(msg.worker_id)
@@ -820,7 +829,14 @@ class ControlPlane(Sessions, SnapshotRoutes):
         groups = self.work.grant(msg.worker_id, ask, self.buffer.depth()["ready_groups"],
                                  msg.holding, key=key)
         self.accounts.granted(msg.worker_id, len(groups))
-        return wire.WorkGrant(groups=groups, retry_after_s=0.0 if groups else 0.2)
+        return wire.WorkGrant(groups=groups, retry_after_s=0.0 if groups else self._poll_after(EMPTY_RETRY_S))
+
+    def _poll_after(self, base: float) -> float:
+        """When a worker that got no work may ask again: ``base``, or fleet size over
+        transport.heartbeats_per_s once that is longer (docs/scale.md): a thousand idle workers
+        asking five times a second cost the loop more than all their heartbeats."""
+        budget = self.cfg.transport.heartbeats_per_s
+        return max(base, len(self.workers) / budget) if budget > 0 else base
 
     def _fair_share(self) -> int:
         """Groups one grant may carry: the outstanding bound split over the active workers.
