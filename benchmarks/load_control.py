@@ -29,11 +29,14 @@ import random
 import sys
 import time
 from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from provisioning.sim_control import ControlCosts, saturation  # noqa: E402  (no heavy imports)
 
 # Every synthetic worker comes from 127.0.0.1, one IP prefix: the per-address and per-prefix
 # limits (docs/security.md, "Sybils") would rightly hold a thousand keys from one host to a few
@@ -300,34 +303,22 @@ def cpu_costs(cpu: dict[str, Any], workers: int, heartbeat_s: float, seconds: fl
     if "trajectories" in per:
         out["trajectories_us"] = round(full("trajectories"), 1)
         out["work_request_us"] = round(full("work_request"), 1)
-        # admission traffic is set by the learner's appetite, not by the fleet's size
-        out["admission_us_per_s"] = round(
-            (kinds["trajectories"][0] * full("trajectories")
-             + kinds.get("work_request", (0, 0))[0] * full("work_request")) / max(seconds, 1e-9), 1)
-    if "heartbeat" in per:
-        out["saturation"] = {
-            "period_fixed": saturation(out, heartbeat_s, 0.0),
-            "period_scaled": saturation(out, heartbeat_s, budget)}
+    if "heartbeat" in per and "trajectories" in per:
+        costs = control_costs(out, kinds["trajectories"][0], seconds)
+        out["model"] = asdict(costs)
+        out["saturation"] = {"period_fixed": saturation(costs, heartbeat_s, budget, False),
+                             "period_scaled": saturation(costs, heartbeat_s, budget, True)}
         out["workers_per_core"] = out["saturation"]["period_scaled" if budget else "period_fixed"]
     return out
 
 
-def control_load_us(n: int, costs: dict[str, Any], heartbeat_s: float, budget: float) -> float:
-    """CPU microseconds a second the control loop spends on ``n`` workers: heartbeats at the
-    period the learner tells them (learner.sessions._period), the fleet-wide sweeps, and the
-    admission traffic measured (it follows the learner's appetite, not ``n``)."""
-    period = max(heartbeat_s, n / budget) if budget > 0 else heartbeat_s
-    return (n / period * costs["heartbeat_us"] + n * costs["sweep_us_per_worker_s"]
-            + costs.get("admission_us_per_s", 0.0))
-
-
-def saturation(costs: dict[str, Any], heartbeat_s: float, budget: float) -> int:
-    """The largest fleet whose control load fits one core (bisection on the load model)."""
-    lo, hi = 0, 1 << 24
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if control_load_us(mid, costs, heartbeat_s, budget) <= 1e6 else (lo, mid - 1)
-    return lo
+def control_costs(out: dict[str, Any], batches: int, seconds: float) -> ControlCosts:
+    """The load model's inputs (provisioning.sim_control): an empty work request costs what a
+    work request costs; admission is one granted request and one trajectory batch per batch."""
+    return ControlCosts(heartbeat_us=out["heartbeat_us"], poll_us=out["work_request_us"],
+                        sweep_us_per_worker_s=out["sweep_us_per_worker_s"],
+                        admission_us_per_s=round(batches * (out["trajectories_us"] + out["work_request_us"])
+                                                 / max(seconds, 1e-9), 1))
 
 
 def _summary(swarms: list[dict[str, Any]], rows: list[dict[str, Any]], run: Path, seconds: float,
@@ -442,7 +433,7 @@ def _cpu_table(results: list[dict[str, Any]]) -> Any:
         t.add_row(str(r["workers"]), str(c.get("heartbeat_us", "-")),
                   str(c.get("work_request_us", "-")), str(c.get("trajectories_us", "-")),
                   str(c["zmq_io_us_per_message"]), str(c["loop_overhead_us_per_request"]),
-                  str(c["sweep_us_per_worker_s"]), str(c.get("admission_us_per_s", "-")),
+                  str(c["sweep_us_per_worker_s"]), str(c.get("model", {}).get("admission_us_per_s", "-")),
                   f"{sat.get('period_fixed', 0):,}", f"{sat.get('period_scaled', 0):,}")
     return t
 

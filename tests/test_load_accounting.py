@@ -33,10 +33,13 @@ def test_every_acknowledged_record_is_accounted_for_and_its_cost_measured(tmp_pa
 
 
 def test_the_load_model_saturates_where_the_fleet_fills_one_core():
-    costs = {"heartbeat_us": 200.0, "sweep_us_per_worker_s": 10.0, "admission_us_per_s": 0.0}
-    fixed = load_control.saturation(costs, 1.0, 0.0)
-    assert fixed == 4761  # 210 µs a worker a second
-    assert load_control.control_load_us(fixed, costs, 1.0, 0.0) <= 1e6
-    assert load_control.control_load_us(fixed + 1, costs, 1.0, 0.0) > 1e6
-    # at most 500 heartbeats a second (100,000 µs), then 10 µs a worker: 90,000 workers
-    assert load_control.saturation(costs, 1.0, 500.0) == 90_000
+    from provisioning.sim_control import ControlCosts, load_us, saturation
+
+    costs = ControlCosts(heartbeat_us=200.0, poll_us=100.0, sweep_us_per_worker_s=10.0)
+    fixed = saturation(costs, 1.0, 500.0, scaled=False)
+    assert fixed == 2439  # 200 + 100 / 0.5 + 10 = 410 µs a worker a second
+    assert load_us(fixed, costs, 1.0, 500.0, False) <= 1e6 < load_us(fixed + 1, costs, 1.0, 500.0, False)
+    # scaled: at most 500 heartbeats and 500 polls a second (150,000 µs), then 10 µs a worker
+    assert abs(saturation(costs, 1.0, 500.0, scaled=True) - 85_000) <= 1  # float rounding
+    # admission that fills the core leaves no room for any fleet
+    assert saturation(ControlCosts(200.0, 100.0, 10.0, admission_us_per_s=1e6), 1.0, 500.0, True) == 0
