@@ -130,6 +130,10 @@ class SnapshotStore:
     def clear(self) -> None:
         self._bufs.clear()
 
+    def buffers(self) -> list[SnapshotBuffer]:
+        """The versions held, oldest first."""
+        return list(self._bufs.values())
+
     def get(self, version: int) -> SnapshotBuffer | None:
         return self._bufs.get(version)
 

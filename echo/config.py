@@ -234,6 +234,10 @@ class LearnerConfig(StalenessRules, _Section):
     wait_timeout_s: float = Field(120.0, gt=0)  # give up when no admissible data this long
     price_per_hour: float = Field(0.0, ge=0)  # the learner's own price, $/h, in the cost per step
     checkpoint: bool = True  # checkpoint before every publication (needed for --resume)
+    # Published versions (the delta encoder's base, the versions audits and workers may still
+    # need) live in files under <run dir>/spill, read through memory maps, instead of in RAM
+    # (docs/memory.md). Off: each is held as bytes.
+    spill_payloads: bool = True
     fsync: bool = True  # fsync the buffer log before acknowledging (off only for benchmarks)
     # A slow disk, for tests and the control plane's load test: each fsync sleeps this long.
     fsync_delay_s: float = Field(0.0, ge=0, le=10)

@@ -244,6 +244,34 @@ def params_to_payload(named: Iterable[tuple[str, Any]], dtype: str) -> tuple[lis
     return index, b"".join(parts)
 
 
+def params_to_spill(named: Iterable[tuple[str, Any]], dtype: str, directory: Path
+                    ) -> tuple[list[dict[str, Any]], Any]:
+    """``params_to_payload`` written tensor by tensor to a spill file (echo.spill) and mapped
+    read-only: the payload never exists whole in RAM (docs/memory.md)."""
+    import torch
+
+    from echo.spill import SpillWriter
+
+    torch_dtype = getattr(torch, dtype)
+    index, offset = [], 0
+    writer = SpillWriter(directory)
+    try:
+        with torch.no_grad():
+            for name, p in named:
+                t = p.detach().to(torch_dtype).contiguous().view(-1).cpu()
+                raw = t.view(torch.uint8).numpy()
+                writer.write(raw)
+                index.append({"name": name, "dtype": dtype, "shape": list(p.shape),
+                              "offset": offset, "nbytes": int(raw.nbytes)})
+                offset += int(raw.nbytes)
+    except BaseException:
+        import os
+
+        os.close(writer.fd)
+        raise
+    return index, writer.finish()
+
+
 def install_payload(model: Any, index: list[dict[str, Any]], payload: bytes | bytearray) -> None:
     """Copy a snapshot payload into the model's parameters (shapes and names must match); into
     its LoRA adapter's parameters when ``model`` is a peft model (``echo.lora``)."""

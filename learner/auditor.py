@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -102,9 +103,20 @@ class Auditor:
 
     def add_snapshot(self, version: int, tensors: list[dict[str, Any]], payload: bytes) -> None:
         with self._lock:
-            self._snapshots[version] = (tensors, bytes(payload))
+            # a spilled payload (echo.spill) is a read-only map already: kept as it is
+            self._snapshots[version] = (tensors, payload if isinstance(payload, mmap.mmap)
+                                        else bytes(payload))
             while len(self._snapshots) > self.keep:
                 self._snapshots.popitem(last=False)
+
+    def payloads(self) -> list[Any]:
+        """The versions held for audits (echo.memstat counts them)."""
+        with self._lock:
+            return [payload for _, payload in self._snapshots.values()]
+
+    def model_tensors(self) -> list[Any]:
+        """The audit model's weights (None before its first audit)."""
+        return [] if self._model is None else list(self._model.state_dict().values())
 
     def submit(self, job: AuditJob) -> None:
         with self._lock:

@@ -416,6 +416,17 @@ class ControlPlane(Sessions, SnapshotRoutes):
     async def _work_state(self, prompt_rng: Any) -> tuple[dict[str, Any], Any]:
         return self.work.state(), prompt_rng.getstate()
 
+    def payloads(self) -> list[Any]:
+        """The payloads the chunk server holds (versions, full versions, the base model), read
+        on the loop that changes them (echo.memstat counts them)."""
+        if self._loop is None or not self._thread.is_alive():
+            return []
+        return self._call(self._payloads, timeout=LOOP_WAIT_S)
+
+    async def _payloads(self) -> list[Any]:
+        return [buf.payload for store in (self.store, self.results, self.bases)
+                for buf in store.buffers()]
+
     def relay_tree(self) -> RelayTree:
         """The current version's relay tree (``echo.tree``), built on the loop, from any thread:
         the dashboard reads it at each poll. TimeoutError after ``TREE_WAIT_S`` of a busy loop."""

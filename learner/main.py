@@ -30,7 +30,8 @@ from echo.metrics import LearnerMetrics, finite_or_null
 from echo.machine import machine_info
 from echo.procs import READY_PREFIX
 from echo.security import KeyList
-from echo.models import TINY, params_to_payload
+from echo.models import TINY, params_to_payload, params_to_spill
+from echo.spill import spill_dir
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_checkpoint, load_or_create_key, save_checkpoint
 from learner.auditor import Auditor
@@ -517,8 +518,11 @@ class Learner:
     def _send_snapshot(self, version: int, model_sd: dict[str, Any]) -> None:
         """Hand the version to the publisher thread (it encodes, signs and publishes); the
         caller has checked that the state is finite."""
-        tensors, payload = params_to_payload(self.policy.named_tensors(model_sd),
-                                             self.cfg.broadcast.dtype)
+        named, dtype = self.policy.named_tensors(model_sd), self.cfg.broadcast.dtype
+        if self.cfg.learner.spill_payloads:  # written tensor by tensor: never whole in RAM
+            tensors, payload = params_to_spill(named, dtype, spill_dir(self.run_dir / "spill"))
+        else:
+            tensors, payload = params_to_payload(named, dtype)
         self.auditor.add_snapshot(version, tensors, payload)  # the bytes workers install
         self.publisher.submit(version, tensors, payload)
 
@@ -594,6 +598,7 @@ class Learner:
         row.update(self._publication_row())
         row.update(decode_s=control["decode_s"], keyframe_installs=control["keyframes"])
         row.update(self._audits(t2 - t1))
+        row["memory"] = self._memory()
         self._provisioning(t2 - t1, control["t_bcast"] or 0.0)
         if self.metrics is not None:
             self.metrics.update(row, control)
@@ -612,6 +617,22 @@ class Learner:
                         "worker.max_new_tokens=N; docs/config.md)", step, 100 * share, max_new,
                         self.cfg.adapter.name)
         return None if share is None else round(share, 4)
+
+    def _memory(self) -> dict[str, int]:
+        """Where the learner's memory goes (docs/memory.md): its resident set, the training
+        state, the audit model, and the published versions it holds (in RAM or spilled)."""
+        from echo.memstat import payload_bytes, resident, tensor_bytes
+
+        model, opt = self.policy.model, self.policy.trainer.optimizer
+        base = self.publisher.encoder._base
+        held = payload_bytes(self.control.payloads() + self.auditor.payloads()
+                             + ([base[2]] if base else []))
+        return {**resident(), "model": tensor_bytes(model.parameters()),
+                "grads": tensor_bytes(p.grad for p in model.parameters()),
+                "optimizer": tensor_bytes(t for st in opt.state.values() for t in st.values()
+                                          if hasattr(t, "untyped_storage")),
+                "audit_model": tensor_bytes(self.auditor.model_tensors()),
+                "payloads_ram": held["ram"], "payloads_spilled": held["spilled"]}
 
     def _audits(self, t_train: float) -> dict[str, Any]:
         """Audit waiting groups for at most ``security.audit_budget`` of the learner's time

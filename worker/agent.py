@@ -67,7 +67,8 @@ PREFETCH_SHARE = 0.1  # prefetch work when a grant's round trip exceeds this sha
 # STOP_S; the last LEAVE_S of it is kept for the goodbye, so the process is gone within 5 s.
 STOP_S = 4.0
 LEAVE_S = 1.0
-MIN_HEARTBEAT_S = 0.1  # the shortest heartbeat period a learner may ask for (docs/scale.md)
+MIN_HEARTBEAT_S = 0.1
+MEMORY_EVERY = 5  # status-loop ticks between memory censuses (docs/memory.md)  # the shortest heartbeat period a learner may ask for (docs/scale.md)
 # GIL switch intervals (Python's default: 5 ms). While the model's libraries import on another
 # thread, this loop (heartbeats, relaying, a stop) gets the GIL back within LOAD_SWITCH_S;
 # once stopping during the load, within STOP_SWITCH_S. The default returns after the load.
@@ -394,6 +395,7 @@ class Worker:
 
     async def _status_loop(self) -> None:
         """Once a second: the status view and file follow what the worker does."""
+        ticks = 0
         while True:
             if self.status.doc["activity"] != self.state:
                 self.status.update(activity=self.state)
@@ -403,10 +405,24 @@ class Worker:
                 phase = self.progress.phase(self.feed.progress())
                 if phase != self.status.doc.get("install_phase"):
                     self.status.update(install_phase=phase)
+            ticks += 1
+            if ticks % MEMORY_EVERY == 1:
+                self.status.update(memory=self._memory())
             if self.show is not None:
                 self.show(self.status)
             self.status.flush()
             await asyncio.sleep(1.0)  # a display period, not a wait for an event
+
+    def _memory(self) -> dict[str, int]:
+        """Where this worker's memory goes (docs/memory.md): its resident set, the model, and
+        the snapshot payloads it holds (relay store, full versions, base model)."""
+        from echo.memstat import payload_bytes, resident, tensor_bytes
+
+        model = getattr(self.backend, "model", None)
+        stores = [getattr(self.relay, name, None) for name in ("store", "results", "bases")]
+        held = payload_bytes(b.payload for st in stores if st is not None for b in st.buffers())
+        return {**resident(), "model": tensor_bytes(model.parameters()) if model is not None else 0,
+                "payloads_ram": held["ram"], "payloads_spilled": held["spilled"]}
 
     def _check_handshake(self) -> None:
         """A handshake that failed for a reason retrying cannot fix ends the worker, saying why."""

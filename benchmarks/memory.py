@@ -1,0 +1,203 @@
+"""Memory per parameter of a learner and its workers (issue 41, docs/memory.md).
+
+    .venv/bin/python benchmarks/memory.py --model tiny models/smollm2-135m-instruct random-0.4b \
+        [--steps 4] [--workers 2] [--no-spill]     # writes benchmarks/results/memory.json
+
+For each model: a learner (full fine-tuning, audits on) and ``--workers`` workers on loopback,
+``--steps`` learner steps. Every 0.5 s the benchmark reads each process's resident set from
+/proc (VmRSS, its anonymous and file-backed parts); at the end it reads the peak (VmHWM) and
+the processes' own census of what holds memory (the learner's metrics rows and the workers'
+status files, ``memory``; echo.memstat): model, gradients, optimizer, audit model, and
+snapshot payloads in RAM or spilled to files (echo.spill). ``random-0.4b`` is SmolLM2's
+architecture widened to about 0.42 B parameters (hidden 1280, 20 layers, MLP 3584), random
+weights, written once under ~/.cache/echo/models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GIB = 1 << 30
+
+
+def random_model(name: str) -> Path:
+    """A random-init Llama folder (SmolLM2's tokenizer), written once."""
+    folder = Path(os.environ.get("ECHO_HOME", Path.home() / ".cache" / "echo")) / "models" / name
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    src = ROOT / "models" / "smollm2-135m-instruct"
+    cfg = LlamaConfig.from_pretrained(src)
+    cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size = 1280, 20, 3584
+    cfg.num_attention_heads, cfg.num_key_value_heads = 20, 4
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+def config_for(model: str, steps: int, spill: bool, tmp: Path) -> Path:
+    from echo.config import dump_toml, load_config
+
+    real = model != "tiny"
+    base = ROOT / ("examples/smollm2-math.toml" if real else "examples/quickstart.toml")
+    name = str(random_model(model)) if model.startswith("random-") else model
+    sets = [f"learner.max_steps={steps}", "learner.prompts_per_step=2", "learner.group_size=4",
+            "worker.max_new_tokens=16", "provisioning.enabled=false", "security.audit=true",
+            f"learner.spill_payloads={str(spill).lower()}", "learner.checkpoint=false",
+            "metrics.enabled=false"]
+    if real:
+        sets += [f"model.name={name}"]
+    cfg = load_config(base, sets)
+    path = tmp / f"{Path(model).name}.toml"
+    path.write_text(dump_toml(cfg))
+    return path
+
+
+class Sampler:
+    """Peak resident figures of a set of processes, read from /proc every ``period`` s."""
+
+    FIELDS = {"VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "VmHWM": "rss_peak"}
+
+    def __init__(self) -> None:
+        self.peak: dict[str, dict[str, int]] = {}
+
+    def sample(self, procs: dict[str, Any]) -> None:
+        for name, proc in procs.items():
+            try:
+                text = Path(f"/proc/{proc.pid}/status").read_text()
+            except OSError:
+                continue  # it ended
+            got = {self.FIELDS[k]: int(v.split()[0]) * 1024 for k, _, v in
+                   (line.partition(":") for line in text.splitlines()) if k in self.FIELDS}
+            mine = self.peak.setdefault(name, {})
+            for k, v in got.items():
+                mine[k] = max(mine.get(k, 0), v)
+
+
+def run_case(model: str, steps: int, workers: int, spill: bool, tmp: Path) -> dict[str, Any]:
+    from echo.procs import ProcessGroup, python_argv, wait_ready
+
+    conf = config_for(model, steps, spill, tmp)
+    tag = f"{Path(model).name}-{'spill' if spill else 'ram'}"
+    run, status = tmp / f"run-{tag}", tmp / f"status-{tag}"
+    status.mkdir()
+    group, sampler = ProcessGroup(), Sampler()
+    t0 = time.monotonic()
+    try:
+        learner = group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir",
+                                                     str(run)), tmp / f"learner-{tag}.err",
+                              pipe_stdout=True, cwd=ROOT)
+        line = wait_ready(learner, timeout=900)
+        for i in range(workers):
+            group.start(f"w{i}", python_argv("worker.cli", "join", line, "--id", f"w{i}",
+                                             "--plain", "--identity", str(tmp / f"w{i}-{tag}.key")),
+                        tmp / f"w{i}-{tag}.log", env={"ECHO_STATUS_DIR": str(status)}, cwd=ROOT)
+        while learner.poll() is None and time.monotonic() - t0 < 3600:
+            sampler.sample(group.procs)
+            progress(run, steps, t0)
+            time.sleep(0.5)
+    finally:
+        group.stop_all(timeout=30)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    census = {k: max(r["memory"].get(k, 0) for r in rows if "memory" in r)
+              for k in rows[-1].get("memory", {})} if rows else {}
+    worker_census = [json.loads(p.read_text()).get("memory", {}) for p in sorted(status.glob("*.json"))]
+    return {"model": model, "spill": spill, "steps": len(rows), "params": census.get("model", 0) // 4,
+            "wall_s": round(time.monotonic() - t0, 1), "peak": sampler.peak,
+            "learner_census": census, "worker_census": worker_census}
+
+
+def progress(run: Path, steps: int, t0: float) -> None:
+    path = run / "metrics.jsonl"
+    done = sum(1 for _ in path.open()) if path.exists() else 0
+    print(f"\r  {done}/{steps} steps, {time.monotonic() - t0:.0f} s", end="", flush=True)
+
+
+def per_param(case: dict[str, Any]) -> dict[str, Any]:
+    """Bytes per parameter, and the issue's bounds: a worker at most model (in its dtype) +
+    one payload + 1 GiB; the learner at most its training state + one payload + 2 GiB."""
+    n = max(case["params"], 1)
+    lc, payload = case["learner_census"], 2 * n  # one bf16 payload
+    learner = case["peak"].get("learner", {})
+    workers = [v for k, v in case["peak"].items() if k != "learner"]
+    worker_peak = max((w.get("rss_peak", 0) for w in workers), default=0)
+    worker_anon = max((w.get("rss_anon", 0) for w in workers), default=0)
+    wmodel = max((w.get("model", 0) for w in case["worker_census"]), default=0)
+    train = lc.get("model", 0) + lc.get("grads", 0) + lc.get("optimizer", 0)
+    return {"learner_peak_per_param": round(learner.get("rss_peak", 0) / n, 2),
+            "learner_anon_per_param": round(learner.get("rss_anon", 0) / n, 2),
+            "worker_peak_per_param": round(worker_peak / n, 2),
+            "worker_anon_per_param": round(worker_anon / n, 2),
+            "learner_bound_bytes": train + payload + 2 * GIB,
+            "learner_within_bound": learner.get("rss_peak", 0) <= train + payload + 2 * GIB,
+            "worker_bound_bytes": wmodel + payload + GIB,
+            "worker_within_bound": worker_peak <= wmodel + payload + GIB}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", nargs="+", default=["tiny"])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--no-spill", action="store_true", help="also run each model with "
+                    "learner.spill_payloads = false (the versions held in RAM)")
+    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/memory.json")
+    args = ap.parse_args(argv)
+    from echo.machine import machine_info
+
+    cases = []
+    with tempfile.TemporaryDirectory(prefix="echo-mem-") as tmp:
+        for model in args.model:
+            for spill in (True, False) if args.no_spill else (True,):
+                print(f"{model}, spill {'on' if spill else 'off'}:", flush=True)
+                case = run_case(model, args.steps, args.workers, spill, Path(tmp))
+                case.update(per_param(case))
+                cases.append(case)
+                print("\n" + json.dumps({k: v for k, v in case.items() if k != "peak"}), flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"machine": machine_info(), "argv": sys.argv[1:],
+                                     "cases": cases}, indent=2))
+    _table(cases)
+    return 0
+
+
+def _table(cases: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="peak resident memory per parameter (bytes), learner and workers")
+    for col in ("model", "params", "spill", "learner peak", "learner anon", "training state",
+                "audit model", "payloads RAM / spilled", "worker peak", "worker anon",
+                "learner within bound", "worker within bound"):
+        t.add_column(col, justify="right")
+    for c in cases:
+        n, lc = max(c["params"], 1), c["learner_census"]
+        train = lc.get("model", 0) + lc.get("grads", 0) + lc.get("optimizer", 0)
+        t.add_row(Path(c["model"]).name, f"{c['params'] / 1e6:.1f} M", "on" if c["spill"] else "off",
+                  f"{c['learner_peak_per_param']:.1f}", f"{c['learner_anon_per_param']:.1f}",
+                  f"{train / n:.1f}", f"{lc.get('audit_model', 0) / n:.1f}",
+                  f"{lc.get('payloads_ram', 0) / n:.1f} / {lc.get('payloads_spilled', 0) / n:.1f}",
+                  f"{c['worker_peak_per_param']:.1f}", f"{c['worker_anon_per_param']:.1f}",
+                  str(c["learner_within_bound"]), str(c["worker_within_bound"]))
+    Console(width=200).print(t)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Snapshot payloads kept on disk and read through memory maps (docs/memory.md).
+
+A learner keeps several whole versions for later (the delta encoder's base, the versions the
+auditor may still be asked about, the full versions workers rebuild deltas against); a worker
+keeps the version it relays. Held as ``bytes`` each costs its size in RAM for as long as it is
+kept. ``spill`` writes the bytes to a file and returns a read-only ``mmap`` of it: the kernel's
+page cache holds what is read often and drops the rest under memory pressure, and the process's
+anonymous memory does not grow. The file is unlinked at once: the mapping keeps it alive, and
+nothing is left on disk when the process ends, however it ends.
+
+``Spill.drop_pages`` tells the kernel this process is done reading for now (``MADV_DONTNEED``:
+its resident set shrinks; the pages stay in the page cache for the next read).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from pathlib import Path
+
+
+def spill_dir(root: str | Path | None = None) -> Path:
+    """Where spilled payloads go: ``root``, else ``$ECHO_SPILL_DIR``, else
+    ``$ECHO_HOME/spill`` or ``~/.cache/echo/spill`` (never /tmp, often a RAM disk)."""
+    if root is not None:
+        path = Path(root)
+    elif os.environ.get("ECHO_SPILL_DIR"):
+        path = Path(os.environ["ECHO_SPILL_DIR"])
+    else:
+        path = Path(os.environ.get("ECHO_HOME", Path.home() / ".cache" / "echo")) / "spill"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class SpillWriter:
+    """Bytes written piece by piece to an unlinked file, then mapped read-only (``finish``):
+    a payload built tensor by tensor never exists whole in RAM."""
+
+    def __init__(self, directory: Path):
+        fd, name = tempfile.mkstemp(prefix="payload-", suffix=".bin", dir=directory)
+        os.unlink(name)  # the mapping keeps the file alive; nothing outlives the process
+        self.fd, self.size = fd, 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < view.nbytes:
+            done += os.write(self.fd, view[done:done + (64 << 20)])
+        self.size += view.nbytes
+
+    def finish(self) -> mmap.mmap | bytes:
+        """The bytes written, as a read-only map (``b""`` when none: nothing maps zero bytes)."""
+        try:
+            return mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ) if self.size else b""
+        finally:
+            os.close(self.fd)
+
+
+def spill(data: bytes | bytearray | memoryview, directory: Path) -> mmap.mmap | bytes:
+    """``data`` as a read-only memory map of an unlinked file in ``directory``."""
+    w = SpillWriter(directory)
+    try:
+        w.write(data)
+    except BaseException:
+        os.close(w.fd)
+        raise
+    return w.finish()
+
+
+def drop_pages(buf: object) -> None:
+    """Done reading ``buf`` for now: a spilled map's pages leave this process's resident set
+    (they stay in the page cache). Anything else: nothing happens."""
+    if isinstance(buf, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED") and len(buf):
+        buf.madvise(mmap.MADV_DONTNEED)

@@ -1,0 +1,49 @@
+"""echo.spill: payloads kept in unlinked files, read through read-only maps (docs/memory.md)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import blake3
+import pytest
+import torch
+
+from broadcast.store import SnapshotBuffer
+from echo.models import params_to_payload, params_to_spill
+from echo.spill import drop_pages, spill, spill_dir
+
+
+def test_a_spilled_payload_reads_as_the_bytes_and_leaves_no_file(tmp_path):
+    data = os.urandom(3 << 20)
+    m = spill(data, tmp_path)
+    assert isinstance(m, mmap.mmap) and len(m) == len(data)
+    assert blake3.blake3(m).digest() == blake3.blake3(data).digest()
+    assert memoryview(m)[1000:1010].tobytes() == data[1000:1010]
+    assert list(tmp_path.iterdir()) == []  # unlinked at once: nothing outlives the process
+    drop_pages(m)  # done reading for now: the bytes are still there
+    assert m[:16] == data[:16]
+    with pytest.raises(TypeError):
+        m[0] = 1  # read-only: no holder can change a published version under another
+
+
+def test_params_written_to_a_spill_match_the_in_memory_payload(tmp_path):
+    torch.manual_seed(0)
+    named = [("a", torch.randn(3, 5)), ("b", torch.randn(7)), ("c", torch.zeros(0))]
+    index, payload = params_to_payload(named, "bfloat16")
+    sindex, spilled = params_to_spill(named, "bfloat16", tmp_path)
+    assert sindex == index and bytes(spilled) == payload
+    buf = SnapshotBuffer({"version": 3, "payload_size": len(payload), "chunk_size": 16,
+                          "chunk_hashes": [b""] * -(-len(payload) // 16)}, spilled)
+    assert bytes(buf.chunk(1)) == payload[16:32]  # chunks are served as slices of the map
+
+
+def test_the_spill_directory_is_never_tmp_by_default(tmp_path, monkeypatch):
+    monkeypatch.delenv("ECHO_SPILL_DIR", raising=False)
+    monkeypatch.setenv("ECHO_HOME", str(tmp_path / "home"))
+    assert spill_dir() == tmp_path / "home" / "spill" and spill_dir().is_dir()
+    assert spill_dir(tmp_path / "run" / "spill") == tmp_path / "run" / "spill"
+
+
+def test_an_empty_payload_needs_no_file(tmp_path):
+    assert spill(b"", tmp_path) == b""
