@@ -63,6 +63,9 @@ class RelayConfig:
     max_parked_total: int = 4096
     handshakes_per_s: float = 50.0  # new connections accepted per second (burst 2x)
     requests_per_s: float = 1000.0  # chunk requests per second per peer (burst 2x)
+    # Where whole versions kept for later (the installed version's full payload, the base
+    # model) are spilled to files read through maps (echo.spill, docs/memory.md); "": in RAM.
+    spill_dir: str = ""
 
 
 class RelayPortTaken(RuntimeError):
@@ -177,7 +180,16 @@ class Relay:
         """Serve the whole, verified base model to peers (chunk requests of form "base");
         a relay that serves nobody (behind NAT) keeps no copy."""
         if self.server is not None:
-            self.bases.add(SnapshotBuffer(manifest, payload))
+            self.bases.add(SnapshotBuffer(manifest, self._keep(payload)))
+
+    def _keep(self, payload: Any) -> Any:
+        """A whole version to keep: spilled to a file when the relay spills (echo.spill), else
+        its own copy when it is a receive buffer the snapshot store recycles."""
+        if self.cfg.spill_dir:
+            from echo.spill import spill, spill_dir
+
+            return spill(payload, spill_dir(self.cfg.spill_dir))
+        return bytearray(payload) if self.store.holds(payload) else payload
 
     @property
     def holds_base(self) -> bool:
@@ -189,10 +201,8 @@ class Relay:
         return held.payload if held is not None and held.done else None
 
     def hold_result(self, manifest: dict[str, Any], result: Any) -> None:
-        """Keep an installed version's full payload: its own copy when it is the payload's
-        receive buffer, which the snapshot store recycles for a later version."""
-        own = bytearray(result) if self.store.holds(result) else result
-        self.results.add(SnapshotBuffer(result_view(manifest), own))
+        """Keep an installed version's full payload (``_keep``)."""
+        self.results.add(SnapshotBuffer(result_view(manifest), self._keep(result)))
 
     def measured(self, version: int, stats: FetchStats) -> dict[str, float]:
         """The ``wire.Installed`` fields for ``version``: measured download and upload."""

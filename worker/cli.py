@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "host, or 0.0.0.0 when that is loopback and the learner is not)")
     j.add_argument("--no-relay", action="store_true",
                    help="never relay, even through punched links (placed at a chain tail)")
+    j.add_argument("--spill-dir", default=None, metavar="DIR",
+                   help="where whole snapshot versions kept for later live, as files read "
+                        "through memory maps (default $ECHO_HOME/spill or ~/.cache/echo/spill; "
+                        "docs/memory.md)")
+    j.add_argument("--no-spill", action="store_true",
+                   help="keep those versions in RAM instead (faster disks are not needed; "
+                        "more memory is)")
     j.add_argument("--down-mbit", type=float, default=0.0, help="declared download rate, Mbit/s")
     j.add_argument("--up-mbit", type=float, default=0.0, help="declared upload rate, Mbit/s")
     j.add_argument("--backend", choices=["transformers", "vllm"], default=None,
@@ -172,7 +180,8 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     relay_port, punch_port = relay_ports(args.relay_host, args.relay_port, args.punch_port)
     relay = RelayConfig(bind_host=args.relay_host, port=relay_port, serve=not args.no_relay,
                         punch_host=args.punch_host or _punch_host(args.relay_host, line.endpoint),
-                        punch_port=punch_port, down_mbit=args.down_mbit, up_mbit=args.up_mbit)
+                        punch_port=punch_port, down_mbit=args.down_mbit, up_mbit=args.up_mbit,
+                        spill_dir="" if args.no_spill else str(_spill_dir(args.spill_dir)))
 
     make = make_worker or Worker
     owner = None
@@ -380,6 +389,12 @@ def relay_ports(relay_host: str, relay_port: int | None, punch_port: int | None)
     if punch_port is None:
         punch_port = relay_port + 1 if 0 < relay_port < 65535 else 0
     return relay_port, punch_port
+
+
+def _spill_dir(given: str | None) -> Path:
+    from echo.spill import spill_dir
+
+    return spill_dir(given)
 
 
 def _punch_host(relay_host: str, learner: str) -> str:
