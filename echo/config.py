@@ -333,6 +333,11 @@ class WorkerConfig(_Section):
     # Where a worker generates: auto (cuda:0 if the worker has a GPU, else cpu), cpu, cuda,
     # cuda:N. The model runs in bf16 on a GPU that supports it, float32 on the CPU.
     device: str = "auto"
+    # The dtype the transformers backend generates in (docs/memory.md): auto is bfloat16 on a GPU
+    # that supports it and float32 on the CPU (bf16 kernels are slow there, and the learner's
+    # audits recompute log-probs in float32: a bf16 CPU worker's differ more than
+    # security.audit_logprob_tol allows). bfloat16 halves a CPU worker's model memory.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     _device = field_validator("device")(check_device)
 

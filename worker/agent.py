@@ -548,7 +548,8 @@ class Worker:
         threads = self.threads or self.view["worker"]["torch_threads"]
         wv = self.view["worker"]
         name = self.backend_name or wv["backend"]
-        extra = {"gpu_memory_utilization": wv.get("vllm_gpu_memory", 0.5)} if name == "vllm" else {}
+        extra = ({"gpu_memory_utilization": wv.get("vllm_gpu_memory", 0.5)} if name == "vllm"
+                 else {"dtype": wv.get("dtype", "auto")})
         lora = LoraConfig(**self.view.get("lora", {}))
         if lora.enabled:  # versions are adapters: the backend holds the base and an adapter
             if name != "transformers":

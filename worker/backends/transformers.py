@@ -50,10 +50,11 @@ class TransformersBackend(Backend):
     version's adapter is copied into a peft adapter on it (unmerged)."""
 
     def __init__(self, model_cfg: ModelConfig, threads: int = 1, device: str = "cpu",
-                 lora: LoraConfig | None = None):
+                 lora: LoraConfig | None = None, dtype: str = "auto"):
         torch.set_num_threads(threads)
         self.device = resolve_device(device, "worker.device")
-        dtype = "bfloat16" if bf16_compute(self.device) else "float32"
+        if dtype == "auto":  # worker.dtype: bf16 where the device computes in it
+            dtype = "bfloat16" if bf16_compute(self.device) else "float32"
         self.tokenizer = load_tokenizer(model_cfg)
         model, self.base_hash = load_policy_model(model_cfg, lora, self.tokenizer, dtype)
         self.model = model.to(self.device).eval()
