@@ -139,7 +139,8 @@ def per_param(case: dict[str, Any]) -> dict[str, Any]:
     workers = [v for k, v in case["peak"].items() if k != "learner"]
     worker_peak = max((w.get("rss_peak", 0) for w in workers), default=0)
     worker_anon = max((w.get("rss_anon", 0) for w in workers), default=0)
-    wmodel = max((w.get("model", 0) for w in case["worker_census"]), default=0)
+    # the worker's model as its census counted it (float32 on a CPU: 4 bytes a parameter)
+    wmodel = max((w.get("model", 0) for w in case["worker_census"]), default=0) or 4 * n
     train = lc.get("model", 0) + lc.get("grads", 0) + lc.get("optimizer", 0)
     return {"learner_peak_per_param": round(learner.get("rss_peak", 0) / n, 2),
             "learner_anon_per_param": round(learner.get("rss_anon", 0) / n, 2),
@@ -172,10 +173,49 @@ def main(argv: list[str] | None = None) -> int:
                 cases.append(case)
                 print("\n" + json.dumps({k: v for k, v in case.items() if k != "peak"}), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
+    fit = machines(cases)
     args.json.write_text(json.dumps({"machine": machine_info(), "argv": sys.argv[1:],
-                                     "cases": cases}, indent=2))
+                                     "cases": cases, "machines": fit}, indent=2))
     _table(cases)
+    for name, row in fit.get("sizes", {}).items():
+        print(f"{name:>5}: learner {row['learner_full_gib']} GiB (LoRA {row['learner_lora_gib']}), "
+              f"worker {row['worker_cpu_gib']} GiB host memory on a CPU")
     return 0
+
+
+SIZES = {"0.5B": 0.5e9, "1.5B": 1.5e9, "7B": 7e9, "8B": 8e9}
+
+
+def machines(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Host memory for a learner and a worker at each of SIZES, from the measured cases with
+    spilling on: a fixed part (the smallest model's peak: Python, torch, transformers) plus
+    bytes per parameter from the largest (its peak above that fixed part, per parameter).
+    LoRA rows are derived from the same parts (the learner's frozen float32 model and its
+    audit copy, no optimizer or gradients of the base; a worker as in full fine-tuning)."""
+    spilled = [c for c in cases if c["spill"] and c["params"]]
+    if len(spilled) < 2:
+        return {}
+    small, big = min(spilled, key=lambda c: c["params"]), max(spilled, key=lambda c: c["params"])
+    n = big["params"]
+
+    def slope(role: str) -> tuple[float, float]:
+        peak = lambda c: max((v.get("rss_peak", 0) for k, v in c["peak"].items()  # noqa: E731
+                              if (k == "learner") == (role == "learner")), default=0)
+        fixed = peak(small)
+        return fixed, (peak(big) - fixed) / n
+
+    (lf, lb), (wf, wb) = slope("learner"), slope("worker")
+    lora_b = (big["learner_census"].get("model", 0) + big["learner_census"].get("audit_model", 0)) / n
+    rows = {name: {"learner_full_gib": round((lf + lb * p) / GIB, 1),
+                   "learner_lora_gib": round((lf + lora_b * p) / GIB, 1),
+                   "worker_cpu_gib": round((wf + wb * p) / GIB, 1),
+                   "worker_disk_gib": round(2 * 2 * p / GIB, 1)}  # base model + a spilled version
+            for name, p in SIZES.items()}
+    return {"fit": {"learner_fixed_bytes": lf, "learner_bytes_per_param": round(lb, 2),
+                    "worker_fixed_bytes": wf, "worker_bytes_per_param": round(wb, 2),
+                    "lora_learner_bytes_per_param": round(lora_b, 2),
+                    "from": [Path(small["model"]).name, Path(big["model"]).name]},
+            "sizes": rows}
 
 
 def _table(cases: list[dict[str, Any]]) -> None:
