@@ -262,6 +262,10 @@ def run_once(workers: int, per_process: int, seconds: float, group_s: float,
                            cfg.worker.heartbeat_s, rows[-1].get("wall_s", seconds) if rows else seconds,
                            cfg.transport.heartbeats_per_s)
     out["heartbeats_per_s"] = cfg.transport.heartbeats_per_s
+    batches = out["cpu"].get("model") and (rows[-1]["control_cpu"]["kinds"]["trajectories"][0])
+    if batches and out["acked_records"]:  # a batch's cost over the records it carried
+        out["cpu"]["per_record_us"] = round(out["cpu"]["trajectories_us"] * batches
+                                            / out["acked_records"], 1)
     return out
 
 
@@ -423,7 +427,7 @@ def _cpu_table(results: list[dict[str, Any]]) -> Any:
 
     t = Table(title="the learner's CPU per unit of work (its own counters; learner.cpu), and the "
                     "fleet one core serves")
-    for col in ("workers", "heartbeat µs", "work request µs", "trajectory batch µs",
+    for col in ("workers", "heartbeat µs", "work request µs", "trajectory batch µs", "per record µs",
                 "of which I/O µs/msg", "loop overhead µs/req", "sweeps µs/worker/s",
                 "admission µs/s", "one core: fixed period", "one core: scaled period"):
         t.add_column(col, justify="right")
@@ -432,6 +436,7 @@ def _cpu_table(results: list[dict[str, Any]]) -> Any:
         sat = c.get("saturation", {})
         t.add_row(str(r["workers"]), str(c.get("heartbeat_us", "-")),
                   str(c.get("work_request_us", "-")), str(c.get("trajectories_us", "-")),
+                  str(c.get("per_record_us", "-")),
                   str(c["zmq_io_us_per_message"]), str(c["loop_overhead_us_per_request"]),
                   str(c["sweep_us_per_worker_s"]), str(c.get("model", {}).get("admission_us_per_s", "-")),
                   f"{sat.get('period_fixed', 0):,}", f"{sat.get('period_scaled', 0):,}")

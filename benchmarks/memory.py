@@ -109,9 +109,10 @@ def run_case(model: str, steps: int, workers: int, spill: bool, tmp: Path) -> di
             group.start(f"w{i}", python_argv("worker.cli", "join", line, "--id", f"w{i}",
                                              "--plain", "--identity", str(tmp / f"w{i}-{tag}.key")),
                         tmp / f"w{i}-{tag}.log", env={"ECHO_STATUS_DIR": str(status)}, cwd=ROOT)
+        shown = -1
         while learner.poll() is None and time.monotonic() - t0 < 3600:
             sampler.sample(group.procs)
-            progress(run, steps, t0)
+            shown = progress(run, steps, t0, shown)
             time.sleep(0.5)
     finally:
         group.stop_all(timeout=30)
@@ -124,10 +125,13 @@ def run_case(model: str, steps: int, workers: int, spill: bool, tmp: Path) -> di
             "learner_census": census, "worker_census": worker_census}
 
 
-def progress(run: Path, steps: int, t0: float) -> None:
+def progress(run: Path, steps: int, t0: float, shown: int) -> int:
+    """Says each finished step once (a step of a 0.4 B model takes a minute here)."""
     path = run / "metrics.jsonl"
     done = sum(1 for _ in path.open()) if path.exists() else 0
-    print(f"\r  {done}/{steps} steps, {time.monotonic() - t0:.0f} s", end="", flush=True)
+    if done != shown:
+        print(f"  {done}/{steps} steps, {time.monotonic() - t0:.0f} s", flush=True)
+    return done
 
 
 def per_param(case: dict[str, Any]) -> dict[str, Any]:
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 case = run_case(model, args.steps, args.workers, spill, Path(tmp))
                 case.update(per_param(case))
                 cases.append(case)
-                print("\n" + json.dumps({k: v for k, v in case.items() if k != "peak"}), flush=True)
+                print(json.dumps({k: v for k, v in case.items() if k != "peak"}), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     fit = machines(cases)
     args.json.write_text(json.dumps({"machine": machine_info(), "argv": sys.argv[1:],
