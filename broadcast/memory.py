@@ -36,3 +36,14 @@ def keep_chunk_buffers() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _done
+
+
+def trim() -> bool:
+    """Hand the heap's free memory back to the kernel now (glibc ``malloc_trim``): after a
+    model load or an install the transient copies are free but, with the thresholds above,
+    kept by malloc; a worker's resident set would stay at its peak. True if glibc did it."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

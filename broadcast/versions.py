@@ -20,6 +20,7 @@ from typing import Any
 
 from broadcast.delta import DeltaError, DeltaStats, decode, encode
 from broadcast.snapshot import RunKey, SnapshotError, build_manifest, chunk_hashes
+from echo.spill import drop_pages
 
 
 @dataclass
@@ -61,6 +62,9 @@ class VersionEncoder:
             self._since_keyframe = 0
         else:
             self._since_keyframe += 1
+        if self._base is not None:
+            drop_pages(self._base[2])  # read for the delta; a spilled map's pages go back
+        drop_pages(full)
         self._base = (version, tensors, full)
         pub.build_s = time.perf_counter() - t0
         return pub

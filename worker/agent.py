@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from broadcast.fetch import FetchStats
+from broadcast.memory import trim
 from broadcast.nat.links import Tunnels
 from broadcast.nat.reflect import NatError, pick_punch_port, probe_all, punch_port_free
 from broadcast.relay import Relay, RelayConfig, RelayPortTaken
@@ -339,6 +340,7 @@ class Worker:
         if loaded is None:
             return False
         self.backend, self.adapter = loaded
+        trim()  # the load's transient copies (a bf16 file read into float32) go back
         sys.setswitchinterval(DEFAULT_SWITCH_S)
         self.progress.loaded()
         # The model and its libraries live as long as the process: out of the
@@ -672,6 +674,7 @@ class Worker:
             self.installed_version = version
             self.status.update(installed_version=version, installed_at=time.time(),
                                install_s=round(time.monotonic() - t0, 3))
+            trim()  # the install's transient copies go back to the kernel (docs/memory.md)
             self._first_install()
             log.info("installed snapshot v%d", version)
         except ModelError as err:
