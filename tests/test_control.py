@@ -21,15 +21,20 @@ from learner.control import ControlPlane
 from learner.work import WorkQueue
 
 
-@pytest.fixture
-def plane(small_cfg, tokenizer):
-    lc = small_cfg.learner
+def control_plane(cfg, tokenizer) -> ControlPlane:
+    """A control plane (not started) for the toy-add task on ``cfg``."""
+    lc = cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
-    buffer = ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size)
+    buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size)
     work = WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
                      max_outstanding=8, lease_timeout_s=30, prefix="t")
-    cp = ControlPlane(small_cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
-                      limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size))
+    return ControlPlane(cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
+                        limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size))
+
+
+@pytest.fixture
+def plane(small_cfg, tokenizer):
+    cp = control_plane(small_cfg, tokenizer)
     cp.start()
     yield cp
     cp.shutdown("test over")
@@ -357,13 +362,7 @@ def test_a_large_fleet_is_told_a_longer_heartbeat_period_and_given_longer_to_bea
     worker is told period = fleet size / budget, at join and in every heartbeat reply, and is
     removed only after as many missed beats as before."""
     small_cfg.worker.heartbeat_s, small_cfg.transport.heartbeats_per_s = 0.5, 1.0
-    lc = small_cfg.learner
-    adapter = load_adapter("toy-add", {}, tokenizer)
-    cp = ControlPlane(small_cfg, run_id="t", key=RunKey.generate(),
-                      buffer=ReplayBuffer(lc.staleness, 8, lc.group_size),
-                      work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
-                                     max_outstanding=8, lease_timeout_s=30, prefix="t"),
-                      limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size))
+    cp = control_plane(small_cfg, tokenizer)
     cp.start()
     try:
         first, second, third = (connect(cp, ctx) for _ in range(3))
