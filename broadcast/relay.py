@@ -201,8 +201,13 @@ class Relay:
         return held.payload if held is not None and held.done else None
 
     def hold_result(self, manifest: dict[str, Any], result: Any) -> None:
-        """Keep an installed version's full payload (``_keep``)."""
-        self.results.add(SnapshotBuffer(result_view(manifest), self._keep(result)))
+        """Keep an installed version's full payload (``_keep``). When it is the receive buffer
+        of a full version and the relay spills, the snapshot store serves the spilled copy from
+        now on and the buffer is freed once its last send is done (docs/memory.md)."""
+        kept = self._keep(result)
+        self.results.add(SnapshotBuffer(result_view(manifest), kept))
+        if self.cfg.spill_dir:
+            self.store.swap_payload(result, kept)
 
     def measured(self, version: int, stats: FetchStats) -> dict[str, float]:
         """The ``wire.Installed`` fields for ``version``: measured download and upload."""

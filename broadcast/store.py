@@ -130,6 +130,15 @@ class SnapshotStore:
     def clear(self) -> None:
         self._bufs.clear()
 
+    def swap_payload(self, old: Any, new: Any) -> bool:
+        """A complete version's payload ``old`` replaced by ``new`` (the same bytes: a
+        spilled copy); its chunks are served from ``new``. False when no held version has it."""
+        for buf in self._bufs.values():
+            if buf.payload is old and buf.done and len(new) == len(old):
+                buf.payload, buf.view = new, memoryview(new)
+                return True
+        return False
+
     def buffers(self) -> list[SnapshotBuffer]:
         """The versions held, oldest first."""
         return list(self._bufs.values())

@@ -108,6 +108,8 @@ def rebuild(manifest: dict[str, Any], payload: Any, base: Any | None,
         result = decode(manifest["tensors"], payload, base, manifest["result_size"], out)
     except DeltaError as err:
         raise SnapshotError(f"version {manifest['version']}: {err}") from None
+    finally:
+        drop_pages(base)  # read whole for the decode: a spilled base's pages go back
     check_result(manifest, result)
     return result
 

@@ -479,6 +479,11 @@ class SecurityConfig(_Section):
     audit_rate: float = Field(0.05, ge=0, le=1)  # share of groups audited after probation
     probation_groups: int = Field(4, ge=0)  # a worker's first groups: every one is audited
     audit_budget: float = Field(0.10, gt=0, le=1)  # audits may take this share of learner time
+    # The model audits recompute log-probs in (docs/memory.md). policy: on a single-process
+    # learner on the CPU, the trainer's own model between steps (its weights saved to a spill
+    # file and restored bit for bit); elsewhere, and with copy, a float32 copy of the policy
+    # (4 bytes a parameter more).
+    audit_model: Literal["policy", "copy"] = "policy"
     audit_queue: int = Field(256, gt=0)  # groups waiting for audit; past it the oldest
                                           # non-probation job is dropped (counted)
     # Mean per-token |claimed - recomputed| log-prob of one sample above this fails the audit.

@@ -37,7 +37,8 @@ import mmap
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +83,12 @@ def sampling_check(samples: list[TokenStats], alpha: float, clip: float) -> tupl
 class Auditor:
     def __init__(self, cfg: EchoConfig, tokenizer: Any, report: Callable[[Verdict], None],
                  is_quarantined: Callable[[str], bool] = lambda w: False,
-                 answer_tokens: tuple[int, ...] | None = None):
+                 answer_tokens: tuple[int, ...] | None = None, borrow: Any = None,
+                 spill_to: Any = None):
+        """``borrow``: the trainer's own model, audited in between steps instead of a copy
+        of it (docs/memory.md): its weights are spilled to ``spill_to`` (a directory), the
+        claimed version is installed, and the weights come back bit for bit before the next
+        step. None: a model of the auditor's own (4 bytes a parameter more)."""
         sc = cfg.security
         self.answer_tokens = answer_tokens  # the workers' restricted sampler (dataplane/answers.py)
         self.cfg, self.tokenizer, self.report = cfg, tokenizer, report
@@ -98,6 +104,7 @@ class Auditor:
         self._audited: Counter[str] = Counter()  # worker id -> jobs taken
         self.done = self.failed = self.dropped = self.expired = 0
         self.seconds = 0.0
+        self._borrow, self._spill_to = borrow, spill_to
 
     # ------------------------------------------------------------------ inputs (any thread)
 
@@ -136,14 +143,56 @@ class Auditor:
     def run(self, budget_s: float) -> float:
         """Audit waiting groups, probation first, until ``budget_s`` is spent; seconds used."""
         t0 = time.monotonic()
+        if self._borrow is not None and self.waiting:
+            with self._borrowed():
+                self._run_jobs(t0, budget_s)
+        else:
+            self._run_jobs(t0, budget_s)
+        used = time.monotonic() - t0
+        self.seconds += used
+        return used
+
+    def _run_jobs(self, t0: float, budget_s: float) -> None:
         while time.monotonic() - t0 < budget_s:
             job = self._next()
             if job is None:
                 break
             self._audit(job)
-        used = time.monotonic() - t0
-        self.seconds += used
-        return used
+
+    @contextmanager
+    def _borrowed(self) -> Iterator[None]:
+        """The trainer's model as the audit model for one round: its weights saved to a spill
+        file first and copied back after, whatever happens in between."""
+        import torch
+
+        from echo.spill import SpillWriter
+
+        model = self._borrow
+        params = [p for _, p in model.named_parameters()]
+        writer = SpillWriter(self._spill_to)
+        try:
+            for p in params:
+                writer.write(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        finally:
+            saved = writer.finish()
+        training = model.training
+        self._model, self._installed = model.eval(), -1
+        try:
+            yield
+        finally:
+            view, offset = memoryview(saved), 0
+            with torch.no_grad():
+                for p in params:
+                    n = p.numel() * p.element_size()
+                    if n:  # (frombuffer refuses an empty buffer)
+                        src = torch.frombuffer(bytearray(view[offset:offset + n]), dtype=p.dtype)
+                        p.copy_(src.view(p.shape))
+                    offset += n
+            view.release()
+            if hasattr(saved, "close"):
+                saved.close()
+            model.train(training)
+            self._model, self._installed = None, -1
 
     def _next(self) -> AuditJob | None:
         with self._lock:

@@ -309,7 +309,7 @@ class Learner:
         self._open_journal()
         self.auditor = Auditor(self.cfg, self.policy.tokenizer, self._report,
                                lambda w: w in self.control.reputation.quarantined if self.control else False,
-                               answer_tokens=self.policy.answer_tokens)
+                               answer_tokens=self.policy.answer_tokens, **self._audit_in_policy())
         self.control = ControlPlane(self.cfg, run_id=self.run_id, key=self.key, buffer=self.buffer,
                                     work=self.work, limits=self.limits, buffer_log=self.log,
                                     run_dir=self.run_dir, adapter=self.adapter,
@@ -617,6 +617,14 @@ class Learner:
                         "worker.max_new_tokens=N; docs/config.md)", step, 100 * share, max_new,
                         self.cfg.adapter.name)
         return None if share is None else round(share, 4)
+
+    def _audit_in_policy(self) -> dict[str, Any]:
+        """security.audit_model = "policy": audits borrow the trainer's model between steps,
+        where that model is one plain float32 module (one process, on the CPU)."""
+        par = self.policy.par
+        if self.cfg.security.audit_model != "policy" or par.world > 1 or par.device.type != "cpu":
+            return {}
+        return {"borrow": self.policy.model, "spill_to": spill_dir(self.run_dir / "spill")}
 
     def _memory(self) -> dict[str, int]:
         """Where the learner's memory goes (docs/memory.md): its resident set, the training

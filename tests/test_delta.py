@@ -267,3 +267,32 @@ def test_junk_in_the_delta_fields_is_a_counted_wire_error(fields):
     with pytest.raises(wire.WireError) as err:
         wire.decode(frame, 1 << 20)
     assert err.value.reason in ("invalid_fields", "malformed")
+
+
+def test_a_spilling_relay_serves_a_full_version_from_its_spilled_copy_and_frees_the_buffer(tmp_path):
+    """With a spill directory the installed version's full payload goes to a file (its map is
+    read-only), and the snapshot store serves that version's chunks from the same map: the
+    receive buffer is no longer held (docs/memory.md)."""
+    import mmap
+
+    key = RunKey.generate()
+    tensors, size = layout(3 * CHUNK)
+    data = np.random.default_rng(3).bytes(size)
+
+    async def body(ctx):
+        r = _relay(ctx, spill_dir=str(tmp_path))
+        m = build_manifest(run_id="r", version=0, tensors=tensors, payload=data,
+                           chunk_size=CHUNK, dtype="bfloat16", key=key)
+        buf = r.store.add(SnapshotBuffer(m, storage=bytearray(data)))
+        for i in range(buf.total):
+            buf.mark(i)
+        received = buf.payload
+        r.hold_result(m, received)
+        held = r.results.get(0).payload
+        served = r.store.get(0)
+        return (isinstance(held, mmap.mmap), served.payload is held, bytes(served.chunk(1)),
+                r.store.holds(received))
+
+    spilled, shared, chunk, still_held = asyncio.run(_run(body))
+    assert spilled and shared and not still_held
+    assert chunk == data[CHUNK:2 * CHUNK]

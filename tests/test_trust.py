@@ -177,7 +177,7 @@ def test_two_strikes_quarantine_the_worker_and_take_its_records_out(trusting, ct
 # ----------------------------------------------------------------------------- audits
 
 
-def _auditor(cfg, tokenizer, sharpen: float):
+def _auditor(cfg, tokenizer, sharpen: float, **borrow):
     """An auditor holding version 0 of a model whose output layer is scaled by ``sharpen``
     (a random-init model is near uniform: nothing can tell its samples from chosen tokens)."""
     torch.manual_seed(0)
@@ -186,7 +186,7 @@ def _auditor(cfg, tokenizer, sharpen: float):
         model.lm_head.weight.mul_(sharpen)
     tensors, payload = params_to_payload(model.named_parameters(), "float32")
     verdicts = []
-    aud = Auditor(cfg, tokenizer, verdicts.append)
+    aud = Auditor(cfg, tokenizer, verdicts.append, **borrow)
     aud.add_snapshot(0, tensors, payload)
     return aud, model, verdicts
 
@@ -208,8 +208,15 @@ def _sample(model, prompt, n, tokens, temperature, rng):
     return out
 
 
-def test_audit_passes_honest_samples_and_catches_fabrications(small_cfg, tokenizer):
-    aud, model, verdicts = _auditor(small_cfg, tokenizer, sharpen=5.0)  # ~0.4 nats per token
+@pytest.mark.parametrize("audit_model", ["copy", "policy"])
+def test_audit_passes_honest_samples_and_catches_fabrications(small_cfg, tokenizer, tmp_path,
+                                                              audit_model):
+    """Both audit models (security.audit_model) give the same verdicts; "policy" borrows the
+    trainer's model between steps and hands it back bit for bit, in its training mode."""
+    trainer = load_model(small_cfg.model, tokenizer, "float32").train()  # other weights: v5, say
+    before = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    borrow = {"borrow": trainer, "spill_to": tmp_path} if audit_model == "policy" else {}
+    aud, model, verdicts = _auditor(small_cfg, tokenizer, sharpen=5.0, **borrow)  # ~0.4 nats/token
     rng = torch.Generator().manual_seed(1)
     temp = small_cfg.worker.temperature
     recs = _sample(model, [4, 14, 5], 8, 6, temp, rng)
@@ -226,6 +233,10 @@ def test_audit_passes_honest_samples_and_catches_fabrications(small_cfg, tokeniz
                    ("logprob", False), ("sampling", True),  # log-probs made up, tokens sampled
                    ("logprob", False), ("sampling", False)]  # tokens chosen
     assert verdicts[0].stats["max_mean_gap"] < 1e-4  # same weights, same arithmetic
+    after = dict(trainer.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before) and trainer.training
+    assert aud.model_tensors() == [] or audit_model == "copy"  # no model of its own kept
+    assert list(tmp_path.iterdir()) == []  # the saved weights' file is gone with its map
 
 
 def test_audit_queue_is_bounded_and_drops_non_probation_first(small_cfg, tokenizer):
