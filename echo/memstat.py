@@ -40,10 +40,16 @@ def payload_bytes(payloads: Iterable[Any]) -> dict[str, int]:
 
 
 def tensor_bytes(tensors: Iterable[Any]) -> int:
-    """Bytes of the distinct tensors given (shared storages counted once)."""
+    """Bytes of the distinct tensors given (shared storages counted once). A sharded
+    tensor (FSDP's DTensor) counts its local shard: what this process holds."""
     seen: dict[int, int] = {}
     for t in tensors:
-        if t is not None and hasattr(t, "untyped_storage"):
-            s = t.untyped_storage()
+        if t is None or not hasattr(t, "untyped_storage"):
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        try:
+            s = local.untyped_storage()
             seen[s.data_ptr()] = s.nbytes()
+        except RuntimeError:  # a storage Python cannot see into: its elements, once
+            seen[id(local)] = local.numel() * local.element_size()
     return sum(seen.values())
