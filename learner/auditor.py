@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import mmap
 import threading
 import time
@@ -162,37 +163,35 @@ class Auditor:
     @contextmanager
     def _borrowed(self) -> Iterator[None]:
         """The trainer's model as the audit model for one round: its weights saved to a spill
-        file first and copied back after, whatever happens in between."""
-        import torch
+        file first and read straight back into the parameters after, whatever happens in
+        between (no copy of them in RAM, mapped or not)."""
+        import tempfile
 
-        from echo.spill import SpillWriter
+        import torch
 
         model = self._borrow
         params = [p for _, p in model.named_parameters()]
-        writer = SpillWriter(self._spill_to)
+        fd, name = tempfile.mkstemp(prefix="audit-", suffix=".bin", dir=self._spill_to)
+        os.unlink(name)  # gone with the descriptor, however the process ends
         try:
             for p in params:
-                writer.write(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+                _write_all(fd, _raw(p))
+            training = model.training
+            self._model, self._installed = model.eval(), -1
+            try:
+                yield
+            finally:
+                offset = 0
+                with torch.no_grad():
+                    for p in params:
+                        raw = _raw(p)  # the parameter's own bytes: read into in place
+                        if raw.nbytes and os.preadv(fd, [raw], offset) != raw.nbytes:
+                            raise OSError("audit: the trainer's saved weights came back short")
+                        offset += raw.nbytes
+                model.train(training)
+                self._model, self._installed = None, -1
         finally:
-            saved = writer.finish()
-        training = model.training
-        self._model, self._installed = model.eval(), -1
-        try:
-            yield
-        finally:
-            view, offset = memoryview(saved), 0
-            with torch.no_grad():
-                for p in params:
-                    n = p.numel() * p.element_size()
-                    if n:  # (frombuffer refuses an empty buffer)
-                        src = torch.frombuffer(bytearray(view[offset:offset + n]), dtype=p.dtype)
-                        p.copy_(src.view(p.shape))
-                    offset += n
-            view.release()
-            if hasattr(saved, "close"):
-                saved.close()
-            model.train(training)
-            self._model, self._installed = None, -1
+            os.close(fd)
 
     def _next(self) -> AuditJob | None:
         with self._lock:
@@ -277,3 +276,16 @@ class Auditor:
         keep = [i for i, m in enumerate(mask) if m]
         return TokenStats([lp[i].item() for i in keep], [ent[i].item() for i in keep],
                           [rec.logprobs[i] for i in keep])
+
+
+def _raw(p: Any) -> Any:
+    """A CPU parameter's bytes as a writable uint8 numpy view of its own storage."""
+    import torch
+
+    return p.detach().view(-1).view(torch.uint8).numpy()
+
+
+def _write_all(fd: int, data: Any) -> None:
+    view, done = memoryview(data).cast("B"), 0
+    while done < view.nbytes:
+        done += os.write(fd, view[done:done + (64 << 20)])

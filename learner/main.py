@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from broadcast.memory import trim
 from broadcast.versions import VersionEncoder
 from dataplane.records import Limits, Record
 from echo.config import EchoConfig, ListenPorts, dump_toml
@@ -598,6 +599,7 @@ class Learner:
         row.update(self._publication_row())
         row.update(decode_s=control["decode_s"], keyframe_installs=control["keyframes"])
         row.update(self._audits(t2 - t1))
+        trim()  # the step's and the audits' freed transients go back to the kernel
         row["memory"] = self._memory()
         self._provisioning(t2 - t1, control["t_bcast"] or 0.0)
         if self.metrics is not None:
