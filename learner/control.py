@@ -77,10 +77,10 @@ LOOP_WAIT_S = 10.0
 # PER_WORKER_FRESH_UP_TO are rebuilt at most every PER_WORKER_EVERY_S: each costs the loop time
 # in proportion to the fleet, and stats are asked for at every step (docs/scale.md).
 PER_WORKER_EVERY_S = 2.0
+PER_WORKER_FRESH_UP_TO = 256
 STANDBY_RETRY_S, EMPTY_RETRY_S = 0.5, 0.2  # a small fleet's retry after a grant without work
 SERVE_BURST = 8  # messages served back to back before the loop lets its other tasks run
 SERVE_SLICE_S = 0.005  # ... or this long, whichever comes first
-PER_WORKER_FRESH_UP_TO = 256
 TREE_WAIT_S = 2.0  # a dashboard poll or a scrape waits this long for the loop's relay tree
 
 
