@@ -260,12 +260,8 @@ def run_once(workers: int, per_process: int, seconds: float, group_s: float,
     out["accounting"] = accounting(run, [o.with_suffix(".ledger") for o in outs], cfg.learner.group_size)
     out["cpu"] = cpu_costs(rows[-1].get("control_cpu", {}) if rows else {}, workers,
                            cfg.worker.heartbeat_s, rows[-1].get("wall_s", seconds) if rows else seconds,
-                           cfg.transport.heartbeats_per_s)
+                           cfg.transport.heartbeats_per_s, out["acked_records"])
     out["heartbeats_per_s"] = cfg.transport.heartbeats_per_s
-    batches = out["cpu"].get("model") and (rows[-1]["control_cpu"]["kinds"]["trajectories"][0])
-    if batches and out["acked_records"]:  # a batch's cost over the records it carried
-        out["cpu"]["per_record_us"] = round(out["cpu"]["trajectories_us"] * batches
-                                            / out["acked_records"], 1)
     return out
 
 
@@ -282,7 +278,7 @@ REQUESTS = ("heartbeat", "work_request", "trajectories", "join", "leave", "insta
 
 
 def cpu_costs(cpu: dict[str, Any], workers: int, heartbeat_s: float, seconds: float,
-              budget: float = 0.0) -> dict[str, Any]:
+              budget: float = 0.0, records: int = 0) -> dict[str, Any]:
     """The learner's CPU per unit of work, from its own counters (learner.cpu): microseconds
     on the control loop per message of each kind; the loop's time no handler accounts for
     (the sockets' receive path, the chunk server, handshakes) and ZeroMQ's I/O threads (CURVE,
@@ -307,6 +303,8 @@ def cpu_costs(cpu: dict[str, Any], workers: int, heartbeat_s: float, seconds: fl
     if "trajectories" in per:
         out["trajectories_us"] = round(full("trajectories"), 1)
         out["work_request_us"] = round(full("work_request"), 1)
+        if records:  # a batch's cost over the records the batches carried
+            out["per_record_us"] = round(out["trajectories_us"] * kinds["trajectories"][0] / records, 1)
     if "heartbeat" in per and "trajectories" in per:
         costs = control_costs(out, kinds["trajectories"][0], seconds)
         out["model"] = asdict(costs)

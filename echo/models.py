@@ -265,9 +265,7 @@ def params_to_spill(named: Iterable[tuple[str, Any]], dtype: str, directory: Pat
                               "offset": offset, "nbytes": int(raw.nbytes)})
                 offset += int(raw.nbytes)
     except BaseException:
-        import os
-
-        os.close(writer.fd)
+        writer.close()
         raise
     return index, writer.finish()
 

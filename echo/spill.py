@@ -18,6 +18,7 @@ import mmap
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def spill_dir(root: str | Path | None = None) -> Path:
@@ -49,6 +50,17 @@ class SpillWriter:
             done += os.write(self.fd, view[done:done + (64 << 20)])
         self.size += view.nbytes
 
+    def read_into(self, buf: Any, offset: int) -> None:
+        """Bytes written at ``offset`` read back straight into ``buf`` (a writable buffer):
+        no mapped or intermediate copy."""
+        view = memoryview(buf).cast("B")
+        if view.nbytes and os.preadv(self.fd, [view], offset) != view.nbytes:
+            raise OSError(f"spill file: {view.nbytes} bytes at {offset} came back short")
+
+    def close(self) -> None:
+        """Done without a map (``read_into`` users): the file goes with the descriptor."""
+        os.close(self.fd)
+
     def finish(self) -> mmap.mmap | bytes:
         """The bytes written, as a read-only map (``b""`` when none: nothing maps zero bytes)."""
         try:
@@ -63,7 +75,7 @@ def spill(data: bytes | bytearray | memoryview, directory: Path) -> mmap.mmap | 
     try:
         w.write(data)
     except BaseException:
-        os.close(w.fd)
+        w.close()
         raise
     return w.finish()
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import mmap
 import threading
 import time
@@ -165,17 +164,16 @@ class Auditor:
         """The trainer's model as the audit model for one round: its weights saved to a spill
         file first and read straight back into the parameters after, whatever happens in
         between (no copy of them in RAM, mapped or not)."""
-        import tempfile
-
         import torch
+
+        from echo.spill import SpillWriter
 
         model = self._borrow
         params = [p for _, p in model.named_parameters()]
-        fd, name = tempfile.mkstemp(prefix="audit-", suffix=".bin", dir=self._spill_to)
-        os.unlink(name)  # gone with the descriptor, however the process ends
+        saved = SpillWriter(self._spill_to)
         try:
             for p in params:
-                _write_all(fd, _raw(p))
+                saved.write(_raw(p))
             training = model.training
             self._model, self._installed = model.eval(), -1
             try:
@@ -185,13 +183,12 @@ class Auditor:
                 with torch.no_grad():
                     for p in params:
                         raw = _raw(p)  # the parameter's own bytes: read into in place
-                        if raw.nbytes and os.preadv(fd, [raw], offset) != raw.nbytes:
-                            raise OSError("audit: the trainer's saved weights came back short")
+                        saved.read_into(raw, offset)
                         offset += raw.nbytes
                 model.train(training)
                 self._model, self._installed = None, -1
         finally:
-            os.close(fd)
+            saved.close()
 
     def _next(self) -> AuditJob | None:
         with self._lock:
@@ -283,9 +280,3 @@ def _raw(p: Any) -> Any:
     import torch
 
     return p.detach().view(-1).view(torch.uint8).numpy()
-
-
-def _write_all(fd: int, data: Any) -> None:
-    view, done = memoryview(data).cast("B"), 0
-    while done < view.nbytes:
-        done += os.write(fd, view[done:done + (64 << 20)])

@@ -846,8 +846,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         """When a worker that got no work may ask again: ``base``, or fleet size over
         transport.heartbeats_per_s once that is longer (docs/scale.md): a thousand idle workers
         asking five times a second cost the loop more than all their heartbeats."""
-        budget = self.cfg.transport.heartbeats_per_s
-        return max(base, len(self.workers) / budget) if budget > 0 else base
+        return self._fleet_interval(base)
 
     def _fair_share(self) -> int:
         """Groups one grant may carry: the outstanding bound split over the active workers.

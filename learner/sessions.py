@@ -113,7 +113,12 @@ class Sessions:
     def _period(self) -> float:
         """The heartbeat period to tell a worker now (docs/scale.md): worker.heartbeat_s, or
         longer once the fleet would send more than transport.heartbeats_per_s heartbeats."""
-        base, budget = self.cfg.worker.heartbeat_s, self.cfg.transport.heartbeats_per_s
+        return self._fleet_interval(self.cfg.worker.heartbeat_s)
+
+    def _fleet_interval(self, base: float) -> float:
+        """``base`` seconds between one worker's messages, or fleet size over
+        transport.heartbeats_per_s once that is longer (0: never longer)."""
+        budget = self.cfg.transport.heartbeats_per_s
         return max(base, len(self.workers) / budget) if budget > 0 else base
 
     def _timeout(self, w: WorkerState) -> float:
