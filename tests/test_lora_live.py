@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_integration import Cluster, rows
+from test_integration import Cluster, rows, wait_rows
 
 from echo.config import LoraConfig
 
@@ -43,6 +43,8 @@ def test_lora_run_advances_and_workers_install_adapter_versions(cluster):
     cluster.worker("w1")
     for w in ("w0", "w1"):  # each installs adapter versions beyond the first, and generates
         wait_installs(cluster.tmp / f"{w}.log", 3)
+    # Three installed versions (v0..v2) imply only two finished steps: wait for the third row.
+    wait_rows(run, 3)
     cluster.group.stop("learner", timeout=60)
     got = rows(run)
     assert len(got) >= 3 and [r["step"] for r in got] == list(range(len(got)))

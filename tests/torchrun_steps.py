@@ -56,4 +56,7 @@ def main(out: str, lora: bool = False) -> None:
 
 
 if __name__ == "__main__":
+    from learner.parallel import exit_rank
+
     main(sys.argv[1], lora=sys.argv[2:] == ["lora"])
+    exit_rank(0)  # as echo-rl learn ends a rank: no finalisation for gloo to abort in
