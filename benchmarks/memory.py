@@ -52,7 +52,7 @@ def random_model(name: str) -> Path:
     return folder
 
 
-def config_for(model: str, steps: int, spill: bool, tmp: Path) -> Path:
+def config_for(model: str, steps: int, spill: bool, tmp: Path, overrides: list[str]) -> Path:
     from echo.config import dump_toml, load_config
 
     real = model != "tiny"
@@ -64,7 +64,7 @@ def config_for(model: str, steps: int, spill: bool, tmp: Path) -> Path:
             "metrics.enabled=false"]
     if real:
         sets += [f"model.name={name}"]
-    cfg = load_config(base, sets)
+    cfg = load_config(base, sets + overrides)
     path = tmp / f"{Path(model).name}.toml"
     path.write_text(dump_toml(cfg))
     return path
@@ -77,8 +77,12 @@ class Sampler:
 
     def __init__(self) -> None:
         self.peak: dict[str, dict[str, int]] = {}
+        self.at_peak: dict[str, dict[str, int]] = {}  # the sample with the largest VmRSS
+        self.timeline: dict[str, list[list[float]]] = {}  # [t, rss, anon, file] in GiB
+        self.t0 = time.monotonic()
 
     def sample(self, procs: dict[str, Any]) -> None:
+        t = round(time.monotonic() - self.t0, 1)
         for name, proc in procs.items():
             try:
                 text = Path(f"/proc/{proc.pid}/status").read_text()
@@ -87,14 +91,19 @@ class Sampler:
             got = {self.FIELDS[k]: int(v.split()[0]) * 1024 for k, _, v in
                    (line.partition(":") for line in text.splitlines()) if k in self.FIELDS}
             mine = self.peak.setdefault(name, {})
+            if got.get("rss", 0) > mine.get("rss", 0):
+                self.at_peak[name] = {**got, "t": t}
             for k, v in got.items():
                 mine[k] = max(mine.get(k, 0), v)
+            self.timeline.setdefault(name, []).append(
+                [t, *(round(got.get(k, 0) / GIB, 3) for k in ("rss", "rss_anon", "rss_file"))])
 
 
-def run_case(model: str, steps: int, workers: int, spill: bool, tmp: Path) -> dict[str, Any]:
+def run_case(model: str, steps: int, workers: int, spill: bool, tmp: Path,
+             overrides: list[str]) -> dict[str, Any]:
     from echo.procs import ProcessGroup, python_argv, wait_ready
 
-    conf = config_for(model, steps, spill, tmp)
+    conf = config_for(model, steps, spill, tmp, overrides)
     tag = f"{Path(model).name}-{'spill' if spill else 'ram'}"
     run, status = tmp / f"run-{tag}", tmp / f"status-{tag}"
     status.mkdir()
@@ -122,6 +131,7 @@ def run_case(model: str, steps: int, workers: int, spill: bool, tmp: Path) -> di
     worker_census = [json.loads(p.read_text()).get("memory", {}) for p in sorted(status.glob("*.json"))]
     return {"model": model, "spill": spill, "steps": len(rows), "params": census.get("model", 0) // 4,
             "wall_s": round(time.monotonic() - t0, 1), "peak": sampler.peak,
+            "at_peak": sampler.at_peak, "timeline": sampler.timeline, "overrides": overrides,
             "learner_census": census, "worker_census": worker_census}
 
 
@@ -163,8 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--no-spill", action="store_true", help="also run each model with "
                     "learner.spill_payloads = false (the versions held in RAM)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every case (e.g. learner.gradient_checkpointing=true)")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/memory.json")
+    ap.add_argument("--lora-json", type=Path, default=ROOT / "benchmarks/results/memory_lora.json",
+                    help="a LoRA run's results (--set learner.lora.enabled=true): the machine "
+                         "table's LoRA column; absent: that column is derived")
+    ap.add_argument("--recompute", action="store_true",
+                    help="measure nothing: the table and machine sizes again from --json")
     args = ap.parse_args(argv)
+    if args.recompute:
+        doc = json.loads(args.json.read_text())
+        doc["machines"] = machines(doc["cases"], _lora_case(args.lora_json))
+        args.json.write_text(json.dumps(doc, indent=2))
+        _report(doc["cases"], doc["machines"])
+        return 0
     from echo.machine import machine_info
 
     cases = []
@@ -172,44 +195,61 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.model:
             for spill in (True, False) if args.no_spill else (True,):
                 print(f"{model}, spill {'on' if spill else 'off'}:", flush=True)
-                case = run_case(model, args.steps, args.workers, spill, Path(tmp))
+                case = run_case(model, args.steps, args.workers, spill, Path(tmp), args.set)
                 case.update(per_param(case))
                 cases.append(case)
-                print(json.dumps({k: v for k, v in case.items() if k != "peak"}), flush=True)
+                print(json.dumps({k: v for k, v in case.items() if k not in ("peak", "timeline")}),
+                      flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    fit = machines(cases)
+    fit = machines(cases, _lora_case(args.lora_json))
+    _plot(cases, args.json.with_suffix(".png"))
+    timelines = {f"{Path(c['model']).name}-{'spill' if c['spill'] else 'ram'}": c.pop("timeline")
+                 for c in cases}  # one line: thousands of samples
     args.json.write_text(json.dumps({"machine": machine_info(), "argv": sys.argv[1:],
                                      "cases": cases, "machines": fit}, indent=2))
+    args.json.with_name(args.json.stem + "_timeline.json").write_text(json.dumps(timelines))
+    _report(cases, fit)
+    return 0
+
+
+def _lora_case(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    cases = json.loads(path.read_text())["cases"]
+    return max(cases, key=lambda c: c["params"]) if cases else None
+
+
+def _report(cases: list[dict[str, Any]], fit: dict[str, Any]) -> None:
     _table(cases)
     for name, row in fit.get("sizes", {}).items():
         print(f"{name:>5}: learner {row['learner_full_gib']} GiB (LoRA {row['learner_lora_gib']}), "
               f"worker {row['worker_cpu_gib']} GiB host memory on a CPU")
-    return 0
 
 
 SIZES = {"0.5B": 0.5e9, "1.5B": 1.5e9, "7B": 7e9, "8B": 8e9}
 
 
-def machines(cases: list[dict[str, Any]]) -> dict[str, Any]:
+def machines(cases: list[dict[str, Any]], lora: dict[str, Any] | None = None) -> dict[str, Any]:
     """Host memory for a learner and a worker at each of SIZES, from the measured cases with
     spilling on: a fixed part (the smallest model's peak: Python, torch, transformers) plus
     bytes per parameter from the largest (its peak above that fixed part, per parameter).
-    LoRA rows are derived from the same parts (the learner's frozen float32 model and its
-    audit copy, no optimizer or gradients of the base; a worker as in full fine-tuning)."""
+    The LoRA learner column comes from ``lora`` (a LoRA run's case, ``--lora-json``) the same
+    way; without one it is derived: the frozen float32 model and the fixed part only."""
     spilled = [c for c in cases if c["spill"] and c["params"]]
     if len(spilled) < 2:
         return {}
     small, big = min(spilled, key=lambda c: c["params"]), max(spilled, key=lambda c: c["params"])
-    n = big["params"]
 
-    def slope(role: str) -> tuple[float, float]:
-        peak = lambda c: max((v.get("rss_peak", 0) for k, v in c["peak"].items()  # noqa: E731
-                              if (k == "learner") == (role == "learner")), default=0)
-        fixed = peak(small)
-        return fixed, (peak(big) - fixed) / n
+    def peak(c: dict[str, Any], role: str) -> int:
+        return max((v.get("rss_peak", 0) for k, v in c["peak"].items()
+                    if (k == "learner") == (role == "learner")), default=0)
 
-    (lf, lb), (wf, wb) = slope("learner"), slope("worker")
-    lora_b = (big["learner_census"].get("model", 0) + big["learner_census"].get("audit_model", 0)) / n
+    lf, wf = peak(small, "learner"), peak(small, "worker")
+    lb, wb = (peak(big, "learner") - lf) / big["params"], (peak(big, "worker") - wf) / big["params"]
+    if lora is not None:
+        lora_b, lora_from = (peak(lora, "learner") - lf) / lora["params"], "measured"
+    else:
+        lora_b, lora_from = big["learner_census"].get("model", 0) / big["params"], "derived"
     rows = {name: {"learner_full_gib": round((lf + lb * p) / GIB, 1),
                    "learner_lora_gib": round((lf + lora_b * p) / GIB, 1),
                    "worker_cpu_gib": round((wf + wb * p) / GIB, 1),
@@ -217,7 +257,7 @@ def machines(cases: list[dict[str, Any]]) -> dict[str, Any]:
             for name, p in SIZES.items()}
     return {"fit": {"learner_fixed_bytes": lf, "learner_bytes_per_param": round(lb, 2),
                     "worker_fixed_bytes": wf, "worker_bytes_per_param": round(wb, 2),
-                    "lora_learner_bytes_per_param": round(lora_b, 2),
+                    "lora_learner_bytes_per_param": round(lora_b, 2), "lora_from": lora_from,
                     "from": [Path(small["model"]).name, Path(big["model"]).name]},
             "sizes": rows}
 
@@ -241,6 +281,32 @@ def _table(cases: list[dict[str, Any]]) -> None:
                   f"{c['worker_peak_per_param']:.1f}", f"{c['worker_anon_per_param']:.1f}",
                   str(c["learner_within_bound"]), str(c["worker_within_bound"]))
     Console(width=200).print(t)
+
+
+def _plot(cases: list[dict[str, Any]], path: Path) -> None:
+    """Resident memory over time, anonymous and file-backed, one panel per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(cases), 1, figsize=(9, 3 * len(cases)), squeeze=False)
+    for ax, c in zip(axes[:, 0], cases):
+        for name, series in c.get("timeline", {}).items():
+            t = [r[0] for r in series]
+            line, = ax.plot(t, [r[1] for r in series], label=f"{name} resident")
+            ax.plot(t, [r[2] for r in series], ls="--", color=line.get_color(), label=f"{name} anonymous")
+        bound = c.get("learner_bound_bytes", 0) / GIB
+        ax.axhline(bound, color="grey", ls=":", label="learner bound")
+        ax.axhline(c.get("worker_bound_bytes", 0) / GIB, color="grey", ls="-.", label="worker bound")
+        ax.set_title(f"{Path(c['model']).name}, spill {'on' if c['spill'] else 'off'} "
+                     f"{' '.join(c.get('overrides', []))}", fontsize=9)
+        ax.set_xlabel("s")
+        ax.set_ylabel("GiB")
+        ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for n in [int(x) for x in args.pools.split(",")]:
             m = measure(n, args.steps, Path(tmp))
-            lc, wc = m.pop("cfg").learner, None
+            lc = m.pop("cfg").learner
             sim = simulate_fixed(n, m["mu_per_worker"], m["t_train"], m["t_bcast"],
                                  lc.prompts_per_step * lc.group_size, lc.staleness,
                                  lc.effective_kappa, args.steps, group_size=lc.group_size,

@@ -32,6 +32,7 @@ import lz4.block
 import numpy as np
 
 from broadcast.snapshot import DTYPE_BYTES, TENSOR_ENCODINGS
+from echo.spill import drop_pages
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INDEX = np.dtype("<u4")
 
@@ -117,6 +118,8 @@ def encode(tensors: list[dict[str, Any]], new: Any, base: Any) -> tuple[list[dic
     scratch = np.empty(max((t["nbytes"] for t in tensors), default=0), dtype=np.uint8)
     for t in tensors:
         enc, data = _encode_tensor(t, new, base, stats, scratch)
+        for whole in (new, base):  # spilled maps: this tensor's pages leave the resident set
+            drop_pages(whole, t["offset"], t["offset"] + t["nbytes"])
         entries.append({**t, "enc": enc, "doff": off, "dlen": len(data)})
         parts.append(data)
         off += len(data)
@@ -137,6 +140,7 @@ def decode(entries: list[dict[str, Any]], payload: Any, base: Any, result_size: 
     view, src = memoryview(result), memoryview(payload)
     for t in entries:
         _decode_tensor(t, src, base, view)
+        drop_pages(base, t["offset"], t["offset"] + t["nbytes"])  # a spilled base: read once
     return result
 
 

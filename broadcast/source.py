@@ -243,6 +243,7 @@ class ChunkServer:
                 # NOBLOCK: a peer that requests but never reads fills its queue; its replies
                 # are then dropped (it times out) instead of stalling every other child.
                 await self.sock.send_multipart([ident, header, data], copy=False, flags=zmq.NOBLOCK)
+                buf.sent(index)  # zmq may still read it: a dropped page faults back in
                 self.store.bytes_sent += len(data)
                 self._count_sent(version, len(data), queued_at)
             except zmq.ZMQError as exc:

@@ -16,6 +16,7 @@ from typing import Any
 import blake3
 
 from broadcast.snapshot import chunk_range, num_chunks
+from echo.spill import drop_pages
 
 Listener = Callable[[int, int], None]  # (version, chunk index)
 
@@ -47,6 +48,13 @@ class SnapshotBuffer:
     def chunk(self, index: int) -> memoryview:
         start, end = chunk_range(self.manifest, index)
         return self.view[start:end]
+
+    def sent(self, index: int) -> None:
+        """Chunk ``index`` went out: a spilled payload's pages of it leave the resident set
+        (echo.spill.drop_pages), so serving a version does not pull the whole file in."""
+        if not isinstance(self.payload, (bytes, bytearray)):
+            start, end = chunk_range(self.manifest, index)
+            drop_pages(self.payload, start, end)
 
     def put(self, index: int, data: bytes | memoryview) -> bool:
         """Store a verified chunk; False if it was already held."""

@@ -194,6 +194,18 @@ class LearnerConfig(StalenessRules, _Section):
     group_size: int = Field(16, ge=2)  # samples per prompt: GRPO normalises rewards within a group
     lr: float = Field(1e-3, gt=0)  # Adam learning rate
     updates_per_step: int = Field(2, gt=0)  # optimiser updates (mini-batches) per learner step
+    # Rows per forward and backward pass, each rank (0: a rank's whole mini-batch at once). The
+    # activations kept for backward grow with it: the learner's step-time memory above its
+    # training state (docs/memory.md). Gradients accumulate across micro-batches; the update is
+    # the mini-batch's, whatever the split.
+    micro_batch_rows: int = Field(8, ge=0)
+    # Recompute each decoder layer's activations in backward instead of keeping them (a second
+    # forward of each layer): the step-time memory of long sequences (docs/memory.md).
+    gradient_checkpointing: bool = False
+    # Host memory the learner may use, in GiB (2^30 bytes; 0: no budget). At start-up the learner says what the
+    # run needs (echo/memplan.py) and, over budget, turns gradient checkpointing on and then
+    # passes fewer rows at a time; a run that cannot fit is refused with what it needs.
+    host_memory_gb: float = Field(0.0, ge=0)
     # S. 0 is synchronous: only the current version's trajectories train, so every step waits
     # for its own broadcast and rollouts (the baseline of benchmarks/staleness_sweep.py).
     staleness: int = Field(2, ge=0)
@@ -334,9 +346,10 @@ class WorkerConfig(_Section):
     # cuda:N. The model runs in bf16 on a GPU that supports it, float32 on the CPU.
     device: str = "auto"
     # The dtype the transformers backend generates in (docs/memory.md): auto is bfloat16 on a GPU
-    # that supports it and float32 on the CPU (bf16 kernels are slow there, and the learner's
-    # audits recompute log-probs in float32: a bf16 CPU worker's differ more than
-    # security.audit_logprob_tol allows). bfloat16 halves a CPU worker's model memory.
+    # that supports it and float32 on the CPU (bf16 kernels are slow there), or bfloat16 when a
+    # volunteer's --host-memory-gb needs it. bfloat16 halves a CPU worker's model memory; its
+    # log-probs lie 0.04 nats a token from the learner's float32 audits on SmolLM2
+    # (benchmarks/bf16_logprobs.py), inside security.audit_logprob_tol.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     _device = field_validator("device")(check_device)

@@ -128,6 +128,16 @@ def load_model(cfg: ModelConfig, tokenizer: Any, dtype: str = "float32") -> Any:
     return model
 
 
+def enable_checkpointing(model: Any) -> None:
+    """Activation (gradient) checkpointing on every decoder layer, non-reentrant, so that a
+    frozen input (a LoRA base) still passes gradients on. transformers 5 renamed the method."""
+    on = getattr(model, "activation_checkpointing_enable", None)
+    if on is not None:
+        on(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def vocab_size_of_folder(folder: str | Path) -> int:
     """The model's vocabulary size from its config.json (the engine holds the weights)."""
     import json
@@ -276,6 +286,7 @@ def install_payload(model: Any, index: list[dict[str, Any]], payload: bytes | by
     import torch
 
     from echo.lora import adapter_parameters, is_peft
+    from echo.spill import drop_pages
 
     params = adapter_parameters(model) if is_peft(model) else dict(model.named_parameters())
     names = {e["name"] for e in index}
@@ -294,3 +305,5 @@ def install_payload(model: Any, index: list[dict[str, Any]], payload: bytes | by
                 raise ModelError(f"snapshot tensor {e['name']} has shape {e['shape']}, model has "
                                  f"{list(dst.shape)}")
             dst.copy_(src.view(e["shape"]).to(dst.dtype))
+            # a spilled payload (a map): this tensor's pages leave the resident set as it goes
+            drop_pages(payload, e["offset"], e["offset"] + e["nbytes"])

@@ -80,8 +80,13 @@ def spill(data: bytes | bytearray | memoryview, directory: Path) -> mmap.mmap | 
     return w.finish()
 
 
-def drop_pages(buf: object) -> None:
-    """Done reading ``buf`` for now: a spilled map's pages leave this process's resident set
-    (they stay in the page cache). Anything else: nothing happens."""
-    if isinstance(buf, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED") and len(buf):
-        buf.madvise(mmap.MADV_DONTNEED)
+def drop_pages(buf: object, start: int = 0, end: int | None = None) -> None:
+    """Done reading ``buf`` (or bytes ``start:end`` of it) for now: a spilled map's pages leave
+    this process's resident set (they stay in the page cache, and a later read faults them
+    back in, the same bytes: the map is of a file). Anything else: nothing happens."""
+    if not (isinstance(buf, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED")):
+        return
+    end = len(buf) if end is None else min(end, len(buf))
+    start -= start % mmap.PAGESIZE  # madvise starts on a page boundary
+    if end > start:
+        buf.madvise(mmap.MADV_DONTNEED, start, end - start)

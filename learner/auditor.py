@@ -227,7 +227,6 @@ class Auditor:
 
         from echo.lora import load_policy_model
         from echo.models import install_payload, resolve_device
-        from echo.spill import drop_pages
 
         if self._model is None:  # a copy of the policy: the trainer's weights move on
             device = resolve_device(self.cfg.learner.device, "learner.device")
@@ -236,8 +235,7 @@ class Auditor:
             model, _ = load_policy_model(self.cfg.model, self.cfg.learner.lora, self.tokenizer)
             self._model = model.to(device).eval()
         if self._installed != version:
-            install_payload(self._model, *snap)
-            drop_pages(snap[1])  # copied into the model: a spilled map's pages go back
+            install_payload(self._model, *snap)  # a spilled map's pages go back as it reads
             self._installed = version
         with torch.no_grad():
             return self._batch(records)

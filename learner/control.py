@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import tempfile
 import threading
 import time
@@ -368,7 +369,7 @@ class ControlPlane(Sessions, SnapshotRoutes):
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro_fn(*args), self._loop).result(timeout)
 
-    def hold_base(self, manifest: dict[str, Any], payload: bytes | bytearray) -> None:
+    def hold_base(self, manifest: dict[str, Any], payload: bytes | bytearray | mmap.mmap) -> None:
         """Serve this run's base model (call before ``start``): its manifest goes out with
         every join_ack, its chunks to whoever the learner sends to fetch it here."""
         self.base_manifest = manifest

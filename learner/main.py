@@ -355,6 +355,7 @@ class Learner:
                  self.run_id, self.step, lc.effective_kappa, self.policy.par.world)
         if self.policy.lora_note:
             log.info("%s", self.policy.lora_note)
+        self._say_memory_plan()
         _, full = self.policy.command({"op": "sync"})
         assert full is not None
         if not resume or self.step == 0:
@@ -481,9 +482,14 @@ class Learner:
             log.warning("base model not published to workers (%s): each worker needs it at "
                         "model.name = %r on its own machine", err, name)
             return
+        size = len(payload)
+        if self.cfg.learner.spill_payloads:  # served for the whole run: a file, not RAM
+            from echo.spill import spill
+
+            payload = spill(payload, spill_dir(self.run_dir / "spill"))
         self.control.hold_base(manifest, payload)
         log.info("base model %s... published for workers without it: %d files, %d bytes, "
-                 "%d chunks", self.policy.base_hash[:16], len(manifest["files"]), len(payload),
+                 "%d chunks", self.policy.base_hash[:16], len(manifest["files"]), size,
                  len(manifest["chunk_hashes"]))
 
     # ------------------------------------------------------------------ checkpoint / publish
@@ -627,6 +633,16 @@ class Learner:
         if self.cfg.security.audit_model != "policy" or par.world > 1 or par.device.type != "cpu":
             return {}
         return {"borrow": self.policy.model, "spill_to": spill_dir(self.run_dir / "spill")}
+
+    def _say_memory_plan(self) -> None:
+        """What the run needs in host memory (echo/memplan.py), and what a budget changed."""
+        plan, lc = self.policy.memory_plan, self.cfg.learner
+        budget = f" (learner.host_memory_gb = {lc.host_memory_gb:g})" if lc.host_memory_gb else ""
+        log.info("memory: this run needs %s%s", plan.describe(), budget)
+        if self.policy.memory_refit:
+            log.warning("memory: to fit learner.host_memory_gb = %g, gradient checkpointing is on and "
+                        "%d rows go through the model at a time (learner.micro_batch_rows = %d)",
+                        lc.host_memory_gb, plan.rows, lc.micro_batch_rows)
 
     def _memory(self) -> dict[str, int]:
         """Where the learner's memory goes (docs/memory.md): its resident set, the training

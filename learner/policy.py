@@ -10,6 +10,7 @@ state), ``{"op": "sync"}``, ``{"op": "load", "state"}``, ``{"op": "stop"}``.
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -18,7 +19,9 @@ import torch
 from dataplane.adapter import load_adapter
 from dataplane.answers import check_answer_tokens
 from echo.config import EchoConfig
-from echo.models import load_model, load_tokenizer
+from echo.lora import is_peft
+from echo.memplan import LearnerPlan, ModelShape, fit_learner
+from echo.models import enable_checkpointing, load_model, load_tokenizer
 from learner.parallel import make_parallel
 from learner.trainer import Trainer
 
@@ -38,6 +41,17 @@ class Policy:
         self.lora_note = ""  # LoRA: what is trained, in a line
         if self.lora:
             model = self._wrap_lora(model, cfg)
+        # What the run needs in host memory, fitted to learner.host_memory_gb (docs/memory.md);
+        # run_learner says it once logging is set up.
+        asked = plan_memory(cfg, model, self.par.world)
+        self.memory_plan = fit_learner(asked, cfg.learner.host_memory_gb)
+        self.memory_refit = self.memory_plan != asked  # the budget changed the settings
+        learner_cfg = cfg.learner if not self.memory_refit else cfg.learner.model_copy(update={
+            "micro_batch_rows": self.memory_plan.rows,
+            "gradient_checkpointing": self.memory_plan.checkpointing})
+        if learner_cfg.gradient_checkpointing:  # activations recomputed in backward;
+            # non-reentrant, so frozen inputs (LoRA) still get their gradients
+            enable_checkpointing(model.get_base_model() if self.lora else model)
         # Names of the parameters a snapshot carries (tied weights once), as before sharding:
         # every parameter, or with LoRA the adapter's only.
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -50,7 +64,7 @@ class Policy:
         self.model = self.par.wrap(model)  # on learner.device: the Trainer's optimizer and
         # reference copy are made from it, so they live there too.
         # Log-probs at the workers' sampling temperature: the distribution they sampled from.
-        self.trainer = Trainer(self.model, cfg.learner, seed=cfg.seed, parallel=self.par,
+        self.trainer = Trainer(self.model, learner_cfg, seed=cfg.seed, parallel=self.par,
                                temperature=cfg.worker.temperature,
                                max_new_tokens=cfg.worker.max_new_tokens,
                                eos_token_id=self.tokenizer.eos_token_id,
@@ -131,3 +145,24 @@ class Policy:
         if self.par.world > 1 and self.par.is_main:
             self.par.broadcast({"op": "stop"})
         self.par.close()
+
+
+PROMPT_TOKENS_ASSUMED = 256  # the plan's prompt length: the adapter's prompts vary
+
+
+def plan_memory(cfg: EchoConfig, model: Any, world: int) -> LearnerPlan:
+    """This run's host memory plan (echo/memplan.py) with the settings as configured."""
+    lc = cfg.learner
+    inner = model.get_base_model() if is_peft(model) else model
+    shape = ModelShape(params=sum(p.numel() for p in model.parameters()),
+                       trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                       layers=int(getattr(inner.config, "num_hidden_layers", 1)),
+                       hidden=int(getattr(inner.config, "hidden_size", 1)))
+    per_rank = math.ceil(lc.prompts_per_step * lc.group_size / lc.updates_per_step / world)
+    rows = min(lc.micro_batch_rows or per_rank, per_rank)
+    elem = 4 if cfg.broadcast.dtype == "float32" else 2
+    extra = int(lc.beta > 0 and not lc.lora.enabled)  # the KL term's reference copy
+    return LearnerPlan(shape, payload=shape.trained * elem, rows=rows, minibatch_rows=per_rank,
+                       seq_tokens=PROMPT_TOKENS_ASSUMED + cfg.worker.max_new_tokens,
+                       checkpointing=lc.gradient_checkpointing, extra_models=extra,
+                       versions_in_ram=0 if lc.spill_payloads else lc.staleness + 2)

@@ -7,7 +7,7 @@ import dataclasses
 import inspect
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -151,8 +151,10 @@ class Trainer:
         minibatches = order.chunk(self.cfg.updates_per_step)
         shards = [self.par.shard(mb) for mb in minibatches]
         with torch.no_grad():  # logp_old: parameters at step start, before any update
-            olds = [self.logprobs(self.model, batch, i) for i in shards]
-            refs = [self.ref_logprobs(batch, i) for i in shards]
+            olds = [self._micro_logprobs(batch, mb, i, self._policy_logprobs)
+                    for mb, i in zip(minibatches, shards)]
+            refs = [self._micro_logprobs(batch, mb, i, self.ref_logprobs)
+                    for mb, i in zip(minibatches, shards)]
         applied: list[dict[str, float]] = []
         for mb, idx, old, ref in zip(minibatches, shards, olds, refs):
             stats = self._update(batch, mb, idx, old, ref)
@@ -173,9 +175,9 @@ class Trainer:
                 old: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float] | None:
         """One mini-batch update; None (and no optimizer step) when it is not finite."""
         global_count = self.loss_cfg.count(batch.loss_mask[mb])
-        loss, stats = self.minibatch_loss(batch, idx, old, ref, denom=global_count / self.par.world)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # on every rank even when non-finite: FSDP2's collectives must line up
+        loss, stats = self._accumulate(batch, idx, self.micro_batches(mb, idx), old, ref,
+                                       denom=global_count / self.par.world)
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
         stats["loss"] = loss.item()
         if not self._all_finite(stats["loss"], stats["grad_norm"]):
@@ -183,6 +185,51 @@ class Trainer:
             return None
         self.optimizer.step()
         return self._global(stats, float(batch.loss_mask[idx].sum()))
+
+    def micro_batches(self, mb: torch.Tensor, idx: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
+        """Positions in this rank's shard ``idx`` of mini-batch ``mb``, split into micro-batches
+        of at most ``learner.micro_batch_rows`` rows, each with its weight (1, or 0 for a stand-in).
+        Every rank makes as many as the largest shard needs: under FSDP2 each forward and backward
+        is a collective. A rank with a row fewer than the others fills its last one with a
+        stand-in row of weight 0 (computed, contributing nothing)."""
+        rows, per_rank = len(idx), math.ceil(len(mb) / self.par.world)
+        m = self.cfg.micro_batch_rows
+        n = max(1, math.ceil(per_rank / m)) if m else 1
+        out = []
+        for pos in torch.tensor_split(torch.arange(rows), n):
+            out.append((pos, 1.0) if len(pos) or not rows else (torch.arange(1), 0.0))
+        return out
+
+    def _micro_logprobs(self, batch: LearnerBatch, mb: torch.Tensor, idx: torch.Tensor,
+                        fn: Callable[[LearnerBatch, torch.Tensor], torch.Tensor | None]
+                        ) -> torch.Tensor | None:
+        """``fn`` (``logprobs`` or ``ref_logprobs``) of the shard's rows, a micro-batch at a time."""
+        parts = [(fn(batch, idx[pos]), w) for pos, w in self.micro_batches(mb, idx)]
+        if parts[0][0] is None:
+            return None
+        return torch.cat([lp for lp, w in parts if w])
+
+    def _accumulate(self, batch: LearnerBatch, idx: torch.Tensor,
+                    micro: list[tuple[torch.Tensor, float]], old: torch.Tensor,
+                    ref: torch.Tensor | None, denom: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """Forward and backward of each micro-batch, gradients accumulating: the loss is a sum
+        over rows divided by the mini-batch's ``denom``, so the sum of the parts is the whole.
+        Token-mean statistics are weighted by each part's trained tokens."""
+        total = torch.zeros(())
+        sums: dict[str, float] = dict.fromkeys(self.TOKEN_MEANS, 0.0)
+        tokens = 0.0
+        for pos, weight in micro:
+            rows = idx[pos]
+            loss, stats = self.minibatch_loss(batch, rows, old[pos],
+                                              None if ref is None else ref[pos], denom=denom)
+            (loss * weight).backward()  # on every rank even when non-finite: FSDP2's
+            # collectives must line up
+            n = float(batch.loss_mask[rows].sum()) * weight
+            for k in self.TOKEN_MEANS:
+                sums[k] += stats[k] * n
+            tokens += n
+            total = total + loss.detach() * weight
+        return total, {k: v / max(tokens, 1.0) for k, v in sums.items()}
 
     def _all_finite(self, loss: float, grad_norm: float) -> bool:
         """Finite on every rank (an all-reduced flag: each rank sees only its shard's loss,
@@ -235,6 +282,9 @@ class Trainer:
             with self.model.disable_adapter():
                 return self.logprobs(self.model, batch, rows)
         return None if self.ref_model is None else self.logprobs(self.ref_model, batch, rows)
+
+    def _policy_logprobs(self, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:
+        return self.logprobs(self.model, batch, rows)
 
     def logprobs(self, model: Any, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:
         return token_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],

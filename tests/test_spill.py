@@ -47,3 +47,32 @@ def test_the_spill_directory_is_never_tmp_by_default(tmp_path, monkeypatch):
 
 def test_an_empty_payload_needs_no_file(tmp_path):
     assert spill(b"", tmp_path) == b""
+
+
+def rss_file() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+def test_chunks_sent_from_a_spilled_payload_leave_the_resident_set(tmp_path):
+    """A learner or relay serving a spilled version reads it chunk by chunk; each chunk's
+    pages go once it is sent (SnapshotBuffer.sent), so the file is never resident whole."""
+    data = os.urandom(64 << 20)
+    chunk = 4 << 20
+    buf = SnapshotBuffer({"version": 1, "payload_size": len(data), "chunk_size": chunk,
+                          "chunk_hashes": [b""] * (len(data) // chunk)}, spill(data, tmp_path))
+    before = rss_file()
+    for i in range(buf.total):  # read every chunk, as a send does
+        assert bytes(buf.chunk(i)[:8]) == data[i * chunk:i * chunk + 8]
+        blake3.blake3(buf.chunk(i)).digest()
+    touched = rss_file()
+    assert touched - before > 48 << 20
+    for i in range(buf.total):
+        buf.sent(i)
+    assert rss_file() - before < 8 << 20
+    assert bytes(buf.chunk(3)) == data[3 * chunk:4 * chunk]  # the bytes are still there
+    held = SnapshotBuffer({"version": 1, "payload_size": 8, "chunk_size": 4,
+                           "chunk_hashes": [b"", b""]}, bytearray(8))
+    held.sent(0)  # a payload in RAM: nothing to drop

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -204,14 +205,18 @@ class Worker:
                  keys: KeyPair | None = None, backend: str | None = None,
                  device: str | None = None, status: StatusBoard | None = None,
                  show: Any = None, migrate: bool = True, owner: Any = None,
-                 give_up_after_s: float | None = None, clock: Any = time.monotonic):
+                 give_up_after_s: float | None = None, clock: Any = time.monotonic,
+                 host_memory_gb: float = 0.0):
         """``status``: where the worker's status goes (docs/volunteers.md; default: kept in
         memory only); ``show``: called with it every second (a live view or a plain line).
         ``migrate``: on SIGTERM, cut the samples being generated and hand them back as
         prefixes (docs/preemption.md) instead of finishing the current groups; ``owner``: an
         ``worker.owner`` watch: yield the machine whenever its owner's work appears.
         ``give_up_after_s``: stop when the learner has not answered a join this long (None:
-        keep trying; either way, say what to check after 30 s)."""
+        keep trying; either way, say what to check after 30 s). ``host_memory_gb``: the
+        volunteer's memory budget (0: none; echo/memplan.py)."""
+        self.host_memory_gb = host_memory_gb
+        self.version_bytes = (0, "bfloat16")  # the run's full version: size and dtype, at join
         self.line = endpoint if isinstance(endpoint, JoinLine) else JoinLine(endpoint, None)
         self.endpoint = self.line.endpoint
         # Identity is the key pair; without CURVE (an --insecure learner) the id is all there is.
@@ -530,6 +535,8 @@ class Worker:
         self.run_id = ack.run_id
         self.instance_id, self.public_key, self.view = ack.instance_id, ack.public_key, ack.config
         self.base_manifest = ack.base_manifest
+        self.version_bytes = (int(ack.manifest["result_size"]), str(ack.manifest["dtype"])) \
+            if ack.manifest is not None else (0, "bfloat16")  # for the memory plan
         self.feed.public_key = ack.public_key
         if ack.worker_id and ack.worker_id != self.worker_id:
             self.worker_id = ack.worker_id  # this key's session already has an id: keep it
@@ -545,6 +552,35 @@ class Worker:
         if ack.manifest is not None:
             self._offer(ack.version, ack.manifest, Source(ack.snapshot_endpoint, ack.snapshot_key, ack.ticket))
         log.info("worker %s joined run %s (snapshot v%d)", self.worker_id, ack.run_id, ack.version)
+
+    def _fit_memory(self, model_name: str, dtype: str, device: str, lora: bool) -> str:
+        """worker.dtype, resolved and fitted to --host-memory-gb (echo/memplan.py: over budget
+        an ``auto`` dtype becomes bfloat16); says what serving this run needs."""
+        from echo.memplan import MemoryBudgetError, WorkerPlan, fit_worker, folder_params
+        from echo.models import bf16_compute, resolve_device
+
+        where = resolve_device(device, "worker.device")
+        chosen = dtype if dtype != "auto" else ("bfloat16" if bf16_compute(where) else "float32")
+        size, payload_dtype = self.version_bytes
+        if not size:  # joined before the first version: the run's broadcast dtype
+            payload_dtype = self.view.get("broadcast", {}).get("dtype", payload_dtype)
+        elem = 4 if payload_dtype == "float32" else 2
+        params = folder_params(model_name) if Path(model_name).is_dir() else 0
+        params = params or (0 if lora else size // elem)  # a LoRA payload is the adapter only
+        size = size or (0 if lora else params * elem)
+        plan = WorkerPlan(params, 4 if chosen == "float32" else 2, size,
+                          spill=bool(self.relay_cfg.spill_dir), model_on_host=where.type == "cpu")
+        try:
+            fitted = fit_worker(plan, self.host_memory_gb, dtype_fixed=dtype != "auto")
+        except MemoryBudgetError as err:
+            raise WorkerError(str(err)) from None
+        budget = f" (--host-memory-gb {self.host_memory_gb:g})" if self.host_memory_gb else ""
+        log.info("memory: serving this run needs %s%s", fitted.describe(), budget)
+        if fitted.dtype_bytes < plan.dtype_bytes:
+            log.warning("memory: generating in bfloat16 instead of %s to fit --host-memory-gb %g",
+                        chosen, self.host_memory_gb)
+            return "bfloat16"
+        return chosen
 
     def _load(self) -> tuple[Backend, Adapter]:
         threads = self.threads or self.view["worker"]["torch_threads"]
@@ -562,8 +598,11 @@ class Worker:
         model = dict(self.view["model"])
         if self.base is not None and self.base.folder is not None:
             model["name"] = str(self.base.folder)  # the base model from the cache or a fetch
+        device = self.device or wv.get("device", "auto")
+        if "dtype" in extra:
+            extra["dtype"] = self._fit_memory(model["name"], extra["dtype"], device, lora.enabled)
         backend = make_backend(name, model_cfg=ModelConfig(**model), threads=threads,
-                               device=self.device or wv.get("device", "auto"), **extra)
+                               device=device, **extra)
         if self.base is not None and self.base_manifest is not None:
             problem = mismatch(self.base_manifest, backend.base_hash, self.base)
             if problem:

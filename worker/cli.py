@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where whole snapshot versions kept for later live, as files read "
                         "through memory maps (default $ECHO_HOME/spill or ~/.cache/echo/spill; "
                         "docs/memory.md)")
+    j.add_argument("--host-memory-gb", type=_gigabytes, default=0.0, metavar="GB",
+                   help="host memory this worker may use, in GiB (default: no budget). It says at "
+                        "start-up what serving the run needs; over budget it generates in "
+                        "bfloat16 (unless the run fixes worker.dtype), and a run that cannot "
+                        "fit is refused with what it needs (docs/memory.md)")
     j.add_argument("--no-spill", action="store_true",
                    help="keep those versions in RAM instead (faster disks are not needed; "
                         "more memory is)")
@@ -199,7 +204,8 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     worker = make(line, worker_id=args.worker_id, price=args.price, threads=args.threads,
                   ledger=args.ledger, relay=relay, keys=keys, backend=args.backend,
                   device=args.device, status=board, show=view.show,
-                  migrate=not args.no_migrate, owner=owner, give_up_after_s=args.give_up_after)
+                  migrate=not args.no_migrate, owner=owner, give_up_after_s=args.give_up_after,
+                  host_memory_gb=args.host_memory_gb)
     # The worker settled its id (from its key, unless --id): the file is named after it.
     board.path = (Path(args.status_file) if args.status_file else
                   st.default_status_dir() / f"{board.doc['worker_id'] or 'worker'}.json")
@@ -389,6 +395,16 @@ def relay_ports(relay_host: str, relay_port: int | None, punch_port: int | None)
     if punch_port is None:
         punch_port = relay_port + 1 if 0 < relay_port < 65535 else 0
     return relay_port, punch_port
+
+
+def _gigabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of GB, 0 or more (0: no budget)")
+    return value
 
 
 def _spill_dir(given: str | None) -> Path:

@@ -1,0 +1,170 @@
+"""What a learner or a worker will need in host memory, said at start-up and kept to a budget
+(``learner.host_memory_gb``, ``echo-worker join --host-memory-gb``; docs/memory.md).
+
+The figures are the ones docs/memory.md measures (benchmarks/memory.py): a fixed part for
+Python, torch and transformers; the learner's training state (float32 weights, gradients and
+Adam's two moments of what it trains); one payload; and the step's transients: activations kept
+for backward, which grow with ``learner.micro_batch_rows`` rows of ``seq_tokens`` tokens, or,
+with ``learner.gradient_checkpointing``, each layer's input plus one layer recomputed. The
+activation constants were calibrated on the 0.42 B model of docs/memory.md; they are estimates,
+and the measured peak in every metrics row (``memory.rss_peak``) is what to trust.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+GIB = 1 << 30
+FIXED_BYTES = GIB // 2  # Python, torch, transformers: 0.40 GiB measured with the tiny model
+# Float32 activations kept for backward, bytes per (token x layer x hidden unit): 99 on
+# SmolLM2-135M, 4 rows of 256 tokens (benchmarks/step_memory.py,
+# results/step_memory_smollm2-135m-instruct.json).
+ACT_BYTES = 99
+# With gradient checkpointing, per (token x layer x hidden unit): 20 measured (same file), plus
+# one layer's full activations while it is recomputed in backward.
+CHECKPOINT_BYTES = 20
+# The step's other transients, bytes per trained parameter (Adam's per-tensor temporaries, the
+# gradients' accumulation, the allocator's slack): 3.3 at 0.42 B parameters, where one pass's
+# activations fit in the room the freed gradients leave (step_memory_random-0.4b.json), 2.6 on
+# SmolLM2; the larger is taken.
+STEP_BYTES_PER_TRAINED = 3.3
+
+
+class MemoryBudgetError(ValueError):
+    """The process cannot fit its budget with any setting it may change by itself."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: int  # all parameters (tied weights once)
+    trained: int  # parameters with gradients (all, or a LoRA adapter's)
+    layers: int
+    hidden: int
+
+
+@dataclass(frozen=True)
+class LearnerPlan:
+    shape: ModelShape
+    payload: int  # bytes of one published version
+    rows: int  # rows per forward and backward pass (micro-batch)
+    minibatch_rows: int  # rows of a mini-batch on this rank
+    seq_tokens: int  # tokens per row assumed
+    checkpointing: bool
+    extra_models: int = 0  # float32 copies beside the policy (reference model, audit copy)
+    versions_in_ram: int = 0  # payloads held as bytes (learner.spill_payloads = false)
+
+    def activations(self) -> int:
+        """What one pass keeps for backward."""
+        units = self.rows * self.seq_tokens * self.shape.hidden
+        if self.checkpointing:
+            return units * (self.shape.layers * CHECKPOINT_BYTES + ACT_BYTES)
+        return units * self.shape.layers * ACT_BYTES
+
+    def breakdown(self) -> dict[str, int]:
+        n, t = self.shape.params, self.shape.trained
+        acts = self.activations()
+        if self.rows >= self.minibatch_rows and not self.checkpointing:
+            # one pass: its forward runs after the step frees the previous gradients, in the
+            # room they leave (with checkpointing the recomputation runs as gradients are made)
+            acts = max(0, acts - 4 * t)
+        return {"fixed": FIXED_BYTES, "training_state": 4 * n + 12 * t,
+                "other_models": 4 * n * self.extra_models,
+                "payloads": self.payload * (1 + self.versions_in_ram),
+                "step": acts + int(STEP_BYTES_PER_TRAINED * t)}
+
+    @property
+    def total(self) -> int:
+        return sum(self.breakdown().values())
+
+    def describe(self) -> str:
+        b = self.breakdown()
+        return (f"about {gib(self.total)} of host memory: training state {gib(b['training_state'])}"
+                f"{', reference/audit copies ' + gib(b['other_models']) if b['other_models'] else ''}, "
+                f"payloads {gib(b['payloads'])}, step {gib(b['step'])} ({self.rows} rows of up to "
+                f"{self.seq_tokens} tokens a pass, gradient checkpointing "
+                f"{'on' if self.checkpointing else 'off'}), fixed {gib(b['fixed'])}")
+
+
+def fit_learner(plan: LearnerPlan, budget_gb: float) -> LearnerPlan:
+    """The plan itself when it fits ``budget_gb`` (0: no budget); else the same run with
+    gradient checkpointing on, then fewer rows a pass, whichever fits first. Raises
+    MemoryBudgetError naming what the run needs when nothing does."""
+    if budget_gb <= 0 or plan.total <= budget_gb * GIB:
+        return plan
+    tries = [replace(plan, checkpointing=True)]
+    rows = plan.rows
+    while rows > 1:
+        rows = max(1, rows // 2)
+        tries.append(replace(plan, checkpointing=True, rows=rows))
+    for t in tries:
+        if t.total <= budget_gb * GIB:
+            return t
+    least = tries[-1]
+    raise MemoryBudgetError(
+        f"learner.host_memory_gb = {budget_gb:g}, but this run needs {least.describe()} even with "
+        f"gradient checkpointing and one row a pass. Fix: raise learner.host_memory_gb (0: no "
+        f"budget), train a LoRA adapter (learner.lora.enabled = true), or use a smaller model")
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    params: int
+    dtype_bytes: int  # the worker's model: 4 (float32) or 2 (bfloat16)
+    payload: int  # one version's payload in the broadcast dtype
+    spill: bool
+    model_on_host: bool = True  # False: the model is in GPU memory
+
+    def breakdown(self) -> dict[str, int]:
+        # the installed version's full payload is spilled (a file) unless --no-spill; a version
+        # being received is in RAM
+        return {"fixed": FIXED_BYTES,
+                "model": self.params * self.dtype_bytes if self.model_on_host else 0,
+                "payloads": self.payload * (1 if self.spill else 2)}
+
+    @property
+    def total(self) -> int:
+        return sum(self.breakdown().values())
+
+    def describe(self) -> str:
+        b = self.breakdown()
+        kind = {4: "float32", 2: "bfloat16"}.get(self.dtype_bytes, f"{self.dtype_bytes}-byte")
+        where = f"model {gib(b['model'])} in {kind}" if self.model_on_host else \
+            f"model in GPU memory ({gib(self.params * self.dtype_bytes)} in {kind})"
+        return (f"about {gib(self.total)} of host memory: {where}, "
+                f"payloads {gib(b['payloads'])}, fixed {gib(b['fixed'])}")
+
+
+def fit_worker(plan: WorkerPlan, budget_gb: float, dtype_fixed: bool) -> WorkerPlan:
+    """The plan when it fits ``budget_gb`` (0: no budget); else, when the dtype is the worker's
+    to choose (``worker.dtype = auto``), the model in bfloat16. MemoryBudgetError otherwise."""
+    if budget_gb <= 0 or plan.total <= budget_gb * GIB:
+        return plan
+    if not dtype_fixed and plan.dtype_bytes > 2 and plan.model_on_host:
+        half = replace(plan, dtype_bytes=2)
+        if half.total <= budget_gb * GIB:
+            return half
+        plan = half
+    raise MemoryBudgetError(
+        f"--host-memory-gb {budget_gb:g}, but serving this run needs {plan.describe()}. Fix: "
+        f"join from a machine with more memory, raise --host-memory-gb, or leave it out "
+        f"(no budget)")
+
+
+def folder_params(folder: str | Path) -> int:
+    """Parameters in a Hugging Face folder's safetensors files, from their headers only
+    (8-byte length, then JSON): no torch, no weights read. 0 when there are none."""
+    total = 0
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / (1 << 20):.1f} MiB"
