@@ -17,11 +17,11 @@ $(VENV)/.torch: $(BIN)/python
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.torch pyproject.toml
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e '.[all]'
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.torch pyproject.toml
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[all,dev]'
 	touch $@ $(VENV)/.installed
 
 venv: $(VENV)/.installed

@@ -7,6 +7,12 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from echo.extras import MissingExtra
+
+if TYPE_CHECKING:
+    from echo.config import EchoConfig
 
 DEFAULT_CONFIG = "examples/quickstart.toml"
 
@@ -101,6 +107,22 @@ def _load(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as err:  # an optional package (echo.extras): say which extra
+        from echo.extras import from_import_error
+
+        missing = from_import_error(err, f"echo-rl {(argv or sys.argv[1:] or ['?'])[0]}")
+        if missing is None:
+            raise
+        print(missing, file=sys.stderr)
+        return 2
+    except MissingExtra as err:
+        print(err, file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Subcommands with parsers of their own (many options, no config file):
     if argv[:2] == ["bench", "broadcast"]:
@@ -145,29 +167,40 @@ def main(argv: list[str] | None = None) -> int:
     path, cfg = _load(args)
     run_dir = getattr(args, "resume", None) or args.run_dir or default_run_dir(cfg.run_name)
     if args.cmd == "learn":
-        from echo.models import ModelError
-        from dataplane.adapter import AdapterError
-        from learner.main import LearnerStall, run_learner
+        rc = _learn(args, cfg, run_dir)
+        from learner.parallel import exit_rank, under_torchrun
 
-        try:
-            if args.resume is not None and not (args.resume / "checkpoints" / "latest").exists():
-                print(f"echo-rl learn: --resume {args.resume}: no checkpoint there (expected "
-                      f"{args.resume}/checkpoints/latest); start a new run without --resume",
-                      file=sys.stderr)
-                return 2
-            run_learner(cfg, run_dir, resume=args.resume is not None)
-        except (ModelError, AdapterError, LearnerStall) as err:
-            print(f"echo-rl learn: {err}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("echo-rl learn: interrupted; workers were told to stop", file=sys.stderr)
-            return 130
-        return 0
+        if under_torchrun():
+            exit_rank(rc)
+        return rc
     if args.cmd == "quickstart":
         from echo.quickstart import run_quickstart
 
         return run_quickstart(cfg, path, args.overrides, run_dir, args.workers)
     return 2
+
+
+
+def _learn(args: argparse.Namespace, cfg: EchoConfig, run_dir: Path) -> int:
+    from echo.memplan import MemoryBudgetError
+    from echo.models import ModelError
+    from dataplane.adapter import AdapterError
+    from learner.main import LearnerStall, run_learner
+
+    try:
+        if args.resume is not None and not (args.resume / "checkpoints" / "latest").exists():
+            print(f"echo-rl learn: --resume {args.resume}: no checkpoint there (expected "
+                  f"{args.resume}/checkpoints/latest); start a new run without --resume",
+                  file=sys.stderr)
+            return 2
+        run_learner(cfg, run_dir, resume=args.resume is not None)
+    except (ModelError, AdapterError, LearnerStall, MemoryBudgetError) as err:
+        print(f"echo-rl learn: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("echo-rl learn: interrupted; workers were told to stop", file=sys.stderr)
+        return 130
+    return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:

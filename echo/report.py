@@ -210,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-reward", type=float, default=None)
     p.add_argument("--window", type=int, default=5, help="rolling window for the target (steps)")
     args = p.parse_args(argv)
+    from echo.extras import require
+
+    for module in ("pandas", "pyarrow", "matplotlib"):  # before any work: the extra to install
+        require(module, "echo-rl report")
     missing = [str(d) for d in args.run_dirs if not (d / "metrics.jsonl").exists()]
     if missing:
         print(f"echo-rl report: no metrics.jsonl in {', '.join(missing)}", file=sys.stderr)

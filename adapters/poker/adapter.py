@@ -82,11 +82,12 @@ class PokerAdapter(EpisodeAdapter):
 
     def __init__(self, options: dict[str, Any], tokenizer: Any):
         super().__init__(options, tokenizer)
-        import importlib.util
+        from echo.extras import MissingExtra, require
 
-        if importlib.util.find_spec("pokerkit") is None:
-            raise AdapterError("poker: the pokerkit package is missing: pip install pokerkit "
-                               "(Python >= 3.11)")
+        try:
+            require("pokerkit", "the poker adapter")  # Python >= 3.11
+        except MissingExtra as err:
+            raise AdapterError(str(err)) from None
         unknown = set(self.options) - set(_DEFAULTS)
         if unknown:
             raise AdapterError(f"poker: unknown option(s) {sorted(unknown)}; it takes {sorted(_DEFAULTS)}")
