@@ -194,11 +194,12 @@ class LearnerConfig(StalenessRules, _Section):
     group_size: int = Field(16, ge=2)  # samples per prompt: GRPO normalises rewards within a group
     lr: float = Field(1e-3, gt=0)  # Adam learning rate
     updates_per_step: int = Field(2, gt=0)  # optimiser updates (mini-batches) per learner step
-    # Rows per forward and backward pass, each rank (0: a rank's whole mini-batch at once). The
-    # activations kept for backward grow with it: the learner's step-time memory above its
-    # training state (docs/memory.md). Gradients accumulate across micro-batches; the update is
+    # Rows per forward and backward pass, each rank (0: a rank's whole mini-batch at once, the
+    # fastest for small models). The activations kept for backward grow with it: the learner's
+    # step-time memory above its training state (docs/memory.md); learner.host_memory_gb lowers
+    # it when the run would not fit. Gradients accumulate across micro-batches; the update is
     # the mini-batch's, whatever the split.
-    micro_batch_rows: int = Field(8, ge=0)
+    micro_batch_rows: int = Field(0, ge=0)
     # Recompute each decoder layer's activations in backward instead of keeping them (a second
     # forward of each layer): the step-time memory of long sequences (docs/memory.md).
     gradient_checkpointing: bool = False
