@@ -33,6 +33,7 @@ import numpy as np
 
 from broadcast.snapshot import DTYPE_BYTES, TENSOR_ENCODINGS
 from echo.spill import drop_pages
+
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INDEX = np.dtype("<u4")
 

@@ -30,9 +30,9 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
