@@ -62,9 +62,7 @@ class VersionEncoder:
             self._since_keyframe = 0
         else:
             self._since_keyframe += 1
-        if self._base is not None:
-            drop_pages(self._base[2])  # read for the delta; a spilled map's pages go back
-        drop_pages(full)
+        drop_pages(full)  # hashed whole for the manifest (the encoder drops its own reads)
         self._base = (version, tensors, full)
         pub.build_s = time.perf_counter() - t0
         return pub
@@ -108,8 +106,6 @@ def rebuild(manifest: dict[str, Any], payload: Any, base: Any | None,
         result = decode(manifest["tensors"], payload, base, manifest["result_size"], out)
     except DeltaError as err:
         raise SnapshotError(f"version {manifest['version']}: {err}") from None
-    finally:
-        drop_pages(base)  # read whole for the decode: a spilled base's pages go back
     check_result(manifest, result)
     return result
 

@@ -12,9 +12,7 @@ and the measured peak in every metrics row (``memory.rss_peak``) is what to trus
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -157,12 +155,12 @@ def fit_worker(plan: WorkerPlan, budget_gb: float, dtype_fixed: bool) -> WorkerP
 def folder_params(folder: str | Path) -> int:
     """Parameters in a Hugging Face folder's safetensors files, from their headers only
     (8-byte length, then JSON): no torch, no weights read. 0 when there are none."""
+    from echo.models import safetensors_header
+
     total = 0
     for f in sorted(Path(folder).glob("*.safetensors")):
-        with f.open("rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+        total += sum(math.prod(v["shape"]) for k, v in safetensors_header(f).items()
+                     if k != "__metadata__")
     return total
 
 

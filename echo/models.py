@@ -138,6 +138,17 @@ def enable_checkpointing(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """A safetensors file's header (tensor name -> dtype, shape, offsets; ``__metadata__``),
+    read alone: 8-byte little-endian length, then JSON. Neither torch nor the weights load."""
+    import json
+    import struct
+
+    with path.open("rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        return json.loads(fh.read(size))
+
+
 def vocab_size_of_folder(folder: str | Path) -> int:
     """The model's vocabulary size from its config.json (the engine holds the weights)."""
     import json

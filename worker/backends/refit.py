@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import tempfile
 import threading
 import time
@@ -107,12 +106,11 @@ def checkpoint_names(model_dir: str | Path) -> set[str]:
     if not files:
         raise RefitError(f"{folder} has no *.safetensors file: the vLLM backend loads the "
                          f"model from a folder written by save_pretrained()")
+    from echo.models import safetensors_header
+
     names: set[str] = set()
     for f in files:
-        with f.open("rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        names.update(k for k in header if k != "__metadata__")
+        names.update(k for k in safetensors_header(f) if k != "__metadata__")
     return names
 
 
