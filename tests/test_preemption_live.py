@@ -61,11 +61,12 @@ def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster
     cluster.cfg.model.max_positions = 256
     if how == "poker":  # episodes: cut between decisions, replayed by the next worker
         cluster.cfg.adapter.name = "poker"
-        # six hands an episode: a rollout lasts seconds, so the stop (sent up to a second
-        # after the status file said "generating") lands inside one, not between two
-        cluster.cfg.adapter.options = {"obs_format": "compact", "bot_samples": 6, "hands": 6,
-                                       "opponents": ["station"], "max_episode_tokens": 1600}
-        cluster.cfg.model.max_positions = 2048
+        # sixteen hands an episode: a rollout lasts seconds, so the stop (sent up to a second
+        # after the status file said "generating") lands inside one, not between two (with
+        # six hands a rollout took about one second and a fresh-clone run missed it)
+        cluster.cfg.adapter.options = {"obs_format": "compact", "bot_samples": 6, "hands": 16,
+                                       "opponents": ["station"], "max_episode_tokens": 4000}
+        cluster.cfg.model.max_positions = 4096
         cluster.cfg.worker.max_new_tokens = 5
     run = cluster.learner("learner", max_steps=8)
     a = start_worker(cluster, "a")
