@@ -32,6 +32,7 @@ from broadcast.versions import rebuild
 from echo import wire
 from echo.client import Client
 from echo.security import KeyPair, key_from_hex
+from labs.doubles import CorruptingRelay
 
 MAX_BYTES = 64 * 2**20
 
@@ -41,11 +42,12 @@ async def relay_process(args: argparse.Namespace) -> int:
     server_key = key_from_hex(args.root_key) if args.root_key else None
     keys = KeyPair.generate() if server_key else None
     run_key = b""
-    relay = Relay(ctx, RelayConfig(bind_host=args.bind_host, serve=not args.no_serve,
-                                   window=args.window, timeout_s=args.timeout,
-                                   down_mbit=args.down_mbit, up_mbit=args.real_up_mbit or args.up_mbit,
-                                   shape=not args.kernel_shaped, chunk_bytes=args.chunk_kib * 1024,
-                                   corrupt=args.corrupt), keys=keys, run_key=lambda: run_key)
+    cfg = RelayConfig(bind_host=args.bind_host, serve=not args.no_serve, window=args.window,
+                      timeout_s=args.timeout, down_mbit=args.down_mbit,
+                      up_mbit=args.real_up_mbit or args.up_mbit, shape=not args.kernel_shaped,
+                      chunk_bytes=args.chunk_kib * 1024)
+    kind = CorruptingRelay if args.corrupt else Relay  # --corrupt: alters every chunk it serves
+    relay = kind(ctx, cfg, keys=keys, run_key=lambda: run_key)
     if args.reserve_mib:
         relay.store.reserve(int(args.reserve_mib * 2**20), args.reserve_count)
     tunnels = Tunnels(args.bind_host, pick_punch_port(args.bind_host), endpoint=relay.endpoint)

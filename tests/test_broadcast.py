@@ -15,6 +15,7 @@ from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.topology import Peer, make_topology
 from echo import wire
 from labs import child_env
+from labs.doubles import CorruptingChunkServer, CorruptingRelay
 
 CHUNK = 64 * 1024
 
@@ -32,12 +33,14 @@ class Root:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.bind("tcp://127.0.0.1:*")
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.server = ChunkServer(sock, self.store, 1 << 24, corrupt=corrupt)
+        server = CorruptingChunkServer if corrupt else ChunkServer
+        self.server = server(sock, self.store, 1 << 24)
         self.key = key
 
 
-def relay(ctx, **kw):
-    return Relay(ctx, RelayConfig(window=3, timeout_s=kw.pop("timeout_s", 5.0), chunk_bytes=CHUNK, **kw))
+def relay(ctx, corrupt=False, **kw):
+    kind = CorruptingRelay if corrupt else Relay
+    return kind(ctx, RelayConfig(window=3, timeout_s=kw.pop("timeout_s", 5.0), chunk_bytes=CHUNK, **kw))
 
 
 async def run(coro_fn, timeout=30):
