@@ -1,15 +1,19 @@
-"""Test doubles for the broadcast: a relay that alters every chunk it serves.
+"""Test doubles: a relay that alters every chunk it serves, a write-ahead log on a slow disk.
 
 Production classes carry no test switches; integrity tests and the broadcast benchmark's
 ``--corrupt-relays`` use these subclasses instead, through the one seam each class shows
-(``ChunkServer.outgoing``, ``Relay.server_class``).
+(``ChunkServer.outgoing``, ``Relay.server_class``, ``BufferLog._sync``).
 """
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 from broadcast.relay import Relay
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer
+from learner.durable import BufferLog
 
 
 class CorruptingChunkServer(ChunkServer):
@@ -26,3 +30,16 @@ class CorruptingRelay(Relay):
     """A relay whose chunk server corrupts everything it forwards."""
 
     server_class = CorruptingChunkServer
+
+
+class SlowDiskLog(BufferLog):
+    """The learner's write-ahead log on a disk whose every fsync takes ``delay_s`` longer: what
+    the control plane's load test and the group-commit tests run against."""
+
+    def __init__(self, path: Path, fsync: bool = True, delay_s: float = 0.0):
+        self.delay_s = delay_s  # before the writer thread starts in BufferLog.__init__
+        super().__init__(path, fsync=fsync)
+
+    def _sync(self) -> None:
+        time.sleep(self.delay_s)
+        super()._sync()
