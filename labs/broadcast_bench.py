@@ -1,9 +1,9 @@
 """The broadcast benchmark: real processes moving a real snapshot over loopback.
 
 The root (this process, ``labs.broadcast_root``) plays the learner's broadcast side with the
-same code the learner uses (``Coordinator`` + ``ChunkServer``, uplink shaped at U); each of N relay processes
-(``python -m labs.broadcast_relay``) is what a worker runs (``Relay``: download and upload
-shaped at b). Optionally a fraction of relays is SIGKILLed at random moments and K relays
+same code the learner uses (``Coordinator`` + ``ChunkServer``, uplink shaped at U); each of N
+relay processes (``python -m labs.broadcast_relay``) is what a worker runs (``Relay``:
+download and upload shaped at b). Optionally a fraction of relays is SIGKILLed at random moments and K relays
 corrupt every chunk they forward. Reports per-worker install times, ``T_bcast`` (q = 1), the
 lower bound of docs/design.md §5, bytes the root sent, and corrupt installs (payload digests that differ
 from the root's).
