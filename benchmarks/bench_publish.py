@@ -53,6 +53,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _inline_publisher() -> type:
+    """The learner's publisher building on the caller's (training) thread: the old way, the
+    baseline this benchmark compares the publisher thread against."""
+    from learner.publisher import Publisher
+
+    class InlinePublisher(Publisher):
+        def submit(self, version: int, tensors: list[dict[str, Any]], full: bytes) -> None:
+            self._raise()
+            self._build(version, tensors, full)
+
+    return InlinePublisher
+
+
 class Arm:
     """One mode: its own model copy, optimizer and publisher."""
 
@@ -68,9 +81,9 @@ class Arm:
         self.sent: list[tuple[str, int, int]] = []
         enc = VersionEncoder(run_id="bench", key=RunKey.generate(), chunk_size=1 << 20,
                              dtype="bfloat16", delta=MODES[name]["delta"], keyframe_every=1000)
-        self.publisher = Publisher(enc, lambda snap: self.sent.append(
-            (snap.manifest["encoding"], len(snap.payload), len(snap.full))),
-            background=MODES[name]["background"])
+        kind = Publisher if MODES[name]["background"] else _inline_publisher()
+        self.publisher = kind(enc, lambda snap: self.sent.append(
+            (snap.manifest["encoding"], len(snap.payload), len(snap.full))))
         self.rows: list[dict[str, float]] = []
 
     def publish(self, version: int) -> float:

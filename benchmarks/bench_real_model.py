@@ -13,7 +13,7 @@ Measured in one run, on one machine (its load average is recorded before and aft
   snapshot       what a publication costs the learner: the full state to host memory
                  (``Parallel.full_state``: the device->host copy; nothing to copy on a CPU), the
                  bf16 payload (``params_to_payload``), the manifest (chunk hashes + signature).
-  T_bcast        the snapshot's size moved by ``broadcast.bench.run_one`` (real relay processes
+  T_bcast        the snapshot's size moved by ``labs.broadcast_bench.run_one`` (real relay processes
                  on loopback, unshaped) to the quickstart's workers: chains as the quickstart
                  plans them (no rates declared) and one forced chain through every worker.
 
@@ -172,7 +172,8 @@ def bench_generation(a: argparse.Namespace, cfg: Any, sync: Any) -> dict[str, An
 
 
 def bench_bcast(a: argparse.Namespace, payload_bytes: int) -> dict[str, Any]:
-    from broadcast.bench import BenchParams, run_one
+    from labs.broadcast_bench import run_one
+    from labs.broadcast_root import BenchParams
 
     out = {}
     for name, chains in (("quickstart-chains", 0), ("one-chain", 1)):

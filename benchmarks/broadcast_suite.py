@@ -16,8 +16,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broadcast import bare_chain  # noqa: E402
-from broadcast.bench import BenchParams, main, run_one  # noqa: E402
+from labs import bare_chain  # noqa: E402
+from labs.broadcast_bench import main, run_one  # noqa: E402
+from labs.broadcast_root import BenchParams  # noqa: E402
 from echo.machine import machine_info  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "broadcast"
@@ -35,7 +36,7 @@ LOOPBACK = "loopback-4hop-unshaped"
 
 def loopback_vs_bare(runs: int = 5, mib: int = 256, chunk_kib: int = 4096) -> int:
     """One chain of 4 relays, unshaped, 256 MiB in 4 MiB chunks, against a bare pyzmq chain of
-    the same 4 hops (``broadcast.bare_chain``), alternating run by run: the ratio of the two
+    the same 4 hops (``labs.bare_chain``), alternating run by run: the ratio of the two
     throughputs is the figure (absolute MB/s differs threefold between machines)."""
     size = mib * 2**20
     rows = []

@@ -1,6 +1,6 @@
 """Churn repair, measured back to back (issue 31's guard on the relay-report rules).
 
-Each pair runs ``echo-rl bench broadcast`` twice with the same seed on the same machine:
+Each pair runs ``python -m labs.broadcast_bench`` twice with the same seed on the same machine:
 fault-free, then with ``--kill-fraction`` of the relays SIGKILLed at random moments of the
 broadcast. Their children report the dead relays (timeout, disconnected) and re-attach
 upstream; the ratio T_bcast(kill) / T_bcast(fault-free) shows what the repair costs.
@@ -28,7 +28,7 @@ BENCH = ["--workers", "16", "--snapshot-mib", "64", "--uplink-mbit", "400", "--l
 def t_bcast(extra: list[str], seed: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        subprocess.run([sys.executable, "-m", "echo.cli", "bench", "broadcast", *BENCH, "--seed",
+        subprocess.run([sys.executable, "-m", "labs.broadcast_bench", *BENCH, "--seed",
                         str(seed), "--json", str(out), *extra], check=True, cwd=ROOT,
                        stdout=subprocess.DEVNULL, timeout=600)
         [r] = json.loads(out.read_text())["results"]

@@ -13,7 +13,7 @@ MB/s of model size, and whether the rebuilt bytes hash equal to the learner's.
 
 ``--record DIR`` keeps the full payloads of the ``--record-lr`` run (``DIR/layout.json``,
 ``DIR/v000.bin`` = the pretrained weights, then one per step) for
-``echo-rl bench broadcast --versions-dir DIR``. Results: ``benchmarks/results/delta/``.
+``python -m labs.broadcast_bench --versions-dir DIR``. Results: ``benchmarks/results/delta/``.
 """
 
 from __future__ import annotations

@@ -216,26 +216,27 @@ def cpu_split() -> tuple[str | None, str | None]:
 
 
 def run_once(workers: int, per_process: int, seconds: float, group_s: float,
-             fsync_delay_ms: float, tmp: Path, group_commit: bool = True,
-             pin: bool = True, heartbeat_s: float | None = None,
+             fsync_delay_ms: float, tmp: Path, pin: bool = True, heartbeat_s: float | None = None,
              ramp_s: float = 0.0) -> dict[str, Any]:
     from echo.config import dump_toml, load_config
     from echo.procs import ProcessGroup, python_argv, wait_ready
+    from labs import child_env
 
     extra = [f"worker.heartbeat_s={heartbeat_s}"] if heartbeat_s else []
     cfg = load_config(ROOT / "examples/quickstart.toml",
-                      OVERRIDES + extra + [f"learner.fsync_delay_s={fsync_delay_ms / 1000}",
-                                           f"learner.group_commit={str(group_commit).lower()}"])
-    tag = f"{workers}w-{fsync_delay_ms:g}ms-{'group' if group_commit else 'sync'}"
+                      OVERRIDES + extra)
+    tag = f"{workers}w-{fsync_delay_ms:g}ms"
     run = tmp / f"run-{tag}"
     conf = tmp / f"cfg-{tag}.toml"
     conf.write_text(dump_toml(cfg))
     learner_cpus, swarm_cpus = cpu_split() if pin else (None, None)
     group = ProcessGroup()
     try:
-        learner = group.start("learner", pinned(python_argv("echo.cli", "learn", str(conf), "--run-dir",
-                                                            str(run)), learner_cpus),
-                              tmp / f"learner-{tag}.err", pipe_stdout=True)
+        # The disk's fsync delay is the slow-disk double's (labs/slow_disk.py), not a config key.
+        argv = python_argv("labs.slow_disk", "--fsync-delay-s", str(fsync_delay_ms / 1000), "learn",
+                           str(conf), "--run-dir", str(run))
+        learner = group.start("learner", pinned(argv, learner_cpus), tmp / f"learner-{tag}.err",
+                              pipe_stdout=True, env=child_env())
         line = wait_ready(learner, timeout=180)
         outs = []
         for p in range(-(-workers // per_process)):
@@ -255,7 +256,7 @@ def run_once(workers: int, per_process: int, seconds: float, group_s: float,
         group.stop_all()
     out = _summary([json.loads(o.read_text()) for o in outs if o.exists()], rows, run, seconds,
                    workers, fsync_delay_ms)
-    out.update(group_commit=group_commit, pinned={"learner": learner_cpus, "swarm": swarm_cpus},
+    out.update(group_commit=True, pinned={"learner": learner_cpus, "swarm": swarm_cpus},
                heartbeat_s=cfg.worker.heartbeat_s)
     out["accounting"] = accounting(run, [o.with_suffix(".ledger") for o in outs], cfg.learner.group_size)
     out["cpu"] = cpu_costs(rows[-1].get("control_cpu", {}) if rows else {}, workers,
@@ -357,9 +358,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--group-s", type=float, default=1.0, help="seconds a synthetic group takes")
     ap.add_argument("--fsync-delay-ms", type=float, nargs="+", default=[0.0])
-    ap.add_argument("--sync-baseline", action="store_true",
-                    help="also run each delay with the log written on the event loop "
-                         "(learner.group_commit = false, the old behaviour)")
     ap.add_argument("--heartbeat-s", type=float, default=None,
                     help="worker.heartbeat_s for the run (default: the config's)")
     ap.add_argument("--ramp-s", type=float, default=None,
@@ -381,13 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="echo-load-") as tmp:
         for workers in args.workers:
             for delay in args.fsync_delay_ms:
-                for group_commit in (True, False) if args.sync_baseline else (True,):
-                    results.append(run_once(workers, args.per_process, args.seconds, args.group_s,
-                                            delay, Path(tmp), group_commit, pin=not args.no_pin,
-                                            heartbeat_s=args.heartbeat_s,
-                                            ramp_s=args.ramp_s if args.ramp_s is not None
-                                            else workers / 50))
-                    print(json.dumps(results[-1]), flush=True)
+                results.append(run_once(workers, args.per_process, args.seconds, args.group_s,
+                                        delay, Path(tmp), pin=not args.no_pin,
+                                        heartbeat_s=args.heartbeat_s,
+                                        ramp_s=args.ramp_s if args.ramp_s is not None
+                                        else workers / 50))
+                print(json.dumps(results[-1]), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": machine_info(), "load": os.getloadavg(),
                                      "argv": sys.argv[1:], "results": results}, indent=2))

@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/wide_area.py [--steps 40] [--workers 2] [--json FILE]
 
 For each scenario a real learner (the quickstart's config) and worker processes run on
-loopback, the workers reaching the learner only through ``python -m echo.chaos`` (latency,
-stalls, RST resets; see ``echo/chaos.py``). The first scenario is the same proxy with no
+loopback, the workers reaching the learner only through ``python -m labs.chaos`` (latency,
+stalls, RST resets; see ``labs/chaos.py``). The first scenario is the same proxy with no
 faults: the baseline every other scenario's throughput is divided by. For each run it checks
 that nothing a worker saw acknowledged is lost (trained, still buffered, or a counted stale
 drop) and that no group is trained twice. Writes benchmarks/results/wide_area.json with the
@@ -38,7 +38,8 @@ SCENARIOS = {
 
 
 def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Path) -> dict:
-    from echo.chaos import READY_PREFIX
+    from labs import child_env
+    from labs.chaos import READY_PREFIX
     from learner.audit import audit_run
 
     cfg = load_config(ROOT / "examples/quickstart.toml", [f"learner.max_steps={steps}",
@@ -51,9 +52,9 @@ def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Pat
                               tmp / "learner.err", pipe_stdout=True)
         join = JoinLine.parse(wait_ready(learner, timeout=120))
         endpoint = join.endpoint.removeprefix("tcp://")
-        chaos = group.start("chaos", python_argv("echo.chaos", "--target", endpoint, *flags,
+        chaos = group.start("chaos", python_argv("labs.chaos", "--target", endpoint, *flags,
                                                  "--stats", str(tmp / "chaos.json")),
-                            tmp / "chaos.err", pipe_stdout=True)
+                            tmp / "chaos.err", pipe_stdout=True, env=child_env())
         line = chaos.stdout.readline().decode()
         if not line.startswith(READY_PREFIX):
             raise RuntimeError((tmp / "chaos.err").read_text())

@@ -83,7 +83,7 @@ class FetchStats:
     seconds: float = 0.0  # from the start of the fetch to its last chunk (all sources)
     # One entry per source tried, in order: where the chunks came from and when (wall-clock
     # seconds, comparable across processes), and why the source was left (the trace a
-    # benchmark writes per node: ``echo-rl bench broadcast --trace DIR``).
+    # benchmark writes per node: ``python -m labs.broadcast_bench --trace DIR``).
     attempts: list[dict] = field(default_factory=list)
 
     @property

@@ -58,7 +58,6 @@ class RelayConfig:
     up_mbit: float = 0.0
     shape: bool = False  # also throttle the links to those rates (tests and benchmarks)
     chunk_bytes: int = 1 << 20
-    corrupt: bool = False  # test hook: alter every chunk served
     max_parked_per_peer: int = 64  # security.max_parked_per_peer (from the learner's config)
     max_parked_total: int = 4096
     handshakes_per_s: float = 50.0  # new connections accepted per second (burst 2x)
@@ -73,6 +72,8 @@ class RelayPortTaken(RuntimeError):
 
 
 class Relay:
+    server_class = ChunkServer  # what serves children; a test double swaps it (labs/doubles.py)
+
     def __init__(self, ctx: zmq.asyncio.Context, cfg: RelayConfig, *, keys: KeyPair | None = None,
                  run_key: Callable[[], bytes] | None = None):
         """``keys``: serve and fetch over CURVE; ``run_key``: the run's Ed25519 public key
@@ -114,9 +115,9 @@ class Relay:
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             tickets = (TicketCheck(run_key, self.endpoint).check
                        if keys is not None and run_key is not None else None)
-            self.server = ChunkServer(sock, self.store, cfg.max_bytes,
+            self.server = self.server_class(sock, self.store, cfg.max_bytes,
                                       upload=bucket(cfg.up_mbit, cfg.chunk_bytes) if cfg.shape else None,
-                                      corrupt=cfg.corrupt, authorize=tickets,
+                                      authorize=tickets,
                                       max_parked_per_peer=cfg.max_parked_per_peer,
                                       max_parked_total=cfg.max_parked_total,
                                       requests_per_s=cfg.requests_per_s, results=self.results,

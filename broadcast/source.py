@@ -23,7 +23,6 @@ It measures its upload per version (``upload_mbit``): bytes sent / seconds a rep
 to go out, so time spent waiting for chunks from upstream (parked requests) does not count.
 On an unshaped link a send only queues into the socket, so this end reads high: the child's
 download report is then what binds (``broadcast.links``).
-``corrupt=True`` flips a byte in every chunk sent (for integrity tests and benchmarks only).
 
 Keyframes (docs/broadcast.md, "Delta snapshots"): a request with ``form`` "full" asks for a chunk
 of a version's rebuilt payload, served from ``results`` (the full payload of what this node
@@ -44,7 +43,7 @@ import zmq
 import zmq.asyncio
 
 from broadcast.shaping import TokenBucket
-from broadcast.store import SnapshotStore
+from broadcast.store import SnapshotBuffer, SnapshotStore
 from echo import wire
 from echo.security import LogThrottle, PeerLimits, sender_key
 
@@ -56,7 +55,7 @@ log = logging.getLogger(__name__)
 class ChunkServer:
     def __init__(self, sock: zmq.asyncio.Socket, store: SnapshotStore, max_bytes: int, *,
                  upload: TokenBucket | None = None, park_timeout_s: float = 30.0,
-                 corrupt: bool = False, authorize: Authorize | None = None,
+                 authorize: Authorize | None = None,
                  max_parked_per_peer: int = 64, max_parked_total: int = 4096,
                  requests_per_s: float = 1000.0, results: SnapshotStore | None = None,
                  bases: SnapshotStore | None = None):
@@ -69,7 +68,6 @@ class ChunkServer:
         self.max_bytes = max_bytes
         self.upload = upload
         self.park_timeout_s = park_timeout_s
-        self.corrupt = corrupt
         self.authorize = authorize
         self.max_parked_per_peer = max_parked_per_peer
         self.max_parked_total = max_parked_total
@@ -221,6 +219,11 @@ class ChunkServer:
         if self._parked_by[who] <= 0:
             del self._parked_by[who]
 
+    def outgoing(self, buf: SnapshotBuffer, index: int) -> memoryview | bytes:
+        """The bytes sent for chunk ``index`` of ``buf``: the chunk itself. The one seam a test
+        double overrides to play a relay that alters what it forwards (labs/doubles.py)."""
+        return buf.chunk(index)
+
     async def _send_loop(self) -> None:
         while True:
             ident, rid, version, index, who, queued_at, form = await self._next_reply()
@@ -232,12 +235,9 @@ class ChunkServer:
             if buf is None:
                 await self._reply_error(ident, rid, "unknown_version", f"version {version} dropped")
                 continue
-            data = buf.chunk(index)
+            data = self.outgoing(buf, index)
             if self.upload is not None:
                 await self.upload.consume(len(data))
-            if self.corrupt:
-                data = bytearray(data)
-                data[len(data) // 2] ^= 0xFF
             header = wire.encode(wire.Chunk(version=version, index=index, rid=rid))
             try:
                 # NOBLOCK: a peer that requests but never reads fills its queue; its replies

@@ -7,6 +7,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from echo.extras import MissingExtra
@@ -29,9 +30,26 @@ def _add_config_args(p: argparse.ArgumentParser, config_required: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand, each with a handler (``args.handler``). Subcommands whose module has a
+    parser of its own (eval, report, sample, token, workers, worker, sim) take their arguments
+    unparsed here (``passthrough``): that module's parser checks them and answers their --help."""
     p = argparse.ArgumentParser(prog="echo-rl", description="Echo: RL post-training with a "
                                 "data-center learner and a wide-area rollout fleet.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    _add_learn(sub)
+    _add_quickstart(sub)
+    doc = sub.add_parser("doctor", help="check the learner's host: config, every port bound "
+                         "and reachable on the public address, the learner answering (docs/ports.md)")
+    _add_config_args(doc, config_required=False)
+    doc.set_defaults(handler=_doctor)
+    _add_model(sub)
+    for name, handler, text in PASSTHROUGH:
+        sub.add_parser(name, add_help=False, help=text).set_defaults(handler=handler,
+                                                                     passthrough=True)
+    return p
+
+
+def _add_learn(sub: argparse._SubParsersAction) -> None:
     learn = sub.add_parser("learn", help="run the learner (workers join it with echo-worker join)")
     _add_config_args(learn, config_required=True)
     learn.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
@@ -39,29 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
     learn.add_argument("--insecure", action="store_true",
                        help="plaintext sockets, even on a public address: anyone can impersonate "
                             "any worker (security.curve=false, security.insecure=true)")
+    learn.set_defaults(handler=_learn_cmd)
+
+
+def _add_quickstart(sub: argparse._SubParsersAction) -> None:
     qs = sub.add_parser("quickstart", help="learner + workers as local processes on loopback")
     _add_config_args(qs, config_required=False)
     qs.add_argument("--workers", type=int, default=None, help="worker processes (default: config)")
-    bench = sub.add_parser("bench", help="benchmarks (results as JSON under benchmarks/results/)")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    bench_sub.add_parser("broadcast", add_help=False,
-                         help="snapshot broadcast with real relay processes (see --help)")
-    sub.add_parser("eval", add_help=False, help="eval --run-dir RUN [--checkpoint N | --untrained] "
-                   "[--compare N] [--split heldout]: mean reward, 95%% CI, any adapter; also eval "
-                   "poker ... | eval math ... (see --help)")
-    sub.add_parser("report", add_help=False, help="compare runs: HTML, CSV, Parquet (see --help)")
-    sub.add_parser("sample", add_help=False,
-                   help="sample RUN_DIR: prompts, completions and rewards from the latest checkpoint")
-    sub.add_parser("token", add_help=False, help="token create --run-dir DIR --uses N --expires 24h")
-    sub.add_parser("workers", add_help=False, help="workers --run-dir DIR: every worker the run "
-                   "knows (id, fingerprint, state, key)")
-    sub.add_parser("worker", add_help=False, help="worker ban ID|FINGERPRINT|'KEY' --run-dir DIR")
-    doc = sub.add_parser("doctor", help="check the learner's host: config, every port bound "
-                         "and reachable on the public address, the learner answering (docs/ports.md)")
-    _add_config_args(doc, config_required=False)
-    sub.add_parser("sim", add_help=False, help="discrete-event simulation: sim SCENARIO.toml [--json FILE]")
+    qs.set_defaults(handler=_quickstart)
+
+
+def _add_model(sub: argparse._SubParsersAction) -> None:
     model = sub.add_parser("model", help="model folders: import-gguf FILE --out DIR | smollm2 | "
                            "export --run-dir RUN --out DIR")
+    model.set_defaults(handler=_model)
     model_sub = model.add_subparsers(dest="model", required=True)
     gg = model_sub.add_parser("import-gguf", help="a GGUF checkpoint -> a Hugging Face folder "
                               "(config, bf16 safetensors, tokenizer, chat template) for model.name")
@@ -78,12 +87,60 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", type=Path, required=True, help="new folder to write (must not exist)")
     ex.add_argument("--merged", action="store_true", help="a LoRA run: write the model with the "
                     "adapter merged in (the adapter alone goes to OUT/adapter)")
-    prov = bench_sub.add_parser("provisioning", help="worker selection: greedy vs ours vs exact")
-    prov.add_argument("--pools", type=int, default=1000)
-    prov.add_argument("--seed", type=int, default=0)
-    prov.add_argument("--candidates", type=int, default=100_000)
-    prov.add_argument("--json", default=None, help="output file (default benchmarks/results/provisioning.json)")
-    return p
+
+
+def _eval(cmd: str, rest: list[str]) -> int:
+    """``eval poker ...`` and ``eval math ...`` are their adapters' evaluations; plain ``eval``
+    is any adapter's (echo/evaluate.py)."""
+    if rest[:1] == ["poker"]:
+        from adapters.poker.eval import main as poker_eval
+
+        return poker_eval(rest[1:])
+    if rest[:1] == ["math"]:
+        from adapters.math_eval import main as math_eval
+
+        return math_eval(rest[1:])
+    from echo.evaluate import main as eval_main
+
+    return eval_main(rest)
+
+
+def _sample(cmd: str, rest: list[str]) -> int:
+    from echo.sample import main as sample_main
+
+    return sample_main(rest)
+
+
+def _report(cmd: str, rest: list[str]) -> int:
+    from echo.report import main as report_main
+
+    return report_main(rest)
+
+
+def _admin(cmd: str, rest: list[str]) -> int:
+    from echo.admin import main as admin_main  # its parser names the command itself
+
+    return admin_main([cmd, *rest])
+
+
+def _sim(cmd: str, rest: list[str]) -> int:
+    from provisioning.sim import main as sim_main
+
+    return sim_main(rest)
+
+
+# (name, handler, one-line help) of the subcommands whose module parses their arguments
+PASSTHROUGH: list[tuple[str, Callable[[str, list[str]], int], str]] = [
+    ("eval", _eval, "eval --run-dir RUN [--checkpoint N | --untrained] [--compare N] "
+     "[--split heldout]: mean reward, 95%% CI, any adapter; also eval poker ... | eval math ..."),
+    ("report", _report, "compare runs: HTML, CSV, Parquet (see report --help)"),
+    ("sample", _sample, "sample RUN_DIR: prompts, completions and rewards from the latest checkpoint"),
+    ("token", _admin, "token create --run-dir DIR --uses N --expires 24h"),
+    ("workers", _admin, "workers --run-dir DIR: every worker the run knows (id, fingerprint, "
+     "state, key)"),
+    ("worker", _admin, "worker ban ID|FINGERPRINT|'KEY' --run-dir DIR"),
+    ("sim", _sim, "discrete-event simulation: sim SCENARIO.toml [--json FILE]"),
+]
 
 
 def default_run_dir(run_name: str) -> Path:
@@ -124,61 +181,32 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # Subcommands with parsers of their own (many options, no config file):
-    if argv[:2] == ["bench", "broadcast"]:
-        from broadcast.bench import main as broadcast_main
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "passthrough", False):
+        return args.handler(args.cmd, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args.handler(args)
 
-        return broadcast_main(argv[2:])
-    if argv[:2] == ["eval", "poker"]:
-        from adapters.poker.eval import main as poker_eval
 
-        return poker_eval(argv[2:])
-    if argv[:2] == ["eval", "math"]:
-        from adapters.math_eval import main as math_eval
-
-        return math_eval(argv[2:])
-    if argv[:1] == ["eval"]:  # any adapter: eval --run-dir RUN (echo/evaluate.py)
-        from echo.evaluate import main as eval_main
-
-        return eval_main(argv[1:])
-    if argv[:1] == ["sample"]:
-        from echo.sample import main as sample_main
-
-        return sample_main(argv[1:])
-    if argv[:1] == ["report"]:
-        from echo.report import main as report_main
-
-        return report_main(argv[1:])
-    if argv[:1] in (["token"], ["worker"], ["workers"]):
-        from echo.admin import main as admin_main
-
-        return admin_main(argv)
-    if argv[:1] == ["sim"]:
-        from provisioning.sim import main as sim_main
-
-        return sim_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.cmd == "bench":
-        return _bench(args)
-    if args.cmd == "model":
-        return _model(args)
-    if args.cmd == "doctor":
-        return _doctor(args)
+def _learn_cmd(args: argparse.Namespace) -> int:
     path, cfg = _load(args)
-    run_dir = getattr(args, "resume", None) or args.run_dir or default_run_dir(cfg.run_name)
-    if args.cmd == "learn":
-        rc = _learn(args, cfg, run_dir)
-        from learner.parallel import exit_rank, under_torchrun
+    run_dir = args.resume or args.run_dir or default_run_dir(cfg.run_name)
+    rc = _learn(args, cfg, run_dir)
+    from learner.parallel import exit_rank, under_torchrun
 
-        if under_torchrun():
-            exit_rank(rc)
-        return rc
-    if args.cmd == "quickstart":
-        from echo.quickstart import run_quickstart
+    if under_torchrun():
+        exit_rank(rc)
+    return rc
 
-        return run_quickstart(cfg, path, args.overrides, run_dir, args.workers)
-    return 2
 
+def _quickstart(args: argparse.Namespace) -> int:
+    path, cfg = _load(args)
+    run_dir = args.run_dir or default_run_dir(cfg.run_name)
+    from echo.quickstart import run_quickstart
+
+    return run_quickstart(cfg, path, args.overrides, run_dir, args.workers)
 
 
 def _learn(args: argparse.Namespace, cfg: EchoConfig, run_dir: Path) -> int:
@@ -245,16 +273,6 @@ def _model(args: argparse.Namespace) -> int:
         return 0
     print(f"{out}: set model.name = \"{out}\"")
     return 0
-
-
-def _bench(args: argparse.Namespace) -> int:
-    if args.bench == "provisioning":
-        from provisioning.bench import main as bench_main
-
-        argv = ["--pools", str(args.pools), "--seed", str(args.seed),
-                "--candidates", str(args.candidates)]
-        return bench_main(argv + (["--json", args.json] if args.json else []))
-    return 2
 
 
 if __name__ == "__main__":

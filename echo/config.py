@@ -252,11 +252,6 @@ class LearnerConfig(StalenessRules, _Section):
     # (docs/memory.md). Off: each is held as bytes.
     spill_payloads: bool = True
     fsync: bool = True  # fsync the buffer log before acknowledging (off only for benchmarks)
-    # A slow disk, for tests and the control plane's load test: each fsync sleeps this long.
-    fsync_delay_s: float = Field(0.0, ge=0, le=10)
-    # Write-ahead log on its own thread with group commit (false: written and fsynced on the
-    # control plane's event loop, the old behaviour; the load test's baseline).
-    group_commit: bool = True
     # Admission bounds (dataplane/records.py): a record whose |reward| exceeds this is rejected
     # ("reward_out_of_range"). Raise it if an adapter's rewards are legitimately larger; the cap
     # of 1e30 keeps rewards, their squares and the advantages finite in float32/float64.
@@ -373,8 +368,6 @@ class BroadcastConfig(_Section):
     keyframe_every: int = Field(10, ge=1)  # every K-th publication is full; 1 = never a delta
     # A delta bigger than this share of the full payload is published as a keyframe instead.
     delta_max_ratio: float = Field(0.8, gt=0, le=1)
-    # Encode, hash and sign publications on a thread of their own (false: on the training thread).
-    publish_thread: bool = True
     # NAT traversal (docs/nat.md): the learner's reflector classifies each worker at join, and a
     # worker behind an endpoint-independent NAT relays through punched TCP links. Off: every
     # worker that offers a relay endpoint is trusted to be reachable (the old behaviour).

@@ -6,3 +6,17 @@ provisioning) imports from here; labs import the runtime. The package is not par
 volunteer installs: benchmarks and tests run it from a checkout (pytest puts the repository root
 on sys.path, see ``pythonpath`` in pyproject.toml; scripts run as ``python -m labs.<name>``).
 """
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout labs/ lives in
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child started as ``python -m labs.<name>``: the checkout first on
+    PYTHONPATH, so the child finds labs/ whatever its working folder (labs/ is not installed)."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}

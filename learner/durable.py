@@ -37,7 +37,6 @@ import os
 import queue
 import struct
 import threading
-import time
 import zlib
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass
@@ -53,36 +52,28 @@ _HEADER = struct.Struct("<II")
 
 
 class BufferLog:
-    def __init__(self, path: Path, fsync: bool = True, group_commit: bool = True,
-                 fsync_delay_s: float = 0.0):
-        """``fsync_delay_s``: a slow disk, for tests and benchmarks (sleeps in each fsync)."""
+    def __init__(self, path: Path, fsync: bool = True):
+        """Frames go to a writer thread that makes everything waiting durable in one fsync
+        (group commit), so a slow disk delays acknowledgements, never the control loop."""
         self.path = path
         self.fsync = fsync
-        self.fsync_delay_s = fsync_delay_s
         self._lock = threading.Lock()
         self._f = open(path, "ab")
         self.bytes_written = 0
         self.commits = 0  # fsyncs (or flushes) that made appended frames durable
-        self._pending: queue.Queue[tuple[bytes, Future] | None] | None = None
+        self._pending: queue.Queue[tuple[bytes, Future] | None] = queue.Queue()
         self._error: BaseException | None = None
-        self._writer: threading.Thread | None = None
-        if group_commit:
-            self._pending = queue.Queue()
-            self._writer = threading.Thread(target=self._write_loop, name="echo-wal", daemon=True)
-            self._writer.start()
+        self._writer = threading.Thread(target=self._write_loop, name="echo-wal", daemon=True)
+        self._writer.start()
 
     def _append(self, kind: str, payload: Any) -> Future:
-        """Queue a frame; the future resolves when it is durable (at once without group commit)."""
+        """Queue a frame; the future resolves when it is durable."""
         body = msgpack.packb([kind, payload], use_bin_type=True)
         frame = _HEADER.pack(len(body), zlib.crc32(body)) + body
         done: Future = Future()
         if self._error is not None:
             raise RuntimeError(f"buffer log writer failed: {self._error!r}") from self._error
-        if self._pending is None:
-            self._commit([frame])
-            done.set_result(None)
-        else:
-            self._pending.put((frame, done))
+        self._pending.put((frame, done))
         return done
 
     def _commit(self, frames: list[bytes]) -> None:
@@ -92,13 +83,14 @@ class BufferLog:
                 self.bytes_written += len(frame)
             self._f.flush()
             if self.fsync:
-                if self.fsync_delay_s:
-                    time.sleep(self.fsync_delay_s)
-                os.fsync(self._f.fileno())
+                self._sync()
             self.commits += 1
 
+    def _sync(self) -> None:
+        """The fsync of one commit: the seam a slow-disk double overrides (labs/doubles.py)."""
+        os.fsync(self._f.fileno())
+
     def _write_loop(self) -> None:
-        assert self._pending is not None
         while True:
             batch = [self._pending.get()]
             while True:  # everything already waiting goes into this one fsync
@@ -121,7 +113,7 @@ class BufferLog:
 
     def flush(self) -> None:
         """Wait until every frame appended so far is durable."""
-        if self._pending is not None and self._writer is not None and self._writer.is_alive():
+        if self._writer.is_alive():
             done: Future = Future()
             self._pending.put((b"", done))
             done.result()
@@ -158,7 +150,7 @@ class BufferLog:
             self._f = open(self.path, "ab")
 
     def close(self) -> None:
-        if self._pending is not None and self._writer is not None and self._writer.is_alive():
+        if self._writer.is_alive():
             self.flush()
             self._pending.put(None)
             self._writer.join(30)

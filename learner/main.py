@@ -270,8 +270,7 @@ class Learner:
                              answer_tokens=frozenset(answers) if answers is not None else None)
         self.buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size,
                                    on_drop=self._audit_drop)
-        self.log = BufferLog(run_dir / "buffer.log", fsync=lc.fsync, fsync_delay_s=lc.fsync_delay_s,
-                             group_commit=lc.group_commit)
+        self.log = BufferLog(run_dir / "buffer.log", fsync=lc.fsync)
         self.prompt_rng = random.Random(cfg.seed)
         self.key = load_or_create_key(run_dir)
         self.run_id = run_dir.name
@@ -324,7 +323,7 @@ class Learner:
             run_id=self.run_id, key=self.key, chunk_size=bc.chunk_kib * 1024, dtype=bc.dtype,
             delta=bc.delta, keyframe_every=bc.keyframe_every, max_ratio=bc.delta_max_ratio,
             base_model=self.policy.base_hash),
-            self.control.publish, background=bc.publish_thread)
+            self.control.publish)
         join = self.control.join_line()
         info = {"endpoint": self.control.endpoint, "snapshot_endpoint": self.control.snapshot_endpoint,
                 "join": join, "public_key": (self.control.public_key or b"").decode(),

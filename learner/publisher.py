@@ -9,9 +9,8 @@ The hand-over queue holds one version. Overflow policy: a step that finishes whi
 version is still being built waits for it (back-pressure, measured as ``t_publish``); versions
 are never skipped or reordered, so the base of every delta is a version that was published.
 A failure on the publisher thread is raised on the training thread at the next ``submit`` or
-``flush``, never swallowed. ``background=False`` (``broadcast.publish_thread = false``) builds on
-the training thread instead: the old behaviour, kept as the baseline of
-``benchmarks/bench_publish.py``.
+``flush``, never swallowed. (``benchmarks/bench_publish.py`` measures the old way, built on
+the training thread, with a subclass of its own.)
 """
 
 from __future__ import annotations
@@ -29,11 +28,9 @@ log = logging.getLogger(__name__)
 
 
 class Publisher:
-    def __init__(self, encoder: VersionEncoder, publish: Callable[[Snapshot], None],
-                 background: bool = True):
+    def __init__(self, encoder: VersionEncoder, publish: Callable[[Snapshot], None]):
         self.encoder = encoder
         self.publish = publish
-        self.background = background
         self.last: Publication | None = None  # the newest publication (its stats)
         self.published = 0
         self.keyframes = 0
@@ -45,9 +42,6 @@ class Publisher:
     def submit(self, version: int, tensors: list[dict[str, Any]], full: bytes) -> None:
         """Hand a version over; blocks while the previous one is still waiting to be built."""
         self._raise()
-        if not self.background:
-            self._build(version, tensors, full)
-            return
         self._queue.put((version, tensors, full))
 
     def flush(self) -> None:

@@ -33,6 +33,7 @@ from broadcast.snapshot import (
 from broadcast.tickets import Source
 from broadcast.topology import make_topology
 from worker.base import BaseResult, mismatch, obtain_base
+from labs.doubles import CorruptingRelay
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -128,7 +129,7 @@ def test_base_fetched_from_peers_corrupt_relay_routed_around_then_cached(base, t
 
     async def run():
         ctx = zmq.asyncio.Context()
-        honest, corrupt = Relay(ctx, RelayConfig()), Relay(ctx, RelayConfig(corrupt=True))
+        honest, corrupt = Relay(ctx, RelayConfig()), CorruptingRelay(ctx, RelayConfig())
         honest.hold_base(manifest, payload)
         corrupt.hold_base(manifest, payload)
         workers = [Relay(ctx, RelayConfig()) for _ in range(3)]
@@ -254,7 +255,7 @@ def test_the_learner_hands_out_the_base_and_its_sources_and_bans_a_corrupt_relay
     keys = KeyPair.generate()
     loop = asyncio.new_event_loop()
     actx = zmq.asyncio.Context()
-    liar = Relay(actx, RelayConfig(corrupt=True), keys=keys, run_key=lambda: plane.key.public_bytes)
+    liar = CorruptingRelay(actx, RelayConfig(), keys=keys, run_key=lambda: plane.key.public_bytes)
     liar.hold_base(manifest, payload)
     async def serve():
         with contextlib.suppress(asyncio.CancelledError):

@@ -14,6 +14,8 @@ from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.topology import Peer, make_topology
 from echo import wire
+from labs import child_env
+from labs.doubles import CorruptingChunkServer, CorruptingRelay
 
 CHUNK = 64 * 1024
 
@@ -31,12 +33,14 @@ class Root:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.bind("tcp://127.0.0.1:*")
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.server = ChunkServer(sock, self.store, 1 << 24, corrupt=corrupt)
+        server = CorruptingChunkServer if corrupt else ChunkServer
+        self.server = server(sock, self.store, 1 << 24)
         self.key = key
 
 
-def relay(ctx, **kw):
-    return Relay(ctx, RelayConfig(window=3, timeout_s=kw.pop("timeout_s", 5.0), chunk_bytes=CHUNK, **kw))
+def relay(ctx, corrupt=False, **kw):
+    kind = CorruptingRelay if corrupt else Relay
+    return kind(ctx, RelayConfig(window=3, timeout_s=kw.pop("timeout_s", 5.0), chunk_bytes=CHUNK, **kw))
 
 
 async def run(coro_fn, timeout=30):
@@ -254,11 +258,11 @@ def test_bench_broadcast_with_processes_kill_and_corruption(tmp_path):
     import sys
 
     out = tmp_path / "b.json"
-    r = subprocess.run([sys.executable, "-m", "echo.cli", "bench", "broadcast", "--workers", "6",
+    r = subprocess.run([sys.executable, "-m", "labs.broadcast_bench", "--workers", "6",
                         "--snapshot-mib", "4", "--chunk-kib", "256", "--uplink-mbit", "80",
                         "--link-mbit", "40", "--topology", "chains,star", "--kill-fraction", "0.34",
                         "--corrupt-relays", "1", "--json", str(out)],
-                       capture_output=True, text=True, timeout=170)
+                       capture_output=True, text=True, env=child_env(), timeout=170)
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert [x["params"]["topology"] for x in results] == ["chains", "star"]
@@ -291,10 +295,10 @@ def test_bench_replays_recorded_versions_as_deltas_and_audits_every_install(tmp_
         a = a.copy()
         a[rng.choice(n, n // 100, replace=False)] ^= 1
     out = tmp_path / "v.json"
-    r = subprocess.run([sys.executable, "-m", "echo.cli", "bench", "broadcast", "--workers", "4",
+    r = subprocess.run([sys.executable, "-m", "labs.broadcast_bench", "--workers", "4",
                         "--chunk-kib", "64", "--uplink-mbit", "0", "--link-mbit", "0",
                         "--versions-dir", str(folder), "--corrupt-relays", "1", "--json", str(out)],
-                       capture_output=True, text=True, timeout=150)
+                       capture_output=True, text=True, env=child_env(), timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(out.read_text())
     for arm, kinds in (("delta", ["full", "delta", "delta", "delta"]), ("full", ["full"] * 4)):
@@ -309,7 +313,7 @@ def test_bench_replays_recorded_versions_as_deltas_and_audits_every_install(tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_bare_chain_yardstick_delivers_every_byte_to_every_hop():
-    from broadcast import bare_chain
+    from labs import bare_chain
 
     assert bare_chain.run(3, 4 * 2**20 + 5, 256 * 1024) > 0  # it raises if a hop got less
 
@@ -324,10 +328,10 @@ def test_bench_broadcast_in_network_namespaces(tmp_path):
     import sys
 
     out = tmp_path / "n.json"
-    r = subprocess.run([sys.executable, "-m", "echo.cli", "bench", "broadcast", "--workers", "4",
+    r = subprocess.run([sys.executable, "-m", "labs.broadcast_bench", "--workers", "4",
                         "--snapshot-mib", "2", "--chunk-kib", "256", "--uplink-mbit", "100",
                         "--link-mbit", "50", "--netns", "--json", str(out)],
-                       capture_output=True, text=True, timeout=170)
+                       capture_output=True, text=True, env=child_env(), timeout=170)
     assert r.returncode == 0, r.stderr[-3000:]
     [x] = json.loads(out.read_text())["results"]
     assert x["params"]["netns"] is True
@@ -359,16 +363,16 @@ def test_bench_broadcast_through_real_nat_routers(tmp_path):
     import subprocess
     import sys
 
-    from broadcast import natlab
+    from labs import natlab
 
     if natlab.missing_tools():
         pytest.skip(f"NAT lab: {natlab.missing_tools()}")
     out = tmp_path / "nat.json"
-    r = subprocess.run([sys.executable, "-m", "echo.cli", "bench", "broadcast", "--workers", "4",
+    r = subprocess.run([sys.executable, "-m", "labs.broadcast_bench", "--workers", "4",
                         "--snapshot-mib", "4", "--chunk-kib", "256", "--uplink-mbit", "200",
                         "--link-mbit", "100", "--netns", "--nat", "3", "--symmetric", "1",
                         "--chains", "1", "--curve", "--publications", "2", "--json", str(out)],
-                       capture_output=True, text=True, timeout=230)
+                       capture_output=True, text=True, env=child_env(), timeout=230)
     assert r.returncode == 0, r.stderr[-3000:]
     [x] = json.loads(out.read_text())["results"]
     assert x["params"]["nat"] == 3 and x["params"]["punch"] is True

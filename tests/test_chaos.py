@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from echo.chaos import ChaosConfig, ChaosProxy, main
+from labs.chaos import ChaosConfig, ChaosProxy, main
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -126,3 +126,29 @@ def test_sample_shows_what_a_runs_checkpoint_generates_for_its_task(tmp_path, ca
     assert "untrained" in capsys.readouterr().out and json.loads(out.read_text())[0]["task"]
     assert cli.main(["sample", str(run), "--checkpoint", "7"]) == 1
     assert "no checkpoint of step 7" in capsys.readouterr().err
+
+
+def test_every_subcommand_is_in_help_with_a_line_of_its_own(capsys):
+    """One parser tree: every echo-rl subcommand is listed with its help, and the lab
+    subcommands are gone from the product CLI (python -m labs.broadcast_bench instead)."""
+    import contextlib
+
+    from echo import cli
+
+    with contextlib.suppress(SystemExit):
+        cli.main(["--help"])
+    shown = capsys.readouterr().out
+    names = ("learn", "quickstart", "doctor", "model", "eval", "report", "sample", "token",
+             "workers", "worker", "sim")
+    for name in names:
+        assert f"\n    {name}" in shown, name
+    assert "bench" not in shown
+
+
+def test_a_passthrough_subcommand_gets_its_arguments_in_order():
+    from echo import cli
+
+    args, rest = cli.build_parser().parse_known_args(
+        ["sample", "--checkpoint", "3", "RUN", "--n", "-1"])
+    assert args.passthrough and args.cmd == "sample"
+    assert rest == ["--checkpoint", "3", "RUN", "--n", "-1"]

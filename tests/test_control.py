@@ -243,11 +243,12 @@ def test_a_slow_disk_delays_only_the_acknowledgement_not_the_loop(small_cfg, tok
     """Group commit: the batch's records go to the write-ahead log's writer thread; the loop
     answers a heartbeat sent after the batch while the fsync is still sleeping, and the batch
     is acknowledged only once its records are on disk (and readable back from the log)."""
-    from learner.durable import BufferLog, read_log
+    from labs.doubles import SlowDiskLog
+    from learner.durable import read_log
 
     lc = small_cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
-    log = BufferLog(tmp_path / "buffer.log", fsync=True, fsync_delay_s=1.0)
+    log = SlowDiskLog(tmp_path / "buffer.log", fsync=True, delay_s=1.0)
     cp = ControlPlane(small_cfg, run_id="t", key=RunKey.generate(),
                       buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
                       work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
@@ -280,9 +281,10 @@ def test_group_commit_makes_many_appends_durable_in_few_fsyncs(tmp_path):
     import threading
 
     from dataplane.records import Record
-    from learner.durable import BufferLog, read_log
+    from labs.doubles import SlowDiskLog
+    from learner.durable import read_log
 
-    log = BufferLog(tmp_path / "buffer.log", fsync=True, fsync_delay_s=0.05)
+    log = SlowDiskLog(tmp_path / "buffer.log", fsync=True, delay_s=0.05)
     futures, lock = [], threading.Lock()
 
     def append(k: int) -> None:
@@ -306,29 +308,18 @@ def test_group_commit_makes_many_appends_durable_in_few_fsyncs(tmp_path):
     assert len({r.group_id for r in read_log(tmp_path / "buffer.log")[0]}) == 80
 
 
-def test_without_group_commit_an_append_is_durable_when_it_returns(tmp_path):
-    from dataplane.records import Record
-    from learner.durable import BufferLog, read_log
-
-    log = BufferLog(tmp_path / "buffer.log", fsync=True, group_commit=False)
-    rec = Record(group_id="g", sample_idx=0, prompt_ids=[3], completion_ids=[11, 1],
-                 logprobs=[-1.0, -0.5], reward=1.0, version=0, worker_id="w1", gen_s=0.01)
-    assert log.admitted([rec]).done() and log.commits == 1
-    assert [r.group_id for r in read_log(tmp_path / "buffer.log")[0]] == ["g"]
-    log.close()
-
-
 def test_a_cancelled_waiter_does_not_kill_the_log_writer(tmp_path):
     """An acknowledgement task cancelled at shutdown cancels its durable future; the writer used
     to die setting it, and the learner's own next append then waited forever (a hung exit)."""
     from dataplane.records import Record
-    from learner.durable import BufferLog, read_log
+    from labs.doubles import SlowDiskLog
+    from learner.durable import read_log
 
     def rec(g: str) -> Record:
         return Record(group_id=g, sample_idx=0, prompt_ids=[3, 4], completion_ids=[11, 1],
                       logprobs=[-1.0, -0.5], reward=1.0, version=0, worker_id="w1", gen_s=0.01)
 
-    log = BufferLog(tmp_path / "buffer.log", fsync=True, fsync_delay_s=0.2)
+    log = SlowDiskLog(tmp_path / "buffer.log", fsync=True, delay_s=0.2)
     first = log.admitted([rec("g1")])  # the writer is now inside a 0.2 s fsync with it
     assert first.cancel()
     second = log.admitted([rec("g2")])

@@ -15,6 +15,7 @@ from broadcast.snapshot import RunKey, SnapshotError, build_manifest, check_mani
 from broadcast.store import SnapshotBuffer
 from broadcast.tickets import Source
 from broadcast.versions import BaseMissing, VersionEncoder, rebuild
+from labs.doubles import CorruptingRelay
 
 CHUNK = 4096
 
@@ -157,8 +158,9 @@ async def _run(body, timeout=30):
         ctx.destroy(linger=0)
 
 
-def _relay(ctx, **kw):
-    return Relay(ctx, RelayConfig(window=3, timeout_s=5.0, chunk_bytes=CHUNK, **kw))
+def _relay(ctx, corrupt=False, **kw):
+    kind = CorruptingRelay if corrupt else Relay
+    return kind(ctx, RelayConfig(window=3, timeout_s=5.0, chunk_bytes=CHUNK, **kw))
 
 
 def _two_versions():

@@ -284,13 +284,14 @@ def test_quickstart_dashboard_in_chromium_matches_metrics(cluster, tmp_path):
 
 def _chaos(cluster: Cluster, name: str, target: str, *flags: str) -> str:
     """A chaos proxy process in front of ``target``; returns the endpoint workers should join."""
-    from echo.chaos import READY_PREFIX
+    from labs.chaos import READY_PREFIX
+    from labs import child_env
 
     line = JoinLine.parse(target)
     host_port = line.endpoint.removeprefix("tcp://")
-    proc = cluster.group.start(name, python_argv("echo.chaos", "--target", host_port, *flags,
+    proc = cluster.group.start(name, python_argv("labs.chaos", "--target", host_port, *flags,
                                                  "--stats", str(cluster.tmp / f"{name}.json")),
-                               cluster.tmp / f"{name}.err", pipe_stdout=True)
+                               cluster.tmp / f"{name}.err", pipe_stdout=True, env=child_env())
     ready = proc.stdout.readline().decode()  # printed once it listens (or it exits)
     assert ready.startswith(READY_PREFIX), (cluster.tmp / f"{name}.err").read_text()
     port = ready[len(READY_PREFIX):].strip()

@@ -1,6 +1,6 @@
 """The README's "Running for real" block is the test (issue 30, item 7).
 
-In network namespaces (broadcast/natlab.py): a bridge as the internet, a data-center host with
+In network namespaces (labs/natlab.py): a bridge as the internet, a data-center host with
 a public address for the learner (10.99.0.1), one public volunteer (10.99.0.100), two behind
 MASQUERADE home routers and one behind a ``--random-fully`` (symmetric) router. The block is
 read from README.md at test time (tests/readme_run.py) and each command runs as written on the
@@ -40,7 +40,7 @@ PUBLIC_VOLUNTEER = "10.99.0.100"
 
 
 def _why_not() -> str:
-    from broadcast import natlab
+    from labs import natlab
 
     if os.geteuid() != 0:
         return "needs root to build network namespaces and NAT routers"
@@ -98,7 +98,7 @@ class Lab:
     """The hosts and the README's placeholders for one run of the block."""
 
     def __init__(self, tmp: Path, names):
-        from broadcast import natlab
+        from labs import natlab
 
         self.nodes = [natlab.Node(0, "public", names), natlab.Node(1, "cone", names),
                       natlab.Node(2, "cone", names), natlab.Node(3, "symmetric", names)]
@@ -141,7 +141,7 @@ def _table(stdout: str) -> dict[str, dict[str, str]]:
 
 def _run_block(tmp: Path, readme: str) -> dict:
     """Every command of the block on its host; returns what the assertions below need."""
-    from broadcast import natlab
+    from labs import natlab
 
     tag = f"{os.getpid() % 100000}"
     names = natlab.Names(ns=f"rdm{tag}-", dev=f"rd{tag}")

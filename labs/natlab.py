@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from broadcast.netns import tbf_burst
+from labs.netns import tbf_burst
 
 ROOT_ADDR = "10.99.0.1"
 
@@ -79,7 +79,7 @@ def _run(*args: str, ns: str | None = None) -> None:
 
 def _tbf(dev: str, mbit: float, ns: str | None) -> None:
     if mbit > 0:
-        burst = tbf_burst(mbit)  # broadcast.netns says why
+        burst = tbf_burst(mbit)  # labs.netns says why
         _run("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
              "burst", str(burst), "latency", "100ms", ns=ns)
 

@@ -1,6 +1,6 @@
 """A misbehaving wide-area link: a TCP proxy that delays, stalls and cuts connections.
 
-    python -m echo.chaos --target HOST:PORT [--listen 127.0.0.1:0] [--latency-ms 40]
+    python -m labs.chaos --target HOST:PORT [--listen 127.0.0.1:0] [--latency-ms 40]
         [--reset-every-s 2] [--stall-every-s 5 --stall-s 1.5] [--seed 0] [--stats FILE]
 
 Put it between workers and the learner (workers join the proxy's address) to see what the
@@ -190,7 +190,7 @@ def _hostport(text: str) -> tuple[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m echo.chaos", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m labs.chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=_hostport, required=True, help="HOST:PORT to forward to")
     ap.add_argument("--listen", type=_hostport, default=("127.0.0.1", 0),
                     help="HOST:PORT to listen on (port 0: the OS picks, printed when ready)")
@@ -208,7 +208,7 @@ async def _main(args: argparse.Namespace) -> int:
         cfg = ChaosConfig(args.latency_ms / 1000, args.reset_every_s, args.stall_every_s,
                           args.stall_s, args.seed)
     except ValueError as exc:
-        print(f"echo.chaos: {exc}", file=sys.stderr)
+        print(f"labs.chaos: {exc}", file=sys.stderr)
         return 2
     proxy = ChaosProxy(*args.target, cfg)
     port = await proxy.start(*args.listen)

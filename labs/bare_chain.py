@@ -6,7 +6,7 @@ to the root when it holds all of them. What Echo's relays add on top (BLAKE3 per
 request windows, parking, the ROUTER/DEALER protocol) shows as the ratio of the two throughputs
 measured in the same run, which holds across machines whose absolute MB/s differ threefold.
 
-    python -m broadcast.bare_chain hop --next EP --done EP --chunks N   (one hop, a process)
+    python -m labs.bare_chain hop --next EP --done EP --chunks N   (one hop, a process)
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def hop(args: argparse.Namespace) -> int:
 def run(hops: int, size: int, chunk: int) -> float:
     """Seconds from the root's first send until every hop holds the whole payload."""
     from echo.procs import _die_with_parent
+    from labs import child_env
 
     ctx = zmq.Context()
     done = ctx.socket(zmq.PULL)
@@ -61,10 +62,10 @@ def run(hops: int, size: int, chunk: int) -> float:
     procs, nxt = [], ""
     try:
         for i in reversed(range(hops)):  # the tail binds first: each hop connects to the next
-            proc = subprocess.Popen([sys.executable, "-m", "broadcast.bare_chain", "hop",
+            proc = subprocess.Popen([sys.executable, "-m", "labs.bare_chain", "hop",
                                      "--id", str(i), "--next", nxt, "--done", done_ep,
                                      "--chunks", str(chunks)], stdout=subprocess.PIPE, text=True,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=_die_with_parent, env=child_env())
             procs.append(proc)
             line = proc.stdout.readline()
             if not line.startswith(READY):
@@ -95,7 +96,7 @@ def run(hops: int, size: int, chunk: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m broadcast.bare_chain")
+    ap = argparse.ArgumentParser(prog="python -m labs.bare_chain")
     sub = ap.add_subparsers(dest="cmd", required=True)
     h = sub.add_parser("hop")
     h.add_argument("--id", default="0")
