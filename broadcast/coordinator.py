@@ -13,7 +13,7 @@ Install times and ``T_bcast`` are kept by ``broadcast.install_log``, the sources
 (keyframes, the base model) chosen by ``broadcast.whole_sources``.
 
 Link rates: the plan uses what the workers *measured* (``measured``, combined at both ends of
-each link by ``broadcast.links.LinkMeter``), and a worker's declared rates only until it is
+each link by ``broadcast.link_meter.LinkMeter``), and a worker's declared rates only until it is
 measured, capped at the fleet's median measured rate. ``trust_declared=True`` plans on the
 declarations alone (the old behaviour; the liar benchmark's baseline).
 """
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from broadcast.install_log import InstallLog, quantile_rank
-from broadcast.links import LinkMeter
+from broadcast.link_meter import LinkMeter
 from broadcast.nat.links import PunchBook, plain
 from broadcast.reports import CORRUPT, UNREACHABLE, ReportBook
 from broadcast.topology import Peer, Topology

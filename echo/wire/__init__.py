@@ -34,7 +34,7 @@ Worker -> learner (control socket)
                   down_mbit/up_mbit: the link rates this worker *measured* for that version
                   (its fetch; its chunk server's serving), 0 = not measured. Added with
                   defaults in v1: an older worker's report parses as "not measured"; the
-                  learner believes them only combined with the other end (broadcast.links).
+                  learner believes them only combined with the other end (broadcast.link_meter).
   doctor          (nothing)                             -> doctor_ack{snapshot_endpoint, reflectors}
                   a health check (``echo-worker doctor``, ``echo-rl doctor``): answered to any
                   key that passed the handshake, joined or not; nothing is stored or counted
