@@ -386,7 +386,7 @@ class RecordedVersions:
 
 
 def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
-    from echo.procs import _die_with_parent
+    from echo.procs import terminate_with_parent
 
     rng = random.Random(p.seed)
     corrupt = set(rng.sample(range(p.workers), p.corrupt_relays)) if p.corrupt_relays else set()
@@ -413,7 +413,7 @@ def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
         elif p.netns:
             argv = ["ip", "netns", "exec", netns.node_name(i), *argv, "--kernel-shaped",
                     "--bind-host", netns.address(i)]
-        procs[f"r{i:02d}"] = subprocess.Popen(argv, preexec_fn=_die_with_parent,
+        procs[f"r{i:02d}"] = subprocess.Popen(argv, preexec_fn=terminate_with_parent,
                                               stdin=subprocess.DEVNULL)
     return procs
 
