@@ -88,9 +88,6 @@ class LearnerMetrics:
 
     # ------------------------------------------------------------------ feeding
 
-    def step_cost(self, row: dict[str, Any]) -> float:
-        return self.step_gauges.step_cost(row)
-
     def update(self, row: dict[str, Any], control_stats: dict[str, Any] | None = None,
                installs: dict[int, dict[str, float]] | None = None) -> None:
         stats = control_stats or {}
