@@ -9,8 +9,11 @@ accused at once; the accused leaves the plan (unreachable) or parent positions (
 when convicted by distinct assigned children or by the learner's own probe, for a while, and
 comes back after a re-probe (``broadcast.reports``).
 
+Install times and ``T_bcast`` are kept by ``broadcast.install_log``, the sources of whole payloads
+(keyframes, the base model) chosen by ``broadcast.whole_sources``.
+
 Link rates: the plan uses what the workers *measured* (``measured``, combined at both ends of
-each link by ``broadcast.links.LinkMeter``), and a worker's declared rates only until it is
+each link by ``broadcast.link_meter.LinkMeter``), and a worker's declared rates only until it is
 measured, capped at the fleet's median measured rate. ``trust_declared=True`` plans on the
 declarations alone (the old behaviour; the liar benchmark's baseline).
 """
@@ -22,23 +25,20 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from broadcast.links import LinkMeter
+from broadcast.install_log import InstallLog, quantile_rank
+from broadcast.link_meter import LinkMeter
 from broadcast.nat.links import PunchBook, plain
 from broadcast.reports import CORRUPT, UNREACHABLE, ReportBook
 from broadcast.topology import Peer, Topology
+from broadcast.whole_sources import WholeSources
 from echo import wire
 
 log = logging.getLogger(__name__)
 
+__all__ = ["GIVEN", "Coordinator", "PeerState", "quantile_rank"]  # quantile_rank: its old home
+
 
 GIVEN = 8  # sources remembered per worker (what it may report on)
-
-
-def quantile_rank(q: float, n: int) -> int:
-    """How many of ``n`` installs ``T_bcast`` at quantile ``q`` waits for: ceil(q * n), at least
-    1, with float noise ignored (0.9 * 10 is 9.000000000000002 and means 9). The one rule for
-    the learner, the broadcast benchmark and the simulator (provisioning/sim.py)."""
-    return max(1, math.ceil(q * n - 1e-9))
 
 
 @dataclass
@@ -68,19 +68,19 @@ class Coordinator:
         self.links = LinkMeter()
         self.plans: dict[int, dict[str, str]] = {}  # version -> the plan it was published with
         self.peers: dict[str, PeerState] = {}
-        self.published: dict[int, float] = {}  # version -> monotonic publication time
         self.sources: dict[str, str] = {}  # the last plan: worker -> endpoint it pulls from
         self.reports = reports or ReportBook()
         self.given: dict[str, list[str]] = {}  # worker -> the last GIVEN sources it was sent
         self._by_endpoint: dict[str, str] = {}  # relay endpoint -> worker id (``owner``)
-        self._holders: dict[int, list[str]] = {}  # version -> relays that installed it, in order
-        self._turn = 0  # round robin over them (``joiner_source``)
-        self.keyframes_served: dict[str, int] = {}  # endpoint -> keyframe fetches sent there
-        # (endpoint, version) a keyframe fetch failed at: that peer is not asked again for it
-        # (a worker that reported an install it cannot serve, or that went away)
-        self.keyframe_failed: set[tuple[str, int]] = set()
-        self.base_failed: set[str] = set()  # endpoints a base fetch failed at: not asked again
         self.punches = PunchBook()
+        # Parts with a job of their own, reading the same live peers and reports.
+        self.install_log = InstallLog(self.peers, self.reports, source, q)
+        self.whole = WholeSources(self.peers, self.reports, source)
+
+    @property
+    def published(self) -> dict[int, float]:
+        """version -> monotonic publication time."""
+        return self.install_log.published
 
     def join(self, worker_id: str, endpoint: str, down_mbit: float = 0.0, up_mbit: float = 0.0,
              nat: str = "reachable", now: float | None = None) -> None:
@@ -128,8 +128,7 @@ class Coordinator:
     def leave(self, worker_id: str) -> None:
         gone = self.peers.pop(worker_id, None)
         if gone is not None:
-            self.keyframes_served.pop(gone.endpoint, None)
-            self.base_failed.discard(gone.endpoint)  # bounded by the live peers
+            self.whole.forget(gone.endpoint)
             if self._by_endpoint.get(gone.endpoint) == worker_id:
                 del self._by_endpoint[gone.endpoint]
         self.reports.forget(worker_id, gone.endpoint if gone is not None else "")
@@ -184,7 +183,7 @@ class Coordinator:
         return self.source
 
     def publish(self, version: int, now: float | None = None) -> dict[str, str]:
-        self.published[version] = time.monotonic() if now is None else now
+        self.install_log.publish(version, now)
         for old in sorted(self.plans)[:-4]:
             del self.plans[old]
         return dict(self._plan())  # a copy: reports move single workers in self.sources
@@ -216,32 +215,13 @@ class Coordinator:
         return self.sources.get(worker_id, self.source)
 
     def keyframe_source(self, worker_id: str, version: int, bad_source: str = "") -> str:
-        """Where a worker without the base of a delta fetches ``version``'s full payload: the
-        live, relaying peer that installed it and has been sent the fewest keyframe fetches
-        (spreading them off the chains' heads), else the root."""
-        if bad_source:
-            self.keyframe_failed.add((bad_source, version))
-            newest = max(self.published, default=version)
-            self.keyframe_failed = {(e, v) for e, v in self.keyframe_failed if v > newest - 4}
-        return self._least_served(worker_id, lambda p: version in p.installed and
-                                  (p.endpoint, version) not in self.keyframe_failed)
+        """Where a worker without the base of a delta fetches ``version``'s full payload."""
+        return self.whole.keyframe(worker_id, version, bad_source,
+                                   max(self.published, default=version))
 
     def base_source(self, worker_id: str, bad_source: str = "") -> str:
-        """Where a worker without the run's base model fetches it: a live, relaying peer that
-        holds it whole (it says so in its heartbeats), the one sent the fewest whole-payload
-        fetches, else the root. A peer a fetch failed at is not asked again."""
-        if bad_source:
-            self.base_failed.add(plain(bad_source))
-        return self._least_served(worker_id, lambda p: p.base and p.endpoint not in self.base_failed)
-
-    def _least_served(self, worker_id: str, holds) -> str:
-        avoided = self.reports.avoided(worker_id, time.monotonic())  # relays it reported
-        held = [p.endpoint for p in self.peers.values()
-                if p.alive and p.endpoint and not p.corrupt and p.nat == "reachable"
-                and holds(p) and p.endpoint not in avoided and p.worker_id != worker_id]
-        best = min(held, key=lambda ep: self.keyframes_served.get(ep, 0), default=self.source)
-        self.keyframes_served[best] = self.keyframes_served.get(best, 0) + 1
-        return best
+        """Where a worker without the run's base model fetches it."""
+        return self.whole.base(worker_id, bad_source)
 
     def holds_base(self, worker_id: str, held: bool) -> None:
         """A worker's heartbeat says whether its relay serves the base model."""
@@ -334,45 +314,13 @@ class Coordinator:
                         parent.worker_id)
 
     def installed(self, worker_id: str, version: int, now: float | None = None) -> float | None:
-        t0 = self.published.get(version)
-        peer = self.peers.get(worker_id)
-        if t0 is None or peer is None:
-            return None
-        dt = (time.monotonic() if now is None else now) - t0
-        if version not in peer.installed and peer.endpoint:
-            held = self._holders.setdefault(version, [])
-            held.append(worker_id)
-            for old in sorted(self._holders)[:-4]:
-                del self._holders[old]
-        peer.installed.setdefault(version, dt)
-        return dt
+        return self.install_log.installed(worker_id, version, now)
 
     def joiner_source(self, worker_id: str, version: int, tries: int = 8) -> str:
-        """A peer that installed ``version`` for a worker the plan has not placed yet (a
-        joiner pulls from a peer, not the learner: its egress is the cost), round robin over
-        the holders, in O(1): a join must not cost O(fleet). The learner when none fits."""
-        held = self._holders.get(version, [])
-        avoided = self.reports.avoided(worker_id, time.monotonic())
-        for _ in range(min(tries, len(held))):
-            self._turn += 1
-            p = self.peers.get(held[self._turn % len(held)])
-            if (p is not None and p.worker_id != worker_id and p.alive and not p.corrupt
-                    and p.nat == "reachable" and p.endpoint not in avoided):
-                return p.endpoint
-        return self.source
+        return self.install_log.joiner_source(worker_id, version, tries)
 
     def install_times(self, version: int) -> dict[str, float]:
-        return {p.worker_id: p.installed[version] for p in self.peers.values() if version in p.installed}
+        return self.install_log.install_times(version)
 
     def t_bcast(self, version: int, q: float | None = None) -> float | None:
-        """Seconds from publication until a fraction q of the live workers installed it.
-        Only workers that had joined when it was published count: one that joined later (the
-        fleet starting up, a late joiner loading its model) measures its own start-up, not the
-        broadcast, and a start-up of 29 s would pass for a 29 s broadcast. None when no worker
-        was there to receive it."""
-        q = self.q if q is None else q
-        t0 = self.published.get(version)
-        live = [p for p in self.peers.values() if p.alive and (t0 is None or p.joined <= t0)]
-        times = sorted(p.installed[version] for p in live if version in p.installed)
-        need = quantile_rank(q, len(live))
-        return times[need - 1] if len(times) >= need else None
+        return self.install_log.t_bcast(version, q)

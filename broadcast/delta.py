@@ -63,13 +63,6 @@ class DeltaStats:
         """Delta bytes / full bytes (1.0 for a keyframe)."""
         return self.payload_bytes / self.full_bytes if self.full_bytes else 1.0
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"elements": self.elements, "changed": self.changed,
-                "changed_fraction": self.changed_fraction, "full_bytes": self.full_bytes,
-                "payload_bytes": self.payload_bytes, "ratio": self.ratio,
-                "sizes": dict(self.sizes), "chosen": dict(self.chosen),
-                "encode_s": self.encode_s}
-
 
 def _elements(buf: Any, t: dict[str, Any]) -> np.ndarray:
     width = DTYPE_BYTES[t["dtype"]]

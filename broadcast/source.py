@@ -22,7 +22,7 @@ not after every request already queued (first-come order cost it 0.3 s at the le
 It measures its upload per version (``upload_mbit``): bytes sent / seconds a reply was waiting
 to go out, so time spent waiting for chunks from upstream (parked requests) does not count.
 On an unshaped link a send only queues into the socket, so this end reads high: the child's
-download report is then what binds (``broadcast.links``).
+download report is then what binds (``broadcast.link_meter``).
 
 Keyframes (docs/broadcast.md, "Delta snapshots"): a request with ``form`` "full" asks for a chunk
 of a version's rebuilt payload, served from ``results`` (the full payload of what this node

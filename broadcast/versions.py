@@ -46,10 +46,6 @@ class VersionEncoder:
         self._base: tuple[int, list[dict[str, Any]], bytes] | None = None
         self._since_keyframe = 0
 
-    def reset(self) -> None:
-        """Forget the base (a resume, or a layout change): the next publication is a keyframe."""
-        self._base = None
-
     def build(self, version: int, tensors: list[dict[str, Any]], full: bytes) -> Publication:
         t0 = time.perf_counter()
         pub = self._delta(version, tensors, full) if self._wants_delta(tensors, full) else None

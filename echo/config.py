@@ -11,88 +11,29 @@ join acknowledgement, so both sides derive their behaviour from the same file.
 from __future__ import annotations
 
 import difflib
-import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from echo.addresses import is_loopback, public_host_problem
 
+# The sections and helpers live in modules of their own (each under 500 lines); ``echo.config``
+# stays the one import for all of them.
+from echo.config_sections import (GENERATION_KEYS, AdapterConfig, BufferConfig, ConfigError,
+                                  MetricsConfig, ModelConfig, QuickstartConfig, TransportConfig,
+                                  WorkerConfig, _Section, check_device)
+from echo.config_security import SecurityConfig
+from echo.config_toml import apply_override, dump_toml, known_keys, parse_override
 
-class ConfigError(ValueError):
-    """A configuration problem, phrased for the user: key, value, fix."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-def check_device(value: str) -> str:
-    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; resolved to a torch device by
-    ``echo.models.resolve_device`` in the process that uses it."""
-    if not DEVICE_SPEC.fullmatch(value):
-        raise ValueError(f"unknown device {value!r}: use auto (a GPU if there is one, else the "
-                         f"CPU), cpu, cuda or cuda:N")
-    return value
-
-
-class ModelConfig(_Section):
-    # "tiny-qwen3" builds a random-init Qwen3 and a character tokenizer locally (no download);
-    # anything else is a path to a Hugging Face model directory on disk.
-    name: str = "tiny-qwen3"
-    hidden_size: int = Field(64, gt=0)  # tiny-qwen3 only (a real model brings its own config)
-    intermediate_size: int = Field(256, gt=0)  # tiny-qwen3 only
-    num_layers: int = Field(2, gt=0)  # tiny-qwen3 only
-    num_heads: int = Field(4, gt=0)  # tiny-qwen3 only
-    num_kv_heads: int = Field(2, gt=0)  # tiny-qwen3 only
-    head_dim: int = Field(16, gt=0)  # tiny-qwen3 only
-    max_positions: int = Field(64, gt=0)  # tiny-qwen3 only: longest prompt + completion, tokens
-    seed: int = 0  # tiny-qwen3 only: seed of the random initialisation
-    # tiny-qwen3 only: its character tokenizer. "arith" (24 tokens): digits, + - * = and a-f,
-    # what the toy tasks need; "text" (100 tokens): those and every other printable ASCII
-    # character, space and newline (ordinary text). A prompt the tokenizer cannot spell stops
-    # the learner at start-up (docs/adapters.md, 'What is checked at start-up').
-    tiny_vocab: Literal["arith", "text"] = "arith"
-
-
-GENERATION_KEYS = ("max_new_tokens", "temperature")  # what a preset may set for [worker]
-
-
-class AdapterConfig(_Section):
-    # The task: toy-add, math, poker, or any installed adapter (docs/adapters.md).
-    name: str = "toy-add"
-    # Adapter-specific options, validated by the adapter itself at start-up.
-    options: dict[str, Any] = Field(default_factory=dict)
-    # Options per adapter name ([adapter.presets.math] ...): a config can carry settings for
-    # several tasks so that switching task is only the ``name`` line. ``options`` wins. A
-    # preset's ``generation`` table ([adapter.presets.math.generation] max_new_tokens = 16,
-    # temperature = 1.0) sets the [worker] generation keys for that task, where [worker] does
-    # not set them itself.
-    presets: dict[str, dict[str, Any]] = Field(default_factory=dict)
-
-    @property
-    def effective_options(self) -> dict[str, Any]:
-        preset = {k: v for k, v in self.presets.get(self.name, {}).items() if k != "generation"}
-        return {**preset, **self.options}
-
-    @property
-    def generation(self) -> dict[str, Any]:
-        """The chosen adapter's generation settings from its preset (may be empty)."""
-        gen = self.presets.get(self.name, {}).get("generation", {})
-        if not isinstance(gen, dict):
-            raise ValueError(f"adapter.presets.{self.name}.generation must be a table "
-                             f"(max_new_tokens, temperature), got {gen!r}")
-        unknown = sorted(set(gen) - set(GENERATION_KEYS))
-        if unknown:
-            raise ValueError(f"adapter.presets.{self.name}.generation.{unknown[0]} is not a "
-                             f"generation setting: use {', '.join(GENERATION_KEYS)}")
-        return gen
+__all__ = ["GENERATION_KEYS", "AdapterConfig", "BroadcastConfig", "BufferConfig", "ConfigError",
+           "DEFAULT_PORT", "DEFAULT_RELAY_PORT", "EchoConfig", "LAYOUT_SPAN", "LearnerConfig",
+           "ListenPorts", "LoraConfig", "MetricsConfig", "ModelConfig", "ProvisioningConfig",
+           "QuickstartConfig", "SecurityConfig", "StalenessRules", "TransportConfig",
+           "WorkerConfig", "apply_override", "check_device", "dump_toml", "known_keys",
+           "load_config", "parse_override"]
 
 
 class StalenessRules:
@@ -315,42 +256,6 @@ class LearnerConfig(StalenessRules, _Section):
         return self
 
 
-class BufferConfig(_Section):
-    # Groups the replay buffer holds; past it deliveries are refused (buffer_full).
-    capacity_groups: int = Field(256, gt=0)
-
-
-class WorkerConfig(_Section):
-    # Groups one work request asks for (grown on long links).
-    groups_per_request: int = Field(2, gt=0)
-    # Longest completion; longer ones are cut (set it per task).
-    max_new_tokens: int = Field(4, gt=0)
-    # Sampling temperature. The learner computes its log-probs at the same temperature (logits /
-    # temperature, as TRL does), so importance weights compare one distribution.
-    temperature: float = Field(1.0, gt=0)
-    # CPU threads of a worker's torch (echo-worker --threads overrides).
-    torch_threads: int = Field(1, gt=0)
-    heartbeat_s: float = Field(1.0, gt=0)  # seconds between a worker's heartbeats
-    # Batches a worker holds unacknowledged before it stops generating.
-    max_unacked_batches: int = Field(8, gt=0)
-    # transformers (default; CPU or GPU) or vllm (CUDA only; pip install -e '.[vllm]' with the
-    # CUDA build of torch, docs/worker.md). vllm_gpu_memory is the share of GPU memory vLLM takes.
-    backend: Literal["transformers", "vllm"] = "transformers"
-    # Share of GPU memory the vLLM engine takes (backend vllm).
-    vllm_gpu_memory: float = Field(0.5, gt=0, le=1)
-    # Where a worker generates: auto (cuda:0 if the worker has a GPU, else cpu), cpu, cuda,
-    # cuda:N. The model runs in bf16 on a GPU that supports it, float32 on the CPU.
-    device: str = "auto"
-    # The dtype the transformers backend generates in (docs/memory.md): auto is bfloat16 on a GPU
-    # that supports it and float32 on the CPU (bf16 kernels are slow there), or bfloat16 when a
-    # volunteer's --host-memory-gb needs it. bfloat16 halves a CPU worker's model memory; its
-    # log-probs lie 0.04 nats a token from the learner's float32 audits on SmolLM2
-    # (benchmarks/bf16_logprobs.py), inside security.audit_logprob_tol.
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-
-    _device = field_validator("device")(check_device)
-
-
 class BroadcastConfig(_Section):
     # Chains (peer-to-peer), star, or star-unlimited (benchmark baselines).
     topology: Literal["chains", "star", "star-unlimited"] = "chains"
@@ -382,21 +287,6 @@ class BroadcastConfig(_Section):
     relay_mark_s: float = Field(60.0, gt=0)
 
 
-class TransportConfig(_Section):
-    # Largest message accepted; larger ones are refused (oversize).
-    max_message_mib: float = Field(16.0, gt=0)
-    # A worker silent this long is removed; its groups go to others. With the heartbeat period
-    # lengthened for a large fleet (heartbeats_per_s), the timeout grows in proportion.
-    heartbeat_timeout_s: float = Field(5.0, gt=0)
-    # The learner's budget of heartbeats a second, the whole fleet together (docs/scale.md):
-    # past worker.heartbeat_s x this many workers, each worker is told a longer period,
-    # fleet size / heartbeats_per_s, so a heartbeat's cost stops growing with the fleet.
-    # 0: every worker beats at worker.heartbeat_s whatever the fleet's size.
-    heartbeats_per_s: float = Field(500.0, ge=0)
-    # A worker's request unanswered this long is sent again.
-    request_timeout_s: float = Field(10.0, gt=0)
-
-
 class ProvisioningConfig(_Section):
     """The closed-loop controller (docs/design.md §4). Off: every joined worker is active."""
 
@@ -424,110 +314,6 @@ class ProvisioningConfig(_Section):
     # versions behind counts 1 - staleness_discount * s / learner.staleness in its worker's
     # throughput credit (fresh: 1, at the edge: 1 - staleness_discount). 0: staleness is free.
     staleness_discount: float = Field(0.5, ge=0, lt=1)
-
-
-class MetricsConfig(_Section):
-    """The learner's /metrics (Prometheus), /health and live dashboard."""
-
-    enabled: bool = True  # serve /metrics, /health, /api/state and the dashboard
-    # Read-only pages, no authentication: keep it local or on a private network. At most 32
-    # connections are served at once; idle ones close after 10 s (echo/metrics.py).
-    host: str = "127.0.0.1"
-    # Unset: learner.port + 4 (docs/ports.md; 0 when learner.port is 0). 0: the OS picks.
-    # The address is in learner.json.
-    port: int | None = Field(None, ge=0, le=65535)
-
-
-class SecurityConfig(_Section):
-    """Who may connect and what one peer may cost (docs/security.md)."""
-
-    # CurveZMQ on every socket (control, chunks, relays): peers are their public keys. Off
-    # only for experiments on loopback; a non-loopback learner.host without it is refused
-    # unless ``insecure = true`` (then anyone can impersonate anyone).
-    curve: bool = True
-    insecure: bool = False  # allow plaintext on a non-loopback host (echo-rl learn --insecure)
-    # Who may join: anyone with a key ("open"), a key that redeems a token from
-    # `echo-rl token create` ("token"), or a key listed in ``allowlist_file`` ("allowlist").
-    join: Literal["open", "token", "allowlist"] = "open"
-    allowlist_file: str = ""  # one public key per line; "" = <run dir>/security/allowlist.txt
-    max_workers: int = Field(1024, gt=0)  # joined sessions at once; more are refused
-    handshakes_per_s: float = Field(200.0, gt=0)  # new encrypted connections, all peers
-    handshakes_per_s_per_ip: float = Field(20.0, gt=0)  # ... from one IP address (burst 2x)
-    joins_per_s: float = Field(50.0, gt=0)  # join requests, all peers (burst 2x)
-    # Sybils (docs/security.md): a key without a session is a newcomer; each IP prefix (/24 of
-    # IPv4, /48 of IPv6) may bring this many per second (and a burst), refused at the handshake
-    # ("rate_limited", try later) past it: a thousand fresh keys from one host take minutes.
-    newcomers_per_s_per_prefix: float = Field(2.0, gt=0)
-    newcomer_burst: float = Field(32.0, ge=1)  # ... at once (a NAT whose workers all rejoin)
-    prefix_v4: int = Field(24, ge=8, le=32)  # bits of an IPv4 address that make one source
-    prefix_v6: int = Field(48, ge=16, le=128)  # ... of an IPv6 address
-    # Snapshot notices sent per publication (members whose deliveries were admitted first, then
-    # other members, then keys that have only joined); the others learn the version from their
-    # next heartbeat reply. A notice costs a ticket and an encryption: at 7 publications/s (the
-    # toy run) 128 notices took a third of the learner's step rate.
-    notices_per_publication: int = Field(32, gt=0)
-    peer_msgs_per_s: float = Field(200.0, gt=0)  # control messages one key may send (burst 2x)
-    peer_mib_per_s: float = Field(64.0, gt=0)  # control-socket bytes one key may send (burst 2x)
-    # Per peer and chunk server (burst 2x): 1000 x 1 MiB chunks is 1 GB/s, above what one
-    # encrypted connection carries here; past it requests are dropped unanswered.
-    peer_chunk_requests_per_s: float = Field(1000.0, gt=0)
-    max_parked_per_peer: int = Field(64, gt=0)  # chunk requests one peer may have waiting
-    max_parked_total: int = Field(4096, gt=0)  # ... all peers of one chunk server
-    # Relay reports from one key that the learner's probes did not confirm, after which its
-    # reports no longer count as evidence (nor start probes). Never a ban: an intact probe is
-    # no proof, a relay may serve probes well and children badly (docs/security.md).
-    false_reports: int = Field(10, gt=0)
-    ticket_ttl_s: float = Field(3600.0, gt=0)  # how long a relay honours a pull ticket
-    # What workers report is checked before it trains (docs/security.md, "Trust but verify").
-    # Rewards are recomputed on the learner for adapters that can (``recomputes_rewards``);
-    # a share of delivered groups is audited: behaviour log-probs recomputed under the claimed
-    # snapshot version, and a test that the tokens were sampled from it.
-    audit: bool = True
-    audit_rate: float = Field(0.05, ge=0, le=1)  # share of groups audited after probation
-    probation_groups: int = Field(4, ge=0)  # a worker's first groups: every one is audited
-    audit_budget: float = Field(0.10, gt=0, le=1)  # audits may take this share of learner time
-    # The model audits recompute log-probs in (docs/memory.md). policy: on a single-process
-    # learner on the CPU, the trainer's own model between steps (its weights saved to a spill
-    # file and restored bit for bit); elsewhere, and with copy, a float32 copy of the policy
-    # (4 bytes a parameter more).
-    audit_model: Literal["policy", "copy"] = "policy"
-    audit_queue: int = Field(256, gt=0)  # groups waiting for audit; past it the oldest
-                                          # non-probation job is dropped (counted)
-    # Mean per-token |claimed - recomputed| log-prob of one sample above this fails the audit.
-    # Honest backends differ by ~0.01 mean (bf16, vLLM): 0.5 nats is far outside that.
-    audit_logprob_tol: float = Field(0.5, gt=0)
-    # Sampling test (Azuma-Hoeffding on clipped log p + entropy): false-alarm bound per audit,
-    # and the clip. Honest samples fail with probability <= audit_alpha whatever the model.
-    audit_alpha: float = Field(1e-6, gt=0, lt=1)
-    audit_clip: float = Field(4.0, gt=0)  # the clip of the sampling test
-    strikes: int = Field(2, gt=0)  # failed checks before a worker is quarantined
-    # Hand-backs are work products (docs/preemption.md, "Hand-backs are checked"). Before a
-    # worker continues them, the prefix tokens a worker handed back are recomputed as an audit
-    # would (a failure is a strike against their author): every group of a key's first
-    # handback_probation, then handback_audit_rate of them (OS randomness). The group waits off
-    # the queue for its check at most handback_hold_s, then goes out without the new prefixes.
-    handback_audit_rate: float = Field(0.25, ge=0, le=1)
-    handback_probation: int = Field(4, ge=0)  # groups of a key checked before sampling starts
-    handback_hold_s: float = Field(60.0, gt=0)  # a held group waits at most this for its check
-    # Per worker, groups handed back may exceed handback_share of the groups it was granted by
-    # at most handback_allowance (about one preemption's grant), at handback_groups_per_min
-    # (burst: the allowance). Past either bound the groups are taken back without their
-    # prefixes (counted) and the worker gets one group per request while it stays past it.
-    handback_share: float = Field(0.5, ge=0, le=1)
-    handback_allowance: int = Field(16, ge=1)  # groups handed back beyond the share (and the burst)
-    handback_groups_per_min: float = Field(16.0, gt=0)  # groups one worker may hand back a minute
-    # Cherry-picking: the mean reward percentile of the groups a worker handed back (once
-    # completed by others) is tested against 1/2 from handback_bias_min groups on, at checkpoints
-    # 25 % apart (Hoeffding, union bound over its life: an honest worker is flagged with
-    # probability at most handback_bias_alpha; learner/handbacks.py). A flagged worker's prefixes are no longer kept; no strike.
-    handback_bias_alpha: float = Field(1e-3, gt=0, lt=1)
-    handback_bias_min: int = Field(32, ge=2)  # returned groups completed before the test may flag
-
-
-class QuickstartConfig(_Section):
-    workers: int = Field(4, gt=0)  # worker processes echo-rl quickstart starts
-    # Their prices, $/h, cycled over the workers.
-    worker_prices: list[float] = Field(default_factory=lambda: [0.35])
 
 
 class EchoConfig(_Section):
@@ -632,41 +418,6 @@ class EchoConfig(_Section):
 # ----------------------------------------------------------------------------- loading
 
 
-def parse_override(item: str, error: type[Exception] = ConfigError) -> tuple[list[str], Any]:
-    """``section.key=value`` (value in TOML syntax, a bare word being a string) -> (path,
-    value). Shared with the simulator's scenarios, which raise their own ``error``."""
-    if "=" not in item:
-        raise error(f"override {item!r} has no '=': write --set section.key=value")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word is taken as a string: --set model.name=/models/qwen3
-    return key.split("."), value
-
-
-def apply_override(data: dict[str, Any], path: list[str], value: Any,
-                   error: type[Exception] = ConfigError) -> None:
-    node = data
-    for part in path[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise error(f"override {'.'.join(path)}: {part!r} is not a table")
-    node[path[-1]] = value
-
-
-def known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Every dotted key of a config model (for "did you mean ...?" hints)."""
-    keys = []
-    for name, field in model.model_fields.items():
-        keys.append(prefix + name)
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys.extend(known_keys(ann, prefix + name + "."))
-    return keys
-
-
 def _explain(err: ValidationError, data: dict[str, Any]) -> str:
     lines = []
     for e in err.errors():
@@ -704,28 +455,3 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return EchoConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, data)) from None
-
-
-def dump_toml(cfg: EchoConfig) -> str:
-    """Resolved config as TOML (written into every run folder)."""
-    def fmt(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(fmt(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{" + ", ".join(f'"{k}" = {fmt(x)}' for k, x in v.items()) + "}"
-        return repr(v)
-
-    out = []
-    data = cfg.model_dump()
-    for k, v in data.items():
-        if not isinstance(v, dict) and v is not None:
-            out.append(f"{k} = {fmt(v)}")
-    for k, v in data.items():
-        if isinstance(v, dict):
-            out.append(f"\n[{k}]")  # TOML has no null: an unset key is left out
-            out.extend(f"{kk} = {fmt(vv)}" for kk, vv in v.items() if vv is not None)
-    return "\n".join(out) + "\n"

@@ -75,19 +75,10 @@ def _connect(host: str, port: int, timeout: float) -> socket.socket | str:
         return f"error: {exc.strerror or exc}"
 
 
-def tcp_open(host: str, port: int, timeout: float = TIMEOUT_S) -> str:
-    """``open``, ``refused``, ``timeout`` or ``error: ...``: only whether a connection opens."""
-    sock = _connect(host, port, timeout)
-    if isinstance(sock, str):
-        return sock
-    sock.close()
-    return "open"
-
-
 def port_words(found: str, host: str, port: int, what: str) -> tuple[str, str]:
-    """(status, verdict) for a ``tcp_greeting`` or ``tcp_open`` result on ``what``."""
+    """(status, verdict) for a ``tcp_greeting`` result on ``what``."""
     where = f"{host} port {port}"
-    if found in ("zmtp", "open"):
+    if found == "zmtp":
         return "ok", f"{where} answers ({what})"
     return "fail", {
         "refused": f"nothing listens on {where} (connection refused)",

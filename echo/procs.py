@@ -23,7 +23,9 @@ READY_PREFIX = "ECHO_LEARNER_READY "
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def terminate_with_parent() -> None:
+    """A child's ``preexec_fn``: the kernel sends it SIGTERM when its parent dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), so no learner, worker or relay outlives a crashed parent."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -39,7 +41,7 @@ class ProcessGroup:
         log = open(log_path, "ab")
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE if pipe_stdout else log, stderr=log, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent, env={**os.environ, **(env or {})},
+            start_new_session=True, preexec_fn=terminate_with_parent, env={**os.environ, **(env or {})},
             cwd=cwd)
         log.close()
         proc.echo_log = log_path  # type: ignore[attr-defined]  # wait_ready quotes it on failure

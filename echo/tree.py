@@ -11,7 +11,7 @@ Where each figure comes from (the dashboard's labels say the same):
   * ``nat``: the verdict of the learner's NAT reflector (``broadcast.nat.reflect``), not the
     worker's claim;
   * ``measured_*_mbit``: rates reported by the workers at both ends of each snapshot link,
-    combined by the learner (``broadcast.links.LinkMeter``); ``None`` until measured;
+    combined by the learner (``broadcast.link_meter.LinkMeter``); ``None`` until measured;
   * ``declared_*_mbit``: what the worker declared at join (``--down-mbit``/``--up-mbit``), which
     the planner trusts only until it is measured, capped at the fleet's median.
 """

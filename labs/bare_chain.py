@@ -51,7 +51,7 @@ def hop(args: argparse.Namespace) -> int:
 
 def run(hops: int, size: int, chunk: int) -> float:
     """Seconds from the root's first send until every hop holds the whole payload."""
-    from echo.procs import _die_with_parent
+    from echo.procs import terminate_with_parent
     from labs import child_env
 
     ctx = zmq.Context()
@@ -65,7 +65,7 @@ def run(hops: int, size: int, chunk: int) -> float:
             proc = subprocess.Popen([sys.executable, "-m", "labs.bare_chain", "hop",
                                      "--id", str(i), "--next", nxt, "--done", done_ep,
                                      "--chunks", str(chunks)], stdout=subprocess.PIPE, text=True,
-                                    preexec_fn=_die_with_parent, env=child_env())
+                                    preexec_fn=terminate_with_parent, env=child_env())
             procs.append(proc)
             line = proc.stdout.readline()
             if not line.startswith(READY):

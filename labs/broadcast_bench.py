@@ -9,7 +9,7 @@ lower bound of docs/design.md §5, bytes the root sent, and corrupt installs (pa
 from the root's).
 
 ``--publications P`` publishes P versions in a row (the coordinator re-plans at each, on the
-link rates the relays measured for the previous ones: ``broadcast.links``). ``--liar-up-mbit X``
+link rates the relays measured for the previous ones: ``broadcast.link_meter``). ``--liar-up-mbit X``
 shapes relay r00's uplink at X but has it declare 10x X; ``--trust-declared`` plans on the
 declarations alone (the old behaviour). ``--liar-json FILE`` runs the honest fleet, the fleet
 with the liar, and (as a baseline) the liar with declarations trusted, and writes T_bcast per
@@ -45,7 +45,7 @@ from labs.broadcast_root import BenchParams, RecordedVersions, Root
 
 
 def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
-    from echo.procs import _die_with_parent
+    from echo.procs import terminate_with_parent
 
     rng = random.Random(p.seed)
     corrupt = set(rng.sample(range(p.workers), p.corrupt_relays)) if p.corrupt_relays else set()
@@ -72,7 +72,7 @@ def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
         elif p.netns:
             argv = ["ip", "netns", "exec", netns.node_name(i), *argv, "--kernel-shaped",
                     "--bind-host", netns.address(i)]
-        procs[f"r{i:02d}"] = subprocess.Popen(argv, preexec_fn=_die_with_parent,
+        procs[f"r{i:02d}"] = subprocess.Popen(argv, preexec_fn=terminate_with_parent,
                                               stdin=subprocess.DEVNULL, env=child_env())
     return procs
 

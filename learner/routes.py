@@ -232,7 +232,7 @@ class SnapshotRoutes:
         if self.coordinator.installed(msg.worker_id, msg.version) is not None and first:
             self.installs.append((msg.version, msg.decode_s, msg.keyframe))
             self.keyframe_installs += msg.keyframe
-        # Its measured link rates: combined with the other end of each link (broadcast.links),
+        # Its measured link rates: combined with the other end of each link (broadcast.link_meter),
         # the first report per version only; the next publication plans on them.
         self.coordinator.measured(msg.worker_id, msg.version, msg.down_mbit, msg.up_mbit)
         return None

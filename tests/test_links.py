@@ -1,11 +1,11 @@
-"""Link rates measured at both ends (broadcast.links) and the plans made from them."""
+"""Link rates measured at both ends (broadcast.link_meter) and the plans made from them."""
 
 import math
 
 import pytest
 
 from broadcast.coordinator import Coordinator
-from broadcast.links import MAX_MBIT, LinkMeter
+from broadcast.link_meter import MAX_MBIT, LinkMeter
 from broadcast.topology import ChainsTopology
 
 ROOT = "tcp://learner:1"

@@ -259,7 +259,8 @@ def test_swap_scoring_matches_ordering_the_chain():
     """The local search scores swaps with ``_Members`` (no sorting); every score must equal the
     rate of the swapped chain in the order the planner would give it, or the search would take
     swaps that do not help."""
-    from broadcast.planner import _Members, _Model, _rates
+    from broadcast.chain_model import ChainModel, link_rates
+    from broadcast.chain_search import _Members
 
     rng = random.Random(11)
     for trial in range(400):
@@ -267,7 +268,7 @@ def test_swap_scoring_matches_ordering_the_chain():
         ps = [Peer(f"w{i}", rng.choice([0, 20, 50, 100, rng.uniform(1, 500)]),
                    rng.choice([0, 5, 50, 100, rng.uniform(1, 500)]), rng.random() > 0.3, f"e{i}")
               for i in range(n)]
-        model = _Model(_rates(ps, rng.choice([None, 100.0])), PlanParams(uplink_mbit=400))
+        model = ChainModel(link_rates(ps, rng.choice([None, 100.0])), PlanParams(uplink_mbit=400))
         ids = [p.worker_id for p in ps]
         members, add = ids[:-1], ids[-1]
         drop = rng.choice([None, *members])

@@ -745,7 +745,7 @@ class Worker:
     async def _report_install(self, version: int, stats: FetchStats, decode_s: float,
                               keyframe: bool) -> None:
         """The version is here, verified and rebuilt, with what this worker measured: the
-        learner times the broadcast and plans on measured rates (broadcast.links)."""
+        learner times the broadcast and plans on measured rates (broadcast.link_meter)."""
         await self.client.send(wire.Installed(worker_id=self.worker_id, version=version,
                                               decode_s=decode_s, keyframe=keyframe,
                                               **self.relay.measured(version, stats)))

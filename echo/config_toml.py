@@ -1,0 +1,75 @@
+"""TOML text <-> config data: ``--set`` overrides, the dotted keys of a model (for "did you
+mean"), and the resolved config written into every run folder. Shared with the simulator's
+scenarios (``parse_override``, ``apply_override``, ``known_keys``)."""
+
+from __future__ import annotations
+
+import tomllib
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from echo.config_sections import ConfigError
+
+if TYPE_CHECKING:
+    from echo.config import EchoConfig
+
+
+def parse_override(item: str, error: type[Exception] = ConfigError) -> tuple[list[str], Any]:
+    """``section.key=value`` (value in TOML syntax, a bare word being a string) -> (path,
+    value). Shared with the simulator's scenarios, which raise their own ``error``."""
+    if "=" not in item:
+        raise error(f"override {item!r} has no '=': write --set section.key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is taken as a string: --set model.name=/models/qwen3
+    return key.split("."), value
+
+
+def apply_override(data: dict[str, Any], path: list[str], value: Any,
+                   error: type[Exception] = ConfigError) -> None:
+    node = data
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise error(f"override {'.'.join(path)}: {part!r} is not a table")
+    node[path[-1]] = value
+
+
+def known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key of a config model (for "did you mean ...?" hints)."""
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(known_keys(ann, prefix + name + "."))
+    return keys
+
+
+def dump_toml(cfg: EchoConfig) -> str:
+    """Resolved config as TOML (written into every run folder)."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f'"{k}" = {fmt(x)}' for k, x in v.items()) + "}"
+        return repr(v)
+
+    out = []
+    data = cfg.model_dump()
+    for k, v in data.items():
+        if not isinstance(v, dict) and v is not None:
+            out.append(f"{k} = {fmt(v)}")
+    for k, v in data.items():
+        if isinstance(v, dict):
+            out.append(f"\n[{k}]")  # TOML has no null: an unset key is left out
+            out.extend(f"{kk} = {fmt(vv)}" for kk, vv in v.items() if vv is not None)
+    return "\n".join(out) + "\n"
