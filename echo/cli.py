@@ -154,7 +154,7 @@ def _main(argv: list[str] | None = None) -> int:
 
         return admin_main(argv)
     if argv[:1] == ["sim"]:
-        from provisioning.sim import main as sim_main
+        from provisioning.sim.report import main as sim_main
 
         return sim_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -1,74 +1,12 @@
-"""Discrete-event simulator of an Echo run (SimPy), on the project's own models.
-
-``echo-rl sim SCENARIO.toml [--json FILE] [--plots DIR] [--set key=value ...]``
-(or ``python -m provisioning.sim ...``). The scenario format is ``provisioning.scenario``.
-
-What runs, and what it reuses (no second copy of the logic):
-
-* **Learner** (one SimPy process): step t trains on ``N = prompts x group_size`` rollouts taken
-  from the replay buffer, oldest first, whole groups only, admissible iff ``u >= v - S``
-  (docs/design.md §3, as ``learner.buffer.ReplayBuffer``); it waits (``T_wait``) until enough are there,
-  then trains ``T_train``; ``v += 1``; every ``kappa`` steps it publishes snapshot ``v``.
-  Stale groups are dropped at admission and when the version moves, and counted. Work is
-  handed out like ``learner.work.WorkQueue``: at most ``max_outstanding_groups`` issued plus
-  buffered, so the fleet cannot run far ahead (a worker that gets no grant waits).
-* **Workers** (one SimPy process each, for the whole run): request ``groups_per_request``
-  groups, generate them with the installed snapshot (duration ``groups x G / mu_i``, lognormal
-  jitter), deliver them tagged with that version. By default a worker stops generating when a
-  snapshot is published until it has installed it (what ``worker/agent.py`` does: it fetches
-  in its work loop); ``rollout.generate_during_download`` keeps old-snapshot generation going.
-* **Broadcast**: per publication, per-worker arrival times from ``broadcast.planner``:
-  chains are planned with ``plan_chains`` and each worker at position ``j`` of a chain installs
-  at ``predict_chain_s(M, c, rate, j + 1, latency)`` (the planner's chain rate and per-chunk
-  pipeline formula), plus ``reload_s``; star-limited and star-unlimited use
-  ``star_limited_s`` / ``star_unlimited_s`` per worker. ``T_bcast`` is the time until a fraction
-  ``q`` of the recipients installed; ``lower_bound_s`` is reported beside it. Above
-  ``broadcast.plan_max_peers`` recipients the planner (0.3 s for 1,000 heterogeneous peers here,
-  once per publication) runs on *binned* peers: reachable workers sorted by relay
-  rate are cut into contiguous blocks, each block is one synthetic peer with the block's
-  slowest down and up rates, and each planned chain is expanded back into its blocks' workers.
-  The chain rates are therefore the planner's (conservative: a block's slowest member); chain
-  lengths and per-position times are the expanded ones. Unreachable workers are always planned
-  individually.
-* **Provisioning**: the initial active set comes from ``provisioning.selection`` (greedy,
-  ours, exact) against ``alpha * mu_req`` with ``mu_req`` from ``provisioning.capacity`` and
-  ``T_bcast`` predicted by the planner for that set (iterated to a fixed point), or random
-  (the paper's "w/o cost" ablation), or all, or a fixed count. The closed loop is
-  ``provisioning.controller.Controller`` itself, with ``env.now`` as its clock, fed what the
-  control plane feeds it: no prior for a joiner, ``ready`` at its first work request, admitted
-  records only with their generation seconds. It ticks every ``tick_s`` and its decisions are
-  carried out; ``mu_req`` is recomputed after every step from the learner's T_train average
-  and the latest ``T_bcast``. An activated worker pulls the current snapshot from a peer
-  (``M / b_down``). Admission, eviction, take and grant sizes are ``dataplane.rules``, the
-  learner's own.
-* **Churn**: per-worker leave/rejoin rates, or a trace CSV ``time_s,worker,event``. A leaver's
-  in-flight groups are lost and re-issued, its chain children re-attach upstream (``reattach_s``,
-  nothing restarts), and the controller forgets it after ``heartbeat_timeout_s``; a joiner
-  pulls the current snapshot on activation.
-
-Costs: a worker is billed while present and active (from activation, including its download,
-until release or departure); the learner always. Cost of a step = learner price x step time +
-the integral of the active workers' prices over the step, i.e. docs/design.md §4's
-``(p_learner + sum c_i) * (T_train + T_wait) / 3600`` when the set does not change in the step.
-
-Public API: ``run_scenario``, ``simulate`` (path or dict), ``simulate_fixed`` (sim-vs-reality),
-``main`` (CLI).
-
-Files, by job: this one (the learner, the workers, grants and publications, the run), the
-broadcast model (``sim_broadcast.py``), provisioning and churn (``sim_fleet.py``), the report
-and command line (``sim_report.py``), plots (``sim_plots.py``), and the centralized baselines
-(``centralized.py``).
-"""
+"""The simulation itself: ``Sim`` and the records it keeps (the model is described in
+``provisioning.sim``'s docstring)."""
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -79,12 +17,9 @@ from dataplane import rules
 from dataplane.rules import ReadyQueue
 from provisioning import capacity
 from provisioning.controller import Controller
-from provisioning.sim_broadcast import BroadcastModel
-from provisioning.sim_fleet import FleetMixin
-from provisioning.scenario import (Scenario, apply_overrides, build_pool,
-                                   load_scenario, read_toml, read_trace, scenario_from_dict)
-
-DEFAULT_JSON_DIR = Path("benchmarks/results/sim")
+from provisioning.sim.broadcast import BroadcastModel
+from provisioning.sim.fleet import FleetMixin
+from provisioning.sim.scenario import Scenario, build_pool, read_trace
 
 
 @dataclass
@@ -643,109 +578,3 @@ def _downsample(rows: list[tuple], limit: int) -> list[list[float]]:
         return [list(r) for r in rows]
     keep = np.unique(np.linspace(0, len(rows) - 1, limit).astype(int))
     return [list(rows[k]) for k in keep]
-
-
-# ============================================================================ public API
-
-
-def run_scenario(sc: Scenario, *, progress: bool = False,
-                 machine: bool = True) -> dict[str, Any]:
-    """Simulate one scenario; returns the result dict (summary, steps, publications, ...)."""
-    if progress:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn)
-
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                      MofNCompleteColumn(), TextColumn("steps"), TimeElapsedColumn(),
-                      transient=True) as bar:
-            task = bar.add_task(f"simulating {sc.run.name}", total=sc.run.steps)
-            result = Sim(sc, on_step=lambda _s: bar.advance(task)).run()
-    else:
-        result = Sim(sc).run()
-    if sc.centralized.enabled:
-        from provisioning.centralized import compare
-
-        result["centralized"] = compare(sc, result["summary"])
-    if machine:
-        from echo.machine import machine_info
-
-        info = machine_info()
-        info.update(numpy=np.__version__, simpy=simpy.__version__)
-        result["machine"] = info
-    result["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    return result
-
-
-def simulate(scenario: str | Path | dict[str, Any] | Scenario,
-             overrides: list[str] | dict[str, Any] | None = None, *,
-             progress: bool = False, machine: bool = True) -> dict[str, Any]:
-    """Simulate a scenario given as a TOML path, a raw dict (TOML layout) or a ``Scenario``."""
-    if isinstance(scenario, Scenario):
-        sc = scenario
-        if overrides:
-            data = apply_overrides(sc.model_dump(), overrides)
-            sc = scenario_from_dict(data, sc.base_dir)
-    elif isinstance(scenario, dict):
-        sc = scenario_from_dict(apply_overrides(json.loads(json.dumps(scenario)),
-                                                overrides or []))
-    else:
-        sc = load_scenario(scenario, overrides)
-    return run_scenario(sc, progress=progress, machine=machine)
-
-
-def simulate_fixed(n_workers: int, mu_per_worker: float, t_train: float, t_bcast: float,
-                   N: int, S: int, kappa: int, steps: int, *, group_size: int = 16,
-                   groups_per_request: int = 2, max_outstanding_groups: int = 0,
-                   duration_sigma: float = 0.1, t_train_cv: float = 0.0,
-                   generate_during_download: bool = False, measure_from_step: int = 0,
-                   seed: int = 0) -> dict[str, Any]:
-    """The parameters of a real (e.g. loopback) run, simulated: for sim-vs-reality checks.
-
-    ``n_workers`` identical workers of ``mu_per_worker`` trajectories/s, all active, no
-    controller, no churn; every publication installs on every worker ``t_bcast`` seconds
-    after it is made (topology ``fixed``: replay the measured ``T_bcast``); ``N`` rollouts per
-    step in groups of ``group_size`` (``N`` must be a multiple); ``kappa`` as the run used
-    (0: ``max(1, S-1)``). The other knobs mirror the real learner/worker config
-    (``learner.max_outstanding_groups``, ``worker.groups_per_request``).
-
-    Returns the summary dict: ``bubble_ratio``, ``wait_s_per_step``, ``staleness_max``,
-    ``staleness_mean``, ``trajectories`` (delivered/admitted/dropped_stale), ``sim_time_s``, ...
-    plus ``per_step_wait_s`` and ``per_step_staleness``.
-    """
-    if N % group_size:
-        raise ValueError(f"N={N} is not a multiple of group_size={group_size}: N = prompts x "
-                         f"group_size")
-    data = {
-        "run": {"name": "fixed", "seed": seed, "steps": steps,
-                "measure_from_step": measure_from_step},
-        "learner": {"t_train_s": t_train, "t_train_cv": t_train_cv,
-                    "prompts_per_step": N // group_size, "group_size": group_size,
-                    "staleness": S, "kappa": kappa, "price_per_hour": 0.0,
-                    "max_outstanding_groups": max_outstanding_groups},
-        "pool": {"classes": [{"name": "worker", "count": n_workers, "mu": mu_per_worker,
-                              "price": 0.0}]},
-        "rollout": {"groups_per_request": groups_per_request, "duration_sigma": duration_sigma,
-                    "generate_during_download": generate_during_download},
-        "broadcast": {"topology": "fixed", "fixed_s": t_bcast, "uplink_mbit": None},
-        "provisioning": {"selection": "all", "controller": False},
-    }
-    res = simulate(data, machine=False)
-    out = dict(res["summary"])
-    out["per_step_wait_s"] = [s["wait_s"] for s in res["steps"]]
-    out["per_step_staleness"] = [s["staleness"] for s in res["steps"]]
-    return out
-
-
-# ============================================================================ CLI
-
-
-# The report and the command line live in provisioning/sim_report.py; these names stay here for
-# callers of ``provisioning.sim``.
-from provisioning.sim_report import (_json_default, build_parser, main,  # noqa: E402,F401
-                                     print_centralized, print_report)
-
-__all__ = ["BroadcastModel", "Sim", "run_scenario", "simulate", "simulate_fixed", "main",
-           "print_report", "read_toml"]
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
