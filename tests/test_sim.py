@@ -146,12 +146,12 @@ def test_relay_leaving_delays_its_chain_children_only():
     sim = Sim(scenario_from_dict(data))
     sim.run()
     sim._publish(sim.version + 1)  # a broadcast in progress at env.now
-    chains = [c.tolist() for c in sim.cur_chains]
+    chains = [c.tolist() for c in sim.snaps.cur_chains]
     assert len(chains) == 2 and all(len(c) == 4 for c in chains)  # k = 200/100 = 2 chains
-    before = list(sim.pend_arrival)
+    before = list(sim.snaps.pend_arrival)
     relay = chains[0][1]
-    sim._leave(relay)
-    after = sim.pend_arrival
+    sim.churn.leave(relay)
+    after = sim.snaps.pend_arrival
     for w in chains[0][2:]:
         assert after[w] == pytest.approx(before[w] + 5.0)
     for w in chains[0][:1] + chains[1]:
@@ -357,7 +357,7 @@ def test_a_worker_touched_by_a_trace_keeps_its_random_churn(tmp_path):
     sim = Sim(scenario_from_dict(data))
     sim.run()
     # about one leave per 10 s present over 12+ minutes: dozens for either worker
-    assert sim.leave_epoch[0] > 10 and sim.leave_epoch[1] > 10
+    assert sim.ws.leave_epoch[0] > 10 and sim.ws.leave_epoch[1] > 10
 
 
 def test_the_install_quantile_is_one_rule_without_float_noise():

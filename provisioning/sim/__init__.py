@@ -54,11 +54,13 @@ the integral of the active workers' prices over the step, i.e. docs/design.md §
 Public API (``provisioning.sim.api``): ``run_scenario``, ``simulate`` (path or dict),
 ``simulate_fixed`` (sim-vs-reality); the command line is ``provisioning.sim.report.main``.
 
-Files, by job: ``core.py`` (the learner, the workers, grants and publications, the run), the
-broadcast model (``broadcast.py``), provisioning and churn (``fleet.py``), the report and
-command line (``report.py``), plots (``plots.py``), the centralized baselines
-(``centralized.py``), the scenario format (``scenario.py``), random fleets (``pools.py``) and
-the control plane's load model (``control_load.py``).
+Files, by job: ``core.py`` (``Sim``: the learner, publications, the run, the result), the
+books (``state.py``: who is present and active, the cost ledger, each worker's snapshots),
+work grants and the workers' processes (``work.py``), provisioning and churn (``fleet.py``),
+the broadcast model (``broadcast.py``), the report and command line (``report.py``), plots
+(``plots.py``), the centralized baselines (``centralized.py``), the scenario format
+(``scenario.py``), random fleets (``pools.py``) and the control plane's load model
+(``control_load.py``). ``Sim`` composes these parts; each gets the books it acts on.
 
 This package uses ``provisioning.capacity``, ``selection`` and ``controller`` and
 ``dataplane.rules``; nothing outside it imports it except the CLI, benchmarks and tests. Its
