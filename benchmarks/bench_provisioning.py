@@ -1,6 +1,6 @@
 """Provisioning benchmark: greedy (paper) and ours against the MILP optimum, plus the time of
-one decision over 100,000 candidates. The implementation lives in ``provisioning.bench`` so
-the installed ``echo-rl`` can import it from any directory; this file is the by-path entry.
+one decision over 100,000 candidates. The implementation lives in ``labs.provisioning_bench``
+(a lab, outside the runtime packages); this file is the by-path entry.
 
     python benchmarks/bench_provisioning.py [--pools 1000] [--json FILE]
     python -m benchmarks.bench_provisioning [...]        # from the repository root
@@ -11,8 +11,13 @@ Writes ``benchmarks/results/provisioning.json`` (with the machine it ran on) and
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from provisioning.bench import main, run
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from labs.provisioning_bench import main, run  # noqa: E402
 
 __all__ = ["main", "run"]
 

@@ -177,7 +177,7 @@ def real_figures(real: dict[str, Any]) -> dict[str, Any]:
 
 
 def simulate_same(real: dict[str, Any], fig: dict[str, Any], tmp: Path, boot: int) -> dict[str, Any]:
-    from provisioning.sim import simulate
+    from provisioning.sim.api import simulate
 
     cfg = real["cfg"]
     lc = cfg.learner

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from provisioning.sim_control import ControlCosts, saturation  # noqa: E402  (no heavy imports)
+from provisioning.sim.control_load import ControlCosts, saturation  # noqa: E402  (no heavy imports)
 
 # Every synthetic worker comes from 127.0.0.1, one IP prefix: the per-address and per-prefix
 # limits (docs/security.md, "Sybils") would rightly hold a thousand keys from one host to a few
@@ -316,7 +316,7 @@ def cpu_costs(cpu: dict[str, Any], workers: int, heartbeat_s: float, seconds: fl
 
 
 def control_costs(out: dict[str, Any], batches: int, seconds: float) -> ControlCosts:
-    """The load model's inputs (provisioning.sim_control): an empty work request costs what a
+    """The load model's inputs (provisioning.sim.control_load): an empty work request costs what a
     work request costs; admission is one granted request and one trajectory batch per batch."""
     return ControlCosts(heartbeat_us=out["heartbeat_us"], poll_us=out["work_request_us"],
                         sweep_us_per_worker_s=out["sweep_us_per_worker_s"],

@@ -33,8 +33,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from provisioning import capacity  # noqa: E402
-from provisioning.sim import _json_default, print_report, simulate  # noqa: E402
-from provisioning.sim_plots import _plt, plot_run  # noqa: E402
+from provisioning.sim.api import simulate  # noqa: E402
+from provisioning.sim.report import _json_default, print_report  # noqa: E402
+from provisioning.sim.plots import _plt, plot_run  # noqa: E402
 
 EX = ROOT / "examples" / "sim"
 OUT = ROOT / "benchmarks" / "results" / "sim"
@@ -322,7 +323,7 @@ def churn(out: Path) -> dict[str, Any]:
 def central(out: Path) -> dict[str, Any]:
     """Echo against rollouts on the learner's own A100s (examples/sim/centralized-8b.toml): sync
     on 8 GPUs, async 4 + 4, and the saving as the A100's rollout rate grows."""
-    from provisioning.sim import print_centralized
+    from provisioning.sim.report import print_centralized
 
     base = _full_run(out, "centralized-8b.toml", "centralized-8b", {})
     rows = list(base["centralized"]["baselines"])

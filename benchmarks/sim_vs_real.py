@@ -5,7 +5,7 @@
 For each pool size: run the real system on loopback (``echo-rl quickstart`` with that many
 worker processes, provisioning off), measure T_train (mean and spread across steps), T_bcast
 and each worker's generation rate (samples / busy second), then simulate exactly those
-numbers with ``provisioning.sim.simulate_fixed`` and compare bubble ratios. Writes
+numbers with ``provisioning.sim.api.simulate_fixed`` and compare bubble ratios. Writes
 benchmarks/results/sim_vs_real.json with the machine.
 """
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from echo.config import load_config  # noqa: E402
 from echo.machine import machine_info  # noqa: E402
-from provisioning.sim import simulate_fixed  # noqa: E402
+from provisioning.sim.api import simulate_fixed  # noqa: E402
 
 
 def measure(n: int, steps: int, tmp: Path) -> dict:

@@ -92,8 +92,8 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 def simulate(s: int) -> dict[str, Any]:
     """The paper-scale scenario at this S, controller on (what S costs at scale)."""
-    from provisioning.scenario import load_scenario
-    from provisioning.sim import run_scenario
+    from provisioning.sim.scenario import load_scenario
+    from provisioning.sim.api import run_scenario
 
     scen = load_scenario(SIM_SCENARIO, [f"learner.staleness={s}", "provisioning.controller=true"])
     summary = run_scenario(scen, progress=False, machine=False)["summary"]

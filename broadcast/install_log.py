@@ -22,7 +22,7 @@ KEEP = 4  # recent versions whose holders are remembered (``joiner_source``)
 def quantile_rank(q: float, n: int) -> int:
     """How many of ``n`` installs ``T_bcast`` at quantile ``q`` waits for: ceil(q * n), at least
     1, with float noise ignored (0.9 * 10 is 9.000000000000002 and means 9). The one rule for
-    the learner, the broadcast benchmark and the simulator (provisioning/sim.py)."""
+    the learner, the broadcast benchmark and the simulator (provisioning/sim/)."""
     return max(1, math.ceil(q * n - 1e-9))
 
 

@@ -124,7 +124,7 @@ def _admin(cmd: str, rest: list[str]) -> int:
 
 
 def _sim(cmd: str, rest: list[str]) -> int:
-    from provisioning.sim import main as sim_main
+    from provisioning.sim.report import main as sim_main
 
     return sim_main(rest)
 

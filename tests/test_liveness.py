@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 from provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller
+from provisioning.scaling import Scaler
 from fakes import FakeClock
 
 pytestmark = pytest.mark.timeout(120)
@@ -167,7 +168,7 @@ def test_liveness_holds_over_a_thousand_random_sequences():
 
 def test_the_invariant_catches_a_controller_without_the_rule(monkeypatch):
     """Negative control: with the liveness rule switched off, some sequence breaks it."""
-    monkeypatch.setattr(Controller, "_liveness", lambda self, now: [])
+    monkeypatch.setattr(Scaler, "_liveness", lambda self, now: [])
     with pytest.raises(AssertionError, match="no activation"):
         for seed in range(1000):
             run_sequence(seed)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from provisioning.bench import random_pool
+from provisioning.sim.pools import random_pool
 from provisioning.selection import SelectionError, exact, greedy, ours
 
 SOLVERS = (greedy, exact, ours)

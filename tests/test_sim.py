@@ -10,8 +10,10 @@ import pytest
 
 from broadcast import planner
 from provisioning import capacity
-from provisioning.scenario import ScenarioError, build_pool, load_scenario, scenario_from_dict
-from provisioning.sim import BroadcastModel, main, simulate, simulate_fixed
+from provisioning.sim.scenario import ScenarioError, build_pool, load_scenario, scenario_from_dict
+from provisioning.sim.api import simulate, simulate_fixed
+from provisioning.sim.broadcast import BroadcastModel
+from provisioning.sim.report import main
 
 EXAMPLES = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "sim"
 
@@ -135,7 +137,7 @@ def test_worker_whose_first_event_is_join_starts_absent(tmp_path):
 
 
 def test_relay_leaving_delays_its_chain_children_only():
-    from provisioning.sim import Sim
+    from provisioning.sim.core import Sim
 
     data = base(broadcast__topology="chains", broadcast__snapshot_gb=0.05,
                 broadcast__uplink_mbit=200.0, broadcast__reattach_s=5.0)
@@ -144,12 +146,12 @@ def test_relay_leaving_delays_its_chain_children_only():
     sim = Sim(scenario_from_dict(data))
     sim.run()
     sim._publish(sim.version + 1)  # a broadcast in progress at env.now
-    chains = [c.tolist() for c in sim.cur_chains]
+    chains = [c.tolist() for c in sim.snaps.cur_chains]
     assert len(chains) == 2 and all(len(c) == 4 for c in chains)  # k = 200/100 = 2 chains
-    before = list(sim.pend_arrival)
+    before = list(sim.snaps.pend_arrival)
     relay = chains[0][1]
-    sim._leave(relay)
-    after = sim.pend_arrival
+    sim.churn.leave(relay)
+    after = sim.snaps.pend_arrival
     for w in chains[0][2:]:
         assert after[w] == pytest.approx(before[w] + 5.0)
     for w in chains[0][:1] + chains[1]:
@@ -332,7 +334,7 @@ def test_simulate_fixed():
     __import__("pathlib").Path(__file__).resolve().parent.parent.glob("examples/sim/*.toml")),
     ids=lambda p: p.stem)
 def test_example_scenarios_load_and_start(path):
-    from provisioning.scenario import load_scenario
+    from provisioning.sim.scenario import load_scenario
 
     sc = load_scenario(path)
     if len(build_pool(sc, np.random.default_rng(0))) > 1000:
@@ -344,7 +346,7 @@ def test_example_scenarios_load_and_start(path):
 def test_a_worker_touched_by_a_trace_keeps_its_random_churn(tmp_path):
     """A trace event makes the worker's pending random event stale; the worker must get a new
     one from its new state, not drop out of random churn for the rest of the run."""
-    from provisioning.sim import Sim
+    from provisioning.sim.core import Sim
 
     trace = tmp_path / "trace.csv"
     trace.write_text("time_s,worker,event\n1,w0,leave\n2,w0,join\n")
@@ -355,7 +357,7 @@ def test_a_worker_touched_by_a_trace_keeps_its_random_churn(tmp_path):
     sim = Sim(scenario_from_dict(data))
     sim.run()
     # about one leave per 10 s present over 12+ minutes: dozens for either worker
-    assert sim.leave_epoch[0] > 10 and sim.leave_epoch[1] > 10
+    assert sim.ws.leave_epoch[0] > 10 and sim.ws.leave_epoch[1] > 10
 
 
 def test_the_install_quantile_is_one_rule_without_float_noise():
@@ -398,8 +400,8 @@ def test_busy_time_measures_capacity_as_the_oracle_does():
 
 
 def test_centralized_baselines_bill_every_gpu_for_the_whole_step():
-    from provisioning.centralized import run_baseline
-    from provisioning.scenario import CentralizedSection
+    from provisioning.sim.centralized import run_baseline
+    from provisioning.sim.scenario import CentralizedSection
 
     c = CentralizedSection(enabled=True, gpus=8, gpu_price=3.0, mu_per_gpu=0.5, train_gpus=4)
     # 2,048 trajectories in requests of 32: 64 requests of 64 s, 8 per GPU on 8 GPUs = 512 s

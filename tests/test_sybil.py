@@ -100,7 +100,7 @@ def test_idle_keys_are_pending_and_a_publication_tells_members_first(started):
     plane._call(honest_installs)
     members = _on_loop(plane, lambda: [w.worker_id for w in plane.workers.values() if w.member])
     assert members == ["honest"]
-    registered = _on_loop(plane, lambda: set(plane.controller._workers))
+    registered = _on_loop(plane, lambda: {w.worker_id for w in plane.controller.workers()})
     assert registered == {"honest"}
     assert plane.coordinator.peers["honest"].endpoint == "tcp://10.9.9.9:1"
     _publish(plane, 1)

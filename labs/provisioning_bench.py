@@ -1,13 +1,8 @@
 """Provisioning benchmark: greedy and ours against the exact optimum on random pools.
 
-Lives in the package (not only under ``benchmarks/``) so the installed ``echo-rl`` console
-script can import it from any working directory; ``benchmarks/bench_provisioning.py`` is the
-by-path / ``python -m`` entry point and re-exports ``run`` and ``main``.
-
-Pools mimic a rented/volunteer fleet: a per-pool mix of GPU classes (Dirichlet weights, so some
-pools are dominated by one class), per-worker throughput lognormal around the class figure
-(host CPU, network, model fit), price around the class list price, mildly correlated with the
-worker's own throughput and with marketplace noise. Target: 30-70 % of the pool's throughput.
+A lab, not a runtime module: ``benchmarks/bench_provisioning.py`` is the by-path / ``python -m``
+entry point and re-exports ``run`` and ``main``. Pools come from ``provisioning.sim.pools``
+(the simulator draws its random fleets there too). Target: 30-70 % of the pool's throughput.
 """
 
 from __future__ import annotations
@@ -17,51 +12,17 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from provisioning import selection
+from provisioning.sim.pools import GPU_CLASSES, random_pool
 
 DEFAULT_JSON = Path("benchmarks/results/provisioning.json")
 GAP_TARGET = 0.01  # targets: ours within 1 % of optimal on average ...
 DECISION_MS_TARGET = 100.0  # ... and a decision over 100,000 candidates under 100 ms
-
-
-@dataclass(frozen=True)
-class GpuClass:
-    name: str
-    mu: float  # trajectories/s for the reference task
-    price: float  # $/h, typical marketplace price
-
-
-# Relative speeds from public inference benchmarks, prices from GPU marketplaces (rounded); only
-# the spread matters here: classes differ in both speed and $/trajectory.
-GPU_CLASSES = (
-    GpuClass("rtx3090", 0.50, 0.22),
-    GpuClass("rtx4090", 0.85, 0.35),
-    GpuClass("rtx5090", 1.15, 0.35),
-    GpuClass("a10", 0.45, 0.50),
-    GpuClass("l4", 0.35, 0.45),
-    GpuClass("l40s", 1.00, 0.90),
-    GpuClass("a100", 1.30, 1.20),
-    GpuClass("h100", 2.00, 2.20),
-    GpuClass("cpu", 0.03, 0.04),
-)
-
-
-def random_pool(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(mu, price) of ``n`` heterogeneous workers."""
-    weights = rng.dirichlet(np.full(len(GPU_CLASSES), 0.7))
-    cls = rng.choice(len(GPU_CLASSES), size=n, p=weights)
-    base_mu = np.array([c.mu for c in GPU_CLASSES])[cls]
-    base_price = np.array([c.price for c in GPU_CLASSES])[cls]
-    speed = rng.lognormal(0.0, 0.35, n)  # this host vs the class figure
-    mu = base_mu * speed
-    price = base_price * speed**0.3 * rng.lognormal(0.0, 0.2, n)
-    return mu, price
 
 
 def _gap(cost: float, optimum: float) -> float:

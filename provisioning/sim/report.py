@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from provisioning.scenario import ScenarioError, load_scenario
+from provisioning.sim.scenario import ScenarioError, load_scenario
 
 
 def print_report(result: dict[str, Any], console: Any = None) -> None:
@@ -64,7 +64,7 @@ def print_report(result: dict[str, Any], console: Any = None) -> None:
 def print_centralized(c: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
-    t = Table(title="against rollouts on the learner's own GPUs (provisioning/centralized.py)")
+    t = Table(title="against rollouts on the learner's own GPUs (provisioning/sim/centralized.py)")
     for col in ("pipeline", "GPUs (train / generate)", "step (s)", "bubble", "cost / step",
                 "Echo saves"):
         t.add_column(col, justify="right")
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from provisioning.sim import run_scenario
+    from provisioning.sim.api import run_scenario
 
     args = build_parser().parse_args(argv)
     try:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
         print(f"wrote {args.json}")
     if args.plots:
-        from provisioning.sim_plots import plot_run
+        from provisioning.sim.plots import plot_run
 
         for path in plot_run(result, args.plots):
             print(f"wrote {path}")

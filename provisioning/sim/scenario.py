@@ -107,7 +107,7 @@ class WorkerClass(_Section):
 
 class PoolSection(_Section):
     # Sources (any combination): explicit classes, a CSV file, or a random fleet drawn like
-    # provisioning.bench.random_pool (a mix of GPU classes, lognormal speeds, marketplace prices).
+    # provisioning.sim.pools.random_pool (a mix of GPU classes, lognormal speeds, marketplace prices).
     classes: list[WorkerClass] = Field(default_factory=list)
     file: str = ""  # CSV with columns mu,price[,down_mbit,up_mbit,reachable,id]
     random_workers: int = Field(0, ge=0)
@@ -223,7 +223,7 @@ class ChurnSection(_Section):
 
 
 class CentralizedSection(_Section):
-    """Baselines with rollouts on the learner's own GPUs (provisioning/centralized.py)."""
+    """Baselines with rollouts on the learner's own GPUs (provisioning/sim/centralized.py)."""
 
     enabled: bool = False
     gpus: int = Field(8, gt=0)
@@ -236,7 +236,7 @@ class CentralizedSection(_Section):
 
     @model_validator(mode="after")
     def _usable(self) -> "CentralizedSection":
-        from provisioning.centralized import check
+        from provisioning.sim.centralized import check
 
         check(self)
         return self
@@ -376,7 +376,7 @@ def build_pool(sc: Scenario, rng: np.random.Generator) -> Pool:
         links(c.count, c.down_mbit, c.up_mbit, c.reachable)
         cls += [c.name] * c.count
     if ps.random_workers:
-        from provisioning.bench import random_pool
+        from provisioning.sim.pools import random_pool
 
         m, p = random_pool(rng, ps.random_workers)
         mu.append(m * ps.mu_scale)

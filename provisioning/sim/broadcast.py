@@ -10,7 +10,7 @@ import numpy as np
 
 from broadcast import planner
 from broadcast.topology.base import Peer
-from provisioning.scenario import Pool, Scenario
+from provisioning.sim.scenario import Pool, Scenario
 
 
 

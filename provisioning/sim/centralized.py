@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from provisioning.scenario import CentralizedSection
+from provisioning.sim.scenario import CentralizedSection
 
 
 def check(c: CentralizedSection) -> None:
