@@ -266,3 +266,30 @@ def test_the_owner_s_work_yields_the_machine_until_it_is_quiet():
     asyncio.run(go())
     assert (True, "yielded") in seen and (life.yielded, activity.state) == (False, "idle")
     assert "yielded_at" in status.doc
+
+
+# ------------------------------------------------------------------ relay node
+
+
+def test_the_relay_node_offers_its_endpoint_takes_the_learner_s_tuning_and_names_a_taken_port():
+    import zmq.asyncio
+
+    from broadcast.relay import RelayConfig
+    from worker.relaying import RelayNode
+
+    ctx = zmq.asyncio.Context()
+    node = RelayNode(ctx, RelayConfig(down_mbit=8.0), keys=None, run_key=lambda: b"")
+    try:
+        offer = node.offer()
+        assert offer.endpoint.startswith("tcp://127.0.0.1:") and offer.down_mbit == 8.0
+        node.tune({"broadcast": {"window": 9, "timeout_s": 3.0},
+                   "security": {"max_parked_per_peer": 5, "max_parked_total": 50}})
+        assert (node.relay.cfg.window, node.relay.cfg.timeout_s) == (9, 3.0)
+        assert (node.relay.server.max_parked_per_peer, node.relay.server.max_parked_total) == (5, 50)
+        assert node.memory(None)["model"] == 0
+        port = int(offer.endpoint.rpartition(":")[2])
+        with pytest.raises(WorkerError, match="--relay-port"):
+            RelayNode(ctx, RelayConfig(port=port), keys=None, run_key=lambda: b"")
+    finally:
+        node.close()
+        ctx.term()
