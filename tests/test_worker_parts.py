@@ -34,7 +34,8 @@ def _ack(**kw) -> wire.JoinAck:
 # ------------------------------------------------------------------ session
 
 
-def test_session_retries_a_busy_learner_then_joins_and_says_what_changed():
+def test_session_retries_a_busy_learner_then_joins_and_says_what_changed(monkeypatch):
+    monkeypatch.setattr("worker.session.JOIN_BACKOFF_S", 0.0)
     answers = iter([wire.Error(reason="rate_limited", detail="slow down"),
                     _ack(worker_id="w-kept"), _ack(instance_id="i2")])
     joins = []
@@ -44,7 +45,6 @@ def test_session_retries_a_busy_learner_then_joins_and_says_what_changed():
     s = make_session(client, hooks=hooks)
 
     async def go():
-        s.life.or_stopped = _no_backoff(s.life.or_stopped)
         await s.join()
         await s.join()  # the learner restarted: a new instance, the same run
     asyncio.run(go())
@@ -52,15 +52,6 @@ def test_session_retries_a_busy_learner_then_joins_and_says_what_changed():
     assert s.worker_id == "w-kept" and s.run_id == "r1" and s.instance_id == "i2"
     assert client.max_bytes == 8 * 2**20 and s.status.doc["run_id"] == "r1"
     assert all(isinstance(m, wire.Join) for m in client.sent) and len(client.sent) == 3
-
-
-def _no_backoff(or_stopped):
-    async def wrapped(aw):
-        if asyncio.iscoroutine(aw) and aw.cr_code.co_name == "sleep":
-            aw.close()  # the 2 s back-off after a busy learner: skipped here
-            return None
-        return await or_stopped(aw)
-    return wrapped
 
 
 def test_a_ban_on_join_ends_the_worker_and_the_status_says_quarantined():

@@ -76,8 +76,9 @@ class Worker:
                  ledger: str | None = None, relay: RelayConfig | None = None,
                  keys: KeyPair | None = None, backend: str | None = None,
                  device: str | None = None, status: StatusBoard | None = None,
-                 show: Any = None, migrate: bool = True, owner: Owner | None = None,
-                 give_up_after_s: float | None = None, clock: Any = time.monotonic,
+                 show: Callable[[StatusBoard], None] | None = None, migrate: bool = True,
+                 owner: Owner | None = None, give_up_after_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic,
                  host_memory_gb: float = 0.0):
         """``status``: where the worker's status goes (docs/volunteers.md; default: kept in
         memory only); ``show``: called with it every second (a live view or a plain line).

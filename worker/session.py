@@ -28,6 +28,7 @@ log = logging.getLogger("echo.worker")
 
 MIN_HEARTBEAT_S = 0.1  # the shortest heartbeat period a learner may ask for (docs/scale.md)
 JOIN_RETRY_REASONS = {"rate_limited", "learner_full"}
+JOIN_BACKOFF_S = 2.0  # after a busy learner's refusal, before the next join
 
 
 class WorkerError(RuntimeError):
@@ -93,7 +94,7 @@ class Session:
             self.status.update(problem=None)
             if isinstance(ack, wire.Error) and ack.reason in JOIN_RETRY_REASONS:
                 log.warning("learner busy (%s): %s; retrying", ack.reason, ack.detail)
-                await self.life.or_stopped(asyncio.sleep(2.0))  # a back-off, cut short by a stop
+                await self.life.or_stopped(asyncio.sleep(JOIN_BACKOFF_S))  # cut short by a stop
                 continue
             if isinstance(ack, wire.Error) and ack.reason == "banned":
                 raise self.banned(ack.detail)  # the status says so, as on any other refusal
