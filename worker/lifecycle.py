@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from worker.status import StatusBoard, notice_path
 
@@ -62,12 +62,14 @@ async def wait_next(event: asyncio.Event, timeout: float) -> None:
         pass
 
 
+State = Literal["idle", "generating", "installing", "leaving", "yielded"]  # wire.Heartbeat's
+
+
 @dataclass
 class Activity:
-    """What the worker is doing now, as the heartbeat and the status file say it: idle,
-    installing, generating or yielded."""
+    """What the worker is doing now, as the heartbeat and the status file say it."""
 
-    state: str = "idle"
+    state: State = "idle"
 
 
 class Lifecycle:

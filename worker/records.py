@@ -65,7 +65,8 @@ def episode_versions(s: Any, old: wire.Prefix | None, version: int) -> dict[str,
     if old is None:
         return {"version": version}
     trained = [v for v, c in old.versions for _ in range(c)]
-    per_token, k = [], 0
+    per_token: list[int | None] = []
+    k = 0
     for m in s.loss_mask:
         if m:
             per_token.append(trained[k] if k < len(trained) else version)

@@ -51,7 +51,7 @@ class SessionHooks:
     # (ack, the learner restarted, another run than before): reset, tune, fetch what it names
     joined: Callable[[wire.JoinAck, bool, bool], None]
     offer: Callable[[int, dict[str, Any], Source], None]  # a version to fetch
-    punch: Callable[[wire.Punch], None]  # a peer asks for a punched link
+    punch: Callable[[wire.Punch], object]  # a peer asks for a punched link
     beat: Callable[[str], wire.Heartbeat]  # this worker's heartbeat, for its current id
 
 
