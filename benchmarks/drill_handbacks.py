@@ -268,103 +268,100 @@ def check_edge_holder(r: dict[str, Any]) -> list[str]:
 # ----------------------------------------------------------------------------- the workers' code
 
 
-def _make(kind: str) -> Any:
-    from worker.agent import Worker
+def _generation(kind: str) -> Any:
+    """The drill worker's generation part (worker.generation.Generation, modified)."""
+    from worker.generation import Generation
 
-    def ewma(mean: float, x: float) -> float:  # worker.agent's rollout timing average
-        return 0.8 * mean + 0.2 * x if mean else x
-
-    class Picker(Worker):
+    class Picker(Generation):
         """Generates honestly; hands back its groups below the median reward it has seen.
 
-        It generates outside ``Worker._rollout`` (which then only queues what was generated),
-        so it does that method's book-keeping itself: the groups are listed as held
-        (``_generating``) from the start of their generation until they are delivered or handed
-        back, or a work request meanwhile (a prefetch) leaves them out and the learner takes
-        them for lost grants and leases them to this worker again (each generated twice, the
-        second hand-back and delivery refused ``not_your_group``); and the rollout timing is
-        that of the real generation, not of serving the stash (near 0 s: every request would
-        be prefetched and 8 times ``groups_per_request``)."""
+        Its groups stay listed as held (``generating``) from the start of their generation
+        until they are delivered or handed back: a work request meanwhile (a prefetch) that
+        left them out would have the learner take them for lost grants and lease them to this
+        worker again (each generated twice, the second hand-back and delivery refused
+        ``not_your_group``). The rollout timing is that of the whole grant's generation."""
 
         seen: list[float] = []
-        stash: Any = None
 
-        def _generate_and_score(self, groups: list[wire.Group]) -> Any:
-            if self.stash is not None:
-                out, self.stash = self.stash, None
-                return out
-            return super()._generate_and_score(groups)
+        async def _generate_held(self, groups: list[wire.Group]) -> tuple[Any, float]:
+            samples, gen_s = await self.generate(groups)
+            self.generating = [g.group_id for g in groups]  # until delivered or handed back
+            return samples, gen_s
 
-        async def _generate(self, groups: list[wire.Group]) -> tuple[Any, float]:
-            self._generating = [g.group_id for g in groups]
-            t0 = time.monotonic()
-            samples = await asyncio.to_thread(self._generate_and_score, groups)
-            return samples, time.monotonic() - t0
+        def _deliver(self, groups: list[wire.Group], samples: Any, version: int,
+                     gen_s: float, n: int) -> None:
+            """Queue what is kept, timed as the ``n`` groups' generation (those handed back
+            included)."""
+            self.time_rollout(gen_s, n)
+            self.queue(groups, samples, version, gen_s)
 
-        async def _queue(self, groups: list[wire.Group], samples: Any, version: int,
-                         gen_s: float, n: int) -> bool:
-            """``Worker._rollout`` of samples generated under ``version`` in ``gen_s`` for
-            ``n`` groups (those handed back included)."""
-            timing = (self._rollout_s, self._group_s)
-            self.stash = samples
-            saved, self.installed_version = self.installed_version, version
+        async def rollout(self, groups: list[wire.Group]) -> bool:
+            version = self.held.version
             try:
-                ok = await Worker._rollout(self, groups)
-            finally:
-                self.installed_version = max(self.installed_version, saved)
-            self._rollout_s, self._group_s = timing
-            if ok:
-                self._rollout_s, self._group_s = ewma(timing[0], gen_s), ewma(timing[1], gen_s / n)
-            return ok
-
-        async def _rollout(self, groups: list[wire.Group]) -> bool:
-            version = self.installed_version
-            try:
-                samples, gen_s = await self._generate(groups)
+                samples, gen_s = await self._generate_held(groups)
                 means = [sum(r for _, r in g) / len(g) for g in samples]
                 self.seen = (self.seen + means)[-256:]
                 median = sorted(self.seen)[len(self.seen) // 2]
                 low = [i for i, m in enumerate(means)
                        if m < median or (m == median and random.random() < 0.5)]
                 if low:
-                    await self._hand_back([groups[i] for i in low], [samples[i] for i in low], version)
+                    await self.hand_back([groups[i] for i in low], [samples[i] for i in low], version)
                 keep = [i for i in range(len(groups)) if i not in low]
                 if not keep:
                     return False
-                return await self._queue([groups[i] for i in keep], [samples[i] for i in keep],
-                                         version, gen_s, len(groups))
+                self._deliver([groups[i] for i in keep], [samples[i] for i in keep], version,
+                              gen_s, len(groups))
+                return True
             finally:
-                self._generating = []
+                self.generating = []
 
     class Holder(Picker):
         """Generates honestly, then holds the batch until the learner has published the
         version ``learner.staleness`` on from the one it was generated under (notices and
         heartbeat replies say so at once), so it arrives at the edge. Meanwhile it installs
         what the feed has ready: snapshots are installed between rollouts, by the loop this
-        wait holds up (a wait on ``installed_version`` alone saw none and ran its 60 s out;
+        wait holds up (a wait on the installed version alone saw none and ran its 60 s out;
         one for staleness - 1 installed versions delivered two thirds at S - 1)."""
 
-        newest = -1  # the newest version the learner offered
+        newest = -1  # the newest version the learner offered (set by the worker's hook)
 
-        def _offer(self, version: int, manifest: dict[str, Any], source: Any) -> None:
-            self.newest = max(self.newest, version)
-            super()._offer(version, manifest, source)
-
-        async def _rollout(self, groups: list[wire.Group]) -> bool:
-            version = self.installed_version
+        async def rollout(self, groups: list[wire.Group]) -> bool:
+            version = self.held.version
             try:
-                samples, gen_s = await self._generate(groups)
+                samples, gen_s = await self._generate_held(groups)
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
-                    await self._ensure_installed()
+                    await self.installer.ensure_installed()
                     if self.newest >= version + STALENESS:
                         break
                     await asyncio.sleep(0.01)
-                return await self._queue(groups, samples, version, gen_s, len(groups))
+                self._deliver(groups, samples, version, gen_s, len(groups))
+                return True
             finally:
-                self._generating = []
+                self.generating = []
 
     return {"cherry_pick": Picker, "edge_holder": Holder}[kind]
+
+
+def _make(kind: str) -> Any:
+    """A real worker (worker.agent.Worker) generating with the drill's part."""
+    from worker.agent import Worker
+
+    gen = _generation(kind)
+
+    class DrillWorker(Worker):
+        make_generation = gen
+
+        def _assemble(self, client: Any, node: Any) -> None:
+            super()._assemble(client, node)
+            offer = self.session.hooks.offer
+
+            def seen(version: int, manifest: dict[str, Any], source: Any) -> None:
+                self.generation.newest = max(getattr(self.generation, "newest", -1), version)
+                offer(version, manifest, source)
+            self.session.hooks.offer = seen
+
+    return DrillWorker
 
 
 def main(argv: list[str] | None = None) -> int:

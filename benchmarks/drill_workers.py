@@ -4,9 +4,9 @@
 
 Everything after the drill's own options is ``echo-worker``'s command line: the liar is a real
 worker (``worker.agent.Worker``) started by ``worker.cli.main``, with its CURVE identity, join
-line and token, speaking the real protocol. Only ``_generate_and_score`` is overridden: the
-honest samples and the adapter's rewards are computed as usual, then one lie is applied to what
-is delivered. Kinds:
+line and token, speaking the real protocol. Only its generation part's ``generate_and_score``
+is overridden (``LyingGeneration``): the honest samples and the adapter's rewards are computed
+as usual, then one lie is applied to what is delivered. Kinds:
 
   * ``honest``: no lie (the drill's honest workers, so that their true rewards are logged too);
   * ``forge_rewards``: claims reward 1.0 for every sample the adapter scored below 1, and 0.0
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import random
 import sys
@@ -44,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from echo import wire  # noqa: E402
 from worker.agent import Worker  # noqa: E402
+from worker.generation import Generation  # noqa: E402
 from worker.backends import Sample  # noqa: E402
 
 Scored = list[tuple[Sample, float]]  # one group's samples and their rewards
@@ -59,8 +61,9 @@ class Lie:
     seed: int = 0
 
 
-class LyingWorker(Worker):
-    """A ``Worker`` whose deliveries carry one lie (``lie.kind``)."""
+class LyingGeneration(Generation):
+    """The worker's generation part (``worker.generation.Generation``) with one lie
+    (``lie.kind``) in what it delivers."""
 
     def __init__(self, *args: Any, lie: Lie, truth: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -68,8 +71,8 @@ class LyingWorker(Worker):
         self.truth = truth
         self.rng = random.Random(lie.seed)
 
-    def _generate_and_score(self, groups: list[wire.Group]) -> list[Scored]:
-        honest = super()._generate_and_score(groups)
+    def generate_and_score(self, groups: list[wire.Group]) -> list[Scored]:
+        honest = super().generate_and_score(groups)
         sent = [getattr(self, f"_lie_{self.lie.kind}")(g, scored) for g, scored in zip(groups, honest)]
         if self.truth:
             self._write_truth(groups, honest, sent)
@@ -88,24 +91,27 @@ class LyingWorker(Worker):
                 for s, r in scored]
 
     def _lie_garbage_tokens(self, group: wire.Group, scored: Scored) -> Scored:
-        assert self.backend is not None and self.adapter is not None
-        tok = self.backend.tokenizer
+        backend, adapter = self.held.backend, self.held.adapter
+        assert backend is not None and adapter is not None
+        tok = backend.tokenizer
         out = []
         for s, _ in scored:
             ids = self._garbage(len(s.completion_ids))
-            reward = self.adapter.reward(group.task, ids, tok.decode(ids, skip_special_tokens=True))
+            reward = adapter.reward(group.task, ids, tok.decode(ids, skip_special_tokens=True))
             out.append((dataclasses.replace(s, completion_ids=ids), float(reward)))
         return out
 
     def _garbage(self, n: int) -> list[int]:
         """``n`` token ids of the worker's choosing: the fixed text's (cycled), or random
         non-special ids."""
-        tok = self.backend.tokenizer
+        backend = self.held.backend
+        assert backend is not None
+        tok = backend.tokenizer
         fixed = tok.encode(self.lie.garbage_text, add_special_tokens=False) if self.lie.garbage_text else []
         if fixed:
             return [fixed[i % len(fixed)] for i in range(n)]
         special = set(tok.all_special_ids)
-        vocab = min(len(tok), self.backend.vocab_size)
+        vocab = min(len(tok), backend.vocab_size)
         ids: list[int] = []
         while len(ids) < n:
             t = self.rng.randrange(vocab)
@@ -131,10 +137,18 @@ class LyingWorker(Worker):
                 "tokens_replaced": sum(a.completion_ids != b.completion_ids for (a, _), (b, _) in pairs),
                 "logprobs_replaced": sum(a.logprobs != b.logprobs for (a, _), (b, _) in pairs),
             })
-        line = {"worker_id": self.worker_id, "kind": self.lie.kind,
-                "version": self.installed_version, "groups": rows}
+        line = {"worker_id": self.session.worker_id, "kind": self.lie.kind,
+                "version": self.held.version, "groups": rows}
         with open(self.truth, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+class LyingWorker(Worker):
+    """A ``Worker`` whose deliveries carry one lie (``lie.kind``)."""
+
+    def __init__(self, *args: Any, lie: Lie, truth: str | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.make_generation = functools.partial(LyingGeneration, lie=lie, truth=truth)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,10 +1,11 @@
-"""The security drill's cherry-picker (benchmarks/drill_handbacks.py) generates outside
-``Worker._rollout``: it must keep that method's books itself, or the learner takes the groups
+"""The security drill's cherry-picker (benchmarks/drill_handbacks.py) replaces
+``Generation.rollout``: it must keep that method's books itself, or the learner takes the groups
 it is generating for lost grants and leases them to it again (each generated twice, the second
 hand-back and delivery refused ``not_your_group``, the drill's picker 'handed nothing back')."""
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import drill_handbacks  # noqa: E402
 from echo import wire  # noqa: E402
 from worker.backends import Sample  # noqa: E402
+from worker_doubles import make_generation  # noqa: E402
 
 
 class Clock:
@@ -35,7 +37,7 @@ class Backend:
         self.worker, self.clock, self.held_meanwhile = worker, clock, []
 
     def generate(self, groups, max_new_tokens, temperature, stop=None):
-        self.held_meanwhile.append(list(self.worker._generating))
+        self.held_meanwhile.append(list(self.worker.generating))
         self.clock.t += 2.0
         return [[Sample([5, 2], [-0.5, -0.5]) for _ in range(g.n)] for g in groups]
 
@@ -54,25 +56,33 @@ class Client:
         return wire.HandbackAck(groups=len(msg.groups), prefixes=0)
 
 
+def _drill(kind, clock, monkeypatch, client):
+    """The drill's generation part alone, its clock the test's."""
+    import worker.generation
+
+    fake_time = SimpleNamespace(monotonic=clock.monotonic, time=time.time)
+    monkeypatch.setattr(drill_handbacks, "time", fake_time)
+    monkeypatch.setattr(worker.generation, "time", fake_time)
+    g = make_generation(client, None, Adapter(), cls=drill_handbacks._generation(kind))
+    g.held.backend = Backend(g, clock)
+    return g
+
+
 def test_the_picker_lists_its_groups_as_held_and_times_the_real_generation(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(drill_handbacks, "time", SimpleNamespace(monotonic=clock.monotonic))
-    w = drill_handbacks._make("cherry_pick")("tcp://127.0.0.1:9", worker_id="picker")
-    w.backend, w.adapter, w.client = Backend(w, clock), Adapter(), Client()
-    w.view = {"worker": {"max_new_tokens": 4, "temperature": 1.0}, "transport": {"request_timeout_s": 5},
-              "model": {"name": "tiny-qwen3"}}
-    w.installed_version, w.seen = 3, [0.5] * 9  # median 0.5: the 0.0 group goes back
+    w = _drill("cherry_pick", clock, monkeypatch, Client())
+    w.seen = [0.5] * 9  # median 0.5: the 0.0 group goes back
     groups = [wire.Group(group_id=f"g{i}", prompt_ids=[1, 2], n=4, seed=i, task={"r": r})
               for i, r in enumerate((1.0, 0.0, 0.9))]
 
-    assert asyncio.run(w._rollout(groups)) is True
+    assert asyncio.run(w.rollout(groups)) is True
 
-    assert w.backend.held_meanwhile == [["g0", "g1", "g2"]]  # not []: no lost grant to re-lease
-    assert [m.groups for m in w.client.sent] == [["g1"]]
-    assert [w._groups_of[b] for b in w.unacked] == [["g0", "g2"]]
-    assert w._generating == []
-    # the grant's real generation (2 s for 3 groups), not the stash's 0 s
-    assert (w._rollout_s, round(w._group_s, 3)) == (2.0, 0.667)
+    assert w.held.backend.held_meanwhile == [["g0", "g1", "g2"]]  # not []: no lost grant to re-lease
+    assert [m.groups for m in w.session.client.sent] == [["g1"]]
+    assert [w.deliveries.groups_of[b] for b in w.deliveries.unacked] == [["g0", "g2"]]
+    assert w.generating == []
+    # the grant's real generation (2 s for 3 groups)
+    assert (w.rollout_s, round(w.group_s, 3)) == (2.0, 0.667)
 
 
 class Feed:
@@ -96,29 +106,32 @@ class Ticking(Clock):
 
 def test_the_edge_holder_delivers_when_the_learner_is_at_the_edge_and_installs_meanwhile(monkeypatch):
     clock = Ticking()
-    monkeypatch.setattr(drill_handbacks, "time", SimpleNamespace(monotonic=clock.monotonic))
-    w = drill_handbacks._make("edge_holder")("tcp://127.0.0.1:9", worker_id="holder")
-    w.backend, w.adapter, w.client, w.feed = Backend(w, clock), Adapter(), Client(), Feed()
-    w.backend.install = lambda tensors, result, version: None
-    w.view = {"worker": {"max_new_tokens": 4, "temperature": 1.0}, "transport": {"request_timeout_s": 5},
-              "model": {"name": "tiny-qwen3"}}
-    w.installed_version = 3
+    w = _drill("edge_holder", clock, monkeypatch, Client())
+    feed = Feed()
+    w.installer.ensure_installed = lambda: _install(w, feed)
     g = wire.Group(group_id="g0", prompt_ids=[1, 2], n=4, seed=0, task={"r": 1.0})
     start = clock.t
 
     async def learner_publishes():
         for v in (4, 5):  # S = 2: version 5 is the edge for a batch generated under 3
             await asyncio.sleep(0.05)
-            assert not w.unacked  # held until then
-            w._offer(v, {}, None)
+            assert not w.deliveries.unacked  # held until then
+            w.newest = v  # what the worker's offer hook records
 
     async def both():
-        return (await asyncio.gather(w._rollout([g]), learner_publishes()))[0]
+        return (await asyncio.gather(w.rollout([g]), learner_publishes()))[0]
 
     assert asyncio.run(both()) is True
 
     assert clock.t - start < 60  # not the 60 s give-up
-    assert w.installed_version == 4 and w.newest == 5
-    batch = next(iter(w.unacked.values()))
+    assert w.held.version == 4 and w.newest == 5
+    batch = next(iter(w.deliveries.unacked.values()))
     assert {r["version"] for r in wire.unpack_records(batch.payload, 1 << 20)} == {3}  # generated under 3
-    assert w.backend.held_meanwhile == [["g0"]] and w._generating == []
+    assert w.held.backend.held_meanwhile == [["g0"]] and w.generating == []
+
+
+async def _install(w, feed):
+    """The installer's step: the feed's ready version into the model."""
+    ready = feed.take_ready()
+    if ready is not None:
+        w.held.version = ready[0]

@@ -1,6 +1,7 @@
 """The security drill's lying workers (benchmarks/drill_workers.py): each lie does what it says,
 and a worker forging rewards against a real learner is quarantined (docs/security.md)."""
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -11,10 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from adapters.toy_add import ToyAddAdapter  # noqa: E402
-from drill_workers import Lie, LyingWorker  # noqa: E402
+from drill_workers import Lie, LyingGeneration  # noqa: E402
 from echo import wire  # noqa: E402
 from echo.models import build_tiny_tokenizer  # noqa: E402
 from worker.backends import Sample  # noqa: E402
+from worker_doubles import ScriptedClient, make_generation  # noqa: E402
 
 N = 4  # samples per group
 
@@ -34,32 +36,31 @@ class ScriptedBackend:
         return [[Sample(list(c), [-0.5, -1.5]) for c in self.completions] for _ in groups]
 
 
-def liar(kind: str, truth: Path, **lie) -> LyingWorker:
-    w = LyingWorker("tcp://127.0.0.1:9", worker_id="liar", lie=Lie(kind, **lie), truth=str(truth))
+def liar(kind: str, truth: Path, **lie) -> LyingGeneration:
     tok = build_tiny_tokenizer()
-    w.backend, w.adapter = ScriptedBackend(tok), ToyAddAdapter({}, tok)
-    w.view = {"worker": {"max_new_tokens": 4, "temperature": 1.0}}
-    return w
+    make = functools.partial(LyingGeneration, lie=Lie(kind, **lie), truth=str(truth))
+    return make_generation(ScriptedClient(lambda msg: None), ScriptedBackend(tok),
+                           ToyAddAdapter({}, tok), cls=make)
 
 
 GROUPS = [wire.Group(group_id=f"g{i}", prompt_ids=[1, 2], n=N, seed=i, task={"answer": 5}) for i in range(2)]
 
 
 def test_honest_drill_worker_delivers_the_adapters_scores(tmp_path):
-    out = liar("honest", tmp_path / "t")._generate_and_score(GROUPS)
+    out = liar("honest", tmp_path / "t").generate_and_score(GROUPS)
     assert [r for _, r in out[0]] == [1.0, 0.5, 0.1, 0.0]
     row = json.loads((tmp_path / "t").read_text().splitlines()[0])
     assert row["groups"][0]["true"] == row["groups"][0]["claimed"] == [1.0, 0.5, 0.1, 0.0]
 
 
 def test_forge_rewards_inverts_correctness(tmp_path):
-    out = liar("forge_rewards", tmp_path / "t")._generate_and_score(GROUPS)
+    out = liar("forge_rewards", tmp_path / "t").generate_and_score(GROUPS)
     assert [r for _, r in out[1]] == [0.0, 1.0, 1.0, 1.0]
     assert [s.completion_ids for s, _ in out[0]] == ScriptedBackend(build_tiny_tokenizer()).completions
 
 
 def test_fake_logprobs_claims_the_fixed_value(tmp_path):
-    out = liar("fake_logprobs", tmp_path / "t", fake_logprob=-20.0)._generate_and_score(GROUPS)
+    out = liar("fake_logprobs", tmp_path / "t", fake_logprob=-20.0).generate_and_score(GROUPS)
     assert all(s.logprobs == [-20.0, -20.0] for g in out for s, _ in g)
     assert [r for _, r in out[0]] == [1.0, 0.5, 0.1, 0.0]  # rewards untouched
     assert json.loads((tmp_path / "t").read_text())["groups"][0]["logprobs_replaced"] == N
@@ -68,19 +69,19 @@ def test_fake_logprobs_claims_the_fixed_value(tmp_path):
 @pytest.mark.parametrize("text", ["", "7+7"])
 def test_garbage_tokens_keep_lengths_and_logprobs_and_are_scored_honestly(tmp_path, text):
     w = liar("garbage_tokens", tmp_path / "t", garbage_text=text)
-    out = w._generate_and_score(GROUPS)
-    special = set(w.backend.tokenizer.all_special_ids)
+    out = w.generate_and_score(GROUPS)
+    special = set(w.held.backend.tokenizer.all_special_ids)
     for s, r in out[0]:
         assert len(s.completion_ids) == 2 and s.logprobs == [-0.5, -1.5]
         assert not special & set(s.completion_ids)
-        assert r == w.adapter.reward({"answer": 5}, s.completion_ids, "")
+        assert r == w.held.adapter.reward({"answer": 5}, s.completion_ids, "")
     if text:  # the fixed string's first tokens: "7" then "+"
-        assert out[0][0][0].completion_ids == w.backend.tokenizer.encode("7+", add_special_tokens=False)
+        assert out[0][0][0].completion_ids == w.held.backend.tokenizer.encode("7+", add_special_tokens=False)
     assert json.loads((tmp_path / "t").read_text())["groups"][0]["tokens_replaced"] >= N - 1
 
 
 def test_drop_low_sends_the_best_half(tmp_path):
-    out = liar("drop_low", tmp_path / "t", drop_share=0.5)._generate_and_score(GROUPS)
+    out = liar("drop_low", tmp_path / "t", drop_share=0.5).generate_and_score(GROUPS)
     assert [[r for _, r in g] for g in out] == [[1.0, 0.5], [1.0, 0.5]]
     g = json.loads((tmp_path / "t").read_text())["groups"][0]
     assert (g["n"], g["sent"]) == (N, 2)

@@ -274,18 +274,17 @@ def test_on_a_gpu_a_bf16_worker_holds_the_learner_s_base_and_follows_its_adapter
 
 
 def test_a_worker_holding_another_base_stops_with_the_fix():
-    """The agent's check before an install: a mismatch is a WorkerError (out of its install
+    """The installer's check before an install: a mismatch is a WorkerError (out of its install
     try, so it ends the worker with the message), not a version skipped and retried forever."""
     from types import SimpleNamespace
 
-    from worker.agent import Worker, WorkerError
+    from worker.install import check_base
+    from worker.session import WorkerError
 
-    worker = Worker.__new__(Worker)  # only the check's two attributes
-    worker.backend = SimpleNamespace(base_hash="a" * 64)
-    worker.view = {"model": {"name": "models/base"}}
-    worker._check_base({"version": 3, "base_model": "a" * 64})
+    backend = SimpleNamespace(base_hash="a" * 64)
+    check_base({"version": 3, "base_model": "a" * 64}, backend, "models/base")
     with pytest.raises(WorkerError, match="models/base.*hashes to aaaa.*learner's base model"):
-        worker._check_base({"version": 3, "base_model": "b" * 64})
+        check_base({"version": 3, "base_model": "b" * 64}, backend, "models/base")
 
 
 def test_evaluation_models_play_a_lora_run_with_its_adapter(trained, tokenizer, tmp_path):

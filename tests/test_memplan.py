@@ -110,17 +110,20 @@ def test_echo_rl_learn_refuses_a_budget_nothing_fits(tmp_path):
 
 
 def test_a_worker_fits_its_dtype_to_the_volunteers_budget(tmp_path):
-    from broadcast.relay import RelayConfig
-    from worker.agent import Worker, WorkerError
+    from worker.model import LoadChoice, fit_memory
+    from worker.session import WorkerError
 
-    worker = Worker("tcp://127.0.0.1:9", relay=RelayConfig(spill_dir=str(tmp_path)))
-    worker.version_bytes = (2 * 10_000_000, "bfloat16")  # 10 M parameters in bf16
+    size = (2 * 10_000_000, "bfloat16")  # 10 M parameters in bf16
+
+    def fit(dtype: str, budget_gb: float) -> str:
+        return fit_memory("tiny-qwen3", dtype, "cpu", False, view={}, version_bytes=size,
+                          choice=LoadChoice(host_memory_gb=budget_gb, spill=True))
+
     fp32 = WorkerPlan(10_000_000, 4, 20_000_000, spill=True).total
-    assert worker._fit_memory("tiny-qwen3", "auto", "cpu", False) == "float32"  # no budget
-    worker.host_memory_gb = (fp32 - 1) / GIB  # a byte short of float32
-    assert worker._fit_memory("tiny-qwen3", "auto", "cpu", False) == "bfloat16"
+    assert fit("auto", 0.0) == "float32"  # no budget
+    assert fit("auto", (fp32 - 1) / GIB) == "bfloat16"  # a byte short of float32
     with pytest.raises(WorkerError, match="--host-memory-gb"):
-        worker._fit_memory("tiny-qwen3", "float32", "cpu", False)  # the run fixed the dtype
+        fit("float32", (fp32 - 1) / GIB)  # the run fixed the dtype
 
 
 def test_a_worker_over_its_budget_leaves_and_the_run_goes_on(tmp_path, small_cfg):

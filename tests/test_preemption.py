@@ -18,7 +18,7 @@ from learner.handback import PrefixLimits, check_prefixes, expand
 from learner.intake import Intake
 from learner.reputation import Reputation
 from learner.work import WorkQueue
-from worker.agent import _runs, _versions
+from worker.records import runs, versions
 from worker.backends.base import Sample
 
 LIM = PrefixLimits(vocab_size=100, max_new_tokens=8, min_logprob=-1e4, staleness=2)
@@ -80,11 +80,11 @@ def test_record_versions_are_runs_from_the_oldest_token():
 
 def test_worker_versions_append_its_own_run_to_the_prefix():
     cont = Sample([5, 6, 7, 8], [-1.0] * 4, prefix_len=2, prefix_versions=[[3, 2]])
-    assert _runs(cont, 5) == [[3, 2], [5, 2]]
-    assert _versions(cont, 5) == {"version": 3, "versions": [[3, 2], [5, 2]]}
+    assert runs(cont, 5) == [[3, 2], [5, 2]]
+    assert versions(cont, 5) == {"version": 3, "versions": [[3, 2], [5, 2]]}
     same = Sample([5, 6, 7], [-1.0] * 3, prefix_len=2, prefix_versions=[[5, 2]])
-    assert _versions(same, 5) == {"version": 5}
-    assert _versions(Sample([1, 2], [-0.1, -0.2]), 4) == {"version": 4}
+    assert versions(same, 5) == {"version": 5}
+    assert versions(Sample([1, 2], [-0.1, -0.2]), 4) == {"version": 4}
 
 
 # ----------------------------------------------------------------------------- learner intake
@@ -202,7 +202,7 @@ def test_a_cut_episode_is_replayed_at_its_turn_boundary_and_ends_as_if_never_cut
     from dataplane.episodes import Cut
     from dataplane.testing import build_chatml_char_tokenizer
     from learner.intake import own_tokens
-    from worker.agent import _cut_episodes, _episode_versions
+    from worker.records import cut_episodes, episode_versions
 
     tok = build_chatml_char_tokenizer()
     ad = PokerAdapter({"bot_samples": 6, "obs_format": "compact", "opponents": ["station"]}, tok)
@@ -224,7 +224,7 @@ def test_a_cut_episode_is_replayed_at_its_turn_boundary_and_ends_as_if_never_cut
     whole = ad.rollout([g], scripted())[0]
     with pytest.raises(Cut) as cut:
         ad.rollout([g], scripted(cut_after=2))
-    (cut_samples,) = [[s for s, _ in row] for row in _cut_episodes([g], cut.value.decisions)]
+    (cut_samples,) = [[s for s, _ in row] for row in cut_episodes([g], cut.value.decisions)]
     prefixes = [wire.Prefix(sample_idx=i, ids=s.completion_ids, logprobs=s.logprobs,
                             versions=[[3, len(s.completion_ids)]], turns=s.turns)
                 for i, s in enumerate(cut_samples) if s.completion_ids]
@@ -241,7 +241,7 @@ def test_a_cut_episode_is_replayed_at_its_turn_boundary_and_ends_as_if_never_cut
         full = whole[p.sample_idx]
         if len(p.turns) == sum(1 for h in full.info["log"]["hands"] for _ in h["turns"]):
             assert s.completion_ids == full.completion_ids and s.reward == full.reward
-        v = _episode_versions(s, p, 5)  # the continuing worker holds version 5
+        v = episode_versions(s, p, 5)  # the continuing worker holds version 5
         rec = _record("g", p.sample_idx, s.completion_ids, s.logprobs, v["version"])
         assert v["version"] == 3 and v["versions"][0][0] == 3
         rec = parse_record({**rec, "loss_mask": s.loss_mask, **v}, Limits(10_000, 4096, 3))

@@ -11,12 +11,13 @@ import subprocess
 import time
 
 import pytest
+from worker_doubles import ScriptedClient, make_generation
 
 from echo import wire
 from echo.admin import main as admin_main
 from echo.config import dump_toml
 from echo.procs import ProcessGroup, python_argv, wait_ready
-from worker.agent import Worker, WorkerError
+from worker.agent import WorkerError
 from worker.status import rows
 
 BANNED = "this key is banned (banned by the operator)"
@@ -70,24 +71,14 @@ def _delivered(status) -> bool:
         return False
 
 
-class _Refusing:
-    """A learner link that answers every request with a ban."""
-
-    notices: asyncio.Queue = asyncio.Queue()
-
-    async def request(self, msg, timeout):
-        return wire.Error(reason="banned", detail=BANNED, rid=msg.rid)
-
-
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("step", ["work", "join"])
 def test_a_ban_met_by_a_work_request_or_a_join_is_a_ban(step):
-    w = Worker("tcp://127.0.0.1:1", worker_id="w0")
-    w.view = {"worker": {"groups_per_request": 2}, "transport": {"request_timeout_s": 1.0}}
-    w.status.update(account={"state": "active", "message": "joined: active"})
-    w.client, w.relay = _Refusing(), type("R", (), {"endpoint": ""})()
+    refusing = ScriptedClient(lambda msg: wire.Error(reason="banned", detail=BANNED, rid=msg.rid))
+    g = make_generation(refusing)
+    g.status.update(account={"state": "active", "message": "joined: active"})
     with pytest.raises(WorkerError, match="banned this worker's key"):
-        asyncio.run(w._request_work() if step == "work" else w._join())
-    doc = w.status.doc
+        asyncio.run(g.request_work() if step == "work" else g.session.join())
+    doc = g.status.doc
     assert doc["account"]["state"] == "quarantined" and doc["account"]["message"] == BANNED
     assert _agrees({**doc, "exit": "banned"}) == []

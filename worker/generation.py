@@ -1,0 +1,241 @@
+"""Generation: pull work, generate and score it with the installed model, queue the batch for
+delivery, or hand cut samples back (docs/preemption.md).
+
+Nothing waits on a round trip that it need not: when a work request's round trip is over 10%
+of a rollout the next request leaves while the current groups are generated, and grants grow
+so that a rollout outlasts a round trip (docs/wide_area.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+from echo import wire
+from echo.client import RequestTimeout
+from worker.backends import Sample
+from worker.delivery import Deliveries
+from worker.install import Installer
+from worker.lifecycle import Activity, Lifecycle, wait_next
+from worker.records import cut_episodes, episode_versions, own_tokens, prefix, runs, versions
+from worker.session import Session
+from worker.status import StatusBoard
+
+log = logging.getLogger("echo.worker")
+
+Scored = list[list[tuple[Sample, float]]]  # per group: its samples and their rewards
+
+MAX_GRANT_SCALE = 8  # at most this many times worker.groups_per_request in one grant
+PREFETCH_SHARE = 0.1  # prefetch work when a grant's round trip exceeds this share of a rollout
+
+
+class Generation:
+    """The work loop and its timings: grant round trip, rollout and per-group seconds
+    (EWMAs), and the busy-time throughput the heartbeat reports."""
+
+    def __init__(self, session: Session, installer: Installer, deliveries: Deliveries, *,
+                 life: Lifecycle, activity: Activity, status: StatusBoard):
+        self.session, self.installer, self.deliveries = session, installer, deliveries
+        self.held = installer.held
+        self.life, self.activity, self.status = life, activity, status
+        self.generating: list[str] = []  # group ids being generated now
+        self.grant_rtt = 0.0  # EWMA seconds of a work request's round trip
+        self.rollout_s = 0.0  # EWMA seconds of generating and scoring one grant
+        self.group_s = 0.0  # EWMA seconds of generating and scoring one group
+        self._prefetching = False
+        self.throughput = 0.0
+        self.busy_s = 0.0  # cumulative busy time and output, for an unbiased average rate
+        self.busy_samples = 0
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            prefetch: asyncio.Task[list[wire.Group]] | None = None
+            while not self.life.stopping.is_set():
+                if self.life.yielded:  # the owner's turn: no leases, no generation
+                    await self.life.quiet.wait()
+                    continue
+                await self.installer.ensure_installed()
+                if self.held.version < 0:
+                    await wait_next(self.installer.new_snapshot, 1.0)
+                    continue
+                if len(self.deliveries) >= self.session.view["worker"]["max_unacked_batches"]:
+                    await self.deliveries.wait_acked(0.5)  # back-pressure: deliver first
+                    continue
+                t0 = time.monotonic()
+                groups = await (prefetch or self.request_work())
+                prefetch = None
+                if groups:
+                    if self.prefetch_pays():  # the next grant's round trip overlaps this rollout
+                        prefetch = tg.create_task(self.request_work())
+                    if await self.rollout(groups):
+                        # Busy-time throughput: one wait-for-grant, generate, score cycle. It
+                        # measures what this worker can do, not how much work it was given
+                        # (idle waits and snapshot installs are outside the cycle).
+                        self.measure(sum(g.n for g in groups), time.monotonic() - t0)
+            if prefetch is not None:
+                prefetch.cancel()  # its groups come back to the learner with our leave
+
+    def prefetch_pays(self) -> bool:
+        """Ask for the next groups before these are done only when a grant's round trip is a
+        noticeable share (over 10%) of a rollout, i.e. on a long link or with a fast model.
+        On a LAN it would only lease groups earlier and hold them longer, for no gain."""
+        pays = self.grant_rtt > PREFETCH_SHARE * self.rollout_s
+        if pays != self._prefetching:
+            self._prefetching = pays
+            log.info("%s work: a grant's round trip is %.1f ms, a rollout %.1f ms",
+                     "prefetching" if pays else "no longer prefetching", 1000 * self.grant_rtt,
+                     1000 * self.rollout_s)
+        return pays
+
+    def grant_size(self) -> int:
+        """``worker.groups_per_request``, times as many as it takes for one rollout to last a
+        grant's round trip (at most 8 times): with a prefetched grant arriving while the
+        current one is generated, the worker then never waits on the link."""
+        base = int(self.session.view["worker"]["groups_per_request"])
+        if self.group_s <= 0:
+            return base
+        return base * max(1, min(MAX_GRANT_SCALE, math.ceil(self.grant_rtt / (base * self.group_s))))
+
+    async def request_work(self) -> list[wire.Group]:
+        req = wire.WorkRequest(worker_id=self.session.worker_id, max_groups=self.grant_size(),
+                               holding=self.generating + self.deliveries.holding())
+        try:
+            sent = time.monotonic()
+            grant = await self.session.client.request(req, self.session.timeout)
+            self.grant_rtt = 0.8 * self.grant_rtt + 0.2 * (time.monotonic() - sent)
+        except RequestTimeout:
+            return []
+        if isinstance(grant, wire.Error) and grant.reason == "banned":
+            raise self.session.banned(grant.detail)
+        if isinstance(grant, wire.Error):
+            log.info("work request refused (%s); re-joining", grant.reason)
+            await self.session.join()
+            return []
+        assert isinstance(grant, wire.WorkGrant)
+        if not grant.groups:
+            await wait_next(self.installer.new_snapshot, grant.retry_after_s)
+        return grant.groups
+
+    async def generate(self, groups: list[wire.Group]) -> tuple[Scored, float]:
+        """Generate and score ``groups`` off the loop, listed as held meanwhile; and the
+        seconds it took."""
+        self.activity.state = "generating"
+        self.generating = [g.group_id for g in groups]
+        t0 = time.monotonic()
+        try:
+            samples = await asyncio.to_thread(self.generate_and_score, groups)
+        finally:
+            self.generating = []
+        gen_s = time.monotonic() - t0
+        self.activity.state = "yielded" if self.life.yielded else "idle"
+        if self.life.yielded and "yielded_at" in self.status.doc:  # how long the cut took
+            self.status.update(yield_stop_s=round(time.time() - self.status.doc["yielded_at"], 3))
+        return samples, gen_s
+
+    async def rollout(self, groups: list[wire.Group]) -> bool:
+        """Generate, score and queue the groups for delivery; False if they were handed back."""
+        version = self.held.version
+        samples, gen_s = await self.generate(groups)
+        if any(not getattr(s, "finished", True) for g in samples for s, _ in g):
+            await self.hand_back(groups, samples, version)  # cut short: another worker goes on
+            return False
+        self.time_rollout(gen_s, len(groups))
+        self.queue(groups, samples, version, gen_s)
+        return True
+
+    def time_rollout(self, gen_s: float, groups: int) -> None:
+        self.rollout_s = 0.8 * self.rollout_s + 0.2 * gen_s if self.rollout_s else gen_s
+        per_group = gen_s / groups
+        self.group_s = 0.8 * self.group_s + 0.2 * per_group if self.group_s else per_group
+
+    def queue(self, groups: list[wire.Group], samples: Scored, version: int, gen_s: float) -> None:
+        """The groups' records, generated under ``version``, as one batch for delivery."""
+        wid = self.session.worker_id
+        records = [
+            {"group_id": g.group_id, "sample_idx": i, "prompt_ids": g.prompt_ids,
+             "completion_ids": s.completion_ids, "logprobs": s.logprobs, "reward": r,
+             "worker_id": wid, "gen_s": gen_s,
+             **(episode_versions(s, prefix(g, i), version) if getattr(s, "loss_mask", None)
+                else versions(s, version)),
+             **({"loss_mask": s.loss_mask} if getattr(s, "loss_mask", None) is not None else {})}
+            for g, group_samples in zip(groups, samples)
+            for i, (s, r) in enumerate(group_samples)
+        ]
+        batch = wire.Trajectories(worker_id=wid, batch_id=uuid.uuid4().hex,
+                                  count=len(records), payload=wire.pack_records(records))
+        self.status.generated(len(groups), len(records))
+        self._sent(own_tokens(samples))
+        self.deliveries.add(batch, [g.group_id for g in groups],
+                            [[r["group_id"], r["sample_idx"]] for r in records])
+
+    def _sent(self, tokens: int) -> None:
+        """Own sampled tokens that left in a batch or a handback (the drill's accounting:
+        sampled minus sent is what this worker threw away); written at once, since a
+        preempted worker may be killed before the next periodic write."""
+        if self.held.backend is not None:
+            self.status.update(tokens_sent=int(self.status.doc.get("tokens_sent", 0)) + tokens,
+                               tokens_sampled=self.held.backend.tokens_sampled)
+            self.status.flush(force=True)
+
+    async def hand_back(self, groups: list[wire.Group], samples: Scored, version: int) -> None:
+        """Give the groups back with what was generated of each sample (docs/preemption.md).
+        Whole groups only: finished samples go back as prefixes too, so the worker that
+        continues the group delivers all of it (a group is delivered whole, by one worker)."""
+        prefixes: dict[str, list[wire.Prefix]] = {}
+        for g, group_samples in zip(groups, samples):
+            prefixes[g.group_id] = [
+                wire.Prefix(sample_idx=i, ids=s.completion_ids, logprobs=s.logprobs,
+                            versions=runs(s, version), turns=list(getattr(s, "turns", [])))
+                for i, (s, _) in enumerate(group_samples) if s.completion_ids]
+        msg = wire.Handback(worker_id=self.session.worker_id,
+                            reason="yielded" if self.life.yielded else "preempted",
+                            groups=[g.group_id for g in groups], prefixes=prefixes)
+        self._sent(own_tokens(samples))
+        kept = sum(len(p) for p in prefixes.values())
+        tokens = sum(len(p.ids) for ps in prefixes.values() for p in ps)
+        try:
+            ack = await self.session.client.request(msg, min(2.0, self.session.timeout))
+        except RequestTimeout:
+            log.warning("handback of %d groups unanswered: their leases expire instead", len(groups))
+            return
+        if isinstance(ack, wire.HandbackAck):
+            log.info("handed back %d groups, %d of %d prefixes (%d tokens) kept%s", ack.groups,
+                     ack.prefixes, kept, tokens, f"; refused {ack.refused}" if ack.refused else "")
+            self.status.update(handed_back_tokens=int(self.status.doc.get("handed_back_tokens", 0))
+                               + tokens)
+
+    def generate_and_score(self, groups: list[wire.Group]) -> Scored:
+        """Samples and rewards per group. Cut short (preempted, yielded): unfinished samples;
+        a multi-turn rollout is cut between two decisions, and its episodes' decisions so far
+        become the prefixes, replayed in the environment by the worker that continues."""
+        backend, adapter = self.held.backend, self.held.adapter
+        assert backend is not None and adapter is not None
+        wv = self.session.view["worker"]
+        cut = self.life.cut
+        if getattr(adapter, "multi_turn", False):
+            # Episodes: one generation per decision, played by the adapter's environment.
+            from dataplane.episodes import Cut, backend_generate_fn
+            gen = backend_generate_fn(backend, wv["max_new_tokens"], wv["temperature"],
+                                      groups[0].seed, stop=cut)
+            try:
+                out: Any = adapter.rollout(groups, gen)
+            except Cut as c:
+                return cut_episodes(groups, c.decisions)
+            return [[(s, float(s.reward)) for s in samples] for samples in out]
+        out = backend.generate(groups, wv["max_new_tokens"], wv["temperature"], stop=cut)
+        tok = backend.tokenizer
+        if any(not s.finished for g in out for s in g):
+            return [[(s, 0.0) for s in g] for g in out]  # handed back: the continuer scores
+        return [[(s, float(adapter.reward(g.task, s.completion_ids,
+                                          tok.decode(s.completion_ids, skip_special_tokens=True))))
+                 for s in samples] for g, samples in zip(groups, out)]
+
+    def measure(self, count: int, seconds: float) -> None:
+        self.busy_s += seconds
+        self.busy_samples += count
+        rate = count / max(seconds, 1e-3)
+        self.throughput = rate if self.throughput == 0 else 0.3 * rate + 0.7 * self.throughput
