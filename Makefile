@@ -30,10 +30,12 @@ dev: $(VENV)/.dev
 quickstart: $(VENV)/.installed
 	$(BIN)/echo-rl quickstart $(ARGS)
 
-# Lints ([tool.ruff.lint] in pyproject.toml), then tests; fails if no test ran (pytest exits 5
-# when it collects nothing).
+# Lints ([tool.ruff.lint] in pyproject.toml), type-checks ([tool.mypy]: the files it lists,
+# strict), then tests; fails if no test ran (pytest exits 5 when it collects nothing).
 test: $(VENV)/.dev
 	$(BIN)/ruff check .
+# TODO(issue 34): $(BIN)/ruff format --check .   (on once the whole repo is formatted in one commit)
+	$(BIN)/mypy
 	$(BIN)/python -m pytest $(ARGS)
 
 # The inner loop: no process-starting (slow) or namespace (netns) tests; about 2 minutes here.
@@ -59,4 +61,4 @@ gpu-check:
 	$(PY) benchmarks/gpu_suite.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache

@@ -72,6 +72,7 @@ def answer_processor(tokens: Sequence[int] | None) -> list[Any]:
     log-prob of the distribution sampled from."""
     if tokens is None:
         return []
+    allowed: Sequence[int] = tokens  # the class below does not see the narrowing above
     from transformers import LogitsProcessor
 
     class OnlyAnswerTokens(LogitsProcessor):
@@ -80,7 +81,7 @@ def answer_processor(tokens: Sequence[int] | None) -> list[Any]:
 
         def __call__(self, input_ids: Any, scores: Any) -> Any:
             if self.bias is None or self.bias.shape[-1] != scores.shape[-1]:
-                self.bias = answer_bias(tokens, scores.shape[-1], scores.device).to(scores.dtype)
+                self.bias = answer_bias(allowed, scores.shape[-1], scores.device).to(scores.dtype)
             return scores + self.bias
 
     return [OnlyAnswerTokens()]
