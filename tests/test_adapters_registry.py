@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -199,7 +198,6 @@ def test_pip_installed_third_party_package(tmp_path, tokenizer):
         packages = ["echo_thirdparty_demo"]
     '''))
     target = tmp_path / "target"
-    t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--no-build-isolation", "--target", str(target), str(pkg)], check=True,
                    capture_output=True)
@@ -211,7 +209,6 @@ def test_pip_installed_third_party_package(tmp_path, tokenizer):
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          env=env)
     assert out.stdout.strip() == "EchoTask"
-    assert time.monotonic() - t0 < 60
 
 
 MULTI_TURN = "takelast/"  # the multi-turn tutorial's files live under this folder
