@@ -281,6 +281,7 @@ def _install(files: dict[str, str], tmp_path: Path) -> Path:
     return target
 
 
+@pytest.mark.integration  # pip-installs the tutorial and plays it in a child
 @pytest.mark.timeout(120)
 def test_the_multi_turn_tutorials_game_keeps_the_episode_contract(tmp_path):
     """docs/adapters.md's take-last game, played with scripted decisions: every context it
