@@ -20,11 +20,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataplane.advantages import batch_advantages
 from dataplane.records import Record
 
+if TYPE_CHECKING:  # annotations only: importing the API needs neither torch nor transformers
+    from torch import Tensor
+    from transformers import PreTrainedTokenizerBase
 ENTRY_POINT_GROUP = "echo.adapters"
 
 
@@ -50,13 +53,13 @@ class Prompt:
 class LearnerBatch:
     """Right-padded tensors for one learner step; targets are ``input_ids[:, 1:]``."""
 
-    input_ids: Any  # LongTensor [B, L]
-    attention_mask: Any  # LongTensor [B, L]
-    loss_mask: Any  # FloatTensor [B, L-1], 1 where the target token is trained on
-    behaviour_logprobs: Any  # FloatTensor [B, L-1], aligned with targets
-    advantages: Any  # FloatTensor [B]
-    rewards: Any  # FloatTensor [B]
-    versions: Any  # LongTensor [B]
+    input_ids: Tensor  # LongTensor [B, L]
+    attention_mask: Tensor  # LongTensor [B, L]
+    loss_mask: Tensor  # FloatTensor [B, L-1], 1 where the target token is trained on
+    behaviour_logprobs: Tensor  # FloatTensor [B, L-1], aligned with targets
+    advantages: Tensor  # FloatTensor [B]
+    rewards: Tensor  # FloatTensor [B]
+    versions: Tensor  # LongTensor [B]
 
 
 class Adapter(ABC):
@@ -81,7 +84,7 @@ class Adapter(ABC):
     # (dataplane/answers.py); set it in ``__init__`` from the adapter's options.
     answer_tokens: tuple[int, ...] | None = None
 
-    def __init__(self, options: dict[str, Any], tokenizer: Any):
+    def __init__(self, options: dict[str, Any], tokenizer: PreTrainedTokenizerBase):
         """``options``: the adapter's preset overridden by ``[adapter.options]`` (a dict; the
         ``generation`` table is taken out before). ``tokenizer``: the run's (a transformers
         fast tokenizer). Keep both (``self.options``, ``self.tokenizer``), check every option
@@ -175,7 +178,7 @@ _HOW = {
 }
 
 
-def load_adapter(name: str, options: dict[str, Any], tokenizer: Any, *,
+def load_adapter(name: str, options: dict[str, Any], tokenizer: PreTrainedTokenizerBase, *,
                  check_prompts: bool = True) -> Adapter:
     """Find ``name`` in the ``echo.adapters`` entry points, check it, instantiate it.
 
@@ -223,7 +226,7 @@ def load_adapter(name: str, options: dict[str, Any], tokenizer: Any, *,
     return adapter
 
 
-def check_adapter(adapter: Adapter, tokenizer: Any, name: str = "") -> None:
+def check_adapter(adapter: Adapter, tokenizer: PreTrainedTokenizerBase, name: str = "") -> None:
     """Draw one prompt and check what the learner and the wire need from it."""
     import msgpack
 

@@ -25,9 +25,14 @@ needs ``worker.max_new_tokens = 1`` (one token per answer, the adapter closes th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dataplane.adapter import AdapterError
+
+if TYPE_CHECKING:  # annotations only: importing this module does not import torch
+    import torch
+    from torch import Tensor
+    from transformers import LogitsProcessor
 
 
 class AnswerTokensError(AdapterError):
@@ -57,7 +62,7 @@ def check_answer_tokens(tokens: Sequence[int] | None, vocab_size: int, max_new_t
     return out
 
 
-def answer_bias(tokens: Sequence[int], width: int, device: Any = None) -> Any:
+def answer_bias(tokens: Sequence[int], width: int, device: torch.device | str | None = None) -> Tensor:
     """[width] float32: 0 on the allowed tokens, -inf elsewhere (added to logits)."""
     import torch
 
@@ -66,21 +71,22 @@ def answer_bias(tokens: Sequence[int], width: int, device: Any = None) -> Any:
     return bias
 
 
-def answer_processor(tokens: Sequence[int] | None) -> list[Any]:
+def answer_processor(tokens: Sequence[int] | None) -> list[LogitsProcessor]:
     """Logits processors for Hugging Face ``generate`` (an empty list when unrestricted).
     ``output_scores`` then holds the restricted scores, so their log-softmax is the
     log-prob of the distribution sampled from."""
     if tokens is None:
         return []
+    allowed: Sequence[int] = tokens  # the class below does not see the narrowing above
     from transformers import LogitsProcessor
 
     class OnlyAnswerTokens(LogitsProcessor):
         def __init__(self) -> None:
-            self.bias: Any = None
+            self.bias: Tensor | None = None
 
-        def __call__(self, input_ids: Any, scores: Any) -> Any:
+        def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
             if self.bias is None or self.bias.shape[-1] != scores.shape[-1]:
-                self.bias = answer_bias(tokens, scores.shape[-1], scores.device).to(scores.dtype)
+                self.bias = answer_bias(allowed, scores.shape[-1], scores.device).to(scores.dtype)
             return scores + self.bias
 
     return [OnlyAnswerTokens()]

@@ -25,12 +25,15 @@ import itertools
 from abc import abstractmethod
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataplane.adapter import (Adapter, AdapterError, LearnerBatch, materialise_records,  # noqa: F401
                                record_mask)
 from dataplane.advantages import batch_advantages
 from dataplane.records import Record
+
+if TYPE_CHECKING:  # annotations only: importing the API does not import torch
+    from torch import Tensor
 
 Generated = tuple[list[int], list[float]]
 GenerateFn = Callable[[list[list[int]]], list[Generated]]
@@ -105,8 +108,9 @@ def drive(episodes: Sequence[Episode], generate: GenerateFn,
                 pending[i] = episodes[i].send((list(out[0]), list(out[1])))
             except StopIteration as stop:
                 results[i] = stop.value
-    assert all(r is not None for r in results)
-    return results  # type: ignore[return-value]
+    done = [r for r in results if r is not None]
+    assert len(done) == len(results)
+    return done
 
 
 def replay_of(groups: Sequence[Any]) -> dict[int, list[Generated]]:
@@ -226,7 +230,7 @@ class EpisodeAdapter(Adapter):
 materialise_masked = materialise_records
 
 
-def token_advantages(batch: LearnerBatch) -> Any:
+def token_advantages(batch: LearnerBatch) -> Tensor:
     """Appendix D eq. 22: the sequence advantage broadcast to the trained (assistant) tokens,
     zero elsewhere; shape [B, L-1]. (The loss does this itself; this is for inspection.)"""
     return batch.advantages.unsqueeze(-1) * batch.loss_mask

@@ -20,16 +20,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataplane.adapter import AdapterError
 
+if TYPE_CHECKING:  # annotations only: importing the API does not import transformers
+    from transformers import PreTrainedTokenizerBase
 
-def render_ids(tokenizer: Any, messages: Sequence[dict[str, str]],
+
+def render_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]],
                add_generation_prompt: bool = False) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template."""
-    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, return_dict=False)
+    # a list of ids, or by transformers version a mapping holding them (BatchEncoding)
+    out: Any = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                             tokenize=True, return_dict=False)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return [int(t) for t in out]
@@ -56,7 +60,7 @@ class ChatFormat:
     turn_end: tuple[int, ...]
 
     @classmethod
-    def learn(cls, tokenizer: Any, turn_start_token: str | None = None) -> "ChatFormat":
+    def learn(cls, tokenizer: PreTrainedTokenizerBase, turn_start_token: str | None = None) -> "ChatFormat":
         """Learn the format from ``tokenizer``'s chat template by rendering probe
         conversations; ``turn_start_token`` overrides the guessed turn-start token. Raises
         ``AdapterError`` when the tokenizer has no chat template or one it cannot read."""
@@ -180,7 +184,7 @@ class ChatBuilder:
     otherwise concatenated pieces would differ from a full rendering, and it refuses.
     """
 
-    def __init__(self, tokenizer: Any, system: str, fmt: ChatFormat | None = None):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, system: str, fmt: ChatFormat | None = None):
         """``system``: the system message every episode starts with; ``fmt``: learnt from
         the tokenizer's chat template when not given (``ChatFormat.learn``, which raises
         ``AdapterError`` for a tokenizer without one). The tiny model's tokenizer has a small
@@ -226,7 +230,7 @@ class ChatBuilder:
         return list(self.tokenizer.encode(content, add_special_tokens=False)) + [self.fmt.end_of_turn]
 
 
-def log_to_sample(tokenizer: Any, messages: Sequence[dict[str, str]],
+def log_to_sample(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]],
                   fmt: ChatFormat | None = None) -> tuple[list[int], list[int], list[int]]:
     """Appendix D for one conversation: (ids, per-token turn index, per-token assistant mask)."""
     fmt = fmt or ChatFormat.learn(tokenizer)

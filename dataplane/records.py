@@ -75,14 +75,14 @@ class Limits:
 # log-probs a hair above 0 are rounding in the worker's sampler, not probabilities above 1
 LOGPROB_TOLERANCE = 1e-4
 
-_FIELDS = {
+_FIELDS: dict[str, type | tuple[type, ...]] = {
     "group_id": str, "sample_idx": int, "prompt_ids": list, "completion_ids": list,
     "logprobs": list, "reward": (float, int), "version": int, "worker_id": str,
     "gen_s": (float, int),
 }
 
 
-def _check_ids(ids: list, vocab: int, what: str) -> None:
+def _check_ids(ids: list[object], vocab: int, what: str) -> None:
     for t in ids:
         if type(t) is not int:
             raise RecordError("invalid_fields", f"{what} holds {type(t).__name__}, expected int")
@@ -90,7 +90,7 @@ def _check_ids(ids: list, vocab: int, what: str) -> None:
             raise RecordError("out_of_vocab", f"{what} holds token id {t} outside [0, {vocab})")
 
 
-def _check_logprobs(logprobs: list, floor: float) -> None:
+def _check_logprobs(logprobs: list[object], floor: float) -> None:
     """Every token, trained on or not: a masked -1e39 becomes -inf in float32, and -inf times
     a zero mask is NaN."""
     for lp in logprobs:

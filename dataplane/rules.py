@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 OK, FUTURE, STALE = "ok", "future_version", "stale"
@@ -60,42 +61,52 @@ def grant_size(ask: int, max_outstanding: int, in_flight: int, buffered: int,
                room(max_outstanding, in_flight, buffered))
 
 
+@dataclass(slots=True)
+class _Entry(Generic[T]):
+    """One run of ``count`` groups of one version; ``item`` is the group itself (learner) or
+    None (simulator counts). Mutable: merging and partial takes change ``count`` in place."""
+
+    version: int
+    count: int
+    item: T | None
+
+
 class ReadyQueue(Generic[T]):
     """Whole groups waiting for the trainer, in arrival order, each tagged with its version.
 
-    An entry is ``[version, count, item]``. The learner pushes one entry per group with the group
-    as the item; the simulator pushes counts without items, and consecutive entries of one
-    version merge (a fleet of 10,000 workers then costs one entry per version, not per group).
+    The learner pushes one entry per group with the group as the item; the simulator pushes
+    counts without items, and consecutive entries of one version merge (a fleet of 10,000
+    workers then costs one entry per version, not per group).
     """
 
     def __init__(self) -> None:
-        self._q: deque[list] = deque()
+        self._q: deque[_Entry[T]] = deque()
         self.count = 0
 
     def __len__(self) -> int:
         return self.count
 
     def push(self, version: int, item: T | None = None, count: int = 1) -> None:
-        if item is None and self._q and self._q[-1][0] == version and self._q[-1][2] is None:
-            self._q[-1][1] += count
+        if item is None and self._q and self._q[-1].version == version and self._q[-1].item is None:
+            self._q[-1].count += count
         else:
-            self._q.append([version, count, item])
+            self._q.append(_Entry(version, count, item))
         self.count += count
 
     def oldest_version(self) -> int | None:
-        return min((e[0] for e in self._q), default=None)
+        return min((e.version for e in self._q), default=None)
 
     def evict(self, version: int, staleness: int) -> tuple[int, list[T]]:
         """Drop every entry below ``version - staleness``: (groups dropped, their items)."""
-        if not self._q or all(not is_stale(e[0], version, staleness) for e in self._q):
+        if not self._q or all(not is_stale(e.version, version, staleness) for e in self._q):
             return 0, []
-        keep: deque[list] = deque()
+        keep: deque[_Entry[T]] = deque()
         dropped, items = 0, []
         for e in self._q:
-            if is_stale(e[0], version, staleness):
-                dropped += e[1]
-                if e[2] is not None:
-                    items.append(e[2])
+            if is_stale(e.version, version, staleness):
+                dropped += e.count
+                if e.item is not None:
+                    items.append(e.item)
             else:
                 keep.append(e)
         self._q = keep
@@ -108,27 +119,27 @@ class ReadyQueue(Generic[T]):
         oldest, items = version, []
         while k:
             e = self._q[0]
-            oldest = min(oldest, e[0])
-            n = min(k, e[1])
-            if n == e[1]:
+            oldest = min(oldest, e.version)
+            n = min(k, e.count)
+            if n == e.count:
                 self._q.popleft()
-                if e[2] is not None:
-                    items.append(e[2])
+                if e.item is not None:
+                    items.append(e.item)
             else:
-                if e[2] is not None:
+                if e.item is not None:
                     raise ValueError("an entry with an item is one group: it cannot be split")
-                e[1] -= n
+                e.count -= n
             self.count -= n
             k -= n
         return oldest, items
 
     def remove(self, pred: Callable[[T], bool]) -> list[T]:
         """Take out the items ``pred`` selects (a quarantined worker's groups)."""
-        gone = [e for e in self._q if e[2] is not None and pred(e[2])]
+        gone = [e for e in self._q if e.item is not None and pred(e.item)]
         if gone:
-            self._q = deque(e for e in self._q if not (e[2] is not None and pred(e[2])))
-            self.count -= sum(e[1] for e in gone)
-        return [e[2] for e in gone]
+            self._q = deque(e for e in self._q if not (e.item is not None and pred(e.item)))
+            self.count -= sum(e.count for e in gone)
+        return [e.item for e in gone if e.item is not None]
 
     def items(self) -> Iterator[T]:
-        return (e[2] for e in self._q if e[2] is not None)
+        return (e.item for e in self._q if e.item is not None)

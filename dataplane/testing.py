@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: importing this module does not import transformers
+    from transformers import PreTrainedTokenizerFast
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -21,7 +24,7 @@ CHATML_TEMPLATE = (
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 
 
-def build_chatml_char_tokenizer() -> Any:
+def build_chatml_char_tokenizer() -> PreTrainedTokenizerFast:
     """Printable ASCII, one token per character, ChatML specials; eos = ``<|im_end|>``."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

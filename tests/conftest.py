@@ -7,6 +7,28 @@ import pytest
 from echo.config import EchoConfig
 
 
+TIERS = ("unit", "integration", "lab")
+
+
+def tier_of(item: pytest.Item) -> str:
+    """A test's tier: an explicit tier marker, else ``lab`` for what needs a prepared machine
+    (namespaces, a GPU), ``integration`` for what starts processes (``slow``), else ``unit``."""
+    for tier in TIERS:
+        if item.get_closest_marker(tier) is not None:
+            return tier
+    if item.get_closest_marker("netns") or item.get_closest_marker("gpu"):
+        return "lab"
+    return "integration" if item.get_closest_marker("slow") else "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One tier marker per test, so ``-m unit`` (``make test-fast``) selects the inner loop."""
+    for item in items:
+        tier = tier_of(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(tier)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _worker_status_dir(tmp_path_factory):
     """Workers started by tests keep their status files here, not in the user's home."""

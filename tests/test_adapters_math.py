@@ -67,14 +67,13 @@ def test_math_verify_runs_in_a_child_and_from_threads(checker):
 def test_a_hung_check_is_bounded_and_the_checker_recovers(checker, monkeypatch):
     import os
     import signal
-    import time
 
     checker.equal("\\pi", "\\pi")  # child started
     os.kill(checker._proc.pid, signal.SIGSTOP)  # the child hangs, as on a pathological input
     monkeypatch.setattr(type(checker), "call_budget_s", property(lambda self: 0.3))
-    t0 = time.monotonic()
-    assert checker.equal("\\pi", "\\pi") is False  # scored as wrong, within the budget
-    assert time.monotonic() - t0 < 5
+    # scored as wrong; the counted timeout shows the budget ended the call (a call the budget
+    # failed to bound would hang until pytest's timeout)
+    assert checker.equal("\\pi", "\\pi") is False
     assert checker.stats["timeouts"] == 1 and checker._proc is None
     monkeypatch.undo()
     assert checker.equal("\\pi", "\\pi") is True  # a fresh child

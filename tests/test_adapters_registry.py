@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -177,6 +176,7 @@ def test_in_repo_adapters_load_by_name(site, tokenizer, monkeypatch, name, targe
     assert type(load_adapter(name, options, tokenizer)).__name__ == target.split(":")[1]
 
 
+@pytest.mark.integration
 def test_pip_installed_third_party_package(tmp_path, tokenizer):
     """The real thing: build and pip-install (offline, into a target folder) a package that
     declares an adapter, then find it from a fresh interpreter."""
@@ -199,7 +199,6 @@ def test_pip_installed_third_party_package(tmp_path, tokenizer):
         packages = ["echo_thirdparty_demo"]
     '''))
     target = tmp_path / "target"
-    t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--no-build-isolation", "--target", str(target), str(pkg)], check=True,
                    capture_output=True)
@@ -211,7 +210,6 @@ def test_pip_installed_third_party_package(tmp_path, tokenizer):
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          env=env)
     assert out.stdout.strip() == "EchoTask"
-    assert time.monotonic() - t0 < 60
 
 
 MULTI_TURN = "takelast/"  # the multi-turn tutorial's files live under this folder
@@ -283,6 +281,7 @@ def _install(files: dict[str, str], tmp_path: Path) -> Path:
     return target
 
 
+@pytest.mark.integration  # pip-installs the tutorial and plays it in a child
 @pytest.mark.timeout(120)
 def test_the_multi_turn_tutorials_game_keeps_the_episode_contract(tmp_path):
     """docs/adapters.md's take-last game, played with scripted decisions: every context it

@@ -120,6 +120,7 @@ def test_the_vllm_backend_refuses_a_restricted_adapter():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.integration
 def test_poker_learn_trains_with_restricted_answers_end_to_end(tmp_path):
     """examples/poker-learn.toml over loopback: a learner and a worker, every group of the
     worker's probation audited under the restricted distribution, none refused; then

@@ -2,6 +2,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,6 +31,7 @@ def test_bad_config_exits_2_with_key_named(tmp_path):
     assert "learner.group_size" in r.stderr and "--set learner.group_size" in r.stderr
 
 
+@pytest.mark.integration
 def test_missing_model_is_a_clear_error(tmp_path):
     r = run("-m", "echo.cli", "learn", "examples/quickstart.toml", "--set",
             f"model.name={tmp_path / 'nope'}", "--run-dir", str(tmp_path / "run"))

@@ -4,18 +4,13 @@ it is generating for lost grants and leases them to it again (each generated twi
 hand-back and delivery refused ``not_your_group``, the drill's picker 'handed nothing back')."""
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import drill_handbacks  # noqa: E402
-from echo import wire  # noqa: E402
-from worker.backends import Sample  # noqa: E402
-from worker_doubles import make_generation  # noqa: E402
+from benchmarks import drill_handbacks
+from echo import wire
+from worker.backends import Sample
+from worker_doubles import make_generation
 
 
 class Clock:

@@ -3,20 +3,16 @@ and a worker forging rewards against a real learner is quarantined (docs/securit
 
 import functools
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from adapters.toy_add import ToyAddAdapter  # noqa: E402
-from drill_workers import Lie, LyingGeneration  # noqa: E402
-from echo import wire  # noqa: E402
-from echo.models import build_tiny_tokenizer  # noqa: E402
-from worker.backends import Sample  # noqa: E402
-from worker_doubles import ScriptedClient, make_generation  # noqa: E402
+from adapters.toy_add import ToyAddAdapter
+from benchmarks.drill_workers import Lie, LyingGeneration
+from echo import wire
+from echo.models import build_tiny_tokenizer
+from worker.backends import Sample
+from worker_doubles import ScriptedClient, make_generation
 
 N = 4  # samples per group
 
@@ -88,7 +84,7 @@ def test_drop_low_sends_the_best_half(tmp_path):
 
 
 def test_drill_worker_refuses_a_positive_fake_logprob(capsys):
-    from drill_workers import main
+    from benchmarks.drill_workers import main
 
     assert main(["--kind", "fake_logprobs", "--fake-logprob", "0.5", "join", "tcp://127.0.0.1:9"]) == 2
     assert "--fake-logprob must be <= 0" in capsys.readouterr().err

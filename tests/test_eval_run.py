@@ -296,6 +296,7 @@ def test_errors_name_the_problem_and_the_fix(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.integration
 def test_cli_prints_json_and_help_is_instant(tmp_path):
     run = make_run(tmp_path, {"adapter": {"name": "toy-add"}, "worker": {"max_new_tokens": 4}})
     r = subprocess.run([sys.executable, "-m", "echo.cli", "eval", "--run-dir", str(run),

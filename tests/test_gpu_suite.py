@@ -40,8 +40,7 @@ def test_dry_run_exercises_every_stage_and_writes_the_layout(tmp_path):
 
 
 def test_a_stage_past_its_budget_is_stopped_and_the_others_still_run(tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_suite
+    from benchmarks import gpu_suite
 
     monkeypatch.setitem(gpu_suite.DRY_BUDGETS, "tests", 1)  # pytest alone takes longer to start
     res = gpu_suite.main(["--dry-run", "--out", str(tmp_path), "--stages", "tests,model"])

@@ -5,15 +5,9 @@ the swarm sent."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import load_control  # noqa: E402
+from benchmarks import load_control
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -1,17 +1,12 @@
 """The control plane's load test machinery (benchmarks/load_control.py) on a small swarm."""
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def test_synthetic_workers_are_served_and_every_acknowledged_record_is_accounted_for(tmp_path):
-    import load_control
+    from benchmarks import load_control
 
     r = load_control.run_once(workers=6, per_process=3, seconds=10, group_s=0.5,
                               fsync_delay_ms=50, tmp=tmp_path)

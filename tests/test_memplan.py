@@ -100,6 +100,7 @@ def test_a_policy_over_budget_trains_with_checkpointing(small_cfg):
     assert plan_memory(small_cfg, policy.model, 1).rows == policy.memory_plan.rows
 
 
+@pytest.mark.integration
 def test_echo_rl_learn_refuses_a_budget_nothing_fits(tmp_path):
     run = subprocess.run([sys.executable, "-m", "echo.cli", "learn", "examples/quickstart.toml",
                           "--run-dir", str(tmp_path / "run"), "--set", "learner.host_memory_gb=0.1"],
@@ -126,6 +127,7 @@ def test_a_worker_fits_its_dtype_to_the_volunteers_budget(tmp_path):
         fit("float32", (fp32 - 1) / GIB)  # the run fixed the dtype
 
 
+@pytest.mark.integration
 def test_a_worker_over_its_budget_leaves_and_the_run_goes_on(tmp_path, small_cfg):
     from test_integration import Cluster, wait_rows
 

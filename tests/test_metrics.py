@@ -219,6 +219,7 @@ def test_recorded_run_replays(tmp_path):
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs the chromium binary (Debian package `chromium`)")
+@pytest.mark.integration
 def test_dashboard_in_headless_chromium(served, tmp_path):
     """The page renders in a real browser and shows the same numbers as /metrics."""
     _, server = served

@@ -4,13 +4,9 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from learner.trainer import sampled_entropy
 
@@ -29,7 +25,7 @@ def test_sampled_entropy_is_the_mean_surprisal_of_trained_tokens():
 
 
 def test_summary_of_a_run():
-    import quickstart_seeds as qs
+    from benchmarks import quickstart_seeds as qs
 
     rows = [{"step": i, "reward_mean": i / 99, "entropy_est": 3.0 - i / 50, "clip_frac": 0.01,
              "grad_norm": 1.0, "staleness_mean": 1.25, "wall_s": 0.5 * (i + 1)} for i in range(100)]

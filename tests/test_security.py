@@ -496,6 +496,7 @@ def _join(line, tmp_path, *extra):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.integration
 def test_worker_explains_a_wrong_learner_key(make_plane, tmp_path):
     plane = make_plane()
     wrong = JoinLine(plane.endpoint, KeyPair.generate().public)
@@ -504,6 +505,7 @@ def test_worker_explains_a_wrong_learner_key(make_plane, tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.integration
 def test_worker_without_token_is_told_to_get_one(make_plane, tmp_path):
     plane = make_plane(join="token")
     r = _join(plane.join_line(), tmp_path)

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import types
 import typing
-from pathlib import Path
 from typing import Any
 
 import annotated_types as at
@@ -27,11 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fuzz/ is not an installed package
-from fuzz import decoders  # noqa: E402
+from fuzz import decoders  # not an installed package: pytest's pythonpath finds it
 
-from broadcast.snapshot import SnapshotError, build_manifest, verify_manifest  # noqa: E402
-from echo import wire  # noqa: E402
+from broadcast.snapshot import SnapshotError, build_manifest, verify_manifest
+from echo import wire
 
 _N = int(os.environ.get("ECHO_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(deadline=None, database=None, max_examples=_N or settings.default.max_examples,

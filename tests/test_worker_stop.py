@@ -69,20 +69,19 @@ class Fleet:
             "--status-file", str(status), *flags), log)
         return proc, status, log
 
-    def sigterm(self, name: str) -> float:
-        """Seconds from SIGTERM to the process's exit (it must exit 0)."""
+    def sigterm(self, name: str) -> None:
+        """SIGTERM; the process must exit 0 within ``EXIT_S`` (a deadline, like ``_until``'s: the
+        seconds it took are printed, not asserted)."""
         proc = self.group.procs[name]
         assert proc.poll() is None, f"{name} exited before the signal"
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
-            code = proc.wait(30)
+            code = proc.wait(EXIT_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{name} still running 30 s after SIGTERM") from None
-        took = time.monotonic() - t0
-        print(f"{name}: SIGTERM -> exit {took:.2f} s")
+            raise AssertionError(f"{name} still running {EXIT_S:.0f} s after SIGTERM") from None
+        print(f"{name}: SIGTERM -> exit {time.monotonic() - t0:.2f} s")
         assert code == 0, f"{name} exited {code}"
-        return took
 
     def close(self) -> None:
         self.group.stop_all()
@@ -113,9 +112,8 @@ def test_waiting_for_a_learner_that_never_answers(fleet):
         line = str(JoinLine(f"tcp://127.0.0.1:{silent.getsockname()[1]}", KeyPair.generate().public))
         _, status, _ = fleet.worker("w0", line)
         _until("the worker's first status", lambda: _status(status).get("activity") is not None)
-        took = fleet.sigterm("w0")
+        fleet.sigterm("w0")
     assert _status(status).get("installed_version") == -1 and _status(status).get("account") is None
-    assert took < EXIT_S, f"{took:.1f} s"
 
 
 def test_loading_its_model(fleet, small_cfg):
@@ -123,9 +121,8 @@ def test_loading_its_model(fleet, small_cfg):
     line = fleet.learner(_cfg(small_cfg))
     _, status, log = fleet.worker("w0", line)
     _until("the join answered", lambda: "joined run" in _log(log))
-    took = fleet.sigterm("w0")
+    fleet.sigterm("w0")
     assert not _installed(status)
-    assert took < EXIT_S, f"{took:.1f} s"
 
 
 def test_waiting_for_a_snapshot_that_never_comes(fleet, small_cfg):
@@ -136,8 +133,7 @@ def test_waiting_for_a_snapshot_that_never_comes(fleet, small_cfg):
     _until("the model loaded, the snapshot still missing",
            lambda: "model loaded" in (_status(status).get("install_phase") or ""))
     assert not _installed(status) and _status(status)["account"] is not None
-    took = fleet.sigterm("w0")
-    assert took < EXIT_S, f"{took:.1f} s"
+    fleet.sigterm("w0")
 
 
 def test_generating(fleet, small_cfg):
@@ -148,8 +144,7 @@ def test_generating(fleet, small_cfg):
     _, status, _ = fleet.worker("w0", line)
     _until("the worker generating", lambda: _status(status).get("activity") == "generating"
            and _status(status).get("groups_generated", 0) > 0)
-    took = fleet.sigterm("w0")
-    assert took < EXIT_S, f"{took:.1f} s"
+    fleet.sigterm("w0")
 
 
 def test_relaying_to_a_chain_child(fleet, small_cfg):
@@ -167,8 +162,7 @@ def test_relaying_to_a_chain_child(fleet, small_cfg):
         return any(int(p) != chunk_port for p in relayed.findall(_log(fleet.tmp / "w1.log")))
 
     _until("w1 fed by w0's relay", from_w0)
-    took = fleet.sigterm("w0")
-    assert took < EXIT_S, f"{took:.1f} s"
+    fleet.sigterm("w0")
 
 
 def test_idle_in_standby(fleet, small_cfg):
@@ -183,6 +177,5 @@ def test_idle_in_standby(fleet, small_cfg):
     _, status, _ = fleet.worker("w1", line)
     _until("w1 installed, standby", lambda: _installed(status) and
            (_status(status).get("account") or {}).get("state") == "standby")
-    took = fleet.sigterm("w1")
+    fleet.sigterm("w1")
     assert _status(status)["groups_generated"] == 0
-    assert took < EXIT_S, f"{took:.1f} s"
