@@ -37,7 +37,8 @@ from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_checkpoint, load_or_create_key, save_checkpoint
 from learner.auditor import Auditor
 from learner.durable import BufferLog, live_after, quarantine, scan_log
-from learner.control import ControlPlane, port_taken
+from learner.listen import port_taken
+from learner.server import LearnerServer
 from learner.gate import security_dir
 from learner.grants import GrantJournal, Lease, load as load_grants, open_leases
 from learner.reputation import without_quarantined
@@ -275,7 +276,7 @@ class Learner:
         self.prompt_rng = random.Random(cfg.seed)
         self.key = load_or_create_key(run_dir)
         self.run_id = run_dir.name
-        self.control: ControlPlane | None = None
+        self.control: LearnerServer | None = None
         self.totals = RunTotals()
         self.step = 0  # next step to run
         self.rows: list[dict[str, Any]] = []
@@ -311,12 +312,12 @@ class Learner:
         self.auditor = Auditor(self.cfg, self.policy.tokenizer, self._report,
                                lambda w: w in self.control.reputation.quarantined if self.control else False,
                                answer_tokens=self.policy.answer_tokens, **self._audit_in_policy())
-        self.control = ControlPlane(self.cfg, run_id=self.run_id, key=self.key, buffer=self.buffer,
+        self.control = LearnerServer(self.cfg, run_id=self.run_id, key=self.key, buffer=self.buffer,
                                     work=self.work, limits=self.limits, buffer_log=self.log,
                                     run_dir=self.run_dir, adapter=self.adapter,
                                     audit=self.auditor.submit, step=lambda: self.step)
         if resume:
-            self.control.restore_fleet()
+            self.control.members.restore_fleet()
         self._hold_base()
         self.control.start()
         bc = self.cfg.broadcast
@@ -710,8 +711,8 @@ class Learner:
             log.warning("%s", err)
             need = None
         self.control.set_requirement(need)
-        while self.control.decisions:
-            d = self.control.decisions.pop(0)
+        while self.control.members.decisions:
+            d = self.control.members.decisions.pop(0)
             entry = {"action": d.action, "worker": d.worker_id, "reason": d.reason,
                      "c_eff": d.c_eff, "target": d.target, "mu_req": need}
             self._audit("decisions", entry)
