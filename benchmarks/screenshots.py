@@ -74,7 +74,7 @@ def crop_tree(page_png: Path, png: Path, x: int = 22) -> None:
 
 def installs(learner: Learner) -> dict[int, dict[str, float]]:
     """Install times of recent versions. Read across threads here (a script); the proposed
-    wiring puts them into ControlPlane._stats() on the loop thread instead."""
+    wiring puts them into LearnerServer.stats() on the loop thread instead."""
     coord = learner.control.coordinator if learner.control else None
     if coord is None:
         return {}

@@ -26,7 +26,7 @@ the order they were appended, so a ``consume`` never becomes durable before the 
 the records it names; ``compact`` (at a checkpoint) first waits for every pending frame, so a
 checkpoint never contains training on records whose admission could still be lost. The queue
 is unbounded here and bounded by what feeds it: the control plane's pending acknowledgements
-(``learner.control.ACK_QUEUE``) and one ``consume`` per learner step.
+(``learner.listen.ACK_QUEUE``) and one ``consume`` per learner step.
 """
 
 from __future__ import annotations
