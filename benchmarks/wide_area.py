@@ -39,7 +39,7 @@ SCENARIOS = {
 
 def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Path) -> dict:
     from echo.chaos import READY_PREFIX
-    from learner.audit import audit_run
+    from learner.run_audit import audit_run
 
     cfg = load_config(ROOT / "examples/quickstart.toml", [f"learner.max_steps={steps}",
                                                          "provisioning.enabled=false"])

@@ -59,7 +59,7 @@ class ReplayBuffer:
         self._remember = remember_groups
         # Audit hook: records dropped after admission, with the rule that dropped them
         # (STALE_RULE: evicted past the staleness bound; QUARANTINE_RULE: their worker was
-        # quarantined), so every acknowledged record is accounted for (learner.audit).
+        # quarantined), so every acknowledged record is accounted for (learner.run_audit).
         self.on_drop = on_drop
 
     # ------------------------------------------------------------------ admission (control)
