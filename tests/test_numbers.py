@@ -182,10 +182,10 @@ def test_non_finite_state_is_not_published_and_the_previous_version_stays(learne
     name = lrn.policy.param_names[0]
     poisoned[name] = model_sd[name].clone()
     poisoned[name].view(-1)[0] = math.nan
-    lrn._publish(1, poisoned)
+    lrn.release.publish(1, poisoned)
     lrn.publisher.flush()
-    assert lrn.control.store.latest().version == 0 and lrn.publish_refused == 1
-    lrn._publish(1, model_sd)
+    assert lrn.control.store.latest().version == 0 and lrn.release.refused == 1
+    lrn.release.publish(1, model_sd)
     lrn.publisher.flush()  # publications are built on the publisher thread
     assert lrn.control.store.latest().version == 1
 

@@ -77,7 +77,7 @@ def test_cut_completions_are_counted():
     """A completion that stops at max_new_tokens without end-of-sequence was cut short: the
     learner's metrics line counts them (completions_cut) and warns when most are."""
     from dataplane.records import Record
-    from learner.main import cut_share
+    from learner.rows import cut_share
 
     eos = 2
 
