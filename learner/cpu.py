@@ -1,4 +1,4 @@
-"""What the control plane costs in CPU, per kind of work (docs/scale.md).
+"""What the learner server's loop costs in CPU, per kind of work (docs/scale.md).
 
 The control loop runs on its own thread, so its thread CPU clock (``time.thread_time``) read
 around each message gives that message's cost without counting the trainer, the write-ahead

@@ -109,7 +109,7 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> dict[st
         return {}
     run_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(run_dir)
-    # The control plane's loop shares the GIL with the training, publisher and log threads:
+    # The learner server's loop shares the GIL with the training, publisher and log threads:
     # a 1 ms switch interval (default 5 ms) bounds how long a heartbeat waits for it when the
     # trainer runs Python code (benchmarks/load_control.py measures the round trip).
     sys.setswitchinterval(0.001)
@@ -140,7 +140,7 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> dict[st
 def freeze_startup_objects() -> None:
     """Move every object alive after start-up (torch, transformers, the model: about 400,000
     here) out of the garbage collector's reach. A full collection walks every tracked object
-    while holding the GIL: 160 ms on this machine, which stalled the control plane's loop and
+    while holding the GIL: 160 ms on this machine, which stalled the learner server's loop and
     was the whole tail of the heartbeat round trip (benchmarks/load_control.py, docs/learner.md).
     Those objects live as long as the process, so nothing collectable is frozen for long."""
     import gc
@@ -179,7 +179,7 @@ def memory(policy: Policy, publisher: Publisher, held_elsewhere: list[Any],
 
 
 class Learner:
-    """Rank 0's side of a run: buffer (with its log), work queue, control plane, checkpoints,
+    """Rank 0's side of a run: buffer (with its log), work queue, server (learner.server), checkpoints,
     publication and metrics around the ``Policy``."""
 
     def __init__(self, cfg: EchoConfig, run_dir: Path, policy: Policy):
@@ -201,7 +201,7 @@ class Learner:
         self.prompt_rng = random.Random(cfg.seed)
         self.key = load_or_create_key(run_dir)
         self.run_id = run_dir.name
-        self.control: LearnerServer | None = None
+        self.server: LearnerServer | None = None
         self.totals = RunTotals()
         self.step = 0  # next step to run
         self.rows: list[dict[str, Any]] = []
@@ -242,10 +242,10 @@ class Learner:
             VersionEncoder(run_id=self.run_id, key=self.key, chunk_size=bc.chunk_kib * 1024,
                            dtype=bc.dtype, delta=bc.delta, keyframe_every=bc.keyframe_every,
                            max_ratio=bc.delta_max_ratio, base_model=self.policy.base_hash),
-            self.control.publish, background=bc.publish_thread))
+            self.server.publish, background=bc.publish_thread))
         self.publisher = self.release.publisher
         self._announce()
-        log.info("learner up at %s, run %s, step %d, kappa=%d, ranks=%d", self.control.endpoint,
+        log.info("learner up at %s, run %s, step %d, kappa=%d, ranks=%d", self.server.endpoint,
                  self.run_id, self.step, lc.effective_kappa, self.policy.par.world)
         if self.policy.lora_note:
             log.info("%s", self.policy.lora_note)
@@ -263,27 +263,27 @@ class Learner:
         """The auditor, and the server that hands its audits over (and serves the base model
         of a LoRA run); after ``--resume``, with the fleet's books the last instance saved."""
         self.auditor = Auditor(self.cfg, self.policy.tokenizer, self._report,
-                               lambda w: w in self.control.reputation.quarantined if self.control else False,
+                               lambda w: w in self.server.reputation.quarantined if self.server else False,
                                answer_tokens=self.policy.answer_tokens, **self._audit_in_policy())
-        self.control = LearnerServer(self.cfg, run_id=self.run_id, key=self.key, buffer=self.buffer,
+        self.server = LearnerServer(self.cfg, run_id=self.run_id, key=self.key, buffer=self.buffer,
                                      work=self.work, limits=self.limits, buffer_log=self.log,
                                      run_dir=self.run_dir, adapter=self.adapter,
                                      audit=self.auditor.submit, step=lambda: self.step)
         if resume:
-            self.control.members.restore_fleet()
+            self.server.members.restore_fleet()
         base = base_model(self.cfg, self.policy, self.run_id, self.key, self.run_dir)
         if base is not None:
-            self.control.hold_base(*base)
-        self.control.start()
+            self.server.hold_base(*base)
+        self.server.start()
 
     def _announce(self) -> None:
         """learner.json (endpoints, join line, ports), the dashboard and /metrics, and the
         join line on stdout (for a supervisor) and on the terminal (for an operator)."""
-        assert self.control is not None
-        join = self.control.join_line()
-        info = {"endpoint": self.control.endpoint, "snapshot_endpoint": self.control.snapshot_endpoint,
-                "join": join, "public_key": (self.control.public_key or b"").decode(),
-                "ports": self.control.bound_ports()}
+        assert self.server is not None
+        join = self.server.join_line()
+        info = {"endpoint": self.server.endpoint, "snapshot_endpoint": self.server.snapshot_endpoint,
+                "join": join, "public_key": (self.server.public_key or b"").decode(),
+                "ports": self.server.bound_ports()}
         if self.metrics is not None:
             port = self.cfg.listen_ports().metrics
             try:
@@ -291,8 +291,8 @@ class Learner:
             except OSError as exc:
                 raise port_taken("metrics.port", self.cfg.metrics.host, port, exc) from None
             info["ports"]["metrics"] = self.metrics_server.address[1]
-            self.metrics.accounts_source = self.control.accounts.export  # live per scrape
-            self.metrics.tree_source = self.control.relay_tree  # live per scrape and poll
+            self.metrics.accounts_source = self.server.accounts.export  # live per scrape
+            self.metrics.tree_source = self.server.relay_tree  # live per scrape and poll
             info["metrics"] = self.metrics_server.url
             for r in self.rows:  # after --resume: cost and curves continue
                 self.metrics.update(r, {})
@@ -315,13 +315,13 @@ class Learner:
         self.work.journal = journal
 
     def _report(self, verdict: Any) -> None:
-        if self.control is not None:
-            self.control.report(verdict)
+        if self.server is not None:
+            self.server.report(verdict)
 
     # ------------------------------------------------------------------ checkpoint / publish
 
     def _checkpoint(self, full: FullState, row: dict[str, Any] | None = None) -> None:
-        work, prompt_rng = self.control.work_state(self.prompt_rng)
+        work, prompt_rng = self.server.work_state(self.prompt_rng)
         save_checkpoint(self.run_dir, self.step - 1, {
             "step": self.step - 1, "model": full[0], "optimizer": full[1], "row": row,
             **self.policy.rng_state(), "prompt_rng": prompt_rng,
@@ -356,12 +356,12 @@ class Learner:
         lc, step = self.cfg.learner, self.step
         version = step  # one version per learner step
         t0 = time.monotonic()
-        assert self.control is not None
-        self.control.waiting(True)  # the provisioner's liveness rule (provisioning/controller.py)
+        assert self.server is not None
+        self.server.waiting(True)  # the provisioner's liveness rule (provisioning/controller.py)
         try:
             groups = self.buffer.take(lc.prompts_per_step, timeout=lc.wait_timeout_s)
         finally:
-            self.control.waiting(False)
+            self.server.waiting(False)
         if groups is None:
             raise LearnerStall(
                 f"no {lc.prompts_per_step} admissible groups within {lc.wait_timeout_s}s at "
@@ -378,8 +378,8 @@ class Learner:
         self.totals.add(step, t1 - t0, t2 - t1)
         self.step += 1
         self.buffer.set_version(self.step)
-        assert self.control is not None
-        control = self.control.stats()
+        assert self.server is not None
+        control = self.server.stats()
         row = finite_row(metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, 0.0,
                                             self.totals, self.buffer, control))
         row["completions_cut"] = self.cuts.share(step, [r for g in groups for r in g])
@@ -396,7 +396,7 @@ class Learner:
         row.update(self._audits(t2 - t1))
         trim()  # the step's and the audits' freed transients go back to the kernel
         row["memory"] = memory(self.policy, self.publisher,
-                               self.control.payloads() + self.auditor.payloads(),
+                               self.server.payloads() + self.auditor.payloads(),
                                self.auditor.model_tensors())
         self._provisioning(t2 - t1, control["t_bcast"] or 0.0)
         if self.metrics is not None:
@@ -438,7 +438,7 @@ class Learner:
         decisions it took since the last step. ``t_train`` None: after ``--resume``, from the
         run's own history (the restored metrics rows), so a restarted learner knows its
         mu_req before its first step."""
-        assert self.control is not None
+        assert self.server is not None
         lc = self.cfg.learner
         for t in ([r["t_train"] for r in self.rows if r.get("t_train")] if t_train is None
                   else [t_train]):
@@ -451,9 +451,9 @@ class Learner:
         except Infeasible as err:
             log.warning("%s", err)
             need = None
-        self.control.set_requirement(need)
-        while self.control.members.decisions:
-            d = self.control.members.decisions.pop(0)
+        self.server.set_requirement(need)
+        while self.server.members.decisions:
+            d = self.server.members.decisions.pop(0)
             entry = {"action": d.action, "worker": d.worker_id, "reason": d.reason,
                      "c_eff": d.c_eff, "target": d.target, "mu_req": need}
             self._audit("decisions", entry)
@@ -465,8 +465,8 @@ class Learner:
             self.publisher.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
-        if self.control is not None:
-            self.control.shutdown(reason)
+        if self.server is not None:
+            self.server.shutdown(reason)
         self.log.close()
         work = getattr(self, "work", None)
         if work is not None and work.journal is not None:

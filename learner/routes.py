@@ -1,4 +1,4 @@
-"""The control plane's snapshot routes: who pulls the current snapshot from where, with what
+"""The learner server's snapshot routes: who pulls the current snapshot from where, with what
 ticket, and what happens when a worker reports a bad source or a corrupt chunk.
 
 One object, ``SnapshotRoutes``, owned by ``learner.server.LearnerServer``: it reads the session

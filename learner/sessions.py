@@ -1,4 +1,4 @@
-"""The control plane's sessions: a worker *is* its key. Joining binds a key to a worker id
+"""The learner server's sessions: a worker *is* its key. Joining binds a key to a worker id
 (with the join policy of ``learner.gate``), and every later message from that key must name
 the same id (docs/security.md, "Identity").
 
