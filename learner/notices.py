@@ -14,6 +14,7 @@ from typing import Any
 from broadcast.snapshot import Snapshot, result_view
 from broadcast.store import SnapshotBuffer
 from echo import wire
+from echo.config import EchoConfig
 from learner.cpu import CpuBook
 from learner.members import Members
 from learner.routes import SnapshotRoutes
@@ -21,13 +22,13 @@ from learner.sessions import SessionTable, WorkerState
 
 
 class Notices:
-    def __init__(self, *, table: SessionTable, members: Members, routes: SnapshotRoutes,
-                 per_publication: int, cpu: CpuBook,
+    def __init__(self, cfg: EchoConfig, *, table: SessionTable, members: Members,
+                 routes: SnapshotRoutes, cpu: CpuBook,
                  send: Callable[[WorkerState, wire.Message], Awaitable[None]]):
         self.table = table
         self.members = members
         self.routes = routes
-        self.per_publication = per_publication  # security.notices_per_publication
+        self.cfg = cfg  # security.notices_per_publication, read at each publication
         self.cpu = cpu
         self.send = send
         self.noticed: Counter[str] = Counter()  # notices sent / deferred to heartbeats
@@ -54,7 +55,7 @@ class Notices:
         order = sorted(self.table.workers.values(), key=lambda w: (
             not w.member, w.admitted == 0, not (w.member and self.members.is_active(w.worker_id)),
             w.noticed))
-        chosen = order[:self.per_publication]
+        chosen = order[:self.cfg.security.notices_per_publication]
         for w in chosen:
             w.noticed = version
         self.noticed["sent"] += len(chosen)

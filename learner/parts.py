@@ -141,8 +141,8 @@ def build_parts(cfg: EchoConfig, inp: Inputs, store: SnapshotStore,
         reputation=reputation, returns=returns, staleness=staleness, buffer=inp.buffer,
         work=inp.work, limits=limits, rejected=rejected, push_ident=sockets.push_ident)
     reputation.on_quarantine = deliveries.quarantine
-    notices = Notices(table=table, members=members, routes=routes,
-                      per_publication=sc.notices_per_publication, cpu=cpu, send=sockets.send)
+    notices = Notices(cfg, table=table, members=members, routes=routes, cpu=cpu,
+                      send=sockets.send)
     stats = ServerStats(StatSources(
         table=table, members=members, routes=routes, gate=gate, buffer=inp.buffer, work=inp.work,
         intake=intake, returns=returns, reputation=reputation, staleness=staleness,

@@ -295,8 +295,8 @@ def test_notices_go_to_delivering_members_first_and_are_bounded():
     table.workers["deliverer"].member = True
     table.workers["deliverer"].admitted = 5
     members = SimpleNamespace(is_active=lambda wid: True)
-    notices = Notices(table=table, members=members, routes=None, per_publication=2, cpu=None,
-                      send=None)
+    cfg = SimpleNamespace(security=SimpleNamespace(notices_per_publication=2))
+    notices = Notices(cfg, table=table, members=members, routes=None, cpu=None, send=None)
     assert [w.worker_id for w in notices.order(1)] == ["deliverer", "member"]
     assert notices.noticed == {"sent": 2, "deferred": 1}
     assert table.workers["deliverer"].noticed == 1 and table.workers["pending"].noticed == -1
