@@ -186,7 +186,7 @@ async def swarm(args: argparse.Namespace) -> dict[str, Any]:
         for w in workers:
             w.client.close()
         ctx.term()
-    # the swarm's ledger, as a real worker's --ledger (learner.audit reads it)
+    # the swarm's ledger, as a real worker's --ledger (learner.run_audit reads it)
     args.out.with_suffix(".ledger").write_text(
         "".join(json.dumps(row) + "\n" for w in workers for row in w.ledger))
     return {"rtts": [r for w in workers for r in w.rtts], "acked": sum(w.acked for w in workers),
@@ -268,8 +268,8 @@ def run_once(workers: int, per_process: int, seconds: float, group_s: float,
 
 def accounting(run: Path, ledgers: list[Path], group_size: int) -> dict[str, int]:
     """Every record the swarm saw acknowledged: trained, dropped by a named rule, or still
-    buffered (learner.audit); ``unaccounted`` must be 0."""
-    from learner.audit import audit_run
+    buffered (learner.run_audit); ``unaccounted`` must be 0."""
+    from learner.run_audit import audit_run
 
     return audit_run(run, [p for p in ledgers if p.exists()], group_size).accounting()
 

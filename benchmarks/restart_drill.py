@@ -13,7 +13,7 @@ Per round it records:
   * ``restored_leases`` / ``restored_admitted``: leases kept from before the crash and the
     samples admitted under them (``learner.grants``);
   * ``lost``: samples a worker saw acknowledged that were neither trained, buffered nor a
-    counted stale drop (``learner.audit``), and ``trained_twice``: groups trained twice; both
+    counted stale drop (``learner.run_audit``), and ``trained_twice``: groups trained twice; both
     must be 0.
 
     python benchmarks/restart_drill.py --rounds 20 --out benchmarks/results/restart_drill.json
@@ -130,7 +130,7 @@ class Drill:
                          self.tmp / f"{name}.log")
 
     def round(self, kill_at: int) -> Round:
-        from learner.audit import audit_run
+        from learner.run_audit import audit_run
         from learner.checkpoint import load_checkpoint
 
         self.learner("first", False, 10_000)

@@ -74,8 +74,8 @@ def crop_tree(page_png: Path, png: Path, x: int = 22) -> None:
 
 def installs(learner: Learner) -> dict[int, dict[str, float]]:
     """Install times of recent versions. Read across threads here (a script); the proposed
-    wiring puts them into ControlPlane._stats() on the loop thread instead."""
-    coord = learner.control.coordinator if learner.control else None
+    wiring puts them into LearnerServer.stats() on the loop thread instead."""
+    coord = learner.server.coordinator if learner.server else None
     if coord is None:
         return {}
     for _ in range(3):
@@ -110,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     seen_decisions = 0
     try:
         learner.start(False)
-        assert learner.control is not None
-        metrics.tree_source = learner.control.relay_tree  # as learner/main.py wires it
+        assert learner.server is not None
+        metrics.tree_source = learner.server.relay_tree  # as learner/main.py wires it
         for i in range(args.workers):
             price = cfg.quickstart.worker_prices[i % len(cfg.quickstart.worker_prices)]
-            group.start(f"worker-{i}", python_argv("worker.cli", "join", learner.control.join_line(),
+            group.start(f"worker-{i}", python_argv("worker.cli", "join", learner.server.join_line(),
                                                    "--id", f"worker-{i}", "--price", str(price),
                                                    "--down-mbit", "100", "--up-mbit", "100",
                                                    "--identity", str(run_dir / f"worker-{i}.key")),
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 learner.rows.append(row)
                 f.write(json.dumps(row) + "\n")
                 f.flush()
-                metrics.update(row, learner.control.stats(), installs=installs(learner))
+                metrics.update(row, learner.server.stats(), installs=installs(learner))
                 dec = run_dir / "decisions.jsonl"
                 lines = dec.read_text().splitlines() if dec.exists() else []
                 for line in lines[seen_decisions:]:

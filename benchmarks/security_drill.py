@@ -12,7 +12,7 @@ idle HTTP connections, plaintext / wrong-key clients, a live ban, oversize frame
 records what the learner counted (Prometheus ``/metrics``: echo_join_refused, echo_messages_refused,
 echo_chunk_requests_refused, echo_rejected, by reason), whether it kept stepping, the honest
 workers' admitted samples, and the learner's RSS and threads. At the end: RSS within 1.5x of the
-honest run's, nothing a worker saw acknowledged lost or trained twice (``learner.audit``), no
+honest run's, nothing a worker saw acknowledged lost or trained twice (``learner.run_audit``), no
 traceback in the learner's log. Writes benchmarks/results/security_drill.json with the machine.
 """
 
@@ -503,7 +503,7 @@ def honest_run(tmp: Path, seconds: float) -> dict[str, Any]:
 
 
 def final_checks(fleet: Fleet) -> dict[str, Any]:
-    from learner.audit import audit_run
+    from learner.run_audit import audit_run
 
     workers = [n for n in fleet.group.procs if n.startswith("w") and n != "w2"]
     ledgers = [fleet.tmp / f"{w}.ledger" for w in workers]

@@ -40,7 +40,7 @@ SCENARIOS = {
 def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Path) -> dict:
     from labs import child_env
     from labs.chaos import READY_PREFIX
-    from learner.audit import audit_run
+    from learner.run_audit import audit_run
 
     cfg = load_config(ROOT / "examples/quickstart.toml", [f"learner.max_steps={steps}",
                                                          "provisioning.enabled=false"])

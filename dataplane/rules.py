@@ -1,6 +1,6 @@
 """The data plane's rules, once: admission, eviction, take and grant sizes.
 
-The learner (``learner/buffer.py``, ``learner/work.py``, ``learner/control.py``) and the
+The learner (``learner/buffer.py``, ``learner/work.py``, ``learner/deliveries.py``) and the
 simulator (``provisioning/sim/``) both call these, so a simulated run applies exactly the rules
 of a real one (docs/simulator.md, "One set of rules"). Nothing here does I/O, takes a lock or
 reads a clock; the install quantile, the fourth shared rule, is

@@ -1,8 +1,8 @@
 """Learner observability: one Prometheus registry, a small HTTP server, a live dashboard.
 
 ``LearnerMetrics.update(row, control_stats)`` is called once per learner step with the row
-written to ``metrics.jsonl`` (``learner.main._metrics_row``) and the control plane's stats dict
-(``ControlPlane.stats()``). The names and labels exported are listed in docs/observability.md
+written to ``metrics.jsonl`` (``learner.rows.metrics_row``) and the learner server's stats dict
+(``LearnerServer.stats()``). The names and labels exported are listed in docs/observability.md
 (tests check that table against ``/metrics``).
 
 Keys relied on. ``row``: step, version, reward_mean, staleness_max, staleness_mean, t_train,
@@ -64,7 +64,7 @@ class LearnerMetrics:
         self.install_gauges = InstallGauges(r)
         self.accounts_source: Callable[[], dict[str, dict[str, Any]]] | None = None  # Accounts.export
         # echo.tree: the current version's relay tree, read live at each scrape and each
-        # dashboard poll when ``tree_source`` is set (ControlPlane.relay_tree)
+        # dashboard poll when ``tree_source`` is set (LearnerServer.relay_tree)
         self.tree: RelayTree | None = None
         self.tree_source: Callable[[], RelayTree] | None = None  # may raise TimeoutError: last kept
         self._tree_gauges = TreeGauges(r)

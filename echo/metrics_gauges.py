@@ -161,7 +161,7 @@ class FleetGauges:
             (g("echo_in_flight_groups", "groups handed out and not yet returned"),
              "in_flight_groups"),
             (g("echo_ack_queue", "batch acknowledgements waiting for the write-ahead "
-               "log's fsync (group commit; bounded, learner.control.ACK_QUEUE)"), "ack_queue"),
+               "log's fsync (group commit; bounded, learner.listen.ACK_QUEUE)"), "ack_queue"),
         )
         self.g_rejected = g("echo_rejected", "records/frames rejected so far", ("reason",))
         # docs/security.md: what the door refused, by reason

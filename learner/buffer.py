@@ -1,7 +1,7 @@
 """Bounded-staleness replay buffer (docs/learner.md; the rules are ``dataplane/rules.py``,
 shared with the simulator).
 
-Thread-safe: the control plane admits records from its thread, the trainer takes groups from
+Thread-safe: the learner server admits records from its thread, the trainer takes groups from
 its own. Rules:
   * admissible iff ``version_now - S <= u <= version_now``; a future version is rejected, an
     old one is dropped and counted (``dropped_stale``), both at admission and when the trainer
@@ -59,7 +59,7 @@ class ReplayBuffer:
         self._remember = remember_groups
         # Audit hook: records dropped after admission, with the rule that dropped them
         # (STALE_RULE: evicted past the staleness bound; QUARANTINE_RULE: their worker was
-        # quarantined), so every acknowledged record is accounted for (learner.audit).
+        # quarantined), so every acknowledged record is accounted for (learner.run_audit).
         self.on_drop = on_drop
 
     # ------------------------------------------------------------------ admission (control)

@@ -1,4 +1,4 @@
-"""What the control plane costs in CPU, per kind of work (docs/scale.md).
+"""What the learner server's loop costs in CPU, per kind of work (docs/scale.md).
 
 The control loop runs on its own thread, so its thread CPU clock (``time.thread_time``) read
 around each message gives that message's cost without counting the trainer, the write-ahead
@@ -23,7 +23,7 @@ CLOCK_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.0
 
 
 class CpuKinds(TypedDict):
-    """``ControlPlane.stats()["control_cpu"]``: cumulative over the run."""
+    """``LearnerServer.stats()["control_cpu"]``: cumulative over the run."""
 
     kinds: dict[str, list[float]]  # kind -> [count, CPU seconds on the control loop's thread]
     threads: dict[str, float]  # "control", "zmq_io", "process": CPU seconds

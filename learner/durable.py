@@ -19,14 +19,14 @@ log with only what is still live (atomic rename).
 
 Group commit (the default): appends go to a writer thread, which writes every frame waiting
 and then fsyncs once for all of them; each append returns a future that resolves when its
-frame is durable. The control plane acknowledges a batch only when that future has resolved,
+frame is durable. The learner server acknowledges a batch only when that future has resolved,
 so the guarantee is unchanged (nothing acknowledged before it is durable), but a slow disk no
 longer stalls the event loop that serves heartbeats and snapshot chunks. Frames are written in
 the order they were appended, so a ``consume`` never becomes durable before the ``admit`` of
 the records it names; ``compact`` (at a checkpoint) first waits for every pending frame, so a
 checkpoint never contains training on records whose admission could still be lost. The queue
-is unbounded here and bounded by what feeds it: the control plane's pending acknowledgements
-(``learner.control.ACK_QUEUE``) and one ``consume`` per learner step.
+is unbounded here and bounded by what feeds it: the learner server's pending acknowledgements
+(``learner.listen.ACK_QUEUE``) and one ``consume`` per learner step.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class BufferLog:
 
 def _settle(done: Future, exc: BaseException | None) -> None:
     """Resolve a waiter's future. One its waiter cancelled (an acknowledgement task that ended
-    with the control plane) is skipped: setting it would raise in the writer thread, which
+    with the learner server) is skipped: setting it would raise in the writer thread, which
     then died and left every later append, the learner's own included, waiting forever."""
     if done.cancelled():
         return

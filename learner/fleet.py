@@ -2,7 +2,7 @@
 
 ``fleet.json`` holds, by worker identity (the public key), what the provisioner measured
 (throughput, failed probations, whether the worker was active) and each worker's account
-(records accepted and refused, active time, earnings). The control plane rewrites it every
+(records accepted and refused, active time, earnings). The learner server rewrites it every
 ``SAVE_EVERY_S`` seconds and at shutdown (atomic rename, written off the event loop);
 ``--resume`` reads it back before the first worker re-joins. A returning key is then not a
 stranger: it is measured, not on probation, active again if it was, and its books go on

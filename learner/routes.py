@@ -1,9 +1,8 @@
-"""The control plane's snapshot routes: who pulls the current snapshot from where, with what
+"""The learner server's snapshot routes: who pulls the current snapshot from where, with what
 ticket, and what happens when a worker reports a bad source or a corrupt chunk.
 
-A mixin of ``learner.control.ControlPlane`` (split out by job; it runs on the control loop and
-uses the plane's ``gate``, ``sessions``, ``workers``, ``coordinator``, ``store``, ``verifier``,
-``relay_keys``, ``key``, ``run_id``, ``rejected`` and ``_joined``/``_forget``).
+One object, ``SnapshotRoutes``, owned by ``learner.server.LearnerServer``: it reads the session
+table and the snapshot stores it is given and counts refusals into the server's counter.
 """
 
 from __future__ import annotations
@@ -11,69 +10,98 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
-from broadcast.snapshot import result_view
+from broadcast.coordinator import Coordinator
+from broadcast.snapshot import RunKey, result_view
+from broadcast.store import SnapshotStore
 from broadcast.nat.links import plain
 from broadcast.reports import KIND
 from broadcast.tickets import Source, mint
 from echo import wire
+from echo.config import EchoConfig
 from echo.security import fingerprint
+from learner.gate import Gate
+from learner.sessions import SessionTable, WorkerState
+from learner.verify import Verifier
 
 log = logging.getLogger("echo.control")
 
 
 class SnapshotRoutes:
-    gate: Any
-    sessions: dict[str, str]
-    workers: dict[str, Any]
-    coordinator: Any
-    _push: Any  # LearnerControl._push: a message to a worker now
-    store: Any
-    verifier: Any
-    relay_keys: dict[str, str]
-    snapshot_endpoint: str
-    results: Any
-    installs: Any
-    keyframe_installs: int
-    rejected: Counter
-    base_manifest: dict[str, Any] | None
-    unconfirmed: Counter  # reporter key -> its reports the learner's probe did not confirm
-    reprobing: set  # endpoints with a re-probe in the verifier's queue
+    """Where each worker pulls the current snapshot (its place in the plan, a peer, or the
+    learner), with what ticket, and what a report of a bad source or chunk sets off: the
+    learner's own probe, then a ban or a strike against the reporter. Runs on the server's
+    loop; the coordinator, verifier and snapshot endpoint exist once the loop has bound its
+    sockets (``attach``)."""
 
-    def _zap_chunks(self, address: str, key: str) -> str:
+    def __init__(self, cfg: EchoConfig, *, gate: Gate, table: SessionTable, key: RunKey,
+                 run_id: str, store: SnapshotStore, results: SnapshotStore,
+                 rejected: Counter[str], push: Callable[[str, wire.Message], None]):
+        self.cfg = cfg
+        self.gate = gate
+        self.table = table
+        self.key = key
+        self.run_id = run_id
+        self.store = store
+        self.results = results
+        self.rejected = rejected  # the server's refusal counts, by reason (shared)
+        self.push = push  # a message to a worker now (a punch before its source)
+        self.base_manifest: dict[str, Any] | None = None  # a LoRA run's base model
+        # (version, decode seconds, took a keyframe) per accepted install report; bounded.
+        self.installs: deque[tuple[int, float, bool]] = deque(maxlen=1024)
+        self.keyframe_installs = 0  # installs that needed a keyframe (the run's total)
+        self.unconfirmed: Counter[str] = Counter()  # reporter key -> reports not confirmed
+        self.reprobing: set[str] = set()  # endpoints with a re-probe in the verifier's queue
+        self.coordinator: Coordinator | None = None
+        self.verifier: Verifier | None = None
+        self.snapshot_endpoint = ""
+
+    def attach(self, coordinator: Coordinator, verifier: Verifier | None,
+               snapshot_endpoint: str) -> None:
+        """What exists once the loop runs: the plan, the prober and the learner's chunk socket."""
+        self.coordinator = coordinator
+        self.verifier = verifier
+        self.snapshot_endpoint = snapshot_endpoint
+
+    def latest(self) -> tuple[int, dict[str, Any] | None]:
+        buf = self.store.latest()
+        return (buf.version, buf.manifest) if buf else (-1, None)
+
+    def zap_chunks(self, address: str, key: str) -> str:
         """The learner's chunk socket accepts connections from joined keys only: a stranger's
         requests then cost a refused handshake, not a decode and a reply each."""
         reason = self.gate.handshake(address, key)
-        if not reason and key not in self.sessions:
+        if not reason and key not in self.table.sessions:
             self.gate.refused["not_joined"] += 1
             reason = "not_joined"
         return reason
 
-    def _may_pull(self, key: str, ticket: bytes) -> str:
+    def may_pull(self, key: str, ticket: bytes) -> str:
         """The learner's own chunk socket serves joined workers only (by key)."""
-        if self.gate.keys is None or key in self.sessions:
+        if self.gate.keys is None or key in self.table.sessions:
             return ""
         return "not_joined"
 
-    def _source(self, worker_id: str) -> Source:
+    def source(self, worker_id: str) -> Source:
         """Where ``worker_id`` pulls the current snapshot from: endpoint, that server's key, and
         a ticket that lets this worker (and only it) in there."""
         assert self.coordinator is not None
-        return self._ticketed(worker_id, self.coordinator.source_for(worker_id))
+        return self.ticketed(worker_id, self.coordinator.source_for(worker_id))
 
-    def _ticketed(self, worker_id: str, endpoint: str) -> Source:
+    def ticketed(self, worker_id: str, endpoint: str) -> Source:
         """``endpoint`` with its server's key and a ticket for ``worker_id`` to pull there;
         through a punched link when the server is only punchable (its punches leave first)."""
-        w = self.workers.get(worker_id)
+        w = self.table.workers.get(worker_id)
         source, punches = self.coordinator.route(worker_id, endpoint)
         for to, punch in punches:
-            self._push(to, punch)
+            self.push(to, punch)
         if self.gate.keys is None or w is None:
             return Source(source)
         server = (self.gate.keys.text if endpoint == self.snapshot_endpoint
-                  else self.relay_keys.get(endpoint, ""))
+                  else self.table.relay_keys.get(endpoint, ""))
         ticket = mint(self.key, w.key, endpoint, self.run_id, self.cfg.security.ticket_ttl_s)
         return Source(source, server.encode(), ticket)
 
@@ -89,7 +117,7 @@ class SnapshotRoutes:
                               f"longer held: install the current one (heartbeat replies offer it)")
         log.info("worker %s: keyframe of v%d from %s (%s)", msg.worker_id, msg.version, endpoint,
                  msg.reason)
-        src = self._ticketed(msg.worker_id, endpoint)
+        src = self.ticketed(msg.worker_id, endpoint)
         return wire.SourceGrant(version=msg.version, source=src.endpoint, source_key=src.key,
                                 ticket=src.ticket)
 
@@ -101,7 +129,7 @@ class SnapshotRoutes:
             return wire.Error(reason="no_base", detail="this run publishes no base model (not a "
                               "LoRA run on a model folder): load model.name on the worker")
         if msg.reason == "corrupt" and msg.bad_source != self.snapshot_endpoint:
-            accused = self.relay_keys.get(msg.bad_source)
+            accused = self.table.relay_keys.get(msg.bad_source)
             if accused is None or not 0 <= msg.chunk < len(self.base_manifest["chunk_hashes"]) \
                     or self.verifier is None:
                 self.rejected["unfounded_report"] += 1
@@ -110,14 +138,14 @@ class SnapshotRoutes:
                 self.rejected["verify_queue_full"] += 1
         endpoint = self.coordinator.base_source(msg.worker_id, msg.bad_source)
         log.info("worker %s: base model from %s (%s)", msg.worker_id, endpoint, msg.reason)
-        src = self._ticketed(msg.worker_id, endpoint)
+        src = self.ticketed(msg.worker_id, endpoint)
         return wire.SourceGrant(version=msg.version, source=src.endpoint, source_key=src.key,
                                 ticket=src.ticket)
 
     def _report_keyframe(self, key: str, msg: wire.SourceRequest) -> None:
         """A keyframe chunk that failed its hash: the learner fetches it from the accused
         itself before anyone is banned (as for the chain's chunks, ``_corrupt_report``)."""
-        accused = self.relay_keys.get(msg.bad_source)
+        accused = self.table.relay_keys.get(msg.bad_source)
         buf = self.results.get(msg.version)
         if accused is None or buf is None or not 0 <= msg.chunk < buf.total or \
                 self.verifier is None:
@@ -126,9 +154,9 @@ class SnapshotRoutes:
                                       result_view(self.store.get(msg.version).manifest), msg.chunk):
             self.rejected["verify_queue_full"] += 1
 
-    def _on_source_request(self, ident: bytes, key: str, msg: wire.SourceRequest) -> wire.Message:
+    def on_source_request(self, ident: bytes, key: str, msg: wire.SourceRequest) -> wire.Message:
         assert self.coordinator is not None
-        self._joined(ident, key, msg.worker_id)
+        self.table.joined(ident, key, msg.worker_id)
         # a punched source is named by its relay endpoint (docs/nat.md)
         msg = msg.model_copy(update={"bad_source": plain(msg.bad_source)})
         if msg.form == "full":
@@ -141,7 +169,7 @@ class SnapshotRoutes:
         if self.store.get(msg.version) is None:  # superseded: no source holds it any more
             return wire.Error(reason="unknown_version", detail=f"version {msg.version} is no "
                               f"longer held: install the current one (heartbeat replies offer it)")
-        src = self._source(msg.worker_id)
+        src = self.source(msg.worker_id)
         if plain(src.endpoint) == plain(msg.bad_source):  # the plan still trusts it: go to the root
             src = self._root_source(msg.worker_id)
         log.info("worker %s: source %s failed (%s); now pulls from %s", msg.worker_id,
@@ -152,7 +180,7 @@ class SnapshotRoutes:
     def _root_source(self, worker_id: str) -> Source:
         if self.gate.keys is None:
             return Source(self.snapshot_endpoint)
-        ticket = mint(self.key, self.workers[worker_id].key, self.snapshot_endpoint, self.run_id,
+        ticket = mint(self.key, self.table.workers[worker_id].key, self.snapshot_endpoint, self.run_id,
                       self.cfg.security.ticket_ttl_s)
         return Source(self.snapshot_endpoint, self.gate.keys.public, ticket)
 
@@ -171,13 +199,13 @@ class SnapshotRoutes:
             # A timeout is probed on the newest version: by the time the probe runs the
             # reported one is often superseded, and "no longer held" is an answer, no verdict.
             corrupt = KIND[msg.reason] == "corrupt"
-            self._probe(msg.bad_source, key, msg.version if corrupt else -1,
+            self.probe(msg.bad_source, key, msg.version if corrupt else -1,
                         msg.chunk if corrupt else -1)
 
-    def _probe(self, endpoint: str, accuser: str, version: int, chunk: int = -1) -> bool:
+    def probe(self, endpoint: str, accuser: str, version: int, chunk: int = -1) -> bool:
         """Queue the learner's own fetch from ``endpoint`` (``version``, or the newest held);
         False when there is nothing to probe with or the queue is full (counted)."""
-        accused = self.relay_keys.get(endpoint)
+        accused = self.table.relay_keys.get(endpoint)
         buf = self.store.get(version) if version >= 0 else None
         buf = self.store.latest() if buf is None else buf
         if accused is None or buf is None or buf.total == 0 or self.verifier is None \
@@ -190,15 +218,15 @@ class SnapshotRoutes:
             return False
         return True
 
-    def _reprobe(self) -> None:
+    def reprobe(self) -> None:
         """Relays whose conviction has run out are probed again before they are planned
         (from housekeeping; one probe in the queue per relay)."""
         assert self.coordinator is not None
         for endpoint in self.coordinator.reports.due(time.monotonic()):
             if not self._reachable(endpoint):
                 self.coordinator.lift(endpoint)  # the learner cannot look: another chance
-            elif endpoint not in self.reprobing and endpoint in self.relay_keys:
-                if self._probe(endpoint, "", -1):
+            elif endpoint not in self.reprobing and endpoint in self.table.relay_keys:
+                if self.probe(endpoint, "", -1):
                     self.reprobing.add(endpoint)
 
     def _reachable(self, endpoint: str) -> bool:
@@ -207,7 +235,7 @@ class SnapshotRoutes:
         peer = self.coordinator.owner(endpoint) if self.coordinator else None
         return peer is None or peer.nat != "punchable"
 
-    def _verdict(self, endpoint: str, accused: str, accuser: str, outcome: str) -> None:
+    def verdict(self, endpoint: str, accused: str, accuser: str, outcome: str) -> None:
         """The learner's own fetch from a reported (or re-probed) relay: ``corrupt`` (the
         learner saw it: banned), ``unreachable`` (out of the plan for a while), ``intact`` or
         ``answered`` (no verdict on anyone: the reporter's report stays unconfirmed)."""
@@ -224,9 +252,9 @@ class SnapshotRoutes:
         log.info("probe of %s (%s) after a report from %s: %s", endpoint, fingerprint(accused),
                  fingerprint(accuser) if accuser else "-", outcome)
 
-    def _on_installed(self, ident: bytes, key: str, msg: wire.Installed) -> None:
+    def on_installed(self, ident: bytes, key: str, msg: wire.Installed) -> None:
         assert self.coordinator is not None
-        self._joined(ident, key, msg.worker_id)
+        self.table.joined(ident, key, msg.worker_id)
         peer = self.coordinator.peers.get(msg.worker_id)
         first = peer is not None and msg.version not in peer.installed  # a repeat counts once
         if self.coordinator.installed(msg.worker_id, msg.version) is not None and first:
@@ -237,7 +265,7 @@ class SnapshotRoutes:
         self.coordinator.measured(msg.worker_id, msg.version, msg.down_mbit, msg.up_mbit)
         return None
 
-    def _last_t_bcast(self) -> float | None:
+    def last_t_bcast(self) -> float | None:
         if self.coordinator is None or not self.coordinator.published:
             return None
         for version in sorted(self.coordinator.published, reverse=True):
@@ -245,3 +273,34 @@ class SnapshotRoutes:
             if t is not None:
                 return round(t, 4)
         return None
+
+    def install_stats(self) -> dict[str, Any]:
+        """Of the newest delta workers rebuilt: the median seconds; and keyframes taken."""
+        rebuilt = [(v, d) for v, d, k in self.installs if d > 0 and not k]
+        if not rebuilt:
+            return {"decode_s": None, "keyframes": self.keyframe_installs}
+        newest = max(v for v, _ in rebuilt)
+        times = sorted(d for v, d in rebuilt if v == newest)
+        return {"decode_s": round(times[len(times) // 2], 4) if times else None,
+                "keyframes": self.keyframe_installs}
+
+    def snapshot_source(self, w: WorkerState) -> Source:
+        """Where ``w`` pulls the current snapshot: its place in the last plan when it has one,
+        else a peer that installed it (``Coordinator.joiner_source``), else the learner itself.
+        Never a re-plan: that is O(fleet) and a join or heartbeat must be O(1)."""
+        assert self.coordinator is not None
+        if w.member and w.worker_id in self.coordinator.sources:
+            return self.source(w.worker_id)
+        version, _ = self.latest()
+        peer = self.coordinator.joiner_source(w.worker_id, version)
+        if peer != self.snapshot_endpoint:  # a member that installed it (pull-on-join)
+            return self.ticketed(w.worker_id, peer)
+        if self.gate.keys is None:
+            return Source(self.snapshot_endpoint)
+        expires, ticket = w.entry_ticket
+        now = time.time()
+        ttl = self.cfg.security.ticket_ttl_s
+        if expires - now < ttl / 2:  # minted once per half lifetime, not per heartbeat
+            ticket = mint(self.key, w.key, self.snapshot_endpoint, self.run_id, ttl, now=now)
+            w.entry_ticket = (now + ttl, ticket)
+        return Source(self.snapshot_endpoint, self.gate.keys.public, ticket)

@@ -71,7 +71,7 @@ class Verifier:
             r = await self.queue.get()
             try:
                 outcome = await self.check(r)
-            except Exception:  # a bug here must not end the control plane: no verdict
+            except Exception:  # a bug here must not end the learner server: no verdict
                 log.exception("probe of %s failed", r.endpoint)
                 outcome = "answered"
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1

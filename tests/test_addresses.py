@@ -19,7 +19,7 @@ from echo.addresses import (canonical_endpoint, canonical_host, is_loopback, pub
 from echo.config import ConfigError, EchoConfig, load_config
 from echo.security import JoinLine, KeyPair, curve_client
 from learner.buffer import ReplayBuffer
-from learner.control import ControlPlane
+from learner.server import LearnerServer
 from learner.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(60)
@@ -97,7 +97,7 @@ def test_a_wildcard_host_without_public_host_is_refused_at_load_naming_the_key()
 def _plane(cfg, tokenizer):
     lc = cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
-    return ControlPlane(cfg, run_id="t", key=RunKey.generate(),
+    return LearnerServer(cfg, run_id="t", key=RunKey.generate(),
                         buffer=ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size),
                         work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
                                        max_outstanding=8, lease_timeout_s=30, prefix="t"),

@@ -17,18 +17,18 @@ from dataplane.records import Limits
 from echo import wire
 from echo.security import KeyPair, curve_client
 from learner.buffer import ReplayBuffer
-from learner.control import ControlPlane
+from learner.server import LearnerServer
 from learner.work import WorkQueue
 
 
-def control_plane(cfg, tokenizer) -> ControlPlane:
+def control_plane(cfg, tokenizer) -> LearnerServer:
     """A control plane (not started) for the toy-add task on ``cfg``."""
     lc = cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
     buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size)
     work = WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
                      max_outstanding=8, lease_timeout_s=30, prefix="t")
-    return ControlPlane(cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
+    return LearnerServer(cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
                         limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size))
 
 
@@ -249,7 +249,7 @@ def test_a_slow_disk_delays_only_the_acknowledgement_not_the_loop(small_cfg, tok
     lc = small_cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
     log = SlowDiskLog(tmp_path / "buffer.log", fsync=True, delay_s=1.0)
-    cp = ControlPlane(small_cfg, run_id="t", key=RunKey.generate(),
+    cp = LearnerServer(small_cfg, run_id="t", key=RunKey.generate(),
                       buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
                       work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
                                      max_outstanding=8, lease_timeout_s=30, prefix="t"),
@@ -363,11 +363,11 @@ def test_a_large_fleet_is_told_a_longer_heartbeat_period_and_given_longer_to_bea
         joined = ask(third, wire.Join(worker_id="w3", price=0.1))
         assert joined.config["worker"]["heartbeat_s"] == 3.0  # three workers, one beat a second
         assert ask(first, wire.Heartbeat(worker_id="w1", version=0)).heartbeat_s == 3.0
-        w1 = cp.workers["w1"]
+        w1 = cp.table.workers["w1"]
         # five missed beats, as at the configured period: 5.0 s at 0.5 s, 30 s at 3 s
-        assert cp._timeout(w1) == small_cfg.transport.heartbeat_timeout_s * 6
+        assert cp.table.timeout(w1) == small_cfg.transport.heartbeat_timeout_s * 6
         small_cfg.transport.heartbeats_per_s = 0  # off: the configured period, whatever the size
         assert ask(first, wire.Heartbeat(worker_id="w1", version=0)).heartbeat_s == 0.5
-        assert cp._timeout(w1) == small_cfg.transport.heartbeat_timeout_s
+        assert cp.table.timeout(w1) == small_cfg.transport.heartbeat_timeout_s
     finally:
         cp.shutdown("test over")

@@ -17,7 +17,7 @@ from echo import wire
 from echo.security import KeyPair
 from learner.accounts import Accounts
 from learner.buffer import ReplayBuffer
-from learner.control import ControlPlane
+from learner.server import LearnerServer
 from learner.fleet import FleetBooks
 from learner.grants import GrantJournal, Lease, load, open_leases
 from learner.work import WorkQueue
@@ -83,10 +83,10 @@ def test_restored_leases_keep_holder_and_key_with_a_fresh_clock():
     assert g.group_id in [x.group_id for x in new.grant("w2", 8, 0)]
 
 
-def _plane(cfg, tmp_path, work, tokenizer) -> ControlPlane:
+def _plane(cfg, tmp_path, work, tokenizer) -> LearnerServer:
     lc = cfg.learner
     buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size)
-    return ControlPlane(cfg, run_id="run", key=RunKey.generate(), buffer=buffer, work=work,
+    return LearnerServer(cfg, run_id="run", key=RunKey.generate(), buffer=buffer, work=work,
                         limits=Limits(len(tokenizer), cfg.worker.max_new_tokens, lc.group_size),
                         run_dir=tmp_path)
 

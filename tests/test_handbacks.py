@@ -22,7 +22,7 @@ from echo.models import load_model, params_to_payload
 from fakes import FakeClock
 from learner.auditor import Auditor
 from learner.buffer import ReplayBuffer
-from learner.control import ControlPlane
+from learner.server import LearnerServer
 from learner.handback import PrefixLimits
 from learner.handbacks import Handbacks, bias_threshold, checkpoint, midrank
 from learner.staleness import Staleness, credit
@@ -52,10 +52,10 @@ def checked(small_cfg, tokenizer, tmp_path):
     model = load_model(small_cfg.model, tokenizer, "float32").eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(5.0)
-    box: list[ControlPlane] = []
+    box: list[LearnerServer] = []
     aud = Auditor(small_cfg, tokenizer, lambda v: box[0].report(v))
     aud.add_snapshot(0, *params_to_payload(model.named_parameters(), "float32"))
-    cp = ControlPlane(small_cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
+    cp = LearnerServer(small_cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
                       limits=Limits(len(tokenizer), small_cfg.worker.max_new_tokens, lc.group_size),
                       run_dir=tmp_path, adapter=adapter, audit=aud.submit)
     box.append(cp)

@@ -213,7 +213,7 @@ def test_quickstart_interrupt_leaves_no_orphans(tmp_path):
 
 
 def test_sigkill_learner_and_resume_loses_nothing_acknowledged(cluster):
-    from learner.audit import audit_run
+    from learner.run_audit import audit_run
     from learner.checkpoint import load_checkpoint
 
     fix_learner_port(cluster.cfg)
@@ -303,7 +303,7 @@ def test_nothing_acknowledged_is_lost_or_trained_twice_over_a_misbehaving_link(c
     connections with RSTs every second or so (messages in flight are lost). Training goes on;
     every batch a worker saw acknowledged is trained on, still buffered or a counted stale drop;
     no sample is trained twice (at-least-once delivery, exactly-once admission)."""
-    from learner.audit import audit_run
+    from learner.run_audit import audit_run
 
     cluster.cfg.transport.request_timeout_s = 2.0  # a lost request is retried soon
     cluster.cfg.transport.heartbeat_timeout_s = 8.0

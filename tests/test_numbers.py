@@ -176,18 +176,18 @@ def learner_factory(small_cfg, tmp_path):
 
 def test_non_finite_state_is_not_published_and_the_previous_version_stays(learner_factory):
     lrn = learner_factory()
-    assert lrn.control.store.latest().version == 0
+    assert lrn.server.store.latest().version == 0
     _, (model_sd, _) = lrn.policy.command({"op": "sync"})
     poisoned = dict(model_sd)
     name = lrn.policy.param_names[0]
     poisoned[name] = model_sd[name].clone()
     poisoned[name].view(-1)[0] = math.nan
-    lrn._publish(1, poisoned)
+    lrn.release.publish(1, poisoned)
     lrn.publisher.flush()
-    assert lrn.control.store.latest().version == 0 and lrn.publish_refused == 1
-    lrn._publish(1, model_sd)
+    assert lrn.server.store.latest().version == 0 and lrn.release.refused == 1
+    lrn.release.publish(1, model_sd)
     lrn.publisher.flush()  # publications are built on the publisher thread
-    assert lrn.control.store.latest().version == 1
+    assert lrn.server.store.latest().version == 1
 
 
 def _frame(body: bytes) -> bytes:
@@ -207,7 +207,7 @@ def test_resume_sets_a_poisoned_log_aside_and_trains(learner_factory, tmp_path):
         f.write(_frame(b"\xc1 not msgpack"))  # intact CRC, undecodable body
         f.write(_frame(msgpack.packb(["consume", "not a list"])))
     lrn = learner_factory(resume=True)
-    assert lrn.control.endpoint  # it came up
+    assert lrn.server.endpoint  # it came up
     aside = [json.loads(x) for x in (tmp_path / "buffer.log.rejected").read_text().splitlines()]
     assert sorted(a["reason"] for a in aside) == ["invalid_fields", "reward_out_of_range",
                                                   "unparseable", "unparseable"]

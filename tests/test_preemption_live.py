@@ -51,7 +51,7 @@ def wait_status(path: Path, ok, timeout: float = 60) -> dict:
 
 @pytest.mark.parametrize("how", ["sigterm", "notice", "poker"])
 def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster, how):
-    from learner.audit import audit_run
+    from learner.run_audit import audit_run
 
     cluster.cfg.worker.max_new_tokens = 160  # long rollouts: the stop lands mid-generation
     cluster.cfg.learner.lr = 1e-5  # the random model keeps writing long completions
@@ -93,7 +93,7 @@ def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster
 
 
 def test_an_owner_burning_cpu_makes_the_worker_yield_then_resume(cluster):
-    from learner.audit import audit_run
+    from learner.run_audit import audit_run
 
     cluster.cfg.worker.max_new_tokens = 64
     run = cluster.learner("learner", max_steps=10_000)

@@ -77,7 +77,7 @@ def test_cut_completions_are_counted():
     """A completion that stops at max_new_tokens without end-of-sequence was cut short: the
     learner's metrics line counts them (completions_cut) and warns when most are."""
     from dataplane.records import Record
-    from learner.main import cut_share
+    from learner.rows import cut_share
 
     eos = 2
 
@@ -89,3 +89,23 @@ def test_cut_completions_are_counted():
     assert cut_share(batch, 4, eos) == 0.5  # two hit 4 tokens without eos; one ended on eos at 4
     assert cut_share([rec([7, 7], mask=[1, 1])], 4, eos) is None  # episodes: per-turn limits
     assert cut_share(batch, 8, eos) == 0.0
+
+
+def test_most_completions_cut_warns_once_per_window_and_reports_the_share(caplog):
+    """learner.rows.CutWatch: the share goes into every row; the warning at most once every
+    CUT_WARN_EVERY steps, and only past CUT_WARN_SHARE."""
+    from dataplane.records import Record
+    from learner.rows import CUT_WARN_EVERY, CutWatch
+
+    def rec(completion):
+        return Record("g", 0, [5], completion, [-0.1] * len(completion), 0.0, 0, "w", 0.1)
+
+    watch = CutWatch(max_new_tokens=2, eos_token_id=9, adapter="gsm8k")
+    cut = [rec([7, 7]), rec([7, 7]), rec([7, 9])]
+    with caplog.at_level("WARNING", logger="echo.learner"):
+        assert watch.share(0, cut) == round(2 / 3, 4)
+        assert watch.share(1, cut) == round(2 / 3, 4)
+        assert watch.share(CUT_WARN_EVERY, cut) == round(2 / 3, 4)
+        assert watch.share(CUT_WARN_EVERY + 1, [rec([7, 9])]) == 0.0
+    warnings = [r for r in caplog.records if "max_new_tokens" in r.getMessage()]
+    assert len(warnings) == 2 and "gsm8k" in warnings[0].getMessage()

@@ -166,7 +166,7 @@ def test_reports_reach_the_plane_from_children_only_and_about_old_versions_too(m
 
     async def assign(plane, worker_id, endpoint):  # the plan sends the child to the relay
         plane.coordinator.sources[worker_id] = endpoint
-        plane._source(worker_id)  # its ticket is minted: it may report on that relay
+        plane.routes.source(worker_id)  # its ticket is minted: it may report on that relay
 
     plane = make_plane()
     payload = bytes(range(256)) * 16
@@ -221,9 +221,9 @@ def test_a_probe_is_not_queued_for_an_empty_payload(make_plane):  # noqa: F811
     m = build_manifest(run_id="t", version=0, tensors=[], payload=b"", chunk_size=1024,
                        dtype="uint8", key=plane.key)
     plane.publish(Snapshot(m, b""))
-    plane.relay_keys["tcp://127.0.0.1:9"] = "K"
+    plane.table.relay_keys["tcp://127.0.0.1:9"] = "K"
 
     async def probe(plane):
-        return plane._probe("tcp://127.0.0.1:9", "accuser", 0)
+        return plane.routes.probe("tcp://127.0.0.1:9", "accuser", 0)
 
     assert plane._call(probe, plane) is False

@@ -19,7 +19,7 @@ from dataplane.records import Limits
 from echo import admin, wire
 from echo.security import KeyPair, curve_client, fingerprint
 from learner.buffer import ReplayBuffer
-from learner.control import ControlPlane
+from learner.server import LearnerServer
 from learner.gate import security_dir
 from learner.reputation import Reputation, Verdict
 from learner.roster import load_roster
@@ -43,7 +43,7 @@ def fleet(small_cfg, tokenizer, tmp_path):
     with & > or ]), and a third whose id is w1's fingerprint (so that name is ambiguous)."""
     lc = small_cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
-    plane = ControlPlane(small_cfg, run_id="t", key=RunKey.generate(), run_dir=tmp_path,
+    plane = LearnerServer(small_cfg, run_id="t", key=RunKey.generate(), run_dir=tmp_path,
                          buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
                          work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
                                         max_outstanding=8, lease_timeout_s=30, prefix="t"),
@@ -61,7 +61,7 @@ def fleet(small_cfg, tokenizer, tmp_path):
             sock.connect(plane.endpoint)
             sock.send(wire.encode(wire.Join(worker_id=wid, price=0.25)))
             assert isinstance(wire.decode(sock.recv(), 1 << 24), wire.JoinAck)
-        plane.books.save(plane._fleet_state())  # what the plane writes every 2 s
+        plane.members.books.save(plane.members.fleet_state())  # what the plane writes every 2 s
         yield plane, tmp_path, {wid: k.text for wid, k in keys.items()}
     finally:
         ctx.destroy(linger=0)

@@ -27,7 +27,7 @@ from echo.config import EchoConfig
 from echo.security import (Bucket, JoinLine, KeyList, KeyPair, SecurityError, TokenStore,
                            curve_client, curve_server, key_hex)
 from learner.buffer import ReplayBuffer
-from learner.control import ControlPlane
+from learner.server import LearnerServer
 from learner.gate import security_dir
 from learner.work import WorkQueue
 
@@ -123,7 +123,7 @@ def _plane(cfg: EchoConfig, tokenizer, run_dir):
     buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size)
     work = WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
                      max_outstanding=8, lease_timeout_s=30, prefix="t")
-    return ControlPlane(cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
+    return LearnerServer(cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
                         limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size), run_dir=run_dir)
 
 

@@ -13,7 +13,7 @@ from broadcast.snapshot import Snapshot, build_manifest
 from echo import wire
 from echo.config import SecurityConfig
 from echo.security import KeyPair
-from learner import control as control_mod
+from learner import listen as listen_mod, server as server_mod
 from learner.gate import Gate
 from test_security import JUNK, _plane, ask, eventually, peer, zctx  # noqa: F401 (fixture)
 
@@ -56,7 +56,7 @@ def started(small_cfg, tokenizer, tmp_path):
 def _sybil_joins(plane, n, relay=True):
     """``n`` joins from distinct keys, handled as the loop would, each with its own reply."""
     def joins():
-        return [plane._on_join(b"s%d" % i, f"{i:040d}", wire.Join(
+        return [plane.members.on_join(b"s%d" % i, f"{i:040d}", wire.Join(
             worker_id=f"sybil{i}", relay_endpoint=f"tcp://10.1.{i // 200}.{i % 200}:7000" if relay
             else "", can_relay=relay)) for i in range(n)]
     return _on_loop(plane, joins)
@@ -95,21 +95,21 @@ def test_idle_keys_are_pending_and_a_publication_tells_members_first(started):
     _sybil_joins(plane, 300)
 
     async def honest_installs():  # the honest worker joins and reports its install
-        plane._on_join(b"h", "H" * 40, wire.Join(worker_id="honest", relay_endpoint="tcp://10.9.9.9:1"))
-        await plane._dispatch(b"h", "H" * 40, wire.Installed(worker_id="honest", version=0))
+        plane.members.on_join(b"h", "H" * 40, wire.Join(worker_id="honest", relay_endpoint="tcp://10.9.9.9:1"))
+        await plane.parts.dispatcher.dispatch(b"h", "H" * 40, wire.Installed(worker_id="honest", version=0))
     plane._call(honest_installs)
-    members = _on_loop(plane, lambda: [w.worker_id for w in plane.workers.values() if w.member])
+    members = _on_loop(plane, lambda: [w.worker_id for w in plane.table.workers.values() if w.member])
     assert members == ["honest"]
-    registered = _on_loop(plane, lambda: {w.worker_id for w in plane.controller.workers()})
+    registered = _on_loop(plane, lambda: {w.worker_id for w in plane.members.controller.workers()})
     assert registered == {"honest"}
     assert plane.coordinator.peers["honest"].endpoint == "tcp://10.9.9.9:1"
     _publish(plane, 1)
     assert eventually(lambda: plane.stats()["notices"].get("sent") == 8)
     stats = plane.stats()
     assert stats["notices"]["deferred"] == 301 - 8 and stats["pending_workers"] == 300
-    assert _on_loop(plane, lambda: plane.workers["honest"].noticed) == 1
+    assert _on_loop(plane, lambda: plane.table.workers["honest"].noticed) == 1
     # a pending key's heartbeat reply offers the new version, from the plan (no re-plan)
-    hb = _on_loop(plane, lambda: plane._on_heartbeat(b"s0", f"{0:040d}", wire.Heartbeat(
+    hb = _on_loop(plane, lambda: plane.members.on_heartbeat(b"s0", f"{0:040d}", wire.Heartbeat(
         worker_id="sybil0", version=0)))
     assert hb.version == 1 and hb.manifest is not None and hb.ticket
 
@@ -149,14 +149,14 @@ def test_a_message_backlog_does_not_starve_the_trainers_calls(small_cfg, tokeniz
     async def main():
         ran_at = []
         backlog = _Backlog(1000, lambda: ran_at.append(backlog.served))
-        plane._ctrl = backlog
-        serving = asyncio.create_task(plane._serve(backlog))
+        plane.parts.socket.sock = backlog
+        serving = asyncio.create_task(plane.parts.socket.serve(backlog, plane.parts.dispatcher))
         await backlog.done.wait()
         serving.cancel()
         return ran_at[0], backlog.served
 
     ran_at, served = asyncio.run(main())
-    assert served == 1000 and ran_at <= control_mod.SERVE_BURST + 2
+    assert served == 1000 and ran_at <= listen_mod.SERVE_BURST + 2
 
 
 def test_a_slow_loop_delays_publish_and_stats_but_never_ends_the_run(started, monkeypatch):
@@ -164,7 +164,7 @@ def test_a_slow_loop_delays_publish_and_stats_but_never_ends_the_run(started, mo
     end the learner, telling the workers "run complete". Now each goes on (counted), and the
     version is stored when the loop gets to it."""
     plane = started()
-    monkeypatch.setattr(control_mod, "LOOP_WAIT_S", 0.2)
+    monkeypatch.setattr(server_mod, "LOOP_WAIT_S", 0.2)
     first = plane.stats()
     hold, held = threading.Event(), threading.Event()
     plane._loop.call_soon_threadsafe(lambda: (held.set(), hold.wait(30)))

@@ -15,7 +15,7 @@ from echo import wire
 from echo.models import load_model, params_to_payload
 from learner.auditor import Auditor, TokenStats, logprob_check, sampling_check
 from learner.buffer import ReplayBuffer
-from learner.control import ControlPlane
+from learner.server import LearnerServer
 from learner.gate import security_dir
 from learner.intake import AuditJob
 from learner.work import WorkQueue
@@ -113,7 +113,7 @@ def trusting(small_cfg, tokenizer, tmp_path, request):
     work = WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
                      max_outstanding=16, lease_timeout_s=30, prefix="t")
     jobs: list[AuditJob] = []
-    cp = ControlPlane(small_cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
+    cp = LearnerServer(small_cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
                       limits=Limits(len(tokenizer), small_cfg.worker.max_new_tokens, lc.group_size),
                       run_dir=tmp_path, adapter=adapter, audit=jobs.append)
     cp.start()

@@ -20,7 +20,7 @@ from dataplane.adapter import load_adapter
 from dataplane.records import Limits
 from echo.security import JoinLine
 from learner.buffer import ReplayBuffer
-from learner.control import ControlPlane
+from learner.server import LearnerServer
 from learner.work import WorkQueue
 from provisioning.controller import ACTIVATE, RELEASE, Controller, Decision
 from provisioning.words import SENTENCES, in_words
@@ -165,7 +165,7 @@ def test_the_learner_tells_the_volunteer_in_words(small_cfg, tokenizer):
     small_cfg.provisioning.enabled = True
     lc = small_cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
-    plane = ControlPlane(small_cfg, run_id="t", key=RunKey.generate(),
+    plane = LearnerServer(small_cfg, run_id="t", key=RunKey.generate(),
                          buffer=ReplayBuffer(lc.staleness, 16, lc.group_size),
                          work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
                                         max_outstanding=8, lease_timeout_s=30, prefix="t"),
@@ -177,8 +177,8 @@ def test_the_learner_tells_the_volunteer_in_words(small_cfg, tokenizer):
             return [Decision(1.0, RELEASE, "w1", "C_eff 30/s > (alpha+delta)*mu_req = 13/s", 30.0,
                              11.0, "surplus")]
 
-    plane.controller = Decides()
-    plane._provision()
+    plane.members.controller = Decides()
+    plane.members.provision()
     message = plane.accounts.account("w1").message
     assert message.startswith("standby: the fleet has enough capacity")
     assert message.endswith("(provisioner: C_eff 30/s > (alpha+delta)*mu_req = 13/s)")

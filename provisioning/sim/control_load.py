@@ -9,7 +9,7 @@ the learner's appetite, not the fleet's size: a fixed term.
 
 Two policies: ``fixed``, as before issue 38 (every worker beats each ``worker.heartbeat_s`` and
 polls every 0.5 s), and ``scaled`` (the learner stretches both to fleet size over
-``transport.heartbeats_per_s``; learner.sessions._period, ControlPlane._poll_after).
+``transport.heartbeats_per_s``; SessionTable.period, Deliveries.poll_after).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CORE_US = 1e6  # one core: CPU microseconds a second
-STANDBY_POLL_S = 0.5  # ControlPlane: a standby worker's retry after an empty grant
+STANDBY_POLL_S = 0.5  # learner Deliveries: a standby worker's retry after an empty grant
 
 
 @dataclass(frozen=True)

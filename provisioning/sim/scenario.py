@@ -187,14 +187,14 @@ class ProvisioningSection(_Section):
     warmup_s: float = Field(30.0, ge=0)
     tick_s: float = Field(10.0, gt=0)
     # What the controller observes. "busy": every delivered batch with the seconds the worker
-    # spent generating it, as the real control plane feeds it (learner/control.py: the batch's
+    # spent generating it, as the real learner server feeds it (learner/deliveries.py: the batch's
     # gen_s), so throughput is delivered / busy time. "delivered": deliveries over wall time
-    # (the control plane before it fed busy time); that rate is capped by the work the learner
+    # (the learner before it fed busy time); that rate is capped by the work the learner
     # hands out and by install pauses, so it measures demand once the fleet is large enough.
     # "capacity": each active, installed worker's nominal mu_i x time (an oracle).
     measure: Literal["busy", "delivered", "capacity"] = "busy"
     # What the controller knows of a worker before it delivers. "none", as the real learner
-    # (learner/sessions.py: no credit before delivery): unmeasured workers are activated on
+    # (learner/members.py: no credit before delivery): unmeasured workers are activated on
     # probation. "nominal": each worker's mu_i as a trusted prior (the oracle's knowledge).
     prior: Literal["none", "nominal"] = "none"
     # The real config's keys, with its defaults (echo/config.py ProvisioningConfig).

@@ -150,7 +150,7 @@ class Work:
             u = self.snaps.inst_ver[i]
             ctl = self.prov.ctl
             if ctl is not None and ws.registered[i]:
-                ctl.ready(self.ids[i])  # as a work request does (learner/control.py)
+                ctl.ready(self.ids[i])  # as a work request does (learner/deliveries.py)
             ws.busy[i] = g
             epoch = ws.leave_epoch[i]
             gen_s = g * Gmu * self._rand_jitter()
@@ -174,7 +174,7 @@ class Work:
         admitted = rules.admission(u, self.version(), self.S) == rules.OK
         prov = self.prov
         if prov.observe_delivered and self.ws.registered[i]:
-            # learner/control.py: admitted records only, with the batch's generation seconds
+            # learner/deliveries.py: admitted records only, with the batch's generation seconds
             # (none when nothing was admitted: refused work earns nothing).
             prov.ctl.observe(self.ids[i], g * self.G if admitted else 0,
                              busy_s=gen_s if prov.observe_busy and admitted else None)

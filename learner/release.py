@@ -1,0 +1,100 @@
+"""A trained version's way to the workers: checked finite (a NaN would break every worker
+that installs it), handed to the auditor (the bytes workers install, for the audits) and to the
+publisher thread (``learner.publisher``: encode, sign, publish). And the base model a LoRA run
+on a model folder serves to workers that lack it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from broadcast.snapshot import RunKey
+from echo.config import EchoConfig
+from echo.models import TINY, params_to_payload, params_to_spill
+from echo.spill import spill_dir
+from learner.auditor import Auditor
+from learner.policy import Policy
+from learner.publisher import Publisher
+
+log = logging.getLogger("echo.learner")
+
+
+class Release:
+    def __init__(self, cfg: EchoConfig, run_dir: Path, policy: Policy, auditor: Auditor,
+                 publisher: Publisher):
+        self.cfg, self.run_dir, self.policy = cfg, run_dir, policy
+        self.auditor = auditor
+        self.publisher = publisher
+        self.refused = 0  # snapshots not published because a tensor was not finite
+
+    def finite(self, version: int, model_sd: dict[str, Any]) -> bool:
+        """A snapshot with a NaN or inf would break every worker that installs it: refuse it,
+        loudly; the workers keep the previous version."""
+        bad = [n for n, t in self.policy.named_tensors(model_sd)
+               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            self.refused += 1
+            log.error("version %d NOT published (nor checkpointed): non-finite values in %d "
+                      "tensor(s), first %s; workers keep the previous version", version,
+                      len(bad), bad[:3])
+        return not bad
+
+    def publish(self, version: int, model_sd: dict[str, Any]) -> None:
+        if self.finite(version, model_sd):
+            self.send(version, model_sd)
+
+    def send(self, version: int, model_sd: dict[str, Any]) -> None:
+        """Hand the version to the publisher thread (it encodes, signs and publishes); the
+        caller has checked that the state is finite."""
+        named, dtype = self.policy.named_tensors(model_sd), self.cfg.broadcast.dtype
+        if self.cfg.learner.spill_payloads:  # written tensor by tensor: never whole in RAM
+            tensors, payload = params_to_spill(named, dtype, spill_dir(self.run_dir / "spill"))
+        else:
+            tensors, payload = params_to_payload(named, dtype)
+        self.auditor.add_snapshot(version, tensors, payload)  # the bytes workers install
+        self.publisher.submit(version, tensors, payload)
+
+    def row(self) -> dict[str, Any]:
+        """The newest publication: what it sent, against the full payload, and its costs."""
+        pub = self.publisher.last
+        if pub is None:
+            return {}
+        return {"publish_encoding": pub.manifest["encoding"], "publish_bytes": len(pub.payload),
+                "publish_full_bytes": len(pub.result), "delta_ratio": round(pub.stats.ratio, 5),
+                "delta_changed": round(pub.stats.changed_fraction, 6),
+                "encode_s": round(pub.build_s, 4), "keyframes_published": self.publisher.keyframes}
+
+
+def base_model(cfg: EchoConfig, policy: Policy, run_id: str, key: RunKey,
+           run_dir: Path) -> tuple[dict[str, Any], Any] | None:
+    """A LoRA run on a model folder publishes that folder, signed and chunked, to workers
+    that lack it (broadcast.basemodel): its (manifest, payload), to hold before the server
+    starts; None for the built-in tiny model, which every worker builds."""
+    from broadcast.basemodel import build_base_manifest
+    from broadcast.snapshot import SnapshotError
+
+    name = cfg.model.name
+    if policy.base_hash is None or name == TINY:
+        return None
+    try:
+        manifest, payload = build_base_manifest(
+            run_id=run_id, base_model=policy.base_hash,
+            folder=Path(name).expanduser(), chunk_size=cfg.broadcast.chunk_kib * 1024,
+            key=key)
+    except SnapshotError as err:  # no safetensors file, too many files
+        log.warning("base model not published to workers (%s): each worker needs it at "
+                    "model.name = %r on its own machine", err, name)
+        return None
+    size = len(payload)
+    if cfg.learner.spill_payloads:  # served for the whole run: a file, not RAM
+        from echo.spill import spill
+
+        payload = spill(payload, spill_dir(run_dir / "spill"))
+    log.info("base model %s... published for workers without it: %d files, %d bytes, "
+             "%d chunks", policy.base_hash[:16], len(manifest["files"]), size,
+             len(manifest["chunk_hashes"]))
+    return manifest, payload

@@ -1,0 +1,154 @@
+"""The learner's rows: one metrics line per step (``metrics.jsonl``; names in
+docs/observability.md), the run's ``summary.json``, and the totals both are built from.
+Pure functions of what the step and the server's statistics report.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataplane.records import Record
+from echo.config import EchoConfig
+from echo.machine import machine_info
+from echo.metrics import finite_or_null
+from learner.buffer import ReplayBuffer
+
+log = logging.getLogger("echo.learner")
+
+
+@dataclass
+class RunTotals:
+    """Bubble ratio B = sum(t_wait) / sum(t_train + t_wait), over steps after the first: the
+    first step's wait is start-up (workers joining, loading the model), reported in its own
+    row's ``t_wait`` but not in B, which is about steady-state starvation."""
+
+    t_train: float = 0.0
+    t_wait: float = 0.0
+    startup_wait: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+    def add(self, step: int, t_wait: float, t_train: float) -> None:
+        if step == 0:
+            self.startup_wait = t_wait
+        else:
+            self.t_wait += t_wait
+        self.t_train += t_train
+
+    @property
+    def bubble_ratio(self) -> float:
+        busy = self.t_train + self.t_wait
+        return self.t_wait / busy if busy > 0 else 0.0
+
+
+CUT_WARN_SHARE = 0.5  # warn when more than this share of a step's completions were cut
+CUT_WARN_EVERY = 50  # ... at most once per this many steps
+
+
+class CutWatch:
+    """The share of each step's completions cut at ``worker.max_new_tokens``, with a warning
+    when most were: nothing else would say that the limit is too small for the task."""
+
+    def __init__(self, max_new_tokens: int, eos_token_id: int | None, adapter: str):
+        self.max_new_tokens, self.eos_token_id, self.adapter = max_new_tokens, eos_token_id, adapter
+        self.warned = -CUT_WARN_EVERY  # step of the last "completions cut" warning
+
+    def share(self, step: int, records: list[Record]) -> float | None:
+        """The step's share of cut completions, with a warning when most were cut: nothing
+        else would say that worker.max_new_tokens is too small for the task."""
+        max_new = self.max_new_tokens
+        share = cut_share(records, max_new, self.eos_token_id)
+        if share is not None and share > CUT_WARN_SHARE and step - self.warned >= CUT_WARN_EVERY:
+            self.warned = step
+            log.warning("step %d: %.0f%% of completions stopped at worker.max_new_tokens = %d "
+                        "without end-of-sequence: answers are being cut short. Raise it for this "
+                        "task ([adapter.presets.%s.generation] max_new_tokens, or --set "
+                        "worker.max_new_tokens=N; docs/config.md)", step, 100 * share, max_new,
+                        self.adapter)
+        return None if share is None else round(share, 4)
+
+
+def metrics_row(step: int, version: int, groups: list[list[Record]], stats: dict[str, float],
+                 t_wait: float, t_train: float, t_publish: float, totals: RunTotals,
+                 buffer: ReplayBuffer, control: dict[str, Any]) -> dict[str, Any]:
+    records = [r for g in groups for r in g]
+    min_u = min(r.version for r in records)
+    return {
+        "step": step, "version": version,
+        "reward_mean": sum(r.reward for r in records) / len(records),
+        "staleness_max": version - min_u,
+        "staleness_mean": sum(version - r.version for r in records) / len(records),
+        "staleness_counts": dict(Counter(version - r.version for r in records)),
+        # generated tokens this step trains on, and those of samples continued after a
+        # preemption (docs/preemption.md): the preemption drill's goodput
+        "tokens_trained": sum(len(r.completion_ids) for r in records),
+        "mixed_version_samples": sum(1 for r in records if r.versions and len(r.versions) > 1),
+        # seconds a worker spent generating the batch each record came in (its busy time):
+        # the capacity the simulator and the provisioner should use, not demand-capped rates
+        "gen_s_mean": round(sum(r.gen_s for r in records) / len(records), 5),
+        "t_train": round(t_train, 4), "t_wait": round(t_wait, 4), "t_publish": round(t_publish, 4),
+        "bubble_ratio": round(totals.bubble_ratio, 4),
+        "admitted": buffer.stats.admitted, "duplicates": buffer.stats.duplicates,
+        "dropped_stale": buffer.stats.dropped_stale,
+        "active_workers": control["active_workers"], "standby_workers": control["standby_workers"],
+        "fleet_price_per_hour": control["fleet_price_per_hour"],
+        "worker_rate_mean": round(control["worker_rate_mean"], 2),
+        "worker_busy_rate": round(control["worker_busy_rate"], 2),
+        "cost_step_usd": round(control["fleet_price_per_hour"] * (t_train + t_wait) / 3600, 8),
+        "rejected": control["rejected"],
+        "handbacks": control.get("handbacks", {}),  # docs/preemption.md
+        # the control loop's CPU per kind of message, cumulative (learner.cpu, docs/scale.md)
+        "control_cpu": control.get("control_cpu", {}),
+        "learner_bytes_sent": control["learner_bytes_sent"], "t_bcast": control["t_bcast"],
+        "reissued_groups": control["reissued_groups"], **buffer.depth(),
+        # learner.grants: leases kept across a restart and the samples admitted under them
+        "restored_leases": control["restored_leases"],
+        "restored_admitted": control["restored_admitted"],
+        # broadcast.reports: relay reports by reason:outcome, probes by outcome (docs/security.md)
+        "relay_reports": control.get("relay_reports", {}),
+        "relays_marked": control.get("relays_marked", 0),
+        **{k: round(v, 5) for k, v in stats.items()},
+        "wall_s": round(time.monotonic() - totals.started, 3),
+    }
+
+
+def cut_share(records: list[Record], max_new_tokens: int, eos_token_id: int | None) -> float | None:
+    """Share of single-turn completions that stopped at ``worker.max_new_tokens`` without
+    end-of-sequence: answers cut short. None for a batch of multi-turn episodes (their turns
+    have their own limit)."""
+    single = [r for r in records if r.loss_mask is None]
+    if not single:
+        return None
+    cut = sum(1 for r in single if len(r.completion_ids) >= max_new_tokens
+              and (not r.completion_ids or r.completion_ids[-1] != eos_token_id))
+    return cut / len(single)
+
+
+def summary(cfg: EchoConfig, rows: list[dict[str, Any]], totals: RunTotals,
+             ended: str) -> dict[str, Any]:
+    """summary.json; ``ended``: how the run ended (complete, stopped by a signal, stalled)."""
+    def mean(rs: list[dict[str, Any]]) -> float | None:
+        vals = [r["reward_mean"] for r in rs if r.get("reward_mean") is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    return {
+        "steps": len(rows), "ended": ended, "staleness_budget": cfg.learner.staleness,
+        "staleness_max": max((r["staleness_max"] for r in rows), default=None),
+        "reward_first10": mean(rows[:10]), "reward_last10": mean(rows[-10:]),
+        "bubble_ratio": totals.bubble_ratio, "startup_wait_s": totals.startup_wait,
+        "wall_s": time.monotonic() - totals.started, "last": rows[-1] if rows else None,
+        "machine": machine_info(),
+    }
+
+
+def finite_row(row: dict[str, Any]) -> dict[str, Any]:
+    """NaN and inf are not JSON (and not numbers a reader can plot): written as null and
+    counted in the row's ``nonfinite_values``."""
+    clean, n = finite_or_null(row)
+    if n:
+        log.warning("step %s: %d non-finite metric value(s) written as null", row["step"], n)
+    clean["nonfinite_values"] = n
+    return clean
