@@ -212,21 +212,27 @@ def test_a_fixed_punch_port_another_worker_listens_on_is_seen():
     assert punch_port_free("127.0.0.1", port)
 
 
-def test_echo_worker_says_its_relay_port_is_taken_and_exits(tmp_path, capsys):
-    from worker import cli
+@pytest.mark.slow
+def test_echo_worker_says_its_relay_port_is_taken_and_exits(tmp_path):
+    # A real process: echo-worker leaves with os._exit while torch still loads on its warm-up
+    # thread (worker/cli.py _leave_now), which would end a pytest process calling main() in it.
+    import subprocess
+    import sys
 
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen(1)
     port = holder.getsockname()[1]
     try:
-        rc = cli.main(["join", "tcp://127.0.0.1:9", "--insecure", "--relay-port", str(port),
-                       "--identity", str(tmp_path / "k"), "--status-file", str(tmp_path / "s.json"),
-                       "--plain"])
+        proc = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "join", "tcp://127.0.0.1:9", "--insecure",
+             "--relay-port", str(port), "--identity", str(tmp_path / "k"),
+             "--status-file", str(tmp_path / "s.json"), "--plain"],
+            capture_output=True, text=True, timeout=50)
     finally:
         holder.close()
-    err = capsys.readouterr().err
-    assert rc == 1 and f"port {port} for the relay" in err and "--relay-port" in err
+    err = proc.stderr
+    assert proc.returncode == 1 and f"port {port} for the relay" in err and "--relay-port" in err
     assert "Traceback" not in err
 
 
