@@ -23,7 +23,7 @@ from broadcast.tickets import TicketCheck, mint
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits
 from echo import wire
-from echo.admin import parse_duration
+from echo.commands.admin import parse_duration
 from echo.config import EchoConfig
 from echo.rates import TokenBucket
 from echo.security import (JoinLine, KeyList, KeyPair, SecurityError, TokenStore,
