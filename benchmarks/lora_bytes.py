@@ -73,7 +73,7 @@ def measure(model: str, name: str, learner: dict[str, Any], steps: int) -> dict[
 
     cfg = config(model, learner)
     policy = Policy(cfg)
-    enc = VersionEncoder(run_id="bench", key=RunKey.generate(), chunk_size=cfg.broadcast.chunk_kib * 1024,
+    enc = VersionEncoder(run_id="bench", key=RunKey.generate(), chunk_size=cfg.broadcast.chunk_bytes,
                          dtype="bfloat16", base_model=policy.base_hash,
                          max_ratio=cfg.broadcast.delta_max_ratio)
     versions, t_step = [], []

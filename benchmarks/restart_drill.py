@@ -57,7 +57,7 @@ def drill_config(port: int, batch: str = "small") -> EchoConfig:
         "buffer": {"capacity_groups": capacity},
         "worker": {"groups_per_request": 2, "heartbeat_s": 0.3},
         "transport": {"heartbeat_timeout_s": 3.0, "request_timeout_s": 3.0, "max_message_mib": 1.0},
-        "broadcast": {"dtype": "float32", "chunk_kib": 64},
+        "broadcast": {"dtype": "float32", "chunk_mib": 0.0625},
         "provisioning": {"enabled": True, "initial_active": 2, "window_s": 3.0, "tau_s": 3.0,
                          "warmup_s": 2.0},
     })
