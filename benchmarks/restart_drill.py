@@ -193,7 +193,7 @@ def table(rounds: list[Round]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=20)
@@ -224,10 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                "restart_to_step_s_max": max((r.restart_to_step_s for r in rounds), default=None),
                "restored_admitted_total": sum(r.restored_admitted for r in rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine_info(), "command":
-                                    "python benchmarks/restart_drill.py " + " ".join(argv or sys.argv[1:]),
-                                    "summary": summary, "rounds": [asdict(r) for r in rounds]},
-                                   indent=2))
+    write_result(args.out, {"command":
+                            "python benchmarks/restart_drill.py " + " ".join(argv or sys.argv[1:]),
+                            "summary": summary, "rounds": [asdict(r) for r in rounds]})
     print(table(rounds))
     print(f"{len(ok)} of {args.rounds} rounds: training went on within 30 s of the restart, "
           f"no failed probation, nothing acknowledged lost")
