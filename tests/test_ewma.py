@@ -76,6 +76,20 @@ def test_registry_time_constant_fold_keeps_its_numbers():
         assert close(w.mu_hat, old) and close(busy.mu_hat, old_busy)
 
 
+def test_controller_availability_keeps_its_numbers():
+    from provisioning.controller import Controller
+
+    c = Controller(clock=lambda: 0.0)
+    c.add_worker("w", price=1.0, mu_prior=1.0)
+    (status,) = c.workers()
+    old, beta = status.availability, c.avail_beta
+    for i in range(30):
+        up = i % 3 != 0
+        c.heartbeat("w", up)
+        old += beta * (float(up) - old)
+        assert close(c.workers()[0].availability, old)
+
+
 def test_one_formula():
     assert ewma(None, 3.0, 0.1) == 3.0
     assert close(ewma(2.0, 4.0, 0.25), 2.5)
