@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     from echo.config import ModelConfig
-    from echo.machine import machine_info
+    from echo.machine import write_result
     from echo.models import ModelError, load_model, load_tokenizer
 
     torch.set_num_threads(args.threads)
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress.advance(task)
             arm.publisher.flush()
             arm.publisher.close()
-    result = {"command": " ".join(sys.argv), "machine": machine_info(),
+    result = {"command": " ".join(sys.argv),
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
               "model": args.model, "lr": args.lr, "steps": args.steps,
               "modes": {a.name: {"summary": summary(a), "rows": a.rows} for a in arms}}
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     result["t_publish_ratio_after_before"] = s["after"]["t_publish_median"] / s["before"]["t_publish_median"]
     result["step_ratio_after_before"] = s["after"]["step_median"] / s["before"]["step_median"]
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
     table = Table(title=f"learner step vs publication, {args.model}, lr {args.lr} (median over "
                         f"steps 2..{args.steps})")
     for col in ("mode", "t_train s", "t_publish s", "step s", "bytes / publication", "encodings"):

@@ -137,7 +137,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch  # noqa: F401 (loaded first so machine_info can name the GPU)
 
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     rows = []
     for m in a.models:
@@ -148,9 +148,9 @@ def main() -> None:
     table(rows)
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "machine": machine_info(),
-                               "settings": {k: getattr(a, k) for k in ("groups", "n", "max_new_tokens")},
-                               "rows": rows}, indent=2))
+    write_result(out, {"command": " ".join(sys.argv),
+                       "settings": {k: getattr(a, k) for k in ("groups", "n", "max_new_tokens")},
+                       "rows": rows})
     print(f"wrote {out}")
 
 

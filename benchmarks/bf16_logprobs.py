@@ -13,7 +13,6 @@ auditor does); the figure is the mean |claimed - recomputed| per token of each s
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from echo import wire
     from echo.config import ModelConfig, SecurityConfig
-    from echo.machine import machine_info
+    from echo.machine import write_result
     from learner.trainer import token_logprobs
     from worker.backends import make_backend
 
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"model": args.model, "samples": len(diffs), "mean_abs_dlogp": diffs,
            "mean": sum(diffs) / len(diffs), "max": max(diffs), "audit_logprob_tol": tol}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"machine": machine_info(), "argv": sys.argv[1:], **out}, indent=2))
+    write_result(args.json, {"argv": sys.argv[1:], **out})
     print(f"{len(diffs)} samples: mean |claimed - recomputed| per token {out['mean']:.3f} nats "
           f"(max {out['max']:.3f}); security.audit_logprob_tol = {tol}")
     return 0

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 from labs import bare_chain  # noqa: E402
 from labs.broadcast_bench import main, run_one  # noqa: E402
 from labs.broadcast_root import BenchParams  # noqa: E402
-from echo.machine import machine_info  # noqa: E402
+from echo.machine import write_result  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "broadcast"
 BASE = ["--workers", "16", "--snapshot-mib", "64", "--uplink-mbit", "400", "--link-mbit", "100"]
@@ -56,9 +56,8 @@ def loopback_vs_bare(runs: int = 5, mib: int = 256, chunk_kib: int = 4096) -> in
                "echo_mb_s_median": statistics.median(x["echo_mb_s"] for x in rows),
                "bare_mb_s_median": statistics.median(x["bare_mb_s"] for x in rows)}
     print(json.dumps(summary))
-    (OUT / f"{LOOPBACK}.json").write_text(json.dumps(
-        {"machine": machine_info(), "load": os.getloadavg(), "summary": summary, "runs": rows},
-        indent=2))
+    write_result(OUT / f"{LOOPBACK}.json",
+                 {"load": os.getloadavg(), "summary": summary, "runs": rows})
     return 0
 
 

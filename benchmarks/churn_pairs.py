@@ -37,7 +37,7 @@ def t_bcast(extra: list[str], seed: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=3)
@@ -58,10 +58,9 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     within = sum(p["ratio"] <= args.limit for p in pairs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "machine": machine_info(), "command": "benchmarks/churn_pairs.py " + " ".join(argv or sys.argv[1:]),
-        "bench_args": BENCH, "kill_fraction": args.kill_fraction, "limit": args.limit,
-        "within_limit": within, "pairs": pairs}, indent=2))
+    write_result(args.out, {"command": "benchmarks/churn_pairs.py " + " ".join(argv or sys.argv[1:]),
+                            "bench_args": BENCH, "kill_fraction": args.kill_fraction, "limit": args.limit,
+                            "within_limit": within, "pairs": pairs})
     print(f"{within} of {len(pairs)} pairs within {args.limit:.2f}x")
     return 0 if within == len(pairs) else 1
 

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "worker":
         asyncio.run(one_worker(a))
         return 0
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     with tempfile.TemporaryDirectory(prefix="echo-closed-loop-") as d:
         tmp = Path(a.workdir or d)
@@ -261,14 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         fig = real_figures(real)
         sim = simulate_same(real, fig, tmp, a.boot)
     report(fig, sim)
-    out = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "machine": machine_info(),
+    out = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
            "fleet": [{"group_s": g, "price": p} for g, p in FLEET], "controller": CONTROLLER,
            "events": real["events"], "real": fig, "simulated": sim,
            # the real run's decisions by learner step, the simulation's by simulated second
            "real_decisions": [(d.get("step"), d["action"], d.get("worker"))
                               for d in real["decisions"] if d["action"] != "short"]}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(out, indent=1, default=str))
+    write_result(a.json, out, indent=1)
     print(f"wrote {a.json}")
     return 0
 

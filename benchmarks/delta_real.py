@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     model, tok = load(args.model, args.threads)
     batch = sft_batch(tok)
@@ -175,12 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         for lr in args.lrs:
             rec = args.record if args.record is not None and lr == args.record_lr else None
             runs[f"{lr:g}"] = run_lr(model, batch, lr, args.steps, rec, progress)
-    out = {"command": " ".join(sys.argv), "machine": machine_info(), "model": args.model,
+    out = {"command": " ".join(sys.argv), "model": args.model,
            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
            "steps": args.steps, "steady_from_step": STEADY_FROM,
            "runs": {lr: {"summary": summarize(rows), "rows": rows} for lr, rows in runs.items()}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2))
+    write_result(args.json, out)
     console = Console()
     for lr, rows in runs.items():
         console.print(table(float(lr), rows))

@@ -250,7 +250,7 @@ def liars_main(argv: list[str]) -> int:
                     help="config override for every run, e.g. model.name=models/warm-tiny (a "
                          "model that has learned something: `echo-rl model export`)")
     args = ap.parse_args(argv)
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     t0 = time.monotonic()
     bars, run = _progress_runner()
@@ -261,12 +261,12 @@ def liars_main(argv: list[str]) -> int:
     base = spread([r["final_reward"] for r in honest_runs])
     summary = {k: verdict(r, base) for k, r in kinds.items()}
     honest_flags = sum(r["honest_flags"] for r in [*honest_runs, *kinds.values()])
-    result = {"machine": machine_info(), "overrides": BASE_OVERRIDES + args.set, "steps": args.steps,
+    result = {"overrides": BASE_OVERRIDES + args.set, "steps": args.steps,
               "workers": WORKERS, "wall_s": round(time.monotonic() - t0, 1),
               "honest_final_reward": base, "honest_runs": honest_runs, "kinds": kinds,
               "summary": summary, "honest_flags_total": honest_flags,
               "honest_audits_total": sum(r["honest_audits"] for r in [*honest_runs, *kinds.values()])}
-    Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    write_result(args.json, result)
     print_liars(result)
     ok = honest_flags == 0 and all(v["within_target"] for v in summary.values())
     return 0 if ok else 1
@@ -280,19 +280,19 @@ def calibrate_main(argv: list[str]) -> int:
                     help="one more config override for every run (repeatable)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/security_calibrate.json"))
     args = ap.parse_args(argv)
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     t0 = time.monotonic()
     bars, run = _progress_runner()
     with bars:
         runs = [run(f"honest {i + 1}/{args.runs}", None, args.steps, args.set)
                 for i in range(args.runs)]
-    result = {"machine": machine_info(), "overrides": BASE_OVERRIDES + args.set, "steps": args.steps,
+    result = {"overrides": BASE_OVERRIDES + args.set, "steps": args.steps,
               "workers": WORKERS, "wall_s": round(time.monotonic() - t0, 1),
               "audits": sum(r["honest_audits"] for r in runs), "flags": sum(r["honest_flags"] for r in runs),
               "quarantined": sum(len(r["honest_quarantined"]) for r in runs),
               "final_reward": spread([r["final_reward"] for r in runs]), "runs": runs}
-    Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    write_result(args.json, result)
     from rich.console import Console
 
     Console().print(f"calibrate: {args.runs} honest runs x {args.steps} steps: {result['audits']} audits "

@@ -13,7 +13,6 @@ take the second). Sizes include torch.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tarfile
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", default="HEAD", help="the git revision to compare with")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/install_size.json")
     args = ap.parse_args(argv)
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="echo-install-") as tmp:
@@ -75,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             out[label] = measure(source, Path(tmp) / f"venv-{len(out)}")
             print(f"  {out[label]}", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"machine": machine_info(), "argv": sys.argv[1:],
-                                     "results": out}, indent=2))
+    write_result(args.json, {"argv": sys.argv[1:],
+                             "results": out})
     return 0
 
 

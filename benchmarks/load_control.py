@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     results = []
     with tempfile.TemporaryDirectory(prefix="echo-load-") as tmp:
@@ -386,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                                         else workers / 50))
                 print(json.dumps(results[-1]), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"machine": machine_info(), "load": os.getloadavg(),
-                                     "argv": sys.argv[1:], "results": results}, indent=2))
+    write_result(args.json, {"load": os.getloadavg(),
+                             "argv": sys.argv[1:], "results": results})
     console = Console(width=200)
     console.print(_rtt_table(results, args.seconds))
     console.print(_cpu_table(results))

@@ -19,7 +19,6 @@ a LoRA version at most 5 % of the full model.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -73,7 +72,7 @@ def measure(model: str, name: str, learner: dict[str, Any], steps: int) -> dict[
 
     cfg = config(model, learner)
     policy = Policy(cfg)
-    enc = VersionEncoder(run_id="bench", key=RunKey.generate(), chunk_size=cfg.broadcast.chunk_kib * 1024,
+    enc = VersionEncoder(run_id="bench", key=RunKey.generate(), chunk_size=cfg.broadcast.chunk_bytes,
                          dtype="bfloat16", base_model=policy.base_hash,
                          max_ratio=cfg.broadcast.delta_max_ratio)
     versions, t_step = [], []
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     if not (Path(args.model) / "config.json").is_file():
         raise SystemExit(f"{args.model}: no model folder; `make smollm2` builds it")
@@ -121,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['mode']}: keyframe {100 * r['keyframe_share_of_full']:.2f} % of full, "
               f"a published version {100 * r['mean_version_share_of_full']:.2f} % on average")
     doc = {"model": args.model, "steps": args.steps, "dtype": "bfloat16", "rows": rows,
-           "target": "LoRA version <= 5 % of the full model (issue 32)", "machine": machine_info()}
+           "target": "LoRA version <= 5 % of the full model (issue 32)"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_result(args.out, doc)
     print(f"wrote {args.out}")
     return 0
 

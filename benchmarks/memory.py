@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(doc, indent=2))
         _report(doc["cases"], doc["machines"])
         return 0
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     cases = []
     with tempfile.TemporaryDirectory(prefix="echo-mem-") as tmp:
@@ -205,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     _plot(cases, args.json.with_suffix(".png"))
     timelines = {f"{Path(c['model']).name}-{'spill' if c['spill'] else 'ram'}": c.pop("timeline")
                  for c in cases}  # one line: thousands of samples
-    args.json.write_text(json.dumps({"machine": machine_info(), "argv": sys.argv[1:],
-                                     "cases": cases, "machines": fit}, indent=2))
+    write_result(args.json, {"argv": sys.argv[1:],
+                             "cases": cases, "machines": fit})
     args.json.with_name(args.json.stem + "_timeline.json").write_text(json.dumps(timelines))
     _report(cases, fit)
     return 0

@@ -18,7 +18,6 @@ observation (docs/adapters.md, "Poker that learns"):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from adapters.poker.adapter import PokerAdapter
     from adapters.poker.eval import mean_ci
     from echo.config import ModelConfig
-    from echo.machine import machine_info
+    from echo.machine import write_result
     from echo.models import load_tokenizer
 
     tok = load_tokenizer(ModelConfig())
@@ -108,11 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                               for o in ("tag", "station", "maniac")))
     Console().print(table)
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps({"command": " ".join(["python", "benchmarks/poker_baselines.py",
-                                                        *(argv or sys.argv[1:])]),
-                                  "machine": machine_info(), "hands": a.hands,
-                                  "seconds": round(time.monotonic() - t0, 1), "rules": rows},
-                                 indent=2))
+    write_result(a.json, {"command": " ".join(["python", "benchmarks/poker_baselines.py",
+                                                *(argv or sys.argv[1:])]),
+                          "hands": a.hands, "seconds": round(time.monotonic() - t0, 1), "rules": rows})
     return 0
 
 

@@ -57,7 +57,7 @@ def drill_config(port: int, batch: str = "small") -> EchoConfig:
         "buffer": {"capacity_groups": capacity},
         "worker": {"groups_per_request": 2, "heartbeat_s": 0.3},
         "transport": {"heartbeat_timeout_s": 3.0, "request_timeout_s": 3.0, "max_message_mib": 1.0},
-        "broadcast": {"dtype": "float32", "chunk_kib": 64},
+        "broadcast": {"dtype": "float32", "chunk_mib": 0.0625},
         "provisioning": {"enabled": True, "initial_active": 2, "window_s": 3.0, "tau_s": 3.0,
                          "warmup_s": 2.0},
     })
@@ -193,7 +193,7 @@ def table(rounds: list[Round]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=20)
@@ -224,10 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                "restart_to_step_s_max": max((r.restart_to_step_s for r in rounds), default=None),
                "restored_admitted_total": sum(r.restored_admitted for r in rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine_info(), "command":
-                                    "python benchmarks/restart_drill.py " + " ".join(argv or sys.argv[1:]),
-                                    "summary": summary, "rounds": [asdict(r) for r in rounds]},
-                                   indent=2))
+    write_result(args.out, {"command":
+                            "python benchmarks/restart_drill.py " + " ".join(argv or sys.argv[1:]),
+                            "summary": summary, "rounds": [asdict(r) for r in rounds]})
     print(table(rounds))
     print(f"{len(ok)} of {args.rounds} rounds: training went on within 30 s of the restart, "
           f"no failed probation, nothing acknowledged lost")

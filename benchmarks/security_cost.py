@@ -11,7 +11,6 @@ process (the learner's side) over loopback; the receiver measures its own CPU ti
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from echo.machine import machine_info  # noqa: E402
+from echo.machine import write_result  # noqa: E402
 from echo.security import KeyPair, curve_client, curve_server  # noqa: E402
 
 FRAME = 1 << 20
@@ -135,12 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("plain", "curve"):
             runs[mode].append(transfer(mode == "curve", args.mib))
     med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
-    out = {"machine": machine_info(), "frame_bytes": FRAME, "mib_per_run": args.mib, "runs": runs,
+    out = {"frame_bytes": FRAME, "mib_per_run": args.mib, "runs": runs,
            "median": med,
            "curve_over_plain_throughput": med["curve"]["mb_per_s"] / med["plain"]["mb_per_s"],
            "first_reply_ms": {"plain": first_reply(False), "curve": first_reply(True)}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2))
+    write_result(args.json, out)
     from rich.console import Console
     from rich.table import Table
 

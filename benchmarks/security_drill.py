@@ -648,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(only) - set(ORDER))
     if unknown:
         ap.error(f"unknown attack(s) {unknown}: choose from {ORDER}")
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     t0 = time.monotonic()
     keep = Path(args.keep) if args.keep else None
@@ -665,9 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         attacked["attacks"] += open_mode_run(Path(c), only)
     summary = summarize(baseline, attacked)
     print_table(baseline, attacked, summary)
-    Path(args.json).write_text(json.dumps({
-        "machine": machine_info(), "overrides": OVERRIDES, "wall_s": round(time.monotonic() - t0, 1),
-        "honest_run": baseline, "attacked_run": attacked, "summary": summary}, indent=2, default=str))
+    write_result(args.json, {"overrides": OVERRIDES, "wall_s": round(time.monotonic() - t0, 1),
+                             "honest_run": baseline, "attacked_run": attacked, "summary": summary})
     failed = [r for r in attacked["attacks"] if r["outcome"] != "refused"]
     return 1 if failed or not all(v for k, v in summary.items() if isinstance(v, bool)) else 0
 

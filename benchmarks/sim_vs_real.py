@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from echo.config import load_config  # noqa: E402
-from echo.machine import machine_info  # noqa: E402
+from echo.machine import write_result  # noqa: E402
 from provisioning.sim.api import simulate_fixed  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             out.append(m)
             print(f"workers={n}: measured B={m['bubble_ratio']:.3f} simulated B={sim['bubble_ratio']:.3f} "
                   f"(T_train {m['t_train']:.3f}s cv {m['t_train_cv']:.2f}, T_bcast {m['t_bcast']:.3f}s, mu/worker {m['mu_per_worker']:.0f}/s)")
-    Path(args.json).write_text(json.dumps({"machine": machine_info(), "results": out}, indent=2))
+    write_result(args.json, {"results": out})
     worst = max(r["abs_diff"] for r in out)
     print(f"largest |simulated - measured| = {worst:.3f} (target <= 0.05)")
     return 0

@@ -12,7 +12,7 @@ import torch
 
 from dataplane.adapter import load_adapter
 from dataplane.answers import check_answer_tokens
-from echo import evaluate as E
+from echo.commands import evaluate as E
 from echo.ci import mean_ci
 
 run = Path("runs/smollm2-full")

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     console = Console()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -196,12 +196,12 @@ def main(argv: list[str] | None = None) -> int:
                 bar.advance(task)
     rows = table(runs, sims)
     result = {"command": "benchmarks/staleness_sweep.py " + " ".join(argv or sys.argv[1:]),
-              "machine": machine_info(), "wall_s": round(time.monotonic() - t0, 1),
+              "wall_s": round(time.monotonic() - t0, 1),
               "task": "toy-add, examples/quickstart.toml", "steps": args.steps,
               "workers": args.workers, "seeds": args.seeds, "last_steps_averaged": LAST,
               "sim_scenario": str(SIM_SCENARIO.relative_to(ROOT)), "table": rows, "simulated": sims,
               "runs": [{k: v for k, v in r.items() if k != "rewards"} for r in runs]}
-    (args.out / "sweep.json").write_text(json.dumps(result, indent=1))
+    write_result(args.out / "sweep.json", result, indent=1)
     if runs:
         plot(runs, args.out / "sweep.png")
     t = Table(title=f"staleness sweep ({result['wall_s']:.0f} s)")

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one is not None:
         print(json.dumps(measure(model, args.rows, args.tokens, args.one)))
         return 0
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     args.json = args.json or ROOT / "benchmarks/results" / f"step_memory_{Path(model).name}.json"
 
@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     fit = {"act_bytes_per_token_layer_unit": round(whole["activations_bytes"] / (units * whole["layers"]), 1),
            "checkpointed_bytes_per_token_unit": round(results["checkpointing"]["activations_bytes"] / units, 1)}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"machine": machine_info(), "argv": sys.argv[1:],
-                                     "settings": SETTINGS, "results": results, "fit": fit}, indent=2))
+    write_result(args.json, {"argv": sys.argv[1:],
+                             "settings": SETTINGS, "results": results, "fit": fit})
     for name, r in results.items():
         print(f"{name:>14}: step rises {r['rise_gib']:.2f} GiB above {r['before_bytes'] / GIB:.2f} GiB "
               f"({r['step_s']} s a step); a forward of all {args.rows} rows keeps "

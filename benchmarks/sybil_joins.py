@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hold-s", type=float, default=30.0)
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/sybil_joins.json"))
     args = ap.parse_args(argv)
-    from echo.machine import machine_info
+    from echo.machine import write_result
 
     t0 = time.monotonic()
     load0 = os.getloadavg()
@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             fleet.group.stop_all()
     result = {"command": " ".join([".venv/bin/python", "benchmarks/sybil_joins.py", *(argv or sys.argv[1:])]),
-              "machine": machine_info(), "overrides": OPEN, "load_avg_at_start": load0,
+              "overrides": OPEN, "load_avg_at_start": load0,
               "wall_s": round(time.monotonic() - t0, 1), "baseline": baseline, "phases": phases,
               "exit_codes": rcs,
               "target_met": all(not p["problems"] for p in phases) and len(phases) == len(PHASES)}
-    Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    write_result(args.json, result)
     print(json.dumps({p["phase"]: [p["steps_vs_baseline"], p["attacker"].get("joined"),
                                    p["problems"]] for p in phases}), flush=True)
     return 0 if result["target_met"] else 1

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from echo.config import dump_toml, load_config  # noqa: E402
-from echo.machine import machine_info  # noqa: E402
+from echo.machine import write_result  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
 from echo.security import JoinLine  # noqa: E402
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                       str(r["stalls"]), str(r["duplicates"]), str(r["reissued_groups"]),
                       str(r["acked_samples"]), str(r["lost_acked_samples"]), str(r["groups_trained_twice"]))
     Console(width=160).print(table)
-    Path(args.json).write_text(json.dumps({"machine": machine_info(), "results": results}, indent=2))
+    write_result(args.json, {"results": results})
     lost = sum(r["lost_acked_samples"] + r["groups_trained_twice"] for r in results)
     return 1 if lost else 0
 

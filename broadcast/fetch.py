@@ -44,6 +44,7 @@ from broadcast.snapshot import SnapshotError, chunk_range, verify_chunk
 from broadcast.store import SnapshotStore
 from broadcast.tickets import Source
 from echo import wire
+from echo.errors import ReasonError
 from echo.security import KeyPair, curve_client
 
 # Request ids start at a random point per process: a relay must not tell the learner's
@@ -54,11 +55,9 @@ NOT_YET = ("future_version",)  # a source's answer for "I do not hold this versi
 NOT_YET_S, NOT_YET_MAX_S = 0.02, 0.5  # first back-off before asking again, and its cap
 REQUEST_BYTES = 4096  # bound on a chunk request or a reply header (a ticket is < 512 bytes)  # large kernel buffers: fewer wake-ups per MiB on fast links
 
-class SourceFailed(Exception):
+class SourceFailed(ReasonError):
     def __init__(self, reason: str, detail: str, index: int = -1):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
+        super().__init__(reason, detail)
         self.index = index  # the chunk that failed, when one did (corrupt)
 
 

@@ -44,6 +44,8 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from echo.ewma import ewma
+
 MAX_MBIT = 100_000.0  # 100 Gbit/s: no report above this is believed
 KEEP_VERSIONS = 4  # reports kept per version while links are still being combined
 
@@ -127,8 +129,7 @@ class LinkMeter:
         return est.get(worker, floor.get(worker, 0.0))
 
     def _measure(self, est: dict[str, float], worker: str, r: float) -> None:
-        old = est.get(worker)
-        est[worker] = r if old is None else old + self.alpha * (r - old)
+        est[worker] = ewma(est.get(worker), r, self.alpha)
 
     @staticmethod
     def _floor(est: dict[str, float], floor: dict[str, float], worker: str, r: float) -> None:

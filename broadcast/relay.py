@@ -34,7 +34,8 @@ from broadcast.snapshot import result_view, verify_manifest
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import Source, TicketCheck
-from echo.security import Bucket, KeyPair, PeerLimits, ZapHandler, curve_server
+from echo import rates
+from echo.security import KeyPair, PeerLimits, ZapHandler, curve_server
 
 MBIT = 125_000.0  # bytes per second in one Mbit/s
 
@@ -82,7 +83,7 @@ class Relay:
         self.ctx = ctx
         self.cfg = cfg
         self.keys = keys
-        self._handshakes = Bucket(cfg.handshakes_per_s, 2 * cfg.handshakes_per_s)
+        self._handshakes = rates.TokenBucket(cfg.handshakes_per_s, 2 * cfg.handshakes_per_s)
         self._per_ip = PeerLimits(cfg.handshakes_per_s / 5, cfg.handshakes_per_s / 2.5)
         self.store = SnapshotStore(keep=2)
         # The installed version's full payload (a keyframe source, the next delta's base).

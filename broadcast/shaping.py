@@ -15,20 +15,20 @@ Clock and sleep are injectable so the arithmetic is tested in virtual time, with
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Generic, Sequence, TypeVar
 
 from broadcast.planner import DEFAULT_CHUNK_BYTES, mbit_to_bytes_per_s
+from echo import rates
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 T = TypeVar("T")
 
 
-class TokenBucket:
+class TokenBucket(rates.TokenBucket):
     """Grants bytes at ``rate_bytes_per_s`` with bursts of at most ``burst_bytes``.
 
     ``consume(n)`` reserves n bytes at once (the credit may go negative: that is the queue of
@@ -42,42 +42,19 @@ class TokenBucket:
                  sleep: Sleep = asyncio.sleep):
         if not rate_bytes_per_s > 0:
             raise ValueError(f"rate must be > 0 bytes/s (math.inf: unshaped), got {rate_bytes_per_s}")
-        self.rate = float(rate_bytes_per_s)
-        self.burst = float(burst_bytes if burst_bytes is not None else 2 * chunk_bytes)
-        if self.burst <= 0:
+        burst = float(burst_bytes if burst_bytes is not None else 2 * chunk_bytes)
+        if burst <= 0:
             raise ValueError(f"burst must be > 0 bytes, got {burst_bytes}")
-        self._clock = clock
+        super().__init__(rate_bytes_per_s, burst, clock)
         self._sleep = sleep
-        self._tokens = self.burst  # starts full
-        self._stamp = clock()
         self.granted = 0  # bytes handed out, for benchmarks
-
-    @property
-    def unlimited(self) -> bool:
-        return math.isinf(self.rate)
-
-    def _refill(self) -> None:
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
-        self._stamp = now
-
-    @property
-    def tokens(self) -> float:
-        """Credit now (negative: bytes already promised to waiting senders)."""
-        self._refill()
-        return self._tokens
 
     def try_consume(self, n: int) -> bool:
         """Take n bytes only if the credit is there now (never queues)."""
         if n < 0:
             raise ValueError(f"cannot consume {n} bytes")
-        if self.unlimited:
-            self.granted += n
-            return True
-        self._refill()
-        if self._tokens < n:
+        if not self.take(n):
             return False
-        self._tokens -= n
         self.granted += n
         return True
 
@@ -86,18 +63,12 @@ class TokenBucket:
         waiting, the reservation is given back (the bytes were never sent)."""
         if n < 0:
             raise ValueError(f"cannot consume {n} bytes")
-        if self.unlimited:
-            self.granted += n
-            return 0.0
-        self._refill()
-        self._tokens -= n
-        wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        wait = self.reserve(n)
         if wait > 0:
             try:
                 await self._sleep(wait)
             except asyncio.CancelledError:
-                self._refill()
-                self._tokens = min(self.burst, self._tokens + n)
+                self.give_back(n)
                 raise
         self.granted += n
         return wait

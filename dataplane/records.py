@@ -32,12 +32,11 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from echo.errors import ReasonError
 
-class RecordError(ValueError):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
+
+class RecordError(ReasonError, ValueError):
+    """A delivered record refused by the learner (counted by ``reason``)."""
 
 
 @dataclass(frozen=True)

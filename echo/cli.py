@@ -91,7 +91,7 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
 
 def _eval(cmd: str, rest: list[str]) -> int:
     """``eval poker ...`` and ``eval math ...`` are their adapters' evaluations; plain ``eval``
-    is any adapter's (echo/evaluate.py)."""
+    is any adapter's (echo/commands/evaluate.py)."""
     if rest[:1] == ["poker"]:
         from adapters.poker.eval import main as poker_eval
 
@@ -100,13 +100,13 @@ def _eval(cmd: str, rest: list[str]) -> int:
         from adapters.math_eval import main as math_eval
 
         return math_eval(rest[1:])
-    from echo.evaluate import main as eval_main
+    from echo.commands.evaluate import main as eval_main
 
     return eval_main(rest)
 
 
 def _sample(cmd: str, rest: list[str]) -> int:
-    from echo.sample import main as sample_main
+    from echo.commands.sample import main as sample_main
 
     return sample_main(rest)
 
@@ -118,7 +118,7 @@ def _report(cmd: str, rest: list[str]) -> int:
 
 
 def _admin(cmd: str, rest: list[str]) -> int:
-    from echo.admin import main as admin_main  # its parser names the command itself
+    from echo.commands.admin import main as admin_main  # its parser names the command itself
 
     return admin_main([cmd, *rest])
 

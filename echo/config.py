@@ -26,7 +26,8 @@ from echo.config_sections import (GENERATION_KEYS, AdapterConfig, BufferConfig, 
                                   MetricsConfig, ModelConfig, QuickstartConfig, TransportConfig,
                                   WorkerConfig, _Section, check_device)
 from echo.config_security import SecurityConfig
-from echo.config_toml import apply_override, dump_toml, known_keys, parse_override
+from echo.config_toml import (RENAMED, apply_override, dump_toml, known_keys, parse_override,
+                              renamed_hint)
 
 __all__ = ["GENERATION_KEYS", "AdapterConfig", "BroadcastConfig", "BufferConfig", "ConfigError",
            "DEFAULT_PORT", "DEFAULT_RELAY_PORT", "EchoConfig", "LAYOUT_SPAN", "LearnerConfig",
@@ -259,8 +260,9 @@ class LearnerConfig(StalenessRules, _Section):
 class BroadcastConfig(_Section):
     # Chains (peer-to-peer), star, or star-unlimited (benchmark baselines).
     topology: Literal["chains", "star", "star-unlimited"] = "chains"
-    # Chunk size; every chunk is hashed and verified at every hop.
-    chunk_kib: int = Field(1024, gt=0)
+    # Chunk size in MiB, a whole number of KiB (0.25: 256 KiB); every chunk is hashed and
+    # verified at every hop.
+    chunk_mib: float = Field(1.0, gt=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # dtype of the published weights
     window: int = Field(4, gt=0)  # chunk requests in flight per stream
     uplink_mbit: float = Field(0.0, ge=0)  # learner uplink U: plans k = U/b chains; 0 = unknown
@@ -285,6 +287,18 @@ class BroadcastConfig(_Section):
     convict_after: int = Field(2, ge=1)
     report_avoid_s: float = Field(600.0, gt=0)
     relay_mark_s: float = Field(60.0, gt=0)
+
+    @field_validator("chunk_mib")
+    @classmethod
+    def _whole_kib(cls, value: float) -> float:
+        if not (value * 1024).is_integer():
+            raise ValueError(f"a chunk is a whole number of KiB, and {value} MiB is {value * 1024:g} "
+                             f"KiB: use a multiple of 1/1024 MiB (0.25 = 256 KiB, 1.0 = 1024 KiB)")
+        return value
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self.chunk_mib * 2**20)
 
 
 class ProvisioningConfig(_Section):
@@ -422,6 +436,9 @@ def _explain(err: ValidationError, data: dict[str, Any]) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden" and key in RENAMED:
+            lines.append(renamed_hint(key, e.get("input")))
+            continue
         if e["type"] == "extra_forbidden":
             close = difflib.get_close_matches(key, known_keys(EchoConfig), n=1)
             hint = f"did you mean {close[0]!r}?" if close else "remove it (see examples/quickstart.toml)"

@@ -36,6 +36,12 @@ quoted: `--set 'adapter.name="math"'`). A bad key or value stops at load with th
 and the fix. Example files: `examples/quickstart.toml`, `examples/math.toml`, `examples/poker.toml`,
 `examples/public.toml` (a real run of hours, README "Running for real").
 
+Units are in the key's name, one convention for each kind: sizes of data in MiB (`_mib`, 2^20
+bytes), memory budgets in GiB (`_gb`, 2^30 bytes, as docs/memory.md prints them), rates in
+decimal Mbit/s (`_mbit`), durations in seconds (`_s`). A key renamed to this convention is
+refused with its new name and the converted value: `broadcast.chunk_kib = 256` became
+`broadcast.chunk_mib = 0.25` (KiB / 1024).
+
 `[adapter.presets.NAME]` tables hold options for the adapter called NAME, so one file can carry
 settings for several tasks and switching task stays the one line `[adapter] name = ...`: the
 options used are the preset of the chosen adapter, overridden by `[adapter.options]`.

@@ -39,6 +39,23 @@ def apply_override(data: dict[str, Any], path: list[str], value: Any,
     node[path[-1]] = value
 
 
+# Keys renamed to the units convention (docs/config.md: sizes in MiB, memory in GiB): old
+# dotted key -> (new key, factor: new value = old value * factor, how it is said). An old name
+# is refused with the new one and the converted value, never read in the wrong unit.
+RENAMED: dict[str, tuple[str, float, str]] = {
+    "broadcast.chunk_kib": ("broadcast.chunk_mib", 1 / 1024, "KiB / 1024"),
+}
+
+
+def renamed_hint(key: str, value: Any) -> str:
+    """What an operator whose TOML still says ``key`` must write instead."""
+    new, factor, how = RENAMED[key]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    converted = f" = {value * factor!r}" if number else ""
+    return (f"{key} is now {new} ({how}): write {new.rpartition('.')[2]}{converted} in the "
+            f"[{new.partition('.')[0]}] table (or --set {new}=...)")
+
+
 def known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     """Every dotted key of a config model (for "did you mean ...?" hints)."""
     keys = []

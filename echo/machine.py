@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 
@@ -28,6 +30,14 @@ def machine_info() -> dict[str, Any]:
         "torch": ver("torch"), "transformers": ver("transformers"), "pyzmq": ver("pyzmq"),
         "hostname": platform.node(), "vllm": ver("vllm"), "gpu": _gpu(),
     }
+
+
+def write_result(path: str | Path, fields: dict[str, Any], *, indent: int = 2) -> dict[str, Any]:
+    """A benchmark's ``--json`` file: its fields after the machine it ran on, so no figure is
+    stored without the machine that measured it. Returns the document written."""
+    doc = {"machine": machine_info(), **fields}
+    Path(path).write_text(json.dumps(doc, indent=indent, default=str) + "\n")
+    return doc
 
 
 def _gpu() -> str | None:

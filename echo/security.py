@@ -36,6 +36,8 @@ from urllib.parse import parse_qs, urlsplit
 import zmq
 import zmq.utils.z85 as z85
 
+from echo.rates import TokenBucket
+
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"echo"  # every CURVE server socket has one: without, libzmq may skip ZAP
 KEY_ENV = "ECHO_HOME"
@@ -297,24 +299,6 @@ class KeyList:
 # ----------------------------------------------------------------------------- rate limits
 
 
-class Bucket:
-    """A synchronous token bucket: ``take(n)`` succeeds when n tokens are there (no waiting:
-    a peer over its rate is refused, not queued)."""
-
-    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic):
-        self.rate, self.burst, self.clock = rate, burst, clock
-        self.tokens, self.stamp = burst, clock()
-
-    def take(self, n: float = 1.0) -> bool:
-        now = self.clock()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens < n:
-            return False
-        self.tokens -= n
-        return True
-
-
 class PeerLimits:
     """One bucket per peer, for at most ``max_peers`` peers (least recently seen evicted: an
     evicted peer starts again with a full bucket, which costs at most one burst)."""
@@ -322,10 +306,10 @@ class PeerLimits:
     def __init__(self, rate: float, burst: float, max_peers: int = 65536,
                  clock: Callable[[], float] = time.monotonic):
         self.rate, self.burst, self.max_peers, self.clock = rate, burst, max_peers, clock
-        self._buckets: OrderedDict[str, Bucket] = OrderedDict()
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
 
     def take(self, peer: str, n: float = 1.0) -> bool:
-        b = self._buckets.pop(peer, None) or Bucket(self.rate, self.burst, self.clock)
+        b = self._buckets.pop(peer, None) or TokenBucket(self.rate, self.burst, self.clock)
         self._buckets[peer] = b
         if len(self._buckets) > self.max_peers:
             self._buckets.popitem(last=False)

@@ -38,7 +38,7 @@ import numpy as np
 from broadcast.coordinator import Coordinator
 from broadcast.planner import lower_bound_s, star_limited_s, star_unlimited_s
 from broadcast.topology import TOPOLOGIES
-from echo.machine import machine_info
+from echo.machine import write_result
 from echo.security import key_hex
 from labs import child_env, natlab, netns
 from labs.broadcast_root import BenchParams, RecordedVersions, Root
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"machine": machine_info(), "results": results}, indent=2))
+        write_result(args.json, {"results": results})
     return 0
 
 
@@ -334,8 +334,8 @@ def versions_main(args: argparse.Namespace) -> int:
     print_versions(out)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"machine": machine_info(), "load": os.getloadavg(),
-                                               "argv": sys.argv[1:], **out}, indent=2))
+        write_result(args.json, {"load": os.getloadavg(),
+                                 "argv": sys.argv[1:], **out})
     return 0
 
 
@@ -388,9 +388,9 @@ def liar_main(args: argparse.Namespace) -> int:
                              for arm in ("liar_measured", "liar_declared_trusted")}}
     print(json.dumps(summary))
     Path(args.liar_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.liar_json).write_text(json.dumps({"machine": machine_info(), "load": os.getloadavg(),
-                                                "argv": sys.argv[1:], "summary": summary,
-                                                "arms": out}, indent=2))
+    write_result(args.liar_json, {"load": os.getloadavg(),
+                                  "argv": sys.argv[1:], "summary": summary,
+                                  "arms": out})
     return 0
 
 

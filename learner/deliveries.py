@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from dataplane import rules
 from dataplane.records import Limits
 from echo import wire
+from echo.ewma import ewma
 from learner.accounts import Accounts
 from learner.buffer import ReplayBuffer
 from learner.gate import Gate
@@ -172,8 +173,7 @@ class Deliveries:
     def measure(w: WorkerState, accepted: int) -> None:
         now = time.monotonic()
         rate = accepted / max(now - w.last_batch_at, 1e-3)
-        w.measured_throughput = (rate if w.admitted == 0 else
-                                 EWMA_ALPHA * rate + (1 - EWMA_ALPHA) * w.measured_throughput)
+        w.measured_throughput = ewma(w.measured_throughput if w.admitted else None, rate, EWMA_ALPHA)
         w.admitted += accepted
         w.last_batch_at = now
 

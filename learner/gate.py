@@ -22,7 +22,8 @@ from collections import Counter
 from pathlib import Path
 
 from echo.config import SecurityConfig
-from echo.security import Bucket, KeyList, KeyPair, PeerLimits, TokenStore
+from echo.rates import TokenBucket
+from echo.security import KeyList, KeyPair, PeerLimits, TokenStore
 
 log = logging.getLogger("echo.gate")
 
@@ -43,9 +44,9 @@ class Gate:
         self.allow = KeyList(Path(cfg.allowlist_file) if cfg.allowlist_file else d / "allowlist.txt")
         self.refused: Counter[str] = Counter()  # joins and connections refused, by reason
         self.limited: Counter[str] = Counter()  # messages refused for rate, by reason
-        self._handshakes = Bucket(cfg.handshakes_per_s, 2 * cfg.handshakes_per_s)
+        self._handshakes = TokenBucket(cfg.handshakes_per_s, 2 * cfg.handshakes_per_s)
         self._per_ip = PeerLimits(cfg.handshakes_per_s_per_ip, 2 * cfg.handshakes_per_s_per_ip)
-        self._joins = Bucket(cfg.joins_per_s, 2 * cfg.joins_per_s)
+        self._joins = TokenBucket(cfg.joins_per_s, 2 * cfg.joins_per_s)
         self._newcomers = PeerLimits(cfg.newcomers_per_s_per_prefix, cfg.newcomer_burst)
         self._msgs = PeerLimits(cfg.peer_msgs_per_s, 2 * cfg.peer_msgs_per_s)
         self._bytes = PeerLimits(cfg.peer_mib_per_s * MIB, 2 * cfg.peer_mib_per_s * MIB)

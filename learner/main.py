@@ -238,7 +238,7 @@ class Learner:
         self._start_server(resume)
         bc = self.cfg.broadcast
         self.release = Release(self.cfg, self.run_dir, self.policy, self.auditor, Publisher(
-            VersionEncoder(run_id=self.run_id, key=self.key, chunk_size=bc.chunk_kib * 1024,
+            VersionEncoder(run_id=self.run_id, key=self.key, chunk_size=bc.chunk_bytes,
                            dtype=bc.dtype, delta=bc.delta, keyframe_every=bc.keyframe_every,
                            max_ratio=bc.delta_max_ratio, base_model=self.policy.base_hash),
             self.server.publish))

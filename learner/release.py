@@ -83,7 +83,7 @@ def base_model(cfg: EchoConfig, policy: Policy, run_id: str, key: RunKey,
     try:
         manifest, payload = build_base_manifest(
             run_id=run_id, base_model=policy.base_hash,
-            folder=Path(name).expanduser(), chunk_size=cfg.broadcast.chunk_kib * 1024,
+            folder=Path(name).expanduser(), chunk_size=cfg.broadcast.chunk_bytes,
             key=key)
     except SnapshotError as err:  # no safetensors file, too many files
         log.warning("base model not published to workers (%s): each worker needs it at "

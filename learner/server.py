@@ -93,7 +93,7 @@ class LearnerServer:
         bc = cfg.broadcast
         # uplink_mbit / link_mbit inform the chain planner; they do not throttle anything.
         self.topology = make_topology(bc.topology, uplink_mbit=bc.uplink_mbit or None,
-                                      link_mbit=bc.link_mbit or None, chunk_bytes=bc.chunk_kib * 1024)
+                                      link_mbit=bc.link_mbit or None, chunk_bytes=bc.chunk_bytes)
         self.coordinator: Coordinator | None = None
         self.reflector: Reflector | None = None  # docs/nat.md; None with nat_traversal off
         self.verifier: Verifier | None = None

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from echo.ewma import ewma
+
 RTOL = 1e-9
 
 
@@ -79,7 +81,7 @@ T_TRAIN_WEIGHT = 0.2  # weight of the newest step in the learner's T_train avera
 def t_train_average(previous: float | None, t_train: float) -> float:
     """The T_train behind mu_req: an exponential average over steps, as the learner keeps it
     (learner/main.py) and the simulator replays it, so one slow step does not swing the fleet."""
-    return t_train if previous is None else (1 - T_TRAIN_WEIGHT) * previous + T_TRAIN_WEIGHT * t_train
+    return ewma(previous, t_train, T_TRAIN_WEIGHT)
 
 
 def mu_req(n: int, kappa: int, t_train: float, t_bcast: float) -> float:

@@ -57,6 +57,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from echo.ewma import ewma
 from provisioning.registry import (ACTIVE, STANDBY, Registry, Remembered,  # noqa: F401
                                    UnknownWorker, WorkerStatus, fold)
 from provisioning.scaling import (ACTIVATE, RELEASE, SHORT, SWAP_GAIN, SWAP_SHARE,  # noqa: F401
@@ -172,7 +173,9 @@ class Controller:
         """One heartbeat sample: ``up=True`` when it arrived, ``False`` when it was missed."""
         with self._lock:
             w = self._reg.get(worker_id)
-            w.availability += self.avail_beta * (float(up) - w.availability)
+            # averaged from the prior 1.0 (up), not replaced by the first sample: one missed
+            # heartbeat must not halve a new worker's capacity
+            w.availability = ewma(w.availability, float(up), self.avail_beta)
 
     def set_yielded(self, worker_id: str, yielded: bool) -> Decision | None:
         """The worker's owner took the machine (docs/preemption.md), or gave it back. A

@@ -9,6 +9,8 @@ import math
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
+from echo.ewma import ewma, time_weight
+
 ACTIVE, STANDBY = "active", "standby"
 
 
@@ -208,10 +210,9 @@ def fold(workers: dict[str, WorkerRecord], now: float, warmup_s: float, tau_s: f
                 # The first measurement of a worker without a prior is its rate: an EWMA
                 # from 0 would report a fraction of it for minutes, and the loop would
                 # activate more workers against a shortfall that is not there.
-                weight = 1.0 if first else 1.0 - math.exp(-w.pending_busy / tau_s)
-                w.mu_hat += weight * (w.pending / w.pending_busy - w.mu_hat)
+                w.mu_hat = ewma(None if first else w.mu_hat, w.pending / w.pending_busy,
+                                time_weight(w.pending_busy, tau_s))
             w.pending, w.pending_busy, w.since = 0, 0.0, now
         elif dt > 0:
-            weight = 1.0 - math.exp(-dt / tau_s)
-            w.mu_hat += weight * (w.pending / dt - w.mu_hat)
+            w.mu_hat = ewma(w.mu_hat, w.pending / dt, time_weight(dt, tau_s))
             w.pending, w.since = 0, now

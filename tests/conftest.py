@@ -59,7 +59,7 @@ def small_cfg() -> EchoConfig:
         "buffer": {"capacity_groups": 16},
         "worker": {"groups_per_request": 2, "heartbeat_s": 0.3},
         "transport": {"heartbeat_timeout_s": 3.0, "request_timeout_s": 3.0, "max_message_mib": 1.0},
-        "broadcast": {"dtype": "float32", "chunk_kib": 64},
+        "broadcast": {"dtype": "float32", "chunk_mib": 0.0625},
     })
 
 

@@ -25,6 +25,23 @@ def test_unknown_key_names_key_and_suggests_fix():
     assert "learner.max_step" in str(e.value) and "learner.max_steps" in str(e.value)
 
 
+def test_a_renamed_key_names_the_new_key_and_its_value(tmp_path):
+    old = tmp_path / "old.toml"
+    old.write_text("[broadcast]\nchunk_kib = 256\n")
+    with pytest.raises(ConfigError, match=r"broadcast.chunk_kib is now broadcast.chunk_mib "
+                                          r"\(KiB / 1024\): write chunk_mib = 0.25"):
+        load_config(old)
+    with pytest.raises(ConfigError, match="chunk_mib = 0.09765625"):
+        load_config(None, ["broadcast.chunk_kib=100"])
+
+
+def test_chunks_are_whole_kib_in_mib():
+    assert load_config(None, ["broadcast.chunk_mib=0.25"]).broadcast.chunk_bytes == 256 * 1024
+    assert EchoConfig().broadcast.chunk_bytes == 2**20
+    with pytest.raises(ConfigError, match="whole number of KiB"):
+        load_config(None, ["broadcast.chunk_mib=0.1"])
+
+
 def test_bad_value_names_key_value_and_fix():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["learner.staleness=-1"])

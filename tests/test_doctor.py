@@ -38,7 +38,7 @@ class Learner:
 def _cfg() -> EchoConfig:
     return EchoConfig.model_validate({"learner": {"max_steps": 100_000, "prompts_per_step": 4,
                                                   "group_size": 4},
-                                      "broadcast": {"dtype": "float32", "chunk_kib": 64}})
+                                      "broadcast": {"dtype": "float32", "chunk_mib": 0.0625}})
 
 
 @pytest.fixture(scope="module")

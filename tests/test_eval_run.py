@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from echo.ci import mean_ci, paired_ci, t975
-from echo.evaluate import (
+from echo.commands.evaluate import (
     EvalError,
     describe,
     eval_prompts,
@@ -305,7 +305,7 @@ def test_cli_prints_json_and_help_is_instant(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
     assert res["paired"]["difference"] == "untrained - step 3" and res["prompts"] == 6
-    code = ("import sys, echo.evaluate as e; e.build_parser(); "
+    code = ("import sys, echo.commands.evaluate as e; e.build_parser(); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=30, cwd=ROOT, check=False)

@@ -21,7 +21,7 @@ def lora_cfg(**lora) -> EchoConfig:
         "learner": {"prompts_per_step": 2, "group_size": 2, "lr": 0.05, "device": "cpu",
                     "lora": {"enabled": True, "rank": 4, **lora}},
         "worker": {"device": "cpu"},
-        "broadcast": {"dtype": "float32", "chunk_kib": 4},
+        "broadcast": {"dtype": "float32", "chunk_mib": 0.00390625},
     })
 
 

@@ -16,7 +16,8 @@ import zmq
 from broadcast.snapshot import RunKey
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits
-from echo import admin, wire
+from echo import wire
+from echo.commands import admin
 from echo.security import KeyPair, curve_client, fingerprint
 from learner.buffer import ReplayBuffer
 from learner.server import LearnerServer

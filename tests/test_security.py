@@ -2,6 +2,7 @@
 security findings, one test each, on real CurveZMQ sockets over loopback."""
 
 import asyncio
+import math
 import os
 import random
 import subprocess
@@ -22,9 +23,10 @@ from broadcast.tickets import TicketCheck, mint
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits
 from echo import wire
-from echo.admin import parse_duration
+from echo.commands.admin import parse_duration
 from echo.config import EchoConfig
-from echo.security import (Bucket, JoinLine, KeyList, KeyPair, SecurityError, TokenStore,
+from echo.rates import TokenBucket
+from echo.security import (JoinLine, KeyList, KeyPair, SecurityError, TokenStore,
                            curve_client, curve_server, key_hex)
 from learner.buffer import ReplayBuffer
 from learner.server import LearnerServer
@@ -87,7 +89,7 @@ def test_key_list_sees_another_process_append(tmp_path):
 
 def test_bucket_refuses_past_its_rate():
     t = [0.0]
-    b = Bucket(rate=2, burst=2, clock=lambda: t[0])
+    b = TokenBucket(rate=2, burst=2, clock=lambda: t[0])
     assert [b.take() for _ in range(3)] == [True, True, False]
     t[0] += 0.5
     assert b.take() and not b.take()
@@ -517,3 +519,13 @@ def test_worker_refuses_a_line_without_a_key(tmp_path):
     r = _join("tcp://127.0.0.1:9", tmp_path)
     assert r.returncode == 2 and "carries no learner key" in r.stderr
     assert key_hex(KeyPair.generate().public)  # the line's key form is hex
+
+
+def test_bucket_reserve_goes_into_debt_and_gives_back():
+    t = [0.0]
+    b = TokenBucket(rate=2, burst=2, clock=lambda: t[0])
+    assert b.reserve(3) == pytest.approx(0.5) and b.tokens == pytest.approx(-1)
+    assert not b.take()  # the debt is repaid first
+    b.give_back(3)
+    assert b.tokens == pytest.approx(2)
+    assert TokenBucket(math.inf, 1).take(10**9)

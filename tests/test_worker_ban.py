@@ -14,7 +14,7 @@ import pytest
 from worker_doubles import ScriptedClient, make_generation
 
 from echo import wire
-from echo.admin import main as admin_main
+from echo.commands.admin import main as admin_main
 from echo.config import dump_toml
 from echo.procs import ProcessGroup, python_argv, wait_ready
 from worker.agent import WorkerError

@@ -143,9 +143,9 @@ def test_cut_samples_go_back_as_prefixes_and_nothing_is_queued():
 def test_grants_grow_until_a_rollout_outlasts_the_round_trip():
     g = make_generation(ScriptedClient(lambda msg: None))
     assert g.grant_size() == 2  # nothing measured yet
-    g.grant_rtt, g.group_s = 1.0, 0.1  # a round trip of five grants' generation
+    g.rtt_avg.value, g.group_avg.value = 1.0, 0.1  # a round trip of five grants' generation
     assert g.grant_size() == 2 * 5 and g.prefetch_pays() is True
-    g.grant_rtt = 100.0
+    g.rtt_avg.value = 100.0
     assert g.grant_size() == 2 * 8  # at most MAX_GRANT_SCALE
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from echo import wire
 from echo.client import RequestTimeout
+from echo.ewma import Ewma
 from worker.backends import Sample
 from worker.delivery import Deliveries
 from worker.install import Installer
@@ -43,13 +44,32 @@ class Generation:
         self.held = installer.held
         self.life, self.activity, self.status = life, activity, status
         self.generating: list[str] = []  # group ids being generated now
-        self.grant_rtt = 0.0  # EWMA seconds of a work request's round trip
-        self.rollout_s = 0.0  # EWMA seconds of generating and scoring one grant
-        self.group_s = 0.0  # EWMA seconds of generating and scoring one group
+        # Seconds of a work request's round trip. Averaged from a prior of 0, not from the
+        # first sample: one slow first request (the learner warming up) must not switch
+        # prefetching and big grants on.
+        self.rtt_avg = Ewma(0.2, prior=0.0)
+        self.rollout_avg = Ewma(0.2)  # seconds of generating and scoring one grant
+        self.group_avg = Ewma(0.2)  # seconds of generating and scoring one group
         self._prefetching = False
-        self.throughput = 0.0
+        self.rate_avg = Ewma(0.3)  # samples per busy second, recent
         self.busy_s = 0.0  # cumulative busy time and output, for an unbiased average rate
         self.busy_samples = 0
+
+    @property
+    def grant_rtt(self) -> float:
+        return self.rtt_avg.get()
+
+    @property
+    def rollout_s(self) -> float:
+        return self.rollout_avg.get()
+
+    @property
+    def group_s(self) -> float:
+        return self.group_avg.get()
+
+    @property
+    def throughput(self) -> float:
+        return self.rate_avg.get()
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -106,7 +126,7 @@ class Generation:
         try:
             sent = time.monotonic()
             grant = await self.session.client.request(req, self.session.timeout)
-            self.grant_rtt = 0.8 * self.grant_rtt + 0.2 * (time.monotonic() - sent)
+            self.rtt_avg.update(time.monotonic() - sent)
         except RequestTimeout:
             return []
         if isinstance(grant, wire.Error) and grant.reason == "banned":
@@ -148,9 +168,8 @@ class Generation:
         return True
 
     def time_rollout(self, gen_s: float, groups: int) -> None:
-        self.rollout_s = 0.8 * self.rollout_s + 0.2 * gen_s if self.rollout_s else gen_s
-        per_group = gen_s / groups
-        self.group_s = 0.8 * self.group_s + 0.2 * per_group if self.group_s else per_group
+        self.rollout_avg.update(gen_s)
+        self.group_avg.update(gen_s / groups)
 
     def queue(self, groups: list[wire.Group], samples: Scored, version: int, gen_s: float) -> None:
         """The groups' records, generated under ``version``, as one batch for delivery."""
@@ -238,4 +257,4 @@ class Generation:
         self.busy_s += seconds
         self.busy_samples += count
         rate = count / max(seconds, 1e-3)
-        self.throughput = rate if self.throughput == 0 else 0.3 * rate + 0.7 * self.throughput
+        self.rate_avg.update(rate)

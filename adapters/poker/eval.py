@@ -23,7 +23,6 @@ ones), which is the "before" of a before/after comparison. A run folder's observ
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -200,12 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         raise
     print(table(res))
     if args.json:  # with what produced it: the command line and the machine
-        from echo.machine import machine_info
+        from echo.machine import write_result
 
-        res = {**res, "command": " ".join(["echo-rl eval poker", *(argv if argv is not None
-                                                                  else sys.argv[1:])]),
-               "machine": machine_info()}
-        args.json.write_text(json.dumps(res, indent=2))
+        write_result(args.json, {**res, "command": " ".join(
+            ["echo-rl eval poker", *(argv if argv is not None else sys.argv[1:])])})
     return 0
 
 

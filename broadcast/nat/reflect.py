@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from echo.security import Bucket, PeerLimits
+from echo.rates import TokenBucket
+from echo.security import PeerLimits
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class Reflector:
         self.ports: list[int] = []
         self.seen: OrderedDict[bytes, Observation] = OrderedDict()
         self.refused: dict[str, int] = {"rate": 0, "malformed": 0}
-        self._all = Bucket(probes_per_s, 2 * probes_per_s)
+        self._all = TokenBucket(probes_per_s, 2 * probes_per_s)
         self._per_ip = PeerLimits(per_address_per_s, 4 * per_address_per_s)
         self._dials = asyncio.Semaphore(max_dials)
         self._servers: list[asyncio.base_events.Server] = []

@@ -6,14 +6,13 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from echo.errors import ReasonError
+
 WIRE_VERSION = 1
 
 
-class WireError(ValueError):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
+class WireError(ReasonError, ValueError):
+    """A message refused at the wire (counted by ``reason``)."""
 
 
 class Message(BaseModel):

@@ -34,7 +34,7 @@ def sample(run_dir: Path, n: int = 5, samples: int = 2, temperature: float | Non
     checkpoint or adapter."""
     from dataplane.adapter import load_adapter
     from dataplane.answers import check_answer_tokens
-    from echo.evaluate import install_policy, load_backend, resolve_policy, run_config, take
+    from echo.commands.evaluate import install_policy, load_backend, resolve_policy, run_config, take
 
     cfg = run_config(run_dir)
     policy = resolve_policy(run_dir, checkpoint)
