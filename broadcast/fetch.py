@@ -40,7 +40,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from broadcast.shaping import TokenBucket
-from broadcast.snapshot import SnapshotError, chunk_range, verify_chunk
+from broadcast.manifest import BaseManifest, ChunkLayout, Manifest, SnapshotError
 from broadcast.store import SnapshotStore
 from broadcast.tickets import Source
 from echo import wire
@@ -150,7 +150,7 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
         curve_client(sock, keys or KeyPair.generate(), src.key)
     # A reply is one chunk and a small header: anything larger is a hostile peer, dropped by
     # libzmq before it is buffered (an unbounded frame could take gigabytes).
-    sock.setsockopt(zmq.MAXMSGSIZE, int(buf.manifest["chunk_size"]) + REQUEST_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, buf.layout.chunk_size + REQUEST_BYTES)
     sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(address)
@@ -159,7 +159,7 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
     pending: dict[int, int] = {}  # rid -> chunk index
-    form = buf.manifest.get("form", "payload")  # "full": a keyframe (snapshot.result_view)
+    form = buf.layout.form  # "full": a keyframe (Manifest.result_layout); "base": a base model
 
     async def request_next() -> None:
         for index in todo:
@@ -270,7 +270,7 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
     if index is None:
         _drain(sock)
         return
-    start, end = chunk_range(buf.manifest, index)
+    start, end = buf.layout.chunk_range(index)
     target = buf.view[start:end]
     n = sock.recv_into(target, flags=zmq.NOBLOCK)  # a longer frame is cut: n says its size
     _drain(sock)
@@ -279,7 +279,7 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
     if download is not None:
         await download.consume(n)
     try:
-        verify_chunk(buf.manifest, index, target)
+        buf.layout.verify_chunk(index, target)
     except SnapshotError as err:
         raise SourceFailed("corrupt", str(err), index) from None
     store.mark(buf.version, index)
@@ -292,7 +292,8 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
         attempt["chunks"] += 1
 
 
-async def fetch_snapshot(sock_ctx: zmq.asyncio.Context, manifest: dict, source: Source | str, *,
+async def fetch_snapshot(sock_ctx: zmq.asyncio.Context,
+                         manifest: Manifest | BaseManifest | ChunkLayout, source: Source | str, *,
                          window: int, timeout_s: float, max_bytes: int,
                          keys: KeyPair | None = None) -> bytearray:
     """One-shot convenience: a whole snapshot from one source into a fresh buffer."""
