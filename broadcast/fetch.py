@@ -34,14 +34,15 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from broadcast.shaping import TokenBucket
 from broadcast.manifest import BaseManifest, ChunkLayout, Manifest, SnapshotError
-from broadcast.store import SnapshotStore
+from broadcast.shaping import TokenBucket
+from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import Source
 from echo import wire
 from echo.security import KeyPair, curve_client
@@ -84,7 +85,7 @@ class FetchStats:
     # One entry per source tried, in order: where the chunks came from and when (wall-clock
     # seconds, comparable across processes), and why the source was left (the trace a
     # benchmark writes per node: ``python -m labs.broadcast_bench --trace DIR``).
-    attempts: list[dict] = field(default_factory=list)
+    attempts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def down_mbit(self) -> float:
@@ -138,7 +139,7 @@ async def _address(endpoint: str, resolve: Resolve | None) -> str:
 
 async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, src: Source,
                 address: str, window: int, timeout_s: float, max_bytes: int, download: TokenBucket | None,
-                stats: FetchStats, keys: KeyPair | None, attempt: dict | None = None) -> None:
+                stats: FetchStats, keys: KeyPair | None, attempt: dict[str, Any] | None = None) -> None:
     buf = store.get(version)
     if buf is None:  # dropped meanwhile (a restarted learner's versions are forgotten): no fetch
         raise SnapshotError(f"version {version} was dropped while it was being fetched")
@@ -154,7 +155,7 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
     sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(address)
-    plain = zmq.Socket.shadow(sock.underlying)
+    plain: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
     poller = zmq.asyncio.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
@@ -176,14 +177,15 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
     # Chunks the source does not hold yet (``NotYet``): asked again at ``retry_at``; each keeps
     # its window slot meanwhile. ``not_yet_since``: when the source last had nothing for us.
     deferred: list[int] = []
-    retry_at, backoff, not_yet_since = 0.0, NOT_YET_S, None
+    retry_at, backoff = 0.0, NOT_YET_S
+    not_yet_since: float | None = None  # set with the first deferred chunk
     try:
         for _ in range(window):
             await request_next()
         while pending or deferred:
             now = time.monotonic()
             if deferred and now >= retry_at:
-                if now - not_yet_since >= timeout_s:
+                if not_yet_since is not None and now - not_yet_since >= timeout_s:
                     raise SourceFailed("timeout", f"{source} did not hold version {version} "
                                        f"within {timeout_s}s (it answered 'not yet')")
                 for index in deferred:
@@ -216,7 +218,7 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
                     if stats.chunks > chunks:  # the source holds the version now
                         backoff, not_yet_since = NOT_YET_S, None
                     await request_next()
-                if not (pending and plain.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+                if not (pending and cast(int, plain.getsockopt(zmq.EVENTS)) & zmq.POLLIN):
                     break
     finally:
         sock.disable_monitor()
@@ -246,14 +248,14 @@ def check_reply(header: bytes, more: bool, pending: dict[int, int], version: int
     return index
 
 
-def _drain(sock: zmq.Socket) -> None:
+def _drain(sock: zmq.Socket[bytes]) -> None:
     while sock.getsockopt(zmq.RCVMORE):
         sock.recv(zmq.NOBLOCK)  # the rest of this reply
 
 
-async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[int, int],
-                   max_bytes: int, download: TokenBucket | None, stats: FetchStats,
-                   attempt: dict | None = None) -> None:
+async def _receive(sock: zmq.Socket[bytes], buf: SnapshotBuffer, store: SnapshotStore,
+                   pending: dict[int, int], max_bytes: int, download: TokenBucket | None,
+                   stats: FetchStats, attempt: dict[str, Any] | None = None) -> None:
     """Read one reply (the poller said one is waiting: all its frames are here).
 
     ``sock`` is a plain (non-asyncio) shadow of the DEALER so that the chunk bytes can be
@@ -297,10 +299,9 @@ async def fetch_snapshot(sock_ctx: zmq.asyncio.Context,
                          window: int, timeout_s: float, max_bytes: int,
                          keys: KeyPair | None = None) -> bytearray:
     """One-shot convenience: a whole snapshot from one source into a fresh buffer."""
-    from broadcast.store import SnapshotBuffer
-
     store = SnapshotStore()
     buf = store.add(SnapshotBuffer(manifest))
     await fetch_into(sock_ctx, store, buf.version, source, window=window, timeout_s=timeout_s,
                      max_bytes=max_bytes, keys=keys)
-    return buf.payload
+    payload: bytearray = buf.payload  # received into a fresh buffer
+    return payload

@@ -28,9 +28,9 @@ import zmq
 import zmq.asyncio
 
 from broadcast.fetch import REQUEST_BYTES, SOCKET_BUFFER, FetchStats, Reattach, fetch_into
+from broadcast.manifest import BaseManifest, Manifest
 from broadcast.memory import keep_chunk_buffers
 from broadcast.shaping import TokenBucket
-from broadcast.manifest import BaseManifest, Manifest
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import Source, TicketCheck

@@ -45,7 +45,7 @@ class Source:
 
 def mint(run_key: RunKey, child: str, parent: str, run_id: str, ttl_s: float,
          now: float | None = None) -> bytes:
-    body = msgpack.packb([child, parent, run_id, (now or time.time()) + ttl_s])
+    body: bytes = msgpack.packb([child, parent, run_id, (now or time.time()) + ttl_s])
     return run_key.sign(body) + body
 
 
