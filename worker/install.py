@@ -65,7 +65,8 @@ class Installer:
         self.new_snapshot = asyncio.Event()  # the feed rebuilt a version to install
         self.version_bytes = (0, "bfloat16")  # the run's full version: size and dtype, at join
         self.base_offer: dict[str, Any] | None = None  # a LoRA run's base, as the join said
-        self.base_manifest: BaseManifest | None = None  # that, verified (worker.base)
+        # the base obtained (verified; worker.base): what the loaded model must hash to
+        self.base_manifest: BaseManifest | None = None
         self.base: BaseResult | None = None  # where this worker's base model came from
 
     def _snapshot_ready(self) -> None:
@@ -83,7 +84,7 @@ class Installer:
             # served under that run's version numbers.
             self.held.version = -1
             self.feed.reset()
-        self.base_offer, self.base_manifest = ack.base_manifest, None
+        self.base_offer = ack.base_manifest  # verified by obtain_base, before the model loads
         manifest = self._verified(ack.version, ack.manifest) if ack.manifest is not None else None
         self.version_bytes = (manifest.result_size, manifest.dtype) if manifest is not None \
             else (0, "bfloat16")  # for the memory plan
