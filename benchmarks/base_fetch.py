@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq.asyncio
 
-from broadcast.basemodel import BaseCache, build_base_manifest
+from broadcast.basemodel import BaseCache, build_base_manifest, verify_base_manifest
 from broadcast.relay import Relay, RelayConfig
 from broadcast.snapshot import RunKey
 from broadcast.tickets import Source
@@ -48,11 +48,11 @@ async def one_run(folder: Path, chunk_kib: int, tmp: Path) -> dict:
     try:
         cache = BaseCache(tmp / "cache")
         t0 = time.perf_counter()
-        got = await obtain_base(manifest, public_key=key.public_bytes, run_id="bench",
+        got = await obtain_base(verify_base_manifest(manifest.to_wire(), key.public_bytes, "bench"),
                                 model_name="absent", relay=joiner, ask=ask, cache=cache)
         fetch_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        hit = await obtain_base(manifest, public_key=key.public_bytes, run_id="bench",
+        hit = await obtain_base(verify_base_manifest(manifest.to_wire(), key.public_bytes, "bench"),
                                 model_name="absent", relay=second, ask=ask, cache=cache)
         hit_s = time.perf_counter() - t0
     finally:
@@ -61,8 +61,8 @@ async def one_run(folder: Path, chunk_kib: int, tmp: Path) -> dict:
         for r in (peer, joiner, second):
             r.close()
         ctx.destroy(linger=0)
-    return {"folder": str(folder), "bytes": len(payload), "files": len(manifest["files"]),
-            "chunks": len(manifest["chunk_hashes"]), "publish_s": round(publish_s, 3),
+    return {"folder": str(folder), "bytes": len(payload), "files": len(manifest.files),
+            "chunks": manifest.layout.num_chunks, "publish_s": round(publish_s, 3),
             "fetch_bytes": got.fetched_bytes, "fetch_s": round(fetch_s, 3),
             "fetch_mbit": round(got.fetched_bytes * 8 / 1e6 / fetch_s, 1),
             "cache_hit_bytes": hit.fetched_bytes, "cache_hit_s": round(hit_s, 3),

@@ -82,7 +82,7 @@ class Arm:
                              dtype="bfloat16", delta=MODES[name]["delta"], keyframe_every=1000)
         kind = Publisher if MODES[name]["background"] else _inline_publisher()
         self.publisher = kind(enc, lambda snap: self.sent.append(
-            (snap.manifest["encoding"], len(snap.payload), len(snap.full))))
+            (snap.manifest.encoding, len(snap.payload), len(snap.full))))
         self.rows: list[dict[str, float]] = []
 
     def publish(self, version: int) -> float:

@@ -76,14 +76,14 @@ def measure(prev: bytes, pub: Any, full: bytes) -> dict[str, Any]:
 
     m, st, mb = pub.manifest, pub.stats, len(full) / 1e6
     t0 = time.perf_counter()
-    decoded = decode(m["tensors"], pub.payload, prev, m["result_size"])
+    decoded = decode(m.tensors, pub.payload, prev, m.result_size)
     t_dec = time.perf_counter() - t0
     t0 = time.perf_counter()
     rebuilt = rebuild(m, pub.payload, prev)
     t_reb = time.perf_counter() - t0
     same = blake3.blake3(bytes(rebuilt)).digest() == blake3.blake3(full).digest() == \
         blake3.blake3(bytes(decoded)).digest()
-    return {"encoding": m["encoding"], "changed_fraction": st.changed_fraction,
+    return {"encoding": m.encoding, "changed_fraction": st.changed_fraction,
             "ratio_chosen": len(pub.payload) / len(full),
             "ratio_by_encoding": {k: v / len(full) for k, v in st.sizes.items()},
             "tensors_by_encoding": dict(st.chosen), "delta_bytes": len(pub.payload),

@@ -85,7 +85,7 @@ def measure(model: str, name: str, learner: dict[str, Any], steps: int) -> dict[
         _, full = policy.command({"op": "sync"})
         tensors, payload = params_to_payload(policy.named_tensors(full[0]), "bfloat16")
         pub = enc.build(v, tensors, payload)
-        versions.append({"version": v, "encoding": pub.manifest["encoding"],
+        versions.append({"version": v, "encoding": pub.manifest.encoding,
                          "bytes": len(pub.payload), "version_bytes": len(payload)})
     trained = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in policy.model.parameters())

@@ -14,7 +14,8 @@ snapshot of its own kind, signed with the run's key and cut into chunks with BLA
     "signature": bytes64,                # Ed25519 over the canonical msgpack of the rest
   }
 
-``kind`` keeps the two apart: a policy manifest has no ``kind`` (and ``check_manifest`` needs
+The declared type is ``broadcast.manifest.BaseManifest`` (its wire map above is written only
+there). ``kind`` keeps the two apart: a policy manifest has no ``kind`` (and ``check_manifest`` needs
 ``tensors``), so neither verifies as the other. Chunks are requested with form "base" from any
 node holding the whole base (the learner, or a worker that fetched it or found it in its cache),
 and each is checked against the signed hashes before it is stored or served onward.
@@ -31,34 +32,33 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from broadcast.snapshot import (
-    BASE_HASH,
-    MAX_CHUNK,
-    SCHEMA,
-    RunKey,
+from broadcast.manifest import (
+    BASE_KIND,
+    BASE_VERSION,
+    MAX_BASE_BYTES,
+    MAX_FILES,
+    NAME,
+    BaseFile,
+    BaseManifest,
     SnapshotError,
-    _check_hashes,
-    _int,
-    _show,
-    _signed_part,
-    chunk_hashes,
-    verify_manifest_signature,
+    parse_base_manifest,
+    verify_signature,
 )
+from broadcast.snapshot import RunKey, chunk_hashes
 
 log = logging.getLogger(__name__)
 
-KIND = "base"
-VERSION = 0  # one base per run: its chunks are requested as version 0, form "base"
-MAX_FILES = 256
-MAX_BASE_BYTES = 1 << 40  # 1 TiB; a worker also needs this much free disk (``BaseCache.room``)
+KIND = BASE_KIND
+VERSION = BASE_VERSION
+__all__ = ["KIND", "MAX_BASE_BYTES", "MAX_FILES", "VERSION", "BaseCache", "build_base_manifest",
+           "cache_root", "check_base_manifest", "folder_files", "pack", "verify_base_manifest"]
 # The folder's files that travel: what from_pretrained reads (no code, no subfolders).
 SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja", ".tiktoken")
-NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # a plain file name: no '/', no '..'
 
 
 def folder_files(folder: Path) -> list[Path]:
@@ -74,89 +74,50 @@ def folder_files(folder: Path) -> list[Path]:
 
 
 def build_base_manifest(*, run_id: str, base_model: str, folder: Path, chunk_size: int,
-                        key: RunKey) -> tuple[dict[str, Any], bytearray]:
+                        key: RunKey) -> tuple[BaseManifest, bytearray]:
     """The signed manifest of ``folder`` (a base model whose content hash is ``base_model``)
     and its payload, the files concatenated in name order."""
     entries, offset = [], 0
     for path in folder_files(folder):
         size = path.stat().st_size
-        entries.append({"name": path.name, "offset": offset, "nbytes": size})
+        entries.append(BaseFile(path.name, offset, size))
         offset += size
-    manifest = {"schema": SCHEMA, "kind": KIND, "run_id": run_id, "version": VERSION,
-                "base_model": base_model, "files": entries, "payload_size": offset,
-                "chunk_size": chunk_size, "form": KIND}
+    manifest = BaseManifest(run_id=run_id, base_model=base_model, files=tuple(entries),
+                            payload_size=offset, chunk_size=chunk_size)
     payload = pack(folder, manifest)  # read once into one buffer (no second copy)
     if payload is None:
         raise SnapshotError(f"{folder} changed while it was being read")
-    manifest["chunk_hashes"] = chunk_hashes(payload, chunk_size)
-    manifest["signature"] = key.sign(_signed_part(manifest))
-    return manifest, payload
+    manifest = replace(manifest, chunk_hashes=tuple(chunk_hashes(payload, chunk_size)))
+    return replace(manifest, signature=key.sign(manifest.signed_bytes())), payload
 
 
-def check_base_manifest(manifest: Any) -> None:
-    """The shape of a base manifest: every key a worker reads, its type and range, and file
-    names that cannot leave the cache folder."""
-    if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
-        raise SnapshotError(f"base manifest is {_show(manifest)} of kind "
-                            f"{_show(manifest.get('kind') if isinstance(manifest, dict) else None)}"
-                            f", expected kind {KIND!r}")
-    if type(manifest.get("schema")) is not int or manifest["schema"] != SCHEMA:
-        raise SnapshotError(f"base manifest schema {_show(manifest.get('schema'))} is not "
-                            f"{SCHEMA}: upgrade echo-rl")
-    _int(manifest, "version", VERSION, VERSION, "base manifest")
-    if manifest.get("form") != KIND or not isinstance(manifest.get("run_id"), str):
-        raise SnapshotError("base manifest: form or run_id missing")
-    base = manifest.get("base_model")
-    if not isinstance(base, str) or not BASE_HASH.fullmatch(base):
-        raise SnapshotError(f"base manifest base_model is {_show(base)}, expected 64 hex digits")
-    size = _int(manifest, "payload_size", 1, MAX_BASE_BYTES, "base manifest")
-    chunk = _int(manifest, "chunk_size", 1, MAX_CHUNK, "base manifest")
-    _check_hashes("chunk_hashes", manifest.get("chunk_hashes"), size, chunk)
-    _check_files(manifest.get("files"), size)
-    sig = manifest.get("signature")
-    if not isinstance(sig, bytes) or len(sig) != 64:
-        raise SnapshotError(f"base manifest signature is {_show(sig)}, expected 64 bytes")
+def check_base_manifest(raw: Any) -> BaseManifest:
+    """The shape of a base manifest's map: every key a worker reads, its type and range, and
+    file names that cannot leave the cache folder."""
+    return parse_base_manifest(raw)
 
 
-def _check_files(files: Any, size: int) -> None:
-    """Files that tile the payload exactly, each a plain name, none twice."""
-    if not isinstance(files, list) or not 1 <= len(files) <= MAX_FILES:
-        raise SnapshotError(f"base manifest files is {_show(files)}, expected a list of 1 to "
-                            f"{MAX_FILES} entries")
-    at, names = 0, set()
-    for i, f in enumerate(files):
-        name = f.get("name") if isinstance(f, dict) else None
-        if not isinstance(name, str) or not NAME.fullmatch(name) or name in names:
-            raise SnapshotError(f"base manifest file {i}: name {_show(name)} is not a plain file "
-                                f"name (letters, digits, . _ -; no path), or names a file twice")
-        names.add(name)
-        if _int(f, "offset", at, at, f"base manifest file {i}") != at:
-            raise SnapshotError(f"base manifest file {i} does not start where the last ended")
-        at += _int(f, "nbytes", 0, size - at, f"base manifest file {i}")
-    if at != size:
-        raise SnapshotError(f"base manifest files cover {at} of {size} payload bytes")
-
-
-def verify_base_manifest(manifest: Any, public_key: bytes, run_id: str | None = None) -> None:
-    """Refuse (SnapshotError) a base manifest of the wrong shape, of another run, or not signed
-    by this run's key."""
-    check_base_manifest(manifest)
-    if run_id is not None and manifest["run_id"] != run_id:
-        raise SnapshotError(f"base manifest of run {manifest['run_id']!r}, this worker joined "
+def verify_base_manifest(raw: Any, public_key: bytes, run_id: str | None = None) -> BaseManifest:
+    """The base manifest a map from the wire holds; refused (SnapshotError) when of the wrong
+    shape, of another run, or not signed by this run's key."""
+    manifest = parse_base_manifest(raw)
+    if run_id is not None and manifest.run_id != run_id:
+        raise SnapshotError(f"base manifest of run {manifest.run_id!r}, this worker joined "
                             f"{run_id!r}")
-    verify_manifest_signature(manifest, public_key, "base model")
+    verify_signature(raw, public_key, "base model")
+    return manifest
 
 
-def pack(folder: Path, manifest: dict[str, Any]) -> bytearray | None:
+def pack(folder: Path, manifest: BaseManifest) -> bytearray | None:
     """The payload of ``folder``'s files as ``manifest`` lists them, or None if one is missing
     or of another size."""
-    out = bytearray(manifest["payload_size"])
-    for f in manifest["files"]:
-        path = folder / f["name"]
+    out = bytearray(manifest.payload_size)
+    for f in manifest.files:
+        path = folder / f.name
         try:
             with open(path, "rb") as fh:
-                n = fh.readinto(memoryview(out)[f["offset"]:f["offset"] + f["nbytes"]])
-            if n != f["nbytes"] or path.stat().st_size != f["nbytes"]:
+                n = fh.readinto(memoryview(out)[f.offset:f.offset + f.nbytes])
+            if n != f.nbytes or path.stat().st_size != f.nbytes:
                 return None
         except OSError:
             return None
@@ -175,10 +136,10 @@ class BaseCache:
     def __init__(self, root: Path | None = None):
         self.root = root or cache_root()
 
-    def folder(self, manifest: dict[str, Any]) -> Path:
-        return self.root / manifest["base_model"]
+    def folder(self, manifest: BaseManifest) -> Path:
+        return self.root / manifest.base_model
 
-    def lookup(self, manifest: dict[str, Any]) -> tuple[Path, bytearray] | None:
+    def lookup(self, manifest: BaseManifest) -> tuple[Path, bytearray] | None:
         """The cached folder of this base and its payload, when its files are exactly the
         manifest's (every chunk hash); a folder that is not is removed (fetched again)."""
         folder = self.folder(manifest)
@@ -186,24 +147,24 @@ class BaseCache:
             return None
         payload = pack(folder, manifest)
         if payload is not None and \
-                chunk_hashes(payload, manifest["chunk_size"]) == manifest["chunk_hashes"]:
+                tuple(chunk_hashes(payload, manifest.chunk_size)) == manifest.chunk_hashes:
             return folder, payload
         log.warning("cached base model %s does not match the run's base manifest (damaged or "
                     "partly deleted): removing it and fetching it again", folder)
         shutil.rmtree(folder, ignore_errors=True)
         return None
 
-    def room(self, manifest: dict[str, Any]) -> None:
+    def room(self, manifest: BaseManifest) -> None:
         """Refuse a fetch the disk cannot hold (the payload plus 5 %)."""
         self.root.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.root).free
-        need = manifest["payload_size"] * 21 // 20
+        need = manifest.payload_size * 21 // 20
         if free < need:
             raise SnapshotError(f"the run's base model needs {need / 2**30:.2f} GiB in "
                                 f"{self.root}, {free / 2**30:.2f} GiB are free: free space "
                                 f"there or set ECHO_HOME to a larger disk (docs/volunteers.md)")
 
-    def write(self, manifest: dict[str, Any], payload: bytes | bytearray) -> Path:
+    def write(self, manifest: BaseManifest, payload: bytes | bytearray) -> Path:
         """The verified payload as the base's folder: files written and synced in a temporary
         folder, then renamed into place (a crash leaves only the temporary folder)."""
         final = self.folder(manifest)
@@ -211,9 +172,9 @@ class BaseCache:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         view = memoryview(payload)
-        for f in manifest["files"]:
-            with open(tmp / f["name"], "wb") as fh:
-                fh.write(view[f["offset"]:f["offset"] + f["nbytes"]])
+        for f in manifest.files:
+            with open(tmp / f.name, "wb") as fh:
+                fh.write(view[f.offset:f.offset + f.nbytes])
                 fh.flush()
                 os.fsync(fh.fileno())
         try:
@@ -224,5 +185,5 @@ class BaseCache:
                 raise
         return final
 
-    def remove(self, manifest: dict[str, Any]) -> None:
+    def remove(self, manifest: BaseManifest) -> None:
         shutil.rmtree(self.folder(manifest), ignore_errors=True)

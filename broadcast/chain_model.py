@@ -242,8 +242,8 @@ def build_plan(chains: list[list[str]], model: ChainModel, peers: dict[str, Peer
         preds.append(ChainPrediction(
             length=len(chain), rate_mbit=rate / BYTES_PER_MBIT if known else None,
             time_s=model.time(chain, share) if known else None, bottleneck=who))
-    times = [p.time_s for p in preds]
-    predicted = max(times) if times and all(t is not None for t in times) else None
+    times = [p.time_s for p in preds if p.time_s is not None]
+    predicted = max(times) if times and len(times) == len(preds) else None
     if not chains:
         predicted = 0.0
     return ChainPlan(chains=chains, parent=parent, child=child, predictions=preds,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from broadcast.install_log import InstallLog, quantile_rank
@@ -142,7 +143,7 @@ class Coordinator:
         declared = {p.worker_id: (p.down_mbit, p.up_mbit) for p in self.peers.values() if p.alive}
         return declared if self.trust_declared else self.links.rates(declared)
 
-    def _planned_peers(self, hidden: set[str] = frozenset()) -> list[Peer]:
+    def _planned_peers(self, hidden: AbstractSet[str] = frozenset()) -> list[Peer]:
         """The live peers as the planner sees them; corrupt and ``hidden`` relays as no one's
         parent."""
         rates = self.rates()
@@ -205,7 +206,7 @@ class Coordinator:
         uplink = getattr(params, "uplink_mbit", None)
         if not uplink or plan is None or not plan.streams:
             return math.inf
-        return uplink / plan.streams
+        return float(uplink / plan.streams)  # (the topology's plan is not typed)
 
     def source_for(self, worker_id: str) -> str:
         """Where a worker (e.g. a late joiner) pulls the current snapshot from: its place in

@@ -25,13 +25,14 @@ ends in a ``DeltaError``, never an IndexError or a write outside the result.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import lz4.block
 import numpy as np
 
-from broadcast.snapshot import DTYPE_BYTES, TENSOR_ENCODINGS
+from broadcast.manifest import DTYPE_BYTES, TENSOR_ENCODINGS, TensorEntry
 from echo.spill import drop_pages
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -64,15 +65,15 @@ class DeltaStats:
         return self.payload_bytes / self.full_bytes if self.full_bytes else 1.0
 
 
-def _elements(buf: Any, t: dict[str, Any]) -> np.ndarray:
-    width = DTYPE_BYTES[t["dtype"]]
-    raw = np.frombuffer(buf, dtype=np.uint8, count=t["nbytes"], offset=t["offset"])
-    return raw.view(_UINT[width])
+def _elements(buf: Any, dtype: str, offset: int, nbytes: int) -> np.ndarray[Any, Any]:
+    raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=offset)
+    return raw.view(_UINT[DTYPE_BYTES[dtype]])
 
 
 def _encode_tensor(t: dict[str, Any], new: Any, base: Any, stats: DeltaStats,
-                   scratch: np.ndarray) -> tuple[str, Any]:
-    a, b = _elements(new, t), _elements(base, t)
+                   scratch: np.ndarray[Any, Any]) -> tuple[str, Any]:
+    a = _elements(new, t["dtype"], t["offset"], t["nbytes"])
+    b = _elements(base, t["dtype"], t["offset"], t["nbytes"])
     # Into a buffer reused across tensors: a fresh array per tensor costs its page faults.
     xor = np.bitwise_xor(a, b, out=scratch[: t["nbytes"]].view(a.dtype))
     changed = int(np.count_nonzero(xor))  # cheap; the indices are found only if sparse wins
@@ -98,8 +99,10 @@ def _encode_tensor(t: dict[str, Any], new: Any, base: Any, stats: DeltaStats,
     return enc, idx.astype(_INDEX).tobytes() + a[idx].tobytes()
 
 
-def encode(tensors: list[dict[str, Any]], new: Any, base: Any) -> tuple[list[dict[str, Any]], bytes, DeltaStats]:
-    """Encode ``new`` against ``base`` (both full payloads with the layout ``tensors``).
+def encode(tensors: list[dict[str, Any]], new: Any,
+           base: Any) -> tuple[list[TensorEntry], bytes, DeltaStats]:
+    """Encode ``new`` against ``base`` (both full payloads with the layout ``tensors``, as
+    ``echo.models.params_to_payload`` gives it).
 
     Returns the manifest's tensor entries (with ``enc``, ``doff``, ``dlen``), the delta payload
     and what the encode measured."""
@@ -108,13 +111,16 @@ def encode(tensors: list[dict[str, Any]], new: Any, base: Any) -> tuple[list[dic
                          f"model layout needs a keyframe")
     t0 = time.perf_counter()
     stats = DeltaStats()
-    entries, parts, off = [], [], 0
+    entries: list[TensorEntry] = []
+    parts: list[Any] = []
+    off = 0
     scratch = np.empty(max((t["nbytes"] for t in tensors), default=0), dtype=np.uint8)
     for t in tensors:
         enc, data = _encode_tensor(t, new, base, stats, scratch)
         for whole in (new, base):  # spilled maps: this tensor's pages leave the resident set
             drop_pages(whole, t["offset"], t["offset"] + t["nbytes"])
-        entries.append({**t, "enc": enc, "doff": off, "dlen": len(data)})
+        entries.append(TensorEntry(str(t["name"]), str(t["dtype"]), tuple(t["shape"]),
+                                   int(t["offset"]), int(t["nbytes"]), enc, off, len(data)))
         parts.append(data)
         off += len(data)
     payload = b"".join(parts)
@@ -123,7 +129,7 @@ def encode(tensors: list[dict[str, Any]], new: Any, base: Any) -> tuple[list[dic
     return entries, payload, stats
 
 
-def decode(entries: list[dict[str, Any]], payload: Any, base: Any, result_size: int,
+def decode(entries: Sequence[TensorEntry], payload: Any, base: Any, result_size: int,
            out: bytearray | None = None) -> bytearray:
     """Rebuild the full payload of a version from its delta ``payload`` and ``base`` (the full
     payload of the manifest's base version). ``out``: a buffer of ``result_size`` to reuse."""
@@ -134,18 +140,18 @@ def decode(entries: list[dict[str, Any]], payload: Any, base: Any, result_size: 
     view, src = memoryview(result), memoryview(payload)
     for t in entries:
         _decode_tensor(t, src, base, view)
-        drop_pages(base, t["offset"], t["offset"] + t["nbytes"])  # a spilled base: read once
+        drop_pages(base, t.offset, t.offset + t.nbytes)  # a spilled base: read once
     return result
 
 
-def _decode_tensor(t: dict[str, Any], src: memoryview, base: Any, view: memoryview) -> None:
-    enc, off, n = t["enc"], t["offset"], t["nbytes"]
-    data = src[t["doff"] : t["doff"] + t["dlen"]]
-    if len(data) != t["dlen"] or off + n > len(view):
-        raise DeltaError(f"tensor {t['name']}: its slice lies outside the payload or result")
+def _decode_tensor(t: TensorEntry, src: memoryview, base: Any, view: memoryview) -> None:
+    enc, off, n = t.enc, t.offset, t.nbytes
+    data = src[t.doff : t.doff + t.dlen]
+    if len(data) != t.dlen or off + n > len(view):
+        raise DeltaError(f"tensor {t.name}: its slice lies outside the payload or result")
     if enc == "full":
         if len(data) != n:
-            raise DeltaError(f"tensor {t['name']}: full encoding of {len(data)} bytes, needs {n}")
+            raise DeltaError(f"tensor {t.name}: full encoding of {len(data)} bytes, needs {n}")
         view[off : off + n] = data
         return
     view[off : off + n] = memoryview(base)[off : off + n]
@@ -153,28 +159,28 @@ def _decode_tensor(t: dict[str, Any], src: memoryview, base: Any, view: memoryvi
         try:
             xor = lz4.block.decompress(data, uncompressed_size=n)
         except lz4.block.LZ4BlockError as exc:
-            raise DeltaError(f"tensor {t['name']}: LZ4 block does not decode ({exc})") from None
+            raise DeltaError(f"tensor {t.name}: LZ4 block does not decode ({exc})") from None
         if len(xor) != n:
-            raise DeltaError(f"tensor {t['name']}: LZ4 block gives {len(xor)} bytes, needs {n}")
+            raise DeltaError(f"tensor {t.name}: LZ4 block gives {len(xor)} bytes, needs {n}")
         out = np.frombuffer(view, dtype=np.uint8, count=n, offset=off)
         np.bitwise_xor(out, np.frombuffer(xor, dtype=np.uint8), out=out)
     elif enc == "sparse":
         _apply_sparse(t, data, view)
     else:
-        raise DeltaError(f"tensor {t['name']}: encoding {enc!r} is not one of {TENSOR_ENCODINGS}")
+        raise DeltaError(f"tensor {t.name}: encoding {enc!r} is not one of {TENSOR_ENCODINGS}")
 
 
-def _apply_sparse(t: dict[str, Any], data: memoryview, view: memoryview) -> None:
-    width = DTYPE_BYTES[t["dtype"]]
+def _apply_sparse(t: TensorEntry, data: memoryview, view: memoryview) -> None:
+    width = DTYPE_BYTES[t.dtype]
     k, rest = divmod(len(data), _INDEX.itemsize + width)
     if rest:
-        raise DeltaError(f"tensor {t['name']}: sparse slice of {len(data)} bytes is not a whole "
+        raise DeltaError(f"tensor {t.name}: sparse slice of {len(data)} bytes is not a whole "
                          f"number of (index, value) pairs of {_INDEX.itemsize}+{width} bytes")
     if not k:
         return
-    out = _elements(view, t)
+    out = _elements(view, t.dtype, t.offset, t.nbytes)
     idx = np.frombuffer(data, dtype=_INDEX, count=k)
     if int(idx.max()) >= out.size:
-        raise DeltaError(f"tensor {t['name']}: sparse index {int(idx.max())} beyond its "
+        raise DeltaError(f"tensor {t.name}: sparse index {int(idx.max())} beyond its "
                          f"{out.size} elements")
     out[idx] = np.frombuffer(data, dtype=out.dtype, count=k, offset=k * _INDEX.itemsize)

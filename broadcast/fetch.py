@@ -34,14 +34,15 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from broadcast.manifest import BaseManifest, ChunkLayout, Manifest, SnapshotError
 from broadcast.shaping import TokenBucket
-from broadcast.snapshot import SnapshotError, chunk_range, verify_chunk
-from broadcast.store import SnapshotStore
+from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import Source
 from echo import wire
 from echo.errors import ReasonError
@@ -83,7 +84,7 @@ class FetchStats:
     # One entry per source tried, in order: where the chunks came from and when (wall-clock
     # seconds, comparable across processes), and why the source was left (the trace a
     # benchmark writes per node: ``python -m labs.broadcast_bench --trace DIR``).
-    attempts: list[dict] = field(default_factory=list)
+    attempts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def down_mbit(self) -> float:
@@ -137,7 +138,7 @@ async def _address(endpoint: str, resolve: Resolve | None) -> str:
 
 async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, src: Source,
                 address: str, window: int, timeout_s: float, max_bytes: int, download: TokenBucket | None,
-                stats: FetchStats, keys: KeyPair | None, attempt: dict | None = None) -> None:
+                stats: FetchStats, keys: KeyPair | None, attempt: dict[str, Any] | None = None) -> None:
     buf = store.get(version)
     if buf is None:  # dropped meanwhile (a restarted learner's versions are forgotten): no fetch
         raise SnapshotError(f"version {version} was dropped while it was being fetched")
@@ -149,16 +150,16 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
         curve_client(sock, keys or KeyPair.generate(), src.key)
     # A reply is one chunk and a small header: anything larger is a hostile peer, dropped by
     # libzmq before it is buffered (an unbounded frame could take gigabytes).
-    sock.setsockopt(zmq.MAXMSGSIZE, int(buf.manifest["chunk_size"]) + REQUEST_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, buf.layout.chunk_size + REQUEST_BYTES)
     sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(address)
-    plain = zmq.Socket.shadow(sock.underlying)
+    plain: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
     poller = zmq.asyncio.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
     pending: dict[int, int] = {}  # rid -> chunk index
-    form = buf.manifest.get("form", "payload")  # "full": a keyframe (snapshot.result_view)
+    form = buf.layout.form  # "full": a keyframe (Manifest.result_layout); "base": a base model
 
     async def request_next() -> None:
         for index in todo:
@@ -175,14 +176,15 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
     # Chunks the source does not hold yet (``NotYet``): asked again at ``retry_at``; each keeps
     # its window slot meanwhile. ``not_yet_since``: when the source last had nothing for us.
     deferred: list[int] = []
-    retry_at, backoff, not_yet_since = 0.0, NOT_YET_S, None
+    retry_at, backoff = 0.0, NOT_YET_S
+    not_yet_since: float | None = None  # set with the first deferred chunk
     try:
         for _ in range(window):
             await request_next()
         while pending or deferred:
             now = time.monotonic()
             if deferred and now >= retry_at:
-                if now - not_yet_since >= timeout_s:
+                if not_yet_since is not None and now - not_yet_since >= timeout_s:
                     raise SourceFailed("timeout", f"{source} did not hold version {version} "
                                        f"within {timeout_s}s (it answered 'not yet')")
                 for index in deferred:
@@ -215,7 +217,7 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
                     if stats.chunks > chunks:  # the source holds the version now
                         backoff, not_yet_since = NOT_YET_S, None
                     await request_next()
-                if not (pending and plain.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+                if not (pending and cast(int, plain.getsockopt(zmq.EVENTS)) & zmq.POLLIN):
                     break
     finally:
         sock.disable_monitor()
@@ -245,14 +247,14 @@ def check_reply(header: bytes, more: bool, pending: dict[int, int], version: int
     return index
 
 
-def _drain(sock: zmq.Socket) -> None:
+def _drain(sock: zmq.Socket[bytes]) -> None:
     while sock.getsockopt(zmq.RCVMORE):
         sock.recv(zmq.NOBLOCK)  # the rest of this reply
 
 
-async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[int, int],
-                   max_bytes: int, download: TokenBucket | None, stats: FetchStats,
-                   attempt: dict | None = None) -> None:
+async def _receive(sock: zmq.Socket[bytes], buf: SnapshotBuffer, store: SnapshotStore,
+                   pending: dict[int, int], max_bytes: int, download: TokenBucket | None,
+                   stats: FetchStats, attempt: dict[str, Any] | None = None) -> None:
     """Read one reply (the poller said one is waiting: all its frames are here).
 
     ``sock`` is a plain (non-asyncio) shadow of the DEALER so that the chunk bytes can be
@@ -269,7 +271,7 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
     if index is None:
         _drain(sock)
         return
-    start, end = chunk_range(buf.manifest, index)
+    start, end = buf.layout.chunk_range(index)
     target = buf.view[start:end]
     n = sock.recv_into(target, flags=zmq.NOBLOCK)  # a longer frame is cut: n says its size
     _drain(sock)
@@ -278,7 +280,7 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
     if download is not None:
         await download.consume(n)
     try:
-        verify_chunk(buf.manifest, index, target)
+        buf.layout.verify_chunk(index, target)
     except SnapshotError as err:
         raise SourceFailed("corrupt", str(err), index) from None
     store.mark(buf.version, index)
@@ -291,14 +293,14 @@ async def _receive(sock: zmq.Socket, buf, store: SnapshotStore, pending: dict[in
         attempt["chunks"] += 1
 
 
-async def fetch_snapshot(sock_ctx: zmq.asyncio.Context, manifest: dict, source: Source | str, *,
+async def fetch_snapshot(sock_ctx: zmq.asyncio.Context,
+                         manifest: Manifest | BaseManifest | ChunkLayout, source: Source | str, *,
                          window: int, timeout_s: float, max_bytes: int,
                          keys: KeyPair | None = None) -> bytearray:
     """One-shot convenience: a whole snapshot from one source into a fresh buffer."""
-    from broadcast.store import SnapshotBuffer
-
     store = SnapshotStore()
     buf = store.add(SnapshotBuffer(manifest))
     await fetch_into(sock_ctx, store, buf.version, source, window=window, timeout_s=timeout_s,
                      max_bytes=max_bytes, keys=keys)
-    return buf.payload
+    payload: bytearray = buf.payload  # received into a fresh buffer
+    return payload

@@ -28,9 +28,9 @@ import zmq
 import zmq.asyncio
 
 from broadcast.fetch import REQUEST_BYTES, SOCKET_BUFFER, FetchStats, Reattach, fetch_into
+from broadcast.manifest import BaseManifest, Manifest
 from broadcast.memory import keep_chunk_buffers
 from broadcast.shaping import TokenBucket
-from broadcast.snapshot import result_view, verify_manifest
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import Source, TicketCheck
@@ -139,34 +139,35 @@ class Relay:
             return "rate_limited"
         return ""
 
-    async def receive(self, manifest: dict[str, Any], public_key: bytes, source: Source | str,
+    async def receive(self, manifest: Manifest, source: Source | str,
                       reattach: Reattach | None) -> tuple[SnapshotBuffer, FetchStats]:
-        """Verify the manifest, then pull every missing chunk (resuming across sources)."""
-        verify_manifest(manifest, public_key)
-        buf = self.store.get(manifest["version"])
-        if buf is None or buf.manifest["chunk_hashes"] != manifest["chunk_hashes"]:
+        """Pull every missing chunk of a verified manifest's payload (resuming across
+        sources; ``verify_manifest`` made ``manifest`` where it arrived)."""
+        buf = self.store.get(manifest.version)
+        if buf is None or buf.layout.chunk_hashes != manifest.chunk_hashes:
             # (a held buffer of this version with other chunks: a crashed learner's, whose
             # resumed instance published the version again; its chunks would never verify)
-            buf = self.store.add(SnapshotBuffer(manifest, storage=self.store.storage_for(manifest)))
+            storage = self.store.storage_for(manifest.layout)
+            buf = self.store.add(SnapshotBuffer(manifest, storage=storage))
         stats = await fetch_into(self.ctx, self.store, buf.version, source,
                                  window=self.cfg.window, timeout_s=self.cfg.timeout_s,
                                  max_bytes=self.cfg.max_bytes, download=self.download,
                                  reattach=reattach, keys=self.keys, resolve=self.resolve)
         return buf, stats
 
-    async def receive_keyframe(self, manifest: dict[str, Any], source: Source | str,
+    async def receive_keyframe(self, manifest: Manifest, source: Source | str,
                                reattach: Reattach | None) -> tuple[bytearray, FetchStats]:
         """The full payload of a verified manifest's version, from a node that rebuilt it,
         every chunk checked against the signed result hashes."""
         store = SnapshotStore(keep=1, recycle=False)
-        buf = store.add(SnapshotBuffer(result_view(manifest)))
+        buf = store.add(SnapshotBuffer(manifest.result_layout))
         stats = await fetch_into(self.ctx, store, buf.version, source,
                                  window=self.cfg.window, timeout_s=self.cfg.timeout_s,
                                  max_bytes=self.cfg.max_bytes, download=self.download,
                                  reattach=reattach, keys=self.keys, resolve=self.resolve)
         return buf.payload, stats
 
-    async def receive_base(self, manifest: dict[str, Any], source: Source | str,
+    async def receive_base(self, manifest: BaseManifest, source: Source | str,
                            reattach: Reattach | None) -> tuple[bytearray, FetchStats]:
         """The base model's payload of a verified base manifest (``broadcast.basemodel``),
         every chunk checked against its signed hashes; served onward once whole."""
@@ -178,7 +179,7 @@ class Relay:
                                  reattach=reattach, keys=self.keys, resolve=self.resolve)
         return buf.payload, stats
 
-    def hold_base(self, manifest: dict[str, Any], payload: bytes | bytearray) -> None:
+    def hold_base(self, manifest: BaseManifest, payload: bytes | bytearray) -> None:
         """Serve the whole, verified base model to peers (chunk requests of form "base");
         a relay that serves nobody (behind NAT) keeps no copy."""
         if self.server is not None:
@@ -197,17 +198,17 @@ class Relay:
     def holds_base(self) -> bool:
         return self.bases.latest() is not None
 
-    def base_for(self, manifest: dict[str, Any]) -> Any | None:
+    def base_for(self, manifest: Manifest) -> Any | None:
         """The full payload of the base of a delta, if this node holds it."""
-        held = self.results.get(manifest["base_version"])
+        held = self.results.get(manifest.base_version)
         return held.payload if held is not None and held.done else None
 
-    def hold_result(self, manifest: dict[str, Any], result: Any) -> None:
+    def hold_result(self, manifest: Manifest, result: Any) -> None:
         """Keep an installed version's full payload (``_keep``). When it is the receive buffer
         of a full version and the relay spills, the snapshot store serves the spilled copy from
         now on and the buffer is freed once its last send is done (docs/memory.md)."""
         kept = self._keep(result)
-        self.results.add(SnapshotBuffer(result_view(manifest), kept))
+        self.results.add(SnapshotBuffer(manifest.result_layout, kept))
         if self.cfg.spill_dir:
             self.store.swap_payload(result, kept)
 

@@ -51,8 +51,8 @@ class ReportBook:
     reporters: dict[str, dict[str, set[str]]] = field(default_factory=dict)
     avoid: dict[str, dict[str, float]] = field(default_factory=dict)  # child -> endpoint -> until
     marks: dict[str, Mark] = field(default_factory=dict)
-    strikes: Counter = field(default_factory=Counter)  # endpoint -> convictions
-    counts: Counter = field(default_factory=Counter)  # "reason:outcome" -> n
+    strikes: Counter[str] = field(default_factory=Counter)  # endpoint -> convictions
+    counts: Counter[str] = field(default_factory=Counter)  # "reason:outcome" -> n
 
     def report(self, child: str, endpoint: str, reason: str, assigned: bool, now: float) -> str:
         """Record one report; returns its outcome: ``unassigned``, ``counted`` or

@@ -19,7 +19,7 @@ manifest = {
 
 The signature covers the hashes of the result, so a worker that rebuilt a version from a delta
 proves, chunk by chunk, that it holds exactly the learner's bytes before it installs them; and a
-peer holding that result can serve it as a keyframe (``result_view``) to a worker without the
+peer holding that result can serve it as a keyframe (``Manifest.result_layout``) to a worker without the
 base, whose chunks are checked against the same signed hashes (docs/broadcast.md).
 
 Workers get the run's public key when they join and refuse a manifest whose signature does not
@@ -27,39 +27,40 @@ verify, and any chunk whose hash differs from the manifest's, before using or fo
 A manifest arrives as a map from the wire: ``verify_manifest`` checks its shape (every key's
 type and range, the tensor index inside the payload) before the signature, so a manifest of
 any shape is refused with a ``SnapshotError`` naming the key, never a KeyError or TypeError
-later (docs/fuzzing.md).
+later (docs/fuzzing.md), and returns it as a ``broadcast.manifest.Manifest``, the declared
+type every other module reads by attribute.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-import blake3
-import msgpack
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-SCHEMA = 2
-ENCODINGS = ("full", "delta")  # the payloads a worker can install
-TENSOR_ENCODINGS = ("full", "xor_lz4", "sparse")  # per tensor (broadcast.delta)
-# Bytes per element of the dtypes a tensor may declare (a snapshot's tensors are installed with
-# ``getattr(torch, dtype)``: only these names may reach it).
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1,
-               "float8_e5m2": 1, "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8,
-               "bool": 1}
-MAX_PAYLOAD = 1 << 40  # 1 TiB: far above any policy, far below what would overflow a size
-MAX_CHUNK = 1 << 31
-MAX_RANK = 16
-BASE_HASH = re.compile(r"[0-9a-f]{64}")
+from broadcast.manifest import (
+    BASE_HASH,
+    DTYPE_BYTES,
+    ENCODINGS,
+    MAX_CHUNK,
+    MAX_PAYLOAD,
+    MAX_RANK,
+    SCHEMA,
+    TENSOR_ENCODINGS,
+    Manifest,
+    SnapshotError,
+    TensorEntry,
+    chunk_hash,
+    parse_manifest,
+    verify_signature,
+)
 
-
-class SnapshotError(ValueError):
-    pass
+__all__ = ["BASE_HASH", "DTYPE_BYTES", "ENCODINGS", "MAX_CHUNK", "MAX_PAYLOAD", "MAX_RANK",
+           "SCHEMA", "TENSOR_ENCODINGS", "RunKey", "Snapshot", "SnapshotError", "build_manifest",
+           "check_manifest", "chunk_hash", "chunk_hashes", "verify_manifest"]
 
 
 class RunKey:
@@ -69,11 +70,11 @@ class RunKey:
         self._private = private
 
     @classmethod
-    def generate(cls) -> "RunKey":
+    def generate(cls) -> RunKey:
         return cls(Ed25519PrivateKey.generate())
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "RunKey":
+    def from_bytes(cls, raw: bytes) -> RunKey:
         return cls(Ed25519PrivateKey.from_private_bytes(raw))
 
     def private_bytes(self) -> bytes:
@@ -90,15 +91,6 @@ class RunKey:
         return self._private.sign(data)
 
 
-def _signed_part(manifest: dict[str, Any]) -> bytes:
-    body = {k: v for k, v in manifest.items() if k != "signature"}
-    return msgpack.packb(body, use_bin_type=True)
-
-
-def chunk_hash(data: bytes | memoryview) -> bytes:
-    return blake3.blake3(data).digest()
-
-
 def chunk_hashes(data: bytes | bytearray | memoryview, chunk_size: int) -> list[bytes]:
     """BLAKE3 of every chunk, on up to 4 threads (BLAKE3 releases the GIL)."""
     view = memoryview(data)
@@ -109,180 +101,50 @@ def chunk_hashes(data: bytes | bytearray | memoryview, chunk_size: int) -> list[
         return list(pool.map(lambda i: chunk_hash(view[i : i + chunk_size]), starts))
 
 
-def build_manifest(*, run_id: str, version: int, tensors: list[dict[str, Any]], payload: bytes,
-                   chunk_size: int, dtype: str, key: RunKey, base_version: int = -1,
-                   result: bytes | bytearray | None = None,
-                   base_model: str | None = None) -> dict[str, Any]:
-    """A full snapshot (``tensors``: the layout of ``payload``), or with ``base_version`` and
-    ``result`` a delta (``tensors``: the entries ``broadcast.delta.encode`` returned,
-    ``payload``: the delta, ``result``: the full payload it rebuilds). ``base_model``: the
-    base model's content hash when the tensors are a LoRA adapter's (signed with the rest)."""
-    hashes = chunk_hashes(payload, chunk_size)
-    if result is None:
-        tensors = [{**t, "enc": "full", "doff": t["offset"], "dlen": t["nbytes"]} for t in tensors]
-    manifest = {
-        "schema": SCHEMA, "run_id": run_id, "version": version, "base_version": base_version,
-        "encoding": "full" if result is None else "delta", "dtype": dtype, "tensors": tensors,
-        "payload_size": len(payload), "chunk_size": chunk_size, "chunk_hashes": hashes,
-        "result_size": len(payload if result is None else result),
-        "result_hashes": hashes if result is None else chunk_hashes(result, chunk_size),
-    }
-    if base_model is not None:
-        manifest["base_model"] = base_model
-    manifest["signature"] = key.sign(_signed_part(manifest))
-    return manifest
-
-
-def result_view(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The rebuilt (full) payload of a verified manifest, described as a payload: what a
-    keyframe fetch receives into and checks chunk by chunk (``form`` "full")."""
-    return {"version": manifest["version"], "payload_size": manifest["result_size"],
-            "chunk_size": manifest["chunk_size"], "chunk_hashes": manifest["result_hashes"],
-            "form": "full"}
-
-
-def _int(obj: dict[str, Any], key: str, lo: int, hi: int, where: str = "manifest") -> int:
-    value = obj.get(key)
-    if type(value) is not int or not lo <= value <= hi:  # type(): True is no version
-        raise SnapshotError(f"{where} {key!r} is {_show(value)}, expected an int in "
-                            f"[{lo}, {hi}]: not a manifest from an echo-rl learner; refusing it")
-    return value
-
-
-def _show(value: Any) -> str:
-    text = repr(value) if isinstance(value, (int, float, str, bytes, type(None))) else \
-        f"a {type(value).__name__}"
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _check_tensor(i: int, t: Any, result_size: int, payload_size: int) -> None:
-    where = f"manifest tensor {i}"
-    if not isinstance(t, dict):
-        raise SnapshotError(f"{where} is {_show(t)}, expected a map")
-    name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
-    if not isinstance(name, str) or not name:
-        raise SnapshotError(f"{where}: name is {_show(name)}, expected a non-empty str")
-    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-        raise SnapshotError(f"{where} ({name}): dtype {_show(dtype)} is not one of "
-                            f"{sorted(DTYPE_BYTES)}")
-    if not isinstance(shape, list) or len(shape) > MAX_RANK or \
-            any(type(d) is not int or d < 0 for d in shape):
-        raise SnapshotError(f"{where} ({name}): shape {_show(shape)} is not a list of at most "
-                            f"{MAX_RANK} ints >= 0")
-    offset = _int(t, "offset", 0, result_size, where)
-    nbytes = _int(t, "nbytes", 0, result_size - offset, where)  # the tensor lies in the result
-    enc = t.get("enc")
-    if enc not in TENSOR_ENCODINGS:
-        raise SnapshotError(f"{where} ({name}): encoding {_show(enc)} is not one of "
-                            f"{TENSOR_ENCODINGS}: upgrade echo-rl on this worker")
-    doff = _int(t, "doff", 0, payload_size, where)
-    dlen = _int(t, "dlen", 0, payload_size - doff, where)  # its encoding lies in the payload
-    if enc == "full" and dlen != nbytes:
-        raise SnapshotError(f"{where} ({name}): full encoding of {dlen} bytes for {nbytes}")
-    numel = 1
-    for d in shape:
-        numel *= d
-    if nbytes != numel * DTYPE_BYTES[dtype]:
-        raise SnapshotError(f"{where} ({name}): {nbytes} bytes do not hold a {dtype} tensor of "
-                            f"shape {shape}")
-
-
-def check_manifest(manifest: Any) -> None:
-    """The manifest's shape: every key a worker reads, its type and its range."""
-    if not isinstance(manifest, dict):
-        raise SnapshotError(f"manifest is {_show(manifest)}, expected a map")
-    if type(manifest.get("schema")) is not int or manifest["schema"] != SCHEMA:
-        raise SnapshotError(f"manifest schema {_show(manifest.get('schema'))} is not {SCHEMA}: "
-                            f"upgrade echo-rl")
-    for key in ("run_id", "encoding", "dtype"):
-        if not isinstance(manifest.get(key), str):
-            raise SnapshotError(f"manifest {key!r} is {_show(manifest.get(key))}, expected a str")
-    if manifest["encoding"] not in ENCODINGS:
-        raise SnapshotError(f"manifest encoding {_show(manifest['encoding'])} is not one of "
-                            f"{ENCODINGS}: upgrade echo-rl on this worker")
-    version = _int(manifest, "version", 0, 2**63 - 1)
-    size = _int(manifest, "payload_size", 0, MAX_PAYLOAD)
-    chunk = _int(manifest, "chunk_size", 1, MAX_CHUNK)
-    hashes, sig = manifest.get("chunk_hashes"), manifest.get("signature")
-    _check_hashes("chunk_hashes", hashes, size, chunk)
-    result = _int(manifest, "result_size", 0, MAX_PAYLOAD)
-    _check_hashes("result_hashes", manifest.get("result_hashes"), result, chunk)
-    _check_encoding(manifest, version, size, result)
-    if not isinstance(sig, bytes) or len(sig) != 64:
-        raise SnapshotError(f"manifest signature is {_show(sig)}, expected 64 bytes (Ed25519)")
-    tensors = manifest.get("tensors")
-    if not isinstance(tensors, list):
-        raise SnapshotError(f"manifest tensors is {_show(tensors)}, expected a list")
-    for i, t in enumerate(tensors):
-        _check_tensor(i, t, result, size)
-    if len({t["name"] for t in tensors}) != len(tensors):
-        raise SnapshotError("manifest names a tensor twice")
-    if manifest["encoding"] == "full" and any(t["enc"] != "full" for t in tensors):
-        raise SnapshotError("a full manifest with a tensor not encoded in full")
-    base = manifest.get("base_model", "0" * 64)
-    if not isinstance(base, str) or not BASE_HASH.fullmatch(base):
-        raise SnapshotError(f"manifest base_model is {_show(base)}, expected 64 hex digits "
-                            f"(the BLAKE3 of a LoRA run's base model)")
-
-
-def _check_hashes(key: str, hashes: Any, size: int, chunk: int) -> None:
-    if not isinstance(hashes, list) or \
-            any(not isinstance(h, bytes) or len(h) != 32 for h in hashes):
-        raise SnapshotError(f"manifest {key} is not a list of 32-byte BLAKE3 hashes")
-    if len(hashes) != -(-size // chunk):
-        raise SnapshotError(f"manifest lists {len(hashes)} {key}, {size} bytes need "
-                            f"{-(-size // chunk)}")
-
-
-def _check_encoding(manifest: dict[str, Any], version: int, size: int, result: int) -> None:
-    """A full snapshot is its own result; a delta names an earlier version as its base."""
-    if manifest["encoding"] == "full":
-        _int(manifest, "base_version", -1, -1)
-        if size != result or manifest["result_hashes"] != manifest["chunk_hashes"]:
-            raise SnapshotError("a full manifest whose result differs from its payload")
+def build_manifest(*, run_id: str, version: int, tensors: list[dict[str, Any]] | list[TensorEntry],
+                   payload: bytes | bytearray | memoryview, chunk_size: int, dtype: str,
+                   key: RunKey, base_version: int = -1,
+                   result: bytes | bytearray | memoryview | None = None,
+                   base_model: str | None = None) -> Manifest:
+    """A full snapshot (``tensors``: the layout of ``payload``, as ``params_to_payload`` gives
+    it), or with ``base_version`` and ``result`` a delta (``tensors``: the entries
+    ``broadcast.delta.encode`` returned, ``payload``: the delta, ``result``: the full payload
+    it rebuilds). ``base_model``: the base model's content hash when the tensors are a LoRA
+    adapter's (signed with the rest)."""
+    hashes = tuple(chunk_hashes(payload, chunk_size))
+    if result is None:  # a full snapshot: every tensor sent whole
+        entries = tuple(TensorEntry.full(t.to_wire() if isinstance(t, TensorEntry) else t)
+                        for t in tensors)
     else:
-        _int(manifest, "base_version", 0, version - 1)
+        entries = tuple(t if isinstance(t, TensorEntry) else TensorEntry.encoded(t)
+                        for t in tensors)
+    manifest = Manifest(
+        run_id=run_id, version=version, base_version=base_version,
+        encoding="full" if result is None else "delta", dtype=dtype, tensors=entries,
+        payload_size=len(payload), chunk_size=chunk_size, chunk_hashes=hashes,
+        result_size=len(payload if result is None else result),
+        result_hashes=hashes if result is None else tuple(chunk_hashes(result, chunk_size)),
+        base_model=base_model)
+    return replace(manifest, signature=key.sign(manifest.signed_bytes()))
 
 
-def verify_manifest(manifest: Any, public_key: bytes) -> None:
-    """Refuse (SnapshotError) a manifest of the wrong shape, or not signed by this run's key."""
-    check_manifest(manifest)
-    verify_manifest_signature(manifest, public_key, f"version {manifest['version']}")
+def check_manifest(raw: Any) -> Manifest:
+    """The manifest's shape: every key a worker reads, its type and its range."""
+    return parse_manifest(raw)
 
 
-def verify_manifest_signature(manifest: dict[str, Any], public_key: bytes, what: str) -> None:
-    """Refuse a manifest (of a checked shape) not signed by this run's key."""
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(manifest["signature"],
-                                                              _signed_part(manifest))
-    except (InvalidSignature, ValueError, TypeError):  # ValueError: packb past its depth limit
-        raise SnapshotError(f"manifest for {what} fails its Ed25519 signature: not from this "
-                            f"run's learner; refusing it") from None
-
-
-def num_chunks(manifest: dict[str, Any]) -> int:
-    return len(manifest["chunk_hashes"])
-
-
-def chunk_range(manifest: dict[str, Any], index: int) -> tuple[int, int]:
-    start = index * manifest["chunk_size"]
-    return start, min(start + manifest["chunk_size"], manifest["payload_size"])
-
-
-def verify_chunk(manifest: dict[str, Any], index: int, data: bytes | memoryview) -> None:
-    start, end = chunk_range(manifest, index)
-    if len(data) != end - start:
-        raise SnapshotError(f"chunk {index} of version {manifest['version']} has {len(data)} "
-                            f"bytes, expected {end - start}")
-    if chunk_hash(data) != manifest["chunk_hashes"][index]:
-        raise SnapshotError(f"chunk {index} of version {manifest['version']} fails its BLAKE3 "
-                            f"hash: corrupted in transit or by a relay")
+def verify_manifest(raw: Any, public_key: bytes) -> Manifest:
+    """The manifest a map from the wire holds; refused (SnapshotError) when of the wrong shape,
+    or not signed by this run's key."""
+    manifest = parse_manifest(raw)
+    verify_signature(raw, public_key, f"version {manifest.version}")
+    return manifest
 
 
 @dataclass
 class Snapshot:
-    manifest: dict[str, Any]
-    payload: bytes
+    manifest: Manifest
+    payload: bytes | bytearray
     result: bytes | bytearray | None = None  # the full payload, when ``payload`` is a delta
 
     @property
@@ -291,8 +153,8 @@ class Snapshot:
 
     @property
     def version(self) -> int:
-        return int(self.manifest["version"])
+        return self.manifest.version
 
     def chunk(self, index: int) -> memoryview:
-        start, end = chunk_range(self.manifest, index)
+        start, end = self.manifest.layout.chunk_range(index)
         return memoryview(self.payload)[start:end]

@@ -15,22 +15,27 @@ from typing import Any
 
 import blake3
 
-from broadcast.snapshot import chunk_range, num_chunks
+from broadcast.manifest import BaseManifest, ChunkLayout, Manifest
 from echo.spill import drop_pages
 
 Listener = Callable[[int, int], None]  # (version, chunk index)
 
 
 class SnapshotBuffer:
-    def __init__(self, manifest: dict[str, Any], payload: bytes | bytearray | None = None, *,
+    def __init__(self, what: Manifest | BaseManifest | ChunkLayout, payload: Any = None, *,
                  storage: bytearray | None = None):
-        """``payload``: a complete snapshot (the learner); else chunks arrive into ``storage``
+        """``what``: a version's manifest (its payload), a base model's, or a layout (a
+        keyframe's rebuilt payload). ``payload``: a complete snapshot (the learner, or bytes
+        kept whole: bytes, a bytearray or a spilled map); else chunks arrive into ``storage``
         (a recycled buffer of the right size) or a fresh one."""
-        self.manifest = manifest
-        self.version = int(manifest["version"])
-        self.total = num_chunks(manifest)
+        self.layout = what if isinstance(what, ChunkLayout) else what.layout
+        # the signed manifest a learner sends for this version (None: a base or a keyframe)
+        self.manifest = what if isinstance(what, Manifest) else None
+        self.version = self.layout.version
+        self.total = self.layout.num_chunks
+        self.payload: Any
         if payload is None:
-            size = manifest["payload_size"]
+            size = self.layout.payload_size
             self.payload = storage if storage is not None and len(storage) == size else bytearray(size)
             self.have = bytearray(self.total)
             self.count = 0
@@ -46,21 +51,21 @@ class SnapshotBuffer:
         return self.count == self.total
 
     def chunk(self, index: int) -> memoryview:
-        start, end = chunk_range(self.manifest, index)
+        start, end = self.layout.chunk_range(index)
         return self.view[start:end]
 
     def sent(self, index: int) -> None:
         """Chunk ``index`` went out: a spilled payload's pages of it leave the resident set
         (echo.spill.drop_pages), so serving a version does not pull the whole file in."""
         if not isinstance(self.payload, (bytes, bytearray)):
-            start, end = chunk_range(self.manifest, index)
+            start, end = self.layout.chunk_range(index)
             drop_pages(self.payload, start, end)
 
     def put(self, index: int, data: bytes | memoryview) -> bool:
         """Store a verified chunk; False if it was already held."""
         if self.have[index]:
             return False
-        start, end = chunk_range(self.manifest, index)
+        start, end = self.layout.chunk_range(index)
         self.view[start:end] = data
         return self.mark(index)
 
@@ -79,7 +84,8 @@ class SnapshotBuffer:
 
     def digest(self) -> bytes:
         """BLAKE3 of the whole payload (all cores): the end-to-end check of an install."""
-        return blake3.blake3(self.view, max_threads=blake3.blake3.AUTO).digest()
+        digest: bytes = blake3.blake3(self.view, max_threads=blake3.blake3.AUTO).digest()
+        return digest
 
 
 class SnapshotStore:
@@ -100,12 +106,12 @@ class SnapshotStore:
         while sum(len(b) == nbytes for b in self._free) < count:
             self._free.append(bytearray(nbytes))
 
-    def storage_for(self, manifest: dict[str, Any]) -> bytearray | None:
+    def storage_for(self, layout: ChunkLayout) -> bytearray | None:
         """A recycled buffer for the version about to be added. The version that add would
         evict goes first, so its buffer takes the new chunks (evicted after the allocation,
         each publication allocated and faulted in a fresh buffer)."""
-        size = manifest["payload_size"]
-        if manifest["version"] not in self._bufs:
+        size = layout.payload_size
+        if layout.version not in self._bufs:
             while len(self._bufs) >= self.keep:
                 self._evict()
         for i, b in enumerate(self._free):

@@ -9,7 +9,8 @@ signature, that the child named is the CURVE key the request came from (``User-I
 the parent named is itself. A stranger, or a worker assigned elsewhere, is refused with a
 counted reason. Verified tickets are cached (bounded), so a chunk request costs one dict look-up.
 
-Wire form: ``signature (64 bytes) + msgpack([child, parent, run_id, expires])``.
+Wire form: ``signature (64 bytes) + msgpack([child, parent, run_id, expires])``, written only by
+``Ticket.body`` and read only by ``Ticket.parse``.
 """
 
 from __future__ import annotations
@@ -43,9 +44,38 @@ class Source:
         return self.endpoint
 
 
+@dataclass(frozen=True)
+class Ticket:
+    """``child`` (a CURVE key, as text) may pull from ``parent`` (an endpoint) until
+    ``expires`` (Unix seconds), in run ``run_id``."""
+
+    child: str
+    parent: str
+    run_id: str
+    expires: float
+
+    def body(self) -> bytes:
+        """What the run's key signs and what travels after the signature."""
+        packed: bytes = msgpack.packb([self.child, self.parent, self.run_id, self.expires])
+        return packed
+
+    @classmethod
+    def parse(cls, body: bytes) -> Ticket | None:
+        """The ticket a (verified) body holds, None when it is not one."""
+        try:
+            child, parent, run_id, expires = msgpack.unpackb(body, raw=False, max_array_len=4,
+                                                             max_str_len=256)
+        except (ValueError, TypeError, msgpack.UnpackException):
+            return None
+        if not all(isinstance(f, str) for f in (child, parent, run_id)) or \
+                not isinstance(expires, (int, float)):
+            return None
+        return cls(child, parent, run_id, float(expires))
+
+
 def mint(run_key: RunKey, child: str, parent: str, run_id: str, ttl_s: float,
          now: float | None = None) -> bytes:
-    body = msgpack.packb([child, parent, run_id, (now or time.time()) + ttl_s])
+    body = Ticket(child, parent, run_id, (now or time.time()) + ttl_s).body()
     return run_key.sign(body) + body
 
 
@@ -85,12 +115,11 @@ class TicketCheck:
         sig, body = ticket[:SIG], ticket[SIG:]
         try:
             Ed25519PublicKey.from_public_bytes(self.public_key()).verify(sig, body)
-            child, parent, _run, expires = msgpack.unpackb(body, raw=False, max_array_len=4,
-                                                          max_str_len=256)
-        except (InvalidSignature, ValueError, TypeError, msgpack.UnpackException):
+        except (InvalidSignature, ValueError, TypeError):
             return "bad_ticket", none
-        if not isinstance(child, str) or not isinstance(expires, (int, float)):
+        parsed = Ticket.parse(body)
+        if parsed is None:
             return "bad_ticket", none
-        if parent != self.endpoint:
+        if parsed.parent != self.endpoint:
             return "not_assigned_here", none
-        return "", (child, float(expires))
+        return "", (parsed.child, parsed.expires)

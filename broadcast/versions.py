@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broadcast.delta import DeltaError, DeltaStats, decode, encode
+from broadcast.manifest import Manifest
 from broadcast.snapshot import RunKey, SnapshotError, build_manifest, chunk_hashes
 from echo.spill import drop_pages
 
 
 @dataclass
 class Publication:
-    manifest: dict[str, Any]
+    manifest: Manifest
     payload: bytes  # what travels (the delta, or the full payload of a keyframe)
     result: bytes  # the full payload it rebuilds
     stats: DeltaStats = field(default_factory=DeltaStats)
@@ -33,7 +34,7 @@ class Publication:
 
     @property
     def version(self) -> int:
-        return int(self.manifest["version"])
+        return self.manifest.version
 
 
 class VersionEncoder:
@@ -86,35 +87,35 @@ class BaseMissing(SnapshotError):
     """This node does not hold the base a delta was made from: it needs a keyframe."""
 
 
-def rebuild(manifest: dict[str, Any], payload: Any, base: Any | None,
+def rebuild(manifest: Manifest, payload: Any, base: Any | None,
             out: bytearray | None = None) -> Any:
     """The full payload of a verified manifest whose payload chunks all verified.
 
-    ``base``: the full payload of ``manifest["base_version"]`` held here (None: none). Raises
+    ``base``: the full payload of ``manifest.base_version`` held here (None: none). Raises
     ``BaseMissing`` when a delta cannot be applied here, ``SnapshotError`` when the rebuilt
     bytes differ from the signed result (then fetch a keyframe)."""
-    if manifest["encoding"] == "full":
+    if manifest.encoding == "full":
         return payload  # its chunks were checked against chunk_hashes == result_hashes
     if base is None:
-        raise BaseMissing(f"version {manifest['version']} is a delta from version "
-                          f"{manifest['base_version']}, not held here")
+        raise BaseMissing(f"version {manifest.version} is a delta from version "
+                          f"{manifest.base_version}, not held here")
     try:
-        result = decode(manifest["tensors"], payload, base, manifest["result_size"], out)
+        result = decode(manifest.tensors, payload, base, manifest.result_size, out)
     except DeltaError as err:
-        raise SnapshotError(f"version {manifest['version']}: {err}") from None
+        raise SnapshotError(f"version {manifest.version}: {err}") from None
     check_result(manifest, result)
     return result
 
 
-def check_result(manifest: dict[str, Any], result: Any) -> None:
+def check_result(manifest: Manifest, result: Any) -> None:
     """Every chunk of a rebuilt payload against the signed result hashes."""
     view = memoryview(result)
-    if len(view) != manifest["result_size"]:
-        raise SnapshotError(f"version {manifest['version']}: rebuilt {len(view)} bytes, the "
-                            f"manifest says {manifest['result_size']}")
-    hashes = chunk_hashes(view, manifest["chunk_size"])
-    for i, (got, expected) in enumerate(zip(hashes, manifest["result_hashes"])):
+    if len(view) != manifest.result_size:
+        raise SnapshotError(f"version {manifest.version}: rebuilt {len(view)} bytes, the "
+                            f"manifest says {manifest.result_size}")
+    hashes = chunk_hashes(view, manifest.chunk_size)
+    for i, (got, expected) in enumerate(zip(hashes, manifest.result_hashes)):
         if got != expected:
-            raise SnapshotError(f"version {manifest['version']}: rebuilt chunk {i} differs from "
-                                f"the learner's (base {manifest['base_version']} not the "
+            raise SnapshotError(f"version {manifest.version}: rebuilt chunk {i} differs from "
+                                f"the learner's (base {manifest.base_version} not the "
                                 f"learner's?); fetching a keyframe")

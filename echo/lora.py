@@ -30,7 +30,6 @@ from echo.config import LoraConfig
 if TYPE_CHECKING:
     import torch
 
-BASE_KEY = "base_model"  # the manifest's key for the base model's content hash
 
 
 def is_adapter_name(name: str) -> bool:
@@ -94,11 +93,11 @@ def base_hash(model: Any) -> str:
     return h.hexdigest()
 
 
-def base_problem(manifest: dict[str, Any], held: str | None, model_name: str) -> str | None:
-    """Why a version cannot be applied to the base model held here (None: it can).
+def base_problem(version: int, want: str | None, held: str | None,
+                 model_name: str) -> str | None:
+    """Why ``version``, an adapter for the base model ``want`` (its manifest's ``base_model``;
+    None: a whole model), cannot be applied to the base model held here (None: it can).
     ``held``: this process's base hash, None when it holds a full model (no LoRA)."""
-    want = manifest.get(BASE_KEY)
-    version = manifest.get("version")
     if want is None and held is None:
         return None
     if want is None:

@@ -21,8 +21,8 @@ import msgpack
 from pydantic import BaseModel
 
 from broadcast.fetch import SourceFailed, check_reply
-from broadcast.snapshot import (DTYPE_BYTES, RunKey, SnapshotError, build_manifest, chunk_range,
-                                verify_manifest)
+from broadcast.manifest import Manifest, signed_bytes
+from broadcast.snapshot import DTYPE_BYTES, RunKey, SnapshotError, build_manifest, verify_manifest
 from dataplane.records import Limits, RecordError, parse_record
 from echo import wire
 
@@ -42,12 +42,13 @@ ACCOUNT = wire.Account(state="active", version=4, install_s=0.8, granted=12, acc
 
 
 def manifest(version: int = 4, **over: Any) -> dict[str, Any]:
-    """A signed manifest of a small two-tensor payload; ``over`` replaces keys before signing."""
+    """The wire map of a signed manifest of a small two-tensor payload; ``over`` replaces keys
+    before signing (a seed the fuzzer mutates: hostile maps on purpose)."""
     payload = bytes(range(256)) * 3
     tensors = [{"name": "w", "dtype": "float32", "shape": [8, 16], "offset": 0, "nbytes": 512},
                {"name": "b", "dtype": "bfloat16", "shape": [128], "offset": 512, "nbytes": 256}]
     m = build_manifest(run_id="fuzz", version=version, tensors=tensors, payload=payload,
-                       chunk_size=100, dtype="float32", key=KEY)
+                       chunk_size=100, dtype="float32", key=KEY).to_wire()
     if over:
         m.update(over)
         m["signature"] = resign(m)
@@ -55,8 +56,7 @@ def manifest(version: int = 4, **over: Any) -> dict[str, Any]:
 
 
 def resign(m: dict[str, Any]) -> bytes:
-    body = {k: v for k, v in m.items() if k != "signature"}
-    return KEY.sign(msgpack.packb(body, use_bin_type=True))
+    return KEY.sign(signed_bytes(m))
 
 
 def examples() -> list[wire.Message]:
@@ -200,22 +200,33 @@ def check_message(msg: wire.Message, sent: dict[str, Any] | None = None) -> None
     assert wire.encode(wire.decode(frame, 1 << 30)) == frame, f"{msg.type} changed on a round trip"
 
 
-def check_accepted_manifest(m: dict[str, Any]) -> None:
-    """What a worker reads from a manifest ``verify_manifest`` accepted."""
-    size, chunk, hashes = m["payload_size"], m["chunk_size"], m["chunk_hashes"]
+TENSOR_KEYS = ("name", "dtype", "shape", "offset", "nbytes", "enc", "doff", "dlen")
+
+
+def check_accepted_manifest(m: Manifest, raw: dict[str, Any]) -> None:
+    """What a worker reads from a manifest ``verify_manifest`` accepted, and that its one
+    serialiser gives back the signed map it came from."""
+    size, chunk, hashes = m.payload_size, m.chunk_size, m.chunk_hashes
     for k in ("version", "base_version", "payload_size", "chunk_size", "schema", "result_size"):
-        assert type(m[k]) is int, f"manifest {k} is a {type(m[k]).__name__}"
+        value = getattr(m, k)
+        assert type(value) is int, f"manifest {k} is a {type(value).__name__}"
     assert 0 <= size and chunk >= 1 and len(hashes) == -(-size // chunk)
-    assert len(m["result_hashes"]) == -(-m["result_size"] // chunk)
-    assert m["encoding"] == "delta" or m["base_version"] == -1
+    assert len(m.result_hashes) == -(-m.result_size // chunk)
+    assert m.encoding == "delta" or m.base_version == -1
     for i in range(len(hashes)):
-        start, end = chunk_range(m, i)
+        start, end = m.layout.chunk_range(i)
         assert 0 <= start < end <= size and isinstance(hashes[i], bytes)
-    for t in m["tensors"]:
-        assert t["dtype"] in DTYPE_BYTES
-        assert 0 <= t["offset"] <= t["offset"] + t["nbytes"] <= m["result_size"]
-        assert 0 <= t["doff"] <= t["doff"] + t["dlen"] <= size
-        assert all(type(d) is int and d >= 0 for d in t["shape"])
+    for t in m.tensors:
+        assert t.dtype in DTYPE_BYTES
+        assert 0 <= t.offset <= t.offset + t.nbytes <= m.result_size
+        assert 0 <= t.doff <= t.doff + t.dlen <= size
+        assert all(type(d) is int and d >= 0 for d in t.shape)
+    # The one serialiser gives back the signed map, less keys it does not declare (a newer
+    # learner's: signed, so accepted, but not read).
+    wire_map = m.to_wire()
+    declared = {k: v for k, v in raw.items() if k in wire_map}
+    declared["tensors"] = [{k: v for k, v in t.items() if k in TENSOR_KEYS} for t in raw["tensors"]]
+    assert signed_bytes(wire_map) == signed_bytes(declared), "the serialiser changed the map"
 
 
 def check_record(obj: Any) -> None:
@@ -271,10 +282,10 @@ def manifest_map(data: bytes) -> None:
     except Exception:  # not a manifest's way in: decode refuses it as malformed
         return
     try:
-        verify_manifest(obj, KEY.public_bytes)
+        accepted = verify_manifest(obj, KEY.public_bytes)
     except SnapshotError:
         return
-    check_accepted_manifest(obj)
+    check_accepted_manifest(accepted, obj)
 
 
 def chunk_reply(data: bytes) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 import blake3
 import numpy as np
 
+from broadcast.manifest import Manifest
 from broadcast.coordinator import Coordinator
 from broadcast.planner import lower_bound_s, star_limited_s, star_unlimited_s
 from broadcast.topology import TOPOLOGIES
@@ -164,7 +165,7 @@ def _lower_bound(p: BenchParams, m: int) -> float:
                          [p.link_mbit or 1e9] * p.workers)
 
 
-def _publication(root: Root, version: int, sources: dict[str, str], manifest: dict[str, Any],
+def _publication(root: Root, version: int, sources: dict[str, str], manifest: Manifest,
                  expected: bytes) -> dict[str, Any]:
     """One publication: T_bcast, what it sent, its audit, the plan and its rates."""
     parents = _parents(sources, root.coord)
@@ -172,9 +173,9 @@ def _publication(root: Root, version: int, sources: dict[str, str], manifest: di
     alive = set(root.idents) - root.dead
     digests = root.digests.get(version, {})
     return {"version": version, "t_bcast_s": max(times[w] for w in alive if w in times),
-            "encoding": manifest["encoding"], "payload_bytes": manifest["payload_size"],
-            "full_bytes": manifest["result_size"],
-            "lower_bound_s": _lower_bound(root.p, manifest["payload_size"]),
+            "encoding": manifest.encoding, "payload_bytes": manifest.payload_size,
+            "full_bytes": manifest.result_size,
+            "lower_bound_s": _lower_bound(root.p, manifest.payload_size),
             "corrupt_installs": sum(1 for w in alive if digests.get(w) != expected),
             # the liar (r00) heads a chain that it feeds: it pulls from the root and uploads
             "install_times_s": {w: round(t, 3) for w, t in sorted(times.items())},

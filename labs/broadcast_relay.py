@@ -25,7 +25,7 @@ import zmq.asyncio
 from broadcast.nat.links import Tunnels
 from broadcast.nat.reflect import pick_punch_port, probe_all
 from broadcast.relay import Relay, RelayConfig
-from broadcast.snapshot import SnapshotError
+from broadcast.snapshot import SnapshotError, verify_manifest
 from broadcast.store import SnapshotBuffer
 from broadcast.tickets import Source
 from broadcast.versions import rebuild
@@ -94,8 +94,9 @@ async def relay_process(args: argparse.Namespace) -> int:
                                             "granted": grant.source})
                 return Source(grant.source, grant.source_key, grant.ticket)
 
-            held, stats = await relay.receive(msg.manifest, ack.public_key,
-                                          Source(msg.source, msg.source_key, msg.ticket), reattach)
+            manifest = verify_manifest(msg.manifest, ack.public_key)
+            held, stats = await relay.receive(manifest, Source(msg.source, msg.source_key,
+                                                               msg.ticket), reattach)
             entry.update(installed=time.time(), attempts=stats.attempts)
             if args.trace:
                 Path(args.trace).write_text(json.dumps(trace, indent=1))

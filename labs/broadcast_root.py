@@ -22,6 +22,7 @@ from broadcast.coordinator import Coordinator
 from broadcast.fetch import SOCKET_BUFFER
 from broadcast.nat.reflect import Reflector
 from broadcast.relay import bucket
+from broadcast.manifest import Manifest
 from broadcast.snapshot import RunKey, build_manifest
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
@@ -199,21 +200,21 @@ class Root:
                 await self.ctrl.send_multipart([ident, wire.encode(wire.Shutdown(reason="audit"))])
         await asyncio.wait_for(self.audited.wait(), 120)
 
-    def prepare(self, payload: bytes, version: int = 1) -> dict[str, Any]:
+    def prepare(self, payload: bytes, version: int = 1) -> Manifest:
         manifest = build_manifest(run_id="bench", version=version, tensors=[], payload=payload,
                                   chunk_size=self.p.chunk_kib * 1024, dtype="uint8", key=self.key)
         self.store.add(SnapshotBuffer(manifest, payload))
         return manifest
 
 
-    async def publish(self, manifest: dict[str, Any]) -> dict[str, str]:
-        self.version = manifest["version"]
+    async def publish(self, manifest: Manifest) -> dict[str, str]:
+        self.version = manifest.version
         self.all_installed.clear()
         sources = self.coord.publish(self.version)
         notices = {}  # minted before the first goes out: signing is not broadcast time
         for wid, endpoint in sources.items():
             src = await self.source_routed(wid, endpoint)
-            notices[wid] = wire.encode(wire.SnapshotNotice(version=self.version, manifest=manifest,
+            notices[wid] = wire.encode(wire.SnapshotNotice(version=self.version, manifest=manifest.to_wire(),
                                                            source=src.endpoint, source_key=src.key,
                                                            ticket=src.ticket))
         self.events.append({"at": time.time(), "event": "publish", "version": self.version,
@@ -247,7 +248,7 @@ class RecordedVersions:
                                       keyframe_every=p.keyframe_every)
         self.full_bytes = self.files[0].stat().st_size
 
-    def prepare(self, root: "Root", version: int) -> tuple[dict[str, Any], bytes]:
+    def prepare(self, root: "Root", version: int) -> tuple[Manifest, bytes]:
         """The publication of ``version`` (1-based) in the root's store; its full digest."""
         full = self.files[version - 1].read_bytes()
         pub = self.encoder.build(version, self.layout, full)

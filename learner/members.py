@@ -139,13 +139,14 @@ class Members:
         src = self.routes.snapshot_source(w)
         view = self.cfg.worker_view()
         view["worker"]["heartbeat_s"] = w.period = self.table.period()  # from the first beat on
-        me = self.identity
+        me, base = self.identity, self.routes.base_manifest
         return wire.JoinAck(run_id=me.run_id, instance_id=me.instance_id,
-                            public_key=me.key.public_bytes, version=version, manifest=manifest,
+                            public_key=me.key.public_bytes, version=version,
+                            manifest=manifest.to_wire() if manifest is not None else None,
                             config=view, snapshot_endpoint=src.endpoint,
                             snapshot_key=src.key, ticket=src.ticket, worker_id=w.worker_id,
                             reflectors=self.reflector.endpoints if self.reflector else [],
-                            base_manifest=self.routes.base_manifest)
+                            base_manifest=base.to_wire() if base is not None else None)
 
     def _add(self, ident: bytes, key: str, msg: wire.Join) -> WorkerState:
         w = self.table.add(ident, key, msg)
@@ -229,7 +230,8 @@ class Members:
             return wire.HeartbeatAck(instance_id=instance_id, version=version, account=account,
                                      heartbeat_s=w.period)
         src = self.routes.snapshot_source(w)
-        return wire.HeartbeatAck(instance_id=instance_id, version=version, manifest=manifest,
+        return wire.HeartbeatAck(instance_id=instance_id, version=version,
+                                 manifest=manifest.to_wire() if manifest is not None else None,
                                  source=src.endpoint, source_key=src.key, ticket=src.ticket,
                                  account=account, heartbeat_s=w.period)
 

@@ -9,9 +9,9 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-from broadcast.snapshot import Snapshot, result_view
+from broadcast.manifest import Manifest
+from broadcast.snapshot import Snapshot
 from broadcast.store import SnapshotBuffer
 from echo import wire
 from echo.config import EchoConfig
@@ -40,7 +40,7 @@ class Notices:
         routes = self.routes
         assert routes.coordinator is not None
         routes.store.add(SnapshotBuffer(snap.manifest, snap.payload))
-        routes.results.add(SnapshotBuffer(result_view(snap.manifest), snap.full))
+        routes.results.add(SnapshotBuffer(snap.manifest.result_layout, snap.full))
         routes.coordinator.publish(snap.version)
         task = asyncio.create_task(self.notify(snap.version, snap.manifest))
         self._tasks.add(task)
@@ -62,7 +62,7 @@ class Notices:
         self.noticed["deferred"] += len(order) - len(chosen)
         return chosen
 
-    async def notify(self, version: int, manifest: dict[str, Any]) -> None:
+    async def notify(self, version: int, manifest: Manifest) -> None:
         store = self.routes.store
         for n, w in enumerate(self.order(version)):
             if store.latest() is None or store.latest().version != version:
@@ -71,7 +71,7 @@ class Notices:
                 continue  # left meanwhile
             t0 = time.thread_time()
             src = self.routes.snapshot_source(w)
-            await self.send(w, wire.SnapshotNotice(version=version, manifest=manifest,
+            await self.send(w, wire.SnapshotNotice(version=version, manifest=manifest.to_wire(),
                                                    source=src.endpoint, source_key=src.key,
                                                    ticket=src.ticket))
             self.cpu.add("notice", time.thread_time() - t0)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from broadcast.manifest import BaseManifest
 from broadcast.snapshot import RunKey
 from echo.config import EchoConfig
 from echo.models import TINY, params_to_payload, params_to_spill
@@ -63,14 +64,14 @@ class Release:
         pub = self.publisher.last
         if pub is None:
             return {}
-        return {"publish_encoding": pub.manifest["encoding"], "publish_bytes": len(pub.payload),
+        return {"publish_encoding": pub.manifest.encoding, "publish_bytes": len(pub.payload),
                 "publish_full_bytes": len(pub.result), "delta_ratio": round(pub.stats.ratio, 5),
                 "delta_changed": round(pub.stats.changed_fraction, 6),
                 "encode_s": round(pub.build_s, 4), "keyframes_published": self.publisher.keyframes}
 
 
 def base_model(cfg: EchoConfig, policy: Policy, run_id: str, key: RunKey,
-           run_dir: Path) -> tuple[dict[str, Any], Any] | None:
+           run_dir: Path) -> tuple[BaseManifest, Any] | None:
     """A LoRA run on a model folder publishes that folder, signed and chunked, to workers
     that lack it (broadcast.basemodel): its (manifest, payload), to hold before the server
     starts; None for the built-in tiny model, which every worker builds."""
@@ -95,6 +96,6 @@ def base_model(cfg: EchoConfig, policy: Policy, run_id: str, key: RunKey,
 
         payload = spill(payload, spill_dir(run_dir / "spill"))
     log.info("base model %s... published for workers without it: %d files, %d bytes, "
-             "%d chunks", policy.base_hash[:16], len(manifest["files"]), size,
-             len(manifest["chunk_hashes"]))
+             "%d chunks", policy.base_hash[:16], len(manifest.files), size,
+             manifest.layout.num_chunks)
     return manifest, payload

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from broadcast.coordinator import Coordinator
-from broadcast.snapshot import RunKey, result_view
+from broadcast.manifest import BaseManifest, Manifest
+from broadcast.snapshot import RunKey
 from broadcast.store import SnapshotStore
 from broadcast.nat.links import plain
 from broadcast.reports import KIND
@@ -49,7 +50,7 @@ class SnapshotRoutes:
         self.results = results
         self.rejected = rejected  # the server's refusal counts, by reason (shared)
         self.push = push  # a message to a worker now (a punch before its source)
-        self.base_manifest: dict[str, Any] | None = None  # a LoRA run's base model
+        self.base_manifest: BaseManifest | None = None  # a LoRA run's base model
         # (version, decode seconds, took a keyframe) per accepted install report; bounded.
         self.installs: deque[tuple[int, float, bool]] = deque(maxlen=1024)
         self.keyframe_installs = 0  # installs that needed a keyframe (the run's total)
@@ -66,7 +67,7 @@ class SnapshotRoutes:
         self.verifier = verifier
         self.snapshot_endpoint = snapshot_endpoint
 
-    def latest(self) -> tuple[int, dict[str, Any] | None]:
+    def latest(self) -> tuple[int, Manifest | None]:
         buf = self.store.latest()
         return (buf.version, buf.manifest) if buf else (-1, None)
 
@@ -130,11 +131,11 @@ class SnapshotRoutes:
                               "LoRA run on a model folder): load model.name on the worker")
         if msg.reason == "corrupt" and msg.bad_source != self.snapshot_endpoint:
             accused = self.table.relay_keys.get(msg.bad_source)
-            if accused is None or not 0 <= msg.chunk < len(self.base_manifest["chunk_hashes"]) \
+            if accused is None or not 0 <= msg.chunk < self.base_manifest.layout.num_chunks \
                     or self.verifier is None:
                 self.rejected["unfounded_report"] += 1
-            elif not self.verifier.submit(msg.bad_source, accused, key, self.base_manifest,
-                                          msg.chunk):
+            elif not self.verifier.submit(msg.bad_source, accused, key,
+                                          self.base_manifest.layout, msg.chunk):
                 self.rejected["verify_queue_full"] += 1
         endpoint = self.coordinator.base_source(msg.worker_id, msg.bad_source)
         log.info("worker %s: base model from %s (%s)", msg.worker_id, endpoint, msg.reason)
@@ -150,8 +151,7 @@ class SnapshotRoutes:
         if accused is None or buf is None or not 0 <= msg.chunk < buf.total or \
                 self.verifier is None:
             self.rejected["unfounded_report"] += 1
-        elif not self.verifier.submit(msg.bad_source, accused, key,
-                                      result_view(self.store.get(msg.version).manifest), msg.chunk):
+        elif not self.verifier.submit(msg.bad_source, accused, key, buf.layout, msg.chunk):
             self.rejected["verify_queue_full"] += 1
 
     def on_source_request(self, ident: bytes, key: str, msg: wire.SourceRequest) -> wire.Message:
@@ -213,7 +213,7 @@ class SnapshotRoutes:
             return False
         if not 0 <= chunk < buf.total:
             chunk = random.randrange(buf.total)
-        if not self.verifier.submit(endpoint, accused, accuser, buf.manifest, chunk):
+        if not self.verifier.submit(endpoint, accused, accuser, buf.layout, chunk):
             self.rejected["verify_queue_full"] += 1
             return False
         return True

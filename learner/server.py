@@ -35,6 +35,7 @@ import zmq.asyncio
 from broadcast.coordinator import Coordinator
 from broadcast.nat.reflect import Reflector
 from broadcast.reports import ReportBook
+from broadcast.manifest import BaseManifest
 from broadcast.snapshot import RunKey, Snapshot
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
@@ -241,7 +242,7 @@ class LearnerServer:
         """Is the loop running (else nobody else touches what it owns)?"""
         return self._loop is not None and self._thread.is_alive()
 
-    def hold_base(self, manifest: dict[str, Any], payload: bytes | bytearray | mmap.mmap) -> None:
+    def hold_base(self, manifest: BaseManifest, payload: bytes | bytearray | mmap.mmap) -> None:
         """Serve this run's base model (call before ``start``): its manifest goes out with
         every join_ack, its chunks to whoever the learner sends to fetch it here."""
         self.routes.base_manifest = manifest

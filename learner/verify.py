@@ -21,13 +21,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from broadcast.fetch import REQUEST_BYTES, _rids
-from broadcast.snapshot import SnapshotError, chunk_range, num_chunks, verify_chunk
+from broadcast.manifest import ChunkLayout, SnapshotError
 from echo import wire
 from echo.security import KeyPair, curve_client
 
@@ -45,7 +44,7 @@ class Report:
     endpoint: str
     accused: str
     accuser: str
-    manifest: dict[str, Any]
+    layout: ChunkLayout  # of the payload probed: a version's, a keyframe's or a base model's
     chunk: int
 
 
@@ -58,10 +57,10 @@ class Verifier:
         self.queue: asyncio.Queue[Report] = asyncio.Queue(QUEUE)
         self.outcomes: dict[str, int] = {}
 
-    def submit(self, endpoint: str, accused: str, accuser: str, manifest: dict[str, Any],
+    def submit(self, endpoint: str, accused: str, accuser: str, layout: ChunkLayout,
                chunk: int) -> bool:
         try:
-            self.queue.put_nowait(Report(endpoint, accused, accuser, manifest, chunk))
+            self.queue.put_nowait(Report(endpoint, accused, accuser, layout, chunk))
             return True
         except asyncio.QueueFull:
             return False
@@ -81,18 +80,18 @@ class Verifier:
         keys = KeyPair.generate()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, int(r.manifest["chunk_size"]) + REQUEST_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, r.layout.chunk_size + REQUEST_BYTES)
         curve_client(sock, keys, r.accused.encode())
         sock.connect(r.endpoint)
-        total = num_chunks(r.manifest)
+        total = r.layout.num_chunks
         indices = list(range(r.chunk, min(total, r.chunk + self.window)))
         ticket = self.mint(keys.text, r.endpoint)
         replies: list[list[bytes]] = []
         try:
             for index in indices:  # a window of requests, as a child resuming there sends
                 await sock.send(wire.encode(wire.ChunkRequest(
-                    version=r.manifest["version"], index=index, rid=next(_rids), ticket=ticket,
-                    form=r.manifest.get("form", "payload"))))
+                    version=r.layout.version, index=index, rid=next(_rids), ticket=ticket,
+                    form=r.layout.form)))
             async with asyncio.timeout(TIMEOUT_S):
                 for _ in indices:
                     replies.append(await sock.recv_multipart())
@@ -112,13 +111,13 @@ class Verifier:
         if isinstance(head, wire.Error):
             return "answered"  # it answered without the chunk (e.g. a superseded version)
         index = getattr(head, "index", -1)
-        if not isinstance(head, wire.Chunk) or not 0 <= index < num_chunks(r.manifest):
+        if not isinstance(head, wire.Chunk) or not 0 <= index < r.layout.num_chunks:
             return "corrupt"
-        start, end = chunk_range(r.manifest, index)
+        start, end = r.layout.chunk_range(index)
         if len(frames) != 2 or len(frames[1]) != end - start:
             return "corrupt"
         try:
-            verify_chunk(r.manifest, index, frames[1])
+            r.layout.verify_chunk(index, frames[1])
         except SnapshotError:
             return "corrupt"
         return "intact"

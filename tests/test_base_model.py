@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from dataclasses import replace
 
 import pytest
 import zmq.asyncio
@@ -21,12 +22,12 @@ from broadcast.basemodel import (
     verify_base_manifest,
 )
 from broadcast.coordinator import Coordinator
+from broadcast.manifest import signed_bytes
 from broadcast.relay import Relay, RelayConfig
 from broadcast.snapshot import (
     RunKey,
     Snapshot,
     SnapshotError,
-    _signed_part,
     build_manifest,
     verify_manifest,
 )
@@ -62,10 +63,10 @@ def base(tmp_path):
 
 def test_base_manifest_signed_and_cached_whole_by_hash(base, tmp_path):
     key, manifest, payload = base
-    verify_base_manifest(manifest, key.public_bytes, "r1")
-    assert [f["name"] for f in manifest["files"]] == ["config.json", "model.safetensors",
-                                                      "tokenizer.json"]
-    assert len(manifest["chunk_hashes"]) == -(-len(payload) // CHUNK)
+    assert verify_base_manifest(manifest.to_wire(), key.public_bytes, "r1") == manifest
+    assert [f.name for f in manifest.files] == ["config.json", "model.safetensors",
+                                                "tokenizer.json"]
+    assert len(manifest.chunk_hashes) == -(-len(payload) // CHUNK)
     cache = BaseCache(tmp_path / "cache")
     assert cache.lookup(manifest) is None  # a miss
     folder = cache.write(manifest, payload)
@@ -87,20 +88,21 @@ def test_base_manifest_signed_and_cached_whole_by_hash(base, tmp_path):
 
 
 def test_forged_or_hostile_base_manifests_are_refused(base):
-    key, manifest, _ = base
+    key, typed, _ = base
+    raw = typed.to_wire()  # altered below into hostile maps on purpose
     # another base hash than the learner signed: the signature fails
     with pytest.raises(SnapshotError, match="Ed25519"):
-        verify_base_manifest({**manifest, "base_model": "cd" * 32}, key.public_bytes)
+        verify_base_manifest({**raw, "base_model": "cd" * 32}, key.public_bytes)
     with pytest.raises(SnapshotError, match="Ed25519"):
-        verify_base_manifest(manifest, RunKey.generate().public_bytes)
+        verify_base_manifest(raw, RunKey.generate().public_bytes)
     with pytest.raises(SnapshotError, match="of run"):
-        verify_base_manifest(manifest, key.public_bytes, "another-run")
+        verify_base_manifest(raw, key.public_bytes, "another-run")
 
     def signed(**changes):
-        m = {k: v for k, v in manifest.items() if k != "signature"} | changes
-        return {**m, "signature": key.sign(_signed_part(m))}
+        m = {k: v for k, v in raw.items() if k != "signature"} | changes
+        return {**m, "signature": key.sign(signed_bytes(m))}
 
-    files = manifest["files"]
+    files = raw["files"]
     # even signed: no file name that leaves the cache folder, files that tile the payload
     for bad in ("../evil.json", "a/b.json", ".hidden", ""):
         with pytest.raises(SnapshotError, match="plain file"):
@@ -112,9 +114,9 @@ def test_forged_or_hostile_base_manifests_are_refused(base):
                                           files[2]]))
     # neither kind verifies as the other
     with pytest.raises(SnapshotError):
-        verify_manifest(manifest, key.public_bytes)
+        verify_manifest(raw, key.public_bytes)
     with pytest.raises(SnapshotError, match="kind"):
-        check_base_manifest({k: v for k, v in manifest.items() if k != "kind"})
+        check_base_manifest({k: v for k, v in raw.items() if k != "kind"})
 
 
 async def _serve(relays):
@@ -144,24 +146,21 @@ def test_base_fetched_from_peers_corrupt_relay_routed_around_then_cached(base, t
 
         try:
             cache1 = BaseCache(tmp_path / "home1")
-            r1 = await obtain_base(manifest, public_key=key.public_bytes, run_id="r1",
-                                   model_name=str(tmp_path / "absent"), relay=workers[0],
+            r1 = await obtain_base(manifest, model_name=str(tmp_path / "absent"), relay=workers[0],
                                    ask=asker([corrupt.endpoint, honest.endpoint]), cache=cache1)
             assert r1.origin == "fetched" and r1.fetched_bytes == len(payload)
             assert r1.failures == [(corrupt.endpoint, "corrupt")]
             assert asks[0] == ("", "no_base", -1, "base")
             assert asks[1][:2] == (corrupt.endpoint, "corrupt") and asks[1][2] >= 0
             assert (r1.folder / "model.safetensors").read_bytes() == payload[
-                manifest["files"][1]["offset"]:][:manifest["files"][1]["nbytes"]]
+                manifest.files[1].offset:][:manifest.files[1].nbytes]
             assert workers[0].holds_base
             asks.clear()
-            r2 = await obtain_base(manifest, public_key=key.public_bytes, run_id="r1",
-                                   model_name="absent", relay=workers[1], ask=asker([]),
+            r2 = await obtain_base(manifest, model_name="absent", relay=workers[1], ask=asker([]),
                                    cache=cache1)
             assert (r2.origin, r2.fetched_bytes, asks) == ("cache", 0, [])
             assert workers[1].holds_base  # a cache hit serves peers too
-            r3 = await obtain_base(manifest, public_key=key.public_bytes, run_id="r1",
-                                   model_name="absent", relay=workers[2],
+            r3 = await obtain_base(manifest, model_name="absent", relay=workers[2],
                                    ask=asker([workers[0].endpoint]),
                                    cache=BaseCache(tmp_path / "home3"))
             assert r3.sources == [workers[0].endpoint] and r3.fetched_bytes == len(payload)
@@ -186,8 +185,7 @@ def test_a_worker_holding_model_name_fetches_nothing_and_serves_nothing(base, tm
         async def ask(*_):
             raise AssertionError("no fetch")
         try:
-            r = await obtain_base(manifest, public_key=key.public_bytes, run_id="r1",
-                                  model_name=str(tmp_path / "smol"), relay=relay, ask=ask,
+            r = await obtain_base(manifest, model_name=str(tmp_path / "smol"), relay=relay, ask=ask,
                                   cache=BaseCache(tmp_path / "empty"))
             assert (r.origin, r.folder, r.fetched_bytes, relay.holds_base) == \
                 ("model.name", None, 0, False)
@@ -212,7 +210,7 @@ def test_a_loaded_base_of_another_hash_is_refused_and_uncached(base, tmp_path):
 def test_free_disk_bounds_a_fetch(base, tmp_path):
     _, manifest, _ = base
     with pytest.raises(SnapshotError, match="GiB"):
-        BaseCache(tmp_path).room({**manifest, "payload_size": 1 << 60})
+        BaseCache(tmp_path).room(replace(manifest, payload_size=1 << 60))
 
 
 def test_base_source_is_a_holding_peer_else_the_learner():
@@ -265,8 +263,8 @@ def test_the_learner_hands_out_the_base_and_its_sources_and_bans_a_corrupt_relay
     try:
         holder, late = peer(plane, zctx, keys=keys), peer(plane, zctx)
         ack = ask(holder, wire.Join(worker_id="a", relay_endpoint=liar.endpoint))
-        assert isinstance(ack, wire.JoinAck) and ack.base_manifest == manifest
-        verify_base_manifest(ack.base_manifest, ack.public_key, ack.run_id)
+        assert isinstance(ack, wire.JoinAck) and ack.base_manifest == manifest.to_wire()
+        assert verify_base_manifest(ack.base_manifest, ack.public_key, ack.run_id) == manifest
         grant = ask(holder, wire.SourceRequest(worker_id="a", version=0, bad_source="",
                                                reason="no_base", form="base"))
         assert grant.source == plane.snapshot_endpoint  # nobody else holds it yet
@@ -330,13 +328,13 @@ def test_any_base_manifest_is_refused_or_keeps_its_files_inside_the_payload(base
     """A manifest of any shape is refused with a SnapshotError, or every file it lists is a
     plain name inside the payload (the cache writes nothing outside its folder)."""
     _, manifest, _ = base
-    m = {**manifest, **over}
+    m = {**manifest.to_wire(), **over}  # hostile on purpose
     try:
-        check_base_manifest(m)
+        got = check_base_manifest(m)
     except SnapshotError:
         return
     at = 0
-    for f in m["files"]:
-        assert "/" not in f["name"] and not f["name"].startswith(".") and f["offset"] == at
-        at += f["nbytes"]
-    assert at == m["payload_size"] and len(m["chunk_hashes"]) == -(-at // m["chunk_size"])
+    for f in got.files:
+        assert "/" not in f.name and not f.name.startswith(".") and f.offset == at
+        at += f.nbytes
+    assert at == got.payload_size and len(got.chunk_hashes) == -(-at // got.chunk_size)

@@ -9,7 +9,7 @@ import zmq.asyncio
 
 from broadcast.coordinator import Coordinator
 from broadcast.relay import Relay, RelayConfig
-from broadcast.snapshot import RunKey, SnapshotError, build_manifest, chunk_hash
+from broadcast.snapshot import RunKey, SnapshotError, build_manifest, chunk_hash, verify_manifest
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.topology import Peer, make_topology
@@ -64,7 +64,7 @@ def test_chain_forwards_chunks_as_they_arrive_and_installs_exact_bytes():
             servers += [tg.create_task(r.serve_forever()) for r in chain]
             # every relay starts at once; each parent's requests park until chunks arrive
             sources = [root.endpoint] + [r.endpoint for r in chain[:-1]]
-            results = await asyncio.gather(*(r.receive(manifest, key.public_bytes, s, None)
+            results = await asyncio.gather(*(r.receive(manifest, s, None)
                                              for r, s in zip(chain, sources)))
             for t in servers:
                 t.cancel()
@@ -90,7 +90,7 @@ def test_resume_fetches_only_missing_chunks():
         held = buf.count
         async with asyncio.TaskGroup() as tg:
             t = tg.create_task(root.server.serve_forever())
-            got, stats = await r.receive(manifest, key.public_bytes, root.endpoint, None)
+            got, stats = await r.receive(manifest, root.endpoint, None)
             t.cancel()
         return held, got, stats, root
 
@@ -118,7 +118,7 @@ def test_a_held_version_with_other_chunks_is_fetched_again_not_resumed():
             buf.put(i, bytes(SnapshotBuffer(old, old_payload).chunk(i)))
         async with asyncio.TaskGroup() as tg:
             t = tg.create_task(root.server.serve_forever())
-            got, stats = await r.receive(new, key.public_bytes, root.endpoint, None)
+            got, stats = await r.receive(new, root.endpoint, None)
             t.cancel()
         return got, stats
 
@@ -145,8 +145,8 @@ def test_dead_relay_child_reattaches_and_resumes():
         async with asyncio.TaskGroup() as tg:
             servers = [tg.create_task(root.server.serve_forever()),
                        tg.create_task(parent.serve_forever())]
-            ptask = tg.create_task(parent.receive(manifest, key.public_bytes, root.endpoint, None))
-            ctask = tg.create_task(child.receive(manifest, key.public_bytes, parent.endpoint, reattach))
+            ptask = tg.create_task(parent.receive(manifest, root.endpoint, None))
+            ctask = tg.create_task(child.receive(manifest, parent.endpoint, reattach))
             while child.store.get(1) is None or child.store.get(1).count < 20:
                 await asyncio.sleep(0.01)
             ptask.cancel()
@@ -179,8 +179,8 @@ def test_corrupting_relay_is_detected_and_routed_around():
 
         async with asyncio.TaskGroup() as tg:
             servers = [tg.create_task(root.server.serve_forever()), tg.create_task(evil.serve_forever())]
-            await evil.receive(manifest, key.public_bytes, root.endpoint, None)
-            buf, _ = await child.receive(manifest, key.public_bytes, evil.endpoint, reattach)
+            await evil.receive(manifest, root.endpoint, None)
+            buf, _ = await child.receive(manifest, evil.endpoint, reattach)
             for t in servers:
                 t.cancel()
         return buf, reasons
@@ -195,8 +195,8 @@ def test_manifest_from_another_key_is_refused():
     manifest, _ = snapshot(key)
 
     async def body(ctx):
-        with pytest.raises(SnapshotError, match="signature"):
-            await relay(ctx).receive(manifest, RunKey.generate().public_bytes, "tcp://127.0.0.1:1", None)
+        with pytest.raises(SnapshotError, match="signature"):  # where it arrives, before a fetch
+            verify_manifest(manifest.to_wire(), RunKey.generate().public_bytes)
 
     asyncio.run(run(body))
 
@@ -429,12 +429,12 @@ def test_child_whose_request_beats_its_parents_notice_stays_on_its_parent(parent
 
         async def parent_gets_its_notice_late():
             await refused.wait()  # only after it has turned the child away once
-            return await parent.receive(manifest, key.public_bytes, root.endpoint, None)
+            return await parent.receive(manifest, root.endpoint, None)
 
         async with asyncio.TaskGroup() as tg:
             servers = [tg.create_task(s.serve_forever()) for s in (root.server, parent, child)]
             ptask = tg.create_task(parent_gets_its_notice_late())
-            buf, stats = await child.receive(manifest, key.public_bytes, parent.endpoint, reattach)
+            buf, stats = await child.receive(manifest, parent.endpoint, reattach)
             await ptask
             for t in servers:
                 t.cancel()
@@ -467,7 +467,7 @@ def test_a_parent_that_never_gets_the_version_is_reported_as_timed_out():
 
         async with asyncio.TaskGroup() as tg:
             servers = [tg.create_task(s.serve_forever()) for s in (root.server, stuck, child)]
-            buf, stats = await child.receive(manifest, key.public_bytes, stuck.endpoint, reattach)
+            buf, stats = await child.receive(manifest, stuck.endpoint, reattach)
             for t in servers:
                 t.cancel()
         return stuck, buf, reports

@@ -1,6 +1,7 @@
 """The learner's control plane on real loopback sockets, driven by a hand-written client."""
 
 import asyncio
+from dataclasses import replace
 import math
 import random
 
@@ -173,7 +174,7 @@ def test_snapshot_chunks_served_and_verified(plane, client, keys):
 
     assert bytes(asyncio.run(fetch(m))) == payload
     assert plane.stats()["learner_bytes_sent"] == len(payload)
-    forged = dict(m, chunk_hashes=[b"\0" * 32] + m["chunk_hashes"][1:])
+    forged = replace(m, chunk_hashes=(b"\0" * 32, *m.chunk_hashes[1:]))
     with pytest.raises(SnapshotError, match="corrupt"):
         asyncio.run(fetch(forged))
 
@@ -215,7 +216,7 @@ def test_keyframes_from_the_learner_and_refusals_for_versions_gone(plane, client
     for version, full in enumerate((base, bytes(new))):
         pub = enc.build(version, tensors, full)
         plane.publish(Snapshot(pub.manifest, pub.payload, pub.result))
-    assert pub.manifest["encoding"] == "delta"
+    assert pub.manifest.encoding == "delta"
     grant = ask(client, wire.SourceRequest(worker_id="w1", version=1, bad_source="",
                                            reason="no_base", form="full"))
     assert isinstance(grant, wire.SourceGrant) and grant.source == plane.snapshot_endpoint

@@ -1,6 +1,7 @@
 """Delta snapshots: encodings, the signed result, keyframes, and peers that lie about them."""
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -50,8 +51,8 @@ def test_each_encoding_is_chosen_where_it_is_smallest_and_every_rebuild_is_bit_e
         new[i] ^= 0x01
     new[3 * q :] = rng.bytes(q)
     entries, payload, stats = encode(tensors, bytes(new), base)
-    assert [e["enc"] for e in entries] == ["sparse", "sparse", "xor_lz4", "full"]
-    assert entries[0]["dlen"] == 0 and entries[1]["dlen"] == 4 + 2
+    assert [e.enc for e in entries] == ["sparse", "sparse", "xor_lz4", "full"]
+    assert entries[0].dlen == 0 and entries[1].dlen == 4 + 2
     assert bytes(decode(entries, payload, base, size)) == bytes(new)
     assert stats.changed == 1 + 5000 + int(np.count_nonzero(
         np.frombuffer(bytes(new[3 * q :]), np.uint16) != np.frombuffer(base[3 * q :], np.uint16)))
@@ -70,8 +71,8 @@ def test_bits_not_values_nan_and_negative_zero_round_trip():
 
 
 @pytest.mark.parametrize("damage, match", [
-    (lambda e, p: (dict(e, doff=len(p) + 10), p), "outside"),
-    (lambda e, p: (dict(e, dlen=e["dlen"] - 1), p), "whole number"),
+    (lambda e, p: (replace(e, doff=len(p) + 10), p), "outside"),
+    (lambda e, p: (replace(e, dlen=e.dlen - 1), p), "whole number"),
     (lambda e, p: (e, b"\xff" * 4 + p[4:]), "beyond"),
 ])
 def test_a_hostile_sparse_slice_is_refused_not_written_outside(damage, match):
@@ -80,7 +81,7 @@ def test_a_hostile_sparse_slice_is_refused_not_written_outside(damage, match):
     new = bytearray(base)
     new[6] = 7
     entries, payload, _ = encode(tensors, bytes(new), base)
-    assert entries[0]["enc"] == "sparse"
+    assert entries[0].enc == "sparse"
     entry, payload = damage(entries[0], payload)
     with pytest.raises(DeltaError, match=match):
         decode([entry], payload, base, size)
@@ -91,7 +92,7 @@ def test_a_corrupt_lz4_block_is_a_delta_error():
     base = bytes(size)
     new = perturb(base, 0.3, 1)
     entries, payload, _ = encode(tensors, new, base)
-    assert entries[0]["enc"] == "xor_lz4"
+    assert entries[0].enc == "xor_lz4"
     with pytest.raises(DeltaError, match="LZ4"):
         decode(entries, b"\x00" * len(payload), base, size)
 
@@ -104,16 +105,18 @@ def test_a_delta_manifest_signs_the_result_and_names_its_base():
     first = enc.build(0, tensors, base)
     pub = enc.build(1, tensors, perturb(base, 0.01, 3))
     m = pub.manifest
-    assert first.manifest["encoding"] == "full" and m["encoding"] == "delta"
-    assert m["base_version"] == 0 and m["result_size"] == size
-    verify_manifest(m, key.public_bytes)
-    forged = dict(m, result_hashes=list(reversed(m["result_hashes"])))
+    assert first.manifest.encoding == "full" and m.encoding == "delta"
+    assert m.base_version == 0 and m.result_size == size
+    assert verify_manifest(m.to_wire(), key.public_bytes) == m
+    raw = m.to_wire()  # forged and malformed maps below, on purpose
+    forged = dict(raw, result_hashes=list(reversed(m.result_hashes)))
     with pytest.raises(SnapshotError, match="signature"):
         verify_manifest(forged, key.public_bytes)
-    for bad, match in [(dict(m, base_version=1), "base_version"),
-                       (dict(first.manifest, base_version=0), "base_version"),
-                       (dict(m, tensors=[dict(m["tensors"][0], enc="zstd")]), "encoding"),
-                       (dict(m, tensors=[dict(m["tensors"][0], doff=m["payload_size"])]), "dlen")]:
+    t0 = m.tensors[0].to_wire()
+    for bad, match in [(dict(raw, base_version=1), "base_version"),
+                       (dict(first.manifest.to_wire(), base_version=0), "base_version"),
+                       (dict(raw, tensors=[dict(t0, enc="zstd")]), "encoding"),
+                       (dict(raw, tensors=[dict(t0, doff=m.payload_size)]), "dlen")]:
         with pytest.raises(SnapshotError, match=match):
             check_manifest(bad)
 
@@ -126,12 +129,12 @@ def test_keyframes_every_k_and_when_a_delta_would_not_save():
     payloads = [np.random.default_rng(9).bytes(size)]
     for v in range(1, 7):
         payloads.append(perturb(payloads[-1], 0.01, v))
-    kinds = [enc.build(v, tensors, p).manifest["encoding"] for v, p in enumerate(payloads)]
+    kinds = [enc.build(v, tensors, p).manifest.encoding for v, p in enumerate(payloads)]
     assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]
     noisy = np.random.default_rng(10).bytes(size)  # every element changes: a keyframe
-    assert enc.build(7, tensors, noisy).manifest["encoding"] == "full"
+    assert enc.build(7, tensors, noisy).manifest.encoding == "full"
     off = VersionEncoder(run_id="r", key=key, chunk_size=CHUNK, dtype="bfloat16", delta=False)
-    assert {off.build(v, tensors, p).manifest["encoding"] for v, p in enumerate(payloads)} == {"full"}
+    assert {off.build(v, tensors, p).manifest.encoding for v, p in enumerate(payloads)} == {"full"}
 
 
 def test_rebuild_needs_the_very_base_and_proves_the_result():
@@ -228,7 +231,7 @@ def test_a_full_payload_held_as_a_keyframe_is_never_recycled_under_it():
         buf = r.store.add(SnapshotBuffer(m, storage=bytearray(size)))
         r.hold_result(m, buf.payload)
         held = r.results.get(0)
-        return held.payload is not buf.payload and r.base_for(dict(m, base_version=0)) is not None
+        return held.payload is not buf.payload and r.base_for(replace(m, base_version=0)) is not None
 
     assert asyncio.run(_run(body))
 

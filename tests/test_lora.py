@@ -100,12 +100,12 @@ def test_a_version_is_the_adapter_plus_the_signed_base_hash(trained, tokenizer):
     key = RunKey.generate()
     manifest = build_manifest(run_id="r", version=1, tensors=tensors, payload=payload,
                               chunk_size=4096, dtype="bfloat16", key=key, base_model=policy.base_hash)
-    verify_manifest(manifest, key.public_bytes)
-    forged = {**manifest, "base_model": "0" * 64}
+    assert verify_manifest(manifest.to_wire(), key.public_bytes) == manifest
+    forged = {**manifest.to_wire(), "base_model": "0" * 64}  # forged on purpose
     with pytest.raises(SnapshotError, match="signature"):
         verify_manifest(forged, key.public_bytes)
     with pytest.raises(SnapshotError, match="base_model"):
-        verify_manifest({**manifest, "base_model": "not hex"}, key.public_bytes)
+        verify_manifest({**manifest.to_wire(), "base_model": "not hex"}, key.public_bytes)
 
 
 def test_adapter_versions_go_as_deltas_and_rebuild_bit_exact(trained):
@@ -118,8 +118,8 @@ def test_adapter_versions_go_as_deltas_and_rebuild_bit_exact(trained):
     moved = {n: t + 0.01 * (i % 3 == 0) for i, (n, t) in enumerate(full[0].items())}
     _, v2 = params_to_payload(policy.named_tensors(moved), "bfloat16")
     first, second = enc.build(1, tensors, v1), enc.build(2, tensors, v2)
-    assert first.manifest["encoding"] == "full" and second.manifest["encoding"] == "delta"
-    assert first.manifest["base_model"] == second.manifest["base_model"] == policy.base_hash
+    assert first.manifest.encoding == "full" and second.manifest.encoding == "delta"
+    assert first.manifest.base_model == second.manifest.base_model == policy.base_hash
     assert len(second.payload) < len(v2)
     assert bytes(rebuild(second.manifest, second.payload, v1)) == v2
 
@@ -134,8 +134,7 @@ def test_worker_applies_the_version_to_its_base_and_generates_from_the_learner_s
                            lora=cfg.learner.lora)
     assert backend.base_hash == policy.base_hash
     tensors, payload = params_to_payload(policy.named_tensors(full[0]), "float32")
-    manifest = {"version": 1, "base_model": policy.base_hash}
-    assert base_problem(manifest, backend.base_hash, "tiny-qwen3") is None
+    assert base_problem(1, policy.base_hash, backend.base_hash, "tiny-qwen3") is None
     backend.install(tensors, payload, 1)
     ids = torch.tensor([[4, 9, 14, 5, 7, 12]])
     with torch.no_grad():
@@ -143,10 +142,10 @@ def test_worker_applies_the_version_to_its_base_and_generates_from_the_learner_s
                                    policy.model(input_ids=ids).logits, rtol=0, atol=1e-6)
     other = make_backend("transformers", model_cfg=cfg.model.model_copy(update={"seed": 1}),
                          threads=1, device="cpu", lora=cfg.learner.lora)
-    problem = base_problem(manifest, other.base_hash, "tiny-qwen3")
+    problem = base_problem(1, policy.base_hash, other.base_hash, "tiny-qwen3")
     assert "hashes to" in problem and "learner's base model" in problem
-    assert "applies LoRA" in base_problem({"version": 1}, backend.base_hash, "m")
-    assert "without an adapter" in base_problem(manifest, None, "m")
+    assert "applies LoRA" in base_problem(1, None, backend.base_hash, "m")
+    assert "without an adapter" in base_problem(1, policy.base_hash, None, "m")
 
 
 def test_auditor_recomputes_under_base_plus_the_claimed_adapter(trained, tokenizer):
@@ -282,9 +281,9 @@ def test_a_worker_holding_another_base_stops_with_the_fix():
     from worker.session import WorkerError
 
     backend = SimpleNamespace(base_hash="a" * 64)
-    check_base({"version": 3, "base_model": "a" * 64}, backend, "models/base")
+    check_base(SimpleNamespace(version=3, base_model="a" * 64), backend, "models/base")
     with pytest.raises(WorkerError, match="models/base.*hashes to aaaa.*learner's base model"):
-        check_base({"version": 3, "base_model": "b" * 64}, backend, "models/base")
+        check_base(SimpleNamespace(version=3, base_model="b" * 64), backend, "models/base")
 
 
 def test_evaluation_models_play_a_lora_run_with_its_adapter(trained, tokenizer, tmp_path):

@@ -139,7 +139,7 @@ def test_the_probe_asks_as_a_resuming_child_with_a_childs_ticket():  # attack 1:
 
         task = asyncio.ensure_future(serve())
         try:
-            outcome = await verifier.check(Report(ep, relay_keys.text, "accuser", m, 5))
+            outcome = await verifier.check(Report(ep, relay_keys.text, "accuser", m.layout, 5))
         finally:
             task.cancel()
             server.close(linger=0)

@@ -19,7 +19,7 @@ import zmq.utils.monitor
 from broadcast.relay import Relay, RelayConfig
 from broadcast.snapshot import RunKey, Snapshot, build_manifest
 from broadcast.store import SnapshotBuffer
-from broadcast.tickets import TicketCheck, mint
+from broadcast.tickets import Ticket, TicketCheck, mint
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits
 from echo import wire
@@ -108,6 +108,20 @@ def test_ticket_checks_signature_child_parent_and_expiry():
     assert check("C" * 40, good[:-1] + bytes([good[-1] ^ 1])) == "bad_ticket"
     now[0] = 200.0
     assert check("C" * 40, good) == "ticket_expired"
+
+
+def test_a_ticket_is_a_declared_type_whose_bytes_are_pinned():
+    """``Ticket`` writes the signed body and reads it back; a fixed ticket's bytes are what the
+    learner minted before the type existed (BLAKE3 pinned), so old and new nodes agree."""
+    import blake3
+
+    key = RunKey.from_bytes(bytes(range(32)))
+    minted = mint(key, "C" * 40, "tcp://r:1", "run", 60, now=100.0)
+    assert blake3.blake3(minted).hexdigest() == \
+        "ea1e0775ae6d07138454d8497c358186722de15b4d03441152df4c3bb6bad63e"
+    assert Ticket.parse(minted[64:]) == Ticket("C" * 40, "tcp://r:1", "run", 160.0)
+    assert Ticket.parse(b"\x93\x01\x02\x03") is None  # three fields, not four
+    assert Ticket.parse(b"\xc1") is None  # not msgpack
 
 
 def test_duration_parsing():

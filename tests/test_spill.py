@@ -9,6 +9,7 @@ import blake3
 import pytest
 import torch
 
+from broadcast.manifest import ChunkLayout
 from broadcast.store import SnapshotBuffer
 from echo.models import params_to_payload, params_to_spill
 from echo.spill import drop_pages, spill, spill_dir
@@ -33,8 +34,8 @@ def test_params_written_to_a_spill_match_the_in_memory_payload(tmp_path):
     index, payload = params_to_payload(named, "bfloat16")
     sindex, spilled = params_to_spill(named, "bfloat16", tmp_path)
     assert sindex == index and bytes(spilled) == payload
-    buf = SnapshotBuffer({"version": 3, "payload_size": len(payload), "chunk_size": 16,
-                          "chunk_hashes": [b""] * -(-len(payload) // 16)}, spilled)
+    buf = SnapshotBuffer(ChunkLayout(3, len(payload), 16, (b"",) * -(-len(payload) // 16)),
+                         spilled)
     assert bytes(buf.chunk(1)) == payload[16:32]  # chunks are served as slices of the map
 
 
@@ -61,8 +62,8 @@ def test_chunks_sent_from_a_spilled_payload_leave_the_resident_set(tmp_path):
     pages go once it is sent (SnapshotBuffer.sent), so the file is never resident whole."""
     data = os.urandom(64 << 20)
     chunk = 4 << 20
-    buf = SnapshotBuffer({"version": 1, "payload_size": len(data), "chunk_size": chunk,
-                          "chunk_hashes": [b""] * (len(data) // chunk)}, spill(data, tmp_path))
+    buf = SnapshotBuffer(ChunkLayout(1, len(data), chunk, (b"",) * (len(data) // chunk)),
+                         spill(data, tmp_path))
     before = rss_file()
     for i in range(buf.total):  # read every chunk, as a send does
         assert bytes(buf.chunk(i)[:8]) == data[i * chunk:i * chunk + 8]
@@ -73,6 +74,5 @@ def test_chunks_sent_from_a_spilled_payload_leave_the_resident_set(tmp_path):
         buf.sent(i)
     assert rss_file() - before < 8 << 20
     assert bytes(buf.chunk(3)) == data[3 * chunk:4 * chunk]  # the bytes are still there
-    held = SnapshotBuffer({"version": 1, "payload_size": 8, "chunk_size": 4,
-                           "chunk_hashes": [b"", b""]}, bytearray(8))
+    held = SnapshotBuffer(ChunkLayout(1, 8, 4, (b"", b"")), bytearray(8))
     held.sent(0)  # a payload in RAM: nothing to drop

@@ -215,10 +215,10 @@ def manifests(draw):
 @FUZZ
 @given(manifests())
 def test_valid_manifests_verify_after_a_wire_round_trip(m):
-    back = wire.decode(wire.encode(wire.SnapshotNotice(version=m["version"], manifest=m,
+    back = wire.decode(wire.encode(wire.SnapshotNotice(version=m.version, manifest=m.to_wire(),
                                                        source="tcp://h:1")), 1 << 24).manifest
-    verify_manifest(back, decoders.KEY.public_bytes)
-    decoders.check_accepted_manifest(back)
+    assert verify_manifest(back, decoders.KEY.public_bytes) == m
+    decoders.check_accepted_manifest(m, back)
 
 
 @FUZZ
@@ -226,7 +226,8 @@ def test_valid_manifests_verify_after_a_wire_round_trip(m):
 def test_one_manifest_value_mutated_and_resigned_gives_snapshot_error_or_a_sound_manifest(m, data):
     # Re-signed, so what is checked is the shape check, not the signature: even a learner that
     # signs nonsense cannot make a worker raise anything but SnapshotError.
-    obj = mutated(data, unpacked(msgpack.packb(m, use_bin_type=True)))
+    wire_map = m if isinstance(m, dict) else m.to_wire()
+    obj = mutated(data, unpacked(msgpack.packb(wire_map, use_bin_type=True)))
     if isinstance(obj, dict):
         try:
             obj["signature"] = decoders.resign(obj)

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 from worker_doubles import VIEW, ScriptedClient, make_generation, make_session, scripted_backend
 
+from broadcast.snapshot import RunKey, build_manifest
+from broadcast.tickets import Source
 from echo import wire
 from echo.client import RequestTimeout
 from worker.backends import Sample
@@ -22,11 +24,13 @@ from worker.model import LoadChoice
 from worker.session import SessionHooks, WorkerError
 from worker.status import InstallProgress, StatusBoard
 
-MANIFEST = {"result_size": 40, "dtype": "bfloat16", "tensors": {}, "version": 5}
+KEY = RunKey.from_bytes(bytes(32))
+MANIFEST = build_manifest(run_id="r1", version=5, tensors=[], payload=bytes(40), chunk_size=16,
+                          dtype="bfloat16", key=KEY)
 
 
 def _ack(**kw) -> wire.JoinAck:
-    fields = dict(run_id="r1", instance_id="i1", public_key=b"k", version=-1, config=VIEW,
+    fields = dict(run_id="r1", instance_id="i1", public_key=KEY.public_bytes, version=-1, config=VIEW,
                   snapshot_endpoint="")
     return wire.JoinAck(**{**fields, **kw})
 
@@ -176,18 +180,30 @@ def _installer() -> tuple[Installer, _Relay]:
     session = make_session(ScriptedClient(lambda m: None))
     inst = Installer(session, relay, status=session.status, activity=Activity(),  # type: ignore[arg-type]
                      progress=InstallProgress(), choice=LoadChoice())
+    session.public_key = KEY.public_bytes  # as the join that precedes ``joined`` sets it
     return inst, relay
 
 
 def test_a_join_to_another_run_forgets_what_is_held_and_offers_the_named_version():
     inst, relay = _installer()
     inst.held.version = 7
-    inst.joined(_ack(version=5, manifest=MANIFEST), restarted=False, new_run=False)
+    inst.joined(_ack(version=5, manifest=MANIFEST.to_wire()), restarted=False, new_run=False)
     assert inst.held.version == -1 and relay.resets == 1  # went back in versions: reset
     assert sorted(inst.feed.pending) == [5] and inst.version_bytes == (40, "bfloat16")
+    assert inst.feed.pending[5][0] == MANIFEST  # verified once, kept as the declared type
     inst.held.version = 5
-    inst.joined(_ack(version=6, manifest=MANIFEST), restarted=False, new_run=False)
+    inst.joined(_ack(version=6, manifest=MANIFEST.to_wire()), restarted=False, new_run=False)
     assert inst.held.version == 5 and relay.resets == 1  # the same run, further on: kept
+
+
+def test_a_manifest_that_fails_its_signature_is_never_fetched():
+    inst, _ = _installer()
+    forged = {**MANIFEST.to_wire(), "version": 9}  # tampered on purpose
+    inst.offer(9, forged, Source("tcp://peer:1"))
+    inst.offer(9, {"version": 9}, Source("tcp://peer:1"))  # malformed on purpose
+    assert inst.feed.pending == {}
+    inst.offer(5, MANIFEST.to_wire(), Source("tcp://peer:1"))
+    assert sorted(inst.feed.pending) == [5]
 
 
 def test_an_install_loads_the_ready_version_and_says_so():
@@ -203,9 +219,9 @@ def test_an_install_loads_the_ready_version_and_says_so():
 
 def test_a_lora_version_for_another_base_is_fatal():
     backend = SimpleNamespace(base_hash="a" * 64)
-    check_base({"version": 3, "base_model": "a" * 64}, backend, "models/base")
+    check_base(SimpleNamespace(version=3, base_model="a" * 64), backend, "models/base")
     with pytest.raises(WorkerError):
-        check_base({"version": 3, "base_model": "b" * 64}, backend, "models/base")
+        check_base(SimpleNamespace(version=3, base_model="b" * 64), backend, "models/base")
 
 
 # ------------------------------------------------------------------ lifecycle

@@ -25,10 +25,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from broadcast.basemodel import BaseCache, verify_base_manifest
+from broadcast.basemodel import BaseCache
 from broadcast.fetch import SourceFailed
+from broadcast.manifest import BaseManifest
 from broadcast.relay import Relay
 from broadcast.tickets import Source
 
@@ -47,8 +46,8 @@ class BaseResult:
     sources: list[str] = field(default_factory=list)
     failures: list[tuple[str, str]] = field(default_factory=list)  # (source, reason)
 
-    def line(self, manifest: dict[str, Any]) -> str:
-        what = f"base model {manifest['base_model'][:16]}..."
+    def line(self, manifest: BaseManifest) -> str:
+        what = f"base model {manifest.base_model[:16]}..."
         if self.origin == "cache":
             return f"{what} found in the cache at {self.folder}: 0 bytes fetched"
         if self.origin == "model.name":
@@ -58,12 +57,11 @@ class BaseResult:
                 f"{' then '.join(self.sources)}{failed}, cached at {self.folder}")
 
 
-async def obtain_base(manifest: dict[str, Any], *, public_key: bytes, run_id: str,
-                      model_name: str, relay: Relay, ask: AskSource,
+async def obtain_base(manifest: BaseManifest, *, model_name: str, relay: Relay, ask: AskSource,
                       cache: BaseCache | None = None) -> BaseResult:
-    """Where the base model of ``manifest`` is on this machine, fetching it if it is nowhere
-    (module docstring); raises SnapshotError when it cannot be had."""
-    verify_base_manifest(manifest, public_key, run_id)
+    """Where the base model of a verified ``manifest`` (``verify_base_manifest``) is on this
+    machine, fetching it if it is nowhere (module docstring); raises SnapshotError when it
+    cannot be had."""
     cache = cache or BaseCache()
     hit = await asyncio.to_thread(cache.lookup, manifest)
     if hit is not None:
@@ -76,20 +74,20 @@ async def obtain_base(manifest: dict[str, Any], *, public_key: bytes, run_id: st
     async def reattach(bad: Source, fail: SourceFailed) -> Source:
         log.warning("base model source %s failed (%s); asking the learner for another",
                     bad.endpoint, fail.reason)
-        return await ask(manifest["version"], bad.endpoint, fail.reason, fail.index, "base")
+        return await ask(manifest.version, bad.endpoint, fail.reason, fail.index, "base")
 
-    first = await ask(manifest["version"], "", "no_base", -1, "base")
+    first = await ask(manifest.version, "", "no_base", -1, "base")
     payload, stats = await relay.receive_base(manifest, first, reattach)
     folder = await asyncio.to_thread(cache.write, manifest, payload)
     relay.hold_base(manifest, payload)
     return BaseResult(folder, "fetched", stats.bytes, stats.chunks, stats.sources, stats.failures)
 
 
-def mismatch(manifest: dict[str, Any], held: str | None, result: BaseResult,
+def mismatch(manifest: BaseManifest, held: str | None, result: BaseResult,
              cache: BaseCache | None = None) -> str | None:
     """Why the loaded base cannot be used (None: it can): its content hash is not the
     manifest's. A folder from the cache or a fetch is removed (the next start fetches it)."""
-    want = manifest["base_model"]
+    want = manifest.base_model
     if held == want:
         return None
     where = result.folder if result.folder is not None else "model.name"

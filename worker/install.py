@@ -17,7 +17,9 @@ from typing import Any
 from broadcast.fetch import FetchStats
 from broadcast.memory import trim
 from broadcast.relay import Relay
-from broadcast.snapshot import SnapshotError
+from broadcast.basemodel import verify_base_manifest
+from broadcast.manifest import BaseManifest, Manifest
+from broadcast.snapshot import SnapshotError, verify_manifest
 from broadcast.tickets import Source
 from dataplane.adapter import Adapter
 from echo import wire
@@ -44,10 +46,10 @@ class Held:
     version: int = -1
 
 
-def check_base(manifest: dict[str, Any], backend: Backend, model_name: str) -> None:
+def check_base(manifest: Manifest, backend: Backend, model_name: str) -> None:
     """A LoRA version applies to the base model it names, and to no other: a worker holding
     another base could only generate from a model nobody trained (fatal, with the fix)."""
-    problem = base_problem(manifest, backend.base_hash, model_name)
+    problem = base_problem(manifest.version, manifest.base_model, backend.base_hash, model_name)
     if problem:
         raise WorkerError(problem)
 
@@ -62,7 +64,9 @@ class Installer:
         self.feed.on_ready = self._snapshot_ready
         self.new_snapshot = asyncio.Event()  # the feed rebuilt a version to install
         self.version_bytes = (0, "bfloat16")  # the run's full version: size and dtype, at join
-        self.base_manifest: dict[str, Any] | None = None  # a LoRA run's base (worker.base)
+        self.base_offer: dict[str, Any] | None = None  # a LoRA run's base, as the join said
+        # the base obtained (verified; worker.base): what the loaded model must hash to
+        self.base_manifest: BaseManifest | None = None
         self.base: BaseResult | None = None  # where this worker's base model came from
 
     def _snapshot_ready(self) -> None:
@@ -80,16 +84,27 @@ class Installer:
             # served under that run's version numbers.
             self.held.version = -1
             self.feed.reset()
-        self.base_manifest = ack.base_manifest
-        self.version_bytes = (int(ack.manifest["result_size"]), str(ack.manifest["dtype"])) \
-            if ack.manifest is not None else (0, "bfloat16")  # for the memory plan
-        self.feed.public_key = ack.public_key
-        if ack.manifest is not None:
-            self.offer(ack.version, ack.manifest, Source(ack.snapshot_endpoint, ack.snapshot_key, ack.ticket))
+        self.base_offer = ack.base_manifest  # verified by obtain_base, before the model loads
+        manifest = self._verified(ack.version, ack.manifest) if ack.manifest is not None else None
+        self.version_bytes = (manifest.result_size, manifest.dtype) if manifest is not None \
+            else (0, "bfloat16")  # for the memory plan
+        if manifest is not None and ack.version > self.held.version:
+            self.feed.offer(ack.version, manifest, Source(ack.snapshot_endpoint, ack.snapshot_key,
+                                                          ack.ticket))
 
-    def offer(self, version: int, manifest: dict[str, Any], source: Source) -> None:
+    def offer(self, version: int, raw: dict[str, Any], source: Source) -> None:
+        """A version the learner named, its manifest as it arrived: verified here, once."""
         if version > self.held.version:
-            self.feed.offer(version, manifest, source)
+            manifest = self._verified(version, raw)
+            if manifest is not None:
+                self.feed.offer(version, manifest, source)
+
+    def _verified(self, version: int, raw: dict[str, Any]) -> Manifest | None:
+        try:
+            return verify_manifest(raw, self.session.public_key)
+        except SnapshotError as err:  # a learner's bug or a forgery: this version is skipped
+            log.warning("snapshot v%d not received: %s", version, err)
+            return None
 
     def load(self) -> tuple[Backend, Adapter]:
         """The model (blocking: the worker runs this on a loader thread)."""
@@ -99,18 +114,18 @@ class Installer:
     async def obtain_base(self) -> None:
         """A LoRA run on a model folder: the base model from the cache, this machine's
         model.name, or fetched from a peer or the learner (worker.base)."""
-        m, view = self.base_manifest, self.session.view
-        if m is None or not view.get("lora", {}).get("enabled"):
+        raw, view = self.base_offer, self.session.view
+        if raw is None or not view.get("lora", {}).get("enabled"):
             return
         try:
-            self.base = await obtain_base(m, public_key=self.session.public_key,
-                                          run_id=self.session.run_id,
-                                          model_name=view["model"]["name"],
+            m = verify_base_manifest(raw, self.session.public_key, self.session.run_id)
+            self.base_manifest = m
+            self.base = await obtain_base(m, model_name=view["model"]["name"],
                                           relay=self.relay, ask=self.ask_source)
         except (SnapshotError, OSError) as err:  # OSError: the cache's disk
             raise WorkerError(refuse(err)) from None
         log.info("%s", self.base.line(m))
-        self.status.update(base_model=m["base_model"], base_origin=self.base.origin,
+        self.status.update(base_model=m.base_model, base_origin=self.base.origin,
                            base_fetched_bytes=self.base.fetched_bytes)
 
     async def ensure_installed(self) -> None:
@@ -126,7 +141,7 @@ class Installer:
         self.activity.state = "installing"
         try:
             t0 = time.monotonic()
-            await asyncio.to_thread(backend.install, manifest["tensors"], result, version)
+            await asyncio.to_thread(backend.install, manifest.tensor_index(), result, version)
             self.held.version = version
             self.status.update(installed_version=version, installed_at=time.time(),
                                install_s=round(time.monotonic() - t0, 3))

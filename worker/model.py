@@ -15,6 +15,7 @@ from typing import Any
 from dataplane.adapter import Adapter, load_adapter
 from dataplane.answers import check_answer_tokens
 from echo.config import LoraConfig, ModelConfig
+from broadcast.manifest import BaseManifest
 from worker.backends import Backend, make_backend
 from worker.base import BaseResult, mismatch
 from worker.session import WorkerError
@@ -68,7 +69,7 @@ def fit_memory(model_name: str, dtype: str, device: str, lora: bool, *, choice: 
 
 
 def load_model(view: dict[str, Any], choice: LoadChoice, *, version_bytes: tuple[int, str],
-               base: BaseResult | None, base_manifest: dict[str, Any] | None
+               base: BaseResult | None, base_manifest: BaseManifest | None
                ) -> tuple[Backend, Adapter]:
     """The backend (with the base model ``base`` holds, for a LoRA run) and the run's adapter."""
     wv = view["worker"]

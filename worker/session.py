@@ -50,7 +50,8 @@ class SessionHooks:
 
     # (ack, the learner restarted, another run than before): reset, tune, fetch what it names
     joined: Callable[[wire.JoinAck, bool, bool], None]
-    offer: Callable[[int, dict[str, Any], Source], None]  # a version to fetch
+    # a version to fetch, its manifest's map as it arrived (verified by the Installer)
+    offer: Callable[[int, dict[str, Any], Source], None]
     punch: Callable[[wire.Punch], object]  # a peer asks for a punched link
     beat: Callable[[str], wire.Heartbeat]  # this worker's heartbeat, for its current id
 

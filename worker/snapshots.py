@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from broadcast.fetch import FetchStats, SourceFailed
+from broadcast.manifest import Manifest
 from broadcast.relay import Relay
 from broadcast.snapshot import SnapshotError
 from broadcast.tickets import Source
@@ -41,16 +42,15 @@ Report = Callable[[int, FetchStats, float, bool], Awaitable[None]]
 class SnapshotFeed:
     def __init__(self, relay: Relay, ask: AskSource, report: Report):
         self.relay, self.ask, self.report = relay, ask, report
-        self.public_key = b""
-        self.pending: dict[int, tuple[dict[str, Any], Source]] = {}
+        self.pending: dict[int, tuple[Manifest, Source]] = {}  # verified (Installer.offer)
         self.rebuilt = -1  # newest version rebuilt here
-        self.ready: tuple[int, dict[str, Any], Any] | None = None  # rebuilt, not yet installed
+        self.ready: tuple[int, Manifest, Any] | None = None  # rebuilt, not yet installed
         self.offers = asyncio.Event()  # a notice arrived
         self.on_ready: Callable[[], None] = lambda: None
         self._epoch = 0  # bumped by reset: a fetch of the old run gives up
         self.fetching: int | None = None  # the version being fetched now
 
-    def offer(self, version: int, manifest: dict[str, Any], source: Source) -> None:
+    def offer(self, version: int, manifest: Manifest, source: Source) -> None:
         if version <= self.rebuilt:
             return
         self.pending[version] = (manifest, source)
@@ -75,7 +75,7 @@ class SnapshotFeed:
         buf = self.relay.store.get(self.fetching) if self.fetching is not None else None
         return (buf.version, buf.count, buf.total) if buf is not None else None
 
-    def take_ready(self) -> tuple[int, dict[str, Any], Any] | None:
+    def take_ready(self) -> tuple[int, Manifest, Any] | None:
         ready, self.ready = self.ready, None
         return ready
 
@@ -97,15 +97,15 @@ class SnapshotFeed:
         the newest is the one the learner and the peers still hold."""
         version = min(self.pending)
         manifest = self.pending[version][0]
-        if manifest["encoding"] == "full" or self.relay.base_for(manifest) is not None:
+        if manifest.encoding == "full" or self.relay.base_for(manifest) is not None:
             return version
         return max(self.pending)
 
-    async def _fetch(self, version: int, manifest: dict[str, Any], source: Source) -> None:
+    async def _fetch(self, version: int, manifest: Manifest, source: Source) -> None:
         epoch = self._epoch
         self.fetching = version
         try:
-            buf, stats = await self.relay.receive(manifest, self.public_key, source,
+            buf, stats = await self.relay.receive(manifest, source,
                                                   self._reattacher(version, epoch, "payload"))
             result, decode_s, keyframe = await self._rebuild(version, manifest, buf.payload, epoch)
         except SnapshotError as err:
@@ -120,17 +120,17 @@ class SnapshotFeed:
         self.on_ready()
         await self.report(version, stats, decode_s, keyframe)
         log.info("received snapshot v%d (%s, %d bytes, %d chunks from %s%s)", version,
-                 manifest["encoding"], manifest["payload_size"], stats.chunks,
+                 manifest.encoding, manifest.payload_size, stats.chunks,
                  " then ".join(stats.sources), ", then a keyframe" if keyframe else "")
 
-    async def _rebuild(self, version: int, manifest: dict[str, Any], payload: Any,
+    async def _rebuild(self, version: int, manifest: Manifest, payload: Any,
                        epoch: int) -> tuple[Any, float, bool]:
         """The full payload, the rebuild's seconds, and whether it took a keyframe."""
         t0 = time.perf_counter()
         try:
             result = await asyncio.to_thread(rebuild, manifest, payload,
                                              self.relay.base_for(manifest))
-            delta = manifest["encoding"] == "delta"  # a full snapshot needs no rebuild
+            delta = manifest.encoding == "delta"  # a full snapshot needs no rebuild
             return result, time.perf_counter() - t0 if delta else 0.0, False
         except SnapshotError as err:  # BaseMissing, or a result that fails its signed hashes
             log.info("snapshot v%d: %s; fetching a keyframe", version, err)

@@ -23,6 +23,7 @@ import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from broadcast.nat.punch import MAGIC, read_greeting, simultaneous_open
 from broadcast.nat.reflect import NatError, reuse_socket
@@ -110,7 +111,7 @@ class Tunnels:
         # punch to a peer we have a live link with reuses it (the learner forgot it, or a TTL)
         self.peers: dict[str, asyncio.Future[Tunnel]] = {}
         # greeted connections our listener accepted, per punch still opening
-        self.accepted: dict[bytes, asyncio.Queue] = {}
+        self.accepted: dict[bytes, asyncio.Queue[socket.socket]] = {}
         self.strays = 0  # accepted connections that did not greet with a punch we expect
         self.opened = 0
         self.failed = 0
@@ -219,9 +220,10 @@ class Tunnels:
                 fut.set_result(tunnel)
         # the link closed: a later fetch through it asks the learner again (tunnel_lost)
         lost = _lost()
-        for table in (self.links, self.peers):
-            for k in [k for k, f in table.items() if f is fut]:
-                table[k] = lost
+        for pid in [k for k, f in self.links.items() if f is fut]:
+            self.links[pid] = lost
+        for peer in [k for k, f in self.peers.items() if f is fut]:
+            self.peers[peer] = lost
 
     async def resolve(self, source: str, wait_s: float = 15.0) -> str:
         """The address a fetch connects to for ``source`` (its own, unless it is punched)."""
@@ -260,7 +262,7 @@ class _Lost:
     local = ""
 
 
-def _lost() -> asyncio.Future:
+def _lost() -> asyncio.Future[Any]:
     fut = asyncio.get_running_loop().create_future()
     fut.set_result(_Lost())
     return fut

@@ -49,7 +49,7 @@ async def simultaneous_open(host: str, port: int, peer: str, punch_id: bytes, ro
             chosen = await (_child_pick(found) if role == "child" else _parent_pick(found, tg))
             raise _Done(chosen)
     except* _Done as done:
-        sock = done.exceptions[0].args[0]
+        sock: socket.socket = done.exceptions[0].args[0]  # what _Done carried out
     except* TimeoutError:
         raise NatError(f"could not open a connection to {peer} in {timeout_s:.0f} s "
                        f"(attempts: {tried})") from None

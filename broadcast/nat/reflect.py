@@ -34,7 +34,9 @@ import os
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -80,7 +82,7 @@ def reuse_socket(host: str, port: int) -> socket.socket:
 def pick_punch_port(host: str) -> int:
     """A free port on ``host`` for this worker's probes and punches (kept for the session)."""
     s = reuse_socket(host, 0)
-    port = s.getsockname()[1]
+    port: int = s.getsockname()[1]
     s.close()
     return port
 
@@ -123,8 +125,7 @@ class Reflector:
     async def start(self) -> None:
         for i, port in enumerate(self._bind_ports):
             try:
-                srv = await asyncio.start_server(lambda r, w, i=i: self._serve(r, w, i),
-                                                 self.host, port)
+                srv = await asyncio.start_server(self._handler(i), self.host, port)
             except OSError as exc:
                 exc.port = port  # type: ignore[attr-defined]  # which of the two was taken
                 self.close()
@@ -135,6 +136,11 @@ class Reflector:
     def close(self) -> None:
         for srv in self._servers:
             srv.close()
+
+    def _handler(self, listener: int) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter],
+                                                  Awaitable[None]]:
+        """The connection handler of listener ``listener`` (0: dial-back, 1: the second)."""
+        return lambda reader, writer: self._serve(reader, writer, listener)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener: int) -> None:
         ip, port = writer.get_extra_info("peername")[:2]
@@ -179,11 +185,11 @@ class Reflector:
 
     def classify(self, nonces: list[bytes], relay_endpoint: str) -> tuple[str, str]:
         """(nat, public address "ip:port" of the punch port) from this reflector's records."""
-        obs = [self.seen.get(n) for n in nonces[:2]]
-        if len(obs) < 2 or any(o is None for o in obs) or {o.listener for o in obs} != {0, 1}:
+        obs = [o for o in (self.seen.get(n) for n in nonces[:2]) if o is not None]
+        if len(obs) < 2 or {o.listener for o in obs} != {0, 1}:
             raise NatError("probe_not_seen: probe both reflector addresses from the punch port "
                            "(within 120 s) before reporting")
-        return nat_class(obs[0], obs[1], relay_endpoint)  # type: ignore[arg-type]
+        return nat_class(obs[0], obs[1], relay_endpoint)
 
 
 def nat_class(first: Observation, second: Observation, relay_endpoint: str) -> tuple[str, str]:
@@ -198,7 +204,7 @@ def nat_class(first: Observation, second: Observation, relay_endpoint: str) -> t
     return "none", addr
 
 
-def _parse_probe(raw: bytes) -> dict:
+def _parse_probe(raw: bytes) -> dict[str, Any]:
     if not raw or len(raw) > MAX_PROBE:
         raise NatError("probe size")
     try:
@@ -217,7 +223,7 @@ def _parse_probe(raw: bytes) -> dict:
 # ------------------------------------------------------------------------- worker side
 
 
-async def probe(reflector: str, host: str, port: int, dial: int, timeout_s: float = 5.0) -> tuple[bytes, dict]:
+async def probe(reflector: str, host: str, port: int, dial: int, timeout_s: float = 5.0) -> tuple[bytes, dict[str, Any]]:
     """One probe from (host, port) to ``reflector`` ("ip:port"): (nonce, the reply)."""
     rip, rport = split_addr(reflector)
     nonce = os.urandom(NONCE)

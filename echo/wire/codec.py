@@ -27,7 +27,8 @@ MESSAGES: dict[str, type[Message]] = {
 
 
 def encode(msg: Message) -> bytes:
-    return msgpack.packb(msg.model_dump(), use_bin_type=True)
+    frame: bytes = msgpack.packb(msg.model_dump(), use_bin_type=True)
+    return frame
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -90,14 +91,15 @@ def decode(frame: bytes, max_bytes: int) -> Message:
 
 
 def pack_records(records: list[dict[str, Any]]) -> bytes:
-    return lz4.frame.compress(msgpack.packb(records, use_bin_type=True))
+    payload: bytes = lz4.frame.compress(msgpack.packb(records, use_bin_type=True))
+    return payload
 
 
 def _inflate(payload: bytes, max_bytes: int) -> bytes:
     """lz4 frame -> bytes, refusing to inflate past ``max_bytes`` (lz4 bombs)."""
     d = lz4.frame.LZ4FrameDecompressor()
     try:
-        raw = d.decompress(payload, max_length=max_bytes)
+        raw: bytes = d.decompress(payload, max_length=max_bytes)
     except Exception as exc:  # lz4 raises RuntimeError for anything that is not a frame
         raise WireError("malformed", f"trajectory payload is not an lz4 frame "
                         f"({type(exc).__name__}: {_show(str(exc))})") from None
