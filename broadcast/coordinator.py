@@ -14,8 +14,8 @@ Install times and ``T_bcast`` are kept by ``broadcast.install_log``, the sources
 
 Link rates: the plan uses what the workers *measured* (``measured``, combined at both ends of
 each link by ``broadcast.link_meter.LinkMeter``), and a worker's declared rates only until it is
-measured, capped at the fleet's median measured rate. ``trust_declared=True`` plans on the
-declarations alone (the old behaviour; the liar benchmark's baseline).
+measured, capped at the fleet's median measured rate. (Planning on the declarations alone, the
+old behaviour, is the liar benchmark's baseline: ``labs.doubles.DeclaredRatesCoordinator``.)
 """
 
 from __future__ import annotations
@@ -61,11 +61,10 @@ class PeerState:
 
 class Coordinator:
     def __init__(self, topology: Topology, source: str, *, q: float = 1.0,
-                 trust_declared: bool = False, reports: ReportBook | None = None):
+                 reports: ReportBook | None = None):
         self.topology = topology
         self.source = source
         self.q = q
-        self.trust_declared = trust_declared
         self.links = LinkMeter()
         self.plans: dict[int, dict[str, str]] = {}  # version -> the plan it was published with
         self.peers: dict[str, PeerState] = {}
@@ -141,7 +140,7 @@ class Coordinator:
     def rates(self) -> dict[str, tuple[float, float]]:
         """(down, up) Mbit/s per live peer, as the planner gets them."""
         declared = {p.worker_id: (p.down_mbit, p.up_mbit) for p in self.peers.values() if p.alive}
-        return declared if self.trust_declared else self.links.rates(declared)
+        return self.links.rates(declared)
 
     def _planned_peers(self, hidden: AbstractSet[str] = frozenset()) -> list[Peer]:
         """The live peers as the planner sees them; corrupt and ``hidden`` relays as no one's

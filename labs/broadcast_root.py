@@ -33,6 +33,7 @@ from echo import wire
 from echo.security import KeyPair, ZapHandler, curve_server, peer_key
 from labs import natlab, netns
 from labs.broadcast_relay import MAX_BYTES
+from labs.doubles import DeclaredRatesCoordinator
 
 
 @dataclass
@@ -99,8 +100,8 @@ class Root:
         if p.chains and hasattr(topo, "params"):
             from dataclasses import replace
             topo.params = replace(topo.params, chains=p.chains)  # type: ignore[attr-defined]
-        self.coord = Coordinator(topo, snap.getsockopt_string(zmq.LAST_ENDPOINT),
-                                 trust_declared=p.trust_declared)
+        kind = DeclaredRatesCoordinator if p.trust_declared else Coordinator
+        self.coord = kind(topo, snap.getsockopt_string(zmq.LAST_ENDPOINT))
         self.version = 1  # the version being broadcast
         self.idents: dict[str, bytes] = {}
         self.joined = asyncio.Event()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from broadcast.coordinator import Coordinator
 from broadcast.relay import Relay
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer
@@ -43,3 +44,11 @@ class SlowDiskLog(BufferLog):
     def _sync(self) -> None:
         time.sleep(self.delay_s)
         super()._sync()
+
+
+class DeclaredRatesCoordinator(Coordinator):
+    """Plans on the rates workers declare, never on what they measured: the behaviour before
+    link measurement, kept as the liar benchmark's baseline (one worker overstates its uplink)."""
+
+    def rates(self) -> dict[str, tuple[float, float]]:
+        return {p.worker_id: (p.down_mbit, p.up_mbit) for p in self.peers.values() if p.alive}

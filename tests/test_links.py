@@ -7,6 +7,7 @@ import pytest
 from broadcast.coordinator import Coordinator
 from broadcast.link_meter import MAX_MBIT, LinkMeter
 from broadcast.topology import ChainsTopology
+from labs.doubles import DeclaredRatesCoordinator
 
 ROOT = "tcp://learner:1"
 
@@ -90,7 +91,7 @@ def test_declared_rates_are_capped_until_measured():
 def _coordinator(trust_declared: bool = False) -> Coordinator:
     topo = ChainsTopology(uplink_mbit=400, link_mbit=100, chunk_bytes=1 << 20,
                           snapshot_bytes=16 << 20)
-    coord = Coordinator(topo, ROOT, trust_declared=trust_declared)
+    coord = (DeclaredRatesCoordinator if trust_declared else Coordinator)(topo, ROOT)
     for i in range(8):
         declared_up = 250.0 if i == 0 else 100.0  # w0 declares 10x its real 25 Mbit/s
         coord.join(f"w{i}", f"tcp://w{i}:1", 100.0, declared_up)
