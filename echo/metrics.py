@@ -39,6 +39,7 @@ from prometheus_client.exposition import generate_latest
 
 from echo.metrics_gauges import AccountGauges, FleetGauges, InstallGauges, StepGauges, num
 from echo.metrics_server import MAX_PER_IP, MetricsServer, finite_or_null
+from echo.steprow import COL, StepRow, as_row
 from echo.tree import RelayTree
 from echo.tree_metrics import TreeGauges
 
@@ -88,11 +89,12 @@ class LearnerMetrics:
 
     # ------------------------------------------------------------------ feeding
 
-    def update(self, row: dict[str, Any], control_stats: dict[str, Any] | None = None,
+    def update(self, row: StepRow | dict[str, Any], control_stats: dict[str, Any] | None = None,
                installs: dict[int, dict[str, float]] | None = None) -> None:
+        """``row``: the learner's StepRow, or a row as written to metrics.jsonl."""
         stats = control_stats or {}
         with self._lock:
-            self.step_gauges.update(row)
+            self.step_gauges.update(as_row(row))
             self.fleet.update(stats)
             if isinstance(stats.get("accounts"), dict):
                 self.books.update(stats["accounts"])
@@ -159,16 +161,16 @@ class LearnerMetrics:
 
     def _totals(self) -> dict[str, Any]:
         sg = self.step_gauges
-        last = sg.rows[-1] if sg.rows else {}
-        admitted = num(last.get("admitted")) or 0.0
+        last = StepRow.from_json(sg.rows[-1] if sg.rows else {})
+        admitted = num(last.admitted) or 0.0
+        # the dashboard's totals: the last row's values under the row's own names
+        latest = {c: getattr(last, c) for c in (COL.bubble_ratio, COL.reward_mean, COL.admitted,
+                                                COL.t_bcast, COL.publish_bytes, COL.delta_ratio)}
         return {
             "cost_usd": sg.cost_usd,
             "cost_per_step_usd": sg.cost_usd / sg.steps if sg.steps else None,
             "cost_per_1k_admitted_usd": 1000 * sg.cost_usd / admitted if admitted else None,
-            "bubble_ratio": last.get("bubble_ratio"), "reward_mean": last.get("reward_mean"),
-            "admitted": last.get("admitted"), "t_bcast": last.get("t_bcast"),
-            "publish_bytes": last.get("publish_bytes"), "delta_ratio": last.get("delta_ratio"),
-            "learner_price_per_hour": sg.learner_price,
+            **latest, "learner_price_per_hour": sg.learner_price,
         }
 
     # ------------------------------------------------------------------ serving
@@ -204,10 +206,11 @@ def from_run_dir(run_dir: Path | str) -> LearnerMetrics:
     tables and install timelines are not in the files, so they stay empty."""
     run_dir = Path(run_dir)
     m = LearnerMetrics(learner_price_per_hour=learner_price_of(run_dir), run_id=run_dir.name)
-    for row in _jsonl(run_dir / "metrics.jsonl"):
-        m.update(row, {k: row[k] for k in ("active_workers", "standby_workers",
-                                           "fleet_price_per_hour", "rejected",
-                                           "learner_bytes_sent", "t_bcast") if k in row})
+    replayed = (COL.active_workers, COL.standby_workers, COL.fleet_price_per_hour, COL.rejected,
+                COL.learner_bytes_sent, COL.t_bcast)  # the control stats a row carries
+    for doc in _jsonl(run_dir / "metrics.jsonl"):
+        row = StepRow.from_json(doc)
+        m.update(row, {k: getattr(row, k) for k in replayed if k not in row.missing})
     for d in _jsonl(run_dir / "decisions.jsonl"):
         m.add_decision(d)
     return m

@@ -13,14 +13,19 @@ from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
+from echo.steprow import COL, StepRow
+
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 KEEP_VERSIONS = 20  # broadcast gauges/timeline keep this many recent versions
 
-# Row fields sent to the dashboard (the rest stay in metrics.jsonl).
-ROW_FIELDS = ("step", "version", "reward_mean", "staleness_max", "staleness_mean", "t_train",
-              "t_wait", "bubble_ratio", "admitted", "cost_step_usd", "cost_usd", "active_workers",
-              "standby_workers", "t_bcast", "wall_s", "publish_encoding", "publish_bytes",
-              "publish_full_bytes", "delta_ratio", "encode_s", "decode_s")
+# Row fields sent to the dashboard (the rest stay in metrics.jsonl), in the order its rows
+# have always had; each dashboard row adds ``cost_usd``, the running cost (DASHBOARD_COST).
+ROW_FIELDS = (COL.step, COL.version, COL.reward_mean, COL.staleness_max, COL.staleness_mean,
+              COL.t_train, COL.t_wait, COL.bubble_ratio, COL.admitted, COL.cost_step_usd,
+              COL.active_workers, COL.standby_workers, COL.t_bcast, COL.wall_s,
+              COL.publish_encoding, COL.publish_bytes, COL.publish_full_bytes, COL.delta_ratio,
+              COL.encode_s, COL.decode_s)
+DASHBOARD_COST = "cost_usd"  # a dashboard row's running cost, fleet and learner, $
 
 
 def num(x: Any) -> float | None:
@@ -33,10 +38,11 @@ def num(x: Any) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
-def _set_from(pairs: tuple[tuple[Gauge, str], ...], source: dict[str, Any]) -> None:
-    """Each gauge to its key's value, where that is a finite number (else it keeps its last)."""
-    for gauge, key in pairs:
-        v = num(source.get(key))
+def _set_from(pairs: tuple[tuple[Gauge, str], ...], source: Any) -> None:
+    """Each gauge to its field's value, where that is a finite number (else it keeps its
+    last). ``source``: a declared type, read by attribute (a field it lacks reads as None)."""
+    for gauge, name in pairs:
+        v = num(source.get(name) if isinstance(source, dict) else getattr(source, name, None))
         if v is not None:
             gauge.set(v)
 
@@ -54,7 +60,7 @@ class StepGauges:
     def __init__(self, registry: CollectorRegistry, learner_price: float, history: int) -> None:
         g = _gauge(registry)
         self.learner_price = learner_price
-        self.rows: deque[dict[str, Any]] = deque(maxlen=history)
+        self.rows: deque[dict[str, Any]] = deque(maxlen=history)  # as /api/state sends them
         self.cost_usd = 0.0
         self.steps = 0
         self.last_step: int | None = None
@@ -71,69 +77,68 @@ class StepGauges:
 
     @staticmethod
     def _row_gauges(g: Callable[..., Gauge]) -> tuple[tuple[Gauge, str], ...]:
-        """The gauges that show one row key as it is."""
+        """The gauges that show one row field as it is."""
         return (
-            (g("echo_policy_version", "policy version of the last step"), "version"),
-            (g("echo_reward_mean", "mean reward of the last step's batch"), "reward_mean"),
+            (g("echo_policy_version", "policy version of the last step"), COL.version),
+            (g("echo_reward_mean", "mean reward of the last step's batch"), COL.reward_mean),
             (g("echo_bubble_ratio", "sum(t_wait) / sum(t_train + t_wait), after step 0"),
-             "bubble_ratio"),
-            (g("echo_staleness_max", "max staleness in the last step's batch"), "staleness_max"),
-            (g("echo_t_train_seconds", "last step's training time"), "t_train"),
-            (g("echo_t_wait_seconds", "last step's wait for admissible data"), "t_wait"),
-            (g("echo_admitted", "trajectories admitted to the buffer so far"), "admitted"),
-            (g("echo_dropped_stale", "trajectories dropped as too stale so far"), "dropped_stale"),
+             COL.bubble_ratio),
+            (g("echo_staleness_max", "max staleness in the last step's batch"), COL.staleness_max),
+            (g("echo_t_train_seconds", "last step's training time"), COL.t_train),
+            (g("echo_t_wait_seconds", "last step's wait for admissible data"), COL.t_wait),
+            (g("echo_admitted", "trajectories admitted to the buffer so far"), COL.admitted),
+            (g("echo_dropped_stale", "trajectories dropped as too stale so far"), COL.dropped_stale),
             # docs/broadcast.md, "Delta snapshots": what the newest publication sent and cost
             (g("echo_publish_bytes", "bytes of the newest publication's payload "
-               "(a delta, or a keyframe's full payload)"), "publish_bytes"),
+               "(a delta, or a keyframe's full payload)"), COL.publish_bytes),
             (g("echo_publish_full_bytes", "bytes of the newest version in full"),
-             "publish_full_bytes"),
-            (g("echo_delta_ratio", "newest publication's bytes / full bytes"), "delta_ratio"),
+             COL.publish_full_bytes),
+            (g("echo_delta_ratio", "newest publication's bytes / full bytes"), COL.delta_ratio),
             (g("echo_encode_seconds", "building the newest publication (encode, "
-               "hashes, signature; on the publisher thread)"), "encode_s"),
+               "hashes, signature; on the publisher thread)"), COL.encode_s),
             (g("echo_decode_seconds", "median seconds workers took to rebuild the "
-               "newest version they reported from its delta"), "decode_s"),
+               "newest version they reported from its delta"), COL.decode_s),
             (g("echo_keyframe_installs", "installs that needed a keyframe (the "
-               "worker lacked the base of a delta) so far"), "keyframe_installs"),
+               "worker lacked the base of a delta) so far"), COL.keyframe_installs),
         )
 
-    def step_cost(self, row: dict[str, Any]) -> float:
+    def step_cost(self, row: StepRow) -> float:
         """Fleet cost from the row plus the learner's own price over the same seconds (the row's
         ``cost_step_usd`` covers the fleet only)."""
-        fleet = num(row.get("cost_step_usd")) or 0.0
-        price = num(row.get("learner_price_per_hour"))
-        price = self.learner_price if price is None else price
-        secs = (num(row.get("t_train")) or 0.0) + (num(row.get("t_wait")) or 0.0)
-        return fleet + price * secs / 3600.0
+        fleet = num(row.cost_step_usd) or 0.0
+        secs = (num(row.t_train) or 0.0) + (num(row.t_wait) or 0.0)
+        return fleet + self.learner_price * secs / 3600.0
 
-    def update(self, row: dict[str, Any]) -> None:
+    def update(self, row: StepRow) -> None:
         cost = self.step_cost(row)
         self.cost_usd += cost
         self.steps += 1
-        self.last_step = int(row.get("step", self.steps - 1))
-        kept = {k: row.get(k) for k in ROW_FIELDS if k in row}
-        kept["cost_usd"] = round(self.cost_usd, 8)
-        kept["cost_step_usd"] = round(cost, 8)
+        self.last_step = self.steps - 1 if row.step is None else int(row.step)
+        doc = row.to_json()
+        kept = {k: doc[k] for k in ROW_FIELDS if k in doc}
+        kept[DASHBOARD_COST] = round(self.cost_usd, 8)
+        kept[COL.cost_step_usd] = round(cost, 8)
         self.rows.append(kept)
         self.g_step.set(self.last_step)
         _set_from(self.by_key, row)
         self.g_cost.set(self.cost_usd)
         self.g_cost_last.set(cost)
         self.g_cost_step.set(self.cost_usd / self.steps)
-        admitted = num(row.get("admitted"))
+        admitted = num(row.admitted)
         if admitted:
             self.g_cost_1k.set(1000.0 * self.cost_usd / admitted)
-        for kind in ("ready", "partial"):
-            v = num(row.get(f"{kind}_groups"))
+        for kind, value in (("ready", row.ready_groups), ("partial", row.partial_groups)):
+            v = num(value)
             if v is not None:
                 self.g_buffer.labels(kind=kind).set(v)
         self._observe_staleness(row)
 
-    def _observe_staleness(self, row: dict[str, Any]) -> None:
-        counts = row.get("staleness_counts")
+    def _observe_staleness(self, row: StepRow) -> None:
+        counts = row.staleness_counts
         if isinstance(counts, dict) and counts:
             items = [(int(k), int(n)) for k, n in counts.items()]
-        elif row.get("staleness_max") is not None:
-            items = [(int(row["staleness_max"]), 1)]
+        elif row.staleness_max is not None:
+            items = [(int(row.staleness_max), 1)]
         else:
             items = []
         for s, n in items:

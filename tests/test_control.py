@@ -129,12 +129,12 @@ def test_trajectories_validated_admitted_once(plane, client):
                             "unknown_group": 1}
     again = ask(client, batch(records(g0), bid="b1-resend"))  # at-least-once delivery
     assert again.accepted == 0 and again.duplicates == 4
-    assert plane.buffer.depth()["ready_groups"] == 1
+    assert plane.buffer.depth().ready_groups == 1
     mismatch = ask(client, batch(records(g1, prompt_ids=[4, 4, 4]), bid="b2"))
     assert mismatch.rejected == {"prompt_mismatch": 4}
     bad_payload = ask(client, wire.Trajectories(worker_id="w1", batch_id="b3", count=1, payload=b"zz"))
     assert isinstance(bad_payload, wire.Error) and bad_payload.ref == "b3"
-    assert plane.buffer.depth()["ready_groups"] == 1  # nothing admitted was lost
+    assert plane.buffer.depth().ready_groups == 1  # nothing admitted was lost
 
 
 def test_one_grant_carries_at_most_a_fair_share_of_the_outstanding_bound(plane, client):

@@ -154,7 +154,7 @@ def test_two_strikes_quarantine_the_worker_and_take_its_records_out(trusting, ct
     ask(a, wire.Join(worker_id="w1"))
     g = ask(a, wire.WorkRequest(worker_id="w1", max_groups=3)).groups
     assert ask(a, batch(honest(trusting, g[0], tokenizer), "b0")).accepted == 4
-    assert trusting.buffer.depth()["ready_groups"] == 1
+    assert trusting.buffer.depth().ready_groups == 1
     lies = [[{**r, "reward": 1.0 - r["reward"]} for r in honest(trusting, x, tokenizer)]
             for x in g[1:]]  # wrong answers scored 1, right ones 0
     a.send(wire.encode(batch(lies[0] + lies[1], "b1")))
@@ -167,7 +167,7 @@ def test_two_strikes_quarantine_the_worker_and_take_its_records_out(trusting, ct
     assert farewell.account.state == "quarantined" and farewell.account.accepted == 4
     assert farewell.account.rejected == {"reward_mismatch": 8}
     assert farewell.account.message.startswith("quarantined: 2 failed checks")
-    assert trusting.buffer.depth()["ready_groups"] == 0  # its honest-looking group left too
+    assert trusting.buffer.depth().ready_groups == 0  # its honest-looking group left too
     row = json.loads((security_dir(tmp_path) / "quarantine.jsonl").read_text())
     assert row["worker_id"] == "w1" and row["strikes"] == 2
     assert ask(a, wire.Heartbeat(worker_id="w1", version=0)).reason == "banned"
