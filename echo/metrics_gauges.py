@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
+from echo.control_stats import STAT, ControlStats
 from echo.steprow import COL, StepRow
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
@@ -42,7 +43,7 @@ def _set_from(pairs: tuple[tuple[Gauge, str], ...], source: Any) -> None:
     """Each gauge to its field's value, where that is a finite number (else it keeps its
     last). ``source``: a declared type, read by attribute (a field it lacks reads as None)."""
     for gauge, name in pairs:
-        v = num(source.get(name) if isinstance(source, dict) else getattr(source, name, None))
+        v = num(getattr(source, name, None))
         if v is not None:
             gauge.set(v)
 
@@ -156,26 +157,26 @@ class FleetGauges:
         self.workers: dict[str, dict[str, Any]] = {}
         self.reputation: dict[str, dict[str, Any]] = {}
         self.by_key = (
-            (g("echo_active_workers", "live active workers"), "active_workers"),
-            (g("echo_standby_workers", "live standby workers"), "standby_workers"),
+            (g("echo_active_workers", "live active workers"), STAT.active_workers),
+            (g("echo_standby_workers", "live standby workers"), STAT.standby_workers),
             (g("echo_fleet_price_per_hour", "sum of active workers' prices, $/h"),
-             "fleet_price_per_hour"),
+             STAT.fleet_price_per_hour),
             (g("echo_learner_bytes_sent", "snapshot bytes sent by the learner so far"),
-             "learner_bytes_sent"),
-            (g("echo_t_bcast_seconds", "T_bcast of the latest measured publication"), "t_bcast"),
+             STAT.learner_bytes_sent),
+            (g("echo_t_bcast_seconds", "T_bcast of the latest measured publication"), STAT.t_bcast),
             (g("echo_in_flight_groups", "groups handed out and not yet returned"),
-             "in_flight_groups"),
+             STAT.in_flight_groups),
             (g("echo_ack_queue", "batch acknowledgements waiting for the write-ahead "
-               "log's fsync (group commit; bounded, learner.listen.ACK_QUEUE)"), "ack_queue"),
+               "log's fsync (group commit; bounded, learner.listen.ACK_QUEUE)"), STAT.ack_queue),
         )
         self.g_rejected = g("echo_rejected", "records/frames rejected so far", ("reason",))
         # docs/security.md: what the door refused, by reason
-        self.g_refusals = {
-            "join_refused": g("echo_join_refused", "joins and connections refused so far", ("reason",)),
-            "limited": g("echo_messages_refused", "messages refused (rate limit, ban) so far", ("reason",)),
-            "chunk_rejected": g("echo_chunk_requests_refused", "learner chunk requests refused so far",
-                                ("reason",)),
-        }
+        self.g_join_refused = g("echo_join_refused", "joins and connections refused so far",
+                                ("reason",))
+        self.g_limited = g("echo_messages_refused", "messages refused (rate limit, ban) so far",
+                           ("reason",))
+        self.g_chunk_refused = g("echo_chunk_requests_refused",
+                                 "learner chunk requests refused so far", ("reason",))
         self.g_w = {  # stats key -> per-worker gauge, with the value a missing key shows
             "throughput": (g("echo_worker_throughput", "measured throughput (EWMA, trajectories/s)",
                              ("worker",)), 0.0),
@@ -192,16 +193,17 @@ class FleetGauges:
         self.g_w_quarantined = g("echo_worker_quarantined", "1 if the worker was quarantined", ("worker",))
         self.g_checks = g("echo_checks", "checks so far, by kind and outcome", ("check", "outcome"))
 
-    def update(self, stats: dict[str, Any]) -> None:
+    def update(self, stats: ControlStats) -> None:
         _set_from(self.by_key, stats)
-        for reason, n in (stats.get("rejected") or {}).items():
+        for reason, n in stats.rejected.items():
             self.g_rejected.labels(reason=reason).set(n)
-        for key, gauge in self.g_refusals.items():
-            for reason, n in (stats.get(key) or {}).items():
+        for counts, gauge in ((stats.join_refused, self.g_join_refused),
+                              (stats.limited, self.g_limited),
+                              (stats.chunk_rejected, self.g_chunk_refused)):
+            for reason, n in counts.items():
                 gauge.labels(reason=reason).set(n)
-        workers = stats.get("workers")
-        if isinstance(workers, dict):
-            self._update_workers(workers)
+        if isinstance(stats.workers, dict):
+            self._update_workers(stats.workers)
         self._update_checks(stats)
 
     def _update_workers(self, workers: dict[str, dict[str, Any]]) -> None:
@@ -220,15 +222,15 @@ class FleetGauges:
                 else:
                     gauge.labels(worker=wid).set(num(w.get(key)) or missing)
 
-    def _update_checks(self, stats: dict[str, Any]) -> None:
-        rep = stats.get("reputation")
+    def _update_checks(self, stats: ControlStats) -> None:
+        rep = stats.reputation
         if isinstance(rep, dict):
             self.reputation = {wid: dict(r) for wid, r in rep.items()}
             for wid, r in rep.items():
                 self.g_w_checks.labels(worker=wid).set(num(r.get("audits")) or 0.0)
                 self.g_w_failed.labels(worker=wid).set(num(r.get("failures")) or 0.0)
                 self.g_w_quarantined.labels(worker=wid).set(num(r.get("quarantined")) or 0.0)
-        for name, n in (stats.get("checks") or {}).items():
+        for name, n in stats.checks.items():
             check, _, outcome = str(name).partition(":")
             self.g_checks.labels(check=check, outcome=outcome).set(num(n) or 0.0)
 

@@ -393,13 +393,13 @@ class Learner:
         row.t_publish = round(time.monotonic() - t2, 4)
         row.publish_refused = self.release.refused
         row.set_reported(PUBLISH_FIELDS, self.release.row())
-        row.decode_s, row.keyframe_installs = control["decode_s"], control["keyframes"]
+        row.decode_s, row.keyframe_installs = control.decode_s, control.keyframes
         self._audits(row, t2 - t1)
         trim()  # the step's and the audits' freed transients go back to the kernel
         row.memory = memory(self.policy, self.publisher,
                                self.server.payloads() + self.auditor.payloads(),
                                self.auditor.model_tensors())
-        self._provisioning(t2 - t1, control["t_bcast"] or 0.0)
+        self._provisioning(t2 - t1, control.t_bcast or 0.0)
         if self.metrics is not None:
             self.metrics.update(row, control)
         return row

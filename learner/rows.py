@@ -9,10 +9,10 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 from dataplane.records import Record
 from echo.config import EchoConfig
+from echo.control_stats import ControlStats
 from echo.machine import machine_info
 from echo.metrics import finite_or_null
 from echo.steprow import TRAINER_FIELDS, RunSummary, StepRow
@@ -74,7 +74,7 @@ class CutWatch:
 
 def metrics_row(step: int, version: int, groups: list[list[Record]], stats: dict[str, float],
                 t_wait: float, t_train: float, t_publish: float, totals: RunTotals,
-                buffer: ReplayBuffer, control: dict[str, Any]) -> StepRow:
+                buffer: ReplayBuffer, control: ControlStats) -> StepRow:
     """The step's row as far as the step itself, the buffer and the server's statistics
     know it; the learner adds the publication's and the audits' numbers after."""
     records = [r for g in groups for r in g]
@@ -108,25 +108,24 @@ def _batch(row: StepRow, version: int, records: list[Record]) -> None:
     row.gen_s_mean = round(sum(r.gen_s for r in records) / n, 5)
 
 
-def _control(row: StepRow, control: dict[str, Any], step_s: float) -> None:
+def _control(row: StepRow, control: ControlStats, step_s: float) -> None:
     """The fleet's and the server's numbers, copied from its statistics."""
-    row.active_workers, row.standby_workers = control["active_workers"], control["standby_workers"]
-    row.fleet_price_per_hour = control["fleet_price_per_hour"]
-    row.worker_rate_mean = round(control["worker_rate_mean"], 2)
-    row.worker_busy_rate = round(control["worker_busy_rate"], 2)
-    row.cost_step_usd = round(control["fleet_price_per_hour"] * step_s / 3600, 8)
-    row.rejected = control["rejected"]
-    row.handbacks = control.get("handbacks", {})  # docs/preemption.md
+    c = control
+    row.active_workers, row.standby_workers = c.active_workers, c.standby_workers
+    row.fleet_price_per_hour = c.fleet_price_per_hour
+    row.worker_rate_mean = round(c.worker_rate_mean, 2)
+    row.worker_busy_rate = round(c.worker_busy_rate, 2)
+    row.cost_step_usd = round(c.fleet_price_per_hour * step_s / 3600, 8)
+    row.rejected = c.rejected
+    row.handbacks = c.handbacks  # docs/preemption.md
     # the control loop's CPU per kind of message, cumulative (learner.cpu, docs/scale.md)
-    row.control_cpu = control.get("control_cpu", {})
-    row.learner_bytes_sent, row.t_bcast = control["learner_bytes_sent"], control["t_bcast"]
-    row.reissued_groups = control["reissued_groups"]
+    row.control_cpu = c.control_cpu
+    row.learner_bytes_sent, row.t_bcast = c.learner_bytes_sent, c.t_bcast
+    row.reissued_groups = c.reissued_groups
     # learner.grants: leases kept across a restart and the samples admitted under them
-    row.restored_leases = control["restored_leases"]
-    row.restored_admitted = control["restored_admitted"]
+    row.restored_leases, row.restored_admitted = c.restored_leases, c.restored_admitted
     # broadcast.reports: relay reports by reason:outcome, probes by outcome (docs/security.md)
-    row.relay_reports = control.get("relay_reports", {})
-    row.relays_marked = control.get("relays_marked", 0)
+    row.relay_reports, row.relays_marked = c.relay_reports, c.relays_marked
 
 
 def cut_share(records: list[Record], max_new_tokens: int, eos_token_id: int | None) -> float | None:

@@ -51,7 +51,7 @@ def test_extremes_are_rejected_with_their_reasons_and_serving_goes_on(plane, cli
                             "non_finite_reward": 8, "identity_mismatch": 4,
                             "partial_group": 3}  # the rest of gs[0]: groups come back whole
     assert ack.accepted == 4  # gs[6]
-    rejected = plane.stats()["rejected"]
+    rejected = plane.stats().rejected
     assert rejected["reward_out_of_range"] == 5 and rejected["identity_mismatch"] == 4
     # the control plane keeps serving, and the honest group is whole in the buffer
     assert isinstance(ask(client, wire.Heartbeat(worker_id="w1", version=0)), wire.HeartbeatAck)
@@ -77,7 +77,7 @@ def test_a_batch_whose_count_lies_is_rejected_whole(plane, client):  # noqa: F81
                                               payload=wire.pack_records(recs)))
         assert isinstance(reply, wire.Error) and reply.reason == "count_mismatch"
         assert reply.ref == f"c{count}"
-    assert plane.stats()["rejected"]["count_mismatch"] == 3
+    assert plane.stats().rejected["count_mismatch"] == 3
     assert plane.buffer.stats.admitted == 0
     assert ask(client, batch(recs)).accepted == len(recs)  # the honest batch still goes in
 

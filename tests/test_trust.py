@@ -144,7 +144,7 @@ def test_partial_forged_and_foreign_groups_are_refused(trusting, ctx, tokenizer)
                        + honest(trusting, theirs, tokenizer) + honest(trusting, g[2], tokenizer)))
     assert ack.rejected == {"partial_group": 3, "reward_mismatch": 4, "not_your_group": 4}
     assert ack.accepted == 4  # g[2], whole and true
-    checks = trusting.stats()["checks"]
+    checks = trusting.stats().checks
     assert checks == {"whole_group:fail": 1, "reward:fail": 1, "reward:ok": 1}
     assert [j.group_id for j in trusting.jobs] == [g[2].group_id]  # probation: audited
 
@@ -171,7 +171,7 @@ def test_two_strikes_quarantine_the_worker_and_take_its_records_out(trusting, ct
     row = json.loads((security_dir(tmp_path) / "quarantine.jsonl").read_text())
     assert row["worker_id"] == "w1" and row["strikes"] == 2
     assert ask(a, wire.Heartbeat(worker_id="w1", version=0)).reason == "banned"
-    assert trusting.stats()["reputation"]["w1"] == {"audits": 3, "failures": 2, "quarantined": 1}
+    assert trusting.stats().reputation["w1"] == {"audits": 3, "failures": 2, "quarantined": 1}
 
 
 # ----------------------------------------------------------------------------- audits
@@ -294,7 +294,7 @@ def test_hostile_link_reports_end_one_message_and_are_counted(trusting, ctx):  #
     for _ in range(600):  # a flood: past the per-key message rate it is refused, not served
         a.send(wire.encode(wire.Installed(worker_id="w1", version=0, down_mbit=1e300, up_mbit=1e300)))
     # the flood is served on the learner's thread: wait until it has got that far
-    assert eventually(lambda: trusting.stats()["limited"].get("rate_limited", 0) > 0)
-    assert trusting.stats()["rejected"]["invalid_fields"] == 4
+    assert eventually(lambda: trusting.stats().limited.get("rate_limited", 0) > 0)
+    assert trusting.stats().rejected["invalid_fields"] == 4
     assert "w1" not in trusting.coordinator.links.down  # no published version: nothing measured
     assert isinstance(ask(connect(trusting, ctx), wire.Join(worker_id="w2")), wire.JoinAck)
