@@ -61,7 +61,7 @@ from learner.work import WorkQueue
 log = logging.getLogger("echo.control")
 
 # How long the trainer's thread waits for the loop to store a version or answer a stats call
-# before it goes on without (counted in stats()["slow"]); it never ends the run.
+# before it goes on without (counted in stats().slow); it never ends the run.
 LOOP_WAIT_S = 10.0
 TREE_WAIT_S = 2.0  # a dashboard poll or a scrape waits this long for the loop's relay tree
 
