@@ -104,9 +104,16 @@ class StepRow:
         return _NAMES
 
     def to_json(self) -> dict[str, Any]:
-        out = {n: getattr(self, n) for n in _NAMES if n not in self.missing}
+        """The row as written: a field left missing is absent unless it was set since."""
+        out = {n: v for n in _NAMES
+               if (v := getattr(self, n)) is not None or n not in self.missing}
         out.update(self.extra)
         return out
+
+    def leave_out(self, names: tuple[str, ...]) -> None:
+        """Fields this row does not have (rather than has as null): left out of the JSON
+        until set."""
+        self.missing.update(names)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> StepRow:
@@ -120,13 +127,11 @@ class StepRow:
         """Fields some part reports only when it has them (the trainer's numbers, the newest
         publication): those in ``values`` are set, the rest of ``names`` left missing. A value
         under a name this type does not declare goes to ``extra``."""
-        for name in names:
-            if name not in values:
-                self.missing.add(name)
+        self.leave_out(tuple(n for n in names if n not in values))
         for name, value in values.items():
             if name in _NAME_SET:
                 setattr(self, name, value)
-                self.missing.discard(name)
+                self.missing.discard(name)  # written even when null
             else:
                 self.extra[name] = value
 

@@ -28,7 +28,7 @@ from echo.config import EchoConfig, ListenPorts, dump_toml
 from echo.metrics import LearnerMetrics, finite_or_null
 from echo.procs import READY_PREFIX
 from echo.spill import spill_dir
-from echo.steprow import PUBLISH_FIELDS, RunSummary, StepRow
+from echo.steprow import COL, RunSummary, StepRow
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_or_create_key, save_checkpoint
 from learner.auditor import Auditor
@@ -374,7 +374,7 @@ class Learner:
         batch = self.adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards)
         stats, full = self.policy.command({"op": "step", "sync": publish, "batch": batch})
         t2 = time.monotonic()
-        if stats.get("skipped_nonfinite"):
+        if stats.get(COL.skipped_nonfinite):  # the trainer names its numbers as the row does
             self._strike(groups, self.policy.trainer.nonfinite_rows)
         self.totals.add(step, t1 - t0, t2 - t1)
         self.step += 1
@@ -392,7 +392,7 @@ class Learner:
             self.release.send(self.step, full[0])
         row.t_publish = round(time.monotonic() - t2, 4)
         row.publish_refused = self.release.refused
-        row.set_reported(PUBLISH_FIELDS, self.release.row())
+        self.release.describe(row)
         row.decode_s, row.keyframe_installs = control.decode_s, control.keyframes
         self._audits(row, t2 - t1)
         trim()  # the step's and the audits' freed transients go back to the kernel
