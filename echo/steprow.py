@@ -16,7 +16,9 @@ declared ones, so a resumed run or a replay loses nothing a newer learner wrote.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -150,6 +152,13 @@ PUBLISH_FIELDS = ("publish_encoding", "publish_bytes", "publish_full_bytes", "de
 COL = SimpleNamespace(**{n: n for n in _NAMES})
 
 
+def read_rows(path: Path) -> list[StepRow]:
+    """A run's ``metrics.jsonl`` (none: an empty list)."""
+    if not path.exists():
+        return []
+    return [StepRow.from_json(json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
+
+
 def as_row(row: StepRow | dict[str, Any]) -> StepRow:
     """A row given either way (a dict: read from a file or written by hand in a test)."""
     return row if isinstance(row, StepRow) else StepRow.from_json(row)
@@ -179,6 +188,11 @@ class RunSummary:
         """Tolerant like StepRow.from_json: a missing field reads as None; unknown ones are
         dropped (nothing writes summary.json back)."""
         return cls(**{f.name: doc.get(f.name) for f in fields(cls)})
+
+    @classmethod
+    def read(cls, path: Path) -> RunSummary:
+        """A run's ``summary.json``."""
+        return cls.from_json(json.loads(path.read_text()))
 
     @property
     def last_row(self) -> StepRow | None:
