@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from echo.steprow import COL  # noqa: E402
+from worker.status import WorkerStatus, read_status  # noqa: E402
 from echo.config import dump_toml, load_config  # noqa: E402
 from echo.machine import machine_info  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
@@ -47,8 +48,7 @@ def schedule(rng: random.Random, spot: int, mean_up: float, count: int = 1000) -
 def _sampling(run_dir: Path, inst: dict) -> bool:
     """The instance has started generating (its status file counts sampled tokens)."""
     try:
-        return json.loads((run_dir / "status" / f"{inst['name']}.json").read_text()).get(
-            "tokens_sampled", 0) > 0
+        return (read_status(run_dir / "status" / f"{inst['name']}.json").tokens_sampled or 0) > 0
     except (OSError, ValueError):
         return False
 
@@ -114,10 +114,10 @@ def summarize(run_dir: Path, instances: list[dict], end: float, budget: int) -> 
     status = {}
     for inst in instances:
         p = run_dir / "status" / f"{inst['name']}.json"
-        status[inst["name"]] = json.loads(p.read_text()) if p.exists() else {}
+        status[inst["name"]] = read_status(p) if p.exists() else WorkerStatus()
     reclaimed = [i for i in instances if i["reclaimed"]]
-    sampled = sum(status[i["name"]].get("tokens_sampled", 0) for i in reclaimed)
-    sent = sum(status[i["name"]].get("tokens_sent", 0) for i in reclaimed)
+    sampled = sum(status[i["name"]].tokens_sampled or 0 for i in reclaimed)
+    sent = sum(status[i["name"]].tokens_sent or 0 for i in reclaimed)
     worker_s = sum((i["end"] or end) - i["start"] for i in instances)
     trained = sum(r.get(COL.tokens_trained, 0) for r in rows)
     last = rows[-1] if rows else {}
