@@ -14,6 +14,7 @@ import numpy as np
 import simpy
 
 from broadcast.coordinator import quantile_rank
+from echo.steprow import COL
 from provisioning import capacity
 from provisioning.sim.broadcast import BroadcastModel
 from provisioning.sim.fleet import Churn, Provisioner
@@ -286,7 +287,7 @@ def results(sim: Sim, wall_s: float, cpu_s: float) -> dict[str, Any]:
         mu_req_at_mean_t_bcast=req, kappa=sim.kappa, n_per_step=L.n, sim_time_s=sim.env.now,
         trajectories={"delivered": c.delivered_groups * G, "admitted": c.admitted_groups * G,
                       "trained": c.trained_groups * G,
-                      "dropped_stale": c.dropped_stale_groups * G,
+                      COL.dropped_stale: c.dropped_stale_groups * G,  # the row's name
                       "lost_to_churn": c.lost_groups * G},
         events={"installs": c.installs, "leaves": c.leaves, "joins": c.joins,
                 "activations": c.activations, "releases": c.releases, "short": c.short},

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from echo.steprow import COL
 from provisioning.sim.scenario import ScenarioError, load_scenario
 from provisioning.sim.summary import Baseline, SimSummary
 
@@ -45,7 +46,7 @@ def print_report(result: dict[str, Any], console: Any = None) -> None:
         ("capacity active (mean, traj/s)", f(s.mu_active_mean, ".4g")),
         ("mu_req at mean T_bcast (traj/s)", f(s.mu_req_at_mean_t_bcast, ".4g")),
         ("trajectories trained / dropped stale / lost",
-         f"{s.trajectories['trained']:,} / {s.trajectories['dropped_stale']:,} / "
+         f"{s.trajectories['trained']:,} / {s.trajectories[COL.dropped_stale]:,} / "
          f"{s.trajectories['lost_to_churn']:,}"),
         ("churn leaves / joins", f"{s.events['leaves']} / {s.events['joins']}"),
         ("controller activate / release / short",
