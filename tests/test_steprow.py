@@ -42,3 +42,12 @@ def test_a_summary_reads_back_tolerantly():
     s = RunSummary.from_json({"steps": 2, "ended": "complete", "last": {"step": 1, "t_wait": 0.2}})
     assert s.steps == 2 and s.bubble_ratio is None
     assert s.last_row is not None and s.last_row.t_wait == 0.2
+
+
+def test_control_stats_from_a_mapping_keep_defaults_and_ignore_unknown_keys():
+    from echo.control_stats import STAT, ControlStats, as_stats
+
+    s = ControlStats.from_json({"active_workers": 3, "t_bcast": 0.5, "not_a_stat": 1})
+    assert s.active_workers == 3 and s.t_bcast == 0.5 and s.rejected == {} and s.decode_s is None
+    assert as_stats(None) == ControlStats() and as_stats(s) is s
+    assert STAT.active_workers == "active_workers"

@@ -181,3 +181,22 @@ def test_status_file_and_exit_summary_agree_with_the_learners_metrics(cluster):
     assert told.account.message.startswith("quarantined: ") and "reward" in told.account.message
     assert "banned" in told.exit and "quarantined" in told.exit
     assert _summary_value((cluster.tmp / "liar.log").read_text(), "state") == "quarantined,"
+
+
+def test_the_status_file_is_one_declared_type(tmp_path):
+    """worker.status.WorkerStatus: a misspelt field fails on the worker; a reader ignores a
+    field it does not know and keeps the fields the worker has not reached absent."""
+    import pydantic
+
+    b = _board(tmp_path)
+    with pytest.raises(pydantic.ValidationError):
+        b.update(instaled_version=4)
+    with pytest.raises(pydantic.ValidationError):
+        b.update(installed_version="four")
+    b.flush(force=True)
+    doc = json.loads(b.path.read_text())
+    assert doc["schema"] == 1 and "tokens_sent" not in doc  # not reached yet: absent
+    write_atomic(b.path, {**doc, "a_later_field": 1})
+    back = read_status(b.path)
+    assert back.account.accepted == 20 and back.tokens_sent is None
+    assert back.to_json() == doc
