@@ -4,16 +4,49 @@ gauges and the dashboard's tables. Built on the server's loop by ``learner.serve
 the names are in docs/observability.md.
 
 The per-worker tables (``workers``, ``reputation``, ``accounts``) stay mappings keyed by worker
-id: the dashboard sends them on as they are.
+id, which the dashboard sends on as they are; a worker's row is declared as ``WorkerRow``, an
+account is a ``wire.Account`` dumped.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypedDict
 
 Counts = dict[str, int]  # {reason or kind: n}
+
+
+class WorkerRow(TypedDict, total=False):
+    """One worker in ``ControlStats.workers`` (the dashboard's workers table, /metrics' labels):
+    built by ``learner.server_stats``, with ``learner.handbacks``' and ``learner.staleness``'
+    views of the worker."""
+
+    price: float  # $/h, as declared
+    version: int  # snapshot version it runs (-1: none)
+    state: str  # what its heartbeats say (idle, generating, installing, ...)
+    active: bool  # active (True) or standby
+    reachable: bool  # heartbeats within the timeout
+    nat: str  # the reflector's verdict (docs/nat.md)
+    transport: str  # how its snapshot link is carried now
+    throughput: float  # trajectories/s, measured by the learner (EWMA)
+    admitted: int  # its records admitted, so far
+    granted: int  # groups handed to it, so far
+    returned: int  # groups it returned, so far
+    taken_back: int  # groups taken back from it (lease expired, left), so far
+    handed_back: int  # learner.handbacks: groups it handed back
+    prefixes_kept: int
+    prefixes_refused: int
+    forged: int  # groups whose prefixes failed the check
+    limited: int  # groups taken back past a bound
+    returns_pct: float | None  # mean reward percentile of the groups it handed back
+    returns_n: int
+    delivered_pct: float | None  # ... of the groups it delivered
+    cherry_pick: str  # "low" | "high": it returns the groups it does not like; "" otherwise
+    staleness_mean: float | None  # learner.staleness: versions, over its last deliveries
+    at_edge: float | None  # share of those at the staleness bound
+    credit_per_trajectory: float | None
+    gen_s_mean: float | None  # s: mean busy time of its batches
 
 
 @dataclass
@@ -46,7 +79,7 @@ class ControlStats:
     restored_admitted: int = 0  # records admitted under them
     reissued_groups: int = 0  # groups handed out again after a lease expired, so far
     installs: dict[int, dict[str, float]] = field(default_factory=dict)  # {version: {worker: s}}
-    workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # {worker: its row}
+    workers: dict[str, WorkerRow] = field(default_factory=dict)  # {worker: its row}
     reputation: dict[str, dict[str, Any]] = field(default_factory=dict)  # {worker: checks}
     checks: Counts = field(default_factory=dict)  # checks by "check:outcome", so far
     accounts: dict[str, dict[str, Any]] = field(default_factory=dict)  # learner.accounts' books

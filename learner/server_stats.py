@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from broadcast.source import ChunkServer
-from echo.control_stats import ControlStats
+from echo.control_stats import ControlStats, WorkerRow
 from learner.accounts import Accounts
 from learner.buffer import ReplayBuffer
 from learner.cpu import CpuBook
@@ -154,7 +154,7 @@ class ServerStats:
 class PerWorker(NamedTuple):
     """The per-worker tables of a ControlStats, rebuilt together."""
 
-    workers: dict[str, dict[str, Any]]
+    workers: dict[str, WorkerRow]
     reputation: dict[str, dict[str, Any]]
     checks: dict[str, int]
     accounts: dict[str, dict[str, Any]]
