@@ -32,6 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from echo.steprow import COL  # noqa: E402
 
 MODES = {"before": {"delta": False, "background": False},  # full, on the training thread
          "delta-inline": {"delta": True, "background": False},  # deltas, on the training thread
@@ -100,16 +101,16 @@ class Arm:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         t_train = time.perf_counter() - t0
-        self.rows.append({"version": version, "t_train": t_train, "t_publish": self.publish(version)})
+        self.rows.append({"version": version, COL.t_train: t_train, COL.t_publish: self.publish(version)})
 
 
 def summary(arm: Arm) -> dict[str, Any]:
     rows = arm.rows[1:]  # the first publication is a keyframe in both modes
-    pub = [r["t_publish"] for r in rows]
-    step = [r["t_train"] + r["t_publish"] for r in rows]
+    pub = [r[COL.t_publish] for r in rows]
+    step = [r[COL.t_train] + r[COL.t_publish] for r in rows]
     sizes = arm.sent[1:]
     return {"t_publish_median": statistics.median(pub), "t_publish_max": max(pub),
-            "t_train_median": statistics.median(r["t_train"] for r in rows),
+            "t_train_median": statistics.median(r[COL.t_train] for r in rows),
             "step_median": statistics.median(step),
             "bytes_median": statistics.median(b for _, b, _ in sizes),
             "full_bytes": sizes[0][2], "encodings": sorted({e for e, _, _ in sizes})}

@@ -41,6 +41,7 @@ for p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 from bench_learner import _loadavg, make_batch  # noqa: E402
+from echo.steprow import COL  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "real_model.json"
 
@@ -181,7 +182,7 @@ def bench_bcast(a: argparse.Namespace, payload_bytes: int) -> dict[str, Any]:
                         link_mbit=0, topology="chains", chunk_kib=1024, chains=chains,
                         timeout_s=60.0, seed=a.seed)
         r = asyncio.run(run_one(p))
-        out[name] = {k: r[k] for k in ("t_bcast_s", "learner_bytes_sent", "snapshot_bytes",
+        out[name] = {k: r[k] for k in ("t_bcast_s", COL.learner_bytes_sent, "snapshot_bytes",
                                        "installed", "corrupt_installs", "parents")}
     return out
 
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bcast = bench_bcast(a, size)
     for name, r in bcast.items():
         print(f"T_bcast {name} ({a.workers} workers, loopback): {r['t_bcast_s']:.2f} s, "
-              f"learner sent {r['learner_bytes_sent'] / 2**20:.0f} MiB")
+              f"learner sent {r[COL.learner_bytes_sent] / 2**20:.0f} MiB")
     result = {"benchmark": "real_model", "model": str(a.model.relative_to(ROOT) if a.model.is_relative_to(ROOT) else a.model),
               "machine": {**machine_info(), "torch_threads": a.threads,
                           "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

@@ -37,6 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from echo.steprow import read_rows  # noqa: E402
+from provisioning.sim.summary import SIM, SimSummary  # noqa: E402
+
 # (group_s, price $/h): a worker makes one group of group_size trajectories per group_s.
 FLEET = [(0.6, 0.30), (0.5, 0.40), (0.8, 0.20), (0.4, 0.70), (0.7, 0.35), (1.0, 0.15),
          (0.45, 0.60), (0.9, 0.25)]
@@ -135,7 +138,7 @@ def real_run(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         group.stop("learner", timeout=60)
     finally:
         group.stop_all()
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = read_rows(run / "metrics.jsonl")
     decisions = [json.loads(x) for x in (run / "decisions.jsonl").read_text().splitlines()
                  if x.strip()] if (run / "decisions.jsonl").exists() else []
     return {"rows": rows, "decisions": decisions, "events": events, "cfg": cfg}
@@ -158,18 +161,19 @@ def real_figures(real: dict[str, Any]) -> dict[str, Any]:
     rows = real["rows"][1:]  # step 0 waits for the first batch: the fill, not the loop
     acts = sum(d["action"] == "activate" for d in real["decisions"])
     rels = sum(d["action"] == "release" for d in real["decisions"])
-    step_s = [r["t_train"] + r["t_wait"] for r in rows]
+    step_s = [r.t_train + r.t_wait for r in rows]
+    train = [r.t_train + r.t_publish for r in rows]
+    # the simulator's names (SimSummary) for what both measure
     return {
         "steps": len(real["rows"]),
-        "active_mean": statistics.fmean(r["active_workers"] for r in rows),
-        "cost_per_step_usd": statistics.fmean(
-            r["cost_step_usd"] + LEARNER_PRICE * (r["t_train"] + r["t_wait"]) / 3600 for r in rows),
-        "bubble_ratio": sum(r["t_wait"] for r in rows) / sum(step_s),
+        SIM.active_mean: statistics.fmean(r.active_workers for r in rows),
+        SIM.cost_per_step_usd: statistics.fmean(
+            r.cost_step_usd + LEARNER_PRICE * (r.t_train + r.t_wait) / 3600 for r in rows),
+        SIM.bubble_ratio: sum(r.t_wait for r in rows) / sum(step_s),
         "activations": acts, "releases": rels,
-        "t_train_mean": statistics.fmean(r["t_train"] + r["t_publish"] for r in rows),
-        "t_train_cv": statistics.pstdev([r["t_train"] + r["t_publish"] for r in rows])
-        / statistics.fmean(r["t_train"] + r["t_publish"] for r in rows),
-        "t_bcast_mean": statistics.fmean([r["t_bcast"] for r in rows if r.get("t_bcast")] or [0.0]),
+        "t_train_mean": statistics.fmean(train),
+        "t_train_cv": statistics.pstdev(train) / statistics.fmean(train),
+        "t_bcast_mean": statistics.fmean([r.t_bcast for r in rows if r.t_bcast] or [0.0]),
     }
 
 
@@ -204,12 +208,12 @@ def simulate_same(real: dict[str, Any], fig: dict[str, Any], tmp: Path, boot: in
     }
     (tmp / "scenario.json").write_text(json.dumps(scenario, indent=1))
     r = simulate(scenario, machine=False)
-    s = r["summary"]
+    s = SimSummary.from_json(r["summary"])
     return {"decisions": [(round(d["time"], 1), d["action"], d["worker"]) for d in r["decisions"]
                           if d["action"] != "short"],
-            "steps": s["steps_done"], "active_mean": s["active_mean"],
-            "cost_per_step_usd": s["cost_per_step_usd"], "bubble_ratio": s["bubble_ratio"],
-            "activations": s["events"]["activations"], "releases": s["events"]["releases"]}
+            "steps": s.steps_done, SIM.active_mean: s.active_mean,
+            SIM.cost_per_step_usd: s.cost_per_step_usd, SIM.bubble_ratio: s.bubble_ratio,
+            "activations": s.events["activations"], "releases": s.events["releases"]}
 
 
 def report(fig: dict[str, Any], sim: dict[str, Any]) -> None:
@@ -219,8 +223,9 @@ def report(fig: dict[str, Any], sim: dict[str, Any]) -> None:
     t = Table(title="closed loop, 8 workers, kills and restarts: real vs simulated")
     for c in ("", "real", "simulated", "sim / real"):
         t.add_column(c, justify="right")
-    for k, fmt in (("active_mean", ".2f"), ("cost_per_step_usd", ".5f"), ("bubble_ratio", ".2%"),
-                   ("activations", "d"), ("releases", "d"), ("steps", "d")):
+    for k, fmt in ((SIM.active_mean, ".2f"), (SIM.cost_per_step_usd, ".5f"),
+                   (SIM.bubble_ratio, ".2%"), ("activations", "d"), ("releases", "d"),
+                   ("steps", "d")):
         ratio = sim[k] / fig[k] if fig[k] else float("nan")
         t.add_row(k, format(fig[k], fmt), format(sim[k], fmt), f"{ratio:.3f}")
     Console().print(t)

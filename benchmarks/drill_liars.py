@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from security_drill import ROOT, Fleet, counters
+from echo.steprow import COL  # noqa: E402
 
 KINDS = ["forge_rewards", "fake_logprobs", "garbage_tokens", "drop_low"]
 WORKERS = 4
@@ -126,7 +127,7 @@ def _summarize(fleet: Fleet, kind: str | None, liar: str | None, names: list[str
                watch: dict[str, Any]) -> dict[str, Any]:
     rows = _lines(fleet.run / "metrics.jsonl")
     honest = [n for n in names if n != liar]
-    last = [r["reward_mean"] for r in rows[-FINAL_STEPS:] if r.get("reward_mean") is not None]
+    last = [r[COL.reward_mean] for r in rows[-FINAL_STEPS:] if r.get(COL.reward_mean) is not None]
     q = _quarantine_of(fleet.run, liar) if liar else None
     first = watch["first_ack_step"]
     audits = _lines(fleet.run / "security/audits.jsonl")

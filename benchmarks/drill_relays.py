@@ -33,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from echo.steprow import COL  # noqa: E402
 
 KINDS = ("black_hole", "selective_relay")
 
@@ -128,8 +129,8 @@ def check_stranger(r: dict[str, Any]) -> list[str]:
     unassigned = sum(n for k, n in reports.items() if k.endswith(":unassigned"))
     if unassigned < r["attacker"].get("reports_sent", 1):
         out.append(f"only {unassigned} of {r['attacker'].get('reports_sent')} reports counted unassigned")
-    if r.get("relays_marked", 0):
-        out.append(f"{r['relays_marked']} relay(s) marked: a stranger removed a relay")
+    if r.get(COL.relays_marked, 0):
+        out.append(f"{r[COL.relays_marked]} relay(s) marked: a stranger removed a relay")
     return out
 
 

@@ -42,6 +42,7 @@ for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZ
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from echo.steprow import COL  # noqa: E402
 
 SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -368,11 +369,11 @@ def stage_learning(a: argparse.Namespace, rec: Record) -> None:
     rec.put("wall_s", time.perf_counter() - t0)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
         if (run_dir / "metrics.jsonl").is_file() else []
-    keys = ("step", "version", "reward_mean", "t_train", "t_publish", "t_bcast", "bubble_ratio", "wall_s")
+    keys = ("step", "version", COL.reward_mean, COL.t_train, COL.t_publish, COL.t_bcast, COL.bubble_ratio, "wall_s")
     rec.put("curve", [{k: r.get(k) for k in keys if k in r} for r in rows])
     if rows:
-        first = [r["reward_mean"] for r in rows[:10]]
-        last = [r["reward_mean"] for r in rows[-10:]]
+        first = [r[COL.reward_mean] for r in rows[:10]]
+        last = [r[COL.reward_mean] for r in rows[-10:]]
         rec.put("reward_first10", statistics.mean(first))
         rec.put("reward_last10", statistics.mean(last))
         print(f"learning: {len(rows)} steps, reward first 10 {statistics.mean(first):.3f} -> "

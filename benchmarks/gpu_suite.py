@@ -39,6 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from echo.steprow import COL  # noqa: E402
 
 ORDER = ("model", "tests", "learner", "generation", "learning")
 # Seconds per stage on the GPU: 8 minutes in all, inside the device's 10-minute command limit.
@@ -184,7 +185,7 @@ def run_stage(stage: str, a: argparse.Namespace, env: dict[str, str], tmp: Path,
 
 
 def plot_curve(curve: list[dict[str, Any]], path: Path) -> bool:
-    rows = [r for r in curve if r.get("reward_mean") is not None]
+    rows = [r for r in curve if r.get(COL.reward_mean) is not None]
     if not rows:
         return False
     import matplotlib
@@ -194,7 +195,7 @@ def plot_curve(curve: list[dict[str, Any]], path: Path) -> bool:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = [r["step"] for r in rows]
-    rewards = [r["reward_mean"] for r in rows]
+    rewards = [r[COL.reward_mean] for r in rows]
     k = 5
     smooth = [sum(rewards[max(0, i - k + 1):i + 1]) / len(rewards[max(0, i - k + 1):i + 1]) for i in range(len(rewards))]
     ax.plot(steps, rewards, alpha=0.35, label="reward per step")

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from echo.machine import machine_info
 from echo.procs import ProcessGroup, python_argv, wait_ready
+from worker.status import read_status
 
 INSTALLED = re.compile(r"^(\S+ \S+) INFO echo\.worker: installed snapshot v\d+", re.MULTILINE)
 TIMEOUT_S = 180.0
@@ -80,7 +81,8 @@ def one_worker(group: ProcessGroup, line: str, tmp: Path, i: int) -> dict:
     row = {"start_to_install_s": round(installed - started, 3), "worker_cpu_s": round(cpu, 2),
            "sigterm_exit_s": round(time.monotonic() - t0, 3)}
     if status.exists():
-        row["first_install"] = json.loads(status.read_text()).get("first_install")
+        first = read_status(status).first_install
+        row["first_install"] = first.model_dump() if first else None
     return row
 
 

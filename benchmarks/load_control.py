@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from echo.steprow import COL  # noqa: E402
 from provisioning.sim.control_load import ControlCosts, saturation  # noqa: E402  (no heavy imports)
 
 # Every synthetic worker comes from 127.0.0.1, one IP prefix: the per-address and per-prefix
@@ -259,7 +260,7 @@ def run_once(workers: int, per_process: int, seconds: float, group_s: float,
     out.update(group_commit=True, pinned={"learner": learner_cpus, "swarm": swarm_cpus},
                heartbeat_s=cfg.worker.heartbeat_s)
     out["accounting"] = accounting(run, [o.with_suffix(".ledger") for o in outs], cfg.learner.group_size)
-    out["cpu"] = cpu_costs(rows[-1].get("control_cpu", {}) if rows else {}, workers,
+    out["cpu"] = cpu_costs(rows[-1].get(COL.control_cpu, {}) if rows else {}, workers,
                            cfg.worker.heartbeat_s, rows[-1].get("wall_s", seconds) if rows else seconds,
                            cfg.transport.heartbeats_per_s, out["acked_records"])
     out["heartbeats_per_s"] = cfg.transport.heartbeats_per_s
@@ -335,7 +336,7 @@ def _summary(swarms: list[dict[str, Any]], rows: list[dict[str, Any]], run: Path
             "heartbeat_rtt_ms": {"p50": q(0.50), "p99": q(0.99), "max": rtts[-1] * 1000 if rtts else None},
             "acked_records": sum(s["acked"] for s in swarms),
             "admitted_per_s": (last.get("admitted") or 0) / max(last.get("wall_s") or seconds, 1e-9),
-            "bubble_ratio": last.get("bubble_ratio"), "steps": len(rows),
+            COL.bubble_ratio: last.get(COL.bubble_ratio), "steps": len(rows),
             # the swarm's share of its CPUs: near 1 per swarm CPU, its own delays are in the RTTs
             "swarm_cpu_s": round(sum(s.get("cpu_s", 0.0) for s in swarms), 1),
             "swarm_wall_s": round(max((s.get("wall_s", 0.0) for s in swarms), default=0.0), 1),
@@ -413,7 +414,7 @@ def _rtt_table(results: list[dict[str, Any]], seconds: float) -> Any:
         t.add_row(str(r["workers"]), f"{r['fsync_delay_ms']:g}",
                   "group commit" if r["group_commit"] else "on the loop", str(r["heartbeats"]),
                   f"{h['p50']:.1f}", f"{h['p99']:.1f}", f"{h['max']:.1f}", f"{r['admitted_per_s']:.0f}",
-                  f"{r['bubble_ratio']}", str(r["evicted"]), books)
+                  f"{r[COL.bubble_ratio]}", str(r["evicted"]), books)
     return t
 
 

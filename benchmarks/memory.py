@@ -27,6 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from worker.status import read_status  # noqa: E402
 
 GIB = 1 << 30
 
@@ -128,7 +129,7 @@ def run_case(model: str, steps: int, workers: int, spill: bool, tmp: Path,
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     census = {k: max(r["memory"].get(k, 0) for r in rows if "memory" in r)
               for k in rows[-1].get("memory", {})} if rows else {}
-    worker_census = [json.loads(p.read_text()).get("memory", {}) for p in sorted(status.glob("*.json"))]
+    worker_census = [read_status(p).memory or {} for p in sorted(status.glob("*.json"))]
     return {"model": model, "spill": spill, "steps": len(rows), "params": census.get("model", 0) // 4,
             "wall_s": round(time.monotonic() - t0, 1), "peak": sampler.peak,
             "at_peak": sampler.at_peak, "timeline": sampler.timeline, "overrides": overrides,

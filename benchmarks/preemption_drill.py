@@ -32,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from echo.steprow import COL  # noqa: E402
+from worker.status import WorkerStatus, read_status  # noqa: E402
 from echo.config import dump_toml, load_config  # noqa: E402
 from echo.machine import machine_info  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
@@ -46,8 +48,7 @@ def schedule(rng: random.Random, spot: int, mean_up: float, count: int = 1000) -
 def _sampling(run_dir: Path, inst: dict) -> bool:
     """The instance has started generating (its status file counts sampled tokens)."""
     try:
-        return json.loads((run_dir / "status" / f"{inst['name']}.json").read_text()).get(
-            "tokens_sampled", 0) > 0
+        return (read_status(run_dir / "status" / f"{inst['name']}.json").tokens_sampled or 0) > 0
     except (OSError, ValueError):
         return False
 
@@ -113,24 +114,24 @@ def summarize(run_dir: Path, instances: list[dict], end: float, budget: int) -> 
     status = {}
     for inst in instances:
         p = run_dir / "status" / f"{inst['name']}.json"
-        status[inst["name"]] = json.loads(p.read_text()) if p.exists() else {}
+        status[inst["name"]] = read_status(p) if p.exists() else WorkerStatus()
     reclaimed = [i for i in instances if i["reclaimed"]]
-    sampled = sum(status[i["name"]].get("tokens_sampled", 0) for i in reclaimed)
-    sent = sum(status[i["name"]].get("tokens_sent", 0) for i in reclaimed)
+    sampled = sum(status[i["name"]].tokens_sampled or 0 for i in reclaimed)
+    sent = sum(status[i["name"]].tokens_sent or 0 for i in reclaimed)
     worker_s = sum((i["end"] or end) - i["start"] for i in instances)
-    trained = sum(r.get("tokens_trained", 0) for r in rows)
+    trained = sum(r.get(COL.tokens_trained, 0) for r in rows)
     last = rows[-1] if rows else {}
     return {
         "steps": len(rows), "reclaimed_instances": len(reclaimed),
         "reclaimed_tokens_sampled": sampled, "reclaimed_tokens_sent": sent,
-        "wasted_tokens": sampled - sent, "tokens_trained": trained,
+        "wasted_tokens": sampled - sent, COL.tokens_trained: trained,
         "worker_seconds": round(worker_s, 1),
         "goodput_tokens_per_worker_s": round(trained / worker_s, 2) if worker_s else 0.0,
-        "mixed_version_samples": sum(r.get("mixed_version_samples", 0) for r in rows),
+        COL.mixed_version_samples: sum(r.get(COL.mixed_version_samples, 0) for r in rows),
         "handbacks": last.get("handbacks", {}),
-        "staleness_max": max((r["staleness_max"] for r in rows), default=0), "staleness_budget": budget,
-        "staleness_violations": sum(1 for r in rows if r["staleness_max"] > budget),
-        "reissued_groups": last.get("reissued_groups"),
+        COL.staleness_max: max((r[COL.staleness_max] for r in rows), default=0), "staleness_budget": budget,
+        "staleness_violations": sum(1 for r in rows if r[COL.staleness_max] > budget),
+        COL.reissued_groups: last.get(COL.reissued_groups),
     }
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from echo.steprow import COL  # noqa: E402
 from echo.machine import machine_info
 
 TARGET = 0.6  # issue 32: every seed's last-10 reward at least this
@@ -41,15 +42,15 @@ def summarise(rows: list[dict]) -> dict:
     """The figures kept from one run's metrics rows."""
     return {
         "steps": len(rows),
-        "reward_first10": _mean(rows[:10], "reward_mean"),
-        "reward_last10": _mean(rows[-10:], "reward_mean"),
-        "reward_every50": [_mean(rows[i:i + 10], "reward_mean") for i in range(0, len(rows), 50)],
-        "entropy_first10": _mean(rows[:10], "entropy_est"),
-        "entropy_last10": _mean(rows[-10:], "entropy_est"),
-        "entropy_every50": [_mean(rows[i:i + 10], "entropy_est") for i in range(0, len(rows), 50)],
-        "clip_frac_mean": _mean(rows, "clip_frac"),
-        "grad_norm_last10": _mean(rows[-10:], "grad_norm"),
-        "staleness_mean": _mean(rows, "staleness_mean"),
+        "reward_first10": _mean(rows[:10], COL.reward_mean),
+        "reward_last10": _mean(rows[-10:], COL.reward_mean),
+        "reward_every50": [_mean(rows[i:i + 10], COL.reward_mean) for i in range(0, len(rows), 50)],
+        "entropy_first10": _mean(rows[:10], COL.entropy_est),
+        "entropy_last10": _mean(rows[-10:], COL.entropy_est),
+        "entropy_every50": [_mean(rows[i:i + 10], COL.entropy_est) for i in range(0, len(rows), 50)],
+        "clip_frac_mean": _mean(rows, COL.clip_frac),
+        "grad_norm_last10": _mean(rows[-10:], COL.grad_norm),
+        COL.staleness_mean: _mean(rows, COL.staleness_mean),
         "wall_s": rows[-1]["wall_s"] if rows else None,
     }
 

@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from echo.steprow import COL  # noqa: E402
+from provisioning.sim.summary import SIM  # noqa: E402
 from provisioning import capacity  # noqa: E402
 from provisioning.sim.api import simulate  # noqa: E402
 from provisioning.sim.report import _json_default, print_report  # noqa: E402
@@ -99,10 +101,10 @@ def fig3c(out: Path) -> dict[str, Any]:
                             "rollout.generate_during_download": gdd}, machine=False)
         s = r["summary"]
         rows.append({"S": S, "generate_during_download": gdd, "workers": n,
-                     "capacity": n * mu, "bubble_ratio": s["bubble_ratio"],
-                     "wait_s_per_step": s["wait_s_per_step"], "staleness_max": s["staleness_max"],
-                     "t_bcast_s": s["t_bcast_mean_s"], "kappa": s["kappa"],
-                     "dropped_stale": s["trajectories"]["dropped_stale"]})
+                     "capacity": n * mu, COL.bubble_ratio: s[COL.bubble_ratio],
+                     SIM.wait_s_per_step: s[SIM.wait_s_per_step], COL.staleness_max: s[COL.staleness_max],
+                     "t_bcast_s": s[SIM.t_bcast_mean_s], "kappa": s["kappa"],
+                     COL.dropped_stale: s["trajectories"][COL.dropped_stale]})
     L = {"t_train_s": 1631.2, "n": 2048}
     summary = []
     for S in (2, 3, 4):
@@ -113,16 +115,16 @@ def fig3c(out: Path) -> dict[str, Any]:
                 "mu_req_workers": req / mu}
         for gdd in (False, True):
             pts = [r for r in sub if r["generate_during_download"] == gdd]
-            zero = [r["workers"] for r in pts if r["bubble_ratio"] < 0.01]
+            zero = [r["workers"] for r in pts if r[COL.bubble_ratio] < 0.01]
             first = min(zero) if zero else None
             # smallest pool from which every larger pool in the sweep stays below 1 %
             stable = next((r["workers"] for r in pts
-                           if all(q["bubble_ratio"] < 0.01 for q in pts
+                           if all(q[COL.bubble_ratio] < 0.01 for q in pts
                                   if q["workers"] >= r["workers"])), None)
             key = "continue" if gdd else "pause"
             item[f"threshold_workers_{key}"] = stable
             item[f"first_below_1pct_{key}"] = first
-            item[f"max_staleness_{key}"] = max(r["staleness_max"] for r in pts)
+            item[f"max_staleness_{key}"] = max(r[COL.staleness_max] for r in pts)
         summary.append(item)
     data = {"benchmark": "sim-fig3c", "scenario": str(path.relative_to(ROOT)),
             "worker_mu": mu, "n_per_step": L["n"], "t_train_s": L["t_train_s"],
@@ -150,7 +152,7 @@ def _plot_fig3c(data: dict[str, Any], path: Path) -> None:
         S = it["S"]
         for gdd, style in ((False, "-o"), (True, ":")):
             pts = [r for r in data["rows"] if r["S"] == S and r["generate_during_download"] == gdd]
-            ax.plot([r["workers"] for r in pts], [r["bubble_ratio"] for r in pts], style,
+            ax.plot([r["workers"] for r in pts], [r[COL.bubble_ratio] for r in pts], style,
                     color=colors[S], ms=3,
                     label=(f"S={S} (kappa={it['kappa']})" if not gdd
                            else f"S={S}, download in background"))
@@ -253,20 +255,20 @@ def table2(out: Path) -> dict[str, Any]:
             r = simulate(path, dict(over, **{"run.seed": seed}), machine=False)
             runs.append(r["summary"] | {"initial": r["initial"]})
         mean = lambda k: statistics.mean(x[k] for x in runs)  # noqa: E731
-        rows.append({"method": name, "machines": mean("active_mean"),
-                     "cost_per_step_usd": mean("cost_per_step_usd"),
-                     "t_bcast_s": mean("t_bcast_mean_s"), "wait_s": mean("wait_s_per_step"),
-                     "bubble_ratio": mean("bubble_ratio"),
-                     "staleness_max": max(x["staleness_max"] for x in runs),
-                     "usd_per_1k_trajectories": mean("usd_per_1k_trajectories"),
+        rows.append({"method": name, "machines": mean(SIM.active_mean),
+                     SIM.cost_per_step_usd: mean(SIM.cost_per_step_usd),
+                     "t_bcast_s": mean(SIM.t_bcast_mean_s), "wait_s": mean(SIM.wait_s_per_step),
+                     COL.bubble_ratio: mean(COL.bubble_ratio),
+                     COL.staleness_max: max(x[COL.staleness_max] for x in runs),
+                     SIM.usd_per_1k_trajectories: mean(SIM.usd_per_1k_trajectories),
                      "worker_cost_per_hour": mean_initial(runs, "cost_per_hour"),
                      "seeds": seeds, "runs": runs, "overrides": over,
-                     "paper": dict(zip(("machines", "cost_per_step_usd", "t_bcast_s", "wait_s"),
+                     "paper": dict(zip(("machines", SIM.cost_per_step_usd, "t_bcast_s", "wait_s"),
                                        PAPER_TABLE2[name]))})
     full = rows[0]
     for r in rows:
-        r["cost_vs_full"] = r["cost_per_step_usd"] / full["cost_per_step_usd"]
-        r["paper"]["cost_vs_full"] = r["paper"]["cost_per_step_usd"] / PAPER_TABLE2["full"][1]
+        r["cost_vs_full"] = r[SIM.cost_per_step_usd] / full[SIM.cost_per_step_usd]
+        r["paper"]["cost_vs_full"] = r["paper"][SIM.cost_per_step_usd] / PAPER_TABLE2["full"][1]
     data = {"benchmark": "sim-table2", "scenario": str(path.relative_to(ROOT)),
             "prices": {"learner_per_hour": 3.06, "worker_list_per_hour": 0.35},
             "rows": rows}
@@ -277,9 +279,9 @@ def table2(out: Path) -> dict[str, Any]:
     for r in rows:
         p = r["paper"]
         t.add_row(r["method"], f"{r['machines']:.0f} [{p['machines']}]",
-                  f"{r['cost_per_step_usd']:.3f} [{p['cost_per_step_usd']}]",
+                  f"{r[SIM.cost_per_step_usd]:.3f} [{p[SIM.cost_per_step_usd]}]",
                   f"{r['t_bcast_s']:.0f} [{p['t_bcast_s']}]",
-                  f"{r['wait_s']:.1f} [{p['wait_s']}]", f"{r['bubble_ratio']:.2%}",
+                  f"{r['wait_s']:.1f} [{p['wait_s']}]", f"{r[COL.bubble_ratio]:.2%}",
                   f"{r['cost_vs_full']:.3f} [{p['cost_vs_full']:.3f}]")
     _console().print(t)
     return data
@@ -344,8 +346,8 @@ def central(out: Path) -> dict[str, Any]:
     for mu in sorted({x["mu_per_gpu"] for x in sweep}):
         s_, a_ = (next(x for x in sweep if x["mu_per_gpu"] == mu and x["mode"] == m)
                   for m in ("sync", "async"))
-        t.add_row(f"{mu:g}", f"{mu / 0.28:.2f}", f"${s_['cost_per_step_usd']:.3f}",
-                  f"{s_['echo_saving']:.1%}", f"${a_['cost_per_step_usd']:.3f}",
+        t.add_row(f"{mu:g}", f"{mu / 0.28:.2f}", f"${s_[SIM.cost_per_step_usd]:.3f}",
+                  f"{s_['echo_saving']:.1%}", f"${a_[SIM.cost_per_step_usd]:.3f}",
                   f"{a_['echo_saving']:.1%}")
     _console().print(t)
     data = {"echo": base["summary"], "centralized": base["centralized"], "sweep": sweep,

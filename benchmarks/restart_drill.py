@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from echo.steprow import COL  # noqa: E402
 from echo.config import EchoConfig, dump_toml  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
 
@@ -163,8 +164,8 @@ class Drill:
             restart_to_step_s=round(t_step - t0, 3), ready_to_step_s=round(t_step - ready, 3),
             steps_after_restart=len(rows) - n_before, releases_after_restart=len(releases),
             failed_probations_after_restart=sum("probation over" in d["reason"] for d in releases),
-            restored_leases=rows[-1].get("restored_leases", 0),
-            restored_admitted=rows[-1].get("restored_admitted", 0),
+            restored_leases=rows[-1].get(COL.restored_leases, 0),
+            restored_admitted=rows[-1].get(COL.restored_admitted, 0),
             acked=len(audit.acked), lost=len(audit.lost),
             trained_twice=audit.groups_trained_twice, workers_exit=exits)
 

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             while learner.step < cfg.learner.max_steps:
                 row = learner._one_step()
                 learner.rows.append(row)
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(row.to_json()) + "\n")
                 f.flush()
                 metrics.update(row, learner.server.stats(), installs=installs(learner))
                 dec = run_dir / "decisions.jsonl"
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 for line in lines[seen_decisions:]:
                     metrics.add_decision(json.loads(line))
                 seen_decisions = len(lines)
-                print(f"step {row['step']} reward {row['reward_mean']:.3f}", flush=True)
+                print(f"step {row.step} reward {row.reward_mean:.3f}", flush=True)
         chromium_shot(server.url + "/", args.img / "dashboard.png", "1400,1900")
         crop_tree(args.img / "dashboard.png", args.img / "relay-tree.png")
     finally:

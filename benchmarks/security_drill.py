@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from echo.steprow import COL  # noqa: E402
 from echo.config import dump_toml, load_config  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
 
@@ -228,7 +229,7 @@ def run_attack(fleet: Fleet, sampler: Sampler, name: str, relay: tuple[str, str]
 
     url = fleet.info["metrics"]
     before, adm0 = counters(url), fleet.admitted()
-    reports0, checks0 = drill_relays.last_row(fleet.run).get("relay_reports", {}), _failures(url)
+    reports0, checks0 = drill_relays.last_row(fleet.run).get(COL.relay_reports, {}), _failures(url)
     sampler.take()
     log0, tb0 = fleet.log_bytes(), fleet.tracebacks()
     w0_before = proc_status(fleet.pid("w0")).get("rss_mib")
@@ -248,10 +249,10 @@ def run_attack(fleet: Fleet, sampler: Sampler, name: str, relay: tuple[str, str]
     stepped = fleet.wait_step(fleet.step() + 2, timeout=30)  # fresh counters come with a step
     after = counters(url)
     adm1, checks1, row = fleet.admitted(), _failures(url), drill_relays.last_row(fleet.run)
-    reports = {k: n - reports0.get(k, 0) for k, n in row.get("relay_reports", {}).items()
+    reports = {k: n - reports0.get(k, 0) for k, n in row.get(COL.relay_reports, {}).items()
                if n != reports0.get(k, 0)}
     return {"attack": name, "wall_s": round(wall, 1), "attacker": report,
-            "relay_reports_delta": reports, "relays_marked": row.get("relays_marked", 0),
+            "relay_reports_delta": reports, COL.relays_marked: row.get(COL.relays_marked, 0),
             "honest_struck": {w: checks1.get(w, 0) - checks0.get(w, 0) for w in ("w0", "w1")
                               if checks1.get(w, 0) > checks0.get(w, 0)},
             "counted": delta(after, before), "steps_during": steps,
@@ -323,9 +324,9 @@ def relay_phase(fleet: Fleet, sampler: Sampler, kind: str, token: str,
             "selective_relay": ("probe:intact", "probe:corrupt", "corrupt:convicted")}[kind]
 
     def reports() -> dict[str, int]:
-        now = drill_relays.last_row(fleet.run).get("relay_reports", {})
-        return {k: n - row0.get("relay_reports", {}).get(k, 0) for k, n in now.items()
-                if n != row0.get("relay_reports", {}).get(k, 0)}
+        now = drill_relays.last_row(fleet.run).get(COL.relay_reports, {})
+        return {k: n - row0.get(COL.relay_reports, {}).get(k, 0) for k, n in now.items()
+                if n != row0.get(COL.relay_reports, {}).get(k, 0)}
 
     drill_relays.wait_for(lambda: any(k in reports() for k in done), seconds)
     fleet.group.stop(name)
@@ -338,7 +339,7 @@ def relay_phase(fleet: Fleet, sampler: Sampler, kind: str, token: str,
     honest_keys = {w: (fleet.tmp / f"{w}.key").read_text().split()[0] for w in ("w0", "w1")}
     return {"attack": kind, "wall_s": round(wall, 1), "attacker": {"worker": name},
             "relay_reports_delta": reports(),
-            "relays_marked": drill_relays.last_row(fleet.run).get("relays_marked", 0),
+            COL.relays_marked: drill_relays.last_row(fleet.run).get(COL.relays_marked, 0),
             "steps_during": steps, "kept_stepping": steps > 0 and stepped,
             "steps_per_s": round(steps / max(wall, 1e-3), 3),
             "learner_tracebacks": fleet.tracebacks() - tb0,

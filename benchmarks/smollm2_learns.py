@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from echo.steprow import COL  # noqa: E402
 from echo.machine import machine_info
 
 
@@ -46,7 +47,7 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def reward_key(rows: list[dict]) -> str:
-    for k in ("reward_mean", "reward", "mean_reward"):
+    for k in (COL.reward_mean, "reward", "mean_reward"):
         if any(k in r for r in rows):
             return k
     raise SystemExit(f"no reward column in metrics.jsonl (keys: {sorted(rows[0])[:40]})")
@@ -58,14 +59,14 @@ def summarise(name: str, run: Path) -> dict:
         return {"run": name, "run_dir": str(run), "steps": 0}
     rk = reward_key(rows)
     rew = [r[rk] for r in rows if r.get(rk) is not None]
-    sent = [r.get("learner_bytes_sent") for r in rows]
+    sent = [r.get(COL.learner_bytes_sent) for r in rows]
     per_version = [b - a for a, b in itertools.pairwise(sent) if a is not None and b is not None and b > a]
     enc: dict[str, list[int]] = {}
     for r in rows:
-        if r.get("publish_bytes"):
-            enc.setdefault(str(r.get("publish_encoding")), []).append(int(r["publish_bytes"]))
+        if r.get(COL.publish_bytes):
+            enc.setdefault(str(r.get(COL.publish_encoding)), []).append(int(r[COL.publish_bytes]))
     first = sent[0] if sent and sent[0] else None
-    tb = [r["t_bcast"] for r in rows if r.get("t_bcast") is not None]
+    tb = [r[COL.t_bcast] for r in rows if r.get(COL.t_bcast) is not None]
     wall = [r.get("wall_s") or r.get("time_s") or r.get("elapsed_s") for r in rows]
     out = {
         "run": name, "run_dir": str(run), "steps": len(rows), "reward_key": rk,
@@ -83,7 +84,7 @@ def summarise(name: str, run: Path) -> dict:
         },
         "publish_bytes_by_encoding": {k: {"n": len(v), "min": min(v), "max": max(v),
                                           "mean": round(statistics.mean(v))} for k, v in enc.items()},
-        "publish_full_bytes": rows[-1].get("publish_full_bytes"),
+        COL.publish_full_bytes: rows[-1].get(COL.publish_full_bytes),
         "t_bcast_s": {"n": len(tb), "mean": _mean(tb),
                       "median": round(statistics.median(tb), 4) if tb else None,
                       "max": round(max(tb), 4) if tb else None},

@@ -36,6 +36,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from echo.steprow import COL, read_rows  # noqa: E402
+from provisioning.sim.summary import SIM, SimSummary  # noqa: E402
+
 IS_MODE = {"on": "token_truncate", "off": "none"}
 LAST = 10  # final reward: mean of the last LAST steps' mean reward
 SIM_SCENARIO = ROOT / "examples" / "sim" / "table2-ablation.toml"
@@ -63,31 +66,25 @@ def train(s: int, is_on: str, seed: int, steps: int, workers: int, out: Path) ->
         t0 = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
         wall = time.monotonic() - t0
-        rows = _rows(run_dir / "metrics.jsonl")
+        rows = read_rows(run_dir / "metrics.jsonl")
         if proc.returncode != 0 or len(rows) < steps:
             log = (proc.stderr or "")[-2000:]
             raise RuntimeError(f"{run_name(s, is_on, seed)}: quickstart exited {proc.returncode} "
                                f"after {len(rows)} of {steps} steps\n{log}")
-    rewards = [float(r["reward_mean"]) for r in rows]
-    res = {
+    rewards = [float(r.reward_mean) for r in rows]
+    res = {  # the row's names (COL) for what comes from the rows
         "S": s, "is": is_on, "is_mode": IS_MODE[is_on], "seed": seed, "steps": len(rows),
         "wall_s": round(wall, 1), "rewards": [round(x, 5) for x in rewards],
         "final_reward": round(statistics.fmean(rewards[-LAST:]), 5),
-        "staleness_max": max(int(r.get("staleness_max") or 0) for r in rows),
-        "bubble_ratio": rows[-1].get("bubble_ratio"),
-        "t_wait_s": round(sum(float(r.get("t_wait") or 0) for r in rows[1:]), 2),
-        "t_train_s": round(sum(float(r.get("t_train") or 0) for r in rows[1:]), 2),
-        "dropped_stale": rows[-1].get("dropped_stale"),
+        COL.staleness_max: max(int(r.staleness_max or 0) for r in rows),
+        COL.bubble_ratio: rows[-1].bubble_ratio,
+        "t_wait_s": round(sum(float(r.t_wait or 0) for r in rows[1:]), 2),
+        "t_train_s": round(sum(float(r.t_train or 0) for r in rows[1:]), 2),
+        COL.dropped_stale: rows[-1].dropped_stale,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
     return res
-
-
-def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def simulate(s: int) -> dict[str, Any]:
@@ -96,11 +93,10 @@ def simulate(s: int) -> dict[str, Any]:
     from provisioning.sim.api import run_scenario
 
     scen = load_scenario(SIM_SCENARIO, [f"learner.staleness={s}", "provisioning.controller=true"])
-    summary = run_scenario(scen, progress=False, machine=False)["summary"]
-    return {"S": s, "kappa": summary.get("kappa"), "cost_per_step_usd": summary["cost_per_step_usd"],
-            "bubble_ratio": summary["bubble_ratio"], "active_mean": summary["active_mean"],
-            "wait_s_per_step": summary["wait_s_per_step"],
-            "t_bcast_mean_s": summary["t_bcast_mean_s"], "staleness_max": summary["staleness_max"]}
+    summary = SimSummary.from_json(run_scenario(scen, progress=False, machine=False)["summary"])
+    keep = (SIM.kappa, SIM.cost_per_step_usd, SIM.bubble_ratio, SIM.active_mean,
+            SIM.wait_s_per_step, SIM.t_bcast_mean_s, SIM.staleness_max)
+    return {"S": s, **{k: getattr(summary, k) for k in keep}}
 
 
 def table(runs: list[dict[str, Any]], sims: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -114,7 +110,8 @@ def table(runs: list[dict[str, Any]], sims: list[dict[str, Any]]) -> list[dict[s
                 row[f"final_is_{is_on}"] = {"mean": round(statistics.fmean(finals), 4),
                                             "min": min(finals), "max": max(finals), "n": len(finals),
                                             "sd": round(statistics.stdev(finals), 4) if len(finals) > 1 else 0.0}
-        row.update({k: sim[k] for k in ("cost_per_step_usd", "bubble_ratio", "active_mean", "kappa")})
+        row.update({k: sim[k] for k in (SIM.cost_per_step_usd, SIM.bubble_ratio, SIM.active_mean,
+                                         SIM.kappa)})
         rows.append(row)
     return rows
 
@@ -211,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         fmt = lambda f: (f"{f['mean']:.3f} ({f['min']:.3f}-{f['max']:.3f})" if f else "-")  # noqa: E731
         t.add_row(str(row["S"]), fmt(row.get("final_is_on")), fmt(row.get("final_is_off")),
-                  f"{row['cost_per_step_usd']:.3f}", f"{100 * row['bubble_ratio']:.2f} %",
-                  f"{row['active_mean']:.1f}")
+                  f"{row[SIM.cost_per_step_usd]:.3f}", f"{100 * row[SIM.bubble_ratio]:.2f} %",
+                  f"{row[SIM.active_mean]:.1f}")
     console.print(t)
     console.print(f"wrote {args.out / 'sweep.json'}")
     return 0

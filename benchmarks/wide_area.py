@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from echo.steprow import COL  # noqa: E402
 from echo.config import dump_toml, load_config  # noqa: E402
 from echo.machine import write_result  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
@@ -76,10 +77,10 @@ def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Pat
     last = rows[-1]
     return {
         "scenario": name, "proxy_flags": flags, "steps": len(rows), "wall_s": round(wall, 2),
-        "steps_per_s": round(len(rows) / wall, 3), "bubble_ratio": last["bubble_ratio"],
-        "staleness_max": max(r["staleness_max"] for r in rows),
+        "steps_per_s": round(len(rows) / wall, 3), COL.bubble_ratio: last[COL.bubble_ratio],
+        COL.staleness_max: max(r[COL.staleness_max] for r in rows),
         "resets": chaos_stats["resets"], "stalls": chaos_stats["stalls"],
-        "duplicates": last["duplicates"], "reissued_groups": last["reissued_groups"],
+        "duplicates": last["duplicates"], COL.reissued_groups: last[COL.reissued_groups],
         "acked_samples": len(audit.acked), "lost_acked_samples": len(audit.lost),
         "groups_trained_twice": audit.groups_trained_twice,
     }
@@ -111,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(r["scenario"], f"{r['wall_s']:.1f}", f"{r['steps_per_s']:.2f}",
-                      f"{r['throughput_vs_clean']:.2f}", f"{r['bubble_ratio']:.3f}", str(r["resets"]),
-                      str(r["stalls"]), str(r["duplicates"]), str(r["reissued_groups"]),
+                      f"{r['throughput_vs_clean']:.2f}", f"{r[COL.bubble_ratio]:.3f}", str(r["resets"]),
+                      str(r["stalls"]), str(r["duplicates"]), str(r[COL.reissued_groups]),
                       str(r["acked_samples"]), str(r["lost_acked_samples"]), str(r["groups_trained_twice"]))
     Console(width=160).print(table)
     write_result(args.json, {"results": results})

@@ -1,18 +1,12 @@
 """Learner observability: one Prometheus registry, a small HTTP server, a live dashboard.
 
 ``LearnerMetrics.update(row, control_stats)`` is called once per learner step with the row
-written to ``metrics.jsonl`` (``learner.rows.metrics_row``) and the learner server's stats dict
-(``LearnerServer.stats()``). The names and labels exported are listed in docs/observability.md
-(tests check that table against ``/metrics``).
-
-Keys relied on. ``row``: step, version, reward_mean, staleness_max, staleness_mean, t_train,
-t_wait, bubble_ratio, admitted, dropped_stale, cost_step_usd, ready_groups, partial_groups;
-optional: staleness_counts ({staleness: records}, else staleness_max is observed once per
-step), learner_price_per_hour. ``control_stats``: active_workers, standby_workers,
-fleet_price_per_hour, rejected ({reason: n}), learner_bytes_sent, t_bcast, in_flight_groups,
-workers ({id: {price, version, state, active, throughput, admitted[, reachable]}}); optional:
-installs ({version: {worker: seconds after publication}}, e.g. from
-``Coordinator.install_times``). Missing keys are tolerated (the metric keeps its last value).
+written to ``metrics.jsonl`` (``echo.steprow.StepRow``, built by ``learner.rows.metrics_row``)
+and the learner server's statistics (``echo.control_stats.ControlStats``, from
+``LearnerServer.stats()``). Both are declared types: what each field means, and its unit, is
+written there. The names and labels exported are listed in docs/observability.md (tests check
+that table against ``/metrics``). A row or statistics given as a mapping (a recorded run, a
+test) is read tolerantly: a missing field is None and its metric keeps its last value.
 
 The gauges are grouped by source in ``echo.metrics_gauges``; the server
 (``echo.metrics_server``: stdlib ``http.server``, daemon thread) serves ``/metrics`` (Prometheus text),
@@ -37,8 +31,10 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
+from echo.control_stats import ControlStats, as_stats
 from echo.metrics_gauges import AccountGauges, FleetGauges, InstallGauges, StepGauges, num
 from echo.metrics_server import MAX_PER_IP, MetricsServer, finite_or_null
+from echo.steprow import COL, StepRow, as_row
 from echo.tree import RelayTree
 from echo.tree_metrics import TreeGauges
 
@@ -88,15 +84,18 @@ class LearnerMetrics:
 
     # ------------------------------------------------------------------ feeding
 
-    def update(self, row: dict[str, Any], control_stats: dict[str, Any] | None = None,
+    def update(self, row: StepRow | dict[str, Any],
+               control_stats: ControlStats | dict[str, Any] | None = None,
                installs: dict[int, dict[str, float]] | None = None) -> None:
-        stats = control_stats or {}
+        """``row``: the learner's StepRow, or a row as written to metrics.jsonl;
+        ``control_stats``: LearnerServer.stats(), or what a recorded row holds of them."""
+        stats = as_stats(control_stats)
         with self._lock:
-            self.step_gauges.update(row)
+            self.step_gauges.update(as_row(row))
             self.fleet.update(stats)
-            if isinstance(stats.get("accounts"), dict):
-                self.books.update(stats["accounts"])
-            inst = installs if installs is not None else stats.get("installs")
+            if stats.accounts:
+                self.books.update(stats.accounts)
+            inst = installs if installs is not None else stats.installs
             if inst:
                 self.install_gauges.update(inst)
 
@@ -159,16 +158,16 @@ class LearnerMetrics:
 
     def _totals(self) -> dict[str, Any]:
         sg = self.step_gauges
-        last = sg.rows[-1] if sg.rows else {}
-        admitted = num(last.get("admitted")) or 0.0
+        last = StepRow.from_json(sg.rows[-1] if sg.rows else {})
+        admitted = num(last.admitted) or 0.0
+        # the dashboard's totals: the last row's values under the row's own names
+        latest = {c: getattr(last, c) for c in (COL.bubble_ratio, COL.reward_mean, COL.admitted,
+                                                COL.t_bcast, COL.publish_bytes, COL.delta_ratio)}
         return {
             "cost_usd": sg.cost_usd,
             "cost_per_step_usd": sg.cost_usd / sg.steps if sg.steps else None,
             "cost_per_1k_admitted_usd": 1000 * sg.cost_usd / admitted if admitted else None,
-            "bubble_ratio": last.get("bubble_ratio"), "reward_mean": last.get("reward_mean"),
-            "admitted": last.get("admitted"), "t_bcast": last.get("t_bcast"),
-            "publish_bytes": last.get("publish_bytes"), "delta_ratio": last.get("delta_ratio"),
-            "learner_price_per_hour": sg.learner_price,
+            **latest, "learner_price_per_hour": sg.learner_price,
         }
 
     # ------------------------------------------------------------------ serving
@@ -204,10 +203,12 @@ def from_run_dir(run_dir: Path | str) -> LearnerMetrics:
     tables and install timelines are not in the files, so they stay empty."""
     run_dir = Path(run_dir)
     m = LearnerMetrics(learner_price_per_hour=learner_price_of(run_dir), run_id=run_dir.name)
-    for row in _jsonl(run_dir / "metrics.jsonl"):
-        m.update(row, {k: row[k] for k in ("active_workers", "standby_workers",
-                                           "fleet_price_per_hour", "rejected",
-                                           "learner_bytes_sent", "t_bcast") if k in row})
+    replayed = (COL.active_workers, COL.standby_workers, COL.fleet_price_per_hour, COL.rejected,
+                COL.learner_bytes_sent, COL.t_bcast)  # the control stats a row carries
+    for doc in _jsonl(run_dir / "metrics.jsonl"):
+        row = StepRow.from_json(doc)
+        m.update(row, ControlStats.from_json(
+            {k: getattr(row, k) for k in replayed if k not in row.missing}))
     for d in _jsonl(run_dir / "decisions.jsonl"):
         m.add_decision(d)
     return m

@@ -13,14 +13,20 @@ from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
+from echo.control_stats import STAT, ControlStats
+from echo.steprow import COL, StepRow
+
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 KEEP_VERSIONS = 20  # broadcast gauges/timeline keep this many recent versions
 
-# Row fields sent to the dashboard (the rest stay in metrics.jsonl).
-ROW_FIELDS = ("step", "version", "reward_mean", "staleness_max", "staleness_mean", "t_train",
-              "t_wait", "bubble_ratio", "admitted", "cost_step_usd", "cost_usd", "active_workers",
-              "standby_workers", "t_bcast", "wall_s", "publish_encoding", "publish_bytes",
-              "publish_full_bytes", "delta_ratio", "encode_s", "decode_s")
+# Row fields sent to the dashboard (the rest stay in metrics.jsonl), in the order its rows
+# have always had; each dashboard row adds ``cost_usd``, the running cost (DASHBOARD_COST).
+ROW_FIELDS = (COL.step, COL.version, COL.reward_mean, COL.staleness_max, COL.staleness_mean,
+              COL.t_train, COL.t_wait, COL.bubble_ratio, COL.admitted, COL.cost_step_usd,
+              COL.active_workers, COL.standby_workers, COL.t_bcast, COL.wall_s,
+              COL.publish_encoding, COL.publish_bytes, COL.publish_full_bytes, COL.delta_ratio,
+              COL.encode_s, COL.decode_s)
+DASHBOARD_COST = "cost_usd"  # a dashboard row's running cost, fleet and learner, $
 
 
 def num(x: Any) -> float | None:
@@ -33,10 +39,11 @@ def num(x: Any) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
-def _set_from(pairs: tuple[tuple[Gauge, str], ...], source: dict[str, Any]) -> None:
-    """Each gauge to its key's value, where that is a finite number (else it keeps its last)."""
-    for gauge, key in pairs:
-        v = num(source.get(key))
+def _set_from(pairs: tuple[tuple[Gauge, str], ...], source: Any) -> None:
+    """Each gauge to its field's value, where that is a finite number (else it keeps its
+    last). ``source``: a declared type, read by attribute (a field it lacks reads as None)."""
+    for gauge, name in pairs:
+        v = num(getattr(source, name, None))
         if v is not None:
             gauge.set(v)
 
@@ -54,7 +61,7 @@ class StepGauges:
     def __init__(self, registry: CollectorRegistry, learner_price: float, history: int) -> None:
         g = _gauge(registry)
         self.learner_price = learner_price
-        self.rows: deque[dict[str, Any]] = deque(maxlen=history)
+        self.rows: deque[dict[str, Any]] = deque(maxlen=history)  # as /api/state sends them
         self.cost_usd = 0.0
         self.steps = 0
         self.last_step: int | None = None
@@ -71,69 +78,68 @@ class StepGauges:
 
     @staticmethod
     def _row_gauges(g: Callable[..., Gauge]) -> tuple[tuple[Gauge, str], ...]:
-        """The gauges that show one row key as it is."""
+        """The gauges that show one row field as it is."""
         return (
-            (g("echo_policy_version", "policy version of the last step"), "version"),
-            (g("echo_reward_mean", "mean reward of the last step's batch"), "reward_mean"),
+            (g("echo_policy_version", "policy version of the last step"), COL.version),
+            (g("echo_reward_mean", "mean reward of the last step's batch"), COL.reward_mean),
             (g("echo_bubble_ratio", "sum(t_wait) / sum(t_train + t_wait), after step 0"),
-             "bubble_ratio"),
-            (g("echo_staleness_max", "max staleness in the last step's batch"), "staleness_max"),
-            (g("echo_t_train_seconds", "last step's training time"), "t_train"),
-            (g("echo_t_wait_seconds", "last step's wait for admissible data"), "t_wait"),
-            (g("echo_admitted", "trajectories admitted to the buffer so far"), "admitted"),
-            (g("echo_dropped_stale", "trajectories dropped as too stale so far"), "dropped_stale"),
+             COL.bubble_ratio),
+            (g("echo_staleness_max", "max staleness in the last step's batch"), COL.staleness_max),
+            (g("echo_t_train_seconds", "last step's training time"), COL.t_train),
+            (g("echo_t_wait_seconds", "last step's wait for admissible data"), COL.t_wait),
+            (g("echo_admitted", "trajectories admitted to the buffer so far"), COL.admitted),
+            (g("echo_dropped_stale", "trajectories dropped as too stale so far"), COL.dropped_stale),
             # docs/broadcast.md, "Delta snapshots": what the newest publication sent and cost
             (g("echo_publish_bytes", "bytes of the newest publication's payload "
-               "(a delta, or a keyframe's full payload)"), "publish_bytes"),
+               "(a delta, or a keyframe's full payload)"), COL.publish_bytes),
             (g("echo_publish_full_bytes", "bytes of the newest version in full"),
-             "publish_full_bytes"),
-            (g("echo_delta_ratio", "newest publication's bytes / full bytes"), "delta_ratio"),
+             COL.publish_full_bytes),
+            (g("echo_delta_ratio", "newest publication's bytes / full bytes"), COL.delta_ratio),
             (g("echo_encode_seconds", "building the newest publication (encode, "
-               "hashes, signature; on the publisher thread)"), "encode_s"),
+               "hashes, signature; on the publisher thread)"), COL.encode_s),
             (g("echo_decode_seconds", "median seconds workers took to rebuild the "
-               "newest version they reported from its delta"), "decode_s"),
+               "newest version they reported from its delta"), COL.decode_s),
             (g("echo_keyframe_installs", "installs that needed a keyframe (the "
-               "worker lacked the base of a delta) so far"), "keyframe_installs"),
+               "worker lacked the base of a delta) so far"), COL.keyframe_installs),
         )
 
-    def step_cost(self, row: dict[str, Any]) -> float:
+    def step_cost(self, row: StepRow) -> float:
         """Fleet cost from the row plus the learner's own price over the same seconds (the row's
         ``cost_step_usd`` covers the fleet only)."""
-        fleet = num(row.get("cost_step_usd")) or 0.0
-        price = num(row.get("learner_price_per_hour"))
-        price = self.learner_price if price is None else price
-        secs = (num(row.get("t_train")) or 0.0) + (num(row.get("t_wait")) or 0.0)
-        return fleet + price * secs / 3600.0
+        fleet = num(row.cost_step_usd) or 0.0
+        secs = (num(row.t_train) or 0.0) + (num(row.t_wait) or 0.0)
+        return fleet + self.learner_price * secs / 3600.0
 
-    def update(self, row: dict[str, Any]) -> None:
+    def update(self, row: StepRow) -> None:
         cost = self.step_cost(row)
         self.cost_usd += cost
         self.steps += 1
-        self.last_step = int(row.get("step", self.steps - 1))
-        kept = {k: row.get(k) for k in ROW_FIELDS if k in row}
-        kept["cost_usd"] = round(self.cost_usd, 8)
-        kept["cost_step_usd"] = round(cost, 8)
+        self.last_step = self.steps - 1 if row.step is None else int(row.step)
+        doc = row.to_json()
+        kept = {k: doc[k] for k in ROW_FIELDS if k in doc}
+        kept[DASHBOARD_COST] = round(self.cost_usd, 8)
+        kept[COL.cost_step_usd] = round(cost, 8)
         self.rows.append(kept)
         self.g_step.set(self.last_step)
         _set_from(self.by_key, row)
         self.g_cost.set(self.cost_usd)
         self.g_cost_last.set(cost)
         self.g_cost_step.set(self.cost_usd / self.steps)
-        admitted = num(row.get("admitted"))
+        admitted = num(row.admitted)
         if admitted:
             self.g_cost_1k.set(1000.0 * self.cost_usd / admitted)
-        for kind in ("ready", "partial"):
-            v = num(row.get(f"{kind}_groups"))
+        for kind, value in (("ready", row.ready_groups), ("partial", row.partial_groups)):
+            v = num(value)
             if v is not None:
                 self.g_buffer.labels(kind=kind).set(v)
         self._observe_staleness(row)
 
-    def _observe_staleness(self, row: dict[str, Any]) -> None:
-        counts = row.get("staleness_counts")
+    def _observe_staleness(self, row: StepRow) -> None:
+        counts = row.staleness_counts
         if isinstance(counts, dict) and counts:
             items = [(int(k), int(n)) for k, n in counts.items()]
-        elif row.get("staleness_max") is not None:
-            items = [(int(row["staleness_max"]), 1)]
+        elif row.staleness_max is not None:
+            items = [(int(row.staleness_max), 1)]
         else:
             items = []
         for s, n in items:
@@ -151,26 +157,26 @@ class FleetGauges:
         self.workers: dict[str, dict[str, Any]] = {}
         self.reputation: dict[str, dict[str, Any]] = {}
         self.by_key = (
-            (g("echo_active_workers", "live active workers"), "active_workers"),
-            (g("echo_standby_workers", "live standby workers"), "standby_workers"),
+            (g("echo_active_workers", "live active workers"), STAT.active_workers),
+            (g("echo_standby_workers", "live standby workers"), STAT.standby_workers),
             (g("echo_fleet_price_per_hour", "sum of active workers' prices, $/h"),
-             "fleet_price_per_hour"),
+             STAT.fleet_price_per_hour),
             (g("echo_learner_bytes_sent", "snapshot bytes sent by the learner so far"),
-             "learner_bytes_sent"),
-            (g("echo_t_bcast_seconds", "T_bcast of the latest measured publication"), "t_bcast"),
+             STAT.learner_bytes_sent),
+            (g("echo_t_bcast_seconds", "T_bcast of the latest measured publication"), STAT.t_bcast),
             (g("echo_in_flight_groups", "groups handed out and not yet returned"),
-             "in_flight_groups"),
+             STAT.in_flight_groups),
             (g("echo_ack_queue", "batch acknowledgements waiting for the write-ahead "
-               "log's fsync (group commit; bounded, learner.listen.ACK_QUEUE)"), "ack_queue"),
+               "log's fsync (group commit; bounded, learner.listen.ACK_QUEUE)"), STAT.ack_queue),
         )
         self.g_rejected = g("echo_rejected", "records/frames rejected so far", ("reason",))
         # docs/security.md: what the door refused, by reason
-        self.g_refusals = {
-            "join_refused": g("echo_join_refused", "joins and connections refused so far", ("reason",)),
-            "limited": g("echo_messages_refused", "messages refused (rate limit, ban) so far", ("reason",)),
-            "chunk_rejected": g("echo_chunk_requests_refused", "learner chunk requests refused so far",
-                                ("reason",)),
-        }
+        self.g_join_refused = g("echo_join_refused", "joins and connections refused so far",
+                                ("reason",))
+        self.g_limited = g("echo_messages_refused", "messages refused (rate limit, ban) so far",
+                           ("reason",))
+        self.g_chunk_refused = g("echo_chunk_requests_refused",
+                                 "learner chunk requests refused so far", ("reason",))
         self.g_w = {  # stats key -> per-worker gauge, with the value a missing key shows
             "throughput": (g("echo_worker_throughput", "measured throughput (EWMA, trajectories/s)",
                              ("worker",)), 0.0),
@@ -187,16 +193,17 @@ class FleetGauges:
         self.g_w_quarantined = g("echo_worker_quarantined", "1 if the worker was quarantined", ("worker",))
         self.g_checks = g("echo_checks", "checks so far, by kind and outcome", ("check", "outcome"))
 
-    def update(self, stats: dict[str, Any]) -> None:
+    def update(self, stats: ControlStats) -> None:
         _set_from(self.by_key, stats)
-        for reason, n in (stats.get("rejected") or {}).items():
+        for reason, n in stats.rejected.items():
             self.g_rejected.labels(reason=reason).set(n)
-        for key, gauge in self.g_refusals.items():
-            for reason, n in (stats.get(key) or {}).items():
+        for counts, gauge in ((stats.join_refused, self.g_join_refused),
+                              (stats.limited, self.g_limited),
+                              (stats.chunk_rejected, self.g_chunk_refused)):
+            for reason, n in counts.items():
                 gauge.labels(reason=reason).set(n)
-        workers = stats.get("workers")
-        if isinstance(workers, dict):
-            self._update_workers(workers)
+        if isinstance(stats.workers, dict):
+            self._update_workers(stats.workers)
         self._update_checks(stats)
 
     def _update_workers(self, workers: dict[str, dict[str, Any]]) -> None:
@@ -215,15 +222,15 @@ class FleetGauges:
                 else:
                     gauge.labels(worker=wid).set(num(w.get(key)) or missing)
 
-    def _update_checks(self, stats: dict[str, Any]) -> None:
-        rep = stats.get("reputation")
+    def _update_checks(self, stats: ControlStats) -> None:
+        rep = stats.reputation
         if isinstance(rep, dict):
             self.reputation = {wid: dict(r) for wid, r in rep.items()}
             for wid, r in rep.items():
                 self.g_w_checks.labels(worker=wid).set(num(r.get("audits")) or 0.0)
                 self.g_w_failed.labels(worker=wid).set(num(r.get("failures")) or 0.0)
                 self.g_w_quarantined.labels(worker=wid).set(num(r.get("quarantined")) or 0.0)
-        for name, n in (stats.get("checks") or {}).items():
+        for name, n in stats.checks.items():
             check, _, outcome = str(name).partition(":")
             self.g_checks.labels(check=check, outcome=outcome).set(num(n) or 0.0)
 

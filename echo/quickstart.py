@@ -20,6 +20,7 @@ from rich.table import Table
 
 from echo.config import EchoConfig, dump_toml
 from echo.procs import ProcessGroup, python_argv, wait_ready
+from echo.steprow import StepRow
 
 console = Console()
 
@@ -30,9 +31,9 @@ class MetricsTail:
     def __init__(self, path: Path):
         self.path = path
         self.offset = 0
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[StepRow] = []
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[StepRow]:
         if not self.path.exists():
             return []
         with self.path.open() as f:
@@ -40,44 +41,44 @@ class MetricsTail:
             data = f.read()
         complete = data[: data.rfind("\n") + 1]
         self.offset += len(complete.encode())
-        new = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        new = [StepRow.from_json(json.loads(line)) for line in complete.splitlines() if line.strip()]
         self.rows.extend(new)
         return new
 
 
-def _describe(row: dict[str, Any]) -> str:
-    return (f"reward {row['reward_mean']:.3f}  staleness {row['staleness_max']}  "
-            f"bubble {row['bubble_ratio']:.2f}  workers {row['active_workers']} active "
-            f"/ {row['standby_workers']} standby")
+def _describe(row: StepRow) -> str:
+    return (f"reward {row.reward_mean:.3f}  staleness {row.staleness_max}  "
+            f"bubble {row.bubble_ratio:.2f}  workers {row.active_workers} active "
+            f"/ {row.standby_workers} standby")
 
 
-def _mean(rows: list[dict[str, Any]], key: str) -> float:
-    return sum(r[key] for r in rows) / len(rows) if rows else float("nan")
+def _mean(values: list[Any]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
-def summary_table(cfg: EchoConfig, rows: list[dict[str, Any]], run_dir: Path) -> Table:
+def summary_table(cfg: EchoConfig, rows: list[StepRow], run_dir: Path) -> Table:
     t = Table(title=f"Echo quickstart: {run_dir}")
     t.add_column("metric")
     t.add_column("value", justify="right")
     first, last = rows[:10], rows[-10:]
     t.add_row("learner steps", str(len(rows)))
-    t.add_row("reward, mean of first 10 steps", f"{_mean(first, 'reward_mean'):.3f}")
-    t.add_row("reward, mean of last 10 steps", f"{_mean(last, 'reward_mean'):.3f}")
-    t.add_row("max staleness (budget S)", f"{max((r['staleness_max'] for r in rows), default=0)} "
+    t.add_row("reward, mean of first 10 steps", f"{_mean([r.reward_mean for r in first]):.3f}")
+    t.add_row("reward, mean of last 10 steps", f"{_mean([r.reward_mean for r in last]):.3f}")
+    t.add_row("max staleness (budget S)", f"{max((r.staleness_max for r in rows), default=0)} "
               f"({cfg.learner.staleness})")
     if rows:
         r = rows[-1]
-        t.add_row("bubble ratio", f"{r['bubble_ratio']:.3f}")
-        t.add_row("admitted samples", str(r["admitted"]))
-        t.add_row("dropped stale samples", str(r["dropped_stale"]))
-        t.add_row("rejected records", str(sum(r["rejected"].values())))
-        t.add_row("learner bytes sent (snapshots)", f"{r['learner_bytes_sent'] / 2**20:.1f} MiB")
-        t.add_row("workers at the end", f"{r['active_workers']} active, {r['standby_workers']} standby")
-        t.add_row("fleet cost of the run", f"${sum(x['cost_step_usd'] for x in rows):.4f}")
+        t.add_row("bubble ratio", f"{r.bubble_ratio:.3f}")
+        t.add_row("admitted samples", str(r.admitted))
+        t.add_row("dropped stale samples", str(r.dropped_stale))
+        t.add_row("rejected records", str(sum((r.rejected or {}).values())))
+        t.add_row("learner bytes sent (snapshots)", f"{(r.learner_bytes_sent or 0) / 2**20:.1f} MiB")
+        t.add_row("workers at the end", f"{r.active_workers} active, {r.standby_workers} standby")
+        t.add_row("fleet cost of the run", f"${sum(x.cost_step_usd or 0.0 for x in rows):.4f}")
         decisions = run_dir / "decisions.jsonl"
         if decisions.exists():
             t.add_row("provisioner decisions", str(len(decisions.read_text().splitlines())))
-        t.add_row("wall time", f"{r['wall_s']:.1f} s")
+        t.add_row("wall time", f"{r.wall_s:.1f} s")
     return t
 
 
@@ -165,7 +166,7 @@ def _follow(cfg: EchoConfig, learner: Any, tail: MetricsTail) -> None:
         while True:
             done = learner.poll() is not None
             for row in tail.poll():
-                progress.update(task, completed=row["step"] + 1, description=_describe(row))
+                progress.update(task, completed=(row.step or 0) + 1, description=_describe(row))
             if done:
                 return
             _wait(learner, 0.5)  # wake on exit, or redraw twice a second
@@ -178,7 +179,7 @@ def _follow_plain(cfg: EchoConfig, learner: Any, tail: MetricsTail) -> None:
         for row in tail.poll():
             pass
         if row is not None and row is not shown and (done or time.monotonic() - last >= PLAIN_EVERY_S):
-            print(f"step {row['step'] + 1}/{cfg.learner.max_steps}  {_plain(_describe(row))}",
+            print(f"step {(row.step or 0) + 1}/{cfg.learner.max_steps}  {_plain(_describe(row))}",
                   flush=True)
             last, shown = time.monotonic(), row
         if done:

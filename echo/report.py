@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from echo.metrics import _jsonl, learner_price_of
+from echo.steprow import COL
 
 PLOTS = (  # file, y column, title, y label
     ("reward.png", "reward_rolling", "Reward (rolling mean of batch reward)", "reward"),
     ("cost.png", "cost_usd", "Cost so far", "$"),
-    ("bubble.png", "bubble_ratio", "Bubble ratio (cumulative)", "B"),
-    ("staleness.png", "staleness_mean", "Mean staleness of the batch", "versions"),
+    ("bubble.png", COL.bubble_ratio, "Bubble ratio (cumulative)", "B"),
+    ("staleness.png", COL.staleness_mean, "Mean staleness of the batch", "versions"),
 )
 
 
@@ -44,19 +45,19 @@ def load_run(run_dir: Path, window: int = 5):
         raise ValueError(f"{run_dir}: no metrics.jsonl rows")
     df = pd.DataFrame(rows)
     # Nested columns (rejected: {reason: n}) flatten into rejected_<reason>.
-    if "rejected" in df:
-        rej = pd.json_normalize(df.pop("rejected").apply(lambda x: x or {}).tolist())
+    if COL.rejected in df:
+        rej = pd.json_normalize(df.pop(COL.rejected).apply(lambda x: x or {}).tolist())
         rej.columns = [f"rejected_{c}" for c in rej.columns]
         df = pd.concat([df, rej.fillna(0).astype("int64")], axis=1)
     for col in df.columns:
         if df[col].map(lambda x: isinstance(x, (dict, list))).any():
             df[col] = df[col].map(json.dumps)
     price = learner_price_of(run_dir)
-    secs = df.get("t_train", 0.0) + df.get("t_wait", 0.0)
+    secs = df.get(COL.t_train, 0.0) + df.get(COL.t_wait, 0.0)
     df["learner_price_per_hour"] = price
-    df["cost_usd_step"] = df.get("cost_step_usd", 0.0) + price * secs / 3600.0
+    df["cost_usd_step"] = df.get(COL.cost_step_usd, 0.0) + price * secs / 3600.0
     df["cost_usd"] = df["cost_usd_step"].cumsum()
-    df["reward_rolling"] = df["reward_mean"].rolling(window, min_periods=window).mean()
+    df["reward_rolling"] = df[COL.reward_mean].rolling(window, min_periods=window).mean()
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     decisions = _jsonl(run_dir / "decisions.jsonl")
@@ -70,30 +71,31 @@ def target_reached(df, target: float | None) -> dict[str, Any]:
     if len(hit) == 0:
         return {"target_step": None, "cost_to_target_usd": None, "wall_to_target_s": None}
     i = hit[0]
-    return {"target_step": int(df.at[i, "step"]), "cost_to_target_usd": float(df.at[i, "cost_usd"]),
-            "wall_to_target_s": float(df.at[i, "wall_s"]) if "wall_s" in df else None}
+    return {"target_step": int(df.at[i, COL.step]), "cost_to_target_usd": float(df.at[i, "cost_usd"]),
+            "wall_to_target_s": float(df.at[i, COL.wall_s]) if COL.wall_s in df else None}
 
 
 def summarise(name: str, df, summary: dict[str, Any], decisions: list[dict[str, Any]],
               price: float, target: float | None) -> dict[str, Any]:
     last = df.iloc[-1]
-    admitted = float(last.get("admitted", 0) or 0)
+    admitted = float(last.get(COL.admitted, 0) or 0)
     cost = float(last["cost_usd"])
-    t_bcast = df["t_bcast"].dropna() if "t_bcast" in df else []
+    t_bcast = df[COL.t_bcast].dropna() if COL.t_bcast in df else []
+    fleet_price = COL.fleet_price_per_hour
     out = {
         "run": name, "steps": len(df),
-        "wall_s": float(last["wall_s"]) if "wall_s" in df else None,
-        "reward_first10": float(df["reward_mean"].head(10).mean()),
-        "reward_last10": float(df["reward_mean"].tail(10).mean()),
-        "bubble_ratio": float(last.get("bubble_ratio", float("nan"))),
-        "staleness_max": int(df["staleness_max"].max()) if "staleness_max" in df else None,
+        COL.wall_s: float(last[COL.wall_s]) if COL.wall_s in df else None,
+        "reward_first10": float(df[COL.reward_mean].head(10).mean()),
+        "reward_last10": float(df[COL.reward_mean].tail(10).mean()),
+        COL.bubble_ratio: float(last.get(COL.bubble_ratio, float("nan"))),
+        COL.staleness_max: int(df[COL.staleness_max].max()) if COL.staleness_max in df else None,
         "cost_usd": cost, "cost_per_step_usd": cost / len(df),
         "cost_per_1k_admitted_usd": 1000 * cost / admitted if admitted else None,
-        "admitted": int(admitted),
+        COL.admitted: int(admitted),
         "learner_price_per_hour": price,
-        "fleet_price_per_hour_mean": float(df["fleet_price_per_hour"].mean()) if "fleet_price_per_hour" in df else None,
+        "fleet_price_per_hour_mean": float(df[fleet_price].mean()) if fleet_price in df else None,
         "t_bcast_median_s": float(t_bcast.median()) if len(t_bcast) else None,
-        "learner_mib_sent": float(last.get("learner_bytes_sent", 0)) / 2**20,
+        "learner_mib_sent": float(last.get(COL.learner_bytes_sent, 0)) / 2**20,
         "decisions": len(decisions),
         "activations": sum(d.get("action") == "activate" for d in decisions),
         "releases": sum(d.get("action") == "release" for d in decisions),
@@ -112,7 +114,7 @@ def _plot(frames: dict[str, Any], col: str, title: str, ylabel: str) -> bytes:
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
     for name, df in frames.items():
         if col in df and df[col].notna().any():
-            ax.plot(df["step"], df[col], label=name, linewidth=1.6)
+            ax.plot(df[COL.step], df[col], label=name, linewidth=1.6)
     ax.set_title(title)
     ax.set_xlabel("learner step")
     ax.set_ylabel(ylabel)

@@ -41,6 +41,7 @@ from broadcast.planner import lower_bound_s, star_limited_s, star_unlimited_s
 from broadcast.topology import TOPOLOGIES
 from echo.machine import write_result
 from echo.security import key_hex
+from echo.steprow import COL
 from labs import child_env, natlab, netns
 from labs.broadcast_root import BenchParams, RecordedVersions, Root
 
@@ -149,7 +150,7 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
         "lower_bound_s": lb,
         "star_limited_s": star_limited_s(m, p.link_mbit, p.uplink_mbit, p.workers) if p.link_mbit and p.uplink_mbit else None,
         "star_unlimited_s": star_unlimited_s(m, p.link_mbit) if p.link_mbit else None,
-        "learner_bytes_sent": root.store.bytes_sent, "snapshot_bytes": m,
+        COL.learner_bytes_sent: root.store.bytes_sent, "snapshot_bytes": m,
         "installed": sum(1 for w in survivors if w in last), "survivors": len(survivors),
         "killed": sorted(root.dead),
         "corrupt_installs": sum(x["corrupt_installs"] for x in pubs),

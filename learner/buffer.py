@@ -23,6 +23,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from dataplane import rules
 from dataplane.records import Record
@@ -30,6 +31,13 @@ from dataplane.records import Record
 ACCEPTED, DUPLICATE, STALE, COMPLETED = "accepted", "duplicate", "stale", "completed"
 # The rules that drop an admitted (acknowledged) record, as dropped.jsonl names them.
 STALE_RULE, QUARANTINE_RULE = "stale", "quarantined"
+
+
+class Depth(NamedTuple):
+    """What the buffer holds now, in groups (the step row's ``ready_groups``, ``partial_groups``)."""
+
+    ready_groups: int  # whole groups, admissible to a step
+    partial_groups: int  # groups with some of their records
 
 
 @dataclass
@@ -177,6 +185,6 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ metrics
 
-    def depth(self) -> dict[str, int]:
+    def depth(self) -> Depth:
         with self._cond:
-            return {"ready_groups": len(self._ready), "partial_groups": len(self._partial)}
+            return Depth(len(self._ready), len(self._partial))

@@ -23,7 +23,7 @@ CLOCK_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.0
 
 
 class CpuKinds(TypedDict):
-    """``LearnerServer.stats()["control_cpu"]``: cumulative over the run."""
+    """``LearnerServer.stats().control_cpu``: cumulative over the run."""
 
     kinds: dict[str, list[float]]  # kind -> [count, CPU seconds on the control loop's thread]
     threads: dict[str, float]  # "control", "zmq_io", "process": CPU seconds

@@ -86,7 +86,7 @@ class Deliveries:
         probation = m.controller is not None and m.controller.on_probation(msg.worker_id)
         capped = self.returns.capped(msg.worker_id)  # past its share of hand-backs
         ask = 1 if probation or capped else min(msg.max_groups, self.fair_share())
-        groups = self.work.grant(msg.worker_id, ask, self.buffer.depth()["ready_groups"],
+        groups = self.work.grant(msg.worker_id, ask, self.buffer.depth().ready_groups,
                                  msg.holding, key=key)
         self.accounts.granted(msg.worker_id, len(groups))
         return wire.WorkGrant(groups=groups,

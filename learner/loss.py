@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from echo.steprow import COL  # the statistics carry the step row's names
+
 AGGREGATIONS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
 
@@ -125,5 +127,5 @@ def _stats(ratio: torch.Tensor, w: torch.Tensor, kl: torch.Tensor, adv: torch.Te
     def mean(x: torch.Tensor) -> float:
         return float((x.to(mask.dtype) * mask).sum() / n)
 
-    return {"clip_frac": mean(is_clipped), "is_weight_mean": mean(w),
-            "is_zeroed_frac": mean(w == 0), "kl_mean": mean(kl)}
+    return {COL.clip_frac: mean(is_clipped), COL.is_weight_mean: mean(w),
+            COL.is_zeroed_frac: mean(w == 0), COL.kl_mean: mean(kl)}

@@ -28,6 +28,7 @@ from echo.config import EchoConfig, ListenPorts, dump_toml
 from echo.metrics import LearnerMetrics, finite_or_null
 from echo.procs import READY_PREFIX
 from echo.spill import spill_dir
+from echo.steprow import COL, RunSummary, StepRow
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_or_create_key, save_checkpoint
 from learner.auditor import Auditor
@@ -99,14 +100,14 @@ def reuse_ports(cfg: EchoConfig, run_dir: Path) -> None:
     cfg.metrics = cfg.metrics.model_copy(update={"port": ports.metrics})
 
 
-def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> dict[str, Any]:
+def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSummary | None:
     policy = Policy(cfg)
     if not policy.par.is_main:
         try:
             policy.follow()  # torchrun ranks > 0: train on their shards, nothing else
         finally:
             policy.par.close()
-        return {}
+        return None  # rank 0 writes the summary
     run_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(run_dir)
     # The learner server's loop shares the GIL with the training, publisher and log threads:
@@ -203,7 +204,7 @@ class Learner:
         self.server: LearnerServer | None = None
         self.totals = RunTotals()
         self.step = 0  # next step to run
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[StepRow] = []
         self.t_train_ewma: float | None = None
         self.metrics = (LearnerMetrics(learner_price_per_hour=lc.price_per_hour, run_id=self.run_id)
                         if cfg.metrics.enabled else None)
@@ -256,7 +257,7 @@ class Learner:
         self.release.publish(self.step, full[0])
         self.publisher.flush()  # workers that join now get a snapshot at once
         if self.rows:  # after --resume: the capacity the run needed, from its own history
-            self._provisioning(None, self.rows[-1].get("t_bcast") or 0.0)
+            self._provisioning(None, self.rows[-1].t_bcast or 0.0)
 
     def _start_server(self, resume: bool) -> None:
         """The auditor, and the server that hands its audits over (and serves the base model
@@ -319,10 +320,11 @@ class Learner:
 
     # ------------------------------------------------------------------ checkpoint / publish
 
-    def _checkpoint(self, full: FullState, row: dict[str, Any] | None = None) -> None:
+    def _checkpoint(self, full: FullState, row: StepRow | None = None) -> None:
         work, prompt_rng = self.server.work_state(self.prompt_rng)
         save_checkpoint(self.run_dir, self.step - 1, {
-            "step": self.step - 1, "model": full[0], "optimizer": full[1], "row": row,
+            "step": self.step - 1, "model": full[0], "optimizer": full[1],
+            "row": None if row is None else row.to_json(),  # a dict: older checkpoints hold one
             **self.policy.rng_state(), "prompt_rng": prompt_rng,
             "work": work, "buffer_stats": self.buffer.stats_copy(), "totals": self.totals,
             "wall_s": time.monotonic() - self.totals.started,
@@ -333,25 +335,25 @@ class Learner:
 
     # ------------------------------------------------------------------ the step loop
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RunSummary:
         with (self.run_dir / "metrics.jsonl").open("a") as metrics:
             while self.step < self.cfg.learner.max_steps:
                 row = self._one_step()
                 self.rows.append(row)
-                metrics.write(json.dumps(row, allow_nan=False) + "\n")  # _finite_row made it so
+                metrics.write(json.dumps(row.to_json(), allow_nan=False) + "\n")  # finite_row made it so
                 metrics.flush()
         self.publisher.flush()
         return self.write_summary("complete")
 
-    def write_summary(self, ended: str) -> dict[str, Any]:
+    def write_summary(self, ended: str) -> RunSummary:
         """summary.json, whole or not at all (a second Ctrl-C may come while it is written)."""
         summary = run_summary(self.cfg, self.rows, self.totals, ended)
         tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(finite_or_null(summary)[0], indent=2, allow_nan=False))
+        tmp.write_text(json.dumps(finite_or_null(summary.to_json())[0], indent=2, allow_nan=False))
         tmp.replace(self.run_dir / "summary.json")
         return summary
 
-    def _one_step(self) -> dict[str, Any]:
+    def _one_step(self) -> StepRow:
         lc, step = self.cfg.learner, self.step
         version = step  # one version per learner step
         t0 = time.monotonic()
@@ -372,7 +374,7 @@ class Learner:
         batch = self.adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards)
         stats, full = self.policy.command({"op": "step", "sync": publish, "batch": batch})
         t2 = time.monotonic()
-        if stats.get("skipped_nonfinite"):
+        if stats.get(COL.skipped_nonfinite):  # the trainer names its numbers as the row does
             self._strike(groups, self.policy.trainer.nonfinite_rows)
         self.totals.add(step, t1 - t0, t2 - t1)
         self.step += 1
@@ -381,23 +383,23 @@ class Learner:
         control = self.server.stats()
         row = finite_row(metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, 0.0,
                                             self.totals, self.buffer, control))
-        row["completions_cut"] = self.cuts.share(step, [r for g in groups for r in g])
+        row.completions_cut = self.cuts.share(step, [r for g in groups for r in g])
         if full is not None and self.release.finite(self.step, full[0]):
             # The row goes into the checkpoint too: a crash between the checkpoint and the
             # metrics line would otherwise lose the line of a step the resumed run skips.
             if lc.checkpoint:
                 self._checkpoint(full, row)  # before publishing: no worker runs ahead of it
             self.release.send(self.step, full[0])
-        row["t_publish"] = round(time.monotonic() - t2, 4)
-        row["publish_refused"] = self.release.refused
-        row.update(self.release.row())
-        row.update(decode_s=control["decode_s"], keyframe_installs=control["keyframes"])
-        row.update(self._audits(t2 - t1))
+        row.t_publish = round(time.monotonic() - t2, 4)
+        row.publish_refused = self.release.refused
+        self.release.describe(row)
+        row.decode_s, row.keyframe_installs = control.decode_s, control.keyframes
+        self._audits(row, t2 - t1)
         trim()  # the step's and the audits' freed transients go back to the kernel
-        row["memory"] = memory(self.policy, self.publisher,
+        row.memory = memory(self.policy, self.publisher,
                                self.server.payloads() + self.auditor.payloads(),
                                self.auditor.model_tensors())
-        self._provisioning(t2 - t1, control["t_bcast"] or 0.0)
+        self._provisioning(t2 - t1, control.t_bcast or 0.0)
         if self.metrics is not None:
             self.metrics.update(row, control)
         return row
@@ -410,14 +412,14 @@ class Learner:
             return {}
         return {"borrow": self.policy.model, "spill_to": spill_dir(self.run_dir / "spill")}
 
-    def _audits(self, t_train: float) -> dict[str, Any]:
+    def _audits(self, row: StepRow, t_train: float) -> None:
         """Audit waiting groups for at most ``security.audit_budget`` of the learner's time
         (audit / (train + audit) <= budget); their cost goes into the metrics row."""
         share = self.cfg.security.audit_budget
         used = self.auditor.run(share / (1 - share) * t_train if share < 1 else float("inf"))
         a = self.auditor
-        return {"t_audit": round(used, 4), "audits": a.done, "audit_failures": a.failed,
-                "audit_queue": a.waiting, "audits_dropped": a.dropped, "audits_expired": a.expired}
+        row.t_audit, row.audits, row.audit_failures = round(used, 4), a.done, a.failed
+        row.audit_queue, row.audits_dropped, row.audits_expired = a.waiting, a.dropped, a.expired
 
     def _strike(self, groups: list[list[Record]], rows: list[int]) -> list[str]:
         """Trace the rows behind skipped non-finite updates to their groups and senders:
@@ -439,7 +441,7 @@ class Learner:
         mu_req before its first step."""
         assert self.server is not None
         lc = self.cfg.learner
-        for t in ([r["t_train"] for r in self.rows if r.get("t_train")] if t_train is None
+        for t in ([r.t_train for r in self.rows if r.t_train] if t_train is None
                   else [t_train]):
             self.t_train_ewma = t_train_average(self.t_train_ewma, t)
         if self.t_train_ewma is None:

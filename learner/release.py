@@ -17,6 +17,7 @@ from broadcast.snapshot import RunKey
 from echo.config import EchoConfig
 from echo.models import TINY, params_to_payload, params_to_spill
 from echo.spill import spill_dir
+from echo.steprow import PUBLISH_FIELDS, StepRow
 from learner.auditor import Auditor
 from learner.policy import Policy
 from learner.publisher import Publisher
@@ -59,15 +60,18 @@ class Release:
         self.auditor.add_snapshot(version, tensors, payload)  # the bytes workers install
         self.publisher.submit(version, tensors, payload)
 
-    def row(self) -> dict[str, Any]:
-        """The newest publication: what it sent, against the full payload, and its costs."""
+    def describe(self, row: StepRow) -> None:
+        """The newest publication in the step's row: what it sent, against the full payload,
+        and its costs; none of it before the first publication."""
         pub = self.publisher.last
         if pub is None:
-            return {}
-        return {"publish_encoding": pub.manifest.encoding, "publish_bytes": len(pub.payload),
-                "publish_full_bytes": len(pub.result), "delta_ratio": round(pub.stats.ratio, 5),
-                "delta_changed": round(pub.stats.changed_fraction, 6),
-                "encode_s": round(pub.build_s, 4), "keyframes_published": self.publisher.keyframes}
+            row.leave_out(PUBLISH_FIELDS)
+            return
+        row.publish_encoding = pub.manifest.encoding
+        row.publish_bytes, row.publish_full_bytes = len(pub.payload), len(pub.result)
+        row.delta_ratio = round(pub.stats.ratio, 5)
+        row.delta_changed = round(pub.stats.changed_fraction, 6)
+        row.encode_s, row.keyframes_published = round(pub.build_s, 4), self.publisher.keyframes
 
 
 def base_model(cfg: EchoConfig, policy: Policy, run_id: str, key: RunKey,

@@ -22,6 +22,7 @@ from dataplane.records import Limits, Record
 from echo.config import EchoConfig
 from echo.metrics import finite_or_null
 from echo.security import KeyList
+from echo.steprow import StepRow
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_checkpoint
 from learner.durable import BufferLog, live_after, quarantine, scan_log
@@ -42,7 +43,7 @@ class Resumed:
 
     step: int
     totals: RunTotals | None
-    rows: list[dict[str, Any]]
+    rows: list[StepRow]
 
 
 class Resume:
@@ -54,7 +55,7 @@ class Resume:
         self.buffer, self.work, self.buffer_log, self.prompt_rng = buffer, work, buffer_log, prompt_rng
         self.step = 0
         self.totals: RunTotals | None = None
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[StepRow] = []
 
     def run(self) -> Resumed:
         ckpt = load_checkpoint(self.run_dir)
@@ -77,8 +78,8 @@ class Resume:
         self._set_aside(aside)  # before the compaction drops them from the log
         self.buffer_log.compact(lambda: live)
         self._trim_audit()
-        if ckpt and ckpt.get("row") and not any(r["step"] == last for r in self.rows):
-            self._restore_row(ckpt["row"])
+        if ckpt and ckpt.get("row") and not any(r.step == last for r in self.rows):
+            self._restore_row(StepRow.from_json(ckpt["row"]))
         log.info("resumed at step %d: %d buffered records restored, %d groups already trained",
                  self.step, len(live), len(trained))
         return Resumed(self.step, self.totals, self.rows)
@@ -135,13 +136,13 @@ class Resume:
                     f.writelines(json.dumps(r) + "\n" for r in lost)
             path.write_text("".join(json.dumps(r) + "\n" for r in keep))
             if name == "metrics":
-                self.rows = keep
+                self.rows = [StepRow.from_json(r) for r in keep]
 
-    def _restore_row(self, row: dict[str, Any]) -> None:
+    def _restore_row(self, row: StepRow) -> None:
         """The crash came after the checkpoint and before the step's metrics line."""
         self.rows.append(row)
         with (self.run_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(finite_or_null(row)[0], allow_nan=False) + "\n")
+            f.write(json.dumps(finite_or_null(row.to_json())[0], allow_nan=False) + "\n")
         log.info("metrics line of step %d restored from the checkpoint (t_publish unknown: 0)",
-                 row["step"])
+                 row.step)
 

@@ -12,7 +12,6 @@ import random
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any
 
 from broadcast.coordinator import Coordinator
 from broadcast.manifest import BaseManifest, Manifest
@@ -274,15 +273,15 @@ class SnapshotRoutes:
                 return round(t, 4)
         return None
 
-    def install_stats(self) -> dict[str, Any]:
-        """Of the newest delta workers rebuilt: the median seconds; and keyframes taken."""
+    def install_stats(self) -> tuple[float | None, int]:
+        """Of the newest delta workers rebuilt: the median seconds (None: none rebuilt); and
+        the installs that took a keyframe."""
         rebuilt = [(v, d) for v, d, k in self.installs if d > 0 and not k]
         if not rebuilt:
-            return {"decode_s": None, "keyframes": self.keyframe_installs}
+            return None, self.keyframe_installs
         newest = max(v for v, _ in rebuilt)
         times = sorted(d for v, d in rebuilt if v == newest)
-        return {"decode_s": round(times[len(times) // 2], 4) if times else None,
-                "keyframes": self.keyframe_installs}
+        return (round(times[len(times) // 2], 4) if times else None), self.keyframe_installs
 
     def snapshot_source(self, w: WorkerState) -> Source:
         """Where ``w`` pulls the current snapshot: its place in the last plan when it has one,

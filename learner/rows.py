@@ -9,12 +9,13 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 from dataplane.records import Record
 from echo.config import EchoConfig
+from echo.control_stats import ControlStats
 from echo.machine import machine_info
 from echo.metrics import finite_or_null
+from echo.steprow import TRAINER_FIELDS, RunSummary, StepRow
 from learner.buffer import ReplayBuffer
 
 log = logging.getLogger("echo.learner")
@@ -72,47 +73,59 @@ class CutWatch:
 
 
 def metrics_row(step: int, version: int, groups: list[list[Record]], stats: dict[str, float],
-                 t_wait: float, t_train: float, t_publish: float, totals: RunTotals,
-                 buffer: ReplayBuffer, control: dict[str, Any]) -> dict[str, Any]:
+                t_wait: float, t_train: float, t_publish: float, totals: RunTotals,
+                buffer: ReplayBuffer, control: ControlStats) -> StepRow:
+    """The step's row as far as the step itself, the buffer and the server's statistics
+    know it; the learner adds the publication's and the audits' numbers after."""
     records = [r for g in groups for r in g]
-    min_u = min(r.version for r in records)
-    return {
-        "step": step, "version": version,
-        "reward_mean": sum(r.reward for r in records) / len(records),
-        "staleness_max": version - min_u,
-        "staleness_mean": sum(version - r.version for r in records) / len(records),
-        "staleness_counts": dict(Counter(version - r.version for r in records)),
-        # generated tokens this step trains on, and those of samples continued after a
-        # preemption (docs/preemption.md): the preemption drill's goodput
-        "tokens_trained": sum(len(r.completion_ids) for r in records),
-        "mixed_version_samples": sum(1 for r in records if r.versions and len(r.versions) > 1),
-        # seconds a worker spent generating the batch each record came in (its busy time):
-        # the capacity the simulator and the provisioner should use, not demand-capped rates
-        "gen_s_mean": round(sum(r.gen_s for r in records) / len(records), 5),
-        "t_train": round(t_train, 4), "t_wait": round(t_wait, 4), "t_publish": round(t_publish, 4),
-        "bubble_ratio": round(totals.bubble_ratio, 4),
-        "admitted": buffer.stats.admitted, "duplicates": buffer.stats.duplicates,
-        "dropped_stale": buffer.stats.dropped_stale,
-        "active_workers": control["active_workers"], "standby_workers": control["standby_workers"],
-        "fleet_price_per_hour": control["fleet_price_per_hour"],
-        "worker_rate_mean": round(control["worker_rate_mean"], 2),
-        "worker_busy_rate": round(control["worker_busy_rate"], 2),
-        "cost_step_usd": round(control["fleet_price_per_hour"] * (t_train + t_wait) / 3600, 8),
-        "rejected": control["rejected"],
-        "handbacks": control.get("handbacks", {}),  # docs/preemption.md
-        # the control loop's CPU per kind of message, cumulative (learner.cpu, docs/scale.md)
-        "control_cpu": control.get("control_cpu", {}),
-        "learner_bytes_sent": control["learner_bytes_sent"], "t_bcast": control["t_bcast"],
-        "reissued_groups": control["reissued_groups"], **buffer.depth(),
-        # learner.grants: leases kept across a restart and the samples admitted under them
-        "restored_leases": control["restored_leases"],
-        "restored_admitted": control["restored_admitted"],
-        # broadcast.reports: relay reports by reason:outcome, probes by outcome (docs/security.md)
-        "relay_reports": control.get("relay_reports", {}),
-        "relays_marked": control.get("relays_marked", 0),
-        **{k: round(v, 5) for k, v in stats.items()},
-        "wall_s": round(time.monotonic() - totals.started, 3),
-    }
+    row = StepRow(step=step, version=version)
+    _batch(row, version, records)
+    row.t_train, row.t_wait = round(t_train, 4), round(t_wait, 4)
+    row.t_publish = round(t_publish, 4)
+    row.bubble_ratio = round(totals.bubble_ratio, 4)
+    bs = buffer.stats
+    row.admitted, row.duplicates, row.dropped_stale = bs.admitted, bs.duplicates, bs.dropped_stale
+    _control(row, control, t_train + t_wait)
+    row.ready_groups, row.partial_groups = buffer.depth()
+    row.set_reported(TRAINER_FIELDS, {k: round(v, 5) for k, v in stats.items()})
+    row.wall_s = round(time.monotonic() - totals.started, 3)
+    return row
+
+
+def _batch(row: StepRow, version: int, records: list[Record]) -> None:
+    """What the trained records say: reward, staleness, tokens, generation time."""
+    n = len(records)
+    row.reward_mean = sum(r.reward for r in records) / n
+    row.staleness_max = version - min(r.version for r in records)
+    row.staleness_mean = sum(version - r.version for r in records) / n
+    row.staleness_counts = dict(Counter(version - r.version for r in records))
+    # generated tokens this step trains on, and those of samples continued after a
+    # preemption (docs/preemption.md): the preemption drill's goodput
+    row.tokens_trained = sum(len(r.completion_ids) for r in records)
+    row.mixed_version_samples = sum(1 for r in records if r.versions and len(r.versions) > 1)
+    # seconds a worker spent generating the batch each record came in (its busy time):
+    # the capacity the simulator and the provisioner should use, not demand-capped rates
+    row.gen_s_mean = round(sum(r.gen_s for r in records) / n, 5)
+
+
+def _control(row: StepRow, control: ControlStats, step_s: float) -> None:
+    """The fleet's and the server's numbers, copied from its statistics."""
+    c = control
+    row.active_workers, row.standby_workers = c.active_workers, c.standby_workers
+    row.fleet_price_per_hour = c.fleet_price_per_hour
+    row.worker_rate_mean = round(c.worker_rate_mean, 2)
+    row.worker_busy_rate = round(c.worker_busy_rate, 2)
+    row.cost_step_usd = round(c.fleet_price_per_hour * step_s / 3600, 8)
+    row.rejected = c.rejected
+    row.handbacks = c.handbacks  # docs/preemption.md
+    # the control loop's CPU per kind of message, cumulative (learner.cpu, docs/scale.md)
+    row.control_cpu = c.control_cpu
+    row.learner_bytes_sent, row.t_bcast = c.learner_bytes_sent, c.t_bcast
+    row.reissued_groups = c.reissued_groups
+    # learner.grants: leases kept across a restart and the samples admitted under them
+    row.restored_leases, row.restored_admitted = c.restored_leases, c.restored_admitted
+    # broadcast.reports: relay reports by reason:outcome, probes by outcome (docs/security.md)
+    row.relay_reports, row.relays_marked = c.relay_reports, c.relays_marked
 
 
 def cut_share(records: list[Record], max_new_tokens: int, eos_token_id: int | None) -> float | None:
@@ -127,28 +140,29 @@ def cut_share(records: list[Record], max_new_tokens: int, eos_token_id: int | No
     return cut / len(single)
 
 
-def summary(cfg: EchoConfig, rows: list[dict[str, Any]], totals: RunTotals,
-             ended: str) -> dict[str, Any]:
+def summary(cfg: EchoConfig, rows: list[StepRow], totals: RunTotals, ended: str) -> RunSummary:
     """summary.json; ``ended``: how the run ended (complete, stopped by a signal, stalled)."""
-    def mean(rs: list[dict[str, Any]]) -> float | None:
-        vals = [r["reward_mean"] for r in rs if r.get("reward_mean") is not None]
+    def mean(rs: list[StepRow]) -> float | None:
+        vals = [r.reward_mean for r in rs if r.reward_mean is not None]
         return sum(vals) / len(vals) if vals else None
 
-    return {
-        "steps": len(rows), "ended": ended, "staleness_budget": cfg.learner.staleness,
-        "staleness_max": max((r["staleness_max"] for r in rows), default=None),
-        "reward_first10": mean(rows[:10]), "reward_last10": mean(rows[-10:]),
-        "bubble_ratio": totals.bubble_ratio, "startup_wait_s": totals.startup_wait,
-        "wall_s": time.monotonic() - totals.started, "last": rows[-1] if rows else None,
-        "machine": machine_info(),
-    }
+    stale = [r.staleness_max for r in rows if r.staleness_max is not None]
+    return RunSummary(
+        steps=len(rows), ended=ended, staleness_budget=cfg.learner.staleness,
+        staleness_max=max(stale, default=None),
+        reward_first10=mean(rows[:10]), reward_last10=mean(rows[-10:]),
+        bubble_ratio=totals.bubble_ratio, startup_wait_s=totals.startup_wait,
+        wall_s=time.monotonic() - totals.started, last=rows[-1].to_json() if rows else None,
+        machine=machine_info())
 
 
-def finite_row(row: dict[str, Any]) -> dict[str, Any]:
+def finite_row(row: StepRow) -> StepRow:
     """NaN and inf are not JSON (and not numbers a reader can plot): written as null and
     counted in the row's ``nonfinite_values``."""
-    clean, n = finite_or_null(row)
+    clean, n = finite_or_null(row.to_json())
     if n:
-        log.warning("step %s: %d non-finite metric value(s) written as null", row["step"], n)
-    clean["nonfinite_values"] = n
-    return clean
+        log.warning("step %s: %d non-finite metric value(s) written as null", row.step, n)
+    out = StepRow.from_json(clean)
+    out.missing = set(row.missing)  # fields not yet set stay where they will be written
+    out.nonfinite_values = n
+    return out

@@ -19,6 +19,7 @@ trajectories, hand-backs and quarantine (``learner.deliveries``), publications
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import mmap
 import tempfile
@@ -46,6 +47,7 @@ from dataplane.records import Limits
 from echo import wire
 from echo.addresses import public_endpoint
 from echo.config import EchoConfig
+from echo.control_stats import ControlStats
 from echo.security import JoinLine, ZapHandler
 from echo.tree import RelayTree
 from learner.buffer import ReplayBuffer
@@ -60,7 +62,7 @@ from learner.work import WorkQueue
 log = logging.getLogger("echo.control")
 
 # How long the trainer's thread waits for the loop to store a version or answer a stats call
-# before it goes on without (counted in stats()["slow"]); it never ends the run.
+# before it goes on without (counted in stats().slow); it never ends the run.
 LOOP_WAIT_S = 10.0
 TREE_WAIT_S = 2.0  # a dashboard poll or a scrape waits this long for the loop's relay tree
 
@@ -102,7 +104,7 @@ class LearnerServer:
         self.endpoint = ""
         self.snapshot_endpoint = ""
         self.slow: Counter[str] = Counter()  # trainer calls the loop answered late (publish, stats)
-        self._last_stats: dict[str, Any] = {}
+        self._last_stats = ControlStats()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -265,7 +267,7 @@ class LearnerServer:
             log.warning("the control loop took over %.0fs to store v%d: it will when it gets to "
                         "it; training goes on", LOOP_WAIT_S, snap.version)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ControlStats:
         """The server's statistics for the trainer's metrics row. A loop that does not answer
         in ``LOOP_WAIT_S`` gives the last statistics (counted ``stats_slow``)
         instead of ending the run; a crashed loop still raises."""
@@ -277,9 +279,9 @@ class LearnerServer:
             self.slow["stats_slow"] += 1
             log.warning("the control loop did not answer a stats call in %.0fs: last stats used",
                         LOOP_WAIT_S)
-        return {**self._last_stats, "slow": dict(self.slow)}
+        return dataclasses.replace(self._last_stats, slow=dict(self.slow))
 
-    async def _stats(self) -> dict[str, Any]:
+    async def _stats(self) -> ControlStats:
         return self.parts.stats.row(self.parts.socket.acks.qsize())
 
     def work_state(self, prompt_rng: Any) -> tuple[dict[str, Any], Any]:

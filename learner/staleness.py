@@ -27,6 +27,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from dataplane.records import Record
+from echo.steprow import COL
 
 WINDOW = 256  # a worker's last admitted trajectories its view is computed over
 KEEP = 65536  # workers whose books are kept (least recently delivering dropped)
@@ -77,11 +78,12 @@ class Staleness:
         seconds over the worker's last deliveries (None: nothing delivered yet)."""
         w = self._workers.get(worker_id)
         if w is None or not w.staleness:
-            return {"staleness_mean": None, "at_edge": None, "credit_per_trajectory": None,
-                    "gen_s_mean": None}
+            return {COL.staleness_mean: None, "at_edge": None, "credit_per_trajectory": None,
+                    COL.gen_s_mean: None}
         n = len(w.staleness)
-        return {"staleness_mean": round(sum(w.staleness) / n, 3),
+        # the step row's names: the same means, over this worker's deliveries
+        return {COL.staleness_mean: round(sum(w.staleness) / n, 3),
                 "at_edge": round(sum(1 for s in w.staleness if s >= self.bound) / n, 3),
                 "credit_per_trajectory": round(sum(credit(s, self.bound, self.discount)
                                                    for s in w.staleness) / n, 3),
-                "gen_s_mean": round(sum(w.gen_s) / n, 3)}
+                COL.gen_s_mean: round(sum(w.gen_s) / n, 3)}

@@ -16,6 +16,7 @@ from dataplane.adapter import LearnerBatch
 from dataplane.answers import answer_bias
 from echo.config import LearnerConfig
 from echo.lora import is_peft
+from echo.steprow import COL  # the trainer names its numbers as the step row does
 from learner.loss import LossConfig, grpo_loss
 from learner.parallel import Parallel, Single
 
@@ -146,7 +147,7 @@ class Trainer:
         self.model.train()
         self.nonfinite_rows = []
         batch, extra = self.prepare(batch)
-        extra["entropy_est"] = sampled_entropy(batch.behaviour_logprobs, batch.loss_mask)
+        extra[COL.entropy_est] = sampled_entropy(batch.behaviour_logprobs, batch.loss_mask)
         order = torch.randperm(batch.input_ids.shape[0], generator=self.generator)
         minibatches = order.chunk(self.cfg.updates_per_step)
         shards = [self.par.shard(mb) for mb in minibatches]
@@ -166,10 +167,10 @@ class Trainer:
         if skipped:
             log.error("skipped %d of %d updates: non-finite loss or gradient (rows %s)",
                       skipped, len(minibatches), sorted(self.nonfinite_rows))
-        keys = (*self.TOKEN_MEANS, "grad_norm", "loss")
+        keys = (*self.TOKEN_MEANS, COL.grad_norm, COL.loss)
         out = ({k: sum(s[k] for s in applied) / len(applied) for k in keys} if applied
                else {k: math.nan for k in keys})  # nothing trained: no loss to report
-        return {**extra, **out, "skipped_nonfinite": float(skipped)}
+        return {**extra, **out, COL.skipped_nonfinite: float(skipped)}
 
     def _update(self, batch: LearnerBatch, mb: torch.Tensor, idx: torch.Tensor,
                 old: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float] | None:
@@ -178,9 +179,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss, stats = self._accumulate(batch, idx, self.micro_batches(mb, idx), old, ref,
                                        denom=global_count / self.par.world)
-        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
-        stats["loss"] = loss.item()
-        if not self._all_finite(stats["loss"], stats["grad_norm"]):
+        stats[COL.grad_norm] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
+        stats[COL.loss] = loss.item()
+        if not self._all_finite(stats[COL.loss], stats[COL.grad_norm]):
             self.optimizer.zero_grad(set_to_none=True)  # the NaN gradients go, unused
             return None
         self.optimizer.step()
@@ -248,7 +249,7 @@ class Trainer:
         assert self.eos_token_id is not None
         cut = truncated_rows(batch.input_ids, batch.loss_mask, self.eos_token_id)
         mask = batch.loss_mask * (~cut).unsqueeze(1).to(batch.loss_mask.dtype)
-        return dataclasses.replace(batch, loss_mask=mask), {"truncated_frac": float(cut.float().mean())}
+        return dataclasses.replace(batch, loss_mask=mask), {COL.truncated_frac: float(cut.float().mean())}
 
     def minibatch_loss(self, batch: LearnerBatch, rows: torch.Tensor, old: torch.Tensor,
                        ref: torch.Tensor | None, denom: float | None = None
@@ -259,7 +260,7 @@ class Trainer:
         return grpo_loss(logp, old, batch.behaviour_logprobs[rows], batch.advantages[rows],
                          batch.loss_mask[rows], self.loss_cfg, ref, denom=denom)
 
-    TOKEN_MEANS = ("clip_frac", "is_weight_mean", "is_zeroed_frac", "kl_mean")
+    TOKEN_MEANS = (COL.clip_frac, COL.is_weight_mean, COL.is_zeroed_frac, COL.kl_mean)
 
     def _global(self, stats: dict[str, float], tokens: float) -> dict[str, float]:
         """This rank's shard statistics made the mini-batch's: token means weighted by each
@@ -268,12 +269,12 @@ class Trainer:
         the global gradient); the clipped grad norm is already global."""
         if self.par.world == 1:
             return stats
-        local = [stats[k] * tokens for k in self.TOKEN_MEANS] + [tokens, stats["loss"]]
+        local = [stats[k] * tokens for k in self.TOKEN_MEANS] + [tokens, stats[COL.loss]]
         total = self.par.all_sum(torch.tensor(local, dtype=torch.float64)).tolist()
         out = dict(stats)
         for i, k in enumerate(self.TOKEN_MEANS):
             out[k] = total[i] / max(total[-2], 1.0)
-        out["loss"] = total[-1] / self.par.world
+        out[COL.loss] = total[-1] / self.par.world
         return out
 
     def ref_logprobs(self, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor | None:

@@ -107,7 +107,7 @@ def test_heartbeats_and_farewell_carry_the_learners_books(plane, client):
     assert isinstance(bye, wire.Farewell) and bye.account.state == "left"
     assert (bye.account.accepted, bye.account.rejected) == (acct.accepted, acct.rejected)
     # /metrics reads the same books, after the worker left
-    assert plane.stats()["accounts"]["w1"]["rejected"] == acct.rejected
+    assert plane.stats().accounts["w1"]["rejected"] == acct.rejected
 
 
 def test_nobody_reads_or_closes_another_workers_books(plane, client, ctx):

@@ -61,7 +61,7 @@ def test_capacity_overflow_rejects_new_groups_but_completes_started_ones():
     assert buf.admit(rec("c", 0)) == "buffer_full"
     assert buf.admit(rec("a", 1)) == COMPLETED  # a started group can still finish
     assert buf.stats.rejected["buffer_full"] == 1
-    assert buf.depth() == {"ready_groups": 2, "partial_groups": 0}
+    assert buf.depth() == (2, 0)  # (ready_groups, partial_groups)
 
 
 def test_take_wakes_when_group_completes_in_another_thread():

@@ -67,9 +67,10 @@ def test_quickstart_progress_is_plain_lines_without_a_terminal(capsys, monkeypat
     """Piped (CI, a log file), the quickstart prints whole lines, not a bar cut to 80 columns."""
     from echo import quickstart
     from echo.config import EchoConfig
+    from echo.steprow import StepRow
 
-    rows = [{"step": i, "reward_mean": 0.1 * i, "staleness_max": 1, "bubble_ratio": 0.0,
-             "active_workers": 2, "standby_workers": 0} for i in range(3)]
+    rows = [StepRow(step=i, reward_mean=0.1 * i, staleness_max=1, bubble_ratio=0.0,
+                    active_workers=2, standby_workers=0) for i in range(3)]
 
     class Tail:
         def __init__(self):

@@ -110,7 +110,7 @@ def test_junk_is_rejected_and_counted_while_serving_continues(plane, client):
     ack = ask(client, wire.Join(worker_id="w1", price=0.35))
     assert isinstance(ack, wire.JoinAck) and len(ack.public_key) == 32
     assert ack.config["group_size"] == 4
-    rejected = plane.stats()["rejected"]
+    rejected = plane.stats().rejected
     assert {r: rejected[r] for _, r in junk} == {r: 1 for _, r in junk}
 
 
@@ -130,12 +130,12 @@ def test_trajectories_validated_admitted_once(plane, client):
                             "unknown_group": 1}
     again = ask(client, batch(records(g0), bid="b1-resend"))  # at-least-once delivery
     assert again.accepted == 0 and again.duplicates == 4
-    assert plane.buffer.depth()["ready_groups"] == 1
+    assert plane.buffer.depth().ready_groups == 1
     mismatch = ask(client, batch(records(g1, prompt_ids=[4, 4, 4]), bid="b2"))
     assert mismatch.rejected == {"prompt_mismatch": 4}
     bad_payload = ask(client, wire.Trajectories(worker_id="w1", batch_id="b3", count=1, payload=b"zz"))
     assert isinstance(bad_payload, wire.Error) and bad_payload.ref == "b3"
-    assert plane.buffer.depth()["ready_groups"] == 1  # nothing admitted was lost
+    assert plane.buffer.depth().ready_groups == 1  # nothing admitted was lost
 
 
 def test_one_grant_carries_at_most_a_fair_share_of_the_outstanding_bound(plane, client):
@@ -173,7 +173,7 @@ def test_snapshot_chunks_served_and_verified(plane, client, keys):
             ctx.term()
 
     assert bytes(asyncio.run(fetch(m))) == payload
-    assert plane.stats()["learner_bytes_sent"] == len(payload)
+    assert plane.stats().learner_bytes_sent == len(payload)
     forged = replace(m, chunk_hashes=(b"\0" * 32, *m.chunk_hashes[1:]))
     with pytest.raises(SnapshotError, match="corrupt"):
         asyncio.run(fetch(forged))
@@ -197,7 +197,7 @@ def test_chunk_server_survives_requesters_that_vanish(plane, ctx):
     live.send(wire.encode(wire.ChunkRequest(version=0, index=3, rid=99)))
     header, data = live.recv_multipart()
     assert wire.decode(header, 1 << 20).rid == 99 and len(data) == 1000
-    assert plane.stats()["sessions"] == 6  # the control plane is alive too
+    assert plane.stats().sessions == 6  # the control plane is alive too
 
 
 def test_keyframes_from_the_learner_and_refusals_for_versions_gone(plane, client, keys):

@@ -126,7 +126,7 @@ def test_a_restarted_plane_admits_the_holders_work_and_no_one_elses(small_cfg, t
         ack = ask(h, batch(records(lost), "b3"))
         assert ack.rejected == {"learner_restarted": 4}
         stats = plane.stats()
-        assert stats["restored_admitted"] == 4 and stats["restored_leases"] == 2
+        assert stats.restored_admitted == 4 and stats.restored_leases == 2
         assert "learner_restarted" in plane.accounts.account("w1").message
     finally:
         plane.shutdown("over")

@@ -91,8 +91,8 @@ def test_a_forged_prefix_is_refused_and_its_author_struck_never_the_continuer(ch
     checked.auditor.run(budget_s=60)  # the trainer thread, between two steps
     stats = checked.stats()  # runs on the loop after the verdicts that were queued before it
     assert checked.reputation.strikes["evil"] >= 1 and "evil" in checked.reputation.quarantined
-    assert stats["handbacks"]["checks_failed"] == 1 and stats["handbacks"]["refused_forged"] == g.n
-    assert stats["checks"].get("handback_logprob:fail") == 1
+    assert stats.handbacks["checks_failed"] == 1 and stats.handbacks["refused_forged"] == g.n
+    assert stats.checks.get("handback_logprob:fail") == 1
     # the group goes out again without the forged prefixes; its continuer is not blamed
     again = ask(b, wire.WorkRequest(worker_id="w1", max_groups=1, holding=[x.group_id for x in first]))
     assert [x.group_id for x in again.groups] == [g.group_id] and again.groups[0].prefixes == []
@@ -115,8 +115,8 @@ def test_an_honest_prefix_passes_its_check_and_is_continued(checked, ctx):  # no
     assert ack.prefixes == g.n
     checked.auditor.run(budget_s=60)
     stats = checked.stats()
-    assert stats["handbacks"]["checks_passed"] == 1 and not checked.reputation.strikes
-    assert stats["checks"] == {"handback_logprob:ok": 1, "handback_sampling:ok": 1}
+    assert stats.handbacks["checks_passed"] == 1 and not checked.reputation.strikes
+    assert stats.checks == {"handback_logprob:ok": 1, "handback_sampling:ok": 1}
     (cont,) = ask(b, wire.WorkRequest(worker_id="w1", max_groups=1)).groups
     assert cont.group_id == g.group_id and cont.prefixes == cut  # continued, not regenerated
 
@@ -224,9 +224,9 @@ def test_the_flood_is_refused_on_a_live_plane_and_the_flooder_gets_one_group_a_r
         (g,) = ask(a, wire.WorkRequest(worker_id="w1", max_groups=1)).groups
         kept += _handback(a, "w1", g, [_prefix()]).prefixes
     stats = plane.stats()
-    assert kept <= 17 and stats["workers"]["w1"]["handed_back"] == 40
-    assert stats["workers"]["w1"]["limited"] >= 40 - 17
-    assert stats["handbacks"]["refused_over_rate"] + stats["handbacks"]["refused_over_share"] >= 40 - 17
+    assert kept <= 17 and stats.workers["w1"]["handed_back"] == 40
+    assert stats.workers["w1"]["limited"] >= 40 - 17
+    assert stats.handbacks["refused_over_rate"] + stats.handbacks["refused_over_share"] >= 40 - 17
     assert len(ask(a, wire.WorkRequest(worker_id="w1", max_groups=4)).groups) == 1  # capped
 
 
@@ -376,6 +376,6 @@ def test_deliveries_at_the_edge_show_in_the_books_of_a_live_plane(plane, ctx):  
     recs = [dict(r, worker_id="w2") for r in records(gb, version=2)]
     assert ask(b, wire.Trajectories(worker_id="w2", batch_id="b2", count=len(recs),
                                     payload=wire.pack_records(recs))).accepted == gb.n
-    workers = plane.stats()["workers"]
+    workers = plane.stats().workers
     assert workers["w1"]["credit_per_trajectory"] == 0.5 and workers["w1"]["at_edge"] == 1.0
     assert workers["w2"]["credit_per_trajectory"] == 1.0 and workers["w2"]["staleness_mean"] == 0.0

@@ -397,7 +397,7 @@ def test_learner_classifies_a_worker_from_its_reflector_and_shows_it(plane, ctx)
     sock = connect(plane, ctx)
     ack = ask(sock, wire.Join(worker_id="w1", relay_endpoint=endpoint))
     assert len(ack.reflectors) == 2
-    assert plane.stats()["workers"]["w1"]["nat"] == "unknown"  # a tail until it reports
+    assert plane.stats().workers["w1"]["nat"] == "unknown"  # a tail until it reports
     port = pick_punch_port(HOST)
     nonces = asyncio.run(probe_all(ack.reflectors, HOST, port, relay.getsockname()[1]))
     # a report naming nonces the reflector never saw is refused, and the session goes on
@@ -406,7 +406,7 @@ def test_learner_classifies_a_worker_from_its_reflector_and_shows_it(plane, ctx)
     status = ask(sock, wire.NatReport(worker_id="w1", nonces=nonces))
     relay.close()
     assert status == wire.NatStatus(nat="reachable", address=f"{HOST}:{port}")
-    w = plane.stats()["workers"]["w1"]
+    w = plane.stats().workers["w1"]
     assert w["nat"] == "reachable" and w["transport"] == "tcp"
     assert plane.coordinator.peers["w1"].nat == "reachable"
 

@@ -51,11 +51,11 @@ def test_extremes_are_rejected_with_their_reasons_and_serving_goes_on(plane, cli
                             "non_finite_reward": 8, "identity_mismatch": 4,
                             "partial_group": 3}  # the rest of gs[0]: groups come back whole
     assert ack.accepted == 4  # gs[6]
-    rejected = plane.stats()["rejected"]
+    rejected = plane.stats().rejected
     assert rejected["reward_out_of_range"] == 5 and rejected["identity_mismatch"] == 4
     # the control plane keeps serving, and the honest group is whole in the buffer
     assert isinstance(ask(client, wire.Heartbeat(worker_id="w1", version=0)), wire.HeartbeatAck)
-    assert plane.buffer.depth()["ready_groups"] == 1
+    assert plane.buffer.depth().ready_groups == 1
 
 
 def test_nan_as_a_msgpack_float32_is_rejected(plane, client):  # noqa: F811
@@ -77,7 +77,7 @@ def test_a_batch_whose_count_lies_is_rejected_whole(plane, client):  # noqa: F81
                                               payload=wire.pack_records(recs)))
         assert isinstance(reply, wire.Error) and reply.reason == "count_mismatch"
         assert reply.ref == f"c{count}"
-    assert plane.stats()["rejected"]["count_mismatch"] == 3
+    assert plane.stats().rejected["count_mismatch"] == 3
     assert plane.buffer.stats.admitted == 0
     assert ask(client, batch(recs)).accepted == len(recs)  # the honest batch still goes in
 
@@ -212,11 +212,11 @@ def test_resume_sets_a_poisoned_log_aside_and_trains(learner_factory, tmp_path):
     assert sorted(a["reason"] for a in aside) == ["invalid_fields", "reward_out_of_range",
                                                   "unparseable", "unparseable"]
     assert lrn.buffer.stats.rejected["set_aside_on_resume"] == 4
-    assert lrn.buffer.depth()["ready_groups"] == 4
+    assert lrn.buffer.depth().ready_groups == 4
     _, _, again = scan_log(tmp_path / "buffer.log", lrn.limits)
     assert again == []  # compacted: the next resume finds nothing to set aside
     row = lrn._one_step()
-    assert row["skipped_nonfinite"] == 0 and math.isfinite(row["loss"])
+    assert row.skipped_nonfinite == 0 and math.isfinite(row.loss)
 
 
 def test_a_non_finite_step_is_skipped_traced_and_written_as_null(learner_factory, tmp_path):
@@ -235,12 +235,12 @@ def test_a_non_finite_step_is_skipped_traced_and_written_as_null(learner_factory
     lrn.cfg.learner.updates_per_step = 1
     before = {k: v.clone() for k, v in lrn.policy.model.state_dict().items()}
     row = lrn._one_step()
-    assert row["skipped_nonfinite"] == 1 and row["loss"] is None and row["nonfinite_values"] >= 1
+    assert row.skipped_nonfinite == 1 and row.loss is None and row.nonfinite_values >= 1
     assert all(torch.equal(before[k], v) for k, v in lrn.policy.model.state_dict().items())
     assert lrn.struck == {"w2": 4}
     audit = [json.loads(x) for x in (tmp_path / "nonfinite.jsonl").read_text().splitlines()]
     assert audit == [{"step": 0, "groups": ["g2"], "workers": ["w2"]}]
-    json.dumps(row, allow_nan=False)  # what run() writes to metrics.jsonl
+    json.dumps(row.to_json(), allow_nan=False)  # what run() writes to metrics.jsonl
 
 
 def test_finite_or_null_counts_what_it_replaces():

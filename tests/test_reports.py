@@ -184,12 +184,12 @@ def test_reports_reach_the_plane_from_children_only_and_about_old_versions_too(m
     reply = ask(stranger, wire.SourceRequest(worker_id="stranger", version=0,
                                              bad_source="tcp://127.0.0.1:9", reason="timeout"))
     assert isinstance(reply, wire.SourceGrant)
-    assert plane.stats()["relay_reports"] == {"timeout:unassigned": 1}
+    assert plane.stats().relay_reports == {"timeout:unassigned": 1}
     assert plane.coordinator.owner("tcp://127.0.0.1:9").alive
     reply = ask(child, wire.SourceRequest(worker_id="child", version=7,
                                           bad_source="tcp://127.0.0.1:9", reason="timeout"))
     assert isinstance(reply, wire.Error) and reply.reason == "unknown_version"
-    assert plane.stats()["relay_reports"]["timeout:counted"] == 1
+    assert plane.stats().relay_reports["timeout:counted"] == 1
 
 
 def test_a_reporter_is_not_sent_to_the_relay_it_reported_for_a_keyframe_either():

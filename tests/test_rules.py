@@ -85,5 +85,5 @@ def test_learner_buffer_and_simulator_queue_agree_on_every_count(seed):
                 oldest, _ = sim.take(k, version)
                 groups = buf.take(k, timeout=0)
                 assert groups is not None and min(r.version for g in groups for r in g) == oldest
-        assert buf.depth()["ready_groups"] == len(sim)
+        assert buf.depth().ready_groups == len(sim)
         assert buf.stats.dropped_stale == sim_dropped

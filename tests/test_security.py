@@ -211,7 +211,7 @@ def test_nobody_speaks_for_another_worker(make_plane, zctx):
                 wire.Trajectories(worker_id="w1", batch_id="b", count=0, payload=wire.pack_records([]))):
         assert refused(ask(evil, msg), "identity_mismatch"), msg.type
     stats = plane.stats()
-    assert set(stats["workers"]) == {"w1", "evil"} and stats["rejected"]["identity_mismatch"] == 5
+    assert set(stats.workers) == {"w1", "evil"} and stats.rejected["identity_mismatch"] == 5
     assert isinstance(ask(honest, wire.Heartbeat(worker_id="w1", version=-1)), wire.HeartbeatAck)
 
 
@@ -237,8 +237,8 @@ def test_plaintext_client_and_wrong_key_get_nothing_and_are_counted(make_plane, 
     impostor = zctx.socket(zmq.DEALER)  # pins a key the learner does not hold
     curve_client(impostor, KeyPair.generate(), KeyPair.generate().public)
     impostor.connect(plane.endpoint)
-    assert eventually(lambda: plane.stats()["join_refused"].get("handshake_failed", 0) >= 2)
-    assert plane.stats()["sessions"] == 0
+    assert eventually(lambda: plane.stats().join_refused.get("handshake_failed", 0) >= 2)
+    assert plane.stats().sessions == 0
 
 
 def test_token_mode_needs_a_token_and_binds_it_to_one_key(make_plane, zctx):
@@ -255,7 +255,7 @@ def test_token_mode_needs_a_token_and_binds_it_to_one_key(make_plane, zctx):
     # A join refused for its id does not spend the token: the same key then joins with it.
     assert refused(ask(peer(plane, zctx, b), wire.Join(worker_id="a", token=other)), "id_taken")
     assert isinstance(ask(peer(plane, zctx, b), wire.Join(worker_id="b", token=other)), wire.JoinAck)
-    assert plane.stats()["join_refused"] == {"token_required": 1, "token_used": 1, "id_taken": 1}
+    assert plane.stats().join_refused == {"token_required": 1, "token_used": 1, "id_taken": 1}
 
 
 def test_allowlist_refuses_unknown_keys_at_the_handshake(make_plane, zctx, tmp_path):
@@ -268,7 +268,7 @@ def test_allowlist_refuses_unknown_keys_at_the_handshake(make_plane, zctx, tmp_p
     stranger.send(wire.encode(wire.Join(worker_id="x")))
     with pytest.raises(zmq.Again):
         stranger.recv()
-    assert plane.stats()["join_refused"].get("not_allowlisted", 0) >= 1
+    assert plane.stats().join_refused.get("not_allowlisted", 0) >= 1
 
 
 def test_a_ban_ends_the_live_session_at_its_next_message(make_plane, zctx):
@@ -280,7 +280,7 @@ def test_a_ban_ends_the_live_session_at_its_next_message(make_plane, zctx):
     plane.gate.reload()
     reply = ask(sock, wire.Heartbeat(worker_id="w1", version=-1, rid=7))
     assert refused(reply, "banned") and reply.rid == 7  # the worker's request ends with it
-    assert "w1" not in plane.stats()["workers"]
+    assert "w1" not in plane.stats().workers
 
 
 def test_floods_are_cut_per_key_and_others_are_served(make_plane, zctx):
@@ -291,7 +291,7 @@ def test_floods_are_cut_per_key_and_others_are_served(make_plane, zctx):
     replies = [ask(noisy, wire.Heartbeat(worker_id="noisy", version=-1)) for _ in range(100)]
     assert sum(refused(r, "rate_limited") for r in replies) >= 50
     assert isinstance(ask(calm, wire.Heartbeat(worker_id="calm", version=-1)), wire.HeartbeatAck)
-    assert plane.stats()["limited"]["rate_limited"] >= 50
+    assert plane.stats().limited["rate_limited"] >= 50
 
 
 def published_and_joined(plane, zctx, size):
@@ -317,9 +317,9 @@ def test_parked_chunk_requests_are_bounded(make_plane, zctx):
     with pytest.raises(zmq.Again):  # a key that has not joined cannot even connect here
         stranger.recv()
     stats = plane.stats()
-    assert stats["chunk_parked"] == 8
-    assert stats["chunk_rejected"] == {"future_version": 1, "too_many_requests": 1}
-    assert stats["join_refused"]["not_joined"] >= 1
+    assert stats.chunk_parked == 8
+    assert stats.chunk_rejected == {"future_version": 1, "too_many_requests": 1}
+    assert stats.join_refused["not_joined"] >= 1
 
 
 def test_chunk_request_floods_are_dropped_per_peer(make_plane, zctx):
@@ -327,7 +327,7 @@ def test_chunk_request_floods_are_dropped_per_peer(make_plane, zctx):
     snap = published_and_joined(plane, zctx, 8192)
     for i in range(1000):
         snap.send(wire.encode(wire.ChunkRequest(version=0, index=0, rid=i + 1)))
-    assert eventually(lambda: plane.stats()["chunk_rejected"].get("rate_limited", 0) >= 800)
+    assert eventually(lambda: plane.stats().chunk_rejected.get("rate_limited", 0) >= 800)
     other = KeyPair.generate()  # another peer is still served
     ask(peer(plane, zctx, other), wire.Join(worker_id="w2"))
     head = ask(peer(plane, zctx, other, plane.snapshot_endpoint), wire.ChunkRequest(version=0, index=1))
@@ -478,14 +478,14 @@ def test_false_corruption_report_convicts_nobody_and_stops_counting(make_plane, 
     assert eventually(lambda: plane.verifier.outcomes == {"intact": 1}, 40), plane.verifier.outcomes
     assert rkeys.text not in plane.gate.bans and liar_keys.text not in plane.gate.bans
     stats = plane.stats()
-    assert "liar" in stats["workers"] and stats["relays_marked"] == 0
-    assert stats["relay_reports"] == {"corrupt:counted": 1, "probe:intact": 1}
+    assert "liar" in stats.workers and stats.relays_marked == 0
+    assert stats.relay_reports == {"corrupt:counted": 1, "probe:intact": 1}
     again = ask(liar, wire.SourceRequest(worker_id="liar", version=0, bad_source=ep,
                                          reason="corrupt", chunk=3))
     assert isinstance(again, wire.SourceGrant) and again.source != ep
     stats = plane.stats()  # not probed again, and not counted against the relay
-    assert stats["rejected"]["report_not_counted"] == 1
-    assert stats["relay_reports"]["corrupt:unassigned"] == 1
+    assert stats.rejected["report_not_counted"] == 1
+    assert stats.relay_reports["corrupt:unassigned"] == 1
     loop.call_soon_threadsafe(stop.set_result, None)
     th.join(60)
 

@@ -407,13 +407,13 @@ def test_centralized_baselines_bill_every_gpu_for_the_whole_step():
     # 2,048 trajectories in requests of 32: 64 requests of 64 s, 8 per GPU on 8 GPUs = 512 s
     sync = run_baseline("sync", c, n_traj=2048, t_train=200.0, per_request=32, sigma=0.0,
                         steps=3, seed=0)
-    assert sync["step_s"] == pytest.approx(512 + 200)
-    assert sync["cost_per_step_usd"] == pytest.approx(8 * 3.0 * 712 / 3600)
-    assert sync["bubble_ratio"] == pytest.approx(512 / 712)
+    assert sync.step_s == pytest.approx(512 + 200)
+    assert sync.cost_per_step_usd == pytest.approx(8 * 3.0 * 712 / 3600)
+    assert sync.bubble_ratio == pytest.approx(512 / 712)
     # async: 4 generate (1,024 s) while 4 train (200 s): the step is the slower side
     asy = run_baseline("async", c, n_traj=2048, t_train=200.0, per_request=32, sigma=0.0,
                        steps=3, seed=0)
-    assert asy["step_s"] == pytest.approx(1024) and asy["generating_gpus"] == 4
+    assert asy.step_s == pytest.approx(1024) and asy.generating_gpus == 4
 
 
 def test_a_centralized_section_without_a_rollout_rate_names_the_key():

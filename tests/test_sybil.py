@@ -104,9 +104,9 @@ def test_idle_keys_are_pending_and_a_publication_tells_members_first(started):
     assert registered == {"honest"}
     assert plane.coordinator.peers["honest"].endpoint == "tcp://10.9.9.9:1"
     _publish(plane, 1)
-    assert eventually(lambda: plane.stats()["notices"].get("sent") == 8)
+    assert eventually(lambda: plane.stats().notices.get("sent") == 8)
     stats = plane.stats()
-    assert stats["notices"]["deferred"] == 301 - 8 and stats["pending_workers"] == 300
+    assert stats.notices["deferred"] == 301 - 8 and stats.pending_workers == 300
     assert _on_loop(plane, lambda: plane.table.workers["honest"].noticed) == 1
     # a pending key's heartbeat reply offers the new version, from the plan (no re-plan)
     hb = _on_loop(plane, lambda: plane.members.on_heartbeat(b"s0", f"{0:040d}", wire.Heartbeat(
@@ -171,10 +171,10 @@ def test_a_slow_loop_delays_publish_and_stats_but_never_ends_the_run(started, mo
     assert held.wait(10)
     _publish(plane, 0)  # does not raise
     stats = plane.stats()  # does not raise: the last statistics
-    assert stats["slow"] == {"publish_slow": 1, "stats_slow": 1}
-    assert stats["sessions"] == first["sessions"]
+    assert stats.slow == {"publish_slow": 1, "stats_slow": 1}
+    assert stats.sessions == first.sessions
     hold.set()
-    assert eventually(lambda: plane.stats()["slow"] and plane.store.latest() is not None)
+    assert eventually(lambda: plane.stats().slow and plane.store.latest() is not None)
     assert plane.store.latest().version == 0
 
 
@@ -200,7 +200,7 @@ def test_one_host_brings_keys_at_its_budget_and_joined_keys_reconnect(started, z
     late.send(wire.encode(wire.Join(worker_id="w2")))
     with pytest.raises(zmq.Again):
         late.recv()
-    assert plane.stats()["join_refused"].get("newcomer_limited", 0) >= 1
+    assert plane.stats().join_refused.get("newcomer_limited", 0) >= 1
     again = peer(plane, zctx, keys[0])  # a new connection of a joined key
     assert isinstance(ask(again, wire.Heartbeat(worker_id="w0", version=-1)), wire.HeartbeatAck)
-    assert plane.stats()["sessions"] == 2
+    assert plane.stats().sessions == 2

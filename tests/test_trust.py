@@ -144,7 +144,7 @@ def test_partial_forged_and_foreign_groups_are_refused(trusting, ctx, tokenizer)
                        + honest(trusting, theirs, tokenizer) + honest(trusting, g[2], tokenizer)))
     assert ack.rejected == {"partial_group": 3, "reward_mismatch": 4, "not_your_group": 4}
     assert ack.accepted == 4  # g[2], whole and true
-    checks = trusting.stats()["checks"]
+    checks = trusting.stats().checks
     assert checks == {"whole_group:fail": 1, "reward:fail": 1, "reward:ok": 1}
     assert [j.group_id for j in trusting.jobs] == [g[2].group_id]  # probation: audited
 
@@ -154,7 +154,7 @@ def test_two_strikes_quarantine_the_worker_and_take_its_records_out(trusting, ct
     ask(a, wire.Join(worker_id="w1"))
     g = ask(a, wire.WorkRequest(worker_id="w1", max_groups=3)).groups
     assert ask(a, batch(honest(trusting, g[0], tokenizer), "b0")).accepted == 4
-    assert trusting.buffer.depth()["ready_groups"] == 1
+    assert trusting.buffer.depth().ready_groups == 1
     lies = [[{**r, "reward": 1.0 - r["reward"]} for r in honest(trusting, x, tokenizer)]
             for x in g[1:]]  # wrong answers scored 1, right ones 0
     a.send(wire.encode(batch(lies[0] + lies[1], "b1")))
@@ -167,11 +167,11 @@ def test_two_strikes_quarantine_the_worker_and_take_its_records_out(trusting, ct
     assert farewell.account.state == "quarantined" and farewell.account.accepted == 4
     assert farewell.account.rejected == {"reward_mismatch": 8}
     assert farewell.account.message.startswith("quarantined: 2 failed checks")
-    assert trusting.buffer.depth()["ready_groups"] == 0  # its honest-looking group left too
+    assert trusting.buffer.depth().ready_groups == 0  # its honest-looking group left too
     row = json.loads((security_dir(tmp_path) / "quarantine.jsonl").read_text())
     assert row["worker_id"] == "w1" and row["strikes"] == 2
     assert ask(a, wire.Heartbeat(worker_id="w1", version=0)).reason == "banned"
-    assert trusting.stats()["reputation"]["w1"] == {"audits": 3, "failures": 2, "quarantined": 1}
+    assert trusting.stats().reputation["w1"] == {"audits": 3, "failures": 2, "quarantined": 1}
 
 
 # ----------------------------------------------------------------------------- audits
@@ -294,7 +294,7 @@ def test_hostile_link_reports_end_one_message_and_are_counted(trusting, ctx):  #
     for _ in range(600):  # a flood: past the per-key message rate it is refused, not served
         a.send(wire.encode(wire.Installed(worker_id="w1", version=0, down_mbit=1e300, up_mbit=1e300)))
     # the flood is served on the learner's thread: wait until it has got that far
-    assert eventually(lambda: trusting.stats()["limited"].get("rate_limited", 0) > 0)
-    assert trusting.stats()["rejected"]["invalid_fields"] == 4
+    assert eventually(lambda: trusting.stats().limited.get("rate_limited", 0) > 0)
+    assert trusting.stats().rejected["invalid_fields"] == 4
     assert "w1" not in trusting.coordinator.links.down  # no published version: nothing measured
     assert isinstance(ask(connect(trusting, ctx), wire.Join(worker_id="w2")), wire.JoinAck)

@@ -15,7 +15,7 @@ import pytest
 from echo.procs import python_argv
 from test_integration import cluster  # noqa: F401  (the fixture: a learner and workers on loopback)
 from worker import cli
-from worker.status import PlainView, StatusBoard, read_status, rows, write_atomic
+from worker.status import PlainView, StatusBoard, WorkerStatus, read_status, rows, write_atomic
 
 ACCOUNT = {"state": "active", "version": 3, "install_s": 0.4, "granted": 6, "accepted": 20,
            "duplicates": 1, "rejected": {"reward_mismatch": 4, "stale": 2}, "checks": 5,
@@ -39,7 +39,7 @@ def test_status_file_is_replaced_whole_and_read_back(tmp_path):
     assert b.flush(force=True)
     assert not b.flush()  # nothing changed since: no write
     doc = read_status(b.path)
-    assert doc["account"] == ACCOUNT and doc["groups_generated"] == 3
+    assert doc.account.model_dump() == ACCOUNT and doc.groups_generated == 3
     assert [p.name for p in b.path.parent.iterdir()] == ["w-1.json"]  # no temporary left over
 
 
@@ -112,7 +112,7 @@ def _metrics(url: str) -> dict[tuple[str, tuple], float]:
             for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-def _wait_file(path: Path, ok, timeout: float = 120) -> dict:
+def _wait_file(path: Path, ok, timeout: float = 120) -> WorkerStatus:
     """Polls a worker's status file (replaced whole about once a second) until ``ok``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -152,12 +152,12 @@ def test_status_file_and_exit_summary_agree_with_the_learners_metrics(cluster):
     honest = _start(cluster, "honest")
     liar = _start(cluster, "liar", "forge_rewards")
     assert cluster.wait("liar", timeout=180) == 1  # quarantined: exits with status 1
-    _wait_file(honest, lambda d: (d["account"] or {}).get("accepted", 0) > 0)
+    _wait_file(honest, lambda d: d.account is not None and d.account.accepted > 0)
     assert cluster.group.stop("honest", timeout=60) == 0
     metrics = _metrics(url)
     for name, path, state in (("honest", honest, "left"), ("liar", liar, "quarantined")):
         doc = read_status(path)
-        acct = doc["account"]
+        acct = doc.account.model_dump()
         assert acct["state"] == state
         w = (("worker", name),)
         assert metrics[("echo_worker_records_accepted", w)] == acct["accepted"]
@@ -174,10 +174,29 @@ def test_status_file_and_exit_summary_agree_with_the_learners_metrics(cluster):
         assert int(_summary_value(log, "records accepted")) == acct["accepted"]
         assert int(_summary_value(log, "records rejected")) == sum(acct["rejected"].values())
         assert _summary_value(log, "earned") == f"${acct['earned_usd']:.6f}"
-    assert read_status(honest)["exit"] == "signal SIGTERM"
-    assert read_status(honest)["account"]["accepted"] > 0
+    assert read_status(honest).exit == "signal SIGTERM"
+    assert read_status(honest).account.accepted > 0
     told = read_status(liar)
-    assert told["account"]["rejected"]["reward_mismatch"] >= 3 and told["account"]["accepted"] == 0
-    assert told["account"]["message"].startswith("quarantined: ") and "reward" in told["account"]["message"]
-    assert "banned" in told["exit"] and "quarantined" in told["exit"]
+    assert told.account.rejected["reward_mismatch"] >= 3 and told.account.accepted == 0
+    assert told.account.message.startswith("quarantined: ") and "reward" in told.account.message
+    assert "banned" in told.exit and "quarantined" in told.exit
     assert _summary_value((cluster.tmp / "liar.log").read_text(), "state") == "quarantined,"
+
+
+def test_the_status_file_is_one_declared_type(tmp_path):
+    """worker.status.WorkerStatus: a misspelt field fails on the worker; a reader ignores a
+    field it does not know and keeps the fields the worker has not reached absent."""
+    import pydantic
+
+    b = _board(tmp_path)
+    with pytest.raises(pydantic.ValidationError):
+        b.update(instaled_version=4)
+    with pytest.raises(pydantic.ValidationError):
+        b.update(installed_version="four")
+    b.flush(force=True)
+    doc = json.loads(b.path.read_text())
+    assert doc["schema"] == 1 and "tokens_sent" not in doc  # not reached yet: absent
+    write_atomic(b.path, {**doc, "a_later_field": 1})
+    back = read_status(b.path)
+    assert back.account.accepted == 20 and back.tokens_sent is None
+    assert back.to_json() == doc

@@ -25,7 +25,7 @@ from learner.work import WorkQueue
 from provisioning.controller import ACTIVATE, RELEASE, Controller, Decision
 from provisioning.words import SENTENCES, in_words
 from worker.agent import Worker, WorkerError
-from worker.status import rows, state_of
+from worker.status import WorkerStatus, rows, state_of
 from worker.unreachable import Unreachable
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,7 +88,7 @@ def test_a_worker_facing_a_silent_learner_hints_then_gives_up(caplog, tmp_path):
     assert "gave up after" in str(fatal.exceptions[0]) and "firewall" in str(fatal.exceptions[0])
     hints = [r.getMessage() for r in caplog.records if "no answer from the learner" in r.getMessage()]
     assert hints and f"127.0.0.1 port {port}" in hints[0]
-    assert worker.status.doc["problem"] == hints[-1]
+    assert worker.status.doc.problem == hints[-1]
 
 
 def test_give_up_after_must_be_a_positive_number(tmp_path, capsys):
@@ -106,7 +106,7 @@ def _doc(**fields):
     doc = {"worker_id": "w-1", "learner": LEARNER, "activity": "idle", "installed_version": -1,
            "account": {"state": "active"}, "exit": None, "problem": None}
     doc.update(fields)
-    return doc
+    return WorkerStatus.model_validate(doc)
 
 
 def test_status_says_installing_until_the_first_install():
@@ -122,7 +122,7 @@ def test_echo_worker_status_prints_installing_from_the_file(tmp_path, capsys):
     from worker import cli
 
     path = tmp_path / "w.json"
-    path.write_text(json.dumps({"schema": 1, "pid": 0, "updated_at": 0, **_doc()}))
+    path.write_text(json.dumps({"schema": 1, "pid": 0, "updated_at": 0, **_doc().to_json()}))
     assert cli.main(["status", str(path)]) == 0
     assert "installing" in capsys.readouterr().out
 

@@ -6,7 +6,6 @@ delivery) ends the worker through the same path."""
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import time
 
@@ -18,12 +17,12 @@ from echo.commands.admin import main as admin_main
 from echo.config import dump_toml
 from echo.procs import ProcessGroup, python_argv, wait_ready
 from worker.agent import WorkerError
-from worker.status import rows
+from worker.status import WorkerStatus, read_status, rows
 
 BANNED = "this key is banned (banned by the operator)"
 
 
-def _agrees(doc: dict) -> list[tuple[str, str]]:
+def _agrees(doc: WorkerStatus) -> list[tuple[str, str]]:
     """The rows that still speak of the worker as taking part."""
     return [(name, value) for name, value in rows(doc)
             if name != "active time" and ("active" in value or "standby" in value)]
@@ -54,7 +53,7 @@ def test_a_banned_worker_s_summary_and_status_agree(tmp_path, small_cfg):
         raise AssertionError("the banned worker did not exit within 30 s") from None
     finally:
         group.stop_all()
-    doc = json.loads(status.read_text())
+    doc = read_status(status)
     table = dict(rows(doc))
     assert table["state"] == "quarantined, exited"
     assert "banned" in table["exit"] and "banned" in table["learner says"]
@@ -66,7 +65,8 @@ def test_a_banned_worker_s_summary_and_status_agree(tmp_path, small_cfg):
 
 def _delivered(status) -> bool:
     try:
-        return (json.loads(status.read_text()).get("account") or {}).get("accepted", 0) > 0
+        account = read_status(status).account if status.exists() else None
+        return account is not None and account.accepted > 0
     except (OSError, ValueError):
         return False
 
@@ -80,5 +80,5 @@ def test_a_ban_met_by_a_work_request_or_a_join_is_a_ban(step):
     with pytest.raises(WorkerError, match="banned this worker's key"):
         asyncio.run(g.request_work() if step == "work" else g.session.join())
     doc = g.status.doc
-    assert doc["account"]["state"] == "quarantined" and doc["account"]["message"] == BANNED
-    assert _agrees({**doc, "exit": "banned"}) == []
+    assert doc.account.state == "quarantined" and doc.account.message == BANNED
+    assert _agrees(doc.model_copy(update={"exit": "banned"})) == []

@@ -260,13 +260,13 @@ class Worker:
     def _look(self, ticks: int) -> None:
         """The status's fields that follow the parts: activity, tokens, install, memory."""
         doc, held = self.status.doc, self.installer.held
-        if doc["activity"] != self.activity.state:
+        if doc.activity != self.activity.state:
             self.status.update(activity=self.activity.state)
-        if held.backend is not None and doc.get("tokens_sampled") != held.backend.tokens_sampled:
+        if held.backend is not None and doc.tokens_sampled != held.backend.tokens_sampled:
             self.status.update(tokens_sampled=held.backend.tokens_sampled)
         if held.version < 0:
             phase = self.progress.phase(self.installer.feed.progress())
-            if phase != doc.get("install_phase"):
+            if phase != doc.install_phase:
                 self.status.update(install_phase=phase)
         if ticks % MEMORY_EVERY == 0:
             self.status.update(memory=self.node.memory(getattr(held.backend, "model", None)))

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
                   host_memory_gb=args.host_memory_gb)
     # The worker settled its id (from its key, unless --id): the file is named after it.
     board.path = (Path(args.status_file) if args.status_file else
-                  st.default_status_dir() / f"{board.doc['worker_id'] or 'worker'}.json")
+                  st.default_status_dir() / f"{board.doc.worker_id or 'worker'}.json")
     if make_worker is None:  # the worker this module builds loads its model with them
         from worker.backends import warm
 
@@ -301,7 +301,7 @@ def _leave_now(code: int) -> None:
 def _summary(console: Any, board: Any) -> None:
     from worker.status import table
 
-    console.print(table(board.doc, title=f"echo-worker {board.doc['worker_id']}: summary"))
+    console.print(table(board.doc, title=f"echo-worker {board.doc.worker_id}: summary"))
     if board.path is not None:
         console.print(f"status file: {board.path}")
 
@@ -323,8 +323,8 @@ def _preempt(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"echo-worker preempt: {exc}", file=sys.stderr)
         return 1
-    pid = int(doc.get("pid", 0))
-    if doc.get("exit") or not _alive(pid, os):
+    pid = doc.pid
+    if doc.exit or not _alive(pid, os):
         print(f"echo-worker preempt: the worker of {path} is not running", file=sys.stderr)
         return 1
     if not args.seconds >= 0:
@@ -332,7 +332,7 @@ def _preempt(args: argparse.Namespace) -> int:
         return 2
     notice_path(path).write_text(json.dumps({"deadline": time.time() + args.seconds}))
     os.kill(pid, signal.SIGUSR1)
-    print(f"told worker {doc.get('worker_id')} (pid {pid}): reclaimed in {args.seconds:g} s")
+    print(f"told worker {doc.worker_id} (pid {pid}): reclaimed in {args.seconds:g} s")
     return 0
 
 
@@ -354,11 +354,11 @@ def _status(args: argparse.Namespace) -> int:
         print(f"echo-worker status: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(doc, indent=1))
+        print(json.dumps(doc.to_json(), indent=1))
         return 0
-    age = time.time() - float(doc.get("updated_at", 0))
-    running = not doc.get("exit") and _alive(int(doc.get("pid", 0)), os)
-    Console().print(table(doc, title=f"echo-worker {doc.get('worker_id')} "
+    age = time.time() - doc.updated_at
+    running = not doc.exit and _alive(doc.pid, os)
+    Console().print(table(doc, title=f"echo-worker {doc.worker_id} "
                                      f"({'running' if running else 'not running'}; "
                                      f"updated {age:.0f} s ago)"))
     return 0

@@ -152,8 +152,9 @@ class Generation:
             self.generating = []
         gen_s = time.monotonic() - t0
         self.activity.state = "yielded" if self.life.yielded else "idle"
-        if self.life.yielded and "yielded_at" in self.status.doc:  # how long the cut took
-            self.status.update(yield_stop_s=round(time.time() - self.status.doc["yielded_at"], 3))
+        yielded_at = self.status.doc.yielded_at
+        if self.life.yielded and yielded_at is not None:  # how long the cut took
+            self.status.update(yield_stop_s=round(time.time() - yielded_at, 3))
         return samples, gen_s
 
     async def rollout(self, groups: list[wire.Group]) -> bool:
@@ -196,7 +197,7 @@ class Generation:
         sampled minus sent is what this worker threw away); written at once, since a
         preempted worker may be killed before the next periodic write."""
         if self.held.backend is not None:
-            self.status.update(tokens_sent=int(self.status.doc.get("tokens_sent", 0)) + tokens,
+            self.status.update(tokens_sent=(self.status.doc.tokens_sent or 0) + tokens,
                                tokens_sampled=self.held.backend.tokens_sampled)
             self.status.flush(force=True)
 
@@ -224,7 +225,7 @@ class Generation:
         if isinstance(ack, wire.HandbackAck):
             log.info("handed back %d groups, %d of %d prefixes (%d tokens) kept%s", ack.groups,
                      ack.prefixes, kept, tokens, f"; refused {ack.refused}" if ack.refused else "")
-            self.status.update(handed_back_tokens=int(self.status.doc.get("handed_back_tokens", 0))
+            self.status.update(handed_back_tokens=(self.status.doc.handed_back_tokens or 0)
                                + tokens)
 
     def generate_and_score(self, groups: list[wire.Group]) -> Scored:

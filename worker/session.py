@@ -181,10 +181,11 @@ class Session:
             msg = self.client.notices.get_nowait()
             if isinstance(msg, wire.Farewell):
                 self.status.account(msg.account)
-        account = dict(self.status.doc.get("account") or {})
-        if account.get("state") != "quarantined":  # no farewell: the refusal's words
-            self.status.update(account={**account, "state": "quarantined", "message": detail,
-                                        "message_age_s": 0.0})
+        account = self.status.doc.account
+        if account is None or account.state != "quarantined":  # no farewell: the refusal's words
+            told = account or wire.Account(state="quarantined")
+            self.status.update(account=told.model_copy(update={
+                "state": "quarantined", "message": detail, "message_age_s": 0.0}))
         return WorkerError(f"the learner banned this worker's key: {detail}")
 
     async def leave(self, timeout: float) -> None:

@@ -26,6 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from echo import wire
+
 STATUS_SCHEMA = 1
 PLAIN_EVERY_S = 60.0
 STATUS_ENV = "ECHO_STATUS_DIR"
@@ -37,36 +41,92 @@ def default_status_dir() -> Path:
     return Path(env) if env else Path.home() / ".local" / "state" / "echo" / "workers"
 
 
+class FirstInstall(BaseModel):
+    """The first install's figures (``InstallProgress.installed``), seconds."""
+
+    model_config = ConfigDict(extra="ignore")
+    since_start_s: float  # from the worker's start
+    since_join_s: float  # from its join
+    model_s: float  # the model's load, after the join
+    snapshot_s: float  # the snapshot's arrival, after the join
+
+
+class WorkerStatus(BaseModel):
+    """The status file, schema ``STATUS_SCHEMA``: one declared type for the worker that
+    writes it and ``echo-worker status``, the owner tools and the drills that read it.
+    A renamed or mistyped field fails at assignment on the worker, not as a blank line in a
+    reader. Fields after ``first_install`` are written once the worker has them (absent
+    before). A field this version does not know is ignored on reading; a change of meaning
+    or a removal bumps ``STATUS_SCHEMA``."""
+
+    model_config = ConfigDict(extra="ignore", validate_assignment=True)
+    schema_: int = Field(STATUS_SCHEMA, alias="schema")  # the layout's version
+    # The worker writes every field down to first_install from its start; the defaults are
+    # for reading a file written by hand or cut short.
+    worker_id: str | None = None  # None until the learner confirms it
+    learner: str = ""  # the endpoint joined
+    pid: int = 0
+    price_per_hour: float = 0.0  # $/h, as declared
+    started_at: float = 0.0  # Unix time
+    updated_at: float = 0.0  # Unix time of the last write
+    activity: str = "starting"  # what the worker does (starting, generating, installing, ...)
+    installed_version: int = -1  # -1: none yet
+    installed_at: float | None = None  # Unix time of that install
+    install_s: float | None = None  # s the install took
+    groups_generated: int = 0
+    samples_generated: int = 0
+    exit: str | None = None  # why the worker stopped
+    account: wire.Account | None = None  # the learner's books, as last told
+    problem: str | None = None  # what keeps it from working now, in words
+    install_phase: str | None = None  # what the first install waits on, in words
+    first_install: FirstInstall | None = None
+    run_id: str | None = None
+    tokens_sampled: int | None = None  # tokens the backend sampled so far
+    tokens_sent: int | None = None  # tokens delivered so far
+    handed_back_tokens: int | None = None  # tokens of work handed back (docs/preemption.md)
+    yielded_at: float | None = None  # Unix time the owner's notice came
+    yield_stop_s: float | None = None  # s from that notice until generation stopped
+    base_model: str | None = None  # a LoRA run's base model, and where it came from
+    base_origin: str | None = None
+    base_fetched_bytes: int | None = None
+    memory: dict[str, int] | None = None  # bytes by use (docs/memory.md)
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's JSON: what was set (the fields a worker has not reached stay absent)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
 class StatusBoard:
     """The worker's status: updated by the worker, shown and written from here."""
 
     def __init__(self, worker_id: str, learner: str, price: float, path: Path | None):
         self.path = path
-        self.doc: dict[str, Any] = {
-            "schema": STATUS_SCHEMA, "worker_id": worker_id, "learner": learner, "pid": os.getpid(),
-            "price_per_hour": price, "started_at": time.time(), "updated_at": time.time(),
-            "activity": "starting", "installed_version": -1, "installed_at": None,
-            "install_s": None, "groups_generated": 0, "samples_generated": 0,
-            "exit": None, "account": None, "problem": None, "install_phase": None,
-            "first_install": None,
-        }
+        now = time.time()
+        self.doc = WorkerStatus(
+            schema=STATUS_SCHEMA, worker_id=worker_id, learner=learner, pid=os.getpid(),
+            price_per_hour=price, started_at=now, updated_at=now, activity="starting",
+            installed_version=-1, installed_at=None, install_s=None, groups_generated=0,
+            samples_generated=0, exit=None, account=None, problem=None, install_phase=None,
+            first_install=None)
         self._dirty = True
         self._written = 0.0
 
     # ------------------------------------------------------------------ updates (the worker)
 
     def update(self, **fields: Any) -> None:
-        self.doc.update(fields)
+        """Set fields of the status by name (validated: an unknown or mistyped one raises)."""
+        for name, value in fields.items():
+            setattr(self.doc, name, value)
         self._dirty = True
 
-    def account(self, account: Any) -> None:
-        """The learner's books (a ``wire.Account``), as received."""
+    def account(self, account: wire.Account | None) -> None:
+        """The learner's books, as received."""
         if account is not None:
-            self.update(account=account.model_dump())
+            self.update(account=account)
 
     def generated(self, groups: int, samples: int) -> None:
-        self.update(groups_generated=self.doc["groups_generated"] + groups,
-                    samples_generated=self.doc["samples_generated"] + samples)
+        self.update(groups_generated=self.doc.groups_generated + groups,
+                    samples_generated=self.doc.samples_generated + samples)
 
     # ------------------------------------------------------------------ the file
 
@@ -76,8 +136,8 @@ class StatusBoard:
         now = time.time()
         if self.path is None or not self._dirty or (not force and now - self._written < 1.0):
             return False
-        self.doc["updated_at"] = now
-        write_atomic(self.path, self.doc)
+        self.doc.updated_at = now
+        write_atomic(self.path, self.doc.to_json())
         self._dirty, self._written = False, now
         return True
 
@@ -151,7 +211,7 @@ def write_atomic(path: Path, doc: dict[str, Any]) -> None:
         raise
 
 
-def read_status(path: Path) -> dict[str, Any]:
+def read_status(path: Path) -> WorkerStatus:
     """A status file, checked enough to show it; ValueError says what is wrong with it."""
     try:
         doc = json.loads(path.read_text())
@@ -163,7 +223,11 @@ def read_status(path: Path) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("schema") != STATUS_SCHEMA:
         raise ValueError(f"{path}: status schema {doc.get('schema') if isinstance(doc, dict) else '?'}"
                          f", this echo-worker reads {STATUS_SCHEMA}: use the same version as the worker")
-    return doc
+    try:
+        return WorkerStatus.model_validate(doc)
+    except ValidationError as exc:
+        raise ValueError(f"{path} is not a worker status file of schema {STATUS_SCHEMA} "
+                         f"({exc.error_count()} bad field(s): {exc.errors()[0]['loc']})") from None
 
 
 def latest_status(folder: Path) -> Path:
@@ -177,18 +241,17 @@ def latest_status(folder: Path) -> Path:
 # ------------------------------------------------------------------ showing it
 
 
-def state_of(doc: dict[str, Any]) -> str:
+def state_of(doc: WorkerStatus) -> str:
     """standby, active, quarantined or left (the learner's word), with what the worker does:
     "installing" until the first snapshot is in the model (loading the model, fetching and
     rebuilding the snapshot), whatever the worker's loop says meanwhile."""
-    acct = doc.get("account") or {}
-    state = acct.get("state") or "joining"
-    if doc.get("exit"):
+    state = doc.account.state if doc.account else "joining"
+    if doc.exit:
         return f"{state}, exited"
     if state not in ("standby", "active"):
         return state
-    activity = doc.get("activity")
-    if doc.get("installed_version", -1) < 0 and activity != "yielded":
+    activity = doc.activity
+    if doc.installed_version < 0 and activity != "yielded":
         activity = "installing (model and first snapshot)"
     return f"{state} · {activity}"
 
@@ -201,64 +264,60 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
 
 
-def rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
+def rows(doc: WorkerStatus) -> list[tuple[str, str]]:
     """The figures, as (name, value) rows: the live view, the summary and ``status`` show these."""
-    a = doc.get("account") or {}
-    out = [("state", state_of(doc)), ("worker", str(doc.get("worker_id"))),
-           ("learner", str(doc.get("learner")))]
-    if doc.get("problem") and not doc.get("exit"):
-        out.append(("problem", str(doc["problem"])))
-    out += [("installed snapshot", _installed(doc, a)),
-            ("groups generated", f"{doc.get('groups_generated', 0)} "
-                                 f"({doc.get('samples_generated', 0)} samples)")]
-    if not a:
+    a = doc.account
+    out = [("state", state_of(doc)), ("worker", str(doc.worker_id)), ("learner", str(doc.learner))]
+    if doc.problem and not doc.exit:
+        out.append(("problem", str(doc.problem)))
+    out += [("installed snapshot", _installed(doc)),
+            ("groups generated", f"{doc.groups_generated} ({doc.samples_generated} samples)")]
+    if a is None:
         return out + [("learner's books", "none yet (they come with the first heartbeat reply)")]
-    rejected = a.get("rejected") or {}
-    out += [("groups granted", str(a.get("granted", 0))),
-            ("records accepted", str(a.get("accepted", 0))),
-            ("records rejected", str(sum(rejected.values())))]
-    out += [(f"  rejected: {reason}", str(n)) for reason, n in sorted(rejected.items())]
-    out += [("duplicates (resends)", str(a.get("duplicates", 0))),
-            ("checks / failed", f"{a.get('checks', 0)} / {a.get('check_failures', 0)}"),
-            ("throughput (learner)", f"{a.get('throughput', 0.0):.3f} traj/s"),
+    out += [("groups granted", str(a.granted)), ("records accepted", str(a.accepted)),
+            ("records rejected", str(sum(a.rejected.values())))]
+    out += [(f"  rejected: {reason}", str(n)) for reason, n in sorted(a.rejected.items())]
+    out += [("duplicates (resends)", str(a.duplicates)),
+            ("checks / failed", f"{a.checks} / {a.check_failures}"),
+            ("throughput (learner)", f"{a.throughput:.3f} traj/s"),
             ("links (learner)", _links(a)),
-            ("NAT", str(a.get("nat", "unknown"))),
-            ("active time", f"{a.get('active_s', 0.0):.1f} s"),
-            ("earned", f"{_money(a.get('earned_usd', 0.0))} at ${a.get('price', 0.0):.3f}/h"),
-            ("learner says", f"{a.get('message') or '-'} ({_age(a.get('message_age_s', 0.0))})")]
-    if doc.get("exit"):
-        out.append(("exit", str(doc["exit"])))
+            ("NAT", str(a.nat)),
+            ("active time", f"{a.active_s:.1f} s"),
+            ("earned", f"{_money(a.earned_usd)} at ${a.price:.3f}/h"),
+            ("learner says", f"{a.message or '-'} ({_age(a.message_age_s)})")]
+    if doc.exit:
+        out.append(("exit", str(doc.exit)))
     return out
 
 
-def _installed(doc: dict[str, Any], a: dict[str, Any]) -> str:
+def _installed(doc: WorkerStatus) -> str:
     """The installed version and its timing; before the first install, what it waits on."""
-    v = doc.get("installed_version", -1)
+    v = doc.installed_version
     if v < 0:
-        phase = doc.get("install_phase")
-        return f"none yet: {phase}" if phase and not doc.get("exit") else "none yet"
+        phase = doc.install_phase
+        return f"none yet: {phase}" if phase and not doc.exit else "none yet"
     inst = f"v{v}"
-    if doc.get("install_s") is not None:
-        inst += f" (loaded in {doc['install_s']:.2f} s"
-        if a.get("install_s"):
-            inst += f"; {a['install_s']:.2f} s after publication"
+    if doc.install_s is not None:
+        inst += f" (loaded in {doc.install_s:.2f} s"
+        if doc.account and doc.account.install_s:
+            inst += f"; {doc.account.install_s:.2f} s after publication"
         inst += ")"
-    first = doc.get("first_install")
+    first = doc.first_install
     if first:
-        inst += (f"; first install {first['since_join_s']:.1f} s after joining (model "
-                 f"{first['model_s']:.1f} s, snapshot {first['snapshot_s']:.1f} s)")
+        inst += (f"; first install {first.since_join_s:.1f} s after joining (model "
+                 f"{first.model_s:.1f} s, snapshot {first.snapshot_s:.1f} s)")
     return inst
 
 
-def _links(a: dict[str, Any]) -> str:
-    down, up = a.get("down_mbit", 0.0), a.get("up_mbit", 0.0)
+def _links(a: wire.Account) -> str:
+    down, up = a.down_mbit, a.up_mbit
     if not down and not up:
         return "not measured yet"
     fmt = lambda x: f"{x:.1f} Mbit/s" if x else "not measured"  # noqa: E731
     return f"down {fmt(down)}, up {fmt(up)}"
 
 
-def table(doc: dict[str, Any], title: str = "echo-worker") -> Any:
+def table(doc: WorkerStatus, title: str = "echo-worker") -> Any:
     from rich.table import Table
 
     t = Table(title=title, show_header=False, title_justify="left", expand=False)
@@ -269,16 +328,16 @@ def table(doc: dict[str, Any], title: str = "echo-worker") -> Any:
     return t
 
 
-def plain_line(doc: dict[str, Any]) -> str:
+def plain_line(doc: WorkerStatus) -> str:
     """One line for a log without a terminal (once a minute)."""
-    a = doc.get("account") or {}
-    rejected = sum((a.get("rejected") or {}).values())
-    v, phase = doc.get("installed_version", -1), doc.get("install_phase")
+    a = doc.account or wire.Account(state="standby")  # zeros until the learner's books come
+    rejected = sum(a.rejected.values())
+    v, phase = doc.installed_version, doc.install_phase
     snapshot = f"snapshot v{v}" if v >= 0 or not phase else f"first snapshot: {phase}"
     return (f"status: {state_of(doc)}; {snapshot}; "
-            f"groups {doc.get('groups_generated', 0)}; accepted {a.get('accepted', 0)}, "
-            f"rejected {rejected}, checks {a.get('checks', 0)}/{a.get('check_failures', 0)} failed; "
-            f"earned {_money(a.get('earned_usd', 0.0))}; learner says: {a.get('message') or '-'}")
+            f"groups {doc.groups_generated}; accepted {a.accepted}, "
+            f"rejected {rejected}, checks {a.checks}/{a.check_failures} failed; "
+            f"earned {_money(a.earned_usd)}; learner says: {a.message or '-'}")
 
 
 class LiveView:
@@ -313,7 +372,7 @@ class PlainView:
 
     def show(self, board: StatusBoard) -> None:
         now = time.monotonic()
-        if board.doc.get("account") and now - self.last >= self.every_s:
+        if board.doc.account is not None and now - self.last >= self.every_s:
             self.last = now
             self.log.info("%s", plain_line(board.doc))
 

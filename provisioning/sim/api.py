@@ -14,6 +14,7 @@ import simpy
 
 from provisioning.sim.core import Sim
 from provisioning.sim.scenario import Scenario, apply_overrides, load_scenario, scenario_from_dict
+from provisioning.sim.summary import SimSummary
 
 
 def run_scenario(sc: Scenario, *, progress: bool = False,
@@ -33,7 +34,7 @@ def run_scenario(sc: Scenario, *, progress: bool = False,
     if sc.centralized.enabled:
         from provisioning.sim.centralized import compare
 
-        result["centralized"] = compare(sc, result["summary"])
+        result["centralized"] = compare(sc, SimSummary.from_json(result["summary"]))
     if machine:
         from echo.machine import machine_info
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from provisioning.sim.scenario import CentralizedSection
+from provisioning.sim.summary import Baseline, SimSummary
 
 
 def check(c: CentralizedSection) -> None:
@@ -53,7 +54,7 @@ def _gen_time(rng: np.random.Generator, n_traj: int, gpus: int, mu: float, per_r
 
 
 def run_baseline(mode: str, c: CentralizedSection, *, n_traj: int, t_train: float,
-                 per_request: int, sigma: float, steps: int, seed: int) -> dict[str, Any]:
+                 per_request: int, sigma: float, steps: int, seed: int) -> Baseline:
     rng = np.random.default_rng(seed)
     t_train = c.t_train_s or t_train
     gen_gpus = c.gpus if mode == "sync" else c.gpus - c.train_gpus
@@ -70,19 +71,18 @@ def run_baseline(mode: str, c: CentralizedSection, *, n_traj: int, t_train: floa
         wait_s.append(wait)
     step_mean = float(np.mean(step_s))
     usd_per_step = c.gpus * c.gpu_price * step_mean / 3600.0
-    return {
-        "mode": mode, "gpus": c.gpus, "generating_gpus": gen_gpus,
-        "training_gpus": c.gpus if mode == "sync" else c.train_gpus,
-        "gpu_price": c.gpu_price, "mu_per_gpu": c.mu_per_gpu, "t_train_s": t_train,
-        "step_s": step_mean, "t_gen_s": float(np.mean(gen_s)),
+    return Baseline(
+        mode=mode, gpus=c.gpus, generating_gpus=gen_gpus,
+        training_gpus=c.gpus if mode == "sync" else c.train_gpus,
+        gpu_price=c.gpu_price, mu_per_gpu=c.mu_per_gpu, t_train_s=t_train,
+        step_s=step_mean, t_gen_s=float(np.mean(gen_s)),
         # the trainer's share of the step spent waiting for rollouts
-        "bubble_ratio": float(np.sum(wait_s) / np.sum(step_s)),
-        "cost_per_step_usd": usd_per_step,
-        "usd_per_1k_trajectories": 1000.0 * usd_per_step / n_traj,
-    }
+        bubble_ratio=float(np.sum(wait_s) / np.sum(step_s)),
+        cost_per_step_usd=usd_per_step,
+        usd_per_1k_trajectories=1000.0 * usd_per_step / n_traj)
 
 
-def compare(sc: Any, echo_summary: dict[str, Any]) -> dict[str, Any]:
+def compare(sc: Any, echo_summary: SimSummary) -> dict[str, Any]:
     """Every enabled baseline beside the distributed run's cost per trained step."""
     c: CentralizedSection = sc.centralized
     check(c)
@@ -92,10 +92,10 @@ def compare(sc: Any, echo_summary: dict[str, Any]) -> dict[str, Any]:
                          per_request=sc.rollout.groups_per_request * L.group_size,
                          sigma=sc.rollout.duration_sigma, steps=sc.run.steps, seed=sc.run.seed)
             for m in c.modes]
-    echo = echo_summary["cost_per_step_usd"]
-    for r in rows:
-        r["echo_saving"] = 1.0 - echo / r["cost_per_step_usd"] if echo is not None else None
-    cheapest = min(rows, key=lambda r: r["cost_per_step_usd"]) if rows else None
-    return {"baselines": rows, "echo_cost_per_step_usd": echo,
-            "echo_bubble_ratio": echo_summary["bubble_ratio"],
-            "echo_saving_vs_cheapest": cheapest["echo_saving"] if cheapest else None}
+    echo = echo_summary.cost_per_step_usd
+    saving = [1.0 - echo / b.cost_per_step_usd if echo is not None else None for b in rows]
+    out = [{**b.to_json(), "echo_saving": s} for b, s in zip(rows, saving)]
+    cheapest = min(range(len(rows)), key=lambda i: rows[i].cost_per_step_usd) if rows else None
+    return {"baselines": out, "echo_cost_per_step_usd": echo,
+            "echo_bubble_ratio": echo_summary.bubble_ratio,
+            "echo_saving_vs_cheapest": saving[cheapest] if cheapest is not None else None}

@@ -14,11 +14,13 @@ import numpy as np
 import simpy
 
 from broadcast.coordinator import quantile_rank
+from echo.steprow import COL
 from provisioning import capacity
 from provisioning.sim.broadcast import BroadcastModel
 from provisioning.sim.fleet import Churn, Provisioner
 from provisioning.sim.scenario import Scenario, build_pool, read_trace
 from provisioning.sim.state import Counters, Ledger, Snapshots, WorkerState
+from provisioning.sim.summary import SimSummary
 from provisioning.sim.work import Work
 
 
@@ -268,44 +270,35 @@ def results(sim: Sim, wall_s: float, cpu_s: float) -> dict[str, Any]:
                if t_b_mean is not None else None)
     except capacity.Infeasible:
         req = None
-    summary = {
-        "steps_done": len(sim.steps),
-        "steps_measured": len(steps),
-        "stalled": sim.stalled,
-        "bubble_ratio": wait / (wait + busy) if steps else None,
-        "wait_s_per_step": wait / len(steps) if steps else None,
-        "t_train_s_per_step": busy / len(steps) if steps else None,
-        "staleness_max": max((s.staleness for s in steps), default=None),
-        "staleness_mean": float(np.mean([s.staleness for s in steps])) if steps else None,
-        "cost_per_step_usd": cost / len(steps) if steps else None,
-        "usd_per_1k_trajectories": cost / trained * 1000 if trained else None,
-        "cost_total_usd": cost,
-        "t_bcast_mean_s": t_b_mean,
-        "t_bcast_max_s": max(tb) if tb else None,
-        "publications": len(pubs),
-        "active_mean": float(np.mean([s.n_active for s in steps])) if steps else None,
-        "mu_active_mean": float(np.mean([s.mu_active for s in steps])) if steps else None,
-        "mu_req_at_mean_t_bcast": req,
-        "kappa": sim.kappa,
-        "n_per_step": L.n,
-        "sim_time_s": sim.env.now,
-        "trajectories": {"delivered": c.delivered_groups * G, "admitted": c.admitted_groups * G,
-                         "trained": c.trained_groups * G,
-                         "dropped_stale": c.dropped_stale_groups * G,
-                         "lost_to_churn": c.lost_groups * G},
-        "events": {"installs": c.installs, "leaves": c.leaves, "joins": c.joins,
-                   "activations": c.activations, "releases": c.releases, "short": c.short},
-        "wall_s": wall_s,
-        "cpu_s": cpu_s,  # this process's CPU time: robust to other load on the machine
-        "planner_wall_s": sim.bmodel.plan_wall_s,
-    }
+    n = len(steps)
+    summary = SimSummary(
+        steps_done=len(sim.steps), steps_measured=n, stalled=sim.stalled,
+        bubble_ratio=wait / (wait + busy) if steps else None,
+        wait_s_per_step=wait / n if steps else None,
+        t_train_s_per_step=busy / n if steps else None,
+        staleness_max=max((s.staleness for s in steps), default=None),
+        staleness_mean=float(np.mean([s.staleness for s in steps])) if steps else None,
+        cost_per_step_usd=cost / n if steps else None,
+        usd_per_1k_trajectories=cost / trained * 1000 if trained else None,
+        cost_total_usd=cost, t_bcast_mean_s=t_b_mean, t_bcast_max_s=max(tb) if tb else None,
+        publications=len(pubs),
+        active_mean=float(np.mean([s.n_active for s in steps])) if steps else None,
+        mu_active_mean=float(np.mean([s.mu_active for s in steps])) if steps else None,
+        mu_req_at_mean_t_bcast=req, kappa=sim.kappa, n_per_step=L.n, sim_time_s=sim.env.now,
+        trajectories={"delivered": c.delivered_groups * G, "admitted": c.admitted_groups * G,
+                      "trained": c.trained_groups * G,
+                      COL.dropped_stale: c.dropped_stale_groups * G,  # the row's name
+                      "lost_to_churn": c.lost_groups * G},
+        events={"installs": c.installs, "leaves": c.leaves, "joins": c.joins,
+                "activations": c.activations, "releases": c.releases, "short": c.short},
+        wall_s=wall_s, cpu_s=cpu_s, planner_wall_s=sim.bmodel.plan_wall_s)
     return {
         "scenario": sc.model_dump(exclude={"base_dir"}),
         "pool": {"workers": sim.n, "mu_total": float(sim.pool.mu.sum()),
                  "price_total": float(sim.pool.price.sum()),
                  "classes": sorted(set(sim.pool.cls))},
         "initial": sim.prov.initial,
-        "summary": summary,
+        "summary": summary.to_json(),  # the declared SimSummary, as the result files hold it
         "steps": [s.__dict__ for s in sim.steps],
         "publications": [p.__dict__ for p in sim.pubs],
         "active_timeline": _downsample(sim.ledger.timeline, 2000),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from provisioning.sim.summary import SimSummary
+
 
 def _plt():
     import matplotlib
@@ -21,13 +23,13 @@ def plot_run(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     plt = _plt()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sc, s = result["scenario"], result["summary"]
+    sc, s = result["scenario"], SimSummary.from_json(result["summary"])
     name = sc["run"]["name"]
     steps = result["steps"]
     fig, ax = plt.subplots(2, 2, figsize=(12, 8))
-    fig.suptitle(f"{name}: B = {s['bubble_ratio']:.2%}, s_max = {s['staleness_max']} "
-                 f"(S = {sc['learner']['staleness']}), ${s['cost_per_step_usd']:.3f}/step"
-                 if s["bubble_ratio"] is not None else name)
+    fig.suptitle(f"{name}: B = {s.bubble_ratio:.2%}, s_max = {s.staleness_max} "
+                 f"(S = {sc['learner']['staleness']}), ${s.cost_per_step_usd:.3f}/step"
+                 if s.bubble_ratio is not None else name)
 
     a = ax[0][0]
     x = [r["step"] for r in steps]
@@ -45,7 +47,7 @@ def plot_run(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     a = ax[0][1]
     tl = result["active_timeline"]
     if tl:
-        t = [r[0] / 3600 for r in tl] + [s["sim_time_s"] / 3600]
+        t = [r[0] / 3600 for r in tl] + [(s.sim_time_s or 0.0) / 3600]
         n = [r[1] for r in tl] + [tl[-1][1]]
         mu = [r[2] for r in tl] + [tl[-1][2]]
         a.step(t, n, where="post", color="tab:green", label="active workers")
@@ -56,7 +58,7 @@ def plot_run(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
         req = [(tt / 3600, r) for tt, r in result["mu_req_history"] if r is not None]
         if req:
             alpha = sc["provisioning"]["alpha"]
-            a3.step([r[0] for r in req] + [s["sim_time_s"] / 3600],
+            a3.step([r[0] for r in req] + [(s.sim_time_s or 0.0) / 3600],
                     [alpha * r[1] for r in req] + [alpha * req[-1][1]], where="post",
                     color="tab:purple", ls="--", label="alpha x mu_req")
         a3.set_ylabel("trajectories/s")

@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from echo.steprow import COL
 from provisioning.sim.scenario import ScenarioError, load_scenario
+from provisioning.sim.summary import Baseline, SimSummary
 
 
 def print_report(result: dict[str, Any], console: Any = None) -> None:
@@ -18,39 +20,39 @@ def print_report(result: dict[str, Any], console: Any = None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    s = result["summary"]
+    s = SimSummary.from_json(result["summary"])
     sc = result["scenario"]
 
     def f(x: Any, fmt: str = ".4g") -> str:
         return "-" if x is None else format(x, fmt)
 
     t = Table(title=f"sim {sc['run']['name']}: {result['pool']['workers']:,} candidate workers, "
-                    f"{s['steps_done']} steps ({s['steps_measured']} measured), "
+                    f"{s.steps_done} steps ({s.steps_measured} measured), "
                     f"topology {sc['broadcast']['topology']}")
     t.add_column("metric")
     t.add_column("value", justify="right")
     rows = [
-        ("bubble ratio B", f(s["bubble_ratio"], ".2%") if s["bubble_ratio"] is not None else "-"),
-        ("T_wait per step (s)", f(s["wait_s_per_step"], ".1f")),
-        ("T_train per step (s)", f(s["t_train_s_per_step"], ".1f")),
-        ("staleness max / mean (S)", f"{f(s['staleness_max'], 'd')} / "
-                                     f"{f(s['staleness_mean'], '.2f')} "
-                                     f"(S={sc['learner']['staleness']}, kappa={s['kappa']})"),
-        ("cost per step ($)", f(s["cost_per_step_usd"], ".3f")),
-        ("$ per 1k trained trajectories", f(s["usd_per_1k_trajectories"], ".4f")),
-        ("T_bcast mean / max (s)", f"{f(s['t_bcast_mean_s'], '.1f')} / "
-                                  f"{f(s['t_bcast_max_s'], '.1f')} ({s['publications']} pubs)"),
-        ("active workers (mean)", f(s["active_mean"], ".1f")),
-        ("capacity active (mean, traj/s)", f(s["mu_active_mean"], ".4g")),
-        ("mu_req at mean T_bcast (traj/s)", f(s["mu_req_at_mean_t_bcast"], ".4g")),
+        ("bubble ratio B", f(s.bubble_ratio, ".2%") if s.bubble_ratio is not None else "-"),
+        ("T_wait per step (s)", f(s.wait_s_per_step, ".1f")),
+        ("T_train per step (s)", f(s.t_train_s_per_step, ".1f")),
+        ("staleness max / mean (S)", f"{f(s.staleness_max, 'd')} / "
+                                     f"{f(s.staleness_mean, '.2f')} "
+                                     f"(S={sc['learner']['staleness']}, kappa={s.kappa})"),
+        ("cost per step ($)", f(s.cost_per_step_usd, ".3f")),
+        ("$ per 1k trained trajectories", f(s.usd_per_1k_trajectories, ".4f")),
+        ("T_bcast mean / max (s)", f"{f(s.t_bcast_mean_s, '.1f')} / "
+                                  f"{f(s.t_bcast_max_s, '.1f')} ({s.publications} pubs)"),
+        ("active workers (mean)", f(s.active_mean, ".1f")),
+        ("capacity active (mean, traj/s)", f(s.mu_active_mean, ".4g")),
+        ("mu_req at mean T_bcast (traj/s)", f(s.mu_req_at_mean_t_bcast, ".4g")),
         ("trajectories trained / dropped stale / lost",
-         f"{s['trajectories']['trained']:,} / {s['trajectories']['dropped_stale']:,} / "
-         f"{s['trajectories']['lost_to_churn']:,}"),
-        ("churn leaves / joins", f"{s['events']['leaves']} / {s['events']['joins']}"),
+         f"{s.trajectories['trained']:,} / {s.trajectories[COL.dropped_stale]:,} / "
+         f"{s.trajectories['lost_to_churn']:,}"),
+        ("churn leaves / joins", f"{s.events['leaves']} / {s.events['joins']}"),
         ("controller activate / release / short",
-         f"{s['events']['activations']} / {s['events']['releases']} / {s['events']['short']}"),
-        ("simulated time (h)", f(s["sim_time_s"] / 3600, ".2f")),
-        ("wall / CPU time (s)", f"{s['wall_s']:.2f} / {s['cpu_s']:.2f}"),
+         f"{s.events['activations']} / {s.events['releases']} / {s.events['short']}"),
+        ("simulated time (h)", f(s.sim_time_s / 3600, ".2f")),
+        ("wall / CPU time (s)", f"{s.wall_s:.2f} / {s.cpu_s:.2f}"),
     ]
     for k, v in rows:
         t.add_row(k, v)
@@ -71,9 +73,10 @@ def print_centralized(c: dict[str, Any], console: Any) -> None:
     t.add_row("Echo (this run)", "-", "-", f"{c['echo_bubble_ratio']:.2%}",
               f"${c['echo_cost_per_step_usd']:.3f}", "-")
     for r in c["baselines"]:
-        t.add_row(f"centralized {r['mode']}", f"{r['gpus']} ({r['training_gpus']} / "
-                  f"{r['generating_gpus']})", f"{r['step_s']:.0f}", f"{r['bubble_ratio']:.1%}",
-                  f"${r['cost_per_step_usd']:.3f}", f"{r['echo_saving']:.1%}")
+        b = Baseline.from_json(r)
+        t.add_row(f"centralized {b.mode}", f"{b.gpus} ({b.training_gpus} / "
+                  f"{b.generating_gpus})", f"{b.step_s:.0f}", f"{b.bubble_ratio:.1%}",
+                  f"${b.cost_per_step_usd:.3f}", f"{r['echo_saving']:.1%}")
     console.print(t)
 
 
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for path in plot_run(result, args.plots):
             print(f"wrote {path}")
-    return 1 if result["summary"]["stalled"] else 0
+    return 1 if SimSummary.from_json(result["summary"]).stalled else 0
 
 
 def _json_default(x: Any) -> Any:
