@@ -30,11 +30,11 @@ dev: $(VENV)/.dev
 quickstart: $(VENV)/.installed
 	$(BIN)/echo-rl quickstart $(ARGS)
 
-# Lints ([tool.ruff.lint] in pyproject.toml), type-checks ([tool.mypy]: the files it lists,
+# Lints and checks the format ([tool.ruff] in pyproject.toml), type-checks ([tool.mypy]: the files it lists,
 # strict), then tests; fails if no test ran (pytest exits 5 when it collects nothing).
 test: $(VENV)/.dev
 	$(BIN)/ruff check .
-# TODO(issue 34): $(BIN)/ruff format --check .   (on once the whole repo is formatted in one commit)
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(ARGS)
 

@@ -27,8 +27,15 @@ def run_config(name: str) -> Any:
 
 
 class HFModel:
-    def __init__(self, name: str, threads: int | None = None, seed: int = 0, device: str = "cpu",
-                 untrained: bool = False, **model_cfg: Any):
+    def __init__(
+        self,
+        name: str,
+        threads: int | None = None,
+        seed: int = 0,
+        device: str = "cpu",
+        untrained: bool = False,
+        **model_cfg: Any,
+    ):
         import torch
 
         from echo.config import ModelConfig
@@ -49,8 +56,10 @@ class HFModel:
         lora = self.run_config.learner.lora if self.run_config is not None else None
         self.model = load_policy_model(cfg, lora, self.tokenizer, dtype)[0].eval()
         if untrained and self.run_config is None:
-            raise ValueError(f"{name}: untrained needs an Echo run folder (config.toml and "
-                             "checkpoints/); a model folder is untrained already")
+            raise ValueError(
+                f"{name}: untrained needs an Echo run folder (config.toml and "
+                "checkpoints/); a model folder is untrained already"
+            )
         if self.run_config is not None and not untrained:  # untrained: the run's initial weights
             self._load_checkpoint(Path(name))
         self.model.to(self.device)
@@ -67,18 +76,22 @@ class HFModel:
         from echo.lora import adapter_parameters, is_peft
 
         ckpt = run / "checkpoints"
-        state = torch.load(ckpt / (ckpt / "latest").read_text().strip(), map_location="cpu",
-                           weights_only=False)["model"]
+        state = torch.load(
+            ckpt / (ckpt / "latest").read_text().strip(), map_location="cpu", weights_only=False
+        )["model"]
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if is_peft(self.model):  # the base is not in the checkpoint: only the adapter must fit
             missing = set(adapter_parameters(self.model)) - set(state)
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
         if set(missing) - tied or unexpected:
-            raise ValueError(f"{run}: checkpoint does not fit the run's model "
-                             f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+            raise ValueError(
+                f"{run}: checkpoint does not fit the run's model "
+                f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+            )
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 temperature: float = 0.0) -> list[tuple[list[int], list[float]]]:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0
+    ) -> list[tuple[list[int], list[float]]]:
         import torch
         from transformers import LogitsProcessorList
 
@@ -88,18 +101,25 @@ class HFModel:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                            device=self.device)
+        attn = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
+        )
         sample = temperature > 0
         torch.manual_seed(self.seed * 1_000_003 + self.calls)
         self.calls += 1
         with torch.no_grad():
             out = self.model.generate(
-                input_ids=ids, attention_mask=attn, do_sample=sample,
-                max_new_tokens=max_new_tokens, return_dict_in_generate=True, output_scores=True,
-                pad_token_id=pad, eos_token_id=tok.eos_token_id,
+                input_ids=ids,
+                attention_mask=attn,
+                do_sample=sample,
+                max_new_tokens=max_new_tokens,
+                return_dict_in_generate=True,
+                output_scores=True,
+                pad_token_id=pad,
+                eos_token_id=tok.eos_token_id,
                 logits_processor=LogitsProcessorList(answer_processor(self.answer_tokens)),
-                **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if sample else {}))
+                **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if sample else {}),
+            )
         new = out.sequences[:, width:]
         logp = torch.log_softmax(torch.stack(out.scores, 1).float(), -1)
         logp = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)
@@ -109,8 +129,9 @@ class HFModel:
             res.append((row[:end], [min(0.0, x) for x in lp[:end]]))
         return res
 
-    def chat(self, messages: list[dict[str, str]], max_new_tokens: int = 32,
-             temperature: float = 0.0) -> str:
+    def chat(
+        self, messages: list[dict[str, str]], max_new_tokens: int = 32, temperature: float = 0.0
+    ) -> str:
         from dataplane.multiturn import render_ids
 
         prompt = render_ids(self.tokenizer, messages, add_generation_prompt=True)

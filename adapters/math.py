@@ -44,21 +44,35 @@ from adapters.mathcheck import MathChecker, extract_answer
 from dataplane.adapter import Adapter, AdapterError, Prompt
 from dataplane.multiturn import render_ids
 
-_OPTIONS = {"path", "question_key", "answer_key", "system", "chat_template", "format_reward",
-            "verify_timeout_s", "max_prompt_tokens", "heldout_path"}
+_OPTIONS = {
+    "path",
+    "question_key",
+    "answer_key",
+    "system",
+    "chat_template",
+    "format_reward",
+    "verify_timeout_s",
+    "max_prompt_tokens",
+    "heldout_path",
+}
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template, as a plain list."""
     return render_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt)
 
 
-def read_jsonl(path: str | Path, question_key: str = "question",
-               answer_key: str = "answer") -> list[dict[str, str]]:
+def read_jsonl(
+    path: str | Path, question_key: str = "question", answer_key: str = "answer"
+) -> list[dict[str, str]]:
     p = Path(path).expanduser()
     if not p.is_file():
-        raise AdapterError(f"math: options.path = {str(path)!r}: no such file (relative paths are "
-                           f"taken from the current directory {Path.cwd()})")
+        raise AdapterError(
+            f"math: options.path = {str(path)!r}: no such file (relative paths are "
+            f"taken from the current directory {Path.cwd()})"
+        )
     rows = []
     with p.open() as f:
         for n, line in enumerate(f, 1):
@@ -69,10 +83,13 @@ def read_jsonl(path: str | Path, question_key: str = "question",
             except json.JSONDecodeError as exc:
                 raise AdapterError(f"math: {p}:{n}: not JSON ({exc})") from None
             if not isinstance(obj, dict) or question_key not in obj or answer_key not in obj:
-                raise AdapterError(f"math: {p}:{n}: expected an object with {question_key!r} and "
-                                   f"{answer_key!r} (set options.question_key / answer_key)")
-            rows.append({"question": str(obj[question_key]), "answer": str(obj[answer_key]),
-                         "line": n})
+                raise AdapterError(
+                    f"math: {p}:{n}: expected an object with {question_key!r} and "
+                    f"{answer_key!r} (set options.question_key / answer_key)"
+                )
+            rows.append(
+                {"question": str(obj[question_key]), "answer": str(obj[answer_key]), "line": n}
+            )
     if not rows:
         raise AdapterError(f"math: {p} holds no rows")
     return rows
@@ -89,7 +106,9 @@ class MathAdapter(Adapter):
             raise AdapterError("math: the math-verify package is missing: pip install math-verify")
         unknown = set(self.options) - _OPTIONS
         if unknown:
-            raise AdapterError(f"math: unknown option(s) {sorted(unknown)}; it takes {sorted(_OPTIONS)}")
+            raise AdapterError(
+                f"math: unknown option(s) {sorted(unknown)}; it takes {sorted(_OPTIONS)}"
+            )
         self.path = self.options.get("path")
         self.question_key = str(self.options.get("question_key", "question"))
         self.answer_key = str(self.options.get("answer_key", "answer"))
@@ -101,8 +120,10 @@ class MathAdapter(Adapter):
         if not 0.0 <= self.format_reward < 1.0:
             raise AdapterError(f"math: format_reward={self.format_reward} must be in [0, 1)")
         if self.chat and not has_template:
-            raise AdapterError("math: the tokenizer has no chat template; set options.chat_template"
-                               " = false to feed the raw question text")
+            raise AdapterError(
+                "math: the tokenizer has no chat template; set options.chat_template"
+                " = false to feed the raw question text"
+            )
         self.checker = MathChecker(float(self.options.get("verify_timeout_s", 5.0)))
         self._items: list[tuple[list[int], dict[str, Any]]] | None = None
 
@@ -111,7 +132,7 @@ class MathAdapter(Adapter):
     def encode(self, question: str) -> list[int]:
         if not self.chat:
             return list(self.tokenizer.encode(question, add_special_tokens=False))
-        messages = ([{"role": "system", "content": self.system}] if self.system else [])
+        messages = [{"role": "system", "content": self.system}] if self.system else []
         messages.append({"role": "user", "content": question})
         return encode_chat(self.tokenizer, messages)
 
@@ -119,7 +140,9 @@ class MathAdapter(Adapter):
         """(prompt ids, task) for every usable row; read and encoded once, on first use."""
         if self._items is None:
             if not self.path:
-                raise AdapterError("math: set options.path to a JSONL file of questions and answers")
+                raise AdapterError(
+                    "math: set options.path to a JSONL file of questions and answers"
+                )
             self._items = self._encode_file(self.path)
             heldout = self.options.get("heldout_path")
             if heldout:
@@ -131,29 +154,38 @@ class MathAdapter(Adapter):
         unk = getattr(self.tokenizer, "unk_token_id", None)
         items = []
         for row in rows:
-            if unk is not None and unk in self.tokenizer.encode(row["question"], add_special_tokens=False):
+            if unk is not None and unk in self.tokenizer.encode(
+                row["question"], add_special_tokens=False
+            ):
                 raise AdapterError(
                     f"math: {path}:{row['line']}: the tokenizer cannot encode question "
                     f"{row['question'][:60]!r} (unknown characters); the tiny-qwen3 tokenizer "
-                    f"knows only digits, +-*= and a-f: use examples/data/arith.jsonl or a real model")
+                    f"knows only digits, +-*= and a-f: use examples/data/arith.jsonl or a real model"
+                )
             ids = self.encode(row["question"])
             if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
                 continue
             items.append((ids, {"answer": row["answer"]}))
         if not items:
-            raise AdapterError(f"math: no question of {path} fits max_prompt_tokens="
-                               f"{self.max_prompt_tokens}")
+            raise AdapterError(
+                f"math: no question of {path} fits max_prompt_tokens={self.max_prompt_tokens}"
+            )
         return items
 
     def _check_disjoint(self, heldout: str) -> None:
         """A held-out question that training also draws measures memory, not learning."""
         train = {q["question"] for q in read_jsonl(self.path, self.question_key, self.answer_key)}
-        both = [q for q in read_jsonl(heldout, self.question_key, self.answer_key)
-                if q["question"] in train]
+        both = [
+            q
+            for q in read_jsonl(heldout, self.question_key, self.answer_key)
+            if q["question"] in train
+        ]
         if both:
-            raise AdapterError(f"math: {len(both)} question(s) of heldout_path {heldout} are also "
-                               f"in path {self.path} (line {both[0]['line']}: "
-                               f"{both[0]['question'][:60]!r}); remove them from one of the files")
+            raise AdapterError(
+                f"math: {len(both)} question(s) of heldout_path {heldout} are also "
+                f"in path {self.path} (line {both[0]['line']}: "
+                f"{both[0]['question'][:60]!r}); remove them from one of the files"
+            )
 
     def heldout_prompts(self, rng: random.Random) -> Iterator[Prompt] | None:
         """Each question of ``heldout_path`` once, in file order (None without one)."""
@@ -161,8 +193,10 @@ class MathAdapter(Adapter):
         if not heldout:
             return None
         self.items()  # the disjointness check
-        return (Prompt(prompt_ids=list(ids), task=dict(task))
-                for ids, task in self._encode_file(str(heldout)))
+        return (
+            Prompt(prompt_ids=list(ids), task=dict(task))
+            for ids, task in self._encode_file(str(heldout))
+        )
 
     def prompts(self, rng: random.Random) -> Iterator[Prompt]:
         items = self.items()
@@ -176,7 +210,9 @@ class MathAdapter(Adapter):
 
     # ----------------------------------------------------------------- worker side
 
-    def reward(self, task: dict[str, Any], completion_ids: list[int], completion_text: str) -> float:
+    def reward(
+        self, task: dict[str, Any], completion_ids: list[int], completion_text: str
+    ) -> float:
         pred = extract_answer(completion_text)
         if pred is None:
             return 0.0

@@ -30,9 +30,17 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def evaluate(model: str, data: str, *, limit: int = 0, batch: int = 16, max_new_tokens: int = 512,
-             temperature: float = 0.0, options: dict[str, Any] | None = None,
-             hero: Any = None) -> dict[str, Any]:
+def evaluate(
+    model: str,
+    data: str,
+    *,
+    limit: int = 0,
+    batch: int = 16,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    options: dict[str, Any] | None = None,
+    hero: Any = None,
+) -> dict[str, Any]:
     from adapters.hf import HFModel
     from adapters.math import MathAdapter
     from adapters.mathcheck import extract_answer
@@ -56,18 +64,30 @@ def evaluate(model: str, data: str, *, limit: int = 0, batch: int = 16, max_new_
                 correct += r == 1.0
                 no_answer += extract_answer(text) is None
                 if len(examples) < 3:
-                    examples.append({"prompt": tok.decode(ids, skip_special_tokens=True)[-200:],
-                                     "completion": text[-200:], "answer": task["answer"],
-                                     "reward": r})
+                    examples.append(
+                        {
+                            "prompt": tok.decode(ids, skip_special_tokens=True)[-200:],
+                            "completion": text[-200:],
+                            "answer": task["answer"],
+                            "reward": r,
+                        }
+                    )
     finally:
         adapter.checker.close()
     n = len(items)
     lo, hi = wilson(correct, n)
-    return {"model": model, "data": data, "n": n, "correct": correct,
-            "accuracy": correct / n if n else float("nan"), "ci95": [lo, hi],
-            "no_answer_rate": no_answer / n if n else float("nan"),
-            "checker": dict(adapter.checker.stats), "examples": examples,
-            "seconds": round(time.monotonic() - t0, 2)}
+    return {
+        "model": model,
+        "data": data,
+        "n": n,
+        "correct": correct,
+        "accuracy": correct / n if n else float("nan"),
+        "ci95": [lo, hi],
+        "no_answer_rate": no_answer / n if n else float("nan"),
+        "checker": dict(adapter.checker.stats),
+        "examples": examples,
+        "seconds": round(time.monotonic() - t0, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,14 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-chat-template", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = ap.parse_args(argv)
-    options: dict[str, Any] = {"question_key": args.question_key, "answer_key": args.answer_key,
-                               "chat_template": not args.no_chat_template}
+    options: dict[str, Any] = {
+        "question_key": args.question_key,
+        "answer_key": args.answer_key,
+        "chat_template": not args.no_chat_template,
+    }
     if args.system:
         options["system"] = args.system
     try:
-        res = evaluate(args.model, args.data, limit=args.limit, batch=args.batch,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       options=options)
+        res = evaluate(
+            args.model,
+            args.data,
+            limit=args.limit,
+            batch=args.batch,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            options=options,
+        )
     except Exception as exc:
         from dataplane.adapter import AdapterError
         from echo.models import ModelError
@@ -101,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     lo, hi = res["ci95"]
-    print(f"{res['model']} on {res['data']}: accuracy {res['accuracy']:.3f} "
-          f"({res['correct']}/{res['n']}, 95% CI {lo:.3f}..{hi:.3f}); no answer found in "
-          f"{100 * res['no_answer_rate']:.1f}%; {res['seconds']}s")
+    print(
+        f"{res['model']} on {res['data']}: accuracy {res['accuracy']:.3f} "
+        f"({res['correct']}/{res['n']}, 95% CI {lo:.3f}..{hi:.3f}); no answer found in "
+        f"{100 * res['no_answer_rate']:.1f}%; {res['seconds']}s"
+    )
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
     return 0

@@ -131,16 +131,22 @@ class MathChecker:
         except (EOFError, OSError, BrokenPipeError):
             pass
         self.stats["timeouts"] += 1
-        log.warning("math-verify gave no answer within %.0fs for %r vs %r; scored as wrong and "
-                    "restarting the checker", self.call_budget_s, gold[:80], pred[:80])
+        log.warning(
+            "math-verify gave no answer within %.0fs for %r vs %r; scored as wrong and "
+            "restarting the checker",
+            self.call_budget_s,
+            gold[:80],
+            pred[:80],
+        )
         self._kill()
         return False
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, self.timeout_s), daemon=True,
-                           name="echo-math-verify")
+        proc = ctx.Process(
+            target=_serve, args=(child, self.timeout_s), daemon=True, name="echo-math-verify"
+        )
         proc.start()
         child.close()
         if not parent.poll(self.startup_timeout_s) or parent.recv() != "ready":

@@ -38,15 +38,19 @@ class ToyAddAdapter(Adapter):
         super().__init__(options, tokenizer)
         unknown = set(self.options) - {"max_sum", "heldout"}
         if unknown:
-            raise AdapterError(f"toy-add: unknown option(s) {sorted(unknown)}; it takes max_sum, heldout")
+            raise AdapterError(
+                f"toy-add: unknown option(s) {sorted(unknown)}; it takes max_sum, heldout"
+            )
         self.max_sum = int(self.options.get("max_sum", 9))
         if not 0 <= self.max_sum <= 9:
             raise AdapterError(f"toy-add: max_sum={self.max_sum} must be 0..9 (one-digit answers)")
         pairs = [(a, b) for a in range(10) for b in range(10) if a + b <= self.max_sum]
         k = int(self.options.get("heldout", 0))
         if not 0 <= k < len(pairs):
-            raise AdapterError(f"toy-add: heldout={k} must be 0..{len(pairs) - 1} (pairs set aside "
-                               f"of the {len(pairs)} with a + b <= {self.max_sum})")
+            raise AdapterError(
+                f"toy-add: heldout={k} must be 0..{len(pairs) - 1} (pairs set aside "
+                f"of the {len(pairs)} with a + b <= {self.max_sum})"
+            )
         aside = set(random.Random(HELDOUT_SEED).sample(pairs, k))
         self.heldout = [p for p in pairs if p in aside]
         self.pairs = [p for p in pairs if p not in aside]
@@ -64,7 +68,9 @@ class ToyAddAdapter(Adapter):
         """Each set-aside pair once (None with heldout = 0)."""
         return (self._prompt(a, b) for a, b in self.heldout) if self.heldout else None
 
-    def reward(self, task: dict[str, Any], completion_ids: list[int], completion_text: str) -> float:
+    def reward(
+        self, task: dict[str, Any], completion_ids: list[int], completion_text: str
+    ) -> float:
         if not completion_ids:
             return 0.0
         first = self._digits.get(completion_ids[0])

@@ -35,8 +35,9 @@ from worker.base import obtain_base
 async def one_run(folder: Path, chunk_kib: int, tmp: Path) -> dict:
     key = RunKey.generate()
     t0 = time.perf_counter()
-    manifest, payload = build_base_manifest(run_id="bench", base_model="ab" * 32, folder=folder,
-                                            chunk_size=chunk_kib * 1024, key=key)
+    manifest, payload = build_base_manifest(
+        run_id="bench", base_model="ab" * 32, folder=folder, chunk_size=chunk_kib * 1024, key=key
+    )
     publish_s = time.perf_counter() - t0
     ctx = zmq.asyncio.Context()
     peer, joiner, second = (Relay(ctx, RelayConfig(chunk_bytes=chunk_kib * 1024)) for _ in range(3))
@@ -45,15 +46,26 @@ async def one_run(folder: Path, chunk_kib: int, tmp: Path) -> dict:
 
     async def ask(*_):
         return Source(peer.endpoint)
+
     try:
         cache = BaseCache(tmp / "cache")
         t0 = time.perf_counter()
-        got = await obtain_base(verify_base_manifest(manifest.to_wire(), key.public_bytes, "bench"),
-                                model_name="absent", relay=joiner, ask=ask, cache=cache)
+        got = await obtain_base(
+            verify_base_manifest(manifest.to_wire(), key.public_bytes, "bench"),
+            model_name="absent",
+            relay=joiner,
+            ask=ask,
+            cache=cache,
+        )
         fetch_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        hit = await obtain_base(verify_base_manifest(manifest.to_wire(), key.public_bytes, "bench"),
-                                model_name="absent", relay=second, ask=ask, cache=cache)
+        hit = await obtain_base(
+            verify_base_manifest(manifest.to_wire(), key.public_bytes, "bench"),
+            model_name="absent",
+            relay=second,
+            ask=ask,
+            cache=cache,
+        )
         hit_s = time.perf_counter() - t0
     finally:
         for t in tasks:
@@ -61,12 +73,20 @@ async def one_run(folder: Path, chunk_kib: int, tmp: Path) -> dict:
         for r in (peer, joiner, second):
             r.close()
         ctx.destroy(linger=0)
-    return {"folder": str(folder), "bytes": len(payload), "files": len(manifest.files),
-            "chunks": manifest.layout.num_chunks, "publish_s": round(publish_s, 3),
-            "fetch_bytes": got.fetched_bytes, "fetch_s": round(fetch_s, 3),
-            "fetch_mbit": round(got.fetched_bytes * 8 / 1e6 / fetch_s, 1),
-            "cache_hit_bytes": hit.fetched_bytes, "cache_hit_s": round(hit_s, 3),
-            "load": round(os.getloadavg()[0], 1), "cpus": os.cpu_count()}
+    return {
+        "folder": str(folder),
+        "bytes": len(payload),
+        "files": len(manifest.files),
+        "chunks": manifest.layout.num_chunks,
+        "publish_s": round(publish_s, 3),
+        "fetch_bytes": got.fetched_bytes,
+        "fetch_s": round(fetch_s, 3),
+        "fetch_mbit": round(got.fetched_bytes * 8 / 1e6 / fetch_s, 1),
+        "cache_hit_bytes": hit.fetched_bytes,
+        "cache_hit_s": round(hit_s, 3),
+        "load": round(os.getloadavg()[0], 1),
+        "cpus": os.cpu_count(),
+    }
 
 
 def main() -> None:

@@ -37,8 +37,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
-               ("WANDB_DISABLED", "true"), ("WANDB_MODE", "disabled"), ("TOKENIZERS_PARALLELISM", "false")):
+for _k, _v in (
+    ("HF_HUB_OFFLINE", "1"),
+    ("TRANSFORMERS_OFFLINE", "1"),
+    ("HF_DATASETS_OFFLINE", "1"),
+    ("WANDB_DISABLED", "true"),
+    ("WANDB_MODE", "disabled"),
+    ("TOKENIZERS_PARALLELISM", "false"),
+):
     os.environ.setdefault(_k, _v)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,34 +53,62 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere, installed or not
 
 PRESETS = {
     # ModelConfig defaults (echo/config.py): the tiny model the quickstart and tests use
-    "tiny": dict(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
-    "small": dict(hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+    ),
 }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--hidden", type=int, help="override hidden_size")
     p.add_argument("--layers", type=int, help="override num_layers")
     p.add_argument("--intermediate", type=int, help="override intermediate_size")
-    p.add_argument("--vocab", type=int, default=0,
-                   help="model vocabulary (default: the tiny tokenizer's 24 tokens); a larger one makes the "
-                        "LM head / log-softmax cost realistic, token ids are then drawn from all of it")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=0,
+        help="model vocabulary (default: the tiny tokenizer's 24 tokens); a larger one makes the "
+        "LM head / log-softmax cost realistic, token ids are then drawn from all of it",
+    )
     p.add_argument("--batch", type=int, default=64, help="sequences per learner step")
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--completion-len", type=int, default=24)
-    p.add_argument("--ragged", action="store_true",
-                   help="completion lengths uniform in [C/2, C] (default: every completion has C tokens)")
+    p.add_argument(
+        "--ragged",
+        action="store_true",
+        help="completion lengths uniform in [C/2, C] (default: every completion has C tokens)",
+    )
     p.add_argument("--updates", type=int, default=2, help="optimizer updates per learner step")
-    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds a reference model)")
+    p.add_argument(
+        "--beta", type=float, default=0.0, help="KL coefficient (> 0 adds a reference model)"
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--trl-optimizer", choices=["adam", "hf"], default="adam",
-                   help="adam: torch.optim.Adam like ours; hf: the optimizer GRPOTrainer builds by default")
+    p.add_argument(
+        "--trl-optimizer",
+        choices=["adam", "hf"],
+        default="adam",
+        help="adam: torch.optim.Adam like ours; hf: the optimizer GRPOTrainer builds by default",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "learner.json"))
     a = p.parse_args(argv)
@@ -128,8 +162,9 @@ def make_batch(a: argparse.Namespace, model: Any, tok: Any) -> tuple[Any, dict[s
     vocab = model.get_input_embeddings().num_embeddings
     prompt_ids = torch.randint(first, vocab, (B, P), generator=g)
     prompt_mask = torch.ones(B, P, dtype=torch.long)
-    comp_lens = (torch.randint(C // 2, C + 1, (B,), generator=g) if a.ragged
-                 else torch.full((B,), C)).tolist()
+    comp_lens = (
+        torch.randint(C // 2, C + 1, (B,), generator=g) if a.ragged else torch.full((B,), C)
+    ).tolist()
     completion_ids = torch.full((B, C), tok.pad_token_id, dtype=torch.long)
     completion_mask = torch.zeros(B, C, dtype=torch.long)
     for i, n in enumerate(comp_lens):
@@ -139,19 +174,34 @@ def make_batch(a: argparse.Namespace, model: Any, tok: Any) -> tuple[Any, dict[s
     attn = torch.cat([prompt_mask, completion_mask], 1)
     rewards = torch.rand(B, generator=g)
     group = 8 if B % 8 == 0 else 2
-    adv = torch.tensor([x for k in range(0, B, group)
-                        for x in group_advantages(rewards[k:k + group].tolist())], dtype=torch.float32)
+    adv = torch.tensor(
+        [x for k in range(0, B, group) for x in group_advantages(rewards[k : k + group].tolist())],
+        dtype=torch.float32,
+    )
     loss_mask = torch.zeros(B, P + C - 1)
-    loss_mask[:, P - 1:] = completion_mask.float()
+    loss_mask[:, P - 1 :] = completion_mask.float()
     with torch.no_grad():
         cur = token_logprobs(model, ids, attn)
-    behaviour = (cur + 0.1 * torch.randn(cur.shape, generator=g)) * loss_mask  # a slightly stale sampler
-    ours = LearnerBatch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask,
-                        behaviour_logprobs=behaviour, advantages=adv, rewards=rewards,
-                        versions=torch.zeros(B, dtype=torch.long))
-    trl_inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                  "completion_mask": completion_mask, "advantages": adv,
-                  "sampling_per_token_logps": behaviour[:, P - 1:].clone()}
+    behaviour = (
+        cur + 0.1 * torch.randn(cur.shape, generator=g)
+    ) * loss_mask  # a slightly stale sampler
+    ours = LearnerBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        loss_mask=loss_mask,
+        behaviour_logprobs=behaviour,
+        advantages=adv,
+        rewards=rewards,
+        versions=torch.zeros(B, dtype=torch.long),
+    )
+    trl_inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": adv,
+        "sampling_per_token_logps": behaviour[:, P - 1 :].clone(),
+    }
     return ours, trl_inputs
 
 
@@ -165,22 +215,46 @@ class TRLStep:
 
         self.a = a
         args = GRPOConfig(
-            output_dir=tmpdir, report_to="none", use_cpu=True, bf16=False, fp16=False,
-            activation_checkpointing=False, per_device_train_batch_size=a.batch // a.updates,
-            steps_per_generation=a.updates, num_generations=2, max_completion_length=a.completion_len,
-            loss_type="bnpo", beta=a.beta, epsilon=0.2, use_bias_correction_kl=False,
-            learning_rate=a.lr, max_grad_norm=1.0, save_strategy="no", logging_steps=1, seed=a.seed,
+            output_dir=tmpdir,
+            report_to="none",
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            activation_checkpointing=False,
+            per_device_train_batch_size=a.batch // a.updates,
+            steps_per_generation=a.updates,
+            num_generations=2,
+            max_completion_length=a.completion_len,
+            loss_type="bnpo",
+            beta=a.beta,
+            epsilon=0.2,
+            use_bias_correction_kl=False,
+            learning_rate=a.lr,
+            max_grad_norm=1.0,
+            save_strategy="no",
+            logging_steps=1,
+            seed=a.seed,
         )
-        optimizers = (torch.optim.Adam(model.parameters(), lr=a.lr), None) if a.trl_optimizer == "adam" \
+        optimizers = (
+            (torch.optim.Adam(model.parameters(), lr=a.lr), None)
+            if a.trl_optimizer == "adam"
             else (None, None)
+        )
         ds = Dataset.from_dict({"prompt": ["1+2="] * a.batch})
         self.trainer = t = GRPOTrainer(
-            model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-            train_dataset=ds, processing_class=tok, optimizers=optimizers)
+            model=model,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=args,
+            train_dataset=ds,
+            processing_class=tok,
+            optimizers=optimizers,
+        )
         if t.optimizer is None:
             t.create_optimizer()
         t.current_gradient_accumulation_steps = 1  # one optimizer update per slice, as ours
-        t._prepare_inputs = lambda inputs: inputs  # the slice is already prepared (generation skipped)
+        t._prepare_inputs = lambda inputs: (
+            inputs
+        )  # the slice is already prepared (generation skipped)
         # Truncated IS as ours (w = min(exp(old - behaviour), 2)): TRL's token_truncate correction.
         t.use_vllm = True
         t.vllm_importance_sampling_correction = True
@@ -199,14 +273,17 @@ class TRLStep:
         attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         inputs = {k: v for k, v in batch.items() if k != "sampling_per_token_logps"}
         with torch.no_grad():  # as in _generate_and_score_completions (steps_per_generation > 1)
-            old, _, _ = t._get_per_token_logps_and_entropies(model, ids, attn, C, batch_size=ids.shape[0])
+            old, _, _ = t._get_per_token_logps_and_entropies(
+                model, ids, attn, C, batch_size=ids.shape[0]
+            )
             mask = batch["completion_mask"]
             diff = torch.nan_to_num((old - batch["sampling_per_token_logps"]) * mask, nan=0.0)
             inputs["importance_sampling_ratio"] = torch.clamp(torch.exp(diff), max=2.0)
             inputs["old_per_token_logps"] = old
             if t.beta != 0.0:
                 inputs["ref_per_token_logps"], _, _ = t._get_per_token_logps_and_entropies(
-                    t.ref_model, ids, attn, C, batch_size=ids.shape[0])
+                    t.ref_model, ids, attn, C, batch_size=ids.shape[0]
+                )
         inputs["num_items_in_batch"] = mask.sum()
         for chunk in split_tensor_dict(shuffle_sequence_dict(inputs), self.a.updates):
             t.training_step(model, chunk, chunk["num_items_in_batch"])
@@ -226,9 +303,15 @@ def _loadavg() -> float | None:
 def machine(threads: int) -> dict[str, Any]:
     import torch
 
-    info = {"platform": platform.platform(), "machine": platform.machine(),
-            "processor": platform.processor() or None, "python": platform.python_version(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": threads}
+    info = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": threads,
+    }
     try:
         import transformers
         import trl
@@ -238,8 +321,9 @@ def machine(threads: int) -> dict[str, Any]:
         pass
     try:
         with open("/proc/cpuinfo") as f:
-            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                                     None)
+            info["cpu_model"] = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None
+            )
     except OSError:
         pass
     return info
@@ -270,9 +354,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokens = int(ours_batch.attention_mask.sum())
     trained = int(ours_batch.loss_mask.sum())
 
-    ours = Trainer(copy.deepcopy(base), LearnerConfig(lr=a.lr, updates_per_step=a.updates, beta=a.beta,
-                                                      epsilon=0.2, is_cap=2.0, loss_agg="token-mean"),
-                   seed=a.seed)
+    ours = Trainer(
+        copy.deepcopy(base),
+        LearnerConfig(
+            lr=a.lr,
+            updates_per_step=a.updates,
+            beta=a.beta,
+            epsilon=0.2,
+            is_cap=2.0,
+            loss_agg="token-mean",
+        ),
+        seed=a.seed,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         if a.beta > 0:  # TRL builds its reference model from the policy's path
             base.save_pretrained(tmp)
@@ -283,14 +376,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         runners = {"ours": lambda: ours.step(ours_batch), "trl": lambda: theirs.step(trl_batch)}
         times: dict[str, list[float]] = {k: [] for k in runners}
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, transient=False) as prog:
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        ) as prog:
             task = prog.add_task("warm-up", total=(a.warmup + a.reps) * len(runners))
             for rep in range(a.warmup + a.reps):
                 timed = rep >= a.warmup
                 prog.update(task, description="timing" if timed else "warm-up")
                 # interleave (and alternate the order) so drift hits both sides alike
-                for name in (list(runners) if rep % 2 == 0 else list(reversed(runners))):
+                for name in list(runners) if rep % 2 == 0 else list(reversed(runners)):
                     t0 = time.perf_counter()
                     runners[name]()
                     dt = time.perf_counter() - t0
@@ -301,39 +400,75 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_after = _loadavg()
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {
-        k: {"median_step_s": med[k], "min_step_s": min(times[k]), "max_step_s": max(times[k]),
-            "tokens_per_s": tokens / med[k], "trained_tokens_per_s": trained / med[k], "step_s": times[k]}
+        k: {
+            "median_step_s": med[k],
+            "min_step_s": min(times[k]),
+            "max_step_s": max(times[k]),
+            "tokens_per_s": tokens / med[k],
+            "trained_tokens_per_s": trained / med[k],
+            "step_s": times[k],
+        }
         for k in times
     }
     out = {
         "benchmark": "learner",
-        "machine": {**machine(a.threads), "loadavg_1m_before": load_before, "loadavg_1m_after": load_after},
-        "params": {"preset": a.preset, "model": mcfg.model_dump(), "n_params": n_params,
-                   "vocab": base.get_input_embeddings().num_embeddings, "batch": a.batch,
-                   "prompt_len": a.prompt_len, "completion_len": a.completion_len, "ragged": a.ragged,
-                   "updates_per_step": a.updates, "beta": a.beta, "epsilon": 0.2, "is_cap": 2.0,
-                   "lr": a.lr, "trl_loss_type": "bnpo", "trl_optimizer": a.trl_optimizer,
-                   "warmup": a.warmup, "reps": a.reps, "tokens_per_step": tokens,
-                   "trained_tokens_per_step": trained},
+        "machine": {
+            **machine(a.threads),
+            "loadavg_1m_before": load_before,
+            "loadavg_1m_after": load_after,
+        },
+        "params": {
+            "preset": a.preset,
+            "model": mcfg.model_dump(),
+            "n_params": n_params,
+            "vocab": base.get_input_embeddings().num_embeddings,
+            "batch": a.batch,
+            "prompt_len": a.prompt_len,
+            "completion_len": a.completion_len,
+            "ragged": a.ragged,
+            "updates_per_step": a.updates,
+            "beta": a.beta,
+            "epsilon": 0.2,
+            "is_cap": 2.0,
+            "lr": a.lr,
+            "trl_loss_type": "bnpo",
+            "trl_optimizer": a.trl_optimizer,
+            "warmup": a.warmup,
+            "reps": a.reps,
+            "tokens_per_step": tokens,
+            "trained_tokens_per_step": trained,
+        },
         "ours": res["ours"],
         "trl": res["trl"],
         "ratio": res["ours"]["tokens_per_s"] / res["trl"]["tokens_per_s"],
     }
 
-    table = Table(title=f"Learner step: {a.batch} x ({a.prompt_len}+{a.completion_len}) tokens, "
-                        f"{a.updates} updates, {n_params / 1e6:.2f}M params, {a.threads} threads")
+    table = Table(
+        title=f"Learner step: {a.batch} x ({a.prompt_len}+{a.completion_len}) tokens, "
+        f"{a.updates} updates, {n_params / 1e6:.2f}M params, {a.threads} threads"
+    )
     for col in ("", "median step (ms)", "min (ms)", "tokens/s", "trained tokens/s"):
         table.add_column(col, justify="right" if col else "left")
-    for k, label in (("ours", "ours (Trainer.step)"), ("trl", f"TRL {out['machine'].get('trl', '')} GRPO")):
+    for k, label in (
+        ("ours", "ours (Trainer.step)"),
+        ("trl", f"TRL {out['machine'].get('trl', '')} GRPO"),
+    ):
         r = res[k]
-        table.add_row(label, f"{r['median_step_s'] * 1e3:.1f}", f"{r['min_step_s'] * 1e3:.1f}",
-                      f"{r['tokens_per_s']:,.0f}", f"{r['trained_tokens_per_s']:,.0f}")
+        table.add_row(
+            label,
+            f"{r['median_step_s'] * 1e3:.1f}",
+            f"{r['min_step_s'] * 1e3:.1f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['trained_tokens_per_s']:,.0f}",
+        )
     console.print(table)
     console.print(f"ratio ours/TRL (tokens/s, medians): [bold]{out['ratio']:.2f}[/bold]")
     busy = max(x for x in (load_before, load_after, 0.0) if x is not None)
     if busy > 0.5:
-        console.print(f"[yellow]note: 1-minute load average was {busy:.2f} around the run; other processes "
-                      f"share the CPU, absolute figures are noisy (the interleaved ratio less so)[/yellow]")
+        console.print(
+            f"[yellow]note: 1-minute load average was {busy:.2f} around the run; other processes "
+            f"share the CPU, absolute figures are noisy (the interleaved ratio less so)[/yellow]"
+        )
 
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,13 +34,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from echo.steprow import COL  # noqa: E402
 
-MODES = {"before": {"delta": False, "background": False},  # full, on the training thread
-         "delta-inline": {"delta": True, "background": False},  # deltas, on the training thread
-         "after": {"delta": True, "background": True}}  # deltas, on the publisher thread
-TEXTS = ["The learner publishes a new version of the policy after every step.",
-         "Workers on home connections relay each chunk to the next worker in the chain.",
-         "A delta carries only the weights whose bf16 value changed since the last version.",
-         "Every rebuilt payload is checked against the hashes the learner signed."]
+MODES = {
+    "before": {"delta": False, "background": False},  # full, on the training thread
+    "delta-inline": {"delta": True, "background": False},  # deltas, on the training thread
+    "after": {"delta": True, "background": True},
+}  # deltas, on the publisher thread
+TEXTS = [
+    "The learner publishes a new version of the policy after every step.",
+    "Workers on home connections relay each chunk to the next worker in the chain.",
+    "A delta carries only the weights whose bf16 value changed since the last version.",
+    "Every rebuilt payload is checked against the hashes the learner signed.",
+]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -79,11 +83,21 @@ class Arm:
         self.name, self.model, self.batch = name, model, batch
         self.opt = torch.optim.Adam(model.parameters(), lr=lr)
         self.sent: list[tuple[str, int, int]] = []
-        enc = VersionEncoder(run_id="bench", key=RunKey.generate(), chunk_size=1 << 20,
-                             dtype="bfloat16", delta=MODES[name]["delta"], keyframe_every=1000)
+        enc = VersionEncoder(
+            run_id="bench",
+            key=RunKey.generate(),
+            chunk_size=1 << 20,
+            dtype="bfloat16",
+            delta=MODES[name]["delta"],
+            keyframe_every=1000,
+        )
         kind = Publisher if MODES[name]["background"] else _inline_publisher()
-        self.publisher = kind(enc, lambda snap: self.sent.append(
-            (snap.manifest.encoding, len(snap.payload), len(snap.full))))
+        self.publisher = kind(
+            enc,
+            lambda snap: self.sent.append(
+                (snap.manifest.encoding, len(snap.payload), len(snap.full))
+            ),
+        )
         self.rows: list[dict[str, float]] = []
 
     def publish(self, version: int) -> float:
@@ -101,7 +115,9 @@ class Arm:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         t_train = time.perf_counter() - t0
-        self.rows.append({"version": version, COL.t_train: t_train, COL.t_publish: self.publish(version)})
+        self.rows.append(
+            {"version": version, COL.t_train: t_train, COL.t_publish: self.publish(version)}
+        )
 
 
 def summary(arm: Arm) -> dict[str, Any]:
@@ -109,11 +125,15 @@ def summary(arm: Arm) -> dict[str, Any]:
     pub = [r[COL.t_publish] for r in rows]
     step = [r[COL.t_train] + r[COL.t_publish] for r in rows]
     sizes = arm.sent[1:]
-    return {"t_publish_median": statistics.median(pub), "t_publish_max": max(pub),
-            "t_train_median": statistics.median(r[COL.t_train] for r in rows),
-            "step_median": statistics.median(step),
-            "bytes_median": statistics.median(b for _, b, _ in sizes),
-            "full_bytes": sizes[0][2], "encodings": sorted({e for e, _, _ in sizes})}
+    return {
+        "t_publish_median": statistics.median(pub),
+        "t_publish_max": max(pub),
+        "t_train_median": statistics.median(r[COL.t_train] for r in rows),
+        "step_median": statistics.median(step),
+        "bytes_median": statistics.median(b for _, b, _ in sizes),
+        "full_bytes": sizes[0][2],
+        "encodings": sorted({e for e, _, _ in sizes}),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         tok = load_tokenizer(cfg)
         base = load_model(cfg, tok, "float32")
     except ModelError as err:
-        raise SystemExit(f"{err}\nfix: `make smollm2` (echo-rl model smollm2) builds "
-                         f"{args.model}") from None
+        raise SystemExit(
+            f"{err}\nfix: `make smollm2` (echo-rl model smollm2) builds {args.model}"
+        ) from None
     batch = tok(TEXTS, return_tensors="pt", padding=True).input_ids
     load_before = os.getloadavg()
     arms = [Arm(name, copy.deepcopy(base), args.lr, batch) for name in MODES]
@@ -147,27 +168,43 @@ def main(argv: list[str] | None = None) -> int:
                 progress.advance(task)
             arm.publisher.flush()
             arm.publisher.close()
-    result = {"command": " ".join(sys.argv),
-              "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-              "model": args.model, "lr": args.lr, "steps": args.steps,
-              "modes": {a.name: {"summary": summary(a), "rows": a.rows} for a in arms}}
+    result = {
+        "command": " ".join(sys.argv),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "model": args.model,
+        "lr": args.lr,
+        "steps": args.steps,
+        "modes": {a.name: {"summary": summary(a), "rows": a.rows} for a in arms},
+    }
     s = {a.name: result["modes"][a.name]["summary"] for a in arms}
-    result["t_publish_ratio_after_before"] = s["after"]["t_publish_median"] / s["before"]["t_publish_median"]
+    result["t_publish_ratio_after_before"] = (
+        s["after"]["t_publish_median"] / s["before"]["t_publish_median"]
+    )
     result["step_ratio_after_before"] = s["after"]["step_median"] / s["before"]["step_median"]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.json, result)
-    table = Table(title=f"learner step vs publication, {args.model}, lr {args.lr} (median over "
-                        f"steps 2..{args.steps})")
+    table = Table(
+        title=f"learner step vs publication, {args.model}, lr {args.lr} (median over "
+        f"steps 2..{args.steps})"
+    )
     for col in ("mode", "t_train s", "t_publish s", "step s", "bytes / publication", "encodings"):
         table.add_column(col)
     for name, v in s.items():
-        table.add_row(name, f"{v['t_train_median']:.2f}", f"{v['t_publish_median']:.3f}",
-                      f"{v['step_median']:.2f}", f"{v['bytes_median'] / 2**20:.1f} MiB of "
-                      f"{v['full_bytes'] / 2**20:.0f}", ",".join(v["encodings"]))
+        table.add_row(
+            name,
+            f"{v['t_train_median']:.2f}",
+            f"{v['t_publish_median']:.3f}",
+            f"{v['step_median']:.2f}",
+            f"{v['bytes_median'] / 2**20:.1f} MiB of {v['full_bytes'] / 2**20:.0f}",
+            ",".join(v["encodings"]),
+        )
     Console().print(table)
-    print(f"t_publish after/before {result['t_publish_ratio_after_before']:.3f}; step "
-          f"after/before {result['step_ratio_after_before']:.3f}; load "
-          f"{load_before[0]:.1f} -> {result['loadavg_after'][0]:.1f}; {args.json}")
+    print(
+        f"t_publish after/before {result['t_publish_ratio_after_before']:.3f}; step "
+        f"after/before {result['step_ratio_after_before']:.3f}; load "
+        f"{load_before[0]:.1f} -> {result['loadavg_after'][0]:.1f}; {args.json}"
+    )
     return 0
 
 

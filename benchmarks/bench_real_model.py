@@ -41,6 +41,7 @@ for p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 from bench_learner import _loadavg, make_batch  # noqa: E402
+
 from echo.steprow import COL  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "real_model.json"
@@ -92,21 +93,36 @@ def bench_learner(a: argparse.Namespace, cfg: Any, sync: Any) -> tuple[dict[str,
     par = make_parallel(a.device)
     tok = load_tokenizer(cfg)
     cpu_model = load_model(cfg, tok)
-    batch, _ = make_batch(argparse.Namespace(seed=a.seed, batch=a.batch, prompt_len=a.prompt_len,
-                                             completion_len=a.completion_len, ragged=False),
-                          cpu_model, tok)
+    batch, _ = make_batch(
+        argparse.Namespace(
+            seed=a.seed,
+            batch=a.batch,
+            prompt_len=a.prompt_len,
+            completion_len=a.completion_len,
+            ragged=False,
+        ),
+        cpu_model,
+        tok,
+    )
     model = par.wrap(cpu_model)
     trainer = Trainer(model, LearnerConfig(lr=1e-6, updates_per_step=a.updates), parallel=par)
     times, _ = timed(lambda: trainer.step(par.to_device(batch)), a.reps, sync)
     tokens = int(batch.attention_mask.sum())
-    res = {"device": str(par.device), "step_s": times, "step_s_median": statistics.median(times),
-           "tokens_per_step": tokens, "tokens_per_s": tokens / statistics.median(times),
-           "params": sum(p.numel() for p in model.parameters()),
-           "param_dtype": str(next(model.parameters()).dtype)}
+    res = {
+        "device": str(par.device),
+        "step_s": times,
+        "step_s_median": statistics.median(times),
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / statistics.median(times),
+        "params": sum(p.numel() for p in model.parameters()),
+        "param_dtype": str(next(model.parameters()).dtype),
+    }
     return res, par, trainer
 
 
-def bench_snapshot(a: argparse.Namespace, par: Any, trainer: Any, sync: Any) -> tuple[dict[str, Any], int]:
+def bench_snapshot(
+    a: argparse.Namespace, par: Any, trainer: Any, sync: Any
+) -> tuple[dict[str, Any], int]:
     from broadcast.snapshot import RunKey, build_manifest
     from echo.models import params_to_payload
 
@@ -117,11 +133,23 @@ def bench_snapshot(a: argparse.Namespace, par: Any, trainer: Any, sync: Any) -> 
     t1 = time.perf_counter()
     tensors, payload = params_to_payload([(n, model_sd[n]) for n in names], "bfloat16")
     t2 = time.perf_counter()
-    build_manifest(run_id="bench", version=1, tensors=tensors, payload=payload,
-                   chunk_size=1024 * 1024, dtype="bfloat16", key=RunKey.generate())
+    build_manifest(
+        run_id="bench",
+        version=1,
+        tensors=tensors,
+        payload=payload,
+        chunk_size=1024 * 1024,
+        dtype="bfloat16",
+        key=RunKey.generate(),
+    )
     t3 = time.perf_counter()
-    return {"device_to_host_s": t1 - t0, "payload_bf16_s": t2 - t1, "manifest_s": t3 - t2,
-            "total_s": t3 - t0, "payload_bytes": len(payload)}, len(payload)
+    return {
+        "device_to_host_s": t1 - t0,
+        "payload_bf16_s": t2 - t1,
+        "manifest_s": t3 - t2,
+        "total_s": t3 - t0,
+        "payload_bytes": len(payload),
+    }, len(payload)
 
 
 def bench_generation(a: argparse.Namespace, cfg: Any, sync: Any) -> dict[str, Any]:
@@ -132,11 +160,14 @@ def bench_generation(a: argparse.Namespace, cfg: Any, sync: Any) -> dict[str, An
     from worker.backends import make_backend
 
     backend = make_backend("transformers", model_cfg=cfg, threads=a.threads, device=a.device)
-    adapter = MathAdapter({"path": str(ROOT / "examples" / "data" / "arith_words.jsonl")},
-                          backend.tokenizer)
-    prompts = [ids for ids, _ in adapter.items()[:a.gen_prompts]]
-    groups = [wire.Group(group_id=f"g{i}", prompt_ids=p, n=a.group_size, seed=a.seed)
-              for i, p in enumerate(prompts)]
+    adapter = MathAdapter(
+        {"path": str(ROOT / "examples" / "data" / "arith_words.jsonl")}, backend.tokenizer
+    )
+    prompts = [ids for ids, _ in adapter.items()[: a.gen_prompts]]
+    groups = [
+        wire.Group(group_id=f"g{i}", prompt_ids=p, n=a.group_size, seed=a.seed)
+        for i, p in enumerate(prompts)
+    ]
     tok = backend.tokenizer
 
     def ours() -> int:
@@ -146,15 +177,26 @@ def bench_generation(a: argparse.Namespace, cfg: Any, sync: Any) -> dict[str, An
     def plain() -> int:  # the same call without scores: what the sampling alone costs
         rows = [g.prompt_ids for g in groups for _ in range(g.n)]
         width = max(map(len, rows))
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows], device=backend.device)
-        attn = (torch.arange(width, device=backend.device)[None, :]
-                >= torch.tensor([width - len(r) for r in rows], device=backend.device)[:, None]).long()
+        ids = torch.tensor(
+            [[tok.pad_token_id] * (width - len(r)) + r for r in rows], device=backend.device
+        )
+        attn = (
+            torch.arange(width, device=backend.device)[None, :]
+            >= torch.tensor([width - len(r) for r in rows], device=backend.device)[:, None]
+        ).long()
         torch.manual_seed(a.seed)
         with torch.no_grad():
-            seq = backend.model.generate(input_ids=ids, attention_mask=attn, do_sample=True,
-                                         temperature=1.0, top_k=0, top_p=1.0,
-                                         max_new_tokens=a.new_tokens, pad_token_id=tok.pad_token_id,
-                                         eos_token_id=tok.eos_token_id)
+            seq = backend.model.generate(
+                input_ids=ids,
+                attention_mask=attn,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=a.new_tokens,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
         new = seq[:, width:].tolist()
         return sum(r.index(tok.eos_token_id) + 1 if tok.eos_token_id in r else len(r) for r in new)
 
@@ -164,12 +206,19 @@ def bench_generation(a: argparse.Namespace, cfg: Any, sync: Any) -> dict[str, An
     t_ours, t_plain = [o[0] for o, _ in pairs], [p[0] for _, p in pairs]
     n_ours, n_plain = pairs[-1][0][1], pairs[-1][1][1]
     ratios = [(n_ours / o) / (n_plain / p) for o, p in zip(t_ours, t_plain)]
-    return {"device": str(backend.device), "samples": len(groups) * a.group_size,
-            "max_new_tokens": a.new_tokens, "ours_s": t_ours, "plain_s": t_plain,
-            "ours_tokens": n_ours, "plain_tokens": n_plain,
-            "ours_tokens_per_s": n_ours / statistics.median(t_ours),
-            "plain_tokens_per_s": n_plain / statistics.median(t_plain),
-            "ratio_ours_over_plain": statistics.median(ratios), "ratios": ratios}
+    return {
+        "device": str(backend.device),
+        "samples": len(groups) * a.group_size,
+        "max_new_tokens": a.new_tokens,
+        "ours_s": t_ours,
+        "plain_s": t_plain,
+        "ours_tokens": n_ours,
+        "plain_tokens": n_plain,
+        "ours_tokens_per_s": n_ours / statistics.median(t_ours),
+        "plain_tokens_per_s": n_plain / statistics.median(t_plain),
+        "ratio_ours_over_plain": statistics.median(ratios),
+        "ratios": ratios,
+    }
 
 
 def bench_bcast(a: argparse.Namespace, payload_bytes: int) -> dict[str, Any]:
@@ -178,12 +227,29 @@ def bench_bcast(a: argparse.Namespace, payload_bytes: int) -> dict[str, Any]:
 
     out = {}
     for name, chains in (("quickstart-chains", 0), ("one-chain", 1)):
-        p = BenchParams(workers=a.workers, snapshot_mib=payload_bytes / 2**20, uplink_mbit=0,
-                        link_mbit=0, topology="chains", chunk_kib=1024, chains=chains,
-                        timeout_s=60.0, seed=a.seed)
+        p = BenchParams(
+            workers=a.workers,
+            snapshot_mib=payload_bytes / 2**20,
+            uplink_mbit=0,
+            link_mbit=0,
+            topology="chains",
+            chunk_kib=1024,
+            chains=chains,
+            timeout_s=60.0,
+            seed=a.seed,
+        )
         r = asyncio.run(run_one(p))
-        out[name] = {k: r[k] for k in ("t_bcast_s", COL.learner_bytes_sent, "snapshot_bytes",
-                                       "installed", "corrupt_installs", "parents")}
+        out[name] = {
+            k: r[k]
+            for k in (
+                "t_bcast_s",
+                COL.learner_bytes_sent,
+                "snapshot_bytes",
+                "installed",
+                "corrupt_installs",
+                "parents",
+            )
+        }
     return out
 
 
@@ -199,28 +265,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.model == parse_args([]).model:
         ensure_smollm2(a.model, ROOT / "models" / ".cache")
     cfg = ModelConfig(name=str(a.model))
-    sync = torch.cuda.synchronize if torch.cuda.is_available() and a.device != "cpu" else (lambda: None)
+    sync = (
+        torch.cuda.synchronize
+        if torch.cuda.is_available() and a.device != "cpu"
+        else (lambda: None)
+    )
     load_before = _loadavg()
     learner, par, trainer = bench_learner(a, cfg, sync)
-    print(f"learner step ({learner['device']}, {a.batch} x {a.prompt_len}+{a.completion_len} "
-          f"tokens, {a.updates} updates): {learner['step_s_median']:.2f} s median")
+    print(
+        f"learner step ({learner['device']}, {a.batch} x {a.prompt_len}+{a.completion_len} "
+        f"tokens, {a.updates} updates): {learner['step_s_median']:.2f} s median"
+    )
     snapshot, size = bench_snapshot(a, par, trainer, sync)
-    print(f"snapshot: {size / 2**20:.1f} MiB bf16; device->host {snapshot['device_to_host_s']:.3f} s, "
-          f"payload {snapshot['payload_bf16_s']:.2f} s, manifest {snapshot['manifest_s']:.2f} s")
+    print(
+        f"snapshot: {size / 2**20:.1f} MiB bf16; device->host {snapshot['device_to_host_s']:.3f} s, "
+        f"payload {snapshot['payload_bf16_s']:.2f} s, manifest {snapshot['manifest_s']:.2f} s"
+    )
     del trainer, par
     gen = bench_generation(a, cfg, sync)
-    print(f"generation: ours {gen['ours_tokens_per_s']:.1f} tok/s, plain generate "
-          f"{gen['plain_tokens_per_s']:.1f} tok/s, ratio {gen['ratio_ours_over_plain']:.3f}")
+    print(
+        f"generation: ours {gen['ours_tokens_per_s']:.1f} tok/s, plain generate "
+        f"{gen['plain_tokens_per_s']:.1f} tok/s, ratio {gen['ratio_ours_over_plain']:.3f}"
+    )
     bcast = bench_bcast(a, size)
     for name, r in bcast.items():
-        print(f"T_bcast {name} ({a.workers} workers, loopback): {r['t_bcast_s']:.2f} s, "
-              f"learner sent {r[COL.learner_bytes_sent] / 2**20:.0f} MiB")
-    result = {"benchmark": "real_model", "model": str(a.model.relative_to(ROOT) if a.model.is_relative_to(ROOT) else a.model),
-              "machine": {**machine_info(), "torch_threads": a.threads,
-                          "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                          "loadavg_1m_before": load_before, "loadavg_1m_after": _loadavg()},
-              "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-              "learner": learner, "snapshot": snapshot, "generation": gen, "broadcast": bcast}
+        print(
+            f"T_bcast {name} ({a.workers} workers, loopback): {r['t_bcast_s']:.2f} s, "
+            f"learner sent {r[COL.learner_bytes_sent] / 2**20:.0f} MiB"
+        )
+    result = {
+        "benchmark": "real_model",
+        "model": str(a.model.relative_to(ROOT) if a.model.is_relative_to(ROOT) else a.model),
+        "machine": {
+            **machine_info(),
+            "torch_threads": a.threads,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "loadavg_1m_before": load_before,
+            "loadavg_1m_after": _loadavg(),
+        },
+        "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "learner": learner,
+        "snapshot": snapshot,
+        "generation": gen,
+        "broadcast": bcast,
+    }
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.json}")

@@ -32,9 +32,17 @@ if str(ROOT) not in sys.path:
 
 SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
 # About 1.0B parameters in Qwen3's shape (Qwen3-1.7B's width, fewer layers, tied embedding).
-ONE_B = {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 16,
-         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-         "vocab_size": 151936, "max_position_embeddings": 4096, "tie_word_embeddings": True}
+ONE_B = {
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
 
 
 def model_folder(name: str, cache: Path) -> Any:
@@ -68,15 +76,22 @@ def random_qwen3(folder: Path, shape: dict[str, int]) -> Path:
 def make_groups(tok: Any, count: int, n: int) -> list[Any]:
     from echo import wire
 
-    texts = [f"Solve step by step: what is {17 * i + 3} times {i + 11}, minus {i}?" for i in range(count)]
-    return [wire.Group(group_id=f"g{i}", prompt_ids=tok.encode(t), n=n, seed=i) for i, t in enumerate(texts)]
+    texts = [
+        f"Solve step by step: what is {17 * i + 3} times {i + 11}, minus {i}?" for i in range(count)
+    ]
+    return [
+        wire.Group(group_id=f"g{i}", prompt_ids=tok.encode(t), n=n, seed=i)
+        for i, t in enumerate(texts)
+    ]
 
 
 def make(backend: str, cfg: Any) -> Any:
     from worker.backends import make_backend
 
     extra = {"gpu_memory_utilization": 0.6} if backend == "vllm" else {}
-    return make_backend(backend, model_cfg=cfg, threads=8, device="cuda" if backend == "vllm" else "auto", **extra)
+    return make_backend(
+        backend, model_cfg=cfg, threads=8, device="cuda" if backend == "vllm" else "auto", **extra
+    )
 
 
 def measure(backend_name: str, cfg: Any, a: argparse.Namespace) -> dict[str, Any]:
@@ -104,10 +119,16 @@ def measure(backend_name: str, cfg: Any, a: argparse.Namespace) -> dict[str, Any
     del b
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"backend": backend_name, "model": cfg.name, "snapshot_bytes": len(payload),
-            "params": sum(e["nbytes"] for e in index) // 2,
-            "install_s": installs, "install_median_s": statistics.median(installs),
-            "runs": runs, "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in runs)}
+    return {
+        "backend": backend_name,
+        "model": cfg.name,
+        "snapshot_bytes": len(payload),
+        "params": sum(e["nbytes"] for e in index) // 2,
+        "install_s": installs,
+        "install_median_s": statistics.median(installs),
+        "runs": runs,
+        "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in runs),
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> None:
@@ -118,13 +139,20 @@ def table(rows: list[dict[str, Any]]) -> None:
     for col in ("model", "backend", "snapshot MB", "install s", "tokens/s"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(Path(r["model"]).name, r["backend"], f"{r['snapshot_bytes'] / 1e6:,.0f}",
-                  f"{r['install_median_s']:.3f}", f"{r['tokens_per_s']:,.0f}")
+        t.add_row(
+            Path(r["model"]).name,
+            r["backend"],
+            f"{r['snapshot_bytes'] / 1e6:,.0f}",
+            f"{r['install_median_s']:.3f}",
+            f"{r['tokens_per_s']:,.0f}",
+        )
     Console().print(t)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--backends", nargs="+", default=["vllm", "transformers"])
     ap.add_argument("--models", nargs="+", default=["smollm2", "1b"])
     ap.add_argument("--groups", type=int, default=32)
@@ -144,13 +172,26 @@ def main() -> None:
         cfg = model_folder(m, Path(a.cache))
         for be in a.backends:
             rows.append(measure(be, cfg, a))
-            print(json.dumps({k: rows[-1][k] for k in ("model", "backend", "tokens_per_s", "install_median_s")}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        k: rows[-1][k]
+                        for k in ("model", "backend", "tokens_per_s", "install_median_s")
+                    }
+                ),
+                flush=True,
+            )
     table(rows)
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_result(out, {"command": " ".join(sys.argv),
-                       "settings": {k: getattr(a, k) for k in ("groups", "n", "max_new_tokens")},
-                       "rows": rows})
+    write_result(
+        out,
+        {
+            "command": " ".join(sys.argv),
+            "settings": {k: getattr(a, k) for k in ("groups", "n", "max_new_tokens")},
+            "rows": rows,
+        },
+    )
     print(f"wrote {out}")
 
 

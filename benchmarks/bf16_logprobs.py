@@ -20,8 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-PROMPTS = ["What is 17 + 25? Answer with a number.", "Write a haiku about rain.",
-           "Name three prime numbers.", "Explain in one sentence why the sky is blue."]
+PROMPTS = [
+    "What is 17 + 25? Answer with a number.",
+    "Write a haiku about rain.",
+    "Name three prime numbers.",
+    "Explain in one sentence why the sky is blue.",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,24 +47,38 @@ def main(argv: list[str] | None = None) -> int:
     tok = bf16.tokenizer
     diffs = []
     for i, text in enumerate(PROMPTS):
-        chat = tok.apply_chat_template([{"role": "user", "content": text}],
-                                       add_generation_prompt=True, tokenize=False)
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
         ids = list(tok(chat, add_special_tokens=False)["input_ids"])
-        [samples] = bf16.generate([wire.Group(group_id=f"g{i}", prompt_ids=ids, n=4, seed=i)],
-                                  max_new_tokens=48, temperature=1.0)
+        [samples] = bf16.generate(
+            [wire.Group(group_id=f"g{i}", prompt_ids=ids, n=4, seed=i)],
+            max_new_tokens=48,
+            temperature=1.0,
+        )
         for s in samples:
             full = torch.tensor([ids + list(s.completion_ids)])
             with torch.no_grad():
-                recomputed = token_logprobs(f32.model, full, torch.ones_like(full))[0, len(ids) - 1:]
+                recomputed = token_logprobs(f32.model, full, torch.ones_like(full))[
+                    0, len(ids) - 1 :
+                ]
             claimed = torch.tensor(s.logprobs)
-            diffs.append(float((recomputed[:len(claimed)] - claimed).abs().mean()))
+            diffs.append(float((recomputed[: len(claimed)] - claimed).abs().mean()))
     tol = SecurityConfig().audit_logprob_tol
-    out = {"model": args.model, "samples": len(diffs), "mean_abs_dlogp": diffs,
-           "mean": sum(diffs) / len(diffs), "max": max(diffs), "audit_logprob_tol": tol}
+    out = {
+        "model": args.model,
+        "samples": len(diffs),
+        "mean_abs_dlogp": diffs,
+        "mean": sum(diffs) / len(diffs),
+        "max": max(diffs),
+        "audit_logprob_tol": tol,
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.json, {"argv": sys.argv[1:], **out})
-    print(f"{len(diffs)} samples: mean |claimed - recomputed| per token {out['mean']:.3f} nats "
-          f"(max {out['max']:.3f}); security.audit_logprob_tol = {tol}")
+    print(
+        f"{len(diffs)} samples: mean |claimed - recomputed| per token {out['mean']:.3f} nats "
+        f"(max {out['max']:.3f}); security.audit_logprob_tol = {tol}"
+    )
     return 0
 
 

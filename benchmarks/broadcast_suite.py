@@ -16,10 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from echo.machine import write_result  # noqa: E402
 from labs import bare_chain  # noqa: E402
 from labs.broadcast_bench import main, run_one  # noqa: E402
 from labs.broadcast_root import BenchParams  # noqa: E402
-from echo.machine import write_result  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "broadcast"
 BASE = ["--workers", "16", "--snapshot-mib", "64", "--uplink-mbit", "400", "--link-mbit", "100"]
@@ -27,8 +27,19 @@ CASES = {
     "n16-chains-vs-star": BASE + ["--topology", "chains,star,star-unlimited"],
     "n16-chains-kill25": BASE + ["--topology", "chains", "--kill-fraction", "0.25"],
     "n16-chains-corrupt1": BASE + ["--topology", "chains", "--corrupt-relays", "1"],
-    "netns-n8-chains": ["--workers", "8", "--snapshot-mib", "64", "--uplink-mbit", "400",
-                        "--link-mbit", "100", "--topology", "chains", "--netns"],
+    "netns-n8-chains": [
+        "--workers",
+        "8",
+        "--snapshot-mib",
+        "64",
+        "--uplink-mbit",
+        "400",
+        "--link-mbit",
+        "100",
+        "--topology",
+        "chains",
+        "--netns",
+    ],
 }
 
 LOOPBACK = "loopback-4hop-unshaped"
@@ -41,23 +52,39 @@ def loopback_vs_bare(runs: int = 5, mib: int = 256, chunk_kib: int = 4096) -> in
     size = mib * 2**20
     rows = []
     for i in range(runs):
-        r = asyncio.run(run_one(BenchParams(4, mib, 0, 0, "chains", chunk_kib=chunk_kib,
-                                            chains=1, seed=i)))
+        r = asyncio.run(
+            run_one(BenchParams(4, mib, 0, 0, "chains", chunk_kib=chunk_kib, chains=1, seed=i))
+        )
         bare_s = bare_chain.run(4, size, chunk_kib * 1024)
         echo_mb, bare_mb = size / r["t_bcast_s"] / 1e6, size / bare_s / 1e6
-        rows.append({"run": i, "echo_mb_s": echo_mb, "bare_mb_s": bare_mb,
-                     "ratio": echo_mb / bare_mb, "corrupt_installs": r["corrupt_installs"],
-                     "installed": r["installed"], "echo": r})
-        print(f"run {i}: echo {echo_mb:.0f} MB/s, bare pyzmq chain {bare_mb:.0f} MB/s, "
-              f"ratio {echo_mb / bare_mb:.3f}", flush=True)
+        rows.append(
+            {
+                "run": i,
+                "echo_mb_s": echo_mb,
+                "bare_mb_s": bare_mb,
+                "ratio": echo_mb / bare_mb,
+                "corrupt_installs": r["corrupt_installs"],
+                "installed": r["installed"],
+                "echo": r,
+            }
+        )
+        print(
+            f"run {i}: echo {echo_mb:.0f} MB/s, bare pyzmq chain {bare_mb:.0f} MB/s, "
+            f"ratio {echo_mb / bare_mb:.3f}",
+            flush=True,
+        )
     ratios = [x["ratio"] for x in rows]
-    summary = {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-               "ratio_max": max(ratios),
-               "echo_mb_s_median": statistics.median(x["echo_mb_s"] for x in rows),
-               "bare_mb_s_median": statistics.median(x["bare_mb_s"] for x in rows)}
+    summary = {
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "echo_mb_s_median": statistics.median(x["echo_mb_s"] for x in rows),
+        "bare_mb_s_median": statistics.median(x["bare_mb_s"] for x in rows),
+    }
     print(json.dumps(summary))
-    write_result(OUT / f"{LOOPBACK}.json",
-                 {"load": os.getloadavg(), "summary": summary, "runs": rows})
+    write_result(
+        OUT / f"{LOOPBACK}.json", {"load": os.getloadavg(), "summary": summary, "runs": rows}
+    )
     return 0
 
 

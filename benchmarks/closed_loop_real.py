@@ -41,21 +41,42 @@ from echo.steprow import read_rows  # noqa: E402
 from provisioning.sim.summary import SIM, SimSummary  # noqa: E402
 
 # (group_s, price $/h): a worker makes one group of group_size trajectories per group_s.
-FLEET = [(0.6, 0.30), (0.5, 0.40), (0.8, 0.20), (0.4, 0.70), (0.7, 0.35), (1.0, 0.15),
-         (0.45, 0.60), (0.9, 0.25)]
-CONTROLLER = {"alpha": 1.1, "delta": 0.2, "window_s": 5.0, "tau_s": 5.0, "warmup_s": 2.0,
-              "probation_slots": 4, "probation_ready_s": 30.0}
+FLEET = [
+    (0.6, 0.30),
+    (0.5, 0.40),
+    (0.8, 0.20),
+    (0.4, 0.70),
+    (0.7, 0.35),
+    (1.0, 0.15),
+    (0.45, 0.60),
+    (0.9, 0.25),
+]
+CONTROLLER = {
+    "alpha": 1.1,
+    "delta": 0.2,
+    "window_s": 5.0,
+    "tau_s": 5.0,
+    "warmup_s": 2.0,
+    "probation_slots": 4,
+    "probation_ready_s": 30.0,
+}
 LEARNER_PRICE = 3.06
 
 
 def overrides(prompts: int, updates: int, boot: int) -> list[str]:
     ctl = [f"provisioning.{k}={v}" for k, v in CONTROLLER.items()]
-    return ctl + ["provisioning.enabled=true", f"provisioning.initial_active={boot}",
-                  "security.audit=false", "learner.max_steps=100000", "learner.wait_timeout_s=600",
-                  f"learner.prompts_per_step={prompts}", f"learner.price_per_hour={LEARNER_PRICE}",
-                  # more updates per step: a T_train long enough that part of the fleet suffices
-                  f"learner.updates_per_step={updates}",
-                  "metrics.enabled=true"]
+    return ctl + [
+        "provisioning.enabled=true",
+        f"provisioning.initial_active={boot}",
+        "security.audit=false",
+        "learner.max_steps=100000",
+        "learner.wait_timeout_s=600",
+        f"learner.prompts_per_step={prompts}",
+        f"learner.price_per_hour={LEARNER_PRICE}",
+        # more updates per step: a T_train long enough that part of the fleet suffices
+        f"learner.updates_per_step={updates}",
+        "metrics.enabled=true",
+    ]
 
 
 # ----------------------------------------------------------------------------- one worker
@@ -65,6 +86,7 @@ def _go_file(path: Path) -> Any:
     async def gate() -> None:  # the driver creates the file once every worker has joined
         while not path.exists():
             await asyncio.sleep(0.05)
+
     return gate
 
 
@@ -79,8 +101,17 @@ async def one_worker(a: argparse.Namespace) -> None:
     tok = build_tiny_tokenizer()
     adapter = load_adapter("toy-add", {"max_sum": 9}, tok)
     ctx = zmq.asyncio.Context()
-    w = Synthetic(ctx, JoinLine.parse(a.line), a.id, adapter, len(tok), a.group_s,
-                  keys=KeyPair.load_or_create(a.key), price=a.price, gate=_go_file(Path(a.go)))
+    w = Synthetic(
+        ctx,
+        JoinLine.parse(a.line),
+        a.id,
+        adapter,
+        len(tok),
+        a.group_s,
+        keys=KeyPair.load_or_create(a.key),
+        price=a.price,
+        gate=_go_file(Path(a.go)),
+    )
     try:
         await w.run(time.monotonic() + a.seconds)
     finally:
@@ -103,15 +134,37 @@ def real_run(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
     def start(i: int) -> None:
         gs, price = FLEET[i]
-        group.start(f"w{i}", [sys.executable, str(Path(__file__)), "worker", "--line", line,
-                              "--id", f"w{i}", "--key", str(tmp / f"w{i}.key"), "--group-s",
-                              str(gs), "--price", str(price), "--seconds", str(a.seconds + 60),
-                              "--go", str(tmp / "go")],
-                    tmp / f"w{i}.log")
+        group.start(
+            f"w{i}",
+            [
+                sys.executable,
+                str(Path(__file__)),
+                "worker",
+                "--line",
+                line,
+                "--id",
+                f"w{i}",
+                "--key",
+                str(tmp / f"w{i}.key"),
+                "--group-s",
+                str(gs),
+                "--price",
+                str(price),
+                "--seconds",
+                str(a.seconds + 60),
+                "--go",
+                str(tmp / "go"),
+            ],
+            tmp / f"w{i}.log",
+        )
 
     try:
-        learner = group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir",
-                                                     str(run)), tmp / "learner.err", pipe_stdout=True)
+        learner = group.start(
+            "learner",
+            python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+            tmp / "learner.err",
+            pipe_stdout=True,
+        )
         line = wait_ready(learner, timeout=180)
         # Every worker joins first (the first BOOT in index order: each waits for the one
         # before it to be in the learner's log), and all start work together once the last
@@ -139,8 +192,11 @@ def real_run(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     finally:
         group.stop_all()
     rows = read_rows(run / "metrics.jsonl")
-    decisions = [json.loads(x) for x in (run / "decisions.jsonl").read_text().splitlines()
-                 if x.strip()] if (run / "decisions.jsonl").exists() else []
+    decisions = (
+        [json.loads(x) for x in (run / "decisions.jsonl").read_text().splitlines() if x.strip()]
+        if (run / "decisions.jsonl").exists()
+        else []
+    )
     return {"rows": rows, "decisions": decisions, "events": events, "cfg": cfg}
 
 
@@ -168,9 +224,11 @@ def real_figures(real: dict[str, Any]) -> dict[str, Any]:
         "steps": len(real["rows"]),
         SIM.active_mean: statistics.fmean(r.active_workers for r in rows),
         SIM.cost_per_step_usd: statistics.fmean(
-            r.cost_step_usd + LEARNER_PRICE * (r.t_train + r.t_wait) / 3600 for r in rows),
+            r.cost_step_usd + LEARNER_PRICE * (r.t_train + r.t_wait) / 3600 for r in rows
+        ),
         SIM.bubble_ratio: sum(r.t_wait for r in rows) / sum(step_s),
-        "activations": acts, "releases": rels,
+        "activations": acts,
+        "releases": rels,
         "t_train_mean": statistics.fmean(train),
         "t_train_cv": statistics.pstdev(train) / statistics.fmean(train),
         "t_bcast_mean": statistics.fmean([r.t_bcast for r in rows if r.t_bcast] or [0.0]),
@@ -180,7 +238,9 @@ def real_figures(real: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the same, simulated
 
 
-def simulate_same(real: dict[str, Any], fig: dict[str, Any], tmp: Path, boot: int) -> dict[str, Any]:
+def simulate_same(
+    real: dict[str, Any], fig: dict[str, Any], tmp: Path, boot: int
+) -> dict[str, Any]:
     from provisioning.sim.api import simulate
 
     cfg = real["cfg"]
@@ -192,28 +252,54 @@ def simulate_same(real: dict[str, Any], fig: dict[str, Any], tmp: Path, boot: in
         for t, i, ev in real["events"]:
             out.writerow([f"{t:.2f}", i, ev])  # seconds after the fleet started work
     scenario = {
-        "run": {"name": "closed-loop-real", "seed": 0, "steps": fig["steps"],
-                "measure_from_step": 1, "stall_timeout_s": 600},
-        "learner": {"t_train_s": fig["t_train_mean"], "t_train_cv": fig["t_train_cv"],
-                    "prompts_per_step": lc.prompts_per_step, "group_size": lc.group_size,
-                    "staleness": lc.staleness, "price_per_hour": LEARNER_PRICE},
-        "pool": {"classes": [{"name": f"w{i}", "count": 1, "mu": lc.group_size / gs, "price": price}
-                             for i, (gs, price) in enumerate(FLEET)]},
+        "run": {
+            "name": "closed-loop-real",
+            "seed": 0,
+            "steps": fig["steps"],
+            "measure_from_step": 1,
+            "stall_timeout_s": 600,
+        },
+        "learner": {
+            "t_train_s": fig["t_train_mean"],
+            "t_train_cv": fig["t_train_cv"],
+            "prompts_per_step": lc.prompts_per_step,
+            "group_size": lc.group_size,
+            "staleness": lc.staleness,
+            "price_per_hour": LEARNER_PRICE,
+        },
+        "pool": {
+            "classes": [
+                {"name": f"w{i}", "count": 1, "mu": lc.group_size / gs, "price": price}
+                for i, (gs, price) in enumerate(FLEET)
+            ]
+        },
         "rollout": {"groups_per_request": 1, "duration_sigma": 0.0},
         "broadcast": {"topology": "fixed", "fixed_s": fig["t_bcast_mean"], "reload_s": 0.0},
-        "provisioning": {"selection": "first", "active": boot, "controller": True,
-                         "tick_s": 0.5, **CONTROLLER},
-        "churn": {"trace": str(trace),
-                  "heartbeat_timeout_s": cfg.transport.heartbeat_timeout_s},
+        "provisioning": {
+            "selection": "first",
+            "active": boot,
+            "controller": True,
+            "tick_s": 0.5,
+            **CONTROLLER,
+        },
+        "churn": {"trace": str(trace), "heartbeat_timeout_s": cfg.transport.heartbeat_timeout_s},
     }
     (tmp / "scenario.json").write_text(json.dumps(scenario, indent=1))
     r = simulate(scenario, machine=False)
     s = SimSummary.from_json(r["summary"])
-    return {"decisions": [(round(d["time"], 1), d["action"], d["worker"]) for d in r["decisions"]
-                          if d["action"] != "short"],
-            "steps": s.steps_done, SIM.active_mean: s.active_mean,
-            SIM.cost_per_step_usd: s.cost_per_step_usd, SIM.bubble_ratio: s.bubble_ratio,
-            "activations": s.events["activations"], "releases": s.events["releases"]}
+    return {
+        "decisions": [
+            (round(d["time"], 1), d["action"], d["worker"])
+            for d in r["decisions"]
+            if d["action"] != "short"
+        ],
+        "steps": s.steps_done,
+        SIM.active_mean: s.active_mean,
+        SIM.cost_per_step_usd: s.cost_per_step_usd,
+        SIM.bubble_ratio: s.bubble_ratio,
+        "activations": s.events["activations"],
+        "releases": s.events["releases"],
+    }
 
 
 def report(fig: dict[str, Any], sim: dict[str, Any]) -> None:
@@ -223,20 +309,34 @@ def report(fig: dict[str, Any], sim: dict[str, Any]) -> None:
     t = Table(title="closed loop, 8 workers, kills and restarts: real vs simulated")
     for c in ("", "real", "simulated", "sim / real"):
         t.add_column(c, justify="right")
-    for k, fmt in ((SIM.active_mean, ".2f"), (SIM.cost_per_step_usd, ".5f"),
-                   (SIM.bubble_ratio, ".2%"), ("activations", "d"), ("releases", "d"),
-                   ("steps", "d")):
+    for k, fmt in (
+        (SIM.active_mean, ".2f"),
+        (SIM.cost_per_step_usd, ".5f"),
+        (SIM.bubble_ratio, ".2%"),
+        ("activations", "d"),
+        ("releases", "d"),
+        ("steps", "d"),
+    ):
         ratio = sim[k] / fig[k] if fig[k] else float("nan")
         t.add_row(k, format(fig[k], fmt), format(sim[k], fmt), f"{ratio:.3f}")
     Console().print(t)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd")
     w = sub.add_parser("worker")
-    for k, typ in (("--line", str), ("--id", str), ("--key", str), ("--group-s", float),
-                   ("--price", float), ("--seconds", float), ("--go", str)):
+    for k, typ in (
+        ("--line", str),
+        ("--id", str),
+        ("--key", str),
+        ("--group-s", float),
+        ("--price", float),
+        ("--seconds", float),
+        ("--go", str),
+    ):
         w.add_argument(k, type=typ, required=True)
     ap.add_argument("--seconds", type=float, default=240.0)
     ap.add_argument("--kill-at", type=float, default=80.0)
@@ -248,9 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     # trajectories/s and the controller had nothing to release). The scenario needs mu_req
     # well inside the fleet: scale this so that T_train stays near 1 s on another machine.
     ap.add_argument("--updates", type=int, default=140, help="learner.updates_per_step")
-    ap.add_argument("--boot", type=int, default=8,
-                    help="provisioning.initial_active: the first BOOT joiners start active (8: "
-                         "all, more than mu_req needs, so the loop must release)")
+    ap.add_argument(
+        "--boot",
+        type=int,
+        default=8,
+        help="provisioning.initial_active: the first BOOT joiners start active (8: "
+        "all, more than mu_req needs, so the loop must release)",
+    )
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/closed_loop_real.json"))
     ap.add_argument("--workdir", default=None, help="keep logs and the run folder here")
     a = ap.parse_args(argv)
@@ -266,12 +370,20 @@ def main(argv: list[str] | None = None) -> int:
         fig = real_figures(real)
         sim = simulate_same(real, fig, tmp, a.boot)
     report(fig, sim)
-    out = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-           "fleet": [{"group_s": g, "price": p} for g, p in FLEET], "controller": CONTROLLER,
-           "events": real["events"], "real": fig, "simulated": sim,
-           # the real run's decisions by learner step, the simulation's by simulated second
-           "real_decisions": [(d.get("step"), d["action"], d.get("worker"))
-                              for d in real["decisions"] if d["action"] != "short"]}
+    out = {
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "fleet": [{"group_s": g, "price": p} for g, p in FLEET],
+        "controller": CONTROLLER,
+        "events": real["events"],
+        "real": fig,
+        "simulated": sim,
+        # the real run's decisions by learner step, the simulation's by simulated second
+        "real_decisions": [
+            (d.get("step"), d["action"], d.get("worker"))
+            for d in real["decisions"]
+            if d["action"] != "short"
+        ],
+    }
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     write_result(a.json, out, indent=1)
     print(f"wrote {a.json}")

@@ -14,8 +14,9 @@ import socket
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import zmq
@@ -39,8 +40,14 @@ class Target:
         self.ctx = zmq.Context()
         self.max_message_mib = 16.0  # transport.max_message_mib (set from the run's config)
 
-    def dealer(self, endpoint: str = "", keys: KeyPair | None = None, server_key: bytes | None = None,
-               src: str = ATTACKER_HOST, plaintext: bool = False) -> zmq.Socket:
+    def dealer(
+        self,
+        endpoint: str = "",
+        keys: KeyPair | None = None,
+        server_key: bytes | None = None,
+        src: str = ATTACKER_HOST,
+        plaintext: bool = False,
+    ) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -93,7 +100,9 @@ def ask(sock: zmq.Socket, msg: wire.Message, timeout_s: float = 5.0) -> str:
     return "no_reply"
 
 
-def flood(sock: zmq.Socket, frame: bytes, n: int, window: int = 500, timeout_s: float = 10.0) -> Counter[str]:
+def flood(
+    sock: zmq.Socket, frame: bytes, n: int, window: int = 500, timeout_s: float = 10.0
+) -> Counter[str]:
     """Send ``n`` frames, ``window`` at a time, reading the replies of each window."""
     got: Counter[str] = Counter()
     for start in range(0, n, window):
@@ -158,14 +167,20 @@ def junk13(t: Target) -> dict[str, Any]:
 def impersonate(t: Target) -> dict[str, Any]:
     stranger = t.dealer()
     traj = wire.Trajectories(worker_id="w0", batch_id="b", count=0, payload=wire.pack_records([]))
-    out = {"never_joined_trajectories": ask(stranger, traj),
-           "join_as_w0": ask(stranger, wire.Join(worker_id="w0", can_relay=False, token=t.token))}
+    out = {
+        "never_joined_trajectories": ask(stranger, traj),
+        "join_as_w0": ask(stranger, wire.Join(worker_id="w0", can_relay=False, token=t.token)),
+    }
     sock, _, ack = join_evil(t)
     out["join_as_evil"] = ack.type
-    for msg in (wire.Heartbeat(worker_id="w0", version=0), traj,
-                wire.SourceRequest(worker_id="w0", version=0, bad_source=t.relay or "tcp://x:1",
-                                   reason="corrupt", chunk=0),
-                wire.Leave(worker_id="w0")):
+    for msg in (
+        wire.Heartbeat(worker_id="w0", version=0),
+        traj,
+        wire.SourceRequest(
+            worker_id="w0", version=0, bad_source=t.relay or "tcp://x:1", reason="corrupt", chunk=0
+        ),
+        wire.Leave(worker_id="w0"),
+    ):
         out[f"evil_{msg.type}_as_w0"] = ask(sock, msg)
     out["evil_leaves_as_itself"] = ask(sock, wire.Leave(worker_id="evil"), 1.0)
     return out
@@ -196,8 +211,10 @@ def future_chunks(t: Target, n: int = 60_000) -> dict[str, Any]:
     out: dict[str, Any] = {"future_version": future}
     t0 = time.monotonic()
     for who in ("joined", "unjoined"):
-        sock = t.dealer(t.info["snapshot_endpoint"], keys=KeyPair.load(t.run_dir.parent / "evil.key")
-                        if who == "joined" else None)
+        sock = t.dealer(
+            t.info["snapshot_endpoint"],
+            keys=KeyPair.load(t.run_dir.parent / "evil.key") if who == "joined" else None,
+        )
         got: Counter[str] = Counter()
         beat = 0.0
         for _ in range(0, n // 2, 1000):
@@ -226,8 +243,15 @@ def join_flood(t: Target, n: int = 10_000, batch: int = 250, hosts: int = 50) ->
         socks = []
         for i in range(start, min(n, start + batch)):
             s = t.dealer(src=f"127.0.1.{1 + i % hosts}")
-            s.send(wire.encode(wire.Join(worker_id=f"sybil{i}", can_relay=False,
-                                         token="" if i % 2 else f"echo_guess{i}")))
+            s.send(
+                wire.encode(
+                    wire.Join(
+                        worker_id=f"sybil{i}",
+                        can_relay=False,
+                        token="" if i % 2 else f"echo_guess{i}",
+                    )
+                )
+            )
             socks.append(s)
         poller = zmq.Poller()
         for s in socks:
@@ -275,8 +299,13 @@ def idle_http(t: Target, n: int = 780) -> dict[str, Any]:
         except OSError:  # still open (BlockingIOError), reset, or never connected
             pass
         s.close()
-    return {"connections": n, "connect_failed": failed, "closed_by_server": closed_by_server,
-            "health_during_1s": during, "health_during_12s": later}
+    return {
+        "connections": n,
+        "connect_failed": failed,
+        "closed_by_server": closed_by_server,
+        "health_during_1s": during,
+        "health_during_12s": later,
+    }
 
 
 def plaintext(t: Target) -> dict[str, Any]:
@@ -308,6 +337,15 @@ def oversize(t: Target) -> dict[str, Any]:
 
 
 ATTACKS: dict[str, Callable[[Target], dict[str, Any]]] = {
-    f.__name__: f for f in (junk13, impersonate, leave_flood, future_chunks, join_flood,
-                            idle_http, plaintext, oversize)
+    f.__name__: f
+    for f in (
+        junk13,
+        impersonate,
+        leave_flood,
+        future_chunks,
+        join_flood,
+        idle_http,
+        plaintext,
+        oversize,
+    )
 }

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from drill_attacks import Target, drain, join_evil  # noqa: E402
+
 from echo import wire  # noqa: E402
 
 HONEST = ("w0", "w1")
@@ -115,8 +116,11 @@ def _security(t: Target) -> dict[str, Any]:
 
 def _honest_harm(sec: dict[str, Any]) -> list[str]:
     out = [f"honest worker {w} quarantined" for w in sec["quarantined"] if w in HONEST]
-    return out + [f"honest check failed: {k} x{n}" for k, n in sec["failed_checks"].items()
-                  if k.split(":")[0] in HONEST]
+    return out + [
+        f"honest check failed: {k} x{n}"
+        for k, n in sec["failed_checks"].items()
+        if k.split(":")[0] in HONEST
+    ]
 
 
 def _attack(r: dict[str, Any]) -> dict[str, Any]:
@@ -140,7 +144,9 @@ def _heartbeat(sock: Any, name: str, rid: int) -> str:
     return "no_reply"
 
 
-def forged_handback(t: Target, groups: int = 4, tokens: int = 3, wait_s: float = 90.0) -> dict[str, Any]:
+def forged_handback(
+    t: Target, groups: int = 4, tokens: int = 3, wait_s: float = 90.0
+) -> dict[str, Any]:
     name = "forger"
     before = _handbacks(t)
     sock, _, ack = join_evil(t, name)
@@ -154,14 +160,30 @@ def forged_handback(t: Target, groups: int = 4, tokens: int = 3, wait_s: float =
                 grant = msg.groups
                 if not grant:
                     time.sleep(0.5)
-                    sock.send(wire.encode(wire.WorkRequest(worker_id=name, max_groups=groups, rid=1)))
+                    sock.send(
+                        wire.encode(wire.WorkRequest(worker_id=name, max_groups=groups, rid=1))
+                    )
     version = max(_version(sock, name), 0)
     pick = random.Random(0)
-    prefixes = {g.group_id: [wire.Prefix(sample_idx=i, ids=[pick.randrange(3, 20) for _ in range(tokens)],
-                                         logprobs=[-9999.0] * tokens, versions=[[version, tokens]])
-                             for i in range(g.n)] for g in grant}
-    sock.send(wire.encode(wire.Handback(worker_id=name, reason="preempted", rid=2,
-                                        groups=list(prefixes), prefixes=prefixes)))
+    prefixes = {
+        g.group_id: [
+            wire.Prefix(
+                sample_idx=i,
+                ids=[pick.randrange(3, 20) for _ in range(tokens)],
+                logprobs=[-9999.0] * tokens,
+                versions=[[version, tokens]],
+            )
+            for i in range(g.n)
+        ]
+        for g in grant
+    }
+    sock.send(
+        wire.encode(
+            wire.Handback(
+                worker_id=name, reason="preempted", rid=2, groups=list(prefixes), prefixes=prefixes
+            )
+        )
+    )
     reply: dict[str, Any] = {}
     end = time.monotonic() + 10
     while not reply and sock.poll(max(1, int(1000 * (end - time.monotonic())))):
@@ -176,11 +198,19 @@ def forged_handback(t: Target, groups: int = 4, tokens: int = 3, wait_s: float =
         time.sleep(0.5)
         drain(sock, 10**6, 0)
     after = _handbacks(t, newer_than=len(_rows(t)), wait_s=15.0)
-    return {"groups": len(grant), "prefixes_sent": sum(len(v) for v in prefixes.values()),
-            "ack": reply, "fate": fate, "seconds_to_fate": round(time.monotonic() - t0, 1),
-            "handbacks": {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)
-                          if isinstance(after.get(k, 0), int)},
-            **_security(t)}
+    return {
+        "groups": len(grant),
+        "prefixes_sent": sum(len(v) for v in prefixes.values()),
+        "ack": reply,
+        "fate": fate,
+        "seconds_to_fate": round(time.monotonic() - t0, 1),
+        "handbacks": {
+            k: after.get(k, 0) - before.get(k, 0)
+            for k in set(after) | set(before)
+            if isinstance(after.get(k, 0), int)
+        },
+        **_security(t),
+    }
 
 
 def check_forged_handback(r: dict[str, Any]) -> list[str]:
@@ -201,9 +231,19 @@ def check_forged_handback(r: dict[str, Any]) -> list[str]:
 
 def _worker_child(t: Target, kind: str, seconds: float) -> dict[str, Any]:
     name = kind.replace("_", "")
-    argv = [sys.executable, str(Path(__file__).resolve()), "worker", "--kind", kind, "join",
-            f"{t.info['join']}?token={t.token}", "--id", name,
-            "--identity", str(t.run_dir.parent / f"{name}.key")]
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "worker",
+        "--kind",
+        kind,
+        "join",
+        f"{t.info['join']}?token={t.token}",
+        "--id",
+        name,
+        "--identity",
+        str(t.run_dir.parent / f"{name}.key"),
+    ]
     log = t.run_dir.parent / f"{name}.log"
     with log.open("w") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
@@ -221,8 +261,14 @@ def _worker_child(t: Target, kind: str, seconds: float) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             proc.kill()
     books.update(_live_workers(t))
-    return {"worker": name, "seconds": seconds, "exit": proc.returncode, "books": books.get(name, {}),
-            "honest_books": {w: books.get(w, {}) for w in HONEST}, **_security(t)}
+    return {
+        "worker": name,
+        "seconds": seconds,
+        "exit": proc.returncode,
+        "books": books.get(name, {}),
+        "honest_books": {w: books.get(w, {}) for w in HONEST},
+        **_security(t),
+    }
 
 
 def cherry_pick(t: Target, seconds: float = 300.0) -> dict[str, Any]:
@@ -236,12 +282,19 @@ def check_cherry_pick(r: dict[str, Any]) -> list[str]:
     if not book.get("handed_back"):
         out.append("the picker handed nothing back")
     elif book.get("cherry_pick") != "low":
-        out.append(f"not flagged after {book.get('returns_n')} returned groups completed "
-                   f"(mean percentile {book.get('returns_pct')})")
-    if (book.get("handed_back") or 0) > 0.5 * (book.get("granted") or 0) + 16 + (book.get("limited") or 0):
+        out.append(
+            f"not flagged after {book.get('returns_n')} returned groups completed "
+            f"(mean percentile {book.get('returns_pct')})"
+        )
+    if (book.get("handed_back") or 0) > 0.5 * (book.get("granted") or 0) + 16 + (
+        book.get("limited") or 0
+    ):
         out.append(f"hand-backs past the share bound were not limited: {book}")
-    out += [f"honest worker {w} flagged as a cherry-picker" for w, b in a.get("honest_books", {}).items()
-            if b.get("cherry_pick")]
+    out += [
+        f"honest worker {w} flagged as a cherry-picker"
+        for w, b in a.get("honest_books", {}).items()
+        if b.get("cherry_pick")
+    ]
     return out + _honest_harm(a)
 
 
@@ -258,8 +311,9 @@ def check_edge_holder(r: dict[str, Any]) -> list[str]:
     if mine is None:
         out.append("the holder delivered nothing")
     elif not honest or mine >= min(honest):
-        out.append(f"the holder's credit per trajectory {mine} is not below the honest "
-                   f"workers' {honest}")
+        out.append(
+            f"the holder's credit per trajectory {mine} is not below the honest workers' {honest}"
+        )
     if (a.get("books", {}).get("at_edge") or 0) < 0.5:
         out.append(f"the holder did not reach the edge: {a.get('books')}")
     return out + _honest_harm(a)
@@ -288,8 +342,9 @@ def _generation(kind: str) -> Any:
             self.generating = [g.group_id for g in groups]  # until delivered or handed back
             return samples, gen_s
 
-        def _deliver(self, groups: list[wire.Group], samples: Any, version: int,
-                     gen_s: float, n: int) -> None:
+        def _deliver(
+            self, groups: list[wire.Group], samples: Any, version: int, gen_s: float, n: int
+        ) -> None:
             """Queue what is kept, timed as the ``n`` groups' generation (those handed back
             included)."""
             self.time_rollout(gen_s, n)
@@ -302,15 +357,25 @@ def _generation(kind: str) -> Any:
                 means = [sum(r for _, r in g) / len(g) for g in samples]
                 self.seen = (self.seen + means)[-256:]
                 median = sorted(self.seen)[len(self.seen) // 2]
-                low = [i for i, m in enumerate(means)
-                       if m < median or (m == median and random.random() < 0.5)]
+                low = [
+                    i
+                    for i, m in enumerate(means)
+                    if m < median or (m == median and random.random() < 0.5)
+                ]
                 if low:
-                    await self.hand_back([groups[i] for i in low], [samples[i] for i in low], version)
+                    await self.hand_back(
+                        [groups[i] for i in low], [samples[i] for i in low], version
+                    )
                 keep = [i for i in range(len(groups)) if i not in low]
                 if not keep:
                     return False
-                self._deliver([groups[i] for i in keep], [samples[i] for i in keep], version,
-                              gen_s, len(groups))
+                self._deliver(
+                    [groups[i] for i in keep],
+                    [samples[i] for i in keep],
+                    version,
+                    gen_s,
+                    len(groups),
+                )
                 return True
             finally:
                 self.generating = []
@@ -359,6 +424,7 @@ def _make(kind: str) -> Any:
             def seen(version: int, manifest: dict[str, Any], source: Any) -> None:
                 self.generation.newest = max(getattr(self.generation, "newest", -1), version)
                 offer(version, manifest, source)
+
             self.session.hooks.offer = seen
 
     return DrillWorker

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from security_drill import ROOT, Fleet, counters
+
 from echo.steprow import COL  # noqa: E402
 
 KINDS = ["forge_rewards", "fake_logprobs", "garbage_tokens", "drop_low"]
@@ -68,9 +69,16 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- one run
 
 
-def run_fleet(tmp: Path, kind: str | None, steps: int, overrides: list[str] | None = None,
-              stop_at_quarantine: bool = False, progress: Progress | None = None,
-              workers: int = WORKERS, timeout_s: float | None = None) -> dict[str, Any]:
+def run_fleet(
+    tmp: Path,
+    kind: str | None,
+    steps: int,
+    overrides: list[str] | None = None,
+    stop_at_quarantine: bool = False,
+    progress: Progress | None = None,
+    workers: int = WORKERS,
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
     """A learner and ``workers`` drill workers, the last one lying as ``kind`` (None: all honest),
     until the learner has made ``steps`` steps (and exits), or ``timeout_s``; with
     ``stop_at_quarantine``, until the liar is quarantined and has exited."""
@@ -89,12 +97,21 @@ def run_fleet(tmp: Path, kind: str | None, steps: int, overrides: list[str] | No
     return _summarize(fleet, kind, liar, names, watch)
 
 
-def _watch(fleet: Fleet, liar: str | None, timeout_s: float, stop_at_quarantine: bool,
-           progress: Progress | None) -> dict[str, Any]:
+def _watch(
+    fleet: Fleet,
+    liar: str | None,
+    timeout_s: float,
+    stop_at_quarantine: bool,
+    progress: Progress | None,
+) -> dict[str, Any]:
     """Poll the run until the learner exits: its step, the liar's first acknowledgement, its
     quarantine and exit, the learner's counters."""
-    w: dict[str, Any] = {"first_ack_step": None, "liar_exit_step": None, "counters": {},
-                         "timed_out": False}
+    w: dict[str, Any] = {
+        "first_ack_step": None,
+        "liar_exit_step": None,
+        "counters": {},
+        "timed_out": False,
+    }
     ledger = fleet.tmp / f"{liar}.ledger"
     step, last_counters, deadline = 0, 0.0, time.monotonic() + timeout_s
     while fleet.alive("learner"):
@@ -113,18 +130,25 @@ def _watch(fleet: Fleet, liar: str | None, timeout_s: float, stop_at_quarantine:
             w["first_ack_step"] = step
         if liar and w["liar_exit_step"] is None and not fleet.alive(liar):
             w["liar_exit_step"] = step
-        if stop_at_quarantine and w["liar_exit_step"] is not None and _quarantine_of(fleet.run, liar):
+        if (
+            stop_at_quarantine
+            and w["liar_exit_step"] is not None
+            and _quarantine_of(fleet.run, liar)
+        ):
             break  # quarantined, and its key's ban has reached it
         time.sleep(0.25)  # a polling period: the learner offers no event to wait on
     return w
 
 
 def _quarantine_of(run: Path, worker: str) -> dict[str, Any] | None:
-    return next((q for q in _lines(run / "security/quarantine.jsonl") if q.get("worker_id") == worker), None)
+    return next(
+        (q for q in _lines(run / "security/quarantine.jsonl") if q.get("worker_id") == worker), None
+    )
 
 
-def _summarize(fleet: Fleet, kind: str | None, liar: str | None, names: list[str],
-               watch: dict[str, Any]) -> dict[str, Any]:
+def _summarize(
+    fleet: Fleet, kind: str | None, liar: str | None, names: list[str], watch: dict[str, Any]
+) -> dict[str, Any]:
     rows = _lines(fleet.run / "metrics.jsonl")
     honest = [n for n in names if n != liar]
     last = [r[COL.reward_mean] for r in rows[-FINAL_STEPS:] if r.get(COL.reward_mean) is not None]
@@ -134,15 +158,20 @@ def _summarize(fleet: Fleet, kind: str | None, liar: str | None, names: list[str
     quarantined = [e.get("worker_id") for e in _lines(fleet.run / "security/quarantine.jsonl")]
     rejected = watch["counters"].get("rejected") or (rows[-1].get("rejected", {}) if rows else {})
     out = {
-        "kind": kind or "honest", "liar": liar, "steps": len(rows),
+        "kind": kind or "honest",
+        "liar": liar,
+        "steps": len(rows),
         "final_reward": round(statistics.fmean(last), 4) if last else None,
         "honest_true_reward": _true_reward(fleet.tmp, honest, len(rows)),
         "rejected": {k: v for k, v in rejected.items() if v},
         "honest_audits": sum(a.get("worker_id") in honest for a in audits),
         "honest_flags": sum(a.get("worker_id") in honest and not a.get("ok", True) for a in audits),
         "honest_quarantined": [w for w in quarantined if w in honest],
-        "audits_by_check": dict(Counter(f"{a.get('check')}:{'ok' if a.get('ok') else 'fail'}" for a in audits)),
-        "timed_out": watch["timed_out"], "exit_codes": watch["exit_codes"],
+        "audits_by_check": dict(
+            Counter(f"{a.get('check')}:{'ok' if a.get('ok') else 'fail'}" for a in audits)
+        ),
+        "timed_out": watch["timed_out"],
+        "exit_codes": watch["exit_codes"],
     }
     if liar:
         liar_audits = [a for a in audits if a.get("worker_id") == liar]
@@ -151,24 +180,37 @@ def _summarize(fleet: Fleet, kind: str | None, liar: str | None, names: list[str
         # then the step of the learner's first check of it.
         known = [s for s in (first, first_audit) if s is not None]
         delivered = min(known) if known else None
-        out.update({
-            "first_ack_step": first, "first_liar_audit_step": first_audit,
-            "first_delivery_step": delivered, "quarantine": q,
-            "quarantine_step": q.get("step") if q else None,
-            "steps_to_quarantine": q["step"] - delivered if q and delivered is not None else None,
-            "liar_audits": len(liar_audits), "liar_flags": sum(not a.get("ok", True) for a in liar_audits),
-            "liar_exit_step": watch["liar_exit_step"],
-            "liar_said_banned": "banned" in (fleet.tmp / f"{liar}.log").read_text(),
-            "lies": lie_evidence(fleet, liar, kind or ""),
-        })
+        out.update(
+            {
+                "first_ack_step": first,
+                "first_liar_audit_step": first_audit,
+                "first_delivery_step": delivered,
+                "quarantine": q,
+                "quarantine_step": q.get("step") if q else None,
+                "steps_to_quarantine": q["step"] - delivered
+                if q and delivered is not None
+                else None,
+                "liar_audits": len(liar_audits),
+                "liar_flags": sum(not a.get("ok", True) for a in liar_audits),
+                "liar_exit_step": watch["liar_exit_step"],
+                "liar_said_banned": "banned" in (fleet.tmp / f"{liar}.log").read_text(),
+                "lies": lie_evidence(fleet, liar, kind or ""),
+            }
+        )
     return out
 
 
 def _true_reward(tmp: Path, honest: list[str], steps: int) -> float | None:
     """The honest workers' mean adapter reward over the samples they generated with the last
     ``FINAL_STEPS`` versions: the policy's quality, whatever the learner was told."""
-    rewards = [r for name in honest for batch in _lines(tmp / f"{name}.truth")
-               if batch["version"] >= steps - FINAL_STEPS for g in batch["groups"] for r in g["true"]]
+    rewards = [
+        r
+        for name in honest
+        for batch in _lines(tmp / f"{name}.truth")
+        if batch["version"] >= steps - FINAL_STEPS
+        for g in batch["groups"]
+        for r in g["true"]
+    ]
     return round(statistics.fmean(rewards), 4) if rewards else None
 
 
@@ -185,19 +227,28 @@ def lie_evidence(fleet: Fleet, liar: str, kind: str) -> dict[str, Any]:
         per_group.setdefault(r.group_id, set()).add(r.sample_idx)
     ev: dict[str, Any] = {
         "groups_generated": len(groups),
-        "samples_generated": sum(g["n"] for g in groups), "samples_sent": sum(g["sent"] for g in groups),
+        "samples_generated": sum(g["n"] for g in groups),
+        "samples_sent": sum(g["sent"] for g in groups),
         "tokens_replaced": sum(g["tokens_replaced"] for g in groups),
         "logprobs_replaced": sum(g["logprobs_replaced"] for g in groups),
         "stored_records": len(stored),
-        "stored_logprob_mean": round(statistics.fmean(x for r in stored for x in r.logprobs), 3) if stored else None,
-        "stored_partial_groups": sum(len(ix) < fleet.cfg.learner.group_size for ix in per_group.values()),
+        "stored_logprob_mean": round(statistics.fmean(x for r in stored for x in r.logprobs), 3)
+        if stored
+        else None,
+        "stored_partial_groups": sum(
+            len(ix) < fleet.cfg.learner.group_size for ix in per_group.values()
+        ),
     }
     if kind not in ("drop_low", "garbage_tokens"):
         # Sample i sent is sample i scored, same tokens: its claimed reward should be the
         # adapter's. (garbage_tokens' claims are the adapter's scores of the garbage: honest.)
-        ev["claimed_ne_adapter"] = sum(c != t for g in groups for c, t in zip(g["claimed"], g["true"]))
+        ev["claimed_ne_adapter"] = sum(
+            c != t for g in groups for c, t in zip(g["claimed"], g["true"])
+        )
         ev["stored_reward_ne_adapter"] = sum(
-            r.group_id in truth and r.reward != truth[r.group_id]["true"][r.sample_idx] for r in stored)
+            r.group_id in truth and r.reward != truth[r.group_id]["true"][r.sample_idx]
+            for r in stored
+        )
     return ev
 
 
@@ -208,14 +259,18 @@ def _progress_runner() -> tuple[Any, Callable[..., dict[str, Any]]]:
     """A rich Progress and a function running one fleet with a bar for it."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    bars = Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn())
+    bars = Progress(
+        TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+    )
 
-    def run(label: str, kind: str | None, steps: int, overrides: list[str] | None = None) -> dict[str, Any]:
+    def run(
+        label: str, kind: str | None, steps: int, overrides: list[str] | None = None
+    ) -> dict[str, Any]:
         task = bars.add_task(label, total=steps)
         with tempfile.TemporaryDirectory() as tmp:
-            r = run_fleet(Path(tmp), kind, steps, overrides,
-                          progress=lambda s: bars.update(task, completed=s))
+            r = run_fleet(
+                Path(tmp), kind, steps, overrides, progress=lambda s: bars.update(task, completed=s)
+            )
         bars.update(task, completed=r["steps"], description=f"{label} done")
         return r
 
@@ -226,19 +281,29 @@ def spread(values: list[float | None]) -> dict[str, float | None]:
     vals = [v for v in values if v is not None]
     if not vals:
         return {"n": 0, "mean": None, "min": None, "max": None, "sd": None}
-    return {"n": len(vals), "mean": round(statistics.fmean(vals), 4), "min": min(vals), "max": max(vals),
-            "sd": round(statistics.stdev(vals), 4) if len(vals) > 1 else None}
+    return {
+        "n": len(vals),
+        "mean": round(statistics.fmean(vals), 4),
+        "min": min(vals),
+        "max": max(vals),
+        "sd": round(statistics.stdev(vals), 4) if len(vals) > 1 else None,
+    }
 
 
 def verdict(r: dict[str, Any], honest: dict[str, Any]) -> dict[str, Any]:
     stq = r.get("steps_to_quarantine")
     lo, hi = honest["min"], honest["max"]
     fr = r["final_reward"]
-    return {"quarantined": r.get("quarantine_step") is not None,
-            "steps_to_quarantine": stq, "within_target": stq is not None and stq <= QUARANTINE_TARGET,
-            "final_reward": fr, "vs_honest_mean": round(fr - honest["mean"], 4)
-            if fr is not None and honest["mean"] is not None else None,
-            "within_honest_range": lo is not None and fr is not None and lo <= fr <= hi}
+    return {
+        "quarantined": r.get("quarantine_step") is not None,
+        "steps_to_quarantine": stq,
+        "within_target": stq is not None and stq <= QUARANTINE_TARGET,
+        "final_reward": fr,
+        "vs_honest_mean": round(fr - honest["mean"], 4)
+        if fr is not None and honest["mean"] is not None
+        else None,
+        "within_honest_range": lo is not None and fr is not None and lo <= fr <= hi,
+    }
 
 
 def liars_main(argv: list[str]) -> int:
@@ -247,26 +312,39 @@ def liars_main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=300, help="learner steps per run")
     ap.add_argument("--runs", type=int, default=3, help="all-honest runs for the baseline spread")
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/security_liars.json"))
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override for every run, e.g. model.name=models/warm-tiny (a "
-                         "model that has learned something: `echo-rl model export`)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every run, e.g. model.name=models/warm-tiny (a "
+        "model that has learned something: `echo-rl model export`)",
+    )
     args = ap.parse_args(argv)
     from echo.machine import write_result
 
     t0 = time.monotonic()
     bars, run = _progress_runner()
     with bars:
-        honest_runs = [run(f"honest {i + 1}/{args.runs}", None, args.steps, args.set)
-                       for i in range(args.runs)]
+        honest_runs = [
+            run(f"honest {i + 1}/{args.runs}", None, args.steps, args.set) for i in range(args.runs)
+        ]
         kinds = {k: run(k, k, args.steps, args.set) for k in args.kinds}
     base = spread([r["final_reward"] for r in honest_runs])
     summary = {k: verdict(r, base) for k, r in kinds.items()}
     honest_flags = sum(r["honest_flags"] for r in [*honest_runs, *kinds.values()])
-    result = {"overrides": BASE_OVERRIDES + args.set, "steps": args.steps,
-              "workers": WORKERS, "wall_s": round(time.monotonic() - t0, 1),
-              "honest_final_reward": base, "honest_runs": honest_runs, "kinds": kinds,
-              "summary": summary, "honest_flags_total": honest_flags,
-              "honest_audits_total": sum(r["honest_audits"] for r in [*honest_runs, *kinds.values()])}
+    result = {
+        "overrides": BASE_OVERRIDES + args.set,
+        "steps": args.steps,
+        "workers": WORKERS,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "honest_final_reward": base,
+        "honest_runs": honest_runs,
+        "kinds": kinds,
+        "summary": summary,
+        "honest_flags_total": honest_flags,
+        "honest_audits_total": sum(r["honest_audits"] for r in [*honest_runs, *kinds.values()]),
+    }
     write_result(args.json, result)
     print_liars(result)
     ok = honest_flags == 0 and all(v["within_target"] for v in summary.values())
@@ -277,8 +355,13 @@ def calibrate_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="security_drill.py calibrate")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="one more config override for every run (repeatable)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more config override for every run (repeatable)",
+    )
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/security_calibrate.json"))
     args = ap.parse_args(argv)
     from echo.machine import write_result
@@ -286,19 +369,28 @@ def calibrate_main(argv: list[str]) -> int:
     t0 = time.monotonic()
     bars, run = _progress_runner()
     with bars:
-        runs = [run(f"honest {i + 1}/{args.runs}", None, args.steps, args.set)
-                for i in range(args.runs)]
-    result = {"overrides": BASE_OVERRIDES + args.set, "steps": args.steps,
-              "workers": WORKERS, "wall_s": round(time.monotonic() - t0, 1),
-              "audits": sum(r["honest_audits"] for r in runs), "flags": sum(r["honest_flags"] for r in runs),
-              "quarantined": sum(len(r["honest_quarantined"]) for r in runs),
-              "final_reward": spread([r["final_reward"] for r in runs]), "runs": runs}
+        runs = [
+            run(f"honest {i + 1}/{args.runs}", None, args.steps, args.set) for i in range(args.runs)
+        ]
+    result = {
+        "overrides": BASE_OVERRIDES + args.set,
+        "steps": args.steps,
+        "workers": WORKERS,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "audits": sum(r["honest_audits"] for r in runs),
+        "flags": sum(r["honest_flags"] for r in runs),
+        "quarantined": sum(len(r["honest_quarantined"]) for r in runs),
+        "final_reward": spread([r["final_reward"] for r in runs]),
+        "runs": runs,
+    }
     write_result(args.json, result)
     from rich.console import Console
 
-    Console().print(f"calibrate: {args.runs} honest runs x {args.steps} steps: {result['audits']} audits "
-                    f"of honest workers, {result['flags']} flagged, {result['quarantined']} quarantined; "
-                    f"final reward {result['final_reward']}")
+    Console().print(
+        f"calibrate: {args.runs} honest runs x {args.steps} steps: {result['audits']} audits "
+        f"of honest workers, {result['flags']} flagged, {result['quarantined']} quarantined; "
+        f"final reward {result['final_reward']}"
+    )
     return 0 if result["flags"] == 0 and result["quarantined"] == 0 else 1
 
 
@@ -307,22 +399,46 @@ def print_liars(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     base = result["honest_final_reward"]
-    table = Table(title=f"Lying workers ({result['steps']} steps, {result['workers']} workers, 1 lying; "
-                        f"honest final reward {base['mean']} in [{base['min']}, {base['max']}], n={base['n']})")
-    for col in ("kind", "1st delivery step", "quarantined at", "steps to q.", "final reward", "honest truth",
-                "rejected by the learner", "lies told / stored", "honest audits / flags"):
+    table = Table(
+        title=f"Lying workers ({result['steps']} steps, {result['workers']} workers, 1 lying; "
+        f"honest final reward {base['mean']} in [{base['min']}, {base['max']}], n={base['n']})"
+    )
+    for col in (
+        "kind",
+        "1st delivery step",
+        "quarantined at",
+        "steps to q.",
+        "final reward",
+        "honest truth",
+        "rejected by the learner",
+        "lies told / stored",
+        "honest audits / flags",
+    ):
         table.add_column(col, overflow="fold")
     for kind, r in result["kinds"].items():
         ev, v = r["lies"], result["summary"][kind]
-        told = (f"sent {ev['samples_sent']}/{ev['samples_generated']}, tokens {ev['tokens_replaced']}, "
-                f"logp {ev['logprobs_replaced']}, reward≠adapter {ev.get('claimed_ne_adapter', '-')}; "
-                f"learner stored {ev['stored_records']} ({ev['stored_partial_groups']} partial groups, "
-                f"reward≠adapter {ev.get('stored_reward_ne_adapter', '-')})")
-        table.add_row(kind, str(r["first_delivery_step"]), str(r["quarantine_step"] if v["quarantined"] else "no"),
-                      str(v["steps_to_quarantine"]), str(r["final_reward"]), str(r["honest_true_reward"]),
-                      ", ".join(f"{k}={n}" for k, n in r["rejected"].items()) or "-", told,
-                      f"{r['honest_audits']} / {r['honest_flags']}")
+        told = (
+            f"sent {ev['samples_sent']}/{ev['samples_generated']}, tokens {ev['tokens_replaced']}, "
+            f"logp {ev['logprobs_replaced']}, reward≠adapter {ev.get('claimed_ne_adapter', '-')}; "
+            f"learner stored {ev['stored_records']} ({ev['stored_partial_groups']} partial groups, "
+            f"reward≠adapter {ev.get('stored_reward_ne_adapter', '-')})"
+        )
+        table.add_row(
+            kind,
+            str(r["first_delivery_step"]),
+            str(r["quarantine_step"] if v["quarantined"] else "no"),
+            str(v["steps_to_quarantine"]),
+            str(r["final_reward"]),
+            str(r["honest_true_reward"]),
+            ", ".join(f"{k}={n}" for k, n in r["rejected"].items()) or "-",
+            told,
+            f"{r['honest_audits']} / {r['honest_flags']}",
+        )
     console = Console(width=200)
     console.print(table)
-    console.print({"honest_runs_audits": [r["honest_audits"] for r in result["honest_runs"]],
-                   "honest_flags_total": result["honest_flags_total"]})
+    console.print(
+        {
+            "honest_runs_audits": [r["honest_audits"] for r in result["honest_runs"]],
+            "honest_flags_total": result["honest_flags_total"],
+        }
+    )

@@ -53,8 +53,9 @@ def _install_hostile_relay(kind: str) -> None:
     enqueue, next_reply = ChunkServer._enqueue, ChunkServer._next_reply
     first: dict[tuple[int, str, int], int] = {}  # (server, requester, version) -> first index
 
-    def hostile_enqueue(self: Any, ident: bytes, rid: int, version: int, index: int, who: str,
-                        form: str = "payload") -> None:
+    def hostile_enqueue(
+        self: Any, ident: bytes, rid: int, version: int, index: int, who: str, form: str = "payload"
+    ) -> None:
         first.setdefault((id(self), who, version), index)
         enqueue(self, ident, rid, version, index, who, form)
 
@@ -93,10 +94,19 @@ def stranger_reports(t: Any, rounds: int = 20) -> dict[str, Any]:
     sock, _, ack = join_evil(t, "reporter")
     version = ack.version  # the learner's newest, as its join reply says
     replies: dict[str, int] = {}
-    for i in range(rounds):
+    for i in range(rounds):  # noqa: B007
         for reason in ("timeout", "disconnected", "corrupt"):
-            got = ask(sock, wire.SourceRequest(worker_id="reporter", version=version,
-                                               bad_source=t.relay, reason=reason, chunk=0), 5.0)
+            got = ask(
+                sock,
+                wire.SourceRequest(
+                    worker_id="reporter",
+                    version=version,
+                    bad_source=t.relay,
+                    reason=reason,
+                    chunk=0,
+                ),
+                5.0,
+            )
             replies[got] = replies.get(got, 0) + 1
     sock.close()
     return {"reports_sent": 3 * rounds, "replies": replies}
@@ -128,7 +138,9 @@ def check_stranger(r: dict[str, Any]) -> list[str]:
     out = _honest(r)
     unassigned = sum(n for k, n in reports.items() if k.endswith(":unassigned"))
     if unassigned < r["attacker"].get("reports_sent", 1):
-        out.append(f"only {unassigned} of {r['attacker'].get('reports_sent')} reports counted unassigned")
+        out.append(
+            f"only {unassigned} of {r['attacker'].get('reports_sent')} reports counted unassigned"
+        )
     if r.get(COL.relays_marked, 0):
         out.append(f"{r[COL.relays_marked]} relay(s) marked: a stranger removed a relay")
     return out
@@ -139,7 +151,9 @@ def check_black_hole(r: dict[str, Any]) -> list[str]:
     out = _honest(r)
     if not any(k.startswith(("timeout:", "disconnected:")) for k in reports):
         out.append("no child reported the black hole (it was given no child: not exercised)")
-    elif not reports.get("probe:unreachable") and not any(k.endswith(":convicted") for k in reports):
+    elif not reports.get("probe:unreachable") and not any(
+        k.endswith(":convicted") for k in reports
+    ):
         out.append(f"the black hole was not convicted: {reports}")
     return out
 
@@ -154,8 +168,11 @@ def check_selective(r: dict[str, Any]) -> list[str]:
     return out
 
 
-CHECKS = {"stranger_reports": check_stranger, "black_hole": check_black_hole,
-          "selective_relay": check_selective}
+CHECKS = {
+    "stranger_reports": check_stranger,
+    "black_hole": check_black_hole,
+    "selective_relay": check_selective,
+}
 
 
 def wait_for(pred: Any, timeout: float, poll: float = 0.5) -> bool:

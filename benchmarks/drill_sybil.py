@@ -16,8 +16,8 @@ from collections import Counter
 from typing import Any
 
 import zmq
-
 from drill_attacks import ATTACKER_HOST, Target, reason_of
+
 from echo import wire
 
 
@@ -26,8 +26,9 @@ def _source(i: int, hosts: str) -> str:
     return ATTACKER_HOST if hosts == "one" else f"127.{1 + i // 256}.{i % 256}.1"
 
 
-def _join_batch(t: Target, start: int, stop: int, hosts: str, got: Counter[str],
-                wait_s: float, prefix: str) -> list[tuple[zmq.Socket, str]]:
+def _join_batch(
+    t: Target, start: int, stop: int, hosts: str, got: Counter[str], wait_s: float, prefix: str
+) -> list[tuple[zmq.Socket, str]]:
     """Joins ``start..stop``; returns the sockets (and ids) that got a join_ack."""
     socks = {}
     for i in range(start, stop):
@@ -63,8 +64,14 @@ def _beat(joined: list[tuple[zmq.Socket, str]], got: Counter[str], install: bool
             got[f"later:{reason_of(s.recv())}"] += 1
 
 
-def sybil_flood(t: Target, n: int = 1000, hosts: str = "one", hold_s: float = 30.0,
-                batch: int = 100, wait_s: float = 0.5) -> dict[str, Any]:
+def sybil_flood(
+    t: Target,
+    n: int = 1000,
+    hosts: str = "one",
+    hold_s: float = 30.0,
+    batch: int = 100,
+    wait_s: float = 0.5,
+) -> dict[str, Any]:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a socket per admitted key
@@ -89,8 +96,14 @@ def sybil_flood(t: Target, n: int = 1000, hosts: str = "one", hold_s: float = 30
         time.sleep(min(1.0, max(0.0, end - time.monotonic())))
     for s, _ in joined:
         s.close()
-    return {"sent": n, "hosts": hosts, "joined": len(joined), "join_s": round(join_s, 1),
-            "seconds": round(time.monotonic() - t0, 1), "replies": dict(got)}
+    return {
+        "sent": n,
+        "hosts": hosts,
+        "joined": len(joined),
+        "join_s": round(join_s, 1),
+        "seconds": round(time.monotonic() - t0, 1),
+        "replies": dict(got),
+    }
 
 
 def check_sybil(r: dict[str, Any], baseline_steps_per_s: float | None = None) -> list[str]:

@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 
 from echo import wire  # noqa: E402
 from worker.agent import Worker  # noqa: E402
-from worker.generation import Generation  # noqa: E402
 from worker.backends import Sample  # noqa: E402
+from worker.generation import Generation  # noqa: E402
 
 Scored = list[tuple[Sample, float]]  # one group's samples and their rewards
 KINDS = ("honest", "forge_rewards", "fake_logprobs", "garbage_tokens", "drop_low")
@@ -73,7 +73,9 @@ class LyingGeneration(Generation):
 
     def generate_and_score(self, groups: list[wire.Group]) -> list[Scored]:
         honest = super().generate_and_score(groups)
-        sent = [getattr(self, f"_lie_{self.lie.kind}")(g, scored) for g, scored in zip(groups, honest)]
+        sent = [
+            getattr(self, f"_lie_{self.lie.kind}")(g, scored) for g, scored in zip(groups, honest)
+        ]
         if self.truth:
             self._write_truth(groups, honest, sent)
         return sent
@@ -87,8 +89,10 @@ class LyingGeneration(Generation):
         return [(s, 0.0 if r >= 1.0 else 1.0) for s, r in scored]
 
     def _lie_fake_logprobs(self, group: wire.Group, scored: Scored) -> Scored:
-        return [(dataclasses.replace(s, logprobs=[self.lie.fake_logprob] * len(s.logprobs)), r)
-                for s, r in scored]
+        return [
+            (dataclasses.replace(s, logprobs=[self.lie.fake_logprob] * len(s.logprobs)), r)
+            for s, r in scored
+        ]
 
     def _lie_garbage_tokens(self, group: wire.Group, scored: Scored) -> Scored:
         backend, adapter = self.held.backend, self.held.adapter
@@ -107,7 +111,11 @@ class LyingGeneration(Generation):
         backend = self.held.backend
         assert backend is not None
         tok = backend.tokenizer
-        fixed = tok.encode(self.lie.garbage_text, add_special_tokens=False) if self.lie.garbage_text else []
+        fixed = (
+            tok.encode(self.lie.garbage_text, add_special_tokens=False)
+            if self.lie.garbage_text
+            else []
+        )
         if fixed:
             return [fixed[i % len(fixed)] for i in range(n)]
         special = set(tok.all_special_ids)
@@ -125,20 +133,33 @@ class LyingGeneration(Generation):
 
     # ------------------------------------------------------------------ the truth log
 
-    def _write_truth(self, groups: list[wire.Group], honest: list[Scored], sent: list[Scored]) -> None:
+    def _write_truth(
+        self, groups: list[wire.Group], honest: list[Scored], sent: list[Scored]
+    ) -> None:
         rows = []
         for g, h, s in zip(groups, honest, sent):
             # Position i of what was sent is sample i of the honest group, except for drop_low
             # (it reorders and drops: only the count changes).
             pairs = list(zip(h, s)) if self.lie.kind != "drop_low" else []
-            rows.append({
-                "group_id": g.group_id, "n": g.n, "sent": len(s),
-                "true": [r for _, r in h], "claimed": [r for _, r in s],
-                "tokens_replaced": sum(a.completion_ids != b.completion_ids for (a, _), (b, _) in pairs),
-                "logprobs_replaced": sum(a.logprobs != b.logprobs for (a, _), (b, _) in pairs),
-            })
-        line = {"worker_id": self.session.worker_id, "kind": self.lie.kind,
-                "version": self.held.version, "groups": rows}
+            rows.append(
+                {
+                    "group_id": g.group_id,
+                    "n": g.n,
+                    "sent": len(s),
+                    "true": [r for _, r in h],
+                    "claimed": [r for _, r in s],
+                    "tokens_replaced": sum(
+                        a.completion_ids != b.completion_ids for (a, _), (b, _) in pairs
+                    ),
+                    "logprobs_replaced": sum(a.logprobs != b.logprobs for (a, _), (b, _) in pairs),
+                }
+            )
+        line = {
+            "worker_id": self.session.worker_id,
+            "kind": self.lie.kind,
+            "version": self.held.version,
+            "groups": rows,
+        }
         with open(self.truth, "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -152,18 +173,35 @@ class LyingWorker(Worker):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="drill_workers.py", usage="%(prog)s --kind KIND [options] "
-                                "join LINE [echo-worker join options]",
-                                description="A worker that lies one way (the security drill).")
+    p = argparse.ArgumentParser(
+        prog="drill_workers.py",
+        usage="%(prog)s --kind KIND [options] join LINE [echo-worker join options]",
+        description="A worker that lies one way (the security drill).",
+    )
     p.add_argument("--kind", required=True, choices=KINDS)
-    p.add_argument("--truth", default=None, metavar="FILE",
-                   help="append per batch what the adapter scored and what was claimed")
-    p.add_argument("--fake-logprob", type=float, default=-20.0,
-                   help="fake_logprobs: the log-prob claimed for every token")
-    p.add_argument("--garbage-text", default="",
-                   help="garbage_tokens: send this text's tokens (default: random token ids)")
-    p.add_argument("--drop-share", type=float, default=0.5,
-                   help="drop_low: share of each group's samples (lowest rewards) not delivered")
+    p.add_argument(
+        "--truth",
+        default=None,
+        metavar="FILE",
+        help="append per batch what the adapter scored and what was claimed",
+    )
+    p.add_argument(
+        "--fake-logprob",
+        type=float,
+        default=-20.0,
+        help="fake_logprobs: the log-prob claimed for every token",
+    )
+    p.add_argument(
+        "--garbage-text",
+        default="",
+        help="garbage_tokens: send this text's tokens (default: random token ids)",
+    )
+    p.add_argument(
+        "--drop-share",
+        type=float,
+        default=0.5,
+        help="drop_low: share of each group's samples (lowest rewards) not delivered",
+    )
     p.add_argument("--seed", type=int, default=0, help="garbage_tokens: seed of the random ids")
     return p
 
@@ -179,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     from worker import cli
 
     lie = Lie(args.kind, args.fake_logprob, args.garbage_text, args.drop_share, args.seed)
-    return cli.main(rest, make_worker=lambda *a, **kw: LyingWorker(*a, lie=lie, truth=args.truth, **kw))
+    return cli.main(
+        rest, make_worker=lambda *a, **kw: LyingWorker(*a, lie=lie, truth=args.truth, **kw)
+    )
 
 
 if __name__ == "__main__":

@@ -43,9 +43,15 @@ def child(target: str, runs: int, seconds: int, corpus: str, artifacts: str) -> 
     fn, seeds = decoders.targets()[target]
     for i, seed in enumerate(seeds()):
         Path(corpus, f"seed-{i}").write_bytes(seed)
-    args = [sys.argv[0], corpus, f"-artifact_prefix={artifacts}/crash-{target}-",
-            f"-max_total_time={seconds}", "-print_final_stats=1", "-rss_limit_mb=4096",
-            "-max_len=4096"]
+    args = [
+        sys.argv[0],
+        corpus,
+        f"-artifact_prefix={artifacts}/crash-{target}-",
+        f"-max_total_time={seconds}",
+        "-print_final_stats=1",
+        "-rss_limit_mb=4096",
+        "-max_len=4096",
+    ]
     if runs:
         args.append(f"-runs={runs}")
     atheris.Setup(args, fn)
@@ -55,20 +61,39 @@ def child(target: str, runs: int, seconds: int, corpus: str, artifacts: str) -> 
 def run_target(target: str, runs: int, seconds: int, artifacts: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"fuzz-{target}-") as corpus:
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, __file__, "--child", target, "--runs", str(runs),
-                               "--seconds", str(seconds), "--corpus", corpus,
-                               "--artifacts", str(artifacts)],
-                              capture_output=True, text=True, env={**os.environ,
-                                                                    "PYTHONPATH": str(ROOT)})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                target,
+                "--runs",
+                str(runs),
+                "--seconds",
+                str(seconds),
+                "--corpus",
+                corpus,
+                "--artifacts",
+                str(artifacts),
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         wall = time.monotonic() - t0
     log = proc.stderr + proc.stdout
     done = DONE.search(log)
     stats = STAT.findall(log)
     execs = int(done.group(1)) if done else int(stats[-1]) if stats else 0
     crashed = proc.returncode != 0
-    row = {"decoder": target, "executions": execs, "failures": int(crashed),
-           "seconds": round(wall, 1), "exec_per_s": round(execs / wall) if wall else 0,
-           "corpus_entries": _last_int(r"corp: (\d+)", log)}
+    row = {
+        "decoder": target,
+        "executions": execs,
+        "failures": int(crashed),
+        "seconds": round(wall, 1),
+        "exec_per_s": round(execs / wall) if wall else 0,
+        "corpus_entries": _last_int(r"corp: (\d+)", log),
+    }
     if crashed:
         row["failure"] = _failure_excerpt(log)
         row["returncode"] = proc.returncode
@@ -82,18 +107,30 @@ def _last_int(pattern: str, log: str) -> int | None:
 
 def _failure_excerpt(log: str) -> str:
     start = log.find("=== Uncaught Python exception")
-    return log[start:start + 3000] if start >= 0 else log[-3000:]
+    return log[start : start + 3000] if start >= 0 else log[-3000:]
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     from importlib.metadata import version
 
-    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
-            "load_avg_at_start": os.getloadavg(), "python": platform.python_version(),
-            "atheris": version("atheris"), "msgpack": version("msgpack"),
-            "pydantic": version("pydantic")}
+    return {
+        "host": platform.node(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "load_avg_at_start": os.getloadavg(),
+        "python": platform.python_version(),
+        "atheris": version("atheris"),
+        "msgpack": version("msgpack"),
+        "pydantic": version("pydantic"),
+    }
 
 
 def main() -> None:
@@ -112,8 +149,10 @@ def main() -> None:
     try:
         import atheris  # noqa: F401
     except ImportError:
-        sys.exit("atheris is missing: pip install atheris (or run the hypothesis profile: "
-                 "ECHO_FUZZ_EXAMPLES=100000 python -m pytest tests/test_wire_props.py)")
+        sys.exit(
+            "atheris is missing: pip install atheris (or run the hypothesis profile: "
+            "ECHO_FUZZ_EXAMPLES=100000 python -m pytest tests/test_wire_props.py)"
+        )
     from fuzz.decoders import targets
 
     names = args.only.split(",") if args.only else list(targets())
@@ -125,12 +164,21 @@ def main() -> None:
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = []
         for row in pool.map(lambda n: run_target(n, args.runs, args.seconds, OUT), names):
-            print(f"{row['decoder']:16s} {row['executions']:>10,d} runs  {row['seconds']:7.1f} s  "
-                  f"{row['exec_per_s']:>7,d}/s  failures {row['failures']}", flush=True)
+            print(
+                f"{row['decoder']:16s} {row['executions']:>10,d} runs  {row['seconds']:7.1f} s  "
+                f"{row['exec_per_s']:>7,d}/s  failures {row['failures']}",
+                flush=True,
+            )
             rows.append(row)
-    result = {"command": " ".join(sys.argv), "machine": info, "jobs": args.jobs,
-              "seconds_limit": args.seconds, "runs_limit": args.runs, "targets": rows,
-              "total_failures": sum(r["failures"] for r in rows)}
+    result = {
+        "command": " ".join(sys.argv),
+        "machine": info,
+        "jobs": args.jobs,
+        "seconds_limit": args.seconds,
+        "runs_limit": args.runs,
+        "targets": rows,
+        "total_failures": sum(r["failures"] for r in rows),
+    }
     path = OUT / f"{args.name}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")

@@ -33,10 +33,15 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+for _k, _v in (
+    ("HF_HUB_OFFLINE", "1"),
+    ("TRANSFORMERS_OFFLINE", "1"),
+    ("TOKENIZERS_PARALLELISM", "false"),
+):
     os.environ.setdefault(_k, _v)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,19 +52,53 @@ from echo.steprow import COL  # noqa: E402
 SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts), TFLOP/s.
-PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "L4": 121.0,
-               "RTX 4090": 165.2, "RTX 3090": 71.0}
+PEAK_TFLOPS = {
+    "H200": 989.4,
+    "H100": 989.4,
+    "A100": 312.0,
+    "L40S": 362.1,
+    "L4": 121.0,
+    "RTX 4090": 165.2,
+    "RTX 3090": 71.0,
+}
 # SmolLM2-135M's architecture (its config.json), for a random-init stand-in when the weights
 # are not at hand; and a ~1.1B Qwen3 (Qwen3-1.7B's widths, 16 layers) for a larger figure.
-SMOLLM2_ARCH = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=100000.0)
-QWEN3_1B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                tie_word_embeddings=True, max_position_embeddings=4096)
-TINY = dict(model_type="qwen3", vocab_size=24, hidden_size=64, intermediate_size=256,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            tie_word_embeddings=True, max_position_embeddings=256)
+SMOLLM2_ARCH = dict(
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+)
+QWEN3_1B = dict(
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+TINY = dict(
+    model_type="qwen3",
+    vocab_size=24,
+    hidden_size=64,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
+)
 
 
 class Record:
@@ -119,7 +158,9 @@ def stage_model(a: argparse.Namespace, rec: Record) -> None:
         return
     gguf = Path(a.gguf) if a.gguf else None
     if gguf is None or not gguf.is_file():
-        rec.put("skipped", f"no SmolLM2 GGUF at {gguf}: stages use its architecture with random weights")
+        rec.put(
+            "skipped", f"no SmolLM2 GGUF at {gguf}: stages use its architecture with random weights"
+        )
         return
     from echo.gguf_import import import_gguf
 
@@ -139,17 +180,36 @@ def stage_tests(a: argparse.Namespace, rec: Record) -> None:
     import xml.etree.ElementTree as ET
 
     xml = Path(a.json).with_suffix(".junit.xml")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-           "tests/test_gpu.py", "tests/test_vllm_gpu.py", f"--junitxml={xml}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "gpu",
+        "tests/test_gpu.py",
+        "tests/test_vllm_gpu.py",
+        f"--junitxml={xml}",
+    ]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     print(run.stdout[-6000:], run.stderr[-3000:], sep="\n")
     cases = []
     if xml.is_file():
         for case in ET.parse(xml).getroot().iter("testcase"):
-            outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+            outcome = next(
+                (c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed"
+            )
             why = next((c.get("message", "")[:300] for c in case if c.tag != "system-out"), "")
-            cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                          "seconds": float(case.get("time", 0)), "message": why})
+            cases.append(
+                {
+                    "test": f"{case.get('classname')}::{case.get('name')}",
+                    "outcome": outcome,
+                    "seconds": float(case.get("time", 0)),
+                    "message": why,
+                }
+            )
     rec.put("returncode", run.returncode)
     rec.put("cases", cases)
     rec.put("passed", sum(c["outcome"] == "passed" for c in cases))
@@ -184,7 +244,9 @@ def smollm2_model(a: argparse.Namespace, device: str) -> tuple[Any, str]:
     return build(SMOLLM2_ARCH, device), "SmolLM2-135M architecture (random init)"
 
 
-def random_batch(model: Any, batch: int, prompt: int, completion: int, device: str, seed: int = 0) -> Any:
+def random_batch(
+    model: Any, batch: int, prompt: int, completion: int, device: str, seed: int = 0
+) -> Any:
     import torch
 
     from dataplane.adapter import LearnerBatch
@@ -193,11 +255,17 @@ def random_batch(model: Any, batch: int, prompt: int, completion: int, device: s
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(4, vocab, (batch, prompt + completion), generator=g)
     loss_mask = torch.zeros(batch, prompt + completion - 1)
-    loss_mask[:, prompt - 1:] = 1
+    loss_mask[:, prompt - 1 :] = 1
     adv = torch.randn(batch, generator=g)
-    lb = LearnerBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=loss_mask,
-                      behaviour_logprobs=-torch.rand(batch, prompt + completion - 1, generator=g) * loss_mask,
-                      advantages=adv, rewards=torch.zeros(batch), versions=torch.zeros(batch, dtype=torch.long))
+    lb = LearnerBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        loss_mask=loss_mask,
+        behaviour_logprobs=-torch.rand(batch, prompt + completion - 1, generator=g) * loss_mask,
+        advantages=adv,
+        rewards=torch.zeros(batch),
+        versions=torch.zeros(batch, dtype=torch.long),
+    )
     return lb
 
 
@@ -225,8 +293,12 @@ def lora_wrap(model: Any) -> Any:
     return wrap(model, LoraConfig(enabled=True))
 
 
-def learner_case(a: argparse.Namespace, make: Callable[[], tuple[Any, str]], lora: bool,
-                 shape: tuple[int, int, int]) -> dict[str, Any]:
+def learner_case(
+    a: argparse.Namespace,
+    make: Callable[[], tuple[Any, str]],
+    lora: bool,
+    shape: tuple[int, int, int],
+) -> dict[str, Any]:
     import torch
 
     from echo.config import LearnerConfig
@@ -249,14 +321,21 @@ def learner_case(a: argparse.Namespace, make: Callable[[], tuple[Any, str]], lor
     step_s = statistics.median(times)
     flops = step_flops(model, B, P, C, lora)
     peak = peak_tflops()
-    out = {"model": name, "lora": lora, "device": str(par.device),
-           "params": sum(p.numel() for p in model.parameters()),
-           "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-           "batch": {"sequences": B, "prompt": P, "completion": C}, "step_s": times,
-           "step_s_median": step_s, "tokens_per_s": B * (P + C) / step_s,
-           "tflops_per_s": flops / step_s / 1e12, "peak_tflops": peak,
-           "mfu": flops / step_s / 1e12 / peak if peak else None,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+    out = {
+        "model": name,
+        "lora": lora,
+        "device": str(par.device),
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "batch": {"sequences": B, "prompt": P, "completion": C},
+        "step_s": times,
+        "step_s_median": step_s,
+        "tokens_per_s": B * (P + C) / step_s,
+        "tflops_per_s": flops / step_s / 1e12,
+        "peak_tflops": peak,
+        "mfu": flops / step_s / 1e12 / peak if peak else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+    }
     return out  # the model, Adam and batch go with this frame: the next case starts empty
 
 
@@ -271,12 +350,17 @@ def _lora_available() -> str | None:
 def stage_learner(a: argparse.Namespace, rec: Record) -> None:
     device = _device(a)
     shape = (4, 8, 8) if a.dry_run else (16, 256, 256)
-    big = (lambda: (build(TINY, device), "tiny-qwen3 (random init)")) if a.dry_run else \
-        (lambda: (build(QWEN3_1B, device), "Qwen3 ~1.1B (random init)"))
-    cases = [("smollm2_full", lambda: smollm2_model(a, device), False),
-             ("qwen3_1b_full", big, False),
-             ("smollm2_lora", lambda: smollm2_model(a, device), True),
-             ("qwen3_1b_lora", big, True)]
+    big = (
+        (lambda: (build(TINY, device), "tiny-qwen3 (random init)"))
+        if a.dry_run
+        else (lambda: (build(QWEN3_1B, device), "Qwen3 ~1.1B (random init)"))
+    )
+    cases = [
+        ("smollm2_full", lambda: smollm2_model(a, device), False),
+        ("qwen3_1b_full", big, False),
+        ("smollm2_lora", lambda: smollm2_model(a, device), True),
+        ("qwen3_1b_lora", big, True),
+    ]
     for key, make, lora in cases:
         why = _lora_available() if lora else None
         if why:
@@ -287,8 +371,10 @@ def stage_learner(a: argparse.Namespace, rec: Record) -> None:
         r["wall_s"] = time.perf_counter() - t0
         rec.put(key, r)
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        print(f"{key}: {r['model']}, {r['tokens_per_s']:.0f} tokens/s, {r['tflops_per_s']:.1f} TFLOP/s, MFU {mfu}",
-              flush=True)
+        print(
+            f"{key}: {r['model']}, {r['tokens_per_s']:.0f} tokens/s, {r['tflops_per_s']:.1f} TFLOP/s, MFU {mfu}",
+            flush=True,
+        )
 
 
 # ------------------------------------------------------------------------------ generation
@@ -299,7 +385,9 @@ def _backend(a: argparse.Namespace) -> Any:
     from worker.backends import make_backend
 
     cfg = ModelConfig() if a.dry_run or not real_smollm2() else ModelConfig(name=str(SMOLLM2))
-    return make_backend("transformers", model_cfg=cfg, threads=os.cpu_count() or 1, device=_device(a)), cfg
+    return make_backend(
+        "transformers", model_cfg=cfg, threads=os.cpu_count() or 1, device=_device(a)
+    ), cfg
 
 
 def _prompts(backend: Any, cfg: Any, n: int) -> list[list[int]]:
@@ -307,7 +395,9 @@ def _prompts(backend: Any, cfg: Any, n: int) -> list[list[int]]:
         return [[5 + i % 10, 6, 7, 8, 9, 10] for i in range(n)]
     from adapters.math import MathAdapter
 
-    adapter = MathAdapter({"path": str(ROOT / "examples" / "data" / "arith_words.jsonl")}, backend.tokenizer)
+    adapter = MathAdapter(
+        {"path": str(ROOT / "examples" / "data" / "arith_words.jsonl")}, backend.tokenizer
+    )
     items = adapter.items()
     return [items[i % len(items)][0] for i in range(n)]
 
@@ -322,20 +412,50 @@ def stage_generation(a: argparse.Namespace, rec: Record) -> None:
     new_tokens = 8 if a.dry_run else 128
     for rows, groups_n in ((1, 1), (16, 4), (64, 8)):
         n = rows // groups_n
-        groups = [wire.Group(group_id=f"g{i}", prompt_ids=p, n=n, seed=i)
-                  for i, p in enumerate(_prompts(backend, cfg, groups_n))]
+        groups = [
+            wire.Group(group_id=f"g{i}", prompt_ids=p, n=n, seed=i)
+            for i, p in enumerate(_prompts(backend, cfg, groups_n))
+        ]
         made: list[int] = []
-        times = _timed(lambda: made.append(sum(len(s.completion_ids) for g in backend.generate(
-            groups, new_tokens, 1.0) for s in g)), min(a.reps, 2), sync)
+        times = _timed(
+            lambda: made.append(  # noqa: B023
+                sum(
+                    len(s.completion_ids)
+                    for g in backend.generate(groups, new_tokens, 1.0)  # noqa: B023
+                    for s in g
+                )
+            ),
+            min(a.reps, 2),
+            sync,
+        )
         tokens = made[-1]
-        rec.put(f"batch_{rows}", {"sequences": rows, "max_new_tokens": new_tokens, "seconds": times,
-                                  "tokens": tokens, "tokens_per_s": tokens / statistics.median(times)})
-        print(f"generation batch {rows}: {tokens / statistics.median(times):.0f} tokens/s", flush=True)
+        rec.put(
+            f"batch_{rows}",
+            {
+                "sequences": rows,
+                "max_new_tokens": new_tokens,
+                "seconds": times,
+                "tokens": tokens,
+                "tokens_per_s": tokens / statistics.median(times),
+            },
+        )
+        print(
+            f"generation batch {rows}: {tokens / statistics.median(times):.0f} tokens/s", flush=True
+        )
     index, payload = params_to_payload(backend.model.named_parameters(), "bfloat16")
     times = _timed(lambda: backend.install(index, payload, version=2), a.reps, sync)
-    rec.put("install", {"payload_mib": len(payload) / 2**20, "seconds": times,
-                        "seconds_median": statistics.median(times)})
-    print(f"install of a {len(payload) / 2**20:.0f} MiB version: {statistics.median(times) * 1e3:.0f} ms", flush=True)
+    rec.put(
+        "install",
+        {
+            "payload_mib": len(payload) / 2**20,
+            "seconds": times,
+            "seconds_median": statistics.median(times),
+        },
+    )
+    print(
+        f"install of a {len(payload) / 2**20:.0f} MiB version: {statistics.median(times) * 1e3:.0f} ms",
+        flush=True,
+    )
 
 
 # ------------------------------------------------------------------------------ learning
@@ -345,16 +465,28 @@ def learning_argv(a: argparse.Namespace, run_dir: Path) -> list[str]:
     base = [sys.executable, "-m", "echo.cli", "quickstart", "--run-dir", str(run_dir)]
     if a.dry_run:
         return base + ["--config", "examples/quickstart.toml", "--set", "learner.max_steps=3"]
-    sets = [f"learner.max_steps={a.steps}", "learner.lr=1e-5", "learner.device=cuda",
-            "worker.device=cuda", "worker.groups_per_request=4", "learner.lease_timeout_s=120",
-            "learner.wait_timeout_s=120", "broadcast.timeout_s=30", "learner.torch_threads=4",
-            "worker.torch_threads=4"]
-    return base + ["--config", "examples/smollm2-math.toml"] + [x for s in sets for x in ("--set", s)]
+    sets = [
+        f"learner.max_steps={a.steps}",
+        "learner.lr=1e-5",
+        "learner.device=cuda",
+        "worker.device=cuda",
+        "worker.groups_per_request=4",
+        "learner.lease_timeout_s=120",
+        "learner.wait_timeout_s=120",
+        "broadcast.timeout_s=30",
+        "learner.torch_threads=4",
+        "worker.torch_threads=4",
+    ]
+    return (
+        base + ["--config", "examples/smollm2-math.toml"] + [x for s in sets for x in ("--set", s)]
+    )
 
 
 def stage_learning(a: argparse.Namespace, rec: Record) -> None:
     if not a.dry_run and not real_smollm2():
-        rec.put("skipped", "SmolLM2's weights are not here (stage model): a learning run needs them")
+        rec.put(
+            "skipped", "SmolLM2's weights are not here (stage model): a learning run needs them"
+        )
         return
     run_dir = Path(a.json).parent / "learning-run"
     argv = learning_argv(a, run_dir)
@@ -365,24 +497,45 @@ def stage_learning(a: argparse.Namespace, rec: Record) -> None:
         rec.put("returncode", proc.returncode)
     except subprocess.TimeoutExpired:
         rec.put("returncode", None)
-        rec.put("stopped", f"at the stage's budget, {a.budget_s:.0f} s: the steps made so far are kept")
+        rec.put(
+            "stopped", f"at the stage's budget, {a.budget_s:.0f} s: the steps made so far are kept"
+        )
     rec.put("wall_s", time.perf_counter() - t0)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
-        if (run_dir / "metrics.jsonl").is_file() else []
-    keys = ("step", "version", COL.reward_mean, COL.t_train, COL.t_publish, COL.t_bcast, COL.bubble_ratio, "wall_s")
+    rows = (
+        [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        if (run_dir / "metrics.jsonl").is_file()
+        else []
+    )
+    keys = (
+        "step",
+        "version",
+        COL.reward_mean,
+        COL.t_train,
+        COL.t_publish,
+        COL.t_bcast,
+        COL.bubble_ratio,
+        "wall_s",
+    )
     rec.put("curve", [{k: r.get(k) for k in keys if k in r} for r in rows])
     if rows:
         first = [r[COL.reward_mean] for r in rows[:10]]
         last = [r[COL.reward_mean] for r in rows[-10:]]
         rec.put("reward_first10", statistics.mean(first))
         rec.put("reward_last10", statistics.mean(last))
-        print(f"learning: {len(rows)} steps, reward first 10 {statistics.mean(first):.3f} -> "
-              f"last 10 {statistics.mean(last):.3f}", flush=True)
+        print(
+            f"learning: {len(rows)} steps, reward first 10 {statistics.mean(first):.3f} -> "
+            f"last 10 {statistics.mean(last):.3f}",
+            flush=True,
+        )
 
 
 STAGES: dict[str, Callable[[argparse.Namespace, Record], None]] = {
-    "model": stage_model, "tests": stage_tests, "learner": stage_learner,
-    "generation": stage_generation, "learning": stage_learning}
+    "model": stage_model,
+    "tests": stage_tests,
+    "learner": stage_learner,
+    "generation": stage_generation,
+    "learning": stage_learning,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

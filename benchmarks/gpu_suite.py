@@ -52,14 +52,28 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "benchmarks/results/gpu/latest"))
-    p.add_argument("--stages", default=",".join(ORDER), help=f"comma-separated, of {','.join(ORDER)}")
-    p.add_argument("--dry-run", action="store_true", help="every stage on the CPU with the tiny model")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT") or ROOT / "benchmarks/results/gpu/latest"),
+    )
+    p.add_argument(
+        "--stages", default=",".join(ORDER), help=f"comma-separated, of {','.join(ORDER)}"
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="every stage on the CPU with the tiny model"
+    )
     p.add_argument("--wheels", type=Path, default=ROOT / ".whl")
     p.add_argument("--site", type=Path, default=Path("/tmp/echo-site"))
-    p.add_argument("--weights", type=Path, default=ROOT / ".gpu", help="GGUF parts carried by this call")
-    p.add_argument("--stash", type=Path, default=Path.home() / ".cache" / "echo-gpu",
-                   help="where parts wait for the rest (outside the checkout: it survives between calls)")
+    p.add_argument(
+        "--weights", type=Path, default=ROOT / ".gpu", help="GGUF parts carried by this call"
+    )
+    p.add_argument(
+        "--stash",
+        type=Path,
+        default=Path.home() / ".cache" / "echo-gpu",
+        help="where parts wait for the rest (outside the checkout: it survives between calls)",
+    )
     p.add_argument("--steps", type=int, default=60, help="learning run: learner steps")
     a = p.parse_args(argv)
     a.stages = [s for s in a.stages.split(",") if s]
@@ -77,15 +91,30 @@ def install_wheels(wheels: Path, site: Path) -> dict[str, Any]:
     found = sorted(p.name for p in wheels.glob("*.whl")) if wheels.is_dir() else []
     marker = site / ".echo-wheels"
     if found and not (marker.is_file() and marker.read_text() == "\n".join(found)):
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-               "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, sorted(wheels.glob("*.whl")))]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(site),
+            *map(str, sorted(wheels.glob("*.whl"))),
+        ]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode:
             return {"wheels": found, "error": run.stderr[-2000:]}
         marker.write_text("\n".join(found))
     from dataplane.testing import write_entry_points
 
-    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["echo.adapters"]
+    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][
+        "echo.adapters"
+    ]
     write_entry_points(site, "echo-rl", eps)
     return {"wheels": found, "site": str(site)}
 
@@ -127,12 +156,23 @@ def machine() -> dict[str, Any]:
     info = machine_info()
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info.update(cuda=torch.version.cuda, gpu=props.name, gpu_mem_gib=round(props.total_memory / 2**30, 1),
-                    multiprocessors=props.multi_processor_count)
+        info.update(
+            cuda=torch.version.cuda,
+            gpu=props.name,
+            gpu_mem_gib=round(props.total_memory / 2**30, 1),
+            multiprocessors=props.multi_processor_count,
+        )
     smi = shutil.which("nvidia-smi")
     if smi:
-        run = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                              "--format=csv,noheader"], capture_output=True, text=True)
+        run = subprocess.run(
+            [
+                smi,
+                "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+        )
         info["nvidia_smi"] = run.stdout.strip()
     return info
 
@@ -148,11 +188,22 @@ def _tee(stream: Any, log: Any) -> None:
         log.flush()
 
 
-def run_stage(stage: str, a: argparse.Namespace, env: dict[str, str], tmp: Path, log: Any) -> dict[str, Any]:
+def run_stage(
+    stage: str, a: argparse.Namespace, env: dict[str, str], tmp: Path, log: Any
+) -> dict[str, Any]:
     budget = (DRY_BUDGETS if a.dry_run else BUDGETS)[stage]
     out = tmp / f"{stage}.json"
-    argv = [sys.executable, str(ROOT / "benchmarks" / "gpu_stages.py"), stage, "--json", str(out),
-            "--steps", str(a.steps), "--budget-s", str(budget - 25)]
+    argv = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "gpu_stages.py"),
+        stage,
+        "--json",
+        str(out),
+        "--steps",
+        str(a.steps),
+        "--budget-s",
+        str(budget - 25),
+    ]
     if a.dry_run:
         argv.append("--dry-run")
     if (a.stash / GGUF_NAME).is_file():
@@ -161,8 +212,15 @@ def run_stage(stage: str, a: argparse.Namespace, env: dict[str, str], tmp: Path,
     sys.stdout.write(banner)
     log.write(banner)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     reader = threading.Thread(target=_tee, args=(proc.stdout, log), daemon=True)
     reader.start()
     try:
@@ -174,7 +232,7 @@ def run_stage(stage: str, a: argparse.Namespace, env: dict[str, str], tmp: Path,
     reader.join(timeout=5)
     res = json.loads(out.read_text()) if out.is_file() else {}
     res["seconds"] = round(time.perf_counter() - t0, 1)
-    res["outcome"] = ("timed out" if rc is None else "ok" if rc == 0 else f"failed (exit {rc})")
+    res["outcome"] = "timed out" if rc is None else "ok" if rc == 0 else f"failed (exit {rc})"
     if rc == 0 and res.get("failed"):
         res["outcome"] = f"{res['failed']} failed"
     elif rc == 0 and res.get("returncode") and not (res["returncode"] == 5 and res.get("skipped")):
@@ -197,7 +255,10 @@ def plot_curve(curve: list[dict[str, Any]], path: Path) -> bool:
     steps = [r["step"] for r in rows]
     rewards = [r[COL.reward_mean] for r in rows]
     k = 5
-    smooth = [sum(rewards[max(0, i - k + 1):i + 1]) / len(rewards[max(0, i - k + 1):i + 1]) for i in range(len(rewards))]
+    smooth = [
+        sum(rewards[max(0, i - k + 1) : i + 1]) / len(rewards[max(0, i - k + 1) : i + 1])
+        for i in range(len(rewards))
+    ]
     ax.plot(steps, rewards, alpha=0.35, label="reward per step")
     ax.plot(steps, smooth, label=f"mean of the last {k}")
     ax.set_xlabel("learner step")
@@ -212,7 +273,9 @@ def plot_curve(curve: list[dict[str, Any]], path: Path) -> bool:
 def summary_line(stage: str, r: dict[str, Any]) -> str:
     bits = []
     if stage == "tests":
-        bits.append(f"{r.get('passed', 0)} passed, {r.get('failed', 0)} failed, {r.get('skipped', 0)} skipped")
+        bits.append(
+            f"{r.get('passed', 0)} passed, {r.get('failed', 0)} failed, {r.get('skipped', 0)} skipped"
+        )
     for key in ("smollm2_full", "qwen3_1b_full", "smollm2_lora", "qwen3_1b_lora"):
         c = r.get(key)
         if isinstance(c, dict) and "tokens_per_s" in c:
@@ -225,7 +288,9 @@ def summary_line(stage: str, r: dict[str, Any]) -> str:
     if "install" in r:
         bits.append(f"install {r['install']['seconds_median'] * 1e3:.0f} ms")
     if "reward_first10" in r:
-        bits.append(f"{len(r['curve'])} steps, reward {r['reward_first10']:.3f} -> {r['reward_last10']:.3f}")
+        bits.append(
+            f"{len(r['curve'])} steps, reward {r['reward_first10']:.3f} -> {r['reward_last10']:.3f}"
+        )
     if r.get("skipped") and isinstance(r["skipped"], str):
         bits.append(r["skipped"])
     return "; ".join(bits)
@@ -236,13 +301,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a.out.mkdir(parents=True, exist_ok=True)
     tmp = a.out / ".stages"
     tmp.mkdir(exist_ok=True)
-    result: dict[str, Any] = {"benchmark": "gpu_check", "dry_run": a.dry_run,
-                              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    result: dict[str, Any] = {
+        "benchmark": "gpu_check",
+        "dry_run": a.dry_run,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     if not a.dry_run:
         result["setup"] = install_wheels(a.wheels, a.site)
         result["weights"] = stash_weights(a.weights, a.stash)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(a.site), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(a.site), str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+        ),
+    }
     sys.path[:0] = [str(a.site)]
     result["machine"] = machine()
     result["stages"] = {}

@@ -29,12 +29,19 @@ OPTIONAL = ("scipy", "simpy", "matplotlib", "pandas", "pyarrow", "pokerkit")
 def _sources(rev: str, tmp: Path) -> dict[str, Path]:
     before, after = tmp / "before", tmp / "after"
     before.mkdir()
-    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "archive", rev], cwd=ROOT, check=True, capture_output=True
+    ).stdout
     (tmp / "before.tar").write_bytes(archive)
     with tarfile.open(tmp / "before.tar") as tar:
         tar.extractall(before, filter="data")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     for name in files:
         src = ROOT / name
         if src.is_file():
@@ -53,11 +60,19 @@ def measure(source: Path, venv: Path) -> dict[str, object]:
     seconds = time.monotonic() - t0
     site = next((venv / "lib").glob("python*/site-packages"))
     size = sum(p.stat().st_size for p in site.rglob("*") if p.is_file() and not p.is_symlink())
-    freeze = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"],
-                            check=True, capture_output=True, text=True).stdout.split()
+    freeze = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     names = {line.split("==")[0].lower() for line in freeze}
-    return {"install_s": round(seconds, 1), "site_packages_mb": round(size / 1e6),
-            "packages": len(names), "optional_present": sorted(names & set(OPTIONAL))}
+    return {
+        "install_s": round(seconds, 1),
+        "site_packages_mb": round(size / 1e6),
+        "packages": len(names),
+        "optional_present": sorted(names & set(OPTIONAL)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             out[label] = measure(source, Path(tmp) / f"venv-{len(out)}")
             print(f"  {out[label]}", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    write_result(args.json, {"argv": sys.argv[1:],
-                             "results": out})
+    write_result(args.json, {"argv": sys.argv[1:], "results": out})
     return 0
 
 

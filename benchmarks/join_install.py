@@ -71,15 +71,30 @@ def cpu_s(pid: int) -> float:
 def one_worker(group: ProcessGroup, line: str, tmp: Path, i: int) -> dict:
     log, status = tmp / f"w{i}.log", tmp / f"w{i}.json"
     started = time.time()
-    proc = group.start(f"w{i}", python_argv("worker.cli", "join", line, "--id", f"w{i}",
-                                            "--identity", str(tmp / f"w{i}.key"),
-                                            "--status-file", str(status)), log)
+    proc = group.start(
+        f"w{i}",
+        python_argv(
+            "worker.cli",
+            "join",
+            line,
+            "--id",
+            f"w{i}",
+            "--identity",
+            str(tmp / f"w{i}.key"),
+            "--status-file",
+            str(status),
+        ),
+        log,
+    )
     installed = _wait_installed(log, proc, started + TIMEOUT_S)
     cpu = cpu_s(proc.pid)  # read within 50 ms of the install (the poll period): an upper bound
     t0 = time.monotonic()
     group.stop(f"w{i}", timeout=60, sig=signal.SIGTERM)
-    row = {"start_to_install_s": round(installed - started, 3), "worker_cpu_s": round(cpu, 2),
-           "sigterm_exit_s": round(time.monotonic() - t0, 3)}
+    row = {
+        "start_to_install_s": round(installed - started, 3),
+        "worker_cpu_s": round(cpu, 2),
+        "sigterm_exit_s": round(time.monotonic() - t0, 3),
+    }
     if status.exists():
         first = read_status(status).first_install
         row["first_install"] = first.model_dump() if first else None
@@ -89,12 +104,21 @@ def one_worker(group: ProcessGroup, line: str, tmp: Path, i: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5, help="workers, one after another")
-    p.add_argument("--config", default=None,
-                   help="learner config (default: the tree's examples/quickstart.toml)")
-    p.add_argument("--tree", type=Path, default=ROOT,
-                   help="the source tree whose learner and worker run (its modules win: they "
-                        "start with it as their working directory)")
-    p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "join_install.json")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="learner config (default: the tree's examples/quickstart.toml)",
+    )
+    p.add_argument(
+        "--tree",
+        type=Path,
+        default=ROOT,
+        help="the source tree whose learner and worker run (its modules win: they "
+        "start with it as their working directory)",
+    )
+    p.add_argument(
+        "--json", type=Path, default=ROOT / "benchmarks" / "results" / "join_install.json"
+    )
     p.add_argument("--label", default="", help="what is measured (e.g. before/after a change)")
     args = p.parse_args(argv)
     args.config = args.config or str(args.tree / "examples" / "quickstart.toml")
@@ -104,29 +128,63 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     group = ProcessGroup()
     try:
-        learner = group.start("learner", python_argv(
-            "echo.cli", "learn", args.config, "--run-dir", str(tmp / "run"),
-            "--set", "learner.max_steps=1000000", "--set", "provisioning.enabled=false"),
-            tmp / "learner.log", pipe_stdout=True)
+        learner = group.start(
+            "learner",
+            python_argv(
+                "echo.cli",
+                "learn",
+                args.config,
+                "--run-dir",
+                str(tmp / "run"),
+                "--set",
+                "learner.max_steps=1000000",
+                "--set",
+                "provisioning.enabled=false",
+            ),
+            tmp / "learner.log",
+            pipe_stdout=True,
+        )
         line = wait_ready(learner, timeout=120)
         rows = [one_worker(group, line, tmp, i) for i in range(args.runs)]
     finally:
         group.stop_all()
     totals = [r["start_to_install_s"] for r in rows]
-    out = {"label": args.label, "tree": str(args.tree), "config": args.config,
-           "model": "tiny-qwen3 (quickstart)",
-           "runs": rows, "start_to_install_s": {"median": statistics.median(totals),
-                                                "min": min(totals), "max": max(totals)},
-           "worker_cpu_s": {"median": statistics.median(r["worker_cpu_s"] for r in rows)},
-           "sigterm_exit_s_max": max(r["sigterm_exit_s"] for r in rows),
-           "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-           "machine": machine_info(), "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    out = {
+        "label": args.label,
+        "tree": str(args.tree),
+        "config": args.config,
+        "model": "tiny-qwen3 (quickstart)",
+        "runs": rows,
+        "start_to_install_s": {
+            "median": statistics.median(totals),
+            "min": min(totals),
+            "max": max(totals),
+        },
+        "worker_cpu_s": {"median": statistics.median(r["worker_cpu_s"] for r in rows)},
+        "sigterm_exit_s_max": max(r["sigterm_exit_s"] for r in rows),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "machine": machine_info(),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     kept = json.loads(args.json.read_text()) if args.json.exists() else []
     args.json.write_text(json.dumps([*kept, out], indent=1) + "\n")
-    print(json.dumps({k: out[k] for k in ("label", "start_to_install_s", "worker_cpu_s",
-                                          "sigterm_exit_s_max",
-                                          "loadavg_before", "loadavg_after")}))
+    print(
+        json.dumps(
+            {
+                k: out[k]
+                for k in (
+                    "label",
+                    "start_to_install_s",
+                    "worker_cpu_s",
+                    "sigterm_exit_s_max",
+                    "loadavg_before",
+                    "loadavg_after",
+                )
+            }
+        )
+    )
     return 0
 
 

@@ -28,8 +28,8 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,11 +42,18 @@ from provisioning.sim.control_load import ControlCosts, saturation  # noqa: E402
 # Every synthetic worker comes from 127.0.0.1, one IP prefix: the per-address and per-prefix
 # limits (docs/security.md, "Sybils") would rightly hold a thousand keys from one host to a few
 # a second, so they are raised here; the fleet-wide limits stay as configured.
-OVERRIDES = ["security.audit=false", "provisioning.enabled=false", "learner.max_steps=100000",
-             "security.handshakes_per_s_per_ip=400", "security.joins_per_s=200",
-             "security.newcomers_per_s_per_prefix=400", "security.newcomer_burst=4096",
-             "security.max_workers=16384",
-             "learner.wait_timeout_s=600", "metrics.enabled=true"]
+OVERRIDES = [
+    "security.audit=false",
+    "provisioning.enabled=false",
+    "learner.max_steps=100000",
+    "security.handshakes_per_s_per_ip=400",
+    "security.joins_per_s=200",
+    "security.newcomers_per_s_per_prefix=400",
+    "security.newcomer_burst=4096",
+    "security.max_workers=16384",
+    "learner.wait_timeout_s=600",
+    "metrics.enabled=true",
+]
 
 
 # ----------------------------------------------------------------------------- swarm process
@@ -55,8 +62,18 @@ OVERRIDES = ["security.audit=false", "provisioning.enabled=false", "learner.max_
 class Synthetic:
     """One made-up worker on a shared event loop."""
 
-    def __init__(self, ctx: Any, line: Any, wid: str, adapter: Any, vocab: int, group_s: float,
-                 keys: Any = None, price: float = 0.1, gate: Any = None):
+    def __init__(
+        self,
+        ctx: Any,
+        line: Any,
+        wid: str,
+        adapter: Any,
+        vocab: int,
+        group_s: float,
+        keys: Any = None,
+        price: float = 0.1,
+        gate: Any = None,
+    ):
         """``keys``: the worker's identity (a restarted worker passes the same pair); a new
         pair when None. ``price``: what it declares, $/h. ``gate``: an async callable; the worker
         joins and heart-beats at once but asks for work only once it returns (a fleet that
@@ -66,8 +83,13 @@ class Synthetic:
 
         self.wid, self.adapter, self.vocab, self.group_s = wid, adapter, vocab, group_s
         self.price, self.gate = price, gate
-        self.client = Client(ctx, line.endpoint, 16 << 20, keys=keys or KeyPair.generate(),
-                             server_key=line.server_key)
+        self.client = Client(
+            ctx,
+            line.endpoint,
+            16 << 20,
+            keys=keys or KeyPair.generate(),
+            server_key=line.server_key,
+        )
         self.version, self.rtts, self.acked, self.batches = 0, [], 0, 0
         self.ledger: list[dict[str, Any]] = []  # per acknowledged batch: the keys stored
         self.periods: list[float] = []  # heartbeat periods the learner asked for
@@ -86,8 +108,11 @@ class Synthetic:
                 raise RuntimeError(f"{self.wid}: join refused: {ack}")
             self.wid, self.version = ack.worker_id or self.wid, max(ack.version, 0)
             period = float(ack.config["worker"]["heartbeat_s"])
-            tasks = [tg.create_task(self._heartbeats(period, until)),
-                     tg.create_task(self._notices()), tg.create_task(self._work(until))]
+            tasks = [
+                tg.create_task(self._heartbeats(period, until)),
+                tg.create_task(self._notices()),
+                tg.create_task(self._work(until)),
+            ]
             await asyncio.gather(tasks[0], tasks[2])
             tasks[1].cancel()
             await self.client.send(wire.Leave(worker_id=self.wid))  # its leases go back at once
@@ -101,7 +126,9 @@ class Synthetic:
 
         for attempt in range(10):
             try:
-                return await self.client.request(wire.Join(worker_id=self.wid, price=self.price), 60)
+                return await self.client.request(
+                    wire.Join(worker_id=self.wid, price=self.price), 60
+                )
             except ConnectionLost:
                 if not self.client.retryable or attempt == 9:
                     raise
@@ -113,8 +140,9 @@ class Synthetic:
         while time.monotonic() < until:
             await asyncio.sleep(period)
             t0 = time.monotonic()
-            reply = await self.client.request(wire.Heartbeat(worker_id=self.wid,
-                                                             version=self.version), 30)
+            reply = await self.client.request(
+                wire.Heartbeat(worker_id=self.wid, version=self.version), 30
+            )
             self.rtts.append(time.monotonic() - t0)
             if isinstance(reply, wire.HeartbeatAck):
                 self.version = max(self.version, reply.version)
@@ -135,31 +163,53 @@ class Synthetic:
         if self.gate is not None:
             await self.gate()
         while time.monotonic() < until:
-            grant = await self.client.request(wire.WorkRequest(worker_id=self.wid, max_groups=1), 30)
+            grant = await self.client.request(
+                wire.WorkRequest(worker_id=self.wid, max_groups=1), 30
+            )
             if not isinstance(grant, wire.WorkGrant) or not grant.groups:
                 await asyncio.sleep(getattr(grant, "retry_after_s", 0.5) or 0.5)
                 continue
             for g in grant.groups:
                 await asyncio.sleep(self.group_s)  # "generating"
                 recs = [self._record(g, i) for i in range(g.n)]
-                reply = await self.client.request(wire.Trajectories(
-                    worker_id=self.wid, batch_id=f"{self.wid}-{self.batches}", count=len(recs),
-                    payload=wire.pack_records(recs)), 60)
+                reply = await self.client.request(
+                    wire.Trajectories(
+                        worker_id=self.wid,
+                        batch_id=f"{self.wid}-{self.batches}",
+                        count=len(recs),
+                        payload=wire.pack_records(recs),
+                    ),
+                    60,
+                )
                 self.batches += 1
                 if isinstance(reply, wire.Ack):
                     self.acked += reply.accepted
                     not_stored = set(reply.rejected_idx)
-                    self.ledger.append({"batch_id": f"{self.wid}-{self.batches - 1}", "stored": [
-                        [r["group_id"], r["sample_idx"]] for i, r in enumerate(recs)
-                        if i not in not_stored]})
+                    self.ledger.append(
+                        {
+                            "batch_id": f"{self.wid}-{self.batches - 1}",
+                            "stored": [
+                                [r["group_id"], r["sample_idx"]]
+                                for i, r in enumerate(recs)
+                                if i not in not_stored
+                            ],
+                        }
+                    )
 
     def _record(self, g: Any, i: int) -> dict[str, Any]:
         ids = [self.rng.randrange(4, self.vocab) for _ in range(2)]
         text = self.adapter.tokenizer.decode(ids, skip_special_tokens=True)
-        return {"group_id": g.group_id, "sample_idx": i, "prompt_ids": g.prompt_ids,
-                "completion_ids": ids, "logprobs": [-1.0, -1.0],
-                "reward": float(self.adapter.reward(g.task, ids, text)), "version": self.version,
-                "worker_id": self.wid, "gen_s": self.group_s}
+        return {
+            "group_id": g.group_id,
+            "sample_idx": i,
+            "prompt_ids": g.prompt_ids,
+            "completion_ids": ids,
+            "logprobs": [-1.0, -1.0],
+            "reward": float(self.adapter.reward(g.task, ids, text)),
+            "version": self.version,
+            "worker_id": self.wid,
+            "gen_s": self.group_s,
+        }
 
 
 async def swarm(args: argparse.Namespace) -> dict[str, Any]:
@@ -175,8 +225,10 @@ async def swarm(args: argparse.Namespace) -> dict[str, Any]:
     line = JoinLine.parse(args.line)
     started = time.monotonic()
     until = started + args.ramp_s + args.seconds
-    workers = [Synthetic(ctx, line, f"{args.prefix}{i:03d}", adapter, len(tok), args.group_s)
-               for i in range(args.n)]
+    workers = [
+        Synthetic(ctx, line, f"{args.prefix}{i:03d}", adapter, len(tok), args.group_s)
+        for i in range(args.n)
+    ]
     # As the learner and real workers do after start-up: a full collection over the imported
     # libraries would add its pause to the round trips this process measures.
     gc.collect()
@@ -189,11 +241,16 @@ async def swarm(args: argparse.Namespace) -> dict[str, Any]:
         ctx.term()
     # the swarm's ledger, as a real worker's --ledger (learner.run_audit reads it)
     args.out.with_suffix(".ledger").write_text(
-        "".join(json.dumps(row) + "\n" for w in workers for row in w.ledger))
-    return {"rtts": [r for w in workers for r in w.rtts], "acked": sum(w.acked for w in workers),
-            "period_max": max((p for w in workers for p in w.periods), default=0.0),
-            "cpu_s": time.process_time(), "wall_s": time.monotonic() - started,
-            "batches": sum(w.batches for w in workers)}
+        "".join(json.dumps(row) + "\n" for w in workers for row in w.ledger)
+    )
+    return {
+        "rtts": [r for w in workers for r in w.rtts],
+        "acked": sum(w.acked for w in workers),
+        "period_max": max((p for w in workers for p in w.periods), default=0.0),
+        "cpu_s": time.process_time(),
+        "wall_s": time.monotonic() - started,
+        "batches": sum(w.batches for w in workers),
+    }
 
 
 # ----------------------------------------------------------------------------- driver
@@ -216,16 +273,23 @@ def cpu_split() -> tuple[str | None, str | None]:
     return "0", f"1-{n - 1}"
 
 
-def run_once(workers: int, per_process: int, seconds: float, group_s: float,
-             fsync_delay_ms: float, tmp: Path, pin: bool = True, heartbeat_s: float | None = None,
-             ramp_s: float = 0.0) -> dict[str, Any]:
+def run_once(
+    workers: int,
+    per_process: int,
+    seconds: float,
+    group_s: float,
+    fsync_delay_ms: float,
+    tmp: Path,
+    pin: bool = True,
+    heartbeat_s: float | None = None,
+    ramp_s: float = 0.0,
+) -> dict[str, Any]:
     from echo.config import dump_toml, load_config
     from echo.procs import ProcessGroup, python_argv, wait_ready
     from labs import child_env
 
     extra = [f"worker.heartbeat_s={heartbeat_s}"] if heartbeat_s else []
-    cfg = load_config(ROOT / "examples/quickstart.toml",
-                      OVERRIDES + extra)
+    cfg = load_config(ROOT / "examples/quickstart.toml", OVERRIDES + extra)
     tag = f"{workers}w-{fsync_delay_ms:g}ms"
     run = tmp / f"run-{tag}"
     conf = tmp / f"cfg-{tag}.toml"
@@ -234,35 +298,86 @@ def run_once(workers: int, per_process: int, seconds: float, group_s: float,
     group = ProcessGroup()
     try:
         # The disk's fsync delay is the slow-disk double's (labs/slow_disk.py), not a config key.
-        argv = python_argv("labs.slow_disk", "--fsync-delay-s", str(fsync_delay_ms / 1000), "learn",
-                           str(conf), "--run-dir", str(run))
-        learner = group.start("learner", pinned(argv, learner_cpus), tmp / f"learner-{tag}.err",
-                              pipe_stdout=True, env=child_env())
+        argv = python_argv(
+            "labs.slow_disk",
+            "--fsync-delay-s",
+            str(fsync_delay_ms / 1000),
+            "learn",
+            str(conf),
+            "--run-dir",
+            str(run),
+        )
+        learner = group.start(
+            "learner",
+            pinned(argv, learner_cpus),
+            tmp / f"learner-{tag}.err",
+            pipe_stdout=True,
+            env=child_env(),
+        )
         line = wait_ready(learner, timeout=180)
         outs = []
         for p in range(-(-workers // per_process)):
             n = min(per_process, workers - p * per_process)
             out = tmp / f"swarm{p}-{tag}.json"
             outs.append(out)
-            group.start(f"swarm{p}", pinned([sys.executable, str(Path(__file__)), "swarm", "--line", line,
-                                             "--n", str(n), "--prefix", f"s{p}w", "--seconds",
-                                             str(seconds), "--group-s", str(group_s), "--out",
-                                             str(out), "--ramp-s", str(ramp_s)], swarm_cpus),
-                        tmp / f"swarm{p}-{tag}.log")
+            group.start(
+                f"swarm{p}",
+                pinned(
+                    [
+                        sys.executable,
+                        str(Path(__file__)),
+                        "swarm",
+                        "--line",
+                        line,
+                        "--n",
+                        str(n),
+                        "--prefix",
+                        f"s{p}w",
+                        "--seconds",
+                        str(seconds),
+                        "--group-s",
+                        str(group_s),
+                        "--out",
+                        str(out),
+                        "--ramp-s",
+                        str(ramp_s),
+                    ],
+                    swarm_cpus,
+                ),
+                tmp / f"swarm{p}-{tag}.log",
+            )
         for p in range(len(outs)):
             group.procs[f"swarm{p}"].wait(ramp_s + seconds + 240)
         group.stop("learner", timeout=60)
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        rows = [
+            json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()
+        ]
     finally:
         group.stop_all()
-    out = _summary([json.loads(o.read_text()) for o in outs if o.exists()], rows, run, seconds,
-                   workers, fsync_delay_ms)
-    out.update(group_commit=True, pinned={"learner": learner_cpus, "swarm": swarm_cpus},
-               heartbeat_s=cfg.worker.heartbeat_s)
-    out["accounting"] = accounting(run, [o.with_suffix(".ledger") for o in outs], cfg.learner.group_size)
-    out["cpu"] = cpu_costs(rows[-1].get(COL.control_cpu, {}) if rows else {}, workers,
-                           cfg.worker.heartbeat_s, rows[-1].get("wall_s", seconds) if rows else seconds,
-                           cfg.transport.heartbeats_per_s, out["acked_records"])
+    out = _summary(
+        [json.loads(o.read_text()) for o in outs if o.exists()],
+        rows,
+        run,
+        seconds,
+        workers,
+        fsync_delay_ms,
+    )
+    out.update(
+        group_commit=True,
+        pinned={"learner": learner_cpus, "swarm": swarm_cpus},
+        heartbeat_s=cfg.worker.heartbeat_s,
+    )
+    out["accounting"] = accounting(
+        run, [o.with_suffix(".ledger") for o in outs], cfg.learner.group_size
+    )
+    out["cpu"] = cpu_costs(
+        rows[-1].get(COL.control_cpu, {}) if rows else {},
+        workers,
+        cfg.worker.heartbeat_s,
+        rows[-1].get("wall_s", seconds) if rows else seconds,
+        cfg.transport.heartbeats_per_s,
+        out["acked_records"],
+    )
     out["heartbeats_per_s"] = cfg.transport.heartbeats_per_s
     return out
 
@@ -275,12 +390,28 @@ def accounting(run: Path, ledgers: list[Path], group_size: int) -> dict[str, int
     return audit_run(run, [p for p in ledgers if p.exists()], group_size).accounting()
 
 
-REQUESTS = ("heartbeat", "work_request", "trajectories", "join", "leave", "installed",
-            "source_request", "nat_report", "handback", "refused")
+REQUESTS = (
+    "heartbeat",
+    "work_request",
+    "trajectories",
+    "join",
+    "leave",
+    "installed",
+    "source_request",
+    "nat_report",
+    "handback",
+    "refused",
+)
 
 
-def cpu_costs(cpu: dict[str, Any], workers: int, heartbeat_s: float, seconds: float,
-              budget: float = 0.0, records: int = 0) -> dict[str, Any]:
+def cpu_costs(
+    cpu: dict[str, Any],
+    workers: int,
+    heartbeat_s: float,
+    seconds: float,
+    budget: float = 0.0,
+    records: int = 0,
+) -> dict[str, Any]:
     """The learner's CPU per unit of work, from its own counters (learner.cpu): microseconds
     on the control loop per message of each kind; the loop's time no handler accounts for
     (the sockets' receive path, the chunk server, handshakes) and ZeroMQ's I/O threads (CURVE,
@@ -292,13 +423,19 @@ def cpu_costs(cpu: dict[str, Any], workers: int, heartbeat_s: float, seconds: fl
     messages = 2 * requests + kinds.get("notice", (0, 0))[0]
     io_us = threads.get("zmq_io", 0.0) / messages * 1e6 if messages else 0.0
     attributed = sum(s for _, s in kinds.values())
-    overhead_us = max(0.0, threads.get("control", 0.0) - attributed) / requests * 1e6 if requests else 0.0
+    overhead_us = (
+        max(0.0, threads.get("control", 0.0) - attributed) / requests * 1e6 if requests else 0.0
+    )
     per = {k: round(s / n * 1e6, 1) for k, (n, s) in kinds.items() if n}
     sweep_s = sum(kinds.get(k, (0, 0.0))[1] for k in ("housekeeping", "stats"))
     sweep_us = sweep_s / max(seconds, 1e-9) / max(workers, 1) * 1e6  # per worker-second
-    out: dict[str, Any] = {"loop_us": per, "zmq_io_us_per_message": round(io_us, 1),
-                           "loop_overhead_us_per_request": round(overhead_us, 1),
-                           "sweep_us_per_worker_s": round(sweep_us, 2), "threads_s": threads}
+    out: dict[str, Any] = {
+        "loop_us": per,
+        "zmq_io_us_per_message": round(io_us, 1),
+        "loop_overhead_us_per_request": round(overhead_us, 1),
+        "sweep_us_per_worker_s": round(sweep_us, 2),
+        "threads_s": threads,
+    }
     full = lambda k: per.get(k, 0.0) + 2 * io_us + overhead_us  # noqa: E731  (in, reply out)
     if "heartbeat" in per:
         out["heartbeat_us"] = round(full("heartbeat"), 1)
@@ -306,12 +443,16 @@ def cpu_costs(cpu: dict[str, Any], workers: int, heartbeat_s: float, seconds: fl
         out["trajectories_us"] = round(full("trajectories"), 1)
         out["work_request_us"] = round(full("work_request"), 1)
         if records:  # a batch's cost over the records the batches carried
-            out["per_record_us"] = round(out["trajectories_us"] * kinds["trajectories"][0] / records, 1)
+            out["per_record_us"] = round(
+                out["trajectories_us"] * kinds["trajectories"][0] / records, 1
+            )
     if "heartbeat" in per and "trajectories" in per:
         costs = control_costs(out, kinds["trajectories"][0], seconds)
         out["model"] = asdict(costs)
-        out["saturation"] = {"period_fixed": saturation(costs, heartbeat_s, budget, False),
-                             "period_scaled": saturation(costs, heartbeat_s, budget, True)}
+        out["saturation"] = {
+            "period_fixed": saturation(costs, heartbeat_s, budget, False),
+            "period_scaled": saturation(costs, heartbeat_s, budget, True),
+        }
         out["workers_per_core"] = out["saturation"]["period_scaled" if budget else "period_fixed"]
     return out
 
@@ -319,28 +460,48 @@ def cpu_costs(cpu: dict[str, Any], workers: int, heartbeat_s: float, seconds: fl
 def control_costs(out: dict[str, Any], batches: int, seconds: float) -> ControlCosts:
     """The load model's inputs (provisioning.sim.control_load): an empty work request costs what a
     work request costs; admission is one granted request and one trajectory batch per batch."""
-    return ControlCosts(heartbeat_us=out["heartbeat_us"], poll_us=out["work_request_us"],
-                        sweep_us_per_worker_s=out["sweep_us_per_worker_s"],
-                        admission_us_per_s=round(batches * (out["trajectories_us"] + out["work_request_us"])
-                                                 / max(seconds, 1e-9), 1))
+    return ControlCosts(
+        heartbeat_us=out["heartbeat_us"],
+        poll_us=out["work_request_us"],
+        sweep_us_per_worker_s=out["sweep_us_per_worker_s"],
+        admission_us_per_s=round(
+            batches * (out["trajectories_us"] + out["work_request_us"]) / max(seconds, 1e-9), 1
+        ),
+    )
 
 
-def _summary(swarms: list[dict[str, Any]], rows: list[dict[str, Any]], run: Path, seconds: float,
-             workers: int, fsync_delay_ms: float) -> dict[str, Any]:
+def _summary(
+    swarms: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    run: Path,
+    seconds: float,
+    workers: int,
+    fsync_delay_ms: float,
+) -> dict[str, Any]:
     rtts = sorted(r for s in swarms for r in s["rtts"])
     q = lambda p: rtts[min(len(rtts) - 1, int(p * len(rtts)))] * 1000 if rtts else None  # noqa: E731
     log = (run / "learner.log").read_text()
     last = rows[-1] if rows else {}
-    return {"workers": workers, "fsync_delay_ms": fsync_delay_ms, "seconds": seconds,
-            "swarms_reported": len(swarms), "heartbeats": len(rtts),
-            "heartbeat_rtt_ms": {"p50": q(0.50), "p99": q(0.99), "max": rtts[-1] * 1000 if rtts else None},
-            "acked_records": sum(s["acked"] for s in swarms),
-            "admitted_per_s": (last.get("admitted") or 0) / max(last.get("wall_s") or seconds, 1e-9),
-            COL.bubble_ratio: last.get(COL.bubble_ratio), "steps": len(rows),
-            # the swarm's share of its CPUs: near 1 per swarm CPU, its own delays are in the RTTs
-            "swarm_cpu_s": round(sum(s.get("cpu_s", 0.0) for s in swarms), 1),
-            "swarm_wall_s": round(max((s.get("wall_s", 0.0) for s in swarms), default=0.0), 1),
-            "evicted": log.count("removed (no heartbeat")}
+    return {
+        "workers": workers,
+        "fsync_delay_ms": fsync_delay_ms,
+        "seconds": seconds,
+        "swarms_reported": len(swarms),
+        "heartbeats": len(rtts),
+        "heartbeat_rtt_ms": {
+            "p50": q(0.50),
+            "p99": q(0.99),
+            "max": rtts[-1] * 1000 if rtts else None,
+        },
+        "acked_records": sum(s["acked"] for s in swarms),
+        "admitted_per_s": (last.get("admitted") or 0) / max(last.get("wall_s") or seconds, 1e-9),
+        COL.bubble_ratio: last.get(COL.bubble_ratio),
+        "steps": len(rows),
+        # the swarm's share of its CPUs: near 1 per swarm CPU, its own delays are in the RTTs
+        "swarm_cpu_s": round(sum(s.get("cpu_s", 0.0) for s in swarms), 1),
+        "swarm_wall_s": round(max((s.get("wall_s", 0.0) for s in swarms), default=0.0), 1),
+        "evicted": log.count("removed (no heartbeat"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,13 +520,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--group-s", type=float, default=1.0, help="seconds a synthetic group takes")
     ap.add_argument("--fsync-delay-ms", type=float, nargs="+", default=[0.0])
-    ap.add_argument("--heartbeat-s", type=float, default=None,
-                    help="worker.heartbeat_s for the run (default: the config's)")
-    ap.add_argument("--ramp-s", type=float, default=None,
-                    help="seconds over which the workers join (default: 50 joins a second)")
-    ap.add_argument("--no-pin", action="store_true",
-                    help="let the learner and the swarm share every CPU (the old figures)")
-    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "load_control.json")
+    ap.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=None,
+        help="worker.heartbeat_s for the run (default: the config's)",
+    )
+    ap.add_argument(
+        "--ramp-s",
+        type=float,
+        default=None,
+        help="seconds over which the workers join (default: 50 joins a second)",
+    )
+    ap.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="let the learner and the swarm share every CPU (the old figures)",
+    )
+    ap.add_argument(
+        "--json", type=Path, default=ROOT / "benchmarks" / "results" / "load_control.json"
+    )
     args = ap.parse_args(argv)
     if args.cmd == "swarm":
         args.out.write_text(json.dumps(asyncio.run(swarm(args))))
@@ -380,62 +554,115 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="echo-load-") as tmp:
         for workers in args.workers:
             for delay in args.fsync_delay_ms:
-                results.append(run_once(workers, args.per_process, args.seconds, args.group_s,
-                                        delay, Path(tmp), pin=not args.no_pin,
-                                        heartbeat_s=args.heartbeat_s,
-                                        ramp_s=args.ramp_s if args.ramp_s is not None
-                                        else workers / 50))
+                results.append(
+                    run_once(
+                        workers,
+                        args.per_process,
+                        args.seconds,
+                        args.group_s,
+                        delay,
+                        Path(tmp),
+                        pin=not args.no_pin,
+                        heartbeat_s=args.heartbeat_s,
+                        ramp_s=args.ramp_s if args.ramp_s is not None else workers / 50,
+                    )
+                )
                 print(json.dumps(results[-1]), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    write_result(args.json, {"load": os.getloadavg(),
-                             "argv": sys.argv[1:], "results": results})
+    write_result(args.json, {"load": os.getloadavg(), "argv": sys.argv[1:], "results": results})
     console = Console(width=200)
     console.print(_rtt_table(results, args.seconds))
     console.print(_cpu_table(results))
     bad = [r for r in results if r["accounting"]["unaccounted"]]
     for r in bad:
-        console.print(f"[red]{r['workers']} workers: {r['accounting']['unaccounted']} acknowledged "
-                      f"records are neither trained, dropped by a rule, nor buffered[/red]")
+        console.print(
+            f"[red]{r['workers']} workers: {r['accounting']['unaccounted']} acknowledged "
+            f"records are neither trained, dropped by a rule, nor buffered[/red]"
+        )
     return 1 if bad else 0
 
 
 def _rtt_table(results: list[dict[str, Any]], seconds: float) -> Any:
     from rich.table import Table
 
-    t = Table(title=f"control plane under synthetic workers, {seconds:g} s (learner on its own core)")
-    for col in ("workers", "fsync ms", "log", "heartbeats", "RTT p50 ms", "RTT p99 ms", "RTT max ms",
-                "admitted/s", "bubble", "evicted", "acked = trained + dropped + buffered"):
+    t = Table(
+        title=f"control plane under synthetic workers, {seconds:g} s (learner on its own core)"
+    )
+    for col in (
+        "workers",
+        "fsync ms",
+        "log",
+        "heartbeats",
+        "RTT p50 ms",
+        "RTT p99 ms",
+        "RTT max ms",
+        "admitted/s",
+        "bubble",
+        "evicted",
+        "acked = trained + dropped + buffered",
+    ):
         t.add_column(col, justify="right")
     for r in results:
         h, a = r["heartbeat_rtt_ms"], r["accounting"]
-        dropped = " + ".join(f"{v} {k[len('dropped_'):]}" for k, v in a.items() if k.startswith("dropped_"))
-        books = (f"{a['acked']} = {a['trained']} + {dropped or '0'} + {a['buffered']}"
-                 + (f" ({a['unaccounted']} UNACCOUNTED)" if a["unaccounted"] else ""))
-        t.add_row(str(r["workers"]), f"{r['fsync_delay_ms']:g}",
-                  "group commit" if r["group_commit"] else "on the loop", str(r["heartbeats"]),
-                  f"{h['p50']:.1f}", f"{h['p99']:.1f}", f"{h['max']:.1f}", f"{r['admitted_per_s']:.0f}",
-                  f"{r[COL.bubble_ratio]}", str(r["evicted"]), books)
+        dropped = " + ".join(
+            f"{v} {k[len('dropped_') :]}" for k, v in a.items() if k.startswith("dropped_")
+        )
+        books = f"{a['acked']} = {a['trained']} + {dropped or '0'} + {a['buffered']}" + (
+            f" ({a['unaccounted']} UNACCOUNTED)" if a["unaccounted"] else ""
+        )
+        t.add_row(
+            str(r["workers"]),
+            f"{r['fsync_delay_ms']:g}",
+            "group commit" if r["group_commit"] else "on the loop",
+            str(r["heartbeats"]),
+            f"{h['p50']:.1f}",
+            f"{h['p99']:.1f}",
+            f"{h['max']:.1f}",
+            f"{r['admitted_per_s']:.0f}",
+            f"{r[COL.bubble_ratio]}",
+            str(r["evicted"]),
+            books,
+        )
     return t
 
 
 def _cpu_table(results: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
-    t = Table(title="the learner's CPU per unit of work (its own counters; learner.cpu), and the "
-                    "fleet one core serves")
-    for col in ("workers", "heartbeat µs", "work request µs", "trajectory batch µs", "per record µs",
-                "of which I/O µs/msg", "loop overhead µs/req", "sweeps µs/worker/s",
-                "admission µs/s", "one core: fixed period", "one core: scaled period"):
+    t = Table(
+        title="the learner's CPU per unit of work (its own counters; learner.cpu), and the "
+        "fleet one core serves"
+    )
+    for col in (
+        "workers",
+        "heartbeat µs",
+        "work request µs",
+        "trajectory batch µs",
+        "per record µs",
+        "of which I/O µs/msg",
+        "loop overhead µs/req",
+        "sweeps µs/worker/s",
+        "admission µs/s",
+        "one core: fixed period",
+        "one core: scaled period",
+    ):
         t.add_column(col, justify="right")
     for r in results:
         c = r["cpu"]
         sat = c.get("saturation", {})
-        t.add_row(str(r["workers"]), str(c.get("heartbeat_us", "-")),
-                  str(c.get("work_request_us", "-")), str(c.get("trajectories_us", "-")),
-                  str(c.get("per_record_us", "-")),
-                  str(c["zmq_io_us_per_message"]), str(c["loop_overhead_us_per_request"]),
-                  str(c["sweep_us_per_worker_s"]), str(c.get("model", {}).get("admission_us_per_s", "-")),
-                  f"{sat.get('period_fixed', 0):,}", f"{sat.get('period_scaled', 0):,}")
+        t.add_row(
+            str(r["workers"]),
+            str(c.get("heartbeat_us", "-")),
+            str(c.get("work_request_us", "-")),
+            str(c.get("trajectories_us", "-")),
+            str(c.get("per_record_us", "-")),
+            str(c["zmq_io_us_per_message"]),
+            str(c["loop_overhead_us_per_request"]),
+            str(c["sweep_us_per_worker_s"]),
+            str(c.get("model", {}).get("admission_us_per_s", "-")),
+            f"{sat.get('period_fixed', 0):,}",
+            f"{sat.get('period_scaled', 0):,}",
+        )
     return t
 
 

@@ -31,18 +31,23 @@ if str(ROOT) not in sys.path:
 MODES = {  # name -> [learner] settings
     "full": {"lr": 1e-6},
     "lora-r16-all-linear": {"lr": 1e-4, "lora": {"enabled": True}},
-    "lora-r8-q-v": {"lr": 1e-4, "lora": {"enabled": True, "rank": 8,
-                                         "target_modules": ["q_proj", "v_proj"]}},
+    "lora-r8-q-v": {
+        "lr": 1e-4,
+        "lora": {"enabled": True, "rank": 8, "target_modules": ["q_proj", "v_proj"]},
+    },
 }
 
 
 def config(model: str, learner: dict[str, Any]) -> Any:
     from echo.config import EchoConfig
 
-    return EchoConfig.model_validate({
-        "model": {"name": model}, "learner": {"device": "cpu", "prompts_per_step": 2,
-                                              "group_size": 2, **learner},
-        "broadcast": {"dtype": "bfloat16"}})
+    return EchoConfig.model_validate(
+        {
+            "model": {"name": model},
+            "learner": {"device": "cpu", "prompts_per_step": 2, "group_size": 2, **learner},
+            "broadcast": {"dtype": "bfloat16"},
+        }
+    )
 
 
 def batch(tokenizer: Any, seed: int = 0) -> Any:
@@ -58,9 +63,22 @@ def batch(tokenizer: Any, seed: int = 0) -> Any:
     def ids(n: int) -> list[int]:
         return torch.randint(first, vocab, (n,), generator=g).tolist()
 
-    groups = [[Record(group_id=f"g{k}", sample_idx=i, prompt_ids=ids(16), completion_ids=ids(24),
-                      logprobs=[-8.0] * 24, reward=float(i), version=0, worker_id="w")
-               for i in range(2)] for k in range(2)]
+    groups = [
+        [
+            Record(
+                group_id=f"g{k}",
+                sample_idx=i,
+                prompt_ids=ids(16),
+                completion_ids=ids(24),
+                logprobs=[-8.0] * 24,
+                reward=float(i),
+                version=0,
+                worker_id="w",
+            )
+            for i in range(2)
+        ]
+        for k in range(2)
+    ]
     return materialise_records(groups, [1.0, -1.0, 1.0, -1.0], tokenizer.pad_token_id)
 
 
@@ -72,9 +90,14 @@ def measure(model: str, name: str, learner: dict[str, Any], steps: int) -> dict[
 
     cfg = config(model, learner)
     policy = Policy(cfg)
-    enc = VersionEncoder(run_id="bench", key=RunKey.generate(), chunk_size=cfg.broadcast.chunk_bytes,
-                         dtype="bfloat16", base_model=policy.base_hash,
-                         max_ratio=cfg.broadcast.delta_max_ratio)
+    enc = VersionEncoder(
+        run_id="bench",
+        key=RunKey.generate(),
+        chunk_size=cfg.broadcast.chunk_bytes,
+        dtype="bfloat16",
+        base_model=policy.base_hash,
+        max_ratio=cfg.broadcast.delta_max_ratio,
+    )
     versions, t_step = [], []
     data = batch(policy.tokenizer)
     for v in range(steps + 1):
@@ -85,16 +108,31 @@ def measure(model: str, name: str, learner: dict[str, Any], steps: int) -> dict[
         _, full = policy.command({"op": "sync"})
         tensors, payload = params_to_payload(policy.named_tensors(full[0]), "bfloat16")
         pub = enc.build(v, tensors, payload)
-        versions.append({"version": v, "encoding": pub.manifest.encoding,
-                         "bytes": len(pub.payload), "version_bytes": len(payload)})
+        versions.append(
+            {
+                "version": v,
+                "encoding": pub.manifest.encoding,
+                "bytes": len(pub.payload),
+                "version_bytes": len(payload),
+            }
+        )
     trained = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in policy.model.parameters())
-    print(f"{name}: {trained:,} of {total:,} parameters trained; keyframe {versions[0]['bytes']:,} "
-          f"bytes; versions {[x['bytes'] for x in versions[1:]]} ({[x['encoding'] for x in versions[1:]]})",
-          flush=True)
-    return {"mode": name, "learner": learner, "trained_params": trained, "total_params": total,
-            "keyframe_bytes": versions[0]["bytes"], "versions": versions, "t_step_s": t_step,
-            "base_hash": policy.base_hash}
+    print(
+        f"{name}: {trained:,} of {total:,} parameters trained; keyframe {versions[0]['bytes']:,} "
+        f"bytes; versions {[x['bytes'] for x in versions[1:]]} ({[x['encoding'] for x in versions[1:]]})",
+        flush=True,
+    )
+    return {
+        "mode": name,
+        "learner": learner,
+        "trained_params": trained,
+        "total_params": total,
+        "keyframe_bytes": versions[0]["bytes"],
+        "versions": versions,
+        "t_step_s": t_step,
+        "base_hash": policy.base_hash,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,11 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["keyframe_share_of_full"] = round(r["keyframe_bytes"] / full, 5)
         r["mean_version_share_of_full"] = round(
-            sum(v["bytes"] for v in r["versions"][1:]) / max(1, len(r["versions"]) - 1) / full, 5)
-        print(f"{r['mode']}: keyframe {100 * r['keyframe_share_of_full']:.2f} % of full, "
-              f"a published version {100 * r['mean_version_share_of_full']:.2f} % on average")
-    doc = {"model": args.model, "steps": args.steps, "dtype": "bfloat16", "rows": rows,
-           "target": "LoRA version <= 5 % of the full model (issue 32)"}
+            sum(v["bytes"] for v in r["versions"][1:]) / max(1, len(r["versions"]) - 1) / full, 5
+        )
+        print(
+            f"{r['mode']}: keyframe {100 * r['keyframe_share_of_full']:.2f} % of full, "
+            f"a published version {100 * r['mean_version_share_of_full']:.2f} % on average"
+        )
+    doc = {
+        "model": args.model,
+        "steps": args.steps,
+        "dtype": "bfloat16",
+        "rows": rows,
+        "target": "LoRA version <= 5 % of the full model (issue 32)",
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, doc)
     print(f"wrote {args.out}")

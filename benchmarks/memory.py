@@ -59,10 +59,17 @@ def config_for(model: str, steps: int, spill: bool, tmp: Path, overrides: list[s
     real = model != "tiny"
     base = ROOT / ("examples/smollm2-math.toml" if real else "examples/quickstart.toml")
     name = str(random_model(model)) if model.startswith("random-") else model
-    sets = [f"learner.max_steps={steps}", "learner.prompts_per_step=2", "learner.group_size=4",
-            "worker.max_new_tokens=16", "provisioning.enabled=false", "security.audit=true",
-            f"learner.spill_payloads={str(spill).lower()}", "learner.checkpoint=false",
-            "metrics.enabled=false"]
+    sets = [
+        f"learner.max_steps={steps}",
+        "learner.prompts_per_step=2",
+        "learner.group_size=4",
+        "worker.max_new_tokens=16",
+        "provisioning.enabled=false",
+        "security.audit=true",
+        f"learner.spill_payloads={str(spill).lower()}",
+        "learner.checkpoint=false",
+        "metrics.enabled=false",
+    ]
     if real:
         sets += [f"model.name={name}"]
     cfg = load_config(base, sets + overrides)
@@ -89,19 +96,24 @@ class Sampler:
                 text = Path(f"/proc/{proc.pid}/status").read_text()
             except OSError:
                 continue  # it ended
-            got = {self.FIELDS[k]: int(v.split()[0]) * 1024 for k, _, v in
-                   (line.partition(":") for line in text.splitlines()) if k in self.FIELDS}
+            got = {
+                self.FIELDS[k]: int(v.split()[0]) * 1024
+                for k, _, v in (line.partition(":") for line in text.splitlines())
+                if k in self.FIELDS
+            }
             mine = self.peak.setdefault(name, {})
             if got.get("rss", 0) > mine.get("rss", 0):
                 self.at_peak[name] = {**got, "t": t}
             for k, v in got.items():
                 mine[k] = max(mine.get(k, 0), v)
             self.timeline.setdefault(name, []).append(
-                [t, *(round(got.get(k, 0) / GIB, 3) for k in ("rss", "rss_anon", "rss_file"))])
+                [t, *(round(got.get(k, 0) / GIB, 3) for k in ("rss", "rss_anon", "rss_file"))]
+            )
 
 
-def run_case(model: str, steps: int, workers: int, spill: bool, tmp: Path,
-             overrides: list[str]) -> dict[str, Any]:
+def run_case(
+    model: str, steps: int, workers: int, spill: bool, tmp: Path, overrides: list[str]
+) -> dict[str, Any]:
     from echo.procs import ProcessGroup, python_argv, wait_ready
 
     conf = config_for(model, steps, spill, tmp, overrides)
@@ -111,14 +123,31 @@ def run_case(model: str, steps: int, workers: int, spill: bool, tmp: Path,
     group, sampler = ProcessGroup(), Sampler()
     t0 = time.monotonic()
     try:
-        learner = group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir",
-                                                     str(run)), tmp / f"learner-{tag}.err",
-                              pipe_stdout=True, cwd=ROOT)
+        learner = group.start(
+            "learner",
+            python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+            tmp / f"learner-{tag}.err",
+            pipe_stdout=True,
+            cwd=ROOT,
+        )
         line = wait_ready(learner, timeout=900)
         for i in range(workers):
-            group.start(f"w{i}", python_argv("worker.cli", "join", line, "--id", f"w{i}",
-                                             "--plain", "--identity", str(tmp / f"w{i}-{tag}.key")),
-                        tmp / f"w{i}-{tag}.log", env={"ECHO_STATUS_DIR": str(status)}, cwd=ROOT)
+            group.start(
+                f"w{i}",
+                python_argv(
+                    "worker.cli",
+                    "join",
+                    line,
+                    "--id",
+                    f"w{i}",
+                    "--plain",
+                    "--identity",
+                    str(tmp / f"w{i}-{tag}.key"),
+                ),
+                tmp / f"w{i}-{tag}.log",
+                env={"ECHO_STATUS_DIR": str(status)},
+                cwd=ROOT,
+            )
         shown = -1
         while learner.poll() is None and time.monotonic() - t0 < 3600:
             sampler.sample(group.procs)
@@ -127,13 +156,28 @@ def run_case(model: str, steps: int, workers: int, spill: bool, tmp: Path,
     finally:
         group.stop_all(timeout=30)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    census = {k: max(r["memory"].get(k, 0) for r in rows if "memory" in r)
-              for k in rows[-1].get("memory", {})} if rows else {}
+    census = (
+        {
+            k: max(r["memory"].get(k, 0) for r in rows if "memory" in r)
+            for k in rows[-1].get("memory", {})
+        }
+        if rows
+        else {}
+    )
     worker_census = [read_status(p).memory or {} for p in sorted(status.glob("*.json"))]
-    return {"model": model, "spill": spill, "steps": len(rows), "params": census.get("model", 0) // 4,
-            "wall_s": round(time.monotonic() - t0, 1), "peak": sampler.peak,
-            "at_peak": sampler.at_peak, "timeline": sampler.timeline, "overrides": overrides,
-            "learner_census": census, "worker_census": worker_census}
+    return {
+        "model": model,
+        "spill": spill,
+        "steps": len(rows),
+        "params": census.get("model", 0) // 4,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "peak": sampler.peak,
+        "at_peak": sampler.at_peak,
+        "timeline": sampler.timeline,
+        "overrides": overrides,
+        "learner_census": census,
+        "worker_census": worker_census,
+    }
 
 
 def progress(run: Path, steps: int, t0: float, shown: int) -> int:
@@ -157,14 +201,16 @@ def per_param(case: dict[str, Any]) -> dict[str, Any]:
     # the worker's model as its census counted it (float32 on a CPU: 4 bytes a parameter)
     wmodel = max((w.get("model", 0) for w in case["worker_census"]), default=0) or 4 * n
     train = lc.get("model", 0) + lc.get("grads", 0) + lc.get("optimizer", 0)
-    return {"learner_peak_per_param": round(learner.get("rss_peak", 0) / n, 2),
-            "learner_anon_per_param": round(learner.get("rss_anon", 0) / n, 2),
-            "worker_peak_per_param": round(worker_peak / n, 2),
-            "worker_anon_per_param": round(worker_anon / n, 2),
-            "learner_bound_bytes": train + payload + 2 * GIB,
-            "learner_within_bound": learner.get("rss_peak", 0) <= train + payload + 2 * GIB,
-            "worker_bound_bytes": wmodel + payload + GIB,
-            "worker_within_bound": worker_peak <= wmodel + payload + GIB}
+    return {
+        "learner_peak_per_param": round(learner.get("rss_peak", 0) / n, 2),
+        "learner_anon_per_param": round(learner.get("rss_anon", 0) / n, 2),
+        "worker_peak_per_param": round(worker_peak / n, 2),
+        "worker_anon_per_param": round(worker_anon / n, 2),
+        "learner_bound_bytes": train + payload + 2 * GIB,
+        "learner_within_bound": learner.get("rss_peak", 0) <= train + payload + 2 * GIB,
+        "worker_bound_bytes": wmodel + payload + GIB,
+        "worker_within_bound": worker_peak <= wmodel + payload + GIB,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,16 +218,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", nargs="+", default=["tiny"])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--no-spill", action="store_true", help="also run each model with "
-                    "learner.spill_payloads = false (the versions held in RAM)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override for every case (e.g. learner.gradient_checkpointing=true)")
+    ap.add_argument(
+        "--no-spill",
+        action="store_true",
+        help="also run each model with learner.spill_payloads = false (the versions held in RAM)",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every case (e.g. learner.gradient_checkpointing=true)",
+    )
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/memory.json")
-    ap.add_argument("--lora-json", type=Path, default=ROOT / "benchmarks/results/memory_lora.json",
-                    help="a LoRA run's results (--set learner.lora.enabled=true): the machine "
-                         "table's LoRA column; absent: that column is derived")
-    ap.add_argument("--recompute", action="store_true",
-                    help="measure nothing: the table and machine sizes again from --json")
+    ap.add_argument(
+        "--lora-json",
+        type=Path,
+        default=ROOT / "benchmarks/results/memory_lora.json",
+        help="a LoRA run's results (--set learner.lora.enabled=true): the machine "
+        "table's LoRA column; absent: that column is derived",
+    )
+    ap.add_argument(
+        "--recompute",
+        action="store_true",
+        help="measure nothing: the table and machine sizes again from --json",
+    )
     args = ap.parse_args(argv)
     if args.recompute:
         doc = json.loads(args.json.read_text())
@@ -199,15 +260,18 @@ def main(argv: list[str] | None = None) -> int:
                 case = run_case(model, args.steps, args.workers, spill, Path(tmp), args.set)
                 case.update(per_param(case))
                 cases.append(case)
-                print(json.dumps({k: v for k, v in case.items() if k not in ("peak", "timeline")}),
-                      flush=True)
+                print(
+                    json.dumps({k: v for k, v in case.items() if k not in ("peak", "timeline")}),
+                    flush=True,
+                )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     fit = machines(cases, _lora_case(args.lora_json))
     _plot(cases, args.json.with_suffix(".png"))
-    timelines = {f"{Path(c['model']).name}-{'spill' if c['spill'] else 'ram'}": c.pop("timeline")
-                 for c in cases}  # one line: thousands of samples
-    write_result(args.json, {"argv": sys.argv[1:],
-                             "cases": cases, "machines": fit})
+    timelines = {
+        f"{Path(c['model']).name}-{'spill' if c['spill'] else 'ram'}": c.pop("timeline")
+        for c in cases
+    }  # one line: thousands of samples
+    write_result(args.json, {"argv": sys.argv[1:], "cases": cases, "machines": fit})
     args.json.with_name(args.json.stem + "_timeline.json").write_text(json.dumps(timelines))
     _report(cases, fit)
     return 0
@@ -223,8 +287,10 @@ def _lora_case(path: Path) -> dict[str, Any] | None:
 def _report(cases: list[dict[str, Any]], fit: dict[str, Any]) -> None:
     _table(cases)
     for name, row in fit.get("sizes", {}).items():
-        print(f"{name:>5}: learner {row['learner_full_gib']} GiB (LoRA {row['learner_lora_gib']}), "
-              f"worker {row['worker_cpu_gib']} GiB host memory on a CPU")
+        print(
+            f"{name:>5}: learner {row['learner_full_gib']} GiB (LoRA {row['learner_lora_gib']}), "
+            f"worker {row['worker_cpu_gib']} GiB host memory on a CPU"
+        )
 
 
 SIZES = {"0.5B": 0.5e9, "1.5B": 1.5e9, "7B": 7e9, "8B": 8e9}
@@ -242,8 +308,14 @@ def machines(cases: list[dict[str, Any]], lora: dict[str, Any] | None = None) ->
     small, big = min(spilled, key=lambda c: c["params"]), max(spilled, key=lambda c: c["params"])
 
     def peak(c: dict[str, Any], role: str) -> int:
-        return max((v.get("rss_peak", 0) for k, v in c["peak"].items()
-                    if (k == "learner") == (role == "learner")), default=0)
+        return max(
+            (
+                v.get("rss_peak", 0)
+                for k, v in c["peak"].items()
+                if (k == "learner") == (role == "learner")
+            ),
+            default=0,
+        )
 
     lf, wf = peak(small, "learner"), peak(small, "worker")
     lb, wb = (peak(big, "learner") - lf) / big["params"], (peak(big, "worker") - wf) / big["params"]
@@ -251,16 +323,27 @@ def machines(cases: list[dict[str, Any]], lora: dict[str, Any] | None = None) ->
         lora_b, lora_from = (peak(lora, "learner") - lf) / lora["params"], "measured"
     else:
         lora_b, lora_from = big["learner_census"].get("model", 0) / big["params"], "derived"
-    rows = {name: {"learner_full_gib": round((lf + lb * p) / GIB, 1),
-                   "learner_lora_gib": round((lf + lora_b * p) / GIB, 1),
-                   "worker_cpu_gib": round((wf + wb * p) / GIB, 1),
-                   "worker_disk_gib": round(2 * 2 * p / GIB, 1)}  # base model + a spilled version
-            for name, p in SIZES.items()}
-    return {"fit": {"learner_fixed_bytes": lf, "learner_bytes_per_param": round(lb, 2),
-                    "worker_fixed_bytes": wf, "worker_bytes_per_param": round(wb, 2),
-                    "lora_learner_bytes_per_param": round(lora_b, 2), "lora_from": lora_from,
-                    "from": [Path(small["model"]).name, Path(big["model"]).name]},
-            "sizes": rows}
+    rows = {
+        name: {
+            "learner_full_gib": round((lf + lb * p) / GIB, 1),
+            "learner_lora_gib": round((lf + lora_b * p) / GIB, 1),
+            "worker_cpu_gib": round((wf + wb * p) / GIB, 1),
+            "worker_disk_gib": round(2 * 2 * p / GIB, 1),
+        }  # base model + a spilled version
+        for name, p in SIZES.items()
+    }
+    return {
+        "fit": {
+            "learner_fixed_bytes": lf,
+            "learner_bytes_per_param": round(lb, 2),
+            "worker_fixed_bytes": wf,
+            "worker_bytes_per_param": round(wb, 2),
+            "lora_learner_bytes_per_param": round(lora_b, 2),
+            "lora_from": lora_from,
+            "from": [Path(small["model"]).name, Path(big["model"]).name],
+        },
+        "sizes": rows,
+    }
 
 
 def _table(cases: list[dict[str, Any]]) -> None:
@@ -268,19 +351,38 @@ def _table(cases: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     t = Table(title="peak resident memory per parameter (bytes), learner and workers")
-    for col in ("model", "params", "spill", "learner peak", "learner anon", "training state",
-                "audit model", "payloads RAM / spilled", "worker peak", "worker anon",
-                "learner within bound", "worker within bound"):
+    for col in (
+        "model",
+        "params",
+        "spill",
+        "learner peak",
+        "learner anon",
+        "training state",
+        "audit model",
+        "payloads RAM / spilled",
+        "worker peak",
+        "worker anon",
+        "learner within bound",
+        "worker within bound",
+    ):
         t.add_column(col, justify="right")
     for c in cases:
         n, lc = max(c["params"], 1), c["learner_census"]
         train = lc.get("model", 0) + lc.get("grads", 0) + lc.get("optimizer", 0)
-        t.add_row(Path(c["model"]).name, f"{c['params'] / 1e6:.1f} M", "on" if c["spill"] else "off",
-                  f"{c['learner_peak_per_param']:.1f}", f"{c['learner_anon_per_param']:.1f}",
-                  f"{train / n:.1f}", f"{lc.get('audit_model', 0) / n:.1f}",
-                  f"{lc.get('payloads_ram', 0) / n:.1f} / {lc.get('payloads_spilled', 0) / n:.1f}",
-                  f"{c['worker_peak_per_param']:.1f}", f"{c['worker_anon_per_param']:.1f}",
-                  str(c["learner_within_bound"]), str(c["worker_within_bound"]))
+        t.add_row(
+            Path(c["model"]).name,
+            f"{c['params'] / 1e6:.1f} M",
+            "on" if c["spill"] else "off",
+            f"{c['learner_peak_per_param']:.1f}",
+            f"{c['learner_anon_per_param']:.1f}",
+            f"{train / n:.1f}",
+            f"{lc.get('audit_model', 0) / n:.1f}",
+            f"{lc.get('payloads_ram', 0) / n:.1f} / {lc.get('payloads_spilled', 0) / n:.1f}",
+            f"{c['worker_peak_per_param']:.1f}",
+            f"{c['worker_anon_per_param']:.1f}",
+            str(c["learner_within_bound"]),
+            str(c["worker_within_bound"]),
+        )
     Console(width=200).print(t)
 
 
@@ -295,13 +397,24 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
     for ax, c in zip(axes[:, 0], cases):
         for name, series in c.get("timeline", {}).items():
             t = [r[0] for r in series]
-            line, = ax.plot(t, [r[1] for r in series], label=f"{name} resident")
-            ax.plot(t, [r[2] for r in series], ls="--", color=line.get_color(), label=f"{name} anonymous")
+            (line,) = ax.plot(t, [r[1] for r in series], label=f"{name} resident")
+            ax.plot(
+                t,
+                [r[2] for r in series],
+                ls="--",
+                color=line.get_color(),
+                label=f"{name} anonymous",
+            )
         bound = c.get("learner_bound_bytes", 0) / GIB
         ax.axhline(bound, color="grey", ls=":", label="learner bound")
-        ax.axhline(c.get("worker_bound_bytes", 0) / GIB, color="grey", ls="-.", label="worker bound")
-        ax.set_title(f"{Path(c['model']).name}, spill {'on' if c['spill'] else 'off'} "
-                     f"{' '.join(c.get('overrides', []))}", fontsize=9)
+        ax.axhline(
+            c.get("worker_bound_bytes", 0) / GIB, color="grey", ls="-.", label="worker bound"
+        )
+        ax.set_title(
+            f"{Path(c['model']).name}, spill {'on' if c['spill'] else 'off'} "
+            f"{' '.join(c.get('overrides', []))}",
+            fontsize=9,
+        )
         ax.set_xlabel("s")
         ax.set_ylabel("GiB")
         ax.legend(fontsize=7, ncol=3)

@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -30,8 +31,9 @@ sys.path.insert(0, str(ROOT))
 Rule = Callable[[str, int, bool], str]  # (street d/e, strength digit, facing a bet) -> letter
 
 
-def _threshold(pre_raise: int, post_raise: int, pre_call: int, post_call: int,
-               check_free: bool) -> Rule:
+def _threshold(
+    pre_raise: int, post_raise: int, pre_call: int, post_call: int, check_free: bool
+) -> Rule:
     def rule(street: str, digit: int, facing: bool) -> str:
         pre = street == "d"
         if digit >= (pre_raise if pre else post_raise):
@@ -39,6 +41,7 @@ def _threshold(pre_raise: int, post_raise: int, pre_call: int, post_call: int,
         if digit >= (pre_call if pre else post_call) or (check_free and not facing):
             return "c"
         return "f"
+
     return rule
 
 
@@ -54,6 +57,7 @@ RULES: dict[str, Rule] = {
 def scripted(tokenizer: Any, rule: Rule, user: str) -> Any:
     """A ``generate`` that answers by ``rule`` from the last observation (``[de][0-9][+=]``),
     found after the last ``user`` turn header."""
+
     def generate(prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
         out = []
         for p in prompts:
@@ -61,6 +65,7 @@ def scripted(tokenizer: Any, rule: Rule, user: str) -> Any:
             letter = rule(obs[0], int(obs[1]), obs[2] == "+")
             out.append((tokenizer.encode(letter, add_special_tokens=False), [0.0]))
         return out
+
     generate.max_new_tokens = 1
     return generate
 
@@ -82,8 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     from echo.models import load_tokenizer
 
     tok = load_tokenizer(ModelConfig())
-    ad = PokerAdapter({"obs_format": "strength", "show_results": False, "allin": False,
-                       "bot_samples": a.bot_samples, "max_episode_tokens": 1 << 20}, tok)
+    ad = PokerAdapter(
+        {
+            "obs_format": "strength",
+            "show_results": False,
+            "allin": False,
+            "bot_samples": a.bot_samples,
+            "max_episode_tokens": 1 << 20,
+        },
+        tok,
+    )
     user = tok.decode(ad.builder.user("d0+")).split("d0+")[0]  # the user turn's header
     rows: dict[str, dict[str, Any]] = {}
     t0 = time.monotonic()
@@ -92,24 +105,42 @@ def main(argv: list[str] | None = None) -> int:
         for name, rule in RULES.items():
             gen = scripted(tok, rule, user)
             for opp in ("tag", "station", "maniac"):
-                tasks = [SimpleNamespace(task={"deal_seed": h, "hero_seat": h % 2,
-                                               "opponents": [opp]}, n=1, seed=h)  # as echo-rl eval poker deals them
-                         for h in range(a.hands)]
+                tasks = [
+                    SimpleNamespace(
+                        task={"deal_seed": h, "hero_seat": h % 2, "opponents": [opp]}, n=1, seed=h
+                    )  # as echo-rl eval poker deals them
+                    for h in range(a.hands)
+                ]
                 samples = [g[0] for g in ad.rollout(tasks, gen)]
                 m, ci = mean_ci([s.info["net_chips"] / ad.table.big_blind for s in samples])
                 rows.setdefault(name, {})[opp] = {"mean_bb": m, "ci95_bb": ci}
                 bar.advance(job)
-    table = Table(title=f"Strength-reading rules, big blinds per hand ± 95% CI, {a.hands} hands each")
+    table = Table(
+        title=f"Strength-reading rules, big blinds per hand ± 95% CI, {a.hands} hands each"
+    )
     for col in ("rule", "tag", "station", "maniac"):
         table.add_column(col)
     for name, r in rows.items():
-        table.add_row(name, *(f"{r[o]['mean_bb']:+.3f} ± {r[o]['ci95_bb']:.3f}"
-                              for o in ("tag", "station", "maniac")))
+        table.add_row(
+            name,
+            *(
+                f"{r[o]['mean_bb']:+.3f} ± {r[o]['ci95_bb']:.3f}"
+                for o in ("tag", "station", "maniac")
+            ),
+        )
     Console().print(table)
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    write_result(a.json, {"command": " ".join(["python", "benchmarks/poker_baselines.py",
-                                                *(argv or sys.argv[1:])]),
-                          "hands": a.hands, "seconds": round(time.monotonic() - t0, 1), "rules": rows})
+    write_result(
+        a.json,
+        {
+            "command": " ".join(
+                ["python", "benchmarks/poker_baselines.py", *(argv or sys.argv[1:])]
+            ),
+            "hands": a.hands,
+            "seconds": round(time.monotonic() - t0, 1),
+            "rules": rows,
+        },
+    )
     return 0
 
 

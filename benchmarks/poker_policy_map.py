@@ -31,8 +31,11 @@ def policy_map(run: str, untrained: bool = False) -> dict[str, dict[str, float]]
     from dataplane.answers import answer_bias
 
     m = HFModel(run, untrained=untrained)
-    if m.run_config is None or m.run_config.adapter.effective_options.get("obs_format") != "strength":
-        raise SystemExit(f"{run}: not an Echo run folder trained with obs_format = \"strength\"")
+    if (
+        m.run_config is None
+        or m.run_config.adapter.effective_options.get("obs_format") != "strength"
+    ):
+        raise SystemExit(f'{run}: not an Echo run folder trained with obs_format = "strength"')
     tok = m.tokenizer
     adapter = PokerAdapter(dict(m.run_config.adapter.effective_options), tok)
     letters = {c: tok.convert_tokens_to_ids(c) for c in "fcba"}
@@ -59,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     rows = policy_map(a.run, a.untrained)
-    table = Table(title=f"{a.run}{' (untrained)' if a.untrained else ''}: most likely letter "
-                        "(its probability), probability of an invalid answer")
+    table = Table(
+        title=f"{a.run}{' (untrained)' if a.untrained else ''}: most likely letter "
+        "(its probability), probability of an invalid answer"
+    )
     table.add_column("state")
     for d in range(10):
         table.add_column(str(d))
@@ -71,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                 r = rows[f"{street}{d}{faced}"]
                 best = max("fcb", key=r.__getitem__)
                 cells.append(f"{best} {r[best]:.3f} / {abs(r['invalid']):.2f}")
-            name = ("preflop" if street == "d" else "post-flop") + \
-                (", bet faced" if faced == "+" else ", free")
+            name = ("preflop" if street == "d" else "post-flop") + (
+                ", bet faced" if faced == "+" else ", free"
+            )
             table.add_row(name, *cells)
     Console(width=220).print(table)
     return 0

@@ -32,11 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.steprow import COL  # noqa: E402
-from worker.status import WorkerStatus, read_status  # noqa: E402
 from echo.config import dump_toml, load_config  # noqa: E402
 from echo.machine import machine_info  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
+from echo.steprow import COL  # noqa: E402
+from worker.status import WorkerStatus, read_status  # noqa: E402
 
 
 def schedule(rng: random.Random, spot: int, mean_up: float, count: int = 1000) -> list[list[float]]:
@@ -53,31 +53,63 @@ def _sampling(run_dir: Path, inst: dict) -> bool:
         return False
 
 
-def run_mode(args: argparse.Namespace, migrate: bool, reclaim: list[list[float]], out: Path) -> dict:
+def run_mode(
+    args: argparse.Namespace, migrate: bool, reclaim: list[list[float]], out: Path
+) -> dict:
     run_dir = out / ("migrate" if migrate else "no-migrate")
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(ROOT / "examples" / "quickstart.toml", [
-        f"learner.max_steps={args.steps}", "learner.prompts_per_step=8", "learner.group_size=8",
-        "learner.lr=1e-5", f"worker.max_new_tokens={args.max_new_tokens}",
-        "worker.groups_per_request=4", "learner.lease_timeout_s=20", "provisioning.enabled=false",
-        f"model.max_positions={args.max_new_tokens + 64}", f"model.hidden_size={args.hidden}",
-        f"model.intermediate_size={4 * args.hidden}", f"model.num_layers={args.layers}",
-        f"model.head_dim={args.hidden // 4}", f'model.tiny_vocab="{args.vocab}"'])
+    cfg = load_config(
+        ROOT / "examples" / "quickstart.toml",
+        [
+            f"learner.max_steps={args.steps}",
+            "learner.prompts_per_step=8",
+            "learner.group_size=8",
+            "learner.lr=1e-5",
+            f"worker.max_new_tokens={args.max_new_tokens}",
+            "worker.groups_per_request=4",
+            "learner.lease_timeout_s=20",
+            "provisioning.enabled=false",
+            f"model.max_positions={args.max_new_tokens + 64}",
+            f"model.hidden_size={args.hidden}",
+            f"model.intermediate_size={4 * args.hidden}",
+            f"model.num_layers={args.layers}",
+            f"model.head_dim={args.hidden // 4}",
+            f'model.tiny_vocab="{args.vocab}"',
+        ],
+    )
     (run_dir / "drill.toml").write_text(dump_toml(cfg))
     procs = ProcessGroup()
-    learner = procs.start("learner", python_argv("echo.cli", "learn", str(run_dir / "drill.toml"),
-                                                 "--run-dir", str(run_dir)),
-                          run_dir / "learner.stderr.log", pipe_stdout=True)
+    learner = procs.start(
+        "learner",
+        python_argv("echo.cli", "learn", str(run_dir / "drill.toml"), "--run-dir", str(run_dir)),
+        run_dir / "learner.stderr.log",
+        pipe_stdout=True,
+    )
     line = wait_ready(learner, 180)
     flags = [] if migrate else ["--no-migrate"]
     instances: list[dict] = []
 
     def start(name: str) -> dict:
-        argv = python_argv("worker.cli", "join", line, "--id", name, "--plain", "--identity",
-                           str(run_dir / "keys" / f"{name}.key"), "--status-file",
-                           str(run_dir / "status" / f"{name}.json"), *flags)
-        inst = {"name": name, "proc": procs.start(name, argv, run_dir / f"{name}.log"),
-                "start": time.monotonic(), "end": None, "reclaimed": False}
+        argv = python_argv(
+            "worker.cli",
+            "join",
+            line,
+            "--id",
+            name,
+            "--plain",
+            "--identity",
+            str(run_dir / "keys" / f"{name}.key"),
+            "--status-file",
+            str(run_dir / "status" / f"{name}.json"),
+            *flags,
+        )
+        inst = {
+            "name": name,
+            "proc": procs.start(name, argv, run_dir / f"{name}.log"),
+            "start": time.monotonic(),
+            "end": None,
+            "reclaimed": False,
+        }
         instances.append(inst)
         return inst
 
@@ -89,9 +121,18 @@ def run_mode(args: argparse.Namespace, migrate: bool, reclaim: list[list[float]]
     while learner.poll() is None:
         for k in range(args.spot):
             inst = spots[k]
-            if inst["end"] is None and inst.get("due") is None and pending[k] and _sampling(run_dir, inst):
+            if (
+                inst["end"] is None
+                and inst.get("due") is None
+                and pending[k]
+                and _sampling(run_dir, inst)
+            ):
                 inst["due"] = time.monotonic() + pending[k].pop(0)  # a random moment of its work
-            if inst["end"] is None and inst.get("due") is not None and time.monotonic() >= inst["due"]:
+            if (
+                inst["end"] is None
+                and inst.get("due") is not None
+                and time.monotonic() >= inst["due"]
+            ):
                 inst["reclaimed"] = True
                 inst["proc"].send_signal(signal.SIGTERM)
                 try:
@@ -122,14 +163,18 @@ def summarize(run_dir: Path, instances: list[dict], end: float, budget: int) -> 
     trained = sum(r.get(COL.tokens_trained, 0) for r in rows)
     last = rows[-1] if rows else {}
     return {
-        "steps": len(rows), "reclaimed_instances": len(reclaimed),
-        "reclaimed_tokens_sampled": sampled, "reclaimed_tokens_sent": sent,
-        "wasted_tokens": sampled - sent, COL.tokens_trained: trained,
+        "steps": len(rows),
+        "reclaimed_instances": len(reclaimed),
+        "reclaimed_tokens_sampled": sampled,
+        "reclaimed_tokens_sent": sent,
+        "wasted_tokens": sampled - sent,
+        COL.tokens_trained: trained,
         "worker_seconds": round(worker_s, 1),
         "goodput_tokens_per_worker_s": round(trained / worker_s, 2) if worker_s else 0.0,
         COL.mixed_version_samples: sum(r.get(COL.mixed_version_samples, 0) for r in rows),
         "handbacks": last.get("handbacks", {}),
-        COL.staleness_max: max((r[COL.staleness_max] for r in rows), default=0), "staleness_budget": budget,
+        COL.staleness_max: max((r[COL.staleness_max] for r in rows), default=0),
+        "staleness_budget": budget,
         "staleness_violations": sum(1 for r in rows if r[COL.staleness_max] > budget),
         COL.reissued_groups: last.get(COL.reissued_groups),
     }
@@ -140,8 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--spot", type=int, default=2, help="workers reclaimed (25%% of 8)")
     ap.add_argument("--grace", type=float, default=2.0, help="seconds between SIGTERM and SIGKILL")
-    ap.add_argument("--mean-up", type=float, default=8.0,
-                    help="mean seconds a spot instance generates before it is reclaimed")
+    ap.add_argument(
+        "--mean-up",
+        type=float,
+        default=8.0,
+        help="mean seconds a spot instance generates before it is reclaimed",
+    )
     ap.add_argument("--down", type=float, default=3.0, help="seconds before a replacement starts")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -153,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", choices=["arith", "text"], default="text")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("/tmp/echo-preemption-drill"))
-    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "preemption_drill.json")
+    ap.add_argument(
+        "--json", type=Path, default=ROOT / "benchmarks" / "results" / "preemption_drill.json"
+    )
     args = ap.parse_args(argv)
     reclaim = schedule(random.Random(args.seed), args.spot, args.mean_up)
     result = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}}
@@ -164,13 +215,20 @@ def main(argv: list[str] | None = None) -> int:
         result["migrate" if migrate else "no_migrate"] = res
         print(("migrate   " if migrate else "no-migrate"), json.dumps(res), flush=True)
     m, b = result["migrate"], result["no_migrate"]
-    result["wasted_reduction"] = (1 - m["wasted_tokens"] / b["wasted_tokens"]) if b["wasted_tokens"] else None
-    result["goodput_ratio"] = (m["goodput_tokens_per_worker_s"] / b["goodput_tokens_per_worker_s"]
-                               if b["goodput_tokens_per_worker_s"] else None)
-    print(f"wasted tokens of reclaimed workers: {m['wasted_tokens']} with migration, "
-          f"{b['wasted_tokens']} without ({100 * (result['wasted_reduction'] or 0):.1f}% fewer); "
-          f"goodput {m['goodput_tokens_per_worker_s']} vs {b['goodput_tokens_per_worker_s']} "
-          f"tokens per worker-second")
+    result["wasted_reduction"] = (
+        (1 - m["wasted_tokens"] / b["wasted_tokens"]) if b["wasted_tokens"] else None
+    )
+    result["goodput_ratio"] = (
+        m["goodput_tokens_per_worker_s"] / b["goodput_tokens_per_worker_s"]
+        if b["goodput_tokens_per_worker_s"]
+        else None
+    )
+    print(
+        f"wasted tokens of reclaimed workers: {m['wasted_tokens']} with migration, "
+        f"{b['wasted_tokens']} without ({100 * (result['wasted_reduction'] or 0):.1f}% fewer); "
+        f"goodput {m['goodput_tokens_per_worker_s']} vs {b['goodput_tokens_per_worker_s']} "
+        f"tokens per worker-second"
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     return 0

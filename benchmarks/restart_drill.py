@@ -36,32 +36,49 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.steprow import COL  # noqa: E402
 from echo.config import EchoConfig, dump_toml  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
-
+from echo.steprow import COL  # noqa: E402
 
 BATCHES = {  # (prompts_per_step, group_size, max_outstanding_groups, buffer capacity)
     "small": (4, 4, 0, 16),  # fast rounds (tests/test_restart.py)
     "quickstart": (32, 16, 40, 256),  # examples/quickstart.toml's batch: a first step longer
-                                      # than the 3-second probation window
+    # than the 3-second probation window
 }
 
 
 def drill_config(port: int, batch: str = "small") -> EchoConfig:
     """The quickstart's provisioning (3-second windows) on the toy task."""
     prompts, group, outstanding, capacity = BATCHES[batch]
-    return EchoConfig.model_validate({
-        "learner": {"prompts_per_step": prompts, "group_size": group, "max_steps": 10_000,
-                    "staleness": 2, "wait_timeout_s": 120, "port": port, "lease_timeout_s": 30.0,
-                    "max_outstanding_groups": outstanding},
-        "buffer": {"capacity_groups": capacity},
-        "worker": {"groups_per_request": 2, "heartbeat_s": 0.3},
-        "transport": {"heartbeat_timeout_s": 3.0, "request_timeout_s": 3.0, "max_message_mib": 1.0},
-        "broadcast": {"dtype": "float32", "chunk_mib": 0.0625},
-        "provisioning": {"enabled": True, "initial_active": 2, "window_s": 3.0, "tau_s": 3.0,
-                         "warmup_s": 2.0},
-    })
+    return EchoConfig.model_validate(
+        {
+            "learner": {
+                "prompts_per_step": prompts,
+                "group_size": group,
+                "max_steps": 10_000,
+                "staleness": 2,
+                "wait_timeout_s": 120,
+                "port": port,
+                "lease_timeout_s": 30.0,
+                "max_outstanding_groups": outstanding,
+            },
+            "buffer": {"capacity_groups": capacity},
+            "worker": {"groups_per_request": 2, "heartbeat_s": 0.3},
+            "transport": {
+                "heartbeat_timeout_s": 3.0,
+                "request_timeout_s": 3.0,
+                "max_message_mib": 1.0,
+            },
+            "broadcast": {"dtype": "float32", "chunk_mib": 0.0625},
+            "provisioning": {
+                "enabled": True,
+                "initial_active": 2,
+                "window_s": 3.0,
+                "tau_s": 3.0,
+                "warmup_s": 2.0,
+            },
+        }
+    )
 
 
 @dataclass
@@ -118,21 +135,37 @@ class Drill:
         conf.write_text(dump_toml(cfg))
         where = ["--resume", str(self.run)] if resume else ["--run-dir", str(self.run)]
         t0 = time.monotonic()
-        proc = self.group.start(name, python_argv("echo.cli", "learn", str(conf), *where),
-                                self.tmp / f"{name}.err", pipe_stdout=True)
+        proc = self.group.start(
+            name,
+            python_argv("echo.cli", "learn", str(conf), *where),
+            self.tmp / f"{name}.err",
+            pipe_stdout=True,
+        )
         self.endpoint = wait_ready(proc, timeout=120)
         return t0, time.monotonic()
 
     def worker(self, name: str) -> None:
-        self.group.start(name, python_argv("worker.cli", "join", self.endpoint, "--id", name,
-                                           "--price", "0.3", "--ledger",
-                                           str(self.tmp / f"{name}.ledger"),
-                                           "--identity", str(self.tmp / f"{name}.key")),
-                         self.tmp / f"{name}.log")
+        self.group.start(
+            name,
+            python_argv(
+                "worker.cli",
+                "join",
+                self.endpoint,
+                "--id",
+                name,
+                "--price",
+                "0.3",
+                "--ledger",
+                str(self.tmp / f"{name}.ledger"),
+                "--identity",
+                str(self.tmp / f"{name}.key"),
+            ),
+            self.tmp / f"{name}.log",
+        )
 
     def round(self, kill_at: int) -> Round:
-        from learner.run_audit import audit_run
         from learner.checkpoint import load_checkpoint
+        from learner.run_audit import audit_run
 
         self.learner("first", False, 10_000)
         workers = ["w0", "w1"]
@@ -152,22 +185,33 @@ class Drill:
         code = self.group.procs["second"].wait(180)
         exits = [self.group.procs[w].wait(60) for w in workers]
         rows = _rows(self.run)
-        after = [json.loads(x) for x in decisions.read_text().splitlines()[before:]] \
-            if decisions.exists() else []
+        after = (
+            [json.loads(x) for x in decisions.read_text().splitlines()[before:]]
+            if decisions.exists()
+            else []
+        )
         releases = [d for d in after if d["action"] == "release"]
-        audit = audit_run(self.run, [self.tmp / f"{w}.ledger" for w in workers],
-                          self.cfg.learner.group_size)
+        audit = audit_run(
+            self.run, [self.tmp / f"{w}.ledger" for w in workers], self.cfg.learner.group_size
+        )
         if code != 0:
             raise RuntimeError(f"resumed learner exited {code}: see {self.tmp / 'second.err'}")
         return Round(
-            kill_at=kill_at, killed_after_step=killed_after, resumed_at_step=resumed_at,
-            restart_to_step_s=round(t_step - t0, 3), ready_to_step_s=round(t_step - ready, 3),
-            steps_after_restart=len(rows) - n_before, releases_after_restart=len(releases),
+            kill_at=kill_at,
+            killed_after_step=killed_after,
+            resumed_at_step=resumed_at,
+            restart_to_step_s=round(t_step - t0, 3),
+            ready_to_step_s=round(t_step - ready, 3),
+            steps_after_restart=len(rows) - n_before,
+            releases_after_restart=len(releases),
             failed_probations_after_restart=sum("probation over" in d["reason"] for d in releases),
             restored_leases=rows[-1].get(COL.restored_leases, 0),
             restored_admitted=rows[-1].get(COL.restored_admitted, 0),
-            acked=len(audit.acked), lost=len(audit.lost),
-            trained_twice=audit.groups_trained_twice, workers_exit=exits)
+            acked=len(audit.acked),
+            lost=len(audit.lost),
+            trained_twice=audit.groups_trained_twice,
+            workers_exit=exits,
+        )
 
     def close(self) -> None:
         self.group.stop_all()
@@ -182,13 +226,17 @@ def one_round(tmp: Path, kill_at: int, batch: str = "small") -> Round:
 
 
 def table(rounds: list[Round]) -> str:
-    head = ("| # | killed after step | resumed at | restart -> next step (s) | ready -> step (s) | "
-            "releases after | leases kept | samples admitted under them | acked | lost |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| # | killed after step | resumed at | restart -> next step (s) | ready -> step (s) | "
+        "releases after | leases kept | samples admitted under them | acked | lost |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     return head + "".join(
         f"| {i} | {r.killed_after_step} | {r.resumed_at_step} | {r.restart_to_step_s:.1f} | "
         f"{r.ready_to_step_s:.1f} | {r.releases_after_restart} | {r.restored_leases} | "
-        f"{r.restored_admitted} | {r.acked} | {r.lost} |\n" for i, r in enumerate(rounds))
+        f"{r.restored_admitted} | {r.acked} | {r.lost} |\n"
+        for i, r in enumerate(rounds)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,8 +246,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--batch", choices=sorted(BATCHES), default="small",
-                    help="small (4 prompts x 4) or quickstart (32 x 16, as examples/quickstart.toml)")
+    ap.add_argument(
+        "--batch",
+        choices=sorted(BATCHES),
+        default="small",
+        help="small (4 prompts x 4) or quickstart (32 x 16, as examples/quickstart.toml)",
+    )
     ap.add_argument("--max-kill", type=int, default=30, help="kills land at steps 3 .. 3 + this")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/restart_drill.json")
     args = ap.parse_args(argv)
@@ -215,22 +267,43 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {i}: FAILED: {err}", flush=True)
                 continue
         rounds.append(r)
-        print(f"round {i}: killed after step {r.killed_after_step}, next step "
-              f"{r.restart_to_step_s:.1f} s after the restart, {r.releases_after_restart} "
-              f"releases, {r.restored_admitted} samples admitted under kept leases, "
-              f"{r.lost} lost", flush=True)
-    ok = [r for r in rounds if r.restart_to_step_s <= 30 and r.lost == 0 and r.trained_twice == 0
-          and r.failed_probations_after_restart == 0 and r.steps_after_restart >= 1]
-    summary = {"rounds": args.rounds, "passed": len(ok), "failures": failures,
-               "restart_to_step_s_max": max((r.restart_to_step_s for r in rounds), default=None),
-               "restored_admitted_total": sum(r.restored_admitted for r in rounds)}
+        print(
+            f"round {i}: killed after step {r.killed_after_step}, next step "
+            f"{r.restart_to_step_s:.1f} s after the restart, {r.releases_after_restart} "
+            f"releases, {r.restored_admitted} samples admitted under kept leases, "
+            f"{r.lost} lost",
+            flush=True,
+        )
+    ok = [
+        r
+        for r in rounds
+        if r.restart_to_step_s <= 30
+        and r.lost == 0
+        and r.trained_twice == 0
+        and r.failed_probations_after_restart == 0
+        and r.steps_after_restart >= 1
+    ]
+    summary = {
+        "rounds": args.rounds,
+        "passed": len(ok),
+        "failures": failures,
+        "restart_to_step_s_max": max((r.restart_to_step_s for r in rounds), default=None),
+        "restored_admitted_total": sum(r.restored_admitted for r in rounds),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_result(args.out, {"command":
-                            "python benchmarks/restart_drill.py " + " ".join(argv or sys.argv[1:]),
-                            "summary": summary, "rounds": [asdict(r) for r in rounds]})
+    write_result(
+        args.out,
+        {
+            "command": "python benchmarks/restart_drill.py " + " ".join(argv or sys.argv[1:]),
+            "summary": summary,
+            "rounds": [asdict(r) for r in rounds],
+        },
+    )
     print(table(rounds))
-    print(f"{len(ok)} of {args.rounds} rounds: training went on within 30 s of the restart, "
-          f"no failed probation, nothing acknowledged lost")
+    print(
+        f"{len(ok)} of {args.rounds} rounds: training went on within 30 s of the restart, "
+        f"no failed probation, nothing acknowledged lost"
+    )
     return 0 if len(ok) == args.rounds else 1
 
 

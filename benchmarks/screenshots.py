@@ -36,11 +36,26 @@ def chromium_shot(url: str, png: Path, size: str = "1400,1000") -> None:
     if exe is None:
         raise SystemExit("needs chromium (Debian: apt-get install chromium)")
     with tempfile.TemporaryDirectory() as profile:
-        subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu",
-                        "--disable-background-networking", "--disable-component-update",
-                        "--no-first-run", "--disable-sync", f"--user-data-dir={profile}",
-                        f"--screenshot={png}", f"--window-size={size}",
-                        "--virtual-time-budget=5000", url], check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                exe,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--no-first-run",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                f"--screenshot={png}",
+                f"--window-size={size}",
+                "--virtual-time-budget=5000",
+                url,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     print(f"wrote {png}")
 
 
@@ -97,9 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(args.run_dir, ignore_errors=True)
     run_dir = args.run_dir
     run_dir.mkdir(parents=True)
-    cfg = load_config(str(ROOT / "examples" / "quickstart.toml"),
-                      [f"learner.max_steps={args.steps}", "broadcast.uplink_mbit=200",
-                       "broadcast.link_mbit=100"])
+    cfg = load_config(
+        str(ROOT / "examples" / "quickstart.toml"),
+        [f"learner.max_steps={args.steps}", "broadcast.uplink_mbit=200", "broadcast.link_mbit=100"],
+    )
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     policy = Policy(cfg)
     learner = Learner(cfg, run_dir, policy)
@@ -114,11 +130,25 @@ def main(argv: list[str] | None = None) -> int:
         metrics.tree_source = learner.server.relay_tree  # as learner/main.py wires it
         for i in range(args.workers):
             price = cfg.quickstart.worker_prices[i % len(cfg.quickstart.worker_prices)]
-            group.start(f"worker-{i}", python_argv("worker.cli", "join", learner.server.join_line(),
-                                                   "--id", f"worker-{i}", "--price", str(price),
-                                                   "--down-mbit", "100", "--up-mbit", "100",
-                                                   "--identity", str(run_dir / f"worker-{i}.key")),
-                        run_dir / f"worker-{i}.log")
+            group.start(
+                f"worker-{i}",
+                python_argv(
+                    "worker.cli",
+                    "join",
+                    learner.server.join_line(),
+                    "--id",
+                    f"worker-{i}",
+                    "--price",
+                    str(price),
+                    "--down-mbit",
+                    "100",
+                    "--up-mbit",
+                    "100",
+                    "--identity",
+                    str(run_dir / f"worker-{i}.key"),
+                ),
+                run_dir / f"worker-{i}.log",
+            )
         with (run_dir / "metrics.jsonl").open("a") as f:
             while learner.step < cfg.learner.max_steps:
                 row = learner._one_step()

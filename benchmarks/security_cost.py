@@ -69,7 +69,9 @@ def transfer(curve: bool, mib: int) -> dict[str, float]:
         curve_server(pull, keys)
     pull.bind("tcp://127.0.0.1:*")
     endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
-    proc = mp.get_context("spawn").Process(target=_sender, args=(endpoint, keys.public if keys else None, mib))
+    proc = mp.get_context("spawn").Process(
+        target=_sender, args=(endpoint, keys.public if keys else None, mib)
+    )
     proc.start()
     pull.recv()  # the clock starts at the first frame: process start-up is not the link
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -102,8 +104,10 @@ def first_reply(curve: bool, n: int = 50) -> float:
     """Median ms from connect to the first reply of a fresh connection (handshake included)."""
     keys = KeyPair.generate() if curve else None
     q: mp.Queue = mp.get_context("spawn").Queue()
-    srv = mp.get_context("spawn").Process(target=_echo_server, args=(
-        q, keys.secret if keys else None, keys.public if keys else None, n))
+    srv = mp.get_context("spawn").Process(
+        target=_echo_server,
+        args=(q, keys.secret if keys else None, keys.public if keys else None, n),
+    )
     srv.start()
     endpoint = q.get(timeout=30)
     ctx = zmq.Context()
@@ -134,10 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("plain", "curve"):
             runs[mode].append(transfer(mode == "curve", args.mib))
     med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
-    out = {"frame_bytes": FRAME, "mib_per_run": args.mib, "runs": runs,
-           "median": med,
-           "curve_over_plain_throughput": med["curve"]["mb_per_s"] / med["plain"]["mb_per_s"],
-           "first_reply_ms": {"plain": first_reply(False), "curve": first_reply(True)}}
+    out = {
+        "frame_bytes": FRAME,
+        "mib_per_run": args.mib,
+        "runs": runs,
+        "median": med,
+        "curve_over_plain_throughput": med["curve"]["mb_per_s"] / med["plain"]["mb_per_s"],
+        "first_reply_ms": {"plain": first_reply(False), "curve": first_reply(True)},
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     write_result(args.json, out)
     from rich.console import Console
@@ -147,8 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     for c in ("mode", "MB/s", "receiver CPU ms/MiB", "connect + first reply ms"):
         t.add_column(c, justify="right")
     for m in ("plain", "curve"):
-        t.add_row(m, f"{med[m]['mb_per_s']:.0f}", f"{med[m]['receiver_cpu_ms_per_mib']:.3f}",
-                  f"{out['first_reply_ms'][m]:.2f}")
+        t.add_row(
+            m,
+            f"{med[m]['mb_per_s']:.0f}",
+            f"{med[m]['receiver_cpu_ms_per_mib']:.3f}",
+            f"{out['first_reply_ms'][m]:.2f}",
+        )
     Console().print(t)
     print(f"curve / plain throughput: {out['curve_over_plain_throughput']:.3f}; wrote {args.json}")
     return 0

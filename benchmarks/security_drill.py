@@ -35,15 +35,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from echo.steprow import COL  # noqa: E402
 from echo.config import dump_toml, load_config  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
+from echo.steprow import COL  # noqa: E402
 
-OVERRIDES = ["learner.max_steps=1000000", "learner.prompts_per_step=8", "learner.group_size=4",
-             "learner.max_outstanding_groups=16", "provisioning.enabled=false",
-             'security.join="token"']
-COUNTERS = {"echo_join_refused": "join_refused", "echo_messages_refused": "limited",
-            "echo_chunk_requests_refused": "chunk_refused", "echo_rejected": "rejected"}
+OVERRIDES = [
+    "learner.max_steps=1000000",
+    "learner.prompts_per_step=8",
+    "learner.group_size=4",
+    "learner.max_outstanding_groups=16",
+    "provisioning.enabled=false",
+    'security.join="token"',
+]
+COUNTERS = {
+    "echo_join_refused": "join_refused",
+    "echo_messages_refused": "limited",
+    "echo_chunk_requests_refused": "chunk_refused",
+    "echo_rejected": "rejected",
+}
 RSS_LIMIT = 1.5
 
 
@@ -124,7 +133,9 @@ class Fleet:
     def __init__(self, tmp: Path, overrides: list[str] | None = None):
         self.tmp, self.run = tmp, tmp / "run"
         self.group = ProcessGroup()
-        self.cfg = load_config(ROOT / "examples/quickstart.toml", OVERRIDES if overrides is None else overrides)
+        self.cfg = load_config(
+            ROOT / "examples/quickstart.toml", OVERRIDES if overrides is None else overrides
+        )
         self.line = ""
         self.info: dict[str, Any] = {}
 
@@ -138,28 +149,65 @@ class Fleet:
     def start_learner(self) -> None:
         conf = self.tmp / "cfg.toml"
         conf.write_text(dump_toml(self.cfg))
-        learner = self.group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir",
-                                                          str(self.run)),
-                                   self.tmp / "learner.err", pipe_stdout=True)
+        learner = self.group.start(
+            "learner",
+            python_argv("echo.cli", "learn", str(conf), "--run-dir", str(self.run)),
+            self.tmp / "learner.err",
+            pipe_stdout=True,
+        )
         self.line = wait_ready(learner, timeout=180)
         self.info = json.loads((self.run / "learner.json").read_text())
 
     def token(self, uses: int, note: str) -> str:
-        out = subprocess.run(python_argv("echo.cli", "token", "create", "--run-dir", str(self.run),
-                                         "--uses", str(uses), "--note", note),
-                             capture_output=True, text=True, check=True, timeout=60)
+        out = subprocess.run(
+            python_argv(
+                "echo.cli",
+                "token",
+                "create",
+                "--run-dir",
+                str(self.run),
+                "--uses",
+                str(uses),
+                "--note",
+                note,
+            ),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
         return out.stdout.strip()
 
     def worker(self, name: str, token: str, kind: str | None = None) -> None:
         """``echo-worker join``; with ``kind``, the same worker with one lie (or ``honest``),
         logging what it scored to ``<name>.truth`` (benchmarks/drill_workers.py)."""
-        prog = python_argv("worker.cli") if kind is None else [
-            sys.executable, str(ROOT / "benchmarks/drill_workers.py"), "--kind", kind,
-            "--truth", str(self.tmp / f"{name}.truth")]
-        self.group.start(name, prog + ["join", f"{self.line}?token={token}", "--id", name,
-                                       "--ledger", str(self.tmp / f"{name}.ledger"),
-                                       "--identity", str(self.tmp / f"{name}.key")],
-                         self.tmp / f"{name}.log")
+        prog = (
+            python_argv("worker.cli")
+            if kind is None
+            else [
+                sys.executable,
+                str(ROOT / "benchmarks/drill_workers.py"),
+                "--kind",
+                kind,
+                "--truth",
+                str(self.tmp / f"{name}.truth"),
+            ]
+        )
+        self.group.start(
+            name,
+            prog
+            + [
+                "join",
+                f"{self.line}?token={token}",
+                "--id",
+                name,
+                "--ledger",
+                str(self.tmp / f"{name}.ledger"),
+                "--identity",
+                str(self.tmp / f"{name}.key"),
+            ],
+            self.tmp / f"{name}.log",
+        )
 
     def pid(self, name: str) -> int:
         return self.group.procs[name].pid
@@ -174,7 +222,9 @@ class Fleet:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive("learner"):
-                raise RuntimeError("learner died: " + (self.tmp / "learner.err").read_text()[-2000:])
+                raise RuntimeError(
+                    "learner died: " + (self.tmp / "learner.err").read_text()[-2000:]
+                )
             if self.step() >= n:
                 return True
             time.sleep(0.2)
@@ -198,7 +248,10 @@ class Fleet:
         return (self.run / "learner.log").read_text().count("Traceback")
 
     def admitted(self) -> dict[str, int]:
-        return {w["worker"]: int(w.get("admitted") or 0) for w in api_state(self.info["metrics"])["workers"]}
+        return {
+            w["worker"]: int(w.get("admitted") or 0)
+            for w in api_state(self.info["metrics"])["workers"]
+        }
 
     def stop(self) -> dict[str, Any]:
         """Workers first (they deliver what is pending and leave), then the learner."""
@@ -223,8 +276,9 @@ def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, dict[str, 
     return out
 
 
-def run_attack(fleet: Fleet, sampler: Sampler, name: str, relay: tuple[str, str], token: str,
-               timeout: float) -> dict[str, Any]:
+def run_attack(
+    fleet: Fleet, sampler: Sampler, name: str, relay: tuple[str, str], token: str, timeout: float
+) -> dict[str, Any]:
     import drill_relays
 
     url = fleet.info["metrics"]
@@ -234,35 +288,68 @@ def run_attack(fleet: Fleet, sampler: Sampler, name: str, relay: tuple[str, str]
     log0, tb0 = fleet.log_bytes(), fleet.tracebacks()
     w0_before = proc_status(fleet.pid("w0")).get("rss_mib")
     t0 = time.monotonic()
-    argv = [sys.executable, str(Path(__file__).resolve()), "attack", name, "--line", fleet.line,
-            "--run-dir", str(fleet.run), "--relay", relay[0], "--relay-key", relay[1], "--token", token]
-    proc = fleet.group.start(f"attack-{name}", argv, fleet.tmp / f"attack-{name}.err", pipe_stdout=True)
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "attack",
+        name,
+        "--line",
+        fleet.line,
+        "--run-dir",
+        str(fleet.run),
+        "--relay",
+        relay[0],
+        "--relay-key",
+        relay[1],
+        "--token",
+        token,
+    ]
+    proc = fleet.group.start(
+        f"attack-{name}", argv, fleet.tmp / f"attack-{name}.err", pipe_stdout=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         report = json.loads(out.decode().strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, IndexError, ValueError):
         fleet.group.stop(f"attack-{name}")
-        report = {"error": "attacker failed or timed out: "
-                  + (fleet.tmp / f"attack-{name}.err").read_text()[-800:]}
+        report = {
+            "error": "attacker failed or timed out: "
+            + (fleet.tmp / f"attack-{name}.err").read_text()[-800:]
+        }
     wall = time.monotonic() - t0
     steps = fleet.step() - before.get("step", 0)
     stepped = fleet.wait_step(fleet.step() + 2, timeout=30)  # fresh counters come with a step
     after = counters(url)
     adm1, checks1, row = fleet.admitted(), _failures(url), drill_relays.last_row(fleet.run)
-    reports = {k: n - reports0.get(k, 0) for k, n in row.get(COL.relay_reports, {}).items()
-               if n != reports0.get(k, 0)}
-    return {"attack": name, "wall_s": round(wall, 1), "attacker": report,
-            "relay_reports_delta": reports, COL.relays_marked: row.get(COL.relays_marked, 0),
-            "honest_struck": {w: checks1.get(w, 0) - checks0.get(w, 0) for w in ("w0", "w1")
-                              if checks1.get(w, 0) > checks0.get(w, 0)},
-            "counted": delta(after, before), "steps_during": steps,
-            "learner_log_kib": (fleet.log_bytes() - log0) // 1024,
-            "learner_tracebacks": fleet.tracebacks() - tb0,
-            "kept_stepping": steps > 0 and stepped, "steps_per_s": round(steps / max(wall, 1e-3), 3),
-            "honest_admitted": {w: adm1.get(w, 0) - adm0.get(w, 0) for w in ("w0", "w1")},
-            "w0_rss_mib_before": w0_before, "w0_rss_mib_after": proc_status(fleet.pid("w0")).get("rss_mib"),
-            **sampler.take(), "learner_alive": fleet.alive("learner"),
-            "honest_alive": all(fleet.alive(w) for w in ("w0", "w1"))}
+    reports = {
+        k: n - reports0.get(k, 0)
+        for k, n in row.get(COL.relay_reports, {}).items()
+        if n != reports0.get(k, 0)
+    }
+    return {
+        "attack": name,
+        "wall_s": round(wall, 1),
+        "attacker": report,
+        "relay_reports_delta": reports,
+        COL.relays_marked: row.get(COL.relays_marked, 0),
+        "honest_struck": {
+            w: checks1.get(w, 0) - checks0.get(w, 0)
+            for w in ("w0", "w1")
+            if checks1.get(w, 0) > checks0.get(w, 0)
+        },
+        "counted": delta(after, before),
+        "steps_during": steps,
+        "learner_log_kib": (fleet.log_bytes() - log0) // 1024,
+        "learner_tracebacks": fleet.tracebacks() - tb0,
+        "kept_stepping": steps > 0 and stepped,
+        "steps_per_s": round(steps / max(wall, 1e-3), 3),
+        "honest_admitted": {w: adm1.get(w, 0) - adm0.get(w, 0) for w in ("w0", "w1")},
+        "w0_rss_mib_before": w0_before,
+        "w0_rss_mib_after": proc_status(fleet.pid("w0")).get("rss_mib"),
+        **sampler.take(),
+        "learner_alive": fleet.alive("learner"),
+        "honest_alive": all(fleet.alive(w) for w in ("w0", "w1")),
+    }
 
 
 def ban_phase(fleet: Fleet, sampler: Sampler) -> dict[str, Any]:
@@ -277,8 +364,12 @@ def ban_phase(fleet: Fleet, sampler: Sampler) -> dict[str, Any]:
         time.sleep(0.5)
     joined = "w2" in fleet.admitted()
     key = (fleet.tmp / "w2.key").read_text().split()[0]
-    subprocess.run(python_argv("echo.cli", "worker", "ban", key, "--run-dir", str(fleet.run)),
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        python_argv("echo.cli", "worker", "ban", key, "--run-dir", str(fleet.run)),
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     t_ban = time.monotonic()
     try:
         rc = fleet.group.procs["w2"].wait(15)
@@ -291,20 +382,31 @@ def ban_phase(fleet: Fleet, sampler: Sampler) -> dict[str, Any]:
     after = counters(url)
     adm1 = fleet.admitted()
     said = [ln for ln in log.splitlines() if "banned" in ln]
-    return {"attack": "banned", "wall_s": round(time.monotonic() - t0, 1),
-            "attacker": {"joined_before_ban": joined, "exit_code": rc, "exit_s_after_ban": round(exit_s, 1),
-                         "worker_said": said[-1][-160:] if said else "",
-                         "last_log": log.strip().splitlines()[-1] if log.strip() else "",
-                         "still_listed": "w2" in adm1},
-            "counted": delta(after, before), "steps_during": after.get("step", 0) - step_end,
-            "kept_stepping": stepped, "steps_per_s": None,
-            "honest_admitted": {w: adm1.get(w, 0) - adm0.get(w, 0) for w in ("w0", "w1")},
-            **sampler.take(), "learner_alive": fleet.alive("learner"),
-            "honest_alive": all(fleet.alive(w) for w in ("w0", "w1"))}
+    return {
+        "attack": "banned",
+        "wall_s": round(time.monotonic() - t0, 1),
+        "attacker": {
+            "joined_before_ban": joined,
+            "exit_code": rc,
+            "exit_s_after_ban": round(exit_s, 1),
+            "worker_said": said[-1][-160:] if said else "",
+            "last_log": log.strip().splitlines()[-1] if log.strip() else "",
+            "still_listed": "w2" in adm1,
+        },
+        "counted": delta(after, before),
+        "steps_during": after.get("step", 0) - step_end,
+        "kept_stepping": stepped,
+        "steps_per_s": None,
+        "honest_admitted": {w: adm1.get(w, 0) - adm0.get(w, 0) for w in ("w0", "w1")},
+        **sampler.take(),
+        "learner_alive": fleet.alive("learner"),
+        "honest_alive": all(fleet.alive(w) for w in ("w0", "w1")),
+    }
 
 
-def relay_phase(fleet: Fleet, sampler: Sampler, kind: str, token: str,
-                seconds: float = 240.0) -> dict[str, Any]:
+def relay_phase(
+    fleet: Fleet, sampler: Sampler, kind: str, token: str, seconds: float = 240.0
+) -> dict[str, Any]:
     """A third worker whose relay is hostile (``benchmarks/drill_relays.py``): its id sorts
     first, so the chain planner gives it a child; the phase lasts until the learner's counts
     show the child's report handled (or ``seconds``: the worker's start, a publication that
@@ -317,16 +419,34 @@ def relay_phase(fleet: Fleet, sampler: Sampler, kind: str, token: str,
     sampler.take()
     tb0, s0, t0 = fleet.tracebacks(), fleet.step(), time.monotonic()
     name = "a-" + kind.replace("_", "-")
-    fleet.group.start(name, [sys.executable, str(ROOT / "benchmarks/drill_relays.py"), "--kind", kind,
-                             "join", f"{fleet.line}?token={token}", "--id", name, "--identity",
-                             str(fleet.tmp / f"{name}.key")], fleet.tmp / f"{name}.log")
-    done = {"black_hole": ("probe:unreachable", "timeout:convicted", "disconnected:convicted"),
-            "selective_relay": ("probe:intact", "probe:corrupt", "corrupt:convicted")}[kind]
+    fleet.group.start(
+        name,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/drill_relays.py"),
+            "--kind",
+            kind,
+            "join",
+            f"{fleet.line}?token={token}",
+            "--id",
+            name,
+            "--identity",
+            str(fleet.tmp / f"{name}.key"),
+        ],
+        fleet.tmp / f"{name}.log",
+    )
+    done = {
+        "black_hole": ("probe:unreachable", "timeout:convicted", "disconnected:convicted"),
+        "selective_relay": ("probe:intact", "probe:corrupt", "corrupt:convicted"),
+    }[kind]
 
     def reports() -> dict[str, int]:
         now = drill_relays.last_row(fleet.run).get(COL.relay_reports, {})
-        return {k: n - row0.get(COL.relay_reports, {}).get(k, 0) for k, n in now.items()
-                if n != row0.get(COL.relay_reports, {}).get(k, 0)}
+        return {
+            k: n - row0.get(COL.relay_reports, {}).get(k, 0)
+            for k, n in now.items()
+            if n != row0.get(COL.relay_reports, {}).get(k, 0)
+        }
 
     drill_relays.wait_for(lambda: any(k in reports() for k in done), seconds)
     fleet.group.stop(name)
@@ -334,21 +454,30 @@ def relay_phase(fleet: Fleet, sampler: Sampler, kind: str, token: str,
     steps = fleet.step() - s0
     stepped = fleet.wait_step(fleet.step() + 2, timeout=30)
     adm1, checks1 = fleet.admitted(), _failures(url)
-    bans = (fleet.run / "security" / "bans.txt")
+    bans = fleet.run / "security" / "bans.txt"
     banned_text = bans.read_text() if bans.exists() else ""
     honest_keys = {w: (fleet.tmp / f"{w}.key").read_text().split()[0] for w in ("w0", "w1")}
-    return {"attack": kind, "wall_s": round(wall, 1), "attacker": {"worker": name},
-            "relay_reports_delta": reports(),
-            COL.relays_marked: drill_relays.last_row(fleet.run).get(COL.relays_marked, 0),
-            "steps_during": steps, "kept_stepping": steps > 0 and stepped,
-            "steps_per_s": round(steps / max(wall, 1e-3), 3),
-            "learner_tracebacks": fleet.tracebacks() - tb0,
-            "honest_admitted": {w: adm1.get(w, 0) - adm0.get(w, 0) for w in ("w0", "w1")},
-            "honest_struck": {w: checks1.get(w, 0) - checks0.get(w, 0) for w in ("w0", "w1")
-                              if checks1.get(w, 0) > checks0.get(w, 0)},
-            "reporters_banned": [w for w, k in honest_keys.items() if k in banned_text],
-            **sampler.take(), "learner_alive": fleet.alive("learner"),
-            "honest_alive": all(fleet.alive(w) for w in ("w0", "w1"))}
+    return {
+        "attack": kind,
+        "wall_s": round(wall, 1),
+        "attacker": {"worker": name},
+        "relay_reports_delta": reports(),
+        COL.relays_marked: drill_relays.last_row(fleet.run).get(COL.relays_marked, 0),
+        "steps_during": steps,
+        "kept_stepping": steps > 0 and stepped,
+        "steps_per_s": round(steps / max(wall, 1e-3), 3),
+        "learner_tracebacks": fleet.tracebacks() - tb0,
+        "honest_admitted": {w: adm1.get(w, 0) - adm0.get(w, 0) for w in ("w0", "w1")},
+        "honest_struck": {
+            w: checks1.get(w, 0) - checks0.get(w, 0)
+            for w in ("w0", "w1")
+            if checks1.get(w, 0) > checks0.get(w, 0)
+        },
+        "reporters_banned": [w for w, k in honest_keys.items() if k in banned_text],
+        **sampler.take(),
+        "learner_alive": fleet.alive("learner"),
+        "honest_alive": all(fleet.alive(w) for w in ("w0", "w1")),
+    }
 
 
 def _failures(url: str) -> dict[str, int]:
@@ -361,17 +490,31 @@ def _replies(r: dict[str, Any]) -> dict[str, int]:
 
 
 def _check_junk(r: dict[str, Any]) -> list[str]:
-    out = [f"{where}: {n} x {why}" for where, got in _replies(r).items() for why, n in got.items()
-           if why in ("internal_error", "join_ack", "chunk")]
-    return out + ([] if sum(_replies(r)["control"].values()) == 1000 else ["control: replies missing"])
+    out = [
+        f"{where}: {n} x {why}"
+        for where, got in _replies(r).items()
+        for why, n in got.items()
+        if why in ("internal_error", "join_ack", "chunk")
+    ]
+    return out + (
+        [] if sum(_replies(r)["control"].values()) == 1000 else ["control: replies missing"]
+    )
 
 
 def _check_impersonate(r: dict[str, Any]) -> list[str]:
-    want = {"never_joined_trajectories": "not_joined", "join_as_w0": "id_taken",
-            **{f"evil_{t}_as_w0": "identity_mismatch"
-               for t in ("heartbeat", "trajectories", "source_request", "leave")}}
-    return [f"{k}: {r['attacker'].get(k)} (expected {v})" for k, v in want.items()
-            if r["attacker"].get(k) != v]
+    want = {
+        "never_joined_trajectories": "not_joined",
+        "join_as_w0": "id_taken",
+        **{
+            f"evil_{t}_as_w0": "identity_mismatch"
+            for t in ("heartbeat", "trajectories", "source_request", "leave")
+        },
+    }
+    return [
+        f"{k}: {r['attacker'].get(k)} (expected {v})"
+        for k, v in want.items()
+        if r["attacker"].get(k) != v
+    ]
 
 
 def token_state(run_dir: Path, token: str) -> dict[str, int]:
@@ -385,15 +528,24 @@ def _check_token(r: dict[str, Any]) -> list[str]:
     """Only the insider's own join ("evil") may spend a use of its token; the join refused as
     id_taken must not."""
     keys = r.get("insider_token", {}).get("keys", 1)
-    return [] if keys == 1 else [f"a join refused as id_taken spent a use of the token "
-                                 f"({keys} keys now hold it, 1 expected)"]
+    return (
+        []
+        if keys == 1
+        else [
+            f"a join refused as id_taken spent a use of the token "
+            f"({keys} keys now hold it, 1 expected)"
+        ]
+    )
 
 
 def _check_future(r: dict[str, Any]) -> list[str]:
     a, out = r["attacker"], []
     # an unjoined key is refused at the handshake (no connection) or, before its ZAP verdict
     # lands, answered not_joined: either way it gets nothing
-    if set(a["joined"]) != {"future_version"} or not set(a["unjoined"]) <= {"not_joined", "no_connection"}:
+    if set(a["joined"]) != {"future_version"} or not set(a["unjoined"]) <= {
+        "not_joined",
+        "no_connection",
+    }:
         out.append(f"replies joined={a['joined']} unjoined={a['unjoined']}")
     # The next version is parked, 64 per key at most; it may be published during the burst.
     refused = a["next_version_x2000"].get("too_many_requests", 0)
@@ -403,8 +555,11 @@ def _check_future(r: dict[str, Any]) -> list[str]:
 
 
 def _check_idle(r: dict[str, Any]) -> list[str]:
-    out = [] if r["attacker"]["health_during_12s"] == "ok" else [
-        f"/health at 12 s of the flood: {r['attacker']['health_during_12s']}"]
+    out = (
+        []
+        if r["attacker"]["health_during_12s"] == "ok"
+        else [f"/health at 12 s of the flood: {r['attacker']['health_during_12s']}"]
+    )
     if r["learner_threads_peak"] > r["baseline_threads"] + 40:
         out.append(f"learner threads {r['learner_threads_peak']} (honest {r['baseline_threads']})")
     return out
@@ -415,8 +570,10 @@ def _check_ban(r: dict[str, Any]) -> list[str]:
     if a["still_listed"]:
         out.append("the banned worker is still a session")
     if a["exit_code"] in (None, 0) or not a["worker_said"]:
-        out.append(f"the banned worker did not exit saying so within 15 s (exit {a['exit_code']}, "
-                   f"last log line: {a['last_log'][-120:]!r})")
+        out.append(
+            f"the banned worker did not exit saying so within 15 s (exit {a['exit_code']}, "
+            f"last log line: {a['last_log'][-120:]!r})"
+        )
     return out
 
 
@@ -435,33 +592,72 @@ def _check_oversize(r: dict[str, Any]) -> list[str]:
 EXPECT = {  # what "refused" means for each attack: the problems found in the phase's record
     "junk13": _check_junk,
     "impersonate": lambda r: _check_impersonate(r) + _check_token(r),
-    "leave_flood": lambda r: [f"reply {k}" for k in _replies(r) if k not in {
-        "identity_mismatch", "not_joined", "heartbeat_ack", "rate_limited", "snapshot_notice"}],
+    "leave_flood": lambda r: [
+        f"reply {k}"
+        for k in _replies(r)
+        if k
+        not in {
+            "identity_mismatch",
+            "not_joined",
+            "heartbeat_ack",
+            "rate_limited",
+            "snapshot_notice",
+        }
+    ],
     "future_chunks": _check_future,
     "join_flood": lambda r: ["a sybil got join_ack"] if "join_ack" in _replies(r) else [],
     "idle_http": _check_idle,
-    "plaintext": lambda r: ([f"got replies {r['attacker']}"] if set(r["attacker"].values()) != {"no_reply"}
-                            else []) + ([] if r["counted"].get("join_refused", {}).get("handshake_failed", 0) >= 2
-                                        else ["handshake_failed not counted"]),
+    "plaintext": lambda r: (
+        ([f"got replies {r['attacker']}"] if set(r["attacker"].values()) != {"no_reply"} else [])
+        + (
+            []
+            if r["counted"].get("join_refused", {}).get("handshake_failed", 0) >= 2
+            else ["handshake_failed not counted"]
+        )
+    ),
     "banned": _check_ban,
     "oversize": _check_oversize,
     **__import__("drill_relays").CHECKS,
     "forged_handback": __import__("drill_handbacks").check_forged_handback,
     "cherry_pick": __import__("drill_handbacks").check_cherry_pick,
     "edge_holder": __import__("drill_handbacks").check_edge_holder,
-    "sybil_flood": lambda r: __import__("drill_sybil").check_sybil(r, r.get("baseline_steps_per_s")),
+    "sybil_flood": lambda r: __import__("drill_sybil").check_sybil(
+        r, r.get("baseline_steps_per_s")
+    ),
 }
 # Issue 31's attacks follow the first nine: relays and reports (benchmarks/drill_relays.py),
 # hand-backs and staleness (drill_handbacks.py), and Sybils in open mode (drill_sybil.py, on a
 # fleet of its own: the main fleet admits by token).
-ORDER = ["junk13", "impersonate", "leave_flood", "future_chunks", "join_flood", "idle_http",
-         "plaintext", "banned", "oversize", "stranger_reports", "black_hole", "selective_relay",
-         "forged_handback", "cherry_pick", "edge_holder", "sybil_flood"]
+ORDER = [
+    "junk13",
+    "impersonate",
+    "leave_flood",
+    "future_chunks",
+    "join_flood",
+    "idle_http",
+    "plaintext",
+    "banned",
+    "oversize",
+    "stranger_reports",
+    "black_hole",
+    "selective_relay",
+    "forged_handback",
+    "cherry_pick",
+    "edge_holder",
+    "sybil_flood",
+]
 OPEN_MODE = ("sybil_flood",)
 RELAY_PHASES = ("black_hole", "selective_relay")  # a hostile worker, not a scripted peer
 # future_chunks: 100 windows of up to 1 s each (requests over a peer's rate go unanswered)
-TIMEOUT = {"future_chunks": 240, "join_flood": 150, "leave_flood": 60, "forged_handback": 150,
-           "cherry_pick": 380, "edge_holder": 200, "sybil_flood": 240}
+TIMEOUT = {
+    "future_chunks": 240,
+    "join_flood": 150,
+    "leave_flood": 60,
+    "forged_handback": 150,
+    "cherry_pick": 380,
+    "edge_holder": 200,
+    "sybil_flood": 240,
+}
 
 
 def judge(r: dict[str, Any]) -> str:
@@ -499,8 +695,14 @@ def honest_run(tmp: Path, seconds: float) -> dict[str, Any]:
         rcs = fleet.stop()
     finally:
         fleet.group.stop_all()
-    return {"seconds": round(wall, 1), "steps": steps, "steps_per_s": round(steps / wall, 3), **peak,
-            "exit_codes": rcs, **final_checks(fleet)}
+    return {
+        "seconds": round(wall, 1),
+        "steps": steps,
+        "steps_per_s": round(steps / wall, 3),
+        **peak,
+        "exit_codes": rcs,
+        **final_checks(fleet),
+    }
 
 
 def final_checks(fleet: Fleet) -> dict[str, Any]:
@@ -515,13 +717,20 @@ def final_checks(fleet: Fleet) -> dict[str, Any]:
             for k, v in row["rejected"].items():
                 rejected[k] = rejected.get(k, 0) + v
     log = (fleet.run / "learner.log").read_text()  # (learner.err repeats its errors)
-    return {"honest_acked_samples": len(audit.acked), "honest_rejected": rejected,
-            "lost_acked_samples": len(audit.lost), "groups_trained_twice": audit.groups_trained_twice,
-            "tracebacks": log.count("Traceback"), "crashed_lines": log.count("crashed"),
-            "learner_log_mib": round((fleet.run / "learner.log").stat().st_size / 2**20, 2)}
+    return {
+        "honest_acked_samples": len(audit.acked),
+        "honest_rejected": rejected,
+        "lost_acked_samples": len(audit.lost),
+        "groups_trained_twice": audit.groups_trained_twice,
+        "tracebacks": log.count("Traceback"),
+        "crashed_lines": log.count("crashed"),
+        "learner_log_mib": round((fleet.run / "learner.log").stat().st_size / 2**20, 2),
+    }
 
 
-def attack_run(tmp: Path, baseline: dict[str, Any], only: list[str] | None = None) -> dict[str, Any]:
+def attack_run(
+    tmp: Path, baseline: dict[str, Any], only: list[str] | None = None
+) -> dict[str, Any]:
     fleet = Fleet(tmp)
     results = []
     try:
@@ -544,14 +753,21 @@ def attack_run(tmp: Path, baseline: dict[str, Any], only: list[str] | None = Non
                 r["insider_token"] = token_state(fleet.run, token)
             r["baseline_threads"] = baseline.get("learner_threads_peak", 0)
             if r.get("steps_per_s") is not None:
-                r["steps_vs_honest"] = round(r["steps_per_s"] / max(baseline["steps_per_s"], 1e-9), 3)
+                r["steps_vs_honest"] = round(
+                    r["steps_per_s"] / max(baseline["steps_per_s"], 1e-9), 3
+                )
             r["outcome"] = judge(r)
             results.append(r)
             print(f"{name}: {r['outcome']}", file=sys.stderr, flush=True)
         rcs = fleet.stop()
     finally:
         fleet.group.stop_all()
-    return {"relay_attacked": relay[0], "attacks": results, "exit_codes": rcs, **final_checks(fleet)}
+    return {
+        "relay_attacked": relay[0],
+        "attacks": results,
+        "exit_codes": rcs,
+        **final_checks(fleet),
+    }
 
 
 def open_mode_run(tmp: Path, only: list[str] | None = None) -> list[dict[str, Any]]:
@@ -560,8 +776,9 @@ def open_mode_run(tmp: Path, only: list[str] | None = None) -> list[dict[str, An
     names = [n for n in OPEN_MODE if not only or n in only]
     if not names:
         return []
-    fleet = Fleet(tmp, [o for o in OVERRIDES if not o.startswith("security.join")]
-                  + ['security.join="open"'])
+    fleet = Fleet(
+        tmp, [o for o in OVERRIDES if not o.startswith("security.join")] + ['security.join="open"']
+    )
     results = []
     try:
         fleet.start()
@@ -586,10 +803,14 @@ def open_mode_run(tmp: Path, only: list[str] | None = None) -> list[dict[str, An
 def summarize(baseline: dict[str, Any], attacked: dict[str, Any]) -> dict[str, Any]:
     rss = max((r.get("learner_rss_mib_peak", 0) for r in attacked["attacks"]), default=0)
     return {
-        "learner_rss_peak_mib": {"honest": baseline.get("learner_rss_mib_peak"), "attacked": rss,
-                                 "ratio": round(rss / max(1, baseline.get("learner_rss_mib_peak", 1)), 3)},
+        "learner_rss_peak_mib": {
+            "honest": baseline.get("learner_rss_mib_peak"),
+            "attacked": rss,
+            "ratio": round(rss / max(1, baseline.get("learner_rss_mib_peak", 1)), 3),
+        },
         "rss_within_1_5x": rss <= RSS_LIMIT * baseline.get("learner_rss_mib_peak", 0),
-        "nothing_acked_lost": attacked["lost_acked_samples"] == 0 and baseline["lost_acked_samples"] == 0,
+        "nothing_acked_lost": attacked["lost_acked_samples"] == 0
+        and baseline["lost_acked_samples"] == 0,
         "nothing_trained_twice": attacked["groups_trained_twice"] == 0,
         "no_traceback": attacked["tracebacks"] == 0 and attacked["crashed_lines"] == 0,
         # SIGTERM ends a learner like Ctrl-C: exit 130 ("interrupted; workers were told to stop")
@@ -610,27 +831,50 @@ def harmed(r: dict[str, Any]) -> str:
     return ", ".join(out) or "none"
 
 
-def print_table(baseline: dict[str, Any], attacked: dict[str, Any], summary: dict[str, Any]) -> None:
+def print_table(
+    baseline: dict[str, Any], attacked: dict[str, Any], summary: dict[str, Any]
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Security drill (honest run: {baseline['steps_per_s']:.2f} steps/s, "
-                        f"learner RSS peak {baseline.get('learner_rss_mib_peak')} MiB, "
-                        f"threads {baseline.get('learner_threads_peak')})")
-    for col in ("attack", "refused / neutralised", "counted by the learner", "s",
-                "kept stepping (steps/s vs honest)", "RSS vs honest", "honest workers harmed"):
+    table = Table(
+        title=f"Security drill (honest run: {baseline['steps_per_s']:.2f} steps/s, "
+        f"learner RSS peak {baseline.get('learner_rss_mib_peak')} MiB, "
+        f"threads {baseline.get('learner_threads_peak')})"
+    )
+    for col in (
+        "attack",
+        "refused / neutralised",
+        "counted by the learner",
+        "s",
+        "kept stepping (steps/s vs honest)",
+        "RSS vs honest",
+        "honest workers harmed",
+    ):
         table.add_column(col, overflow="fold")
     base_rss = max(1, baseline.get("learner_rss_mib_peak") or 1)
     for r in attacked["attacks"]:
-        counted = "; ".join(f"{k}: " + ", ".join(f"{a}={n}" for a, n in v.items())
-                            for k, v in r.get("counted", {}).items())
+        counted = "; ".join(
+            f"{k}: " + ", ".join(f"{a}={n}" for a, n in v.items())
+            for k, v in r.get("counted", {}).items()
+        )
         if r.get("relay_reports_delta"):
-            counted += ("; " if counted else "") + "relay_reports: " + ", ".join(
-                f"{k}={n}" for k, n in r["relay_reports_delta"].items())
+            counted += (
+                ("; " if counted else "")
+                + "relay_reports: "
+                + ", ".join(f"{k}={n}" for k, n in r["relay_reports_delta"].items())
+            )
         stepping = f"{'yes' if r.get('kept_stepping') else 'NO'} ({r.get('steps_vs_honest', '-')})"
         rss = r.get("learner_rss_mib_peak")
-        table.add_row(r["attack"], r["outcome"], counted or "-", str(r.get("wall_s", "")), stepping,
-                      f"{rss / base_rss:.2f}" if rss else "-", harmed(r))
+        table.add_row(
+            r["attack"],
+            r["outcome"],
+            counted or "-",
+            str(r.get("wall_s", "")),
+            stepping,
+            f"{rss / base_rss:.2f}" if rss else "-",
+            harmed(r),
+        )
     console = Console(width=220)
     console.print(table)
     console.print(summary)
@@ -640,10 +884,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline-s", type=float, default=60.0)
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/security_drill.json"))
-    ap.add_argument("--keep", default="", metavar="DIR",
-                    help="run the fleets in DIR/honest, DIR/attacked, DIR/open and keep them")
-    ap.add_argument("--only", default="", help="comma-separated attacks (default: all, in order: "
-                    + ", ".join(ORDER) + ")")
+    ap.add_argument(
+        "--keep",
+        default="",
+        metavar="DIR",
+        help="run the fleets in DIR/honest, DIR/attacked, DIR/open and keep them",
+    )
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated attacks (default: all, in order: " + ", ".join(ORDER) + ")",
+    )
     args = ap.parse_args(argv)
     only = [n for n in args.only.split(",") if n]
     unknown = sorted(set(only) - set(ORDER))
@@ -656,8 +907,11 @@ def main(argv: list[str] | None = None) -> int:
     if keep is not None:
         for d in ("honest", "attacked", "open"):
             (keep / d).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, \
-            tempfile.TemporaryDirectory() as c:
+    with (
+        tempfile.TemporaryDirectory() as a,
+        tempfile.TemporaryDirectory() as b,
+        tempfile.TemporaryDirectory() as c,
+    ):
         if keep is not None:  # run folders and logs kept for a look afterwards
             a, b, c = (str(keep / d) for d in ("honest", "attacked", "open"))
         baseline = honest_run(Path(a), args.baseline_s)
@@ -666,8 +920,16 @@ def main(argv: list[str] | None = None) -> int:
         attacked["attacks"] += open_mode_run(Path(c), only)
     summary = summarize(baseline, attacked)
     print_table(baseline, attacked, summary)
-    write_result(args.json, {"overrides": OVERRIDES, "wall_s": round(time.monotonic() - t0, 1),
-                             "honest_run": baseline, "attacked_run": attacked, "summary": summary})
+    write_result(
+        args.json,
+        {
+            "overrides": OVERRIDES,
+            "wall_s": round(time.monotonic() - t0, 1),
+            "honest_run": baseline,
+            "attacked_run": attacked,
+            "summary": summary,
+        },
+    )
     failed = [r for r in attacked["attacks"] if r["outcome"] != "refused"]
     return 1 if failed or not all(v for k, v in summary.items() if isinstance(v, bool)) else 0
 
@@ -675,12 +937,23 @@ def main(argv: list[str] | None = None) -> int:
 def attack_main(argv: list[str]) -> int:
     import drill_handbacks
     import drill_sybil
-    from drill_attacks import ATTACKS as BASIC, Target
+    from drill_attacks import ATTACKS as BASIC
+    from drill_attacks import Target
     from drill_relays import ATTACKS as RELAYS
 
-    ATTACKS = {**BASIC, **RELAYS, "sybil_flood": drill_sybil.sybil_flood,
-               **{f.__name__: f for f in (drill_handbacks.forged_handback,
-                                          drill_handbacks.cherry_pick, drill_handbacks.edge_holder)}}
+    ATTACKS = {
+        **BASIC,
+        **RELAYS,
+        "sybil_flood": drill_sybil.sybil_flood,
+        **{
+            f.__name__: f
+            for f in (
+                drill_handbacks.forged_handback,
+                drill_handbacks.cherry_pick,
+                drill_handbacks.edge_holder,
+            )
+        },
+    }
 
     ap = argparse.ArgumentParser(prog="security_drill.py attack")
     ap.add_argument("name", choices=sorted(ATTACKS))
@@ -691,7 +964,9 @@ def attack_main(argv: list[str]) -> int:
     ap.add_argument("--token", default="")
     args = ap.parse_args(argv)
     target = Target(args.line, args.run_dir, args.relay, args.relay_key, args.token)
-    target.max_message_mib = tomllib.loads((args.run_dir / "config.toml").read_text())["transport"]["max_message_mib"]
+    target.max_message_mib = tomllib.loads((args.run_dir / "config.toml").read_text())["transport"][
+        "max_message_mib"
+    ]
     result = ATTACKS[args.name](target)
     print(json.dumps(result, default=str), flush=True)
     target.ctx.destroy(linger=0)
@@ -704,5 +979,9 @@ if __name__ == "__main__":
     if sys.argv[1:2] in (["liars"], ["calibrate"]):  # lying workers: benchmarks/drill_liars.py
         import drill_liars
 
-        sys.exit((drill_liars.liars_main if sys.argv[1] == "liars" else drill_liars.calibrate_main)(sys.argv[2:]))
+        sys.exit(
+            (drill_liars.liars_main if sys.argv[1] == "liars" else drill_liars.calibrate_main)(
+                sys.argv[2:]
+            )
+        )
     sys.exit(main())

@@ -29,7 +29,16 @@ from provisioning.sim.summary import SIM  # noqa: E402
 def measure(n: int, steps: int, tmp: Path) -> dict:
     run = tmp / f"pool-{n}"
     sets = [f"learner.max_steps={steps}", "provisioning.enabled=false"]
-    argv = [sys.executable, "-m", "echo.cli", "quickstart", "--workers", str(n), "--run-dir", str(run)]
+    argv = [
+        sys.executable,
+        "-m",
+        "echo.cli",
+        "quickstart",
+        "--workers",
+        str(n),
+        "--run-dir",
+        str(run),
+    ]
     for s in sets:
         argv += ["--set", s]
     subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
@@ -41,7 +50,8 @@ def measure(n: int, steps: int, tmp: Path) -> dict:
     train = [r.t_train + r.t_publish for r in rows]
     # the row's names (COL) for the row's figures, here means over the run
     return {
-        "workers": n, COL.bubble_ratio: summary.bubble_ratio,
+        "workers": n,
+        COL.bubble_ratio: summary.bubble_ratio,
         COL.t_train: statistics.fmean(train),
         # step-to-step spread: near saturation a slow step the workers did not cover is a wait
         # that a constant T_train never produces
@@ -65,18 +75,30 @@ def main(argv=None) -> int:
         for n in [int(x) for x in args.pools.split(",")]:
             m = measure(n, args.steps, Path(tmp))
             lc = m.pop("cfg").learner
-            sim = simulate_fixed(n, m["mu_per_worker"], m[COL.t_train], m[COL.t_bcast],
-                                 lc.prompts_per_step * lc.group_size, lc.staleness,
-                                 lc.effective_kappa, args.steps, group_size=lc.group_size,
-                                 groups_per_request=2, max_outstanding_groups=lc.effective_outstanding,
-                                 measure_from_step=1, t_train_cv=m["t_train_cv"])
+            sim = simulate_fixed(
+                n,
+                m["mu_per_worker"],
+                m[COL.t_train],
+                m[COL.t_bcast],
+                lc.prompts_per_step * lc.group_size,
+                lc.staleness,
+                lc.effective_kappa,
+                args.steps,
+                group_size=lc.group_size,
+                groups_per_request=2,
+                max_outstanding_groups=lc.effective_outstanding,
+                measure_from_step=1,
+                t_train_cv=m["t_train_cv"],
+            )
             b_sim, b_real = sim[SIM.bubble_ratio], m[COL.bubble_ratio]
             m["bubble_ratio_sim"] = b_sim
             m["abs_diff"] = abs(b_sim - b_real)
             out.append(m)
-            print(f"workers={n}: measured B={b_real:.3f} simulated B={b_sim:.3f} "
-                  f"(T_train {m[COL.t_train]:.3f}s cv {m['t_train_cv']:.2f}, "
-                  f"T_bcast {m[COL.t_bcast]:.3f}s, mu/worker {m['mu_per_worker']:.0f}/s)")
+            print(
+                f"workers={n}: measured B={b_real:.3f} simulated B={b_sim:.3f} "
+                f"(T_train {m[COL.t_train]:.3f}s cv {m['t_train_cv']:.2f}, "
+                f"T_bcast {m[COL.t_bcast]:.3f}s, mu/worker {m['mu_per_worker']:.0f}/s)"
+            )
     write_result(args.json, {"results": out})
     worst = max(r["abs_diff"] for r in out)
     print(f"largest |simulated - measured| = {worst:.3f} (target <= 0.05)")

@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.steprow import COL  # noqa: E402
 from echo.machine import machine_info
+from echo.steprow import COL  # noqa: E402
 
 
 def rows_of(run: Path) -> list[dict]:
@@ -60,7 +60,9 @@ def summarise(name: str, run: Path) -> dict:
     rk = reward_key(rows)
     rew = [r[rk] for r in rows if r.get(rk) is not None]
     sent = [r.get(COL.learner_bytes_sent) for r in rows]
-    per_version = [b - a for a, b in itertools.pairwise(sent) if a is not None and b is not None and b > a]
+    per_version = [
+        b - a for a, b in itertools.pairwise(sent) if a is not None and b is not None and b > a
+    ]
     enc: dict[str, list[int]] = {}
     for r in rows:
         if r.get(COL.publish_bytes):
@@ -69,9 +71,14 @@ def summarise(name: str, run: Path) -> dict:
     tb = [r[COL.t_bcast] for r in rows if r.get(COL.t_bcast) is not None]
     wall = [r.get("wall_s") or r.get("time_s") or r.get("elapsed_s") for r in rows]
     out = {
-        "run": name, "run_dir": str(run), "steps": len(rows), "reward_key": rk,
-        "reward_first3": _mean(rew[:3]), "reward_last3": _mean(rew[-3:]),
-        "reward_first10": _mean(rew[:10]), "reward_last10": _mean(rew[-10:]),
+        "run": name,
+        "run_dir": str(run),
+        "steps": len(rows),
+        "reward_key": rk,
+        "reward_first3": _mean(rew[:3]),
+        "reward_last3": _mean(rew[-3:]),
+        "reward_first10": _mean(rew[:10]),
+        "reward_last10": _mean(rew[-10:]),
         "reward_per_step": [round(x, 4) for x in rew],
         "learner_bytes_sent_total": sent[-1] if sent else None,
         "bytes_first_row": first,
@@ -82,12 +89,17 @@ def summarise(name: str, run: Path) -> dict:
             "median": statistics.median(per_version) if per_version else None,
             "mean": round(statistics.mean(per_version)) if per_version else None,
         },
-        "publish_bytes_by_encoding": {k: {"n": len(v), "min": min(v), "max": max(v),
-                                          "mean": round(statistics.mean(v))} for k, v in enc.items()},
+        "publish_bytes_by_encoding": {
+            k: {"n": len(v), "min": min(v), "max": max(v), "mean": round(statistics.mean(v))}
+            for k, v in enc.items()
+        },
         COL.publish_full_bytes: rows[-1].get(COL.publish_full_bytes),
-        "t_bcast_s": {"n": len(tb), "mean": _mean(tb),
-                      "median": round(statistics.median(tb), 4) if tb else None,
-                      "max": round(max(tb), 4) if tb else None},
+        "t_bcast_s": {
+            "n": len(tb),
+            "mean": _mean(tb),
+            "median": round(statistics.median(tb), 4) if tb else None,
+            "max": round(max(tb), 4) if tb else None,
+        },
         "wall_s_last": wall[-1] if wall and wall[-1] is not None else None,
     }
     return out
@@ -103,7 +115,10 @@ def plot(runs: dict[str, list[float]], png: Path) -> None:
     for (name, rew), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green")):
         xs = list(range(len(rew)))
         ax.plot(xs, rew, color=color, alpha=0.5, lw=1, marker="o", ms=3, label=f"{name} (per step)")
-        mov = [sum(rew[max(0, i - 9):i + 1]) / len(rew[max(0, i - 9):i + 1]) for i in range(len(rew))]
+        mov = [
+            sum(rew[max(0, i - 9) : i + 1]) / len(rew[max(0, i - 9) : i + 1])
+            for i in range(len(rew))
+        ]
         ax.plot(xs, mov, color=color, lw=2, label=f"{name} (running mean, 10 steps)")
     ax.set_xlabel("learner step (4 prompts x 8 samples)")
     ax.set_ylabel("training reward")
@@ -127,9 +142,14 @@ def main() -> None:
     ap.add_argument("--json", default="benchmarks/results/smollm2_learns.json")
     args = ap.parse_args()
     evals = dict(e.split("=", 1) for e in args.eval)
-    res = {"task": "single-digit addition (examples/data/add1*.jsonl), math adapter",
-           "machine": machine_info(), "load_start": args.load_start, "load_end": args.load_end,
-           "note": args.note, "runs": []}
+    res = {
+        "task": "single-digit addition (examples/data/add1*.jsonl), math adapter",
+        "machine": machine_info(),
+        "load_start": args.load_start,
+        "load_end": args.load_end,
+        "note": args.note,
+        "runs": [],
+    }
     curves = {}
     for spec in args.run:
         name, path = spec.split("=", 1)
@@ -143,9 +163,11 @@ def main() -> None:
             s["eval"] = ev
         curves[name] = s.get("reward_per_step", [])
         res["runs"].append(s)
-        print(f"{name}: {s['steps']} steps, reward first3 {s.get('reward_first3')} last3 "
-              f"{s.get('reward_last3')}, by encoding {s.get('publish_bytes_by_encoding')}, bytes/version {s.get('bytes_per_version')}, "
-              f"t_bcast {s.get('t_bcast_s')}")
+        print(
+            f"{name}: {s['steps']} steps, reward first3 {s.get('reward_first3')} last3 "
+            f"{s.get('reward_last3')}, by encoding {s.get('publish_bytes_by_encoding')}, bytes/version {s.get('bytes_per_version')}, "
+            f"t_bcast {s.get('t_bcast_s')}"
+        )
     plot(curves, Path(args.png))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=1) + "\n")

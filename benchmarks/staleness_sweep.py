@@ -58,23 +58,47 @@ def train(s: int, is_on: str, seed: int, steps: int, workers: int, out: Path) ->
             return done
     with tempfile.TemporaryDirectory(prefix="echo-sweep-") as tmp:
         run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "echo.cli", "quickstart", "--config",
-               str(ROOT / "examples" / "quickstart.toml"), "--workers", str(workers),
-               "--run-dir", str(run_dir), "--set", f"learner.max_steps={steps}",
-               "--set", f"learner.staleness={s}", "--set", f"learner.is_mode=\"{IS_MODE[is_on]}\"",
-               "--set", f"seed={seed}", "--set", "provisioning.enabled=false"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "echo.cli",
+            "quickstart",
+            "--config",
+            str(ROOT / "examples" / "quickstart.toml"),
+            "--workers",
+            str(workers),
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"learner.max_steps={steps}",
+            "--set",
+            f"learner.staleness={s}",
+            "--set",
+            f'learner.is_mode="{IS_MODE[is_on]}"',
+            "--set",
+            f"seed={seed}",
+            "--set",
+            "provisioning.enabled=false",
+        ]
         t0 = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
         wall = time.monotonic() - t0
         rows = read_rows(run_dir / "metrics.jsonl")
         if proc.returncode != 0 or len(rows) < steps:
             log = (proc.stderr or "")[-2000:]
-            raise RuntimeError(f"{run_name(s, is_on, seed)}: quickstart exited {proc.returncode} "
-                               f"after {len(rows)} of {steps} steps\n{log}")
+            raise RuntimeError(
+                f"{run_name(s, is_on, seed)}: quickstart exited {proc.returncode} "
+                f"after {len(rows)} of {steps} steps\n{log}"
+            )
     rewards = [float(r.reward_mean) for r in rows]
     res = {  # the row's names (COL) for what comes from the rows
-        "S": s, "is": is_on, "is_mode": IS_MODE[is_on], "seed": seed, "steps": len(rows),
-        "wall_s": round(wall, 1), "rewards": [round(x, 5) for x in rewards],
+        "S": s,
+        "is": is_on,
+        "is_mode": IS_MODE[is_on],
+        "seed": seed,
+        "steps": len(rows),
+        "wall_s": round(wall, 1),
+        "rewards": [round(x, 5) for x in rewards],
         "final_reward": round(statistics.fmean(rewards[-LAST:]), 5),
         COL.staleness_max: max(int(r.staleness_max or 0) for r in rows),
         COL.bubble_ratio: rows[-1].bubble_ratio,
@@ -89,13 +113,20 @@ def train(s: int, is_on: str, seed: int, steps: int, workers: int, out: Path) ->
 
 def simulate(s: int) -> dict[str, Any]:
     """The paper-scale scenario at this S, controller on (what S costs at scale)."""
-    from provisioning.sim.scenario import load_scenario
     from provisioning.sim.api import run_scenario
+    from provisioning.sim.scenario import load_scenario
 
     scen = load_scenario(SIM_SCENARIO, [f"learner.staleness={s}", "provisioning.controller=true"])
     summary = SimSummary.from_json(run_scenario(scen, progress=False, machine=False)["summary"])
-    keep = (SIM.kappa, SIM.cost_per_step_usd, SIM.bubble_ratio, SIM.active_mean,
-            SIM.wait_s_per_step, SIM.t_bcast_mean_s, SIM.staleness_max)
+    keep = (
+        SIM.kappa,
+        SIM.cost_per_step_usd,
+        SIM.bubble_ratio,
+        SIM.active_mean,
+        SIM.wait_s_per_step,
+        SIM.t_bcast_mean_s,
+        SIM.staleness_max,
+    )
     return {"S": s, **{k: getattr(summary, k) for k in keep}}
 
 
@@ -107,11 +138,19 @@ def table(runs: list[dict[str, Any]], sims: list[dict[str, Any]]) -> list[dict[s
         for is_on in IS_MODE:
             finals = [r["final_reward"] for r in runs if r["S"] == sim["S"] and r["is"] == is_on]
             if finals:
-                row[f"final_is_{is_on}"] = {"mean": round(statistics.fmean(finals), 4),
-                                            "min": min(finals), "max": max(finals), "n": len(finals),
-                                            "sd": round(statistics.stdev(finals), 4) if len(finals) > 1 else 0.0}
-        row.update({k: sim[k] for k in (SIM.cost_per_step_usd, SIM.bubble_ratio, SIM.active_mean,
-                                         SIM.kappa)})
+                row[f"final_is_{is_on}"] = {
+                    "mean": round(statistics.fmean(finals), 4),
+                    "min": min(finals),
+                    "max": max(finals),
+                    "n": len(finals),
+                    "sd": round(statistics.stdev(finals), 4) if len(finals) > 1 else 0.0,
+                }
+        row.update(
+            {
+                k: sim[k]
+                for k in (SIM.cost_per_step_usd, SIM.bubble_ratio, SIM.active_mean, SIM.kappa)
+            }
+        )
         rows.append(row)
     return rows
 
@@ -124,7 +163,9 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import numpy as np
 
     panels = [k for k in IS_MODE if any(r["is"] == k for r in runs)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(6.5 * len(panels), 4.4), squeeze=False, sharey=True
+    )
     values = sorted({r["S"] for r in runs})
     colours = plt.cm.viridis(np.linspace(0, 0.9, len(values)))
     for ax, is_on in zip(axes[0], panels):
@@ -142,8 +183,10 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("mean reward (moving average of 10 steps)")
     axes[0][-1].legend(loc="lower right")
-    fig.suptitle("toy-add on the tiny Qwen3: reward against step per staleness budget S "
-                 "(band: min-max over seeds)")
+    fig.suptitle(
+        "toy-add on the tiny Qwen3: reward against step per staleness budget S "
+        "(band: min-max over seeds)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -169,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     values = [int(x) for x in args.s.split(",")]
     settings = [x for x in args.is_settings.split(",") if x]
     if any(v < 0 for v in values) or not set(settings) <= set(IS_MODE):
-        print("staleness_sweep.py: --s takes integers >= 0, --is takes on and/or off", file=sys.stderr)
+        print(
+            "staleness_sweep.py: --s takes integers >= 0, --is takes on and/or off", file=sys.stderr
+        )
         return 2
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -184,32 +229,55 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(s, i, k) for k in range(args.seeds) for s in values for i in settings]
     runs: list[dict[str, Any]] = []
     if not args.no_train:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console) as bar:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+        ) as bar:
             task = bar.add_task("training runs", total=len(jobs))
             for s, is_on, seed in jobs:  # seeds outermost: a cut-short sweep covers every S
                 bar.update(task, description=f"training {run_name(s, is_on, seed)}")
                 runs.append(train(s, is_on, seed, args.steps, args.workers, args.out))
                 bar.advance(task)
     rows = table(runs, sims)
-    result = {"command": "benchmarks/staleness_sweep.py " + " ".join(argv or sys.argv[1:]),
-              "wall_s": round(time.monotonic() - t0, 1),
-              "task": "toy-add, examples/quickstart.toml", "steps": args.steps,
-              "workers": args.workers, "seeds": args.seeds, "last_steps_averaged": LAST,
-              "sim_scenario": str(SIM_SCENARIO.relative_to(ROOT)), "table": rows, "simulated": sims,
-              "runs": [{k: v for k, v in r.items() if k != "rewards"} for r in runs]}
+    result = {
+        "command": "benchmarks/staleness_sweep.py " + " ".join(argv or sys.argv[1:]),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "task": "toy-add, examples/quickstart.toml",
+        "steps": args.steps,
+        "workers": args.workers,
+        "seeds": args.seeds,
+        "last_steps_averaged": LAST,
+        "sim_scenario": str(SIM_SCENARIO.relative_to(ROOT)),
+        "table": rows,
+        "simulated": sims,
+        "runs": [{k: v for k, v in r.items() if k != "rewards"} for r in runs],
+    }
     write_result(args.out / "sweep.json", result, indent=1)
     if runs:
         plot(runs, args.out / "sweep.png")
     t = Table(title=f"staleness sweep ({result['wall_s']:.0f} s)")
-    for col in ("S", "final reward, IS on", "final reward, IS off", "sim $/step", "sim bubble",
-                "sim active workers"):
+    for col in (
+        "S",
+        "final reward, IS on",
+        "final reward, IS off",
+        "sim $/step",
+        "sim bubble",
+        "sim active workers",
+    ):
         t.add_column(col, justify="right")
     for row in rows:
-        fmt = lambda f: (f"{f['mean']:.3f} ({f['min']:.3f}-{f['max']:.3f})" if f else "-")  # noqa: E731
-        t.add_row(str(row["S"]), fmt(row.get("final_is_on")), fmt(row.get("final_is_off")),
-                  f"{row[SIM.cost_per_step_usd]:.3f}", f"{100 * row[SIM.bubble_ratio]:.2f} %",
-                  f"{row[SIM.active_mean]:.1f}")
+        fmt = lambda f: f"{f['mean']:.3f} ({f['min']:.3f}-{f['max']:.3f})" if f else "-"  # noqa: E731
+        t.add_row(
+            str(row["S"]),
+            fmt(row.get("final_is_on")),
+            fmt(row.get("final_is_off")),
+            f"{row[SIM.cost_per_step_usd]:.3f}",
+            f"{100 * row[SIM.bubble_ratio]:.2f} %",
+            f"{row[SIM.active_mean]:.1f}",
+        )
     console.print(t)
     console.print(f"wrote {args.out / 'sweep.json'}")
     return 0

@@ -32,10 +32,15 @@ if str(ROOT) not in sys.path:
 
 GIB = 1 << 30
 ONE_UPDATE = "learner.updates_per_step=1"  # the batch is one mini-batch: --rows rows
-SETTINGS = {"whole": [ONE_UPDATE, "learner.micro_batch_rows=0"],
-            "one_row": [ONE_UPDATE, "learner.micro_batch_rows=1"],
-            "checkpointing": [ONE_UPDATE, "learner.micro_batch_rows=0",
-                              "learner.gradient_checkpointing=true"]}
+SETTINGS = {
+    "whole": [ONE_UPDATE, "learner.micro_batch_rows=0"],
+    "one_row": [ONE_UPDATE, "learner.micro_batch_rows=1"],
+    "checkpointing": [
+        ONE_UPDATE,
+        "learner.micro_batch_rows=0",
+        "learner.gradient_checkpointing=true",
+    ],
+}
 
 
 def anon() -> int:
@@ -64,11 +69,16 @@ def measure(model: str, rows: int, tokens: int, overrides: list[str]) -> dict[st
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 20_000, (rows, tokens), generator=g)
     mask = torch.zeros(rows, tokens - 1)
-    mask[:, tokens - 17:] = 1
-    batch = LearnerBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask,
-                         behaviour_logprobs=-torch.rand(rows, tokens - 1, generator=g) * 3,
-                         advantages=torch.randn(rows, generator=g), rewards=torch.zeros(rows),
-                         versions=torch.zeros(rows, dtype=torch.long))
+    mask[:, tokens - 17 :] = 1
+    batch = LearnerBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        loss_mask=mask,
+        behaviour_logprobs=-torch.rand(rows, tokens - 1, generator=g) * 3,
+        advantages=torch.randn(rows, generator=g),
+        rewards=torch.zeros(rows),
+        versions=torch.zeros(rows, dtype=torch.long),
+    )
     peak, stop = [0], threading.Event()
 
     def sample() -> None:
@@ -83,10 +93,18 @@ def measure(model: str, rows: int, tokens: int, overrides: list[str]) -> dict[st
         before = peak[0] = anon()
         t0 = time.perf_counter()
         trainer.step(batch)
-        out = {"before_bytes": before, "peak_bytes": peak[0], "rise_bytes": peak[0] - before,
-               "step_s": round(time.perf_counter() - t0, 1)}
-        print(f"  step {step}: {before / GIB:.2f} -> peak {peak[0] / GIB:.2f} GiB "
-              f"({out['step_s']} s)", file=sys.stderr, flush=True)
+        out = {
+            "before_bytes": before,
+            "peak_bytes": peak[0],
+            "rise_bytes": peak[0] - before,
+            "step_s": round(time.perf_counter() - t0, 1),
+        }
+        print(
+            f"  step {step}: {before / GIB:.2f} -> peak {peak[0] / GIB:.2f} GiB "
+            f"({out['step_s']} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     # The activations alone: one forward of all the rows with the graph kept for backward, as
     # the first pass of a step holds them (its memory before backward frees them)
     trim()
@@ -97,8 +115,13 @@ def measure(model: str, rows: int, tokens: int, overrides: list[str]) -> dict[st
     del logits
     stop.set()
     mc = net.config
-    out.update(params=sum(p.numel() for p in net.parameters()), layers=mc.num_hidden_layers,
-               hidden=mc.hidden_size, rows=rows, tokens=tokens)
+    out.update(
+        params=sum(p.numel() for p in net.parameters()),
+        layers=mc.num_hidden_layers,
+        hidden=mc.hidden_size,
+        rows=rows,
+        tokens=tokens,
+    )
     return out
 
 
@@ -107,8 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="random-0.4b")
     ap.add_argument("--rows", type=int, default=4, help="rows of the batch: one mini-batch")
     ap.add_argument("--tokens", type=int, default=140)
-    ap.add_argument("--json", type=Path, default=None,
-                    help="default: benchmarks/results/step_memory_<model folder name>.json")
+    ap.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="default: benchmarks/results/step_memory_<model folder name>.json",
+    )
     ap.add_argument("--one", nargs="*", help=argparse.SUPPRESS)  # a child: one setting
     args = ap.parse_args(argv)
     model = args.model
@@ -126,9 +153,24 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name, sets in SETTINGS.items():
         print(f"{name}: {' '.join(sets)}", flush=True)
-        child = subprocess.run([sys.executable, __file__, "--model", model, "--rows", str(args.rows),
-                                "--tokens", str(args.tokens), "--one", *sets],
-                               capture_output=True, text=True, cwd=ROOT, check=False)
+        child = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--model",
+                model,
+                "--rows",
+                str(args.rows),
+                "--tokens",
+                str(args.tokens),
+                "--one",
+                *sets,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=False,
+        )
         sys.stderr.write(child.stderr[-600:] if child.returncode else "")
         if child.returncode:
             return child.returncode
@@ -139,17 +181,28 @@ def main(argv: list[str] | None = None) -> int:
         r["rise_gib"] = round(r["rise_bytes"] / GIB, 2)
     # per (token x hidden unit): the activations of every layer kept, or with checkpointing
     # each layer's input (and the recomputed layer's, in backward)
-    fit = {"act_bytes_per_token_layer_unit": round(whole["activations_bytes"] / (units * whole["layers"]), 1),
-           "checkpointed_bytes_per_token_unit": round(results["checkpointing"]["activations_bytes"] / units, 1)}
+    fit = {
+        "act_bytes_per_token_layer_unit": round(
+            whole["activations_bytes"] / (units * whole["layers"]), 1
+        ),
+        "checkpointed_bytes_per_token_unit": round(
+            results["checkpointing"]["activations_bytes"] / units, 1
+        ),
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    write_result(args.json, {"argv": sys.argv[1:],
-                             "settings": SETTINGS, "results": results, "fit": fit})
+    write_result(
+        args.json, {"argv": sys.argv[1:], "settings": SETTINGS, "results": results, "fit": fit}
+    )
     for name, r in results.items():
-        print(f"{name:>14}: step rises {r['rise_gib']:.2f} GiB above {r['before_bytes'] / GIB:.2f} GiB "
-              f"({r['step_s']} s a step); a forward of all {args.rows} rows keeps "
-              f"{r['activations_bytes'] / GIB:.2f} GiB for backward")
-    print(f"activations: {fit['act_bytes_per_token_layer_unit']} bytes per token x layer x hidden "
-          f"unit; {fit['checkpointed_bytes_per_token_unit']} per token x hidden unit checkpointed")
+        print(
+            f"{name:>14}: step rises {r['rise_gib']:.2f} GiB above {r['before_bytes'] / GIB:.2f} GiB "
+            f"({r['step_s']} s a step); a forward of all {args.rows} rows keeps "
+            f"{r['activations_bytes'] / GIB:.2f} GiB for backward"
+        )
+    print(
+        f"activations: {fit['act_bytes_per_token_layer_unit']} bytes per token x layer x hidden "
+        f"unit; {fit['checkpointed_bytes_per_token_unit']} per token x hidden unit checkpointed"
+    )
     return 0
 
 

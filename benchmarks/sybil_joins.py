@@ -32,25 +32,45 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from security_drill import OVERRIDES, Fleet, Sampler, api_state, counters, delta  # noqa: E402
 
 OPEN = [o for o in OVERRIDES if not o.startswith("security.join")] + ['security.join="open"']
-PHASES = [("one_host_1000", 1000, "one"), ("one_host_10000", 10000, "one"),
-          ("many_prefixes_1000", 1000, "many")]
+PHASES = [
+    ("one_host_1000", 1000, "one"),
+    ("one_host_10000", 10000, "one"),
+    ("many_prefixes_1000", 1000, "many"),
+]
 
 
 def _session_stats(url: str) -> dict[str, Any]:
     state = api_state(url)
-    return {k: state.get(k) for k in ("sessions", "pending_workers", "notices", "slow")
-            if k in state}
+    return {
+        k: state.get(k) for k in ("sessions", "pending_workers", "notices", "slow") if k in state
+    }
 
 
-def phase(fleet: Fleet, sampler: Sampler, name: str, n: int, hosts: str, hold_s: float,
-          base: float) -> dict[str, Any]:
+def phase(
+    fleet: Fleet, sampler: Sampler, name: str, n: int, hosts: str, hold_s: float, base: float
+) -> dict[str, Any]:
     url = fleet.info["metrics"]
     before, adm0 = counters(url), fleet.admitted()
     sampler.take()
     s0, t0 = fleet.step(), time.monotonic()
-    argv = [sys.executable, str(Path(__file__).resolve()), "attack", "--n", str(n), "--hosts",
-            hosts, "--hold-s", str(hold_s), "--line", fleet.line, "--run-dir", str(fleet.run)]
-    proc = fleet.group.start(f"sybil-{name}", argv, fleet.tmp / f"sybil-{name}.err", pipe_stdout=True)
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "attack",
+        "--n",
+        str(n),
+        "--hosts",
+        hosts,
+        "--hold-s",
+        str(hold_s),
+        "--line",
+        fleet.line,
+        "--run-dir",
+        str(fleet.run),
+    ]
+    proc = fleet.group.start(
+        f"sybil-{name}", argv, fleet.tmp / f"sybil-{name}.err", pipe_stdout=True
+    )
     try:
         out, _ = proc.communicate(timeout=900)
         report = json.loads(out.decode().strip().splitlines()[-1])
@@ -61,18 +81,28 @@ def phase(fleet: Fleet, sampler: Sampler, name: str, n: int, hosts: str, hold_s:
     wall = time.monotonic() - t0
     steps = (fleet.step() - s0) if alive else None
     adm1 = fleet.admitted() if alive else {}
-    r = {"phase": name, "wall_s": round(wall, 1), "attacker": report, "learner_alive": alive,
-         "steps_during": steps, "steps_per_s": round(steps / wall, 3) if steps is not None else 0.0,
-         "honest_admitted": {w: adm1.get(w, 0) - adm0.get(w, 0) for w in ("w0", "w1")},
-         "honest_alive": all(fleet.alive(w) for w in ("w0", "w1")),
-         "counted": delta(counters(url), before) if alive else {},
-         "learner": _session_stats(url) if alive else {}, **sampler.take(),
-         "load_avg_after": os.getloadavg(), "baseline_steps_per_s": base}
+    r = {
+        "phase": name,
+        "wall_s": round(wall, 1),
+        "attacker": report,
+        "learner_alive": alive,
+        "steps_during": steps,
+        "steps_per_s": round(steps / wall, 3) if steps is not None else 0.0,
+        "honest_admitted": {w: adm1.get(w, 0) - adm0.get(w, 0) for w in ("w0", "w1")},
+        "honest_alive": all(fleet.alive(w) for w in ("w0", "w1")),
+        "counted": delta(counters(url), before) if alive else {},
+        "learner": _session_stats(url) if alive else {},
+        **sampler.take(),
+        "load_avg_after": os.getloadavg(),
+        "baseline_steps_per_s": base,
+    }
     r["steps_vs_baseline"] = round(r["steps_per_s"] / max(base, 1e-9), 3)
     from drill_sybil import check_sybil
 
     r["problems"] = check_sybil(r)
-    print(f"{name}: {r['steps_vs_baseline']}x, {r['problems'] or 'ok'}", file=sys.stderr, flush=True)
+    print(
+        f"{name}: {r['steps_vs_baseline']}x, {r['problems'] or 'ok'}", file=sys.stderr, flush=True
+    )
     return r
 
 
@@ -96,22 +126,43 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.baseline_s)
             wall = time.monotonic() - b0
             base = (fleet.step() - s0) / wall
-            baseline = {"seconds": round(wall, 1), "steps_per_s": round(base, 3), **sampler.take(),
-                        "load_avg": os.getloadavg()}
+            baseline = {
+                "seconds": round(wall, 1),
+                "steps_per_s": round(base, 3),
+                **sampler.take(),
+                "load_avg": os.getloadavg(),
+            }
             print(f"baseline: {baseline}", file=sys.stderr, flush=True)
-            phases = [phase(fleet, sampler, name, n, hosts, args.hold_s, base)
-                      for name, n, hosts in PHASES if fleet.alive("learner")]
+            phases = [
+                phase(fleet, sampler, name, n, hosts, args.hold_s, base)
+                for name, n, hosts in PHASES
+                if fleet.alive("learner")
+            ]
             rcs = fleet.stop()
         finally:
             fleet.group.stop_all()
-    result = {"command": " ".join([".venv/bin/python", "benchmarks/sybil_joins.py", *(argv or sys.argv[1:])]),
-              "overrides": OPEN, "load_avg_at_start": load0,
-              "wall_s": round(time.monotonic() - t0, 1), "baseline": baseline, "phases": phases,
-              "exit_codes": rcs,
-              "target_met": all(not p["problems"] for p in phases) and len(phases) == len(PHASES)}
+    result = {
+        "command": " ".join(
+            [".venv/bin/python", "benchmarks/sybil_joins.py", *(argv or sys.argv[1:])]
+        ),
+        "overrides": OPEN,
+        "load_avg_at_start": load0,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "baseline": baseline,
+        "phases": phases,
+        "exit_codes": rcs,
+        "target_met": all(not p["problems"] for p in phases) and len(phases) == len(PHASES),
+    }
     write_result(args.json, result)
-    print(json.dumps({p["phase"]: [p["steps_vs_baseline"], p["attacker"].get("joined"),
-                                   p["problems"]] for p in phases}), flush=True)
+    print(
+        json.dumps(
+            {
+                p["phase"]: [p["steps_vs_baseline"], p["attacker"].get("joined"), p["problems"]]
+                for p in phases
+            }
+        ),
+        flush=True,
+    )
     return 0 if result["target_met"] else 1
 
 

@@ -41,28 +41,63 @@ def main(argv: list[str] | None = None) -> int:
     group = ProcessGroup()
     session = f"echo-volunteer-{tmp.name[-8:]}"
     try:
-        learner = group.start("learner", python_argv(
-            "echo.cli", "learn", str(ROOT / "examples" / "quickstart.toml"), "--run-dir",
-            str(tmp / "run"), "--set", "learner.max_steps=100000"), tmp / "learner.log",
-            pipe_stdout=True)
+        learner = group.start(
+            "learner",
+            python_argv(
+                "echo.cli",
+                "learn",
+                str(ROOT / "examples" / "quickstart.toml"),
+                "--run-dir",
+                str(tmp / "run"),
+                "--set",
+                "learner.max_steps=100000",
+            ),
+            tmp / "learner.log",
+            pipe_stdout=True,
+        )
         line = wait_ready(learner, timeout=120)
-        worker = python_argv("worker.cli", "join", line, "--price", "0.35", "--id", "volunteer-1",
-                             "--identity", str(tmp / "w.key"), "--status-file",
-                             str(tmp / "status.json"), "--log-level", "WARNING")
-        tmux("new-session", "-d", "-s", session, "-x", "100", "-y", "40",
-             f"cd {shlex.quote(str(ROOT))} && {shlex.join(worker)}; sleep 600")
+        worker = python_argv(
+            "worker.cli",
+            "join",
+            line,
+            "--price",
+            "0.35",
+            "--id",
+            "volunteer-1",
+            "--identity",
+            str(tmp / "w.key"),
+            "--status-file",
+            str(tmp / "status.json"),
+            "--log-level",
+            "WARNING",
+        )
+        tmux(
+            "new-session",
+            "-d",
+            "-s",
+            session,
+            "-x",
+            "100",
+            "-y",
+            "40",
+            f"cd {shlex.quote(str(ROOT))} && {shlex.join(worker)}; sleep 600",
+        )
         time.sleep(args.seconds)  # the view is looked at after a while of work, not an event
         live = tmux("capture-pane", "-p", "-t", session)
         pane_pid = tmux("list-panes", "-t", session, "-F", "#{pane_pid}").strip()
-        subprocess.run(["pkill", "-TERM", "-P", pane_pid], check=False)  # the worker: the pane's child
+        subprocess.run(
+            ["pkill", "-TERM", "-P", pane_pid], check=False
+        )  # the worker: the pane's child
         time.sleep(8)  # the worker finishes its group, says leave, prints its summary
         summary = tmux("capture-pane", "-p", "-t", session)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], check=False, capture_output=True)
         group.stop_all()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("# live view, after %.0f s\n%s\n# after SIGTERM: the exit summary\n%s"
-                        % (args.seconds, live.rstrip(), summary.rstrip() + "\n"))
+    args.out.write_text(
+        "# live view, after %.0f s\n%s\n# after SIGTERM: the exit summary\n%s"  # noqa: UP031
+        % (args.seconds, live.rstrip(), summary.rstrip() + "\n")
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -23,18 +23,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.steprow import COL  # noqa: E402
 from echo.config import dump_toml, load_config  # noqa: E402
 from echo.machine import write_result  # noqa: E402
 from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
 from echo.security import JoinLine  # noqa: E402
+from echo.steprow import COL  # noqa: E402
 
 SCENARIOS = {
     "clean": [],
     "latency 50 ms": ["--latency-ms", "50"],
     "resets every 2 s": ["--latency-ms", "20", "--reset-every-s", "2"],
-    "resets every 0.5 s + stalls": ["--latency-ms", "20", "--reset-every-s", "0.5",
-                                    "--stall-every-s", "5", "--stall-s", "1"],
+    "resets every 0.5 s + stalls": [
+        "--latency-ms",
+        "20",
+        "--reset-every-s",
+        "0.5",
+        "--stall-every-s",
+        "5",
+        "--stall-s",
+        "1",
+    ],
 }
 
 
@@ -43,28 +51,54 @@ def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Pat
     from labs.chaos import READY_PREFIX
     from learner.run_audit import audit_run
 
-    cfg = load_config(ROOT / "examples/quickstart.toml", [f"learner.max_steps={steps}",
-                                                         "provisioning.enabled=false"])
+    cfg = load_config(
+        ROOT / "examples/quickstart.toml",
+        [f"learner.max_steps={steps}", "provisioning.enabled=false"],
+    )
     conf, run = tmp / "cfg.toml", tmp / "run"
     conf.write_text(dump_toml(cfg))
     group = ProcessGroup()
     try:
-        learner = group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
-                              tmp / "learner.err", pipe_stdout=True)
+        learner = group.start(
+            "learner",
+            python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+            tmp / "learner.err",
+            pipe_stdout=True,
+        )
         join = JoinLine.parse(wait_ready(learner, timeout=120))
         endpoint = join.endpoint.removeprefix("tcp://")
-        chaos = group.start("chaos", python_argv("labs.chaos", "--target", endpoint, *flags,
-                                                 "--stats", str(tmp / "chaos.json")),
-                            tmp / "chaos.err", pipe_stdout=True, env=child_env())
+        chaos = group.start(
+            "chaos",
+            python_argv(
+                "labs.chaos", "--target", endpoint, *flags, "--stats", str(tmp / "chaos.json")
+            ),
+            tmp / "chaos.err",
+            pipe_stdout=True,
+            env=child_env(),
+        )
         line = chaos.stdout.readline().decode()
         if not line.startswith(READY_PREFIX):
             raise RuntimeError((tmp / "chaos.err").read_text())
-        proxied = str(JoinLine(f"tcp://127.0.0.1:{line[len(READY_PREFIX):].strip()}", join.server_key))
+        proxied = str(
+            JoinLine(f"tcp://127.0.0.1:{line[len(READY_PREFIX) :].strip()}", join.server_key)
+        )
         t0 = time.monotonic()
         for i in range(workers):
-            group.start(f"w{i}", python_argv("worker.cli", "join", proxied, "--id", f"w{i}",
-                                             "--ledger", str(tmp / f"w{i}.ledger"),
-                                             "--identity", str(tmp / f"w{i}.key")), tmp / f"w{i}.log")
+            group.start(
+                f"w{i}",
+                python_argv(
+                    "worker.cli",
+                    "join",
+                    proxied,
+                    "--id",
+                    f"w{i}",
+                    "--ledger",
+                    str(tmp / f"w{i}.ledger"),
+                    "--identity",
+                    str(tmp / f"w{i}.key"),
+                ),
+                tmp / f"w{i}.log",
+            )
         if learner.wait(600) != 0:
             raise RuntimeError((tmp / "learner.err").read_text()[-2000:])
         wall = time.monotonic() - t0
@@ -76,12 +110,19 @@ def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Pat
     chaos_stats = json.loads((tmp / "chaos.json").read_text())
     last = rows[-1]
     return {
-        "scenario": name, "proxy_flags": flags, "steps": len(rows), "wall_s": round(wall, 2),
-        "steps_per_s": round(len(rows) / wall, 3), COL.bubble_ratio: last[COL.bubble_ratio],
+        "scenario": name,
+        "proxy_flags": flags,
+        "steps": len(rows),
+        "wall_s": round(wall, 2),
+        "steps_per_s": round(len(rows) / wall, 3),
+        COL.bubble_ratio: last[COL.bubble_ratio],
         COL.staleness_max: max(r[COL.staleness_max] for r in rows),
-        "resets": chaos_stats["resets"], "stalls": chaos_stats["stalls"],
-        "duplicates": last["duplicates"], COL.reissued_groups: last[COL.reissued_groups],
-        "acked_samples": len(audit.acked), "lost_acked_samples": len(audit.lost),
+        "resets": chaos_stats["resets"],
+        "stalls": chaos_stats["stalls"],
+        "duplicates": last["duplicates"],
+        COL.reissued_groups: last[COL.reissued_groups],
+        "acked_samples": len(audit.acked),
+        "lost_acked_samples": len(audit.lost),
         "groups_trained_twice": audit.groups_trained_twice,
     }
 
@@ -106,15 +147,39 @@ def main(argv: list[str] | None = None) -> int:
     base = results[0]["steps_per_s"]
     for r in results:
         r["throughput_vs_clean"] = round(r["steps_per_s"] / base, 3)
-    table = Table(title=f"Training over a misbehaving link ({args.workers} workers, {args.steps} steps)")
-    for col in ("scenario", "wall s", "steps/s", "vs clean", "bubble", "resets", "stalls",
-                "duplicates", "re-granted", "acked samples", "lost", "trained twice"):
+    table = Table(
+        title=f"Training over a misbehaving link ({args.workers} workers, {args.steps} steps)"
+    )
+    for col in (
+        "scenario",
+        "wall s",
+        "steps/s",
+        "vs clean",
+        "bubble",
+        "resets",
+        "stalls",
+        "duplicates",
+        "re-granted",
+        "acked samples",
+        "lost",
+        "trained twice",
+    ):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(r["scenario"], f"{r['wall_s']:.1f}", f"{r['steps_per_s']:.2f}",
-                      f"{r['throughput_vs_clean']:.2f}", f"{r[COL.bubble_ratio]:.3f}", str(r["resets"]),
-                      str(r["stalls"]), str(r["duplicates"]), str(r[COL.reissued_groups]),
-                      str(r["acked_samples"]), str(r["lost_acked_samples"]), str(r["groups_trained_twice"]))
+        table.add_row(
+            r["scenario"],
+            f"{r['wall_s']:.1f}",
+            f"{r['steps_per_s']:.2f}",
+            f"{r['throughput_vs_clean']:.2f}",
+            f"{r[COL.bubble_ratio]:.3f}",
+            str(r["resets"]),
+            str(r["stalls"]),
+            str(r["duplicates"]),
+            str(r[COL.reissued_groups]),
+            str(r["acked_samples"]),
+            str(r["lost_acked_samples"]),
+            str(r["groups_trained_twice"]),
+        )
     Console(width=160).print(table)
     write_result(args.json, {"results": results})
     lost = sum(r["lost_acked_samples"] + r["groups_trained_twice"] for r in results)

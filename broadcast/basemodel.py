@@ -55,26 +55,43 @@ log = logging.getLogger(__name__)
 
 KIND = BASE_KIND
 VERSION = BASE_VERSION
-__all__ = ["KIND", "MAX_BASE_BYTES", "MAX_FILES", "VERSION", "BaseCache", "build_base_manifest",
-           "cache_root", "check_base_manifest", "folder_files", "pack", "verify_base_manifest"]
+__all__ = [
+    "KIND",
+    "MAX_BASE_BYTES",
+    "MAX_FILES",
+    "VERSION",
+    "BaseCache",
+    "build_base_manifest",
+    "cache_root",
+    "check_base_manifest",
+    "folder_files",
+    "pack",
+    "verify_base_manifest",
+]
 # The folder's files that travel: what from_pretrained reads (no code, no subfolders).
 SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja", ".tiktoken")
 
 
 def folder_files(folder: Path) -> list[Path]:
     """The files of a model folder that make up its base snapshot, sorted by name."""
-    files = sorted(p for p in folder.iterdir()
-                   if p.is_file() and p.suffix in SUFFIXES and NAME.fullmatch(p.name))
+    files = sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and p.suffix in SUFFIXES and NAME.fullmatch(p.name)
+    )
     if not any(p.suffix == ".safetensors" for p in files):
-        raise SnapshotError(f"{folder} holds no .safetensors file: save the model with "
-                            f"save_pretrained(safe_serialization=True) to publish it to workers")
+        raise SnapshotError(
+            f"{folder} holds no .safetensors file: save the model with "
+            f"save_pretrained(safe_serialization=True) to publish it to workers"
+        )
     if len(files) > MAX_FILES:
         raise SnapshotError(f"{folder} has {len(files)} model files, at most {MAX_FILES} travel")
     return files
 
 
-def build_base_manifest(*, run_id: str, base_model: str, folder: Path, chunk_size: int,
-                        key: RunKey) -> tuple[BaseManifest, bytearray]:
+def build_base_manifest(
+    *, run_id: str, base_model: str, folder: Path, chunk_size: int, key: RunKey
+) -> tuple[BaseManifest, bytearray]:
     """The signed manifest of ``folder`` (a base model whose content hash is ``base_model``)
     and its payload, the files concatenated in name order."""
     entries, offset = [], 0
@@ -82,8 +99,13 @@ def build_base_manifest(*, run_id: str, base_model: str, folder: Path, chunk_siz
         size = path.stat().st_size
         entries.append(BaseFile(path.name, offset, size))
         offset += size
-    manifest = BaseManifest(run_id=run_id, base_model=base_model, files=tuple(entries),
-                            payload_size=offset, chunk_size=chunk_size)
+    manifest = BaseManifest(
+        run_id=run_id,
+        base_model=base_model,
+        files=tuple(entries),
+        payload_size=offset,
+        chunk_size=chunk_size,
+    )
     payload = pack(folder, manifest)  # read once into one buffer (no second copy)
     if payload is None:
         raise SnapshotError(f"{folder} changed while it was being read")
@@ -102,8 +124,9 @@ def verify_base_manifest(raw: Any, public_key: bytes, run_id: str | None = None)
     shape, of another run, or not signed by this run's key."""
     manifest = parse_base_manifest(raw)
     if run_id is not None and manifest.run_id != run_id:
-        raise SnapshotError(f"base manifest of run {manifest.run_id!r}, this worker joined "
-                            f"{run_id!r}")
+        raise SnapshotError(
+            f"base manifest of run {manifest.run_id!r}, this worker joined {run_id!r}"
+        )
     verify_signature(raw, public_key, "base model")
     return manifest
 
@@ -116,7 +139,7 @@ def pack(folder: Path, manifest: BaseManifest) -> bytearray | None:
         path = folder / f.name
         try:
             with open(path, "rb") as fh:
-                n = fh.readinto(memoryview(out)[f.offset:f.offset + f.nbytes])
+                n = fh.readinto(memoryview(out)[f.offset : f.offset + f.nbytes])
             if n != f.nbytes or path.stat().st_size != f.nbytes:
                 return None
         except OSError:
@@ -146,11 +169,16 @@ class BaseCache:
         if not folder.is_dir():
             return None
         payload = pack(folder, manifest)
-        if payload is not None and \
-                tuple(chunk_hashes(payload, manifest.chunk_size)) == manifest.chunk_hashes:
+        if (
+            payload is not None
+            and tuple(chunk_hashes(payload, manifest.chunk_size)) == manifest.chunk_hashes
+        ):
             return folder, payload
-        log.warning("cached base model %s does not match the run's base manifest (damaged or "
-                    "partly deleted): removing it and fetching it again", folder)
+        log.warning(
+            "cached base model %s does not match the run's base manifest (damaged or "
+            "partly deleted): removing it and fetching it again",
+            folder,
+        )
         shutil.rmtree(folder, ignore_errors=True)
         return None
 
@@ -160,9 +188,11 @@ class BaseCache:
         free = shutil.disk_usage(self.root).free
         need = manifest.payload_size * 21 // 20
         if free < need:
-            raise SnapshotError(f"the run's base model needs {need / 2**30:.2f} GiB in "
-                                f"{self.root}, {free / 2**30:.2f} GiB are free: free space "
-                                f"there or set ECHO_HOME to a larger disk (docs/volunteers.md)")
+            raise SnapshotError(
+                f"the run's base model needs {need / 2**30:.2f} GiB in "
+                f"{self.root}, {free / 2**30:.2f} GiB are free: free space "
+                f"there or set ECHO_HOME to a larger disk (docs/volunteers.md)"
+            )
 
     def write(self, manifest: BaseManifest, payload: bytes | bytearray) -> Path:
         """The verified payload as the base's folder: files written and synced in a temporary
@@ -174,7 +204,7 @@ class BaseCache:
         view = memoryview(payload)
         for f in manifest.files:
             with open(tmp / f.name, "wb") as fh:
-                fh.write(view[f.offset:f.offset + f.nbytes])
+                fh.write(view[f.offset : f.offset + f.nbytes])
                 fh.flush()
                 os.fsync(fh.fileno())
         try:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # a type only: broadcast.topology imports the planner
     from broadcast.topology.base import Peer
@@ -24,8 +25,9 @@ def mbit_to_bytes_per_s(mbit: float) -> float:
     return mbit * BYTES_PER_MBIT
 
 
-def predict_chain_s(M_bytes: float, chunk_bytes: int, rate_bytes_per_s: float, length: int,
-                    latency_s: float = 0.0) -> float:
+def predict_chain_s(
+    M_bytes: float, chunk_bytes: int, rate_bytes_per_s: float, length: int, latency_s: float = 0.0
+) -> float:
     """docs/design.md §5: the tail gets the last chunk M/rate after the head started, plus one chunk time
     per extra hop (store-and-forward per chunk), plus the per-hop latency."""
     c = min(chunk_bytes, M_bytes)
@@ -128,8 +130,10 @@ def link_rates(peers: Iterable[Peer], b_mbit: float | None) -> dict[str, LinkRat
         out[p.worker_id] = LinkRates(
             down=mbit_to_bytes_per_s(p.down_mbit) if p.down_mbit > 0 else default,
             up=mbit_to_bytes_per_s(p.up_mbit) if p.up_mbit > 0 else default,
-            relay=p.reachable, direct=p.reachable and p.nat == "reachable",
-            needs_direct=p.nat == "none")
+            relay=p.reachable,
+            direct=p.reachable and p.nat == "reachable",
+            needs_direct=p.nat == "none",
+        )
     return out
 
 
@@ -163,7 +167,9 @@ class ChainModel:
         directly reachable relay (or from the learner)."""
         if not all(self.rates[w].relay for w in chain[:-1]):
             return False
-        return len(chain) < 2 or not self.rates[chain[-1]].needs_direct or self.rates[chain[-2]].direct
+        return (
+            len(chain) < 2 or not self.rates[chain[-1]].needs_direct or self.rates[chain[-2]].direct
+        )
 
     def rate(self, chain: Sequence[str], share: float) -> tuple[float, str | None]:
         """(rate, bottleneck): the slowest of the learner share, every download, every upload
@@ -182,8 +188,9 @@ class ChainModel:
         if not self.valid(chain):
             return math.inf
         p = self.params
-        return predict_chain_s(p.snapshot_bytes, p.chunk_bytes, self.rate(chain, share)[0],
-                               len(chain), p.latency_s)
+        return predict_chain_s(
+            p.snapshot_bytes, p.chunk_bytes, self.rate(chain, share)[0], len(chain), p.latency_s
+        )
 
     def order(self, members: Iterable[str]) -> list[str] | None:
         """Best order for a fresh chain: the tail is the member whose upload hurts most (the
@@ -196,8 +203,10 @@ class ChainModel:
             tail = unreachable[0]
         else:
             tail = self._best_tail(members)
-        relays = sorted((w for w in members if w != tail),
-                        key=lambda w: (-self.rates[w].as_relay, -self.rates[w].up, w))
+        relays = sorted(
+            (w for w in members if w != tail),
+            key=lambda w: (-self.rates[w].as_relay, -self.rates[w].up, w),
+        )
         if relays and self.rates[tail].needs_direct and not self.rates[relays[-1]].direct:
             direct = [w for w in relays if self.rates[w].direct]
             if not direct:
@@ -222,12 +231,15 @@ class ChainModel:
     def known(self, chain: Sequence[str]) -> bool:
         """Are all rates that bound this chain known (else predictions are None)?"""
         last = len(chain) - 1
-        return all(math.isfinite(self.rates[w].down)
-                   and (i == last or math.isfinite(self.rates[w].up)) for i, w in enumerate(chain))
+        return all(
+            math.isfinite(self.rates[w].down) and (i == last or math.isfinite(self.rates[w].up))
+            for i, w in enumerate(chain)
+        )
 
 
-def build_plan(chains: list[list[str]], model: ChainModel, peers: dict[str, Peer], k: int,
-           b_mbit: float | None) -> ChainPlan:
+def build_plan(
+    chains: list[list[str]], model: ChainModel, peers: dict[str, Peer], k: int, b_mbit: float | None
+) -> ChainPlan:
     chains = [list(c) for c in chains if c]
     share = model.share(len(chains))
     parent: dict[str, str | None] = {}
@@ -239,13 +251,26 @@ def build_plan(chains: list[list[str]], model: ChainModel, peers: dict[str, Peer
             child[w] = chain[i + 1] if i + 1 < len(chain) else None
         rate, who = model.rate(chain, share)
         known = model.known(chain)
-        preds.append(ChainPrediction(
-            length=len(chain), rate_mbit=rate / BYTES_PER_MBIT if known else None,
-            time_s=model.time(chain, share) if known else None, bottleneck=who))
+        preds.append(
+            ChainPrediction(
+                length=len(chain),
+                rate_mbit=rate / BYTES_PER_MBIT if known else None,
+                time_s=model.time(chain, share) if known else None,
+                bottleneck=who,
+            )
+        )
     times = [p.time_s for p in preds if p.time_s is not None]
     predicted = max(times) if times and len(times) == len(preds) else None
     if not chains:
         predicted = 0.0
-    return ChainPlan(chains=chains, parent=parent, child=child, predictions=preds,
-                     predicted_s=predicted, k=k, link_mbit=b_mbit, params=model.params,
-                     peers=peers)
+    return ChainPlan(
+        chains=chains,
+        parent=parent,
+        child=child,
+        predictions=preds,
+        predicted_s=predicted,
+        k=k,
+        link_mbit=b_mbit,
+        params=model.params,
+        peers=peers,
+    )

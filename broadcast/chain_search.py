@@ -7,18 +7,33 @@ workers between chains while the slower chain gets faster (``_improve``, scored 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from broadcast.chain_model import (EPS, ChainModel, ChainPlan, LinkRates, PlanParams, build_plan,
-                                   link_rates, mbit_to_bytes_per_s, nominal_link_mbit, paper_k,
-                                   predict_chain_s)
+from broadcast.chain_model import (
+    EPS,
+    ChainModel,
+    ChainPlan,
+    LinkRates,
+    PlanParams,
+    build_plan,
+    link_rates,
+    mbit_to_bytes_per_s,
+    nominal_link_mbit,
+    paper_k,
+    predict_chain_s,
+)
 
 if TYPE_CHECKING:  # a type only: broadcast.topology imports the planner
     from broadcast.topology.base import Peer
 
 
-def plan_chains(peers: Sequence[Peer], uplink_mbit: float | None = None,
-                link_mbit: float | None = None, **params: object) -> ChainPlan:
+def plan_chains(
+    peers: Sequence[Peer],
+    uplink_mbit: float | None = None,
+    link_mbit: float | None = None,
+    **params: object,
+) -> ChainPlan:
     """Plan chains from scratch. ``params`` are the other ``PlanParams`` fields."""
     return plan_with(peers, PlanParams(uplink_mbit=uplink_mbit, link_mbit=link_mbit, **params))  # type: ignore[arg-type]
 
@@ -78,11 +93,13 @@ def _initial(model: ChainModel, count: int, b: float | None) -> list[list[str]]:
     sizes = [n // count + (1 if j < n % count else 0) for j in range(count)]
     chains, start = [], 0
     for size in sizes:
-        chains.append(ids[start:start + size])
+        chains.append(ids[start : start + size])
         start += size
     nominal = mbit_to_bytes_per_s(b) if b else math.inf
     _spread(chains, model, lambda w: not model.rates[w].relay)
-    _spread(chains, model, lambda w: not model.rates[w].relay or _poor_upload(model.rates[w], nominal))
+    _spread(
+        chains, model, lambda w: not model.rates[w].relay or _poor_upload(model.rates[w], nominal)
+    )
     _feed_directly(chains, model)
     return [model.order(c) or c for c in chains]
 
@@ -105,8 +122,10 @@ def _feed_directly(chains: list[list[str]], model: ChainModel) -> None:
         donor = next((d for j, d in enumerate(chains) if j != i and spare(d) > 0), None)
         mine = [w for w in c if w != tail and r[w].relay]
         if donor is not None and mine:
-            give = min((w for w in donor if r[w].direct and not r[w].needs_direct),
-                       key=lambda w: (r[w].as_relay, w))
+            give = min(
+                (w for w in donor if r[w].direct and not r[w].needs_direct),
+                key=lambda w: (r[w].as_relay, w),
+            )
             take = mine[-1]
             donor[donor.index(give)], c[c.index(take)] = take, give
         else:
@@ -123,9 +142,12 @@ def _spread(chains: list[list[str]], model: ChainModel, tail_only: Callable[[str
     """Swap surplus tail-only workers (all but the worst uploader of a chain) with a worker of
     the nearest chain that has none, closest in download rate, while such a chain exists. With
     tail_only = unreachable this always succeeds (count >= #unreachable)."""
+
     def marked(c: list[str]) -> list[str]:
-        return sorted((w for w in c if tail_only(w)),
-                      key=lambda w: (model.rates[w].relay, model.rates[w].up, w))
+        return sorted(
+            (w for w in c if tail_only(w)),
+            key=lambda w: (model.rates[w].relay, model.rates[w].up, w),
+        )
 
     # chains without a marked worker, kept up to date across swaps (recounting every chain
     # per swap made this quadratic: seconds for 1,000 workers)
@@ -166,8 +188,9 @@ def _improve(chains: list[list[str]], model: ChainModel, max_passes: int = 20) -
     return chains
 
 
-def _best_swap(chains: list[list[str]], times: list[float], a: int, x: str, model: ChainModel,
-               share: float) -> tuple[int, list[str], list[str]] | None:
+def _best_swap(
+    chains: list[list[str]], times: list[float], a: int, x: str, model: ChainModel, share: float
+) -> tuple[int, list[str], list[str]] | None:
     """The swap of x (chain a's bottleneck) that most improves (max, sum) of the two times.
 
     Candidates are scored with ``_Members`` (the rate of a member set in its best order, O(1)
@@ -249,6 +272,7 @@ class _Members:
 
 def _less(x: tuple[float, float], y: tuple[float, float]) -> bool:
     """Lexicographic x < y with a relative tolerance, so float noise never counts as progress."""
+
     def lt(p: float, q: float) -> bool:
         return p < q - EPS * max(1.0, abs(q)) if math.isfinite(q) else p < q
 

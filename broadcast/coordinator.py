@@ -60,8 +60,9 @@ class PeerState:
 
 
 class Coordinator:
-    def __init__(self, topology: Topology, source: str, *, q: float = 1.0,
-                 reports: ReportBook | None = None):
+    def __init__(
+        self, topology: Topology, source: str, *, q: float = 1.0, reports: ReportBook | None = None
+    ):
         self.topology = topology
         self.source = source
         self.q = q
@@ -82,10 +83,23 @@ class Coordinator:
         """version -> monotonic publication time."""
         return self.install_log.published
 
-    def join(self, worker_id: str, endpoint: str, down_mbit: float = 0.0, up_mbit: float = 0.0,
-             nat: str = "reachable", now: float | None = None) -> None:
-        self.peers[worker_id] = PeerState(worker_id, endpoint, down_mbit, up_mbit, nat=nat,
-                                          joined=time.monotonic() if now is None else now)
+    def join(
+        self,
+        worker_id: str,
+        endpoint: str,
+        down_mbit: float = 0.0,
+        up_mbit: float = 0.0,
+        nat: str = "reachable",
+        now: float | None = None,
+    ) -> None:
+        self.peers[worker_id] = PeerState(
+            worker_id,
+            endpoint,
+            down_mbit,
+            up_mbit,
+            nat=nat,
+            joined=time.monotonic() if now is None else now,
+        )
         if endpoint:
             self._by_endpoint[endpoint] = worker_id
 
@@ -105,13 +119,20 @@ class Coordinator:
         punched link (docs/nat.md). Remembered: the worker may report on that source."""
         given = self.given.setdefault(worker_id, [])
         if endpoint not in given:
-            given[:] = [*given[-(GIVEN - 1):], endpoint]
+            given[:] = [*given[-(GIVEN - 1) :], endpoint]
         parent = self.owner(endpoint)
         child = self.peers.get(worker_id)
-        if parent is None or child is None or parent.nat != "punchable" or not child.address \
-                or not parent.address:
+        if (
+            parent is None
+            or child is None
+            or parent.nat != "punchable"
+            or not child.address
+            or not parent.address
+        ):
             return endpoint, []
-        return self.punches.route(worker_id, parent.worker_id, endpoint, child.address, parent.address)
+        return self.punches.route(
+            worker_id, parent.worker_id, endpoint, child.address, parent.address
+        )
 
     def transport(self, worker_id: str) -> str:
         """How this worker's planned snapshot link is carried: "punched" (through a punched
@@ -146,10 +167,17 @@ class Coordinator:
         """The live peers as the planner sees them; corrupt and ``hidden`` relays as no one's
         parent."""
         rates = self.rates()
-        return [Peer(p.worker_id, *rates[p.worker_id], reachable=self._relays(p),
-                     endpoint="" if p.corrupt or p.endpoint in hidden else p.endpoint,
-                     nat=p.nat if p.nat in ("reachable", "punchable") else "none")
-                for p in self.peers.values() if p.alive]
+        return [
+            Peer(
+                p.worker_id,
+                *rates[p.worker_id],
+                reachable=self._relays(p),
+                endpoint="" if p.corrupt or p.endpoint in hidden else p.endpoint,
+                nat=p.nat if p.nat in ("reachable", "punchable") else "none",
+            )
+            for p in self.peers.values()
+            if p.alive
+        ]
 
     def _plan(self) -> dict[str, str]:
         peers = self._planned_peers()
@@ -216,8 +244,9 @@ class Coordinator:
 
     def keyframe_source(self, worker_id: str, version: int, bad_source: str = "") -> str:
         """Where a worker without the base of a delta fetches ``version``'s full payload."""
-        return self.whole.keyframe(worker_id, version, bad_source,
-                                   max(self.published, default=version))
+        return self.whole.keyframe(
+            worker_id, version, bad_source, max(self.published, default=version)
+        )
 
     def base_source(self, worker_id: str, bad_source: str = "") -> str:
         """Where a worker without the run's base model fetches it."""
@@ -233,10 +262,17 @@ class Coordinator:
         """Was ``endpoint`` this worker's source: handed to it (``route``), or in the current
         plan or a kept earlier one (a report about a superseded version still counts)?"""
         return endpoint in self.given.get(worker_id, ()) or any(
-            plan.get(worker_id) == endpoint for plan in (self.sources, *self.plans.values()))
+            plan.get(worker_id) == endpoint for plan in (self.sources, *self.plans.values())
+        )
 
-    def reattach(self, worker_id: str, bad_source: str, reason: str,
-                 now: float | None = None, count: bool = True) -> str:
+    def reattach(
+        self,
+        worker_id: str,
+        bad_source: str,
+        reason: str,
+        now: float | None = None,
+        count: bool = True,
+    ) -> str:
         """A worker's source failed: the worker gets another one at once; the report is
         evidence against the source (``broadcast.reports``), counted when ``count``."""
         now = time.monotonic() if now is None else now
@@ -249,8 +285,14 @@ class Coordinator:
             outcome = self.reports.report(worker_id, bad_source, reason, assigned, now)
             if outcome != "convicted":
                 # Only the reporter moves; everyone else keeps the source it is pulling from.
-                log.info("relay %s reported by %s (%s, %s): %s routed around it",
-                         accused.worker_id, worker_id, reason, outcome, worker_id)
+                log.info(
+                    "relay %s reported by %s (%s, %s): %s routed around it",
+                    accused.worker_id,
+                    worker_id,
+                    reason,
+                    outcome,
+                    worker_id,
+                )
                 avoided = self.reports.avoided(worker_id, now)
                 if outcome == "counted":  # a real child: its place in a plan without the relay
                     self.sources[worker_id] = self._placement(worker_id, avoided)
@@ -259,8 +301,12 @@ class Coordinator:
                 new = self.sources.get(worker_id, self.source)
                 return self.source if new == bad_source else new
             self._apply(accused)
-            log.warning("relay %s convicted by reports from %d children (%s): kept out "
-                        "until re-probed", accused.worker_id, self.reports.convict_after, reason)
+            log.warning(
+                "relay %s convicted by reports from %d children (%s): kept out until re-probed",
+                accused.worker_id,
+                self.reports.convict_after,
+                reason,
+            )
         self._plan()
         new = self.sources.get(worker_id, self.source)
         if new == bad_source:  # the plan still trusts it (e.g. a learner hiccup): go to the root
@@ -306,12 +352,17 @@ class Coordinator:
         child = self.peers.get(worker_id)
         if demote_child and child is not None and child.nat == "punchable":
             child.nat = "none"
-            log.warning("punch from %s to %s failed: %s is now a tail fed by a reachable source",
-                        worker_id, parent.worker_id, worker_id)
+            log.warning(
+                "punch from %s to %s failed: %s is now a tail fed by a reachable source",
+                worker_id,
+                parent.worker_id,
+                worker_id,
+            )
         if demote_parent and parent.nat == "punchable":
             parent.nat = "none"
-            log.warning("%s failed punched links with two workers: it no longer relays",
-                        parent.worker_id)
+            log.warning(
+                "%s failed punched links with two workers: it no longer relays", parent.worker_id
+            )
 
     def installed(self, worker_id: str, version: int, now: float | None = None) -> float | None:
         return self.install_log.installed(worker_id, version, now)

@@ -70,8 +70,9 @@ def _elements(buf: Any, dtype: str, offset: int, nbytes: int) -> np.ndarray[Any,
     return raw.view(_UINT[DTYPE_BYTES[dtype]])
 
 
-def _encode_tensor(t: dict[str, Any], new: Any, base: Any, stats: DeltaStats,
-                   scratch: np.ndarray[Any, Any]) -> tuple[str, Any]:
+def _encode_tensor(
+    t: dict[str, Any], new: Any, base: Any, stats: DeltaStats, scratch: np.ndarray[Any, Any]
+) -> tuple[str, Any]:
     a = _elements(new, t["dtype"], t["offset"], t["nbytes"])
     b = _elements(base, t["dtype"], t["offset"], t["nbytes"])
     # Into a buffer reused across tensors: a fresh array per tensor costs its page faults.
@@ -99,16 +100,19 @@ def _encode_tensor(t: dict[str, Any], new: Any, base: Any, stats: DeltaStats,
     return enc, idx.astype(_INDEX).tobytes() + a[idx].tobytes()
 
 
-def encode(tensors: list[dict[str, Any]], new: Any,
-           base: Any) -> tuple[list[TensorEntry], bytes, DeltaStats]:
+def encode(
+    tensors: list[dict[str, Any]], new: Any, base: Any
+) -> tuple[list[TensorEntry], bytes, DeltaStats]:
     """Encode ``new`` against ``base`` (both full payloads with the layout ``tensors``, as
     ``echo.models.params_to_payload`` gives it).
 
     Returns the manifest's tensor entries (with ``enc``, ``doff``, ``dlen``), the delta payload
     and what the encode measured."""
     if len(new) != len(base):
-        raise DeltaError(f"base has {len(base)} bytes, new version {len(new)}: a different "
-                         f"model layout needs a keyframe")
+        raise DeltaError(
+            f"base has {len(base)} bytes, new version {len(new)}: a different "
+            f"model layout needs a keyframe"
+        )
     t0 = time.perf_counter()
     stats = DeltaStats()
     entries: list[TensorEntry] = []
@@ -119,8 +123,18 @@ def encode(tensors: list[dict[str, Any]], new: Any,
         enc, data = _encode_tensor(t, new, base, stats, scratch)
         for whole in (new, base):  # spilled maps: this tensor's pages leave the resident set
             drop_pages(whole, t["offset"], t["offset"] + t["nbytes"])
-        entries.append(TensorEntry(str(t["name"]), str(t["dtype"]), tuple(t["shape"]),
-                                   int(t["offset"]), int(t["nbytes"]), enc, off, len(data)))
+        entries.append(
+            TensorEntry(
+                str(t["name"]),
+                str(t["dtype"]),
+                tuple(t["shape"]),
+                int(t["offset"]),
+                int(t["nbytes"]),
+                enc,
+                off,
+                len(data),
+            )
+        )
         parts.append(data)
         off += len(data)
     payload = b"".join(parts)
@@ -129,13 +143,20 @@ def encode(tensors: list[dict[str, Any]], new: Any,
     return entries, payload, stats
 
 
-def decode(entries: Sequence[TensorEntry], payload: Any, base: Any, result_size: int,
-           out: bytearray | None = None) -> bytearray:
+def decode(
+    entries: Sequence[TensorEntry],
+    payload: Any,
+    base: Any,
+    result_size: int,
+    out: bytearray | None = None,
+) -> bytearray:
     """Rebuild the full payload of a version from its delta ``payload`` and ``base`` (the full
     payload of the manifest's base version). ``out``: a buffer of ``result_size`` to reuse."""
     if len(base) != result_size:
-        raise DeltaError(f"base has {len(base)} bytes, the delta rebuilds {result_size}: not "
-                         f"the base this delta was made from; fetch a keyframe")
+        raise DeltaError(
+            f"base has {len(base)} bytes, the delta rebuilds {result_size}: not "
+            f"the base this delta was made from; fetch a keyframe"
+        )
     result = out if out is not None and len(out) == result_size else bytearray(result_size)
     view, src = memoryview(result), memoryview(payload)
     for t in entries:
@@ -174,13 +195,16 @@ def _apply_sparse(t: TensorEntry, data: memoryview, view: memoryview) -> None:
     width = DTYPE_BYTES[t.dtype]
     k, rest = divmod(len(data), _INDEX.itemsize + width)
     if rest:
-        raise DeltaError(f"tensor {t.name}: sparse slice of {len(data)} bytes is not a whole "
-                         f"number of (index, value) pairs of {_INDEX.itemsize}+{width} bytes")
+        raise DeltaError(
+            f"tensor {t.name}: sparse slice of {len(data)} bytes is not a whole "
+            f"number of (index, value) pairs of {_INDEX.itemsize}+{width} bytes"
+        )
     if not k:
         return
     out = _elements(view, t.dtype, t.offset, t.nbytes)
     idx = np.frombuffer(data, dtype=_INDEX, count=k)
     if int(idx.max()) >= out.size:
-        raise DeltaError(f"tensor {t.name}: sparse index {int(idx.max())} beyond its "
-                         f"{out.size} elements")
+        raise DeltaError(
+            f"tensor {t.name}: sparse index {int(idx.max())} beyond its {out.size} elements"
+        )
     out[idx] = np.frombuffer(data, dtype=out.dtype, count=k, offset=k * _INDEX.itemsize)

@@ -56,6 +56,7 @@ NOT_YET = ("future_version",)  # a source's answer for "I do not hold this versi
 NOT_YET_S, NOT_YET_MAX_S = 0.02, 0.5  # first back-off before asking again, and its cap
 REQUEST_BYTES = 4096  # bound on a chunk request or a reply header (a ticket is < 512 bytes)  # large kernel buffers: fewer wake-ups per MiB on fast links
 
+
 class SourceFailed(ReasonError):
     def __init__(self, reason: str, detail: str, index: int = -1):
         super().__init__(reason, detail)
@@ -92,11 +93,21 @@ class FetchStats:
         return self.bytes * 8 / 1e6 / self.seconds if self.bytes and self.seconds > 0 else 0.0
 
 
-async def fetch_into(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int,
-                     source: Source | str, *, window: int, timeout_s: float, max_bytes: int,
-                     download: TokenBucket | None = None, reattach: Reattach | None = None,
-                     max_attempts: int = 16, keys: KeyPair | None = None,
-                     resolve: Resolve | None = None) -> FetchStats:
+async def fetch_into(
+    ctx: zmq.asyncio.Context,
+    store: SnapshotStore,
+    version: int,
+    source: Source | str,
+    *,
+    window: int,
+    timeout_s: float,
+    max_bytes: int,
+    download: TokenBucket | None = None,
+    reattach: Reattach | None = None,
+    max_attempts: int = 16,
+    keys: KeyPair | None = None,
+    resolve: Resolve | None = None,
+) -> FetchStats:
     buf = store.get(version)
     assert buf is not None, "add the SnapshotBuffer to the store before fetching"
     stats = FetchStats()
@@ -104,13 +115,30 @@ async def fetch_into(ctx: zmq.asyncio.Context, store: SnapshotStore, version: in
     t0 = time.monotonic()
     for _ in range(max_attempts):
         stats.sources.append(src.endpoint)
-        attempt = {"source": src.endpoint, "start": time.time(), "first": None, "last": None,
-                   "chunks": 0}
+        attempt = {
+            "source": src.endpoint,
+            "start": time.time(),
+            "first": None,
+            "last": None,
+            "chunks": 0,
+        }
         stats.attempts.append(attempt)
         try:
             address = await _address(src.endpoint, resolve)
-            await _pull(ctx, store, version, src, address, window, timeout_s, max_bytes,
-                        download, stats, keys, attempt)
+            await _pull(
+                ctx,
+                store,
+                version,
+                src,
+                address,
+                window,
+                timeout_s,
+                max_bytes,
+                download,
+                stats,
+                keys,
+                attempt,
+            )
             stats.seconds = time.monotonic() - t0
             return stats
         except SourceFailed as fail:
@@ -120,7 +148,9 @@ async def fetch_into(ctx: zmq.asyncio.Context, store: SnapshotStore, version: in
                 raise SnapshotError(f"fetching version {version} from {src}: {fail}") from None
             new = await reattach(src, fail)
             src = Source(new) if isinstance(new, str) else new
-    raise SnapshotError(f"version {version}: gave up after {max_attempts} sources ({stats.failures})")
+    raise SnapshotError(
+        f"version {version}: gave up after {max_attempts} sources ({stats.failures})"
+    )
 
 
 async def _address(endpoint: str, resolve: Resolve | None) -> str:
@@ -136,9 +166,20 @@ async def _address(endpoint: str, resolve: Resolve | None) -> str:
         raise SourceFailed(getattr(exc, "reason", "unpunchable"), str(exc)) from None
 
 
-async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, src: Source,
-                address: str, window: int, timeout_s: float, max_bytes: int, download: TokenBucket | None,
-                stats: FetchStats, keys: KeyPair | None, attempt: dict[str, Any] | None = None) -> None:
+async def _pull(
+    ctx: zmq.asyncio.Context,
+    store: SnapshotStore,
+    version: int,
+    src: Source,
+    address: str,
+    window: int,
+    timeout_s: float,
+    max_bytes: int,
+    download: TokenBucket | None,
+    stats: FetchStats,
+    keys: KeyPair | None,
+    attempt: dict[str, Any] | None = None,
+) -> None:
     buf = store.get(version)
     if buf is None:  # dropped meanwhile (a restarted learner's versions are forgotten): no fetch
         raise SnapshotError(f"version {version} was dropped while it was being fetched")
@@ -170,8 +211,13 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
     async def request(index: int) -> None:
         rid = next(_rids)
         pending[rid] = index
-        await sock.send(wire.encode(wire.ChunkRequest(version=version, index=index, rid=rid,
-                                                      ticket=src.ticket, form=form)))
+        await sock.send(
+            wire.encode(
+                wire.ChunkRequest(
+                    version=version, index=index, rid=rid, ticket=src.ticket, form=form
+                )
+            )
+        )
 
     # Chunks the source does not hold yet (``NotYet``): asked again at ``retry_at``; each keeps
     # its window slot meanwhile. ``not_yet_since``: when the source last had nothing for us.
@@ -185,8 +231,11 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
             now = time.monotonic()
             if deferred and now >= retry_at:
                 if not_yet_since is not None and now - not_yet_since >= timeout_s:
-                    raise SourceFailed("timeout", f"{source} did not hold version {version} "
-                                       f"within {timeout_s}s (it answered 'not yet')")
+                    raise SourceFailed(
+                        "timeout",
+                        f"{source} did not hold version {version} "
+                        f"within {timeout_s}s (it answered 'not yet')",
+                    )
                 for index in deferred:
                     await request(index)
                 deferred.clear()
@@ -225,8 +274,9 @@ async def _pull(ctx: zmq.asyncio.Context, store: SnapshotStore, version: int, sr
         sock.close(linger=0)
 
 
-def check_reply(header: bytes, more: bool, pending: dict[int, int], version: int,
-                max_bytes: int) -> int | None:
+def check_reply(
+    header: bytes, more: bool, pending: dict[int, int], version: int, max_bytes: int
+) -> int | None:
     """Which requested chunk's bytes follow this reply header; None for a late reply (to a
     request of an earlier attempt). A reply of any other shape fails the source with a reason
     (``SourceFailed``), never another exception: a relay is a peer, not a trusted party."""
@@ -241,9 +291,10 @@ def check_reply(header: bytes, more: bool, pending: dict[int, int], version: int
         if msg.reason in NOT_YET:
             raise NotYet(f"chunk {index}: {msg.reason} ({msg.detail[:200]})", index)
         raise SourceFailed("refused", f"chunk {index}: {msg.reason} ({msg.detail[:200]})")
-    if not isinstance(msg, wire.Chunk) or msg.index != index or msg.version != version \
-            or not more:
-        raise SourceFailed("corrupt", f"malformed reply for chunk {index} of version {version}", index)
+    if not isinstance(msg, wire.Chunk) or msg.index != index or msg.version != version or not more:
+        raise SourceFailed(
+            "corrupt", f"malformed reply for chunk {index} of version {version}", index
+        )
     return index
 
 
@@ -252,9 +303,16 @@ def _drain(sock: zmq.Socket[bytes]) -> None:
         sock.recv(zmq.NOBLOCK)  # the rest of this reply
 
 
-async def _receive(sock: zmq.Socket[bytes], buf: SnapshotBuffer, store: SnapshotStore,
-                   pending: dict[int, int], max_bytes: int, download: TokenBucket | None,
-                   stats: FetchStats, attempt: dict[str, Any] | None = None) -> None:
+async def _receive(
+    sock: zmq.Socket[bytes],
+    buf: SnapshotBuffer,
+    store: SnapshotStore,
+    pending: dict[int, int],
+    max_bytes: int,
+    download: TokenBucket | None,
+    stats: FetchStats,
+    attempt: dict[str, Any] | None = None,
+) -> None:
     """Read one reply (the poller said one is waiting: all its frames are here).
 
     ``sock`` is a plain (non-asyncio) shadow of the DEALER so that the chunk bytes can be
@@ -263,8 +321,9 @@ async def _receive(sock: zmq.Socket[bytes], buf: SnapshotBuffer, store: Snapshot
     """
     header = sock.recv(zmq.NOBLOCK)
     try:
-        index = check_reply(header, bool(sock.getsockopt(zmq.RCVMORE)), pending, buf.version,
-                            max_bytes)
+        index = check_reply(
+            header, bool(sock.getsockopt(zmq.RCVMORE)), pending, buf.version, max_bytes
+        )
     except SourceFailed:
         _drain(sock)
         raise
@@ -293,14 +352,28 @@ async def _receive(sock: zmq.Socket[bytes], buf: SnapshotBuffer, store: Snapshot
         attempt["chunks"] += 1
 
 
-async def fetch_snapshot(sock_ctx: zmq.asyncio.Context,
-                         manifest: Manifest | BaseManifest | ChunkLayout, source: Source | str, *,
-                         window: int, timeout_s: float, max_bytes: int,
-                         keys: KeyPair | None = None) -> bytearray:
+async def fetch_snapshot(
+    sock_ctx: zmq.asyncio.Context,
+    manifest: Manifest | BaseManifest | ChunkLayout,
+    source: Source | str,
+    *,
+    window: int,
+    timeout_s: float,
+    max_bytes: int,
+    keys: KeyPair | None = None,
+) -> bytearray:
     """One-shot convenience: a whole snapshot from one source into a fresh buffer."""
     store = SnapshotStore()
     buf = store.add(SnapshotBuffer(manifest))
-    await fetch_into(sock_ctx, store, buf.version, source, window=window, timeout_s=timeout_s,
-                     max_bytes=max_bytes, keys=keys)
+    await fetch_into(
+        sock_ctx,
+        store,
+        buf.version,
+        source,
+        window=window,
+        timeout_s=timeout_s,
+        max_bytes=max_bytes,
+        keys=keys,
+    )
     payload: bytearray = buf.payload  # received into a fresh buffer
     return payload

@@ -59,13 +59,21 @@ class InstallLog:
         for _ in range(min(tries, len(held))):
             self._turn += 1
             p = self.peers.get(held[self._turn % len(held)])
-            if (p is not None and p.worker_id != worker_id and p.alive and not p.corrupt
-                    and p.nat == "reachable" and p.endpoint not in avoided):
+            if (
+                p is not None
+                and p.worker_id != worker_id
+                and p.alive
+                and not p.corrupt
+                and p.nat == "reachable"
+                and p.endpoint not in avoided
+            ):
                 return p.endpoint
         return self.root
 
     def install_times(self, version: int) -> dict[str, float]:
-        return {p.worker_id: p.installed[version] for p in self.peers.values() if version in p.installed}
+        return {
+            p.worker_id: p.installed[version] for p in self.peers.values() if version in p.installed
+        }
 
     def t_bcast(self, version: int, q: float | None = None) -> float | None:
         """Seconds from publication until a fraction q of the live workers installed it.

@@ -76,8 +76,15 @@ class LinkMeter:
 
     # ------------------------------------------------------------------ reports
 
-    def report(self, version: int, worker: str, down_mbit: float, up_mbit: float,
-               plan: Mapping[str, str | None], root_mbit: float = math.inf) -> bool:
+    def report(
+        self,
+        version: int,
+        worker: str,
+        down_mbit: float,
+        up_mbit: float,
+        plan: Mapping[str, str | None],
+        root_mbit: float = math.inf,
+    ) -> bool:
         """One worker's measurements for ``version``. ``plan``: worker -> its parent's worker
         id in that version's plan (None: the learner). False if ignored (a repeat)."""
         reports = self._reports.setdefault(version, {})

@@ -33,9 +33,20 @@ ENCODINGS = ("full", "delta")  # the payloads a worker can install
 TENSOR_ENCODINGS = ("full", "xor_lz4", "sparse")  # per tensor (broadcast.delta)
 # Bytes per element of the dtypes a tensor may declare (a snapshot's tensors are installed with
 # ``getattr(torch, dtype)``: only these names may reach it).
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1,
-               "float8_e5m2": 1, "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8,
-               "bool": 1}
+DTYPE_BYTES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+}
 MAX_PAYLOAD = 1 << 40  # 1 TiB: far above any policy, far below what would overflow a size
 MAX_CHUNK = 1 << 31
 MAX_RANK = 16
@@ -60,19 +71,21 @@ def chunk_hash(data: bytes | bytearray | memoryview) -> bytes:
 
 def signed_bytes(wire: Mapping[str, Any]) -> bytes:
     """The canonical msgpack of a manifest's map less its signature: what the run's key signs."""
-    packed: bytes = msgpack.packb({k: v for k, v in wire.items() if k != "signature"},
-                                  use_bin_type=True)
+    packed: bytes = msgpack.packb(
+        {k: v for k, v in wire.items() if k != "signature"}, use_bin_type=True
+    )
     return packed
 
 
 def verify_signature(wire: Mapping[str, Any], public_key: bytes, what: str) -> None:
     """Refuse a manifest's map (of a checked shape) not signed by this run's key."""
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(wire["signature"],
-                                                              signed_bytes(wire))
+        Ed25519PublicKey.from_public_bytes(public_key).verify(wire["signature"], signed_bytes(wire))
     except (InvalidSignature, ValueError, TypeError):  # ValueError: packb past its depth limit
-        raise SnapshotError(f"manifest for {what} fails its Ed25519 signature: not from this "
-                            f"run's learner; refusing it") from None
+        raise SnapshotError(
+            f"manifest for {what} fails its Ed25519 signature: not from this "
+            f"run's learner; refusing it"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -96,11 +109,15 @@ class ChunkLayout:
     def verify_chunk(self, index: int, data: bytes | bytearray | memoryview) -> None:
         start, end = self.chunk_range(index)
         if len(data) != end - start:
-            raise SnapshotError(f"chunk {index} of version {self.version} has {len(data)} "
-                                f"bytes, expected {end - start}")
+            raise SnapshotError(
+                f"chunk {index} of version {self.version} has {len(data)} "
+                f"bytes, expected {end - start}"
+            )
         if chunk_hash(data) != self.chunk_hashes[index]:
-            raise SnapshotError(f"chunk {index} of version {self.version} fails its BLAKE3 "
-                                f"hash: corrupted in transit or by a relay")
+            raise SnapshotError(
+                f"chunk {index} of version {self.version} fails its BLAKE3 "
+                f"hash: corrupted in transit or by a relay"
+            )
 
 
 @dataclass(frozen=True)
@@ -120,21 +137,42 @@ class TensorEntry:
     @classmethod
     def full(cls, layout: Mapping[str, Any]) -> TensorEntry:
         """A tensor of a payload layout (``echo.models.params_to_payload``) sent whole."""
-        return cls(str(layout["name"]), str(layout["dtype"]), tuple(layout["shape"]),
-                   int(layout["offset"]), int(layout["nbytes"]), "full", int(layout["offset"]),
-                   int(layout["nbytes"]))
+        return cls(
+            str(layout["name"]),
+            str(layout["dtype"]),
+            tuple(layout["shape"]),
+            int(layout["offset"]),
+            int(layout["nbytes"]),
+            "full",
+            int(layout["offset"]),
+            int(layout["nbytes"]),
+        )
 
     @classmethod
     def encoded(cls, entry: Mapping[str, Any]) -> TensorEntry:
         """A tensor entry of a delta, as a map (``enc``, ``doff``, ``dlen`` given)."""
-        return cls(str(entry["name"]), str(entry["dtype"]), tuple(entry["shape"]),
-                   int(entry["offset"]), int(entry["nbytes"]), str(entry["enc"]),
-                   int(entry["doff"]), int(entry["dlen"]))
+        return cls(
+            str(entry["name"]),
+            str(entry["dtype"]),
+            tuple(entry["shape"]),
+            int(entry["offset"]),
+            int(entry["nbytes"]),
+            str(entry["enc"]),
+            int(entry["doff"]),
+            int(entry["dlen"]),
+        )
 
     def to_wire(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-                "offset": self.offset, "nbytes": self.nbytes, "enc": self.enc,
-                "doff": self.doff, "dlen": self.dlen}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "enc": self.enc,
+            "doff": self.doff,
+            "dlen": self.dlen,
+        }
 
 
 @dataclass(frozen=True)
@@ -160,11 +198,19 @@ class Manifest:
     def to_wire(self) -> dict[str, Any]:
         """The map that travels and is signed (its key order fixes the signed bytes)."""
         wire: dict[str, Any] = {
-            "schema": self.schema, "run_id": self.run_id, "version": self.version,
-            "base_version": self.base_version, "encoding": self.encoding, "dtype": self.dtype,
-            "tensors": [t.to_wire() for t in self.tensors], "payload_size": self.payload_size,
-            "chunk_size": self.chunk_size, "chunk_hashes": list(self.chunk_hashes),
-            "result_size": self.result_size, "result_hashes": list(self.result_hashes)}
+            "schema": self.schema,
+            "run_id": self.run_id,
+            "version": self.version,
+            "base_version": self.base_version,
+            "encoding": self.encoding,
+            "dtype": self.dtype,
+            "tensors": [t.to_wire() for t in self.tensors],
+            "payload_size": self.payload_size,
+            "chunk_size": self.chunk_size,
+            "chunk_hashes": list(self.chunk_hashes),
+            "result_size": self.result_size,
+            "result_hashes": list(self.result_hashes),
+        }
         if self.base_model is not None:
             wire["base_model"] = self.base_model
         wire["signature"] = self.signature
@@ -186,8 +232,9 @@ class Manifest:
     def result_layout(self) -> ChunkLayout:
         """The rebuilt (full) payload as a payload: what a keyframe fetch receives into and
         checks chunk by chunk (form "full")."""
-        return ChunkLayout(self.version, self.result_size, self.chunk_size, self.result_hashes,
-                           "full")
+        return ChunkLayout(
+            self.version, self.result_size, self.chunk_size, self.result_hashes, "full"
+        )
 
 
 @dataclass(frozen=True)
@@ -215,46 +262,61 @@ class BaseManifest:
 
     def to_wire(self) -> dict[str, Any]:
         """The map that travels and is signed (its key order fixes the signed bytes)."""
-        return {"schema": self.schema, "kind": BASE_KIND, "run_id": self.run_id,
-                "version": self.version, "base_model": self.base_model,
-                "files": [{"name": f.name, "offset": f.offset, "nbytes": f.nbytes}
-                          for f in self.files],
-                "payload_size": self.payload_size, "chunk_size": self.chunk_size,
-                "form": self.form, "chunk_hashes": list(self.chunk_hashes),
-                "signature": self.signature}
+        return {
+            "schema": self.schema,
+            "kind": BASE_KIND,
+            "run_id": self.run_id,
+            "version": self.version,
+            "base_model": self.base_model,
+            "files": [{"name": f.name, "offset": f.offset, "nbytes": f.nbytes} for f in self.files],
+            "payload_size": self.payload_size,
+            "chunk_size": self.chunk_size,
+            "form": self.form,
+            "chunk_hashes": list(self.chunk_hashes),
+            "signature": self.signature,
+        }
 
     def signed_bytes(self) -> bytes:
         return signed_bytes(self.to_wire())
 
     @cached_property
     def layout(self) -> ChunkLayout:
-        return ChunkLayout(self.version, self.payload_size, self.chunk_size, self.chunk_hashes,
-                           self.form)
+        return ChunkLayout(
+            self.version, self.payload_size, self.chunk_size, self.chunk_hashes, self.form
+        )
 
 
 # Reading a map that arrived: every key's type and range, before anything reads it.
 
+
 def _show(value: Any) -> str:
-    text = repr(value) if isinstance(value, (int, float, str, bytes, type(None))) else \
-        f"a {type(value).__name__}"
+    text = (
+        repr(value)
+        if isinstance(value, (int, float, str, bytes, type(None)))
+        else f"a {type(value).__name__}"
+    )
     return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int, where: str = "manifest") -> int:
     value = obj.get(key)
     if type(value) is not int or not lo <= value <= hi:  # type(): True is no version
-        raise SnapshotError(f"{where} {key!r} is {_show(value)}, expected an int in "
-                            f"[{lo}, {hi}]: not a manifest from an echo-rl learner; refusing it")
+        raise SnapshotError(
+            f"{where} {key!r} is {_show(value)}, expected an int in "
+            f"[{lo}, {hi}]: not a manifest from an echo-rl learner; refusing it"
+        )
     return value
 
 
 def _hashes(key: str, hashes: Any, size: int, chunk: int) -> tuple[bytes, ...]:
-    if not isinstance(hashes, list) or \
-            any(not isinstance(h, bytes) or len(h) != 32 for h in hashes):
+    if not isinstance(hashes, list) or any(
+        not isinstance(h, bytes) or len(h) != 32 for h in hashes
+    ):
         raise SnapshotError(f"manifest {key} is not a list of 32-byte BLAKE3 hashes")
     if len(hashes) != -(-size // chunk):
-        raise SnapshotError(f"manifest lists {len(hashes)} {key}, {size} bytes need "
-                            f"{-(-size // chunk)}")
+        raise SnapshotError(
+            f"manifest lists {len(hashes)} {key}, {size} bytes need {-(-size // chunk)}"
+        )
     return tuple(hashes)
 
 
@@ -267,8 +329,9 @@ def _signature(raw: Mapping[str, Any], where: str, what: str = "") -> bytes:
 
 def _schema(raw: Mapping[str, Any], where: str) -> None:
     if type(raw.get("schema")) is not int or raw["schema"] != SCHEMA:
-        raise SnapshotError(f"{where} schema {_show(raw.get('schema'))} is not {SCHEMA}: "
-                            f"upgrade echo-rl")
+        raise SnapshotError(
+            f"{where} schema {_show(raw.get('schema'))} is not {SCHEMA}: upgrade echo-rl"
+        )
 
 
 def _tensor(i: int, t: Any, result_size: int, payload_size: int) -> TensorEntry:
@@ -279,18 +342,25 @@ def _tensor(i: int, t: Any, result_size: int, payload_size: int) -> TensorEntry:
     if not isinstance(name, str) or not name:
         raise SnapshotError(f"{where}: name is {_show(name)}, expected a non-empty str")
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-        raise SnapshotError(f"{where} ({name}): dtype {_show(dtype)} is not one of "
-                            f"{sorted(DTYPE_BYTES)}")
-    if not isinstance(shape, list) or len(shape) > MAX_RANK or \
-            any(type(d) is not int or d < 0 for d in shape):
-        raise SnapshotError(f"{where} ({name}): shape {_show(shape)} is not a list of at most "
-                            f"{MAX_RANK} ints >= 0")
+        raise SnapshotError(
+            f"{where} ({name}): dtype {_show(dtype)} is not one of {sorted(DTYPE_BYTES)}"
+        )
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_RANK
+        or any(type(d) is not int or d < 0 for d in shape)
+    ):
+        raise SnapshotError(
+            f"{where} ({name}): shape {_show(shape)} is not a list of at most {MAX_RANK} ints >= 0"
+        )
     offset = _int(t, "offset", 0, result_size, where)
     nbytes = _int(t, "nbytes", 0, result_size - offset, where)  # the tensor lies in the result
     enc = t.get("enc")
     if enc not in TENSOR_ENCODINGS:
-        raise SnapshotError(f"{where} ({name}): encoding {_show(enc)} is not one of "
-                            f"{TENSOR_ENCODINGS}: upgrade echo-rl on this worker")
+        raise SnapshotError(
+            f"{where} ({name}): encoding {_show(enc)} is not one of "
+            f"{TENSOR_ENCODINGS}: upgrade echo-rl on this worker"
+        )
     doff = _int(t, "doff", 0, payload_size, where)
     dlen = _int(t, "dlen", 0, payload_size - doff, where)  # its encoding lies in the payload
     if enc == "full" and dlen != nbytes:
@@ -299,13 +369,15 @@ def _tensor(i: int, t: Any, result_size: int, payload_size: int) -> TensorEntry:
     for d in shape:
         numel *= d
     if nbytes != numel * DTYPE_BYTES[dtype]:
-        raise SnapshotError(f"{where} ({name}): {nbytes} bytes do not hold a {dtype} tensor of "
-                            f"shape {shape}")
+        raise SnapshotError(
+            f"{where} ({name}): {nbytes} bytes do not hold a {dtype} tensor of shape {shape}"
+        )
     return TensorEntry(name, dtype, tuple(shape), offset, nbytes, str(enc), doff, dlen)
 
 
-def _tensors(raw: Mapping[str, Any], encoding: str, result: int,
-             size: int) -> tuple[TensorEntry, ...]:
+def _tensors(
+    raw: Mapping[str, Any], encoding: str, result: int, size: int
+) -> tuple[TensorEntry, ...]:
     tensors = raw.get("tensors")
     if not isinstance(tensors, list):
         raise SnapshotError(f"manifest tensors is {_show(tensors)}, expected a list")
@@ -317,8 +389,9 @@ def _tensors(raw: Mapping[str, Any], encoding: str, result: int,
     return entries
 
 
-def _base_version(raw: Mapping[str, Any], encoding: str, version: int, size: int, result: int,
-                  same_hashes: bool) -> int:
+def _base_version(
+    raw: Mapping[str, Any], encoding: str, version: int, size: int, result: int, same_hashes: bool
+) -> int:
     """A full snapshot is its own result; a delta names an earlier version as its base."""
     if encoding != "full":
         return _int(raw, "base_version", 0, version - 1)
@@ -339,8 +412,10 @@ def parse_manifest(raw: Any) -> Manifest:
             raise SnapshotError(f"manifest {key!r} is {_show(raw.get(key))}, expected a str")
     encoding = raw["encoding"]
     if encoding not in ENCODINGS:
-        raise SnapshotError(f"manifest encoding {_show(encoding)} is not one of "
-                            f"{ENCODINGS}: upgrade echo-rl on this worker")
+        raise SnapshotError(
+            f"manifest encoding {_show(encoding)} is not one of "
+            f"{ENCODINGS}: upgrade echo-rl on this worker"
+        )
     version = _int(raw, "version", 0, 2**63 - 1)
     size = _int(raw, "payload_size", 0, MAX_PAYLOAD)
     chunk = _int(raw, "chunk_size", 1, MAX_CHUNK)
@@ -352,23 +427,41 @@ def parse_manifest(raw: Any) -> Manifest:
     tensors = _tensors(raw, encoding, result, size)
     base = raw.get("base_model")  # absent: a whole model's version
     if "base_model" in raw and (not isinstance(base, str) or not BASE_HASH.fullmatch(base)):
-        raise SnapshotError(f"manifest base_model is {_show(base)}, expected 64 hex digits "
-                            f"(the BLAKE3 of a LoRA run's base model)")
-    return Manifest(raw["run_id"], version, base_version, encoding, raw["dtype"], tensors, size,
-                    chunk, hashes, result, results, base, signature)
+        raise SnapshotError(
+            f"manifest base_model is {_show(base)}, expected 64 hex digits "
+            f"(the BLAKE3 of a LoRA run's base model)"
+        )
+    return Manifest(
+        raw["run_id"],
+        version,
+        base_version,
+        encoding,
+        raw["dtype"],
+        tensors,
+        size,
+        chunk,
+        hashes,
+        result,
+        results,
+        base,
+        signature,
+    )
 
 
 def _files(files: Any, size: int) -> tuple[BaseFile, ...]:
     """Files that tile the payload exactly, each a plain name, none twice."""
     if not isinstance(files, list) or not 1 <= len(files) <= MAX_FILES:
-        raise SnapshotError(f"base manifest files is {_show(files)}, expected a list of 1 to "
-                            f"{MAX_FILES} entries")
+        raise SnapshotError(
+            f"base manifest files is {_show(files)}, expected a list of 1 to {MAX_FILES} entries"
+        )
     at, names, out = 0, set(), []
     for i, f in enumerate(files):
         name = f.get("name") if isinstance(f, dict) else None
         if not isinstance(name, str) or not NAME.fullmatch(name) or name in names:
-            raise SnapshotError(f"base manifest file {i}: name {_show(name)} is not a plain file "
-                                f"name (letters, digits, . _ -; no path), or names a file twice")
+            raise SnapshotError(
+                f"base manifest file {i}: name {_show(name)} is not a plain file "
+                f"name (letters, digits, . _ -; no path), or names a file twice"
+            )
         names.add(name)
         _int(f, "offset", at, at, f"base manifest file {i}")  # starts where the last ended
         nbytes = _int(f, "nbytes", 0, size - at, f"base manifest file {i}")
@@ -383,9 +476,11 @@ def parse_base_manifest(raw: Any) -> BaseManifest:
     """A base manifest's map as a ``BaseManifest``: every key a worker reads, its type and
     range, and file names that cannot leave the cache folder."""
     if not isinstance(raw, dict) or raw.get("kind") != BASE_KIND:
-        raise SnapshotError(f"base manifest is {_show(raw)} of kind "
-                            f"{_show(raw.get('kind') if isinstance(raw, dict) else None)}"
-                            f", expected kind {BASE_KIND!r}")
+        raise SnapshotError(
+            f"base manifest is {_show(raw)} of kind "
+            f"{_show(raw.get('kind') if isinstance(raw, dict) else None)}"
+            f", expected kind {BASE_KIND!r}"
+        )
     _schema(raw, "base manifest")
     _int(raw, "version", BASE_VERSION, BASE_VERSION, "base manifest")
     if raw.get("form") != BASE_KIND or not isinstance(raw.get("run_id"), str):

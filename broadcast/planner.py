@@ -59,26 +59,50 @@ Predicted completion of a chain of ``L`` workers (chunk size ``c``, per-hop late
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 # The planner's parts, one job each; import them from here.
-from broadcast.chain_model import (BYTES_PER_MBIT, DEFAULT_CHUNK_BYTES, ChainPlan, ChainPrediction,
-                                   PlanParams, changed_parents, mbit_to_bytes_per_s,
-                                   nominal_link_mbit, paper_k, predict_chain_s)
+from broadcast.chain_model import (
+    BYTES_PER_MBIT,
+    DEFAULT_CHUNK_BYTES,
+    ChainPlan,
+    ChainPrediction,
+    PlanParams,
+    changed_parents,
+    mbit_to_bytes_per_s,
+    nominal_link_mbit,
+    paper_k,
+    predict_chain_s,
+)
 from broadcast.chain_search import plan_chains, plan_with
 from broadcast.replan import replan
 
-__all__ = ["BYTES_PER_MBIT", "DEFAULT_CHUNK_BYTES", "ChainPlan", "ChainPrediction", "PlanParams",
-           "changed_parents", "lower_bound_s", "mbit_to_bytes_per_s", "nominal_link_mbit",
-           "paper_k", "plan_chains", "plan_with", "predict_chain_s", "replan", "star_limited_s",
-           "star_unlimited_s"]
+__all__ = [
+    "BYTES_PER_MBIT",
+    "DEFAULT_CHUNK_BYTES",
+    "ChainPlan",
+    "ChainPrediction",
+    "PlanParams",
+    "changed_parents",
+    "lower_bound_s",
+    "mbit_to_bytes_per_s",
+    "nominal_link_mbit",
+    "paper_k",
+    "plan_chains",
+    "plan_with",
+    "predict_chain_s",
+    "replan",
+    "star_limited_s",
+    "star_unlimited_s",
+]
 
 
 # ---------------------------------------------------------------------------- bounds, baselines
 
 
-def lower_bound_s(M_bytes: float, U_mbit: float, downs_mbit: Sequence[float],
-                  ups_mbit: Sequence[float]) -> float:
+def lower_bound_s(
+    M_bytes: float, U_mbit: float, downs_mbit: Sequence[float], ups_mbit: Sequence[float]
+) -> float:
     """No scheme can finish faster: the slowest downloader must receive M, the learner must send
     M at least once, and all N copies must leave someone's uplink (learner + workers)."""
     n = len(downs_mbit)
@@ -86,9 +110,11 @@ def lower_bound_s(M_bytes: float, U_mbit: float, downs_mbit: Sequence[float],
         return 0.0
     if min(downs_mbit) <= 0 or U_mbit <= 0 or min(ups_mbit, default=0.0) < 0:
         raise ValueError("lower_bound_s needs positive download and uplink rates")
-    terms = [M_bytes / mbit_to_bytes_per_s(min(downs_mbit)),
-             M_bytes / mbit_to_bytes_per_s(U_mbit),
-             n * M_bytes / mbit_to_bytes_per_s(U_mbit + sum(ups_mbit))]
+    terms = [
+        M_bytes / mbit_to_bytes_per_s(min(downs_mbit)),
+        M_bytes / mbit_to_bytes_per_s(U_mbit),
+        n * M_bytes / mbit_to_bytes_per_s(U_mbit + sum(ups_mbit)),
+    ]
     return max(terms)
 
 
@@ -99,5 +125,6 @@ def star_unlimited_s(M_bytes: float, b_mbit: float) -> float:
 
 def star_limited_s(M_bytes: float, b_mbit: float, U_mbit: float, n_workers: int) -> float:
     """Star through a learner uplink U: N copies of M must all leave the learner."""
-    return max(M_bytes / mbit_to_bytes_per_s(b_mbit),
-               n_workers * M_bytes / mbit_to_bytes_per_s(U_mbit))
+    return max(
+        M_bytes / mbit_to_bytes_per_s(b_mbit), n_workers * M_bytes / mbit_to_bytes_per_s(U_mbit)
+    )

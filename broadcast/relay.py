@@ -75,8 +75,14 @@ class RelayPortTaken(RuntimeError):
 class Relay:
     server_class = ChunkServer  # what serves children; a test double swaps it (labs/doubles.py)
 
-    def __init__(self, ctx: zmq.asyncio.Context, cfg: RelayConfig, *, keys: KeyPair | None = None,
-                 run_key: Callable[[], bytes] | None = None):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        cfg: RelayConfig,
+        *,
+        keys: KeyPair | None = None,
+        run_key: Callable[[], bytes] | None = None,
+    ):
         """``keys``: serve and fetch over CURVE; ``run_key``: the run's Ed25519 public key
         (it checks pull tickets; it changes when the worker joins another run)."""
         keep_chunk_buffers()  # every relaying process receives chunk after chunk
@@ -102,7 +108,9 @@ class Relay:
             sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER)
             sock.setsockopt(zmq.MAXMSGSIZE, REQUEST_BYTES)  # children send only requests
             if keys is not None:
-                self.zap = ZapHandler(ctx, self._admit)  # before the bind: it judges every handshake
+                self.zap = ZapHandler(
+                    ctx, self._admit
+                )  # before the bind: it judges every handshake
                 curve_server(sock, keys)
             try:
                 sock.bind(f"tcp://{cfg.bind_host}:{cfg.port or '*'}")
@@ -112,17 +120,26 @@ class Relay:
                     f"cannot listen on {cfg.bind_host} port {cfg.port} for the relay: {exc}. "
                     f"Another process holds it (a second worker on this machine?): give each "
                     f"worker its own --relay-port, or --relay-port 0 to let the OS pick "
-                    f"(docs/ports.md)") from None
+                    f"(docs/ports.md)"
+                ) from None
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            tickets = (TicketCheck(run_key, self.endpoint).check
-                       if keys is not None and run_key is not None else None)
-            self.server = self.server_class(sock, self.store, cfg.max_bytes,
-                                      upload=bucket(cfg.up_mbit, cfg.chunk_bytes) if cfg.shape else None,
-                                      authorize=tickets,
-                                      max_parked_per_peer=cfg.max_parked_per_peer,
-                                      max_parked_total=cfg.max_parked_total,
-                                      requests_per_s=cfg.requests_per_s, results=self.results,
-                                      bases=self.bases)
+            tickets = (
+                TicketCheck(run_key, self.endpoint).check
+                if keys is not None and run_key is not None
+                else None
+            )
+            self.server = self.server_class(
+                sock,
+                self.store,
+                cfg.max_bytes,
+                upload=bucket(cfg.up_mbit, cfg.chunk_bytes) if cfg.shape else None,
+                authorize=tickets,
+                max_parked_per_peer=cfg.max_parked_per_peer,
+                max_parked_total=cfg.max_parked_total,
+                requests_per_s=cfg.requests_per_s,
+                results=self.results,
+                bases=self.bases,
+            )
 
     async def serve_forever(self) -> None:
         if self.server is None:
@@ -139,8 +156,9 @@ class Relay:
             return "rate_limited"
         return ""
 
-    async def receive(self, manifest: Manifest, source: Source | str,
-                      reattach: Reattach | None) -> tuple[SnapshotBuffer, FetchStats]:
+    async def receive(
+        self, manifest: Manifest, source: Source | str, reattach: Reattach | None
+    ) -> tuple[SnapshotBuffer, FetchStats]:
         """Pull every missing chunk of a verified manifest's payload (resuming across
         sources; ``verify_manifest`` made ``manifest`` where it arrived)."""
         buf = self.store.get(manifest.version)
@@ -149,34 +167,63 @@ class Relay:
             # resumed instance published the version again; its chunks would never verify)
             storage = self.store.storage_for(manifest.layout)
             buf = self.store.add(SnapshotBuffer(manifest, storage=storage))
-        stats = await fetch_into(self.ctx, self.store, buf.version, source,
-                                 window=self.cfg.window, timeout_s=self.cfg.timeout_s,
-                                 max_bytes=self.cfg.max_bytes, download=self.download,
-                                 reattach=reattach, keys=self.keys, resolve=self.resolve)
+        stats = await fetch_into(
+            self.ctx,
+            self.store,
+            buf.version,
+            source,
+            window=self.cfg.window,
+            timeout_s=self.cfg.timeout_s,
+            max_bytes=self.cfg.max_bytes,
+            download=self.download,
+            reattach=reattach,
+            keys=self.keys,
+            resolve=self.resolve,
+        )
         return buf, stats
 
-    async def receive_keyframe(self, manifest: Manifest, source: Source | str,
-                               reattach: Reattach | None) -> tuple[bytearray, FetchStats]:
+    async def receive_keyframe(
+        self, manifest: Manifest, source: Source | str, reattach: Reattach | None
+    ) -> tuple[bytearray, FetchStats]:
         """The full payload of a verified manifest's version, from a node that rebuilt it,
         every chunk checked against the signed result hashes."""
         store = SnapshotStore(keep=1, recycle=False)
         buf = store.add(SnapshotBuffer(manifest.result_layout))
-        stats = await fetch_into(self.ctx, store, buf.version, source,
-                                 window=self.cfg.window, timeout_s=self.cfg.timeout_s,
-                                 max_bytes=self.cfg.max_bytes, download=self.download,
-                                 reattach=reattach, keys=self.keys, resolve=self.resolve)
+        stats = await fetch_into(
+            self.ctx,
+            store,
+            buf.version,
+            source,
+            window=self.cfg.window,
+            timeout_s=self.cfg.timeout_s,
+            max_bytes=self.cfg.max_bytes,
+            download=self.download,
+            reattach=reattach,
+            keys=self.keys,
+            resolve=self.resolve,
+        )
         return buf.payload, stats
 
-    async def receive_base(self, manifest: BaseManifest, source: Source | str,
-                           reattach: Reattach | None) -> tuple[bytearray, FetchStats]:
+    async def receive_base(
+        self, manifest: BaseManifest, source: Source | str, reattach: Reattach | None
+    ) -> tuple[bytearray, FetchStats]:
         """The base model's payload of a verified base manifest (``broadcast.basemodel``),
         every chunk checked against its signed hashes; served onward once whole."""
         store = SnapshotStore(keep=1, recycle=False)
         buf = store.add(SnapshotBuffer(manifest))
-        stats = await fetch_into(self.ctx, store, buf.version, source,
-                                 window=self.cfg.window, timeout_s=self.cfg.timeout_s,
-                                 max_bytes=self.cfg.max_bytes, download=self.download,
-                                 reattach=reattach, keys=self.keys, resolve=self.resolve)
+        stats = await fetch_into(
+            self.ctx,
+            store,
+            buf.version,
+            source,
+            window=self.cfg.window,
+            timeout_s=self.cfg.timeout_s,
+            max_bytes=self.cfg.max_bytes,
+            download=self.download,
+            reattach=reattach,
+            keys=self.keys,
+            resolve=self.resolve,
+        )
         return buf.payload, stats
 
     def hold_base(self, manifest: BaseManifest, payload: bytes | bytearray) -> None:

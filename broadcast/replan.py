@@ -3,18 +3,31 @@ edges where possible, unless a fresh plan would be more than a tolerance faster.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from broadcast.chain_model import (ChainModel, ChainPlan, PlanParams, build_plan, link_rates,
-                                   nominal_link_mbit, paper_k)
+from broadcast.chain_model import (
+    ChainModel,
+    ChainPlan,
+    PlanParams,
+    build_plan,
+    link_rates,
+    nominal_link_mbit,
+    paper_k,
+)
 from broadcast.chain_search import chain_counts, plan_with
 
 if TYPE_CHECKING:  # a type only: broadcast.topology imports the planner
     from broadcast.topology.base import Peer
 
 
-def replan(old: ChainPlan, peers: Sequence[Peer], *, params: PlanParams | None = None,
-           tolerance: float = 0.1) -> ChainPlan:
+def replan(
+    old: ChainPlan,
+    peers: Sequence[Peer],
+    *,
+    params: PlanParams | None = None,
+    tolerance: float = 0.1,
+) -> ChainPlan:
     """Re-plan after joins, leaves or changed rates, keeping edges where possible.
 
     * A worker that left is cut out of its chain: its child re-attaches to the nearest live
@@ -40,21 +53,29 @@ def replan(old: ChainPlan, peers: Sequence[Peer], *, params: PlanParams | None =
     n = len(byid)
     minimum = chain_counts(model, paper_k(params.uplink_mbit, b, n), n, b)[0] if n else 0
     placed = {w for c in chains for w in c}
-    joiners = [p.worker_id for p in peers if p.worker_id not in placed and p.worker_id not in demoted]
-    joiners = sorted(joiners + demoted, key=lambda w: (not model.rates[w].relay,
-                                                       -model.rates[w].as_relay, w))
+    joiners = [
+        p.worker_id for p in peers if p.worker_id not in placed and p.worker_id not in demoted
+    ]
+    joiners = sorted(
+        joiners + demoted, key=lambda w: (not model.rates[w].relay, -model.rates[w].as_relay, w)
+    )
     for w in joiners:
         _attach(chains, w, model, minimum)
     _repair_counts(chains, model, minimum, max(minimum, fresh.streams))
     _repair_lengths(chains, model)
     stable = build_plan(chains, model, byid, fresh.k, b)
-    if (stable.predicted_s is not None and fresh.predicted_s is not None
-            and stable.predicted_s > fresh.predicted_s * (1 + tolerance)):
+    if (
+        stable.predicted_s is not None
+        and fresh.predicted_s is not None
+        and stable.predicted_s > fresh.predicted_s * (1 + tolerance)
+    ):
         return fresh
     return stable
 
 
-def _prune(old: ChainPlan, byid: dict[str, Peer], model: ChainModel) -> tuple[list[list[str]], list[str]]:
+def _prune(
+    old: ChainPlan, byid: dict[str, Peer], model: ChainModel
+) -> tuple[list[list[str]], list[str]]:
     """Drop leavers (children fall back to the nearest live ancestor) and demote changed workers
     that can no longer relay well."""
     chains = [[w for w in c if w in byid] for c in old.chains]
@@ -100,7 +121,7 @@ def _attach(chains: list[list[str]], w: str, model: ChainModel, minimum: int) ->
     for i, chain in enumerate(chains):
         for moved, cand in _placements(chain, w, model):
             t = model.time(cand, share)
-            key = (max([t] + base[:i] + base[i + 1:]), t, moved, len(cand), i)
+            key = (max([t] + base[:i] + base[i + 1 :]), t, moved, len(cand), i)
             if best_key is None or key < best_key:
                 best_key, best = key, (i, cand)
     if best is None:
@@ -146,14 +167,15 @@ def _repair_lengths(chains: list[list[str]], model: ChainModel, max_moves: int =
         chains[hi], chains[lo] = move
 
 
-def _length_move(src: list[str], dst: list[str], model: ChainModel,
-                 share: float) -> tuple[list[str], list[str]] | None:
+def _length_move(
+    src: list[str], dst: list[str], model: ChainModel, share: float
+) -> tuple[list[str], list[str]] | None:
     options = []
     for pos in (len(src) - 1, len(src) - 2):
         if pos < 0:
             continue
         w = src[pos]
-        rest = src[:pos] + src[pos + 1:]
+        rest = src[:pos] + src[pos + 1 :]
         if not model.valid(rest):
             continue
         for moved, cand in _placements(dst, w, model):

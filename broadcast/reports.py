@@ -30,8 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 CORRUPT, UNREACHABLE = "corrupt", "unreachable"
-KIND = {"corrupt": CORRUPT, "suspect": CORRUPT, "timeout": UNREACHABLE,
-        "disconnected": UNREACHABLE}
+KIND = {"corrupt": CORRUPT, "suspect": CORRUPT, "timeout": UNREACHABLE, "disconnected": UNREACHABLE}
 
 
 @dataclass
@@ -77,7 +76,7 @@ class ReportBook:
     def convict(self, endpoint: str, kind: str, now: float) -> Mark:
         n = self.strikes[endpoint]
         self.strikes[endpoint] += 1
-        mark = Mark(kind, now + min(self.max_mark_s, self.mark_s * 2 ** n), n + 1)
+        mark = Mark(kind, now + min(self.max_mark_s, self.mark_s * 2**n), n + 1)
         self.marks[endpoint] = mark
         self.reporters.pop(endpoint, None)  # a fresh count after the mark
         return mark

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Generic, Sequence, TypeVar
+from typing import Generic, TypeVar
 
 from broadcast.planner import DEFAULT_CHUNK_BYTES, mbit_to_bytes_per_s
 from echo import rates
@@ -37,11 +38,19 @@ class TokenBucket(rates.TokenBucket):
     any interval T the bucket grants at most ``burst + rate * T`` bytes.
     """
 
-    def __init__(self, rate_bytes_per_s: float, burst_bytes: int | None = None, *,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, clock: Clock = time.monotonic,
-                 sleep: Sleep = asyncio.sleep):
+    def __init__(
+        self,
+        rate_bytes_per_s: float,
+        burst_bytes: int | None = None,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+    ):
         if not rate_bytes_per_s > 0:
-            raise ValueError(f"rate must be > 0 bytes/s (math.inf: unshaped), got {rate_bytes_per_s}")
+            raise ValueError(
+                f"rate must be > 0 bytes/s (math.inf: unshaped), got {rate_bytes_per_s}"
+            )
         burst = float(burst_bytes if burst_bytes is not None else 2 * chunk_bytes)
         if burst <= 0:
             raise ValueError(f"burst must be > 0 bytes, got {burst_bytes}")
@@ -78,8 +87,9 @@ class DelayLine(Generic[T]):
     """FIFO whose items come out ``latency_s`` after they went in. ``put`` never blocks, so the
     sender is never held up by latency (only by its bucket)."""
 
-    def __init__(self, latency_s: float, *, clock: Clock = time.monotonic,
-                 sleep: Sleep = asyncio.sleep):
+    def __init__(
+        self, latency_s: float, *, clock: Clock = time.monotonic, sleep: Sleep = asyncio.sleep
+    ):
         if latency_s < 0:
             raise ValueError(f"latency must be >= 0, got {latency_s}")
         self.latency_s = latency_s
@@ -123,13 +133,28 @@ class LinkShape:
     def latency_s(self) -> float:
         return self.latency_ms / 1000.0
 
-    def bucket(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *, clock: Clock = time.monotonic,
-               sleep: Sleep = asyncio.sleep) -> TokenBucket:
-        return TokenBucket(self.rate_bytes_per_s, self.burst_bytes, chunk_bytes=chunk_bytes,
-                           clock=clock, sleep=sleep)
+    def bucket(
+        self,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        *,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+    ) -> TokenBucket:
+        return TokenBucket(
+            self.rate_bytes_per_s,
+            self.burst_bytes,
+            chunk_bytes=chunk_bytes,
+            clock=clock,
+            sleep=sleep,
+        )
 
-    def link(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *, clock: Clock = time.monotonic,
-             sleep: Sleep = asyncio.sleep) -> "ShapedLink":
+    def link(
+        self,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        *,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+    ) -> ShapedLink:
         return ShapedLink(self, chunk_bytes, clock=clock, sleep=sleep)
 
 
@@ -147,8 +172,14 @@ class ShapedLink:
     """Bucket then delay line: ``await send(msg)`` returns once the bucket granted the bytes;
     ``await recv()`` returns the next message ``latency`` after it was sent."""
 
-    def __init__(self, shape: LinkShape, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *,
-                 clock: Clock = time.monotonic, sleep: Sleep = asyncio.sleep):
+    def __init__(
+        self,
+        shape: LinkShape,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        *,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+    ):
         self.shape = shape
         self.bucket = shape.bucket(chunk_bytes, clock=clock, sleep=sleep)
         self.line: DelayLine[Message] = DelayLine(shape.latency_s, clock=clock, sleep=sleep)

@@ -58,9 +58,24 @@ from broadcast.manifest import (
     verify_signature,
 )
 
-__all__ = ["BASE_HASH", "DTYPE_BYTES", "ENCODINGS", "MAX_CHUNK", "MAX_PAYLOAD", "MAX_RANK",
-           "SCHEMA", "TENSOR_ENCODINGS", "RunKey", "Snapshot", "SnapshotError", "build_manifest",
-           "check_manifest", "chunk_hash", "chunk_hashes", "verify_manifest"]
+__all__ = [
+    "BASE_HASH",
+    "DTYPE_BYTES",
+    "ENCODINGS",
+    "MAX_CHUNK",
+    "MAX_PAYLOAD",
+    "MAX_RANK",
+    "SCHEMA",
+    "TENSOR_ENCODINGS",
+    "RunKey",
+    "Snapshot",
+    "SnapshotError",
+    "build_manifest",
+    "check_manifest",
+    "chunk_hash",
+    "chunk_hashes",
+    "verify_manifest",
+]
 
 
 class RunKey:
@@ -78,14 +93,17 @@ class RunKey:
         return cls(Ed25519PrivateKey.from_private_bytes(raw))
 
     def private_bytes(self) -> bytes:
-        return self._private.private_bytes(serialization.Encoding.Raw,
-                                           serialization.PrivateFormat.Raw,
-                                           serialization.NoEncryption())
+        return self._private.private_bytes(
+            serialization.Encoding.Raw,
+            serialization.PrivateFormat.Raw,
+            serialization.NoEncryption(),
+        )
 
     @property
     def public_bytes(self) -> bytes:
-        return self._private.public_key().public_bytes(serialization.Encoding.Raw,
-                                                       serialization.PublicFormat.Raw)
+        return self._private.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
 
     def sign(self, data: bytes) -> bytes:
         return self._private.sign(data)
@@ -101,11 +119,19 @@ def chunk_hashes(data: bytes | bytearray | memoryview, chunk_size: int) -> list[
         return list(pool.map(lambda i: chunk_hash(view[i : i + chunk_size]), starts))
 
 
-def build_manifest(*, run_id: str, version: int, tensors: list[dict[str, Any]] | list[TensorEntry],
-                   payload: bytes | bytearray | memoryview, chunk_size: int, dtype: str,
-                   key: RunKey, base_version: int = -1,
-                   result: bytes | bytearray | memoryview | None = None,
-                   base_model: str | None = None) -> Manifest:
+def build_manifest(
+    *,
+    run_id: str,
+    version: int,
+    tensors: list[dict[str, Any]] | list[TensorEntry],
+    payload: bytes | bytearray | memoryview,
+    chunk_size: int,
+    dtype: str,
+    key: RunKey,
+    base_version: int = -1,
+    result: bytes | bytearray | memoryview | None = None,
+    base_model: str | None = None,
+) -> Manifest:
     """A full snapshot (``tensors``: the layout of ``payload``, as ``params_to_payload`` gives
     it), or with ``base_version`` and ``result`` a delta (``tensors``: the entries
     ``broadcast.delta.encode`` returned, ``payload``: the delta, ``result``: the full payload
@@ -113,18 +139,27 @@ def build_manifest(*, run_id: str, version: int, tensors: list[dict[str, Any]] |
     adapter's (signed with the rest)."""
     hashes = tuple(chunk_hashes(payload, chunk_size))
     if result is None:  # a full snapshot: every tensor sent whole
-        entries = tuple(TensorEntry.full(t.to_wire() if isinstance(t, TensorEntry) else t)
-                        for t in tensors)
+        entries = tuple(
+            TensorEntry.full(t.to_wire() if isinstance(t, TensorEntry) else t) for t in tensors
+        )
     else:
-        entries = tuple(t if isinstance(t, TensorEntry) else TensorEntry.encoded(t)
-                        for t in tensors)
+        entries = tuple(
+            t if isinstance(t, TensorEntry) else TensorEntry.encoded(t) for t in tensors
+        )
     manifest = Manifest(
-        run_id=run_id, version=version, base_version=base_version,
-        encoding="full" if result is None else "delta", dtype=dtype, tensors=entries,
-        payload_size=len(payload), chunk_size=chunk_size, chunk_hashes=hashes,
+        run_id=run_id,
+        version=version,
+        base_version=base_version,
+        encoding="full" if result is None else "delta",
+        dtype=dtype,
+        tensors=entries,
+        payload_size=len(payload),
+        chunk_size=chunk_size,
+        chunk_hashes=hashes,
         result_size=len(payload if result is None else result),
         result_hashes=hashes if result is None else tuple(chunk_hashes(result, chunk_size)),
-        base_model=base_model)
+        base_model=base_model,
+    )
     return replace(manifest, signature=key.sign(manifest.signed_bytes()))
 
 

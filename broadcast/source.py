@@ -53,12 +53,21 @@ log = logging.getLogger(__name__)
 
 
 class ChunkServer:
-    def __init__(self, sock: zmq.asyncio.Socket, store: SnapshotStore, max_bytes: int, *,
-                 upload: TokenBucket | None = None, park_timeout_s: float = 30.0,
-                 authorize: Authorize | None = None,
-                 max_parked_per_peer: int = 64, max_parked_total: int = 4096,
-                 requests_per_s: float = 1000.0, results: SnapshotStore | None = None,
-                 bases: SnapshotStore | None = None):
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        store: SnapshotStore,
+        max_bytes: int,
+        *,
+        upload: TokenBucket | None = None,
+        park_timeout_s: float = 30.0,
+        authorize: Authorize | None = None,
+        max_parked_per_peer: int = 64,
+        max_parked_total: int = 4096,
+        requests_per_s: float = 1000.0,
+        results: SnapshotStore | None = None,
+        bases: SnapshotStore | None = None,
+    ):
         self.sock = sock
         self.store = store
         self.results = results
@@ -101,8 +110,9 @@ class ChunkServer:
             ident, *frames = await self.sock.recv_multipart(copy=False)
             try:
                 # The key from whichever frame carries the connection's metadata.
-                await self.handle(ident.bytes, [f.bytes for f in frames],
-                                  sender_key([ident, *frames]))
+                await self.handle(
+                    ident.bytes, [f.bytes for f in frames], sender_key([ident, *frames])
+                )
             except Exception:  # a bug here must cost one request, not every child's stream
                 self.rejected["internal_error"] += 1
                 log.exception("snapshot socket: internal error on a request")
@@ -126,16 +136,28 @@ class ChunkServer:
             return
         buf = self.store.get(msg.version)
         if buf is not None and msg.index >= buf.total:
-            await self._refuse(ident, msg.rid, "bad_index", f"version {msg.version} has "
-                               f"{buf.total} chunks, asked for {msg.index}")
+            await self._refuse(
+                ident,
+                msg.rid,
+                "bad_index",
+                f"version {msg.version} has {buf.total} chunks, asked for {msg.index}",
+            )
         elif self._parked_by[who] + self._queued_by[who] >= self.max_parked_per_peer:
-            await self._refuse(ident, msg.rid, "too_many_requests", f"more than "
-                               f"{self.max_parked_per_peer} requests waiting; keep a smaller window")
+            await self._refuse(
+                ident,
+                msg.rid,
+                "too_many_requests",
+                f"more than {self.max_parked_per_peer} requests waiting; keep a smaller window",
+            )
         elif buf is not None and buf.have[msg.index]:
             self._enqueue(ident, msg.rid, msg.version, msg.index, who)
         elif buf is None and msg.version > self.store.newest_version + 1:
-            await self._refuse(ident, msg.rid, "future_version", f"version {msg.version} is "
-                               f"beyond the next one ({self.store.newest_version + 1})")
+            await self._refuse(
+                ident,
+                msg.rid,
+                "future_version",
+                f"version {msg.version} is beyond the next one ({self.store.newest_version + 1})",
+            )
         elif buf is not None or msg.version > self.store.newest_version:
             if self.parked >= self.max_parked_total:
                 await self._refuse(ident, msg.rid, "parking_full", "too many waiting requests")
@@ -143,23 +165,35 @@ class ChunkServer:
             self._parked[(msg.version, msg.index)].append((ident, msg.rid, time.monotonic(), who))
             self._parked_by[who] += 1
         else:
-            await self._reply_error(ident, msg.rid, "unknown_version",
-                                    f"version {msg.version} is no longer held here")
+            await self._reply_error(
+                ident, msg.rid, "unknown_version", f"version {msg.version} is no longer held here"
+            )
 
     async def _handle_held(self, ident: bytes, msg: wire.ChunkRequest, who: str) -> None:
         """A chunk of a complete payload: a keyframe ("full") or the base model ("base")."""
         store = self._held[msg.form]
         buf = store.get(msg.version) if store is not None else None
-        what = "the base model" if msg.form == "base" else f"the full payload of version {msg.version}"
+        what = (
+            "the base model" if msg.form == "base" else f"the full payload of version {msg.version}"
+        )
         if buf is None or not buf.done:
-            await self._refuse(ident, msg.rid, "unknown_version", f"{what} is not held here: "
-                               f"ask the learner for another source")
+            await self._refuse(
+                ident,
+                msg.rid,
+                "unknown_version",
+                f"{what} is not held here: ask the learner for another source",
+            )
         elif msg.index >= buf.total:
-            await self._refuse(ident, msg.rid, "bad_index", f"{what} has {buf.total} chunks, "
-                               f"asked for {msg.index}")
+            await self._refuse(
+                ident, msg.rid, "bad_index", f"{what} has {buf.total} chunks, asked for {msg.index}"
+            )
         elif self._parked_by[who] + self._queued_by[who] >= self.max_parked_per_peer:
-            await self._refuse(ident, msg.rid, "too_many_requests", f"more than "
-                               f"{self.max_parked_per_peer} requests waiting; keep a smaller window")
+            await self._refuse(
+                ident,
+                msg.rid,
+                "too_many_requests",
+                f"more than {self.max_parked_per_peer} requests waiting; keep a smaller window",
+            )
         else:
             self._enqueue(ident, msg.rid, msg.version, msg.index, who, msg.form)
 
@@ -177,16 +211,20 @@ class ChunkServer:
         if self.authorize is not None:
             reason = self.authorize(peer, msg.ticket)
             if reason:
-                raise wire.WireError(reason, "this peer is not assigned to pull from here: ask "
-                                     "the learner for a source (source_request)")
+                raise wire.WireError(
+                    reason,
+                    "this peer is not assigned to pull from here: ask "
+                    "the learner for a source (source_request)",
+                )
         return msg
 
     async def _refuse(self, ident: bytes, rid: int, reason: str, detail: str) -> None:
         self.rejected[reason] += 1
         await self._reply_error(ident, rid, reason, detail)
 
-    def _enqueue(self, ident: bytes, rid: int, version: int, index: int, who: str,
-                 form: str = "payload") -> None:
+    def _enqueue(
+        self, ident: bytes, rid: int, version: int, index: int, who: str, form: str = "payload"
+    ) -> None:
         self._queued_by[who] += 1
         queue = self._outbox.get(who)
         if queue is None:
@@ -275,14 +313,19 @@ class ChunkServer:
             for key in [k for k, v in self._parked.items() if v and v[0][2] < cutoff]:
                 for ident, rid, _, who in self._parked.pop(key):
                     self._unpark(who)
-                    await self._reply_error(ident, rid, "unknown_version",
-                                            f"version {key[0]} chunk {key[1]} never arrived here")
+                    await self._reply_error(
+                        ident,
+                        rid,
+                        "unknown_version",
+                        f"version {key[0]} chunk {key[1]} never arrived here",
+                    )
 
     async def _reply_error(self, ident: bytes, rid: int, reason: str, detail: str) -> None:
         try:
             await self.sock.send_multipart(
                 [ident, wire.encode(wire.Error(reason=reason, detail=detail, rid=rid))],
-                flags=zmq.NOBLOCK)
+                flags=zmq.NOBLOCK,
+            )
         except zmq.ZMQError:
             self.rejected["peer_gone"] += 1
 

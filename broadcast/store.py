@@ -22,8 +22,13 @@ Listener = Callable[[int, int], None]  # (version, chunk index)
 
 
 class SnapshotBuffer:
-    def __init__(self, what: Manifest | BaseManifest | ChunkLayout, payload: Any = None, *,
-                 storage: bytearray | None = None):
+    def __init__(
+        self,
+        what: Manifest | BaseManifest | ChunkLayout,
+        payload: Any = None,
+        *,
+        storage: bytearray | None = None,
+    ):
         """``what``: a version's manifest (its payload), a base model's, or a layout (a
         keyframe's rebuilt payload). ``payload``: a complete snapshot (the learner, or bytes
         kept whole: bytes, a bytearray or a spilled map); else chunks arrive into ``storage``
@@ -36,7 +41,9 @@ class SnapshotBuffer:
         self.payload: Any
         if payload is None:
             size = self.layout.payload_size
-            self.payload = storage if storage is not None and len(storage) == size else bytearray(size)
+            self.payload = (
+                storage if storage is not None and len(storage) == size else bytearray(size)
+            )
             self.have = bytearray(self.total)
             self.count = 0
         else:
@@ -138,8 +145,9 @@ class SnapshotStore:
 
     def holds(self, payload: Any) -> bool:
         """Is this object one of this store's payload buffers (held or recyclable)?"""
-        return any(b.payload is payload for b in self._bufs.values()) or \
-            any(f is payload for f in self._free)
+        return any(b.payload is payload for b in self._bufs.values()) or any(
+            f is payload for f in self._free
+        )
 
     def clear(self) -> None:
         self._bufs.clear()

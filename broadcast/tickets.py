@@ -63,18 +63,21 @@ class Ticket:
     def parse(cls, body: bytes) -> Ticket | None:
         """The ticket a (verified) body holds, None when it is not one."""
         try:
-            child, parent, run_id, expires = msgpack.unpackb(body, raw=False, max_array_len=4,
-                                                             max_str_len=256)
+            child, parent, run_id, expires = msgpack.unpackb(
+                body, raw=False, max_array_len=4, max_str_len=256
+            )
         except (ValueError, TypeError, msgpack.UnpackException):
             return None
-        if not all(isinstance(f, str) for f in (child, parent, run_id)) or \
-                not isinstance(expires, (int, float)):
+        if not all(isinstance(f, str) for f in (child, parent, run_id)) or not isinstance(
+            expires, (int, float)
+        ):
             return None
         return cls(child, parent, run_id, float(expires))
 
 
-def mint(run_key: RunKey, child: str, parent: str, run_id: str, ttl_s: float,
-         now: float | None = None) -> bytes:
+def mint(
+    run_key: RunKey, child: str, parent: str, run_id: str, ttl_s: float, now: float | None = None
+) -> bytes:
     body = Ticket(child, parent, run_id, (now or time.time()) + ttl_s).body()
     return run_key.sign(body) + body
 
@@ -83,8 +86,9 @@ class TicketCheck:
     """The server side: ``check(peer_key, ticket)`` returns "" when the peer may pull here,
     else the reason counted for the refusal."""
 
-    def __init__(self, public_key: Callable[[], bytes], endpoint: str,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self, public_key: Callable[[], bytes], endpoint: str, clock: Callable[[], float] = time.time
+    ):
         self.public_key = public_key  # the run's key can change when the worker re-joins
         self.endpoint = endpoint
         self.clock = clock

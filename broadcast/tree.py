@@ -17,8 +17,9 @@ def relay_tree(co: Coordinator) -> RelayTree:
         if parent is not None:
             children.setdefault(parent, []).append(worker)
     version = max(co.published, default=None)
-    nodes = {w: _node(co, p, parents[w], len(children.get(w, ())), version)
-             for w, p in co.peers.items()}
+    nodes = {
+        w: _node(co, p, parents[w], len(children.get(w, ())), version) for w, p in co.peers.items()
+    }
     order = _depth_first(children, LEARNER)
     order += [w for w in nodes if w not in set(order)]  # unplaced, or cut off from the root
     return RelayTree(version=version, source=co.source, nodes=[nodes[w] for w in order])
@@ -40,17 +41,25 @@ def _parents(co: Coordinator) -> dict[str, str | None]:
     return out
 
 
-def _node(co: Coordinator, p: PeerState, parent: str | None, children: int,
-          version: int | None) -> TreeNode:
+def _node(
+    co: Coordinator, p: PeerState, parent: str | None, children: int, version: int | None
+) -> TreeNode:
     w = p.worker_id
     return TreeNode(
-        worker=w, parent=parent, source=co.sources.get(w, "") if parent else "",
-        role=role_of(parent, children), children=children,
+        worker=w,
+        parent=parent,
+        source=co.sources.get(w, "") if parent else "",
+        role=role_of(parent, children),
+        children=children,
         transport="punched" if parent and co.transport(w) == "punched" else "tcp",
-        nat=p.nat, relay_endpoint=p.endpoint,
-        measured_down_mbit=_rate(co.links.down.get(w)), measured_up_mbit=_rate(co.links.up.get(w)),
-        declared_down_mbit=_rate(p.down_mbit) or 0.0, declared_up_mbit=_rate(p.up_mbit) or 0.0,
-        installed_s=_rate(p.installed.get(version)) if version is not None else None)
+        nat=p.nat,
+        relay_endpoint=p.endpoint,
+        measured_down_mbit=_rate(co.links.down.get(w)),
+        measured_up_mbit=_rate(co.links.up.get(w)),
+        declared_down_mbit=_rate(p.down_mbit) or 0.0,
+        declared_up_mbit=_rate(p.up_mbit) or 0.0,
+        installed_s=_rate(p.installed.get(version)) if version is not None else None,
+    )
 
 
 def _rate(v: float | None) -> float | None:

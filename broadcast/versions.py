@@ -38,9 +38,18 @@ class Publication:
 
 
 class VersionEncoder:
-    def __init__(self, *, run_id: str, key: RunKey, chunk_size: int, dtype: str,
-                 delta: bool = True, keyframe_every: int = 10, max_ratio: float = 0.8,
-                 base_model: str | None = None):
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        key: RunKey,
+        chunk_size: int,
+        dtype: str,
+        delta: bool = True,
+        keyframe_every: int = 10,
+        max_ratio: float = 0.8,
+        base_model: str | None = None,
+    ):
         self.run_id, self.key, self.chunk_size, self.dtype = run_id, key, chunk_size, dtype
         self.base_model = base_model  # LoRA: every version is an adapter for this base model
         self.delta, self.keyframe_every, self.max_ratio = delta, keyframe_every, max_ratio
@@ -51,11 +60,19 @@ class VersionEncoder:
         t0 = time.perf_counter()
         pub = self._delta(version, tensors, full) if self._wants_delta(tensors, full) else None
         if pub is None:
-            manifest = build_manifest(run_id=self.run_id, version=version, tensors=tensors,
-                                      payload=full, chunk_size=self.chunk_size, dtype=self.dtype,
-                                      key=self.key, base_model=self.base_model)
-            pub = Publication(manifest, full, full, DeltaStats(full_bytes=len(full),
-                                                               payload_bytes=len(full)))
+            manifest = build_manifest(
+                run_id=self.run_id,
+                version=version,
+                tensors=tensors,
+                payload=full,
+                chunk_size=self.chunk_size,
+                dtype=self.dtype,
+                key=self.key,
+                base_model=self.base_model,
+            )
+            pub = Publication(
+                manifest, full, full, DeltaStats(full_bytes=len(full), payload_bytes=len(full))
+            )
             self._since_keyframe = 0
         else:
             self._since_keyframe += 1
@@ -70,16 +87,26 @@ class VersionEncoder:
         _, base_tensors, base = self._base
         return base_tensors == tensors and len(base) == len(full)
 
-    def _delta(self, version: int, tensors: list[dict[str, Any]], full: bytes) -> Publication | None:
+    def _delta(
+        self, version: int, tensors: list[dict[str, Any]], full: bytes
+    ) -> Publication | None:
         assert self._base is not None
         base_version, _, base = self._base
         entries, payload, stats = encode(tensors, full, base)
         if stats.ratio > self.max_ratio:  # most of the model changed: a keyframe costs as much
             return None
-        manifest = build_manifest(run_id=self.run_id, version=version, tensors=entries,
-                                  payload=payload, chunk_size=self.chunk_size, dtype=self.dtype,
-                                  key=self.key, base_version=base_version, result=full,
-                                  base_model=self.base_model)
+        manifest = build_manifest(
+            run_id=self.run_id,
+            version=version,
+            tensors=entries,
+            payload=payload,
+            chunk_size=self.chunk_size,
+            dtype=self.dtype,
+            key=self.key,
+            base_version=base_version,
+            result=full,
+            base_model=self.base_model,
+        )
         return Publication(manifest, payload, full, stats)
 
 
@@ -87,8 +114,9 @@ class BaseMissing(SnapshotError):
     """This node does not hold the base a delta was made from: it needs a keyframe."""
 
 
-def rebuild(manifest: Manifest, payload: Any, base: Any | None,
-            out: bytearray | None = None) -> Any:
+def rebuild(
+    manifest: Manifest, payload: Any, base: Any | None, out: bytearray | None = None
+) -> Any:
     """The full payload of a verified manifest whose payload chunks all verified.
 
     ``base``: the full payload of ``manifest.base_version`` held here (None: none). Raises
@@ -97,8 +125,10 @@ def rebuild(manifest: Manifest, payload: Any, base: Any | None,
     if manifest.encoding == "full":
         return payload  # its chunks were checked against chunk_hashes == result_hashes
     if base is None:
-        raise BaseMissing(f"version {manifest.version} is a delta from version "
-                          f"{manifest.base_version}, not held here")
+        raise BaseMissing(
+            f"version {manifest.version} is a delta from version "
+            f"{manifest.base_version}, not held here"
+        )
     try:
         result = decode(manifest.tensors, payload, base, manifest.result_size, out)
     except DeltaError as err:
@@ -111,11 +141,15 @@ def check_result(manifest: Manifest, result: Any) -> None:
     """Every chunk of a rebuilt payload against the signed result hashes."""
     view = memoryview(result)
     if len(view) != manifest.result_size:
-        raise SnapshotError(f"version {manifest.version}: rebuilt {len(view)} bytes, the "
-                            f"manifest says {manifest.result_size}")
+        raise SnapshotError(
+            f"version {manifest.version}: rebuilt {len(view)} bytes, the "
+            f"manifest says {manifest.result_size}"
+        )
     hashes = chunk_hashes(view, manifest.chunk_size)
     for i, (got, expected) in enumerate(zip(hashes, manifest.result_hashes)):
         if got != expected:
-            raise SnapshotError(f"version {manifest.version}: rebuilt chunk {i} differs from "
-                                f"the learner's (base {manifest.base_version} not the "
-                                f"learner's?); fetching a keyframe")
+            raise SnapshotError(
+                f"version {manifest.version}: rebuilt chunk {i} differs from "
+                f"the learner's (base {manifest.base_version} not the "
+                f"learner's?); fetching a keyframe"
+            )

@@ -9,7 +9,8 @@ Reads the coordinator's live peers and its relay reports; owns the fetch counts 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from broadcast.nat.links import plain
 from broadcast.reports import ReportBook
@@ -34,14 +35,18 @@ class WholeSources:
         if bad_source:
             self.keyframe_failed.add((bad_source, version))
             self.keyframe_failed = {(e, v) for e, v in self.keyframe_failed if v > newest - KEEP}
-        return self._least_served(worker_id, lambda p: version in p.installed and
-                                  (p.endpoint, version) not in self.keyframe_failed)
+        return self._least_served(
+            worker_id,
+            lambda p: version in p.installed and (p.endpoint, version) not in self.keyframe_failed,
+        )
 
     def base(self, worker_id: str, bad_source: str = "") -> str:
         """For the base model: a peer that holds it whole (it says so in its heartbeats)."""
         if bad_source:
             self.base_failed.add(plain(bad_source))
-        return self._least_served(worker_id, lambda p: p.base and p.endpoint not in self.base_failed)
+        return self._least_served(
+            worker_id, lambda p: p.base and p.endpoint not in self.base_failed
+        )
 
     def forget(self, endpoint: str) -> None:
         """A peer left: its counts go (bounded by the live peers)."""
@@ -50,9 +55,17 @@ class WholeSources:
 
     def _least_served(self, worker_id: str, holds: Callable[[PeerState], bool]) -> str:
         avoided = self.reports.avoided(worker_id, time.monotonic())  # relays it reported
-        held = [p.endpoint for p in self.peers.values()
-                if p.alive and p.endpoint and not p.corrupt and p.nat == "reachable"
-                and holds(p) and p.endpoint not in avoided and p.worker_id != worker_id]
+        held = [
+            p.endpoint
+            for p in self.peers.values()
+            if p.alive
+            and p.endpoint
+            and not p.corrupt
+            and p.nat == "reachable"
+            and holds(p)
+            and p.endpoint not in avoided
+            and p.worker_id != worker_id
+        ]
         best = min(held, key=lambda ep: self.served.get(ep, 0), default=self.root)
         self.served[best] = self.served.get(best, 0) + 1
         return best

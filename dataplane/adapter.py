@@ -100,7 +100,9 @@ class Adapter(ABC):
         prompt. Workers never call it, so they need not hold the data set."""
 
     @abstractmethod
-    def reward(self, task: dict[str, Any], completion_ids: list[int], completion_text: str) -> float:
+    def reward(
+        self, task: dict[str, Any], completion_ids: list[int], completion_text: str
+    ) -> float:
         """The score of one sample (runs on a worker, in a worker thread). ``completion_ids``
         are the sampled ids, end-of-sequence included when the model produced one (none when
         cut at ``worker.max_new_tokens``); ``completion_text`` is
@@ -116,8 +118,12 @@ class Adapter(ABC):
         and names ``--split train``."""
         return None
 
-    def materialise(self, groups: Sequence[Sequence[Record]], adv_eps: float = 1e-4,
-                    scale_rewards: str = "group") -> LearnerBatch:
+    def materialise(
+        self,
+        groups: Sequence[Sequence[Record]],
+        adv_eps: float = 1e-4,
+        scale_rewards: str = "group",
+    ) -> LearnerBatch:
         """Records of whole groups -> the tensors of one step (runs on the learner). This
         default fits every single-turn task and, through ``record_mask``, multi-turn records
         too: every completion token is trained unless the record carries a ``loss_mask``;
@@ -134,8 +140,9 @@ def record_mask(r: Record) -> list[int]:
     return [1] * len(r.completion_ids) if m is None else list(m)
 
 
-def materialise_records(groups: Sequence[Sequence[Record]], advantages: Sequence[float],
-                        pad: int) -> LearnerBatch:
+def materialise_records(
+    groups: Sequence[Sequence[Record]], advantages: Sequence[float], pad: int
+) -> LearnerBatch:
     """Records -> right-padded learner tensors, the loss mask aligned with next-token targets."""
     import torch  # late: the adapter API itself must stay importable without torch
 
@@ -154,13 +161,18 @@ def materialise_records(groups: Sequence[Sequence[Record]], advantages: Sequence
         start = len(r.prompt_ids) - 1
         m = record_mask(r)
         if len(m) != len(r.completion_ids):
-            raise ValueError(f"record {r.group_id}/{r.sample_idx}: loss_mask has {len(m)} entries "
-                             f"for {len(r.completion_ids)} completion tokens")
+            raise ValueError(
+                f"record {r.group_id}/{r.sample_idx}: loss_mask has {len(m)} entries "
+                f"for {len(r.completion_ids)} completion tokens"
+            )
         mask[i, start : len(s) - 1] = torch.tensor(m, dtype=torch.float32)
         # where, not a product: an untrained token's log-prob never enters (-inf * 0 is NaN)
         blp[i, start : len(s) - 1] = torch.where(torch.tensor(m) > 0, torch.tensor(r.logprobs), 0.0)
     return LearnerBatch(
-        input_ids=ids, attention_mask=attn, loss_mask=mask, behaviour_logprobs=blp,
+        input_ids=ids,
+        attention_mask=attn,
+        loss_mask=mask,
+        behaviour_logprobs=blp,
         advantages=torch.tensor(list(advantages), dtype=torch.float32),
         rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
         versions=torch.tensor([r.version for r in records], dtype=torch.long),
@@ -172,14 +184,19 @@ _HOW = {
     "prompts": "prompts(self, rng) -> Iterator[Prompt]: endless prompts (token ids + task dict)",
     "reward": "reward(self, task, completion_ids, completion_text) -> float: scores one sample",
     "materialise": "materialise(self, groups, adv_eps, scale_rewards) -> LearnerBatch (the default "
-                   "fits single-turn)",
+    "fits single-turn)",
     "episode": "episode(self, task, seed, sample_idx): a generator yielding prompt ids and "
-               "returning an EpisodeSample (multi-turn; see dataplane/episodes.py)",
+    "returning an EpisodeSample (multi-turn; see dataplane/episodes.py)",
 }
 
 
-def load_adapter(name: str, options: dict[str, Any], tokenizer: PreTrainedTokenizerBase, *,
-                 check_prompts: bool = True) -> Adapter:
+def load_adapter(
+    name: str,
+    options: dict[str, Any],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    check_prompts: bool = True,
+) -> Adapter:
     """Find ``name`` in the ``echo.adapters`` entry points, check it, instantiate it.
 
     ``check_prompts`` draws one prompt (from a private RNG, so the run's prompt stream is
@@ -192,35 +209,49 @@ def load_adapter(name: str, options: dict[str, Any], tokenizer: PreTrainedTokeni
         raise AdapterError(
             f"adapter {name!r} not found in entry-point group {ENTRY_POINT_GROUP!r} "
             f"(installed: {sorted(eps) or 'none'}): set [adapter] name to one of them, or "
-            f"pip install the package that provides it")
+            f"pip install the package that provides it"
+        )
     try:
         cls = eps[name].load()
     except Exception as exc:
-        raise AdapterError(f"adapter {name!r}: cannot import {eps[name].value} "
-                           f"({type(exc).__name__}: {exc}); fix the entry point in the providing "
-                           f"package's [project.entry-points.\"{ENTRY_POINT_GROUP}\"]") from exc
+        raise AdapterError(
+            f"adapter {name!r}: cannot import {eps[name].value} "
+            f"({type(exc).__name__}: {exc}); fix the entry point in the providing "
+            f'package\'s [project.entry-points."{ENTRY_POINT_GROUP}"]'
+        ) from exc
     if not (isinstance(cls, type) and issubclass(cls, Adapter)):
-        raise AdapterError(f"adapter {name!r} ({eps[name].value}) is not a subclass of "
-                           f"dataplane.adapter.Adapter: derive from it")
-    missing = [m for m in _REQUIRED if getattr(cls, m, None) is None
-               or getattr(getattr(cls, m), "__isabstractmethod__", False)]
+        raise AdapterError(
+            f"adapter {name!r} ({eps[name].value}) is not a subclass of "
+            f"dataplane.adapter.Adapter: derive from it"
+        )
+    missing = [
+        m
+        for m in _REQUIRED
+        if getattr(cls, m, None) is None or getattr(getattr(cls, m), "__isabstractmethod__", False)
+    ]
     missing += sorted(set(getattr(cls, "__abstractmethods__", ())) - set(missing))
     if missing:
-        raise AdapterError(f"adapter {name!r} does not implement {missing}: add "
-                           + "; ".join(_HOW.get(m, f"{m}(...)") for m in missing)
-                           + " (see docs/adapters.md)")
+        raise AdapterError(
+            f"adapter {name!r} does not implement {missing}: add "
+            + "; ".join(_HOW.get(m, f"{m}(...)") for m in missing)
+            + " (see docs/adapters.md)"
+        )
     try:
         adapter = cls(options, tokenizer)
     except AdapterError:
         raise
     except TypeError as exc:
-        raise AdapterError(f"adapter {name!r}: cannot construct {cls.__name__}(options, tokenizer) "
-                           f"({exc}); its __init__ must take (options: dict, tokenizer)") from exc
+        raise AdapterError(
+            f"adapter {name!r}: cannot construct {cls.__name__}(options, tokenizer) "
+            f"({exc}); its __init__ must take (options: dict, tokenizer)"
+        ) from exc
     except Exception as exc:  # a start-up error all the same: one line, not a traceback
-        raise AdapterError(f"adapter {name!r}: {cls.__name__}(options, tokenizer) failed "
-                           f"({type(exc).__name__}: {exc}); check the adapter's options "
-                           f"([adapter.options], [adapter.presets.{name}]) against what it "
-                           f"takes") from exc
+        raise AdapterError(
+            f"adapter {name!r}: {cls.__name__}(options, tokenizer) failed "
+            f"({type(exc).__name__}: {exc}); check the adapter's options "
+            f"([adapter.options], [adapter.presets.{name}]) against what it "
+            f"takes"
+        ) from exc
     if check_prompts:
         check_adapter(adapter, tokenizer, name)
     return adapter
@@ -237,23 +268,32 @@ def check_adapter(adapter: Adapter, tokenizer: PreTrainedTokenizerBase, name: st
     except AdapterError:
         raise
     except StopIteration:
-        raise AdapterError(f"adapter {name!r}: prompts() yielded nothing; it must be an endless "
-                           f"iterator of Prompt (cycle or sample the data set)") from None
+        raise AdapterError(
+            f"adapter {name!r}: prompts() yielded nothing; it must be an endless "
+            f"iterator of Prompt (cycle or sample the data set)"
+        ) from None
     except Exception as exc:
-        raise AdapterError(f"adapter {name!r}: prompts(rng) failed ({type(exc).__name__}: "
-                           f"{exc})") from exc
+        raise AdapterError(
+            f"adapter {name!r}: prompts(rng) failed ({type(exc).__name__}: {exc})"
+        ) from exc
     if not isinstance(prompt, Prompt):
-        raise AdapterError(f"adapter {name!r}: prompts() yielded a {type(prompt).__name__}, "
-                           f"expected dataplane.adapter.Prompt(prompt_ids=[int, ...], task={{...}})")
+        raise AdapterError(
+            f"adapter {name!r}: prompts() yielded a {type(prompt).__name__}, "
+            f"expected dataplane.adapter.Prompt(prompt_ids=[int, ...], task={{...}})"
+        )
     ids = prompt.prompt_ids
     if not isinstance(ids, list) or not ids or any(type(t) is not int for t in ids):
-        raise AdapterError(f"adapter {name!r}: Prompt.prompt_ids must be a non-empty list of int "
-                           f"token ids (got {type(ids).__name__} {str(ids)[:60]}); encode the text "
-                           f"with the tokenizer and pass a plain list")
+        raise AdapterError(
+            f"adapter {name!r}: Prompt.prompt_ids must be a non-empty list of int "
+            f"token ids (got {type(ids).__name__} {str(ids)[:60]}); encode the text "
+            f"with the tokenizer and pass a plain list"
+        )
     vocab = len(tokenizer) if tokenizer is not None else None
     if vocab is not None and not all(0 <= t < vocab for t in ids):
-        raise AdapterError(f"adapter {name!r}: Prompt.prompt_ids holds ids outside the "
-                           f"tokenizer's vocabulary [0, {vocab})")
+        raise AdapterError(
+            f"adapter {name!r}: Prompt.prompt_ids holds ids outside the "
+            f"tokenizer's vocabulary [0, {vocab})"
+        )
     unk = getattr(tokenizer, "unk_token_id", None)
     if unk is not None and unk in ids:
         # The tokenizer met characters it cannot spell and put <unk> in their place: the
@@ -261,13 +301,17 @@ def check_adapter(adapter: Adapter, tokenizer: PreTrainedTokenizerBase, name: st
         raise AdapterError(
             f"adapter {name!r}: a prompt holds {ids.count(unk)} unknown token(s) (<unk>): the "
             f"tokenizer cannot spell some of its characters ({tokenizer.decode(ids)[:80]!r}). "
-            f"With the tiny model set model.tiny_vocab = \"text\" (letters, space, "
-            f"punctuation), or use a real model (model.name = a Hugging Face folder)")
+            f'With the tiny model set model.tiny_vocab = "text" (letters, space, '
+            f"punctuation), or use a real model (model.name = a Hugging Face folder)"
+        )
     if not isinstance(prompt.task, dict):
-        raise AdapterError(f"adapter {name!r}: Prompt.task must be a dict (got "
-                           f"{type(prompt.task).__name__})")
+        raise AdapterError(
+            f"adapter {name!r}: Prompt.task must be a dict (got {type(prompt.task).__name__})"
+        )
     try:
         msgpack.packb(prompt.task, use_bin_type=True, strict_types=False)
     except Exception as exc:
-        raise AdapterError(f"adapter {name!r}: Prompt.task must travel to workers as msgpack "
-                           f"(str, int, float, bool, None, lists and dicts of them): {exc}") from None
+        raise AdapterError(
+            f"adapter {name!r}: Prompt.task must travel to workers as msgpack "
+            f"(str, int, float, bool, None, lists and dicts of them): {exc}"
+        ) from None

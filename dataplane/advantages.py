@@ -44,8 +44,9 @@ def group_advantages(rewards: Sequence[float], eps: float = 1e-4) -> list[float]
     return [(x - mean) / (std + eps / scale) for x in z]
 
 
-def batch_advantages(groups: Sequence[Sequence[float]], eps: float = 1e-4,
-                     scale: str = "group") -> list[float]:
+def batch_advantages(
+    groups: Sequence[Sequence[float]], eps: float = 1e-4, scale: str = "group"
+) -> list[float]:
     """Advantages of every reward of ``groups`` (one list of rewards per group), flattened in
     order: centred on each group's mean, divided per ``scale``."""
     if scale == "group":

@@ -40,29 +40,37 @@ class AnswerTokensError(AdapterError):
     line with its fix like every other ``AdapterError``."""
 
 
-def check_answer_tokens(tokens: Sequence[int] | None, vocab_size: int, max_new_tokens: int,
-                        eos_token_id: int | None) -> tuple[int, ...] | None:
+def check_answer_tokens(
+    tokens: Sequence[int] | None, vocab_size: int, max_new_tokens: int, eos_token_id: int | None
+) -> tuple[int, ...] | None:
     """The validated set (sorted, unique), or None when the adapter does not restrict."""
     if tokens is None:
         return None
     out = tuple(sorted({int(t) for t in tokens}))
     if not out:
-        raise AnswerTokensError("the adapter's answer_tokens is empty: no answer could be "
-                                "generated; leave it unset to allow the whole vocabulary")
+        raise AnswerTokensError(
+            "the adapter's answer_tokens is empty: no answer could be "
+            "generated; leave it unset to allow the whole vocabulary"
+        )
     bad = [t for t in out if not 0 <= t < vocab_size]
     if bad:
-        raise AnswerTokensError(f"answer_tokens {bad[:8]} lie outside the vocabulary "
-                                f"(0..{vocab_size - 1}): the adapter built them for another "
-                                f"tokenizer")
+        raise AnswerTokensError(
+            f"answer_tokens {bad[:8]} lie outside the vocabulary "
+            f"(0..{vocab_size - 1}): the adapter built them for another "
+            f"tokenizer"
+        )
     if max_new_tokens > 1 and eos_token_id not in out:
         raise AnswerTokensError(
             f"the adapter restricts answers to {len(out)} tokens without end-of-sequence, so "
             f"every answer would run to worker.max_new_tokens = {max_new_tokens}: set "
-            f"worker.max_new_tokens = 1, or let the adapter allow the end-of-sequence token")
+            f"worker.max_new_tokens = 1, or let the adapter allow the end-of-sequence token"
+        )
     return out
 
 
-def answer_bias(tokens: Sequence[int], width: int, device: torch.device | str | None = None) -> Tensor:
+def answer_bias(
+    tokens: Sequence[int], width: int, device: torch.device | str | None = None
+) -> Tensor:
     """[width] float32: 0 on the allowed tokens, -inf elsewhere (added to logits)."""
     import torch
 

@@ -127,8 +127,9 @@ def _fields(cls: type) -> list[str]:
             continue
         if name in dc:
             f = dc[name]
-            value = (f.default_factory() if f.default_factory is not dataclasses.MISSING
-                     else f.default)
+            value = (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            )
         else:
             value = cls.__dict__.get(name, dataclasses.MISSING)
         ann = str(ann).replace("|", "\\|")
@@ -162,7 +163,9 @@ def undocumented() -> list[str]:
     for mod, name, obj in [*_public(), ("dataplane.records", "Record", Record)]:
         if isinstance(obj, type):
             missing += [f"{mod}.{name}.{f}" for f in _field_words(obj) if not _field_words(obj)[f]]
-            missing += [f"{mod}.{name}.{m}" for m, f in _members(obj) if not (f.__doc__ or "").strip()]
+            missing += [
+                f"{mod}.{name}.{m}" for m, f in _members(obj) if not (f.__doc__ or "").strip()
+            ]
             if not (obj.__doc__ or "").strip():
                 missing.append(f"{mod}.{name}")
         elif name not in ALIASES and not (getattr(obj, "__doc__", "") or "").strip():
@@ -195,20 +198,22 @@ def _class(name: str, cls: type) -> list[str]:
         if isinstance(obj, property):
             rows += [f"#### property `{m}`", "", _text(obj.__doc__), ""]
             continue
-        abstract = " (abstract: implement it)" if getattr(obj, "__isabstractmethod__", False) else ""
+        abstract = (
+            " (abstract: implement it)" if getattr(obj, "__isabstractmethod__", False) else ""
+        )
         rows += [f"#### `{_sig(m, obj)}`{abstract}", "", _text(obj.__doc__), ""]
     return rows
 
 
 ALIASES = {
     "Generated": "`(generated_ids, logprobs)` for one decision: the ids as generated (the "
-                 "end-of-sequence token included when the model produced one) and one behaviour "
-                 "log-prob per id.",
+    "end-of-sequence token included when the model produced one) and one behaviour "
+    "log-prob per id.",
     "GenerateFn": "What `rollout` receives: the worker's batched generation, one call per round "
-                  "of decisions across all episodes; each context is continued for at most "
-                  "`worker.max_new_tokens` tokens under the installed snapshot.",
+    "of decisions across all episodes; each context is continued for at most "
+    "`worker.max_new_tokens` tokens under the installed snapshot.",
     "Episode": "What `episode` returns: a generator that yields contexts (list of ids), is sent "
-               "a `Generated`, and returns an `EpisodeSample`.",
+    "a `Generated`, and returns an `EpisodeSample`.",
 }
 
 
@@ -223,25 +228,36 @@ def render() -> str:
             current = mod
             parts += [f"## `{mod}`", "", _text(sys.modules[mod].__doc__).split("\n\n")[0], ""]
             if mod == "dataplane.episodes":
-                parts += [f"### type `{a}` = `{getattr(episodes, a)}`".replace("typing.", "")
-                          .replace("collections.abc.", "") + f"\n\n{ALIASES[a]}\n"
-                          for a in ALIASES]
+                parts += [
+                    f"### type `{a}` = `{getattr(episodes, a)}`".replace("typing.", "").replace(
+                        "collections.abc.", ""
+                    )
+                    + f"\n\n{ALIASES[a]}\n"
+                    for a in ALIASES
+                ]
         if name in ALIASES:
             continue
         if isinstance(obj, type):
             parts += _class(name, obj)
         else:
             parts += [f"### `{_sig(name, obj)}`", "", _text(obj.__doc__), ""]
-    parts += ["## `dataplane.records`", "",
-              ("What `materialise` receives: lists of whole groups of `Record`s, each validated "
-               "field by field at admission (docs/adapters.md, 'Records')."), ""]
+    parts += [
+        "## `dataplane.records`",
+        "",
+        (
+            "What `materialise` receives: lists of whole groups of `Record`s, each validated "
+            "field by field at admission (docs/adapters.md, 'Records')."
+        ),
+        "",
+    ]
     parts += _class("Record", Record)
     return "\n".join(parts).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    return page_cli(argv, render, "Print docs/adapter_api.md from the adapter API's code.",
-                    "dataplane.api_doc")
+    return page_cli(
+        argv, render, "Print docs/adapter_api.md from the adapter API's code.", "dataplane.api_doc"
+    )
 
 
 if __name__ == "__main__":

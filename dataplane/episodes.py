@@ -27,8 +27,13 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dataplane.adapter import (Adapter, AdapterError, LearnerBatch, materialise_records,  # noqa: F401
-                               record_mask)
+from dataplane.adapter import (
+    Adapter,
+    AdapterError,
+    LearnerBatch,
+    materialise_records,  # noqa: F401
+    record_mask,  # noqa: F401  (re-exported)
+)
 from dataplane.advantages import batch_advantages
 from dataplane.records import Record
 
@@ -64,8 +69,10 @@ class EpisodeSample:
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
         if len(self.logprobs) != n or len(self.loss_mask) != n:
-            raise ValueError(f"episode sample: {n} ids, {len(self.logprobs)} log-probs, "
-                             f"{len(self.loss_mask)} mask entries")
+            raise ValueError(
+                f"episode sample: {n} ids, {len(self.logprobs)} log-probs, "
+                f"{len(self.loss_mask)} mask entries"
+            )
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,11 @@ class EpisodeRecord(Record):
     loss_mask: list[int] | None = None  # per completion token, 1 where trained (None: all)
 
 
-def drive(episodes: Sequence[Episode], generate: GenerateFn,
-          replay: dict[int, list[Generated]] | None = None) -> list[EpisodeSample]:
+def drive(
+    episodes: Sequence[Episode],
+    generate: GenerateFn,
+    replay: dict[int, list[Generated]] | None = None,
+) -> list[EpisodeSample]:
     """Run episodes in lockstep: every round, all pending decisions go to one ``generate``.
     ``replay[i]``: decisions episode ``i`` already made elsewhere (a continuation after a
     preemption, docs/preemption.md): fed back in order before it asks ``generate``. A
@@ -139,8 +149,9 @@ class Cut(Exception):
     decisions: dict[int, list[Generated]] = {}
 
 
-def backend_generate_fn(backend: Any, max_new_tokens: int, temperature: float, seed: int,
-                        stop: Any = None) -> GenerateFn:
+def backend_generate_fn(
+    backend: Any, max_new_tokens: int, temperature: float, seed: int, stop: Any = None
+) -> GenerateFn:
     """A ``generate`` over a worker ``Backend`` (its ``generate`` takes wire groups): each
     prompt becomes a one-sample group; the seed advances every call so decisions differ.
     ``stop`` (an event) set: the next call raises ``Cut`` instead of generating."""
@@ -152,8 +163,12 @@ def backend_generate_fn(backend: Any, max_new_tokens: int, temperature: float, s
         if stop is not None and stop.is_set():
             raise Cut()
         k = next(calls)
-        groups = [wire.Group(group_id=f"ep{k}.{i}", prompt_ids=p, n=1,
-                             seed=(seed * 1_000_003 + k) % (1 << 62)) for i, p in enumerate(prompts)]
+        groups = [
+            wire.Group(
+                group_id=f"ep{k}.{i}", prompt_ids=p, n=1, seed=(seed * 1_000_003 + k) % (1 << 62)
+            )
+            for i, p in enumerate(prompts)
+        ]
         out = backend.generate(groups, max_new_tokens, temperature)
         return [(s[0].completion_ids, s[0].logprobs) for s in out]
 
@@ -204,13 +219,18 @@ class EpisodeAdapter(Adapter):
             k += g.n
         return out
 
-    def reward(self, task: dict[str, Any], completion_ids: list[int], completion_text: str) -> float:
+    def reward(
+        self, task: dict[str, Any], completion_ids: list[int], completion_text: str
+    ) -> float:
         """Not used: an episode returns its reward in ``EpisodeSample.reward``; raises."""
-        raise AdapterError(f"{type(self).__name__} is a multi-turn adapter: workers must call "
-                           f"rollout(groups, generate), not reward() (see dataplane/episodes.py)")
+        raise AdapterError(
+            f"{type(self).__name__} is a multi-turn adapter: workers must call "
+            f"rollout(groups, generate), not reward() (see dataplane/episodes.py)"
+        )
 
-    def advantages(self, groups: Sequence[Sequence[Record]], adv_eps: float,
-                   scale_rewards: str = "group") -> list[float]:
+    def advantages(
+        self, groups: Sequence[Sequence[Record]], adv_eps: float, scale_rewards: str = "group"
+    ) -> list[float]:
         """One advantage per record: rewards normalised within each group, or across the
         batch when ``group_by == "batch"``."""
         rewards = [[r.reward for r in g] for g in groups]
@@ -218,12 +238,19 @@ class EpisodeAdapter(Adapter):
             rewards = [[x for g in rewards for x in g]]
         return batch_advantages(rewards, adv_eps, scale_rewards)
 
-    def materialise(self, groups: Sequence[Sequence[Record]], adv_eps: float = 1e-4,
-                    scale_rewards: str = "group") -> LearnerBatch:
+    def materialise(
+        self,
+        groups: Sequence[Sequence[Record]],
+        adv_eps: float = 1e-4,
+        scale_rewards: str = "group",
+    ) -> LearnerBatch:
         """``Adapter.materialise`` with ``advantages``: the records' ``loss_mask`` puts the
         sequence advantage on the policy's tokens only (environment tokens get none)."""
-        return materialise_masked(groups, self.advantages(groups, adv_eps, scale_rewards),
-                                  self.tokenizer.pad_token_id or 0)
+        return materialise_masked(
+            groups,
+            self.advantages(groups, adv_eps, scale_rewards),
+            self.tokenizer.pad_token_id or 0,
+        )
 
 
 # One implementation for single- and multi-turn records (the mask decides what is trained).

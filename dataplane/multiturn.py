@@ -28,12 +28,19 @@ if TYPE_CHECKING:  # annotations only: importing the API does not import transfo
     from transformers import PreTrainedTokenizerBase
 
 
-def render_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]],
-               add_generation_prompt: bool = False) -> list[int]:
+def render_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict[str, str]],
+    add_generation_prompt: bool = False,
+) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template."""
     # a list of ids, or by transformers version a mapping holding them (BatchEncoding)
-    out: Any = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                             tokenize=True, return_dict=False)
+    out: Any = tokenizer.apply_chat_template(
+        list(messages),
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        return_dict=False,
+    )
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return [int(t) for t in out]
@@ -60,7 +67,9 @@ class ChatFormat:
     turn_end: tuple[int, ...]
 
     @classmethod
-    def learn(cls, tokenizer: PreTrainedTokenizerBase, turn_start_token: str | None = None) -> "ChatFormat":
+    def learn(
+        cls, tokenizer: PreTrainedTokenizerBase, turn_start_token: str | None = None
+    ) -> ChatFormat:
         """Learn the format from ``tokenizer``'s chat template by rendering probe
         conversations; ``turn_start_token`` overrides the guessed turn-start token. Raises
         ``AdapterError`` when the tokenizer has no chat template or one it cannot read."""
@@ -69,8 +78,10 @@ class ChatFormat:
         u = [{"role": "user", "content": "1"}]
         base, gen = render_ids(tokenizer, u), render_ids(tokenizer, u, True)
         if gen[: len(base)] != base or len(gen) == len(base):
-            raise AdapterError("the chat template's generation prompt does not extend the "
-                               "conversation; cannot find the assistant header")
+            raise AdapterError(
+                "the chat template's generation prompt does not extend the "
+                "conversation; cannot find the assistant header"
+            )
         header = gen[len(base) :]
         content = list(tokenizer.encode("7", add_special_tokens=False))
         full = render_ids(tokenizer, u + [{"role": "assistant", "content": "7"}])
@@ -79,15 +90,19 @@ class ChatFormat:
             raise AdapterError("cannot locate an assistant message's content in the chat template")
         turn_end = full[at + len(content) :]
         if not turn_end:
-            raise AdapterError("the chat template ends assistant messages with nothing; an "
-                               "end-of-turn token is needed to delimit actions")
+            raise AdapterError(
+                "the chat template ends assistant messages with nothing; an "
+                "end-of-turn token is needed to delimit actions"
+            )
         if turn_start_token is not None:
             start = tokenizer.convert_tokens_to_ids(turn_start_token)
         else:
             start = header[0]
         if start not in base:
-            raise AdapterError(f"turn-start token id {start} does not open the user turn of the "
-                               f"chat template; set the adapter's turn_start_token option")
+            raise AdapterError(
+                f"turn-start token id {start} does not open the user turn of the "
+                f"chat template; set the adapter's turn_start_token option"
+            )
         return cls(tuple(header), int(start), tuple(turn_end))
 
     @property
@@ -111,9 +126,11 @@ def assistant_mask(ids: Sequence[int], roles: Sequence[str], fmt: ChatFormat) ->
     after its role header, up to and including the end-of-turn token."""
     turns = turn_indices(ids, fmt.turn_start)
     if max(turns, default=0) != len(roles):
-        raise AdapterError(f"{max(turns, default=0)} turn-start tokens for {len(roles)} messages: "
-                           f"the turn-start token also appears inside message text, or the "
-                           f"template adds turns; set turn_start_token")
+        raise AdapterError(
+            f"{max(turns, default=0)} turn-start tokens for {len(roles)} messages: "
+            f"the turn-start token also appears inside message text, or the "
+            f"template adds turns; set turn_start_token"
+        )
     mask = [0] * len(ids)
     t = 0
     while t < len(ids):
@@ -159,7 +176,9 @@ class Transcript:
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
 
-    def add_action(self, ids: Sequence[int], logprobs: Sequence[float], trained: bool = True) -> None:
+    def add_action(
+        self, ids: Sequence[int], logprobs: Sequence[float], trained: bool = True
+    ) -> None:
         """Append a decision's ids as generated with their behaviour log-probs; ``trained``
         False keeps them in the transcript without training them (a forced move)."""
         if len(ids) != len(logprobs):
@@ -184,7 +203,9 @@ class ChatBuilder:
     otherwise concatenated pieces would differ from a full rendering, and it refuses.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, system: str, fmt: ChatFormat | None = None):
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, system: str, fmt: ChatFormat | None = None
+    ):
         """``system``: the system message every episode starts with; ``fmt``: learnt from
         the tokenizer's chat template when not given (``ChatFormat.learn``, which raises
         ``AdapterError`` for a tokenizer without one). The tiny model's tokenizer has a small
@@ -203,9 +224,11 @@ class ChatBuilder:
     def _delta(self, content: str, gen: bool) -> list[int]:
         full = render_ids(self.tokenizer, self._sys + [{"role": "user", "content": content}], gen)
         if full[: len(self.system_ids)] != self.system_ids:
-            raise AdapterError("the chat template does not render the system turn as a prefix of "
-                               "longer conversations; multi-turn transcripts cannot be built "
-                               "incrementally with it")
+            raise AdapterError(
+                "the chat template does not render the system turn as a prefix of "
+                "longer conversations; multi-turn transcripts cannot be built "
+                "incrementally with it"
+            )
         return full[len(self.system_ids) :]
 
     def user(self, content: str) -> list[int]:
@@ -227,11 +250,16 @@ class ChatBuilder:
     def action_text(self, content: str) -> list[int]:
         """Ids of an action written as text (an assistant message's content, end-of-turn
         token included), as the full template renders it."""
-        return list(self.tokenizer.encode(content, add_special_tokens=False)) + [self.fmt.end_of_turn]
+        return list(self.tokenizer.encode(content, add_special_tokens=False)) + [
+            self.fmt.end_of_turn
+        ]
 
 
-def log_to_sample(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]],
-                  fmt: ChatFormat | None = None) -> tuple[list[int], list[int], list[int]]:
+def log_to_sample(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict[str, str]],
+    fmt: ChatFormat | None = None,
+) -> tuple[list[int], list[int], list[int]]:
     """Appendix D for one conversation: (ids, per-token turn index, per-token assistant mask)."""
     fmt = fmt or ChatFormat.learn(tokenizer)
     ids = render_ids(tokenizer, messages)

@@ -75,8 +75,14 @@ class Limits:
 LOGPROB_TOLERANCE = 1e-4
 
 _FIELDS: dict[str, type | tuple[type, ...]] = {
-    "group_id": str, "sample_idx": int, "prompt_ids": list, "completion_ids": list,
-    "logprobs": list, "reward": (float, int), "version": int, "worker_id": str,
+    "group_id": str,
+    "sample_idx": int,
+    "prompt_ids": list,
+    "completion_ids": list,
+    "logprobs": list,
+    "reward": (float, int),
+    "version": int,
+    "worker_id": str,
     "gen_s": (float, int),
 }
 
@@ -94,16 +100,20 @@ def _check_logprobs(logprobs: list[object], floor: float) -> None:
     a zero mask is NaN."""
     for lp in logprobs:
         if not isinstance(lp, (float, int)) or isinstance(lp, bool):
-            raise RecordError("invalid_fields", f"logprobs hold {type(lp).__name__}, expected float")
+            raise RecordError(
+                "invalid_fields", f"logprobs hold {type(lp).__name__}, expected float"
+            )
         lp = _as_float(lp, "non_finite_logprob")
         if not math.isfinite(lp):
             raise RecordError("non_finite_logprob", f"behaviour log-prob {lp!r} is not finite")
         if lp > LOGPROB_TOLERANCE:
             raise RecordError("bad_logprob", f"behaviour log-prob {lp!r} is above 0")
         if lp < floor:
-            raise RecordError("logprob_below_floor",
-                              f"behaviour log-prob {lp!r} is below the floor {floor:g}; a sampled "
-                              f"token cannot be this unlikely (learner.min_behaviour_logprob)")
+            raise RecordError(
+                "logprob_below_floor",
+                f"behaviour log-prob {lp!r} is below the floor {floor:g}; a sampled "
+                f"token cannot be this unlikely (learner.min_behaviour_logprob)",
+            )
 
 
 def _as_float(x: float | int, reason: str) -> float:
@@ -120,9 +130,11 @@ def _check_reward(reward: float | int, bound: float) -> None:
     if not math.isfinite(reward):
         raise RecordError("non_finite_reward", f"reward {reward!r}")
     if abs(reward) > bound:
-        raise RecordError("reward_out_of_range",
-                          f"reward {reward!r} is outside [-{bound:g}, {bound:g}]: scale the "
-                          f"adapter's rewards down, or raise learner.max_abs_reward (at most 1e30)")
+        raise RecordError(
+            "reward_out_of_range",
+            f"reward {reward!r} is outside [-{bound:g}, {bound:g}]: scale the "
+            f"adapter's rewards down, or raise learner.max_abs_reward (at most 1e30)",
+        )
 
 
 MAX_VERSION_RUNS = 64
@@ -133,19 +145,35 @@ def check_versions(runs: Any, n: int, oldest: int) -> None:
     runs of different versions, and ``oldest`` (the record's ``version``, which the staleness
     rule judges) the smallest. Runs need not increase: a worker that continues a sample may
     hold an older snapshot than the one that started it."""
-    ok = (isinstance(runs, list) and 1 <= len(runs) <= MAX_VERSION_RUNS
-          and all(isinstance(r, (list, tuple)) and len(r) == 2
-                  and all(type(x) is int for x in r) and r[1] >= 1 for r in runs))
+    ok = (
+        isinstance(runs, list)
+        and 1 <= len(runs) <= MAX_VERSION_RUNS
+        and all(
+            isinstance(r, (list, tuple))
+            and len(r) == 2
+            and all(type(x) is int for x in r)
+            and r[1] >= 1
+            for r in runs
+        )
+    )
     if not ok:
-        raise RecordError("bad_versions", f"versions must be 1..{MAX_VERSION_RUNS} [version, "
-                          f"count] pairs of ints with count >= 1")
+        raise RecordError(
+            "bad_versions",
+            f"versions must be 1..{MAX_VERSION_RUNS} [version, "
+            f"count] pairs of ints with count >= 1",
+        )
     if sum(r[1] for r in runs) != n:
-        raise RecordError("bad_versions", f"versions cover {sum(r[1] for r in runs)} tokens, "
-                          f"the completion has {n}")
+        raise RecordError(
+            "bad_versions",
+            f"versions cover {sum(r[1] for r in runs)} tokens, the completion has {n}",
+        )
     vs = [r[0] for r in runs]
     if min(vs) != oldest or any(b == a for a, b in zip(vs, vs[1:])):
-        raise RecordError("bad_versions", f"versions {vs[:8]}: adjacent runs must differ and the "
-                          f"oldest must be the record's version {oldest}")
+        raise RecordError(
+            "bad_versions",
+            f"versions {vs[:8]}: adjacent runs must differ and the "
+            f"oldest must be the record's version {oldest}",
+        )
 
 
 def _check_answers(ids: list[int], mask: list[int] | None, allowed: frozenset[int]) -> None:
@@ -153,8 +181,11 @@ def _check_answers(ids: list[int], mask: list[int] | None, allowed: frozenset[in
     a worker that samples outside the adapter's set is not running the run's sampler."""
     bad = [t for t, m in zip(ids, mask or [1] * len(ids)) if m and t not in allowed]
     if bad:
-        raise RecordError("bad_answer_token", f"trained tokens {sorted(set(bad))[:8]} are not "
-                          f"among the adapter's answer tokens {sorted(allowed)[:16]}")
+        raise RecordError(
+            "bad_answer_token",
+            f"trained tokens {sorted(set(bad))[:8]} are not "
+            f"among the adapter's answer tokens {sorted(allowed)[:16]}",
+        )
 
 
 def parse_record(obj: Any, limits: Limits) -> Record:
@@ -168,19 +199,25 @@ def parse_record(obj: Any, limits: Limits) -> Record:
         if name not in obj:
             raise RecordError("invalid_fields", f"record misses {name!r}")
         if not isinstance(obj[name], typ) or isinstance(obj[name], bool):
-            raise RecordError("invalid_fields", f"record field {name!r} has type "
-                              f"{type(obj[name]).__name__}")
+            raise RecordError(
+                "invalid_fields", f"record field {name!r} has type {type(obj[name]).__name__}"
+            )
     _check_ids(obj["prompt_ids"], limits.vocab_size, "prompt_ids")
     _check_ids(obj["completion_ids"], limits.vocab_size, "completion_ids")
     n = len(obj["completion_ids"])
     if not 1 <= n <= limits.max_new_tokens:
-        raise RecordError("bad_length", f"{n} completion tokens, expected 1..{limits.max_new_tokens}")
+        raise RecordError(
+            "bad_length", f"{n} completion tokens, expected 1..{limits.max_new_tokens}"
+        )
     if len(obj["logprobs"]) != n:
         raise RecordError("bad_length", f"{len(obj['logprobs'])} logprobs for {n} tokens")
     _check_logprobs(obj["logprobs"], limits.min_logprob)
     mask = obj.get("loss_mask")
-    if mask is not None and (not isinstance(mask, list) or len(mask) != n
-                             or any(type(m) is not int or m not in (0, 1) for m in mask)):
+    if mask is not None and (
+        not isinstance(mask, list)
+        or len(mask) != n
+        or any(type(m) is not int or m not in (0, 1) for m in mask)
+    ):
         raise RecordError("bad_loss_mask", f"loss_mask must be a list of {n} ints in {{0, 1}}")
     if limits.answer_tokens is not None:
         _check_answers(obj["completion_ids"], mask, limits.answer_tokens)
@@ -189,11 +226,23 @@ def parse_record(obj: Any, limits: Limits) -> Record:
     _check_reward(obj["reward"], limits.max_abs_reward)
     gen_s = _as_float(obj["gen_s"], "bad_gen_s")
     if not math.isfinite(gen_s) or gen_s < 0:
-        raise RecordError("bad_gen_s", f"gen_s {obj['gen_s']!r} is not a finite number of seconds >= 0")
+        raise RecordError(
+            "bad_gen_s", f"gen_s {obj['gen_s']!r} is not a finite number of seconds >= 0"
+        )
     if not 0 <= obj["sample_idx"] < limits.group_size:
-        raise RecordError("bad_sample_idx",
-                          f"sample_idx {obj['sample_idx']} outside [0, {limits.group_size})")
-    return Record(**{**obj, "reward": float(obj["reward"]), "gen_s": float(obj["gen_s"]),
-                     "logprobs": [float(x) for x in obj["logprobs"]],
-                     **({"versions": [list(r) for r in obj["versions"]]}
-                        if obj.get("versions") is not None else {})})
+        raise RecordError(
+            "bad_sample_idx", f"sample_idx {obj['sample_idx']} outside [0, {limits.group_size})"
+        )
+    return Record(
+        **{
+            **obj,
+            "reward": float(obj["reward"]),
+            "gen_s": float(obj["gen_s"]),
+            "logprobs": [float(x) for x in obj["logprobs"]],
+            **(
+                {"versions": [list(r) for r in obj["versions"]]}
+                if obj.get("versions") is not None
+                else {}
+            ),
+        }
+    )

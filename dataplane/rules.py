@@ -52,13 +52,22 @@ def fair_share(max_outstanding: int, active_workers: int) -> int:
     return max(1, math.ceil(max_outstanding / max(1, active_workers)))
 
 
-def grant_size(ask: int, max_outstanding: int, in_flight: int, buffered: int,
-               active_workers: int, probation: bool = False) -> int:
+def grant_size(
+    ask: int,
+    max_outstanding: int,
+    in_flight: int,
+    buffered: int,
+    active_workers: int,
+    probation: bool = False,
+) -> int:
     """How many new groups one request gets. A worker on probation (not yet measured) gets one
     group at a time: its first delivery then comes after one group's generation, within the
     probation window even on a slow GPU, and a joiner that never delivers holds one group."""
-    return min(ask, 1 if probation else fair_share(max_outstanding, active_workers),
-               room(max_outstanding, in_flight, buffered))
+    return min(
+        ask,
+        1 if probation else fair_share(max_outstanding, active_workers),
+        room(max_outstanding, in_flight, buffered),
+    )
 
 
 @dataclass(slots=True)

@@ -35,14 +35,16 @@ def build_chatml_char_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHATML_SPECIALS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>",
-                                   eos_token="<|im_end|>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>"
+    )
     fast.chat_template = CHATML_TEMPLATE
     return fast
 
 
-def write_entry_points(site: str | Path, dist_name: str, adapters: dict[str, str],
-                       group: str = "echo.adapters") -> Path:
+def write_entry_points(
+    site: str | Path, dist_name: str, adapters: dict[str, str], group: str = "echo.adapters"
+) -> Path:
     """Make ``site`` look like an installed distribution ``dist_name`` that declares
     ``adapters`` (``{"name": "module:Class"}``) in ``group``.
 

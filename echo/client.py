@@ -48,8 +48,12 @@ class HandshakeFailed(ConnectionLost):
     """The encrypted handshake failed: retrying with the same keys will not help."""
 
 
-_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+)
 
 
 WRONG_KEY_AFTER = 10  # failed handshakes in a row, never one accepted: the key is wrong
@@ -59,18 +63,31 @@ def explain_handshake(event: int, value: int, endpoint: str) -> str:
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         if value == 300:
             return f"{endpoint} is busy (too many new connections): retrying"
-        return (f"{endpoint} refused this worker's key (banned, not on its allow-list, or the "
-                f"learner is full): ask its operator, or use the key they registered (--identity)")
+        return (
+            f"{endpoint} refused this worker's key (banned, not on its allow-list, or the "
+            f"learner is full): ask its operator, or use the key they registered (--identity)"
+        )
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return (f"{endpoint} does not hold the learner key in the join line: copy the line the "
-                f"learner printed again (a wrong or stale key, or not the learner you think)")
-    return (f"{endpoint} does not speak Echo's encrypted protocol (a plaintext --insecure learner? "
-            f"then join with tcp://HOST:PORT --insecure)")
+        return (
+            f"{endpoint} does not hold the learner key in the join line: copy the line the "
+            f"learner printed again (a wrong or stale key, or not the learner you think)"
+        )
+    return (
+        f"{endpoint} does not speak Echo's encrypted protocol (a plaintext --insecure learner? "
+        f"then join with tcp://HOST:PORT --insecure)"
+    )
 
 
 class Client:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, max_bytes: int, *,
-                 keys: KeyPair | None = None, server_key: bytes | None = None):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        max_bytes: int,
+        *,
+        keys: KeyPair | None = None,
+        server_key: bytes | None = None,
+    ):
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if server_key is not None:

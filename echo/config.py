@@ -22,19 +22,57 @@ from echo.addresses import is_loopback, public_host_problem
 
 # The sections and helpers live in modules of their own (each under 500 lines); ``echo.config``
 # stays the one import for all of them.
-from echo.config_sections import (GENERATION_KEYS, AdapterConfig, BufferConfig, ConfigError,
-                                  MetricsConfig, ModelConfig, QuickstartConfig, TransportConfig,
-                                  WorkerConfig, _Section, check_device)
+from echo.config_sections import (
+    GENERATION_KEYS,
+    AdapterConfig,
+    BufferConfig,
+    ConfigError,
+    MetricsConfig,
+    ModelConfig,
+    QuickstartConfig,
+    TransportConfig,
+    WorkerConfig,
+    _Section,
+    check_device,
+)
 from echo.config_security import SecurityConfig
-from echo.config_toml import (RENAMED, apply_override, dump_toml, known_keys, parse_override,
-                              renamed_hint)
+from echo.config_toml import (
+    RENAMED,
+    apply_override,
+    dump_toml,
+    known_keys,
+    parse_override,
+    renamed_hint,
+)
 
-__all__ = ["GENERATION_KEYS", "AdapterConfig", "BroadcastConfig", "BufferConfig", "ConfigError",
-           "DEFAULT_PORT", "DEFAULT_RELAY_PORT", "EchoConfig", "LAYOUT_SPAN", "LearnerConfig",
-           "ListenPorts", "LoraConfig", "MetricsConfig", "ModelConfig", "ProvisioningConfig",
-           "QuickstartConfig", "SecurityConfig", "StalenessRules", "TransportConfig",
-           "WorkerConfig", "apply_override", "check_device", "dump_toml", "known_keys",
-           "load_config", "parse_override"]
+__all__ = [
+    "GENERATION_KEYS",
+    "AdapterConfig",
+    "BroadcastConfig",
+    "BufferConfig",
+    "ConfigError",
+    "DEFAULT_PORT",
+    "DEFAULT_RELAY_PORT",
+    "EchoConfig",
+    "LAYOUT_SPAN",
+    "LearnerConfig",
+    "ListenPorts",
+    "LoraConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "ProvisioningConfig",
+    "QuickstartConfig",
+    "SecurityConfig",
+    "StalenessRules",
+    "TransportConfig",
+    "WorkerConfig",
+    "apply_override",
+    "check_device",
+    "dump_toml",
+    "known_keys",
+    "load_config",
+    "parse_override",
+]
 
 
 class StalenessRules:
@@ -59,7 +97,8 @@ class StalenessRules:
         if self.kappa > max(1, self.staleness):
             raise ValueError(
                 f"kappa={self.kappa} exceeds staleness={self.staleness}: every publication would "
-                f"arrive too late; set learner.kappa <= learner.staleness (or 0 for max(1, S-1))")
+                f"arrive too late; set learner.kappa <= learner.staleness (or 0 for max(1, S-1))"
+            )
 
 
 DEFAULT_PORT = 5555  # learner.port when the learner listens beyond loopback (docs/ports.md)
@@ -78,17 +117,26 @@ class ListenPorts:
 
     def named(self) -> dict[str, int]:
         """Config key -> port, for messages (the reflector's two as one key each)."""
-        return {"learner.port": self.control, "learner.chunk_port": self.chunks,
-                "learner.reflector_ports[0]": self.reflectors[0],
-                "learner.reflector_ports[1]": self.reflectors[1], "metrics.port": self.metrics}
+        return {
+            "learner.port": self.control,
+            "learner.chunk_port": self.chunks,
+            "learner.reflector_ports[0]": self.reflectors[0],
+            "learner.reflector_ports[1]": self.reflectors[1],
+            "metrics.port": self.metrics,
+        }
 
-    def reusing(self, previous: "ListenPorts") -> "ListenPorts":
+    def reusing(self, previous: ListenPorts) -> ListenPorts:
         """Each port the OS would pick taken from ``previous`` (a resumed run's), so the fleet
         finds the learner where it was; a port the config fixes stays as it is."""
-        return ListenPorts(self.control or previous.control, self.chunks or previous.chunks,
-                           (self.reflectors[0] or previous.reflectors[0],
-                            self.reflectors[1] or previous.reflectors[1]),
-                           self.metrics or previous.metrics)
+        return ListenPorts(
+            self.control or previous.control,
+            self.chunks or previous.chunks,
+            (
+                self.reflectors[0] or previous.reflectors[0],
+                self.reflectors[1] or previous.reflectors[1],
+            ),
+            self.metrics or previous.metrics,
+        )
 
 
 class LoraConfig(_Section):
@@ -161,8 +209,9 @@ class LearnerConfig(StalenessRules, _Section):
     # vllm_importance_sampling_mode / _clip_max): *_truncate caps w at is_cap, *_mask zeroes it
     # above is_cap; token_* per token, sequence_* one w per sequence (product of token ratios).
     # "none": w = 1, no correction (trains stale samples as if on-policy; the sweep's "IS off").
-    is_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
-                     "none"] = "token_truncate"
+    is_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"
+    ] = "token_truncate"
     is_cap: float = Field(2.0, gt=0)  # C, the cap of is_mode
     # The clipped ratio per token, or one per sequence = exp(mean token log-ratio), i.e. GSPO
     # (TRL importance_sampling_level).
@@ -209,7 +258,7 @@ class LearnerConfig(StalenessRules, _Section):
     _device = field_validator("device")(check_device)
 
     @model_validator(mode="after")
-    def _kappa_within_budget(self) -> "LearnerConfig":
+    def _kappa_within_budget(self) -> LearnerConfig:
         self.check_kappa()
         return self
 
@@ -221,39 +270,43 @@ class LearnerConfig(StalenessRules, _Section):
         return 0 if is_loopback(self.host) else DEFAULT_PORT
 
     @model_validator(mode="after")
-    def _ports_fit(self) -> "LearnerConfig":
+    def _ports_fit(self) -> LearnerConfig:
         refl = self.reflector_ports
         if refl is not None and (len(refl) != 2 or not all(0 <= p <= 65535 for p in refl)):
             raise ValueError(
                 f"learner.reflector_ports={refl!r}: the NAT reflector listens on two TCP ports; "
-                f"give two ports in 0-65535 (0: the OS picks), e.g. [5557, 5558]")
+                f"give two ports in 0-65535 (0: the OS picks), e.g. [5557, 5558]"
+            )
         derived = self.chunk_port is None or self.reflector_ports is None
         if derived and self.base_port + LAYOUT_SPAN > 65535:
             raise ValueError(
                 f"learner.port={self.base_port}: the ports after it (chunks, reflectors, dashboard: "
                 f"port + 1 to port + {LAYOUT_SPAN}) run past 65535; set learner.port <= "
-                f"{65535 - LAYOUT_SPAN}, or learner.chunk_port and learner.reflector_ports yourself")
+                f"{65535 - LAYOUT_SPAN}, or learner.chunk_port and learner.reflector_ports yourself"
+            )
         return self
 
     @model_validator(mode="after")
-    def _advertises_a_usable_address(self) -> "LearnerConfig":
+    def _advertises_a_usable_address(self) -> LearnerConfig:
         problem = public_host_problem(self.host, self.public_host)
         if problem:
             raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
-    def _objective_is_consistent(self) -> "LearnerConfig":
+    def _objective_is_consistent(self) -> LearnerConfig:
         if self.epsilon_high and self.epsilon_high < self.epsilon:
             raise ValueError(
                 f"epsilon_high={self.epsilon_high} is below epsilon={self.epsilon}: the upper clip "
                 f"would be tighter than the lower one; set learner.epsilon_high >= learner.epsilon "
-                f"(or 0 for a symmetric clip)")
+                f"(or 0 for a symmetric clip)"
+            )
         if self.is_mode.endswith("_mask") and self.is_cap <= 1.0:
             raise ValueError(
                 f"is_cap={self.is_cap} with is_mode={self.is_mode!r} zeroes every token whose "
                 f"behaviour policy was less likely than the learner's; set learner.is_cap > 1 "
-                f"(TRL uses 3.0) or a *_truncate is_mode")
+                f"(TRL uses 3.0) or a *_truncate is_mode"
+            )
         return self
 
 
@@ -279,7 +332,9 @@ class BroadcastConfig(_Section):
     # worker behind an endpoint-independent NAT relays through punched TCP links. Off: every
     # worker that offers a relay endpoint is trusted to be reachable (the old behaviour).
     nat_traversal: bool = True
-    punch_timeout_s: float = Field(10.0, gt=0, le=120)  # a link not open by then: the child is a tail
+    punch_timeout_s: float = Field(
+        10.0, gt=0, le=120
+    )  # a link not open by then: the child is a tail
     # Relay reports (docs/security.md, "Relay reports"): a reporter is kept off the relay it
     # reported for report_avoid_s; a relay is convicted (out of the plan, or out of parent
     # positions) by reports of one kind from this many distinct assigned children, or by the
@@ -292,8 +347,10 @@ class BroadcastConfig(_Section):
     @classmethod
     def _whole_kib(cls, value: float) -> float:
         if not (value * 1024).is_integer():
-            raise ValueError(f"a chunk is a whole number of KiB, and {value} MiB is {value * 1024:g} "
-                             f"KiB: use a multiple of 1/1024 MiB (0.25 = 256 KiB, 1.0 = 1024 KiB)")
+            raise ValueError(
+                f"a chunk is a whole number of KiB, and {value} MiB is {value * 1024:g} "
+                f"KiB: use a multiple of 1/1024 MiB (0.25 = 256 KiB, 1.0 = 1024 KiB)"
+            )
         return value
 
     @property
@@ -346,7 +403,7 @@ class EchoConfig(_Section):
     quickstart: QuickstartConfig = Field(default_factory=QuickstartConfig)
 
     @model_validator(mode="after")
-    def _preset_generation(self) -> "EchoConfig":
+    def _preset_generation(self) -> EchoConfig:
         """The chosen task's generation settings, unless [worker] (or --set) gives its own."""
         for key, value in self.adapter.generation.items():
             if key not in self.worker.model_fields_set:
@@ -354,7 +411,7 @@ class EchoConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _buffer_holds_a_step(self) -> "EchoConfig":
+    def _buffer_holds_a_step(self) -> EchoConfig:
         if self.buffer.capacity_groups < self.learner.prompts_per_step:
             raise ValueError(
                 f"buffer.capacity_groups={self.buffer.capacity_groups} is smaller than "
@@ -364,22 +421,24 @@ class EchoConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _lora_has_a_backend(self) -> "EchoConfig":
+    def _lora_has_a_backend(self) -> EchoConfig:
         if self.learner.lora.enabled and self.worker.backend != "transformers":
             raise ValueError(
                 f"learner.lora.enabled with worker.backend={self.worker.backend!r}: only the "
                 f"transformers backend applies LoRA adapters so far; set worker.backend = "
-                f"\"transformers\", or learner.lora.enabled = false")
+                f'"transformers", or learner.lora.enabled = false'
+            )
         return self
 
     @model_validator(mode="after")
-    def _public_needs_security(self) -> "EchoConfig":
+    def _public_needs_security(self) -> EchoConfig:
         host = self.learner.host
         if not is_loopback(host) and not self.security.curve and not self.security.insecure:
             raise ValueError(
                 f"learner.host={host!r} is not loopback and security.curve is off: strangers "
                 f"could impersonate any worker; turn security.curve on, or pass --insecure "
-                f"(security.insecure=true) if this network is private")
+                f"(security.insecure=true) if this network is private"
+            )
         return self
 
     def listen_ports(self) -> ListenPorts:
@@ -392,11 +451,12 @@ class EchoConfig(_Section):
 
         refl = lc.reflector_ports or [after(2), after(3)]
         metrics = self.metrics.port if self.metrics.port is not None else after(LAYOUT_SPAN)
-        return ListenPorts(base, after(1) if lc.chunk_port is None else lc.chunk_port,
-                           (refl[0], refl[1]), metrics)
+        return ListenPorts(
+            base, after(1) if lc.chunk_port is None else lc.chunk_port, (refl[0], refl[1]), metrics
+        )
 
     @model_validator(mode="after")
-    def _ports_distinct(self) -> "EchoConfig":
+    def _ports_distinct(self) -> EchoConfig:
         named = self.listen_ports().named()
         if not self.metrics.enabled:
             named.pop("metrics.port")
@@ -408,7 +468,8 @@ class EchoConfig(_Section):
             if port and port in seen:
                 raise ValueError(
                     f"{seen[port]} and {key} are both {port}: each of the learner's sockets needs "
-                    f"a port of its own; change one (docs/ports.md gives the layout)")
+                    f"a port of its own; change one (docs/ports.md gives the layout)"
+                )
             seen[port] = key
         return self
 
@@ -420,9 +481,11 @@ class EchoConfig(_Section):
             "worker": self.worker.model_dump(),
             "broadcast": self.broadcast.model_dump(),
             "transport": self.transport.model_dump(),
-            "security": {"max_parked_per_peer": self.security.max_parked_per_peer,
-                         "peer_chunk_requests_per_s": self.security.peer_chunk_requests_per_s,
-                         "max_parked_total": self.security.max_parked_total},
+            "security": {
+                "max_parked_per_peer": self.security.max_parked_per_peer,
+                "peer_chunk_requests_per_s": self.security.peer_chunk_requests_per_s,
+                "max_parked_total": self.security.max_parked_total,
+            },
             "group_size": self.learner.group_size,
             # how versions are applied: a LoRA run's versions are adapters on the base model
             "lora": self.learner.lora.model_dump(),
@@ -441,7 +504,11 @@ def _explain(err: ValidationError, data: dict[str, Any]) -> str:
             continue
         if e["type"] == "extra_forbidden":
             close = difflib.get_close_matches(key, known_keys(EchoConfig), n=1)
-            hint = f"did you mean {close[0]!r}?" if close else "remove it (see examples/quickstart.toml)"
+            hint = (
+                f"did you mean {close[0]!r}?"
+                if close
+                else "remove it (see examples/quickstart.toml)"
+            )
             lines.append(f"unknown key {key!r}: {hint}")
             continue
         value = e.get("input")
@@ -460,8 +527,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found: pass an existing TOML file "
-                              f"(examples/quickstart.toml is a good start)")
+            raise ConfigError(
+                f"config file {str(p)!r} not found: pass an existing TOML file "
+                f"(examples/quickstart.toml is a good start)"
+            )
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:

@@ -20,8 +20,9 @@ import sys
 import tokenize
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -71,16 +72,26 @@ def field_notes(cls: type) -> dict[str, str]:
         above, i = [], node.lineno - 1
         # comment lines above, at the field's own indentation: a deeper one continues the
         # comment beside the previous field (audit_queue's), not this field's
-        while i >= 1 and lines[i - 1].strip().startswith("#") \
-                and lines[i - 1].index("#") <= node.col_offset:
+        while (
+            i >= 1
+            and lines[i - 1].strip().startswith("#")
+            and lines[i - 1].index("#") <= node.col_offset
+        ):
             above.insert(0, comments.get(i, ""))
             i -= 1
-        beside = [comments[n] for n in range(node.lineno, (node.end_lineno or node.lineno) + 1)
-                  if n in comments]
+        beside = [
+            comments[n]
+            for n in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+            if n in comments
+        ]
         # a comment continued on the lines after the field (indented like the comment itself)
         n = (node.end_lineno or node.lineno) + 1
-        while beside and n <= len(lines) and lines[n - 1].strip().startswith("#") \
-                and n not in _starts_of(body):
+        while (
+            beside
+            and n <= len(lines)
+            and lines[n - 1].strip().startswith("#")
+            and n not in _starts_of(body)
+        ):
             if lines[n - 1].index("#") > lines[node.lineno - 1].index(":"):
                 beside.append(comments.get(n, ""))
                 n += 1
@@ -99,7 +110,9 @@ def _type(ann: Any) -> str:
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     if type(None) in args:  # X | None: a key that may stay unset
         rest = [a for a in args if a is not type(None)]
-        return (_type(rest[0]) if len(rest) == 1 else " \\| ".join(_type(a) for a in rest)) + ", optional"
+        return (
+            _type(rest[0]) if len(rest) == 1 else " \\| ".join(_type(a) for a in rest)
+        ) + ", optional"
     if origin in (typing.Union, types.UnionType):  # X | Y, e.g. a name or a list of names
         return " \\| ".join(_type(a) for a in args)
     if origin is typing.Literal:
@@ -153,8 +166,10 @@ def section(name: str, cls: type[BaseModel]) -> str:
     for key, info in cls.model_fields.items():
         if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
             continue
-        rows.append(f"| `{key}` | {_type(info.annotation)} | {_default(info)} | {_bounds(info)} "
-                    f"| {notes.get(key, '')} |")
+        rows.append(
+            f"| `{key}` | {_type(info.annotation)} | {_default(info)} | {_bounds(info)} "
+            f"| {notes.get(key, '')} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -174,18 +189,27 @@ def _sections(name: str, cls: type[BaseModel]) -> list[str]:
     return parts
 
 
-def page_cli(argv: list[str] | None, render: Callable[[], str], description: str, module: str) -> int:
+def page_cli(
+    argv: list[str] | None, render: Callable[[], str], description: str, module: str
+) -> int:
     """A generated page's command line: print it, or ``--check FILE`` against it (exit 1 and
     the command that regenerates it when they differ). Shared by every generated page."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--check", type=Path, default=None, metavar="FILE",
-                   help="exit 1 if FILE differs from what would be generated")
+    p.add_argument(
+        "--check",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="exit 1 if FILE differs from what would be generated",
+    )
     args = p.parse_args(argv)
     text = render()
     if args.check is not None:
         if args.check.read_text() != text:
-            print(f"{args.check} is out of date: run python -m {module} > {args.check}",
-                  file=sys.stderr)
+            print(
+                f"{args.check} is out of date: run python -m {module} > {args.check}",
+                file=sys.stderr,
+            )
             return 1
         return 0
     sys.stdout.write(text)

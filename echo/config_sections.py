@@ -27,8 +27,10 @@ def check_device(value: str) -> str:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; resolved to a torch device by
     ``echo.models.resolve_device`` in the process that uses it."""
     if not DEVICE_SPEC.fullmatch(value):
-        raise ValueError(f"unknown device {value!r}: use auto (a GPU if there is one, else the "
-                         f"CPU), cpu, cuda or cuda:N")
+        raise ValueError(
+            f"unknown device {value!r}: use auto (a GPU if there is one, else the "
+            f"CPU), cpu, cuda or cuda:N"
+        )
     return value
 
 
@@ -76,12 +78,16 @@ class AdapterConfig(_Section):
         """The chosen adapter's generation settings from its preset (may be empty)."""
         gen = self.presets.get(self.name, {}).get("generation", {})
         if not isinstance(gen, dict):
-            raise ValueError(f"adapter.presets.{self.name}.generation must be a table "
-                             f"(max_new_tokens, temperature), got {gen!r}")
+            raise ValueError(
+                f"adapter.presets.{self.name}.generation must be a table "
+                f"(max_new_tokens, temperature), got {gen!r}"
+            )
         unknown = sorted(set(gen) - set(GENERATION_KEYS))
         if unknown:
-            raise ValueError(f"adapter.presets.{self.name}.generation.{unknown[0]} is not a "
-                             f"generation setting: use {', '.join(GENERATION_KEYS)}")
+            raise ValueError(
+                f"adapter.presets.{self.name}.generation.{unknown[0]} is not a "
+                f"generation setting: use {', '.join(GENERATION_KEYS)}"
+            )
         return gen
 
 

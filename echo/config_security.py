@@ -63,8 +63,8 @@ class SecurityConfig(_Section):
     # file and restored bit for bit); elsewhere, and with copy, a float32 copy of the policy
     # (4 bytes a parameter more).
     audit_model: Literal["policy", "copy"] = "policy"
-    audit_queue: int = Field(256, gt=0)  # groups waiting for audit; past it the oldest
-                                          # non-probation job is dropped (counted)
+    # Groups waiting for audit; past it the oldest non-probation job is dropped (counted).
+    audit_queue: int = Field(256, gt=0)
     # Mean per-token |claimed - recomputed| log-prob of one sample above this fails the audit.
     # Honest backends differ by ~0.01 mean (bf16, vLLM): 0.5 nats is far outside that.
     audit_logprob_tol: float = Field(0.5, gt=0)

@@ -29,8 +29,9 @@ def parse_override(item: str, error: type[Exception] = ConfigError) -> tuple[lis
     return key.split("."), value
 
 
-def apply_override(data: dict[str, Any], path: list[str], value: Any,
-                   error: type[Exception] = ConfigError) -> None:
+def apply_override(
+    data: dict[str, Any], path: list[str], value: Any, error: type[Exception] = ConfigError
+) -> None:
     node = data
     for part in path[:-1]:
         node = node.setdefault(part, {})
@@ -52,8 +53,10 @@ def renamed_hint(key: str, value: Any) -> str:
     new, factor, how = RENAMED[key]
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     converted = f" = {value * factor!r}" if number else ""
-    return (f"{key} is now {new} ({how}): write {new.rpartition('.')[2]}{converted} in the "
-            f"[{new.partition('.')[0]}] table (or --set {new}=...)")
+    return (
+        f"{key} is now {new} ({how}): write {new.rpartition('.')[2]}{converted} in the "
+        f"[{new.partition('.')[0]}] table (or --set {new}=...)"
+    )
 
 
 def known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -69,6 +72,7 @@ def known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 def dump_toml(cfg: EchoConfig) -> str:
     """Resolved config as TOML (written into every run folder)."""
+
     def fmt(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"

@@ -37,8 +37,11 @@ def show(checks: list[Check], out: TextIO | None = None) -> int:
         if c.fix and c.status != "ok":
             print(f"       fix: {c.fix}", file=out)
     failed = [c.name for c in checks if c.status == "fail"]
-    print(f"{len(checks) - len(failed)} of {len(checks)} checks passed"
-          + (f"; failed: {', '.join(failed)}" if failed else ""), file=out)
+    print(
+        f"{len(checks) - len(failed)} of {len(checks)} checks passed"
+        + (f"; failed: {', '.join(failed)}" if failed else ""),
+        file=out,
+    )
     return 1 if failed else 0
 
 
@@ -83,15 +86,16 @@ def port_words(found: str, host: str, port: int, what: str) -> tuple[str, str]:
     return "fail", {
         "refused": f"nothing listens on {where} (connection refused)",
         "timeout": f"no answer from {where} within {TIMEOUT_S:g} s: a firewall drops the "
-                   f"connection, or {host} is not the address",
+        f"connection, or {host} is not the address",
         "silent": f"{where} accepts connections but never speaks: not an Echo learner (another "
-                  f"program holds the port, or a proxy swallows the connection)",
+        f"program holds the port, or a proxy swallows the connection)",
         "other": f"{where} answers, but not in ZeroMQ: another program holds the port",
     }.get(found, f"cannot connect to {where} ({found})")
 
 
-async def ask_learner(endpoint: str, server_key: bytes | None, keys: Any,
-                      timeout: float = TIMEOUT_S) -> tuple[Any, str]:
+async def ask_learner(
+    endpoint: str, server_key: bytes | None, keys: Any, timeout: float = TIMEOUT_S
+) -> tuple[Any, str]:
     """One ``doctor`` request over CurveZMQ, pinning ``server_key``: (the reply, "") or (None,
     why not, in words: the handshake's own explanation when it failed)."""
     import zmq.asyncio

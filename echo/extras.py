@@ -7,8 +7,14 @@ from __future__ import annotations
 import importlib.util
 
 # top-level module -> the extra that installs it
-EXTRA_OF = {"scipy": "sim", "simpy": "sim", "matplotlib": "report", "pandas": "report",
-            "pyarrow": "report", "pokerkit": "poker"}
+EXTRA_OF = {
+    "scipy": "sim",
+    "simpy": "sim",
+    "matplotlib": "report",
+    "pandas": "report",
+    "pyarrow": "report",
+    "pokerkit": "poker",
+}
 
 
 class MissingExtra(RuntimeError):
@@ -23,8 +29,10 @@ def require(module: str, feature: str) -> None:
 
 def missing_message(module: str, feature: str) -> str:
     extra = EXTRA_OF.get(module, "all")
-    return (f"{feature} needs {module}, which is not installed: pip install 'echo-rl[{extra}]' "
-            f"(make venv installs every extra)")
+    return (
+        f"{feature} needs {module}, which is not installed: pip install 'echo-rl[{extra}]' "
+        f"(make venv installs every extra)"
+    )
 
 
 def from_import_error(err: ModuleNotFoundError, feature: str) -> MissingExtra | None:

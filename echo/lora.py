@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 def is_adapter_name(name: str) -> bool:
     """A LoRA parameter of a peft model (``...q_proj.lora_A.default.weight``)."""
     return any(part.startswith("lora_") for part in name.split("."))
@@ -49,8 +48,14 @@ def adapter_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
 def peft_config(cfg: LoraConfig) -> Any:
     from peft import LoraConfig as PeftLoraConfig
 
-    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                          target_modules=cfg.target_modules, bias="none", task_type="CAUSAL_LM")
+    return PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def wrap(model: Any, cfg: LoraConfig) -> Any:
@@ -65,17 +70,20 @@ def wrap(model: Any, cfg: LoraConfig) -> Any:
             warnings.filterwarnings("ignore", category=FutureWarning)
             return get_peft_model(model, peft_config(cfg))
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
-        raise ModelError(f"learner.lora.target_modules = {cfg.target_modules!r}: {exc}. Name "
-                         f"modules of this model (its linear layers: {linear_names(model)}), "
-                         f"or use \"all-linear\"") from None
+        raise ModelError(
+            f"learner.lora.target_modules = {cfg.target_modules!r}: {exc}. Name "
+            f"modules of this model (its linear layers: {linear_names(model)}), "
+            f'or use "all-linear"'
+        ) from None
 
 
 def linear_names(model: Any) -> list[str]:
     """The distinct last names of the model's linear layers (what target_modules may name)."""
     import torch
 
-    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear)})
+    return sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    )
 
 
 def base_hash(model: Any) -> str:
@@ -93,31 +101,37 @@ def base_hash(model: Any) -> str:
     return h.hexdigest()
 
 
-def base_problem(version: int, want: str | None, held: str | None,
-                 model_name: str) -> str | None:
+def base_problem(version: int, want: str | None, held: str | None, model_name: str) -> str | None:
     """Why ``version``, an adapter for the base model ``want`` (its manifest's ``base_model``;
     None: a whole model), cannot be applied to the base model held here (None: it can).
     ``held``: this process's base hash, None when it holds a full model (no LoRA)."""
     if want is None and held is None:
         return None
     if want is None:
-        return (f"version {version} is a whole model, but this worker applies LoRA adapters "
-                f"(learner.lora.enabled in the view it joined with); rejoin the learner")
+        return (
+            f"version {version} is a whole model, but this worker applies LoRA adapters "
+            f"(learner.lora.enabled in the view it joined with); rejoin the learner"
+        )
     if held is None:
-        return (f"version {version} is a LoRA adapter for base model {want[:16]}..., but this "
-                f"worker loaded a whole model without an adapter; upgrade echo-rl on this worker "
-                f"and rejoin")
+        return (
+            f"version {version} is a LoRA adapter for base model {want[:16]}..., but this "
+            f"worker loaded a whole model without an adapter; upgrade echo-rl on this worker "
+            f"and rejoin"
+        )
     if want != held:
-        return (f"version {version} is a LoRA adapter for base model {want[:16]}..., but the "
-                f"base model this worker holds (model.name = {model_name!r}) hashes to "
-                f"{held[:16]}...: a different model or other weights. Give the worker the "
-                f"learner's base model (the same folder, or the same tiny-model settings and "
-                f"model.seed)")
+        return (
+            f"version {version} is a LoRA adapter for base model {want[:16]}..., but the "
+            f"base model this worker holds (model.name = {model_name!r}) hashes to "
+            f"{held[:16]}...: a different model or other weights. Give the worker the "
+            f"learner's base model (the same folder, or the same tiny-model settings and "
+            f"model.seed)"
+        )
     return None
 
 
-def load_policy_model(model_cfg: Any, lora: LoraConfig | None, tokenizer: Any,
-                      dtype: str = "float32") -> tuple[Any, str | None]:
+def load_policy_model(
+    model_cfg: Any, lora: LoraConfig | None, tokenizer: Any, dtype: str = "float32"
+) -> tuple[Any, str | None]:
     """The model versions install into: the base model, wrapped with an (untrained) adapter
     when ``lora`` is enabled; and the base's content hash (None without LoRA)."""
     from echo.models import load_model

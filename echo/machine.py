@@ -25,10 +25,17 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "platform": platform.platform(), "machine": platform.machine(),
-        "cpu_count": os.cpu_count(), "mem_gib": mem, "python": sys.version.split()[0],
-        "torch": ver("torch"), "transformers": ver("transformers"), "pyzmq": ver("pyzmq"),
-        "hostname": platform.node(), "vllm": ver("vllm"), "gpu": _gpu(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "mem_gib": mem,
+        "python": sys.version.split()[0],
+        "torch": ver("torch"),
+        "transformers": ver("transformers"),
+        "pyzmq": ver("pyzmq"),
+        "hostname": platform.node(),
+        "vllm": ver("vllm"),
+        "gpu": _gpu(),
     }
 
 
@@ -44,6 +51,10 @@ def _gpu() -> str | None:
     """The CUDA device's name, when torch is already loaded (never imported just for this)."""
     torch = sys.modules.get("torch")
     try:
-        return torch.cuda.get_device_name() if torch is not None and torch.cuda.is_available() else None
+        return (
+            torch.cuda.get_device_name()
+            if torch is not None and torch.cuda.is_available()
+            else None
+        )
     except Exception:  # a broken driver must not cost the benchmark its result
         return None

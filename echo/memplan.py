@@ -69,10 +69,13 @@ class LearnerPlan:
             # one pass: its forward runs after the step frees the previous gradients, in the
             # room they leave (with checkpointing the recomputation runs as gradients are made)
             acts = max(0, acts - 4 * t)
-        return {"fixed": FIXED_BYTES, "training_state": 4 * n + 12 * t,
-                "other_models": 4 * n * self.extra_models,
-                "payloads": self.payload * (1 + self.versions_in_ram),
-                "step": acts + int(STEP_BYTES_PER_TRAINED * t)}
+        return {
+            "fixed": FIXED_BYTES,
+            "training_state": 4 * n + 12 * t,
+            "other_models": 4 * n * self.extra_models,
+            "payloads": self.payload * (1 + self.versions_in_ram),
+            "step": acts + int(STEP_BYTES_PER_TRAINED * t),
+        }
 
     @property
     def total(self) -> int:
@@ -80,11 +83,13 @@ class LearnerPlan:
 
     def describe(self) -> str:
         b = self.breakdown()
-        return (f"about {gib(self.total)} of host memory: training state {gib(b['training_state'])}"
-                f"{', reference/audit copies ' + gib(b['other_models']) if b['other_models'] else ''}, "
-                f"payloads {gib(b['payloads'])}, step {gib(b['step'])} ({self.rows} rows of up to "
-                f"{self.seq_tokens} tokens a pass, gradient checkpointing "
-                f"{'on' if self.checkpointing else 'off'}), fixed {gib(b['fixed'])}")
+        return (
+            f"about {gib(self.total)} of host memory: training state {gib(b['training_state'])}"
+            f"{', reference/audit copies ' + gib(b['other_models']) if b['other_models'] else ''}, "
+            f"payloads {gib(b['payloads'])}, step {gib(b['step'])} ({self.rows} rows of up to "
+            f"{self.seq_tokens} tokens a pass, gradient checkpointing "
+            f"{'on' if self.checkpointing else 'off'}), fixed {gib(b['fixed'])}"
+        )
 
 
 def fit_learner(plan: LearnerPlan, budget_gb: float) -> LearnerPlan:
@@ -105,7 +110,8 @@ def fit_learner(plan: LearnerPlan, budget_gb: float) -> LearnerPlan:
     raise MemoryBudgetError(
         f"learner.host_memory_gb = {budget_gb:g}, but this run needs {least.describe()} even with "
         f"gradient checkpointing and one row a pass. Fix: raise learner.host_memory_gb (0: no "
-        f"budget), train a LoRA adapter (learner.lora.enabled = true), or use a smaller model")
+        f"budget), train a LoRA adapter (learner.lora.enabled = true), or use a smaller model"
+    )
 
 
 @dataclass(frozen=True)
@@ -119,9 +125,11 @@ class WorkerPlan:
     def breakdown(self) -> dict[str, int]:
         # the installed version's full payload is spilled (a file) unless --no-spill; a version
         # being received is in RAM
-        return {"fixed": FIXED_BYTES,
-                "model": self.params * self.dtype_bytes if self.model_on_host else 0,
-                "payloads": self.payload * (1 if self.spill else 2)}
+        return {
+            "fixed": FIXED_BYTES,
+            "model": self.params * self.dtype_bytes if self.model_on_host else 0,
+            "payloads": self.payload * (1 if self.spill else 2),
+        }
 
     @property
     def total(self) -> int:
@@ -130,10 +138,15 @@ class WorkerPlan:
     def describe(self) -> str:
         b = self.breakdown()
         kind = {4: "float32", 2: "bfloat16"}.get(self.dtype_bytes, f"{self.dtype_bytes}-byte")
-        where = f"model {gib(b['model'])} in {kind}" if self.model_on_host else \
-            f"model in GPU memory ({gib(self.params * self.dtype_bytes)} in {kind})"
-        return (f"about {gib(self.total)} of host memory: {where}, "
-                f"payloads {gib(b['payloads'])}, fixed {gib(b['fixed'])}")
+        where = (
+            f"model {gib(b['model'])} in {kind}"
+            if self.model_on_host
+            else f"model in GPU memory ({gib(self.params * self.dtype_bytes)} in {kind})"
+        )
+        return (
+            f"about {gib(self.total)} of host memory: {where}, "
+            f"payloads {gib(b['payloads'])}, fixed {gib(b['fixed'])}"
+        )
 
 
 def fit_worker(plan: WorkerPlan, budget_gb: float, dtype_fixed: bool) -> WorkerPlan:
@@ -149,7 +162,8 @@ def fit_worker(plan: WorkerPlan, budget_gb: float, dtype_fixed: bool) -> WorkerP
     raise MemoryBudgetError(
         f"--host-memory-gb {budget_gb:g}, but serving this run needs {plan.describe()}. Fix: "
         f"join from a machine with more memory, raise --host-memory-gb, or leave it out "
-        f"(no budget)")
+        f"(no budget)"
+    )
 
 
 def folder_params(folder: str | Path) -> int:
@@ -159,8 +173,9 @@ def folder_params(folder: str | Path) -> int:
 
     total = 0
     for f in sorted(Path(folder).glob("*.safetensors")):
-        total += sum(math.prod(v["shape"]) for k, v in safetensors_header(f).items()
-                     if k != "__metadata__")
+        total += sum(
+            math.prod(v["shape"]) for k, v in safetensors_header(f).items() if k != "__metadata__"
+        )
     return total
 
 

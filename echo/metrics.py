@@ -18,6 +18,7 @@ each scrape and each ``/api/state``.
 ``python -m echo.metrics serve RUN_DIR [--host H] [--port P]`` serves a recorded run (rows and
 decisions replayed from its files; no live worker data).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,9 @@ import json
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
@@ -38,8 +40,15 @@ from echo.steprow import COL, StepRow, as_row
 from echo.tree import RelayTree
 from echo.tree_metrics import TreeGauges
 
-__all__ = ["MAX_PER_IP", "LearnerMetrics", "MetricsServer", "finite_or_null", "from_run_dir",
-           "learner_price_of", "main"]
+__all__ = [
+    "MAX_PER_IP",
+    "LearnerMetrics",
+    "MetricsServer",
+    "finite_or_null",
+    "from_run_dir",
+    "learner_price_of",
+    "main",
+]
 
 
 class LearnerMetrics:
@@ -47,8 +56,9 @@ class LearnerMetrics:
     ``echo.metrics_gauges`` and the relay tree's, fed under one lock. Thread-safe: ``update``
     from the trainer thread, reads from the server's threads."""
 
-    def __init__(self, *, learner_price_per_hour: float = 0.0, history: int = 2000,
-                 run_id: str = "") -> None:
+    def __init__(
+        self, *, learner_price_per_hour: float = 0.0, history: int = 2000, run_id: str = ""
+    ) -> None:
         self.run_id = run_id
         self.registry = r = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
@@ -58,7 +68,9 @@ class LearnerMetrics:
         self.fleet = FleetGauges(r)
         self.books = AccountGauges(r)
         self.install_gauges = InstallGauges(r)
-        self.accounts_source: Callable[[], dict[str, dict[str, Any]]] | None = None  # Accounts.export
+        self.accounts_source: Callable[[], dict[str, dict[str, Any]]] | None = (
+            None  # Accounts.export
+        )
         # echo.tree: the current version's relay tree, read live at each scrape and each
         # dashboard poll when ``tree_source`` is set (LearnerServer.relay_tree)
         self.tree: RelayTree | None = None
@@ -84,9 +96,12 @@ class LearnerMetrics:
 
     # ------------------------------------------------------------------ feeding
 
-    def update(self, row: StepRow | dict[str, Any],
-               control_stats: ControlStats | dict[str, Any] | None = None,
-               installs: dict[int, dict[str, float]] | None = None) -> None:
+    def update(
+        self,
+        row: StepRow | dict[str, Any],
+        control_stats: ControlStats | dict[str, Any] | None = None,
+        installs: dict[int, dict[str, float]] | None = None,
+    ) -> None:
         """``row``: the learner's StepRow, or a row as written to metrics.jsonl;
         ``control_stats``: LearnerServer.stats(), or what a recorded row holds of them."""
         stats = as_stats(control_stats)
@@ -135,8 +150,13 @@ class LearnerMetrics:
 
     def health(self) -> dict[str, Any]:
         with self._lock:
-            return {"ok": True, "step": self.last_step, "steps": self.steps, "run_id": self.run_id,
-                    "uptime_s": round(time.time() - self.started, 3)}
+            return {
+                "ok": True,
+                "step": self.last_step,
+                "steps": self.steps,
+                "run_id": self.run_id,
+                "uptime_s": round(time.time() - self.started, 3),
+            }
 
     def state(self, rows: int = 500) -> dict[str, Any]:
         self._pull_accounts()
@@ -144,12 +164,18 @@ class LearnerMetrics:
         with self._lock:
             sg = self.step_gauges
             return {
-                "run_id": self.run_id, "step": sg.last_step, "steps": sg.steps,
+                "run_id": self.run_id,
+                "step": sg.last_step,
+                "steps": sg.steps,
                 "totals": self._totals(),
                 "rows": list(sg.rows)[-rows:],
                 "workers": [{"worker": wid, **w} for wid, w in sorted(self.fleet.workers.items())],
-                "checks": [{"worker": wid, **r} for wid, r in sorted(self.fleet.reputation.items())],
-                "accounts": [{"worker": wid, **a} for wid, a in sorted(self.books.accounts.items())],
+                "checks": [
+                    {"worker": wid, **r} for wid, r in sorted(self.fleet.reputation.items())
+                ],
+                "accounts": [
+                    {"worker": wid, **a} for wid, a in sorted(self.books.accounts.items())
+                ],
                 "decisions": list(self.decisions)[-20:],
                 "installs": {str(v): t for v, t in sorted(self.install_gauges.installs.items())},
                 "staleness": {str(k): n for k, n in sorted(sg.stale_counts.items())},
@@ -161,13 +187,23 @@ class LearnerMetrics:
         last = StepRow.from_json(sg.rows[-1] if sg.rows else {})
         admitted = num(last.admitted) or 0.0
         # the dashboard's totals: the last row's values under the row's own names
-        latest = {c: getattr(last, c) for c in (COL.bubble_ratio, COL.reward_mean, COL.admitted,
-                                                COL.t_bcast, COL.publish_bytes, COL.delta_ratio)}
+        latest = {
+            c: getattr(last, c)
+            for c in (
+                COL.bubble_ratio,
+                COL.reward_mean,
+                COL.admitted,
+                COL.t_bcast,
+                COL.publish_bytes,
+                COL.delta_ratio,
+            )
+        }
         return {
             "cost_usd": sg.cost_usd,
             "cost_per_step_usd": sg.cost_usd / sg.steps if sg.steps else None,
             "cost_per_1k_admitted_usd": 1000 * sg.cost_usd / admitted if admitted else None,
-            **latest, "learner_price_per_hour": sg.learner_price,
+            **latest,
+            "learner_price_per_hour": sg.learner_price,
         }
 
     # ------------------------------------------------------------------ serving
@@ -177,6 +213,7 @@ class LearnerMetrics:
 
 
 # ---------------------------------------------------------------------- recorded runs
+
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
@@ -203,12 +240,20 @@ def from_run_dir(run_dir: Path | str) -> LearnerMetrics:
     tables and install timelines are not in the files, so they stay empty."""
     run_dir = Path(run_dir)
     m = LearnerMetrics(learner_price_per_hour=learner_price_of(run_dir), run_id=run_dir.name)
-    replayed = (COL.active_workers, COL.standby_workers, COL.fleet_price_per_hour, COL.rejected,
-                COL.learner_bytes_sent, COL.t_bcast)  # the control stats a row carries
+    replayed = (
+        COL.active_workers,
+        COL.standby_workers,
+        COL.fleet_price_per_hour,
+        COL.rejected,
+        COL.learner_bytes_sent,
+        COL.t_bcast,
+    )  # the control stats a row carries
     for doc in _jsonl(run_dir / "metrics.jsonl"):
         row = StepRow.from_json(doc)
-        m.update(row, ControlStats.from_json(
-            {k: getattr(row, k) for k in replayed if k not in row.missing}))
+        m.update(
+            row,
+            ControlStats.from_json({k: getattr(row, k) for k in replayed if k not in row.missing}),
+        )
     for d in _jsonl(run_dir / "decisions.jsonl"):
         m.add_decision(d)
     return m

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
@@ -21,11 +22,28 @@ KEEP_VERSIONS = 20  # broadcast gauges/timeline keep this many recent versions
 
 # Row fields sent to the dashboard (the rest stay in metrics.jsonl), in the order its rows
 # have always had; each dashboard row adds ``cost_usd``, the running cost (DASHBOARD_COST).
-ROW_FIELDS = (COL.step, COL.version, COL.reward_mean, COL.staleness_max, COL.staleness_mean,
-              COL.t_train, COL.t_wait, COL.bubble_ratio, COL.admitted, COL.cost_step_usd,
-              COL.active_workers, COL.standby_workers, COL.t_bcast, COL.wall_s,
-              COL.publish_encoding, COL.publish_bytes, COL.publish_full_bytes, COL.delta_ratio,
-              COL.encode_s, COL.decode_s)
+ROW_FIELDS = (
+    COL.step,
+    COL.version,
+    COL.reward_mean,
+    COL.staleness_max,
+    COL.staleness_mean,
+    COL.t_train,
+    COL.t_wait,
+    COL.bubble_ratio,
+    COL.admitted,
+    COL.cost_step_usd,
+    COL.active_workers,
+    COL.standby_workers,
+    COL.t_bcast,
+    COL.wall_s,
+    COL.publish_encoding,
+    COL.publish_bytes,
+    COL.publish_full_bytes,
+    COL.delta_ratio,
+    COL.encode_s,
+    COL.decode_s,
+)
 DASHBOARD_COST = "cost_usd"  # a dashboard row's running cost, fleet and learner, $
 
 
@@ -51,6 +69,7 @@ def _set_from(pairs: tuple[tuple[Gauge, str], ...], source: Any) -> None:
 def _gauge(registry: CollectorRegistry) -> Callable[..., Gauge]:
     def g(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
         return Gauge(name, doc, labels, registry=registry)
+
     return g
 
 
@@ -71,8 +90,12 @@ class StepGauges:
         self.g_cost_step = g("echo_cost_per_step_usd", "mean cost per learner step so far, $")
         self.g_cost_last = g("echo_last_step_cost_usd", "cost of the last learner step, $")
         self.g_cost_1k = g("echo_cost_per_1k_admitted_usd", "$ per 1,000 admitted trajectories")
-        self.h_stale = Histogram("echo_staleness", "staleness (versions) of trained trajectories",
-                                 buckets=STALENESS_BUCKETS, registry=registry)
+        self.h_stale = Histogram(
+            "echo_staleness",
+            "staleness (versions) of trained trajectories",
+            buckets=STALENESS_BUCKETS,
+            registry=registry,
+        )
         self.g_buffer = g("echo_buffer_groups", "groups in the replay buffer", ("kind",))
         self.by_key = self._row_gauges(g)
 
@@ -82,25 +105,56 @@ class StepGauges:
         return (
             (g("echo_policy_version", "policy version of the last step"), COL.version),
             (g("echo_reward_mean", "mean reward of the last step's batch"), COL.reward_mean),
-            (g("echo_bubble_ratio", "sum(t_wait) / sum(t_train + t_wait), after step 0"),
-             COL.bubble_ratio),
+            (
+                g("echo_bubble_ratio", "sum(t_wait) / sum(t_train + t_wait), after step 0"),
+                COL.bubble_ratio,
+            ),
             (g("echo_staleness_max", "max staleness in the last step's batch"), COL.staleness_max),
             (g("echo_t_train_seconds", "last step's training time"), COL.t_train),
             (g("echo_t_wait_seconds", "last step's wait for admissible data"), COL.t_wait),
             (g("echo_admitted", "trajectories admitted to the buffer so far"), COL.admitted),
-            (g("echo_dropped_stale", "trajectories dropped as too stale so far"), COL.dropped_stale),
+            (
+                g("echo_dropped_stale", "trajectories dropped as too stale so far"),
+                COL.dropped_stale,
+            ),
             # docs/broadcast.md, "Delta snapshots": what the newest publication sent and cost
-            (g("echo_publish_bytes", "bytes of the newest publication's payload "
-               "(a delta, or a keyframe's full payload)"), COL.publish_bytes),
-            (g("echo_publish_full_bytes", "bytes of the newest version in full"),
-             COL.publish_full_bytes),
+            (
+                g(
+                    "echo_publish_bytes",
+                    "bytes of the newest publication's payload "
+                    "(a delta, or a keyframe's full payload)",
+                ),
+                COL.publish_bytes,
+            ),
+            (
+                g("echo_publish_full_bytes", "bytes of the newest version in full"),
+                COL.publish_full_bytes,
+            ),
             (g("echo_delta_ratio", "newest publication's bytes / full bytes"), COL.delta_ratio),
-            (g("echo_encode_seconds", "building the newest publication (encode, "
-               "hashes, signature; on the publisher thread)"), COL.encode_s),
-            (g("echo_decode_seconds", "median seconds workers took to rebuild the "
-               "newest version they reported from its delta"), COL.decode_s),
-            (g("echo_keyframe_installs", "installs that needed a keyframe (the "
-               "worker lacked the base of a delta) so far"), COL.keyframe_installs),
+            (
+                g(
+                    "echo_encode_seconds",
+                    "building the newest publication (encode, "
+                    "hashes, signature; on the publisher thread)",
+                ),
+                COL.encode_s,
+            ),
+            (
+                g(
+                    "echo_decode_seconds",
+                    "median seconds workers took to rebuild the "
+                    "newest version they reported from its delta",
+                ),
+                COL.decode_s,
+            ),
+            (
+                g(
+                    "echo_keyframe_installs",
+                    "installs that needed a keyframe (the "
+                    "worker lacked the base of a delta) so far",
+                ),
+                COL.keyframe_installs,
+            ),
         )
 
     def step_cost(self, row: StepRow) -> float:
@@ -159,47 +213,82 @@ class FleetGauges:
         self.by_key = (
             (g("echo_active_workers", "live active workers"), STAT.active_workers),
             (g("echo_standby_workers", "live standby workers"), STAT.standby_workers),
-            (g("echo_fleet_price_per_hour", "sum of active workers' prices, $/h"),
-             STAT.fleet_price_per_hour),
-            (g("echo_learner_bytes_sent", "snapshot bytes sent by the learner so far"),
-             STAT.learner_bytes_sent),
+            (
+                g("echo_fleet_price_per_hour", "sum of active workers' prices, $/h"),
+                STAT.fleet_price_per_hour,
+            ),
+            (
+                g("echo_learner_bytes_sent", "snapshot bytes sent by the learner so far"),
+                STAT.learner_bytes_sent,
+            ),
             (g("echo_t_bcast_seconds", "T_bcast of the latest measured publication"), STAT.t_bcast),
-            (g("echo_in_flight_groups", "groups handed out and not yet returned"),
-             STAT.in_flight_groups),
-            (g("echo_ack_queue", "batch acknowledgements waiting for the write-ahead "
-               "log's fsync (group commit; bounded, learner.listen.ACK_QUEUE)"), STAT.ack_queue),
+            (
+                g("echo_in_flight_groups", "groups handed out and not yet returned"),
+                STAT.in_flight_groups,
+            ),
+            (
+                g(
+                    "echo_ack_queue",
+                    "batch acknowledgements waiting for the write-ahead "
+                    "log's fsync (group commit; bounded, learner.listen.ACK_QUEUE)",
+                ),
+                STAT.ack_queue,
+            ),
         )
         self.g_rejected = g("echo_rejected", "records/frames rejected so far", ("reason",))
         # docs/security.md: what the door refused, by reason
-        self.g_join_refused = g("echo_join_refused", "joins and connections refused so far",
-                                ("reason",))
-        self.g_limited = g("echo_messages_refused", "messages refused (rate limit, ban) so far",
-                           ("reason",))
-        self.g_chunk_refused = g("echo_chunk_requests_refused",
-                                 "learner chunk requests refused so far", ("reason",))
+        self.g_join_refused = g(
+            "echo_join_refused", "joins and connections refused so far", ("reason",)
+        )
+        self.g_limited = g(
+            "echo_messages_refused", "messages refused (rate limit, ban) so far", ("reason",)
+        )
+        self.g_chunk_refused = g(
+            "echo_chunk_requests_refused", "learner chunk requests refused so far", ("reason",)
+        )
         self.g_w = {  # stats key -> per-worker gauge, with the value a missing key shows
-            "throughput": (g("echo_worker_throughput", "measured throughput (EWMA, trajectories/s)",
-                             ("worker",)), 0.0),
+            "throughput": (
+                g(
+                    "echo_worker_throughput",
+                    "measured throughput (EWMA, trajectories/s)",
+                    ("worker",),
+                ),
+                0.0,
+            ),
             "price": (g("echo_worker_price_per_hour", "worker price, $/h", ("worker",)), 0.0),
             "active": (g("echo_worker_active", "1 active, 0 standby", ("worker",)), 0.0),
-            "version": (g("echo_worker_version", "policy version the worker runs", ("worker",)), -1.0),
-            "admitted": (g("echo_worker_admitted", "trajectories admitted from the worker",
-                           ("worker",)), 0.0),
+            "version": (
+                g("echo_worker_version", "policy version the worker runs", ("worker",)),
+                -1.0,
+            ),
+            "admitted": (
+                g("echo_worker_admitted", "trajectories admitted from the worker", ("worker",)),
+                0.0,
+            ),
         }
         # docs/security.md, "Trust but verify": checks of what each worker delivered
-        self.g_w_checks = g("echo_worker_checks", "checks made of the worker's deliveries "
-                            "(recomputed rewards, whole groups, audits)", ("worker",))
-        self.g_w_failed = g("echo_worker_check_failures", "checks the worker failed (strikes)", ("worker",))
-        self.g_w_quarantined = g("echo_worker_quarantined", "1 if the worker was quarantined", ("worker",))
+        self.g_w_checks = g(
+            "echo_worker_checks",
+            "checks made of the worker's deliveries (recomputed rewards, whole groups, audits)",
+            ("worker",),
+        )
+        self.g_w_failed = g(
+            "echo_worker_check_failures", "checks the worker failed (strikes)", ("worker",)
+        )
+        self.g_w_quarantined = g(
+            "echo_worker_quarantined", "1 if the worker was quarantined", ("worker",)
+        )
         self.g_checks = g("echo_checks", "checks so far, by kind and outcome", ("check", "outcome"))
 
     def update(self, stats: ControlStats) -> None:
         _set_from(self.by_key, stats)
         for reason, n in stats.rejected.items():
             self.g_rejected.labels(reason=reason).set(n)
-        for counts, gauge in ((stats.join_refused, self.g_join_refused),
-                              (stats.limited, self.g_limited),
-                              (stats.chunk_rejected, self.g_chunk_refused)):
+        for counts, gauge in (
+            (stats.join_refused, self.g_join_refused),
+            (stats.limited, self.g_limited),
+            (stats.chunk_rejected, self.g_chunk_refused),
+        ):
             for reason, n in counts.items():
                 gauge.labels(reason=reason).set(n)
         if isinstance(stats.workers, dict):
@@ -243,17 +332,33 @@ class AccountGauges:
         g = _gauge(registry)
         self.accounts: dict[str, dict[str, Any]] = {}
         self.g_acct = {
-            "accepted": g("echo_worker_records_accepted", "records of the worker admitted", ("worker",)),
-            "duplicates": g("echo_worker_records_duplicate", "resent records already held "
-                            "(acknowledged, not counted twice)", ("worker",)),
-            "active_s": g("echo_worker_active_seconds", "seconds the learner counted the worker "
-                          "active", ("worker",)),
-            "earned_usd": g("echo_worker_earned_usd", "declared price x active seconds, $", ("worker",)),
+            "accepted": g(
+                "echo_worker_records_accepted", "records of the worker admitted", ("worker",)
+            ),
+            "duplicates": g(
+                "echo_worker_records_duplicate",
+                "resent records already held (acknowledged, not counted twice)",
+                ("worker",),
+            ),
+            "active_s": g(
+                "echo_worker_active_seconds",
+                "seconds the learner counted the worker active",
+                ("worker",),
+            ),
+            "earned_usd": g(
+                "echo_worker_earned_usd", "declared price x active seconds, $", ("worker",)
+            ),
         }
-        self.g_acct_rejected = g("echo_worker_records_rejected", "records of the worker refused, "
-                                 "by reason", ("worker", "reason"))
-        self.g_acct_state = g("echo_worker_state", "1 for the worker's state in the learner's "
-                              "books (standby, active, quarantined, left)", ("worker", "state"))
+        self.g_acct_rejected = g(
+            "echo_worker_records_rejected",
+            "records of the worker refused, by reason",
+            ("worker", "reason"),
+        )
+        self.g_acct_state = g(
+            "echo_worker_state",
+            "1 for the worker's state in the learner's books (standby, active, quarantined, left)",
+            ("worker", "state"),
+        )
 
     def update(self, accounts: dict[str, dict[str, Any]]) -> None:
         for wid in set(self.accounts) - set(accounts):
@@ -281,9 +386,12 @@ class InstallGauges:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.installs: dict[int, dict[str, float]] = {}
         self._versions: list[str] = []
-        self.g_bcast_v = Gauge("echo_broadcast_seconds", "per version: seconds until the last "
-                               "worker installed it (recent versions)", ("version",),
-                               registry=registry)
+        self.g_bcast_v = Gauge(
+            "echo_broadcast_seconds",
+            "per version: seconds until the last worker installed it (recent versions)",
+            ("version",),
+            registry=registry,
+        )
 
     def update(self, installs: dict[Any, dict[str, float]]) -> None:
         for version, times in installs.items():

@@ -122,8 +122,9 @@ class MetricsServer:
         handler = type("Handler", (_Handler,), {"metrics": metrics})
         self.httpd = _BoundedServer((host, port), handler)
         self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="echo-metrics",
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, name="echo-metrics", daemon=True
+        )
         self.thread.start()
 
     @property

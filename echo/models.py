@@ -58,8 +58,13 @@ def build_tiny_tokenizer(vocab_kind: str = "arith") -> Any:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+    )
     fast.chat_template = TINY_CHAT_TEMPLATE
     return fast
 
@@ -68,12 +73,15 @@ def _model_dir(cfg: ModelConfig) -> Path:
     path = Path(cfg.name).expanduser()
     if not path.is_dir():
         raise ModelError(
-            f"model.name = {cfg.name!r}: no such directory. Use \"{TINY}\" for the built-in tiny "
+            f'model.name = {cfg.name!r}: no such directory. Use "{TINY}" for the built-in tiny '
             f"model, or the path of a Hugging Face model folder on this machine (downloads are "
-            f"not attempted)")
+            f"not attempted)"
+        )
     if not (path / "config.json").is_file():
-        raise ModelError(f"model.name = {cfg.name!r}: {path}/config.json is missing; point "
-                         f"model.name at a folder written by save_pretrained()")
+        raise ModelError(
+            f"model.name = {cfg.name!r}: {path}/config.json is missing; point "
+            f"model.name at a folder written by save_pretrained()"
+        )
     return path
 
 
@@ -86,8 +94,10 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
-        raise ModelError(f"model.name = {cfg.name!r}: cannot load its tokenizer ({exc}); "
-                         f"the folder needs tokenizer files saved with save_pretrained()") from None
+        raise ModelError(
+            f"model.name = {cfg.name!r}: cannot load its tokenizer ({exc}); "
+            f"the folder needs tokenizer files saved with save_pretrained()"
+        ) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # generation pads finished rows; EOS is the usual choice
     return tok
@@ -97,12 +107,18 @@ def tiny_config(cfg: ModelConfig, tokenizer: Any) -> Any:
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_positions,
-        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
     )
 
 
@@ -118,13 +134,18 @@ def load_model(cfg: ModelConfig, tokenizer: Any, dtype: str = "float32") -> Any:
     else:
         path = _model_dir(cfg)
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
-                                                         local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, local_files_only=True
+            )
         except Exception as exc:
-            raise ModelError(f"model.name = {cfg.name!r}: not a loadable causal LM ({exc})") from None
+            raise ModelError(
+                f"model.name = {cfg.name!r}: not a loadable causal LM ({exc})"
+            ) from None
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
-        raise ModelError(f"model.name = {cfg.name!r}: tokenizer has {len(tokenizer)} tokens but "
-                         f"the model's embedding has {model.get_input_embeddings().num_embeddings}")
+        raise ModelError(
+            f"model.name = {cfg.name!r}: tokenizer has {len(tokenizer)} tokens but "
+            f"the model's embedding has {model.get_input_embeddings().num_embeddings}"
+        )
     return model
 
 
@@ -172,7 +193,9 @@ def engine_model_dir(cfg: ModelConfig, cache_root: str | Path | None = None) -> 
     import os
 
     key = hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(cache_root or os.environ.get("ECHO_HOME", Path.home() / ".cache" / "echo")) / "models"
+    root = (
+        Path(cache_root or os.environ.get("ECHO_HOME", Path.home() / ".cache" / "echo")) / "models"
+    )
     folder = root / f"{TINY}-{key}"
     if (folder / "config.json").is_file():
         return folder
@@ -195,8 +218,9 @@ def engine_model_dir(cfg: ModelConfig, cache_root: str | Path | None = None) -> 
 # ----------------------------------------------------------------------------- devices
 
 
-def resolve_device(spec: str, key: str, local_rank: int | None = None,
-                   cuda_count: int | None = None) -> "torch.device":
+def resolve_device(
+    spec: str, key: str, local_rank: int | None = None, cuda_count: int | None = None
+) -> torch.device:
     """The torch device named by ``spec`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``).
 
     ``key`` is the config key, for the error. ``local_rank`` (torchrun's ``LOCAL_RANK``) makes
@@ -212,23 +236,29 @@ def resolve_device(spec: str, key: str, local_rank: int | None = None,
     if spec not in ("auto", "cuda") and not spec.startswith("cuda:"):
         raise ModelError(f"{key} = {spec!r}: unknown device; use auto, cpu, cuda or cuda:N")
     if cuda_count == 0:
-        raise ModelError(f"{key} = {spec!r} but no CUDA GPU is visible to torch {torch.__version__}"
-                         f" (a CPU build, no driver, or CUDA_VISIBLE_DEVICES empty); set {key} = "
-                         f"\"cpu\" or \"auto\"")
+        raise ModelError(
+            f"{key} = {spec!r} but no CUDA GPU is visible to torch {torch.__version__}"
+            f" (a CPU build, no driver, or CUDA_VISIBLE_DEVICES empty); set {key} = "
+            f'"cpu" or "auto"'
+        )
     if spec.startswith("cuda:"):
         if local_rank is not None:
-            raise ModelError(f"{key} = {spec!r} under torchrun: every rank would use the same GPU;"
-                             f" set {key} = \"cuda\" (rank r takes cuda:LOCAL_RANK)")
+            raise ModelError(
+                f"{key} = {spec!r} under torchrun: every rank would use the same GPU;"
+                f' set {key} = "cuda" (rank r takes cuda:LOCAL_RANK)'
+            )
         index = int(spec.split(":", 1)[1])
     else:
         index = local_rank or 0
     if index >= cuda_count:
-        raise ModelError(f"{key} = {spec!r}: GPU {index} does not exist, this machine shows "
-                         f"{cuda_count} (cuda:0 to cuda:{cuda_count - 1})")
+        raise ModelError(
+            f"{key} = {spec!r}: GPU {index} does not exist, this machine shows "
+            f"{cuda_count} (cuda:0 to cuda:{cuda_count - 1})"
+        )
     return torch.device("cuda", index)
 
 
-def bf16_compute(device: "torch.device") -> bool:
+def bf16_compute(device: torch.device) -> bool:
     """Whether ``device`` computes in bfloat16: a GPU that supports it. The CPU stays float32
     (slow bf16 kernels there, and every existing test runs on float32)."""
     import torch
@@ -243,7 +273,9 @@ def vocab_size(model: Any) -> int:
 # ----------------------------------------------------------------------------- payloads
 
 
-def params_to_payload(named: Iterable[tuple[str, Any]], dtype: str) -> tuple[list[dict[str, Any]], bytes]:
+def params_to_payload(
+    named: Iterable[tuple[str, Any]], dtype: str
+) -> tuple[list[dict[str, Any]], bytes]:
     """Tensors as one contiguous byte stream in ``dtype`` plus a tensor index.
 
     Pass ``model.named_parameters()`` (it lists a tied weight once, so tied embeddings travel
@@ -258,15 +290,23 @@ def params_to_payload(named: Iterable[tuple[str, Any]], dtype: str) -> tuple[lis
             # cast on the device (halves the copy for bf16), then to host memory
             t = p.detach().to(torch_dtype).contiguous().view(-1).cpu()
             raw = t.view(torch.uint8).numpy().tobytes()
-            index.append({"name": name, "dtype": dtype, "shape": list(p.shape),
-                          "offset": offset, "nbytes": len(raw)})
+            index.append(
+                {
+                    "name": name,
+                    "dtype": dtype,
+                    "shape": list(p.shape),
+                    "offset": offset,
+                    "nbytes": len(raw),
+                }
+            )
             parts.append(raw)
             offset += len(raw)
     return index, b"".join(parts)
 
 
-def params_to_spill(named: Iterable[tuple[str, Any]], dtype: str, directory: Path
-                    ) -> tuple[list[dict[str, Any]], Any]:
+def params_to_spill(
+    named: Iterable[tuple[str, Any]], dtype: str, directory: Path
+) -> tuple[list[dict[str, Any]], Any]:
     """``params_to_payload`` written tensor by tensor to a spill file (echo.spill) and mapped
     read-only: the payload never exists whole in RAM (docs/memory.md)."""
     import torch
@@ -282,8 +322,15 @@ def params_to_spill(named: Iterable[tuple[str, Any]], dtype: str, directory: Pat
                 t = p.detach().to(torch_dtype).contiguous().view(-1).cpu()
                 raw = t.view(torch.uint8).numpy()
                 writer.write(raw)
-                index.append({"name": name, "dtype": dtype, "shape": list(p.shape),
-                              "offset": offset, "nbytes": int(raw.nbytes)})
+                index.append(
+                    {
+                        "name": name,
+                        "dtype": dtype,
+                        "shape": list(p.shape),
+                        "offset": offset,
+                        "nbytes": int(raw.nbytes),
+                    }
+                )
                 offset += int(raw.nbytes)
     except BaseException:
         writer.close()
@@ -303,9 +350,11 @@ def install_payload(model: Any, index: list[dict[str, Any]], payload: bytes | by
     names = {e["name"] for e in index}
     if names != set(params):
         missing, extra = set(params) - names, names - set(params)
-        raise ModelError(f"snapshot does not fit this model: missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(extra)[:3]}; worker and learner must use the same "
-                         f"model.name and the same [learner.lora] settings")
+        raise ModelError(
+            f"snapshot does not fit this model: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(extra)[:3]}; worker and learner must use the same "
+            f"model.name and the same [learner.lora] settings"
+        )
     buf = memoryview(payload)
     with torch.no_grad():
         for e in index:
@@ -313,8 +362,10 @@ def install_payload(model: Any, index: list[dict[str, Any]], payload: bytes | by
             src = torch.frombuffer(bytearray(raw), dtype=getattr(torch, e["dtype"]))
             dst = params[e["name"]]
             if list(dst.shape) != e["shape"]:
-                raise ModelError(f"snapshot tensor {e['name']} has shape {e['shape']}, model has "
-                                 f"{list(dst.shape)}")
+                raise ModelError(
+                    f"snapshot tensor {e['name']} has shape {e['shape']}, model has "
+                    f"{list(dst.shape)}"
+                )
             dst.copy_(src.view(e["shape"]).to(dst.dtype))
             # a spilled payload (a map): this tensor's pages leave the resident set as it goes
             drop_pages(payload, e["offset"], e["offset"] + e["nbytes"])

@@ -36,13 +36,27 @@ def terminate_with_parent() -> None:
 class ProcessGroup:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def start(self, name: str, argv: list[str], log_path: Path, *, pipe_stdout: bool = False,
-              env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        *,
+        pipe_stdout: bool = False,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> subprocess.Popen:
         log = open(log_path, "ab")
         proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE if pipe_stdout else log, stderr=log, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=terminate_with_parent, env={**os.environ, **(env or {})},
-            cwd=cwd)
+            argv,
+            stdout=subprocess.PIPE if pipe_stdout else log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=terminate_with_parent,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+        )
         log.close()
         proc.echo_log = log_path  # type: ignore[attr-defined]  # wait_ready quotes it on failure
         self.procs[name] = proc
@@ -88,12 +102,13 @@ def wait_ready(proc: subprocess.Popen, timeout: float) -> str:
             break
         chunk = os.read(proc.stdout.fileno(), 4096)
         if not chunk:
-            raise RuntimeError(f"learner exited (code {proc.wait()}) before it was ready"
-                               + _log_tail(proc))
+            raise RuntimeError(
+                f"learner exited (code {proc.wait()}) before it was ready" + _log_tail(proc)
+            )
         buf += chunk
         for line in buf.decode(errors="replace").splitlines():
             if line.startswith(READY_PREFIX):
-                return line[len(READY_PREFIX):].strip()
+                return line[len(READY_PREFIX) :].strip()
     raise RuntimeError(f"learner not ready within {timeout}s" + _log_tail(proc))
 
 

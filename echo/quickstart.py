@@ -41,15 +41,19 @@ class MetricsTail:
             data = f.read()
         complete = data[: data.rfind("\n") + 1]
         self.offset += len(complete.encode())
-        new = [StepRow.from_json(json.loads(line)) for line in complete.splitlines() if line.strip()]
+        new = [
+            StepRow.from_json(json.loads(line)) for line in complete.splitlines() if line.strip()
+        ]
         self.rows.extend(new)
         return new
 
 
 def _describe(row: StepRow) -> str:
-    return (f"reward {row.reward_mean:.3f}  staleness {row.staleness_max}  "
-            f"bubble {row.bubble_ratio:.2f}  workers {row.active_workers} active "
-            f"/ {row.standby_workers} standby")
+    return (
+        f"reward {row.reward_mean:.3f}  staleness {row.staleness_max}  "
+        f"bubble {row.bubble_ratio:.2f}  workers {row.active_workers} active "
+        f"/ {row.standby_workers} standby"
+    )
 
 
 def _mean(values: list[Any]) -> float:
@@ -64,15 +68,19 @@ def summary_table(cfg: EchoConfig, rows: list[StepRow], run_dir: Path) -> Table:
     t.add_row("learner steps", str(len(rows)))
     t.add_row("reward, mean of first 10 steps", f"{_mean([r.reward_mean for r in first]):.3f}")
     t.add_row("reward, mean of last 10 steps", f"{_mean([r.reward_mean for r in last]):.3f}")
-    t.add_row("max staleness (budget S)", f"{max((r.staleness_max for r in rows), default=0)} "
-              f"({cfg.learner.staleness})")
+    t.add_row(
+        "max staleness (budget S)",
+        f"{max((r.staleness_max for r in rows), default=0)} ({cfg.learner.staleness})",
+    )
     if rows:
         r = rows[-1]
         t.add_row("bubble ratio", f"{r.bubble_ratio:.3f}")
         t.add_row("admitted samples", str(r.admitted))
         t.add_row("dropped stale samples", str(r.dropped_stale))
         t.add_row("rejected records", str(sum((r.rejected or {}).values())))
-        t.add_row("learner bytes sent (snapshots)", f"{(r.learner_bytes_sent or 0) / 2**20:.1f} MiB")
+        t.add_row(
+            "learner bytes sent (snapshots)", f"{(r.learner_bytes_sent or 0) / 2**20:.1f} MiB"
+        )
         t.add_row("workers at the end", f"{r.active_workers} active, {r.standby_workers} standby")
         t.add_row("fleet cost of the run", f"${sum(x.cost_step_usd or 0.0 for x in rows):.4f}")
         decisions = run_dir / "decisions.jsonl"
@@ -86,8 +94,13 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str], run_dir: Path,
-                   workers: int | None) -> int:
+def run_quickstart(
+    cfg: EchoConfig,
+    config_path: str | None,
+    overrides: list[str],
+    run_dir: Path,
+    workers: int | None,
+) -> int:
     # Explicit handlers: a shell that starts us in the background ignores SIGINT, and SIGTERM
     # from a supervisor must stop the children just like Ctrl-C.
     signal.signal(signal.SIGINT, _interrupt)
@@ -102,9 +115,15 @@ def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str
     learn_args = ["learn", str(resolved), "--run-dir", str(run_dir)]
     tail = MetricsTail(run_dir / "metrics.jsonl")
     try:
-        learner = group.start("learner", python_argv("echo.cli", *learn_args),
-                              run_dir / "learner.stderr.log", pipe_stdout=True)
-        console.print(f"[bold]Echo quickstart[/] run folder [cyan]{run_dir}[/]; starting learner...")
+        learner = group.start(
+            "learner",
+            python_argv("echo.cli", *learn_args),
+            run_dir / "learner.stderr.log",
+            pipe_stdout=True,
+        )
+        console.print(
+            f"[bold]Echo quickstart[/] run folder [cyan]{run_dir}[/]; starting learner..."
+        )
         try:
             endpoint = wait_ready(learner, timeout=180)
         except RuntimeError as err:  # a start-up error: one line with its fix, no traceback
@@ -114,16 +133,31 @@ def run_quickstart(cfg: EchoConfig, config_path: str | None, overrides: list[str
         console.print(f"learner at [cyan]{endpoint}[/]; starting {n} workers", soft_wrap=True)
         info = json.loads((run_dir / "learner.json").read_text())
         if "metrics" in info:
-            console.print(f"dashboard: [cyan]{info['metrics']}/[/]  (Prometheus: {info['metrics']}/metrics)")
+            console.print(
+                f"dashboard: [cyan]{info['metrics']}/[/]  (Prometheus: {info['metrics']}/metrics)"
+            )
         plain = [] if cfg.security.curve else ["--insecure"]  # security.curve=false: plaintext
         for i in range(n):
             price = prices[i % len(prices)]
             # Each worker is its own identity: one key pair per worker, kept in the run folder.
-            group.start(f"worker-{i}", python_argv("worker.cli", "join", endpoint, "--id",
-                                                   f"worker-{i}", "--price", str(price), *plain,
-                                                   "--identity", str(run_dir / "keys" / f"worker-{i}.key"),
-                                                   "--status-file", str(run_dir / "status" / f"worker-{i}.json")),
-                        run_dir / f"worker-{i}.log")
+            group.start(
+                f"worker-{i}",
+                python_argv(
+                    "worker.cli",
+                    "join",
+                    endpoint,
+                    "--id",
+                    f"worker-{i}",
+                    "--price",
+                    str(price),
+                    *plain,
+                    "--identity",
+                    str(run_dir / "keys" / f"worker-{i}.key"),
+                    "--status-file",
+                    str(run_dir / "status" / f"worker-{i}.json"),
+                ),
+                run_dir / f"worker-{i}.log",
+            )
         _follow(cfg, learner, tail)
         code = learner.wait()
     except KeyboardInterrupt:
@@ -159,8 +193,13 @@ def _follow(cfg: EchoConfig, learner: Any, tail: MetricsTail) -> None:
     cut to the terminal width rich assumes, so plain lines instead, every 10 s and at the end."""
     if not console.is_terminal:
         return _follow_plain(cfg, learner, tail)
-    columns = [TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-               TextColumn("{task.description}")]
+    columns = [
+        TextColumn("[bold]step"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    ]
     with Progress(*columns, console=console, refresh_per_second=4) as progress:
         task = progress.add_task("waiting for workers...", total=cfg.learner.max_steps)
         while True:
@@ -176,11 +215,16 @@ def _follow_plain(cfg: EchoConfig, learner: Any, tail: MetricsTail) -> None:
     last, shown, row = time.monotonic(), None, None
     while True:
         done = learner.poll() is not None
-        for row in tail.poll():
-            pass
-        if row is not None and row is not shown and (done or time.monotonic() - last >= PLAIN_EVERY_S):
-            print(f"step {(row.step or 0) + 1}/{cfg.learner.max_steps}  {_plain(_describe(row))}",
-                  flush=True)
+        row = ([row, *tail.poll()])[-1]  # the newest row, if any came
+        if (
+            row is not None
+            and row is not shown
+            and (done or time.monotonic() - last >= PLAIN_EVERY_S)
+        ):
+            print(
+                f"step {(row.step or 0) + 1}/{cfg.learner.max_steps}  {_plain(_describe(row))}",
+                flush=True,
+            )
             last, shown = time.monotonic(), row
         if done:
             return

@@ -71,25 +71,36 @@ def target_reached(df, target: float | None) -> dict[str, Any]:
     if len(hit) == 0:
         return {"target_step": None, "cost_to_target_usd": None, "wall_to_target_s": None}
     i = hit[0]
-    return {"target_step": int(df.at[i, COL.step]), "cost_to_target_usd": float(df.at[i, "cost_usd"]),
-            "wall_to_target_s": float(df.at[i, COL.wall_s]) if COL.wall_s in df else None}
+    return {
+        "target_step": int(df.at[i, COL.step]),
+        "cost_to_target_usd": float(df.at[i, "cost_usd"]),
+        "wall_to_target_s": float(df.at[i, COL.wall_s]) if COL.wall_s in df else None,
+    }
 
 
-def summarise(name: str, df, summary: dict[str, Any], decisions: list[dict[str, Any]],
-              price: float, target: float | None) -> dict[str, Any]:
+def summarise(
+    name: str,
+    df,
+    summary: dict[str, Any],
+    decisions: list[dict[str, Any]],
+    price: float,
+    target: float | None,
+) -> dict[str, Any]:
     last = df.iloc[-1]
     admitted = float(last.get(COL.admitted, 0) or 0)
     cost = float(last["cost_usd"])
     t_bcast = df[COL.t_bcast].dropna() if COL.t_bcast in df else []
     fleet_price = COL.fleet_price_per_hour
     out = {
-        "run": name, "steps": len(df),
+        "run": name,
+        "steps": len(df),
         COL.wall_s: float(last[COL.wall_s]) if COL.wall_s in df else None,
         "reward_first10": float(df[COL.reward_mean].head(10).mean()),
         "reward_last10": float(df[COL.reward_mean].tail(10).mean()),
         COL.bubble_ratio: float(last.get(COL.bubble_ratio, float("nan"))),
         COL.staleness_max: int(df[COL.staleness_max].max()) if COL.staleness_max in df else None,
-        "cost_usd": cost, "cost_per_step_usd": cost / len(df),
+        "cost_usd": cost,
+        "cost_per_step_usd": cost / len(df),
         "cost_per_1k_admitted_usd": 1000 * cost / admitted if admitted else None,
         COL.admitted: int(admitted),
         "learner_price_per_hour": price,
@@ -136,21 +147,38 @@ def _fmt(v: Any) -> str:
     return html.escape(str(v))
 
 
-def _html(summaries: list[dict[str, Any]], images: dict[str, bytes], target: float | None,
-          window: int, decisions: list[dict[str, Any]]) -> str:
+def _html(
+    summaries: list[dict[str, Any]],
+    images: dict[str, bytes],
+    target: float | None,
+    window: int,
+    decisions: list[dict[str, Any]],
+) -> str:
     keys = [k for k in summaries[0] if k != "run"]
     head = "".join(f"<th>{html.escape(s['run'])}</th>" for s in summaries)
-    body = "".join(f"<tr><th>{html.escape(k)}</th>" + "".join(
-        f'<td id="{html.escape(s["run"])}-{k}">{_fmt(s.get(k))}</td>' for s in summaries) + "</tr>"
-        for k in keys)
-    imgs = "".join(f'<figure><img alt="{n}" src="data:image/png;base64,{base64.b64encode(b).decode()}">'
-                   f"<figcaption>{n}</figcaption></figure>" for n, b in images.items())
-    dec = "".join(f"<tr><td>{html.escape(str(d.get('run')))}</td><td>{d.get('step')}</td>"
-                  f"<td>{html.escape(str(d.get('action')))}</td><td>{html.escape(str(d.get('worker') or '–'))}</td>"
-                  f"<td>{html.escape(str(d.get('reason', '')))}</td></tr>" for d in decisions[-30:])
-    tgt = (f"<p>Target reward {target} (rolling mean over {window} steps): <b>target_step</b> is the "
-           f"first step reaching it, <b>cost_to_target_usd</b> the cumulative cost up to it.</p>"
-           if target is not None else "")
+    body = "".join(
+        f"<tr><th>{html.escape(k)}</th>"
+        + "".join(f'<td id="{html.escape(s["run"])}-{k}">{_fmt(s.get(k))}</td>' for s in summaries)
+        + "</tr>"
+        for k in keys
+    )
+    imgs = "".join(
+        f'<figure><img alt="{n}" src="data:image/png;base64,{base64.b64encode(b).decode()}">'
+        f"<figcaption>{n}</figcaption></figure>"
+        for n, b in images.items()
+    )
+    dec = "".join(
+        f"<tr><td>{html.escape(str(d.get('run')))}</td><td>{d.get('step')}</td>"
+        f"<td>{html.escape(str(d.get('action')))}</td><td>{html.escape(str(d.get('worker') or '–'))}</td>"
+        f"<td>{html.escape(str(d.get('reason', '')))}</td></tr>"
+        for d in decisions[-30:]
+    )
+    tgt = (
+        f"<p>Target reward {target} (rolling mean over {window} steps): <b>target_step</b> is the "
+        f"first step reaching it, <b>cost_to_target_usd</b> the cumulative cost up to it.</p>"
+        if target is not None
+        else ""
+    )
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Echo run report</title>
 <style>body{{font:14px system-ui,sans-serif;margin:20px;color:#1d2330}}table{{border-collapse:collapse}}
 th,td{{border-bottom:1px solid #ddd;padding:3px 10px;text-align:right;font-variant-numeric:tabular-nums}}
@@ -166,8 +194,9 @@ Files: steps.csv/.parquet, summary.csv/.parquet, decisions.csv, *.png.</p>{tgt}
 """
 
 
-def make_report(run_dirs: list[Path], out: Path, target: float | None = None,
-                window: int = 5) -> dict[str, Path]:
+def make_report(
+    run_dirs: list[Path], out: Path, target: float | None = None, window: int = 5
+) -> dict[str, Path]:
     import pandas as pd
 
     out.mkdir(parents=True, exist_ok=True)
@@ -186,15 +215,22 @@ def make_report(run_dirs: list[Path], out: Path, target: float | None = None,
         all_decisions += [{"run": name, **d} for d in decisions]
     steps = pd.concat(frames.values(), ignore_index=True, sort=False)
     summ = pd.DataFrame(summaries)
-    paths = {"html": out / "index.html", "steps_csv": out / "steps.csv",
-             "steps_parquet": out / "steps.parquet", "summary_csv": out / "summary.csv",
-             "summary_parquet": out / "summary.parquet", "decisions_csv": out / "decisions.csv"}
+    paths = {
+        "html": out / "index.html",
+        "steps_csv": out / "steps.csv",
+        "steps_parquet": out / "steps.parquet",
+        "summary_csv": out / "summary.csv",
+        "summary_parquet": out / "summary.parquet",
+        "decisions_csv": out / "decisions.csv",
+    }
     steps.to_csv(paths["steps_csv"], index=False)
     steps.to_parquet(paths["steps_parquet"], index=False)
     summ.to_csv(paths["summary_csv"], index=False)
     summ.to_parquet(paths["summary_parquet"], index=False)
-    pd.DataFrame(all_decisions, columns=["run", "step", "action", "worker", "reason", "c_eff",
-                                         "target", "mu_req"]).to_csv(paths["decisions_csv"], index=False)
+    pd.DataFrame(
+        all_decisions,
+        columns=["run", "step", "action", "worker", "reason", "c_eff", "target", "mu_req"],
+    ).to_csv(paths["decisions_csv"], index=False)
     images = {}
     for fname, col, title, ylabel in PLOTS:
         png = _plot(frames, col, title, ylabel)
@@ -206,7 +242,9 @@ def make_report(run_dirs: list[Path], out: Path, target: float | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="echo-rl report", description="compare runs: HTML, CSV, Parquet")
+    p = argparse.ArgumentParser(
+        prog="echo-rl report", description="compare runs: HTML, CSV, Parquet"
+    )
     p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     p.add_argument("--out", type=Path, default=Path("report"))
     p.add_argument("--target-reward", type=float, default=None)

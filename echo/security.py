@@ -26,11 +26,11 @@ import os
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import zmq
@@ -56,27 +56,29 @@ class KeyPair:
     secret: bytes
 
     @classmethod
-    def generate(cls) -> "KeyPair":
+    def generate(cls) -> KeyPair:
         public, secret = zmq.curve_keypair()
         return cls(public, secret)
 
     @classmethod
-    def load(cls, path: str | Path) -> "KeyPair":
+    def load(cls, path: str | Path) -> KeyPair:
         p = Path(path)
         try:
             lines = p.read_text().split()
         except OSError as exc:
             raise SecurityError(f"cannot read key file {str(p)!r}: {exc.strerror}") from None
         if len(lines) != 2 or any(len(x) != 40 for x in lines):
-            raise SecurityError(f"key file {str(p)!r} is not an Echo key pair (two Z85 lines): "
-                                f"delete it and a new one is made, or pass another --identity")
+            raise SecurityError(
+                f"key file {str(p)!r} is not an Echo key pair (two Z85 lines): "
+                f"delete it and a new one is made, or pass another --identity"
+            )
         pair = cls(lines[0].encode(), lines[1].encode())
         if zmq.curve_public(pair.secret) != pair.public:
             raise SecurityError(f"key file {str(p)!r}: the public key does not match the secret")
         return pair
 
     @classmethod
-    def load_or_create(cls, path: str | Path) -> "KeyPair":
+    def load_or_create(cls, path: str | Path) -> KeyPair:
         p = Path(path)
         if p.exists():
             return cls.load(p)
@@ -105,8 +107,10 @@ def key_from_hex(text: str) -> bytes:
     except ValueError:
         raw = b""
     if len(raw) != 32:
-        raise SecurityError(f"learner key {text!r} is not 64 hex digits: copy the whole join "
-                            f"line the learner printed")
+        raise SecurityError(
+            f"learner key {text!r} is not 64 hex digits: copy the whole join "
+            f"line the learner printed"
+        )
     return z85.encode(raw)
 
 
@@ -133,12 +137,14 @@ class JoinLine:
         return f"echo://{host_port}/{key_hex(self.server_key)}{q}"
 
     @classmethod
-    def parse(cls, text: str) -> "JoinLine":
+    def parse(cls, text: str) -> JoinLine:
         if text.startswith("tcp://"):
             return cls(text, None)
         if not text.startswith("echo://"):
-            raise SecurityError(f"learner address {text!r} must be the join line the learner "
-                                f"printed (echo://HOST:PORT/KEY) or tcp://HOST:PORT with --insecure")
+            raise SecurityError(
+                f"learner address {text!r} must be the join line the learner "
+                f"printed (echo://HOST:PORT/KEY) or tcp://HOST:PORT with --insecure"
+            )
         parts = urlsplit(text)
         if not parts.hostname or not parts.port:
             raise SecurityError(f"join line {text!r} names no HOST:PORT")
@@ -229,13 +235,17 @@ class TokenStore:
         with locked(self.path):
             self._watch._stamp = None
             self.reload()
-            self.tokens[_hash_token(token)] = {"uses_left": uses, "expires": self.clock() + ttl_s,
-                                               "keys": [], "note": note}
+            self.tokens[_hash_token(token)] = {
+                "uses_left": uses,
+                "expires": self.clock() + ttl_s,
+                "keys": [],
+                "note": note,
+            }
             self._save()
         return token
 
     def redeem(self, token: str, key: str) -> str:
-        """"" when ``key`` may join with ``token``, else the refusal reason."""
+        """ "" when ``key`` may join with ``token``, else the refusal reason."""
         digest = _hash_token(token)
         entry = next((e for h, e in self.tokens.items() if hmac.compare_digest(h, digest)), None)
         if entry is None:
@@ -274,8 +284,11 @@ class KeyList:
         # The key is a line's first word when it is 40 characters (Z85 has no spaces, but it
         # does have '#', so a key may start with one); other lines are comments.
         parts = (ln.split(None, 1) for ln in lines if ln.strip())
-        self.notes = {p[0]: (p[1].strip().removeprefix("#").strip() if len(p) > 1 else "")
-                      for p in parts if len(p[0]) == 40}
+        self.notes = {
+            p[0]: (p[1].strip().removeprefix("#").strip() if len(p) > 1 else "")
+            for p in parts
+            if len(p[0]) == 40
+        }
         self.keys = set(self.notes)
         return True
 
@@ -285,8 +298,10 @@ class KeyList:
 
     def add(self, key: str, note: str = "") -> None:
         if len(key) != 40:
-            raise SecurityError(f"{key!r} is not a public key (40 Z85 characters, as shown by "
-                                f"the dashboard and the learner's log)")
+            raise SecurityError(
+                f"{key!r} is not a public key (40 Z85 characters, as shown by "
+                f"the dashboard and the learner's log)"
+            )
         with locked(self.path):
             with self.path.open("a") as f:
                 f.write(f"{key}  # {note}\n" if note else f"{key}\n")
@@ -303,8 +318,13 @@ class PeerLimits:
     """One bucket per peer, for at most ``max_peers`` peers (least recently seen evicted: an
     evicted peer starts again with a full bucket, which costs at most one burst)."""
 
-    def __init__(self, rate: float, burst: float, max_peers: int = 65536,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        rate: float,
+        burst: float,
+        max_peers: int = 65536,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.rate, self.burst, self.max_peers, self.clock = rate, burst, max_peers, clock
         self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
 
@@ -320,8 +340,12 @@ class LogThrottle:
     """At most one log line per peer per ``period_s`` (a flood must not become a flood of log
     lines: 100,000 refusals once wrote 23 MB of learner.log). The counters still count all."""
 
-    def __init__(self, period_s: float = 10.0, max_peers: int = 4096,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        period_s: float = 10.0,
+        max_peers: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.period_s, self.max_peers, self.clock = period_s, max_peers, clock
         self._last: OrderedDict[str, float] = OrderedDict()
         self.suppressed = 0
@@ -404,8 +428,16 @@ class ZapHandler:
                 reason, key = self._judge(frames)
                 # 300 is a temporary refusal (the client may retry), 400 a final one.
                 status = b"200" if not reason else b"300" if reason == "rate_limited" else b"400"
-                await self.sock.send_multipart([b"1.0", req_id, status, (reason or "OK").encode(),
-                                                b"" if reason else key.encode(), b""])
+                await self.sock.send_multipart(
+                    [
+                        b"1.0",
+                        req_id,
+                        status,
+                        (reason or "OK").encode(),
+                        b"" if reason else key.encode(),
+                        b"",
+                    ]
+                )
         finally:
             self.close()
 

@@ -47,7 +47,7 @@ class SpillWriter:
         view = memoryview(data).cast("B")
         done = 0
         while done < view.nbytes:
-            done += os.write(self.fd, view[done:done + (64 << 20)])
+            done += os.write(self.fd, view[done : done + (64 << 20)])
         self.size += view.nbytes
 
     def read_into(self, buf: Any, offset: int) -> None:

@@ -107,8 +107,7 @@ class StepRow:
 
     def to_json(self) -> dict[str, Any]:
         """The row as written: a field left missing is absent unless it was set since."""
-        out = {n: v for n in _NAMES
-               if (v := getattr(self, n)) is not None or n not in self.missing}
+        out = {n: v for n in _NAMES if (v := getattr(self, n)) is not None or n not in self.missing}
         out.update(self.extra)
         return out
 
@@ -142,10 +141,26 @@ _NAMES = tuple(f.name for f in fields(StepRow) if f.name not in ("extra", "missi
 _NAME_SET = frozenset(_NAMES)
 
 # The trainer's numbers and the newest publication's, as the row names them.
-TRAINER_FIELDS = ("truncated_frac", "entropy_est", "clip_frac", "is_weight_mean",
-                  "is_zeroed_frac", "kl_mean", "grad_norm", "loss", "skipped_nonfinite")
-PUBLISH_FIELDS = ("publish_encoding", "publish_bytes", "publish_full_bytes", "delta_ratio",
-                  "delta_changed", "encode_s", "keyframes_published")
+TRAINER_FIELDS = (
+    "truncated_frac",
+    "entropy_est",
+    "clip_frac",
+    "is_weight_mean",
+    "is_zeroed_frac",
+    "kl_mean",
+    "grad_norm",
+    "loss",
+    "skipped_nonfinite",
+)
+PUBLISH_FIELDS = (
+    "publish_encoding",
+    "publish_bytes",
+    "publish_full_bytes",
+    "delta_ratio",
+    "delta_changed",
+    "encode_s",
+    "keyframes_published",
+)
 
 # The row's keys as constants (``COL.t_wait == "t_wait"``): for pandas columns and other
 # places that need the name as a string, so no reader spells a key itself.

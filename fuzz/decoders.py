@@ -31,24 +31,56 @@ KEY = RunKey.from_bytes(bytes(range(32)))  # fixed: the seeds are the same on ev
 LIMITS = Limits(vocab_size=1000, max_new_tokens=32, group_size=8)
 PENDING = {7: 2}  # the chunk reply target waits for chunk 2 of version 4 under request id 7
 
-RECORD = {"group_id": "g1", "sample_idx": 1, "prompt_ids": [1, 2, 3], "completion_ids": [4, 5],
-          "logprobs": [-0.5, -1.25], "reward": 1.0, "version": 4, "worker_id": "w1",
-          "gen_s": 0.5}
-ACCOUNT = wire.Account(state="active", version=4, install_s=0.8, granted=12, accepted=40,
-                       duplicates=2, rejected={"reward_mismatch": 4}, checks=3, check_failures=1,
-                       throughput=1.5, down_mbit=90.0, up_mbit=20.0, nat="punchable", price=0.35,
-                       active_s=120.0, earned_usd=0.0117, message="activate: capacity short",
-                       message_age_s=3.0)
+RECORD = {
+    "group_id": "g1",
+    "sample_idx": 1,
+    "prompt_ids": [1, 2, 3],
+    "completion_ids": [4, 5],
+    "logprobs": [-0.5, -1.25],
+    "reward": 1.0,
+    "version": 4,
+    "worker_id": "w1",
+    "gen_s": 0.5,
+}
+ACCOUNT = wire.Account(
+    state="active",
+    version=4,
+    install_s=0.8,
+    granted=12,
+    accepted=40,
+    duplicates=2,
+    rejected={"reward_mismatch": 4},
+    checks=3,
+    check_failures=1,
+    throughput=1.5,
+    down_mbit=90.0,
+    up_mbit=20.0,
+    nat="punchable",
+    price=0.35,
+    active_s=120.0,
+    earned_usd=0.0117,
+    message="activate: capacity short",
+    message_age_s=3.0,
+)
 
 
 def manifest(version: int = 4, **over: Any) -> dict[str, Any]:
     """The wire map of a signed manifest of a small two-tensor payload; ``over`` replaces keys
     before signing (a seed the fuzzer mutates: hostile maps on purpose)."""
     payload = bytes(range(256)) * 3
-    tensors = [{"name": "w", "dtype": "float32", "shape": [8, 16], "offset": 0, "nbytes": 512},
-               {"name": "b", "dtype": "bfloat16", "shape": [128], "offset": 512, "nbytes": 256}]
-    m = build_manifest(run_id="fuzz", version=version, tensors=tensors, payload=payload,
-                       chunk_size=100, dtype="float32", key=KEY).to_wire()
+    tensors = [
+        {"name": "w", "dtype": "float32", "shape": [8, 16], "offset": 0, "nbytes": 512},
+        {"name": "b", "dtype": "bfloat16", "shape": [128], "offset": 512, "nbytes": 256},
+    ]
+    m = build_manifest(
+        run_id="fuzz",
+        version=version,
+        tensors=tensors,
+        payload=payload,
+        chunk_size=100,
+        dtype="float32",
+        key=KEY,
+    ).to_wire()
     if over:
         m.update(over)
         m["signature"] = resign(m)
@@ -63,39 +95,101 @@ def examples() -> list[wire.Message]:
     """At least one valid message of every type in ``wire.MESSAGES`` (the seeds)."""
     m = manifest()
     return [
-        wire.Join(worker_id="w1", price=0.35, relay_endpoint="tcp://10.0.0.2:5000",
-                  down_mbit=100.0, up_mbit=20.0),
+        wire.Join(
+            worker_id="w1",
+            price=0.35,
+            relay_endpoint="tcp://10.0.0.2:5000",
+            down_mbit=100.0,
+            up_mbit=20.0,
+        ),
         wire.Join(worker_id="w" * 128, can_relay=False, backend="vllm", rid=3),
-        wire.JoinAck(run_id="r", instance_id="i", public_key=KEY.public_bytes, version=4,
-                     manifest=m, config={"worker": {"groups_per_request": 2}},
-                     snapshot_endpoint="tcp://10.0.0.1:5001"),
-        wire.JoinAck(run_id="r", instance_id="i", public_key=KEY.public_bytes, version=-1,
-                     config={}, snapshot_endpoint="tcp://10.0.0.1:5001"),
-        wire.JoinAck(run_id="r", instance_id="i", public_key=KEY.public_bytes, version=-1,
-                     config={}, snapshot_endpoint="tcp://10.0.0.1:5001",
-                     reflectors=["10.0.0.1:5002", "10.0.0.1:5003"]),
-        wire.Heartbeat(worker_id="w1", version=4, throughput=1.5, busy_s=10.0, busy_samples=12,
-                       state="generating"),
+        wire.JoinAck(
+            run_id="r",
+            instance_id="i",
+            public_key=KEY.public_bytes,
+            version=4,
+            manifest=m,
+            config={"worker": {"groups_per_request": 2}},
+            snapshot_endpoint="tcp://10.0.0.1:5001",
+        ),
+        wire.JoinAck(
+            run_id="r",
+            instance_id="i",
+            public_key=KEY.public_bytes,
+            version=-1,
+            config={},
+            snapshot_endpoint="tcp://10.0.0.1:5001",
+        ),
+        wire.JoinAck(
+            run_id="r",
+            instance_id="i",
+            public_key=KEY.public_bytes,
+            version=-1,
+            config={},
+            snapshot_endpoint="tcp://10.0.0.1:5001",
+            reflectors=["10.0.0.1:5002", "10.0.0.1:5003"],
+        ),
+        wire.Heartbeat(
+            worker_id="w1",
+            version=4,
+            throughput=1.5,
+            busy_s=10.0,
+            busy_samples=12,
+            state="generating",
+        ),
         wire.HeartbeatAck(instance_id="i", version=4, manifest=m, source="tcp://10.0.0.3:1"),
         wire.HeartbeatAck(instance_id="i", version=4, known=False),
         wire.HeartbeatAck(instance_id="i", version=4, account=ACCOUNT),
         wire.WorkRequest(worker_id="w1", max_groups=4, holding=["g1", "g2"]),
-        wire.WorkGrant(groups=[wire.Group(group_id="g1", prompt_ids=[1, 2, 3], n=4, seed=7,
-                                          task={"answer": "42", "k": [1, 2.5]})]),
+        wire.WorkGrant(
+            groups=[
+                wire.Group(
+                    group_id="g1",
+                    prompt_ids=[1, 2, 3],
+                    n=4,
+                    seed=7,
+                    task={"answer": "42", "k": [1, 2.5]},
+                )
+            ]
+        ),
         wire.WorkGrant(groups=[], retry_after_s=0.5),
-        wire.Trajectories(worker_id="w1", batch_id="b1", count=2,
-                          payload=wire.pack_records([RECORD, {**RECORD, "sample_idx": 2}])),
-        wire.Ack(batch_id="b1", accepted=1, duplicates=0, rejected={"out_of_vocab": 1},
-                 rejected_idx=[1]),
+        wire.Trajectories(
+            worker_id="w1",
+            batch_id="b1",
+            count=2,
+            payload=wire.pack_records([RECORD, {**RECORD, "sample_idx": 2}]),
+        ),
+        wire.Ack(
+            batch_id="b1", accepted=1, duplicates=0, rejected={"out_of_vocab": 1}, rejected_idx=[1]
+        ),
         wire.Leave(worker_id="w1"),
         wire.Heartbeat(worker_id="w1", version=4, state="yielded"),
-        wire.WorkGrant(groups=[wire.Group(
-            group_id="g2", prompt_ids=[1, 2], n=2, seed=9,
-            prefixes=[wire.Prefix(sample_idx=1, ids=[5, 6], logprobs=[-0.5, -1.0],
-                                  versions=[[3, 1], [4, 1]])])]),
-        wire.Handback(worker_id="w1", reason="preempted", groups=["g1", "g2"],
-                      prefixes={"g1": [wire.Prefix(sample_idx=0, ids=[7], logprobs=[-0.1],
-                                                   versions=[[4, 1]])]}),
+        wire.WorkGrant(
+            groups=[
+                wire.Group(
+                    group_id="g2",
+                    prompt_ids=[1, 2],
+                    n=2,
+                    seed=9,
+                    prefixes=[
+                        wire.Prefix(
+                            sample_idx=1,
+                            ids=[5, 6],
+                            logprobs=[-0.5, -1.0],
+                            versions=[[3, 1], [4, 1]],
+                        )
+                    ],
+                )
+            ]
+        ),
+        wire.Handback(
+            worker_id="w1",
+            reason="preempted",
+            groups=["g1", "g2"],
+            prefixes={
+                "g1": [wire.Prefix(sample_idx=0, ids=[7], logprobs=[-0.1], versions=[[4, 1]])]
+            },
+        ),
         wire.Handback(worker_id="w1", reason="yielded", groups=[]),
         wire.HandbackAck(groups=2, prefixes=1, refused={"stale": 1}),
         wire.SnapshotNotice(version=4, manifest=m, source="tcp://10.0.0.3:1"),
@@ -110,11 +204,22 @@ def examples() -> list[wire.Message]:
         wire.Installed(worker_id="w1", version=4, digest=bytes(32)),
         wire.NatReport(worker_id="w1", nonces=[b"a" * 16, b"b" * 16]),
         wire.NatStatus(nat="punchable", address="203.0.113.2:40001"),
-        wire.Punch(punch_id=b"p" * 16, role="child", address="203.0.113.3:40002",
-                   endpoint="tcp://10.0.0.3:5000", timeout_s=10),
+        wire.Punch(
+            punch_id=b"p" * 16,
+            role="child",
+            address="203.0.113.3:40002",
+            endpoint="tcp://10.0.0.3:5000",
+            timeout_s=10,
+        ),
         wire.Doctor(rid=5),
-        wire.DoctorAck(run_id="r", instance_id="i", snapshot_endpoint="tcp://10.0.0.1:5556",
-                       reflectors=["10.0.0.1:5557", "10.0.0.1:5558"], join="token", version=3),
+        wire.DoctorAck(
+            run_id="r",
+            instance_id="i",
+            snapshot_endpoint="tcp://10.0.0.1:5556",
+            reflectors=["10.0.0.1:5557", "10.0.0.1:5558"],
+            join="token",
+            version=3,
+        ),
     ]
 
 
@@ -123,10 +228,14 @@ def examples() -> list[wire.Message]:
 
 def _bounds_hold(value: Any, metadata: list[Any]) -> bool:
     for c in metadata:
-        ok = {at.Ge: lambda: value >= c.ge, at.Gt: lambda: value > c.gt,
-              at.Le: lambda: value <= c.le, at.Lt: lambda: value < c.lt,
-              at.MinLen: lambda: len(value) >= c.min_length,
-              at.MaxLen: lambda: len(value) <= c.max_length}.get(type(c), lambda: True)()
+        ok = {
+            at.Ge: lambda: value >= c.ge,  # noqa: B023
+            at.Gt: lambda: value > c.gt,  # noqa: B023
+            at.Le: lambda: value <= c.le,  # noqa: B023
+            at.Lt: lambda: value < c.lt,  # noqa: B023
+            at.MinLen: lambda: len(value) >= c.min_length,  # noqa: B023
+            at.MaxLen: lambda: len(value) <= c.max_length,  # noqa: B023
+        }.get(type(c), lambda: True)()
         if not ok:
             return False
     return True
@@ -235,8 +344,9 @@ def check_record(obj: Any) -> None:
         r = parse_record(obj, LIMITS)
     except RecordError:
         return
-    assert all(type(t) is int and 0 <= t < LIMITS.vocab_size
-               for t in r.prompt_ids + r.completion_ids)
+    assert all(
+        type(t) is int and 0 <= t < LIMITS.vocab_size for t in r.prompt_ids + r.completion_ids
+    )
     assert 1 <= len(r.completion_ids) <= LIMITS.max_new_tokens
     assert len(r.logprobs) == len(r.completion_ids)
     assert all(type(x) is float and math.isfinite(x) for x in r.logprobs)
@@ -251,8 +361,13 @@ def decode_message(data: bytes) -> None:
     try:
         msg = wire.decode(data, MAX_BYTES)
     except wire.WireError as err:
-        assert err.reason in ("oversize", "malformed", "wrong_version", "unknown_type",
-                              "invalid_fields"), err.reason
+        assert err.reason in (
+            "oversize",
+            "malformed",
+            "wrong_version",
+            "unknown_type",
+            "invalid_fields",
+        ), err.reason
         return
     check_message(msg, wire.unpack(data))
     if isinstance(msg, wire.Trajectories):
@@ -309,12 +424,15 @@ Target = tuple[Callable[[bytes], None], Callable[[], list[bytes]]]
 def targets() -> dict[str, Target]:
     """name -> (target, seed corpus). One decode target per message type: the same decoder,
     seeded with that type's frames, so mutation explores each type's fields."""
-    out: dict[str, Target] = {t: (decode_message, lambda t=t: _frames((t,)))
-                              for t in wire.MESSAGES}
-    out["records"] = (records, lambda: [m.payload for m in examples()
-                                        if isinstance(m, wire.Trajectories)])
-    out["records_msgpack"] = (records_msgpack, lambda: [msgpack.packb([RECORD]),
-                                                        msgpack.packb([RECORD, RECORD])])
+    out: dict[str, Target] = {t: (decode_message, lambda t=t: _frames((t,))) for t in wire.MESSAGES}
+    out["records"] = (
+        records,
+        lambda: [m.payload for m in examples() if isinstance(m, wire.Trajectories)],
+    )
+    out["records_msgpack"] = (
+        records_msgpack,
+        lambda: [msgpack.packb([RECORD]), msgpack.packb([RECORD, RECORD])],
+    )
     out["manifest"] = (manifest_map, lambda: [msgpack.packb(manifest(), use_bin_type=True)])
     out["chunk_reply"] = (chunk_reply, lambda: _frames(("chunk", "error")))
     return out

@@ -62,15 +62,31 @@ def run(hops: int, size: int, chunk: int) -> float:
     procs, nxt = [], ""
     try:
         for i in reversed(range(hops)):  # the tail binds first: each hop connects to the next
-            proc = subprocess.Popen([sys.executable, "-m", "labs.bare_chain", "hop",
-                                     "--id", str(i), "--next", nxt, "--done", done_ep,
-                                     "--chunks", str(chunks)], stdout=subprocess.PIPE, text=True,
-                                    preexec_fn=terminate_with_parent, env=child_env())
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "labs.bare_chain",
+                    "hop",
+                    "--id",
+                    str(i),
+                    "--next",
+                    nxt,
+                    "--done",
+                    done_ep,
+                    "--chunks",
+                    str(chunks),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                preexec_fn=terminate_with_parent,
+                env=child_env(),
+            )
             procs.append(proc)
             line = proc.stdout.readline()
             if not line.startswith(READY):
                 raise RuntimeError(f"bare chain hop {i} did not start: {line!r}")
-            nxt = line[len(READY):].strip()
+            nxt = line[len(READY) :].strip()
         payload = memoryview(bytes(size))
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.SNDHWM, 64)

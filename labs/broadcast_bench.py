@@ -35,8 +35,8 @@ from typing import Any
 import blake3
 import numpy as np
 
-from broadcast.manifest import Manifest
 from broadcast.coordinator import Coordinator
+from broadcast.manifest import Manifest
 from broadcast.planner import lower_bound_s, star_limited_s, star_unlimited_s
 from broadcast.topology import TOPOLOGIES
 from echo.machine import write_result
@@ -53,10 +53,29 @@ def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
     corrupt = set(rng.sample(range(p.workers), p.corrupt_relays)) if p.corrupt_relays else set()
     procs = {}
     for i in range(p.workers):
-        argv = [sys.executable, "-m", "labs.broadcast_relay", "--root", root.endpoint,
-                "--id", f"r{i:02d}", "--down-mbit", str(p.link_mbit), "--up-mbit", str(p.link_mbit),
-                "--chunk-kib", str(p.chunk_kib), "--window", str(p.window), "--timeout", str(p.timeout_s),
-                "--reserve-mib", str(p.snapshot_mib), "--reserve-count", str(min(2, p.publications))]
+        argv = [
+            sys.executable,
+            "-m",
+            "labs.broadcast_relay",
+            "--root",
+            root.endpoint,
+            "--id",
+            f"r{i:02d}",
+            "--down-mbit",
+            str(p.link_mbit),
+            "--up-mbit",
+            str(p.link_mbit),
+            "--chunk-kib",
+            str(p.chunk_kib),
+            "--window",
+            str(p.window),
+            "--timeout",
+            str(p.timeout_s),
+            "--reserve-mib",
+            str(p.snapshot_mib),
+            "--reserve-count",
+            str(min(2, p.publications)),
+        ]
         if root.keys is not None:
             argv += ["--root-key", key_hex(root.keys.public)]
         if p.trace:
@@ -67,15 +86,32 @@ def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
             argv += ["--up-mbit", str(10 * p.liar_up_mbit), "--real-up-mbit", str(p.liar_up_mbit)]
         if p.netns and p.nat:
             node = natlab.fleet(p.workers, p.nat, p.symmetric)[i]
-            argv = ["ip", "netns", "exec", node.ns, *argv, "--kernel-shaped",
-                    "--bind-host", node.address]
+            argv = [
+                "ip",
+                "netns",
+                "exec",
+                node.ns,
+                *argv,
+                "--kernel-shaped",
+                "--bind-host",
+                node.address,
+            ]
             if node.nat != "public" and not p.punch:
                 argv.append("--no-serve")  # today's way in: behind NAT, a tail
         elif p.netns:
-            argv = ["ip", "netns", "exec", netns.node_name(i), *argv, "--kernel-shaped",
-                    "--bind-host", netns.address(i)]
-        procs[f"r{i:02d}"] = subprocess.Popen(argv, preexec_fn=terminate_with_parent,
-                                              stdin=subprocess.DEVNULL, env=child_env())
+            argv = [
+                "ip",
+                "netns",
+                "exec",
+                netns.node_name(i),
+                *argv,
+                "--kernel-shaped",
+                "--bind-host",
+                netns.address(i),
+            ]
+        procs[f"r{i:02d}"] = subprocess.Popen(
+            argv, preexec_fn=terminate_with_parent, stdin=subprocess.DEVNULL, env=child_env()
+        )
     return procs
 
 
@@ -97,8 +133,9 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
     recorded = RecordedVersions(p, root.key) if p.versions_dir else None
     if recorded is not None:
         p.snapshot_mib = recorded.full_bytes / 2**20  # relays reserve a keyframe's buffer
-        p.publications = min(p.publications, len(recorded.files)) if p.publications > 1 \
-            else len(recorded.files)
+        p.publications = (
+            min(p.publications, len(recorded.files)) if p.publications > 1 else len(recorded.files)
+        )
     procs = _spawn_relays(root, p)
     payload = b"" if recorded else np.random.default_rng(p.seed).bytes(int(p.snapshot_mib * 2**20))
     expected: dict[int, bytes] = {}  # version -> digest of its full payload
@@ -108,14 +145,21 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
             await asyncio.wait_for(root.joined.wait(), 120)
             m = recorded.full_bytes if recorded else len(payload)
             lb = _lower_bound(p, m)
-            horizon = star_limited_s(m, p.link_mbit, p.uplink_mbit, p.workers) if p.topology == "star" and p.link_mbit else max(lb, 0.5)
+            horizon = (
+                star_limited_s(m, p.link_mbit, p.uplink_mbit, p.workers)
+                if p.topology == "star" and p.link_mbit
+                else max(lb, 0.5)
+            )
             pubs = []
             for version in range(1, p.publications + 1):
                 # encoding, hashing, signing: before the clock
                 if recorded is not None:
                     manifest, expected[version] = recorded.prepare(root, version)
                 else:
-                    manifest, expected[version] = root.prepare(payload, version), blake3.blake3(payload).digest()
+                    manifest, expected[version] = (
+                        root.prepare(payload, version),
+                        blake3.blake3(payload).digest(),
+                    )
                 t0 = time.monotonic()
                 sources = await root.publish(manifest)
                 if p.kill_fraction and version == 1:
@@ -138,20 +182,33 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
                 proc.kill()
         root.ctx.destroy(linger=0)
         if p.trace:
-            Path(p.trace, "root.json").write_text(json.dumps(
-                {"endpoint": root.coord.source, "events": root.events,
-                 "relays": {w: x.endpoint for w, x in root.coord.peers.items()},
-                 "load": os.getloadavg()}, indent=1))
+            Path(p.trace, "root.json").write_text(
+                json.dumps(
+                    {
+                        "endpoint": root.coord.source,
+                        "events": root.events,
+                        "relays": {w: x.endpoint for w, x in root.coord.peers.items()},
+                        "load": os.getloadavg(),
+                    },
+                    indent=1,
+                )
+            )
     survivors = sorted(set(procs) - root.dead)
     times = root.coord.install_times(p.publications)
     last = root.digests.get(p.publications, {})
     return {
-        "params": p.__dict__, "t_bcast_s": max(times[w] for w in survivors), "elapsed_s": elapsed,
+        "params": p.__dict__,
+        "t_bcast_s": max(times[w] for w in survivors),
+        "elapsed_s": elapsed,
         "lower_bound_s": lb,
-        "star_limited_s": star_limited_s(m, p.link_mbit, p.uplink_mbit, p.workers) if p.link_mbit and p.uplink_mbit else None,
+        "star_limited_s": star_limited_s(m, p.link_mbit, p.uplink_mbit, p.workers)
+        if p.link_mbit and p.uplink_mbit
+        else None,
         "star_unlimited_s": star_unlimited_s(m, p.link_mbit) if p.link_mbit else None,
-        COL.learner_bytes_sent: root.store.bytes_sent, "snapshot_bytes": m,
-        "installed": sum(1 for w in survivors if w in last), "survivors": len(survivors),
+        COL.learner_bytes_sent: root.store.bytes_sent,
+        "snapshot_bytes": m,
+        "installed": sum(1 for w in survivors if w in last),
+        "survivors": len(survivors),
         "killed": sorted(root.dead),
         "corrupt_installs": sum(x["corrupt_installs"] for x in pubs),
         "reattaches": root.reattaches,
@@ -162,30 +219,38 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
 
 
 def _lower_bound(p: BenchParams, m: int) -> float:
-    return lower_bound_s(m, p.uplink_mbit or 1e9, [p.link_mbit or 1e9] * p.workers,
-                         [p.link_mbit or 1e9] * p.workers)
+    return lower_bound_s(
+        m, p.uplink_mbit or 1e9, [p.link_mbit or 1e9] * p.workers, [p.link_mbit or 1e9] * p.workers
+    )
 
 
-def _publication(root: Root, version: int, sources: dict[str, str], manifest: Manifest,
-                 expected: bytes) -> dict[str, Any]:
+def _publication(
+    root: Root, version: int, sources: dict[str, str], manifest: Manifest, expected: bytes
+) -> dict[str, Any]:
     """One publication: T_bcast, what it sent, its audit, the plan and its rates."""
     parents = _parents(sources, root.coord)
     times = root.coord.install_times(version)
     alive = set(root.idents) - root.dead
     digests = root.digests.get(version, {})
-    return {"version": version, "t_bcast_s": max(times[w] for w in alive if w in times),
-            "encoding": manifest.encoding, "payload_bytes": manifest.payload_size,
-            "full_bytes": manifest.result_size,
-            "lower_bound_s": _lower_bound(root.p, manifest.payload_size),
-            "corrupt_installs": sum(1 for w in alive if digests.get(w) != expected),
-            # the liar (r00) heads a chain that it feeds: it pulls from the root and uploads
-            "install_times_s": {w: round(t, 3) for w, t in sorted(times.items())},
-            "parents": parents, "liar_head": (parents.get("r00") == "root"
-                                              and any(p == "r00" for p in parents.values()))
-            if root.p.liar_up_mbit else None,
-            # (down, up) the *next* plan gets, after this publication's measurements
-            "next_plan_mbit": {w: [round(d, 1), round(u, 1)] for w, (d, u)
-                             in sorted(root.coord.rates().items())}}
+    return {
+        "version": version,
+        "t_bcast_s": max(times[w] for w in alive if w in times),
+        "encoding": manifest.encoding,
+        "payload_bytes": manifest.payload_size,
+        "full_bytes": manifest.result_size,
+        "lower_bound_s": _lower_bound(root.p, manifest.payload_size),
+        "corrupt_installs": sum(1 for w in alive if digests.get(w) != expected),
+        # the liar (r00) heads a chain that it feeds: it pulls from the root and uploads
+        "install_times_s": {w: round(t, 3) for w, t in sorted(times.items())},
+        "parents": parents,
+        "liar_head": (parents.get("r00") == "root" and any(p == "r00" for p in parents.values()))
+        if root.p.liar_up_mbit
+        else None,
+        # (down, up) the *next* plan gets, after this publication's measurements
+        "next_plan_mbit": {
+            w: [round(d, 1), round(u, 1)] for w, (d, u) in sorted(root.coord.rates().items())
+        },
+    }
 
 
 def _parents(sources: dict[str, str], coord: Coordinator) -> dict[str, str]:
@@ -198,54 +263,111 @@ def _parents(sources: dict[str, str], coord: Coordinator) -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m labs.broadcast_bench",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m labs.broadcast_bench", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--snapshot-mib", type=float, default=64)
-    ap.add_argument("--uplink-mbit", type=float, default=400, help="learner uplink U (0 = unshaped)")
-    ap.add_argument("--link-mbit", type=float, default=100, help="worker link b, both ways (0 = unshaped)")
-    ap.add_argument("--topology", default="chains",
-                    help=f"one or several of {sorted(TOPOLOGIES)}, comma-separated")
+    ap.add_argument(
+        "--uplink-mbit", type=float, default=400, help="learner uplink U (0 = unshaped)"
+    )
+    ap.add_argument(
+        "--link-mbit", type=float, default=100, help="worker link b, both ways (0 = unshaped)"
+    )
+    ap.add_argument(
+        "--topology",
+        default="chains",
+        help=f"one or several of {sorted(TOPOLOGIES)}, comma-separated",
+    )
     ap.add_argument("--kill-fraction", type=float, default=0.0)
     ap.add_argument("--corrupt-relays", type=int, default=0)
     ap.add_argument("--chunk-kib", type=int, default=1024)
     ap.add_argument("--window", type=int, default=4)
-    ap.add_argument("--chains", type=int, default=0, help="force the number of chains (0 = planner)")
+    ap.add_argument(
+        "--chains", type=int, default=0, help="force the number of chains (0 = planner)"
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="run each topology this many times (seeds seed, seed+1, ...): the spread")
-    ap.add_argument("--json", default=None, help="write results here (e.g. benchmarks/results/broadcast.json)")
-    ap.add_argument("--netns", action="store_true",
-                    help="shape with the kernel: namespaces, veth, tc tbf (needs root)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each topology this many times (seeds seed, seed+1, ...): the spread",
+    )
+    ap.add_argument(
+        "--json", default=None, help="write results here (e.g. benchmarks/results/broadcast.json)"
+    )
+    ap.add_argument(
+        "--netns",
+        action="store_true",
+        help="shape with the kernel: namespaces, veth, tc tbf (needs root)",
+    )
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--nat", type=int, default=0,
-                    help="with --netns: this many workers behind home NAT routers (docs/nat.md)")
-    ap.add_argument("--symmetric", type=int, default=0,
-                    help="of the --nat workers, this many behind symmetric NATs (cannot punch)")
-    ap.add_argument("--no-punch", action="store_true",
-                    help="NAT'd workers join without a relay (tails), as before hole punching")
-    ap.add_argument("--curve", action="store_true",
-                    help="CurveZMQ on every socket with pull tickets, as a real run (docs/security.md)")
-    ap.add_argument("--publications", type=int, default=1,
-                    help="publish this many versions in a row, re-planned on measured rates")
-    ap.add_argument("--liar-up-mbit", type=float, default=0.0,
-                    help="relay r00's real uplink; it declares 10x this (0 = no liar)")
-    ap.add_argument("--trust-declared", action="store_true",
-                    help="plan on declared link rates only (the behaviour before measurement)")
-    ap.add_argument("--versions-dir", default="",
-                    help="replay recorded real versions (benchmarks/delta_real.py --record DIR) "
-                         "instead of a random payload, one publication per file")
-    ap.add_argument("--delta", choices=("on", "off", "both"), default="both",
-                    help="with --versions-dir: deltas between keyframes, full snapshots, or both "
-                         "runs and their T_bcast ratio")
+    ap.add_argument(
+        "--nat",
+        type=int,
+        default=0,
+        help="with --netns: this many workers behind home NAT routers (docs/nat.md)",
+    )
+    ap.add_argument(
+        "--symmetric",
+        type=int,
+        default=0,
+        help="of the --nat workers, this many behind symmetric NATs (cannot punch)",
+    )
+    ap.add_argument(
+        "--no-punch",
+        action="store_true",
+        help="NAT'd workers join without a relay (tails), as before hole punching",
+    )
+    ap.add_argument(
+        "--curve",
+        action="store_true",
+        help="CurveZMQ on every socket with pull tickets, as a real run (docs/security.md)",
+    )
+    ap.add_argument(
+        "--publications",
+        type=int,
+        default=1,
+        help="publish this many versions in a row, re-planned on measured rates",
+    )
+    ap.add_argument(
+        "--liar-up-mbit",
+        type=float,
+        default=0.0,
+        help="relay r00's real uplink; it declares 10x this (0 = no liar)",
+    )
+    ap.add_argument(
+        "--trust-declared",
+        action="store_true",
+        help="plan on declared link rates only (the behaviour before measurement)",
+    )
+    ap.add_argument(
+        "--versions-dir",
+        default="",
+        help="replay recorded real versions (benchmarks/delta_real.py --record DIR) "
+        "instead of a random payload, one publication per file",
+    )
+    ap.add_argument(
+        "--delta",
+        choices=("on", "off", "both"),
+        default="both",
+        help="with --versions-dir: deltas between keyframes, full snapshots, or both "
+        "runs and their T_bcast ratio",
+    )
     ap.add_argument("--keyframe-every", type=int, default=10)
-    ap.add_argument("--trace", default="",
-                    help="write per-node traces into this folder: root.json (publications, "
-                         "re-attaches granted, kills) and rNN.json (each relay's sources per "
-                         "version: chunks, first/last chunk time, why it left one)")
-    ap.add_argument("--liar-json", default=None,
-                    help="run honest / liar / liar-with-declarations-trusted (needs --liar-up-mbit) "
-                         "and write T_bcast per publication here")
+    ap.add_argument(
+        "--trace",
+        default="",
+        help="write per-node traces into this folder: root.json (publications, "
+        "re-attaches granted, kills) and rNN.json (each relay's sources per "
+        "version: chunks, first/last chunk time, why it left one)",
+    )
+    ap.add_argument(
+        "--liar-json",
+        default=None,
+        help="run honest / liar / liar-with-declarations-trusted (needs --liar-up-mbit) "
+        "and write T_bcast per publication here",
+    )
     return ap
 
 
@@ -254,19 +376,39 @@ def print_table(results: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     t = Table(title="Snapshot broadcast (real processes, loopback)")
-    for col in ("topology", "N", "M MiB", "U / b Mbit/s", "killed", "corrupt relays",
-                "T_bcast s", "lower bound s", "ratio", "MB/s", "installed", "corrupt installs",
-                "learner sent MiB"):
+    for col in (
+        "topology",
+        "N",
+        "M MiB",
+        "U / b Mbit/s",
+        "killed",
+        "corrupt relays",
+        "T_bcast s",
+        "lower bound s",
+        "ratio",
+        "MB/s",
+        "installed",
+        "corrupt installs",
+        "learner sent MiB",
+    ):
         t.add_column(col, justify="right")
     for r in results:
         p = r["params"]
-        t.add_row(p["topology"], str(p["workers"]), f"{p['snapshot_mib']:g}",
-                  f"{p['uplink_mbit']:g} / {p['link_mbit']:g}", str(len(r["killed"])),
-                  str(p["corrupt_relays"]), f"{r['t_bcast_s']:.2f}", f"{r['lower_bound_s']:.2f}",
-                  f"{r['t_bcast_s'] / r['lower_bound_s']:.3f}" if p["link_mbit"] else "unshaped",
-                  f"{r['snapshot_bytes'] / r['t_bcast_s'] / 1e6:.0f}",
-                  f"{r['installed']}/{r['survivors']}", str(r["corrupt_installs"]),
-                  f"{r['learner_bytes_sent'] / 2**20:.0f}")
+        t.add_row(
+            p["topology"],
+            str(p["workers"]),
+            f"{p['snapshot_mib']:g}",
+            f"{p['uplink_mbit']:g} / {p['link_mbit']:g}",
+            str(len(r["killed"])),
+            str(p["corrupt_relays"]),
+            f"{r['t_bcast_s']:.2f}",
+            f"{r['lower_bound_s']:.2f}",
+            f"{r['t_bcast_s'] / r['lower_bound_s']:.3f}" if p["link_mbit"] else "unshaped",
+            f"{r['snapshot_bytes'] / r['t_bcast_s'] / 1e6:.0f}",
+            f"{r['installed']}/{r['survivors']}",
+            str(r["corrupt_installs"]),
+            f"{r['learner_bytes_sent'] / 2**20:.0f}",
+        )
     Console(width=200).print(t)
 
 
@@ -281,16 +423,41 @@ def main(argv: list[str] | None = None) -> int:
             if natlab.missing_tools():
                 print(f"--nat: {natlab.missing_tools()}", file=sys.stderr)
                 return 2
-            with natlab.lab(natlab.fleet(args.workers, args.nat, args.symmetric),
-                            args.uplink_mbit, args.link_mbit):
-                return subprocess.run(["ip", "netns", "exec", natlab.ROOT_NS, sys.executable,
-                                       "-m", "labs.broadcast_bench", *argv, "--inside"],
-                                      env=child_env()).returncode
+            with natlab.lab(
+                natlab.fleet(args.workers, args.nat, args.symmetric),
+                args.uplink_mbit,
+                args.link_mbit,
+            ):
+                return subprocess.run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        natlab.ROOT_NS,
+                        sys.executable,
+                        "-m",
+                        "labs.broadcast_bench",
+                        *argv,
+                        "--inside",
+                    ],
+                    env=child_env(),
+                ).returncode
         with netns.lab(args.workers, args.uplink_mbit, args.link_mbit):
             # The root runs inside its own namespace, behind its own shaped veth.
-            return subprocess.run(["ip", "netns", "exec", netns.node_name(None), sys.executable,
-                                   "-m", "labs.broadcast_bench", *argv, "--inside"],
-                                      env=child_env()).returncode
+            return subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    netns.node_name(None),
+                    sys.executable,
+                    "-m",
+                    "labs.broadcast_bench",
+                    *argv,
+                    "--inside",
+                ],
+                env=child_env(),
+            ).returncode
     if args.liar_json:
         return liar_main(args)
     if args.versions_dir:
@@ -301,13 +468,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown topology {topo!r}: choose from {sorted(TOPOLOGIES)}", file=sys.stderr)
             return 2
         for rep in range(args.repeat):
-            p = BenchParams(args.workers, args.snapshot_mib, args.uplink_mbit, args.link_mbit, topo,
-                            args.kill_fraction, args.corrupt_relays, args.chunk_kib, args.window,
-                            args.chains, seed=args.seed + rep, netns=args.netns, curve=args.curve,
-                            publications=args.publications, liar_up_mbit=args.liar_up_mbit,
-                            trust_declared=args.trust_declared, nat=args.nat,
-                            symmetric=args.symmetric, punch=not args.no_punch,
-                            trace=str(Path(args.trace) / f"{topo}-{rep}") if args.trace else "")
+            p = BenchParams(
+                args.workers,
+                args.snapshot_mib,
+                args.uplink_mbit,
+                args.link_mbit,
+                topo,
+                args.kill_fraction,
+                args.corrupt_relays,
+                args.chunk_kib,
+                args.window,
+                args.chains,
+                seed=args.seed + rep,
+                netns=args.netns,
+                curve=args.curve,
+                publications=args.publications,
+                liar_up_mbit=args.liar_up_mbit,
+                trust_declared=args.trust_declared,
+                nat=args.nat,
+                symmetric=args.symmetric,
+                punch=not args.no_punch,
+                trace=str(Path(args.trace) / f"{topo}-{rep}") if args.trace else "",
+            )
             if p.trace:
                 Path(p.trace).mkdir(parents=True, exist_ok=True)
             results.append(asyncio.run(run_one(p)))
@@ -323,21 +505,33 @@ def versions_main(args: argparse.Namespace) -> int:
     arms = {"on": [True], "off": [False], "both": [True, False]}[args.delta]
     out: dict[str, Any] = {}
     for delta in arms:
-        p = BenchParams(args.workers, 0.0, args.uplink_mbit, args.link_mbit, args.topology,
-                        corrupt_relays=args.corrupt_relays, chunk_kib=args.chunk_kib, window=args.window, chains=args.chains,
-                        seed=args.seed, curve=args.curve, publications=args.publications,
-                        versions_dir=args.versions_dir, delta=delta,
-                        keyframe_every=args.keyframe_every)
+        p = BenchParams(
+            args.workers,
+            0.0,
+            args.uplink_mbit,
+            args.link_mbit,
+            args.topology,
+            corrupt_relays=args.corrupt_relays,
+            chunk_kib=args.chunk_kib,
+            window=args.window,
+            chains=args.chains,
+            seed=args.seed,
+            curve=args.curve,
+            publications=args.publications,
+            versions_dir=args.versions_dir,
+            delta=delta,
+            keyframe_every=args.keyframe_every,
+        )
         out["delta" if delta else "full"] = asyncio.run(run_one(p))
     if len(out) == 2:
         out["t_bcast_ratio_delta_full"] = [
-            d["t_bcast_s"] / f["t_bcast_s"] for d, f in
-            zip(out["delta"]["publications"], out["full"]["publications"])]
+            d["t_bcast_s"] / f["t_bcast_s"]
+            for d, f in zip(out["delta"]["publications"], out["full"]["publications"])
+        ]
     print_versions(out)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        write_result(args.json, {"load": os.getloadavg(),
-                                 "argv": sys.argv[1:], **out})
+        write_result(args.json, {"load": os.getloadavg(), "argv": sys.argv[1:], **out})
     return 0
 
 
@@ -346,23 +540,47 @@ def print_versions(out: dict[str, Any]) -> None:
     from rich.table import Table
 
     t = Table(title="Recorded real versions: T_bcast per publication (real processes, loopback)")
-    for col in ("arm", "version", "encoding", "MiB sent", "T_bcast s", "lower bound s",
-                "corrupt installs", "learner sent MiB"):
+    for col in (
+        "arm",
+        "version",
+        "encoding",
+        "MiB sent",
+        "T_bcast s",
+        "lower bound s",
+        "corrupt installs",
+        "learner sent MiB",
+    ):
         t.add_column(col, justify="right")
     for arm in ("delta", "full"):
         if arm not in out:
             continue
         for x in out[arm]["publications"]:
-            t.add_row(arm, str(x["version"]), x["encoding"], f"{x['payload_bytes'] / 2**20:.2f}",
-                      f"{x['t_bcast_s']:.2f}", f"{x['lower_bound_s']:.2f}",
-                      str(x["corrupt_installs"]), "")
-        t.add_row(arm, "all", "", "", f"{sum(x['t_bcast_s'] for x in out[arm]['publications']):.2f}",
-                  "", str(out[arm]["corrupt_installs"]),
-                  f"{out[arm]['learner_bytes_sent'] / 2**20:.0f}")
+            t.add_row(
+                arm,
+                str(x["version"]),
+                x["encoding"],
+                f"{x['payload_bytes'] / 2**20:.2f}",
+                f"{x['t_bcast_s']:.2f}",
+                f"{x['lower_bound_s']:.2f}",
+                str(x["corrupt_installs"]),
+                "",
+            )
+        t.add_row(
+            arm,
+            "all",
+            "",
+            "",
+            f"{sum(x['t_bcast_s'] for x in out[arm]['publications']):.2f}",
+            "",
+            str(out[arm]["corrupt_installs"]),
+            f"{out[arm]['learner_bytes_sent'] / 2**20:.0f}",
+        )
     Console(width=200).print(t)
     if "t_bcast_ratio_delta_full" in out:
-        print("T_bcast delta / full per version:",
-              " ".join(f"{r:.3f}" for r in out["t_bcast_ratio_delta_full"]))
+        print(
+            "T_bcast delta / full per version:",
+            " ".join(f"{r:.3f}" for r in out["t_bcast_ratio_delta_full"]),
+        )
 
 
 def liar_main(args: argparse.Namespace) -> int:
@@ -370,29 +588,56 @@ def liar_main(args: argparse.Namespace) -> int:
     if not args.liar_up_mbit or args.publications < 2:
         print("--liar-json needs --liar-up-mbit X and --publications >= 2", file=sys.stderr)
         return 2
-    arms = {"honest": {}, "liar_measured": {"liar_up_mbit": args.liar_up_mbit},
-            "liar_declared_trusted": {"liar_up_mbit": args.liar_up_mbit, "trust_declared": True}}
+    arms = {
+        "honest": {},
+        "liar_measured": {"liar_up_mbit": args.liar_up_mbit},
+        "liar_declared_trusted": {"liar_up_mbit": args.liar_up_mbit, "trust_declared": True},
+    }
     out: dict[str, Any] = {}
     for name, extra in arms.items():
-        p = BenchParams(args.workers, args.snapshot_mib, args.uplink_mbit, args.link_mbit,
-                        args.topology, chunk_kib=args.chunk_kib, window=args.window,
-                        seed=args.seed, curve=args.curve, publications=args.publications, **extra)
+        p = BenchParams(
+            args.workers,
+            args.snapshot_mib,
+            args.uplink_mbit,
+            args.link_mbit,
+            args.topology,
+            chunk_kib=args.chunk_kib,
+            window=args.window,
+            seed=args.seed,
+            curve=args.curve,
+            publications=args.publications,
+            **extra,
+        )
         r = asyncio.run(run_one(p))
-        out[name] = {"params": r["params"], "publications": r["publications"],
-                     "corrupt_installs": r["corrupt_installs"], "lower_bound_s": r["lower_bound_s"]}
-        print(name, [(x["version"], round(x["t_bcast_s"], 3), x["liar_head"])
-                     for x in r["publications"]], flush=True)
+        out[name] = {
+            "params": r["params"],
+            "publications": r["publications"],
+            "corrupt_installs": r["corrupt_installs"],
+            "lower_bound_s": r["lower_bound_s"],
+        }
+        print(
+            name,
+            [(x["version"], round(x["t_bcast_s"], 3), x["liar_head"]) for x in r["publications"]],
+            flush=True,
+        )
     honest = [x["t_bcast_s"] for x in out["honest"]["publications"]]
-    ratios = {arm: [round(x["t_bcast_s"] / h, 3) for x, h in zip(out[arm]["publications"], honest)]
-              for arm in ("liar_measured", "liar_declared_trusted")}
-    summary = {"t_bcast_ratio_vs_honest": ratios,
-               "liar_head": {arm: [x["liar_head"] for x in out[arm]["publications"]]
-                             for arm in ("liar_measured", "liar_declared_trusted")}}
+    ratios = {
+        arm: [round(x["t_bcast_s"] / h, 3) for x, h in zip(out[arm]["publications"], honest)]
+        for arm in ("liar_measured", "liar_declared_trusted")
+    }
+    summary = {
+        "t_bcast_ratio_vs_honest": ratios,
+        "liar_head": {
+            arm: [x["liar_head"] for x in out[arm]["publications"]]
+            for arm in ("liar_measured", "liar_declared_trusted")
+        },
+    }
     print(json.dumps(summary))
     Path(args.liar_json).parent.mkdir(parents=True, exist_ok=True)
-    write_result(args.liar_json, {"load": os.getloadavg(),
-                                  "argv": sys.argv[1:], "summary": summary,
-                                  "arms": out})
+    write_result(
+        args.liar_json,
+        {"load": os.getloadavg(), "argv": sys.argv[1:], "summary": summary, "arms": out},
+    )
     return 0
 
 

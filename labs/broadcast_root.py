@@ -20,9 +20,9 @@ import zmq.asyncio
 
 from broadcast.coordinator import Coordinator
 from broadcast.fetch import SOCKET_BUFFER
+from broadcast.manifest import Manifest
 from broadcast.nat.reflect import Reflector
 from broadcast.relay import bucket
-from broadcast.manifest import Manifest
 from broadcast.snapshot import RunKey, build_manifest
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
@@ -87,18 +87,31 @@ class Root:
             curve_server(snap, self.keys)
         snap.bind(f"tcp://{host}:*")
         self.store = SnapshotStore()
-        uplink = (None if p.topology == "star-unlimited" or p.netns
-                  else bucket(p.uplink_mbit, p.chunk_kib * 1024))
+        uplink = (
+            None
+            if p.topology == "star-unlimited" or p.netns
+            else bucket(p.uplink_mbit, p.chunk_kib * 1024)
+        )
         self.key = RunKey.generate()
-        tickets = (TicketCheck(lambda: self.key.public_bytes, snap.getsockopt_string(zmq.LAST_ENDPOINT)).check
-                   if self.keys is not None else None)
+        tickets = (
+            TicketCheck(
+                lambda: self.key.public_bytes, snap.getsockopt_string(zmq.LAST_ENDPOINT)
+            ).check
+            if self.keys is not None
+            else None
+        )
         self.server = ChunkServer(snap, self.store, MAX_BYTES, upload=uplink, authorize=tickets)
         self.peer_keys: dict[str, str] = {}  # worker -> its CURVE key
         self.relay_keys: dict[str, str] = {}  # relay endpoint -> its CURVE key
-        topo = make_topology(p.topology, uplink_mbit=p.uplink_mbit or None,
-                             link_mbit=p.link_mbit or None, chunk_bytes=p.chunk_kib * 1024)
+        topo = make_topology(
+            p.topology,
+            uplink_mbit=p.uplink_mbit or None,
+            link_mbit=p.link_mbit or None,
+            chunk_bytes=p.chunk_kib * 1024,
+        )
         if p.chains and hasattr(topo, "params"):
             from dataclasses import replace
+
             topo.params = replace(topo.params, chains=p.chains)  # type: ignore[attr-defined]
         kind = DeclaredRatesCoordinator if p.trust_declared else Coordinator
         self.coord = kind(topo, snap.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -124,9 +137,12 @@ class Root:
     def source(self, wid: str, endpoint: str) -> Source:
         if self.keys is None:
             return Source(endpoint)
-        server = self.keys.text if endpoint == self.coord.source else self.relay_keys.get(endpoint, "")
-        return Source(endpoint, server.encode(),
-                      mint(self.key, self.peer_keys[wid], endpoint, "bench", 3600))
+        server = (
+            self.keys.text if endpoint == self.coord.source else self.relay_keys.get(endpoint, "")
+        )
+        return Source(
+            endpoint, server.encode(), mint(self.key, self.peer_keys[wid], endpoint, "bench", 3600)
+        )
 
     async def serve(self) -> None:
         if self.p.nat and self.p.punch:
@@ -144,11 +160,22 @@ class Root:
                 self.idents[msg.worker_id] = ident
                 self.peer_keys[msg.worker_id] = key
                 self.relay_keys[msg.relay_endpoint] = key
-                self.coord.join(msg.worker_id, msg.relay_endpoint, msg.down_mbit, msg.up_mbit,
-                                nat="unknown" if self.reflector else "reachable")
-                reply = wire.JoinAck(run_id="bench", instance_id="bench", public_key=self.key.public_bytes,
-                                     version=-1, config={}, snapshot_endpoint=self.coord.source,
-                                     reflectors=self.reflector.endpoints if self.reflector else [])
+                self.coord.join(
+                    msg.worker_id,
+                    msg.relay_endpoint,
+                    msg.down_mbit,
+                    msg.up_mbit,
+                    nat="unknown" if self.reflector else "reachable",
+                )
+                reply = wire.JoinAck(
+                    run_id="bench",
+                    instance_id="bench",
+                    public_key=self.key.public_bytes,
+                    version=-1,
+                    config={},
+                    snapshot_endpoint=self.coord.source,
+                    reflectors=self.reflector.endpoints if self.reflector else [],
+                )
                 self._check_joined()
             elif isinstance(msg, wire.NatReport) and self.reflector is not None:
                 peer = self.coord.peers[msg.worker_id]
@@ -160,12 +187,21 @@ class Root:
             elif isinstance(msg, wire.SourceRequest):
                 self.reattaches.append((msg.worker_id, msg.bad_source, msg.reason))
                 src = await self.source_routed(
-                    msg.worker_id, self.coord.reattach(msg.worker_id, msg.bad_source, msg.reason))
-                self.events.append({"at": time.time(), "event": "reattach", "worker": msg.worker_id,
-                                    "bad": msg.bad_source, "reason": msg.reason,
-                                    "granted": src.endpoint})
-                reply = wire.SourceGrant(version=msg.version, source=src.endpoint,
-                                         source_key=src.key, ticket=src.ticket)
+                    msg.worker_id, self.coord.reattach(msg.worker_id, msg.bad_source, msg.reason)
+                )
+                self.events.append(
+                    {
+                        "at": time.time(),
+                        "event": "reattach",
+                        "worker": msg.worker_id,
+                        "bad": msg.bad_source,
+                        "reason": msg.reason,
+                        "granted": src.endpoint,
+                    }
+                )
+                reply = wire.SourceGrant(
+                    version=msg.version, source=src.endpoint, source_key=src.key, ticket=src.ticket
+                )
             elif isinstance(msg, wire.Installed):
                 if msg.digest:  # an audit digest, sent when asked
                     self.digests.setdefault(msg.version, {})[msg.worker_id] = msg.digest
@@ -180,7 +216,8 @@ class Root:
 
     def _check_joined(self) -> None:
         if len(self.idents) == self.p.workers and (
-                self.reflector is None or len(self.classified) == self.p.workers):
+            self.reflector is None or len(self.classified) == self.p.workers
+        ):
             self.joined.set()
 
     def _check_done(self) -> None:
@@ -202,11 +239,17 @@ class Root:
         await asyncio.wait_for(self.audited.wait(), 120)
 
     def prepare(self, payload: bytes, version: int = 1) -> Manifest:
-        manifest = build_manifest(run_id="bench", version=version, tensors=[], payload=payload,
-                                  chunk_size=self.p.chunk_kib * 1024, dtype="uint8", key=self.key)
+        manifest = build_manifest(
+            run_id="bench",
+            version=version,
+            tensors=[],
+            payload=payload,
+            chunk_size=self.p.chunk_kib * 1024,
+            dtype="uint8",
+            key=self.key,
+        )
         self.store.add(SnapshotBuffer(manifest, payload))
         return manifest
-
 
     async def publish(self, manifest: Manifest) -> dict[str, str]:
         self.version = manifest.version
@@ -215,11 +258,18 @@ class Root:
         notices = {}  # minted before the first goes out: signing is not broadcast time
         for wid, endpoint in sources.items():
             src = await self.source_routed(wid, endpoint)
-            notices[wid] = wire.encode(wire.SnapshotNotice(version=self.version, manifest=manifest.to_wire(),
-                                                           source=src.endpoint, source_key=src.key,
-                                                           ticket=src.ticket))
-        self.events.append({"at": time.time(), "event": "publish", "version": self.version,
-                            "sources": sources})
+            notices[wid] = wire.encode(
+                wire.SnapshotNotice(
+                    version=self.version,
+                    manifest=manifest.to_wire(),
+                    source=src.endpoint,
+                    source_key=src.key,
+                    ticket=src.ticket,
+                )
+            )
+        self.events.append(
+            {"at": time.time(), "event": "publish", "version": self.version, "sources": sources}
+        )
         for wid, frame in notices.items():
             await self.ctrl.send_multipart([self.idents[wid], frame])
         self.events.append({"at": time.time(), "event": "notices_sent", "version": self.version})
@@ -228,7 +278,9 @@ class Root:
     async def shutdown(self) -> None:
         for ident in self.idents.values():
             try:
-                await self.ctrl.send_multipart([ident, wire.encode(wire.Shutdown(reason="bench over"))])
+                await self.ctrl.send_multipart(
+                    [ident, wire.encode(wire.Shutdown(reason="bench over"))]
+                )
             except zmq.ZMQError:
                 pass
 
@@ -242,18 +294,23 @@ class RecordedVersions:
         self.layout = json.loads((folder / "layout.json").read_text())
         self.files = sorted(folder.glob("v[0-9][0-9][0-9].bin"))
         if not self.files:
-            raise SystemExit(f"--versions-dir {folder}: no v000.bin ... (record some with "
-                             f"benchmarks/delta_real.py --record {folder})")
-        self.encoder = VersionEncoder(run_id="bench", key=key, chunk_size=p.chunk_kib * 1024,
-                                      dtype="bfloat16", delta=p.delta,
-                                      keyframe_every=p.keyframe_every)
+            raise SystemExit(
+                f"--versions-dir {folder}: no v000.bin ... (record some with "
+                f"benchmarks/delta_real.py --record {folder})"
+            )
+        self.encoder = VersionEncoder(
+            run_id="bench",
+            key=key,
+            chunk_size=p.chunk_kib * 1024,
+            dtype="bfloat16",
+            delta=p.delta,
+            keyframe_every=p.keyframe_every,
+        )
         self.full_bytes = self.files[0].stat().st_size
 
-    def prepare(self, root: "Root", version: int) -> tuple[Manifest, bytes]:
+    def prepare(self, root: Root, version: int) -> tuple[Manifest, bytes]:
         """The publication of ``version`` (1-based) in the root's store; its full digest."""
         full = self.files[version - 1].read_bytes()
         pub = self.encoder.build(version, self.layout, full)
         root.store.add(SnapshotBuffer(pub.manifest, pub.payload))
         return pub.manifest, blake3.blake3(full).digest()
-
-

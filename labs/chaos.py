@@ -155,8 +155,9 @@ class ChaosProxy:
             for w in link.writers:
                 w.transport.abort()
 
-    async def _direction(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                         name: str, link: _Link) -> None:
+    async def _direction(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str, link: _Link
+    ) -> None:
         line: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(QUEUE_CHUNKS)
 
         async def receive() -> None:
@@ -192,8 +193,12 @@ def _hostport(text: str) -> tuple[str, int]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m labs.chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=_hostport, required=True, help="HOST:PORT to forward to")
-    ap.add_argument("--listen", type=_hostport, default=("127.0.0.1", 0),
-                    help="HOST:PORT to listen on (port 0: the OS picks, printed when ready)")
+    ap.add_argument(
+        "--listen",
+        type=_hostport,
+        default=("127.0.0.1", 0),
+        help="HOST:PORT to listen on (port 0: the OS picks, printed when ready)",
+    )
     ap.add_argument("--latency-ms", type=float, default=0.0)
     ap.add_argument("--reset-every-s", type=float, default=0.0, help="mean; 0 = never")
     ap.add_argument("--stall-every-s", type=float, default=0.0, help="mean; 0 = never")
@@ -205,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _main(args: argparse.Namespace) -> int:
     try:
-        cfg = ChaosConfig(args.latency_ms / 1000, args.reset_every_s, args.stall_every_s,
-                          args.stall_s, args.seed)
+        cfg = ChaosConfig(
+            args.latency_ms / 1000, args.reset_every_s, args.stall_every_s, args.stall_s, args.seed
+        )
     except ValueError as exc:
         print(f"labs.chaos: {exc}", file=sys.stderr)
         return 2

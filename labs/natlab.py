@@ -80,12 +80,26 @@ def _run(*args: str, ns: str | None = None) -> None:
 def _tbf(dev: str, mbit: float, ns: str | None) -> None:
     if mbit > 0:
         burst = tbf_burst(mbit)  # labs.netns says why
-        _run("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-             "burst", str(burst), "latency", "100ms", ns=ns)
+        _run(
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{mbit}mbit",
+            "burst",
+            str(burst),
+            "latency",
+            "100ms",
+            ns=ns,
+        )
 
 
 def missing_tools() -> str:
-    """"" when the lab can be built here, else what is missing (tests skip saying so)."""
+    """ "" when the lab can be built here, else what is missing (tests skip saying so)."""
     for tool in ("ip", "tc", "iptables"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (apt-get install iproute2 iptables)"
@@ -103,8 +117,9 @@ def teardown(n: int, names: Names = Names()) -> None:
     subprocess.run(["ip", "link", "del", names.bridge], capture_output=True, check=False)
 
 
-def _attach(ns: str, host_dev: str, addr: str, up_mbit: float, down_mbit: float,
-            bridge: str) -> None:
+def _attach(
+    ns: str, host_dev: str, addr: str, up_mbit: float, down_mbit: float, bridge: str
+) -> None:
     """A veth from the bridge into ``ns`` as eth0 with ``addr``/24; upload and download shaped."""
     _run("ip", "link", "add", host_dev, "type", "veth", "peer", "name", "eth0", "netns", ns)
     _run("ip", "link", "set", host_dev, "master", bridge, "up")
@@ -128,17 +143,34 @@ def _home(node: Node, link_mbit: float) -> None:
     _run("ip", "route", "add", "default", "via", f"172.16.{i}.1", ns=h)
     _tbf("eth0", link_mbit, h)  # the home's upload
     _tbf("lan", link_mbit, r)  # its download
-    for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0",
-                "net.ipv4.conf.default.rp_filter=0"):
+    for key in (
+        "net.ipv4.ip_forward=1",
+        "net.ipv4.conf.all.rp_filter=0",
+        "net.ipv4.conf.default.rp_filter=0",
+    ):
         _run("sysctl", "-qw", key, ns=r)
-    _run("iptables", "-A", "INPUT", "-i", "wan", "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP", ns=r)
+    _run(
+        "iptables",
+        "-A",
+        "INPUT",
+        "-i",
+        "wan",
+        "-m",
+        "conntrack",
+        "--ctstate",
+        "NEW",
+        "-j",
+        "DROP",
+        ns=r,
+    )
     masq = ["iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE"]
     _run(*masq, *(["--random-fully"] if node.nat == "symmetric" else []), ns=r)
 
 
 @contextmanager
-def lab(nodes: list[Node], uplink_mbit: float, link_mbit: float,
-        names: Names = Names()) -> Iterator[None]:
+def lab(
+    nodes: list[Node], uplink_mbit: float, link_mbit: float, names: Names = Names()
+) -> Iterator[None]:
     """The learner's namespace ``names.root`` and every node's; ``nodes`` carry ``names``."""
     n = max((x.index for x in nodes), default=-1) + 1
     assert all(x.names == names for x in nodes), "nodes of another lab"
@@ -153,8 +185,14 @@ def lab(nodes: list[Node], uplink_mbit: float, link_mbit: float,
             if node.nat == "public":
                 _run("ip", "netns", "add", node.ns)
                 _run("ip", "link", "set", "lo", "up", ns=node.ns)
-                _attach(node.ns, f"{names.dev}w{node.index}", node.address, link_mbit, link_mbit,
-                        names.bridge)
+                _attach(
+                    node.ns,
+                    f"{names.dev}w{node.index}",
+                    node.address,
+                    link_mbit,
+                    link_mbit,
+                    names.bridge,
+                )
             else:
                 _run("ip", "netns", "add", node.ns)
                 _run("ip", "link", "set", "lo", "up", ns=node.ns)

@@ -34,8 +34,22 @@ def tbf_burst(mbit: float) -> int:
 
 def _tbf(dev: str, mbit: float, ns: str | None = None) -> None:
     if mbit > 0:
-        _ip("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-            "burst", str(tbf_burst(mbit)), "latency", "100ms", ns=ns)
+        _ip(
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{mbit}mbit",
+            "burst",
+            str(tbf_burst(mbit)),
+            "latency",
+            "100ms",
+            ns=ns,
+        )
 
 
 def node_name(i: int | None) -> str:

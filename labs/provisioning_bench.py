@@ -52,10 +52,13 @@ def _compare_on_pools(pools: int, rng: np.random.Generator, progress: bool) -> d
     return {
         "greedy_gap_mean": float(np.mean(greedy_gaps)),
         "greedy_gap_max": float(np.max(greedy_gaps)),
-        "ours_gap_mean": float(np.mean(ours_gaps)), "ours_gap_max": float(np.max(ours_gaps)),
+        "ours_gap_mean": float(np.mean(ours_gaps)),
+        "ours_gap_max": float(np.max(ours_gaps)),
         "ours_gap_p99": float(np.quantile(ours_gaps, 0.99)),
-        "ours_worse_than_greedy": int(worse), "ours_better_than_greedy": int(better),
-        "ours_optimal": int(ours_optimal), "exact_ms_median": float(statistics.median(exact_ms)),
+        "ours_worse_than_greedy": int(worse),
+        "ours_better_than_greedy": int(better),
+        "ours_optimal": int(ours_optimal),
+        "exact_ms_median": float(statistics.median(exact_ms)),
     }
 
 
@@ -84,20 +87,27 @@ def _time_decision(candidates: int, rng: np.random.Generator, repeats: int = 7) 
     }
 
 
-def run(pools: int = 1000, seed: int = 0, candidates: int = 100_000,
-        progress: bool = True) -> dict[str, Any]:
+def run(
+    pools: int = 1000, seed: int = 0, candidates: int = 100_000, progress: bool = True
+) -> dict[str, Any]:
     """Run the benchmark and return the figures (see module docstring)."""
     if pools < 1 or candidates < 1:
-        raise ValueError(f"pools and candidates must be >= 1, got pools={pools}, "
-                         f"candidates={candidates}")
+        raise ValueError(
+            f"pools and candidates must be >= 1, got pools={pools}, candidates={candidates}"
+        )
     rng = np.random.default_rng(seed)
     started = time.time()
     result: dict[str, Any] = {"benchmark": "provisioning"}
     result.update(_compare_on_pools(pools, rng, progress))
     result.update(_time_decision(candidates, rng))
-    result["params"] = {"pools": pools, "seed": seed, "candidates": candidates,
-                        "pool_size": [20, 200], "target_fraction": [0.3, 0.7],
-                        "gpu_classes": [c.__dict__ for c in GPU_CLASSES]}
+    result["params"] = {
+        "pools": pools,
+        "seed": seed,
+        "candidates": candidates,
+        "pool_size": [20, 200],
+        "target_fraction": [0.3, 0.7],
+        "gpu_classes": [c.__dict__ for c in GPU_CLASSES],
+    }
     result["targets"] = _targets(result, candidates)
     result["machine"] = _machine()
     result["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))
@@ -106,8 +116,10 @@ def run(pools: int = 1000, seed: int = 0, candidates: int = 100_000,
 
 
 def _targets(r: dict[str, Any], candidates: int) -> dict[str, Any]:
-    t = {"ours_gap_mean_le_1pct": r["ours_gap_mean"] <= GAP_TARGET,
-         "ours_never_worse_than_greedy": r["ours_worse_than_greedy"] == 0}
+    t = {
+        "ours_gap_mean_le_1pct": r["ours_gap_mean"] <= GAP_TARGET,
+        "ours_never_worse_than_greedy": r["ours_worse_than_greedy"] == 0,
+    }
     if candidates == 100_000:
         t["decision_ms_100k_lt_100"] = r["decision_ms_100k"] < DECISION_MS_TARGET
     return t
@@ -135,23 +147,31 @@ def print_table(r: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Provisioning: {r['params']['pools']} random pools "
-                        f"(20-200 workers), gap to the MILP optimum")
+    table = Table(
+        title=f"Provisioning: {r['params']['pools']} random pools "
+        f"(20-200 workers), gap to the MILP optimum"
+    )
     table.add_column("solver")
     table.add_column("mean gap", justify="right")
     table.add_column("max gap", justify="right")
     table.add_column("notes")
     table.add_row("greedy (paper)", f"{r['greedy_gap_mean']:.3%}", f"{r['greedy_gap_max']:.2%}", "")
-    table.add_row("ours", f"{r['ours_gap_mean']:.3%}", f"{r['ours_gap_max']:.2%}",
-                  f"optimal on {r['ours_optimal']}, better than greedy on "
-                  f"{r['ours_better_than_greedy']}, worse on {r['ours_worse_than_greedy']}")
+    table.add_row(
+        "ours",
+        f"{r['ours_gap_mean']:.3%}",
+        f"{r['ours_gap_max']:.2%}",
+        f"optimal on {r['ours_optimal']}, better than greedy on "
+        f"{r['ours_better_than_greedy']}, worse on {r['ours_worse_than_greedy']}",
+    )
     table.add_row("exact (HiGHS)", "0", "0", f"median {r['exact_ms_median']:.1f} ms per pool")
     console = Console()
     console.print(table)
     n = r["params"]["candidates"]
-    console.print(f"one decision over {n:,} candidates: ours {r['decision_ms']:.1f} ms, greedy "
-                  f"{r['decision_ms_greedy']:.1f} ms (median of {r['decision_repeats']}); "
-                  f"ours/greedy cost {r['decision_cost_ratio_ours_over_greedy']:.5f}")
+    console.print(
+        f"one decision over {n:,} candidates: ours {r['decision_ms']:.1f} ms, greedy "
+        f"{r['decision_ms_greedy']:.1f} ms (median of {r['decision_repeats']}); "
+        f"ours/greedy cost {r['decision_cost_ratio_ours_over_greedy']:.5f}"
+    )
     for name, ok in r["targets"].items():
         console.print(f"  {'[green]PASS' if ok else '[red]FAIL'}[/] {name}")
 
@@ -160,10 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_provisioning", description=__doc__.splitlines()[0])
     p.add_argument("--pools", type=int, default=1000, help="random pools (default 1000)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--candidates", type=int, default=100_000,
-                   help="pool size for the decision timing (default 100000)")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON,
-                   help=f"where to write the results (default {DEFAULT_JSON})")
+    p.add_argument(
+        "--candidates",
+        type=int,
+        default=100_000,
+        help="pool size for the decision timing (default 100000)",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=DEFAULT_JSON,
+        help=f"where to write the results (default {DEFAULT_JSON})",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     return p
@@ -171,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result = run(pools=args.pools, seed=args.seed, candidates=args.candidates,
-                 progress=not args.no_progress)
+    result = run(
+        pools=args.pools, seed=args.seed, candidates=args.candidates, progress=not args.no_progress
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)

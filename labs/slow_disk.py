@@ -15,11 +15,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m labs.slow_disk", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m labs.slow_disk", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--fsync-delay-s", type=float, required=True)
     args, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
     import learner.main
-
     from echo.cli import main as echo_rl
     from labs.doubles import SlowDiskLog
 

@@ -72,13 +72,25 @@ class Book:
 
     def account(self, now: float) -> wire.Account:
         return wire.Account(
-            state=self.state, version=self.version, install_s=round(self.install_s, 4),
-            granted=self.granted, accepted=self.accepted, duplicates=self.duplicates,
-            rejected=dict(self.rejected), checks=self.checks, check_failures=self.check_failures,
-            throughput=round(self.throughput, 4), down_mbit=round(self.down_mbit, 3),
-            up_mbit=round(self.up_mbit, 3), nat=self.nat[:16], price=self.price,
-            active_s=round(self.active_s, 3), earned_usd=round(self.earned_usd(), 8),
-            message=self.message[:512], message_age_s=round(max(0.0, now - self.message_at), 3))
+            state=self.state,
+            version=self.version,
+            install_s=round(self.install_s, 4),
+            granted=self.granted,
+            accepted=self.accepted,
+            duplicates=self.duplicates,
+            rejected=dict(self.rejected),
+            checks=self.checks,
+            check_failures=self.check_failures,
+            throughput=round(self.throughput, 4),
+            down_mbit=round(self.down_mbit, 3),
+            up_mbit=round(self.up_mbit, 3),
+            nat=self.nat[:16],
+            price=self.price,
+            active_s=round(self.active_s, 3),
+            earned_usd=round(self.earned_usd(), 8),
+            message=self.message[:512],
+            message_age_s=round(max(0.0, now - self.message_at), 3),
+        )
 
 
 class Accounts:
@@ -87,8 +99,15 @@ class Accounts:
         self._books: OrderedDict[str, Book] = OrderedDict()
         self._lock = threading.Lock()
 
-    def open(self, worker_id: str, key: str, price: float, active: bool, message: str,
-             now: float | None = None) -> None:
+    def open(
+        self,
+        worker_id: str,
+        key: str,
+        price: float,
+        active: bool,
+        message: str,
+        now: float | None = None,
+    ) -> None:
         """A join. A worker that joins again (same key, same id) keeps its books."""
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -115,8 +134,14 @@ class Accounts:
             if book is not None:
                 book.granted += groups
 
-    def delivered(self, worker_id: str, accepted: int, duplicates: int,
-                  rejected: Mapping[str, int], details: Mapping[str, str] | None = None) -> None:
+    def delivered(
+        self,
+        worker_id: str,
+        accepted: int,
+        duplicates: int,
+        rejected: Mapping[str, int],
+        details: Mapping[str, str] | None = None,
+    ) -> None:
         with self._lock:
             book = self._books.get(worker_id)
             if book is None:
@@ -127,8 +152,11 @@ class Accounts:
                 if n > 0 and (reason in book.rejected or len(book.rejected) < MAX_REASONS):
                     book.rejected[reason] += n
             if book.open and any(n > 0 for n in rejected.values()):  # a quarantine's word stays
-                why = ", ".join(f"{r} x{n}" + (f" ({details[r]})" if details and r in details else "")
-                                for r, n in sorted(rejected.items()) if n > 0)
+                why = ", ".join(
+                    f"{r} x{n}" + (f" ({details[r]})" if details and r in details else "")
+                    for r, n in sorted(rejected.items())
+                    if n > 0
+                )
                 self._say(book, f"records refused: {why}")
 
     def note(self, worker_id: str, message: str) -> None:
@@ -174,17 +202,25 @@ class Accounts:
     def state(self) -> dict[str, dict[str, Any]]:
         """The counts of every book, by worker id, for the run folder (``learner.fleet``)."""
         with self._lock:
-            return {w: {"key": b.key, "price": b.price, "active_s": b.active_s,
-                        "accepted": b.accepted, "duplicates": b.duplicates,
-                        "rejected": dict(b.rejected), "granted": b.granted}
-                    for w, b in self._books.items()}
+            return {
+                w: {
+                    "key": b.key,
+                    "price": b.price,
+                    "active_s": b.active_s,
+                    "accepted": b.accepted,
+                    "duplicates": b.duplicates,
+                    "rejected": dict(b.rejected),
+                    "granted": b.granted,
+                }
+                for w, b in self._books.items()
+            }
 
     def restore(self, state: dict[str, Any]) -> int:
         """Books of the instance before a restart, closed until their worker re-joins with
         the same id and key (``open`` then continues them). Malformed entries are skipped."""
         n = 0
         with self._lock:
-            for wid, obj in list(state.items())[-self.keep:]:
+            for wid, obj in list(state.items())[-self.keep :]:
                 book = _parse_book(wid, obj)
                 if book is not None:
                     self._books[wid] = book
@@ -206,19 +242,33 @@ class Accounts:
 def _parse_book(worker_id: Any, obj: Any) -> Book | None:
     """One restored book, or None when the entry is not what ``Accounts.state`` writes."""
     try:
-        if not isinstance(worker_id, str) or not isinstance(obj, dict) or not isinstance(obj["key"], str):
+        if (
+            not isinstance(worker_id, str)
+            or not isinstance(obj, dict)
+            or not isinstance(obj["key"], str)
+        ):
             return None
         nums = {k: obj[k] for k in ("price", "active_s", "accepted", "duplicates", "granted")}
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in nums.values()):
+        if any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in nums.values()
+        ):
             return None
         rejected = obj["rejected"]
         if not isinstance(rejected, dict) or not all(
-                isinstance(k, str) and type(v) is int and v >= 0 for k, v in rejected.items()):
+            isinstance(k, str) and type(v) is int and v >= 0 for k, v in rejected.items()
+        ):
             return None
     except (KeyError, TypeError):
         return None
-    return Book(worker_id, obj["key"], float(nums["price"]), state="left",
-                active_s=float(nums["active_s"]), accepted=int(nums["accepted"]),
-                duplicates=int(nums["duplicates"]), granted=int(nums["granted"]),
-                rejected=Counter(dict(list(rejected.items())[:MAX_REASONS])),
-                message="the learner restarted: these books wait for this worker to re-join")
+    return Book(
+        worker_id,
+        obj["key"],
+        float(nums["price"]),
+        state="left",
+        active_s=float(nums["active_s"]),
+        accepted=int(nums["accepted"]),
+        duplicates=int(nums["duplicates"]),
+        granted=int(nums["granted"]),
+        rejected=Counter(dict(list(rejected.items())[:MAX_REASONS])),
+        message="the learner restarted: these books wait for this worker to re-join",
+    )

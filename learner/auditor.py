@@ -60,13 +60,18 @@ class TokenStats:
 
 
 def logprob_check(samples: list[TokenStats], tol: float) -> tuple[bool, dict[str, Any]]:
-    gaps = [sum(abs(c - l) for c, l in zip(s.claimed, s.logprob)) / len(s.logprob)
-            for s in samples if s.logprob]
+    gaps = [
+        sum(abs(c - lp) for c, lp in zip(s.claimed, s.logprob)) / len(s.logprob)
+        for s in samples
+        if s.logprob
+    ]
     worst = max(gaps, default=0.0)
     return worst <= tol, {"max_mean_gap": round(worst, 4), "tol": tol}
 
 
-def sampling_check(samples: list[TokenStats], alpha: float, clip: float) -> tuple[bool, dict[str, Any]]:
+def sampling_check(
+    samples: list[TokenStats], alpha: float, clip: float
+) -> tuple[bool, dict[str, Any]]:
     total, spread = 0.0, 0.0
     for s in samples:
         for lp, h in zip(s.logprob, s.entropy):
@@ -76,15 +81,24 @@ def sampling_check(samples: list[TokenStats], alpha: float, clip: float) -> tupl
     tokens = sum(len(s.logprob) for s in samples)
     # No trained token, no evidence: a poker group whose opponent folded before the policy
     # ever acted has none, and 0 > -0.0 would have been a strike against an honest worker.
-    return tokens == 0 or total > threshold, {"sum": round(total, 3), "threshold": round(threshold, 3),
-                               "tokens": tokens}
+    return tokens == 0 or total > threshold, {
+        "sum": round(total, 3),
+        "threshold": round(threshold, 3),
+        "tokens": tokens,
+    }
 
 
 class Auditor:
-    def __init__(self, cfg: EchoConfig, tokenizer: Any, report: Callable[[Verdict], None],
-                 is_quarantined: Callable[[str], bool] = lambda w: False,
-                 answer_tokens: tuple[int, ...] | None = None, borrow: Any = None,
-                 spill_to: Any = None):
+    def __init__(
+        self,
+        cfg: EchoConfig,
+        tokenizer: Any,
+        report: Callable[[Verdict], None],
+        is_quarantined: Callable[[str], bool] = lambda w: False,
+        answer_tokens: tuple[int, ...] | None = None,
+        borrow: Any = None,
+        spill_to: Any = None,
+    ):
         """``borrow``: the trainer's own model, audited in between steps instead of a copy
         of it (docs/memory.md): its weights are spilled to ``spill_to`` (a directory), the
         claimed version is installed, and the weights come back bit for bit before the next
@@ -111,8 +125,10 @@ class Auditor:
     def add_snapshot(self, version: int, tensors: list[dict[str, Any]], payload: bytes) -> None:
         with self._lock:
             # a spilled payload (echo.spill) is a read-only map already: kept as it is
-            self._snapshots[version] = (tensors, payload if isinstance(payload, mmap.mmap)
-                                        else bytes(payload))
+            self._snapshots[version] = (
+                tensors,
+                payload if isinstance(payload, mmap.mmap) else bytes(payload),
+            )
             while len(self._snapshots) > self.keep:
                 self._snapshots.popitem(last=False)
 
@@ -128,7 +144,9 @@ class Auditor:
     def submit(self, job: AuditJob) -> None:
         with self._lock:
             if len(self._jobs) >= self._max_jobs:
-                victim = next((j for j in self._jobs if not (j.probation or j.prefix)), self._jobs[0])
+                victim = next(
+                    (j for j in self._jobs if not (j.probation or j.prefix)), self._jobs[0]
+                )
                 self._jobs.remove(victim)
                 self.dropped += 1
             self._jobs.append(job)
@@ -197,8 +215,11 @@ class Auditor:
             # Handed-back prefixes first (a group waits for them), then probation, and among
             # it the worker audited least so far: each newcomer's first group is looked at
             # before anyone's second, so a liar needs few steps.
-            pool = ([j for j in self._jobs if j.prefix] or [j for j in self._jobs if j.probation]
-                    or [self._jobs[0]])
+            pool = (
+                [j for j in self._jobs if j.prefix]
+                or [j for j in self._jobs if j.probation]
+                or [self._jobs[0]]
+            )
             job = min(pool, key=lambda j: self._audited[j.worker_id])
             self._jobs.remove(job)
             self._audited[job.worker_id] += 1
@@ -214,15 +235,19 @@ class Auditor:
             return
         samples = self.token_stats(job.version, snap, job.records)
         kind = "handback_" if job.prefix else ""  # a prefix's author answers for it
-        for check, (ok, stats) in (("logprob", logprob_check(samples, self.tol)),
-                                   ("sampling", sampling_check(samples, self.alpha, self.clip))):
+        for check, (ok, stats) in (
+            ("logprob", logprob_check(samples, self.tol)),
+            ("sampling", sampling_check(samples, self.alpha, self.clip)),
+        ):
             self.done += 1
             self.failed += not ok
-            self.report(Verdict(job.worker_id, job.key, job.group_id, job.version, kind + check,
-                                ok, stats))
+            self.report(
+                Verdict(job.worker_id, job.key, job.group_id, job.version, kind + check, ok, stats)
+            )
 
-    def token_stats(self, version: int, snap: tuple[list[dict[str, Any]], bytes],
-                    records: list[Any]) -> list[TokenStats]:
+    def token_stats(
+        self, version: int, snap: tuple[list[dict[str, Any]], bytes], records: list[Any]
+    ) -> list[TokenStats]:
         import torch
 
         from echo.lora import load_policy_model
@@ -269,8 +294,11 @@ class Auditor:
         ent = -(logp[pos].exp() * logp[pos]).nansum(-1)  # 0 * -inf is 0 here, not NaN
         mask = getattr(rec, "loss_mask", None) or [1] * len(rec.completion_ids)
         keep = [i for i, m in enumerate(mask) if m]
-        return TokenStats([lp[i].item() for i in keep], [ent[i].item() for i in keep],
-                          [rec.logprobs[i] for i in keep])
+        return TokenStats(
+            [lp[i].item() for i in keep],
+            [ent[i].item() for i in keep],
+            [rec.logprobs[i] for i in keep],
+        )
 
 
 def _raw(p: Any) -> Any:

@@ -49,9 +49,14 @@ class BufferStats:
 
 
 class ReplayBuffer:
-    def __init__(self, staleness: int, capacity_groups: int, group_size: int,
-                 remember_groups: int = 1_000_000,
-                 on_drop: Callable[[list[Record], str], None] | None = None):
+    def __init__(
+        self,
+        staleness: int,
+        capacity_groups: int,
+        group_size: int,
+        remember_groups: int = 1_000_000,
+        on_drop: Callable[[list[Record], str], None] | None = None,
+    ):
         self.staleness = staleness
         self.capacity = capacity_groups
         self.group_size = group_size
@@ -96,7 +101,10 @@ class ReplayBuffer:
             if rec.group_id in self._done or rec.sample_idx in self._partial.get(rec.group_id, {}):
                 self.stats.duplicates += 1
                 return DUPLICATE
-            if rec.group_id not in self._partial and len(self._partial) + len(self._ready) >= self.capacity:
+            if (
+                rec.group_id not in self._partial
+                and len(self._partial) + len(self._ready) >= self.capacity
+            ):
                 return self._reject("buffer_full")
             group = self._partial.setdefault(rec.group_id, {})
             group[rec.sample_idx] = rec
@@ -131,9 +139,12 @@ class ReplayBuffer:
     def _evict_stale(self) -> None:
         _, groups = self._ready.evict(self.version, self.staleness)
         dropped = [r for _, recs in groups for r in recs]
-        dropped += [r for g, recs in list(self._partial.items())
-                    if rules.is_stale(min(r.version for r in recs.values()), self.version, self.staleness)
-                    for r in self._partial.pop(g).values()]
+        dropped += [
+            r
+            for g, recs in list(self._partial.items())
+            if rules.is_stale(min(r.version for r in recs.values()), self.version, self.staleness)
+            for r in self._partial.pop(g).values()
+        ]
         self.stats.dropped_stale += len(dropped)
         if dropped and self.on_drop is not None:
             self.on_drop(dropped, STALE_RULE)
@@ -157,8 +168,11 @@ class ReplayBuffer:
         with self._cond:
             groups = self._ready.remove(lambda item: any(r.worker_id == worker_id for r in item[1]))
             dropped = [r for _, recs in groups for r in recs]
-            gone = [g for g, recs in self._partial.items()
-                    if any(r.worker_id == worker_id for r in recs.values())]
+            gone = [
+                g
+                for g, recs in self._partial.items()
+                if any(r.worker_id == worker_id for r in recs.values())
+            ]
             dropped += [r for g in gone for r in self._partial.pop(g).values()]
             self.stats.rejected["dropped_quarantined"] += len(dropped)
         if dropped and self.on_drop is not None:
@@ -180,8 +194,9 @@ class ReplayBuffer:
     def contents(self) -> list[Record]:
         """Every record held (ready and partial), for compacting the write-ahead log."""
         with self._cond:
-            return ([r for _, g in self._ready.items() for r in g]
-                    + [r for g in self._partial.values() for r in g.values()])
+            return [r for _, g in self._ready.items() for r in g] + [
+                r for g in self._partial.values() for r in g.values()
+            ]
 
     # ------------------------------------------------------------------ metrics
 

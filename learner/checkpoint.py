@@ -63,7 +63,7 @@ def steps_of(name: str) -> int | None:
     for prefix, add in (("after-", 0), ("step-", 1)):
         if name.startswith(prefix) and name.endswith(".pt"):
             try:
-                return int(name[len(prefix):-3]) + add
+                return int(name[len(prefix) : -3]) + add
             except ValueError:
                 return None
     return None
@@ -113,7 +113,9 @@ def export_checkpoint(run_dir: Path, out: Path, merged: bool = False) -> Path:
     try:
         cfg = load_config(run_dir / "config.toml")
     except (ConfigError, OSError) as err:
-        raise ImportFailed(f"{run_dir}/config.toml: {err}; is --run-dir a learner's run folder?") from None
+        raise ImportFailed(
+            f"{run_dir}/config.toml: {err}; is --run-dir a learner's run folder?"
+        ) from None
     state = load_checkpoint(run_dir)
     if state is None:
         raise ImportFailed(f"{run_dir} has no checkpoint (learner.checkpoint = false?)")
@@ -139,8 +141,10 @@ def _export_lora(base: Any, lora: Any, adapter_sd: dict[str, Any], out: Path, me
     if set(adapter_sd) != set(adapter_parameters(model)):
         from echo.gguf_import import ImportFailed
 
-        raise ImportFailed("the checkpoint's tensors are not this run's LoRA adapter (the "
-                           "[learner.lora] settings in config.toml changed?)")
+        raise ImportFailed(
+            "the checkpoint's tensors are not this run's LoRA adapter (the "
+            "[learner.lora] settings in config.toml changed?)"
+        )
     model.load_state_dict({**model.state_dict(), **adapter_sd})
     model.save_pretrained(out / "adapter" if merged else out)
     if merged:

@@ -48,8 +48,10 @@ class CpuBook:
         self.seconds[kind] += seconds
 
     def snapshot(self) -> CpuKinds:
-        return {"kinds": {k: [self.count[k], round(self.seconds[k], 6)] for k in self.count},
-                "threads": thread_cpu(self.native_id)}
+        return {
+            "kinds": {k: [self.count[k], round(self.seconds[k], 6)] for k in self.count},
+            "threads": thread_cpu(self.native_id),
+        }
 
 
 def thread_cpu(control_tid: int | None) -> dict[str, float]:

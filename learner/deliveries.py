@@ -56,10 +56,23 @@ class DeliveryLimits:
 
 
 class Deliveries:
-    def __init__(self, *, table: SessionTable, members: Members, gate: Gate, accounts: Accounts,
-                 intake: Intake, reputation: Reputation, returns: Handbacks, staleness: Staleness,
-                 buffer: ReplayBuffer, work: WorkQueue, limits: DeliveryLimits,
-                 rejected: Counter[str], push_ident: Callable[[bytes, wire.Message, str], None]):
+    def __init__(
+        self,
+        *,
+        table: SessionTable,
+        members: Members,
+        gate: Gate,
+        accounts: Accounts,
+        intake: Intake,
+        reputation: Reputation,
+        returns: Handbacks,
+        staleness: Staleness,
+        buffer: ReplayBuffer,
+        work: WorkQueue,
+        limits: DeliveryLimits,
+        rejected: Counter[str],
+        push_ident: Callable[[bytes, wire.Message, str], None],
+    ):
         self.table = table
         self.members = members
         self.gate = gate
@@ -86,11 +99,13 @@ class Deliveries:
         probation = m.controller is not None and m.controller.on_probation(msg.worker_id)
         capped = self.returns.capped(msg.worker_id)  # past its share of hand-backs
         ask = 1 if probation or capped else min(msg.max_groups, self.fair_share())
-        groups = self.work.grant(msg.worker_id, ask, self.buffer.depth().ready_groups,
-                                 msg.holding, key=key)
+        groups = self.work.grant(
+            msg.worker_id, ask, self.buffer.depth().ready_groups, msg.holding, key=key
+        )
         self.accounts.granted(msg.worker_id, len(groups))
-        return wire.WorkGrant(groups=groups,
-                              retry_after_s=0.0 if groups else self.poll_after(EMPTY_RETRY_S))
+        return wire.WorkGrant(
+            groups=groups, retry_after_s=0.0 if groups else self.poll_after(EMPTY_RETRY_S)
+        )
 
     def poll_after(self, base: float) -> float:
         """When a worker that got no work may ask again: ``base``, or fleet size over
@@ -110,45 +125,71 @@ class Deliveries:
         recomputation before anyone continues them (``learner.handbacks``)."""
         self.table.joined(ident, key, msg.worker_id)
         lim, dl = self.limits.limits, self.limits
-        prefix = PrefixLimits(lim.vocab_size, lim.max_new_tokens, lim.min_logprob, dl.staleness,
-                              dl.multi_turn)
+        prefix = PrefixLimits(
+            lim.vocab_size, lim.max_new_tokens, lim.min_logprob, dl.staleness, dl.multi_turn
+        )
         return self.returns.receive(msg.worker_id, key, msg, self.buffer.version, prefix)
 
     # ------------------------------------------------------------------ rollouts in
 
-    def on_trajectories(self, ident: bytes, key: str,
-                        msg: wire.Trajectories) -> wire.Message | Deferred:
+    def on_trajectories(
+        self, ident: bytes, key: str, msg: wire.Trajectories
+    ) -> wire.Message | Deferred:
         w = self.table.joined(ident, key, msg.worker_id)
         try:
             raw = wire.unpack_records(msg.payload, self.limits.max_bytes)
         except wire.WireError as err:
             self.rejected[err.reason] += 1
             self.accounts.delivered(w.worker_id, 0, 0, {err.reason: 1}, {err.reason: err.detail})
-            log.warning("rejected trajectory batch %s from %s: %s", msg.batch_id, msg.worker_id, err)
+            log.warning(
+                "rejected trajectory batch %s from %s: %s", msg.batch_id, msg.worker_id, err
+            )
             return wire.Error(reason=err.reason, detail=err.detail, ref=msg.batch_id)
         # (echo.wire refuses a bool count; were one let through, True == 1 must not pass here)
         if type(msg.count) is not int or msg.count != len(raw):
             self.rejected["count_mismatch"] += 1
             self.accounts.delivered(w.worker_id, 0, 0, {"count_mismatch": 1})
-            log.warning("rejected trajectory batch %s from %s: count %r for %d records",
-                        msg.batch_id, msg.worker_id, msg.count, len(raw))
-            return wire.Error(reason="count_mismatch", ref=msg.batch_id,
-                              detail=f"count {msg.count!r} but {len(raw)} records: send count=len(records)")
+            log.warning(
+                "rejected trajectory batch %s from %s: count %r for %d records",
+                msg.batch_id,
+                msg.worker_id,
+                msg.count,
+                len(raw),
+            )
+            return wire.Error(
+                reason="count_mismatch",
+                ref=msg.batch_id,
+                detail=f"count {msg.count!r} but {len(raw)} records: send count=len(records)",
+            )
         out = self.intake.batch(msg.worker_id, key, raw)
-        self.accounts.delivered(w.worker_id, len(out.accepted), out.duplicates, out.rejected,
-                                out.details)
+        self.accounts.delivered(
+            w.worker_id, len(out.accepted), out.duplicates, out.rejected, out.details
+        )
         if out.rejected:
             self.rejected.update({k: v for k, v in out.rejected.items() if k not in NOT_COUNTED})
-            log.warning("batch %s from %s: rejected %s %s", msg.batch_id, msg.worker_id,
-                        dict(out.rejected), out.details or "")
+            log.warning(
+                "batch %s from %s: rejected %s %s",
+                msg.batch_id,
+                msg.worker_id,
+                dict(out.rejected),
+                out.details or "",
+            )
         if msg.worker_id in self.reputation.quarantined:
             self.farewell(msg.worker_id, ident)  # its books are complete only now
             why = self.reputation.quarantined[msg.worker_id]
-            raise wire.WireError("banned", f"this worker was quarantined ({why}): its "
-                                 f"deliveries failed the learner's checks (docs/security.md)")
+            raise wire.WireError(
+                "banned",
+                f"this worker was quarantined ({why}): its "
+                f"deliveries failed the learner's checks (docs/security.md)",
+            )
         self._credit(w, out.accepted)
-        ack = wire.Ack(batch_id=msg.batch_id, accepted=len(out.accepted), duplicates=out.duplicates,
-                       rejected=dict(out.rejected), rejected_idx=out.rejected_idx)
+        ack = wire.Ack(
+            batch_id=msg.batch_id,
+            accepted=len(out.accepted),
+            duplicates=out.duplicates,
+            rejected=dict(out.rejected),
+            rejected_idx=out.rejected_idx,
+        )
         if out.durable is not None:
             # Sent when the write-ahead log has it on disk; a future that already failed must
             # still go through the server's ack queue, which answers with an error, never an ack.
@@ -166,14 +207,17 @@ class Deliveries:
             # Busy time of the batch (every record of a batch carries the same gen_s): the
             # controller then measures capacity, not how much work it was handed.
             busy = max((r.gen_s for r in accepted), default=None)
-            controller.observe(w.worker_id, len(accepted), busy_s=busy,
-                               credit=min(credit, len(accepted)))
+            controller.observe(
+                w.worker_id, len(accepted), busy_s=busy, credit=min(credit, len(accepted))
+            )
 
     @staticmethod
     def measure(w: WorkerState, accepted: int) -> None:
         now = time.monotonic()
         rate = accepted / max(now - w.last_batch_at, 1e-3)
-        w.measured_throughput = ewma(w.measured_throughput if w.admitted else None, rate, EWMA_ALPHA)
+        w.measured_throughput = ewma(
+            w.measured_throughput if w.admitted else None, rate, EWMA_ALPHA
+        )
         w.admitted += accepted
         w.last_batch_at = now
 

@@ -41,8 +41,15 @@ def small(frame: bytes, max_bytes: int) -> wire.Message | None:
 
 
 class Dispatcher:
-    def __init__(self, *, gate: Gate, handlers: dict[type, Handler], max_bytes: int,
-                 rejected: Counter[str], end_session: Callable[[str, str], None]):
+    def __init__(
+        self,
+        *,
+        gate: Gate,
+        handlers: dict[type, Handler],
+        max_bytes: int,
+        rejected: Counter[str],
+        end_session: Callable[[str, str], None],
+    ):
         """``end_session(key, why)``: a banned key's live session ends at its next message."""
         self.gate = gate
         self.handlers = handlers
@@ -63,9 +70,12 @@ class Dispatcher:
                 if refused == "banned":
                     self.end_session(key, "banned")
                 msg = small(frames[0], self.max_bytes)  # for its request id, if cheap
-                raise wire.WireError(refused, ban_detail(self.gate.bans.note(key))
-                                     if refused == "banned" else
-                                     "too many messages from this key: slow down")
+                raise wire.WireError(
+                    refused,
+                    ban_detail(self.gate.bans.note(key))
+                    if refused == "banned"
+                    else "too many messages from this key: slow down",
+                )
             msg = wire.decode(frames[0], self.max_bytes)
             return await self.dispatch(ident, key, msg)
         except wire.WireError as err:
@@ -88,8 +98,11 @@ class Dispatcher:
         self.kind = msg.TYPE
         if not key:
             if self.gate.keys is not None:  # CURVE on, yet no key: never trust the claimed id
-                raise wire.WireError("unauthenticated", "this connection carries no verified "
-                                     "key; reconnect (the learner may have been starting)")
+                raise wire.WireError(
+                    "unauthenticated",
+                    "this connection carries no verified "
+                    "key; reconnect (the learner may have been starting)",
+                )
             key = f"id:{getattr(msg, 'worker_id', '')}"  # plaintext: the claimed id is all there is
         reply = handler(ident, key, msg)
         if isinstance(reply, Deferred):

@@ -38,10 +38,10 @@ import queue
 import struct
 import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -184,21 +184,22 @@ def _fsync_dir(path: Path) -> None:
 @dataclass
 class SetAside:
     """A log entry that cannot be replayed: why, and its bytes (msgpack) for inspection."""
+
     reason: str
     detail: str
     body: bytes
 
 
-def read_log(path: Path, limits: Limits | None = None
-             ) -> tuple[list[Record], dict[int, list[str]]]:
+def read_log(path: Path, limits: Limits | None = None) -> tuple[list[Record], dict[int, list[str]]]:
     """All intact frames: (admitted records, {step: consumed group ids}); entries that cannot
     be replayed are left out (see ``scan_log``)."""
     admitted, consumed, _ = scan_log(path, limits)
     return admitted, consumed
 
 
-def scan_log(path: Path, limits: Limits | None = None
-             ) -> tuple[list[Record], dict[int, list[str]], list[SetAside]]:
+def scan_log(
+    path: Path, limits: Limits | None = None
+) -> tuple[list[Record], dict[int, list[str]], list[SetAside]]:
     """Like ``read_log``, plus the entries set aside: a frame whose body does not decode, and
     each record that is not a valid record (or, with ``limits``, fails today's admission
     bounds). Nothing in the log can make the replay raise, so a poisoned entry cannot crash
@@ -220,8 +221,11 @@ def scan_log(path: Path, limits: Limits | None = None
             kind, payload = msgpack.unpackb(body, raw=False)
             if kind == "consume":
                 step, gids = payload
-                if (type(step) is not int or not isinstance(gids, list)
-                        or not all(isinstance(g, str) for g in gids)):
+                if (
+                    type(step) is not int
+                    or not isinstance(gids, list)
+                    or not all(isinstance(g, str) for g in gids)
+                ):
                     raise ValueError("a consume entry is [int step, [str group ids]]")
                 consumed.setdefault(step, []).extend(gids)
                 continue
@@ -264,15 +268,24 @@ def quarantine(log_path: Path, entries: list[SetAside]) -> Path:
     if entries:
         with open(out, "a") as f:
             for e in entries:
-                f.write(json.dumps({"reason": e.reason, "detail": e.detail,
-                                    "msgpack_b64": base64.b64encode(e.body).decode()}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "reason": e.reason,
+                            "detail": e.detail,
+                            "msgpack_b64": base64.b64encode(e.body).decode(),
+                        }
+                    )
+                    + "\n"
+                )
             f.flush()
             os.fsync(f.fileno())
     return out
 
 
-def live_after(admitted: list[Record], consumed: dict[int, list[str]],
-               checkpoint_step: int) -> tuple[list[Record], set[str]]:
+def live_after(
+    admitted: list[Record], consumed: dict[int, list[str]], checkpoint_step: int
+) -> tuple[list[Record], set[str]]:
     """Records still owed to training after restoring the checkpoint taken after
     ``checkpoint_step`` (-1: none), and the groups the checkpoint already trained on."""
     trained = {g for s, gids in consumed.items() if s <= checkpoint_step for g in gids}

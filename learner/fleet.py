@@ -53,24 +53,33 @@ class FleetBooks:
             tmp.write_text(json.dumps({"schema": SCHEMA, "saved_at": time.time(), **state}))
             os.replace(tmp, self.path)
         except OSError as exc:
-            log.error("could not save the fleet's books to %s: %s (a restart would treat "
-                      "every worker as a stranger)", self.path, exc)
+            log.error(
+                "could not save the fleet's books to %s: %s (a restart would treat "
+                "every worker as a stranger)",
+                self.path,
+                exc,
+            )
 
     def load(self) -> FleetState:
         if not self.path.exists():
-            log.warning("resume: no %s in the run folder: every worker re-joins as a stranger",
-                        self.path.name)
+            log.warning(
+                "resume: no %s in the run folder: every worker re-joins as a stranger",
+                self.path.name,
+            )
             return FleetState()
         try:
             doc = json.loads(self.path.read_text())
             if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-                raise ValueError(f"schema {doc.get('schema') if isinstance(doc, dict) else None!r}, "
-                                 f"expected {SCHEMA}")
+                raise ValueError(
+                    f"schema {doc.get('schema') if isinstance(doc, dict) else None!r}, "
+                    f"expected {SCHEMA}"
+                )
             ctl, acc = doc.get("controller", {}), doc.get("accounts", {})
             if not isinstance(ctl, dict) or not isinstance(acc, dict):
                 raise ValueError("controller and accounts must be objects")
             return FleetState(ctl, acc)
         except (OSError, ValueError) as exc:
-            log.error("resume: %s is unreadable (%s): every worker re-joins as a stranger",
-                      self.path, exc)
+            log.error(
+                "resume: %s is unreadable (%s): every worker re-joins as a stranger", self.path, exc
+            )
             return FleetState()

@@ -41,7 +41,9 @@ class Gate:
         self.keys = KeyPair.load_or_create(d / "learner.key") if cfg.curve else None
         self.tokens = TokenStore(d / "tokens.json")
         self.bans = KeyList(d / "bans.txt")
-        self.allow = KeyList(Path(cfg.allowlist_file) if cfg.allowlist_file else d / "allowlist.txt")
+        self.allow = KeyList(
+            Path(cfg.allowlist_file) if cfg.allowlist_file else d / "allowlist.txt"
+        )
         self.refused: Counter[str] = Counter()  # joins and connections refused, by reason
         self.limited: Counter[str] = Counter()  # messages refused for rate, by reason
         self._handshakes = TokenBucket(cfg.handshakes_per_s, 2 * cfg.handshakes_per_s)

@@ -77,8 +77,13 @@ class GrantJournal:
         except OSError as exc:
             self.failed += 1
             if self.failed == 1 or self.failed % 1000 == 0:
-                log.error("grant journal %s: write failed (%s): leases granted now will not "
-                          "survive a learner restart (%d failed so far)", self.path, exc, self.failed)
+                log.error(
+                    "grant journal %s: write failed (%s): leases granted now will not "
+                    "survive a learner restart (%d failed so far)",
+                    self.path,
+                    exc,
+                    self.failed,
+                )
 
     def oversize(self, open_count: int) -> bool:
         return self.lines > max(MIN_LINES, COMPACT_FACTOR * open_count)

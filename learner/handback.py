@@ -49,11 +49,17 @@ def _problem(p: wire.Prefix, group: wire.Group, version: int, lim: PrefixLimits)
         return "bad_length"
     if any(not 0 <= t < lim.vocab_size for t in p.ids):
         return "out_of_vocab"
-    if any(not (math.isfinite(x) and lim.min_logprob <= x <= LOGPROB_TOLERANCE) for x in p.logprobs):
+    if any(
+        not (math.isfinite(x) and lim.min_logprob <= x <= LOGPROB_TOLERANCE) for x in p.logprobs
+    ):
         return "bad_logprob"
     vs = [v for v, _ in p.versions]
-    if (len(p.versions) > MAX_VERSION_RUNS or any(c < 1 for _, c in p.versions)
-            or sum(c for _, c in p.versions) != n or any(b == a for a, b in zip(vs, vs[1:]))):
+    if (
+        len(p.versions) > MAX_VERSION_RUNS
+        or any(c < 1 for _, c in p.versions)
+        or sum(c for _, c in p.versions) != n
+        or any(b == a for a, b in zip(vs, vs[1:]))
+    ):
         return "bad_versions"
     if p.turns and (any(t < 1 for t in p.turns) or sum(p.turns) != n):
         return "bad_turns"
@@ -64,17 +70,25 @@ def _problem(p: wire.Prefix, group: wire.Group, version: int, lim: PrefixLimits)
     if rules.admission(min(vs), version, lim.staleness) != rules.OK:
         return "stale"
     old = next((q for q in group.prefixes if q.sample_idx == p.sample_idx), None)
-    if len(set(expand(p.versions)[len(old.ids) if old else 0:])) > 1:
+    if len(set(expand(p.versions)[len(old.ids) if old else 0 :])) > 1:
         return "bad_versions"  # the sender's own tokens came from one snapshot (its rollout's)
-    if old is not None and (p.ids[: len(old.ids)] != old.ids or p.turns[: len(old.turns)] != old.turns
-                            or p.logprobs[: len(old.logprobs)] != old.logprobs
-                            or expand(p.versions)[: len(old.ids)] != expand(old.versions)):
+    if old is not None and (
+        p.ids[: len(old.ids)] != old.ids
+        or p.turns[: len(old.turns)] != old.turns
+        or p.logprobs[: len(old.logprobs)] != old.logprobs
+        or expand(p.versions)[: len(old.ids)] != expand(old.versions)
+    ):
         return "prefix_mismatch"
     return ""
 
 
-def check_prefixes(group: wire.Group, prefixes: list[wire.Prefix], version: int,
-                   lim: PrefixLimits, refused: Counter) -> list[wire.Prefix]:
+def check_prefixes(
+    group: wire.Group,
+    prefixes: list[wire.Prefix],
+    version: int,
+    lim: PrefixLimits,
+    refused: Counter,
+) -> list[wire.Prefix]:
     """The prefixes to keep for ``group`` (at most one per sample; earlier ones carried over
     where no new one came); refusals are counted in ``refused``."""
     kept: dict[int, wire.Prefix] = {p.sample_idx: p for p in group.prefixes}

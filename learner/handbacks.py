@@ -96,7 +96,7 @@ CHECKPOINT_GROWTH = 1.25  # returns between two tests of one worker's books grow
 
 def checkpoint(k: int, first: int) -> int:
     """The number of returns at which a worker's books are tested for the k-th time."""
-    return math.ceil(first * CHECKPOINT_GROWTH ** k)
+    return math.ceil(first * CHECKPOINT_GROWTH**k)
 
 
 def bias_threshold(n: int, alpha: float, k: int) -> float:
@@ -133,17 +133,31 @@ class Returns:
     tests: int = 0  # checkpoints tested so far
 
     def view(self) -> dict[str, object]:
-        mean = (lambda s, n: round(s / n, 4) if n else None)
-        return {"handed_back": self.handed_back, "prefixes_kept": self.kept,
-                "prefixes_refused": self.refused, "forged": self.forged, "limited": self.limited,
-                "returns_pct": mean(self.returns_u, self.returns_n), "returns_n": self.returns_n,
-                "delivered_pct": mean(self.delivered_u, self.delivered_n),
-                "cherry_pick": self.flagged}
+        def mean(s: float, n: int) -> float | None:
+            return round(s / n, 4) if n else None
+
+        return {
+            "handed_back": self.handed_back,
+            "prefixes_kept": self.kept,
+            "prefixes_refused": self.refused,
+            "forged": self.forged,
+            "limited": self.limited,
+            "returns_pct": mean(self.returns_u, self.returns_n),
+            "returns_n": self.returns_n,
+            "delivered_pct": mean(self.delivered_u, self.delivered_n),
+            "cherry_pick": self.flagged,
+        }
 
 
 class Handbacks:
-    def __init__(self, sc: SecurityConfig, work: WorkQueue, submit: Callable[[AuditJob], None] | None,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
+    def __init__(
+        self,
+        sc: SecurityConfig,
+        work: WorkQueue,
+        submit: Callable[[AuditJob], None] | None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ):
         """``submit``: where prefix checks go (the auditor's queue); None: prefixes are kept
         unchecked (``security.audit = false``, or a protocol test without an auditor)."""
         self.sc, self.work, self.submit, self.clock = sc, work, submit, clock
@@ -151,15 +165,17 @@ class Handbacks:
         self.pending: dict[str, Pending] = {}  # group id -> its check (bounded by in-flight groups)
         self.books: OrderedDict[str, Returns] = OrderedDict()
         self.passed: Counter[str] = Counter()  # key -> groups whose prefixes passed a check
-        self.rate = PeerLimits(sc.handback_groups_per_min / 60.0, float(sc.handback_allowance),
-                               clock=clock)
+        self.rate = PeerLimits(
+            sc.handback_groups_per_min / 60.0, float(sc.handback_allowance), clock=clock
+        )
         self.recent: deque[float] = deque(maxlen=REFERENCE)
         self.counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ a hand-back
 
-    def receive(self, worker_id: str, key: str, msg: wire.Handback, version: int,
-                lim: PrefixLimits) -> wire.HandbackAck:
+    def receive(
+        self, worker_id: str, key: str, msg: wire.Handback, version: int, lim: PrefixLimits
+    ) -> wire.HandbackAck:
         """Take the sender's leases back; keep, hold for a check, or refuse their prefixes."""
         refused: Counter[str] = Counter()
         for gid in set(msg.prefixes) - set(msg.groups):
@@ -181,17 +197,31 @@ class Handbacks:
                 refused[over] += len(given)
                 self.work.hand_back(gid, list(group.prefixes))
                 continue
-            merged = check_prefixes(group, given, version, lim, refused) if given else list(group.prefixes)
+            merged = (
+                check_prefixes(group, given, version, lim, refused)
+                if given
+                else list(group.prefixes)
+            )
             kept += self._one(worker_id, key, group, merged, refused)
         book.handed_back += len(mine)
         book.kept += kept
         book.refused += sum(refused.values())
         book.limited += len(mine) if over else 0
-        self.counts.update({"groups": len(mine), "prefixes": kept,
-                            **{f"refused_{k}": v for k, v in refused.items()}})
+        self.counts.update(
+            {
+                "groups": len(mine),
+                "prefixes": kept,
+                **{f"refused_{k}": v for k, v in refused.items()},
+            }
+        )
         if refused:
-            log.info("handback from %s: %d groups, %d prefixes kept, refused %s", worker_id,
-                     len(mine), kept, dict(refused))
+            log.info(
+                "handback from %s: %d groups, %d prefixes kept, refused %s",
+                worker_id,
+                len(mine),
+                kept,
+                dict(refused),
+            )
         return wire.HandbackAck(groups=len(mine), prefixes=kept, refused=dict(refused))
 
     def _over(self, worker_id: str, book: Returns, n: int) -> str:
@@ -212,15 +242,27 @@ class Handbacks:
         book = self.books.get(worker_id)
         return book is not None and book.handed_back >= self._share(worker_id)
 
-    def _one(self, worker_id: str, key: str, group: wire.Group, merged: list[wire.Prefix],
-             refused: Counter[str]) -> int:
+    def _one(
+        self,
+        worker_id: str,
+        key: str,
+        group: wire.Group,
+        merged: list[wire.Prefix],
+        refused: Counter[str],
+    ) -> int:
         """One group back on the queue (or held for its check); the new prefixes kept."""
         gid = group.group_id
         new = [p for p in merged if p not in group.prefixes]
         multi = any(p.turns for p in new)  # decisions without the replies between: no check
-        drawn = bool(new) and not multi and self.submit is not None and (
-            self.passed[key] < self.sc.handback_probation
-            or self._rng.random() < self.sc.handback_audit_rate)
+        drawn = (
+            bool(new)
+            and not multi
+            and self.submit is not None
+            and (
+                self.passed[key] < self.sc.handback_probation
+                or self._rng.random() < self.sc.handback_audit_rate
+            )
+        )
         if not drawn:
             self.counts["unchecked_multi_turn" if multi else "unchecked_groups"] += bool(new)
             self.work.hand_back(gid, merged)
@@ -237,8 +279,9 @@ class Handbacks:
         self.submit(job)
         return len(new)
 
-    def _job(self, worker_id: str, key: str, group: wire.Group,
-             new: list[wire.Prefix]) -> tuple[AuditJob | None, str]:
+    def _job(
+        self, worker_id: str, key: str, group: wire.Group, new: list[wire.Prefix]
+    ) -> tuple[AuditJob | None, str]:
         """The sender's own tokens as an audit sees them: earlier prefixes masked out."""
         if any(p.turns for p in new):
             return None, "unverifiable"
@@ -248,14 +291,24 @@ class Handbacks:
             start = len(old.ids) if old else 0
             own = expand(p.versions)
             versions.update(own[start:])
-            recs.append(Record(group_id=group.group_id, sample_idx=p.sample_idx,
-                               prompt_ids=list(group.prompt_ids), completion_ids=list(p.ids),
-                               logprobs=list(p.logprobs), reward=0.0, version=min(own),
-                               worker_id=worker_id, loss_mask=[0] * start + [1] * (len(p.ids) - start)))
+            recs.append(
+                Record(
+                    group_id=group.group_id,
+                    sample_idx=p.sample_idx,
+                    prompt_ids=list(group.prompt_ids),
+                    completion_ids=list(p.ids),
+                    logprobs=list(p.logprobs),
+                    reward=0.0,
+                    version=min(own),
+                    worker_id=worker_id,
+                    loss_mask=[0] * start + [1] * (len(p.ids) - start),
+                )
+            )
         if len(versions) != 1:  # one rollout, one snapshot: an honest sender never mixes
             return None, "bad_versions"
-        return AuditJob(worker_id, key, recs, probation=True, at_version=versions.pop(),
-                        prefix=True), ""
+        return AuditJob(
+            worker_id, key, recs, probation=True, at_version=versions.pop(), prefix=True
+        ), ""
 
     # ------------------------------------------------------------------ verdicts and time
 
@@ -280,8 +333,12 @@ class Handbacks:
         book.forged += 1
         book.kept -= p.new
         book.refused += p.new
-        log.warning("handback of %s from %s: prefixes failed the %s check: refused, the author "
-                    "struck", v.group_id, p.author, v.check)
+        log.warning(
+            "handback of %s from %s: prefixes failed the %s check: refused, the author struck",
+            v.group_id,
+            p.author,
+            v.check,
+        )
         self.work.release(v.group_id, p.fallback)
 
     def expire(self) -> int:
@@ -329,9 +386,14 @@ class Handbacks:
         if abs(dev) >= bias_threshold(n, self.sc.handback_bias_alpha, k):
             b.flagged = "low" if dev < 0 else "high"
             self.counts["cherry_pick_flagged"] += 1
-            log.warning("worker %s hands back its %s-reward groups: mean percentile %.3f over %d "
-                        "returns; its prefixes are no longer kept", worker_id, b.flagged,
-                        b.returns_u / n, n)
+            log.warning(
+                "worker %s hands back its %s-reward groups: mean percentile %.3f over %d "
+                "returns; its prefixes are no longer kept",
+                worker_id,
+                b.flagged,
+                b.returns_u / n,
+                n,
+            )
 
     # ------------------------------------------------------------------ books
 

@@ -63,7 +63,9 @@ class AuditJob:
 
     @property
     def version(self) -> int:
-        return self.at_version if self.at_version is not None else min(r.version for r in self.records)
+        return (
+            self.at_version if self.at_version is not None else min(r.version for r in self.records)
+        )
 
 
 @dataclass
@@ -75,7 +77,9 @@ class Outcome:
     rejected: Counter = field(default_factory=Counter)
     rejected_idx: list[int] = field(default_factory=list)
     details: dict[str, str] = field(default_factory=dict)  # one example per reason
-    durable: Any = None  # the buffer log's future for the accepted records (None: nothing to wait for)
+    durable: Any = (
+        None  # the buffer log's future for the accepted records (None: nothing to wait for)
+    )
 
     def refuse(self, reason: str, idx: list[int], detail: str = "") -> None:
         self.rejected[reason] += len(idx)
@@ -102,10 +106,19 @@ def own_tokens(recs: list[Record], cut: dict[int, int]) -> tuple[list[Record], i
 
 
 class Intake:
-    def __init__(self, *, limits: Limits, buffer: ReplayBuffer, work: WorkQueue,
-                 reputation: Reputation, buffer_log: BufferLog | None = None,
-                 adapter: Any = None, audit: Callable[[AuditJob], None] | None = None,
-                 audit_rate: float = 0.0, probation_groups: int = 0):
+    def __init__(
+        self,
+        *,
+        limits: Limits,
+        buffer: ReplayBuffer,
+        work: WorkQueue,
+        reputation: Reputation,
+        buffer_log: BufferLog | None = None,
+        adapter: Any = None,
+        audit: Callable[[AuditJob], None] | None = None,
+        audit_rate: float = 0.0,
+        probation_groups: int = 0,
+    ):
         self.limits, self.buffer, self.work = limits, buffer, work
         self.reputation, self.buffer_log = reputation, buffer_log
         # The reward is recomputed only where the adapter says it can be.
@@ -144,12 +157,16 @@ class Intake:
             out.durable = self.buffer_log.admitted(out.accepted)
         return out
 
-    def _group(self, sender: str, key: str, gid: str, members: list[tuple[int, Record]],
-               out: Outcome) -> None:
+    def _group(
+        self, sender: str, key: str, gid: str, members: list[tuple[int, Record]], out: Outcome
+    ) -> None:
         idx = [i for i, _ in members]
         recs = [r for _, r in members]
         if self.buffer.is_done(gid):
-            for i, r in members:  # a resend of a finished group: counted by the buffer, acknowledged
+            for (
+                i,
+                r,
+            ) in members:  # a resend of a finished group: counted by the buffer, acknowledged
                 self._store(i, r, out)
             return
         reason, detail = self._refusal(sender, key, gid, recs)
@@ -174,9 +191,11 @@ class Intake:
         holder = self.work.holder(gid)
         if holder is None:
             if self.work.past_instance(gid):
-                return "learner_restarted", (f"group {gid} was granted before the learner "
-                                             f"restarted and its lease was not kept (or it went "
-                                             f"to another worker); new work follows")
+                return "learner_restarted", (
+                    f"group {gid} was granted before the learner "
+                    f"restarted and its lease was not kept (or it went "
+                    f"to another worker); new work follows"
+                )
             return "unknown_group", f"group {gid} was not handed out (or is finished)"
         held_by = self.work.holder_key(gid)
         if holder != sender or (held_by and held_by != key):
@@ -188,20 +207,26 @@ class Intake:
         got = sorted(r.sample_idx for r in recs)
         if got != list(range(group.n)):
             self._verdict(sender, key, recs, "whole_group", False, {"samples": got[:64]})
-            return "partial_group", (f"group {gid}: samples {got[:16]} of {group.n}; deliver every "
-                                     f"sample of a group, once, in one batch")
+            return "partial_group", (
+                f"group {gid}: samples {got[:16]} of {group.n}; deliver every "
+                f"sample of a group, once, in one batch"
+            )
         if group.prefixes:
             bad = [r.sample_idx for r in recs if not self._continues(group, r)]
             self._verdict(sender, key, recs, "prefix", not bad, {"mismatched": bad[:8]})
             if bad:
-                return "prefix_mismatch", (f"group {gid}: samples {bad[:8]} do not start with "
-                                           f"the prefix handed out (tokens, log-probs, versions)")
+                return "prefix_mismatch", (
+                    f"group {gid}: samples {bad[:8]} do not start with "
+                    f"the prefix handed out (tokens, log-probs, versions)"
+                )
         if self.adapter is not None:
             bad = self._reward_lies(group.task, recs)
             self._verdict(sender, key, recs, "reward", not bad, {"mismatched": bad[:8]})
             if bad:
-                return "reward_mismatch", (f"group {gid}: reported rewards differ from the "
-                                           f"adapter's for samples {[b[0] for b in bad[:8]]}")
+                return "reward_mismatch", (
+                    f"group {gid}: reported rewards differ from the "
+                    f"adapter's for samples {[b[0] for b in bad[:8]]}"
+                )
         return "", ""
 
     def _continues(self, group: Any, rec: Record) -> bool:
@@ -213,9 +238,11 @@ class Intake:
         # the policy's tokens in order: the whole completion, or a multi-turn record's masked
         # ones (its decisions, with the environment's replies between them)
         keep = [j for j, m in enumerate(rec.loss_mask or [1] * len(rec.completion_ids)) if m]
-        return ([rec.completion_ids[j] for j in keep[:k]] == p.ids
-                and [rec.logprobs[j] for j in keep[:k]] == p.logprobs
-                and [versions[j] for j in keep[:k]] == expand(p.versions))
+        return (
+            [rec.completion_ids[j] for j in keep[:k]] == p.ids
+            and [rec.logprobs[j] for j in keep[:k]] == p.logprobs
+            and [versions[j] for j in keep[:k]] == expand(p.versions)
+        )
 
     def _reward_lies(self, task: dict[str, Any], recs: list[Record]) -> list[list[float]]:
         """[sample index, reported, recomputed] for every reward the adapter scores otherwise."""
@@ -253,7 +280,9 @@ class Intake:
                 recs, at = own_tokens(recs, {p.sample_idx: len(p.ids) for p in prefixes})
             self.audit(AuditJob(sender, key, recs, probation, at))
 
-    def _verdict(self, sender: str, key: str, recs: list[Record], check: str, ok: bool,
-                 stats: dict[str, Any]) -> None:
-        self.reputation.record(Verdict(sender, key, recs[0].group_id, min(r.version for r in recs),
-                                       check, ok, stats))
+    def _verdict(
+        self, sender: str, key: str, recs: list[Record], check: str, ok: bool, stats: dict[str, Any]
+    ) -> None:
+        self.reputation.record(
+            Verdict(sender, key, recs[0].group_id, min(r.version for r in recs), check, ok, stats)
+        )

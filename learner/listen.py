@@ -36,11 +36,19 @@ def port_taken(key: str, host: str, port: Any, exc: Exception) -> RuntimeError:
     return RuntimeError(
         f"cannot listen on {host} port {port} ({key}): {exc}. Another process holds it (a "
         f"learner still running?): stop it, or set {key} to a free port (0: the OS picks; "
-        f"docs/ports.md)")
+        f"docs/ports.md)"
+    )
 
 
-def router(ctx: zmq.asyncio.Context, host: str, port: int, max_msg: int, key: str, keys: Any,
-           zap_domain: bytes = b"") -> zmq.asyncio.Socket:
+def router(
+    ctx: zmq.asyncio.Context,
+    host: str,
+    port: int,
+    max_msg: int,
+    key: str,
+    keys: Any,
+    zap_domain: bytes = b"",
+) -> zmq.asyncio.Socket:
     """A ROUTER listening on ``host``:``port`` (the config's ``key``), a CURVE server with
     ``keys`` (None: plaintext)."""
     sock = ctx.socket(zmq.ROUTER)
@@ -62,8 +70,9 @@ def handshake_monitor(sock: zmq.asyncio.Socket, curve: bool) -> zmq.asyncio.Sock
     """Set up before the socket serves anyone, so no failed handshake goes uncounted."""
     if not curve:
         return None
-    return sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    return sock.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
 
 
 async def count_handshakes(mon: zmq.asyncio.Socket | None, refused: Counter[str]) -> None:
@@ -106,7 +115,8 @@ class ControlSocket:
         assert self.sock is not None
         try:
             zmq.Socket.shadow(self.sock.underlying).send_multipart(
-                [ident, wire.encode(msg)], flags=zmq.NOBLOCK)
+                [ident, wire.encode(msg)], flags=zmq.NOBLOCK
+            )
         except zmq.ZMQError as exc:
             log.info("could not send %s to %s: %s", msg.type, who, exc)
 
@@ -155,8 +165,13 @@ class ControlSocket:
             try:
                 await asyncio.wrap_future(deferred.durable)
             except Exception as exc:
-                await self.send_ident(ident, wire.Error(
-                    reason="internal_error", detail="the learner could not store the batch; "
-                    "resend it", rid=deferred.reply.rid))
+                await self.send_ident(
+                    ident,
+                    wire.Error(
+                        reason="internal_error",
+                        detail="the learner could not store the batch; resend it",
+                        rid=deferred.reply.rid,
+                    ),
+                )
                 raise RuntimeError(f"buffer log write failed: {exc!r}") from exc
             await self.send_ident(ident, deferred.reply)

@@ -49,11 +49,17 @@ class LossConfig:
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"unknown loss aggregation {self.agg!r}: use one of {AGGREGATIONS}")
         if self.is_mode not in IS_MODES:
-            raise ValueError(f"unknown importance-sampling mode {self.is_mode!r}: use one of {IS_MODES}")
+            raise ValueError(
+                f"unknown importance-sampling mode {self.is_mode!r}: use one of {IS_MODES}"
+            )
         if self.level not in ("token", "sequence"):
-            raise ValueError(f"unknown importance-sampling level {self.level!r}: use token or sequence")
+            raise ValueError(
+                f"unknown importance-sampling level {self.level!r}: use token or sequence"
+            )
         if self.agg == "seq-mean-token-sum-norm" and self.max_len <= 0:
-            raise ValueError("seq-mean-token-sum-norm needs max_len > 0 (the maximum completion length)")
+            raise ValueError(
+                "seq-mean-token-sum-norm needs max_len > 0 (the maximum completion length)"
+            )
 
     @property
     def eps_high(self) -> float:
@@ -68,8 +74,9 @@ class LossConfig:
         return rows * self.max_len if self.agg == "seq-mean-token-sum-norm" else rows
 
 
-def behaviour_weight(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor,
-                     cfg: LossConfig) -> torch.Tensor:
+def behaviour_weight(
+    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
+) -> torch.Tensor:
     """w per token [B, T] (token_* modes) or per sequence [B, 1]; no gradient."""
     if cfg.is_mode == "none":  # no behaviour correction: stale samples count as on-policy
         return torch.ones_like(old_logp)
@@ -82,10 +89,16 @@ def behaviour_weight(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask:
     return w.masked_fill(w > cfg.is_cap, 0.0)
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, behaviour_logp: torch.Tensor,
-              advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig,
-              ref_logp: torch.Tensor | None = None,
-              denom: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+    ref_logp: torch.Tensor | None = None,
+    denom: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Shapes: logp, old_logp, behaviour_logp, mask, ref_logp [B, T]; advantages [B].
 
     ``denom`` replaces the local count (``cfg.count(mask)``) when this batch is one rank's
@@ -94,7 +107,9 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, behaviour_logp: torch.
     mask = mask.to(logp.dtype)
     log_ratio = logp - old_logp
     if cfg.level == "sequence":  # GSPO: one length-normalised ratio per sequence, [B, 1]
-        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
+            min=1
+        )
     ratio = torch.exp(log_ratio)
     w = behaviour_weight(old_logp, behaviour_logp, mask, cfg)
     adv = advantages.unsqueeze(-1)
@@ -118,8 +133,14 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, behaviour_logp: torch.
 
 
 @torch.no_grad()
-def _stats(ratio: torch.Tensor, w: torch.Tensor, kl: torch.Tensor, adv: torch.Tensor,
-           mask: torch.Tensor, cfg: LossConfig) -> dict[str, float]:
+def _stats(
+    ratio: torch.Tensor,
+    w: torch.Tensor,
+    kl: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+) -> dict[str, float]:
     """Token means over the masked tokens (sequence-level values count once per token)."""
     n = mask.sum().clamp(min=1)
     is_clipped = ((ratio < 1 - cfg.epsilon) & (adv < 0)) | ((ratio > 1 + cfg.eps_high) & (adv > 0))
@@ -127,5 +148,9 @@ def _stats(ratio: torch.Tensor, w: torch.Tensor, kl: torch.Tensor, adv: torch.Te
     def mean(x: torch.Tensor) -> float:
         return float((x.to(mask.dtype) * mask).sum() / n)
 
-    return {COL.clip_frac: mean(is_clipped), COL.is_weight_mean: mean(w),
-            COL.is_zeroed_frac: mean(w == 0), COL.kl_mean: mean(kl)}
+    return {
+        COL.clip_frac: mean(is_clipped),
+        COL.is_weight_mean: mean(w),
+        COL.is_zeroed_frac: mean(w == 0),
+        COL.kl_mean: mean(kl),
+    }

@@ -12,14 +12,13 @@ import hashlib
 import json
 import logging
 import os
-from collections import Counter
 import random
 import signal
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
-
 
 from broadcast.memory import trim
 from broadcast.versions import VersionEncoder
@@ -29,24 +28,23 @@ from echo.metrics import LearnerMetrics, finite_or_null
 from echo.procs import READY_PREFIX
 from echo.spill import spill_dir
 from echo.steprow import COL, RunSummary, StepRow
+from learner.auditor import Auditor
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_or_create_key, save_checkpoint
-from learner.auditor import Auditor
 from learner.durable import BufferLog
-from learner.listen import port_taken
-from learner.server import LearnerServer
 from learner.grants import GrantJournal, Lease
+from learner.listen import port_taken
+from learner.policy import FullState, Policy
+from learner.publisher import Publisher
 from learner.release import Release, base_model
 from learner.resume import Resume
 from learner.rows import CutWatch, RunTotals, finite_row, metrics_row
 from learner.rows import summary as run_summary
-from learner.policy import FullState, Policy
-from learner.publisher import Publisher
+from learner.server import LearnerServer
 from learner.work import WorkQueue
 from provisioning.capacity import Infeasible, mu_req, t_train_average
 
 log = logging.getLogger("echo.learner")
-
 
 
 class LearnerStall(RuntimeError):
@@ -83,8 +81,12 @@ def _previous_ports(run_dir: Path) -> ListenPorts | None:
     doc = json.loads(info.read_text())
     p = doc.get("ports") or {}
     control = int(doc["endpoint"].rsplit(":", 1)[1])
-    return ListenPorts(control, int(p.get("chunks", 0)), tuple(p.get("reflectors", (0, 0))),
-                       int(p.get("metrics", 0)))
+    return ListenPorts(
+        control,
+        int(p.get("chunks", 0)),
+        tuple(p.get("reflectors", (0, 0))),
+        int(p.get("metrics", 0)),
+    )
 
 
 def reuse_ports(cfg: EchoConfig, run_dir: Path) -> None:
@@ -94,9 +96,13 @@ def reuse_ports(cfg: EchoConfig, run_dir: Path) -> None:
     if previous is None:
         return
     ports = cfg.listen_ports().reusing(previous)
-    cfg.learner = cfg.learner.model_copy(update={
-        "port": ports.control, "chunk_port": ports.chunks,
-        "reflector_ports": list(ports.reflectors)})
+    cfg.learner = cfg.learner.model_copy(
+        update={
+            "port": ports.control,
+            "chunk_port": ports.chunks,
+            "reflector_ports": list(ports.reflectors),
+        }
+    )
     cfg.metrics = cfg.metrics.model_copy(update={"port": ports.metrics})
 
 
@@ -128,8 +134,9 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
     except KeyboardInterrupt as stop:
         reason = "learner stopped"
         # a run stopped by hand has a summary too, of the steps it took
-        learner.write_summary("stopped (SIGTERM)" if isinstance(stop, Terminated)
-                              else "stopped (Ctrl-C)")
+        learner.write_summary(
+            "stopped (SIGTERM)" if isinstance(stop, Terminated) else "stopped (Ctrl-C)"
+        )
         raise
     except LearnerStall as stall:
         learner.write_summary(f"stalled: {stall}")
@@ -156,13 +163,18 @@ def say_memory_plan(policy: Policy, lc: Any) -> None:
     budget = f" (learner.host_memory_gb = {lc.host_memory_gb:g})" if lc.host_memory_gb else ""
     log.info("memory: this run needs %s%s", plan.describe(), budget)
     if policy.memory_refit:
-        log.warning("memory: to fit learner.host_memory_gb = %g, gradient checkpointing is on and "
-                    "%d rows go through the model at a time (learner.micro_batch_rows = %d)",
-                    lc.host_memory_gb, plan.rows, lc.micro_batch_rows)
+        log.warning(
+            "memory: to fit learner.host_memory_gb = %g, gradient checkpointing is on and "
+            "%d rows go through the model at a time (learner.micro_batch_rows = %d)",
+            lc.host_memory_gb,
+            plan.rows,
+            lc.micro_batch_rows,
+        )
 
 
-def memory(policy: Policy, publisher: Publisher, held_elsewhere: list[Any],
-           audit_model: list[Any]) -> dict[str, int]:
+def memory(
+    policy: Policy, publisher: Publisher, held_elsewhere: list[Any], audit_model: list[Any]
+) -> dict[str, int]:
     """Where the learner's memory goes (docs/memory.md): its resident set, the training
     state, the audit model, and the published versions it holds (in RAM or spilled):
     ``held_elsewhere``, the server's and the auditor's payloads."""
@@ -171,12 +183,17 @@ def memory(policy: Policy, publisher: Publisher, held_elsewhere: list[Any],
     model, opt = policy.model, policy.trainer.optimizer
     base = publisher.encoder._base
     held = payload_bytes(held_elsewhere + ([base[2]] if base else []))
-    return {**resident(), "model": tensor_bytes(model.parameters()),
-            "grads": tensor_bytes(p.grad for p in model.parameters()),
-            "optimizer": tensor_bytes(t for st in opt.state.values() for t in st.values()
-                                      if hasattr(t, "untyped_storage")),
-            "audit_model": tensor_bytes(audit_model),
-            "payloads_ram": held["ram"], "payloads_spilled": held["spilled"]}
+    return {
+        **resident(),
+        "model": tensor_bytes(model.parameters()),
+        "grads": tensor_bytes(p.grad for p in model.parameters()),
+        "optimizer": tensor_bytes(
+            t for st in opt.state.values() for t in st.values() if hasattr(t, "untyped_storage")
+        ),
+        "audit_model": tensor_bytes(audit_model),
+        "payloads_ram": held["ram"],
+        "payloads_spilled": held["spilled"],
+    }
 
 
 class Learner:
@@ -188,15 +205,24 @@ class Learner:
         lc = cfg.learner
         self.adapter = policy.adapter  # built once, with the policy's tokenizer
         # A multi-turn episode carries several generations (and the text between them).
-        max_tokens = max(cfg.worker.max_new_tokens,
-                         getattr(self.adapter, "max_completion_tokens", 0)
-                         if getattr(self.adapter, "multi_turn", False) else 0)
+        max_tokens = max(
+            cfg.worker.max_new_tokens,
+            getattr(self.adapter, "max_completion_tokens", 0)
+            if getattr(self.adapter, "multi_turn", False)
+            else 0,
+        )
         answers = policy.answer_tokens
-        self.limits = Limits(policy.vocab_size, max_tokens, lc.group_size,
-                             max_abs_reward=lc.max_abs_reward, min_logprob=lc.min_behaviour_logprob,
-                             answer_tokens=frozenset(answers) if answers is not None else None)
-        self.buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size,
-                                   on_drop=self._audit_drop)
+        self.limits = Limits(
+            policy.vocab_size,
+            max_tokens,
+            lc.group_size,
+            max_abs_reward=lc.max_abs_reward,
+            min_logprob=lc.min_behaviour_logprob,
+            answer_tokens=frozenset(answers) if answers is not None else None,
+        )
+        self.buffer = ReplayBuffer(
+            lc.staleness, cfg.buffer.capacity_groups, lc.group_size, on_drop=self._audit_drop
+        )
         self.log = BufferLog(run_dir / "buffer.log", fsync=lc.fsync)
         self.prompt_rng = random.Random(cfg.seed)
         self.key = load_or_create_key(run_dir)
@@ -206,12 +232,16 @@ class Learner:
         self.step = 0  # next step to run
         self.rows: list[StepRow] = []
         self.t_train_ewma: float | None = None
-        self.metrics = (LearnerMetrics(learner_price_per_hour=lc.price_per_hour, run_id=self.run_id)
-                        if cfg.metrics.enabled else None)
+        self.metrics = (
+            LearnerMetrics(learner_price_per_hour=lc.price_per_hour, run_id=self.run_id)
+            if cfg.metrics.enabled
+            else None
+        )
         self.metrics_server: Any = None
         self.struck: Counter[str] = Counter()  # worker id -> records behind skipped updates
-        self.cuts = CutWatch(cfg.worker.max_new_tokens, policy.tokenizer.eos_token_id,
-                             cfg.adapter.name)
+        self.cuts = CutWatch(
+            cfg.worker.max_new_tokens, policy.tokenizer.eos_token_id, cfg.adapter.name
+        )
 
     def _audit(self, name: str, entry: dict[str, Any]) -> None:
         """Append-only audit trails (consumed.jsonl, dropped.jsonl), keyed by step so a
@@ -220,33 +250,67 @@ class Learner:
             f.write(json.dumps({"step": self.step, **entry}) + "\n")
 
     def _audit_drop(self, records: list[Record], rule: str) -> None:
-        self._audit("dropped", {"rule": rule, "pairs": [[r.group_id, r.sample_idx] for r in records]})
+        self._audit(
+            "dropped", {"rule": rule, "pairs": [[r.group_id, r.sample_idx] for r in records]}
+        )
 
     # ------------------------------------------------------------------ start / restore
 
     def start(self, resume: bool) -> None:
         lc = self.cfg.learner
         instance = os.urandom(3).hex()  # group ids never repeat across restarts
-        self.work = WorkQueue(self.adapter.prompts(self.prompt_rng), group_size=lc.group_size,
-                              max_outstanding=min(lc.effective_outstanding, self.cfg.buffer.capacity_groups),
-                              lease_timeout_s=lc.lease_timeout_s, prefix=f"{self.run_id}.{instance}",
-                              secret=hashlib.sha256(b"echo group seeds" + self.key.private_bytes()).digest())
+        self.work = WorkQueue(
+            self.adapter.prompts(self.prompt_rng),
+            group_size=lc.group_size,
+            max_outstanding=min(lc.effective_outstanding, self.cfg.buffer.capacity_groups),
+            lease_timeout_s=lc.lease_timeout_s,
+            prefix=f"{self.run_id}.{instance}",
+            secret=hashlib.sha256(b"echo group seeds" + self.key.private_bytes()).digest(),
+        )
         if resume:
-            back = Resume(self.run_dir, self.cfg, self.limits, self.policy, self.buffer, self.work,
-                          self.log, self.prompt_rng).run()
+            back = Resume(
+                self.run_dir,
+                self.cfg,
+                self.limits,
+                self.policy,
+                self.buffer,
+                self.work,
+                self.log,
+                self.prompt_rng,
+            ).run()
             self.step, self.totals, self.rows = back.step, back.totals or self.totals, back.rows
         self._open_journal()
         self._start_server(resume)
         bc = self.cfg.broadcast
-        self.release = Release(self.cfg, self.run_dir, self.policy, self.auditor, Publisher(
-            VersionEncoder(run_id=self.run_id, key=self.key, chunk_size=bc.chunk_bytes,
-                           dtype=bc.dtype, delta=bc.delta, keyframe_every=bc.keyframe_every,
-                           max_ratio=bc.delta_max_ratio, base_model=self.policy.base_hash),
-            self.server.publish))
+        self.release = Release(
+            self.cfg,
+            self.run_dir,
+            self.policy,
+            self.auditor,
+            Publisher(
+                VersionEncoder(
+                    run_id=self.run_id,
+                    key=self.key,
+                    chunk_size=bc.chunk_bytes,
+                    dtype=bc.dtype,
+                    delta=bc.delta,
+                    keyframe_every=bc.keyframe_every,
+                    max_ratio=bc.delta_max_ratio,
+                    base_model=self.policy.base_hash,
+                ),
+                self.server.publish,
+            ),
+        )
         self.publisher = self.release.publisher
         self._announce()
-        log.info("learner up at %s, run %s, step %d, kappa=%d, ranks=%d", self.server.endpoint,
-                 self.run_id, self.step, lc.effective_kappa, self.policy.par.world)
+        log.info(
+            "learner up at %s, run %s, step %d, kappa=%d, ranks=%d",
+            self.server.endpoint,
+            self.run_id,
+            self.step,
+            lc.effective_kappa,
+            self.policy.par.world,
+        )
         if self.policy.lora_note:
             log.info("%s", self.policy.lora_note)
         say_memory_plan(self.policy, lc)
@@ -262,13 +326,27 @@ class Learner:
     def _start_server(self, resume: bool) -> None:
         """The auditor, and the server that hands its audits over (and serves the base model
         of a LoRA run); after ``--resume``, with the fleet's books the last instance saved."""
-        self.auditor = Auditor(self.cfg, self.policy.tokenizer, self._report,
-                               lambda w: w in self.server.reputation.quarantined if self.server else False,
-                               answer_tokens=self.policy.answer_tokens, **self._audit_in_policy())
-        self.server = LearnerServer(self.cfg, run_id=self.run_id, key=self.key, buffer=self.buffer,
-                                     work=self.work, limits=self.limits, buffer_log=self.log,
-                                     run_dir=self.run_dir, adapter=self.adapter,
-                                     audit=self.auditor.submit, step=lambda: self.step)
+        self.auditor = Auditor(
+            self.cfg,
+            self.policy.tokenizer,
+            self._report,
+            lambda w: w in self.server.reputation.quarantined if self.server else False,
+            answer_tokens=self.policy.answer_tokens,
+            **self._audit_in_policy(),
+        )
+        self.server = LearnerServer(
+            self.cfg,
+            run_id=self.run_id,
+            key=self.key,
+            buffer=self.buffer,
+            work=self.work,
+            limits=self.limits,
+            buffer_log=self.log,
+            run_dir=self.run_dir,
+            adapter=self.adapter,
+            audit=self.auditor.submit,
+            step=lambda: self.step,
+        )
         if resume:
             self.server.members.restore_fleet()
         base = base_model(self.cfg, self.policy, self.run_id, self.key, self.run_dir)
@@ -281,9 +359,13 @@ class Learner:
         join line on stdout (for a supervisor) and on the terminal (for an operator)."""
         assert self.server is not None
         join = self.server.join_line()
-        info = {"endpoint": self.server.endpoint, "snapshot_endpoint": self.server.snapshot_endpoint,
-                "join": join, "public_key": (self.server.public_key or b"").decode(),
-                "ports": self.server.bound_ports()}
+        info = {
+            "endpoint": self.server.endpoint,
+            "snapshot_endpoint": self.server.snapshot_endpoint,
+            "join": join,
+            "public_key": (self.server.public_key or b"").decode(),
+            "ports": self.server.bound_ports(),
+        }
         if self.metrics is not None:
             port = self.cfg.listen_ports().metrics
             try:
@@ -301,9 +383,12 @@ class Learner:
         # The join line carries the learner's public key: workers pin it (docs/security.md).
         print(READY_PREFIX + join, flush=True)
         # The line an operator copies, on the terminal (README "Running for real" quotes it).
-        words = (f"echo-worker join '{join}?token=TOKEN' (a token: echo-rl token create "
-                 f"--run-dir {self.run_dir})" if self.cfg.security.join == "token"
-                 else f"echo-worker join '{join}'")
+        words = (
+            f"echo-worker join '{join}?token=TOKEN' (a token: echo-rl token create "
+            f"--run-dir {self.run_dir})"
+            if self.cfg.security.join == "token"
+            else f"echo-worker join '{join}'"
+        )
         print(f"workers join with: {words}", file=sys.stderr, flush=True)
         log.info("workers join with: %s", words)
 
@@ -322,13 +407,22 @@ class Learner:
 
     def _checkpoint(self, full: FullState, row: StepRow | None = None) -> None:
         work, prompt_rng = self.server.work_state(self.prompt_rng)
-        save_checkpoint(self.run_dir, self.step - 1, {
-            "step": self.step - 1, "model": full[0], "optimizer": full[1],
-            "row": None if row is None else row.to_json(),  # a dict: older checkpoints hold one
-            **self.policy.rng_state(), "prompt_rng": prompt_rng,
-            "work": work, "buffer_stats": self.buffer.stats_copy(), "totals": self.totals,
-            "wall_s": time.monotonic() - self.totals.started,
-        })
+        save_checkpoint(
+            self.run_dir,
+            self.step - 1,
+            {
+                "step": self.step - 1,
+                "model": full[0],
+                "optimizer": full[1],
+                "row": None if row is None else row.to_json(),  # a dict: older checkpoints hold one
+                **self.policy.rng_state(),
+                "prompt_rng": prompt_rng,
+                "work": work,
+                "buffer_stats": self.buffer.stats_copy(),
+                "totals": self.totals,
+                "wall_s": time.monotonic() - self.totals.started,
+            },
+        )
         # Everything consumed so far is now inside the checkpoint: the log keeps only the
         # records still owed to training.
         self.log.compact(self.buffer.contents)
@@ -340,7 +434,9 @@ class Learner:
             while self.step < self.cfg.learner.max_steps:
                 row = self._one_step()
                 self.rows.append(row)
-                metrics.write(json.dumps(row.to_json(), allow_nan=False) + "\n")  # finite_row made it so
+                metrics.write(
+                    json.dumps(row.to_json(), allow_nan=False) + "\n"
+                )  # finite_row made it so
                 metrics.flush()
         self.publisher.flush()
         return self.write_summary("complete")
@@ -366,7 +462,8 @@ class Learner:
         if groups is None:
             raise LearnerStall(
                 f"no {lc.prompts_per_step} admissible groups within {lc.wait_timeout_s}s at "
-                f"version {version}: are workers connected? (learner.wait_timeout_s)")
+                f"version {version}: are workers connected? (learner.wait_timeout_s)"
+            )
         self.log.consumed(step, [g[0].group_id for g in groups])
         self._audit("consumed", {"groups": [g[0].group_id for g in groups]})
         t1 = time.monotonic()
@@ -381,8 +478,20 @@ class Learner:
         self.buffer.set_version(self.step)
         assert self.server is not None
         control = self.server.stats()
-        row = finite_row(metrics_row(step, version, groups, stats, t1 - t0, t2 - t1, 0.0,
-                                            self.totals, self.buffer, control))
+        row = finite_row(
+            metrics_row(
+                step,
+                version,
+                groups,
+                stats,
+                t1 - t0,
+                t2 - t1,
+                0.0,
+                self.totals,
+                self.buffer,
+                control,
+            )
+        )
         row.completions_cut = self.cuts.share(step, [r for g in groups for r in g])
         if full is not None and self.release.finite(self.step, full[0]):
             # The row goes into the checkpoint too: a crash between the checkpoint and the
@@ -396,9 +505,12 @@ class Learner:
         row.decode_s, row.keyframe_installs = control.decode_s, control.keyframes
         self._audits(row, t2 - t1)
         trim()  # the step's and the audits' freed transients go back to the kernel
-        row.memory = memory(self.policy, self.publisher,
-                               self.server.payloads() + self.auditor.payloads(),
-                               self.auditor.model_tensors())
+        row.memory = memory(
+            self.policy,
+            self.publisher,
+            self.server.payloads() + self.auditor.payloads(),
+            self.auditor.model_tensors(),
+        )
         self._provisioning(t2 - t1, control.t_bcast or 0.0)
         if self.metrics is not None:
             self.metrics.update(row, control)
@@ -430,8 +542,14 @@ class Learner:
         gids = sorted({r.group_id for r in culprits})
         self.struck.update(r.worker_id for r in culprits)
         self._audit("nonfinite", {"groups": gids, "workers": workers})
-        log.error("step %d: update(s) skipped for non-finite loss/gradient; behind them %d "
-                  "group(s) %s from worker(s) %s", self.step, len(gids), gids[:5], workers)
+        log.error(
+            "step %d: update(s) skipped for non-finite loss/gradient; behind them %d "
+            "group(s) %s from worker(s) %s",
+            self.step,
+            len(gids),
+            gids[:5],
+            workers,
+        )
         return workers
 
     def _provisioning(self, t_train: float | None, t_bcast: float) -> None:
@@ -441,22 +559,28 @@ class Learner:
         mu_req before its first step."""
         assert self.server is not None
         lc = self.cfg.learner
-        for t in ([r.t_train for r in self.rows if r.t_train] if t_train is None
-                  else [t_train]):
+        for t in [r.t_train for r in self.rows if r.t_train] if t_train is None else [t_train]:
             self.t_train_ewma = t_train_average(self.t_train_ewma, t)
         if self.t_train_ewma is None:
             return
         try:
-            need = mu_req(lc.prompts_per_step * lc.group_size, lc.effective_kappa,
-                          self.t_train_ewma, t_bcast)
+            need = mu_req(
+                lc.prompts_per_step * lc.group_size, lc.effective_kappa, self.t_train_ewma, t_bcast
+            )
         except Infeasible as err:
             log.warning("%s", err)
             need = None
         self.server.set_requirement(need)
         while self.server.members.decisions:
             d = self.server.members.decisions.pop(0)
-            entry = {"action": d.action, "worker": d.worker_id, "reason": d.reason,
-                     "c_eff": d.c_eff, "target": d.target, "mu_req": need}
+            entry = {
+                "action": d.action,
+                "worker": d.worker_id,
+                "reason": d.reason,
+                "c_eff": d.c_eff,
+                "target": d.target,
+                "mu_req": need,
+            }
             self._audit("decisions", entry)
             if self.metrics is not None:
                 self.metrics.add_decision({"step": self.step, **entry})

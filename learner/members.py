@@ -52,7 +52,7 @@ _JOIN_FIX = {
 _JOINED = {
     True: "joined: active, generating rollouts",
     False: "joined: standby (keeps the snapshot current and relays; the provisioner activates "
-           "workers when the learner needs more rollouts)",
+    "workers when the learner needs more rollouts)",
 }
 
 
@@ -72,9 +72,20 @@ class RunIdentity:
 class Members:
     """Joins, promotions, heartbeats, departures and the provisioner's view of the fleet."""
 
-    def __init__(self, cfg: EchoConfig, *, identity: RunIdentity, table: SessionTable, gate: Gate,
-                 accounts: Accounts, reputation: Reputation, work: WorkQueue,
-                 routes: SnapshotRoutes, controller: Controller | None, books: FleetBooks):
+    def __init__(
+        self,
+        cfg: EchoConfig,
+        *,
+        identity: RunIdentity,
+        table: SessionTable,
+        gate: Gate,
+        accounts: Accounts,
+        reputation: Reputation,
+        work: WorkQueue,
+        routes: SnapshotRoutes,
+        controller: Controller | None,
+        books: FleetBooks,
+    ):
         self.cfg = cfg
         self.identity = identity
         self.table = table
@@ -92,8 +103,9 @@ class Members:
         self.reflector: Reflector | None = None  # docs/nat.md; None with nat_traversal off
         self.endpoints: tuple[str, ...] = ()  # the learner's own (no worker may claim them)
 
-    def attach(self, coordinator: Coordinator, reflector: Reflector | None,
-               endpoints: tuple[str, ...]) -> None:
+    def attach(
+        self, coordinator: Coordinator, reflector: Reflector | None, endpoints: tuple[str, ...]
+    ) -> None:
         """What exists once the loop has bound its sockets."""
         self.coordinator, self.reflector, self.endpoints = coordinator, reflector, endpoints
 
@@ -115,8 +127,11 @@ class Members:
         if own is not None and own != msg.worker_id:
             if t.live(t.workers[own], time.monotonic()):
                 self.gate.refused["key_in_use"] += 1
-                raise wire.WireError("key_in_use", f"this key is joined as {own!r} by a live "
-                                     f"worker: give each worker its own --identity FILE")
+                raise wire.WireError(
+                    "key_in_use",
+                    f"this key is joined as {own!r} by a live "
+                    f"worker: give each worker its own --identity FILE",
+                )
             self.forget(own, f"its key re-joined as {msg.worker_id}")
         known = t.session(ident, key, msg.worker_id)
         # The claim first: a join refused for its id must not spend a token's use.
@@ -140,18 +155,30 @@ class Members:
         view = self.cfg.worker_view()
         view["worker"]["heartbeat_s"] = w.period = self.table.period()  # from the first beat on
         me, base = self.identity, self.routes.base_manifest
-        return wire.JoinAck(run_id=me.run_id, instance_id=me.instance_id,
-                            public_key=me.key.public_bytes, version=version,
-                            manifest=manifest.to_wire() if manifest is not None else None,
-                            config=view, snapshot_endpoint=src.endpoint,
-                            snapshot_key=src.key, ticket=src.ticket, worker_id=w.worker_id,
-                            reflectors=self.reflector.endpoints if self.reflector else [],
-                            base_manifest=base.to_wire() if base is not None else None)
+        return wire.JoinAck(
+            run_id=me.run_id,
+            instance_id=me.instance_id,
+            public_key=me.key.public_bytes,
+            version=version,
+            manifest=manifest.to_wire() if manifest is not None else None,
+            config=view,
+            snapshot_endpoint=src.endpoint,
+            snapshot_key=src.key,
+            ticket=src.ticket,
+            worker_id=w.worker_id,
+            reflectors=self.reflector.endpoints if self.reflector else [],
+            base_manifest=base.to_wire() if base is not None else None,
+        )
 
     def _add(self, ident: bytes, key: str, msg: wire.Join) -> WorkerState:
         w = self.table.add(ident, key, msg)
-        log.info("worker %s joined (key %s, price $%.3f/h, relay %s): pending its first "
-                 "install", msg.worker_id, fingerprint(key), msg.price, msg.relay_endpoint or "none")
+        log.info(
+            "worker %s joined (key %s, price $%.3f/h, relay %s): pending its first install",
+            msg.worker_id,
+            fingerprint(key),
+            msg.price,
+            msg.relay_endpoint or "none",
+        )
         active = self.controller is None  # with the provisioner, decided at promotion
         self.accounts.open(msg.worker_id, key, msg.price, active, _JOINED[active])
         return w
@@ -160,8 +187,11 @@ class Members:
         """Classify a worker's NAT from what the learner's own reflector saw (docs/nat.md)."""
         w = self.table.joined(ident, key, msg.worker_id)
         if self.reflector is None:
-            raise wire.WireError("nat_off", "this learner runs without NAT traversal "
-                                 "(broadcast.nat_traversal = false): relay endpoints are trusted")
+            raise wire.WireError(
+                "nat_off",
+                "this learner runs without NAT traversal "
+                "(broadcast.nat_traversal = false): relay endpoints are trusted",
+            )
         try:  # the endpoint it asked to relay at (a pending key is planned as a tail)
             nat, address = self.reflector.classify(msg.nonces, w.relay_endpoint)
         except NatError as err:
@@ -184,15 +214,18 @@ class Members:
             return
         # Bootstrap: the first members start active while nobody has been measured; after
         # that a member waits in standby for the controller (probation when short).
-        boot = (len(self.controller.active_ids()) < self.cfg.provisioning.initial_active
-                and not self.controller.measured_any())
+        boot = (
+            len(self.controller.active_ids()) < self.cfg.provisioning.initial_active
+            and not self.controller.measured_any()
+        )
         state = ACTIVE if boot else STANDBY
         # No throughput credit before delivery (mu_prior 0): a joiner's capacity is what the
         # learner measures it deliver, never what it claims; otherwise 10,000 fake $0 joiners
         # would out-bid paying workers (probation activates unmeasured ones, bounded).
         # Plaintext (--insecure) workers prove no key: no memory by identity.
-        self.controller.add_worker(w.worker_id, w.price, state=state, mu_prior=0.0,
-                                   identity=w.key or None)
+        self.controller.add_worker(
+            w.worker_id, w.price, state=state, mu_prior=0.0, identity=w.key or None
+        )
         self.accounts.note(w.worker_id, _JOINED[state == ACTIVE])
         log.info("worker %s is a member (%s): %s", w.worker_id, why, state)
 
@@ -201,9 +234,13 @@ class Members:
         as a tail, never a parent; a member with the relay endpoint it asked for. With NAT
         traversal on, a worker relays only once the reflector has classified it."""
         assert self.coordinator is not None
-        self.coordinator.join(w.worker_id, w.relay_endpoint if w.member else "", w.down_mbit,
-                              w.up_mbit,
-                              nat="unknown" if self.reflector is not None else "reachable")
+        self.coordinator.join(
+            w.worker_id,
+            w.relay_endpoint if w.member else "",
+            w.down_mbit,
+            w.up_mbit,
+            nat="unknown" if self.reflector is not None else "reachable",
+        )
         if self.reflector is not None and w.nat != "unknown":
             self.coordinator.classify(w.worker_id, w.nat, w.nat_address)
 
@@ -218,8 +255,9 @@ class Members:
         w.version, w.state, w.claimed_throughput = msg.version, msg.state, msg.throughput
         w.busy_s, w.busy_samples = msg.busy_s, msg.busy_samples
         if self.coordinator is not None:
-            self.coordinator.holds_base(msg.worker_id,
-                                        msg.base and self.routes.base_manifest is not None)
+            self.coordinator.holds_base(
+                msg.worker_id, msg.base and self.routes.base_manifest is not None
+            )
         if self.controller is not None and w.member:
             self.controller.heartbeat(msg.worker_id, up=True)
             if self.controller.set_yielded(msg.worker_id, msg.state == "yielded"):
@@ -227,13 +265,20 @@ class Members:
         account = self.account(w)
         w.period = self.table.period()
         if msg.version >= version:
-            return wire.HeartbeatAck(instance_id=instance_id, version=version, account=account,
-                                     heartbeat_s=w.period)
+            return wire.HeartbeatAck(
+                instance_id=instance_id, version=version, account=account, heartbeat_s=w.period
+            )
         src = self.routes.snapshot_source(w)
-        return wire.HeartbeatAck(instance_id=instance_id, version=version,
-                                 manifest=manifest.to_wire() if manifest is not None else None,
-                                 source=src.endpoint, source_key=src.key, ticket=src.ticket,
-                                 account=account, heartbeat_s=w.period)
+        return wire.HeartbeatAck(
+            instance_id=instance_id,
+            version=version,
+            manifest=manifest.to_wire() if manifest is not None else None,
+            source=src.endpoint,
+            source_key=src.key,
+            ticket=src.ticket,
+            account=account,
+            heartbeat_s=w.period,
+        )
 
     def on_leave(self, ident: bytes, key: str, msg: wire.Leave) -> wire.Message:
         self.table.joined(ident, key, msg.worker_id)
@@ -256,11 +301,16 @@ class Members:
         peer = co.peers.get(w.worker_id) if co else None  # O(1): this runs at every heartbeat
         install = peer.installed.get(w.version, 0.0) if peer is not None else 0.0
         self.accounts.refresh(
-            w.worker_id, version=w.version, install_s=install, nat=w.nat,
+            w.worker_id,
+            version=w.version,
+            install_s=install,
+            nat=w.nat,
             throughput=w.measured_throughput,
-            checks=rep.audits[w.worker_id], check_failures=rep.failures[w.worker_id],
+            checks=rep.audits[w.worker_id],
+            check_failures=rep.failures[w.worker_id],
             down_mbit=co.links.down.get(w.worker_id, 0.0) if co else 0.0,
-            up_mbit=co.links.up.get(w.worker_id, 0.0) if co else 0.0)
+            up_mbit=co.links.up.get(w.worker_id, 0.0) if co else 0.0,
+        )
 
     def forget(self, worker_id: str, why: str) -> None:
         w = self.table.remove(worker_id)
@@ -294,8 +344,11 @@ class Members:
         return self.controller is None or worker_id in self.controller.active_ids()
 
     def active_count(self) -> int:
-        return (len(self.controller.active_ids()) if self.controller is not None
-                else len(self.table.workers))
+        return (
+            len(self.controller.active_ids())
+            if self.controller is not None
+            else len(self.table.workers)
+        )
 
     def provision(self) -> None:
         if self.controller is None:
@@ -308,13 +361,18 @@ class Members:
 
     def fleet_state(self) -> dict[str, Any]:
         """What a restarted learner needs to know about its fleet (``learner.fleet``)."""
-        return {"controller": self.controller.state() if self.controller is not None else {},
-                "accounts": self.accounts.state()}
+        return {
+            "controller": self.controller.state() if self.controller is not None else {},
+            "accounts": self.accounts.state(),
+        }
 
     def restore_fleet(self) -> None:
         """``--resume``: the books the last instance saved; before the loop starts."""
         state = self.books.load()
         n = self.controller.restore(state.controller) if self.controller is not None else 0
         m = self.accounts.restore(state.accounts)
-        log.info("resume: fleet books restored for %d worker identities (provisioner) and %d "
-                 "accounts", n, m)
+        log.info(
+            "resume: fleet books restored for %d worker identities (provisioner) and %d accounts",
+            n,
+            m,
+        )

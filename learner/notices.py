@@ -22,9 +22,16 @@ from learner.sessions import SessionTable, WorkerState
 
 
 class Notices:
-    def __init__(self, cfg: EchoConfig, *, table: SessionTable, members: Members,
-                 routes: SnapshotRoutes, cpu: CpuBook,
-                 send: Callable[[WorkerState, wire.Message], Awaitable[None]]):
+    def __init__(
+        self,
+        cfg: EchoConfig,
+        *,
+        table: SessionTable,
+        members: Members,
+        routes: SnapshotRoutes,
+        cpu: CpuBook,
+        send: Callable[[WorkerState, wire.Message], Awaitable[None]],
+    ):
         self.table = table
         self.members = members
         self.routes = routes
@@ -52,10 +59,16 @@ class Notices:
         without doing the work), then active ones, then pending keys, each least recently
         told first. The rest learn it from their next heartbeat reply (``worker.heartbeat_s``
         later), so a thousand keys add a bounded amount of work to a publication."""
-        order = sorted(self.table.workers.values(), key=lambda w: (
-            not w.member, w.admitted == 0, not (w.member and self.members.is_active(w.worker_id)),
-            w.noticed))
-        chosen = order[:self.cfg.security.notices_per_publication]
+        order = sorted(
+            self.table.workers.values(),
+            key=lambda w: (
+                not w.member,
+                w.admitted == 0,
+                not (w.member and self.members.is_active(w.worker_id)),
+                w.noticed,
+            ),
+        )
+        chosen = order[: self.cfg.security.notices_per_publication]
         for w in chosen:
             w.noticed = version
         self.noticed["sent"] += len(chosen)
@@ -71,9 +84,16 @@ class Notices:
                 continue  # left meanwhile
             t0 = time.thread_time()
             src = self.routes.snapshot_source(w)
-            await self.send(w, wire.SnapshotNotice(version=version, manifest=manifest.to_wire(),
-                                                   source=src.endpoint, source_key=src.key,
-                                                   ticket=src.ticket))
+            await self.send(
+                w,
+                wire.SnapshotNotice(
+                    version=version,
+                    manifest=manifest.to_wire(),
+                    source=src.endpoint,
+                    source_key=src.key,
+                    ticket=src.ticket,
+                ),
+            )
             self.cpu.add("notice", time.thread_time() - t0)
             if n % 8 == 7:
                 # A notice costs a ticket signature and an encryption: let waiting heartbeats

@@ -5,7 +5,6 @@ constructor arguments; those that message workers get the control socket's bound
 from __future__ import annotations
 
 import logging
-
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,15 +84,19 @@ class Parts:
         m.reap(now)
         m.provision()
         self.routes.reprobe()
-        self.accounts.tick(self.table.workers if m.controller is None
-                           else m.controller.active_ids(), now)
+        self.accounts.tick(
+            self.table.workers if m.controller is None else m.controller.active_ids(), now
+        )
         expired = self.work.expire()
         if expired:
             log.info("%d group lease(s) expired: handed out again", expired)
         late = self.returns.expire()
         if late:
-            log.info("%d handed-back group(s) went out without prefixes whose check was "
-                     "not back within security.handback_hold_s", late)
+            log.info(
+                "%d handed-back group(s) went out without prefixes whose check was "
+                "not back within security.handback_hold_s",
+                late,
+            )
 
 
 def controller(cfg: EchoConfig) -> Controller | None:
@@ -101,14 +104,22 @@ def controller(cfg: EchoConfig) -> Controller | None:
     pc = cfg.provisioning
     if not pc.enabled:
         return None
-    return Controller(pc.alpha, pc.delta, pc.window_s, tau_s=pc.tau_s, warmup_s=pc.warmup_s,
-                      probation_slots=pc.probation_slots,
-                      probation_ready_s=pc.probation_ready_s, group_size=cfg.learner.group_size,
-                      probation_group_s=pc.probation_group_s)
+    return Controller(
+        pc.alpha,
+        pc.delta,
+        pc.window_s,
+        tau_s=pc.tau_s,
+        warmup_s=pc.warmup_s,
+        probation_slots=pc.probation_slots,
+        probation_ready_s=pc.probation_ready_s,
+        group_size=cfg.learner.group_size,
+        probation_group_s=pc.probation_group_s,
+    )
 
 
-def build_parts(cfg: EchoConfig, inp: Inputs, store: SnapshotStore,
-                results: SnapshotStore) -> Parts:
+def build_parts(
+    cfg: EchoConfig, inp: Inputs, store: SnapshotStore, results: SnapshotStore
+) -> Parts:
     sc = cfg.security
     gate = Gate(sc, inp.run_dir)
     table = SessionTable(cfg)
@@ -119,42 +130,113 @@ def build_parts(cfg: EchoConfig, inp: Inputs, store: SnapshotStore,
     # Its quarantine callback is the deliveries' (built below, from the reputation itself).
     reputation = Reputation(security_dir(inp.run_dir), sc.strikes, inp.step, _unwired)
     audit = inp.audit if sc.audit else None
-    intake = Intake(limits=inp.limits, buffer=inp.buffer, work=inp.work, reputation=reputation,
-                    buffer_log=inp.buffer_log, adapter=inp.adapter, audit=audit,
-                    audit_rate=sc.audit_rate, probation_groups=sc.probation_groups)
+    intake = Intake(
+        limits=inp.limits,
+        buffer=inp.buffer,
+        work=inp.work,
+        reputation=reputation,
+        buffer_log=inp.buffer_log,
+        adapter=inp.adapter,
+        audit=audit,
+        audit_rate=sc.audit_rate,
+        probation_groups=sc.probation_groups,
+    )
     # docs/preemption.md: hand-backs checked, counted and bounded (learner.handbacks)
     returns = Handbacks(sc, inp.work, audit)
     intake.on_complete = returns.completed
-    routes = SnapshotRoutes(cfg, gate=gate, table=table, key=inp.key, run_id=inp.run_id,
-                            store=store, results=results, rejected=rejected, push=sockets.push)
+    routes = SnapshotRoutes(
+        cfg,
+        gate=gate,
+        table=table,
+        key=inp.key,
+        run_id=inp.run_id,
+        store=store,
+        results=results,
+        rejected=rejected,
+        push=sockets.push,
+    )
     identity = RunIdentity.new(inp.run_id, inp.key)
-    members = Members(cfg, identity=identity, table=table, gate=gate, accounts=accounts,
-                      reputation=reputation, work=inp.work, routes=routes,
-                      controller=controller(cfg), books=FleetBooks(inp.run_dir / FLEET_FILE))
+    members = Members(
+        cfg,
+        identity=identity,
+        table=table,
+        gate=gate,
+        accounts=accounts,
+        reputation=reputation,
+        work=inp.work,
+        routes=routes,
+        controller=controller(cfg),
+        books=FleetBooks(inp.run_dir / FLEET_FILE),
+    )
     # docs/security.md, "Staleness is not free": stale deliveries earn less credit
     staleness = Staleness(cfg.learner.staleness, cfg.provisioning.staleness_discount)
-    limits = DeliveryLimits(inp.limits, cfg.learner.staleness,
-                            bool(getattr(inp.adapter, "multi_turn", False)),
-                            int(cfg.transport.max_message_mib * 2**20))
+    limits = DeliveryLimits(
+        inp.limits,
+        cfg.learner.staleness,
+        bool(getattr(inp.adapter, "multi_turn", False)),
+        int(cfg.transport.max_message_mib * 2**20),
+    )
     deliveries = Deliveries(
-        table=table, members=members, gate=gate, accounts=accounts, intake=intake,
-        reputation=reputation, returns=returns, staleness=staleness, buffer=inp.buffer,
-        work=inp.work, limits=limits, rejected=rejected, push_ident=sockets.push_ident)
+        table=table,
+        members=members,
+        gate=gate,
+        accounts=accounts,
+        intake=intake,
+        reputation=reputation,
+        returns=returns,
+        staleness=staleness,
+        buffer=inp.buffer,
+        work=inp.work,
+        limits=limits,
+        rejected=rejected,
+        push_ident=sockets.push_ident,
+    )
     reputation.on_quarantine = deliveries.quarantine
-    notices = Notices(cfg, table=table, members=members, routes=routes, cpu=cpu,
-                      send=sockets.send)
-    stats = ServerStats(StatSources(
-        table=table, members=members, routes=routes, gate=gate, buffer=inp.buffer, work=inp.work,
-        intake=intake, returns=returns, reputation=reputation, staleness=staleness,
-        accounts=accounts, cpu=cpu, rejected=rejected, noticed=notices.noticed))
-    dispatcher = Dispatcher(gate=gate, handlers=_handlers(members, routes, deliveries),
-                            max_bytes=limits.max_bytes, rejected=rejected,
-                            end_session=members.end_session)
-    return Parts(gate=gate, table=table, identity=identity, accounts=accounts,
-                 reputation=reputation, intake=intake, returns=returns, routes=routes,
-                 members=members, deliveries=deliveries, notices=notices, stats=stats,
-                 dispatcher=dispatcher, cpu=cpu, rejected=rejected, socket=sockets,
-                 work=inp.work)
+    notices = Notices(cfg, table=table, members=members, routes=routes, cpu=cpu, send=sockets.send)
+    stats = ServerStats(
+        StatSources(
+            table=table,
+            members=members,
+            routes=routes,
+            gate=gate,
+            buffer=inp.buffer,
+            work=inp.work,
+            intake=intake,
+            returns=returns,
+            reputation=reputation,
+            staleness=staleness,
+            accounts=accounts,
+            cpu=cpu,
+            rejected=rejected,
+            noticed=notices.noticed,
+        )
+    )
+    dispatcher = Dispatcher(
+        gate=gate,
+        handlers=_handlers(members, routes, deliveries),
+        max_bytes=limits.max_bytes,
+        rejected=rejected,
+        end_session=members.end_session,
+    )
+    return Parts(
+        gate=gate,
+        table=table,
+        identity=identity,
+        accounts=accounts,
+        reputation=reputation,
+        intake=intake,
+        returns=returns,
+        routes=routes,
+        members=members,
+        deliveries=deliveries,
+        notices=notices,
+        stats=stats,
+        dispatcher=dispatcher,
+        cpu=cpu,
+        rejected=rejected,
+        socket=sockets,
+        work=inp.work,
+    )
 
 
 def _unwired(worker_id: str, key: str, reason: str) -> None:
@@ -166,14 +248,19 @@ def _handlers(members: Members, routes: SnapshotRoutes, deliveries: Deliveries) 
 
     def on_installed(ident: bytes, key: str, msg: wire.Installed) -> None:
         # a pending key that installed a snapshot has done its first useful act
-        members.promote(members.table.joined(ident, key, msg.worker_id),
-                        f"installed v{msg.version}")
+        members.promote(
+            members.table.joined(ident, key, msg.worker_id), f"installed v{msg.version}"
+        )
         return routes.on_installed(ident, key, msg)
 
     return {
-        wire.Join: members.on_join, wire.Heartbeat: members.on_heartbeat,
-        wire.WorkRequest: deliveries.on_work_request, wire.Trajectories: deliveries.on_trajectories,
-        wire.Leave: members.on_leave, wire.SourceRequest: routes.on_source_request,
-        wire.Installed: on_installed, wire.NatReport: members.on_nat_report,
+        wire.Join: members.on_join,
+        wire.Heartbeat: members.on_heartbeat,
+        wire.WorkRequest: deliveries.on_work_request,
+        wire.Trajectories: deliveries.on_trajectories,
+        wire.Leave: members.on_leave,
+        wire.SourceRequest: routes.on_source_request,
+        wire.Installed: on_installed,
+        wire.NatReport: members.on_nat_report,
         wire.Handback: deliveries.on_handback,
     }

@@ -46,9 +46,16 @@ class Policy:
         asked = plan_memory(cfg, model, self.par.world)
         self.memory_plan = fit_learner(asked, cfg.learner.host_memory_gb)
         self.memory_refit = self.memory_plan != asked  # the budget changed the settings
-        learner_cfg = cfg.learner if not self.memory_refit else cfg.learner.model_copy(update={
-            "micro_batch_rows": self.memory_plan.rows,
-            "gradient_checkpointing": self.memory_plan.checkpointing})
+        learner_cfg = (
+            cfg.learner
+            if not self.memory_refit
+            else cfg.learner.model_copy(
+                update={
+                    "micro_batch_rows": self.memory_plan.rows,
+                    "gradient_checkpointing": self.memory_plan.checkpointing,
+                }
+            )
+        )
         if learner_cfg.gradient_checkpointing:  # activations recomputed in backward;
             # non-reentrant, so frozen inputs (LoRA) still get their gradients
             enable_checkpointing(model.get_base_model() if self.lora else model)
@@ -58,17 +65,25 @@ class Policy:
         # Every rank builds the adapter for its answer set: the log-probs of a restricted
         # adapter are renormalised over it (dataplane/answers.py), on every rank alike.
         self.adapter = load_adapter(cfg.adapter.name, cfg.adapter.effective_options, self.tokenizer)
-        self.answer_tokens = check_answer_tokens(self.adapter.answer_tokens, self.vocab_size,
-                                                 cfg.worker.max_new_tokens,
-                                                 self.tokenizer.eos_token_id)
+        self.answer_tokens = check_answer_tokens(
+            self.adapter.answer_tokens,
+            self.vocab_size,
+            cfg.worker.max_new_tokens,
+            self.tokenizer.eos_token_id,
+        )
         self.model = self.par.wrap(model)  # on learner.device: the Trainer's optimizer and
         # reference copy are made from it, so they live there too.
         # Log-probs at the workers' sampling temperature: the distribution they sampled from.
-        self.trainer = Trainer(self.model, learner_cfg, seed=cfg.seed, parallel=self.par,
-                               temperature=cfg.worker.temperature,
-                               max_new_tokens=cfg.worker.max_new_tokens,
-                               eos_token_id=self.tokenizer.eos_token_id,
-                               answer_tokens=self.answer_tokens)
+        self.trainer = Trainer(
+            self.model,
+            learner_cfg,
+            seed=cfg.seed,
+            parallel=self.par,
+            temperature=cfg.worker.temperature,
+            max_new_tokens=cfg.worker.max_new_tokens,
+            eos_token_id=self.tokenizer.eos_token_id,
+            answer_tokens=self.answer_tokens,
+        )
 
     def _wrap_lora(self, model: Any, cfg: EchoConfig) -> Any:
         from echo.lora import base_hash, wrap
@@ -80,9 +95,11 @@ class Policy:
         model = wrap(model, lc)
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
-        self.lora_note = (f"LoRA rank {lc.rank} on {lc.target_modules}: {trained} of {total} "
-                          f"parameters trained ({100 * trained / total:.2f}%); base model "
-                          f"{self.base_hash[:16]}")  # for the learner's log (set up later)
+        self.lora_note = (
+            f"LoRA rank {lc.rank} on {lc.target_modules}: {trained} of {total} "
+            f"parameters trained ({100 * trained / total:.2f}%); base model "
+            f"{self.base_hash[:16]}"
+        )  # for the learner's log (set up later)
         return model
 
     def command(self, cmd: dict[str, Any]) -> tuple[dict[str, float], FullState | None]:
@@ -120,8 +137,13 @@ class Policy:
         if self.lora:
             self._check_adapter(state["model"])
         # LoRA: the checkpoint holds the adapter; the frozen base stays as loaded
-        self.par.load_state(self.model, self.trainer.optimizer, state["model"], state["optimizer"],
-                            strict=not self.lora)
+        self.par.load_state(
+            self.model,
+            self.trainer.optimizer,
+            state["model"],
+            state["optimizer"],
+            strict=not self.lora,
+        )
         self.trainer.generator.set_state(state["trainer_rng"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
@@ -130,13 +152,18 @@ class Policy:
         """A checkpoint of this adapter: exactly its tensors (a non-strict load would skip
         the others silently)."""
         if set(adapter_sd) != set(self.param_names):
-            raise ValueError(f"the checkpoint holds {len(adapter_sd)} tensors, this learner trains "
-                             f"{len(self.param_names)} (learner.lora.enabled = {self.lora}): resume "
-                             f"with the [learner.lora] settings the run was started with")
+            raise ValueError(
+                f"the checkpoint holds {len(adapter_sd)} tensors, this learner trains "
+                f"{len(self.param_names)} (learner.lora.enabled = {self.lora}): resume "
+                f"with the [learner.lora] settings the run was started with"
+            )
 
     def rng_state(self) -> dict[str, Any]:
-        return {"trainer_rng": self.trainer.generator.get_state(),
-                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+        return {
+            "trainer_rng": self.trainer.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
 
     def named_tensors(self, model_sd: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
         return [(n, model_sd[n]) for n in self.param_names]
@@ -154,15 +181,23 @@ def plan_memory(cfg: EchoConfig, model: Any, world: int) -> LearnerPlan:
     """This run's host memory plan (echo/memplan.py) with the settings as configured."""
     lc = cfg.learner
     inner = model.get_base_model() if is_peft(model) else model
-    shape = ModelShape(params=sum(p.numel() for p in model.parameters()),
-                       trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
-                       layers=int(getattr(inner.config, "num_hidden_layers", 1)),
-                       hidden=int(getattr(inner.config, "hidden_size", 1)))
+    shape = ModelShape(
+        params=sum(p.numel() for p in model.parameters()),
+        trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        layers=int(getattr(inner.config, "num_hidden_layers", 1)),
+        hidden=int(getattr(inner.config, "hidden_size", 1)),
+    )
     per_rank = math.ceil(lc.prompts_per_step * lc.group_size / lc.updates_per_step / world)
     rows = min(lc.micro_batch_rows or per_rank, per_rank)
     elem = 4 if cfg.broadcast.dtype == "float32" else 2
     extra = int(lc.beta > 0 and not lc.lora.enabled)  # the KL term's reference copy
-    return LearnerPlan(shape, payload=shape.trained * elem, rows=rows, minibatch_rows=per_rank,
-                       seq_tokens=PROMPT_TOKENS_ASSUMED + cfg.worker.max_new_tokens,
-                       checkpointing=lc.gradient_checkpointing, extra_models=extra,
-                       versions_in_ram=0 if lc.spill_payloads else lc.staleness + 2)
+    return LearnerPlan(
+        shape,
+        payload=shape.trained * elem,
+        rows=rows,
+        minibatch_rows=per_rank,
+        seq_tokens=PROMPT_TOKENS_ASSUMED + cfg.worker.max_new_tokens,
+        checkpointing=lc.gradient_checkpointing,
+        extra_models=extra,
+        versions_in_ram=0 if lc.spill_payloads else lc.staleness + 2,
+    )

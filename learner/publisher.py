@@ -78,6 +78,12 @@ class Publisher:
         self.last = pub
         self.published += 1
         self.keyframes += pub.manifest.encoding == "full"
-        log.debug("published v%d: %s, %d of %d bytes (%.1f%%), built in %.3fs", version,
-                  pub.manifest.encoding, len(pub.payload), len(pub.result),
-                  100 * pub.stats.ratio, pub.build_s)
+        log.debug(
+            "published v%d: %s, %d of %d bytes (%.1f%%), built in %.3fs",
+            version,
+            pub.manifest.encoding,
+            len(pub.payload),
+            len(pub.result),
+            100 * pub.stats.ratio,
+            pub.build_s,
+        )

@@ -26,8 +26,9 @@ log = logging.getLogger("echo.learner")
 
 
 class Release:
-    def __init__(self, cfg: EchoConfig, run_dir: Path, policy: Policy, auditor: Auditor,
-                 publisher: Publisher):
+    def __init__(
+        self, cfg: EchoConfig, run_dir: Path, policy: Policy, auditor: Auditor, publisher: Publisher
+    ):
         self.cfg, self.run_dir, self.policy = cfg, run_dir, policy
         self.auditor = auditor
         self.publisher = publisher
@@ -36,13 +37,20 @@ class Release:
     def finite(self, version: int, model_sd: dict[str, Any]) -> bool:
         """A snapshot with a NaN or inf would break every worker that installs it: refuse it,
         loudly; the workers keep the previous version."""
-        bad = [n for n, t in self.policy.named_tensors(model_sd)
-               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        bad = [
+            n
+            for n, t in self.policy.named_tensors(model_sd)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())
+        ]
         if bad:
             self.refused += 1
-            log.error("version %d NOT published (nor checkpointed): non-finite values in %d "
-                      "tensor(s), first %s; workers keep the previous version", version,
-                      len(bad), bad[:3])
+            log.error(
+                "version %d NOT published (nor checkpointed): non-finite values in %d "
+                "tensor(s), first %s; workers keep the previous version",
+                version,
+                len(bad),
+                bad[:3],
+            )
         return not bad
 
     def publish(self, version: int, model_sd: dict[str, Any]) -> None:
@@ -74,8 +82,9 @@ class Release:
         row.encode_s, row.keyframes_published = round(pub.build_s, 4), self.publisher.keyframes
 
 
-def base_model(cfg: EchoConfig, policy: Policy, run_id: str, key: RunKey,
-           run_dir: Path) -> tuple[BaseManifest, Any] | None:
+def base_model(
+    cfg: EchoConfig, policy: Policy, run_id: str, key: RunKey, run_dir: Path
+) -> tuple[BaseManifest, Any] | None:
     """A LoRA run on a model folder publishes that folder, signed and chunked, to workers
     that lack it (broadcast.basemodel): its (manifest, payload), to hold before the server
     starts; None for the built-in tiny model, which every worker builds."""
@@ -87,19 +96,30 @@ def base_model(cfg: EchoConfig, policy: Policy, run_id: str, key: RunKey,
         return None
     try:
         manifest, payload = build_base_manifest(
-            run_id=run_id, base_model=policy.base_hash,
-            folder=Path(name).expanduser(), chunk_size=cfg.broadcast.chunk_bytes,
-            key=key)
+            run_id=run_id,
+            base_model=policy.base_hash,
+            folder=Path(name).expanduser(),
+            chunk_size=cfg.broadcast.chunk_bytes,
+            key=key,
+        )
     except SnapshotError as err:  # no safetensors file, too many files
-        log.warning("base model not published to workers (%s): each worker needs it at "
-                    "model.name = %r on its own machine", err, name)
+        log.warning(
+            "base model not published to workers (%s): each worker needs it at "
+            "model.name = %r on its own machine",
+            err,
+            name,
+        )
         return None
     size = len(payload)
     if cfg.learner.spill_payloads:  # served for the whole run: a file, not RAM
         from echo.spill import spill
 
         payload = spill(payload, spill_dir(run_dir / "spill"))
-    log.info("base model %s... published for workers without it: %d files, %d bytes, "
-             "%d chunks", policy.base_hash[:16], len(manifest.files), size,
-             manifest.layout.num_chunks)
+    log.info(
+        "base model %s... published for workers without it: %d files, %d bytes, %d chunks",
+        policy.base_hash[:16],
+        len(manifest.files),
+        size,
+        manifest.layout.num_chunks,
+    )
     return manifest, payload

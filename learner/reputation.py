@@ -48,8 +48,13 @@ class Verdict:
 
 
 class Reputation:
-    def __init__(self, folder: Path, strikes: int, step: Callable[[], int],
-                 on_quarantine: Callable[[str, str, str], None]):
+    def __init__(
+        self,
+        folder: Path,
+        strikes: int,
+        step: Callable[[], int],
+        on_quarantine: Callable[[str, str, str], None],
+    ):
         self.folder = folder
         self.needed = strikes
         self.step = step  # the learner's current step, for the files
@@ -64,25 +69,51 @@ class Reputation:
     def record(self, v: Verdict) -> None:
         self.audits[v.worker_id] += 1
         self.by_check[f"{v.check}:{'ok' if v.ok else 'fail'}"] += 1
-        self._append("audits.jsonl", {"worker_id": v.worker_id, "group_id": v.group_id,
-                                      "version": v.version, "check": v.check, "ok": v.ok,
-                                      "stats": v.stats})
+        self._append(
+            "audits.jsonl",
+            {
+                "worker_id": v.worker_id,
+                "group_id": v.group_id,
+                "version": v.version,
+                "check": v.check,
+                "ok": v.ok,
+                "stats": v.stats,
+            },
+        )
         if v.ok or v.worker_id in self.quarantined:
             return
         self.failures[v.worker_id] += 1
         self.strikes[v.worker_id] += 1
-        log.warning("strike %d/%d for worker %s: %s check failed on group %s %s",
-                    self.strikes[v.worker_id], self.needed, v.worker_id, v.check, v.group_id, v.stats)
+        log.warning(
+            "strike %d/%d for worker %s: %s check failed on group %s %s",
+            self.strikes[v.worker_id],
+            self.needed,
+            v.worker_id,
+            v.check,
+            v.group_id,
+            v.stats,
+        )
         if self.strikes[v.worker_id] >= self.needed:
-            self.quarantine(v.worker_id, v.key, f"{self.strikes[v.worker_id]} failed checks, "
-                                                f"the last: {v.check}")
+            self.quarantine(
+                v.worker_id,
+                v.key,
+                f"{self.strikes[v.worker_id]} failed checks, the last: {v.check}",
+            )
 
     def quarantine(self, worker_id: str, key: str, reason: str) -> None:
         if worker_id in self.quarantined:
             return
         self.quarantined[worker_id] = reason
-        self._append("quarantine.jsonl", {"worker_id": worker_id, "key": key, "reason": reason,
-                                          "strikes": self.strikes[worker_id], "time": time.time()})
+        self._append(
+            "quarantine.jsonl",
+            {
+                "worker_id": worker_id,
+                "key": key,
+                "reason": reason,
+                "strikes": self.strikes[worker_id],
+                "time": time.time(),
+            },
+        )
         log.error("worker %s QUARANTINED: %s", worker_id, reason)
         self.on_quarantine(worker_id, key, reason)
 
@@ -99,8 +130,14 @@ class Reputation:
     def per_worker(self) -> dict[str, dict[str, Any]]:
         """For /metrics and the dashboard."""
         ids = set(self.audits) | set(self.quarantined)
-        return {w: {"audits": self.audits[w], "failures": self.failures[w],
-                    "quarantined": int(w in self.quarantined)} for w in sorted(ids)}
+        return {
+            w: {
+                "audits": self.audits[w],
+                "failures": self.failures[w],
+                "quarantined": int(w in self.quarantined),
+            }
+            for w in sorted(ids)
+        }
 
 
 def quarantined_workers(folder: Path) -> dict[str, str]:
@@ -121,7 +158,13 @@ def quarantined_workers(folder: Path) -> dict[str, str]:
 def without_quarantined(live: list[Record], folder: Path) -> tuple[list[Record], list[SetAside]]:
     """On resume: the buffered records of quarantined workers are set aside, never replayed."""
     banned = quarantined_workers(folder)
-    aside = [SetAside("quarantined", f"worker {r.worker_id} was quarantined: {banned[r.worker_id]}",
-                      msgpack.packb(vars(r), use_bin_type=True))
-             for r in live if r.worker_id in banned]
+    aside = [
+        SetAside(
+            "quarantined",
+            f"worker {r.worker_id} was quarantined: {banned[r.worker_id]}",
+            msgpack.packb(vars(r), use_bin_type=True),
+        )
+        for r in live
+        if r.worker_id in banned
+    ]
     return [r for r in live if r.worker_id not in banned], aside

@@ -27,7 +27,8 @@ from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_checkpoint
 from learner.durable import BufferLog, live_after, quarantine, scan_log
 from learner.gate import security_dir
-from learner.grants import load as load_grants, open_leases
+from learner.grants import load as load_grants
+from learner.grants import open_leases
 from learner.policy import Policy
 from learner.reputation import without_quarantined
 from learner.rows import RunTotals
@@ -47,12 +48,25 @@ class Resumed:
 
 
 class Resume:
-    def __init__(self, run_dir: Path, cfg: EchoConfig, limits: Limits, policy: Policy,
-                 buffer: ReplayBuffer, work: WorkQueue, buffer_log: BufferLog,
-                 prompt_rng: random.Random):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: EchoConfig,
+        limits: Limits,
+        policy: Policy,
+        buffer: ReplayBuffer,
+        work: WorkQueue,
+        buffer_log: BufferLog,
+        prompt_rng: random.Random,
+    ):
         """Restores into ``policy``, ``buffer``, ``work``, ``buffer_log`` and ``prompt_rng``."""
         self.run_dir, self.cfg, self.limits, self.policy = run_dir, cfg, limits, policy
-        self.buffer, self.work, self.buffer_log, self.prompt_rng = buffer, work, buffer_log, prompt_rng
+        self.buffer, self.work, self.buffer_log, self.prompt_rng = (
+            buffer,
+            work,
+            buffer_log,
+            prompt_rng,
+        )
         self.step = 0
         self.totals: RunTotals | None = None
         self.rows: list[StepRow] = []
@@ -80,8 +94,12 @@ class Resume:
         self._trim_audit()
         if ckpt and ckpt.get("row") and not any(r.step == last for r in self.rows):
             self._restore_row(StepRow.from_json(ckpt["row"]))
-        log.info("resumed at step %d: %d buffered records restored, %d groups already trained",
-                 self.step, len(live), len(trained))
+        log.info(
+            "resumed at step %d: %d buffered records restored, %d groups already trained",
+            self.step,
+            len(live),
+            len(trained),
+        )
         return Resumed(self.step, self.totals, self.rows)
 
     def _restore_leases(self, live: list[Record], trained: set[str]) -> None:
@@ -89,8 +107,11 @@ class Resume:
         but for groups already trained or whole in the restored buffer."""
         leases, bad = load_grants(self.run_dir / "grants.jsonl")
         counts = Counter(r.group_id for r in live)
-        done = (trained | self._trained_groups()
-                | {g for g, n in counts.items() if n >= self.cfg.learner.group_size})
+        done = (
+            trained
+            | self._trained_groups()
+            | {g for g, n in counts.items() if n >= self.cfg.learner.group_size}
+        )
         kept = open_leases(leases, done)
         self.work.restore_leases(kept)
         self.work.forget(done)
@@ -99,9 +120,14 @@ class Resume:
         bans = KeyList(security_dir(self.run_dir) / "bans.txt")
         banned = {(lease.worker_id, lease.key) for lease in kept if lease.key and lease.key in bans}
         freed = sum(self.work.release_worker(wid, key) for wid, key in banned)
-        log.info("resume: %d lease(s) restored from grants.jsonl (%d finished, %d of banned "
-                 "keys handed out again, %d unreadable line(s) skipped)", len(kept) - freed,
-                 len(leases) - len(kept), freed, bad)
+        log.info(
+            "resume: %d lease(s) restored from grants.jsonl (%d finished, %d of banned "
+            "keys handed out again, %d unreadable line(s) skipped)",
+            len(kept) - freed,
+            len(leases) - len(kept),
+            freed,
+            bad,
+        )
 
     def _trained_groups(self) -> set[str]:
         """Groups the restored steps trained on (``consumed.jsonl``; the buffer log forgets
@@ -119,8 +145,13 @@ class Resume:
             return
         path = quarantine(self.run_dir / "buffer.log", aside)
         self.buffer.stats.rejected["set_aside_on_resume"] += len(aside)
-        log.error("resume: %d buffer log entr%s set aside into %s (%s)", len(aside),
-                  "y" if len(aside) == 1 else "ies", path, dict(Counter(a.reason for a in aside)))
+        log.error(
+            "resume: %d buffer log entr%s set aside into %s (%s)",
+            len(aside),
+            "y" if len(aside) == 1 else "ies",
+            path,
+            dict(Counter(a.reason for a in aside)),
+        )
 
     def _trim_audit(self) -> None:
         """Steps after the checkpoint were lost with the crash: set their lines aside."""
@@ -143,6 +174,6 @@ class Resume:
         self.rows.append(row)
         with (self.run_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(finite_or_null(row.to_json())[0], allow_nan=False) + "\n")
-        log.info("metrics line of step %d restored from the checkpoint (t_publish unknown: 0)",
-                 row.step)
-
+        log.info(
+            "metrics line of step %d restored from the checkpoint (t_publish unknown: 0)", row.step
+        )

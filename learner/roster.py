@@ -44,7 +44,9 @@ class Entry:
     worker_id: str  # "" when only the key is known (a token redeemed, a ban)
     key: str  # "" when the run folder does not record it
     fingerprint: str = ""
-    state: str = "unknown"  # live: standby | active | left; else from the files; banned, quarantined
+    state: str = (
+        "unknown"  # live: standby | active | left; else from the files; banned, quarantined
+    )
     nat: str = ""
     transport: str = ""
     price: float | None = None
@@ -82,26 +84,39 @@ class Roster:
         by_key = {e.key: e for e in self.entries if e.key}
         if len(text) == KEY_LEN:
             return by_key.get(text) or Entry("", text, fingerprint(text))
-        hits = {e.key or f"id:{e.worker_id}": e for e in self.entries
-                if text in (e.worker_id, e.fingerprint)}
+        hits = {
+            e.key or f"id:{e.worker_id}": e
+            for e in self.entries
+            if text in (e.worker_id, e.fingerprint)
+        }
         if len(hits) == 1:
             hit = next(iter(hits.values()))
             if not hit.key:
-                raise RosterError(f"worker {text!r} is known to {self.run_dir} but its key is not "
-                                  f"recorded yet (fleet.json is written every 2 s while the "
-                                  f"learner runs): try again, or pass the full key, quoted")
+                raise RosterError(
+                    f"worker {text!r} is known to {self.run_dir} but its key is not "
+                    f"recorded yet (fleet.json is written every 2 s while the "
+                    f"learner runs): try again, or pass the full key, quoted"
+                )
             return hit
         if hits:
-            names = ", ".join(sorted(f"{e.worker_id or '-'} (fingerprint {e.fingerprint})"
-                                     for e in hits.values()))
-            raise RosterError(f"{text!r} names {len(hits)} workers in {self.run_dir}: {names}; "
-                              f"pass the full key instead, quoted ('KEY')")
+            names = ", ".join(
+                sorted(f"{e.worker_id or '-'} (fingerprint {e.fingerprint})" for e in hits.values())
+            )
+            raise RosterError(
+                f"{text!r} names {len(hits)} workers in {self.run_dir}: {names}; "
+                f"pass the full key instead, quoted ('KEY')"
+            )
         known = ", ".join(sorted({e.worker_id for e in self.entries if e.worker_id})[:8])
-        raise RosterError(f"no worker with id or fingerprint {text!r} in {self.run_dir}"
-                          + (f" (ids: {known}{', ...' if len(self.entries) > 8 else ''})"
-                             if known else " (it records no workers yet)")
-                          + f"; `echo-rl workers --run-dir {self.run_dir}` lists them, or pass "
-                            f"the full key (40 characters, quoted)")
+        raise RosterError(
+            f"no worker with id or fingerprint {text!r} in {self.run_dir}"
+            + (
+                f" (ids: {known}{', ...' if len(self.entries) > 8 else ''})"
+                if known
+                else " (it records no workers yet)"
+            )
+            + f"; `echo-rl workers --run-dir {self.run_dir}` lists them, or pass "
+            f"the full key (40 characters, quoted)"
+        )
 
 
 def load_roster(run_dir: Path, live: bool = True) -> Roster:
@@ -156,14 +171,21 @@ def _fleet(run_dir: Path, rows: dict[str, Entry], notes: list[str]) -> dict[str,
     if not isinstance(doc, dict):
         return {}
     accounts = doc.get("accounts")
-    for wid, book in (accounts.items() if isinstance(accounts, dict) else []):
+    for wid, book in accounts.items() if isinstance(accounts, dict) else []:
         if not isinstance(book, dict) or not isinstance(book.get("key"), str):
             continue
         rejected = book.get("rejected")
-        rows[str(wid)] = Entry(str(wid), book["key"], price=_num(book.get("price")),
-                               accepted=_int(book.get("accepted")),
-                               rejected=(sum(v for v in rejected.values() if isinstance(v, int))
-                                         if isinstance(rejected, dict) else None))
+        rows[str(wid)] = Entry(
+            str(wid),
+            book["key"],
+            price=_num(book.get("price")),
+            accepted=_int(book.get("accepted")),
+            rejected=(
+                sum(v for v in rejected.values() if isinstance(v, int))
+                if isinstance(rejected, dict)
+                else None
+            ),
+        )
     memory = doc.get("controller")
     return memory if isinstance(memory, dict) else {}
 
@@ -186,7 +208,7 @@ def _token_keys(path: Path, notes: list[str]) -> list[str]:
     doc = _read_json(path, notes)
     tokens = doc.get("tokens") if isinstance(doc, dict) else None
     keys: list[str] = []
-    for entry in (tokens.values() if isinstance(tokens, dict) else []):
+    for entry in tokens.values() if isinstance(tokens, dict) else []:
         if isinstance(entry, dict) and isinstance(entry.get("keys"), list):
             keys += [k for k in entry["keys"] if isinstance(k, str) and len(k) == KEY_LEN]
     return keys
@@ -244,8 +266,10 @@ def _live(run_dir: Path, rows: dict[str, Entry], notes: list[str]) -> str:
         with urllib.request.urlopen(f"{url}/api/state", timeout=LIVE_TIMEOUT_S) as resp:
             state = json.loads(resp.read())
     except (OSError, ValueError) as exc:
-        notes.append(f"the learner at {url} did not answer ({exc}): states are from the run "
-                     f"folder, as of its last save")
+        notes.append(
+            f"the learner at {url} did not answer ({exc}): states are from the run "
+            f"folder, as of its last save"
+        )
         return ""
     for a in _rows(state, "accounts"):
         e = rows.setdefault(str(a["worker"]), Entry(str(a["worker"]), ""))
@@ -281,8 +305,10 @@ def _tree(state: Any, rows: dict[str, Entry], notes: list[str]) -> None:
     try:
         tree = RelayTree.model_validate(raw)
     except ValidationError as exc:
-        notes.append(f"the learner's relay tree did not validate ({exc.error_count()} errors): "
-                     f"no parents shown")
+        notes.append(
+            f"the learner's relay tree did not validate ({exc.error_count()} errors): "
+            f"no parents shown"
+        )
         return
     for n in tree.nodes:
         e = rows.get(n.worker)

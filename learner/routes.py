@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 from broadcast.coordinator import Coordinator
 from broadcast.manifest import BaseManifest, Manifest
-from broadcast.snapshot import RunKey
-from broadcast.store import SnapshotStore
 from broadcast.nat.links import plain
 from broadcast.reports import KIND
+from broadcast.snapshot import RunKey
+from broadcast.store import SnapshotStore
 from broadcast.tickets import Source, mint
 from echo import wire
 from echo.config import EchoConfig
@@ -37,9 +37,19 @@ class SnapshotRoutes:
     loop; the coordinator, verifier and snapshot endpoint exist once the loop has bound its
     sockets (``attach``)."""
 
-    def __init__(self, cfg: EchoConfig, *, gate: Gate, table: SessionTable, key: RunKey,
-                 run_id: str, store: SnapshotStore, results: SnapshotStore,
-                 rejected: Counter[str], push: Callable[[str, wire.Message], None]):
+    def __init__(
+        self,
+        cfg: EchoConfig,
+        *,
+        gate: Gate,
+        table: SessionTable,
+        key: RunKey,
+        run_id: str,
+        store: SnapshotStore,
+        results: SnapshotStore,
+        rejected: Counter[str],
+        push: Callable[[str, wire.Message], None],
+    ):
         self.cfg = cfg
         self.gate = gate
         self.table = table
@@ -59,8 +69,9 @@ class SnapshotRoutes:
         self.verifier: Verifier | None = None
         self.snapshot_endpoint = ""
 
-    def attach(self, coordinator: Coordinator, verifier: Verifier | None,
-               snapshot_endpoint: str) -> None:
+    def attach(
+        self, coordinator: Coordinator, verifier: Verifier | None, snapshot_endpoint: str
+    ) -> None:
         """What exists once the loop runs: the plan, the prober and the learner's chunk socket."""
         self.coordinator = coordinator
         self.verifier = verifier
@@ -100,8 +111,11 @@ class SnapshotRoutes:
             self.push(to, punch)
         if self.gate.keys is None or w is None:
             return Source(source)
-        server = (self.gate.keys.text if endpoint == self.snapshot_endpoint
-                  else self.table.relay_keys.get(endpoint, ""))
+        server = (
+            self.gate.keys.text
+            if endpoint == self.snapshot_endpoint
+            else self.table.relay_keys.get(endpoint, "")
+        )
         ticket = mint(self.key, w.key, endpoint, self.run_id, self.cfg.security.ticket_ttl_s)
         return Source(source, server.encode(), ticket)
 
@@ -113,42 +127,63 @@ class SnapshotRoutes:
             self._report_keyframe(key, msg)
         endpoint = self.coordinator.keyframe_source(msg.worker_id, msg.version, msg.bad_source)
         if endpoint == self.snapshot_endpoint and self.results.get(msg.version) is None:
-            return wire.Error(reason="unknown_version", detail=f"version {msg.version} is no "
-                              f"longer held: install the current one (heartbeat replies offer it)")
-        log.info("worker %s: keyframe of v%d from %s (%s)", msg.worker_id, msg.version, endpoint,
-                 msg.reason)
+            return wire.Error(
+                reason="unknown_version",
+                detail=f"version {msg.version} is no "
+                f"longer held: install the current one (heartbeat replies offer it)",
+            )
+        log.info(
+            "worker %s: keyframe of v%d from %s (%s)",
+            msg.worker_id,
+            msg.version,
+            endpoint,
+            msg.reason,
+        )
         src = self.ticketed(msg.worker_id, endpoint)
-        return wire.SourceGrant(version=msg.version, source=src.endpoint, source_key=src.key,
-                                ticket=src.ticket)
+        return wire.SourceGrant(
+            version=msg.version, source=src.endpoint, source_key=src.key, ticket=src.ticket
+        )
 
     def _base_grant(self, key: str, msg: wire.SourceRequest) -> wire.Message:
         """A worker lacks the run's base model (or its base source failed): a peer that holds
         it whole serves it, else the learner does; a corrupt chunk is probed as any other."""
         assert self.coordinator is not None
         if self.base_manifest is None:
-            return wire.Error(reason="no_base", detail="this run publishes no base model (not a "
-                              "LoRA run on a model folder): load model.name on the worker")
+            return wire.Error(
+                reason="no_base",
+                detail="this run publishes no base model (not a "
+                "LoRA run on a model folder): load model.name on the worker",
+            )
         if msg.reason == "corrupt" and msg.bad_source != self.snapshot_endpoint:
             accused = self.table.relay_keys.get(msg.bad_source)
-            if accused is None or not 0 <= msg.chunk < self.base_manifest.layout.num_chunks \
-                    or self.verifier is None:
+            if (
+                accused is None
+                or not 0 <= msg.chunk < self.base_manifest.layout.num_chunks
+                or self.verifier is None
+            ):
                 self.rejected["unfounded_report"] += 1
-            elif not self.verifier.submit(msg.bad_source, accused, key,
-                                          self.base_manifest.layout, msg.chunk):
+            elif not self.verifier.submit(
+                msg.bad_source, accused, key, self.base_manifest.layout, msg.chunk
+            ):
                 self.rejected["verify_queue_full"] += 1
         endpoint = self.coordinator.base_source(msg.worker_id, msg.bad_source)
         log.info("worker %s: base model from %s (%s)", msg.worker_id, endpoint, msg.reason)
         src = self.ticketed(msg.worker_id, endpoint)
-        return wire.SourceGrant(version=msg.version, source=src.endpoint, source_key=src.key,
-                                ticket=src.ticket)
+        return wire.SourceGrant(
+            version=msg.version, source=src.endpoint, source_key=src.key, ticket=src.ticket
+        )
 
     def _report_keyframe(self, key: str, msg: wire.SourceRequest) -> None:
         """A keyframe chunk that failed its hash: the learner fetches it from the accused
         itself before anyone is banned (as for the chain's chunks, ``_corrupt_report``)."""
         accused = self.table.relay_keys.get(msg.bad_source)
         buf = self.results.get(msg.version)
-        if accused is None or buf is None or not 0 <= msg.chunk < buf.total or \
-                self.verifier is None:
+        if (
+            accused is None
+            or buf is None
+            or not 0 <= msg.chunk < buf.total
+            or self.verifier is None
+        ):
             self.rejected["unfounded_report"] += 1
         elif not self.verifier.submit(msg.bad_source, accused, key, buf.layout, msg.chunk):
             self.rejected["verify_queue_full"] += 1
@@ -166,21 +201,35 @@ class SnapshotRoutes:
         # that held a child past the next publication must not escape the count).
         self._relay_report(key, msg)
         if self.store.get(msg.version) is None:  # superseded: no source holds it any more
-            return wire.Error(reason="unknown_version", detail=f"version {msg.version} is no "
-                              f"longer held: install the current one (heartbeat replies offer it)")
+            return wire.Error(
+                reason="unknown_version",
+                detail=f"version {msg.version} is no "
+                f"longer held: install the current one (heartbeat replies offer it)",
+            )
         src = self.source(msg.worker_id)
         if plain(src.endpoint) == plain(msg.bad_source):  # the plan still trusts it: go to the root
             src = self._root_source(msg.worker_id)
-        log.info("worker %s: source %s failed (%s); now pulls from %s", msg.worker_id,
-                 msg.bad_source, msg.reason, src.endpoint)
-        return wire.SourceGrant(version=msg.version, source=src.endpoint, source_key=src.key,
-                                ticket=src.ticket)
+        log.info(
+            "worker %s: source %s failed (%s); now pulls from %s",
+            msg.worker_id,
+            msg.bad_source,
+            msg.reason,
+            src.endpoint,
+        )
+        return wire.SourceGrant(
+            version=msg.version, source=src.endpoint, source_key=src.key, ticket=src.ticket
+        )
 
     def _root_source(self, worker_id: str) -> Source:
         if self.gate.keys is None:
             return Source(self.snapshot_endpoint)
-        ticket = mint(self.key, self.table.workers[worker_id].key, self.snapshot_endpoint, self.run_id,
-                      self.cfg.security.ticket_ttl_s)
+        ticket = mint(
+            self.key,
+            self.table.workers[worker_id].key,
+            self.snapshot_endpoint,
+            self.run_id,
+            self.cfg.security.ticket_ttl_s,
+        )
         return Source(self.snapshot_endpoint, self.gate.keys.public, ticket)
 
     def _relay_report(self, key: str, msg: wire.SourceRequest) -> None:
@@ -198,8 +247,9 @@ class SnapshotRoutes:
             # A timeout is probed on the newest version: by the time the probe runs the
             # reported one is often superseded, and "no longer held" is an answer, no verdict.
             corrupt = KIND[msg.reason] == "corrupt"
-            self.probe(msg.bad_source, key, msg.version if corrupt else -1,
-                        msg.chunk if corrupt else -1)
+            self.probe(
+                msg.bad_source, key, msg.version if corrupt else -1, msg.chunk if corrupt else -1
+            )
 
     def probe(self, endpoint: str, accuser: str, version: int, chunk: int = -1) -> bool:
         """Queue the learner's own fetch from ``endpoint`` (``version``, or the newest held);
@@ -207,8 +257,14 @@ class SnapshotRoutes:
         accused = self.table.relay_keys.get(endpoint)
         buf = self.store.get(version) if version >= 0 else None
         buf = self.store.latest() if buf is None else buf
-        if accused is None or buf is None or buf.total == 0 or self.verifier is None \
-                or self.gate.keys is None or not self._reachable(endpoint):
+        if (
+            accused is None
+            or buf is None
+            or buf.total == 0
+            or self.verifier is None
+            or self.gate.keys is None
+            or not self._reachable(endpoint)
+        ):
             return False
         if not 0 <= chunk < buf.total:
             chunk = random.randrange(buf.total)
@@ -248,8 +304,13 @@ class SnapshotRoutes:
         elif outcome in ("intact", "answered") and accuser:
             self.unconfirmed[accuser] += 1
             self.rejected["unconfirmed_report"] += 1
-        log.info("probe of %s (%s) after a report from %s: %s", endpoint, fingerprint(accused),
-                 fingerprint(accuser) if accuser else "-", outcome)
+        log.info(
+            "probe of %s (%s) after a report from %s: %s",
+            endpoint,
+            fingerprint(accused),
+            fingerprint(accuser) if accuser else "-",
+            outcome,
+        )
 
     def on_installed(self, ident: bytes, key: str, msg: wire.Installed) -> None:
         assert self.coordinator is not None

@@ -64,17 +64,31 @@ class CutWatch:
         share = cut_share(records, max_new, self.eos_token_id)
         if share is not None and share > CUT_WARN_SHARE and step - self.warned >= CUT_WARN_EVERY:
             self.warned = step
-            log.warning("step %d: %.0f%% of completions stopped at worker.max_new_tokens = %d "
-                        "without end-of-sequence: answers are being cut short. Raise it for this "
-                        "task ([adapter.presets.%s.generation] max_new_tokens, or --set "
-                        "worker.max_new_tokens=N; docs/config.md)", step, 100 * share, max_new,
-                        self.adapter)
+            log.warning(
+                "step %d: %.0f%% of completions stopped at worker.max_new_tokens = %d "
+                "without end-of-sequence: answers are being cut short. Raise it for this "
+                "task ([adapter.presets.%s.generation] max_new_tokens, or --set "
+                "worker.max_new_tokens=N; docs/config.md)",
+                step,
+                100 * share,
+                max_new,
+                self.adapter,
+            )
         return None if share is None else round(share, 4)
 
 
-def metrics_row(step: int, version: int, groups: list[list[Record]], stats: dict[str, float],
-                t_wait: float, t_train: float, t_publish: float, totals: RunTotals,
-                buffer: ReplayBuffer, control: ControlStats) -> StepRow:
+def metrics_row(
+    step: int,
+    version: int,
+    groups: list[list[Record]],
+    stats: dict[str, float],
+    t_wait: float,
+    t_train: float,
+    t_publish: float,
+    totals: RunTotals,
+    buffer: ReplayBuffer,
+    control: ControlStats,
+) -> StepRow:
     """The step's row as far as the step itself, the buffer and the server's statistics
     know it; the learner adds the publication's and the audits' numbers after."""
     records = [r for g in groups for r in g]
@@ -135,25 +149,36 @@ def cut_share(records: list[Record], max_new_tokens: int, eos_token_id: int | No
     single = [r for r in records if r.loss_mask is None]
     if not single:
         return None
-    cut = sum(1 for r in single if len(r.completion_ids) >= max_new_tokens
-              and (not r.completion_ids or r.completion_ids[-1] != eos_token_id))
+    cut = sum(
+        1
+        for r in single
+        if len(r.completion_ids) >= max_new_tokens
+        and (not r.completion_ids or r.completion_ids[-1] != eos_token_id)
+    )
     return cut / len(single)
 
 
 def summary(cfg: EchoConfig, rows: list[StepRow], totals: RunTotals, ended: str) -> RunSummary:
     """summary.json; ``ended``: how the run ended (complete, stopped by a signal, stalled)."""
+
     def mean(rs: list[StepRow]) -> float | None:
         vals = [r.reward_mean for r in rs if r.reward_mean is not None]
         return sum(vals) / len(vals) if vals else None
 
     stale = [r.staleness_max for r in rows if r.staleness_max is not None]
     return RunSummary(
-        steps=len(rows), ended=ended, staleness_budget=cfg.learner.staleness,
+        steps=len(rows),
+        ended=ended,
+        staleness_budget=cfg.learner.staleness,
         staleness_max=max(stale, default=None),
-        reward_first10=mean(rows[:10]), reward_last10=mean(rows[-10:]),
-        bubble_ratio=totals.bubble_ratio, startup_wait_s=totals.startup_wait,
-        wall_s=time.monotonic() - totals.started, last=rows[-1].to_json() if rows else None,
-        machine=machine_info())
+        reward_first10=mean(rows[:10]),
+        reward_last10=mean(rows[-10:]),
+        bubble_ratio=totals.bubble_ratio,
+        startup_wait_s=totals.startup_wait,
+        wall_s=time.monotonic() - totals.started,
+        last=rows[-1].to_json() if rows else None,
+        machine=machine_info(),
+    )
 
 
 def finite_row(row: StepRow) -> StepRow:

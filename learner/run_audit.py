@@ -44,9 +44,11 @@ class RunAudit:
         compacts it), buffered, else ``unaccounted``. The counts add up to ``acked``."""
         left = set(self.acked)
         out = {"acked": len(left)}
-        for name, keys in [("trained", self.trained),
-                           *((f"dropped_{rule}", keys) for rule, keys in sorted(self.dropped_by.items())),
-                           ("buffered", self.buffered)]:
+        for name, keys in [
+            ("trained", self.trained),
+            *((f"dropped_{rule}", keys) for rule, keys in sorted(self.dropped_by.items())),
+            ("buffered", self.buffered),
+        ]:
             out[name] = len(left & keys)
             left -= keys
         out["unaccounted"] = len(left)

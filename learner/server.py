@@ -34,9 +34,9 @@ import zmq
 import zmq.asyncio
 
 from broadcast.coordinator import Coordinator
+from broadcast.manifest import BaseManifest
 from broadcast.nat.reflect import Reflector
 from broadcast.reports import ReportBook
-from broadcast.manifest import BaseManifest
 from broadcast.snapshot import RunKey, Snapshot
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
@@ -68,10 +68,21 @@ TREE_WAIT_S = 2.0  # a dashboard poll or a scrape waits this long for the loop's
 
 
 class LearnerServer:
-    def __init__(self, cfg: EchoConfig, *, run_id: str, key: RunKey, buffer: ReplayBuffer,
-                 work: WorkQueue, limits: Limits, buffer_log: BufferLog | None = None,
-                 run_dir: Path | None = None, adapter: Any = None,
-                 audit: Callable[[AuditJob], None] | None = None, step: Callable[[], int] = lambda: 0):
+    def __init__(
+        self,
+        cfg: EchoConfig,
+        *,
+        run_id: str,
+        key: RunKey,
+        buffer: ReplayBuffer,
+        work: WorkQueue,
+        limits: Limits,
+        buffer_log: BufferLog | None = None,
+        run_dir: Path | None = None,
+        adapter: Any = None,
+        audit: Callable[[AuditJob], None] | None = None,
+        step: Callable[[], int] = lambda: 0,
+    ):
         """``adapter``: recompute rewards with it (None: no recomputation, for protocol tests);
         ``audit``: where groups chosen for audit go (``learner.auditor``); ``step``: the
         learner's current step, for the security files."""
@@ -86,8 +97,18 @@ class LearnerServer:
         # (``hold_base``, before ``start``; broadcast.basemodel).
         self.bases = SnapshotStore(keep=1, recycle=False)
         # Key pair, tokens, bans and allow-list live in the run folder (a throwaway one in tests).
-        inputs = Inputs(run_dir or Path(tempfile.mkdtemp(prefix="echo-sec-")), run_id, key,
-                        buffer, work, limits, buffer_log, adapter, audit, step)
+        inputs = Inputs(
+            run_dir or Path(tempfile.mkdtemp(prefix="echo-sec-")),
+            run_id,
+            key,
+            buffer,
+            work,
+            limits,
+            buffer_log,
+            adapter,
+            audit,
+            step,
+        )
         p = self.parts = build_parts(cfg, inputs, self.store, self.results)
         self.gate, self.table, self.members, self.routes = p.gate, p.table, p.members, p.routes
         self.deliveries, self.intake, self.accounts = p.deliveries, p.intake, p.accounts
@@ -95,8 +116,12 @@ class LearnerServer:
         p.dispatcher.handlers[wire.Doctor] = self._on_doctor
         bc = cfg.broadcast
         # uplink_mbit / link_mbit inform the chain planner; they do not throttle anything.
-        self.topology = make_topology(bc.topology, uplink_mbit=bc.uplink_mbit or None,
-                                      link_mbit=bc.link_mbit or None, chunk_bytes=bc.chunk_bytes)
+        self.topology = make_topology(
+            bc.topology,
+            uplink_mbit=bc.uplink_mbit or None,
+            link_mbit=bc.link_mbit or None,
+            chunk_bytes=bc.chunk_bytes,
+        )
         self.coordinator: Coordinator | None = None
         self.reflector: Reflector | None = None  # docs/nat.md; None with nat_traversal off
         self.verifier: Verifier | None = None
@@ -144,12 +169,14 @@ class LearnerServer:
         try:
             async with asyncio.TaskGroup() as tg:
                 out = self.parts.socket
-                tasks = [tg.create_task(out.serve(ctrl, self.parts.dispatcher)),
-                         tg.create_task(out.send_acks()),
-                         tg.create_task(self.chunks.serve_forever()),
-                         tg.create_task(self._housekeeping()),
-                         *(tg.create_task(count_handshakes(m, self.gate.refused)) for m in mons),
-                         tg.create_task(self.verifier.serve_forever(self.routes.verdict))]
+                tasks = [
+                    tg.create_task(out.serve(ctrl, self.parts.dispatcher)),
+                    tg.create_task(out.send_acks()),
+                    tg.create_task(self.chunks.serve_forever()),
+                    tg.create_task(self._housekeeping()),
+                    *(tg.create_task(count_handshakes(m, self.gate.refused)) for m in mons),
+                    tg.create_task(self.verifier.serve_forever(self.routes.verdict)),
+                ]
                 if zap is not None:
                     tasks.append(tg.create_task(zap.serve()))
                 await self._stop.wait()
@@ -171,57 +198,88 @@ class LearnerServer:
         """What needs the bound sockets: the plan, the chunk server, the prober; the parts
         that use them get them here."""
         bc, sc = self.cfg.broadcast, self.cfg.security
-        self.coordinator = Coordinator(self.topology, self.snapshot_endpoint, q=bc.q,
-                                       reports=ReportBook(bc.convict_after, bc.report_avoid_s,
-                                                          bc.relay_mark_s))
+        self.coordinator = Coordinator(
+            self.topology,
+            self.snapshot_endpoint,
+            q=bc.q,
+            reports=ReportBook(bc.convict_after, bc.report_avoid_s, bc.relay_mark_s),
+        )
         self.coordinator.punches.timeout_s = bc.punch_timeout_s
-        self.chunks = ChunkServer(snap, self.store, self.max_bytes, authorize=self.routes.may_pull,
-                                  max_parked_per_peer=sc.max_parked_per_peer,
-                                  max_parked_total=sc.max_parked_total,
-                                  requests_per_s=sc.peer_chunk_requests_per_s,
-                                  results=self.results, bases=self.bases)
+        self.chunks = ChunkServer(
+            snap,
+            self.store,
+            self.max_bytes,
+            authorize=self.routes.may_pull,
+            max_parked_per_peer=sc.max_parked_per_peer,
+            max_parked_total=sc.max_parked_total,
+            requests_per_s=sc.peer_chunk_requests_per_s,
+            results=self.results,
+            bases=self.bases,
+        )
         # The probe's tickets live as long as a child's: nothing in them tells the two apart.
-        self.verifier = Verifier(ctx, lambda child, parent: mint(
-            self.key, child, parent, self.run_id, sc.ticket_ttl_s), self.max_bytes,
-            window=bc.window)
+        self.verifier = Verifier(
+            ctx,
+            lambda child, parent: mint(self.key, child, parent, self.run_id, sc.ticket_ttl_s),
+            self.max_bytes,
+            window=bc.window,
+        )
         self.routes.attach(self.coordinator, self.verifier, self.snapshot_endpoint)
-        self.members.attach(self.coordinator, self.reflector,
-                            (self.endpoint, self.snapshot_endpoint))
+        self.members.attach(
+            self.coordinator, self.reflector, (self.endpoint, self.snapshot_endpoint)
+        )
         self.parts.stats.chunks = self.chunks
 
-    async def _listen(self, ctx: zmq.asyncio.Context) -> tuple[ZapHandler | None, zmq.asyncio.Socket,
-                                                              zmq.asyncio.Socket]:
+    async def _listen(
+        self, ctx: zmq.asyncio.Context
+    ) -> tuple[ZapHandler | None, zmq.asyncio.Socket, zmq.asyncio.Socket]:
         """Every listening socket on its port (docs/ports.md): ZAP, control, chunks, reflector."""
         # Bound before the sockets: no handshake may come before the handler that judges it.
-        zap = (ZapHandler(ctx, self.members.zap_control, {CHUNK_DOMAIN: self.routes.zap_chunks})
-               if self.gate.keys is not None else None)
+        zap = (
+            ZapHandler(ctx, self.members.zap_control, {CHUNK_DOMAIN: self.routes.zap_chunks})
+            if self.gate.keys is not None
+            else None
+        )
         ports, lc = self.cfg.listen_ports(), self.cfg.learner
-        ctrl = self.parts.socket.sock = router(ctx, lc.host, ports.control, 4 * self.max_bytes, "learner.port",
-                                   self.gate.keys)
+        ctrl = self.parts.socket.sock = router(
+            ctx, lc.host, ports.control, 4 * self.max_bytes, "learner.port", self.gate.keys
+        )
         # Chunk requests only; only joined keys connect here (SnapshotRoutes.zap_chunks).
-        snap = router(ctx, lc.host, ports.chunks, 1 << 16, "learner.chunk_port", self.gate.keys,
-                      zap_domain=CHUNK_DOMAIN)
+        snap = router(
+            ctx,
+            lc.host,
+            ports.chunks,
+            1 << 16,
+            "learner.chunk_port",
+            self.gate.keys,
+            zap_domain=CHUNK_DOMAIN,
+        )
         # Every endpoint handed out names the learner's public host (echo.addresses).
         self.endpoint, self.snapshot_endpoint = (
             public_endpoint(s.getsockopt_string(zmq.LAST_ENDPOINT), lc.host, lc.public_host)
-            for s in (ctrl, snap))
+            for s in (ctrl, snap)
+        )
         if self.cfg.broadcast.nat_traversal:
             # bound where the server is, announced where workers reach it
             self.reflector = Reflector(lc.host, advertise=lc.public_host, ports=ports.reflectors)
             try:
                 await self.reflector.start()
             except OSError as exc:
-                raise port_taken("learner.reflector_ports", lc.host,
-                                 getattr(exc, "port", ports.reflectors), exc) from None
+                raise port_taken(
+                    "learner.reflector_ports", lc.host, getattr(exc, "port", ports.reflectors), exc
+                ) from None
         return zap, ctrl, snap
 
     def bound_ports(self) -> dict[str, Any]:
         """The ports this server listens on (learner.json's "ports"; --resume reuses them)."""
+
         def port(endpoint: str) -> int:
             return int(endpoint.rsplit(":", 1)[1])
 
-        return {"control": port(self.endpoint), "chunks": port(self.snapshot_endpoint),
-                "reflectors": list(self.reflector.ports) if self.reflector else [0, 0]}
+        return {
+            "control": port(self.endpoint),
+            "chunks": port(self.snapshot_endpoint),
+            "reflectors": list(self.reflector.ports) if self.reflector else [0, 0],
+        }
 
     @property
     def public_key(self) -> bytes | None:
@@ -264,8 +322,12 @@ class LearnerServer:
             stored.result(LOOP_WAIT_S)
         except TimeoutError:
             self.slow["publish_slow"] += 1
-            log.warning("the control loop took over %.0fs to store v%d: it will when it gets to "
-                        "it; training goes on", LOOP_WAIT_S, snap.version)
+            log.warning(
+                "the control loop took over %.0fs to store v%d: it will when it gets to "
+                "it; training goes on",
+                LOOP_WAIT_S,
+                snap.version,
+            )
 
     def stats(self) -> ControlStats:
         """The server's statistics for the trainer's metrics row. A loop that does not answer
@@ -277,8 +339,10 @@ class LearnerServer:
             if self._error:
                 raise
             self.slow["stats_slow"] += 1
-            log.warning("the control loop did not answer a stats call in %.0fs: last stats used",
-                        LOOP_WAIT_S)
+            log.warning(
+                "the control loop did not answer a stats call in %.0fs: last stats used",
+                LOOP_WAIT_S,
+            )
         return dataclasses.replace(self._last_stats, slow=dict(self.slow))
 
     async def _stats(self) -> ControlStats:
@@ -288,6 +352,7 @@ class LearnerServer:
         """The work queue's leases and the prompt generator's state, for a checkpoint, read on
         the loop that grants work: read from the trainer's thread, a grant meanwhile changed
         the leases under it ("dictionary changed size during iteration" ended a run)."""
+
         async def read() -> tuple[dict[str, Any], Any]:
             return self.work.state(), prompt_rng.getstate()
 
@@ -298,15 +363,20 @@ class LearnerServer:
     def payloads(self) -> list[Any]:
         """The payloads the chunk server holds (versions, full versions, the base model), read
         on the loop that changes them (echo.memstat counts them)."""
+
         async def read() -> list[Any]:
-            return [buf.payload for store in (self.store, self.results, self.bases)
-                    for buf in store.buffers()]
+            return [
+                buf.payload
+                for store in (self.store, self.results, self.bases)
+                for buf in store.buffers()
+            ]
 
         return self._call(read, timeout=LOOP_WAIT_S) if self._on_loop() else []
 
     def relay_tree(self) -> RelayTree:
         """The current version's relay tree (``echo.tree``), built on the loop, from any thread:
         the dashboard reads it at each poll. TimeoutError after ``TREE_WAIT_S`` of a busy loop."""
+
         async def build() -> RelayTree:
             if self.coordinator is None:
                 return RelayTree(version=None, source=self.snapshot_endpoint, nodes=[])
@@ -341,7 +411,9 @@ class LearnerServer:
         m = self.members
         await asyncio.to_thread(m.books.save, m.fleet_state())
         for w in list(self.table.workers.values()):
-            await self.parts.socket.send(w, wire.Shutdown(reason=reason, account=m.account(w, reason)))
+            await self.parts.socket.send(
+                w, wire.Shutdown(reason=reason, account=m.account(w, reason))
+            )
         assert self._stop is not None
         self._stop.set()
 
@@ -349,10 +421,14 @@ class LearnerServer:
 
     def _on_doctor(self, ident: bytes, key: str, msg: wire.Doctor) -> wire.Message:
         """A health check (``echo-worker doctor``): the endpoints a worker is handed."""
-        return wire.DoctorAck(run_id=self.run_id, instance_id=self.parts.identity.instance_id,
-                              snapshot_endpoint=self.snapshot_endpoint,
-                              reflectors=self.reflector.endpoints if self.reflector else [],
-                              join=self.cfg.security.join, version=self.routes.latest()[0])
+        return wire.DoctorAck(
+            run_id=self.run_id,
+            instance_id=self.parts.identity.instance_id,
+            snapshot_endpoint=self.snapshot_endpoint,
+            reflectors=self.reflector.endpoints if self.reflector else [],
+            join=self.cfg.security.join,
+            version=self.routes.latest()[0],
+        )
 
     async def _housekeeping(self) -> None:
         timeout = self.cfg.transport.heartbeat_timeout_s
@@ -365,5 +441,3 @@ class LearnerServer:
             self.parts.cpu.add("housekeeping", time.thread_time() - t0)
             if m.books.due(now):
                 await asyncio.to_thread(m.books.save, m.fleet_state())
-
-

@@ -74,26 +74,35 @@ class ServerStats:
         active = [w for w in live if s.members.is_active(w.worker_id)]
         busy_s = sum(w.busy_s for w in active)
         out = ControlStats(
-            active_workers=len(active), standby_workers=len(live) - len(active),
+            active_workers=len(active),
+            standby_workers=len(live) - len(active),
             fleet_price_per_hour=sum(w.price for w in active),
             # what the active workers report they generate per busy second (heartbeats)
-            worker_rate_mean=(sum(w.claimed_throughput for w in active) / len(active)
-                              if active else 0.0),
+            worker_rate_mean=(
+                sum(w.claimed_throughput for w in active) / len(active) if active else 0.0
+            ),
             # whole-run average busy-time rate per active worker
-            worker_busy_rate=(sum(w.busy_samples for w in active) / busy_s
-                              if active and busy_s > 0 else 0.0),
+            worker_busy_rate=(
+                sum(w.busy_samples for w in active) / busy_s if active and busy_s > 0 else 0.0
+            ),
             rejected=dict(s.rejected + s.buffer.stats.rejected),
-            handbacks={**s.returns.counts, "continued_samples": s.intake.continued,
-                       "held": len(s.work.held)},
+            handbacks={
+                **s.returns.counts,
+                "continued_samples": s.intake.continued,
+                "held": len(s.work.held),
+            },
             sessions=len(s.table.sessions),
             # docs/security.md, "Sybils": joined keys not yet members, notices sent and left
             # to heartbeat replies
             pending_workers=sum(not w.member for w in s.table.workers.values()),
             notices=dict(s.noticed),
-            ack_queue=ack_queue, in_flight_groups=s.work.in_flight,
+            ack_queue=ack_queue,
+            in_flight_groups=s.work.in_flight,
             # learner.grants: leases kept across a restart, and what was admitted under them
-            restored_leases=len(s.work.restored), restored_admitted=s.intake.restored_admitted,
-            reissued_groups=s.work.reissued)
+            restored_leases=len(s.work.restored),
+            restored_admitted=s.intake.restored_admitted,
+            reissued_groups=s.work.reissued,
+        )
         self._door(out)
         self._snapshots(out)
         self.per_worker(out, now)
@@ -125,30 +134,43 @@ class ServerStats:
         rebuilt at most every PER_WORKER_EVERY_S (docs/scale.md)."""
         s = self.src
         cached = self._per_worker_cache
-        if not (cached and len(s.table.workers) > PER_WORKER_FRESH_UP_TO
-                and now - cached[0] < PER_WORKER_EVERY_S):
+        if not (
+            cached
+            and len(s.table.workers) > PER_WORKER_FRESH_UP_TO
+            and now - cached[0] < PER_WORKER_EVERY_S
+        ):
             cached = self._per_worker_cache = (now, self._tables(now))
         out.workers, out.reputation, out.checks, out.accounts = cached[1]
 
     def _tables(self, now: float) -> PerWorker:
         s = self.src
         co = s.routes.coordinator
-        workers = {w.worker_id: {
-            "price": w.price, "version": w.version, "state": w.state,
-            "active": s.members.is_active(w.worker_id), "reachable": s.table.live(w, now),
-            # docs/nat.md: the reflector's verdict, and how its snapshot link is carried now
-            "nat": w.nat,
-            "transport": co.transport(w.worker_id) if co else "tcp",
-            "throughput": round(w.measured_throughput, 3), "admitted": w.admitted,
-            "granted": s.work.granted[w.worker_id], "returned": s.work.returned[w.worker_id],
-            "taken_back": s.work.taken_back[w.worker_id],
-            # learner.handbacks, learner.staleness
-            **s.returns.per_worker(w.worker_id), **s.staleness.view(w.worker_id)}
-            for w in s.table.workers.values()}
+        workers = {
+            w.worker_id: {
+                "price": w.price,
+                "version": w.version,
+                "state": w.state,
+                "active": s.members.is_active(w.worker_id),
+                "reachable": s.table.live(w, now),
+                # docs/nat.md: the reflector's verdict, and how its snapshot link is carried now
+                "nat": w.nat,
+                "transport": co.transport(w.worker_id) if co else "tcp",
+                "throughput": round(w.measured_throughput, 3),
+                "admitted": w.admitted,
+                "granted": s.work.granted[w.worker_id],
+                "returned": s.work.returned[w.worker_id],
+                "taken_back": s.work.taken_back[w.worker_id],
+                # learner.handbacks, learner.staleness
+                **s.returns.per_worker(w.worker_id),
+                **s.staleness.view(w.worker_id),
+            }
+            for w in s.table.workers.values()
+        }
         # per worker id, quarantined ones included: checks made, failed, quarantined; and
         # learner.accounts: each worker's books, departed ones included (bounded)
-        return PerWorker(workers, s.reputation.per_worker(), dict(s.reputation.by_check),
-                         s.accounts.export())
+        return PerWorker(
+            workers, s.reputation.per_worker(), dict(s.reputation.by_check), s.accounts.export()
+        )
 
 
 class PerWorker(NamedTuple):

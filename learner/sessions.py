@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 from echo import wire
-from echo.config import EchoConfig
 from echo.addresses import canonical_endpoint, same_endpoint
+from echo.config import EchoConfig
 
 log = logging.getLogger("echo.control")
 
@@ -74,7 +74,7 @@ class WorkerState:
 _JOINED = {
     True: "joined: active, generating rollouts",
     False: "joined: standby (keeps the snapshot current and relays; the provisioner activates "
-           "workers when the learner needs more rollouts)",
+    "workers when the learner needs more rollouts)",
 }
 
 
@@ -97,8 +97,10 @@ class SessionTable:
         if own is None:
             return None
         if worker_id != own:
-            raise wire.WireError("identity_mismatch", f"this key joined as {own!r}, not "
-                                 f"{worker_id!r}: a worker speaks only for itself")
+            raise wire.WireError(
+                "identity_mismatch",
+                f"this key joined as {own!r}, not {worker_id!r}: a worker speaks only for itself",
+            )
         w = self.workers[own]
         w.ident = ident  # a reconnecting DEALER gets a new routing id
         w.last_seen = time.monotonic()
@@ -130,8 +132,9 @@ class SessionTable:
     def live(self, w: WorkerState, now: float) -> bool:
         return now - w.last_seen < self.timeout(w)
 
-    def claim(self, key: str, msg: wire.Join, known: WorkerState | None,
-              own_endpoints: tuple[str, ...]) -> str:
+    def claim(
+        self, key: str, msg: wire.Join, known: WorkerState | None, own_endpoints: tuple[str, ...]
+    ) -> str:
         """The worker id and relay endpoint a join asks for must not belong to another key
         (nor be one of the learner's own endpoints); the refusal reason, or ""."""
         if known is None:

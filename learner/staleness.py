@@ -78,12 +78,19 @@ class Staleness:
         seconds over the worker's last deliveries (None: nothing delivered yet)."""
         w = self._workers.get(worker_id)
         if w is None or not w.staleness:
-            return {COL.staleness_mean: None, "at_edge": None, "credit_per_trajectory": None,
-                    COL.gen_s_mean: None}
+            return {
+                COL.staleness_mean: None,
+                "at_edge": None,
+                "credit_per_trajectory": None,
+                COL.gen_s_mean: None,
+            }
         n = len(w.staleness)
         # the step row's names: the same means, over this worker's deliveries
-        return {COL.staleness_mean: round(sum(w.staleness) / n, 3),
-                "at_edge": round(sum(1 for s in w.staleness if s >= self.bound) / n, 3),
-                "credit_per_trajectory": round(sum(credit(s, self.bound, self.discount)
-                                                   for s in w.staleness) / n, 3),
-                COL.gen_s_mean: round(sum(w.gen_s) / n, 3)}
+        return {
+            COL.staleness_mean: round(sum(w.staleness) / n, 3),
+            "at_edge": round(sum(1 for s in w.staleness if s >= self.bound) / n, 3),
+            "credit_per_trajectory": round(
+                sum(credit(s, self.bound, self.discount) for s in w.staleness) / n, 3
+            ),
+            COL.gen_s_mean: round(sum(w.gen_s) / n, 3),
+        }

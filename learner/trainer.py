@@ -34,9 +34,14 @@ def _blame(batch: LearnerBatch, rows: torch.Tensor) -> list[int]:
     return [int(r) for r in bad]
 
 
-def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   loss_mask: torch.Tensor | None = None, temperature: float = 1.0,
-                   answer_tokens: Sequence[int] | None = None) -> torch.Tensor:
+def token_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    answer_tokens: Sequence[int] | None = None,
+) -> torch.Tensor:
     """log p(token_{j+1} | tokens_{<=j}) for every position j: shape [B, L-1], under
     softmax(logits / temperature), the distribution a sampler at that temperature draws from
     (renormalised over ``answer_tokens`` when the adapter restricts answers).
@@ -47,8 +52,8 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     """
     full = (0, input_ids.shape[1] - 2)
     s, e = (_trained_span(loss_mask) if loss_mask is not None else None) or full
-    logits = _logits(model, input_ids[:, :e + 1], attention_mask[:, :e + 1], keep=e + 1 - s)
-    lp = selective_logprobs(logits, input_ids[:, s + 1:e + 2], temperature, answer_tokens)
+    logits = _logits(model, input_ids[:, : e + 1], attention_mask[:, : e + 1], keep=e + 1 - s)
+    lp = selective_logprobs(logits, input_ids[:, s + 1 : e + 2], temperature, answer_tokens)
     return torch.nn.functional.pad(lp, (s, input_ids.shape[1] - 2 - e))
 
 
@@ -58,7 +63,9 @@ def _trained_span(loss_mask: torch.Tensor) -> tuple[int, int] | None:
     return (int(cols[0]), int(cols[-1])) if len(cols) else None
 
 
-def _logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int) -> torch.Tensor:
+def _logits(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int
+) -> torch.Tensor:
     """Logits of the last ``keep`` positions; the LM head runs only there when the model
     supports ``logits_to_keep`` (current transformers models do)."""
     inner = model.get_base_model() if is_peft(model) else model  # peft passes it on
@@ -69,8 +76,12 @@ def _logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, k
     return out.logits[:, -keep:]
 
 
-def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                       answer_tokens: Sequence[int] | None = None) -> torch.Tensor:
+def selective_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    answer_tokens: Sequence[int] | None = None,
+) -> torch.Tensor:
     """log_softmax(logits / temperature).gather(targets) without the [B, K, V] log-softmax
     tensor: the target's scaled logit minus the log-sum-exp, in float32. Low-precision logits
     go one row at a time so that only one row's float32 copy exists at once (the temperature
@@ -80,8 +91,11 @@ def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature:
     A target outside the set gets a finite number, not -inf: such positions are the context
     between an episode's answers, which the loss mask leaves out (a -inf there would turn
     the masked product into NaN)."""
-    bias = None if answer_tokens is None else answer_bias(answer_tokens, logits.shape[-1],
-                                                           logits.device)
+    bias = (
+        None
+        if answer_tokens is None
+        else answer_bias(answer_tokens, logits.shape[-1], logits.device)
+    )
 
     def rows_logprobs(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         if temperature != 1.0:
@@ -94,7 +108,9 @@ def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature:
     return torch.stack([rows_logprobs(row.float(), t) for row, t in zip(logits, targets)])
 
 
-def truncated_rows(input_ids: torch.Tensor, loss_mask: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+def truncated_rows(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, eos_token_id: int
+) -> torch.Tensor:
     """[B] bool: rows whose last trained token (the last token the policy generated) is not
     end-of-sequence, i.e. generation stopped at max_new_tokens. Rows that train on nothing: False."""
     trained = loss_mask > 0
@@ -110,10 +126,18 @@ class Trainer:
     ``eos_token_id``: needed by ``mask_truncated_completions``; ``answer_tokens``: the adapter's
     restricted answers (dataplane/answers.py), under which every log-prob is computed."""
 
-    def __init__(self, model: Any, cfg: LearnerConfig, seed: int = 0,
-                 parallel: Parallel | None = None, *, temperature: float = 1.0,
-                 max_new_tokens: int = 0, eos_token_id: int | None = None,
-                 answer_tokens: Sequence[int] | None = None):
+    def __init__(
+        self,
+        model: Any,
+        cfg: LearnerConfig,
+        seed: int = 0,
+        parallel: Parallel | None = None,
+        *,
+        temperature: float = 1.0,
+        max_new_tokens: int = 0,
+        eos_token_id: int | None = None,
+        answer_tokens: Sequence[int] | None = None,
+    ):
         self.model = model
         self.answer_tokens = answer_tokens
         self.par = parallel or Single()
@@ -121,18 +145,24 @@ class Trainer:
         self.temperature = temperature
         self.loss_cfg = loss_config(cfg, max_new_tokens)
         if cfg.mask_truncated_completions and eos_token_id is None:
-            raise ValueError("learner.mask_truncated_completions needs the tokenizer's eos_token_id: "
-                             "pass eos_token_id to Trainer, or set it to false")
+            raise ValueError(
+                "learner.mask_truncated_completions needs the tokenizer's eos_token_id: "
+                "pass eos_token_id to Trainer, or set it to false"
+            )
         self.eos_token_id = eos_token_id
         # The trained parameters: all of them, or a LoRA adapter's (the base is frozen).
-        self.optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
-                                          lr=cfg.lr)
+        self.optimizer = torch.optim.Adam(
+            [p for p in model.parameters() if p.requires_grad], lr=cfg.lr
+        )
         # The reference model costs a full copy; it exists only when the KL term is on. With
         # LoRA the reference is the base model: the policy with its adapter disabled, no copy
         # (as TRL does with a peft_config).
         self.ref_base = cfg.beta > 0 and is_peft(model)
-        self.ref_model = (copy.deepcopy(model).eval().requires_grad_(False)
-                          if cfg.beta > 0 and not self.ref_base else None)
+        self.ref_model = (
+            copy.deepcopy(model).eval().requires_grad_(False)
+            if cfg.beta > 0 and not self.ref_base
+            else None
+        )
         self.generator = torch.Generator().manual_seed(seed)
         self.nonfinite_rows: list[int] = []  # rows behind the last step's skipped updates
 
@@ -152,10 +182,14 @@ class Trainer:
         minibatches = order.chunk(self.cfg.updates_per_step)
         shards = [self.par.shard(mb) for mb in minibatches]
         with torch.no_grad():  # logp_old: parameters at step start, before any update
-            olds = [self._micro_logprobs(batch, mb, i, self._policy_logprobs)
-                    for mb, i in zip(minibatches, shards)]
-            refs = [self._micro_logprobs(batch, mb, i, self.ref_logprobs)
-                    for mb, i in zip(minibatches, shards)]
+            olds = [
+                self._micro_logprobs(batch, mb, i, self._policy_logprobs)
+                for mb, i in zip(minibatches, shards)
+            ]
+            refs = [
+                self._micro_logprobs(batch, mb, i, self.ref_logprobs)
+                for mb, i in zip(minibatches, shards)
+            ]
         applied: list[dict[str, float]] = []
         for mb, idx, old, ref in zip(minibatches, shards, olds, refs):
             stats = self._update(batch, mb, idx, old, ref)
@@ -165,20 +199,34 @@ class Trainer:
                 applied.append(stats)
         skipped = len(minibatches) - len(applied)
         if skipped:
-            log.error("skipped %d of %d updates: non-finite loss or gradient (rows %s)",
-                      skipped, len(minibatches), sorted(self.nonfinite_rows))
+            log.error(
+                "skipped %d of %d updates: non-finite loss or gradient (rows %s)",
+                skipped,
+                len(minibatches),
+                sorted(self.nonfinite_rows),
+            )
         keys = (*self.TOKEN_MEANS, COL.grad_norm, COL.loss)
-        out = ({k: sum(s[k] for s in applied) / len(applied) for k in keys} if applied
-               else {k: math.nan for k in keys})  # nothing trained: no loss to report
+        out = (
+            {k: sum(s[k] for s in applied) / len(applied) for k in keys}
+            if applied
+            else {k: math.nan for k in keys}
+        )  # nothing trained: no loss to report
         return {**extra, **out, COL.skipped_nonfinite: float(skipped)}
 
-    def _update(self, batch: LearnerBatch, mb: torch.Tensor, idx: torch.Tensor,
-                old: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float] | None:
+    def _update(
+        self,
+        batch: LearnerBatch,
+        mb: torch.Tensor,
+        idx: torch.Tensor,
+        old: torch.Tensor,
+        ref: torch.Tensor | None,
+    ) -> dict[str, float] | None:
         """One mini-batch update; None (and no optimizer step) when it is not finite."""
         global_count = self.loss_cfg.count(batch.loss_mask[mb])
         self.optimizer.zero_grad(set_to_none=True)
-        loss, stats = self._accumulate(batch, idx, self.micro_batches(mb, idx), old, ref,
-                                       denom=global_count / self.par.world)
+        loss, stats = self._accumulate(
+            batch, idx, self.micro_batches(mb, idx), old, ref, denom=global_count / self.par.world
+        )
         stats[COL.grad_norm] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
         stats[COL.loss] = loss.item()
         if not self._all_finite(stats[COL.loss], stats[COL.grad_norm]):
@@ -187,7 +235,9 @@ class Trainer:
         self.optimizer.step()
         return self._global(stats, float(batch.loss_mask[idx].sum()))
 
-    def micro_batches(self, mb: torch.Tensor, idx: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
+    def micro_batches(
+        self, mb: torch.Tensor, idx: torch.Tensor
+    ) -> list[tuple[torch.Tensor, float]]:
         """Positions in this rank's shard ``idx`` of mini-batch ``mb``, split into micro-batches
         of at most ``learner.micro_batch_rows`` rows, each with its weight (1, or 0 for a stand-in).
         Every rank makes as many as the largest shard needs: under FSDP2 each forward and backward
@@ -201,18 +251,28 @@ class Trainer:
             out.append((pos, 1.0) if len(pos) or not rows else (torch.arange(1), 0.0))
         return out
 
-    def _micro_logprobs(self, batch: LearnerBatch, mb: torch.Tensor, idx: torch.Tensor,
-                        fn: Callable[[LearnerBatch, torch.Tensor], torch.Tensor | None]
-                        ) -> torch.Tensor | None:
+    def _micro_logprobs(
+        self,
+        batch: LearnerBatch,
+        mb: torch.Tensor,
+        idx: torch.Tensor,
+        fn: Callable[[LearnerBatch, torch.Tensor], torch.Tensor | None],
+    ) -> torch.Tensor | None:
         """``fn`` (``logprobs`` or ``ref_logprobs``) of the shard's rows, a micro-batch at a time."""
         parts = [(fn(batch, idx[pos]), w) for pos, w in self.micro_batches(mb, idx)]
         if parts[0][0] is None:
             return None
         return torch.cat([lp for lp, w in parts if w])
 
-    def _accumulate(self, batch: LearnerBatch, idx: torch.Tensor,
-                    micro: list[tuple[torch.Tensor, float]], old: torch.Tensor,
-                    ref: torch.Tensor | None, denom: float) -> tuple[torch.Tensor, dict[str, float]]:
+    def _accumulate(
+        self,
+        batch: LearnerBatch,
+        idx: torch.Tensor,
+        micro: list[tuple[torch.Tensor, float]],
+        old: torch.Tensor,
+        ref: torch.Tensor | None,
+        denom: float,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Forward and backward of each micro-batch, gradients accumulating: the loss is a sum
         over rows divided by the mini-batch's ``denom``, so the sum of the parts is the whole.
         Token-mean statistics are weighted by each part's trained tokens."""
@@ -221,8 +281,9 @@ class Trainer:
         tokens = 0.0
         for pos, weight in micro:
             rows = idx[pos]
-            loss, stats = self.minibatch_loss(batch, rows, old[pos],
-                                              None if ref is None else ref[pos], denom=denom)
+            loss, stats = self.minibatch_loss(
+                batch, rows, old[pos], None if ref is None else ref[pos], denom=denom
+            )
             (loss * weight).backward()  # on every rank even when non-finite: FSDP2's
             # collectives must line up
             n = float(batch.loss_mask[rows].sum()) * weight
@@ -249,16 +310,31 @@ class Trainer:
         assert self.eos_token_id is not None
         cut = truncated_rows(batch.input_ids, batch.loss_mask, self.eos_token_id)
         mask = batch.loss_mask * (~cut).unsqueeze(1).to(batch.loss_mask.dtype)
-        return dataclasses.replace(batch, loss_mask=mask), {COL.truncated_frac: float(cut.float().mean())}
+        return dataclasses.replace(batch, loss_mask=mask), {
+            COL.truncated_frac: float(cut.float().mean())
+        }
 
-    def minibatch_loss(self, batch: LearnerBatch, rows: torch.Tensor, old: torch.Tensor,
-                       ref: torch.Tensor | None, denom: float | None = None
-                       ) -> tuple[torch.Tensor, dict[str, float]]:
+    def minibatch_loss(
+        self,
+        batch: LearnerBatch,
+        rows: torch.Tensor,
+        old: torch.Tensor,
+        ref: torch.Tensor | None,
+        denom: float | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """The GRPO loss of ``rows`` under the current parameters (``old``, ``ref``: their
         step-start and reference log-probs from ``logprobs``)."""
         logp = self.logprobs(self.model, batch, rows)
-        return grpo_loss(logp, old, batch.behaviour_logprobs[rows], batch.advantages[rows],
-                         batch.loss_mask[rows], self.loss_cfg, ref, denom=denom)
+        return grpo_loss(
+            logp,
+            old,
+            batch.behaviour_logprobs[rows],
+            batch.advantages[rows],
+            batch.loss_mask[rows],
+            self.loss_cfg,
+            ref,
+            denom=denom,
+        )
 
     TOKEN_MEANS = (COL.clip_frac, COL.is_weight_mean, COL.is_zeroed_frac, COL.kl_mean)
 
@@ -288,8 +364,14 @@ class Trainer:
         return self.logprobs(self.model, batch, rows)
 
     def logprobs(self, model: Any, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:
-        return token_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
-                              batch.loss_mask[rows], self.temperature, self.answer_tokens)
+        return token_logprobs(
+            model,
+            batch.input_ids[rows],
+            batch.attention_mask[rows],
+            batch.loss_mask[rows],
+            self.temperature,
+            self.answer_tokens,
+        )
 
 
 def sampled_entropy(behaviour_logp: torch.Tensor, mask: torch.Tensor) -> float:
@@ -302,7 +384,14 @@ def sampled_entropy(behaviour_logp: torch.Tensor, mask: torch.Tensor) -> float:
 
 def loss_config(cfg: LearnerConfig, max_new_tokens: int = 0) -> LossConfig:
     """The loss options of the learner's config (``max_new_tokens``: dr_grpo's constant)."""
-    return LossConfig(epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or None, is_cap=cfg.is_cap,
-                      is_mode=cfg.is_mode, level=cfg.importance_sampling_level, beta=cfg.beta,
-                      kl_bias_correction=cfg.use_bias_correction_kl, agg=cfg.loss_agg,
-                      max_len=max_new_tokens)
+    return LossConfig(
+        epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high or None,
+        is_cap=cfg.is_cap,
+        is_mode=cfg.is_mode,
+        level=cfg.importance_sampling_level,
+        beta=cfg.beta,
+        kl_bias_correction=cfg.use_bias_correction_kl,
+        agg=cfg.loss_agg,
+        max_len=max_new_tokens,
+    )

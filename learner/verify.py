@@ -57,8 +57,9 @@ class Verifier:
         self.queue: asyncio.Queue[Report] = asyncio.Queue(QUEUE)
         self.outcomes: dict[str, int] = {}
 
-    def submit(self, endpoint: str, accused: str, accuser: str, layout: ChunkLayout,
-               chunk: int) -> bool:
+    def submit(
+        self, endpoint: str, accused: str, accuser: str, layout: ChunkLayout, chunk: int
+    ) -> bool:
         try:
             self.queue.put_nowait(Report(endpoint, accused, accuser, layout, chunk))
             return True
@@ -89,9 +90,17 @@ class Verifier:
         replies: list[list[bytes]] = []
         try:
             for index in indices:  # a window of requests, as a child resuming there sends
-                await sock.send(wire.encode(wire.ChunkRequest(
-                    version=r.layout.version, index=index, rid=next(_rids), ticket=ticket,
-                    form=r.layout.form)))
+                await sock.send(
+                    wire.encode(
+                        wire.ChunkRequest(
+                            version=r.layout.version,
+                            index=index,
+                            rid=next(_rids),
+                            ticket=ticket,
+                            form=r.layout.form,
+                        )
+                    )
+                )
             async with asyncio.timeout(TIMEOUT_S):
                 for _ in indices:
                     replies.append(await sock.recv_multipart())

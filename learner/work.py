@@ -51,9 +51,17 @@ class Issued:
 
 
 class WorkQueue:
-    def __init__(self, prompts: Iterator[Prompt], *, group_size: int, max_outstanding: int,
-                 lease_timeout_s: float, prefix: str, secret: bytes = b"",
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        prompts: Iterator[Prompt],
+        *,
+        group_size: int,
+        max_outstanding: int,
+        lease_timeout_s: float,
+        prefix: str,
+        secret: bytes = b"",
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._prompts = prompts
         self.group_size = group_size
         self.max_outstanding = max_outstanding
@@ -75,11 +83,21 @@ class WorkQueue:
 
     def seed_of(self, group_id: str) -> int:
         """The group's sampling seed: HMAC of its id under the learner's secret (63 bits)."""
-        return int.from_bytes(hmac.new(self._secret, group_id.encode(), hashlib.sha256).digest()[:8],
-                              "big") >> 1
+        return (
+            int.from_bytes(
+                hmac.new(self._secret, group_id.encode(), hashlib.sha256).digest()[:8], "big"
+            )
+            >> 1
+        )
 
-    def grant(self, worker_id: str, max_groups: int, buffered_groups: int,
-              holding: Collection[str] = (), key: str = "") -> list[wire.Group]:
+    def grant(
+        self,
+        worker_id: str,
+        max_groups: int,
+        buffered_groups: int,
+        holding: Collection[str] = (),
+        key: str = "",
+    ) -> list[wire.Group]:
         """Up to ``max_groups`` groups: first this worker's own leases whose grant was lost
         (open, and not among the groups it ``holding``s undelivered), then re-queued groups,
         then new ones while the outstanding bound allows. ``key``: the holder's proven key,
@@ -104,8 +122,13 @@ class WorkQueue:
             n = next(self._ids)
             prompt = next(self._prompts)
             gid = f"{self._prefix}-{n}"
-            group = wire.Group(group_id=gid, prompt_ids=prompt.prompt_ids, n=self.group_size,
-                               seed=self.seed_of(gid), task=prompt.task)
+            group = wire.Group(
+                group_id=gid,
+                prompt_ids=prompt.prompt_ids,
+                n=self.group_size,
+                seed=self.seed_of(gid),
+                task=prompt.task,
+            )
             self.issued[gid] = Issued(group, worker_id, now + self.lease_timeout_s, key, now)
             self.granted[worker_id] += 1
             self._journal(self.issued[gid])
@@ -116,8 +139,9 @@ class WorkQueue:
         if self.journal is not None:
             self.journal.write(Lease(item.group, item.worker_id, item.key))
             if self.journal.oversize(len(self.issued)):
-                self.journal.compact([Lease(it.group, it.worker_id, it.key)
-                                      for it in self.issued.values()])
+                self.journal.compact(
+                    [Lease(it.group, it.worker_id, it.key) for it in self.issued.values()]
+                )
 
     def restore_leases(self, leases: list[Lease]) -> None:
         """Leases of the instance before a restart (``learner.grants.load``), bound to the
@@ -126,8 +150,9 @@ class WorkQueue:
         now = self._clock()
         for lease in leases:
             gid = lease.group.group_id
-            self.issued[gid] = Issued(lease.group, lease.worker_id, now + self.lease_timeout_s,
-                                      lease.key)
+            self.issued[gid] = Issued(
+                lease.group, lease.worker_id, now + self.lease_timeout_s, lease.key
+            )
             self.restored.add(gid)
         self._requeued = deque(g for g in self._requeued if g not in self.restored)
 
@@ -145,9 +170,14 @@ class WorkQueue:
         item = self.issued.get(group_id)
         return item.key if item else ""
 
-    def _lost_grants(self, worker_id: str, holding: set[str], limit: int, now: float) -> list[wire.Group]:
-        lost = [it for gid, it in self.issued.items()
-                if it.worker_id == worker_id and gid not in holding and it.deadline != float("inf")]
+    def _lost_grants(
+        self, worker_id: str, holding: set[str], limit: int, now: float
+    ) -> list[wire.Group]:
+        lost = [
+            it
+            for gid, it in self.issued.items()
+            if it.worker_id == worker_id and gid not in holding and it.deadline != float("inf")
+        ]
         for it in lost[:limit]:
             it.deadline = now + self.lease_timeout_s
             self.reissued += 1
@@ -178,8 +208,9 @@ class WorkQueue:
             item.deadline = float("inf")
             self._requeued.append(group_id)
 
-    def hand_back(self, group_id: str, prefixes: list[wire.Prefix],
-                  hold_until: float | None = None) -> None:
+    def hand_back(
+        self, group_id: str, prefixes: list[wire.Prefix], hold_until: float | None = None
+    ) -> None:
         """The holder gave the group back (preempted or yielded, docs/preemption.md): it goes
         to the head of the queue carrying ``prefixes``, so the next worker continues those
         samples instead of generating them again; with ``hold_until`` it is kept off the queue
@@ -241,8 +272,11 @@ class WorkQueue:
     def release_worker(self, worker_id: str, key: str = "") -> int:
         """The worker's leases go back to the queue; with ``key``, only those bound to that
         key (a stranger that claimed a restored holder's id must not free its leases)."""
-        gids = [g for g, it in self.issued.items()
-                if it.worker_id == worker_id and (not key or not it.key or it.key == key)]
+        gids = [
+            g
+            for g, it in self.issued.items()
+            if it.worker_id == worker_id and (not key or not it.key or it.key == key)
+        ]
         for gid in gids:
             self.requeue(gid)
         return len(gids)
@@ -256,8 +290,10 @@ class WorkQueue:
 
     def state(self) -> dict:
         """Open leases and the id counter, for checkpoints (leases restart their clocks)."""
-        return {"issued": [it.group.model_dump() for it in self.issued.values()],
-                "reissued": self.reissued}
+        return {
+            "issued": [it.group.model_dump() for it in self.issued.values()],
+            "reissued": self.reissued,
+        }
 
     def restore(self, state: dict) -> None:
         for g in state["issued"]:

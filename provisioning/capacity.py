@@ -45,29 +45,34 @@ class CapacityInputs:
     def overlaps(self, kappa: int, mu_total: float) -> bool:
         return overlaps(self.n, kappa, self.t_train, self.t_bcast, mu_total)
 
-    def choose_kappa(self, staleness: int, mu_total: float) -> "KappaChoice":
+    def choose_kappa(self, staleness: int, mu_total: float) -> KappaChoice:
         return choose_kappa(staleness, self.n, self.t_train, self.t_bcast, mu_total)
 
 
 def _check_timings(n: int, t_train: float, t_bcast: float) -> None:
     if n <= 0:
-        raise ValueError(f"N (rollouts per learner step) must be > 0, got {n}; it is "
-                         f"prompts_per_step x group_size")
+        raise ValueError(
+            f"N (rollouts per learner step) must be > 0, got {n}; it is "
+            f"prompts_per_step x group_size"
+        )
     _check_times(t_train, t_bcast)
 
 
 def _check_times(t_train: float, t_bcast: float) -> None:
     if not (t_train > 0 and math.isfinite(t_train)):
-        raise ValueError(f"T_train must be a positive number of seconds, got {t_train}; "
-                         f"measure at least one learner step first")
+        raise ValueError(
+            f"T_train must be a positive number of seconds, got {t_train}; "
+            f"measure at least one learner step first"
+        )
     if not (t_bcast >= 0 and math.isfinite(t_bcast)):
         raise ValueError(f"T_bcast must be >= 0 seconds, got {t_bcast}")
 
 
 def _check_kappa(kappa: int) -> None:
     if int(kappa) != kappa or kappa < 1:
-        raise ValueError(f"kappa (learner steps between snapshots) must be an integer >= 1, "
-                         f"got {kappa}")
+        raise ValueError(
+            f"kappa (learner steps between snapshots) must be an integer >= 1, got {kappa}"
+        )
 
 
 def _ceil(x: float) -> int:
@@ -99,7 +104,8 @@ def mu_req(n: int, kappa: int, t_train: float, t_bcast: float) -> float:
             f"no throughput avoids learner bubbles: kappa*T_train = {kappa} x {t_train:g} s = "
             f"{kappa * t_train:g} s <= T_bcast = {t_bcast:g} s; raise kappa above "
             f"T_bcast/T_train = {t_bcast / t_train:.3g} (needs a staleness budget S >= kappa), "
-            f"speed up the broadcast, or lengthen learner steps")
+            f"speed up the broadcast, or lengthen learner steps"
+        )
     return kappa * n / window
 
 
@@ -114,15 +120,18 @@ def overlaps(n: int, kappa: int, t_train: float, t_bcast: float, mu_total: float
     return lhs <= rhs + RTOL * rhs
 
 
-def staleness_bound_worst(n: int, kappa: int, t_train: float, t_bcast: float,
-                          mu_total: float) -> int:
+def staleness_bound_worst(
+    n: int, kappa: int, t_train: float, t_bcast: float, mu_total: float
+) -> int:
     """``kappa - 1 + ceil((T_bcast + N/mu) / T_train)``: no rollouts from a new snapshot until
     its broadcast completes, then N rollouts at aggregate rate ``mu``."""
     _check_timings(n, t_train, t_bcast)
     _check_kappa(kappa)
     if mu_total <= 0:
-        raise ValueError(f"mu_total must be > 0 trajectories/s to bound staleness, got "
-                         f"{mu_total}; with no throughput the learner never gets a batch")
+        raise ValueError(
+            f"mu_total must be > 0 trajectories/s to bound staleness, got "
+            f"{mu_total}; with no throughput the learner never gets a batch"
+        )
     return kappa - 1 + _ceil((t_bcast + n / mu_total) / t_train)
 
 
@@ -145,8 +154,9 @@ class KappaChoice:
     reason: str = ""
 
 
-def choose_kappa(staleness: int, n: int, t_train: float, t_bcast: float,
-                 mu_total: float) -> KappaChoice:
+def choose_kappa(
+    staleness: int, n: int, t_train: float, t_bcast: float, mu_total: float
+) -> KappaChoice:
     """Publication period for staleness budget ``S`` (docs/design.md §3).
 
     Rule: the largest ``kappa`` in ``1..S`` that satisfies the overlap condition at
@@ -163,38 +173,66 @@ def choose_kappa(staleness: int, n: int, t_train: float, t_bcast: float,
         raise ValueError(f"staleness budget S must be an integer >= 0, got {staleness}")
     _check_timings(n, t_train, t_bcast)
     if staleness == 0:  # synchronous: publish every step, wait for its broadcast and rollouts
-        return KappaChoice(1, 0, False, False, t_bcast > t_train, (),
-                           "S = 0 is synchronous: kappa = 1, every step waits for the broadcast "
-                           "and the rollouts of its own version (no overlap)")
+        return KappaChoice(
+            1,
+            0,
+            False,
+            False,
+            t_bcast > t_train,
+            (),
+            "S = 0 is synchronous: kappa = 1, every step waits for the broadcast "
+            "and the rollouts of its own version (no overlap)",
+        )
     warnings = _kappa_warnings(t_train, t_bcast)
     for kappa in range(staleness, 0, -1):
         bound = staleness_bound_overlap(kappa, t_train, t_bcast)
         if bound <= staleness and overlaps(n, kappa, t_train, t_bcast, mu_total):
-            return KappaChoice(kappa, bound, True, False, t_bcast > t_train, warnings,
-                               f"largest kappa with overlap at mu={mu_total:g}/s and "
-                               f"bound {bound} <= S={staleness}")
+            return KappaChoice(
+                kappa,
+                bound,
+                True,
+                False,
+                t_bcast > t_train,
+                warnings,
+                f"largest kappa with overlap at mu={mu_total:g}/s and "
+                f"bound {bound} <= S={staleness}",
+            )
     return _fallback(staleness, n, t_train, t_bcast, mu_total, warnings)
 
 
 def _kappa_warnings(t_train: float, t_bcast: float) -> tuple[str, ...]:
     if t_bcast <= t_train:
         return ()
-    return (f"T_bcast = {t_bcast:g} s exceeds T_train = {t_train:g} s: kappa = S-1 no longer "
-            f"guarantees staleness <= S; speed up the broadcast (more chains, smaller snapshots) "
-            f"or raise S",)
+    return (
+        f"T_bcast = {t_bcast:g} s exceeds T_train = {t_train:g} s: kappa = S-1 no longer "
+        f"guarantees staleness <= S; speed up the broadcast (more chains, smaller snapshots) "
+        f"or raise S",
+    )
 
 
-def _fallback(staleness: int, n: int, t_train: float, t_bcast: float, mu_total: float,
-              warnings: tuple[str, ...]) -> KappaChoice:
+def _fallback(
+    staleness: int,
+    n: int,
+    t_train: float,
+    t_bcast: float,
+    mu_total: float,
+    warnings: tuple[str, ...],
+) -> KappaChoice:
     kappa = max(1, staleness - 1)
     overlap = overlaps(n, kappa, t_train, t_bcast, mu_total)
-    bound = (staleness_bound_overlap(kappa, t_train, t_bcast) if overlap else
-             staleness_bound_worst(n, kappa, t_train, t_bcast, mu_total) if mu_total > 0 else None)
+    bound = (
+        staleness_bound_overlap(kappa, t_train, t_bcast)
+        if overlap
+        else staleness_bound_worst(n, kappa, t_train, t_bcast, mu_total)
+        if mu_total > 0
+        else None
+    )
     try:
         need = f"overlap needs mu >= {mu_req(n, kappa, t_train, t_bcast):.4g}/s"
     except Infeasible:
         need = f"overlap impossible at kappa={kappa} (kappa*T_train <= T_bcast)"
-    reason = (f"no kappa in 1..{staleness} has both overlap at mu={mu_total:g}/s and a "
-              f"bound <= S; fallback kappa = max(1, S-1) = {kappa}, {need}")
-    return KappaChoice(kappa, bound, overlap, True, t_bcast > t_train, warnings + (reason,),
-                       reason)
+    reason = (
+        f"no kappa in 1..{staleness} has both overlap at mu={mu_total:g}/s and a "
+        f"bound <= S; fallback kappa = max(1, S-1) = {kappa}, {need}"
+    )
+    return KappaChoice(kappa, bound, overlap, True, t_bcast > t_train, warnings + (reason,), reason)

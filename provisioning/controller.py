@@ -58,29 +58,63 @@ from collections import deque
 from collections.abc import Callable
 
 from echo.ewma import ewma
-from provisioning.registry import (ACTIVE, STANDBY, Registry, Remembered,  # noqa: F401
-                                   UnknownWorker, WorkerStatus, fold)
-from provisioning.scaling import (ACTIVATE, RELEASE, SHORT, SWAP_GAIN, SWAP_SHARE,  # noqa: F401
-                                  Decision, Policy, Scaler)
+from provisioning.registry import (
+    ACTIVE,
+    STANDBY,
+    Registry,
+    Remembered,  # noqa: F401
+    UnknownWorker,  # noqa: F401  (re-exported)
+    WorkerStatus,
+    fold,
+)
+from provisioning.scaling import (
+    ACTIVATE,  # noqa: F401  (re-exported)
+    RELEASE,  # noqa: F401  (re-exported)
+    SHORT,  # noqa: F401  (re-exported)
+    SWAP_GAIN,  # noqa: F401  (re-exported)
+    SWAP_SHARE,  # noqa: F401
+    Decision,
+    Policy,
+    Scaler,
+)
 
 
 class Controller:
     """Hysteretic activate/release loop over a registry of priced workers. Thread-safe."""
 
-    def __init__(self, alpha: float = 1.1, delta: float = 0.2, window_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, *, tau_s: float = 60.0,
-                 avail_beta: float = 0.2, warmup_s: float = 30.0, history: int = 1000,
-                 probation_slots: int = 4, probation_ready_s: float = 600.0,
-                 memory: int = 100_000, group_size: int = 1,
-                 probation_group_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        alpha: float = 1.1,
+        delta: float = 0.2,
+        window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        tau_s: float = 60.0,
+        avail_beta: float = 0.2,
+        warmup_s: float = 30.0,
+        history: int = 1000,
+        probation_slots: int = 4,
+        probation_ready_s: float = 600.0,
+        memory: int = 100_000,
+        group_size: int = 1,
+        probation_group_s: float = 0.0,
+    ) -> None:
         """``group_size``: trajectories per group (a group's generation time is group_size /
         mu_hat); ``probation_group_s``: the expected seconds to generate one group before any
         worker has been measured (0: none expected beyond the window)."""
         _check_params(alpha, delta, window_s, tau_s, avail_beta, warmup_s)
         if probation_slots < 0:
             raise ValueError(f"probation_slots must be >= 0, got {probation_slots}")
-        self.policy = Policy(alpha, delta, window_s, warmup_s, probation_slots,
-                             probation_ready_s, max(1, group_size), max(0.0, probation_group_s))
+        self.policy = Policy(
+            alpha,
+            delta,
+            window_s,
+            warmup_s,
+            probation_slots,
+            probation_ready_s,
+            max(1, group_size),
+            max(0.0, probation_group_s),
+        )
         self.tau_s, self.avail_beta = tau_s, avail_beta
         self._clock = clock
         self._reg = Registry(memory)
@@ -90,8 +124,14 @@ class Controller:
 
     # -- registry -------------------------------------------------------------------------
 
-    def add_worker(self, worker_id: str, price: float, state: str = STANDBY,
-                   mu_prior: float = 0.0, identity: str | None = None) -> None:
+    def add_worker(
+        self,
+        worker_id: str,
+        price: float,
+        state: str = STANDBY,
+        mu_prior: float = 0.0,
+        identity: str | None = None,
+    ) -> None:
         """Register a worker. ``mu_prior``: a *trusted* (benchmarked) throughput, the EWMA's
         starting point until measurements replace it; 0 (what the learner passes for a joiner
         it has not measured) gives no credit, and the worker is activated only on probation.
@@ -129,8 +169,13 @@ class Controller:
 
     # -- measurements -----------------------------------------------------------------------
 
-    def observe(self, worker_id: str, delivered: int, busy_s: float | None = None,
-                credit: float | None = None) -> None:
+    def observe(
+        self,
+        worker_id: str,
+        delivered: int,
+        busy_s: float | None = None,
+        credit: float | None = None,
+    ) -> None:
         """``delivered`` trajectories from this worker were admitted by the learner (refused
         ones earn no credit). Ignored for standby workers, which may still be finishing leases
         after a release.
@@ -150,8 +195,9 @@ class Controller:
         if busy_s is not None and not (busy_s >= 0 and math.isfinite(busy_s)):
             raise ValueError(f"busy_s must be finite and >= 0, got {busy_s} from {worker_id!r}")
         if credit is not None and not (0 <= credit <= delivered and math.isfinite(credit)):
-            raise ValueError(f"credit must be in [0, delivered = {delivered}], got {credit} "
-                             f"from {worker_id!r}")
+            raise ValueError(
+                f"credit must be in [0, delivered = {delivered}], got {credit} from {worker_id!r}"
+            )
         with self._lock:
             w = self._reg.get(worker_id)
             if w.state == ACTIVE:
@@ -254,8 +300,9 @@ class Controller:
             return sorted(w.worker_id for w in self._reg.workers.values() if w.state == ACTIVE)
 
 
-def _check_params(alpha: float, delta: float, window_s: float, tau_s: float, avail_beta: float,
-                  warmup_s: float) -> None:
+def _check_params(
+    alpha: float, delta: float, window_s: float, tau_s: float, avail_beta: float, warmup_s: float
+) -> None:
     if not alpha > 0:
         raise ValueError(f"alpha (safety factor) must be > 0, got {alpha}; the default is 1.1")
     if not delta >= 0:

@@ -23,13 +23,19 @@ class Remembered:
     active: bool = False  # active when the state was taken (restart only; a leaver is not)
 
     @classmethod
-    def parse(cls, obj: object) -> "Remembered":
+    def parse(cls, obj: object) -> Remembered:
         """From the run folder's JSON; anything malformed raises ValueError."""
         if not isinstance(obj, dict) or set(obj) != {"mu_hat", "failed_probations", "active"}:
             raise ValueError(f"not a remembered worker: {obj!r:.80}")
         mu, failed, active = obj["mu_hat"], obj["failed_probations"], obj["active"]
-        if (not isinstance(mu, (int, float)) or isinstance(mu, bool) or not (mu >= 0 and math.isfinite(mu))
-                or type(failed) is not int or failed < 0 or type(active) is not bool):
+        if (
+            not isinstance(mu, (int, float))
+            or isinstance(mu, bool)
+            or not (mu >= 0 and math.isfinite(mu))
+            or type(failed) is not int
+            or failed < 0
+            or type(active) is not bool
+        ):
             raise ValueError(f"bad values in a remembered worker: {obj!r:.80}")
         return cls(float(mu), failed, active)
 
@@ -88,8 +94,14 @@ class WorkerRecord:
         self.ready_at = None  # its delivery clock starts at its next work request
 
     def status(self) -> WorkerStatus:
-        return WorkerStatus(self.worker_id, self.state, self.price, self.mu_hat,
-                            self.availability, self.effective_mu)
+        return WorkerStatus(
+            self.worker_id,
+            self.state,
+            self.price,
+            self.mu_hat,
+            self.availability,
+            self.effective_mu,
+        )
 
 
 class Registry:
@@ -104,16 +116,20 @@ class Registry:
         self._memory_size = memory
         self._identity: dict[str, str] = {}
 
-    def add(self, worker_id: str, price: float, mu_prior: float, identity: str | None,
-            now: float) -> tuple[WorkerRecord, bool]:
+    def add(
+        self, worker_id: str, price: float, mu_prior: float, identity: str | None, now: float
+    ) -> tuple[WorkerRecord, bool]:
         """Register a standby worker; returns it and whether it was active before a restart."""
         if worker_id in self.workers:
-            raise ValueError(f"worker {worker_id!r} is already registered; remove_worker "
-                             f"first to re-register it with a new price or prior")
+            raise ValueError(
+                f"worker {worker_id!r} is already registered; remove_worker "
+                f"first to re-register it with a new price or prior"
+            )
         # A trusted prior is credit (a benchmark said so); without one the worker is
         # unmeasured until it delivers.
-        w = WorkerRecord(worker_id, float(price), STANDBY, float(mu_prior), since=now,
-                         measured=mu_prior > 0)
+        w = WorkerRecord(
+            worker_id, float(price), STANDBY, float(mu_prior), since=now, measured=mu_prior > 0
+        )
         past = None
         if identity is not None:
             self._identity[worker_id] = identity
@@ -129,8 +145,9 @@ class Registry:
         del self.workers[worker_id]
         identity = self._identity.pop(worker_id, None)
         if identity is not None and (w.measured or w.failed_probations):
-            self._remember(identity, Remembered(w.mu_hat if w.measured else 0.0,
-                                                w.failed_probations))
+            self._remember(
+                identity, Remembered(w.mu_hat if w.measured else 0.0, w.failed_probations)
+            )
 
     def _remember(self, identity: str, past: Remembered) -> None:
         self._memory[identity] = past
@@ -142,8 +159,9 @@ class Registry:
         out = {i: asdict(r) for i, r in self._memory.items()}
         for wid, identity in self._identity.items():
             w = self.workers[wid]
-            out[identity] = asdict(Remembered(w.mu_hat if w.measured else 0.0,
-                                              w.failed_probations, w.state == ACTIVE))
+            out[identity] = asdict(
+                Remembered(w.mu_hat if w.measured else 0.0, w.failed_probations, w.state == ACTIVE)
+            )
         return out
 
     def restore(self, state: dict[str, object]) -> int:
@@ -162,8 +180,9 @@ class Registry:
         try:
             return self.workers[worker_id]
         except KeyError:
-            raise UnknownWorker(f"unknown worker {worker_id!r}: call add_worker first (or it "
-                                f"was removed)") from None
+            raise UnknownWorker(
+                f"unknown worker {worker_id!r}: call add_worker first (or it was removed)"
+            ) from None
 
     # -- aggregates the scaling rules read ----------------------------------------------------
 
@@ -187,9 +206,14 @@ class Registry:
         return (w.failed_probations, est, w.worker_id)
 
     def standby_by_estimate(self, typical: float | None) -> list[WorkerRecord]:
-        return sorted((w for w in self.workers.values() if w.state == STANDBY and not w.yielded
-                       and (w.effective_mu > 0 or not w.measured)),
-                      key=lambda w: self.rank(w, typical))
+        return sorted(
+            (
+                w
+                for w in self.workers.values()
+                if w.state == STANDBY and not w.yielded and (w.effective_mu > 0 or not w.measured)
+            ),
+            key=lambda w: self.rank(w, typical),
+        )
 
 
 def fold(workers: dict[str, WorkerRecord], now: float, warmup_s: float, tau_s: float) -> None:
@@ -210,8 +234,11 @@ def fold(workers: dict[str, WorkerRecord], now: float, warmup_s: float, tau_s: f
                 # The first measurement of a worker without a prior is its rate: an EWMA
                 # from 0 would report a fraction of it for minutes, and the loop would
                 # activate more workers against a shortfall that is not there.
-                w.mu_hat = ewma(None if first else w.mu_hat, w.pending / w.pending_busy,
-                                time_weight(w.pending_busy, tau_s))
+                w.mu_hat = ewma(
+                    None if first else w.mu_hat,
+                    w.pending / w.pending_busy,
+                    time_weight(w.pending_busy, tau_s),
+                )
             w.pending, w.pending_busy, w.since = 0, 0.0, now
         elif dt > 0:
             w.mu_hat = ewma(w.mu_hat, w.pending / dt, time_weight(dt, tau_s))

@@ -74,8 +74,15 @@ class Scaler:
         """The active worker ``w`` yielded to its owner: standby, with its books kept."""
         c_eff = self.reg.c_eff()
         w.state, w.since, w.pending, w.pending_busy = STANDBY, now, 0, 0.0
-        return Decision(now, RELEASE, w.worker_id, f"{w.worker_id} yielded to its owner: standby "
-                        f"until the machine is quiet", c_eff, self.target(), "yielded")
+        return Decision(
+            now,
+            RELEASE,
+            w.worker_id,
+            f"{w.worker_id} yielded to its owner: standby until the machine is quiet",
+            c_eff,
+            self.target(),
+            "yielded",
+        )
 
     def probation_s(self) -> float:
         """How long a probationer has, from its first work request, to deliver a group:
@@ -95,16 +102,25 @@ class Scaler:
         standby = [w for w in self.reg.workers.values() if w.state == STANDBY and not w.yielded]
         if not standby:
             return []
-        w = min(standby, key=lambda w: (w.measured and w.effective_mu <= 0,
-                                        self.reg.rank(w, typical)))
+        w = min(
+            standby, key=lambda w: (w.measured and w.effective_mu <= 0, self.reg.rank(w, typical))
+        )
         w.set_active(now)
         self._last_activation = now
         self._low_since = self._high_since = None
-        return [Decision(now, ACTIVATE, w.worker_id,
-                         f"liveness: the learner has waited {now - since:.0f} s for data and "
-                         f"nobody was activated for a window ({self.p.window_s:g} s); "
-                         f"{w.worker_id} (${w.price:.3g}/h) is the best standby worker",
-                         self.reg.c_eff(), self.target(), "liveness")]
+        return [
+            Decision(
+                now,
+                ACTIVATE,
+                w.worker_id,
+                f"liveness: the learner has waited {now - since:.0f} s for data and "
+                f"nobody was activated for a window ({self.p.window_s:g} s); "
+                f"{w.worker_id} (${w.price:.3g}/h) is the best standby worker",
+                self.reg.c_eff(),
+                self.target(),
+                "liveness",
+            )
+        ]
 
     def _end_probations(self, now: float) -> list[Decision]:
         """Active workers that delivered nothing in ``warmup_s + window_s`` go back to standby:
@@ -117,14 +133,25 @@ class Scaler:
             if w.ready_at is None and now - w.activated_at >= self.p.probation_ready_s:
                 why = f"never asked for work in {now - w.activated_at:.0f} s (probation_ready_s)"
             elif w.ready_at is not None and now - w.ready_at >= limit:
-                why = (f"delivered nothing in {now - w.ready_at:.0f} s after asking for work "
-                       f"(warmup_s + window_s + 2 group times = {limit:.3g} s)")
+                why = (
+                    f"delivered nothing in {now - w.ready_at:.0f} s after asking for work "
+                    f"(warmup_s + window_s + 2 group times = {limit:.3g} s)"
+                )
             else:
                 continue
             w.state, w.mu_hat, w.ready_at = STANDBY, 0.0, None
             w.failed_probations += 1
-            out.append(Decision(now, RELEASE, w.worker_id, f"probation over: {w.worker_id} {why}; "
-                                f"no credit", self.reg.c_eff(), self.target(), "probation_over"))
+            out.append(
+                Decision(
+                    now,
+                    RELEASE,
+                    w.worker_id,
+                    f"probation over: {w.worker_id} {why}; no credit",
+                    self.reg.c_eff(),
+                    self.target(),
+                    "probation_over",
+                )
+            )
         return out
 
     def _decide(self, now: float) -> list[Decision]:
@@ -160,14 +187,21 @@ class Scaler:
         per window, checked at every tick. Churn otherwise leaves whatever replaced the leavers
         active for good, while cheaper measured workers wait in standby."""
         workers = self.reg.workers.values()
-        standby = sorted((w for w in workers if w.state == STANDBY and not w.yielded
-                          and w.measured and w.effective_mu > 0),
-                         key=lambda w: (w.unit_cost, w.worker_id))
-        active = sorted((w for w in workers if w.state == ACTIVE and w.measured),
-                        key=lambda w: (-w.unit_cost, w.worker_id))
+        standby = sorted(
+            (
+                w
+                for w in workers
+                if w.state == STANDBY and not w.yielded and w.measured and w.effective_mu > 0
+            ),
+            key=lambda w: (w.unit_cost, w.worker_id),
+        )
+        active = sorted(
+            (w for w in workers if w.state == ACTIVE and w.measured),
+            key=lambda w: (-w.unit_cost, w.worker_id),
+        )
         limit = max(1, int(SWAP_SHARE * len(active))) - self._swapped
         out: list[Decision] = []
-        for best, worst in zip(standby, active[:max(0, limit)]):
+        for best, worst in zip(standby, active[: max(0, limit)]):
             # (a $0 volunteer's unit cost is 0: nothing is cheaper, and the ratio below would
             # divide by it; found by tests/test_liveness.py)
             if worst.unit_cost <= 0 or best.unit_cost > (1 - SWAP_GAIN) * worst.unit_cost:
@@ -175,13 +209,17 @@ class Scaler:
             after = c_eff - worst.effective_mu + best.effective_mu
             if after < target:
                 continue
-            why = (f"unit-cost check (every {self.p.window_s:g} s); swap: {_describe(best)} per "
-                   f"trajectory is {1 - best.unit_cost / worst.unit_cost:.0%} cheaper than "
-                   f"{_describe(worst)}")
+            why = (
+                f"unit-cost check (every {self.p.window_s:g} s); swap: {_describe(best)} per "
+                f"trajectory is {1 - best.unit_cost / worst.unit_cost:.0%} cheaper than "
+                f"{_describe(worst)}"
+            )
             best.set_active(now)
             worst.state = STANDBY
-            out += [Decision(now, ACTIVATE, best.worker_id, why, after, target, "swap"),
-                    Decision(now, RELEASE, worst.worker_id, why, after, target, "swap")]
+            out += [
+                Decision(now, ACTIVATE, best.worker_id, why, after, target, "swap"),
+                Decision(now, RELEASE, worst.worker_id, why, after, target, "swap"),
+            ]
             c_eff = after
             self._swapped += 1
         return out
@@ -198,34 +236,60 @@ class Scaler:
         find the cheap ones that joined since. Workers that failed probation come last.
         """
         typical = self.reg.typical_mu()
-        why = (f"C_eff {c_eff:.4g}/s < alpha*mu_req = {self.p.alpha:g} x {self.mu_req:.4g} = "
-               f"{target:.4g}/s for {held:.0f} s (window {self.p.window_s:g} s)")
+        why = (
+            f"C_eff {c_eff:.4g}/s < alpha*mu_req = {self.p.alpha:g} x {self.mu_req:.4g} = "
+            f"{target:.4g}/s for {held:.0f} s (window {self.p.window_s:g} s)"
+        )
         decisions, projected = [], c_eff + (typical or 0.0) * self.reg.on_probation()
         free = self._probation_limit(target - projected) - self.reg.on_probation()
         for w in self.reg.standby_by_estimate(typical):
             if projected >= target:
                 break
             if w.measured:
-                decisions.append(Decision(now, ACTIVATE, w.worker_id,
-                                          f"{why}; {_describe(w)}, cheapest standby per "
-                                          f"trajectory; C_eff -> {projected + w.effective_mu:.4g}/s",
-                                          projected, target, "shortfall"))
+                decisions.append(
+                    Decision(
+                        now,
+                        ACTIVATE,
+                        w.worker_id,
+                        f"{why}; {_describe(w)}, cheapest standby per "
+                        f"trajectory; C_eff -> {projected + w.effective_mu:.4g}/s",
+                        projected,
+                        target,
+                        "shortfall",
+                    )
+                )
                 projected += w.effective_mu
             elif free > 0:
                 free -= 1
-                decisions.append(Decision(now, ACTIVATE, w.worker_id,
-                                          f"{why}; {w.worker_id} (${w.price:.3g}/h, unmeasured) on "
-                                          f"probation: no credit until it delivers", projected,
-                                          target, "probation"))
+                decisions.append(
+                    Decision(
+                        now,
+                        ACTIVATE,
+                        w.worker_id,
+                        f"{why}; {w.worker_id} (${w.price:.3g}/h, unmeasured) on "
+                        f"probation: no credit until it delivers",
+                        projected,
+                        target,
+                        "probation",
+                    )
+                )
                 projected += typical or 0.0
             else:
                 continue
             w.set_active(now)
         if projected < target:
-            decisions.append(Decision(now, SHORT, None,
-                                      f"{why}; no standby worker left, still short by "
-                                      f"{target - projected:.4g}/s: add workers or lower mu_req",
-                                      projected, target, "short"))
+            decisions.append(
+                Decision(
+                    now,
+                    SHORT,
+                    None,
+                    f"{why}; no standby worker left, still short by "
+                    f"{target - projected:.4g}/s: add workers or lower mu_req",
+                    projected,
+                    target,
+                    "short",
+                )
+            )
         return decisions
 
     def _probation_limit(self, shortfall: float) -> int:
@@ -237,18 +301,23 @@ class Scaler:
     def _release(self, now: float, c_eff: float, target: float, held: float) -> list[Decision]:
         """The active worker with the worst unit cost whose removal keeps C_eff >= target (one
         per window)."""
-        spare = [w for w in self.reg.workers.values()
-                 if w.state == ACTIVE and c_eff - w.effective_mu >= target]
+        spare = [
+            w
+            for w in self.reg.workers.values()
+            if w.state == ACTIVE and c_eff - w.effective_mu >= target
+        ]
         if not spare:
             return []  # over-provisioned, but every single release would undershoot
         w = max(spare, key=lambda w: (w.unit_cost, w.price, w.worker_id))
         p, mu_req = self.p, self.mu_req or 0.0
         bound = (p.alpha + p.delta) * mu_req
-        reason = (f"C_eff {c_eff:.4g}/s > (alpha+delta)*mu_req = ({p.alpha:g}+{p.delta:g}) "
-                  f"x {mu_req:.4g} = {bound:.4g}/s for {held:.0f} s (window "
-                  f"{p.window_s:g} s); {_describe(w)} has the worst unit cost of those "
-                  f"whose removal keeps "
-                  f"C_eff = {c_eff - w.effective_mu:.4g}/s >= {target:.4g}/s")
+        reason = (
+            f"C_eff {c_eff:.4g}/s > (alpha+delta)*mu_req = ({p.alpha:g}+{p.delta:g}) "
+            f"x {mu_req:.4g} = {bound:.4g}/s for {held:.0f} s (window "
+            f"{p.window_s:g} s); {_describe(w)} has the worst unit cost of those "
+            f"whose removal keeps "
+            f"C_eff = {c_eff - w.effective_mu:.4g}/s >= {target:.4g}/s"
+        )
         w.state = STANDBY
         return [Decision(now, RELEASE, w.worker_id, reason, c_eff, target, "surplus")]
 
@@ -262,5 +331,7 @@ def _held_since(since: float | None, holds: bool, now: float) -> float | None:
 
 def _describe(w: WorkerRecord) -> str:
     per_1k = w.price / 3600 / w.effective_mu * 1000 if w.effective_mu > 0 else math.inf
-    return (f"{w.worker_id} (${w.price:.3g}/h, a={w.availability:.2f} x mu_hat={w.mu_hat:.4g}/s "
-            f"= {w.effective_mu:.4g}/s, ${per_1k:.3g} per 1k trajectories)")
+    return (
+        f"{w.worker_id} (${w.price:.3g}/h, a={w.availability:.2f} x mu_hat={w.mu_hat:.4g}/s "
+        f"= {w.effective_mu:.4g}/s, ${per_1k:.3g} per 1k trajectories)"
+    )

@@ -65,27 +65,39 @@ def _as_pool(mu: np.ndarray, price: np.ndarray, target: float) -> tuple[np.ndarr
     mu = np.asarray(mu, dtype=np.float64)
     price = np.asarray(price, dtype=np.float64)
     if mu.ndim != 1 or price.ndim != 1 or mu.shape != price.shape:
-        raise SelectionError(f"mu and price must be 1-D arrays of the same length, got shapes "
-                             f"{mu.shape} and {price.shape}")
+        raise SelectionError(
+            f"mu and price must be 1-D arrays of the same length, got shapes "
+            f"{mu.shape} and {price.shape}"
+        )
     for name, arr in (("mu", mu), ("price", price)):
         if not np.all(np.isfinite(arr)):
-            raise SelectionError(f"{name} holds NaN or infinite values at indices "
-                                 f"{np.flatnonzero(~np.isfinite(arr))[:10].tolist()}; "
-                                 f"drop those workers or give them a measured value")
+            raise SelectionError(
+                f"{name} holds NaN or infinite values at indices "
+                f"{np.flatnonzero(~np.isfinite(arr))[:10].tolist()}; "
+                f"drop those workers or give them a measured value"
+            )
         if np.any(arr < 0):
-            raise SelectionError(f"{name} must be >= 0, negative at indices "
-                                 f"{np.flatnonzero(arr < 0)[:10].tolist()}")
+            raise SelectionError(
+                f"{name} must be >= 0, negative at indices {np.flatnonzero(arr < 0)[:10].tolist()}"
+            )
     if not np.isfinite(target):
         raise SelectionError(f"target must be a finite number of trajectories/s, got {target}")
     return mu, price
 
 
-def _result(mask: np.ndarray, mu: np.ndarray, price: np.ndarray, target: float,
-            method: str) -> Selection:
+def _result(
+    mask: np.ndarray, mu: np.ndarray, price: np.ndarray, target: float, method: str
+) -> Selection:
     idx = np.flatnonzero(mask)
     total_mu = float(mu[idx].sum())
-    return Selection(indices=idx, cost=float(price[idx].sum()), mu=total_mu, target=float(target),
-                     feasible=_reaches(total_mu, target), method=method)
+    return Selection(
+        indices=idx,
+        cost=float(price[idx].sum()),
+        mu=total_mu,
+        target=float(target),
+        feasible=_reaches(total_mu, target),
+        method=method,
+    )
 
 
 def _reaches(total_mu: float, target: float) -> bool:
@@ -100,9 +112,11 @@ def _trivial(mu: np.ndarray, price: np.ndarray, target: float, method: str) -> S
     total = float(mu[useful].sum())
     if not _reaches(total, target):
         sel = _result(useful, mu, price, target, method)
-        msg = (f"infeasible: all {int(useful.sum())} workers together give {total:.6g} "
-               f"trajectories/s, short of the target {target:.6g} by {target - total:.6g}; "
-               f"add workers or lower the requirement (fewer rollouts per step, longer T_train)")
+        msg = (
+            f"infeasible: all {int(useful.sum())} workers together give {total:.6g} "
+            f"trajectories/s, short of the target {target:.6g} by {target - total:.6g}; "
+            f"add workers or lower the requirement (fewer rollouts per step, longer T_train)"
+        )
         return Selection(sel.indices, sel.cost, sel.mu, sel.target, False, method, msg)
     return None
 
@@ -143,8 +157,13 @@ def _greedy_mask(mu: np.ndarray, price: np.ndarray, target: float) -> np.ndarray
 # exact: MILP yardstick
 
 
-def exact(mu: np.ndarray, price: np.ndarray, target: float, time_limit_s: float | None = None,
-          quiet: bool = True) -> Selection:
+def exact(
+    mu: np.ndarray,
+    price: np.ndarray,
+    target: float,
+    time_limit_s: float | None = None,
+    quiet: bool = True,
+) -> Selection:
     """Optimal set by MILP (HiGHS via ``scipy.optimize.milp``), for benchmarks and planning.
 
     ``mip_rel_gap=0`` because the default 1e-4 stops early and would flatter the heuristics.
@@ -170,23 +189,33 @@ def exact(mu: np.ndarray, price: np.ndarray, target: float, time_limit_s: float 
             mask[useful[x]] = True
             return _result(mask, mu, price, target, "exact")
         bound += (1.0 - got) + 1e-12
-    raise RuntimeError(f"HiGHS kept returning sets below the target (last: {got:.12f} of it) "
-                       f"after 5 tightened solves; rescale mu to O(1) values and retry")
+    raise RuntimeError(
+        f"HiGHS kept returning sets below the target (last: {got:.12f} of it) "
+        f"after 5 tightened solves; rescale mu to O(1) values and retry"
+    )
 
 
-def _solve_milp(price: np.ndarray, scaled_mu: np.ndarray, bound: float,
-                time_limit_s: float | None, quiet: bool) -> np.ndarray:
+def _solve_milp(
+    price: np.ndarray, scaled_mu: np.ndarray, bound: float, time_limit_s: float | None, quiet: bool
+) -> np.ndarray:
     from scipy.optimize import Bounds, LinearConstraint, milp  # heavy import, only when needed
 
     options: dict[str, float | bool] = {"mip_rel_gap": 0.0}
     if time_limit_s is not None:
         options["time_limit"] = float(time_limit_s)
     with _stdout_to_devnull(quiet):
-        res = milp(price, constraints=LinearConstraint(scaled_mu[None, :], bound, np.inf),
-                   integrality=np.ones_like(price), bounds=Bounds(0, 1), options=options)
+        res = milp(
+            price,
+            constraints=LinearConstraint(scaled_mu[None, :], bound, np.inf),
+            integrality=np.ones_like(price),
+            bounds=Bounds(0, 1),
+            options=options,
+        )
     if res.status != 0 or res.x is None:
-        raise RuntimeError(f"HiGHS did not prove an optimum (status {res.status}: {res.message}); "
-                           f"raise time_limit_s or use ours() for a fast near-optimal answer")
+        raise RuntimeError(
+            f"HiGHS did not prove an optimum (status {res.status}: {res.message}); "
+            f"raise time_limit_s or use ours() for a fast near-optimal answer"
+        )
     return res.x > 0.5
 
 
@@ -211,8 +240,16 @@ def _stdout_to_devnull(enabled: bool) -> Iterator[None]:
 # ours: greedy order + repairs
 
 
-def ours(mu: np.ndarray, price: np.ndarray, target: float, *, max_swaps: int = 16,
-         core_width: int = 16, core_fillers: int = 64, cost_grid: int = 4096) -> Selection:
+def ours(
+    mu: np.ndarray,
+    price: np.ndarray,
+    target: float,
+    *,
+    max_swaps: int = 16,
+    core_width: int = 16,
+    core_fillers: int = 64,
+    cost_grid: int = 4096,
+) -> Selection:
     """Near-optimal set in O(n log n) numpy work; never costs more than ``greedy``.
 
     Two candidates, each polished by local search; the cheaper one wins.
@@ -232,9 +269,11 @@ def ours(mu: np.ndarray, price: np.ndarray, target: float, *, max_swaps: int = 1
     starts from greedy's answer or better: hence "never worse than greedy".
     """
     if min(max_swaps, core_width, core_fillers) < 0 or cost_grid < 1:
-        raise SelectionError(f"ours() tuning knobs out of range: max_swaps={max_swaps}, "
-                             f"core_width={core_width}, core_fillers={core_fillers} must be "
-                             f">= 0 and cost_grid={cost_grid} >= 1")
+        raise SelectionError(
+            f"ours() tuning knobs out of range: max_swaps={max_swaps}, "
+            f"core_width={core_width}, core_fillers={core_fillers} must be "
+            f">= 0 and cost_grid={cost_grid} >= 1"
+        )
     mu, price = _as_pool(mu, price, target)
     trivial = _trivial(mu, price, target, "ours")
     if trivial is not None:
@@ -250,7 +289,7 @@ def ours(mu: np.ndarray, price: np.ndarray, target: float, *, max_swaps: int = 1
     return _result(best, mu, price, target, "ours")
 
 
-def _polish(pool: "_Sorted", target: float, mask: np.ndarray, max_swaps: int) -> np.ndarray:
+def _polish(pool: _Sorted, target: float, mask: np.ndarray, max_swaps: int) -> np.ndarray:
     mask = _drop_redundant(pool.mu, pool.price, target, mask)
     return _improve_by_swaps(pool, target, mask, max_swaps)
 
@@ -267,7 +306,7 @@ class _Sorted:
     by_mu: np.ndarray  # useful workers, smallest mu first
 
     @classmethod
-    def of(cls, mu: np.ndarray, price: np.ndarray) -> "_Sorted":
+    def of(cls, mu: np.ndarray, price: np.ndarray) -> _Sorted:
         order = unit_cost_order(mu, price)
         rank = np.full(mu.shape, -1, dtype=np.int64)
         rank[order] = np.arange(len(order))
@@ -293,15 +332,16 @@ def _prefix_plus_closer(pool: _Sorted, target: float) -> np.ndarray:
     best = int(np.argmin(cost))
     mask = np.zeros(mu.shape, bool)
     if cost[best] < cum_price[k]:
-        mask[order[:j[best]]] = True
+        mask[order[: j[best]]] = True
         mask[closers[best]] = True
     else:
         mask[order[:k]] = True
     return mask
 
 
-def _core_dp(pool: _Sorted, target: float, budget: float, width: int, fillers: int,
-             grid: int) -> np.ndarray | None:
+def _core_dp(
+    pool: _Sorted, target: float, budget: float, width: int, fillers: int, grid: int
+) -> np.ndarray | None:
     """Candidate B of ``ours``: fixed prefix + DP over a core; None if it cannot beat ``budget``.
 
     ``dp[g]`` is the largest throughput reachable with core workers whose rounded-up costs sum
@@ -333,7 +373,7 @@ def _core_dp(pool: _Sorted, target: float, budget: float, width: int, fillers: i
 
 def _core_members(rest: np.ndarray, price: np.ndarray, width: int, fillers: int) -> np.ndarray:
     """Workers around the break point (in unit-cost order) plus the cheapest of the others."""
-    near, far = rest[:2 * width], rest[2 * width:]
+    near, far = rest[: 2 * width], rest[2 * width :]
     if len(far) > fillers:
         far = far[np.argpartition(price[far], fillers)[:fillers]]
     return np.concatenate((near, far))
@@ -361,14 +401,15 @@ def _knapsack_by_cost(mu: np.ndarray, buckets: np.ndarray, grid: int) -> _Knapsa
     with_item = np.empty(grid + 1)
     for i, (m, w) in enumerate(zip(mu, buckets)):
         with_item[:w] = -np.inf
-        with_item[w:] = best[:grid + 1 - w] + m
+        with_item[w:] = best[: grid + 1 - w] + m
         took[i] = with_item > best
         np.maximum(best, with_item, out=best)
     return _Knapsack(best, took)
 
 
-def _drop_redundant(mu: np.ndarray, price: np.ndarray, target: float,
-                    mask: np.ndarray) -> np.ndarray:
+def _drop_redundant(
+    mu: np.ndarray, price: np.ndarray, target: float, mask: np.ndarray
+) -> np.ndarray:
     """Remove chosen workers the surplus can spare, highest price first (largest saving)."""
     surplus = float(mu[mask].sum()) - target
     spare = np.flatnonzero(mask & (mu <= surplus))
@@ -386,8 +427,7 @@ def _drop_redundant(mu: np.ndarray, price: np.ndarray, target: float,
     return mask
 
 
-def _improve_by_swaps(pool: _Sorted, target: float, mask: np.ndarray,
-                      max_swaps: int) -> np.ndarray:
+def _improve_by_swaps(pool: _Sorted, target: float, mask: np.ndarray, max_swaps: int) -> np.ndarray:
     """Best improving 1-for-1 swap per round, then drop what the new surplus spares."""
     for _ in range(max_swaps):
         swap = _best_swap(pool, target, mask)

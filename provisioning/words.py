@@ -11,17 +11,17 @@ from provisioning.controller import ACTIVATE, RELEASE, Decision
 
 SENTENCES: dict[tuple[str, str], str] = {
     (ACTIVATE, "shortfall"): "active: the learner needs more capacity, and you are among the "
-                             "cheapest per trajectory",
+    "cheapest per trajectory",
     (ACTIVATE, "probation"): "active on probation: deliver a group and the learner measures "
-                             "your throughput",
+    "your throughput",
     (ACTIVATE, "liveness"): "active: the learner has been waiting for data",
     (ACTIVATE, "swap"): "active: you produce a trajectory for less than a volunteer who now "
-                        "stands by",
+    "stands by",
     (RELEASE, "surplus"): "standby: the fleet has enough capacity; you keep your snapshot "
-                          "current and may be called again",
+    "current and may be called again",
     (RELEASE, "swap"): "standby: a volunteer who produces a trajectory for less took your place",
     (RELEASE, "probation_over"): "standby: your probation ended without a delivered group; "
-                                 "check your worker's log (does the model load and generate?)",
+    "check your worker's log (does the model load and generate?)",
     (RELEASE, "yielded"): "standby: your machine's owner needs it; back when it is quiet",
 }
 

@@ -6,7 +6,6 @@ import pytest
 
 from echo.config import EchoConfig
 
-
 TIERS = ("unit", "integration", "lab")
 
 
@@ -53,14 +52,25 @@ def tokenizer():
 @pytest.fixture
 def small_cfg() -> EchoConfig:
     """A config small enough for in-process and loopback tests."""
-    return EchoConfig.model_validate({
-        "learner": {"prompts_per_step": 4, "group_size": 4, "max_steps": 6, "staleness": 2,
-                    "wait_timeout_s": 60},
-        "buffer": {"capacity_groups": 16},
-        "worker": {"groups_per_request": 2, "heartbeat_s": 0.3},
-        "transport": {"heartbeat_timeout_s": 3.0, "request_timeout_s": 3.0, "max_message_mib": 1.0},
-        "broadcast": {"dtype": "float32", "chunk_mib": 0.0625},
-    })
+    return EchoConfig.model_validate(
+        {
+            "learner": {
+                "prompts_per_step": 4,
+                "group_size": 4,
+                "max_steps": 6,
+                "staleness": 2,
+                "wait_timeout_s": 60,
+            },
+            "buffer": {"capacity_groups": 16},
+            "worker": {"groups_per_request": 2, "heartbeat_s": 0.3},
+            "transport": {
+                "heartbeat_timeout_s": 3.0,
+                "request_timeout_s": 3.0,
+                "max_message_mib": 1.0,
+            },
+            "broadcast": {"dtype": "float32", "chunk_mib": 0.0625},
+        }
+    )
 
 
 @pytest.fixture

@@ -39,8 +39,17 @@ KINDS = (
     (("echo-rl", "worker", "ban"), "", "ban"),
     (("torchrun",), "", "torchrun"),
 )
-NEEDED = ("learn", "token", "rl_doctor", "worker_doctor", "join_public", "join_home", "status",
-          "workers", "ban")
+NEEDED = (
+    "learn",
+    "token",
+    "rl_doctor",
+    "worker_doctor",
+    "join_public",
+    "join_home",
+    "status",
+    "workers",
+    "ban",
+)
 
 
 class ReadmeError(AssertionError):
@@ -84,7 +93,9 @@ def block(readme: str) -> list[tuple[int, str, list[str]]]:
         try:
             words = shlex.split(text, comments=True)
         except ValueError as exc:
-            raise ReadmeError(f"README.md line {start}: {text.strip()}: not shell words ({exc})") from None
+            raise ReadmeError(
+                f"README.md line {start}: {text.strip()}: not shell words ({exc})"
+            ) from None
         if words:
             out.append((start, text, words))
     return out
@@ -94,17 +105,27 @@ def steps(readme: str) -> list[Step]:
     """The block's commands, each named; unknown commands and missing ones are errors."""
     out = []
     for line, text, words in block(readme):
-        kind = next((k for head, flag, k in KINDS
-                     if tuple(words[:len(head)]) == head and (not flag or flag in words)), None)
+        kind = next(
+            (
+                k
+                for head, flag, k in KINDS
+                if tuple(words[: len(head)]) == head and (not flag or flag in words)
+            ),
+            None,
+        )
         if kind is None:
-            raise ReadmeError(f"README.md line {line}: {text.strip()}: a command this test does "
-                              f"not know; say in tests/readme_run.py (KINDS) where it runs and "
-                              f"what it must do")
+            raise ReadmeError(
+                f"README.md line {line}: {text.strip()}: a command this test does "
+                f"not know; say in tests/readme_run.py (KINDS) where it runs and "
+                f"what it must do"
+            )
         out.append(Step(line, text, tuple(words), kind))
     missing = [k for k in NEEDED if k not in {s.kind for s in out}]
     if missing:
-        raise ReadmeError(f"README.md {SECTION!r} lacks a command for: {', '.join(missing)} "
-                          f"(commands found: {[' '.join(s.words[:3]) for s in out]})")
+        raise ReadmeError(
+            f"README.md {SECTION!r} lacks a command for: {', '.join(missing)} "
+            f"(commands found: {[' '.join(s.words[:3]) for s in out]})"
+        )
     return out
 
 
@@ -140,8 +161,12 @@ class Placeholders:
         return words
 
     def fill(self, word: str) -> str:
-        for name, value in (("<learner key>", self.learner_key), ("TOKEN", self.token),
-                            ("PUBLIC_IP", self.public_ip), ("HOST", self.host)):
+        for name, value in (
+            ("<learner key>", self.learner_key),
+            ("TOKEN", self.token),
+            ("PUBLIC_IP", self.public_ip),
+            ("HOST", self.host),
+        ):
             if value:
                 word = word.replace(name, value)
         return word
@@ -157,9 +182,16 @@ class Host:
         home = self.folder / "home"
         home.mkdir(parents=True, exist_ok=True)
         # a host of its own: nothing of the test's environment (ECHO_STATUS_DIR, ...) leaks in
-        return ["env", "-i", "-C", str(self.folder), f"HOME={home}", "LANG=C.UTF-8",
-                f"PATH={venv_bin}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
-                "PYTHONUNBUFFERED=1"]
+        return [
+            "env",
+            "-i",
+            "-C",
+            str(self.folder),
+            f"HOME={home}",
+            "LANG=C.UTF-8",
+            f"PATH={venv_bin}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+            "PYTHONUNBUFFERED=1",
+        ]
 
 
 @dataclass
@@ -173,19 +205,31 @@ class Hosts:
     def argv(self, host: Host, words: list[str]) -> list[str]:
         return ["ip", "netns", "exec", host.ns, *host.env(self.venv_bin), *words]
 
-    def run(self, host: Host, step: Step, words: list[str], *, expect: int | None = 0,
-            timeout: float = 90) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        host: Host,
+        step: Step,
+        words: list[str],
+        *,
+        expect: int | None = 0,
+        timeout: float = 90,
+    ) -> subprocess.CompletedProcess:
         self.log.append(f"[{host.name}] {shlex.join(words)}")
         try:
-            done = subprocess.run(self.argv(host, words), capture_output=True,
-                                  text=True, timeout=timeout, check=False)
+            done = subprocess.run(
+                self.argv(host, words), capture_output=True, text=True, timeout=timeout, check=False
+            )
         except subprocess.TimeoutExpired as exc:
-            raise ReadmeStepError(f"{step.where()}\n  on {host.name}: {shlex.join(words)}\n  "
-                                  f"still running after {timeout:g} s\n{exc.stdout or ''}") from None
+            raise ReadmeStepError(
+                f"{step.where()}\n  on {host.name}: {shlex.join(words)}\n  "
+                f"still running after {timeout:g} s\n{exc.stdout or ''}"
+            ) from None
         if expect is not None and done.returncode != expect:
-            raise ReadmeStepError(f"{step.where()}\n  on {host.name}: {shlex.join(words)}\n  "
-                                  f"exit {done.returncode} (expected {expect})\n--- stdout\n"
-                                  f"{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}")
+            raise ReadmeStepError(
+                f"{step.where()}\n  on {host.name}: {shlex.join(words)}\n  "
+                f"exit {done.returncode} (expected {expect})\n--- stdout\n"
+                f"{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
+            )
         return done
 
     def start(self, host: Host, step: Step, words: list[str], name: str) -> subprocess.Popen:
@@ -198,8 +242,10 @@ class Hosts:
     def alive(self, name: str) -> None:
         proc = self.group.procs[name]
         if proc.poll() is not None:
-            raise ReadmeStepError(f"{proc.readme_step.where()}\n  exited {proc.returncode}; its "
-                                  f"log ends:\n{tail(proc.log_path)}")
+            raise ReadmeStepError(
+                f"{proc.readme_step.where()}\n  exited {proc.returncode}; its "
+                f"log ends:\n{tail(proc.log_path)}"
+            )
 
     def stop(self, name: str, timeout: float = 20.0) -> int | None:
         return self.group.stop(name, timeout, signal.SIGTERM)
@@ -234,5 +280,5 @@ def ready_line(log: Path) -> str:
     """The address the learner printed after READY_PREFIX, or ''."""
     for line in tail(log, 1 << 20).splitlines():
         if line.startswith(READY_PREFIX):
-            return line[len(READY_PREFIX):].strip()
+            return line[len(READY_PREFIX) :].strip()
     return ""

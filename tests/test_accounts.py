@@ -1,12 +1,11 @@
 """The learner's books on each worker (learner.accounts) and what the worker is told of them:
 the rules alone, then on the control plane's real sockets with honest and hostile peers."""
 
+from test_control import ask, client, connect, ctx, keys, plane, records  # noqa: F401  (fixtures: plane, ctx, keys, client)  # noqa: F401
+
 from echo import wire
 from echo.security import KeyPair
 from learner.accounts import Accounts
-from test_control import ask, connect, records  # noqa: F401  (fixtures: plane, ctx, keys, client)
-from test_control import client, ctx, keys, plane  # noqa: F401
-
 
 # ------------------------------------------------------------------ the rules
 
@@ -28,8 +27,13 @@ def test_records_counted_as_judged_and_the_learner_says_why():
     a = Accounts()
     a.open("w1", "K1", 0.0, True, "joined")
     a.delivered("w1", accepted=6, duplicates=2, rejected={})
-    a.delivered("w1", accepted=0, duplicates=0, rejected={"reward_mismatch": 4, "stale": 0},
-                details={"reward_mismatch": "claimed 1.0, recomputed 0.0"})
+    a.delivered(
+        "w1",
+        accepted=0,
+        duplicates=0,
+        rejected={"reward_mismatch": 4, "stale": 0},
+        details={"reward_mismatch": "claimed 1.0, recomputed 0.0"},
+    )
     acct = a.account("w1")
     assert (acct.accepted, acct.duplicates, acct.rejected) == (6, 2, {"reward_mismatch": 4})
     assert "reward_mismatch x4 (claimed 1.0, recomputed 0.0)" in acct.message
@@ -97,8 +101,12 @@ def test_heartbeats_and_farewell_carry_the_learners_books(plane, client):
     grant = ask(client, wire.WorkRequest(worker_id="w1", max_groups=2))
     good, bad = grant.groups
     batch = records(good) + records(bad, completion_ids=[999, 1])  # 999: outside the vocabulary
-    ack = ask(client, wire.Trajectories(worker_id="w1", batch_id="b1", count=len(batch),
-                                        payload=wire.pack_records(batch)))
+    ack = ask(
+        client,
+        wire.Trajectories(
+            worker_id="w1", batch_id="b1", count=len(batch), payload=wire.pack_records(batch)
+        ),
+    )
     assert ack.accepted == good.n and sum(ack.rejected.values()) == bad.n
     acct = _heartbeat(client).account
     assert acct.accepted == good.n and acct.granted == 2
@@ -132,8 +140,12 @@ def test_an_id_taken_over_after_its_worker_left_inherits_nothing(plane, client, 
     _join(client)
     grant = ask(client, wire.WorkRequest(worker_id="w1", max_groups=1))
     batch = records(grant.groups[0])
-    ask(client, wire.Trajectories(worker_id="w1", batch_id="b1", count=len(batch),
-                                  payload=wire.pack_records(batch)))
+    ask(
+        client,
+        wire.Trajectories(
+            worker_id="w1", batch_id="b1", count=len(batch), payload=wire.pack_records(batch)
+        ),
+    )
     assert isinstance(ask(client, wire.Leave(worker_id="w1")), wire.Farewell)
     other = connect(plane, ctx, keys=KeyPair.generate())
     _join(other, worker_id="w1")

@@ -1,4 +1,3 @@
-
 import pytest
 
 from adapters.toy_add import ToyAddAdapter
@@ -12,13 +11,15 @@ def test_toy_prompts_and_rewards(tokenizer, rng):
     text = tokenizer.decode(p.prompt_ids)
     a, b = int(text[0]), int(text[2])
     assert text.endswith("=") and a + b == p.task["answer"] <= 9
-    digit = lambda d: tokenizer.convert_tokens_to_ids(str(d))
+    digit = lambda d: tokenizer.convert_tokens_to_ids(str(d))  # noqa: E731
     eos = tokenizer.eos_token_id
     ans = p.task["answer"]
     assert ad.reward(p.task, [digit(ans), eos], "") == 1.0
     assert ad.reward(p.task, [digit(ans), digit(ans)], "") == 0.5  # never ends
     assert ad.reward(p.task, [digit(ans), digit(ans), eos], "") == 0.75  # ends one token late
-    assert ad.reward(p.task, [digit(ans), digit(ans), digit(ans), eos], "") == pytest.approx(0.5 + 0.5 / 3)
+    assert ad.reward(p.task, [digit(ans), digit(ans), digit(ans), eos], "") == pytest.approx(
+        0.5 + 0.5 / 3
+    )
     assert ad.reward(p.task, [digit((ans + 1) % 10), eos], "") == 0.1
     assert ad.reward(p.task, [eos], "") == 0.0
 
@@ -34,8 +35,12 @@ def test_bad_adapter_options_and_names(tokenizer):
 
 def test_materialise_aligns_masks_with_next_token_targets(tokenizer):
     ad = ToyAddAdapter({}, tokenizer)
-    recs = [Record("g", i, [4, 14, 5, 17], comp, [-0.1 * (j + 1) for j in range(len(comp))],
-                   reward, 0, "w") for i, (comp, reward) in enumerate([([11, 1], 1.0), ([12], 0.0)])]
+    recs = [
+        Record(
+            "g", i, [4, 14, 5, 17], comp, [-0.1 * (j + 1) for j in range(len(comp))], reward, 0, "w"
+        )
+        for i, (comp, reward) in enumerate([([11, 1], 1.0), ([12], 0.0)])
+    ]
     b = ad.materialise([recs])
     assert b.input_ids.tolist() == [[4, 14, 5, 17, 11, 1], [4, 14, 5, 17, 12, 0]]
     # position j predicts token j+1: completion tokens at 4..5 are predicted from 3..4

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_the_page_is_what_the_code_generates():
     assert PAGE.read_text() == api_doc.render(), (
-        "docs/adapter_api.md is out of date: .venv/bin/python -m dataplane.api_doc > docs/adapter_api.md")
+        "docs/adapter_api.md is out of date: .venv/bin/python -m dataplane.api_doc > docs/adapter_api.md"
+    )
     assert api_doc.main(["--check", str(PAGE)]) == 0
 
 

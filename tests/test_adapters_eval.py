@@ -43,8 +43,10 @@ def test_confidence_intervals():
 
 def test_poker_eval_rule_based_hero_table_layout(capsys, tmp_path):
     out = tmp_path / "res.json"
-    assert poker_eval.main(["--model", "rule:station", "--hands", "4", "--no-llm",
-                            "--json", str(out)]) == 0
+    assert (
+        poker_eval.main(["--model", "rule:station", "--hands", "4", "--no-llm", "--json", str(out)])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "Rule-based1 (tag)" in text and "Rule-based3 (maniac)" in text and "±" in text
     res = json.loads(out.read_text())
@@ -54,7 +56,12 @@ def test_poker_eval_rule_based_hero_table_layout(capsys, tmp_path):
 
 def test_poker_eval_model_with_frozen_llm_opponent(tiny):
     res = poker_eval.evaluate("tiny-qwen3", 2, hero=tiny, max_new_tokens=3, bot_samples=4)
-    assert [c["column"] for c in res["columns"]] == ["Rule-based1", "Rule-based2", "Rule-based3", "LLM"]
+    assert [c["column"] for c in res["columns"]] == [
+        "Rule-based1",
+        "Rule-based2",
+        "Rule-based3",
+        "LLM",
+    ]
     assert all(math.isfinite(c["mean_bb"]) and c["decisions"] >= 1 for c in res["columns"])
     assert "LLM" in poker_eval.table(res)
 
@@ -63,8 +70,23 @@ def test_math_eval(tiny, capsys, tmp_path):
     res = math_eval.evaluate("tiny-qwen3", str(DATA), limit=4, max_new_tokens=3, hero=tiny)
     assert res["n"] == 4 and 0 <= res["accuracy"] <= 1 and len(res["examples"]) == 3
     out = tmp_path / "m.json"
-    assert math_eval.main(["--model", "tiny-qwen3", "--data", str(DATA), "--limit", "3",
-                           "--max-new-tokens", "2", "--json", str(out)]) == 0
+    assert (
+        math_eval.main(
+            [
+                "--model",
+                "tiny-qwen3",
+                "--data",
+                str(DATA),
+                "--limit",
+                "3",
+                "--max-new-tokens",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "accuracy" in capsys.readouterr().out and json.loads(out.read_text())["n"] == 3
     assert math_eval.main(["--model", "tiny-qwen3", "--data", str(tmp_path / "none.jsonl")]) == 2
 
@@ -73,8 +95,14 @@ def test_models_load_from_an_echo_run_folder(tmp_path, tiny):
     import torch
 
     state = {k: v + 0.01 for k, v in tiny.model.state_dict().items()}
-    run = run_folder(tmp_path, {"model": {"max_positions": 1024}, "adapter": {
-        "name": "poker", "options": {"obs_format": "compact"}}}, state)
+    run = run_folder(
+        tmp_path,
+        {
+            "model": {"max_positions": 1024},
+            "adapter": {"name": "poker", "options": {"obs_format": "compact"}},
+        },
+        state,
+    )
     m = HFModel(str(run))
     w = "model.embed_tokens.weight"
     assert torch.equal(m.model.state_dict()[w], state[w])
@@ -85,11 +113,23 @@ def test_a_run_folder_is_evaluated_as_it_trained(tmp_path, tiny):
     """The hero answers with the run's token budget and sees the run's observation options: a
     policy trained on one-letter answers given 32 tokens says "c5..." (invalid), and one
     trained without all-in must not be handed it."""
-    run = run_folder(tmp_path, {
-        "model": {"max_positions": 1024}, "worker": {"max_new_tokens": 1},
-        "adapter": {"name": "poker", "options": {"obs_format": "compact", "strength_hint": True,
-                                                 "allin": False, "bot_samples": 4}}},
-        tiny.model.state_dict())
+    run = run_folder(
+        tmp_path,
+        {
+            "model": {"max_positions": 1024},
+            "worker": {"max_new_tokens": 1},
+            "adapter": {
+                "name": "poker",
+                "options": {
+                    "obs_format": "compact",
+                    "strength_hint": True,
+                    "allin": False,
+                    "bot_samples": 4,
+                },
+            },
+        },
+        tiny.model.state_dict(),
+    )
     hero = HFModel(str(run))
     budgets = []
     real = hero.generate
@@ -104,18 +144,36 @@ def test_a_run_folder_is_evaluated_as_it_trained(tmp_path, tiny):
 def test_a_run_with_restricted_answers_is_evaluated_with_them(tmp_path, tiny):
     """A run trained on answer_letters is played from its softmax over those letters: the
     untrained tiny model, free, answers mostly non-actions (played as check or fold)."""
-    cfg = {"model": {"max_positions": 1024}, "worker": {"max_new_tokens": 1},
-           "adapter": {"name": "poker", "options": {"obs_format": "strength", "allin": False,
-                                                    "answer_letters": "fcb", "bot_samples": 4}}}
+    cfg = {
+        "model": {"max_positions": 1024},
+        "worker": {"max_new_tokens": 1},
+        "adapter": {
+            "name": "poker",
+            "options": {
+                "obs_format": "strength",
+                "allin": False,
+                "answer_letters": "fcb",
+                "bot_samples": 4,
+            },
+        },
+    }
     run = run_folder(tmp_path, cfg, tiny.model.state_dict())
     hero = HFModel(str(run))
     res = poker_eval.evaluate(str(run), 6, hero=hero, llm=False, bot_samples=4)
     assert hero.answer_tokens == (23, 20, 19)  # f, c, b
     # only a "b" when no raise is left (facing an all-in) is invalid now
-    rate = lambda r: sum(c["invalid_rate"] * c["decisions"] for c in r["columns"]) / sum(  # noqa: E731
-        c["decisions"] for c in r["columns"])
+    rate = lambda r: (  # noqa: E731
+        sum(c["invalid_rate"] * c["decisions"] for c in r["columns"])
+        / sum(  # noqa: E731
+            c["decisions"] for c in r["columns"]
+        )
+    )
     assert rate(res) < 0.25
     cfg["adapter"]["options"]["answer_letters"] = ""
-    free = poker_eval.evaluate(str(run_folder(tmp_path / "free", cfg, tiny.model.state_dict())),
-                               6, llm=False, bot_samples=4)
+    free = poker_eval.evaluate(
+        str(run_folder(tmp_path / "free", cfg, tiny.model.state_dict())),
+        6,
+        llm=False,
+        bot_samples=4,
+    )
     assert rate(free) > 0.5

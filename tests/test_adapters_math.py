@@ -25,16 +25,19 @@ def checker():
     c.close()
 
 
-@pytest.mark.parametrize("text,answer", [
-    ("12+7=19", "19"),
-    ("so the answer is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
-    ("first \\boxed{a{b}c} then \\boxed{42}", "42"),
-    ("we get 3-8=-5", "-5"),
-    ("about 1,000 apples", "1,000"),
-    ("it is 3 / 4", "3/4"),
-    ("no answer here", None),
-    ("\\boxed{", None),
-])
+@pytest.mark.parametrize(
+    "text,answer",
+    [
+        ("12+7=19", "19"),
+        ("so the answer is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+        ("first \\boxed{a{b}c} then \\boxed{42}", "42"),
+        ("we get 3-8=-5", "-5"),
+        ("about 1,000 apples", "1,000"),
+        ("it is 3 / 4", "3/4"),
+        ("no answer here", None),
+        ("\\boxed{", None),
+    ],
+)
 def test_extract_answer(text, answer):
     assert extract_answer(text) == answer
 
@@ -124,8 +127,10 @@ def test_options_and_data_errors(tokenizer, tmp_path):
     bad.write_text(json.dumps({"q": "1+1=", "a": "2"}) + "\n")
     with pytest.raises(AdapterError, match="bad.jsonl:1.*question_key"):
         MathAdapter({"path": str(bad)}, tokenizer).items()
-    ad = MathAdapter({"path": str(bad), "question_key": "q", "answer_key": "a",
-                      "chat_template": False}, tokenizer)
+    ad = MathAdapter(
+        {"path": str(bad), "question_key": "q", "answer_key": "a", "chat_template": False},
+        tokenizer,
+    )
     assert tokenizer.decode(next(ad.prompts(random.Random(0))).prompt_ids) == "1+1="
 
 
@@ -133,8 +138,11 @@ def test_shipped_data_is_what_the_generator_writes(tmp_path):
     import subprocess
     import sys
 
-    subprocess.run([sys.executable, str(DATA / "make_math.py"), "--out", str(tmp_path)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(DATA / "make_math.py"), "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
     for name in ("arith.jsonl", "arith_words.jsonl"):
         assert (tmp_path / name).read_text() == (DATA / name).read_text()
     rows = [json.loads(x) for x in (DATA / "arith.jsonl").read_text().splitlines()]
@@ -150,7 +158,9 @@ def test_chat_template_is_used_when_the_tokenizer_has_one(chatml):
     bare = build_chatml_char_tokenizer()
     bare.chat_template = None
     opts = {"path": str(DATA / "arith.jsonl")}
-    assert chatml.decode(MathAdapter(opts, chatml).encode("1+1=")).endswith("<|im_start|>assistant\n")
+    assert chatml.decode(MathAdapter(opts, chatml).encode("1+1=")).endswith(
+        "<|im_start|>assistant\n"
+    )
     assert bare.decode(MathAdapter(opts, bare).encode("1+1=")) == "1+1="
     with pytest.raises(AdapterError, match="no chat template.*chat_template = false"):
         MathAdapter({**opts, "chat_template": True}, bare)

@@ -9,8 +9,14 @@ import pytest
 
 from adapters.poker import PokerAdapter
 from adapters.poker.game import Action, TableConfig, fresh_deck, legalise, parse_action, play_hand
-from adapters.poker.pipeline import (log_messages, read_logs, records_from_logs, sample_from_log,
-                                     simulate_logs, write_logs)
+from adapters.poker.pipeline import (
+    log_messages,
+    read_logs,
+    records_from_logs,
+    sample_from_log,
+    simulate_logs,
+    write_logs,
+)
 from adapters.poker.players import CallingStation, Maniac, TightAggressive, chen_score
 from dataplane.adapter import AdapterError, check_adapter
 from dataplane.advantages import group_advantages
@@ -52,21 +58,24 @@ def run_hand(players, seed, cfg=TableConfig()):
 # ----------------------------------------------------------------------------- the sandbox
 
 
-@pytest.mark.parametrize("text,action", [
-    ("Action: Call", Action("call")),
-    ("action: raise 40", Action("raise", 40)),
-    ("I think... Action: Bet 12 chips", Action("raise", 12)),
-    ("<think>fold? no</think>Action: All-in", Action("allin")),
-    ("Fold.", Action("fold")),
-    ("check", Action("check")),
-    ("b12", Action("raise", 12)),
-    ("c", Action("call")),
-    ("f", Action("fold")),
-    ("a", Action("allin")),
-    ("Action: Raise", None),
-    ("I will think about it", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text,action",
+    [
+        ("Action: Call", Action("call")),
+        ("action: raise 40", Action("raise", 40)),
+        ("I think... Action: Bet 12 chips", Action("raise", 12)),
+        ("<think>fold? no</think>Action: All-in", Action("allin")),
+        ("Fold.", Action("fold")),
+        ("check", Action("check")),
+        ("b12", Action("raise", 12)),
+        ("c", Action("call")),
+        ("f", Action("fold")),
+        ("a", Action("allin")),
+        ("Action: Raise", None),
+        ("I will think about it", None),
+        ("", None),
+    ],
+)
 def test_parse_action(text, action):
     assert parse_action(text) == action
 
@@ -109,13 +118,43 @@ def test_deals_are_a_function_of_the_seed():
 def test_three_rule_based_styles_differ():
     from adapters.poker.game import Decision
 
-    weak = Decision(1, 0, "big blind", ("7c", "2d"), (), "preflop", 10, 6, 196, 2, 10, 198,
-                    [(1, 192, 8, False)], [], 2)
+    weak = Decision(
+        1,
+        0,
+        "big blind",
+        ("7c", "2d"),
+        (),
+        "preflop",
+        10,
+        6,
+        196,
+        2,
+        10,
+        198,
+        [(1, 192, 8, False)],
+        [],
+        2,
+    )
     assert chen_score(("As", "Ah")) == 20 and chen_score(("7c", "2d")) < 2
     assert TightAggressive(samples=6).act(weak) == "Action: Fold"
     assert CallingStation(samples=6).act(weak) == "Action: Call"
-    strong = Decision(1, 0, "big blind", ("As", "Ah"), (), "preflop", 10, 6, 196, 2, 10, 198,
-                      [(1, 192, 8, False)], [], 2)
+    strong = Decision(
+        1,
+        0,
+        "big blind",
+        ("As", "Ah"),
+        (),
+        "preflop",
+        10,
+        6,
+        196,
+        2,
+        10,
+        198,
+        [(1, 192, 8, False)],
+        [],
+        2,
+    )
     assert TightAggressive(samples=6).act(strong).startswith("Action: Raise")
     m = Maniac(seed=1, samples=6)
     picks = {m.act(weak) for _ in range(40)}
@@ -124,21 +163,63 @@ def test_three_rule_based_styles_differ():
 
 # ----------------------------------------------------------------------------- hand-built log
 
-LOG = {"system": "Rules.", "seat": 0, "player": "tag", "hands": [
-    {"turns": [{"observation": "Hand: [Ah, Kd], Pot: 3", "action": "Action: Call",
-                "chip_delta": -2, "invalid": False, "logprob": 0.0},
-               {"observation": "Board: [Qs, Th, 2c], Pot: 4", "action": "Action: Bet 4",
-                "chip_delta": 8, "invalid": False, "logprob": -0.7}],
-     "result": "You win 6 chips.", "net": 6, "invalid": 0},
-    {"turns": [{"observation": "Hand: [7c, 2d], Pot: 3", "action": "bogus",
-                "chip_delta": -1, "invalid": True, "logprob": 0.0}],
-     "result": "You lose 1 chips.", "net": -1, "invalid": 1}]}
+LOG = {
+    "system": "Rules.",
+    "seat": 0,
+    "player": "tag",
+    "hands": [
+        {
+            "turns": [
+                {
+                    "observation": "Hand: [Ah, Kd], Pot: 3",
+                    "action": "Action: Call",
+                    "chip_delta": -2,
+                    "invalid": False,
+                    "logprob": 0.0,
+                },
+                {
+                    "observation": "Board: [Qs, Th, 2c], Pot: 4",
+                    "action": "Action: Bet 4",
+                    "chip_delta": 8,
+                    "invalid": False,
+                    "logprob": -0.7,
+                },
+            ],
+            "result": "You win 6 chips.",
+            "net": 6,
+            "invalid": 0,
+        },
+        {
+            "turns": [
+                {
+                    "observation": "Hand: [7c, 2d], Pot: 3",
+                    "action": "bogus",
+                    "chip_delta": -1,
+                    "invalid": True,
+                    "logprob": 0.0,
+                }
+            ],
+            "result": "You lose 1 chips.",
+            "net": -1,
+            "invalid": 1,
+        },
+    ],
+}
 
 
 def test_log_to_messages_to_masks_by_hand(chatml):
     msgs = log_messages(LOG)
-    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant",
-                                         "user", "user", "assistant", "user"]
+    assert [m["role"] for m in msgs] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+        "user",
+        "assistant",
+        "user",
+    ]
     assert msgs[5]["content"] == "You win 6 chips."  # the reward message sits between turns
     prompt, s = sample_from_log(chatml, LOG)
     assert chatml.decode(prompt) == "<|im_start|>system\nRules.<|im_end|>\n"
@@ -163,10 +244,20 @@ def test_log_to_messages_to_masks_by_hand(chatml):
 
 def test_materialise_aligns_masks_with_next_token_targets(chatml):
     prompt, s = sample_from_log(chatml, LOG)
-    rec = EpisodeRecord("g", 0, prompt, s.completion_ids, s.logprobs, s.reward, 0, "w",
-                        loss_mask=s.loss_mask)
-    other = EpisodeRecord("g", 1, prompt, s.completion_ids[:50], s.logprobs[:50], 0.0, 0, "w",
-                          loss_mask=s.loss_mask[:50])
+    rec = EpisodeRecord(
+        "g", 0, prompt, s.completion_ids, s.logprobs, s.reward, 0, "w", loss_mask=s.loss_mask
+    )
+    other = EpisodeRecord(
+        "g",
+        1,
+        prompt,
+        s.completion_ids[:50],
+        s.logprobs[:50],
+        0.0,
+        0,
+        "w",
+        loss_mask=s.loss_mask[:50],
+    )
     ad = PokerAdapter({**FAST}, chatml)
     b = ad.materialise([[rec, other]])
     token_mask = [0] * len(prompt) + s.loss_mask
@@ -174,16 +265,23 @@ def test_materialise_aligns_masks_with_next_token_targets(chatml):
     n = len(prompt) + 50
     assert b.attention_mask[1].tolist() == [1] * n + [0] * (b.input_ids.shape[1] - n)
     lp = b.behaviour_logprobs[0].tolist()
-    assert [j for j, x in enumerate(lp) if x] == [j - 1 for j, x in enumerate(token_mask)
-                                                  if j >= len(prompt) and s.logprobs[j - len(prompt)]]
+    assert [j for j, x in enumerate(lp) if x] == [
+        j - 1 for j, x in enumerate(token_mask) if j >= len(prompt) and s.logprobs[j - len(prompt)]
+    ]
 
 
 def test_group_normalised_advantages_broadcast_to_assistant_tokens(chatml):
     prompt, s = sample_from_log(chatml, LOG)
     rewards = [[3.0, -1.0, 1.0, -3.0], [5.0, 5.0, 5.0, 5.0]]
-    groups = [[EpisodeRecord(f"g{k}", i, prompt, s.completion_ids, s.logprobs, r, 0, "w",
-                             loss_mask=s.loss_mask) for i, r in enumerate(rs)]
-              for k, rs in enumerate(rewards)]
+    groups = [
+        [
+            EpisodeRecord(
+                f"g{k}", i, prompt, s.completion_ids, s.logprobs, r, 0, "w", loss_mask=s.loss_mask
+            )
+            for i, r in enumerate(rs)
+        ]
+        for k, rs in enumerate(rewards)
+    ]
     ad = PokerAdapter({**FAST}, chatml)
     b = ad.materialise(groups, adv_eps=1e-4)
     expect = group_advantages(rewards[0], 1e-4) + [0.0] * 4  # a tied group teaches nothing
@@ -191,7 +289,8 @@ def test_group_normalised_advantages_broadcast_to_assistant_tokens(chatml):
     tok_adv = token_advantages(b)
     assert (tok_adv[b.loss_mask == 0] == 0).all()
     assert tok_adv[0][b.loss_mask[0] == 1].tolist() == pytest.approx(
-        [expect[0]] * int(b.loss_mask[0].sum()))
+        [expect[0]] * int(b.loss_mask[0].sum())
+    )
     # grouping across the whole batch instead
     ad_b = PokerAdapter({**FAST, "group_by": "batch"}, chatml)
     flat = [r for rs in rewards for r in rs]
@@ -212,8 +311,9 @@ def test_prompts_and_start_up_check(chatml, tokenizer):
     assert len(next(tiny.prompts(random.Random(0))).task["opponents"]) == 2
 
 
-@pytest.mark.parametrize("fmt,action", [("text", "Action: Call"), ("compact", "c"),
-                                        ("strength", "c")])
+@pytest.mark.parametrize(
+    "fmt,action", [("text", "Action: Call"), ("compact", "c"), ("strength", "c")]
+)
 def test_live_transcript_equals_the_log_pipeline(chatml, tokenizer, fmt, action):
     tok = chatml if fmt == "text" else tokenizer
     ad = PokerAdapter({**FAST, "obs_format": fmt, "hands": 2}, tok)
@@ -315,7 +415,7 @@ def test_llm_opponent_is_a_frozen_policy_callable(chatml):
 
 def test_rule_based_logs_are_ingested_as_off_policy_records(chatml, tmp_path):
     logs = simulate_logs(["tag", "maniac"], episodes=3, seed=2, samples=6)
-    assert len(logs) == 6 and {l["player"] for l in logs} == {"tag", "maniac"}
+    assert len(logs) == 6 and {l["player"] for l in logs} == {"tag", "maniac"}  # noqa: E741
     write_logs(tmp_path / "logs.jsonl", logs)
     assert read_logs(tmp_path / "logs.jsonl") == logs
     groups = records_from_logs(chatml, logs, group_size=2)
@@ -364,14 +464,31 @@ def test_worker_path_to_a_learner_step(tokenizer, small_cfg):
 
     mc = ModelConfig(max_positions=512)
     backend = TransformersBackend(mc, threads=1)
-    ad = PokerAdapter({**FAST, "obs_format": "compact", "max_episode_tokens": 400}, backend.tokenizer)
+    ad = PokerAdapter(
+        {**FAST, "obs_format": "compact", "max_episode_tokens": 400}, backend.tokenizer
+    )
     prompts = ad.prompts(random.Random(0))
     groups = [Group(task=next(prompts).task, n=4, seed=s) for s in range(2)]
     gen = backend_generate_fn(backend, max_new_tokens=4, temperature=1.0, seed=0)
     out = ad.rollout(groups, gen)
     prompt = ad.builder.start()
-    recs = [[EpisodeRecord(f"g{k}", i, prompt, s.completion_ids, s.logprobs, s.reward, 0, "w",
-                           loss_mask=s.loss_mask) for i, s in enumerate(g)] for k, g in enumerate(out)]
+    recs = [
+        [
+            EpisodeRecord(
+                f"g{k}",
+                i,
+                prompt,
+                s.completion_ids,
+                s.logprobs,
+                s.reward,
+                0,
+                "w",
+                loss_mask=s.loss_mask,
+            )
+            for i, s in enumerate(g)
+        ]
+        for k, g in enumerate(out)
+    ]
     for g in recs:
         for r in g:
             assert 1 <= len(r.completion_ids) <= ad.max_completion_tokens
@@ -389,9 +506,11 @@ def test_chat_builder_refuses_templates_that_do_not_compose():
     from dataplane.testing import build_chatml_char_tokenizer as build
 
     tok = build()
-    tok.chat_template = ("{% for m in messages %}{% if loop.last %}LAST{% endif %}<|im_start|>"
-                         "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if loop.last %}LAST{% endif %}<|im_start|>"
+        "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     with pytest.raises(AdapterError):
         ChatBuilder(tok, "Rules.").user("hello")
 
@@ -417,12 +536,15 @@ def test_drive_runs_episodes_in_lockstep():
     assert calls == [2, 1, 1]
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"obs_format": "text", "answer_letters": "fcb"}, "letter obs_format"),
-    ({"obs_format": "strength", "allin": False, "answer_letters": "fcba"}, "drop 'a'"),
-    ({"obs_format": "strength", "answer_letters": "fcx"}, "distinct letters"),
-    ({"obs_format": "strength", "answer_letters": "ff"}, "distinct letters"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"obs_format": "text", "answer_letters": "fcb"}, "letter obs_format"),
+        ({"obs_format": "strength", "allin": False, "answer_letters": "fcba"}, "drop 'a'"),
+        ({"obs_format": "strength", "answer_letters": "fcx"}, "distinct letters"),
+        ({"obs_format": "strength", "answer_letters": "ff"}, "distinct letters"),
+    ],
+)
 def test_bad_answer_letters_name_the_fix(options, match):
     from echo.config import ModelConfig
     from echo.models import load_tokenizer

@@ -30,7 +30,7 @@ class EchoTask(Adapter):
         return float(completion_text[:1] == str(task["d"]))
 '''
 
-BAD = '''
+BAD = """
 import random
 from dataplane.adapter import Adapter, Prompt
 
@@ -107,7 +107,7 @@ class BadOption(Base):
 
     def prompts(self, rng):
         yield Prompt([5], {})
-'''
+"""
 
 
 @pytest.fixture
@@ -134,24 +134,36 @@ def test_third_party_adapter_is_found_through_its_entry_point(site, tokenizer, r
     assert batch.loss_mask.tolist() == [[0, 1], [0, 1]]
 
 
-@pytest.mark.parametrize("target,message", [
-    ("echo_bad_adapters:NoReward", r"does not implement \['reward'\].*reward\(self, task, "
-                                   r"completion_ids, completion_text\) -> float"),
-    ("echo_bad_adapters:NotAnAdapter", "not a subclass of dataplane.adapter.Adapter"),
-    ("echo_bad_adapters:Missing", "cannot import echo_bad_adapters:Missing"),
-    ("no_such_module_xyz:Adapter", "cannot import no_such_module_xyz"),
-    ("echo_bad_adapters:TuplePrompts", "yielded a tuple, expected dataplane.adapter.Prompt"),
-    ("echo_bad_adapters:TextIds", "prompt_ids must be a non-empty list of int"),
-    ("echo_bad_adapters:NumpyIds", "prompt_ids must be a non-empty list of int"),
-    ("echo_bad_adapters:HugeIds", "outside the tokenizer's vocabulary"),
-    ("echo_bad_adapters:Finite", "yielded nothing; it must be an endless iterator"),
-    ("echo_bad_adapters:SetTask", "task must travel to workers as msgpack"),
-    ("echo_bad_adapters:BadInit", r"its __init__ must take \(options: dict, tokenizer\)"),
-    ("echo_bad_adapters:BadOption", r"BadOption\(options, tokenizer\) failed \(ValueError: invalid "
-                                    r"literal.*check the adapter's options \(\[adapter.options\], "
-                                    r"\[adapter.presets.bad\]\)"),
-    ("echo_bad_adapters:NoEpisode", r"does not implement \['episode'\]: add episode\(self, task"),
-])
+@pytest.mark.parametrize(
+    "target,message",
+    [
+        (
+            "echo_bad_adapters:NoReward",
+            r"does not implement \['reward'\].*reward\(self, task, "
+            r"completion_ids, completion_text\) -> float",
+        ),
+        ("echo_bad_adapters:NotAnAdapter", "not a subclass of dataplane.adapter.Adapter"),
+        ("echo_bad_adapters:Missing", "cannot import echo_bad_adapters:Missing"),
+        ("no_such_module_xyz:Adapter", "cannot import no_such_module_xyz"),
+        ("echo_bad_adapters:TuplePrompts", "yielded a tuple, expected dataplane.adapter.Prompt"),
+        ("echo_bad_adapters:TextIds", "prompt_ids must be a non-empty list of int"),
+        ("echo_bad_adapters:NumpyIds", "prompt_ids must be a non-empty list of int"),
+        ("echo_bad_adapters:HugeIds", "outside the tokenizer's vocabulary"),
+        ("echo_bad_adapters:Finite", "yielded nothing; it must be an endless iterator"),
+        ("echo_bad_adapters:SetTask", "task must travel to workers as msgpack"),
+        ("echo_bad_adapters:BadInit", r"its __init__ must take \(options: dict, tokenizer\)"),
+        (
+            "echo_bad_adapters:BadOption",
+            r"BadOption\(options, tokenizer\) failed \(ValueError: invalid "
+            r"literal.*check the adapter's options \(\[adapter.options\], "
+            r"\[adapter.presets.bad\]\)",
+        ),
+        (
+            "echo_bad_adapters:NoEpisode",
+            r"does not implement \['episode'\]: add episode\(self, task",
+        ),
+    ],
+)
 def test_bad_adapters_fail_at_start_up_saying_what_to_fix(site, tokenizer, target, message):
     write_entry_points(site, "echo-bad-adapters", {"bad": target})
     with pytest.raises(AdapterError, match=message):
@@ -164,14 +176,16 @@ def test_workers_can_skip_the_prompt_probe(site, tokenizer):
     assert load_adapter("bad", {}, tokenizer, check_prompts=False) is not None
 
 
-@pytest.mark.parametrize("name,target", [("math", "adapters.math:MathAdapter"),
-                                         ("poker", "adapters.poker:PokerAdapter")])
+@pytest.mark.parametrize(
+    "name,target", [("math", "adapters.math:MathAdapter"), ("poker", "adapters.poker:PokerAdapter")]
+)
 def test_in_repo_adapters_load_by_name(site, tokenizer, monkeypatch, name, target):
     # pyproject.toml declares these; a dist-info here makes the test independent of whether
     # the editable install was refreshed since.
     write_entry_points(site, "echo-inrepo-adapters", {name: target})
-    options = {"math": {"path": "examples/data/arith.jsonl"},
-               "poker": {"obs_format": "compact"}}[name]
+    options = {"math": {"path": "examples/data/arith.jsonl"}, "poker": {"obs_format": "compact"}}[
+        name
+    ]
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     assert type(load_adapter(name, options, tokenizer)).__name__ == target.split(":")[1]
 
@@ -183,7 +197,8 @@ def test_pip_installed_third_party_package(tmp_path, tokenizer):
     pkg = tmp_path / "pkg"
     (pkg / "echo_thirdparty_demo").mkdir(parents=True)
     (pkg / "echo_thirdparty_demo" / "__init__.py").write_text(THIRD_PARTY)
-    (pkg / "pyproject.toml").write_text(textwrap.dedent('''
+    (pkg / "pyproject.toml").write_text(
+        textwrap.dedent("""
         [build-system]
         requires = ["setuptools>=68"]
         build-backend = "setuptools.build_meta"
@@ -197,18 +212,36 @@ def test_pip_installed_third_party_package(tmp_path, tokenizer):
 
         [tool.setuptools]
         packages = ["echo_thirdparty_demo"]
-    '''))
+    """)
+    )
     target = tmp_path / "target"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--no-build-isolation", "--target", str(target), str(pkg)], check=True,
-                   capture_output=True)
-    code = ("from dataplane.adapter import load_adapter; from echo.models import build_tiny_tokenizer;"
-            "print(type(load_adapter('echo-demo', {}, build_tiny_tokenizer())).__name__)")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(pkg),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    code = (
+        "from dataplane.adapter import load_adapter; from echo.models import build_tiny_tokenizer;"
+        "print(type(load_adapter('echo-demo', {}, build_tiny_tokenizer())).__name__)"
+    )
     import os
 
     env = {**os.environ, "PYTHONPATH": str(target)}
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                         env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
+    )
     assert out.stdout.strip() == "EchoTask"
 
 
@@ -222,10 +255,12 @@ def tutorial_files(folder: str = "") -> dict[str, str]:
     import re
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "adapters.md").read_text()
-    blocks = {m.group(1): m.group(2) for m in re.finditer(r"```\w+ file=(\S+)\n(.*?)```", doc, re.DOTALL)}
+    blocks = {
+        m.group(1): m.group(2) for m in re.finditer(r"```\w+ file=(\S+)\n(.*?)```", doc, re.DOTALL)
+    }
     if not folder:
         return {k: v for k, v in blocks.items() if not k.startswith(MULTI_TURN)}
-    return {k[len(folder):]: v for k, v in blocks.items() if k.startswith(folder)}
+    return {k[len(folder) :]: v for k, v in blocks.items() if k.startswith(folder)}
 
 
 def test_the_tutorial_has_a_package_a_registration_and_a_config():
@@ -248,24 +283,61 @@ def test_the_tutorial_builds_installs_and_trains(tmp_path):
         (pkg / name).parent.mkdir(parents=True, exist_ok=True)
         (pkg / name).write_text(text)
     target = tmp_path / "target"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--no-build-isolation", "--target", str(target), str(pkg)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(pkg),
+        ],
+        check=True,
+        capture_output=True,
+    )
     env = {**os.environ, "PYTHONPATH": str(target)}  # the learner and its workers find it
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "echo.cli", "quickstart", "--config",
-                        str(pkg / "sort.toml"), "--workers", "1", "--run-dir", str(run),
-                        "--set", "learner.max_steps=3"], capture_output=True, text=True,
-                       env=env, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "echo.cli",
+            "quickstart",
+            "--config",
+            str(pkg / "sort.toml"),
+            "--workers",
+            "1",
+            "--run-dir",
+            str(run),
+            "--set",
+            "learner.max_steps=3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(0.0 <= row["reward_mean"] <= 1.0 for row in rows)
     out = tmp_path / "sample.json"
-    r = subprocess.run([sys.executable, "-m", "echo.cli", "sample", str(run), "--n", "2",
-                        "--json", str(out)], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "echo.cli", "sample", str(run), "--n", "2", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     samples = json.loads(out.read_text())
-    assert len(samples) == 4 and all(s["prompt"].endswith("=") and s["tokens"] <= 6 for s in samples)
+    assert len(samples) == 4 and all(
+        s["prompt"].endswith("=") and s["tokens"] <= 6 for s in samples
+    )
 
 
 def _install(files: dict[str, str], tmp_path: Path) -> Path:
@@ -275,9 +347,23 @@ def _install(files: dict[str, str], tmp_path: Path) -> Path:
         (pkg / name).parent.mkdir(parents=True, exist_ok=True)
         (pkg / name).write_text(text)
     target = tmp_path / "target"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--no-build-isolation", "--target", str(target), str(pkg)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(pkg),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return target
 
 
@@ -325,11 +411,19 @@ print(json.dumps({"text": tok.decode(ep.completion_ids), "reward": ep.reward, "i
                   "bound": ad.max_completion_tokens, "recomputes": ad.recomputes_rewards}))
 """
     env = {**os.environ, "PYTHONPATH": str(target)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False, text=True, env=env,
-                         timeout=90)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        check=False,
+        text=True,
+        env=env,
+        timeout=90,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout)
-    assert r["text"] == "2<eos>4=1<eos>1=1<eos>" and r["reward"] == 1.0 and r["info"] == {"end": "won"}
+    assert (
+        r["text"] == "2<eos>4=1<eos>1=1<eos>" and r["reward"] == 1.0 and r["info"] == {"end": "won"}
+    )
     assert r["prefix"] and r["same"]
     assert r["env_lp"] == [0.0] * 4 and r["mask"] == [1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
     assert r["recomputes"] is False and r["bound"] == 32
@@ -347,20 +441,55 @@ def test_the_multi_turn_tutorial_builds_installs_and_trains(tmp_path):
     target = _install(files, tmp_path)
     env = {**os.environ, "PYTHONPATH": str(target)}
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "echo.cli", "quickstart", "--config",
-                        str(tmp_path / "pkg" / "takelast.toml"), "--workers", "1", "--run-dir",
-                        str(run), "--set", "learner.max_steps=3"], capture_output=True, check=False, text=True,
-                       env=env, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "echo.cli",
+            "quickstart",
+            "--config",
+            str(tmp_path / "pkg" / "takelast.toml"),
+            "--workers",
+            "1",
+            "--run-dir",
+            str(run),
+            "--set",
+            "learner.max_steps=3",
+        ],
+        capture_output=True,
+        check=False,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(0.0 <= row["reward_mean"] <= 1.0 for row in rows)
     assert sorted(p.name for p in (run / "checkpoints").glob("*.pt")) == [
-        "after-00000002.pt", "after-00000003.pt"]
+        "after-00000002.pt",
+        "after-00000003.pt",
+    ]
     for which in (["--untrained"], []):
         out = tmp_path / "sample.json"
-        r = subprocess.run([sys.executable, "-m", "echo.cli", "sample", str(run), "--n", "2",
-                            "--json", str(out), *which], capture_output=True, check=False, text=True, env=env,
-                           timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "echo.cli",
+                "sample",
+                str(run),
+                "--n",
+                "2",
+                "--json",
+                str(out),
+                *which,
+            ],
+            capture_output=True,
+            check=False,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         samples = json.loads(out.read_text())
         assert len(samples) == 4

@@ -14,8 +14,14 @@ from broadcast.tickets import Source
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits
 from echo import wire
-from echo.addresses import (canonical_endpoint, canonical_host, is_loopback, public_endpoint,
-                            public_host_problem, same_endpoint)
+from echo.addresses import (
+    canonical_endpoint,
+    canonical_host,
+    is_loopback,
+    public_endpoint,
+    public_host_problem,
+    same_endpoint,
+)
 from echo.config import ConfigError, EchoConfig, load_config
 from echo.security import JoinLine, KeyPair, curve_client
 from learner.buffer import ReplayBuffer
@@ -25,24 +31,30 @@ from learner.work import WorkQueue
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.parametrize("a, b", [
-    ("tcp://localhost:5555", "tcp://127.0.0.1:5555"),
-    ("TCP://LocalHost.:5555", "tcp://127.0.0.1:5555"),
-    ("tcp://[::1]:5555", "tcp://[0:0:0:0:0:0:0:1]:5555"),
-    ("tcp://[::ffff:127.0.0.1]:5555", "tcp://127.0.0.1:5555"),
-    ("tcp://Learner.Example.org.:7000", "tcp://learner.example.org:7000"),
-    (" tcp://10.0.0.1:80 ", "tcp://10.0.0.1:80"),
-])
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("tcp://localhost:5555", "tcp://127.0.0.1:5555"),
+        ("TCP://LocalHost.:5555", "tcp://127.0.0.1:5555"),
+        ("tcp://[::1]:5555", "tcp://[0:0:0:0:0:0:0:1]:5555"),
+        ("tcp://[::ffff:127.0.0.1]:5555", "tcp://127.0.0.1:5555"),
+        ("tcp://Learner.Example.org.:7000", "tcp://learner.example.org:7000"),
+        (" tcp://10.0.0.1:80 ", "tcp://10.0.0.1:80"),
+    ],
+)
 def test_one_spelling_per_endpoint(a, b):
     assert canonical_endpoint(a) == canonical_endpoint(b)
     assert same_endpoint(a, b)
 
 
-@pytest.mark.parametrize("a, b", [
-    ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"),  # another port
-    ("tcp://127.0.0.1:5555", "tcp://127.0.0.2:5555"),  # another loopback address
-    ("tcp://10.0.0.1:5555", "tcp://10.0.0.10:5555"),
-])
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"),  # another port
+        ("tcp://127.0.0.1:5555", "tcp://127.0.0.2:5555"),  # another loopback address
+        ("tcp://10.0.0.1:5555", "tcp://10.0.0.10:5555"),
+    ],
+)
 def test_different_endpoints_stay_different(a, b):
     assert not same_endpoint(a, b)
 
@@ -56,30 +68,40 @@ def test_canonical_forms():
 
 
 def test_the_public_host_replaces_the_bound_one_and_keeps_the_port():
-    assert public_endpoint("tcp://0.0.0.0:4242", "0.0.0.0", "203.0.113.7") == "tcp://203.0.113.7:4242"
-    assert public_endpoint("tcp://0.0.0.0:4242", "0.0.0.0", "learner.example.org") == \
-        "tcp://learner.example.org:4242"
+    assert (
+        public_endpoint("tcp://0.0.0.0:4242", "0.0.0.0", "203.0.113.7") == "tcp://203.0.113.7:4242"
+    )
+    assert (
+        public_endpoint("tcp://0.0.0.0:4242", "0.0.0.0", "learner.example.org")
+        == "tcp://learner.example.org:4242"
+    )
     assert public_endpoint("tcp://[::]:4242", "::", "2001:db8::1") == "tcp://[2001:db8::1]:4242"
     assert public_endpoint("tcp://127.0.0.1:4242", "127.0.0.1", "") == "tcp://127.0.0.1:4242"
     # a NAT'd cloud VM: bound to its private address, announced at its public one
-    assert public_endpoint("tcp://10.0.0.5:4242", "10.0.0.5", "203.0.113.7") == "tcp://203.0.113.7:4242"
+    assert (
+        public_endpoint("tcp://10.0.0.5:4242", "10.0.0.5", "203.0.113.7")
+        == "tcp://203.0.113.7:4242"
+    )
     with pytest.raises(ValueError, match="learner.public_host"):
         public_endpoint("tcp://0.0.0.0:4242", "0.0.0.0", "")
 
 
-@pytest.mark.parametrize("host, public, fine", [
-    ("127.0.0.1", "", True),  # tests and the quickstart: loopback, no public_host
-    ("localhost", "", True),
-    ("10.1.2.3", "", True),
-    ("0.0.0.0", "203.0.113.7", True),
-    ("::", "learner.example.org", True),
-    ("0.0.0.0", "", False),
-    ("::", "", False),
-    ("*", "", False),
-    ("0.0.0.0", "0.0.0.0", False),
-    ("0.0.0.0", "tcp://203.0.113.7:5555", False),
-    ("0.0.0.0", "203.0.113.7:5555", False),
-])
+@pytest.mark.parametrize(
+    "host, public, fine",
+    [
+        ("127.0.0.1", "", True),  # tests and the quickstart: loopback, no public_host
+        ("localhost", "", True),
+        ("10.1.2.3", "", True),
+        ("0.0.0.0", "203.0.113.7", True),
+        ("::", "learner.example.org", True),
+        ("0.0.0.0", "", False),
+        ("::", "", False),
+        ("*", "", False),
+        ("0.0.0.0", "0.0.0.0", False),
+        ("0.0.0.0", "tcp://203.0.113.7:5555", False),
+        ("0.0.0.0", "203.0.113.7:5555", False),
+    ],
+)
 def test_which_addresses_a_learner_may_announce(host, public, fine):
     assert (public_host_problem(host, public) == "") is fine
 
@@ -88,7 +110,9 @@ def test_a_wildcard_host_without_public_host_is_refused_at_load_naming_the_key()
     with pytest.raises(ConfigError) as err:
         load_config(None, ["learner.host=0.0.0.0"])
     text = str(err.value)
-    assert "learner.public_host" in text and "0.0.0.0" in text and "--set learner.public_host=" in text
+    assert (
+        "learner.public_host" in text and "0.0.0.0" in text and "--set learner.public_host=" in text
+    )
     cfg = load_config(None, ["learner.host=0.0.0.0", "learner.public_host=203.0.113.7"])
     assert cfg.learner.public_host == "203.0.113.7"
     assert load_config(None, []).learner.host == "127.0.0.1"  # loopback needs nothing
@@ -97,11 +121,20 @@ def test_a_wildcard_host_without_public_host_is_refused_at_load_naming_the_key()
 def _plane(cfg, tokenizer):
     lc = cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
-    return LearnerServer(cfg, run_id="t", key=RunKey.generate(),
-                        buffer=ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size),
-                        work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
-                                       max_outstanding=8, lease_timeout_s=30, prefix="t"),
-                        limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size))
+    return LearnerServer(
+        cfg,
+        run_id="t",
+        key=RunKey.generate(),
+        buffer=ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size),
+        work=WorkQueue(
+            adapter.prompts(random.Random(0)),
+            group_size=lc.group_size,
+            max_outstanding=8,
+            lease_timeout_s=30,
+            prefix="t",
+        ),
+        limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size),
+    )
 
 
 @pytest.fixture
@@ -145,8 +178,15 @@ def test_every_endpoint_a_worker_is_handed_names_the_public_host(public_plane):
         assert ack.snapshot_endpoint == plane.snapshot_endpoint
         assert ack.reflectors and all(r.startswith("127.0.0.1:") for r in ack.reflectors)
         payload = bytes(range(256)) * 64
-        m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=4096,
-                           dtype="float32", key=plane.key)
+        m = build_manifest(
+            run_id="t",
+            version=0,
+            tensors=[],
+            payload=payload,
+            chunk_size=4096,
+            dtype="float32",
+            key=plane.key,
+        )
         plane.publish(Snapshot(m, payload))
         sock.send(wire.encode(wire.Heartbeat(worker_id="w1", version=-1)))
         notice = hb = None
@@ -164,8 +204,15 @@ def test_every_endpoint_a_worker_is_handed_names_the_public_host(public_plane):
     async def fetch():
         actx = zmq.asyncio.Context()
         try:
-            return await fetch_snapshot(actx, m, Source(notice.source, notice.source_key, notice.ticket),
-                                        window=4, timeout_s=10, max_bytes=1 << 20, keys=keys)
+            return await fetch_snapshot(
+                actx,
+                m,
+                Source(notice.source, notice.source_key, notice.ticket),
+                window=4,
+                timeout_s=10,
+                max_bytes=1 << 20,
+                keys=keys,
+            )
         finally:
             actx.term()
 

@@ -35,8 +35,11 @@ def test_restricted_worker_samples_only_answers_and_the_learner_agrees(tokenizer
     backend = make_backend("transformers", model_cfg=ModelConfig(), threads=1)
     backend.restrict_answers(LETTERS)
     prompt = [4, 14, 5, 17]
-    [samples] = backend.generate([wire.Group(group_id="g", prompt_ids=prompt, n=16, seed=3)],
-                                 max_new_tokens=1, temperature=1.0)
+    [samples] = backend.generate(
+        [wire.Group(group_id="g", prompt_ids=prompt, n=16, seed=3)],
+        max_new_tokens=1,
+        temperature=1.0,
+    )
     assert {s.completion_ids[0] for s in samples} <= set(LETTERS)
     assert len({s.completion_ids[0] for s in samples}) > 1  # near uniform over three letters
     learner = load_model(ModelConfig(), tokenizer)  # same seed, same weights
@@ -51,9 +54,18 @@ def test_restricted_worker_samples_only_answers_and_the_learner_agrees(tokenizer
 
 def test_admission_refuses_a_trained_token_outside_the_answer_set():
     lim = Limits(24, 8, 4, answer_tokens=frozenset(LETTERS))
-    rec = {"group_id": "g", "sample_idx": 0, "prompt_ids": [4, 5], "completion_ids": [23, 7, 19],
-           "logprobs": [-1.0, 0.0, -1.0], "reward": 0.0, "version": 0, "worker_id": "w",
-           "gen_s": 0.1, "loss_mask": [1, 0, 1]}
+    rec = {
+        "group_id": "g",
+        "sample_idx": 0,
+        "prompt_ids": [4, 5],
+        "completion_ids": [23, 7, 19],
+        "logprobs": [-1.0, 0.0, -1.0],
+        "reward": 0.0,
+        "version": 0,
+        "worker_id": "w",
+        "gen_s": 0.1,
+        "loss_mask": [1, 0, 1],
+    }
     assert parse_record(rec, lim).completion_ids == [23, 7, 19]  # untrained context: any token
     with pytest.raises(RecordError) as err:
         parse_record({**rec, "completion_ids": [23, 7, 5]}, lim)  # a trained 5: not an answer
@@ -73,11 +85,25 @@ def test_the_auditor_passes_an_honest_restricted_worker(small_cfg, tokenizer):
     backend = make_backend("transformers", model_cfg=small_cfg.model, threads=1)
     backend.install(tensors, payload, 0)
     backend.restrict_answers(LETTERS)
-    [samples] = backend.generate([wire.Group(group_id="g", prompt_ids=[4, 14, 5], n=8, seed=1)],
-                                 max_new_tokens=1, temperature=small_cfg.worker.temperature)
-    recs = [Record(group_id="g", sample_idx=i, prompt_ids=[4, 14, 5], completion_ids=s.completion_ids,
-                   logprobs=s.logprobs, reward=0.0, version=0, worker_id="w", gen_s=0.0)
-            for i, s in enumerate(samples)]
+    [samples] = backend.generate(
+        [wire.Group(group_id="g", prompt_ids=[4, 14, 5], n=8, seed=1)],
+        max_new_tokens=1,
+        temperature=small_cfg.worker.temperature,
+    )
+    recs = [
+        Record(
+            group_id="g",
+            sample_idx=i,
+            prompt_ids=[4, 14, 5],
+            completion_ids=s.completion_ids,
+            logprobs=s.logprobs,
+            reward=0.0,
+            version=0,
+            worker_id="w",
+            gen_s=0.0,
+        )
+        for i, s in enumerate(samples)
+    ]
     verdicts: list = []
     aud = Auditor(small_cfg, tokenizer, verdicts.append, answer_tokens=LETTERS)
     aud.add_snapshot(0, tensors, payload)
@@ -93,11 +119,14 @@ def test_the_auditor_passes_an_honest_restricted_worker(small_cfg, tokenizer):
     assert ("logprob", False) in got[2:]  # the renormalisation is what makes them agree
 
 
-@pytest.mark.parametrize("tokens, max_new, match", [
-    ((), 1, "empty"),
-    ((23, 99), 1, "outside the vocabulary"),
-    ((23, 20), 4, "worker.max_new_tokens = 1"),
-])
+@pytest.mark.parametrize(
+    "tokens, max_new, match",
+    [
+        ((), 1, "empty"),
+        ((23, 99), 1, "outside the vocabulary"),
+        ((23, 20), 4, "worker.max_new_tokens = 1"),
+    ],
+)
 def test_bad_answer_sets_name_the_fix(tokens, max_new, match):
     with pytest.raises(AnswerTokensError, match=match):
         check_answer_tokens(tokens, 24, max_new, eos_token_id=1)
@@ -130,19 +159,41 @@ def test_poker_learn_trains_with_restricted_answers_end_to_end(tmp_path):
     import sys
 
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "echo.cli", "quickstart", "--config",
-                        "examples/poker-learn.toml", "--workers", "1", "--run-dir", str(run),
-                        "--set", "learner.max_steps=3"], capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "echo.cli",
+            "quickstart",
+            "--config",
+            "examples/poker-learn.toml",
+            "--workers",
+            "1",
+            "--run-dir",
+            str(run),
+            "--set",
+            "learner.max_steps=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     assert rows[-1]["audits"] > 0 and rows[-1]["audit_failures"] == 0
     assert not any(rows[-1]["rejected"].values())
     out = tmp_path / "sample.json"
-    r = subprocess.run([sys.executable, "-m", "echo.cli", "sample", str(run), "--n", "2",
-                        "--json", str(out)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "echo.cli", "sample", str(run), "--n", "2", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    answers = [line for s in json.loads(out.read_text()) for line in s["completion"].split("a=")[1:]]
+    answers = [
+        line for s in json.loads(out.read_text()) for line in s["completion"].split("a=")[1:]
+    ]
     assert answers and all(a[0] in "fcb" for a in answers)
 
 
@@ -161,19 +212,38 @@ def test_intake_counts_non_answers_and_junk_and_keeps_admitting(tmp_path):
     prompts = (Prompt([1, 2], {"i": i}) for i in itertools.count())
     work = WorkQueue(prompts, group_size=2, max_outstanding=64, lease_timeout_s=60, prefix="r")
     buffer = ReplayBuffer(staleness=2, capacity_groups=64, group_size=2)
-    it = Intake(limits=Limits(24, 8, 2, answer_tokens=frozenset(LETTERS)), buffer=buffer,
-                work=work, reputation=Reputation(tmp_path, 2, lambda: 0, lambda *a: None))
+    it = Intake(
+        limits=Limits(24, 8, 2, answer_tokens=frozenset(LETTERS)),
+        buffer=buffer,
+        work=work,
+        reputation=Reputation(tmp_path, 2, lambda: 0, lambda *a: None),
+    )
 
     def rec(gid, i, ids, worker="evil"):
-        return {"group_id": gid, "sample_idx": i, "prompt_ids": [1, 2], "completion_ids": ids,
-                "logprobs": [-1.0] * len(ids) if isinstance(ids, list) else [], "reward": 0.5,
-                "version": 0, "worker_id": worker, "gen_s": 0.1}
+        return {
+            "group_id": gid,
+            "sample_idx": i,
+            "prompt_ids": [1, 2],
+            "completion_ids": ids,
+            "logprobs": [-1.0] * len(ids) if isinstance(ids, list) else [],
+            "reward": 0.5,
+            "version": 0,
+            "worker_id": worker,
+            "gen_s": 0.1,
+        }
 
     bad_g, good_g = work.grant("evil", 2, 0)
-    junk = [rec(bad_g.group_id, 0, [23, 5]),  # 5 is no answer
-            rec(bad_g.group_id, 1, "fcb"), rec(bad_g.group_id, 1, [23] * 100_000),
-            {**rec(bad_g.group_id, 1, [20]), "loss_mask": "x"}, 7, None]
-    out = it.batch("evil", "k", junk * 50 + [rec(good_g.group_id, 0, [23]), rec(good_g.group_id, 1, [19])])
+    junk = [
+        rec(bad_g.group_id, 0, [23, 5]),  # 5 is no answer
+        rec(bad_g.group_id, 1, "fcb"),
+        rec(bad_g.group_id, 1, [23] * 100_000),
+        {**rec(bad_g.group_id, 1, [20]), "loss_mask": "x"},
+        7,
+        None,
+    ]
+    out = it.batch(
+        "evil", "k", junk * 50 + [rec(good_g.group_id, 0, [23]), rec(good_g.group_id, 1, [19])]
+    )
     assert out.rejected["bad_answer_token"] == 50
     assert sum(out.rejected.values()) == len(junk) * 50
     assert [r.group_id for r in out.accepted] == [good_g.group_id] * 2
@@ -193,14 +263,32 @@ def test_a_bad_answer_set_stops_quickstart_with_one_line_and_its_fix(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "echo.cli", "quickstart", "--config",
-                        str(root / "examples" / "poker-learn.toml"), "--run-dir", str(tmp_path / "r"),
-                        "--set", "worker.max_new_tokens=4"], capture_output=True, check=False, text=True,
-                       timeout=220)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "echo.cli",
+            "quickstart",
+            "--config",
+            str(root / "examples" / "poker-learn.toml"),
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--set",
+            "worker.max_new_tokens=4",
+        ],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=220,
+    )
     assert r.returncode == 1
     assert "Traceback" not in r.stderr + r.stdout
     [line] = r.stderr.strip().splitlines()
-    assert line.startswith("echo-rl quickstart: the learner stopped at start-up: the adapter "
-                           "restricts answers") and "set worker.max_new_tokens = 1" in line
+    assert (
+        line.startswith(
+            "echo-rl quickstart: the learner stopped at start-up: the adapter restricts answers"
+        )
+        and "set worker.max_new_tokens = 1" in line
+    )
     log = (tmp_path / "r" / "learner.stderr.log").read_text()
     assert "Traceback" not in log and "set worker.max_new_tokens = 1" in log

@@ -35,9 +35,20 @@ def cluster(tmp_path, small_cfg):
 
 def start_worker(cluster: Cluster, name: str, home: Path) -> Path:
     log = cluster.tmp / f"{name}.log"
-    cluster.group.start(name, python_argv("worker.cli", "join", cluster.endpoint, "--id", name,
-                                          "--identity", str(cluster.tmp / f"{name}.key")),
-                        log, env={"ECHO_HOME": str(home)})
+    cluster.group.start(
+        name,
+        python_argv(
+            "worker.cli",
+            "join",
+            cluster.endpoint,
+            "--id",
+            name,
+            "--identity",
+            str(cluster.tmp / f"{name}.key"),
+        ),
+        log,
+        env={"ECHO_HOME": str(home)},
+    )
     return log
 
 
@@ -48,8 +59,10 @@ def wait_line(log: Path, pattern: str, timeout: float = 150) -> re.Match:
         if m:
             return m
         time.sleep(0.2)
-    raise AssertionError(f"{pattern!r} not in {log} within {timeout}s:\n"
-                         + (log.read_text()[-3000:] if log.exists() else "(no log)"))
+    raise AssertionError(
+        f"{pattern!r} not in {log} within {timeout}s:\n"
+        + (log.read_text()[-3000:] if log.exists() else "(no log)")
+    )
 
 
 def start_learner(cluster: Cluster, host: Path) -> Path:
@@ -58,9 +71,13 @@ def start_learner(cluster: Cluster, host: Path) -> Path:
     run, conf = cluster.tmp / "learner", cluster.tmp / "learner.toml"
     run.mkdir()
     conf.write_text(dump_toml(cluster.cfg))
-    proc = cluster.group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir",
-                                                      str(run)),
-                               cluster.tmp / "learner.err", pipe_stdout=True, cwd=host)
+    proc = cluster.group.start(
+        "learner",
+        python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+        cluster.tmp / "learner.err",
+        pipe_stdout=True,
+        cwd=host,
+    )
     cluster.endpoint = wait_ready(proc, timeout=120)
     return run
 
@@ -76,8 +93,11 @@ def test_second_worker_on_the_same_base_fetches_no_base_bytes(cluster):
     run = start_learner(cluster, host)
     assert not Path("base-model").exists()  # the workers' working directory
     learner_log = (run / "learner.log").read_text()
-    published = re.search(r"base model (\w+)\.\.\. published for workers without it: \d+ files, "
-                          r"(\d+) bytes", learner_log)
+    published = re.search(
+        r"base model (\w+)\.\.\. published for workers without it: \d+ files, "
+        r"(\d+) bytes",
+        learner_log,
+    )
     assert published, learner_log[-2000:]
     base_bytes = int(published.group(2))
 
@@ -92,10 +112,14 @@ def test_second_worker_on_the_same_base_fetches_no_base_bytes(cluster):
     wait_line(w2, r"found in the cache at \S+: 0 bytes fetched")
     wait_installs(w2, 2)
     assert "fetched:" not in w2.read_text()
-    status = {w: json.loads((Path(os.environ["ECHO_STATUS_DIR"]) / f"{w}.json").read_text())
-              for w in ("w1", "w2")}  # the workers' status files: the same counts
-    assert [(s["base_origin"], s["base_fetched_bytes"]) for s in status.values()] == \
-        [("fetched", base_bytes), ("cache", 0)]
+    status = {
+        w: json.loads((Path(os.environ["ECHO_STATUS_DIR"]) / f"{w}.json").read_text())
+        for w in ("w1", "w2")
+    }  # the workers' status files: the same counts
+    assert [(s["base_origin"], s["base_fetched_bytes"]) for s in status.values()] == [
+        ("fetched", base_bytes),
+        ("cache", 0),
+    ]
 
     w3 = start_worker(cluster, "w3", cluster.tmp / "home3")  # another machine: from a peer
     got3 = FETCHED.search(wait_line(w3, FETCHED.pattern).group(0))

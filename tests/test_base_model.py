@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import zmq.asyncio
@@ -33,8 +33,8 @@ from broadcast.snapshot import (
 )
 from broadcast.tickets import Source
 from broadcast.topology import make_topology
-from worker.base import BaseResult, mismatch, obtain_base
 from labs.doubles import CorruptingRelay
+from worker.base import BaseResult, mismatch, obtain_base
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,28 +56,40 @@ def model_folder(root: Path, size: int = 50_000) -> Path:
 @pytest.fixture
 def base(tmp_path):
     key = RunKey.generate()
-    manifest, payload = build_base_manifest(run_id="r1", base_model=HASH,
-                                            folder=model_folder(tmp_path), chunk_size=CHUNK, key=key)
+    manifest, payload = build_base_manifest(
+        run_id="r1", base_model=HASH, folder=model_folder(tmp_path), chunk_size=CHUNK, key=key
+    )
     return key, manifest, payload
 
 
 def test_base_manifest_signed_and_cached_whole_by_hash(base, tmp_path):
     key, manifest, payload = base
     assert verify_base_manifest(manifest.to_wire(), key.public_bytes, "r1") == manifest
-    assert [f.name for f in manifest.files] == ["config.json", "model.safetensors",
-                                                "tokenizer.json"]
+    assert [f.name for f in manifest.files] == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     assert len(manifest.chunk_hashes) == -(-len(payload) // CHUNK)
     cache = BaseCache(tmp_path / "cache")
     assert cache.lookup(manifest) is None  # a miss
     folder = cache.write(manifest, payload)
     assert folder == tmp_path / "cache" / HASH
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors",
-                                                        "tokenizer.json"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     hit = cache.lookup(manifest)
     assert hit is not None and hit[0] == folder and bytes(hit[1]) == payload
     # a new run on the same base (another key, run id and chunk size) finds it too
-    again, _ = build_base_manifest(run_id="r2", base_model=HASH, folder=tmp_path / "smol",
-                                   chunk_size=CHUNK * 3, key=RunKey.generate())
+    again, _ = build_base_manifest(
+        run_id="r2",
+        base_model=HASH,
+        folder=tmp_path / "smol",
+        chunk_size=CHUNK * 3,
+        key=RunKey.generate(),
+    )
     assert cache.lookup(again)[0] == folder
     # A damaged cache is no hit: it is removed, and the worker fetches again.
     blob = folder / "model.safetensors"
@@ -110,8 +122,9 @@ def test_forged_or_hostile_base_manifests_are_refused(base):
     with pytest.raises(SnapshotError, match="cover"):
         check_base_manifest(signed(files=files[:-1]))
     with pytest.raises(SnapshotError, match="twice"):
-        check_base_manifest(signed(files=[files[0], {**files[1], "name": files[0]["name"]},
-                                          files[2]]))
+        check_base_manifest(
+            signed(files=[files[0], {**files[1], "name": files[0]["name"]}, files[2]])
+        )
     # neither kind verifies as the other
     with pytest.raises(SnapshotError):
         verify_manifest(raw, key.public_bytes)
@@ -142,27 +155,39 @@ def test_base_fetched_from_peers_corrupt_relay_routed_around_then_cached(base, t
             async def ask(version, bad, reason, chunk, form):
                 asks.append((bad, reason, chunk, form))
                 return Source(plan.pop(0))
+
             return ask
 
         try:
             cache1 = BaseCache(tmp_path / "home1")
-            r1 = await obtain_base(manifest, model_name=str(tmp_path / "absent"), relay=workers[0],
-                                   ask=asker([corrupt.endpoint, honest.endpoint]), cache=cache1)
+            r1 = await obtain_base(
+                manifest,
+                model_name=str(tmp_path / "absent"),
+                relay=workers[0],
+                ask=asker([corrupt.endpoint, honest.endpoint]),
+                cache=cache1,
+            )
             assert r1.origin == "fetched" and r1.fetched_bytes == len(payload)
             assert r1.failures == [(corrupt.endpoint, "corrupt")]
             assert asks[0] == ("", "no_base", -1, "base")
             assert asks[1][:2] == (corrupt.endpoint, "corrupt") and asks[1][2] >= 0
             assert (r1.folder / "model.safetensors").read_bytes() == payload[
-                manifest.files[1].offset:][:manifest.files[1].nbytes]
+                manifest.files[1].offset :
+            ][: manifest.files[1].nbytes]
             assert workers[0].holds_base
             asks.clear()
-            r2 = await obtain_base(manifest, model_name="absent", relay=workers[1], ask=asker([]),
-                                   cache=cache1)
+            r2 = await obtain_base(
+                manifest, model_name="absent", relay=workers[1], ask=asker([]), cache=cache1
+            )
             assert (r2.origin, r2.fetched_bytes, asks) == ("cache", 0, [])
             assert workers[1].holds_base  # a cache hit serves peers too
-            r3 = await obtain_base(manifest, model_name="absent", relay=workers[2],
-                                   ask=asker([workers[0].endpoint]),
-                                   cache=BaseCache(tmp_path / "home3"))
+            r3 = await obtain_base(
+                manifest,
+                model_name="absent",
+                relay=workers[2],
+                ask=asker([workers[0].endpoint]),
+                cache=BaseCache(tmp_path / "home3"),
+            )
             assert r3.sources == [workers[0].endpoint] and r3.fetched_bytes == len(payload)
             assert workers[0].server.rejected == {}
         finally:
@@ -184,11 +209,21 @@ def test_a_worker_holding_model_name_fetches_nothing_and_serves_nothing(base, tm
 
         async def ask(*_):
             raise AssertionError("no fetch")
+
         try:
-            r = await obtain_base(manifest, model_name=str(tmp_path / "smol"), relay=relay, ask=ask,
-                                  cache=BaseCache(tmp_path / "empty"))
-            assert (r.origin, r.folder, r.fetched_bytes, relay.holds_base) == \
-                ("model.name", None, 0, False)
+            r = await obtain_base(
+                manifest,
+                model_name=str(tmp_path / "smol"),
+                relay=relay,
+                ask=ask,
+                cache=BaseCache(tmp_path / "empty"),
+            )
+            assert (r.origin, r.folder, r.fetched_bytes, relay.holds_base) == (
+                "model.name",
+                None,
+                0,
+                False,
+            )
         finally:
             relay.close()
             ctx.term()
@@ -230,7 +265,8 @@ def test_base_source_is_a_holding_peer_else_the_learner():
 
 
 def test_the_learner_hands_out_the_base_and_its_sources_and_bans_a_corrupt_relay(
-        small_cfg, tokenizer, tmp_path, zctx):  # noqa: F811
+    small_cfg, tokenizer, tmp_path, zctx
+):  # noqa: F811
     """join_ack carries the signed base manifest; source requests of form "base" go to the
     learner until a peer says (heartbeat) it holds the base, then to that peer. The peer's
     relay alters every chunk: the child reports the chunk that failed its hash, is sent
@@ -245,9 +281,9 @@ def test_the_learner_hands_out_the_base_and_its_sources_and_bans_a_corrupt_relay
 
     small_cfg.broadcast.nat_traversal = False  # relay endpoints are trusted: "reachable"
     plane = _plane(small_cfg, tokenizer, tmp_path / "run")
-    manifest, payload = build_base_manifest(run_id="t", base_model=HASH,
-                                            folder=model_folder(tmp_path), chunk_size=CHUNK,
-                                            key=plane.key)
+    manifest, payload = build_base_manifest(
+        run_id="t", base_model=HASH, folder=model_folder(tmp_path), chunk_size=CHUNK, key=plane.key
+    )
     plane.hold_base(manifest, payload)
     plane.start()
     keys = KeyPair.generate()
@@ -255,9 +291,11 @@ def test_the_learner_hands_out_the_base_and_its_sources_and_bans_a_corrupt_relay
     actx = zmq.asyncio.Context()
     liar = CorruptingRelay(actx, RelayConfig(), keys=keys, run_key=lambda: plane.key.public_bytes)
     liar.hold_base(manifest, payload)
+
     async def serve():
         with contextlib.suppress(asyncio.CancelledError):
             await liar.serve_forever()
+
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
     try:
@@ -265,22 +303,46 @@ def test_the_learner_hands_out_the_base_and_its_sources_and_bans_a_corrupt_relay
         ack = ask(holder, wire.Join(worker_id="a", relay_endpoint=liar.endpoint))
         assert isinstance(ack, wire.JoinAck) and ack.base_manifest == manifest.to_wire()
         assert verify_base_manifest(ack.base_manifest, ack.public_key, ack.run_id) == manifest
-        grant = ask(holder, wire.SourceRequest(worker_id="a", version=0, bad_source="",
-                                               reason="no_base", form="base"))
+        grant = ask(
+            holder,
+            wire.SourceRequest(
+                worker_id="a", version=0, bad_source="", reason="no_base", form="base"
+            ),
+        )
         assert grant.source == plane.snapshot_endpoint  # nobody else holds it yet
         # a member (it installed a version), holding the base
-        policy = build_manifest(run_id="t", version=0, tensors=[], payload=b"x" * 64,
-                                chunk_size=64, dtype="uint8", key=plane.key)
+        policy = build_manifest(
+            run_id="t",
+            version=0,
+            tensors=[],
+            payload=b"x" * 64,
+            chunk_size=64,
+            dtype="uint8",
+            key=plane.key,
+        )
         plane.publish(Snapshot(policy, b"x" * 64))
         holder.send(wire.encode(wire.Installed(worker_id="a", version=0)))
         ask(holder, wire.Heartbeat(worker_id="a", version=0, base=True))
 
         ask(late, wire.Join(worker_id="b", can_relay=False))
-        grant = ask(late, wire.SourceRequest(worker_id="b", version=0, bad_source="",
-                                             reason="no_base", form="base"))
+        grant = ask(
+            late,
+            wire.SourceRequest(
+                worker_id="b", version=0, bad_source="", reason="no_base", form="base"
+            ),
+        )
         assert grant.source == liar.endpoint  # the peer, not the learner
-        grant = ask(late, wire.SourceRequest(worker_id="b", version=0, reason="corrupt", chunk=3,
-                                             bad_source=liar.endpoint, form="base"))
+        grant = ask(
+            late,
+            wire.SourceRequest(
+                worker_id="b",
+                version=0,
+                reason="corrupt",
+                chunk=3,
+                bad_source=liar.endpoint,
+                form="base",
+            ),
+        )
         assert grant.source == plane.snapshot_endpoint  # not the accused again
         assert eventually(lambda: plane.rejected["relay_corrupt"] == 1, 20)  # probed, banned
         assert plane.rejected["unfounded_report"] == 0
@@ -293,8 +355,7 @@ def test_the_learner_hands_out_the_base_and_its_sources_and_bans_a_corrupt_relay
         actx.destroy(linger=0)
 
 
-def test_a_run_without_a_base_refuses_base_sources(small_cfg, tokenizer, tmp_path,
-                                                   zctx):  # noqa: F811
+def test_a_run_without_a_base_refuses_base_sources(small_cfg, tokenizer, tmp_path, zctx):  # noqa: F811
     from test_security import _plane, ask, peer
 
     from echo import wire
@@ -304,26 +365,60 @@ def test_a_run_without_a_base_refuses_base_sources(small_cfg, tokenizer, tmp_pat
     try:
         w = peer(plane, zctx)
         assert ask(w, wire.Join(worker_id="a")).base_manifest is None
-        reply = ask(w, wire.SourceRequest(worker_id="a", version=0, bad_source="",
-                                          reason="no_base", form="base"))
+        reply = ask(
+            w,
+            wire.SourceRequest(
+                worker_id="a", version=0, bad_source="", reason="no_base", form="base"
+            ),
+        )
         assert isinstance(reply, wire.Error) and reply.reason == "no_base"
     finally:
         plane.shutdown("test over")
 
 
-_ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=8),
-                 st.binary(max_size=40), st.lists(st.integers(), max_size=3),
-                 st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
-_FILE = st.fixed_dictionaries({"name": st.one_of(st.text(max_size=12), _ANY),
-                               "offset": st.one_of(st.integers(-5, 60_000), _ANY),
-                               "nbytes": st.one_of(st.integers(-5, 60_000), _ANY)})
+_ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(),
+    st.text(max_size=8),
+    st.binary(max_size=40),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+_FILE = st.fixed_dictionaries(
+    {
+        "name": st.one_of(st.text(max_size=12), _ANY),
+        "offset": st.one_of(st.integers(-5, 60_000), _ANY),
+        "nbytes": st.one_of(st.integers(-5, 60_000), _ANY),
+    }
+)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(over=st.dictionaries(
-    st.sampled_from(["schema", "kind", "run_id", "version", "base_model", "files", "payload_size",
-                     "chunk_size", "chunk_hashes", "form", "signature"]),
-    st.one_of(_ANY, st.lists(_FILE, max_size=4)), max_size=3))
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    over=st.dictionaries(
+        st.sampled_from(
+            [
+                "schema",
+                "kind",
+                "run_id",
+                "version",
+                "base_model",
+                "files",
+                "payload_size",
+                "chunk_size",
+                "chunk_hashes",
+                "form",
+                "signature",
+            ]
+        ),
+        st.one_of(_ANY, st.lists(_FILE, max_size=4)),
+        max_size=3,
+    )
+)
 def test_any_base_manifest_is_refused_or_keeps_its_files_inside_the_payload(base, over):
     """A manifest of any shape is refused with a SnapshotError, or every file it lists is a
     plain name inside the payload (the cache writes nothing outside its folder)."""

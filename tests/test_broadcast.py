@@ -22,8 +22,15 @@ CHUNK = 64 * 1024
 
 def snapshot(key, version=1, size=40 * CHUNK + 123):
     payload = np.random.default_rng(version).bytes(size)
-    return build_manifest(run_id="t", version=version, tensors=[], payload=payload,
-                          chunk_size=CHUNK, dtype="uint8", key=key), payload
+    return build_manifest(
+        run_id="t",
+        version=version,
+        tensors=[],
+        payload=payload,
+        chunk_size=CHUNK,
+        dtype="uint8",
+        key=key,
+    ), payload
 
 
 class Root:
@@ -40,7 +47,9 @@ class Root:
 
 def relay(ctx, corrupt=False, **kw):
     kind = CorruptingRelay if corrupt else Relay
-    return kind(ctx, RelayConfig(window=3, timeout_s=kw.pop("timeout_s", 5.0), chunk_bytes=CHUNK, **kw))
+    return kind(
+        ctx, RelayConfig(window=3, timeout_s=kw.pop("timeout_s", 5.0), chunk_bytes=CHUNK, **kw)
+    )
 
 
 async def run(coro_fn, timeout=30):
@@ -64,8 +73,9 @@ def test_chain_forwards_chunks_as_they_arrive_and_installs_exact_bytes():
             servers += [tg.create_task(r.serve_forever()) for r in chain]
             # every relay starts at once; each parent's requests park until chunks arrive
             sources = [root.endpoint] + [r.endpoint for r in chain[:-1]]
-            results = await asyncio.gather(*(r.receive(manifest, s, None)
-                                             for r, s in zip(chain, sources)))
+            results = await asyncio.gather(
+                *(r.receive(manifest, s, None) for r, s in zip(chain, sources))
+            )
             for t in servers:
                 t.cancel()
         return root, results
@@ -106,8 +116,15 @@ def test_a_held_version_with_other_chunks_is_fetched_again_not_resumed():
     (they would fail every hash: 'corrupt' from every source, found by tests/test_readme_real.py)."""
     key = RunKey.generate()
     old, old_payload = snapshot(key, version=7)
-    new = build_manifest(run_id="t", version=7, tensors=[], payload=bytes(len(old_payload)),
-                         chunk_size=CHUNK, dtype="uint8", key=key)
+    new = build_manifest(
+        run_id="t",
+        version=7,
+        tensors=[],
+        payload=bytes(len(old_payload)),
+        chunk_size=CHUNK,
+        dtype="uint8",
+        key=key,
+    )
 
     async def body(ctx):
         root = Root(ctx, key)
@@ -143,8 +160,10 @@ def test_dead_relay_child_reattaches_and_resumes():
             return root.endpoint
 
         async with asyncio.TaskGroup() as tg:
-            servers = [tg.create_task(root.server.serve_forever()),
-                       tg.create_task(parent.serve_forever())]
+            servers = [
+                tg.create_task(root.server.serve_forever()),
+                tg.create_task(parent.serve_forever()),
+            ]
             ptask = tg.create_task(parent.receive(manifest, root.endpoint, None))
             ctask = tg.create_task(child.receive(manifest, parent.endpoint, reattach))
             while child.store.get(1) is None or child.store.get(1).count < 20:
@@ -178,7 +197,10 @@ def test_corrupting_relay_is_detected_and_routed_around():
             return root.endpoint
 
         async with asyncio.TaskGroup() as tg:
-            servers = [tg.create_task(root.server.serve_forever()), tg.create_task(evil.serve_forever())]
+            servers = [
+                tg.create_task(root.server.serve_forever()),
+                tg.create_task(evil.serve_forever()),
+            ]
             await evil.receive(manifest, root.endpoint, None)
             buf, _ = await child.receive(manifest, evil.endpoint, reattach)
             for t in servers:
@@ -258,11 +280,35 @@ def test_bench_broadcast_with_processes_kill_and_corruption(tmp_path):
     import sys
 
     out = tmp_path / "b.json"
-    r = subprocess.run([sys.executable, "-m", "labs.broadcast_bench", "--workers", "6",
-                        "--snapshot-mib", "4", "--chunk-kib", "256", "--uplink-mbit", "80",
-                        "--link-mbit", "40", "--topology", "chains,star", "--kill-fraction", "0.34",
-                        "--corrupt-relays", "1", "--json", str(out)],
-                       capture_output=True, text=True, env=child_env(), timeout=170)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "labs.broadcast_bench",
+            "--workers",
+            "6",
+            "--snapshot-mib",
+            "4",
+            "--chunk-kib",
+            "256",
+            "--uplink-mbit",
+            "80",
+            "--link-mbit",
+            "40",
+            "--topology",
+            "chains,star",
+            "--kill-fraction",
+            "0.34",
+            "--corrupt-relays",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=170,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert [x["params"]["topology"] for x in results] == ["chains", "star"]
@@ -287,18 +333,40 @@ def test_bench_replays_recorded_versions_as_deltas_and_audits_every_install(tmp_
     folder.mkdir()
     rng = np.random.default_rng(0)
     n = 300_000
-    (folder / "layout.json").write_text(json.dumps(
-        [{"name": "w", "dtype": "bfloat16", "shape": [n], "offset": 0, "nbytes": 2 * n}]))
+    (folder / "layout.json").write_text(
+        json.dumps([{"name": "w", "dtype": "bfloat16", "shape": [n], "offset": 0, "nbytes": 2 * n}])
+    )
     a = rng.integers(0, 2**16, n, dtype=np.uint16)
     for v in range(4):
         (folder / f"v{v:03d}.bin").write_bytes(a.tobytes())
         a = a.copy()
         a[rng.choice(n, n // 100, replace=False)] ^= 1
     out = tmp_path / "v.json"
-    r = subprocess.run([sys.executable, "-m", "labs.broadcast_bench", "--workers", "4",
-                        "--chunk-kib", "64", "--uplink-mbit", "0", "--link-mbit", "0",
-                        "--versions-dir", str(folder), "--corrupt-relays", "1", "--json", str(out)],
-                       capture_output=True, text=True, env=child_env(), timeout=150)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "labs.broadcast_bench",
+            "--workers",
+            "4",
+            "--chunk-kib",
+            "64",
+            "--uplink-mbit",
+            "0",
+            "--link-mbit",
+            "0",
+            "--versions-dir",
+            str(folder),
+            "--corrupt-relays",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=150,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(out.read_text())
     for arm, kinds in (("delta", ["full", "delta", "delta", "delta"]), ("full", ["full"] * 4)):
@@ -321,17 +389,39 @@ def test_bare_chain_yardstick_delivers_every_byte_to_every_hop():
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="needs root to create namespaces and qdiscs")
+@pytest.mark.skipif(
+    __import__("os").geteuid() != 0, reason="needs root to create namespaces and qdiscs"
+)
 def test_bench_broadcast_in_network_namespaces(tmp_path):
     import json
     import subprocess
     import sys
 
     out = tmp_path / "n.json"
-    r = subprocess.run([sys.executable, "-m", "labs.broadcast_bench", "--workers", "4",
-                        "--snapshot-mib", "2", "--chunk-kib", "256", "--uplink-mbit", "100",
-                        "--link-mbit", "50", "--netns", "--json", str(out)],
-                       capture_output=True, text=True, env=child_env(), timeout=170)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "labs.broadcast_bench",
+            "--workers",
+            "4",
+            "--snapshot-mib",
+            "2",
+            "--chunk-kib",
+            "256",
+            "--uplink-mbit",
+            "100",
+            "--link-mbit",
+            "50",
+            "--netns",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=170,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     [x] = json.loads(out.read_text())["results"]
     assert x["params"]["netns"] is True
@@ -353,7 +443,9 @@ def test_relay_malloc_tuning_is_accepted_by_glibc():
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="needs root to create namespaces and qdiscs")
+@pytest.mark.skipif(
+    __import__("os").geteuid() != 0, reason="needs root to create namespaces and qdiscs"
+)
 def test_bench_broadcast_through_real_nat_routers(tmp_path):
     """One chain of 4 in network namespaces: r00 public, r01 and r02 behind endpoint-independent
     MASQUERADE routers, r03 behind a symmetric one (--random-fully). The learner sends each
@@ -368,11 +460,39 @@ def test_bench_broadcast_through_real_nat_routers(tmp_path):
     if natlab.missing_tools():
         pytest.skip(f"NAT lab: {natlab.missing_tools()}")
     out = tmp_path / "nat.json"
-    r = subprocess.run([sys.executable, "-m", "labs.broadcast_bench", "--workers", "4",
-                        "--snapshot-mib", "4", "--chunk-kib", "256", "--uplink-mbit", "200",
-                        "--link-mbit", "100", "--netns", "--nat", "3", "--symmetric", "1",
-                        "--chains", "1", "--curve", "--publications", "2", "--json", str(out)],
-                       capture_output=True, text=True, env=child_env(), timeout=230)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "labs.broadcast_bench",
+            "--workers",
+            "4",
+            "--snapshot-mib",
+            "4",
+            "--chunk-kib",
+            "256",
+            "--uplink-mbit",
+            "200",
+            "--link-mbit",
+            "100",
+            "--netns",
+            "--nat",
+            "3",
+            "--symmetric",
+            "1",
+            "--chains",
+            "1",
+            "--curve",
+            "--publications",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=230,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     [x] = json.loads(out.read_text())["results"]
     assert x["params"]["nat"] == 3 and x["params"]["punch"] is True
@@ -402,7 +522,9 @@ def _refusing_first(relay_, reason="future_version"):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("parent_holds", [None, 1], ids=["fresh_parent", "parent_skipped_a_version"])
+@pytest.mark.parametrize(
+    "parent_holds", [None, 1], ids=["fresh_parent", "parent_skipped_a_version"]
+)
 def test_child_whose_request_beats_its_parents_notice_stays_on_its_parent(parent_holds):
     """Start-up in the multi-process benchmark (and a worker after kappa > 1 steps): the child's
     first request reaches the parent before the parent has read its own notice, so the parent
@@ -516,8 +638,12 @@ def test_a_newly_attached_child_is_served_in_turn_not_after_every_queued_request
         for i in range(window):
             for head in heads:
                 rid += 1
-                await server.handle(head, [wire.encode(wire.ChunkRequest(version=1, index=i, rid=rid))])
-        await server.handle(b"orphan", [wire.encode(wire.ChunkRequest(version=1, index=20, rid=99))])
+                await server.handle(
+                    head, [wire.encode(wire.ChunkRequest(version=1, index=i, rid=rid))]
+                )
+        await server.handle(
+            b"orphan", [wire.encode(wire.ChunkRequest(version=1, index=20, rid=99))]
+        )
         task = asyncio.create_task(server.serve_forever())
         await sock.done.wait()
         task.cancel()

@@ -5,8 +5,16 @@ from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
 
 
 def rec(gid="g", idx=0, version=0, reward=0.0):
-    return Record(group_id=gid, sample_idx=idx, prompt_ids=[1], completion_ids=[2],
-                  logprobs=[-1.0], reward=reward, version=version, worker_id="w")
+    return Record(
+        group_id=gid,
+        sample_idx=idx,
+        prompt_ids=[1],
+        completion_ids=[2],
+        logprobs=[-1.0],
+        reward=reward,
+        version=version,
+        worker_id="w",
+    )
 
 
 def fill(buf, gid, version=0, n=2):

@@ -32,8 +32,10 @@ def test_mu_req_infeasible_names_the_numbers():
     assert "raise kappa above T_bcast/T_train = 1" in msg
 
 
-@pytest.mark.parametrize("args", [(0, 1, 1.0, 0.0), (8, 0, 1.0, 0.0), (8, 1, 0.0, 0.0),
-                                  (8, 1, 1.0, -1.0), (8, 1.5, 1.0, 0.0)])
+@pytest.mark.parametrize(
+    "args",
+    [(0, 1, 1.0, 0.0), (8, 0, 1.0, 0.0), (8, 1, 0.0, 0.0), (8, 1, 1.0, -1.0), (8, 1.5, 1.0, 0.0)],
+)
 def test_bad_inputs_are_rejected(args):
     with pytest.raises(ValueError):
         mu_req(*args)

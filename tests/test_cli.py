@@ -8,33 +8,52 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args, **kw):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=60, **kw)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=60, **kw
+    )
 
 
 def test_help_does_not_import_torch():
-    code = ("import sys, contextlib, io\n"
-            "import echo.cli, worker.cli\n"
-            "for m in (echo.cli, worker.cli):\n"
-            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-            "        m.main(['--help'])\n"
-            "heavy = [m for m in ('torch', 'transformers', 'zmq') if m in sys.modules]\n"
-            "assert not heavy, heavy\n")
+    code = (
+        "import sys, contextlib, io\n"
+        "import echo.cli, worker.cli\n"
+        "for m in (echo.cli, worker.cli):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        m.main(['--help'])\n"
+        "heavy = [m for m in ('torch', 'transformers', 'zmq') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
     r = run("-c", code)
     assert r.returncode == 0, r.stderr
 
 
 def test_bad_config_exits_2_with_key_named(tmp_path):
-    r = run("-m", "echo.cli", "learn", "examples/quickstart.toml", "--set", "learner.group_size=1",
-            "--run-dir", str(tmp_path / "run"))
+    r = run(
+        "-m",
+        "echo.cli",
+        "learn",
+        "examples/quickstart.toml",
+        "--set",
+        "learner.group_size=1",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert r.returncode == 2
     assert "learner.group_size" in r.stderr and "--set learner.group_size" in r.stderr
 
 
 @pytest.mark.integration
 def test_missing_model_is_a_clear_error(tmp_path):
-    r = run("-m", "echo.cli", "learn", "examples/quickstart.toml", "--set",
-            f"model.name={tmp_path / 'nope'}", "--run-dir", str(tmp_path / "run"))
+    r = run(
+        "-m",
+        "echo.cli",
+        "learn",
+        "examples/quickstart.toml",
+        "--set",
+        f"model.name={tmp_path / 'nope'}",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert r.returncode == 1
     assert "no such directory" in r.stderr and "Traceback" not in r.stderr
 
@@ -54,13 +73,24 @@ def test_worker_says_why_it_stopped_when_the_error_is_nested(tmp_path, capsys):
             pass
 
         async def run(self):
-            raise ExceptionGroup("worker", [ExceptionGroup("deliveries", [
-                WorkerError("the learner banned this worker's key: quarantined")])])
+            raise ExceptionGroup(
+                "worker",
+                [
+                    ExceptionGroup(
+                        "deliveries",
+                        [WorkerError("the learner banned this worker's key: quarantined")],
+                    )
+                ],
+            )
 
-    rc = cli.main(["join", "tcp://127.0.0.1:9", "--insecure", "--identity", str(tmp_path / "k")],
-                  make_worker=Banned)
+    rc = cli.main(
+        ["join", "tcp://127.0.0.1:9", "--insecure", "--identity", str(tmp_path / "k")],
+        make_worker=Banned,
+    )
     assert rc == 1
-    assert "echo-worker: the learner banned this worker's key: quarantined" in capsys.readouterr().err
+    assert (
+        "echo-worker: the learner banned this worker's key: quarantined" in capsys.readouterr().err
+    )
 
 
 def test_quickstart_progress_is_plain_lines_without_a_terminal(capsys, monkeypatch):
@@ -69,8 +99,17 @@ def test_quickstart_progress_is_plain_lines_without_a_terminal(capsys, monkeypat
     from echo.config import EchoConfig
     from echo.steprow import StepRow
 
-    rows = [StepRow(step=i, reward_mean=0.1 * i, staleness_max=1, bubble_ratio=0.0,
-                    active_workers=2, standby_workers=0) for i in range(3)]
+    rows = [
+        StepRow(
+            step=i,
+            reward_mean=0.1 * i,
+            staleness_max=1,
+            bubble_ratio=0.0,
+            active_workers=2,
+            standby_workers=0,
+        )
+        for i in range(3)
+    ]
 
     class Tail:
         def __init__(self):
@@ -94,8 +133,10 @@ def test_quickstart_progress_is_plain_lines_without_a_terminal(capsys, monkeypat
     tail = Tail()
     quickstart._follow_plain(cfg, Learner(tail), tail)
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["step 1/3  reward 0.000  staleness 1  bubble 0.00  workers 2 active / 0 standby",
-                     "step 3/3  reward 0.200  staleness 1  bubble 0.00  workers 2 active / 0 standby"]
+    assert lines == [
+        "step 1/3  reward 0.000  staleness 1  bubble 0.00  workers 2 active / 0 standby",
+        "step 3/3  reward 0.200  staleness 1  bubble 0.00  workers 2 active / 0 standby",
+    ]
 
 
 def test_sample_shows_what_a_runs_checkpoint_generates_for_its_task(tmp_path, capsys):
@@ -142,8 +183,19 @@ def test_every_subcommand_is_in_help_with_a_line_of_its_own(capsys):
     with contextlib.suppress(SystemExit):
         cli.main(["--help"])
     shown = capsys.readouterr().out
-    names = ("learn", "quickstart", "doctor", "model", "eval", "report", "sample", "token",
-             "workers", "worker", "sim")
+    names = (
+        "learn",
+        "quickstart",
+        "doctor",
+        "model",
+        "eval",
+        "report",
+        "sample",
+        "token",
+        "workers",
+        "worker",
+        "sim",
+    )
     for name in names:
         assert f"\n    {name}" in shown, name
     assert "bench" not in shown
@@ -153,6 +205,7 @@ def test_a_passthrough_subcommand_gets_its_arguments_in_order():
     from echo import cli
 
     args, rest = cli.build_parser().parse_known_args(
-        ["sample", "--checkpoint", "3", "RUN", "--n", "-1"])
+        ["sample", "--checkpoint", "3", "RUN", "--n", "-1"]
+    )
     assert args.passthrough and args.cmd == "sample"
     assert rest == ["--checkpoint", "3", "RUN", "--n", "-1"]

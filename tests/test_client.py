@@ -14,6 +14,7 @@ pytestmark = pytest.mark.timeout(30)
 
 def with_client(scenario):
     """Run ``scenario(server ROUTER, client)`` with the client receiving, then clean up."""
+
     async def go():
         ctx = zmq.asyncio.Context()
         server = ctx.socket(zmq.ROUTER)
@@ -36,6 +37,7 @@ def with_client(scenario):
 def test_a_dropped_connection_fails_waiting_requests_at_once():
     """The learner's end goes away while a request waits: the request fails with
     ConnectionLost right then, not after its (here 20 s) timeout."""
+
     async def scenario(server, client, tg):
         async def vanish_after_the_request() -> None:
             await server.recv_multipart()  # the request arrived; no reply will come

@@ -28,8 +28,11 @@ def test_unknown_key_names_key_and_suggests_fix():
 def test_a_renamed_key_names_the_new_key_and_its_value(tmp_path):
     old = tmp_path / "old.toml"
     old.write_text("[broadcast]\nchunk_kib = 256\n")
-    with pytest.raises(ConfigError, match=r"broadcast.chunk_kib is now broadcast.chunk_mib "
-                                          r"\(KiB / 1024\): write chunk_mib = 0.25"):
+    with pytest.raises(
+        ConfigError,
+        match=r"broadcast.chunk_kib is now broadcast.chunk_mib "
+        r"\(KiB / 1024\): write chunk_mib = 0.25",
+    ):
         load_config(old)
     with pytest.raises(ConfigError, match="chunk_mib = 0.09765625"):
         load_config(None, ["broadcast.chunk_kib=100"])
@@ -106,14 +109,21 @@ def test_a_tasks_preset_carries_its_generation_settings():
     from pathlib import Path
 
     qs = Path(__file__).resolve().parents[1] / "examples" / "quickstart.toml"
-    lengths = {name: load_config(qs, [f'adapter.name="{name}"']).worker.max_new_tokens
-               for name in ("toy-add", "math", "poker")}
+    lengths = {
+        name: load_config(qs, [f'adapter.name="{name}"']).worker.max_new_tokens
+        for name in ("toy-add", "math", "poker")
+    }
     assert lengths == {"toy-add": 4, "math": 6, "poker": 5}
     math = load_config(qs, ['adapter.name="math"'])
     assert "generation" not in math.adapter.effective_options  # not an option of the adapter
     assert math.worker_view()["worker"]["max_new_tokens"] == 6  # what workers are told
-    assert load_config(qs, ['adapter.name="math"', "worker.max_new_tokens=9"]).worker.max_new_tokens == 9
-    with pytest.raises(ConfigError, match=r"generation\.max_tokens is not a generation setting: use max_new_tokens"):
+    assert (
+        load_config(qs, ['adapter.name="math"', "worker.max_new_tokens=9"]).worker.max_new_tokens
+        == 9
+    )
+    with pytest.raises(
+        ConfigError, match=r"generation\.max_tokens is not a generation setting: use max_new_tokens"
+    ):
         load_config(qs, ['adapter.name="math"', "adapter.presets.math.generation.max_tokens=3"])
     with pytest.raises(ConfigError, match="max_new_tokens"):
         load_config(qs, ['adapter.name="math"', "adapter.presets.math.generation.max_new_tokens=0"])

@@ -1,9 +1,9 @@
 """The learner's control plane on real loopback sockets, driven by a hand-written client."""
 
 import asyncio
-from dataclasses import replace
 import math
 import random
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -11,8 +11,8 @@ import zmq
 import zmq.asyncio
 
 from broadcast.fetch import fetch_snapshot
-from broadcast.tickets import Source
 from broadcast.snapshot import RunKey, Snapshot, SnapshotError, build_manifest
+from broadcast.tickets import Source
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits
 from echo import wire
@@ -27,10 +27,21 @@ def control_plane(cfg, tokenizer) -> LearnerServer:
     lc = cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
     buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size)
-    work = WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
-                     max_outstanding=8, lease_timeout_s=30, prefix="t")
-    return LearnerServer(cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
-                        limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size))
+    work = WorkQueue(
+        adapter.prompts(random.Random(0)),
+        group_size=lc.group_size,
+        max_outstanding=8,
+        lease_timeout_s=30,
+        prefix="t",
+    )
+    return LearnerServer(
+        cfg,
+        run_id="t",
+        key=RunKey.generate(),
+        buffer=buffer,
+        work=work,
+        limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size),
+    )
 
 
 @pytest.fixture
@@ -72,8 +83,9 @@ def ask(sock, frame):
     """Send, and return the reply (a joined key also gets unsolicited snapshot notices, and a
     quarantined one its final books, a farewell, before the refusal)."""
     sock.send(frame if isinstance(frame, bytes) else wire.encode(frame))
-    unsolicited = (wire.SnapshotNotice, wire.Shutdown) + (() if isinstance(frame, wire.Leave)
-                                                          else (wire.Farewell,))
+    unsolicited = (wire.SnapshotNotice, wire.Shutdown) + (
+        () if isinstance(frame, wire.Leave) else (wire.Farewell,)
+    )
     reply = wire.decode(sock.recv(), 1 << 24)
     while isinstance(reply, unsolicited):
         reply = wire.decode(sock.recv(), 1 << 24)
@@ -83,17 +95,26 @@ def ask(sock, frame):
 def records(group, *, version=0, **patch):
     out = []
     for i in range(group.n):
-        r = {"group_id": group.group_id, "sample_idx": i, "prompt_ids": group.prompt_ids,
-             "completion_ids": [11, 1], "logprobs": [-1.0, -0.5], "reward": float(i % 2),
-             "version": version, "worker_id": "w1", "gen_s": 0.01}
+        r = {
+            "group_id": group.group_id,
+            "sample_idx": i,
+            "prompt_ids": group.prompt_ids,
+            "completion_ids": [11, 1],
+            "logprobs": [-1.0, -0.5],
+            "reward": float(i % 2),
+            "version": version,
+            "worker_id": "w1",
+            "gen_s": 0.01,
+        }
         r.update(patch)
         out.append(r)
     return out
 
 
 def batch(recs, bid="b1"):
-    return wire.Trajectories(worker_id="w1", batch_id=bid, count=len(recs),
-                             payload=wire.pack_records(recs))
+    return wire.Trajectories(
+        worker_id="w1", batch_id=bid, count=len(recs), payload=wire.pack_records(recs)
+    )
 
 
 def test_junk_is_rejected_and_counted_while_serving_continues(plane, client):
@@ -118,22 +139,30 @@ def test_trajectories_validated_admitted_once(plane, client):
     ask(client, wire.Join(worker_id="w1"))
     grant = ask(client, wire.WorkRequest(worker_id="w1", max_groups=4))
     g0, g1, g2, g3 = grant.groups
-    recs = (records(g0)
-            + records(g1, completion_ids=[11, 99])       # token id outside the vocabulary
-            + records(g2, reward=math.nan)                # NaN reward
-            + records(g3, version=5)                      # from the future
-            + [dict(records(g0)[0], group_id="forged")])  # never handed out
+    recs = (
+        records(g0)
+        + records(g1, completion_ids=[11, 99])  # token id outside the vocabulary
+        + records(g2, reward=math.nan)  # NaN reward
+        + records(g3, version=5)  # from the future
+        + [dict(records(g0)[0], group_id="forged")]
+    )  # never handed out
     ack = ask(client, batch(recs))
     assert isinstance(ack, wire.Ack)
     assert ack.accepted == 4 and ack.duplicates == 0
-    assert ack.rejected == {"out_of_vocab": 4, "non_finite_reward": 4, "future_version": 4,
-                            "unknown_group": 1}
+    assert ack.rejected == {
+        "out_of_vocab": 4,
+        "non_finite_reward": 4,
+        "future_version": 4,
+        "unknown_group": 1,
+    }
     again = ask(client, batch(records(g0), bid="b1-resend"))  # at-least-once delivery
     assert again.accepted == 0 and again.duplicates == 4
     assert plane.buffer.depth().ready_groups == 1
     mismatch = ask(client, batch(records(g1, prompt_ids=[4, 4, 4]), bid="b2"))
     assert mismatch.rejected == {"prompt_mismatch": 4}
-    bad_payload = ask(client, wire.Trajectories(worker_id="w1", batch_id="b3", count=1, payload=b"zz"))
+    bad_payload = ask(
+        client, wire.Trajectories(worker_id="w1", batch_id="b3", count=1, payload=b"zz")
+    )
     assert isinstance(bad_payload, wire.Error) and bad_payload.ref == "b3"
     assert plane.buffer.depth().ready_groups == 1  # nothing admitted was lost
 
@@ -160,15 +189,29 @@ def test_leave_hands_groups_out_again(plane, client):
 def test_snapshot_chunks_served_and_verified(plane, client, keys):
     ask(client, wire.Join(worker_id="w1"))  # the learner serves chunks to joined keys only
     payload = bytes(range(256)) * 1000
-    m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=4096,
-                       dtype="float32", key=plane.key)
+    m = build_manifest(
+        run_id="t",
+        version=0,
+        tensors=[],
+        payload=payload,
+        chunk_size=4096,
+        dtype="float32",
+        key=plane.key,
+    )
     plane.publish(Snapshot(m, payload))
 
     async def fetch(manifest):
         ctx = zmq.asyncio.Context()
         try:
-            return await fetch_snapshot(ctx, manifest, Source(plane.snapshot_endpoint, plane.public_key),
-                                        window=4, timeout_s=10, max_bytes=1 << 20, keys=keys)
+            return await fetch_snapshot(
+                ctx,
+                manifest,
+                Source(plane.snapshot_endpoint, plane.public_key),
+                window=4,
+                timeout_s=10,
+                max_bytes=1 << 20,
+                keys=keys,
+            )
         finally:
             ctx.term()
 
@@ -181,8 +224,15 @@ def test_snapshot_chunks_served_and_verified(plane, client, keys):
 
 def test_chunk_server_survives_requesters_that_vanish(plane, ctx):
     payload = bytes(200_000)
-    m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=1000,
-                       dtype="float32", key=plane.key)
+    m = build_manifest(
+        run_id="t",
+        version=0,
+        tensors=[],
+        payload=payload,
+        chunk_size=1000,
+        dtype="float32",
+        key=plane.key,
+    )
     plane.publish(Snapshot(m, payload))
     for n in range(5):  # ask for every chunk, then close without reading a single reply
         k = KeyPair.generate()
@@ -217,16 +267,19 @@ def test_keyframes_from_the_learner_and_refusals_for_versions_gone(plane, client
         pub = enc.build(version, tensors, full)
         plane.publish(Snapshot(pub.manifest, pub.payload, pub.result))
     assert pub.manifest.encoding == "delta"
-    grant = ask(client, wire.SourceRequest(worker_id="w1", version=1, bad_source="",
-                                           reason="no_base", form="full"))
+    grant = ask(
+        client,
+        wire.SourceRequest(worker_id="w1", version=1, bad_source="", reason="no_base", form="full"),
+    )
     assert isinstance(grant, wire.SourceGrant) and grant.source == plane.snapshot_endpoint
 
     async def fetch():
         ctx = zmq.asyncio.Context()
         relay = Relay(ctx, RelayConfig(serve=False), keys=keys)
         try:
-            return await relay.receive_keyframe(pub.manifest, Source(grant.source, grant.source_key,
-                                                                     grant.ticket), None)
+            return await relay.receive_keyframe(
+                pub.manifest, Source(grant.source, grant.source_key, grant.ticket), None
+            )
         finally:
             relay.close()
             ctx.term()
@@ -234,13 +287,18 @@ def test_keyframes_from_the_learner_and_refusals_for_versions_gone(plane, client
     result, _ = asyncio.run(fetch())
     assert bytes(result) == bytes(new)
     for form in ("payload", "full"):
-        gone = ask(client, wire.SourceRequest(worker_id="w1", version=99, bad_source="x",
-                                              reason="refused", form=form))
+        gone = ask(
+            client,
+            wire.SourceRequest(
+                worker_id="w1", version=99, bad_source="x", reason="refused", form=form
+            ),
+        )
         assert isinstance(gone, wire.Error) and gone.reason == "unknown_version"
 
 
-def test_a_slow_disk_delays_only_the_acknowledgement_not_the_loop(small_cfg, tokenizer, tmp_path,
-                                                                   ctx, keys):
+def test_a_slow_disk_delays_only_the_acknowledgement_not_the_loop(
+    small_cfg, tokenizer, tmp_path, ctx, keys
+):
     """Group commit: the batch's records go to the write-ahead log's writer thread; the loop
     answers a heartbeat sent after the batch while the fsync is still sleeping, and the batch
     is acknowledged only once its records are on disk (and readable back from the log)."""
@@ -250,12 +308,21 @@ def test_a_slow_disk_delays_only_the_acknowledgement_not_the_loop(small_cfg, tok
     lc = small_cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
     log = SlowDiskLog(tmp_path / "buffer.log", fsync=True, delay_s=1.0)
-    cp = LearnerServer(small_cfg, run_id="t", key=RunKey.generate(),
-                      buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
-                      work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
-                                     max_outstanding=8, lease_timeout_s=30, prefix="t"),
-                      limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
-                      buffer_log=log)
+    cp = LearnerServer(
+        small_cfg,
+        run_id="t",
+        key=RunKey.generate(),
+        buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
+        work=WorkQueue(
+            adapter.prompts(random.Random(0)),
+            group_size=lc.group_size,
+            max_outstanding=8,
+            lease_timeout_s=30,
+            prefix="t",
+        ),
+        limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
+        buffer_log=log,
+    )
     cp.start()
     try:
         client = connect(cp, ctx, keys=keys)
@@ -290,9 +357,17 @@ def test_group_commit_makes_many_appends_durable_in_few_fsyncs(tmp_path):
 
     def append(k: int) -> None:
         for j in range(10):
-            rec = Record(group_id=f"g{k}-{j}", sample_idx=0, prompt_ids=[3, 4],
-                         completion_ids=[11, 1], logprobs=[-1.0, -0.5], reward=1.0, version=0,
-                         worker_id="w1", gen_s=0.01)
+            rec = Record(
+                group_id=f"g{k}-{j}",
+                sample_idx=0,
+                prompt_ids=[3, 4],
+                completion_ids=[11, 1],
+                logprobs=[-1.0, -0.5],
+                reward=1.0,
+                version=0,
+                worker_id="w1",
+                gen_s=0.01,
+            )
             f = log.admitted([rec])
             with lock:
                 futures.append(f)
@@ -317,8 +392,17 @@ def test_a_cancelled_waiter_does_not_kill_the_log_writer(tmp_path):
     from learner.durable import read_log
 
     def rec(g: str) -> Record:
-        return Record(group_id=g, sample_idx=0, prompt_ids=[3, 4], completion_ids=[11, 1],
-                      logprobs=[-1.0, -0.5], reward=1.0, version=0, worker_id="w1", gen_s=0.01)
+        return Record(
+            group_id=g,
+            sample_idx=0,
+            prompt_ids=[3, 4],
+            completion_ids=[11, 1],
+            logprobs=[-1.0, -0.5],
+            reward=1.0,
+            version=0,
+            worker_id="w1",
+            gen_s=0.01,
+        )
 
     log = SlowDiskLog(tmp_path / "buffer.log", fsync=True, delay_s=0.2)
     first = log.admitted([rec("g1")])  # the writer is now inside a 0.2 s fsync with it
@@ -349,7 +433,8 @@ def test_a_checkpoint_reads_the_leases_on_the_loop_that_grants_them(plane, clien
 
 
 def test_a_large_fleet_is_told_a_longer_heartbeat_period_and_given_longer_to_beat(
-        small_cfg, tokenizer, ctx):
+    small_cfg, tokenizer, ctx
+):
     """transport.heartbeats_per_s bounds the fleet's heartbeats (docs/scale.md): past it, each
     worker is told period = fleet size / budget, at join and in every heartbeat reply, and is
     removed only after as many missed beats as before."""
@@ -358,7 +443,9 @@ def test_a_large_fleet_is_told_a_longer_heartbeat_period_and_given_longer_to_bea
     cp.start()
     try:
         first, second, third = (connect(cp, ctx) for _ in range(3))
-        assert ask(first, wire.Join(worker_id="w1", price=0.1)).config["worker"]["heartbeat_s"] == 1.0
+        assert (
+            ask(first, wire.Join(worker_id="w1", price=0.1)).config["worker"]["heartbeat_s"] == 1.0
+        )
         ask(second, wire.Join(worker_id="w2", price=0.1))
         assert ask(second, wire.Heartbeat(worker_id="w2", version=0)).heartbeat_s == 2.0
         joined = ask(third, wire.Join(worker_id="w3", price=0.1))

@@ -1,6 +1,7 @@
 """Closed-loop provisioning controller, driven by a fake clock (no sleeps)."""
 
 import pytest
+from fakes import FakeClock
 
 from provisioning.controller import (
     ACTIVATE,
@@ -9,7 +10,6 @@ from provisioning.controller import (
     Controller,
     UnknownWorker,
 )
-from fakes import FakeClock
 
 
 def make(window_s: float = 60.0, **kw) -> tuple[Controller, FakeClock]:
@@ -74,7 +74,11 @@ def test_activation_order_is_by_unit_cost_and_short_is_reported():
     ctl.set_requirement(20.0)
     decisions = run(ctl, clock, 11.0, {"w0": 5, "small": 1, "mid": 4, "big": 10})
     assert [(d.action, d.worker_id) for d in decisions] == [
-        (ACTIVATE, "big"), (ACTIVATE, "mid"), (ACTIVATE, "small"), (SHORT, None)]
+        (ACTIVATE, "big"),
+        (ACTIVATE, "mid"),
+        (ACTIVATE, "small"),
+        (SHORT, None),
+    ]
     assert "still short by 2/s" in decisions[-1].reason
 
 
@@ -154,7 +158,9 @@ def test_silent_worker_decays_and_triggers_activation():
     ctl.set_requirement(10.0)
     decisions = run(ctl, clock, 200.0, {"dead": 0, "spare": 20})
     assert [(d.action, d.worker_id, d.time) for d in decisions] == [
-        (ACTIVATE, "spare", 3.0), (RELEASE, "dead", 3.0)]
+        (ACTIVATE, "spare", 3.0),
+        (RELEASE, "dead", 3.0),
+    ]
     assert ctl.active_ids() == ["spare"] and ctl.c_eff() == pytest.approx(20.0, rel=0.01)
 
 
@@ -243,7 +249,9 @@ def test_busy_time_measures_capacity_not_demand():
     assert rates["demand"] == pytest.approx(10.0, rel=0.01)  # wall-clock rate: 10 / 1 s
     clock.t += 10.0  # no deliveries for a while: no evidence of slowness in busy mode
     c.tick()
-    assert {w.worker_id: w.mu_hat for w in c.workers()}["idle-ish"] == pytest.approx(100.0, rel=0.01)
+    assert {w.worker_id: w.mu_hat for w in c.workers()}["idle-ish"] == pytest.approx(
+        100.0, rel=0.01
+    )
 
 
 class FakeClockForBusy:
@@ -409,7 +417,10 @@ def test_swap_trades_a_pricey_active_worker_for_a_cheaper_measured_standby_one()
     ctl.add_worker("close", price=4.5, mu_prior=10)  # only 10 % cheaper: never swapped in
     ctl.set_requirement(8.0)  # target 8.8 <= 10 <= 10.4: steady
     decisions = run(ctl, clock, 30.0, {"pricey": 10, "cheap": 10, "close": 10})
-    assert [(d.action, d.worker_id) for d in decisions] == [(ACTIVATE, "cheap"), (RELEASE, "pricey")]
+    assert [(d.action, d.worker_id) for d in decisions] == [
+        (ACTIVATE, "cheap"),
+        (RELEASE, "pricey"),
+    ]
     assert ctl.active_ids() == ["cheap"]
 
 

@@ -11,8 +11,13 @@ import zmq.asyncio
 from broadcast.delta import DeltaError, decode, encode
 from broadcast.fetch import SourceFailed
 from broadcast.relay import Relay, RelayConfig
-from broadcast.snapshot import RunKey, SnapshotError, build_manifest, check_manifest, \
-    verify_manifest
+from broadcast.snapshot import (
+    RunKey,
+    SnapshotError,
+    build_manifest,
+    check_manifest,
+    verify_manifest,
+)
 from broadcast.store import SnapshotBuffer
 from broadcast.tickets import Source
 from broadcast.versions import BaseMissing, VersionEncoder, rebuild
@@ -24,8 +29,9 @@ CHUNK = 4096
 def layout(*sizes, dtype="bfloat16", width=2):
     tensors, off = [], 0
     for i, n in enumerate(sizes):
-        tensors.append({"name": f"t{i}", "dtype": dtype, "shape": [n], "offset": off,
-                        "nbytes": n * width})
+        tensors.append(
+            {"name": f"t{i}", "dtype": dtype, "shape": [n], "offset": off, "nbytes": n * width}
+        )
         off += n * width
     return tensors, off
 
@@ -54,8 +60,11 @@ def test_each_encoding_is_chosen_where_it_is_smallest_and_every_rebuild_is_bit_e
     assert [e.enc for e in entries] == ["sparse", "sparse", "xor_lz4", "full"]
     assert entries[0].dlen == 0 and entries[1].dlen == 4 + 2
     assert bytes(decode(entries, payload, base, size)) == bytes(new)
-    assert stats.changed == 1 + 5000 + int(np.count_nonzero(
-        np.frombuffer(bytes(new[3 * q :]), np.uint16) != np.frombuffer(base[3 * q :], np.uint16)))
+    assert stats.changed == 1 + 5000 + int(
+        np.count_nonzero(
+            np.frombuffer(bytes(new[3 * q :]), np.uint16) != np.frombuffer(base[3 * q :], np.uint16)
+        )
+    )
     assert stats.payload_bytes == len(payload) < size
 
 
@@ -70,11 +79,14 @@ def test_bits_not_values_nan_and_negative_zero_round_trip():
     assert bytes(decode(entries, payload, base, size)) == bytes(new_bytes)
 
 
-@pytest.mark.parametrize("damage, match", [
-    (lambda e, p: (replace(e, doff=len(p) + 10), p), "outside"),
-    (lambda e, p: (replace(e, dlen=e.dlen - 1), p), "whole number"),
-    (lambda e, p: (e, b"\xff" * 4 + p[4:]), "beyond"),
-])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda e, p: (replace(e, doff=len(p) + 10), p), "outside"),
+        (lambda e, p: (replace(e, dlen=e.dlen - 1), p), "whole number"),
+        (lambda e, p: (e, b"\xff" * 4 + p[4:]), "beyond"),
+    ],
+)
 def test_a_hostile_sparse_slice_is_refused_not_written_outside(damage, match):
     tensors, size = layout(100)
     base = bytes(size)
@@ -113,10 +125,12 @@ def test_a_delta_manifest_signs_the_result_and_names_its_base():
     with pytest.raises(SnapshotError, match="signature"):
         verify_manifest(forged, key.public_bytes)
     t0 = m.tensors[0].to_wire()
-    for bad, match in [(dict(raw, base_version=1), "base_version"),
-                       (dict(first.manifest.to_wire(), base_version=0), "base_version"),
-                       (dict(raw, tensors=[dict(t0, enc="zstd")]), "encoding"),
-                       (dict(raw, tensors=[dict(t0, doff=m.payload_size)]), "dlen")]:
+    for bad, match in [
+        (dict(raw, base_version=1), "base_version"),
+        (dict(first.manifest.to_wire(), base_version=0), "base_version"),
+        (dict(raw, tensors=[dict(t0, enc="zstd")]), "encoding"),
+        (dict(raw, tensors=[dict(t0, doff=m.payload_size)]), "dlen"),
+    ]:
         with pytest.raises(SnapshotError, match=match):
             check_manifest(bad)
 
@@ -124,8 +138,9 @@ def test_a_delta_manifest_signs_the_result_and_names_its_base():
 def test_keyframes_every_k_and_when_a_delta_would_not_save():
     key = RunKey.generate()
     tensors, size = layout(2000)
-    enc = VersionEncoder(run_id="r", key=key, chunk_size=CHUNK, dtype="bfloat16",
-                         keyframe_every=3, max_ratio=0.5)
+    enc = VersionEncoder(
+        run_id="r", key=key, chunk_size=CHUNK, dtype="bfloat16", keyframe_every=3, max_ratio=0.5
+    )
     payloads = [np.random.default_rng(9).bytes(size)]
     for v in range(1, 7):
         payloads.append(perturb(payloads[-1], 0.01, v))
@@ -191,8 +206,9 @@ def test_a_worker_without_the_base_gets_a_keyframe_from_a_peer_and_a_lying_peer_
 
         async with asyncio.TaskGroup() as tg:
             servers = [tg.create_task(r.serve_forever()) for r in (holder, liar)]
-            result, stats = await late.receive_keyframe(pub.manifest, Source(liar.endpoint),
-                                                        reattach)
+            result, stats = await late.receive_keyframe(
+                pub.manifest, Source(liar.endpoint), reattach
+            )
             for t in servers:
                 t.cancel()
         return result, stats, asked, liar.server.rejected
@@ -226,12 +242,21 @@ def test_a_full_payload_held_as_a_keyframe_is_never_recycled_under_it():
 
     async def body(ctx):
         r = _relay(ctx)
-        m = build_manifest(run_id="r", version=0, tensors=tensors, payload=bytes(size),
-                           chunk_size=CHUNK, dtype="bfloat16", key=key)
+        m = build_manifest(
+            run_id="r",
+            version=0,
+            tensors=tensors,
+            payload=bytes(size),
+            chunk_size=CHUNK,
+            dtype="bfloat16",
+            key=key,
+        )
         buf = r.store.add(SnapshotBuffer(m, storage=bytearray(size)))
         r.hold_result(m, buf.payload)
         held = r.results.get(0)
-        return held.payload is not buf.payload and r.base_for(replace(m, base_version=0)) is not None
+        return (
+            held.payload is not buf.payload and r.base_for(replace(m, base_version=0)) is not None
+        )
 
     assert asyncio.run(_run(body))
 
@@ -254,15 +279,24 @@ def test_keyframes_come_from_peers_that_installed_the_version_spread_and_never_t
     assert coord.keyframe_source("late", 4) == "tcp://learner"  # nobody installed v4
 
 
-@pytest.mark.parametrize("fields", [
-    {"type": "chunk_request", "version": 1, "index": 0, "form": "evil"},
-    {"type": "chunk_request", "version": 1, "index": 0, "form": 7},
-    {"type": "source_request", "worker_id": "w", "version": 1, "bad_source": "", "reason": "x",
-     "form": "keyframe-please"},
-    {"type": "installed", "worker_id": "w", "version": 1, "decode_s": -1.0},
-    {"type": "installed", "worker_id": "w", "version": 1, "decode_s": 1e12},
-    {"type": "installed", "worker_id": "w", "version": 1, "keyframe": "yes"},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"type": "chunk_request", "version": 1, "index": 0, "form": "evil"},
+        {"type": "chunk_request", "version": 1, "index": 0, "form": 7},
+        {
+            "type": "source_request",
+            "worker_id": "w",
+            "version": 1,
+            "bad_source": "",
+            "reason": "x",
+            "form": "keyframe-please",
+        },
+        {"type": "installed", "worker_id": "w", "version": 1, "decode_s": -1.0},
+        {"type": "installed", "worker_id": "w", "version": 1, "decode_s": 1e12},
+        {"type": "installed", "worker_id": "w", "version": 1, "keyframe": "yes"},
+    ],
+)
 def test_junk_in_the_delta_fields_is_a_counted_wire_error(fields):
     import msgpack
 
@@ -274,7 +308,9 @@ def test_junk_in_the_delta_fields_is_a_counted_wire_error(fields):
     assert err.value.reason in ("invalid_fields", "malformed")
 
 
-def test_a_spilling_relay_serves_a_full_version_from_its_spilled_copy_and_frees_the_buffer(tmp_path):
+def test_a_spilling_relay_serves_a_full_version_from_its_spilled_copy_and_frees_the_buffer(
+    tmp_path,
+):
     """With a spill directory the installed version's full payload goes to a file (its map is
     read-only), and the snapshot store serves that version's chunks from the same map: the
     receive buffer is no longer held (docs/memory.md)."""
@@ -286,8 +322,15 @@ def test_a_spilling_relay_serves_a_full_version_from_its_spilled_copy_and_frees_
 
     async def body(ctx):
         r = _relay(ctx, spill_dir=str(tmp_path))
-        m = build_manifest(run_id="r", version=0, tensors=tensors, payload=data,
-                           chunk_size=CHUNK, dtype="bfloat16", key=key)
+        m = build_manifest(
+            run_id="r",
+            version=0,
+            tensors=tensors,
+            payload=data,
+            chunk_size=CHUNK,
+            dtype="bfloat16",
+            key=key,
+        )
         buf = r.store.add(SnapshotBuffer(m, storage=bytearray(data)))
         for i in range(buf.total):
             buf.mark(i)
@@ -295,9 +338,13 @@ def test_a_spilling_relay_serves_a_full_version_from_its_spilled_copy_and_frees_
         r.hold_result(m, received)
         held = r.results.get(0).payload
         served = r.store.get(0)
-        return (isinstance(held, mmap.mmap), served.payload is held, bytes(served.chunk(1)),
-                r.store.holds(received))
+        return (
+            isinstance(held, mmap.mmap),
+            served.payload is held,
+            bytes(served.chunk(1)),
+            r.store.holds(received),
+        )
 
     spilled, shared, chunk, still_held = asyncio.run(_run(body))
     assert spilled and shared and not still_held
-    assert chunk == data[CHUNK:2 * CHUNK]
+    assert chunk == data[CHUNK : 2 * CHUNK]

@@ -10,8 +10,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP = ("benchmarks/", "tests/", "docs/", "echo/", "learner/", "worker/", "broadcast/",
-       "dataplane/", "adapters/", "provisioning/", "examples/", ".ci/")
+TOP = (
+    "benchmarks/",
+    "tests/",
+    "docs/",
+    "echo/",
+    "learner/",
+    "worker/",
+    "broadcast/",
+    "dataplane/",
+    "adapters/",
+    "provisioning/",
+    "examples/",
+    ".ci/",
+)
 CITE = re.compile(r"`([\w./-]+)((?:::[\w\[\]., -]+)?)`")
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -29,8 +41,12 @@ def problems(doc: Path) -> list[str]:
             module, _, symbol = path.partition(".")  # module/path.symbol
             source = ROOT / f"{module}.py"
             if symbol and source.exists():
-                if not re.search(rf"^\s*(def|class|async def) {re.escape(symbol.split('.')[0])}\b"
-                                 rf"|^{re.escape(symbol)}\s*[:=]", source.read_text(), re.M):
+                if not re.search(
+                    rf"^\s*(def|class|async def) {re.escape(symbol.split('.')[0])}\b"
+                    rf"|^{re.escape(symbol)}\s*[:=]",
+                    source.read_text(),
+                    re.M,
+                ):
                     out.append(f"{path}: no {symbol} in {module}.py")
                 continue
             out.append(f"{path}: no such file")
@@ -49,9 +65,13 @@ def test_what_a_doc_cites_exists(doc):
 
 def test_the_checker_finds_a_missing_file_and_a_renamed_test(tmp_path):
     doc = tmp_path / "d.md"
-    doc.write_text("see `tests/test_docs_cite.py::test_what_a_doc_cites_exists`, "
-                   "`tests/test_docs_cite.py::test_gone`, `benchmarks/results/none.json`, "
-                   "`learner/trainer.token_logprobs` and `learner/trainer.nothing_here`")
-    assert problems(doc) == ["tests/test_docs_cite.py::test_gone: no such test",
-                             "benchmarks/results/none.json: no such file",
-                             "learner/trainer.nothing_here: no nothing_here in learner/trainer.py"]
+    doc.write_text(
+        "see `tests/test_docs_cite.py::test_what_a_doc_cites_exists`, "
+        "`tests/test_docs_cite.py::test_gone`, `benchmarks/results/none.json`, "
+        "`learner/trainer.token_logprobs` and `learner/trainer.nothing_here`"
+    )
+    assert problems(doc) == [
+        "tests/test_docs_cite.py::test_gone: no such test",
+        "benchmarks/results/none.json: no such file",
+        "learner/trainer.nothing_here: no nothing_here in learner/trainer.py",
+    ]

@@ -26,8 +26,14 @@ class Learner:
         self.run_dir, self.group = tmp / "run", ProcessGroup()
         conf = tmp / "learner.toml"
         conf.write_text(dump_toml(cfg))
-        argv = python_argv("echo.cli", "learn", str(conf), "--run-dir", str(self.run_dir),
-                           *[a for s in sets for a in ("--set", s)])
+        argv = python_argv(
+            "echo.cli",
+            "learn",
+            str(conf),
+            "--run-dir",
+            str(self.run_dir),
+            *[a for s in sets for a in ("--set", s)],
+        )
         proc = self.group.start("learner", argv, tmp / "learner.log", pipe_stdout=True)
         self.line = wait_ready(proc, timeout=120)
 
@@ -36,9 +42,12 @@ class Learner:
 
 
 def _cfg() -> EchoConfig:
-    return EchoConfig.model_validate({"learner": {"max_steps": 100_000, "prompts_per_step": 4,
-                                                  "group_size": 4},
-                                      "broadcast": {"dtype": "float32", "chunk_mib": 0.0625}})
+    return EchoConfig.model_validate(
+        {
+            "learner": {"max_steps": 100_000, "prompts_per_step": 4, "group_size": 4},
+            "broadcast": {"dtype": "float32", "chunk_mib": 0.0625},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +61,12 @@ def healthy(tmp_path_factory) -> Iterator[Learner]:
 def blocked(tmp_path_factory) -> Iterator[Learner]:
     """Binds 127.0.0.1 and hands out 127.0.0.2, where nothing listens: the join line (fixed
     by hand below) reaches it, its snapshot port and reflectors do not. Joining by token."""
-    learner = Learner(tmp_path_factory.mktemp("blocked"), _cfg(), "learner.public_host=127.0.0.2",
-                      "security.join=token")
+    learner = Learner(
+        tmp_path_factory.mktemp("blocked"),
+        _cfg(),
+        "learner.public_host=127.0.0.2",
+        "security.join=token",
+    )
     yield learner
     learner.stop()
 
@@ -72,7 +85,7 @@ def _lines(out: str, name: str) -> str:
     """A check's verdict line and its fix line."""
     lines = out.splitlines()
     i = next(k for k, line in enumerate(lines) if f"] {name}:" in line)
-    return "\n".join(lines[i:i + 2])
+    return "\n".join(lines[i : i + 2])
 
 
 # ----------------------------------------------------------------------------- echo-worker doctor
@@ -89,8 +102,13 @@ def test_a_healthy_learner_passes_every_check(healthy, capsys):
 
 
 def test_the_entry_point_exits_non_zero_on_a_failure(healthy):
-    done = subprocess.run(python_argv("worker.cli", "doctor", healthy.line[:-2] + "00"),
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        python_argv("worker.cli", "doctor", healthy.line[:-2] + "00"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 1
     assert "[FAIL] learner key" in done.stdout and "copy the join line" in done.stdout
 
@@ -112,7 +130,9 @@ def test_a_listener_that_never_answers(capsys):
         silent.listen()
         rc, out = _worker_doctor(capsys, f"tcp://127.0.0.1:{silent.getsockname()[1]}", "--insecure")
     assert rc == 1
-    assert "accepts connections but never speaks: not an Echo learner" in _lines(out, "learner port")
+    assert "accepts connections but never speaks: not an Echo learner" in _lines(
+        out, "learner port"
+    )
 
 
 def test_closed_snapshot_and_reflector_ports_and_a_missing_token(blocked, capsys):
@@ -142,8 +162,13 @@ def test_a_relay_port_nobody_can_connect_to(healthy, capsys):
 def test_the_operator_s_doctor_on_a_healthy_learner(healthy, capsys):
     rc, out = _rl_doctor(capsys, "--run-dir", str(healthy.run_dir))
     assert rc == 0, out
-    for key in ("learner.port", "learner.chunk_port", "learner.reflector_ports[0]",
-                "learner.reflector_ports[1]", "metrics.port"):
+    for key in (
+        "learner.port",
+        "learner.chunk_port",
+        "learner.reflector_ports[0]",
+        "learner.reflector_ports[1]",
+        "metrics.port",
+    ):
         assert f"[ok  ] {key}:" in out, key
     assert "[ok  ] learner: answers" in out and "echo-worker join 'echo://" in out
     assert "[warn] public address" in out  # loopback: only this machine's workers reach it
@@ -183,8 +208,11 @@ def _readme_doctor_lines() -> list[list[str]]:
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     block = readme.split("## Running for real", 1)[1].split("```", 2)[1]
-    return [shlex.split(line.split("#", 1)[0]) for line in block.splitlines()
-            if line.split()[:2] in (["echo-rl", "doctor"], ["echo-worker", "doctor"])]
+    return [
+        shlex.split(line.split("#", 1)[0])
+        for line in block.splitlines()
+        if line.split()[:2] in (["echo-rl", "doctor"], ["echo-worker", "doctor"])
+    ]
 
 
 def test_the_readme_s_doctor_lines_run_as_written(healthy, capsys):
@@ -193,8 +221,14 @@ def test_the_readme_s_doctor_lines_run_as_written(healthy, capsys):
     lines = _readme_doctor_lines()
     assert [argv[0] for argv in lines] == ["echo-rl", "echo-worker"]
     for argv in lines:
-        argv = [str(healthy.run_dir) if a == "runs/r1" else
-                healthy.line if a.startswith("echo://HOST") else a for a in argv]
+        argv = [
+            str(healthy.run_dir)
+            if a == "runs/r1"
+            else healthy.line
+            if a.startswith("echo://HOST")
+            else a
+            for a in argv
+        ]
         rc, out = (_rl_doctor if argv[0] == "echo-rl" else _worker_doctor)(capsys, *argv[2:])
         assert rc == 0, (argv, out)
 
@@ -205,8 +239,10 @@ def test_an_allowlist_learner_that_refuses_the_check_s_key_still_answers(monkeyp
     from learner import doctor
 
     async def refused(*args, **kwargs):
-        return None, ("tcp://127.0.0.1:5555 refused this worker's key (banned, not on its "
-                      "allow-list, or the learner is full): ask its operator")
+        return None, (
+            "tcp://127.0.0.1:5555 refused this worker's key (banned, not on its "
+            "allow-list, or the learner is full): ask its operator"
+        )
 
     monkeypatch.setattr(doctor, "ask_learner", refused)
     check = doctor._answer_check({"endpoint": "tcp://127.0.0.1:5555", "public_key": "k" * 40})
@@ -220,8 +256,10 @@ def test_the_operator_s_doctor_tells_a_dropping_firewall_from_a_stopped_learner(
     from learner import doctor
 
     cfg = _cfg()
-    for found, words, fix in (("timeout", "a firewall on this host drops", "ufw allow 5556/tcp"),
-                              ("refused", "the learner is not running", "start it")):
+    for found, words, fix in (
+        ("timeout", "a firewall on this host drops", "ufw allow 5556/tcp"),
+        ("refused", "the learner is not running", "start it"),
+    ):
         monkeypatch.setattr(doctor, "tcp_greeting", lambda host, port, f=found: f)
         check = doctor._port_check("learner.chunk_port", 5556, "zmq", "127.0.0.1", "127.0.0.1", cfg)
         assert check.status == "fail" and words in check.verdict and fix in check.fix, check
@@ -233,6 +271,9 @@ def test_an_older_learner_without_the_doctor_request_is_a_warning_not_a_failure(
     from worker.doctor import _key_check
 
     line = JoinLine("tcp://127.0.0.1:5555", KeyPair.generate().public)
-    check = _key_check(line, wire.Error(reason="unknown_type", detail="doctor is not a request "
-                                        "the learner serves"), "")
+    check = _key_check(
+        line,
+        wire.Error(reason="unknown_type", detail="doctor is not a request the learner serves"),
+        "",
+    )
     assert check.status == "warn" and "older than this echo-worker" in check.verdict

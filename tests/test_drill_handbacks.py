@@ -7,10 +7,11 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+from worker_doubles import make_generation
+
 from benchmarks import drill_handbacks
 from echo import wire
 from worker.backends import Sample
-from worker_doubles import make_generation
 
 
 class Clock:
@@ -67,12 +68,16 @@ def test_the_picker_lists_its_groups_as_held_and_times_the_real_generation(monke
     clock = Clock()
     w = _drill("cherry_pick", clock, monkeypatch, Client())
     w.seen = [0.5] * 9  # median 0.5: the 0.0 group goes back
-    groups = [wire.Group(group_id=f"g{i}", prompt_ids=[1, 2], n=4, seed=i, task={"r": r})
-              for i, r in enumerate((1.0, 0.0, 0.9))]
+    groups = [
+        wire.Group(group_id=f"g{i}", prompt_ids=[1, 2], n=4, seed=i, task={"r": r})
+        for i, r in enumerate((1.0, 0.0, 0.9))
+    ]
 
     assert asyncio.run(w.rollout(groups)) is True
 
-    assert w.held.backend.held_meanwhile == [["g0", "g1", "g2"]]  # not []: no lost grant to re-lease
+    assert w.held.backend.held_meanwhile == [
+        ["g0", "g1", "g2"]
+    ]  # not []: no lost grant to re-lease
     assert [m.groups for m in w.session.client.sent] == [["g1"]]
     assert [w.deliveries.groups_of[b] for b in w.deliveries.unacked] == [["g0", "g2"]]
     assert w.generating == []
@@ -99,7 +104,9 @@ class Ticking(Clock):
         return self.t
 
 
-def test_the_edge_holder_delivers_when_the_learner_is_at_the_edge_and_installs_meanwhile(monkeypatch):
+def test_the_edge_holder_delivers_when_the_learner_is_at_the_edge_and_installs_meanwhile(
+    monkeypatch,
+):
     clock = Ticking()
     w = _drill("edge_holder", clock, monkeypatch, Client())
     feed = Feed()
@@ -121,7 +128,9 @@ def test_the_edge_holder_delivers_when_the_learner_is_at_the_edge_and_installs_m
     assert clock.t - start < 60  # not the 60 s give-up
     assert w.held.version == 4 and w.newest == 5
     batch = next(iter(w.deliveries.unacked.values()))
-    assert {r["version"] for r in wire.unpack_records(batch.payload, 1 << 20)} == {3}  # generated under 3
+    assert {r["version"] for r in wire.unpack_records(batch.payload, 1 << 20)} == {
+        3
+    }  # generated under 3
     assert w.held.backend.held_meanwhile == [["g0"]] and w.generating == []
 
 

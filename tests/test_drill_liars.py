@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from worker_doubles import ScriptedClient, make_generation
 
 from adapters.toy_add import ToyAddAdapter
 from benchmarks.drill_workers import Lie, LyingGeneration
 from echo import wire
 from echo.models import build_tiny_tokenizer
 from worker.backends import Sample
-from worker_doubles import ScriptedClient, make_generation
 
 N = 4  # samples per group
 
@@ -25,8 +25,12 @@ class ScriptedBackend:
         self.tokenizer, self.vocab_size = tok, len(tok)
         digit = {d: tok.convert_tokens_to_ids(str(d)) for d in range(10)}
         eos = tok.eos_token_id
-        self.completions = [[digit[5], eos], [digit[5], digit[1]], [digit[7], eos],
-                            [tok.encode("+", add_special_tokens=False)[0], eos]]
+        self.completions = [
+            [digit[5], eos],
+            [digit[5], digit[1]],
+            [digit[7], eos],
+            [tok.encode("+", add_special_tokens=False)[0], eos],
+        ]
 
     def generate(self, groups, max_new_tokens, temperature, stop=None):
         return [[Sample(list(c), [-0.5, -1.5]) for c in self.completions] for _ in groups]
@@ -35,11 +39,15 @@ class ScriptedBackend:
 def liar(kind: str, truth: Path, **lie) -> LyingGeneration:
     tok = build_tiny_tokenizer()
     make = functools.partial(LyingGeneration, lie=Lie(kind, **lie), truth=str(truth))
-    return make_generation(ScriptedClient(lambda msg: None), ScriptedBackend(tok),
-                           ToyAddAdapter({}, tok), cls=make)
+    return make_generation(
+        ScriptedClient(lambda msg: None), ScriptedBackend(tok), ToyAddAdapter({}, tok), cls=make
+    )
 
 
-GROUPS = [wire.Group(group_id=f"g{i}", prompt_ids=[1, 2], n=N, seed=i, task={"answer": 5}) for i in range(2)]
+GROUPS = [
+    wire.Group(group_id=f"g{i}", prompt_ids=[1, 2], n=N, seed=i, task={"answer": 5})
+    for i in range(2)
+]
 
 
 def test_honest_drill_worker_delivers_the_adapters_scores(tmp_path):
@@ -52,7 +60,9 @@ def test_honest_drill_worker_delivers_the_adapters_scores(tmp_path):
 def test_forge_rewards_inverts_correctness(tmp_path):
     out = liar("forge_rewards", tmp_path / "t").generate_and_score(GROUPS)
     assert [r for _, r in out[1]] == [0.0, 1.0, 1.0, 1.0]
-    assert [s.completion_ids for s, _ in out[0]] == ScriptedBackend(build_tiny_tokenizer()).completions
+    assert [s.completion_ids for s, _ in out[0]] == ScriptedBackend(
+        build_tiny_tokenizer()
+    ).completions
 
 
 def test_fake_logprobs_claims_the_fixed_value(tmp_path):
@@ -72,7 +82,9 @@ def test_garbage_tokens_keep_lengths_and_logprobs_and_are_scored_honestly(tmp_pa
         assert not special & set(s.completion_ids)
         assert r == w.held.adapter.reward({"answer": 5}, s.completion_ids, "")
     if text:  # the fixed string's first tokens: "7" then "+"
-        assert out[0][0][0].completion_ids == w.held.backend.tokenizer.encode("7+", add_special_tokens=False)
+        assert out[0][0][0].completion_ids == w.held.backend.tokenizer.encode(
+            "7+", add_special_tokens=False
+        )
     assert json.loads((tmp_path / "t").read_text())["groups"][0]["tokens_replaced"] >= N - 1
 
 
@@ -86,13 +98,19 @@ def test_drop_low_sends_the_best_half(tmp_path):
 def test_drill_worker_refuses_a_positive_fake_logprob(capsys):
     from benchmarks.drill_workers import main
 
-    assert main(["--kind", "fake_logprobs", "--fake-logprob", "0.5", "join", "tcp://127.0.0.1:9"]) == 2
+    assert (
+        main(["--kind", "fake_logprobs", "--fake-logprob", "0.5", "join", "tcp://127.0.0.1:9"]) == 2
+    )
     assert "--fake-logprob must be <= 0" in capsys.readouterr().err
 
 
 # Quarantine is the learner's (learner/reputation.py, docs/security.md "Trust but verify").
-SMALL = ["learner.prompts_per_step=4", "learner.group_size=4", "learner.max_outstanding_groups=8",
-         "learner.wait_timeout_s=60"]
+SMALL = [
+    "learner.prompts_per_step=4",
+    "learner.group_size=4",
+    "learner.max_outstanding_groups=8",
+    "learner.wait_timeout_s=60",
+]
 
 
 @pytest.mark.slow
@@ -100,8 +118,15 @@ SMALL = ["learner.prompts_per_step=4", "learner.group_size=4", "learner.max_outs
 def test_forge_rewards_worker_is_quarantined_within_5_steps(tmp_path):
     from drill_liars import run_fleet
 
-    r = run_fleet(tmp_path, "forge_rewards", steps=30, overrides=SMALL, workers=1,
-                  stop_at_quarantine=True, timeout_s=240)
+    r = run_fleet(
+        tmp_path,
+        "forge_rewards",
+        steps=30,
+        overrides=SMALL,
+        workers=1,
+        stop_at_quarantine=True,
+        timeout_s=240,
+    )
     assert r["lies"]["claimed_ne_adapter"] > 0, "the liar told no lie: the drill proves nothing"
     assert r["quarantine_step"] is not None, f"not quarantined in {r['steps']} steps"
     assert r["steps_to_quarantine"] <= 5

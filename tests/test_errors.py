@@ -10,9 +10,15 @@ from echo.errors import ReasonError
 from echo.wire import WireError
 
 
-
-@pytest.mark.parametrize("err", [WireError("bad_type", "x"), RecordError("too_long", "y"),
-                                 SourceFailed("corrupt", "z", index=3), NotYet("later", 7)])
+@pytest.mark.parametrize(
+    "err",
+    [
+        WireError("bad_type", "x"),
+        RecordError("too_long", "y"),
+        SourceFailed("corrupt", "z", index=3),
+        NotYet("later", 7),
+    ],
+)
 def test_reason_errors_keep_message_and_pickle(err):
     assert isinstance(err, ReasonError)
     back = pickle.loads(pickle.dumps(err))

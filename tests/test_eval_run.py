@@ -28,11 +28,21 @@ from echo.commands.evaluate import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"name": "tiny-qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
-        "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "max_positions": 512}
+TINY = {
+    "name": "tiny-qwen3",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_layers": 1,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "max_positions": 512,
+}
 
 
-def make_run(tmp_path: Path, config: dict, steps=(3,), noise: float = 0.5, name: str = "run") -> Path:
+def make_run(
+    tmp_path: Path, config: dict, steps=(3,), noise: float = 0.5, name: str = "run"
+) -> Path:
     """A run folder: config.toml and one checkpoint per step, each the initial weights plus
     seeded noise (a LoRA run's: its adapter's tensors alone, lora_B made non-zero)."""
     import torch
@@ -67,7 +77,9 @@ def test_mean_ci_on_known_numbers():
     assert ci.mean == 3.0 and ci.std == pytest.approx(math.sqrt(2.5))
     assert (ci.lo, ci.hi) == pytest.approx((3 - 1.96299, 3 + 1.96299), abs=1e-4)
     big = mean_ci([0.0, 1.0] * 500)  # n = 1000: the normal quantile
-    assert big.half == pytest.approx(1.96 * math.sqrt(1000 / 999 * 0.25) / math.sqrt(1000), rel=1e-3)
+    assert big.half == pytest.approx(
+        1.96 * math.sqrt(1000 / 999 * 0.25) / math.sqrt(1000), rel=1e-3
+    )
     assert mean_ci([0.7] * 4).half == 0.0
     one = mean_ci([0.5])
     assert one.mean == 0.5 and math.isinf(one.lo) and math.isinf(one.hi)
@@ -79,7 +91,9 @@ def test_t_quantiles_fall_from_the_table_to_the_normal():
     assert t975(1) == 12.706 and t975(30) == 2.042
     qs = [t975(df) for df in range(1, 200)]
     assert all(a >= b for a, b in itertools.pairwise(qs))
-    assert t975(60) == pytest.approx(2.000, abs=0.003) and t975(500) == pytest.approx(1.96, abs=1e-3)
+    assert t975(60) == pytest.approx(2.000, abs=0.003) and t975(500) == pytest.approx(
+        1.96, abs=1e-3
+    )
     with pytest.raises(ValueError, match="at least two"):
         t975(0)
 
@@ -122,26 +136,41 @@ def test_math_heldout_file_is_disjoint_and_an_overlap_is_refused(tmp_path):
     from echo.models import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
-    ad = MathAdapter({"path": str(ROOT / "examples/data/arith.jsonl"),
-                      "heldout_path": str(ROOT / "examples/data/arith_heldout.jsonl")}, tok)
+    ad = MathAdapter(
+        {
+            "path": str(ROOT / "examples/data/arith.jsonl"),
+            "heldout_path": str(ROOT / "examples/data/arith_heldout.jsonl"),
+        },
+        tok,
+    )
     held = list(ad.heldout_prompts(random.Random(0)))
     train = {tuple(ids) for ids, _ in ad.items()}
     assert len(held) == 100 and not {tuple(p.prompt_ids) for p in held} & train
     ad.close()
     clash = tmp_path / "clash.jsonl"
-    clash.write_text('{"question": "1+1=", "answer": "2"}\n'
-                     + (ROOT / "examples/data/arith.jsonl").read_text().splitlines()[5] + "\n")
-    bad = MathAdapter({"path": str(ROOT / "examples/data/arith.jsonl"),
-                       "heldout_path": str(clash)}, tok)
-    with pytest.raises(AdapterError, match=r"1 question\(s\) of heldout_path .* also in path.*"
-                                           r"remove them from one of the files"):
+    clash.write_text(
+        '{"question": "1+1=", "answer": "2"}\n'
+        + (ROOT / "examples/data/arith.jsonl").read_text().splitlines()[5]
+        + "\n"
+    )
+    bad = MathAdapter(
+        {"path": str(ROOT / "examples/data/arith.jsonl"), "heldout_path": str(clash)}, tok
+    )
+    with pytest.raises(
+        AdapterError,
+        match=r"1 question\(s\) of heldout_path .* also in path.*"
+        r"remove them from one of the files",
+    ):
         list(bad.heldout_prompts(random.Random(0)))
     bad.close()
 
 
 def test_words_heldout_file_has_no_training_question():
     def questions(name):
-        return {json.loads(x)["question"] for x in (ROOT / "examples/data" / name).read_text().splitlines()}
+        return {
+            json.loads(x)["question"]
+            for x in (ROOT / "examples/data" / name).read_text().splitlines()
+        }
 
     assert len(questions("arith_words_heldout.jsonl")) == 100
     assert not questions("arith_words_heldout.jsonl") & questions("arith_words.jsonl")
@@ -163,8 +192,14 @@ def test_an_adapter_without_a_heldout_split_is_told_to_use_train():
 
 @pytest.mark.timeout(120)
 def test_toy_add_eval_pairs_two_checkpoints_on_the_same_prompts(tmp_path):
-    run = make_run(tmp_path, {"adapter": {"name": "toy-add", "options": {"heldout": 12}},
-                              "worker": {"max_new_tokens": 4}}, steps=(4, 5))
+    run = make_run(
+        tmp_path,
+        {
+            "adapter": {"name": "toy-add", "options": {"heldout": 12}},
+            "worker": {"max_new_tokens": 4},
+        },
+        steps=(4, 5),
+    )
     res = evaluate(run, "latest", compare="untrained", n=50, samples=3)
     assert res["split"] == "heldout" and res["prompts"] == 12  # the finite split, once each
     untrained, trained = res["policies"]
@@ -188,10 +223,20 @@ def test_toy_add_eval_pairs_two_checkpoints_on_the_same_prompts(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_math_eval_scores_the_heldout_file(tmp_path):
-    run = make_run(tmp_path, {"adapter": {"name": "math", "options": {
-        "path": str(ROOT / "examples/data/arith.jsonl"),
-        "heldout_path": str(ROOT / "examples/data/arith_heldout.jsonl"), "format_reward": 0.1}},
-        "worker": {"max_new_tokens": 6}})
+    run = make_run(
+        tmp_path,
+        {
+            "adapter": {
+                "name": "math",
+                "options": {
+                    "path": str(ROOT / "examples/data/arith.jsonl"),
+                    "heldout_path": str(ROOT / "examples/data/arith_heldout.jsonl"),
+                    "format_reward": 0.1,
+                },
+            },
+            "worker": {"max_new_tokens": 6},
+        },
+    )
     res = evaluate(run, "latest", n=20, samples=2)
     assert res["split"] == "heldout" and res["prompts"] == 20
     assert all(x in (0.0, 0.05, 0.1, 0.55, 0.5, 1.0) for x in res["policies"][0]["per_prompt"])
@@ -201,9 +246,22 @@ def test_math_eval_scores_the_heldout_file(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_poker_eval_plays_heldout_episodes(tmp_path):
-    run = make_run(tmp_path, {"adapter": {"name": "poker", "options": {
-        "obs_format": "compact", "opponents": ["station"], "max_decisions": 4,
-        "max_episode_tokens": 300, "bot_samples": 4}}, "worker": {"max_new_tokens": 5}})
+    run = make_run(
+        tmp_path,
+        {
+            "adapter": {
+                "name": "poker",
+                "options": {
+                    "obs_format": "compact",
+                    "opponents": ["station"],
+                    "max_decisions": 4,
+                    "max_episode_tokens": 300,
+                    "bot_samples": 4,
+                },
+            },
+            "worker": {"max_new_tokens": 5},
+        },
+    )
     res = evaluate(run, "latest", compare="untrained", n=4, samples=2)
     assert res["split"] == "heldout" and res["prompts"] == 4
     for p in res["policies"]:
@@ -236,8 +294,13 @@ def test_the_tutorial_adapter_evaluates_on_its_heldout_split(tmp_path, monkeypat
     (site / "echo_sort" / "__init__.py").write_text(code)
     write_entry_points(site, "echo-sort-digits", {"sort-digits": "echo_sort:SortDigits"})
     monkeypatch.syspath_prepend(str(site))
-    run = make_run(tmp_path, {"adapter": {"name": "sort-digits", "options": {"length": 3}},
-                              "worker": {"max_new_tokens": 6}})
+    run = make_run(
+        tmp_path,
+        {
+            "adapter": {"name": "sort-digits", "options": {"length": 3}},
+            "worker": {"max_new_tokens": 6},
+        },
+    )
     res = evaluate(run, "latest", compare="untrained", n=16)
     assert res["adapter"] == "sort-digits" and res["split"] == "heldout" and res["prompts"] == 16
     assert all(0.0 <= x <= 1.0 for p in res["policies"] for x in p["per_prompt"])
@@ -246,16 +309,21 @@ def test_the_tutorial_adapter_evaluates_on_its_heldout_split(tmp_path, monkeypat
 
     tok = build_tiny_tokenizer()
     ad = load_adapter("sort-digits", {}, tok)
-    digit_sum = lambda p: sum(int(c) for c in tok.decode(p.prompt_ids)[:-1])
+    digit_sum = lambda p: sum(int(c) for c in tok.decode(p.prompt_ids)[:-1])  # noqa: E731
     assert all(digit_sum(p) % 7 for p, _ in zip(ad.prompts(random.Random(0)), range(300)))
-    assert all(digit_sum(p) % 7 == 0 for p, _ in zip(ad.heldout_prompts(random.Random(0)), range(50)))
+    assert all(
+        digit_sum(p) % 7 == 0 for p, _ in zip(ad.heldout_prompts(random.Random(0)), range(50))
+    )
 
 
 @pytest.mark.timeout(120)
 def test_lora_checkpoint_is_the_adapter_on_the_base(tmp_path):
     lora = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
-    config = {"adapter": {"name": "toy-add"}, "worker": {"max_new_tokens": 4},
-              "learner": {"lora": lora}}
+    config = {
+        "adapter": {"name": "toy-add"},
+        "worker": {"max_new_tokens": 4},
+        "learner": {"lora": lora},
+    }
     run = make_run(tmp_path, config, noise=2.0)
     res = evaluate(run, "latest", compare="untrained", n=24, samples=2)
     assert res["lora"] is True
@@ -265,8 +333,11 @@ def test_lora_checkpoint_is_the_adapter_on_the_base(tmp_path):
     full = make_run(tmp_path, {k: v for k, v in config.items() if k != "learner"}, name="full")
     base = evaluate(full, "untrained", n=24, samples=2)
     assert base["policies"][0]["per_prompt"] == untrained
-    other = make_run(tmp_path, {**config, "learner": {"lora": {**lora, "target_modules": ["q_proj"]}}},
-                     name="other")
+    other = make_run(
+        tmp_path,
+        {**config, "learner": {"lora": {**lora, "target_modules": ["q_proj"]}}},
+        name="other",
+    )
     (other / "config.toml").write_text((run / "config.toml").read_text())
     with pytest.raises(EvalError, match="not this run's LoRA adapter"):
         evaluate(other, "latest", n=2)
@@ -283,8 +354,11 @@ def test_errors_name_the_problem_and_the_fix(tmp_path, capsys):
     assert main(["--run-dir", str(tmp_path / "empty")]) == 2
     assert "no config.toml" in capsys.readouterr().err
     run = make_run(tmp_path, {"adapter": {"name": "toy-add"}}, steps=(8, 9))
-    with pytest.raises(EvalError, match=r"no checkpoint of step 3 .*here steps: 8, 9\. Pass one of "
-                                        r"them, or leave --checkpoint out for the latest"):
+    with pytest.raises(
+        EvalError,
+        match=r"no checkpoint of step 3 .*here steps: 8, 9\. Pass one of "
+        r"them, or leave --checkpoint out for the latest",
+    ):
         resolve_policy(run, "3")
     (run / "checkpoints" / "latest").unlink()
     with pytest.raises(EvalError, match=r"no checkpoint .*latest is missing.*pass --untrained"):
@@ -299,17 +373,49 @@ def test_errors_name_the_problem_and_the_fix(tmp_path, capsys):
 @pytest.mark.integration
 def test_cli_prints_json_and_help_is_instant(tmp_path):
     run = make_run(tmp_path, {"adapter": {"name": "toy-add"}, "worker": {"max_new_tokens": 4}})
-    r = subprocess.run([sys.executable, "-m", "echo.cli", "eval", "--run-dir", str(run),
-                        "--untrained", "--compare", "latest", "--n", "6", "--json"],
-                       capture_output=True, text=True, timeout=100, cwd=ROOT, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "echo.cli",
+            "eval",
+            "--run-dir",
+            str(run),
+            "--untrained",
+            "--compare",
+            "latest",
+            "--n",
+            "6",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=ROOT,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
     assert res["paired"]["difference"] == "untrained - step 3" and res["prompts"] == 6
-    code = ("import sys, echo.commands.evaluate as e; e.build_parser(); "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=30, cwd=ROOT, check=False)
+    code = (
+        "import sys, echo.commands.evaluate as e; e.build_parser(); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=False,
+    )
     assert out.stdout.strip() == "[]"
-    h = subprocess.run([sys.executable, "-m", "echo.cli", "eval", "--help"], capture_output=True,
-                       text=True, timeout=30, cwd=ROOT, check=False)
+    h = subprocess.run(
+        [sys.executable, "-m", "echo.cli", "eval", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=False,
+    )
     assert h.returncode == 0 and "--compare" in h.stdout and "eval poker" in h.stdout

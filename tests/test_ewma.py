@@ -60,8 +60,7 @@ def test_link_meter_alpha_keeps_its_numbers():
 def test_registry_time_constant_fold_keeps_its_numbers():
     tau, now, old = 60.0, 0.0, 0.0
     w = WorkerRecord("w", price=1.0, state=ACTIVE, mu_hat=0.0, activated_at=-1e9)
-    busy = WorkerRecord("b", price=1.0, state=ACTIVE, mu_hat=0.0, activated_at=-1e9,
-                        busy_mode=True)
+    busy = WorkerRecord("b", price=1.0, state=ACTIVE, mu_hat=0.0, activated_at=-1e9, busy_mode=True)
     old_busy, first = 0.0, True
     for x in SAMPLES:
         dt = x / 5

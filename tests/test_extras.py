@@ -54,7 +54,9 @@ def without_optional(tmp_path) -> dict[str, str]:
 
 def test_the_core_install_leaves_the_optional_packages_to_extras():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    core = {d.split(">")[0].split("=")[0].split("[")[0].strip().lower() for d in meta["dependencies"]}
+    core = {
+        d.split(">")[0].split("=")[0].split("[")[0].strip().lower() for d in meta["dependencies"]
+    }
     assert core.isdisjoint(OPTIONAL)
     extras = meta["optional-dependencies"]
     for module, extra in EXTRA_OF.items():
@@ -65,16 +67,24 @@ def test_the_core_install_leaves_the_optional_packages_to_extras():
 def test_the_blocker_hides_them(without_optional):
     import os
 
-    run = subprocess.run([sys.executable, "-c", "import importlib.util as u; "
-                          "print([u.find_spec(m) is None for m in %r])" % (OPTIONAL,)],
-                         capture_output=True, text=True, env={**os.environ, **without_optional},
-                         timeout=60)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import importlib.util as u; print([u.find_spec(m) is None for m in %r])" % (OPTIONAL,),  # noqa: UP031
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **without_optional},
+        timeout=60,
+    )
     assert run.stdout.strip() == str([True] * len(OPTIONAL)), run.stderr
 
 
 @pytest.mark.slow
-def test_a_learner_and_a_worker_train_without_the_optional_packages(tmp_path, small_cfg,
-                                                                    without_optional):
+def test_a_learner_and_a_worker_train_without_the_optional_packages(
+    tmp_path, small_cfg, without_optional
+):
     cluster = Cluster(tmp_path, small_cfg)
     try:
         conf = tmp_path / "cfg.toml"
@@ -82,27 +92,54 @@ def test_a_learner_and_a_worker_train_without_the_optional_packages(tmp_path, sm
 
         conf.write_text(dump_toml(small_cfg))
         run = tmp_path / "run"
-        learner = cluster.group.start("learner", [sys.executable, "-m", "echo.cli", "learn", str(conf),
-                                                  "--run-dir", str(run)], tmp_path / "learner.err",
-                                      pipe_stdout=True, env=without_optional)
+        learner = cluster.group.start(
+            "learner",
+            [sys.executable, "-m", "echo.cli", "learn", str(conf), "--run-dir", str(run)],
+            tmp_path / "learner.err",
+            pipe_stdout=True,
+            env=without_optional,
+        )
         line = wait_ready(learner, timeout=120)
-        cluster.group.start("w0", [sys.executable, "-m", "worker.cli", "join", line, "--id", "w0",
-                                   "--plain", "--identity", str(tmp_path / "w0.key")],
-                            tmp_path / "w0.log", env=without_optional)
+        cluster.group.start(
+            "w0",
+            [
+                sys.executable,
+                "-m",
+                "worker.cli",
+                "join",
+                line,
+                "--id",
+                "w0",
+                "--plain",
+                "--identity",
+                str(tmp_path / "w0.key"),
+            ],
+            tmp_path / "w0.log",
+            env=without_optional,
+        )
         wait_rows(run, 2)
     finally:
         cluster.group.stop_all()
 
 
-@pytest.mark.parametrize("argv, extra", [
-    (["sim", "--help"], "sim"),
-    (["report", "nowhere"], "report"),
-])
+@pytest.mark.parametrize(
+    "argv, extra",
+    [
+        (["sim", "--help"], "sim"),
+        (["report", "nowhere"], "report"),
+    ],
+)
 def test_a_command_that_needs_an_extra_names_it(argv, extra, without_optional):
     import os
 
-    run = subprocess.run([sys.executable, "-m", "echo.cli", *argv], capture_output=True, text=True,
-                         env={**os.environ, **without_optional}, timeout=120, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, "-m", "echo.cli", *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **without_optional},
+        timeout=120,
+        cwd=ROOT,
+    )
     assert run.returncode == 2, run.stderr[-2000:]
     assert f"pip install 'echo-rl[{extra}]'" in run.stderr and "Traceback" not in run.stderr
 
@@ -110,11 +147,19 @@ def test_a_command_that_needs_an_extra_names_it(argv, extra, without_optional):
 def test_the_poker_adapter_names_its_extra(without_optional):
     import os
 
-    code = ("from dataplane.adapter import AdapterError, load_adapter\n"
-            "from echo.models import build_tiny_tokenizer\n"
-            "try:\n    load_adapter('poker', {}, build_tiny_tokenizer(), check_prompts=False)\n"
-            "except AdapterError as err:\n    print(err)\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, **without_optional}, timeout=120, cwd=ROOT)
+    code = (
+        "from dataplane.adapter import AdapterError, load_adapter\n"
+        "from echo.models import build_tiny_tokenizer\n"
+        "try:\n    load_adapter('poker', {}, build_tiny_tokenizer(), check_prompts=False)\n"
+        "except AdapterError as err:\n    print(err)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **without_optional},
+        timeout=120,
+        cwd=ROOT,
+    )
     assert "the poker adapter needs pokerkit" in run.stdout, run.stderr[-2000:]
     assert "pip install 'echo-rl[poker]'" in run.stdout

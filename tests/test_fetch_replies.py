@@ -31,19 +31,33 @@ def _chunk(version, index, rid, **kw):
 BAD_REPLIES = [
     ("junk_header", lambda r: [b"\xc1\xff junk", b"x"], "corrupt"),
     ("unhashable_type", lambda r: [msgpack.packb({"v": 1, "type": ["x"]})], "corrupt"),
-    ("bool_version", lambda r: [msgpack.packb({"v": True, "type": "chunk", "version": 1,
-                                               "index": r.index, "rid": r.rid}), b"x"], "corrupt"),
+    (
+        "bool_version",
+        lambda r: [
+            msgpack.packb(
+                {"v": True, "type": "chunk", "version": 1, "index": r.index, "rid": r.rid}
+            ),
+            b"x",
+        ],
+        "corrupt",
+    ),
     ("wrong_index", lambda r: [_chunk(r.version, r.index + 1, r.rid), b"\0" * CHUNK], "corrupt"),
     ("wrong_version", lambda r: [_chunk(r.version + 1, r.index, r.rid), b"\0" * CHUNK], "corrupt"),
     ("no_bytes_frame", lambda r: [_chunk(r.version, r.index, r.rid)], "corrupt"),
     ("short_bytes", lambda r: [_chunk(r.version, r.index, r.rid), b"\0" * 10], "corrupt"),
     ("wrong_bytes", lambda r: [_chunk(r.version, r.index, r.rid), b"\0" * CHUNK], "corrupt"),
     ("not_a_chunk", lambda r: [wire.encode(wire.Leave(worker_id="w", rid=r.rid))], "corrupt"),
-    ("error", lambda r: [wire.encode(wire.Error(reason="nope", detail="x" * 1000,
-                                                rid=r.rid))], "refused"),
+    (
+        "error",
+        lambda r: [wire.encode(wire.Error(reason="nope", detail="x" * 1000, rid=r.rid))],
+        "refused",
+    ),
     # Larger than any header or chunk: zmq cuts the peer off (MAXMSGSIZE) before buffering it.
-    ("huge_frame", lambda r: [_chunk(r.version, r.index, r.rid), b"\0" * (4 * MAX_BYTES)],
-     "disconnected"),
+    (
+        "huge_frame",
+        lambda r: [_chunk(r.version, r.index, r.rid), b"\0" * (4 * MAX_BYTES)],
+        "disconnected",
+    ),
 ]
 
 
@@ -59,8 +73,9 @@ async def _junk_source(sock, make_reply):
 def test_bad_reply_fails_the_source_and_the_fetch_resumes_elsewhere(name, make_reply, reason):
     key = RunKey.generate()
     payload = np.random.default_rng(1).bytes(10 * CHUNK + 7)
-    manifest = build_manifest(run_id="t", version=1, tensors=[], payload=payload,
-                              chunk_size=CHUNK, dtype="uint8", key=key)
+    manifest = build_manifest(
+        run_id="t", version=1, tensors=[], payload=payload, chunk_size=CHUNK, dtype="uint8", key=key
+    )
 
     async def body(ctx):
         root_store = SnapshotStore()
@@ -79,10 +94,13 @@ def test_bad_reply_fails_the_source_and_the_fetch_resumes_elsewhere(name, make_r
             return root
 
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(ChunkServer(root_sock, root_store, MAX_BYTES).serve_forever()),
-                     tg.create_task(_junk_source(junk_sock, make_reply))]
-            stats = await fetch_into(ctx, store, 1, junk, window=3, timeout_s=10,
-                                     max_bytes=MAX_BYTES, reattach=reattach)
+            tasks = [
+                tg.create_task(ChunkServer(root_sock, root_store, MAX_BYTES).serve_forever()),
+                tg.create_task(_junk_source(junk_sock, make_reply)),
+            ]
+            stats = await fetch_into(
+                ctx, store, 1, junk, window=3, timeout_s=10, max_bytes=MAX_BYTES, reattach=reattach
+            )
             for t in tasks:
                 t.cancel()
         return store.get(1), stats, failures

@@ -17,7 +17,9 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU on this machine (make gpu-check runs these on one)", allow_module_level=True)
+    pytest.skip(
+        "no CUDA GPU on this machine (make gpu-check runs these on one)", allow_module_level=True
+    )
 
 from dataplane.adapter import LearnerBatch  # noqa: E402
 from echo import wire  # noqa: E402
@@ -27,19 +29,25 @@ from learner.parallel.single import Single  # noqa: E402
 from learner.trainer import Trainer, token_logprobs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CFG = ModelConfig(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=32)
+CFG = ModelConfig(
+    hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32
+)
 
 
 def batch(seed: int, n: int = 16, prompt: int = 6, completion: int = 10) -> LearnerBatch:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 24, (n, prompt + completion), generator=g)
     mask = torch.zeros(n, prompt + completion - 1)
-    mask[:, prompt - 1:] = 1
-    return LearnerBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask,
-                        behaviour_logprobs=-torch.rand(n, prompt + completion - 1, generator=g) * 3,
-                        advantages=torch.randn(n, generator=g), rewards=torch.zeros(n),
-                        versions=torch.zeros(n, dtype=torch.long))
+    mask[:, prompt - 1 :] = 1
+    return LearnerBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        loss_mask=mask,
+        behaviour_logprobs=-torch.rand(n, prompt + completion - 1, generator=g) * 3,
+        advantages=torch.randn(n, generator=g),
+        rewards=torch.zeros(n),
+        versions=torch.zeros(n, dtype=torch.long),
+    )
 
 
 def trained(device: str, seed: int = 0) -> tuple[Trainer, Single, list[dict[str, float]]]:
@@ -75,10 +83,14 @@ def test_worker_on_cuda_installs_the_learner_snapshot_and_its_logprobs_match():
     trainer, par, _ = trained("cuda")
     backend = TransformersBackend(CFG, device="cuda")
     assert backend.device.type == "cuda"
-    assert all(p.dtype == torch.bfloat16 and p.device.type == "cuda" for p in backend.model.parameters())
+    assert all(
+        p.dtype == torch.bfloat16 and p.device.type == "cuda" for p in backend.model.parameters()
+    )
     index, payload = params_to_payload(trainer.model.named_parameters(), "bfloat16")
     backend.install(index, payload, version=1)
-    groups = [wire.Group(group_id=f"g{i}", prompt_ids=[5 + i, 6, 7, 8], n=4, seed=i) for i in range(4)]
+    groups = [
+        wire.Group(group_id=f"g{i}", prompt_ids=[5 + i, 6, 7, 8], n=4, seed=i) for i in range(4)
+    ]
     out = backend.generate(groups, 12, 1.0)
     samples = [s for g in out for s in g]
     assert len(samples) == 16 and all(len(s.completion_ids) > 0 for s in samples)
@@ -86,7 +98,9 @@ def test_worker_on_cuda_installs_the_learner_snapshot_and_its_logprobs_match():
     for g, group in zip(groups, out):
         for s in group:
             ids = torch.tensor([g.prompt_ids + s.completion_ids], device="cuda")
-            lp = token_logprobs(trainer.model, ids, torch.ones_like(ids))[0, len(g.prompt_ids) - 1:]
+            lp = token_logprobs(trainer.model, ids, torch.ones_like(ids))[
+                0, len(g.prompt_ids) - 1 :
+            ]
             gaps += (lp.float().cpu() - torch.tensor(s.logprobs)).abs().tolist()
     # bf16 weights on the worker, float32 weights under bf16 autocast on the learner
     assert sum(gaps) / len(gaps) < 0.05, max(gaps)
@@ -120,12 +134,24 @@ dist.destroy_process_group()
 
 
 def test_fsdp2_on_a_nccl_process_group_of_one_gpu_matches_one_process(tmp_path):
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     out = tmp_path / "nccl.pt"
-    run = subprocess.run([sys.executable, "-c", NCCL_SCRIPT, str(ROOT), str(out)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [sys.executable, "-c", NCCL_SCRIPT, str(ROOT), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     got = torch.load(out)
     assert got["sum"] == [1.0, 2.0]

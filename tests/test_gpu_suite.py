@@ -17,13 +17,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def test_dry_run_exercises_every_stage_and_writes_the_layout(tmp_path):
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--dry-run",
-                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=560)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--dry-run", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=560,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     res = json.loads((out / "gpu_check.json").read_text())
     stages = res["stages"]
     assert list(stages) == ["model", "tests", "learner", "generation", "learning"]
-    assert all(s["outcome"] == "ok" for s in stages.values()), {k: s["outcome"] for k, s in stages.items()}
+    assert all(s["outcome"] == "ok" for s in stages.values()), {
+        k: s["outcome"] for k, s in stages.items()
+    }
     assert stages["tests"]["failed"] == 0 and stages["tests"]["skipped"] >= 1  # no GPU: they say so
     for case in ("smollm2_full", "qwen3_1b_full", "smollm2_lora", "qwen3_1b_lora"):
         c = stages["learner"][case]

@@ -9,6 +9,8 @@ import itertools
 import json
 
 import pytest
+from fakes import FakeClock
+from test_control import ask, batch, connect, ctx, records  # noqa: F401 (fixtures)
 
 from broadcast.snapshot import RunKey
 from dataplane.adapter import Prompt
@@ -17,21 +19,24 @@ from echo import wire
 from echo.security import KeyPair
 from learner.accounts import Accounts
 from learner.buffer import ReplayBuffer
-from learner.server import LearnerServer
 from learner.fleet import FleetBooks
 from learner.grants import GrantJournal, Lease, load, open_leases
+from learner.server import LearnerServer
 from learner.work import WorkQueue
-from test_control import ask, batch, connect, ctx, records  # noqa: F401 (fixtures)
-from fakes import FakeClock
 
 pytestmark = pytest.mark.timeout(120)
 
 
-
 def queue(prefix: str, clock=None) -> WorkQueue:
     prompts = (Prompt([4, 14, 5], {"i": i}) for i in itertools.count())
-    return WorkQueue(prompts, group_size=4, max_outstanding=16, lease_timeout_s=10,
-                     prefix=prefix, **({"clock": clock} if clock else {}))
+    return WorkQueue(
+        prompts,
+        group_size=4,
+        max_outstanding=16,
+        lease_timeout_s=10,
+        prefix=prefix,
+        **({"clock": clock} if clock else {}),
+    )
 
 
 def test_journal_keeps_the_last_lease_of_each_group_and_skips_torn_lines(tmp_path):
@@ -86,13 +91,23 @@ def test_restored_leases_keep_holder_and_key_with_a_fresh_clock():
 def _plane(cfg, tmp_path, work, tokenizer) -> LearnerServer:
     lc = cfg.learner
     buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size)
-    return LearnerServer(cfg, run_id="run", key=RunKey.generate(), buffer=buffer, work=work,
-                        limits=Limits(len(tokenizer), cfg.worker.max_new_tokens, lc.group_size),
-                        run_dir=tmp_path)
+    return LearnerServer(
+        cfg,
+        run_id="run",
+        key=RunKey.generate(),
+        buffer=buffer,
+        work=work,
+        limits=Limits(len(tokenizer), cfg.worker.max_new_tokens, lc.group_size),
+        run_dir=tmp_path,
+    )
 
 
-def test_a_restarted_plane_admits_the_holders_work_and_no_one_elses(small_cfg, tokenizer, ctx,  # noqa: F811
-                                                                     tmp_path):
+def test_a_restarted_plane_admits_the_holders_work_and_no_one_elses(
+    small_cfg,
+    tokenizer,
+    ctx,  # noqa: F811
+    tmp_path,
+):
     holder, thief = KeyPair.generate(), KeyPair.generate()
     journal = tmp_path / "grants.jsonl"
     first = queue("run.aaa")
@@ -137,8 +152,12 @@ def test_fleet_books_round_trip_and_damage_is_not_fatal(tmp_path):
     acc = Accounts()
     acc.open("w1", "K1", 0.3, True, "joined", now=0.0)
     acc.delivered("w1", 12, 1, {"stale": 2})
-    books.save({"controller": {"K1": {"mu_hat": 3.0, "failed_probations": 0, "active": True}},
-                "accounts": acc.state()})
+    books.save(
+        {
+            "controller": {"K1": {"mu_hat": 3.0, "failed_probations": 0, "active": True}},
+            "accounts": acc.state(),
+        }
+    )
     state = books.load()
     assert state.controller["K1"]["active"] is True
     again = Accounts()

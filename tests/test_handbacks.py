@@ -12,6 +12,9 @@ import random
 
 import pytest
 import torch
+from fakes import FakeClock
+from test_control import ask, batch, connect, ctx, plane, records  # noqa: F401 (fixtures)
+from test_trust import _sample, honest
 
 from broadcast.snapshot import RunKey
 from dataplane.adapter import Prompt, load_adapter
@@ -19,17 +22,14 @@ from dataplane.records import Limits, Record
 from echo import wire
 from echo.config import SecurityConfig
 from echo.models import load_model, params_to_payload
-from fakes import FakeClock
 from learner.auditor import Auditor
 from learner.buffer import ReplayBuffer
-from learner.server import LearnerServer
 from learner.handback import PrefixLimits
 from learner.handbacks import Handbacks, bias_threshold, checkpoint, midrank
+from learner.server import LearnerServer
 from learner.staleness import Staleness, credit
 from learner.work import WorkQueue
 from provisioning.controller import ACTIVE, Controller
-from test_control import ask, batch, connect, ctx, plane, records  # noqa: F401 (fixtures)
-from test_trust import _sample, honest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,8 +46,13 @@ def checked(small_cfg, tokenizer, tmp_path):
     small_cfg.transport.heartbeat_timeout_s = 120  # the test's clients send no heartbeats
     adapter = load_adapter("toy-add", {}, tokenizer)
     buffer = ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size)
-    work = WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
-                     max_outstanding=16, lease_timeout_s=120, prefix="t")
+    work = WorkQueue(
+        adapter.prompts(random.Random(0)),
+        group_size=lc.group_size,
+        max_outstanding=16,
+        lease_timeout_s=120,
+        prefix="t",
+    )
     torch.manual_seed(0)
     model = load_model(small_cfg.model, tokenizer, "float32").eval()
     with torch.no_grad():
@@ -55,9 +60,17 @@ def checked(small_cfg, tokenizer, tmp_path):
     box: list[LearnerServer] = []
     aud = Auditor(small_cfg, tokenizer, lambda v: box[0].report(v))
     aud.add_snapshot(0, *params_to_payload(model.named_parameters(), "float32"))
-    cp = LearnerServer(small_cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
-                      limits=Limits(len(tokenizer), small_cfg.worker.max_new_tokens, lc.group_size),
-                      run_dir=tmp_path, adapter=adapter, audit=aud.submit)
+    cp = LearnerServer(
+        small_cfg,
+        run_id="t",
+        key=RunKey.generate(),
+        buffer=buffer,
+        work=work,
+        limits=Limits(len(tokenizer), small_cfg.worker.max_new_tokens, lc.group_size),
+        run_dir=tmp_path,
+        adapter=adapter,
+        audit=aud.submit,
+    )
     box.append(cp)
     cp.start()
     cp.auditor, cp.model = aud, model
@@ -66,19 +79,34 @@ def checked(small_cfg, tokenizer, tmp_path):
 
 
 def _handback(sock, worker, group, prefixes):
-    return ask(sock, wire.Handback(worker_id=worker, reason="preempted", groups=[group.group_id],
-                                   prefixes={group.group_id: prefixes}))
+    return ask(
+        sock,
+        wire.Handback(
+            worker_id=worker,
+            reason="preempted",
+            groups=[group.group_id],
+            prefixes={group.group_id: prefixes},
+        ),
+    )
 
 
 def _forged(group, n_tokens=3):
     """Tokens the sender never sampled, claimed at log-prob -9999 (issue 31, attack 2)."""
     pick = random.Random(5)
-    return [wire.Prefix(sample_idx=i, ids=[pick.randrange(3, 24) for _ in range(n_tokens)],
-                        logprobs=[-9999.0] * n_tokens, versions=[[0, n_tokens]])
-            for i in range(group.n)]
+    return [
+        wire.Prefix(
+            sample_idx=i,
+            ids=[pick.randrange(3, 24) for _ in range(n_tokens)],
+            logprobs=[-9999.0] * n_tokens,
+            versions=[[0, n_tokens]],
+        )
+        for i in range(group.n)
+    ]
 
 
-def test_a_forged_prefix_is_refused_and_its_author_struck_never_the_continuer(checked, ctx, tokenizer):  # noqa: F811
+def test_a_forged_prefix_is_refused_and_its_author_struck_never_the_continuer(
+    checked, ctx, tokenizer
+):  # noqa: F811
     evil, b = connect(checked, ctx), connect(checked, ctx)
     ask(evil, wire.Join(worker_id="evil"))
     ask(b, wire.Join(worker_id="w1"))
@@ -94,9 +122,14 @@ def test_a_forged_prefix_is_refused_and_its_author_struck_never_the_continuer(ch
     assert stats.handbacks["checks_failed"] == 1 and stats.handbacks["refused_forged"] == g.n
     assert stats.checks.get("handback_logprob:fail") == 1
     # the group goes out again without the forged prefixes; its continuer is not blamed
-    again = ask(b, wire.WorkRequest(worker_id="w1", max_groups=1, holding=[x.group_id for x in first]))
+    again = ask(
+        b, wire.WorkRequest(worker_id="w1", max_groups=1, holding=[x.group_id for x in first])
+    )
     assert [x.group_id for x in again.groups] == [g.group_id] and again.groups[0].prefixes == []
-    assert ask(b, batch([dict(r, worker_id="w1") for r in honest(checked, g, tokenizer)])).accepted == g.n
+    assert (
+        ask(b, batch([dict(r, worker_id="w1") for r in honest(checked, g, tokenizer)])).accepted
+        == g.n
+    )
     assert checked.reputation.strikes["w1"] == 0 and "w1" not in checked.reputation.quarantined
     assert ask(evil, wire.Heartbeat(worker_id="evil", version=0)).reason == "banned"
 
@@ -108,8 +141,10 @@ def test_an_honest_prefix_passes_its_check_and_is_continued(checked, ctx):  # no
     (g,) = ask(a, wire.WorkRequest(worker_id="w0", max_groups=1)).groups
     rng = torch.Generator().manual_seed(3)
     sampled = _sample(checked.model, g.prompt_ids, g.n, 3, checked.cfg.worker.temperature, rng)
-    cut = [wire.Prefix(sample_idx=i, ids=r.completion_ids, logprobs=r.logprobs, versions=[[0, 3]])
-           for i, r in enumerate(sampled)]
+    cut = [
+        wire.Prefix(sample_idx=i, ids=r.completion_ids, logprobs=r.logprobs, versions=[[0, 3]])
+        for i, r in enumerate(sampled)
+    ]
     ack = _handback(a, "w0", g, cut)
     assert isinstance(ack, wire.HandbackAck), ack
     assert ack.prefixes == g.n
@@ -141,6 +176,7 @@ def test_prefix_checks_go_to_new_keys_then_to_a_random_share(small_cfg):
 
 def _pass(job, check="handback_logprob"):
     from learner.reputation import Verdict
+
     return Verdict(job.worker_id, job.key, job.group_id, job.version, check, True, {})
 
 
@@ -163,17 +199,26 @@ def test_a_check_that_never_comes_back_releases_the_group_without_its_prefixes(s
 
 def _queue(clock=None) -> WorkQueue:
     prompts = (Prompt([1, 2], {"i": i}) for i in itertools.count())
-    return WorkQueue(prompts, group_size=2, max_outstanding=64, lease_timeout_s=60, prefix="r",
-                     clock=clock or FakeClock())
+    return WorkQueue(
+        prompts,
+        group_size=2,
+        max_outstanding=64,
+        lease_timeout_s=60,
+        prefix="r",
+        clock=clock or FakeClock(),
+    )
 
 
 def _prefix(i=0, ids=(5, 6)):
-    return wire.Prefix(sample_idx=i, ids=list(ids), logprobs=[-0.5] * len(ids), versions=[[0, len(ids)]])
+    return wire.Prefix(
+        sample_idx=i, ids=list(ids), logprobs=[-0.5] * len(ids), versions=[[0, len(ids)]]
+    )
 
 
 def _msg(worker, g, prefixes):
-    return wire.Handback(worker_id=worker, reason="preempted", groups=[g.group_id],
-                         prefixes={g.group_id: prefixes})
+    return wire.Handback(
+        worker_id=worker, reason="preempted", groups=[g.group_id], prefixes={g.group_id: prefixes}
+    )
 
 
 def test_a_handback_flood_is_bounded_by_rate_and_share_and_counted(small_cfg):
@@ -197,7 +242,9 @@ def test_a_handback_flood_is_bounded_by_rate_and_share_and_counted(small_cfg):
     # over time the rate lets it hand back again, but past its share it stays refused
     clock.t += 3600
     (g,) = work.grant("flood", 1, 0)
-    assert hb.receive("flood", "kf", _msg("flood", g, [_prefix()]), 0, lim).refused == {"over_share": 1}
+    assert hb.receive("flood", "kf", _msg("flood", g, [_prefix()]), 0, lim).refused == {
+        "over_share": 1
+    }
 
 
 def test_an_honest_preemption_keeps_its_prefixes(small_cfg):
@@ -209,8 +256,12 @@ def test_an_honest_preemption_keeps_its_prefixes(small_cfg):
     for g in delivered:
         work.fulfilled(g.group_id)
     grant = work.grant("w", 8, 0)  # preempted in the middle of this grant
-    msg = wire.Handback(worker_id="w", reason="preempted", groups=[g.group_id for g in grant],
-                        prefixes={g.group_id: [_prefix(0), _prefix(1)] for g in grant})
+    msg = wire.Handback(
+        worker_id="w",
+        reason="preempted",
+        groups=[g.group_id for g in grant],
+        prefixes={g.group_id: [_prefix(0), _prefix(1)] for g in grant},
+    )
     ack = hb.receive("w", "kw", msg, 0, lim)
     assert ack.groups == 8 and ack.prefixes == 16 and not ack.refused
     assert not hb.capped("w")
@@ -238,8 +289,19 @@ def _group_rewards(rng):
 
 
 def _recs(rewards, worker):
-    return [Record(group_id="g", sample_idx=i, prompt_ids=[1], completion_ids=[2], logprobs=[-1.0],
-                   reward=r, version=0, worker_id=worker) for i, r in enumerate(rewards)]
+    return [
+        Record(
+            group_id="g",
+            sample_idx=i,
+            prompt_ids=[1],
+            completion_ids=[2],
+            logprobs=[-1.0],
+            reward=r,
+            version=0,
+            worker_id=worker,
+        )
+        for i, r in enumerate(rewards)
+    ]
 
 
 def _run_fleet(hb, rng, returner, share, picks, groups=600):
@@ -260,7 +322,9 @@ def test_a_cherry_picker_is_flagged_and_its_prefixes_refused(small_cfg):
     assert book["cherry_pick"] == "low" and book["returns_pct"] < 0.3
     assert hb.counts["cherry_pick_flagged"] == 1
     (g,) = work.grant("picker", 1, 0)
-    ack = hb.receive("picker", "kp", _msg("picker", g, [_prefix()]), 0, PrefixLimits(100, 8, -1e4, 2))
+    ack = hb.receive(
+        "picker", "kp", _msg("picker", g, [_prefix()]), 0, PrefixLimits(100, 8, -1e4, 2)
+    )
     assert ack.groups == 1 and ack.refused == {"biased_returns": 1}
 
 
@@ -374,8 +438,15 @@ def test_deliveries_at_the_edge_show_in_the_books_of_a_live_plane(plane, ctx):  
     plane.buffer.set_version(2)
     assert ask(a, batch(records(ga, version=0))).accepted == ga.n  # held to the edge
     recs = [dict(r, worker_id="w2") for r in records(gb, version=2)]
-    assert ask(b, wire.Trajectories(worker_id="w2", batch_id="b2", count=len(recs),
-                                    payload=wire.pack_records(recs))).accepted == gb.n
+    assert (
+        ask(
+            b,
+            wire.Trajectories(
+                worker_id="w2", batch_id="b2", count=len(recs), payload=wire.pack_records(recs)
+            ),
+        ).accepted
+        == gb.n
+    )
     workers = plane.stats().workers
     assert workers["w1"]["credit_per_trajectory"] == 0.5 and workers["w1"]["at_edge"] == 1.0
     assert workers["w2"]["credit_per_trajectory"] == 1.0 and workers["w2"]["staleness_mean"] == 0.0

@@ -41,7 +41,9 @@ class Cluster:
         self.tmp, self.cfg, self.group = tmp, cfg, ProcessGroup()
         self.endpoint = ""
 
-    def learner(self, name: str = "learner", resume: Path | None = None, **learner_overrides) -> Path:
+    def learner(
+        self, name: str = "learner", resume: Path | None = None, **learner_overrides
+    ) -> Path:
         cfg = self.cfg.model_copy(deep=True)
         for k, v in learner_overrides.items():
             setattr(cfg.learner, k, v)
@@ -50,8 +52,12 @@ class Cluster:
         conf = self.tmp / f"{name}.toml"
         conf.write_text(dump_toml(cfg))
         where = ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
-        proc = self.group.start(name, python_argv("echo.cli", "learn", str(conf), *where),
-                                self.tmp / f"{name}.err", pipe_stdout=True)
+        proc = self.group.start(
+            name,
+            python_argv("echo.cli", "learn", str(conf), *where),
+            self.tmp / f"{name}.err",
+            pipe_stdout=True,
+        )
         self.endpoint = wait_ready(proc, timeout=120)
         return run_dir
 
@@ -65,11 +71,23 @@ class Cluster:
         return sock
 
     def worker(self, name: str) -> None:
-        self.group.start(name, python_argv("worker.cli", "join", self.endpoint, "--id", name,
-                                           "--price", "0.35", "--ledger",
-                                           str(self.tmp / f"{name}.ledger"),
-                                           "--identity", str(self.tmp / f"{name}.key")),
-                         self.tmp / f"{name}.log")
+        self.group.start(
+            name,
+            python_argv(
+                "worker.cli",
+                "join",
+                self.endpoint,
+                "--id",
+                name,
+                "--price",
+                "0.35",
+                "--ledger",
+                str(self.tmp / f"{name}.ledger"),
+                "--identity",
+                str(self.tmp / f"{name}.key"),
+            ),
+            self.tmp / f"{name}.log",
+        )
 
     def wait(self, name: str, timeout: float = 180) -> int:
         return self.group.procs[name].wait(timeout)
@@ -142,9 +160,19 @@ def test_junk_on_learner_sockets_is_rejected_while_training(cluster):
     sock = cluster.dealer(ctx)
     sock.send(wire.encode(wire.Join(worker_id="evil", can_relay=False)))
     assert isinstance(wire.decode(sock.recv(), 1 << 24), wire.JoinAck)
-    junk = [b"\xc1", msgpack.packb({"v": 7, "type": "join"}), b"y" * (3 * 2**20),
-            wire.encode(wire.Trajectories(worker_id="evil", batch_id="x", count=1,
-                                          payload=wire.pack_records([{"group_id": 1}])))]
+    junk = [
+        b"\xc1",
+        msgpack.packb({"v": 7, "type": "join"}),
+        b"y" * (3 * 2**20),
+        wire.encode(
+            wire.Trajectories(
+                worker_id="evil",
+                batch_id="x",
+                count=1,
+                payload=wire.pack_records([{"group_id": 1}]),
+            )
+        ),
+    ]
     reasons = []
     for frame in junk:
         sock.send(frame)
@@ -195,26 +223,48 @@ def test_quickstart_interrupt_leaves_no_orphans(tmp_path):
 
     run_dir = tmp_path / "qs"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "echo.cli", "quickstart", "--workers", "2", "--run-dir", str(run_dir),
-         "--set", "learner.max_steps=10000", "--set", "learner.prompts_per_step=4",
-         "--set", "learner.group_size=4", "--set", "learner.max_outstanding_groups=8"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "echo.cli",
+            "quickstart",
+            "--workers",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "learner.max_steps=10000",
+            "--set",
+            "learner.prompts_per_step=4",
+            "--set",
+            "learner.group_size=4",
+            "--set",
+            "learner.max_outstanding_groups=8",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_rows(run_dir, 2)
-        children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        children = [
+            int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        ]
         assert len(children) == 3  # learner + 2 workers
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 130
         for pid in children:
-            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+            assert (
+                not Path(f"/proc/{pid}").exists()
+                or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+            )
     finally:
         if proc.poll() is None:
             proc.kill()
 
 
 def test_sigkill_learner_and_resume_loses_nothing_acknowledged(cluster):
-    from learner.run_audit import audit_run
     from learner.checkpoint import load_checkpoint
+    from learner.run_audit import audit_run
 
     fix_learner_port(cluster.cfg)
     cluster.cfg.learner.staleness = 4  # kappa = 3: steps after a checkpoint are lost and redone
@@ -228,8 +278,13 @@ def test_sigkill_learner_and_resume_loses_nothing_acknowledged(cluster):
     # Make the kill land in the narrowest window every time: after the checkpoint of a step,
     # before that step's metrics line (the line must come back from the checkpoint).
     metrics = run / "metrics.jsonl"
-    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
-                               if json.loads(line)["step"] < ckpt_step))
+    metrics.write_text(
+        "".join(
+            line + "\n"
+            for line in metrics.read_text().splitlines()
+            if json.loads(line)["step"] < ckpt_step
+        )
+    )
     cluster.learner("second", resume=run, max_steps=ckpt_step + 8)
     assert cluster.wait("second") == 0
     for w in workers:  # the same worker processes, re-joined: they never restarted
@@ -238,13 +293,17 @@ def test_sigkill_learner_and_resume_loses_nothing_acknowledged(cluster):
     got = rows(run)
     assert [r["step"] for r in got] == list(range(ckpt_step + 8))  # the version continues
     assert all(r["version"] == r["step"] for r in got)
-    audit = audit_run(run, [cluster.tmp / f"{w}.ledger" for w in workers], cluster.cfg.learner.group_size)
+    audit = audit_run(
+        run, [cluster.tmp / f"{w}.ledger" for w in workers], cluster.cfg.learner.group_size
+    )
     assert len(audit.acked) > ckpt_step * 4 * cluster.cfg.learner.group_size
     assert audit.lost == set()
 
 
-@pytest.mark.skipif(__import__("shutil").which("chromium") is None,
-                    reason="needs the chromium binary (Debian package `chromium`)")
+@pytest.mark.skipif(
+    __import__("shutil").which("chromium") is None,
+    reason="needs the chromium binary (Debian package `chromium`)",
+)
 def test_quickstart_dashboard_in_chromium_matches_metrics(cluster, tmp_path):
     import re
     import shutil
@@ -259,15 +318,27 @@ def test_quickstart_dashboard_in_chromium_matches_metrics(cluster, tmp_path):
     cluster.group.stop("w0", sig=signal.SIGKILL)  # the learner starves: its figures settle
     wait_log(run / "learner.log", "w0 removed (no heartbeat")
     url = json.loads((run / "learner.json").read_text())["metrics"]
-    flags = [shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu",
-             "--disable-background-networking", "--disable-component-update", "--no-first-run",
-             "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1000",
-             "--virtual-time-budget=5000"]
+    flags = [
+        shutil.which("chromium"),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1400,1000",
+        "--virtual-time-budget=5000",
+    ]
     png = tmp_path / "dashboard.png"
-    subprocess.run(flags + [f"--screenshot={png}", url + "/"], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        flags + [f"--screenshot={png}", url + "/"], check=True, capture_output=True, timeout=120
+    )
     assert png.stat().st_size > 10_000
-    dom = subprocess.run(flags + ["--dump-dom", url + "/"], check=True, capture_output=True,
-                         text=True, timeout=120).stdout
+    dom = subprocess.run(
+        flags + ["--dump-dom", url + "/"], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     metric = {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.samples}
 
@@ -284,17 +355,28 @@ def test_quickstart_dashboard_in_chromium_matches_metrics(cluster, tmp_path):
 
 def _chaos(cluster: Cluster, name: str, target: str, *flags: str) -> str:
     """A chaos proxy process in front of ``target``; returns the endpoint workers should join."""
-    from labs.chaos import READY_PREFIX
     from labs import child_env
+    from labs.chaos import READY_PREFIX
 
     line = JoinLine.parse(target)
     host_port = line.endpoint.removeprefix("tcp://")
-    proc = cluster.group.start(name, python_argv("labs.chaos", "--target", host_port, *flags,
-                                                 "--stats", str(cluster.tmp / f"{name}.json")),
-                               cluster.tmp / f"{name}.err", pipe_stdout=True, env=child_env())
+    proc = cluster.group.start(
+        name,
+        python_argv(
+            "labs.chaos",
+            "--target",
+            host_port,
+            *flags,
+            "--stats",
+            str(cluster.tmp / f"{name}.json"),
+        ),
+        cluster.tmp / f"{name}.err",
+        pipe_stdout=True,
+        env=child_env(),
+    )
     ready = proc.stdout.readline().decode()  # printed once it listens (or it exits)
     assert ready.startswith(READY_PREFIX), (cluster.tmp / f"{name}.err").read_text()
-    port = ready[len(READY_PREFIX):].strip()
+    port = ready[len(READY_PREFIX) :].strip()
     return str(JoinLine(f"tcp://127.0.0.1:{port}", line.server_key, line.token))
 
 
@@ -309,8 +391,19 @@ def test_nothing_acknowledged_is_lost_or_trained_twice_over_a_misbehaving_link(c
     cluster.cfg.transport.heartbeat_timeout_s = 8.0
     run = cluster.learner(max_steps=30)
     learner_endpoint = cluster.endpoint
-    cluster.endpoint = _chaos(cluster, "chaos", learner_endpoint, "--latency-ms", "20",
-                              "--reset-every-s", "0.3", "--stall-every-s", "3", "--stall-s", "0.5")
+    cluster.endpoint = _chaos(
+        cluster,
+        "chaos",
+        learner_endpoint,
+        "--latency-ms",
+        "20",
+        "--reset-every-s",
+        "0.3",
+        "--stall-every-s",
+        "3",
+        "--stall-s",
+        "0.5",
+    )
     workers = ["w0", "w1"]
     for w in workers:
         cluster.worker(w)
@@ -321,7 +414,9 @@ def test_nothing_acknowledged_is_lost_or_trained_twice_over_a_misbehaving_link(c
     got = rows(run)
     assert [r["step"] for r in got] == list(range(30))
     assert all(r["staleness_max"] <= cluster.cfg.learner.staleness for r in got)
-    audit = audit_run(run, [cluster.tmp / f"{w}.ledger" for w in workers], cluster.cfg.learner.group_size)
+    audit = audit_run(
+        run, [cluster.tmp / f"{w}.ledger" for w in workers], cluster.cfg.learner.group_size
+    )
     assert audit.groups_trained_twice == 0
     assert audit.acked and audit.lost == set()
 

@@ -8,8 +8,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYER = {"echo": 0, "broadcast": 1, "dataplane": 1, "adapters": 2, "provisioning": 2,
-         "learner": 3, "worker": 3}
+LAYER = {
+    "echo": 0,
+    "broadcast": 1,
+    "dataplane": 1,
+    "adapters": 2,
+    "provisioning": 2,
+    "learner": 3,
+    "worker": 3,
+}
 NEVER = {"labs", "benchmarks", "tests"}
 ENTRY = ("echo/cli.py", "echo/commands/", "worker/cli.py")
 

@@ -20,8 +20,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 def _learn(group: ProcessGroup, tmp: Path, cfg: EchoConfig) -> tuple[Path, str]:
     run_dir, conf = tmp / "run", tmp / "learner.toml"
     conf.write_text(dump_toml(cfg))
-    proc = group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run_dir)),
-                       tmp / "learner.err", pipe_stdout=True)
+    proc = group.start(
+        "learner",
+        python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run_dir)),
+        tmp / "learner.err",
+        pipe_stdout=True,
+    )
     return run_dir, wait_ready(proc, timeout=120)
 
 
@@ -41,8 +45,13 @@ def test_sigterm_mid_run_writes_the_summary_of_the_steps_taken(tmp_path, small_c
     group = ProcessGroup()
     try:
         run_dir, join = _learn(group, tmp_path, small_cfg)
-        group.start("w0", python_argv("worker.cli", "join", join, "--id", "w0",
-                                      "--identity", str(tmp_path / "w0.key")), tmp_path / "w0.log")
+        group.start(
+            "w0",
+            python_argv(
+                "worker.cli", "join", join, "--id", "w0", "--identity", str(tmp_path / "w0.key")
+            ),
+            tmp_path / "w0.log",
+        )
         _steps(run_dir, 2)
         assert not (run_dir / "summary.json").exists()
         group.stop("learner", timeout=60, sig=signal.SIGTERM)

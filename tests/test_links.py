@@ -89,8 +89,9 @@ def test_declared_rates_are_capped_until_measured():
 
 
 def _coordinator(trust_declared: bool = False) -> Coordinator:
-    topo = ChainsTopology(uplink_mbit=400, link_mbit=100, chunk_bytes=1 << 20,
-                          snapshot_bytes=16 << 20)
+    topo = ChainsTopology(
+        uplink_mbit=400, link_mbit=100, chunk_bytes=1 << 20, snapshot_bytes=16 << 20
+    )
     coord = (DeclaredRatesCoordinator if trust_declared else Coordinator)(topo, ROOT)
     for i in range(8):
         declared_up = 250.0 if i == 0 else 100.0  # w0 declares 10x its real 25 Mbit/s

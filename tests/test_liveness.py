@@ -15,13 +15,12 @@ import random
 from dataclasses import dataclass
 
 import pytest
+from fakes import FakeClock
 
 from provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller
 from provisioning.scaling import Scaler
-from fakes import FakeClock
 
 pytestmark = pytest.mark.timeout(120)
-
 
 
 @dataclass
@@ -44,11 +43,18 @@ class World:
         self.rng = rng
         self.clock = FakeClock()
         self.window_s = rng.choice([1.0, 3.0, 10.0])
-        self.params = dict(alpha=1.1, delta=0.2, window_s=self.window_s, clock=self.clock,
-                           tau_s=rng.choice([1.0, 10.0]), warmup_s=rng.choice([0.0, 2.0, 5.0]),
-                           probation_slots=rng.choice([0, 1, 4]),
-                           probation_ready_s=rng.choice([5.0, 60.0]), group_size=4,
-                           probation_group_s=rng.choice([0.0, 5.0]))
+        self.params = dict(
+            alpha=1.1,
+            delta=0.2,
+            window_s=self.window_s,
+            clock=self.clock,
+            tau_s=rng.choice([1.0, 10.0]),
+            warmup_s=rng.choice([0.0, 2.0, 5.0]),
+            probation_slots=rng.choice([0, 1, 4]),
+            probation_ready_s=rng.choice([5.0, 60.0]),
+            group_size=4,
+            probation_group_s=rng.choice([0.0, 5.0]),
+        )
         self.ctl = Controller(**self.params)
         self.workers: dict[str, SimWorker] = {}
         self.gone: list[SimWorker] = []  # left earlier; may come back with the same key
@@ -63,11 +69,18 @@ class World:
             w.crashed, w.ready_at, w.yielded = False, None, False
         else:
             self.n += 1
-            w = SimWorker(f"w{self.n}", f"key{self.n}", self.rng.choice([0.0, 0.1, 0.35, 2.0]),
-                          self.rng.choice([0.0, 0.5, 5.0, 50.0]), self.rng.choice([0.0, 1.0, 20.0]))
+            w = SimWorker(
+                f"w{self.n}",
+                f"key{self.n}",
+                self.rng.choice([0.0, 0.1, 0.35, 2.0]),
+                self.rng.choice([0.0, 0.5, 5.0, 50.0]),
+                self.rng.choice([0.0, 1.0, 20.0]),
+            )
         self.workers[w.wid] = w
         boot = not self.ctl.measured_any() and len(self.ctl.active_ids()) < 1
-        self.ctl.add_worker(w.wid, w.price, state="active" if boot else STANDBY, identity=w.identity)
+        self.ctl.add_worker(
+            w.wid, w.price, state="active" if boot else STANDBY, identity=w.identity
+        )
 
     def leave(self, w: SimWorker) -> None:
         self.ctl.remove_worker(w.wid)
@@ -157,7 +170,8 @@ def run_sequence(seed: int, ticks: int = 250, dt: float = 0.5) -> float:
         worst = max(worst, t - since)
         assert t - since <= world.window_s + dt, (
             f"seed {seed}: the learner waited {t - since:.1f} s with a standby worker and no "
-            f"activation (window {world.window_s} s)")
+            f"activation (window {world.window_s} s)"
+        )
     return worst
 
 
@@ -215,8 +229,7 @@ def test_a_restored_controller_knows_returning_keys():
 
 def test_probation_scales_with_the_measured_group_time():
     clock = FakeClock()
-    ctl = Controller(window_s=3.0, warmup_s=2.0, clock=clock, group_size=16,
-                     probation_group_s=30.0)
+    ctl = Controller(window_s=3.0, warmup_s=2.0, clock=clock, group_size=16, probation_group_s=30.0)
     assert ctl.probation_s() == 2.0 + 3.0 + 60.0  # nothing measured: the expected group time
     ctl.add_worker("fast", 0.3, state="active", mu_prior=0.5)  # 16 / 0.5 = 32 s a group
     assert ctl.probation_s() == 2.0 + 3.0 + 64.0

@@ -32,8 +32,14 @@ def test_the_load_model_saturates_where_the_fleet_fills_one_core():
     costs = ControlCosts(heartbeat_us=200.0, poll_us=100.0, sweep_us_per_worker_s=10.0)
     fixed = saturation(costs, 1.0, 500.0, scaled=False)
     assert fixed == 2439  # 200 + 100 / 0.5 + 10 = 410 µs a worker a second
-    assert load_us(fixed, costs, 1.0, 500.0, False) <= 1e6 < load_us(fixed + 1, costs, 1.0, 500.0, False)
+    assert (
+        load_us(fixed, costs, 1.0, 500.0, False)
+        <= 1e6
+        < load_us(fixed + 1, costs, 1.0, 500.0, False)
+    )
     # scaled: at most 500 heartbeats and 500 polls a second (150,000 µs), then 10 µs a worker
     assert abs(saturation(costs, 1.0, 500.0, scaled=True) - 85_000) <= 1  # float rounding
     # admission that fills the core leaves no room for any fleet
-    assert saturation(ControlCosts(200.0, 100.0, 10.0, admission_us_per_s=1e6), 1.0, 500.0, True) == 0
+    assert (
+        saturation(ControlCosts(200.0, 100.0, 10.0, admission_us_per_s=1e6), 1.0, 500.0, True) == 0
+    )

@@ -8,8 +8,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 def test_synthetic_workers_are_served_and_every_acknowledged_record_is_accounted_for(tmp_path):
     from benchmarks import load_control
 
-    r = load_control.run_once(workers=6, per_process=3, seconds=10, group_s=0.5,
-                              fsync_delay_ms=50, tmp=tmp_path)
+    r = load_control.run_once(
+        workers=6, per_process=3, seconds=10, group_s=0.5, fsync_delay_ms=50, tmp=tmp_path
+    )
     assert r["swarms_reported"] == 2 and r["heartbeats"] > 6 * 5
     assert r["evicted"] == 0
     books = r["accounting"]  # each acknowledged record trained, dropped by a rule, or buffered

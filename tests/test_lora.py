@@ -9,20 +9,27 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from broadcast.snapshot import RunKey, SnapshotError, build_manifest, verify_manifest
-from echo.config import ConfigError, EchoConfig, load_config
-from echo.models import params_to_payload
+from broadcast.snapshot import RunKey, SnapshotError, build_manifest, verify_manifest  # noqa: E402
+from echo.config import ConfigError, EchoConfig, load_config  # noqa: E402
+from echo.models import params_to_payload  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def lora_cfg(**lora) -> EchoConfig:
-    return EchoConfig.model_validate({
-        "learner": {"prompts_per_step": 2, "group_size": 2, "lr": 0.05, "device": "cpu",
-                    "lora": {"enabled": True, "rank": 4, **lora}},
-        "worker": {"device": "cpu"},
-        "broadcast": {"dtype": "float32", "chunk_mib": 0.00390625},
-    })
+    return EchoConfig.model_validate(
+        {
+            "learner": {
+                "prompts_per_step": 2,
+                "group_size": 2,
+                "lr": 0.05,
+                "device": "cpu",
+                "lora": {"enabled": True, "rank": 4, **lora},
+            },
+            "worker": {"device": "cpu"},
+            "broadcast": {"dtype": "float32", "chunk_mib": 0.00390625},
+        }
+    )
 
 
 def batch_of(tokenizer, seed: int = 0):
@@ -34,10 +41,21 @@ def batch_of(tokenizer, seed: int = 0):
     groups = []
     for k in range(2):
         prompt = torch.randint(4, len(tokenizer), (4,), generator=g).tolist()
-        groups.append([Record(group_id=f"g{k}", sample_idx=i, prompt_ids=prompt,
-                              completion_ids=torch.randint(4, len(tokenizer), (5,), generator=g).tolist(),
-                              logprobs=[-3.0] * 5, reward=float(i), version=0, worker_id="w")
-                       for i in range(2)])
+        groups.append(
+            [
+                Record(
+                    group_id=f"g{k}",
+                    sample_idx=i,
+                    prompt_ids=prompt,
+                    completion_ids=torch.randint(4, len(tokenizer), (5,), generator=g).tolist(),
+                    logprobs=[-3.0] * 5,
+                    reward=float(i),
+                    version=0,
+                    worker_id="w",
+                )
+                for i in range(2)
+            ]
+        )
     return groups, materialise_records(groups, [1.0, -1.0, 1.0, -1.0], tokenizer.pad_token_id)
 
 
@@ -95,11 +113,21 @@ def test_a_version_is_the_adapter_plus_the_signed_base_hash(trained, tokenizer):
     tensors, payload = params_to_payload(policy.named_tensors(full[0]), "bfloat16")
     base = load_model(EchoConfig().model, tokenizer)
     _, whole = params_to_payload(base.named_parameters(), "bfloat16")
-    assert len(payload) < 0.2 * len(whole)  # rank 4 on a 64-wide toy; SmolLM2: benchmarks/lora_bytes.py
+    assert len(payload) < 0.2 * len(
+        whole
+    )  # rank 4 on a 64-wide toy; SmolLM2: benchmarks/lora_bytes.py
     assert policy.base_hash == base_hash(base) and len(policy.base_hash) == 64
     key = RunKey.generate()
-    manifest = build_manifest(run_id="r", version=1, tensors=tensors, payload=payload,
-                              chunk_size=4096, dtype="bfloat16", key=key, base_model=policy.base_hash)
+    manifest = build_manifest(
+        run_id="r",
+        version=1,
+        tensors=tensors,
+        payload=payload,
+        chunk_size=4096,
+        dtype="bfloat16",
+        key=key,
+        base_model=policy.base_hash,
+    )
     assert verify_manifest(manifest.to_wire(), key.public_bytes) == manifest
     forged = {**manifest.to_wire(), "base_model": "0" * 64}  # forged on purpose
     with pytest.raises(SnapshotError, match="signature"):
@@ -112,8 +140,13 @@ def test_adapter_versions_go_as_deltas_and_rebuild_bit_exact(trained):
     from broadcast.versions import VersionEncoder, rebuild
 
     policy, _, _, full = trained
-    enc = VersionEncoder(run_id="r", key=RunKey.generate(), chunk_size=4096, dtype="bfloat16",
-                         base_model=policy.base_hash)
+    enc = VersionEncoder(
+        run_id="r",
+        key=RunKey.generate(),
+        chunk_size=4096,
+        dtype="bfloat16",
+        base_model=policy.base_hash,
+    )
     tensors, v1 = params_to_payload(policy.named_tensors(full[0]), "bfloat16")
     moved = {n: t + 0.01 * (i % 3 == 0) for i, (n, t) in enumerate(full[0].items())}
     _, v2 = params_to_payload(policy.named_tensors(moved), "bfloat16")
@@ -124,24 +157,36 @@ def test_adapter_versions_go_as_deltas_and_rebuild_bit_exact(trained):
     assert bytes(rebuild(second.manifest, second.payload, v1)) == v2
 
 
-def test_worker_applies_the_version_to_its_base_and_generates_from_the_learner_s_policy(trained, tokenizer):
+def test_worker_applies_the_version_to_its_base_and_generates_from_the_learner_s_policy(
+    trained, tokenizer
+):
     from echo.lora import base_problem
     from worker.backends import make_backend
 
     policy, _, _, full = trained
     cfg = lora_cfg()
-    backend = make_backend("transformers", model_cfg=cfg.model, threads=1, device="cpu",
-                           lora=cfg.learner.lora)
+    backend = make_backend(
+        "transformers", model_cfg=cfg.model, threads=1, device="cpu", lora=cfg.learner.lora
+    )
     assert backend.base_hash == policy.base_hash
     tensors, payload = params_to_payload(policy.named_tensors(full[0]), "float32")
     assert base_problem(1, policy.base_hash, backend.base_hash, "tiny-qwen3") is None
     backend.install(tensors, payload, 1)
     ids = torch.tensor([[4, 9, 14, 5, 7, 12]])
     with torch.no_grad():
-        torch.testing.assert_close(backend.model(input_ids=ids).logits,
-                                   policy.model(input_ids=ids).logits, rtol=0, atol=1e-6)
-    other = make_backend("transformers", model_cfg=cfg.model.model_copy(update={"seed": 1}),
-                         threads=1, device="cpu", lora=cfg.learner.lora)
+        torch.testing.assert_close(
+            backend.model(input_ids=ids).logits,
+            policy.model(input_ids=ids).logits,
+            rtol=0,
+            atol=1e-6,
+        )
+    other = make_backend(
+        "transformers",
+        model_cfg=cfg.model.model_copy(update={"seed": 1}),
+        threads=1,
+        device="cpu",
+        lora=cfg.learner.lora,
+    )
     problem = base_problem(1, policy.base_hash, other.base_hash, "tiny-qwen3")
     assert "hashes to" in problem and "learner's base model" in problem
     assert "applies LoRA" in base_problem(1, None, backend.base_hash, "m")
@@ -163,7 +208,7 @@ def test_auditor_recomputes_under_base_plus_the_claimed_adapter(trained, tokeniz
     stats = aud.token_stats(1, aud._snapshots[1], records)
     for i, (rec, s) in enumerate(zip(records, stats)):
         start = len(rec.prompt_ids) - 1
-        expected = truth[i, start:start + len(rec.completion_ids)]
+        expected = truth[i, start : start + len(rec.completion_ids)]
         torch.testing.assert_close(torch.tensor(s.logprob), expected, rtol=0, atol=1e-5)
     zero = {n: torch.zeros_like(t) for n, t in full[0].items()}  # another version: base alone
     aud.add_snapshot(0, *params_to_payload(policy.named_tensors(zero), "float32"))
@@ -186,15 +231,18 @@ def test_checkpoint_resumes_the_adapter_and_export_writes_it(trained, tokenizer,
     (run / "config.toml").write_text(dump_toml(cfg))
     save_checkpoint(run, 0, {"model": full[0], "optimizer": full[1], **policy.rng_state()})
     resumed = Policy(cfg)
-    resumed.command({"op": "load", "state": {"model": full[0], "optimizer": full[1],
-                                             **policy.rng_state()}})
+    resumed.command(
+        {"op": "load", "state": {"model": full[0], "optimizer": full[1], **policy.rng_state()}}
+    )
     ids = torch.tensor([[4, 9, 14, 5, 7]])
     with torch.no_grad():
         want = policy.model(input_ids=ids).logits
         torch.testing.assert_close(resumed.model(input_ids=ids).logits, want, rtol=0, atol=0)
 
     adapter = export_checkpoint(run, tmp_path / "adapter")
-    assert (adapter / "adapter_model.safetensors").exists() and not (adapter / "config.json").exists()
+    assert (adapter / "adapter_model.safetensors").exists() and not (
+        adapter / "config.json"
+    ).exists()
     loaded = PeftModel.from_pretrained(load_model(cfg.model, tokenizer), adapter)
     merged = export_checkpoint(run, tmp_path / "merged", merged=True)
     whole = load_model(cfg.model.model_copy(update={"name": str(merged)}), tokenizer)
@@ -210,8 +258,9 @@ def test_a_checkpoint_of_other_lora_settings_is_refused(trained):
     policy, _, _, full = trained
     other = Policy(lora_cfg(target_modules=["q_proj"]))
     with pytest.raises(ValueError, match=r"resume with the \[learner.lora\] settings"):
-        other.command({"op": "load", "state": {"model": full[0], "optimizer": full[1],
-                                               **policy.rng_state()}})
+        other.command(
+            {"op": "load", "state": {"model": full[0], "optimizer": full[1], **policy.rng_state()}}
+        )
 
 
 def test_the_bytes_benchmark_measures_published_versions(tmp_path):
@@ -261,7 +310,9 @@ def test_on_a_gpu_a_bf16_worker_holds_the_learner_s_base_and_follows_its_adapter
     policy = Policy(cfg)
     _, batch = batch_of(tokenizer)
     _, full = policy.command({"op": "step", "batch": batch, "sync": True})
-    backend = make_backend("transformers", model_cfg=cfg.model, device="cuda", lora=cfg.learner.lora)
+    backend = make_backend(
+        "transformers", model_cfg=cfg.model, device="cuda", lora=cfg.learner.lora
+    )
     assert next(backend.model.parameters()).dtype == torch.bfloat16
     assert backend.base_hash == policy.base_hash
     backend.install(*params_to_payload(policy.named_tensors(full[0]), "bfloat16"), 1)
@@ -300,8 +351,15 @@ def test_evaluation_models_play_a_lora_run_with_its_adapter(trained, tokenizer, 
     save_checkpoint(tmp_path, 0, {"model": full[0], "optimizer": full[1]})
     ids = torch.tensor([[4, 9, 14, 5, 7]])
     with torch.no_grad():
-        torch.testing.assert_close(HFModel(str(tmp_path)).model(input_ids=ids).logits,
-                                   policy.model(input_ids=ids).logits, rtol=0, atol=1e-6)
-        torch.testing.assert_close(HFModel(str(tmp_path), untrained=True).model(input_ids=ids).logits,
-                                   load_model(cfg.model, tokenizer)(input_ids=ids).logits,
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            HFModel(str(tmp_path)).model(input_ids=ids).logits,
+            policy.model(input_ids=ids).logits,
+            rtol=0,
+            atol=1e-6,
+        )
+        torch.testing.assert_close(
+            HFModel(str(tmp_path), untrained=True).model(input_ids=ids).logits,
+            load_model(cfg.model, tokenizer)(input_ids=ids).logits,
+            rtol=0,
+            atol=1e-6,
+        )

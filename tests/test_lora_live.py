@@ -70,8 +70,10 @@ def wait_installs(log: Path, n: int, timeout: float = 120) -> set[int]:
         if len(versions) >= n:
             return versions
         time.sleep(0.2)
-    raise AssertionError(f"{log.name}: fewer than {n} installed versions within {timeout}s; "
-                         f"its log ends:\n{text[-3000:]}")
+    raise AssertionError(
+        f"{log.name}: fewer than {n} installed versions within {timeout}s; "
+        f"its log ends:\n{text[-3000:]}"
+    )
 
 
 def test_a_lora_run_resumes_from_its_adapter_checkpoint(cluster):
@@ -87,5 +89,7 @@ def test_a_lora_run_resumes_from_its_adapter_checkpoint(cluster):
     cluster.worker("w1")
     assert cluster.wait("second") == 0
     got = rows(run)
-    assert [r["step"] for r in got] == list(range(7)) and all(r["version"] == r["step"] for r in got)
+    assert [r["step"] for r in got] == list(range(7)) and all(
+        r["version"] == r["step"] for r in got
+    )
     assert "resumed at step 4" in (run / "learner.log").read_text()

@@ -36,6 +36,9 @@ def test_a_worker_asked_for_bf16_holds_half_the_model_and_still_generates():
     bf16 = make_backend("transformers", model_cfg=ModelConfig(), threads=1, dtype="bfloat16")
     assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
     assert tensor_bytes(bf16.model.parameters()) * 2 == tensor_bytes(f32.model.parameters())
-    [samples] = bf16.generate([wire.Group(group_id="g", prompt_ids=[4, 14, 5], n=3, seed=1)],
-                              max_new_tokens=4, temperature=1.0)
+    [samples] = bf16.generate(
+        [wire.Group(group_id="g", prompt_ids=[4, 14, 5], n=3, seed=1)],
+        max_new_tokens=4,
+        temperature=1.0,
+    )
     assert len(samples) == 3 and all(len(s.completion_ids) == len(s.logprobs) for s in samples)

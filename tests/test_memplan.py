@@ -10,8 +10,16 @@ import sys
 
 import pytest
 
-from echo.memplan import (GIB, LearnerPlan, MemoryBudgetError, ModelShape, WorkerPlan,
-                          fit_learner, fit_worker, folder_params)
+from echo.memplan import (
+    GIB,
+    LearnerPlan,
+    MemoryBudgetError,
+    ModelShape,
+    WorkerPlan,
+    fit_learner,
+    fit_worker,
+    folder_params,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,8 +27,17 @@ SHAPE = ModelShape(params=420_000_000, trained=420_000_000, layers=20, hidden=12
 
 
 def plan(**kw) -> LearnerPlan:
-    return LearnerPlan(**{"shape": SHAPE, "payload": 2 * SHAPE.trained, "rows": 8,
-                          "minibatch_rows": 32, "seq_tokens": 272, "checkpointing": False, **kw})
+    return LearnerPlan(
+        **{
+            "shape": SHAPE,
+            "payload": 2 * SHAPE.trained,
+            "rows": 8,
+            "minibatch_rows": 32,
+            "seq_tokens": 272,
+            "checkpointing": False,
+            **kw,
+        }
+    )
 
 
 def test_a_learner_plan_counts_training_state_payload_and_step():
@@ -38,7 +55,10 @@ def test_a_learner_plan_counts_training_state_payload_and_step():
     # one pass per mini-batch runs after the step frees the previous gradients: activations
     # that fit in that room cost nothing more; the same rows in two passes do
     short = dict(rows=2, seq_tokens=16)
-    assert plan(minibatch_rows=2, **short).breakdown()["step"] < plan(minibatch_rows=4, **short).breakdown()["step"]
+    assert (
+        plan(minibatch_rows=2, **short).breakdown()["step"]
+        < plan(minibatch_rows=4, **short).breakdown()["step"]
+    )
 
 
 def test_a_budget_turns_checkpointing_on_then_passes_fewer_rows():
@@ -77,9 +97,11 @@ def test_a_worker_over_budget_generates_in_bfloat16_unless_the_run_fixes_its_dty
 
 
 def test_folder_params_reads_safetensors_headers_only(tmp_path):
-    header = {"a": {"dtype": "BF16", "shape": [3, 4], "data_offsets": [0, 24]},
-              "b": {"dtype": "F32", "shape": [5], "data_offsets": [24, 44]},
-              "__metadata__": {"format": "pt"}}
+    header = {
+        "a": {"dtype": "BF16", "shape": [3, 4], "data_offsets": [0, 24]},
+        "b": {"dtype": "F32", "shape": [5], "data_offsets": [24, 44]},
+        "__metadata__": {"format": "pt"},
+    }
     raw = json.dumps(header).encode()
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)  # no data
     assert folder_params(tmp_path) == 17
@@ -90,21 +112,36 @@ def test_a_policy_over_budget_trains_with_checkpointing(small_cfg):
     from learner.policy import Policy, plan_memory
 
     asked = Policy(small_cfg).memory_plan
-    small_cfg.learner.host_memory_gb = fit_learner(
-        LearnerPlan(**{**asked.__dict__, "checkpointing": True}), 0).total / GIB
+    small_cfg.learner.host_memory_gb = (
+        fit_learner(LearnerPlan(**{**asked.__dict__, "checkpointing": True}), 0).total / GIB
+    )
     policy = Policy(small_cfg)
     assert policy.memory_refit and policy.memory_plan.checkpointing
     on = getattr(policy.model, "is_activation_checkpointing", None)  # transformers 5's name
     assert policy.trainer.cfg.gradient_checkpointing and (
-        policy.model.is_gradient_checkpointing if on is None else on)
+        policy.model.is_gradient_checkpointing if on is None else on
+    )
     assert plan_memory(small_cfg, policy.model, 1).rows == policy.memory_plan.rows
 
 
 @pytest.mark.integration
 def test_echo_rl_learn_refuses_a_budget_nothing_fits(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "echo.cli", "learn", "examples/quickstart.toml",
-                          "--run-dir", str(tmp_path / "run"), "--set", "learner.host_memory_gb=0.1"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "echo.cli",
+            "learn",
+            "examples/quickstart.toml",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            "learner.host_memory_gb=0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 1, run.stderr[-2000:]
     assert "echo-rl learn: learner.host_memory_gb = 0.1, but this run needs about" in run.stderr
     assert "Traceback" not in run.stderr
@@ -117,8 +154,15 @@ def test_a_worker_fits_its_dtype_to_the_volunteers_budget(tmp_path):
     size = (2 * 10_000_000, "bfloat16")  # 10 M parameters in bf16
 
     def fit(dtype: str, budget_gb: float) -> str:
-        return fit_memory("tiny-qwen3", dtype, "cpu", False, view={}, version_bytes=size,
-                          choice=LoadChoice(host_memory_gb=budget_gb, spill=True))
+        return fit_memory(
+            "tiny-qwen3",
+            dtype,
+            "cpu",
+            False,
+            view={},
+            version_bytes=size,
+            choice=LoadChoice(host_memory_gb=budget_gb, spill=True),
+        )
 
     fp32 = WorkerPlan(10_000_000, 4, 20_000_000, spill=True).total
     assert fit("auto", 0.0) == "float32"  # no budget
@@ -136,9 +180,22 @@ def test_a_worker_over_its_budget_leaves_and_the_run_goes_on(tmp_path, small_cfg
     cluster = Cluster(tmp_path, small_cfg)
     try:
         run = cluster.learner(max_steps=10_000)
-        proc = cluster.group.start("small", python_argv(
-            "worker.cli", "join", cluster.endpoint, "--id", "small", "--plain", "--host-memory-gb",
-            "0.2", "--identity", str(tmp_path / "small.key")), tmp_path / "small.log")
+        proc = cluster.group.start(
+            "small",
+            python_argv(
+                "worker.cli",
+                "join",
+                cluster.endpoint,
+                "--id",
+                "small",
+                "--plain",
+                "--host-memory-gb",
+                "0.2",
+                "--identity",
+                str(tmp_path / "small.key"),
+            ),
+            tmp_path / "small.log",
+        )
         assert proc.wait(60) != 0
         log = (tmp_path / "small.log").read_text()
         assert "--host-memory-gb 0.2, but serving this run needs about" in log, log[-2000:]

@@ -22,10 +22,15 @@ def batch(n: int = 10, length: int = 12, seed: int = 0) -> LearnerBatch:
     mask = torch.zeros(n, length - 1)
     mask[:, 5:] = 1
     mask[::3, -2:] = 0  # ragged completions: token counts differ between micro-batches
-    return LearnerBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask,
-                        behaviour_logprobs=-torch.rand(n, length - 1, generator=g) * 3,
-                        advantages=torch.randn(n, generator=g), rewards=torch.zeros(n),
-                        versions=torch.zeros(n, dtype=torch.long))
+    return LearnerBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        loss_mask=mask,
+        behaviour_logprobs=-torch.rand(n, length - 1, generator=g) * 3,
+        advantages=torch.randn(n, generator=g),
+        rewards=torch.zeros(n),
+        versions=torch.zeros(n, dtype=torch.long),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +56,15 @@ def step(model, **learner) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     return {n: p.detach().clone() for n, p in m.named_parameters()}, stats
 
 
-@pytest.mark.parametrize("learner", [{"micro_batch_rows": 1}, {"micro_batch_rows": 3},
-                                     {"micro_batch_rows": 0, "gradient_checkpointing": True},
-                                     {"micro_batch_rows": 2, "loss_agg": "seq-mean"}])
+@pytest.mark.parametrize(
+    "learner",
+    [
+        {"micro_batch_rows": 1},
+        {"micro_batch_rows": 3},
+        {"micro_batch_rows": 0, "gradient_checkpointing": True},
+        {"micro_batch_rows": 2, "loss_agg": "seq-mean"},
+    ],
+)
 def test_micro_batches_and_checkpointing_make_the_same_update(model, learner):
     agg = {"loss_agg": learner["loss_agg"]} if "loss_agg" in learner else {}
     whole, whole_stats = step(model, micro_batch_rows=0, **agg)
@@ -71,14 +82,20 @@ def test_every_rank_makes_as_many_micro_batches_and_pads_with_a_weightless_row()
     from learner.trainer import Trainer
 
     mb = torch.arange(9)  # 9 rows on 2 ranks: shards of 5 and 4
-    trainer = Trainer(torch.nn.Linear(1, 1), LearnerConfig(micro_batch_rows=1),
-                      parallel=SimpleNamespace(world=2, rank=0))
+    trainer = Trainer(
+        torch.nn.Linear(1, 1),
+        LearnerConfig(micro_batch_rows=1),
+        parallel=SimpleNamespace(world=2, rank=0),
+    )
     five, four = trainer.micro_batches(mb, mb[0::2]), trainer.micro_batches(mb, mb[1::2])
     assert len(five) == len(four) == 5
     assert [w for _, w in five] == [1.0] * 5 and [w for _, w in four] == [1.0] * 4 + [0.0]
     assert sorted(int(p) for pos, w in four if w for p in pos) == [0, 1, 2, 3]  # each row once
-    whole = Trainer(torch.nn.Linear(1, 1), LearnerConfig(micro_batch_rows=0),
-                    parallel=SimpleNamespace(world=2, rank=0))
+    whole = Trainer(
+        torch.nn.Linear(1, 1),
+        LearnerConfig(micro_batch_rows=0),
+        parallel=SimpleNamespace(world=2, rank=0),
+    )
     assert [len(p) for p, _ in whole.micro_batches(mb, mb[0::2])] == [5]
 
 

@@ -3,7 +3,7 @@ import torch
 
 from echo import wire
 from echo.config import ModelConfig
-from echo.models import (ModelError, install_payload, load_model, load_tokenizer, params_to_payload)
+from echo.models import ModelError, install_payload, load_model, load_tokenizer, params_to_payload
 from learner.trainer import token_logprobs
 
 
@@ -15,7 +15,9 @@ def test_local_hf_folder_loads_through_same_path(tmp_path, tokenizer):
     disk = ModelConfig(name=str(tmp_path))
     tok2 = load_tokenizer(disk)
     model2 = load_model(disk, tok2)
-    assert tok2.encode("3+4=", add_special_tokens=False) == tokenizer.encode("3+4=", add_special_tokens=False)
+    assert tok2.encode("3+4=", add_special_tokens=False) == tokenizer.encode(
+        "3+4=", add_special_tokens=False
+    )
     ids = torch.tensor([[4, 14, 5, 17]])
     assert torch.allclose(model(ids).logits, model2(ids).logits, atol=1e-6)
     assert tok2.apply_chat_template([{"role": "user", "content": "1+1="}], tokenize=False)
@@ -70,9 +72,9 @@ def _ragged_batch(generator, vocab):
     attn = torch.zeros(3, L, dtype=torch.long)
     mask = torch.zeros(3, L - 1)
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        attn[i, :p + c] = 1
-        ids[i, p + c:] = 0
-        mask[i, p - 1:p + c - 1] = 1  # targets p .. p+c-1: the completion tokens
+        attn[i, : p + c] = 1
+        ids[i, p + c :] = 0
+        mask[i, p - 1 : p + c - 1] = 1  # targets p .. p+c-1: the completion tokens
     return ids, attn, mask
 
 
@@ -102,40 +104,54 @@ def test_low_precision_logits_go_row_by_row_in_float32():
 
     logits = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, 40, (3, 5), generator=torch.Generator().manual_seed(2))
-    want = torch.log_softmax(logits.bfloat16().float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    want = (
+        torch.log_softmax(logits.bfloat16().float(), -1)
+        .gather(-1, targets.unsqueeze(-1))
+        .squeeze(-1)
+    )
     got = selective_logprobs(logits.bfloat16(), targets)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(selective_logprobs(logits, targets),
-                               torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+    torch.testing.assert_close(
+        selective_logprobs(logits, targets),
+        torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1),
+    )
 
 
 # ----------------------------------------------------------------------------- devices
 
 
-@pytest.mark.parametrize("spec, rank, count, want", [
-    ("cpu", None, 2, "cpu"),
-    ("auto", None, 0, "cpu"),
-    ("auto", None, 2, "cuda:0"),
-    ("auto", 1, 2, "cuda:1"),  # torchrun: rank r takes cuda:LOCAL_RANK
-    ("cuda", None, 1, "cuda:0"),
-    ("cuda", 1, 2, "cuda:1"),
-    ("cuda:1", None, 2, "cuda:1"),
-])
+@pytest.mark.parametrize(
+    "spec, rank, count, want",
+    [
+        ("cpu", None, 2, "cpu"),
+        ("auto", None, 0, "cpu"),
+        ("auto", None, 2, "cuda:0"),
+        ("auto", 1, 2, "cuda:1"),  # torchrun: rank r takes cuda:LOCAL_RANK
+        ("cuda", None, 1, "cuda:0"),
+        ("cuda", 1, 2, "cuda:1"),
+        ("cuda:1", None, 2, "cuda:1"),
+    ],
+)
 def test_device_specs_resolve(spec, rank, count, want):
     from echo.models import resolve_device
 
-    assert resolve_device(spec, "learner.device", local_rank=rank, cuda_count=count) == torch.device(want)
+    assert resolve_device(
+        spec, "learner.device", local_rank=rank, cuda_count=count
+    ) == torch.device(want)
 
 
-@pytest.mark.parametrize("spec, rank, count, match", [
-    ("cuda", None, 0, r"learner.device = 'cuda' but no CUDA GPU.*set learner.device = \"cpu\""),
-    ("cuda:0", None, 0, "no CUDA GPU"),
-    ("cuda:2", None, 2, "GPU 2 does not exist.*cuda:0 to cuda:1"),
-    ("cuda", 3, 2, "GPU 3 does not exist"),
-    ("cuda:0", 1, 2, "under torchrun.*set learner.device = \"cuda\""),
-    ("tpu", None, 1, "unknown device"),
-])
+@pytest.mark.parametrize(
+    "spec, rank, count, match",
+    [
+        ("cuda", None, 0, r"learner.device = 'cuda' but no CUDA GPU.*set learner.device = \"cpu\""),
+        ("cuda:0", None, 0, "no CUDA GPU"),
+        ("cuda:2", None, 2, "GPU 2 does not exist.*cuda:0 to cuda:1"),
+        ("cuda", 3, 2, "GPU 3 does not exist"),
+        ("cuda:0", 1, 2, 'under torchrun.*set learner.device = "cuda"'),
+        ("tpu", None, 1, "unknown device"),
+    ],
+)
 def test_bad_device_specs_explain_the_fix(spec, rank, count, match):
     from echo.models import resolve_device
 
@@ -199,14 +215,16 @@ def test_autocast_forward_covers_the_forward_only(tokenizer):
     assert not torch.is_autocast_enabled("cpu")
     out.float().sum().backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017
         model(torch.tensor([[10_000]]))  # out of the vocabulary: the forward raises
     assert not torch.is_autocast_enabled("cpu")
     ref = copy.deepcopy(model).requires_grad_(False)
     with torch.no_grad():
         model.get_input_embeddings().weight.add_(1.0)
     assert ref(ids).logits.dtype == torch.bfloat16
-    assert not torch.equal(ref(ids).logits, model(ids).logits)  # its own weights, not the original's
+    assert not torch.equal(
+        ref(ids).logits, model(ids).logits
+    )  # its own weights, not the original's
 
 
 def test_a_runs_checkpoint_exports_as_a_model_folder(tmp_path, small_cfg, tokenizer):

@@ -15,13 +15,20 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from test_control import ask, connect, ctx, plane  # noqa: F401 (fixtures)
 
 from broadcast.coordinator import Coordinator
 from broadcast.nat import links as nat_links
 from broadcast.nat.links import Tunnels, plain, split_via, via
 from broadcast.nat.punch import MAGIC
-from broadcast.nat.reflect import (NatError, Observation, Reflector, pick_punch_port, probe,
-                                   probe_all)
+from broadcast.nat.reflect import (
+    NatError,
+    Observation,
+    Reflector,
+    pick_punch_port,
+    probe,
+    probe_all,
+)
 from broadcast.nat.tunnel import HEADER, MAX_FRAME, Tunnel
 from broadcast.planner import plan_chains
 from broadcast.relay import Relay, RelayConfig
@@ -29,7 +36,6 @@ from broadcast.snapshot import RunKey, build_manifest
 from broadcast.store import SnapshotBuffer
 from broadcast.topology import Peer, make_topology
 from echo import wire
-from test_control import ask, connect, ctx, plane  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(60)
 HOST = "127.0.0.1"
@@ -38,6 +44,7 @@ HOST = "127.0.0.1"
 def run(coro, timeout=30):
     async def bounded():
         return await asyncio.wait_for(coro, timeout)
+
     return asyncio.run(bounded())
 
 
@@ -62,9 +69,13 @@ def test_reflector_classifies_a_listening_worker_reachable_and_a_closed_one_punc
         closed_nonces = await probe_all(ref.endpoints, HOST, port2, closed_port)
         relay.close()
         ref.close()
-        return (ref.classify(open_nonces, f"tcp://{HOST}:{relay_port}"),
-                ref.classify(closed_nonces, f"tcp://{HOST}:{closed_port}"),
-                ref.classify(open_nonces, "tcp://10.0.0.9:1234"), port, port2)
+        return (
+            ref.classify(open_nonces, f"tcp://{HOST}:{relay_port}"),
+            ref.classify(closed_nonces, f"tcp://{HOST}:{closed_port}"),
+            ref.classify(open_nonces, "tcp://10.0.0.9:1234"),
+            port,
+            port2,
+        )
 
     reachable, closed, elsewhere, port, port2 = run(body())
     assert reachable == ("reachable", f"{HOST}:{port}")
@@ -104,9 +115,13 @@ def test_reflector_counts_malformed_probes_and_keeps_serving():
     async def body():
         ref = await _reflector()
         rhost, rport = ref.endpoints[0].rsplit(":", 1)
-        for junk in (b"\xc1" * 10, b"x" * 300, msgpack.packb({"v": 7, "nonce": b"n" * 16}),
-                     msgpack.packb({"v": 1, "nonce": b"short"}),
-                     msgpack.packb({"v": 1, "nonce": b"n" * 16, "dial": 70000})):
+        for junk in (
+            b"\xc1" * 10,
+            b"x" * 300,
+            msgpack.packb({"v": 7, "nonce": b"n" * 16}),
+            msgpack.packb({"v": 1, "nonce": b"short"}),
+            msgpack.packb({"v": 1, "nonce": b"n" * 16, "dial": 70000}),
+        ):
             r, w = await asyncio.open_connection(rhost, int(rport))
             w.write(junk)
             await w.drain()
@@ -151,12 +166,28 @@ def test_punch_greeting_with_another_links_id_is_refused():
         child, parent = (Tunnels(HOST, pick_punch_port(HOST)) for _ in range(2))
         tasks = [asyncio.create_task(t.serve_forever()) for t in (child, parent)]
         await asyncio.gather(child.listening.wait(), parent.listening.wait())
-        parent.open(wire.Punch(punch_id=b"a" * 16, role="parent", address=f"{HOST}:{child.port}",
-                               endpoint="tcp://127.0.0.1:9", timeout_s=1.5))
-        child.open(wire.Punch(punch_id=b"b" * 16, role="child", address=f"{HOST}:{parent.port}",
-                              endpoint="tcp://127.0.0.1:9", timeout_s=1.5))
-        got = await asyncio.gather(_error(child.resolve(via(b"b" * 16, "tcp://127.0.0.1:9"), 5)),
-                                   _error(parent.resolve(via(b"a" * 16, "tcp://127.0.0.1:9"), 5)))
+        parent.open(
+            wire.Punch(
+                punch_id=b"a" * 16,
+                role="parent",
+                address=f"{HOST}:{child.port}",
+                endpoint="tcp://127.0.0.1:9",
+                timeout_s=1.5,
+            )
+        )
+        child.open(
+            wire.Punch(
+                punch_id=b"b" * 16,
+                role="child",
+                address=f"{HOST}:{parent.port}",
+                endpoint="tcp://127.0.0.1:9",
+                timeout_s=1.5,
+            )
+        )
+        got = await asyncio.gather(
+            _error(child.resolve(via(b"b" * 16, "tcp://127.0.0.1:9"), 5)),
+            _error(parent.resolve(via(b"a" * 16, "tcp://127.0.0.1:9"), 5)),
+        )
         for t in tasks:
             t.cancel()
         return got, child, parent
@@ -179,17 +210,38 @@ async def _punched_pair(parent_endpoint: str, child_endpoint: str = "", *, stray
         _, w = await asyncio.open_connection(HOST, parent.port)
         w.write(MAGIC + stray)
         await w.drain()
-    parent.open(wire.Punch(punch_id=pid, role="parent", address=f"{HOST}:{child.port}",
-                           endpoint=parent_endpoint, timeout_s=5))
-    child.open(wire.Punch(punch_id=pid, role="child", address=f"{HOST}:{parent.port}",
-                          endpoint=parent_endpoint, timeout_s=5))
+    parent.open(
+        wire.Punch(
+            punch_id=pid,
+            role="parent",
+            address=f"{HOST}:{child.port}",
+            endpoint=parent_endpoint,
+            timeout_s=5,
+        )
+    )
+    child.open(
+        wire.Punch(
+            punch_id=pid,
+            role="child",
+            address=f"{HOST}:{parent.port}",
+            endpoint=parent_endpoint,
+            timeout_s=5,
+        )
+    )
     return child, parent, pid, tasks
 
 
 def _snapshot(key, version):
     payload = np.random.default_rng(version).bytes(300 * 1024 + 17 * version)
-    return build_manifest(run_id="t", version=version, tensors=[], payload=payload,
-                          chunk_size=64 * 1024, dtype="uint8", key=key), payload
+    return build_manifest(
+        run_id="t",
+        version=version,
+        tensors=[],
+        payload=payload,
+        chunk_size=64 * 1024,
+        dtype="uint8",
+        key=key,
+    ), payload
 
 
 def test_punched_link_carries_signed_snapshot_fetches_both_ways():
@@ -215,9 +267,18 @@ def test_punched_link_carries_signed_snapshot_fetches_both_ways():
             ends = [(e.getsockname()[1], e.getpeername()[1]) for e in ends]
             # a new punch id for the same pair (the learner forgot the link) reuses it too
             again = os.urandom(16)
-            bt.open(wire.Punch(punch_id=again, role="child", address=f"{HOST}:{at.port}",
-                               endpoint=a.endpoint, timeout_s=5))
-            same = await bt.resolve(via(again, a.endpoint)) == await bt.resolve(via(pid, a.endpoint))
+            bt.open(
+                wire.Punch(
+                    punch_id=again,
+                    role="child",
+                    address=f"{HOST}:{at.port}",
+                    endpoint=a.endpoint,
+                    timeout_s=5,
+                )
+            )
+            same = await bt.resolve(via(again, a.endpoint)) == await bt.resolve(
+                via(pid, a.endpoint)
+            )
             for t in tasks + serving:
                 t.cancel()
             return bytes(got1.payload), bytes(got2.payload), (s1, s2), bt, at, ends, same
@@ -238,8 +299,15 @@ def test_resolve_reports_an_unknown_link_as_lost_and_a_failed_punch_as_unpunchab
         task = asyncio.create_task(t.serve_forever())
         lost = await _error(t.resolve(via(b"q" * 16, "tcp://127.0.0.1:9"), 1))
         nobody = pick_punch_port(HOST)  # no peer punches back: the punch times out
-        t.open(wire.Punch(punch_id=b"p" * 16, role="child", address=f"{HOST}:{nobody}",
-                          endpoint="tcp://127.0.0.1:9", timeout_s=1))
+        t.open(
+            wire.Punch(
+                punch_id=b"p" * 16,
+                role="child",
+                address=f"{HOST}:{nobody}",
+                endpoint="tcp://127.0.0.1:9",
+                timeout_s=1,
+            )
+        )
         failed = await _error(t.resolve(via(b"p" * 16, "tcp://127.0.0.1:9"), 5))
         task.cancel()
         return lost, failed, t
@@ -256,11 +324,14 @@ async def _error(coro):
     raise AssertionError("no LinkFailed")
 
 
-@pytest.mark.parametrize("frame", [
-    HEADER.pack(9, 1, 0),  # unknown kind
-    HEADER.pack(2, 1, MAX_FRAME + 1),  # oversize
-    HEADER.pack(1, 1, 0),  # an "open" numbered as this end numbers its own sessions
-])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        HEADER.pack(9, 1, 0),  # unknown kind
+        HEADER.pack(2, 1, MAX_FRAME + 1),  # oversize
+        HEADER.pack(1, 1, 0),  # an "open" numbered as this end numbers its own sessions
+    ],
+)
 def test_hostile_frame_ends_the_tunnel(frame):
     async def body():
         a, b = socket.socketpair()
@@ -282,8 +353,12 @@ def test_tunnel_refuses_sessions_past_its_bound():
         a.setblocking(False)
         b.setblocking(False)
         target = await asyncio.start_server(lambda r, w: None, HOST, 0)
-        parent = Tunnel(a, target=f"tcp://{HOST}:{target.sockets[0].getsockname()[1]}", odd=False,
-                        max_sessions=2)
+        parent = Tunnel(
+            a,
+            target=f"tcp://{HOST}:{target.sockets[0].getsockname()[1]}",
+            odd=False,
+            max_sessions=2,
+        )
         task = asyncio.create_task(parent.run())
         loop = asyncio.get_running_loop()
         for sid in (1, 3, 5):  # the peer numbers its sessions odd
@@ -304,8 +379,10 @@ def test_tunnel_refuses_sessions_past_its_bound():
 
 
 def _peers(nats):
-    return [Peer(f"w{i}", 100.0, 100.0, reachable=n != "none", endpoint=f"tcp://h{i}:1", nat=n)
-            for i, n in enumerate(nats)]
+    return [
+        Peer(f"w{i}", 100.0, 100.0, reachable=n != "none", endpoint=f"tcp://h{i}:1", nat=n)
+        for i, n in enumerate(nats)
+    ]
 
 
 def _parents(chains):
@@ -339,7 +416,9 @@ def test_coordinator_punches_to_punchable_parents_once_and_demotes_on_failure():
     pid, endpoint = split_via(source)
     assert endpoint == "tcp://10.0.0.2:5" and plain(source) == endpoint
     assert {(who, m.role, m.address) for who, m in punches} == {
-        ("p", "parent", "203.0.113.3:4000"), ("k", "child", "203.0.113.2:4000")}
+        ("p", "parent", "203.0.113.3:4000"),
+        ("k", "child", "203.0.113.2:4000"),
+    }
     assert all(m.punch_id == pid for _, m in punches)
     assert c.route("k", "tcp://10.0.0.2:5") == (source, [])  # the live link is reused
     # the punch failed: the child becomes a tail, the parent keeps relaying (one strike)
@@ -375,13 +454,21 @@ def test_keyframes_come_only_from_directly_reachable_workers():
 
 
 def test_punch_message_round_trips_and_rejects_a_bad_role():
-    m = wire.Punch(punch_id=b"i" * 16, role="child", address="203.0.113.2:4000",
-                   endpoint="tcp://10.0.0.2:5", timeout_s=10)
+    m = wire.Punch(
+        punch_id=b"i" * 16,
+        role="child",
+        address="203.0.113.2:4000",
+        endpoint="tcp://10.0.0.2:5",
+        timeout_s=10,
+    )
     assert wire.decode(wire.encode(m), 4096) == m
     bad = m.model_dump() | {"role": "king"}
     with pytest.raises(wire.WireError, match="role"):
         wire.decode(msgpack.packb(bad, use_bin_type=True), 4096)
-    assert via(b"\x01" * 16, "tcp://x:1").startswith("punch/01") and split_via("tcp://x:1") == (b"", "tcp://x:1")
+    assert via(b"\x01" * 16, "tcp://x:1").startswith("punch/01") and split_via("tcp://x:1") == (
+        b"",
+        "tcp://x:1",
+    )
 
 
 # ----------------------------------------------------------------------------- the learner
@@ -448,5 +535,9 @@ def test_fetch_through_a_punched_link_that_dies_resumes_elsewhere_without_refetc
 
     got, stats, reasons = run(body())
     assert got == payload
-    assert reasons and reasons[0][0].startswith("punch/") and reasons[0][1] in ("disconnected", "timeout")
+    assert (
+        reasons
+        and reasons[0][0].startswith("punch/")
+        and reasons[0][1] in ("disconnected", "timeout")
+    )
     assert stats.chunks == manifest.layout.num_chunks  # none fetched twice

@@ -18,6 +18,7 @@ import lz4.frame
 import msgpack
 import pytest
 import torch
+from test_control import ask, batch, client, ctx, keys, plane, records  # noqa: F401 (fixtures)
 
 from dataplane.adapter import materialise_records
 from dataplane.advantages import group_advantages
@@ -26,7 +27,6 @@ from echo import wire
 from echo.metrics import finite_or_null
 from learner.durable import BufferLog, scan_log
 from learner.trainer import Trainer
-from test_control import ask, batch, client, ctx, keys, plane, records  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,13 +43,23 @@ def test_extremes_are_rejected_with_their_reasons_and_serving_goes_on(plane, cli
     one_huge = records(gs[0])
     one_huge[0]["reward"] = 1e200  # killed the learner: OverflowError in the advantages
     masked_inf = records(gs[2], completion_ids=[11, 1], loss_mask=[1, 0], logprobs=[-1.0, -1e39])
-    recs = (one_huge + records(gs[1], reward=1e308) + masked_inf
-            + records(gs[3], reward=math.nan) + records(gs[4], reward=-math.inf)
-            + records(gs[5], worker_id="w2") + records(gs[6]))
+    recs = (
+        one_huge
+        + records(gs[1], reward=1e308)
+        + masked_inf
+        + records(gs[3], reward=math.nan)
+        + records(gs[4], reward=-math.inf)
+        + records(gs[5], worker_id="w2")
+        + records(gs[6])
+    )
     ack = ask(client, batch(recs))
-    assert ack.rejected == {"reward_out_of_range": 1 + 4, "logprob_below_floor": 4,
-                            "non_finite_reward": 8, "identity_mismatch": 4,
-                            "partial_group": 3}  # the rest of gs[0]: groups come back whole
+    assert ack.rejected == {
+        "reward_out_of_range": 1 + 4,
+        "logprob_below_floor": 4,
+        "non_finite_reward": 8,
+        "identity_mismatch": 4,
+        "partial_group": 3,
+    }  # the rest of gs[0]: groups come back whole
     assert ack.accepted == 4  # gs[6]
     rejected = plane.stats().rejected
     assert rejected["reward_out_of_range"] == 5 and rejected["identity_mismatch"] == 4
@@ -63,8 +73,9 @@ def test_nan_as_a_msgpack_float32_is_rejected(plane, client):  # noqa: F811
     (g,) = ask(client, wire.WorkRequest(worker_id="w1", max_groups=1)).groups
     packed = msgpack.packb(records(g, reward=math.nan), use_bin_type=True, use_single_float=True)
     assert b"\xca\x7f\xc0\x00\x00" in packed  # the reward travels as a float32 NaN
-    msg = wire.Trajectories(worker_id="w1", batch_id="b", count=g.n,
-                            payload=lz4.frame.compress(packed))
+    msg = wire.Trajectories(
+        worker_id="w1", batch_id="b", count=g.n, payload=lz4.frame.compress(packed)
+    )
     assert ask(client, msg).rejected == {"non_finite_reward": g.n}
 
 
@@ -73,8 +84,12 @@ def test_a_batch_whose_count_lies_is_rejected_whole(plane, client):  # noqa: F81
     (g,) = ask(client, wire.WorkRequest(worker_id="w1", max_groups=1)).groups
     recs = records(g)
     for count in (len(recs) + 1, len(recs) - 1, 0):
-        reply = ask(client, wire.Trajectories(worker_id="w1", batch_id=f"c{count}", count=count,
-                                              payload=wire.pack_records(recs)))
+        reply = ask(
+            client,
+            wire.Trajectories(
+                worker_id="w1", batch_id=f"c{count}", count=count, payload=wire.pack_records(recs)
+            ),
+        )
         assert isinstance(reply, wire.Error) and reply.reason == "count_mismatch"
         assert reply.ref == f"c{count}"
     assert plane.stats().rejected["count_mismatch"] == 3
@@ -99,8 +114,13 @@ def test_advantages_are_finite_for_any_finite_rewards():
 
 
 def _groups(n_groups: int = 2, size: int = 4) -> list[list[Record]]:
-    return [[Record(f"g{k}", i, PROMPT, [11, 1 + i], [-1.0, -0.5], float(i % 2), 0, f"w{k}")
-             for i in range(size)] for k in range(n_groups)]
+    return [
+        [
+            Record(f"g{k}", i, PROMPT, [11, 1 + i], [-1.0, -0.5], float(i % 2), 0, f"w{k}")
+            for i in range(size)
+        ]
+        for k in range(n_groups)
+    ]
 
 
 @pytest.fixture
@@ -113,8 +133,10 @@ def trainer(small_cfg, tokenizer):
 
 
 def _snapshot(tr: Trainer) -> tuple[dict, dict]:
-    return ({k: v.clone() for k, v in tr.model.state_dict().items()},
-            copy.deepcopy(tr.optimizer.state_dict()))
+    return (
+        {k: v.clone() for k, v in tr.model.state_dict().items()},
+        copy.deepcopy(tr.optimizer.state_dict()),
+    )
 
 
 def _same(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:
@@ -209,8 +231,12 @@ def test_resume_sets_a_poisoned_log_aside_and_trains(learner_factory, tmp_path):
     lrn = learner_factory(resume=True)
     assert lrn.server.endpoint  # it came up
     aside = [json.loads(x) for x in (tmp_path / "buffer.log.rejected").read_text().splitlines()]
-    assert sorted(a["reason"] for a in aside) == ["invalid_fields", "reward_out_of_range",
-                                                  "unparseable", "unparseable"]
+    assert sorted(a["reason"] for a in aside) == [
+        "invalid_fields",
+        "reward_out_of_range",
+        "unparseable",
+        "unparseable",
+    ]
     assert lrn.buffer.stats.rejected["set_aside_on_resume"] == 4
     assert lrn.buffer.depth().ready_groups == 4
     _, _, again = scan_log(tmp_path / "buffer.log", lrn.limits)
@@ -255,6 +281,7 @@ def test_finite_or_null_counts_what_it_replaces():
 def _strict_json(line: str) -> dict:
     def refuse(const: str) -> None:
         raise AssertionError(f"metrics.jsonl holds {const}")
+
     return json.loads(line, parse_constant=refuse)
 
 
@@ -264,16 +291,31 @@ def _hostile_batches(groups: list) -> list[wire.Trajectories]:
     g = iter(groups)
     huge = records(next(g), worker_id="evil")
     huge[0]["reward"] = 1e200
-    nan32 = lz4.frame.compress(msgpack.packb(records(next(g), worker_id="evil", reward=math.nan),
-                                             use_bin_type=True, use_single_float=True))
-    recs = [huge, records(next(g), worker_id="evil", reward=1e308),
-            records(next(g), worker_id="evil", loss_mask=[1, 0], logprobs=[-1.0, -1e39]),
-            records(next(g), worker_id="w0")]
-    out = [wire.Trajectories(worker_id="evil", batch_id=f"e{i}", count=len(r),
-                             payload=wire.pack_records(r)) for i, r in enumerate(recs)]
+    nan32 = lz4.frame.compress(
+        msgpack.packb(
+            records(next(g), worker_id="evil", reward=math.nan),
+            use_bin_type=True,
+            use_single_float=True,
+        )
+    )
+    recs = [
+        huge,
+        records(next(g), worker_id="evil", reward=1e308),
+        records(next(g), worker_id="evil", loss_mask=[1, 0], logprobs=[-1.0, -1e39]),
+        records(next(g), worker_id="w0"),
+    ]
+    out = [
+        wire.Trajectories(
+            worker_id="evil", batch_id=f"e{i}", count=len(r), payload=wire.pack_records(r)
+        )
+        for i, r in enumerate(recs)
+    ]
     out.append(wire.Trajectories(worker_id="evil", batch_id="nan32", count=4, payload=nan32))
-    out.append(wire.Trajectories(worker_id="evil", batch_id="lie", count=True,
-                                 payload=wire.pack_records(recs[0])))
+    out.append(
+        wire.Trajectories(
+            worker_id="evil", batch_id="lie", count=True, payload=wire.pack_records(recs[0])
+        )
+    )
     return out
 
 
@@ -281,7 +323,6 @@ def _hostile_batches(groups: list) -> list[wire.Trajectories]:
 @pytest.mark.timeout(300)
 def test_a_hostile_sender_cannot_stop_a_real_learner(tmp_path, small_cfg):
     import zmq
-
     from test_integration import Cluster, rows, wait_rows
 
     c = Cluster(tmp_path, small_cfg)
@@ -297,7 +338,9 @@ def test_a_hostile_sender_cannot_stop_a_real_learner(tmp_path, small_cfg):
             ask(sock, wire.Join(worker_id="evil", price=0.1, can_relay=False))
             groups: list = []
             while len(groups) < 5:
-                groups += ask(sock, wire.WorkRequest(worker_id="evil", max_groups=5 - len(groups))).groups
+                groups += ask(
+                    sock, wire.WorkRequest(worker_id="evil", max_groups=5 - len(groups))
+                ).groups
             replies = [ask(sock, b) for b in _hostile_batches(groups)]
             sock.send(wire.encode(wire.Leave(worker_id="evil")))
         finally:
@@ -305,16 +348,23 @@ def test_a_hostile_sender_cannot_stop_a_real_learner(tmp_path, small_cfg):
             ctx.term()
         assert [r.rejected for r in replies[:5]] == [
             # the other three samples of the first group: groups come back whole or not at all
-            {"reward_out_of_range": 1, "partial_group": 3}, {"reward_out_of_range": 4},
+            {"reward_out_of_range": 1, "partial_group": 3},
+            {"reward_out_of_range": 4},
             {"logprob_below_floor": 4},
-            {"identity_mismatch": 4}, {"non_finite_reward": 4}], replies
+            {"identity_mismatch": 4},
+            {"non_finite_reward": 4},
+        ], replies
         assert isinstance(replies[5], wire.Error)
         assert c.wait("learner") == 0  # trained to the end
         assert c.wait("w0", 60) == 0  # the honest worker was never sent a NaN snapshot
         got = [_strict_json(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in got] == list(range(10)) == [r["step"] for r in rows(run)]
         assert all(r["skipped_nonfinite"] == 0 and r["publish_refused"] == 0 for r in got)
-        assert {"reward_out_of_range", "logprob_below_floor", "identity_mismatch",
-                "non_finite_reward"} <= set(got[-1]["rejected"])
+        assert {
+            "reward_out_of_range",
+            "logprob_below_floor",
+            "identity_mismatch",
+            "non_finite_reward",
+        } <= set(got[-1]["rejected"])
     finally:
         c.group.stop_all()

@@ -105,8 +105,8 @@ def batch(model_dir, tok):
     completion_ids = torch.full((B, C), tok.pad_token_id, dtype=torch.long)
     completion_mask = torch.zeros((B, C), dtype=torch.long)
     for i, (lp, lc) in enumerate(zip(prompt_lens, comp_lens)):
-        prompt_ids[i, P - lp:] = torch.randint(first, vocab, (lp,), generator=g)
-        prompt_mask[i, P - lp:] = 1
+        prompt_ids[i, P - lp :] = torch.randint(first, vocab, (lp,), generator=g)
+        prompt_mask[i, P - lp :] = 1
         completion_ids[i, :lc] = torch.randint(first, vocab, (lc,), generator=g)
         completion_mask[i, :lc] = 1
     # Rewards per group of 2 -> group-normalised advantages of both signs (and one zero group).
@@ -115,7 +115,7 @@ def batch(model_dir, tok):
     rewards = [1.0, 0.0, 0.0, 1.0, 0.3, 0.3, 2.0, -1.0]
     adv = []
     for k in range(0, B, 2):
-        adv += group_advantages(rewards[k:k + 2])
+        adv += group_advantages(rewards[k : k + 2])
     advantages = torch.tensor(adv, dtype=torch.float32)
 
     # Current log-probs of the completions, to build old/ref/behaviour log-probs around them.
@@ -123,20 +123,30 @@ def batch(model_dir, tok):
     ids = torch.cat([prompt_ids, completion_ids], 1)
     attn = torch.cat([prompt_mask, completion_mask], 1)
     with torch.no_grad():
-        cur = token_logprobs(model, ids, attn)[:, P - 1:]
+        cur = token_logprobs(model, ids, attn)[:, P - 1 :]
     cm = completion_mask.float()
     # |noise| ~ 0.3 puts many ratios r = exp(logp - old) outside [0.8, 1.2], on both sides.
     old = cur - 0.35 * torch.randn(cur.shape, generator=g)
     ref = cur + 0.5 * torch.randn(cur.shape, generator=g)
     # behaviour: some tokens far below old so that exp(old - behaviour) exceeds the cap C = 2.
-    behaviour = old - 0.8 * torch.randn(cur.shape, generator=g).abs() + 0.3 * torch.randn(cur.shape, generator=g)
+    behaviour = (
+        old
+        - 0.8 * torch.randn(cur.shape, generator=g).abs()
+        + 0.3 * torch.randn(cur.shape, generator=g)
+    )
     # Values at masked positions are junk on purpose: both sides must ignore them.
     for x in (old, ref, behaviour):
         x.mul_(cm).add_((1 - cm) * -0.7)
     return {
-        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids, "completion_mask": completion_mask,
-        "advantages": advantages, "old": old, "ref": ref, "behaviour": behaviour, "cur": cur,
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "old": old,
+        "ref": ref,
+        "behaviour": behaviour,
+        "cur": cur,
     }
 
 
@@ -144,7 +154,7 @@ def to_ours(batch, key):
     """A [B, C] completion-aligned tensor placed in the learner's [B, L-1] target layout."""
     x = batch[key]
     out = torch.full((x.shape[0], P + C - 1), -1.3)  # junk on prompt positions, masked out
-    out[:, P - 1:] = x
+    out[:, P - 1 :] = x
     return out
 
 
@@ -157,13 +167,21 @@ def our_loss(model, batch, cfg: LossConfig, use_is: bool, denom=None):
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     mask = torch.zeros(n, P + C - 1)
-    mask[:, P - 1:] = batch["completion_mask"].float()
+    mask[:, P - 1 :] = batch["completion_mask"].float()
     old = to_ours(batch, "old")
     behaviour = to_ours(batch, "behaviour") if use_is else old.clone()  # w = exp(0) = 1
     logp = token_logprobs(model, ids, attn)
     kwargs = {} if denom is None else {"denom": denom}
-    return grpo_loss(logp, old, behaviour, batch["advantages"], mask, cfg,
-                     to_ours(batch, "ref") if cfg.beta > 0 else None, **kwargs)
+    return grpo_loss(
+        logp,
+        old,
+        behaviour,
+        batch["advantages"],
+        mask,
+        cfg,
+        to_ours(batch, "ref") if cfg.beta > 0 else None,
+        **kwargs,
+    )
 
 
 def trl_is_ratio(old, sampling, mask, clip_max, clip_min=None):
@@ -172,25 +190,47 @@ def trl_is_ratio(old, sampling, mask, clip_max, clip_min=None):
     return torch.clamp(torch.exp(diff), min=clip_min, max=clip_max)
 
 
-def make_trl_trainer(model, tok, tmp_path, loss_type, beta, epsilon, rewards=None, peft_config=None,
-                     **args_overrides):
+def make_trl_trainer(
+    model, tok, tmp_path, loss_type, beta, epsilon, rewards=None, peft_config=None, **args_overrides
+):
     """TRL's GRPOTrainer on ``model``; ``rewards`` (one per completion) is what its reward
     function returns, ``peft_config`` wraps the model in a LoRA adapter (tests/test_oracle_lora.py),
     ``args_overrides`` are further GRPOConfig fields."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(**{
-        "output_dir": str(tmp_path), "report_to": "none", "use_cpu": True, "bf16": False, "fp16": False,
-        "activation_checkpointing": False, "per_device_train_batch_size": B, "num_generations": 2,
-        "max_completion_length": C, "loss_type": loss_type, "beta": beta, "epsilon": epsilon,
-        "use_bias_correction_kl": False, "save_strategy": "no", "logging_steps": 1, "seed": 0,
-        "disable_dropout": True, **args_overrides,
-    })
+    args = GRPOConfig(
+        **{
+            "output_dir": str(tmp_path),
+            "report_to": "none",
+            "use_cpu": True,
+            "bf16": False,
+            "fp16": False,
+            "activation_checkpointing": False,
+            "per_device_train_batch_size": B,
+            "num_generations": 2,
+            "max_completion_length": C,
+            "loss_type": loss_type,
+            "beta": beta,
+            "epsilon": epsilon,
+            "use_bias_correction_kl": False,
+            "save_strategy": "no",
+            "logging_steps": 1,
+            "seed": 0,
+            "disable_dropout": True,
+            **args_overrides,
+        }
+    )
     ds = Dataset.from_dict({"prompt": ["1+2="] * B})
     scores = [0.0] * B if rewards is None else list(rewards)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: scores[:len(completions)],
-                          args=args, train_dataset=ds, processing_class=tok, peft_config=peft_config)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: scores[: len(completions)],
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+        peft_config=peft_config,
+    )
     trainer.current_gradient_accumulation_steps = 1  # set by the HF training loop otherwise
     return trainer
 
@@ -198,9 +238,12 @@ def make_trl_trainer(model, tok, tmp_path, loss_type, beta, epsilon, rewards=Non
 def trl_loss(trainer, batch, beta, is_cap, num_items=None):
     cm = batch["completion_mask"]
     inputs = {
-        "prompt_ids": batch["prompt_ids"], "prompt_mask": batch["prompt_mask"],
-        "completion_ids": batch["completion_ids"], "completion_mask": cm,
-        "advantages": batch["advantages"], "old_per_token_logps": batch["old"],
+        "prompt_ids": batch["prompt_ids"],
+        "prompt_mask": batch["prompt_mask"],
+        "completion_ids": batch["completion_ids"],
+        "completion_mask": cm,
+        "advantages": batch["advantages"],
+        "old_per_token_logps": batch["old"],
         "num_items_in_batch": cm.sum() if num_items is None else torch.tensor(float(num_items)),
     }
     if beta > 0:
@@ -211,8 +254,9 @@ def trl_loss(trainer, batch, beta, is_cap, num_items=None):
         trainer.use_vllm = True
         trainer.vllm_importance_sampling_correction = True
         trainer.vllm_importance_sampling_mode = "token_truncate"
-        inputs["importance_sampling_ratio"] = trl_is_ratio(batch["old"], batch["behaviour"],
-                                                           cm.float(), clip_max=is_cap)
+        inputs["importance_sampling_ratio"] = trl_is_ratio(
+            batch["old"], batch["behaviour"], cm.float(), clip_max=is_cap
+        )
     trainer.model.train()
     return trainer.compute_loss(trainer.model, inputs)
 
@@ -225,7 +269,7 @@ def assert_grads_equal(model_a, model_b):
         assert ga is not None and gb is not None, name
         # rtol 1e-5 relative to the tensor's scale: entries that are ~0 only need to be ~0.
         atol = RTOL * float(gb.abs().max()) + 1e-12
-        torch.testing.assert_close(ga, gb, rtol=RTOL, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(ga, gb, rtol=RTOL, atol=atol, msg=lambda m: f"{name}: {m}")  # noqa: B023
 
 
 # ----------------------------------------------------------------------------- parity with TRL
@@ -244,9 +288,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("agg,loss_type,beta,use_is,epsilon", CASES,
-                         ids=[f"{a}-{t}-beta{b}-{'is' if i else 'nois'}-eps{e}" for a, t, b, i, e in CASES])
-def test_loss_and_grads_match_trl(model_dir, tok, batch, tmp_path, agg, loss_type, beta, use_is, epsilon):
+@pytest.mark.parametrize(
+    "agg,loss_type,beta,use_is,epsilon",
+    CASES,
+    ids=[f"{a}-{t}-beta{b}-{'is' if i else 'nois'}-eps{e}" for a, t, b, i, e in CASES],
+)
+def test_loss_and_grads_match_trl(
+    model_dir, tok, batch, tmp_path, agg, loss_type, beta, use_is, epsilon
+):
     is_cap = 2.0
     cfg = LossConfig(epsilon=epsilon, is_cap=is_cap, beta=beta, agg=agg)
 
@@ -276,7 +325,9 @@ def test_loss_and_grads_match_trl(model_dir, tok, batch, tmp_path, agg, loss_typ
 
 
 @pytest.mark.parametrize("agg,loss_type", [("token-mean", "bnpo"), ("seq-mean", "grpo")])
-def test_sharded_denominator_matches_trl_full_batch(model_dir, tok, batch, tmp_path, agg, loss_type):
+def test_sharded_denominator_matches_trl_full_batch(
+    model_dir, tok, batch, tmp_path, agg, loss_type
+):
     """Two ranks' shards with ``denom`` = global count / world, gradients averaged (what DDP does),
     equal TRL's loss on the whole batch; and per shard, token-mean with ``denom`` D equals TRL's
     "dapo" whose normaliser is ``num_items_in_batch`` = D (one process, steps_per_generation 1)."""
@@ -285,12 +336,16 @@ def test_sharded_denominator_matches_trl_full_batch(model_dir, tok, batch, tmp_p
     n_tok = int(batch["completion_mask"].sum())
     global_count = n_tok if agg == "token-mean" else B
     shards = [torch.arange(0, B // 2), torch.arange(B // 2, B)]
-    assert int(batch["completion_mask"][shards[0]].sum()) != n_tok // 2  # denom really differs from local
+    assert (
+        int(batch["completion_mask"][shards[0]].sum()) != n_tok // 2
+    )  # denom really differs from local
 
     ours_model = fresh_model(model_dir, tok)
     shard_losses = []
     for rows in shards:
-        loss, _ = our_loss(ours_model, subset(batch, rows), cfg, use_is=True, denom=global_count / world)
+        loss, _ = our_loss(
+            ours_model, subset(batch, rows), cfg, use_is=True, denom=global_count / world
+        )
         loss.backward()  # grads add up over the shards; averaged below
         shard_losses.append(loss.item())
     for p in ours_model.parameters():
@@ -329,8 +384,12 @@ def test_advantages_match_trl_formula():
     g = torch.Generator().manual_seed(3)
     rewards = torch.rand(6, 5, generator=g, dtype=torch.float64)
     rewards[2] = 0.5  # zero-variance group
-    expected = (rewards - rewards.mean(1, keepdim=True)) / (nanstd(rewards, dim=1).unsqueeze(1) + 1e-4)
-    ours = torch.tensor([group_advantages(row.tolist(), 1e-4) for row in rewards], dtype=torch.float64)
+    expected = (rewards - rewards.mean(1, keepdim=True)) / (
+        nanstd(rewards, dim=1).unsqueeze(1) + 1e-4
+    )
+    ours = torch.tensor(
+        [group_advantages(row.tolist(), 1e-4) for row in rewards], dtype=torch.float64
+    )
     torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -348,13 +407,23 @@ def test_advantages_match_trl_formula():
 # Prompts all have P tokens, so TRL's left-padded layout and ours (right-padded) coincide.
 
 # Echo learner key -> TRL GRPOConfig field (loss_agg comes from the case's TRL loss_type).
-TRL_NAME = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "beta": "beta",
-            "scale_rewards": "scale_rewards", "importance_sampling_level": "importance_sampling_level",
-            "use_bias_correction_kl": "use_bias_correction_kl",
-            "mask_truncated_completions": "mask_truncated_completions",
-            "is_mode": "vllm_importance_sampling_mode", "is_cap": "vllm_importance_sampling_clip_max"}
-ECHO_AGG = {"bnpo": "token-mean", "dapo": "token-mean", "grpo": "seq-mean",
-            "dr_grpo": "seq-mean-token-sum-norm"}
+TRL_NAME = {
+    "epsilon": "epsilon",
+    "epsilon_high": "epsilon_high",
+    "beta": "beta",
+    "scale_rewards": "scale_rewards",
+    "importance_sampling_level": "importance_sampling_level",
+    "use_bias_correction_kl": "use_bias_correction_kl",
+    "mask_truncated_completions": "mask_truncated_completions",
+    "is_mode": "vllm_importance_sampling_mode",
+    "is_cap": "vllm_importance_sampling_clip_max",
+}
+ECHO_AGG = {
+    "bnpo": "token-mean",
+    "dapo": "token-mean",
+    "grpo": "seq-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+}
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.3, 0.3, 2.0, -1.0]  # groups of 2, one tied
 
 
@@ -374,8 +443,10 @@ def step_records(model_dir, tok):
         ids = torch.randint(4, len(tok), (n,), generator=g).tolist()  # ids >= 4: no special token
         comps.append(ids[:-1] + [tok.eos_token_id] if eos else ids)
     scale = [1.0, 0.05, 1.0, -0.1, 0.03, 1.0, 0.2, -0.05]  # behaviour far from / close to the model
-    noise = [(0.8 * torch.randn(n, generator=g).abs() - 0.3 * torch.randn(n, generator=g)) * a
-             for n, a in zip(lens, scale)]
+    noise = [
+        (0.8 * torch.randn(n, generator=g).abs() - 0.3 * torch.randn(n, generator=g)) * a
+        for n, a in zip(lens, scale)
+    ]
     model, cache = fresh_model(model_dir, tok), {}
 
     def records(temperature):
@@ -384,10 +455,21 @@ def step_records(model_dir, tok):
             for i in range(B):
                 ids = torch.tensor([prompts[i].tolist() + comps[i]])
                 with torch.no_grad():
-                    cur = token_logprobs(model, ids, torch.ones_like(ids), temperature=temperature)[0, P - 1:]
-                recs.append(Record(group_id=f"g{i // 2}", sample_idx=i % 2, prompt_ids=prompts[i].tolist(),
-                                   completion_ids=comps[i], logprobs=(cur - noise[i]).tolist(),
-                                   reward=REWARDS[i], version=0, worker_id="w"))
+                    cur = token_logprobs(model, ids, torch.ones_like(ids), temperature=temperature)[
+                        0, P - 1 :
+                    ]
+                recs.append(
+                    Record(
+                        group_id=f"g{i // 2}",
+                        sample_idx=i % 2,
+                        prompt_ids=prompts[i].tolist(),
+                        completion_ids=comps[i],
+                        logprobs=(cur - noise[i]).tolist(),
+                        reward=REWARDS[i],
+                        version=0,
+                        worker_id="w",
+                    )
+                )
             cache[temperature] = recs
         return cache[temperature]
 
@@ -408,15 +490,26 @@ def echo_step_loss(model_dir, tok, recs, options, loss_type, temperature):
     from learner.trainer import Trainer
 
     lc = LearnerConfig(**options, loss_agg=ECHO_AGG[loss_type])
-    trainer = Trainer(fresh_model(model_dir, tok), lc, temperature=temperature, max_new_tokens=C,
-                      eos_token_id=tok.eos_token_id)
+    trainer = Trainer(
+        fresh_model(model_dir, tok),
+        lc,
+        temperature=temperature,
+        max_new_tokens=C,
+        eos_token_id=tok.eos_token_id,
+    )
     adapter = load_adapter("toy-add", {}, tok, check_prompts=False)
-    groups = [recs[k:k + 2] for k in range(0, B, 2)]
-    batch, extra = trainer.prepare(adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards))
+    groups = [recs[k : k + 2] for k in range(0, B, 2)]
+    batch, extra = trainer.prepare(
+        adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards)
+    )
     rows = torch.arange(B)
     with torch.no_grad():
         old = trainer.logprobs(trainer.model, batch, rows)
-        ref = trainer.logprobs(trainer.ref_model, batch, rows) if trainer.ref_model is not None else None
+        ref = (
+            trainer.logprobs(trainer.ref_model, batch, rows)
+            if trainer.ref_model is not None
+            else None
+        )
     perturb(trainer.model)
     loss, stats = trainer.minibatch_loss(batch, rows, old, ref)
     return trainer.model, loss, {**stats, **extra}
@@ -426,16 +519,30 @@ def trl_step_loss(model_dir, tok, tmp_path, recs, options, loss_type, temperatur
     trl_args = {TRL_NAME[k]: v for k, v in options.items()}
     trl_args.setdefault("vllm_importance_sampling_mode", "token_truncate")  # Echo's default
     trl_args.setdefault("vllm_importance_sampling_clip_max", 2.0)
-    trainer = make_trl_trainer(fresh_model(model_dir, tok), tok, tmp_path, loss_type,
-                               trl_args.pop("beta", 0.0), trl_args.pop("epsilon", 0.2),
-                               rewards=[r.reward for r in recs], temperature=temperature,
-                               num_iterations=2,  # so that TRL computes old log-probs at all
-                               **trl_args)
+    trainer = make_trl_trainer(
+        fresh_model(model_dir, tok),
+        tok,
+        tmp_path,
+        loss_type,
+        trl_args.pop("beta", 0.0),
+        trl_args.pop("epsilon", 0.2),
+        rewards=[r.reward for r in recs],
+        temperature=temperature,
+        num_iterations=2,  # so that TRL computes old log-probs at all
+        **trl_args,
+    )
     # TRL applies the sampler correction only behind use_vllm; generation itself is replaced.
     trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
     trainer._generate = lambda prompts: (
-        [r.prompt_ids for r in recs], [r.completion_ids for r in recs], None,
-        [tok.decode(r.completion_ids) for r in recs], [r.logprobs for r in recs], {}, None, None)
+        [r.prompt_ids for r in recs],
+        [r.completion_ids for r in recs],
+        None,
+        [tok.decode(r.completion_ids) for r in recs],
+        [r.logprobs for r in recs],
+        {},
+        None,
+        None,
+    )
     trainer.model.train()
     inputs = trainer._generate_and_score_completions([{"prompt": "1+2="}] * B)
     perturb(trainer.model)
@@ -453,29 +560,53 @@ STEP_CASES = [
     ("is-sequence_truncate", "dapo", 1.0, {"is_mode": "sequence_truncate"}),
     ("is-sequence_mask", "grpo", 1.0, {"is_mode": "sequence_mask", "is_cap": 3.0}),
     ("gspo", "grpo", 1.0, {"importance_sampling_level": "sequence"}),
-    ("gspo-bias_kl", "dapo", 1.0, {"importance_sampling_level": "sequence", "beta": 0.05,
-                                   "use_bias_correction_kl": True}),
+    (
+        "gspo-bias_kl",
+        "dapo",
+        1.0,
+        {"importance_sampling_level": "sequence", "beta": 0.05, "use_bias_correction_kl": True},
+    ),
     ("dr_grpo", "dr_grpo", 1.0, {}),
     ("bias_corrected_kl", "bnpo", 1.0, {"beta": 0.05, "use_bias_correction_kl": True}),
     ("mask_truncated-bnpo", "bnpo", 1.0, {"mask_truncated_completions": True}),
     ("mask_truncated-grpo", "grpo", 1.0, {"mask_truncated_completions": True}),
-    ("trl-defaults-with-kl", "dapo", 1.0, {"is_mode": "sequence_mask", "is_cap": 3.0, "beta": 0.05,
-                                           "use_bias_correction_kl": True}),
-    ("everything", "dr_grpo", 0.7, {"epsilon_high": 0.28, "scale_rewards": "batch",
-                                    "is_mode": "sequence_truncate", "importance_sampling_level": "sequence",
-                                    "beta": 0.05, "use_bias_correction_kl": True,
-                                    "mask_truncated_completions": True}),
+    (
+        "trl-defaults-with-kl",
+        "dapo",
+        1.0,
+        {"is_mode": "sequence_mask", "is_cap": 3.0, "beta": 0.05, "use_bias_correction_kl": True},
+    ),
+    (
+        "everything",
+        "dr_grpo",
+        0.7,
+        {
+            "epsilon_high": 0.28,
+            "scale_rewards": "batch",
+            "is_mode": "sequence_truncate",
+            "importance_sampling_level": "sequence",
+            "beta": 0.05,
+            "use_bias_correction_kl": True,
+            "mask_truncated_completions": True,
+        },
+    ),
 ]
 
 
-@pytest.mark.parametrize("loss_type,temperature,options", [c[1:] for c in STEP_CASES],
-                         ids=[c[0] for c in STEP_CASES])
-def test_step_with_grpo_options_matches_trl(model_dir, tok, step_records, tmp_path, loss_type,
-                                            temperature, options):
+@pytest.mark.parametrize(
+    "loss_type,temperature,options", [c[1:] for c in STEP_CASES], ids=[c[0] for c in STEP_CASES]
+)
+def test_step_with_grpo_options_matches_trl(
+    model_dir, tok, step_records, tmp_path, loss_type, temperature, options
+):
     recs = step_records(temperature)
-    ours_model, loss_a, stats = echo_step_loss(model_dir, tok, recs, options, loss_type, temperature)
+    ours_model, loss_a, stats = echo_step_loss(
+        model_dir, tok, recs, options, loss_type, temperature
+    )
     loss_a.backward()
-    trainer, loss_b, inputs = trl_step_loss(model_dir, tok, tmp_path, recs, options, loss_type, temperature)
+    trainer, loss_b, inputs = trl_step_loss(
+        model_dir, tok, tmp_path, recs, options, loss_type, temperature
+    )
     loss_b.backward()
 
     assert math.isfinite(loss_a.item())
@@ -485,14 +616,18 @@ def test_step_with_grpo_options_matches_trl(model_dir, tok, step_records, tmp_pa
     m = trainer._metrics["train"]
     if options.get("beta"):
         assert stats["kl_mean"] == pytest.approx(m["kl"][-1], rel=1e-5)
-    if options.get("importance_sampling_level", "token") == "token":  # TRL's sequence stats are per sequence
+    if (
+        options.get("importance_sampling_level", "token") == "token"
+    ):  # TRL's sequence stats are per sequence
         assert m["clip_ratio/low_mean"][-1] > 0 and m["clip_ratio/high_mean"][-1] > 0
         assert stats["clip_frac"] == pytest.approx(m["clip_ratio/region_mean"][-1], rel=1e-6)
     else:
         assert 0 < m["clip_ratio/region_mean"][-1] < 1
     mode = options.get("is_mode", "token_truncate")
     if mode.startswith("token"):
-        assert stats["is_weight_mean"] == pytest.approx(m["sampling/importance_sampling_ratio/mean"][-1], rel=1e-5)
+        assert stats["is_weight_mean"] == pytest.approx(
+            m["sampling/importance_sampling_ratio/mean"][-1], rel=1e-5
+        )
     # The weights exercise the mode: the cap binds (truncate) / zeroes (mask) some, not all.
     mask = inputs["completion_mask"].bool()
     w = inputs["importance_sampling_ratio"]
@@ -526,13 +661,15 @@ def test_truncated_is_against_direct_computation(agg, beta):
     eps, cap = 0.2, 2.0
     logp = (-2.0 * torch.rand(b, t, generator=g, dtype=torch.float64)).requires_grad_(True)
     old = logp.detach() + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
-    behaviour = (old - 1.2 * torch.randn(b, t, generator=g, dtype=torch.float64)).requires_grad_(True)
+    behaviour = (old - 1.2 * torch.randn(b, t, generator=g, dtype=torch.float64)).requires_grad_(
+        True
+    )
     ref = logp.detach() + 0.4 * torch.randn(b, t, generator=g, dtype=torch.float64)
     adv = torch.tensor([1.3, -0.7, 0.0, -1.5, 0.4], dtype=torch.float64)
     lens = [7, 3, 5, 1, 6]
     mask = torch.zeros(b, t, dtype=torch.float64)
     for i, n in enumerate(lens):
-        mask[i, t - n:] = 1.0
+        mask[i, t - n :] = 1.0
 
     cfg = LossConfig(epsilon=eps, is_cap=cap, beta=beta, agg=agg)
     loss, stats = grpo_loss(logp, old, behaviour, adv, mask, cfg, ref if beta > 0 else None)
@@ -570,28 +707,45 @@ def test_truncated_is_against_direct_computation(agg, beta):
 
     assert capped > 0 and min(ws) < 1.0  # the cap binds, and some weights down-weight
     assert loss.item() == pytest.approx(expected, rel=1e-12)
-    torch.testing.assert_close(logp.grad, torch.tensor(expected_grad, dtype=torch.float64),
-                               rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(
+        logp.grad, torch.tensor(expected_grad, dtype=torch.float64), rtol=1e-10, atol=1e-14
+    )
     assert stats["is_weight_mean"] == pytest.approx(sum(ws) / len(ws), rel=1e-12)
     # w carries no gradient: the behaviour log-probs get none.
     assert behaviour.grad is None or float(behaviour.grad.abs().max()) == 0.0
 
 
-@pytest.mark.parametrize("loss_type,temperature,options", [c[1:] for c in STEP_CASES[:1]] + [
-    c[1:] for c in STEP_CASES if c[0] == "everything"], ids=["default", "everything"])
-def test_mixed_version_records_match_trl(model_dir, tok, step_records, tmp_path, loss_type,
-                                         temperature, options):
+@pytest.mark.parametrize(
+    "loss_type,temperature,options",
+    [c[1:] for c in STEP_CASES[:1]] + [c[1:] for c in STEP_CASES if c[0] == "everything"],
+    ids=["default", "everything"],
+)
+def test_mixed_version_records_match_trl(
+    model_dir, tok, step_records, tmp_path, loss_type, temperature, options
+):
     """Records continued after a preemption (docs/preemption.md) carry tokens of two snapshot
     versions, each with its own behaviour log-prob: the step is TRL's, token by token."""
     import dataclasses
 
-    recs = [dataclasses.replace(r, version=0, versions=[[0, len(r.completion_ids) // 2],
-                                                        [1, len(r.completion_ids) - len(r.completion_ids) // 2]])
-            if len(r.completion_ids) >= 2 else r for r in step_records(temperature)]
+    recs = [
+        dataclasses.replace(
+            r,
+            version=0,
+            versions=[
+                [0, len(r.completion_ids) // 2],
+                [1, len(r.completion_ids) - len(r.completion_ids) // 2],
+            ],
+        )
+        if len(r.completion_ids) >= 2
+        else r
+        for r in step_records(temperature)
+    ]
     assert any(r.versions for r in recs)
     ours_model, loss_a, _ = echo_step_loss(model_dir, tok, recs, options, loss_type, temperature)
     loss_a.backward()
-    trainer, loss_b, _ = trl_step_loss(model_dir, tok, tmp_path, recs, options, loss_type, temperature)
+    trainer, loss_b, _ = trl_step_loss(
+        model_dir, tok, tmp_path, recs, options, loss_type, temperature
+    )
     loss_b.backward()
     assert loss_a.item() == pytest.approx(loss_b.item(), rel=RTOL, abs=1e-7)
     assert_grads_equal(ours_model, trainer.model)

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from test_oracle import (  # noqa: F401
+from test_oracle import (  # noqa: E402, F401
     ECHO_AGG,
     RTOL,
     TRL_NAME,
@@ -34,10 +34,10 @@ from test_oracle import (  # noqa: F401
     trl_loss,
 )
 
-from echo.config import LoraConfig
-from echo.lora import adapter_parameters, peft_config, wrap
-from echo.models import ModelConfig, load_model
-from learner.loss import LossConfig
+from echo.config import LoraConfig  # noqa: E402
+from echo.lora import adapter_parameters, peft_config, wrap  # noqa: E402
+from echo.models import ModelConfig, load_model  # noqa: E402
+from learner.loss import LossConfig  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -68,8 +68,16 @@ def echo_model(model_dir, tok, lora):
 
 
 def trl_trainer(model_dir, tok, tmp_path, lora, loss_type, beta, epsilon, **kw):
-    trainer = make_trl_trainer(load_model(ModelConfig(name=str(model_dir)), tok), tok, tmp_path,
-                               loss_type, beta, epsilon, peft_config=peft_config(lora), **kw)
+    trainer = make_trl_trainer(
+        load_model(ModelConfig(name=str(model_dir)), tok),
+        tok,
+        tmp_path,
+        loss_type,
+        beta,
+        epsilon,
+        peft_config=peft_config(lora),
+        **kw,
+    )
     seed_adapter(trainer.model)
     return trainer
 
@@ -87,7 +95,9 @@ def assert_adapter_grads_equal(ours, theirs):
         assert ga is not None and gb is not None, name
         assert float(gb.abs().max()) > 0, name  # every adapter tensor is trained
         atol = RTOL * float(gb.abs().max()) + 1e-12
-        torch.testing.assert_close(ga, gb, rtol=RTOL, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            ga, gb, rtol=RTOL, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 # ----------------------------------------------------------------------------- fixed inputs
@@ -100,13 +110,17 @@ LOSS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("lora,agg,loss_type,beta,use_is", [c[1:] for c in LOSS_CASES],
-                         ids=[c[0] for c in LOSS_CASES])
-def test_lora_loss_and_adapter_grads_match_trl(model_dir, tok, batch, tmp_path, lora, agg,
-                                                loss_type, beta, use_is):
+@pytest.mark.parametrize(
+    "lora,agg,loss_type,beta,use_is", [c[1:] for c in LOSS_CASES], ids=[c[0] for c in LOSS_CASES]
+)
+def test_lora_loss_and_adapter_grads_match_trl(
+    model_dir, tok, batch, tmp_path, lora, agg, loss_type, beta, use_is
+):
     is_cap = 2.0
     ours = echo_model(model_dir, tok, lora)
-    loss_a, _ = our_loss(ours, batch, LossConfig(epsilon=0.2, is_cap=is_cap, beta=beta, agg=agg), use_is)
+    loss_a, _ = our_loss(
+        ours, batch, LossConfig(epsilon=0.2, is_cap=is_cap, beta=beta, agg=agg), use_is
+    )
     loss_a.backward()
     trainer = trl_trainer(model_dir, tok, tmp_path, lora, loss_type, beta, 0.2)
     loss_b = trl_loss(trainer, batch, beta, is_cap if use_is else None)
@@ -119,6 +133,7 @@ def test_lora_loss_and_adapter_grads_match_trl(model_dir, tok, batch, tmp_path, 
 
 # ----------------------------------------------------------------------------- a whole step
 
+
 def echo_step(model_dir, tok, recs, lora, options, loss_type, temperature):
     """Echo's learner path on a LoRA policy: materialise, prepare, step-start and reference
     log-probs (``ref_logprobs``: the adapter disabled), the adapter moves, the mini-batch loss."""
@@ -127,12 +142,19 @@ def echo_step(model_dir, tok, recs, lora, options, loss_type, temperature):
     from learner.trainer import Trainer
 
     lc = LearnerConfig(**options, loss_agg=ECHO_AGG[loss_type])
-    trainer = Trainer(echo_model(model_dir, tok, lora), lc, temperature=temperature,
-                      max_new_tokens=C, eos_token_id=tok.eos_token_id)
+    trainer = Trainer(
+        echo_model(model_dir, tok, lora),
+        lc,
+        temperature=temperature,
+        max_new_tokens=C,
+        eos_token_id=tok.eos_token_id,
+    )
     assert trainer.ref_model is None  # no copy of the model: the base is the reference
     adapter = load_adapter("toy-add", {}, tok, check_prompts=False)
-    groups = [recs[k:k + 2] for k in range(0, B, 2)]
-    batch, _ = trainer.prepare(adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards))
+    groups = [recs[k : k + 2] for k in range(0, B, 2)]
+    batch, _ = trainer.prepare(
+        adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards)
+    )
     rows = torch.arange(B)
     with torch.no_grad():
         old = trainer.logprobs(trainer.model, batch, rows)
@@ -146,13 +168,30 @@ def trl_step(model_dir, tok, tmp_path, recs, lora, options, loss_type, temperatu
     trl_args = {TRL_NAME[k]: v for k, v in options.items()}
     trl_args.setdefault("vllm_importance_sampling_mode", "token_truncate")  # Echo's default
     trl_args.setdefault("vllm_importance_sampling_clip_max", 2.0)
-    trainer = trl_trainer(model_dir, tok, tmp_path, lora, loss_type, trl_args.pop("beta", 0.0),
-                          trl_args.pop("epsilon", 0.2), rewards=[r.reward for r in recs],
-                          temperature=temperature, num_iterations=2, **trl_args)
+    trainer = trl_trainer(
+        model_dir,
+        tok,
+        tmp_path,
+        lora,
+        loss_type,
+        trl_args.pop("beta", 0.0),
+        trl_args.pop("epsilon", 0.2),
+        rewards=[r.reward for r in recs],
+        temperature=temperature,
+        num_iterations=2,
+        **trl_args,
+    )
     trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
     trainer._generate = lambda prompts: (
-        [r.prompt_ids for r in recs], [r.completion_ids for r in recs], None,
-        [tok.decode(r.completion_ids) for r in recs], [r.logprobs for r in recs], {}, None, None)
+        [r.prompt_ids for r in recs],
+        [r.completion_ids for r in recs],
+        None,
+        [tok.decode(r.completion_ids) for r in recs],
+        [r.logprobs for r in recs],
+        {},
+        None,
+        None,
+    )
     trainer.model.train()
     inputs = trainer._generate_and_score_completions([{"prompt": "1+2="}] * B)
     perturb_adapter(trainer.model)
@@ -163,21 +202,38 @@ STEP_CASES = [
     # (id, lora, TRL loss_type, temperature, Echo learner options)
     ("all-linear-dapo-kl-t0.7", ALL_LINEAR, "dapo", 0.7, {"beta": 0.05}),
     ("qv-grpo", QV, "grpo", 1.0, {}),
-    ("all-linear-everything", ALL_LINEAR, "dr_grpo", 0.7,
-     {"epsilon_high": 0.28, "scale_rewards": "batch", "is_mode": "sequence_truncate",
-      "importance_sampling_level": "sequence", "beta": 0.05, "use_bias_correction_kl": True,
-      "mask_truncated_completions": True}),
+    (
+        "all-linear-everything",
+        ALL_LINEAR,
+        "dr_grpo",
+        0.7,
+        {
+            "epsilon_high": 0.28,
+            "scale_rewards": "batch",
+            "is_mode": "sequence_truncate",
+            "importance_sampling_level": "sequence",
+            "beta": 0.05,
+            "use_bias_correction_kl": True,
+            "mask_truncated_completions": True,
+        },
+    ),
 ]
 
 
-@pytest.mark.parametrize("lora,loss_type,temperature,options", [c[1:] for c in STEP_CASES],
-                         ids=[c[0] for c in STEP_CASES])
-def test_lora_step_matches_trl(model_dir, tok, step_records, tmp_path, lora, loss_type,
-                               temperature, options):
+@pytest.mark.parametrize(
+    "lora,loss_type,temperature,options",
+    [c[1:] for c in STEP_CASES],
+    ids=[c[0] for c in STEP_CASES],
+)
+def test_lora_step_matches_trl(
+    model_dir, tok, step_records, tmp_path, lora, loss_type, temperature, options
+):
     recs = step_records(temperature)
     ours, loss_a, stats = echo_step(model_dir, tok, recs, lora, options, loss_type, temperature)
     loss_a.backward()
-    trainer, loss_b = trl_step(model_dir, tok, tmp_path, recs, lora, options, loss_type, temperature)
+    trainer, loss_b = trl_step(
+        model_dir, tok, tmp_path, recs, lora, options, loss_type, temperature
+    )
     loss_b.backward()
 
     assert math.isfinite(loss_a.item())
@@ -198,7 +254,9 @@ def test_lora_reference_is_the_base_not_the_adapter(model_dir, tok, step_records
     real = trainer_mod.Trainer.ref_logprobs
     trainer_mod.Trainer.ref_logprobs = lambda self, b, r: self.logprobs(self.model, b, r)
     try:
-        _, loss_c, stats_c = echo_step(model_dir, tok, recs, ALL_LINEAR, {"beta": 0.05}, "dapo", 0.7)
+        _, loss_c, stats_c = echo_step(
+            model_dir, tok, recs, ALL_LINEAR, {"beta": 0.05}, "dapo", 0.7
+        )
     finally:
         trainer_mod.Trainer.ref_logprobs = real
     assert stats_c["kl_mean"] != pytest.approx(stats["kl_mean"], rel=1e-3)

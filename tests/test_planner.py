@@ -7,10 +7,22 @@ import random
 
 import pytest
 
-from broadcast.planner import (BYTES_PER_MBIT, ChainPlan, PlanParams, changed_parents,
-                               lower_bound_s, mbit_to_bytes_per_s, nominal_link_mbit, paper_k,
-                               plan_chains, plan_with, predict_chain_s, replan, star_limited_s,
-                               star_unlimited_s)
+from broadcast.planner import (
+    BYTES_PER_MBIT,
+    ChainPlan,
+    PlanParams,
+    changed_parents,
+    lower_bound_s,
+    mbit_to_bytes_per_s,
+    nominal_link_mbit,
+    paper_k,
+    plan_chains,
+    plan_with,
+    predict_chain_s,
+    replan,
+    star_limited_s,
+    star_unlimited_s,
+)
 from broadcast.topology import TOPOLOGIES, ChainsTopology, Peer, StarTopology, make_topology
 from broadcast.topology.star_unlimited import StarUnlimitedTopology
 
@@ -19,10 +31,24 @@ M = 64 * MiB  # 67,108,864 bytes
 C = 1 * MiB
 
 
-def peers(n: int, down: float = 100, up: float = 100, prefix: str = "w", reachable: bool = True,
-          endpoints: bool = True) -> list[Peer]:
-    return [Peer(f"{prefix}{i:02d}", down, up, reachable, f"tcp://{prefix}{i:02d}:7000" if endpoints else "")
-            for i in range(n)]
+def peers(
+    n: int,
+    down: float = 100,
+    up: float = 100,
+    prefix: str = "w",
+    reachable: bool = True,
+    endpoints: bool = True,
+) -> list[Peer]:
+    return [
+        Peer(
+            f"{prefix}{i:02d}",
+            down,
+            up,
+            reachable,
+            f"tcp://{prefix}{i:02d}:7000" if endpoints else "",
+        )
+        for i in range(n)
+    ]
 
 
 def check_plan(plan: ChainPlan, ps: list[Peer]) -> None:
@@ -136,7 +162,9 @@ def test_learner_share_bounds_rate():
     ps = peers(6, down=2000, up=2000)
     plan = plan_chains(ps, 2500, link_mbit=1000, snapshot_bytes=M)
     assert plan.streams == 2
-    assert all(p.bottleneck == "learner" and p.rate_mbit == pytest.approx(1250) for p in plan.predictions)
+    assert all(
+        p.bottleneck == "learner" and p.rate_mbit == pytest.approx(1250) for p in plan.predictions
+    )
 
 
 def test_slow_workers_grouped_not_spread():
@@ -241,17 +269,27 @@ def test_forced_chain_count():
 def test_random_plans_keep_invariants_and_beat_star():
     rng = random.Random(7)
     for n in (1, 2, 5, 16, 40):
-        ps = [Peer(f"w{i}", rng.choice([20, 50, 100, 200]), rng.choice([5, 50, 100, 300]),
-                   rng.random() > 0.25, f"e{i}") for i in range(n)]
+        ps = [
+            Peer(
+                f"w{i}",
+                rng.choice([20, 50, 100, 200]),
+                rng.choice([5, 50, 100, 300]),
+                rng.random() > 0.25,
+                f"e{i}",
+            )
+            for i in range(n)
+        ]
         plan = plan_chains(ps, 400, snapshot_bytes=M)
         check_plan(plan, ps)
-        lb = lower_bound_s(M, 400, [p.down_mbit for p in ps],
-                           [p.up_mbit if p.reachable else 0.0 for p in ps])
+        lb = lower_bound_s(
+            M, 400, [p.down_mbit for p in ps], [p.up_mbit if p.reachable else 0.0 for p in ps]
+        )
         assert plan.predicted_s >= lb * (1 - 1e-9)
         # never worse than a star through the same learner uplink (predicted; the star's
         # workers each at their own download rate)
-        star = max(max(M / mbit_to_bytes_per_s(p.down_mbit) for p in ps),
-                   n * M / mbit_to_bytes_per_s(400))
+        star = max(
+            max(M / mbit_to_bytes_per_s(p.down_mbit) for p in ps), n * M / mbit_to_bytes_per_s(400)
+        )
         assert plan.predicted_s <= star * 1.05 + 1e-9
 
 
@@ -265,9 +303,16 @@ def test_swap_scoring_matches_ordering_the_chain():
     rng = random.Random(11)
     for trial in range(400):
         n = rng.randint(2, 9)
-        ps = [Peer(f"w{i}", rng.choice([0, 20, 50, 100, rng.uniform(1, 500)]),
-                   rng.choice([0, 5, 50, 100, rng.uniform(1, 500)]), rng.random() > 0.3, f"e{i}")
-              for i in range(n)]
+        ps = [
+            Peer(
+                f"w{i}",
+                rng.choice([0, 20, 50, 100, rng.uniform(1, 500)]),
+                rng.choice([0, 5, 50, 100, rng.uniform(1, 500)]),
+                rng.random() > 0.3,
+                f"e{i}",
+            )
+            for i in range(n)
+        ]
         model = ChainModel(link_rates(ps, rng.choice([None, 100.0])), PlanParams(uplink_mbit=400))
         ids = [p.worker_id for p in ps]
         members, add = ids[:-1], ids[-1]
@@ -448,8 +493,16 @@ def test_replan_falls_back_to_fresh_plan_beyond_tolerance():
 
 def test_replan_random_churn_keeps_invariants():
     rng = random.Random(3)
-    pool = [Peer(f"w{i:02d}", rng.choice([50, 100, 200]), rng.choice([10, 100, 200]),
-                 rng.random() > 0.2, f"e{i}") for i in range(40)]
+    pool = [
+        Peer(
+            f"w{i:02d}",
+            rng.choice([50, 100, 200]),
+            rng.choice([10, 100, 200]),
+            rng.random() > 0.2,
+            f"e{i}",
+        )
+        for i in range(40)
+    ]
     live = pool[:16]
     plan = plan_chains(live, 400, snapshot_bytes=M)
     for _ in range(30):
@@ -461,8 +514,9 @@ def test_replan_random_churn_keeps_invariants():
                 live = live + [rng.choice(spare)]
         new = replan(plan, live)
         check_plan(new, live)
-        lb = lower_bound_s(M, 400, [p.down_mbit for p in live],
-                           [p.up_mbit if p.reachable else 0.0 for p in live])
+        lb = lower_bound_s(
+            M, 400, [p.down_mbit for p in live], [p.up_mbit if p.reachable else 0.0 for p in live]
+        )
         assert new.predicted_s >= lb * (1 - 1e-9)
         plan = new
 

@@ -48,23 +48,36 @@ def test_a_learner_beyond_loopback_listens_on_the_documented_layout():
 def test_port_0_leaves_every_port_to_the_os_and_loopback_does_by_default():
     """Tests, the quickstart and side-by-side runs on one machine never collide."""
     assert EchoConfig().listen_ports() == ListenPorts(0, 0, (0, 0), 0)
-    assert load_config(None, PUBLIC + ["learner.port=0"]).listen_ports() == ListenPorts(0, 0, (0, 0), 0)
+    assert load_config(None, PUBLIC + ["learner.port=0"]).listen_ports() == ListenPorts(
+        0, 0, (0, 0), 0
+    )
 
 
 def test_a_key_that_is_set_wins_over_the_layout():
-    cfg = load_config(None, PUBLIC + ["learner.chunk_port=6000", "learner.reflector_ports=[6001, 6002]",
-                                      "metrics.port=0"])
+    cfg = load_config(
+        None,
+        PUBLIC
+        + ["learner.chunk_port=6000", "learner.reflector_ports=[6001, 6002]", "metrics.port=0"],
+    )
     assert cfg.listen_ports() == ListenPorts(5555, 6000, (6001, 6002), 0)
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["learner.port=65533"], ["learner.port=65533", "learner.port <= 65531"]),
-    (["learner.port=7000", "learner.chunk_port=7002"],
-     ["learner.chunk_port and learner.reflector_ports[0] are both 7002", "change one"]),
-    (["learner.port=7000", "metrics.port=7000"], ["learner.port and metrics.port are both 7000"]),
-    (["learner.reflector_ports=[5557]"], ["learner.reflector_ports", "two ports"]),
-    (["learner.port=70000"], ["learner.port = 70000", "--set learner.port="]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["learner.port=65533"], ["learner.port=65533", "learner.port <= 65531"]),
+        (
+            ["learner.port=7000", "learner.chunk_port=7002"],
+            ["learner.chunk_port and learner.reflector_ports[0] are both 7002", "change one"],
+        ),
+        (
+            ["learner.port=7000", "metrics.port=7000"],
+            ["learner.port and metrics.port are both 7000"],
+        ),
+        (["learner.reflector_ports=[5557]"], ["learner.reflector_ports", "two ports"]),
+        (["learner.port=70000"], ["learner.port = 70000", "--set learner.port="]),
+    ],
+)
 def test_bad_ports_stop_at_load_naming_the_key_and_the_fix(overrides, words):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
@@ -74,9 +87,18 @@ def test_bad_ports_stop_at_load_naming_the_key_and_the_fix(overrides, words):
 
 def test_an_unused_socket_frees_its_port():
     """Without NAT traversal or metrics, their ports may coincide with another's."""
-    load_config(None, ["learner.port=7000", "learner.chunk_port=7002", "broadcast.nat_traversal=false"])
-    load_config(None, ["learner.port=7000", "metrics.port=7001", "learner.chunk_port=7005",
-                       "metrics.enabled=false"])
+    load_config(
+        None, ["learner.port=7000", "learner.chunk_port=7002", "broadcast.nat_traversal=false"]
+    )
+    load_config(
+        None,
+        [
+            "learner.port=7000",
+            "metrics.port=7001",
+            "learner.chunk_port=7005",
+            "metrics.enabled=false",
+        ],
+    )
 
 
 def test_unset_ports_survive_the_run_folders_config_toml(tmp_path):
@@ -135,7 +157,9 @@ def test_a_taken_port_stops_the_learner_naming_its_key(small_cfg, tokenizer, key
     ports[key] = [taken, spare] if key == "reflector_ports" else taken
     plane = _plane(_with(small_cfg, **ports), tokenizer)
     try:
-        with pytest.raises(RuntimeError, match=rf"port {taken}.*learner\.{key}.*set learner\.{key}"):
+        with pytest.raises(
+            RuntimeError, match=rf"port {taken}.*learner\.{key}.*set learner\.{key}"
+        ):
             plane.start()
     finally:
         holder.close()
@@ -145,18 +169,38 @@ def test_a_taken_port_stops_the_learner_naming_its_key(small_cfg, tokenizer, key
 
 
 def test_resume_reuses_every_port_the_os_picked_last_time(tmp_path):
-    (tmp_path / "learner.json").write_text(json.dumps({
-        "endpoint": "tcp://127.0.0.1:41000",
-        "ports": {"control": 41000, "chunks": 41007, "reflectors": [41003, 41009], "metrics": 41011}}))
+    (tmp_path / "learner.json").write_text(
+        json.dumps(
+            {
+                "endpoint": "tcp://127.0.0.1:41000",
+                "ports": {
+                    "control": 41000,
+                    "chunks": 41007,
+                    "reflectors": [41003, 41009],
+                    "metrics": 41011,
+                },
+            }
+        )
+    )
     cfg = EchoConfig()  # loopback: every port the OS's
     reuse_ports(cfg, tmp_path)
     assert cfg.listen_ports() == ListenPorts(41000, 41007, (41003, 41009), 41011)
 
 
 def test_resume_keeps_ports_the_config_fixes(tmp_path):
-    (tmp_path / "learner.json").write_text(json.dumps({
-        "endpoint": "tcp://127.0.0.1:41000",
-        "ports": {"control": 41000, "chunks": 41007, "reflectors": [41003, 41009], "metrics": 41011}}))
+    (tmp_path / "learner.json").write_text(
+        json.dumps(
+            {
+                "endpoint": "tcp://127.0.0.1:41000",
+                "ports": {
+                    "control": 41000,
+                    "chunks": 41007,
+                    "reflectors": [41003, 41009],
+                    "metrics": 41011,
+                },
+            }
+        )
+    )
     cfg = load_config(None, ["learner.port=7000", "learner.chunk_port=0"])
     reuse_ports(cfg, tmp_path)
     assert cfg.listen_ports() == ListenPorts(7000, 41007, (7002, 7003), 7004)
@@ -174,13 +218,16 @@ def test_resume_of_a_run_from_before_the_layout_reuses_its_control_port(tmp_path
 # ----------------------------------------------------------------------------- a worker's relay
 
 
-@pytest.mark.parametrize("host, relay, punch, want", [
-    ("203.0.113.9", None, None, (5560, 5561)),  # public: fixed, documented
-    ("127.0.0.1", None, None, (0, 0)),  # loopback: several workers on one machine
-    ("203.0.113.9", 6000, None, (6000, 6001)),
-    ("203.0.113.9", 6000, 0, (6000, 0)),
-    ("203.0.113.9", 0, None, (0, 0)),
-])
+@pytest.mark.parametrize(
+    "host, relay, punch, want",
+    [
+        ("203.0.113.9", None, None, (5560, 5561)),  # public: fixed, documented
+        ("127.0.0.1", None, None, (0, 0)),  # loopback: several workers on one machine
+        ("203.0.113.9", 6000, None, (6000, 6001)),
+        ("203.0.113.9", 6000, 0, (6000, 0)),
+        ("203.0.113.9", 0, None, (0, 0)),
+    ],
+)
 def test_relay_ports_default_to_fixed_ones_beyond_loopback(host, relay, punch, want):
     assert relay_ports(host, relay, punch) == want
 
@@ -225,10 +272,25 @@ def test_echo_worker_says_its_relay_port_is_taken_and_exits(tmp_path):
     port = holder.getsockname()[1]
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "worker.cli", "join", "tcp://127.0.0.1:9", "--insecure",
-             "--relay-port", str(port), "--identity", str(tmp_path / "k"),
-             "--status-file", str(tmp_path / "s.json"), "--plain"],
-            capture_output=True, text=True, timeout=50)
+            [
+                sys.executable,
+                "-m",
+                "worker.cli",
+                "join",
+                "tcp://127.0.0.1:9",
+                "--insecure",
+                "--relay-port",
+                str(port),
+                "--identity",
+                str(tmp_path / "k"),
+                "--status-file",
+                str(tmp_path / "s.json"),
+                "--plain",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=50,
+        )
     finally:
         holder.close()
     err = proc.stderr
@@ -239,6 +301,15 @@ def test_echo_worker_says_its_relay_port_is_taken_and_exits(tmp_path):
 def test_echo_worker_refuses_a_port_out_of_range(tmp_path, capsys):
     from worker import cli
 
-    rc = cli.main(["join", "tcp://127.0.0.1:9", "--insecure", "--relay-port", "70000",
-                   "--identity", str(tmp_path / "k")])
+    rc = cli.main(
+        [
+            "join",
+            "tcp://127.0.0.1:9",
+            "--insecure",
+            "--relay-port",
+            "70000",
+            "--identity",
+            str(tmp_path / "k"),
+        ]
+    )
     assert rc == 2 and "--relay-port 70000 is not a port" in capsys.readouterr().err

@@ -18,8 +18,8 @@ from learner.handback import PrefixLimits, check_prefixes, expand
 from learner.intake import Intake
 from learner.reputation import Reputation
 from learner.work import WorkQueue
-from worker.records import runs, versions
 from worker.backends.base import Sample
+from worker.records import runs, versions
 
 LIM = PrefixLimits(vocab_size=100, max_new_tokens=8, min_logprob=-1e4, staleness=2)
 
@@ -29,8 +29,9 @@ def group(**kw):
 
 
 def prefix(i=0, ids=(5, 6), lps=(-0.5, -1.0), versions=((4, 2),)):
-    return wire.Prefix(sample_idx=i, ids=list(ids), logprobs=list(lps),
-                       versions=[list(v) for v in versions])
+    return wire.Prefix(
+        sample_idx=i, ids=list(ids), logprobs=list(lps), versions=[list(v) for v in versions]
+    )
 
 
 def test_a_sound_prefix_is_kept_and_each_hostile_one_is_refused_by_name():
@@ -49,9 +50,18 @@ def test_a_sound_prefix_is_kept_and_each_hostile_one_is_refused_by_name():
     ]
     kept = check_prefixes(group(), [good, *hostile], 4, LIM, refused)
     assert kept == [good]
-    assert refused == Counter({"bad_sample_idx": 1, "out_of_vocab": 1, "bad_logprob": 1,
-                               "bad_length": 1, "bad_versions": 2, "future_version": 1,
-                               "stale": 1, "duplicate_sample": 1})
+    assert refused == Counter(
+        {
+            "bad_sample_idx": 1,
+            "out_of_vocab": 1,
+            "bad_logprob": 1,
+            "bad_length": 1,
+            "bad_versions": 2,
+            "future_version": 1,
+            "stale": 1,
+            "duplicate_sample": 1,
+        }
+    )
 
 
 def test_a_second_handback_must_extend_the_first_prefix():
@@ -67,9 +77,17 @@ def test_a_second_handback_must_extend_the_first_prefix():
 
 def test_record_versions_are_runs_from_the_oldest_token():
     lim = Limits(vocab_size=100, max_new_tokens=8, group_size=2)
-    rec = {"group_id": "g", "sample_idx": 0, "prompt_ids": [1], "completion_ids": [5, 6, 7],
-           "logprobs": [-1.0, -0.5, -0.1], "reward": 1.0, "version": 3, "worker_id": "w",
-           "gen_s": 0.1}
+    rec = {
+        "group_id": "g",
+        "sample_idx": 0,
+        "prompt_ids": [1],
+        "completion_ids": [5, 6, 7],
+        "logprobs": [-1.0, -0.5, -0.1],
+        "reward": 1.0,
+        "version": 3,
+        "worker_id": "w",
+        "gen_s": 0.1,
+    }
     ok = parse_record({**rec, "versions": [[3, 2], [4, 1]]}, lim)
     assert ok.versions == [[3, 2], [4, 1]] and expand(ok.versions) == [3, 3, 4]
     for bad in ([[4, 2], [5, 1]], [[3, 2]], [[3, 2], [3, 1]], [[3, 0], [4, 3]], "x", [[3, 1.5]]):
@@ -98,14 +116,29 @@ def intake(tmp_path):
     buffer.set_version(4)
     audits = []
     rep = Reputation(tmp_path, 2, lambda: 0, lambda *a: None)
-    it = Intake(limits=Limits(100, 8, 2), buffer=buffer, work=work, reputation=rep,
-                audit=audits.append, audit_rate=1.0)
+    it = Intake(
+        limits=Limits(100, 8, 2),
+        buffer=buffer,
+        work=work,
+        reputation=rep,
+        audit=audits.append,
+        audit_rate=1.0,
+    )
     return it, work, buffer, audits
 
 
 def _record(gid, i, ids, lps, version, versions=None, worker="B"):
-    rec = {"group_id": gid, "sample_idx": i, "prompt_ids": [1, 2], "completion_ids": ids,
-           "logprobs": lps, "reward": 0.5, "version": version, "worker_id": worker, "gen_s": 0.1}
+    rec = {
+        "group_id": gid,
+        "sample_idx": i,
+        "prompt_ids": [1, 2],
+        "completion_ids": ids,
+        "logprobs": lps,
+        "reward": 0.5,
+        "version": version,
+        "worker_id": worker,
+        "gen_s": 0.1,
+    }
     return {**rec, **({"versions": versions} if versions else {})}
 
 
@@ -116,9 +149,14 @@ def test_a_continued_group_is_admitted_and_audited_on_the_continuers_tokens(inta
     work.hand_back(g.group_id, [cut])
     (again,) = work.grant("B", 1, 0)
     assert again.group_id == g.group_id and again.prefixes == [cut]
-    out = it.batch("B", "kB", [
-        _record(g.group_id, 0, [5, 6, 7], [-0.5, -1.0, -0.3], 3, [[3, 2], [4, 1]]),
-        _record(g.group_id, 1, [8, 9], [-0.2, -0.4], 4)])
+    out = it.batch(
+        "B",
+        "kB",
+        [
+            _record(g.group_id, 0, [5, 6, 7], [-0.5, -1.0, -0.3], 3, [[3, 2], [4, 1]]),
+            _record(g.group_id, 1, [8, 9], [-0.2, -0.4], 4),
+        ],
+    )
     assert len(out.accepted) == 2 and not out.rejected
     (job,) = audits
     assert job.version == 4  # B's own snapshot, not the prefix's
@@ -131,8 +169,10 @@ def test_a_continuer_that_rewrites_the_prefix_is_refused_with_a_strike(intake):
     (g,) = work.grant("A", 1, 0)
     work.hand_back(g.group_id, [prefix(0, ids=(5, 6), lps=(-0.5, -1.0), versions=((3, 2),))])
     work.grant("B", 1, 0)
-    forged = [_record(g.group_id, 0, [5, 7, 7], [-0.5, -1.0, -0.3], 3, [[3, 2], [4, 1]]),
-              _record(g.group_id, 1, [8, 9], [-0.2, -0.4], 4)]
+    forged = [
+        _record(g.group_id, 0, [5, 7, 7], [-0.5, -1.0, -0.3], 3, [[3, 2], [4, 1]]),
+        _record(g.group_id, 1, [8, 9], [-0.2, -0.4], 4),
+    ]
     out = it.batch("B", "kB", forged)
     assert out.rejected == Counter({"prefix_mismatch": 2}) and not out.accepted
     assert it.reputation.strikes["B"] == 1
@@ -145,8 +185,14 @@ def test_a_stale_continuation_is_generated_again_from_scratch(intake):
     work.hand_back(g.group_id, [prefix(0, ids=(5,), lps=(-0.5,), versions=((2, 1),))])
     work.grant("B", 1, 0)
     buffer.set_version(5)  # the prefix's version 2 is now out of the window
-    out = it.batch("B", "kB", [_record(g.group_id, 0, [5, 6], [-0.5, -0.1], 2, [[2, 1], [5, 1]]),
-                               _record(g.group_id, 1, [8], [-0.2], 5)])
+    out = it.batch(
+        "B",
+        "kB",
+        [
+            _record(g.group_id, 0, [5, 6], [-0.5, -0.1], 2, [[2, 1], [5, 1]]),
+            _record(g.group_id, 1, [8], [-0.2], 5),
+        ],
+    )
     assert [r.sample_idx for r in out.accepted] == [1] and buffer.stats.dropped_stale == 1
     (fresh,) = work.grant("C", 1, 0)
     assert fresh.group_id == g.group_id and fresh.prefixes == []
@@ -219,18 +265,31 @@ def test_a_cut_episode_is_replayed_at_its_turn_boundary_and_ends_as_if_never_cut
                 raise Cut()
             # a deterministic policy: raise on even calls, call on odd ones
             return [(act["b" if (k + len(p)) % 2 else "c"], [-0.5] * 2) for p in prompts]
+
         return generate
 
     whole = ad.rollout([g], scripted())[0]
     with pytest.raises(Cut) as cut:
         ad.rollout([g], scripted(cut_after=2))
     (cut_samples,) = [[s for s, _ in row] for row in cut_episodes([g], cut.value.decisions)]
-    prefixes = [wire.Prefix(sample_idx=i, ids=s.completion_ids, logprobs=s.logprobs,
-                            versions=[[3, len(s.completion_ids)]], turns=s.turns)
-                for i, s in enumerate(cut_samples) if s.completion_ids]
+    prefixes = [
+        wire.Prefix(
+            sample_idx=i,
+            ids=s.completion_ids,
+            logprobs=s.logprobs,
+            versions=[[3, len(s.completion_ids)]],
+            turns=s.turns,
+        )
+        for i, s in enumerate(cut_samples)
+        if s.completion_ids
+    ]
     assert prefixes and all(len(p.turns) >= 1 for p in prefixes)
-    assert check_prefixes(g, prefixes, 4, PrefixLimits(10_000, 4096, -1e4, 2, multi_turn=True),
-                          Counter()) == prefixes
+    assert (
+        check_prefixes(
+            g, prefixes, 4, PrefixLimits(10_000, 4096, -1e4, 2, multi_turn=True), Counter()
+        )
+        == prefixes
+    )
     cont = g.model_copy(update={"prefixes": prefixes})
     # the continuing worker's policy differs (it only calls): replayed decisions come first
     resumed = ad.rollout([cont], lambda ps: [(act["c"], [-0.1] * 2) for _ in ps])[0]

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_integration import Cluster, fix_learner_port, rows, wait_rows
 
 from echo.procs import python_argv
-from test_integration import Cluster, fix_learner_port, rows, wait_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -26,11 +26,25 @@ def cluster(tmp_path, small_cfg):
 
 def start_worker(cluster: Cluster, name: str, *flags: str) -> Path:
     status = cluster.tmp / f"{name}.json"
-    cluster.group.start(name, python_argv("worker.cli", "join", cluster.endpoint, "--id", name,
-                                          "--plain", "--ledger", str(cluster.tmp / f"{name}.ledger"),
-                                          "--identity", str(cluster.tmp / f"{name}.key"),
-                                          "--status-file", str(status), *flags),
-                        cluster.tmp / f"{name}.log")
+    cluster.group.start(
+        name,
+        python_argv(
+            "worker.cli",
+            "join",
+            cluster.endpoint,
+            "--id",
+            name,
+            "--plain",
+            "--ledger",
+            str(cluster.tmp / f"{name}.ledger"),
+            "--identity",
+            str(cluster.tmp / f"{name}.key"),
+            "--status-file",
+            str(status),
+            *flags,
+        ),
+        cluster.tmp / f"{name}.log",
+    )
     return status
 
 
@@ -64,8 +78,13 @@ def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster
         # sixteen hands an episode: a rollout lasts seconds, so the stop (sent up to a second
         # after the status file said "generating") lands inside one, not between two (with
         # six hands a rollout took about one second and a fresh-clone run missed it)
-        cluster.cfg.adapter.options = {"obs_format": "compact", "bot_samples": 6, "hands": 16,
-                                       "opponents": ["station"], "max_episode_tokens": 4000}
+        cluster.cfg.adapter.options = {
+            "obs_format": "compact",
+            "bot_samples": 6,
+            "hands": 16,
+            "opponents": ["station"],
+            "max_episode_tokens": 4000,
+        }
         cluster.cfg.model.max_positions = 4096
         cluster.cfg.worker.max_new_tokens = 5
     run = cluster.learner("learner", max_steps=8)
@@ -88,7 +107,9 @@ def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster
     assert got[-1]["handbacks"]["continued_samples"] > 0  # b finished what a had started
     assert all(r["staleness_max"] <= cluster.cfg.learner.staleness for r in got)
     assert "handed back" in (cluster.tmp / "a.log").read_text()
-    audit = audit_run(run, [cluster.tmp / f"{w}.ledger" for w in "ab"], cluster.cfg.learner.group_size)
+    audit = audit_run(
+        run, [cluster.tmp / f"{w}.ledger" for w in "ab"], cluster.cfg.learner.group_size
+    )
     assert audit.lost == set() and audit.groups_trained_twice == 0
 
 
@@ -97,17 +118,29 @@ def test_an_owner_burning_cpu_makes_the_worker_yield_then_resume(cluster):
 
     cluster.cfg.worker.max_new_tokens = 64
     run = cluster.learner("learner", max_steps=10_000)
-    status = start_worker(cluster, "w", "--yield-to-owner", "--owner-signal", "cpu",
-                          "--owner-quiet-s", "1", "--owner-cpu-cores", "0.5")
+    status = start_worker(
+        cluster,
+        "w",
+        "--yield-to-owner",
+        "--owner-signal",
+        "cpu",
+        "--owner-quiet-s",
+        "1",
+        "--owner-cpu-cores",
+        "0.5",
+    )
     wait_rows(run, 2)
     # The owner: a process of the machine's user that is not Echo, burning a core.
-    cluster.group.start("owner", [sys.executable, "-c", "while True: pass"], cluster.tmp / "owner.log")
+    cluster.group.start(
+        "owner", [sys.executable, "-c", "while True: pass"], cluster.tmp / "owner.log"
+    )
     yielded = wait_status(status, lambda d: d["activity"] == "yielded")
     assert yielded.get("yield_stop_s", 0.0) < 1.0  # generation stopped within a second of the yield
     before = yielded["samples_generated"]
     cluster.group.stop("owner", sig=signal.SIGKILL)
-    resumed = wait_status(status, lambda d: d["samples_generated"] > before
-                          and d["activity"] != "yielded")
+    resumed = wait_status(
+        status, lambda d: d["samples_generated"] > before and d["activity"] != "yielded"
+    )
     assert resumed["samples_generated"] > before
     log = (cluster.tmp / "w.log").read_text()
     assert "yielding" in log and "generating again" in log

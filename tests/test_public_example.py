@@ -19,8 +19,11 @@ from provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parent.parent
-README_SETS = ["model.name=/models/Qwen3-0.6B", "learner.host=0.0.0.0",
-               "learner.public_host=203.0.113.7"]
+README_SETS = [
+    "model.name=/models/Qwen3-0.6B",
+    "learner.host=0.0.0.0",
+    "learner.public_host=203.0.113.7",
+]
 MIN_GAP_S = 240.0  # "not flipped more than once per several minutes"
 
 
@@ -43,10 +46,18 @@ class Fleet:
     def __init__(self, cfg: EchoConfig, seed: int):
         pc, self.rng, self.clock = cfg.provisioning, random.Random(seed), FakeClock()
         self.group = cfg.learner.group_size
-        self.ctl = Controller(pc.alpha, pc.delta, pc.window_s, clock=self.clock, tau_s=pc.tau_s,
-                              warmup_s=pc.warmup_s, probation_slots=pc.probation_slots,
-                              probation_ready_s=pc.probation_ready_s, group_size=self.group,
-                              probation_group_s=pc.probation_group_s)
+        self.ctl = Controller(
+            pc.alpha,
+            pc.delta,
+            pc.window_s,
+            clock=self.clock,
+            tau_s=pc.tau_s,
+            warmup_s=pc.warmup_s,
+            probation_slots=pc.probation_slots,
+            probation_ready_s=pc.probation_ready_s,
+            group_size=self.group,
+            probation_group_s=pc.probation_group_s,
+        )
         self.initial_active = pc.initial_active
         prices = [0.1, 0.2, 0.35, 0.35, 0.5, 0.8, 1.0, 1.5, 0.05, 0.3]
         self.rate = {f"w{i}": self.rng.uniform(0.3, 2.0) for i in range(len(prices))}
@@ -79,7 +90,9 @@ class Fleet:
             if t % 60 == 0:  # a volunteer's machine is busier or quieter this minute
                 for wid in self.rate:
                     if wid != "w8":
-                        self.rate[wid] = min(3.0, max(0.2, self.rate[wid] * self.rng.uniform(0.6, 1.4)))
+                        self.rate[wid] = min(
+                            3.0, max(0.2, self.rate[wid] * self.rng.uniform(0.6, 1.4))
+                        )
             if t % 1200 == 600 and "w3" in self.present:  # w3's owner goes home, comes back
                 self.leave("w3")
             elif t % 1200 == 900 and "w3" not in self.present:

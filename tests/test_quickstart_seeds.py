@@ -12,8 +12,7 @@ from learner.trainer import sampled_entropy
 
 
 def test_sampled_entropy_is_the_mean_surprisal_of_trained_tokens():
-    logp = torch.tensor([[math.log(0.5), math.log(0.25), -7.0],
-                         [math.log(0.5), 0.0, 0.0]])
+    logp = torch.tensor([[math.log(0.5), math.log(0.25), -7.0], [math.log(0.5), 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # -7 is a prompt/padding position
     assert sampled_entropy(logp, mask) == pytest.approx((math.log(2) * 2 + math.log(4)) / 3)
     assert sampled_entropy(logp, torch.zeros_like(mask)) == 0.0  # nothing trained: no NaN
@@ -27,8 +26,18 @@ def test_sampled_entropy_is_the_mean_surprisal_of_trained_tokens():
 def test_summary_of_a_run():
     from benchmarks import quickstart_seeds as qs
 
-    rows = [{"step": i, "reward_mean": i / 99, "entropy_est": 3.0 - i / 50, "clip_frac": 0.01,
-             "grad_norm": 1.0, "staleness_mean": 1.25, "wall_s": 0.5 * (i + 1)} for i in range(100)]
+    rows = [
+        {
+            "step": i,
+            "reward_mean": i / 99,
+            "entropy_est": 3.0 - i / 50,
+            "clip_frac": 0.01,
+            "grad_norm": 1.0,
+            "staleness_mean": 1.25,
+            "wall_s": 0.5 * (i + 1),
+        }
+        for i in range(100)
+    ]
     s = qs.summarise(rows)
     assert s["steps"] == 100
     assert s["reward_first10"] == pytest.approx(sum(range(10)) / 10 / 99, abs=1e-4)

@@ -32,9 +32,16 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-SIZING = ("adapter.options.path=examples/data/arith.jsonl", "learner.prompts_per_step=2", "learner.group_size=4", "learner.updates_per_step=1",
-          "worker.max_new_tokens=16", "learner.torch_threads=1", "worker.torch_threads=1",
-          "learner.max_steps=100000")
+SIZING = (
+    "adapter.options.path=examples/data/arith.jsonl",
+    "learner.prompts_per_step=2",
+    "learner.group_size=4",
+    "learner.updates_per_step=1",
+    "worker.max_new_tokens=16",
+    "learner.torch_threads=1",
+    "worker.torch_threads=1",
+    "learner.max_steps=100000",
+)
 LEARNER = "10.99.0.1"
 PUBLIC_VOLUNTEER = "10.99.0.100"
 
@@ -60,7 +67,13 @@ def test_the_block_parses_into_the_commands_the_run_needs():
     assert set(rr.NEEDED) <= set(kinds)
     learn = rr.one(got, "learn")
     assert "examples/public.toml" in learn.words and learn.text.lstrip().startswith("echo-rl learn")
-    assert (ROOT / "README.md").read_text().splitlines()[learn.line - 1].lstrip().startswith("echo-rl learn")
+    assert (
+        (ROOT / "README.md")
+        .read_text()
+        .splitlines()[learn.line - 1]
+        .lstrip()
+        .startswith("echo-rl learn")
+    )
 
 
 def test_a_broken_or_unknown_command_is_reported_with_its_line():
@@ -79,8 +92,15 @@ def test_a_broken_or_unknown_command_is_reported_with_its_line():
 
 def test_placeholders_are_the_only_words_put_in():
     got = rr.steps((ROOT / "README.md").read_text())
-    ph = rr.Placeholders(LEARNER, PUBLIC_VOLUNTEER, "tiny-qwen3", learner_key="K" * 64,
-                         token="T0K", ban="w-00000000", extra_sets=SIZING)
+    ph = rr.Placeholders(
+        LEARNER,
+        PUBLIC_VOLUNTEER,
+        "tiny-qwen3",
+        learner_key="K" * 64,
+        token="T0K",
+        ban="w-00000000",
+        extra_sets=SIZING,
+    )
     join = ph.argv(rr.one(got, "join_public"))
     assert f"echo://{LEARNER}:5555/{'K' * 64}?token=T0K" in join and PUBLIC_VOLUNTEER in join
     learn = ph.argv(rr.one(got, "learn"))
@@ -100,12 +120,19 @@ class Lab:
     def __init__(self, tmp: Path, names):
         from labs import natlab
 
-        self.nodes = [natlab.Node(0, "public", names), natlab.Node(1, "cone", names),
-                      natlab.Node(2, "cone", names), natlab.Node(3, "symmetric", names)]
+        self.nodes = [
+            natlab.Node(0, "public", names),
+            natlab.Node(1, "cone", names),
+            natlab.Node(2, "cone", names),
+            natlab.Node(3, "symmetric", names),
+        ]
         self.dc = rr.Host("data-center", names.root, tmp / "dc")
-        self.volunteers = {n.nat + (str(n.index) if n.nat == "cone" else ""): rr.Host(
-            f"volunteer {n.index} ({n.nat}, {n.address})", n.ns, tmp / f"v{n.index}")
-            for n in self.nodes}
+        self.volunteers = {
+            n.nat + (str(n.index) if n.nat == "cone" else ""): rr.Host(
+                f"volunteer {n.index} ({n.nat}, {n.address})", n.ns, tmp / f"v{n.index}"
+            )
+            for n in self.nodes
+        }
         for h in [self.dc, *self.volunteers.values()]:
             h.folder.mkdir(parents=True)
         (self.dc.folder / "examples").symlink_to(ROOT / "examples")  # the repo's examples/
@@ -165,8 +192,12 @@ def _learner_to_joins(lab: Lab, readme: str, all_steps, seen) -> None:
     hosts, ph = lab.hosts, lab.ph
     learn = rr.one(all_steps, "learn")
     hosts.start(lab.dc, learn, ph.argv(learn), "learner")
-    line = rr.wait_for("the learner's join line", lambda: rr.ready_line(lab.dc.folder / "learner.log"),
-                       120, alive=[lambda: hosts.alive("learner")])
+    line = rr.wait_for(
+        "the learner's join line",
+        lambda: rr.ready_line(lab.dc.folder / "learner.log"),
+        120,
+        alive=[lambda: hosts.alive("learner")],
+    )
     seen["learner_line"] = line
     ph.learner_key = line.rsplit("/", 1)[1]
     claim = rr.said(readme, "prints the join line:")  # the README's comment on what it prints
@@ -179,8 +210,9 @@ def _learner_to_joins(lab: Lab, readme: str, all_steps, seen) -> None:
     rl_doctor = rr.one(all_steps, "rl_doctor")
     seen["rl_doctor"] = hosts.run(lab.dc, rl_doctor, ph.argv(rl_doctor)).stdout
     wd = rr.one(all_steps, "worker_doctor")
-    seen["worker_doctor"] = {name: hosts.run(h, wd, ph.argv(wd)).stdout
-                             for name, h in lab.volunteers.items()}
+    seen["worker_doctor"] = {
+        name: hosts.run(h, wd, ph.argv(wd)).stdout for name, h in lab.volunteers.items()
+    }
     public = rr.one(all_steps, "join_public")
     hosts.start(lab.volunteers["public"], public, ph.argv(public), "public")
     home = rr.one(all_steps, "join_home")
@@ -196,25 +228,34 @@ def _alive(lab: Lab, *gone: str):
 def _fleet_at_work(lab: Lab, all_steps, seen) -> None:
     hosts, ph = lab.hosts, lab.ph
     rr.wait_for("3 learner steps", lambda: lab.steps_done() >= 3, 150, alive=_alive(lab))
-    ids = rr.wait_for("every volunteer's status file", lambda: len(lab.worker_ids()) == 4 and
-                      lab.worker_ids(), 30)
+    ids = rr.wait_for(
+        "every volunteer's status file", lambda: len(lab.worker_ids()) == 4 and lab.worker_ids(), 30
+    )
     workers = rr.one(all_steps, "workers")
 
     def punched():
         table = _table(hosts.run(lab.dc, workers, ph.argv(workers)).stdout)
         rows = [table.get(ids[n], {}) for n in ("cone1", "cone2")]
-        ok = (all(r.get("NAT") == "punchable" for r in rows)
-              and any(r.get("TRANSPORT") == "punched" for r in rows)
-              and table.get(ids["symmetric"], {}).get("NAT") == "none"
-              and table.get(ids["public"], {}).get("NAT") == "reachable")
+        ok = (
+            all(r.get("NAT") == "punchable" for r in rows)
+            and any(r.get("TRANSPORT") == "punched" for r in rows)
+            and table.get(ids["symmetric"], {}).get("NAT") == "none"
+            and table.get(ids["public"], {}).get("NAT") == "reachable"
+        )
         return table if ok else None
 
-    seen["table"] = rr.wait_for("`echo-rl workers` to show the NAT'd volunteers punchable, one "
-                                "of them on a punched link", punched, 120, every=2, alive=_alive(lab))
+    seen["table"] = rr.wait_for(
+        "`echo-rl workers` to show the NAT'd volunteers punchable, one of them on a punched link",
+        punched,
+        120,
+        every=2,
+        alive=_alive(lab),
+    )
     seen["ids"] = ids
     status = rr.one(all_steps, "status")
-    seen["status"] = {n: hosts.run(h, status, ph.argv(status)).stdout
-                      for n, h in lab.volunteers.items()}
+    seen["status"] = {
+        n: hosts.run(h, status, ph.argv(status)).stdout for n, h in lab.volunteers.items()
+    }
 
 
 def _ban_and_closed_port(lab: Lab, all_steps, seen) -> None:
@@ -229,8 +270,12 @@ def _ban_and_closed_port(lab: Lab, all_steps, seen) -> None:
     seen["banned_log"] = rr.tail(lab.volunteers["symmetric"].folder / "symmetric.log")
     status = rr.one(all_steps, "status")
     seen["banned_status"] = hosts.run(lab.volunteers["symmetric"], status, ph.argv(status)).stdout
-    rr.wait_for("2 more steps after the ban", lambda: lab.steps_done() >= before + 2, 120,
-                alive=_alive(lab, "symmetric"))
+    rr.wait_for(
+        "2 more steps after the ban",
+        lambda: lab.steps_done() >= before + 2,
+        120,
+        alive=_alive(lab, "symmetric"),
+    )
     workers = rr.one(all_steps, "workers")
     seen["table_after_ban"] = _table(hosts.run(lab.dc, workers, ph.argv(workers)).stdout)
     # a firewall on the learner's host drops the snapshot port: both doctors say so
@@ -239,8 +284,9 @@ def _ban_and_closed_port(lab: Lab, all_steps, seen) -> None:
     try:
         rl_doctor, wd = rr.one(all_steps, "rl_doctor"), rr.one(all_steps, "worker_doctor")
         seen["rl_doctor_closed"] = hosts.run(lab.dc, rl_doctor, ph.argv(rl_doctor), expect=1).stdout
-        seen["worker_doctor_closed"] = hosts.run(lab.volunteers["cone1"], wd, ph.argv(wd),
-                                                 expect=1).stdout
+        seen["worker_doctor_closed"] = hosts.run(
+            lab.volunteers["cone1"], wd, ph.argv(wd), expect=1
+        ).stdout
     finally:
         subprocess.run(["ip", "netns", "exec", lab.dc.ns, "iptables", "-D", *drop[2:]], check=True)
 
@@ -256,18 +302,31 @@ def _stop_and_resume(lab: Lab, all_steps, seen) -> None:
     (lab.dc.folder / "learner.log").rename(lab.dc.folder / "learner-crashed.log")
     hosts.start(lab.dc, resume, ph.argv(resume), "learner")
     seen["resumed_line"] = rr.wait_for(
-        "the resumed learner's join line", lambda: rr.ready_line(lab.dc.folder / "learner.log"),
-        120, alive=[lambda: hosts.alive("learner")])
-    rr.wait_for("2 steps after --resume", lambda: lab.steps_done() >= before + 2, 150,
-                alive=_alive(lab, "symmetric"))
+        "the resumed learner's join line",
+        lambda: rr.ready_line(lab.dc.folder / "learner.log"),
+        120,
+        alive=[lambda: hosts.alive("learner")],
+    )
+    rr.wait_for(
+        "2 steps after --resume",
+        lambda: lab.steps_done() >= before + 2,
+        150,
+        alive=_alive(lab, "symmetric"),
+    )
     seen["steps"] = (before, lab.steps_done())
     seen["learner_exit"] = hosts.stop("learner")
     summary = lab.run_dir / "summary.json"
     seen["summary"] = json.loads(summary.read_text()) if summary.is_file() else None
     for name in ("public", "cone1", "cone2"):
         proc = hosts.group.procs[name]
-        rr.wait_for(f"the {name} volunteer to leave with the learner", lambda p=proc: p.poll() is not None, 30)
-    seen["told"] = {n: rr.tail(lab.volunteers[n].folder / f"{n}.log") for n in ("public", "cone1", "cone2")}
+        rr.wait_for(
+            f"the {name} volunteer to leave with the learner",
+            lambda p=proc: p.poll() is not None,
+            30,
+        )
+    seen["told"] = {
+        n: rr.tail(lab.volunteers[n].folder / f"{n}.log") for n in ("public", "cone1", "cone2")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -289,8 +348,13 @@ def test_the_readme_block_runs_as_written_across_nat(readme_run):
     assert claim, "README 'Running for real' no longer says what the learner prints"
     assert filled in seen["learner_printed"], (claim, seen["learner_printed"][:2000])
     assert f"echo-worker join '{line}?token=" in seen["token_says"]
-    for key in ("learner.port", "learner.chunk_port", "learner.reflector_ports[0]",
-                "learner.reflector_ports[1]", "metrics.port"):
+    for key in (
+        "learner.port",
+        "learner.chunk_port",
+        "learner.reflector_ports[0]",
+        "learner.reflector_ports[1]",
+        "metrics.port",
+    ):
         assert f"[ok  ] {key}:" in seen["rl_doctor"], (key, seen["rl_doctor"])
     doc = seen["worker_doctor"]
     for name, out in doc.items():
@@ -311,8 +375,11 @@ def test_nat_d_volunteers_relay_through_punched_links_and_the_operator_sees_it(r
     assert any(table[ids[n]]["TRANSPORT"] == "punched" for n in ("cone1", "cone2"))
     nat = {"public": "reachable", "cone1": "punchable", "cone2": "punchable", "symmetric": "none"}
     for name, out in readme_run["status"].items():  # `echo-worker status` on each host
-        rows = {x.split("│")[1].strip(): x.split("│")[2].strip() for x in out.splitlines()
-                if x.count("│") >= 3 and x.split("│")[1].strip()}
+        rows = {
+            x.split("│")[1].strip(): x.split("│")[2].strip()
+            for x in out.splitlines()
+            if x.count("│") >= 3 and x.split("│")[1].strip()
+        }
         assert rows.get("worker") == ids[name] and rows.get("NAT") == nat[name], (name, out)
         assert rows.get("state", "").split(" ")[0] in ("active", "standby"), (name, out)
 
@@ -354,7 +421,9 @@ def test_the_readme_s_resume_after_a_crash_continues_and_sigterm_writes_the_summ
     assert seen["resumed_line"] == seen["learner_line"]
     assert seen["learner_exit"] == 130  # echo-rl learn: interrupted, as after Ctrl-C
     assert seen["summary"] is not None and seen["summary"]["steps"] >= after - 1, seen["summary"]
-    assert "signal" in seen["summary"]["ended"] or "stop" in seen["summary"]["ended"], seen["summary"]
+    assert "signal" in seen["summary"]["ended"] or "stop" in seen["summary"]["ended"], seen[
+        "summary"
+    ]
     for name, log in seen["told"].items():
         assert "learner stopped" in log, (name, log)
 

@@ -55,7 +55,9 @@ def test_import_refuses_missing_foreign_and_existing(tmp_path):
 def test_cli_reports_import_errors(tmp_path, capsys):
     from echo.cli import main
 
-    assert main(["model", "import-gguf", str(tmp_path / "x.gguf"), "--out", str(tmp_path / "o")]) == 1
+    assert (
+        main(["model", "import-gguf", str(tmp_path / "x.gguf"), "--out", str(tmp_path / "o")]) == 1
+    )
     assert "echo-rl model import-gguf:" in capsys.readouterr().err
 
 
@@ -95,27 +97,55 @@ def test_two_learner_steps_with_two_workers_on_cpu(smollm2, tmp_path):
     from echo.config import dump_toml, load_config
     from echo.procs import ProcessGroup, python_argv, wait_ready
 
-    cfg = load_config(ROOT / "examples" / "smollm2-math.toml", [
-        f'model.name="{smollm2}"', f'adapter.options.path="{WORDS}"', "learner.max_steps=2",
-        "learner.prompts_per_step=2", "learner.group_size=2", "learner.updates_per_step=1",
-        "learner.staleness=1", "learner.checkpoint=false", "learner.torch_threads=1",
-        "learner.device=\"auto\"", "worker.max_new_tokens=12", "buffer.capacity_groups=4",
-        "metrics.enabled=false",
-        # U = b: the planner's k = U/b = 1, one chain learner -> wi -> wj (rates plan, never throttle)
-        "broadcast.uplink_mbit=1000", "broadcast.link_mbit=1000"])
+    cfg = load_config(
+        ROOT / "examples" / "smollm2-math.toml",
+        [
+            f'model.name="{smollm2}"',
+            f'adapter.options.path="{WORDS}"',
+            "learner.max_steps=2",
+            "learner.prompts_per_step=2",
+            "learner.group_size=2",
+            "learner.updates_per_step=1",
+            "learner.staleness=1",
+            "learner.checkpoint=false",
+            "learner.torch_threads=1",
+            'learner.device="auto"',
+            "worker.max_new_tokens=12",
+            "buffer.capacity_groups=4",
+            "metrics.enabled=false",
+            # U = b: the planner's k = U/b = 1, one chain learner -> wi -> wj (rates plan, never throttle)
+            "broadcast.uplink_mbit=1000",
+            "broadcast.link_mbit=1000",
+        ],
+    )
     conf = tmp_path / "cfg.toml"
     conf.write_text(dump_toml(cfg))
     run = tmp_path / "run"
     group = ProcessGroup()
     try:
-        learner = group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir",
-                                                     str(run)), tmp_path / "learner.err",
-                              pipe_stdout=True)
+        learner = group.start(
+            "learner",
+            python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+            tmp_path / "learner.err",
+            pipe_stdout=True,
+        )
         endpoint = wait_ready(learner, timeout=300)
         for w in ("w0", "w1"):
-            group.start(w, python_argv("worker.cli", "join", endpoint, "--id", w, "--threads", "1",
-                                       "--identity", str(tmp_path / f"{w}.key")),
-                        tmp_path / f"{w}.log")
+            group.start(
+                w,
+                python_argv(
+                    "worker.cli",
+                    "join",
+                    endpoint,
+                    "--id",
+                    w,
+                    "--threads",
+                    "1",
+                    "--identity",
+                    str(tmp_path / f"{w}.key"),
+                ),
+                tmp_path / f"{w}.log",
+            )
         assert learner.wait(800) == 0, (tmp_path / "learner.err").read_text()[-3000:]
     finally:
         group.stop_all()
@@ -126,15 +156,26 @@ def test_two_learner_steps_with_two_workers_on_cpu(smollm2, tmp_path):
     assert 0.8 < rows[0]["is_weight_mean"] < 1.2, rows[0]  # samples came from the learner's weights
     assert rows[0]["t_publish"] > 0  # v1 built (device -> host copy, bf16) and published
     snapshot_ep = json.loads((run / "learner.json").read_text())["snapshot_endpoint"]
-    installs = {w: re.findall(r"received snapshot v0 \(full, (\d+) bytes, \d+ chunks from ([^\s)]+)",
-                              (tmp_path / f"{w}.log").read_text()) for w in ("w0", "w1")}
+    installs = {
+        w: re.findall(
+            r"received snapshot v0 \(full, (\d+) bytes, \d+ chunks from ([^\s)]+)",
+            (tmp_path / f"{w}.log").read_text(),
+        )
+        for w in ("w0", "w1")
+    }
     assert all(installs.values()), installs
     sizes = {int(size) for got in installs.values() for size, _ in got}
     assert sizes == {134_515_008 * 2}  # bf16
     # Both join while neither holds a version, so both pull v0 from the learner (a key that
     # has not installed anything relays to nobody: docs/security.md, "Sybils"); the next
     # version goes down the chain the plan makes of the two.
-    later = {w: re.findall(r"received snapshot v[1-9]\d* \([^)]*from ([^\s)]+)",
-                           (tmp_path / f"{w}.log").read_text()) for w in ("w0", "w1")}
-    assert any(src != snapshot_ep for got in later.values() for src in got), \
+    later = {
+        w: re.findall(
+            r"received snapshot v[1-9]\d* \([^)]*from ([^\s)]+)",
+            (tmp_path / f"{w}.log").read_text(),
+        )
+        for w in ("w0", "w1")
+    }
+    assert any(src != snapshot_ep for got in later.values() for src in got), (
         f"no worker pulled a later version from the other (a chain hop): {later}"
+    )

@@ -109,8 +109,12 @@ def test_metrics_follow_the_tree_and_drop_workers_that_left():
     c.leave("w2")
     c.peers["w1"].nat = "punchable"
     c.publish(1)
-    for family in ("echo_worker_nat", "echo_worker_transport", "echo_worker_relay_role",
-                   "echo_worker_declared_mbit"):
+    for family in (
+        "echo_worker_nat",
+        "echo_worker_transport",
+        "echo_worker_relay_role",
+        "echo_worker_declared_mbit",
+    ):
         assert {dict(k)["worker"] for k in _samples(m, family)} == {"w0", "w1"}, family
     nat = _samples(m, "echo_worker_nat")
     assert nat[(("nat", "punchable"), ("worker", "w1"))] == 1.0 and len(nat) == 2

@@ -41,10 +41,25 @@ def cluster(tmp_path, small_cfg):
 
 
 def start_worker(c: Cluster, name: str) -> None:
-    c.group.start(name, python_argv("worker.cli", "join", c.endpoint, "--id", name, "--price",
-                                    "0.35", "--down-mbit", "100", "--up-mbit", "100",
-                                    "--identity", str(c.tmp / f"{name}.key")),
-                  c.tmp / f"{name}.log")
+    c.group.start(
+        name,
+        python_argv(
+            "worker.cli",
+            "join",
+            c.endpoint,
+            "--id",
+            name,
+            "--price",
+            "0.35",
+            "--down-mbit",
+            "100",
+            "--up-mbit",
+            "100",
+            "--identity",
+            str(c.tmp / f"{name}.key"),
+        ),
+        c.tmp / f"{name}.log",
+    )
 
 
 def get(url: str) -> bytes:
@@ -71,8 +86,10 @@ def served_tree(url: str) -> RelayTree:
 def fetches(log: Path) -> dict[int, str]:
     """Version -> where the worker's log says its chunks came from (one source: loopback)."""
     text = log.read_text() if log.exists() else ""
-    return {int(v): src for v, src in
-            re.findall(r"received snapshot v(\d+) \(.*? chunks from (\S+?)\)", text)}
+    return {
+        int(v): src
+        for v, src in re.findall(r"received snapshot v(\d+) \(.*? chunks from (\S+?)\)", text)
+    }
 
 
 def past(log: Path, version: int) -> dict[int, str] | None:
@@ -88,11 +105,17 @@ def compared(c: Cluster, url: str) -> RelayTree | None:
     tree = served_tree(url)
     nodes = {n.worker: n for n in tree.nodes}
     settled = all(len(fetches(c.tmp / f"{w}.log")) >= 2 for w in WORKERS)  # past start-up
-    if set(nodes) != set(WORKERS) or any(n.role == "unplaced" for n in nodes.values()) \
-            or tree.version is None or not settled:
+    if (
+        set(nodes) != set(WORKERS)
+        or any(n.role == "unplaced" for n in nodes.values())
+        or tree.version is None
+        or not settled
+    ):
         return None
-    logs = {w: poll(f"{w} at v{tree.version}", lambda w=w: past(c.tmp / f"{w}.log", tree.version))
-            for w in WORKERS}
+    logs = {
+        w: poll(f"{w} at v{tree.version}", lambda w=w: past(c.tmp / f"{w}.log", tree.version))
+        for w in WORKERS
+    }
     if any(tree.version not in f for f in logs.values()):
         return None
     for n in nodes.values():
@@ -106,12 +129,29 @@ def dashboard_shows_a_tree(url: str, profile: Path) -> None:
     """The page in headless Chromium: a row per worker under the learner, each parent shown
     one of the rows, roles as the rows' children make them (the plan may have moved on since
     the check above, so the page is held to the shape, not to that version)."""
-    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
-                          "--no-first-run", f"--user-data-dir={profile}",
-                          "--virtual-time-budget=5000", "--dump-dom", url + "/"],
-                         check=True, capture_output=True, text=True, timeout=120).stdout
-    rows = {w: (p, r) for w, p, r in re.findall(
-        r'id="tree-([^"]+)" data-parent="([^"]*)" data-role="([^"]*)"', dom)}
+    dom = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            url + "/",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    rows = {
+        w: (p, r)
+        for w, p, r in re.findall(
+            r'id="tree-([^"]+)" data-parent="([^"]*)" data-role="([^"]*)"', dom
+        )
+    }
     assert set(rows) == set(WORKERS) and 'id="tree-learner"' in dom, rows
     kids = {w: sum(p == w for p, _ in rows.values()) for w in rows}
     for w, (parent, role) in rows.items():
@@ -150,10 +190,22 @@ def test_dashboard_tree_matches_what_the_workers_fetched_and_metrics_follow(clus
         dashboard_shows_a_tree(url, cluster.tmp / "profile")
 
     cluster.group.stop("w2", sig=signal.SIGKILL)  # leaves by heartbeat timeout: series go
-    gone = poll("w2's series removed", lambda: all(
-        s["worker"] != "w2" for fam in ("echo_worker_relay_role", "echo_worker_nat",
-                                        "echo_worker_transport", "echo_worker_link_mbit",
-                                        "echo_worker_declared_mbit")
-        for s in series(url, fam)) and "w2" not in {n.worker for n in served_tree(url).nodes})
+    gone = poll(
+        "w2's series removed",
+        lambda: (
+            all(
+                s["worker"] != "w2"
+                for fam in (
+                    "echo_worker_relay_role",
+                    "echo_worker_nat",
+                    "echo_worker_transport",
+                    "echo_worker_link_mbit",
+                    "echo_worker_declared_mbit",
+                )
+                for s in series(url, fam)
+            )
+            and "w2" not in {n.worker for n in served_tree(url).nodes}
+        ),
+    )
     assert gone
     cluster.group.stop("learner", timeout=60)

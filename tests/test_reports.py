@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from test_security import make_plane, zctx  # noqa: F401 (fixtures)
 
 from broadcast.coordinator import Coordinator
 from broadcast.reports import ReportBook
@@ -18,15 +19,17 @@ from broadcast.topology import make_topology
 from echo import wire
 from echo.security import KeyPair
 from learner.verify import Report, Verifier
-from test_security import make_plane, zctx  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def chain(n: int = 4, **book) -> tuple[Coordinator, dict[str, str]]:
     """One chain root -> w0 -> w1 -> ... (U = b: a single stream)."""
-    c = Coordinator(make_topology("chains", uplink_mbit=100, link_mbit=100), "tcp://root",
-                    reports=ReportBook(**book))
+    c = Coordinator(
+        make_topology("chains", uplink_mbit=100, link_mbit=100),
+        "tcp://root",
+        reports=ReportBook(**book),
+    )
     for i in range(n):
         c.join(f"w{i}", f"tcp://w{i}", 100, 100, now=-1.0)
     return c, c.publish(1, now=0.0)
@@ -49,10 +52,15 @@ def test_a_stranger_cannot_remove_a_relay_by_reporting_it():  # attack 3
     for reason in ("timeout", "disconnected", "corrupt"):
         c.reattach(stranger, ep, reason)
     relay = c.owner(ep)
-    assert relay.alive and not relay.corrupt and plan == {**c.sources, stranger: c.sources[stranger]}
+    assert (
+        relay.alive and not relay.corrupt and plan == {**c.sources, stranger: c.sources[stranger]}
+    )
     assert c.sources[child] == ep  # its real child still pulls there
-    assert c.reports.counts == {"timeout:unassigned": 1, "disconnected:unassigned": 1,
-                                "corrupt:unassigned": 1}
+    assert c.reports.counts == {
+        "timeout:unassigned": 1,
+        "disconnected:unassigned": 1,
+        "corrupt:unassigned": 1,
+    }
 
 
 def test_one_childs_report_moves_that_child_off_the_relay_for_good():  # attack 1: not put back
@@ -111,8 +119,9 @@ def test_the_probe_asks_as_a_resuming_child_with_a_childs_ticket():  # attack 1:
     lifetime, a window of requests from the reported chunk on, request ids not starting at 1."""
     run = RunKey.generate()
     payload = bytes(range(256)) * 64
-    m = build_manifest(run_id="t", version=3, tensors=[], payload=payload, chunk_size=1024,
-                       dtype="uint8", key=run)
+    m = build_manifest(
+        run_id="t", version=3, tensors=[], payload=payload, chunk_size=1024, dtype="uint8", key=run
+    )
     relay_keys = KeyPair.generate()
     ttl = 3600.0
     from broadcast.tickets import mint
@@ -124,8 +133,9 @@ def test_the_probe_asks_as_a_resuming_child_with_a_childs_ticket():  # attack 1:
         server.curve_server = True
         port = server.bind_to_random_port("tcp://127.0.0.1")
         ep = f"tcp://127.0.0.1:{port}"
-        verifier = Verifier(ctx, lambda child, parent: mint(run, child, parent, "t", ttl),
-                            1 << 20, window=4)
+        verifier = Verifier(
+            ctx, lambda child, parent: mint(run, child, parent, "t", ttl), 1 << 20, window=4
+        )
         seen: list[wire.ChunkRequest] = []
 
         async def serve() -> None:
@@ -134,8 +144,13 @@ def test_the_probe_asks_as_a_resuming_child_with_a_childs_ticket():  # attack 1:
                 req = wire.decode(frame, 1 << 20)
                 seen.append(req)
                 start = req.index * 1024
-                await server.send_multipart([ident, wire.encode(wire.Chunk(
-                    version=3, index=req.index, rid=req.rid)), payload[start:start + 1024]])
+                await server.send_multipart(
+                    [
+                        ident,
+                        wire.encode(wire.Chunk(version=3, index=req.index, rid=req.rid)),
+                        payload[start : start + 1024],
+                    ]
+                )
 
         task = asyncio.ensure_future(serve())
         try:
@@ -161,8 +176,9 @@ def test_reports_reach_the_plane_from_children_only_and_about_old_versions_too(m
     """Attack 3: a joined stranger's timeout report leaves the relay in the plan. Attack 4: a
     child's report about a version the learner no longer holds is answered unknown_version
     and still counted against the relay."""
-    from broadcast.snapshot import Snapshot
     from test_security import ask, peer
+
+    from broadcast.snapshot import Snapshot
 
     async def assign(plane, worker_id, endpoint):  # the plan sends the child to the relay
         plane.coordinator.sources[worker_id] = endpoint
@@ -170,8 +186,15 @@ def test_reports_reach_the_plane_from_children_only_and_about_old_versions_too(m
 
     plane = make_plane()
     payload = bytes(range(256)) * 16
-    m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=1024,
-                       dtype="uint8", key=plane.key)
+    m = build_manifest(
+        run_id="t",
+        version=0,
+        tensors=[],
+        payload=payload,
+        chunk_size=1024,
+        dtype="uint8",
+        key=plane.key,
+    )
     plane.publish(Snapshot(m, payload))
     relay = peer(plane, zctx)
     ask(relay, wire.Join(worker_id="relay", relay_endpoint="tcp://127.0.0.1:9"))
@@ -181,13 +204,21 @@ def test_reports_reach_the_plane_from_children_only_and_about_old_versions_too(m
     ask(child, wire.Join(worker_id="child", can_relay=False))
     ask(stranger, wire.Join(worker_id="stranger", can_relay=False))
     plane._call(assign, plane, "child", "tcp://127.0.0.1:9")
-    reply = ask(stranger, wire.SourceRequest(worker_id="stranger", version=0,
-                                             bad_source="tcp://127.0.0.1:9", reason="timeout"))
+    reply = ask(
+        stranger,
+        wire.SourceRequest(
+            worker_id="stranger", version=0, bad_source="tcp://127.0.0.1:9", reason="timeout"
+        ),
+    )
     assert isinstance(reply, wire.SourceGrant)
     assert plane.stats().relay_reports == {"timeout:unassigned": 1}
     assert plane.coordinator.owner("tcp://127.0.0.1:9").alive
-    reply = ask(child, wire.SourceRequest(worker_id="child", version=7,
-                                          bad_source="tcp://127.0.0.1:9", reason="timeout"))
+    reply = ask(
+        child,
+        wire.SourceRequest(
+            worker_id="child", version=7, bad_source="tcp://127.0.0.1:9", reason="timeout"
+        ),
+    )
     assert isinstance(reply, wire.Error) and reply.reason == "unknown_version"
     assert plane.stats().relay_reports["timeout:counted"] == 1
 
@@ -218,8 +249,15 @@ def test_a_probe_is_not_queued_for_an_empty_payload(make_plane):  # noqa: F811
     from broadcast.snapshot import Snapshot
 
     plane = make_plane()
-    m = build_manifest(run_id="t", version=0, tensors=[], payload=b"", chunk_size=1024,
-                       dtype="uint8", key=plane.key)
+    m = build_manifest(
+        run_id="t",
+        version=0,
+        tensors=[],
+        payload=b"",
+        chunk_size=1024,
+        dtype="uint8",
+        key=plane.key,
+    )
     plane.publish(Snapshot(m, b""))
     plane.table.relay_keys["tcp://127.0.0.1:9"] = "K"
 

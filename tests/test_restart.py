@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+
 import pytest
 
 from benchmarks.restart_drill import one_round
@@ -23,7 +24,9 @@ def test_sigkilled_learner_resumes_and_the_same_workers_carry_on(tmp_path):
     assert r.failed_probations_after_restart == 0, r
     path = tmp_path / "run" / "decisions.jsonl"
     decisions = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-    assert not any("probation over" in d["reason"] for d in decisions if d["step"] >= r.resumed_at_step)
+    assert not any(
+        "probation over" in d["reason"] for d in decisions if d["step"] >= r.resumed_at_step
+    )
     # every record acknowledged before (and after) the crash is trained, buffered or a counted drop
     assert r.acked > 0 and r.lost == 0 and r.trained_twice == 0, r
     assert r.workers_exit == [0, 0]  # the same processes, told the run is over

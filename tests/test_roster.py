@@ -20,10 +20,10 @@ from echo import wire
 from echo.commands import admin
 from echo.security import KeyPair, curve_client, fingerprint
 from learner.buffer import ReplayBuffer
-from learner.server import LearnerServer
 from learner.gate import security_dir
 from learner.reputation import Reputation, Verdict
 from learner.roster import load_roster
+from learner.server import LearnerServer
 from learner.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,11 +44,21 @@ def fleet(small_cfg, tokenizer, tmp_path):
     with & > or ]), and a third whose id is w1's fingerprint (so that name is ambiguous)."""
     lc = small_cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
-    plane = LearnerServer(small_cfg, run_id="t", key=RunKey.generate(), run_dir=tmp_path,
-                         buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
-                         work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
-                                        max_outstanding=8, lease_timeout_s=30, prefix="t"),
-                         limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size))
+    plane = LearnerServer(
+        small_cfg,
+        run_id="t",
+        key=RunKey.generate(),
+        run_dir=tmp_path,
+        buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
+        work=WorkQueue(
+            adapter.prompts(random.Random(0)),
+            group_size=lc.group_size,
+            max_outstanding=8,
+            lease_timeout_s=30,
+            prefix="t",
+        ),
+        limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
+    )
     plane.start()
     keys = {"w1": KeyPair.generate(), "w2": awkward_key()}
     keys[fingerprint(keys["w1"].text)] = KeyPair.generate()
@@ -89,7 +99,9 @@ def test_workers_lists_ids_fingerprints_states_and_quoted_keys_from_the_live_lea
     try:
         (run / "learner.json").write_text(json.dumps({"metrics": server.url}))
         out, err = listing(capsys, "--run-dir", str(run))
-        rows = [json.loads(x) for x in listing(capsys, "--run-dir", str(run), "--json")[0].splitlines()]
+        rows = [
+            json.loads(x) for x in listing(capsys, "--run-dir", str(run), "--json")[0].splitlines()
+        ]
     finally:
         server.close()
     assert f"live from the learner at {server.url}" in err
@@ -126,17 +138,26 @@ def test_ban_by_id_fingerprint_or_key_and_refusals_in_words(fleet, capsys):
     assert rc == 2 and "names 2 workers" in err and "full key" in err
     assert keys["w1"] not in bans.read_text()
     rc, err = ban("nobody")
-    assert rc == 2 and "no worker with id or fingerprint 'nobody'" in err and "echo-rl workers" in err
+    assert (
+        rc == 2 and "no worker with id or fingerprint 'nobody'" in err and "echo-rl workers" in err
+    )
     rc, err = ban(fingerprint(keys[twin]))  # the third worker, by its fingerprint
     assert rc == 0 and keys[twin] in bans.read_text()
     rc, err = ban(keys["w1"])  # a full key is taken as it is
     assert rc == 0 and keys["w1"] in bans.read_text()
-    rows = {r["worker_id"]: r for r in map(json.loads, listing(capsys, "--run-dir", str(run),
-                                                                 "--offline", "--json")[0].splitlines())}
+    rows = {
+        r["worker_id"]: r
+        for r in map(
+            json.loads,
+            listing(capsys, "--run-dir", str(run), "--offline", "--json")[0].splitlines(),
+        )
+    }
     assert {r["state"] for r in rows.values()} == {"banned"} and rows["w2"]["note"] == "test"
 
 
-def test_the_run_folder_alone_gives_quarantines_strikes_and_says_the_learner_is_silent(fleet, capsys):
+def test_the_run_folder_alone_gives_quarantines_strikes_and_says_the_learner_is_silent(
+    fleet, capsys
+):
     plane, run, keys = fleet
     plane.shutdown("test over")
     rep = Reputation(security_dir(run), strikes=3, step=lambda: 7, on_quarantine=lambda *a: None)
@@ -155,15 +176,18 @@ def test_the_run_folder_alone_gives_quarantines_strikes_and_says_the_learner_is_
 
 
 def test_help_is_instant():
-    code = ("import sys, contextlib, io\n"
-            "import echo.cli\n"
-            "for argv in (['workers', '--help'], ['worker', 'ban', '--help']):\n"
-            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-            "        echo.cli.main(argv)\n"
-            "heavy = [m for m in ('torch', 'transformers', 'zmq', 'pydantic') if m in sys.modules]\n"
-            "assert not heavy, heavy\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                       timeout=60)
+    code = (
+        "import sys, contextlib, io\n"
+        "import echo.cli\n"
+        "for argv in (['workers', '--help'], ['worker', 'ban', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        echo.cli.main(argv)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'zmq', 'pydantic') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -171,12 +195,23 @@ def test_parents_roles_and_links_come_from_the_served_tree_which_is_validated():
     from learner.roster import Entry, _tree
 
     rows = {"a": Entry("a", ""), "b": Entry("b", "", down_mbit=51.2, up_mbit=0.0)}
-    node = {"worker": "b", "parent": "a", "source": "tcp://h:1", "role": "tail", "children": 0,
-            "transport": "punched", "nat": "punchable", "relay_endpoint": ""}
+    node = {
+        "worker": "b",
+        "parent": "a",
+        "source": "tcp://h:1",
+        "role": "tail",
+        "children": 0,
+        "transport": "punched",
+        "nat": "punchable",
+        "relay_endpoint": "",
+    }
     notes: list[str] = []
     _tree({"tree": {"version": 3, "source": "tcp://l:1", "nodes": [node]}}, rows, notes)
     assert (rows["b"].parent, rows["b"].role, rows["b"].links) == ("a", "tail", "51/0")
     assert rows["a"].links == "" and not notes
-    _tree({"tree": {"version": 3, "source": "tcp://l:1", "nodes": [{**node, "role": "boss"}]}},
-          rows, notes)
+    _tree(
+        {"tree": {"version": 3, "source": "tcp://l:1", "nodes": [{**node, "role": "boss"}]}},
+        rows,
+        notes,
+    )
     assert "did not validate" in notes[0]

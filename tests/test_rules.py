@@ -49,8 +49,16 @@ def test_ready_queue_items_stay_whole_and_can_be_removed():
 
 
 def rec(gid: str, i: int, version: int) -> Record:
-    return Record(group_id=gid, sample_idx=i, prompt_ids=[1], completion_ids=[2], logprobs=[-1.0],
-                  reward=0.0, version=version, worker_id="w")
+    return Record(
+        group_id=gid,
+        sample_idx=i,
+        prompt_ids=[1],
+        completion_ids=[2],
+        logprobs=[-1.0],
+        reward=0.0,
+        version=version,
+        worker_id="w",
+    )
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -26,11 +26,19 @@ from echo import wire
 from echo.commands.admin import parse_duration
 from echo.config import EchoConfig
 from echo.rates import TokenBucket
-from echo.security import (JoinLine, KeyList, KeyPair, SecurityError, TokenStore,
-                           curve_client, curve_server, key_hex)
+from echo.security import (
+    JoinLine,
+    KeyList,
+    KeyPair,
+    SecurityError,
+    TokenStore,
+    curve_client,
+    curve_server,
+    key_hex,
+)
 from learner.buffer import ReplayBuffer
-from learner.server import LearnerServer
 from learner.gate import security_dir
+from learner.server import LearnerServer
 from learner.work import WorkQueue
 
 JUNK = msgpack.packb({"v": 1, "type": ["x"]})  # 13 bytes that once ended a learner
@@ -103,7 +111,9 @@ def test_ticket_checks_signature_child_parent_and_expiry():
     assert check("C" * 40, good) == ""
     assert check("D" * 40, good) == "not_your_ticket"
     assert check("C" * 40, mint(run, "C" * 40, "tcp://other:2", "run", 60)) == "not_assigned_here"
-    assert check("C" * 40, mint(RunKey.generate(), "C" * 40, "tcp://r:1", "run", 60)) == "bad_ticket"
+    assert (
+        check("C" * 40, mint(RunKey.generate(), "C" * 40, "tcp://r:1", "run", 60)) == "bad_ticket"
+    )
     assert check("C" * 40, b"") == "no_ticket"
     assert check("C" * 40, good[:-1] + bytes([good[-1] ^ 1])) == "bad_ticket"
     now[0] = 200.0
@@ -117,8 +127,10 @@ def test_a_ticket_is_a_declared_type_whose_bytes_are_pinned():
 
     key = RunKey.from_bytes(bytes(range(32)))
     minted = mint(key, "C" * 40, "tcp://r:1", "run", 60, now=100.0)
-    assert blake3.blake3(minted).hexdigest() == \
-        "ea1e0775ae6d07138454d8497c358186722de15b4d03441152df4c3bb6bad63e"
+    assert (
+        blake3.blake3(minted).hexdigest()
+        == "ea1e0775ae6d07138454d8497c358186722de15b4d03441152df4c3bb6bad63e"
+    )
     assert Ticket.parse(minted[64:]) == Ticket("C" * 40, "tcp://r:1", "run", 160.0)
     assert Ticket.parse(b"\x93\x01\x02\x03") is None  # three fields, not four
     assert Ticket.parse(b"\xc1") is None  # not msgpack
@@ -137,10 +149,22 @@ def _plane(cfg: EchoConfig, tokenizer, run_dir):
     lc = cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
     buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size)
-    work = WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
-                     max_outstanding=8, lease_timeout_s=30, prefix="t")
-    return LearnerServer(cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
-                        limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size), run_dir=run_dir)
+    work = WorkQueue(
+        adapter.prompts(random.Random(0)),
+        group_size=lc.group_size,
+        max_outstanding=8,
+        lease_timeout_s=30,
+        prefix="t",
+    )
+    return LearnerServer(
+        cfg,
+        run_id="t",
+        key=RunKey.generate(),
+        buffer=buffer,
+        work=work,
+        limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size),
+        run_dir=run_dir,
+    )
 
 
 @pytest.fixture
@@ -201,14 +225,22 @@ def test_nobody_speaks_for_another_worker(make_plane, zctx):
     honest, evil = peer(plane, zctx), peer(plane, zctx)
     assert isinstance(ask(honest, wire.Join(worker_id="w1")), wire.JoinAck)
     # Before joining, the attacker is nobody: its trajectories are not taken.
-    assert refused(ask(evil, wire.Trajectories(worker_id="w1", batch_id="b", count=0,
-                                               payload=wire.pack_records([]))), "not_joined")
+    assert refused(
+        ask(
+            evil,
+            wire.Trajectories(worker_id="w1", batch_id="b", count=0, payload=wire.pack_records([])),
+        ),
+        "not_joined",
+    )
     assert refused(ask(evil, wire.Join(worker_id="w1")), "id_taken")
     assert isinstance(ask(evil, wire.Join(worker_id="evil")), wire.JoinAck)
-    for msg in (wire.Heartbeat(worker_id="w1", version=0), wire.Leave(worker_id="w1"),
-                wire.WorkRequest(worker_id="w1", max_groups=1),
-                wire.SourceRequest(worker_id="w1", version=0, bad_source="x", reason="corrupt"),
-                wire.Trajectories(worker_id="w1", batch_id="b", count=0, payload=wire.pack_records([]))):
+    for msg in (
+        wire.Heartbeat(worker_id="w1", version=0),
+        wire.Leave(worker_id="w1"),
+        wire.WorkRequest(worker_id="w1", max_groups=1),
+        wire.SourceRequest(worker_id="w1", version=0, bad_source="x", reason="corrupt"),
+        wire.Trajectories(worker_id="w1", batch_id="b", count=0, payload=wire.pack_records([])),
+    ):
         assert refused(ask(evil, msg), "identity_mismatch"), msg.type
     stats = plane.stats()
     assert set(stats.workers) == {"w1", "evil"} and stats.rejected["identity_mismatch"] == 5
@@ -248,13 +280,17 @@ def test_token_mode_needs_a_token_and_binds_it_to_one_key(make_plane, zctx):
     plane.gate.reload()  # what housekeeping does every half second
     a, b = KeyPair.generate(), KeyPair.generate()
     assert refused(ask(peer(plane, zctx, a), wire.Join(worker_id="a")), "token_required")
-    assert isinstance(ask(peer(plane, zctx, a), wire.Join(worker_id="a", token=token)), wire.JoinAck)
+    assert isinstance(
+        ask(peer(plane, zctx, a), wire.Join(worker_id="a", token=token)), wire.JoinAck
+    )
     assert refused(ask(peer(plane, zctx, b), wire.Join(worker_id="b", token=token)), "token_used")
     other = TokenStore(security_dir(run_dir) / "tokens.json").create(uses=1, ttl_s=60)
     plane.gate.reload()
     # A join refused for its id does not spend the token: the same key then joins with it.
     assert refused(ask(peer(plane, zctx, b), wire.Join(worker_id="a", token=other)), "id_taken")
-    assert isinstance(ask(peer(plane, zctx, b), wire.Join(worker_id="b", token=other)), wire.JoinAck)
+    assert isinstance(
+        ask(peer(plane, zctx, b), wire.Join(worker_id="b", token=other)), wire.JoinAck
+    )
     assert plane.stats().join_refused == {"token_required": 1, "token_used": 1, "id_taken": 1}
 
 
@@ -297,8 +333,15 @@ def test_floods_are_cut_per_key_and_others_are_served(make_plane, zctx):
 def published_and_joined(plane, zctx, size):
     """Version 0 (``size`` bytes, 4 KiB chunks) published; a joined key's chunk-socket peer."""
     payload = bytes(size)
-    m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=4096,
-                       dtype="float32", key=plane.key)
+    m = build_manifest(
+        run_id="t",
+        version=0,
+        tensors=[],
+        payload=payload,
+        chunk_size=4096,
+        dtype="float32",
+        key=plane.key,
+    )
     plane.publish(Snapshot(m, payload))
     keys = KeyPair.generate()
     ask(peer(plane, zctx, keys), wire.Join(worker_id="w1"))
@@ -330,7 +373,9 @@ def test_chunk_request_floods_are_dropped_per_peer(make_plane, zctx):
     assert eventually(lambda: plane.stats().chunk_rejected.get("rate_limited", 0) >= 800)
     other = KeyPair.generate()  # another peer is still served
     ask(peer(plane, zctx, other), wire.Join(worker_id="w2"))
-    head = ask(peer(plane, zctx, other, plane.snapshot_endpoint), wire.ChunkRequest(version=0, index=1))
+    head = ask(
+        peer(plane, zctx, other, plane.snapshot_endpoint), wire.ChunkRequest(version=0, index=1)
+    )
     assert isinstance(head, wire.Chunk)
 
 
@@ -361,8 +406,9 @@ async def _with_relay(body, **cfg):
     keys = KeyPair.generate()
     relay = Relay(ctx, RelayConfig(**cfg), keys=keys, run_key=lambda: run.public_bytes)
     payload = bytes(range(256)) * 64
-    m = build_manifest(run_id="t", version=1, tensors=[], payload=payload, chunk_size=4096,
-                       dtype="uint8", key=run)
+    m = build_manifest(
+        run_id="t", version=1, tensors=[], payload=payload, chunk_size=4096, dtype="uint8", key=run
+    )
     relay.store.add(SnapshotBuffer(m, payload))
     try:
         async with asyncio.TaskGroup() as tg:
@@ -379,7 +425,9 @@ async def _ask_relay(ctx, relay_keys, endpoint, me, ticket, version=1, index=0):
     sock.setsockopt(zmq.LINGER, 0)
     curve_client(sock, me, relay_keys.public)
     sock.connect(endpoint)
-    await sock.send(wire.encode(wire.ChunkRequest(version=version, index=index, rid=1, ticket=ticket)))
+    await sock.send(
+        wire.encode(wire.ChunkRequest(version=version, index=index, rid=1, ticket=ticket))
+    )
     frames = await sock.recv_multipart()
     sock.close()
     return wire.decode(frames[0], 1 << 20), frames[1:]
@@ -391,9 +439,11 @@ def test_relay_serves_only_the_child_the_learner_assigned():
         ticket = mint(run, child.text, relay.endpoint, "t", 60)
         head, data = await _ask_relay(ctx, keys, relay.endpoint, child, ticket)
         assert isinstance(head, wire.Chunk) and len(data[0]) == 4096
-        for who, t, reason in ((stranger, b"", "no_ticket"), (stranger, ticket, "not_your_ticket"),
-                               (child, mint(run, child.text, "tcp://elsewhere:1", "t", 60),
-                                "not_assigned_here")):
+        for who, t, reason in (
+            (stranger, b"", "no_ticket"),
+            (stranger, ticket, "not_your_ticket"),
+            (child, mint(run, child.text, "tcp://elsewhere:1", "t", 60), "not_assigned_here"),
+        ):
             head, _ = await _ask_relay(ctx, keys, relay.endpoint, who, t)
             assert isinstance(head, wire.Error) and head.reason == reason
         head, _ = await _ask_relay(ctx, keys, relay.endpoint, child, ticket, version=1, index=99)
@@ -402,7 +452,11 @@ def test_relay_serves_only_the_child_the_learner_assigned():
         curve_client(sock, stranger, keys.public)
         sock.connect(relay.endpoint)
         await sock.send(JUNK)
-        assert wire.decode(await sock.recv(), 1 << 20).reason in ("unknown_type", "malformed", "invalid_fields")
+        assert wire.decode(await sock.recv(), 1 << 20).reason in (
+            "unknown_type",
+            "malformed",
+            "invalid_fields",
+        )
         sock.close()
         head, _ = await _ask_relay(ctx, keys, relay.endpoint, child, ticket)
         assert isinstance(head, wire.Chunk)
@@ -417,7 +471,9 @@ def test_a_curve_socket_with_no_zap_handler_refuses_handshakes(zctx):
     server = zctx.socket(zmq.ROUTER)
     curve_server(server, server_keys)
     server.bind("tcp://127.0.0.1:*")
-    events = server.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    events = server.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
     client = zctx.socket(zmq.DEALER)
     curve_client(client, client_keys, server_keys.public)
     client.connect(server.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -439,8 +495,15 @@ def test_false_corruption_report_convicts_nobody_and_stops_counting(make_plane, 
     unconfirmed they no longer count."""
     plane = make_plane(false_reports=1)
     payload = bytes(range(256)) * 64
-    m = build_manifest(run_id="t", version=0, tensors=[], payload=payload, chunk_size=4096,
-                       dtype="uint8", key=plane.key)
+    m = build_manifest(
+        run_id="t",
+        version=0,
+        tensors=[],
+        payload=payload,
+        chunk_size=4096,
+        dtype="uint8",
+        key=plane.key,
+    )
     plane.publish(Snapshot(m, payload))
     rkeys = KeyPair.generate()
 
@@ -471,8 +534,10 @@ def test_false_corruption_report_convicts_nobody_and_stops_counting(make_plane, 
     liar = peer(plane, zctx, liar_keys)
     ask(liar, wire.Join(worker_id="liar", can_relay=False))
     plane._call(_assign, plane, "liar", ep)  # the plan makes the relay the liar's parent
-    grant = ask(liar, wire.SourceRequest(worker_id="liar", version=0, bad_source=ep,
-                                         reason="corrupt", chunk=3))
+    grant = ask(
+        liar,
+        wire.SourceRequest(worker_id="liar", version=0, bad_source=ep, reason="corrupt", chunk=3),
+    )
     assert isinstance(grant, wire.SourceGrant) and grant.source == plane.snapshot_endpoint
     # The verdict comes from the learner's own fetch of the chunk, on its loop.
     assert eventually(lambda: plane.verifier.outcomes == {"intact": 1}, 40), plane.verifier.outcomes
@@ -480,8 +545,10 @@ def test_false_corruption_report_convicts_nobody_and_stops_counting(make_plane, 
     stats = plane.stats()
     assert "liar" in stats.workers and stats.relays_marked == 0
     assert stats.relay_reports == {"corrupt:counted": 1, "probe:intact": 1}
-    again = ask(liar, wire.SourceRequest(worker_id="liar", version=0, bad_source=ep,
-                                         reason="corrupt", chunk=3))
+    again = ask(
+        liar,
+        wire.SourceRequest(worker_id="liar", version=0, bad_source=ep, reason="corrupt", chunk=3),
+    )
     assert isinstance(again, wire.SourceGrant) and again.source != ep
     stats = plane.stats()  # not probed again, and not counted against the relay
     assert stats.rejected["report_not_counted"] == 1
@@ -506,9 +573,22 @@ async def _assign(plane, worker_id, endpoint):
 
 
 def _join(line, tmp_path, *extra):
-    return subprocess.run([sys.executable, "-m", "worker.cli", "join", line, "--identity",
-                           str(tmp_path / "w.key"), *extra], capture_output=True, text=True,
-                          timeout=60, cwd=os.getcwd())
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "join",
+            line,
+            "--identity",
+            str(tmp_path / "w.key"),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.getcwd(),
+    )
 
 
 @pytest.mark.timeout(120)

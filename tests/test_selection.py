@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from provisioning.sim.pools import random_pool
 from provisioning.selection import SelectionError, exact, greedy, ours
+from provisioning.sim.pools import random_pool
 
 SOLVERS = (greedy, exact, ours)
 EPS = 1e-9
@@ -75,12 +75,15 @@ def test_free_workers_are_used(solve):
 
 
 @pytest.mark.parametrize("solve", SOLVERS)
-@pytest.mark.parametrize("mu, price, match", [
-    (np.ones(3), np.ones(2), "same length"),
-    (np.array([1.0, np.nan]), np.ones(2), "NaN"),
-    (np.ones(2), np.array([1.0, -1.0]), "price must be >= 0"),
-    (np.ones((2, 2)), np.ones((2, 2)), "1-D"),
-])
+@pytest.mark.parametrize(
+    "mu, price, match",
+    [
+        (np.ones(3), np.ones(2), "same length"),
+        (np.array([1.0, np.nan]), np.ones(2), "NaN"),
+        (np.ones(2), np.array([1.0, -1.0]), "price must be >= 0"),
+        (np.ones((2, 2)), np.ones((2, 2)), "1-D"),
+    ],
+)
 def test_bad_inputs(solve, mu, price, match):
     with pytest.raises(SelectionError, match=match):
         solve(mu, price, 1.0)

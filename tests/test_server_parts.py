@@ -23,11 +23,12 @@ from learner.sessions import SessionTable, WorkerState
 
 
 def _cfg(heartbeat_s: float = 1.0, timeout_s: float = 5.0, per_s: float = 0.0) -> SimpleNamespace:
-    return SimpleNamespace(worker=SimpleNamespace(heartbeat_s=heartbeat_s),
-                           transport=SimpleNamespace(heartbeat_timeout_s=timeout_s,
-                                                     heartbeats_per_s=per_s),
-                           security=SimpleNamespace(false_reports=3, ticket_ttl_s=60.0),
-                           provisioning=SimpleNamespace(initial_active=1))
+    return SimpleNamespace(
+        worker=SimpleNamespace(heartbeat_s=heartbeat_s),
+        transport=SimpleNamespace(heartbeat_timeout_s=timeout_s, heartbeats_per_s=per_s),
+        security=SimpleNamespace(false_reports=3, ticket_ttl_s=60.0),
+        provisioning=SimpleNamespace(initial_active=1),
+    )
 
 
 class FakeGate:
@@ -94,8 +95,10 @@ def test_claims_on_an_id_or_a_relay_endpoint_of_another_key_are_refused():
     assert table.claim("KEY2", _join("w1"), None, ()) == "id_taken"
     # the same endpoint by another spelling is still taken
     assert table.claim("KEY2", _join("w2", "tcp://127.0.0.1:7000"), None, ()) == "endpoint_taken"
-    assert table.claim("KEY2", _join("w2", "tcp://10.0.0.1:1"), None,
-                       ("tcp://10.0.0.1:1",)) == "endpoint_taken"  # the learner's own
+    assert (
+        table.claim("KEY2", _join("w2", "tcp://10.0.0.1:1"), None, ("tcp://10.0.0.1:1",))
+        == "endpoint_taken"
+    )  # the learner's own
     assert table.claim("KEY2", _join("w2", "tcp://10.0.0.2:1"), None, ()) == ""
 
 
@@ -117,8 +120,13 @@ def test_a_large_fleet_stretches_the_period_and_the_timeout_alike():
 
 def _dispatcher(gate: FakeGate, handlers: dict, ended: list) -> tuple[Dispatcher, Counter]:
     rejected: Counter[str] = Counter()
-    return Dispatcher(gate=gate, handlers=handlers, max_bytes=1 << 20, rejected=rejected,
-                      end_session=lambda key, why: ended.append((key, why))), rejected
+    return Dispatcher(
+        gate=gate,
+        handlers=handlers,
+        max_bytes=1 << 20,
+        rejected=rejected,
+        end_session=lambda key, why: ended.append((key, why)),
+    ), rejected
 
 
 def test_the_dispatcher_answers_counts_and_survives_whatever_a_frame_holds():
@@ -126,9 +134,16 @@ def test_the_dispatcher_answers_counts_and_survives_whatever_a_frame_holds():
         raise KeyError("a bug")
 
     ended: list = []
-    d, rejected = _dispatcher(FakeGate(), {
-        wire.Heartbeat: lambda ident, key, msg: wire.HeartbeatAck(instance_id="i", version=key == "id:w1"),
-        wire.Leave: boom}, ended)
+    d, rejected = _dispatcher(
+        FakeGate(),
+        {
+            wire.Heartbeat: lambda ident, key, msg: wire.HeartbeatAck(
+                instance_id="i", version=key == "id:w1"
+            ),
+            wire.Leave: boom,
+        },
+        ended,
+    )
     hb = wire.Heartbeat(worker_id="w1", version=0, rid=7)
     reply = asyncio.run(d.handle(b"i", "", [wire.encode(hb)]))
     assert isinstance(reply, wire.HeartbeatAck) and reply.rid == 7 and reply.version == 1
@@ -144,7 +159,9 @@ def test_the_dispatcher_answers_counts_and_survives_whatever_a_frame_holds():
 def test_a_banned_key_is_refused_with_its_reason_and_its_session_ends():
     ended: list = []
     d, rejected = _dispatcher(FakeGate(message="banned"), {}, ended)
-    err = asyncio.run(d.handle(b"i", "KEY", [wire.encode(wire.Heartbeat(worker_id="w", version=0, rid=3))]))
+    err = asyncio.run(
+        d.handle(b"i", "KEY", [wire.encode(wire.Heartbeat(worker_id="w", version=0, rid=3))])
+    )
     assert err.reason == "banned" and err.rid == 3 and "served junk" in err.detail
     assert ended == [("KEY", "banned")] and rejected == {"banned": 1}
 
@@ -153,8 +170,17 @@ def test_a_banned_key_is_refused_with_its_reason_and_its_session_ends():
 
 
 def _routes(gate: FakeGate, table: SessionTable) -> SnapshotRoutes:
-    routes = SnapshotRoutes(_cfg(), gate=gate, table=table, key=None, run_id="r",
-                            store=SnapshotStore(), results=SnapshotStore(keep=2, recycle=False), rejected=Counter(), push=lambda *a: None)
+    routes = SnapshotRoutes(
+        _cfg(),
+        gate=gate,
+        table=table,
+        key=None,
+        run_id="r",
+        store=SnapshotStore(),
+        results=SnapshotStore(keep=2, recycle=False),
+        rejected=Counter(),
+        push=lambda *a: None,
+    )
     routes.attach(FakeCoordinator(), None, "tcp://learner:1")
     return routes
 
@@ -196,15 +222,29 @@ class FakeController:
 def _members(controller=None) -> tuple[Members, SimpleNamespace]:
     table = SessionTable(_cfg())
     gate = FakeGate()
-    routes = SimpleNamespace(latest=lambda: (-1, None), base_manifest=None,
-                             snapshot_source=lambda w: SimpleNamespace(endpoint="tcp://l:1", key=b"", ticket=b""))
-    work = SimpleNamespace(released=[], release_worker=lambda wid, key: work.released.append(wid) or 2)
+    routes = SimpleNamespace(
+        latest=lambda: (-1, None),
+        base_manifest=None,
+        snapshot_source=lambda w: SimpleNamespace(endpoint="tcp://l:1", key=b"", ticket=b""),
+    )
+    work = SimpleNamespace(
+        released=[], release_worker=lambda wid, key: work.released.append(wid) or 2
+    )
     rep = SimpleNamespace(audits=Counter(), failures=Counter())
     cfg = _cfg()
     cfg.worker_view = lambda: {"worker": {}}
-    m = Members(cfg, identity=RunIdentity("r", SimpleNamespace(public_bytes=b"P" * 40), "inst"),
-                table=table, gate=gate, accounts=Accounts(), reputation=rep, work=work,
-                routes=routes, controller=controller, books=None)
+    m = Members(
+        cfg,
+        identity=RunIdentity("r", SimpleNamespace(public_bytes=b"P" * 40), "inst"),
+        table=table,
+        gate=gate,
+        accounts=Accounts(),
+        reputation=rep,
+        work=work,
+        routes=routes,
+        controller=controller,
+        books=None,
+    )
     m.attach(FakeCoordinator(), None, ("tcp://l:0", "tcp://l:1"))
     return m, work
 
@@ -241,16 +281,31 @@ def test_a_key_joined_by_a_live_worker_cannot_join_as_another():
 def _deliveries(active: bool = True):
     members, work = _members()
     members.is_active = lambda wid: active
-    buffer = SimpleNamespace(version=3, removed=[], depth=lambda: {"ready_groups": 0},
-                             remove_worker=lambda wid: buffer.removed.append(wid) or [1, 2])
-    returns = SimpleNamespace(forgotten=[], forget=lambda wid: returns.forgotten.append(wid),
-                              capped=lambda wid: False)
+    buffer = SimpleNamespace(
+        version=3,
+        removed=[],
+        depth=lambda: {"ready_groups": 0},
+        remove_worker=lambda wid: buffer.removed.append(wid) or [1, 2],
+    )
+    returns = SimpleNamespace(
+        forgotten=[], forget=lambda wid: returns.forgotten.append(wid), capped=lambda wid: False
+    )
     pushed: list = []
-    d = Deliveries(table=members.table, members=members, gate=members.gate,
-                   accounts=members.accounts, intake=None, reputation=None, returns=returns,
-                   staleness=None, buffer=buffer, work=work,
-                   limits=DeliveryLimits(None, 4, False, 1 << 20), rejected=Counter(),
-                   push_ident=lambda ident, msg, who: pushed.append((ident, msg.type, who)))
+    d = Deliveries(
+        table=members.table,
+        members=members,
+        gate=members.gate,
+        accounts=members.accounts,
+        intake=None,
+        reputation=None,
+        returns=returns,
+        staleness=None,
+        buffer=buffer,
+        work=work,
+        limits=DeliveryLimits(None, 4, False, 1 << 20),
+        rejected=Counter(),
+        push_ident=lambda ident, msg, who: pushed.append((ident, msg.type, who)),
+    )
     return d, members, buffer, returns, pushed
 
 

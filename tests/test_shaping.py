@@ -6,7 +6,8 @@ import asyncio
 import heapq
 import itertools
 import math
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 

@@ -10,10 +10,10 @@ import pytest
 
 from broadcast import planner
 from provisioning import capacity
-from provisioning.sim.scenario import ScenarioError, build_pool, load_scenario, scenario_from_dict
 from provisioning.sim.api import simulate, simulate_fixed
 from provisioning.sim.broadcast import BroadcastModel
 from provisioning.sim.report import main
+from provisioning.sim.scenario import ScenarioError, build_pool, load_scenario, scenario_from_dict
 
 EXAMPLES = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "sim"
 
@@ -22,8 +22,13 @@ def base(**over) -> dict:
     """A small run: 8 identical workers, N = 64 (8 prompts x 8), T_train 60 s, S = 3."""
     data = {
         "run": {"name": "t", "seed": 0, "steps": 24, "measure_from_step": 2},
-        "learner": {"t_train_s": 60.0, "prompts_per_step": 8, "group_size": 8,
-                    "staleness": 3, "price_per_hour": 3.06},
+        "learner": {
+            "t_train_s": 60.0,
+            "prompts_per_step": 8,
+            "group_size": 8,
+            "staleness": 3,
+            "price_per_hour": 3.06,
+        },
         "pool": {"classes": [{"name": "gpu", "count": 8, "mu": 1.0, "price": 0.35}]},
         "rollout": {"groups_per_request": 1, "duration_sigma": 0.1},
         "broadcast": {"topology": "fixed", "fixed_s": 20.0},
@@ -61,8 +66,13 @@ def test_bubbles_when_capacity_is_below_mu_req():
 def test_threshold_follows_mu_req_when_workers_pause_for_the_broadcast():
     # kappa = 2, T_bcast = 20 s: mu_req = 2*64 / (120 - 20) = 1.28/s
     req = capacity.mu_req(64, 2, 60.0, 20.0)
-    above = run(base(), **{"pool.classes": [{"count": 1, "mu": 1.4 * req, "price": 0}],
-                           "rollout.groups_per_request": 1})
+    above = run(
+        base(),
+        **{
+            "pool.classes": [{"count": 1, "mu": 1.4 * req, "price": 0}],
+            "rollout.groups_per_request": 1,
+        },
+    )
     below = run(base(), **{"pool.classes": [{"count": 1, "mu": 0.75 * req, "price": 0}]})
     assert above["summary"]["bubble_ratio"] < 0.02
     assert below["summary"]["bubble_ratio"] > 0.1
@@ -88,8 +98,9 @@ def test_background_download_needs_less_capacity():
 @pytest.mark.parametrize("gdd", [False, True])
 def test_admitted_data_never_exceeds_the_staleness_budget(S, gdd):
     # slow broadcast and many fast workers: lots of data goes stale and must be dropped
-    data = base(learner__staleness=S, rollout__generate_during_download=gdd,
-                broadcast__fixed_s=55.0)
+    data = base(
+        learner__staleness=S, rollout__generate_during_download=gdd, broadcast__fixed_s=55.0
+    )
     data["pool"]["classes"] = [{"count": 30, "mu": 2.0, "price": 0.1}]
     r = run(data)
     stal = [st["staleness"] for st in r["steps"]]
@@ -102,8 +113,10 @@ def test_admitted_data_never_exceeds_the_staleness_budget(S, gdd):
 def test_staleness_and_drops_with_a_slow_worker_class():
     # a worker whose requests outlast S steps delivers only stale data, which is dropped
     data = base(learner__staleness=1)
-    data["pool"]["classes"] = [{"name": "fast", "count": 6, "mu": 2.0, "price": 0.3},
-                               {"name": "slow", "count": 2, "mu": 0.02, "price": 0.1}]
+    data["pool"]["classes"] = [
+        {"name": "fast", "count": 6, "mu": 2.0, "price": 0.3},
+        {"name": "slow", "count": 2, "mu": 0.02, "price": 0.1},
+    ]
     r = run(data)
     assert r["summary"]["staleness_max"] <= 1
     assert r["summary"]["trajectories"]["dropped_stale"] > 0
@@ -114,10 +127,13 @@ def test_staleness_and_drops_with_a_slow_worker_class():
 
 def test_churn_from_a_trace(tmp_path):
     trace = tmp_path / "trace.csv"
-    trace.write_text("time_s,worker,event\n30,w0,leave\n31,w1,leave\n200,w0,join\n"
-                     "400,5,leave\n")
-    data = base(churn__trace=str(trace), broadcast__topology="chains",
-                broadcast__snapshot_gb=0.1, broadcast__uplink_mbit=200.0)
+    trace.write_text("time_s,worker,event\n30,w0,leave\n31,w1,leave\n200,w0,join\n400,5,leave\n")
+    data = base(
+        churn__trace=str(trace),
+        broadcast__topology="chains",
+        broadcast__snapshot_gb=0.1,
+        broadcast__uplink_mbit=200.0,
+    )
     r = run(data)
     s = r["summary"]
     assert s["events"]["leaves"] == 3 and s["events"]["joins"] == 1
@@ -139,8 +155,12 @@ def test_worker_whose_first_event_is_join_starts_absent(tmp_path):
 def test_relay_leaving_delays_its_chain_children_only():
     from provisioning.sim.core import Sim
 
-    data = base(broadcast__topology="chains", broadcast__snapshot_gb=0.05,
-                broadcast__uplink_mbit=200.0, broadcast__reattach_s=5.0)
+    data = base(
+        broadcast__topology="chains",
+        broadcast__snapshot_gb=0.05,
+        broadcast__uplink_mbit=200.0,
+        broadcast__reattach_s=5.0,
+    )
     data["run"]["steps"] = 3
     data["pool"]["classes"] = [{"count": 8, "mu": 1.0, "price": 0.35}]
     sim = Sim(scenario_from_dict(data))
@@ -159,10 +179,16 @@ def test_relay_leaving_delays_its_chain_children_only():
 
 
 def test_churn_rates_with_the_controller_replace_leavers():
-    data = base(provisioning__controller=True, provisioning__selection="ours",
-                provisioning__measure="capacity", provisioning__tick_s=5.0,
-                provisioning__window_s=10.0, churn__leave_per_hour=3.0,
-                churn__rejoin_per_hour=3.0, churn__heartbeat_timeout_s=5.0)
+    data = base(
+        provisioning__controller=True,
+        provisioning__selection="ours",
+        provisioning__measure="capacity",
+        provisioning__tick_s=5.0,
+        provisioning__window_s=10.0,
+        churn__leave_per_hour=3.0,
+        churn__rejoin_per_hour=3.0,
+        churn__heartbeat_timeout_s=5.0,
+    )
     data["pool"]["classes"] = [{"count": 30, "mu": 0.5, "price": 0.35}]
     data["run"]["steps"] = 40
     r = run(data)
@@ -176,9 +202,14 @@ def test_churn_rates_with_the_controller_replace_leavers():
 
 
 def test_controller_activates_when_short():
-    data = base(provisioning__controller=True, provisioning__selection="ours",
-                provisioning__active=1, provisioning__measure="capacity",
-                provisioning__tick_s=5.0, provisioning__window_s=10.0)
+    data = base(
+        provisioning__controller=True,
+        provisioning__selection="ours",
+        provisioning__active=1,
+        provisioning__measure="capacity",
+        provisioning__tick_s=5.0,
+        provisioning__window_s=10.0,
+    )
     data["pool"]["classes"] = [{"count": 20, "mu": 0.5, "price": 0.35}]
     data["run"]["steps"] = 30
     r = run(data)
@@ -209,8 +240,9 @@ def test_cost_per_step_is_the_design_formula_for_a_fixed_set():
         expect = (3.06 + 40 * 0.5) * (st["train_s"] + st["wait_s"]) / 3600
         assert math.isclose(st["cost_usd"], expect, rel_tol=1e-9)
     s = r["summary"]
-    assert math.isclose(s["usd_per_1k_trajectories"],
-                        s["cost_per_step_usd"] / 64 * 1000, rel_tol=1e-9)
+    assert math.isclose(
+        s["usd_per_1k_trajectories"], s["cost_per_step_usd"] / 64 * 1000, rel_tol=1e-9
+    )
 
 
 def test_same_seed_same_result():
@@ -224,10 +256,18 @@ def test_same_seed_same_result():
 
 
 def _model(topology: str, n: int, **bc) -> tuple[BroadcastModel, np.ndarray]:
-    data = base(broadcast__topology=topology, broadcast__snapshot_gb=1.0,
-                broadcast__uplink_mbit=400.0, **{f"broadcast__{k}": v for k, v in bc.items()})
-    data["pool"] = {"classes": [{"count": n, "mu": 1.0, "price": 0.3}],
-                    "down_mbit": 100.0, "up_mbit": 100.0, "link_sigma": 0.3}
+    data = base(
+        broadcast__topology=topology,
+        broadcast__snapshot_gb=1.0,
+        broadcast__uplink_mbit=400.0,
+        **{f"broadcast__{k}": v for k, v in bc.items()},
+    )
+    data["pool"] = {
+        "classes": [{"count": n, "mu": 1.0, "price": 0.3}],
+        "down_mbit": 100.0,
+        "up_mbit": 100.0,
+        "link_sigma": 0.3,
+    }
     sc = scenario_from_dict(data)
     pool = build_pool(sc, np.random.default_rng(0))
     return BroadcastModel(sc, pool), np.arange(n)
@@ -247,8 +287,11 @@ def test_chain_times_match_the_planner_prediction():
     p = m.plan(idx)
     assert p.mode == "planner"
     ref = planner.plan_chains(
-        [planner_peer(m, i) for i in idx], uplink_mbit=400.0, snapshot_bytes=int(1e9),
-        chunk_bytes=1 << 20)
+        [planner_peer(m, i) for i in idx],
+        uplink_mbit=400.0,
+        snapshot_bytes=int(1e9),
+        chunk_bytes=1 << 20,
+    )
     assert math.isclose(p.predicted_s, ref.predicted_s, rel_tol=1e-9)
     assert sorted(np.concatenate(p.chains).tolist()) == list(range(24))
     assert p.lower_bound_s <= p.predicted_s
@@ -275,8 +318,9 @@ def test_binned_planning_covers_every_recipient_once():
 def test_unknown_key_names_the_key_and_suggests_the_fix():
     data = base()
     data["learner"]["t_trian_s"] = 60
-    with pytest.raises(ScenarioError,
-                       match=r"learner\.t_trian_s.*did you mean 'learner\.t_train_s'"):
+    with pytest.raises(
+        ScenarioError, match=r"learner\.t_trian_s.*did you mean 'learner\.t_train_s'"
+    ):
         scenario_from_dict(data)
 
 
@@ -287,8 +331,9 @@ def test_bad_value_names_key_value_and_fix():
         scenario_from_dict(base(learner__kappa=4))
     with pytest.raises(ScenarioError, match=r"pool is empty"):
         scenario_from_dict({"pool": {}})
-    with pytest.raises(ScenarioError,
-                       match=r"\[pool\.classes\.0\] class 'gpu': prices has 2 entries"):
+    with pytest.raises(
+        ScenarioError, match=r"\[pool\.classes\.0\] class 'gpu': prices has 2 entries"
+    ):
         data = base()
         data["pool"]["classes"][0]["prices"] = [0.1, 0.2]
         scenario_from_dict(data)
@@ -296,14 +341,29 @@ def test_bad_value_names_key_value_and_fix():
 
 def test_cli_writes_json_and_plots(tmp_path):
     toml = tmp_path / "s.toml"
-    toml.write_text('[run]\nname = "cli"\nsteps = 6\n[learner]\nt_train_s = 30\n'
-                    'prompts_per_step = 4\ngroup_size = 4\nstaleness = 2\n'
-                    '[[pool.classes]]\ncount = 4\nmu = 1.0\nprice = 0.35\n'
-                    '[broadcast]\ntopology = "star"\nsnapshot_gb = 0.1\nuplink_mbit = 100\n'
-                    '[provisioning]\nselection = "all"\ncontroller = false\n')
+    toml.write_text(
+        '[run]\nname = "cli"\nsteps = 6\n[learner]\nt_train_s = 30\n'
+        "prompts_per_step = 4\ngroup_size = 4\nstaleness = 2\n"
+        "[[pool.classes]]\ncount = 4\nmu = 1.0\nprice = 0.35\n"
+        '[broadcast]\ntopology = "star"\nsnapshot_gb = 0.1\nuplink_mbit = 100\n'
+        '[provisioning]\nselection = "all"\ncontroller = false\n'
+    )
     out = tmp_path / "r.json"
-    assert main([str(toml), "--json", str(out), "--plots", str(tmp_path / "p"),
-                 "--no-progress", "--set", "run.steps=5"]) == 0
+    assert (
+        main(
+            [
+                str(toml),
+                "--json",
+                str(out),
+                "--plots",
+                str(tmp_path / "p"),
+                "--no-progress",
+                "--set",
+                "run.steps=5",
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["summary"]["steps_done"] == 5
     assert "machine" in res
@@ -312,7 +372,7 @@ def test_cli_writes_json_and_plots(tmp_path):
 
 def test_cli_bad_scenario_exits_2(tmp_path, capsys):
     toml = tmp_path / "bad.toml"
-    toml.write_text('[pool]\nrandom_workers = 3\n[learner]\nstalenes = 2\n')
+    toml.write_text("[pool]\nrandom_workers = 3\n[learner]\nstalenes = 2\n")
     assert main([str(toml), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "learner.stalenes" in err and "learner.staleness" in err
@@ -320,19 +380,42 @@ def test_cli_bad_scenario_exits_2(tmp_path, capsys):
 
 
 def test_simulate_fixed():
-    ok = simulate_fixed(n_workers=8, mu_per_worker=1.0, t_train=60, t_bcast=20, N=64, S=3,
-                        kappa=2, steps=20, group_size=8, measure_from_step=2)
-    short = simulate_fixed(n_workers=1, mu_per_worker=0.5, t_train=60, t_bcast=20, N=64, S=3,
-                           kappa=2, steps=20, group_size=8)
+    ok = simulate_fixed(
+        n_workers=8,
+        mu_per_worker=1.0,
+        t_train=60,
+        t_bcast=20,
+        N=64,
+        S=3,
+        kappa=2,
+        steps=20,
+        group_size=8,
+        measure_from_step=2,
+    )
+    short = simulate_fixed(
+        n_workers=1,
+        mu_per_worker=0.5,
+        t_train=60,
+        t_bcast=20,
+        N=64,
+        S=3,
+        kappa=2,
+        steps=20,
+        group_size=8,
+    )
     assert ok["bubble_ratio"] == 0.0 and short["bubble_ratio"] > 0.3
     assert len(short["per_step_wait_s"]) == 20
     with pytest.raises(ValueError, match="multiple of group_size"):
         simulate_fixed(1, 1.0, 60, 20, 65, 3, 2, 5, group_size=8)
 
 
-@pytest.mark.parametrize("path", sorted(
-    __import__("pathlib").Path(__file__).resolve().parent.parent.glob("examples/sim/*.toml")),
-    ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path",
+    sorted(
+        __import__("pathlib").Path(__file__).resolve().parent.parent.glob("examples/sim/*.toml")
+    ),
+    ids=lambda p: p.stem,
+)
 def test_example_scenarios_load_and_start(path):
     from provisioning.sim.scenario import load_scenario
 
@@ -350,8 +433,7 @@ def test_a_worker_touched_by_a_trace_keeps_its_random_churn(tmp_path):
 
     trace = tmp_path / "trace.csv"
     trace.write_text("time_s,worker,event\n1,w0,leave\n2,w0,join\n")
-    data = base(churn__trace=str(trace), churn__leave_per_hour=360.0,
-                churn__rejoin_per_hour=720.0)
+    data = base(churn__trace=str(trace), churn__leave_per_hour=360.0, churn__rejoin_per_hour=720.0)
     data["pool"]["classes"] = [{"count": 2, "mu": 5.0, "price": 0.35}]
     data["run"]["steps"] = 12
     sim = Sim(scenario_from_dict(data))
@@ -379,10 +461,15 @@ def test_busy_time_measures_capacity_as_the_oracle_does():
     """Fed what the learner's control plane feeds it (each batch with its generation seconds),
     the controller holds about the capacity the oracle holds; fed deliveries over wall time it
     over-provisions (the rate it sees is the learner's demand, not the fleet's capacity)."""
-    data = base(provisioning__controller=True, provisioning__selection="ours",
-                provisioning__tick_s=5.0, provisioning__window_s=10.0,
-                churn__leave_per_hour=3.0, churn__rejoin_per_hour=3.0,
-                churn__heartbeat_timeout_s=5.0)
+    data = base(
+        provisioning__controller=True,
+        provisioning__selection="ours",
+        provisioning__tick_s=5.0,
+        provisioning__window_s=10.0,
+        churn__leave_per_hour=3.0,
+        churn__rejoin_per_hour=3.0,
+        churn__heartbeat_timeout_s=5.0,
+    )
     data["pool"]["classes"] = [{"count": 40, "mu": 0.5, "price": 0.35}]
     data["run"]["steps"] = 40
 
@@ -405,14 +492,16 @@ def test_centralized_baselines_bill_every_gpu_for_the_whole_step():
 
     c = CentralizedSection(enabled=True, gpus=8, gpu_price=3.0, mu_per_gpu=0.5, train_gpus=4)
     # 2,048 trajectories in requests of 32: 64 requests of 64 s, 8 per GPU on 8 GPUs = 512 s
-    sync = run_baseline("sync", c, n_traj=2048, t_train=200.0, per_request=32, sigma=0.0,
-                        steps=3, seed=0)
+    sync = run_baseline(
+        "sync", c, n_traj=2048, t_train=200.0, per_request=32, sigma=0.0, steps=3, seed=0
+    )
     assert sync.step_s == pytest.approx(512 + 200)
     assert sync.cost_per_step_usd == pytest.approx(8 * 3.0 * 712 / 3600)
     assert sync.bubble_ratio == pytest.approx(512 / 712)
     # async: 4 generate (1,024 s) while 4 train (200 s): the step is the slower side
-    asy = run_baseline("async", c, n_traj=2048, t_train=200.0, per_request=32, sigma=0.0,
-                       steps=3, seed=0)
+    asy = run_baseline(
+        "async", c, n_traj=2048, t_train=200.0, per_request=32, sigma=0.0, steps=3, seed=0
+    )
     assert asy.step_s == pytest.approx(1024) and asy.generating_gpus == 4
 
 
@@ -420,8 +509,10 @@ def test_a_centralized_section_without_a_rollout_rate_names_the_key():
     with pytest.raises(Exception, match="centralized.mu_per_gpu"):
         load_scenario(EXAMPLES / "centralized-8b.toml", ["centralized.mu_per_gpu=0"])
     with pytest.raises(Exception, match="centralized.train_gpus"):
-        load_scenario(EXAMPLES / "centralized-8b.toml", ["centralized.train_gpus=8",
-                                                         "centralized.modes=[\"async\"]"])
+        load_scenario(
+            EXAMPLES / "centralized-8b.toml",
+            ["centralized.train_gpus=8", 'centralized.modes=["async"]'],
+        )
 
 
 def test_the_centralized_scenario_compares_echo_with_its_baseline():
@@ -436,10 +527,18 @@ def test_boot_in_join_order_and_late_activations_install_at_the_replayed_time():
     """selection "first" boots the first worker only (the learner's initial_active); the
     controller then activates others, which under topology "fixed" install fixed_s after
     activation (not after a full-snapshot pull over their links)."""
-    r = run(base(provisioning__selection="first", provisioning__active=1,
-                 provisioning__controller=True, provisioning__window_s=5.0,
-                 provisioning__warmup_s=1.0, provisioning__tick_s=1.0,
-                 broadcast__fixed_s=2.0, run__steps=30))
+    r = run(
+        base(
+            provisioning__selection="first",
+            provisioning__active=1,
+            provisioning__controller=True,
+            provisioning__window_s=5.0,
+            provisioning__warmup_s=1.0,
+            provisioning__tick_s=1.0,
+            broadcast__fixed_s=2.0,
+            run__steps=30,
+        )
+    )
     assert r["initial"]["chosen"] == 1
     steps = r["steps"]
     assert steps[0]["n_active"] == 1

@@ -1,7 +1,6 @@
-import pytest
-
 import blake3
 import msgpack
+import pytest
 
 from broadcast.manifest import Manifest, parse_base_manifest, parse_manifest
 from broadcast.snapshot import RunKey, Snapshot, SnapshotError, build_manifest, verify_manifest
@@ -9,8 +8,15 @@ from broadcast.snapshot import RunKey, Snapshot, SnapshotError, build_manifest, 
 
 def make(payload=bytes(range(256)) * 40, chunk=1000, key=None):
     key = key or RunKey.generate()
-    m = build_manifest(run_id="r", version=3, tensors=[], payload=payload, chunk_size=chunk,
-                       dtype="float32", key=key)
+    m = build_manifest(
+        run_id="r",
+        version=3,
+        tensors=[],
+        payload=payload,
+        chunk_size=chunk,
+        dtype="float32",
+        key=key,
+    )
     return key, m, payload
 
 
@@ -54,8 +60,18 @@ def test_relay_store_reuses_the_buffer_of_the_version_it_evicts():
     from broadcast.store import SnapshotBuffer, SnapshotStore
 
     key = RunKey.generate()
-    m = [build_manifest(run_id="t", version=v, tensors=[], payload=bytes([v]) * 4096,
-                        chunk_size=1024, dtype="uint8", key=key) for v in (1, 2, 3)]
+    m = [
+        build_manifest(
+            run_id="t",
+            version=v,
+            tensors=[],
+            payload=bytes([v]) * 4096,
+            chunk_size=1024,
+            dtype="uint8",
+            key=key,
+        )
+        for v in (1, 2, 3)
+    ]
     store = SnapshotStore(keep=2)
     bufs = [store.add(SnapshotBuffer(x, storage=store.storage_for(x.layout))) for x in m[:2]]
     storage = store.storage_for(m[2].layout)
@@ -70,10 +86,12 @@ def test_relay_store_reuses_the_buffer_of_the_version_it_evicts():
 # BLAKE3 of the msgpack of each signed wire map below, as the learner at d69496e (before the
 # manifest was a declared type) built them: the one serialiser must keep these bytes, so old and
 # new learners and workers verify each other's manifests.
-PINNED = {"full": "397e477354e67158d9ed283b06adb3b2cec4645340e0df619615d193e1e2c260",
-          "lora": "832111a1a969a79853c9f0d6fb3762afb27056261bfd21bb83b57f0c877fbddc",
-          "delta": "fe49a208cad74cd0099f7c990e97d8136e6ae9b605bb5e15fc506f1b179b4442",
-          "base": "b29e0dbb68a88b68218933c5ca0371186cbe8e3e3ebf7c8d2524d12fde7ebaa8"}
+PINNED = {
+    "full": "397e477354e67158d9ed283b06adb3b2cec4645340e0df619615d193e1e2c260",
+    "lora": "832111a1a969a79853c9f0d6fb3762afb27056261bfd21bb83b57f0c877fbddc",
+    "delta": "fe49a208cad74cd0099f7c990e97d8136e6ae9b605bb5e15fc506f1b179b4442",
+    "base": "b29e0dbb68a88b68218933c5ca0371186cbe8e3e3ebf7c8d2524d12fde7ebaa8",
+}
 
 
 def _pinned_manifests(tmp_path):
@@ -81,22 +99,42 @@ def _pinned_manifests(tmp_path):
 
     key = RunKey.from_bytes(bytes(range(32)))  # Ed25519 signs deterministically
     payload = bytes(range(256)) * 4
-    tensors = [{"name": "w", "dtype": "float32", "shape": [8, 16], "offset": 0, "nbytes": 512},
-               {"name": "b", "dtype": "bfloat16", "shape": [256], "offset": 512, "nbytes": 512}]
-    entries = [{**tensors[0], "enc": "xor_lz4", "doff": 0, "dlen": 100},
-               {**tensors[1], "enc": "sparse", "doff": 100, "dlen": 20}]
+    tensors = [
+        {"name": "w", "dtype": "float32", "shape": [8, 16], "offset": 0, "nbytes": 512},
+        {"name": "b", "dtype": "bfloat16", "shape": [256], "offset": 512, "nbytes": 512},
+    ]
+    entries = [
+        {**tensors[0], "enc": "xor_lz4", "doff": 0, "dlen": 100},
+        {**tensors[1], "enc": "sparse", "doff": 100, "dlen": 20},
+    ]
     common = {"run_id": "pin", "dtype": "bfloat16", "key": key}
     (tmp_path / "config.json").write_text('{"a": 1}')
     (tmp_path / "model.safetensors").write_bytes(bytes(range(200)))
     return key, {
-        "full": build_manifest(version=3, tensors=tensors, payload=payload, chunk_size=300,
-                               **common),
-        "lora": build_manifest(version=4, tensors=tensors, payload=payload, chunk_size=300,
-                               base_model="ab" * 32, **common),
-        "delta": build_manifest(version=5, tensors=entries, payload=payload[:120], chunk_size=64,
-                                base_version=4, result=payload, **common),
-        "base": build_base_manifest(run_id="pin", base_model="cd" * 32, folder=tmp_path,
-                                    chunk_size=64, key=key)[0]}
+        "full": build_manifest(
+            version=3, tensors=tensors, payload=payload, chunk_size=300, **common
+        ),
+        "lora": build_manifest(
+            version=4,
+            tensors=tensors,
+            payload=payload,
+            chunk_size=300,
+            base_model="ab" * 32,
+            **common,
+        ),
+        "delta": build_manifest(
+            version=5,
+            tensors=entries,
+            payload=payload[:120],
+            chunk_size=64,
+            base_version=4,
+            result=payload,
+            **common,
+        ),
+        "base": build_base_manifest(
+            run_id="pin", base_model="cd" * 32, folder=tmp_path, chunk_size=64, key=key
+        )[0],
+    }
 
 
 def test_signed_bytes_of_fixed_manifests_are_pinned(tmp_path):
@@ -109,8 +147,9 @@ def test_signed_bytes_of_fixed_manifests_are_pinned(tmp_path):
         received = msgpack.unpackb(msgpack.packb(wire, use_bin_type=True), raw=False)
         parse = parse_base_manifest if name == "base" else parse_manifest
         assert parse(received) == m
-        assert m.signed_bytes() == msgpack.packb({k: v for k, v in received.items()
-                                                  if k != "signature"}, use_bin_type=True)
+        assert m.signed_bytes() == msgpack.packb(
+            {k: v for k, v in received.items() if k != "signature"}, use_bin_type=True
+        )
     assert isinstance(built["delta"], Manifest) and built["delta"].tensors[1].enc == "sparse"
 
 
@@ -118,8 +157,9 @@ def test_manifest_in_another_key_order_verifies_as_signed():
     """The signature is checked over the map as it arrived: a learner that wrote the keys in
     another order (signing that order) is still verified, and the fields read the same."""
     key = RunKey.generate()
-    m = build_manifest(run_id="r", version=1, tensors=[], payload=b"x" * 10, chunk_size=4,
-                       dtype="uint8", key=key)
+    m = build_manifest(
+        run_id="r", version=1, tensors=[], payload=b"x" * 10, chunk_size=4, dtype="uint8", key=key
+    )
     reordered = dict(reversed(list(m.to_wire().items())))
     del reordered["signature"]
     reordered["signature"] = key.sign(msgpack.packb(reordered, use_bin_type=True))

@@ -34,8 +34,7 @@ def test_params_written_to_a_spill_match_the_in_memory_payload(tmp_path):
     index, payload = params_to_payload(named, "bfloat16")
     sindex, spilled = params_to_spill(named, "bfloat16", tmp_path)
     assert sindex == index and bytes(spilled) == payload
-    buf = SnapshotBuffer(ChunkLayout(3, len(payload), 16, (b"",) * -(-len(payload) // 16)),
-                         spilled)
+    buf = SnapshotBuffer(ChunkLayout(3, len(payload), 16, (b"",) * -(-len(payload) // 16)), spilled)
     assert bytes(buf.chunk(1)) == payload[16:32]  # chunks are served as slices of the map
 
 
@@ -62,17 +61,18 @@ def test_chunks_sent_from_a_spilled_payload_leave_the_resident_set(tmp_path):
     pages go once it is sent (SnapshotBuffer.sent), so the file is never resident whole."""
     data = os.urandom(64 << 20)
     chunk = 4 << 20
-    buf = SnapshotBuffer(ChunkLayout(1, len(data), chunk, (b"",) * (len(data) // chunk)),
-                         spill(data, tmp_path))
+    buf = SnapshotBuffer(
+        ChunkLayout(1, len(data), chunk, (b"",) * (len(data) // chunk)), spill(data, tmp_path)
+    )
     before = rss_file()
     for i in range(buf.total):  # read every chunk, as a send does
-        assert bytes(buf.chunk(i)[:8]) == data[i * chunk:i * chunk + 8]
+        assert bytes(buf.chunk(i)[:8]) == data[i * chunk : i * chunk + 8]
         blake3.blake3(buf.chunk(i)).digest()
     touched = rss_file()
     assert touched - before > 48 << 20
     for i in range(buf.total):
         buf.sent(i)
     assert rss_file() - before < 8 << 20
-    assert bytes(buf.chunk(3)) == data[3 * chunk:4 * chunk]  # the bytes are still there
+    assert bytes(buf.chunk(3)) == data[3 * chunk : 4 * chunk]  # the bytes are still there
     held = SnapshotBuffer(ChunkLayout(1, 8, 4, (b"", b"")), bytearray(8))
     held.sent(0)  # a payload in RAM: nothing to drop

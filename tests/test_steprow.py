@@ -23,8 +23,14 @@ def test_rows_of_other_versions_round_trip_byte_for_byte():
     """An older row lacks fields (read as None, written back absent); a newer one has fields
     this version does not know (kept in ``extra``, written back)."""
     older = {"step": 0, "version": 0, "reward_mean": 0.1, "bubble_ratio": 0.0}
-    newer = {"step": 0, "version": 0, "reward_mean": 0.1, "t_wait": 1.5, "bubble_ratio": 0.0,
-             "a_future_field": {"x": 1}}
+    newer = {
+        "step": 0,
+        "version": 0,
+        "reward_mean": 0.1,
+        "t_wait": 1.5,
+        "bubble_ratio": 0.0,
+        "a_future_field": {"x": 1},
+    }
     for doc in (older, newer):
         row = StepRow.from_json(doc)
         assert json.dumps(row.to_json()) == json.dumps(doc)

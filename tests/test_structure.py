@@ -55,5 +55,6 @@ def test_only_the_simulator_and_the_entry_use_the_simulator() -> None:
             mod = node.module if isinstance(node, ast.ImportFrom) and node.level == 0 else None
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [mod or ""]
             users += [f"{name} imports {m}" for m in names if m.startswith("provisioning.sim")]
-    assert not users, "the simulator uses the runtime, never the other way round:\n" + \
-        "\n".join(users)
+    assert not users, "the simulator uses the runtime, never the other way round:\n" + "\n".join(
+        users
+    )

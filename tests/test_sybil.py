@@ -8,29 +8,39 @@ import threading
 
 import pytest
 import zmq
+from test_security import JUNK, _plane, ask, eventually, peer, zctx  # noqa: F401 (fixture)
 
 from broadcast.snapshot import Snapshot, build_manifest
 from echo import wire
 from echo.config import SecurityConfig
 from echo.security import KeyPair
-from learner import listen as listen_mod, server as server_mod
+from learner import listen as listen_mod
+from learner import server as server_mod
 from learner.gate import Gate
-from test_security import JUNK, _plane, ask, eventually, peer, zctx  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _publish(plane, version):
     payload = bytes(range(256)) * 64
-    m = build_manifest(run_id="t", version=version, tensors=[], payload=payload,
-                       chunk_size=4096, dtype="float32", key=plane.key)
+    m = build_manifest(
+        run_id="t",
+        version=version,
+        tensors=[],
+        payload=payload,
+        chunk_size=4096,
+        dtype="float32",
+        key=plane.key,
+    )
     plane.publish(Snapshot(m, payload))
 
 
 def _on_loop(plane, fn):
     """Run ``fn()`` on the plane's loop (its handlers are loop-only) and return its result."""
+
     async def call():
         return fn()
+
     return plane._call(call)
 
 
@@ -55,10 +65,21 @@ def started(small_cfg, tokenizer, tmp_path):
 
 def _sybil_joins(plane, n, relay=True):
     """``n`` joins from distinct keys, handled as the loop would, each with its own reply."""
+
     def joins():
-        return [plane.members.on_join(b"s%d" % i, f"{i:040d}", wire.Join(
-            worker_id=f"sybil{i}", relay_endpoint=f"tcp://10.1.{i // 200}.{i % 200}:7000" if relay
-            else "", can_relay=relay)) for i in range(n)]
+        return [
+            plane.members.on_join(
+                b"s%d" % i,
+                f"{i:040d}",
+                wire.Join(
+                    worker_id=f"sybil{i}",
+                    relay_endpoint=f"tcp://10.1.{i // 200}.{i % 200}:7000" if relay else "",
+                    can_relay=relay,
+                ),
+            )
+            for i in range(n)
+        ]
+
     return _on_loop(plane, joins)
 
 
@@ -89,16 +110,22 @@ def test_idle_keys_are_pending_and_a_publication_tells_members_first(started):
     member (in the provisioner, a relay candidate); a publication sends at most
     ``notices_per_publication`` notices, the member's first; the rest learn the version from
     their next heartbeat reply."""
-    plane = started(provisioning=True, max_workers=4096, joins_per_s=1e6,
-                    notices_per_publication=8)
+    plane = started(provisioning=True, max_workers=4096, joins_per_s=1e6, notices_per_publication=8)
     _publish(plane, 0)
     _sybil_joins(plane, 300)
 
     async def honest_installs():  # the honest worker joins and reports its install
-        plane.members.on_join(b"h", "H" * 40, wire.Join(worker_id="honest", relay_endpoint="tcp://10.9.9.9:1"))
-        await plane.parts.dispatcher.dispatch(b"h", "H" * 40, wire.Installed(worker_id="honest", version=0))
+        plane.members.on_join(
+            b"h", "H" * 40, wire.Join(worker_id="honest", relay_endpoint="tcp://10.9.9.9:1")
+        )
+        await plane.parts.dispatcher.dispatch(
+            b"h", "H" * 40, wire.Installed(worker_id="honest", version=0)
+        )
+
     plane._call(honest_installs)
-    members = _on_loop(plane, lambda: [w.worker_id for w in plane.table.workers.values() if w.member])
+    members = _on_loop(
+        plane, lambda: [w.worker_id for w in plane.table.workers.values() if w.member]
+    )
     assert members == ["honest"]
     registered = _on_loop(plane, lambda: {w.worker_id for w in plane.members.controller.workers()})
     assert registered == {"honest"}
@@ -109,8 +136,12 @@ def test_idle_keys_are_pending_and_a_publication_tells_members_first(started):
     assert stats.notices["deferred"] == 301 - 8 and stats.pending_workers == 300
     assert _on_loop(plane, lambda: plane.table.workers["honest"].noticed) == 1
     # a pending key's heartbeat reply offers the new version, from the plan (no re-plan)
-    hb = _on_loop(plane, lambda: plane.members.on_heartbeat(b"s0", f"{0:040d}", wire.Heartbeat(
-        worker_id="sybil0", version=0)))
+    hb = _on_loop(
+        plane,
+        lambda: plane.members.on_heartbeat(
+            b"s0", f"{0:040d}", wire.Heartbeat(worker_id="sybil0", version=0)
+        ),
+    )
     assert hb.version == 1 and hb.manifest is not None and hb.ticket
 
 
@@ -195,7 +226,9 @@ def test_one_host_brings_keys_at_its_budget_and_joined_keys_reconnect(started, z
     plane = started(newcomers_per_s_per_prefix=1e-6, newcomer_burst=2)
     keys = [KeyPair.generate() for _ in range(3)]
     for i in (0, 1):
-        assert isinstance(ask(peer(plane, zctx, keys[i]), wire.Join(worker_id=f"w{i}")), wire.JoinAck)
+        assert isinstance(
+            ask(peer(plane, zctx, keys[i]), wire.Join(worker_id=f"w{i}")), wire.JoinAck
+        )
     late = peer(plane, zctx, keys[2], timeout_ms=1000)
     late.send(wire.encode(wire.Join(worker_id="w2")))
     with pytest.raises(zmq.Again):

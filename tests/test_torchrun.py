@@ -18,11 +18,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def test_fsdp2_two_ranks_match_single_process(tmp_path):
     script = str(ROOT / "tests" / "torchrun_steps.py")
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, script, str(tmp_path / "one.pt")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=240, env={**_env(), **env})
+    one = subprocess.run(
+        [sys.executable, script, str(tmp_path / "one.pt")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**_env(), **env},
+    )
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([*TORCHRUN, script, str(tmp_path / "two.pt")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=240, env={**_env(), **env})
+    two = subprocess.run(
+        [*TORCHRUN, script, str(tmp_path / "two.pt")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**_env(), **env},
+    )
     assert two.returncode == 0, two.stderr[-2000:]
     one_run, two_run = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     a, b = one_run["params"], two_run["params"]
@@ -46,8 +58,14 @@ def test_fsdp2_lora_two_ranks_match_single_process(tmp_path):
     script = str(ROOT / "tests" / "torchrun_steps.py")
     env = {**_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for argv, out in (([sys.executable], "one.pt"), (TORCHRUN, "two.pt")):
-        run = subprocess.run([*argv, script, str(tmp_path / out), "lora"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=240, env=env)
+        run = subprocess.run(
+            [*argv, script, str(tmp_path / out), "lora"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
         assert run.returncode == 0, run.stderr[-2000:]
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     a, b = one["params"], two["params"]
@@ -70,13 +88,28 @@ def test_learner_runs_under_torchrun_with_a_worker(tmp_path, small_cfg):
     conf.write_text(dump_toml(small_cfg))
     group = ProcessGroup()
     try:
-        learner = group.start("learner", [*TORCHRUN, "-m", "echo.cli", "learn", str(conf),
-                                          "--run-dir", str(tmp_path / "run")],
-                              tmp_path / "learner.err", pipe_stdout=True)
+        learner = group.start(
+            "learner",
+            [*TORCHRUN, "-m", "echo.cli", "learn", str(conf), "--run-dir", str(tmp_path / "run")],
+            tmp_path / "learner.err",
+            pipe_stdout=True,
+        )
         endpoint = wait_ready(learner, timeout=180)
-        group.start("w0", [sys.executable, "-m", "worker.cli", "join", endpoint, "--id", "w0",
-                                     "--identity", str(tmp_path / "w0.key")],
-                    tmp_path / "w0.log")
+        group.start(
+            "w0",
+            [
+                sys.executable,
+                "-m",
+                "worker.cli",
+                "join",
+                endpoint,
+                "--id",
+                "w0",
+                "--identity",
+                str(tmp_path / "w0.key"),
+            ],
+            tmp_path / "w0.log",
+        )
         assert learner.wait(240) == 0, (tmp_path / "learner.err").read_text()[-2000:]
         rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
         assert len(rows) == 4

@@ -7,6 +7,8 @@ import random
 
 import pytest
 import torch
+from test_control import ask, batch, connect, ctx, records  # noqa: F401 (fixtures)
+from test_security import eventually
 
 from broadcast.snapshot import RunKey
 from dataplane.adapter import load_adapter
@@ -15,12 +17,10 @@ from echo import wire
 from echo.models import load_model, params_to_payload
 from learner.auditor import Auditor, TokenStats, logprob_check, sampling_check
 from learner.buffer import ReplayBuffer
-from learner.server import LearnerServer
 from learner.gate import security_dir
 from learner.intake import AuditJob
+from learner.server import LearnerServer
 from learner.work import WorkQueue
-from test_control import ask, batch, connect, ctx, records  # noqa: F401 (fixtures)
-from test_security import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,7 +34,9 @@ def _draw(rng: random.Random, probs: list[float]) -> int:
 
 def _peaked(rng: random.Random, vocab: int = 32) -> list[float]:
     """A distribution like a trained model's: one to three likely tokens, a long tail."""
-    logits = [rng.gauss(0, 1) + (rng.uniform(3, 8) if rng.random() < 0.15 else 0.0) for _ in range(vocab)]
+    logits = [
+        rng.gauss(0, 1) + (rng.uniform(3, 8) if rng.random() < 0.15 else 0.0) for _ in range(vocab)
+    ]
     z = sum(math.exp(x) for x in logits)
     return [math.exp(x) / z for x in logits]
 
@@ -51,13 +53,15 @@ def _stats(rng: random.Random, tokens: int, honest: bool) -> TokenStats:
 
 def test_sampling_check_passes_honest_samples_and_fails_chosen_tokens():
     rng = random.Random(7)
-    honest = [sampling_check([_stats(rng, 4, True) for _ in range(8)], 1e-3, 4.0)[0]
-              for _ in range(2000)]
+    honest = [
+        sampling_check([_stats(rng, 4, True) for _ in range(8)], 1e-3, 4.0)[0] for _ in range(2000)
+    ]
     # The Azuma bound allows at most 0.1% false alarms per group at alpha 1e-3 (2 expected):
     # more than 10 would mean the bound does not hold.
     assert honest.count(False) <= 10
-    garbage = [sampling_check([_stats(rng, 4, False) for _ in range(8)], 1e-3, 4.0)[0]
-               for _ in range(200)]
+    garbage = [
+        sampling_check([_stats(rng, 4, False) for _ in range(8)], 1e-3, 4.0)[0] for _ in range(200)
+    ]
     assert garbage.count(False) >= 190
 
 
@@ -83,8 +87,14 @@ def test_logprob_check_compares_per_sample_means_with_a_tolerance():
 
 def test_group_seeds_come_from_the_learner_secret():
     def seeds(secret):
-        q = WorkQueue(iter(lambda: _prompt(), None), group_size=2, max_outstanding=8,
-                      lease_timeout_s=10, prefix="p", secret=secret)
+        q = WorkQueue(
+            iter(lambda: _prompt(), None),
+            group_size=2,
+            max_outstanding=8,
+            lease_timeout_s=10,
+            prefix="p",
+            secret=secret,
+        )
         return [g.seed for g in q.grant("w", 4, 0)]
 
     a, b = seeds(b"s" * 32), seeds(b"t" * 32)
@@ -95,6 +105,7 @@ def test_group_seeds_come_from_the_learner_secret():
 
 def _prompt():
     from dataplane.adapter import Prompt
+
     return Prompt([4, 14, 5], {"a": 1, "b": 2})
 
 
@@ -110,12 +121,25 @@ def trusting(small_cfg, tokenizer, tmp_path, request):
     lc = small_cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
     buffer = ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size)
-    work = WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
-                     max_outstanding=16, lease_timeout_s=30, prefix="t")
+    work = WorkQueue(
+        adapter.prompts(random.Random(0)),
+        group_size=lc.group_size,
+        max_outstanding=16,
+        lease_timeout_s=30,
+        prefix="t",
+    )
     jobs: list[AuditJob] = []
-    cp = LearnerServer(small_cfg, run_id="t", key=RunKey.generate(), buffer=buffer, work=work,
-                      limits=Limits(len(tokenizer), small_cfg.worker.max_new_tokens, lc.group_size),
-                      run_dir=tmp_path, adapter=adapter, audit=jobs.append)
+    cp = LearnerServer(
+        small_cfg,
+        run_id="t",
+        key=RunKey.generate(),
+        buffer=buffer,
+        work=work,
+        limits=Limits(len(tokenizer), small_cfg.worker.max_new_tokens, lc.group_size),
+        run_dir=tmp_path,
+        adapter=adapter,
+        audit=jobs.append,
+    )
     cp.start()
     cp.jobs = jobs
     yield cp
@@ -140,8 +164,15 @@ def test_partial_forged_and_foreign_groups_are_refused(trusting, ctx, tokenizer)
     theirs = ask(b, wire.WorkRequest(worker_id="w2", max_groups=1)).groups[0]
     forged = honest(trusting, g[1], tokenizer)
     forged[0]["reward"] = 1.0 - forged[0]["reward"]
-    ack = ask(a, batch(honest(trusting, g[0], tokenizer)[1:] + forged
-                       + honest(trusting, theirs, tokenizer) + honest(trusting, g[2], tokenizer)))
+    ack = ask(
+        a,
+        batch(
+            honest(trusting, g[0], tokenizer)[1:]
+            + forged
+            + honest(trusting, theirs, tokenizer)
+            + honest(trusting, g[2], tokenizer)
+        ),
+    )
     assert ack.rejected == {"partial_group": 3, "reward_mismatch": 4, "not_your_group": 4}
     assert ack.accepted == 4  # g[2], whole and true
     checks = trusting.stats().checks
@@ -149,14 +180,17 @@ def test_partial_forged_and_foreign_groups_are_refused(trusting, ctx, tokenizer)
     assert [j.group_id for j in trusting.jobs] == [g[2].group_id]  # probation: audited
 
 
-def test_two_strikes_quarantine_the_worker_and_take_its_records_out(trusting, ctx, tokenizer, tmp_path):  # noqa: F811
+def test_two_strikes_quarantine_the_worker_and_take_its_records_out(
+    trusting, ctx, tokenizer, tmp_path
+):  # noqa: F811
     a = connect(trusting, ctx)
     ask(a, wire.Join(worker_id="w1"))
     g = ask(a, wire.WorkRequest(worker_id="w1", max_groups=3)).groups
     assert ask(a, batch(honest(trusting, g[0], tokenizer), "b0")).accepted == 4
     assert trusting.buffer.depth().ready_groups == 1
-    lies = [[{**r, "reward": 1.0 - r["reward"]} for r in honest(trusting, x, tokenizer)]
-            for x in g[1:]]  # wrong answers scored 1, right ones 0
+    lies = [
+        [{**r, "reward": 1.0 - r["reward"]} for r in honest(trusting, x, tokenizer)] for x in g[1:]
+    ]  # wrong answers scored 1, right ones 0
     a.send(wire.encode(batch(lies[0] + lies[1], "b1")))
     got = [wire.decode(a.recv(), 1 << 24)]
     while not isinstance(got[-1], wire.Error):
@@ -198,19 +232,32 @@ def _sample(model, prompt, n, tokens, temperature, rng):
         ids, lps = list(prompt), []
         for _ in range(tokens):
             with torch.no_grad():
-                logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1] / temperature, -1)
+                logp = torch.log_softmax(
+                    model(input_ids=torch.tensor([ids])).logits[0, -1] / temperature, -1
+                )
             tok = int(torch.multinomial(logp.exp(), 1, generator=rng))
             ids.append(tok)
             lps.append(float(logp[tok]))
-        out.append(Record(group_id="g", sample_idx=i, prompt_ids=list(prompt),
-                          completion_ids=ids[len(prompt):], logprobs=lps, reward=0.0, version=0,
-                          worker_id="w", gen_s=0.0))
+        out.append(
+            Record(
+                group_id="g",
+                sample_idx=i,
+                prompt_ids=list(prompt),
+                completion_ids=ids[len(prompt) :],
+                logprobs=lps,
+                reward=0.0,
+                version=0,
+                worker_id="w",
+                gen_s=0.0,
+            )
+        )
     return out
 
 
 @pytest.mark.parametrize("audit_model", ["copy", "policy"])
-def test_audit_passes_honest_samples_and_catches_fabrications(small_cfg, tokenizer, tmp_path,
-                                                              audit_model):
+def test_audit_passes_honest_samples_and_catches_fabrications(
+    small_cfg, tokenizer, tmp_path, audit_model
+):
     """Both audit models (security.audit_model) give the same verdicts; "policy" borrows the
     trainer's model between steps and hands it back bit for bit, in its training mode."""
     trainer = load_model(small_cfg.model, tokenizer, "float32").train()  # other weights: v5, say
@@ -224,14 +271,27 @@ def test_audit_passes_honest_samples_and_catches_fabrications(small_cfg, tokeniz
     faked = [Record(**{**vars(r), "logprobs": [x - 2.0 for x in r.logprobs]}) for r in recs]
     aud.submit(AuditJob("w", "k", faked, probation=True))
     pick = random.Random(2)  # garbage: tokens drawn from the vocabulary, not the model
-    chosen = [Record(**{**vars(r), "completion_ids": [pick.randrange(3, len(tokenizer)) for _ in r.completion_ids],
-                        "logprobs": [-0.5] * len(r.completion_ids)}) for r in recs]
+    chosen = [
+        Record(
+            **{
+                **vars(r),
+                "completion_ids": [pick.randrange(3, len(tokenizer)) for _ in r.completion_ids],
+                "logprobs": [-0.5] * len(r.completion_ids),
+            }
+        )
+        for r in recs
+    ]
     aud.submit(AuditJob("w", "k", chosen, probation=True))
     aud.run(budget_s=60)
     got = [(v.check, v.ok) for v in verdicts]
-    assert got == [("logprob", True), ("sampling", True),  # honest
-                   ("logprob", False), ("sampling", True),  # log-probs made up, tokens sampled
-                   ("logprob", False), ("sampling", False)]  # tokens chosen
+    assert got == [
+        ("logprob", True),
+        ("sampling", True),  # honest
+        ("logprob", False),
+        ("sampling", True),  # log-probs made up, tokens sampled
+        ("logprob", False),
+        ("sampling", False),
+    ]  # tokens chosen
     assert verdicts[0].stats["max_mean_gap"] < 1e-4  # same weights, same arithmetic
     after = dict(trainer.named_parameters())
     assert all(torch.equal(before[n], after[n]) for n in before) and trainer.training
@@ -242,8 +302,17 @@ def test_audit_passes_honest_samples_and_catches_fabrications(small_cfg, tokeniz
 def test_audit_queue_is_bounded_and_drops_non_probation_first(small_cfg, tokenizer):
     small_cfg.security.audit_queue = 2
     aud = Auditor(small_cfg, tokenizer, lambda v: None)
-    rec = Record(group_id="g", sample_idx=0, prompt_ids=[4], completion_ids=[5], logprobs=[-1.0],
-                 reward=0.0, version=3, worker_id="w", gen_s=0.0)
+    rec = Record(
+        group_id="g",
+        sample_idx=0,
+        prompt_ids=[4],
+        completion_ids=[5],
+        logprobs=[-1.0],
+        reward=0.0,
+        version=3,
+        worker_id="w",
+        gen_s=0.0,
+    )
     jobs = [AuditJob("w", "k", [rec], probation=p) for p in (True, False, True)]
     for j in jobs:
         aud.submit(j)
@@ -257,8 +326,20 @@ def test_a_resume_sets_aside_what_quarantined_workers_had_buffered(tmp_path):
 
     rep = Reputation(tmp_path, strikes=1, step=lambda: 7, on_quarantine=lambda *a: None)
     rep.record(Verdict("evil", "k", "g1", 0, "reward", False, {}))
-    live = [Record(group_id=f"g{i}", sample_idx=0, prompt_ids=[4], completion_ids=[5], logprobs=[-1.0],
-                   reward=0.0, version=0, worker_id=w, gen_s=0.0) for i, w in enumerate(["evil", "w1"])]
+    live = [
+        Record(
+            group_id=f"g{i}",
+            sample_idx=0,
+            prompt_ids=[4],
+            completion_ids=[5],
+            logprobs=[-1.0],
+            reward=0.0,
+            version=0,
+            worker_id=w,
+            gen_s=0.0,
+        )
+        for i, w in enumerate(["evil", "w1"])
+    ]
     kept, aside = without_quarantined(live, tmp_path)
     assert [r.worker_id for r in kept] == ["w1"]
     assert [a.reason for a in aside] == ["quarantined"]
@@ -269,8 +350,17 @@ def test_probation_audits_go_round_robin_over_workers(small_cfg, tokenizer):
     """Each newcomer's first group before anyone's second: a liar's groups wait for one round
     of the others' at most, not for all their probation groups."""
     aud = Auditor(small_cfg, tokenizer, lambda v: None)
-    rec = Record(group_id="g", sample_idx=0, prompt_ids=[4], completion_ids=[5], logprobs=[-1.0],
-                 reward=0.0, version=0, worker_id="w", gen_s=0.0)
+    rec = Record(
+        group_id="g",
+        sample_idx=0,
+        prompt_ids=[4],
+        completion_ids=[5],
+        logprobs=[-1.0],
+        reward=0.0,
+        version=0,
+        worker_id="w",
+        gen_s=0.0,
+    )
     for w in ("a", "a", "a", "b", "b", "liar"):
         aud.submit(AuditJob(w, "k", [rec], probation=True))
     aud.submit(AuditJob("c", "k", [rec], probation=False))
@@ -286,13 +376,21 @@ def test_hostile_link_reports_end_one_message_and_are_counted(trusting, ctx):  #
     a = connect(trusting, ctx)
     ask(a, wire.Join(worker_id="w1"))
     base = {"v": wire.WIRE_VERSION, "type": "installed", "worker_id": "w1", "version": 0}
-    for patch in ({"down_mbit": -5.0}, {"up_mbit": float("nan")}, {"down_mbit": "fast"},
-                  {"version": [1]}):
+    for patch in (
+        {"down_mbit": -5.0},
+        {"up_mbit": float("nan")},
+        {"down_mbit": "fast"},
+        {"version": [1]},
+    ):
         reply = ask(a, msgpack.packb({**base, **patch}))
         assert isinstance(reply, wire.Error) and reply.reason == "invalid_fields", patch
-    a.send(wire.encode(wire.Installed(worker_id="w1", version=99, down_mbit=1e300)))  # never published
+    a.send(
+        wire.encode(wire.Installed(worker_id="w1", version=99, down_mbit=1e300))
+    )  # never published
     for _ in range(600):  # a flood: past the per-key message rate it is refused, not served
-        a.send(wire.encode(wire.Installed(worker_id="w1", version=0, down_mbit=1e300, up_mbit=1e300)))
+        a.send(
+            wire.encode(wire.Installed(worker_id="w1", version=0, down_mbit=1e300, up_mbit=1e300))
+        )
     # the flood is served on the learner's thread: wait until it has got that far
     assert eventually(lambda: trusting.stats().limited.get("rate_limited", 0) > 0)
     assert trusting.stats().rejected["invalid_fields"] == 4

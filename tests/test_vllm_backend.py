@@ -18,11 +18,24 @@ import torch
 
 from echo import wire
 from echo.config import ModelConfig, load_config
-from echo.models import (build_tiny_tokenizer, engine_model_dir, load_model, params_to_payload,
-                         vocab_size_of_folder)
+from echo.models import (
+    build_tiny_tokenizer,
+    engine_model_dir,
+    load_model,
+    params_to_payload,
+    vocab_size_of_folder,
+)
 from worker.backends import make_backend
-from worker.backends.refit import (ALIGN, RefitError, VersionBook, build_layout, checkpoint_names,
-                                   map_names, tied_embeddings, write_shared)
+from worker.backends.refit import (
+    ALIGN,
+    RefitError,
+    VersionBook,
+    build_layout,
+    checkpoint_names,
+    map_names,
+    tied_embeddings,
+    write_shared,
+)
 from worker.backends.vllm import VLLMBackend, cut_at_eos, sampled_logprobs
 from worker.backends.vllm_ext import EchoRefitExtension, iter_tensors
 
@@ -51,8 +64,11 @@ def perturbed(seed: int) -> Any:
 
 
 def test_names_lose_wrapper_prefixes_and_a_tied_head():
-    index = [{"name": "_orig_mod.model.embed_tokens.weight"}, {"name": "module.model.norm.weight"},
-             {"name": "lm_head.weight"}]
+    index = [
+        {"name": "_orig_mod.model.embed_tokens.weight"},
+        {"name": "module.model.norm.weight"},
+        {"name": "lm_head.weight"},
+    ]
     names = [n for _, n in map_names(index, tied=True)]
     assert names == ["model.embed_tokens.weight", "model.norm.weight"]
     assert [n for _, n in map_names(index, tied=False)][-1] == "lm_head.weight"
@@ -60,7 +76,9 @@ def test_names_lose_wrapper_prefixes_and_a_tied_head():
 
 def test_a_snapshot_of_another_model_is_refused_naming_the_difference():
     index = [{"name": "model.embed_tokens.weight"}, {"name": "model.extra.weight"}]
-    with pytest.raises(RefitError, match=r"missing \['model.norm.weight'\].*unexpected \['model.extra.weight'\]"):
+    with pytest.raises(
+        RefitError, match=r"missing \['model.norm.weight'\].*unexpected \['model.extra.weight'\]"
+    ):
         map_names(index, tied=True, expected={"model.embed_tokens.weight", "model.norm.weight"})
     with pytest.raises(RefitError, match="twice"):
         map_names([{"name": "module.a"}, {"name": "a"}], tied=False)
@@ -75,14 +93,24 @@ def test_the_tiny_snapshot_matches_its_engine_folder_names(tiny_dir):
     assert vocab_size_of_folder(tiny_dir) == len(build_tiny_tokenizer())
 
 
-@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(),
-                    reason="SmolLM2 folder absent: echo-rl model import-gguf writes it (README)")
+@pytest.mark.skipif(
+    not (SMOLLM2 / "config.json").is_file(),
+    reason="SmolLM2 folder absent: echo-rl model import-gguf writes it (README)",
+)
 def test_the_real_smollm2_snapshot_matches_its_checkpoint_names():
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.bfloat16)
-    index = [{"name": n, "dtype": "bfloat16", "shape": list(p.shape), "offset": 0,
-              "nbytes": p.numel() * 2} for n, p in model.named_parameters()]
+    index = [
+        {
+            "name": n,
+            "dtype": "bfloat16",
+            "shape": list(p.shape),
+            "offset": 0,
+            "nbytes": p.numel() * 2,
+        }
+        for n, p in model.named_parameters()
+    ]
     names = {n for _, n in map_names(index, tied_embeddings(SMOLLM2), checkpoint_names(SMOLLM2))}
     assert len(names) == len(checkpoint_names(SMOLLM2)) == 272
 
@@ -198,9 +226,15 @@ class FakeLLM:
         outs = []
         for prompt, sp in zip(prompts, params):
             self.calls.append(prompt.cache_salt)
-            comps = [SimpleNamespace(token_ids=list(self.tokens),
-                                     logprobs=[{t: SimpleNamespace(logprob=-0.5 - i)} for i, t in enumerate(self.tokens)])
-                     for _ in range(sp.n)]
+            comps = [
+                SimpleNamespace(
+                    token_ids=list(self.tokens),
+                    logprobs=[
+                        {t: SimpleNamespace(logprob=-0.5 - i)} for i, t in enumerate(self.tokens)
+                    ],
+                )
+                for _ in range(sp.n)
+            ]
             outs.append(SimpleNamespace(outputs=comps))
         return outs
 
@@ -234,7 +268,9 @@ def group(gid: str = "g0", n: int = 2) -> wire.Group:
     return wire.Group(group_id=gid, prompt_ids=[2, 5, 6], n=n, seed=11, task={})
 
 
-def test_install_then_generate_stamps_the_version_and_resets_the_prefix_cache(tmp_path, monkeypatch):
+def test_install_then_generate_stamps_the_version_and_resets_the_prefix_cache(
+    tmp_path, monkeypatch
+):
     backend, llm = fake_backend(tmp_path, monkeypatch)
     with pytest.raises(RefitError, match="no snapshot installed"):
         backend.generate([group()], 4, 1.0)
@@ -247,7 +283,11 @@ def test_install_then_generate_stamps_the_version_and_resets_the_prefix_cache(tm
     assert [len(s) for s in out] == [2, 3]
     assert llm.calls[-2:] == ["v5", "v5"]  # prefix cache salted by version
     eos = backend.tokenizer.eos_token_id
-    assert eos == 1 and out[0][0].completion_ids == [7, 8, 1] and out[0][0].logprobs == [-0.5, -1.5, -2.5]
+    assert (
+        eos == 1
+        and out[0][0].completion_ids == [7, 8, 1]
+        and out[0][0].logprobs == [-0.5, -1.5, -2.5]
+    )
 
 
 def test_an_install_that_leaves_engine_weights_untouched_is_refused(tmp_path, monkeypatch):
@@ -261,7 +301,9 @@ def test_an_install_that_leaves_engine_weights_untouched_is_refused(tmp_path, mo
     assert backend.book.version == 1  # still the old version: generation stays honest
 
 
-def test_an_install_waits_for_the_generation_in_flight_which_keeps_its_version(tmp_path, monkeypatch):
+def test_an_install_waits_for_the_generation_in_flight_which_keeps_its_version(
+    tmp_path, monkeypatch
+):
     backend, llm = fake_backend(tmp_path, monkeypatch, gate=threading.Event())
     index, payload = snapshot(perturbed(3))
     backend.install(index, payload, version=1)
@@ -329,7 +371,9 @@ def test_the_engine_folder_is_written_once_and_reloads_the_same_weights(tmp_path
 
     again = AutoModelForCausalLM.from_pretrained(first)
     ref = load_model(cfg, build_tiny_tokenizer())
-    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ref.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(again.state_dict().values(), ref.state_dict().values())
+    )
     tok = AutoTokenizer.from_pretrained(first)
     assert tok.encode("12+3") == build_tiny_tokenizer().encode("12+3")
 
@@ -338,6 +382,7 @@ def test_choosing_vllm_without_it_says_how_to_install(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     try:
         import vllm  # noqa: F401
+
         pytest.skip("vLLM is installed here")
     except ImportError:
         pass
@@ -347,16 +392,30 @@ def test_choosing_vllm_without_it_says_how_to_install(tmp_path, monkeypatch):
 
 
 def test_config_and_cli_accept_vllm_and_name_bad_values(tmp_path):
-    cfg = load_config(None, ["worker.backend=\"vllm\""])
+    cfg = load_config(None, ['worker.backend="vllm"'])
     assert cfg.worker.backend == "vllm"
     with pytest.raises(Exception, match="worker.backend"):
-        load_config(None, ["worker.backend=\"onnx\""])
+        load_config(None, ['worker.backend="onnx"'])
     from worker.cli import build_parser, main
 
-    args = build_parser().parse_args(["join", "tcp://127.0.0.1:1", "--backend", "vllm", "--device", "cuda:1"])
+    args = build_parser().parse_args(
+        ["join", "tcp://127.0.0.1:1", "--backend", "vllm", "--device", "cuda:1"]
+    )
     assert (args.backend, args.device) == ("vllm", "cuda:1")
-    assert main(["join", "tcp://127.0.0.1:1", "--insecure", "--device", "gpu0",
-                 "--identity", str(tmp_path / "k")]) == 2
+    assert (
+        main(
+            [
+                "join",
+                "tcp://127.0.0.1:1",
+                "--insecure",
+                "--device",
+                "gpu0",
+                "--identity",
+                str(tmp_path / "k"),
+            ]
+        )
+        == 2
+    )
 
 
 def test_the_default_set_up_never_installs_the_vllm_extra():
@@ -370,5 +429,7 @@ def test_the_default_set_up_never_installs_the_vllm_extra():
     pins = set(re.findall(r"torch==([0-9.]+)", make))
     assert pins == {"2.13.0"}
     assert "vllm" not in make
-    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["vllm"]
     assert extra == ["vllm==0.33.0"]  # requires torch==2.13.0 (PyPI metadata of vllm 0.33.0)

@@ -27,10 +27,14 @@ from echo.models import load_model, load_tokenizer, params_to_payload
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU on this machine: the vLLM backend runs only on CUDA",
-                allow_module_level=True)
-pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' with the "
-                    "CUDA build of torch==2.13.0 (docs/worker.md)")
+    pytest.skip(
+        "no CUDA GPU on this machine: the vLLM backend runs only on CUDA", allow_module_level=True
+    )
+pytest.importorskip(
+    "vllm",
+    reason="vLLM is not installed: pip install -e '.[vllm]' with the "
+    "CUDA build of torch==2.13.0 (docs/worker.md)",
+)
 
 from learner.trainer import token_logprobs  # noqa: E402
 from worker.backends.vllm import VLLMBackend  # noqa: E402
@@ -63,8 +67,10 @@ def learner_model(cfg: ModelConfig, seed: int):
 
 def groups(tok, count: int = 8, n: int = 4) -> list[wire.Group]:
     texts = [f"Question {i}: what is {i} plus {i + 3}?" for i in range(count)]
-    return [wire.Group(group_id=f"g{i}", prompt_ids=tok.encode(t), n=n, seed=100 + i)
-            for i, t in enumerate(texts)]
+    return [
+        wire.Group(group_id=f"g{i}", prompt_ids=tok.encode(t), n=n, seed=100 + i)
+        for i, t in enumerate(texts)
+    ]
 
 
 def gaps(model, gs, out) -> torch.Tensor:
@@ -74,7 +80,7 @@ def gaps(model, gs, out) -> torch.Tensor:
         for s in samples:
             ids = torch.tensor([g.prompt_ids + s.completion_ids], device="cuda")
             lp = token_logprobs(model, ids, torch.ones_like(ids), temperature=TEMPERATURE)[0]
-            mine = lp[len(g.prompt_ids) - 1:].float().cpu()
+            mine = lp[len(g.prompt_ids) - 1 :].float().cpu()
             diffs.append((mine - torch.tensor(s.logprobs)).abs())
     return torch.cat(diffs)
 
@@ -88,15 +94,32 @@ def test_refit_in_place_and_logprobs_match_the_learner(cfg, backend):
         gs = groups(backend.tokenizer)
         out = backend.generate(gs, max_new_tokens=48, temperature=TEMPERATURE)
         d = gaps(model, gs, out)
-        figures.append({"version": version, "tokens": int(d.numel()), "mean_abs": float(d.mean()),
-                        "p99_abs": float(d.quantile(0.99)), "max_abs": float(d.max()),
-                        "install": backend.last_install})
+        figures.append(
+            {
+                "version": version,
+                "tokens": int(d.numel()),
+                "mean_abs": float(d.mean()),
+                "p99_abs": float(d.quantile(0.99)),
+                "max_abs": float(d.max()),
+                "install": backend.last_install,
+            }
+        )
         # Against the *other* version the gap must be larger: the refit really changed weights.
         if version == 2:
             stale = gaps(learner_model(cfg, 1), gs, out)
             assert float(stale.mean()) > 2 * float(d.mean())
         assert float(d.mean()) < 0.05, figures[-1]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "logprob_gap.json").write_text(json.dumps({
-        "device": torch.cuda.get_device_name(), "host": platform.node(), "model": cfg.name,
-        "temperature": TEMPERATURE, "dtype": "bfloat16", "runs": figures}, indent=2))
+    (RESULTS / "logprob_gap.json").write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(),
+                "host": platform.node(),
+                "model": cfg.name,
+                "temperature": TEMPERATURE,
+                "dtype": "bfloat16",
+                "runs": figures,
+            },
+            indent=2,
+        )
+    )

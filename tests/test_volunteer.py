@@ -11,17 +11,32 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_integration import cluster  # noqa: F401  (the fixture: a learner and workers on loopback)
 
 from echo.procs import python_argv
-from test_integration import cluster  # noqa: F401  (the fixture: a learner and workers on loopback)
 from worker import cli
 from worker.status import PlainView, StatusBoard, WorkerStatus, read_status, rows, write_atomic
 
-ACCOUNT = {"state": "active", "version": 3, "install_s": 0.4, "granted": 6, "accepted": 20,
-           "duplicates": 1, "rejected": {"reward_mismatch": 4, "stale": 2}, "checks": 5,
-           "check_failures": 1, "throughput": 1.25, "down_mbit": 80.0, "up_mbit": 0.0,
-           "nat": "punchable", "price": 0.35, "active_s": 60.0, "earned_usd": 0.00583333,
-           "message": "records refused: reward_mismatch x4", "message_age_s": 2.0}
+ACCOUNT = {
+    "state": "active",
+    "version": 3,
+    "install_s": 0.4,
+    "granted": 6,
+    "accepted": 20,
+    "duplicates": 1,
+    "rejected": {"reward_mismatch": 4, "stale": 2},
+    "checks": 5,
+    "check_failures": 1,
+    "throughput": 1.25,
+    "down_mbit": 80.0,
+    "up_mbit": 0.0,
+    "nat": "punchable",
+    "price": 0.35,
+    "active_s": 60.0,
+    "earned_usd": 0.00583333,
+    "message": "records refused: reward_mismatch x4",
+    "message_age_s": 2.0,
+}
 
 
 def _board(tmp_path: Path, account: dict | None = ACCOUNT) -> StatusBoard:
@@ -48,8 +63,15 @@ def test_status_command_shows_the_learners_figures(tmp_path, capsys):
     b.flush(force=True)
     assert cli.main(["status", str(b.path)]) == 0
     out = capsys.readouterr().out
-    for text in ("active · generating", "records accepted", "20", "rejected: reward_mismatch",
-                 "$0.005833", "down 80.0 Mbit/s, up not measured", "records refused"):
+    for text in (
+        "active · generating",
+        "records accepted",
+        "20",
+        "rejected: reward_mismatch",
+        "$0.005833",
+        "down 80.0 Mbit/s, up not measured",
+        "records refused",
+    ):
         assert text in out, text
     assert cli.main(["status", str(b.path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["account"] == ACCOUNT
@@ -79,6 +101,7 @@ def test_newest_status_file_is_the_default(tmp_path, capsys, monkeypatch):
     new.flush(force=True)
     t = time.time()
     import os
+
     os.utime(old.path, (t - 60, t - 60))
     assert cli.main(["status"]) == 0
     assert "777" in capsys.readouterr().out
@@ -93,7 +116,9 @@ def test_without_a_terminal_one_line_per_period(tmp_path, caplog):
         for _ in range(3):
             view.show(b)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "accepted 20, rejected 6" in lines[0] and "earned $0.005833" in lines[0]
+    assert (
+        len(lines) == 1 and "accepted 20, rejected 6" in lines[0] and "earned $0.005833" in lines[0]
+    )
 
 
 def test_rows_before_the_first_account_say_so(tmp_path):
@@ -108,8 +133,11 @@ def _metrics(url: str) -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def _wait_file(path: Path, ok, timeout: float = 120) -> WorkerStatus:
@@ -133,10 +161,29 @@ def _summary_value(log: str, name: str) -> str:
 
 def _start(cluster, name: str, *lie: str) -> Path:
     status = cluster.tmp / f"{name}.status.json"
-    join = ["join", cluster.endpoint, "--id", name, "--price", "0.35", "--identity",
-            str(cluster.tmp / f"{name}.key"), "--status-file", str(status)]
-    argv = ([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "drill_workers.py"),
-             "--kind", lie[0], *join] if lie else python_argv("worker.cli", *join))
+    join = [
+        "join",
+        cluster.endpoint,
+        "--id",
+        name,
+        "--price",
+        "0.35",
+        "--identity",
+        str(cluster.tmp / f"{name}.key"),
+        "--status-file",
+        str(status),
+    ]
+    argv = (
+        [
+            sys.executable,
+            str(Path(__file__).parents[1] / "benchmarks" / "drill_workers.py"),
+            "--kind",
+            lie[0],
+            *join,
+        ]
+        if lie
+        else python_argv("worker.cli", *join)
+    )
     cluster.group.start(name, argv, cluster.tmp / f"{name}.log")
     return status
 
@@ -167,8 +214,11 @@ def test_status_file_and_exit_summary_agree_with_the_learners_metrics(cluster):
         tick_usd = 0.35 * 0.5 / 3600
         assert abs(metrics[("echo_worker_earned_usd", w)] - acct["earned_usd"]) <= tick_usd
         assert metrics[("echo_worker_state", (("state", state), ("worker", name)))] == 1
-        shown = {dict(labels)["reason"]: n for (metric, labels), n in metrics.items()
-                 if metric == "echo_worker_records_rejected" and dict(labels)["worker"] == name}
+        shown = {
+            dict(labels)["reason"]: n
+            for (metric, labels), n in metrics.items()
+            if metric == "echo_worker_records_rejected" and dict(labels)["worker"] == name
+        }
         assert shown == acct["rejected"]
         log = (cluster.tmp / f"{name}.log").read_text()
         assert int(_summary_value(log, "records accepted")) == acct["accepted"]

@@ -47,8 +47,16 @@ def test_after_30_s_of_silence_the_volunteer_is_told_what_to_check():
     hints = [(t, text) for t, text in said if text]
     assert [t for t, _ in hints] == [30, 330]  # then every 5 minutes, not every retry
     text = hints[0][1]
-    for words in ("203.0.113.7 port 5555", "join line", "firewall", "TCP 5555", "docs/ports.md",
-                  "key", "still trying", "--give-up-after SECONDS"):
+    for words in (
+        "203.0.113.7 port 5555",
+        "join line",
+        "firewall",
+        "TCP 5555",
+        "docs/ports.md",
+        "key",
+        "still trying",
+        "--give-up-after SECONDS",
+    ):
         assert words in text, words
     assert u.given_up() == ""  # no limit: never gives up
 
@@ -62,8 +70,10 @@ def test_give_up_after_ends_the_wait_and_says_why():
     clock.t = 59.0
     assert u.given_up() == ""
     clock.t = 60.0
-    assert u.given_up().startswith("gave up after 60 s without an answer from the learner at "
-                                   "tcp://203.0.113.7:5555 (--give-up-after 60)")
+    assert u.given_up().startswith(
+        "gave up after 60 s without an answer from the learner at "
+        "tcp://203.0.113.7:5555 (--give-up-after 60)"
+    )
     u.answered()  # an answer resets the clock: a later silence starts from zero
     clock.t = 100.0
     u.trying()
@@ -78,15 +88,21 @@ def test_a_worker_facing_a_silent_learner_hints_then_gives_up(caplog, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # released: nothing listens there
     ticks = itertools.count(0, 10)
-    worker = Worker(JoinLine(f"tcp://127.0.0.1:{port}", None), join_timeout_s=0.05,
-                    give_up_after_s=120, clock=lambda: float(next(ticks)))
+    worker = Worker(
+        JoinLine(f"tcp://127.0.0.1:{port}", None),
+        join_timeout_s=0.05,
+        give_up_after_s=120,
+        clock=lambda: float(next(ticks)),
+    )
     caplog.set_level(logging.WARNING, logger="worker.agent")
     with pytest.raises(BaseExceptionGroup) as eg:
         asyncio.run(worker.run())
     fatal, rest = eg.value.split(WorkerError)
     assert rest is None
     assert "gave up after" in str(fatal.exceptions[0]) and "firewall" in str(fatal.exceptions[0])
-    hints = [r.getMessage() for r in caplog.records if "no answer from the learner" in r.getMessage()]
+    hints = [
+        r.getMessage() for r in caplog.records if "no answer from the learner" in r.getMessage()
+    ]
     assert hints and f"127.0.0.1 port {port}" in hints[0]
     assert worker.status.doc.problem == hints[-1]
 
@@ -94,8 +110,17 @@ def test_a_worker_facing_a_silent_learner_hints_then_gives_up(caplog, tmp_path):
 def test_give_up_after_must_be_a_positive_number(tmp_path, capsys):
     from worker import cli
 
-    rc = cli.main(["join", "tcp://127.0.0.1:9", "--insecure", "--give-up-after", "0",
-                   "--identity", str(tmp_path / "k")])
+    rc = cli.main(
+        [
+            "join",
+            "tcp://127.0.0.1:9",
+            "--insecure",
+            "--give-up-after",
+            "0",
+            "--identity",
+            str(tmp_path / "k"),
+        ]
+    )
     assert rc == 2 and "--give-up-after 0: give a number of seconds > 0" in capsys.readouterr().err
 
 
@@ -103,15 +128,25 @@ def test_give_up_after_must_be_a_positive_number(tmp_path, capsys):
 
 
 def _doc(**fields):
-    doc = {"worker_id": "w-1", "learner": LEARNER, "activity": "idle", "installed_version": -1,
-           "account": {"state": "active"}, "exit": None, "problem": None}
+    doc = {
+        "worker_id": "w-1",
+        "learner": LEARNER,
+        "activity": "idle",
+        "installed_version": -1,
+        "account": {"state": "active"},
+        "exit": None,
+        "problem": None,
+    }
     doc.update(fields)
     return WorkerStatus.model_validate(doc)
 
 
 def test_status_says_installing_until_the_first_install():
     assert state_of(_doc()) == "active · installing (model and first snapshot)"
-    assert state_of(_doc(account={"state": "standby"})) == "standby · installing (model and first snapshot)"
+    assert (
+        state_of(_doc(account={"state": "standby"}))
+        == "standby · installing (model and first snapshot)"
+    )
     assert state_of(_doc(installed_version=0)) == "active · idle"
     assert state_of(_doc(installed_version=3, activity="generating")) == "active · generating"
     assert state_of(_doc(activity="yielded")) == "active · yielded"
@@ -137,8 +172,9 @@ def test_a_problem_shows_as_its_own_row_until_the_worker_exits():
 
 @pytest.mark.parametrize("action, cause", sorted(SENTENCES))
 def test_every_decision_starts_with_a_sentence_and_ends_with_the_numbers(action, cause):
-    d = Decision(0.0, action, "w1", "C_eff 334.8/s < alpha*mu_req = 1.1 x 400 = 440/s", 334.8, 440.0,
-                 cause)
+    d = Decision(
+        0.0, action, "w1", "C_eff 334.8/s < alpha*mu_req = 1.1 x 400 = 440/s", 334.8, 440.0, cause
+    )
     text = in_words(d)
     state = "active" if action == ACTIVATE else "standby"
     assert text.startswith(f"{state}") and "C_eff" not in text.split("(provisioner:")[0]
@@ -165,17 +201,35 @@ def test_the_learner_tells_the_volunteer_in_words(small_cfg, tokenizer):
     small_cfg.provisioning.enabled = True
     lc = small_cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
-    plane = LearnerServer(small_cfg, run_id="t", key=RunKey.generate(),
-                         buffer=ReplayBuffer(lc.staleness, 16, lc.group_size),
-                         work=WorkQueue(adapter.prompts(random.Random(0)), group_size=lc.group_size,
-                                        max_outstanding=8, lease_timeout_s=30, prefix="t"),
-                         limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size))
+    plane = LearnerServer(
+        small_cfg,
+        run_id="t",
+        key=RunKey.generate(),
+        buffer=ReplayBuffer(lc.staleness, 16, lc.group_size),
+        work=WorkQueue(
+            adapter.prompts(random.Random(0)),
+            group_size=lc.group_size,
+            max_outstanding=8,
+            lease_timeout_s=30,
+            prefix="t",
+        ),
+        limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
+    )
     plane.accounts.open("w1", "key1", 0.35, True, "joined: active")
 
     class Decides:
         def tick(self):
-            return [Decision(1.0, RELEASE, "w1", "C_eff 30/s > (alpha+delta)*mu_req = 13/s", 30.0,
-                             11.0, "surplus")]
+            return [
+                Decision(
+                    1.0,
+                    RELEASE,
+                    "w1",
+                    "C_eff 30/s > (alpha+delta)*mu_req = 13/s",
+                    30.0,
+                    11.0,
+                    "surplus",
+                )
+            ]
 
     plane.members.controller = Decides()
     plane.members.provision()

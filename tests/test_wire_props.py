@@ -25,29 +25,54 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from fuzz import decoders  # not an installed package: pytest's pythonpath finds it
-
 from broadcast.snapshot import SnapshotError, build_manifest, verify_manifest
 from echo import wire
+from fuzz import decoders  # not an installed package: pytest's pythonpath finds it
 
 _N = int(os.environ.get("ECHO_FUZZ_EXAMPLES", "0"))
-FUZZ = settings(deadline=None, database=None, max_examples=_N or settings.default.max_examples,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    deadline=None,
+    database=None,
+    max_examples=_N or settings.default.max_examples,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 EDGE_INTS = st.sampled_from([0, 1, -1, 2**31, 2**53 + 1, 2**63 - 1, -(2**63), 2**64 - 1])
 EDGE_FLOATS = st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324])
-_scalars = st.one_of(st.none(), st.booleans(), INT64, EDGE_INTS, st.floats(), EDGE_FLOATS,
-                     st.text(max_size=20), st.binary(max_size=40))
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    INT64,
+    EDGE_INTS,
+    st.floats(),
+    EDGE_FLOATS,
+    st.text(max_size=20),
+    st.binary(max_size=40),
+)
 # Any value msgpack can carry: scalars of every type, lists and str-keyed maps nested in any way.
-ANY = st.recursive(_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-    max_leaves=12)
-_finite_scalars = st.one_of(st.none(), st.booleans(), INT64, st.floats(allow_nan=False),
-                            st.text(max_size=20), st.binary(max_size=40))
-PLAIN = st.recursive(_finite_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
-    max_leaves=8)
+ANY = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_finite_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    INT64,
+    st.floats(allow_nan=False),
+    st.text(max_size=20),
+    st.binary(max_size=40),
+)
+PLAIN = st.recursive(
+    _finite_scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
 
 
 # ------------------------------------------------------------------ valid values, from the schema
@@ -81,8 +106,13 @@ def valid(ann: Any, metadata: list[Any] = ()) -> st.SearchStrategy:
         return st.dictionaries(valid(args[0]), valid(args[1]), max_size=4)
     return {
         int: st.integers(-(2**63) if lo is None else lo, 2**63 - 1 if hi is None else hi),
-        float: st.floats(min_value=above if above is not None else lo, max_value=hi,
-                         exclude_min=above is not None, allow_nan=False, allow_infinity=False),
+        float: st.floats(
+            min_value=above if above is not None else lo,
+            max_value=hi,
+            exclude_min=above is not None,
+            allow_nan=False,
+            allow_infinity=False,
+        ),
         bool: st.booleans(),
         str: st.text(min_size=short, max_size=min(long or 30, 30)),
         bytes: st.binary(min_size=short, max_size=min(long or 64, 64)),
@@ -90,8 +120,11 @@ def valid(ann: Any, metadata: list[Any] = ()) -> st.SearchStrategy:
 
 
 def model(cls: type[BaseModel]) -> st.SearchStrategy:
-    fields = {n: valid(f.annotation, f.metadata) for n, f in cls.model_fields.items()
-              if n not in ("v", "type")}
+    fields = {
+        n: valid(f.annotation, f.metadata)
+        for n, f in cls.model_fields.items()
+        if n not in ("v", "type")
+    }
     return st.fixed_dictionaries(fields).map(lambda kw: cls(**kw))
 
 
@@ -143,7 +176,9 @@ def test_random_bytes_give_only_wire_errors(frame):
 
 
 @FUZZ
-@given(st.sampled_from(sorted(wire.MESSAGES)), st.dictionaries(st.text(max_size=12), ANY, max_size=8))
+@given(
+    st.sampled_from(sorted(wire.MESSAGES)), st.dictionaries(st.text(max_size=12), ANY, max_size=8)
+)
 def test_random_maps_of_a_known_type_give_only_wire_errors(type_, fields):
     decoders.decode_message(msgpack.packb({**fields, "v": 1, "type": type_}))
 
@@ -155,8 +190,17 @@ def test_one_value_mutated_gives_a_wire_error_or_a_sound_message(msg, data):
     decoders.decode_message(msgpack.packb(obj, use_bin_type=True))
 
 
-@pytest.mark.parametrize("field,bad", [("version", True), ("version", False), ("v", True),
-                                       ("index", -1), ("index", 1.0), ("rid", None)])
+@pytest.mark.parametrize(
+    "field,bad",
+    [
+        ("version", True),
+        ("version", False),
+        ("v", True),
+        ("index", -1),
+        ("index", 1.0),
+        ("rid", None),
+    ],
+)
 def test_bool_or_float_where_an_int_belongs_is_refused(field, bad):
     obj = unpacked(wire.encode(wire.ChunkRequest(version=1, index=0)))
     obj[field] = bad
@@ -166,9 +210,16 @@ def test_bool_or_float_where_an_int_belongs_is_refused(field, bad):
 
 # ------------------------------------------------------------------ trajectory payload
 
-RECORDS = st.lists(st.fixed_dictionaries({**{k: st.just(v) for k, v in decoders.RECORD.items()},
-                                          "reward": st.floats(-10, 10),
-                                          "sample_idx": st.integers(0, 7)}), max_size=4)
+RECORDS = st.lists(
+    st.fixed_dictionaries(
+        {
+            **{k: st.just(v) for k, v in decoders.RECORD.items()},
+            "reward": st.floats(-10, 10),
+            "sample_idx": st.integers(0, 7),
+        }
+    ),
+    max_size=4,
+)
 
 
 @FUZZ
@@ -194,8 +245,11 @@ def test_one_record_value_mutated_gives_an_error_or_a_sound_record(records, data
 
 # ------------------------------------------------------------------ manifest
 
-TENSOR = st.tuples(st.text(min_size=1, max_size=8), st.sampled_from(["float32", "bfloat16", "int8"]),
-                   st.lists(st.integers(0, 6), max_size=3))
+TENSOR = st.tuples(
+    st.text(min_size=1, max_size=8),
+    st.sampled_from(["float32", "bfloat16", "int8"]),
+    st.lists(st.integers(0, 6), max_size=3),
+)
 
 
 @st.composite
@@ -203,20 +257,37 @@ def manifests(draw):
     tensors, offset = [], 0
     for i, (name, dtype, shape) in enumerate(draw(st.lists(TENSOR, max_size=4))):
         nbytes = math.prod(shape) * {"float32": 4, "bfloat16": 2, "int8": 1}[dtype]
-        tensors.append({"name": f"{name}{i}", "dtype": dtype, "shape": shape, "offset": offset,
-                        "nbytes": nbytes})
+        tensors.append(
+            {
+                "name": f"{name}{i}",
+                "dtype": dtype,
+                "shape": shape,
+                "offset": offset,
+                "nbytes": nbytes,
+            }
+        )
         offset += nbytes
     payload = draw(st.binary(min_size=offset, max_size=offset + 64))
-    return build_manifest(run_id=draw(st.text(max_size=8)), version=draw(st.integers(0, 2**40)),
-                          tensors=tensors, payload=payload, chunk_size=draw(st.integers(1, 300)),
-                          dtype="float32", key=decoders.KEY)
+    return build_manifest(
+        run_id=draw(st.text(max_size=8)),
+        version=draw(st.integers(0, 2**40)),
+        tensors=tensors,
+        payload=payload,
+        chunk_size=draw(st.integers(1, 300)),
+        dtype="float32",
+        key=decoders.KEY,
+    )
 
 
 @FUZZ
 @given(manifests())
 def test_valid_manifests_verify_after_a_wire_round_trip(m):
-    back = wire.decode(wire.encode(wire.SnapshotNotice(version=m.version, manifest=m.to_wire(),
-                                                       source="tcp://h:1")), 1 << 24).manifest
+    back = wire.decode(
+        wire.encode(
+            wire.SnapshotNotice(version=m.version, manifest=m.to_wire(), source="tcp://h:1")
+        ),
+        1 << 24,
+    ).manifest
     assert verify_manifest(back, decoders.KEY.public_bytes) == m
     decoders.check_accepted_manifest(m, back)
 

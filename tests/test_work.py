@@ -1,15 +1,16 @@
 import itertools
 
-from dataplane.adapter import Prompt
-from learner.work import WorkQueue
 from fakes import FakeClock
 
+from dataplane.adapter import Prompt
+from learner.work import WorkQueue
 
 
 def make(clock, cap=4):
     prompts = (Prompt([i], {"i": i}) for i in itertools.count())
-    return WorkQueue(prompts, group_size=3, max_outstanding=cap, lease_timeout_s=10,
-                     prefix="run", clock=clock)
+    return WorkQueue(
+        prompts, group_size=3, max_outstanding=cap, lease_timeout_s=10, prefix="run", clock=clock
+    )
 
 
 def test_grant_respects_outstanding_cap():

@@ -24,8 +24,11 @@ BANNED = "this key is banned (banned by the operator)"
 
 def _agrees(doc: WorkerStatus) -> list[tuple[str, str]]:
     """The rows that still speak of the worker as taking part."""
-    return [(name, value) for name, value in rows(doc)
-            if name != "active time" and ("active" in value or "standby" in value)]
+    return [
+        (name, value)
+        for name, value in rows(doc)
+        if name != "active time" and ("active" in value or "standby" in value)
+    ]
 
 
 @pytest.mark.slow
@@ -36,13 +39,30 @@ def test_a_banned_worker_s_summary_and_status_agree(tmp_path, small_cfg):
     conf.write_text(dump_toml(small_cfg))
     group = ProcessGroup()
     try:
-        learner = group.start("learner", python_argv("echo.cli", "learn", str(conf), "--run-dir",
-                                                     str(run)), tmp_path / "l.log", pipe_stdout=True)
+        learner = group.start(
+            "learner",
+            python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+            tmp_path / "l.log",
+            pipe_stdout=True,
+        )
         line = wait_ready(learner, timeout=120)
         status = tmp_path / "w0.json"
-        worker = group.start("w0", python_argv(
-            "worker.cli", "join", line, "--id", "w0", "--identity", str(tmp_path / "w0.key"),
-            "--status-file", str(status), "--plain"), tmp_path / "w0.log")
+        worker = group.start(
+            "w0",
+            python_argv(
+                "worker.cli",
+                "join",
+                line,
+                "--id",
+                "w0",
+                "--identity",
+                str(tmp_path / "w0.key"),
+                "--status-file",
+                str(status),
+                "--plain",
+            ),
+            tmp_path / "w0.log",
+        )
         deadline = time.monotonic() + 180
         while not _delivered(status):  # a worker in the middle of its work
             assert time.monotonic() < deadline and worker.poll() is None, "nothing delivered"
@@ -59,7 +79,7 @@ def test_a_banned_worker_s_summary_and_status_agree(tmp_path, small_cfg):
     assert "banned" in table["exit"] and "banned" in table["learner says"]
     assert _agrees(doc) == []
     log = (tmp_path / "w0.log").read_text()
-    summary = log[log.rindex("echo-worker w0: summary"):]  # the table printed at exit
+    summary = log[log.rindex("echo-worker w0: summary") :]  # the table printed at exit
     assert "quarantined, exited" in summary and "active ·" not in summary
 
 

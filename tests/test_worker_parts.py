@@ -25,13 +25,20 @@ from worker.session import SessionHooks, WorkerError
 from worker.status import InstallProgress, StatusBoard
 
 KEY = RunKey.from_bytes(bytes(32))
-MANIFEST = build_manifest(run_id="r1", version=5, tensors=[], payload=bytes(40), chunk_size=16,
-                          dtype="bfloat16", key=KEY)
+MANIFEST = build_manifest(
+    run_id="r1", version=5, tensors=[], payload=bytes(40), chunk_size=16, dtype="bfloat16", key=KEY
+)
 
 
 def _ack(**kw) -> wire.JoinAck:
-    fields = dict(run_id="r1", instance_id="i1", public_key=KEY.public_bytes, version=-1, config=VIEW,
-                  snapshot_endpoint="")
+    fields = dict(
+        run_id="r1",
+        instance_id="i1",
+        public_key=KEY.public_bytes,
+        version=-1,
+        config=VIEW,
+        snapshot_endpoint="",
+    )
     return wire.JoinAck(**{**fields, **kw})
 
 
@@ -40,17 +47,27 @@ def _ack(**kw) -> wire.JoinAck:
 
 def test_session_retries_a_busy_learner_then_joins_and_says_what_changed(monkeypatch):
     monkeypatch.setattr("worker.session.JOIN_BACKOFF_S", 0.0)
-    answers = iter([wire.Error(reason="rate_limited", detail="slow down"),
-                    _ack(worker_id="w-kept"), _ack(instance_id="i2")])
+    answers = iter(
+        [
+            wire.Error(reason="rate_limited", detail="slow down"),
+            _ack(worker_id="w-kept"),
+            _ack(instance_id="i2"),
+        ]
+    )
     joins = []
-    hooks = SessionHooks(joined=lambda ack, restarted, new_run: joins.append((restarted, new_run)),
-                         offer=lambda *a: None, punch=lambda m: None, beat=lambda w: None)
+    hooks = SessionHooks(
+        joined=lambda ack, restarted, new_run: joins.append((restarted, new_run)),
+        offer=lambda *a: None,
+        punch=lambda m: None,
+        beat=lambda w: None,
+    )
     client = ScriptedClient(lambda msg: next(answers))
     s = make_session(client, hooks=hooks)
 
     async def go():
         await s.join()
         await s.join()  # the learner restarted: a new instance, the same run
+
     asyncio.run(go())
     assert joins == [(False, True), (True, False)]
     assert s.worker_id == "w-kept" and s.run_id == "r1" and s.instance_id == "i2"
@@ -59,7 +76,9 @@ def test_session_retries_a_busy_learner_then_joins_and_says_what_changed(monkeyp
 
 
 def test_a_ban_on_join_ends_the_worker_and_the_status_says_quarantined():
-    s = make_session(ScriptedClient(lambda msg: wire.Error(reason="banned", detail="by the operator")))
+    s = make_session(
+        ScriptedClient(lambda msg: wire.Error(reason="banned", detail="by the operator"))
+    )
     with pytest.raises(WorkerError, match="banned this worker's key: by the operator"):
         asyncio.run(s.join())
     assert s.status.doc.account.state == "quarantined"
@@ -67,8 +86,12 @@ def test_a_ban_on_join_ends_the_worker_and_the_status_says_quarantined():
 
 def test_notices_offer_snapshots_and_a_shutdown_stops():
     offered = []
-    hooks = SessionHooks(joined=lambda *a: None, offer=lambda v, m, src: offered.append((v, src.endpoint)),
-                         punch=lambda m: None, beat=lambda w: None)
+    hooks = SessionHooks(
+        joined=lambda *a: None,
+        offer=lambda v, m, src: offered.append((v, src.endpoint)),
+        punch=lambda m: None,
+        beat=lambda w: None,
+    )
     s = make_session(ScriptedClient(lambda msg: None), hooks=hooks)
 
     async def go():
@@ -77,6 +100,7 @@ def test_notices_offer_snapshots_and_a_shutdown_stops():
         task = asyncio.create_task(s.notices())
         await asyncio.wait_for(s.life.stopping.wait(), 5)
         task.cancel()
+
     asyncio.run(go())
     assert offered == [(4, "tcp://p:1")] and s.life.exit_reason == "learner shut down: done"
 
@@ -89,10 +113,18 @@ def _batch(batch_id: str, count: int = 2) -> wire.Trajectories:
 
 
 def test_a_batch_is_resent_until_acknowledged_and_the_ledger_keeps_what_was_stored(tmp_path):
-    replies = iter([RequestTimeout("lost"), wire.Ack(batch_id="b1", accepted=1, duplicates=0,
-                                                     rejected={"stale": 1}, rejected_idx=[1])])
+    replies = iter(
+        [
+            RequestTimeout("lost"),
+            wire.Ack(
+                batch_id="b1", accepted=1, duplicates=0, rejected={"stale": 1}, rejected_idx=[1]
+            ),
+        ]
+    )
     client = ScriptedClient(lambda msg: next(replies))
-    d = Deliveries(client, lambda: 1.0, lambda detail: WorkerError(detail), str(tmp_path / "ledger"))
+    d = Deliveries(
+        client, lambda: 1.0, lambda detail: WorkerError(detail), str(tmp_path / "ledger")
+    )
     d.add(_batch("b1"), ["g0"], [["g0", 0], ["g0", 1]])
     assert d.holding() == ["g0"] and len(d) == 1
 
@@ -100,6 +132,7 @@ def test_a_batch_is_resent_until_acknowledged_and_the_ledger_keeps_what_was_stor
         task = asyncio.create_task(d.run())
         await d.drain(5.0)
         task.cancel()
+
     asyncio.run(go())
     assert len(d) == 0 and d.holding() == [] and d.delivered == 2 and len(client.sent) == 2
     line = json.loads((tmp_path / "ledger").read_text())
@@ -107,8 +140,11 @@ def test_a_batch_is_resent_until_acknowledged_and_the_ledger_keeps_what_was_stor
 
 
 def test_a_ban_met_by_a_delivery_ends_it():
-    d = Deliveries(ScriptedClient(lambda msg: wire.Error(reason="banned", detail="no")),
-                   lambda: 1.0, lambda detail: WorkerError(f"banned: {detail}"))
+    d = Deliveries(
+        ScriptedClient(lambda msg: wire.Error(reason="banned", detail="no")),
+        lambda: 1.0,
+        lambda detail: WorkerError(f"banned: {detail}"),
+    )
     with pytest.raises(WorkerError, match="banned: no"):
         asyncio.run(d._attempt(_batch("b1")))
 
@@ -125,7 +161,11 @@ def test_a_rollout_queues_one_batch_with_the_installed_version():
     (batch,) = g.deliveries.unacked.values()
     records = wire.unpack_records(batch.payload, 2**20)
     assert [(r["group_id"], r["sample_idx"], r["reward"], r["version"]) for r in records] == [
-        ("g0", 0, 2.0, 3), ("g0", 1, 1.0, 3), ("g1", 0, 2.0, 3), ("g1", 1, 1.0, 3)]
+        ("g0", 0, 2.0, 3),
+        ("g0", 1, 1.0, 3),
+        ("g1", 0, 2.0, 3),
+        ("g1", 1, 1.0, 3),
+    ]
     assert g.deliveries.holding() == ["g0", "g1"] and g.generating == []
     assert g.status.doc.groups_generated == 2 and g.activity.state == "idle"
     assert g.rollout_s > 0 and g.group_s == pytest.approx(g.rollout_s / 2)
@@ -135,11 +175,14 @@ def test_cut_samples_go_back_as_prefixes_and_nothing_is_queued():
     client = ScriptedClient(lambda msg: wire.HandbackAck(groups=2, prefixes=4))
     backend = scripted_backend([[5, 2]])
     backend.generate = lambda groups, n, t, stop=None: [
-        [Sample([5], [-0.5], finished=False) for _ in range(g.n)] for g in groups]
+        [Sample([5], [-0.5], finished=False) for _ in range(g.n)] for g in groups
+    ]
     g = make_generation(client, backend, ADAPTER)
     assert asyncio.run(g.rollout(GROUPS)) is False
     (msg,) = client.sent
-    assert isinstance(msg, wire.Handback) and msg.groups == ["g0", "g1"] and msg.reason == "preempted"
+    assert (
+        isinstance(msg, wire.Handback) and msg.groups == ["g0", "g1"] and msg.reason == "preempted"
+    )
     assert [p.versions for p in msg.prefixes["g0"]] == [[[3, 1]], [[3, 1]]]
     assert len(g.deliveries) == 0 and g.status.doc.handed_back_tokens == 4
 
@@ -178,8 +221,14 @@ class _Relay:
 def _installer() -> tuple[Installer, _Relay]:
     relay = _Relay()
     session = make_session(ScriptedClient(lambda m: None))
-    inst = Installer(session, relay, status=session.status, activity=Activity(),  # type: ignore[arg-type]
-                     progress=InstallProgress(), choice=LoadChoice())
+    inst = Installer(
+        session,
+        relay,
+        status=session.status,
+        activity=Activity(),  # type: ignore[arg-type]
+        progress=InstallProgress(),
+        choice=LoadChoice(),
+    )
     session.public_key = KEY.public_bytes  # as the join that precedes ``joined`` sets it
     return inst, relay
 
@@ -209,8 +258,9 @@ def test_a_manifest_that_fails_its_signature_is_never_fetched():
 def test_an_install_loads_the_ready_version_and_says_so():
     inst, _ = _installer()
     installed = []
-    inst.held.backend = SimpleNamespace(base_hash=None,
-                                        install=lambda tensors, result, v: installed.append(v))
+    inst.held.backend = SimpleNamespace(
+        base_hash=None, install=lambda tensors, result, v: installed.append(v)
+    )
     inst.feed.ready = (5, MANIFEST, b"payload")
     asyncio.run(inst.ensure_installed())
     assert installed == [5] and inst.held.version == 5 and inst.activity.state == "idle"
@@ -270,6 +320,7 @@ def test_the_owner_s_work_yields_the_machine_until_it_is_quiet():
         while not task.done():
             seen.append((life.yielded, activity.state))
             await asyncio.sleep(0)
+
     asyncio.run(go())
     assert (True, "yielded") in seen and (life.yielded, activity.state) == (False, "idle")
     assert status.doc.yielded_at is not None
@@ -289,10 +340,17 @@ def test_the_relay_node_offers_its_endpoint_takes_the_learner_s_tuning_and_names
     try:
         offer = node.offer()
         assert offer.endpoint.startswith("tcp://127.0.0.1:") and offer.down_mbit == 8.0
-        node.tune({"broadcast": {"window": 9, "timeout_s": 3.0},
-                   "security": {"max_parked_per_peer": 5, "max_parked_total": 50}})
+        node.tune(
+            {
+                "broadcast": {"window": 9, "timeout_s": 3.0},
+                "security": {"max_parked_per_peer": 5, "max_parked_total": 50},
+            }
+        )
         assert (node.relay.cfg.window, node.relay.cfg.timeout_s) == (9, 3.0)
-        assert (node.relay.server.max_parked_per_peer, node.relay.server.max_parked_total) == (5, 50)
+        assert (node.relay.server.max_parked_per_peer, node.relay.server.max_parked_total) == (
+            5,
+            50,
+        )
         assert node.memory(None)["model"] == 0
         port = int(offer.endpoint.rpartition(":")[2])
         with pytest.raises(WorkerError, match="--relay-port"):

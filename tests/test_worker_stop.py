@@ -57,16 +57,35 @@ class Fleet:
     def learner(self, cfg: EchoConfig, *sets: str) -> str:
         conf = self.tmp / "learner.toml"
         conf.write_text(dump_toml(cfg))
-        argv = python_argv("echo.cli", "learn", str(conf), "--run-dir", str(self.run_dir),
-                           *[a for s in sets for a in ("--set", s)])
+        argv = python_argv(
+            "echo.cli",
+            "learn",
+            str(conf),
+            "--run-dir",
+            str(self.run_dir),
+            *[a for s in sets for a in ("--set", s)],
+        )
         proc = self.group.start("learner", argv, self.tmp / "learner.log", pipe_stdout=True)
         return wait_ready(proc, timeout=120)
 
     def worker(self, name: str, line: str, *flags: str) -> tuple[subprocess.Popen, Path, Path]:
         status, log = self.tmp / f"{name}.json", self.tmp / f"{name}.log"
-        proc = self.group.start(name, python_argv(
-            "worker.cli", "join", line, "--id", name, "--identity", str(self.tmp / f"{name}.key"),
-            "--status-file", str(status), *flags), log)
+        proc = self.group.start(
+            name,
+            python_argv(
+                "worker.cli",
+                "join",
+                line,
+                "--id",
+                name,
+                "--identity",
+                str(self.tmp / f"{name}.key"),
+                "--status-file",
+                str(status),
+                *flags,
+            ),
+            log,
+        )
         return proc, status, log
 
     def sigterm(self, name: str) -> None:
@@ -109,7 +128,9 @@ def test_waiting_for_a_learner_that_never_answers(fleet):
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        line = str(JoinLine(f"tcp://127.0.0.1:{silent.getsockname()[1]}", KeyPair.generate().public))
+        line = str(
+            JoinLine(f"tcp://127.0.0.1:{silent.getsockname()[1]}", KeyPair.generate().public)
+        )
         _, status, _ = fleet.worker("w0", line)
         _until("the worker's first status", lambda: _status(status).get("activity") is not None)
         fleet.sigterm("w0")
@@ -130,8 +151,10 @@ def test_waiting_for_a_snapshot_that_never_comes(fleet, small_cfg):
     loopback address than the one it binds: the issue's unreachable 0.0.0.0, on one host)."""
     line = fleet.learner(_cfg(small_cfg), "learner.public_host=127.0.0.2")
     _, status, _ = fleet.worker("w0", line.replace("127.0.0.2", "127.0.0.1"))
-    _until("the model loaded, the snapshot still missing",
-           lambda: "model loaded" in (_status(status).get("install_phase") or ""))
+    _until(
+        "the model loaded, the snapshot still missing",
+        lambda: "model loaded" in (_status(status).get("install_phase") or ""),
+    )
     assert not _installed(status) and _status(status)["account"] is not None
     fleet.sigterm("w0")
 
@@ -142,16 +165,25 @@ def test_generating(fleet, small_cfg):
     small_cfg.learner.max_outstanding_groups = 64
     line = fleet.learner(_cfg(small_cfg))
     _, status, _ = fleet.worker("w0", line)
-    _until("the worker generating", lambda: _status(status).get("activity") == "generating"
-           and _status(status).get("groups_generated", 0) > 0)
+    _until(
+        "the worker generating",
+        lambda: (
+            _status(status).get("activity") == "generating"
+            and _status(status).get("groups_generated", 0) > 0
+        ),
+    )
     fleet.sigterm("w0")
 
 
 def test_relaying_to_a_chain_child(fleet, small_cfg):
     """One chain (a slow learner uplink, fast workers): learner -> w0 -> w1. Stopped once w1
     has received a version from w0's relay."""
-    line = fleet.learner(_cfg(small_cfg), "broadcast.uplink_mbit=10", "broadcast.link_mbit=100",
-                         "broadcast.topology=chains")
+    line = fleet.learner(
+        _cfg(small_cfg),
+        "broadcast.uplink_mbit=10",
+        "broadcast.link_mbit=100",
+        "broadcast.topology=chains",
+    )
     chunk_port = json.loads((fleet.run_dir / "learner.json").read_text())["ports"]["chunks"]
     fleet.worker("w0", line)
     _until("w0 installed", lambda: _installed(fleet.tmp / "w0.json"))
@@ -168,14 +200,25 @@ def test_relaying_to_a_chain_child(fleet, small_cfg):
 def test_idle_in_standby(fleet, small_cfg):
     """Provisioning keeps the second worker standby (one active at start, no probation, no
     window closes during the test): installed, relaying if asked, generating nothing."""
-    line = fleet.learner(_cfg(small_cfg), "provisioning.enabled=true",
-                         "provisioning.initial_active=1", "provisioning.probation_slots=0",
-                         "provisioning.window_s=600", "provisioning.warmup_s=600")
+    line = fleet.learner(
+        _cfg(small_cfg),
+        "provisioning.enabled=true",
+        "provisioning.initial_active=1",
+        "provisioning.probation_slots=0",
+        "provisioning.window_s=600",
+        "provisioning.warmup_s=600",
+    )
     fleet.worker("w0", line)
-    _until("w0 active", lambda: (_status(fleet.tmp / "w0.json").get("account") or {})
-           .get("state") == "active")
+    _until(
+        "w0 active",
+        lambda: (_status(fleet.tmp / "w0.json").get("account") or {}).get("state") == "active",
+    )
     _, status, _ = fleet.worker("w1", line)
-    _until("w1 installed, standby", lambda: _installed(status) and
-           (_status(status).get("account") or {}).get("state") == "standby")
+    _until(
+        "w1 installed, standby",
+        lambda: (
+            _installed(status) and (_status(status).get("account") or {}).get("state") == "standby"
+        ),
+    )
     fleet.sigterm("w1")
     assert _status(status)["groups_generated"] == 0

@@ -23,18 +23,31 @@ def batch(seed: int, n: int = 16, prompt: int = 4, completion: int = 3) -> Learn
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 24, (n, prompt + completion), generator=g)
     mask = torch.zeros(n, prompt + completion - 1)
-    mask[:, prompt - 1:] = 1
+    mask[:, prompt - 1 :] = 1
     mask[::3, -1] = 0  # ragged completions: token-mean differs from seq-mean
-    return LearnerBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask,
-                        behaviour_logprobs=-torch.rand(n, prompt + completion - 1, generator=g) * 3,
-                        advantages=torch.randn(n, generator=g), rewards=torch.zeros(n),
-                        versions=torch.zeros(n, dtype=torch.long))
+    return LearnerBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        loss_mask=mask,
+        behaviour_logprobs=-torch.rand(n, prompt + completion - 1, generator=g) * 3,
+        advantages=torch.randn(n, generator=g),
+        rewards=torch.zeros(n),
+        versions=torch.zeros(n, dtype=torch.long),
+    )
 
 
 def main(out: str, lora: bool = False) -> None:
-    cfg = EchoConfig.model_validate({"learner": {
-        "lr": 1e-2, "prompts_per_step": 4, "group_size": 4,
-        "lora": {"enabled": lora, "rank": 4}, "beta": 0.05 if lora else 0.0}})
+    cfg = EchoConfig.model_validate(
+        {
+            "learner": {
+                "lr": 1e-2,
+                "prompts_per_step": 4,
+                "group_size": 4,
+                "lora": {"enabled": lora, "rank": 4},
+                "beta": 0.05 if lora else 0.0,
+            }
+        }
+    )
     policy = Policy(cfg)
     if not policy.par.is_main:
         policy.follow()
@@ -42,13 +55,19 @@ def main(out: str, lora: bool = False) -> None:
         return
     poisoned = batch(3)
     poisoned.advantages[5] = float("nan")  # on one rank's shard of one mini-batch
-    stats = [policy.command({"op": "step", "batch": b, "sync": False})[0]
-             for b in (batch(0), batch(1), batch(2), poisoned)]
+    stats = [
+        policy.command({"op": "step", "batch": b, "sync": False})[0]
+        for b in (batch(0), batch(1), batch(2), poisoned)
+    ]
     _, (model_sd, optim_sd) = policy.command({"op": "sync"})
     saved = {"params": {n: t for n, t in policy.named_tensors(model_sd)}, "stats": stats}
     if lora:  # resume from the adapter alone: the same adapter comes back
-        policy.command({"op": "load", "state": {"model": model_sd, "optimizer": optim_sd,
-                                                **policy.rng_state()}})
+        policy.command(
+            {
+                "op": "load",
+                "state": {"model": model_sd, "optimizer": optim_sd, **policy.rng_state()},
+            }
+        )
         _, (again, _) = policy.command({"op": "sync"})
         saved["reloaded"] = dict(policy.named_tensors(again))
     torch.save(saved, out)

@@ -4,8 +4,9 @@ install.py): a learner link that answers from a script, and the parts wired to i
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 from echo import wire
 from echo.security import JoinLine
@@ -17,10 +18,17 @@ from worker.session import RelayOffer, Session, SessionHooks
 from worker.status import StatusBoard
 from worker.unreachable import Unreachable
 
-VIEW = {"worker": {"groups_per_request": 2, "max_new_tokens": 4, "temperature": 1.0,
-                   "max_unacked_batches": 4, "heartbeat_s": 0.01},
-        "transport": {"request_timeout_s": 1.0, "max_message_mib": 8, "heartbeat_timeout_s": 1.0},
-        "model": {"name": "tiny-qwen3"}}
+VIEW = {
+    "worker": {
+        "groups_per_request": 2,
+        "max_new_tokens": 4,
+        "temperature": 1.0,
+        "max_unacked_batches": 4,
+        "heartbeat_s": 0.01,
+    },
+    "transport": {"request_timeout_s": 1.0, "max_message_mib": 8, "heartbeat_timeout_s": 1.0},
+    "model": {"name": "tiny-qwen3"},
+}
 
 
 class ScriptedClient:
@@ -47,16 +55,32 @@ class ScriptedClient:
         self.sent.append(msg)
 
 
-def make_session(client: Any, *, view: dict | None = None, worker_id: str = "w0",
-                 hooks: SessionHooks | None = None) -> Session:
+def make_session(
+    client: Any,
+    *,
+    view: dict | None = None,
+    worker_id: str = "w0",
+    hooks: SessionHooks | None = None,
+) -> Session:
     endpoint = getattr(client, "endpoint", "tcp://127.0.0.1:9")
-    s = Session(client, JoinLine(endpoint, None), worker_id=worker_id, price=0.0,
-                join_timeout_s=0.05, relay=RelayOffer("", 0.0, 0.0),
-                status=StatusBoard(worker_id, endpoint, 0.0, None),
-                unreachable=Unreachable(endpoint, None), life=Lifecycle(lambda: worker_id),
-                hooks=hooks or SessionHooks(joined=lambda *a: None, offer=lambda *a: None,
-                                            punch=lambda m: None,
-                                            beat=lambda wid: wire.Heartbeat(worker_id=wid)))
+    s = Session(
+        client,
+        JoinLine(endpoint, None),
+        worker_id=worker_id,
+        price=0.0,
+        join_timeout_s=0.05,
+        relay=RelayOffer("", 0.0, 0.0),
+        status=StatusBoard(worker_id, endpoint, 0.0, None),
+        unreachable=Unreachable(endpoint, None),
+        life=Lifecycle(lambda: worker_id),
+        hooks=hooks
+        or SessionHooks(
+            joined=lambda *a: None,
+            offer=lambda *a: None,
+            punch=lambda m: None,
+            beat=lambda wid: wire.Heartbeat(worker_id=wid),
+        ),
+    )
     s.view = dict(view or VIEW)
     return s
 
@@ -72,12 +96,24 @@ class FakeInstaller:
         pass
 
 
-def make_generation(client: Any, backend: Any = None, adapter: Any = None, *,
-                    cls: type[Generation] = Generation, version: int = 3) -> Generation:
+def make_generation(
+    client: Any,
+    backend: Any = None,
+    adapter: Any = None,
+    *,
+    cls: type[Generation] = Generation,
+    version: int = 3,
+) -> Generation:
     session = make_session(client)
     deliveries = Deliveries(client, lambda: session.timeout, session.banned)
-    return cls(session, FakeInstaller(backend, adapter, version), deliveries,  # type: ignore[arg-type]
-               life=session.life, activity=Activity(), status=session.status)
+    return cls(
+        session,
+        FakeInstaller(backend, adapter, version),
+        deliveries,  # type: ignore[arg-type]
+        life=session.life,
+        activity=Activity(),
+        status=session.status,
+    )
 
 
 def scripted_backend(completions: list[list[int]]) -> Any:
@@ -86,6 +122,10 @@ def scripted_backend(completions: list[list[int]]) -> Any:
 
     tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "")
     return SimpleNamespace(
-        tokenizer=tok, tokens_sampled=0, base_hash=None,
-        generate=lambda groups, n, t, stop=None: [[Sample(list(c), [-0.5] * len(c)) for c in completions]
-                                                  for _ in groups])
+        tokenizer=tok,
+        tokens_sampled=0,
+        base_hash=None,
+        generate=lambda groups, n, t, stop=None: [
+            [Sample(list(c), [-0.5] * len(c)) for c in completions] for _ in groups
+        ],
+    )

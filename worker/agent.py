@@ -71,15 +71,27 @@ class Worker:
     # lies or cherry-picks (benchmarks/) brings its own subclass.
     make_generation: Callable[..., Generation] = Generation
 
-    def __init__(self, endpoint: str | JoinLine, *, worker_id: str | None = None, price: float = 0.0,
-                 threads: int | None = None, join_timeout_s: float = 5.0,
-                 ledger: str | None = None, relay: RelayConfig | None = None,
-                 keys: KeyPair | None = None, backend: str | None = None,
-                 device: str | None = None, status: StatusBoard | None = None,
-                 show: Callable[[StatusBoard], None] | None = None, migrate: bool = True,
-                 owner: Owner | None = None, give_up_after_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 host_memory_gb: float = 0.0):
+    def __init__(
+        self,
+        endpoint: str | JoinLine,
+        *,
+        worker_id: str | None = None,
+        price: float = 0.0,
+        threads: int | None = None,
+        join_timeout_s: float = 5.0,
+        ledger: str | None = None,
+        relay: RelayConfig | None = None,
+        keys: KeyPair | None = None,
+        backend: str | None = None,
+        device: str | None = None,
+        status: StatusBoard | None = None,
+        show: Callable[[StatusBoard], None] | None = None,
+        migrate: bool = True,
+        owner: Owner | None = None,
+        give_up_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        host_memory_gb: float = 0.0,
+    ):
         """``status``: where the worker's status goes (docs/volunteers.md; default: kept in
         memory only); ``show``: called with it every second (a live view or a plain line).
         ``migrate``: on SIGTERM, cut the samples being generated and hand them back as
@@ -92,12 +104,15 @@ class Worker:
         self.endpoint = self.line.endpoint
         # Identity is the key pair; without CURVE (an --insecure learner) the id is all there is.
         self.keys = (keys or KeyPair.generate()) if self.line.server_key is not None else None
-        default_id = f"w-{fingerprint(self.keys.public)[:8]}" if self.keys else f"w-{uuid.uuid4().hex[:8]}"
+        default_id = (
+            f"w-{fingerprint(self.keys.public)[:8]}" if self.keys else f"w-{uuid.uuid4().hex[:8]}"
+        )
         self.worker_id = worker_id or default_id
         self.price, self.join_timeout_s, self.ledger = price, join_timeout_s, ledger
         self.relay_cfg = relay or RelayConfig()
-        self.choice = LoadChoice(threads, backend, device, host_memory_gb,
-                                 spill=bool(self.relay_cfg.spill_dir))
+        self.choice = LoadChoice(
+            threads, backend, device, host_memory_gb, spill=bool(self.relay_cfg.spill_dir)
+        )
         self.unreachable = Unreachable(self.endpoint, give_up_after_s, clock=clock)
         self.status = status or StatusBoard(self.worker_id, self.endpoint, price, None)
         self.status.update(worker_id=self.worker_id)
@@ -112,47 +127,80 @@ class Worker:
     def _assemble(self, client: Client, node: RelayNode) -> None:
         """The parts, each given what it needs and nothing more."""
         self.client, self.node = client, node
-        hooks = SessionHooks(joined=self._joined, offer=lambda *a: self.installer.offer(*a),
-                             punch=node.tunnels.open, beat=self._beat)
-        self.session = Session(client, self.line, worker_id=self.worker_id, price=self.price,
-                               join_timeout_s=self.join_timeout_s, relay=node.offer(),
-                               status=self.status, unreachable=self.unreachable,
-                               life=self.life, hooks=hooks)
+        hooks = SessionHooks(
+            joined=self._joined,
+            offer=lambda *a: self.installer.offer(*a),
+            punch=node.tunnels.open,
+            beat=self._beat,
+        )
+        self.session = Session(
+            client,
+            self.line,
+            worker_id=self.worker_id,
+            price=self.price,
+            join_timeout_s=self.join_timeout_s,
+            relay=node.offer(),
+            status=self.status,
+            unreachable=self.unreachable,
+            life=self.life,
+            hooks=hooks,
+        )
         self.life.worker_id = lambda: self.session.worker_id
-        self.installer = Installer(self.session, node.relay, status=self.status,
-                                   activity=self.activity, progress=self.progress,
-                                   choice=self.choice)
-        self.deliveries = Deliveries(client, lambda: self.session.timeout, self.session.banned,
-                                     self.ledger)
-        self.generation = self.make_generation(self.session, self.installer, self.deliveries,
-                                              life=self.life, activity=self.activity,
-                                              status=self.status)
+        self.installer = Installer(
+            self.session,
+            node.relay,
+            status=self.status,
+            activity=self.activity,
+            progress=self.progress,
+            choice=self.choice,
+        )
+        self.deliveries = Deliveries(
+            client, lambda: self.session.timeout, self.session.banned, self.ledger
+        )
+        self.generation = self.make_generation(
+            self.session,
+            self.installer,
+            self.deliveries,
+            life=self.life,
+            activity=self.activity,
+            status=self.status,
+        )
 
     def _joined(self, ack: wire.JoinAck, restarted: bool, new_run: bool) -> None:
         self.installer.joined(ack, restarted, new_run)
         self.node.tune(ack.config)
         self.progress.joined()
         if ack.reflectors:  # beside the model load and the first fetch, not before them
-            self._spawn(self.node.probe_nat(self.client, self.session.worker_id, ack.reflectors,
-                                            self.session.timeout))
+            self._spawn(
+                self.node.probe_nat(
+                    self.client, self.session.worker_id, ack.reflectors, self.session.timeout
+                )
+            )
 
     def _beat(self, worker_id: str) -> wire.Heartbeat:
         g = self.generation
-        return wire.Heartbeat(worker_id=worker_id, version=self.installer.held.version,
-                              throughput=g.throughput, state=self.activity.state,
-                              busy_s=g.busy_s, busy_samples=g.busy_samples,
-                              base=self.node.relay.holds_base)
+        return wire.Heartbeat(
+            worker_id=worker_id,
+            version=self.installer.held.version,
+            throughput=g.throughput,
+            state=self.activity.state,
+            busy_s=g.busy_s,
+            busy_samples=g.busy_samples,
+            base=self.node.relay.holds_base,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> str:
         sys.setswitchinterval(LOAD_SWITCH_S)  # until the model is loaded (see LOAD_SWITCH_S)
         ctx = zmq.asyncio.Context()
-        client = Client(ctx, self.endpoint, BOOT_MAX_BYTES, keys=self.keys,
-                        server_key=self.line.server_key)
+        client = Client(
+            ctx, self.endpoint, BOOT_MAX_BYTES, keys=self.keys, server_key=self.line.server_key
+        )
         try:
-            node = RelayNode(ctx, self.relay_cfg, keys=self.keys,
-                             run_key=lambda: self.session.public_key)
+            node = RelayNode(
+                ctx, self.relay_cfg, keys=self.keys, run_key=lambda: self.session.public_key
+            )
         except WorkerError:
             client.close()
             ctx.term()
@@ -161,15 +209,22 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.life.stop, f"signal {sig.name}")
-        loop.add_signal_handler(signal.SIGUSR1, lambda: self.life.notice(  # echo-worker preempt
-            self.status.path, self.generation.grant_rtt))
+        loop.add_signal_handler(
+            signal.SIGUSR1,
+            lambda: self.life.notice(  # echo-worker preempt
+                self.status.path, self.generation.grant_rtt
+            ),
+        )
         try:
             await self._run_parts()
         finally:
             sys.setswitchinterval(DEFAULT_SWITCH_S)
             backend = self.installer.held.backend
-            self.status.update(activity="stopped", exit=self.life.exit_reason or "error",
-                               **({"tokens_sampled": backend.tokens_sampled} if backend else {}))
+            self.status.update(
+                activity="stopped",
+                exit=self.life.exit_reason or "error",
+                **({"tokens_sampled": backend.tokens_sampled} if backend else {}),
+            )
             self.status.flush(force=True)
             node.close()
             client.close()
@@ -178,16 +233,20 @@ class Worker:
 
     async def _run_parts(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(self.client.receive_forever()),
-                     tg.create_task(self.node.relay.serve_forever()),
-                     tg.create_task(self.node.tunnels.serve_forever()),
-                     tg.create_task(self._status_loop())]
+            tasks = [
+                tg.create_task(self.client.receive_forever()),
+                tg.create_task(self.node.relay.serve_forever()),
+                tg.create_task(self.node.tunnels.serve_forever()),
+                tg.create_task(self._status_loop()),
+            ]
             if await self.session.join():
                 # Heartbeats start before the (slow) model load so the learner keeps us.
-                tasks += [tg.create_task(self.session.heartbeats()),
-                          tg.create_task(self.session.notices()),
-                          tg.create_task(self.deliveries.run()),
-                          tg.create_task(self.installer.feed.run())]
+                tasks += [
+                    tg.create_task(self.session.heartbeats()),
+                    tg.create_task(self.session.notices()),
+                    tg.create_task(self.deliveries.run()),
+                    tg.create_task(self.installer.feed.run()),
+                ]
                 if await self._start_work(tg, tasks):
                     await self._finish_work()
                 await self._drain()
@@ -214,8 +273,9 @@ class Worker:
         gc.freeze()
         self._work_task = tg.create_task(self.generation.run())
         if self.owner is not None:
-            tasks.append(tg.create_task(watch_owner(self.owner, self.life, self.activity,
-                                                    self.status)))
+            tasks.append(
+                tg.create_task(watch_owner(self.owner, self.life, self.activity, self.status))
+            )
         await self.life.stopping.wait()
         return True
 

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from broadcast.basemodel import BaseCache
 from broadcast.fetch import SourceFailed
 from broadcast.manifest import BaseManifest
@@ -53,12 +54,20 @@ class BaseResult:
         if self.origin == "model.name":
             return f"{what}: loading model.name from this machine, 0 bytes fetched"
         failed = f" ({len(self.failures)} sources failed: {self.failures})" if self.failures else ""
-        return (f"{what} fetched: {self.fetched_bytes} bytes in {self.chunks} chunks from "
-                f"{' then '.join(self.sources)}{failed}, cached at {self.folder}")
+        return (
+            f"{what} fetched: {self.fetched_bytes} bytes in {self.chunks} chunks from "
+            f"{' then '.join(self.sources)}{failed}, cached at {self.folder}"
+        )
 
 
-async def obtain_base(manifest: BaseManifest, *, model_name: str, relay: Relay, ask: AskSource,
-                      cache: BaseCache | None = None) -> BaseResult:
+async def obtain_base(
+    manifest: BaseManifest,
+    *,
+    model_name: str,
+    relay: Relay,
+    ask: AskSource,
+    cache: BaseCache | None = None,
+) -> BaseResult:
     """Where the base model of a verified ``manifest`` (``verify_base_manifest``) is on this
     machine, fetching it if it is nowhere (module docstring); raises SnapshotError when it
     cannot be had."""
@@ -72,8 +81,11 @@ async def obtain_base(manifest: BaseManifest, *, model_name: str, relay: Relay, 
     cache.room(manifest)
 
     async def reattach(bad: Source, fail: SourceFailed) -> Source:
-        log.warning("base model source %s failed (%s); asking the learner for another",
-                    bad.endpoint, fail.reason)
+        log.warning(
+            "base model source %s failed (%s); asking the learner for another",
+            bad.endpoint,
+            fail.reason,
+        )
         return await ask(manifest.version, bad.endpoint, fail.reason, fail.index, "base")
 
     first = await ask(manifest.version, "", "no_base", -1, "base")
@@ -83,8 +95,9 @@ async def obtain_base(manifest: BaseManifest, *, model_name: str, relay: Relay, 
     return BaseResult(folder, "fetched", stats.bytes, stats.chunks, stats.sources, stats.failures)
 
 
-def mismatch(manifest: BaseManifest, held: str | None, result: BaseResult,
-             cache: BaseCache | None = None) -> str | None:
+def mismatch(
+    manifest: BaseManifest, held: str | None, result: BaseResult, cache: BaseCache | None = None
+) -> str | None:
     """Why the loaded base cannot be used (None: it can): its content hash is not the
     manifest's. A folder from the cache or a fetch is removed (the next start fetches it)."""
     want = manifest.base_model
@@ -93,12 +106,16 @@ def mismatch(manifest: BaseManifest, held: str | None, result: BaseResult,
     where = result.folder if result.folder is not None else "model.name"
     if result.origin != "model.name":
         (cache or BaseCache()).remove(manifest)
-    return (f"the base model loaded from {where} hashes to {str(held)[:16]}..., the run's base "
-            f"manifest says {want[:16]}... (signed by the learner): "
-            + ("the folder was removed; start the worker again to fetch it"
-               if result.origin != "model.name" else
-               "model.name on this machine is another model; move it away so the worker "
-               "fetches the learner's"))
+    return (
+        f"the base model loaded from {where} hashes to {str(held)[:16]}..., the run's base "
+        f"manifest says {want[:16]}... (signed by the learner): "
+        + (
+            "the folder was removed; start the worker again to fetch it"
+            if result.origin != "model.name"
+            else "model.name on this machine is another model; move it away so the worker "
+            "fetches the learner's"
+        )
+    )
 
 
 def refuse(err: Exception) -> str:

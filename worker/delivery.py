@@ -38,8 +38,13 @@ class Deliveries:
     ``ledger``: a JSONL file of what the learner acknowledged storing, per batch (None: none).
     ``banned``: turns a ban's detail into the error that ends the worker."""
 
-    def __init__(self, client: Requests, timeout: Callable[[], float],
-                 banned: Callable[[str], Exception], ledger: str | None = None):
+    def __init__(
+        self,
+        client: Requests,
+        timeout: Callable[[], float],
+        banned: Callable[[str], Exception],
+        ledger: str | None = None,
+    ):
         self.client, self.timeout, self.banned, self.ledger = client, timeout, banned, ledger
         self.unacked: OrderedDict[str, wire.Trajectories] = OrderedDict()
         self.groups_of: dict[str, list[str]] = {}  # batch id -> its group ids (while unacked)
@@ -91,14 +96,21 @@ class Deliveries:
         self.acked.set()
         if isinstance(reply, wire.Error):
             # The learner judged the batch itself bad: resending the same bytes cannot help.
-            log.error("learner rejected batch %s: %s: %s", batch.batch_id, reply.reason, reply.detail)
+            log.error(
+                "learner rejected batch %s: %s: %s", batch.batch_id, reply.reason, reply.detail
+            )
             return
         assert isinstance(reply, wire.Ack)
         if reply.rejected:
-            words = "; ".join(f"{r}: {wire.REFUSAL_WORDS[r]}" for r in reply.rejected
-                              if r in wire.REFUSAL_WORDS)
-            log.warning("batch %s: learner rejected records %s%s", batch.batch_id, reply.rejected,
-                        f" ({words})" if words else "")
+            words = "; ".join(
+                f"{r}: {wire.REFUSAL_WORDS[r]}" for r in reply.rejected if r in wire.REFUSAL_WORDS
+            )
+            log.warning(
+                "batch %s: learner rejected records %s%s",
+                batch.batch_id,
+                reply.rejected,
+                f" ({words})" if words else "",
+            )
         self._record_ack(batch.batch_id, reply)
         self.delivered += batch.count
 
@@ -125,8 +137,10 @@ class Deliveries:
         bad = set(ack.rejected_idx)
         stored = [k for i, k in enumerate(keys) if i not in bad]
         with open(self.ledger, "a") as f:
-            f.write(json.dumps({"batch_id": batch_id, "stored": stored,
-                                "rejected": ack.rejected}) + "\n")
+            f.write(
+                json.dumps({"batch_id": batch_id, "stored": stored, "rejected": ack.rejected})
+                + "\n"
+            )
 
     async def drain(self, timeout: float) -> None:
         """Wait, at most ``timeout`` seconds, until every batch is acknowledged (the

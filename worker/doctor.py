@@ -31,18 +31,24 @@ from worker.unreachable import checks as learner_checks
 PORTS_DOC = "docs/ports.md"
 
 
-async def diagnose(line: JoinLine, keys: Any, relay_host: str, relay_port: int | None,
-                   punch_host: str) -> list[Check]:
+async def diagnose(
+    line: JoinLine, keys: Any, relay_host: str, relay_port: int | None, punch_host: str
+) -> list[Check]:
     """Every check that applies, stopping where the rest cannot be asked. ``relay_port``:
     the fixed port a public relay listens on (its dial-back is checked), None for a relay
     on loopback behind a router (it relays through punched links, if at all)."""
     _, host, port = split_endpoint(line.endpoint)
     found = await asyncio.to_thread(tcp_greeting, host, int(port))
-    status, verdict = port_words(found, host, int(port), "the learner's control port, "
-                                                         "learner.port")
-    out = [Check("learner port", status, verdict,
-                 learner_checks(line.endpoint) + "; on the learner's host `echo-rl doctor "
-                 "--run-dir RUN` checks the same ports from there")]
+    status, verdict = port_words(found, host, int(port), "the learner's control port, learner.port")
+    out = [
+        Check(
+            "learner port",
+            status,
+            verdict,
+            learner_checks(line.endpoint) + "; on the learner's host `echo-rl doctor "
+            "--run-dir RUN` checks the same ports from there",
+        )
+    ]
     if status == "fail":
         return out
     reply, why = await ask_learner(line.endpoint, line.server_key, keys)
@@ -56,28 +62,50 @@ async def diagnose(line: JoinLine, keys: Any, relay_host: str, relay_port: int |
 
 def _key_check(line: JoinLine, reply: Any, why: str) -> Check:
     if reply is None:
-        return Check("learner key", "fail", why or "the learner did not answer a request",
-                     "copy the join line the learner printed again, whole and in single "
-                     "quotes (its key is the part after the port)")
+        return Check(
+            "learner key",
+            "fail",
+            why or "the learner did not answer a request",
+            "copy the join line the learner printed again, whole and in single "
+            "quotes (its key is the part after the port)",
+        )
     if isinstance(reply, wire.Error) and reply.reason == "unknown_type":
-        return Check("learner key", "warn", "the learner holds the key in the join line, but "
-                     "is older than this echo-worker (it does not know the doctor's request): "
-                     "its snapshot port and reflectors are not checked", "nothing, to join; "
-                     "the same echo-rl version on both sides checks everything")
+        return Check(
+            "learner key",
+            "warn",
+            "the learner holds the key in the join line, but "
+            "is older than this echo-worker (it does not know the doctor's request): "
+            "its snapshot port and reflectors are not checked",
+            "nothing, to join; the same echo-rl version on both sides checks everything",
+        )
     if isinstance(reply, wire.Error):
-        fix = ("ask the learner's operator why (echo-rl workers lists bans), or use the key "
-               "they registered (--identity FILE)" if reply.reason == "banned" else
-               "try again in a minute; ask the learner's operator if it stays")
-        return Check("learner key", "fail", f"the learner refused this worker: {reply.reason}: "
-                     f"{reply.detail}", fix)
-    named = (f"the learner holds the key in the join line (fingerprint "
-             f"{fingerprint(line.server_key)}) and answers: run {reply.run_id}, snapshot "
-             f"v{reply.version}" if line.server_key else
-             f"a plaintext learner answers: run {reply.run_id}, snapshot v{reply.version}")
+        fix = (
+            "ask the learner's operator why (echo-rl workers lists bans), or use the key "
+            "they registered (--identity FILE)"
+            if reply.reason == "banned"
+            else "try again in a minute; ask the learner's operator if it stays"
+        )
+        return Check(
+            "learner key",
+            "fail",
+            f"the learner refused this worker: {reply.reason}: {reply.detail}",
+            fix,
+        )
+    named = (
+        f"the learner holds the key in the join line (fingerprint "
+        f"{fingerprint(line.server_key)}) and answers: run {reply.run_id}, snapshot "
+        f"v{reply.version}"
+        if line.server_key
+        else f"a plaintext learner answers: run {reply.run_id}, snapshot v{reply.version}"
+    )
     if reply.join == "token" and not line.token:
-        return Check("learner key", "fail", named + "; it admits workers by token, and this "
-                     "join line carries none", "ask the operator for a token (echo-rl token "
-                     "create) and join with 'echo://...?token=TOKEN' or --token TOKEN")
+        return Check(
+            "learner key",
+            "fail",
+            named + "; it admits workers by token, and this join line carries none",
+            "ask the operator for a token (echo-rl token "
+            "create) and join with 'echo://...?token=TOKEN' or --token TOKEN",
+        )
     return Check("learner key", "ok", named + f"; joining: {reply.join}")
 
 
@@ -85,30 +113,47 @@ async def _snapshot_check(endpoint: str) -> Check:
     _, host, port = split_endpoint(endpoint)
     found = await asyncio.to_thread(tcp_greeting, host, int(port))
     status, verdict = port_words(found, host, int(port), "snapshot chunks, learner.chunk_port")
-    return Check("snapshot port", status, verdict,
-                 f"the learner's operator opens TCP {port} to workers (learner.chunk_port) and "
-                 f"sets learner.public_host to an address workers reach: without it a worker "
-                 f"joins but never receives a snapshot ({PORTS_DOC})")
+    return Check(
+        "snapshot port",
+        status,
+        verdict,
+        f"the learner's operator opens TCP {port} to workers (learner.chunk_port) and "
+        f"sets learner.public_host to an address workers reach: without it a worker "
+        f"joins but never receives a snapshot ({PORTS_DOC})",
+    )
 
 
-async def _nat_checks(reflectors: list[str], relay_host: str, relay_port: int | None,
-                      punch_host: str) -> list[Check]:
+async def _nat_checks(
+    reflectors: list[str], relay_host: str, relay_port: int | None, punch_host: str
+) -> list[Check]:
     if len(reflectors) < 2:
-        return [Check("NAT", "warn", "the learner runs without its NAT reflectors "
-                      "(broadcast.nat_traversal off): this worker relays only if its relay port "
-                      "is reachable, else it is a chain tail", "nothing to do here; the "
-                      "operator may turn broadcast.nat_traversal on")]
+        return [
+            Check(
+                "NAT",
+                "warn",
+                "the learner runs without its NAT reflectors "
+                "(broadcast.nat_traversal off): this worker relays only if its relay port "
+                "is reachable, else it is a chain tail",
+                "nothing to do here; the operator may turn broadcast.nat_traversal on",
+            )
+        ]
     public = relay_port is not None
     async with RelayListener(relay_host, relay_port) as dial_port:
         try:
             obs = await _probe_both(reflectors, punch_host, dial_port)
         except NatError as exc:
-            return [Check("NAT", "fail", f"{exc}: this worker will not relay (the learner "
-                          f"feeds it itself; the run works, its uplink carries more)",
-                          f"the learner's operator opens TCP "
-                          f"{' and '.join(r.rpartition(':')[2] for r in reflectors[:2])} on "
-                          f"{reflectors[0].rpartition(':')[0]} to workers "
-                          f"(learner.reflector_ports, {PORTS_DOC})")]
+            return [
+                Check(
+                    "NAT",
+                    "fail",
+                    f"{exc}: this worker will not relay (the learner "
+                    f"feeds it itself; the run works, its uplink carries more)",
+                    f"the learner's operator opens TCP "
+                    f"{' and '.join(r.rpartition(':')[2] for r in reflectors[:2])} on "
+                    f"{reflectors[0].rpartition(':')[0]} to workers "
+                    f"(learner.reflector_ports, {PORTS_DOC})",
+                )
+            ]
     relay = f"tcp://{relay_host}:{dial_port}"
     nat, seen = nat_class(obs[0], obs[1], relay)
     checks = [_nat_words(nat, seen)]
@@ -119,30 +164,54 @@ async def _nat_checks(reflectors: list[str], relay_host: str, relay_port: int | 
 
 def _nat_words(nat: str, seen: str) -> Check:
     if nat == "reachable":
-        return Check("NAT", "ok", f"reachable: peers connect to this worker's relay directly "
-                     f"(seen as {seen})")
+        return Check(
+            "NAT",
+            "ok",
+            f"reachable: peers connect to this worker's relay directly (seen as {seen})",
+        )
     if nat == "punchable":
-        return Check("NAT", "ok", f"punchable: the NAT keeps one mapping per port (seen as "
-                     f"{seen}), so this worker relays through punched links (docs/nat.md)")
-    return Check("NAT", "warn", f"symmetric NAT (a new public port per destination, first "
-                 f"seen as {seen}): this worker will be a chain tail and relay nothing; "
-                 f"it still generates", "nothing is needed to take part; to relay, use a "
-                 "router with endpoint-independent mapping, or a public --relay-host")
+        return Check(
+            "NAT",
+            "ok",
+            f"punchable: the NAT keeps one mapping per port (seen as "
+            f"{seen}), so this worker relays through punched links (docs/nat.md)",
+        )
+    return Check(
+        "NAT",
+        "warn",
+        f"symmetric NAT (a new public port per destination, first "
+        f"seen as {seen}): this worker will be a chain tail and relay nothing; "
+        f"it still generates",
+        "nothing is needed to take part; to relay, use a "
+        "router with endpoint-independent mapping, or a public --relay-host",
+    )
 
 
 def _relay_words(dial: Observation, relay_host: str, port: int) -> Check:
     if dial.dialed and dial.ip == relay_host:
-        return Check("relay port", "ok", f"the learner connected back to {relay_host} port "
-                     f"{port}: chain children reach this worker's relay")
+        return Check(
+            "relay port",
+            "ok",
+            f"the learner connected back to {relay_host} port "
+            f"{port}: chain children reach this worker's relay",
+        )
     if dial.dialed:
-        return Check("relay port", "fail", f"--relay-host {relay_host}, but the learner sees "
-                     f"this host as {dial.ip} (and reached port {port} there)",
-                     f"join with --relay-host {dial.ip}")
-    return Check("relay port", "fail", f"the learner could not connect to {dial.ip} port {port} "
-                 f"(the address it saw this host at): no chain child can reach the relay",
-                 f"open TCP {port} to the internet on this host's firewall and router "
-                 f"(--relay-port, {PORTS_DOC}), or leave --relay-host at its default behind a "
-                 f"home router: the relay then works through punched links")
+        return Check(
+            "relay port",
+            "fail",
+            f"--relay-host {relay_host}, but the learner sees "
+            f"this host as {dial.ip} (and reached port {port} there)",
+            f"join with --relay-host {dial.ip}",
+        )
+    return Check(
+        "relay port",
+        "fail",
+        f"the learner could not connect to {dial.ip} port {port} "
+        f"(the address it saw this host at): no chain child can reach the relay",
+        f"open TCP {port} to the internet on this host's firewall and router "
+        f"(--relay-port, {PORTS_DOC}), or leave --relay-host at its default behind a "
+        f"home router: the relay then works through punched links",
+    )
 
 
 class RelayListener:
@@ -178,8 +247,11 @@ async def _probe_both(reflectors: list[str], host: str, dial: int) -> list[Obser
     for i, r in enumerate(reflectors[:2]):
         _, reply = await probe(r, host, port, dial if i == 0 else 0, timeout_s=3.0)
         try:
-            obs.append(Observation(str(reply["ip"]), int(reply["port"]), i,
-                                   bool(reply.get("dialed")), dial, 0.0))
+            obs.append(
+                Observation(
+                    str(reply["ip"]), int(reply["port"]), i, bool(reply.get("dialed")), dial, 0.0
+                )
+            )
         except (KeyError, TypeError, ValueError):
             raise NatError(f"reflector {r} sent a reply without an address") from None
     return obs

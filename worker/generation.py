@@ -38,8 +38,16 @@ class Generation:
     """The work loop and its timings: grant round trip, rollout and per-group seconds
     (EWMAs), and the busy-time throughput the heartbeat reports."""
 
-    def __init__(self, session: Session, installer: Installer, deliveries: Deliveries, *,
-                 life: Lifecycle, activity: Activity, status: StatusBoard):
+    def __init__(
+        self,
+        session: Session,
+        installer: Installer,
+        deliveries: Deliveries,
+        *,
+        life: Lifecycle,
+        activity: Activity,
+        status: StatusBoard,
+    ):
         self.session, self.installer, self.deliveries = session, installer, deliveries
         self.held = installer.held
         self.life, self.activity, self.status = life, activity, status
@@ -106,9 +114,12 @@ class Generation:
         pays = self.grant_rtt > PREFETCH_SHARE * self.rollout_s
         if pays != self._prefetching:
             self._prefetching = pays
-            log.info("%s work: a grant's round trip is %.1f ms, a rollout %.1f ms",
-                     "prefetching" if pays else "no longer prefetching", 1000 * self.grant_rtt,
-                     1000 * self.rollout_s)
+            log.info(
+                "%s work: a grant's round trip is %.1f ms, a rollout %.1f ms",
+                "prefetching" if pays else "no longer prefetching",
+                1000 * self.grant_rtt,
+                1000 * self.rollout_s,
+            )
         return pays
 
     def grant_size(self) -> int:
@@ -118,11 +129,16 @@ class Generation:
         base = int(self.session.view["worker"]["groups_per_request"])
         if self.group_s <= 0:
             return base
-        return base * max(1, min(MAX_GRANT_SCALE, math.ceil(self.grant_rtt / (base * self.group_s))))
+        return base * max(
+            1, min(MAX_GRANT_SCALE, math.ceil(self.grant_rtt / (base * self.group_s)))
+        )
 
     async def request_work(self) -> list[wire.Group]:
-        req = wire.WorkRequest(worker_id=self.session.worker_id, max_groups=self.grant_size(),
-                               holding=self.generating + self.deliveries.holding())
+        req = wire.WorkRequest(
+            worker_id=self.session.worker_id,
+            max_groups=self.grant_size(),
+            holding=self.generating + self.deliveries.holding(),
+        )
         try:
             sent = time.monotonic()
             grant = await self.session.client.request(req, self.session.timeout)
@@ -176,29 +192,46 @@ class Generation:
         """The groups' records, generated under ``version``, as one batch for delivery."""
         wid = self.session.worker_id
         records = [
-            {"group_id": g.group_id, "sample_idx": i, "prompt_ids": g.prompt_ids,
-             "completion_ids": s.completion_ids, "logprobs": s.logprobs, "reward": r,
-             "worker_id": wid, "gen_s": gen_s,
-             **(episode_versions(s, prefix(g, i), version) if getattr(s, "loss_mask", None)
-                else versions(s, version)),
-             **({"loss_mask": s.loss_mask} if getattr(s, "loss_mask", None) is not None else {})}
+            {
+                "group_id": g.group_id,
+                "sample_idx": i,
+                "prompt_ids": g.prompt_ids,
+                "completion_ids": s.completion_ids,
+                "logprobs": s.logprobs,
+                "reward": r,
+                "worker_id": wid,
+                "gen_s": gen_s,
+                **(
+                    episode_versions(s, prefix(g, i), version)
+                    if getattr(s, "loss_mask", None)
+                    else versions(s, version)
+                ),
+                **({"loss_mask": s.loss_mask} if getattr(s, "loss_mask", None) is not None else {}),
+            }
             for g, group_samples in zip(groups, samples)
             for i, (s, r) in enumerate(group_samples)
         ]
-        batch = wire.Trajectories(worker_id=wid, batch_id=uuid.uuid4().hex,
-                                  count=len(records), payload=wire.pack_records(records))
+        batch = wire.Trajectories(
+            worker_id=wid,
+            batch_id=uuid.uuid4().hex,
+            count=len(records),
+            payload=wire.pack_records(records),
+        )
         self.status.generated(len(groups), len(records))
         self._sent(own_tokens(samples))
-        self.deliveries.add(batch, [g.group_id for g in groups],
-                            [[r["group_id"], r["sample_idx"]] for r in records])
+        self.deliveries.add(
+            batch, [g.group_id for g in groups], [[r["group_id"], r["sample_idx"]] for r in records]
+        )
 
     def _sent(self, tokens: int) -> None:
         """Own sampled tokens that left in a batch or a handback (the drill's accounting:
         sampled minus sent is what this worker threw away); written at once, since a
         preempted worker may be killed before the next periodic write."""
         if self.held.backend is not None:
-            self.status.update(tokens_sent=(self.status.doc.tokens_sent or 0) + tokens,
-                               tokens_sampled=self.held.backend.tokens_sampled)
+            self.status.update(
+                tokens_sent=(self.status.doc.tokens_sent or 0) + tokens,
+                tokens_sampled=self.held.backend.tokens_sampled,
+            )
             self.status.flush(force=True)
 
     async def hand_back(self, groups: list[wire.Group], samples: Scored, version: int) -> None:
@@ -208,25 +241,44 @@ class Generation:
         prefixes: dict[str, list[wire.Prefix]] = {}
         for g, group_samples in zip(groups, samples):
             prefixes[g.group_id] = [
-                wire.Prefix(sample_idx=i, ids=s.completion_ids, logprobs=s.logprobs,
-                            versions=runs(s, version), turns=list(getattr(s, "turns", [])))
-                for i, (s, _) in enumerate(group_samples) if s.completion_ids]
-        msg = wire.Handback(worker_id=self.session.worker_id,
-                            reason="yielded" if self.life.yielded else "preempted",
-                            groups=[g.group_id for g in groups], prefixes=prefixes)
+                wire.Prefix(
+                    sample_idx=i,
+                    ids=s.completion_ids,
+                    logprobs=s.logprobs,
+                    versions=runs(s, version),
+                    turns=list(getattr(s, "turns", [])),
+                )
+                for i, (s, _) in enumerate(group_samples)
+                if s.completion_ids
+            ]
+        msg = wire.Handback(
+            worker_id=self.session.worker_id,
+            reason="yielded" if self.life.yielded else "preempted",
+            groups=[g.group_id for g in groups],
+            prefixes=prefixes,
+        )
         self._sent(own_tokens(samples))
         kept = sum(len(p) for p in prefixes.values())
         tokens = sum(len(p.ids) for ps in prefixes.values() for p in ps)
         try:
             ack = await self.session.client.request(msg, min(2.0, self.session.timeout))
         except RequestTimeout:
-            log.warning("handback of %d groups unanswered: their leases expire instead", len(groups))
+            log.warning(
+                "handback of %d groups unanswered: their leases expire instead", len(groups)
+            )
             return
         if isinstance(ack, wire.HandbackAck):
-            log.info("handed back %d groups, %d of %d prefixes (%d tokens) kept%s", ack.groups,
-                     ack.prefixes, kept, tokens, f"; refused {ack.refused}" if ack.refused else "")
-            self.status.update(handed_back_tokens=(self.status.doc.handed_back_tokens or 0)
-                               + tokens)
+            log.info(
+                "handed back %d groups, %d of %d prefixes (%d tokens) kept%s",
+                ack.groups,
+                ack.prefixes,
+                kept,
+                tokens,
+                f"; refused {ack.refused}" if ack.refused else "",
+            )
+            self.status.update(
+                handed_back_tokens=(self.status.doc.handed_back_tokens or 0) + tokens
+            )
 
     def generate_and_score(self, groups: list[wire.Group]) -> Scored:
         """Samples and rewards per group. Cut short (preempted, yielded): unfinished samples;
@@ -239,8 +291,10 @@ class Generation:
         if getattr(adapter, "multi_turn", False):
             # Episodes: one generation per decision, played by the adapter's environment.
             from dataplane.episodes import Cut, backend_generate_fn
-            gen = backend_generate_fn(backend, wv["max_new_tokens"], wv["temperature"],
-                                      groups[0].seed, stop=cut)
+
+            gen = backend_generate_fn(
+                backend, wv["max_new_tokens"], wv["temperature"], groups[0].seed, stop=cut
+            )
             try:
                 out: Any = adapter.rollout(groups, gen)
             except Cut as c:
@@ -250,9 +304,22 @@ class Generation:
         tok = backend.tokenizer
         if any(not s.finished for g in out for s in g):
             return [[(s, 0.0) for s in g] for g in out]  # handed back: the continuer scores
-        return [[(s, float(adapter.reward(g.task, s.completion_ids,
-                                          tok.decode(s.completion_ids, skip_special_tokens=True))))
-                 for s in samples] for g, samples in zip(groups, out)]
+        return [
+            [
+                (
+                    s,
+                    float(
+                        adapter.reward(
+                            g.task,
+                            s.completion_ids,
+                            tok.decode(s.completion_ids, skip_special_tokens=True),
+                        )
+                    ),
+                )
+                for s in samples
+            ]
+            for g, samples in zip(groups, out)
+        ]
 
     def measure(self, count: int, seconds: float) -> None:
         self.busy_s += seconds

@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from broadcast.basemodel import verify_base_manifest
 from broadcast.fetch import FetchStats
+from broadcast.manifest import BaseManifest, Manifest
 from broadcast.memory import trim
 from broadcast.relay import Relay
-from broadcast.basemodel import verify_base_manifest
-from broadcast.manifest import BaseManifest, Manifest
 from broadcast.snapshot import SnapshotError, verify_manifest
 from broadcast.tickets import Source
 from dataplane.adapter import Adapter
@@ -55,8 +55,16 @@ def check_base(manifest: Manifest, backend: Backend, model_name: str) -> None:
 
 
 class Installer:
-    def __init__(self, session: Session, relay: Relay, *, status: StatusBoard,
-                 activity: Activity, progress: InstallProgress, choice: LoadChoice):
+    def __init__(
+        self,
+        session: Session,
+        relay: Relay,
+        *,
+        status: StatusBoard,
+        activity: Activity,
+        progress: InstallProgress,
+        choice: LoadChoice,
+    ):
         self.session, self.relay, self.status = session, relay, status
         self.activity, self.progress, self.choice = activity, progress, choice
         self.held = Held()
@@ -86,11 +94,13 @@ class Installer:
             self.feed.reset()
         self.base_offer = ack.base_manifest  # verified by obtain_base, before the model loads
         manifest = self._verified(ack.version, ack.manifest) if ack.manifest is not None else None
-        self.version_bytes = (manifest.result_size, manifest.dtype) if manifest is not None \
-            else (0, "bfloat16")  # for the memory plan
+        self.version_bytes = (
+            (manifest.result_size, manifest.dtype) if manifest is not None else (0, "bfloat16")
+        )  # for the memory plan
         if manifest is not None and ack.version > self.held.version:
-            self.feed.offer(ack.version, manifest, Source(ack.snapshot_endpoint, ack.snapshot_key,
-                                                          ack.ticket))
+            self.feed.offer(
+                ack.version, manifest, Source(ack.snapshot_endpoint, ack.snapshot_key, ack.ticket)
+            )
 
     def offer(self, version: int, raw: dict[str, Any], source: Source) -> None:
         """A version the learner named, its manifest as it arrived: verified here, once."""
@@ -108,8 +118,13 @@ class Installer:
 
     def load(self) -> tuple[Backend, Adapter]:
         """The model (blocking: the worker runs this on a loader thread)."""
-        return load_model(self.session.view, self.choice, version_bytes=self.version_bytes,
-                          base=self.base, base_manifest=self.base_manifest)
+        return load_model(
+            self.session.view,
+            self.choice,
+            version_bytes=self.version_bytes,
+            base=self.base,
+            base_manifest=self.base_manifest,
+        )
 
     async def obtain_base(self) -> None:
         """A LoRA run on a model folder: the base model from the cache, this machine's
@@ -120,13 +135,17 @@ class Installer:
         try:
             m = verify_base_manifest(raw, self.session.public_key, self.session.run_id)
             self.base_manifest = m
-            self.base = await obtain_base(m, model_name=view["model"]["name"],
-                                          relay=self.relay, ask=self.ask_source)
+            self.base = await obtain_base(
+                m, model_name=view["model"]["name"], relay=self.relay, ask=self.ask_source
+            )
         except (SnapshotError, OSError) as err:  # OSError: the cache's disk
             raise WorkerError(refuse(err)) from None
         log.info("%s", self.base.line(m))
-        self.status.update(base_model=m.base_model, base_origin=self.base.origin,
-                           base_fetched_bytes=self.base.fetched_bytes)
+        self.status.update(
+            base_model=m.base_model,
+            base_origin=self.base.origin,
+            base_fetched_bytes=self.base.fetched_bytes,
+        )
 
     async def ensure_installed(self) -> None:
         """Between rollouts: load the newest version the feed rebuilt into the model."""
@@ -143,8 +162,11 @@ class Installer:
             t0 = time.monotonic()
             await asyncio.to_thread(backend.install, manifest.tensor_index(), result, version)
             self.held.version = version
-            self.status.update(installed_version=version, installed_at=time.time(),
-                               install_s=round(time.monotonic() - t0, 3))
+            self.status.update(
+                installed_version=version,
+                installed_at=time.time(),
+                install_s=round(time.monotonic() - t0, 3),
+            )
             trim()  # the install's transient copies go back to the kernel (docs/memory.md)
             self._first_install()
             log.info("installed snapshot v%d", version)
@@ -162,25 +184,46 @@ class Installer:
         if first is not None:
             self.status.update(first_install=first, install_phase=None)
             self.status.flush(force=True)
-            log.info("first install %.1f s after joining (%.1f s after start): model loaded "
-                     "after %.1f s, snapshot received after %.1f s", first["since_join_s"],
-                     first["since_start_s"], first["model_s"], first["snapshot_s"])
+            log.info(
+                "first install %.1f s after joining (%.1f s after start): model loaded "
+                "after %.1f s, snapshot received after %.1f s",
+                first["since_join_s"],
+                first["since_start_s"],
+                first["model_s"],
+                first["snapshot_s"],
+            )
 
-    async def report_install(self, version: int, stats: FetchStats, decode_s: float,
-                             keyframe: bool) -> None:
+    async def report_install(
+        self, version: int, stats: FetchStats, decode_s: float, keyframe: bool
+    ) -> None:
         """The version is here, verified and rebuilt, with what this worker measured: the
         learner times the broadcast and plans on measured rates (broadcast.link_meter)."""
-        await self.session.client.send(wire.Installed(
-            worker_id=self.session.worker_id, version=version, decode_s=decode_s,
-            keyframe=keyframe, **self.relay.measured(version, stats)))
+        await self.session.client.send(
+            wire.Installed(
+                worker_id=self.session.worker_id,
+                version=version,
+                decode_s=decode_s,
+                keyframe=keyframe,
+                **self.relay.measured(version, stats),
+            )
+        )
 
-    async def ask_source(self, version: int, bad_source: str, reason: str, chunk: int,
-                         form: str) -> Source:
+    async def ask_source(
+        self, version: int, bad_source: str, reason: str, chunk: int, form: str
+    ) -> Source:
         """A snapshot source failed (or this worker needs a keyframe): ask the learner."""
         try:
-            grant = await self.session.client.request(wire.SourceRequest(
-                worker_id=self.session.worker_id, version=version, bad_source=bad_source,
-                reason=reason, chunk=chunk, form=form), self.session.timeout)
+            grant = await self.session.client.request(
+                wire.SourceRequest(
+                    worker_id=self.session.worker_id,
+                    version=version,
+                    bad_source=bad_source,
+                    reason=reason,
+                    chunk=chunk,
+                    form=form,
+                ),
+                self.session.timeout,
+            )
         except RequestTimeout:
             raise SnapshotError("learner did not answer a source request") from None
         if not isinstance(grant, wire.SourceGrant):

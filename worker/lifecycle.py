@@ -76,8 +76,12 @@ class Lifecycle:
     """The stop: its reason, its budget, and the cut of what is being generated; and the yield
     to the machine's owner (no work taken until the machine is quiet again)."""
 
-    def __init__(self, worker_id: Callable[[], str], migrate: bool = True,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        worker_id: Callable[[], str],
+        migrate: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.worker_id, self.migrate, self.clock = worker_id, migrate, clock
         self.stopping = asyncio.Event()
         self.exit_reason = ""
@@ -138,12 +142,16 @@ class Lifecycle:
             deadline = time.time()
         margin = max(2.0, 2 * round_trip_s)
         delay = max(0.0, deadline - time.time() - margin)
-        log.info("preemption notice: the machine goes in %.1f s; handing work back in %.1f s",
-                 deadline - time.time(), delay)
+        log.info(
+            "preemption notice: the machine goes in %.1f s; handing work back in %.1f s",
+            deadline - time.time(),
+            delay,
+        )
         if self._notice_timer is not None:
             self._notice_timer.cancel()
         self._notice_timer = asyncio.get_running_loop().call_later(
-            delay, self.stop, "preemption notice")
+            delay, self.stop, "preemption notice"
+        )
 
 
 class Owner(Protocol):
@@ -157,8 +165,9 @@ class Owner(Protocol):
     def describe(self) -> str: ...
 
 
-async def watch_owner(owner: Owner, life: Lifecycle, activity: Activity,
-                      status: StatusBoard) -> None:
+async def watch_owner(
+    owner: Owner, life: Lifecycle, activity: Activity, status: StatusBoard
+) -> None:
     """Owner first (docs/preemption.md): when the owner's work appears, cut what is being
     generated within a token, hand it back and take no work until the machine has been
     quiet for ``owner.quiet_s``."""

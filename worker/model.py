@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from broadcast.manifest import BaseManifest
 from dataplane.adapter import Adapter, load_adapter
 from dataplane.answers import check_answer_tokens
 from echo.config import LoraConfig, ModelConfig
-from broadcast.manifest import BaseManifest
 from worker.backends import Backend, make_backend
 from worker.base import BaseResult, mismatch
 from worker.session import WorkerError
@@ -35,8 +35,16 @@ class LoadChoice:
     spill: bool = False  # the relay spills payloads to disk (--spill-dir)
 
 
-def fit_memory(model_name: str, dtype: str, device: str, lora: bool, *, choice: LoadChoice,
-               version_bytes: tuple[int, str], view: dict[str, Any]) -> str:
+def fit_memory(
+    model_name: str,
+    dtype: str,
+    device: str,
+    lora: bool,
+    *,
+    choice: LoadChoice,
+    version_bytes: tuple[int, str],
+    view: dict[str, Any],
+) -> str:
     """worker.dtype, resolved and fitted to --host-memory-gb (echo/memplan.py: over budget
     an ``auto`` dtype becomes bfloat16); says what serving this run needs. ``version_bytes``:
     the run's full version, size and dtype, as the join said (size 0: none published yet)."""
@@ -52,8 +60,13 @@ def fit_memory(model_name: str, dtype: str, device: str, lora: bool, *, choice: 
     params = folder_params(model_name) if Path(model_name).is_dir() else 0
     params = params or (0 if lora else size // elem)  # a LoRA payload is the adapter only
     size = size or (0 if lora else params * elem)
-    plan = WorkerPlan(params, 4 if chosen == "float32" else 2, size,
-                      spill=choice.spill, model_on_host=where.type == "cpu")
+    plan = WorkerPlan(
+        params,
+        4 if chosen == "float32" else 2,
+        size,
+        spill=choice.spill,
+        model_on_host=where.type == "cpu",
+    )
     budget_gb = choice.host_memory_gb
     try:
         fitted = fit_worker(plan, budget_gb, dtype_fixed=dtype != "auto")
@@ -62,45 +75,72 @@ def fit_memory(model_name: str, dtype: str, device: str, lora: bool, *, choice: 
     budget = f" (--host-memory-gb {budget_gb:g})" if budget_gb else ""
     log.info("memory: serving this run needs %s%s", fitted.describe(), budget)
     if fitted.dtype_bytes < plan.dtype_bytes:
-        log.warning("memory: generating in bfloat16 instead of %s to fit --host-memory-gb %g",
-                    chosen, budget_gb)
+        log.warning(
+            "memory: generating in bfloat16 instead of %s to fit --host-memory-gb %g",
+            chosen,
+            budget_gb,
+        )
         return "bfloat16"
     return chosen
 
 
-def load_model(view: dict[str, Any], choice: LoadChoice, *, version_bytes: tuple[int, str],
-               base: BaseResult | None, base_manifest: BaseManifest | None
-               ) -> tuple[Backend, Adapter]:
+def load_model(
+    view: dict[str, Any],
+    choice: LoadChoice,
+    *,
+    version_bytes: tuple[int, str],
+    base: BaseResult | None,
+    base_manifest: BaseManifest | None,
+) -> tuple[Backend, Adapter]:
     """The backend (with the base model ``base`` holds, for a LoRA run) and the run's adapter."""
     wv = view["worker"]
     threads = choice.threads or wv["torch_threads"]
     name = choice.backend or wv["backend"]
-    extra = ({"gpu_memory_utilization": wv.get("vllm_gpu_memory", 0.5)} if name == "vllm"
-             else {"dtype": wv.get("dtype", "auto")})
+    extra = (
+        {"gpu_memory_utilization": wv.get("vllm_gpu_memory", 0.5)}
+        if name == "vllm"
+        else {"dtype": wv.get("dtype", "auto")}
+    )
     lora = LoraConfig(**view.get("lora", {}))
     if lora.enabled:  # versions are adapters: the backend holds the base and an adapter
         if name != "transformers":
-            raise WorkerError(f"this run trains a LoRA adapter (learner.lora.enabled) and the "
-                              f"{name} backend does not apply adapters yet: join with "
-                              f"--backend transformers")
+            raise WorkerError(
+                f"this run trains a LoRA adapter (learner.lora.enabled) and the "
+                f"{name} backend does not apply adapters yet: join with "
+                f"--backend transformers"
+            )
         extra["lora"] = lora
     model = dict(view["model"])
     if base is not None and base.folder is not None:
         model["name"] = str(base.folder)  # the base model from the cache or a fetch
     device = choice.device or wv.get("device", "auto")
     if "dtype" in extra:
-        extra["dtype"] = fit_memory(model["name"], extra["dtype"], device, lora.enabled,
-                                    choice=choice, version_bytes=version_bytes, view=view)
-    backend = make_backend(name, model_cfg=ModelConfig(**model), threads=threads,
-                           device=device, **extra)
+        extra["dtype"] = fit_memory(
+            model["name"],
+            extra["dtype"],
+            device,
+            lora.enabled,
+            choice=choice,
+            version_bytes=version_bytes,
+            view=view,
+        )
+    backend = make_backend(
+        name, model_cfg=ModelConfig(**model), threads=threads, device=device, **extra
+    )
     if base is not None and base_manifest is not None:
         problem = mismatch(base_manifest, backend.base_hash, base)
         if problem:
             raise WorkerError(problem)
-    adapter = load_adapter(view["adapter"]["name"], view["adapter"]["options"],
-                           backend.tokenizer, check_prompts=False)  # prompts are the learner's
+    adapter = load_adapter(
+        view["adapter"]["name"], view["adapter"]["options"], backend.tokenizer, check_prompts=False
+    )  # prompts are the learner's
     # the adapter's answer set, from the run's config as the learner builds it
-    backend.restrict_answers(check_answer_tokens(adapter.answer_tokens, backend.vocab_size,
-                                                 wv["max_new_tokens"],
-                                                 backend.tokenizer.eos_token_id))
+    backend.restrict_answers(
+        check_answer_tokens(
+            adapter.answer_tokens,
+            backend.vocab_size,
+            wv["max_new_tokens"],
+            backend.tokenizer.eos_token_id,
+        )
+    )
     return backend, adapter

@@ -38,8 +38,9 @@ def prefix(g: wire.Group, i: int) -> wire.Prefix | None:
     return next((p for p in g.prefixes if p.sample_idx == i), None)
 
 
-def cut_episodes(groups: list[wire.Group], decisions: dict[int, list[Any]]
-                 ) -> list[list[tuple[Sample, float]]]:
+def cut_episodes(
+    groups: list[wire.Group], decisions: dict[int, list[Any]]
+) -> list[list[tuple[Sample, float]]]:
     """Episodes cut between decisions, as unfinished samples: each one's decisions so far
     (replayed ones first, with the versions they came with), and their lengths."""
     out, k = [], 0
@@ -48,10 +49,14 @@ def cut_episodes(groups: list[wire.Group], decisions: dict[int, list[Any]]
         for i in range(g.n):
             made = decisions.get(k + i, [])
             old = prefix(g, i)
-            s = Sample([t for ids, _ in made for t in ids], [x for _, lps in made for x in lps],
-                       prefix_len=len(old.ids) if old else 0,
-                       prefix_versions=[list(r) for r in old.versions] if old else [],
-                       finished=False, turns=[len(ids) for ids, _ in made])
+            s = Sample(
+                [t for ids, _ in made for t in ids],
+                [x for _, lps in made for x in lps],
+                prefix_len=len(old.ids) if old else 0,
+                prefix_versions=[list(r) for r in old.versions] if old else [],
+                finished=False,
+                turns=[len(ids) for ids, _ in made],
+            )
             row.append((s, 0.0))
         out.append(row)
         k += g.n
@@ -82,8 +87,9 @@ def episode_versions(s: Any, old: wire.Prefix | None, version: int) -> dict[str,
             rs[-1][1] += 1
         else:
             rs.append([last, 1])
-    return {"version": min(v for v, _ in rs), "versions": rs} if len(rs) > 1 \
-        else {"version": rs[0][0]}
+    return (
+        {"version": min(v for v, _ in rs), "versions": rs} if len(rs) > 1 else {"version": rs[0][0]}
+    )
 
 
 def own_tokens(samples: list[list[tuple[Sample, float]]]) -> int:

@@ -32,8 +32,14 @@ class RelayNode:
     """The relay and its tunnels, bound at start (a port in use ends the worker, saying how
     to pick another); tuned by the learner's config at each join."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, cfg: RelayConfig, *, keys: KeyPair | None,
-                 run_key: Callable[[], bytes]):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        cfg: RelayConfig,
+        *,
+        keys: KeyPair | None,
+        run_key: Callable[[], bytes],
+    ):
         self.cfg = cfg
         self.nat = "unknown"  # the learner's verdict on our NAT (docs/nat.md)
         try:
@@ -44,9 +50,11 @@ class RelayNode:
         punch = cfg.punch_port
         if punch and not punch_port_free(host, punch):
             self.relay.close()
-            raise WorkerError(f"punch port {punch} on {host} is in use (a second worker on this "
-                              f"machine?): give each worker its own --relay-port and "
-                              f"--punch-port, or 0 to let the OS pick (docs/ports.md)")
+            raise WorkerError(
+                f"punch port {punch} on {host} is in use (a second worker on this "
+                f"machine?): give each worker its own --relay-port and "
+                f"--punch-port, or 0 to let the OS pick (docs/ports.md)"
+            )
         self.tunnels = Tunnels(host, punch or pick_punch_port(host), endpoint=self.relay.endpoint)
         self.relay.resolve = self.tunnels.resolve
 
@@ -64,21 +72,28 @@ class RelayNode:
             self.relay.server.max_parked_per_peer = self.relay.cfg.max_parked_per_peer
             self.relay.server.max_parked_total = sec.get("max_parked_total", 4096)
 
-    async def probe_nat(self, client: Client, worker_id: str, reflectors: list[str],
-                        timeout: float) -> None:
+    async def probe_nat(
+        self, client: Client, worker_id: str, reflectors: list[str], timeout: float
+    ) -> None:
         """Probe the learner's reflector from the punch port and have the learner classify
         this worker's NAT (docs/nat.md). A failure leaves this worker a tail, nothing worse."""
         port = int(self.relay.endpoint.rpartition(":")[2]) if self.relay.endpoint else 0
         try:
             nonces = await probe_all(reflectors, self.tunnels.host, self.tunnels.port, port)
-            status = await client.request(wire.NatReport(worker_id=worker_id, nonces=nonces), timeout)
+            status = await client.request(
+                wire.NatReport(worker_id=worker_id, nonces=nonces), timeout
+            )
         except (NatError, RequestTimeout) as err:
             log.warning("NAT probe failed (%s): this worker will not relay", err)
             return
         if isinstance(status, wire.NatStatus):
             self.nat = status.nat
-            log.info("NAT: %s (punch port seen as %s)%s", status.nat, status.address,
-                     _NAT_MEANING.get(status.nat, ""))
+            log.info(
+                "NAT: %s (punch port seen as %s)%s",
+                status.nat,
+                status.address,
+                _NAT_MEANING.get(status.nat, ""),
+            )
         else:
             log.warning("NAT report refused: %s", getattr(status, "detail", status))
 
@@ -89,8 +104,12 @@ class RelayNode:
 
         stores = [getattr(self.relay, name, None) for name in ("store", "results", "bases")]
         held = payload_bytes(b.payload for st in stores if st is not None for b in st.buffers())
-        return {**resident(), "model": tensor_bytes(model.parameters()) if model is not None else 0,
-                "payloads_ram": held["ram"], "payloads_spilled": held["spilled"]}
+        return {
+            **resident(),
+            "model": tensor_bytes(model.parameters()) if model is not None else 0,
+            "payloads_ram": held["ram"],
+            "payloads_spilled": held["spilled"],
+        }
 
     def close(self) -> None:
         self.relay.close()

@@ -57,9 +57,20 @@ class SessionHooks:
 
 
 class Session:
-    def __init__(self, client: Client, line: JoinLine, *, worker_id: str, price: float,
-                 join_timeout_s: float, relay: RelayOffer, status: StatusBoard,
-                 unreachable: Unreachable, life: Lifecycle, hooks: SessionHooks):
+    def __init__(
+        self,
+        client: Client,
+        line: JoinLine,
+        *,
+        worker_id: str,
+        price: float,
+        join_timeout_s: float,
+        relay: RelayOffer,
+        status: StatusBoard,
+        unreachable: Unreachable,
+        life: Lifecycle,
+        hooks: SessionHooks,
+    ):
         self.client, self.line, self.worker_id, self.price = client, line, worker_id, price
         self.join_timeout_s, self.relay, self.status = join_timeout_s, relay, status
         self.unreachable, self.life, self.hooks = unreachable, life, hooks
@@ -85,7 +96,9 @@ class Session:
         while not self.life.stopping.is_set():
             self.unreachable.trying()
             try:
-                ack = await self.life.or_stopped(self.client.request(self._hello(), self.join_timeout_s))
+                ack = await self.life.or_stopped(
+                    self.client.request(self._hello(), self.join_timeout_s)
+                )
                 if ack is None:
                     return None  # told to stop while waiting
             except RequestTimeout:
@@ -107,10 +120,15 @@ class Session:
         return None
 
     def _hello(self) -> wire.Join:
-        return wire.Join(worker_id=self.worker_id, price=self.price,
-                         relay_endpoint=self.relay.endpoint, can_relay=bool(self.relay.endpoint),
-                         down_mbit=self.relay.down_mbit, up_mbit=self.relay.up_mbit,
-                         token=self.line.token)
+        return wire.Join(
+            worker_id=self.worker_id,
+            price=self.price,
+            relay_endpoint=self.relay.endpoint,
+            can_relay=bool(self.relay.endpoint),
+            down_mbit=self.relay.down_mbit,
+            up_mbit=self.relay.up_mbit,
+            token=self.line.token,
+        )
 
     def _unanswered(self) -> None:
         self.check_handshake()
@@ -125,7 +143,11 @@ class Session:
     def _accept(self, ack: wire.JoinAck) -> None:
         restarted = bool(self.instance_id) and ack.instance_id != self.instance_id
         if restarted:
-            log.info("learner restarted (instance %s -> %s); re-joined", self.instance_id, ack.instance_id)
+            log.info(
+                "learner restarted (instance %s -> %s); re-joined",
+                self.instance_id,
+                ack.instance_id,
+            )
         new_run = ack.run_id != self.run_id
         self.run_id = ack.run_id
         self.instance_id, self.public_key, self.view = ack.instance_id, ack.public_key, ack.config
@@ -158,7 +180,9 @@ class Session:
             if not ack.known or ack.instance_id != self.instance_id:
                 await self.join()
             elif ack.manifest is not None:
-                self.hooks.offer(ack.version, ack.manifest, Source(ack.source, ack.source_key, ack.ticket))
+                self.hooks.offer(
+                    ack.version, ack.manifest, Source(ack.source, ack.source_key, ack.ticket)
+                )
 
     async def notices(self) -> None:
         while True:
@@ -166,7 +190,9 @@ class Session:
             if isinstance(msg, wire.Punch):
                 self.hooks.punch(msg)
             elif isinstance(msg, wire.SnapshotNotice):
-                self.hooks.offer(msg.version, msg.manifest, Source(msg.source, msg.source_key, msg.ticket))
+                self.hooks.offer(
+                    msg.version, msg.manifest, Source(msg.source, msg.source_key, msg.ticket)
+                )
             elif isinstance(msg, wire.Farewell):  # quarantined: the final books come first
                 self.status.account(msg.account)
             elif isinstance(msg, wire.Shutdown):
@@ -184,8 +210,11 @@ class Session:
         account = self.status.doc.account
         if account is None or account.state != "quarantined":  # no farewell: the refusal's words
             told = account or wire.Account(state="quarantined")
-            self.status.update(account=told.model_copy(update={
-                "state": "quarantined", "message": detail, "message_age_s": 0.0}))
+            self.status.update(
+                account=told.model_copy(
+                    update={"state": "quarantined", "message": detail, "message_age_s": 0.0}
+                )
+            )
         return WorkerError(f"the learner banned this worker's key: {detail}")
 
     async def leave(self, timeout: float) -> None:

@@ -105,8 +105,9 @@ class SnapshotFeed:
         epoch = self._epoch
         self.fetching = version
         try:
-            buf, stats = await self.relay.receive(manifest, source,
-                                                  self._reattacher(version, epoch, "payload"))
+            buf, stats = await self.relay.receive(
+                manifest, source, self._reattacher(version, epoch, "payload")
+            )
             result, decode_s, keyframe = await self._rebuild(version, manifest, buf.payload, epoch)
         except SnapshotError as err:
             log.warning("snapshot v%d not received: %s", version, err)
@@ -119,36 +120,51 @@ class SnapshotFeed:
         self.rebuilt, self.ready = version, (version, manifest, result)
         self.on_ready()
         await self.report(version, stats, decode_s, keyframe)
-        log.info("received snapshot v%d (%s, %d bytes, %d chunks from %s%s)", version,
-                 manifest.encoding, manifest.payload_size, stats.chunks,
-                 " then ".join(stats.sources), ", then a keyframe" if keyframe else "")
+        log.info(
+            "received snapshot v%d (%s, %d bytes, %d chunks from %s%s)",
+            version,
+            manifest.encoding,
+            manifest.payload_size,
+            stats.chunks,
+            " then ".join(stats.sources),
+            ", then a keyframe" if keyframe else "",
+        )
 
-    async def _rebuild(self, version: int, manifest: Manifest, payload: Any,
-                       epoch: int) -> tuple[Any, float, bool]:
+    async def _rebuild(
+        self, version: int, manifest: Manifest, payload: Any, epoch: int
+    ) -> tuple[Any, float, bool]:
         """The full payload, the rebuild's seconds, and whether it took a keyframe."""
         t0 = time.perf_counter()
         try:
-            result = await asyncio.to_thread(rebuild, manifest, payload,
-                                             self.relay.base_for(manifest))
+            result = await asyncio.to_thread(
+                rebuild, manifest, payload, self.relay.base_for(manifest)
+            )
             delta = manifest.encoding == "delta"  # a full snapshot needs no rebuild
             return result, time.perf_counter() - t0 if delta else 0.0, False
         except SnapshotError as err:  # BaseMissing, or a result that fails its signed hashes
             log.info("snapshot v%d: %s; fetching a keyframe", version, err)
         first = await self._ask(version, epoch, "", "no_base", -1, "full")
-        result, _ = await self.relay.receive_keyframe(manifest, first,
-                                                      self._reattacher(version, epoch, "full"))
+        result, _ = await self.relay.receive_keyframe(
+            manifest, first, self._reattacher(version, epoch, "full")
+        )
         return result, 0.0, True
 
     def _reattacher(self, version: int, epoch: int, form: str):
         async def reattach(bad: Source, fail: SourceFailed) -> Source:
-            log.warning("snapshot source %s failed (%s); asking the learner for another",
-                        bad.endpoint, fail.reason)
+            log.warning(
+                "snapshot source %s failed (%s); asking the learner for another",
+                bad.endpoint,
+                fail.reason,
+            )
             return await self._ask(version, epoch, bad.endpoint, fail.reason, fail.index, form)
+
         return reattach
 
-    async def _ask(self, version: int, epoch: int, bad: str, reason: str, chunk: int,
-                   form: str) -> Source:
+    async def _ask(
+        self, version: int, epoch: int, bad: str, reason: str, chunk: int, form: str
+    ) -> Source:
         if epoch != self._epoch:
-            raise SnapshotError(f"v{version} superseded while fetching (the learner restarted "
-                                f"into another run)")
+            raise SnapshotError(
+                f"v{version} superseded while fetching (the learner restarted into another run)"
+            )
         return await self.ask(version, bad, reason, chunk, form)

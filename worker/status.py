@@ -103,11 +103,25 @@ class StatusBoard:
         self.path = path
         now = time.time()
         self.doc = WorkerStatus(
-            schema=STATUS_SCHEMA, worker_id=worker_id, learner=learner, pid=os.getpid(),
-            price_per_hour=price, started_at=now, updated_at=now, activity="starting",
-            installed_version=-1, installed_at=None, install_s=None, groups_generated=0,
-            samples_generated=0, exit=None, account=None, problem=None, install_phase=None,
-            first_install=None)
+            schema=STATUS_SCHEMA,
+            worker_id=worker_id,
+            learner=learner,
+            pid=os.getpid(),
+            price_per_hour=price,
+            started_at=now,
+            updated_at=now,
+            activity="starting",
+            installed_version=-1,
+            installed_at=None,
+            install_s=None,
+            groups_generated=0,
+            samples_generated=0,
+            exit=None,
+            account=None,
+            problem=None,
+            install_phase=None,
+            first_install=None,
+        )
         self._dirty = True
         self._written = 0.0
 
@@ -125,8 +139,10 @@ class StatusBoard:
             self.update(account=account)
 
     def generated(self, groups: int, samples: int) -> None:
-        self.update(groups_generated=self.doc.groups_generated + groups,
-                    samples_generated=self.doc.samples_generated + samples)
+        self.update(
+            groups_generated=self.doc.groups_generated + groups,
+            samples_generated=self.doc.samples_generated + samples,
+        )
 
     # ------------------------------------------------------------------ the file
 
@@ -171,8 +187,11 @@ class InstallProgress:
         if self.joined_at is None or self.done:
             return None
         now = self.clock()
-        model = ("loading the model" if self.loaded_at is None else
-                 f"model loaded in {self.loaded_at - self.joined_at:.1f} s")
+        model = (
+            "loading the model"
+            if self.loaded_at is None
+            else f"model loaded in {self.loaded_at - self.joined_at:.1f} s"
+        )
         if self.received_at is not None:
             snap = "snapshot received, installing"
         elif fetching is not None:
@@ -188,9 +207,12 @@ class InstallProgress:
             return None
         self.done = True
         now, j = self.clock(), self.joined_at
-        return {"since_start_s": round(now - self.started_at, 3), "since_join_s": round(now - j, 3),
-                "model_s": round((self.loaded_at or now) - j, 3),
-                "snapshot_s": round((self.received_at or now) - j, 3)}
+        return {
+            "since_start_s": round(now - self.started_at, 3),
+            "since_join_s": round(now - j, 3),
+            "model_s": round((self.loaded_at or now) - j, 3),
+            "snapshot_s": round((self.received_at or now) - j, 3),
+        }
 
 
 def notice_path(status: Path) -> Path:
@@ -216,25 +238,34 @@ def read_status(path: Path) -> WorkerStatus:
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"no status file at {path}: is the worker running with "
-                         f"--status-file {path}?") from None
+        raise ValueError(
+            f"no status file at {path}: is the worker running with --status-file {path}?"
+        ) from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path} is not a worker status file ({exc})") from None
     if not isinstance(doc, dict) or doc.get("schema") != STATUS_SCHEMA:
-        raise ValueError(f"{path}: status schema {doc.get('schema') if isinstance(doc, dict) else '?'}"
-                         f", this echo-worker reads {STATUS_SCHEMA}: use the same version as the worker")
+        raise ValueError(
+            f"{path}: status schema {doc.get('schema') if isinstance(doc, dict) else '?'}"
+            f", this echo-worker reads {STATUS_SCHEMA}: use the same version as the worker"
+        )
     try:
         return WorkerStatus.model_validate(doc)
     except ValidationError as exc:
-        raise ValueError(f"{path} is not a worker status file of schema {STATUS_SCHEMA} "
-                         f"({exc.error_count()} bad field(s): {exc.errors()[0]['loc']})") from None
+        raise ValueError(
+            f"{path} is not a worker status file of schema {STATUS_SCHEMA} "
+            f"({exc.error_count()} bad field(s): {exc.errors()[0]['loc']})"
+        ) from None
 
 
 def latest_status(folder: Path) -> Path:
-    files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    files = (
+        sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    )
     if not files:
-        raise ValueError(f"no worker status file in {folder}: start a worker (echo-worker join), "
-                         f"or pass the file it writes (--status-file)")
+        raise ValueError(
+            f"no worker status file in {folder}: start a worker (echo-worker join), "
+            f"or pass the file it writes (--status-file)"
+        )
     return files[-1]
 
 
@@ -270,21 +301,28 @@ def rows(doc: WorkerStatus) -> list[tuple[str, str]]:
     out = [("state", state_of(doc)), ("worker", str(doc.worker_id)), ("learner", str(doc.learner))]
     if doc.problem and not doc.exit:
         out.append(("problem", str(doc.problem)))
-    out += [("installed snapshot", _installed(doc)),
-            ("groups generated", f"{doc.groups_generated} ({doc.samples_generated} samples)")]
+    out += [
+        ("installed snapshot", _installed(doc)),
+        ("groups generated", f"{doc.groups_generated} ({doc.samples_generated} samples)"),
+    ]
     if a is None:
         return out + [("learner's books", "none yet (they come with the first heartbeat reply)")]
-    out += [("groups granted", str(a.granted)), ("records accepted", str(a.accepted)),
-            ("records rejected", str(sum(a.rejected.values())))]
+    out += [
+        ("groups granted", str(a.granted)),
+        ("records accepted", str(a.accepted)),
+        ("records rejected", str(sum(a.rejected.values()))),
+    ]
     out += [(f"  rejected: {reason}", str(n)) for reason, n in sorted(a.rejected.items())]
-    out += [("duplicates (resends)", str(a.duplicates)),
-            ("checks / failed", f"{a.checks} / {a.check_failures}"),
-            ("throughput (learner)", f"{a.throughput:.3f} traj/s"),
-            ("links (learner)", _links(a)),
-            ("NAT", str(a.nat)),
-            ("active time", f"{a.active_s:.1f} s"),
-            ("earned", f"{_money(a.earned_usd)} at ${a.price:.3f}/h"),
-            ("learner says", f"{a.message or '-'} ({_age(a.message_age_s)})")]
+    out += [
+        ("duplicates (resends)", str(a.duplicates)),
+        ("checks / failed", f"{a.checks} / {a.check_failures}"),
+        ("throughput (learner)", f"{a.throughput:.3f} traj/s"),
+        ("links (learner)", _links(a)),
+        ("NAT", str(a.nat)),
+        ("active time", f"{a.active_s:.1f} s"),
+        ("earned", f"{_money(a.earned_usd)} at ${a.price:.3f}/h"),
+        ("learner says", f"{a.message or '-'} ({_age(a.message_age_s)})"),
+    ]
     if doc.exit:
         out.append(("exit", str(doc.exit)))
     return out
@@ -304,8 +342,10 @@ def _installed(doc: WorkerStatus) -> str:
         inst += ")"
     first = doc.first_install
     if first:
-        inst += (f"; first install {first.since_join_s:.1f} s after joining (model "
-                 f"{first.model_s:.1f} s, snapshot {first.snapshot_s:.1f} s)")
+        inst += (
+            f"; first install {first.since_join_s:.1f} s after joining (model "
+            f"{first.model_s:.1f} s, snapshot {first.snapshot_s:.1f} s)"
+        )
     return inst
 
 
@@ -334,10 +374,12 @@ def plain_line(doc: WorkerStatus) -> str:
     rejected = sum(a.rejected.values())
     v, phase = doc.installed_version, doc.install_phase
     snapshot = f"snapshot v{v}" if v >= 0 or not phase else f"first snapshot: {phase}"
-    return (f"status: {state_of(doc)}; {snapshot}; "
-            f"groups {doc.groups_generated}; accepted {a.accepted}, "
-            f"rejected {rejected}, checks {a.checks}/{a.check_failures} failed; "
-            f"earned {_money(a.earned_usd)}; learner says: {a.message or '-'}")
+    return (
+        f"status: {state_of(doc)}; {snapshot}; "
+        f"groups {doc.groups_generated}; accepted {a.accepted}, "
+        f"rejected {rejected}, checks {a.checks}/{a.check_failures} failed; "
+        f"earned {_money(a.earned_usd)}; learner says: {a.message or '-'}"
+    )
 
 
 class LiveView:
@@ -347,7 +389,7 @@ class LiveView:
         self.console = console
         self.live: Any = None
 
-    def __enter__(self) -> "LiveView":
+    def __enter__(self) -> LiveView:
         from rich.live import Live
 
         self.live = Live(console=self.console, refresh_per_second=2, transient=True)
@@ -367,7 +409,7 @@ class PlainView:
     def __init__(self, log: Any, every_s: float = PLAIN_EVERY_S):
         self.log, self.every_s, self.last = log, every_s, -float("inf")
 
-    def __enter__(self) -> "PlainView":
+    def __enter__(self) -> PlainView:
         return self
 
     def show(self, board: StatusBoard) -> None:

@@ -19,21 +19,29 @@ REPEAT_S = 300.0
 def checks(endpoint: str) -> str:
     """The things to check, for a learner at ``endpoint`` (tcp://HOST:PORT)."""
     host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    return (f"check (1) that {host} port {port} is the address in the operator's join line and "
-            f"the learner is running there; (2) that no firewall or router on either side drops "
-            f"TCP to {host}:{port} (the learner's operator opens TCP {port} and the three ports "
-            f"after it: docs/ports.md); (3) that the join line was pasted whole, quoted, with the "
-            f"learner's key as it printed it (once the learner is reached, a key that is not its "
-            f"own is reported as such); echo-worker doctor with the same join line checks each "
-            f"of these")
+    return (
+        f"check (1) that {host} port {port} is the address in the operator's join line and "
+        f"the learner is running there; (2) that no firewall or router on either side drops "
+        f"TCP to {host}:{port} (the learner's operator opens TCP {port} and the three ports "
+        f"after it: docs/ports.md); (3) that the join line was pasted whole, quoted, with the "
+        f"learner's key as it printed it (once the learner is reached, a key that is not its "
+        f"own is reported as such); echo-worker doctor with the same join line checks each "
+        f"of these"
+    )
 
 
 class Unreachable:
     """Since when the learner has been silent, and what to say about it."""
 
-    def __init__(self, endpoint: str, give_up_after_s: float | None = None, *,
-                 clock: Callable[[], float] = time.monotonic, hint_after_s: float = HINT_AFTER_S,
-                 repeat_s: float = REPEAT_S):
+    def __init__(
+        self,
+        endpoint: str,
+        give_up_after_s: float | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        hint_after_s: float = HINT_AFTER_S,
+        repeat_s: float = REPEAT_S,
+    ):
         self.endpoint, self.give_up_after_s, self.clock = endpoint, give_up_after_s, clock
         self.hint_after_s, self.repeat_s = hint_after_s, repeat_s
         self.since: float | None = None
@@ -55,11 +63,15 @@ class Unreachable:
         if now < self._next_hint:
             return ""
         self._next_hint = now + self.repeat_s
-        then = (f"giving up {self.give_up_after_s:g} s after the first try (--give-up-after)"
-                if self.give_up_after_s is not None else
-                "still trying, and will until stopped (--give-up-after SECONDS sets a limit)")
-        return (f"no answer from the learner at {self.endpoint} for {now - self.since:.0f} s: "
-                f"{checks(self.endpoint)}. {then}")
+        then = (
+            f"giving up {self.give_up_after_s:g} s after the first try (--give-up-after)"
+            if self.give_up_after_s is not None
+            else "still trying, and will until stopped (--give-up-after SECONDS sets a limit)"
+        )
+        return (
+            f"no answer from the learner at {self.endpoint} for {now - self.since:.0f} s: "
+            f"{checks(self.endpoint)}. {then}"
+        )
 
     def given_up(self) -> str:
         """The reason to stop, once ``give_up_after_s`` has passed without an answer; else ""."""
@@ -68,6 +80,8 @@ class Unreachable:
         waited = self.clock() - self.since
         if waited < self.give_up_after_s:
             return ""
-        return (f"gave up after {waited:.0f} s without an answer from the learner at "
-                f"{self.endpoint} (--give-up-after {self.give_up_after_s:g}): "
-                f"{checks(self.endpoint)}")
+        return (
+            f"gave up after {waited:.0f} s without an answer from the learner at "
+            f"{self.endpoint} (--give-up-after {self.give_up_after_s:g}): "
+            f"{checks(self.endpoint)}"
+        )

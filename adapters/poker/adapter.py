@@ -49,8 +49,14 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from adapters.poker.game import (LETTER_FORMATS, Action, TableConfig, legalise, parse_action,
-                                 play_hand)
+from adapters.poker.game import (
+    LETTER_FORMATS,
+    Action,
+    TableConfig,
+    legalise,
+    parse_action,
+    play_hand,
+)
 from adapters.poker.pipeline import hand_entry
 from adapters.poker.players import RULE_PLAYERS, make_player
 from adapters.poker.render import FORMATS, action_text, render, result_text, system_prompt
@@ -59,12 +65,29 @@ from dataplane.episodes import Episode, EpisodeAdapter, EpisodeSample
 from dataplane.multiturn import ChatBuilder, ChatFormat, Transcript
 
 _DEFAULTS: dict[str, Any] = {
-    "seats": 2, "stack": 200, "blinds": [1, 2], "hands": 1,
-    "opponents": ["tag", "station", "maniac"], "opponent_model": "", "group_by": "deal",
-    "obs_format": "text", "strength_hint": False, "show_results": True, "reward_unit": "bb",
-    "invalid_penalty": 1.0, "reward_clip": 0.0, "allin": True, "answer_letters": "",
-    "hero_seat": -1, "max_decisions": 24, "max_episode_tokens": 4096, "offpolicy_player": "",
-    "offpolicy_fraction": 0.0, "bot_samples": 48, "system": "", "turn_start_token": "",
+    "seats": 2,
+    "stack": 200,
+    "blinds": [1, 2],
+    "hands": 1,
+    "opponents": ["tag", "station", "maniac"],
+    "opponent_model": "",
+    "group_by": "deal",
+    "obs_format": "text",
+    "strength_hint": False,
+    "show_results": True,
+    "reward_unit": "bb",
+    "invalid_penalty": 1.0,
+    "reward_clip": 0.0,
+    "allin": True,
+    "answer_letters": "",
+    "hero_seat": -1,
+    "max_decisions": 24,
+    "max_episode_tokens": 4096,
+    "offpolicy_player": "",
+    "offpolicy_fraction": 0.0,
+    "bot_samples": 48,
+    "system": "",
+    "turn_start_token": "",
 }
 HELDOUT_SALT = 0x48454C44  # "HELD": the held-out split's deals come from their own stream
 RESULT_RESERVE = 160  # tokens kept free for the last hand's result message
@@ -90,7 +113,9 @@ class PokerAdapter(EpisodeAdapter):
             raise AdapterError(str(err)) from None
         unknown = set(self.options) - set(_DEFAULTS)
         if unknown:
-            raise AdapterError(f"poker: unknown option(s) {sorted(unknown)}; it takes {sorted(_DEFAULTS)}")
+            raise AdapterError(
+                f"poker: unknown option(s) {sorted(unknown)}; it takes {sorted(_DEFAULTS)}"
+            )
         o = {**_DEFAULTS, **self.options}
         try:
             sb, bb = (int(x) for x in o["blinds"])
@@ -117,24 +142,37 @@ class PokerAdapter(EpisodeAdapter):
         self.opponent_model = str(o["opponent_model"])
         checks = [
             (self.fmt in FORMATS, f"obs_format={self.fmt!r}: use one of {FORMATS}"),
-            (self.group_by in ("deal", "random", "batch"),
-             f"group_by={self.group_by!r}: use deal, random or batch"),
+            (
+                self.group_by in ("deal", "random", "batch"),
+                f"group_by={self.group_by!r}: use deal, random or batch",
+            ),
             (o["reward_unit"] in ("bb", "chips"), "reward_unit: use bb or chips"),
             (self.hands >= 1, "hands must be >= 1"),
-            (bool(self.opponents) and all(p in RULE_PLAYERS or p == "llm" for p in self.opponents),
-             f"opponents={self.opponents}: use {sorted(RULE_PLAYERS)} and/or llm"),
-            ("llm" not in self.opponents or bool(self.opponent_model),
-             "the llm opponent needs opponent_model (a local model folder), or call "
-             "set_llm_opponent(policy) in code"),
+            (
+                bool(self.opponents)
+                and all(p in RULE_PLAYERS or p == "llm" for p in self.opponents),
+                f"opponents={self.opponents}: use {sorted(RULE_PLAYERS)} and/or llm",
+            ),
+            (
+                "llm" not in self.opponents or bool(self.opponent_model),
+                "the llm opponent needs opponent_model (a local model folder), or call "
+                "set_llm_opponent(policy) in code",
+            ),
             (-1 <= self.hero_seat < self.table.seats, f"hero_seat={self.hero_seat}: -1 or a seat"),
-            (self.offpolicy_player in ("", *RULE_PLAYERS),
-             f"offpolicy_player={self.offpolicy_player!r}: empty or one of {sorted(RULE_PLAYERS)}"),
+            (
+                self.offpolicy_player in ("", *RULE_PLAYERS),
+                f"offpolicy_player={self.offpolicy_player!r}: empty or one of {sorted(RULE_PLAYERS)}",
+            ),
             (0.0 <= self.offpolicy_fraction <= 1.0, "offpolicy_fraction must be in [0, 1]"),
             (self.reward_clip >= 0, "reward_clip must be >= 0 (0: off)"),
-            (self.hint == 0 or self.bot_samples >= 1,
-             "strength_hint needs bot_samples >= 1 (the run-outs behind the estimate)"),
-            (self.max_decisions >= 1 and self.max_completion_tokens > RESULT_RESERVE,
-             "max_decisions >= 1 and max_episode_tokens > 160"),
+            (
+                self.hint == 0 or self.bot_samples >= 1,
+                "strength_hint needs bot_samples >= 1 (the run-outs behind the estimate)",
+            ),
+            (
+                self.max_decisions >= 1 and self.max_completion_tokens > RESULT_RESERVE,
+                "max_decisions >= 1 and max_episode_tokens > 160",
+            ),
         ]
         for ok, msg in checks:
             if not ok:
@@ -152,19 +190,27 @@ class PokerAdapter(EpisodeAdapter):
         if not letters:
             return None
         if self.fmt not in LETTER_FORMATS:
-            raise AdapterError(f"poker: answer_letters needs a letter obs_format {LETTER_FORMATS}, "
-                               f"not {self.fmt!r} (its answers are words)")
+            raise AdapterError(
+                f"poker: answer_letters needs a letter obs_format {LETTER_FORMATS}, "
+                f"not {self.fmt!r} (its answers are words)"
+            )
         if set(letters) - set("fcab") or len(set(letters)) != len(letters):
-            raise AdapterError(f"poker: answer_letters={letters!r}: distinct letters among f, c, "
-                               f"b, a (fold, check/call, pot raise, all-in)")
+            raise AdapterError(
+                f"poker: answer_letters={letters!r}: distinct letters among f, c, "
+                f"b, a (fold, check/call, pot raise, all-in)"
+            )
         if "a" in letters and not self.allow_allin:
-            raise AdapterError("poker: answer_letters has 'a' but allin = false makes it an "
-                               "invalid answer: drop 'a', or set allin = true")
+            raise AdapterError(
+                "poker: answer_letters has 'a' but allin = false makes it an "
+                "invalid answer: drop 'a', or set allin = true"
+            )
         ids = [tokenizer.encode(c, add_special_tokens=False) for c in letters]
         split = [c for c, i in zip(letters, ids) if len(i) != 1]
         if split:
-            raise AdapterError(f"poker: answer_letters {split} are not single tokens of this "
-                               f"tokenizer: leave answer_letters empty for this model")
+            raise AdapterError(
+                f"poker: answer_letters {split} are not single tokens of this "
+                f"tokenizer: leave answer_letters empty for this model"
+            )
         return tuple(i[0] for i in ids)
 
     # ----------------------------------------------------------------- learner side
@@ -173,8 +219,11 @@ class PokerAdapter(EpisodeAdapter):
         prompt = self.builder.start()
         while True:
             hero = self.hero_seat if self.hero_seat >= 0 else rng.randrange(self.table.seats)
-            task = {"deal_seed": rng.randrange(1 << 31), "hero_seat": hero,
-                    "opponents": [rng.choice(self.opponents) for _ in range(self.table.seats - 1)]}
+            task = {
+                "deal_seed": rng.randrange(1 << 31),
+                "hero_seat": hero,
+                "opponents": [rng.choice(self.opponents) for _ in range(self.table.seats - 1)],
+            }
             yield Prompt(prompt_ids=list(prompt), task=task)
 
     def heldout_prompts(self, rng: random.Random) -> Iterator[Prompt] | None:
@@ -195,8 +244,7 @@ class PokerAdapter(EpisodeAdapter):
             from adapters.poker.eval import HFChatPolicy
 
             self._llm_policy = HFChatPolicy(self.opponent_model)
-        return {"policy": self._llm_policy, "system": self.system,
-                "render": self.observe}
+        return {"policy": self._llm_policy, "system": self.system, "render": self.observe}
 
     def observe(self, d: Any) -> str:
         return render(d, self.fmt, self.hint)
@@ -207,14 +255,20 @@ class PokerAdapter(EpisodeAdapter):
 
     def episode(self, task: dict[str, Any], seed: int, sample_idx: int) -> Episode:
         rng = random.Random(_mix(seed, sample_idx, 17))
-        deal = (task["deal_seed"] if self.group_by == "deal" else _mix(seed, sample_idx, 29)) & 0x7FFFFFFF
+        deal = (
+            task["deal_seed"] if self.group_by == "deal" else _mix(seed, sample_idx, 29)
+        ) & 0x7FFFFFFF
         hero_seat = int(task["hero_seat"])
         names = list(task["opponents"])
         llm = self._llm() if "llm" in names else None
-        opponents = [make_player(n, rng.randrange(1 << 30), self.fmt, self.bot_samples, llm) for n in names]
+        opponents = [
+            make_player(n, rng.randrange(1 << 30), self.fmt, self.bot_samples, llm) for n in names
+        ]
         stand_in = None
         if self.offpolicy_player and rng.random() < self.offpolicy_fraction:
-            stand_in = make_player(self.offpolicy_player, rng.randrange(1 << 30), self.fmt, self.bot_samples)
+            stand_in = make_player(
+                self.offpolicy_player, rng.randrange(1 << 30), self.fmt, self.bot_samples
+            )
         for p in opponents:
             p.new_episode()
         prompt = self.builder.start()
@@ -225,8 +279,9 @@ class PokerAdapter(EpisodeAdapter):
             seat = (hero_seat + h) % self.table.seats  # the button moves every hand
             seating: list[Any] = list(opponents)
             seating.insert(seat, None)
-            game = play_hand(seating, (deal * 64 + h) & 0x7FFFFFFF, self.table, h + 1,
-                             render=self.observe)
+            game = play_hand(
+                seating, (deal * 64 + h) & 0x7FFFFFFF, self.table, h + 1, render=self.observe
+            )
             reply: str | None = None
             while True:
                 try:
@@ -276,8 +331,22 @@ class PokerAdapter(EpisodeAdapter):
         self.stats["episodes"] += 1
         self.stats["decisions"] += decisions
         self.stats["invalid_actions"] += invalid
-        log = {"system": self.system, "seat": hero_seat,
-               "player": self.offpolicy_player if stand_in is not None else "policy", "hands": hands}
-        return EpisodeSample(tr.ids, tr.logprobs, tr.mask, reward,
-                             info={"log": log, "net_chips": net, "invalid": invalid,
-                                   "decisions": decisions, "offpolicy": stand_in is not None})
+        log = {
+            "system": self.system,
+            "seat": hero_seat,
+            "player": self.offpolicy_player if stand_in is not None else "policy",
+            "hands": hands,
+        }
+        return EpisodeSample(
+            tr.ids,
+            tr.logprobs,
+            tr.mask,
+            reward,
+            info={
+                "log": log,
+                "net_chips": net,
+                "invalid": invalid,
+                "decisions": decisions,
+                "offpolicy": stand_in is not None,
+            },
+        )

@@ -117,7 +117,9 @@ def fresh_deck(seed: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- actions
 
-_VERBOSE = re.compile(r"\b(fold|check|call|all[\s-]?in|bet|raise)\b(?:\s*(?:to\s*)?\$?(\d+))?", re.I)
+_VERBOSE = re.compile(
+    r"\b(fold|check|call|all[\s-]?in|bet|raise)\b(?:\s*(?:to\s*)?\$?(\d+))?", re.I
+)
 _COMPACT = re.compile(r"^\s*(f|c|a|b(\d*))(?![a-z0-9])", re.I)
 
 
@@ -151,10 +153,13 @@ LETTER_FORMATS = ("compact", "strength")  # observation formats whose answers ar
 def format_action(a: Action, fmt: str = "text", facing_bet: bool = True) -> str:
     if fmt in LETTER_FORMATS:
         return {"fold": "f", "check": "c", "call": "c", "allin": "a", "pot": "b"}.get(
-            a.kind, f"b{a.amount}")
+            a.kind, f"b{a.amount}"
+        )
     if a.kind == "raise":
         return f"Action: {'Raise' if facing_bet else 'Bet'} {a.amount}"
-    return "Action: " + {"fold": "Fold", "check": "Check", "call": "Call", "allin": "All-in"}[a.kind]
+    return (
+        "Action: " + {"fold": "Fold", "check": "Check", "call": "Call", "allin": "All-in"}[a.kind]
+    )
 
 
 # ----------------------------------------------------------------------------- the table
@@ -172,12 +177,26 @@ def positions(n: int) -> list[str]:
 def _new_state(cfg: TableConfig, deck: list[str]) -> Any:
     from pokerkit import Automation, Card, Mode, NoLimitTexasHoldem
 
-    auto = (Automation.ANTE_POSTING, Automation.BET_COLLECTION, Automation.BLIND_OR_STRADDLE_POSTING,
-            Automation.RUNOUT_COUNT_SELECTION, Automation.HOLE_CARDS_SHOWING_OR_MUCKING,
-            Automation.HAND_KILLING, Automation.CHIPS_PUSHING, Automation.CHIPS_PULLING)
+    auto = (
+        Automation.ANTE_POSTING,
+        Automation.BET_COLLECTION,
+        Automation.BLIND_OR_STRADDLE_POSTING,
+        Automation.RUNOUT_COUNT_SELECTION,
+        Automation.HOLE_CARDS_SHOWING_OR_MUCKING,
+        Automation.HAND_KILLING,
+        Automation.CHIPS_PUSHING,
+        Automation.CHIPS_PULLING,
+    )
     state = NoLimitTexasHoldem.create_state(
-        auto, True, 0, (cfg.small_blind, cfg.big_blind), cfg.big_blind,
-        (cfg.stack,) * cfg.seats, cfg.seats, mode=Mode.CASH_GAME)
+        auto,
+        True,
+        0,
+        (cfg.small_blind, cfg.big_blind),
+        cfg.big_blind,
+        (cfg.stack,) * cfg.seats,
+        cfg.seats,
+        mode=Mode.CASH_GAME,
+    )
     state.deck_cards.clear()  # our seeded deck: a deal is a function of its seed alone
     state.deck_cards.extend(Card.parse("".join(deck)))
     return state
@@ -199,20 +218,37 @@ def _board(state: Any) -> tuple[str, ...]:
     return tuple(card_str(c[0] if isinstance(c, list) else c) for c in state.board_cards)
 
 
-def _decision(state: Any, cfg: TableConfig, hand_no: int, seat: int, names: list[str],
-              history: list[tuple[Any, ...]]) -> Decision:
+def _decision(
+    state: Any,
+    cfg: TableConfig,
+    hand_no: int,
+    seat: int,
+    names: list[str],
+    history: list[tuple[Any, ...]],
+) -> Decision:
     can_raise = state.can_complete_bet_or_raise_to()
     return Decision(
-        hand_no=hand_no, seat=seat, position=names[seat],
-        hole=tuple(card_str(c) for c in state.hole_cards[seat]), board=_board(state),
-        street=STREETS[min(state.street_index or 0, 3)], pot=int(state.total_pot_amount),
-        to_call=int(state.checking_or_calling_amount or 0), stack=int(state.stacks[seat]),
+        hand_no=hand_no,
+        seat=seat,
+        position=names[seat],
+        hole=tuple(card_str(c) for c in state.hole_cards[seat]),
+        board=_board(state),
+        street=STREETS[min(state.street_index or 0, 3)],
+        pot=int(state.total_pot_amount),
+        to_call=int(state.checking_or_calling_amount or 0),
+        stack=int(state.stacks[seat]),
         bet=int(state.bets[seat]),
         min_raise_to=int(state.min_completion_betting_or_raising_to_amount) if can_raise else None,
         max_raise_to=int(state.max_completion_betting_or_raising_to_amount) if can_raise else None,
-        opponents=[(i, int(state.stacks[i]), int(state.bets[i]), not state.statuses[i])
-                   for i in range(cfg.seats) if i != seat],
-        history=list(history), active=sum(bool(s) for s in state.statuses), big_blind=cfg.big_blind)
+        opponents=[
+            (i, int(state.stacks[i]), int(state.bets[i]), not state.statuses[i])
+            for i in range(cfg.seats)
+            if i != seat
+        ],
+        history=list(history),
+        active=sum(bool(s) for s in state.statuses),
+        big_blind=cfg.big_blind,
+    )
 
 
 def legalise(a: Action | None, d: Decision) -> tuple[Action, bool]:
@@ -238,8 +274,13 @@ def legalise(a: Action | None, d: Decision) -> tuple[Action, bool]:
     return Action("raise", min(max(a.amount, d.min_raise_to), d.max_raise_to)), False
 
 
-def play_hand(players: Sequence[Player | None], deal_seed: int, cfg: TableConfig,
-              hand_no: int = 1, render: Any = None) -> Generator[Decision, str, HandResult]:
+def play_hand(
+    players: Sequence[Player | None],
+    deal_seed: int,
+    cfg: TableConfig,
+    hand_no: int = 1,
+    render: Any = None,
+) -> Generator[Decision, str, HandResult]:
     """Play one hand. ``players[i] is None``: seat i is external (yield/send). ``render``
     turns a Decision into the observation text logged for the seat (default: repr)."""
     if len(players) != cfg.seats:
@@ -275,9 +316,16 @@ def play_hand(players: Sequence[Player | None], deal_seed: int, cfg: TableConfig
                 logs[seat][-1].chip_delta += now - mark[seat]
             first = now - cfg.stack if not logs[seat] else 0  # blinds go to the first turn
             mark[seat] = now
-            logs[seat].append(TurnLog(render(d), text, first, bad,
-                                      float(getattr(player, "last_logprob", 0.0) or 0.0),
-                                      format_action(action, "text", d.to_call > 0)))
+            logs[seat].append(
+                TurnLog(
+                    render(d),
+                    text,
+                    first,
+                    bad,
+                    float(getattr(player, "last_logprob", 0.0) or 0.0),
+                    format_action(action, "text", d.to_call > 0),
+                )
+            )
             if action.kind == "fold":
                 state.fold()
             elif action.kind in ("check", "call"):
@@ -297,14 +345,20 @@ def play_hand(players: Sequence[Player | None], deal_seed: int, cfg: TableConfig
     board = _board(state)
     from pokerkit import HoleCardsShowingOrMucking
 
-    shown = {op.player_index: tuple(card_str(c) for c in op.hole_cards)
-             for op in state.operations
-             if isinstance(op, HoleCardsShowingOrMucking) and op.hole_cards}
+    shown = {
+        op.player_index: tuple(card_str(c) for c in op.hole_cards)
+        for op in state.operations
+        if isinstance(op, HoleCardsShowingOrMucking) and op.hole_cards
+    }
     summary = []
     for i in range(cfg.seats):
         others = ", ".join(f"seat {j} showed {' '.join(h)}" for j, h in shown.items() if j != i)
         tail = f" ({others})" if others and len(shown) > 1 else ""
         verb = "win" if net[i] > 0 else "lose" if net[i] < 0 else "break even"
         amount = f" {abs(net[i])} chips" if net[i] else ""
-        summary.append(f"Hand {hand_no} over. Board: [{', '.join(board)}]. You {verb}{amount}{tail}.")
-    return HandResult(net=net, logs=logs, summary=summary, invalid=invalid, board=board, shown=shown)
+        summary.append(
+            f"Hand {hand_no} over. Board: [{', '.join(board)}]. You {verb}{amount}{tail}."
+        )
+    return HandResult(
+        net=net, logs=logs, summary=summary, invalid=invalid, board=board, shown=shown
+    )

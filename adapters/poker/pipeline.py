@@ -34,8 +34,12 @@ from dataplane.multiturn import ChatFormat, assistant_mask, render_ids, turn_ind
 
 
 def hand_entry(turns: Sequence[TurnLog], result: str, net: int, invalid: int) -> dict[str, Any]:
-    return {"turns": [{k: v for k, v in asdict(t).items() if k != "played"} for t in turns],
-            "result": result, "net": int(net), "invalid": int(invalid)}
+    return {
+        "turns": [{k: v for k, v in asdict(t).items() if k != "played"} for t in turns],
+        "result": result,
+        "net": int(net),
+        "invalid": int(invalid),
+    }
 
 
 def log_messages(log: dict[str, Any], show_results: bool = True) -> list[dict[str, str]]:
@@ -57,9 +61,15 @@ def episode_return(log: dict[str, Any], unit: float = 2.0, invalid_penalty: floa
     return chips / unit - invalid_penalty * invalid
 
 
-def sample_from_log(tokenizer: Any, log: dict[str, Any], *, fmt: ChatFormat | None = None,
-                    show_results: bool = True, unit: float = 2.0,
-                    invalid_penalty: float = 1.0) -> tuple[list[int], EpisodeSample]:
+def sample_from_log(
+    tokenizer: Any,
+    log: dict[str, Any],
+    *,
+    fmt: ChatFormat | None = None,
+    show_results: bool = True,
+    unit: float = 2.0,
+    invalid_penalty: float = 1.0,
+) -> tuple[list[int], EpisodeSample]:
     """(prompt ids, sample) from a raw log: the prompt is the system turn, the completion the
     rest; the mask marks assistant tokens; each action's behaviour log-prob sits on its first
     token (a rule-based player picks the whole action at once)."""
@@ -79,43 +89,78 @@ def sample_from_log(tokenizer: Any, log: dict[str, Any], *, fmt: ChatFormat | No
         first = next(j for j in range(len(ids)) if turns[j] == c and mask[j])
         lps[first] = float(lp)
     n = len(prompt)
-    sample = EpisodeSample(ids[n:], lps[n:], mask[n:],
-                           episode_return(log, unit, invalid_penalty),
-                           info={"log": log, "turn_index": turns[n:]})
+    sample = EpisodeSample(
+        ids[n:],
+        lps[n:],
+        mask[n:],
+        episode_return(log, unit, invalid_penalty),
+        info={"log": log, "turn_index": turns[n:]},
+    )
     return prompt, sample
 
 
-def simulate_logs(players: Sequence[str], episodes: int, seed: int = 0,
-                  cfg: TableConfig | None = None, fmt: str = "text", hands: int = 1,
-                  seats: Iterable[int] | None = None, samples: int = 48) -> list[dict[str, Any]]:
+def simulate_logs(
+    players: Sequence[str],
+    episodes: int,
+    seed: int = 0,
+    cfg: TableConfig | None = None,
+    fmt: str = "text",
+    hands: int = 1,
+    seats: Iterable[int] | None = None,
+    samples: int = 48,
+) -> list[dict[str, Any]]:
     """Rule-based players against each other; one raw log per logged seat and episode."""
     cfg = cfg or TableConfig(seats=len(players))
     logged = list(range(cfg.seats)) if seats is None else list(seats)
     out = []
     for e in range(episodes):
-        bots = [make_player(p, seed * 7919 + e * 31 + i, fmt, samples) for i, p in enumerate(players)]
+        bots = [
+            make_player(p, seed * 7919 + e * 31 + i, fmt, samples) for i, p in enumerate(players)
+        ]
         per_seat: list[list[dict[str, Any]]] = [[] for _ in range(cfg.seats)]
         for h in range(hands):
             order = [(i + h) % cfg.seats for i in range(cfg.seats)]  # button moves every hand
-            game = play_hand([bots[j] for j in order], (seed * 1_000_003 + e) * 16 + h, cfg, h + 1,
-                             render=lambda d: render(d, fmt, samples if fmt == "strength" else 0))
+            game = play_hand(
+                [bots[j] for j in order],
+                (seed * 1_000_003 + e) * 16 + h,
+                cfg,
+                h + 1,
+                render=lambda d: render(d, fmt, samples if fmt == "strength" else 0),
+            )
             try:
                 next(game)
                 raise RuntimeError("rule-based players never yield")
             except StopIteration as stop:
                 res = stop.value
             for pos, j in enumerate(order):
-                per_seat[j].append(hand_entry(res.logs[pos], result_text(res, pos, fmt),
-                                              res.net[pos], res.invalid[pos]))
+                per_seat[j].append(
+                    hand_entry(
+                        res.logs[pos], result_text(res, pos, fmt), res.net[pos], res.invalid[pos]
+                    )
+                )
         for j in logged:
-            out.append({"system": system_prompt(cfg, fmt, hands), "seat": j, "player": players[j],
-                        "hands": per_seat[j]})
+            out.append(
+                {
+                    "system": system_prompt(cfg, fmt, hands),
+                    "seat": j,
+                    "player": players[j],
+                    "hands": per_seat[j],
+                }
+            )
     return out
 
 
-def records_from_logs(tokenizer: Any, logs: Sequence[dict[str, Any]], group_size: int, *,
-                      version: int = 0, show_results: bool = True, unit: float = 2.0,
-                      invalid_penalty: float = 1.0, prefix: str = "offline") -> list[list[EpisodeRecord]]:
+def records_from_logs(
+    tokenizer: Any,
+    logs: Sequence[dict[str, Any]],
+    group_size: int,
+    *,
+    version: int = 0,
+    show_results: bool = True,
+    unit: float = 2.0,
+    invalid_penalty: float = 1.0,
+    prefix: str = "offline",
+) -> list[list[EpisodeRecord]]:
     """Off-policy ingestion: consecutive logs form groups of ``group_size`` (a short tail is
     dropped); each becomes an ``EpisodeRecord`` with its loss mask."""
     fmt = ChatFormat.learn(tokenizer)
@@ -123,10 +168,28 @@ def records_from_logs(tokenizer: Any, logs: Sequence[dict[str, Any]], group_size
     for g in range(len(logs) // group_size):
         recs = []
         for i, log in enumerate(logs[g * group_size : (g + 1) * group_size]):
-            prompt, s = sample_from_log(tokenizer, log, fmt=fmt, show_results=show_results,
-                                        unit=unit, invalid_penalty=invalid_penalty)
-            recs.append(EpisodeRecord(f"{prefix}-{g}", i, prompt, s.completion_ids, s.logprobs,
-                                      s.reward, version, "offline", 0.0, loss_mask=s.loss_mask))
+            prompt, s = sample_from_log(
+                tokenizer,
+                log,
+                fmt=fmt,
+                show_results=show_results,
+                unit=unit,
+                invalid_penalty=invalid_penalty,
+            )
+            recs.append(
+                EpisodeRecord(
+                    f"{prefix}-{g}",
+                    i,
+                    prompt,
+                    s.completion_ids,
+                    s.logprobs,
+                    s.reward,
+                    version,
+                    "offline",
+                    0.0,
+                    loss_mask=s.loss_mask,
+                )
+            )
         groups.append(recs)
     return groups
 

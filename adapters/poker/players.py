@@ -43,8 +43,9 @@ def chen_score(hole: tuple[str, ...]) -> float:
 
 
 @lru_cache(maxsize=4096)
-def equity(hole: tuple[str, ...], board: tuple[str, ...], opponents: int, samples: int,
-           seed: int) -> float:
+def equity(
+    hole: tuple[str, ...], board: tuple[str, ...], opponents: int, samples: int, seed: int
+) -> float:
     """Monte Carlo share of the pot against ``opponents`` random hands (ties split)."""
     from pokerkit import Card, StandardHighHand
 
@@ -59,8 +60,10 @@ def equity(hole: tuple[str, ...], board: tuple[str, ...], opponents: int, sample
         full = parse(board) + parse(draw[: 5 - len(board)])
         mine = StandardHighHand.from_game(me, full)
         rest = draw[5 - len(board) :]
-        theirs = [StandardHighHand.from_game(parse(rest[2 * k : 2 * k + 2]), full)
-                  for k in range(opponents)]
+        theirs = [
+            StandardHighHand.from_game(parse(rest[2 * k : 2 * k + 2]), full)
+            for k in range(opponents)
+        ]
         best = max(theirs)
         if mine > best:
             won += 1
@@ -156,15 +159,21 @@ class Maniac(RuleBased):
             menu.append(Action("fold"))
         if d.min_raise_to is not None and d.max_raise_to is not None:
             pot_to = d.bet + d.to_call + d.pot + d.to_call
-            menu += [Action("raise", d.min_raise_to), self.raise_to(d, pot_to),
-                     Action("raise", d.max_raise_to)]
+            menu += [
+                Action("raise", d.min_raise_to),
+                self.raise_to(d, pot_to),
+                Action("raise", d.max_raise_to),
+            ]
         uniq = list(dict.fromkeys(menu))
         a = self.rng.choice(uniq)
         return self.say(a, d, -math.log(len(uniq)))
 
 
-RULE_PLAYERS: dict[str, type[RuleBased]] = {"tag": TightAggressive, "station": CallingStation,
-                                            "maniac": Maniac}
+RULE_PLAYERS: dict[str, type[RuleBased]] = {
+    "tag": TightAggressive,
+    "station": CallingStation,
+    "maniac": Maniac,
+}
 
 Policy = Callable[[list[dict[str, str]]], str]
 
@@ -193,8 +202,9 @@ class LLMPlayer:
         return text
 
 
-def make_player(name: str, seed: int, fmt: str, samples: int = 48,
-                llm: dict[str, Any] | None = None) -> Any:
+def make_player(
+    name: str, seed: int, fmt: str, samples: int = 48, llm: dict[str, Any] | None = None
+) -> Any:
     """``tag`` / ``station`` / ``maniac``, or ``llm`` (needs ``llm = {policy, system, render}``)."""
     if name in RULE_PLAYERS:
         return RULE_PLAYERS[name](seed=seed, samples=samples, fmt=fmt)

@@ -29,8 +29,15 @@ a strong or a weak hand (docs/adapters.md, "Poker that learns").
 
 from __future__ import annotations
 
-from adapters.poker.game import (LETTER_FORMATS, Action, Decision, HandResult, TableConfig,
-                                 format_action, positions)
+from adapters.poker.game import (
+    LETTER_FORMATS,
+    Action,
+    Decision,
+    HandResult,
+    TableConfig,
+    format_action,
+    positions,
+)
 
 FORMATS = ("text", *LETTER_FORMATS)
 
@@ -46,7 +53,8 @@ def system_prompt(cfg: TableConfig, fmt: str, hands: int = 1) -> str:
         "Reply with exactly one action: 'Action: Fold', 'Action: Check', 'Action: Call', "
         "'Action: Bet N' or 'Action: Raise N' (N = your total bet for this betting round), or "
         "'Action: All-in'. Anything else, or an illegal action, folds your hand and costs a "
-        "penalty. Your goal is to win chips.")
+        "penalty. Your goal is to win chips."
+    )
 
 
 def _card(c: str) -> str:
@@ -58,18 +66,28 @@ def _event_text(ev: tuple, names: list[str]) -> str:
     if ev[0] == "board":
         return f"{ev[1]} dealt: {' '.join(ev[2])}"
     seat, a = ev[1], ev[2]
-    what = {"fold": "folds", "check": "checks", "call": "calls",
-            "raise": f"raises to {a.amount}", "allin": "goes all-in"}[a.kind]
+    what = {
+        "fold": "folds",
+        "check": "checks",
+        "call": "calls",
+        "raise": f"raises to {a.amount}",
+        "allin": "goes all-in",
+    }[a.kind]
     return f"seat {seat} ({names[seat]}) {what}"
 
 
 def render_text(d: Decision) -> str:
     names = positions(len(d.opponents) + 1)
-    lines = [f"Hand {d.hand_no}, {d.street}. You are seat {d.seat} ({d.position}).",
-             f"Hand: [{', '.join(d.hole)}], Board: [{', '.join(d.board)}], Pot: {d.pot}",
-             f"Your stack: {d.stack}, your bet this round: {d.bet}, to call: {d.to_call}."]
+    lines = [
+        f"Hand {d.hand_no}, {d.street}. You are seat {d.seat} ({d.position}).",
+        f"Hand: [{', '.join(d.hole)}], Board: [{', '.join(d.board)}], Pot: {d.pot}",
+        f"Your stack: {d.stack}, your bet this round: {d.bet}, to call: {d.to_call}.",
+    ]
     for seat, stack, bet, folded in d.opponents:
-        lines.append(f"Seat {seat} ({names[seat]}): " + ("folded." if folded else f"stack {stack}, bet {bet}."))
+        lines.append(
+            f"Seat {seat} ({names[seat]}): "
+            + ("folded." if folded else f"stack {stack}, bet {bet}.")
+        )
     events = [_event_text(e, names) for e in d.history]
     lines.append("Since your last turn: " + ("; ".join(events) if events else "-"))
     legal = ["check"] if d.can_check else ["fold", f"call {d.to_call}"]

@@ -43,7 +43,7 @@ def split_via(source: str) -> tuple[bytes, str]:
     """("punch id" or b"", endpoint) of a source string."""
     if not source.startswith(PREFIX):
         return b"", source
-    pid, _, endpoint = source[len(PREFIX):].partition("/")
+    pid, _, endpoint = source[len(PREFIX) :].partition("/")
     try:
         return bytes.fromhex(pid), endpoint
     except ValueError:
@@ -69,8 +69,9 @@ class PunchBook:
     punched: int = 0
     failed: int = 0
 
-    def route(self, child: str, parent: str, endpoint: str, child_addr: str,
-              parent_addr: str) -> tuple[str, list[tuple[str, wire.Punch]]]:
+    def route(
+        self, child: str, parent: str, endpoint: str, child_addr: str, parent_addr: str
+    ) -> tuple[str, list[tuple[str, wire.Punch]]]:
         """The source string for ``child`` and the punch messages to send (to whom)."""
         link = self.links.get(frozenset((child, parent)))
         if link is not None and time.monotonic() - link.at < self.ttl_s:
@@ -79,10 +80,27 @@ class PunchBook:
         self.links[frozenset((child, parent))] = _Link(pid, time.monotonic())
         self.punched += 1
         return via(pid, endpoint), [
-            (parent, wire.Punch(punch_id=pid, role="parent", address=child_addr, endpoint=endpoint,
-                                timeout_s=self.timeout_s)),
-            (child, wire.Punch(punch_id=pid, role="child", address=parent_addr, endpoint=endpoint,
-                               timeout_s=self.timeout_s))]
+            (
+                parent,
+                wire.Punch(
+                    punch_id=pid,
+                    role="parent",
+                    address=child_addr,
+                    endpoint=endpoint,
+                    timeout_s=self.timeout_s,
+                ),
+            ),
+            (
+                child,
+                wire.Punch(
+                    punch_id=pid,
+                    role="child",
+                    address=parent_addr,
+                    endpoint=endpoint,
+                    timeout_s=self.timeout_s,
+                ),
+            ),
+        ]
 
     def failed_link(self, child: str, parent: str, reason: str) -> tuple[bool, bool]:
         """A child reported its punched link failed: (demote the child, demote the parent)."""
@@ -124,8 +142,12 @@ class Tunnels:
         if msg.punch_id in self.links:
             return True
         live = self.peers.get(msg.address)
-        if live is not None and live.done() and not live.exception() \
-                and not isinstance(live.result(), _Lost):
+        if (
+            live is not None
+            and live.done()
+            and not live.exception()
+            and not isinstance(live.result(), _Lost)
+        ):
             self.links[msg.punch_id] = live
             return True
         fut: asyncio.Future[Tunnel] = asyncio.get_running_loop().create_future()
@@ -197,8 +219,15 @@ class Tunnels:
         if fut is None or fut.done():
             return
         try:
-            sock = await simultaneous_open(self.host, self.port, msg.address, msg.punch_id,
-                                           msg.role, self.accepted[msg.punch_id], msg.timeout_s)
+            sock = await simultaneous_open(
+                self.host,
+                self.port,
+                msg.address,
+                msg.punch_id,
+                msg.role,
+                self.accepted[msg.punch_id],
+                msg.timeout_s,
+            )
         except NatError as err:
             self.failed += 1
             log.warning("punch to %s (%s) failed: %s", msg.address, msg.role, err)
@@ -209,8 +238,11 @@ class Tunnels:
             queue = self.accepted.pop(msg.punch_id, None)
             while queue is not None and not queue.empty():
                 queue.get_nowait().close()
-        tunnel = Tunnel(sock, target=msg.endpoint if msg.role == "parent" else self.endpoint,
-                        odd=msg.role == "child")
+        tunnel = Tunnel(
+            sock,
+            target=msg.endpoint if msg.role == "parent" else self.endpoint,
+            odd=msg.role == "child",
+        )
         self.opened += 1
         log.info("punched link to %s open (%s of %s)", msg.address, msg.role, msg.endpoint)
         async with asyncio.TaskGroup() as tg:
@@ -246,7 +278,9 @@ class Tunnels:
         except NatError as err:
             raise LinkFailed("unpunchable", str(err)) from None
         except TimeoutError:
-            raise LinkFailed("unpunchable", f"punch to {endpoint} still open after {wait_s} s") from None
+            raise LinkFailed(
+                "unpunchable", f"punch to {endpoint} still open after {wait_s} s"
+            ) from None
         if isinstance(tunnel, _Lost):
             raise LinkFailed("tunnel_lost", f"punched link to {endpoint} closed")
         return tunnel.local

@@ -33,9 +33,15 @@ ID_BYTES = 16
 KEEP = b"K"
 
 
-async def simultaneous_open(host: str, port: int, peer: str, punch_id: bytes, role: str,
-                            accepted: asyncio.Queue[socket.socket] | None = None,
-                            timeout_s: float = 10.0) -> socket.socket:
+async def simultaneous_open(
+    host: str,
+    port: int,
+    peer: str,
+    punch_id: bytes,
+    role: str,
+    accepted: asyncio.Queue[socket.socket] | None = None,
+    timeout_s: float = 10.0,
+) -> socket.socket:
     """A connected, checked socket from (host, port) to ``peer`` ("ip:port"), or NatError.
     ``accepted``: greeted connections this side's listener accepted for this punch."""
     deadline = time.monotonic() + timeout_s
@@ -51,8 +57,9 @@ async def simultaneous_open(host: str, port: int, peer: str, punch_id: bytes, ro
     except* _Done as done:
         sock: socket.socket = done.exceptions[0].args[0]  # what _Done carried out
     except* TimeoutError:
-        raise NatError(f"could not open a connection to {peer} in {timeout_s:.0f} s "
-                       f"(attempts: {tried})") from None
+        raise NatError(
+            f"could not open a connection to {peer} in {timeout_s:.0f} s (attempts: {tried})"
+        ) from None
     except* (OSError, NatError) as eg:
         raise NatError(f"punched link to {peer} broke while opening: {eg.exceptions[0]}") from None
     finally:
@@ -66,8 +73,15 @@ class _Done(Exception):
     pass
 
 
-async def _connect_loop(host: str, port: int, peer: str, punch_id: bytes, deadline: float,
-                        found: asyncio.Queue[socket.socket], tried: dict[str, int]) -> None:
+async def _connect_loop(
+    host: str,
+    port: int,
+    peer: str,
+    punch_id: bytes,
+    deadline: float,
+    found: asyncio.Queue[socket.socket],
+    tried: dict[str, int],
+) -> None:
     loop = asyncio.get_running_loop()
     ip, pport = split_addr(peer)
     attempt_s = 0.25
@@ -87,7 +101,9 @@ async def _connect_loop(host: str, port: int, peer: str, punch_id: bytes, deadli
             attempt_s = min(2.0, attempt_s * 2)
             continue
         except (OSError, NatError) as exc:
-            what = errno.errorcode.get(exc.errno or 0, "?") if isinstance(exc, OSError) else "greeting"
+            what = (
+                errno.errorcode.get(exc.errno or 0, "?") if isinstance(exc, OSError) else "greeting"
+            )
             tried[what] = tried.get(what, 0) + 1
             s.close()
             if isinstance(exc, OSError) and exc.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
@@ -165,4 +181,4 @@ async def read_greeting(s: socket.socket, timeout_s: float = 5.0) -> bytes:
         raise NatError(f"no greeting: {exc}") from exc
     if len(got) != want or not got.startswith(MAGIC):
         raise NatError("not a punch greeting")
-    return got[len(MAGIC):]
+    return got[len(MAGIC) :]

@@ -93,7 +93,9 @@ def punch_port_free(host: str, port: int) -> bool:
     error and take the first one's punched connections. A socket without SO_REUSEPORT cannot
     bind beside a listener."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # old connections' TIME_WAIT is no owner
+    s.setsockopt(
+        socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+    )  # old connections' TIME_WAIT is no owner
     try:
         s.bind((host, port))
         return True
@@ -104,8 +106,16 @@ def punch_port_free(host: str, port: int) -> bool:
 
 
 class Reflector:
-    def __init__(self, host: str, *, advertise: str = "", ports: tuple[int, int] = (0, 0),
-                 probes_per_s: float = 200.0, per_address_per_s: float = 5.0, max_dials: int = 64):
+    def __init__(
+        self,
+        host: str,
+        *,
+        advertise: str = "",
+        ports: tuple[int, int] = (0, 0),
+        probes_per_s: float = 200.0,
+        per_address_per_s: float = 5.0,
+        max_dials: int = 64,
+    ):
         """``ports``: the two listeners' (learner.reflector_ports; 0: the OS picks)."""
         self.host = host
         self._bind_ports = ports
@@ -137,12 +147,15 @@ class Reflector:
         for srv in self._servers:
             srv.close()
 
-    def _handler(self, listener: int) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter],
-                                                  Awaitable[None]]:
+    def _handler(
+        self, listener: int
+    ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
         """The connection handler of listener ``listener`` (0: dial-back, 1: the second)."""
         return lambda reader, writer: self._serve(reader, writer, listener)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener: int) -> None:
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener: int
+    ) -> None:
         ip, port = writer.get_extra_info("peername")[:2]
         try:
             if not self._per_ip.take(ip) or not self._all.take():
@@ -157,9 +170,13 @@ class Reflector:
             dialed = False
             if listener == 0 and probe["dial"]:
                 dialed = await self._dial(ip, probe["dial"])
-            self._remember(probe["nonce"], Observation(ip, port, listener, dialed, probe["dial"],
-                                                       time.monotonic()))
-            writer.write(msgpack.packb({"v": PROBE_VERSION, "ip": ip, "port": port, "dialed": dialed}))
+            self._remember(
+                probe["nonce"],
+                Observation(ip, port, listener, dialed, probe["dial"], time.monotonic()),
+            )
+            writer.write(
+                msgpack.packb({"v": PROBE_VERSION, "ip": ip, "port": port, "dialed": dialed})
+            )
             await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
         except (TimeoutError, ConnectionError):
             pass  # the prober went away: nothing was promised to it
@@ -187,8 +204,10 @@ class Reflector:
         """(nat, public address "ip:port" of the punch port) from this reflector's records."""
         obs = [o for o in (self.seen.get(n) for n in nonces[:2]) if o is not None]
         if len(obs) < 2 or {o.listener for o in obs} != {0, 1}:
-            raise NatError("probe_not_seen: probe both reflector addresses from the punch port "
-                           "(within 120 s) before reporting")
+            raise NatError(
+                "probe_not_seen: probe both reflector addresses from the punch port "
+                "(within 120 s) before reporting"
+            )
         return nat_class(obs[0], obs[1], relay_endpoint)
 
 
@@ -214,8 +233,12 @@ def _parse_probe(raw: bytes) -> dict[str, Any]:
     if not isinstance(probe, dict) or probe.get("v") != PROBE_VERSION:
         raise NatError("probe version")
     nonce, dial = probe.get("nonce"), probe.get("dial", 0)
-    if not isinstance(nonce, bytes) or len(nonce) != NONCE or not isinstance(dial, int) \
-            or not 0 <= dial < 65536:
+    if (
+        not isinstance(nonce, bytes)
+        or len(nonce) != NONCE
+        or not isinstance(dial, int)
+        or not 0 <= dial < 65536
+    ):
         raise NatError("probe fields")
     return {"nonce": nonce, "dial": dial}
 
@@ -223,7 +246,9 @@ def _parse_probe(raw: bytes) -> dict[str, Any]:
 # ------------------------------------------------------------------------- worker side
 
 
-async def probe(reflector: str, host: str, port: int, dial: int, timeout_s: float = 5.0) -> tuple[bytes, dict[str, Any]]:
+async def probe(
+    reflector: str, host: str, port: int, dial: int, timeout_s: float = 5.0
+) -> tuple[bytes, dict[str, Any]]:
     """One probe from (host, port) to ``reflector`` ("ip:port"): (nonce, the reply)."""
     rip, rport = split_addr(reflector)
     nonce = os.urandom(NONCE)
@@ -231,7 +256,9 @@ async def probe(reflector: str, host: str, port: int, dial: int, timeout_s: floa
     s = reuse_socket(host, port)
     try:
         await asyncio.wait_for(loop.sock_connect(s, (rip, rport)), timeout_s)
-        await loop.sock_sendall(s, msgpack.packb({"v": PROBE_VERSION, "nonce": nonce, "dial": dial}))
+        await loop.sock_sendall(
+            s, msgpack.packb({"v": PROBE_VERSION, "nonce": nonce, "dial": dial})
+        )
         raw = b""
         while len(raw) <= MAX_PROBE:
             part = await asyncio.wait_for(loop.sock_recv(s, MAX_PROBE), timeout_s)

@@ -42,8 +42,9 @@ class Tunnel:
     where sessions the other end opens go ("" = it relays nothing). ``odd``: this end punched
     as the child (session numbering). ``local``: where this end's fetches connect."""
 
-    def __init__(self, sock: socket.socket, *, target: str = "", odd: bool = True,
-                 max_sessions: int = 8):
+    def __init__(
+        self, sock: socket.socket, *, target: str = "", odd: bool = True, max_sessions: int = 8
+    ):
         self.sock = sock
         self.target = target
         self.odd = odd
@@ -91,7 +92,11 @@ class Tunnel:
                 kind, sid, n = HEADER.unpack(await reader.readexactly(HEADER.size))
             except asyncio.IncompleteReadError:
                 return  # the peer closed the link
-            if n > MAX_FRAME or kind not in (OPEN, DATA, CLOSE) or (kind == OPEN and sid % 2 == self.odd):
+            if (
+                n > MAX_FRAME
+                or kind not in (OPEN, DATA, CLOSE)
+                or (kind == OPEN and sid % 2 == self.odd)
+            ):
                 raise TunnelError(f"bad frame (kind {kind}, {n} bytes): closing the tunnel")
             data = await reader.readexactly(n) if n else b""
             self.bytes_in += n

@@ -12,13 +12,26 @@ TOPOLOGIES: dict[str, type[Topology]] = {
 }
 
 
-def make_topology(name: str, *, uplink_mbit: float | None = None, link_mbit: float | None = None,
-                  chunk_bytes: int = 1 << 20) -> Topology:
+def make_topology(
+    name: str,
+    *,
+    uplink_mbit: float | None = None,
+    link_mbit: float | None = None,
+    chunk_bytes: int = 1 << 20,
+) -> Topology:
     if name not in TOPOLOGIES:
         raise ValueError(f"unknown broadcast.topology {name!r}: choose one of {sorted(TOPOLOGIES)}")
-    return TOPOLOGIES[name].from_params(uplink_mbit=uplink_mbit, link_mbit=link_mbit,
-                                        chunk_bytes=chunk_bytes)
+    return TOPOLOGIES[name].from_params(
+        uplink_mbit=uplink_mbit, link_mbit=link_mbit, chunk_bytes=chunk_bytes
+    )
 
 
-__all__ = ["Peer", "Topology", "StarTopology", "StarUnlimitedTopology", "ChainsTopology",
-           "TOPOLOGIES", "make_topology"]
+__all__ = [
+    "Peer",
+    "Topology",
+    "StarTopology",
+    "StarUnlimitedTopology",
+    "ChainsTopology",
+    "TOPOLOGIES",
+    "make_topology",
+]

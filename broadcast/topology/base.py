@@ -20,8 +20,9 @@ class Peer:
 
 class Topology(ABC):
     @classmethod
-    def from_params(cls, *, uplink_mbit: float | None, link_mbit: float | None,
-                    chunk_bytes: int) -> "Topology":
+    def from_params(
+        cls, *, uplink_mbit: float | None, link_mbit: float | None, chunk_bytes: int
+    ) -> Topology:
         """Build from the broadcast config; topologies that need no rates ignore them."""
         return cls()
 

@@ -15,24 +15,46 @@ from broadcast.topology.base import Peer, Topology
 
 
 class ChainsTopology(Topology):
-    def __init__(self, uplink_mbit: float | None = None, link_mbit: float | None = None, *,
-                 chains: int | None = None, snapshot_bytes: int = 0,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, latency_s: float = 0.0,
-                 extra_chains: bool = True, tolerance: float = 0.1):
-        self.params = PlanParams(uplink_mbit=uplink_mbit, link_mbit=link_mbit,
-                                 snapshot_bytes=snapshot_bytes, chunk_bytes=chunk_bytes,
-                                 latency_s=latency_s, chains=chains, extra_chains=extra_chains)
+    def __init__(
+        self,
+        uplink_mbit: float | None = None,
+        link_mbit: float | None = None,
+        *,
+        chains: int | None = None,
+        snapshot_bytes: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        latency_s: float = 0.0,
+        extra_chains: bool = True,
+        tolerance: float = 0.1,
+    ):
+        self.params = PlanParams(
+            uplink_mbit=uplink_mbit,
+            link_mbit=link_mbit,
+            snapshot_bytes=snapshot_bytes,
+            chunk_bytes=chunk_bytes,
+            latency_s=latency_s,
+            chains=chains,
+            extra_chains=extra_chains,
+        )
         self.tolerance = tolerance
         self.last_plan: ChainPlan | None = None  # predictions for the learner's logs
 
     @classmethod
-    def from_params(cls, *, uplink_mbit: float | None, link_mbit: float | None,
-                    chunk_bytes: int) -> "ChainsTopology":
-        return cls(uplink_mbit=uplink_mbit or None, link_mbit=link_mbit or None,
-                   chunk_bytes=chunk_bytes)
+    def from_params(
+        cls, *, uplink_mbit: float | None, link_mbit: float | None, chunk_bytes: int
+    ) -> ChainsTopology:
+        return cls(
+            uplink_mbit=uplink_mbit or None, link_mbit=link_mbit or None, chunk_bytes=chunk_bytes
+        )
 
-    def plan(self, peers: list[Peer], source: str, *, uplink_mbit: float | None = None,
-             snapshot_bytes: int | None = None) -> dict[str, str]:
+    def plan(
+        self,
+        peers: list[Peer],
+        source: str,
+        *,
+        uplink_mbit: float | None = None,
+        snapshot_bytes: int | None = None,
+    ) -> dict[str, str]:
         """``uplink_mbit`` / ``snapshot_bytes`` override the constructor's for this and later
         plans (the learner may only learn M once it has a snapshot)."""
         if uplink_mbit is not None:

@@ -29,8 +29,12 @@ def parse_duration(text: str) -> float:
 
 
 def _run_dir(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run-dir", type=Path, required=True,
-                   help="the learner's run folder (where learner.json and security/ live)")
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        required=True,
+        help="the learner's run folder (where learner.json and security/ live)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,19 +46,28 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--uses", type=int, default=1, help="how many keys may redeem it")
     create.add_argument("--expires", default="24h", help="lifetime, e.g. 90m, 24h, 7d")
     create.add_argument("--note", default="", help="a label kept with it (who it is for)")
-    ls = sub.add_parser("workers", help="every worker the run knows: id, fingerprint, state, "
-                        "NAT, parent and role in the relay tree, transport, measured link rates, "
-                        "accepted work, strikes, key (shell-quoted)")
+    ls = sub.add_parser(
+        "workers",
+        help="every worker the run knows: id, fingerprint, state, "
+        "NAT, parent and role in the relay tree, transport, measured link rates, "
+        "accepted work, strikes, key (shell-quoted)",
+    )
     _run_dir(ls)
     ls.add_argument("--json", action="store_true", help="one JSON object per worker, all fields")
-    ls.add_argument("--offline", action="store_true",
-                    help="read the run folder only (do not ask the running learner)")
+    ls.add_argument(
+        "--offline",
+        action="store_true",
+        help="read the run folder only (do not ask the running learner)",
+    )
     wk = sub.add_parser("worker", help="workers").add_subparsers(dest="action", required=True)
     ban = wk.add_parser("ban", help="ban a worker: refused at once, live session ended")
     _run_dir(ban)
-    ban.add_argument("key", metavar="WORKER",
-                     help="its worker id, fingerprint (10 hex digits) or public key (40 "
-                          "characters, in single quotes: Z85 has & > ]), as `echo-rl workers` shows")
+    ban.add_argument(
+        "key",
+        metavar="WORKER",
+        help="its worker id, fingerprint (10 hex digits) or public key (40 "
+        "characters, in single quotes: Z85 has & > ]), as `echo-rl workers` shows",
+    )
     ban.add_argument("--reason", default="banned by the operator")
     return p
 
@@ -72,27 +85,56 @@ def main(argv: list[str]) -> int:
                 raise ValueError(f"{args.run_dir} is not a folder: pass the learner's --run-dir")
             return _list_workers(load_roster(args.run_dir, live=not args.offline), args.json)
         if args.what == "token":
-            token = TokenStore(d / "tokens.json").create(args.uses, parse_duration(args.expires), args.note)
+            token = TokenStore(d / "tokens.json").create(
+                args.uses, parse_duration(args.expires), args.note
+            )
             print(token)
             info = args.run_dir / "learner.json"
             if info.is_file():
                 join = json.loads(info.read_text()).get("join", "")
-                print(f"workers join with: echo-worker join '{join}?token={token}'", file=sys.stderr)
+                print(
+                    f"workers join with: echo-worker join '{join}?token={token}'", file=sys.stderr
+                )
             return 0
         who = load_roster(args.run_dir, live=False).find(args.key)
         KeyList(d / "bans.txt").add(who.key, args.reason)
-        print(f"banned {who.worker_id or 'key'} (fingerprint {who.fingerprint}, key "
-              f"{shlex.quote(who.key)})", file=sys.stderr)
+        print(
+            f"banned {who.worker_id or 'key'} (fingerprint {who.fingerprint}, key "
+            f"{shlex.quote(who.key)})",
+            file=sys.stderr,
+        )
         return 0
     except (SecurityError, RosterError, ValueError) as err:
         print(f"echo-rl: {err}", file=sys.stderr)
         return 2
 
 
-COLUMNS = ("worker_id", "fingerprint", "state", "nat", "parent", "role", "transport", "links",
-           "accepted", "strikes", "key")
-HEADERS = ("ID", "FINGERPRINT", "STATE", "NAT", "PARENT", "ROLE", "TRANSPORT", "MBIT_DOWN/UP",
-           "ACCEPTED", "STRIKES", "KEY")
+COLUMNS = (
+    "worker_id",
+    "fingerprint",
+    "state",
+    "nat",
+    "parent",
+    "role",
+    "transport",
+    "links",
+    "accepted",
+    "strikes",
+    "key",
+)
+HEADERS = (
+    "ID",
+    "FINGERPRINT",
+    "STATE",
+    "NAT",
+    "PARENT",
+    "ROLE",
+    "TRANSPORT",
+    "MBIT_DOWN/UP",
+    "ACCEPTED",
+    "STRIKES",
+    "KEY",
+)
 
 
 def _cell(name: str, value: object) -> str:
@@ -111,12 +153,18 @@ def _list_workers(roster, as_json: bool) -> int:
         widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS) - 1)]
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
-    source = (f"live from the learner at {roster.live_url}" if roster.live_url
-              else "from the run folder only")
+    source = (
+        f"live from the learner at {roster.live_url}"
+        if roster.live_url
+        else "from the run folder only"
+    )
     print(f"{len(roster.entries)} worker(s) in {roster.run_dir}, states {source}", file=sys.stderr)
     for note in roster.notes:
         print(f"  note: {note}", file=sys.stderr)
     if roster.entries:
-        print(f"ban one with: echo-rl worker ban ID --run-dir {shlex.quote(str(roster.run_dir))} "
-              f"(an id, a fingerprint or the quoted key)", file=sys.stderr)
+        print(
+            f"ban one with: echo-rl worker ban ID --run-dir {shlex.quote(str(roster.run_dir))} "
+            f"(an id, a fingerprint or the quoted key)",
+            file=sys.stderr,
+        )
     return 0

@@ -27,14 +27,27 @@ from pathlib import Path
 from typing import Any
 
 
-def sample(run_dir: Path, n: int = 5, samples: int = 2, temperature: float | None = None,
-           seed: int = 0, checkpoint: str = "latest", threads: int = 2) -> list[dict[str, Any]]:
+def sample(
+    run_dir: Path,
+    n: int = 5,
+    samples: int = 2,
+    temperature: float | None = None,
+    seed: int = 0,
+    checkpoint: str = "latest",
+    threads: int = 2,
+) -> list[dict[str, Any]]:
     """Rows of prompt, completion, reward, cut, tokens, task. ``checkpoint``: ``latest``, a
     number of steps, or ``untrained``. Raises ``ValueError`` with the fix for a bad folder,
     checkpoint or adapter."""
     from dataplane.adapter import load_adapter
     from dataplane.answers import check_answer_tokens
-    from echo.commands.evaluate import install_policy, load_backend, resolve_policy, run_config, take
+    from echo.commands.evaluate import (
+        install_policy,
+        load_backend,
+        resolve_policy,
+        run_config,
+        take,
+    )
 
     cfg = run_config(run_dir)
     policy = resolve_policy(run_dir, checkpoint)
@@ -42,16 +55,24 @@ def sample(run_dir: Path, n: int = 5, samples: int = 2, temperature: float | Non
     tok = backend.tokenizer
     adapter = load_adapter(cfg.adapter.name, cfg.adapter.effective_options, tok)
     max_new = cfg.worker.max_new_tokens
-    backend.restrict_answers(check_answer_tokens(adapter.answer_tokens, backend.vocab_size,
-                                                 max_new, tok.eos_token_id))
+    backend.restrict_answers(
+        check_answer_tokens(adapter.answer_tokens, backend.vocab_size, max_new, tok.eos_token_id)
+    )
     install_policy(backend, policy, backend.model.state_dict())
     temp = cfg.worker.temperature if temperature is None else temperature
     prompts = take(adapter.prompts(random.Random(seed)), n)
     from echo import wire
 
-    groups = [wire.Group(group_id=f"sample-{i}", prompt_ids=p.prompt_ids, n=samples,
-                         seed=(seed * 1_000_003 + i) % (1 << 62), task=p.task)
-              for i, p in enumerate(prompts)]
+    groups = [
+        wire.Group(
+            group_id=f"sample-{i}",
+            prompt_ids=p.prompt_ids,
+            n=samples,
+            seed=(seed * 1_000_003 + i) % (1 << 62),
+            task=p.task,
+        )
+        for i, p in enumerate(prompts)
+    ]
     try:
         if getattr(adapter, "multi_turn", False):
             return _episodes(adapter, backend, groups, max_new, temp)
@@ -62,8 +83,9 @@ def sample(run_dir: Path, n: int = 5, samples: int = 2, temperature: float | Non
             close()
 
 
-def _completions(adapter: Any, backend: Any, groups: list[Any], max_new: int,
-                 temp: float) -> list[dict[str, Any]]:
+def _completions(
+    adapter: Any, backend: Any, groups: list[Any], max_new: int, temp: float
+) -> list[dict[str, Any]]:
     tok = backend.tokenizer
     rows = []
     for g, out in zip(groups, backend.generate(groups, max_new, temp)):
@@ -71,14 +93,22 @@ def _completions(adapter: Any, backend: Any, groups: list[Any], max_new: int,
             gen = list(s.completion_ids)
             text = tok.decode(gen, skip_special_tokens=True)
             cut = len(gen) >= max_new and (not gen or gen[-1] != tok.eos_token_id)
-            rows.append({"prompt": tok.decode(g.prompt_ids, skip_special_tokens=True),
-                         "completion": text, "reward": float(adapter.reward(g.task, gen, text)),
-                         "cut": cut, "tokens": len(gen), "task": g.task})
+            rows.append(
+                {
+                    "prompt": tok.decode(g.prompt_ids, skip_special_tokens=True),
+                    "completion": text,
+                    "reward": float(adapter.reward(g.task, gen, text)),
+                    "cut": cut,
+                    "tokens": len(gen),
+                    "task": g.task,
+                }
+            )
     return rows
 
 
-def _episodes(adapter: Any, backend: Any, groups: list[Any], max_new: int,
-              temp: float) -> list[dict[str, Any]]:
+def _episodes(
+    adapter: Any, backend: Any, groups: list[Any], max_new: int, temp: float
+) -> list[dict[str, Any]]:
     from dataplane.episodes import backend_generate_fn
 
     tok = backend.tokenizer
@@ -86,9 +116,16 @@ def _episodes(adapter: Any, backend: Any, groups: list[Any], max_new: int,
     rows = []
     for g, episodes in zip(groups, adapter.rollout(groups, gen)):
         for ep in episodes:
-            rows.append({"prompt": _special(tok, g.prompt_ids),
-                         "completion": _special(tok, ep.completion_ids), "reward": float(ep.reward),
-                         "cut": False, "tokens": len(ep.completion_ids), "task": g.task})
+            rows.append(
+                {
+                    "prompt": _special(tok, g.prompt_ids),
+                    "completion": _special(tok, ep.completion_ids),
+                    "reward": float(ep.reward),
+                    "cut": False,
+                    "tokens": len(ep.completion_ids),
+                    "task": g.task,
+                }
+            )
     return rows
 
 
@@ -102,15 +139,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="echo-rl sample", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--checkpoint", default="latest", metavar="N",
-                       help="the checkpoint after N steps (default: the latest; the learner keeps "
-                            "the newest two)")
-    which.add_argument("--untrained", action="store_true",
-                       help="the model the run started from, before any step")
+    which.add_argument(
+        "--checkpoint",
+        default="latest",
+        metavar="N",
+        help="the checkpoint after N steps (default: the latest; the learner keeps the newest two)",
+    )
+    which.add_argument(
+        "--untrained", action="store_true", help="the model the run started from, before any step"
+    )
     p.add_argument("--n", type=int, default=5, help="prompts")
     p.add_argument("--samples", type=int, default=2, help="completions per prompt")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="sampling temperature (default: the run's worker.temperature; 0: greedy)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature (default: the run's worker.temperature; 0: greedy)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args(argv)
@@ -118,23 +163,42 @@ def main(argv: list[str] | None = None) -> int:
         print("echo-rl sample: --n and --samples must be at least 1", file=sys.stderr)
         return 2
     try:
-        rows = sample(args.run_dir, args.n, args.samples, args.temperature, args.seed,
-                      "untrained" if args.untrained else args.checkpoint)
+        rows = sample(
+            args.run_dir,
+            args.n,
+            args.samples,
+            args.temperature,
+            args.seed,
+            "untrained" if args.untrained else args.checkpoint,
+        )
     except (ValueError, OSError) as exc:
         print(f"echo-rl sample: {exc}", file=sys.stderr)
         return 1
     from rich.console import Console
     from rich.table import Table
 
-    which = "untrained" if args.untrained else (
-        "latest checkpoint" if args.checkpoint == "latest" else f"checkpoint {args.checkpoint}")
+    which = (
+        "untrained"
+        if args.untrained
+        else (
+            "latest checkpoint" if args.checkpoint == "latest" else f"checkpoint {args.checkpoint}"
+        )
+    )
     t = Table(title=f"{args.run_dir}: {which}", show_lines=True)
-    for col, kw in (("prompt", {"overflow": "fold"}), ("completion", {"overflow": "fold"}),
-                    ("reward", {"justify": "right"}), ("cut", {})):
+    for col, kw in (
+        ("prompt", {"overflow": "fold"}),
+        ("completion", {"overflow": "fold"}),
+        ("reward", {"justify": "right"}),
+        ("cut", {}),
+    ):
         t.add_column(col, **kw)
     for r in rows:
-        t.add_row(r["prompt"][-200:], repr(r["completion"])[:400], f"{r['reward']:.3f}",
-                  "yes" if r["cut"] else "")
+        t.add_row(
+            r["prompt"][-200:],
+            repr(r["completion"])[:400],
+            f"{r['reward']:.3f}",
+            "yes" if r["cut"] else "",
+        )
     Console().print(t)
     mean = sum(r["reward"] for r in rows) / len(rows)
     cut = sum(r["cut"] for r in rows)

@@ -11,18 +11,60 @@ import msgpack
 from pydantic import ValidationError
 
 from echo.wire.base import WIRE_VERSION, Message, WireError
-from echo.wire.session import (Doctor, DoctorAck, Error, Farewell, Heartbeat, HeartbeatAck,
-                               Join, JoinAck, Leave, NatReport, NatStatus, Punch, Shutdown)
-from echo.wire.snapshot import (Chunk, ChunkRequest, Installed, SnapshotNotice, SourceGrant,
-                                SourceRequest)
+from echo.wire.session import (
+    Doctor,
+    DoctorAck,
+    Error,
+    Farewell,
+    Heartbeat,
+    HeartbeatAck,
+    Join,
+    JoinAck,
+    Leave,
+    NatReport,
+    NatStatus,
+    Punch,
+    Shutdown,
+)
+from echo.wire.snapshot import (
+    Chunk,
+    ChunkRequest,
+    Installed,
+    SnapshotNotice,
+    SourceGrant,
+    SourceRequest,
+)
 from echo.wire.work import Ack, Handback, HandbackAck, Trajectories, WorkGrant, WorkRequest
 
 MESSAGES: dict[str, type[Message]] = {
     m.TYPE: m
-    for m in (Join, JoinAck, Heartbeat, HeartbeatAck, WorkRequest, WorkGrant, Trajectories, Ack,
-              Leave, SnapshotNotice, Shutdown, ChunkRequest, Chunk, Error, SourceRequest,
-              SourceGrant, Installed, NatReport, NatStatus, Punch, Farewell, Handback,
-              HandbackAck, Doctor, DoctorAck)
+    for m in (
+        Join,
+        JoinAck,
+        Heartbeat,
+        HeartbeatAck,
+        WorkRequest,
+        WorkGrant,
+        Trajectories,
+        Ack,
+        Leave,
+        SnapshotNotice,
+        Shutdown,
+        ChunkRequest,
+        Chunk,
+        Error,
+        SourceRequest,
+        SourceGrant,
+        Installed,
+        NatReport,
+        NatStatus,
+        Punch,
+        Farewell,
+        Handback,
+        HandbackAck,
+        Doctor,
+        DoctorAck,
+    )
 }
 
 
@@ -45,9 +87,17 @@ def unpack(buf: bytes) -> Any:
     msgpack itself (``StackError`` past 1024 levels). Raises whatever msgpack raises.
     """
     n = len(buf)
-    return msgpack.unpackb(buf, raw=False, strict_map_key=True, ext_hook=_reject_ext,
-                           max_ext_len=0, max_str_len=n, max_bin_len=n, max_array_len=n,
-                           max_map_len=n // 2)
+    return msgpack.unpackb(
+        buf,
+        raw=False,
+        strict_map_key=True,
+        ext_hook=_reject_ext,
+        max_ext_len=0,
+        max_str_len=n,
+        max_bin_len=n,
+        max_array_len=n,
+        max_map_len=n // 2,
+    )
 
 
 def _short_repr() -> reprlib.Repr:
@@ -63,19 +113,26 @@ _show = _short_repr().repr
 def decode(frame: bytes, max_bytes: int) -> Message:
     """Parse and validate one frame; raise WireError naming what is wrong (and nothing else)."""
     if len(frame) > max_bytes:
-        raise WireError("oversize", f"{len(frame)} bytes > limit {max_bytes} "
-                        f"(raise transport.max_message_mib or send smaller batches)")
+        raise WireError(
+            "oversize",
+            f"{len(frame)} bytes > limit {max_bytes} "
+            f"(raise transport.max_message_mib or send smaller batches)",
+        )
     try:
         obj = unpack(frame)
     except Exception as exc:  # msgpack raises several unrelated types on junk
-        raise WireError("malformed", f"not a msgpack message ({type(exc).__name__}: "
-                        f"{_show(str(exc))})") from None
+        raise WireError(
+            "malformed", f"not a msgpack message ({type(exc).__name__}: {_show(str(exc))})"
+        ) from None
     if not isinstance(obj, dict):
         raise WireError("malformed", f"message is a {type(obj).__name__}, expected a map")
     v = obj.get("v")
     if type(v) is not int or v != WIRE_VERSION:  # type(): True == 1 but is no version
-        raise WireError("wrong_version", f"wire version {_show(v)}, this learner speaks "
-                        f"{WIRE_VERSION}: upgrade echo-rl on the worker")
+        raise WireError(
+            "wrong_version",
+            f"wire version {_show(v)}, this learner speaks "
+            f"{WIRE_VERSION}: upgrade echo-rl on the worker",
+        )
     t = obj.get("type")
     cls = MESSAGES.get(t) if isinstance(t, str) else None  # a list is unhashable
     if cls is None:
@@ -101,18 +158,25 @@ def _inflate(payload: bytes, max_bytes: int) -> bytes:
     try:
         raw: bytes = d.decompress(payload, max_length=max_bytes)
     except Exception as exc:  # lz4 raises RuntimeError for anything that is not a frame
-        raise WireError("malformed", f"trajectory payload is not an lz4 frame "
-                        f"({type(exc).__name__}: {_show(str(exc))})") from None
+        raise WireError(
+            "malformed",
+            f"trajectory payload is not an lz4 frame ({type(exc).__name__}: {_show(str(exc))})",
+        ) from None
     if d.eof:
         if d.unused_data:
-            raise WireError("malformed", f"{len(d.unused_data)} bytes after the trajectory "
-                            f"payload's lz4 frame")
+            raise WireError(
+                "malformed", f"{len(d.unused_data)} bytes after the trajectory payload's lz4 frame"
+            )
         return raw
     if not d.needs_input:  # stopped by max_length with input left: really over the limit
-        raise WireError("oversize", f"trajectory payload inflates past {max_bytes} bytes "
-                        f"(raise transport.max_message_mib or send smaller batches)")
-    raise WireError("malformed", f"trajectory payload is an empty or truncated lz4 frame "
-                    f"({len(payload)} bytes)")
+        raise WireError(
+            "oversize",
+            f"trajectory payload inflates past {max_bytes} bytes "
+            f"(raise transport.max_message_mib or send smaller batches)",
+        )
+    raise WireError(
+        "malformed", f"trajectory payload is an empty or truncated lz4 frame ({len(payload)} bytes)"
+    )
 
 
 def unpack_records(payload: bytes, max_bytes: int) -> list[Any]:
@@ -122,9 +186,12 @@ def unpack_records(payload: bytes, max_bytes: int) -> list[Any]:
     try:
         obj = unpack(raw)
     except Exception as exc:  # msgpack raises several unrelated types on junk
-        raise WireError("malformed", f"trajectory payload is lz4 but not msgpack "
-                        f"({type(exc).__name__}: {_show(str(exc))})") from None
+        raise WireError(
+            "malformed",
+            f"trajectory payload is lz4 but not msgpack ({type(exc).__name__}: {_show(str(exc))})",
+        ) from None
     if not isinstance(obj, list):
-        raise WireError("malformed", f"trajectory payload is a {type(obj).__name__}, "
-                        f"expected a list of records")
+        raise WireError(
+            "malformed", f"trajectory payload is a {type(obj).__name__}, expected a list of records"
+        )
     return obj

@@ -21,12 +21,15 @@ class SnapshotNotice(Message):
 
 class SourceRequest(Message):
     """A worker's snapshot source failed (disconnected, timeout, corrupt, refused): where now?"""
+
     TYPE = "source_request"
     worker_id: str
     version: int
     bad_source: str
     reason: str
-    chunk: int = -1  # with reason "corrupt": the chunk that failed its hash (checked by the learner)
+    chunk: int = (
+        -1
+    )  # with reason "corrupt": the chunk that failed its hash (checked by the learner)
     # "full": a keyframe source for this version; "base": a source of the run's base model
     # (a LoRA run, broadcast.basemodel; version 0)
     form: Literal["payload", "full", "base"] = "payload"
@@ -42,6 +45,7 @@ class SourceGrant(Message):
 
 class Installed(Message):
     """A worker installed (or, for a pure relay, completely received) a snapshot."""
+
     TYPE = "installed"
     worker_id: str
     version: int

@@ -23,7 +23,8 @@ class Prefix(BaseModel):
     logprobs: list[float] = Field(min_length=1, max_length=65536)
     # [version, count] pairs (lists: msgpack has no tuples)
     versions: list[Annotated[list[int], Field(min_length=2, max_length=2)]] = Field(
-        min_length=1, max_length=64)
+        min_length=1, max_length=64
+    )
     # Multi-turn: the prefix is the policy's decisions so far, in order, and these are their
     # lengths; the continuing worker replays them in the episode's environment (empty: one
     # stretch of tokens of a single-turn sample).
@@ -72,12 +73,12 @@ class Trajectories(Message):
 # theirs (the worker's log adds it to the counts an ``ack`` carries).
 REFUSAL_WORDS = {
     "learner_restarted": "the learner restarted and did not keep the lease these groups were "
-                         "generated under; this work is not counted, nothing to fix: new work "
-                         "follows",
+    "generated under; this work is not counted, nothing to fix: new work "
+    "follows",
     "stale": "generated under a snapshot older than the staleness bound allows; the group is "
-             "generated again under a newer one",
+    "generated again under a newer one",
     "not_your_group": "the lease moved to another worker (it expired first); deliver sooner or "
-                      "ask for fewer groups",
+    "ask for fewer groups",
 }
 
 

@@ -44,7 +44,7 @@ def main() -> None:
     args = ap.parse_args()
     ps = pairs(args.seed)
     out = Path(args.out)
-    for name, part in (("add1.jsonl", ps[:args.train]), ("add1_heldout.jsonl", ps[args.train:])):
+    for name, part in (("add1.jsonl", ps[: args.train]), ("add1_heldout.jsonl", ps[args.train :])):
         with (out / name).open("w") as f:
             for r in rows(part):
                 f.write(json.dumps(r) + "\n")

@@ -56,18 +56,34 @@ def words(rng: random.Random, n: int) -> list[dict[str, str]]:
         kind = rng.randrange(5)
         a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
         if kind == 0:
-            q, ans = f"{who} has {a} {thing} and finds {b} more. How many {thing} does {who} have now?", a + b
+            q, ans = (
+                f"{who} has {a} {thing} and finds {b} more. How many {thing} does {who} have now?",
+                a + b,
+            )
         elif kind == 1:
             a = a + b
             q, ans = f"{who} had {a} {thing} and gave away {b}. How many {thing} are left?", a - b
         elif kind == 2:
-            q, ans = f"{who} buys {c} boxes with {b} {thing} in each box. How many {thing} is that in total?", b * c
+            q, ans = (
+                f"{who} buys {c} boxes with {b} {thing} in each box. How many {thing} is that in total?",
+                b * c,
+            )
         elif kind == 3:
-            q, ans = (f"{who} shares {b * c} {thing} equally among {c} friends. How many {thing} "
-                      f"does each friend get?"), b
+            q, ans = (
+                (
+                    f"{who} shares {b * c} {thing} equally among {c} friends. How many {thing} "
+                    f"does each friend get?"
+                ),
+                b,
+            )
         else:
-            q, ans = (f"{who} has {a} {thing}, buys {c} packs of {b} more, then loses {min(a, 5)}. "
-                      f"How many {thing} does {who} have?"), a + b * c - min(a, 5)
+            q, ans = (
+                (
+                    f"{who} has {a} {thing}, buys {c} packs of {b} more, then loses {min(a, 5)}. "
+                    f"How many {thing} does {who} have?"
+                ),
+                a + b * c - min(a, 5),
+            )
         rows.append({"question": q + " Put the final answer in \\boxed{}.", "answer": str(ans)})
     return rows
 
@@ -92,9 +108,11 @@ def main() -> None:
     rng = random.Random(args.seed)
     train = {"arith.jsonl": arith(rng, 400), "arith_words.jsonl": words(rng, 300)}
     rng_heldout = random.Random(args.seed + 1)
-    files = {**train,
-             "arith_heldout.jsonl": heldout(arith, rng_heldout, 100, train["arith.jsonl"]),
-             "arith_words_heldout.jsonl": heldout(words, rng_heldout, 100, train["arith_words.jsonl"])}
+    files = {
+        **train,
+        "arith_heldout.jsonl": heldout(arith, rng_heldout, 100, train["arith.jsonl"]),
+        "arith_words_heldout.jsonl": heldout(words, rng_heldout, 100, train["arith_words.jsonl"]),
+    }
     for name, rows in files.items():
         path = args.out / name
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -25,8 +25,11 @@ class Parallel(ABC):
     def to_device(self, batch: Any) -> Any:
         """A copy of a dataclass of tensors (a ``LearnerBatch``) on this rank's device; on the
         CPU the tensors are the same objects."""
-        moved = {f.name: getattr(batch, f.name).to(self.device)
-                 for f in dataclasses.fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)}
+        moved = {
+            f.name: getattr(batch, f.name).to(self.device)
+            for f in dataclasses.fields(batch)
+            if isinstance(getattr(batch, f.name), torch.Tensor)
+        }
         return dataclasses.replace(batch, **moved)
 
     def shard(self, idx: torch.Tensor) -> torch.Tensor:
@@ -38,8 +41,9 @@ class Parallel(ABC):
         """Unsharded model and optimizer state on rank 0 (a collective: all ranks call it)."""
 
     @abstractmethod
-    def load_state(self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict,
-                   strict: bool = True) -> None:
+    def load_state(
+        self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict, strict: bool = True
+    ) -> None:
         """Load rank 0's unsharded state into every rank (a collective). ``strict`` False:
         ``model_sd`` may hold only some of the model's tensors (a LoRA adapter's)."""
 
@@ -51,5 +55,5 @@ class Parallel(ABC):
     def all_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise sum of ``values`` over the ranks, on every rank (a collective)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: most backends hold nothing to close)
         pass

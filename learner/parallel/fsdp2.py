@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -38,22 +37,31 @@ class FSDP2(Parallel):
         # learner.device = "cpu". fully_shard moves the shards to the mesh's device.
         opts: dict[str, Any] = {"mesh": init_device_mesh(self.device.type, (self.world,))}
         if bf16_compute(self.device):
-            opts["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                     reduce_dtype=torch.float32)
+            opts["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
         for layer in _decoder_layers(model):
             fully_shard(layer, **opts)
         fully_shard(model, **opts)
         return model
 
     def full_state(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
-        return get_state_dict(model, optimizer, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
+        return get_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
-    def load_state(self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict,
-                   strict: bool = True) -> None:
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                strict=strict))
+    def load_state(
+        self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict, strict: bool = True
+    ) -> None:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
+            options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=strict
+            ),
+        )
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj]
@@ -79,6 +87,8 @@ def _decoder_layers(model: Any) -> list[Any]:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__}: no .model.layers to shard; FSDP2 wrapping "
-                         f"expects a Hugging Face decoder-only causal LM")
+        raise ValueError(
+            f"{type(model).__name__}: no .model.layers to shard; FSDP2 wrapping "
+            f"expects a Hugging Face decoder-only causal LM"
+        )
     return list(layers)

@@ -31,9 +31,12 @@ class Single(Parallel):
         # host copies: checkpoints and snapshots are built in host memory (a no-op on the CPU)
         return to_cpu(model.state_dict()), to_cpu(optimizer.state_dict())
 
-    def load_state(self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict,
-                   strict: bool = True) -> None:
-        model.load_state_dict(model_sd, strict=strict)  # copies into the parameters, on their device
+    def load_state(
+        self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict, strict: bool = True
+    ) -> None:
+        model.load_state_dict(
+            model_sd, strict=strict
+        )  # copies into the parameters, on their device
         optimizer.load_state_dict(optim_sd)  # casts the moments to their parameter's device
 
     def broadcast(self, obj: Any) -> Any:

@@ -17,16 +17,25 @@ from provisioning.sim.scenario import Scenario, apply_overrides, load_scenario, 
 from provisioning.sim.summary import SimSummary
 
 
-def run_scenario(sc: Scenario, *, progress: bool = False,
-                 machine: bool = True) -> dict[str, Any]:
+def run_scenario(sc: Scenario, *, progress: bool = False, machine: bool = True) -> dict[str, Any]:
     """Simulate one scenario; returns the result dict (summary, steps, publications, ...)."""
     if progress:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                      MofNCompleteColumn(), TextColumn("steps"), TimeElapsedColumn(),
-                      transient=True) as bar:
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps"),
+            TimeElapsedColumn(),
+            transient=True,
+        ) as bar:
             task = bar.add_task(f"simulating {sc.run.name}", total=sc.run.steps)
             result = Sim(sc, on_step=lambda _s: bar.advance(task)).run()
     else:
@@ -45,9 +54,13 @@ def run_scenario(sc: Scenario, *, progress: bool = False,
     return result
 
 
-def simulate(scenario: str | Path | dict[str, Any] | Scenario,
-             overrides: list[str] | dict[str, Any] | None = None, *,
-             progress: bool = False, machine: bool = True) -> dict[str, Any]:
+def simulate(
+    scenario: str | Path | dict[str, Any] | Scenario,
+    overrides: list[str] | dict[str, Any] | None = None,
+    *,
+    progress: bool = False,
+    machine: bool = True,
+) -> dict[str, Any]:
     """Simulate a scenario given as a TOML path, a raw dict (TOML layout) or a ``Scenario``."""
     if isinstance(scenario, Scenario):
         sc = scenario
@@ -55,19 +68,31 @@ def simulate(scenario: str | Path | dict[str, Any] | Scenario,
             data = apply_overrides(sc.model_dump(), overrides)
             sc = scenario_from_dict(data, sc.base_dir)
     elif isinstance(scenario, dict):
-        sc = scenario_from_dict(apply_overrides(json.loads(json.dumps(scenario)),
-                                                overrides or []))
+        sc = scenario_from_dict(apply_overrides(json.loads(json.dumps(scenario)), overrides or []))
     else:
         sc = load_scenario(scenario, overrides)
     return run_scenario(sc, progress=progress, machine=machine)
 
 
-def simulate_fixed(n_workers: int, mu_per_worker: float, t_train: float, t_bcast: float,
-                   N: int, S: int, kappa: int, steps: int, *, group_size: int = 16,
-                   groups_per_request: int = 2, max_outstanding_groups: int = 0,
-                   duration_sigma: float = 0.1, t_train_cv: float = 0.0,
-                   generate_during_download: bool = False, measure_from_step: int = 0,
-                   seed: int = 0) -> dict[str, Any]:
+def simulate_fixed(
+    n_workers: int,
+    mu_per_worker: float,
+    t_train: float,
+    t_bcast: float,
+    N: int,
+    S: int,
+    kappa: int,
+    steps: int,
+    *,
+    group_size: int = 16,
+    groups_per_request: int = 2,
+    max_outstanding_groups: int = 0,
+    duration_sigma: float = 0.1,
+    t_train_cv: float = 0.0,
+    generate_during_download: bool = False,
+    measure_from_step: int = 0,
+    seed: int = 0,
+) -> dict[str, Any]:
     """The parameters of a real (e.g. loopback) run, simulated: for sim-vs-reality checks.
 
     ``n_workers`` identical workers of ``mu_per_worker`` trajectories/s, all active, no
@@ -82,19 +107,34 @@ def simulate_fixed(n_workers: int, mu_per_worker: float, t_train: float, t_bcast
     plus ``per_step_wait_s`` and ``per_step_staleness``.
     """
     if N % group_size:
-        raise ValueError(f"N={N} is not a multiple of group_size={group_size}: N = prompts x "
-                         f"group_size")
+        raise ValueError(
+            f"N={N} is not a multiple of group_size={group_size}: N = prompts x group_size"
+        )
     data = {
-        "run": {"name": "fixed", "seed": seed, "steps": steps,
-                "measure_from_step": measure_from_step},
-        "learner": {"t_train_s": t_train, "t_train_cv": t_train_cv,
-                    "prompts_per_step": N // group_size, "group_size": group_size,
-                    "staleness": S, "kappa": kappa, "price_per_hour": 0.0,
-                    "max_outstanding_groups": max_outstanding_groups},
-        "pool": {"classes": [{"name": "worker", "count": n_workers, "mu": mu_per_worker,
-                              "price": 0.0}]},
-        "rollout": {"groups_per_request": groups_per_request, "duration_sigma": duration_sigma,
-                    "generate_during_download": generate_during_download},
+        "run": {
+            "name": "fixed",
+            "seed": seed,
+            "steps": steps,
+            "measure_from_step": measure_from_step,
+        },
+        "learner": {
+            "t_train_s": t_train,
+            "t_train_cv": t_train_cv,
+            "prompts_per_step": N // group_size,
+            "group_size": group_size,
+            "staleness": S,
+            "kappa": kappa,
+            "price_per_hour": 0.0,
+            "max_outstanding_groups": max_outstanding_groups,
+        },
+        "pool": {
+            "classes": [{"name": "worker", "count": n_workers, "mu": mu_per_worker, "price": 0.0}]
+        },
+        "rollout": {
+            "groups_per_request": groups_per_request,
+            "duration_sigma": duration_sigma,
+            "generate_during_download": generate_during_download,
+        },
         "broadcast": {"topology": "fixed", "fixed_s": t_bcast, "uplink_mbit": None},
         "provisioning": {"selection": "all", "controller": False},
     }

@@ -13,7 +13,6 @@ from broadcast.topology.base import Peer
 from provisioning.sim.scenario import Pool, Scenario
 
 
-
 @dataclass
 class BcastPlan:
     """Per-recipient arrival offsets (seconds after publication, before reload) and context."""
@@ -64,8 +63,9 @@ class BroadcastModel:
     def _lower_bound(self, idx: np.ndarray) -> float | None:
         if not len(idx) or not self.b.uplink_mbit:
             return None
-        return planner.lower_bound_s(self.M, self.b.uplink_mbit, self.pool.down[idx].tolist(),
-                                     self.pool.up[idx].tolist())
+        return planner.lower_bound_s(
+            self.M, self.b.uplink_mbit, self.pool.down[idx].tolist(), self.pool.up[idx].tolist()
+        )
 
     def _plan(self, idx: np.ndarray) -> BcastPlan:
         n, b, M = len(idx), self.b, self.M
@@ -91,34 +91,51 @@ class BroadcastModel:
         binned = len(idx) > b.plan_max_peers
         members: dict[str, np.ndarray] = {}
         if not binned:
-            peers = [Peer(pool.ids[i], float(pool.down[i]), float(pool.up[i]),
-                          bool(pool.reachable[i])) for i in idx]
+            peers = [
+                Peer(pool.ids[i], float(pool.down[i]), float(pool.up[i]), bool(pool.reachable[i]))
+                for i in idx
+            ]
             for i in idx:
                 members[pool.ids[i]] = np.array([i])
         else:
             peers = self._binned_peers(idx, members)
-        plan = planner.plan_chains(peers, uplink_mbit=b.uplink_mbit, snapshot_bytes=int(self.M),
-                                   chunk_bytes=self.c, latency_s=self.lat,
-                                   extra_chains=b.extra_chains)
+        plan = planner.plan_chains(
+            peers,
+            uplink_mbit=b.uplink_mbit,
+            snapshot_bytes=int(self.M),
+            chunk_bytes=self.c,
+            latency_s=self.lat,
+            extra_chains=b.extra_chains,
+        )
         pos_of = {int(w): j for j, w in enumerate(idx)}
         off = np.zeros(len(idx))
         chains = []
         for chain, pred in zip(plan.chains, plan.predictions):
             workers = np.concatenate([members[w] for w in chain])
             rate = planner.mbit_to_bytes_per_s(pred.rate_mbit)
-            t = planner.predict_chain_s(self.M, self.c, rate, np.arange(1, len(workers) + 1),
-                                        self.lat)
+            t = planner.predict_chain_s(
+                self.M, self.c, rate, np.arange(1, len(workers) + 1), self.lat
+            )
             off[[pos_of[int(w)] for w in workers]] = t
             chains.append(workers)
-        return BcastPlan(idx, off, chains, float(off.max()), lb, plan.streams,
-                         plan.streams * self.M, "binned" if binned else "planner")
+        return BcastPlan(
+            idx,
+            off,
+            chains,
+            float(off.max()),
+            lb,
+            plan.streams,
+            plan.streams * self.M,
+            "binned" if binned else "planner",
+        )
 
     def _binned_peers(self, idx: np.ndarray, members: dict[str, np.ndarray]) -> list[Peer]:
         pool = self.pool
         reach = pool.reachable[idx]
         unreachable, relays = idx[~reach], idx[reach]
-        peers = [Peer(pool.ids[i], float(pool.down[i]), float(pool.up[i]), False)
-                 for i in unreachable]
+        peers = [
+            Peer(pool.ids[i], float(pool.down[i]), float(pool.up[i]), False) for i in unreachable
+        ]
         for i in unreachable:
             members[pool.ids[i]] = np.array([i])
         if len(relays):
@@ -128,8 +145,9 @@ class BroadcastModel:
             for j, block in enumerate(np.array_split(order, blocks)):
                 wid = f"#block{j}"
                 members[wid] = block
-                peers.append(Peer(wid, float(pool.down[block].min()),
-                                  float(pool.up[block].min()), True))
+                peers.append(
+                    Peer(wid, float(pool.down[block].min()), float(pool.up[block].min()), True)
+                )
         return peers
 
 

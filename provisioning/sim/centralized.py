@@ -33,15 +33,20 @@ def check(c: CentralizedSection) -> None:
     if not c.enabled:
         return
     if c.mu_per_gpu <= 0:
-        raise ValueError("centralized.mu_per_gpu must be > 0 when centralized.enabled: one "
-                         "data-center GPU's rollout rate (trajectories/s) for the model")
+        raise ValueError(
+            "centralized.mu_per_gpu must be > 0 when centralized.enabled: one "
+            "data-center GPU's rollout rate (trajectories/s) for the model"
+        )
     if "async" in c.modes and c.train_gpus >= c.gpus:
-        raise ValueError(f"centralized.train_gpus = {c.train_gpus} leaves no GPU of "
-                         f"centralized.gpus = {c.gpus} to generate; use fewer")
+        raise ValueError(
+            f"centralized.train_gpus = {c.train_gpus} leaves no GPU of "
+            f"centralized.gpus = {c.gpus} to generate; use fewer"
+        )
 
 
-def _gen_time(rng: np.random.Generator, n_traj: int, gpus: int, mu: float, per_request: int,
-              sigma: float) -> float:
+def _gen_time(
+    rng: np.random.Generator, n_traj: int, gpus: int, mu: float, per_request: int, sigma: float
+) -> float:
     """Wall time for ``gpus`` GPUs to generate ``n_traj`` trajectories in requests of
     ``per_request``, each request's duration spread lognormally: the busiest GPU's total."""
     requests = -(-n_traj // per_request)
@@ -53,8 +58,17 @@ def _gen_time(rng: np.random.Generator, n_traj: int, gpus: int, mu: float, per_r
     return float(loads.max())
 
 
-def run_baseline(mode: str, c: CentralizedSection, *, n_traj: int, t_train: float,
-                 per_request: int, sigma: float, steps: int, seed: int) -> Baseline:
+def run_baseline(
+    mode: str,
+    c: CentralizedSection,
+    *,
+    n_traj: int,
+    t_train: float,
+    per_request: int,
+    sigma: float,
+    steps: int,
+    seed: int,
+) -> Baseline:
     rng = np.random.default_rng(seed)
     t_train = c.t_train_s or t_train
     gen_gpus = c.gpus if mode == "sync" else c.gpus - c.train_gpus
@@ -72,14 +86,20 @@ def run_baseline(mode: str, c: CentralizedSection, *, n_traj: int, t_train: floa
     step_mean = float(np.mean(step_s))
     usd_per_step = c.gpus * c.gpu_price * step_mean / 3600.0
     return Baseline(
-        mode=mode, gpus=c.gpus, generating_gpus=gen_gpus,
+        mode=mode,
+        gpus=c.gpus,
+        generating_gpus=gen_gpus,
         training_gpus=c.gpus if mode == "sync" else c.train_gpus,
-        gpu_price=c.gpu_price, mu_per_gpu=c.mu_per_gpu, t_train_s=t_train,
-        step_s=step_mean, t_gen_s=float(np.mean(gen_s)),
+        gpu_price=c.gpu_price,
+        mu_per_gpu=c.mu_per_gpu,
+        t_train_s=t_train,
+        step_s=step_mean,
+        t_gen_s=float(np.mean(gen_s)),
         # the trainer's share of the step spent waiting for rollouts
         bubble_ratio=float(np.sum(wait_s) / np.sum(step_s)),
         cost_per_step_usd=usd_per_step,
-        usd_per_1k_trajectories=1000.0 * usd_per_step / n_traj)
+        usd_per_1k_trajectories=1000.0 * usd_per_step / n_traj,
+    )
 
 
 def compare(sc: Any, echo_summary: SimSummary) -> dict[str, Any]:
@@ -88,14 +108,26 @@ def compare(sc: Any, echo_summary: SimSummary) -> dict[str, Any]:
     check(c)
     L = sc.learner
     n_traj = L.prompts_per_step * L.group_size
-    rows = [run_baseline(m, c, n_traj=n_traj, t_train=L.t_train_s,
-                         per_request=sc.rollout.groups_per_request * L.group_size,
-                         sigma=sc.rollout.duration_sigma, steps=sc.run.steps, seed=sc.run.seed)
-            for m in c.modes]
+    rows = [
+        run_baseline(
+            m,
+            c,
+            n_traj=n_traj,
+            t_train=L.t_train_s,
+            per_request=sc.rollout.groups_per_request * L.group_size,
+            sigma=sc.rollout.duration_sigma,
+            steps=sc.run.steps,
+            seed=sc.run.seed,
+        )
+        for m in c.modes
+    ]
     echo = echo_summary.cost_per_step_usd
     saving = [1.0 - echo / b.cost_per_step_usd if echo is not None else None for b in rows]
     out = [{**b.to_json(), "echo_saving": s} for b, s in zip(rows, saving)]
     cheapest = min(range(len(rows)), key=lambda i: rows[i].cost_per_step_usd) if rows else None
-    return {"baselines": out, "echo_cost_per_step_usd": echo,
-            "echo_bubble_ratio": echo_summary.bubble_ratio,
-            "echo_saving_vs_cheapest": saving[cheapest] if cheapest is not None else None}
+    return {
+        "baselines": out,
+        "echo_cost_per_step_usd": echo,
+        "echo_bubble_ratio": echo_summary.bubble_ratio,
+        "echo_saving_vs_cheapest": saving[cheapest] if cheapest is not None else None,
+    }

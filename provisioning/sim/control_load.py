@@ -36,8 +36,10 @@ def load_us(n: int, c: ControlCosts, heartbeat_s: float, budget: float, scaled: 
         period, poll = max(heartbeat_s, n / budget), max(STANDBY_POLL_S, n / budget)
     else:
         period, poll = heartbeat_s, STANDBY_POLL_S
-    return (n * (c.heartbeat_us / period + c.poll_us / poll + c.sweep_us_per_worker_s)
-            + c.admission_us_per_s)
+    return (
+        n * (c.heartbeat_us / period + c.poll_us / poll + c.sweep_us_per_worker_s)
+        + c.admission_us_per_s
+    )
 
 
 def saturation(c: ControlCosts, heartbeat_s: float, budget: float, scaled: bool) -> int:
@@ -50,9 +52,15 @@ def saturation(c: ControlCosts, heartbeat_s: float, budget: float, scaled: bool)
     return lo
 
 
-def curve(c: ControlCosts, heartbeat_s: float, budget: float, sizes: list[int]
-          ) -> list[dict[str, float]]:
+def curve(
+    c: ControlCosts, heartbeat_s: float, budget: float, sizes: list[int]
+) -> list[dict[str, float]]:
     """Core share used at each fleet size, both policies (the plot's rows)."""
-    return [{"workers": n,
-             "fixed": load_us(n, c, heartbeat_s, budget, False) / CORE_US,
-             "scaled": load_us(n, c, heartbeat_s, budget, True) / CORE_US} for n in sizes]
+    return [
+        {
+            "workers": n,
+            "fixed": load_us(n, c, heartbeat_s, budget, False) / CORE_US,
+            "scaled": load_us(n, c, heartbeat_s, budget, True) / CORE_US,
+        }
+        for n in sizes
+    ]

@@ -69,15 +69,51 @@ class Sim:
         self.warnings: list[str] = []
         self.ws = WorkerState(n)
         self.ledger = Ledger(self.pool.price.tolist(), self.pool.mu.tolist(), clock)
-        self.snaps = Snapshots(n, sc.broadcast.reload_s, sc.rollout.generate_during_download,
-                               clock, self.counters, self.bmodel.pull_s)
-        self.prov = Provisioner(self.env, sc, self.rng, self.pool, self.ws, self.snaps,
-                                self.ledger, self.counters, self.bmodel, self.warnings)
-        self.work = Work(self.env, sc, self.rng, self.pool.ids, self.ledger.mu, self.ws,
-                         self.snaps, self.ledger, self.counters, self.prov,
-                         lambda: self.version, self._batch_arrived)
-        self.churn = Churn(self.env, sc, self.rng, self.ws, self.snaps, self.ledger,
-                           self.counters, self.prov, lambda: self.done)
+        self.snaps = Snapshots(
+            n,
+            sc.broadcast.reload_s,
+            sc.rollout.generate_during_download,
+            clock,
+            self.counters,
+            self.bmodel.pull_s,
+        )
+        self.prov = Provisioner(
+            self.env,
+            sc,
+            self.rng,
+            self.pool,
+            self.ws,
+            self.snaps,
+            self.ledger,
+            self.counters,
+            self.bmodel,
+            self.warnings,
+        )
+        self.work = Work(
+            self.env,
+            sc,
+            self.rng,
+            self.pool.ids,
+            self.ledger.mu,
+            self.ws,
+            self.snaps,
+            self.ledger,
+            self.counters,
+            self.prov,
+            lambda: self.version,
+            self._batch_arrived,
+        )
+        self.churn = Churn(
+            self.env,
+            sc,
+            self.rng,
+            self.ws,
+            self.snaps,
+            self.ledger,
+            self.counters,
+            self.prov,
+            lambda: self.done,
+        )
         # learner
         self.version = 0
         self.learner_ev: simpy.Event | None = None
@@ -114,7 +150,8 @@ class Sim:
             self.warnings.append(
                 f"stalled at step {step}: no batch for {sc.run.stall_timeout_s:g} s "
                 f"(buffer {self.work.buffered}/{self.need} groups, "
-                f"{self.ledger.n_active} active workers)")
+                f"{self.ledger.n_active} active workers)"
+            )
             return False
         self.learner_ev = None
         return True
@@ -140,9 +177,20 @@ class Sim:
                 train *= float(self.rng.lognormal(-s * s / 2, s))
             yield env.timeout(train)
             ledger.bill()
-            cost = (L.price_per_hour * (wait + train) / 3600.0 + ledger.cost_workers - cost0)
-            self.steps.append(StepRecord(step, self.version, t0, wait, train,
-                                         self.version - oldest, n_active, mu_active, cost))
+            cost = L.price_per_hour * (wait + train) / 3600.0 + ledger.cost_workers - cost0
+            self.steps.append(
+                StepRecord(
+                    step,
+                    self.version,
+                    t0,
+                    wait,
+                    train,
+                    self.version - oldest,
+                    n_active,
+                    mu_active,
+                    cost,
+                )
+            )
             self.version += 1
             # The learner recomputes mu_req after every step from its T_train average and the
             # latest T_bcast (learner/main.py _provisioning): so does the simulation.
@@ -173,9 +221,20 @@ class Sim:
             t_b, tail = float(done[k - 1]), float(done[-1])
         else:
             t_b = tail = 0.0
-        self.pubs.append(Publication(v, now, len(idx), t_b, tail, plan.predicted_s,
-                                     plan.lower_bound_s, plan.streams, plan.egress_bytes / 1e9,
-                                     plan.mode))
+        self.pubs.append(
+            Publication(
+                v,
+                now,
+                len(idx),
+                t_b,
+                tail,
+                plan.predicted_s,
+                plan.lower_bound_s,
+                plan.streams,
+                plan.egress_bytes / 1e9,
+                plan.mode,
+            )
+        )
         if len(idx):
             self.t_bcast_est = t_b
             self._update_requirement()
@@ -185,8 +244,9 @@ class Sim:
         if self.t_bcast_est is None:
             return
         try:
-            req = capacity.mu_req(L.n, self.kappa, self.t_train_avg or L.t_train_s,
-                                  self.t_bcast_est)
+            req = capacity.mu_req(
+                L.n, self.kappa, self.t_train_avg or L.t_train_s, self.t_bcast_est
+            )
         except capacity.Infeasible as err:
             req = None
             msg = f"mu_req infeasible at t={self.env.now:.0f} s: {err}"
@@ -220,8 +280,11 @@ class Sim:
         if sc.provisioning.selection == "all" and not sc.provisioning.controller:
             # "all" means the whole pool: workers absent now work when they (re)join
             self.ws.active = [True] * self.n
-        self.ledger.start(float(self.pool.price[chosen].sum()),
-                          float(self.pool.mu[chosen].sum()), int(len(chosen)))
+        self.ledger.start(
+            float(self.pool.price[chosen].sum()),
+            float(self.pool.mu[chosen].sum()),
+            int(len(chosen)),
+        )
         return chosen
 
     def run(self) -> dict[str, Any]:
@@ -266,13 +329,16 @@ def results(sim: Sim, wall_s: float, cpu_s: float) -> dict[str, Any]:
     tb = [p.t_bcast_s for p in pubs]
     t_b_mean = float(np.mean(tb)) if tb else None
     try:
-        req = (capacity.mu_req(L.n, sim.kappa, L.t_train_s, t_b_mean)
-               if t_b_mean is not None else None)
+        req = (
+            capacity.mu_req(L.n, sim.kappa, L.t_train_s, t_b_mean) if t_b_mean is not None else None
+        )
     except capacity.Infeasible:
         req = None
     n = len(steps)
     summary = SimSummary(
-        steps_done=len(sim.steps), steps_measured=n, stalled=sim.stalled,
+        steps_done=len(sim.steps),
+        steps_measured=n,
+        stalled=sim.stalled,
         bubble_ratio=wait / (wait + busy) if steps else None,
         wait_s_per_step=wait / n if steps else None,
         t_train_s_per_step=busy / n if steps else None,
@@ -280,23 +346,43 @@ def results(sim: Sim, wall_s: float, cpu_s: float) -> dict[str, Any]:
         staleness_mean=float(np.mean([s.staleness for s in steps])) if steps else None,
         cost_per_step_usd=cost / n if steps else None,
         usd_per_1k_trajectories=cost / trained * 1000 if trained else None,
-        cost_total_usd=cost, t_bcast_mean_s=t_b_mean, t_bcast_max_s=max(tb) if tb else None,
+        cost_total_usd=cost,
+        t_bcast_mean_s=t_b_mean,
+        t_bcast_max_s=max(tb) if tb else None,
         publications=len(pubs),
         active_mean=float(np.mean([s.n_active for s in steps])) if steps else None,
         mu_active_mean=float(np.mean([s.mu_active for s in steps])) if steps else None,
-        mu_req_at_mean_t_bcast=req, kappa=sim.kappa, n_per_step=L.n, sim_time_s=sim.env.now,
-        trajectories={"delivered": c.delivered_groups * G, "admitted": c.admitted_groups * G,
-                      "trained": c.trained_groups * G,
-                      COL.dropped_stale: c.dropped_stale_groups * G,  # the row's name
-                      "lost_to_churn": c.lost_groups * G},
-        events={"installs": c.installs, "leaves": c.leaves, "joins": c.joins,
-                "activations": c.activations, "releases": c.releases, "short": c.short},
-        wall_s=wall_s, cpu_s=cpu_s, planner_wall_s=sim.bmodel.plan_wall_s)
+        mu_req_at_mean_t_bcast=req,
+        kappa=sim.kappa,
+        n_per_step=L.n,
+        sim_time_s=sim.env.now,
+        trajectories={
+            "delivered": c.delivered_groups * G,
+            "admitted": c.admitted_groups * G,
+            "trained": c.trained_groups * G,
+            COL.dropped_stale: c.dropped_stale_groups * G,  # the row's name
+            "lost_to_churn": c.lost_groups * G,
+        },
+        events={
+            "installs": c.installs,
+            "leaves": c.leaves,
+            "joins": c.joins,
+            "activations": c.activations,
+            "releases": c.releases,
+            "short": c.short,
+        },
+        wall_s=wall_s,
+        cpu_s=cpu_s,
+        planner_wall_s=sim.bmodel.plan_wall_s,
+    )
     return {
         "scenario": sc.model_dump(exclude={"base_dir"}),
-        "pool": {"workers": sim.n, "mu_total": float(sim.pool.mu.sum()),
-                 "price_total": float(sim.pool.price.sum()),
-                 "classes": sorted(set(sim.pool.cls))},
+        "pool": {
+            "workers": sim.n,
+            "mu_total": float(sim.pool.mu.sum()),
+            "price_total": float(sim.pool.price.sum()),
+            "classes": sorted(set(sim.pool.cls)),
+        },
         "initial": sim.prov.initial,
         "summary": summary.to_json(),  # the declared SimSummary, as the result files hold it
         "steps": [s.__dict__ for s in sim.steps],
@@ -306,7 +392,6 @@ def results(sim: Sim, wall_s: float, cpu_s: float) -> dict[str, Any]:
         "decisions": sim.prov.decisions,
         "warnings": sim.warnings,
     }
-
 
 
 def _downsample(rows: list[tuple], limit: int) -> list[list[float]]:

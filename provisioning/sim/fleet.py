@@ -13,8 +13,7 @@ import simpy
 
 from broadcast.coordinator import quantile_rank
 from provisioning import capacity, selection
-from provisioning.controller import (ACTIVATE, ACTIVE, RELEASE, SHORT, STANDBY, Controller,
-                                     Decision)
+from provisioning.controller import ACTIVATE, ACTIVE, RELEASE, SHORT, STANDBY, Controller, Decision
 from provisioning.sim.broadcast import BroadcastModel
 from provisioning.sim.scenario import Pool, Scenario
 from provisioning.sim.state import Counters, Ledger, Snapshots, WorkerState
@@ -24,9 +23,19 @@ class Provisioner:
     """Which workers are active: the initial set, then (with ``provisioning.controller``) the
     closed loop, fed what the control plane feeds it."""
 
-    def __init__(self, env: simpy.Environment, sc: Scenario, rng: np.random.Generator, pool: Pool,
-                 ws: WorkerState, snaps: Snapshots, ledger: Ledger, counters: Counters,
-                 bmodel: BroadcastModel, warnings: list[str]) -> None:
+    def __init__(
+        self,
+        env: simpy.Environment,
+        sc: Scenario,
+        rng: np.random.Generator,
+        pool: Pool,
+        ws: WorkerState,
+        snaps: Snapshots,
+        ledger: Ledger,
+        counters: Counters,
+        bmodel: BroadcastModel,
+        warnings: list[str],
+    ) -> None:
         self.env, self.sc, self.rng, self.pool = env, sc, rng, pool
         self.ws, self.snaps, self.ledger, self.counters = ws, snaps, ledger, counters
         self.bmodel, self.warnings = bmodel, warnings
@@ -86,12 +95,13 @@ class Provisioner:
             else:
                 order = selection.unit_cost_order(mu, price)
             if p.active:
-                return cand[np.sort(order[:p.active])]
+                return cand[np.sort(order[: p.active])]
             if p.selection == "random":
                 reach = np.searchsorted(np.cumsum(mu[order]), target * (1 - 1e-9)) + 1
                 return cand[np.sort(order[:reach])]
-            solver = {"ours": selection.ours, "greedy": selection.greedy,
-                      "exact": selection.exact}[p.selection]
+            solver = {"ours": selection.ours, "greedy": selection.greedy, "exact": selection.exact}[
+                p.selection
+            ]
             sel = solver(mu, price, target)
             if not sel.feasible:
                 info["message"] = sel.message
@@ -110,8 +120,7 @@ class Provisioner:
                 try:
                     req = capacity.mu_req(L.n, L.effective_kappa, L.t_train_s, t_b)
                 except capacity.Infeasible as err:
-                    self.warnings.append(f"initial selection: {err}; activating every "
-                                         f"candidate")
+                    self.warnings.append(f"initial selection: {err}; activating every candidate")
                     chosen = cand
                     t_b = self._t_bcast_for(chosen)
                     break
@@ -121,18 +130,27 @@ class Provisioner:
                 chosen, t_b = new, new_tb
                 if stable:
                     break
-        info.update(t_bcast_predicted_s=t_b, chosen=int(len(chosen)),
-                    mu=float(self.pool.mu[chosen].sum()), cost_per_hour=float(
-                        self.pool.price[chosen].sum()))
+        info.update(
+            t_bcast_predicted_s=t_b,
+            chosen=int(len(chosen)),
+            mu=float(self.pool.mu[chosen].sum()),
+            cost_per_hour=float(self.pool.price[chosen].sum()),
+        )
         return chosen, t_b
 
     def setup_controller(self) -> None:
         p = self.sc.provisioning
         env = self.env
-        self.ctl = Controller(alpha=p.alpha, delta=p.delta, window_s=p.window_s,
-                              clock=lambda: env.now, tau_s=p.tau_s, warmup_s=p.warmup_s,
-                              probation_slots=p.probation_slots,
-                              probation_ready_s=p.probation_ready_s)
+        self.ctl = Controller(
+            alpha=p.alpha,
+            delta=p.delta,
+            window_s=p.window_s,
+            clock=lambda: env.now,
+            tau_s=p.tau_s,
+            warmup_s=p.warmup_s,
+            probation_slots=p.probation_slots,
+            probation_ready_s=p.probation_ready_s,
+        )
         # As the learner: no credit before delivery, unless the scenario grants the oracle's.
         self.nominal_prior = p.prior == "nominal" or p.measure == "capacity"
         for i in range(self.ws.n):
@@ -143,10 +161,13 @@ class Provisioner:
 
     def register(self, i: int) -> None:
         assert self.ctl is not None
-        self.ctl.add_worker(self.pool.ids[i], self.ledger.price[i],
-                            state=ACTIVE if self.ws.active[i] else STANDBY,
-                            mu_prior=self.ledger.mu[i] if self.nominal_prior else 0.0,
-                            identity=self.pool.ids[i])
+        self.ctl.add_worker(
+            self.pool.ids[i],
+            self.ledger.price[i],
+            state=ACTIVE if self.ws.active[i] else STANDBY,
+            mu_prior=self.ledger.mu[i] if self.nominal_prior else 0.0,
+            identity=self.pool.ids[i],
+        )
         self.ws.registered[i] = True
 
     def controller_loop(self, done: Callable[[], bool]):
@@ -159,8 +180,12 @@ class Provisioner:
         while not done():
             yield self.env.timeout(tick)
             if not self.observe_delivered:  # measure = "capacity": nominal mu_i x time
-                up = (np.array(ws.present) & np.array(ws.active) & np.array(ws.registered)
-                      & (np.array(self.snaps.inst_ver) >= 0))
+                up = (
+                    np.array(ws.present)
+                    & np.array(ws.active)
+                    & np.array(ws.registered)
+                    & (np.array(self.snaps.inst_ver) >= 0)
+                )
                 acc[up] += mu[up] * tick
                 for i in np.flatnonzero(acc >= 1).tolist():
                     k = int(acc[i])
@@ -170,8 +195,13 @@ class Provisioner:
                 self._carry_out(d, index)
 
     def _carry_out(self, d: Decision, index: dict[str, int]) -> None:
-        rec = {"time": d.time, "action": d.action, "worker": d.worker_id,
-               "c_eff": d.c_eff, "target": d.target}
+        rec = {
+            "time": d.time,
+            "action": d.action,
+            "worker": d.worker_id,
+            "c_eff": d.c_eff,
+            "target": d.target,
+        }
         if len(self.decisions) < 300:  # the first ones; counts are in summary
             rec["reason"] = d.reason if len(self.decisions) < 50 else None
             self.decisions.append(rec)
@@ -190,9 +220,18 @@ class Churn:
     are lost, its chain children re-attach upstream, and the controller forgets it after
     ``heartbeat_timeout_s``."""
 
-    def __init__(self, env: simpy.Environment, sc: Scenario, rng: np.random.Generator,
-                 ws: WorkerState, snaps: Snapshots, ledger: Ledger, counters: Counters,
-                 prov: Provisioner, done: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        env: simpy.Environment,
+        sc: Scenario,
+        rng: np.random.Generator,
+        ws: WorkerState,
+        snaps: Snapshots,
+        ledger: Ledger,
+        counters: Counters,
+        prov: Provisioner,
+        done: Callable[[], bool],
+    ) -> None:
         self.env, self.sc, self.rng = env, sc, rng
         self.ws, self.snaps, self.ledger, self.counters = ws, snaps, ledger, counters
         self.prov, self.done = prov, done
@@ -247,8 +286,14 @@ class Churn:
         def schedule(i: int) -> None:
             lam = lam_l if ws.present[i] else lam_j
             if lam > 0:
-                heapq.heappush(heap, (self.env.now + float(rng.exponential(1.0 / lam)), i,
-                                      ws.leave_epoch[i] * 2 + ws.present[i]))
+                heapq.heappush(
+                    heap,
+                    (
+                        self.env.now + float(rng.exponential(1.0 / lam)),
+                        i,
+                        ws.leave_epoch[i] * 2 + ws.present[i],
+                    ),
+                )
 
         for i in range(ws.n):
             schedule(i)

@@ -27,9 +27,12 @@ def plot_run(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     name = sc["run"]["name"]
     steps = result["steps"]
     fig, ax = plt.subplots(2, 2, figsize=(12, 8))
-    fig.suptitle(f"{name}: B = {s.bubble_ratio:.2%}, s_max = {s.staleness_max} "
-                 f"(S = {sc['learner']['staleness']}), ${s.cost_per_step_usd:.3f}/step"
-                 if s.bubble_ratio is not None else name)
+    fig.suptitle(
+        f"{name}: B = {s.bubble_ratio:.2%}, s_max = {s.staleness_max} "
+        f"(S = {sc['learner']['staleness']}), ${s.cost_per_step_usd:.3f}/step"
+        if s.bubble_ratio is not None
+        else name
+    )
 
     a = ax[0][0]
     x = [r["step"] for r in steps]
@@ -37,8 +40,9 @@ def plot_run(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     a.set_xlabel("learner step")
     a.set_ylabel("T_wait (s)")
     a2 = a.twinx()
-    a2.step(x, [r["staleness"] for r in steps], where="mid", color="tab:blue",
-            label="staleness s_t")
+    a2.step(
+        x, [r["staleness"] for r in steps], where="mid", color="tab:blue", label="staleness s_t"
+    )
     a2.axhline(sc["learner"]["staleness"], color="tab:blue", ls=":", lw=1)
     a2.set_ylabel("staleness (versions)")
     a2.set_ylim(bottom=0, top=sc["learner"]["staleness"] + 1)
@@ -58,9 +62,14 @@ def plot_run(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
         req = [(tt / 3600, r) for tt, r in result["mu_req_history"] if r is not None]
         if req:
             alpha = sc["provisioning"]["alpha"]
-            a3.step([r[0] for r in req] + [(s.sim_time_s or 0.0) / 3600],
-                    [alpha * r[1] for r in req] + [alpha * req[-1][1]], where="post",
-                    color="tab:purple", ls="--", label="alpha x mu_req")
+            a3.step(
+                [r[0] for r in req] + [(s.sim_time_s or 0.0) / 3600],
+                [alpha * r[1] for r in req] + [alpha * req[-1][1]],
+                where="post",
+                color="tab:purple",
+                ls="--",
+                label="alpha x mu_req",
+            )
         a3.set_ylabel("trajectories/s")
         a3.set_ylim(bottom=0)
         a3.legend(loc="lower right", fontsize=8)
@@ -70,15 +79,26 @@ def plot_run(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     a = ax[1][0]
     pubs = [p for p in result["publications"] if p["recipients"]]
     if pubs:
-        a.plot([p["version"] for p in pubs], [p["t_bcast_s"] for p in pubs], "o-",
-               label=f"T_bcast (q={sc['broadcast']['q']:g})")
+        a.plot(
+            [p["version"] for p in pubs],
+            [p["t_bcast_s"] for p in pubs],
+            "o-",
+            label=f"T_bcast (q={sc['broadcast']['q']:g})",
+        )
         if sc["broadcast"]["q"] < 1:
-            a.plot([p["version"] for p in pubs], [p["tail_s"] for p in pubs], "-",
-                   color="tab:gray", lw=1, label="last recipient (q=1)")
+            a.plot(
+                [p["version"] for p in pubs],
+                [p["tail_s"] for p in pubs],
+                "-",
+                color="tab:gray",
+                lw=1,
+                label="last recipient (q=1)",
+            )
         lbs = [(p["version"], p["lower_bound_s"]) for p in pubs if p["lower_bound_s"]]
         if lbs:
-            a.plot([v for v, _ in lbs], [b for _, b in lbs], "k:",
-                   label="lower bound (all recipients)")
+            a.plot(
+                [v for v, _ in lbs], [b for _, b in lbs], "k:", label="lower bound (all recipients)"
+            )
         a.axhline(sc["learner"]["t_train_s"], color="tab:red", ls="--", lw=1, label="T_train")
         a.legend(fontsize=8)
     a.set_xlabel("published version")

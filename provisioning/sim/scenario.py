@@ -46,11 +46,13 @@ class RunSection(_Section):
     stall_timeout_s: float = Field(7 * 24 * 3600.0, gt=0)
 
     @model_validator(mode="after")
-    def _measure_inside_run(self) -> "RunSection":
+    def _measure_inside_run(self) -> RunSection:
         if self.measure_from_step >= self.steps:
-            raise ValueError(f"measure_from_step={self.measure_from_step} leaves no step of "
-                             f"steps={self.steps} to measure; set run.measure_from_step < "
-                             f"run.steps")
+            raise ValueError(
+                f"measure_from_step={self.measure_from_step} leaves no step of "
+                f"steps={self.steps} to measure; set run.measure_from_step < "
+                f"run.steps"
+            )
         return self
 
 
@@ -71,12 +73,14 @@ class LearnerSection(StalenessRules, _Section):
         return self.prompts_per_step * self.group_size
 
     @model_validator(mode="after")
-    def _checks(self) -> "LearnerSection":
+    def _checks(self) -> LearnerSection:
         self.check_kappa()
         if self.max_outstanding_groups and self.max_outstanding_groups < self.prompts_per_step:
-            raise ValueError(f"max_outstanding_groups={self.max_outstanding_groups} is below "
-                             f"prompts_per_step={self.prompts_per_step}: the learner could never "
-                             f"assemble a batch; raise learner.max_outstanding_groups (or 0)")
+            raise ValueError(
+                f"max_outstanding_groups={self.max_outstanding_groups} is below "
+                f"prompts_per_step={self.prompts_per_step}: the learner could never "
+                f"assemble a batch; raise learner.max_outstanding_groups (or 0)"
+            )
         return self
 
 
@@ -95,11 +99,13 @@ class WorkerClass(_Section):
     reachable: float | None = Field(None, ge=0, le=1)  # fraction reachable; None: pool's
 
     @model_validator(mode="after")
-    def _prices_length(self) -> "WorkerClass":
+    def _prices_length(self) -> WorkerClass:
         if self.prices is not None:
             if len(self.prices) != self.count:
-                raise ValueError(f"class {self.name!r}: prices has {len(self.prices)} entries "
-                                 f"but count={self.count}; give one price per worker")
+                raise ValueError(
+                    f"class {self.name!r}: prices has {len(self.prices)} entries "
+                    f"but count={self.count}; give one price per worker"
+                )
             if any(not (p >= 0 and math.isfinite(p)) for p in self.prices):
                 raise ValueError(f"class {self.name!r}: prices must be finite $/h >= 0")
         return self
@@ -120,10 +126,12 @@ class PoolSection(_Section):
     reachable: float = Field(1.0, ge=0, le=1)  # fraction that accepts inbound connections
 
     @model_validator(mode="after")
-    def _has_workers(self) -> "PoolSection":
+    def _has_workers(self) -> PoolSection:
         if not self.classes and not self.file and not self.random_workers:
-            raise ValueError("the pool is empty: add [[pool.classes]] (count, mu, price), "
-                             "pool.file (CSV) or pool.random_workers")
+            raise ValueError(
+                "the pool is empty: add [[pool.classes]] (count, mu, price), "
+                "pool.file (CSV) or pool.random_workers"
+            )
         return self
 
 
@@ -162,11 +170,13 @@ class BroadcastSection(_Section):
         return int(round(self.chunk_mib * (1 << 20)))
 
     @model_validator(mode="after")
-    def _uplink_needed(self) -> "BroadcastSection":
+    def _uplink_needed(self) -> BroadcastSection:
         if self.topology in ("chains", "star") and self.uplink_mbit is None:
-            raise ValueError(f"topology {self.topology!r} needs the learner uplink: set "
-                             f"broadcast.uplink_mbit (Mbit/s), or use topology = "
-                             f"\"star-unlimited\"")
+            raise ValueError(
+                f"topology {self.topology!r} needs the learner uplink: set "
+                f"broadcast.uplink_mbit (Mbit/s), or use topology = "
+                f'"star-unlimited"'
+            )
         return self
 
 
@@ -202,11 +212,14 @@ class ProvisioningSection(_Section):
     probation_ready_s: float = Field(600.0, gt=0)
 
     @model_validator(mode="after")
-    def _first_needs_count(self) -> "ProvisioningSection":
+    def _first_needs_count(self) -> ProvisioningSection:
         if self.selection == "first" and self.active <= 0:
-            raise ValueError("provisioning.selection = \"first\" boots the first "
-                             "provisioning.active workers: set provisioning.active >= 1")
+            raise ValueError(
+                'provisioning.selection = "first" boots the first '
+                "provisioning.active workers: set provisioning.active >= 1"
+            )
         return self
+
     # T_bcast behind mu_req before the first publication is measured; None: the planner's
     # prediction for the initial active set.
     t_bcast_initial_s: float | None = Field(None, ge=0)
@@ -235,7 +248,7 @@ class CentralizedSection(_Section):
     modes: list[Literal["sync", "async"]] = Field(default_factory=lambda: ["sync", "async"])
 
     @model_validator(mode="after")
-    def _usable(self) -> "CentralizedSection":
+    def _usable(self) -> CentralizedSection:
         from provisioning.sim.centralized import check
 
         check(self)
@@ -270,8 +283,11 @@ def _explain(err: ValidationError) -> str:
         plain = ".".join(p for p in loc if not p.isdigit())
         if e["type"] == "extra_forbidden":
             close = difflib.get_close_matches(plain, _known_keys(), n=1)
-            hint = (f"did you mean {close[0]!r}?" if close
-                    else "remove it (see examples/sim/*.toml for the known keys)")
+            hint = (
+                f"did you mean {close[0]!r}?"
+                if close
+                else "remove it (see examples/sim/*.toml for the known keys)"
+            )
             lines.append(f"unknown key {key!r}: {hint}")
             continue
         if e["type"] == "missing":
@@ -281,16 +297,22 @@ def _explain(err: ValidationError) -> str:
         if e["type"] == "value_error" and isinstance(e.get("input"), dict):
             lines.append(f"[{key}] {msg}")  # a check across keys of one table
             continue
-        how = ("fix it in the scenario" if plain != key
-               else f"fix it in the scenario or with --set {key}=...")
+        how = (
+            "fix it in the scenario"
+            if plain != key
+            else f"fix it in the scenario or with --set {key}=..."
+        )
         lines.append(f"{key} = {e.get('input')!r}: {msg}; {how}")
     return "invalid scenario:\n  " + "\n  ".join(lines)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
     """``section.key=value`` strings (or a ``{"section.key": value}`` dict) onto raw data."""
-    items = (overrides.items() if isinstance(overrides, dict)
-             else (parse_override(o, ScenarioError) for o in overrides))
+    items = (
+        overrides.items()
+        if isinstance(overrides, dict)
+        else (parse_override(o, ScenarioError) for o in overrides)
+    )
     for key, value in items:
         apply_override(data, key.split(".") if isinstance(key, str) else key, value, ScenarioError)
     return data
@@ -308,16 +330,18 @@ def scenario_from_dict(data: dict[str, Any], base_dir: str | Path = ".") -> Scen
 def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise ScenarioError(f"scenario file {str(p)!r} not found: pass an existing TOML file "
-                            f"(see examples/sim/)")
+        raise ScenarioError(
+            f"scenario file {str(p)!r} not found: pass an existing TOML file (see examples/sim/)"
+        )
     try:
         return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"scenario file {str(p)!r} is not valid TOML: {exc}") from None
 
 
-def load_scenario(path: str | Path,
-                  overrides: list[str] | dict[str, Any] | None = None) -> Scenario:
+def load_scenario(
+    path: str | Path, overrides: list[str] | dict[str, Any] | None = None
+) -> Scenario:
     data = apply_overrides(read_toml(path), overrides or [])
     return scenario_from_dict(data, Path(path).resolve().parent)
 
@@ -398,24 +422,36 @@ def build_pool(sc: Scenario, rng: np.random.Generator) -> Pool:
     ids = [f"w{i}" for i in range(n - len(ids_from_file))]
     ids += [x or f"w{len(ids) + j}" for j, x in enumerate(ids_from_file)]
     if len(set(ids)) != n:
-        raise ScenarioError(f"pool.file {ps.file!r}: worker ids must be unique (ids w0..w{n - 1} "
-                            f"are taken by the generated workers)")
-    return Pool(ids=ids, mu=np.concatenate(mu), price=np.concatenate(price),
-                down=np.concatenate(down), up=np.concatenate(up),
-                reachable=np.concatenate(reach).astype(bool), cls=cls)
+        raise ScenarioError(
+            f"pool.file {ps.file!r}: worker ids must be unique (ids w0..w{n - 1} "
+            f"are taken by the generated workers)"
+        )
+    return Pool(
+        ids=ids,
+        mu=np.concatenate(mu),
+        price=np.concatenate(price),
+        down=np.concatenate(down),
+        up=np.concatenate(up),
+        reachable=np.concatenate(reach).astype(bool),
+        cls=cls,
+    )
 
 
 def _read_pool_csv(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
-        raise ScenarioError(f"pool.file {str(path)!r} not found: give a CSV with columns "
-                            f"mu,price[,down_mbit,up_mbit,reachable,id]")
+        raise ScenarioError(
+            f"pool.file {str(path)!r} not found: give a CSV with columns "
+            f"mu,price[,down_mbit,up_mbit,reachable,id]"
+        )
     rows = []
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         missing = {"mu", "price"} - set(reader.fieldnames or [])
         if missing:
-            raise ScenarioError(f"pool.file {str(path)!r} lacks column(s) {sorted(missing)}: "
-                                f"the header must name at least mu,price")
+            raise ScenarioError(
+                f"pool.file {str(path)!r} lacks column(s) {sorted(missing)}: "
+                f"the header must name at least mu,price"
+            )
         for line, r in enumerate(reader, start=2):
             try:
                 row: dict[str, Any] = {"mu": float(r["mu"]), "price": float(r["price"])}
@@ -427,11 +463,15 @@ def _read_pool_csv(path: Path) -> list[dict[str, Any]]:
                 if r.get("id"):
                     row["id"] = r["id"].strip()
             except ValueError as exc:
-                raise ScenarioError(f"pool.file {str(path)!r} line {line}: {exc}; numbers "
-                                    f"expected in mu, price, down_mbit, up_mbit") from None
+                raise ScenarioError(
+                    f"pool.file {str(path)!r} line {line}: {exc}; numbers "
+                    f"expected in mu, price, down_mbit, up_mbit"
+                ) from None
             if row["mu"] <= 0 or row["price"] < 0:
-                raise ScenarioError(f"pool.file {str(path)!r} line {line}: mu must be > 0 and "
-                                    f"price >= 0, got mu={row['mu']}, price={row['price']}")
+                raise ScenarioError(
+                    f"pool.file {str(path)!r} line {line}: mu must be > 0 and "
+                    f"price >= 0, got mu={row['mu']}, price={row['price']}"
+                )
             rows.append(row)
     if not rows:
         raise ScenarioError(f"pool.file {str(path)!r} has no workers")
@@ -442,31 +482,36 @@ def read_trace(sc: Scenario, pool: Pool) -> list[tuple[float, int, str]]:
     """``(time_s, worker index, "leave"|"join")`` sorted by time."""
     path = _resolve(sc.base_dir, sc.churn.trace)
     if not path.is_file():
-        raise ScenarioError(f"churn.trace {str(path)!r} not found: give a CSV with columns "
-                            f"time_s,worker,event")
+        raise ScenarioError(
+            f"churn.trace {str(path)!r} not found: give a CSV with columns time_s,worker,event"
+        )
     index = {wid: i for i, wid in enumerate(pool.ids)}
     out = []
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         if not {"time_s", "worker", "event"} <= set(reader.fieldnames or []):
-            raise ScenarioError(f"churn.trace {str(path)!r}: the header must be "
-                                f"time_s,worker,event")
+            raise ScenarioError(
+                f"churn.trace {str(path)!r}: the header must be time_s,worker,event"
+            )
         for line, r in enumerate(reader, start=2):
             w = r["worker"].strip()
             i = index.get(w)
             if i is None and w.isdigit() and int(w) < len(pool):
                 i = int(w)
             if i is None:
-                raise ScenarioError(f"churn.trace line {line}: unknown worker {w!r}; use a pool "
-                                    f"index 0..{len(pool) - 1} or an id such as {pool.ids[0]!r}")
+                raise ScenarioError(
+                    f"churn.trace line {line}: unknown worker {w!r}; use a pool "
+                    f"index 0..{len(pool) - 1} or an id such as {pool.ids[0]!r}"
+                )
             ev = r["event"].strip().lower()
             if ev not in ("leave", "join"):
                 raise ScenarioError(f"churn.trace line {line}: event {ev!r} must be leave or join")
             try:
                 t = float(r["time_s"])
             except ValueError:
-                raise ScenarioError(f"churn.trace line {line}: time_s {r['time_s']!r} is not a "
-                                    f"number of seconds") from None
+                raise ScenarioError(
+                    f"churn.trace line {line}: time_s {r['time_s']!r} is not a number of seconds"
+                ) from None
             if not (t >= 0 and math.isfinite(t)):
                 raise ScenarioError(f"churn.trace line {line}: time_s must be >= 0, got {t}")
             out.append((t, i, ev))

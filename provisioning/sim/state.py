@@ -100,8 +100,15 @@ class Snapshots:
     ``reload`` s) and one published meanwhile, queued behind it (worker/agent.py fetches one
     snapshot at a time); and the relay chains of the latest publication."""
 
-    def __init__(self, n: int, reload: float, gdd: bool, clock: Callable[[], float],
-                 counters: Counters, pull_s: Callable[[int], float]) -> None:
+    def __init__(
+        self,
+        n: int,
+        reload: float,
+        gdd: bool,
+        clock: Callable[[], float],
+        counters: Counters,
+        pull_s: Callable[[int], float],
+    ) -> None:
         self.reload, self.gdd, self._now, self.counters = reload, gdd, clock, counters
         self._pull_s = pull_s
         self.latest = 0  # newest published snapshot
@@ -179,7 +186,7 @@ class Snapshots:
         c = int(self.chain_of[i])
         if c < 0:
             return
-        for j in self.cur_chains[c][int(self.chain_pos[i]) + 1:].tolist():
+        for j in self.cur_chains[c][int(self.chain_pos[i]) + 1 :].tolist():
             if self.pend_ver[j] == self.latest and self.pend_arrival[j] > now:
                 self.pend_arrival[j] += delay
                 self.pend_install[j] += delay

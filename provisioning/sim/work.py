@@ -25,10 +25,21 @@ class Work:
     after an admitted delivery with the buffer's size. ``provisioner`` gives the controller, if
     any, and what it is fed (``ctl``, ``observe_delivered``, ``observe_busy``)."""
 
-    def __init__(self, env: simpy.Environment, sc: Scenario, rng: np.random.Generator,
-                 ids: list[str], mu: list[float], ws: WorkerState, snaps: Snapshots,
-                 ledger: Ledger, counters: Counters, provisioner: Provisioner, version: Callable[[], int],
-                 batch_ready: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        env: simpy.Environment,
+        sc: Scenario,
+        rng: np.random.Generator,
+        ids: list[str],
+        mu: list[float],
+        ws: WorkerState,
+        snaps: Snapshots,
+        ledger: Ledger,
+        counters: Counters,
+        provisioner: Provisioner,
+        version: Callable[[], int],
+        batch_ready: Callable[[int], None],
+    ) -> None:
         self.env, self.sc, self.rng = env, sc, rng
         self.ids, self.mu = ids, mu
         self.ws, self.snaps, self.ledger, self.counters = ws, snaps, ledger, counters
@@ -65,8 +76,9 @@ class Work:
     def _grant_size(self, i: int) -> int:
         ctl = self.prov.ctl
         probation = ctl is not None and self.ws.registered[i] and ctl.on_probation(self.ids[i])
-        return rules.grant_size(self.gpr, self.max_out, self.in_flight, self.buffered,
-                                self.ledger.n_active, probation)
+        return rules.grant_size(
+            self.gpr, self.max_out, self.in_flight, self.buffered, self.ledger.n_active, probation
+        )
 
     def fill(self) -> None:
         """Hand free slots to queued idle workers (oldest request first)."""
@@ -176,8 +188,11 @@ class Work:
         if prov.observe_delivered and self.ws.registered[i]:
             # learner/deliveries.py: admitted records only, with the batch's generation seconds
             # (none when nothing was admitted: refused work earns nothing).
-            prov.ctl.observe(self.ids[i], g * self.G if admitted else 0,
-                             busy_s=gen_s if prov.observe_busy and admitted else None)
+            prov.ctl.observe(
+                self.ids[i],
+                g * self.G if admitted else 0,
+                busy_s=gen_s if prov.observe_busy and admitted else None,
+            )
         if not admitted:
             c.dropped_stale_groups += g
         else:

@@ -10,8 +10,10 @@ from typing import Any
 
 from worker.backends.base import Backend, Sample
 
-BACKENDS = {"transformers": "worker.backends.transformers:TransformersBackend",
-            "vllm": "worker.backends.vllm:VLLMBackend"}
+BACKENDS = {
+    "transformers": "worker.backends.transformers:TransformersBackend",
+    "vllm": "worker.backends.vllm:VLLMBackend",
+}
 
 
 _warming: list[Any] = []  # the warm-up thread, if one was started

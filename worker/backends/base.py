@@ -62,10 +62,13 @@ def finish(row: Row, new: list[int], logps: list[float], eos: int | None, stoppe
     new, logps = new[:end], logps[:end]
     ended = (eos is not None and eos in new) or end >= row.budget or not needs_tokens(row, eos)
     p = row.prefix
-    return Sample((p.ids if p else []) + new, (p.logprobs if p else []) + logps,
-                  prefix_len=len(p.ids) if p else 0,
-                  prefix_versions=[list(r) for r in p.versions] if p else [],
-                  finished=ended or not stopped)
+    return Sample(
+        (p.ids if p else []) + new,
+        (p.logprobs if p else []) + logps,
+        prefix_len=len(p.ids) if p else 0,
+        prefix_versions=[list(r) for r in p.versions] if p else [],
+        finished=ended or not stopped,
+    )
 
 
 def regroup(groups: list[wire.Group], rows: list[Row], samples: list[Sample]) -> list[list[Sample]]:
@@ -86,8 +89,9 @@ class Backend(ABC):
     tokens_sampled: int = 0
 
     @abstractmethod
-    def install(self, tensors: list[dict[str, Any]], payload: bytes | bytearray,
-                version: int = -1) -> None:
+    def install(
+        self, tensors: list[dict[str, Any]], payload: bytes | bytearray, version: int = -1
+    ) -> None:
         """Load a verified snapshot's full payload; ``version`` is the snapshot's version."""
 
     # The adapter's answer set (dataplane/answers.py): None samples the whole vocabulary.
@@ -99,7 +103,12 @@ class Backend(ABC):
         self.answer_tokens = tokens
 
     @abstractmethod
-    def generate(self, groups: list[wire.Group], max_new_tokens: int, temperature: float,
-                 stop: threading.Event | None = None) -> list[list[Sample]]:
+    def generate(
+        self,
+        groups: list[wire.Group],
+        max_new_tokens: int,
+        temperature: float,
+        stop: threading.Event | None = None,
+    ) -> list[list[Sample]]:
         """``group.n`` samples for each group, under the installed weights, continuing the
         group's prefixes; ``stop`` cuts unfinished samples short."""

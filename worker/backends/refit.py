@@ -28,10 +28,11 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 ALIGN = 64  # bytes: a cache line, and a multiple of every dtype's element size
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DistributedDataParallel
@@ -64,12 +65,13 @@ class Entry:
 def engine_name(name: str) -> str:
     for prefix in WRAPPER_PREFIXES:
         while name.startswith(prefix):
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
     return name
 
 
-def map_names(index: list[dict[str, Any]], tied: bool,
-              expected: set[str] | None = None) -> list[tuple[dict[str, Any], str]]:
+def map_names(
+    index: list[dict[str, Any]], tied: bool, expected: set[str] | None = None
+) -> list[tuple[dict[str, Any], str]]:
     """(index entry, engine name) for every tensor the engine must load.
 
     ``expected`` is the checkpoint's name set (``checkpoint_names``); when given, the snapshot
@@ -81,17 +83,21 @@ def map_names(index: list[dict[str, Any]], tied: bool,
         if tied and name == TIED_HEAD:
             continue  # the engine's head is the embedding; loading it twice would be wrong
         if name in seen:
-            raise RefitError(f"snapshot names tensor {name!r} twice (after removing wrapper "
-                             f"prefixes {WRAPPER_PREFIXES}); the learner's index is malformed")
+            raise RefitError(
+                f"snapshot names tensor {name!r} twice (after removing wrapper "
+                f"prefixes {WRAPPER_PREFIXES}); the learner's index is malformed"
+            )
         seen.add(name)
         out.append((e, name))
     if expected is not None:
         want = {n for n in expected if not (tied and n == TIED_HEAD)}
         missing, extra = sorted(want - seen), sorted(seen - want)
         if missing or extra:
-            raise RefitError(f"snapshot does not fit the engine's model: missing {missing[:3]}, "
-                             f"unexpected {extra[:3]} ({len(missing)} and {len(extra)} in all); "
-                             f"worker and learner must use the same model.name")
+            raise RefitError(
+                f"snapshot does not fit the engine's model: missing {missing[:3]}, "
+                f"unexpected {extra[:3]} ({len(missing)} and {len(extra)} in all); "
+                f"worker and learner must use the same model.name"
+            )
     return out
 
 
@@ -104,8 +110,10 @@ def checkpoint_names(model_dir: str | Path) -> set[str]:
         return set(json.loads(index.read_text())["weight_map"])
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise RefitError(f"{folder} has no *.safetensors file: the vLLM backend loads the "
-                         f"model from a folder written by save_pretrained()")
+        raise RefitError(
+            f"{folder} has no *.safetensors file: the vLLM backend loads the "
+            f"model from a folder written by save_pretrained()"
+        )
     from echo.models import safetensors_header
 
     names: set[str] = set()
@@ -116,7 +124,9 @@ def checkpoint_names(model_dir: str | Path) -> set[str]:
 
 def tied_embeddings(model_dir: str | Path) -> bool:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
+    return bool(
+        cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False))
+    )
 
 
 # ----------------------------------------------------------------------------- layout
@@ -126,8 +136,9 @@ def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def build_layout(index: list[dict[str, Any]], tied: bool,
-                 expected: set[str] | None = None) -> tuple[list[Entry], int]:
+def build_layout(
+    index: list[dict[str, Any]], tied: bool, expected: set[str] | None = None
+) -> tuple[list[Entry], int]:
     """Where each tensor lies in the shared file, and the file's size."""
     entries, offset = [], 0
     for e, name in map_names(index, tied, expected):
@@ -139,8 +150,10 @@ def build_layout(index: list[dict[str, Any]], tied: bool,
         for d in shape:
             numel *= d
         if numel * ELEMENT_SIZE[dtype] != nbytes:
-            raise RefitError(f"tensor {name}: shape {list(shape)} in {dtype} is "
-                             f"{numel * ELEMENT_SIZE[dtype]} bytes, the index says {nbytes}")
+            raise RefitError(
+                f"tensor {name}: shape {list(shape)} in {dtype} is "
+                f"{numel * ELEMENT_SIZE[dtype]} bytes, the index says {nbytes}"
+            )
         entries.append(Entry(name, dtype, shape, offset, nbytes, int(e["offset"])))
         offset = aligned(offset + nbytes)
     return entries, offset
@@ -152,20 +165,29 @@ def shared_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def write_shared(entries: list[Entry], size: int, payload: bytes | bytearray | memoryview,
-                 folder: Path | None = None, tag: str = "") -> Path:
+def write_shared(
+    entries: list[Entry],
+    size: int,
+    payload: bytes | bytearray | memoryview,
+    folder: Path | None = None,
+    tag: str = "",
+) -> Path:
     """The payload's tensors copied to a new file at their aligned offsets. The caller unlinks
     it after the engine has loaded it."""
     buf = memoryview(payload)
-    fd, name = tempfile.mkstemp(prefix=f"echo-refit-{tag}", suffix=".bin", dir=folder or shared_dir())
+    fd, name = tempfile.mkstemp(
+        prefix=f"echo-refit-{tag}", suffix=".bin", dir=folder or shared_dir()
+    )
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.truncate(size)
             for e in entries:
                 src = buf[e.src_offset : e.src_offset + e.nbytes]
                 if len(src) != e.nbytes:
-                    raise RefitError(f"tensor {e.name}: payload ends at {len(buf)} bytes, the "
-                                     f"index puts it at {e.src_offset}+{e.nbytes}")
+                    raise RefitError(
+                        f"tensor {e.name}: payload ends at {len(buf)} bytes, the "
+                        f"index puts it at {e.src_offset}+{e.nbytes}"
+                    )
                 fh.seek(e.offset)
                 fh.write(src)
     except BaseException:
@@ -199,8 +221,10 @@ class VersionBook:
     def dispatch(self) -> Iterator[int]:
         with self._lock:
             if self.version < 0:
-                raise RefitError("no snapshot installed yet: the worker generates only after "
-                                 "its first verified install")
+                raise RefitError(
+                    "no snapshot installed yet: the worker generates only after "
+                    "its first verified install"
+                )
             yield self.version
 
     @contextmanager

@@ -49,8 +49,14 @@ class TransformersBackend(Backend):
     """``lora`` (a LoRA run, echo/lora.py): the base model is loaded once and hashed, and each
     version's adapter is copied into a peft adapter on it (unmerged)."""
 
-    def __init__(self, model_cfg: ModelConfig, threads: int = 1, device: str = "cpu",
-                 lora: LoraConfig | None = None, dtype: str = "auto"):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        threads: int = 1,
+        device: str = "cpu",
+        lora: LoraConfig | None = None,
+        dtype: str = "auto",
+    ):
         torch.set_num_threads(threads)
         self.device = resolve_device(device, "worker.device")
         if dtype == "auto":  # worker.dtype: bf16 where the device computes in it
@@ -60,42 +66,69 @@ class TransformersBackend(Backend):
         self.model = model.to(self.device).eval()
         self.vocab_size = vocab_size(self.model)
 
-    def install(self, tensors: list[dict[str, Any]], payload: bytes | bytearray,
-                version: int = -1) -> None:
+    def install(
+        self, tensors: list[dict[str, Any]], payload: bytes | bytearray, version: int = -1
+    ) -> None:
         install_payload(self.model, tensors, payload)
 
     @torch.no_grad()
-    def generate(self, groups: list[wire.Group], max_new_tokens: int, temperature: float,
-                 stop: threading.Event | None = None) -> list[list[Sample]]:
+    def generate(
+        self,
+        groups: list[wire.Group],
+        max_new_tokens: int,
+        temperature: float,
+        stop: threading.Event | None = None,
+    ) -> list[list[Sample]]:
         eos = self.tokenizer.eos_token_id
         rows = plan_rows(groups, max_new_tokens)
         todo = [r for r in rows if needs_tokens(r, eos)]
         new: dict[int, tuple[list[int], list[float]]] = {}
         stopped = False
         if todo:
-            ids, lps, stopped = self._sample([r.prompt for r in todo], max(r.budget for r in todo),
-                                             temperature, groups[0].seed, stop)
+            ids, lps, stopped = self._sample(
+                [r.prompt for r in todo],
+                max(r.budget for r in todo),
+                temperature,
+                groups[0].seed,
+                stop,
+            )
             new = {id(r): (ids[k], lps[k]) for k, r in enumerate(todo)}
         samples = [finish(r, *new.get(id(r), ([], [])), eos, stopped) for r in rows]
         return regroup(groups, rows, samples)
 
-    def _sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                seed: int, stop: threading.Event | None) -> tuple[list[list[int]], list[list[float]], bool]:
+    def _sample(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        stop: threading.Event | None,
+    ) -> tuple[list[list[int]], list[list[float]], bool]:
         """One left-padded ``generate`` call: (new tokens, their log-probs) per prompt, and
         whether ``stop`` cut it short."""
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                            device=self.device)
+        attn = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
+        )
         torch.manual_seed(seed)
         watch = _Watch(self, stop, self.tokenizer.eos_token_id, len(prompts))
         out = self.model.generate(
-            input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
-            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
-            output_scores=True, pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id,
+            input_ids=ids,
+            attention_mask=attn,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            return_dict_in_generate=True,
+            output_scores=True,
+            pad_token_id=pad,
+            eos_token_id=self.tokenizer.eos_token_id,
             stopping_criteria=StoppingCriteriaList([watch]),
-            logits_processor=LogitsProcessorList(answer_processor(self.answer_tokens)))
+            logits_processor=LogitsProcessorList(answer_processor(self.answer_tokens)),
+        )
         new = out.sequences[:, width:]
         scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] after temperature
         logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)

@@ -28,14 +28,22 @@ from echo import wire
 from echo.config import ModelConfig
 from echo.models import engine_model_dir, load_tokenizer, vocab_size_of_folder
 from worker.backends.base import Backend, Sample, finish, needs_tokens, plan_rows, regroup
-from worker.backends.refit import (RefitError, VersionBook, build_layout, checkpoint_names,
-                                   tied_embeddings, write_shared)
+from worker.backends.refit import (
+    RefitError,
+    VersionBook,
+    build_layout,
+    checkpoint_names,
+    tied_embeddings,
+    write_shared,
+)
 
 EXTENSION = "worker.backends.vllm_ext.EchoRefitExtension"
-INSTALL_HINT = ("worker.backend = \"vllm\" needs vLLM on a CUDA machine: "
-                "pip install -e '.[vllm]' in an environment whose torch is the CUDA build of "
-                "torch==2.13.0 (docs/worker.md, \"vLLM backend\"); or use worker.backend = "
-                "\"transformers\"")
+INSTALL_HINT = (
+    'worker.backend = "vllm" needs vLLM on a CUDA machine: '
+    "pip install -e '.[vllm]' in an environment whose torch is the CUDA build of "
+    'torch==2.13.0 (docs/worker.md, "vLLM backend"); or use worker.backend = '
+    '"transformers"'
+)
 
 
 def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
@@ -43,8 +51,10 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
     position, token id -> object with ``.logprob``; with ``logprobs=0`` it holds the sampled
     token). A missing position or a NaN is an error: the learner cannot weight such a token."""
     if logprobs is None or len(logprobs) != len(token_ids):
-        raise RefitError(f"vLLM returned {0 if logprobs is None else len(logprobs)} log-probs "
-                         f"for {len(token_ids)} tokens: the engine must run with logprobs=0")
+        raise RefitError(
+            f"vLLM returned {0 if logprobs is None else len(logprobs)} log-probs "
+            f"for {len(token_ids)} tokens: the engine must run with logprobs=0"
+        )
     out = []
     for pos, (tok, lp) in enumerate(zip(token_ids, logprobs)):
         entry = lp.get(tok) if hasattr(lp, "get") else None
@@ -69,9 +79,15 @@ def cut_at_eos(tokens: list[int], logps: list[float], eos: int | None) -> Sample
 
 
 class VLLMBackend(Backend):
-    def __init__(self, model_cfg: ModelConfig, threads: int = 1, device: str = "auto",
-                 gpu_memory_utilization: float = 0.5, llm: Any = None,
-                 types: tuple[Any, Any] | None = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        threads: int = 1,
+        device: str = "auto",
+        gpu_memory_utilization: float = 0.5,
+        llm: Any = None,
+        types: tuple[Any, Any] | None = None,
+    ):
         """``llm`` and ``types`` stand in for ``vllm.LLM`` and (``SamplingParams``,
         ``TokensPrompt``) in tests: the same methods and fields, no CUDA."""
         self.tokenizer = load_tokenizer(model_cfg)
@@ -90,32 +106,45 @@ class VLLMBackend(Backend):
         except ImportError as exc:
             raise RefitError(f"{INSTALL_HINT} ({exc})") from None
         if device not in ("auto", "cuda") and not device.startswith("cuda"):
-            raise RefitError(f"worker.device = {device!r}: the vLLM backend runs on a CUDA GPU; "
-                             f"set worker.device = \"cuda\" or use worker.backend = \"transformers\"")
+            raise RefitError(
+                f"worker.device = {device!r}: the vLLM backend runs on a CUDA GPU; "
+                f'set worker.device = "cuda" or use worker.backend = "transformers"'
+            )
         if device.startswith("cuda:"):  # before CUDA starts: the engine's processes inherit it
             os.environ.setdefault("CUDA_VISIBLE_DEVICES", device.split(":", 1)[1])
         import torch
 
         if not torch.cuda.is_available():
-            raise RefitError(f"worker.backend = \"vllm\" found no CUDA GPU (torch "
-                             f"{torch.__version__}); use worker.backend = \"transformers\" on "
-                             f"this machine, or install the CUDA build of torch==2.13.0")
-        return LLM(model=str(self.model_dir), dtype="bfloat16", seed=0,
-                   worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
-                   enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization)
+            raise RefitError(
+                f'worker.backend = "vllm" found no CUDA GPU (torch '
+                f'{torch.__version__}); use worker.backend = "transformers" on '
+                f"this machine, or install the CUDA build of torch==2.13.0"
+            )
+        return LLM(
+            model=str(self.model_dir),
+            dtype="bfloat16",
+            seed=0,
+            worker_extension_cls=EXTENSION,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
 
     def restrict_answers(self, tokens: tuple[int, ...] | None) -> None:
         # vLLM's allowed_token_ids masks sampling, but whether its reported log-probs are
         # renormalised over the set depends on its logprobs mode; untested here (no GPU in CI),
         # so a restricted adapter is refused rather than audited as a liar.
         if tokens is not None:
-            raise ValueError("the adapter restricts answers (dataplane/answers.py), which the vllm "
-                             "backend does not support yet: run this worker with "
-                             "--backend transformers")
+            raise ValueError(
+                "the adapter restricts answers (dataplane/answers.py), which the vllm "
+                "backend does not support yet: run this worker with "
+                "--backend transformers"
+            )
         self.answer_tokens = None
 
-    def install(self, tensors: list[dict[str, Any]], payload: bytes | bytearray,
-                version: int = -1) -> None:
+    def install(
+        self, tensors: list[dict[str, Any]], payload: bytes | bytearray, version: int = -1
+    ) -> None:
         entries, size = build_layout(tensors, self.tied, self.expected)
         t0 = time.monotonic()
         path = write_shared(entries, size, payload, tag=f"{os.getpid()}-")
@@ -123,22 +152,34 @@ class VLLMBackend(Backend):
         try:
             with self.book.installing(version):
                 t1 = time.monotonic()
-                reports = self.llm.collective_rpc("echo_refit",
-                                                  args=(str(path), [e.wire() for e in entries], size))
+                reports = self.llm.collective_rpc(
+                    "echo_refit", args=(str(path), [e.wire() for e in entries], size)
+                )
                 for rep in reports:
                     if rep.get("n_untouched"):
-                        raise RefitError(f"the snapshot left {rep['n_untouched']} engine "
-                                         f"parameters unloaded (e.g. {rep['untouched'][:3]}): "
-                                         f"worker and learner must use the same model.name")
+                        raise RefitError(
+                            f"the snapshot left {rep['n_untouched']} engine "
+                            f"parameters unloaded (e.g. {rep['untouched'][:3]}): "
+                            f"worker and learner must use the same model.name"
+                        )
                 # Cached prefixes hold keys and values of the old weights.
                 self.llm.reset_prefix_cache()
-                self.last_install = {"version": version, "bytes": size, "write_s": t_write,
-                                     "load_s": time.monotonic() - t1}
+                self.last_install = {
+                    "version": version,
+                    "bytes": size,
+                    "write_s": t_write,
+                    "load_s": time.monotonic() - t1,
+                }
         finally:
             path.unlink(missing_ok=True)
 
-    def generate(self, groups: list[wire.Group], max_new_tokens: int, temperature: float,
-                 stop: threading.Event | None = None) -> list[list[Sample]]:
+    def generate(
+        self,
+        groups: list[wire.Group],
+        max_new_tokens: int,
+        temperature: float,
+        stop: threading.Event | None = None,
+    ) -> list[list[Sample]]:
         """``stop`` is not seen inside the engine's call (it runs the whole batch): a worker
         on vLLM hands back whole groups, not prefixes, unless its grace outlasts a rollout.
         Groups with prefixes are continued one sample per request (docs/preemption.md)."""
@@ -146,32 +187,59 @@ class VLLMBackend(Backend):
             return self._continue(groups, max_new_tokens, temperature)
         SamplingParams, TokensPrompt = self.types
         eos = self.tokenizer.eos_token_id
-        params = [SamplingParams(n=g.n, temperature=temperature, top_p=1.0, top_k=0,
-                                 max_tokens=max_new_tokens, logprobs=0, seed=g.seed,
-                                 stop_token_ids=[eos] if eos is not None else None)
-                  for g in groups]
+        params = [
+            SamplingParams(
+                n=g.n,
+                temperature=temperature,
+                top_p=1.0,
+                top_k=0,
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                seed=g.seed,
+                stop_token_ids=[eos] if eos is not None else None,
+            )
+            for g in groups
+        ]
         with self.book.dispatch() as version:
-            prompts = [TokensPrompt(prompt_token_ids=list(g.prompt_ids), cache_salt=f"v{version}")
-                       for g in groups]
+            prompts = [
+                TokensPrompt(prompt_token_ids=list(g.prompt_ids), cache_salt=f"v{version}")
+                for g in groups
+            ]
             outs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[cut_at_eos(list(c.token_ids), sampled_logprobs(list(c.token_ids), c.logprobs), eos)
-                 for c in o.outputs] for o in outs]
+        return [
+            [
+                cut_at_eos(list(c.token_ids), sampled_logprobs(list(c.token_ids), c.logprobs), eos)
+                for c in o.outputs
+            ]
+            for o in outs
+        ]
 
-    def _continue(self, groups: list[wire.Group], max_new_tokens: int,
-                  temperature: float) -> list[list[Sample]]:
+    def _continue(
+        self, groups: list[wire.Group], max_new_tokens: int, temperature: float
+    ) -> list[list[Sample]]:
         SamplingParams, TokensPrompt = self.types
         eos = self.tokenizer.eos_token_id
         rows = plan_rows(groups, max_new_tokens)
         todo = [r for r in rows if needs_tokens(r, eos)]
-        params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0,
-                                 max_tokens=r.budget, logprobs=0,
-                                 seed=groups[r.group].seed + r.sample_idx,
-                                 stop_token_ids=[eos] if eos is not None else None) for r in todo]
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=temperature,
+                top_p=1.0,
+                top_k=0,
+                max_tokens=r.budget,
+                logprobs=0,
+                seed=groups[r.group].seed + r.sample_idx,
+                stop_token_ids=[eos] if eos is not None else None,
+            )
+            for r in todo
+        ]
         new: dict[int, tuple[list[int], list[float]]] = {}
         if todo:
             with self.book.dispatch() as version:
-                prompts = [TokensPrompt(prompt_token_ids=r.prompt, cache_salt=f"v{version}")
-                           for r in todo]
+                prompts = [
+                    TokensPrompt(prompt_token_ids=r.prompt, cache_salt=f"v{version}") for r in todo
+                ]
                 outs = self.llm.generate(prompts, params, use_tqdm=False)
             for r, o in zip(todo, outs):
                 c = o.outputs[0]

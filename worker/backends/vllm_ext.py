@@ -11,10 +11,13 @@ the shared-memory file the backend wrote (``worker/backends/refit.py``).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
-def iter_tensors(path: str, entries: list[Any], nbytes: int, device: Any) -> Iterator[tuple[str, Any]]:
+def iter_tensors(
+    path: str, entries: list[Any], nbytes: int, device: Any
+) -> Iterator[tuple[str, Any]]:
     """(name, tensor on ``device``) for each entry of the shared file, in file order."""
     import torch
 
@@ -50,5 +53,8 @@ def untouched_report(model: Any, loaded: Any) -> dict[str, Any]:
     if loaded is None:  # a model class whose load_weights reports nothing: nothing to compare
         return {"loaded": -1, "untouched": [], "n_untouched": 0}
     untouched = sorted(params - set(loaded))
-    return {"loaded": len(set(loaded) & params), "untouched": untouched[:8],
-            "n_untouched": len(untouched)}
+    return {
+        "loaded": len(set(loaded) & params),
+        "untouched": untouched[:8],
+        "n_untouched": len(untouched),
+    }

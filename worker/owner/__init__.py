@@ -13,8 +13,9 @@ from worker.owner.base import OwnerSignal
 SIGNALS = ("auto", "cpu", "nvml", "file")
 
 
-def make_signal(kind: str, *, quiet_s: float = 30.0, cpu_cores: float = 0.5,
-                path: str = "", **kw: Any) -> OwnerSignal:
+def make_signal(
+    kind: str, *, quiet_s: float = 30.0, cpu_cores: float = 0.5, path: str = "", **kw: Any
+) -> OwnerSignal:
     if kind == "auto":
         from worker.owner.nvml import nvml_available
 

@@ -83,6 +83,8 @@ class CpuSignal(OwnerSignal):
         self._t = now
         self.load = used / dt
         self._over = self._over + 1 if self.load > self.cores else 0
-        self.last_seen = (f"other processes use {self.load:.2f} cores (pid {top[0]} the most), "
-                          f"over {self.cores:g}")
+        self.last_seen = (
+            f"other processes use {self.load:.2f} cores (pid {top[0]} the most), "
+            f"over {self.cores:g}"
+        )
         return self._over >= 2

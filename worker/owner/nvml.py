@@ -33,8 +33,9 @@ class NvmlSignal(OwnerSignal):
 
     def sample(self) -> bool:
         n = self.nvml
-        procs = (n.nvmlDeviceGetComputeRunningProcesses(self.handle)
-                 + n.nvmlDeviceGetGraphicsRunningProcesses(self.handle))
+        procs = n.nvmlDeviceGetComputeRunningProcesses(
+            self.handle
+        ) + n.nvmlDeviceGetGraphicsRunningProcesses(self.handle)
         others = [p.pid for p in procs if p.pid != self.me]
         self.last_seen = f"GPU processes {others[:4]}" if others else ""
         return bool(others)
