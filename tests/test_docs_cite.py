@@ -23,6 +23,7 @@ TOP = (
     "provisioning/",
     "examples/",
     ".ci/",
+    "labs/",
 )
 CITE = re.compile(r"`([\w./-]+)((?:::[\w\[\]., -]+)?)`")
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -53,7 +54,7 @@ def problems(doc: Path) -> list[str]:
             continue
         if test and target.suffix == ".py":
             name = test[2:].split("::")[-1].split("[")[0]
-            if not re.search(rf"def {re.escape(name)}\(", target.read_text()):
+            if not re.search(rf"(def|class) {re.escape(name)}\b", target.read_text()):
                 out.append(f"{path}{test}: no such test")
     return out
 
