@@ -10,7 +10,8 @@ when convicted by distinct assigned children or by the learner's own probe, for 
 comes back after a re-probe (``broadcast.reports``).
 
 Install times and ``T_bcast`` are kept by ``broadcast.install_log``, the sources of whole payloads
-(keyframes, the base model) chosen by ``broadcast.whole_sources``.
+(keyframes, the base model) chosen by ``broadcast.whole_sources``, the punched links to punchable
+parents (and the demotions when they fail) by ``broadcast.punch_routes``.
 
 Link rates: the plan uses what the workers *measured* (``measured``, combined at both ends of
 each link by ``broadcast.link_meter.LinkMeter``), and a worker's declared rates only until it is
@@ -28,7 +29,8 @@ from dataclasses import dataclass, field
 
 from broadcast.install_log import InstallLog, quantile_rank
 from broadcast.link_meter import LinkMeter
-from broadcast.nat.links import PunchBook, plain
+from broadcast.nat.links import plain
+from broadcast.punch_routes import PunchRoutes
 from broadcast.reports import CORRUPT, UNREACHABLE, ReportBook
 from broadcast.topology import Peer, Topology
 from broadcast.whole_sources import WholeSources
@@ -73,10 +75,11 @@ class Coordinator:
         self.reports = reports or ReportBook()
         self.given: dict[str, list[str]] = {}  # worker -> the last GIVEN sources it was sent
         self._by_endpoint: dict[str, str] = {}  # relay endpoint -> worker id (``owner``)
-        self.punches = PunchBook()
         # Parts with a job of their own, reading the same live peers and reports.
         self.install_log = InstallLog(self.peers, self.reports, source, q)
         self.whole = WholeSources(self.peers, self.reports, source)
+        self.nat = PunchRoutes(self.peers, self.owner)
+        self.punches = self.nat.punches  # the learner sets its timeout from the config
 
     @property
     def published(self) -> dict[int, float]:
@@ -105,10 +108,7 @@ class Coordinator:
 
     def classify(self, worker_id: str, nat: str, address: str) -> None:
         """The learner's verdict on a worker's NAT (``broadcast.nat.reflect``)."""
-        peer = self.peers.get(worker_id)
-        if peer is not None:
-            peer.nat, peer.address = nat, address
-            self.punches.forget(worker_id)
+        self.nat.classify(worker_id, nat, address)
 
     def _relays(self, p: PeerState) -> bool:
         return bool(p.endpoint) and not p.corrupt and p.nat in ("reachable", "punchable")
@@ -120,25 +120,12 @@ class Coordinator:
         given = self.given.setdefault(worker_id, [])
         if endpoint not in given:
             given[:] = [*given[-(GIVEN - 1) :], endpoint]
-        parent = self.owner(endpoint)
-        child = self.peers.get(worker_id)
-        if (
-            parent is None
-            or child is None
-            or parent.nat != "punchable"
-            or not child.address
-            or not parent.address
-        ):
-            return endpoint, []
-        return self.punches.route(
-            worker_id, parent.worker_id, endpoint, child.address, parent.address
-        )
+        return self.nat.route(worker_id, endpoint)
 
     def transport(self, worker_id: str) -> str:
         """How this worker's planned snapshot link is carried: "punched" (through a punched
         link to a punchable parent) or "tcp" (the learner or a reachable parent)."""
-        parent = self.owner(self.sources.get(worker_id, ""))
-        return "punched" if parent is not None and parent.nat == "punchable" else "tcp"
+        return self.nat.carried(self.sources.get(worker_id, ""))
 
     def owner(self, endpoint: str) -> PeerState | None:
         """The peer relaying at ``endpoint`` (an index: reports and routes call this per
@@ -153,7 +140,7 @@ class Coordinator:
             if self._by_endpoint.get(gone.endpoint) == worker_id:
                 del self._by_endpoint[gone.endpoint]
         self.reports.forget(worker_id, gone.endpoint if gone is not None else "")
-        self.punches.forget(worker_id)
+        self.nat.forget(worker_id)
         self.sources.pop(worker_id, None)
         self.given.pop(worker_id, None)
         self.links.forget(worker_id)
@@ -279,7 +266,7 @@ class Coordinator:
         bad_source = plain(bad_source)
         accused = self.owner(bad_source)
         if accused is not None and reason in ("unpunchable", "tunnel_lost"):
-            self._link_failed(worker_id, accused, reason)
+            self.nat.link_failed(worker_id, accused, reason)
         elif accused is not None:
             assigned = count and self.assigned(worker_id, bad_source)
             outcome = self.reports.report(worker_id, bad_source, reason, assigned, now)
@@ -344,25 +331,6 @@ class Coordinator:
         mark = self.reports.marks.get(peer.endpoint)
         peer.corrupt = mark is not None and mark.kind == CORRUPT
         peer.alive = not (mark is not None and mark.kind == UNREACHABLE)
-
-    def _link_failed(self, worker_id: str, parent: PeerState, reason: str) -> None:
-        """A punched link failed: the child becomes a tail fed by a reachable source, and a
-        parent that failed two children relays no more through punched links."""
-        demote_child, demote_parent = self.punches.failed_link(worker_id, parent.worker_id, reason)
-        child = self.peers.get(worker_id)
-        if demote_child and child is not None and child.nat == "punchable":
-            child.nat = "none"
-            log.warning(
-                "punch from %s to %s failed: %s is now a tail fed by a reachable source",
-                worker_id,
-                parent.worker_id,
-                worker_id,
-            )
-        if demote_parent and parent.nat == "punchable":
-            parent.nat = "none"
-            log.warning(
-                "%s failed punched links with two workers: it no longer relays", parent.worker_id
-            )
 
     def installed(self, worker_id: str, version: int, now: float | None = None) -> float | None:
         return self.install_log.installed(worker_id, version, now)

@@ -5,7 +5,8 @@
 
 Every key of every section, with its type, default, bounds and the explanation written beside
 it in ``echo/config.py`` and the section modules it assembles (``echo/config_sections.py``,
-``echo/config_security.py``): the comment on the field's line and the comment lines just above it.
+``echo/config_learner.py``, ``echo/config_security.py``): the comment on the field's line and the
+comment lines just above it.
 ``tests/test_config.py`` fails when the committed page differs from what this prints, so the
 reference cannot drift from the code.
 """

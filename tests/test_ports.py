@@ -262,7 +262,7 @@ def test_a_fixed_punch_port_another_worker_listens_on_is_seen():
 @pytest.mark.slow
 def test_echo_worker_says_its_relay_port_is_taken_and_exits(tmp_path):
     # A real process: echo-worker leaves with os._exit while torch still loads on its warm-up
-    # thread (worker/cli.py _leave_now), which would end a pytest process calling main() in it.
+    # thread (worker/cli_join.py _leave_now), which would end a pytest process calling main() in it.
     import subprocess
     import sys
 

@@ -12,8 +12,9 @@ from broadcast import planner
 from provisioning import capacity
 from provisioning.sim.api import simulate, simulate_fixed
 from provisioning.sim.broadcast import BroadcastModel
+from provisioning.sim.population import build_pool
 from provisioning.sim.report import main
-from provisioning.sim.scenario import ScenarioError, build_pool, load_scenario, scenario_from_dict
+from provisioning.sim.scenario import ScenarioError, load_scenario, scenario_from_dict
 
 EXAMPLES = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "sim"
 

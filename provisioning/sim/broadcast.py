@@ -10,7 +10,8 @@ import numpy as np
 
 from broadcast import planner
 from broadcast.topology.base import Peer
-from provisioning.sim.scenario import Pool, Scenario
+from provisioning.sim.population import Pool
+from provisioning.sim.scenario import Scenario
 
 
 @dataclass

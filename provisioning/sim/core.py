@@ -18,7 +18,8 @@ from echo.steprow import COL
 from provisioning import capacity
 from provisioning.sim.broadcast import BroadcastModel
 from provisioning.sim.fleet import Churn, Provisioner
-from provisioning.sim.scenario import Scenario, build_pool, read_trace
+from provisioning.sim.population import build_pool, read_trace
+from provisioning.sim.scenario import Scenario
 from provisioning.sim.state import Counters, Ledger, Snapshots, WorkerState
 from provisioning.sim.summary import SimSummary
 from provisioning.sim.work import Work

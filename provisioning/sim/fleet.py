@@ -15,7 +15,8 @@ from broadcast.coordinator import quantile_rank
 from provisioning import capacity, selection
 from provisioning.controller import ACTIVATE, ACTIVE, RELEASE, SHORT, STANDBY, Controller, Decision
 from provisioning.sim.broadcast import BroadcastModel
-from provisioning.sim.scenario import Pool, Scenario
+from provisioning.sim.population import Pool
+from provisioning.sim.scenario import Scenario
 from provisioning.sim.state import Counters, Ledger, Snapshots, WorkerState
 
 
