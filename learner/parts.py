@@ -83,7 +83,7 @@ class Parts:
         self.gate.reload()
         m.reap(now)
         m.provision()
-        self.routes.reprobe()
+        self.routes.probes.reprobe()
         self.accounts.tick(
             self.table.workers if m.controller is None else m.controller.active_ids(), now
         )

@@ -175,7 +175,7 @@ class LearnerServer:
                     tg.create_task(self.chunks.serve_forever()),
                     tg.create_task(self._housekeeping()),
                     *(tg.create_task(count_handshakes(m, self.gate.refused)) for m in mons),
-                    tg.create_task(self.verifier.serve_forever(self.routes.verdict)),
+                    tg.create_task(self.verifier.serve_forever(self.routes.probes.verdict)),
                 ]
                 if zap is not None:
                     tasks.append(tg.create_task(zap.serve()))
