@@ -408,8 +408,8 @@ class LearnerServer:
             self._thread.join(10)
 
     async def _shutdown(self, reason: str) -> None:
-        m = self.members
-        await asyncio.to_thread(m.books.save, m.fleet_state())
+        m, fleet = self.members, self.parts.fleet
+        await asyncio.to_thread(fleet.books.save, fleet.state())
         for w in list(self.table.workers.values()):
             await self.parts.socket.send(
                 w, wire.Shutdown(reason=reason, account=m.account(w, reason))
@@ -432,12 +432,12 @@ class LearnerServer:
 
     async def _housekeeping(self) -> None:
         timeout = self.cfg.transport.heartbeat_timeout_s
-        m = self.members
+        fleet = self.parts.fleet
         while True:
             await asyncio.sleep(min(0.5, timeout / 4))
             t0 = time.thread_time()
             now = time.monotonic()
             self.parts.tidy(now)
             self.parts.cpu.add("housekeeping", time.thread_time() - t0)
-            if m.books.due(now):
-                await asyncio.to_thread(m.books.save, m.fleet_state())
+            if fleet.books.due(now):
+                await asyncio.to_thread(fleet.books.save, fleet.state())

@@ -243,7 +243,6 @@ def _members(controller=None) -> tuple[Members, SimpleNamespace]:
         work=work,
         routes=routes,
         controller=controller,
-        books=None,
     )
     m.attach(FakeCoordinator(), None, ("tcp://l:0", "tcp://l:1"))
     return m, work
