@@ -19,7 +19,11 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from learner.accounts import Accounts
+    from provisioning.controller import Controller
 
 log = logging.getLogger("echo.fleet")
 
@@ -83,3 +87,30 @@ class FleetBooks:
                 "resume: %s is unreadable (%s): every worker re-joins as a stranger", self.path, exc
             )
             return FleetState()
+
+
+class FleetRecord:
+    """The fleet's books bound to what they record: the provisioner's memory (None: no
+    provisioner) and the accounts. The server saves ``state()`` every ``SAVE_EVERY_S`` and at
+    shutdown (written off its loop); ``--resume`` calls ``restore`` before the loop starts."""
+
+    def __init__(self, books: FleetBooks, controller: Controller | None, accounts: Accounts):
+        self.books, self.controller, self.accounts = books, controller, accounts
+
+    def state(self) -> dict[str, Any]:
+        """What a restarted learner needs to know about its fleet (read on the loop)."""
+        return {
+            "controller": self.controller.state() if self.controller is not None else {},
+            "accounts": self.accounts.state(),
+        }
+
+    def restore(self) -> None:
+        """``--resume``: the books the last instance saved; before the loop starts."""
+        state = self.books.load()
+        n = self.controller.restore(state.controller) if self.controller is not None else 0
+        m = self.accounts.restore(state.accounts)
+        log.info(
+            "resume: fleet books restored for %d worker identities (provisioner) and %d accounts",
+            n,
+            m,
+        )

@@ -348,7 +348,7 @@ class Learner:
             step=lambda: self.step,
         )
         if resume:
-            self.server.members.restore_fleet()
+            self.server.parts.fleet.restore()
         base = base_model(self.cfg, self.policy, self.run_id, self.key, self.run_dir)
         if base is not None:
             self.server.hold_base(*base)

@@ -6,8 +6,8 @@ the next publication (never a parent of anyone), is not registered with the prov
 told of new versions last. Its first act beyond joining and heartbeats (an ``installed`` report
 or a work request) makes it a *member*: a relay candidate from the next publication, registered
 with the provisioner. No join or heartbeat re-plans (O(fleet)): a join costs O(1) whatever the
-fleet. The provisioner's ticks and the fleet's books across a restart are here too: both are
-about who is in the fleet and in what state. Runs on the server's loop.
+fleet. The provisioner's ticks are here too: they are about who is in the fleet and in what
+state (its books across a restart are ``learner.fleet.FleetRecord``). Runs on the server's loop.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from broadcast.coordinator import Coordinator
 from broadcast.nat.reflect import NatError, Reflector
@@ -25,7 +24,6 @@ from echo import wire
 from echo.config import EchoConfig
 from echo.security import fingerprint
 from learner.accounts import Accounts
-from learner.fleet import FleetBooks
 from learner.gate import Gate
 from learner.reputation import Reputation
 from learner.routes import SnapshotRoutes
@@ -84,7 +82,6 @@ class Members:
         work: WorkQueue,
         routes: SnapshotRoutes,
         controller: Controller | None,
-        books: FleetBooks,
     ):
         self.cfg = cfg
         self.identity = identity
@@ -97,7 +94,6 @@ class Members:
         # Without the controller every worker is active; with it, workers join as standby
         # (they keep their snapshot current and relay) until it activates them.
         self.controller = controller
-        self.books = books
         self.decisions: list[Decision] = []  # appended by the loop, drained by the trainer
         self.coordinator: Coordinator | None = None
         self.reflector: Reflector | None = None  # docs/nat.md; None with nat_traversal off
@@ -358,21 +354,3 @@ class Members:
             self.decisions.append(d)
             if d.worker_id:
                 self.accounts.note(d.worker_id, in_words(d))  # a sentence, then the numbers
-
-    def fleet_state(self) -> dict[str, Any]:
-        """What a restarted learner needs to know about its fleet (``learner.fleet``)."""
-        return {
-            "controller": self.controller.state() if self.controller is not None else {},
-            "accounts": self.accounts.state(),
-        }
-
-    def restore_fleet(self) -> None:
-        """``--resume``: the books the last instance saved; before the loop starts."""
-        state = self.books.load()
-        n = self.controller.restore(state.controller) if self.controller is not None else 0
-        m = self.accounts.restore(state.accounts)
-        log.info(
-            "resume: fleet books restored for %d worker identities (provisioner) and %d accounts",
-            n,
-            m,
-        )

@@ -22,7 +22,7 @@ from learner.cpu import CpuBook
 from learner.deliveries import Deliveries, DeliveryLimits
 from learner.dispatch import Dispatcher
 from learner.durable import BufferLog
-from learner.fleet import FLEET_FILE, FleetBooks
+from learner.fleet import FLEET_FILE, FleetBooks, FleetRecord
 from learner.gate import Gate, security_dir
 from learner.handbacks import Handbacks
 from learner.intake import AuditJob, Intake
@@ -67,6 +67,7 @@ class Parts:
     returns: Handbacks
     routes: SnapshotRoutes
     members: Members
+    fleet: FleetRecord
     deliveries: Deliveries
     notices: Notices
     stats: ServerStats
@@ -83,7 +84,7 @@ class Parts:
         self.gate.reload()
         m.reap(now)
         m.provision()
-        self.routes.reprobe()
+        self.routes.probes.reprobe()
         self.accounts.tick(
             self.table.workers if m.controller is None else m.controller.active_ids(), now
         )
@@ -166,8 +167,9 @@ def build_parts(
         work=inp.work,
         routes=routes,
         controller=controller(cfg),
-        books=FleetBooks(inp.run_dir / FLEET_FILE),
     )
+    # the provisioner's memory and the accounts, saved across a restart (learner.fleet)
+    fleet = FleetRecord(FleetBooks(inp.run_dir / FLEET_FILE), members.controller, accounts)
     # docs/security.md, "Staleness is not free": stale deliveries earn less credit
     staleness = Staleness(cfg.learner.staleness, cfg.provisioning.staleness_discount)
     limits = DeliveryLimits(
@@ -228,6 +230,7 @@ def build_parts(
         returns=returns,
         routes=routes,
         members=members,
+        fleet=fleet,
         deliveries=deliveries,
         notices=notices,
         stats=stats,

@@ -2,13 +2,14 @@
 ticket, and what happens when a worker reports a bad source or a corrupt chunk.
 
 One object, ``SnapshotRoutes``, owned by ``learner.server.LearnerServer``: it reads the session
-table and the snapshot stores it is given and counts refusals into the server's counter.
+table and the snapshot stores it is given; the reports of bad sources it hands to its
+``RelayProbes`` (``learner.probes``), which probe the accused and count refusals into the
+server's counter.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -16,14 +17,13 @@ from collections.abc import Callable
 from broadcast.coordinator import Coordinator
 from broadcast.manifest import BaseManifest, Manifest
 from broadcast.nat.links import plain
-from broadcast.reports import KIND
 from broadcast.snapshot import RunKey
 from broadcast.store import SnapshotStore
 from broadcast.tickets import Source, mint
 from echo import wire
 from echo.config import EchoConfig
-from echo.security import fingerprint
 from learner.gate import Gate
+from learner.probes import RelayProbes
 from learner.sessions import SessionTable, WorkerState
 from learner.verify import Verifier
 
@@ -32,10 +32,10 @@ log = logging.getLogger("echo.control")
 
 class SnapshotRoutes:
     """Where each worker pulls the current snapshot (its place in the plan, a peer, or the
-    learner), with what ticket, and what a report of a bad source or chunk sets off: the
-    learner's own probe, then a ban or a strike against the reporter. Runs on the server's
-    loop; the coordinator, verifier and snapshot endpoint exist once the loop has bound its
-    sockets (``attach``)."""
+    learner), with what ticket; a report of a bad source or chunk goes to ``probes``
+    (``learner.probes``: the learner's own probe, then a ban or a strike against the
+    reporter). Runs on the server's loop; the coordinator, verifier and snapshot endpoint exist
+    once the loop has bound its sockets (``attach``)."""
 
     def __init__(
         self,
@@ -57,16 +57,14 @@ class SnapshotRoutes:
         self.run_id = run_id
         self.store = store
         self.results = results
-        self.rejected = rejected  # the server's refusal counts, by reason (shared)
         self.push = push  # a message to a worker now (a punch before its source)
         self.base_manifest: BaseManifest | None = None  # a LoRA run's base model
         # (version, decode seconds, took a keyframe) per accepted install report; bounded.
         self.installs: deque[tuple[int, float, bool]] = deque(maxlen=1024)
         self.keyframe_installs = 0  # installs that needed a keyframe (the run's total)
-        self.unconfirmed: Counter[str] = Counter()  # reporter key -> reports not confirmed
-        self.reprobing: set[str] = set()  # endpoints with a re-probe in the verifier's queue
+        # reports of bad relays and the learner's own probes of them (learner.probes)
+        self.probes = RelayProbes(cfg, gate=gate, table=table, store=store, rejected=rejected)
         self.coordinator: Coordinator | None = None
-        self.verifier: Verifier | None = None
         self.snapshot_endpoint = ""
 
     def attach(
@@ -74,7 +72,7 @@ class SnapshotRoutes:
     ) -> None:
         """What exists once the loop runs: the plan, the prober and the learner's chunk socket."""
         self.coordinator = coordinator
-        self.verifier = verifier
+        self.probes.attach(coordinator, verifier)
         self.snapshot_endpoint = snapshot_endpoint
 
     def latest(self) -> tuple[int, Manifest | None]:
@@ -124,7 +122,9 @@ class SnapshotRoutes:
         installed the version serves its rebuilt payload, else the learner does."""
         assert self.coordinator is not None
         if msg.reason == "corrupt" and msg.bad_source != self.snapshot_endpoint:
-            self._report_keyframe(key, msg)
+            buf = self.results.get(msg.version)  # None: no longer held (an unfounded report)
+            layout, total = (buf.layout, buf.total) if buf is not None else (None, 0)
+            self.probes.chunk_report(key, msg.bad_source, layout, msg.chunk, total)
         endpoint = self.coordinator.keyframe_source(msg.worker_id, msg.version, msg.bad_source)
         if endpoint == self.snapshot_endpoint and self.results.get(msg.version) is None:
             return wire.Error(
@@ -155,38 +155,14 @@ class SnapshotRoutes:
                 "LoRA run on a model folder): load model.name on the worker",
             )
         if msg.reason == "corrupt" and msg.bad_source != self.snapshot_endpoint:
-            accused = self.table.relay_keys.get(msg.bad_source)
-            if (
-                accused is None
-                or not 0 <= msg.chunk < self.base_manifest.layout.num_chunks
-                or self.verifier is None
-            ):
-                self.rejected["unfounded_report"] += 1
-            elif not self.verifier.submit(
-                msg.bad_source, accused, key, self.base_manifest.layout, msg.chunk
-            ):
-                self.rejected["verify_queue_full"] += 1
+            layout = self.base_manifest.layout
+            self.probes.chunk_report(key, msg.bad_source, layout, msg.chunk, layout.num_chunks)
         endpoint = self.coordinator.base_source(msg.worker_id, msg.bad_source)
         log.info("worker %s: base model from %s (%s)", msg.worker_id, endpoint, msg.reason)
         src = self.ticketed(msg.worker_id, endpoint)
         return wire.SourceGrant(
             version=msg.version, source=src.endpoint, source_key=src.key, ticket=src.ticket
         )
-
-    def _report_keyframe(self, key: str, msg: wire.SourceRequest) -> None:
-        """A keyframe chunk that failed its hash: the learner fetches it from the accused
-        itself before anyone is banned (as for the chain's chunks, ``_corrupt_report``)."""
-        accused = self.table.relay_keys.get(msg.bad_source)
-        buf = self.results.get(msg.version)
-        if (
-            accused is None
-            or buf is None
-            or not 0 <= msg.chunk < buf.total
-            or self.verifier is None
-        ):
-            self.rejected["unfounded_report"] += 1
-        elif not self.verifier.submit(msg.bad_source, accused, key, buf.layout, msg.chunk):
-            self.rejected["verify_queue_full"] += 1
 
     def on_source_request(self, ident: bytes, key: str, msg: wire.SourceRequest) -> wire.Message:
         assert self.coordinator is not None
@@ -199,7 +175,7 @@ class SnapshotRoutes:
             return self._base_grant(key, msg)
         # The report is evidence even when its version was superseded meanwhile (a black hole
         # that held a child past the next publication must not escape the count).
-        self._relay_report(key, msg)
+        self.probes.relay_report(key, msg)
         if self.store.get(msg.version) is None:  # superseded: no source holds it any more
             return wire.Error(
                 reason="unknown_version",
@@ -231,86 +207,6 @@ class SnapshotRoutes:
             self.cfg.security.ticket_ttl_s,
         )
         return Source(self.snapshot_endpoint, self.gate.keys.public, ticket)
-
-    def _relay_report(self, key: str, msg: wire.SourceRequest) -> None:
-        """A child says its source failed (docs/security.md, "Relay reports"): it is moved off
-        that relay at once; the report counts as evidence only from an assigned child whose
-        earlier reports the learner's probes have not kept failing to confirm, and then the
-        learner probes the relay itself (``learner.verify``)."""
-        assert self.coordinator is not None
-        credible = self.unconfirmed[key] < self.cfg.security.false_reports
-        if not credible:
-            self.rejected["report_not_counted"] += 1
-        assigned = self.coordinator.assigned(msg.worker_id, msg.bad_source)
-        self.coordinator.reattach(msg.worker_id, msg.bad_source, msg.reason, count=credible)
-        if credible and assigned and msg.reason in KIND:
-            # A timeout is probed on the newest version: by the time the probe runs the
-            # reported one is often superseded, and "no longer held" is an answer, no verdict.
-            corrupt = KIND[msg.reason] == "corrupt"
-            self.probe(
-                msg.bad_source, key, msg.version if corrupt else -1, msg.chunk if corrupt else -1
-            )
-
-    def probe(self, endpoint: str, accuser: str, version: int, chunk: int = -1) -> bool:
-        """Queue the learner's own fetch from ``endpoint`` (``version``, or the newest held);
-        False when there is nothing to probe with or the queue is full (counted)."""
-        accused = self.table.relay_keys.get(endpoint)
-        buf = self.store.get(version) if version >= 0 else None
-        buf = self.store.latest() if buf is None else buf
-        if (
-            accused is None
-            or buf is None
-            or buf.total == 0
-            or self.verifier is None
-            or self.gate.keys is None
-            or not self._reachable(endpoint)
-        ):
-            return False
-        if not 0 <= chunk < buf.total:
-            chunk = random.randrange(buf.total)
-        if not self.verifier.submit(endpoint, accused, accuser, buf.layout, chunk):
-            self.rejected["verify_queue_full"] += 1
-            return False
-        return True
-
-    def reprobe(self) -> None:
-        """Relays whose conviction has run out are probed again before they are planned
-        (from housekeeping; one probe in the queue per relay)."""
-        assert self.coordinator is not None
-        for endpoint in self.coordinator.reports.due(time.monotonic()):
-            if not self._reachable(endpoint):
-                self.coordinator.lift(endpoint)  # the learner cannot look: another chance
-            elif endpoint not in self.reprobing and endpoint in self.table.relay_keys:
-                if self.probe(endpoint, "", -1):
-                    self.reprobing.add(endpoint)
-
-    def _reachable(self, endpoint: str) -> bool:
-        """Can the learner connect to this relay itself? Not to one behind a NAT that only
-        punched links reach (docs/nat.md): no probe there, so no verdict from one."""
-        peer = self.coordinator.owner(endpoint) if self.coordinator else None
-        return peer is None or peer.nat != "punchable"
-
-    def verdict(self, endpoint: str, accused: str, accuser: str, outcome: str) -> None:
-        """The learner's own fetch from a reported (or re-probed) relay: ``corrupt`` (the
-        learner saw it: banned), ``unreachable`` (out of the plan for a while), ``intact`` or
-        ``answered`` (no verdict on anyone: the reporter's report stays unconfirmed)."""
-        assert self.coordinator is not None
-        self.reprobing.discard(endpoint)
-        self.coordinator.reports.counts[f"probe:{outcome}"] += 1
-        self.coordinator.confirm(endpoint, outcome)
-        if outcome == "corrupt":
-            self.gate.ban(accused, f"served a corrupt chunk at {endpoint}")
-            self.rejected["relay_corrupt"] += 1
-        elif outcome in ("intact", "answered") and accuser:
-            self.unconfirmed[accuser] += 1
-            self.rejected["unconfirmed_report"] += 1
-        log.info(
-            "probe of %s (%s) after a report from %s: %s",
-            endpoint,
-            fingerprint(accused),
-            fingerprint(accuser) if accuser else "-",
-            outcome,
-        )
 
     def on_installed(self, ident: bytes, key: str, msg: wire.Installed) -> None:
         assert self.coordinator is not None

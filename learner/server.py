@@ -9,7 +9,7 @@ object only through ``publish``, ``stats``, ``report`` and ``shutdown``, which h
 thread-safely.
 
 The work is done by parts that each own their state (this object wires them and serves the
-sockets): the session table (``learner.sessions``), joins, heartbeats and the provisioner
+sockets, which ``learner.bind`` binds at start): the session table (``learner.sessions``), joins, heartbeats and the provisioner
 (``learner.members``), snapshot routes and relay reports (``learner.routes``), grants,
 trajectories, hand-backs and quarantine (``learner.deliveries``), publications
 (``learner.notices``), one message's handling (``learner.dispatch``) and the statistics
@@ -30,30 +30,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from broadcast.coordinator import Coordinator
 from broadcast.manifest import BaseManifest
 from broadcast.nat.reflect import Reflector
-from broadcast.reports import ReportBook
 from broadcast.snapshot import RunKey, Snapshot
 from broadcast.source import ChunkServer
 from broadcast.store import SnapshotBuffer, SnapshotStore
-from broadcast.tickets import mint
 from broadcast.topology import make_topology
 from broadcast.tree import relay_tree
 from dataplane.records import Limits
 from echo import wire
-from echo.addresses import public_endpoint
 from echo.config import EchoConfig
 from echo.control_stats import ControlStats
-from echo.security import JoinLine, ZapHandler
+from echo.security import JoinLine
 from echo.tree import RelayTree
+from learner.bind import Served, bind
 from learner.buffer import ReplayBuffer
 from learner.durable import BufferLog
 from learner.intake import AuditJob
-from learner.listen import CHUNK_DOMAIN, count_handshakes, handshake_monitor, port_taken, router
+from learner.listen import count_handshakes, handshake_monitor
 from learner.parts import Inputs, build_parts
 from learner.reputation import Verdict
 from learner.verify import Verifier
@@ -122,6 +117,10 @@ class LearnerServer:
             link_mbit=bc.link_mbit or None,
             chunk_bytes=bc.chunk_bytes,
         )
+        # what the sockets serve (learner.bind binds them on the loop, at start)
+        self._served = Served(
+            self.store, self.results, self.bases, self.topology, key, run_id, self.max_bytes
+        )
         self.coordinator: Coordinator | None = None
         self.reflector: Reflector | None = None  # docs/nat.md; None with nat_traversal off
         self.verifier: Verifier | None = None
@@ -155,119 +154,32 @@ class LearnerServer:
         self._loop = asyncio.get_running_loop()
         self.parts.cpu.bind_thread()
         self._stop = asyncio.Event()
-        ctx = zmq.asyncio.Context()
-        try:
-            zap, ctrl, snap = await self._listen(ctx)
-        except BaseException:
-            ctx.destroy(linger=0)  # a start that failed (a port taken) frees what it bound
-            raise
-        self._attach(ctx, snap)
+        b = await bind(self.cfg, self.parts, self._served)
+        # the bound endpoints and what was built on them, read from the server by others
+        self.endpoint, self.snapshot_endpoint = b.endpoint, b.snapshot_endpoint
+        self.reflector, self.coordinator = b.reflector, b.coordinator
+        self.chunks, self.verifier = b.chunks, b.verifier
         curve = self.gate.keys is not None
-        mons = [handshake_monitor(ctrl, curve), handshake_monitor(snap, curve)]
+        mons = [handshake_monitor(b.ctrl, curve), handshake_monitor(b.snap, curve)]
         self._ready.set()
-        assert self.chunks is not None and self.verifier is not None
         try:
             async with asyncio.TaskGroup() as tg:
                 out = self.parts.socket
                 tasks = [
-                    tg.create_task(out.serve(ctrl, self.parts.dispatcher)),
+                    tg.create_task(out.serve(b.ctrl, self.parts.dispatcher)),
                     tg.create_task(out.send_acks()),
-                    tg.create_task(self.chunks.serve_forever()),
+                    tg.create_task(b.chunks.serve_forever()),
                     tg.create_task(self._housekeeping()),
                     *(tg.create_task(count_handshakes(m, self.gate.refused)) for m in mons),
-                    tg.create_task(self.verifier.serve_forever(self.routes.verdict)),
+                    tg.create_task(b.verifier.serve_forever(self.routes.probes.verdict)),
                 ]
-                if zap is not None:
-                    tasks.append(tg.create_task(zap.serve()))
+                if b.zap is not None:
+                    tasks.append(tg.create_task(b.zap.serve()))
                 await self._stop.wait()
                 for t in tasks:
                     t.cancel()
         finally:
-            for sock in (ctrl, snap):
-                if curve:
-                    sock.disable_monitor()
-            ctrl.close(linger=500)
-            snap.close(linger=0)
-            if self.reflector is not None:
-                self.reflector.close()
-            if zap is not None:
-                zap.close()
-            ctx.term()
-
-    def _attach(self, ctx: zmq.asyncio.Context, snap: zmq.asyncio.Socket) -> None:
-        """What needs the bound sockets: the plan, the chunk server, the prober; the parts
-        that use them get them here."""
-        bc, sc = self.cfg.broadcast, self.cfg.security
-        self.coordinator = Coordinator(
-            self.topology,
-            self.snapshot_endpoint,
-            q=bc.q,
-            reports=ReportBook(bc.convict_after, bc.report_avoid_s, bc.relay_mark_s),
-        )
-        self.coordinator.punches.timeout_s = bc.punch_timeout_s
-        self.chunks = ChunkServer(
-            snap,
-            self.store,
-            self.max_bytes,
-            authorize=self.routes.may_pull,
-            max_parked_per_peer=sc.max_parked_per_peer,
-            max_parked_total=sc.max_parked_total,
-            requests_per_s=sc.peer_chunk_requests_per_s,
-            results=self.results,
-            bases=self.bases,
-        )
-        # The probe's tickets live as long as a child's: nothing in them tells the two apart.
-        self.verifier = Verifier(
-            ctx,
-            lambda child, parent: mint(self.key, child, parent, self.run_id, sc.ticket_ttl_s),
-            self.max_bytes,
-            window=bc.window,
-        )
-        self.routes.attach(self.coordinator, self.verifier, self.snapshot_endpoint)
-        self.members.attach(
-            self.coordinator, self.reflector, (self.endpoint, self.snapshot_endpoint)
-        )
-        self.parts.stats.chunks = self.chunks
-
-    async def _listen(
-        self, ctx: zmq.asyncio.Context
-    ) -> tuple[ZapHandler | None, zmq.asyncio.Socket, zmq.asyncio.Socket]:
-        """Every listening socket on its port (docs/ports.md): ZAP, control, chunks, reflector."""
-        # Bound before the sockets: no handshake may come before the handler that judges it.
-        zap = (
-            ZapHandler(ctx, self.members.zap_control, {CHUNK_DOMAIN: self.routes.zap_chunks})
-            if self.gate.keys is not None
-            else None
-        )
-        ports, lc = self.cfg.listen_ports(), self.cfg.learner
-        ctrl = self.parts.socket.sock = router(
-            ctx, lc.host, ports.control, 4 * self.max_bytes, "learner.port", self.gate.keys
-        )
-        # Chunk requests only; only joined keys connect here (SnapshotRoutes.zap_chunks).
-        snap = router(
-            ctx,
-            lc.host,
-            ports.chunks,
-            1 << 16,
-            "learner.chunk_port",
-            self.gate.keys,
-            zap_domain=CHUNK_DOMAIN,
-        )
-        # Every endpoint handed out names the learner's public host (echo.addresses).
-        self.endpoint, self.snapshot_endpoint = (
-            public_endpoint(s.getsockopt_string(zmq.LAST_ENDPOINT), lc.host, lc.public_host)
-            for s in (ctrl, snap)
-        )
-        if self.cfg.broadcast.nat_traversal:
-            # bound where the server is, announced where workers reach it
-            self.reflector = Reflector(lc.host, advertise=lc.public_host, ports=ports.reflectors)
-            try:
-                await self.reflector.start()
-            except OSError as exc:
-                raise port_taken(
-                    "learner.reflector_ports", lc.host, getattr(exc, "port", ports.reflectors), exc
-                ) from None
-        return zap, ctrl, snap
+            b.close(curve)
 
     def bound_ports(self) -> dict[str, Any]:
         """The ports this server listens on (learner.json's "ports"; --resume reuses them)."""
@@ -408,8 +320,8 @@ class LearnerServer:
             self._thread.join(10)
 
     async def _shutdown(self, reason: str) -> None:
-        m = self.members
-        await asyncio.to_thread(m.books.save, m.fleet_state())
+        m, fleet = self.members, self.parts.fleet
+        await asyncio.to_thread(fleet.books.save, fleet.state())
         for w in list(self.table.workers.values()):
             await self.parts.socket.send(
                 w, wire.Shutdown(reason=reason, account=m.account(w, reason))
@@ -432,12 +344,12 @@ class LearnerServer:
 
     async def _housekeeping(self) -> None:
         timeout = self.cfg.transport.heartbeat_timeout_s
-        m = self.members
+        fleet = self.parts.fleet
         while True:
             await asyncio.sleep(min(0.5, timeout / 4))
             t0 = time.thread_time()
             now = time.monotonic()
             self.parts.tidy(now)
             self.parts.cpu.add("housekeeping", time.thread_time() - t0)
-            if m.books.due(now):
-                await asyncio.to_thread(m.books.save, m.fleet_state())
+            if fleet.books.due(now):
+                await asyncio.to_thread(fleet.books.save, fleet.state())

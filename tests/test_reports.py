@@ -262,6 +262,6 @@ def test_a_probe_is_not_queued_for_an_empty_payload(make_plane):  # noqa: F811
     plane.table.relay_keys["tcp://127.0.0.1:9"] = "K"
 
     async def probe(plane):
-        return plane.routes.probe("tcp://127.0.0.1:9", "accuser", 0)
+        return plane.routes.probes.probe("tcp://127.0.0.1:9", "accuser", 0)
 
     assert plane._call(probe, plane) is False

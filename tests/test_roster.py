@@ -72,7 +72,7 @@ def fleet(small_cfg, tokenizer, tmp_path):
             sock.connect(plane.endpoint)
             sock.send(wire.encode(wire.Join(worker_id=wid, price=0.25)))
             assert isinstance(wire.decode(sock.recv(), 1 << 24), wire.JoinAck)
-        plane.members.books.save(plane.members.fleet_state())  # what the plane writes every 2 s
+        plane.parts.fleet.books.save(plane.parts.fleet.state())  # what the plane writes every 2 s
         yield plane, tmp_path, {wid: k.text for wid, k in keys.items()}
     finally:
         ctx.destroy(linger=0)

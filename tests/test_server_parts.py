@@ -188,13 +188,13 @@ def _routes(gate: FakeGate, table: SessionTable) -> SnapshotRoutes:
 def test_a_probe_verdict_bans_a_corrupt_relay_and_discredits_an_unconfirmed_reporter():
     gate = FakeGate()
     routes = _routes(gate, SessionTable(_cfg()))
-    routes.verdict("tcp://r:1", "RELAY", "ACCUSER", "corrupt")
-    assert "RELAY" in gate.banned and routes.rejected["relay_corrupt"] == 1
-    routes.verdict("tcp://r:2", "RELAY2", "ACCUSER", "intact")
-    assert "RELAY2" not in gate.banned and routes.unconfirmed["ACCUSER"] == 1
+    routes.probes.verdict("tcp://r:1", "RELAY", "ACCUSER", "corrupt")
+    assert "RELAY" in gate.banned and routes.probes.rejected["relay_corrupt"] == 1
+    routes.probes.verdict("tcp://r:2", "RELAY2", "ACCUSER", "intact")
+    assert "RELAY2" not in gate.banned and routes.probes.unconfirmed["ACCUSER"] == 1
     assert routes.coordinator.reports.counts == {"probe:corrupt": 1, "probe:intact": 1}
     # nothing to probe with (no verifier): no probe, no verdict
-    assert routes.probe("tcp://r:1", "ACCUSER", -1) is False
+    assert routes.probes.probe("tcp://r:1", "ACCUSER", -1) is False
 
 
 # ------------------------------------------------------------------ Members
@@ -243,7 +243,6 @@ def _members(controller=None) -> tuple[Members, SimpleNamespace]:
         work=work,
         routes=routes,
         controller=controller,
-        books=None,
     )
     m.attach(FakeCoordinator(), None, ("tcp://l:0", "tcp://l:1"))
     return m, work
