@@ -23,9 +23,8 @@ from typing import Any
 from broadcast.memory import trim
 from broadcast.versions import VersionEncoder
 from dataplane.records import Limits, Record
-from echo.config import EchoConfig, ListenPorts, dump_toml
+from echo.config import EchoConfig, dump_toml
 from echo.metrics import LearnerMetrics, finite_or_null
-from echo.procs import READY_PREFIX
 from echo.spill import spill_dir
 from echo.steprow import COL, RunSummary, StepRow
 from learner.auditor import Auditor
@@ -33,7 +32,6 @@ from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_or_create_key, save_checkpoint
 from learner.durable import BufferLog
 from learner.grants import GrantJournal, Lease
-from learner.listen import port_taken
 from learner.policy import FullState, Policy
 from learner.publisher import Publisher
 from learner.release import Release, base_model
@@ -41,6 +39,7 @@ from learner.resume import Resume
 from learner.rows import CutWatch, RunTotals, finite_row, metrics_row
 from learner.rows import summary as run_summary
 from learner.server import LearnerServer
+from learner.startup import announce, freeze_startup_objects, reuse_ports, setup_logging
 from learner.work import WorkQueue
 from provisioning.capacity import Infeasible, mu_req, t_train_average
 
@@ -51,59 +50,12 @@ class LearnerStall(RuntimeError):
     pass
 
 
-def _setup_logging(run_dir: Path) -> None:
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    fh = logging.FileHandler(run_dir / "learner.log")
-    fh.setFormatter(fmt)
-    err = logging.StreamHandler(sys.stderr)
-    err.setFormatter(fmt)
-    err.setLevel(logging.WARNING)
-    root.addHandler(fh)
-    root.addHandler(err)
-
-
 class Terminated(KeyboardInterrupt):
     """SIGTERM, handled as Ctrl-C is (the summary tells the two apart)."""
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
     raise Terminated
-
-
-def _previous_ports(run_dir: Path) -> ListenPorts | None:
-    """The ports the run's last learner listened on, from its learner.json (one written
-    before the ports were recorded gives its control port only)."""
-    info = run_dir / "learner.json"
-    if not info.exists():
-        return None
-    doc = json.loads(info.read_text())
-    p = doc.get("ports") or {}
-    control = int(doc["endpoint"].rsplit(":", 1)[1])
-    return ListenPorts(
-        control,
-        int(p.get("chunks", 0)),
-        tuple(p.get("reflectors", (0, 0))),
-        int(p.get("metrics", 0)),
-    )
-
-
-def reuse_ports(cfg: EchoConfig, run_dir: Path) -> None:
-    """On resume, listen where the workers knew us: every port the config leaves to the OS
-    takes the run's previous one; a port the config fixes stays (docs/ports.md)."""
-    previous = _previous_ports(run_dir)
-    if previous is None:
-        return
-    ports = cfg.listen_ports().reusing(previous)
-    cfg.learner = cfg.learner.model_copy(
-        update={
-            "port": ports.control,
-            "chunk_port": ports.chunks,
-            "reflector_ports": list(ports.reflectors),
-        }
-    )
-    cfg.metrics = cfg.metrics.model_copy(update={"port": ports.metrics})
 
 
 def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSummary | None:
@@ -115,7 +67,7 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
             policy.par.close()
         return None  # rank 0 writes the summary
     run_dir.mkdir(parents=True, exist_ok=True)
-    _setup_logging(run_dir)
+    setup_logging(run_dir)
     # The learner server's loop shares the GIL with the training, publisher and log threads:
     # a 1 ms switch interval (default 5 ms) bounds how long a heartbeat waits for it when the
     # trainer runs Python code (benchmarks/load_control.py measures the round trip).
@@ -143,18 +95,6 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
         raise
     finally:
         learner.close(reason)
-
-
-def freeze_startup_objects() -> None:
-    """Move every object alive after start-up (torch, transformers, the model: about 400,000
-    here) out of the garbage collector's reach. A full collection walks every tracked object
-    while holding the GIL: 160 ms on this machine, which stalled the learner server's loop and
-    was the whole tail of the heartbeat round trip (benchmarks/load_control.py, docs/learner.md).
-    Those objects live as long as the process, so nothing collectable is frozen for long."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
 
 
 def say_memory_plan(policy: Policy, lc: Any) -> None:
@@ -302,7 +242,7 @@ class Learner:
             ),
         )
         self.publisher = self.release.publisher
-        self._announce()
+        self.metrics_server = announce(self.cfg, self.run_dir, self.server, self.metrics, self.rows)
         log.info(
             "learner up at %s, run %s, step %d, kappa=%d, ranks=%d",
             self.server.endpoint,
@@ -353,44 +293,6 @@ class Learner:
         if base is not None:
             self.server.hold_base(*base)
         self.server.start()
-
-    def _announce(self) -> None:
-        """learner.json (endpoints, join line, ports), the dashboard and /metrics, and the
-        join line on stdout (for a supervisor) and on the terminal (for an operator)."""
-        assert self.server is not None
-        join = self.server.join_line()
-        info = {
-            "endpoint": self.server.endpoint,
-            "snapshot_endpoint": self.server.snapshot_endpoint,
-            "join": join,
-            "public_key": (self.server.public_key or b"").decode(),
-            "ports": self.server.bound_ports(),
-        }
-        if self.metrics is not None:
-            port = self.cfg.listen_ports().metrics
-            try:
-                self.metrics_server = self.metrics.serve(self.cfg.metrics.host, port)
-            except OSError as exc:
-                raise port_taken("metrics.port", self.cfg.metrics.host, port, exc) from None
-            info["ports"]["metrics"] = self.metrics_server.address[1]
-            self.metrics.accounts_source = self.server.accounts.export  # live per scrape
-            self.metrics.tree_source = self.server.relay_tree  # live per scrape and poll
-            info["metrics"] = self.metrics_server.url
-            for r in self.rows:  # after --resume: cost and curves continue
-                self.metrics.update(r, {})
-            log.info("dashboard and /metrics at %s", self.metrics_server.url)
-        (self.run_dir / "learner.json").write_text(json.dumps(info))
-        # The join line carries the learner's public key: workers pin it (docs/security.md).
-        print(READY_PREFIX + join, flush=True)
-        # The line an operator copies, on the terminal (README "Running for real" quotes it).
-        words = (
-            f"echo-worker join '{join}?token=TOKEN' (a token: echo-rl token create "
-            f"--run-dir {self.run_dir})"
-            if self.cfg.security.join == "token"
-            else f"echo-worker join '{join}'"
-        )
-        print(f"workers join with: {words}", file=sys.stderr, flush=True)
-        log.info("workers join with: %s", words)
 
     def _open_journal(self) -> None:
         """Leases from here on go to the grant journal (``learner.grants``), which starts
