@@ -16,13 +16,12 @@ import random
 import signal
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from broadcast.memory import trim
 from broadcast.versions import VersionEncoder
-from dataplane.records import Limits, Record
+from dataplane.records import Limits
 from echo.config import EchoConfig, dump_toml
 from echo.metrics import LearnerMetrics, finite_or_null
 from echo.spill import spill_dir
@@ -41,6 +40,7 @@ from learner.rows import CutWatch, RunTotals, finite_row, metrics_row
 from learner.rows import summary as run_summary
 from learner.server import LearnerServer
 from learner.startup import announce, freeze_startup_objects, reuse_ports, setup_logging
+from learner.trails import Trails
 from learner.work import WorkQueue
 from provisioning.capacity import Infeasible, mu_req, t_train_average
 
@@ -122,8 +122,9 @@ class Learner:
             min_logprob=lc.min_behaviour_logprob,
             answer_tokens=frozenset(answers) if answers is not None else None,
         )
+        self.trails = Trails(run_dir, lambda: self.step)  # consumed, dropped, nonfinite, decisions
         self.buffer = ReplayBuffer(
-            lc.staleness, cfg.buffer.capacity_groups, lc.group_size, on_drop=self._audit_drop
+            lc.staleness, cfg.buffer.capacity_groups, lc.group_size, on_drop=self.trails.dropped
         )
         self.log = BufferLog(run_dir / "buffer.log", fsync=lc.fsync)
         self.prompt_rng = random.Random(cfg.seed)
@@ -140,20 +141,9 @@ class Learner:
             else None
         )
         self.metrics_server: Any = None
-        self.struck: Counter[str] = Counter()  # worker id -> records behind skipped updates
+        self.struck = self.trails.struck  # worker id -> records behind skipped updates
         self.cuts = CutWatch(
             cfg.worker.max_new_tokens, policy.tokenizer.eos_token_id, cfg.adapter.name
-        )
-
-    def _audit(self, name: str, entry: dict[str, Any]) -> None:
-        """Append-only audit trails (consumed.jsonl, dropped.jsonl), keyed by step so a
-        resume can set aside what the crash undid."""
-        with (self.run_dir / f"{name}.jsonl").open("a") as f:
-            f.write(json.dumps({"step": self.step, **entry}) + "\n")
-
-    def _audit_drop(self, records: list[Record], rule: str) -> None:
-        self._audit(
-            "dropped", {"rule": rule, "pairs": [[r.group_id, r.sample_idx] for r in records]}
         )
 
     # ------------------------------------------------------------------ start / restore
@@ -329,14 +319,14 @@ class Learner:
                 f"version {version}: are workers connected? (learner.wait_timeout_s)"
             )
         self.log.consumed(step, [g[0].group_id for g in groups])
-        self._audit("consumed", {"groups": [g[0].group_id for g in groups]})
+        self.trails.write("consumed", {"groups": [g[0].group_id for g in groups]})
         t1 = time.monotonic()
         publish = (step + 1) % lc.effective_kappa == 0
         batch = self.adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards)
         stats, full = self.policy.command({"op": "step", "sync": publish, "batch": batch})
         t2 = time.monotonic()
         if stats.get(COL.skipped_nonfinite):  # the trainer names its numbers as the row does
-            self._strike(groups, self.policy.trainer.nonfinite_rows)
+            self.trails.strike(groups, self.policy.trainer.nonfinite_rows)
         self.totals.add(step, t1 - t0, t2 - t1)
         self.step += 1
         self.buffer.set_version(self.step)
@@ -397,25 +387,6 @@ class Learner:
         row.t_audit, row.audits, row.audit_failures = round(used, 4), a.done, a.failed
         row.audit_queue, row.audits_dropped, row.audits_expired = a.waiting, a.dropped, a.expired
 
-    def _strike(self, groups: list[list[Record]], rows: list[int]) -> list[str]:
-        """Trace the rows behind skipped non-finite updates to their groups and senders:
-        logged, written to ``nonfinite.jsonl``, counted in ``self.struck``; returned."""
-        records = [r for g in groups for r in g]
-        culprits = [records[i] for i in sorted(set(rows)) if 0 <= i < len(records)]
-        workers = sorted({r.worker_id for r in culprits})
-        gids = sorted({r.group_id for r in culprits})
-        self.struck.update(r.worker_id for r in culprits)
-        self._audit("nonfinite", {"groups": gids, "workers": workers})
-        log.error(
-            "step %d: update(s) skipped for non-finite loss/gradient; behind them %d "
-            "group(s) %s from worker(s) %s",
-            self.step,
-            len(gids),
-            gids[:5],
-            workers,
-        )
-        return workers
-
     def _provisioning(self, t_train: float | None, t_bcast: float) -> None:
         """Tell the controller what capacity the learner needs now (docs/design.md §4), and record the
         decisions it took since the last step. ``t_train`` None: after ``--resume``, from the
@@ -445,7 +416,7 @@ class Learner:
                 "target": d.target,
                 "mu_req": need,
             }
-            self._audit("decisions", entry)
+            self.trails.write("decisions", entry)
             if self.metrics is not None:
                 self.metrics.add_decision({"step": self.step, **entry})
 
