@@ -33,6 +33,7 @@ from learner.durable import BufferLog
 from learner.grants import GrantJournal, Lease
 from learner.memory import memory, say_memory_plan
 from learner.policy import FullState, Policy
+from learner.provision import CapacityFeedback
 from learner.publisher import Publisher
 from learner.release import Release, base_model
 from learner.resume import Resume
@@ -42,7 +43,6 @@ from learner.server import LearnerServer
 from learner.startup import announce, freeze_startup_objects, reuse_ports, setup_logging
 from learner.trails import Trails
 from learner.work import WorkQueue
-from provisioning.capacity import Infeasible, mu_req, t_train_average
 
 log = logging.getLogger("echo.learner")
 
@@ -134,7 +134,6 @@ class Learner:
         self.totals = RunTotals()
         self.step = 0  # next step to run
         self.rows: list[StepRow] = []
-        self.t_train_ewma: float | None = None
         self.metrics = (
             LearnerMetrics(learner_price_per_hour=lc.price_per_hour, run_id=self.run_id)
             if cfg.metrics.enabled
@@ -213,7 +212,7 @@ class Learner:
         self.release.publish(self.step, full[0])
         self.publisher.flush()  # workers that join now get a snapshot at once
         if self.rows:  # after --resume: the capacity the run needed, from its own history
-            self._provisioning(None, self.rows[-1].t_bcast or 0.0)
+            self.feedback.tell(None, self.rows[-1].t_bcast or 0.0, self.rows)
 
     def _start_server(self, resume: bool) -> None:
         """The auditor, and the server that hands its audits over (and serves the base model
@@ -245,6 +244,9 @@ class Learner:
         if base is not None:
             self.server.hold_base(*base)
         self.server.start()
+        self.feedback = CapacityFeedback(
+            self.cfg, self.server, self.trails, self.metrics, lambda: self.step
+        )
 
     def _open_journal(self) -> None:
         """Leases from here on go to the grant journal (``learner.grants``), which starts
@@ -365,7 +367,7 @@ class Learner:
             self.server.payloads() + self.auditor.payloads(),
             self.auditor.model_tensors(),
         )
-        self._provisioning(t2 - t1, control.t_bcast or 0.0)
+        self.feedback.tell(t2 - t1, control.t_bcast or 0.0, self.rows)
         if self.metrics is not None:
             self.metrics.update(row, control)
         return row
@@ -386,39 +388,6 @@ class Learner:
         a = self.auditor
         row.t_audit, row.audits, row.audit_failures = round(used, 4), a.done, a.failed
         row.audit_queue, row.audits_dropped, row.audits_expired = a.waiting, a.dropped, a.expired
-
-    def _provisioning(self, t_train: float | None, t_bcast: float) -> None:
-        """Tell the controller what capacity the learner needs now (docs/design.md §4), and record the
-        decisions it took since the last step. ``t_train`` None: after ``--resume``, from the
-        run's own history (the restored metrics rows), so a restarted learner knows its
-        mu_req before its first step."""
-        assert self.server is not None
-        lc = self.cfg.learner
-        for t in [r.t_train for r in self.rows if r.t_train] if t_train is None else [t_train]:
-            self.t_train_ewma = t_train_average(self.t_train_ewma, t)
-        if self.t_train_ewma is None:
-            return
-        try:
-            need = mu_req(
-                lc.prompts_per_step * lc.group_size, lc.effective_kappa, self.t_train_ewma, t_bcast
-            )
-        except Infeasible as err:
-            log.warning("%s", err)
-            need = None
-        self.server.set_requirement(need)
-        while self.server.members.decisions:
-            d = self.server.members.decisions.pop(0)
-            entry = {
-                "action": d.action,
-                "worker": d.worker_id,
-                "reason": d.reason,
-                "c_eff": d.c_eff,
-                "target": d.target,
-                "mu_req": need,
-            }
-            self.trails.write("decisions", entry)
-            if self.metrics is not None:
-                self.metrics.add_decision({"step": self.step, **entry})
 
     def close(self, reason: str) -> None:
         if getattr(self, "publisher", None) is not None:
