@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from broadcast.memory import trim
-from broadcast.versions import VersionEncoder
 from dataplane.records import Limits
 from echo.config import EchoConfig, dump_toml
 from echo.metrics import LearnerMetrics, finite_or_null
@@ -34,8 +33,7 @@ from learner.grants import GrantJournal, Lease
 from learner.memory import memory, say_memory_plan
 from learner.policy import FullState, Policy
 from learner.provision import CapacityFeedback
-from learner.publisher import Publisher
-from learner.release import Release, base_model
+from learner.release import Release, base_model, run_publisher
 from learner.resume import Resume
 from learner.rows import CutWatch, RunTotals, finite_row, metrics_row
 from learner.rows import summary as run_summary
@@ -172,25 +170,12 @@ class Learner:
             self.step, self.totals, self.rows = back.step, back.totals or self.totals, back.rows
         self._open_journal()
         self._start_server(resume)
-        bc = self.cfg.broadcast
         self.release = Release(
             self.cfg,
             self.run_dir,
             self.policy,
             self.auditor,
-            Publisher(
-                VersionEncoder(
-                    run_id=self.run_id,
-                    key=self.key,
-                    chunk_size=bc.chunk_bytes,
-                    dtype=bc.dtype,
-                    delta=bc.delta,
-                    keyframe_every=bc.keyframe_every,
-                    max_ratio=bc.delta_max_ratio,
-                    base_model=self.policy.base_hash,
-                ),
-                self.server.publish,
-            ),
+            run_publisher(self.cfg, self.run_id, self.key, self.policy, self.server.publish),
         )
         self.publisher = self.release.publisher
         self.metrics_server = announce(self.cfg, self.run_dir, self.server, self.metrics, self.rows)
