@@ -16,16 +16,13 @@ import random
 import signal
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from broadcast.memory import trim
-from broadcast.versions import VersionEncoder
-from dataplane.records import Limits, Record
-from echo.config import EchoConfig, ListenPorts, dump_toml
+from dataplane.records import Limits
+from echo.config import EchoConfig, dump_toml
 from echo.metrics import LearnerMetrics, finite_or_null
-from echo.procs import READY_PREFIX
 from echo.spill import spill_dir
 from echo.steprow import COL, RunSummary, StepRow
 from learner.auditor import Auditor
@@ -33,16 +30,17 @@ from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_or_create_key, save_checkpoint
 from learner.durable import BufferLog
 from learner.grants import GrantJournal, Lease
-from learner.listen import port_taken
+from learner.memory import memory, say_memory_plan
 from learner.policy import FullState, Policy
-from learner.publisher import Publisher
-from learner.release import Release, base_model
+from learner.provision import CapacityFeedback
+from learner.release import Release, base_model, run_publisher
 from learner.resume import Resume
 from learner.rows import CutWatch, RunTotals, finite_row, metrics_row
 from learner.rows import summary as run_summary
 from learner.server import LearnerServer
+from learner.startup import announce, freeze_startup_objects, reuse_ports, setup_logging
+from learner.trails import Trails
 from learner.work import WorkQueue
-from provisioning.capacity import Infeasible, mu_req, t_train_average
 
 log = logging.getLogger("echo.learner")
 
@@ -51,59 +49,12 @@ class LearnerStall(RuntimeError):
     pass
 
 
-def _setup_logging(run_dir: Path) -> None:
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    fh = logging.FileHandler(run_dir / "learner.log")
-    fh.setFormatter(fmt)
-    err = logging.StreamHandler(sys.stderr)
-    err.setFormatter(fmt)
-    err.setLevel(logging.WARNING)
-    root.addHandler(fh)
-    root.addHandler(err)
-
-
 class Terminated(KeyboardInterrupt):
     """SIGTERM, handled as Ctrl-C is (the summary tells the two apart)."""
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
     raise Terminated
-
-
-def _previous_ports(run_dir: Path) -> ListenPorts | None:
-    """The ports the run's last learner listened on, from its learner.json (one written
-    before the ports were recorded gives its control port only)."""
-    info = run_dir / "learner.json"
-    if not info.exists():
-        return None
-    doc = json.loads(info.read_text())
-    p = doc.get("ports") or {}
-    control = int(doc["endpoint"].rsplit(":", 1)[1])
-    return ListenPorts(
-        control,
-        int(p.get("chunks", 0)),
-        tuple(p.get("reflectors", (0, 0))),
-        int(p.get("metrics", 0)),
-    )
-
-
-def reuse_ports(cfg: EchoConfig, run_dir: Path) -> None:
-    """On resume, listen where the workers knew us: every port the config leaves to the OS
-    takes the run's previous one; a port the config fixes stays (docs/ports.md)."""
-    previous = _previous_ports(run_dir)
-    if previous is None:
-        return
-    ports = cfg.listen_ports().reusing(previous)
-    cfg.learner = cfg.learner.model_copy(
-        update={
-            "port": ports.control,
-            "chunk_port": ports.chunks,
-            "reflector_ports": list(ports.reflectors),
-        }
-    )
-    cfg.metrics = cfg.metrics.model_copy(update={"port": ports.metrics})
 
 
 def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSummary | None:
@@ -115,7 +66,7 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
             policy.par.close()
         return None  # rank 0 writes the summary
     run_dir.mkdir(parents=True, exist_ok=True)
-    _setup_logging(run_dir)
+    setup_logging(run_dir)
     # The learner server's loop shares the GIL with the training, publisher and log threads:
     # a 1 ms switch interval (default 5 ms) bounds how long a heartbeat waits for it when the
     # trainer runs Python code (benchmarks/load_control.py measures the round trip).
@@ -145,57 +96,6 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
         learner.close(reason)
 
 
-def freeze_startup_objects() -> None:
-    """Move every object alive after start-up (torch, transformers, the model: about 400,000
-    here) out of the garbage collector's reach. A full collection walks every tracked object
-    while holding the GIL: 160 ms on this machine, which stalled the learner server's loop and
-    was the whole tail of the heartbeat round trip (benchmarks/load_control.py, docs/learner.md).
-    Those objects live as long as the process, so nothing collectable is frozen for long."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
-def say_memory_plan(policy: Policy, lc: Any) -> None:
-    """What the run needs in host memory (echo/memplan.py), and what a budget changed."""
-    plan = policy.memory_plan
-    budget = f" (learner.host_memory_gb = {lc.host_memory_gb:g})" if lc.host_memory_gb else ""
-    log.info("memory: this run needs %s%s", plan.describe(), budget)
-    if policy.memory_refit:
-        log.warning(
-            "memory: to fit learner.host_memory_gb = %g, gradient checkpointing is on and "
-            "%d rows go through the model at a time (learner.micro_batch_rows = %d)",
-            lc.host_memory_gb,
-            plan.rows,
-            lc.micro_batch_rows,
-        )
-
-
-def memory(
-    policy: Policy, publisher: Publisher, held_elsewhere: list[Any], audit_model: list[Any]
-) -> dict[str, int]:
-    """Where the learner's memory goes (docs/memory.md): its resident set, the training
-    state, the audit model, and the published versions it holds (in RAM or spilled):
-    ``held_elsewhere``, the server's and the auditor's payloads."""
-    from echo.memstat import payload_bytes, resident, tensor_bytes
-
-    model, opt = policy.model, policy.trainer.optimizer
-    base = publisher.encoder._base
-    held = payload_bytes(held_elsewhere + ([base[2]] if base else []))
-    return {
-        **resident(),
-        "model": tensor_bytes(model.parameters()),
-        "grads": tensor_bytes(p.grad for p in model.parameters()),
-        "optimizer": tensor_bytes(
-            t for st in opt.state.values() for t in st.values() if hasattr(t, "untyped_storage")
-        ),
-        "audit_model": tensor_bytes(audit_model),
-        "payloads_ram": held["ram"],
-        "payloads_spilled": held["spilled"],
-    }
-
-
 class Learner:
     """Rank 0's side of a run: buffer (with its log), work queue, server (learner.server), checkpoints,
     publication and metrics around the ``Policy``."""
@@ -220,8 +120,9 @@ class Learner:
             min_logprob=lc.min_behaviour_logprob,
             answer_tokens=frozenset(answers) if answers is not None else None,
         )
+        self.trails = Trails(run_dir, lambda: self.step)  # consumed, dropped, nonfinite, decisions
         self.buffer = ReplayBuffer(
-            lc.staleness, cfg.buffer.capacity_groups, lc.group_size, on_drop=self._audit_drop
+            lc.staleness, cfg.buffer.capacity_groups, lc.group_size, on_drop=self.trails.dropped
         )
         self.log = BufferLog(run_dir / "buffer.log", fsync=lc.fsync)
         self.prompt_rng = random.Random(cfg.seed)
@@ -231,27 +132,15 @@ class Learner:
         self.totals = RunTotals()
         self.step = 0  # next step to run
         self.rows: list[StepRow] = []
-        self.t_train_ewma: float | None = None
         self.metrics = (
             LearnerMetrics(learner_price_per_hour=lc.price_per_hour, run_id=self.run_id)
             if cfg.metrics.enabled
             else None
         )
         self.metrics_server: Any = None
-        self.struck: Counter[str] = Counter()  # worker id -> records behind skipped updates
+        self.struck = self.trails.struck  # worker id -> records behind skipped updates
         self.cuts = CutWatch(
             cfg.worker.max_new_tokens, policy.tokenizer.eos_token_id, cfg.adapter.name
-        )
-
-    def _audit(self, name: str, entry: dict[str, Any]) -> None:
-        """Append-only audit trails (consumed.jsonl, dropped.jsonl), keyed by step so a
-        resume can set aside what the crash undid."""
-        with (self.run_dir / f"{name}.jsonl").open("a") as f:
-            f.write(json.dumps({"step": self.step, **entry}) + "\n")
-
-    def _audit_drop(self, records: list[Record], rule: str) -> None:
-        self._audit(
-            "dropped", {"rule": rule, "pairs": [[r.group_id, r.sample_idx] for r in records]}
         )
 
     # ------------------------------------------------------------------ start / restore
@@ -281,28 +170,15 @@ class Learner:
             self.step, self.totals, self.rows = back.step, back.totals or self.totals, back.rows
         self._open_journal()
         self._start_server(resume)
-        bc = self.cfg.broadcast
         self.release = Release(
             self.cfg,
             self.run_dir,
             self.policy,
             self.auditor,
-            Publisher(
-                VersionEncoder(
-                    run_id=self.run_id,
-                    key=self.key,
-                    chunk_size=bc.chunk_bytes,
-                    dtype=bc.dtype,
-                    delta=bc.delta,
-                    keyframe_every=bc.keyframe_every,
-                    max_ratio=bc.delta_max_ratio,
-                    base_model=self.policy.base_hash,
-                ),
-                self.server.publish,
-            ),
+            run_publisher(self.cfg, self.run_id, self.key, self.policy, self.server.publish),
         )
         self.publisher = self.release.publisher
-        self._announce()
+        self.metrics_server = announce(self.cfg, self.run_dir, self.server, self.metrics, self.rows)
         log.info(
             "learner up at %s, run %s, step %d, kappa=%d, ranks=%d",
             self.server.endpoint,
@@ -321,7 +197,7 @@ class Learner:
         self.release.publish(self.step, full[0])
         self.publisher.flush()  # workers that join now get a snapshot at once
         if self.rows:  # after --resume: the capacity the run needed, from its own history
-            self._provisioning(None, self.rows[-1].t_bcast or 0.0)
+            self.feedback.tell(None, self.rows[-1].t_bcast or 0.0, self.rows)
 
     def _start_server(self, resume: bool) -> None:
         """The auditor, and the server that hands its audits over (and serves the base model
@@ -353,44 +229,9 @@ class Learner:
         if base is not None:
             self.server.hold_base(*base)
         self.server.start()
-
-    def _announce(self) -> None:
-        """learner.json (endpoints, join line, ports), the dashboard and /metrics, and the
-        join line on stdout (for a supervisor) and on the terminal (for an operator)."""
-        assert self.server is not None
-        join = self.server.join_line()
-        info = {
-            "endpoint": self.server.endpoint,
-            "snapshot_endpoint": self.server.snapshot_endpoint,
-            "join": join,
-            "public_key": (self.server.public_key or b"").decode(),
-            "ports": self.server.bound_ports(),
-        }
-        if self.metrics is not None:
-            port = self.cfg.listen_ports().metrics
-            try:
-                self.metrics_server = self.metrics.serve(self.cfg.metrics.host, port)
-            except OSError as exc:
-                raise port_taken("metrics.port", self.cfg.metrics.host, port, exc) from None
-            info["ports"]["metrics"] = self.metrics_server.address[1]
-            self.metrics.accounts_source = self.server.accounts.export  # live per scrape
-            self.metrics.tree_source = self.server.relay_tree  # live per scrape and poll
-            info["metrics"] = self.metrics_server.url
-            for r in self.rows:  # after --resume: cost and curves continue
-                self.metrics.update(r, {})
-            log.info("dashboard and /metrics at %s", self.metrics_server.url)
-        (self.run_dir / "learner.json").write_text(json.dumps(info))
-        # The join line carries the learner's public key: workers pin it (docs/security.md).
-        print(READY_PREFIX + join, flush=True)
-        # The line an operator copies, on the terminal (README "Running for real" quotes it).
-        words = (
-            f"echo-worker join '{join}?token=TOKEN' (a token: echo-rl token create "
-            f"--run-dir {self.run_dir})"
-            if self.cfg.security.join == "token"
-            else f"echo-worker join '{join}'"
+        self.feedback = CapacityFeedback(
+            self.cfg, self.server, self.trails, self.metrics, lambda: self.step
         )
-        print(f"workers join with: {words}", file=sys.stderr, flush=True)
-        log.info("workers join with: %s", words)
 
     def _open_journal(self) -> None:
         """Leases from here on go to the grant journal (``learner.grants``), which starts
@@ -465,14 +306,14 @@ class Learner:
                 f"version {version}: are workers connected? (learner.wait_timeout_s)"
             )
         self.log.consumed(step, [g[0].group_id for g in groups])
-        self._audit("consumed", {"groups": [g[0].group_id for g in groups]})
+        self.trails.write("consumed", {"groups": [g[0].group_id for g in groups]})
         t1 = time.monotonic()
         publish = (step + 1) % lc.effective_kappa == 0
         batch = self.adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards)
         stats, full = self.policy.command({"op": "step", "sync": publish, "batch": batch})
         t2 = time.monotonic()
         if stats.get(COL.skipped_nonfinite):  # the trainer names its numbers as the row does
-            self._strike(groups, self.policy.trainer.nonfinite_rows)
+            self.trails.strike(groups, self.policy.trainer.nonfinite_rows)
         self.totals.add(step, t1 - t0, t2 - t1)
         self.step += 1
         self.buffer.set_version(self.step)
@@ -511,7 +352,7 @@ class Learner:
             self.server.payloads() + self.auditor.payloads(),
             self.auditor.model_tensors(),
         )
-        self._provisioning(t2 - t1, control.t_bcast or 0.0)
+        self.feedback.tell(t2 - t1, control.t_bcast or 0.0, self.rows)
         if self.metrics is not None:
             self.metrics.update(row, control)
         return row
@@ -532,58 +373,6 @@ class Learner:
         a = self.auditor
         row.t_audit, row.audits, row.audit_failures = round(used, 4), a.done, a.failed
         row.audit_queue, row.audits_dropped, row.audits_expired = a.waiting, a.dropped, a.expired
-
-    def _strike(self, groups: list[list[Record]], rows: list[int]) -> list[str]:
-        """Trace the rows behind skipped non-finite updates to their groups and senders:
-        logged, written to ``nonfinite.jsonl``, counted in ``self.struck``; returned."""
-        records = [r for g in groups for r in g]
-        culprits = [records[i] for i in sorted(set(rows)) if 0 <= i < len(records)]
-        workers = sorted({r.worker_id for r in culprits})
-        gids = sorted({r.group_id for r in culprits})
-        self.struck.update(r.worker_id for r in culprits)
-        self._audit("nonfinite", {"groups": gids, "workers": workers})
-        log.error(
-            "step %d: update(s) skipped for non-finite loss/gradient; behind them %d "
-            "group(s) %s from worker(s) %s",
-            self.step,
-            len(gids),
-            gids[:5],
-            workers,
-        )
-        return workers
-
-    def _provisioning(self, t_train: float | None, t_bcast: float) -> None:
-        """Tell the controller what capacity the learner needs now (docs/design.md §4), and record the
-        decisions it took since the last step. ``t_train`` None: after ``--resume``, from the
-        run's own history (the restored metrics rows), so a restarted learner knows its
-        mu_req before its first step."""
-        assert self.server is not None
-        lc = self.cfg.learner
-        for t in [r.t_train for r in self.rows if r.t_train] if t_train is None else [t_train]:
-            self.t_train_ewma = t_train_average(self.t_train_ewma, t)
-        if self.t_train_ewma is None:
-            return
-        try:
-            need = mu_req(
-                lc.prompts_per_step * lc.group_size, lc.effective_kappa, self.t_train_ewma, t_bcast
-            )
-        except Infeasible as err:
-            log.warning("%s", err)
-            need = None
-        self.server.set_requirement(need)
-        while self.server.members.decisions:
-            d = self.server.members.decisions.pop(0)
-            entry = {
-                "action": d.action,
-                "worker": d.worker_id,
-                "reason": d.reason,
-                "c_eff": d.c_eff,
-                "target": d.target,
-                "mu_req": need,
-            }
-            self._audit("decisions", entry)
-            if self.metrics is not None:
-                self.metrics.add_decision({"step": self.step, **entry})
 
     def close(self, reason: str) -> None:
         if getattr(self, "publisher", None) is not None:

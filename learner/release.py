@@ -7,13 +7,15 @@ on a model folder serves to workers that lack it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from broadcast.manifest import BaseManifest
-from broadcast.snapshot import RunKey
+from broadcast.snapshot import RunKey, Snapshot
+from broadcast.versions import VersionEncoder
 from echo.config import EchoConfig
 from echo.models import TINY, params_to_payload, params_to_spill
 from echo.spill import spill_dir
@@ -80,6 +82,27 @@ class Release:
         row.delta_ratio = round(pub.stats.ratio, 5)
         row.delta_changed = round(pub.stats.changed_fraction, 6)
         row.encode_s, row.keyframes_published = round(pub.build_s, 4), self.publisher.keyframes
+
+
+def run_publisher(
+    cfg: EchoConfig, run_id: str, key: RunKey, policy: Policy, publish: Callable[[Snapshot], None]
+) -> Publisher:
+    """The run's publisher: versions encoded as ``broadcast`` says (chunks, dtype, deltas and
+    their keyframes), signed with the run's key, naming the base model they train."""
+    bc = cfg.broadcast
+    return Publisher(
+        VersionEncoder(
+            run_id=run_id,
+            key=key,
+            chunk_size=bc.chunk_bytes,
+            dtype=bc.dtype,
+            delta=bc.delta,
+            keyframe_every=bc.keyframe_every,
+            max_ratio=bc.delta_max_ratio,
+            base_model=policy.base_hash,
+        ),
+        publish,
+    )
 
 
 def base_model(

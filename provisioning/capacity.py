@@ -85,7 +85,7 @@ T_TRAIN_WEIGHT = 0.2  # weight of the newest step in the learner's T_train avera
 
 def t_train_average(previous: float | None, t_train: float) -> float:
     """The T_train behind mu_req: an exponential average over steps, as the learner keeps it
-    (learner/main.py) and the simulator replays it, so one slow step does not swing the fleet."""
+    (learner/provision.py) and the simulator replays it, so one slow step does not swing the fleet."""
     return ewma(previous, t_train, T_TRAIN_WEIGHT)
 
 

@@ -15,7 +15,7 @@ import zmq.asyncio
 from broadcast.nat.reflect import punch_port_free, reuse_socket
 from broadcast.relay import Relay, RelayConfig, RelayPortTaken
 from echo.config import ConfigError, EchoConfig, ListenPorts, dump_toml, load_config
-from learner.main import reuse_ports
+from learner.startup import reuse_ports
 from worker.cli import relay_ports
 
 pytestmark = pytest.mark.timeout(60)

@@ -194,7 +194,7 @@ class Sim:
             )
             self.version += 1
             # The learner recomputes mu_req after every step from its T_train average and the
-            # latest T_bcast (learner/main.py _provisioning): so does the simulation.
+            # latest T_bcast (learner/provision.py CapacityFeedback): so does the simulation.
             self.t_train_avg = capacity.t_train_average(self.t_train_avg, train)
             self._update_requirement()
             work.evict_stale(self.version)
