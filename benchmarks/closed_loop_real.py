@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import csv
 import json
+import re
 import signal
 import statistics
 import sys
@@ -172,9 +173,9 @@ def real_run(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         for i in range(len(FLEET)):
             start(i)
             if i < a.boot:
-                _wait_for(run / "learner.log", f"worker w{i} is active", 60)
+                _wait_for(run / "learner.log", _member(i, "active"), 60)
         for i in range(a.boot, len(FLEET)):
-            _wait_for(run / "learner.log", f"worker w{i} is standby", 60)
+            _wait_for(run / "learner.log", _member(i, "standby"), 60)
         (tmp / "go").touch()
         t0 = time.monotonic()
         kills = [int(k) for k in a.kill.split(",")]
@@ -200,13 +201,19 @@ def real_run(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return {"rows": rows, "decisions": decisions, "events": events, "cfg": cfg}
 
 
-def _wait_for(log: Path, text: str, timeout: float) -> None:
+def _member(i: int, state: str) -> re.Pattern[str]:
+    """The learner's line when worker ``i`` joins the plan and the provisioner in ``state``
+    (learner/members.py: "worker w0 is a member (install): active")."""
+    return re.compile(rf"worker w{i} is a member \([^)]*\): {state}\b")
+
+
+def _wait_for(log: Path, pattern: re.Pattern[str], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if log.exists() and text in log.read_text(errors="replace"):
+        if log.exists() and pattern.search(log.read_text(errors="replace")):
             return
         time.sleep(0.1)
-    raise TimeoutError(f"{text!r} not in {log} after {timeout:g} s")
+    raise TimeoutError(f"{pattern.pattern!r} not in {log} after {timeout:g} s")
 
 
 def _sleep_until(t: float) -> None:

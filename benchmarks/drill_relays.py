@@ -39,18 +39,23 @@ KINDS = ("black_hole", "selective_relay")
 
 
 def _install_hostile_relay(kind: str) -> None:
-    """Every ChunkServer this process builds (the worker's relay) turns hostile, at the two
-    points where a reply is queued and taken to be sent (``_enqueue``, ``_next_reply``): the
-    server's own request checks, tickets and limits stay as they are. ``black_hole`` never
-    takes a reply; ``selective_relay`` switches the server's corruption on for every reply to
-    a requester whose first request of that version was chunk 0, from chunk 1 on.
+    """Every ChunkServer this process builds (the worker's relay) turns hostile, at the points
+    where a reply is queued, taken to be sent and its bytes chosen (``_enqueue``,
+    ``_next_reply``, ``outgoing``): the server's own request checks, tickets and limits stay as
+    they are. ``black_hole`` never takes a reply; ``selective_relay`` corrupts every reply to a
+    requester whose first request of that version was chunk 0, from chunk 1 on.
 
     (It used to swap the server's outbox for a hostile queue. When the server began keeping
     one queue per peer, that swap made it crash on its first request: the relay read as
     unreachable and the drill's selective relay never corrupted anything.)"""
     from broadcast.source import ChunkServer
 
-    enqueue, next_reply = ChunkServer._enqueue, ChunkServer._next_reply
+    enqueue, next_reply, outgoing = (
+        ChunkServer._enqueue,
+        ChunkServer._next_reply,
+        ChunkServer.outgoing,
+    )
+    corrupt_next: set[int] = set()  # servers whose reply being sent now goes out corrupt
     first: dict[tuple[int, str, int], int] = {}  # (server, requester, version) -> first index
 
     def hostile_enqueue(
@@ -64,11 +69,23 @@ def _install_hostile_relay(kind: str) -> None:
             await asyncio.Event().wait()  # never
         item = await next_reply(self)
         _ident, _rid, version, index, who, _t, _form = item
-        self.corrupt = first.get((id(self), who, version)) == 0 and index >= 1
+        if first.get((id(self), who, version)) == 0 and index >= 1:
+            corrupt_next.add(id(self))
+        else:
+            corrupt_next.discard(id(self))
         return item
+
+    def hostile_outgoing(self: Any, buf: Any, index: int) -> Any:
+        data = outgoing(self, buf, index)
+        if id(self) not in corrupt_next:
+            return data
+        flipped = bytearray(data)
+        flipped[len(flipped) // 2] ^= 0xFF
+        return bytes(flipped)
 
     ChunkServer._enqueue = hostile_enqueue  # type: ignore[method-assign]
     ChunkServer._next_reply = hostile_next_reply  # type: ignore[method-assign]
+    ChunkServer.outgoing = hostile_outgoing  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> int:
