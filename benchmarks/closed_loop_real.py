@@ -91,10 +91,28 @@ def _go_file(path: Path) -> Any:
     return gate
 
 
+def _member_class() -> Any:
+    """A synthetic worker that says it installed the version it joined at, as a real worker
+    does once its snapshot is in: the learner counts a joined key as a member (broadcast plan,
+    provisioner) only from its first install report or work request (learner/members.py), and
+    this benchmark boots its first workers active, in index order, before any asks for work."""
+    from benchmarks.load_control import Synthetic
+    from echo import wire
+
+    class Member(Synthetic):
+        async def _join(self) -> Any:
+            ack = await super()._join()
+            if isinstance(ack, wire.JoinAck):
+                wid = ack.worker_id or self.wid
+                await self.client.send(wire.Installed(worker_id=wid, version=max(ack.version, 0)))
+            return ack
+
+    return Member
+
+
 async def one_worker(a: argparse.Namespace) -> None:
     import zmq.asyncio
 
-    from benchmarks.load_control import Synthetic
     from dataplane.adapter import load_adapter
     from echo.models import build_tiny_tokenizer
     from echo.security import JoinLine, KeyPair
@@ -102,7 +120,7 @@ async def one_worker(a: argparse.Namespace) -> None:
     tok = build_tiny_tokenizer()
     adapter = load_adapter("toy-add", {"max_sum": 9}, tok)
     ctx = zmq.asyncio.Context()
-    w = Synthetic(
+    w = _member_class()(
         ctx,
         JoinLine.parse(a.line),
         a.id,
