@@ -187,30 +187,22 @@ class Relay:
     ) -> tuple[bytearray, FetchStats]:
         """The full payload of a verified manifest's version, from a node that rebuilt it,
         every chunk checked against the signed result hashes."""
-        store = SnapshotStore(keep=1, recycle=False)
-        buf = store.add(SnapshotBuffer(manifest.result_layout))
-        stats = await fetch_into(
-            self.ctx,
-            store,
-            buf.version,
-            source,
-            window=self.cfg.window,
-            timeout_s=self.cfg.timeout_s,
-            max_bytes=self.cfg.max_bytes,
-            download=self.download,
-            reattach=reattach,
-            keys=self.keys,
-            resolve=self.resolve,
-        )
-        return buf.payload, stats
+        return await self._fetch_whole(SnapshotBuffer(manifest.result_layout), source, reattach)
 
     async def receive_base(
         self, manifest: BaseManifest, source: Source | str, reattach: Reattach | None
     ) -> tuple[bytearray, FetchStats]:
         """The base model's payload of a verified base manifest (``broadcast.basemodel``),
         every chunk checked against its signed hashes; served onward once whole."""
+        return await self._fetch_whole(SnapshotBuffer(manifest), source, reattach)
+
+    async def _fetch_whole(
+        self, buf: SnapshotBuffer, source: Source | str, reattach: Reattach | None
+    ) -> tuple[bytearray, FetchStats]:
+        """One whole payload (a keyframe or the base model) into a store of its own, with this
+        relay's window, limits and keys; every chunk checked against ``buf``'s signed hashes."""
         store = SnapshotStore(keep=1, recycle=False)
-        buf = store.add(SnapshotBuffer(manifest))
+        store.add(buf)
         stats = await fetch_into(
             self.ctx,
             store,
