@@ -47,6 +47,7 @@ from typing import Any
 import msgpack
 
 from dataplane.records import Limits, Record, RecordError, parse_record
+from learner.stopping import uninterrupted
 
 _HEADER = struct.Struct("<II")
 
@@ -138,7 +139,9 @@ class BufferLog:
         """
         tmp = self.path.with_suffix(".log.tmp")
         self.flush()  # every admit and consume so far durable before the checkpoint counts
-        with self._lock:
+        # A stop (SIGTERM, Ctrl-C) waits for the swap: cut between the rename and the reopen,
+        # it left the writer thread a closed file.
+        with uninterrupted(), self._lock:
             with open(tmp, "wb") as f:
                 body = msgpack.packb(["admit", [asdict(r) for r in live()]], use_bin_type=True)
                 f.write(_HEADER.pack(len(body), zlib.crc32(body)) + body)

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-import signal
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from echo.config import EchoConfig, dump_toml
 from echo.metrics import LearnerMetrics, finite_or_null
 from echo.spill import spill_dir
 from echo.steprow import COL, RunSummary, StepRow
+from learner import stopping
 from learner.auditor import Auditor
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_or_create_key, save_checkpoint
@@ -42,19 +42,13 @@ from learner.startup import announce, freeze_startup_objects, reuse_ports, setup
 from learner.trails import Trails
 from learner.work import WorkQueue
 
+Terminated = stopping.Terminated  # raised by a SIGTERM (learner/stopping.py)
+
 log = logging.getLogger("echo.learner")
 
 
 class LearnerStall(RuntimeError):
     pass
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, handled as Ctrl-C is (the summary tells the two apart)."""
-
-
-def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
-    raise Terminated
 
 
 def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSummary | None:
@@ -71,8 +65,9 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
     # a 1 ms switch interval (default 5 ms) bounds how long a heartbeat waits for it when the
     # trainer runs Python code (benchmarks/load_control.py measures the round trip).
     sys.setswitchinterval(0.001)
-    # SIGTERM ends the run like Ctrl-C: workers are told, sockets closed, metrics flushed.
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    # SIGTERM ends the run like Ctrl-C: workers are told, sockets closed, metrics flushed
+    # (held back while the write-ahead log compacts: learner/stopping.py).
+    stopping.install()
     if resume:
         reuse_ports(cfg, run_dir)
     (run_dir / "config.toml").write_text(dump_toml(cfg))
