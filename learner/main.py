@@ -66,7 +66,8 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
     # trainer runs Python code (benchmarks/load_control.py measures the round trip).
     sys.setswitchinterval(0.001)
     # SIGTERM ends the run like Ctrl-C: workers are told, sockets closed, metrics flushed
-    # (held back while the write-ahead log compacts: learner/stopping.py).
+    # (taken while waiting for a batch or between steps: learner/stopping.py).
+    stopping.reset()
     stopping.install()
     if resume:
         reuse_ports(cfg, run_dir)
@@ -74,7 +75,8 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
     learner = Learner(cfg, run_dir, policy)
     reason = "run complete"
     try:
-        learner.start(resume)
+        with stopping.interruptible():  # loading a model: nothing half done to leave behind
+            learner.start(resume)
         freeze_startup_objects()
         return learner.run()
     except KeyboardInterrupt as stop:
@@ -242,32 +244,37 @@ class Learner:
     # ------------------------------------------------------------------ checkpoint / publish
 
     def _checkpoint(self, full: FullState, row: StepRow | None = None) -> None:
-        work, prompt_rng = self.server.work_state(self.prompt_rng)
-        save_checkpoint(
-            self.run_dir,
-            self.step - 1,
-            {
-                "step": self.step - 1,
-                "model": full[0],
-                "optimizer": full[1],
-                "row": None if row is None else row.to_json(),  # a dict: older checkpoints hold one
-                **self.policy.rng_state(),
-                "prompt_rng": prompt_rng,
-                "work": work,
-                "buffer_stats": self.buffer.stats_copy(),
-                "totals": self.totals,
-                "wall_s": time.monotonic() - self.totals.started,
-            },
-        )
-        # Everything consumed so far is now inside the checkpoint: the log keeps only the
-        # records still owed to training.
-        self.log.compact(self.buffer.contents)
+        # Whole or not at all: a stop inside torch.save left its zip writer failing in
+        # __exit__, a RuntimeError in place of the stop (exit 1, no summary).
+        with stopping.uninterrupted():
+            work, prompt_rng = self.server.work_state(self.prompt_rng)
+            save_checkpoint(
+                self.run_dir,
+                self.step - 1,
+                {
+                    "step": self.step - 1,
+                    "model": full[0],
+                    "optimizer": full[1],
+                    # a dict: older checkpoints hold one
+                    "row": None if row is None else row.to_json(),
+                    **self.policy.rng_state(),
+                    "prompt_rng": prompt_rng,
+                    "work": work,
+                    "buffer_stats": self.buffer.stats_copy(),
+                    "totals": self.totals,
+                    "wall_s": time.monotonic() - self.totals.started,
+                },
+            )
+            # Everything consumed so far is now inside the checkpoint: the log keeps only the
+            # records still owed to training.
+            self.log.compact(self.buffer.contents)
 
     # ------------------------------------------------------------------ the step loop
 
     def run(self) -> RunSummary:
         with (self.run_dir / "metrics.jsonl").open("a") as metrics:
             while self.step < self.cfg.learner.max_steps:
+                stopping.check()  # a SIGTERM or Ctrl-C that came during the last step
                 row = self._one_step()
                 self.rows.append(row)
                 metrics.write(
@@ -292,7 +299,8 @@ class Learner:
         assert self.server is not None
         self.server.waiting(True)  # the provisioner's liveness rule (provisioning/controller.py)
         try:
-            groups = self.buffer.take(lc.prompts_per_step, timeout=lc.wait_timeout_s)
+            with stopping.interruptible():  # a stop while waiting has nothing half done
+                groups = self.buffer.take(lc.prompts_per_step, timeout=lc.wait_timeout_s)
         finally:
             self.server.waiting(False)
         if groups is None:

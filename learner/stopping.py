@@ -1,22 +1,30 @@
-"""SIGTERM and Ctrl-C as exceptions in the learner's main thread, held back while a critical
-section runs.
+"""SIGTERM and Ctrl-C in the learner's main thread: a stop taken at a safe point.
 
-The learner ends a run on SIGTERM as on Ctrl-C: an exception raised wherever the main thread
-is, so workers are told, sockets closed and the summary written. A few steps must not be cut in
-the middle: the write-ahead log's compaction swaps its file under a writer thread, and a stop
-between the rename and the reopening left that thread writing to a closed file (acknowledged
-records refused, a traceback instead of the summary). Inside ``uninterrupted()`` a stop is
-remembered and raised when the section ends.
+The learner ends a run on SIGTERM as on Ctrl-C: workers are told, sockets closed and the
+summary written. An exception raised wherever the main thread happens to be is not safe: the
+write-ahead log's compaction cut between its rename and its reopen left the writer thread a
+closed file, and a stop landing inside a step's bookkeeping (the log's ``consumed`` record, the
+metrics row, a checkpoint) can leave a half-done step behind or an error instead of the
+summary (the README lab saw the learner exit 1 instead of 130 under CI load).
+
+So a stop is raised at once only where nothing is half done: inside ``interruptible()`` (the
+wait for the next batch, the start-up's model load). Anywhere else it is remembered and
+raised by ``check()`` at the next step boundary, or when an ``interruptible()`` section
+begins. A second signal while one is pending is raised at once (the operator insists), except
+inside ``uninterrupted()``, whose body always runs whole.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-_held = 0  # nesting depth of uninterrupted() sections (the main thread's; handlers run there)
+# The main thread's state (signal handlers run there, between two bytecodes of its code).
+_held = 0  # nesting depth of uninterrupted() sections
+_open = 0  # nesting depth of interruptible() sections
 _pending: type[KeyboardInterrupt] | None = None
 
 
@@ -25,14 +33,32 @@ class Terminated(KeyboardInterrupt):
 
 
 def on_signal(signum: int, frame: FrameType | None = None) -> None:
-    """The handler for SIGTERM and SIGINT: raise at once, or at the end of the critical
-    section running now."""
+    """The handler for SIGTERM and SIGINT: raise now where that is safe (or insisted on),
+    else at the next safe point."""
     global _pending
     stop = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
-    if _held:
-        _pending = _pending or stop
+    insisted = _pending is not None
+    _pending = _pending or stop
+    if _held or not (_open or insisted):
+        # os.write, not print or logging: the main thread may be inside a write to the same
+        # stream, and a buffered writer refuses a reentrant call.
+        os.write(2, b"echo-rl learn: stopping at the end of this step (again: stop now)\n")
         return
-    raise stop
+    check()
+
+
+def check() -> None:
+    """Raise the stop that came meanwhile, if any (a safe point: between two steps)."""
+    global _pending
+    if _pending is not None and not _held:
+        stop, _pending = _pending, None
+        raise stop
+
+
+def reset() -> None:
+    """Forget a stop not yet raised (a new run in the same process, tests)."""
+    global _pending
+    _pending = None
 
 
 def install() -> None:
@@ -41,14 +67,26 @@ def install() -> None:
 
 
 @contextmanager
+def interruptible() -> Iterator[None]:
+    """A section a stop may cut at any point (a wait, a load): one pending is raised first."""
+    global _open
+    check()
+    _open += 1
+    try:
+        yield
+    finally:
+        _open -= 1
+
+
+@contextmanager
 def uninterrupted() -> Iterator[None]:
-    """Run the body whole; a SIGTERM or Ctrl-C that came meanwhile is raised after it."""
-    global _held, _pending
+    """Run the body whole; a stop that came meanwhile is raised after it if this section was
+    itself interruptible, else at the next safe point."""
+    global _held
     _held += 1
     try:
         yield
     finally:
         _held -= 1
-        if not _held and _pending is not None:
-            stop, _pending = _pending, None
-            raise stop
+        if _open and not _held:
+            check()

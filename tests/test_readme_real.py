@@ -315,6 +315,7 @@ def _stop_and_resume(lab: Lab, all_steps, seen) -> None:
     )
     seen["steps"] = (before, lab.steps_done())
     seen["learner_exit"] = hosts.stop("learner")
+    seen["learner_tail"] = rr.tail(lab.dc.folder / "learner.log", 6000)
     summary = lab.run_dir / "summary.json"
     seen["summary"] = json.loads(summary.read_text()) if summary.is_file() else None
     for name in ("public", "cone1", "cone2"):
@@ -419,7 +420,8 @@ def test_the_readme_s_resume_after_a_crash_continues_and_sigterm_writes_the_summ
     before, after = seen["steps"]
     assert after >= before + 2  # the same volunteers, on the same key and port
     assert seen["resumed_line"] == seen["learner_line"]
-    assert seen["learner_exit"] == 130  # echo-rl learn: interrupted, as after Ctrl-C
+    # echo-rl learn: interrupted, as after Ctrl-C
+    assert seen["learner_exit"] == 130, seen["learner_tail"]
     assert seen["summary"] is not None and seen["summary"]["steps"] >= after - 1, seen["summary"]
     assert "signal" in seen["summary"]["ended"] or "stop" in seen["summary"]["ended"], seen[
         "summary"
