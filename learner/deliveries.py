@@ -205,8 +205,10 @@ class Deliveries:
         controller = self.members.controller
         if controller is not None:
             # Busy time of the batch (every record of a batch carries the same gen_s): the
-            # controller then measures capacity, not how much work it was handed.
-            busy = max((r.gen_s for r in accepted), default=None)
+            # controller then measures capacity, not how much work it was handed. A device
+            # shared with other runs is counted at what it delivers here per wall second
+            # (docs/multirun.md): the capacity this run receives, not the device's.
+            busy = None if w.runs > 1 else max((r.gen_s for r in accepted), default=None)
             controller.observe(
                 w.worker_id, len(accepted), busy_s=busy, credit=min(credit, len(accepted))
             )

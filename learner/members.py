@@ -250,6 +250,7 @@ class Members:
             return wire.HeartbeatAck(instance_id=instance_id, version=version, known=False)
         w.version, w.state, w.claimed_throughput = msg.version, msg.state, msg.throughput
         w.busy_s, w.busy_samples = msg.busy_s, msg.busy_samples
+        w.runs, w.resident = msg.runs, msg.resident
         if self.coordinator is not None:
             self.coordinator.holds_base(
                 msg.worker_id, msg.base and self.routes.base_manifest is not None

@@ -156,6 +156,7 @@ class ServerStats:
                 "nat": w.nat,
                 "transport": co.transport(w.worker_id) if co else "tcp",
                 "throughput": round(w.measured_throughput, 3),
+                "runs": w.runs,  # docs/multirun.md: a device shared with other runs
                 "admitted": w.admitted,
                 "granted": s.work.granted[w.worker_id],
                 "returned": s.work.returned[w.worker_id],

@@ -58,6 +58,8 @@ class WorkerState:
     last_batch_at: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0  # the worker's cumulative busy seconds and output (heartbeats)
     busy_samples: int = 0
+    runs: int = 1  # runs sharing the worker's device (its heartbeat; docs/multirun.md)
+    resident: bool = True
     nat: str = "unknown"  # docs/nat.md: reachable, punchable, none (the reflector's verdict)
     # Lazy state (docs/security.md, "Sybils"): a pending key is no member of the plan or of the
     # provisioner until its first useful act; what its join asked for is kept until then.

@@ -50,6 +50,7 @@ from worker.lifecycle import LEAVE_S, Activity, Lifecycle, Owner, in_daemon_thre
 from worker.model import LoadChoice
 from worker.relaying import RelayNode
 from worker.session import Session, SessionHooks, WorkerError
+from worker.sharing import Turns
 from worker.status import InstallProgress, StatusBoard
 from worker.unreachable import Unreachable
 
@@ -91,6 +92,8 @@ class Worker:
         give_up_after_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         host_memory_gb: float = 0.0,
+        turns: Turns | None = None,
+        run_name: str = "",
     ):
         """``status``: where the worker's status goes (docs/volunteers.md; default: kept in
         memory only); ``show``: called with it every second (a live view or a plain line).
@@ -99,7 +102,9 @@ class Worker:
         ``worker.owner`` watch: yield the machine whenever its owner's work appears.
         ``give_up_after_s``: stop when the learner has not answered a join this long (None:
         keep trying; either way, say what to check after 30 s). ``host_memory_gb``: the
-        volunteer's memory budget (0: none; echo/memplan.py)."""
+        volunteer's memory budget (0: none; echo/memplan.py). ``turns``: the device's
+        arbiter when this worker is one of several runs in one process (worker/sharing.py),
+        this run known to it as ``run_name``; they then own the process's signals."""
         self.line = endpoint if isinstance(endpoint, JoinLine) else JoinLine(endpoint, None)
         self.endpoint = self.line.endpoint
         # Identity is the key pair; without CURVE (an --insecure learner) the id is all there is.
@@ -121,6 +126,7 @@ class Worker:
         self.life = Lifecycle(lambda: self.worker_id, migrate)
         self.progress = InstallProgress()  # the first install's phases, shown to the volunteer
         self._side_tasks: set[asyncio.Future[Any]] = set()
+        self.turns, self.run_name = turns, run_name
 
     # ------------------------------------------------------------------ wiring
 
@@ -165,6 +171,9 @@ class Worker:
             activity=self.activity,
             status=self.status,
         )
+        if self.turns is not None:
+            turns, name = self.turns, self.run_name
+            self.generation.device_turn = self.installer.device_turn = lambda: turns.turn(name)
 
     def _joined(self, ack: wire.JoinAck, restarted: bool, new_run: bool) -> None:
         self.installer.joined(ack, restarted, new_run)
@@ -187,6 +196,8 @@ class Worker:
             busy_s=g.busy_s,
             busy_samples=g.busy_samples,
             base=self.node.relay.holds_base,
+            runs=len(self.turns.runs) if self.turns else 1,
+            resident=self.turns.on_device(self.run_name) if self.turns else True,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -206,18 +217,13 @@ class Worker:
             ctx.term()
             raise
         self._assemble(client, node)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.life.stop, f"signal {sig.name}")
-        loop.add_signal_handler(
-            signal.SIGUSR1,
-            lambda: self.life.notice(  # echo-worker preempt
-                self.status.path, self.generation.grant_rtt
-            ),
-        )
+        if self.turns is None:  # else the runs' owner (worker/multirun.py) takes the signals
+            self.take_signals()
         try:
             await self._run_parts()
         finally:
+            if self.turns is not None:
+                self.turns.forget(self.run_name)
             sys.setswitchinterval(DEFAULT_SWITCH_S)
             backend = self.installer.held.backend
             self.status.update(
@@ -230,6 +236,17 @@ class Worker:
             client.close()
             ctx.term()
         return self.life.exit_reason
+
+    def take_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.life.stop, f"signal {sig.name}")
+        loop.add_signal_handler(
+            signal.SIGUSR1,
+            lambda: self.life.notice(  # echo-worker preempt
+                self.status.path, self.generation.grant_rtt
+            ),
+        )
 
     async def _run_parts(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -328,5 +345,7 @@ class Worker:
             phase = self.progress.phase(self.installer.feed.progress())
             if phase != doc.install_phase:
                 self.status.update(install_phase=phase)
+        if self.turns is not None and self.run_name in self.turns.runs:
+            self.status.update(sharing=self.turns.sharing(self.run_name))
         if ticks % MEMORY_EVERY == 0:
             self.status.update(memory=self.node.memory(getattr(held.backend, "model", None)))

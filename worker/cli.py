@@ -16,8 +16,33 @@ def build_parser() -> argparse.ArgumentParser:
     j = sub.add_parser("join", help="join a learner and generate rollouts until told to stop")
     j.add_argument(
         "learner",
+        nargs="*",
         help="the join line the learner printed: echo://HOST:PORT/KEY[?token=T] "
-        "(or tcp://HOST:PORT with --insecure, for a plaintext learner)",
+        "(or tcp://HOST:PORT with --insecure, for a plaintext learner); several lines: "
+        "serve several runs, sharing this machine (docs/multirun.md)",
+    )
+    j.add_argument(
+        "--runs",
+        default=None,
+        metavar="FILE",
+        help="the runs to serve, as [[run]] tables (line, share, price) in a TOML file, "
+        "instead of join lines (docs/multirun.md)",
+    )
+    j.add_argument(
+        "--share",
+        type=_shares,
+        default=None,
+        metavar="W1,W2,...",
+        help="with several join lines: each run's share of this machine, in their order "
+        "(default: equal)",
+    )
+    j.add_argument(
+        "--resident",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with several runs: models kept on the GPU at once; the others wait in host "
+        "memory (default 1)",
     )
     j.add_argument(
         "--identity",
@@ -255,6 +280,16 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
         return cli_tools.doctor(args)
 
     return join(args, make_worker)
+
+
+def _shares(text: str) -> list[float]:
+    try:
+        shares = [float(x) for x in text.split(",")]
+    except ValueError:
+        shares = []
+    if not shares or not all(s > 0 for s in shares):
+        raise argparse.ArgumentTypeError(f"{text!r}: give shares > 0, comma-separated (e.g. 2,1)")
+    return shares
 
 
 def _gigabytes(text: str) -> float:

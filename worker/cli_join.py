@@ -14,57 +14,242 @@ from typing import Any
 def join(args: argparse.Namespace, make_worker: Callable[..., Any] | None = None) -> int:
     """``make_worker`` (default ``worker.agent.Worker``) builds the worker from the parsed
     arguments: the security drill passes one that lies (benchmarks/drill_workers.py)."""
-    from echo.security import JoinLine, KeyPair, SecurityError, default_identity_path
+    from echo.security import SecurityError
+
+    lines = list(args.learner)
+    if args.runs is None and len(lines) == 1:
+        return _join_one(args, lines[0], make_worker)
+    if args.token:
+        print(
+            "echo-worker join: --token is for one run; with several, put each run's token in "
+            "its join line (echo://HOST:PORT/KEY?token=T) or its [[run]] line",
+            file=sys.stderr,
+        )
+        return 2
+    if (args.runs is None) == (not lines) or (args.runs is not None and lines):
+        print(
+            "echo-worker join: give the join line the learner printed (several to serve "
+            "several runs), or --runs FILE, not both",
+            file=sys.stderr,
+        )
+        return 2
+    from worker.multirun import specs_from_args, specs_from_file
 
     try:
-        line = JoinLine.parse(args.learner)
+        specs = (
+            specs_from_file(Path(args.runs))
+            if args.runs is not None
+            else specs_from_args(lines, args.share, args.price)
+        )
+    except SecurityError as exc:
+        print(f"echo-worker: {exc}", file=sys.stderr)
+        return 2
+    return _join_many(args, specs, make_worker)
+
+
+def _join_one(args: argparse.Namespace, text: str, make_worker: Callable[..., Any] | None) -> int:
+    from echo.security import JoinLine, SecurityError
+
+    try:
+        line = JoinLine.parse(text)
         if line.server_key is None and not args.insecure:
             raise SecurityError(
-                f"{args.learner!r} carries no learner key: use the join line the "
+                f"{text!r} carries no learner key: use the join line the "
                 f"learner printed (echo://HOST:PORT/KEY), or --insecure for a "
                 f"plaintext learner"
             )
         if args.token:
             line = JoinLine(line.endpoint, line.server_key, args.token)
-        keys = KeyPair.load_or_create(args.identity or default_identity_path())
     except SecurityError as exc:
         print(f"echo-worker: {exc}", file=sys.stderr)
         return 2
+    keys, owner, rc = _common(args)
+    if rc is not None:
+        return rc
+    import asyncio
+
+    from rich.console import Console
+
+    from worker import status as st
+    from worker.agent import Worker, WorkerError
+
+    live = sys.stdout.isatty() and not args.plain
+    console = Console()
+    _logging(args, live, console)
+    view = st.LiveView(console) if live else st.PlainView(logging_status())
+    board = st.StatusBoard(args.worker_id or "", line.endpoint, args.price, None)
+    worker = (make_worker or Worker)(
+        line,
+        **_worker_kwargs(args, keys, owner, _relay(args, line.endpoint, 0)),
+        price=args.price,
+        status=board,
+        show=view.show,
+    )
+    # The worker settled its id (from its key, unless --id): the file is named after it.
+    board.path = (
+        Path(args.status_file)
+        if args.status_file
+        else st.default_status_dir() / f"{board.doc.worker_id or 'worker'}.json"
+    )
+    _warm(args, make_worker)
+    try:
+        with view:
+            reason = asyncio.run(worker.run())
+    except (WorkerError, BaseExceptionGroup) as eg:  # a group: out of the worker's TaskGroup
+        errors = _worker_errors(eg)
+        board.update(exit=errors[0])
+        board.flush(force=True)
+        _summary(console, board)
+        for e in errors:
+            print(f"echo-worker: {e}", file=sys.stderr)
+        if _loading():
+            _leave_now(1)
+        return 1
+    import logging
+
+    logging.getLogger("echo.worker").info("exited: %s", reason or "done")
+    _summary(console, board)
+    if _loading():
+        _leave_now(0)
+    return 0
+
+
+def _worker_errors(eg: BaseException) -> list[str]:
+    """The WorkerErrors' messages (what the volunteer must read); anything else is raised."""
+    from worker.agent import WorkerError
+
+    if isinstance(eg, WorkerError):
+        eg = BaseExceptionGroup("worker", [eg])
+    assert isinstance(eg, BaseExceptionGroup)
+    fatal, rest = eg.split(WorkerError)
+    if rest is not None or fatal is None:
+        raise eg
+    return [str(e) for e in _leaves(fatal)]
+
+
+def _join_many(
+    args: argparse.Namespace, specs: list, make_worker: Callable[..., Any] | None
+) -> int:
+    """Several runs in one process (worker/multirun.py): one plain status line per run."""
+    import asyncio
+
+    from rich.console import Console
+
+    from worker import status as st
+    from worker.agent import Worker
+    from worker.multirun import MultiWorker
+
+    keys, owner, rc = _common(args)
+    if rc is not None:
+        return rc
+    console = Console()
+    _logging(args, False, console)
+    boards = []
+
+    def make(spec: Any, turns: Any, i: int) -> Any:
+        board = st.StatusBoard(args.worker_id or "", spec.line.endpoint, spec.price, None)
+        boards.append(board)
+        kwargs = _worker_kwargs(args, keys, owner, _relay(args, spec.line.endpoint, i))
+        if args.ledger:  # each run's books apart
+            kwargs["ledger"] = str(
+                Path(args.ledger).with_name(f"{Path(args.ledger).stem}@{i}.jsonl")
+            )
+        worker = (make_worker or Worker)(
+            spec.line,
+            **kwargs,
+            price=spec.price,
+            status=board,
+            show=st.PlainView(logging_status()).show,
+            turns=turns,
+            run_name=spec.name,
+        )
+        stem = f"{board.doc.worker_id or 'worker'}@{spec.name.replace(':', '_')}"
+        board.path = (
+            Path(args.status_file).with_name(f"{Path(args.status_file).stem}@{i}.json")
+            if args.status_file
+            else st.default_status_dir() / f"{stem}.json"
+        )
+        return worker
+
+    try:
+        many = MultiWorker(specs, make, resident=args.resident)
+    except ValueError as exc:
+        print(f"echo-worker: {exc}", file=sys.stderr)
+        return 2
+    _warm(args, make_worker)
+    ended = asyncio.run(many.run())
+    for board in boards:
+        _summary(console, board)
+    for name, err in many.errors.items():
+        for e in _worker_errors(err):
+            print(f"echo-worker: {name}: {e}", file=sys.stderr)
+    if _loading():
+        _leave_now(1 if many.errors else 0)
+    return 1 if len(many.errors) == len(ended) else 0
+
+
+def logging_status() -> Any:
+    import logging
+
+    return logging.getLogger("echo.worker.status")
+
+
+def _common(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
+    """Checks shared by one run and several: the identity, flags, the owner watch."""
+    from echo.security import KeyPair, SecurityError, default_identity_path
+
+    try:
+        keys = KeyPair.load_or_create(args.identity or default_identity_path())
+    except SecurityError as exc:
+        print(f"echo-worker: {exc}", file=sys.stderr)
+        return None, None, 2
+    problem = _flag_problem(args)
+    if problem:
+        print(f"echo-worker: {problem}", file=sys.stderr)
+        return None, None, 2
+    owner = None
+    if args.yield_to_owner:
+        from worker.owner import make_signal
+
+        try:
+            owner = make_signal(
+                args.owner_signal,
+                quiet_s=args.owner_quiet_s,
+                cpu_cores=args.owner_cpu_cores,
+                path=args.owner_file,
+            )
+        except ValueError as exc:
+            print(f"echo-worker: {exc}", file=sys.stderr)
+            return None, None, 2
+    return keys, owner, None
+
+
+def _flag_problem(args: argparse.Namespace) -> str | None:
     if args.device is not None:
         from echo.config import check_device
 
         try:
             check_device(args.device)
         except ValueError as exc:
-            print(f"echo-worker: --device: {exc}", file=sys.stderr)
-            return 2
+            return f"--device: {exc}"
     for flag, port in (("--relay-port", args.relay_port), ("--punch-port", args.punch_port)):
         if port is not None and not 0 <= port <= 65535:
-            print(
-                f"echo-worker: {flag} {port} is not a port: give 1-65535, or 0 to let the OS pick",
-                file=sys.stderr,
-            )
-            return 2
+            return f"{flag} {port} is not a port: give 1-65535, or 0 to let the OS pick"
     if args.give_up_after is not None and not args.give_up_after > 0:
-        print(
-            f"echo-worker: --give-up-after {args.give_up_after:g}: give a number of seconds "
-            f"> 0, or leave it out to keep trying",
-            file=sys.stderr,
+        return (
+            f"--give-up-after {args.give_up_after:g}: give a number of seconds "
+            f"> 0, or leave it out to keep trying"
         )
-        return 2
     if args.price < 0:
-        print("echo-worker: --price must be >= 0 (USD per hour)", file=sys.stderr)
-        return 2
-    import asyncio
+        return "--price must be >= 0 (USD per hour)"
+    if args.resident < 1:
+        return f"--resident {args.resident}: keep at least 1 model on the GPU"
+    return None
+
+
+def _logging(args: argparse.Namespace, live: bool, console: Any) -> None:
     import logging
-    from pathlib import Path
 
-    from rich.console import Console
-
-    from worker import status as st
-
-    live = sys.stdout.isatty() and not args.plain
-    console = Console()
     if live:  # log lines scroll above the live view instead of tearing it
         from rich.logging import RichHandler
 
@@ -79,61 +264,44 @@ def join(args: argparse.Namespace, make_worker: Callable[..., Any] | None = None
             stream=sys.stderr,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+
+
+def _relay(args: argparse.Namespace, endpoint: str, index: int) -> Any:
+    """Run ``index``'s relay (docs/ports.md): with several runs, each its own pair of ports,
+    two above the previous run's."""
     from broadcast.relay import RelayConfig
-    from worker.agent import Worker, WorkerError
 
     relay_port, punch_port = relay_ports(args.relay_host, args.relay_port, args.punch_port)
-    relay = RelayConfig(
+    step = 2 * index
+    return RelayConfig(
         bind_host=args.relay_host,
-        port=relay_port,
+        port=relay_port + step if relay_port else 0,
         serve=not args.no_relay,
-        punch_host=args.punch_host or punch_host(args.relay_host, line.endpoint),
-        punch_port=punch_port,
+        punch_host=args.punch_host or punch_host(args.relay_host, endpoint),
+        punch_port=punch_port + step if punch_port else 0,
         down_mbit=args.down_mbit,
         up_mbit=args.up_mbit,
         spill_dir="" if args.no_spill else str(_spill_dir(args.spill_dir)),
     )
 
-    make = make_worker or Worker
-    owner = None
-    if args.yield_to_owner:
-        from worker.owner import make_signal
 
-        try:
-            owner = make_signal(
-                args.owner_signal,
-                quiet_s=args.owner_quiet_s,
-                cpu_cores=args.owner_cpu_cores,
-                path=args.owner_file,
-            )
-        except ValueError as exc:
-            print(f"echo-worker: {exc}", file=sys.stderr)
-            return 2
-    view = st.LiveView(console) if live else st.PlainView(logging.getLogger("echo.worker.status"))
-    board = st.StatusBoard(args.worker_id or "", line.endpoint, args.price, None)
-    worker = make(
-        line,
+def _worker_kwargs(args: argparse.Namespace, keys: Any, owner: Any, relay: Any) -> dict[str, Any]:
+    return dict(
         worker_id=args.worker_id,
-        price=args.price,
         threads=args.threads,
         ledger=args.ledger,
         relay=relay,
         keys=keys,
         backend=args.backend,
         device=args.device,
-        status=board,
-        show=view.show,
         migrate=not args.no_migrate,
         owner=owner,
         give_up_after_s=args.give_up_after,
         host_memory_gb=args.host_memory_gb,
     )
-    # The worker settled its id (from its key, unless --id): the file is named after it.
-    board.path = (
-        Path(args.status_file)
-        if args.status_file
-        else st.default_status_dir() / f"{board.doc.worker_id or 'worker'}.json"
-    )
+
+
+def _warm(args: argparse.Namespace, make_worker: Callable[..., Any] | None) -> None:
     if make_worker is None:  # the worker this module builds loads its model with them
         from worker.backends import warm
 
@@ -141,29 +309,6 @@ def join(args: argparse.Namespace, make_worker: Callable[..., Any] | None = None
         # imports are done, so the two do not take turns on the GIL (on a busy machine that
         # made both slower), and this thread mostly waits on the network from here on.
         warm(args.backend)
-    try:
-        with view:
-            reason = asyncio.run(worker.run())
-    except (WorkerError, BaseExceptionGroup) as eg:  # a group: out of the worker's TaskGroup
-        if isinstance(eg, WorkerError):
-            eg = BaseExceptionGroup("worker", [eg])
-        fatal, rest = eg.split(WorkerError)
-        if rest is not None or fatal is None:
-            raise
-        errors = [str(e) for e in _leaves(fatal)]
-        board.update(exit=errors[0])
-        board.flush(force=True)
-        _summary(console, board)
-        for e in errors:
-            print(f"echo-worker: {e}", file=sys.stderr)
-        if _loading():
-            _leave_now(1)
-        return 1
-    logging.getLogger("echo.worker").info("exited: %s", reason or "done")
-    _summary(console, board)
-    if _loading():
-        _leave_now(0)
-    return 0
 
 
 def _loading() -> bool:

@@ -96,24 +96,45 @@ def status(args: argparse.Namespace) -> int:
 
     try:
         path = Path(args.file) if args.file else latest_status(default_status_dir())
-        doc = read_status(path)
+        docs = [read_status(path)]
+        docs += [read_status(p) for p in sibling_runs(path, docs[0])]
     except ValueError as exc:
         print(f"echo-worker status: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(doc.to_json(), indent=1))
+        print(json.dumps(docs[0].to_json(), indent=1))
         return 0
-    age = time.time() - doc.updated_at
-    running = not doc.exit and _alive(doc.pid, os)
-    Console().print(
-        table(
-            doc,
-            title=f"echo-worker {doc.worker_id} "
-            f"({'running' if running else 'not running'}; "
-            f"updated {age:.0f} s ago)",
+    for doc in docs:  # one table per run the worker process serves (docs/multirun.md)
+        age = time.time() - doc.updated_at
+        running = not doc.exit and _alive(doc.pid, os)
+        Console().print(
+            table(
+                doc,
+                title=f"echo-worker {doc.worker_id} "
+                f"({'running' if running else 'not running'}; "
+                f"updated {age:.0f} s ago)",
+            )
         )
-    )
     return 0
+
+
+def sibling_runs(path: Any, doc: Any) -> list[Any]:
+    """The other status files of the process that wrote ``doc``: a worker joined to several
+    runs keeps one per run (``ID@HOST_PORT.json``), all carrying its pid."""
+    from worker.status import read_status
+
+    if doc.sharing is None or doc.pid <= 0:
+        return []
+    out = []
+    for other in sorted(path.parent.glob("*@*.json")):
+        if other == path:
+            continue
+        try:
+            if read_status(other).pid == doc.pid:
+                out.append(other)
+        except ValueError:
+            continue  # another worker's file, being written: not ours to show
+    return out
 
 
 def _alive(pid: int, os: Any) -> bool:

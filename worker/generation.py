@@ -13,6 +13,8 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any
 
 from echo import wire
@@ -62,6 +64,7 @@ class Generation:
         self.rate_avg = Ewma(0.3)  # samples per busy second, recent
         self.busy_s = 0.0  # cumulative busy time and output, for an unbiased average rate
         self.busy_samples = 0
+        self.device_turn: Callable[[], AbstractAsyncContextManager[Any]] = nullcontext
 
     @property
     def grant_rtt(self) -> float:
@@ -161,12 +164,13 @@ class Generation:
         seconds it took."""
         self.activity.state = "generating"
         self.generating = [g.group_id for g in groups]
-        t0 = time.monotonic()
         try:
-            samples = await asyncio.to_thread(self.generate_and_score, groups)
+            async with self.device_turn():  # shared with other runs (worker/sharing.py)
+                t0 = time.monotonic()  # generation time, not the wait for the device
+                samples = await asyncio.to_thread(self.generate_and_score, groups)
+                gen_s = time.monotonic() - t0
         finally:
             self.generating = []
-        gen_s = time.monotonic() - t0
         self.activity.state = "yielded" if self.life.yielded else "idle"
         yielded_at = self.status.doc.yielded_at
         if self.life.yielded and yielded_at is not None:  # how long the cut took

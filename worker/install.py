@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +74,7 @@ class Installer:
         self.feed.on_ready = self._snapshot_ready
         self.new_snapshot = asyncio.Event()  # the feed rebuilt a version to install
         self.version_bytes = (0, "bfloat16")  # the run's full version: size and dtype, at join
+        self.device_turn: Callable[[], AbstractAsyncContextManager[Any]] = nullcontext
         self.base_offer: dict[str, Any] | None = None  # a LoRA run's base, as the join said
         # the base obtained (verified; worker.base): what the loaded model must hash to
         self.base_manifest: BaseManifest | None = None
@@ -160,7 +163,8 @@ class Installer:
         self.activity.state = "installing"
         try:
             t0 = time.monotonic()
-            await asyncio.to_thread(backend.install, manifest.tensor_index(), result, version)
+            async with self.device_turn():  # shared with other runs (worker/sharing.py)
+                await asyncio.to_thread(backend.install, manifest.tensor_index(), result, version)
             self.held.version = version
             self.status.update(
                 installed_version=version,

@@ -51,6 +51,16 @@ class FirstInstall(BaseModel):
     snapshot_s: float  # the snapshot's arrival, after the join
 
 
+class Sharing(BaseModel):
+    """This run's part of a device shared with other runs (worker/sharing.py)."""
+
+    runs: int  # runs the device serves
+    share: float  # this run's fraction of the device-seconds used so far
+    device_s: float  # device-seconds this run used
+    switches: int  # times its model had to come back onto the device
+    idle_fraction: float  # of the device, all runs together
+
+
 class WorkerStatus(BaseModel):
     """The status file, schema ``STATUS_SCHEMA``: one declared type for the worker that
     writes it and ``echo-worker status``, the owner tools and the drills that read it.
@@ -90,6 +100,7 @@ class WorkerStatus(BaseModel):
     base_origin: str | None = None
     base_fetched_bytes: int | None = None
     memory: dict[str, int] | None = None  # bytes by use (docs/memory.md)
+    sharing: Sharing | None = None  # joined to several runs (docs/multirun.md)
 
     def to_json(self) -> dict[str, Any]:
         """The file's JSON: what was set (the fields a worker has not reached stay absent)."""
@@ -323,6 +334,16 @@ def rows(doc: WorkerStatus) -> list[tuple[str, str]]:
         ("earned", f"{_money(a.earned_usd)} at ${a.price:.3f}/h"),
         ("learner says", f"{a.message or '-'} ({_age(a.message_age_s)})"),
     ]
+    if doc.sharing is not None:
+        sh = doc.sharing
+        out.append(
+            (
+                "shared device",
+                f"{sh.runs} runs; this run {sh.share:.0%} of the device time "
+                f"({sh.device_s:.0f} s), {sh.switches} switches; device idle "
+                f"{sh.idle_fraction:.0%}",
+            )
+        )
     if doc.exit:
         out.append(("exit", str(doc.exit)))
     return out

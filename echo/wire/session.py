@@ -102,6 +102,10 @@ class Heartbeat(Message):
     # worker as standby, not as gone
     state: Literal["idle", "generating", "installing", "leaving", "yielded"] = "idle"
     base: bool = False  # this worker's relay serves the run's base model (form "base")
+    # How many runs this worker's device serves (docs/multirun.md). Above 1 the learner counts
+    # it at the rate it delivers here (wall time), not per busy second: capacity received.
+    runs: int = Field(1, ge=1, le=64)
+    resident: bool = True  # this run's model is on the device now (else a switch comes first)
 
 
 class HeartbeatAck(Message):

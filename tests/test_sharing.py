@@ -1,0 +1,188 @@
+"""The device's arbiter for a worker joined to several runs (worker/sharing.py): shares,
+hand-over when a run cannot use the device, residency and its switches, on a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from dataplane.records import Record
+from echo import wire
+from learner.deliveries import Deliveries
+from learner.sessions import WorkerState
+from learner.staleness import Staleness
+from worker.sharing import Turns
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def _generate(turns: Turns, clock: Clock, run: str, seconds: float, times: int) -> None:
+    """A run that always has work: each grant takes ``seconds`` of device time."""
+    for _ in range(times):
+        async with turns.turn(run):
+            clock.t += seconds
+            await asyncio.sleep(0)  # the other runs queue up meanwhile
+
+
+async def _both(turns: Turns, clock: Clock, a: int, b: int) -> None:
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(_generate(turns, clock, "a", 1.0, a))
+        tg.create_task(_generate(turns, clock, "b", 1.0, b))
+
+
+def test_runs_that_both_want_the_device_get_it_in_proportion_to_their_shares():
+    clock = Clock()
+    turns = Turns(resident=2, clock=clock)
+    turns.add("a", share=2.0)
+    turns.add("b", share=1.0)
+
+    async def main():
+        async with asyncio.TaskGroup() as tg:  # both always waiting, until a has had 40 turns
+            ta = tg.create_task(_generate(turns, clock, "a", 1.0, 40))
+            tb = tg.create_task(_generate(turns, clock, "b", 1.0, 1000))
+            await ta
+            tb.cancel()
+
+    asyncio.run(main())
+    used = {n: r.used_s for n, r in turns.runs.items()}
+    assert used["a"] == 40 and 19 <= used["b"] <= 21  # 2:1, give or take the last turn
+
+
+def test_a_paying_run_weighs_more_at_equal_shares():
+    turns = Turns()
+    a, b = turns.add("a", share=1.0, price=1.0), turns.add("b", share=1.0)
+    assert a.weight == 2 * b.weight
+
+
+def test_a_run_that_does_not_ask_leaves_the_device_to_the_other_without_idling():
+    clock = Clock()
+    turns = Turns(resident=1, clock=clock)
+    turns.add("a")
+    turns.add("b")  # its gate is closed: it never asks
+    asyncio.run(_generate(turns, clock, "a", 1.0, 10))
+    assert turns.runs["a"].used_s == 10 and turns.runs["b"].used_s == 0
+    assert turns.idle_fraction() == 0.0
+    assert turns.shares() == {"a": 1.0, "b": 0.0}
+
+
+def test_idle_time_between_turns_is_counted():
+    clock = Clock()
+    turns = Turns(clock=clock)
+    turns.add("a")
+
+    async def main():
+        await _generate(turns, clock, "a", 1.0, 1)
+        clock.t += 3.0  # nothing to generate: the device idles
+        await _generate(turns, clock, "a", 1.0, 1)
+
+    asyncio.run(main())
+    assert turns.idle_fraction() == pytest.approx(3.0 / 5.0)
+
+
+def test_one_resident_model_is_parked_and_brought_back_at_each_switch():
+    clock, moves = Clock(), []
+    turns = Turns(
+        resident=1,
+        clock=clock,
+        park=lambda run: moves.append(("park", run)),
+        unpark=lambda run: moves.append(("unpark", run)),
+    )
+    turns.add("a")
+    turns.add("b")
+    asyncio.run(_both(turns, clock, 3, 3))
+    parks = [m for m in moves if m[0] == "park"]
+    assert len(parks) >= 4  # the runs alternate: each turn after the first two swaps models
+    assert moves[0] == ("unpark", "a") or moves[0] == ("unpark", "b")
+    unparks = [m for m in moves if m[0] == "unpark"]
+    # every unpark but each run's first load is a switch
+    assert turns.runs["a"].switches + turns.runs["b"].switches == len(unparks) - 2
+
+
+def test_two_resident_models_never_switch():
+    clock, moves = Clock(), []
+    turns = Turns(resident=2, clock=clock, park=lambda run: moves.append(run))
+    turns.add("a")
+    turns.add("b")
+    asyncio.run(_both(turns, clock, 3, 3))
+    assert moves == [] and turns.runs["a"].switches == turns.runs["b"].switches == 0
+
+
+def test_a_run_cancelled_while_waiting_does_not_hold_up_the_others():
+    clock = Clock()
+    turns = Turns(clock=clock)
+    for name in ("a", "b", "c"):
+        turns.add(name)
+
+    async def main():
+        async with turns.turn("a"):  # a holds the device; b and c queue
+            b = asyncio.create_task(_generate(turns, clock, "b", 1.0, 1))
+            c = asyncio.create_task(_generate(turns, clock, "c", 1.0, 1))
+            await asyncio.sleep(0)
+            b.cancel()  # b's run ended while it waited
+            await asyncio.sleep(0)
+        await asyncio.wait_for(c, 5)
+        assert b.cancelled()
+
+    asyncio.run(main())
+    assert turns.runs["c"].turns == 1
+
+
+def test_a_forgotten_run_leaves_the_books():
+    turns = Turns()
+    turns.add("a")
+    turns.add("b")
+    turns.forget("a")
+    assert list(turns.runs) == ["b"]
+
+
+@pytest.mark.parametrize("bad", [{"resident": 0}])
+def test_bad_settings_name_the_flag(bad):
+    with pytest.raises(ValueError, match="--resident"):
+        Turns(**bad)
+    with pytest.raises(ValueError, match="--share"):
+        Turns().add("a", share=0)
+
+
+# ------------------------------------------------------------------ the learner's side
+
+
+def _deliveries(observed: list) -> Deliveries:
+    """Deliveries' crediting alone, with a controller that records what it is told."""
+    d = Deliveries.__new__(Deliveries)
+    d.staleness = Staleness(bound=2, discount=0.5)
+    d.buffer = SimpleNamespace(version=0)
+    d.members = SimpleNamespace(
+        controller=SimpleNamespace(observe=lambda *a, **kw: observed.append((a, kw)))
+    )
+    return d
+
+
+@pytest.mark.parametrize("runs, busy", [(1, 2.5), (2, None)])
+def test_a_shared_worker_is_counted_at_the_capacity_it_delivers_here(runs, busy):
+    """Alone, a worker's busy seconds measure its capacity. Sharing its device with other
+    runs, it is counted per wall second (busy_s None): what this run receives, not what the
+    device could do if it were all this run's."""
+    observed: list = []
+    w = WorkerState("w0", b"i", "k", price=0.0, last_seen=0.0, runs=runs)
+    recs = [Record("g", i, [1, 2], [3], [-0.5], 1.0, 0, "w0", gen_s=2.5) for i in range(4)]
+    _deliveries(observed)._credit(w, recs)
+    ((args, kw),) = observed
+    assert args == ("w0", 4) and kw["busy_s"] == busy
+
+
+def test_a_heartbeat_carries_the_runs_a_device_serves():
+    beat = wire.Heartbeat(worker_id="w0", version=3, runs=2, resident=False)
+    back = wire.decode(wire.encode(beat), 1 << 20)
+    assert back.runs == 2 and back.resident is False
+    with pytest.raises(ValueError, match="runs"):  # pydantic's ValidationError
+        wire.Heartbeat(worker_id="w0", version=3, runs=0)

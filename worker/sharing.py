@@ -1,0 +1,172 @@
+"""One GPU, several runs: who generates next, and which models stay on the device.
+
+A volunteer joined to several learners (``echo-worker join LINE1 LINE2``, docs/multirun.md)
+runs one ``Worker`` per run in one process. Each run's generation asks ``Turns`` for the
+device before it generates a grant and gives it back after; a run with nothing to generate
+(its learner's staleness gate is closed, it has no grant, it waits for a version) does not
+ask, so the device goes to a run that can use it instead of idling.
+
+Among runs waiting at the same time the one furthest behind its share goes first: the least
+device-seconds used per unit of share (the volunteer's ``--share``), as BOINC's resource
+shares. A run's price (what its learner pays) multiplies its share, so at equal shares the
+better-paying run gets more of the device.
+
+Residency: at most ``resident`` models on the device (RollMux's residency constraint). A
+run whose model is not resident when its turn comes evicts the least recently used one to
+host memory (``park``) and brings its own back (``unpark``); the seconds it takes are counted
+as switch time. On a CPU the device is host memory, so parking costs nothing.
+
+The state lives on the worker's event loop (one thread): no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from worker.status import Sharing
+
+Mover = Callable[[str], None]  # moves a run's model: off the device (park) or onto it (unpark)
+
+
+@dataclass
+class RunShare:
+    """One run's claim on the device and what it received."""
+
+    name: str
+    weight: float  # the volunteer's share times the price factor (> 0)
+    used_s: float = 0.0  # device-seconds generating for this run
+    turns: int = 0
+    switches: int = 0  # turns that had to bring this run's model onto the device
+    switch_s: float = 0.0
+    waiting_since: float | None = None
+
+    def deficit(self) -> float:
+        return self.used_s / self.weight
+
+
+@dataclass
+class Turns:
+    """The device's arbiter (see the module docstring). ``park``/``unpark`` move a model; the
+    defaults do nothing (one run, or a CPU)."""
+
+    resident: int = 1
+    park: Mover = lambda run: None
+    unpark: Mover = lambda run: None
+    clock: Callable[[], float] = time.monotonic
+    runs: dict[str, RunShare] = field(default_factory=dict)
+    _on_device: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    _holder: str | None = None
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _started: float | None = None
+    _idle_s: float = 0.0
+    _idle_from: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.resident < 1:
+            raise ValueError(
+                f"resident models = {self.resident}: at least 1 (--resident, docs/multirun.md)"
+            )
+
+    def add(self, name: str, share: float = 1.0, price: float = 0.0) -> RunShare:
+        if not share > 0:
+            raise ValueError(f"run {name!r}: share {share:g} must be > 0 (--share)")
+        # A paid run's share grows with its price (USD/h): a run paying 1 $/h counts double.
+        run = RunShare(name, share * (1.0 + max(price, 0.0)))
+        self.runs[name] = run
+        return run
+
+    @asynccontextmanager
+    async def turn(self, name: str) -> AsyncIterator[None]:
+        """Hold the device for ``name`` while the body runs (generate and score a grant)."""
+        run = self.runs[name]
+        run.waiting_since = self.clock()
+        try:
+            while not self._is_next(run):
+                self._changed.clear()
+                await self._changed.wait()
+        finally:
+            run.waiting_since = None
+            self._changed.set()  # a waiter cancelled here may have been the next one
+        t0 = self.clock()
+        try:
+            await self._take(run)
+            t0 = self.clock()
+            yield
+        finally:
+            run.used_s += self.clock() - t0
+            run.turns += 1
+            self._give_back()
+
+    def _is_next(self, run: RunShare) -> bool:
+        if self._holder is not None:
+            return False
+        waiting = [r for r in self.runs.values() if r.waiting_since is not None]
+        # Furthest behind its share first; among equals, whoever waited longest.
+        first = min(waiting, key=lambda r: (r.deficit(), r.waiting_since or 0.0))
+        return first is run
+
+    async def _take(self, run: RunShare) -> None:
+        now = self.clock()
+        if self._started is None:
+            self._started = now
+        if self._idle_from is not None:
+            self._idle_s += now - self._idle_from
+            self._idle_from = None
+        self._holder = run.name
+        if run.name in self._on_device:
+            self._on_device.move_to_end(run.name)
+            return
+        t0 = self.clock()
+        # Off the loop: moving a model takes a while, and heartbeats go on meanwhile. Nothing
+        # else touches these models now: installs take a turn too (worker/install.py).
+        while len(self._on_device) >= self.resident:
+            evicted, _ = self._on_device.popitem(last=False)
+            await asyncio.to_thread(self.park, evicted)
+        await asyncio.to_thread(self.unpark, run.name)
+        self._on_device[run.name] = None
+        if len(self.runs) > 1 and run.turns:  # a first load is not a switch
+            run.switches += 1
+            run.switch_s += self.clock() - t0
+
+    def _give_back(self) -> None:
+        self._holder = None
+        self._idle_from = self.clock()
+        self._changed.set()
+
+    def forget(self, name: str) -> None:
+        """A run that ended (its learner stopped, it banned us): it waits for nothing more."""
+        self.runs.pop(name, None)
+        self._on_device.pop(name, None)
+        self._changed.set()
+
+    def on_device(self, name: str) -> bool:
+        return name in self._on_device
+
+    def idle_fraction(self) -> float:
+        """Share of the time since the first turn with no run on the device."""
+        if self._started is None:
+            return 1.0
+        now = self.clock()
+        idle = self._idle_s + (now - self._idle_from if self._idle_from is not None else 0.0)
+        return idle / max(now - self._started, 1e-9)
+
+    def sharing(self, name: str) -> Sharing:
+        """``name``'s part, for its status file."""
+        run = self.runs[name]
+        return Sharing(
+            runs=len(self.runs),
+            share=round(self.shares()[name], 4),
+            device_s=round(run.used_s, 3),
+            switches=run.switches,
+            idle_fraction=round(self.idle_fraction(), 4),
+        )
+
+    def shares(self) -> dict[str, float]:
+        """Each run's fraction of the device-seconds used so far."""
+        total = sum(r.used_s for r in self.runs.values())
+        return {n: (r.used_s / total if total else 0.0) for n, r in self.runs.items()}
