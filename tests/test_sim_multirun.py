@@ -63,6 +63,9 @@ def test_a_gated_jobs_workers_serve_the_other_job() -> None:
     # Offset phases: while one learner is the bottleneck its gate closes, and its dedicated
     # workers idle; shared, they serve the rollout-bound job, which then steps faster.
     assert sh["idle_fraction"] < ded["idle_fraction"] - 0.1
+    # The record of workers held adds up to the worker-seconds used (its own bookkeeping).
+    for s in sh["jobs"]:
+        assert sum(sh["held_per_minute"][s["name"]]) * 60 == pytest.approx(s["worker_s"], rel=0.02)
     for d, s in zip(ded["jobs"], sh["jobs"], strict=True):
         assert s["steps"] > d["steps"]
         assert s["ratio"] > 1.0
@@ -75,7 +78,7 @@ def test_one_job_shared_is_dedicated_exactly() -> None:
     d, s = dict(ded["jobs"][0]), dict(sh["jobs"][0])
     s.pop("ratio"), s.pop("fleet_cost_over_bound")
     assert d == s
-    assert sh["held_timeline"] == ded["held_timeline"]
+    assert sh["held_per_minute"] == ded["held_per_minute"]
     assert sh["idle_fraction"] == ded["idle_fraction"]
     assert res["shared"]["jobs"][0]["ratio"] == 1.0
 

@@ -53,7 +53,7 @@ class JobStats:
     dropped_groups: int = 0
     bound_s: float = 0.0  # worker-seconds its trained groups need at mean speed (the bound)
     steps_bound: float = 0.0  # steps if its learner never waited
-    held_timeline: list[tuple[float, int]] = field(default_factory=list)
+    held_per_minute: list[float] = field(default_factory=list)  # mean workers held, per minute
 
 
 class JobRun:
@@ -71,6 +71,7 @@ class JobRun:
         self.buffer: ReadyQueue[None] = ReadyQueue()
         self.in_flight = 0
         self.held = 0  # workers loading or generating for it
+        self._area, self._t_held = 0.0, 0.0  # integral of held over time, up to _t_held
         self.training = False
         self.wait_from = 0.0
         self.st = JobStats()
@@ -88,6 +89,16 @@ class JobRun:
         its capacity requirement at its last step time and the current rollout length."""
         gen = self.B * self.G * self.phase(now).gen_scale / (self.spec.mu * mean_speed)
         return self.held / (alpha * gen / self.t_last * self.spec.weight)
+
+    def hold(self, now: float, delta: int) -> None:
+        self._area += self.held * (now - self._t_held)
+        self.held += delta
+        self._t_held = now
+
+    def minute_mark(self, t: float) -> None:
+        """Close the minute ending at t (no held change since ``_t_held`` <= t)."""
+        area = self._area + self.held * (t - self._t_held)
+        self.st.held_per_minute.append((area - sum(self.st.held_per_minute) * 60.0) / 60.0)
 
     def free_slots(self) -> int:
         return rules.room(self.cap, self.in_flight, len(self.buffer))
@@ -211,6 +222,7 @@ class MultiSim:
         self.gpr = sc.fleet.groups_per_request
         self.now = 0.0
         self.events: list[tuple[float, int, int, int, int, int]] = []
+        self._next_minute = 60.0
         self.seq = 0
 
     def _push(self, t: float, kind: int, a: int, b: int = 0, c: int = 0) -> None:
@@ -278,7 +290,7 @@ class MultiSim:
         st.sync_s += min(sync_s, used - min(switch_s, used))
         st.gen_s += used - min(load_s, used)
         job.in_flight += g
-        job.held += 1
+        job.hold(now, +1)
         self._push(end, DONE, i, job.idx, g * 1_000_000 + job.published)
 
     def _serve(self, i: int) -> None:
@@ -318,24 +330,25 @@ class MultiSim:
             self._push(self.now + dt, STEP, job.idx)
             self._fill(job)
 
-    def _mark(self, job: JobRun) -> None:
-        tl = job.st.held_timeline
-        if not tl or self.now - tl[-1][0] >= self.H / 400:  # enough points for the plot
-            tl.append((self.now, job.held))
+    def _minutes_until(self, t: float) -> None:
+        """Close every minute of the held-workers record that ends by t (for the plot)."""
+        while self._next_minute <= min(t, self.H):
+            for job in self.jobs:
+                job.minute_mark(self._next_minute)
+            self._next_minute += 60.0
 
     def run(self) -> list[JobStats]:
         # Each worker picks as a freed worker would: its own model's job first (all equally
         # unserved at t=0), so no worker starts with a cold load.
         for i in range(self.w.n):
             self._serve(i)
-        for job in self.jobs:
-            self._mark(job)
         while self.events and self.events[0][0] <= self.H:
             t, _, kind, a, b, c = heapq.heappop(self.events)
+            self._minutes_until(t)
             self.now = t
             job = self.jobs[b if kind == DONE else a]
             if kind == DONE:
-                job.held -= 1
+                job.hold(t, -1)
                 job.deliver(c // 1_000_000, c % 1_000_000)
                 self._try_step(job)
                 self._fill(job)
@@ -344,7 +357,7 @@ class MultiSim:
                 job.end_step(t)
                 self._try_step(job)
                 self._fill(job)
-            self._mark(job)
+        self._minutes_until(self.H)
         for job in self.jobs:
             job.st.steps_bound = _steps_if_never_waiting(job.spec, self.H)
         return [j.st for j in self.jobs]

@@ -70,7 +70,7 @@ def _mode(sc: MultiScenario, owner: list[int], speed: np.ndarray, shared: bool) 
         "sync_fraction": sum(s.sync_s for s in stats) / (n * H),
         "fleet_usd": fleet_usd,
         "usd_per_total_step": total / steps if steps else None,
-        "held_timeline": {spec.name: s.held_timeline for spec, s in zip(sc.jobs, stats)},
+        "held_per_minute": {spec.name: s.held_per_minute for spec, s in zip(sc.jobs, stats)},
     }
 
 
@@ -118,6 +118,8 @@ def compare(sc: MultiScenario) -> dict[str, Any]:
         "name": sc.run.name,
         "workers": sc.fleet.workers,
         "resident_models": sc.fleet.resident_models,
+        "reach": sc.fleet.reach,
+        "horizon_s": sc.run.horizon_s,
         "split": sc.dedicated.split,
         "dedicated_workers": {j.name: owner.count(k) for k, j in enumerate(sc.jobs)},
         "dedicated": ded,
@@ -181,14 +183,19 @@ def plot(results: list[dict[str, Any]], path: str | Path) -> Path:
         )
         a.bar(x + 0.2, [j["usd_per_step"] or 0 for j in res["shared"]["jobs"]], 0.4, label="shared")
         a.set_xticks(x, names, fontsize=8)
+        a.set_ylim(0, max(j["usd_per_step"] or 0 for j in res["dedicated"]["jobs"]) * 1.35)
         a.set_ylabel("$ per learner step")
         a.set_title(res["name"], fontsize=10)
-        a.legend(fontsize=8)
+        a.legend(fontsize=8, loc="upper right")
+        for k, (d, s) in enumerate(zip(res["dedicated"]["jobs"], res["shared"]["jobs"])):
+            if s["ratio"]:
+                top = max(d["usd_per_step"] or 0, s["usd_per_step"] or 0)
+                a.text(k, top * 1.02, f"{s['ratio']:.2f}x", ha="center", fontsize=8)
         a = ax[1][c]
-        for name, tl in res["shared"]["held_timeline"].items():
-            a.step([t / 3600 for t, _ in tl], [h for _, h in tl], where="post", label=name)
+        for name, held in res["shared"]["held_per_minute"].items():
+            a.plot([(k + 1) / 60 for k in range(len(held))], held, label=name)
         a.set_xlabel("hours")
-        a.set_ylabel("workers held (shared)")
+        a.set_ylabel("workers held, shared (1-min mean)")
         a.legend(fontsize=8)
     fig.tight_layout()
     out = Path(path)
