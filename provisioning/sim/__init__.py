@@ -61,6 +61,9 @@ the broadcast model (``broadcast.py``), the report and command line (``report.py
 (``plots.py``), the centralized baselines (``centralized.py``), the scenario format
 (``scenario.py``), random fleets (``pools.py``) and the control plane's load model
 (``control_load.py``). ``Sim`` composes these parts; each gets the books it acts on.
+Several jobs sharing one fleet, against a dedicated split, is a separate, lighter model
+(``multijob.py``, its scenarios ``multijob_scenario.py``, the comparison ``multijob_report.py``;
+``benchmarks/sim_multirun.py``, docs/multirun-sim.md).
 
 This package uses ``provisioning.capacity``, ``selection`` and ``controller`` and
 ``dataplane.rules``; nothing outside it imports it except the CLI, benchmarks and tests. Its

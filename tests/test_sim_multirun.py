@@ -1,0 +1,149 @@
+"""The multi-job simulator (provisioning/sim/multijob.py): several RL jobs on one fleet, shared
+against dedicated. Small fleets (100 workers) so each run takes a fraction of a second."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from provisioning.sim.multijob import home_sets
+from provisioning.sim.multijob_report import compare, table
+from provisioning.sim.multijob_scenario import load_multi, multi_from_dict
+from provisioning.sim.scenario import ScenarioError
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "sim"
+
+
+def _job(name: str, S: int, offset: float) -> dict[str, Any]:
+    # ~68 workers while rollout-bound (30 s steps), ~17 while learner-bound (120 s steps)
+    return {
+        "name": name,
+        "mu": 1.6,
+        "staleness": S,
+        "prompts_per_step": 204,
+        "group_size": 16,
+        "cold_s": 60,
+        "warm_s": 2.5,
+        "sync_s": 2,
+        "phase_offset_s": offset,
+        "phases": [
+            {"duration_s": 300, "t_train_s": 120},
+            {"duration_s": 300, "t_train_s": 30},
+        ],
+    }
+
+
+def _data(jobs: list[dict[str, Any]], **fleet: Any) -> dict[str, Any]:
+    return {
+        "run": {"name": "t", "seed": 1, "horizon_s": 1200},
+        "fleet": {"workers": 100, "resident_models": 2, **fleet},
+        "jobs": jobs,
+    }
+
+
+OFFSET = [_job("a", 3, 0), _job("b", 2, 300)]
+
+
+def test_staleness_never_exceeds_S_in_either_mode() -> None:
+    res = compare(multi_from_dict(_data([_job("a", 3, 0), _job("b", 1, 300), _job("c", 0, 150)])))
+    for mode in ("shared", "dedicated"):
+        for j in res[mode]["jobs"]:
+            assert j["steps"] > 0
+            assert j["staleness_max"] <= j["S"], (mode, j)
+
+
+def test_a_gated_jobs_workers_serve_the_other_job() -> None:
+    res = compare(multi_from_dict(_data(OFFSET)))
+    ded, sh = res["dedicated"], res["shared"]
+    # Offset phases: while one learner is the bottleneck its gate closes, and its dedicated
+    # workers idle; shared, they serve the rollout-bound job, which then steps faster.
+    assert sh["idle_fraction"] < ded["idle_fraction"] - 0.1
+    # The record of workers held adds up to the worker-seconds used (its own bookkeeping).
+    for s in sh["jobs"]:
+        assert sum(sh["held_per_minute"][s["name"]]) * 60 == pytest.approx(s["worker_s"], rel=0.02)
+    for d, s in zip(ded["jobs"], sh["jobs"], strict=True):
+        assert s["steps"] > d["steps"]
+        assert s["ratio"] > 1.0
+    assert "ratio" in table(res)
+
+
+def test_one_job_shared_is_dedicated_exactly() -> None:
+    res = compare(multi_from_dict(_data([_job("solo", 2, 0)])))
+    ded, sh = res["dedicated"], res["shared"]
+    d, s = dict(ded["jobs"][0]), dict(sh["jobs"][0])
+    s.pop("ratio"), s.pop("fleet_cost_over_bound")
+    assert d == s
+    assert sh["held_per_minute"] == ded["held_per_minute"]
+    assert sh["idle_fraction"] == ded["idle_fraction"]
+    assert res["shared"]["jobs"][0]["ratio"] == 1.0
+
+
+def test_one_resident_model_pays_cold_loads_two_do_not() -> None:
+    k1 = compare(multi_from_dict(_data(OFFSET, resident_models=1)))["shared"]
+    k2 = compare(multi_from_dict(_data(OFFSET, resident_models=2)))["shared"]
+    cold1 = sum(j["cold_loads"] for j in k1["jobs"])
+    cold2 = sum(j["cold_loads"] for j in k2["jobs"])
+    # K = 2: at most one cold load per worker (its second model, once); K = 1 reloads on
+    # every switch, and warm loads cannot happen.
+    assert cold2 <= 100 < cold1
+    assert sum(j["warm_loads"] for j in k1["jobs"]) == 0
+    assert sum(j["warm_loads"] for j in k2["jobs"]) > 0
+    assert k1["switch_fraction"] > k2["switch_fraction"]
+    home = compare(multi_from_dict(_data(OFFSET, reach="home")))["shared"]
+    assert sum(j["cold_loads"] for j in home["jobs"]) == 100  # K >= jobs: "home" is "any"
+
+
+def test_home_sets_hold_the_own_job_and_spread_the_others() -> None:
+    owner = [0] * 30 + [1] * 30 + [2] * 30 + [3] * 30
+    sets = home_sets(owner, 4, 2)
+    assert all(len(s) == 2 and s[-1] == o for s, o in zip(sets, owner, strict=True))
+    partners = [s[0] for s, o in zip(sets, owner, strict=True) if o == 0]
+    assert sorted(partners.count(k) for k in (1, 2, 3)) == [10, 10, 10]
+
+
+def test_home_reach_never_cold_loads_with_more_jobs_than_K() -> None:
+    jobs = [_job("a", 3, 0), _job("b", 2, 200), _job("c", 2, 400)]
+    res = compare(multi_from_dict(_data(jobs, reach="home")))
+    assert sum(j["cold_loads"] for j in res["shared"]["jobs"]) == 0
+    anyr = compare(multi_from_dict(_data(jobs, reach="any")))
+    assert sum(j["cold_loads"] for j in anyr["shared"]["jobs"]) > 0
+
+
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (
+            lambda d: d["jobs"][0].update(stalenes=2),
+            ["unknown key", "jobs.0.stalenes", "staleness"],
+        ),
+        (lambda d: d["jobs"][1].update(staleness=-1), ["jobs.1.staleness", "-1", "fix it"]),
+        (lambda d: d.update(jobs=[]), ["no jobs", "[[jobs]]"]),
+        (lambda d: d.pop("jobs"), ["jobs is required"]),
+        (lambda d: d["fleet"].update(worker=10), ["unknown key 'fleet.worker'", "fleet.workers"]),
+        (lambda d: d["jobs"][0].update(phases=[]), ["jobs.0.phases"]),
+        (lambda d: d["jobs"][1].update(name="a"), ["repeat", "distinct name"]),
+    ],
+)
+def test_bad_scenario_names_the_key_and_the_fix(mutate: Any, words: list[str]) -> None:
+    data = copy.deepcopy(_data(OFFSET))
+    mutate(data)
+    with pytest.raises(ScenarioError) as err:
+        multi_from_dict(data)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_missing_file_is_a_scenario_error(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError, match="not found"):
+        load_multi(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("name", ["multirun-2", "multirun-2-inphase", "multirun-3", "multirun-4"])
+def test_example_scenarios_load(name: str) -> None:
+    sc = load_multi(EXAMPLES / f"{name}.toml")
+    assert sc.fleet.workers == 1000 and 2 <= len(sc.jobs) <= 4
