@@ -47,7 +47,9 @@ def _wait(what: str, check, timeout: float, alive) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_one_worker_serves_two_runs_and_a_ban_by_one_leaves_the_other(tmp_path, small_cfg):
+def test_one_worker_serves_two_runs_and_a_ban_by_one_leaves_the_other(
+    tmp_path, small_cfg, monkeypatch, capsys
+):
     small_cfg.learner.max_steps = 100_000
     other = small_cfg.model_copy(deep=True)
     other.seed = small_cfg.seed + 1
@@ -96,6 +98,13 @@ def test_one_worker_serves_two_runs_and_a_ban_by_one_leaves_the_other(tmp_path, 
         doc_b = next(f for f in files if f != doc_a)
         assert read_status(doc_b).exit is None
         assert read_status(doc_b).account.state == "active"
+        # `echo-worker status` shows each run the process serves, the banned one as such
+        monkeypatch.setenv("ECHO_STATUS_DIR", str(status_dir))
+        assert worker_main(["status"]) == 0
+        shown = capsys.readouterr().out
+        assert shown.count("echo-worker w0 (running") == 1, shown  # run b
+        assert shown.count("echo-worker w0 (not running") == 1, shown  # run a: banned
+        assert "banned" in shown and "2 runs; this run" in shown
     finally:
         group.stop_all()
 
@@ -165,3 +174,16 @@ def test_the_help_names_the_multirun_flags():
         python_argv("worker.cli", "join", "--help"), capture_output=True, text=True, timeout=30
     ).stdout
     assert "--runs" in out and "--share" in out and "--resident" in out
+
+
+def test_each_run_gets_its_own_relay_ports_two_above_the_last():
+    from worker.cli import build_parser
+    from worker.cli_join import _relay
+
+    args = build_parser().parse_args(
+        ["join", "echo://a:1/" + "a" * 64, "--relay-host", "10.0.0.5", "--no-spill"]
+    )
+    ports = [(r.port, r.punch_port) for r in (_relay(args, "tcp://a:1", i) for i in range(3))]
+    assert ports == [(5560, 5561), (5562, 5563), (5564, 5565)]
+    loopback = build_parser().parse_args(["join", "echo://a:1/" + "a" * 64, "--no-spill"])
+    assert {_relay(loopback, "tcp://127.0.0.1:1", i).port for i in range(3)} == {0}

@@ -186,3 +186,19 @@ def test_a_heartbeat_carries_the_runs_a_device_serves():
     assert back.runs == 2 and back.resident is False
     with pytest.raises(ValueError, match="runs"):  # pydantic's ValidationError
         wire.Heartbeat(worker_id="w0", version=3, runs=0)
+
+
+def test_a_run_s_nested_turn_does_not_wait_for_itself():
+    """A rollout holds the device from its grant on, and generating inside it asks again."""
+    clock = Clock()
+    turns = Turns(clock=clock)
+    turns.add("a")
+    turns.add("b")
+
+    async def main():
+        async with turns.turn("a"):
+            async with turns.turn("a"):
+                clock.t += 1.0
+
+    asyncio.run(asyncio.wait_for(main(), 5))
+    assert turns.runs["a"].used_s == 1.0 and turns.runs["a"].turns == 1

@@ -126,7 +126,12 @@ class Worker:
         self.life = Lifecycle(lambda: self.worker_id, migrate)
         self.progress = InstallProgress()  # the first install's phases, shown to the volunteer
         self._side_tasks: set[asyncio.Future[Any]] = set()
-        self.turns, self.run_name = turns, run_name
+        # Alone, the worker keeps Turns of its own: the same device-time books (idle fraction)
+        # whether it serves one run or several.
+        self.shared = turns is not None
+        self.turns, self.run_name = turns or Turns(), run_name or "run"
+        if not self.shared:
+            self.turns.add(self.run_name)
 
     # ------------------------------------------------------------------ wiring
 
@@ -171,9 +176,8 @@ class Worker:
             activity=self.activity,
             status=self.status,
         )
-        if self.turns is not None:
-            turns, name = self.turns, self.run_name
-            self.generation.device_turn = self.installer.device_turn = lambda: turns.turn(name)
+        turns, name = self.turns, self.run_name
+        self.generation.device_turn = self.installer.device_turn = lambda: turns.turn(name)
 
     def _joined(self, ack: wire.JoinAck, restarted: bool, new_run: bool) -> None:
         self.installer.joined(ack, restarted, new_run)
@@ -196,8 +200,8 @@ class Worker:
             busy_s=g.busy_s,
             busy_samples=g.busy_samples,
             base=self.node.relay.holds_base,
-            runs=len(self.turns.runs) if self.turns else 1,
-            resident=self.turns.on_device(self.run_name) if self.turns else True,
+            runs=len(self.turns.runs),
+            resident=self.turns.on_device(self.run_name),
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -217,12 +221,12 @@ class Worker:
             ctx.term()
             raise
         self._assemble(client, node)
-        if self.turns is None:  # else the runs' owner (worker/multirun.py) takes the signals
+        if not self.shared:  # else the runs' owner (worker/multirun.py) takes the signals
             self.take_signals()
         try:
             await self._run_parts()
         finally:
-            if self.turns is not None:
+            if self.shared:
                 self.turns.forget(self.run_name)
             sys.setswitchinterval(DEFAULT_SWITCH_S)
             backend = self.installer.held.backend
@@ -345,7 +349,7 @@ class Worker:
             phase = self.progress.phase(self.installer.feed.progress())
             if phase != doc.install_phase:
                 self.status.update(install_phase=phase)
-        if self.turns is not None and self.run_name in self.turns.runs:
+        if self.run_name in self.turns.runs:
             self.status.update(sharing=self.turns.sharing(self.run_name))
         if ticks % MEMORY_EVERY == 0:
             self.status.update(memory=self.node.memory(getattr(held.backend, "model", None)))

@@ -123,7 +123,7 @@ def sibling_runs(path: Any, doc: Any) -> list[Any]:
     runs keeps one per run (``ID@HOST_PORT.json``), all carrying its pid."""
     from worker.status import read_status
 
-    if doc.sharing is None or doc.pid <= 0:
+    if doc.sharing is None or doc.sharing.runs < 2 or doc.pid <= 0:
         return []
     out = []
     for other in sorted(path.parent.glob("*@*.json")):

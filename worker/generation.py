@@ -65,6 +65,7 @@ class Generation:
         self.busy_s = 0.0  # cumulative busy time and output, for an unbiased average rate
         self.busy_samples = 0
         self.device_turn: Callable[[], AbstractAsyncContextManager[Any]] = nullcontext
+        self.retry_after_s = 0.0  # the last empty grant's hint: when to ask again
 
     @property
     def grant_rtt(self) -> float:
@@ -96,17 +97,22 @@ class Generation:
                 if len(self.deliveries) >= self.session.view["worker"]["max_unacked_batches"]:
                     await self.deliveries.wait_acked(0.5)  # back-pressure: deliver first
                     continue
-                t0 = time.monotonic()
-                groups = await (prefetch or self.request_work())
-                prefetch = None
-                if groups:
-                    if self.prefetch_pays():  # the next grant's round trip overlaps this rollout
-                        prefetch = tg.create_task(self.request_work())
-                    if await self.rollout(groups):
-                        # Busy-time throughput: one wait-for-grant, generate, score cycle. It
-                        # measures what this worker can do, not how much work it was given
-                        # (idle waits and snapshot installs are outside the cycle).
-                        self.measure(sum(g.n for g in groups), time.monotonic() - t0)
+                # The device from the grant to the rollout's end: leased groups never wait
+                # for another run's rollout (worker/sharing.py); an empty grant frees it.
+                async with self.device_turn():
+                    t0 = time.monotonic()
+                    groups = await (prefetch or self.request_work())
+                    prefetch = None
+                    if groups:
+                        if self.prefetch_pays():  # the next grant's round trip overlaps this one
+                            prefetch = tg.create_task(self.request_work())
+                        if await self.rollout(groups):
+                            # Busy-time throughput: one wait-for-grant, generate, score cycle.
+                            # It measures what this worker can do, not how much work it was
+                            # given (idle waits and snapshot installs are outside the cycle).
+                            self.measure(sum(g.n for g in groups), time.monotonic() - t0)
+                if not groups:
+                    await wait_next(self.installer.new_snapshot, self.retry_after_s)
             if prefetch is not None:
                 prefetch.cancel()  # its groups come back to the learner with our leave
 
@@ -137,6 +143,7 @@ class Generation:
         )
 
     async def request_work(self) -> list[wire.Group]:
+        self.retry_after_s = 0.0
         req = wire.WorkRequest(
             worker_id=self.session.worker_id,
             max_groups=self.grant_size(),
@@ -155,8 +162,7 @@ class Generation:
             await self.session.join()
             return []
         assert isinstance(grant, wire.WorkGrant)
-        if not grant.groups:
-            await wait_next(self.installer.new_snapshot, grant.retry_after_s)
+        self.retry_after_s = grant.retry_after_s  # waited out by run(), the device freed
         return grant.groups
 
     async def generate(self, groups: list[wire.Group]) -> tuple[Scored, float]:

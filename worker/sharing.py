@@ -83,6 +83,9 @@ class Turns:
     @asynccontextmanager
     async def turn(self, name: str) -> AsyncIterator[None]:
         """Hold the device for ``name`` while the body runs (generate and score a grant)."""
+        if self._holder == name:  # the run's own nested turn (an install, a rollout)
+            yield
+            return
         run = self.runs[name]
         run.waiting_since = self.clock()
         try:

@@ -52,7 +52,7 @@ class FirstInstall(BaseModel):
 
 
 class Sharing(BaseModel):
-    """This run's part of a device shared with other runs (worker/sharing.py)."""
+    """This run's part of the worker's device (worker/sharing.py); alone, ``runs`` is 1."""
 
     runs: int  # runs the device serves
     share: float  # this run's fraction of the device-seconds used so far
@@ -334,7 +334,9 @@ def rows(doc: WorkerStatus) -> list[tuple[str, str]]:
         ("earned", f"{_money(a.earned_usd)} at ${a.price:.3f}/h"),
         ("learner says", f"{a.message or '-'} ({_age(a.message_age_s)})"),
     ]
-    if doc.sharing is not None:
+    if doc.sharing is not None and doc.sharing.runs == 1:
+        out.append(("device idle", f"{doc.sharing.idle_fraction:.0%} since its first rollout"))
+    elif doc.sharing is not None:
         sh = doc.sharing
         out.append(
             (
