@@ -6,6 +6,7 @@ ports, which exercises the same code (simultaneous open, greetings, tunnel) that
 tier (``test_nat_lab_*``) runs through real MASQUERADE routers."""
 
 import asyncio
+import logging
 import os
 import socket
 import struct
@@ -541,3 +542,22 @@ def test_fetch_through_a_punched_link_that_dies_resumes_elsewhere_without_refetc
         and reasons[0][1] in ("disconnected", "timeout")
     )
     assert stats.chunks == manifest.layout.num_chunks  # none fetched twice
+
+
+def test_a_learner_stopping_mid_probe_logs_no_traceback(caplog):
+    """A probe still being read when the learner's loop ends: its handler is cancelled. On
+    Python 3.11 a cancelled stream handler was logged as "Exception in callback" with two
+    tracebacks in every operator's learner.log at Ctrl-C; it now ends quietly."""
+
+    async def main():
+        ref = Reflector(HOST)
+        await ref.start()
+        _, writer = await asyncio.open_connection(HOST, ref.ports[0])  # sends nothing
+        while len(asyncio.all_tasks()) < 2:  # the handler is waiting for the probe
+            await asyncio.sleep(0)
+        ref.close()
+        writer.close()
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(main())  # cancels the waiting handler
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text

@@ -180,6 +180,11 @@ class Reflector:
             await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
         except (TimeoutError, ConnectionError):
             pass  # the prober went away: nothing was promised to it
+        except asyncio.CancelledError:
+            # The learner is shutting down mid-probe. Ending normally, not cancelled: Python
+            # 3.11's stream server logs a cancelled handler as "Exception in callback" with two
+            # tracebacks in the operator's log (fixed in 3.12). Nothing awaits this task.
+            return
         finally:
             writer.close()
 
