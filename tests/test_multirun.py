@@ -104,7 +104,7 @@ def test_one_worker_serves_two_runs_and_a_ban_by_one_leaves_the_other(
         shown = capsys.readouterr().out
         assert shown.count("echo-worker w0 (running") == 1, shown  # run b
         assert shown.count("echo-worker w0 (not running") == 1, shown  # run a: banned
-        assert "banned" in shown and "2 runs; this run" in shown
+        assert "banned" in shown and "2 runs; this run" in shown  # run a's, as it ended
     finally:
         group.stop_all()
 

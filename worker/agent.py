@@ -279,7 +279,10 @@ class Worker:
         await self.life.or_stopped(self.installer.obtain_base())
         if self.life.stopping.is_set():
             return False
-        loaded = await self.life.or_stopped(in_daemon_thread(self.installer.load))
+        # The model lands on the device: loaded within a turn, so another run's model makes
+        # room first (at most --resident on it; worker/sharing.py).
+        async with self.turns.turn(self.run_name):
+            loaded = await self.life.or_stopped(in_daemon_thread(self.installer.load))
         if loaded is None:
             return False
         self.installer.held.backend, self.installer.held.adapter = loaded

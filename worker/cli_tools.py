@@ -123,7 +123,7 @@ def sibling_runs(path: Any, doc: Any) -> list[Any]:
     runs keeps one per run (``ID@HOST_PORT.json``), all carrying its pid."""
     from worker.status import read_status
 
-    if doc.sharing is None or doc.sharing.runs < 2 or doc.pid <= 0:
+    if "@" not in path.name or doc.pid <= 0:  # a worker of one run: one file
         return []
     out = []
     for other in sorted(path.parent.glob("*@*.json")):

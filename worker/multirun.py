@@ -142,20 +142,16 @@ class MultiWorker:
         for worker in self.workers.values():
             worker.life.notice(worker.status.path, worker.generation.grant_rtt)
 
-    def _model(self, name: str) -> Any:
-        backend = self.workers[name].installer.held.backend
-        return getattr(backend, "model", None), getattr(backend, "device", None)
-
     def _park(self, name: str) -> None:
         """Off the accelerator into host memory (warm: no reload, no snapshot fetch)."""
-        model, device = self._model(name)
-        if model is not None and str(device) != "cpu":
-            model.to("cpu")
+        backend = self.workers[name].installer.held.backend
+        if backend is not None:  # not loaded yet: nothing on the device
+            backend.park()
 
     def _unpark(self, name: str) -> None:
-        model, device = self._model(name)
-        if model is not None and str(device) != "cpu":
-            model.to(device)
+        backend = self.workers[name].installer.held.backend
+        if backend is not None:
+            backend.unpark()
 
 
 def _first(exc: BaseException) -> str:

@@ -97,6 +97,15 @@ class Backend(ABC):
     # The adapter's answer set (dataplane/answers.py): None samples the whole vocabulary.
     answer_tokens: tuple[int, ...] | None = None
 
+    # A worker serving several runs keeps at most K models on the device (worker/sharing.py):
+    # park moves this one off it into host memory, unpark brings it back. Default: nothing
+    # moves (the device is host memory, or the backend cannot yet; docs/multirun.md).
+    def park(self) -> None:
+        return None
+
+    def unpark(self) -> None:
+        return None
+
     def restrict_answers(self, tokens: tuple[int, ...] | None) -> None:
         """Sample only ``tokens`` from now on (None: no restriction), from the softmax
         renormalised over them, and report log-probs of that distribution."""

@@ -66,6 +66,14 @@ class TransformersBackend(Backend):
         self.model = model.to(self.device).eval()
         self.vocab_size = vocab_size(self.model)
 
+    def park(self) -> None:
+        if str(self.device) != "cpu":
+            self.model.to("cpu")
+
+    def unpark(self) -> None:
+        if str(self.device) != "cpu":
+            self.model.to(self.device)
+
     def install(
         self, tensors: list[dict[str, Any]], payload: bytes | bytearray, version: int = -1
     ) -> None:
