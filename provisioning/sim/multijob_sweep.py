@@ -89,11 +89,12 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
                 r["staleness_max_dedicated"], r["staleness_max_shared"], r["S"], strict=True
             )
         )
+        steps = f"{r['steps_dedicated']}/{r['steps_shared']}/{r['steps_ceiling']:g}"
         lines.append(
             f"{r['jobs']:>4} {r['phases']:<8}{r['contrast']:>3g}"
             f"{_x(r['ratio_min']):>10}{_x(r['ratio_max']):>6}{_x(r['ratio_whole_bill']):>6}"
             f"{r['idle_dedicated']:>7.1%}/{r['idle_shared']:<5.1%}"
-            f"{r['steps_dedicated']:>6}/{r['steps_shared']}/{r['steps_ceiling']:<5g}  {smax}"
+            f"{steps:>16}  {smax}"
         )
     return "\n".join(lines)
 
