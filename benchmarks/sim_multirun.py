@@ -1,8 +1,9 @@
 """Several RL jobs on one fleet of 1,000 rollout workers: shared against dedicated, simulated
 (provisioning/sim/multijob.py; docs/multirun-sim.md).
 
-    .venv/bin/python benchmarks/sim_multirun.py [--only multirun-2,multirun-3]
+    .venv/bin/python benchmarks/sim_multirun.py [--only multirun-2,multirun-3] [--no-sweep]
         [--json benchmarks/results/sim_multirun.json] [--plot docs/img/sim_multirun.png]
+        [--sweep-plot docs/img/sim_multirun_sweep.png]
 
 Runs every scenario below in both modes on the same workers and prints, per job: steps done,
 $ per step dedicated and shared (learner + its part of the fleet), their ratio, S, the largest
@@ -11,11 +12,18 @@ the cold/warm model loads; per scenario: the fleet's idle, model-load and snapsh
 fractions in each mode and the $ per step over all jobs. The variants beside the example files
 are the controls: the same two jobs in phase, K = 1 (no second model in host memory), four
 jobs with K = 3, and the three- and four-job mixes against an equal dedicated split.
+
+Then the sweep (provisioning/sim/multijob_sweep.py): the 2-, 3- and 4-job files with every
+job's learner step-time contrast between its phases set to 1 (no phases), 2, 4 (the files
+as written) and 8, time-averaged demand kept, phases offset as in the files and aligned (all
+rollout-bound at once); one line per setting: the worst and best job's ratio, the whole bill's,
+the fleet idle in each mode, steps against the learners' ceiling, and staleness against S.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import tomllib
@@ -28,7 +36,13 @@ if str(ROOT) not in sys.path:
 
 from echo.machine import write_result  # noqa: E402
 from provisioning.sim.multijob_report import compare, plot, table  # noqa: E402
-from provisioning.sim.multijob_scenario import multi_from_dict  # noqa: E402
+from provisioning.sim.multijob_scenario import MultiScenario, multi_from_dict  # noqa: E402
+from provisioning.sim.multijob_sweep import (  # noqa: E402
+    sweep_plot,
+    sweep_row,
+    sweep_table,
+    with_contrast,
+)
 
 EX = ROOT / "examples" / "sim"
 # (label, example file, overrides "section.key": value): the headline files, then the controls.
@@ -45,16 +59,52 @@ SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 
-def run(label: str, file: str, overrides: dict[str, Any]) -> dict[str, Any]:
+# The sweep: (job count, example file), contrasts, and which contrasts also run aligned (c = 1
+# has no phases, so aligned and offset are the same run).
+SWEEP_FILES = [(2, "multirun-2.toml"), (3, "multirun-3.toml"), (4, "multirun-4.toml")]
+CONTRASTS = [1.0, 2.0, 4.0, 8.0]
+ALIGNED = [4.0, 8.0]
+
+_memo: dict[str, dict[str, Any]] = {}
+
+
+def _compare(sc: MultiScenario) -> dict[str, Any]:
+    """``compare``, once per distinct scenario (the run name aside): the simulation is
+    deterministic, so the sweep's c = 4 offset runs are the headline files' runs."""
+    dump = sc.model_dump()
+    dump["run"].pop("name")
+    key = json.dumps(dump, sort_keys=True)
+    if key not in _memo:
+        _memo[key] = compare(sc)
+    return _memo[key]
+
+
+def load(file: str, overrides: dict[str, Any] | None = None) -> MultiScenario:
     data = tomllib.loads((EX / file).read_text())
-    for key, value in overrides.items():
+    for key, value in (overrides or {}).items():
         section, name = key.split(".")
         data.setdefault(section, {})[name] = value
     if overrides:
         data["run"]["name"] += ", " + ", ".join(f"{k}={v}" for k, v in overrides.items())
-    res = compare(multi_from_dict(data))
+    return multi_from_dict(data)
+
+
+def run(label: str, file: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    res = dict(_compare(load(file, overrides)))
     res["label"], res["file"], res["overrides"] = label, f"examples/sim/{file}", overrides
     return res
+
+
+def sweep() -> list[dict[str, Any]]:
+    rows = []
+    for _, file in SWEEP_FILES:
+        base = load(file)
+        for c in CONTRASTS:
+            for aligned in (False, True) if c in ALIGNED else (False,):
+                row = sweep_row(_compare(with_contrast(base, c, aligned)), c, aligned)
+                row["file"] = f"examples/sim/{file}"
+                rows.append(row)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated labels (default: all)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/sim_multirun.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs/img/sim_multirun.png"))
+    ap.add_argument("--sweep-plot", default=str(ROOT / "docs/img/sim_multirun_sweep.png"))
+    ap.add_argument(
+        "--sweep",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the phase-contrast sweep (default: on)",
+    )
     args = ap.parse_args(argv)
     only = {x for x in args.only.split(",") if x}
     t0 = time.perf_counter()
@@ -75,6 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     headline = [r for r in results if r["label"] in ("multirun-2", "multirun-3", "multirun-4")]
     if args.plot and headline:
         print(f"plot: {plot(headline, args.plot)}")
+    rows = []
+    if args.sweep:
+        t1 = time.perf_counter()
+        rows = sweep()
+        print(
+            "sweep: ratio = dedicated / shared $ per step (min, max over jobs; bill = all "
+            "learners + fleet); c = learner step time, learner-bound / rollout-bound phase\n"
+            + sweep_table(rows)
+            + f"\n({time.perf_counter() - t1:.1f} s)\n",
+            flush=True,
+        )
+        if args.sweep_plot:
+            print(f"sweep plot: {sweep_plot(rows, args.sweep_plot)}")
     if args.json:
         write_result(
             args.json,
@@ -83,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "wall_s": time.perf_counter() - t0,
                 "scenarios": results,
+                "sweep": rows,
             },
         )
         print(f"json: {args.json}")

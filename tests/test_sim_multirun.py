@@ -12,6 +12,7 @@ import pytest
 from provisioning.sim.multijob import home_sets
 from provisioning.sim.multijob_report import compare, table
 from provisioning.sim.multijob_scenario import load_multi, multi_from_dict
+from provisioning.sim.multijob_sweep import sweep_row, sweep_table, with_contrast
 from provisioning.sim.scenario import ScenarioError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -147,3 +148,54 @@ def test_missing_file_is_a_scenario_error(tmp_path: Path) -> None:
 def test_example_scenarios_load(name: str) -> None:
     sc = load_multi(EXAMPLES / f"{name}.toml")
     assert sc.fleet.workers == 1000 and 2 <= len(sc.jobs) <= 4
+
+
+@pytest.mark.parametrize("name", ["multirun-2", "multirun-3", "multirun-4"])
+def test_contrast_keeps_each_jobs_average_demand(name: str) -> None:
+    sc = load_multi(EXAMPLES / f"{name}.toml")
+    # The example files are contrast 4: the sweep's c = 4 is the file itself.
+    assert with_contrast(sc, 4).jobs == sc.jobs
+
+    def rate(job: Any) -> float:  # steps per cycle if never waiting: demand's time average
+        return sum(p.duration_s / p.t_train_s for p in job.phases)
+
+    for c in (1, 2, 8):
+        out = with_contrast(sc, c)
+        for a, b in zip(sc.jobs, out.jobs, strict=True):
+            ts = sorted({p.t_train_s for p in b.phases})
+            assert len(ts) == (1 if c == 1 else 2)
+            assert ts[-1] == pytest.approx(c * ts[0])
+            assert rate(b) == pytest.approx(rate(a))
+            assert [p.duration_s for p in b.phases] == [p.duration_s for p in a.phases]
+            assert b.phase_offset_s == a.phase_offset_s
+    assert {j.phase_offset_s for j in with_contrast(sc, 8, aligned=True).jobs} == {0.0}
+    with pytest.raises(ValueError, match="contrast"):
+        with_contrast(sc, 0.5)
+
+
+def test_sharing_pays_with_offset_phases_and_more_the_stronger_their_contrast() -> None:
+    # The 2-job scenario a tenth the size: 100 workers, 600-s phases half a cycle apart.
+    def job(name: str, S: int, offset: float) -> dict[str, Any]:
+        j = _job(name, S, offset)
+        for p in j["phases"]:
+            p["duration_s"] = 600
+        return j
+
+    data = _data([job("a", 3, 0), job("b", 2, 600)])
+    data["run"]["horizon_s"] = 2400
+    base = multi_from_dict(data)
+    rows = [sweep_row(compare(with_contrast(base, c)), c, False) for c in (1, 2, 4, 8)]
+    # No phases (c = 1): nothing to reclaim, sharing is dedicated within a few %.
+    assert rows[0]["ratio_whole_bill"] == pytest.approx(1.0, abs=0.03)
+    # Offset phases: the worst job's ratio and the whole bill's grow with the contrast.
+    for lo, hi in zip(rows, rows[1:]):
+        assert hi["ratio_min"] > lo["ratio_min"] + 0.02, (lo, hi)
+        assert hi["ratio_whole_bill"] > lo["ratio_whole_bill"] + 0.02, (lo, hi)
+    # Aligned phases (both rollout-bound at once): the idle time is idle for both jobs, and
+    # sharing is dedicated within a few % on the whole bill (per job it moves a few steps).
+    for c in (4, 8):
+        al = sweep_row(compare(with_contrast(base, c, aligned=True)), c, True)
+        assert al["ratio_whole_bill"] == pytest.approx(1.0, abs=0.03)
+        assert 0.85 < al["ratio_min"] <= al["ratio_max"] < 1.15
+        assert al["idle_shared"] > al["idle_dedicated"] - 0.1
+    assert "ratio min" in sweep_table(rows)
