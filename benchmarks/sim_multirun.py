@@ -1,5 +1,5 @@
 """Several RL jobs on one fleet of 1,000 rollout workers: shared against dedicated, simulated
-(provisioning/sim/multijob.py; docs/multirun-sim.md).
+(provisioning/sim/multijob.py; docs/multirun.md).
 
     .venv/bin/python benchmarks/sim_multirun.py [--only multirun-2,multirun-3] [--no-sweep]
         [--json benchmarks/results/sim_multirun.json] [--plot docs/img/sim_multirun.png]
@@ -53,6 +53,8 @@ SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
     ("multirun-2-inphase", "multirun-2-inphase.toml", {}),
     ("multirun-2-K1", "multirun-2.toml", {"fleet.resident_models": 1}),
     ("multirun-4-K3", "multirun-4.toml", {"fleet.resident_models": 3}),
+    # Every worker holds all four models in host memory (four 3-7B models: 28-56 GB of RAM).
+    ("multirun-4-K4", "multirun-4.toml", {"fleet.resident_models": 4, "fleet.reach": "any"}),
     # The demand split is not the cheapest dedicated baseline for every job: show equal too.
     ("multirun-3-equal", "multirun-3.toml", {"dedicated.split": "equal"}),
     ("multirun-4-equal", "multirun-4.toml", {"dedicated.split": "equal"}),

@@ -63,7 +63,7 @@ the broadcast model (``broadcast.py``), the report and command line (``report.py
 (``control_load.py``). ``Sim`` composes these parts; each gets the books it acts on.
 Several jobs sharing one fleet, against a dedicated split, is a separate, lighter model
 (``multijob.py``, its scenarios ``multijob_scenario.py``, the comparison ``multijob_report.py``;
-``benchmarks/sim_multirun.py``, docs/multirun-sim.md).
+``benchmarks/sim_multirun.py``, docs/multirun.md).
 
 This package uses ``provisioning.capacity``, ``selection`` and ``controller`` and
 ``dataplane.rules``; nothing outside it imports it except the CLI, benchmarks and tests. Its

@@ -1,5 +1,5 @@
 """When sharing a fleet pays: the phase-contrast sweep of ``benchmarks/sim_multirun.py``
-(docs/multirun-sim.md).
+(docs/multirun.md).
 
 Contrast ``c`` = a job's learner step time in its learner-bound phase / in its rollout-bound
 phase. ``with_contrast`` rescales a scenario's two step-time levels per job to ``x`` and
