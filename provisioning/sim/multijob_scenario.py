@@ -52,6 +52,12 @@ class FleetSection(_Section):
     # that one is over target and another is under target by more than this margin.
     target_alpha: float = Field(1.1, gt=0)
     stickiness: float = Field(0.1, ge=0)
+    # Shared mode, how a free worker picks its next job. "target": the heuristic above.
+    # "turns": the worker's own policy (worker/sharing.py ``Turns``): among its joined jobs
+    # that ask (gate open, work to hand out), the one with the least device-seconds on THIS
+    # worker per unit of weight; K = models on the device (LRU; the others wait in host
+    # memory: a switch to one is warm), every joined model's first load cold.
+    policy: Literal["target", "turns"] = "target"
 
 
 class PhaseSection(_Section):
