@@ -39,7 +39,8 @@ class FleetSection(_Section):
     duration_sigma: float = Field(0.1, ge=0)  # lognormal jitter of each request's duration
     groups_per_request: int = Field(1, gt=0)
     # K: models a worker keeps resident (host memory); switching to one of them is warm,
-    # to any other cold, evicting the least recently used.
+    # to any other cold, evicting the least recently used. With policy = "turns": models on
+    # the device (echo-worker's --resident), every loaded model staying in host memory.
     resident_models: int = Field(2, gt=0)
     # Shared mode, which jobs a worker may serve. "any": every job (a model it does not hold
     # is a cold load). "home": RollMux's co-execution groups -- each worker serves a fixed set
