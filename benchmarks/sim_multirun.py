@@ -12,6 +12,9 @@ the cold/warm model loads; per scenario: the fleet's idle, model-load and snapsh
 fractions in each mode and the $ per step over all jobs. The variants beside the example files
 are the controls: the same two jobs in phase, K = 1 (no second model in host memory), four
 jobs with K = 3, and the three- and four-job mixes against an equal dedicated split.
+Last, the 2-, 3- and 4-job files (and 2 jobs with K = 1, 4 jobs with K = 4) with
+``fleet.policy = "turns"``: the real worker's policy (worker/sharing.py) in place of the
+simulator's heuristic.
 
 Then the sweep (provisioning/sim/multijob_sweep.py): the 2-, 3- and 4-job files with every
 job's learner step-time contrast between its phases set to 1 (no phases), 2, 4 (the files
@@ -58,6 +61,22 @@ SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
     # The demand split is not the cheapest dedicated baseline for every job: show equal too.
     ("multirun-3-equal", "multirun-3.toml", {"dedicated.split": "equal"}),
     ("multirun-4-equal", "multirun-4.toml", {"dedicated.split": "equal"}),
+    # The worker's own policy (worker/sharing.py Turns) in place of the heuristic: per device,
+    # the asking job with the least device-seconds per weight; K = models on the device.
+    ("multirun-2-turns", "multirun-2.toml", {"fleet.policy": "turns"}),
+    # echo-worker's default, --resident 1: one model on the device, every switch warm.
+    (
+        "multirun-2-K1-turns",
+        "multirun-2.toml",
+        {"fleet.resident_models": 1, "fleet.policy": "turns"},
+    ),
+    ("multirun-3-turns", "multirun-3.toml", {"fleet.policy": "turns"}),
+    ("multirun-4-turns", "multirun-4.toml", {"fleet.policy": "turns"}),
+    (
+        "multirun-4-K4-turns",
+        "multirun-4.toml",
+        {"fleet.resident_models": 4, "fleet.reach": "any", "fleet.policy": "turns"},
+    ),
 ]
 
 

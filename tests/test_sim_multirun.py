@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from provisioning.sim.multijob import home_sets
+from provisioning.sim.multijob import JobRun, MultiSim, home_sets
 from provisioning.sim.multijob_report import compare, table
 from provisioning.sim.multijob_scenario import load_multi, multi_from_dict
 from provisioning.sim.multijob_sweep import sweep_row, sweep_table, with_contrast
@@ -50,8 +50,10 @@ def _data(jobs: list[dict[str, Any]], **fleet: Any) -> dict[str, Any]:
 OFFSET = [_job("a", 3, 0), _job("b", 2, 300)]
 
 
-def test_staleness_never_exceeds_S_in_either_mode() -> None:
-    res = compare(multi_from_dict(_data([_job("a", 3, 0), _job("b", 1, 300), _job("c", 0, 150)])))
+@pytest.mark.parametrize("policy", ["target", "turns"])
+def test_staleness_never_exceeds_S_in_either_mode(policy: str) -> None:
+    jobs = [_job("a", 3, 0), _job("b", 1, 300), _job("c", 0, 150)]
+    res = compare(multi_from_dict(_data(jobs, policy=policy)))
     for mode in ("shared", "dedicated"):
         for j in res[mode]["jobs"]:
             assert j["steps"] > 0
@@ -73,8 +75,9 @@ def test_a_gated_jobs_workers_serve_the_other_job() -> None:
     assert "ratio" in table(res)
 
 
-def test_one_job_shared_is_dedicated_exactly() -> None:
-    res = compare(multi_from_dict(_data([_job("solo", 2, 0)])))
+@pytest.mark.parametrize("policy", ["target", "turns"])
+def test_one_job_shared_is_dedicated_exactly(policy: str) -> None:
+    res = compare(multi_from_dict(_data([_job("solo", 2, 0)], policy=policy)))
     ded, sh = res["dedicated"], res["shared"]
     d, s = dict(ded["jobs"][0]), dict(sh["jobs"][0])
     s.pop("ratio"), s.pop("fleet_cost_over_bound")
@@ -97,6 +100,66 @@ def test_one_resident_model_pays_cold_loads_two_do_not() -> None:
     assert k1["switch_fraction"] > k2["switch_fraction"]
     home = compare(multi_from_dict(_data(OFFSET, reach="home")))["shared"]
     assert sum(j["cold_loads"] for j in home["jobs"]) == 100  # K >= jobs: "home" is "any"
+
+
+def _flat(name: str, t_train_s: float, weight: float = 1.0) -> dict[str, Any]:
+    """A job without phases: its learner steps every ``t_train_s``."""
+    j = _job(name, 2, 0)
+    j["weight"], j["phases"] = weight, [{"duration_s": 600, "t_train_s": t_train_s}]
+    return j
+
+
+def test_turns_serves_only_jobs_that_ask(monkeypatch: pytest.MonkeyPatch) -> None:
+    # "slow": one learner step outlasts the horizon, so once its gate's 2 batches are out its
+    # gate stays closed. Turns would owe it the device (it has the least device-seconds on
+    # every worker that served "fast"), but a closed gate does not ask: it gets nothing more.
+    starts: list[tuple[str, int]] = []
+    orig = MultiSim._start
+
+    def start(self: MultiSim, i: int, job: JobRun) -> None:
+        if self.shared:
+            starts.append((job.spec.name, job.free_slots()))
+        orig(self, i, job)
+
+    monkeypatch.setattr(MultiSim, "_start", start)
+    res = compare(multi_from_dict(_data([_flat("slow", 5000), _flat("fast", 20)], policy="turns")))
+    sh = res["shared"]
+    assert all(free > 0 for _, free in starts)  # every request went to a job with open slots
+    B = 204
+    slow_requests = sum(1 for name, _ in starts if name == "slow")
+    assert slow_requests == 3 * B  # its first batch, then the gate's 2 batches (S = 2)
+    slow, fast = sh["jobs"]
+    assert slow["steps"] == 0 and fast["steps"] > 0
+    # The rest of the fleet's time went to "fast": none idle while it asked.
+    assert slow["worker_s"] + fast["worker_s"] == pytest.approx(100 * 1200, rel=0.01)
+    assert slow["worker_s"] < 0.15 * fast["worker_s"]
+
+
+def test_turns_splits_each_device_by_weight_among_asking_jobs() -> None:
+    # Two jobs whose learners want more than the fleet (gates open nearly all the time): each
+    # worker's device-seconds split by weight, 2:1 (Turns' books, worker/sharing.py).
+    res = compare(
+        multi_from_dict(_data([_flat("a", 20, weight=2.0), _flat("b", 20)], policy="turns"))
+    )
+    a, b = res["shared"]["jobs"]
+    assert a["worker_s"] / b["worker_s"] == pytest.approx(2.0, rel=0.1)
+    assert a["steps"] > 1.5 * b["steps"]
+    # The heuristic splits by capacity targets instead: equal learners, equal shares.
+    tgt = compare(multi_from_dict(_data([_flat("a", 20, weight=2.0), _flat("b", 20)])))
+    a, b = tgt["shared"]["jobs"]
+    assert a["worker_s"] / b["worker_s"] == pytest.approx(1.0, rel=0.1)
+
+
+def test_turns_leaves_dedicated_alone_and_loads_each_joined_model_cold_once() -> None:
+    jobs = [_job("a", 3, 0), _job("b", 2, 200), _job("c", 2, 400)]
+    target = compare(multi_from_dict(_data(jobs, reach="any")))
+    turns = compare(multi_from_dict(_data(jobs, reach="any", policy="turns")))
+    assert turns["dedicated"] == target["dedicated"]  # the policy is the shared mode's
+    # Every model a worker joined stays in host memory once loaded: at most 2 cold loads per
+    # worker (the two jobs other than its own), then warm switches only (K = 2 on the device).
+    cold = sum(j["cold_loads"] for j in turns["shared"]["jobs"])
+    assert 0 < cold <= 2 * 100
+    assert sum(j["warm_loads"] for j in turns["shared"]["jobs"]) > 0
 
 
 def test_home_sets_hold_the_own_job_and_spread_the_others() -> None:

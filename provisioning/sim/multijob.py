@@ -20,6 +20,14 @@ the open jobs whose model it holds, the one with the fewest workers against its 
 (``fleet.target_alpha`` x the workers its learner needs at its last step time); it stays on its
 open current job unless that job is over target and another is under it by more than
 ``fleet.stickiness``; it cold-loads another model only for a job owed workers, else it idles.
+With ``fleet.policy = "turns"`` a shared worker follows the real worker's policy instead
+(worker/sharing.py ``Turns``): it is joined to every job (or, ``reach = "home"``, its K home
+jobs); when free it serves, among its joined jobs that ask (gate open: work to hand out), the
+one with the least device-seconds on this worker per unit of weight (per-worker books, as
+``Turns`` keeps per device; generation and snapshot syncs count, model moves do not). K is then
+the models on the device (LRU); every joined model, once loaded, stays in host memory: free if
+on the device, ``warm_s`` if not, ``cold_s`` the first time. A gate that opens goes to an idle
+joined worker, its model's holders first.
 Workers are billed for the whole horizon in both modes: the fleet is a fixed, rented pool
 (provisioning's release of idle workers is out of scope).
 """
@@ -147,12 +155,18 @@ class Workers:
         self.cur = list(owner)  # every worker starts with its dedicated job's model loaded
         J = len(sc.jobs)
         self.home = home_sets(owner, J, self.K) if f.reach == "home" and J > self.K else None
+        self.turns = f.policy == "turns"
+        # "target": resident = in host memory (home sets loaded before the run). "turns":
+        # resident = on the device, LRU; host memory holds every model loaded once.
         self.resident: list[list[int]] = (
-            [list(h) for h in self.home] if self.home else [[j] for j in owner]
+            [list(h) for h in self.home] if self.home and not self.turns else [[j] for j in owner]
         )
         self.res_ver: list[dict[int, int]] = [dict.fromkeys(r, 0) for r in self.resident]
+        self.joined = self.home or [list(range(J))] * self.n  # the jobs each worker joined
+        self.used = [[0.0] * J for _ in range(self.n)]  # "turns": device-seconds per job
         self.idle_cur: list[dict[int, None]] = [{} for _ in range(J)]
         self.idle_res: list[dict[int, None]] = [{} for _ in range(J)]
+        self.idle_join: list[dict[int, None]] = [{} for _ in range(J)]  # "turns" only
         self.idle = [False] * self.n
 
     def set_idle(self, i: int) -> None:
@@ -161,18 +175,26 @@ class Workers:
         for r in self.resident[i]:
             if r != self.cur[i]:
                 self.idle_res[r][i] = None
+        if self.turns:
+            for k in self.joined[i]:
+                self.idle_join[k][i] = None
 
     def clear_idle(self, i: int) -> None:
         self.idle[i] = False
         self.idle_cur[self.cur[i]].pop(i, None)
         for r in self.resident[i]:
             self.idle_res[r].pop(i, None)
+        if self.turns:
+            for k in self.joined[i]:
+                self.idle_join[k].pop(i, None)
 
     def load(self, i: int, job: JobRun) -> tuple[float, float, str]:
         """Worker i switches to (or stays on) ``job``: seconds loading the model, seconds
         fetching a newer snapshot, and which load."""
         j, spec = job.idx, job.spec
         res = self.resident[i]
+        if self.turns:
+            return self._load_turns(i, job)
         if self.cur[i] == j:
             kind, t = "none", 0.0
         elif j in res:
@@ -189,6 +211,28 @@ class Workers:
         if self.res_ver[i][j] < job.published:
             sync = spec.sync_s
             self.res_ver[i][j] = job.published
+        self.cur[i] = j
+        return t, sync, kind
+
+    def _load_turns(self, i: int, job: JobRun) -> tuple[float, float, str]:
+        """``Turns._take``: a model on the device costs nothing; another evicts the least
+        recently used one to host memory and comes back from there (warm) or, the first
+        time, from disk (cold, the newest snapshot)."""
+        j, spec, res, ver = job.idx, job.spec, self.resident[i], self.res_ver[i]
+        if j in res:
+            kind, t = "none", 0.0
+            res.remove(j)
+        else:
+            if len(res) >= self.K:
+                res.pop(0)  # parked: stays in host memory, its snapshot version kept
+            kind, t = ("warm", spec.warm_s) if j in ver else ("cold", spec.cold_s)
+            if kind == "cold":
+                ver[j] = job.published
+        res.append(j)
+        sync = 0.0
+        if ver[j] < job.published:
+            sync = spec.sync_s
+            ver[j] = job.published
         self.cur[i] = j
         return t, sync, kind
 
@@ -232,14 +276,25 @@ class MultiSim:
     def _allowed(self, i: int) -> list[JobRun]:
         if not self.shared:
             return [self.jobs[self.owner[i]]]
-        home = self.w.home
-        return self.jobs if home is None else [self.jobs[k] for k in home[i]]
+        return [self.jobs[k] for k in self.w.joined[i]]
+
+    def _choose_turns(self, i: int) -> JobRun | None:
+        """``Turns._is_next`` on worker i: of its jobs that ask, the least device-seconds
+        here per unit of weight. Ties (only between jobs it has not served yet) go to a model
+        on the device, then the lower index (``Turns``: whoever asked first)."""
+        ok = [j for j in self._allowed(i) if j.free_slots() > 0]
+        if not ok:
+            return None
+        used, res = self.w.used[i], self.w.resident[i]
+        return min(ok, key=lambda j: (used[j.idx] / j.spec.weight, j.idx not in res, j.idx))
 
     def _choose(self, i: int) -> JobRun | None:
         """The job a free worker serves next, or None (every job it may serve is gated).
         A cold load (60 s or more) evicts a model the worker may be asked for next, so it
         serves a resident model's job when one is open, and cold-loads another only for a job
         owed workers (else it idles)."""
+        if self.shared and self.w.turns:
+            return self._choose_turns(i)
         ok = [j for j in self._allowed(i) if j.free_slots() > 0]
         if not ok:
             return None
@@ -289,6 +344,7 @@ class MultiSim:
         st.switch_s += min(switch_s, used)
         st.sync_s += min(sync_s, used - min(switch_s, used))
         st.gen_s += used - min(load_s, used)
+        self.w.used[i][job.idx] += end - now - switch_s  # Turns' books: not the model move
         job.in_flight += g
         job.hold(now, +1)
         self._push(end, DONE, i, job.idx, g * 1_000_000 + job.published)
@@ -318,6 +374,8 @@ class MultiSim:
             return None
         if w.idle_res[job.idx]:  # holds the model: a warm switch (home sets: only these)
             return next(iter(w.idle_res[job.idx]))
+        if w.turns:  # any idle worker joined to it (warm from host memory, or a first load)
+            return next(iter(w.idle_join[job.idx]), None)
         if w.home is None:
             for pool in w.idle_cur:
                 if pool:

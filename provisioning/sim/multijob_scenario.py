@@ -39,7 +39,8 @@ class FleetSection(_Section):
     duration_sigma: float = Field(0.1, ge=0)  # lognormal jitter of each request's duration
     groups_per_request: int = Field(1, gt=0)
     # K: models a worker keeps resident (host memory); switching to one of them is warm,
-    # to any other cold, evicting the least recently used.
+    # to any other cold, evicting the least recently used. With policy = "turns": models on
+    # the device (echo-worker's --resident), every loaded model staying in host memory.
     resident_models: int = Field(2, gt=0)
     # Shared mode, which jobs a worker may serve. "any": every job (a model it does not hold
     # is a cold load). "home": RollMux's co-execution groups -- each worker serves a fixed set
@@ -52,6 +53,12 @@ class FleetSection(_Section):
     # that one is over target and another is under target by more than this margin.
     target_alpha: float = Field(1.1, gt=0)
     stickiness: float = Field(0.1, ge=0)
+    # Shared mode, how a free worker picks its next job. "target": the heuristic above.
+    # "turns": the worker's own policy (worker/sharing.py ``Turns``): among its joined jobs
+    # that ask (gate open, work to hand out), the one with the least device-seconds on THIS
+    # worker per unit of weight; K = models on the device (LRU; the others wait in host
+    # memory: a switch to one is warm), every joined model's first load cold.
+    policy: Literal["target", "turns"] = "target"
 
 
 class PhaseSection(_Section):
