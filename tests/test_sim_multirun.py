@@ -7,6 +7,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from provisioning.sim.multijob import JobRun, MultiSim, home_sets
@@ -50,7 +51,7 @@ def _data(jobs: list[dict[str, Any]], **fleet: Any) -> dict[str, Any]:
 OFFSET = [_job("a", 3, 0), _job("b", 2, 300)]
 
 
-@pytest.mark.parametrize("policy", ["target", "turns"])
+@pytest.mark.parametrize("policy", ["target", "turns", "turns-decay", "turns-need"])
 def test_staleness_never_exceeds_S_in_either_mode(policy: str) -> None:
     jobs = [_job("a", 3, 0), _job("b", 1, 300), _job("c", 0, 150)]
     res = compare(multi_from_dict(_data(jobs, policy=policy)))
@@ -160,6 +161,31 @@ def test_turns_leaves_dedicated_alone_and_loads_each_joined_model_cold_once() ->
     cold = sum(j["cold_loads"] for j in turns["shared"]["jobs"])
     assert 0 < cold <= 2 * 100
     assert sum(j["warm_loads"] for j in turns["shared"]["jobs"]) > 0
+
+
+def test_turns_decay_books_forget_old_turns_at_tau() -> None:
+    sc = multi_from_dict(_data(OFFSET, policy="turns-decay", turns_tau_s=60.0))
+    w = MultiSim(sc, [0] * 100, np.ones(100), shared=True).w
+    w.charge(0, 0, 10.0, 0.0)
+    w.charge(0, 1, 5.0, 60.0)  # one tau later: job 0's 10 s count 10 / e
+    assert w.used[0] == pytest.approx([10.0 / np.e, 5.0])
+    plain = MultiSim(multi_from_dict(_data(OFFSET, policy="turns")), [0] * 100, np.ones(100), True)
+    plain.w.charge(0, 0, 10.0, 0.0)
+    plain.w.charge(0, 1, 5.0, 60.0)
+    assert plain.w.used[0] == [10.0, 5.0]  # plain Turns: the whole run's books
+
+
+def test_turns_need_moves_worker_seconds_to_the_rollout_bound_job() -> None:
+    # "roll" needs ~51 workers (40 s steps), "learn" ~17 (120 s steps) of 100. Plain turns
+    # splits each device by device-seconds whenever both ask; with each weight times its
+    # learner's need (required / held), "roll" gets more and "learn" less.
+    jobs = [_flat("roll", 40), _flat("learn", 120)]
+    turns = compare(multi_from_dict(_data(jobs, policy="turns")))["shared"]["jobs"]
+    need = compare(multi_from_dict(_data(jobs, policy="turns-need")))["shared"]["jobs"]
+    assert need[0]["worker_s"] > 1.02 * turns[0]["worker_s"]
+    assert need[1]["worker_s"] < 0.96 * turns[1]["worker_s"]
+    for j in need:
+        assert j["staleness_max"] <= j["S"]
 
 
 def test_home_sets_hold_the_own_job_and_spread_the_others() -> None:

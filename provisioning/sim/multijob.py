@@ -27,7 +27,11 @@ one with the least device-seconds on this worker per unit of weight (per-worker 
 ``Turns`` keeps per device; generation and snapshot syncs count, model moves do not). K is then
 the models on the device (LRU); every joined model, once loaded, stays in host memory: free if
 on the device, ``warm_s`` if not, ``cold_s`` the first time. A gate that opens goes to an idle
-joined worker, its model's holders first.
+joined worker, its model's holders first. Two variants, both implementable in the product:
+``"turns-decay"`` decays each worker's books (``used x exp(-dt / fleet.turns_tau_s)``: recent
+turns count, following phases); ``"turns-need"`` also multiplies each job's weight by its
+learner's need, as a heartbeat ack could carry it: its capacity requirement (the heuristic's,
+without alpha) over the workers it holds (at least one), at least 0.1.
 Workers are billed for the whole horizon in both modes: the fleet is a fixed, rented pool
 (provisioning's release of idle workers is out of scope).
 """
@@ -35,6 +39,7 @@ Workers are billed for the whole horizon in both modes: the fleet is a fixed, re
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,11 +97,15 @@ class JobRun:
                 return p
         return self.spec.phases[-1]
 
-    def need(self, now: float, mean_speed: float, alpha: float) -> float:
-        """Workers held over the weighted target (below 1: it is owed workers). The target is
-        its capacity requirement at its last step time and the current rollout length."""
+    def required(self, now: float, mean_speed: float) -> float:
+        """Its capacity requirement: workers that keep its learner busy at its last step time
+        and the current rollout length."""
         gen = self.B * self.G * self.phase(now).gen_scale / (self.spec.mu * mean_speed)
-        return self.held / (alpha * gen / self.t_last * self.spec.weight)
+        return gen / self.t_last
+
+    def need(self, now: float, mean_speed: float, alpha: float) -> float:
+        """Workers held over the weighted target (below 1: it is owed workers)."""
+        return self.held / (alpha * self.required(now, mean_speed) * self.spec.weight)
 
     def hold(self, now: float, delta: int) -> None:
         self._area += self.held * (now - self._t_held)
@@ -155,7 +164,10 @@ class Workers:
         self.cur = list(owner)  # every worker starts with its dedicated job's model loaded
         J = len(sc.jobs)
         self.home = home_sets(owner, J, self.K) if f.reach == "home" and J > self.K else None
-        self.turns = f.policy == "turns"
+        self.turns = f.policy.startswith("turns")
+        # "turns-decay", "turns-need": the books decay with time constant tau (recent turns).
+        self.tau = f.turns_tau_s if f.policy in ("turns-decay", "turns-need") else None
+        self.book_t = [0.0] * self.n  # when worker i's books were last decayed
         # "target": resident = in host memory (home sets loaded before the run). "turns":
         # resident = on the device, LRU; host memory holds every model loaded once.
         self.resident: list[list[int]] = (
@@ -168,6 +180,18 @@ class Workers:
         self.idle_res: list[dict[int, None]] = [{} for _ in range(J)]
         self.idle_join: list[dict[int, None]] = [{} for _ in range(J)]  # "turns" only
         self.idle = [False] * self.n
+
+    def charge(self, i: int, j: int, seconds: float, now: float) -> None:
+        """Turns' books: ``seconds`` of worker i's device to job j, older turns decayed first
+        (``used * exp(-dt / tau)``; one stamp per worker, so the decay never reorders its jobs
+        and choosing needs no decay)."""
+        row = self.used[i]
+        if self.tau is not None and now > self.book_t[i]:
+            f = math.exp(-(now - self.book_t[i]) / self.tau)
+            for k in range(len(row)):
+                row[k] *= f
+            self.book_t[i] = now
+        row[j] += seconds
 
     def set_idle(self, i: int) -> None:
         self.idle[i] = True
@@ -286,7 +310,15 @@ class MultiSim:
         if not ok:
             return None
         used, res = self.w.used[i], self.w.resident[i]
-        return min(ok, key=lambda j: (used[j.idx] / j.spec.weight, j.idx not in res, j.idx))
+        if self.sc.fleet.policy != "turns-need":
+            return min(ok, key=lambda j: (used[j.idx] / j.spec.weight, j.idx not in res, j.idx))
+        # "turns-need": each weight times its learner's need, as its heartbeat acks could carry
+        # it: required workers / workers it holds (at least one), at least 0.1.
+        w = {j.idx: j.spec.weight * self._need(j) for j in ok}
+        return min(ok, key=lambda j: (used[j.idx] / w[j.idx], j.idx not in res, j.idx))
+
+    def _need(self, job: JobRun) -> float:
+        return max(0.1, job.required(self.now, self.mean_speed) / max(job.held, 1))
 
     def _choose(self, i: int) -> JobRun | None:
         """The job a free worker serves next, or None (every job it may serve is gated).
@@ -344,7 +376,7 @@ class MultiSim:
         st.switch_s += min(switch_s, used)
         st.sync_s += min(sync_s, used - min(switch_s, used))
         st.gen_s += used - min(load_s, used)
-        self.w.used[i][job.idx] += end - now - switch_s  # Turns' books: not the model move
+        self.w.charge(i, job.idx, end - now - switch_s, now)  # Turns' books: not the move
         job.in_flight += g
         job.hold(now, +1)
         self._push(end, DONE, i, job.idx, g * 1_000_000 + job.published)

@@ -58,7 +58,11 @@ class FleetSection(_Section):
     # that ask (gate open, work to hand out), the one with the least device-seconds on THIS
     # worker per unit of weight; K = models on the device (LRU; the others wait in host
     # memory: a switch to one is warm), every joined model's first load cold.
-    policy: Literal["target", "turns"] = "target"
+    # "turns-decay": the same, each worker's books decaying with time constant turns_tau_s
+    # (used = used x exp(-dt / tau) + new: recent fairness). "turns-need": decayed books, each
+    # job's weight times its learner's need (required workers / workers it holds, >= 0.1).
+    policy: Literal["target", "turns", "turns-decay", "turns-need"] = "target"
+    turns_tau_s: float = Field(300.0, gt=0)
 
 
 class PhaseSection(_Section):
