@@ -14,7 +14,9 @@ are the controls: the same two jobs in phase, K = 1 (no second model in host mem
 jobs with K = 3, and the three- and four-job mixes against an equal dedicated split.
 Last, the 2-, 3- and 4-job files (and 2 jobs with K = 1, 4 jobs with K = 4) with
 ``fleet.policy = "turns"``: the real worker's policy (worker/sharing.py) in place of the
-simulator's heuristic.
+simulator's heuristic; then the 2-, 3-, 4-job files and 4 jobs with K = 4 with two variants of
+it: ``"turns-decay"`` (books decaying, tau 60 s and 300 s) and ``"turns-need"`` (decayed books,
+each job's weight times its learner's need).
 
 Then the sweep (provisioning/sim/multijob_sweep.py): the 2-, 3- and 4-job files with every
 job's learner step-time contrast between its phases set to 1 (no phases), 2, 4 (the files
@@ -77,7 +79,23 @@ SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
         "multirun-4.toml",
         {"fleet.resident_models": 4, "fleet.reach": "any", "fleet.policy": "turns"},
     ),
+    # Two variants of turns a worker and a learner could implement: "turns-decay" (the books
+    # decay, tau 60 s and 300 s: recent fairness) and "turns-need" (tau 300 s, each weight
+    # times the learner's need: required workers / workers it holds, sent in heartbeat acks).
 ]
+K4 = {"fleet.resident_models": 4, "fleet.reach": "any"}
+VARIANTS = [
+    ("turns-decay60", {"fleet.policy": "turns-decay", "fleet.turns_tau_s": 60.0}),
+    ("turns-decay300", {"fleet.policy": "turns-decay", "fleet.turns_tau_s": 300.0}),
+    ("turns-need", {"fleet.policy": "turns-need"}),
+]
+for _label, _file, _base in [
+    ("multirun-2", "multirun-2.toml", {}),
+    ("multirun-3", "multirun-3.toml", {}),
+    ("multirun-4", "multirun-4.toml", {}),
+    ("multirun-4-K4", "multirun-4.toml", K4),
+]:
+    SCENARIOS += [(f"{_label}-{v}", _file, {**_base, **o}) for v, o in VARIANTS]
 
 
 # The sweep: (job count, example file), contrasts, and which contrasts also run aligned (c = 1
