@@ -30,6 +30,7 @@ async def _generate(turns: Turns, clock: Clock, run: str, seconds: float, times:
     """A run that always has work: each grant takes ``seconds`` of device time."""
     for _ in range(times):
         async with turns.turn(run):
+            await turns.bring_on(run)  # the grant had work
             clock.t += seconds
             await asyncio.sleep(0)  # the other runs queue up meanwhile
 
@@ -106,6 +107,23 @@ def test_one_resident_model_is_parked_and_brought_back_at_each_switch():
     unparks = [m for m in moves if m[0] == "unpark"]
     # every unpark but each run's first load is a switch
     assert turns.runs["a"].switches + turns.runs["b"].switches == len(unparks) - 2
+
+
+def test_a_turn_that_ends_in_an_empty_grant_moves_no_model():
+    clock, moves = Clock(), []
+    turns = Turns(resident=1, clock=clock, park=moves.append, unpark=moves.append)
+    turns.add("a")
+    turns.add("b")
+
+    async def main():
+        await _generate(turns, clock, "a", 1.0, 1)  # a's model is on the device
+        for _ in range(5):  # b's learner has nothing for it: empty grants
+            async with turns.turn("b"):
+                clock.t += 0.01
+
+    asyncio.run(main())
+    assert moves == ["a"] and turns.on_device("a") and not turns.on_device("b")
+    assert turns.runs["b"].switches == 0
 
 
 def test_two_resident_models_never_switch():

@@ -178,6 +178,7 @@ class Worker:
         )
         turns, name = self.turns, self.run_name
         self.generation.device_turn = self.installer.device_turn = lambda: turns.turn(name)
+        self.generation.device_ready = lambda: turns.bring_on(name)
 
     def _joined(self, ack: wire.JoinAck, restarted: bool, new_run: bool) -> None:
         self.installer.joined(ack, restarted, new_run)
@@ -282,6 +283,7 @@ class Worker:
         # The model lands on the device: loaded within a turn, so another run's model makes
         # room first (at most --resident on it; worker/sharing.py).
         async with self.turns.turn(self.run_name):
+            await self.turns.bring_on(self.run_name)
             loaded = await self.life.or_stopped(in_daemon_thread(self.installer.load))
         if loaded is None:
             return False

@@ -13,7 +13,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any
 
@@ -34,6 +34,10 @@ Scored = list[list[tuple[Sample, float]]]  # per group: its samples and their re
 
 MAX_GRANT_SCALE = 8  # at most this many times worker.groups_per_request in one grant
 PREFETCH_SHARE = 0.1  # prefetch work when a grant's round trip exceeds this share of a rollout
+
+
+async def _nothing() -> None:
+    return None
 
 
 class Generation:
@@ -66,6 +70,7 @@ class Generation:
         self.busy_samples = 0
         self.device_turn: Callable[[], AbstractAsyncContextManager[Any]] = nullcontext
         self.retry_after_s = 0.0  # the last empty grant's hint: when to ask again
+        self.device_ready: Callable[[], Awaitable[None]] = _nothing
 
     @property
     def grant_rtt(self) -> float:
@@ -97,19 +102,18 @@ class Generation:
                 if len(self.deliveries) >= self.session.view["worker"]["max_unacked_batches"]:
                     await self.deliveries.wait_acked(0.5)  # back-pressure: deliver first
                     continue
-                # The device from the grant to the rollout's end: leased groups never wait
-                # for another run's rollout (worker/sharing.py); an empty grant frees it.
+                # Leased groups never wait for another run (worker/sharing.py)
                 async with self.device_turn():
                     t0 = time.monotonic()
                     groups = await (prefetch or self.request_work())
                     prefetch = None
                     if groups:
+                        await self.device_ready()  # this run's model onto the device
                         if self.prefetch_pays():  # the next grant's round trip overlaps this one
                             prefetch = tg.create_task(self.request_work())
                         if await self.rollout(groups):
-                            # Busy-time throughput: one wait-for-grant, generate, score cycle.
-                            # It measures what this worker can do, not how much work it was
-                            # given (idle waits and snapshot installs are outside the cycle).
+                            # Busy-time throughput: one grant, generate, score cycle (what
+                            # the worker can do; idle waits and installs are outside it).
                             self.measure(sum(g.n for g in groups), time.monotonic() - t0)
                 if not groups:
                     await wait_next(self.installer.new_snapshot, self.retry_after_s)

@@ -12,9 +12,10 @@ shares. A run's price (what its learner pays) multiplies its share, so at equal 
 better-paying run gets more of the device.
 
 Residency: at most ``resident`` models on the device (RollMux's residency constraint). A
-run whose model is not resident when its turn comes evicts the least recently used one to
-host memory (``park``) and brings its own back (``unpark``); the seconds it takes are counted
-as switch time. On a CPU the device is host memory, so parking costs nothing.
+run that has work (a non-empty grant) and whose model is not resident evicts the least
+recently used one to host memory (``park``) and brings its own back (``unpark``); the seconds
+it takes are counted as switch time. A turn that ends in an empty grant moves nothing. On a
+CPU the device is host memory, so parking costs nothing.
 
 The state lives on the worker's event loop (one thread): no locks.
 """
@@ -44,6 +45,7 @@ class RunShare:
     switches: int = 0  # turns that had to bring this run's model onto the device
     switch_s: float = 0.0
     waiting_since: float | None = None
+    loaded: bool = False  # its model has been on the device once
 
     def deficit(self) -> float:
         return self.used_s / self.weight
@@ -95,10 +97,9 @@ class Turns:
         finally:
             run.waiting_since = None
             self._changed.set()  # a waiter cancelled here may have been the next one
+        self._take(run)
         t0 = self.clock()
         try:
-            await self._take(run)
-            t0 = self.clock()
             yield
         finally:
             run.used_s += self.clock() - t0
@@ -113,7 +114,7 @@ class Turns:
         first = min(waiting, key=lambda r: (r.deficit(), r.waiting_since or 0.0))
         return first is run
 
-    async def _take(self, run: RunShare) -> None:
+    def _take(self, run: RunShare) -> None:
         now = self.clock()
         if self._started is None:
             self._started = now
@@ -121,8 +122,15 @@ class Turns:
             self._idle_s += now - self._idle_from
             self._idle_from = None
         self._holder = run.name
-        if run.name in self._on_device:
-            self._on_device.move_to_end(run.name)
+
+    async def bring_on(self, name: str) -> None:
+        """During ``name``'s turn: its model onto the device, the least recently used making
+        room. Called once a grant has work (or before a load), not at every turn: a turn that
+        ends in an empty grant moves no model."""
+        assert self._holder == name, f"bring_on({name!r}) outside its turn"
+        run = self.runs[name]
+        if name in self._on_device:
+            self._on_device.move_to_end(name)
             return
         t0 = self.clock()
         # Off the loop: moving a model takes a while, and heartbeats go on meanwhile. Nothing
@@ -130,11 +138,12 @@ class Turns:
         while len(self._on_device) >= self.resident:
             evicted, _ = self._on_device.popitem(last=False)
             await asyncio.to_thread(self.park, evicted)
-        await asyncio.to_thread(self.unpark, run.name)
-        self._on_device[run.name] = None
-        if len(self.runs) > 1 and run.turns:  # a first load is not a switch
+        await asyncio.to_thread(self.unpark, name)
+        self._on_device[name] = None
+        if run.loaded:  # a first load is not a switch
             run.switches += 1
             run.switch_s += self.clock() - t0
+        run.loaded = True
 
     def _give_back(self) -> None:
         self._holder = None
