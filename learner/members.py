@@ -261,9 +261,14 @@ class Members:
                 log.info("worker %s yielded to its owner: standby", msg.worker_id)
         account = self.account(w)
         w.period = self.table.period()
+        need = self.controller.need() if self.controller is not None else 1.0
         if msg.version >= version:
             return wire.HeartbeatAck(
-                instance_id=instance_id, version=version, account=account, heartbeat_s=w.period
+                instance_id=instance_id,
+                version=version,
+                account=account,
+                heartbeat_s=w.period,
+                need=need,
             )
         src = self.routes.snapshot_source(w)
         return wire.HeartbeatAck(
@@ -275,6 +280,7 @@ class Members:
             ticket=src.ticket,
             account=account,
             heartbeat_s=w.period,
+            need=need,
         )
 
     def on_leave(self, ident: bytes, key: str, msg: wire.Leave) -> wire.Message:

@@ -78,6 +78,8 @@ from provisioning.scaling import (
     Scaler,
 )
 
+NEED_MAX = 1000.0  # the wire's bound on HeartbeatAck.need
+
 
 class Controller:
     """Hysteretic activate/release loop over a registry of priced workers. Thread-safe."""
@@ -270,6 +272,16 @@ class Controller:
         return self._scaler.probation_s()
 
     # -- views --------------------------------------------------------------------------------
+
+    def need(self) -> float:
+        """The requirement over the active set's capacity: 1 is enough, above 1 the run
+        wants more (``NEED_MAX`` with no capacity at all). What a worker shared with other
+        runs weighs this run's turns by (docs/multirun.md)."""
+        with self._lock:
+            req, have = self._scaler.mu_req, self._reg.c_eff()
+        if req is None:
+            return 1.0
+        return min(NEED_MAX, req / have) if have > 0 else NEED_MAX
 
     def c_eff(self) -> float:
         """Effective capacity of the active set (trajectories/s), as of the last tick."""

@@ -220,3 +220,67 @@ def test_a_run_s_nested_turn_does_not_wait_for_itself():
 
     asyncio.run(asyncio.wait_for(main(), 5))
     assert turns.runs["a"].used_s == 1.0 and turns.runs["a"].turns == 1
+
+
+# ------------------------------------------------------------------ need and recent books
+
+
+def test_a_run_whose_learner_needs_more_gets_more_turns():
+    clock = Clock()
+    turns = Turns(resident=2, clock=clock)
+    turns.add("a")
+    turns.add("b")
+    turns.set_need("a", 3.0)  # a's learner has a third of the capacity it requires
+    turns.set_need("b", 1.0)
+
+    async def main():
+        async with asyncio.TaskGroup() as tg:
+            ta = tg.create_task(_generate(turns, clock, "a", 1.0, 30))
+            tb = tg.create_task(_generate(turns, clock, "b", 1.0, 1000))
+            await ta
+            tb.cancel()
+
+    asyncio.run(main())
+    assert turns.runs["a"].used_s == 30 and 9 <= turns.runs["b"].used_s <= 11  # 3:1
+
+
+@pytest.mark.parametrize("claimed, kept", [(1e9, 4.0), (0.0, 0.25), (float("nan"), 1.0)])
+def test_a_learner_s_claimed_need_is_clamped(claimed, kept):
+    """A hostile learner cannot take the device from the volunteer's other runs: its need
+    weighs its turns by at most 4 (and a run is never starved below a quarter of its share)."""
+    turns = Turns()
+    turns.add("a")
+    turns.set_need("a", claimed)
+    assert turns.runs["a"].need == kept
+
+
+def test_the_books_follow_recent_turns_not_the_whole_day():
+    clock = Clock()
+    turns = Turns(clock=clock)
+    turns.add("a")
+    turns.add("b")
+
+    async def main():
+        await _generate(turns, clock, "a", 100.0, 1)  # a ran long, an hour ago
+        clock.t += 3600.0
+        await _generate(turns, clock, "b", 10.0, 1)  # b ran a little, just now
+
+    asyncio.run(main())
+    assert turns.runs["a"].used_s > turns.runs["b"].used_s  # all told
+    assert turns.runs["a"].deficit() < turns.runs["b"].deficit()  # recently: a is owed
+
+
+def test_the_learner_s_need_is_its_requirement_over_its_capacity():
+    from provisioning.controller import NEED_MAX, Controller
+
+    c = Controller(alpha=1.0, delta=0.5, window_s=10, tau_s=10, warmup_s=0)
+    assert c.need() == 1.0  # no requirement yet: nothing to ask for
+    c.set_requirement(2.0)
+    assert c.need() == NEED_MAX  # nobody active
+    c.add_worker("w", price=1.0, state="active", mu_prior=1.0)
+    c.tick()
+    assert c.need() == pytest.approx(2.0, rel=1e-3)  # the measured capacity: about 1
+    ack = wire.HeartbeatAck(instance_id="i", version=1, need=2.0)
+    assert wire.decode(wire.encode(ack), 1 << 20).need == 2.0
+    with pytest.raises(ValueError, match="need"):
+        wire.HeartbeatAck(instance_id="i", version=1, need=-1.0)

@@ -143,6 +143,7 @@ class Worker:
             offer=lambda *a: self.installer.offer(*a),
             punch=node.tunnels.open,
             beat=self._beat,
+            need=lambda need: self.turns.set_need(self.run_name, need),
         )
         self.session = Session(
             client,

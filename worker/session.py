@@ -54,6 +54,8 @@ class SessionHooks:
     offer: Callable[[int, dict[str, Any], Source], None]
     punch: Callable[[wire.Punch], object]  # a peer asks for a punched link
     beat: Callable[[str], wire.Heartbeat]  # this worker's heartbeat, for its current id
+    # the learner's need for capacity, from each heartbeat reply (worker/sharing.py)
+    need: Callable[[float], None] = lambda need: None
 
 
 class Session:
@@ -174,6 +176,7 @@ class Session:
             if not isinstance(ack, wire.HeartbeatAck):
                 continue
             self.status.account(ack.account)
+            self.hooks.need(ack.need)
             # The period the learner asks for now (docs/scale.md: longer in a large fleet,
             # shorter again as it shrinks, when the learner also expects beats sooner).
             period = max(MIN_HEARTBEAT_S, ack.heartbeat_s) if ack.heartbeat_s else period

@@ -7,9 +7,13 @@ device before it generates a grant and gives it back after; a run with nothing t
 ask, so the device goes to a run that can use it instead of idling.
 
 Among runs waiting at the same time the one furthest behind its share goes first: the least
-device-seconds used per unit of share (the volunteer's ``--share``), as BOINC's resource
-shares. A run's price (what its learner pays) multiplies its share, so at equal shares the
-better-paying run gets more of the device.
+recent device-seconds (decayed with a 5-minute time constant, so the books follow a run's
+phases rather than the whole day) per unit of weight. A run's weight is the volunteer's
+``--share`` (as BOINC's resource shares), times ``1 + price`` (what its learner pays), times its
+learner's need: its capacity requirement over the capacity it has, sent in every heartbeat
+reply. A run short of rollouts thus gets more turns than one whose learner is the bottleneck.
+The need is clamped to [1/4, 4]: a learner claiming more cannot take more than 4 times its
+share (tests/test_sharing.py::test_a_learner_s_claimed_need_is_clamped).
 
 Residency: at most ``resident`` models on the device (RollMux's residency constraint). A
 run that has work (a non-empty grant) and whose model is not resident evicts the least
@@ -23,6 +27,7 @@ The state lives on the worker's event loop (one thread): no locks.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +35,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from worker.status import Sharing
+
+TAU_S = 300.0  # the books' decay time constant: a few learner phases
+NEED_MIN, NEED_MAX = 0.25, 4.0  # the most a learner's need can change its run's weight
 
 Mover = Callable[[str], None]  # moves a run's model: off the device (park) or onto it (unpark)
 
@@ -40,7 +48,9 @@ class RunShare:
 
     name: str
     weight: float  # the volunteer's share times the price factor (> 0)
-    used_s: float = 0.0  # device-seconds generating for this run
+    need: float = 1.0  # its learner's need, clamped (see the module docstring)
+    recent_s: float = 0.0  # device-seconds, decayed with TAU_S: the books turns follow
+    used_s: float = 0.0  # device-seconds generating for this run, all told
     turns: int = 0
     switches: int = 0  # turns that had to bring this run's model onto the device
     switch_s: float = 0.0
@@ -48,7 +58,7 @@ class RunShare:
     loaded: bool = False  # its model has been on the device once
 
     def deficit(self) -> float:
-        return self.used_s / self.weight
+        return self.recent_s / (self.weight * self.need)
 
 
 @dataclass
@@ -67,6 +77,7 @@ class Turns:
     _started: float | None = None
     _idle_s: float = 0.0
     _idle_from: float | None = None
+    _booked: float | None = None  # when the recent books were last decayed
 
     def __post_init__(self) -> None:
         if self.resident < 1:
@@ -102,8 +113,7 @@ class Turns:
         try:
             yield
         finally:
-            run.used_s += self.clock() - t0
-            run.turns += 1
+            self._charge(run, self.clock() - t0)
             self._give_back()
 
     def _is_next(self, run: RunShare) -> bool:
@@ -144,6 +154,25 @@ class Turns:
             run.switches += 1
             run.switch_s += self.clock() - t0
         run.loaded = True
+
+    def _charge(self, run: RunShare, seconds: float) -> None:
+        """Every run's recent books decay by the same factor, so the order among them is
+        what their recent turns make it."""
+        now = self.clock()
+        fade = math.exp(-(now - self._booked) / TAU_S) if self._booked is not None else 1.0
+        self._booked = now
+        for r in self.runs.values():
+            r.recent_s *= fade
+        run.recent_s += seconds
+        run.used_s += seconds
+        run.turns += 1
+
+    def set_need(self, name: str, need: float) -> None:
+        """Its learner's need (a heartbeat reply), clamped: a hostile learner's claim is
+        worth at most NEED_MAX times its share."""
+        run = self.runs.get(name)
+        if run is not None and math.isfinite(need):
+            run.need = min(NEED_MAX, max(NEED_MIN, need))
 
     def _give_back(self) -> None:
         self._holder = None

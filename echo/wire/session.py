@@ -121,6 +121,10 @@ class HeartbeatAck(Message):
     # Seconds until this worker's next heartbeat (docs/scale.md: longer in a large fleet);
     # 0: its configured worker.heartbeat_s.
     heartbeat_s: float = Field(0.0, ge=0)
+    # The run's capacity requirement over the capacity it has (1: enough; 2: it wants twice
+    # as much). A worker shared with other runs weighs its turns by it, clamped to [1/4, 4]
+    # (worker/sharing.py, docs/multirun.md).
+    need: float = Field(1.0, ge=0, le=1000)
 
 
 class Leave(Message):
