@@ -15,8 +15,9 @@ jobs with K = 3, and the three- and four-job mixes against an equal dedicated sp
 Last, the 2-, 3- and 4-job files (and 2 jobs with K = 1, 4 jobs with K = 4) with
 ``fleet.policy = "turns"``: the real worker's policy (worker/sharing.py) in place of the
 simulator's heuristic; then the 2-, 3-, 4-job files and 4 jobs with K = 4 with two variants of
-it: ``"turns-decay"`` (books decaying, tau 60 s and 300 s) and ``"turns-need"`` (decayed books,
-each job's weight times its learner's need).
+it: ``"turns-decay"`` (books decaying, tau 60 s and 300 s), ``"turns-need"`` (decayed books,
+each job's weight times its learner's need) and ``"turns-needfirst"`` (the asking job with the
+highest need, ties to the least decayed books per weight).
 
 Then the sweep (provisioning/sim/multijob_sweep.py): the 2-, 3- and 4-job files with every
 job's learner step-time contrast between its phases set to 1 (no phases), 2, 4 (the files
@@ -81,13 +82,16 @@ SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
     ),
     # Two variants of turns a worker and a learner could implement: "turns-decay" (the books
     # decay, tau 60 s and 300 s: recent fairness) and "turns-need" (tau 300 s, each weight
-    # times the learner's need: required workers / workers it holds, sent in heartbeat acks).
+    # times the learner's need: required workers / workers it holds, sent in heartbeat acks);
+    # and "turns-needfirst" (the asking job with the highest need, ties within 5 % to the
+    # least decayed device-seconds per weight, tau 300 s).
 ]
 K4 = {"fleet.resident_models": 4, "fleet.reach": "any"}
 VARIANTS = [
     ("turns-decay60", {"fleet.policy": "turns-decay", "fleet.turns_tau_s": 60.0}),
     ("turns-decay300", {"fleet.policy": "turns-decay", "fleet.turns_tau_s": 300.0}),
     ("turns-need", {"fleet.policy": "turns-need"}),
+    ("turns-needfirst", {"fleet.policy": "turns-needfirst"}),
 ]
 for _label, _file, _base in [
     ("multirun-2", "multirun-2.toml", {}),

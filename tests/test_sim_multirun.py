@@ -51,7 +51,9 @@ def _data(jobs: list[dict[str, Any]], **fleet: Any) -> dict[str, Any]:
 OFFSET = [_job("a", 3, 0), _job("b", 2, 300)]
 
 
-@pytest.mark.parametrize("policy", ["target", "turns", "turns-decay", "turns-need"])
+@pytest.mark.parametrize(
+    "policy", ["target", "turns", "turns-decay", "turns-need", "turns-needfirst"]
+)
 def test_staleness_never_exceeds_S_in_either_mode(policy: str) -> None:
     jobs = [_job("a", 3, 0), _job("b", 1, 300), _job("c", 0, 150)]
     res = compare(multi_from_dict(_data(jobs, policy=policy)))
@@ -185,6 +187,19 @@ def test_turns_need_moves_worker_seconds_to_the_rollout_bound_job() -> None:
     assert need[0]["worker_s"] > 1.02 * turns[0]["worker_s"]
     assert need[1]["worker_s"] < 0.96 * turns[1]["worker_s"]
     for j in need:
+        assert j["staleness_max"] <= j["S"]
+
+
+def test_turns_needfirst_moves_worker_seconds_to_the_rollout_bound_job() -> None:
+    # The same two jobs: "roll" (40 s steps) needs ~51 workers, "learn" (120 s) ~17. Needfirst
+    # serves the asking job with the highest need (required / held) first, the books only
+    # breaking ties, so "roll" gets more worker-seconds than under plain turns.
+    jobs = [_flat("roll", 40), _flat("learn", 120)]
+    turns = compare(multi_from_dict(_data(jobs, policy="turns")))["shared"]["jobs"]
+    first = compare(multi_from_dict(_data(jobs, policy="turns-needfirst")))["shared"]["jobs"]
+    assert first[0]["worker_s"] > 1.02 * turns[0]["worker_s"]
+    assert first[0]["steps"] >= turns[0]["steps"]
+    for j in first:
         assert j["staleness_max"] <= j["S"]
 
 

@@ -31,7 +31,9 @@ joined worker, its model's holders first. Two variants, both implementable in th
 ``"turns-decay"`` decays each worker's books (``used x exp(-dt / fleet.turns_tau_s)``: recent
 turns count, following phases); ``"turns-need"`` also multiplies each job's weight by its
 learner's need, as a heartbeat ack could carry it: its capacity requirement (the heuristic's,
-without alpha) over the workers it holds (at least one), at least 0.1.
+without alpha) over the workers it holds (at least one), at least 0.1; ``"turns-needfirst"``
+serves the asking job with the highest need, ties (within 5 %) to the least decayed books per
+weight (provisioning/sim/multijob_turns.py).
 Workers are billed for the whole horizon in both modes: the fleet is a fixed, rented pool
 (provisioning's release of idle workers is out of scope).
 """
@@ -47,6 +49,7 @@ import numpy as np
 from dataplane import rules
 from dataplane.rules import ReadyQueue
 from provisioning.sim.multijob_scenario import JobSection, MultiScenario, PhaseSection
+from provisioning.sim.multijob_turns import choose_turns
 
 DONE, STEP = 0, 1  # event kinds: a worker's request finished, a learner step finished
 
@@ -165,8 +168,8 @@ class Workers:
         J = len(sc.jobs)
         self.home = home_sets(owner, J, self.K) if f.reach == "home" and J > self.K else None
         self.turns = f.policy.startswith("turns")
-        # "turns-decay", "turns-need": the books decay with time constant tau (recent turns).
-        self.tau = f.turns_tau_s if f.policy in ("turns-decay", "turns-need") else None
+        # The variants of "turns": the books decay with time constant tau (recent turns).
+        self.tau = f.turns_tau_s if f.policy not in ("target", "turns") else None
         self.book_t = [0.0] * self.n  # when worker i's books were last decayed
         # "target": resident = in host memory (home sets loaded before the run). "turns":
         # resident = on the device, LRU; host memory holds every model loaded once.
@@ -302,31 +305,13 @@ class MultiSim:
             return [self.jobs[self.owner[i]]]
         return [self.jobs[k] for k in self.w.joined[i]]
 
-    def _choose_turns(self, i: int) -> JobRun | None:
-        """``Turns._is_next`` on worker i: of its jobs that ask, the least device-seconds
-        here per unit of weight. Ties (only between jobs it has not served yet) go to a model
-        on the device, then the lower index (``Turns``: whoever asked first)."""
-        ok = [j for j in self._allowed(i) if j.free_slots() > 0]
-        if not ok:
-            return None
-        used, res = self.w.used[i], self.w.resident[i]
-        if self.sc.fleet.policy != "turns-need":
-            return min(ok, key=lambda j: (used[j.idx] / j.spec.weight, j.idx not in res, j.idx))
-        # "turns-need": each weight times its learner's need, as its heartbeat acks could carry
-        # it: required workers / workers it holds (at least one), at least 0.1.
-        w = {j.idx: j.spec.weight * self._need(j) for j in ok}
-        return min(ok, key=lambda j: (used[j.idx] / w[j.idx], j.idx not in res, j.idx))
-
-    def _need(self, job: JobRun) -> float:
-        return max(0.1, job.required(self.now, self.mean_speed) / max(job.held, 1))
-
     def _choose(self, i: int) -> JobRun | None:
         """The job a free worker serves next, or None (every job it may serve is gated).
         A cold load (60 s or more) evicts a model the worker may be asked for next, so it
         serves a resident model's job when one is open, and cold-loads another only for a job
         owed workers (else it idles)."""
         if self.shared and self.w.turns:
-            return self._choose_turns(i)
+            return choose_turns(self, i)
         ok = [j for j in self._allowed(i) if j.free_slots() > 0]
         if not ok:
             return None

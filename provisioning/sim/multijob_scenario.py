@@ -61,7 +61,9 @@ class FleetSection(_Section):
     # "turns-decay": the same, each worker's books decaying with time constant turns_tau_s
     # (used = used x exp(-dt / tau) + new: recent fairness). "turns-need": decayed books, each
     # job's weight times its learner's need (required workers / workers it holds, >= 0.1).
-    policy: Literal["target", "turns", "turns-decay", "turns-need"] = "target"
+    # "turns-needfirst": the asking job with the highest need, ties (needs within 5 %) to the
+    # least decayed device-seconds per weight (provisioning/sim/multijob_turns.py).
+    policy: Literal["target", "turns", "turns-decay", "turns-need", "turns-needfirst"] = "target"
     turns_tau_s: float = Field(300.0, gt=0)
 
 
