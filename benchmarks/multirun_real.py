@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -59,7 +60,10 @@ def _worker(group: ProcessGroup, tmp: Path, i: int, lines: list[str]) -> None:
 
 def _rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    if not path.exists():
+        return []
+    # whole lines only: the learner may be writing the last one while we poll
+    return [json.loads(x) for x in path.read_text().split("\n")[:-1]]
 
 
 def _mean(rows: list[dict]) -> float | None:
@@ -134,12 +138,48 @@ def table(cases: list[dict]) -> str:
     return "\n".join(out)
 
 
+def medians(cases: list[dict]) -> dict[str, dict]:
+    """Per case: the median (and range) over the repeats of all runs' steps per minute, the
+    fleet's idle fraction and worker-seconds per step."""
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys(c["case"] for c in cases):
+        mine = [c for c in cases if c["case"] == name]
+        rates = [sum(r["steps_per_min"] for r in c["runs"].values()) for c in mine]
+        idle = [c["fleet_idle_fraction"] for c in mine if c["fleet_idle_fraction"] is not None]
+        cost = [c["worker_s_per_step"] for c in mine if c["worker_s_per_step"] is not None]
+        out[name] = {
+            "repeats": len(mine),
+            "steps_per_min_all_runs": statistics.median(rates),
+            "steps_per_min_range": [min(rates), max(rates)],
+            "fleet_idle_fraction": statistics.median(idle) if idle else None,
+            "worker_s_per_step": statistics.median(cost) if cost else None,
+            "worker_s_per_step_range": [min(cost), max(cost)] if cost else None,
+        }
+    return out
+
+
+def summary_table(summary: dict[str, dict]) -> str:
+    out = [
+        f"{'case':9} {'repeats':>7} {'steps/min, all runs':>20} {'range':>15} {'fleet idle':>10} {'worker-s/step':>13}"
+    ]
+    for name, m in summary.items():
+        lo, hi = m["steps_per_min_range"]
+        out.append(
+            f"{name:9} {m['repeats']:>7} {m['steps_per_min_all_runs']:>20.1f} "
+            f"{f'{lo:.1f}-{hi:.1f}':>15} {m['fleet_idle_fraction']!s:>10} "
+            f"{m['worker_s_per_step']!s:>13}"
+        )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=150.0)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--config", type=Path, default=ROOT / "examples" / "quickstart.toml")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "multirun_real.json"))
+    p.add_argument("--cases", default="shared,split,alone-a,alone-b", help="which, in order")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of the cases, alternating")
     args = p.parse_args(argv)
     n, half = args.workers, args.workers // 2
     everyone = list(range(n))
@@ -149,12 +189,21 @@ def main(argv: list[str] | None = None) -> int:
         "alone-a": {"a": everyone},
         "alone-b": {"b": everyone},
     }
-    cases = [run_case(name, plan, args) for name, plan in plans.items()]
+    unknown = set(args.cases.split(",")) - set(plans)
+    if unknown:
+        p.error(f"--cases: unknown {sorted(unknown)}; choose from {', '.join(plans)}")
+    cases = []
+    for i in range(args.repeat):  # the cases alternate, so slow minutes of the host fall on all
+        for name in args.cases.split(","):
+            cases.append({**run_case(name, plans[name], args), "repeat": i})
     print(table(cases))
+    summary = medians(cases)
+    print(summary_table(summary))
     write_result(
         args.json,
         {"command": " ".join(["python", "benchmarks/multirun_real.py", *(argv or sys.argv[1:])]),
-         "seconds": args.seconds, "config": str(args.config), "cases": cases},
+         "seconds": args.seconds, "config": str(args.config), "repeat": args.repeat,
+         "medians": summary, "cases": cases},
     )  # fmt: skip
     print(f"wrote {args.json}")
     return 0
