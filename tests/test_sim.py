@@ -418,8 +418,14 @@ def test_simulate_fixed():
     ids=lambda p: p.stem,
 )
 def test_example_scenarios_load_and_start(path):
-    from provisioning.sim.scenario import load_scenario
+    from provisioning.sim.multijob_scenario import load_multi
+    from provisioning.sim.scenario import ScenarioError, load_scenario
 
+    if path.stem.startswith("multirun"):  # several jobs on one fleet: their own loader
+        assert load_multi(path).jobs
+        with pytest.raises(ScenarioError, match="benchmarks/sim_multirun.py"):
+            load_scenario(path)  # the single-job loader names the right tool
+        return
     sc = load_scenario(path)
     if len(build_pool(sc, np.random.default_rng(0))) > 1000:
         return  # scale-10k: validated only; benchmarks/reproduce_sim.py runs it

@@ -11,7 +11,6 @@ Units: seconds, trajectories/s, $/h. A job's phases repeat in a cycle from ``pha
 
 from __future__ import annotations
 
-import difflib
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -19,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from echo.config import known_keys
-from provisioning.sim.scenario import ScenarioError
+from provisioning.sim.scenario import ScenarioError, explain
 
 
 class _Section(BaseModel):
@@ -143,27 +142,13 @@ def _known_keys() -> list[str]:
 
 
 def _explain(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        loc = [str(p) for p in e["loc"]]
-        key = ".".join(loc) or "(top level)"
-        plain = ".".join(p for p in loc if not p.isdigit())
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(plain, _known_keys(), n=1)
-            hint = (
-                f"did you mean {close[0]!r}?"
-                if close
-                else "remove it (see examples/sim/multirun-*.toml)"
-            )
-            lines.append(f"unknown key {key!r}: {hint}")
-        elif e["type"] == "missing":
-            lines.append(f"{key} is required: add it to the scenario")
-        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):
-            lines.append(f"[{key}] {msg}")
-        else:
-            lines.append(f"{key} = {e.get('input')!r}: {msg}; fix it in the scenario")
-    return "invalid multi-job scenario:\n  " + "\n  ".join(lines)
+    return explain(
+        err,
+        _known_keys(),
+        what="multi-job scenario",
+        examples="examples/sim/multirun-*.toml",
+        set_hint=False,
+    )
 
 
 def multi_from_dict(data: dict[str, Any]) -> MultiScenario:

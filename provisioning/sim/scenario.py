@@ -274,34 +274,39 @@ def _known_keys() -> list[str]:
 
 
 def _explain(err: ValidationError) -> str:
+    return explain(
+        err, _known_keys(), what="scenario", examples="examples/sim/*.toml", set_hint=True
+    )
+
+
+def explain(
+    err: ValidationError, known: list[str], *, what: str, examples: str, set_hint: bool
+) -> str:
+    """A scenario's validation errors, one line each with its fix (``set_hint``: the file's
+    keys can also be given with ``--set``). Shared by the single- and multi-job scenarios."""
     lines = []
     for e in err.errors():
         loc = [str(p) for p in e["loc"]]
         key = ".".join(loc) or "(top level)"
         plain = ".".join(p for p in loc if not p.isdigit())
         if e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(plain, _known_keys(), n=1)
-            hint = (
-                f"did you mean {close[0]!r}?"
-                if close
-                else "remove it (see examples/sim/*.toml for the known keys)"
-            )
+            close = difflib.get_close_matches(plain, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"remove it (see {examples})"
             lines.append(f"unknown key {key!r}: {hint}")
             continue
         if e["type"] == "missing":
-            lines.append(f"{key} is required: add it to the scenario (or --set {plain}=...)")
+            extra = f" (or --set {plain}=...)" if set_hint else ""
+            lines.append(f"{key} is required: add it to the scenario{extra}")
             continue
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "value_error" and isinstance(e.get("input"), dict):
             lines.append(f"[{key}] {msg}")  # a check across keys of one table
             continue
-        how = (
-            "fix it in the scenario"
-            if plain != key
-            else f"fix it in the scenario or with --set {key}=..."
+        how = "fix it in the scenario" + (
+            f" or with --set {key}=..." if set_hint and plain == key else ""
         )
         lines.append(f"{key} = {e.get('input')!r}: {msg}; {how}")
-    return "invalid scenario:\n  " + "\n  ".join(lines)
+    return f"invalid {what}:\n  " + "\n  ".join(lines)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
@@ -341,4 +346,9 @@ def load_scenario(
     path: str | Path, overrides: list[str] | dict[str, Any] | None = None
 ) -> Scenario:
     data = apply_overrides(read_toml(path), overrides or [])
+    if "jobs" in data:  # examples/sim/multirun-*.toml: several jobs sharing one fleet
+        raise ScenarioError(
+            f"{path}: a multi-job scenario ([[jobs]] tables): run it with "
+            f"python benchmarks/sim_multirun.py (docs/multirun.md), not as one job"
+        )
     return scenario_from_dict(data, Path(path).resolve().parent)
