@@ -459,3 +459,21 @@ def test_a_large_fleet_is_told_a_longer_heartbeat_period_and_given_longer_to_bea
         assert cp.table.timeout(w1) == small_cfg.transport.heartbeat_timeout_s
     finally:
         cp.shutdown("test over")
+
+
+def test_a_heartbeat_s_sharing_fields_out_of_bounds_are_refused_and_counted(plane, client):
+    """A stranger's heartbeat claiming its device serves 0, a billion or "two" runs: refused
+    by the decoder (counted), the session and the server go on; a valid one is kept and
+    answered with the run's need (docs/multirun.md)."""
+    ack = ask(client, wire.Join(worker_id="w1", price=0.35))
+    assert isinstance(ack, wire.JoinAck)
+    beat = wire.Heartbeat(worker_id="w1", version=-1).model_dump(mode="json")
+    bad = [{"runs": 0}, {"runs": 10**9}, {"runs": "two"}, {"resident": {"x": 1}}]
+    before = sum(plane.stats().rejected.values())
+    for patch in bad:
+        frame = msgpack.packb({"v": wire.WIRE_VERSION, "type": "heartbeat", **beat, **patch})
+        reply = ask(client, frame)
+        assert isinstance(reply, wire.Error), (patch, reply)
+    assert sum(plane.stats().rejected.values()) == before + len(bad)
+    reply = ask(client, wire.Heartbeat(worker_id="w1", version=-1, runs=2, resident=False))
+    assert isinstance(reply, wire.HeartbeatAck) and 0 <= reply.need <= 1000
