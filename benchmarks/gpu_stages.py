@@ -6,7 +6,8 @@ after every figure (a stage stopped at its budget keeps its finished figures).
 
 Stages: ``model`` (SmolLM2 from its GGUF), ``tests`` (the ``gpu``-marked tests), ``learner``
 (learner step tokens/s and MFU, full and LoRA), ``generation`` (worker tokens/s at batch 1, 16,
-64 and the install time of a version), ``learning`` (SmolLM2 learning the math example: a
+64 and the install time of a version), ``relay`` (the relay chain's throughput against a bare
+pyzmq chain, on the device host's cores), ``learning`` (SmolLM2 learning the math example: a
 learner and two workers on the GPU). ``--dry-run`` runs every stage's code path on the CPU with
 the tiny model and small sizes: ``make test`` does, so the script cannot rot between GPU runs.
 
@@ -529,11 +530,28 @@ def stage_learning(a: argparse.Namespace, rec: Record) -> None:
         )
 
 
+def stage_relay(a: argparse.Namespace, rec: Record) -> None:
+    """The relay chain against a bare pyzmq chain on a host with many cores (this VM has two,
+    where both are CPU-bound: docs/broadcast.md, "A relay's CPU"): 4 hops, 1 GiB in 4 MiB
+    chunks, CurveZMQ off, pairs in turn (``benchmarks/relay_cpu.py``)."""
+    from benchmarks.relay_cpu import one_pair, table
+
+    rec.put("cpus", os.cpu_count())
+    rows: list[dict[str, Any]] = []
+    for i in range(a.reps):
+        rows.append(one_pair(i, 64 if a.dry_run else 1024, 4096))
+        rec.put("runs", rows)
+        rec.put("ratio_median", statistics.median(r["ratio"] for r in rows))
+        rec.put("table", table(rows))
+    print(f"relay: ratio to a bare chain {rec.data['ratio_median']:.3f}", flush=True)
+
+
 STAGES: dict[str, Callable[[argparse.Namespace, Record], None]] = {
     "model": stage_model,
     "tests": stage_tests,
     "learner": stage_learner,
     "generation": stage_generation,
+    "relay": stage_relay,
     "learning": stage_learning,
 }
 

@@ -40,6 +40,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from broadcast.chunk_checks import ChunkChecks
 from broadcast.manifest import BaseManifest, ChunkLayout, Manifest, SnapshotError
 from broadcast.shaping import TokenBucket
 from broadcast.store import SnapshotBuffer, SnapshotStore
@@ -201,6 +202,7 @@ async def _pull(
     poller.register(monitor, zmq.POLLIN)
     pending: dict[int, int] = {}  # rid -> chunk index
     form = buf.layout.form  # "full": a keyframe (Manifest.result_layout); "base": a base model
+    checks = ChunkChecks(buf, store, _counter(stats, attempt))
 
     async def request_next() -> None:
         for index in todo:
@@ -227,7 +229,11 @@ async def _pull(
     try:
         for _ in range(window):
             await request_next()
-        while pending or deferred:
+        while pending or deferred or checks.running:
+            _raise_failed(checks)
+            if not pending and not deferred:  # every chunk is here: their checks remain
+                await checks.wait(timeout_s)
+                continue
             now = time.monotonic()
             if deferred and now >= retry_at:
                 if not_yet_since is not None and now - not_yet_since >= timeout_s:
@@ -252,9 +258,8 @@ async def _pull(
             # Drain every reply already queued before polling again: one poll per chunk costs
             # a round through the event loop that a fast link does not need.
             while True:
-                chunks = stats.chunks
                 try:
-                    await _receive(plain, buf, store, pending, max_bytes, download, stats, attempt)
+                    got = await _receive(plain, buf, checks, pending, max_bytes, download)
                 except NotYet as ny:
                     if not deferred:
                         retry_at = time.monotonic() + backoff
@@ -263,15 +268,40 @@ async def _pull(
                     if attempt is not None:
                         attempt["not_yet"] = attempt.get("not_yet", 0) + 1
                 else:
-                    if stats.chunks > chunks:  # the source holds the version now
+                    if got:  # the source holds the version now
                         backoff, not_yet_since = NOT_YET_S, None
                     await request_next()
                 if not (pending and cast(int, plain.getsockopt(zmq.EVENTS)) & zmq.POLLIN):
                     break
+        _raise_failed(checks)
     finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
+        try:
+            await checks.settle()  # before any slot is asked for again (broadcast.chunk_checks)
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+
+
+def _raise_failed(checks: ChunkChecks) -> None:
+    if checks.failed is not None:
+        index, why = checks.failed
+        raise SourceFailed("corrupt", why, index)
+
+
+def _counter(stats: FetchStats, attempt: dict[str, Any] | None) -> Any:
+    """What a verified chunk adds to the fetch's figures and its attempt's trace."""
+
+    def held(index: int, nbytes: int) -> None:
+        stats.chunks += 1
+        stats.bytes += nbytes
+        if attempt is not None:
+            now = time.time()
+            attempt["first"] = attempt["first"] or now
+            attempt["last"] = now
+            attempt["chunks"] += 1
+
+    return held
 
 
 def check_reply(
@@ -306,14 +336,13 @@ def _drain(sock: zmq.Socket[bytes]) -> None:
 async def _receive(
     sock: zmq.Socket[bytes],
     buf: SnapshotBuffer,
-    store: SnapshotStore,
+    checks: ChunkChecks,
     pending: dict[int, int],
     max_bytes: int,
     download: TokenBucket | None,
-    stats: FetchStats,
-    attempt: dict[str, Any] | None = None,
-) -> None:
-    """Read one reply (the poller said one is waiting: all its frames are here).
+) -> bool:
+    """Read one reply (the poller said one is waiting: all its frames are here); True if it
+    was a chunk, now in place and handed to ``checks``.
 
     ``sock`` is a plain (non-asyncio) shadow of the DEALER so that the chunk bytes can be
     received straight into their place in the payload buffer (``recv_into``): no copy. They
@@ -329,7 +358,7 @@ async def _receive(
         raise
     if index is None:
         _drain(sock)
-        return
+        return False
     start, end = buf.layout.chunk_range(index)
     target = buf.view[start:end]
     n = sock.recv_into(target, flags=zmq.NOBLOCK)  # a longer frame is cut: n says its size
@@ -338,18 +367,8 @@ async def _receive(
         raise SourceFailed("corrupt", f"chunk {index} has {n} bytes, expected {end - start}", index)
     if download is not None:
         await download.consume(n)
-    try:
-        buf.layout.verify_chunk(index, target)
-    except SnapshotError as err:
-        raise SourceFailed("corrupt", str(err), index) from None
-    store.mark(buf.version, index)
-    stats.chunks += 1
-    stats.bytes += n
-    if attempt is not None:
-        now = time.time()
-        attempt["first"] = attempt["first"] or now
-        attempt["last"] = now
-        attempt["chunks"] += 1
+    checks.submit(index, target)
+    return True
 
 
 async def fetch_snapshot(

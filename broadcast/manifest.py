@@ -113,7 +113,12 @@ class ChunkLayout:
                 f"chunk {index} of version {self.version} has {len(data)} "
                 f"bytes, expected {end - start}"
             )
-        if chunk_hash(data) != self.chunk_hashes[index]:
+        self.check_digest(index, chunk_hash(data))
+
+    def check_digest(self, index: int, digest: bytes) -> None:
+        """The chunk's BLAKE3 ``digest`` (computed elsewhere: a hashing thread) against the
+        signed one."""
+        if digest != self.chunk_hashes[index]:
             raise SnapshotError(
                 f"chunk {index} of version {self.version} fails its BLAKE3 "
                 f"hash: corrupted in transit or by a relay"

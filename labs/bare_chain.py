@@ -12,9 +12,11 @@ measured in the same run, which holds across machines whose absolute MB/s differ
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import zmq
 
@@ -22,6 +24,12 @@ READY = "BARE_HOP_READY "
 
 
 def hop(args: argparse.Namespace) -> int:
+    from broadcast.memory import keep_chunk_buffers
+
+    # The relays' malloc setting (no mmap/munmap and page faults per received chunk): a
+    # yardstick without it ran its I/O threads about 10% slower than the relays' (measured
+    # with benchmarks/relay_cpu.py) and flattered the ratio.
+    keep_chunk_buffers()
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 64)
@@ -41,6 +49,8 @@ def hop(args: argparse.Namespace) -> int:
         if push is not None:
             push.send(frame, copy=False)
     done.send_string(f"{args.id} {got}")
+    if args.hold:  # alive (its threads readable in /proc) until the root closes our stdin
+        sys.stdin.read()
     done.close(linger=5000)
     if push is not None:
         push.close(linger=-1)
@@ -49,8 +59,9 @@ def hop(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(hops: int, size: int, chunk: int) -> float:
-    """Seconds from the root's first send until every hop holds the whole payload."""
+def run(hops: int, size: int, chunk: int, meter: Any = None) -> float:
+    """Seconds from the root's first send until every hop holds the whole payload;
+    ``meter`` (a ``labs.cpu_meter.CpuMeter``): the root's and each hop's CPU time over them."""
     from echo.procs import terminate_with_parent
     from labs import child_env
 
@@ -76,7 +87,9 @@ def run(hops: int, size: int, chunk: int) -> float:
                     done_ep,
                     "--chunks",
                     str(chunks),
+                    "--hold",
                 ],
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
                 preexec_fn=terminate_with_parent,
@@ -91,11 +104,17 @@ def run(hops: int, size: int, chunk: int) -> float:
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.SNDHWM, 64)
         push.connect(nxt)
+        if meter is not None:  # procs[0] is the tail: hop i is procs[hops - 1 - i]
+            meter.start(
+                {"root": os.getpid(), **{f"hop{i}": procs[hops - 1 - i].pid for i in range(hops)}}
+            )
         t0 = time.monotonic()
         for start in range(0, size, chunk):
             push.send(payload[start : start + chunk], copy=False)
         got = [done.recv_string().split() for _ in range(hops)]
         elapsed = time.monotonic() - t0
+        if meter is not None:
+            meter.stop()
         short = [hop_id for hop_id, n in got if int(n) != size]
         if short:
             raise RuntimeError(f"bare chain hops {short} did not get all {size} bytes")
@@ -103,6 +122,7 @@ def run(hops: int, size: int, chunk: int) -> float:
         return elapsed
     finally:
         for proc in procs:
+            proc.stdin.close()  # type: ignore[union-attr]
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -119,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--next", default="")
     h.add_argument("--done", required=True)
     h.add_argument("--chunks", type=int, required=True)
+    h.add_argument("--hold", action="store_true", help="stay until stdin closes")
     r = sub.add_parser("run")
     r.add_argument("--hops", type=int, default=4)
     r.add_argument("--mib", type=float, default=256)

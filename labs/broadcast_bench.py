@@ -128,7 +128,9 @@ async def _killer(root: Root, procs: dict[str, Any], p: BenchParams, horizon_s: 
         root._check_done()
 
 
-async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
+async def run_one(p: BenchParams, progress: Any = None, meter: Any = None) -> dict[str, Any]:
+    """One benchmark run; ``meter`` (a ``labs.cpu_meter.CpuMeter``): the CPU time of the root
+    and of each relay over the first publication's broadcast (the timed window)."""
     root = Root(p)
     recorded = RecordedVersions(p, root.key) if p.versions_dir else None
     if recorded is not None:
@@ -160,12 +162,16 @@ async def run_one(p: BenchParams, progress: Any = None) -> dict[str, Any]:
                         root.prepare(payload, version),
                         blake3.blake3(payload).digest(),
                     )
+                if meter is not None and version == 1:
+                    meter.start({"root": os.getpid(), **{w: x.pid for w, x in procs.items()}})
                 t0 = time.monotonic()
                 sources = await root.publish(manifest)
                 if p.kill_fraction and version == 1:
                     tasks.append(tg.create_task(_killer(root, procs, p, horizon)))
                 await asyncio.wait_for(root.all_installed.wait(), max(120.0, 10 * horizon))
                 elapsed = time.monotonic() - t0
+                if meter is not None and version == 1:
+                    meter.stop()
                 await root.audit()  # each survivor rebuilds it and answers with its digest
                 pubs.append(_publication(root, version, sources, manifest, expected[version]))
             await root.shutdown()

@@ -113,3 +113,84 @@ def test_bad_reply_fails_the_source_and_the_fetch_resumes_elsewhere(name, make_r
     assert failures[0][1] == reason
     assert stats.failures[0] == (stats.sources[0], reason)
     assert buf.digest() == chunk_hash(payload)
+
+
+BIG = 512 << 10  # above broadcast.chunk_checks.THREAD_MIN_BYTES: checked on the hashing thread
+
+
+async def _scripted_source(sock, payload, good: set[int], bad_header: bool = False):
+    """Serves chunk i's true bytes when i is in ``good``; otherwise zeros of the right size
+    (found out by the hash), or with ``bad_header`` a reply for another chunk (found out at
+    once)."""
+    while True:
+        ident, frame = await sock.recv_multipart()
+        req = wire.decode(frame, MAX_BYTES)
+        start = req.index * BIG
+        index = req.index + (bad_header and req.index not in good)
+        data = payload[start : start + BIG] if req.index in good else bytes(BIG)
+        await sock.send_multipart([ident, _chunk(req.version, index, req.rid), data])
+
+
+@pytest.mark.timeout(60)
+def test_a_chunk_checked_on_the_thread_is_never_held_with_bytes_a_later_source_wrote(
+    monkeypatch,
+):
+    """Source A sends chunk 0 intact, then a reply for the wrong chunk: A fails at once, while
+    chunk 0's check still runs (slowed here). Source B sends zeros for everything. The fetch must not ask B
+    for chunk 0 before its check is settled: a check that passed on A's bytes, finishing after
+    B overwrote them, would mark B's zeros held (and never fetch them again)."""
+    import time as _time
+
+    from broadcast import chunk_checks
+
+    real_hash = chunk_checks.chunk_hash
+
+    def slow_hash(data):
+        digest = real_hash(data)  # on the bytes as they are now...
+        _time.sleep(0.3)  # ...and known only later
+        return digest
+
+    monkeypatch.setattr(chunk_checks, "chunk_hash", slow_hash)
+    monkeypatch.setattr(chunk_checks, "THREADED", True)  # as on a host of more than two cores
+    key = RunKey.generate()
+    payload = np.random.default_rng(2).bytes(6 * BIG)
+    manifest = build_manifest(
+        run_id="t", version=1, tensors=[], payload=payload, chunk_size=BIG, dtype="uint8", key=key
+    )
+    max_bytes = 2 * BIG
+
+    async def body(ctx):
+        root_store = SnapshotStore()
+        root_store.add(SnapshotBuffer(manifest, payload))
+        socks = [ctx.socket(zmq.ROUTER) for _ in range(3)]
+        for s in socks:
+            s.bind("tcp://127.0.0.1:*")
+        root, a, b = (s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks)
+        store = SnapshotStore()
+        store.add(SnapshotBuffer(manifest))
+        failures = []
+
+        async def reattach(bad, fail):
+            failures.append((bad.endpoint, fail.reason))
+            return b if bad.endpoint == a else root
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [
+                tg.create_task(ChunkServer(socks[0], root_store, max_bytes).serve_forever()),
+                tg.create_task(_scripted_source(socks[1], payload, good={0}, bad_header=True)),
+                tg.create_task(_scripted_source(socks[2], payload, good=set())),
+            ]
+            await fetch_into(
+                ctx, store, 1, a, window=2, timeout_s=10, max_bytes=max_bytes, reattach=reattach
+            )
+            for t in tasks:
+                t.cancel()
+        return store.get(1), failures, (a, b)
+
+    ctx = zmq.asyncio.Context()
+    try:
+        buf, failures, (a, b) = asyncio.run(asyncio.wait_for(body(ctx), 50))
+    finally:
+        ctx.destroy(linger=0)
+    assert failures == [(a, "corrupt"), (b, "corrupt")]
+    assert buf.digest() == chunk_hash(payload)

@@ -27,7 +27,7 @@ def test_dry_run_exercises_every_stage_and_writes_the_layout(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     res = json.loads((out / "gpu_check.json").read_text())
     stages = res["stages"]
-    assert list(stages) == ["model", "tests", "learner", "generation", "learning"]
+    assert list(stages) == ["model", "tests", "learner", "generation", "relay", "learning"]
     assert all(s["outcome"] == "ok" for s in stages.values()), {
         k: s["outcome"] for k, s in stages.items()
     }
@@ -39,6 +39,8 @@ def test_dry_run_exercises_every_stage_and_writes_the_layout(tmp_path):
     for rows in (1, 16, 64):
         assert stages["generation"][f"batch_{rows}"]["sequences"] == rows
     assert stages["generation"]["install"]["seconds_median"] > 0
+    relay = stages["relay"]["runs"][0]
+    assert relay["corrupt_installs"] == 0 and relay["echo_mb_s"] > 0 and relay["bare_mb_s"] > 0
     curve = stages["learning"]["curve"]
     assert [r["step"] for r in curve] == [0, 1, 2] and all("reward_mean" in r for r in curve)
     assert res["learning_curve_png"] and (out / "learning_curve.png").stat().st_size > 0
