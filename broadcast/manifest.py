@@ -116,8 +116,7 @@ class ChunkLayout:
         self.check_digest(index, chunk_hash(data))
 
     def check_digest(self, index: int, digest: bytes) -> None:
-        """The chunk's BLAKE3 ``digest`` (computed elsewhere: a hashing thread) against the
-        signed one."""
+        """The chunk's BLAKE3 ``digest`` (from a hashing thread) against the signed one."""
         if digest != self.chunk_hashes[index]:
             raise SnapshotError(
                 f"chunk {index} of version {self.version} fails its BLAKE3 "

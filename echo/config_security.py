@@ -68,6 +68,13 @@ class SecurityConfig(_Section):
     # Mean per-token |claimed - recomputed| log-prob of one sample above this fails the audit.
     # Honest backends differ by ~0.01 mean (bf16, vLLM): 0.5 nats is far outside that.
     audit_logprob_tol: float = Field(0.5, gt=0)
+    # An adapter whose reward is expensive (``expensive_reward``: the code adapter runs a
+    # sandboxed program per sample). sampled: not recomputed at intake; a thread recomputes
+    # every group of a worker on probation and reward_audit_rate of the others, off the
+    # learner's step (learner/reward_audit.py). every: recomputed at intake, every one, as a
+    # cheap reward is (the learner's loop waits on it).
+    expensive_reward_check: Literal["sampled", "every"] = "sampled"
+    reward_audit_rate: float = Field(0.1, ge=0, le=1)
     # Sampling test (Azuma-Hoeffding on clipped log p + entropy): false-alarm bound per audit,
     # and the clip. Honest samples fail with probability <= audit_alpha whatever the model.
     audit_alpha: float = Field(1e-6, gt=0, lt=1)

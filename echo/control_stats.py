@@ -60,6 +60,8 @@ class ControlStats:
     worker_busy_rate: float = 0.0  # trajectories per busy second, measured over the run
     rejected: Counts = field(default_factory=dict)  # records/frames refused by reason, so far
     handbacks: dict[str, Any] = field(default_factory=dict)  # returned work (docs/preemption.md)
+    # expensive rewards recomputed off the step (learner.reward_audit); empty when inline
+    reward_audit: dict[str, float] = field(default_factory=dict)
     join_refused: Counts = field(default_factory=dict)  # joins/connections refused by reason
     limited: Counts = field(default_factory=dict)  # messages refused (rate limit, ban) by reason
     chunk_rejected: Counts = field(default_factory=dict)  # learner chunk requests refused

@@ -53,6 +53,8 @@ class StepRow:
     cost_step_usd: float | None = None  # $: the fleet's price over t_train + t_wait
     rejected: Counts | None = None  # records/frames refused by reason, so far
     handbacks: dict[str, Any] | None = None  # returned work by kind (docs/preemption.md)
+    # an expensive reward's audits off the step, so far (learner.reward_audit); None: inline
+    reward_audit: dict[str, float] | None = None
     control_cpu: dict[str, Any] | None = None  # s of the control loop's CPU by kind, so far
     learner_bytes_sent: int | None = None  # bytes of snapshots the learner served, so far
     t_bcast: float | None = None  # s: broadcast time of the latest measured publication

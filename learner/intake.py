@@ -38,6 +38,7 @@ from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
 from learner.durable import BufferLog
 from learner.handback import expand
 from learner.reputation import Reputation, Verdict
+from learner.reward_audit import RewardAuditor, RewardJob
 from learner.work import WorkQueue
 
 log = logging.getLogger("echo.intake")
@@ -118,11 +119,17 @@ class Intake:
         audit: Callable[[AuditJob], None] | None = None,
         audit_rate: float = 0.0,
         probation_groups: int = 0,
+        reward_audit: RewardAuditor | None = None,
+        reward_audit_rate: float = 0.0,
     ):
         self.limits, self.buffer, self.work = limits, buffer, work
         self.reputation, self.buffer_log = reputation, buffer_log
-        # The reward is recomputed only where the adapter says it can be.
-        self.adapter = adapter if getattr(adapter, "recomputes_rewards", False) else None
+        # The reward is recomputed only where the adapter says it can be; an expensive one
+        # on the reward auditor's thread, for a sample of groups (learner.reward_audit).
+        recomputes = getattr(adapter, "recomputes_rewards", False)
+        self.reward_audit = reward_audit if recomputes else None
+        self.reward_audit_rate = reward_audit_rate
+        self.adapter = adapter if recomputes and self.reward_audit is None else None
         self.audit, self.audit_rate, self.probation_groups = audit, audit_rate, probation_groups
         self.delivered: Counter[str] = Counter()  # worker id -> whole groups admitted
         self.continued = 0  # samples admitted that continued a handed-back prefix
@@ -184,6 +191,8 @@ class Intake:
             self.restored_admitted += len(out.accepted) - before
         if COMPLETED in stored:
             self._maybe_audit(sender, key, recs, prefixes)
+            if self.reward_audit is not None and group is not None:
+                self._maybe_audit_reward(sender, key, group.task, recs)
             if self.on_complete is not None:
                 self.on_complete(sender, recs, returners)
 
@@ -269,6 +278,14 @@ class Intake:
             self.work.drop_prefixes(rec.group_id)  # a stale prefix would make stale records
             self.work.requeue(rec.group_id)  # regenerate it under a fresh snapshot
         return outcome
+
+    def _maybe_audit_reward(
+        self, sender: str, key: str, task: dict[str, Any], recs: list[Record]
+    ) -> None:
+        probation = self.delivered[sender] <= self.probation_groups  # counted by _maybe_audit
+        if probation or self._rng.random() < self.reward_audit_rate:
+            job = RewardJob(sender, key, task, sorted(recs, key=lambda r: r.sample_idx), probation)
+            self.reward_audit.submit(job)  # type: ignore[union-attr]
 
     def _maybe_audit(self, sender: str, key: str, recs: list[Record], prefixes: list[Any]) -> None:
         self.delivered[sender] += 1

@@ -30,6 +30,7 @@ from learner.listen import ControlSocket
 from learner.members import Members, RunIdentity
 from learner.notices import Notices
 from learner.reputation import Reputation
+from learner.reward_audit import RewardAuditor
 from learner.routes import SnapshotRoutes
 from learner.server_stats import ServerStats, StatSources
 from learner.sessions import SessionTable
@@ -132,6 +133,8 @@ def build_parts(
     reputation = Reputation(security_dir(inp.run_dir), sc.strikes, inp.step, _unwired)
     audit = inp.audit if sc.audit else None
     intake = Intake(
+        reward_audit=_reward_auditor(cfg, inp.adapter, reputation),
+        reward_audit_rate=sc.reward_audit_rate,
         limits=inp.limits,
         buffer=inp.buffer,
         work=inp.work,
@@ -240,6 +243,17 @@ def build_parts(
         socket=sockets,
         work=inp.work,
     )
+
+
+def _reward_auditor(cfg: EchoConfig, adapter: Any, reputation: Reputation) -> RewardAuditor | None:
+    """The thread that recomputes a sample of an expensive reward (learner.reward_audit);
+    None for an adapter whose reward the learner recomputes inline, or cannot."""
+    sc = cfg.security
+    if not getattr(adapter, "expensive_reward", False) or sc.expensive_reward_check == "every":
+        return None
+    auditor = RewardAuditor(adapter, reputation, cfg.security.audit_queue)
+    auditor.start()  # closed by the server's shutdown
+    return auditor
 
 
 def _unwired(worker_id: str, key: str, reason: str) -> None:

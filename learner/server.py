@@ -322,6 +322,8 @@ class LearnerServer:
     async def _shutdown(self, reason: str) -> None:
         m, fleet = self.members, self.parts.fleet
         await asyncio.to_thread(fleet.books.save, fleet.state())
+        if self.parts.intake.reward_audit is not None:
+            await asyncio.to_thread(self.parts.intake.reward_audit.close)
         for w in list(self.table.workers.values()):
             await self.parts.socket.send(
                 w, wire.Shutdown(reason=reason, account=m.account(w, reason))

@@ -91,6 +91,7 @@ class ServerStats:
                 "continued_samples": s.intake.continued,
                 "held": len(s.work.held),
             },
+            reward_audit=s.intake.reward_audit.stats() if s.intake.reward_audit else {},
             sessions=len(s.table.sessions),
             # docs/security.md, "Sybils": joined keys not yet members, notices sent and left
             # to heartbeat replies
