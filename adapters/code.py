@@ -178,5 +178,10 @@ class CodeAdapter(Adapter):
         out = call_entry(task["header"] + completion_text, "f", task["calls"], self.limits)
         if out.results is None:
             return 0.0
-        right = sum(got == want for got, want in zip(out.results, task["expected"]))
+        right = sum(_same(got, want) for got, want in zip(out.results, task["expected"]))
         return right / len(task["expected"])
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Equal as JSON values: 1 is not True, 1.0 is not 1 (Python's == says they are)."""
+    return json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)

@@ -23,19 +23,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from broadcast.manifest import SnapshotError, chunk_hash
 from broadcast.store import SnapshotBuffer, SnapshotStore
 
+OnHeld = Callable[[int, int], None]  # (chunk index, its bytes): the chunk verified and is held
 THREAD_MIN_BYTES = 256 << 10
 THREADED = (os.cpu_count() or 1) > 2
 _hasher = ThreadPoolExecutor(1, thread_name_prefix="echo-blake3")
 
 
 class ChunkChecks:
-    def __init__(self, buf: SnapshotBuffer, store: SnapshotStore, on_held: Any):
+    def __init__(self, buf: SnapshotBuffer, store: SnapshotStore, on_held: OnHeld):
         """``on_held(index, nbytes)``: called on the loop for each chunk that verified, after
         it is marked held in ``store``."""
         self.buf, self.store, self.on_held = buf, store, on_held

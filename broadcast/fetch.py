@@ -40,7 +40,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from broadcast.chunk_checks import ChunkChecks
+from broadcast.chunk_checks import ChunkChecks, OnHeld
 from broadcast.manifest import BaseManifest, ChunkLayout, Manifest, SnapshotError
 from broadcast.shaping import TokenBucket
 from broadcast.store import SnapshotBuffer, SnapshotStore
@@ -289,7 +289,7 @@ def _raise_failed(checks: ChunkChecks) -> None:
         raise SourceFailed("corrupt", why, index)
 
 
-def _counter(stats: FetchStats, attempt: dict[str, Any] | None) -> Any:
+def _counter(stats: FetchStats, attempt: dict[str, Any] | None) -> OnHeld:
     """What a verified chunk adds to the fetch's figures and its attempt's trace."""
 
     def held(index: int, nbytes: int) -> None:
@@ -368,6 +368,7 @@ async def _receive(
     if download is not None:
         await download.consume(n)
     checks.submit(index, target)
+    _raise_failed(checks)  # a chunk checked inline fails its source at once
     return True
 
 

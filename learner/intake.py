@@ -192,7 +192,7 @@ class Intake:
         if COMPLETED in stored:
             self._maybe_audit(sender, key, recs, prefixes)
             if self.reward_audit is not None and group is not None:
-                self._maybe_audit_reward(sender, key, group.task, recs)
+                self._maybe_audit_reward(self.reward_audit, sender, key, group.task, recs)
             if self.on_complete is not None:
                 self.on_complete(sender, recs, returners)
 
@@ -280,12 +280,17 @@ class Intake:
         return outcome
 
     def _maybe_audit_reward(
-        self, sender: str, key: str, task: dict[str, Any], recs: list[Record]
+        self,
+        auditor: RewardAuditor,
+        sender: str,
+        key: str,
+        task: dict[str, Any],
+        recs: list[Record],
     ) -> None:
         probation = self.delivered[sender] <= self.probation_groups  # counted by _maybe_audit
         if probation or self._rng.random() < self.reward_audit_rate:
             job = RewardJob(sender, key, task, sorted(recs, key=lambda r: r.sample_idx), probation)
-            self.reward_audit.submit(job)  # type: ignore[union-attr]
+            auditor.submit(job)
 
     def _maybe_audit(self, sender: str, key: str, recs: list[Record], prefixes: list[Any]) -> None:
         self.delivered[sender] += 1

@@ -67,6 +67,9 @@ def test_every_task_family_scores_a_right_body_1_and_a_wrong_one_0(adapter):
         assert adapter.reward(p.task, [], right) == 1.0, (kind, right)
         assert adapter.reward(p.task, [], "    return None\n") == 0.0
         assert adapter.reward(p.task, [], "    while True: pass\n") == 0.0
+    p = next(q for q in adapter.prompts(rng) if q.task["kind"] == "divisible")
+    wrong_type = "    return int(x % {k} == 0)\n".format(**_consts(p.task))  # 1/0, not True/False
+    assert adapter.reward(p.task, [], wrong_type) == 0.0
     assert seen == set(TASKS)
 
 
