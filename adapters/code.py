@@ -13,21 +13,26 @@ sample of delivered rewards off its step (``security.reward_audit_rate``) rather
 one inline.
 
 Options: ``tasks`` (names from ``TASKS``; default all), ``calls`` (hidden inputs per prompt,
-default 5), ``cpu_s``, ``wall_s``, ``memory_mib`` (the sandbox's limits), ``sandbox_network``
-(``"required"``, the default: the adapter refuses to start where no network namespace can be
-had; ``"optional"``: run without one, at the operator's risk).
+default 5), ``prompt`` (``"header"``, the default: the header as plain text, the completion is
+the body, for a base model; ``"chat"``: the task as a user message through the tokenizer's chat
+template, for an instruction-tuned model, whose reply is run: its first fenced code block, or
+all of it, must define ``f``), ``cpu_s``, ``wall_s``, ``memory_mib`` (the sandbox's limits),
+``sandbox_network`` (``"required"``, the default: the adapter refuses to start where no network
+namespace can be had; ``"optional"``: run without one, at the operator's risk).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from dataplane.adapter import Adapter, AdapterError, Prompt
+from dataplane.multiturn import render_ids
 from dataplane.sandbox import Limits, SandboxError, call_entry
 
 
@@ -106,12 +111,26 @@ TASKS: dict[str, Task] = {
         lambda r: "".join(r.choice(string.ascii_lowercase) for _ in range(r.randint(0, 15))),
     ),
 }
-OPTIONS = {"tasks", "calls", "cpu_s", "wall_s", "memory_mib", "sandbox_network"}
+OPTIONS = {"tasks", "calls", "prompt", "cpu_s", "wall_s", "memory_mib", "sandbox_network"}
+FENCED = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
 
 
 def header(doc: str) -> str:
     """The prompt's text: the function the policy completes."""
     return f'def f(x):\n    """{doc}"""\n'
+
+
+def ask(doc: str) -> str:
+    """The user message of ``prompt = "chat"``."""
+    return f"Write a Python function f(x). {doc} Reply with the code only."
+
+
+def program(task: dict[str, Any], completion_text: str) -> str:
+    """What runs: the header and the body the policy wrote, or (chat) the code of its reply."""
+    if not task.get("chat"):
+        return task["header"] + completion_text
+    block = FENCED.search(completion_text)
+    return block.group(1) if block else completion_text
 
 
 class CodeAdapter(Adapter):
@@ -130,6 +149,12 @@ class CodeAdapter(Adapter):
         if bad or not names:
             raise AdapterError(f"code: tasks {bad or names} unknown; choose from {list(TASKS)}")
         self.tasks = names
+        self.chat = self.options.get("prompt", "header") == "chat"
+        if self.options.get("prompt", "header") not in ("header", "chat"):
+            raise AdapterError(
+                f'code: prompt={self.options["prompt"]!r} must be "header" (a base model '
+                f'continues the function) or "chat" (an instruction-tuned model answers)'
+            )
         self.calls = int(self.options.get("calls", 5))
         if not 1 <= self.calls <= 50:
             raise AdapterError(f"code: calls={self.calls} must be 1..50 (hidden inputs a prompt)")
@@ -165,17 +190,23 @@ class CodeAdapter(Adapter):
             consts = task.consts(rng)
             args = [task.arg(rng) for _ in range(self.calls)]
             expected = [json.loads(json.dumps(task.ref(consts, a))) for a in args]
-            text = header(task.doc(consts))
+            doc = task.doc(consts)
+            text = header(doc)
+            ids = (
+                render_ids(self.tokenizer, [{"role": "user", "content": ask(doc)}], True)
+                if self.chat
+                else self.tokenizer.encode(text, add_special_tokens=False)
+            )
             yield Prompt(
-                prompt_ids=self.tokenizer.encode(text, add_special_tokens=False),
-                task={"kind": name, "header": text, "calls": [[a] for a in args],
-                      "expected": expected},
+                prompt_ids=ids,
+                task={"kind": name, "header": text, "chat": self.chat,
+                      "calls": [[a] for a in args], "expected": expected},
             )  # fmt: skip
 
     def reward(
         self, task: dict[str, Any], completion_ids: list[int], completion_text: str
     ) -> float:
-        out = call_entry(task["header"] + completion_text, "f", task["calls"], self.limits)
+        out = call_entry(program(task, completion_text), "f", task["calls"], self.limits)
         if out.results is None:
             return 0.0
         right = sum(_same(got, want) for got, want in zip(out.results, task["expected"]))

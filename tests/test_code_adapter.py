@@ -80,11 +80,25 @@ def test_a_program_that_prints_the_answers_earns_nothing(adapter):
     assert adapter.reward(p.task, [], body) == 0.0
 
 
+def test_chat_prompts_run_the_reply_s_code_block(tokenizer):
+    """prompt = "chat": the task goes through the chat template; the reply's first fenced
+    block (or the whole reply) is the program, and it must define f itself."""
+    chat = CodeAdapter({"prompt": "chat", "tasks": ["reverse"]}, tokenizer)
+    p = next(chat.prompts(random.Random(0)))
+    assert p.task["chat"] and p.prompt_ids != tokenizer.encode(p.task["header"])
+    reply = "Here it is:\n```python\ndef f(x):\n    return x[::-1]\n```\nIt reverses x."
+    assert chat.reward(p.task, [], reply) == 1.0
+    assert chat.reward(p.task, [], "def f(x):\n    return x[::-1]\n") == 1.0  # no fence
+    assert chat.reward(p.task, [], "```python\n    return x[::-1]\n```") == 0.0  # no def f
+
+
 def test_bad_options_are_refused_naming_them(tokenizer):
     with pytest.raises(AdapterError, match="unknown option"):
         CodeAdapter({"timeout": 3}, tokenizer)
     with pytest.raises(AdapterError, match="tasks"):
         CodeAdapter({"tasks": ["sorting"]}, tokenizer)
+    with pytest.raises(AdapterError, match="prompt"):
+        CodeAdapter({"prompt": "json"}, tokenizer)
     with pytest.raises(AdapterError, match="sandbox_network"):
         CodeAdapter({"sandbox_network": "yes"}, tokenizer)
 
