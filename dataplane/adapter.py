@@ -79,6 +79,10 @@ class Adapter(ABC):
     # whose worker reported another (docs/security.md). An adapter whose reward the learner
     # cannot recompute (it needs an environment the learner does not replay) sets False.
     recomputes_rewards: bool = True
+    # A reward that costs much to compute (a sandboxed program, a judge model): the learner
+    # then checks a sample of delivered rewards on a thread of its own instead of recomputing
+    # every one at intake (security.expensive_reward_check; docs/scheduling.md).
+    expensive_reward: bool = False
     # The only token ids the policy may generate (None: the whole vocabulary). Workers sample
     # from the softmax renormalised over them and the learner computes log-probs the same way
     # (dataplane/answers.py); set it in ``__init__`` from the adapter's options.
