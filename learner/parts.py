@@ -133,7 +133,7 @@ def build_parts(
     reputation = Reputation(security_dir(inp.run_dir), sc.strikes, inp.step, _unwired)
     audit = inp.audit if sc.audit else None
     intake = Intake(
-        reward_audit=_reward_auditor(cfg, inp.adapter, reputation),
+        reward_audit=_reward_auditor(cfg, inp.adapter),
         reward_audit_rate=sc.reward_audit_rate,
         limits=inp.limits,
         buffer=inp.buffer,
@@ -245,15 +245,18 @@ def build_parts(
     )
 
 
-def _reward_auditor(cfg: EchoConfig, adapter: Any, reputation: Reputation) -> RewardAuditor | None:
+def _reward_auditor(cfg: EchoConfig, adapter: Any) -> RewardAuditor | None:
     """The thread that recomputes a sample of an expensive reward (learner.reward_audit);
-    None for an adapter whose reward the learner recomputes inline, or cannot."""
+    None for an adapter whose reward the learner recomputes inline, or cannot. Its verdicts
+    go to the server's loop: the server wires ``report`` and starts it."""
     sc = cfg.security
     if not getattr(adapter, "expensive_reward", False) or sc.expensive_reward_check == "every":
         return None
-    auditor = RewardAuditor(adapter, reputation, cfg.security.audit_queue)
-    auditor.start()  # closed by the server's shutdown
-    return auditor
+    return RewardAuditor(adapter, sc.audit_queue, _unwired_report)
+
+
+def _unwired_report(verdict: Any) -> None:
+    raise RuntimeError("a reward verdict before the server wired the auditor")
 
 
 def _unwired(worker_id: str, key: str, reason: str) -> None:

@@ -16,7 +16,9 @@ the worker is not blamed, and it is counted (``nondeterministic``).
 
 Bounded: at most ``security.audit_queue`` groups wait; past it the oldest group not on
 probation is dropped and counted (``dropped``). The thread starts with ``start`` and ends with
-``close`` (the learner's shutdown).
+``close`` (the learner's shutdown). Verdicts leave through ``report``: in the learner, the
+server's, which records them on its loop (a strike, and a quarantine's ban and dropped groups,
+are the loop's to apply, as for the trainer thread's log-prob audits).
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dataplane.records import Record
-from learner.reputation import Reputation, Verdict
+from learner.reputation import Verdict
 
 log = logging.getLogger("echo.reward_audit")
 
@@ -44,8 +47,8 @@ class RewardJob:
 
 
 class RewardAuditor:
-    def __init__(self, adapter: Any, reputation: Reputation, max_jobs: int):
-        self.adapter, self.reputation, self.max_jobs = adapter, reputation, max_jobs
+    def __init__(self, adapter: Any, max_jobs: int, report: Callable[[Verdict], None]):
+        self.adapter, self.max_jobs, self.report = adapter, max_jobs, report
         self._jobs: deque[RewardJob] = deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -128,9 +131,7 @@ class RewardAuditor:
         stats = {"mismatched": bad[:8], "nondeterministic": unsure[:8]}
         version = min(r.version for r in job.records)
         ok = not bad
-        self.reputation.record(
-            Verdict(job.worker_id, job.key, first.group_id, version, "reward", ok, stats)
-        )
+        self.report(Verdict(job.worker_id, job.key, first.group_id, version, "reward", ok, stats))
         return ok
 
     def _score(self, task: dict[str, Any], r: Record) -> float:

@@ -141,6 +141,9 @@ class LearnerServer:
         self._thread.start()
         if not self._ready.wait(timeout) or self._error:
             raise RuntimeError(f"control plane failed to start: {self._error}")
+        if self.intake.reward_audit is not None:  # its verdicts are recorded on this loop
+            self.intake.reward_audit.report = self.report
+            self.intake.reward_audit.start()
 
     def _run(self) -> None:
         try:

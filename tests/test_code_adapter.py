@@ -143,7 +143,7 @@ def _recs(gid, rewards, worker="w"):
 
 def test_a_misreported_reward_is_a_strike_an_honest_one_is_not(tmp_path, tokenizer):
     rep = Reputation(tmp_path, 3, lambda: 0, lambda *a: None)
-    audit = RewardAuditor(FakeExpensive(tokenizer), rep, 8)
+    audit = RewardAuditor(FakeExpensive(tokenizer), 8, rep.record)
     assert audit.check(RewardJob("w", "k", {}, _recs("g1", [1.0, 0.0]), False))
     assert not audit.check(RewardJob("w", "k", {}, _recs("g2", [1.0, 1.0]), False))
     assert rep.strikes["w"] == 1 and audit.failed == 1 and audit.audited == 2
@@ -151,14 +151,14 @@ def test_a_misreported_reward_is_a_strike_an_honest_one_is_not(tmp_path, tokeniz
 
 def test_a_reward_that_changes_between_recomputes_blames_nobody(tmp_path, tokenizer):
     rep = Reputation(tmp_path, 1, lambda: 0, lambda *a: None)
-    audit = RewardAuditor(FakeExpensive(tokenizer, flaky=True), rep, 8)
+    audit = RewardAuditor(FakeExpensive(tokenizer, flaky=True), 8, rep.record)
     assert audit.check(RewardJob("w", "k", {}, _recs("g", [0.5, 0.5]), False))
     assert rep.strikes["w"] == 0 and audit.nondeterministic == 2
 
 
 def test_the_queue_is_bounded_and_keeps_probation_jobs(tmp_path, tokenizer):
     rep = Reputation(tmp_path, 3, lambda: 0, lambda *a: None)
-    audit = RewardAuditor(FakeExpensive(tokenizer), rep, 2)  # not started: jobs wait
+    audit = RewardAuditor(FakeExpensive(tokenizer), 2, rep.record)  # not started: jobs wait
     audit.submit(RewardJob("w", "k", {}, _recs("p", [1.0]), True))
     for i in range(3):
         audit.submit(RewardJob("w", "k", {}, _recs(f"g{i}", [1.0]), False))
@@ -172,7 +172,7 @@ def test_intake_admits_at_once_and_the_thread_strikes_a_liar(tmp_path, tokenizer
     fake = FakeExpensive(tokenizer)
     struck = threading.Event()
     rep = Reputation(tmp_path, 1, lambda: 0, lambda *a: struck.set())
-    auditor = RewardAuditor(fake, rep, 8)
+    auditor = RewardAuditor(fake, 8, rep.record)
     prompts = (Prompt([1, 2], {"i": i}) for i in itertools.count())
     work = WorkQueue(prompts, group_size=2, max_outstanding=8, lease_timeout_s=60, prefix="r")
     buffer = ReplayBuffer(staleness=2, capacity_groups=8, group_size=2)
