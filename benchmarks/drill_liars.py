@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -36,8 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from security_drill import ROOT, Fleet, counters
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, run as a script too
+from benchmarks.security_drill import ROOT, Fleet, counters  # noqa: E402
 from echo.steprow import COL  # noqa: E402
 
 KINDS = ["forge_rewards", "fake_logprobs", "garbage_tokens", "drop_low"]
