@@ -160,7 +160,10 @@ def call_entry(code: str, entry: str, calls: list[list[Any]], limits: Limits) ->
             except subprocess.TimeoutExpired:
                 return Outcome(None, "timeout", f"over {limits.wall_s:g} s")
             finally:
-                _kill_session(proc)  # whatever it started is gone with it
+                # Still running (over time, or the caller interrupted): it and whatever it
+                # started go. Once reaped its process id may be another's: never signalled then.
+                if proc.returncode is None:
+                    _kill_session(proc)
             size = stdout.seek(0, os.SEEK_END)
             stdout.seek(max(0, size - limits.output_kib * 1024))
             out = stdout.read()
