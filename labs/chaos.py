@@ -73,10 +73,18 @@ class _Link:
         self.writers = (client, target)
 
     def abort(self) -> None:
+        """Both sides cut with an RST. A side already closed (the link ended a moment ago and
+        its handler has not yet taken it off the list) is left alone: setting SO_LINGER on its
+        closed socket raised EBADF, which ended the whole proxy (a CI run's exit 1)."""
         for w in self.writers:
+            if w.transport.is_closing():
+                continue
             sock = w.get_extra_info("socket")
             if sock is not None:  # SO_LINGER 0: close() sends RST instead of FIN
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                except OSError:  # closed under us: nothing left to reset
+                    pass
             w.transport.abort()
 
 

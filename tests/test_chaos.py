@@ -65,6 +65,31 @@ def test_a_reset_aborts_the_connection_and_new_ones_still_pass():
     assert stats.resets == 1 and stats.connections == 2
 
 
+def test_resetting_a_link_that_just_ended_does_not_end_the_proxy():
+    """A link whose connections closed is still listed until its handler runs on: a reset
+    drawn in that moment must not raise (it did: EBADF, and the proxy exited 1)."""
+
+    async def go():
+        server, port = await _echo_server()
+        proxy = ChaosProxy("127.0.0.1", port, ChaosConfig())
+        reader, writer = await asyncio.open_connection("127.0.0.1", await proxy.start())
+        writer.write(b"ping")
+        assert await reader.readexactly(4) == b"ping"
+        (link,) = proxy.links
+        for w in link.writers:
+            w.transport.abort()
+        await asyncio.sleep(0)  # the sockets close; the handler has not taken the link off yet
+        proxy.links.add(link)  # (whatever it did meanwhile: the race's state)
+        reset = proxy.reset_one()
+        writer.close()
+        await proxy.close()
+        server.close()
+        return reset, proxy.stats
+
+    reset, stats = asyncio.run(go())
+    assert reset and stats.resets == 1
+
+
 def test_bad_settings_are_refused_with_the_name_of_the_setting(capsys):
     with pytest.raises(ValueError, match="latency_s"):
         ChaosConfig(latency_s=-1)

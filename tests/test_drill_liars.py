@@ -113,40 +113,23 @@ SMALL = [
 ]
 
 
+# The code adapter's reward is expensive: the learner admits first and its reward auditor
+# rechecks the probation groups on a thread (learner/reward_audit.py), whose verdicts reach the
+# loop, which strikes, bans and tells the liar; toy-add's is recomputed at intake.
+CODE = ["adapter.name=code", "model.tiny_vocab=text", "worker.max_new_tokens=16"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_forge_rewards_worker_is_quarantined_within_5_steps(tmp_path):
+@pytest.mark.parametrize("adapter", [[], CODE], ids=["checked-at-intake", "checked-off-the-step"])
+def test_forge_rewards_worker_is_quarantined_within_5_steps(tmp_path, adapter):
     from benchmarks.drill_liars import run_fleet
 
     r = run_fleet(
         tmp_path,
         "forge_rewards",
         steps=30,
-        overrides=SMALL,
-        workers=1,
-        stop_at_quarantine=True,
-        timeout_s=240,
-    )
-    assert r["lies"]["claimed_ne_adapter"] > 0, "the liar told no lie: the drill proves nothing"
-    assert r["quarantine_step"] is not None, f"not quarantined in {r['steps']} steps"
-    assert r["steps_to_quarantine"] <= 5
-    assert r["liar_said_banned"] and r["exit_codes"]["w0"] == 1
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_forge_rewards_worker_is_quarantined_when_rewards_are_checked_off_the_step(tmp_path):
-    """The code adapter's reward is expensive: the learner admits first and its reward auditor
-    rechecks the probation groups on a thread (learner/reward_audit.py); the verdicts reach the
-    loop, which strikes, bans and tells the liar."""
-    from benchmarks.drill_liars import run_fleet
-
-    code = ["adapter.name=code", "model.tiny_vocab=text", "worker.max_new_tokens=16"]
-    r = run_fleet(
-        tmp_path,
-        "forge_rewards",
-        steps=30,
-        overrides=SMALL + code,
+        overrides=SMALL + adapter,
         workers=1,
         stop_at_quarantine=True,
         timeout_s=240,
