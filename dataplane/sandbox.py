@@ -182,7 +182,7 @@ def _parse(out: bytes, returncode: int) -> Outcome:
     lines = out.decode("utf-8", "replace").strip().splitlines()
     try:
         last = json.loads(lines[-1]) if lines else None
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the decoder goes
         last = None
     if returncode == 3 and isinstance(last, dict) and "sandbox" in last:
         raise SandboxError(

@@ -112,6 +112,9 @@ def test_a_printed_claim_earns_nothing():
     assert out.results == [1, 2]
     out = run("print('x' * (10 << 20))\ndef f(x):\n    return x\n")  # a flood: its file limit
     assert out.results is None
+    # a last line nested deeper than json can decode: no result, and no exception out of here
+    out = run("import os\nprint('[' * 30000 + ']' * 30000)\nos._exit(0)\n")
+    assert out.results is None and out.status == "crashed"
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="as root the program runs as nobody")
