@@ -57,7 +57,7 @@ gpu-wheels: | $(VENV)/.installed
 gpu-weights: | $(VENV)/.installed
 	$(BIN)/python benchmarks/gpu_carry.py weights
 
-# On the GPU machine (its python3 holds a CUDA torch): every GPU figure in one call, ~8 minutes.
+# On the GPU machine (its python3 holds a CUDA torch): every GPU figure in one call, 5 to 9 minutes.
 gpu-check:
 	$(PY) benchmarks/gpu_suite.py $(ARGS)
 

@@ -472,6 +472,9 @@ def learning_argv(a: argparse.Namespace, run_dir: Path) -> list[str]:
         "learner.device=cuda",
         "worker.device=cuda",
         "worker.groups_per_request=4",
+        # The example passes 4 rows at a time to bound a CPU's memory; on the GPU that made the
+        # step 3.4x slower (docs/gpu.md, second run), and the whole mini-batch fits easily.
+        "learner.micro_batch_rows=0",
         "learner.lease_timeout_s=120",
         "learner.wait_timeout_s=120",
         "broadcast.timeout_s=30",
