@@ -107,6 +107,10 @@ class WorkerConfig(_Section):
     # CPU threads of a worker's torch (echo-worker --threads overrides).
     torch_threads: int = Field(1, gt=0)
     heartbeat_s: float = Field(1.0, gt=0)  # seconds between a worker's heartbeats
+    # Long-tail cut (docs/scheduling.md): 0 = off. At x in (0, 1), once x of a rollout's fresh
+    # samples have ended, the rest are cut: the groups that ended are delivered, the others are
+    # carried into the worker's next rollout (beside new groups) and finished there, uncut.
+    tail_cut: float = Field(0.0, ge=0, lt=1)
     # Batches a worker holds unacknowledged before it stops generating.
     max_unacked_batches: int = Field(8, gt=0)
     # transformers (default; CPU or GPU) or vllm (CUDA only; pip install -e '.[vllm]' with the

@@ -106,6 +106,27 @@ def own_tokens(recs: list[Record], cut: dict[int, int]) -> tuple[list[Record], i
     return out, version
 
 
+def one_version(
+    recs: list[Record], pick: Callable[[list[int]], int]
+) -> tuple[list[Record], int | None]:
+    """A group whose samples span versions, all of them its deliverer's own (a sample carried
+    across an install by the long-tail cut, worker/tail.py), as an audit sees it: the tokens of
+    the version ``pick`` draws among them, the others masked out. The draw comes after
+    receipt, so a forger cannot know which run of its tokens will be checked. (None: one
+    version, or a multi-turn record: audited as before.)"""
+    if any(r.loss_mask is not None for r in recs):
+        return recs, None
+    vs = sorted({v for r in recs for v, _ in (r.versions or [[r.version, 1]])})
+    if len(vs) < 2:
+        return recs, None
+    at = pick(vs)
+    out = []
+    for r in recs:
+        per = expand(r.versions or [[r.version, len(r.completion_ids)]])
+        out.append(replace(r, loss_mask=[int(v == at) for v in per]))
+    return out, at
+
+
 class Intake:
     def __init__(
         self,
@@ -300,6 +321,8 @@ class Intake:
             at = None
             if prefixes:  # audit the sender's own tokens, under the sender's version
                 recs, at = own_tokens(recs, {p.sample_idx: len(p.ids) for p in prefixes})
+            else:  # its own tokens of two versions (a tail carried across an install)
+                recs, at = one_version(recs, self._rng.choice)
             self.audit(AuditJob(sender, key, recs, probation, at))
 
     def _verdict(

@@ -178,6 +178,7 @@ def test_cut_samples_go_back_as_prefixes_and_nothing_is_queued():
         [Sample([5], [-0.5], finished=False) for _ in range(g.n)] for g in groups
     ]
     g = make_generation(client, backend, ADAPTER)
+    g.life.cut.set()  # preempted while generating
     assert asyncio.run(g.rollout(GROUPS)) is False
     (msg,) = client.sent
     assert (
@@ -185,6 +186,42 @@ def test_cut_samples_go_back_as_prefixes_and_nothing_is_queued():
     )
     assert [p.versions for p in msg.prefixes["g0"]] == [[[3, 1]], [[3, 1]]]
     assert len(g.deliveries) == 0 and g.status.doc.handed_back_tokens == 4
+
+
+def test_a_tail_cut_delivers_the_groups_that_ended_and_carries_the_others():
+    """Long-tail cut (docs/scheduling.md): no preemption, one group still running: the ended
+    group is queued for delivery, the other is carried (leased, listed as held) into the next
+    rollout with what it holds as prefixes, and continued there to its end."""
+    client = ScriptedClient(lambda msg: wire.WorkGrant(groups=[]))
+    backend = scripted_backend([[5, 2]])
+    calls = []
+
+    def generate(groups, n, t, stop=None, tail=0.0):
+        calls.append((tail, [g.group_id for g in groups], [len(g.prefixes) for g in groups]))
+        if len(calls) == 1:
+            return [
+                [Sample([5, 2], [-0.5, -0.1]), Sample([5, 2], [-0.4, -0.2])],
+                [Sample([5, 2], [-0.5, -0.1]), Sample([5, 5], [-0.3, -0.3], finished=False)],
+            ]
+        return [
+            [
+                Sample([5, 2], [-0.5, -0.1], prefix_len=2),
+                Sample([5, 5, 2], [-0.3] * 3, prefix_len=2),
+            ]
+        ]
+
+    backend.generate = generate
+    g = make_generation(client, backend, ADAPTER)
+    view = g.session.view  # shared with other tests: changed in a copy
+    g.session.view = {**view, "worker": {**view["worker"], "tail_cut": 0.5}}
+    assert asyncio.run(g.rollout(GROUPS)) is True
+    assert client.sent == [] and g.deliveries.holding() == ["g0"]
+    assert g.carry.ids() == ["g1"] and g.status.doc.tail_groups == 1
+    assert [p.ids for p in g.carry.groups[0].prefixes] == [[5, 2], [5, 5]]
+    asyncio.run(g.request_work())  # the carried group is listed as held: not re-granted
+    assert client.sent[-1].holding == ["g0", "g1"]
+    assert asyncio.run(g.rollout(g.carry.take())) is True
+    assert calls[1] == (0.5, ["g1"], [2]) and g.deliveries.holding() == ["g0", "g1"]
 
 
 def test_grants_grow_until_a_rollout_outlasts_the_round_trip():

@@ -20,17 +20,17 @@ from typing import Any
 from echo import wire
 from echo.client import RequestTimeout
 from echo.ewma import Ewma
-from worker.backends import Sample
 from worker.delivery import Deliveries
 from worker.install import Installer
 from worker.lifecycle import Activity, Lifecycle, wait_next
-from worker.records import cut_episodes, episode_versions, own_tokens, prefix, runs, versions
+from worker.records import episode_versions, own_tokens, prefix, runs, versions
+from worker.scoring import Scored, generate_and_score
 from worker.session import Session
 from worker.status import StatusBoard
+from worker.tail import Carry
 
 log = logging.getLogger("echo.worker")
 
-Scored = list[list[tuple[Sample, float]]]  # per group: its samples and their rewards
 
 MAX_GRANT_SCALE = 8  # at most this many times worker.groups_per_request in one grant
 PREFETCH_SHARE = 0.1  # prefetch work when a grant's round trip exceeds this share of a rollout
@@ -58,6 +58,8 @@ class Generation:
         self.held = installer.held
         self.life, self.activity, self.status = life, activity, status
         self.generating: list[str] = []  # group ids being generated now
+        self.carry = Carry()  # groups cut in their tail, for the next rollout (worker/tail.py)
+        self.completed = 0  # samples of the groups the last rollout completed
         # Seconds of a work request's round trip. Averaged from a prior of 0, not from the
         # first sample: one slow first request (the learner warming up) must not switch
         # prefetching and big grants on.
@@ -105,8 +107,8 @@ class Generation:
                 # Leased groups never wait for another run (worker/sharing.py)
                 async with self.device_turn():
                     t0 = time.monotonic()
-                    groups = await (prefetch or self.request_work())
-                    prefetch = None
+                    grant = await (prefetch or self.request_work())  # the carry listed held
+                    groups, prefetch = self.carry.take() + grant, None
                     if groups:
                         await self.device_ready()  # this run's model onto the device
                         if self.prefetch_pays():  # the next grant's round trip overlaps this one
@@ -114,11 +116,15 @@ class Generation:
                         if await self.rollout(groups):
                             # Busy-time throughput: one grant, generate, score cycle (what
                             # the worker can do; idle waits and installs are outside it).
-                            self.measure(sum(g.n for g in groups), time.monotonic() - t0)
+                            # Samples of the groups it completed: a carried group counts
+                            # once, when it is delivered.
+                            self.measure(self.completed, time.monotonic() - t0)
                 if not groups:
                     await wait_next(self.installer.new_snapshot, self.retry_after_s)
             if prefetch is not None:
                 prefetch.cancel()  # its groups come back to the learner with our leave
+        if self.carry.groups:  # stopping with groups cut in their tail: another goes on
+            await self.return_carry()
 
     def prefetch_pays(self) -> bool:
         """Ask for the next groups before these are done only when a grant's round trip is a
@@ -150,8 +156,8 @@ class Generation:
         self.retry_after_s = 0.0
         req = wire.WorkRequest(
             worker_id=self.session.worker_id,
-            max_groups=self.grant_size(),
-            holding=self.generating + self.deliveries.holding(),
+            max_groups=max(1, self.grant_size() - len(self.carry.groups)),
+            holding=self.generating + self.deliveries.holding() + self.carry.ids(),
         )
         try:
             sent = time.monotonic()
@@ -188,14 +194,27 @@ class Generation:
         return samples, gen_s
 
     async def rollout(self, groups: list[wire.Group]) -> bool:
-        """Generate, score and queue the groups for delivery; False if they were handed back."""
+        """Generate, score and queue the groups for delivery; False if they were handed back.
+        A long-tail cut (``worker.tail_cut``) delivers the groups that ended and carries the
+        others into the next rollout (worker/tail.py)."""
         version = self.held.version
         samples, gen_s = await self.generate(groups)
-        if any(not getattr(s, "finished", True) for g in samples for s, _ in g):
+        unfinished = [any(not getattr(s, "finished", True) for s, _ in g) for g in samples]
+        if any(unfinished) and (self.life.cut.is_set() or self.life.yielded):
             await self.hand_back(groups, samples, version)  # cut short: another worker goes on
             return False
         self.time_rollout(gen_s, len(groups))
-        self.queue(groups, samples, version, gen_s)
+        done = [k for k, u in enumerate(unfinished) if not u]
+        if len(done) < len(groups):  # cut in its tail: continued in the next rollout
+            tail = [k for k, u in enumerate(unfinished) if u]
+            self.carry.keep(
+                [groups[k] for k in tail], [[s for s, _ in samples[k]] for k in tail], version
+            )
+            self.status.update(tail_groups=(self.status.doc.tail_groups or 0) + len(tail))
+            self._sent(own_tokens([samples[k] for k in tail]))  # kept, not thrown away
+        if done:
+            self.queue([groups[k] for k in done], [samples[k] for k in done], version, gen_s)
+        self.completed = sum(groups[k].n for k in done)
         return True
 
     def time_rollout(self, gen_s: float, groups: int) -> None:
@@ -294,46 +313,20 @@ class Generation:
                 handed_back_tokens=(self.status.doc.handed_back_tokens or 0) + tokens
             )
 
+    async def return_carry(self) -> None:
+        msg = self.carry.handback(self.session.worker_id)
+        try:
+            await self.session.client.request(msg, min(2.0, self.session.timeout))
+        except RequestTimeout:
+            log.warning("handback of %d carried groups unanswered", len(msg.groups))
+
     def generate_and_score(self, groups: list[wire.Group]) -> Scored:
-        """Samples and rewards per group. Cut short (preempted, yielded): unfinished samples;
-        a multi-turn rollout is cut between two decisions, and its episodes' decisions so far
-        become the prefixes, replayed in the environment by the worker that continues."""
+        """Samples and rewards per group (``worker.scoring``); the drills' liars override it."""
         backend, adapter = self.held.backend, self.held.adapter
         assert backend is not None and adapter is not None
-        wv = self.session.view["worker"]
-        cut = self.life.cut
-        if getattr(adapter, "multi_turn", False):
-            # Episodes: one generation per decision, played by the adapter's environment.
-            from dataplane.episodes import Cut, backend_generate_fn
-
-            gen = backend_generate_fn(
-                backend, wv["max_new_tokens"], wv["temperature"], groups[0].seed, stop=cut
-            )
-            try:
-                out: Any = adapter.rollout(groups, gen)
-            except Cut as c:
-                return cut_episodes(groups, c.decisions)
-            return [[(s, float(s.reward)) for s in samples] for samples in out]
-        out = backend.generate(groups, wv["max_new_tokens"], wv["temperature"], stop=cut)
-        tok = backend.tokenizer
-        if any(not s.finished for g in out for s in g):
-            return [[(s, 0.0) for s in g] for g in out]  # handed back: the continuer scores
-        return [
-            [
-                (
-                    s,
-                    float(
-                        adapter.reward(
-                            g.task,
-                            s.completion_ids,
-                            tok.decode(s.completion_ids, skip_special_tokens=True),
-                        )
-                    ),
-                )
-                for s in samples
-            ]
-            for g, samples in zip(groups, out)
-        ]
+        return generate_and_score(
+            backend, adapter, self.session.view["worker"], self.life.cut, groups
+        )
 
     def measure(self, count: int, seconds: float) -> None:
         self.busy_s += seconds

@@ -118,6 +118,9 @@ class Backend(ABC):
         max_new_tokens: int,
         temperature: float,
         stop: threading.Event | None = None,
+        tail: float = 0.0,
     ) -> list[list[Sample]]:
         """``group.n`` samples for each group, under the installed weights, continuing the
-        group's prefixes; ``stop`` cuts unfinished samples short."""
+        group's prefixes; ``stop`` cuts unfinished samples short, and so does ``tail`` > 0
+        once that share of the samples of groups without prefixes have ended (never while a
+        sample of a continued group still runs). A backend that cannot cut ignores both."""

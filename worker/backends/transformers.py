@@ -27,10 +27,20 @@ from worker.backends.base import Backend, Sample, finish, needs_tokens, plan_row
 
 class _Watch(StoppingCriteria):
     """Called by ``generate`` after every token: counts the rows still sampling (the drill's
-    live token count) and ends the call at once when ``stop`` is set (preemption)."""
+    live token count) and ends the call at once when ``stop`` is set (preemption), or when
+    ``tail`` of the fresh rows have ended (the long-tail cut, docs/scheduling.md). Rows of a
+    continued group (``fresh`` False) are never cut: the call runs on until they end."""
 
-    def __init__(self, backend: Any, stop: threading.Event | None, eos: int | None, rows: int):
-        self.backend, self.stop, self.eos = backend, stop, eos
+    def __init__(
+        self,
+        backend: Any,
+        stop: threading.Event | None,
+        eos: int | None,
+        fresh: list[bool],
+        tail: float = 0.0,
+    ):
+        self.backend, self.stop, self.eos, self.tail = backend, stop, eos, tail
+        self.fresh = torch.tensor(fresh, dtype=torch.bool)
         self.done = None
         self.stopped = False
 
@@ -39,10 +49,20 @@ class _Watch(StoppingCriteria):
         before = torch.zeros_like(last) if self.done is None else self.done
         self.backend.tokens_sampled += int((~before).sum())  # rows that sampled this token
         self.done = before | last
-        if self.stop is not None and self.stop.is_set():
+        if (self.stop is not None and self.stop.is_set()) or self._tail_ended():
             self.stopped = True
             return torch.ones_like(last)
         return torch.zeros_like(last)
+
+    def _tail_ended(self) -> bool:
+        if not self.tail or self.done is None:
+            return False
+        done = self.done
+        fresh = self.fresh = self.fresh.to(done.device)  # once: then it stays there
+        running = ~done
+        if not running.any() or (running & ~fresh).any():
+            return False
+        return int((done & fresh).sum()) >= self.tail * int(fresh.sum())
 
 
 class TransformersBackend(Backend):
@@ -86,6 +106,7 @@ class TransformersBackend(Backend):
         max_new_tokens: int,
         temperature: float,
         stop: threading.Event | None = None,
+        tail: float = 0.0,
     ) -> list[list[Sample]]:
         eos = self.tokenizer.eos_token_id
         rows = plan_rows(groups, max_new_tokens)
@@ -93,12 +114,13 @@ class TransformersBackend(Backend):
         new: dict[int, tuple[list[int], list[float]]] = {}
         stopped = False
         if todo:
+            watch = _Watch(self, stop, eos, [not groups[r.group].prefixes for r in todo], tail)
             ids, lps, stopped = self._sample(
                 [r.prompt for r in todo],
                 max(r.budget for r in todo),
                 temperature,
                 groups[0].seed,
-                stop,
+                watch,
             )
             new = {id(r): (ids[k], lps[k]) for k, r in enumerate(todo)}
         samples = [finish(r, *new.get(id(r), ([], [])), eos, stopped) for r in rows]
@@ -110,10 +132,10 @@ class TransformersBackend(Backend):
         max_new_tokens: int,
         temperature: float,
         seed: int,
-        stop: threading.Event | None,
+        watch: _Watch,
     ) -> tuple[list[list[int]], list[list[float]], bool]:
         """One left-padded ``generate`` call: (new tokens, their log-probs) per prompt, and
-        whether ``stop`` cut it short."""
+        whether ``watch`` cut it short."""
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
@@ -121,7 +143,6 @@ class TransformersBackend(Backend):
             [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
         )
         torch.manual_seed(seed)
-        watch = _Watch(self, stop, self.tokenizer.eos_token_id, len(prompts))
         out = self.model.generate(
             input_ids=ids,
             attention_mask=attn,

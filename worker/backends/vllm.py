@@ -179,8 +179,10 @@ class VLLMBackend(Backend):
         max_new_tokens: int,
         temperature: float,
         stop: threading.Event | None = None,
+        tail: float = 0.0,
     ) -> list[list[Sample]]:
-        """``stop`` is not seen inside the engine's call (it runs the whole batch): a worker
+        """``stop`` and ``tail`` are not seen inside the engine's call (it runs the whole
+        batch, and schedules continuously, so a long tail holds no batch slot): a worker
         on vLLM hands back whole groups, not prefixes, unless its grace outlasts a rollout.
         Groups with prefixes are continued one sample per request (docs/preemption.md)."""
         if any(g.prefixes for g in groups):

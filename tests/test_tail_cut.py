@@ -1,0 +1,100 @@
+"""Long-tail cut (``worker.tail_cut``, docs/scheduling.md): the backend cuts a request once
+most of its fresh samples have ended, never a continued group's; a group its worker carried
+across an install is audited on one of its versions, drawn at random. The worker's side
+(deliver what ended, carry the rest into the next rollout) is
+tests/test_worker_parts.py::test_a_tail_cut_delivers_the_groups_that_ended_and_carries_the_others."""
+
+from __future__ import annotations
+
+import pytest
+from test_preemption import _record, intake  # noqa: F401 (fixture)
+
+from echo import wire
+from learner.intake import one_version
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from echo.config import ModelConfig
+    from worker.backends.transformers import TransformersBackend
+
+    return TransformersBackend(ModelConfig(max_positions=256), threads=1)
+
+
+def test_the_backend_cuts_once_the_share_of_fresh_samples_has_ended(backend):
+    eos = backend.tokenizer.eos_token_id
+    g = wire.Group(group_id="g", prompt_ids=[3, 4], n=32, seed=5)
+    (whole,) = backend.generate([g], 200, 1.0)
+    (cut,) = backend.generate([g], 200, 1.0, tail=0.5)
+    assert all(s.finished for s in whole)
+    ended = [s for s in cut if s.finished]
+    running = [s for s in cut if not s.finished]
+    assert running and len(ended) >= 16  # it stopped at the token where half had ended
+    lengths = {len(s.completion_ids) for s in running}
+    assert len(lengths) == 1 and all(s.completion_ids[-1] != eos for s in running)
+    assert max(len(s.completion_ids) for s in whole) > lengths.pop()  # it saved tokens
+    assert all(s.completion_ids[-1] == eos for s in ended)
+
+
+def test_a_continued_group_is_never_cut(backend):
+    """A continuation's rows must end: the call runs on until they do, whatever the share of
+    fresh rows that ended; otherwise a straggler could be cut and handed back forever."""
+    long = wire.Prefix(sample_idx=0, ids=[7], logprobs=[-0.1], versions=[[1, 1]])
+    cont = wire.Group(group_id="c", prompt_ids=[3, 4], n=1, seed=1, prefixes=[long])
+    fresh = wire.Group(group_id="f", prompt_ids=[3, 4], n=8, seed=2)
+    cuts = 0
+    for seed in range(6):
+        c, f = backend.generate([cont.model_copy(update={"seed": seed}), fresh], 200, 1.0, tail=0.1)
+        assert c[0].finished  # never cut
+        running = [s for s in f if not s.finished]
+        if running:  # fresh rows are cut only once the continuation has ended
+            cuts += 1
+            assert len(running[0].completion_ids) >= len(c[0].completion_ids) - c[0].prefix_len
+    assert cuts  # the rule was exercised
+
+
+# ----------------------------------------------------------------------------- the learner's audit
+
+
+def test_a_group_carried_across_an_install_is_audited_on_one_version_drawn_at_random(intake):
+    """The carried sample's tokens are of versions 3 and 4, all the deliverer's own: each
+    audit checks one version's tokens (the others masked), and both versions get drawn. A
+    forger of either run of tokens is therefore checked with at least half the audit rate;
+    auditing both at the version of the oldest would strike an honest carrier."""
+    it, work, buffer, audits = intake
+    seen = set()
+    for _ in range(40):
+        (g,) = work.grant("B", 1, 0)
+        out = it.batch(
+            "B",
+            "kB",
+            [
+                _record(g.group_id, 0, [5, 6, 7], [-0.5, -1.0, -0.3], 3, [[3, 2], [4, 1]]),
+                _record(g.group_id, 1, [8, 9], [-0.2, -0.4], 3),
+            ],
+        )
+        assert len(out.accepted) == 2 and not out.rejected
+        assert len(buffer.take(1, timeout=1.0)) == 1  # trained: room for the next one
+        job = audits[-1]
+        want = {3: ([1, 1, 0], [1, 1]), 4: ([0, 0, 1], [0, 0])}[job.version]
+        assert (job.records[0].loss_mask, job.records[1].loss_mask) == want
+        seen.add(job.version)
+    assert seen == {3, 4}
+
+
+def test_one_version_leaves_single_version_and_multi_turn_groups_alone():
+    from dataplane.records import Record
+
+    def rec(versions=None, mask=None):
+        return Record(
+            group_id="g", sample_idx=0, prompt_ids=[1], completion_ids=[5, 6], logprobs=[-1, -1],
+            reward=0.0, version=3, worker_id="w", gen_s=0.1, versions=versions, loss_mask=mask,
+        )  # fmt: skip
+
+    assert one_version([rec()], min) == ([rec()], None)
+    mixed = rec([[3, 1], [4, 1]], [1, 1])
+    assert one_version([mixed], min) == ([mixed], None)  # multi-turn: audited as before
+    (only,), at = one_version([rec([[3, 1], [4, 1]])], max)
+    assert at == 4 and only.loss_mask == [0, 1]

@@ -1,0 +1,73 @@
+"""Generate and score one rollout's groups (worker/generation.py runs it off the loop).
+
+Cut short by a preemption or the owner (``cut``): every group's samples come back unscored,
+to be handed back as prefixes (docs/preemption.md); a multi-turn rollout is cut between two
+decisions, and its episodes' decisions so far become the prefixes, replayed in the
+environment by the worker that continues. Cut in its tail (``worker.tail_cut``): the groups
+still running come back unscored, to be carried into the next rollout (worker/tail.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from echo import wire
+from worker.backends import Backend, Sample
+from worker.records import cut_episodes
+
+Scored = list[list[tuple[Sample, float]]]  # per group: its samples and their rewards
+
+
+def generate_and_score(
+    backend: Backend,
+    adapter: Any,
+    wv: dict[str, Any],
+    cut: threading.Event,
+    groups: list[wire.Group],
+) -> Scored:
+    """Samples and rewards per group, under ``wv`` (the run's ``[worker]`` view)."""
+    if getattr(adapter, "multi_turn", False):
+        # Episodes: one generation per decision, played by the adapter's environment.
+        from dataplane.episodes import Cut, backend_generate_fn
+
+        gen = backend_generate_fn(
+            backend, wv["max_new_tokens"], wv["temperature"], groups[0].seed, stop=cut
+        )
+        try:
+            out: Any = adapter.rollout(groups, gen)
+        except Cut as c:
+            return cut_episodes(groups, c.decisions)
+        return [[(s, float(s.reward)) for s in samples] for samples in out]
+    tail = float(wv.get("tail_cut") or 0.0)
+    out = backend.generate(
+        groups,
+        wv["max_new_tokens"],
+        wv["temperature"],
+        stop=cut,
+        **({"tail": tail} if tail else {}),  # test doubles predate it
+    )
+    if cut.is_set() and any(not s.finished for g in out for s in g):
+        return [[(s, 0.0) for s in g] for g in out]  # handed back: the continuer scores
+    return [
+        [(s, 0.0) for s in samples]  # cut in its tail: scored once continued
+        if any(not s.finished for s in samples)
+        else _scored(adapter, backend.tokenizer, g, samples)
+        for g, samples in zip(groups, out)
+    ]
+
+
+def _scored(
+    adapter: Any, tok: Any, g: wire.Group, samples: list[Sample]
+) -> list[tuple[Sample, float]]:
+    return [
+        (
+            s,
+            float(
+                adapter.reward(
+                    g.task, s.completion_ids, tok.decode(s.completion_ids, skip_special_tokens=True)
+                )
+            ),
+        )
+        for s in samples
+    ]
