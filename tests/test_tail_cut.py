@@ -98,3 +98,34 @@ def test_one_version_leaves_single_version_and_multi_turn_groups_alone():
     assert one_version([mixed], min) == ([mixed], None)  # multi-turn: audited as before
     (only,), at = one_version([rec([[3, 1], [4, 1]])], max)
     assert at == 4 and only.loss_mask == [0, 1]
+
+
+# ----------------------------------------------------------------------------- real processes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_with_the_tail_cut_trains_its_carried_groups_and_strikes_nobody(tmp_path):
+    """docs/scheduling.md's benchmark, shortened: a learner and a worker with 128-token
+    completions and tail_cut 0.75. Groups are carried, the learner steps, every delivery is
+    admitted (no partial or duplicate group), and no audit of a carried group fails."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "run"
+    argv = [
+        sys.executable, "-m", "echo.cli", "quickstart", "--config", "examples/quickstart.toml",
+        "--run-dir", str(run), "--workers", "1", "--set", "learner.max_steps=6",
+        "--set", "worker.max_new_tokens=128", "--set", "worker.tail_cut=0.75",
+        "--set", "learner.prompts_per_step=8",
+    ]  # fmt: skip
+    subprocess.run(argv, cwd=root, check=True, stdout=subprocess.DEVNULL, timeout=280)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    assert len(rows) == 6
+    status = json.loads((run / "status" / "worker-0.json").read_text())
+    assert status["tail_groups"] > 0
+    assert rows[-1]["rejected"] == {} and rows[-1]["audit_failures"] == 0
+    assert rows[-1]["audits"] > 0
