@@ -141,6 +141,19 @@ class RolloutSection(_Section):
     # true: it keeps generating with the old snapshot while the new one downloads and pauses
     # only for broadcast.reload_s.
     generate_during_download: bool = False
+    # Sample lengths within a request (provisioning/sim/tail.py). 0: no length model, a
+    # request lasts groups x G / mu (times the jitter). > 0: each sample's length is geometric
+    # with this mean, cut at length_cap; a request lasts as many decode steps as its longest
+    # sample, scaled so that its mean duration is still groups x G / mu.
+    length_mean: float = Field(0.0, ge=0)
+    length_cap: int = Field(1024, gt=0)
+    # worker.tail_cut (docs/scheduling.md): with a length model, a request stops once this
+    # share of its fresh samples ended; the groups still running are carried into the
+    # worker's next request and finish there.
+    tail_cut: float = Field(0.0, ge=0, lt=1)
+    # Share of a decode step's cost that grows with the rows it computes: 0, a GPU's
+    # memory-bound decode (a step costs the same for 8 rows or 32); 1, a CPU's.
+    decode_row_cost: float = Field(0.0, ge=0, le=1)
 
 
 class BroadcastSection(_Section):

@@ -16,6 +16,7 @@ from dataplane.rules import ReadyQueue
 from provisioning.sim.fleet import Provisioner
 from provisioning.sim.scenario import Scenario
 from provisioning.sim.state import Counters, Ledger, Snapshots, WorkerState
+from provisioning.sim.tail import Lengths
 
 
 class Work:
@@ -53,6 +54,7 @@ class Work:
         self.idle: deque[int] = deque()
         self._jitter = np.empty(0)
         self._jit_pos = 0
+        self.lengths = Lengths(sc.rollout, self.G, rng, len(ids))
 
     @property
     def buffered(self) -> int:
@@ -76,8 +78,10 @@ class Work:
     def _grant_size(self, i: int) -> int:
         ctl = self.prov.ctl
         probation = ctl is not None and self.ws.registered[i] and ctl.on_probation(self.ids[i])
+        # a worker carrying groups asks for that many fewer (worker/generation.py)
+        ask = max(1, self.gpr - len(self.lengths.carry[i]))
         return rules.grant_size(
-            self.gpr, self.max_out, self.in_flight, self.buffered, self.ledger.n_active, probation
+            ask, self.max_out, self.in_flight, self.buffered, self.ledger.n_active, probation
         )
 
     def fill(self) -> None:
@@ -146,6 +150,9 @@ class Work:
         Gmu = self.G / self.mu[i]
         while True:
             if not ws.working(i):
+                lost = self.lengths.carry[i].clear()  # its carried groups go with it
+                self.in_flight -= lost
+                self.counters.lost_groups += lost
                 if ws.granted[i]:  # reserved for it, but it was released/left meanwhile
                     self.in_flight -= ws.granted[i]
                     ws.granted[i] = 0
@@ -153,7 +160,9 @@ class Work:
                 yield from self._sleep(i)
                 continue
             g = ws.granted[i]
-            if not g:
+            if not g and len(self.lengths.carry[i]):
+                g = 0  # its carried groups go on, granted more or not (worker/tail.py)
+            elif not g:
                 g = yield from self._wait_for_work(i)
                 if g is None:
                     continue
@@ -163,9 +172,14 @@ class Work:
             ctl = self.prov.ctl
             if ctl is not None and ws.registered[i]:
                 ctl.ready(self.ids[i])  # as a work request does (learner/deliveries.py)
-            ws.busy[i] = g
+            carried = len(self.lengths.carry[i])
+            ws.busy[i] = g + carried
             epoch = ws.leave_epoch[i]
-            gen_s = g * Gmu * self._rand_jitter()
+            if self.lengths.on:  # sample lengths and the tail cut (provisioning/sim/tail.py)
+                share, done = self.lengths.request(i, g, u)
+                gen_s = self.gpr * Gmu * share * self._rand_jitter()
+            else:
+                done, gen_s = [(u, g)], g * Gmu * self._rand_jitter()
             try:
                 yield self.env.timeout(gen_s)
             except simpy.Interrupt:
@@ -173,11 +187,14 @@ class Work:
             ws.busy[i] = 0
             if epoch != ws.leave_epoch[i]:
                 # left while generating: the groups are lost (the learner re-issues them)
-                self.in_flight -= g
-                self.counters.lost_groups += g
+                lost = g + carried
+                self.lengths.carry[i].clear()
+                self.in_flight -= lost
+                self.counters.lost_groups += lost
                 self.fill()
                 continue
-            self._deliver(i, g, u, gen_s)
+            for v, n in done:
+                self._deliver(i, n, v, gen_s * n / max(1, sum(k for _, k in done)))
 
     def _deliver(self, i: int, g: int, u: int, gen_s: float) -> None:
         self.in_flight -= g
