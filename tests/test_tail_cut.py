@@ -7,7 +7,10 @@ tests/test_worker_parts.py::test_a_tail_cut_delivers_the_groups_that_ended_and_c
 from __future__ import annotations
 
 import pytest
+from test_control import ask, batch, connect, ctx, plane, records  # noqa: F401 (fixtures)
+from test_handbacks import checked  # noqa: F401 (fixture)
 from test_preemption import _record, intake  # noqa: F401 (fixture)
+from test_trust import _sample
 
 from echo import wire
 from learner.intake import one_version
@@ -186,3 +189,56 @@ def test_the_cut_buys_throughput_only_where_a_decode_step_costs_by_the_row():
 
     assert rate(0.75, 1.0) / rate(0.0, 1.0) > 1.3
     assert rate(0.75, 0.0) / rate(0.0, 0.0) < rate(0.75, 1.0) / rate(0.0, 1.0)
+
+
+# ----------------------------------------------------------------------------- hostile
+
+
+class _Pick:
+    """The intake's randomness with its draw of a version fixed (``min`` or ``max``)."""
+
+    def __init__(self, how):
+        self.how = how
+
+    def random(self):
+        return 0.0
+
+    def choice(self, seq):
+        return self.how(seq)
+
+
+@pytest.mark.parametrize("forge", [False, True], ids=["honest", "forged-older-run"])
+def test_a_carrier_forging_its_older_tokens_is_struck_when_that_version_is_drawn(
+    checked, ctx, tokenizer, forge
+):  # noqa: F811
+    """A real auditor holding versions 0 and 1 (the same weights). The worker claims its
+    samples were carried across an install: half their tokens of version 0, then version 1. With
+    version 0 drawn, forged version-0 log-probs fail the check and strike the worker; honest
+    ones pass. (The draw is after receipt: a forger cannot choose the run that is checked.)"""
+    import torch
+
+    from echo.models import params_to_payload
+
+    checked.auditor.add_snapshot(1, *params_to_payload(checked.model.named_parameters(), "float32"))
+    checked.buffer.set_version(1)
+    checked.intake._rng = _Pick(min)
+    w = connect(checked, ctx)
+    ask(w, wire.Join(worker_id="w1"))
+    (g,) = ask(w, wire.WorkRequest(worker_id="w1", max_groups=1)).groups
+    rng = torch.Generator().manual_seed(4)
+    temp = checked.cfg.worker.temperature
+    n = checked.cfg.worker.max_new_tokens  # first half version 0, second half version 1
+    sampled = _sample(checked.model, g.prompt_ids, g.n, n, temp, rng)
+    recs = records(g)
+    for r, s in zip(recs, sampled):
+        lps = list(s.logprobs)
+        if forge:
+            lps[: n // 2] = [-9999.0] * (n // 2)
+        r.update(completion_ids=list(s.completion_ids), logprobs=lps, version=0)
+        r["versions"] = [[0, n // 2], [1, n - n // 2]]
+        text = tokenizer.decode(r["completion_ids"], skip_special_tokens=True)
+        r["reward"] = checked.intake.adapter.reward(g.task, r["completion_ids"], text)
+    assert ask(w, batch(recs)).accepted == g.n
+    checked.auditor.run(budget_s=60)
+    checked.stats()  # the verdicts, on the loop
+    assert (checked.reputation.strikes["w1"] >= 1) == forge
