@@ -166,6 +166,38 @@ def fit_worker(plan: WorkerPlan, budget_gb: float, dtype_fixed: bool) -> WorkerP
     )
 
 
+class HostBudget:
+    """One process's ``--host-memory-gb`` shared by the runs it serves (docs/multirun.md):
+    the fixed part counted once, each run's model and payloads on top. Every joined run's model
+    is counted in host memory, even on a GPU: a run not resident on the device is parked
+    there (``--resident``)."""
+
+    def __init__(self, budget_gb: float):
+        self.budget_gb = budget_gb
+        self.runs: dict[str, int] = {}  # run -> bytes it needs beyond the fixed part
+
+    def fit(self, run: str, plan: WorkerPlan, dtype_fixed: bool) -> WorkerPlan:
+        """``run``'s plan (maybe in bfloat16) within what the other runs leave; booked.
+        MemoryBudgetError naming the others when it cannot fit."""
+        plan = replace(plan, model_on_host=True)
+        others = {r: b for r, b in self.runs.items() if r != run}
+        left = self.budget_gb - sum(others.values()) / GIB
+        if self.budget_gb > 0 and others and left * GIB < plan.total:
+            try:
+                fitted = fit_worker(plan, left, dtype_fixed)
+            except MemoryBudgetError:
+                taken = ", ".join(f"{r} {gib(b)}" for r, b in others.items())
+                raise MemoryBudgetError(
+                    f"--host-memory-gb {self.budget_gb:g} is shared by the runs this process "
+                    f"serves: {taken} already, and serving {run} needs {plan.describe()}. "
+                    f"Fix: join fewer runs, raise --host-memory-gb, or leave it out (no budget)"
+                ) from None
+        else:
+            fitted = fit_worker(plan, self.budget_gb, dtype_fixed)
+        self.runs[run] = fitted.total - FIXED_BYTES
+        return fitted
+
+
 def folder_params(folder: str | Path) -> int:
     """Parameters in a Hugging Face folder's safetensors files, from their headers only
     (8-byte length, then JSON): no torch, no weights read. 0 when there are none."""

@@ -11,7 +11,9 @@ import sys
 import pytest
 
 from echo.memplan import (
+    FIXED_BYTES,
     GIB,
+    HostBudget,
     LearnerPlan,
     MemoryBudgetError,
     ModelShape,
@@ -94,6 +96,29 @@ def test_a_worker_over_budget_generates_in_bfloat16_unless_the_run_fixes_its_dty
     assert gpu.breakdown()["model"] == 0 and "GPU memory" in gpu.describe()
     unspilled = WorkerPlan(SHAPE.params, 4, 2 * SHAPE.params, spill=False)
     assert unspilled.breakdown()["payloads"] == 2 * p.breakdown()["payloads"]
+
+
+def test_runs_in_one_process_share_its_budget_with_the_fixed_part_counted_once():
+    """docs/multirun.md: a volunteer's --host-memory-gb covers every run it joined. Two runs
+    that each fit alone do not fit together: the second is refused, naming the first; a
+    smaller one fits in what is left (its auto dtype falling to bfloat16 where that fits); a
+    run loaded again replaces its own booking; a GPU run's model counts in host memory (it
+    is parked there when not resident)."""
+    run = WorkerPlan(params=SHAPE.params, dtype_bytes=2, payload=2 * SHAPE.params, spill=True)
+    alone = run.total / GIB
+    budget = HostBudget(alone * 1.5)
+    assert budget.fit("a", run, dtype_fixed=True) == run
+    with pytest.raises(MemoryBudgetError, match=r"shared by the runs.*a 1\.\d+ GiB already"):
+        budget.fit("b", run, dtype_fixed=True)
+    small = WorkerPlan(params=SHAPE.params // 2, dtype_bytes=4, payload=SHAPE.params, spill=True)
+    got = budget.fit("c", small, dtype_fixed=False)
+    assert got.dtype_bytes == 2 < small.dtype_bytes  # fitted into what "a" leaves
+    assert sum(budget.runs.values()) + FIXED_BYTES <= budget.budget_gb * GIB
+    assert budget.fit("a", run, dtype_fixed=True) == run and set(budget.runs) == {"a", "c"}
+    gpu = HostBudget(0).fit(
+        "g", WorkerPlan(SHAPE.params, 2, 0, spill=True, model_on_host=False), True
+    )
+    assert gpu.model_on_host and gpu.breakdown()["model"] == 2 * SHAPE.params
 
 
 def test_folder_params_reads_safetensors_headers_only(tmp_path):

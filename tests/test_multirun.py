@@ -187,3 +187,28 @@ def test_each_run_gets_its_own_relay_ports_two_above_the_last():
     assert ports == [(5560, 5561), (5562, 5563), (5564, 5565)]
     loopback = build_parser().parse_args(["join", "echo://a:1/" + "a" * 64, "--no-spill"])
     assert {_relay(loopback, "tcp://127.0.0.1:1", i).port for i in range(3)} == {0}
+
+
+@pytest.mark.timeout(60)
+def test_the_runs_of_one_process_share_one_memory_budget(tmp_path, monkeypatch):
+    """`echo-worker join LINE1 LINE2 --host-memory-gb G` gives every run the one budget
+    (echo.memplan.HostBudget: what the runs need together is checked against G; its own
+    rules are tests/test_memplan.py::test_runs_in_one_process_share_its_budget_with_the_fixed_part_counted_once)."""
+    from worker import cli
+
+    monkeypatch.setenv("ECHO_STATUS_DIR", str(tmp_path / "status"))
+    seen = []
+
+    class Fake:
+        def __init__(self, line, **kw):
+            seen.append((kw["run_name"], kw["host_budget"]))
+            self.status = kw["status"]
+
+        async def run(self):
+            return "done"
+
+    lines = ["echo://127.0.0.1:1/" + "a" * 64, "echo://127.0.0.1:2/" + "b" * 64]
+    argv = ["join", *lines, "--host-memory-gb", "6", "--identity", str(tmp_path / "k")]
+    assert cli.main(argv, make_worker=Fake) == 0
+    (a, budget_a), (b, budget_b) = seen
+    assert a != b and budget_a is budget_b and budget_a.budget_gb == 6.0

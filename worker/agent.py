@@ -34,7 +34,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq.asyncio
 
@@ -53,6 +53,9 @@ from worker.session import Session, SessionHooks, WorkerError
 from worker.sharing import Turns
 from worker.status import InstallProgress, StatusBoard
 from worker.unreachable import Unreachable
+
+if TYPE_CHECKING:
+    from echo.memplan import HostBudget
 
 __all__ = ["Worker", "WorkerError"]
 
@@ -94,6 +97,7 @@ class Worker:
         host_memory_gb: float = 0.0,
         turns: Turns | None = None,
         run_name: str = "",
+        host_budget: HostBudget | None = None,
     ):
         """``status``: where the worker's status goes (docs/volunteers.md; default: kept in
         memory only); ``show``: called with it every second (a live view or a plain line).
@@ -104,7 +108,8 @@ class Worker:
         keep trying; either way, say what to check after 30 s). ``host_memory_gb``: the
         volunteer's memory budget (0: none; echo/memplan.py). ``turns``: the device's
         arbiter when this worker is one of several runs in one process (worker/sharing.py),
-        this run known to it as ``run_name``; they then own the process's signals."""
+        this run known to it as ``run_name``; they then own the process's signals.
+        ``host_budget``: the memory budget the process's runs share (echo/memplan.py)."""
         self.line = endpoint if isinstance(endpoint, JoinLine) else JoinLine(endpoint, None)
         self.endpoint = self.line.endpoint
         # Identity is the key pair; without CURVE (an --insecure learner) the id is all there is.
@@ -116,7 +121,13 @@ class Worker:
         self.price, self.join_timeout_s, self.ledger = price, join_timeout_s, ledger
         self.relay_cfg = relay or RelayConfig()
         self.choice = LoadChoice(
-            threads, backend, device, host_memory_gb, spill=bool(self.relay_cfg.spill_dir)
+            threads,
+            backend,
+            device,
+            host_memory_gb,
+            spill=bool(self.relay_cfg.spill_dir),
+            shared=host_budget,
+            run=run_name,
         )
         self.unreachable = Unreachable(self.endpoint, give_up_after_s, clock=clock)
         self.status = status or StatusBoard(self.worker_id, self.endpoint, price, None)

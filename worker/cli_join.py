@@ -145,6 +145,9 @@ def _join_many(
     console = Console()
     _logging(args, False, console)
     boards = []
+    from echo.memplan import HostBudget
+
+    budget = HostBudget(args.host_memory_gb)  # one machine: the runs share its memory
 
     def make(spec: Any, turns: Any, i: int) -> Any:
         board = st.StatusBoard(args.worker_id or "", spec.line.endpoint, spec.price, None)
@@ -162,6 +165,7 @@ def _join_many(
             show=st.PlainView(logging_status()).show,
             turns=turns,
             run_name=spec.name,
+            host_budget=budget,
         )
         stem = f"{board.doc.worker_id or 'worker'}@{spec.name.replace(':', '_')}"
         board.path = (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broadcast.manifest import BaseManifest
 from dataplane.adapter import Adapter, load_adapter
@@ -19,6 +19,9 @@ from echo.config import LoraConfig, ModelConfig
 from worker.backends import Backend, make_backend
 from worker.base import BaseResult, mismatch
 from worker.session import WorkerError
+
+if TYPE_CHECKING:
+    from echo.memplan import HostBudget
 
 log = logging.getLogger("echo.worker")
 
@@ -33,6 +36,9 @@ class LoadChoice:
     device: str | None = None
     host_memory_gb: float = 0.0  # 0: no budget
     spill: bool = False  # the relay spills payloads to disk (--spill-dir)
+    # Several runs in one process: the budget they share, and this run's name in it.
+    shared: HostBudget | None = None
+    run: str = ""
 
 
 def fit_memory(
@@ -69,7 +75,11 @@ def fit_memory(
     )
     budget_gb = choice.host_memory_gb
     try:
-        fitted = fit_worker(plan, budget_gb, dtype_fixed=dtype != "auto")
+        fitted = (
+            choice.shared.fit(choice.run, plan, dtype_fixed=dtype != "auto")
+            if choice.shared is not None
+            else fit_worker(plan, budget_gb, dtype_fixed=dtype != "auto")
+        )
     except MemoryBudgetError as err:
         raise WorkerError(str(err)) from None
     budget = f" (--host-memory-gb {budget_gb:g})" if budget_gb else ""
