@@ -11,6 +11,7 @@ snapshot's dtype is converted at install). Prompts go to the device, samples com
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -20,9 +21,10 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 from dataplane.answers import answer_processor
 from echo import wire
 from echo.config import LoraConfig, ModelConfig
-from echo.lora import load_policy_model
+from echo.lora import adapter_parameters, load_policy_model
 from echo.models import bf16_compute, install_payload, load_tokenizer, resolve_device, vocab_size
 from worker.backends.base import Backend, Sample, finish, needs_tokens, plan_rows, regroup
+from worker.backends.shared_base import SHARED
 
 
 class _Watch(StoppingCriteria):
@@ -85,14 +87,28 @@ class TransformersBackend(Backend):
         model, self.base_hash = load_policy_model(model_cfg, lora, self.tokenizer, dtype)
         self.model = model.to(self.device).eval()
         self.vocab_size = vocab_size(self.model)
+        # LoRA runs of one process on the same base hold it once (worker/backends/shared_base.py)
+        self.shared_bytes = SHARED.attach(self.model, self.base_hash) if self.base_hash else 0
+        if self.shared_bytes:
+            logging.getLogger("echo.worker").info(
+                "LoRA base model shared with another run of this process: %.1f MiB held once",
+                self.shared_bytes / 2**20,
+            )
 
     def park(self) -> None:
-        if str(self.device) != "cpu":
-            self.model.to("cpu")
+        self._move("cpu")
 
     def unpark(self) -> None:
-        if str(self.device) != "cpu":
-            self.model.to(self.device)
+        self._move(self.device)
+
+    def _move(self, where: Any) -> None:
+        if str(self.device) == "cpu":
+            return  # the device is host memory: nothing moves
+        if not SHARED.shared(self.base_hash):
+            self.model.to(where)
+            return
+        for p in adapter_parameters(self.model).values():  # the shared base stays put
+            p.data = p.data.to(where)
 
     def install(
         self, tensors: list[dict[str, Any]], payload: bytes | bytearray, version: int = -1

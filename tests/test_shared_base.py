@@ -1,0 +1,76 @@
+"""LoRA runs of one worker process on the same base model hold it once
+(worker/backends/shared_base.py, docs/multirun.md): the second run's base weights are the
+first's tensors, its adapter its own, and what it generates is what an unshared backend with
+the same adapter generates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from echo import wire
+from echo.config import LoraConfig, ModelConfig
+from echo.lora import adapter_parameters
+from echo.models import params_to_payload
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _backend():
+    from worker.backends.transformers import TransformersBackend
+
+    return TransformersBackend(ModelConfig(max_positions=64), lora=LoraConfig(enabled=True))
+
+
+def _adapter(seed: int, like) -> tuple[list, bytes]:
+    g = torch.Generator().manual_seed(seed)
+    named = [
+        (n, torch.randn(p.shape, generator=g) * 0.5) for n, p in adapter_parameters(like).items()
+    ]
+    return params_to_payload(named, "float32")
+
+
+def _sample(backend):
+    g = wire.Group(group_id="g", prompt_ids=[3, 4], n=4, seed=9)
+    return [(s.completion_ids, s.logprobs) for s in backend.generate([g], 6, 1.0)[0]]
+
+
+def test_a_second_lora_run_on_the_same_base_shares_it_and_generates_as_if_alone(monkeypatch):
+    import worker.backends.transformers as tb
+    from worker.backends.shared_base import SharedBases
+
+    monkeypatch.setattr(tb, "SHARED", SharedBases())  # this test's process-wide registry
+    a, b = _backend(), _backend()
+    assert a.base_hash == b.base_hash and a.shared_bytes == 0 < b.shared_bytes
+    base = [(n, p) for n, p in b.model.named_parameters() if n not in adapter_parameters(b.model)]
+    theirs = dict(a.model.named_parameters())
+    assert all(p.data_ptr() == theirs[n].data_ptr() for n, p in base)  # one base in memory
+    assert all(p.data_ptr() != theirs[n].data_ptr() for n, p in adapter_parameters(b.model).items())
+    a.install(*_adapter(1, a.model))
+    b.install(*_adapter(2, b.model))
+    monkeypatch.setattr(tb, "SHARED", SharedBases())
+    alone = _backend()  # first in a registry of its own: unshared
+    assert alone.shared_bytes == 0
+    alone.install(*_adapter(2, alone.model))
+    assert _sample(b) == _sample(alone)  # b's adapter, not a's, over the shared base
+    assert _sample(a) != _sample(b)
+
+
+def test_a_hostile_run_cannot_write_the_base_another_run_shares(monkeypatch):
+    """A learner is a stranger too: run a's version naming a base tensor is refused whole,
+    and the base run b generates over is unchanged."""
+    import worker.backends.transformers as tb
+    from echo.models import ModelError
+    from worker.backends.shared_base import SharedBases
+
+    monkeypatch.setattr(tb, "SHARED", SharedBases())
+    a, b = _backend(), _backend()
+    name, weight = next(
+        (n, p) for n, p in b.model.named_parameters() if n not in adapter_parameters(b.model)
+    )
+    before = weight.detach().clone()
+    evil = [(n, p.detach()) for n, p in adapter_parameters(a.model).items()]
+    evil.append((name, torch.full_like(weight, 7.0)))
+    with pytest.raises(ModelError, match="unexpected"):
+        a.install(*params_to_payload(evil, "float32"))
+    assert torch.equal(weight, before)
