@@ -395,3 +395,22 @@ def test_the_relay_node_offers_its_endpoint_takes_the_learner_s_tuning_and_names
     finally:
         node.close()
         ctx.term()
+
+
+def test_carried_groups_go_back_with_their_prefixes_when_the_worker_stops_or_yields():
+    """A worker that stops (or yields to its owner) before continuing its carried groups
+    hands them back with what they hold, so another worker finishes them (worker/tail.py)."""
+    client = ScriptedClient(lambda msg: wire.HandbackAck(groups=1, prefixes=2))
+    g = make_generation(client, scripted_backend([[5, 2]]), ADAPTER)
+    g.carry.keep(
+        [GROUPS[1]], [[Sample([5, 2], [-0.5, -0.1]), Sample([5, 5], [-0.3, -0.3])]], version=3
+    )
+    g.life.yielded = True
+    asyncio.run(g.return_carry())
+    (msg,) = client.sent
+    assert isinstance(msg, wire.Handback) and msg.reason == "yielded" and msg.groups == ["g1"]
+    assert [(p.ids, p.versions) for p in msg.prefixes["g1"]] == [
+        ([5, 2], [[3, 2]]),
+        ([5, 5], [[3, 2]]),
+    ]
+    assert g.carry.groups == []

@@ -95,6 +95,8 @@ class Generation:
             prefetch: asyncio.Task[list[wire.Group]] | None = None
             while not self.life.stopping.is_set():
                 if self.life.yielded:  # the owner's turn: no leases, no generation
+                    if self.carry.groups:  # nor groups cut in their tail: another goes on
+                        await self.return_carry()
                     await self.life.quiet.wait()
                     continue
                 await self.installer.ensure_installed()
@@ -314,7 +316,9 @@ class Generation:
             )
 
     async def return_carry(self) -> None:
-        msg = self.carry.handback(self.session.worker_id)
+        msg = self.carry.handback(
+            self.session.worker_id, "yielded" if self.life.yielded else "preempted"
+        )
         try:
             await self.session.client.request(msg, min(2.0, self.session.timeout))
         except RequestTimeout:

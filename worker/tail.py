@@ -47,12 +47,13 @@ class Carry:
         out, self.groups = self.groups, []
         return out
 
-    def handback(self, worker_id: str) -> wire.Handback:
-        """The carried groups given back when the worker stops before continuing them."""
+    def handback(self, worker_id: str, reason: str = "preempted") -> wire.Handback:
+        """The carried groups given back when the worker stops (or yields to its owner)
+        before continuing them."""
         groups, self.groups = self.groups, []
         return wire.Handback(
             worker_id=worker_id,
-            reason="preempted",
+            reason="yielded" if reason == "yielded" else "preempted",
             groups=[g.group_id for g in groups],
             prefixes={g.group_id: list(g.prefixes) for g in groups},
         )
