@@ -23,14 +23,13 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.machine import write_result  # noqa: E402
+from benchmarks.alternate import alternate, save  # noqa: E402
 
 MODES = ("every", "sampled")
 
@@ -92,28 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/reward_check_real.json")
     args = ap.parse_args(argv)
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="echo-reward-check-") as tmp:
-        for i in range(args.rounds):
-            for mode in MODES if i % 2 == 0 else MODES[::-1]:
-                runs.append(one_run(mode, args.steps, args.workers, Path(tmp)))
-                r = runs[-1]
-                print(
-                    f"round {i + 1}, {mode}: {r['steps_per_min']:.1f} steps/min, "
-                    f"t_wait {r['t_wait_mean']:.2f} s",
-                    flush=True,
-                )
-    print(table(runs))
-    write_result(
-        args.json,
-        {
-            "generated_by": "benchmarks/reward_check_real.py",
-            "params": vars(args) | {"json": str(args.json)},
-            "runs": runs,
-            "table": table(runs),
-        },
+    runs = alternate(
+        MODES,
+        args.rounds,
+        lambda mode, tmp: one_run(mode, args.steps, args.workers, tmp),
+        lambda r: (
+            f"{r['mode']}: {r['steps_per_min']:.1f} steps/min, t_wait {r['t_wait_mean']:.2f} s"
+        ),
+        "echo-reward-check-",
     )
-    print(f"wrote {args.json}")
+    print(table(runs))
+    save(args, "benchmarks/reward_check_real.py", {"runs": runs, "table": table(runs)})
     return 0
 
 

@@ -23,14 +23,13 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.machine import write_result  # noqa: E402
+from benchmarks.alternate import alternate, save  # noqa: E402
 
 CONFIG = ROOT / "examples" / "quickstart.toml"
 MAX_NEW = 128
@@ -131,30 +130,22 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dist = lengths(args.samples)
     print(f"untrained completion lengths (tokens, max {MAX_NEW}): {dist}", flush=True)
-    runs = []
-    modes = (0.0, args.tail)
-    with tempfile.TemporaryDirectory(prefix="echo-tail-cut-") as tmp:
-        for i in range(args.rounds):
-            for tail in modes if i % 2 == 0 else modes[::-1]:
-                runs.append(one_run(tail, args.steps, args.workers, Path(tmp)))
-                r = runs[-1]
-                print(
-                    f"round {i + 1}, tail_cut={tail}: {r['steps_per_min']:.1f} steps/min, "
-                    f"t_wait {r['t_wait_mean']:.2f} s, tail groups {r['tail_groups']}",
-                    flush=True,
-                )
-    print(table(runs))
-    write_result(
-        args.json,
-        {
-            "generated_by": "benchmarks/tail_cut_real.py",
-            "params": vars(args) | {"json": str(args.json)},
-            "lengths_untrained": dist,
-            "runs": runs,
-            "table": table(runs),
-        },
+    runs = alternate(
+        (0.0, args.tail),
+        args.rounds,
+        lambda tail, tmp: one_run(tail, args.steps, args.workers, tmp),
+        lambda r: (
+            f"tail_cut={r['tail_cut']}: {r['steps_per_min']:.1f} steps/min, "
+            f"t_wait {r['t_wait_mean']:.2f} s, tail groups {r['tail_groups']}"
+        ),
+        "echo-tail-cut-",
     )
-    print(f"wrote {args.json}")
+    print(table(runs))
+    save(
+        args,
+        "benchmarks/tail_cut_real.py",
+        {"lengths_untrained": dist, "runs": runs, "table": table(runs)},
+    )
     return 0
 
 
