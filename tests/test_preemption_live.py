@@ -71,6 +71,10 @@ def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster
     # 0.2 s and a CI run's SIGTERM once landed between two (the worker waiting on the learner),
     # handing back no prefixes. 400 tokens: about 0.6 s, and the learner rarely gates the worker.
     cluster.cfg.worker.max_new_tokens = 400
+    # a's prefixes wait off the queue for their check (at least one audit job a learner step),
+    # then b continues them: with S = 2 they could go stale first and be generated afresh (a
+    # fresh-clone run saw no continued sample). S = 4 and 12 steps leave room for both.
+    cluster.cfg.learner.staleness = 4
     cluster.cfg.learner.lr = 1e-5  # the random model keeps writing long completions
     # the text vocabulary: end-of-sequence is one token in ~100, so most completions run to
     # the token limit
@@ -90,7 +94,9 @@ def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster
         }
         cluster.cfg.model.max_positions = 4096
         cluster.cfg.worker.max_new_tokens = 5
-    run = cluster.learner("learner", max_steps=8)
+    run = cluster.learner(
+        "learner", max_steps=12
+    )  # room for the held prefixes: checked, then continued
     a = start_worker(cluster, "a")
     # generating, as a fresh write says (the file is rewritten once a second: an old
     # "generating" may describe a rollout already over)
@@ -114,7 +120,7 @@ def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster
     start_worker(cluster, "b")
     assert cluster.wait("learner") == 0
     got = rows(run)
-    assert len(got) == 8
+    assert len(got) == 12
     a_log = (cluster.tmp / "a.log").read_text()
     assert got[-1]["handbacks"].get("prefixes", 0) > 0, a_log[-3000:]
     assert got[-1]["handbacks"]["continued_samples"] > 0  # b finished what a had started
