@@ -124,6 +124,13 @@ def test_without_a_terminal_one_line_per_period(tmp_path, caplog):
 def test_rows_before_the_first_account_say_so(tmp_path):
     shown = dict(rows(_board(tmp_path, account=None).doc))
     assert shown["state"] == "joining" and "first heartbeat" in shown["learner's books"]
+    assert "tail cuts" not in shown  # worker.tail_cut off: no row
+
+
+def test_a_worker_cutting_tails_shows_how_many_groups_it_carried(tmp_path):
+    b = _board(tmp_path)
+    b.update(tail_groups=12)
+    assert dict(rows(b.doc))["tail cuts"] == "12 groups carried into a next rollout"
 
 
 # ------------------------------------------------------------------ real processes

@@ -94,7 +94,7 @@ class WorkerStatus(BaseModel):
     tokens_sampled: int | None = None  # tokens the backend sampled so far
     tokens_sent: int | None = None  # tokens delivered so far
     handed_back_tokens: int | None = None  # tokens of work handed back (docs/preemption.md)
-    tail_groups: int | None = None  # groups handed back by the long-tail cut (docs/scheduling.md)
+    tail_groups: int | None = None  # groups the long-tail cut carried on (docs/scheduling.md)
     yielded_at: float | None = None  # Unix time the owner's notice came
     yield_stop_s: float | None = None  # s from that notice until generation stopped
     base_model: str | None = None  # a LoRA run's base model, and where it came from
@@ -317,6 +317,8 @@ def rows(doc: WorkerStatus) -> list[tuple[str, str]]:
         ("installed snapshot", _installed(doc)),
         ("groups generated", f"{doc.groups_generated} ({doc.samples_generated} samples)"),
     ]
+    if doc.tail_groups:  # worker.tail_cut is on
+        out.append(("tail cuts", f"{doc.tail_groups} groups carried into a next rollout"))
     if a is None:
         return out + [("learner's books", "none yet (they come with the first heartbeat reply)")]
     out += [
