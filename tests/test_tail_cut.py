@@ -242,3 +242,28 @@ def test_a_carrier_forging_its_older_tokens_is_struck_when_that_version_is_drawn
     checked.auditor.run(budget_s=60)
     checked.stats()  # the verdicts, on the loop
     assert (checked.reputation.strikes["w1"] >= 1) == forge
+
+
+@pytest.mark.parametrize("junk", ["0.75", None, True, -1, 1.0, 5, float("nan"), [0.5], {"x": 1}])
+def test_a_learner_s_junk_tail_cut_turns_the_cut_off_and_generation_goes_on(junk):
+    """The worker's view comes from the learner, a stranger: a tail_cut that is not a share in
+    (0, 1) means no cut, never an exception out of the rollout."""
+    import threading
+
+    from worker.scoring import generate_and_score, tail_share
+
+    assert tail_share(junk) == 0.0 and tail_share(0.75) == 0.75
+
+    class Plain:  # a backend that predates tail: a passed-on tail would be a TypeError
+        tokenizer = type("T", (), {"decode": staticmethod(lambda ids, **kw: "")})()
+
+        def generate(self, groups, max_new_tokens, temperature, stop=None):
+            from worker.backends.base import Sample
+
+            return [[Sample([5, 2], [-0.1, -0.1]) for _ in range(g.n)] for g in groups]
+
+    adapter = type("A", (), {"reward": staticmethod(lambda task, ids, text: 1.0)})()
+    g = wire.Group(group_id="g", prompt_ids=[3], n=2, seed=0)
+    wv = {"max_new_tokens": 4, "temperature": 1.0, "tail_cut": junk}
+    out = generate_and_score(Plain(), adapter, wv, threading.Event(), [g])
+    assert [r for _, r in out[0]] == [1.0, 1.0]

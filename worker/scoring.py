@@ -39,7 +39,7 @@ def generate_and_score(
         except Cut as c:
             return cut_episodes(groups, c.decisions)
         return [[(s, float(s.reward)) for s in samples] for samples in out]
-    tail = float(wv.get("tail_cut") or 0.0)
+    tail = tail_share(wv.get("tail_cut"))
     out = backend.generate(
         groups,
         wv["max_new_tokens"],
@@ -55,6 +55,15 @@ def generate_and_score(
         else _scored(adapter, backend.tokenizer, g, samples)
         for g, samples in zip(groups, out)
     ]
+
+
+def tail_share(value: Any) -> float:
+    """The learner's ``worker.tail_cut`` as a share in [0, 1); anything else (a string, a
+    bool, NaN, out of range: a learner is a stranger too) is the cut off, not an error that
+    would end this run's rollouts."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value) if 0.0 < value < 1.0 else 0.0
 
 
 def _scored(
