@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/sim_multirun.py [--only multirun-2,multirun-3] [--no-sweep]
         [--json benchmarks/results/sim_multirun.json] [--plot docs/img/sim_multirun.png]
-        [--sweep-plot docs/img/sim_multirun_sweep.png]
+        [--sweep-plot docs/img/sim_multirun_sweep.png] [--horizon SECONDS]
 
 Runs every scenario below in both modes on the same workers and prints, per job: steps done,
 $ per step dedicated and shared (learner + its part of the fleet), their ratio, S, the largest
@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from echo.machine import write_result  # noqa: E402
+from provisioning.sim.multijob_bound import fleet_capacity, offline_bound  # noqa: E402
 from provisioning.sim.multijob_report import compare, plot, table  # noqa: E402
 from provisioning.sim.multijob_scenario import MultiScenario, multi_from_dict  # noqa: E402
 from provisioning.sim.multijob_sweep import (  # noqa: E402
@@ -122,8 +123,12 @@ def _compare(sc: MultiScenario) -> dict[str, Any]:
     return _memo[key]
 
 
-def load(file: str, overrides: dict[str, Any] | None = None) -> MultiScenario:
+def load(
+    file: str, overrides: dict[str, Any] | None = None, horizon: float | None = None
+) -> MultiScenario:
     data = tomllib.loads((EX / file).read_text())
+    if horizon:  # --horizon: every scenario and the sweep over a longer (or shorter) run
+        data["run"]["horizon_s"] = horizon
     for key, value in (overrides or {}).items():
         section, name = key.split(".")
         data.setdefault(section, {})[name] = value
@@ -132,19 +137,25 @@ def load(file: str, overrides: dict[str, Any] | None = None) -> MultiScenario:
     return multi_from_dict(data)
 
 
-def run(label: str, file: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    res = dict(_compare(load(file, overrides)))
+def run(
+    label: str, file: str, overrides: dict[str, Any], horizon: float | None = None
+) -> dict[str, Any]:
+    sc = load(file, overrides, horizon)
+    res = dict(_compare(sc))
+    ded = [j["steps"] for j in res["dedicated"]["jobs"]]
+    res["offline_bound"] = offline_bound(sc, ded, fleet_capacity(sc))
     res["label"], res["file"], res["overrides"] = label, f"examples/sim/{file}", overrides
     return res
 
 
-def sweep() -> list[dict[str, Any]]:
+def sweep(horizon: float | None = None) -> list[dict[str, Any]]:
     rows = []
     for _, file in SWEEP_FILES:
-        base = load(file)
+        base = load(file, horizon=horizon)
         for c in CONTRASTS:
             for aligned in (False, True) if c in ALIGNED else (False,):
-                row = sweep_row(_compare(with_contrast(base, c, aligned)), c, aligned)
+                sc = with_contrast(base, c, aligned)
+                row = sweep_row(_compare(sc), c, aligned, sc)
                 row["file"] = f"examples/sim/{file}"
                 rows.append(row)
     return rows
@@ -162,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="the phase-contrast sweep (default: on)",
     )
+    ap.add_argument(
+        "--horizon",
+        type=float,
+        default=None,
+        help="simulated seconds for every scenario and the sweep (default: each file's, 2,400)",
+    )
     args = ap.parse_args(argv)
     only = {x for x in args.only.split(",") if x}
     t0 = time.perf_counter()
@@ -169,8 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     for label, file, overrides in SCENARIOS:
         if only and label not in only:
             continue
-        res = run(label, file, overrides)
-        print(table(res) + f"\n({res['wall_s']:.1f} s)\n", flush=True)
+        res = run(label, file, overrides, args.horizon)
+        b = res["offline_bound"]
+        print(
+            table(res) + f"\noffline bound (docs/multirun.md): whole bill {b['bill_bound']:.2f}x; "
+            f"every job at most {b['every_job_bound']:.2f}x its dedicated steps"
+            f"\n({res['wall_s']:.1f} s)\n",
+            flush=True,
+        )
         results.append(res)
     headline = [r for r in results if r["label"] in ("multirun-2", "multirun-3", "multirun-4")]
     if args.plot and headline:
@@ -178,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if args.sweep:
         t1 = time.perf_counter()
-        rows = sweep()
+        rows = sweep(args.horizon)
         print(
             "sweep: ratio = dedicated / shared $ per step (min, max over jobs; bill = all "
             "learners + fleet); c = learner step time, learner-bound / rollout-bound phase\n"

@@ -13,6 +13,7 @@ and the measured peak in every metrics row (``memory.rss_peak``) is what to trus
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -170,16 +171,56 @@ class HostBudget:
     """One process's ``--host-memory-gb`` shared by the runs it serves (docs/multirun.md):
     the fixed part counted once, each run's model and payloads on top. Every joined run's model
     is counted in host memory, even on a GPU: a run not resident on the device is parked
-    there (``--resident``)."""
+    there (``--resident``). LoRA runs on one base hold it once (worker/backends/shared_base.py),
+    so a run whose base another run already holds books its adapter and payloads only."""
 
     def __init__(self, budget_gb: float):
         self.budget_gb = budget_gb
         self.runs: dict[str, int] = {}  # run -> bytes it needs beyond the fixed part
+        self.bases: dict[str, str] = {}  # base hash -> the run whose loaded model holds it
+        self._model: dict[str, tuple[int, int]] = {}  # run -> (model bytes booked, in full)
+        self._lock = threading.Lock()  # runs load their models on their own threads
 
-    def fit(self, run: str, plan: WorkerPlan, dtype_fixed: bool) -> WorkerPlan:
+    def fit(
+        self, run: str, plan: WorkerPlan, dtype_fixed: bool, base: str | None = None
+    ) -> WorkerPlan:
         """``run``'s plan (maybe in bfloat16) within what the other runs leave; booked.
+        ``base``: its LoRA base's hash when known before loading (a fetched base's manifest).
         MemoryBudgetError naming the others when it cannot fit."""
-        plan = replace(plan, model_on_host=True)
+        with self._lock:
+            plan = replace(plan, model_on_host=True)
+            holder = self.bases.get(base) if base else None
+            on_base = holder is not None and holder != run and holder in self.runs
+            fitted = self._fit(run, replace(plan, params=0) if on_base else plan, dtype_fixed)
+            full = plan.params * fitted.dtype_bytes
+            self._model[run] = (0 if on_base else full, full)
+            return replace(fitted, params=plan.params) if on_base else fitted
+
+    def loaded(self, run: str, base: str | None, saved: int) -> None:
+        """``run``'s model is loaded: ``base`` (its LoRA base hash, None for a whole model)
+        now held for the runs after it, and the ``saved`` bytes its base shares with another
+        run's taken off its booking. A run booked on a shared base that did not share it
+        (another dtype) is booked in full: MemoryBudgetError when that no longer fits."""
+        with self._lock:
+            booked, full = self._model.get(run, (0, 0))
+            if base:
+                self.bases.setdefault(base, run)
+            if saved and booked:
+                self.runs[run] -= min(saved, booked)
+                self._model[run] = (booked - min(saved, booked), full)
+            elif not saved and not booked and full and run in self.runs:
+                left = self.budget_gb * GIB - FIXED_BYTES - sum(self.runs.values())
+                if self.budget_gb > 0 and full > left:
+                    raise MemoryBudgetError(
+                        f"{run}'s LoRA base could not be shared with the other runs' (another "
+                        f"dtype) and its own {gib(full)} does not fit --host-memory-gb "
+                        f"{self.budget_gb:g}. Fix: join it with the same --dtype as the "
+                        f"others, raise --host-memory-gb, or join fewer runs"
+                    )
+                self.runs[run] += full
+                self._model[run] = (full, full)
+
+    def _fit(self, run: str, plan: WorkerPlan, dtype_fixed: bool) -> WorkerPlan:
         others = {r: b for r, b in self.runs.items() if r != run}
         left = self.budget_gb - sum(others.values()) / GIB
         if self.budget_gb > 0 and others and left * GIB < plan.total:

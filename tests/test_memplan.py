@@ -228,3 +228,35 @@ def test_a_worker_over_its_budget_leaves_and_the_run_goes_on(tmp_path, small_cfg
         wait_rows(run, 2)
     finally:
         cluster.group.stop_all()
+
+
+def test_lora_runs_on_one_base_book_it_once():
+    """worker/backends/shared_base.py holds one base for the LoRA runs of a process that
+    share it; the budget books it once (docs/multirun.md, "Residency")."""
+    base = 2 * SHAPE.params  # the base in bfloat16
+    run = WorkerPlan(params=SHAPE.params, dtype_bytes=2, payload=1 << 20, spill=True)
+    budget = HostBudget((FIXED_BYTES + base + (10 << 20)) / GIB)  # one base and the payloads
+    budget.fit("a", run, dtype_fixed=True)
+    budget.loaded("a", "h", saved=0)  # the first holds the base
+    # Known before loading (a fetched base's manifest): b books its payloads only.
+    assert budget.fit("b", run, dtype_fixed=True, base="h").dtype_bytes == 2
+    budget.loaded("b", "h", saved=base)
+    assert budget.runs["b"] == (1 << 20) and budget.runs["a"] == base + (1 << 20)
+    # Known only once loaded: booked in full, then the shared bytes come off.
+    roomy = HostBudget(0)
+    roomy.fit("a", run, dtype_fixed=True)
+    roomy.loaded("a", "h", 0)
+    roomy.fit("c", run, dtype_fixed=True)
+    assert roomy.runs["c"] == base + (1 << 20)
+    roomy.loaded("c", "h", saved=base)
+    assert roomy.runs["c"] == 1 << 20
+    # Booked on the shared base but not shared (another dtype): booked in full, or refused.
+    with pytest.raises(MemoryBudgetError, match="could not be shared.*--dtype"):
+        budget.fit("d", run, dtype_fixed=True, base="h")
+        budget.loaded("d", "h", saved=0)
+    roomy.fit("e", run, dtype_fixed=True, base="h")
+    roomy.loaded("e", "h", saved=0)
+    assert roomy.runs["e"] == base + (1 << 20)
+    # Another base is not the first's.
+    roomy.fit("f", run, dtype_fixed=True, base="other")
+    assert roomy.runs["f"] == base + (1 << 20)

@@ -91,7 +91,9 @@ def test_one_worker_serves_two_runs_and_a_ban_by_one_leaves_the_other(
         endpoint_a = line_a.split("//")[1].split("/")[0]
         doc_a = next(f for f in files if endpoint_a.replace(":", "_") in f.name)
         _wait("run a to end with the ban", lambda: read_status(doc_a).exit is not None, 60, worker)
-        assert "banned" in (read_status(doc_a).exit or "")
+        assert "banned" in (read_status(doc_a).exit or ""), (tmp_path / "w0.log").read_text()[
+            -4000:
+        ]
         at_ban = _steps(run_b)
         _wait("2 more steps in run b", lambda: _steps(run_b) >= at_ban + 2, 180, worker)
         assert worker.poll() is None  # the process serves run b still

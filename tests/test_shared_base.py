@@ -74,3 +74,35 @@ def test_a_hostile_run_cannot_write_the_base_another_run_shares(monkeypatch):
     with pytest.raises(ModelError, match="unexpected"):
         a.install(*params_to_payload(evil, "float32"))
     assert torch.equal(weight, before)
+
+
+def test_the_memory_budget_books_a_shared_base_once(monkeypatch, tmp_path, tokenizer):
+    """Two LoRA runs of one process loaded through the worker's own path (worker.model
+    .load_model) with one --host-memory-gb: the second run's booking is its payloads, not a
+    second base (echo.memplan.HostBudget.loaded)."""
+    import worker.backends.transformers as tb
+    from echo.config import EchoConfig
+    from echo.memplan import HostBudget
+    from echo.models import load_model as build
+    from worker.backends.shared_base import SharedBases
+    from worker.model import LoadChoice, load_model
+
+    monkeypatch.setattr(tb, "SHARED", SharedBases())
+    build(ModelConfig(), tokenizer).save_pretrained(tmp_path)  # a base on disk, as a volunteer's
+    tokenizer.save_pretrained(tmp_path)
+    cfg = EchoConfig()
+    cfg.learner.lora.enabled = True
+    cfg.model.name = str(tmp_path)
+    view = cfg.worker_view()
+    budget = HostBudget(0)
+    booked = {}
+    for run in ("a", "b"):
+        choice = LoadChoice(shared=budget, run=run)
+        backend, _ = load_model(
+            view, choice, version_bytes=(4096, "float32"), base=None, base_manifest=None
+        )
+        booked[run] = (budget.runs[run], backend.shared_bytes)
+    (a, a_saved), (b, b_saved) = booked["a"], booked["b"]
+    assert a_saved == 0 < b_saved
+    assert b_saved > 0 and a == b_saved + b  # the base counted once, by the first run
+    assert b >= 4096  # the second run's adapter payloads

@@ -288,7 +288,8 @@ def test_sharing_pays_with_offset_phases_and_more_the_stronger_their_contrast() 
     data = _data([job("a", 3, 0), job("b", 2, 600)])
     data["run"]["horizon_s"] = 2400
     base = multi_from_dict(data)
-    rows = [sweep_row(compare(with_contrast(base, c)), c, False) for c in (1, 2, 4, 8)]
+    scs = {c: with_contrast(base, c) for c in (1, 2, 4, 8)}
+    rows = [sweep_row(compare(sc), c, False, sc) for c, sc in scs.items()]
     # No phases (c = 1): nothing to reclaim, sharing is dedicated within a few %.
     assert rows[0]["ratio_whole_bill"] == pytest.approx(1.0, abs=0.03)
     # Offset phases: the worst job's ratio and the whole bill's grow with the contrast.
@@ -298,8 +299,46 @@ def test_sharing_pays_with_offset_phases_and_more_the_stronger_their_contrast() 
     # Aligned phases (both rollout-bound at once): the idle time is idle for both jobs, and
     # sharing is dedicated within a few % on the whole bill (per job it moves a few steps).
     for c in (4, 8):
-        al = sweep_row(compare(with_contrast(base, c, aligned=True)), c, True)
+        sc = with_contrast(base, c, aligned=True)
+        al = sweep_row(compare(sc), c, True, sc)
+        # The offline bound sees it too: aligned, the fleet caps both jobs at once.
+        assert al["every_job_bound"] < rows[2 if c == 4 else 3]["every_job_bound"]
+        assert al["ratio_whole_bill"] <= al["bill_bound"] + 1e-9
         assert al["ratio_whole_bill"] == pytest.approx(1.0, abs=0.03)
         assert 0.85 < al["ratio_min"] <= al["ratio_max"] < 1.15
         assert al["idle_shared"] > al["idle_dedicated"] - 0.1
-    assert "ratio min" in sweep_table(rows)
+    # The offline bounds hold: what the simulated policy reached is within them (no schedule
+    # keeping S beats the relaxation), and the worst job is within the every-job bound.
+    for r in rows:
+        assert r["ratio_whole_bill"] <= r["bill_bound"] + 1e-9 <= r["ceiling_bound"] + 2e-9, r
+        assert r["steps_shared"] <= r["steps_ceiling"], r
+        assert r["every_job_bound"] <= r["bill_bound"] + 1e-9, r
+    assert rows[-1]["bill_bound"] > rows[0]["bill_bound"]
+    assert "ratio min" in sweep_table(rows) and "bound" in sweep_table(rows)
+
+
+def test_the_offline_bound_is_the_learner_or_the_fleet_whichever_binds() -> None:
+    """provisioning/sim/multijob_bound.py on cases worked by hand: one job without phases,
+    steps of 30 s over 1,200 s (40 steps at most), each needing 204 x 16 / 1.6 = 2,040
+    worker-seconds."""
+    from provisioning.sim.multijob_bound import offline_bound
+
+    job = _job("a", 3, 0)
+    job["phases"] = [{"duration_s": 600, "t_train_s": 30}]
+    sc = multi_from_dict(_data([job]))
+    # Fleet to spare (100 workers need 2,040 / 100 = 20.4 s a batch): the learner binds.
+    roomy = offline_bound(sc, [20], capacity=100.0)
+    assert roomy["steps_most"][0] == pytest.approx(40.0)
+    assert roomy["bill_bound"] == pytest.approx(2.0) and roomy["every_job_bound"] == pytest.approx(
+        2.0
+    )
+    # 17 workers: 1,200 x 17 / 2,040 = 10 batches, plus none ahead (they would be trained).
+    tight = offline_bound(sc, [5], capacity=17.0)
+    assert tight["steps_most"][0] == pytest.approx(10.0)
+    # Two jobs on a fleet for one: the every-job bound splits it, the bill's does not care.
+    b = _job("b", 3, 0)
+    b["phases"] = job["phases"]
+    two = multi_from_dict(_data([job, b]))
+    res = offline_bound(two, [5, 5], capacity=17.0)
+    assert sum(res["steps_most"]) == pytest.approx(10.0)
+    assert res["every_job_bound"] == pytest.approx(1.0)  # 5 each at most

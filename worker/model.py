@@ -50,6 +50,7 @@ def fit_memory(
     choice: LoadChoice,
     version_bytes: tuple[int, str],
     view: dict[str, Any],
+    base: str | None = None,
 ) -> str:
     """worker.dtype, resolved and fitted to --host-memory-gb (echo/memplan.py: over budget
     an ``auto`` dtype becomes bfloat16); says what serving this run needs. ``version_bytes``:
@@ -76,7 +77,7 @@ def fit_memory(
     budget_gb = choice.host_memory_gb
     try:
         fitted = (
-            choice.shared.fit(choice.run, plan, dtype_fixed=dtype != "auto")
+            choice.shared.fit(choice.run, plan, dtype_fixed=dtype != "auto", base=base)
             if choice.shared is not None
             else fit_worker(plan, budget_gb, dtype_fixed=dtype != "auto")
         )
@@ -133,10 +134,18 @@ def load_model(
             choice=choice,
             version_bytes=version_bytes,
             view=view,
+            base=base_manifest.base_model if base_manifest is not None else None,
         )
     backend = make_backend(
         name, model_cfg=ModelConfig(**model), threads=threads, device=device, **extra
     )
+    if choice.shared is not None:  # a LoRA base shared with another run is booked once
+        from echo.memplan import MemoryBudgetError
+
+        try:
+            choice.shared.loaded(choice.run, backend.base_hash, getattr(backend, "shared_bytes", 0))
+        except MemoryBudgetError as err:
+            raise WorkerError(str(err)) from None
     if base is not None and base_manifest is not None:
         problem = mismatch(base_manifest, backend.base_hash, base)
         if problem:

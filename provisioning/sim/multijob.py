@@ -434,11 +434,11 @@ class MultiSim:
                 self._fill(job)
         self._minutes_until(self.H)
         for job in self.jobs:
-            job.st.steps_bound = _steps_if_never_waiting(job.spec, self.H)
+            job.st.steps_bound = steps_if_never_waiting(job.spec, self.H)
         return [j.st for j in self.jobs]
 
 
-def _steps_if_never_waiting(spec: JobSection, horizon: float) -> float:
+def steps_if_never_waiting(spec: JobSection, horizon: float) -> float:
     """The learner's own ceiling: steps in the horizon if every batch were ready at once."""
     t, n = 0.0, 0
     while True:

@@ -8,6 +8,14 @@ phases of duration / step time) as they were, so the dedicated demand split and 
 headroom do not move with ``c``; only how unevenly each job's demand is spread over its cycle
 does. ``c = 1`` is a job without phases (the control), and the example files are ``c = 4``.
 ``aligned`` puts every job's phases in step (all rollout-bound at once): sharing's control.
+
+Each row also carries the offline bounds (provisioning/sim/multijob_bound.py): with the fleet
+and every learner paid for the whole horizon in both modes, the whole bill is the same shared
+and dedicated, so its ratio is shared steps / dedicated steps, and no schedule keeping the
+staleness bound takes more steps than the linear relaxation there allows. ``bill_bound``: the
+largest whole-bill ratio any sharing policy, offline or not, could reach on that fleet;
+``every_job_bound``: the largest ``r`` with every job at ``r`` times its dedicated steps;
+``ceiling_bound``: the learners' own ceiling alone (every batch ready when they are free).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from provisioning.sim.multijob_bound import fleet_capacity, offline_bound
 from provisioning.sim.multijob_scenario import MultiScenario, multi_from_dict
 
 
@@ -45,8 +54,11 @@ def with_contrast(sc: MultiScenario, contrast: float, aligned: bool = False) -> 
     return multi_from_dict(data)
 
 
-def sweep_row(res: dict[str, Any], contrast: float, aligned: bool) -> dict[str, Any]:
-    """One sweep setting, from ``multijob_report.compare``'s result."""
+def sweep_row(
+    res: dict[str, Any], contrast: float, aligned: bool, sc: MultiScenario | None = None
+) -> dict[str, Any]:
+    """One sweep setting, from ``multijob_report.compare``'s result; with ``sc`` (the scenario
+    it ran) the offline bounds too."""
     ded, sh = res["dedicated"], res["shared"]
     ratios = [j["ratio"] for j in sh["jobs"]]
     for d, s in zip(ded["jobs"], sh["jobs"], strict=True):
@@ -55,6 +67,13 @@ def sweep_row(res: dict[str, Any], contrast: float, aligned: bool) -> dict[str, 
         ded["usd_per_total_step"] / sh["usd_per_total_step"]
         if ded["usd_per_total_step"] and sh["usd_per_total_step"]
         else None
+    )
+    steps_ded = sum(j["steps"] for j in ded["jobs"])
+    ceiling = sum(j["steps_if_learner_never_waits"] for j in sh["jobs"])
+    lp = (
+        offline_bound(sc, [j["steps"] for j in ded["jobs"]], fleet_capacity(sc))
+        if sc is not None
+        else {}
     )
     return {
         "jobs": len(sh["jobs"]),
@@ -66,9 +85,12 @@ def sweep_row(res: dict[str, Any], contrast: float, aligned: bool) -> dict[str, 
         "ratio_whole_bill": whole,
         "idle_dedicated": ded["idle_fraction"],
         "idle_shared": sh["idle_fraction"],
-        "steps_dedicated": sum(j["steps"] for j in ded["jobs"]),
+        "ceiling_bound": ceiling / steps_ded if steps_ded else None,
+        "bill_bound": lp.get("bill_bound"),
+        "every_job_bound": lp.get("every_job_bound"),
+        "steps_dedicated": steps_ded,
         "steps_shared": sum(j["steps"] for j in sh["jobs"]),
-        "steps_ceiling": sum(j["steps_if_learner_never_waits"] for j in sh["jobs"]),
+        "steps_ceiling": ceiling,
         "staleness_max_dedicated": [j["staleness_max"] for j in ded["jobs"]],
         "staleness_max_shared": [j["staleness_max"] for j in sh["jobs"]],
         "S": [j["S"] for j in sh["jobs"]],
@@ -79,6 +101,7 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
     """The sweep as a fixed-width text table, one line per setting."""
     cols = (
         f"{'jobs':>4} {'phases':<8}{'c':>3}{'ratio min':>10}{'max':>6}{'bill':>6}"
+        f"{'bound bill/every':>17}"
         f"{'idle d/s':>13}{'steps d/s/ceil':>16}  s_max d/s vs S (per job)"
     )
     lines = [cols]
@@ -93,6 +116,7 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['jobs']:>4} {r['phases']:<8}{r['contrast']:>3g}"
             f"{_x(r['ratio_min']):>10}{_x(r['ratio_max']):>6}{_x(r['ratio_whole_bill']):>6}"
+            f"{_x(r['bill_bound']):>11}/{_x(r['every_job_bound']):<5}"
             f"{r['idle_dedicated']:>7.1%}/{r['idle_shared']:<5.1%}"
             f"{steps:>16}  {smax}"
         )
@@ -106,7 +130,8 @@ def _x(v: float | None) -> str:
 def sweep_plot(rows: list[dict[str, Any]], path: str | Path, target: float = 1.3) -> Path:
     """Dedicated/shared $ per step against contrast, one colour per job count: the band spans
     the jobs' ratios (its lower edge, the worst job, is the line), dashed the whole bill,
-    dotted the aligned control's whole bill; the horizontal line is the target."""
+    open triangles the offline bound on the worst job, dotted the aligned control's whole bill; the
+    horizontal line is the target."""
     from provisioning.sim.plots import _plt
 
     plt = _plt()
@@ -122,6 +147,8 @@ def sweep_plot(rows: list[dict[str, Any]], path: str | Path, target: float = 1.3
         a.plot(c, lo, "o-", color=colour, label=f"{n} jobs offset: worst job")
         a.fill_between(c, lo, hi, color=colour, alpha=0.15)
         a.plot(c, [r["ratio_whole_bill"] for r in off], "--", color=colour, lw=1)
+        # The offline bound on every job (multijob_bound.py): no policy lifts the worst above it.
+        a.plot(c, [r["every_job_bound"] for r in off], "^", color=colour, ms=6, mfc="none")
         al = sorted(
             (
                 r
@@ -147,7 +174,10 @@ def sweep_plot(rows: list[dict[str, Any]], path: str | Path, target: float = 1.3
     )
     a.set_xlabel("phase contrast: learner step time, learner-bound / rollout-bound phase")
     a.set_ylabel("dedicated / shared $ per step")
-    a.set_title("When sharing pays (band: all jobs; dashed: whole bill)", fontsize=10)
+    a.set_title(
+        "When sharing pays (band: all jobs; dashed: whole bill; triangles: bound, worst job)",
+        fontsize=10,
+    )
     a.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     out = Path(path)
