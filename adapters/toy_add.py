@@ -14,6 +14,13 @@ K of the pairs aside, chosen by a fixed seed: training never draws them, eval sc
 With K > 0 the quickstart's model must generalise addition to pairs it never saw, which a 2-layer
 random-init model mostly does not: a strict test, not the quickstart's default.
 
+Task budgets, for scheduling experiments (docs/scheduling.md, "Affinity"): with option
+``short_tokens = N`` every pair but a ``long_share`` of them (default 0.25, chosen by a fixed
+seed) is a short task with a budget of N tokens (``Prompt.max_new_tokens``); the others run to
+``worker.max_new_tokens``. Untrained, the model ends a sample with a small chance per token,
+so the long tasks' groups run many times longer than the short ones': a mix with a real tail
+whose long members are the same prompts every time.
+
 The credit for ending sooner is what makes the run reliable: with a flat 0.5 for "right digit,
 anything after", stopping is learned only once a group happens to sample end-of-sequence
 right after the digit, and four 500-step quickstarts ended at 0.23, 0.40, 0.47 and 0.75
@@ -36,10 +43,11 @@ class ToyAddAdapter(Adapter):
 
     def __init__(self, options: dict[str, Any], tokenizer: Any):
         super().__init__(options, tokenizer)
-        unknown = set(self.options) - {"max_sum", "heldout"}
+        unknown = set(self.options) - {"max_sum", "heldout", "short_tokens", "long_share"}
         if unknown:
             raise AdapterError(
-                f"toy-add: unknown option(s) {sorted(unknown)}; it takes max_sum, heldout"
+                f"toy-add: unknown option(s) {sorted(unknown)}; it takes max_sum, heldout, "
+                f"short_tokens, long_share"
             )
         self.max_sum = int(self.options.get("max_sum", 9))
         if not 0 <= self.max_sum <= 9:
@@ -55,10 +63,31 @@ class ToyAddAdapter(Adapter):
         self.heldout = [p for p in pairs if p in aside]
         self.pairs = [p for p in pairs if p not in aside]
         self._digits = {tokenizer.convert_tokens_to_ids(str(d)): d for d in range(10)}
+        self.short_tokens, self.long = self._budgets(pairs)
+
+    def _budgets(self, pairs: list[tuple[int, int]]) -> tuple[int | None, set[tuple[int, int]]]:
+        short = self.options.get("short_tokens")
+        share = self.options.get("long_share", 0.25)
+        if short is None:
+            return None, set()
+        if type(short) is not int or short < 1:
+            raise AdapterError(
+                f"toy-add: short_tokens={short!r} must be a whole number of tokens >= 1 "
+                f"(the short tasks' budget), or left out"
+            )
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            raise AdapterError(f"toy-add: long_share={share!r} must be a share in [0, 1]")
+        k = round(share * len(pairs))
+        return short, set(random.Random(HELDOUT_SEED + 1).sample(pairs, k))
 
     def _prompt(self, a: int, b: int) -> Prompt:
         ids = self.tokenizer.encode(f"{a}+{b}=", add_special_tokens=False)
-        return Prompt(prompt_ids=ids, task={"answer": a + b})
+        short = self.short_tokens is not None and (a, b) not in self.long
+        return Prompt(
+            prompt_ids=ids,
+            task={"answer": a + b},
+            max_new_tokens=self.short_tokens if short else None,
+        )
 
     def prompts(self, rng: random.Random) -> Iterator[Prompt]:
         while True:

@@ -174,6 +174,12 @@ class LearnerConfig(StalenessRules, _Section):
     mask_truncated_completions: bool = False
     torch_threads: int = Field(1, gt=0)  # CPU threads of the learner's torch
     max_outstanding_groups: int = Field(0, ge=0)  # 0: 2 * prompts_per_step
+    # Hardware-affinity routing (docs/scheduling.md, learner/affinity.py): a grant takes, from
+    # a window of the next affinity_window prompts, the one whose expected completion length
+    # ranks where the asking worker's measured tokens/s ranks (long tasks to fast workers).
+    # Off: prompts go out in the adapter's order.
+    affinity: bool = False
+    affinity_window: int = Field(64, ge=2, le=4096)
     # A granted group not delivered this long is granted again.
     lease_timeout_s: float = Field(30.0, gt=0)
     wait_timeout_s: float = Field(120.0, gt=0)  # give up when no admissible data this long

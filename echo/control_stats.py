@@ -62,6 +62,7 @@ class ControlStats:
     handbacks: dict[str, Any] = field(default_factory=dict)  # returned work (docs/preemption.md)
     # expensive rewards recomputed off the step (learner.reward_audit); empty when inline
     reward_audit: dict[str, float] = field(default_factory=dict)
+    affinity: dict[str, int] = field(default_factory=dict)  # learner.affinity; empty when off
     join_refused: Counts = field(default_factory=dict)  # joins/connections refused by reason
     limited: Counts = field(default_factory=dict)  # messages refused (rate limit, ban) by reason
     chunk_rejected: Counts = field(default_factory=dict)  # learner chunk requests refused

@@ -55,6 +55,9 @@ class StepRow:
     handbacks: dict[str, Any] | None = None  # returned work by kind (docs/preemption.md)
     # an expensive reward's audits off the step, so far (learner.reward_audit); None: inline
     reward_audit: dict[str, float] | None = None
+    # affinity routing (learner.affinity), so far: prompts routed out of the adapter's order,
+    # taken for their age, and prompts with a learned length; None: off
+    affinity: dict[str, int] | None = None
     control_cpu: dict[str, Any] | None = None  # s of the control loop's CPU by kind, so far
     learner_bytes_sent: int | None = None  # bytes of snapshots the learner served, so far
     t_bcast: float | None = None  # s: broadcast time of the latest measured publication

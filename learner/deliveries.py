@@ -99,8 +99,10 @@ class Deliveries:
         probation = m.controller is not None and m.controller.on_probation(msg.worker_id)
         capped = self.returns.capped(msg.worker_id)  # past its share of hand-backs
         ask = 1 if probation or capped else min(msg.max_groups, self.fair_share())
+        aff = self.work.affinity  # docs/scheduling.md, "Affinity": long tasks to fast workers
+        rank = aff.rank(msg.worker_id, set(self.table.workers)) if aff is not None else None
         groups = self.work.grant(
-            msg.worker_id, ask, self.buffer.depth().ready_groups, msg.holding, key=key
+            msg.worker_id, ask, self.buffer.depth().ready_groups, msg.holding, key=key, rank=rank
         )
         self.accounts.granted(msg.worker_id, len(groups))
         return wire.WorkGrant(
@@ -201,6 +203,8 @@ class Deliveries:
         provisioner (stale trajectories earn less, learner.staleness; refused ones nothing)."""
         if accepted:
             self.measure(w, len(accepted))
+            if self.work.affinity is not None:
+                self.work.affinity.admitted(w.worker_id, accepted)
         credit = self.staleness.admitted(w.worker_id, accepted, self.buffer.version)
         controller = self.members.controller
         if controller is not None:

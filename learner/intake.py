@@ -241,6 +241,14 @@ class Intake:
                 f"group {gid}: samples {got[:16]} of {group.n}; deliver every "
                 f"sample of a group, once, in one batch"
             )
+        over = _over_budget(group, recs)
+        if over:
+            # a worker of this release stops there (worker/backends/base.py group_budget)
+            self._verdict(sender, key, recs, "budget", False, {"samples": over[:8]})
+            return "over_budget", (
+                f"group {gid}: samples {over[:8]} run past the task's budget of "
+                f"{group.max_new_tokens} tokens; generate at most that many for it"
+            )
         if group.prefixes:
             bad = [r.sample_idx for r in recs if not self._continues(group, r)]
             self._verdict(sender, key, recs, "prefix", not bad, {"mismatched": bad[:8]})
@@ -331,3 +339,12 @@ class Intake:
         self.reputation.record(
             Verdict(sender, key, recs[0].group_id, min(r.version for r in recs), check, ok, stats)
         )
+
+
+def _over_budget(group: Any, recs: list[Record]) -> list[int]:
+    """Samples of a single-turn group with a budget of its own (``wire.Group.max_new_tokens``)
+    whose completion is longer than it."""
+    most = group.max_new_tokens
+    if most is None:
+        return []
+    return [r.sample_idx for r in recs if not r.loss_mask and len(r.completion_ids) > most]

@@ -25,6 +25,7 @@ from echo.metrics import LearnerMetrics, finite_or_null
 from echo.spill import spill_dir
 from echo.steprow import COL, RunSummary, StepRow
 from learner import stopping
+from learner.affinity import Affinity, LengthBook, SpeedBook
 from learner.auditor import Auditor
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_or_create_key, save_checkpoint
@@ -152,6 +153,8 @@ class Learner:
             lease_timeout_s=lc.lease_timeout_s,
             prefix=f"{self.run_id}.{instance}",
             secret=hashlib.sha256(b"echo group seeds" + self.key.private_bytes()).digest(),
+            affinity=Affinity(LengthBook(), SpeedBook()) if lc.affinity else None,
+            window=lc.affinity_window,
         )
         if resume:
             back = Resume(

@@ -133,6 +133,7 @@ def _control(row: StepRow, control: ControlStats, step_s: float) -> None:
     row.rejected = c.rejected
     row.handbacks = c.handbacks  # docs/preemption.md
     row.reward_audit = c.reward_audit or None
+    row.affinity = c.affinity or None
     # the control loop's CPU per kind of message, cumulative (learner.cpu, docs/scale.md)
     row.control_cpu = c.control_cpu
     row.learner_bytes_sent, row.t_bcast = c.learner_bytes_sent, c.t_bcast

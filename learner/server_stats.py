@@ -92,6 +92,7 @@ class ServerStats:
                 "held": len(s.work.held),
             },
             reward_audit=s.intake.reward_audit.stats() if s.intake.reward_audit else {},
+            affinity=_affinity(s.work),
             sessions=len(s.table.sessions),
             # docs/security.md, "Sybils": joined keys not yet members, notices sent and left
             # to heartbeat replies
@@ -182,3 +183,15 @@ class PerWorker(NamedTuple):
     reputation: dict[str, dict[str, Any]]
     checks: dict[str, int]
     accounts: dict[str, dict[str, Any]]
+
+
+def _affinity(work: Any) -> dict[str, int]:
+    """learner.affinity's counts (docs/scheduling.md, "Affinity"); empty when off."""
+    if work.affinity is None:
+        return {}
+    return {
+        "routed": work.picker.routed,
+        "aged": work.picker.aged,
+        "prompts_known": len(work.affinity.book),
+        "window": work.picker.depth(),
+    }

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from dataplane import rules
 from dataplane.adapter import Prompt
 from echo import wire
+from learner.affinity import Affinity, Picker
 from learner.grants import GrantJournal, Lease
 
 
@@ -61,8 +62,12 @@ class WorkQueue:
         prefix: str,
         secret: bytes = b"",
         clock: Callable[[], float] = time.monotonic,
+        affinity: Affinity | None = None,
+        window: int = 64,
     ):
-        self._prompts = prompts
+        # which prompt a grant takes: the adapter's order, or by affinity (learner/affinity.py)
+        self.affinity = affinity
+        self.picker = Picker(prompts, window, affinity.book if affinity is not None else None)
         self.group_size = group_size
         self.max_outstanding = max_outstanding
         self.lease_timeout_s = lease_timeout_s
@@ -97,11 +102,13 @@ class WorkQueue:
         buffered_groups: int,
         holding: Collection[str] = (),
         key: str = "",
+        rank: float | None = None,
     ) -> list[wire.Group]:
         """Up to ``max_groups`` groups: first this worker's own leases whose grant was lost
         (open, and not among the groups it ``holding``s undelivered), then re-queued groups,
         then new ones while the outstanding bound allows. ``key``: the holder's proven key,
-        kept with each lease (and in the journal)."""
+        kept with each lease (and in the journal). ``rank``: the worker's speed among the
+        fleet's (0 slowest, 1 fastest; None unknown), for affinity routing."""
         now = self._clock()
         out = self._lost_grants(worker_id, set(holding), max_groups, now)
         while len(out) < max_groups:
@@ -120,7 +127,7 @@ class WorkQueue:
             if not rules.room(self.max_outstanding, len(self.issued), buffered_groups):
                 break
             n = next(self._ids)
-            prompt = next(self._prompts)
+            prompt = self.picker.take(rank)
             gid = f"{self._prefix}-{n}"
             group = wire.Group(
                 group_id=gid,
@@ -128,6 +135,7 @@ class WorkQueue:
                 n=self.group_size,
                 seed=self.seed_of(gid),
                 task=prompt.task,
+                max_new_tokens=prompt.max_new_tokens,
             )
             self.issued[gid] = Issued(group, worker_id, now + self.lease_timeout_s, key, now)
             self.granted[worker_id] += 1

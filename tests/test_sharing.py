@@ -179,6 +179,7 @@ def _deliveries(observed: list) -> Deliveries:
     d = Deliveries.__new__(Deliveries)
     d.staleness = Staleness(bound=2, discount=0.5)
     d.buffer = SimpleNamespace(version=0)
+    d.work = SimpleNamespace(affinity=None)  # learner.affinity off
     d.members = SimpleNamespace(
         controller=SimpleNamespace(observe=lambda *a, **kw: observed.append((a, kw)))
     )

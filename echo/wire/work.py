@@ -41,6 +41,9 @@ class Group(BaseModel):
     # A continuation (docs/preemption.md): these samples go on from their prefix, the others
     # are generated from the prompt; every sample of the group is delivered, as always.
     prefixes: list[Prefix] = Field(default_factory=list, max_length=4096)
+    # The task's own token budget (dataplane.adapter.Prompt.max_new_tokens); None: the run's
+    # worker.max_new_tokens. A worker generates at most the smaller of the two.
+    max_new_tokens: int | None = Field(default=None, ge=1, le=65536)
 
 
 class WorkRequest(Message):

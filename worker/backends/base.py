@@ -39,14 +39,21 @@ class Row:
     budget: int
 
 
+def group_budget(g: wire.Group, max_new_tokens: int) -> int:
+    """Tokens a sample of ``g`` may run to: the run's worker.max_new_tokens, or the task's
+    own budget when smaller (``wire.Group.max_new_tokens``)."""
+    return min(g.max_new_tokens or max_new_tokens, max_new_tokens)
+
+
 def plan_rows(groups: list[wire.Group], max_new_tokens: int) -> list[Row]:
     rows = []
     for gi, g in enumerate(groups):
         pre = {p.sample_idx: p for p in g.prefixes}
+        most = group_budget(g, max_new_tokens)
         for i in range(g.n):
             p = pre.get(i)
             ids = p.ids if p else []
-            rows.append(Row(gi, i, list(g.prompt_ids) + ids, p, max(0, max_new_tokens - len(ids))))
+            rows.append(Row(gi, i, list(g.prompt_ids) + ids, p, max(0, most - len(ids))))
     return rows
 
 

@@ -40,9 +40,14 @@ class _Watch(StoppingCriteria):
         eos: int | None,
         fresh: list[bool],
         tail: float = 0.0,
+        budgets: list[int] | None = None,
     ):
         self.backend, self.stop, self.eos, self.tail = backend, stop, eos, tail
         self.fresh = torch.tensor(fresh, dtype=torch.bool)
+        # Rows whose task has a smaller budget than the call's longest (wire.Group
+        # .max_new_tokens) end at it instead of sampling tokens that would be cut.
+        self.budgets = torch.tensor(budgets) if budgets and min(budgets) < max(budgets) else None
+        self.steps = 0
         self.done = None
         self.stopped = False
 
@@ -50,11 +55,15 @@ class _Watch(StoppingCriteria):
         last = input_ids[:, -1] == self.eos if self.eos is not None else input_ids[:, -1] < 0
         before = torch.zeros_like(last) if self.done is None else self.done
         self.backend.tokens_sampled += int((~before).sum())  # rows that sampled this token
+        self.steps += 1
+        if self.budgets is not None:
+            self.budgets = self.budgets.to(last.device)
+            last = last | (self.budgets <= self.steps)
         self.done = before | last
         if (self.stop is not None and self.stop.is_set()) or self._tail_ended():
             self.stopped = True
             return torch.ones_like(last)
-        return torch.zeros_like(last)
+        return self.done.clone() if self.budgets is not None else torch.zeros_like(last)
 
     def _tail_ended(self) -> bool:
         if not self.tail or self.done is None:
@@ -130,7 +139,8 @@ class TransformersBackend(Backend):
         new: dict[int, tuple[list[int], list[float]]] = {}
         stopped = False
         if todo:
-            watch = _Watch(self, stop, eos, [not groups[r.group].prefixes for r in todo], tail)
+            fresh = [not groups[r.group].prefixes for r in todo]
+            watch = _Watch(self, stop, eos, fresh, tail, [r.budget for r in todo])
             ids, lps, stopped = self._sample(
                 [r.prompt for r in todo],
                 max(r.budget for r in todo),

@@ -27,7 +27,15 @@ from typing import Any
 from echo import wire
 from echo.config import ModelConfig
 from echo.models import engine_model_dir, load_tokenizer, vocab_size_of_folder
-from worker.backends.base import Backend, Sample, finish, needs_tokens, plan_rows, regroup
+from worker.backends.base import (
+    Backend,
+    Sample,
+    finish,
+    group_budget,
+    needs_tokens,
+    plan_rows,
+    regroup,
+)
 from worker.backends.refit import (
     RefitError,
     VersionBook,
@@ -195,7 +203,7 @@ class VLLMBackend(Backend):
                 temperature=temperature,
                 top_p=1.0,
                 top_k=0,
-                max_tokens=max_new_tokens,
+                max_tokens=group_budget(g, max_new_tokens),
                 logprobs=0,
                 seed=g.seed,
                 stop_token_ids=[eos] if eos is not None else None,

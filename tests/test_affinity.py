@@ -1,0 +1,224 @@
+"""Hardware-affinity routing (learner/affinity.py, docs/scheduling.md "Affinity"): long tasks
+to fast workers, nothing held back, and the task budgets it routes by kept by workers and
+checked by the learner."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+from pydantic import ValidationError
+
+from dataplane.adapter import AdapterError, Prompt
+from echo import wire
+from learner.affinity import Affinity, LengthBook, Picker, SpeedBook
+from learner.work import WorkQueue
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _prompts():
+    """Prompt k is [k]; its budget says how long it is: k % 4 == 0 long (64), else short (4)."""
+    return (
+        Prompt([k], {"k": k}, max_new_tokens=64 if k % 4 == 0 else 4) for k in itertools.count()
+    )
+
+
+def test_without_affinity_prompts_go_out_in_the_adapter_s_order():
+    picker = Picker(_prompts(), window=8, book=None)
+    assert [picker.take(r).prompt_ids[0] for r in (1.0, 0.0, None, 0.5)] == [0, 1, 2, 3]
+    assert picker.routed == 0
+
+
+def test_fast_workers_take_the_long_tasks_and_slow_ones_the_short():
+    picker = Picker(_prompts(), window=8, book=LengthBook())
+    fast = [picker.take(1.0) for _ in range(2)]
+    slow = [picker.take(0.0) for _ in range(2)]
+    assert all(p.max_new_tokens == 64 for p in fast)
+    assert all(p.max_new_tokens == 4 for p in slow)
+    assert [p.prompt_ids[0] for p in fast + slow] == [0, 4, 1, 2]  # oldest of each kind
+    assert picker.take(None).prompt_ids == [3]  # not measured yet: the oldest waiting
+    assert picker.routed > 0
+
+
+def test_learned_lengths_override_the_budget():
+    book = LengthBook()
+    for _ in range(5):
+        book.observe([1], 50)  # prompt 1 has a short budget but runs long
+        book.observe([0], 2)  # prompt 0 a long budget but ends at once
+    assert book.expect(Prompt([1], max_new_tokens=4)) == pytest.approx(50, rel=0.2)
+    assert book.expect(Prompt([9], max_new_tokens=4)) == 4.0  # nothing seen: its budget
+    assert book.expect(Prompt([9])) is None
+    picker = Picker(_prompts(), window=4, book=book)
+    assert picker.take(1.0).prompt_ids == [1]
+    assert picker.take(0.0).prompt_ids == [0]
+
+
+def test_the_length_book_is_bounded():
+    book = LengthBook(max_prompts=3)
+    for k in range(10):
+        book.observe([k], k)
+    assert len(book) == 3
+    assert book.expect(Prompt([9])) == 9.0 and book.expect(Prompt([0])) is None
+
+
+def test_lying_lengths_cannot_hold_a_prompt_back():
+    """Workers that make prompt 3 look like the middle of every window (the place no fast or
+    slow worker picks) cannot keep it out: a prompt passed over ``window`` times is taken by
+    whoever asks next."""
+    book = LengthBook()
+    for k in range(200):
+        book.observe([k], 0 if k % 2 else 1000)
+    book.observe([3], 500)
+    picker = Picker(_prompts(), window=6, book=book)
+    taken = []
+    for i in range(40):
+        taken.append(picker.take(float(i % 2)).prompt_ids[0])
+        if 3 in taken:
+            break
+    assert 3 in taken and len(taken) <= 4 + 6 + 1
+    assert picker.aged >= 1
+    # and in a long run every prompt drawn is granted within window grants of its drawing
+    picker = Picker(_prompts(), window=6, book=book)
+    when = {picker.take(float(i % 2)).prompt_ids[0]: i for i in range(300)}
+    assert all(when[k] <= k + 6 for k in range(290))
+
+
+def test_speed_ranks_come_from_the_learner_s_clock():
+    now = [0.0]
+    speeds = SpeedBook(clock=lambda: now[0])
+    for w in ("a", "b", "c"):
+        speeds.admitted(w, 100)  # the first batch starts each clock
+    now[0] = 1.0
+    speeds.admitted("a", 100)
+    speeds.admitted("b", 400)
+    assert speeds.rank("b", {"a", "b", "c"}) == 1.0
+    assert speeds.rank("a", {"a", "b", "c"}) == 0.0
+    assert speeds.rank("c", {"a", "b", "c"}) is None  # not measured yet
+    assert speeds.rank("a", {"a"}) is None  # alone: no one to rank against
+    capped = SpeedBook(max_workers=2)
+    for w in "wxyz":
+        capped.admitted(w, 1)
+    assert capped.rate("w") is None and len(capped._last) == 2
+
+
+def test_a_grant_carries_the_task_budget_and_routes_by_rank():
+    aff = Affinity(LengthBook(), SpeedBook())
+    q = WorkQueue(
+        _prompts(),
+        group_size=2,
+        max_outstanding=100,
+        lease_timeout_s=30,
+        prefix="t",
+        affinity=aff,
+        window=8,
+    )
+    long = q.grant("fast", 2, 0, rank=1.0)
+    short = q.grant("slow", 2, 0, rank=0.0)
+    assert [g.max_new_tokens for g in long] == [64, 64]
+    assert [g.max_new_tokens for g in short] == [4, 4]
+    # the grant rules are the queue's: the outstanding bound still holds
+    q2 = WorkQueue(
+        _prompts(), group_size=2, max_outstanding=3, lease_timeout_s=30, prefix="u",
+        affinity=aff, window=8,
+    )  # fmt: skip
+    assert len(q2.grant("fast", 10, 0, rank=1.0)) == 3
+
+
+def test_a_group_budget_out_of_range_is_refused_by_the_wire():
+    for bad in (0, -1, 70000, 1.5):
+        with pytest.raises(ValidationError, match="max_new_tokens"):
+            wire.Group(group_id="g", prompt_ids=[1], n=1, seed=0, max_new_tokens=bad)
+
+
+def test_the_worker_stops_each_group_at_its_own_budget(tokenizer):
+    from echo.config import ModelConfig
+    from worker.backends.transformers import TransformersBackend
+
+    backend = TransformersBackend(ModelConfig(max_positions=128))
+    backend.restrict_answers(None)
+    eos = backend.tokenizer.eos_token_id
+    short = wire.Group(group_id="s", prompt_ids=[3, 4], n=16, seed=1, max_new_tokens=3)
+    long = wire.Group(group_id="l", prompt_ids=[3, 4], n=16, seed=1)
+    backend.tokens_sampled = 0
+    out = backend.generate([short, long], 40, 1.0)
+    assert all(len(s.completion_ids) <= 3 for s in out[0])
+    assert max(len(s.completion_ids) for s in out[1]) > 3
+    # the short rows stopped sampling at 3 tokens: no more tokens were sampled than kept,
+    # plus the end-of-sequence of rows that ended
+    kept = sum(len(s.completion_ids) for g in out for s in g)
+    assert backend.tokens_sampled <= kept + 32
+    assert all(s.completion_ids[-1] == eos or len(s.completion_ids) <= 40 for s in out[1])
+
+
+def test_toy_add_short_tasks_carry_a_budget_and_bad_options_are_named(tokenizer):
+    import random
+
+    from adapters.toy_add import ToyAddAdapter
+
+    a = ToyAddAdapter({"short_tokens": 4, "long_share": 0.25}, tokenizer)
+    got = Counter()
+    for p in itertools.islice(a.prompts(random.Random(0)), 2000):
+        got[p.max_new_tokens] += 1
+    assert set(got) == {4, None} and 0.15 < got[None] / 2000 < 0.35
+    assert all(p.max_new_tokens is None for p in itertools.islice(
+        ToyAddAdapter({}, tokenizer).prompts(random.Random(0)), 50))  # fmt: skip
+    for bad, word in (({"short_tokens": 0}, "short_tokens"), ({"short_tokens": "4"}, "short_tokens"),
+                      ({"short_tokens": 4, "long_share": 2}, "long_share")):  # fmt: skip
+        with pytest.raises(AdapterError, match=word):
+            ToyAddAdapter(bad, tokenizer)
+
+
+def test_a_live_learner_routes_grants_and_refuses_samples_over_a_task_budget(small_cfg, tokenizer):
+    """A control plane with affinity on and every toy-add task given a budget of one token:
+    a delivery of two-token completions is refused as over_budget (a strike, as any lie the
+    learner catches), a one-token one admitted, and the step row's counts show the routing."""
+    import random
+
+    import zmq
+    from test_control import ask, batch, connect, records
+
+    from broadcast.snapshot import RunKey
+    from dataplane.adapter import load_adapter
+    from dataplane.records import Limits
+    from learner.buffer import ReplayBuffer
+    from learner.server import LearnerServer
+
+    lc = small_cfg.learner
+    adapter = load_adapter("toy-add", {"short_tokens": 1, "long_share": 0.0}, tokenizer)
+    work = WorkQueue(
+        adapter.prompts(random.Random(0)),
+        group_size=lc.group_size,
+        max_outstanding=8,
+        lease_timeout_s=30,
+        prefix="t",
+        affinity=Affinity(LengthBook(), SpeedBook()),
+        window=4,
+    )
+    plane = LearnerServer(
+        small_cfg,
+        run_id="t",
+        key=RunKey.generate(),
+        buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
+        work=work,
+        limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
+    )
+    plane.start()
+    ctx = zmq.Context()
+    try:
+        client = connect(plane, ctx)
+        ask(client, wire.Join(worker_id="w1"))
+        g0, g1 = ask(client, wire.WorkRequest(worker_id="w1", max_groups=2)).groups
+        assert g0.max_new_tokens == g1.max_new_tokens == 1
+        over = ask(client, batch(records(g0)))  # completions [11, 1]: two tokens
+        assert over.rejected == {"over_budget": lc.group_size}
+        ok = ask(client, batch(records(g1, completion_ids=[11], logprobs=[-1.0]), bid="b2"))
+        assert ok.accepted == lc.group_size and not ok.rejected
+        stats = plane.stats()
+        assert stats.rejected["over_budget"] == lc.group_size
+        assert stats.affinity["prompts_known"] == 1  # the admitted group taught its length
+        assert stats.affinity["window"] == 3  # refilled to 4 at the next grant, less its pick
+    finally:
+        plane.shutdown("test over")
+        ctx.destroy(linger=0)
