@@ -176,8 +176,8 @@ class LearnerConfig(StalenessRules, _Section):
     max_outstanding_groups: int = Field(0, ge=0)  # 0: 2 * prompts_per_step
     # Hardware-affinity routing (docs/scheduling.md, learner/affinity.py): a grant takes, from
     # a window of the next affinity_window prompts, the one whose expected completion length
-    # ranks where the asking worker's measured tokens/s ranks (long tasks to fast workers).
-    # Off: prompts go out in the adapter's order.
+    # ranks where the asking worker's measured tokens/s ranks (long tasks to fast workers);
+    # one passed over 2 x affinity_window grants goes next. Off: the adapter's order.
     affinity: bool = False
     affinity_window: int = Field(64, ge=2, le=4096)
     # A granted group not delivered this long is granted again.

@@ -154,6 +154,15 @@ class RolloutSection(_Section):
     # Share of a decode step's cost that grows with the rows it computes: 0, a GPU's
     # memory-bound decode (a step costs the same for 8 rows or 32); 1, a CPU's.
     decode_row_cost: float = Field(0.0, ge=0, le=1)
+    # Two kinds of task (provisioning/sim/tail.py): this share of groups are long tasks, whose
+    # samples have mean length_mean; the others are short, mean short_mean. 0: one kind.
+    long_share: float = Field(0.0, ge=0, le=1)
+    short_mean: float = Field(0.0, ge=0)
+    # learner.affinity (docs/scheduling.md): a grant takes, from a window of the next
+    # affinity_window tasks, the one whose expected length ranks where the worker's speed
+    # ranks, by the learner's own picker (learner/affinity.py). Off: tasks in drawn order.
+    affinity: bool = False
+    affinity_window: int = Field(64, ge=2, le=4096)
 
 
 class BroadcastSection(_Section):

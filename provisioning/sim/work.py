@@ -54,7 +54,7 @@ class Work:
         self.idle: deque[int] = deque()
         self._jitter = np.empty(0)
         self._jit_pos = 0
-        self.lengths = Lengths(sc.rollout, self.G, rng, len(ids))
+        self.lengths = Lengths(sc.rollout, self.G, rng, len(ids), mu)
 
     @property
     def buffered(self) -> int:
