@@ -150,19 +150,38 @@ class Cut(Exception):
 
 
 def backend_generate_fn(
-    backend: Any, max_new_tokens: int, temperature: float, seed: int, stop: Any = None
+    backend: Any,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    stop: Any = None,
+    turn_cache: bool = False,
 ) -> GenerateFn:
     """A ``generate`` over a worker ``Backend`` (its ``generate`` takes wire groups): each
     prompt becomes a one-sample group; the seed advances every call so decisions differ.
-    ``stop`` (an event) set: the next call raises ``Cut`` instead of generating."""
+    ``stop`` (an event) set: the next call raises ``Cut`` instead of generating.
+    ``turn_cache`` (``worker.turn_cache``) and a backend that keeps one
+    (``generate_turn``: worker/backends/turn_cache.py): each call reads only what is new to
+    each episode since the previous one, with the same samples and log-probs."""
     from echo import wire
 
     calls = itertools.count()
+    turns = None
+    if turn_cache and hasattr(backend, "generate_turn"):
+        from worker.backends.turn_cache import TurnCache
+
+        turns = TurnCache(backend.tokenizer.pad_token_id)
 
     def generate(prompts: list[list[int]]) -> list[Generated]:
         if stop is not None and stop.is_set():
             raise Cut()
         k = next(calls)
+        if turns is not None:
+            call_seed = (seed * 1_000_003 + k) % (1 << 62)
+            made: list[Generated] = backend.generate_turn(
+                prompts, max_new_tokens, temperature, call_seed, turns
+            )[0]
+            return made
         groups = [
             wire.Group(
                 group_id=f"ep{k}.{i}", prompt_ids=p, n=1, seed=(seed * 1_000_003 + k) % (1 << 62)

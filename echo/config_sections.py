@@ -111,6 +111,11 @@ class WorkerConfig(_Section):
     # samples have ended, the rest are cut: the groups that ended are delivered, the others are
     # carried into the worker's next rollout (beside new groups) and finished there, uncut.
     tail_cut: float = Field(0.0, ge=0, lt=1)
+    # Multi-turn rollouts (docs/scheduling.md, "Cache-affine turns"): keep each episode's
+    # key/value cache from one decision to the next and read only what is new (the
+    # environment's reply), instead of prefilling the whole transcript every decision. Same
+    # samples and log-probs; transformers backend (vLLM has its own prefix cache).
+    turn_cache: bool = False
     # Batches a worker holds unacknowledged before it stops generating.
     max_unacked_batches: int = Field(8, gt=0)
     # transformers (default; CPU or GPU) or vllm (CUDA only; pip install -e '.[vllm]' with the

@@ -32,7 +32,13 @@ def generate_and_score(
         from dataplane.episodes import Cut, backend_generate_fn
 
         gen = backend_generate_fn(
-            backend, wv["max_new_tokens"], wv["temperature"], groups[0].seed, stop=cut
+            backend,
+            wv["max_new_tokens"],
+            wv["temperature"],
+            groups[0].seed,
+            stop=cut,
+            # the learner's view is a stranger's word: anything but true is off
+            turn_cache=wv.get("turn_cache") is True,
         )
         try:
             out: Any = adapter.rollout(groups, gen)

@@ -23,8 +23,9 @@ from echo import wire
 from echo.config import LoraConfig, ModelConfig
 from echo.lora import adapter_parameters, load_policy_model
 from echo.models import bf16_compute, install_payload, load_tokenizer, resolve_device, vocab_size
-from worker.backends.base import Backend, Sample, finish, needs_tokens, plan_rows, regroup
+from worker.backends.base import Backend, Row, Sample, finish, needs_tokens, plan_rows, regroup
 from worker.backends.shared_base import SHARED
+from worker.backends.turn_cache import TurnCache
 
 
 class _Watch(StoppingCriteria):
@@ -168,10 +169,60 @@ class TransformersBackend(Backend):
         attn = torch.tensor(
             [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
         )
+        out = self._run(ids, attn, None, max_new_tokens, temperature, seed, watch)
+        new = out.sequences[:, width:]
+        scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] after temperature
+        logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        return new.tolist(), logp.tolist(), watch.stopped  # one device->host copy each
+
+    def generate_turn(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        turns: TurnCache,
+        stop: threading.Event | None = None,
+    ) -> tuple[list[tuple[list[int], list[float]]], bool]:
+        """One decision of each of a multi-turn rollout's episodes, reading only what is new
+        to each since the previous call (worker/backends/turn_cache.py): (ids and log-probs
+        per prompt, cut short by ``stop``)."""
+        eos = self.tokenizer.eos_token_id
+        plan = turns.plan(prompts, self.device)
+        watch = _Watch(self, stop, eos, [True] * len(prompts))
+        out = self._run(plan.ids, plan.mask, plan.cache, max_new_tokens, temperature, seed, watch)
+        width = plan.ids.shape[1]
+        new = out.sequences[:, width:]
+        scores = torch.stack(out.scores, dim=1).float()
+        logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        ids, lps = new.tolist(), logp.tolist()
+        row = Row(0, 0, [], None, max_new_tokens)
+        samples = [finish(row, i, lp, eos, watch.stopped) for i, lp in zip(ids, lps, strict=True)]
+        turns.keep(
+            prompts,
+            plan,
+            out.sequences,
+            [len(s.completion_ids) for s in samples],
+            out.past_key_values,
+        )
+        return [(s.completion_ids, s.logprobs) for s in samples], watch.stopped
+
+    def _run(
+        self,
+        ids: Any,
+        attn: Any,
+        cache: Any,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        watch: _Watch,
+    ) -> Any:
+        """One ``generate`` call over a laid-out batch (and the cache of its kept positions)."""
         torch.manual_seed(seed)
-        out = self.model.generate(
+        return self.model.generate(
             input_ids=ids,
             attention_mask=attn,
+            **({"cache": cache} if cache is not None else {}),
             do_sample=True,
             temperature=temperature,
             top_k=0,
@@ -179,12 +230,8 @@ class TransformersBackend(Backend):
             max_new_tokens=max_new_tokens,
             return_dict_in_generate=True,
             output_scores=True,
-            pad_token_id=pad,
+            pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
             stopping_criteria=StoppingCriteriaList([watch]),
             logits_processor=LogitsProcessorList(answer_processor(self.answer_tokens)),
         )
-        new = out.sequences[:, width:]
-        scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] after temperature
-        logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        return new.tolist(), logp.tolist(), watch.stopped  # one device->host copy each
