@@ -49,7 +49,7 @@ class Prompt:
     task: dict[str, Any] = field(default_factory=dict)
     # The task's own token budget, when it has one below worker.max_new_tokens (a short-answer
     # task beside long-reasoning ones): workers stop its samples there, the learner refuses
-    # longer completions, and affinity routing (learner/affinity.py) takes it as the task's
+    # longer completions, and affinity routing (dataplane/affinity.py) takes it as the task's
     # expected length until it has seen some. None: worker.max_new_tokens.
     max_new_tokens: int | None = None
 

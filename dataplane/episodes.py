@@ -160,17 +160,13 @@ def backend_generate_fn(
     """A ``generate`` over a worker ``Backend`` (its ``generate`` takes wire groups): each
     prompt becomes a one-sample group; the seed advances every call so decisions differ.
     ``stop`` (an event) set: the next call raises ``Cut`` instead of generating.
-    ``turn_cache`` (``worker.turn_cache``) and a backend that keeps one
-    (``generate_turn``: worker/backends/turn_cache.py): each call reads only what is new to
+    ``turn_cache`` (``worker.turn_cache``) and a backend that keeps one (``new_turn_cache``
+    and ``generate_turn``: the transformers backend's): each call reads only what is new to
     each episode since the previous one, with the same samples and log-probs."""
     from echo import wire
 
     calls = itertools.count()
-    turns = None
-    if turn_cache and hasattr(backend, "generate_turn"):
-        from worker.backends.turn_cache import TurnCache
-
-        turns = TurnCache(backend.tokenizer.pad_token_id)
+    turns = backend.new_turn_cache() if turn_cache and hasattr(backend, "new_turn_cache") else None
 
     def generate(prompts: list[list[int]]) -> list[Generated]:
         if stop is not None and stop.is_set():

@@ -30,46 +30,14 @@ learner's own clock over tokens admitted.
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-from dataplane.adapter import Prompt
+from dataplane.affinity import ALPHA, LengthBook, Picker
 from echo.ewma import ewma
 
-ALPHA = 0.3  # EWMA weight of a new observation (length per prompt, a worker's tokens/s)
-
-
-def prompt_key(prompt_ids: list[int]) -> bytes:
-    return hashlib.blake2b(repr(prompt_ids).encode(), digest_size=12).digest()
-
-
-class LengthBook:
-    """Expected completion tokens per prompt: an EWMA of admitted completions' lengths, for
-    at most ``max_prompts`` prompts (least recently seen forgotten first)."""
-
-    def __init__(self, max_prompts: int = 65536):
-        self.max_prompts = max_prompts
-        self._mean: OrderedDict[bytes, float] = OrderedDict()
-
-    def observe(self, prompt_ids: list[int], tokens: int) -> None:
-        k = prompt_key(prompt_ids)
-        self._mean[k] = ewma(self._mean.get(k), float(tokens), ALPHA)
-        self._mean.move_to_end(k)
-        while len(self._mean) > self.max_prompts:
-            self._mean.popitem(last=False)
-
-    def expect(self, prompt: Prompt) -> float | None:
-        got = self._mean.get(prompt_key(prompt.prompt_ids))
-        if got is not None:
-            return got
-        return float(prompt.max_new_tokens) if prompt.max_new_tokens else None
-
-    def __len__(self) -> int:
-        return len(self._mean)
+__all__ = ["Affinity", "LengthBook", "Picker", "SpeedBook"]
 
 
 class SpeedBook:
@@ -123,57 +91,3 @@ class Affinity:
 
     def rank(self, worker_id: str, among: set[str]) -> float | None:
         return self.speeds.rank(worker_id, among)
-
-
-@dataclass
-class _Waiting:
-    prompt: Prompt
-    passed: int = 0  # grants that took another prompt while this one waited
-
-
-class Picker:
-    """The next prompt for a grant: the adapter's order (``book`` None), or by affinity."""
-
-    def __init__(self, prompts: Iterator[Prompt], window: int = 64, book: LengthBook | None = None):
-        self._prompts = prompts
-        self.window = max(1, window)
-        self.book = book
-        self._waiting: deque[_Waiting] = deque()
-        self.max_wait = 2 * self.window  # grants a prompt may be passed over
-        self.routed = 0  # prompts taken out of the adapter's order
-        self.aged = 0  # prompts taken because they waited ``max_wait`` grants
-
-    def take(self, rank: float | None) -> Prompt:
-        if self.book is None:
-            return self._waiting.popleft().prompt if self._waiting else next(self._prompts)
-        while len(self._waiting) < self.window:
-            self._waiting.append(_Waiting(next(self._prompts)))
-        i = self._choose(rank)
-        item = self._waiting[i]
-        del self._waiting[i]
-        for other in self._waiting:
-            other.passed += 1
-        self.routed += i > 0
-        return item.prompt
-
-    def _choose(self, rank: float | None) -> int:
-        if self._waiting[0].passed >= self.max_wait:
-            self.aged += 1
-            return 0  # waited long enough: whoever asks takes it
-        if rank is None:
-            return 0  # a worker not measured yet (or alone) takes the oldest
-        assert self.book is not None
-        known = [self.book.expect(w.prompt) for w in self._waiting]
-        values = sorted(x for x in known if x is not None)
-        if not values:
-            return 0
-        median = values[len(values) // 2]
-        lengths = [median if x is None else x for x in known]
-        # the rank picks a place in the window's order of expected length; of the prompts
-        # expected that long, the one waiting longest
-        order = sorted(range(len(lengths)), key=lambda k: (lengths[k], k))
-        want = lengths[order[round(rank * (len(order) - 1))]]
-        return next(k for k, x in enumerate(lengths) if x == want)
-
-    def depth(self) -> int:
-        return len(self._waiting)

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 from dataplane import rules
 from dataplane.adapter import Prompt
+from dataplane.affinity import Picker
 from echo import wire
-from learner.affinity import Affinity, Picker
+from learner.affinity import Affinity
 from learner.grants import GrantJournal, Lease
 
 

@@ -160,7 +160,7 @@ class RolloutSection(_Section):
     short_mean: float = Field(0.0, ge=0)
     # learner.affinity (docs/scheduling.md): a grant takes, from a window of the next
     # affinity_window tasks, the one whose expected length ranks where the worker's speed
-    # ranks, by the learner's own picker (learner/affinity.py). Off: tasks in drawn order.
+    # ranks, by the learner's own picker (dataplane/affinity.py). Off: tasks in drawn order.
     affinity: bool = False
     affinity_window: int = Field(64, ge=2, le=4096)
 

@@ -13,7 +13,7 @@ time goes, not the worker's rate.
 Two kinds of task (``rollout.long_share`` > 0): a group is a long task with that chance (its
 samples' mean ``length_mean``) or a short one (mean ``rollout.short_mean``); the scaling above
 is over that mix drawn at random. With ``rollout.affinity``, which task a worker's request takes
-is chosen by the learner's own picker (``learner.affinity.Picker``) from the worker's speed rank
+is chosen by the learner's own picker (``dataplane.affinity.Picker``) from the worker's speed rank
 in the fleet and each task's expected length (its kind's mean): long tasks to fast workers.
 
 With ``rollout.tail_cut = x``, as ``worker.tail_cut``: a request stops at the first step where
@@ -121,12 +121,12 @@ class Lengths:
 
 class Tasks:
     """The stream of task kinds and the picker that routes them: the learner's own
-    (``learner.affinity.Picker``), each task's expected length its kind's mean, each worker's
+    (``dataplane.affinity.Picker``), each task's expected length its kind's mean, each worker's
     rank its speed's among the fleet's (0 the slowest, 1 the fastest)."""
 
     def __init__(self, ro: RolloutSection, rng: np.random.Generator, speed: list[float]):
         from dataplane.adapter import Prompt
-        from learner.affinity import LengthBook, Picker
+        from dataplane.affinity import LengthBook, Picker
 
         means = {True: max(1, round(ro.length_mean)), False: max(1, round(ro.short_mean))}
 

@@ -175,6 +175,10 @@ class TransformersBackend(Backend):
         logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         return new.tolist(), logp.tolist(), watch.stopped  # one device->host copy each
 
+    def new_turn_cache(self) -> TurnCache:
+        """A multi-turn rollout's context cache (worker.turn_cache), empty."""
+        return TurnCache(self.tokenizer.pad_token_id)
+
     def generate_turn(
         self,
         prompts: list[list[int]],
