@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/turn_cache_real.py [--rounds 3] [--groups 4] [--n 8]
         [--model tiny|PATH] [--hands 4]
 
-Poker rollouts (``adapters/poker``: four hands an episode, answers from the action letters, the
-quickstart's compact observations for the tiny model, text ones for a real model) through the
+Poker rollouts (``adapters/poker``, ``--hands`` an episode: for the tiny model the quickstart's
+compact observations and answers from the action letters; for a real model, ``--model FOLDER``,
+the text observations and answers in words of up to 8 tokens) through the
 worker's own path (``worker.scoring.generate_and_score``, the transformers backend), with
 ``worker.turn_cache`` false and true, alternating, ``--rounds`` times each. Per rollout:
 episodes, decisions, wall time per episode (the rollout's time over its episodes: they are
@@ -41,12 +42,19 @@ def setup(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], list[Any]
     sets = [
         "adapter.name=poker",
         f"adapter.presets.poker.hands={args.hands}",
-        'adapter.presets.poker.answer_letters="fcb"',
         f"adapter.presets.poker.max_episode_tokens={args.episode_tokens}",
-        "adapter.presets.poker.generation.max_new_tokens=1",
     ]
-    if args.model != "tiny":  # a real model reads the text observations
-        sets += [f"model.name={args.model}", 'adapter.presets.poker.obs_format="text"']
+    if args.model == "tiny":  # the compact observations, answers from the action letters
+        sets += [
+            'adapter.presets.poker.answer_letters="fcb"',
+            "adapter.presets.poker.generation.max_new_tokens=1",
+        ]
+    else:  # a real model reads the text observations and answers in words
+        sets += [
+            f"model.name={args.model}",
+            'adapter.presets.poker.obs_format="text"',
+            "adapter.presets.poker.generation.max_new_tokens=8",
+        ]
     cfg = load_config(ROOT / "examples/quickstart.toml", sets)
     backend = TransformersBackend(cfg.model, threads=args.threads)
     adapter = load_adapter("poker", cfg.adapter.effective_options, backend.tokenizer)
