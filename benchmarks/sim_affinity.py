@@ -23,7 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.machine import write_result  # noqa: E402
+from benchmarks.sim_rows import save_sim, summary_row  # noqa: E402
 
 SCENARIO = ROOT / "examples" / "sim" / "affinity-1k.toml"
 # fleet label -> the slower half's speed and price (the file's first class: RTX 5090s, mu 0.2)
@@ -50,11 +50,7 @@ def one(fleet: str, affinity: bool, gpr: int) -> dict[str, Any]:
         "fleet": fleet,
         "groups_per_request": gpr,
         "affinity": affinity,
-        "cost_per_step": s["cost_per_step_usd"],
-        "bubble_ratio": s["bubble_ratio"],
-        "step_s": s["t_train_s_per_step"] + s["wait_s_per_step"],
-        "dropped_stale": s["trajectories"]["dropped_stale"],
-        "staleness_max": s["staleness_max"],
+        **summary_row(s),
     }
 
 
@@ -79,18 +75,13 @@ def main() -> int:
             f"{r['staleness_max']:>6}{r['ratio_vs_off']:>8.2f}"
         )
     table = "\n".join(lines)
-    print(table)
-    out = ROOT / "benchmarks" / "results" / "sim_affinity.json"
-    write_result(
-        out,
-        {
-            "generated_by": "benchmarks/sim_affinity.py",
-            "scenario": str(SCENARIO.relative_to(ROOT)),
-            "rows": rows,
-            "table": table,
-        },
+    save_sim(
+        "benchmarks/sim_affinity.py",
+        ROOT / "benchmarks" / "results" / "sim_affinity.json",
+        str(SCENARIO.relative_to(ROOT)),
+        rows,
+        table,
     )
-    print(f"wrote {out}")
     return 0
 
 

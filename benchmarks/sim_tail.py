@@ -19,7 +19,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.machine import write_result  # noqa: E402
+from benchmarks.sim_rows import save_sim, summary_row  # noqa: E402
 
 SCENARIO = ROOT / "examples" / "sim" / "tail-1k.toml"
 
@@ -37,11 +37,7 @@ def one(tail: float, row_cost: float) -> dict[str, Any]:
     return {
         "tail_cut": tail,
         "decode_row_cost": row_cost,
-        "cost_per_step": s["cost_per_step_usd"],
-        "bubble_ratio": s["bubble_ratio"],
-        "step_s": s["t_train_s_per_step"] + s["wait_s_per_step"],
-        "dropped_stale": s["trajectories"]["dropped_stale"],
-        "staleness_max": s["staleness_max"],
+        **summary_row(s),
     }
 
 
@@ -62,18 +58,13 @@ def main() -> int:
             f"{r['ratio_vs_no_cut']:>8.2f}"
         )
     table = "\n".join(lines)
-    print(table)
-    out = ROOT / "benchmarks" / "results" / "sim_tail.json"
-    write_result(
-        out,
-        {
-            "generated_by": "benchmarks/sim_tail.py",
-            "scenario": str(SCENARIO.relative_to(ROOT)),
-            "rows": rows,
-            "table": table,
-        },
+    save_sim(
+        "benchmarks/sim_tail.py",
+        ROOT / "benchmarks" / "results" / "sim_tail.json",
+        str(SCENARIO.relative_to(ROOT)),
+        rows,
+        table,
     )
-    print(f"wrote {out}")
     return 0
 
 

@@ -174,35 +174,16 @@ def test_a_live_learner_routes_grants_and_refuses_samples_over_a_task_budget(sma
     """A control plane with affinity on and every toy-add task given a budget of one token:
     a delivery of two-token completions is refused as over_budget (a strike, as any lie the
     learner catches), a one-token one admitted, and the step row's counts show the routing."""
-    import random
-
     import zmq
-    from test_control import ask, batch, connect, records
-
-    from broadcast.snapshot import RunKey
-    from dataplane.adapter import load_adapter
-    from dataplane.records import Limits
-    from learner.buffer import ReplayBuffer
-    from learner.server import LearnerServer
+    from test_control import ask, batch, connect, control_plane, records
 
     lc = small_cfg.learner
-    adapter = load_adapter("toy-add", {"short_tokens": 1, "long_share": 0.0}, tokenizer)
-    work = WorkQueue(
-        adapter.prompts(random.Random(0)),
-        group_size=lc.group_size,
-        max_outstanding=8,
-        lease_timeout_s=30,
-        prefix="t",
+    plane = control_plane(
+        small_cfg,
+        tokenizer,
+        {"short_tokens": 1, "long_share": 0.0},
         affinity=Affinity(LengthBook(), SpeedBook()),
         window=4,
-    )
-    plane = LearnerServer(
-        small_cfg,
-        run_id="t",
-        key=RunKey.generate(),
-        buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
-        work=work,
-        limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
     )
     plane.start()
     ctx = zmq.Context()

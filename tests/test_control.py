@@ -22,10 +22,11 @@ from learner.server import LearnerServer
 from learner.work import WorkQueue
 
 
-def control_plane(cfg, tokenizer) -> LearnerServer:
-    """A control plane (not started) for the toy-add task on ``cfg``."""
+def control_plane(cfg, tokenizer, options=None, **work_kw) -> LearnerServer:
+    """A control plane (not started) for the toy-add task on ``cfg``: with ``options``, the
+    adapter's; ``work_kw``, more of the work queue's (affinity, window)."""
     lc = cfg.learner
-    adapter = load_adapter("toy-add", {}, tokenizer)
+    adapter = load_adapter("toy-add", options or {}, tokenizer)
     buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size)
     work = WorkQueue(
         adapter.prompts(random.Random(0)),
@@ -33,6 +34,7 @@ def control_plane(cfg, tokenizer) -> LearnerServer:
         max_outstanding=8,
         lease_timeout_s=30,
         prefix="t",
+        **work_kw,
     )
     return LearnerServer(
         cfg,
