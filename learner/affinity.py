@@ -10,7 +10,7 @@ RollArt routes each task to the hardware that suits it. Echo's form, with
   before any, the task's own token budget (``Prompt.max_new_tokens``).
 - ``SpeedBook``: each worker's generated tokens per second of wall time between its admitted
   batches, measured here (a worker reports nothing of it), and its rank among the workers that
-  have a measure: 0 the slowest, 1 the fastest.
+  have a measure and delivered in the last ten minutes: 0 the slowest, 1 the fastest.
 - ``Picker``: the prompts a grant takes. Without affinity, the adapter's order. With it, a
   window of the next ``window`` prompts; a grant for a worker of rank r takes the prompt whose
   expected length ranks nearest r in the window. A prompt passed over ``2 x window`` times is
@@ -30,6 +30,7 @@ learner's own clock over tokens admitted.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,13 +42,25 @@ __all__ = ["Affinity", "LengthBook", "Picker", "SpeedBook"]
 
 
 class SpeedBook:
-    """Each worker's generated tokens per wall second between its admitted batches."""
+    """Each worker's generated tokens per wall second between its admitted batches, and its
+    rank among the workers that delivered in the last ``fresh_s``. Ranks come from a sorted
+    snapshot of the rates rebuilt at most every ``every_s``: a work request costs a binary
+    search, not a pass over the fleet (it runs on the control loop, docs/scale.md)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, max_workers: int = 65536):
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        max_workers: int = 65536,
+        fresh_s: float = 600.0,
+        every_s: float = 1.0,
+    ):
         self._clock = clock
         self.max_workers = max_workers  # ids ever seen are bounded: oldest forgotten first
+        self.fresh_s, self.every_s = fresh_s, every_s
         self._rate: dict[str, float] = {}
         self._last: dict[str, float] = {}
+        self._sorted: list[float] = []
+        self._sorted_at = -float("inf")
 
     def admitted(self, worker_id: str, tokens: int) -> None:
         now = self._clock()
@@ -60,14 +73,22 @@ class SpeedBook:
         rate = tokens / max(now - last, 1e-3)
         self._rate[worker_id] = ewma(self._rate.get(worker_id), rate, ALPHA)
 
-    def rank(self, worker_id: str, among: set[str]) -> float | None:
-        """0 (slowest) .. 1 (fastest) among ``among`` that have a measure; None without one
-        or alone."""
+    def rank(self, worker_id: str) -> float | None:
+        """0 (slowest) .. 1 (fastest) among the workers with a measure that delivered in the
+        last ``fresh_s``; None without a measure, or alone."""
         mine = self._rate.get(worker_id)
-        rates = [r for w, r in self._rate.items() if w in among and w != worker_id]
-        if mine is None or not rates:
+        if mine is None:
             return None
-        return sum(r < mine for r in rates) / len(rates)
+        now = self._clock()
+        if now - self._sorted_at >= self.every_s:
+            self._sorted = sorted(
+                r for w, r in self._rate.items() if now - self._last.get(w, now) <= self.fresh_s
+            )
+            self._sorted_at = now
+        others = len(self._sorted) - 1
+        if others < 1:
+            return None
+        return min(1.0, bisect.bisect_left(self._sorted, mine) / others)
 
     def forget(self, worker_id: str) -> None:
         self._rate.pop(worker_id, None)
@@ -89,5 +110,5 @@ class Affinity:
         for r in records:
             self.book.observe(r.prompt_ids, len(r.completion_ids))
 
-    def rank(self, worker_id: str, among: set[str]) -> float | None:
-        return self.speeds.rank(worker_id, among)
+    def rank(self, worker_id: str) -> float | None:
+        return self.speeds.rank(worker_id)

@@ -100,7 +100,7 @@ class Deliveries:
         capped = self.returns.capped(msg.worker_id)  # past its share of hand-backs
         ask = 1 if probation or capped else min(msg.max_groups, self.fair_share())
         aff = self.work.affinity  # docs/scheduling.md, "Affinity": long tasks to fast workers
-        rank = aff.rank(msg.worker_id, set(self.table.workers)) if aff is not None else None
+        rank = aff.rank(msg.worker_id) if aff is not None else None
         groups = self.work.grant(
             msg.worker_id, ask, self.buffer.depth().ready_groups, msg.holding, key=key, rank=rank
         )

@@ -87,16 +87,22 @@ def test_lying_lengths_cannot_hold_a_prompt_back():
 
 def test_speed_ranks_come_from_the_learner_s_clock():
     now = [0.0]
-    speeds = SpeedBook(clock=lambda: now[0])
-    for w in ("a", "b", "c"):
-        speeds.admitted(w, 100)  # the first batch starts each clock
+    speeds = SpeedBook(clock=lambda: now[0], fresh_s=100.0, every_s=0.0)
+    speeds.admitted("a", 100)  # the first batch starts the clock
     now[0] = 1.0
     speeds.admitted("a", 100)
+    assert speeds.rank("a") is None  # alone: no one to rank against
+    for w in ("b", "c"):
+        speeds.admitted(w, 100)
+    now[0] = 2.0
     speeds.admitted("b", 400)
-    assert speeds.rank("b", {"a", "b", "c"}) == 1.0
-    assert speeds.rank("a", {"a", "b", "c"}) == 0.0
-    assert speeds.rank("c", {"a", "b", "c"}) is None  # not measured yet
-    assert speeds.rank("a", {"a"}) is None  # alone: no one to rank against
+    assert speeds.rank("b") == 1.0
+    assert speeds.rank("a") == 0.0
+    assert speeds.rank("c") is None  # not measured yet
+    now[0] = 150.0  # a left long ago: the fastest of those still delivering is b alone
+    speeds.admitted("c", 100)
+    speeds.admitted("c", 50)
+    assert speeds.rank("c") is None and speeds.rank("b") is None
     capped = SpeedBook(max_workers=2)
     for w in "wxyz":
         capped.admitted(w, 1)
