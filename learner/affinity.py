@@ -16,9 +16,9 @@ RollArt routes each task to the hardware that suits it. Echo's form, with
   expected length ranks nearest r in the window. A prompt passed over ``2 x window`` times is
   taken next whoever asks: nothing waits more than that many grants, and the grant rules (the
   outstanding bound, fair share, probation) are the work queue's as before. (Twice the window:
-  with ``window`` itself, in FIFO order every prompt would reach it, and in a test of a fast
-  and a slow worker asking alike, 62 % of the grants were taken by age and a quarter of the
-  long tasks still went to the slow worker; with twice, none by age and none.)
+  with ``window`` itself, in FIFO order every prompt would reach it, and a first benchmark run
+  took most grants by age; with twice, a fast and a slow worker asking alike split the kinds
+  with none taken by age, tests/test_affinity.py.)
 
 What a stranger can do to it: completion lengths come from admitted records (every token is
 the worker's own sample, whose log-probs audits recompute), so a worker can make a prompt look
