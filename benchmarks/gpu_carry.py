@@ -7,9 +7,10 @@ and ``make gpu-weights``.
 The machine (see docs/gpu.md) has torch, transformers, peft, numpy, msgpack, rich, scipy,
 pandas, pyarrow, matplotlib, prometheus-client, sympy, pyyaml, requests, tqdm, pytest; not the
 packages below. A call carries the working tree and these folders, 64 MiB in all: the wheels
-take about 12 MiB, so the 94 MiB GGUF travels in two parts, one per call, and
-``benchmarks/gpu_suite.py`` joins them on the machine (files outside the checkout survive between
-calls while the machine stays up).
+take about 11 MiB and the tree about 9 (and growing), so the 94 MiB GGUF travels in parts, one
+per call, each sized from the tree as it is when they are cut, and ``benchmarks/gpu_suite.py``
+joins them on the machine (files outside the checkout survive between calls while the machine
+stays up, which is 30 s idle: have the calls ready to send back to back).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +58,10 @@ PLATFORMS = [
 ]
 CALL_MIB = 64
 WHEELS_MIB = 16  # what the wheels may take of a call, leaving the rest to the tree and a GGUF part
+# Below the limit for what the device counts beyond the files' bytes: on 2026-11-27 a call of
+# 63.6 MiB by this count was refused and one of 62.8 went; and for files the tree gains between
+# this split and the call.
+MARGIN_MIB = 2.5
 GGUF = ROOT / "models" / ".cache" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -105,29 +112,67 @@ def wheels(dest: Path) -> int:
     return 0
 
 
-def weights(dest: Path, parts: int, first_mib: float = 0.0) -> int:
-    """``parts`` pieces; with ``first_mib`` the first is that size (the call that also carries
-    the wheels), the rest share the remainder."""
+def travelling_mib() -> float:
+    """What every call carries besides its named paths: the tracked and untracked-not-ignored
+    files (the tree grows, so the parts are sized from it, not from a constant)."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "-co", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
+    files = [ROOT / f for f in out.decode().split("\0") if f]
+    return sum(f.stat().st_size for f in files if f.is_file()) / 2**20
+
+
+def part_bounds(total: int, tree_mib: float, wheels_mib: float) -> list[int]:
+    """Cut points of the GGUF: part 0 fills what a call has left beside the tree and the wheels,
+    each later part what is left beside the tree alone."""
+    room = int((CALL_MIB - MARGIN_MIB - tree_mib) * 2**20)
+    first = room - math.ceil(wheels_mib * 2**20)
+    if first <= 0:
+        raise SystemExit(
+            f"the tree ({tree_mib:.1f} MiB) and the wheels ({wheels_mib:.1f} MiB) leave no room "
+            f"in a {CALL_MIB} MiB call: ignore what the GPU run does not need"
+        )
+    bounds = [0, min(first, total)]
+    while bounds[-1] < total:
+        bounds.append(min(bounds[-1] + room, total))
+    return bounds
+
+
+def weights(dest: Path) -> int:
+    """The GGUF in parts, each in its own folder ``dest/partN`` with the manifest, sized so
+    that call N carries ``dest/partN`` (call 0 with ``.whl`` beside it) under the call limit."""
     if not GGUF.is_file():
         from echo.gguf_import import fetch_smollm2
 
         fetch_smollm2(GGUF.parent)
     data = GGUF.read_bytes()
-    dest.mkdir(exist_ok=True)
-    first = int(first_mib * 2**20) if first_mib else -(-len(data) // parts)
-    rest = -(-(len(data) - first) // max(parts - 1, 1))
-    bounds = [0, first] + [min(first + rest * k, len(data)) for k in range(1, parts)]
-    names = []
-    for i in range(parts):
-        name = f"{GGUF.name}.part{i}"
-        (dest / name).write_bytes(data[bounds[i] : bounds[i + 1]])
-        names.append(name)
+    whl = ROOT / ".whl"
+    wheels_mib = (
+        sum(f.stat().st_size for f in whl.glob("*.whl")) / 2**20 if whl.is_dir() else WHEELS_MIB
+    )
+    tree_mib = travelling_mib()
+    bounds = part_bounds(len(data), tree_mib, wheels_mib)
+    parts = len(bounds) - 1
+    names = [f"{GGUF.name}.part{i}" for i in range(parts)]
     man = {"parts": names, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    (dest / "manifest.json").write_text(json.dumps(man, indent=2) + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    for i, name in enumerate(names):
+        folder = dest / f"part{i}"
+        folder.mkdir(parents=True)
+        (folder / name).write_bytes(data[bounds[i] : bounds[i + 1]])
+        (folder / "manifest.json").write_text(json.dumps(man, indent=2) + "\n")
     sizes = ", ".join(f"{(bounds[i + 1] - bounds[i]) / 2**20:.1f}" for i in range(parts))
+    rel = dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest
     print(
-        f"{GGUF.name}: {len(data) / 2**20:.1f} MiB in {parts} parts ({sizes} MiB) in {dest}; "
-        f"carry one part per call (move the others out of {dest} for that call)"
+        f"{GGUF.name}: {len(data) / 2**20:.1f} MiB in {parts} parts ({sizes} MiB) under {dest}, "
+        f"sized for a {CALL_MIB} MiB call beside a {tree_mib:.1f} MiB tree; carry "
+        + "; ".join(
+            f"call {i + 1}: {'.whl, ' if i == 0 else ''}{rel}/part{i}" for i in range(parts)
+        )
+        + f"; the last call runs make gpu-check ARGS='--weights {rel}/part{parts - 1}'"
     )
     return 0
 
@@ -136,18 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["wheels", "weights"])
     p.add_argument("--dest", type=Path)
-    p.add_argument("--parts", type=int, default=2)
-    p.add_argument(
-        "--first-mib",
-        type=float,
-        default=44.0,
-        help="size of part 0, carried with the wheels; later calls need not carry them again",
-    )
     a = p.parse_args(argv)
     if a.what == "wheels":
         return wheels(a.dest or ROOT / ".whl")
     sys.path.insert(0, str(ROOT))
-    return weights(a.dest or ROOT / ".gpu", a.parts, a.first_mib)
+    return weights(a.dest or ROOT / ".gpu")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ after every figure (a stage stopped at its budget keeps its finished figures).
 
 Stages: ``model`` (SmolLM2 from its GGUF), ``tests`` (the ``gpu``-marked tests), ``learner``
 (learner step tokens/s and MFU, full and LoRA), ``generation`` (worker tokens/s at batch 1, 16,
-64 and the install time of a version), ``relay`` (the relay chain's throughput against a bare
+64 and the install time of a version), ``residency`` (a switch between runs: a model parked to
+host memory and back, ``benchmarks/gpu_residency.py``), ``relay`` (the relay chain's throughput against a bare
 pyzmq chain, on the device host's cores), ``learning`` (SmolLM2 learning the math example: a
 learner and two workers on the GPU). ``--dry-run`` runs every stage's code path on the CPU with
 the tiny model and small sizes: ``make test`` does, so the script cannot rot between GPU runs.
@@ -549,11 +550,19 @@ def stage_relay(a: argparse.Namespace, rec: Record) -> None:
     print(f"relay: ratio to a bare chain {rec.data['ratio_median']:.3f}", flush=True)
 
 
+def stage_residency(a: argparse.Namespace, rec: Record) -> None:
+    """A switch between runs on a worker with fewer device slots than runs: benchmarks/gpu_residency.py."""
+    from benchmarks.gpu_residency import stage_residency as run
+
+    run(a, rec)
+
+
 STAGES: dict[str, Callable[[argparse.Namespace, Record], None]] = {
     "model": stage_model,
     "tests": stage_tests,
     "learner": stage_learner,
     "generation": stage_generation,
+    "residency": stage_residency,
     "relay": stage_relay,
     "learning": stage_learning,
 }

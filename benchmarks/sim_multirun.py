@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/sim_multirun.py [--only multirun-2,multirun-3] [--no-sweep]
         [--json benchmarks/results/sim_multirun.json] [--plot docs/img/sim_multirun.png]
-        [--sweep-plot docs/img/sim_multirun_sweep.png] [--horizon SECONDS]
+        [--sweep-plot docs/img/sim_multirun_sweep.png] [--horizon SECONDS] [--warm-s SECONDS]
 
 Runs every scenario below in both modes on the same workers and prints, per job: steps done,
 $ per step dedicated and shared (learner + its part of the fleet), their ratio, S, the largest
@@ -124,11 +124,18 @@ def _compare(sc: MultiScenario) -> dict[str, Any]:
 
 
 def load(
-    file: str, overrides: dict[str, Any] | None = None, horizon: float | None = None
+    file: str,
+    overrides: dict[str, Any] | None = None,
+    horizon: float | None = None,
+    warm_s: float | None = None,
 ) -> MultiScenario:
     data = tomllib.loads((EX / file).read_text())
     if horizon:  # --horizon: every scenario and the sweep over a longer (or shorter) run
         data["run"]["horizon_s"] = horizon
+    if warm_s is not None:  # --warm-s: every job's switch from host memory (docs/gpu.md)
+        for job in data["jobs"]:
+            job["warm_s"] = warm_s
+        data["run"]["name"] += f", warm_s={warm_s:g}"
     for key, value in (overrides or {}).items():
         section, name = key.split(".")
         data.setdefault(section, {})[name] = value
@@ -138,9 +145,13 @@ def load(
 
 
 def run(
-    label: str, file: str, overrides: dict[str, Any], horizon: float | None = None
+    label: str,
+    file: str,
+    overrides: dict[str, Any],
+    horizon: float | None = None,
+    warm_s: float | None = None,
 ) -> dict[str, Any]:
-    sc = load(file, overrides, horizon)
+    sc = load(file, overrides, horizon, warm_s)
     res = dict(_compare(sc))
     ded = [j["steps"] for j in res["dedicated"]["jobs"]]
     res["offline_bound"] = offline_bound(sc, ded, fleet_capacity(sc))
@@ -148,10 +159,10 @@ def run(
     return res
 
 
-def sweep(horizon: float | None = None) -> list[dict[str, Any]]:
+def sweep(horizon: float | None = None, warm_s: float | None = None) -> list[dict[str, Any]]:
     rows = []
     for _, file in SWEEP_FILES:
-        base = load(file, horizon=horizon)
+        base = load(file, horizon=horizon, warm_s=warm_s)
         for c in CONTRASTS:
             for aligned in (False, True) if c in ALIGNED else (False,):
                 sc = with_contrast(base, c, aligned)
@@ -179,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="simulated seconds for every scenario and the sweep (default: each file's, 2,400)",
     )
+    ap.add_argument(
+        "--warm-s",
+        type=float,
+        default=None,
+        help="every job's warm_s, a switch from host memory (default: each file's, 2.5 s; "
+        "docs/gpu.md measured 0.23 s for a 3B model on an H200)",
+    )
     args = ap.parse_args(argv)
     only = {x for x in args.only.split(",") if x}
     t0 = time.perf_counter()
@@ -186,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, file, overrides in SCENARIOS:
         if only and label not in only:
             continue
-        res = run(label, file, overrides, args.horizon)
+        res = run(label, file, overrides, args.horizon, args.warm_s)
         b = res["offline_bound"]
         print(
             table(res) + f"\noffline bound (docs/multirun.md): whole bill {b['bill_bound']:.2f}x; "
@@ -201,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if args.sweep:
         t1 = time.perf_counter()
-        rows = sweep(args.horizon)
+        rows = sweep(args.horizon, args.warm_s)
         print(
             "sweep: ratio = dedicated / shared $ per step (min, max over jobs; bill = all "
             "learners + fleet); c = learner step time, learner-bound / rollout-bound phase\n"

@@ -106,6 +106,30 @@ def test_worker_on_cuda_installs_the_learner_snapshot_and_its_logprobs_match():
     assert sum(gaps) / len(gaps) < 0.05, max(gaps)
 
 
+def test_a_parked_worker_model_comes_back_to_the_gpu_and_samples_the_same():
+    """--resident: a park moves the worker's model into pinned host copies and frees its GPU
+    memory; the unpark brings it back, and it samples what it sampled before
+    (worker/backends/parking.py)."""
+    from worker.backends.transformers import TransformersBackend
+
+    backend = TransformersBackend(CFG, device="cuda")
+    groups = [wire.Group(group_id="g", prompt_ids=[5, 6, 7, 8], n=4, seed=3)]
+
+    def sample() -> list[list[int]]:
+        return [s.completion_ids for s in backend.generate(groups, 12, 1.0)[0]]
+
+    before = sample()
+    on_gpu = torch.cuda.memory_allocated()
+    weights = sum(p.numel() * p.element_size() for p in backend.model.parameters())
+    for _ in range(2):  # the second cycle reuses the first's host copies
+        backend.park()
+        assert all(p.device.type == "cpu" and p.is_pinned() for p in backend.model.parameters())
+        assert torch.cuda.memory_allocated() <= on_gpu - weights // 2
+        backend.unpark()
+        assert all(p.device.type == "cuda" for p in backend.model.parameters())
+        assert sample() == before
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -27,7 +27,15 @@ def test_dry_run_exercises_every_stage_and_writes_the_layout(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     res = json.loads((out / "gpu_check.json").read_text())
     stages = res["stages"]
-    assert list(stages) == ["model", "tests", "learner", "generation", "relay", "learning"]
+    assert list(stages) == [
+        "model",
+        "tests",
+        "learner",
+        "generation",
+        "residency",
+        "relay",
+        "learning",
+    ]
     assert all(s["outcome"] == "ok" for s in stages.values()), {
         k: s["outcome"] for k, s in stages.items()
     }
@@ -39,6 +47,8 @@ def test_dry_run_exercises_every_stage_and_writes_the_layout(tmp_path):
     for rows in (1, 16, 64):
         assert stages["generation"][f"batch_{rows}"]["sequences"] == rows
     assert stages["generation"]["install"]["seconds_median"] > 0
+    tiny = stages["residency"]["tiny"]
+    assert tiny["unchanged_after_cycles"] and tiny["pinned"]["park_s"]
     relay = stages["relay"]["runs"][0]
     assert relay["corrupt_installs"] == 0 and relay["echo_mb_s"] > 0 and relay["bare_mb_s"] > 0
     curve = stages["learning"]["curve"]
@@ -55,3 +65,18 @@ def test_a_stage_past_its_budget_is_stopped_and_the_others_still_run(tmp_path, m
     res = gpu_suite.main(["--dry-run", "--out", str(tmp_path), "--stages", "tests,model"])
     assert res["stages"]["tests"]["outcome"] == "timed out"
     assert res["stages"]["model"]["outcome"] == "ok"
+
+
+def test_the_weights_are_cut_so_every_call_fits_beside_the_tree():
+    from benchmarks.gpu_carry import CALL_MIB, MARGIN_MIB, part_bounds
+
+    total = int(93.8 * 2**20)
+    for tree in (9.0, 20.0, 40.0):
+        bounds = part_bounds(total, tree, 10.6)
+        sizes = [(b - a) / 2**20 for a, b in zip(bounds, bounds[1:])]
+        assert bounds[0] == 0 and bounds[-1] == total and all(s > 0 for s in sizes)
+        assert sizes[0] + 10.6 + tree <= CALL_MIB - MARGIN_MIB  # the first call carries the wheels
+        assert all(s + tree <= CALL_MIB - MARGIN_MIB for s in sizes[1:])
+    assert len(part_bounds(total, 9.0, 10.6)) == 3  # two calls while the tree is small
+    with pytest.raises(SystemExit, match="no room"):
+        part_bounds(total, 55.0, 10.6)

@@ -24,6 +24,7 @@ from echo.config import LoraConfig, ModelConfig
 from echo.lora import adapter_parameters, load_policy_model
 from echo.models import bf16_compute, install_payload, load_tokenizer, resolve_device, vocab_size
 from worker.backends.base import Backend, Row, Sample, finish, needs_tokens, plan_rows, regroup
+from worker.backends.parking import HostParking
 from worker.backends.shared_base import SHARED
 from worker.backends.turn_cache import TurnCache
 
@@ -96,6 +97,7 @@ class TransformersBackend(Backend):
         self.tokenizer = load_tokenizer(model_cfg)
         model, self.base_hash = load_policy_model(model_cfg, lora, self.tokenizer, dtype)
         self.model = model.to(self.device).eval()
+        self._held: tuple[bool, HostParking] | None = None  # (adapter only, its parking)
         self.vocab_size = vocab_size(self.model)
         # LoRA runs of one process on the same base hold it once (worker/backends/shared_base.py)
         self.shared_bytes = SHARED.attach(self.model, self.base_hash) if self.base_hash else 0
@@ -106,19 +108,26 @@ class TransformersBackend(Backend):
             )
 
     def park(self) -> None:
-        self._move("cpu")
+        if self.device.type != "cpu":  # on the CPU the device is host memory: nothing moves
+            self._parking().park()
 
     def unpark(self) -> None:
-        self._move(self.device)
+        if self.device.type != "cpu":
+            self._parking().unpark()
 
-    def _move(self, where: Any) -> None:
-        if str(self.device) == "cpu":
-            return  # the device is host memory: nothing moves
-        if not SHARED.shared(self.base_hash):
-            self.model.to(where)
-            return
-        for p in adapter_parameters(self.model).values():  # the shared base stays put
-            p.data = p.data.to(where)
+    def _parking(self) -> HostParking:
+        """The whole model, or only the adapter when its base is shared with another run of
+        this process (the shared base stays where the runs generate). Chosen again while on
+        the device, since a run joined later may come to share this run's base."""
+        shared = SHARED.shared(self.base_hash)
+        held = self._held
+        if held is None or (held[0] != shared and not held[1].parked):
+            if shared:
+                held = (True, HostParking(self.device, adapter_parameters(self.model).values()))
+            else:
+                held = (False, HostParking.whole(self.model, self.device))
+            self._held = held
+        return held[1]
 
     def install(
         self, tensors: list[dict[str, Any]], payload: bytes | bytearray, version: int = -1
