@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/sim_multirun.py [--only multirun-2,multirun-3] [--no-sweep]
         [--json benchmarks/results/sim_multirun.json] [--plot docs/img/sim_multirun.png]
         [--sweep-plot docs/img/sim_multirun_sweep.png] [--horizon SECONDS] [--warm-s SECONDS]
+        [--set SECTION.KEY=VALUE ...]
 
 Runs every scenario below in both modes on the same workers and prints, per job: steps done,
 $ per step dedicated and shared (learner + its part of the fleet), their ratio, S, the largest
@@ -110,6 +111,7 @@ CONTRASTS = [1.0, 2.0, 4.0, 8.0]
 ALIGNED = [4.0, 8.0]
 
 _memo: dict[str, dict[str, Any]] = {}
+EXTRA: dict[str, Any] = {}  # --set: on top of every scenario's own overrides, and the sweep's
 
 
 def _compare(sc: MultiScenario) -> dict[str, Any]:
@@ -136,7 +138,8 @@ def load(
         for job in data["jobs"]:
             job["warm_s"] = warm_s
         data["run"]["name"] += f", warm_s={warm_s:g}"
-    for key, value in (overrides or {}).items():
+    overrides = {**(overrides or {}), **EXTRA}
+    for key, value in overrides.items():
         section, name = key.split(".")
         data.setdefault(section, {})[name] = value
     if overrides:
@@ -197,7 +200,23 @@ def main(argv: list[str] | None = None) -> int:
         help="every job's warm_s, a switch from host memory (default: each file's, 2.5 s; "
         "docs/gpu.md measured 0.23 s for a 3B model on an H200)",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a fleet or run setting for every scenario and the sweep, e.g. fleet.policy=turns-need",
+    )
     args = ap.parse_args(argv)
+    EXTRA.clear()
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or key.count(".") != 1:
+            ap.error(f"--set {item!r}: write SECTION.KEY=VALUE, e.g. fleet.reach=any")
+        try:  # a TOML value (1, 0.5, true); anything else is a string (turns-need, any)
+            EXTRA[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            EXTRA[key] = raw
     only = {x for x in args.only.split(",") if x}
     t0 = time.perf_counter()
     results = []

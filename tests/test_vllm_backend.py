@@ -218,6 +218,12 @@ class FakeLLM:
         self.calls.append("reset_prefix_cache")
         return True
 
+    def sleep(self, level=1):  # vLLM's sleep mode (docs/multirun.md, "Residency")
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self, tags=None):
+        self.calls.append("wake_up")
+
     def generate(self, prompts, params, use_tqdm=False):
         self.calls.append("generate")
         self.started.set()
@@ -257,11 +263,14 @@ class Prompt:
     cache_salt: str
 
 
-def fake_backend(tmp_path, monkeypatch, **llm_kw) -> tuple[VLLMBackend, FakeLLM]:
+def fake_backend(
+    tmp_path, monkeypatch, sleep_mode: bool = False, **llm_kw
+) -> tuple[VLLMBackend, FakeLLM]:
     monkeypatch.setenv("ECHO_HOME", str(tmp_path / "home"))
     worker, _ = fake_engine_worker()
     llm = FakeLLM(worker, **llm_kw)
-    return VLLMBackend(ModelConfig(), llm=llm, types=(Params, Prompt)), llm
+    backend = VLLMBackend(ModelConfig(), llm=llm, types=(Params, Prompt), sleep_mode=sleep_mode)
+    return backend, llm
 
 
 def group(gid: str = "g0", n: int = 2) -> wire.Group:

@@ -188,9 +188,9 @@ class Worker:
             activity=self.activity,
             status=self.status,
         )
-        turns, name = self.turns, self.run_name
-        self.generation.device_turn = self.installer.device_turn = lambda: turns.turn(name)
-        self.generation.device_ready = lambda: turns.bring_on(name)
+        g, turns, name = self.generation, self.turns, self.run_name
+        g.device_turn, g.device_ready = (lambda: turns.turn(name)), (lambda: turns.bring_on(name))
+        self.installer.share_device(turns, name)
 
     def _joined(self, ack: wire.JoinAck, restarted: bool, new_run: bool) -> None:
         self.installer.joined(ack, restarted, new_run)

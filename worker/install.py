@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from broadcast.basemodel import verify_base_manifest
@@ -75,6 +75,7 @@ class Installer:
         self.new_snapshot = asyncio.Event()  # the feed rebuilt a version to install
         self.version_bytes = (0, "bfloat16")  # the run's full version: size and dtype, at join
         self.device_turn: Callable[[], AbstractAsyncContextManager[Any]] = nullcontext
+        self.parks: Callable[[], bool] = lambda: False  # the device's Turns.parks, at load
         self.base_offer: dict[str, Any] | None = None  # a LoRA run's base, as the join said
         # the base obtained (verified; worker.base): what the loaded model must hash to
         self.base_manifest: BaseManifest | None = None
@@ -119,11 +120,17 @@ class Installer:
             log.warning("snapshot v%d not received: %s", version, err)
             return None
 
+    def share_device(self, turns: Any, name: str) -> None:
+        """Installs take ``name``'s turn on the device (worker/sharing.py ``Turns``), and the
+        load asks it whether models will be parked (vLLM then builds its engine for sleep)."""
+        self.device_turn = lambda: turns.turn(name)
+        self.parks = turns.parks
+
     def load(self) -> tuple[Backend, Adapter]:
         """The model (blocking: the worker runs this on a loader thread)."""
         return load_model(
             self.session.view,
-            self.choice,
+            replace(self.choice, parks=self.parks()),
             version_bytes=self.version_bytes,
             base=self.base,
             base_manifest=self.base_manifest,

@@ -39,6 +39,7 @@ class LoadChoice:
     # Several runs in one process: the budget they share, and this run's name in it.
     shared: HostBudget | None = None
     run: str = ""
+    parks: bool = False  # more runs than --resident: the model moves to host memory and back
 
 
 def fit_memory(
@@ -107,8 +108,8 @@ def load_model(
     wv = view["worker"]
     threads = choice.threads or wv["torch_threads"]
     name = choice.backend or wv["backend"]
-    extra = (
-        {"gpu_memory_utilization": wv.get("vllm_gpu_memory", 0.5)}
+    extra: dict[str, Any] = (
+        {"gpu_memory_utilization": wv.get("vllm_gpu_memory", 0.5), "sleep_mode": choice.parks}
         if name == "vllm"
         else {"dtype": wv.get("dtype", "auto")}
     )

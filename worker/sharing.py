@@ -85,6 +85,11 @@ class Turns:
                 f"resident models = {self.resident}: at least 1 (--resident, docs/multirun.md)"
             )
 
+    def parks(self) -> bool:
+        """Whether models will move between the device and host memory: more runs than
+        device slots. A backend that must prepare for it (vLLM's sleep mode) asks at load."""
+        return len(self.runs) > self.resident
+
     def add(self, name: str, share: float = 1.0, price: float = 0.0) -> RunShare:
         if not share > 0:
             raise ValueError(f"run {name!r}: share {share:g} must be > 0 (--share)")

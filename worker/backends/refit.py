@@ -228,6 +228,12 @@ class VersionBook:
             yield self.version
 
     @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Holds generation off while the engine sleeps or wakes: no install is counted."""
+        with self._lock:
+            yield
+
+    @contextmanager
     def installing(self, version: int) -> Iterator[None]:
         t0 = time.monotonic()
         with self._lock:

@@ -95,9 +95,13 @@ class VLLMBackend(Backend):
         gpu_memory_utilization: float = 0.5,
         llm: Any = None,
         types: tuple[Any, Any] | None = None,
+        sleep_mode: bool = False,
     ):
         """``llm`` and ``types`` stand in for ``vllm.LLM`` and (``SamplingParams``,
-        ``TokensPrompt``) in tests: the same methods and fields, no CUDA."""
+        ``TokensPrompt``) in tests: the same methods and fields, no CUDA. ``sleep_mode``: the
+        worker serves more runs than it keeps on the GPU (--resident), so ``park`` puts the
+        engine to sleep (vLLM's sleep mode, level 1: weights to host memory, KV cache freed)
+        and ``unpark`` wakes it."""
         self.tokenizer = load_tokenizer(model_cfg)
         self.model_dir = engine_model_dir(model_cfg)
         self.tied = tied_embeddings(self.model_dir)
@@ -105,6 +109,10 @@ class VLLMBackend(Backend):
         self.vocab_size = vocab_size_of_folder(self.model_dir)
         self.book = VersionBook()
         self.last_install: dict[str, Any] = {}
+        self.sleep_mode, self.asleep = sleep_mode, False
+        # A version that arrived while asleep: (entries, size, payload, version), loaded at
+        # wake-up. Only the newest is kept.
+        self._pending: tuple[Any, int, bytes, int] | None = None
         self.llm = llm if llm is not None else self._engine(device, gpu_memory_utilization)
         self.types = types or _vllm_types()
 
@@ -136,6 +144,7 @@ class VLLMBackend(Backend):
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
             gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_mode,
         )
 
     def restrict_answers(self, tokens: tuple[int, ...] | None) -> None:
@@ -150,10 +159,37 @@ class VLLMBackend(Backend):
             )
         self.answer_tokens = None
 
+    def park(self) -> None:
+        """Off the GPU between this run's turns (worker/sharing.py). Without sleep mode the
+        engine stays where it is: then --resident must cover every run of the process."""
+        if self.sleep_mode and not self.asleep:
+            with self.book.paused():  # after the generation in flight, if any
+                self.llm.sleep(level=1)
+                self.asleep = True
+
+    def unpark(self) -> None:
+        if not self.asleep:
+            return
+        with self.book.paused():
+            self.llm.wake_up()
+            self.asleep = False
+            self.llm.reset_prefix_cache()  # the cache's blocks were freed at sleep
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._refit(*pending)
+
     def install(
         self, tensors: list[dict[str, Any]], payload: bytes | bytearray, version: int = -1
     ) -> None:
         entries, size = build_layout(tensors, self.tied, self.expected)
+        if self.asleep:
+            # The engine's weights are in host memory now, out of the refit's reach: load
+            # this version when the run's turn wakes the engine, before it generates.
+            self._pending = (entries, size, bytes(payload), version)
+            return
+        self._refit(entries, size, payload, version)
+
+    def _refit(self, entries: Any, size: int, payload: bytes | bytearray, version: int) -> None:
         t0 = time.monotonic()
         path = write_shared(entries, size, payload, tag=f"{os.getpid()}-")
         t_write = time.monotonic() - t0
@@ -193,6 +229,8 @@ class VLLMBackend(Backend):
         batch, and schedules continuously, so a long tail holds no batch slot): a worker
         on vLLM hands back whole groups, not prefixes, unless its grace outlasts a rollout.
         Groups with prefixes are continued one sample per request (docs/preemption.md)."""
+        if self.asleep:  # worker/sharing.py brings a run's model on before its rollout
+            raise RefitError("the engine is asleep (parked): unpark it before generating")
         if any(g.prefixes for g in groups):
             return self._continue(groups, max_new_tokens, temperature)
         SamplingParams, TokensPrompt = self.types
