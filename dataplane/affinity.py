@@ -40,8 +40,10 @@ class LengthBook:
         while len(self._mean) > self.max_prompts:
             self._mean.popitem(last=False)
 
-    def expect(self, prompt: Prompt) -> float | None:
-        got = self._mean.get(prompt_key(prompt.prompt_ids))
+    def expect(self, prompt: Prompt, key: bytes | None = None) -> float | None:
+        """``key``: the prompt's ``prompt_key``, when the caller keeps it (the Picker does, so
+        a grant on the control loop hashes no prompt)."""
+        got = self._mean.get(key if key is not None else prompt_key(prompt.prompt_ids))
         if got is not None:
             return got
         return float(prompt.max_new_tokens) if prompt.max_new_tokens else None
@@ -53,6 +55,7 @@ class LengthBook:
 @dataclass
 class _Waiting:
     prompt: Prompt
+    key: bytes  # prompt_key, hashed once when the prompt enters the window
     passed: int = 0  # grants that took another prompt while this one waited
 
 
@@ -72,7 +75,8 @@ class Picker:
         if self.book is None:
             return self._waiting.popleft().prompt if self._waiting else next(self._prompts)
         while len(self._waiting) < self.window:
-            self._waiting.append(_Waiting(next(self._prompts)))
+            prompt = next(self._prompts)
+            self._waiting.append(_Waiting(prompt, prompt_key(prompt.prompt_ids)))
         i = self._choose(rank)
         item = self._waiting[i]
         del self._waiting[i]
@@ -88,7 +92,7 @@ class Picker:
         if rank is None:
             return 0  # a worker not measured yet (or alone) takes the oldest
         assert self.book is not None
-        known = [self.book.expect(w.prompt) for w in self._waiting]
+        known = [self.book.expect(w.prompt, w.key) for w in self._waiting]
         values = sorted(x for x in known if x is not None)
         if not values:
             return 0
