@@ -342,3 +342,20 @@ def test_the_offline_bound_is_the_learner_or_the_fleet_whichever_binds() -> None
     res = offline_bound(two, [5, 5], capacity=17.0)
     assert sum(res["steps_most"]) == pytest.approx(10.0)
     assert res["every_job_bound"] == pytest.approx(1.0)  # 5 each at most
+
+
+def test_the_benchmarks_settings_reach_every_job_and_bad_ones_are_named() -> None:
+    """benchmarks/sim_multirun.py --warm-s and --set: every job's switch time, and a fleet
+    setting on top of each scenario's own overrides (the worker's rule, docs/multirun.md)."""
+    from benchmarks import sim_multirun as bench
+
+    sc = bench.load("multirun-4.toml", warm_s=0.5)
+    assert [j.warm_s for j in sc.jobs] == [0.5] * 4
+    bench.EXTRA.update({"fleet.reach": "any", "fleet.resident_models": 1})
+    try:
+        sc = bench.load("multirun-4.toml", {"fleet.policy": "turns-need"})
+    finally:
+        bench.EXTRA.clear()
+    assert (sc.fleet.reach, sc.fleet.resident_models, sc.fleet.policy) == ("any", 1, "turns-need")
+    with pytest.raises(SystemExit):
+        bench.main(["--set", "fleet.reach", "--no-sweep", "--only", "none"])

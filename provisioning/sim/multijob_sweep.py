@@ -117,7 +117,8 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
             f"{r['jobs']:>4} {r['phases']:<8}{r['contrast']:>3g}"
             f"{_x(r['ratio_min']):>10}{_x(r['ratio_max']):>6}{_x(r['ratio_whole_bill']):>6}"
             f"{_x(r['bill_bound']):>11}/{_x(r['every_job_bound']):<5}"
-            f"{r['idle_dedicated']:>7.1%}/{r['idle_shared']:<5.1%}"
+            # max(0, .): a fleet busy throughout computes as -1e-17 idle, printed "-0.0%"
+            f"{max(0.0, r['idle_dedicated']):>7.1%}/{max(0.0, r['idle_shared']):<5.1%}"
             f"{steps:>16}  {smax}"
         )
     return "\n".join(lines)
