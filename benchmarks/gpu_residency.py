@@ -23,20 +23,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# Qwen2.5-3B's widths in the Qwen3 architecture: ~3.1B parameters, 6.2 GB in bf16.
-QWEN3_3B = dict(
-    model_type="qwen3",
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=11008,
-    num_hidden_layers=36,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    head_dim=128,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
-)
-
 
 def _checksum(model: Any) -> float:
     return float(sum(t.double().sum().item() for t in model.state_dict().values()))
@@ -107,7 +93,7 @@ def one_case(model: Any, device: str, reps: int, sync: Callable[[], None]) -> di
 def stage_residency(a: argparse.Namespace, rec: Any) -> None:
     import torch
 
-    from benchmarks.gpu_stages import QWEN3_1B, TINY, _backend, _device, _sync, build
+    from benchmarks.gpu_stages import QWEN3_1B, QWEN3_3B, TINY, _backend, _device, _sync, build
 
     device, sync = _device(a), _sync(_device(a))
     reps = 1 if a.dry_run else max(a.reps, 3)

@@ -89,6 +89,19 @@ QWEN3_1B = dict(
     tie_word_embeddings=True,
     max_position_embeddings=4096,
 )
+# Qwen2.5-3B's widths in the Qwen3 architecture: ~3.1B parameters, 6.2 GB in bf16.
+QWEN3_3B = dict(
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_hidden_layers=36,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=128,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
 TINY = dict(
     model_type="qwen3",
     vocab_size=24,
