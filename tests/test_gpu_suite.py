@@ -80,3 +80,34 @@ def test_the_weights_are_cut_so_every_call_fits_beside_the_tree():
     assert len(part_bounds(total, 9.0, 10.6)) == 3  # two calls while the tree is small
     with pytest.raises(SystemExit, match="no room"):
         part_bounds(total, 55.0, 10.6)
+
+
+def test_parts_carried_in_separate_calls_are_joined_once_all_are_in(tmp_path):
+    """What docs/gpu.md's two calls do on the machine: each carries a part folder
+    (``--weights .gpu/partN``), the stash keeps it, and the GGUF is joined and checked once
+    every part of the manifest is in."""
+    import hashlib
+    import json as _json
+
+    from benchmarks.gpu_suite import GGUF_NAME, stash_weights
+
+    data = bytes(range(256)) * 1000
+    names = [f"{GGUF_NAME}.part{i}" for i in range(2)]
+    man = {"parts": names, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    folders = []
+    for i, (lo, hi) in enumerate([(0, 100_000), (100_000, len(data))]):
+        f = tmp_path / "carried" / f"part{i}"
+        f.mkdir(parents=True)
+        (f / names[i]).write_bytes(data[lo:hi])
+        (f / "manifest.json").write_text(_json.dumps(man))
+        folders.append(f)
+    stash = tmp_path / "stash"
+    assert "waiting for" in stash_weights([folders[0]], stash)["state"]
+    got = stash_weights([folders[1]], stash)
+    assert got["state"] == "joined" and (stash / GGUF_NAME).read_bytes() == data
+    assert stash_weights([], stash)["state"] == "joined earlier"
+    bad = tmp_path / "stash-bad"
+    (folders[1] / names[1]).write_bytes(b"x" + data[100_001:])  # a part damaged in transit
+    stash_weights([folders[0]], bad)
+    assert "SHA-256 differs" in stash_weights([folders[1]], bad)["state"]
+    assert not (bad / GGUF_NAME).exists()
