@@ -105,6 +105,9 @@ def test_a_worker_facing_a_silent_learner_hints_then_gives_up(caplog, tmp_path):
     ]
     assert hints and f"127.0.0.1 port {port}" in hints[0]
     assert worker.status.doc.problem == hints[-1]
+    # the status says why from its one closing write: a reader polling it (echo-worker status,
+    # a multi-run owner) never meets a bare "error" before the reason
+    assert worker.status.doc.exit.startswith("gave up after")
 
 
 def test_give_up_after_must_be_a_positive_number(tmp_path, capsys):

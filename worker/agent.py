@@ -51,7 +51,7 @@ from worker.model import LoadChoice
 from worker.relaying import RelayNode
 from worker.session import Session, SessionHooks, WorkerError
 from worker.sharing import Turns
-from worker.status import InstallProgress, StatusBoard
+from worker.status import InstallProgress, StatusBoard, exit_text
 from worker.unreachable import Unreachable
 
 if TYPE_CHECKING:
@@ -236,19 +236,17 @@ class Worker:
         self._assemble(client, node)
         if not self.shared:  # else the runs' owner (worker/multirun.py) takes the signals
             self.take_signals()
+        failure = "error"
         try:
             await self._run_parts()
+        except (Exception, BaseExceptionGroup) as exc:
+            failure = exit_text(exc)  # written once: a reader never sees a bare "error" first
+            raise
         finally:
             if self.shared:
                 self.turns.forget(self.run_name)
             sys.setswitchinterval(DEFAULT_SWITCH_S)
-            backend = self.installer.held.backend
-            self.status.update(
-                activity="stopped",
-                exit=self.life.exit_reason or "error",
-                **({"tokens_sampled": backend.tokens_sampled} if backend else {}),
-            )
-            self.status.flush(force=True)
+            _final_status(self.status, self.installer, self.life.exit_reason or failure)
             node.close()
             client.close()
             ctx.term()
@@ -370,3 +368,10 @@ class Worker:
             self.status.update(sharing=self.turns.sharing(self.run_name))
         if ticks % MEMORY_EVERY == 0:
             self.status.update(memory=self.node.memory(getattr(held.backend, "model", None)))
+
+
+def _final_status(status: StatusBoard, installer: Installer, why: str) -> None:
+    backend = installer.held.backend
+    tokens = {"tokens_sampled": backend.tokens_sampled} if backend else {}
+    status.update(activity="stopped", exit=why, **tokens)
+    status.flush(force=True)

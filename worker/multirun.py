@@ -22,6 +22,7 @@ from typing import Any
 
 from echo.security import JoinLine, SecurityError
 from worker.sharing import Turns
+from worker.status import exit_text
 
 log = logging.getLogger("echo.worker")
 
@@ -129,10 +130,11 @@ class MultiWorker:
             self.ended[name] = await worker.run() or "done"
         except (Exception, BaseExceptionGroup) as exc:  # kept for the caller, never dropped
             self.errors[name] = exc
-            self.ended[name] = f"error: {_first(exc)}"
-            worker.status.update(exit=_first(exc))  # its status file says why, as alone
-            worker.status.flush(force=True)
-            log.warning("run %s ended: %s; the other runs go on", name, _first(exc))
+            self.ended[name] = f"error: {exit_text(exc)}"
+            if worker.status.doc.exit is None:  # it failed before its run began: say why
+                worker.status.update(exit=exit_text(exc))
+                worker.status.flush(force=True)
+            log.warning("run %s ended: %s; the other runs go on", name, exit_text(exc))
 
     def stop(self, reason: str) -> None:
         for worker in self.workers.values():
@@ -152,9 +154,3 @@ class MultiWorker:
         backend = self.workers[name].installer.held.backend
         if backend is not None:
             backend.unpark()
-
-
-def _first(exc: BaseException) -> str:
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return str(exc)

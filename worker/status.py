@@ -227,6 +227,13 @@ class InstallProgress:
         }
 
 
+def exit_text(exc: BaseException) -> str:
+    """What a status file's ``exit`` says of the failure that ended a run: its first cause."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return str(exc)
+
+
 def notice_path(status: Path) -> Path:
     """Where ``echo-worker preempt`` leaves a preemption notice for the worker of ``status``."""
     return status.with_name(status.name + ".preempt")
