@@ -23,8 +23,9 @@ Two checks, each per group:
   from samples, and cannot do more harm than samples either.
 
 Cost is bounded: the trainer thread runs audits between steps for at most
-``security.audit_budget`` of its time (probation jobs first, the least-audited worker's
-first); the queue of waiting jobs is
+``security.audit_budget`` of its time over the run (a credit each step adds to, so a round
+dearer than one step's share waits for it rather than never running; ``Auditor.run``),
+probation jobs first, the least-audited worker's first; the queue of waiting jobs is
 bounded (``security.audit_queue``), overflow drops the oldest non-probation job and counts it
 (``dropped``). A job whose snapshot is no longer held is skipped and counted (``expired``).
 """
@@ -98,6 +99,7 @@ class Auditor:
         answer_tokens: tuple[int, ...] | None = None,
         borrow: Any = None,
         spill_to: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """``borrow``: the trainer's own model, audited in between steps instead of a copy
         of it (docs/memory.md): its weights are spilled to ``spill_to`` (a directory), the
@@ -119,6 +121,8 @@ class Auditor:
         self.done = self.failed = self.dropped = self.expired = 0
         self.seconds = 0.0
         self._borrow, self._spill_to = borrow, spill_to
+        self.clock = clock
+        self._credit = 0.0  # seconds of audit time the steps have paid for (run())
 
     # ------------------------------------------------------------------ inputs (any thread)
 
@@ -159,23 +163,33 @@ class Auditor:
     # ------------------------------------------------------------------ the work (trainer thread)
 
     def run(self, budget_s: float) -> float:
-        """Audit waiting groups, probation first, until ``budget_s`` is spent; seconds used."""
-        t0 = time.monotonic()
-        if self._borrow is not None and self.waiting:
+        """Audit waiting groups, probation first, with this step's ``budget_s``; seconds used.
+
+        The budget is a credit carried from call to call: a round runs while the credit is
+        positive and takes at least one job, and what it overspends the next calls pay back
+        before another round. A round that costs more than one step's share (borrowing the
+        trainer's model, one long group: a small LoRA step on a slow disk) still runs once
+        enough steps have paid for it, so audits never starve; over the run they keep their
+        share. Credit is never banked beyond one step's budget: an idle queue buys no burst."""
+        self._credit = min(self._credit + budget_s, budget_s)
+        if self._credit <= 0 or not self.waiting:
+            return 0.0
+        t0 = self.clock()
+        if self._borrow is not None:
             with self._borrowed():
-                self._run_jobs(t0, budget_s)
+                self._run_jobs(t0)
         else:
-            self._run_jobs(t0, budget_s)
-        used = time.monotonic() - t0
+            self._run_jobs(t0)
+        used = self.clock() - t0
+        self._credit -= used
         self.seconds += used
         return used
 
-    def _run_jobs(self, t0: float, budget_s: float) -> None:
-        while time.monotonic() - t0 < budget_s:
-            job = self._next()
-            if job is None:
-                break
+    def _run_jobs(self, t0: float) -> None:
+        while (job := self._next()) is not None:
             self._audit(job)
+            if self.clock() - t0 >= self._credit:
+                break
 
     @contextmanager
     def _borrowed(self) -> Iterator[None]:

@@ -56,7 +56,21 @@ def test_lora_run_advances_and_workers_install_adapter_versions(cluster):
     assert len(sizes) == 1 and sizes.pop() < 0.2 * full
     assert any(r.get("publish_encoding") == "delta" for r in got)
     # The auditor recomputed under base + the claimed adapter: the honest workers pass.
-    assert got[-1]["audits"] > 0 and got[-1]["audit_failures"] == 0
+    assert got[-1]["audits"] > 0 and got[-1]["audit_failures"] == 0, [
+        {
+            k: r.get(k)
+            for k in (
+                "step",
+                "audits",
+                "audit_queue",
+                "audits_expired",
+                "audits_dropped",
+                "t_audit",
+                "t_train",
+            )
+        }
+        for r in got
+    ]
     assert (run / "checkpoints" / "latest").exists()
     assert "LoRA rank 4 on all-linear" in (run / "learner.log").read_text()
 
