@@ -11,6 +11,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
+from fakes import FakeClock
 
 from learner.auditor import Auditor
 from learner.intake import AuditJob
@@ -18,15 +19,7 @@ from learner.intake import AuditJob
 pytestmark = pytest.mark.timeout(30)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _auditor(cfg, clock: Clock, job_s: float, borrow_s: float | None = None) -> Auditor:
+def _auditor(cfg, clock: FakeClock, job_s: float, borrow_s: float | None = None) -> Auditor:
     aud = Auditor(cfg, tokenizer=None, report=lambda v: None, clock=clock)
 
     def audit(job: AuditJob) -> None:
@@ -51,7 +44,7 @@ def _fill(aud: Auditor, n: int) -> None:
 
 
 def test_a_round_dearer_than_a_step_s_share_still_runs(small_cfg):
-    clock = Clock()
+    clock = FakeClock()
     aud = _auditor(small_cfg, clock, job_s=0.005, borrow_s=0.02)  # the borrow: 2 steps' share
     _fill(aud, 4)
     used = [aud.run(0.01) for _ in range(40)]
@@ -63,7 +56,7 @@ def test_a_round_dearer_than_a_step_s_share_still_runs(small_cfg):
 
 
 def test_over_many_steps_audits_keep_their_share(small_cfg):
-    clock = Clock()
+    clock = FakeClock()
     aud = _auditor(small_cfg, clock, job_s=0.05)  # one job: 5 steps' share
     _fill(aud, small_cfg.security.audit_queue)
     steps = 100
@@ -73,7 +66,7 @@ def test_over_many_steps_audits_keep_their_share(small_cfg):
 
 
 def test_an_idle_queue_banks_no_burst(small_cfg):
-    clock = Clock()
+    clock = FakeClock()
     aud = _auditor(small_cfg, clock, job_s=0.01)
     for _ in range(50):
         assert aud.run(0.01) == 0.0  # nothing waits: nothing runs, nothing is saved up

@@ -7,6 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from fakes import FakeClock
 
 from dataplane.records import Record
 from echo import wire
@@ -18,15 +19,7 @@ from worker.sharing import Turns
 pytestmark = pytest.mark.timeout(30)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-async def _generate(turns: Turns, clock: Clock, run: str, seconds: float, times: int) -> None:
+async def _generate(turns: Turns, clock: FakeClock, run: str, seconds: float, times: int) -> None:
     """A run that always has work: each grant takes ``seconds`` of device time."""
     for _ in range(times):
         async with turns.turn(run):
@@ -35,14 +28,14 @@ async def _generate(turns: Turns, clock: Clock, run: str, seconds: float, times:
             await asyncio.sleep(0)  # the other runs queue up meanwhile
 
 
-async def _both(turns: Turns, clock: Clock, a: int, b: int) -> None:
+async def _both(turns: Turns, clock: FakeClock, a: int, b: int) -> None:
     async with asyncio.TaskGroup() as tg:
         tg.create_task(_generate(turns, clock, "a", 1.0, a))
         tg.create_task(_generate(turns, clock, "b", 1.0, b))
 
 
 def test_runs_that_both_want_the_device_get_it_in_proportion_to_their_shares():
-    clock = Clock()
+    clock = FakeClock()
     turns = Turns(resident=2, clock=clock)
     turns.add("a", share=2.0)
     turns.add("b", share=1.0)
@@ -66,7 +59,7 @@ def test_a_paying_run_weighs_more_at_equal_shares():
 
 
 def test_a_run_that_does_not_ask_leaves_the_device_to_the_other_without_idling():
-    clock = Clock()
+    clock = FakeClock()
     turns = Turns(resident=1, clock=clock)
     turns.add("a")
     turns.add("b")  # its gate is closed: it never asks
@@ -77,7 +70,7 @@ def test_a_run_that_does_not_ask_leaves_the_device_to_the_other_without_idling()
 
 
 def test_idle_time_between_turns_is_counted():
-    clock = Clock()
+    clock = FakeClock()
     turns = Turns(clock=clock)
     turns.add("a")
 
@@ -91,7 +84,7 @@ def test_idle_time_between_turns_is_counted():
 
 
 def test_one_resident_model_is_parked_and_brought_back_at_each_switch():
-    clock, moves = Clock(), []
+    clock, moves = FakeClock(), []
     turns = Turns(
         resident=1,
         clock=clock,
@@ -110,7 +103,7 @@ def test_one_resident_model_is_parked_and_brought_back_at_each_switch():
 
 
 def test_a_turn_that_ends_in_an_empty_grant_moves_no_model():
-    clock, moves = Clock(), []
+    clock, moves = FakeClock(), []
     turns = Turns(resident=1, clock=clock, park=moves.append, unpark=moves.append)
     turns.add("a")
     turns.add("b")
@@ -127,7 +120,7 @@ def test_a_turn_that_ends_in_an_empty_grant_moves_no_model():
 
 
 def test_two_resident_models_never_switch():
-    clock, moves = Clock(), []
+    clock, moves = FakeClock(), []
     turns = Turns(resident=2, clock=clock, park=lambda run: moves.append(run))
     turns.add("a")
     turns.add("b")
@@ -136,7 +129,7 @@ def test_two_resident_models_never_switch():
 
 
 def test_a_run_cancelled_while_waiting_does_not_hold_up_the_others():
-    clock = Clock()
+    clock = FakeClock()
     turns = Turns(clock=clock)
     for name in ("a", "b", "c"):
         turns.add(name)
@@ -209,7 +202,7 @@ def test_a_heartbeat_carries_the_runs_a_device_serves():
 
 def test_a_run_s_nested_turn_does_not_wait_for_itself():
     """A rollout holds the device from its grant on, and generating inside it asks again."""
-    clock = Clock()
+    clock = FakeClock()
     turns = Turns(clock=clock)
     turns.add("a")
     turns.add("b")
@@ -227,7 +220,7 @@ def test_a_run_s_nested_turn_does_not_wait_for_itself():
 
 
 def test_a_run_whose_learner_needs_more_gets_more_turns():
-    clock = Clock()
+    clock = FakeClock()
     turns = Turns(resident=2, clock=clock)
     turns.add("a")
     turns.add("b")
@@ -256,7 +249,7 @@ def test_a_learner_s_claimed_need_is_clamped(claimed, kept):
 
 
 def test_the_books_follow_recent_turns_not_the_whole_day():
-    clock = Clock()
+    clock = FakeClock()
     turns = Turns(clock=clock)
     turns.add("a")
     turns.add("b")
