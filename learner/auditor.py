@@ -170,10 +170,13 @@ class Auditor:
         before another round. A round that costs more than one step's share (borrowing the
         trainer's model, one long group: a small LoRA step on a slow disk) still runs once
         enough steps have paid for it, so audits never starve; over the run they keep their
-        share. Credit is never banked beyond one step's budget: an idle queue buys no burst."""
+        share. Credit is never banked beyond one step's budget: an idle queue buys no burst.
+        A handed-back prefix's check runs in debt too: a group waits for it, one a step."""
         self._credit = min(self._credit + budget_s, budget_s)
-        if self._credit <= 0 or not self.waiting:
-            return 0.0
+        with self._lock:
+            prefix = any(j.prefix for j in self._jobs)
+            if not self._jobs or (self._credit <= 0 and not prefix):
+                return 0.0
         t0 = self.clock()
         if self._borrow is not None:
             with self._borrowed():

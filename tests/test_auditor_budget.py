@@ -73,3 +73,17 @@ def test_an_idle_queue_banks_no_burst(small_cfg):
     _fill(aud, 10)
     assert aud.run(0.01) == pytest.approx(0.01) and aud.done == 1  # one step's worth
     assert aud.run(0.0) == 0.0 and aud.done == 1  # that round spent the credit
+
+
+def test_a_handed_back_prefix_s_check_runs_every_step_even_in_debt(small_cfg):
+    """A group waits for its prefixes' check before anyone continues it (learner/handbacks.py):
+    one such check runs each step whatever the credit, and ordinary audits wait for the debt."""
+    clock = FakeClock()
+    aud = _auditor(small_cfg, clock, job_s=0.05)  # one job: 5 steps' share
+    _fill(aud, 3)
+    for i in range(3):
+        aud.submit(AuditJob(f"h{i}", "key", [], probation=False, prefix=True))
+    used = [aud.run(0.01) for _ in range(3)]
+    assert used == [pytest.approx(0.05)] * 3  # one job a step, though in debt after the first
+    assert aud.waiting == 3 and all(not j.prefix for j in aud._jobs)  # the prefixes' checks
+    assert [aud.run(0.01) for _ in range(5)] == [0.0] * 5  # the rest wait for the debt
