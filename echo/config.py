@@ -195,11 +195,11 @@ class EchoConfig(_Section):
 
     @model_validator(mode="after")
     def _lora_has_a_backend(self) -> EchoConfig:
-        if self.learner.lora.enabled and self.worker.backend != "transformers":
+        if self.learner.lora.enabled and self.worker.backend == "vllm":
             raise ValueError(
                 f"learner.lora.enabled with worker.backend={self.worker.backend!r}: only the "
-                f"transformers backend applies LoRA adapters so far; set worker.backend = "
-                f'"transformers", or learner.lora.enabled = false'
+                f"engine and transformers backends apply LoRA adapters so far; set "
+                f'worker.backend = "engine", or learner.lora.enabled = false'
             )
         return self
 

@@ -118,9 +118,11 @@ class WorkerConfig(_Section):
     turn_cache: bool = False
     # Batches a worker holds unacknowledged before it stops generating.
     max_unacked_batches: int = Field(8, gt=0)
-    # transformers (default; CPU or GPU) or vllm (CUDA only; pip install -e '.[vllm]' with the
-    # CUDA build of torch, docs/worker.md). vllm_gpu_memory is the share of GPU memory vLLM takes.
-    backend: Literal["transformers", "vllm"] = "transformers"
+    # engine (default; CPU or GPU: Echo's own generation loop over a transformers model,
+    # docs/worker.md "The generation engine"), transformers (Hugging Face generate, the engine's
+    # fallback and reference), or vllm (CUDA only; pip install -e '.[vllm]' with the CUDA build
+    # of torch, docs/worker.md). vllm_gpu_memory is the share of GPU memory vLLM takes.
+    backend: Literal["engine", "transformers", "vllm"] = "engine"
     # Share of GPU memory the vLLM engine takes (backend vllm).
     vllm_gpu_memory: float = Field(0.5, gt=0, le=1)
     # Where a worker generates: auto (cuda:0 if the worker has a GPU, else cpu), cpu, cuda,

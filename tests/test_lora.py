@@ -80,7 +80,7 @@ def test_lora_is_off_by_default_and_bad_settings_name_the_key():
         load_config(None, ['learner.lora.target_modules="q_proj"'])
     with pytest.raises(ConfigError, match="did you mean 'learner.lora.alpha'"):
         load_config(None, ["learner.lora.alpah=8"])
-    with pytest.raises(ConfigError, match="transformers backend applies LoRA"):
+    with pytest.raises(ConfigError, match="engine and transformers backends apply LoRA"):
         load_config(None, ["learner.lora.enabled=true", 'worker.backend="vllm"'])
 
 

@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--up-mbit", type=float, default=0.0, help="declared upload rate, Mbit/s")
     j.add_argument(
         "--backend",
-        choices=["transformers", "vllm"],
+        choices=["engine", "transformers", "vllm"],
         default=None,
         help="generation backend (default: the learner's worker.backend); vllm needs "
         "a CUDA GPU and pip install -e '.[vllm]' (docs/worker.md)",

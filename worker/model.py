@@ -115,11 +115,11 @@ def load_model(
     )
     lora = LoraConfig(**view.get("lora", {}))
     if lora.enabled:  # versions are adapters: the backend holds the base and an adapter
-        if name != "transformers":
+        if name == "vllm":
             raise WorkerError(
                 f"this run trains a LoRA adapter (learner.lora.enabled) and the "
                 f"{name} backend does not apply adapters yet: join with "
-                f"--backend transformers"
+                f"--backend engine"
             )
         extra["lora"] = lora
     model = dict(view["model"])

@@ -159,13 +159,14 @@ def take(it: Any, n: int) -> list[Any]:
 
 
 def load_backend(cfg: Any, threads: int) -> Any:
-    """The worker's transformers backend for the run's model (base + adapter for LoRA)."""
+    """The worker's default backend (the engine) for the run's model (base + adapter for
+    LoRA)."""
     from worker.backends import make_backend
 
     lora = cfg.learner.lora if cfg.learner.lora.enabled else None
     extra = {"lora": lora} if lora is not None else {}
     return make_backend(
-        "transformers", model_cfg=cfg.model, threads=threads, device=cfg.worker.device, **extra
+        "engine", model_cfg=cfg.model, threads=threads, device=cfg.worker.device, **extra
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from worker.backends.base import Backend, Sample
 
 BACKENDS = {
+    "engine": "worker.backends.engine:EngineBackend",
     "transformers": "worker.backends.transformers:TransformersBackend",
     "vllm": "worker.backends.vllm:VLLMBackend",
 }
@@ -40,7 +41,7 @@ def warm(name: str | None) -> None:
     nothing else in a worker imports them."""
     import threading
 
-    if name not in (None, "transformers"):
+    if name not in (None, "engine", "transformers"):
         return
 
     def imports() -> None:
