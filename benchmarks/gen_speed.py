@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--eos", action="store_true", help="rows may end at end-of-sequence")
+    p.add_argument(
+        "--compile", action="store_true", help="CUDA: torch.compile the engine's step too"
+    )
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -93,11 +96,14 @@ def groups_for(backend: Any, cfg: Any, rows: int) -> list[Any]:
     ]
 
 
-def build(cfg: Any, device: str, threads: int) -> dict[str, Any]:
+def build(cfg: Any, device: str, threads: int, compile: bool = False) -> dict[str, Any]:
     from worker.backends import make_backend
 
     out = {
-        name: make_backend(name, model_cfg=cfg, threads=threads, device=device) for name in BACKENDS
+        "transformers": make_backend("transformers", model_cfg=cfg, threads=threads, device=device),
+        "engine": make_backend(
+            "engine", model_cfg=cfg, threads=threads, device=device, compile=compile
+        ),
     }
     out["engine"].model.load_state_dict(out["transformers"].model.state_dict())
     return out
@@ -182,14 +188,33 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    a = parse_args(argv)
+# Memory bandwidth of the cards Echo's GPU checks run on (bytes/s): a decode step reads every
+# weight once, so rows / (weight bytes / bandwidth) bounds tokens/s from above at any batch
+# (the KV cache and launch floor lower it further: ../docs/gpu.md).
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def bound(backend: Any, rows: int) -> float | None:
     import torch
+
+    if backend.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    bw = next((v for k, v in BANDWIDTH.items() if k in name), None)
+    if bw is None:
+        return None
+    weights = sum(p.numel() * p.element_size() for p in backend.model.parameters())
+    return rows * bw / weights
+
+
+def run(a: argparse.Namespace, emit: Any = None) -> dict[str, Any]:
+    """Every batch of ``a.batches``, both backends; ``emit(result)`` after each batch (a
+    caller under a time budget keeps what was measured)."""
     import transformers
 
     cfg = model_config(a.model)
     a.new_tokens = a.new_tokens or (48 if cfg.name == "tiny-qwen3" else 128)
-    backends = build(cfg, a.device, a.threads)
+    backends = build(cfg, a.device, a.threads, a.compile)
     eng = backends["engine"]
     if not a.eos:
         eos = backends["transformers"].tokenizer.eos_token_id
@@ -198,7 +223,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             b.restrict_answers(every)
     result: dict[str, Any] = {
         "benchmark": "gen_speed",
-        "command": "benchmarks/gen_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": f"benchmarks/gen_speed.py --model {a.model} --device {a.device} "
+        f"--threads {a.threads} --batches {a.batches} --new-tokens {a.new_tokens} "
+        f"--reps {a.reps}" + (" --eos" if a.eos else "") + (" --compile" if a.compile else ""),
         "model": cfg.name,
         "device": str(eng.device),
         "dtype": str(eng.decoder.dtype if eng.decoder else "n/a"),
@@ -207,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "engine": {
             "runs_own_loop": eng.decoder is not None,
             "cuda_graph": eng.graphs,
+            "compile": eng.compile,
             "slots": eng.slots,
         },
         "transformers_version": transformers.__version__,
@@ -215,27 +243,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(
         f"{'batch':>5}  {'transformers tok/s':>18}  {'engine tok/s':>12}  {'ratio':>6}  "
-        f"{'prefill ms (t/e)':>17}  {'decode tok/s (t/e)':>19}",
+        f"{'prefill ms (t/e)':>17}  {'decode tok/s (t/e)':>19}  {'weights bound':>13}",
         flush=True,
     )
     for rows in (int(x) for x in a.batches.split(",")):
         m = measure(a, backends, cfg, rows)
+        m["weights_bound_tokens_per_s"] = bound(eng, m["rows"])
         result["batches"][str(rows)] = m
+        result["engine"]["cuda_graph"] = eng.graphs  # False once a capture failed
+        result["engine"]["compile"] = eng.compile
         t, e = m["transformers"], m["engine"]
+        b = m["weights_bound_tokens_per_s"]
         print(
             f"{m['rows']:>5}  {t['tokens_per_s']:>18.0f}  {e['tokens_per_s']:>12.0f}  "
             f"{m['ratio']:>5.2f}x  {t['prefill_ms']:>8.1f}/{e['prefill_ms']:<8.1f}  "
-            f"{t['decode_tokens_per_s']:>9.0f}/{e['decode_tokens_per_s']:<9.0f}",
+            f"{t['decode_tokens_per_s']:>9.0f}/{e['decode_tokens_per_s']:<9.0f}  "
+            f"{'n/a' if b is None else f'{b:.0f}':>13}",
             flush=True,
         )
-    result["engine"]["cuda_graph"] = eng.graphs  # False if capture failed along the way
+        if emit is not None:
+            emit(result)
     result["machine"]["loadavg_after"] = os.getloadavg()
-    tag = "tiny" if cfg.name == "tiny-qwen3" else Path(cfg.name).name
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    result = run(a)
+    tag = "tiny" if result["model"] == "tiny-qwen3" else Path(result["model"]).name
     path = a.json or ROOT / "benchmarks" / "results" / f"gen_speed_{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"results: {path}", flush=True)
-    del torch
     return result
 
 

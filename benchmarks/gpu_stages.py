@@ -418,45 +418,47 @@ def _prompts(backend: Any, cfg: Any, n: int) -> list[list[int]]:
 
 
 def stage_generation(a: argparse.Namespace, rec: Record) -> None:
-    from echo import wire
+    """Today's transformers backend and Echo's engine side by side (``benchmarks/gen_speed.py``:
+    alternating, same groups and seeds, every row to 128 new tokens), then the install of a
+    version into the worker's backend."""
+    from benchmarks import gen_speed
     from echo.models import params_to_payload
 
     backend, cfg = _backend(a)
     sync = _sync(_device(a))
     rec.put("model", cfg.name)
-    new_tokens = 8 if a.dry_run else 128
-    for rows, groups_n in ((1, 1), (16, 4), (64, 8)):
-        n = rows // groups_n
-        groups = [
-            wire.Group(group_id=f"g{i}", prompt_ids=p, n=n, seed=i)
-            for i, p in enumerate(_prompts(backend, cfg, groups_n))
+    args = gen_speed.parse_args(
+        [
+            "--model",
+            "tiny" if cfg.name == "tiny-qwen3" else cfg.name,
+            "--device",
+            _device(a),
+            "--threads",
+            str(os.cpu_count() or 1),
+            "--batches",
+            "1,16,64" if a.dry_run else "1,16,64,256",
+            "--new-tokens",
+            "8" if a.dry_run else "128",
+            "--reps",
+            "1" if a.dry_run else "2",
         ]
-        made: list[int] = []
-        times = _timed(
-            lambda: made.append(  # noqa: B023
-                sum(
-                    len(s.completion_ids)
-                    for g in backend.generate(groups, new_tokens, 1.0)  # noqa: B023
-                    for s in g
-                )
-            ),
-            min(a.reps, 2),
-            sync,
-        )
-        tokens = made[-1]
-        rec.put(
-            f"batch_{rows}",
-            {
-                "sequences": rows,
-                "max_new_tokens": new_tokens,
-                "seconds": times,
-                "tokens": tokens,
-                "tokens_per_s": tokens / statistics.median(times),
-            },
-        )
-        print(
-            f"generation batch {rows}: {tokens / statistics.median(times):.0f} tokens/s", flush=True
-        )
+    )
+
+    def keep(result: dict[str, Any]) -> None:
+        rec.put("gen_speed", result)
+        for rows, m in result["batches"].items():  # the figures earlier runs reported
+            rec.put(
+                f"batch_{rows}",
+                {
+                    "sequences": m["rows"],
+                    "max_new_tokens": m["new_tokens"],
+                    "tokens_per_s": m["engine"]["tokens_per_s"],
+                    "transformers_tokens_per_s": m["transformers"]["tokens_per_s"],
+                    "ratio": m["ratio"],
+                },
+            )
+
+    gen_speed.run(args, keep)
     index, payload = params_to_payload(backend.model.named_parameters(), "bfloat16")
     times = _timed(lambda: backend.install(index, payload, version=2), a.reps, sync)
     rec.put(

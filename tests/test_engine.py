@@ -374,7 +374,7 @@ def test_tokens_sampled_grows_by_the_new_tokens(small_engine):
 
 
 def test_unsupported_architectures_are_refused_by_the_decoder():
-    from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
     from worker.backends.decoder import Decoder, UnsupportedModel, check_supported
 
@@ -384,7 +384,7 @@ def test_unsupported_architectures_are_refused_by_the_decoder():
     with pytest.raises(UnsupportedModel):
         Decoder(gpt2)
     qwen = dict(vocab_size=24, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)
-    check_supported(SimpleNamespace(config=Qwen3Config(**qwen)))  # supported as it is
+    check_supported(Qwen3ForCausalLM(Qwen3Config(**qwen)))  # supported as it is
     renamed = Qwen3Config(**qwen)
     renamed.model_type = "qwen3_moe"
     with pytest.raises(UnsupportedModel, match="qwen3_moe"):

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,11 +78,17 @@ def test_learner_step_runs_bf16_autocast_with_float32_weights():
         assert g["loss"] == pytest.approx(c["loss"], rel=0.05, abs=2e-3)
 
 
-def test_worker_on_cuda_installs_the_learner_snapshot_and_its_logprobs_match():
-    from worker.backends.transformers import TransformersBackend
+def _backend(name: str) -> Any:
+    """The worker's backend ``name`` on CUDA: today's ``generate`` or Echo's engine."""
+    from worker.backends import make_backend
 
+    return make_backend(name, model_cfg=CFG, device="cuda")
+
+
+@pytest.mark.parametrize("name", ["transformers", "engine"])
+def test_worker_on_cuda_installs_the_learner_snapshot_and_its_logprobs_match(name):
     trainer, par, _ = trained("cuda")
-    backend = TransformersBackend(CFG, device="cuda")
+    backend = _backend(name)
     assert backend.device.type == "cuda"
     assert all(
         p.dtype == torch.bfloat16 and p.device.type == "cuda" for p in backend.model.parameters()
@@ -104,15 +111,17 @@ def test_worker_on_cuda_installs_the_learner_snapshot_and_its_logprobs_match():
             gaps += (lp.float().cpu() - torch.tensor(s.logprobs)).abs().tolist()
     # bf16 weights on the worker, float32 weights under bf16 autocast on the learner
     assert sum(gaps) / len(gaps) < 0.05, max(gaps)
+    if name == "engine":  # the step ran as a captured CUDA graph, not eagerly
+        assert backend.own_loop and backend.graphs and backend._graph is not None
 
 
-def test_a_parked_worker_model_comes_back_to_the_gpu_and_samples_the_same():
+@pytest.mark.parametrize("name", ["transformers", "engine"])
+def test_a_parked_worker_model_comes_back_to_the_gpu_and_samples_the_same(name):
     """--resident: a park moves the worker's model into pinned host copies and frees its GPU
     memory; the unpark brings it back, and it samples what it sampled before
-    (worker/backends/parking.py)."""
-    from worker.backends.transformers import TransformersBackend
-
-    backend = TransformersBackend(CFG, device="cuda")
+    (worker/backends/parking.py). The engine drops its captured step and fused weights on
+    park and builds them again on unpark."""
+    backend = _backend(name)
     groups = [wire.Group(group_id="g", prompt_ids=[5, 6, 7, 8], n=4, seed=3)]
 
     def sample() -> list[list[int]]:

@@ -16,6 +16,14 @@ doing only the attention and the cache itself:
 * ``step``: one token per slot at per-slot positions, attention masked to each slot's own
   columns. Every shape is fixed by the cache, so a step can be captured as a CUDA graph.
 
+Fewer, larger kernels, since a small model's step is bound by their count (docs/worker.md,
+"The generation engine"): norms by ``rms_norm`` (one fused kernel on CUDA, where the model's
+module runs seven), rotary positions by one flip with the sign folded into the sine table,
+and, for a model without a LoRA adapter, the q/k/v projections and the MLP's gate and up
+projections each as one matrix product: the parameters become views into one fused weight
+(``fuse``), so an installed version, copied into them in place, is what the fused product
+reads. A peft model keeps its modules' own products (its adapter applies per projection).
+
 ``tests/test_engine.py`` checks ``prefill`` and ``step`` against the model's own forward.
 """
 
@@ -53,10 +61,51 @@ def check_supported(model: Any) -> None:
         raise UnsupportedModel(f"layer types {sorted(types)}")
     if getattr(cfg, "rope_scaling", None) and cfg.rope_scaling.get("rope_type") == "longrope":
         raise UnsupportedModel("longrope positions")
+    layer = _causal_lm(model).model.layers[0]
+    if not all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        raise UnsupportedModel(f"an MLP other than gate/up/down ({type(layer.mlp).__name__})")
+    if not hasattr(layer.input_layernorm, "variance_epsilon"):
+        raise UnsupportedModel(
+            f"a norm other than RMSNorm ({type(layer.input_layernorm).__name__})"
+        )
 
 
 def _causal_lm(model: Any) -> Any:
     return model.get_base_model() if is_peft(model) else model
+
+
+@dataclass
+class Fused:
+    """One layer's fused weights: q, k and v as one product, the MLP's gate and up as one."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+
+
+def fuse(layer: Any) -> Fused:
+    """Concatenate ``layer``'s q/k/v and gate/up weights and make the parameters views into
+    them (in place: an install's ``copy_`` into a parameter writes the fused weight)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = _join([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    bias = None
+    if attn.q_proj.bias is not None:
+        bias = _join([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+    return Fused(qkv, bias, _join([mlp.gate_proj.weight, mlp.up_proj.weight]))
+
+
+def _join(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    whole = torch.cat([p.data for p in params])
+    at = 0
+    for p in params:
+        p.data = whole[at : at + p.shape[0]]
+        at += p.shape[0]
+    return whole
+
+
+def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm ``module`` of ``x`` as one ``rms_norm``."""
+    return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
 
 
 @dataclass
@@ -97,6 +146,11 @@ class Decoder:
         self.scaling = float(attn.scaling)
         self.qk_norm = hasattr(attn, "q_norm")
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        mlp = self.layers[0].mlp
+        self.act = mlp.act_fn
+        self.inter = int(mlp.gate_proj.weight.shape[0]) if hasattr(mlp, "gate_proj") else 0
+        # a peft model keeps its modules' products: its adapter applies per projection
+        self.fused = None if is_peft(model) else [fuse(layer) for layer in self.layers]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -113,26 +167,52 @@ class Decoder:
         return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def rope(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every position [0, columns), [columns, head_dim] each: the model's
-        own rotary embedding, computed once a request and indexed by position after."""
+        """cos and signed sin of every position [0, columns), [columns, head_dim] each: the
+        model's own rotary embedding, computed once a request and indexed by position after.
+        The sine's first half is negated, so ``x * cos + swap_halves(x) * sin`` is the model's
+        ``x * cos + rotate_half(x) * sin`` (``_rope``)."""
         pos = torch.arange(columns, device=self.device)[None]
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
         cos, sin = self.body.rotary_emb(probe, pos)
-        return cos[0], sin[0]
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        return cos[0].contiguous(), sin.contiguous()
 
     def _qkv(
-        self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [..., heads, D], k and v [..., kv_heads, D] of ``x`` [..., hidden], roped."""
-        attn = layer.self_attn
+        """q [..., heads, D], k and v [..., kv_heads, D] of layer ``i`` for ``x`` [..., hidden],
+        roped (``cos``/``sin`` [..., D])."""
+        attn = self.layers[i].self_attn
         lead = x.shape[:-1]
-        q = attn.q_proj(x).view(*lead, self.heads, self.head_dim)
-        k = attn.k_proj(x).view(*lead, self.kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        nq, nk = self.heads * self.head_dim, self.kv_heads * self.head_dim
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        if self.fused is not None:
+            f = self.fused[i]
+            qkv = F.linear(x, f.qkv, f.qkv_bias)
+            v = qkv[..., nq + nk :].view(*lead, self.kv_heads, self.head_dim)
+            if not self.qk_norm:  # q and k side by side: roped as one
+                qk = _rope(qkv[..., : nq + nk].view(*lead, -1, self.head_dim), cos, sin)
+                return qk[..., : self.heads, :], qk[..., self.heads :, :], v
+            q = qkv[..., :nq].view(*lead, self.heads, self.head_dim)
+            k = qkv[..., nq : nq + nk].view(*lead, self.kv_heads, self.head_dim)
+        else:
+            q = attn.q_proj(x).view(*lead, self.heads, self.head_dim)
+            k = attn.k_proj(x).view(*lead, self.kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.layers[i].mlp
+        if self.fused is None:
+            out: torch.Tensor = mlp(x)
+            return out
+        gate_up = F.linear(x, self.fused[i].gate_up)
+        act = self.act(gate_up[..., : self.inter]) * gate_up[..., self.inter :]
+        out = mlp.down_proj(act)
+        return out
 
     def prefill(
         self, ids: torch.Tensor, lengths: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
@@ -150,8 +230,8 @@ class Decoder:
             device=ids.device,
         )
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            q, k, v = self._qkv(layer, h, cos, sin)
+            h = _norm(layer.input_layernorm, x)
+            q, k, v = self._qkv(i, h, cos, sin)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [n, kv_heads, T, D]
             kv[0, i], kv[1, i] = k, v
             out = F.scaled_dot_product_attention(
@@ -163,12 +243,12 @@ class Decoder:
                 enable_gqa=self.group > 1,
             )
             x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(n, width, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(i, _norm(layer.post_attention_layernorm, x))
         last = x[torch.arange(n, device=ids.device), lengths - 1]  # [n, hidden]
         return kv, self.logits(last)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(self.body.norm(hidden)).float()
+        out: torch.Tensor = self.head(_norm(self.body.norm, hidden)).float()
         return out
 
     def step(
@@ -191,8 +271,8 @@ class Decoder:
         x = self.body.embed_tokens(tokens)  # [slots, hidden]
         b = tokens.shape[0]
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            q, k, v = self._qkv(layer, h, cos, sin)
+            h = _norm(layer.input_layernorm, x)
+            q, k, v = self._qkv(i, h, cos, sin)
             keys, values = kv[0, i], kv[1, i]  # [slots, kv_heads, columns, D]
             keys[slots, :, pos] = k
             values[slots, :, pos] = v
@@ -205,10 +285,13 @@ class Decoder:
                 scale=self.scaling,
             )
             x = x + layer.self_attn.o_proj(out.reshape(b, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(i, _norm(layer.post_attention_layernorm, x))
         return self.logits(x)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with ``sin``'s first half negated (``Decoder.rope``):
+    rotate_half is then the two halves swapped, one flip."""
+    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+    out: torch.Tensor = x * cos + halves.flip(-2).reshape(x.shape) * sin
+    return out

@@ -120,7 +120,9 @@ def _bucket(x: int, step: int) -> int:
 class EngineBackend(TransformersBackend):
     """``slots``: samples decoded at once (0: 256 on a GPU, 64 on the CPU); more wait and take
     the slots that free up. ``cuda_graph``: capture the step on CUDA (False: run it eagerly,
-    for comparison). ``sync_every``: steps between two looks at the slots on CUDA."""
+    for comparison). ``compile``: ``torch.compile`` the step before capturing it (fuses its
+    small kernels; costs a compile per slot shape, so off unless asked). ``sync_every``: steps
+    between two looks at the slots on CUDA."""
 
     def __init__(
         self,
@@ -131,6 +133,7 @@ class EngineBackend(TransformersBackend):
         dtype: str = "auto",
         slots: int = 0,
         cuda_graph: bool = True,
+        compile: bool = False,
         sync_every: int = 8,
     ):
         super().__init__(model_cfg, threads=threads, device=device, lora=lora, dtype=dtype)
@@ -140,9 +143,11 @@ class EngineBackend(TransformersBackend):
         except UnsupportedModel as why:
             log.info("generation engine: %s; sampling with transformers' generate", why)
             self.decoder = None
+        self.own_loop = self.decoder is not None  # else every request goes to generate
         cuda = self.device.type == "cuda"
         self.slots = slots or (256 if cuda else 64)
         self.graphs = cuda and cuda_graph
+        self.compile = self.graphs and compile
         self.sync_every = max(1, sync_every) if cuda else 1
         self._ws: Slots | None = None  # reused while requests fit its shape (CUDA)
         self._graph: Any = None  # the captured step of ``_ws``
@@ -151,12 +156,20 @@ class EngineBackend(TransformersBackend):
     # -- what moves the weights drops the captured step (it holds their addresses) ----------
 
     def park(self) -> None:
+        """Off the device: the captured step and the decoder (its fused weights would keep
+        the device copies alive) go first; ``unpark`` builds them again."""
+        if self.device.type == "cpu":
+            return
         self._ws, self._graph = None, None
+        self.decoder = None
         super().park()
 
     def unpark(self) -> None:
-        self._ws, self._graph = None, None
+        if self.device.type == "cpu":
+            return
         super().unpark()
+        if self.own_loop:
+            self.decoder = Decoder(self.model)
 
     # -- generation --------------------------------------------------------------------------
 
@@ -248,21 +261,36 @@ class EngineBackend(TransformersBackend):
         """The step as a CUDA graph over ``ws`` (None, and eager steps from then on, if
         capture fails on this model or driver: said once in the log). The warm-up steps run
         on idle slots (``active`` all false), so they change nothing a request reads."""
+        step: Any = self._step
+        if self.compile:
+            try:
+                compiled = torch.compile(self._step, dynamic=False)
+                _warm(compiled, ws)
+                step = compiled
+            except Exception as exc:  # noqa: BLE001 - the eager step computes the same thing
+                log.warning("generation engine: torch.compile failed (%s); capturing eagerly", exc)
+                self.compile = False
         try:
-            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._step(ws, None)
-            torch.cuda.current_stream().wait_stream(side)
+            _warm(step, ws)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._step(ws, None)
+                step(ws, None)
             return graph
         except Exception as exc:  # noqa: BLE001 - eager steps compute the same thing
             log.warning("generation engine: no CUDA graph (%s); stepping eagerly", exc)
             self.graphs = False
             return None
+
+
+def _warm(step: Any, ws: Slots) -> None:
+    """Two steps on a side stream before a capture, as CUDA graphs ask (lazy initialisation,
+    autotuning, a compile), on idle slots."""
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(ws, None)
+    torch.cuda.current_stream().wait_stream(side)
 
 
 class _Run:
