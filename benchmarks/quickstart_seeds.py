@@ -56,6 +56,9 @@ def summarise(rows: list[dict]) -> dict:
         "grad_norm_last10": _mean(rows[-10:], COL.grad_norm),
         COL.staleness_mean: _mean(rows, COL.staleness_mean),
         "wall_s": rows[-1]["wall_s"] if rows else None,
+        # the learner's audits of the workers' log-probs and rewards, and how many failed
+        "audits": max((r.get("audits") or 0 for r in rows), default=0),
+        "audit_failures": max((r.get("audit_failures") or 0 for r in rows), default=0),
     }
 
 
@@ -101,7 +104,7 @@ def one_seed(seed: int, config: str, sets: list[str], tmp: Path) -> dict:
 
 
 def table(runs: list[dict]) -> str:
-    head = f"{'seed':>4} {'first10':>8} {'last10':>7} {'H first':>8} {'H last':>7} {'clip':>6} {'wall s':>7} {'load':>5}"
+    head = f"{'seed':>4} {'first10':>8} {'last10':>7} {'H first':>8} {'H last':>7} {'clip':>6} {'wall s':>7} {'load':>5} {'audits':>6} {'failed':>6}"
     lines = [head]
     for r in runs:
 
@@ -111,7 +114,8 @@ def table(runs: list[dict]) -> str:
         lines.append(
             f"{r['seed']:>4} {f(r['reward_first10'], 8)} {f(r['reward_last10'], 7)} "
             f"{f(r['entropy_first10'], 8)} {f(r['entropy_last10'], 7)} "
-            f"{f(r['clip_frac_mean'], 6, 4)} {f(r['wall_s'], 7, 0)} {r['loadavg_before'][0]:>5.2f}"
+            f"{f(r['clip_frac_mean'], 6, 4)} {f(r['wall_s'], 7, 0)} {r['loadavg_before'][0]:>5.2f} "
+            f"{r.get('audits', 0):>6} {r.get('audit_failures', 0):>6}"
         )
     return "\n".join(lines)
 
