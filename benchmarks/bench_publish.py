@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,8 +39,13 @@ from echo.steprow import COL  # noqa: E402
 MODES = {
     "before": {"delta": False, "background": False},  # full, on the training thread
     "delta-inline": {"delta": True, "background": False},  # deltas, on the training thread
-    "after": {"delta": True, "background": True},
-}  # deltas, on the publisher thread
+    "after": {"delta": True, "background": True},  # deltas, on the publisher thread
+    # As the learner runs with learner.checkpoint (the default): a checkpoint (model and Adam
+    # state, fsynced) before every publication, on the training thread (release_thread off) ...
+    "checkpoint-inline": {"delta": True, "background": True, "checkpoint": True},
+    # ... or frozen in host copies and released on the release thread (issue 50, the default)
+    "release-thread": {"delta": True, "background": True, "checkpoint": True, "thread": True},
+}
 TEXTS = [
     "The learner publishes a new version of the policy after every step.",
     "Workers on home connections relay each chunk to the next worker in the chain.",
@@ -53,6 +60,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="the batch's texts this many times (a longer step)"
+    )
+    ap.add_argument(
+        "--modes", nargs="+", default=list(MODES), choices=list(MODES), help="which modes to run"
+    )
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "publish.json")
     return ap.parse_args(argv)
 
@@ -73,7 +86,7 @@ def _inline_publisher() -> type:
 class Arm:
     """One mode: its own model copy, optimizer and publisher."""
 
-    def __init__(self, name: str, model: Any, lr: float, batch: Any):
+    def __init__(self, name: str, model: Any, lr: float, batch: Any, ckpt_dir: Path):
         import torch
 
         from broadcast.snapshot import RunKey
@@ -99,14 +112,49 @@ class Arm:
             ),
         )
         self.rows: list[dict[str, float]] = []
+        self.checkpoints = ckpt_dir / name if MODES[name].get("checkpoint") else None
+        self.releaser = None
+        if MODES[name].get("thread"):
+            from learner.releasing import ReleaseThread
 
-    def publish(self, version: int) -> float:
+            self.releaser = ReleaseThread(lambda v: True, self._save, self._send)
+
+    def _save(self, v: Any) -> None:
+        from learner.checkpoint import save_checkpoint
+
+        assert self.checkpoints is not None
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(self.checkpoints, v.steps - 1, {"model": v.model, "optimizer": v.optimizer})
+
+    def _send(self, v: Any) -> None:
         from echo.models import params_to_payload
 
+        names = [n for n, _ in self.model.named_parameters()]
+        tensors, payload = params_to_payload(((n, v.model[n]) for n in names), "bfloat16")
+        self.publisher.submit(v.steps, tensors, payload)
+
+    def publish(self, version: int) -> float:
+        """What the training thread spends on a publication (``t_publish``)."""
+        from learner.releasing import Version
+
         t0 = time.perf_counter()
-        tensors, payload = params_to_payload(self.model.named_parameters(), "bfloat16")
-        self.publisher.submit(version, tensors, payload)
+        model_sd, opt_sd = self.model.state_dict(), self.opt.state_dict()
+        v = Version(version, model_sd, opt_sd, checkpoint=self.checkpoints is not None)
+        if self.releaser is not None:
+            frozen = self.releaser.freeze(model_sd, opt_sd)
+            self.releaser.submit(Version(version, *frozen, checkpoint=True))
+        else:
+            if self.checkpoints is not None:
+                self._save(v)
+            self._send(v)
         return time.perf_counter() - t0
+
+    def finish(self) -> None:
+        if self.releaser is not None:
+            self.releaser.flush()
+            self.releaser.close()
+        self.publisher.flush()
+        self.publisher.close()
 
     def step(self, version: int) -> None:
         t0 = time.perf_counter()
@@ -115,9 +163,10 @@ class Arm:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         t_train = time.perf_counter() - t0
-        self.rows.append(
-            {"version": version, COL.t_train: t_train, COL.t_publish: self.publish(version)}
-        )
+        row = {"version": version, COL.t_train: t_train, COL.t_publish: self.publish(version)}
+        if self.releaser is not None:  # the previous version's time on the release thread
+            row["release_s"] = self.releaser.last_s
+        self.rows.append(row)
 
 
 def summary(arm: Arm) -> dict[str, Any]:
@@ -156,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"{err}\nfix: `make smollm2` (echo-rl model smollm2) builds {args.model}"
         ) from None
-    batch = tok(TEXTS, return_tensors="pt", padding=True).input_ids
+    batch = tok(TEXTS * args.repeat, return_tensors="pt", padding=True).input_ids
     load_before = os.getloadavg()
-    arms = [Arm(name, copy.deepcopy(base), args.lr, batch) for name in MODES]
+    ckpt_dir = Path(tempfile.mkdtemp(prefix="echo-bench-publish-"))
+    arms = [Arm(name, copy.deepcopy(base), args.lr, batch, ckpt_dir) for name in args.modes]
     with Progress() as progress:
         for arm in arms:
             task = progress.add_task(f"{arm.name}: steps", total=args.steps)
@@ -166,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             for version in range(1, args.steps + 1):
                 arm.step(version)
                 progress.advance(task)
-            arm.publisher.flush()
-            arm.publisher.close()
+            arm.finish()
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
     result = {
         "command": " ".join(sys.argv),
         "loadavg_before": load_before,
@@ -178,10 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         "modes": {a.name: {"summary": summary(a), "rows": a.rows} for a in arms},
     }
     s = {a.name: result["modes"][a.name]["summary"] for a in arms}
-    result["t_publish_ratio_after_before"] = (
-        s["after"]["t_publish_median"] / s["before"]["t_publish_median"]
-    )
-    result["step_ratio_after_before"] = s["after"]["step_median"] / s["before"]["step_median"]
+    for new, old in (("after", "before"), ("release-thread", "checkpoint-inline")):
+        if new in s and old in s:
+            key = f"{new}_over_{old}".replace("-", "_")
+            result[f"t_publish_{key}"] = s[new]["t_publish_median"] / s[old]["t_publish_median"]
+            result[f"step_{key}"] = s[new]["step_median"] / s[old]["step_median"]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.json, result)
     table = Table(
@@ -200,11 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             ",".join(v["encodings"]),
         )
     Console().print(table)
-    print(
-        f"t_publish after/before {result['t_publish_ratio_after_before']:.3f}; step "
-        f"after/before {result['step_ratio_after_before']:.3f}; load "
-        f"{load_before[0]:.1f} -> {result['loadavg_after'][0]:.1f}; {args.json}"
+    ratios = "; ".join(
+        f"{k}: {v:.3f}" for k, v in result.items() if k.startswith(("t_publish_", "step_"))
     )
+    print(f"{ratios}; load {load_before[0]:.1f} -> {result['loadavg_after'][0]:.1f}; {args.json}")
     return 0
 
 

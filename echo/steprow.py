@@ -40,7 +40,10 @@ class StepRow:
     gen_s_mean: float | None = None  # s: mean busy time of the worker batch each record came in
     t_train: float | None = None  # s: the optimizer step
     t_wait: float | None = None  # s: waiting for admissible groups
-    t_publish: float | None = None  # s: checkpoint and handing the snapshot to the publisher
+    # s: the training thread's part of a publication: the checkpoint and handing the snapshot
+    # to the publisher, or with learner.release_thread its host copy and any wait for the
+    # previous version's release
+    t_publish: float | None = None
     bubble_ratio: float | None = None  # sum(t_wait) / sum(t_train + t_wait) so far, after step 0
     admitted: int | None = None  # records admitted to the buffer so far
     duplicates: int | None = None  # resent records already held, so far
@@ -90,6 +93,9 @@ class StepRow:
     delta_ratio: float | None = None  # publish_bytes / publish_full_bytes
     delta_changed: float | None = None  # share of parameters the delta changed
     encode_s: float | None = None  # s: building it (encode, hashes, signature)
+    # s: the newest version's checkpoint and payload, off the training thread
+    # (learner.release_thread); t_publish is what the training thread waited of it
+    release_s: float | None = None
     keyframes_published: int | None = None  # keyframes published so far
     decode_s: float | None = None  # s: median time workers took to rebuild the newest delta
     keyframe_installs: int | None = None  # installs that needed a keyframe, so far
@@ -165,6 +171,7 @@ PUBLISH_FIELDS = (
     "delta_changed",
     "encode_s",
     "keyframes_published",
+    "release_s",
 )
 
 # The row's keys as constants (``COL.t_wait == "t_wait"``): for pandas columns and other

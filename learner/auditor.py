@@ -45,6 +45,7 @@ from typing import Any
 
 from dataplane.answers import answer_bias
 from echo.config import EchoConfig
+from echo.steprow import StepRow
 from learner.intake import AuditJob
 from learner.reputation import Verdict
 
@@ -161,6 +162,16 @@ class Auditor:
             return len(self._jobs)
 
     # ------------------------------------------------------------------ the work (trainer thread)
+
+    def after_step(self, row: StepRow, t_train: float) -> None:
+        """Audit waiting groups for at most ``security.audit_budget`` of the learner's time
+        (audit / (train + audit) <= budget) after a step of ``t_train`` s; their cost and the
+        counts go into the step's metrics ``row``."""
+        share = self.cfg.security.audit_budget
+        used = self.run(share / (1 - share) * t_train if share < 1 else float("inf"))
+        row.t_audit, row.audits, row.audit_failures = round(used, 4), self.done, self.failed
+        row.audit_queue, row.audits_dropped = self.waiting, self.dropped
+        row.audits_expired = self.expired
 
     def run(self, budget_s: float) -> float:
         """Audit waiting groups, probation first, with this step's ``budget_s``; seconds used.

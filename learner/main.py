@@ -8,6 +8,7 @@ steps, append one line to ``metrics.jsonl``.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -28,13 +29,13 @@ from learner import stopping
 from learner.affinity import Affinity, LengthBook, SpeedBook
 from learner.auditor import Auditor
 from learner.buffer import ReplayBuffer
-from learner.checkpoint import load_or_create_key, save_checkpoint
+from learner.checkpoint import load_or_create_key
 from learner.durable import BufferLog
 from learner.grants import GrantJournal, Lease
 from learner.memory import memory, say_memory_plan
-from learner.policy import FullState, Policy
+from learner.policy import Policy
 from learner.provision import CapacityFeedback
-from learner.release import Release, base_model, run_publisher
+from learner.release import Release, Releaser, base_model, release_threaded, run_publisher
 from learner.resume import Resume
 from learner.rows import CutWatch, RunTotals, finite_row, metrics_row
 from learner.rows import summary as run_summary
@@ -94,6 +95,15 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
         learner.close(reason)
 
 
+def audit_in_policy(cfg: EchoConfig, policy: Policy, run_dir: Path) -> dict[str, Any]:
+    """security.audit_model = "policy": audits borrow the trainer's model between steps,
+    where that model is one plain float32 module (one process, on the CPU)."""
+    par = policy.par
+    if cfg.security.audit_model != "policy" or par.world > 1 or par.device.type != "cpu":
+        return {}
+    return {"borrow": policy.model, "spill_to": spill_dir(run_dir / "spill")}
+
+
 class Learner:
     """Rank 0's side of a run: buffer (with its log), work queue, server (learner.server), checkpoints,
     publication and metrics around the ``Policy``."""
@@ -140,6 +150,7 @@ class Learner:
         self.cuts = CutWatch(
             cfg.worker.max_new_tokens, policy.tokenizer.eos_token_id, cfg.adapter.name
         )
+        self.releaser: Releaser | None = None  # a version's way out: built in ``start``
 
     # ------------------------------------------------------------------ start / restore
 
@@ -178,6 +189,14 @@ class Learner:
             run_publisher(self.cfg, self.run_id, self.key, self.policy, self.server.publish),
         )
         self.publisher = self.release.publisher
+        self.releaser = Releaser(
+            self.run_dir,
+            self.release,
+            checkpoint=lc.checkpoint,
+            threaded=release_threaded(lc, self.policy.par.device),
+            state=self._checkpoint_state,
+            compact_log=lambda: self.log.compact(self.buffer.contents),
+        )
         self.metrics_server = announce(self.cfg, self.run_dir, self.server, self.metrics, self.rows)
         log.info(
             "learner up at %s, run %s, step %d, kappa=%d, ranks=%d",
@@ -193,7 +212,7 @@ class Learner:
         _, full = self.policy.command({"op": "sync"})
         assert full is not None
         if not resume or self.step == 0:
-            self._checkpoint(full)
+            self.releaser.save_now(self.step, full)
         self.release.publish(self.step, full[0])
         self.publisher.flush()  # workers that join now get a snapshot at once
         if self.rows:  # after --resume: the capacity the run needed, from its own history
@@ -208,7 +227,7 @@ class Learner:
             self._report,
             lambda w: w in self.server.reputation.quarantined if self.server else False,
             answer_tokens=self.policy.answer_tokens,
-            **self._audit_in_policy(),
+            **audit_in_policy(self.cfg, self.policy, self.run_dir),
         )
         self.server = LearnerServer(
             self.cfg,
@@ -246,31 +265,22 @@ class Learner:
 
     # ------------------------------------------------------------------ checkpoint / publish
 
-    def _checkpoint(self, full: FullState, row: StepRow | None = None) -> None:
-        # Whole or not at all: a stop inside torch.save left its zip writer failing in
-        # __exit__, a RuntimeError in place of the stop (exit 1, no summary).
-        with stopping.uninterrupted():
-            work, prompt_rng = self.server.work_state(self.prompt_rng)
-            save_checkpoint(
-                self.run_dir,
-                self.step - 1,
-                {
-                    "step": self.step - 1,
-                    "model": full[0],
-                    "optimizer": full[1],
-                    # a dict: older checkpoints hold one
-                    "row": None if row is None else row.to_json(),
-                    **self.policy.rng_state(),
-                    "prompt_rng": prompt_rng,
-                    "work": work,
-                    "buffer_stats": self.buffer.stats_copy(),
-                    "totals": self.totals,
-                    "wall_s": time.monotonic() - self.totals.started,
-                },
-            )
-            # Everything consumed so far is now inside the checkpoint: the log keeps only the
-            # records still owed to training.
-            self.log.compact(self.buffer.contents)
+    def _checkpoint_state(self, row: StepRow | None) -> dict[str, Any]:
+        """What a checkpoint holds besides the model and optimizer, read now, as the last step
+        left it (on the training thread, also for a checkpoint the release thread writes)."""
+        assert self.server is not None
+        work, prompt_rng = self.server.work_state(self.prompt_rng)
+        return {
+            "step": self.step - 1,
+            # a dict: older checkpoints hold one
+            "row": None if row is None else row.to_json(),
+            **self.policy.rng_state(),
+            "prompt_rng": prompt_rng,
+            "work": work,
+            "buffer_stats": self.buffer.stats_copy(),
+            "totals": copy.deepcopy(self.totals),
+            "wall_s": time.monotonic() - self.totals.started,
+        }
 
     # ------------------------------------------------------------------ the step loop
 
@@ -284,6 +294,8 @@ class Learner:
                     json.dumps(row.to_json(), allow_nan=False) + "\n"
                 )  # finite_row made it so
                 metrics.flush()
+        assert self.releaser is not None
+        self.releaser.flush()
         self.publisher.flush()
         return self.write_summary("complete")
 
@@ -298,6 +310,8 @@ class Learner:
     def _one_step(self) -> StepRow:
         lc, step = self.cfg.learner, self.step
         version = step  # one version per learner step
+        assert self.releaser is not None
+        self.releaser.compact(step)
         t0 = time.monotonic()
         assert self.server is not None
         self.server.waiting(True)  # the provisioner's liveness rule (provisioning/controller.py)
@@ -316,7 +330,9 @@ class Learner:
         t1 = time.monotonic()
         publish = (step + 1) % lc.effective_kappa == 0
         batch = self.adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards)
-        stats, full = self.policy.command({"op": "step", "sync": publish, "batch": batch})
+        # with the release thread the state comes as it lives, for its mirror to copy
+        sync = ("live" if self.releaser.live else True) if publish else False
+        stats, full = self.policy.command({"op": "step", "sync": sync, "batch": batch})
         t2 = time.monotonic()
         if stats.get(COL.skipped_nonfinite):  # the trainer names its numbers as the row does
             self.trails.strike(groups, self.policy.trainer.nonfinite_rows)
@@ -340,17 +356,13 @@ class Learner:
             )
         )
         row.completions_cut = self.cuts.share(step, [r for g in groups for r in g])
-        if full is not None and self.release.finite(self.step, full[0]):
-            # The row goes into the checkpoint too: a crash between the checkpoint and the
-            # metrics line would otherwise lose the line of a step the resumed run skips.
-            if lc.checkpoint:
-                self._checkpoint(full, row)  # before publishing: no worker runs ahead of it
-            self.release.send(self.step, full[0])
+        if full is not None:  # checkpoint, then publication (learner.release)
+            self.releaser.release_version(self.step, full, row)
         row.t_publish = round(time.monotonic() - t2, 4)
         row.publish_refused = self.release.refused
         self.release.describe(row)
         row.decode_s, row.keyframe_installs = control.decode_s, control.keyframes
-        self._audits(row, t2 - t1)
+        self.auditor.after_step(row, t2 - t1)
         trim()  # the step's and the audits' freed transients go back to the kernel
         row.memory = memory(
             self.policy,
@@ -358,29 +370,15 @@ class Learner:
             self.server.payloads() + self.auditor.payloads(),
             self.auditor.model_tensors(),
         )
+        self.releaser.describe(row)
         self.feedback.tell(t2 - t1, control.t_bcast or 0.0, self.rows)
         if self.metrics is not None:
             self.metrics.update(row, control)
         return row
 
-    def _audit_in_policy(self) -> dict[str, Any]:
-        """security.audit_model = "policy": audits borrow the trainer's model between steps,
-        where that model is one plain float32 module (one process, on the CPU)."""
-        par = self.policy.par
-        if self.cfg.security.audit_model != "policy" or par.world > 1 or par.device.type != "cpu":
-            return {}
-        return {"borrow": self.policy.model, "spill_to": spill_dir(self.run_dir / "spill")}
-
-    def _audits(self, row: StepRow, t_train: float) -> None:
-        """Audit waiting groups for at most ``security.audit_budget`` of the learner's time
-        (audit / (train + audit) <= budget); their cost goes into the metrics row."""
-        share = self.cfg.security.audit_budget
-        used = self.auditor.run(share / (1 - share) * t_train if share < 1 else float("inf"))
-        a = self.auditor
-        row.t_audit, row.audits, row.audit_failures = round(used, 4), a.done, a.failed
-        row.audit_queue, row.audits_dropped, row.audits_expired = a.waiting, a.dropped, a.expired
-
     def close(self, reason: str) -> None:
+        if self.releaser is not None:  # the version in flight: its checkpoint whole
+            self.releaser.close()
         if getattr(self, "publisher", None) is not None:
             self.publisher.close()
         if self.metrics_server is not None:

@@ -5,7 +5,8 @@ and then executed everywhere, so collectives (sharded forward/backward, gatherin
 state for a checkpoint or a snapshot) line up. In a single process the broadcast is a no-op.
 
 Commands: ``{"op": "step", "batch", "sync"}`` (train; with ``sync`` also gather the full
-state), ``{"op": "sync"}``, ``{"op": "load", "state"}``, ``{"op": "stop"}``.
+state: True in host memory, "live" as ``Parallel.live_state`` gives it), ``{"op": "sync"}``,
+``{"op": "load", "state"}``, ``{"op": "stop"}``.
 """
 
 from __future__ import annotations
@@ -122,13 +123,17 @@ class Policy:
             self._load(cmd["state"])
         elif op not in ("sync", "stop"):
             raise ValueError(f"unknown policy command {op!r}")
-        full = self._full_state() if cmd.get("sync") or op == "sync" else None
+        full = None
+        if cmd.get("sync") or op == "sync":
+            full = self._full_state(live=cmd.get("sync") == "live")
         return stats, full
 
-    def _full_state(self) -> FullState:
+    def _full_state(self, live: bool = False) -> FullState:
         """Model and optimizer state for checkpoints and snapshots: with LoRA the adapter's
-        tensors only (the frozen base is the model folder's, never copied)."""
-        model_sd, optim_sd = self.par.full_state(self.model, self.trainer.optimizer)
+        tensors only (the frozen base is the model folder's, never copied). ``live``: as
+        ``Parallel.live_state`` gives it, for a caller that copies it before the next step."""
+        state = self.par.live_state if live else self.par.full_state
+        model_sd, optim_sd = state(self.model, self.trainer.optimizer)
         if self.lora:  # (ranks > 0 get an empty state under FSDP2: only rank 0 gathers)
             model_sd = {n: model_sd[n] for n in self.param_names if n in model_sd}
         return model_sd, optim_sd

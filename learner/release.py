@@ -7,6 +7,7 @@ on a model folder serves to workers that lack it.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,15 +17,118 @@ import torch
 from broadcast.manifest import BaseManifest
 from broadcast.snapshot import RunKey, Snapshot
 from broadcast.versions import VersionEncoder
-from echo.config import EchoConfig
+from echo.config import EchoConfig, LearnerConfig
 from echo.models import TINY, params_to_payload, params_to_spill
 from echo.spill import spill_dir
 from echo.steprow import PUBLISH_FIELDS, StepRow
+from learner import stopping
 from learner.auditor import Auditor
-from learner.policy import Policy
+from learner.checkpoint import save_checkpoint
+from learner.policy import FullState, Policy
 from learner.publisher import Publisher
+from learner.releasing import ReleaseThread, Version
 
 log = logging.getLogger("echo.learner")
+
+
+def release_threaded(lc: LearnerConfig, device: torch.device) -> bool:
+    """``learner.release_thread``: auto is on where the step leaves host cores idle (a GPU
+    step, or fewer torch threads than cores); on two cores the step uses fully, the thread
+    only slowed it (docs/learner.md, "Durability and resume")."""
+    idle = device.type == "cuda" or lc.torch_threads < (os.cpu_count() or 1)
+    return lc.release_thread == "on" or (lc.release_thread == "auto" and idle)
+
+
+class Releaser:
+    """Each version's way out after its step: checkpointed (``learner.checkpoint``), then
+    published, on the training thread or, with ``threaded`` (``learner.release_thread``), on
+    the release thread (learner/releasing.py) while the next step trains. ``state(row)``: what
+    a checkpoint holds besides the model and optimizer, read on the training thread as the step
+    left it; ``compact_log()``: drop from the buffer log what checkpoints hold, called only
+    where the newest checkpoint holds every step taken."""
+
+    # With the thread lagging, the log is compacted at least every this many steps.
+    COMPACT_EVERY = 10
+
+    def __init__(
+        self,
+        run_dir: Path,
+        release: Release,
+        *,
+        checkpoint: bool,
+        threaded: bool,
+        state: Callable[[StepRow | None], dict[str, Any]],
+        compact_log: Callable[[], None],
+    ):
+        self.run_dir, self.release, self.checkpoint = run_dir, release, checkpoint
+        self._state, self._compact_log = state, compact_log
+        self.thread = ReleaseThread(self._finite, self._save, self._send) if threaded else None
+        self.compacted = 0  # steps the log was last compacted after (threaded)
+
+    def release_version(self, steps: int, full: FullState, row: StepRow) -> None:
+        """The version after ``steps`` steps; ``full`` as ``live`` asked the policy for it."""
+        if self.thread is not None:  # frozen in host copies, then released on the thread
+            model, optimizer = self.thread.freeze(*full)
+            self.thread.submit(Version(steps, model, optimizer, self.checkpoint, self._state(row)))
+        elif self.release.finite(steps, full[0]):
+            # The row goes into the checkpoint too: a crash between the checkpoint and the
+            # metrics line would otherwise lose the line of a step the resumed run skips.
+            if self.checkpoint:
+                self.save_now(steps, full, row)  # before publishing: no worker runs ahead of it
+            self.release.send(steps, full[0])
+
+    @property
+    def live(self) -> bool:
+        """Whether the policy may hand its state over as it lives (the thread copies it)."""
+        return self.thread is not None
+
+    def save_now(self, steps: int, full: FullState, row: StepRow | None = None) -> None:
+        """The checkpoint after ``steps`` steps, on this thread, then the log compacted: every
+        record consumed is inside it."""
+        # Whole or not at all: a stop inside torch.save left its zip writer failing in
+        # __exit__, a RuntimeError in place of the stop (exit 1, no summary).
+        with stopping.uninterrupted():
+            state = {"model": full[0], "optimizer": full[1], **self._state(row)}
+            save_checkpoint(self.run_dir, steps - 1, state)
+            self._compact_log()
+
+    def compact(self, steps: int) -> None:
+        """Threaded, before a step takes its groups, ``steps`` taken: compact the log if the
+        newest checkpoint holds them all; after ``COMPACT_EVERY`` steps without, wait once."""
+        t = self.thread
+        if t is None or not self.checkpoint or self.compacted == steps:
+            return
+        if t.checkpointed != steps and steps - self.compacted >= self.COMPACT_EVERY:
+            t.flush()
+        if t.checkpointed == steps:
+            self._compact_log()
+            self.compacted = steps
+
+    def describe(self, row: StepRow) -> None:
+        """The thread's time on the newest version and the host copy it reads from."""
+        if self.thread is not None:
+            row.release_s = None if self.thread.last_s is None else round(self.thread.last_s, 4)
+            if row.memory is not None:
+                row.memory["release_copy"] = self.thread.mirror.nbytes
+
+    def flush(self) -> None:
+        if self.thread is not None:
+            self.thread.flush()
+
+    def close(self) -> None:
+        """The version in flight finishes: its checkpoint whole."""
+        if self.thread is not None:
+            self.thread.close()
+
+    def _finite(self, v: Version) -> bool:
+        return self.release.finite(v.steps, v.model)
+
+    def _save(self, v: Version) -> None:
+        state = {"model": v.model, "optimizer": v.optimizer, **v.extra}
+        save_checkpoint(self.run_dir, v.steps - 1, state)
+
+    def _send(self, v: Version) -> None:
+        self.release.send(v.steps, v.model)
 
 
 class Release:

@@ -262,11 +262,16 @@ def test_quickstart_interrupt_leaves_no_orphans(tmp_path):
             proc.kill()
 
 
-def test_sigkill_learner_and_resume_loses_nothing_acknowledged(cluster):
+@pytest.mark.parametrize("release_thread", ["off", "on"])
+def test_sigkill_learner_and_resume_loses_nothing_acknowledged(cluster, release_thread):
+    """With the release thread on (learner/releasing.py: checkpoints written while the next
+    step trains, the buffer log compacted only when a checkpoint holds every step taken) a
+    SIGKILL loses nothing either."""
     from learner.checkpoint import load_checkpoint
     from learner.run_audit import audit_run
 
     fix_learner_port(cluster.cfg)
+    cluster.cfg.learner.release_thread = release_thread
     cluster.cfg.learner.staleness = 4  # kappa = 3: steps after a checkpoint are lost and redone
     run = cluster.learner("first", max_steps=10_000)
     workers = ["w0", "w1"]

@@ -40,6 +40,12 @@ class Parallel(ABC):
     def full_state(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
         """Unsharded model and optimizer state on rank 0 (a collective: all ranks call it)."""
 
+    def live_state(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
+        """``full_state`` for a caller that copies it to host memory itself (the release
+        thread's ``HostMirror``, into pinned buffers it reuses): where no gather is needed, the
+        live tensors, on their device, with no copy. Default: ``full_state``."""
+        return self.full_state(model, optimizer)
+
     @abstractmethod
     def load_state(
         self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict, strict: bool = True

@@ -27,6 +27,9 @@ class Single(Parallel):
             autocast_forward(model, self.device.type, torch.bfloat16)
         return model
 
+    def live_state(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
+        return model.state_dict(), optimizer.state_dict()
+
     def full_state(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
         # host copies: checkpoints and snapshots are built in host memory (a no-op on the CPU)
         return to_cpu(model.state_dict()), to_cpu(optimizer.state_dict())
