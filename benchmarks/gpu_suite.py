@@ -305,10 +305,11 @@ def summary_line(stage: str, r: dict[str, Any]) -> str:
         if isinstance(c, dict) and "tokens_per_s" in c:
             mfu = f", MFU {c['mfu']:.1%}" if c.get("mfu") is not None else ""
             bits.append(f"{key} {c['tokens_per_s']:.0f} tok/s{mfu}")
-    for rows in (1, 16, 64):
+    for rows in (1, 16, 64, 256):
         c = r.get(f"batch_{rows}")
         if c:
-            bits.append(f"b{rows} {c['tokens_per_s']:.0f} tok/s")
+            ratio = f" ({c['ratio']:.1f}x transformers)" if c.get("ratio") else ""
+            bits.append(f"b{rows} {c['tokens_per_s']:.0f} tok/s{ratio}")
     if "install" in r:
         bits.append(f"install {r['install']['seconds_median'] * 1e3:.0f} ms")
     for key in ("smollm2", "qwen3_1b", "qwen3_3b", "tiny"):
@@ -323,6 +324,13 @@ def summary_line(stage: str, r: dict[str, Any]) -> str:
     if "reward_first10" in r:
         bits.append(
             f"{len(r['curve'])} steps, reward {r['reward_first10']:.3f} -> {r['reward_last10']:.3f}"
+        )
+    ev = r.get("eval")
+    if isinstance(ev, dict):
+        (u, t), p = (x["reward"] for x in ev["policies"]), ev["paired"]
+        bits.append(
+            f"held-out {u['mean']:.3f} -> {t['mean']:.3f}, paired {p['mean']:+.3f} "
+            f"[{p['lo']:+.3f}, {p['hi']:+.3f}]"
         )
     if r.get("skipped") and isinstance(r["skipped"], str):
         bits.append(r["skipped"])

@@ -53,6 +53,11 @@ def test_dry_run_exercises_every_stage_and_writes_the_layout(tmp_path):
     assert relay["corrupt_installs"] == 0 and relay["echo_mb_s"] > 0 and relay["bare_mb_s"] > 0
     curve = stages["learning"]["curve"]
     assert [r["step"] for r in curve] == [0, 1, 2] and all("reward_mean" in r for r in curve)
+    paired = stages["learning"]["eval"]["paired"]  # the held-out rise, with its CI
+    assert paired["difference"] == "step 3 - untrained" and paired["lo"] <= paired["mean"]
+    for rows in (1, 16, 64):  # both backends side by side
+        m = stages["generation"]["gen_speed"]["batches"][str(rows)]
+        assert m["transformers"]["tokens_per_s"] > 0 and m["engine"]["tokens_per_s"] > 0
     assert res["learning_curve_png"] and (out / "learning_curve.png").stat().st_size > 0
     assert (out / "learning_metrics.jsonl").is_file() and (out / "gpu_check.log").stat().st_size > 0
     assert "learning" in run.stdout and "wrote" in run.stdout  # the table is printed
