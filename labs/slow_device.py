@@ -4,10 +4,13 @@ runs its slow workers this way.
 
     python -m labs.slow_device --slowdown 3 join LINE --id w1 ...
 
-The worker is the installed one; only its backend's ``generate`` is wrapped: after each call
-it sleeps ``(slowdown - 1)`` times the call's own duration, so a rollout takes ``slowdown``
-times as long and the sleep holds no CPU (as a slower GPU's time holds none of the host's).
-The runtime carries no slowdown setting of its own.
+The worker is the installed one; only its backend's ``generate`` is wrapped (the engine's and
+the transformers backend's, whichever the run uses; the engine's fallback to the other counts
+once): before each call it waits ``(slowdown - 1)`` times the previous call's own duration, so
+a rollout takes about ``slowdown`` times as long and the wait holds no CPU (as a slower GPU's
+time holds none of the host's). The wait ends early when the call's ``stop`` is set, and the
+call then cuts at once, as a slow device stopped mid-rollout would: a stop that lands in the
+wait still finds the rollout unfinished. The runtime carries no slowdown setting of its own.
 """
 
 from __future__ import annotations
@@ -15,16 +18,34 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import threading
 import time
 from typing import Any
 
+_inside = threading.local()  # a wrapped call under way on this thread (the outer one sleeps)
+
 
 def slowed(generate: Any, slowdown: float) -> Any:
+    last = [0.0]  # the previous call's own duration
+
     @functools.wraps(generate)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        out = generate(*args, **kwargs)
-        time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
+        if getattr(_inside, "depth", 0):  # the engine's fallback to generate: counted once
+            return generate(*args, **kwargs)
+        # Backend.generate(self, groups, max_new_tokens, temperature, stop=None, tail=0.0)
+        stop = kwargs.get("stop", args[4] if len(args) > 4 else None)
+        wait = (slowdown - 1.0) * last[0]
+        if stop is not None:
+            stop.wait(wait)
+        else:
+            time.sleep(wait)
+        _inside.depth = 1
+        try:
+            t0 = time.perf_counter()
+            out = generate(*args, **kwargs)
+            last[0] = time.perf_counter() - t0
+        finally:
+            _inside.depth = 0
         return out
 
     return wrapper
@@ -38,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.slowdown < 1:
         ap.error(f"--slowdown {args.slowdown}: use 1 (this machine's speed) or more")
+    from worker.backends.engine import EngineBackend
     from worker.backends.transformers import TransformersBackend
     from worker.cli import main as echo_worker
 
-    TransformersBackend.generate = slowed(  # type: ignore[method-assign]
-        TransformersBackend.generate, args.slowdown
-    )
+    for cls in (EngineBackend, TransformersBackend):
+        cls.generate = slowed(cls.generate, args.slowdown)  # type: ignore[method-assign]
     return echo_worker(rest)
 
 

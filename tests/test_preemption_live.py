@@ -24,12 +24,14 @@ def cluster(tmp_path, small_cfg):
     c.group.stop_all()
 
 
-def start_worker(cluster: Cluster, name: str, *flags: str) -> Path:
+def start_worker(cluster: Cluster, name: str, *flags: str, slowdown: float = 1.0) -> Path:
+    """``slowdown`` > 1: the worker on a device that many times slower (``labs.slow_device``)."""
     status = cluster.tmp / f"{name}.json"
+    entry = ("labs.slow_device", "--slowdown", str(slowdown)) if slowdown > 1 else ("worker.cli",)
     cluster.group.start(
         name,
         python_argv(
-            "worker.cli",
+            *entry,
             "join",
             cluster.endpoint,
             "--id",
@@ -97,17 +99,29 @@ def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster
     run = cluster.learner(
         "learner", max_steps=12
     )  # room for the held prefixes: checked, then continued
-    a = start_worker(cluster, "a")
+    # The stop must land inside a rollout. The engine (the default backend) samples these
+    # rollouts several times faster than generate did, and a's stop often fell between two,
+    # handing back nothing: a runs on a device 4x slower (labs.slow_device), where a rollout
+    # is mostly the device's wait and a stop landing in it finds the rollout unfinished.
+    a = start_worker(cluster, "a", slowdown=4)
     # generating, as a fresh write says (the file is rewritten once a second: an old
     # "generating" may describe a rollout already over)
-    wait_status(
-        a,
-        lambda d: (
-            d.get("tokens_sampled", 0) > 0
+    seen: dict[int, int] = {}  # tokens sampled when each count of finished groups was first seen
+
+    def inside_a_rollout(d: dict) -> bool:
+        """Generating, as a fresh write says, past the first rollout (which has no slow wait);
+        for poker also with tokens sampled in this rollout already: an episode cut before its
+        first decision has nothing to hand back (a stop once landed 3 ms into one)."""
+        g, tokens = d.get("groups_generated", 0), d.get("tokens_sampled", 0)
+        started = seen.setdefault(g, tokens)
+        return (
+            g > 0
             and d["activity"] == "generating"
             and time.time() - d["updated_at"] < 0.3
-        ),
-    )
+            and (how != "poker" or tokens > started)
+        )
+
+    wait_status(a, inside_a_rollout)
     if how != "notice":
         cluster.group.stop("a")  # SIGTERM: cut, hand back, drain, leave
     else:  # a spot notice: the worker stops on its own 2 s (its margin) before the deadline
