@@ -336,6 +336,40 @@ def oversize(t: Target) -> dict[str, Any]:
     return out
 
 
+def spellings_of(host: str) -> list[str]:
+    """Other ways to write an IPv4 address that the C library reads as the same address
+    (``127.1``, ``0x7f000001``, ``2130706433``, ``127.0.0.01``, ``127.000.000.001``)."""
+    import ipaddress
+
+    ip = ipaddress.IPv4Address(host)
+    a, b, c, d = ip.packed
+    return [
+        f"{a}.{(b << 16) | (c << 8) | d}",
+        hex(int(ip)),
+        str(int(ip)),
+        f"{a}.{b}.{c}.{d:o}".rsplit(".", 1)[0] + f".0{d:o}",
+        ".".join(f"{x:03d}" for x in ip.packed),
+    ]
+
+
+def relay_spellings(t: Target) -> dict[str, Any]:
+    """Issue 52: claim an honest relay's address (w0's) in another spelling of its host, and
+    the unspecified address; each from a fresh key with the insider's token. Every join must
+    be refused (``bad_endpoint``) without spending a use of the token."""
+    from echo.addresses import split_endpoint
+
+    _, host, port = split_endpoint(t.relay)
+    replies: dict[str, str] = {}
+    for n, form in enumerate([*spellings_of(host), "0.0.0.0"]):
+        sock = t.dealer(keys=KeyPair.generate())
+        join = wire.Join(
+            worker_id=f"spell{n}", relay_endpoint=f"tcp://{form}:{port}", token=t.token
+        )
+        replies[form] = ask(sock, join)
+        sock.close()
+    return {"relay": t.relay, "replies": replies}
+
+
 ATTACKS: dict[str, Callable[[Target], dict[str, Any]]] = {
     f.__name__: f
     for f in (
@@ -347,5 +381,6 @@ ATTACKS: dict[str, Callable[[Target], dict[str, Any]]] = {
         idle_http,
         plaintext,
         oversize,
+        relay_spellings,
     )
 }

@@ -617,6 +617,20 @@ EXPECT = {  # what "refused" means for each attack: the problems found in the ph
     ),
     "banned": _check_ban,
     "oversize": _check_oversize,
+    "relay_spellings": lambda r: (
+        [
+            f"{form}: {reply} (expected bad_endpoint)"
+            for form, reply in r["attacker"].get("replies", {"?": "no record"}).items()
+            if reply != "bad_endpoint"
+        ]
+        + (
+            []
+            if r.get("token_before") == r.get("token_after")
+            else [
+                f"refused joins spent the token: {r.get('token_before')} -> {r.get('token_after')}"
+            ]
+        )
+    ),
     **__import__("drill_relays").CHECKS,
     "forged_handback": __import__("drill_handbacks").check_forged_handback,
     "cherry_pick": __import__("drill_handbacks").check_cherry_pick,
@@ -638,6 +652,7 @@ ORDER = [
     "plaintext",
     "banned",
     "oversize",
+    "relay_spellings",
     "stranger_reports",
     "black_hole",
     "selective_relay",
@@ -748,7 +763,9 @@ def attack_run(
             elif name in RELAY_PHASES:
                 r = relay_phase(fleet, sampler, name, fleet.token(1, name))
             else:
+                before = token_state(fleet.run, token)
                 r = run_attack(fleet, sampler, name, relay, token, TIMEOUT.get(name, 60))
+                r["token_before"], r["token_after"] = before, token_state(fleet.run, token)
             if name == "impersonate":
                 r["insider_token"] = token_state(fleet.run, token)
             r["baseline_threads"] = baseline.get("learner_threads_peak", 0)

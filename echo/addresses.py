@@ -82,6 +82,53 @@ def same_endpoint(a: str, b: str) -> bool:
     return canonical_endpoint(a) == canonical_endpoint(b)
 
 
+def declared_endpoint(endpoint: str) -> str:
+    """The one spelling of a relay endpoint a worker declares at join, or ValueError naming
+    what is wrong and the fix. A relay's endpoint is what its socket reports after binding
+    (``tcp://IP:PORT``, numeric), so anything else is refused rather than compared: a name
+    (other than ``localhost``), a numeric host in a form ``ipaddress`` does not write
+    (``127.1``, ``0x7f000001``, ``2130706433``, ``127.0.0.01``: each one the OS would connect to
+    127.0.0.1, so each could claim an honest relay's address under another spelling), and the
+    unspecified address (0.0.0.0, ::: no peer can connect to it)."""
+    scheme, host, port = split_endpoint(endpoint.strip())
+    where = f"relay endpoint {endpoint!r}"
+    if scheme.lower() != "tcp":
+        raise ValueError(f"{where}: the scheme must be tcp://")
+    if not port or not 0 < int(port) < 65536:
+        raise ValueError(f"{where}: a TCP port 1-65535 must follow the host")
+    h = canonical_host(host)
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        loose = _loose_ipv4(host)
+        if loose is not None:
+            raise ValueError(
+                f"{where}: {host!r} is {loose} written another way; declare it as "
+                f"{join_endpoint('tcp', loose, int(port))}"
+            ) from None
+        raise ValueError(
+            f"{where}: {host!r} is not an IP address; --relay-host must be the address the "
+            f"relay binds (an IP address, which its socket then reports)"
+        ) from None
+    if ip.is_unspecified:
+        raise ValueError(
+            f"{where}: {ip} binds every interface and no peer can connect to it: give "
+            f"--relay-host the address peers reach this machine at"
+        )
+    return join_endpoint("tcp", str(ip), int(port))
+
+
+def _loose_ipv4(host: str) -> str | None:
+    """The IPv4 address the C library reads ``host`` as (``inet_aton``: shortened, hex, octal
+    and single-number forms), or None when it reads none."""
+    import socket
+
+    try:
+        return socket.inet_ntoa(socket.inet_aton(host.strip()))
+    except OSError:
+        return None
+
+
 def public_host_problem(host: str, public_host: str) -> str:
     """Why binding ``host`` and announcing ``public_host`` would hand workers an address they
     cannot use ("" when it is fine), phrased with the key to set and the fix."""

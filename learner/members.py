@@ -21,6 +21,7 @@ from broadcast.coordinator import Coordinator
 from broadcast.nat.reflect import NatError, Reflector
 from broadcast.snapshot import RunKey
 from echo import wire
+from echo.addresses import declared_endpoint
 from echo.config import EchoConfig
 from echo.security import fingerprint
 from learner.accounts import Accounts
@@ -46,6 +47,19 @@ _JOIN_FIX = {
     "id_taken": "another worker holds this id: pick another --id (or none)",
     "endpoint_taken": "another worker serves at this relay address: check --relay-host",
 }
+
+# A join's relay endpoint in its one spelling, or why it has none (echo.addresses).
+
+
+def _declared(msg: wire.Join) -> wire.Join:
+    if not (msg.relay_endpoint and msg.can_relay):
+        return msg
+    try:
+        canonical = declared_endpoint(msg.relay_endpoint)
+    except ValueError as err:
+        raise wire.WireError("bad_endpoint", str(err)) from None
+    return msg.model_copy(update={"relay_endpoint": canonical})
+
 
 _JOINED = {
     True: "joined: active, generating rollouts",
@@ -119,6 +133,11 @@ class Members:
 
     def on_join(self, ident: bytes, key: str, msg: wire.Join) -> wire.Message:
         t = self.table
+        try:  # stored and compared in one spelling from here on
+            msg = _declared(msg)
+        except wire.WireError:
+            self.gate.refused["bad_endpoint"] += 1
+            raise
         own = t.sessions.get(key)
         if own is not None and own != msg.worker_id:
             if t.live(t.workers[own], time.monotonic()):

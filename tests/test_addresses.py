@@ -246,3 +246,62 @@ def test_a_relay_address_spelled_another_way_is_still_taken(small_cfg, tokenizer
     finally:
         ctx.destroy(linger=0)
         plane.shutdown("test over")
+
+
+SPELLINGS_OF_127_0_0_1 = ("127.1", "0x7f000001", "2130706433", "127.0.0.01", "127.000.000.001")
+
+
+@pytest.mark.parametrize("host", SPELLINGS_OF_127_0_0_1)
+def test_a_declared_relay_host_in_a_loose_numeric_form_is_refused_naming_its_one_spelling(host):
+    from echo.addresses import declared_endpoint
+
+    with pytest.raises(ValueError, match=r"is 127\.0\.0\.1 written another way; declare it as "):
+        declared_endpoint(f"tcp://{host}:7000")
+
+
+def test_a_declared_relay_endpoint_has_one_spelling_or_is_refused_with_the_fix():
+    from echo.addresses import declared_endpoint
+
+    assert declared_endpoint("tcp://127.0.0.1:7000") == "tcp://127.0.0.1:7000"
+    assert declared_endpoint("TCP://localhost:07000") == "tcp://127.0.0.1:7000"
+    assert declared_endpoint("tcp://[::ffff:10.0.0.2]:5560") == "tcp://10.0.0.2:5560"
+    assert declared_endpoint("tcp://[0:0:0:0:0:0:0:1]:5560") == "tcp://[::1]:5560"
+    for bad, why in (
+        ("tcp://0.0.0.0:5560", "binds every interface"),
+        ("tcp://[::]:5560", "binds every interface"),
+        ("tcp://relay.example.org:5560", "not an IP address"),
+        ("ipc:///tmp/relay", "scheme must be tcp"),
+        ("tcp://10.0.0.2", "TCP port"),
+        ("tcp://10.0.0.2:70000", "TCP port"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            declared_endpoint(bad)
+
+
+def test_every_other_spelling_of_a_taken_relay_address_is_refused_at_join(small_cfg, tokenizer):
+    """Issue 52: each of these reached the honest relay's 127.0.0.1:7000 through the OS and
+    was accepted with a join_ack; now each join is refused, naming the one spelling, and the
+    learner goes on serving (the honest worker's join stands)."""
+    plane = _plane(small_cfg, tokenizer)
+    plane.start()
+    ctx = zmq.Context()
+    try:
+        spellings = ("127.0.0.1", *SPELLINGS_OF_127_0_0_1, "0.0.0.0")
+        replies = []
+        for n, host in enumerate(spellings):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.RCVTIMEO, 10_000)
+            sock.setsockopt(zmq.LINGER, 0)
+            curve_client(sock, KeyPair.generate(), plane.public_key)
+            sock.connect(plane.endpoint)
+            ep = f"tcp://{host}:7000"
+            sock.send(wire.encode(wire.Join(worker_id=f"w{n}", relay_endpoint=ep)))
+            replies.append(wire.decode(sock.recv(), 1 << 24))
+        assert isinstance(replies[0], wire.JoinAck)
+        for reply in replies[1:]:
+            assert isinstance(reply, wire.Error) and reply.reason == "bad_endpoint", reply
+        assert all("127.0.0.1" in r.detail for r in replies[1:-1])
+        assert "binds every interface" in replies[-1].detail
+    finally:
+        ctx.destroy(linger=0)
+        plane.shutdown("test over")
