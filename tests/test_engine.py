@@ -336,21 +336,6 @@ def test_the_tail_cut_ends_the_request_once_the_share_of_fresh_samples_has_ended
         assert_logprobs_recomputed(engine.model, g.prompt_ids, s, 1.0)
 
 
-def test_a_continued_group_is_never_cut_by_the_tail(engine):
-    long = wire.Prefix(sample_idx=0, ids=[7], logprobs=[-0.1], versions=[[1, 1]])
-    cont = wire.Group(group_id="c", prompt_ids=[3, 4], n=1, seed=1, prefixes=[long])
-    fresh = wire.Group(group_id="f", prompt_ids=[3, 4], n=8, seed=2)
-    cuts = 0
-    for seed in range(6):
-        c, f = engine.generate([cont.model_copy(update={"seed": seed}), fresh], 50, 1.0, tail=0.1)
-        assert c[0].finished  # never cut
-        running = [s for s in f if not s.finished]
-        if running:  # fresh rows are cut only once the continuation has ended
-            cuts += 1
-            assert len(running[0].completion_ids) >= len(c[0].completion_ids) - c[0].prefix_len
-    assert cuts  # the rule was exercised
-
-
 # --------------------------------------------------------------------- counting and fallback
 
 

@@ -18,12 +18,14 @@ from learner.intake import one_version
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def backend():
+@pytest.fixture(scope="module", params=["transformers", "engine"])
+def backend(request):
+    """Both backends cut alike: Hugging Face generate's (a stopping criterion) and the
+    engine's (worker/backends/engine.py, at its look at the slots)."""
     from echo.config import ModelConfig
-    from worker.backends.transformers import TransformersBackend
+    from worker.backends import make_backend
 
-    return TransformersBackend(ModelConfig(max_positions=256), threads=1)
+    return make_backend(request.param, model_cfg=ModelConfig(max_positions=256), threads=1)
 
 
 def test_the_backend_cuts_once_the_share_of_fresh_samples_has_ended(backend):

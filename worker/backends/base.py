@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,26 @@ def finish(row: Row, new: list[int], logps: list[float], eos: int | None, stoppe
         prefix_versions=[list(r) for r in p.versions] if p else [],
         finished=ended or not stopped,
     )
+
+
+# New tokens and their log-probs by ``id(row)``, and whether a stop or the tail cut ended them.
+Sampler = Callable[[list[Row], list[bool]], tuple[dict[int, tuple[list[int], list[float]]], bool]]
+
+
+def sample_groups(
+    groups: list[wire.Group], max_new_tokens: int, eos: int | None, sample: Sampler
+) -> list[list[Sample]]:
+    """What a backend's ``generate`` does around its sampler: plan the rows (prompts with
+    their prefixes, budgets), ``sample(rows, fresh)`` those that need tokens (``fresh``: the
+    row's group has no prefixes, so the tail cut may cut it), then finish and regroup them."""
+    rows = plan_rows(groups, max_new_tokens)
+    todo = [r for r in rows if needs_tokens(r, eos)]
+    new: dict[int, tuple[list[int], list[float]]] = {}
+    stopped = False
+    if todo:
+        new, stopped = sample(todo, [not groups[r.group].prefixes for r in todo])
+    samples = [finish(r, *new.get(id(r), ([], [])), eos, stopped) for r in rows]
+    return regroup(groups, rows, samples)
 
 
 def regroup(groups: list[wire.Group], rows: list[Row], samples: list[Sample]) -> list[list[Sample]]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ import torch
 from dataplane.answers import answer_bias
 from echo import wire
 from echo.config import LoraConfig, ModelConfig
-from worker.backends.base import Row, Sample, finish, needs_tokens, plan_rows, regroup
+from worker.backends.base import Row, Sample, sample_groups
 from worker.backends.decoder import Decoder, KVCache, UnsupportedModel
 from worker.backends.transformers import TransformersBackend
 
@@ -184,19 +184,16 @@ class EngineBackend(TransformersBackend):
     ) -> list[list[Sample]]:
         if self.decoder is None:
             return super().generate(groups, max_new_tokens, temperature, stop, tail)
-        eos = self.tokenizer.eos_token_id
-        rows = plan_rows(groups, max_new_tokens)
-        todo = [r for r in rows if needs_tokens(r, eos)]
-        new: dict[int, tuple[list[int], list[float]]] = {}
-        stopped = False
-        if todo:
+
+        def sample(
+            todo: list[Row], fresh: list[bool]
+        ) -> tuple[dict[int, tuple[list[int], list[float]]], bool]:
             torch.manual_seed(groups[0].seed)
-            fresh = [not groups[r.group].prefixes for r in todo]
             run = _Run(self, self._slots_for(todo, temperature), todo, fresh, stop, tail)
             got, stopped = run.go()
-            new = {id(r): got[k] for k, r in enumerate(todo) if k in got}
-        samples = [finish(r, *new.get(id(r), ([], [])), eos, stopped) for r in rows]
-        return regroup(groups, rows, samples)
+            return {id(r): got[k] for k, r in enumerate(todo) if k in got}, stopped
+
+        return sample_groups(groups, max_new_tokens, self.tokenizer.eos_token_id, sample)
 
     def _slots_for(self, todo: list[Row], temperature: float) -> Slots:
         """The slot state for a request: on CUDA the kept one when its shape holds the request
@@ -312,7 +309,7 @@ class _Run:
         self.waiting = deque(range(len(rows)))
         # a row's prompt key: the group's for a fresh sample (shared), its own for a prefix
         self.key = [(r.group, -1) if r.prefix is None else (r.group, k) for k, r in enumerate(rows)]
-        self.left = {key: self.key.count(key) for key in set(self.key)}  # rows yet to start
+        self.left = Counter(self.key)  # rows of each prompt yet to start
         self.prefilled: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.slot_row: list[int | None] = [None] * ws.cache.slots
         self.start: list[int] = [0] * ws.cache.slots  # the slot's prompt length

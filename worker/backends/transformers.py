@@ -23,7 +23,7 @@ from echo import wire
 from echo.config import LoraConfig, ModelConfig
 from echo.lora import adapter_parameters, load_policy_model
 from echo.models import bf16_compute, install_payload, load_tokenizer, resolve_device, vocab_size
-from worker.backends.base import Backend, Row, Sample, finish, needs_tokens, plan_rows, regroup
+from worker.backends.base import Backend, Row, Sample, finish, sample_groups
 from worker.backends.parking import HostParking
 from worker.backends.shared_base import SHARED
 from worker.backends.turn_cache import TurnCache
@@ -144,12 +144,10 @@ class TransformersBackend(Backend):
         tail: float = 0.0,
     ) -> list[list[Sample]]:
         eos = self.tokenizer.eos_token_id
-        rows = plan_rows(groups, max_new_tokens)
-        todo = [r for r in rows if needs_tokens(r, eos)]
-        new: dict[int, tuple[list[int], list[float]]] = {}
-        stopped = False
-        if todo:
-            fresh = [not groups[r.group].prefixes for r in todo]
+
+        def sample(
+            todo: list[Row], fresh: list[bool]
+        ) -> tuple[dict[int, tuple[list[int], list[float]]], bool]:
             watch = _Watch(self, stop, eos, fresh, tail, [r.budget for r in todo])
             ids, lps, stopped = self._sample(
                 [r.prompt for r in todo],
@@ -158,9 +156,9 @@ class TransformersBackend(Backend):
                 groups[0].seed,
                 watch,
             )
-            new = {id(r): (ids[k], lps[k]) for k, r in enumerate(todo)}
-        samples = [finish(r, *new.get(id(r), ([], [])), eos, stopped) for r in rows]
-        return regroup(groups, rows, samples)
+            return {id(r): (ids[k], lps[k]) for k, r in enumerate(todo)}, stopped
+
+        return sample_groups(groups, max_new_tokens, eos, sample)
 
     def _sample(
         self,
