@@ -395,3 +395,15 @@ def test_the_engine_falls_back_to_generate_for_a_model_it_does_not_run(monkeypat
     (want,) = ref.generate([g], 8, 0.7)
     assert [s.completion_ids for s in got] == [s.completion_ids for s in want]
     assert [s.logprobs for s in got] == [s.logprobs for s in want]
+
+
+def test_a_kept_cuda_workspace_serves_a_request_only_when_it_fits_and_is_not_much_larger():
+    """On CUDA the captured step computes every slot and column of the kept workspace: it is
+    reused for a request it holds, and not for one it would make pay for 2x its shape."""
+    from worker.backends.engine import _fits
+
+    assert _fits((16, 128, 64), (16, 128, 64)) and _fits((32, 256, 128), (16, 128, 64))
+    assert not _fits((16, 128, 64), (32, 128, 64))  # too few slots
+    assert not _fits((16, 128, 64), (16, 128, 128))  # too narrow for the budget
+    assert not _fits((256, 256, 128), (16, 256, 128))  # 16x the slots a batch of 16 needs
+    assert not _fits((16, 1024, 128), (16, 256, 128))  # 4x the columns

@@ -117,6 +117,14 @@ def _bucket(x: int, step: int) -> int:
     return -(-x // step) * step
 
 
+def _fits(have: tuple[int, int, int], need: tuple[int, int, int]) -> bool:
+    """A kept (slots, columns, width) serves a request needing ``need``: large enough, and
+    no more than twice the slots or columns it needs."""
+    return all(h >= n for h, n in zip(have, need)) and all(
+        h <= 2 * n for h, n in zip(have[:2], need[:2])
+    )
+
+
 class EngineBackend(TransformersBackend):
     """``slots``: samples decoded at once (0: 256 on a GPU, 64 on the CPU); more wait and take
     the slots that free up. ``cuda_graph``: capture the step on CUDA (False: run it eagerly,
@@ -197,8 +205,10 @@ class EngineBackend(TransformersBackend):
 
     def _slots_for(self, todo: list[Row], temperature: float) -> Slots:
         """The slot state for a request: on CUDA the kept one when its shape holds the request
-        (its captured step replays), else a new one in shapes rounded up so the next
-        requests fit it too; on the CPU one of the request's exact shape."""
+        and is at most twice as large in slots and columns (its captured step replays; a step
+        computes every slot and column, so a much larger one would cost a small request more
+        than a capture), else a new one in shapes rounded up so the next requests fit it
+        too; on the CPU one of the request's exact shape."""
         assert self.decoder is not None
         slots = min(len(todo), self.slots)
         columns = max(len(r.prompt) + r.budget for r in todo)
@@ -215,7 +225,8 @@ class EngineBackend(TransformersBackend):
         if self.graphs:
             slots, columns, width = _bucket(slots, 16), _bucket(columns, 64), _bucket(width, 64)
             kept = self._ws
-            if kept is None or any(a < b for a, b in zip(kept.shape, (slots, columns, width))):
+            need = (slots, columns, width)
+            if kept is None or not _fits(kept.shape, need):
                 self._ws, self._graph = None, None  # free the old cache before the new one
                 torch.cuda.empty_cache()
                 kept = Slots.allocate(self.decoder, slots, columns, width, self.vocab_size, eos)
