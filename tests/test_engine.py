@@ -407,3 +407,23 @@ def test_a_kept_cuda_workspace_serves_a_request_only_when_it_fits_and_is_not_muc
     assert not _fits((16, 128, 64), (16, 128, 128))  # too narrow for the budget
     assert not _fits((256, 256, 128), (16, 256, 128))  # 16x the slots a batch of 16 needs
     assert not _fits((16, 1024, 128), (16, 256, 128))  # 4x the columns
+
+
+def test_with_every_row_in_a_slot_the_engine_draws_what_generate_draws_for_the_seed():
+    """The exponential race is how torch.multinomial draws one sample too, and both draw a
+    [rows, vocab] race per step: on the CPU, same weights and seed, the samples are the same
+    (docs/worker.md; why `echo-rl eval`'s untrained score did not move with the switch)."""
+    from worker.backends.engine import EngineBackend
+    from worker.backends.transformers import TransformersBackend
+
+    old = TransformersBackend(ModelConfig(), threads=1)
+    new = EngineBackend(ModelConfig(), threads=1)
+    new.model.load_state_dict(old.model.state_dict())
+    groups = [
+        wire.Group(group_id=f"g{i}", prompt_ids=[7, 14, 8, 17], n=8, seed=3) for i in range(4)
+    ]
+    a, b = old.generate(groups, 16, 1.0), new.generate(groups, 16, 1.0)
+    assert [[s.completion_ids for s in g] for g in a] == [[s.completion_ids for s in g] for g in b]
+    for ga, gb in zip(a, b):
+        for sa, sb in zip(ga, gb):
+            assert sa.logprobs == pytest.approx(sb.logprobs, abs=1e-5)
