@@ -82,6 +82,9 @@ def same_endpoint(a: str, b: str) -> bool:
     return canonical_endpoint(a) == canonical_endpoint(b)
 
 
+MAX_DECLARED = 128  # characters: tcp://[IPv6 with a zone]:PORT fits with room to spare
+
+
 def declared_endpoint(endpoint: str) -> str:
     """The one spelling of a relay endpoint a worker declares at join, or ValueError naming
     what is wrong and the fix. A relay's endpoint is what its socket reports after binding
@@ -90,6 +93,10 @@ def declared_endpoint(endpoint: str) -> str:
     (``127.1``, ``0x7f000001``, ``2130706433``, ``127.0.0.01``: each one the OS would connect to
     127.0.0.1, so each could claim an honest relay's address under another spelling), and the
     unspecified address (0.0.0.0, ::: no peer can connect to it)."""
+    if len(endpoint) > MAX_DECLARED:  # a peer's string: never echoed back at its own length
+        raise ValueError(
+            f"relay endpoint of {len(endpoint)} characters: longer than any tcp://IP:PORT"
+        )
     scheme, host, port = split_endpoint(endpoint.strip())
     where = f"relay endpoint {endpoint!r}"
     if scheme.lower() != "tcp":
@@ -125,7 +132,7 @@ def _loose_ipv4(host: str) -> str | None:
 
     try:
         return socket.inet_ntoa(socket.inet_aton(host.strip()))
-    except OSError:
+    except (OSError, ValueError):  # ValueError: an embedded NUL
         return None
 
 

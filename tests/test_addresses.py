@@ -7,6 +7,8 @@ import random
 import pytest
 import zmq
 import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broadcast.fetch import fetch_snapshot
 from broadcast.snapshot import RunKey, Snapshot, build_manifest
@@ -302,6 +304,52 @@ def test_every_other_spelling_of_a_taken_relay_address_is_refused_at_join(small_
             assert isinstance(reply, wire.Error) and reply.reason == "bad_endpoint", reply
         assert all("127.0.0.1" in r.detail for r in replies[1:-1])
         assert "binds every interface" in replies[-1].detail
+    finally:
+        ctx.destroy(linger=0)
+        plane.shutdown("test over")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(max_size=300))
+def test_any_declared_endpoint_is_one_spelling_or_a_short_refusal(text):
+    """A join's relay endpoint is a stranger's string: whatever it holds, the answer is a
+    canonical endpoint or a ValueError whose message stays short (it goes back on the wire)."""
+    from echo.addresses import declared_endpoint
+
+    for endpoint in (text, f"tcp://{text}:5560", f"tcp://127.0.0.1:{text}"):
+        try:
+            out = declared_endpoint(endpoint)
+        except ValueError as err:
+            assert len(str(err)) < 600
+        else:
+            assert out.startswith("tcp://") and declared_endpoint(out) == out
+
+
+def test_junk_relay_endpoints_are_refused_and_counted_and_the_learner_serves_on(
+    small_cfg, tokenizer
+):
+    """Junk in the one field this change reads from a joining peer: a megabyte, a NUL, a
+    port out of range. Each join is refused (bad_endpoint, counted, a short detail), and an
+    honest join after them is answered."""
+    plane = _plane(small_cfg, tokenizer)
+    plane.start()
+    ctx = zmq.Context()
+    try:
+        junk = ("tcp://" + "1" * 1_000_000 + ":1", "tcp://127.0.0.1\x00:7000", "tcp://1.2.3.4:0")
+        replies = []
+        for n, ep in enumerate((*junk, "tcp://127.0.0.1:7001")):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.RCVTIMEO, 10_000)
+            sock.setsockopt(zmq.LINGER, 0)
+            curve_client(sock, KeyPair.generate(), plane.public_key)
+            sock.connect(plane.endpoint)
+            sock.send(wire.encode(wire.Join(worker_id=f"j{n}", relay_endpoint=ep)))
+            replies.append(wire.decode(sock.recv(), 1 << 24))
+        for reply in replies[:-1]:
+            assert isinstance(reply, wire.Error) and reply.reason == "bad_endpoint", reply
+            assert len(reply.detail) < 600
+        assert isinstance(replies[-1], wire.JoinAck)
+        assert plane.stats().join_refused.get("bad_endpoint") == len(junk)
     finally:
         ctx.destroy(linger=0)
         plane.shutdown("test over")
