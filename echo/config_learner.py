@@ -188,10 +188,10 @@ class LearnerConfig(StalenessRules, _Section):
     # Checkpoint and publish each version on a thread of their own, overlapped with the next
     # step (learner/releasing.py): the training thread waits only for the version's host copy,
     # and for a release longer than a step. Costs one host copy of the model and optimizer
-    # state. auto: on when the policy trains on a GPU (the host's cores idle during a step) or
-    # leaves a core free (torch_threads below the CPU count), off when the step uses every
-    # core (benchmarks/bench_publish.py, docs/learner.md). off: both on the training thread,
-    # before the next step.
+    # state. auto: on when the policy trains on a GPU (the host's cores idle during a step),
+    # off on the CPU (benchmarks/bench_publish.py, docs/learner.md: a gain only with a core
+    # free and a step longer than the release). off: both on the training thread, before the
+    # next step.
     release_thread: Literal["auto", "on", "off"] = "auto"
     # Published versions (the delta encoder's base, the versions audits and workers may still
     # need) live in files under <run dir>/spill, read through memory maps, instead of in RAM

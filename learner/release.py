@@ -7,7 +7,6 @@ on a model folder serves to workers that lack it.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,11 +31,10 @@ log = logging.getLogger("echo.learner")
 
 
 def release_threaded(lc: LearnerConfig, device: torch.device) -> bool:
-    """``learner.release_thread``: auto is on where the step leaves host cores idle (a GPU
-    step, or fewer torch threads than cores); on two cores the step uses fully, the thread
-    only slowed it (docs/learner.md, "Durability and resume")."""
-    idle = device.type == "cuda" or lc.torch_threads < (os.cpu_count() or 1)
-    return lc.release_thread == "on" or (lc.release_thread == "auto" and idle)
+    """``learner.release_thread``: auto is on for a GPU step, which leaves the host's cores
+    idle; on the CPU the step and the workers beside it use them (docs/learner.md,
+    "Durability and resume")."""
+    return lc.release_thread == "on" or (lc.release_thread == "auto" and device.type == "cuda")
 
 
 class Releaser:
