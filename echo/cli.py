@@ -119,11 +119,18 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     )
     ex = model_sub.add_parser(
         "export",
-        help="a run's latest checkpoint -> a Hugging Face folder "
+        help="a run's latest (or best) checkpoint -> a Hugging Face folder "
         "(the trained policy, with its tokenizer) for model.name or any tool",
     )
     ex.add_argument("--run-dir", type=Path, required=True)
     ex.add_argument("--out", type=Path, required=True, help="new folder to write (must not exist)")
+    ex.add_argument(
+        "--checkpoint",
+        choices=("latest", "best"),
+        default="latest",
+        help="best: the checkpoint the run's held-out evaluation scored highest "
+        "(checkpoints/best.pt, learner.heldout)",
+    )
     ex.add_argument(
         "--merged",
         action="store_true",
@@ -332,7 +339,9 @@ def _model(args: argparse.Namespace) -> int:
         elif args.model == "export":
             from learner.checkpoint import export_checkpoint
 
-            out = export_checkpoint(args.run_dir, args.out, merged=args.merged)
+            out = export_checkpoint(
+                args.run_dir, args.out, merged=args.merged, which=args.checkpoint
+            )
         else:
             out = ensure_smollm2(args.out, args.cache)
     except ImportFailed as err:

@@ -105,6 +105,25 @@ class LoraConfig(_Section):
         return value
 
 
+class HeldoutConfig(_Section):
+    """The run watching its own policy (docs/learner.md, "Watching the policy"): every
+    ``every`` steps a process beside the learner scores the newest checkpoint on the adapter's
+    held-out split, as ``echo-rl eval --split heldout`` does, and the step rows, the console and
+    the dashboard show the score with its 95 % interval; the best-scoring checkpoint is kept as
+    checkpoints/best.pt (``echo-rl eval --checkpoint best``, ``echo-rl export --checkpoint
+    best``). Needs an adapter with a held-out split and learner.checkpoint."""
+
+    # Steps between evaluations: the first checkpoint at or after each multiple (kappa > 1
+    # checkpoints every kappa steps), step 0's (the untrained policy) and the last one's. 0: off.
+    every: int = Field(0, ge=0)
+    prompts: int = Field(30, ge=2)  # held-out prompts scored (a finite split: at most this many)
+    samples: int = Field(4, gt=0)  # completions per prompt; a prompt's score is their mean
+    seed: int = 0  # prompts and sampling seeds: the same at every evaluation, so scores pair
+    threads: int = Field(1, gt=0)  # torch threads of the evaluator process
+    # Seconds the end of a run waits for the evaluation of its last checkpoint.
+    final_wait_s: float = Field(900.0, ge=0)
+
+
 class LearnerConfig(StalenessRules, _Section):
     host: str = "127.0.0.1"  # address the control plane binds (0.0.0.0: every interface)
     # The address workers reach the learner at ("" = host): every endpoint the learner hands
@@ -209,6 +228,16 @@ class LearnerConfig(StalenessRules, _Section):
     # cuda:N. On a GPU with bf16 the weights and Adam stay float32 and the forward runs in bf16.
     device: str = "auto"
     lora: LoraConfig = Field(default_factory=LoraConfig)  # [learner.lora]
+    heldout: HeldoutConfig = Field(default_factory=HeldoutConfig)  # [learner.heldout]
+    # A policy collapsing (docs/learner.md, "Watching the policy": the held-out score fallen
+    # below its best, or the entropy fallen to a fifth of its start while most groups score
+    # alike): warn names it and the settings that counter it, stop also ends the run there
+    # (checkpoints/best.pt keeps the policy before the fall).
+    collapse: Literal["warn", "stop", "off"] = "warn"
+    # DAPO's dynamic sampling: a group whose samples all scored alike (no advantage, no
+    # gradient but the KL's) is not trained; the step takes more groups in its place, at most
+    # 3 x prompts_per_step in all. Off: such groups fill the batch as they come.
+    dynamic_sampling: bool = False
 
     _device = field_validator("device")(check_device)
 
@@ -246,6 +275,16 @@ class LearnerConfig(StalenessRules, _Section):
         problem = public_host_problem(self.host, self.public_host)
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _heldout_has_checkpoints(self) -> LearnerConfig:
+        if self.heldout.every and not self.checkpoint:
+            raise ValueError(
+                f"learner.heldout.every={self.heldout.every} scores checkpoints, and "
+                f"learner.checkpoint is false; set learner.checkpoint = true or "
+                f"learner.heldout.every = 0"
+            )
         return self
 
     @model_validator(mode="after")

@@ -43,6 +43,12 @@ ROW_FIELDS = (
     COL.delta_ratio,
     COL.encode_s,
     COL.decode_s,
+    COL.heldout_step,
+    COL.heldout_mean,
+    COL.heldout_lo,
+    COL.heldout_hi,
+    COL.best_step,
+    COL.collapse,
 )
 DASHBOARD_COST = "cost_usd"  # a dashboard row's running cost, fleet and learner, $
 
@@ -105,6 +111,13 @@ class StepGauges:
         return (
             (g("echo_policy_version", "policy version of the last step"), COL.version),
             (g("echo_reward_mean", "mean reward of the last step's batch"), COL.reward_mean),
+            (
+                g(
+                    "echo_heldout_score",
+                    "newest held-out score (learner.heldout), mean over prompts",
+                ),
+                COL.heldout_mean,
+            ),
             (
                 g("echo_bubble_ratio", "sum(t_wait) / sum(t_train + t_wait), after step 0"),
                 COL.bubble_ratio,

@@ -49,10 +49,17 @@ class MetricsTail:
 
 
 def _describe(row: StepRow) -> str:
+    held = (
+        ""
+        if row.heldout_mean is None
+        else f"  held-out {row.heldout_mean:.3f} [{row.heldout_lo:.3f}, {row.heldout_hi:.3f}] "
+        f"@{row.heldout_step} (best @{row.best_step})"
+    )
     return (
-        f"reward {row.reward_mean:.3f}  staleness {row.staleness_max}  "
+        f"reward {row.reward_mean:.3f}{held}  staleness {row.staleness_max}  "
         f"bubble {row.bubble_ratio:.2f}  workers {row.active_workers} active "
         f"/ {row.standby_workers} standby"
+        + (f"  COLLAPSING: {row.collapse}" if row.collapse else "")
     )
 
 
@@ -87,7 +94,29 @@ def summary_table(cfg: EchoConfig, rows: list[StepRow], run_dir: Path) -> Table:
         if decisions.exists():
             t.add_row("provisioner decisions", str(len(decisions.read_text().splitlines())))
         t.add_row("wall time", f"{r.wall_s:.1f} s")
+    for name, score in _heldout(run_dir).items():
+        t.add_row(name, score)
     return t
+
+
+def _heldout(run_dir: Path) -> dict[str, str]:
+    """The in-run held-out scores (learner.heldout): the first, the last and the best."""
+    path = run_dir / "heldout.jsonl"
+    if not path.exists():
+        return {}
+    scores = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not scores:
+        return {}
+    best = max(scores, key=lambda s: s["mean"])
+
+    def say(s: dict[str, Any]) -> str:
+        return f"{s['mean']:.3f} [{s['lo']:.3f}, {s['hi']:.3f}] after {s['steps']} steps"
+
+    return {
+        "held-out, first": say(scores[0]),
+        "held-out, last": say(scores[-1]),
+        "held-out, best (checkpoints/best.pt)": say(best),
+    }
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -106,6 +106,20 @@ class StepRow:
     audits_dropped: int | None = None  # audits dropped (queue full) so far
     audits_expired: int | None = None  # audits given up (too old) so far
     memory: dict[str, int] | None = None  # bytes by use (docs/memory.md)
+    # Watching the policy (learner/watch.py, docs/learner.md "Watching the policy"):
+    flat_groups: float | None = None  # share of the step's groups whose samples scored alike
+    flat_skipped: int | None = None  # such groups left out of training so far (dynamic_sampling)
+    # the newest held-out score that came back by this step (learner.heldout): the steps its
+    # checkpoint had taken, the mean over prompts and its 95 % interval; best_step: the steps
+    # of checkpoints/best.pt, the highest so far
+    heldout_step: int | None = None
+    heldout_mean: float | None = None
+    heldout_lo: float | None = None
+    heldout_hi: float | None = None
+    best_step: int | None = None
+    collapse: str | None = (
+        None  # why the policy looks to be collapsing, in words; None: it does not
+    )
     # Not fields of the row: what from_json found that this version does not declare, and
     # which declared fields the source lacked (both written back as they were).
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)

@@ -12,8 +12,12 @@ Layout in the run folder::
                                  optimizer state; the frozen base is the model folder's).
                                  after-00000000.pt is the model the run starts from
     checkpoints/latest           name of the newest complete checkpoint (atomic rename)
+    checkpoints/best.pt          the checkpoint the run's held-out evaluation scored highest
+    checkpoints/best.json        its score (learner/evaluation.py HeldoutScore; learner/heldout.py)
+    checkpoints/eval-00000040.pt a checkpoint waiting for, or in, its held-out evaluation (a
+                                 hard link: the rotation below does not take it away)
 
-Only the two newest checkpoints are kept. Run folders written before this naming hold
+Only the two newest ``after-`` checkpoints are kept. Run folders written before this naming hold
 ``step-K.pt``, named by the index of the last step taken (``step--0000001.pt``: none, the
 start; ``step-00000199.pt``: after 200 steps). They still load (``latest`` names the file) and
 ``steps_of`` reads both names as the number of steps taken.
@@ -21,6 +25,7 @@ start; ``step-00000199.pt``: after 200 steps). They still load (``latest`` names
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 
 from broadcast.snapshot import RunKey
+from learner.evaluation import HeldoutScore
 
 KEEP = 2
 
@@ -100,8 +106,29 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
     return torch.load(path, weights_only=False)
 
 
-def export_checkpoint(run_dir: Path, out: Path, merged: bool = False) -> Path:
-    """The policy of ``run_dir``'s latest checkpoint as a Hugging Face folder (weights and
+BEST, BEST_INFO = "best.pt", "best.json"
+
+
+def best_checkpoint(run_dir: Path) -> tuple[Path, HeldoutScore] | None:
+    """``checkpoints/best.pt`` and its score, or None when the run has none."""
+    ckpt = run_dir / "checkpoints"
+    if not (ckpt / BEST).is_file() or not (ckpt / BEST_INFO).is_file():
+        return None
+    return ckpt / BEST, HeldoutScore.from_json(json.loads((ckpt / BEST_INFO).read_text()))
+
+
+def keep_best(run_dir: Path, candidate: Path, score: HeldoutScore) -> None:
+    """``candidate`` (a file in checkpoints/) becomes best.pt, ``score`` best.json."""
+    ckpt = run_dir / "checkpoints"
+    info = json.dumps(score.to_json()).encode()
+    os.replace(candidate, ckpt / BEST)
+    _atomic_write(ckpt / BEST_INFO, lambda f: f.write(info))
+
+
+def export_checkpoint(
+    run_dir: Path, out: Path, merged: bool = False, which: str = "latest"
+) -> Path:
+    """The policy of ``run_dir``'s latest checkpoint (``which = "best"``: its best.pt) as a Hugging Face folder (weights and
     tokenizer, save_pretrained) for ``model.name``: fine-tune on, evaluate, or start a run from
     a model that has learned something. A LoRA run's is its adapter (``_export_lora``)."""
     from echo.config import ConfigError, load_config
@@ -116,7 +143,16 @@ def export_checkpoint(run_dir: Path, out: Path, merged: bool = False) -> Path:
         raise ImportFailed(
             f"{run_dir}/config.toml: {err}; is --run-dir a learner's run folder?"
         ) from None
-    state = load_checkpoint(run_dir)
+    if which == "best":
+        found = best_checkpoint(run_dir)
+        if found is None:
+            raise ImportFailed(
+                f"{run_dir} has no best checkpoint: the run evaluated no held-out split "
+                f"(learner.heldout.every = 0?); leave --checkpoint out for the latest"
+            )
+        state = torch.load(found[0], weights_only=False)
+    else:
+        state = load_checkpoint(run_dir)
     if state is None:
         raise ImportFailed(f"{run_dir} has no checkpoint (learner.checkpoint = false?)")
     tok = load_tokenizer(cfg.model)

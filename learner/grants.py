@@ -23,8 +23,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -129,3 +131,11 @@ def load(path: Path) -> tuple[dict[str, Lease], int]:
 def open_leases(leases: dict[str, Lease], done: set[str]) -> list[Lease]:
     """The restored leases whose group is not finished (trained, or whole in the buffer)."""
     return [lease for gid, lease in leases.items() if gid not in done]
+
+
+def open_journal(run_dir: Path, issued: Iterable[Any]) -> GrantJournal:
+    """The run's grant journal (``grants.jsonl``), compacted to the leases open now (``issued``:
+    the work queue's, restored ones included)."""
+    journal = GrantJournal(run_dir / "grants.jsonl")
+    journal.compact([Lease(it.group, it.worker_id, it.key) for it in issued])
+    return journal

@@ -31,7 +31,8 @@ from learner.auditor import Auditor
 from learner.buffer import ReplayBuffer
 from learner.checkpoint import load_or_create_key
 from learner.durable import BufferLog
-from learner.grants import GrantJournal, Lease
+from learner.grants import open_journal
+from learner.heldout import open_heldout
 from learner.memory import memory, say_memory_plan
 from learner.policy import Policy
 from learner.provision import CapacityFeedback
@@ -42,6 +43,7 @@ from learner.rows import summary as run_summary
 from learner.server import LearnerServer
 from learner.startup import announce, freeze_startup_objects, reuse_ports, setup_logging
 from learner.trails import Trails
+from learner.watch import PolicyWatch, take_groups
 from learner.work import WorkQueue
 
 Terminated = stopping.Terminated  # raised by a SIGTERM (learner/stopping.py)
@@ -151,6 +153,7 @@ class Learner:
             cfg.worker.max_new_tokens, policy.tokenizer.eos_token_id, cfg.adapter.name
         )
         self.releaser: Releaser | None = None  # a version's way out: built in ``start``
+        self.heldout: Any = None  # learner/heldout.py, built in ``start`` (None: off)
 
     # ------------------------------------------------------------------ start / restore
 
@@ -179,7 +182,8 @@ class Learner:
                 self.prompt_rng,
             ).run()
             self.step, self.totals, self.rows = back.step, back.totals or self.totals, back.rows
-        self._open_journal()
+        # leases from here on go to the grant journal, which starts with those open now
+        self.work.journal = open_journal(self.run_dir, self.work.issued.values())
         self._start_server(resume)
         self.release = Release(
             self.cfg,
@@ -189,6 +193,8 @@ class Learner:
             run_publisher(self.cfg, self.run_id, self.key, self.policy, self.server.publish),
         )
         self.publisher = self.release.publisher
+        self.heldout = open_heldout(lc.heldout, self.run_dir, lc.max_steps, self.adapter, self.step)
+        self.watch = PolicyWatch(lc.collapse, self.heldout)
         self.releaser = Releaser(
             self.run_dir,
             self.release,
@@ -196,6 +202,7 @@ class Learner:
             threaded=release_threaded(lc, self.policy.par.device),
             state=self._checkpoint_state,
             compact_log=lambda: self.log.compact(self.buffer.contents),
+            saved=None if self.heldout is None else self.heldout.offer,
         )
         self.metrics_server = announce(self.cfg, self.run_dir, self.server, self.metrics, self.rows)
         log.info(
@@ -252,13 +259,6 @@ class Learner:
             self.cfg, self.server, self.trails, self.metrics, lambda: self.step
         )
 
-    def _open_journal(self) -> None:
-        """Leases from here on go to the grant journal (``learner.grants``), which starts
-        with the leases open now (restored ones included)."""
-        journal = GrantJournal(self.run_dir / "grants.jsonl")
-        journal.compact([Lease(it.group, it.worker_id, it.key) for it in self.work.issued.values()])
-        self.work.journal = journal
-
     def _report(self, verdict: Any) -> None:
         if self.server is not None:
             self.server.report(verdict)
@@ -294,10 +294,14 @@ class Learner:
                     json.dumps(row.to_json(), allow_nan=False) + "\n"
                 )  # finite_row made it so
                 metrics.flush()
+                if self.watch.stop:  # learner.collapse = "stop"
+                    break
         assert self.releaser is not None
         self.releaser.flush()
         self.publisher.flush()
-        return self.write_summary("complete")
+        if self.heldout is not None:
+            self.heldout.finish()  # the last checkpoint's score
+        return self.write_summary(self.watch.stop or "complete")
 
     def write_summary(self, ended: str) -> RunSummary:
         """summary.json, whole or not at all (a second Ctrl-C may come while it is written)."""
@@ -317,16 +321,20 @@ class Learner:
         self.server.waiting(True)  # the provisioner's liveness rule (provisioning/controller.py)
         try:
             with stopping.interruptible():  # a stop while waiting has nothing half done
-                groups = self.buffer.take(lc.prompts_per_step, timeout=lc.wait_timeout_s)
+                taken = take_groups(
+                    self.buffer, lc.prompts_per_step, lc.wait_timeout_s, lc.dynamic_sampling
+                )
         finally:
             self.server.waiting(False)
-        if groups is None:
+        if taken is None:
             raise LearnerStall(
                 f"no {lc.prompts_per_step} admissible groups within {lc.wait_timeout_s}s at "
                 f"version {version}: are workers connected? (learner.wait_timeout_s)"
             )
-        self.log.consumed(step, [g[0].group_id for g in groups])
-        self.trails.write("consumed", {"groups": [g[0].group_id for g in groups]})
+        groups, left_out = taken
+        ids = [g[0].group_id for g in groups + left_out]
+        self.log.consumed(step, ids)
+        self.trails.write("consumed", {"groups": ids})
         t1 = time.monotonic()
         publish = (step + 1) % lc.effective_kappa == 0
         batch = self.adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards)
@@ -363,6 +371,7 @@ class Learner:
         self.release.describe(row)
         row.decode_s, row.keyframe_installs = control.decode_s, control.keyframes
         self.auditor.after_step(row, t2 - t1)
+        self.watch.observe(row, groups + left_out, len(left_out))
         trim()  # the step's and the audits' freed transients go back to the kernel
         row.memory = memory(
             self.policy,
@@ -379,6 +388,8 @@ class Learner:
     def close(self, reason: str) -> None:
         if self.releaser is not None:  # the version in flight: its checkpoint whole
             self.releaser.close()
+        if self.heldout is not None:
+            self.heldout.close()
         if getattr(self, "publisher", None) is not None:
             self.publisher.close()
         if self.metrics_server is not None:

@@ -43,7 +43,8 @@ class Releaser:
     the release thread (learner/releasing.py) while the next step trains. ``state(row)``: what
     a checkpoint holds besides the model and optimizer, read on the training thread as the step
     left it; ``compact_log()``: drop from the buffer log what checkpoints hold, called only
-    where the newest checkpoint holds every step taken."""
+    where the newest checkpoint holds every step taken; ``saved(steps, path)``: a checkpoint
+    is written (the held-out evaluation's cue, learner/heldout.py), on the thread that wrote it."""
 
     # With the thread lagging, the log is compacted at least every this many steps.
     COMPACT_EVERY = 10
@@ -57,9 +58,11 @@ class Releaser:
         threaded: bool,
         state: Callable[[StepRow | None], dict[str, Any]],
         compact_log: Callable[[], None],
+        saved: Callable[[int, Path], None] | None = None,
     ):
         self.run_dir, self.release, self.checkpoint = run_dir, release, checkpoint
         self._state, self._compact_log = state, compact_log
+        self._saved = saved
         self.thread = ReleaseThread(self._finite, self._save, self._send) if threaded else None
         self.compacted = 0  # steps the log was last compacted after (threaded)
 
@@ -87,8 +90,10 @@ class Releaser:
         # __exit__, a RuntimeError in place of the stop (exit 1, no summary).
         with stopping.uninterrupted():
             state = {"model": full[0], "optimizer": full[1], **self._state(row)}
-            save_checkpoint(self.run_dir, steps - 1, state)
+            path = save_checkpoint(self.run_dir, steps - 1, state)
             self._compact_log()
+        if self._saved is not None:
+            self._saved(steps, path)
 
     def compact(self, steps: int) -> None:
         """Threaded, before a step takes its groups, ``steps`` taken: compact the log if the
@@ -123,7 +128,9 @@ class Releaser:
 
     def _save(self, v: Version) -> None:
         state = {"model": v.model, "optimizer": v.optimizer, **v.extra}
-        save_checkpoint(self.run_dir, v.steps - 1, state)
+        path = save_checkpoint(self.run_dir, v.steps - 1, state)
+        if self._saved is not None:
+            self._saved(v.steps, path)
 
     def _send(self, v: Version) -> None:
         self.release.send(v.steps, v.model)
