@@ -370,6 +370,77 @@ def relay_spellings(t: Target) -> dict[str, Any]:
     return {"relay": t.relay, "replies": replies}
 
 
+def newest_version(name: str, sock: zmq.Socket) -> int:
+    """The learner's newest version, from a heartbeat of ``name``'s session."""
+    sock.send(wire.encode(wire.Heartbeat(worker_id=name, version=-1, rid=7)))
+    deadline = time.monotonic() + 10
+    while sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+        reply = wire.decode(sock.recv(), 1 << 24)
+        if isinstance(reply, wire.HeartbeatAck) and reply.rid == 7:
+            return reply.version
+    raise RuntimeError(f"no heartbeat_ack for {name}")
+
+
+def colluding_reporters(t: Target, keys: int = 2, seconds: float = 15.0) -> dict[str, Any]:
+    """Issue 52, attack 1: ``keys`` workers joined with one leaked token report every source
+    they are granted as ``timeout`` and take the next grant, walking the relays. No honest
+    relay may be convicted; the learner's probes (one per counted report, bounded per
+    witness) find them intact, and the token's keys lose the word together."""
+    from echo.security import TokenStore
+    from learner.gate import security_dir
+
+    token = TokenStore(security_dir(t.run_dir) / "tokens.json").create(
+        uses=keys, ttl_s=600, note="drill: a leaked token"
+    )
+    socks: dict[str, zmq.Socket] = {}
+    for i in range(keys):
+        name = f"colluder{keys}-{i}"
+        sock = t.dealer(keys=KeyPair.generate())
+        reply, deadline = "bad_token", time.monotonic() + 15
+        while reply == "bad_token" and time.monotonic() < deadline:  # till the gate re-reads
+            reply = ask(sock, wire.Join(worker_id=name, can_relay=False, token=token))
+            if reply == "bad_token":
+                time.sleep(0.5)
+        if reply != "join_ack":
+            return {"error": f"{name}'s join was refused: {reply}"}
+        socks[name] = sock
+    version = newest_version(*next(iter(socks.items())))
+    source = {name: t.info["snapshot_endpoint"] for name in socks}
+    granted: Counter[str] = Counter()
+    replies: Counter[str] = Counter()
+    sent, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        for name, sock in socks.items():
+            msg = wire.SourceRequest(
+                worker_id=name, version=version, bad_source=source[name], reason="timeout"
+            )
+            sock.send(wire.encode(msg))
+            sent += 1
+            while sock.poll(5000):
+                reply = wire.decode(sock.recv(), 1 << 24)
+                if isinstance(reply, wire.SourceGrant):
+                    source[name] = reply.source
+                    granted[reply.source] += 1
+                    replies["source_grant"] += 1
+                    break
+                if isinstance(reply, wire.Error):
+                    replies[reply.reason] += 1
+                    if reply.reason == "unknown_version":  # a newer version went out
+                        version = newest_version(name, sock)
+                    break
+            else:
+                replies["no_reply"] += 1
+        time.sleep(0.2)  # a report every 200 ms per key: 5 a second each
+    for name, sock in socks.items():
+        ask(sock, wire.Leave(worker_id=name), 1.0)
+        sock.close()
+    return {"keys": keys, "reports_sent": sent, "granted": dict(granted), "replies": dict(replies)}
+
+
+def colluding_reporters_5(t: Target) -> dict[str, Any]:
+    return colluding_reporters(t, keys=5)
+
+
 ATTACKS: dict[str, Callable[[Target], dict[str, Any]]] = {
     f.__name__: f
     for f in (
@@ -382,5 +453,7 @@ ATTACKS: dict[str, Callable[[Target], dict[str, Any]]] = {
         plaintext,
         oversize,
         relay_spellings,
+        colluding_reporters,
+        colluding_reporters_5,
     )
 }

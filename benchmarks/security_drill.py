@@ -589,6 +589,24 @@ def _check_oversize(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _check_colluders(r: dict[str, Any]) -> list[str]:
+    """Issue 52: one token's keys reporting every granted source as a timeout convict nobody,
+    strike no honest worker, and start a bounded number of probes."""
+    out, reports = [], r.get("relay_reports_delta", {})
+    if not r["attacker"].get("reports_sent"):
+        out.append("no report sent: not exercised")
+    convicted = {k: n for k, n in reports.items() if k.endswith(":convicted")}
+    if convicted or r.get(COL.relays_marked):
+        out.append(f"honest relays convicted {convicted}, marked {r.get(COL.relays_marked)}")
+    if r.get("honest_struck"):
+        out.append(f"honest workers struck: {r['honest_struck']}")
+    probes = sum(n for k, n in reports.items() if k.startswith("probe:"))
+    cap = 4 * (1 + int(r["wall_s"] // 60))  # security.report_probes_per_min, one witness
+    if probes > cap:
+        out.append(f"{probes} probes from one token's reports (cap {cap})")
+    return out
+
+
 EXPECT = {  # what "refused" means for each attack: the problems found in the phase's record
     "junk13": _check_junk,
     "impersonate": lambda r: _check_impersonate(r) + _check_token(r),
@@ -631,6 +649,8 @@ EXPECT = {  # what "refused" means for each attack: the problems found in the ph
             ]
         )
     ),
+    "colluding_reporters": lambda r: _check_colluders(r),
+    "colluding_reporters_5": lambda r: _check_colluders(r),
     **__import__("drill_relays").CHECKS,
     "forged_handback": __import__("drill_handbacks").check_forged_handback,
     "cherry_pick": __import__("drill_handbacks").check_cherry_pick,
@@ -653,6 +673,8 @@ ORDER = [
     "banned",
     "oversize",
     "relay_spellings",
+    "colluding_reporters",
+    "colluding_reporters_5",
     "stranger_reports",
     "black_hole",
     "selective_relay",

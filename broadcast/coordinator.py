@@ -74,6 +74,8 @@ class Coordinator:
         self.sources: dict[str, str] = {}  # the last plan: worker -> endpoint it pulls from
         self.reports = reports or ReportBook()
         self.given: dict[str, list[str]] = {}  # worker -> the last GIVEN sources it was sent
+        # worker -> the source a report of its own moved it to (no witness there), till a plan
+        self.placed_by_report: dict[str, str] = {}
         self._by_endpoint: dict[str, str] = {}  # relay endpoint -> worker id (``owner``)
         # Parts with a job of their own, reading the same live peers and reports.
         self.install_log = InstallLog(self.peers, self.reports, source, q)
@@ -143,6 +145,7 @@ class Coordinator:
         self.nat.forget(worker_id)
         self.sources.pop(worker_id, None)
         self.given.pop(worker_id, None)
+        self.placed_by_report.pop(worker_id, None)
         self.links.forget(worker_id)
 
     def rates(self) -> dict[str, tuple[float, float]]:
@@ -199,6 +202,7 @@ class Coordinator:
 
     def publish(self, version: int, now: float | None = None) -> dict[str, str]:
         self.install_log.publish(version, now)
+        self.placed_by_report.clear()  # the plan places every child for its own reasons
         for old in sorted(self.plans)[:-4]:
             del self.plans[old]
         return dict(self._plan())  # a copy: reports move single workers in self.sources
@@ -252,6 +256,13 @@ class Coordinator:
             plan.get(worker_id) == endpoint for plan in (self.sources, *self.plans.values())
         )
 
+    def witnessed(self, worker_id: str, endpoint: str) -> bool:
+        """Would a report from ``worker_id`` on ``endpoint`` count: its assigned source, and not
+        one it was moved to because it reported another (``broadcast.reports``)?"""
+        return self.assigned(worker_id, endpoint) and self.placed_by_report.get(worker_id) != plain(
+            endpoint
+        )
+
     def reattach(
         self,
         worker_id: str,
@@ -259,17 +270,19 @@ class Coordinator:
         reason: str,
         now: float | None = None,
         count: bool = True,
+        group: str | None = None,
     ) -> str:
         """A worker's source failed: the worker gets another one at once; the report is
-        evidence against the source (``broadcast.reports``), counted when ``count``."""
+        evidence against the source (``broadcast.reports``), counted when ``count``, as the
+        word of witness ``group`` (None: the worker itself)."""
         now = time.monotonic() if now is None else now
         bad_source = plain(bad_source)
         accused = self.owner(bad_source)
         if accused is not None and reason in ("unpunchable", "tunnel_lost"):
             self.nat.link_failed(worker_id, accused, reason)
         elif accused is not None:
-            assigned = count and self.assigned(worker_id, bad_source)
-            outcome = self.reports.report(worker_id, bad_source, reason, assigned, now)
+            assigned = count and self.witnessed(worker_id, bad_source)
+            outcome = self.reports.report(worker_id, bad_source, reason, assigned, now, group)
             if outcome != "convicted":
                 # Only the reporter moves; everyone else keeps the source it is pulling from.
                 log.info(
@@ -283,13 +296,15 @@ class Coordinator:
                 avoided = self.reports.avoided(worker_id, now)
                 if outcome == "counted":  # a real child: its place in a plan without the relay
                     self.sources[worker_id] = self._placement(worker_id, avoided)
+                    # ... which is no place it could report from as a witness, till the next plan
+                    self.placed_by_report[worker_id] = self.sources[worker_id]
                 elif worker_id in self.sources:  # anyone else: upstream, no planning cost
                     self.sources[worker_id] = self._upstream(worker_id, avoided)
                 new = self.sources.get(worker_id, self.source)
                 return self.source if new == bad_source else new
             self._apply(accused)
             log.warning(
-                "relay %s convicted by reports from %d children (%s): kept out until re-probed",
+                "relay %s convicted by reports from %d witnesses (%s): kept out until re-probed",
                 accused.worker_id,
                 self.reports.convict_after,
                 reason,

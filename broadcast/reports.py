@@ -10,9 +10,15 @@ or may be lying to get an honest relay removed. So (docs/security.md, "Relay rep
 * the reporter is routed around the accused **at once and for a while** (``avoid_s``): the
   next plans never put it under that relay again in that time (before, a child reported a
   corrupting relay three times in six seconds because every re-plan put it back);
-* the accused is **convicted** by ``convict_after`` reports from distinct children (of the same
-  kind: ``corrupt`` or ``unreachable``), or by the learner's own probe (``confirm``: the
-  learner fetched from it like a child and got corrupt bytes, or nothing). A conviction keeps
+* a report counts only from a child the planner placed there for its own reasons: a child
+  that was just moved onto a relay because it reported another (``placed_by_report``, until
+  the next plan) is no witness against it (issue 52: two keys walked the relays that way);
+* the accused is **convicted** of ``corrupt`` by reports from ``convict_after`` independent
+  witnesses (``group``: the token a reporter joined with, so one token's keys are one
+  witness; in open mode, where keys are free, nobody is a witness, ``NO_WITNESS``), or by the
+  learner's own probe (``confirm``: the learner fetched from it like a child and got corrupt
+  bytes, or nothing). A ``timeout`` or ``disconnected`` is never convicted on reports alone:
+  a reporter's own bad link, or a lie, says the same, so it takes the learner's failed probe. A conviction keeps
   the relay out of parent positions (corrupt) or out of the plan (unreachable) for
   ``mark_s`` seconds, doubled at each repeat; when the mark expires the relay is due for a
   re-probe (``due``) and comes back only if that probe passes (``clear``);
@@ -30,6 +36,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 CORRUPT, UNREACHABLE = "corrupt", "unreachable"
+NO_WITNESS = ""  # a reporter whose word is nobody's independent witness (open mode)
 KIND = {"corrupt": CORRUPT, "suspect": CORRUPT, "timeout": UNREACHABLE, "disconnected": UNREACHABLE}
 
 
@@ -42,7 +49,7 @@ class Mark:
 
 @dataclass
 class ReportBook:
-    convict_after: int = 2  # distinct children whose reports of one kind convict a relay
+    convict_after: int = 2  # independent witnesses whose corrupt reports convict a relay
     avoid_s: float = 600.0  # a reporter is kept off the accused this long
     mark_s: float = 60.0  # first conviction's length; doubled at each repeat
     max_mark_s: float = 3600.0
@@ -53,9 +60,18 @@ class ReportBook:
     strikes: Counter[str] = field(default_factory=Counter)  # endpoint -> convictions
     counts: Counter[str] = field(default_factory=Counter)  # "reason:outcome" -> n
 
-    def report(self, child: str, endpoint: str, reason: str, assigned: bool, now: float) -> str:
-        """Record one report; returns its outcome: ``unassigned``, ``counted`` or
-        ``convicted`` (this report made the count)."""
+    def report(
+        self,
+        child: str,
+        endpoint: str,
+        reason: str,
+        assigned: bool,
+        now: float,
+        group: str | None = None,
+    ) -> str:
+        """Record one report; returns its outcome: ``unassigned``, ``counted`` (the caller
+        probes the accused) or ``convicted`` (this report made the count). ``group``: the
+        witness the reporter is (None: itself)."""
         kind = KIND.get(reason)
         if kind is not None:  # a refusal (say, a version the relay does not hold yet) is no failure
             self.avoid.setdefault(child, {})[endpoint] = now + self.avoid_s
@@ -65,9 +81,15 @@ class ReportBook:
             outcome = "unassigned"
         else:
             seen = self.reporters.setdefault(endpoint, {}).setdefault(kind, set())
-            seen.add(child)
+            witness = child if group is None else group
+            if witness != NO_WITNESS:
+                seen.add(witness)
             outcome = "counted"
-            if len(seen) >= self.convict_after and not self.marked(endpoint, kind, now):
+            if (
+                kind == CORRUPT
+                and len(seen) >= self.convict_after
+                and not self.marked(endpoint, kind, now)
+            ):
                 self.convict(endpoint, kind, now)
                 outcome = "convicted"
         self.counts[f"{reason}:{outcome}"] += 1

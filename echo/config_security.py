@@ -45,10 +45,14 @@ class SecurityConfig(_Section):
     peer_chunk_requests_per_s: float = Field(1000.0, gt=0)
     max_parked_per_peer: int = Field(64, gt=0)  # chunk requests one peer may have waiting
     max_parked_total: int = Field(4096, gt=0)  # ... all peers of one chunk server
-    # Relay reports from one key that the learner's probes did not confirm, after which its
-    # reports no longer count as evidence (nor start probes). Never a ban: an intact probe is
-    # no proof, a relay may serve probes well and children badly (docs/security.md).
+    # Relay reports from one witness (a token's keys are one) that the learner's probes did not
+    # confirm, after which its reports no longer count as evidence (nor start probes). Never a
+    # ban: an intact probe is no proof, a relay may serve probes well and children badly
+    # (docs/security.md).
     false_reports: int = Field(10, gt=0)
+    # Probes of reported relays the reports of one witness (a token's keys; a key in open mode)
+    # may start in a minute; past it they still move the reporter, and start nothing.
+    report_probes_per_min: int = Field(4, gt=0)
     ticket_ttl_s: float = Field(3600.0, gt=0)  # how long a relay honours a pull ticket
     # What workers report is checked before it trains (docs/security.md, "Trust but verify").
     # Rewards are recomputed on the learner for adapters that can (``recomputes_rewards``);

@@ -228,6 +228,10 @@ class TokenStore:
         atomic_write(self.path, json.dumps({"tokens": self.tokens}, indent=1), mode=0o600)
         self._watch.changed()
 
+    def token_of(self, key: str) -> str | None:
+        """The stored hash of the token ``key`` joined with (its keys share it), or None."""
+        return next((h for h, e in self.tokens.items() if key in e["keys"]), None)
+
     def create(self, uses: int, ttl_s: float, note: str = "") -> str:
         if uses < 1 or ttl_s <= 0:
             raise SecurityError("a token needs --uses >= 1 and a positive --expires")

@@ -21,6 +21,7 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+from broadcast.reports import NO_WITNESS
 from echo.config import SecurityConfig
 from echo.rates import TokenBucket
 from echo.security import KeyList, KeyPair, PeerLimits, TokenStore
@@ -52,6 +53,17 @@ class Gate:
         self._newcomers = PeerLimits(cfg.newcomers_per_s_per_prefix, cfg.newcomer_burst)
         self._msgs = PeerLimits(cfg.peer_msgs_per_s, 2 * cfg.peer_msgs_per_s)
         self._bytes = PeerLimits(cfg.peer_mib_per_s * MIB, 2 * cfg.peer_mib_per_s * MIB)
+
+    def witness(self, key: str) -> str:
+        """Whose word a relay report from ``key`` is (docs/security.md, "Relay reports"): the
+        token it joined with (its sibling keys are the same witness), an allow-listed key on its
+        own, or nobody independent (``NO_WITNESS``) in open mode, where keys are free."""
+        if self.cfg.join == "allowlist":
+            return "key:" + key
+        if self.cfg.join == "token":
+            token = self.tokens.token_of(key)
+            return NO_WITNESS if token is None else "token:" + token[:16]
+        return NO_WITNESS
 
     def reload(self) -> None:
         for name, f in (("tokens", self.tokens), ("bans", self.bans), ("allow-list", self.allow)):

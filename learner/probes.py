@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
 
 from broadcast.coordinator import Coordinator
 from broadcast.manifest import ChunkLayout
@@ -40,13 +41,17 @@ class RelayProbes:
         table: SessionTable,
         store: SnapshotStore,
         rejected: Counter[str],
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.cfg = cfg
         self.gate = gate
         self.table = table
         self.store = store
         self.rejected = rejected  # the server's refusal counts, by reason (shared)
-        self.unconfirmed: Counter[str] = Counter()  # reporter key -> reports not confirmed
+        self.clock = clock
+        # witness (a token's keys are one; Gate.witness) -> its reports no probe confirmed
+        self.unconfirmed: Counter[str] = Counter()
+        self.probed: dict[str, deque[float]] = {}  # witness -> times of its latest probes
         self.reprobing: set[str] = set()  # endpoints with a re-probe in the verifier's queue
         self.coordinator: Coordinator | None = None
         self.verifier: Verifier | None = None
@@ -68,22 +73,38 @@ class RelayProbes:
 
     def relay_report(self, key: str, msg: wire.SourceRequest) -> None:
         """A child says its source failed (docs/security.md, "Relay reports"): it is moved off
-        that relay at once; the report counts as evidence only from an assigned child whose
-        earlier reports the learner's probes have not kept failing to confirm, and then the
-        learner probes the relay itself (``learner.verify``)."""
+        that relay at once; the report counts as evidence only from a child the plan put there
+        whose witness (its token: ``Gate.witness``) the learner's probes have not kept
+        contradicting, and then the learner probes the relay itself at once
+        (``learner.verify``), at most ``security.report_probes_per_min`` times a minute for
+        one witness. A timeout convicts only through that probe (``broadcast.reports``)."""
         assert self.coordinator is not None
-        credible = self.unconfirmed[key] < self.cfg.security.false_reports
+        witness = self.gate.witness(key)
+        credit = witness or key  # open mode: each key answers for its own reports
+        credible = self.unconfirmed[credit] < self.cfg.security.false_reports
         if not credible:
             self.rejected["report_not_counted"] += 1
-        assigned = self.coordinator.assigned(msg.worker_id, msg.bad_source)
-        self.coordinator.reattach(msg.worker_id, msg.bad_source, msg.reason, count=credible)
-        if credible and assigned and msg.reason in KIND:
+        counts = self.coordinator.witnessed(msg.worker_id, msg.bad_source)
+        self.coordinator.reattach(
+            msg.worker_id, msg.bad_source, msg.reason, count=credible, group=witness
+        )
+        if credible and counts and msg.reason in KIND and self._may_probe(credit):
             # A timeout is probed on the newest version: by the time the probe runs the
             # reported one is often superseded, and "no longer held" is an answer, no verdict.
             corrupt = KIND[msg.reason] == "corrupt"
             self.probe(
                 msg.bad_source, key, msg.version if corrupt else -1, msg.chunk if corrupt else -1
             )
+
+    def _may_probe(self, credit: str) -> bool:
+        """At most ``report_probes_per_min`` probes a minute on one witness's reports."""
+        limit, now = self.cfg.security.report_probes_per_min, self.clock()
+        times = self.probed.setdefault(credit, deque(maxlen=limit))
+        if len(times) == limit and now - times[0] < 60.0:
+            self.rejected["report_probe_limited"] += 1
+            return False
+        times.append(now)
+        return True
 
     def probe(self, endpoint: str, accuser: str, version: int, chunk: int = -1) -> bool:
         """Queue the learner's own fetch from ``endpoint`` (``version``, or the newest held);
@@ -136,7 +157,8 @@ class RelayProbes:
             self.gate.ban(accused, f"served a corrupt chunk at {endpoint}")
             self.rejected["relay_corrupt"] += 1
         elif outcome in ("intact", "answered") and accuser:
-            self.unconfirmed[accuser] += 1
+            # the accuser's token loses the credit, every key of it (Gate.witness)
+            self.unconfirmed[self.gate.witness(accuser) or accuser] += 1
             self.rejected["unconfirmed_report"] += 1
         log.info(
             "probe of %s (%s) after a report from %s: %s",

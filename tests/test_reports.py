@@ -76,21 +76,66 @@ def test_one_childs_report_moves_that_child_off_the_relay_for_good():  # attack 
     assert c.reports.counts == {"corrupt:counted": 1}
 
 
-def test_distinct_children_convict_and_the_mark_expires_into_a_reprobe():
+def test_distinct_witnesses_convict_of_corruption_and_the_mark_expires_into_a_reprobe():
     c, plan = chain(6, convict_after=2, mark_s=10.0)
     ep, first = relay_with_child(plan)
-    c.reattach(first, ep, "timeout", now=100.0)
-    c.reattach(first, ep, "timeout", now=100.5)  # the same child twice is one witness
-    assert c.owner(ep).alive
+    c.reattach(first, ep, "corrupt", now=100.0)
+    c.reattach(first, ep, "corrupt", now=100.5)  # the same child twice is one witness
+    assert not c.owner(ep).corrupt
     c.sources["w5"] = ep  # the next plan gives the relay another child, which also reports
-    c.reattach("w5", ep, "disconnected", now=101.0)
+    c.reattach("w5", ep, "suspect", now=101.0)
     relay = c.owner(ep)
-    assert not relay.alive and ep not in c.publish(2).values()
+    assert relay.corrupt and ep not in {s for w, s in c.publish(2).items() if w != "w5"}
     assert c.reports.due(105.0) == [] and c.reports.due(111.0) == [ep]
-    c.confirm(ep, "unreachable", now=111.0)  # the re-probe failed: marked again, twice as long
-    assert c.reports.marks[ep].until == pytest.approx(131.0) and not relay.alive
+    c.confirm(ep, "corrupt", now=111.0)  # the re-probe failed: marked again, twice as long
+    assert c.reports.marks[ep].until == pytest.approx(131.0) and relay.corrupt
     c.confirm(ep, "intact", now=131.0)  # a passed re-probe lets it back
-    assert relay.alive and ep not in c.reports.marks
+    assert not relay.corrupt and ep not in c.reports.marks
+
+
+def test_timeouts_convict_nobody_without_the_learners_failed_probe():  # issue 52, attack 1
+    """A reporter's own bad link, or a lie, says "timeout" as well as a dead relay does."""
+    c, plan = chain(6, convict_after=2)
+    ep, first = relay_with_child(plan)
+    for i, child in enumerate((first, "w4", "w5")):
+        c.sources[child] = ep
+        c.reattach(child, ep, "timeout" if i % 2 else "disconnected")
+    assert c.owner(ep).alive and ep not in c.reports.marks
+    assert c.reports.counts == {"disconnected:counted": 2, "timeout:counted": 1}
+    c.confirm(ep, "unreachable")  # the learner's own fetch got nothing
+    assert not c.owner(ep).alive and ep not in c.publish(2).values()
+
+
+def test_one_tokens_keys_are_one_witness_and_open_keys_none():  # issue 52, attack 1
+    c, plan = chain(6, convict_after=2)
+    ep, first = relay_with_child(plan)
+    c.sources["w5"] = ep
+    c.reattach(first, ep, "corrupt", group="token:a")
+    c.reattach("w5", ep, "corrupt", group="token:a")  # a second key of the same token
+    assert not c.owner(ep).corrupt
+    c.sources["w4"] = ep
+    c.reattach("w4", ep, "corrupt", group="")  # open mode: keys are free, no witness
+    assert not c.owner(ep).corrupt
+    c.sources["w3"] = ep
+    c.reattach("w3", ep, "corrupt", group="token:b")  # another token: a second witness
+    assert c.owner(ep).corrupt
+
+
+def test_a_child_moved_by_its_own_report_is_no_witness_where_it_lands():  # issue 52, attack 1
+    """Two keys walked the relays: each report's new source made the reporter that relay's
+    assigned child, so its next report counted. Now the landing place counts for nothing
+    until a plan puts the child somewhere for the plan's own reasons."""
+    c, plan = chain(6)
+    # the deepest child: a plan without its relay puts it under another relay, not the root
+    child = max(plan, key=lambda w: int(w[1:]))
+    ep = plan[child]
+    landed = c.reattach(child, ep, "corrupt")
+    assert c.owner(landed) is not None, landed  # moved onto another relay
+    assert c.assigned(child, landed) and not c.witnessed(child, landed)
+    c.reattach(child, landed, "corrupt")
+    assert c.reports.counts == {"corrupt:counted": 1, "corrupt:unassigned": 1}
+    newest = c.publish(2)  # the plan's own placement: a witness there again
+    assert c.witnessed(child, newest[child]) or newest[child] == "tcp://root"
 
 
 def test_a_report_about_a_superseded_version_still_counts():  # attack 4, at the coordinator
@@ -265,3 +310,86 @@ def test_a_probe_is_not_queued_for_an_empty_payload(make_plane):  # noqa: F811
         return plane.routes.probes.probe("tcp://127.0.0.1:9", "accuser", 0)
 
     assert plane._call(probe, plane) is False
+
+
+# ----------------------------------------------------------------------------- the witnesses
+
+
+class FakeVerifier:
+    def __init__(self) -> None:
+        self.probes: list[tuple[str, str]] = []
+
+    def submit(self, endpoint, accused, accuser, layout, chunk) -> bool:
+        self.probes.append((endpoint, accuser))
+        return True
+
+
+def probes_for(tmp_path, **security):
+    """RelayProbes over a chain, with a token gate: (probes, coordinator, plan, token keys)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from echo.config import EchoConfig
+    from learner.gate import Gate
+    from learner.probes import RelayProbes
+
+    cfg = EchoConfig.model_validate({"security": {"join": "token", **security}})
+    gate = Gate(cfg.security, tmp_path)
+    leaked = gate.tokens.create(uses=3, ttl_s=600)
+    other = gate.tokens.create(uses=1, ttl_s=600)
+    keys = {w: f"{w:>40}".replace(" ", "k") for w in ("w1", "w2", "w3", "w4", "w5")}
+    for w in ("w1", "w2", "w3"):
+        assert gate.tokens.redeem(leaked, keys[w]) == ""
+    assert gate.tokens.redeem(other, keys["w4"]) == ""
+    c, plan = chain(6)
+    now = [1000.0]
+    layout = SimpleNamespace(total=4)
+    store = SimpleNamespace(
+        get=lambda v: None, latest=lambda: SimpleNamespace(total=4, layout=layout)
+    )
+    table = SimpleNamespace(relay_keys={f"tcp://w{i}": f"relay{i}" for i in range(6)})
+    rp = RelayProbes(
+        cfg, gate=gate, table=table, store=store, rejected=Counter(), clock=lambda: now[0]
+    )
+    verifier = FakeVerifier()
+    rp.attach(c, verifier)
+    gate.keys = object()  # probes need the learner's key pair to exist: any will do here
+    return rp, c, verifier, keys, now
+
+
+def report(rp, keys, worker, endpoint, reason="timeout"):
+    rp.relay_report(
+        keys[worker],
+        wire.SourceRequest(worker_id=worker, version=1, bad_source=endpoint, reason=reason),
+    )
+
+
+def test_a_token_whose_reports_probes_contradict_loses_the_word_for_all_its_keys(tmp_path):
+    rp, c, verifier, keys, now = probes_for(tmp_path, false_reports=2)
+    for w in ("w1", "w2"):
+        c.sources[w] = "tcp://w0"
+        report(rp, keys, w, "tcp://w0")
+    assert len(verifier.probes) == 2  # each probed at once, on its own report
+    for _ep, accuser in verifier.probes:  # the relay answered both probes intact
+        rp.verdict("tcp://w0", "relay0", accuser, "intact")
+    c.sources["w3"] = "tcp://w0"  # a third key of the same token: its word is gone too
+    report(rp, keys, "w3", "tcp://w0")
+    assert len(verifier.probes) == 2 and rp.rejected["report_not_counted"] == 1
+    c.sources["w4"] = "tcp://w0"  # another token's key still counts, and is probed
+    report(rp, keys, "w4", "tcp://w0")
+    assert len(verifier.probes) == 3
+    assert c.owner("tcp://w0").alive  # timeouts alone never took it out
+
+
+def test_probes_one_witness_may_start_are_bounded_per_minute(tmp_path):
+    rp, c, verifier, keys, now = probes_for(tmp_path, report_probes_per_min=2)
+    for i in range(5):
+        c.sources["w1"] = f"tcp://w{i % 2}"
+        c.publish(i + 2)  # a new plan each time: the child is a witness where it is
+        c.sources["w1"] = f"tcp://w{i % 2}"
+        report(rp, keys, "w1", f"tcp://w{i % 2}")
+    assert len(verifier.probes) == 2 and rp.rejected["report_probe_limited"] == 3
+    now[0] += 61.0
+    c.sources["w1"] = "tcp://w0"
+    report(rp, keys, "w1", "tcp://w0")
+    assert len(verifier.probes) == 3

@@ -45,6 +45,9 @@ class FakeGate:
     def join(self, key: str, token: str, n: int, known: bool) -> str:
         return ""
 
+    def witness(self, key: str) -> str:
+        return ""  # open mode: each key answers for its own reports
+
     def ban(self, key: str, why: str) -> None:
         self.banned[key] = why
 
