@@ -6,7 +6,10 @@ new one and resumes with the chunks it still misses; nothing restarts from zero:
 
   * ``disconnected``: the source's connection closed (zmq socket monitor; immediate on a dead
     process);
-  * ``timeout``: no reply for ``timeout_s`` (a silent host);
+  * ``timeout``: no reply for ``stall_s`` while chunks are asked for (a silent host, a black
+    hole): a bound the caller sets from the link it measured (``stall_bound``: a few chunk
+    times of the last fetch's rate, at least ``STALL_FLOOR_S``), ``timeout_s`` until it has
+    measured one;
   * ``corrupt``: a chunk failed its hash (a relay that alters bytes is routed around);
   * ``refused``: the source answered with an error (it no longer holds that version).
 
@@ -94,6 +97,21 @@ class FetchStats:
         return self.bytes * 8 / 1e6 / self.seconds if self.bytes and self.seconds > 0 else 0.0
 
 
+STALL_FLOOR_S = 1.5  # the shortest silence taken for a stall (a loaded host's pauses)
+STALL_CHUNKS = 8.0  # a stall is this many chunk times of the measured link without a chunk
+
+
+def stall_bound(down_mbit: float, chunk_bytes: int, timeout_s: float) -> float:
+    """How long a fetch waits in silence for a source's next chunk before failing over: a few
+    chunk times at the rate this node measured on its last fetch (``down_mbit``; 0: none
+    yet), never under ``STALL_FLOOR_S`` nor over ``timeout_s``. A black-hole relay used to
+    cost its child the flat 10 s (issue 52); on loopback it now costs ``STALL_FLOOR_S``."""
+    if down_mbit <= 0:
+        return timeout_s
+    chunk_s = chunk_bytes * 8 / 1e6 / down_mbit
+    return min(timeout_s, max(STALL_FLOOR_S, STALL_CHUNKS * chunk_s))
+
+
 async def fetch_into(
     ctx: zmq.asyncio.Context,
     store: SnapshotStore,
@@ -108,7 +126,10 @@ async def fetch_into(
     max_attempts: int = 16,
     keys: KeyPair | None = None,
     resolve: Resolve | None = None,
+    stall_s: float | None = None,
 ) -> FetchStats:
+    """``timeout_s``: how long a source may answer "not yet"; ``stall_s`` (default
+    ``timeout_s``): how long it may be silent while chunks are asked for."""
     buf = store.get(version)
     assert buf is not None, "add the SnapshotBuffer to the store before fetching"
     stats = FetchStats()
@@ -139,6 +160,7 @@ async def fetch_into(
                 stats,
                 keys,
                 attempt,
+                timeout_s if stall_s is None else stall_s,
             )
             stats.seconds = time.monotonic() - t0
             return stats
@@ -180,7 +202,9 @@ async def _pull(
     stats: FetchStats,
     keys: KeyPair | None,
     attempt: dict[str, Any] | None = None,
+    stall_s: float | None = None,
 ) -> None:
+    stall = timeout_s if stall_s is None else stall_s
     buf = store.get(version)
     if buf is None:  # dropped meanwhile (a restarted learner's versions are forgotten): no fetch
         raise SnapshotError(f"version {version} was dropped while it was being fetched")
@@ -246,12 +270,12 @@ async def _pull(
                     await request(index)
                 deferred.clear()
                 backoff = min(2 * backoff, NOT_YET_MAX_S)
-            wait = timeout_s if not deferred else max(0.0, retry_at - time.monotonic())
+            wait = stall if not deferred else max(0.0, retry_at - time.monotonic())
             events = dict(await poller.poll(wait * 1000))
             if not events:
                 if deferred:
                     continue
-                raise SourceFailed("timeout", f"no chunk from {source} within {timeout_s}s")
+                raise SourceFailed("timeout", f"no chunk from {source} within {stall:.1f}s")
             if monitor in events:
                 parse_monitor_message(await monitor.recv_multipart())
                 raise SourceFailed("disconnected", f"{source} closed the connection")

@@ -27,8 +27,15 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from broadcast.fetch import REQUEST_BYTES, SOCKET_BUFFER, FetchStats, Reattach, fetch_into
-from broadcast.manifest import BaseManifest, Manifest
+from broadcast.fetch import (
+    REQUEST_BYTES,
+    SOCKET_BUFFER,
+    FetchStats,
+    Reattach,
+    fetch_into,
+    stall_bound,
+)
+from broadcast.manifest import BaseManifest, ChunkLayout, Manifest
 from broadcast.memory import keep_chunk_buffers
 from broadcast.shaping import TokenBucket
 from broadcast.source import ChunkServer
@@ -97,6 +104,7 @@ class Relay:
         # The run's base model (a LoRA run), once this node holds all of it, verified.
         self.bases = SnapshotStore(keep=1, recycle=False)
         self.endpoint = ""
+        self.down_mbit_measured = 0.0  # this node's fetches, EWMA (the stall bound: _stall)
         self.resolve = None  # punched links (broadcast.nat.links.Tunnels.resolve), if any
         self.server: ChunkServer | None = None
         self.zap: ZapHandler | None = None
@@ -179,7 +187,9 @@ class Relay:
             reattach=reattach,
             keys=self.keys,
             resolve=self.resolve,
+            stall_s=self._stall(buf.layout),
         )
+        self._measured(stats)
         return buf, stats
 
     async def receive_keyframe(
@@ -215,8 +225,24 @@ class Relay:
             reattach=reattach,
             keys=self.keys,
             resolve=self.resolve,
+            stall_s=self._stall(buf.layout),
         )
+        self._measured(stats)
         return buf.payload, stats
+
+    def _stall(self, layout: ChunkLayout) -> float:
+        """Silence taken for a stalled source: a few of this payload's chunks at the rate the
+        last fetches measured."""
+        chunk = min(layout.chunk_size, layout.payload_size)
+        return stall_bound(self.down_mbit_measured, chunk, self.cfg.timeout_s)
+
+    def _measured(self, stats: FetchStats) -> None:
+        """Each fetch that received something measures this node's link (EWMA)."""
+        if stats.chunks and stats.down_mbit > 0:
+            old = self.down_mbit_measured
+            self.down_mbit_measured = (
+                stats.down_mbit if old <= 0 else 0.7 * old + 0.3 * stats.down_mbit
+            )
 
     def hold_base(self, manifest: BaseManifest, payload: bytes | bytearray) -> None:
         """Serve the whole, verified base model to peers (chunk requests of form "base");

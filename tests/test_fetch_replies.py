@@ -194,3 +194,64 @@ def test_a_chunk_checked_on_the_thread_is_never_held_with_bytes_a_later_source_w
         ctx.destroy(linger=0)
     assert failures == [(a, "corrupt"), (b, "corrupt")]
     assert buf.digest() == chunk_hash(payload)
+
+
+def test_the_stall_bound_follows_the_measured_link():
+    from broadcast.fetch import STALL_FLOOR_S, stall_bound
+
+    mib = 1 << 20
+    assert stall_bound(0.0, mib, 10.0) == 10.0  # nothing measured yet: the configured bound
+    assert stall_bound(10_000.0, mib, 10.0) == STALL_FLOOR_S  # loopback: the floor
+    assert stall_bound(50.0, mib, 10.0) == STALL_FLOOR_S  # 8 chunk times: 1.34 s, floored
+    assert stall_bound(20.0, mib, 10.0) == pytest.approx(8 * 8 * mib / 1e6 / 20.0)  # 3.36 s
+    assert stall_bound(1.0, mib, 10.0) == 10.0  # a slow link: never past the configured bound
+
+
+def test_a_black_hole_source_is_left_after_the_stall_bound_not_the_timeout():
+    """Issue 52, item 4: a relay that takes requests and never answers cost its child the
+    flat 10 s; with the bound the link measured (here 1.5 s) the child is gone in that."""
+    key = RunKey.generate()
+    payload = np.random.default_rng(3).bytes(8 * CHUNK)
+    manifest = build_manifest(
+        run_id="t", version=1, tensors=[], payload=payload, chunk_size=CHUNK, dtype="uint8", key=key
+    )
+
+    async def body(ctx):
+        root_store = SnapshotStore()
+        root_store.add(SnapshotBuffer(manifest, payload))
+        root_sock, hole = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+        root_sock.bind("tcp://127.0.0.1:*")
+        hole.bind("tcp://127.0.0.1:*")  # accepts, reads nothing, answers nothing
+        root = root_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        black = hole.getsockopt_string(zmq.LAST_ENDPOINT)
+        store = SnapshotStore()
+        store.add(SnapshotBuffer(manifest))
+
+        async def reattach(bad, fail):
+            return root
+
+        async with asyncio.TaskGroup() as tg:
+            server = tg.create_task(ChunkServer(root_sock, root_store, MAX_BYTES).serve_forever())
+            stats = await fetch_into(
+                ctx,
+                store,
+                1,
+                black,
+                window=2,
+                timeout_s=10,
+                stall_s=1.5,
+                max_bytes=MAX_BYTES,
+                reattach=reattach,
+            )
+            server.cancel()
+        return store.get(1), stats
+
+    ctx = zmq.asyncio.Context()
+    try:
+        buf, stats = asyncio.run(asyncio.wait_for(body(ctx), 30))
+    finally:
+        ctx.destroy(linger=0)
+    assert buf.digest() == chunk_hash(payload)
+    first = stats.attempts[0]
+    assert first["reason"] == "timeout" and first["chunks"] == 0
+    assert 1.4 <= first["end"] - first["start"] < 5.0  # the bound, not the 10 s timeout
