@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, ru
 from benchmarks.security_drill import ROOT, Fleet, counters  # noqa: E402
 from echo.steprow import COL  # noqa: E402
 
-KINDS = ["forge_rewards", "fake_logprobs", "garbage_tokens", "drop_low"]
+KINDS = ["forge_rewards", "fake_logprobs", "garbage_tokens", "drop_low", "patient_logprobs"]
 WORKERS = 4
 LIAR = f"w{WORKERS - 1}"
 FINAL_STEPS = 20  # the final reward is the mean over this many last steps
@@ -168,6 +168,11 @@ def _summarize(
         "honest_audits": sum(a.get("worker_id") in honest for a in audits),
         "honest_flags": sum(a.get("worker_id") in honest and not a.get("ok", True) for a in audits),
         "honest_quarantined": [w for w in quarantined if w in honest],
+        # rows the screen left out of their step (learner/screen.py), honest senders' among them
+        "honest_screened_groups": sum(
+            sum(w in honest for w in e.get("workers", []))
+            for e in _lines(fleet.run / "screened.jsonl")
+        ),
         "audits_by_check": dict(
             Counter(f"{a.get('check')}:{'ok' if a.get('ok') else 'fail'}" for a in audits)
         ),
@@ -240,6 +245,16 @@ def lie_evidence(fleet: Fleet, liar: str, kind: str) -> dict[str, Any]:
             len(ix) < fleet.cfg.learner.group_size for ix in per_group.values()
         ),
     }
+    if kind in ("fake_logprobs", "patient_logprobs"):
+        # Issue 52: forged groups admitted, screened out of their step (learner/screen.py),
+        # and trained all the same (consumed by a step without being screened)
+        forged = {r.group_id for r in stored if r.logprobs and max(r.logprobs) <= -19.999}
+        consumed = {g for e in _lines(fleet.run / "consumed.jsonl") for g in e["groups"]}
+        screened = {g for e in _lines(fleet.run / "screened.jsonl") for g in e["groups"]}
+        ev["forged_groups_sent"] = sum(g["logprobs_replaced"] > 0 for g in groups)
+        ev["forged_groups_admitted"] = len(forged)
+        ev["forged_groups_screened"] = len(forged & screened)
+        ev["forged_groups_trained"] = len((forged & consumed) - screened)
     if kind not in ("drop_low", "garbage_tokens"):
         # Sample i sent is sample i scored, same tokens: its claimed reward should be the
         # adapter's. (garbage_tokens' claims are the adapter's scores of the garbage: honest.)
@@ -381,6 +396,7 @@ def calibrate_main(argv: list[str]) -> int:
         "audits": sum(r["honest_audits"] for r in runs),
         "flags": sum(r["honest_flags"] for r in runs),
         "quarantined": sum(len(r["honest_quarantined"]) for r in runs),
+        "screened": sum(r["honest_screened_groups"] for r in runs),
         "final_reward": spread([r["final_reward"] for r in runs]),
         "runs": runs,
     }
@@ -389,10 +405,11 @@ def calibrate_main(argv: list[str]) -> int:
 
     Console().print(
         f"calibrate: {args.runs} honest runs x {args.steps} steps: {result['audits']} audits "
-        f"of honest workers, {result['flags']} flagged, {result['quarantined']} quarantined; "
+        f"of honest workers, {result['flags']} flagged, {result['quarantined']} quarantined, "
+        f"{result['screened']} screened out of a step; "
         f"final reward {result['final_reward']}"
     )
-    return 0 if result["flags"] == 0 and result["quarantined"] == 0 else 1
+    return 0 if result["flags"] == result["quarantined"] == result["screened"] == 0 else 1
 
 
 def print_liars(result: dict[str, Any]) -> None:

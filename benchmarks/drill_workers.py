@@ -11,6 +11,8 @@ as usual, then one lie is applied to what is delivered. Kinds:
   * ``honest``: no lie (the drill's honest workers, so that their true rewards are logged too);
   * ``forge_rewards``: claims reward 1.0 for every sample the adapter scored below 1, and 0.0
     for the correct ones: the group advantages are inverted, training unlearns the task;
+  * ``patient_logprobs``: honest for its first 8 groups (through probation), then
+    ``fake_logprobs`` in one group of every 20 (issue 52);
   * ``fake_logprobs``: every behaviour log-prob claimed as ``--fake-logprob`` (default -20). The
     learner weighs a token by w = min(exp(logp_old - logp_behaviour), is_cap) (learner.loss,
     token_truncate): -20 pins w at the cap (2x) on every token of this worker, the most
@@ -49,7 +51,15 @@ from worker.backends import Sample  # noqa: E402
 from worker.generation import Generation  # noqa: E402
 
 Scored = list[tuple[Sample, float]]  # one group's samples and their rewards
-KINDS = ("honest", "forge_rewards", "fake_logprobs", "garbage_tokens", "drop_low")
+KINDS = (
+    "honest",
+    "forge_rewards",
+    "fake_logprobs",
+    "patient_logprobs",
+    "garbage_tokens",
+    "drop_low",
+)
+PATIENT_FIRST, PATIENT_EVERY = 8, 20  # patient_logprobs: honest groups first, then 1 lie in 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +97,15 @@ class LyingGeneration(Generation):
 
     def _lie_forge_rewards(self, group: wire.Group, scored: Scored) -> Scored:
         return [(s, 0.0 if r >= 1.0 else 1.0) for s, r in scored]
+
+    def _lie_patient_logprobs(self, group: wire.Group, scored: Scored) -> Scored:
+        """Honest through probation (its first ``PATIENT_FIRST`` groups), then
+        ``fake_logprobs`` in one group of every ``PATIENT_EVERY`` (issue 52's patient liar)."""
+        self.groups_sent = getattr(self, "groups_sent", 0) + 1
+        n = self.groups_sent - PATIENT_FIRST
+        return (
+            self._lie_fake_logprobs(group, scored) if n > 0 and n % PATIENT_EVERY == 0 else scored
+        )
 
     def _lie_fake_logprobs(self, group: wire.Group, scored: Scored) -> Scored:
         return [

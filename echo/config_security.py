@@ -60,6 +60,10 @@ class SecurityConfig(_Section):
     # snapshot version, and a test that the tokens were sampled from it.
     audit: bool = True
     audit_rate: float = Field(0.05, ge=0, le=1)  # share of groups audited after probation
+    # Every delivered row screened in the step-start forward (learner/screen.py): one whose
+    # claimed behaviour log-probs are on average more than this many nats per token from the
+    # learner's own is left out of the step and its group audited at once. 0: off.
+    screen_nats: float = Field(4.0, ge=0)
     probation_groups: int = Field(4, ge=0)  # a worker's first groups: every one is audited
     audit_budget: float = Field(0.10, gt=0, le=1)  # audits may take this share of learner time
     # The model audits recompute log-probs in (docs/memory.md). policy: on a single-process

@@ -22,7 +22,7 @@ from typing import Any
 from broadcast.memory import trim
 from dataplane.records import Limits
 from echo.config import EchoConfig, dump_toml
-from echo.metrics import LearnerMetrics, finite_or_null
+from echo.metrics import LearnerMetrics
 from echo.spill import spill_dir
 from echo.steprow import COL, RunSummary, StepRow
 from learner import stopping
@@ -38,8 +38,9 @@ from learner.policy import Policy
 from learner.provision import CapacityFeedback
 from learner.release import Release, Releaser, base_model, release_threaded, run_publisher
 from learner.resume import Resume
-from learner.rows import CutWatch, RunTotals, finite_row, metrics_row
+from learner.rows import CutWatch, RunTotals, finite_row, metrics_row, save_summary
 from learner.rows import summary as run_summary
+from learner.screen import audit_screened
 from learner.server import LearnerServer
 from learner.startup import announce, freeze_startup_objects, reuse_ports, setup_logging
 from learner.trails import Trails
@@ -259,6 +260,11 @@ class Learner:
             self.cfg, self.server, self.trails, self.metrics, lambda: self.step
         )
 
+    def _key_of(self, worker_id: str) -> str | None:  # a screened group's sender's key
+        return getattr(
+            self.server.table.workers.get(worker_id) if self.server else None, "key", None
+        )
+
     def _report(self, verdict: Any) -> None:
         if self.server is not None:
             self.server.report(verdict)
@@ -305,11 +311,7 @@ class Learner:
 
     def write_summary(self, ended: str) -> RunSummary:
         """summary.json, whole or not at all (a second Ctrl-C may come while it is written)."""
-        summary = run_summary(self.cfg, self.rows, self.totals, ended)
-        tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(finite_or_null(summary.to_json())[0], indent=2, allow_nan=False))
-        tmp.replace(self.run_dir / "summary.json")
-        return summary
+        return save_summary(self.run_dir, run_summary(self.cfg, self.rows, self.totals, ended))
 
     def _one_step(self) -> StepRow:
         lc, step = self.cfg.learner, self.step
@@ -344,6 +346,9 @@ class Learner:
         t2 = time.monotonic()
         if stats.get(COL.skipped_nonfinite):  # the trainer names its numbers as the row does
             self.trails.strike(groups, self.policy.trainer.nonfinite_rows)
+        if self.policy.trainer.screened_rows:  # left out of the step: audited at once
+            screened = self.policy.trainer.screened_rows
+            audit_screened(groups, screened, self._key_of, self.auditor.submit, self.trails.write)
         self.totals.add(step, t1 - t0, t2 - t1)
         self.step += 1
         self.buffer.set_version(self.step)

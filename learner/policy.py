@@ -84,6 +84,7 @@ class Policy:
             max_new_tokens=cfg.worker.max_new_tokens,
             eos_token_id=self.tokenizer.eos_token_id,
             answer_tokens=self.answer_tokens,
+            screen_nats=cfg.security.screen_nats if cfg.security.audit else 0.0,
         )
 
     def _wrap_lora(self, model: Any, cfg: EchoConfig) -> Any:

@@ -5,10 +5,12 @@ Pure functions of what the step and the server's statistics report.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dataplane.records import Record
 from echo.config import EchoConfig
@@ -193,3 +195,11 @@ def finite_row(row: StepRow) -> StepRow:
     out.missing = set(row.missing)  # fields not yet set stay where they will be written
     out.nonfinite_values = n
     return out
+
+
+def save_summary(run_dir: Path, summary: RunSummary) -> RunSummary:
+    """``summary.json``, whole or not at all (written aside, then renamed)."""
+    tmp = run_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(finite_or_null(summary.to_json())[0], indent=2, allow_nan=False))
+    tmp.replace(run_dir / "summary.json")
+    return summary

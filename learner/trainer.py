@@ -19,6 +19,7 @@ from echo.lora import is_peft
 from echo.steprow import COL  # the trainer names its numbers as the step row does
 from learner.loss import LossConfig, grpo_loss
 from learner.parallel import Parallel, Single
+from learner.screen import screen_rows
 
 log = logging.getLogger("echo.trainer")
 
@@ -137,8 +138,13 @@ class Trainer:
         max_new_tokens: int = 0,
         eos_token_id: int | None = None,
         answer_tokens: Sequence[int] | None = None,
+        screen_nats: float = 0.0,
     ):
         self.model = model
+        # learner/screen.py: rows whose claimed log-probs are this far from the step-start
+        # ones are left out of the step (0: off; one process only)
+        self.screen_nats = screen_nats if (parallel is None or parallel.world == 1) else 0.0
+        self.screened_rows: list[int] = []  # rows the last step left out for the screen
         self.answer_tokens = answer_tokens
         self.par = parallel or Single()
         self.cfg = cfg
@@ -189,6 +195,7 @@ class Trainer:
                 self._micro_logprobs(batch, mb, i, self.ref_logprobs)
                 for mb, i in zip(minibatches, shards)
             ]
+        batch = self._screen(batch, minibatches, shards, olds)
         applied: list[dict[str, float]] = []
         for mb, idx, old, ref in zip(minibatches, shards, olds, refs):
             stats = self._update(batch, mb, idx, old, ref)
@@ -211,6 +218,30 @@ class Trainer:
             else {k: math.nan for k in keys}
         )  # nothing trained: no loss to report
         return {**extra, **out, COL.skipped_nonfinite: float(skipped)}
+
+    def _screen(
+        self,
+        batch: LearnerBatch,
+        minibatches: Sequence[torch.Tensor],
+        shards: Sequence[torch.Tensor],
+        olds: Sequence[torch.Tensor | None],
+    ) -> LearnerBatch:
+        """The batch with the rows the screen flags left out (``screened_rows``)."""
+        self.screened_rows = []
+        if not self.screen_nats:
+            return batch
+        for mb, idx, old in zip(minibatches, shards, olds):
+            if old is None:
+                continue
+            rows = torch.cat([idx[pos] for pos, w in self.micro_batches(mb, idx) if w])
+            self.screened_rows += screen_rows(
+                rows, old, batch.behaviour_logprobs[rows], batch.loss_mask[rows], self.screen_nats
+            )
+        if not self.screened_rows:
+            return batch
+        keep = torch.ones(batch.loss_mask.shape[0], dtype=batch.loss_mask.dtype)
+        keep[self.screened_rows] = 0
+        return dataclasses.replace(batch, loss_mask=batch.loss_mask * keep.unsqueeze(1))
 
     def _update(
         self,
