@@ -162,8 +162,10 @@ def public_host_problem(host: str, public_host: str) -> str:
         return (
             f"learner.host={host!r} binds every interface, and workers cannot connect to "
             f"{host or '0.0.0.0'!r}: set learner.public_host to the address workers reach this "
-            f"machine at (its public IP or DNS name, e.g. --set learner.public_host=203.0.113.7), "
-            f"or bind learner.host to that address itself"
+            f"machine at (its public IP or DNS name, e.g. --set learner.public_host=203.0.113.7). "
+            f"Keep learner.host at 0.0.0.0 (or this machine's private address) behind a cloud's "
+            f"1:1 NAT: the public address is on no interface here, so binding it fails "
+            f"(docs/ports.md)"
         )
     return ""
 

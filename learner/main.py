@@ -42,7 +42,13 @@ from learner.rows import CutWatch, RunTotals, finite_row, metrics_row, save_summ
 from learner.rows import summary as run_summary
 from learner.screen import audit_screened
 from learner.server import LearnerServer
-from learner.startup import announce, freeze_startup_objects, reuse_ports, setup_logging
+from learner.startup import (
+    announce,
+    freeze_startup_objects,
+    reuse_ports,
+    say_length_fit,
+    setup_logging,
+)
 from learner.trails import Trails
 from learner.watch import PolicyWatch, take_groups
 from learner.work import WorkQueue
@@ -77,6 +83,7 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
     if resume:
         reuse_ports(cfg, run_dir)
     (run_dir / "config.toml").write_text(dump_toml(cfg))
+    say_length_fit(cfg, policy.adapter, policy.tokenizer, policy.model)
     learner = Learner(cfg, run_dir, policy)
     reason = "run complete"
     try:

@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from echo.config import EchoConfig, ListenPorts
 from echo.metrics import LearnerMetrics
@@ -123,3 +124,32 @@ def announce(
     print(f"workers join with: {words}", file=sys.stderr, flush=True)
     log.info("workers join with: %s", words)
     return metrics_server
+
+
+def say_length_fit(cfg: EchoConfig, adapter: Any, tokenizer: Any, model: Any) -> str:
+    """A warning, in the log and returned, when the task's sequences outgrow the positions
+    the model was built for (issue 56: a 70-token episode on a 64-position model started
+    without a word); "" when they fit. Prompts: the first 64 the adapter draws (a private
+    RNG: the run's stream is untouched)."""
+    import random
+
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return ""
+    prompts = adapter.prompts(random.Random(cfg.seed))
+    longest = max((len(next(prompts).prompt_ids) for _ in range(64)), default=0)
+    multi = getattr(adapter, "multi_turn", False)
+    episode = getattr(adapter, "max_completion_tokens", 0) if multi else 0
+    budget = max(cfg.worker.max_new_tokens, episode)
+    if longest + budget <= limit:
+        return ""
+    why = (
+        f"adapter {cfg.adapter.name}: a prompt of {longest} tokens plus a completion budget of "
+        f"{budget} (max of worker.max_new_tokens = {cfg.worker.max_new_tokens}"
+        + (f" and the adapter's max_completion_tokens = {episode}" if episode else "")
+        + f") needs {longest + budget} positions, and the model was built for {limit} "
+        f"(max_position_embeddings): positions past it are extrapolated, not trained. Raise "
+        f"model.max_positions (a tiny model), or lower the budget or the episode's length"
+    )
+    log.warning("%s", why)
+    return why

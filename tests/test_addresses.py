@@ -353,3 +353,13 @@ def test_junk_relay_endpoints_are_refused_and_counted_and_the_learner_serves_on(
     finally:
         ctx.destroy(linger=0)
         plane.shutdown("test over")
+
+
+def test_the_wildcard_message_does_not_send_a_nat_host_to_bind_its_public_address():
+    """Issue 55, item 3: behind a 1:1 NAT the public address is on no interface; the old hint
+    "or bind learner.host to that address itself" led to "Cannot assign requested address"."""
+    from echo.addresses import public_host_problem
+
+    text = public_host_problem("0.0.0.0", "")
+    assert "bind learner.host to that address" not in text
+    assert "Keep learner.host at 0.0.0.0" in text and "1:1 NAT" in text
