@@ -15,6 +15,7 @@ from typing import Any
 from echo import wire
 from worker.backends import Backend, Sample
 from worker.records import cut_episodes
+from worker.session import WorkerError
 
 Scored = list[list[tuple[Sample, float]]]  # per group: its samples and their rewards
 
@@ -44,6 +45,7 @@ def generate_and_score(
             out: Any = adapter.rollout(groups, gen)
         except Cut as c:
             return cut_episodes(groups, c.decisions)
+        check_episode_lengths(adapter, out, wv["max_new_tokens"])
         return [[(s, float(s.reward)) for s in samples] for samples in out]
     tail = tail_share(wv.get("tail_cut"))
     out = backend.generate(
@@ -61,6 +63,30 @@ def generate_and_score(
         else _scored(adapter, backend.tokenizer, g, samples)
         for g, samples in zip(groups, out)
     ]
+
+
+class AdapterFault(WorkerError):
+    """The adapter produced what the learner refuses whoever delivers it: its own limit, not
+    this worker's lie. The worker stops, saying so, rather than deliver records that would
+    count against it (issue 56: over-long episodes had both honest workers banned)."""
+
+
+def check_episode_lengths(adapter: Any, out: Any, max_new_tokens: int) -> None:
+    """Every episode within what the learner admits: ``max(worker.max_new_tokens,
+    max_completion_tokens)`` tokens (learner/main.py builds its limits the same way)."""
+    bound = getattr(adapter, "max_completion_tokens", 0)
+    limit = max(int(max_new_tokens), int(bound))
+    longest = max((len(s.completion_ids) for samples in out for s in samples), default=0)
+    if longest > limit:
+        name = getattr(adapter, "name", type(adapter).__name__)
+        raise AdapterFault(
+            f"adapter {name}: an episode of {longest} tokens is longer than its "
+            f"max_completion_tokens = {bound} (the learner refuses records past "
+            f"max(worker.max_new_tokens, max_completion_tokens) = {limit} tokens from anyone). "
+            f"This is the adapter's limit, not this worker's fault: raise "
+            f"{type(adapter).__name__}.max_completion_tokens or shorten its episodes (fewer "
+            f"turns); this worker stops rather than deliver records the learner would refuse"
+        )
 
 
 def tail_share(value: Any) -> float:
