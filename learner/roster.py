@@ -294,7 +294,10 @@ def _live(run_dir: Path, rows: dict[str, Entry], notes: list[str]) -> str:
 
 
 def _tree(state: Any, rows: dict[str, Entry], notes: list[str]) -> None:
-    """Parents and roles from the served relay tree (absent from an older learner)."""
+    """Parents, roles and transports from the served relay tree (absent from an older
+    learner): all three from the one plan, so they cannot disagree (issue 55: the workers
+    list's transport, read apart from the tree, said "punched" beside PARENT learner, ROLE
+    head in 23 of 30 polls)."""
     raw = state.get("tree") if isinstance(state, dict) else None
     if raw is None:
         return
@@ -313,7 +316,7 @@ def _tree(state: Any, rows: dict[str, Entry], notes: list[str]) -> None:
     for n in tree.nodes:
         e = rows.get(n.worker)
         if e is not None:
-            e.parent, e.role = n.parent or "", n.role
+            e.parent, e.role, e.transport = n.parent or "", n.role, n.transport
 
 
 def _rows(state: Any, name: str) -> list[dict[str, Any]]:

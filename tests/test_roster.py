@@ -215,3 +215,23 @@ def test_parents_roles_and_links_come_from_the_served_tree_which_is_validated():
         notes,
     )
     assert "did not validate" in notes[0]
+
+
+def test_transport_comes_from_the_same_tree_as_parent_and_role():
+    """Issue 55, item 4: the workers list said "punched" while the tree said PARENT learner,
+    ROLE head; the three now come from one plan."""
+    from learner.roster import Entry, _tree
+
+    rows = {"h": Entry("h", "", transport="punched")}  # as the workers list had it
+    head = {
+        "worker": "h",
+        "parent": "learner",
+        "source": "tcp://l:2",
+        "role": "head",
+        "children": 1,
+        "transport": "tcp",
+        "nat": "punchable",
+        "relay_endpoint": "tcp://h:5560",
+    }
+    _tree({"tree": {"version": 4, "source": "tcp://l:2", "nodes": [head]}}, rows, [])
+    assert (rows["h"].parent, rows["h"].role, rows["h"].transport) == ("learner", "head", "tcp")
