@@ -46,7 +46,9 @@ def test_an_episode_past_the_adapters_limit_stops_the_worker_naming_the_adapter(
     with pytest.raises(AdapterFault) as err:
         run(70)
     text = str(err.value)
-    assert "mastermind-lite" in text and "70 tokens" in text and "max_completion_tokens = 48" in text
+    assert (
+        "mastermind-lite" in text and "70 tokens" in text and "max_completion_tokens = 48" in text
+    )
     assert "not this worker's fault" in text
     assert isinstance(err.value, WorkerError)  # echo-worker join prints it and exits 1
 
