@@ -6,7 +6,9 @@ A policy is collapsing when either
 
 - its held-out score fell: the newest score is below the best one by a paired 95 % interval
   that excludes 0 (the same prompts and seeds each time, echo/ci.py) and by at least
-  ``HELDOUT_FALL`` of the best score, or
+  ``HELDOUT_FALL`` of the best score, in the last two evaluations after the best, or in the
+  newest alone by ``HELDOUT_STEEP`` of it (a single dip of 12 % came back to the best within
+  ten steps in a SmolLM2 run, docs/does-it-learn.md), or
 - it stopped exploring: the mean entropy of the last ``WINDOW`` steps is below
   ``ENTROPY_FALL`` of the median of the first ``WINDOW``, while at least ``FLAT_SHARE`` of
   those steps' groups scored alike (no advantage, so no gradient but the KL's).
@@ -25,7 +27,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from echo.ci import paired_ci
+from echo.ci import MeanCI, paired_ci
 from echo.steprow import StepRow
 from learner.buffer import ReplayBuffer
 from learner.evaluation import HeldoutScore
@@ -35,6 +37,7 @@ log = logging.getLogger("echo.learner")
 
 WINDOW = 5  # steps
 HELDOUT_FALL = 0.1  # a fall counts from this share of the best score (a wobble does not)
+HELDOUT_STEEP = 0.25  # one fall this deep is enough; a shallower one must be seen twice
 ENTROPY_FALL = 0.2  # the entropy of the last WINDOW steps against the first WINDOW's
 FLAT_SHARE = 0.75  # groups that scored alike over the last WINDOW steps
 DYNAMIC_TAKE = 3  # dynamic sampling takes at most this many times prompts_per_step groups
@@ -80,6 +83,7 @@ class PolicyWatch:
         self.flat: list[float] = []
         self.flat_skipped = 0
         self.newest: HeldoutScore | None = None
+        self.scores: list[HeldoutScore] = []  # every score that came back, oldest first
         self.said: set[str] = set()  # reasons already logged
         self.stop: str | None = None  # why the run should end here (mode "stop")
 
@@ -96,6 +100,7 @@ class PolicyWatch:
         if self.heldout is not None:
             for score in self.heldout.results():
                 self.newest = score
+                self.scores.append(score)
             if self.newest is not None:
                 s = self.newest
                 row.heldout_step, row.heldout_mean = s.steps, round(s.mean, 4)
@@ -121,21 +126,31 @@ class PolicyWatch:
         if reasons and self.mode == "stop":
             self.stop = f"stopped: the policy collapsed at step {row.step} ({row.collapse})"
 
+    @staticmethod
+    def _fall(best: HeldoutScore, s: HeldoutScore) -> MeanCI | None:
+        """The paired difference ``s - best`` when it is a fall: an interval below 0 and at
+        least ``HELDOUT_FALL`` of the best score; else None."""
+        if len(s.per_prompt) != len(best.per_prompt) or len(s.per_prompt) < 2:
+            return None
+        d = paired_ci(best.per_prompt, s.per_prompt)
+        return d if d.hi < 0 and -d.mean >= HELDOUT_FALL * abs(best.mean) else None
+
     def reasons(self) -> dict[str, str]:
         """Kind -> the words that say it; empty while the policy looks healthy."""
         out = {}
         best = None if self.heldout is None else self.heldout.best
-        s = self.newest
-        if best is not None and s is not None and s.steps > best.steps:
-            if len(s.per_prompt) == len(best.per_prompt) and len(s.per_prompt) > 1:
-                d = paired_ci(best.per_prompt, s.per_prompt)
-                if d.hi < 0 and -d.mean >= HELDOUT_FALL * abs(best.mean):
-                    out["heldout"] = (
-                        f"the held-out score fell to {s.mean:.3f} [{s.lo:.3f}, {s.hi:.3f}] "
-                        f"after {s.steps} steps from {best.mean:.3f} [{best.lo:.3f}, "
-                        f"{best.hi:.3f}] after {best.steps} (paired difference {d.mean:+.3f} "
-                        f"[{d.lo:+.3f}, {d.hi:+.3f}]; checkpoints/best.pt keeps that policy)"
-                    )
+        after = [x for x in self.scores if best is not None and x.steps > best.steps]
+        falls = [self._fall(best, x) for x in after[-2:]] if best is not None else []
+        d = falls[-1] if falls else None
+        steep = d is not None and best is not None and -d.mean >= HELDOUT_STEEP * abs(best.mean)
+        if d is not None and best is not None and (steep or (len(falls) == 2 and falls[0])):
+            s = after[-1]
+            out["heldout"] = (
+                f"the held-out score fell to {s.mean:.3f} [{s.lo:.3f}, {s.hi:.3f}] "
+                f"after {s.steps} steps from {best.mean:.3f} [{best.lo:.3f}, "
+                f"{best.hi:.3f}] after {best.steps} (paired difference {d.mean:+.3f} "
+                f"[{d.lo:+.3f}, {d.hi:+.3f}]; checkpoints/best.pt keeps that policy)"
+            )
         if len(self.entropy) >= 2 * WINDOW and len(self.flat) >= WINDOW:
             start = statistics.median(self.entropy[:WINDOW])
             now = statistics.fmean(self.entropy[-WINDOW:])

@@ -157,3 +157,22 @@ def test_dynamic_sampling_takes_at_most_three_times_the_step():
     trained, left = take_groups(buf, 2, timeout=1.0, dynamic=True) or ([], [])
     assert len(trained) + len(left) == 6  # 3 x 2, though a varied group waits behind
     assert [g[0].group_id for g in trained] == ["s0", "s1"]
+
+
+def test_a_shallow_fall_must_be_seen_twice_a_steep_one_once():
+    """A dip of 12 % that the next evaluation undoes (SmolLM2 mul1, new defaults: 0.850 at
+    step 10, 0.745 at 23, 0.925 at 30) is no collapse; the same fall twice in a row is."""
+    held = FakeHeldout()
+    watch = PolicyWatch("warn", held)
+    base = [0.5 + 0.05 * (i % 7) for i in range(30)]
+    held.pending.append(score(10, [x + 0.3 for x in base]))
+    step(watch, 10, 1.0, VARIED)
+    held.pending.append(score(20, [x + 0.2 for x in base]))  # -0.10: 12 % of 0.8, once
+    assert step(watch, 20, 1.0, VARIED).collapse is None
+    held.pending.append(score(30, [x + 0.35 for x in base]))  # back above: a new best
+    assert step(watch, 30, 1.0, VARIED).collapse is None and held.best.steps == 30
+    held.pending.append(score(40, [x + 0.25 for x in base]))  # -0.10 once more
+    assert step(watch, 40, 1.0, VARIED).collapse is None
+    held.pending.append(score(50, [x + 0.24 for x in base]))  # and again: a fall
+    row = step(watch, 50, 1.0, VARIED)
+    assert row.collapse is not None and "after 30" in row.collapse
