@@ -504,6 +504,9 @@ def learning_argv(a: argparse.Namespace, run_dir: Path) -> list[str]:
         "broadcast.timeout_s=30",
         "learner.torch_threads=4",
         "worker.torch_threads=4",
+        # the example's in-run evaluation: the stage's own eval below is what it reports, so
+        # the end of the run does not wait long for the last checkpoint's score
+        "learner.heldout.final_wait_s=30",
     ]
     return base + ["--config", LEARNING_CONFIG] + [x for s in sets for x in ("--set", s)]
 
