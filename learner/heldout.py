@@ -211,8 +211,14 @@ class HeldoutEval:
                 doc = json.loads(line)
             except ValueError:
                 continue  # not a message (a library printed to stdout): heldout.log has stderr
+            if not isinstance(doc, dict):
+                continue
             if "score" in doc:
-                self._scored(HeldoutScore.from_json(doc["score"]))
+                try:
+                    self._scored(HeldoutScore.from_json(doc["score"]))
+                except (OSError, KeyError, TypeError, ValueError) as err:  # a disk, a bad line
+                    with self._lock:
+                        self._fail(f"a score could not be kept ({type(err).__name__}: {err})")
             elif "error" in doc:
                 with self._lock:
                     if not self._closing:  # closing removed the link it was reading
