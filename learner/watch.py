@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -59,7 +60,8 @@ def take_groups(
 ) -> tuple[list[list[Any]], list[list[Any]]] | None:
     """``n`` whole admissible groups to train, and the groups taken but left out of training
     (dynamic sampling: groups that scored alike, replaced by groups ready in the buffer now,
-    at most ``DYNAMIC_TAKE * n`` taken in all; the step does not wait for more). None: not ``n`` groups within ``timeout``."""
+    at most ``DYNAMIC_TAKE * n`` taken in all; the step does not wait for more). None: not
+    ``n`` groups within ``timeout``."""
     first = buffer.take(n, timeout=timeout)
     if first is None or not dynamic:
         return None if first is None else (first, [])
@@ -79,11 +81,13 @@ def take_groups(
 class PolicyWatch:
     def __init__(self, mode: Literal["warn", "stop", "off"], heldout: HeldoutEval | None):
         self.mode, self.heldout = mode, heldout
-        self.entropy: list[float] = []
-        self.flat: list[float] = []
+        self.entropy_start: list[float] = []  # the first WINDOW steps' entropy
+        self.entropy: deque[float] = deque(maxlen=WINDOW)  # the last WINDOW steps'
+        self.seen = 0  # steps with an entropy
+        self.flat: deque[float] = deque(maxlen=WINDOW)
         self.flat_skipped = 0
         self.newest: HeldoutScore | None = None
-        self.scores: list[HeldoutScore] = []  # every score that came back, oldest first
+        self.scores: deque[HeldoutScore] = deque(maxlen=4)  # the newest that came back
         self.said: set[str] = set()  # reasons already logged
         self.stop: str | None = None  # why the run should end here (mode "stop")
 
@@ -96,7 +100,10 @@ class PolicyWatch:
         if row.flat_groups is not None:
             self.flat.append(row.flat_groups)
         if row.entropy_est is not None:
+            self.seen += 1
             self.entropy.append(row.entropy_est)
+            if len(self.entropy_start) < WINDOW:
+                self.entropy_start.append(row.entropy_est)
         if self.heldout is not None:
             for score in self.heldout.results():
                 self.newest = score
@@ -111,6 +118,8 @@ class PolicyWatch:
             return
         reasons = self.reasons()
         row.collapse = "; ".join(reasons.values()) or None
+        if not reasons:
+            self.said.clear()  # recovered: a later collapse is said again
         new = set(reasons) - self.said
         if new:
             log.warning(
@@ -151,10 +160,10 @@ class PolicyWatch:
                 f"{best.hi:.3f}] after {best.steps} (paired difference {d.mean:+.3f} "
                 f"[{d.lo:+.3f}, {d.hi:+.3f}]; checkpoints/best.pt keeps that policy)"
             )
-        if len(self.entropy) >= 2 * WINDOW and len(self.flat) >= WINDOW:
-            start = statistics.median(self.entropy[:WINDOW])
-            now = statistics.fmean(self.entropy[-WINDOW:])
-            alike = statistics.fmean(self.flat[-WINDOW:])
+        if self.seen >= 2 * WINDOW and len(self.flat) == WINDOW:
+            start = statistics.median(self.entropy_start)
+            now = statistics.fmean(self.entropy)
+            alike = statistics.fmean(self.flat)
             if start > 0 and now < ENTROPY_FALL * start and alike >= FLAT_SHARE:
                 out["entropy"] = (
                     f"the sampled tokens' entropy fell to {now:.3f} nats/token from "

@@ -176,3 +176,16 @@ def test_a_shallow_fall_must_be_seen_twice_a_steep_one_once():
     held.pending.append(score(50, [x + 0.24 for x in base]))  # and again: a fall
     row = step(watch, 50, 1.0, VARIED)
     assert row.collapse is not None and "after 30" in row.collapse
+
+
+def test_a_policy_that_recovers_and_falls_again_is_warned_again(caplog):
+    held = FakeHeldout()
+    watch = PolicyWatch("warn", held)
+    base = [0.5 + 0.05 * (i % 7) for i in range(30)]
+    with caplog.at_level(logging.WARNING, logger="echo.learner"):
+        for steps, lift in ((10, 0.3), (20, -0.2), (30, 0.4), (40, -0.3)):
+            held.pending.append(score(steps, [x + lift for x in base]))
+            step(watch, steps, 1.0, VARIED)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2  # the fall at 20 (steep), the recovery at 30, the fall at 40
+    assert "at step 20" in said[0] and "at step 40" in said[1]
