@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,28 +38,24 @@ def sample(
     """Rows of prompt, completion, reward, cut, tokens, task. ``checkpoint``: ``latest``, a
     number of steps, or ``untrained``. Raises ``ValueError`` with the fix for a bad folder,
     checkpoint or adapter."""
-    from dataplane.adapter import load_adapter
-    from dataplane.answers import check_answer_tokens
-    from echo.commands.evaluate import (
-        install_policy,
-        load_backend,
-        resolve_policy,
-        run_config,
-        take,
-    )
+    from echo.commands.evaluate import Scorer, install_policy, resolve_policy, run_config
 
     cfg = run_config(run_dir)
     policy = resolve_policy(run_dir, checkpoint)
-    backend = load_backend(cfg, threads)
-    tok = backend.tokenizer
-    adapter = load_adapter(cfg.adapter.name, cfg.adapter.effective_options, tok)
-    max_new = cfg.worker.max_new_tokens
-    backend.restrict_answers(
-        check_answer_tokens(adapter.answer_tokens, backend.vocab_size, max_new, tok.eos_token_id)
+    # the run's model, adapter and answer restriction, and the training prompts the seed draws
+    scorer = Scorer(
+        cfg,
+        split="train",
+        n=n,
+        samples=samples,
+        seed=seed,
+        threads=threads,
+        temperature=temperature,
+        keep_initial=policy.path is None,
     )
-    install_policy(backend, policy, backend.model.state_dict())
-    temp = cfg.worker.temperature if temperature is None else temperature
-    prompts = take(adapter.prompts(random.Random(seed)), n)
+    backend, adapter, prompts = scorer.backend, scorer.adapter, scorer.prompts
+    install_policy(backend, policy, scorer.initial)
+    max_new, temp = scorer.max_new, scorer.temperature
     from echo import wire
 
     groups = [
@@ -78,9 +73,7 @@ def sample(
             return _episodes(adapter, backend, groups, max_new, temp)
         return _completions(adapter, backend, groups, max_new, temp)
     finally:
-        close = getattr(adapter, "close", None)
-        if callable(close):
-            close()
+        scorer.close()
 
 
 def _completions(
