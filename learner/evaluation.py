@@ -229,11 +229,23 @@ def score(
     """Each prompt's mean reward over ``samples`` completions. Group seeds depend only on
     ``seed`` and the prompt's index, and batches are the same every call: two policies are
     sampled with the same random numbers."""
+    groups = seeded_groups(prompts, samples, seed, "eval")
+    out: list[float] = []
+    for i in range(0, len(groups), BATCH):
+        batch = groups[i : i + BATCH]
+        for rewards in _rewards(backend, adapter, batch, max_new, temperature):
+            out.append(sum(rewards) / len(rewards))
+    return out
+
+
+def seeded_groups(prompts: list[Any], samples: int, seed: int, prefix: str) -> list[Any]:
+    """One group of ``samples`` per prompt, its sampling seed from ``seed`` and the prompt's
+    index alone (``echo-rl eval`` and ``echo-rl sample`` draw the same numbers for a seed)."""
     from echo import wire
 
-    groups = [
+    return [
         wire.Group(
-            group_id=f"eval-{i}",
+            group_id=f"{prefix}-{i}",
             prompt_ids=p.prompt_ids,
             n=samples,
             seed=(seed * 1_000_003 + i) % (1 << 62),
@@ -241,12 +253,6 @@ def score(
         )
         for i, p in enumerate(prompts)
     ]
-    out: list[float] = []
-    for i in range(0, len(groups), BATCH):
-        batch = groups[i : i + BATCH]
-        for rewards in _rewards(backend, adapter, batch, max_new, temperature):
-            out.append(sum(rewards) / len(rewards))
-    return out
 
 
 def _rewards(

@@ -39,6 +39,7 @@ def sample(
     number of steps, or ``untrained``. Raises ``ValueError`` with the fix for a bad folder,
     checkpoint or adapter."""
     from echo.commands.evaluate import Scorer, install_policy, resolve_policy, run_config
+    from learner.evaluation import seeded_groups
 
     cfg = run_config(run_dir)
     policy = resolve_policy(run_dir, checkpoint)
@@ -56,18 +57,7 @@ def sample(
     backend, adapter, prompts = scorer.backend, scorer.adapter, scorer.prompts
     install_policy(backend, policy, scorer.initial)
     max_new, temp = scorer.max_new, scorer.temperature
-    from echo import wire
-
-    groups = [
-        wire.Group(
-            group_id=f"sample-{i}",
-            prompt_ids=p.prompt_ids,
-            n=samples,
-            seed=(seed * 1_000_003 + i) % (1 << 62),
-            task=p.task,
-        )
-        for i, p in enumerate(prompts)
-    ]
+    groups = seeded_groups(prompts, samples, seed, "sample")
     try:
         if getattr(adapter, "multi_turn", False):
             return _episodes(adapter, backend, groups, max_new, temp)
