@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import msgpack
 import pytest
@@ -187,9 +188,17 @@ def make_plane(small_cfg, tokenizer, tmp_path):
 
 @pytest.fixture
 def zctx():
+    """The test clients' own context. Its end is bounded: libzmq's context term can hang on a
+    client whose CURVE handshake keeps failing (zeromq/pyzmq#626; CI once hung here past the
+    120 s timeout after the wrong-key test). That is a test client's library, not the learner
+    under test, so a hang is reported as a warning and the test's verdict stands."""
     c = zmq.Context()
     yield c
-    c.destroy(linger=0)
+    ender = threading.Thread(target=c.destroy, kwargs={"linger": 0}, daemon=True)
+    ender.start()
+    ender.join(10)
+    if ender.is_alive():
+        warnings.warn("the test clients' zmq context did not end within 10 s", stacklevel=1)
 
 
 def peer(plane, ctx, keys=None, endpoint=None, timeout_ms=15000):
@@ -271,6 +280,9 @@ def test_plaintext_client_and_wrong_key_get_nothing_and_are_counted(make_plane, 
     impostor.connect(plane.endpoint)
     assert eventually(lambda: plane.stats().join_refused.get("handshake_failed", 0) >= 2)
     assert plane.stats().sessions == 0
+    for sock in (plain, impostor):  # no reconnect loop left running into the context's end
+        sock.disconnect(plane.endpoint)
+        sock.close(linger=0)
 
 
 def test_token_mode_needs_a_token_and_binds_it_to_one_key(make_plane, zctx):
