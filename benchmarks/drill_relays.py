@@ -25,8 +25,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -163,9 +165,49 @@ def check_stranger(r: dict[str, Any]) -> list[str]:
     return out
 
 
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+LOSS_BOUND_S = 2.0  # issue 52: a black hole's child loses at most this much
+
+
+def child_loss(log: str, since: float) -> dict[str, Any] | None:
+    """What a black hole cost its child, from the child's log (lines after wall time
+    ``since``): the gap between its last install before its first failover and its first
+    install after its last failover or skip (the seconds its rollouts ran on an old version),
+    its usual install interval in the phase, and the failovers and skips (notices naming the
+    relay it left, worker/snapshots.py). None: this worker never failed over."""
+    installs, fails, skips = [], [], []
+    for line in log.splitlines():
+        m = _STAMP.match(line)
+        if m is None:
+            continue
+        t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if t < since:
+            continue
+        if "installed snapshot v" in line:
+            installs.append(t)
+        elif "snapshot source" in line and "failed (" in line:
+            fails.append(t)
+        elif "failed here before; asking for another" in line:
+            skips.append(t)
+    if not fails:
+        return None
+    before = [t for t in installs if t < fails[0]]
+    after = [t for t in installs if t > max(fails + skips)]
+    gaps = sorted(b - a for a, b in zip(installs, installs[1:]))
+    return {
+        "failovers": len(fails),
+        "skipped_notices": len(skips),
+        "lost_s": round(after[0] - before[-1], 3) if before and after else None,
+        "usual_install_interval_s": round(gaps[len(gaps) // 2], 3) if gaps else None,
+    }
+
+
 def check_black_hole(r: dict[str, Any]) -> list[str]:
     reports = r.get("relay_reports_delta", {})
     out = _honest(r)
+    for w, loss in (r.get("child_loss") or {}).items():
+        if loss["lost_s"] is None or loss["lost_s"] > LOSS_BOUND_S:
+            out.append(f"child {w} lost {loss['lost_s']} s to the black hole (> {LOSS_BOUND_S})")
     if not any(k.startswith(("timeout:", "disconnected:")) for k in reports):
         out.append("no child reported the black hole (it was given no child: not exercised)")
     elif not reports.get("probe:unreachable") and not any(

@@ -417,7 +417,7 @@ def relay_phase(
     url = fleet.info["metrics"]
     row0, adm0, checks0 = drill_relays.last_row(fleet.run), fleet.admitted(), _failures(url)
     sampler.take()
-    tb0, s0, t0 = fleet.tracebacks(), fleet.step(), time.monotonic()
+    tb0, s0, t0, wall0 = fleet.tracebacks(), fleet.step(), time.monotonic(), time.time()
     name = "a-" + kind.replace("_", "-")
     fleet.group.start(
         name,
@@ -457,8 +457,13 @@ def relay_phase(
     bans = fleet.run / "security" / "bans.txt"
     banned_text = bans.read_text() if bans.exists() else ""
     honest_keys = {w: (fleet.tmp / f"{w}.key").read_text().split()[0] for w in ("w0", "w1")}
+    losses = {
+        w: drill_relays.child_loss((fleet.tmp / f"{w}.log").read_text(), wall0)
+        for w in ("w0", "w1")
+    }
     return {
         "attack": kind,
+        "child_loss": {w: loss for w, loss in losses.items() if loss is not None},
         "wall_s": round(wall, 1),
         "attacker": {"worker": name},
         "relay_reports_delta": reports(),

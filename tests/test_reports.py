@@ -393,3 +393,21 @@ def test_probes_one_witness_may_start_are_bounded_per_minute(tmp_path):
     c.sources["w1"] = "tcp://w0"
     report(rp, keys, "w1", "tcp://w0")
     assert len(verifier.probes) == 3
+
+
+def test_a_child_skipping_a_relay_it_reported_adds_no_evidence_and_starts_no_probe(tmp_path):
+    """Issue 52, item 4: notices sent before the learner heard a child's report still name the
+    relay; the child asks for another source with the reason ``avoided`` (worker/snapshots.py).
+    That is no second report: nothing counted against the relay, no probe, and the child is
+    sent elsewhere, never back to the relay it left."""
+    rp, c, verifier, keys, now = probes_for(tmp_path)
+    c.sources["w1"] = "tcp://w0"
+    report(rp, keys, "w1", "tcp://w0")  # the first failure: evidence, probed at once
+    assert len(verifier.probes) == 1
+    for _ in range(5):
+        report(rp, keys, "w1", "tcp://w0", reason="avoided")
+        assert c.sources.get("w1", c.source) != "tcp://w0"
+    assert len(verifier.probes) == 1
+    assert c.reports.counts["avoided:other"] == 5
+    assert c.reports.counts["timeout:counted"] == 1
+    assert rp.rejected["report_probe_limited"] == 0

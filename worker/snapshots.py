@@ -13,6 +13,13 @@ Versions are fetched oldest first, so each delta finds its base; a worker that c
 the oldest (no base) goes straight to the newest. ``pending`` holds at most
 ``MAX_PENDING`` notices; past that the oldest are dropped (a worker that far behind catches up
 with one keyframe instead of replaying every delta).
+
+A relay this node left because it failed (a stall, a drop, a corrupt chunk) is avoided for
+``AVOID_S``: notices the learner sent before it heard the report still name it, and each would
+cost another stall. For those the feed asks the learner for another source at once, with the
+reason ``avoided``, which is no new evidence against the relay (``broadcast.reports``). The
+learner's own snapshot endpoint (``root``) is never avoided: it is the source of last resort.
+At most ``MAX_AVOIDED`` relays are held; the oldest entry goes first.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ from broadcast.versions import rebuild
 log = logging.getLogger("worker.agent")
 
 MAX_PENDING = 8
+AVOID_S = 60.0  # how long a relay that failed this node is skipped in later notices
+MAX_AVOIDED = 16  # relays held in that list (overflow: the entry that expires first goes)
+AVOIDED = "avoided"  # a source request's reason: skipped, not a new failure
+FAILURES = ("timeout", "disconnected", "corrupt", "suspect")  # reasons that leave a relay
 # (version, bad source, reason, failed chunk, form) -> a new source from the learner
 AskSource = Callable[[int, str, str, int, str], Awaitable[Source]]
 # (version, fetch stats, rebuild seconds, took a keyframe) -> the install report is sent
@@ -49,6 +60,9 @@ class SnapshotFeed:
         self.on_ready: Callable[[], None] = lambda: None
         self._epoch = 0  # bumped by reset: a fetch of the old run gives up
         self.fetching: int | None = None  # the version being fetched now
+        self.root = ""  # the learner's snapshot endpoint (never avoided), set at each join
+        self.avoided: dict[str, float] = {}  # relay endpoint -> monotonic time it may be tried
+        self.skipped = 0  # notices whose relay was avoided (a source asked for at once)
 
     def offer(self, version: int, manifest: Manifest, source: Source) -> None:
         if version <= self.rebuilt:
@@ -57,6 +71,29 @@ class SnapshotFeed:
         for old in sorted(self.pending)[:-MAX_PENDING]:
             del self.pending[old]
         self.offers.set()
+
+    def joined(self, root: str) -> None:
+        """A join named the learner's snapshot endpoint; relays left before are tried again."""
+        self.root = root
+        self.avoided.clear()
+
+    def avoid(self, endpoint: str, now: float | None = None) -> None:
+        if endpoint == self.root:
+            return
+        now = time.monotonic() if now is None else now
+        self.avoided.pop(endpoint, None)
+        self.avoided[endpoint] = now + AVOID_S
+        while len(self.avoided) > MAX_AVOIDED:
+            del self.avoided[min(self.avoided, key=self.avoided.__getitem__)]
+
+    def is_avoided(self, endpoint: str, now: float | None = None) -> bool:
+        until = self.avoided.get(endpoint)
+        if until is None:
+            return False
+        if until <= (time.monotonic() if now is None else now):
+            del self.avoided[endpoint]
+            return False
+        return True
 
     def reset(self) -> None:
         """Another run (or one that went back in versions): forget every version."""
@@ -105,6 +142,14 @@ class SnapshotFeed:
         epoch = self._epoch
         self.fetching = version
         try:
+            if self.is_avoided(source.endpoint):  # a notice sent before the learner heard
+                self.skipped += 1
+                log.info(
+                    "snapshot v%d: %s failed here before; asking for another",
+                    version,
+                    source.endpoint,
+                )
+                source = await self._ask(version, epoch, source.endpoint, AVOIDED, -1, "payload")
             buf, stats = await self.relay.receive(
                 manifest, source, self._reattacher(version, epoch, "payload")
             )
@@ -156,6 +201,8 @@ class SnapshotFeed:
                 bad.endpoint,
                 fail.reason,
             )
+            if fail.reason in FAILURES:
+                self.avoid(bad.endpoint)
             return await self._ask(version, epoch, bad.endpoint, fail.reason, fail.index, form)
 
         return reattach

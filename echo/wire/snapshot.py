@@ -19,6 +19,24 @@ class SnapshotNotice(Message):
     ticket: bytes = b""  # lets this worker pull from it (broadcast.tickets)
 
 
+# Why a worker asks for a source: a failure of ``bad_source`` (the first four are evidence
+# against it, broadcast.reports), a punched link that failed, ``avoided`` (a notice named a
+# relay that failed this worker before: no new evidence, worker/snapshots.py) or ``no_base``
+# (the first source of a keyframe or of the base model). A closed set: a peer's string never
+# becomes a metric's key.
+SourceReason = Literal[
+    "corrupt",
+    "suspect",
+    "timeout",
+    "disconnected",
+    "refused",
+    "unpunchable",
+    "tunnel_lost",
+    "avoided",
+    "no_base",
+]
+
+
 class SourceRequest(Message):
     """A worker's snapshot source failed (disconnected, timeout, corrupt, refused): where now?"""
 
@@ -26,7 +44,7 @@ class SourceRequest(Message):
     worker_id: str
     version: int
     bad_source: str
-    reason: str
+    reason: SourceReason
     chunk: int = (
         -1
     )  # with reason "corrupt": the chunk that failed its hash (checked by the learner)
