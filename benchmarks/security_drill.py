@@ -660,6 +660,7 @@ EXPECT = {  # what "refused" means for each attack: the problems found in the ph
     "forged_handback": __import__("drill_handbacks").check_forged_handback,
     "cherry_pick": __import__("drill_handbacks").check_cherry_pick,
     "edge_holder": __import__("drill_handbacks").check_edge_holder,
+    "patient_liar": __import__("drill_patient").check_patient,
     "sybil_flood": lambda r: __import__("drill_sybil").check_sybil(
         r, r.get("baseline_steps_per_s")
     ),
@@ -683,6 +684,7 @@ ORDER = [
     "stranger_reports",
     "black_hole",
     "selective_relay",
+    "patient_liar",
     "forged_handback",
     "cherry_pick",
     "edge_holder",
@@ -789,6 +791,8 @@ def attack_run(
                 r = ban_phase(fleet, sampler)
             elif name in RELAY_PHASES:
                 r = relay_phase(fleet, sampler, name, fleet.token(1, name))
+            elif name == "patient_liar":
+                r = __import__("drill_patient").patient_phase(fleet, sampler, fleet.token(1, name))
             else:
                 before = token_state(fleet.run, token)
                 r = run_attack(fleet, sampler, name, relay, token, TIMEOUT.get(name, 60))

@@ -25,7 +25,9 @@ Two checks, each per group:
 Cost is bounded: the trainer thread runs audits between steps for at most
 ``security.audit_budget`` of its time over the run (a credit each step adds to, so a round
 dearer than one step's share waits for it rather than never running; ``Auditor.run``),
-probation jobs first, the least-audited worker's first; the queue of waiting jobs is
+handed-back prefixes first, then groups the step-start screen left out (learner/screen.py;
+both run in debt, one a round, so they are checked while their snapshot is held), then
+probation jobs, the least-audited worker's first; the queue of waiting jobs is
 bounded (``security.audit_queue``), overflow drops the oldest non-probation job and counts it
 (``dropped``). A job whose snapshot is no longer held is skipped and counted (``expired``).
 """
@@ -182,11 +184,13 @@ class Auditor:
         trainer's model, one long group: a small LoRA step on a slow disk) still runs once
         enough steps have paid for it, so audits never starve; over the run they keep their
         share. Credit is never banked beyond one step's budget: an idle queue buys no burst.
-        A handed-back prefix's check runs in debt too: a group waits for it, one a step."""
+        A handed-back prefix's check runs in debt too (a group waits for it), and so does a
+        screened group's (its snapshot would be gone before the credit came back), one a
+        round."""
         self._credit = min(self._credit + budget_s, budget_s)
         with self._lock:
-            prefix = any(j.prefix for j in self._jobs)
-            if not self._jobs or (self._credit <= 0 and not prefix):
+            urgent = any(j.prefix or j.screened for j in self._jobs)
+            if not self._jobs or (self._credit <= 0 and not urgent):
                 return 0.0
         t0 = self.clock()
         if self._borrow is not None:
@@ -240,11 +244,12 @@ class Auditor:
         with self._lock:
             if not self._jobs:
                 return None
-            # Handed-back prefixes first (a group waits for them), then probation, and among
-            # it the worker audited least so far: each newcomer's first group is looked at
-            # before anyone's second, so a liar needs few steps.
+            # Handed-back prefixes first (a group waits for them), then screened groups, then
+            # probation, and among each the worker audited least so far: each newcomer's
+            # first group is looked at before anyone's second, so a liar needs few steps.
             pool = (
                 [j for j in self._jobs if j.prefix]
+                or [j for j in self._jobs if j.screened]
                 or [j for j in self._jobs if j.probation]
                 or [self._jobs[0]]
             )

@@ -19,9 +19,12 @@ group with a counted reason:
 
 A group that passes is admitted sample by sample into the buffer (duplicates of a finished
 group are acknowledged, not stored again) and, once whole, may be chosen for an audit
-(``learner.auditor``): always during a worker's probation, then at ``security.audit_rate``,
-drawn after receipt from the OS's randomness so a worker cannot tell which of its groups will
-be looked at. Only the control-plane thread calls this object.
+(``learner.auditor``): always during a worker's probation and once a check of it has failed
+(a strike), then at a rate that falls with the key's age, ``probation_groups / delivered``,
+down to ``security.audit_rate`` (a young key is looked at more: with the defaults half its
+8th group, a tenth of its 40th); drawn after receipt from the OS's randomness so a worker
+cannot tell which of its groups will be looked at. Only the control-plane thread calls this
+object.
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ class AuditJob:
     # A handed-back group's prefixes (``learner.handbacks``), checked before anyone continues
     # them: its verdicts are named ``handback_<check>`` and go first in the auditor's queue.
     prefix: bool = False
+    # A group the step-start screen left out (learner/screen.py): checked at once, before its
+    # snapshot is dropped, in the auditor's debt if need be.
+    screened: bool = False
 
     @property
     def version(self) -> int:
@@ -321,10 +327,18 @@ class Intake:
             job = RewardJob(sender, key, task, sorted(recs, key=lambda r: r.sample_idx), probation)
             auditor.submit(job)
 
+    def audit_chance(self, sender: str) -> float:
+        """The chance that ``sender``'s next whole group is audited (module docstring)."""
+        delivered = self.delivered[sender]
+        if delivered <= self.probation_groups or self.reputation.strikes[sender] > 0:
+            return 1.0
+        return max(self.audit_rate, self.probation_groups / delivered)
+
     def _maybe_audit(self, sender: str, key: str, recs: list[Record], prefixes: list[Any]) -> None:
         self.delivered[sender] += 1
         probation = self.delivered[sender] <= self.probation_groups
-        if self.audit is not None and (probation or self._rng.random() < self.audit_rate):
+        chance = self.audit_chance(sender)
+        if self.audit is not None and (chance >= 1.0 or self._rng.random() < chance):
             recs = sorted(recs, key=lambda r: r.sample_idx)
             at = None
             if prefixes:  # audit the sender's own tokens, under the sender's version

@@ -75,7 +75,7 @@ def audit_screened(
         )
         if key is not None:
             recs, at = one_version(mine, pick)
-            submit(AuditJob(r.worker_id, key, recs, True, at))
+            submit(AuditJob(r.worker_id, key, recs, True, at, screened=True))
             asked += 1
     write(
         "screened",

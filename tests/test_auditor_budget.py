@@ -87,3 +87,26 @@ def test_a_handed_back_prefix_s_check_runs_every_step_even_in_debt(small_cfg):
     assert used == [pytest.approx(0.05)] * 3  # one job a step, though in debt after the first
     assert aud.waiting == 3 and all(not j.prefix for j in aud._jobs)  # the prefixes' checks
     assert [aud.run(0.01) for _ in range(5)] == [0.0] * 5  # the rest wait for the debt
+
+
+def test_a_screened_group_s_check_runs_at_once_ahead_of_probation_even_in_debt(small_cfg):
+    """Issue 52: the screen's audits waited for credit behind probation jobs, and at ten steps
+    a second the learner had dropped their snapshot by then (the drill's patient liar had two of
+    four screened groups never checked). Each now runs in the round after the screen, in debt."""
+    clock = FakeClock()
+    aud = _auditor(small_cfg, clock, job_s=0.05)  # one job: 5 steps' share
+    ran: list[str] = []
+    work = aud._audit
+
+    def audit(job: AuditJob) -> None:
+        ran.append(job.worker_id)
+        work(job)
+
+    aud._audit = audit
+    for i in range(4):
+        aud.submit(AuditJob(f"new{i}", "key", [], probation=True))
+    aud.submit(AuditJob("liar", "key", [], probation=True, screened=True))
+    assert aud.run(0.01) == pytest.approx(0.05) and ran == ["liar"]  # first, though on credit
+    aud.submit(AuditJob("liar", "key", [], probation=True, screened=True))
+    assert aud.run(0.01) == pytest.approx(0.05) and ran == ["liar", "liar"]  # in debt too
+    assert [aud.run(0.01) for _ in range(5)] == [0.0] * 5  # probation waits for the debt

@@ -1,0 +1,38 @@
+"""How often the learner audits a worker's groups (learner/intake.py ``Intake.audit_chance``,
+issue 52): every group during probation and after a failed check, then a chance that falls
+with the key's age to ``security.audit_rate``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from learner.intake import Intake
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def chance_of(delivered: int, strikes: int = 0, probation: int = 4, rate: float = 0.05) -> float:
+    intake = Intake.__new__(Intake)  # only the chance's inputs: the books it reads
+    intake.delivered = {"w": delivered}
+    intake.probation_groups, intake.audit_rate = probation, rate
+    intake.reputation = SimpleNamespace(strikes={"w": strikes})
+    return intake.audit_chance("w")
+
+
+def test_a_young_key_is_audited_more_and_an_old_one_at_the_rate():
+    assert [chance_of(d) for d in (1, 4)] == [1.0, 1.0]  # probation
+    assert chance_of(8) == pytest.approx(0.5)
+    assert chance_of(40) == pytest.approx(0.1)
+    assert chance_of(80) == pytest.approx(0.05) == chance_of(10_000)  # the configured floor
+    ages = [chance_of(d) for d in range(5, 200)]
+    assert ages == sorted(ages, reverse=True)  # never rises with age alone
+
+
+def test_a_key_with_a_failed_check_is_audited_every_group():
+    assert chance_of(10_000, strikes=1) == 1.0
+
+
+def test_without_probation_the_configured_rate_holds_from_the_start():
+    assert chance_of(1, probation=0, rate=0.2) == pytest.approx(0.2)
