@@ -36,6 +36,7 @@ from dataplane.adapter import (
 )
 from dataplane.advantages import batch_advantages
 from dataplane.records import Record
+from dataplane.rules import derived_seed
 
 if TYPE_CHECKING:  # annotations only: importing the API does not import torch
     from torch import Tensor
@@ -173,15 +174,13 @@ def backend_generate_fn(
             raise Cut()
         k = next(calls)
         if turns is not None:
-            call_seed = (seed * 1_000_003 + k) % (1 << 62)
+            call_seed = derived_seed(seed, k)
             made: list[Generated] = backend.generate_turn(
                 prompts, max_new_tokens, temperature, call_seed, turns
             )[0]
             return made
         groups = [
-            wire.Group(
-                group_id=f"ep{k}.{i}", prompt_ids=p, n=1, seed=(seed * 1_000_003 + k) % (1 << 62)
-            )
+            wire.Group(group_id=f"ep{k}.{i}", prompt_ids=p, n=1, seed=derived_seed(seed, k))
             for i, p in enumerate(prompts)
         ]
         out = backend.generate(groups, max_new_tokens, temperature)

@@ -28,6 +28,14 @@ from typing import Generic, TypeVar
 
 OK, FUTURE, STALE = "ok", "future_version", "stale"
 
+
+def derived_seed(seed: int, k: int) -> int:
+    """The ``k``-th seed drawn from ``seed``: a group's among a run's (``echo-rl eval``'s
+    groups, the test kit's), a call's among an episode's decisions. Stays below 2**62 (a
+    wire integer)."""
+    return (seed * 1_000_003 + k) % (1 << 62)
+
+
 T = TypeVar("T")
 
 

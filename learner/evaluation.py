@@ -241,6 +241,7 @@ def score(
 def seeded_groups(prompts: list[Any], samples: int, seed: int, prefix: str) -> list[Any]:
     """One group of ``samples`` per prompt, its sampling seed from ``seed`` and the prompt's
     index alone (``echo-rl eval`` and ``echo-rl sample`` draw the same numbers for a seed)."""
+    from dataplane.rules import derived_seed
     from echo import wire
 
     return [
@@ -248,7 +249,7 @@ def seeded_groups(prompts: list[Any], samples: int, seed: int, prefix: str) -> l
             group_id=f"{prefix}-{i}",
             prompt_ids=p.prompt_ids,
             n=samples,
-            seed=(seed * 1_000_003 + i) % (1 << 62),
+            seed=derived_seed(seed, i),
             task=p.task,
         )
         for i, p in enumerate(prompts)

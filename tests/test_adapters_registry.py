@@ -370,7 +370,8 @@ def _install(files: dict[str, str], tmp_path: Path) -> Path:
 @pytest.mark.integration  # pip-installs the tutorial and plays it in a child
 @pytest.mark.timeout(120)
 def test_the_multi_turn_tutorials_game_keeps_the_episode_contract(tmp_path):
-    """docs/adapters.md's take-last game, played with scripted decisions: every context it
+    """docs/adapters.md's take-last game, played with scripted decisions through the test kit
+    (``dataplane.testing``, as a worker plays it): every context it
     yields is the prompt plus the transcript so far, environment tokens carry log-prob 0.0 and
     mask 0, the page's example transcript is what it builds, and replaying the same decisions
     (a preemption's continuation) gives the same episode."""
@@ -380,31 +381,28 @@ def test_the_multi_turn_tutorials_game_keeps_the_episode_contract(tmp_path):
     assert {"echo_takelast/__init__.py", "pyproject.toml", "takelast.toml"} <= set(files)
     target = _install(files, tmp_path)
     code = r"""
-import json, random
-from types import SimpleNamespace
-from dataplane.adapter import load_adapter
+import json
+from dataplane.adapter import Prompt, load_adapter
+from dataplane.testing import play_episode, scripted
 from echo.models import build_tiny_tokenizer
 tok = build_tiny_tokenizer()
 ad = load_adapter("take-last", {}, tok)
-move = {n: tok.encode(str(n), add_special_tokens=False) + [tok.eos_token_id] for n in (1, 2, 3)}
+prompt = tok.encode("7=", add_special_tokens=False)
 seen = []
-def generate(script):
-    it = iter(script)
-    def gen(contexts):
-        seen.extend(contexts)
-        return [(move[next(it)], [-0.5, -0.25]) for _ in contexts]
-    return gen
+script = scripted(["2", "1", "1", "1", "1"])
+def policy(turn):
+    seen.append(turn.ids)
+    return script(turn)
 # the page's example: pile 7; the policy takes 2, 1, 1 (the opponent's moves come from the seed)
 for seed in range(200):
-    g = SimpleNamespace(task={"pile": 7}, n=1, seed=seed)
     seen.clear()
-    [[ep]] = ad.rollout([g], generate([2, 1, 1, 1, 1]))
+    ep = play_episode(ad, Prompt(prompt, {"pile": 7}), policy, seed=seed, max_new_tokens=2)
     if tok.decode(ep.completion_ids) == "2<eos>4=1<eos>1=1<eos>":
         break
-prompt = tok.encode("7=", add_special_tokens=False)
-ok_prefix = all(c == prompt + ep.completion_ids[:len(c) - len(prompt)] for c in seen)
+ok_prefix = len(seen) == 3 and all(
+    c == prompt + ep.completion_ids[:len(c) - len(prompt)] for c in seen)
 env = [i for i, m in enumerate(ep.loss_mask) if m == 0]
-again = ad.rollout([g], generate([2, 1, 1, 1, 1]))[0][0]
+again = play_episode(ad, Prompt(prompt, {"pile": 7}), policy, seed=seed, max_new_tokens=2)
 print(json.dumps({"text": tok.decode(ep.completion_ids), "reward": ep.reward, "info": ep.info,
                   "prefix": ok_prefix, "env_lp": [ep.logprobs[i] for i in env],
                   "mask": ep.loss_mask, "same": again.completion_ids == ep.completion_ids,
