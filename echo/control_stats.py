@@ -69,6 +69,10 @@ class ControlStats:
     chunk_parked: int = 0  # chunk requests waiting for a sending slot now
     relay_reports: Counts = field(default_factory=dict)  # relay reports by "reason:outcome"
     relays_marked: int = 0  # relays kept out of plans now
+    # workers (one per witness) whose fetches from the learner's own snapshot port failed in the
+    # last 30 s, and what the learner says of it ("": nothing; learner/snapshot_path.py)
+    snapshot_path_reporters: int = 0
+    snapshot_path: str = ""
     sessions: int = 0  # open sessions now
     pending_workers: int = 0  # joined keys not yet members (docs/security.md, "Sybils")
     notices: Counts = field(default_factory=dict)  # snapshot notices: sent / left to heartbeats

@@ -247,6 +247,14 @@ class FleetGauges:
                 ),
                 STAT.ack_queue,
             ),
+            (
+                g(
+                    "echo_snapshot_path_reporters",
+                    "workers whose fetches from the learner's snapshot port failed in the last "
+                    "30 s, when the learner judges the port unreachable (learner/snapshot_path.py)",
+                ),
+                STAT.snapshot_path_reporters,
+            ),
         )
         self.g_rejected = g("echo_rejected", "records/frames rejected so far", ("reason",))
         # docs/security.md: what the door refused, by reason

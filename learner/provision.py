@@ -46,7 +46,10 @@ class CapacityFeedback:
                 lc.prompts_per_step * lc.group_size, lc.effective_kappa, self.t_train_ewma, t_bcast
             )
         except Infeasible as err:
-            log.warning("%s", err)
+            # A broadcast that never ends is a port the workers cannot reach, not a kappa to
+            # raise, when the workers say so (learner/snapshot_path.py)
+            path = self.server.stats().snapshot_path
+            log.warning("%s", path or err)
             need = None
         self.server.set_requirement(need)
         while self.server.members.decisions:

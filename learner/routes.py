@@ -25,6 +25,7 @@ from echo.config import EchoConfig
 from learner.gate import Gate
 from learner.probes import RelayProbes
 from learner.sessions import SessionTable, WorkerState
+from learner.snapshot_path import SnapshotPathWatch
 from learner.verify import Verifier
 
 log = logging.getLogger("echo.control")
@@ -66,6 +67,8 @@ class SnapshotRoutes:
         self.probes = RelayProbes(cfg, gate=gate, table=table, store=store, rejected=rejected)
         self.coordinator: Coordinator | None = None
         self.snapshot_endpoint = ""
+        # workers' failed fetches from the learner's own snapshot port (a closed firewall port)
+        self.path = SnapshotPathWatch(time.monotonic, lambda: self.store.bytes_sent)
 
     def attach(
         self, coordinator: Coordinator, verifier: Verifier | None, snapshot_endpoint: str
@@ -74,6 +77,7 @@ class SnapshotRoutes:
         self.coordinator = coordinator
         self.probes.attach(coordinator, verifier)
         self.snapshot_endpoint = snapshot_endpoint
+        self.path.attach(snapshot_endpoint)
 
     def latest(self) -> tuple[int, Manifest | None]:
         buf = self.store.latest()
@@ -173,6 +177,11 @@ class SnapshotRoutes:
             return self._keyframe_grant(key, msg)
         if msg.form == "base":
             return self._base_grant(key, msg)
+        # About the learner's own port: what a closed firewall port looks like from the fleet.
+        if self.path.report(
+            self.gate.witness(key) or key, msg.worker_id, msg.bad_source, msg.reason
+        ):
+            self.path.say(len(self.table.workers))
         # The report is evidence even when its version was superseded meanwhile (a black hole
         # that held a child past the next publication must not escape the count).
         self.probes.relay_report(key, msg)

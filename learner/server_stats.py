@@ -126,6 +126,8 @@ class ServerStats:
         # outcome, and the relays kept out now (docs/security.md, "Relay reports")
         out.relay_reports = dict(co.reports.counts) if co else {}
         out.relays_marked = len(co.reports.marks) if co else 0
+        out.snapshot_path = s.routes.path.verdict(len(s.table.workers)) or ""
+        out.snapshot_path_reporters = len(s.routes.path.reporters()) if out.snapshot_path else 0
         out.learner_bytes_sent = s.routes.store.bytes_sent
         out.decode_s, out.keyframes = s.routes.install_stats()
         out.t_bcast = s.routes.last_t_bcast()

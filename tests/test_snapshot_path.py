@@ -1,0 +1,110 @@
+"""A closed snapshot port is named by the learner from its workers' reports (issue 55, item 2;
+learner/snapshot_path.py, docs/ports.md "A closed snapshot port")."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from fakes import FakeClock
+from test_security import make_plane, zctx  # noqa: F401 (fixtures)
+
+from broadcast.snapshot import Snapshot, build_manifest
+from echo import wire
+from learner.snapshot_path import CORROBORATE_S, SAY_EVERY_S, WINDOW_S, SnapshotPathWatch
+
+pytestmark = pytest.mark.timeout(60)
+
+EP = "tcp://203.0.113.5:5556"
+
+
+def watch(served: list[int] | None = None) -> tuple[SnapshotPathWatch, FakeClock]:
+    clock = FakeClock()
+    box = served if served is not None else [0]
+    w = SnapshotPathWatch(clock, lambda: box[0])
+    w.attach(EP)
+    return w, clock
+
+
+def test_two_workers_reports_name_the_port_and_the_fix(caplog):
+    served = [0]
+    w, clock = watch(served)
+    assert w.report("k0", "w0", EP, "timeout")
+    served[0] += 4096  # the learner still serves someone: one report is not enough
+    clock.t += CORROBORATE_S + 1
+    assert w.verdict(workers=3) is None
+    assert w.report("k1", "w1", EP, "disconnected")
+    text = w.verdict(workers=3)
+    assert text is not None
+    assert "snapshot port 5556" in text and "w0, w1" in text and "Open TCP 5556" in text
+    assert "public_host" in text and "stale" in text
+    with caplog.at_level(logging.ERROR, logger="echo.control"):
+        w.say(3)
+        w.say(3)  # at most once a minute
+        clock.t += SAY_EVERY_S  # the reports go on: said again a minute later
+        w.report("k0", "w0", EP, "timeout")
+        w.report("k1", "w1", EP, "timeout")
+        w.say(3)
+    assert sum("snapshot port 5556" in r.getMessage() for r in caplog.records) == 2
+    assert w.report("k1", "w1", EP, "timeout") and w.reporters() == ["w0", "w1"]  # one per key
+
+
+def test_one_report_is_enough_when_the_learner_served_nothing_since():
+    w, clock = watch([100])
+    w.report("k0", "w0", EP, "timeout")  # a chain head: the only worker fed by the learner
+    assert w.verdict(workers=4) is None  # not yet: nothing to corroborate it with
+    clock.t += CORROBORATE_S
+    assert "w0" in (w.verdict(workers=4) or "")
+    assert w.verdict(workers=1) is not None  # alone in the fleet: its report is the fleet's
+
+
+def test_reports_end_with_the_window_and_other_sources_do_not_count():
+    w, clock = watch()
+    assert not w.report("k0", "w0", "tcp://10.0.0.7:5560", "timeout")  # a relay, not the learner
+    assert not w.report("k0", "w0", EP, "corrupt")  # not what a closed port looks like
+    assert not w.report("k0", "w0", EP, "avoided")
+    assert w.verdict(workers=1) is None and w.reports == 0
+    w.report("k0", "w0", EP, "timeout")
+    assert w.verdict(workers=1) is not None
+    clock.t += WINDOW_S + 1  # the port was opened: no more reports
+    assert w.verdict(workers=1) is None and w.reporters() == []
+
+
+def test_a_live_learner_names_its_snapshot_port_from_its_workers_source_requests(
+    make_plane,  # noqa: F811
+    zctx,  # noqa: F811
+    caplog,
+):
+    """Two workers' source requests naming the learner's own snapshot endpoint, as a worker
+    whose fetch timed out sends them: the learner's stats and log name the port."""
+    from test_security import ask, peer
+
+    plane = make_plane()
+    payload = bytes(range(256)) * 16
+    m = build_manifest(
+        run_id="t",
+        version=0,
+        tensors=[],
+        payload=payload,
+        chunk_size=1024,
+        dtype="uint8",
+        key=plane.key,
+    )
+    plane.publish(Snapshot(m, payload))
+    socks = {w: peer(plane, zctx) for w in ("w0", "w1")}
+    for w, s in socks.items():
+        assert isinstance(ask(s, wire.Join(worker_id=w, can_relay=False)), wire.JoinAck)
+    assert plane.stats().snapshot_path == ""
+    port = plane.snapshot_endpoint.rsplit(":", 1)[1]
+    with caplog.at_level(logging.ERROR, logger="echo.control"):
+        for w, s in socks.items():
+            reply = ask(
+                s,
+                wire.SourceRequest(
+                    worker_id=w, version=0, bad_source=plane.snapshot_endpoint, reason="timeout"
+                ),
+            )
+            assert isinstance(reply, wire.SourceGrant)  # it still gets a source
+    stats = plane.stats()
+    assert f"snapshot port {port}" in stats.snapshot_path and stats.snapshot_path_reporters == 2
+    assert any(f"snapshot port {port}" in r.getMessage() for r in caplog.records)
