@@ -183,6 +183,7 @@ class Members:
             worker_id=w.worker_id,
             reflectors=self.reflector.endpoints if self.reflector else [],
             base_manifest=base.to_wire() if base is not None else None,
+            learner_snapshot_endpoint=self.routes.snapshot_endpoint,
         )
 
     def _add(self, ident: bytes, key: str, msg: wire.Join) -> WorkerState:

@@ -178,9 +178,7 @@ class SnapshotRoutes:
         if msg.form == "base":
             return self._base_grant(key, msg)
         # About the learner's own port: what a closed firewall port looks like from the fleet.
-        if self.path.report(
-            self.gate.witness(key) or key, msg.worker_id, msg.bad_source, msg.reason
-        ):
+        if self.path.report(key, msg.worker_id, msg.bad_source, msg.reason):
             self.path.say(len(self.table.workers))
         # The report is evidence even when its version was superseded meanwhile (a black hole
         # that held a child past the next publication must not escape the count).

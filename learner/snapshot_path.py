@@ -42,8 +42,9 @@ class SnapshotPathWatch:
     def __init__(self, clock: Callable[[], float], served: Callable[[], int]):
         self.clock, self.served = clock, served
         self.endpoint = ""  # the learner's snapshot endpoint as workers are told it
-        # reporter's key -> (time, worker id, bytes served then)
-        self._last: dict[str, tuple[float, str, int]] = {}
+        # reporter's key -> (first report of its streak, last report, worker id, bytes served
+        # at the first): a streak ends when a key has not reported for WINDOW_S
+        self._last: dict[str, tuple[float, float, str, int]] = {}
         self._said = -float("inf")
         self.reports = 0  # reports about the learner's own port, so far
 
@@ -56,8 +57,10 @@ class SnapshotPathWatch:
         if not self.endpoint or bad_source != self.endpoint or reason not in REASONS:
             return False
         self.reports += 1
-        self._last.pop(key, None)
-        self._last[key] = (self.clock(), worker_id, self.served())
+        self.reporters()  # ends streaks past the window
+        now = self.clock()
+        first, _, _, served = self._last.pop(key, (now, now, worker_id, self.served()))
+        self._last[key] = (first, now, worker_id, served)
         while len(self._last) > MAX_REPORTERS:
             del self._last[next(iter(self._last))]
         return True
@@ -65,15 +68,16 @@ class SnapshotPathWatch:
     def reporters(self) -> list[str]:
         """Workers that reported the port within the window, one per key."""
         now = self.clock()
-        for k in [k for k, (t, _, _) in self._last.items() if now - t > WINDOW_S]:
+        for k in [k for k, (_, last, _, _) in self._last.items() if now - last > WINDOW_S]:
             del self._last[k]
-        return sorted(worker for _, worker, _ in self._last.values())
+        return sorted(worker for _, _, worker, _ in self._last.values())
 
     def _corroborated(self) -> bool:
-        """The learner served nothing since the oldest report held, at least CORROBORATE_S ago."""
+        """The learner served nothing since a reporter's streak began, CORROBORATE_S ago or
+        more (its later reports keep the streak's start: a worker reporting every 1.5 s)."""
         if not self._last:
             return False
-        first, _, served = min(self._last.values())
+        first, _, _, served = min(self._last.values())
         return self.clock() - first >= CORROBORATE_S and self.served() == served
 
     def verdict(self, workers: int) -> str | None:

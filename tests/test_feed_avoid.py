@@ -124,6 +124,9 @@ def test_avoiding_ends_after_its_time_and_the_list_is_bounded():
     assert "tcp://10.0.0.0:1" not in feed.avoided  # the first to expire went first
     feed.joined(ROOT)  # a new join: every relay may be tried again
     assert feed.avoided == {}
+    feed.joined("")  # a learner that does not name its own endpoint: nothing is avoided
+    feed.avoid(HOLE, now=0.0)
+    assert not feed.is_avoided(HOLE, now=0.0)
 
 
 def test_the_avoided_reason_is_part_of_the_wire_and_a_made_up_one_is_not():

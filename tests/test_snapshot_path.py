@@ -93,7 +93,10 @@ def test_a_live_learner_names_its_snapshot_port_from_its_workers_source_requests
     plane.publish(Snapshot(m, payload))
     socks = {w: peer(plane, zctx) for w in ("w0", "w1")}
     for w, s in socks.items():
-        assert isinstance(ask(s, wire.Join(worker_id=w, can_relay=False)), wire.JoinAck)
+        ack = ask(s, wire.Join(worker_id=w, can_relay=False))
+        assert isinstance(ack, wire.JoinAck)
+        # the endpoint a worker never avoids (worker/snapshots.py), whatever its source is
+        assert ack.learner_snapshot_endpoint == plane.snapshot_endpoint
     assert plane.stats().snapshot_path == ""
     port = plane.snapshot_endpoint.rsplit(":", 1)[1]
     with caplog.at_level(logging.ERROR, logger="echo.control"):
@@ -108,3 +111,17 @@ def test_a_live_learner_names_its_snapshot_port_from_its_workers_source_requests
     stats = plane.stats()
     assert f"snapshot port {port}" in stats.snapshot_path and stats.snapshot_path_reporters == 2
     assert any(f"snapshot port {port}" in r.getMessage() for r in caplog.records)
+
+
+def test_a_worker_reporting_again_and_again_keeps_its_streak():
+    """The README's netns run: one chain head, fed by the learner, re-reported the dropped
+    port every 1.5 s (its stall bound), and each report restarted the corroboration clock,
+    so the learner never spoke. A streak keeps its first report's time and bytes served."""
+    w, clock = watch([7])
+    for _ in range(3):
+        w.report("head", "w0", EP, "timeout")
+        clock.t += 1.5
+    assert w.verdict(workers=3) is not None  # 4.5 s since the streak began, nothing served
+    clock.t += WINDOW_S + 1  # the head stopped reporting: the streak ends
+    w.report("head", "w0", EP, "timeout")  # a new streak starts now
+    assert w.verdict(workers=3) is None

@@ -96,7 +96,7 @@ class Installer:
             # served under that run's version numbers.
             self.held.version = -1
             self.feed.reset()
-        self.feed.joined(ack.snapshot_endpoint)
+        self.feed.joined(ack.learner_snapshot_endpoint)
         self.base_offer = ack.base_manifest  # verified by obtain_base, before the model loads
         manifest = self._verified(ack.version, ack.manifest) if ack.manifest is not None else None
         self.version_bytes = (

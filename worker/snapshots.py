@@ -18,7 +18,9 @@ A relay this node left because it failed (a stall, a drop, a corrupt chunk) is a
 ``AVOID_S``: notices the learner sent before it heard the report still name it, and each would
 cost another stall. For those the feed asks the learner for another source at once, with the
 reason ``avoided``, which is no new evidence against the relay (``broadcast.reports``). The
-learner's own snapshot endpoint (``root``) is never avoided: it is the source of last resort.
+learner's own snapshot endpoint (``root``, ``JoinAck.learner_snapshot_endpoint``; not the
+join's ``snapshot_endpoint``, which may be a peer) is never avoided: it is the source of last
+resort; a learner that does not name it gets no avoidance at all.
 At most ``MAX_AVOIDED`` relays are held; the oldest entry goes first.
 """
 
@@ -78,7 +80,7 @@ class SnapshotFeed:
         self.avoided.clear()
 
     def avoid(self, endpoint: str, now: float | None = None) -> None:
-        if endpoint == self.root:
+        if not self.root or endpoint == self.root:  # "": a learner that does not say which
             return
         now = time.monotonic() if now is None else now
         self.avoided.pop(endpoint, None)

@@ -55,7 +55,7 @@ class JoinAck(Message):
     version: int  # latest published snapshot version, -1 if none yet
     manifest: dict[str, Any] | None = None
     config: dict[str, Any]  # EchoConfig.worker_view()
-    snapshot_endpoint: str
+    snapshot_endpoint: str  # where this worker pulls the current version (a peer or the learner)
     snapshot_key: bytes = b""  # CURVE public key of that source (b"": plaintext)
     ticket: bytes = b""  # lets this worker pull from it (broadcast.tickets)
     worker_id: str = ""  # the id this session is known by (bound to the worker's key)
@@ -63,6 +63,9 @@ class JoinAck(Message):
     # A LoRA run on a model folder: the signed manifest of its base model, which a worker
     # without it fetches (chunk requests of form "base") and caches (broadcast.basemodel)
     base_manifest: dict[str, Any] | None = None
+    # the learner's own snapshot endpoint, the source of last resort a worker never avoids
+    # (worker/snapshots.py); "" from a learner older than the field
+    learner_snapshot_endpoint: str = ""
 
 
 class Account(BaseModel):
