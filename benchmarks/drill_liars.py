@@ -409,7 +409,9 @@ def calibrate_main(argv: list[str]) -> int:
         f"{result['screened']} screened out of a step; "
         f"final reward {result['final_reward']}"
     )
-    return 0 if result["flags"] == result["quarantined"] == result["screened"] == 0 else 1
+    # A screened honest group is left out of one step and its immediate audit passes: no
+    # strike, so it is reported, not failed on (learner/screen.py)
+    return 0 if result["flags"] == result["quarantined"] == 0 else 1
 
 
 def print_liars(result: dict[str, Any]) -> None:
