@@ -419,3 +419,41 @@ def test_cli_prints_json_and_help_is_instant(tmp_path):
         check=False,
     )
     assert h.returncode == 0 and "--compare" in h.stdout and "eval poker" in h.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_config_alone_scores_the_model_before_any_run(tmp_path, capsys):
+    """Issue 56, item 8: `echo-rl eval` wanted a run folder, and a fake one holding only
+    config.toml was the way to score a model before training. --config with --untrained
+    scores what a run would start from: the same numbers as that run's --untrained."""
+    from echo.config import EchoConfig, dump_toml
+
+    config = {
+        "adapter": {"name": "toy-add", "options": {"heldout": 12}},
+        "worker": {"max_new_tokens": 4},
+    }
+    run = make_run(tmp_path, config, steps=(2,))
+    cfg_file = tmp_path / "mine.toml"
+    cfg_file.write_text(dump_toml(EchoConfig.model_validate({"model": TINY, **config})))
+    argv = ["--n", "12", "--samples", "2", "--json"]
+    assert main(["--config", str(cfg_file), "--untrained", *argv]) == 0
+    before = json.loads(capsys.readouterr().out)
+    assert main(["--run-dir", str(run), "--untrained", *argv]) == 0
+    from_run = json.loads(capsys.readouterr().out)
+    assert before["run_dir"] is None and before["prompts"] == 12
+    assert before["policies"][0]["per_prompt"] == from_run["policies"][0]["per_prompt"]
+    # --set reaches the config: another held-out split size, another count of prompts
+    assert (
+        main(
+            ["--config", str(cfg_file), "--set", "adapter.options.heldout=6", "--untrained", *argv]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["prompts"] == 6
+    # what a config cannot do, and a bad one, named with the fix
+    assert main(["--config", str(cfg_file), *argv]) == 2
+    assert "add --untrained" in capsys.readouterr().err
+    assert main(["--run-dir", str(run), "--set", "seed=3", "--untrained"]) == 2
+    assert "--set goes with --config" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path / "none.toml"), "--untrained"]) == 2
+    assert "not found" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 with a 95 % confidence interval; two policies compared on the same prompts and sampling seeds.
 
     echo-rl eval --run-dir RUN [--checkpoint N|best | --untrained] [--compare N|latest|best|untrained]
+    echo-rl eval --config FILE [--set KEY=VALUE ...] --untrained   # before any run
         [--split auto|train|heldout] [--n 100] [--samples 1] [--temperature T] [--seed 0] [--json]
 
 The run's config (``RUN/config.toml``) names the model, the adapter and its options, the
@@ -67,7 +68,7 @@ __all__ = [
 
 
 def evaluate(
-    run_dir: Path,
+    run_dir: Path | None,
     policy: str = "latest",
     compare: str | None = None,
     split: str = "auto",
@@ -76,14 +77,26 @@ def evaluate(
     temperature: float | None = None,
     seed: int = 0,
     threads: int = 2,
+    config: Any = None,
 ) -> dict[str, Any]:
-    """The result as a dict (what ``--json`` prints)."""
+    """The result as a dict (what ``--json`` prints). Without a run folder (``run_dir``
+    None), ``config`` (an ``EchoConfig``) names the model and task, and only the untrained
+    model can be scored: a score before any run."""
     from echo.ci import mean_ci, paired_ci
 
-    cfg = run_config(run_dir)
-    policies = [resolve_policy(run_dir, policy)]
-    if compare is not None:
-        policies.insert(0, resolve_policy(run_dir, compare))
+    if run_dir is None:
+        if config is None or policy != "untrained" or compare is not None:
+            raise EvalError(
+                "--config scores the model a run would start from (--untrained); a "
+                "checkpoint or --compare needs the run's folder: pass --run-dir"
+            )
+        cfg = config
+        policies = [resolve_policy(Path("."), "untrained")]
+    else:
+        cfg = run_config(run_dir)
+        policies = [resolve_policy(run_dir, policy)]
+        if compare is not None:
+            policies.insert(0, resolve_policy(run_dir, compare))
     scorer = Scorer(
         cfg,
         split=split,
@@ -100,7 +113,7 @@ def evaluate(
         scorer.close()
     prompts, used, temp, max_new = scorer.prompts, scorer.split, scorer.temperature, scorer.max_new
     res: dict[str, Any] = {
-        "run_dir": str(run_dir),
+        "run_dir": str(run_dir) if run_dir is not None else None,
         "adapter": cfg.adapter.name,
         "split": used,
         "prompts": len(prompts),
@@ -132,7 +145,8 @@ def evaluate(
 def describe(res: dict[str, Any]) -> str:
     """The printed form of ``evaluate``'s result."""
     lines = [
-        f"{res['run_dir']}: {res['adapter']}, split {res['split']}, {res['prompts']} prompts x "
+        f"{res['run_dir'] or 'before any run'}: {res['adapter']}, split {res['split']}, "
+        f"{res['prompts']} prompts x "
         f"{res['samples']} samples, temperature {res['temperature']}, seed {res['seed']}"
         + (" (LoRA)" if res["lora"] else "")
     ]
@@ -161,8 +175,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Also: echo-rl eval poker ... (chips against each opponent) and echo-rl eval "
         "math ... (accuracy of a model folder on a JSONL); each has its own --help.",
     )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-dir", type=Path, help="the run folder (config.toml, checkpoints/)")
+    where.add_argument(
+        "--config",
+        type=Path,
+        help="a config file instead of a run: score the model it would start from, before "
+        "any run (with --untrained; --set overrides keys)",
+    )
     p.add_argument(
-        "--run-dir", type=Path, required=True, help="the run folder (config.toml, checkpoints/)"
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --config: override a key, e.g. --set adapter.options.path=PATH",
     )
     which = p.add_mutually_exclusive_group()
     which.add_argument(
@@ -213,8 +240,27 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     from dataplane.adapter import AdapterError
+    from echo.config import ConfigError, load_config
     from echo.models import ModelError
 
+    if args.overrides and args.config is None:
+        print(
+            "echo-rl eval: --set goes with --config (a run's folder holds its config)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.config is not None and not args.untrained:
+        print(
+            "echo-rl eval: --config scores the model a run would start from: add --untrained "
+            "(a checkpoint needs the run's folder, --run-dir)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        config = load_config(args.config, args.overrides) if args.config is not None else None
+    except ConfigError as err:
+        print(f"echo-rl eval: {err}", file=sys.stderr)
+        return 2
     try:
         res = evaluate(
             args.run_dir,
@@ -226,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             args.temperature,
             args.seed,
             args.threads,
+            config,
         )
     except (EvalError, AdapterError, ModelError) as err:
         print(f"echo-rl eval: {err}", file=sys.stderr)

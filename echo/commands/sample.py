@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument(
         "--untrained", action="store_true", help="the model the run started from, before any step"
     )
-    p.add_argument("--n", type=int, default=5, help="prompts")
-    p.add_argument("--samples", type=int, default=2, help="completions per prompt")
+    p.add_argument("--n", type=int, default=5, help="prompts (rows printed: n x samples)")
+    p.add_argument("--samples", type=int, default=2, help="completions per prompt (default 2)")
     p.add_argument(
         "--temperature",
         type=float,
@@ -140,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         help="sampling temperature (default: the run's worker.temperature; 0: greedy)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="also write the rows here, each with its prompt's task dict (the printed table leaves it out)",
+    )
     args = p.parse_args(argv)
     if args.n < 1 or args.samples < 1:
         print("echo-rl sample: --n and --samples must be at least 1", file=sys.stderr)

@@ -12,7 +12,8 @@ training prompts. (examples/smollm2-full.toml and smollm2-lora.toml use these fi
 Why this task: SmolLM2-135M-Instruct can add digits but, sampled at the run's temperature with
 a 16-token budget, it mostly explains instead of answering ("To calculate 3 + 2, we need to
 ..."), and the math adapter takes the last ``\\boxed{}`` else the last number, so a correct
-sum followed by more words, or cut off, scores 0. Answering tersely in ``\\boxed{}`` is what
+sum followed by more words, or cut off, scores as a wrong answer: ``format_reward`` (0.1 in
+examples/smollm2-*.toml) when a number was found, else 0. Answering tersely in ``\\boxed{}`` is what
 lifts the reward: a behaviour a short CPU run can reinforce.
 """
 
