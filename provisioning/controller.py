@@ -153,8 +153,13 @@ class Controller:
                 w.set_active(now)
 
     def remove_worker(self, worker_id: str) -> None:
-        """Forget a worker that left or timed out."""
+        """Forget a worker that left, timed out or was banned. An active one's capacity is
+        gone for certain: the shortfall it leaves is met at the next tick, not after a window
+        (a small fleet's only other volunteer waited 5 minutes after a ban, issue 55)."""
         with self._lock:
+            w = self._reg.workers.get(worker_id)
+            if w is not None and w.state == ACTIVE and not w.yielded:
+                self._scaler.lost_active()
             self._reg.remove(worker_id)
 
     def state(self) -> dict[str, dict]:

@@ -54,6 +54,10 @@ class Scaler:
         self._swapped = 0  # swaps made in it
         self.waiting_since: float | None = None  # the learner waits for data since (liveness)
         self._last_activation = -math.inf
+        # An active worker left for good (left, timed out, banned): capacity lost for certain,
+        # not a noisy measurement, so a shortfall it leaves is met at the next tick, without
+        # waiting a window (``lost_active``)
+        self._replace = False
 
     def target(self) -> float:
         return self.p.alpha * (self.mu_req or 0.0)
@@ -69,6 +73,10 @@ class Scaler:
             self._last_activation = now
         decisions += self._liveness(now)
         return expired + decisions
+
+    def lost_active(self) -> None:
+        """An active worker is gone for good: a shortfall at the next tick is met then."""
+        self._replace = True
 
     def yield_release(self, w: WorkerRecord, now: float) -> Decision:
         """The active worker ``w`` yielded to its owner: standby, with its books kept."""
@@ -164,8 +172,11 @@ class Scaler:
         self._low_since = _held_since(self._low_since, low, now)
         self._high_since = _held_since(self._high_since, high, now)
         acted: list[Decision] = []
-        if low and now - self._low_since >= p.window_s:
-            acted = self._activate(now, c_eff, target, now - self._low_since)
+        replace, self._replace = self._replace and low, False
+        if low and (replace or now - self._low_since >= p.window_s):
+            acted = self._activate(
+                now, c_eff, target, now - self._low_since, lost=now - self._low_since < p.window_s
+            )
         elif high and now - self._high_since >= p.window_s:
             acted = self._release(now, c_eff, target, now - self._high_since)
         if acted:
@@ -224,7 +235,9 @@ class Scaler:
             self._swapped += 1
         return out
 
-    def _activate(self, now: float, c_eff: float, target: float, held: float) -> list[Decision]:
+    def _activate(
+        self, now: float, c_eff: float, target: float, held: float, lost: bool = False
+    ) -> list[Decision]:
         """Standby workers in order of unit cost until the projected C_eff reaches target.
 
         A measured worker's unit cost is its price over its measured throughput, and it adds
@@ -236,9 +249,11 @@ class Scaler:
         find the cheap ones that joined since. Workers that failed probation come last.
         """
         typical = self.reg.typical_mu()
-        why = (
-            f"C_eff {c_eff:.4g}/s < alpha*mu_req = {self.p.alpha:g} x {self.mu_req:.4g} = "
-            f"{target:.4g}/s for {held:.0f} s (window {self.p.window_s:g} s)"
+        why = f"C_eff {c_eff:.4g}/s < alpha*mu_req = {self.p.alpha:g} x {self.mu_req:.4g} = " + (
+            f"{target:.4g}/s since an active worker left (its capacity is gone for certain: "
+            f"replaced at once, not after the {self.p.window_s:g} s window)"
+            if lost
+            else f"{target:.4g}/s for {held:.0f} s (window {self.p.window_s:g} s)"
         )
         decisions, projected = [], c_eff + (typical or 0.0) * self.reg.on_probation()
         free = self._probation_limit(target - projected) - self.reg.on_probation()

@@ -453,3 +453,31 @@ def test_a_yielded_worker_is_standby_not_dead_and_comes_back_when_needed():
     assert ctl.set_yielded("cheap", False) is None
     run(ctl, clock, 60, {"cheap": 10, "dear": 10})
     assert "cheap" in ctl.active_ids()  # back in the pool, and the cheapest per trajectory
+
+
+def test_an_active_worker_gone_for_good_is_replaced_at_the_next_tick_not_after_a_window():
+    """Issue 55: a small fleet with public.toml's 300 s windows banned one of its two active
+    volunteers; the standby one was not activated within 45 s (it would have waited 5 minutes).
+    Capacity that left (a ban, a departure, a timeout) is gone for certain: replaced at once.
+    A standby worker's departure changes nothing."""
+    ctl, clock = make(window_s=300.0)
+    ctl.add_worker("w0", price=1.0, state="active", mu_prior=6)
+    ctl.add_worker("w1", price=1.0, state="active", mu_prior=6)
+    ctl.add_worker("s1", price=1.0, mu_prior=6)
+    ctl.add_worker("s2", price=1.0, mu_prior=6)
+    ctl.set_requirement(10.0)  # target 11 <= 12: enough
+    rates = {w: 6 for w in ("w0", "w1", "s1", "s2")}
+    assert run(ctl, clock, 30.0, rates) == []
+    ctl.remove_worker("s2")  # a standby leaving: nothing to replace
+    assert run(ctl, clock, 40.0, rates) == []
+    ctl.remove_worker("w1")  # banned: C_eff 6 < 11
+    [d] = run(ctl, clock, 41.0, rates)
+    assert (d.action, d.worker_id, d.time) == (ACTIVATE, "s1", 41.0)
+    assert "an active worker left" in d.reason and "replaced at once" in d.reason
+    # the next shortfall is a measured one again: it waits its window
+    ctl.add_worker("s3", price=1.0, mu_prior=6)
+    rates["s3"] = 6
+    ctl.set_requirement(20.0)
+    assert run(ctl, clock, 300.0, rates) == []
+    acted = run(ctl, clock, 345.0, rates)  # (and SHORT: 18 < 22 with every worker active)
+    assert [d.worker_id for d in acted if d.action == ACTIVATE] == ["s3"]
