@@ -34,6 +34,9 @@ from provisioning.controller import ACTIVE, STANDBY, Controller, Decision
 from provisioning.words import in_words
 
 log = logging.getLogger("echo.control")
+# Why a member left, when its capacity is gone for certain (provisioning replaces it at once):
+# its own goodbye (wire.Leave), a ban, a quarantine; a silent timeout waits the window.
+GONE_FOR_GOOD = ("left", "banned", "quarantined")
 
 _JOIN_FIX = {
     "banned": "this key is banned from the run",
@@ -345,7 +348,8 @@ class Members:
         if self.coordinator is not None:
             self.coordinator.leave(worker_id)
         if self.controller is not None and w.member:
-            self.controller.remove_worker(worker_id)
+            # said goodbye, banned or quarantined: its capacity is gone for certain
+            self.controller.remove_worker(worker_id, why in GONE_FOR_GOOD)
         log.info("worker %s removed (%s); %d group(s) handed out again", worker_id, why, n)
 
     def end_session(self, key: str, why: str) -> None:

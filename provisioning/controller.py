@@ -152,13 +152,16 @@ class Controller:
             if state == ACTIVE or was_active:
                 w.set_active(now)
 
-    def remove_worker(self, worker_id: str) -> None:
-        """Forget a worker that left, timed out or was banned. An active one's capacity is
-        gone for certain: the shortfall it leaves is met at the next tick, not after a window
-        (a small fleet's only other volunteer waited 5 minutes after a ban, issue 55)."""
+    def remove_worker(self, worker_id: str, gone_for_good: bool = False) -> None:
+        """Forget a worker that left or timed out. ``gone_for_good``: it said goodbye, or was
+        banned or quarantined: an active one's capacity is then gone for certain, and the
+        shortfall it leaves is met at the next tick, not after a window (a small fleet's only
+        other volunteer waited 5 minutes after a ban, issue 55). A silent worker timed out may
+        be a blip: its shortfall waits the window like any measured one (the simulator's churn
+        is of this kind)."""
         with self._lock:
             w = self._reg.workers.get(worker_id)
-            if w is not None and w.state == ACTIVE and not w.yielded:
+            if gone_for_good and w is not None and w.state == ACTIVE and not w.yielded:
                 self._scaler.lost_active()
             self._reg.remove(worker_id)
 

@@ -54,9 +54,9 @@ class Scaler:
         self._swapped = 0  # swaps made in it
         self.waiting_since: float | None = None  # the learner waits for data since (liveness)
         self._last_activation = -math.inf
-        # An active worker left for good (left, timed out, banned): capacity lost for certain,
-        # not a noisy measurement, so a shortfall it leaves is met at the next tick, without
-        # waiting a window (``lost_active``)
+        # An active worker left for good (said goodbye, banned, quarantined): capacity lost for
+        # certain, not a noisy measurement, so a shortfall it leaves is met at the next tick,
+        # without waiting a window (``lost_active``)
         self._replace = False
 
     def target(self) -> float:

@@ -458,8 +458,9 @@ def test_a_yielded_worker_is_standby_not_dead_and_comes_back_when_needed():
 def test_an_active_worker_gone_for_good_is_replaced_at_the_next_tick_not_after_a_window():
     """Issue 55: a small fleet with public.toml's 300 s windows banned one of its two active
     volunteers; the standby one was not activated within 45 s (it would have waited 5 minutes).
-    Capacity that left (a ban, a departure, a timeout) is gone for certain: replaced at once.
-    A standby worker's departure changes nothing."""
+    Capacity that left for good (a goodbye, a ban, a quarantine) is gone for certain: replaced
+    at once. A standby worker's departure changes nothing, and a silent timeout (which may be a
+    blip, and is the simulator's churn) waits the window."""
     ctl, clock = make(window_s=300.0)
     ctl.add_worker("w0", price=1.0, state="active", mu_prior=6)
     ctl.add_worker("w1", price=1.0, state="active", mu_prior=6)
@@ -468,9 +469,9 @@ def test_an_active_worker_gone_for_good_is_replaced_at_the_next_tick_not_after_a
     ctl.set_requirement(10.0)  # target 11 <= 12: enough
     rates = {w: 6 for w in ("w0", "w1", "s1", "s2")}
     assert run(ctl, clock, 30.0, rates) == []
-    ctl.remove_worker("s2")  # a standby leaving: nothing to replace
+    ctl.remove_worker("s2", gone_for_good=True)  # a standby leaving: nothing to replace
     assert run(ctl, clock, 40.0, rates) == []
-    ctl.remove_worker("w1")  # banned: C_eff 6 < 11
+    ctl.remove_worker("w1", gone_for_good=True)  # banned: C_eff 6 < 11
     [d] = run(ctl, clock, 41.0, rates)
     assert (d.action, d.worker_id, d.time) == (ACTIVATE, "s1", 41.0)
     assert "an active worker left" in d.reason and "replaced at once" in d.reason
@@ -481,3 +482,16 @@ def test_an_active_worker_gone_for_good_is_replaced_at_the_next_tick_not_after_a
     assert run(ctl, clock, 300.0, rates) == []
     acted = run(ctl, clock, 345.0, rates)  # (and SHORT: 18 < 22 with every worker active)
     assert [d.worker_id for d in acted if d.action == ACTIVATE] == ["s3"]
+
+
+def test_an_active_worker_timing_out_waits_the_window_as_a_blip_may():
+    ctl, clock = make(window_s=300.0)
+    for w, state in (("w0", "active"), ("w1", "active"), ("s1", "standby")):
+        ctl.add_worker(w, price=1.0, state=state, mu_prior=6)
+    ctl.set_requirement(10.0)
+    rates = {"w0": 6, "w1": 6, "s1": 6}
+    assert run(ctl, clock, 30.0, rates) == []
+    ctl.remove_worker("w1")  # no heartbeat: it may be back in a minute
+    assert run(ctl, clock, 330.0, rates) == []
+    [d] = run(ctl, clock, 332.0, rates)
+    assert d.worker_id == "s1" and "for 300 s (window 300 s)" in d.reason
