@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: quickstart test test-fast figures venv dev clean smollm2 gpu-wheels gpu-weights gpu-check
+.PHONY: quickstart test test-fast test-durations figures venv dev clean smollm2 gpu-wheels gpu-weights gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,11 @@ test: $(VENV)/.dev
 # `make test` runs all three tiers; `make test ARGS='-m integration'` (or lab) runs one.
 test-fast: $(VENV)/.dev
 	$(BIN)/python -m pytest -m unit $(ARGS)
+
+# Every test's seconds and tier, slowest first, into tests/durations.json (a whole run: what
+# to speed up next; nothing reads the file to decide anything).
+test-durations: $(VENV)/.dev
+	$(BIN)/python -m pytest --durations-json tests/durations.json $(ARGS)
 
 # The README's measured figures re-run where this machine can (a row at most 10 minutes, ratios
 # only) against the stated ones: holds / drifted / not re-runnable here (docs/development.md).

@@ -20,10 +20,61 @@ def tier_of(item: pytest.Item) -> str:
     return "integration" if item.get_closest_marker("slow") else "unit"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--durations-json",
+        default=None,
+        metavar="PATH",
+        help="write every test's seconds (setup + call + teardown) and tier here, slowest "
+        "first (make test-durations: tests/durations.json); read only to report",
+    )
+
+
+_SECONDS: dict[str, float] = {}
+_TIER: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    path = session.config.getoption("--durations-json", default=None)
+    if not path or not _SECONDS:
+        return
+    import json
+    import platform
+    from pathlib import Path
+
+    tests = sorted(_SECONDS.items(), key=lambda kv: -kv[1])
+    by_tier: dict[str, float] = {}
+    for node, secs in tests:
+        by_tier[_TIER.get(node, "unit")] = by_tier.get(_TIER.get(node, "unit"), 0.0) + secs
+    Path(path).write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "cpus": __import__("os").cpu_count(),
+                    "python": platform.python_version(),
+                },
+                "total_s": round(sum(_SECONDS.values()), 1),
+                "by_tier_s": {k: round(v, 1) for k, v in sorted(by_tier.items())},
+                "tests": [
+                    {"test": node, "seconds": round(secs, 3), "tier": _TIER.get(node, "unit")}
+                    for node, secs in tests
+                ],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """One tier marker per test, so ``-m unit`` (``make test-fast``) selects the inner loop."""
     for item in items:
         tier = tier_of(item)
+        _TIER[item.nodeid] = tier
         if item.get_closest_marker(tier) is None:
             item.add_marker(tier)
 
