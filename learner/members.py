@@ -167,26 +167,11 @@ class Members:
         return self._join_ack(w)
 
     def _join_ack(self, w: WorkerState) -> wire.JoinAck:
-        version, manifest = self.routes.latest()
-        # From its place in the last plan (a peer); until a plan places it, from the learner.
-        src = self.routes.snapshot_source(w)
         view = self.cfg.worker_view()
         view["worker"]["heartbeat_s"] = w.period = self.table.period()  # from the first beat on
-        me, base = self.identity, self.routes.base_manifest
-        return wire.JoinAck(
-            run_id=me.run_id,
-            instance_id=me.instance_id,
-            public_key=me.key.public_bytes,
-            version=version,
-            manifest=manifest.to_wire() if manifest is not None else None,
-            config=view,
-            snapshot_endpoint=src.endpoint,
-            snapshot_key=src.key,
-            ticket=src.ticket,
-            worker_id=w.worker_id,
-            reflectors=self.reflector.endpoints if self.reflector else [],
-            base_manifest=base.to_wire() if base is not None else None,
-            learner_snapshot_endpoint=self.routes.snapshot_endpoint,
+        me, reflectors = self.identity, self.reflector.endpoints if self.reflector else []
+        return self.routes.join_ack(
+            w, me.run_id, me.instance_id, me.key.public_bytes, view, reflectors
         )
 
     def _add(self, ident: bytes, key: str, msg: wire.Join) -> WorkerState:

@@ -13,6 +13,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import Any
 
 from broadcast.coordinator import Coordinator
 from broadcast.manifest import BaseManifest, Manifest
@@ -78,6 +79,36 @@ class SnapshotRoutes:
         self.probes.attach(coordinator, verifier)
         self.snapshot_endpoint = snapshot_endpoint
         self.path.attach(snapshot_endpoint)
+
+    def join_ack(
+        self,
+        w: WorkerState,
+        run_id: str,
+        instance_id: str,
+        public_key: bytes,
+        view: dict[str, Any],
+        reflectors: list[str],
+    ) -> wire.JoinAck:
+        """What a joining worker is told: the run, its config view, the newest version and
+        where to pull it (its place in the last plan, a peer; until a plan places it, the
+        learner), and the learner's own snapshot endpoint (never avoided, worker/snapshots.py)."""
+        version, manifest = self.latest()
+        src, base = self.snapshot_source(w), self.base_manifest
+        return wire.JoinAck(
+            run_id=run_id,
+            instance_id=instance_id,
+            public_key=public_key,
+            version=version,
+            manifest=manifest.to_wire() if manifest is not None else None,
+            config=view,
+            snapshot_endpoint=src.endpoint,
+            snapshot_key=src.key,
+            ticket=src.ticket,
+            worker_id=w.worker_id,
+            reflectors=reflectors,
+            base_manifest=base.to_wire() if base is not None else None,
+            learner_snapshot_endpoint=self.snapshot_endpoint,
+        )
 
     def latest(self) -> tuple[int, Manifest | None]:
         buf = self.store.latest()

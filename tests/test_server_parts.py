@@ -207,6 +207,7 @@ class FakeController:
     def __init__(self):
         self.added: dict[str, str] = {}
         self.removed: list[str] = []
+        self.gone_for_good: list[bool] = []
 
     def active_ids(self):
         return [w for w, s in self.added.items() if s == "active"]
@@ -218,8 +219,9 @@ class FakeController:
         assert mu_prior == 0.0  # no credit before delivery
         self.added[worker_id] = state
 
-    def remove_worker(self, worker_id):
+    def remove_worker(self, worker_id, gone_for_good=False):
         self.removed.append(worker_id)
+        self.gone_for_good.append(gone_for_good)
 
 
 def _members(controller=None) -> tuple[Members, SimpleNamespace]:
@@ -229,7 +231,9 @@ def _members(controller=None) -> tuple[Members, SimpleNamespace]:
         latest=lambda: (-1, None),
         base_manifest=None,
         snapshot_source=lambda w: SimpleNamespace(endpoint="tcp://l:1", key=b"", ticket=b""),
+        snapshot_endpoint="tcp://l:1",
     )
+    routes.join_ack = lambda *a: SnapshotRoutes.join_ack(routes, *a)  # the real message
     work = SimpleNamespace(
         released=[], release_worker=lambda wid, key: work.released.append(wid) or 2
     )
@@ -263,6 +267,7 @@ def test_a_join_is_pending_until_its_first_useful_act_and_a_leave_closes_its_boo
     assert m.coordinator.joined["w1"] == "tcp://10.0.0.5:9"
     bye = m.on_leave(b"i", "KEY1", wire.Leave(worker_id="w1"))
     assert bye.account.state == "left" and work.released == ["w1"] and ctl.removed == ["w1"]
+    assert ctl.gone_for_good == [True]  # its goodbye: provisioning replaces it at once
     assert m.table.workers == {} and m.coordinator.left == ["w1"]
 
 
