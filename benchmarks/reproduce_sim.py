@@ -492,14 +492,22 @@ def churn_seeds(out: Path) -> dict[str, Any]:
     spread over seeds, both measures on the same seed (the same churn)."""
     rows = []
     for seed in _track(list(CHURN_SEEDS), "churn seeds"):
-        cost = {
+        summary = {
             m: simulate(
                 EX / "churn-controller.toml",
                 {"run.seed": seed, "provisioning.measure": m},
-            )["summary"]["cost_per_step_usd"]
+            )["summary"]
             for m in ("busy", "capacity")
         }
-        rows.append({"seed": seed, **cost, "ratio": cost["busy"] / cost["capacity"]})
+        cost = {m: r["cost_per_step_usd"] for m, r in summary.items()}
+        rows.append(
+            {
+                "seed": seed,
+                **cost,
+                "ratio": cost["busy"] / cost["capacity"],
+                "bubble": summary["busy"]["bubble_ratio"],
+            }
+        )
     ratios = [r["ratio"] for r in rows]
     data = {
         "scenario": "examples/sim/churn-controller.toml",
@@ -507,6 +515,7 @@ def churn_seeds(out: Path) -> dict[str, Any]:
         "ratio_mean": statistics.mean(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        "bubble_max": max(r["bubble"] for r in rows),
     }
     _write(out, "churn-seeds", data)
     t = _table(
