@@ -18,28 +18,34 @@ from typing import Any, TextIO
 
 ZMTP_SIGNATURE_LEN = 10  # 0xFF, 8 bytes of padding, 0x7F: the first bytes any ZeroMQ peer sends
 TIMEOUT_S = 3.0
-MARK = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
+MARK = {"ok": "ok  ", "warn": "warn", "fail": "FAIL", "skip": "skip"}
 
 
 @dataclass(frozen=True)
 class Check:
     name: str
-    status: str  # ok, warn (works, with a cost named), fail (something does not work)
+    # ok, warn (works, with a cost named), fail (something does not work), skip (not run:
+    # the verdict says why, never silently left out)
+    status: str
     verdict: str
     fix: str = ""
 
 
 def show(checks: list[Check], out: TextIO | None = None) -> int:
-    """Print each check (verdict, then the fix); 1 when any failed, else 0."""
+    """Print each check (verdict, then the fix); 1 when any failed, else 0. A skipped check
+    is neither passed nor failed: the last line names it."""
     out = out or sys.stdout
     for c in checks:
         print(f"[{MARK[c.status]}] {c.name}: {c.verdict}", file=out)
         if c.fix and c.status != "ok":
             print(f"       fix: {c.fix}", file=out)
     failed = [c.name for c in checks if c.status == "fail"]
+    skipped = [c.name for c in checks if c.status == "skip"]
+    ran = len(checks) - len(skipped)
     print(
-        f"{len(checks) - len(failed)} of {len(checks)} checks passed"
-        + (f"; failed: {', '.join(failed)}" if failed else ""),
+        f"{ran - len(failed)} of {ran} checks passed"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+        + (f"; skipped: {', '.join(skipped)}" if skipped else ""),
         file=out,
     )
     return 1 if failed else 0

@@ -51,7 +51,17 @@ def diagnose(cfg: EchoConfig, run_dir: Path | None) -> list[Check]:
                 "--run-dir RUN, then run echo-rl doctor --run-dir RUN",
             )
         )
-    elif not any(c.status == "fail" for c in out[1:]):
+    elif any(c.status == "fail" for c in out[1:]):
+        out.append(
+            Check(
+                "learner",
+                "skip",
+                "not asked for its doctor answer: a port above failed, and the request "
+                "would go the same way",
+                "fix the failed ports first, then run echo-rl doctor again",
+            )
+        )
+    else:
         out.append(_answer_check(info))
     return out
 
@@ -255,7 +265,7 @@ def _reflector(host: str, port: int) -> tuple[str, str, str]:
     try:
         reply = asyncio.run(one())
     except NatError as exc:
-        found = "refused" if "refused" in str(exc) or "111" in str(exc) else "timeout"
+        found = "refused" if isinstance(exc.__cause__, ConnectionRefusedError) else "timeout"
         return (*port_words(found, host, port, "a NAT reflector"), found)
     return (
         "ok",

@@ -62,6 +62,26 @@ class LearnerStall(RuntimeError):
     pass
 
 
+def shutdown_reason(outcome: str | BaseException) -> str:
+    """What the learner tells its workers as it closes (their status's "learner says" and
+    exit): "run complete" only for a run that reached learner.max_steps. ``outcome``: the
+    run's end as its summary says it ("complete", or why it stopped early), or what ended it."""
+    if isinstance(outcome, KeyboardInterrupt):
+        return "learner stopped"  # Ctrl-C or SIGTERM, by its operator
+    if isinstance(outcome, LearnerStall):
+        return f"learner stalled: {outcome}"
+    if isinstance(outcome, BaseException):
+        return (
+            f"learner failed ({type(outcome).__name__}): the run did not complete "
+            f"(the operator's learner.log says why)"
+        )
+    return (
+        "run complete"
+        if outcome == "complete"
+        else f"run ended before learner.max_steps: {outcome}"
+    )
+
+
 def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSummary | None:
     policy = Policy(cfg)
     if not policy.par.is_main:
@@ -85,21 +105,26 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     say_length_fit(cfg, policy.adapter, policy.tokenizer, policy.model)
     learner = Learner(cfg, run_dir, policy)
-    reason = "run complete"
     try:
         with stopping.interruptible():  # loading a model: nothing half done to leave behind
             learner.start(resume)
         freeze_startup_objects()
-        return learner.run()
+        summary = learner.run()
+        reason = shutdown_reason(learner.watch.stop or "complete")
+        return summary
     except KeyboardInterrupt as stop:
-        reason = "learner stopped"
+        reason = shutdown_reason(stop)
         # a run stopped by hand has a summary too, of the steps it took
         learner.write_summary(
             "stopped (SIGTERM)" if isinstance(stop, Terminated) else "stopped (Ctrl-C)"
         )
         raise
     except LearnerStall as stall:
+        reason = shutdown_reason(stall)
         learner.write_summary(f"stalled: {stall}")
+        raise
+    except BaseException as exc:  # a crash: the workers are not told the run completed
+        reason = shutdown_reason(exc)
         raise
     finally:
         learner.close(reason)

@@ -156,6 +156,69 @@ def test_a_relay_port_nobody_can_connect_to(healthy, capsys):
     assert "[FAIL]" in relay and "could not connect" in relay and "open TCP" in relay
 
 
+def _closed_ports(host: str, n: int) -> tuple[list[socket.socket], list[int]]:
+    """Ports bound on ``host`` and never listening: a connection there is refused."""
+    held = [socket.socket() for _ in range(n)]
+    for s in held:
+        s.bind((host, 0))
+    return held, [s.getsockname()[1] for s in held]
+
+
+def test_closed_reflectors_name_the_address_workers_dial_and_the_skipped_relay_port(capsys):
+    """Issue 55, item 7b and c: the fix names the reflectors' address as the learner hands it
+    out (learner.public_host; here 127.0.0.2, the learner bound elsewhere) and the security
+    group; the relay port, which the reflector would have dialled, is printed as skipped."""
+    import asyncio
+
+    from echo.doctor import show
+    from worker.doctor import _nat_checks
+
+    held, ports = _closed_ports("127.0.0.2", 2)
+    try:
+        reflectors = [f"127.0.0.2:{p}" for p in ports]
+        nat, relay = asyncio.run(_nat_checks(reflectors, "127.0.0.1", 0, "127.0.0.1"))
+    finally:
+        for s in held:
+            s.close()
+    assert nat.status == "fail" and "did not answer a probe: connection refused" in nat.verdict
+    assert f"TCP {ports[0]} and {ports[1]} to workers on 127.0.0.2" in nat.fix
+    assert "learner.public_host" in nat.fix and "security group" in nat.fix
+    assert (relay.name, relay.status) == ("relay port", "skip")
+    assert relay.verdict.startswith("not checked: the learner's NAT reflector connects back")
+    assert show([nat, relay]) == 1
+    out = capsys.readouterr().out
+    assert "[skip] relay port: not checked" in out
+    assert out.splitlines()[-1] == "0 of 1 checks passed; failed: NAT; skipped: relay port"
+
+
+def test_a_relay_on_loopback_says_its_port_was_not_checked_and_why(capsys):
+    """Issue 55, item 7c: behind a home router (--relay-host 127.0.0.1, no --relay-port) the
+    relay port check was left out of the report without a word."""
+    import asyncio
+
+    from broadcast.nat.reflect import Reflector
+    from echo.doctor import show
+    from worker.doctor import _nat_checks
+
+    async def body():
+        ref = Reflector("127.0.0.1")
+        await ref.start()
+        try:
+            return await _nat_checks(ref.endpoints, "127.0.0.1", None, "127.0.0.1")
+        finally:
+            ref.close()
+
+    nat, relay = asyncio.run(body())
+    assert nat.status == "ok"
+    assert (relay.name, relay.status) == ("relay port", "skip")
+    assert "not checked: --relay-host 127.0.0.1 is loopback" in relay.verdict
+    assert "--relay-host YOUR_PUBLIC_IP" in relay.fix
+    assert show([nat, relay]) == 0
+    out = capsys.readouterr().out
+    assert "[skip] relay port: not checked" in out and "       fix: nothing to do" in out
+    assert out.splitlines()[-1] == "1 of 1 checks passed; skipped: relay port"
+
+
 # ----------------------------------------------------------------------------- echo-rl doctor
 
 
@@ -263,6 +326,30 @@ def test_the_operator_s_doctor_tells_a_dropping_firewall_from_a_stopped_learner(
         monkeypatch.setattr(doctor, "tcp_greeting", lambda host, port, f=found: f)
         check = doctor._port_check("learner.chunk_port", 5556, "zmq", "127.0.0.1", "127.0.0.1", cfg)
         assert check.status == "fail" and words in check.verdict and fix in check.fix, check
+
+
+def test_the_operator_s_doctor_says_it_did_not_ask_the_learner_after_a_port_failed(
+    monkeypatch, tmp_path
+):
+    """Issue 55, item 7c: with a port failing, the learner's own answer was not asked for and
+    the report said nothing of it; now it is a skipped check, with the reason."""
+    import json
+
+    from echo.doctor import Check
+    from learner import doctor
+
+    def closed(key, port, kind, local, public, cfg):
+        return Check(key, "fail", "nothing listens", "start it")
+
+    def never(info):
+        raise AssertionError("asked the learner although a port failed")
+
+    monkeypatch.setattr(doctor, "_port_check", closed)
+    monkeypatch.setattr(doctor, "_answer_check", never)
+    (tmp_path / "learner.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:5555"}))
+    last = doctor.diagnose(_cfg(), tmp_path)[-1]
+    assert (last.name, last.status) == ("learner", "skip")
+    assert "not asked" in last.verdict and "a port above failed" in last.verdict
 
 
 def test_an_older_learner_without_the_doctor_request_is_a_warning_not_a_failure():

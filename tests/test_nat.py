@@ -29,6 +29,7 @@ from broadcast.nat.reflect import (
     pick_punch_port,
     probe,
     probe_all,
+    probe_failure,
 )
 from broadcast.nat.tunnel import HEADER, MAX_FRAME, Tunnel
 from broadcast.planner import plan_chains
@@ -110,6 +111,33 @@ def test_reflector_judges_only_its_own_records():
         ref.classify([b"a" * 16, b"z" * 16], "tcp://198.51.100.7:9")  # one nonce never probed
     with pytest.raises(NatError, match="probe_not_seen"):
         ref.classify([b"a" * 16, b"a" * 16], "tcp://198.51.100.7:9")  # both on one listener
+
+
+def test_a_probe_nobody_answers_says_what_happened_never_an_empty_reason():
+    """Issue 55, item 7a: a timeout from asyncio.wait_for is a bare TimeoutError, and the
+    worker logged "did not answer a probe: " with nothing after it."""
+
+    async def body():
+        with socket.socket() as silent, socket.socket() as closed:
+            silent.bind((HOST, 0))
+            silent.listen()  # accepts, never replies
+            closed.bind((HOST, 0))  # bound, not listening: refused
+            said = []
+            for s, timeout in ((silent, 0.2), (closed, 5.0)):
+                addr = f"{HOST}:{s.getsockname()[1]}"
+                with pytest.raises(NatError) as err:
+                    await probe(addr, HOST, pick_punch_port(HOST), 0, timeout_s=timeout)
+                said.append(str(err.value))
+            return said
+
+    quiet, refused = run(body())
+    assert quiet.endswith(
+        "did not answer a probe: connected, but no reply within 0.2 s (timed out)"
+    )
+    assert "did not answer a probe: connection refused (nothing listens" in refused
+    # a connection never made (a firewall dropping it), and an error with no text at all
+    assert probe_failure(TimeoutError(), 5.0, False).startswith("timed out after 5 s connecting")
+    assert probe_failure(OSError(), 5.0, False) == "OSError"
 
 
 def test_reflector_counts_malformed_probes_and_keeps_serving():

@@ -18,14 +18,16 @@ from fakes import FakeClock
 from broadcast.snapshot import RunKey
 from dataplane.adapter import load_adapter
 from dataplane.records import Limits
+from echo import wire
 from echo.security import JoinLine
 from learner.buffer import ReplayBuffer
+from learner.main import LearnerStall, shutdown_reason
 from learner.server import LearnerServer
 from learner.work import WorkQueue
 from provisioning.controller import ACTIVATE, RELEASE, Controller, Decision
 from provisioning.words import SENTENCES, in_words
 from worker.agent import Worker, WorkerError
-from worker.status import WorkerStatus, rows, state_of
+from worker.status import StatusBoard, WorkerStatus, rows, state_of
 from worker.unreachable import Unreachable
 
 pytestmark = pytest.mark.timeout(60)
@@ -168,6 +170,56 @@ def test_echo_worker_status_prints_installing_from_the_file(tmp_path, capsys):
 def test_a_problem_shows_as_its_own_row_until_the_worker_exits():
     assert ("problem", "no answer") in rows(_doc(problem="no answer"))
     assert not [r for r in rows(_doc(problem="no answer", exit="gave up")) if r[0] == "problem"]
+
+
+def test_a_worker_that_never_ran_a_rollout_says_so_not_an_idle_share():
+    """Issue 55, item 7d: the device's idle clock starts at the model's load, so a volunteer
+    never given work read "device idle 86%"."""
+    sharing = {"runs": 1, "share": 1.0, "device_s": 2.0, "switches": 0, "idle_fraction": 0.86}
+    assert ("device idle", "no rollout yet") in rows(_doc(sharing=sharing))
+    busy = _doc(sharing=sharing, groups_generated=3, samples_generated=12)
+    assert ("device idle", "86% since the model loaded") in rows(busy)
+
+
+def test_status_of_an_exited_worker_ages_the_learner_s_word_from_the_exit(tmp_path, capsys):
+    """Issue 55, item 7e: an hour after the exit, `echo-worker status` said "run complete (0 s
+    ago)": the age the learner gave when it said it, frozen in the file."""
+    import time
+
+    from worker import cli
+
+    exited = time.time() - 3600
+    account = {"state": "left", "message": "run complete", "message_age_s": 0.0}
+    doc = _doc(account=account, exit="learner shut down: run complete", updated_at=exited)
+    assert ("learner says", "run complete (60 min ago)") in rows(doc, now=exited + 3600)
+    assert ("learner says", "run complete (5 s ago)") in rows(doc, now=exited + 5)
+    board = StatusBoard("w-1", LEARNER, 0.0, None)  # the worker stamps the books it is told
+    board.account(wire.Account(state="left", message="run complete", message_age_s=2.0))
+    told = board.doc.account_at
+    assert told is not None and abs(told - time.time()) < 60
+    assert ("learner says", "run complete (62 s ago)") in rows(board.doc, now=told + 60)
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"schema": 1, "pid": 0, **doc.to_json()}))
+    assert cli.main(["status", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "exited 60 min ago" in out and "run complete (60 min ago)" in out
+
+
+@pytest.mark.parametrize(
+    "outcome, said",
+    [
+        ("complete", "run complete"),
+        ("stopped: the policy collapsed at step 5", "run ended before learner.max_steps"),
+        (KeyboardInterrupt(), "learner stopped"),
+        (LearnerStall("no 4 admissible groups within 600s"), "learner stalled: no 4 admissible"),
+        (RuntimeError("publish timed out"), "learner failed (RuntimeError): the run did not"),
+    ],
+)
+def test_workers_are_told_run_complete_only_when_the_run_completed(outcome, said):
+    """Issue 55, item 7e: a learner that stalled or crashed told its workers "run complete"."""
+    assert shutdown_reason(outcome).startswith(said)
+    if outcome != "complete":
+        assert "run complete" not in shutdown_reason(outcome)
 
 
 # ----------------------------------------------------------------------------- decisions in words

@@ -397,6 +397,37 @@ def test_the_relay_node_offers_its_endpoint_takes_the_learner_s_tuning_and_names
         ctx.term()
 
 
+@pytest.mark.timeout(30)
+def test_a_failed_nat_probe_says_why_and_what_the_volunteer_can_check(caplog):
+    """Issue 55, item 7a: the log named nothing after "did not answer a probe:" and nothing to
+    check. The probe goes from the punch port to reflectors where nothing listens."""
+    import socket
+
+    import zmq.asyncio
+
+    from broadcast.relay import RelayConfig
+    from worker.relaying import RelayNode
+
+    ctx = zmq.asyncio.Context()
+    node = RelayNode(ctx, RelayConfig(), keys=None, run_key=lambda: b"")
+    try:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))  # bound, never listening: refused
+            b.bind(("127.0.0.1", 0))
+            ports = [a.getsockname()[1], b.getsockname()[1]]
+            reflectors = [f"127.0.0.1:{p}" for p in ports]
+            with caplog.at_level("WARNING", logger="echo.worker"):
+                asyncio.run(node.probe_nat(None, "w1", reflectors, 1.0))  # no client: not reached
+    finally:
+        node.close()
+        ctx.term()
+    (line,) = [r.getMessage() for r in caplog.records if "NAT probe failed" in r.getMessage()]
+    assert f"reflector 127.0.0.1:{ports[0]} did not answer a probe: connection refused" in line
+    assert "this worker will not relay" in line and node.nat == "unknown"
+    assert f"may open TCP connections to 127.0.0.1 port {ports[0]} and {ports[1]}" in line
+    assert "learner.reflector_ports" in line and "echo-worker doctor" in line
+
+
 def test_carried_groups_go_back_with_their_prefixes_when_the_worker_stops_or_yields():
     """A worker that stops (or yields to its owner) before continuing its carried groups
     hands them back with what they hold, so another worker finishes them (worker/tail.py)."""

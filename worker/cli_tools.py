@@ -92,7 +92,7 @@ def status(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from worker.status import default_status_dir, latest_status, read_status, table
+    from worker.status import ago, default_status_dir, latest_status, read_status, table
 
     try:
         path = Path(args.file) if args.file else latest_status(default_status_dir())
@@ -105,14 +105,15 @@ def status(args: argparse.Namespace) -> int:
         print(json.dumps(docs[0].to_json(), indent=1))
         return 0
     for doc in docs:  # one table per run the worker process serves (docs/multirun.md)
-        age = time.time() - doc.updated_at
+        age = ago(time.time() - doc.updated_at)
         running = not doc.exit and _alive(doc.pid, os)
+        # an exited worker's last write is its exit
+        when = f"exited {age}" if doc.exit else f"updated {age}"
         Console().print(
             table(
                 doc,
                 title=f"echo-worker {doc.worker_id} "
-                f"({'running' if running else 'not running'}; "
-                f"updated {age:.0f} s ago)",
+                f"({'running' if running else 'not running'}; {when})",
             )
         )
     return 0

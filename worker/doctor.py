@@ -7,7 +7,8 @@ handshake and a ``doctor`` request, which joins nothing and spends no token), an
 this worker (not banned; a token when it wants one); its snapshot port answers; its two NAT
 reflectors answer a probe, and what class of NAT this host is behind (the learner's own rule,
 ``broadcast.nat.reflect.nat_class``); for a public relay (``--relay-host`` not loopback), whether
-the learner can connect back to the relay port.
+the learner can connect back to the relay port. A relay port not checked (a relay on loopback,
+no reflectors, a probe that failed) is printed as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ async def _snapshot_check(endpoint: str) -> Check:
 async def _nat_checks(
     reflectors: list[str], relay_host: str, relay_port: int | None, punch_host: str
 ) -> list[Check]:
+    public = relay_port is not None
     if len(reflectors) < 2:
         return [
             Check(
@@ -135,13 +137,20 @@ async def _nat_checks(
                 "(broadcast.nat_traversal off): this worker relays only if its relay port "
                 "is reachable, else it is a chain tail",
                 "nothing to do here; the operator may turn broadcast.nat_traversal on",
-            )
+            ),
+            _relay_skipped(
+                relay_host,
+                public,
+                "the learner's NAT reflector is what connects back to it, and this learner "
+                "runs none",
+                "none needed to join; with broadcast.nat_traversal on, the learner checks it",
+            ),
         ]
-    public = relay_port is not None
     async with RelayListener(relay_host, relay_port) as dial_port:
         try:
             obs = await _probe_both(reflectors, punch_host, dial_port)
         except NatError as exc:
+            host = reflectors[0].rpartition(":")[0]  # as the learner hands it out
             return [
                 Check(
                     "NAT",
@@ -149,17 +158,41 @@ async def _nat_checks(
                     f"{exc}: this worker will not relay (the learner "
                     f"feeds it itself; the run works, its uplink carries more)",
                     f"the learner's operator opens TCP "
-                    f"{' and '.join(r.rpartition(':')[2] for r in reflectors[:2])} on "
-                    f"{reflectors[0].rpartition(':')[0]} to workers "
-                    f"(learner.reflector_ports, {PORTS_DOC})",
-                )
+                    f"{' and '.join(r.rpartition(':')[2] for r in reflectors[:2])} to workers "
+                    f"on {host}, the address the learner hands out (learner.public_host, else "
+                    f"learner.host): in that host's firewall and, behind a cloud's 1:1 NAT, "
+                    f"its security group (learner.reflector_ports, {PORTS_DOC})",
+                ),
+                _relay_skipped(
+                    relay_host,
+                    public,
+                    "the learner's NAT reflector connects back to it, and the reflector did "
+                    "not answer (NAT above)",
+                    "fix the NAT check first: the relay port is checked with it",
+                ),
             ]
     relay = f"tcp://{relay_host}:{dial_port}"
     nat, seen = nat_class(obs[0], obs[1], relay)
     checks = [_nat_words(nat, seen)]
-    if public:
-        checks.append(_relay_words(obs[0], relay_host, dial_port))
+    checks.append(
+        _relay_words(obs[0], relay_host, dial_port) if public else _relay_skipped(relay_host)
+    )
     return checks
+
+
+def _relay_skipped(relay_host: str, public: bool = False, why: str = "", fix: str = "") -> Check:
+    """The relay port's check, not run: why, and how to have it run."""
+    if not public:
+        return Check(
+            "relay port",
+            "skip",
+            f"not checked: --relay-host {relay_host} is loopback (the default behind a home "
+            f"router), so nobody connects to the relay port directly; the relay works through "
+            f"punched links if the NAT verdict above allows",
+            "nothing to do behind a home router; on a public address, run doctor with "
+            "--relay-host YOUR_PUBLIC_IP to check the relay port",
+        )
+    return Check("relay port", "skip", f"not checked: {why}", fix)
 
 
 def _nat_words(nat: str, seen: str) -> Check:

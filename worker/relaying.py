@@ -28,6 +28,20 @@ _NAT_MEANING = {
 }
 
 
+def probe_failed(err: NatError, reflectors: list[str]) -> str:
+    """The log line of a failed NAT probe: what happened and what the volunteer can check."""
+    host = reflectors[0].rpartition(":")[0] if reflectors else "the learner"
+    ports = " and ".join(r.rpartition(":")[2] for r in reflectors[:2]) or "?"
+    return (
+        f"NAT probe failed ({err}): this worker will not relay (the learner feeds it itself; "
+        f"the run goes on, its uplink carries more). Check that this machine may open TCP "
+        f"connections to {host} port {ports} (a firewall here that blocks outbound TCP "
+        f"stops the probe); if it may, the learner's operator has not opened them "
+        f"(learner.reflector_ports, docs/ports.md). `echo-worker doctor` with the same join "
+        f"line tests the path"
+    )
+
+
 class RelayNode:
     """The relay and its tunnels, bound at start (a port in use ends the worker, saying how
     to pick another); tuned by the learner's config at each join."""
@@ -83,8 +97,15 @@ class RelayNode:
             status = await client.request(
                 wire.NatReport(worker_id=worker_id, nonces=nonces), timeout
             )
-        except (NatError, RequestTimeout) as err:
-            log.warning("NAT probe failed (%s): this worker will not relay", err)
+        except NatError as err:
+            log.warning("%s", probe_failed(err, reflectors))
+            return
+        except RequestTimeout as err:
+            log.warning(
+                "NAT report not answered (%s): this worker will not relay (the learner "
+                "feeds it itself; the run goes on)",
+                err,
+            )
             return
         if isinstance(status, wire.NatStatus):
             self.nat = status.nat

@@ -87,6 +87,7 @@ class WorkerStatus(BaseModel):
     samples_generated: int = 0
     exit: str | None = None  # why the worker stopped
     account: wire.Account | None = None  # the learner's books, as last told
+    account_at: float | None = None  # Unix time they were told (None: a file from before)
     problem: str | None = None  # what keeps it from working now, in words
     install_phase: str | None = None  # what the first install waits on, in words
     first_install: FirstInstall | None = None
@@ -140,7 +141,10 @@ class StatusBoard:
     # ------------------------------------------------------------------ updates (the worker)
 
     def update(self, **fields: Any) -> None:
-        """Set fields of the status by name (validated: an unknown or mistyped one raises)."""
+        """Set fields of the status by name (validated: an unknown or mistyped one raises). New
+        books are stamped with the time they came (their message's age counts on from it)."""
+        if "account" in fields:
+            fields.setdefault("account_at", time.time())
         for name, value in fields.items():
             setattr(self.doc, name, value)
         self._dirty = True
@@ -310,12 +314,25 @@ def _money(x: float) -> str:
     return f"${x:.6f}"
 
 
-def _age(seconds: float) -> str:
-    return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
+def ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    return f"{seconds / 60:.0f} min ago" if seconds < 7200 else f"{seconds / 3600:.1f} h ago"
 
 
-def rows(doc: WorkerStatus) -> list[tuple[str, str]]:
-    """The figures, as (name, value) rows: the live view, the summary and ``status`` show these."""
+def since_told(doc: WorkerStatus, now: float | None = None) -> float:
+    """Seconds since the learner's books came (a file without that time: since the file was
+    last written, which for an exited worker is its exit); 0 for a file without a time."""
+    at = doc.account_at or doc.updated_at
+    if at <= 0:
+        return 0.0
+    return max(0.0, (time.time() if now is None else now) - at)
+
+
+def rows(doc: WorkerStatus, now: float | None = None) -> list[tuple[str, str]]:
+    """The figures, as (name, value) rows: the live view, the summary and ``status`` show these.
+    ``now`` (Unix time; default the clock's): the learner's message is as old as the learner
+    said when it came, plus the time since it came (an exited worker's: since its exit)."""
     a = doc.account
     out = [("state", state_of(doc)), ("worker", str(doc.worker_id)), ("learner", str(doc.learner))]
     if doc.problem and not doc.exit:
@@ -342,10 +359,10 @@ def rows(doc: WorkerStatus) -> list[tuple[str, str]]:
         ("NAT", str(a.nat)),
         ("active time", f"{a.active_s:.1f} s"),
         ("earned", f"{_money(a.earned_usd)} at ${a.price:.3f}/h"),
-        ("learner says", f"{a.message or '-'} ({_age(a.message_age_s)})"),
+        ("learner says", f"{a.message or '-'} ({ago(a.message_age_s + since_told(doc, now))})"),
     ]
     if doc.sharing is not None and doc.sharing.runs == 1:
-        out.append(("device idle", f"{doc.sharing.idle_fraction:.0%} since its first rollout"))
+        out.append(("device idle", _idle(doc, doc.sharing)))
     elif doc.sharing is not None:
         sh = doc.sharing
         out.append(
@@ -359,6 +376,14 @@ def rows(doc: WorkerStatus) -> list[tuple[str, str]]:
     if doc.exit:
         out.append(("exit", str(doc.exit)))
     return out
+
+
+def _idle(doc: WorkerStatus, sh: Sharing) -> str:
+    """The device's idle share; before any rollout there is none to speak of (its clock starts
+    at the model's load, so a worker never given work read "86%")."""
+    if not doc.groups_generated:
+        return "no rollout yet"
+    return f"{sh.idle_fraction:.0%} since the model loaded"
 
 
 def _installed(doc: WorkerStatus) -> str:

@@ -259,8 +259,10 @@ async def probe(
     nonce = os.urandom(NONCE)
     loop = asyncio.get_running_loop()
     s = reuse_socket(host, port)
+    connected = False
     try:
         await asyncio.wait_for(loop.sock_connect(s, (rip, rport)), timeout_s)
+        connected = True
         await loop.sock_sendall(
             s, msgpack.packb({"v": PROBE_VERSION, "nonce": nonce, "dial": dial})
         )
@@ -271,7 +273,10 @@ async def probe(
                 break
             raw += part
     except (OSError, TimeoutError) as exc:
-        raise NatError(f"reflector {reflector} did not answer a probe: {exc}") from exc
+        raise NatError(
+            f"reflector {reflector} did not answer a probe: "
+            f"{probe_failure(exc, timeout_s, connected)}"
+        ) from exc
     finally:
         s.close()
     try:
@@ -280,6 +285,24 @@ async def probe(
     except Exception as exc:  # noqa: BLE001 - any malformed reply is one error
         raise NatError(f"reflector {reflector} sent a malformed reply") from exc
     return nonce, reply
+
+
+def probe_failure(exc: BaseException, timeout_s: float, connected: bool) -> str:
+    """What stopped a probe, in words, never empty: a timeout from ``asyncio.wait_for`` is a
+    bare TimeoutError, whose text is "" (the worker's log said "did not answer a probe: ")."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (nothing listens on that port there, or a firewall rejects it)"
+    if isinstance(exc, ConnectionResetError):
+        return "connection reset (a firewall or proxy on the way cut it)"
+    if isinstance(exc, TimeoutError):
+        if connected:
+            return f"connected, but no reply within {timeout_s:g} s (timed out)"
+        return (
+            f"timed out after {timeout_s:g} s connecting (no answer: a firewall drops the "
+            f"connection, or the address is not the learner's)"
+        )
+    text = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+    return text or type(exc).__name__
 
 
 async def probe_all(reflectors: list[str], host: str, port: int, dial: int) -> list[bytes]:
