@@ -27,7 +27,13 @@ MODULES = ("dataplane.adapter", "dataplane.episodes", "dataplane.multiturn")
 # plumbing), listed so that the completeness check still covers every new name.
 INTERNAL = {
     "dataplane.adapter": {"ENTRY_POINT_GROUP"},
-    "dataplane.episodes": {"replay_of", "backend_generate_fn", "materialise_masked"},
+    "dataplane.episodes": {
+        "replay_of",
+        "backend_generate_fn",
+        "materialise_masked",
+        "decision_cut",
+        "episode_cut",
+    },
     "dataplane.multiturn": set(),
 }
 

@@ -63,9 +63,16 @@ class EpisodeSample:
     loss_mask: list[int]
     # the episode's scalar return (finite, |reward| <= learner.max_abs_reward)
     reward: float
-    # free-form, for the adapter's own stats and logs: it stays on the worker, is never sent
-    # to the learner and never trained on
+    # the adapter's own stats and logs, free-form. Its numbers (int, float, bool) under short
+    # names (``[a-z][a-z0-9_]{0,31}``, at most 16) reach the learner as the record's ``stats``:
+    # the step row's ``episode_stats`` shows their means, nothing trains on them. The rest
+    # (text, lists, dicts) stays on the worker
     info: dict[str, Any] = field(default_factory=dict)
+    # the episode stopped at a limit rather than at its end: set it when the episode ran out of
+    # max_completion_tokens (or another budget of the adapter's) and was ended early. ``drive``
+    # sets it when a decision hit worker.max_new_tokens without end-of-sequence; the worker
+    # when the transcript fills max_completion_tokens. Counted in the step's completions_cut
+    cut: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -91,7 +98,10 @@ def drive(
     """Run episodes in lockstep: every round, all pending decisions go to one ``generate``.
     ``replay[i]``: decisions episode ``i`` already made elsewhere (a continuation after a
     preemption, docs/preemption.md): fed back in order before it asks ``generate``. A
-    ``Cut`` raised by ``generate`` leaves with every episode's decisions so far."""
+    ``Cut`` raised by ``generate`` leaves with every episode's decisions so far. An episode
+    one of whose decisions ``generate.is_cut`` (``backend_generate_fn``'s) calls cut short is
+    marked ``cut``."""
+    is_cut: Callable[[list[int]], bool] | None = getattr(generate, "is_cut", None)
     results: list[EpisodeSample | None] = [None] * len(episodes)
     queued = {i: list(d) for i, d in (replay or {}).items()}
     made: dict[int, list[Generated]] = {i: [] for i in range(len(episodes))}
@@ -119,6 +129,8 @@ def drive(
                 pending[i] = episodes[i].send((list(out[0]), list(out[1])))
             except StopIteration as stop:
                 results[i] = stop.value
+                if is_cut is not None and isinstance(stop.value, EpisodeSample):
+                    stop.value.cut = stop.value.cut or any(is_cut(ids) for ids, _ in made[i])
     done = [r for r in results if r is not None]
     assert len(done) == len(results)
     return done
@@ -187,7 +199,28 @@ def backend_generate_fn(
         return [(s[0].completion_ids, s[0].logprobs) for s in out]
 
     generate.max_new_tokens = max_new_tokens  # type: ignore[attr-defined]
+    generate.is_cut = decision_cut(backend, max_new_tokens)  # type: ignore[attr-defined]
     return generate
+
+
+def decision_cut(backend: Any, max_new_tokens: int) -> Callable[[list[int]], bool]:
+    """Whether a decision was cut short: it stopped at ``max_new_tokens`` without
+    end-of-sequence, though it could have ended (the tokenizer has one and the adapter's answer
+    set, if any, holds it: an answer set without it makes every decision one token long by
+    design, dataplane/answers.py)."""
+    eos = getattr(getattr(backend, "tokenizer", None), "eos_token_id", None)
+    answers = getattr(backend, "answer_tokens", None)
+    if eos is None or (answers is not None and eos not in answers):
+        return lambda ids: False
+    return lambda ids: bool(ids) and len(ids) >= max_new_tokens and ids[-1] != eos
+
+
+def episode_cut(sample: Any, adapter: Any) -> bool:
+    """An episode stopped at a limit (the step row's completions_cut): marked ``cut`` (by the
+    adapter, or by ``drive`` for a decision cut short), or its transcript fills the adapter's
+    ``max_completion_tokens``."""
+    bound = int(getattr(adapter, "max_completion_tokens", 0) or 0)
+    return bool(getattr(sample, "cut", False)) or 0 < bound <= len(sample.completion_ids)
 
 
 class EpisodeAdapter(Adapter):

@@ -18,6 +18,11 @@ record = {
   "versions": [[v, count]], # optional: the snapshot version of each completion token as runs,
                             # oldest first; a sample continued after a preemption has two or
                             # more (docs/preemption.md). Absent: every token is ``version``.
+  "stats": {str: float},    # optional, multi-turn: the episode's numbers from
+                            # ``EpisodeSample.info``, at most 16, names [a-z][a-z0-9_]{0,31},
+                            # finite, |x| <= 1e15. Shown as step means, never trained on.
+  "cut": bool,              # optional, multi-turn: the episode stopped at a limit (counted in
+                            # the step row's completions_cut, nothing else)
 }
 
 Every number is bounded here, at admission, so that nothing a worker can send overflows or
@@ -29,6 +34,7 @@ turns into NaN downstream (advantages, the loss, metrics): with |reward| <= max_
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -54,6 +60,11 @@ class Record:
     gen_s: float = 0.0  # seconds the worker spent generating its group
     loss_mask: list[int] | None = None  # multi-turn: 1 on tokens the policy generated
     versions: list[list[int]] | None = None  # [version, count] runs (None: all ``version``)
+    # multi-turn: the episode's numeric ``info`` under its names (the worker's word: shown as
+    # step means, never trained on nor used in a decision); None: none sent
+    stats: dict[str, float] | None = None
+    # multi-turn: the episode stopped at a limit, as the worker judged it (completions_cut)
+    cut: bool | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The record as the dict a worker sends (msgpack)."""
@@ -85,6 +96,69 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "worker_id": str,
     "gen_s": (float, int),
 }
+
+
+# Optional fields: absent (or None) in records of older workers, and of single-turn samples.
+_OPTIONAL = ("loss_mask", "versions", "stats", "cut")
+
+# An episode's numbers that travel (``EpisodeSample.info`` -> the record's ``stats``): at most
+# MAX_STATS, each under a short identifier, finite and within MAX_ABS_STAT (so that a step's
+# mean of them stays finite). Everything else in ``info`` stays on the worker.
+STAT_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+MAX_STATS = 16
+MAX_ABS_STAT = 1e15
+
+
+def stat_number(value: object) -> float | None:
+    """``value`` as a stat (bool -> 0.0/1.0; a finite int or float within +-MAX_ABS_STAT), else
+    None."""
+    if not isinstance(value, (int, float)):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) and abs(x) <= MAX_ABS_STAT else None
+
+
+def episode_stats(info: object) -> tuple[dict[str, float], list[str]]:
+    """The numbers of an episode's ``info`` that travel as the record's ``stats``, in
+    ``info``'s order, and the names of numbers that cannot (a name that is no short identifier,
+    a value that is not finite or out of range, more than MAX_STATS). Values that are not
+    numbers (text, lists, dicts: the adapter's logs) are neither: they stay on the worker."""
+    kept: dict[str, float] = {}
+    dropped: list[str] = []
+    for key, value in info.items() if isinstance(info, dict) else ():
+        if not isinstance(value, (int, float)):  # free-form: the adapter's own
+            continue
+        x = stat_number(value)
+        ok = isinstance(key, str) and STAT_NAME.fullmatch(key) is not None
+        if x is None or not ok or len(kept) >= MAX_STATS:
+            dropped.append(str(key)[:40])
+        else:
+            kept[key] = x
+    return kept, dropped
+
+
+def check_stats(stats: object) -> dict[str, float]:
+    """A record's ``stats`` as the learner admits them, or ``RecordError("bad_stats")``."""
+    if not isinstance(stats, dict) or len(stats) > MAX_STATS:
+        raise RecordError("bad_stats", f"stats must be a map of at most {MAX_STATS} numbers")
+    out = {}
+    for key, value in stats.items():
+        if not isinstance(key, str) or STAT_NAME.fullmatch(key) is None:
+            raise RecordError(
+                "bad_stats", f"stat name {str(key)[:40]!r} is not [a-z][a-z0-9_]{{0,31}}"
+            )
+        x = None if isinstance(value, bool) else stat_number(value)
+        if x is None:
+            raise RecordError(
+                "bad_stats",
+                f"stat {key!r} is {str(value)[:40]!r}: a finite number within "
+                f"+-{MAX_ABS_STAT:g} is expected",
+            )
+        out[key] = x
+    return out
 
 
 def _check_ids(ids: list[object], vocab: int, what: str) -> None:
@@ -192,7 +266,7 @@ def parse_record(obj: Any, limits: Limits) -> Record:
     """Schema, type and range checks that need no learner state."""
     if not isinstance(obj, dict):
         raise RecordError("invalid_fields", f"record is a {type(obj).__name__}, expected a map")
-    extra = set(obj) - set(_FIELDS) - {"loss_mask", "versions"}
+    extra = set(obj) - set(_FIELDS) - set(_OPTIONAL)
     if extra:
         raise RecordError("invalid_fields", f"unknown record fields {sorted(extra)}")
     for name, typ in _FIELDS.items():
@@ -224,6 +298,11 @@ def parse_record(obj: Any, limits: Limits) -> Record:
     if obj.get("versions") is not None:
         check_versions(obj["versions"], n, obj["version"])
     _check_reward(obj["reward"], limits.max_abs_reward)
+    stats = None if obj.get("stats") is None else check_stats(obj["stats"])
+    if obj.get("cut") is not None and type(obj["cut"]) is not bool:
+        raise RecordError(
+            "invalid_fields", f"record field 'cut' has type {type(obj['cut']).__name__}"
+        )
     gen_s = _as_float(obj["gen_s"], "bad_gen_s")
     if not math.isfinite(gen_s) or gen_s < 0:
         raise RecordError(
@@ -244,5 +323,6 @@ def parse_record(obj: Any, limits: Limits) -> Record:
                 if obj.get("versions") is not None
                 else {}
             ),
+            **({"stats": stats} if stats is not None else {}),
         }
     )

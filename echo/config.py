@@ -264,6 +264,9 @@ class EchoConfig(_Section):
             "group_size": self.learner.group_size,
             # how versions are applied: a LoRA run's versions are adapters on the base model
             "lora": self.learner.lora.model_dump(),
+            # this learner admits a multi-turn record's stats and cut (dataplane/records.py);
+            # a worker sends them only when told so, since an older learner refuses them
+            "episode_stats": True,
         }
 
 

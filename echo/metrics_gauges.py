@@ -49,6 +49,8 @@ ROW_FIELDS = (
     COL.heldout_hi,
     COL.best_step,
     COL.collapse,
+    COL.completions_cut,
+    COL.episode_stats,
 )
 DASHBOARD_COST = "cost_usd"  # a dashboard row's running cost, fleet and learner, $
 
@@ -103,6 +105,12 @@ class StepGauges:
             registry=registry,
         )
         self.g_buffer = g("echo_buffer_groups", "groups in the replay buffer", ("kind",))
+        # an episode adapter's info numbers, the last step's means; names no longer in the
+        # row are removed (a row holds at most 16: learner/rows.py)
+        self.g_episode = g(
+            "echo_episode_stat", "multi-turn: mean of an episode info number, last step", ("name",)
+        )
+        self.episode_names: set[str] = set()
         self.by_key = self._row_gauges(g)
 
     @staticmethod
@@ -123,6 +131,10 @@ class StepGauges:
                 COL.bubble_ratio,
             ),
             (g("echo_staleness_max", "max staleness in the last step's batch"), COL.staleness_max),
+            (
+                g("echo_completions_cut", "share of the last step's completions cut short"),
+                COL.completions_cut,
+            ),
             (g("echo_t_train_seconds", "last step's training time"), COL.t_train),
             (g("echo_t_wait_seconds", "last step's wait for admissible data"), COL.t_wait),
             (g("echo_admitted", "trajectories admitted to the buffer so far"), COL.admitted),
@@ -200,6 +212,16 @@ class StepGauges:
             if v is not None:
                 self.g_buffer.labels(kind=kind).set(v)
         self._observe_staleness(row)
+        self._episode_stats(row.episode_stats)
+
+    def _episode_stats(self, stats: Any) -> None:
+        means = {str(k): num(v) for k, v in stats.items()} if isinstance(stats, dict) else {}
+        kept = {k: v for k, v in means.items() if v is not None}
+        for gone in self.episode_names - set(kept):
+            self.g_episode.remove(gone)
+        for name, v in kept.items():
+            self.g_episode.labels(name=name).set(v)
+        self.episode_names = set(kept)
 
     def _observe_staleness(self, row: StepRow) -> None:
         counts = row.staleness_counts

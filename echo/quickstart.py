@@ -59,6 +59,9 @@ def _describe(row: StepRow) -> str:
         f"reward {row.reward_mean:.3f}{held}  staleness {row.staleness_max}  "
         f"bubble {row.bubble_ratio:.2f}  workers {row.active_workers} active "
         f"/ {row.standby_workers} standby"
+        + (f"  cut {100 * row.completions_cut:.0f}%" if row.completions_cut else "")
+        # an episode adapter's info numbers, step means (docs/adapters.md); the first 8
+        + "".join(f"  {k} {v:.3g}" for k, v in list((row.episode_stats or {}).items())[:8])
         + (f"  COLLAPSING: {row.collapse}" if row.collapse else "")
     )
 

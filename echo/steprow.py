@@ -84,7 +84,9 @@ class StepRow:
     skipped_nonfinite: float | None = None  # updates skipped for a non-finite loss or gradient
     wall_s: float | None = None  # s since the run (or its first instance) started
     nonfinite_values: int | None = None  # values above that were NaN/inf, written as null
-    completions_cut: float | None = None  # share of completions cut at max_new_tokens
+    # share of completions cut: single-turn, stopped at max_new_tokens without end-of-sequence;
+    # multi-turn, episodes that stopped at a limit (the record's ``cut``, as workers report it)
+    completions_cut: float | None = None
     publish_refused: int | None = None  # publications refused as non-finite, so far
     # The newest publication (learner/release.py); missing before the first one.
     publish_encoding: str | None = None  # "full" or a delta encoding
@@ -120,6 +122,10 @@ class StepRow:
     collapse: str | None = (
         None  # why the policy looks to be collapsing, in words; None: it does not
     )
+    # multi-turn: per name, the mean of the episodes' ``info`` numbers (the records' ``stats``)
+    # over the step's records that carry it, at most 16 names; as workers report them: shown,
+    # never trained on (docs/adapters.md, "Multi-turn adapters"). None: no record carried any
+    episode_stats: dict[str, float] | None = None
     # Not fields of the row: what from_json found that this version does not declare, and
     # which declared fields the source lacked (both written back as they were).
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)

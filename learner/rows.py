@@ -49,11 +49,23 @@ class RunTotals:
 
 CUT_WARN_SHARE = 0.5  # warn when more than this share of a step's completions were cut
 CUT_WARN_EVERY = 50  # ... at most once per this many steps
+COMPLETIONS_CUT = (
+    "step %d: %.0f%% of completions stopped at worker.max_new_tokens = %d "
+    "without end-of-sequence: answers are being cut short. Raise it for this "
+    "task ([adapter.presets.%s.generation] max_new_tokens, or --set "
+    "worker.max_new_tokens=N; docs/config.md)"
+)
+EPISODES_CUT = (
+    "step %d: %.0f%% of episodes stopped at a limit: a decision at worker.max_new_tokens = %d "
+    "without end-of-sequence, or the transcript at the adapter's max_completion_tokens (or a "
+    "budget of its own). Raise the one the task needs ([adapter.presets.%s.generation] "
+    "max_new_tokens, or the adapter's max_completion_tokens; docs/adapters.md)"
+)
 
 
 class CutWatch:
-    """The share of each step's completions cut at ``worker.max_new_tokens``, with a warning
-    when most were: nothing else would say that the limit is too small for the task."""
+    """The share of each step's completions cut short (``cut_share``), with a warning when
+    most were: nothing else would say that a limit is too small for the task."""
 
     def __init__(self, max_new_tokens: int, eos_token_id: int | None, adapter: str):
         self.max_new_tokens, self.eos_token_id, self.adapter = max_new_tokens, eos_token_id, adapter
@@ -66,11 +78,9 @@ class CutWatch:
         share = cut_share(records, max_new, self.eos_token_id)
         if share is not None and share > CUT_WARN_SHARE and step - self.warned >= CUT_WARN_EVERY:
             self.warned = step
+            episodes = any(r.loss_mask is not None for r in records)
             log.warning(
-                "step %d: %.0f%% of completions stopped at worker.max_new_tokens = %d "
-                "without end-of-sequence: answers are being cut short. Raise it for this "
-                "task ([adapter.presets.%s.generation] max_new_tokens, or --set "
-                "worker.max_new_tokens=N; docs/config.md)",
+                EPISODES_CUT if episodes else COMPLETIONS_CUT,
                 step,
                 100 * share,
                 max_new,
@@ -122,6 +132,26 @@ def _batch(row: StepRow, version: int, records: list[Record]) -> None:
     # seconds a worker spent generating the batch each record came in (its busy time):
     # the capacity the simulator and the provisioner should use, not demand-capped rates
     row.gen_s_mean = round(sum(r.gen_s for r in records) / n, 5)
+    row.episode_stats = episode_means(records)
+
+
+MAX_ROW_STATS = 16  # names in a row's episode_stats: those the most records carry
+
+
+def episode_means(records: list[Record]) -> dict[str, float] | None:
+    """Per name, the mean of the records' ``stats`` over those that carry it (None: none
+    does). At most MAX_ROW_STATS names, those the most records carry (then by name): workers
+    are strangers, and a row or a gauge must not grow with the names they make up."""
+    sums: dict[str, float] = {}
+    counts: Counter[str] = Counter()
+    for r in records:
+        for k, v in (r.stats or {}).items():
+            sums[k] = sums.get(k, 0.0) + v
+            counts[k] += 1
+    if not counts:
+        return None
+    names = sorted(counts, key=lambda k: (-counts[k], k))[:MAX_ROW_STATS]
+    return {k: round(sums[k] / counts[k], 5) for k in sorted(names)}
 
 
 def _control(row: StepRow, control: ControlStats, step_s: float) -> None:
@@ -147,11 +177,14 @@ def _control(row: StepRow, control: ControlStats, step_s: float) -> None:
 
 
 def cut_share(records: list[Record], max_new_tokens: int, eos_token_id: int | None) -> float | None:
-    """Share of single-turn completions that stopped at ``worker.max_new_tokens`` without
-    end-of-sequence: answers cut short. None for a batch of multi-turn episodes (their turns
-    have their own limit)."""
+    """Share of completions cut short: a single-turn one that stopped at
+    ``worker.max_new_tokens`` without end-of-sequence; a multi-turn episode whose record says
+    ``cut`` (the worker's rule, ``dataplane.episodes.episode_cut``: a decision cut so, or the
+    transcript at its limit). Episodes from workers that do not say are left out; None when no
+    record counts."""
     single = [r for r in records if r.loss_mask is None]
-    if not single:
+    told = [r for r in records if r.loss_mask is not None and r.cut is not None]
+    if not single and not told:
         return None
     cut = sum(
         1
@@ -159,7 +192,7 @@ def cut_share(records: list[Record], max_new_tokens: int, eos_token_id: int | No
         if len(r.completion_ids) >= max_new_tokens
         and (not r.completion_ids or r.completion_ids[-1] != eos_token_id)
     )
-    return cut / len(single)
+    return (cut + sum(1 for r in told if r.cut)) / (len(single) + len(told))
 
 
 def summary(cfg: EchoConfig, rows: list[StepRow], totals: RunTotals, ended: str) -> RunSummary:

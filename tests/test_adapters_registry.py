@@ -463,6 +463,8 @@ def test_the_multi_turn_tutorial_builds_installs_and_trains(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(0.0 <= row["reward_mean"] <= 1.0 for row in rows)
+    # the workers say which episodes were cut (null on every multi-turn step before)
+    assert all(0.0 <= row["completions_cut"] <= 1.0 for row in rows)
     assert sorted(p.name for p in (run / "checkpoints").glob("*.pt")) == [
         "after-00000002.pt",
         "after-00000003.pt",
@@ -493,4 +495,4 @@ def test_the_multi_turn_tutorial_builds_installs_and_trains(tmp_path):
         assert len(samples) == 4
         for s in samples:  # the prompt as the model reads it, not the task dict
             assert s["prompt"] == f"{s['task']['pile']}=" and s["reward"] in (0.0, 1.0)
-            assert 1 <= s["tokens"] <= 32
+            assert 1 <= s["tokens"] <= 32 and s["cut"] in (True, False) and s["stats"] == {}

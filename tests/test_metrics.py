@@ -68,6 +68,9 @@ def synthetic_row(step: int) -> dict:
         "encode_s": 0.2,
         "decode_s": 0.05 * step or None,
         "keyframe_installs": step // 2,
+        "completions_cut": 0.125,
+        # a multi-turn adapter's info numbers, step means (docs/adapters.md)
+        "episode_stats": {"won": 0.1 * step, "illegal": 0.25},
     }
 
 
@@ -270,6 +273,9 @@ def test_metric_values(served):
     assert value("echo_encode_seconds") == pytest.approx(0.2)
     assert value("echo_decode_seconds") == pytest.approx(0.25)
     assert value("echo_keyframe_installs") == 2
+    assert value("echo_completions_cut") == 0.125
+    stats = {s.labels["name"]: s.value for s in fams["echo_episode_stat"].samples}
+    assert stats == {"won": pytest.approx(0.5), "illegal": 0.25}
     assert value("echo_ack_queue") == 2
     assert value("echo_worker_nat", worker="w1", nat="punchable") == 1
     assert value("echo_worker_transport", worker="w1", transport="punched") == 1
@@ -384,3 +390,6 @@ def test_dashboard_in_headless_chromium(served, tmp_path):
     )
     assert 'id="tree-w2" data-parent="" data-role="unplaced"' in dom and "version 5" in dom
     assert "measured by the learner" in dom and "declared by the worker" in dom
+    # the episode statistics table: the last step's mean of each name
+    assert re.search(r'id="stat-won">.*?data-value="0\.5"', dom)
+    assert re.search(r'id="stat-illegal">.*?data-value="0\.25"', dom)

@@ -102,7 +102,7 @@ def test_cut_completions_are_counted():
 
     batch = [rec([7, 7, 7, 7]), rec([7, 2]), rec([7, 7, 7, 2]), rec([7, 7, 7, 7])]
     assert cut_share(batch, 4, eos) == 0.5  # two hit 4 tokens without eos; one ended on eos at 4
-    assert cut_share([rec([7, 7], mask=[1, 1])], 4, eos) is None  # episodes: per-turn limits
+    assert cut_share([rec([7, 7], mask=[1, 1])], 4, eos) is None  # episodes not saying cut
     assert cut_share(batch, 8, eos) == 0.0
 
 

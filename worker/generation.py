@@ -23,7 +23,7 @@ from echo.ewma import Ewma
 from worker.delivery import Deliveries
 from worker.install import Installer
 from worker.lifecycle import Activity, Lifecycle, wait_next
-from worker.records import episode_versions, own_tokens, prefix, runs, versions
+from worker.records import episode_fields, own_tokens, record, runs
 from worker.scoring import Scored, generate_and_score
 from worker.session import Session
 from worker.status import StatusBoard
@@ -226,22 +226,17 @@ class Generation:
     def queue(self, groups: list[wire.Group], samples: Scored, version: int, gen_s: float) -> None:
         """The groups' records, generated under ``version``, as one batch for delivery."""
         wid = self.session.worker_id
+        # an episode's stats and cut, to a learner that admits them (an older one refuses
+        # unknown fields, and a refused record would count against this worker)
+        shown = self.session.view.get("episode_stats") is True
         records = [
             {
-                "group_id": g.group_id,
-                "sample_idx": i,
-                "prompt_ids": g.prompt_ids,
-                "completion_ids": s.completion_ids,
-                "logprobs": s.logprobs,
-                "reward": r,
-                "worker_id": wid,
-                "gen_s": gen_s,
+                **record(g, i, s, r, wid, gen_s, version),
                 **(
-                    episode_versions(s, prefix(g, i), version)
-                    if getattr(s, "loss_mask", None)
-                    else versions(s, version)
+                    episode_fields(s, self.held.adapter)
+                    if shown and getattr(s, "loss_mask", None) is not None
+                    else {}
                 ),
-                **({"loss_mask": s.loss_mask} if getattr(s, "loss_mask", None) is not None else {}),
             }
             for g, group_samples in zip(groups, samples)
             for i, (s, r) in enumerate(group_samples)

@@ -6,10 +6,20 @@ hand-back of cut samples (docs/preemption.md).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from dataplane.episodes import episode_cut
+from dataplane.records import MAX_STATS, episode_stats
 from echo import wire
 from worker.backends import Sample
+
+log = logging.getLogger("echo.worker")
+
+# (adapter, info key) pairs already warned about: one warning per key, not one per episode
+# (at most WARN_KEYS of them: an adapter that makes up names must not grow this without end)
+_warned: set[tuple[str, str]] = set()
+WARN_KEYS = 1024
 
 
 def runs(s: Sample, version: int) -> list[list[int]]:
@@ -95,3 +105,47 @@ def episode_versions(s: Any, old: wire.Prefix | None, version: int) -> dict[str,
 def own_tokens(samples: list[list[tuple[Sample, float]]]) -> int:
     """Tokens this worker sampled itself (a continued sample's prefix is another's)."""
     return sum(len(s.completion_ids) - getattr(s, "prefix_len", 0) for g in samples for s, _ in g)
+
+
+def record(
+    g: wire.Group, i: int, s: Any, reward: float, worker_id: str, gen_s: float, version: int
+) -> dict[str, Any]:
+    """The wire record of sample ``i`` of group ``g`` (dataplane/records.py)."""
+    return {
+        "group_id": g.group_id,
+        "sample_idx": i,
+        "prompt_ids": g.prompt_ids,
+        "completion_ids": s.completion_ids,
+        "logprobs": s.logprobs,
+        "reward": reward,
+        "worker_id": worker_id,
+        "gen_s": gen_s,
+        **(
+            episode_versions(s, prefix(g, i), version)
+            if getattr(s, "loss_mask", None)
+            else versions(s, version)
+        ),
+        **({"loss_mask": s.loss_mask} if getattr(s, "loss_mask", None) is not None else {}),
+    }
+
+
+def episode_fields(s: Any, adapter: Any) -> dict[str, Any]:
+    """A multi-turn record's shown-only fields: ``cut`` (``dataplane.episodes.episode_cut``)
+    and ``stats``, the numbers of the episode's ``info`` that may travel. A number that may
+    not (a name that is no short identifier, NaN or inf, past 1e15, past the 16th) stays here
+    with one warning per key naming the adapter: it is the adapter's to fix, and a record the
+    learner would refuse would count against this worker."""
+    stats, dropped = episode_stats(getattr(s, "info", None))
+    name = getattr(adapter, "name", "") or type(adapter).__name__
+    new = [k for k in dropped if (name, k) not in _warned]
+    if new and len(_warned) < WARN_KEYS:
+        _warned.update((name, k) for k in new)
+        log.warning(
+            "adapter %s: EpisodeSample.info numbers %s stay on the worker: only finite numbers "
+            "within +-1e15 under names [a-z][a-z0-9_]{0,31}, at most %d, reach the learner "
+            '(docs/adapters.md, "Multi-turn adapters")',
+            name,
+            new,
+            MAX_STATS,
+        )
+    return {"cut": episode_cut(s, adapter), **({"stats": stats} if stats else {})}

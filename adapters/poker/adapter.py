@@ -273,7 +273,7 @@ class PokerAdapter(EpisodeAdapter):
             p.new_episode()
         prompt = self.builder.start()
         tr = Transcript()
-        hands, decisions, invalid = [], 0, 0
+        hands, decisions, invalid, forced = [], 0, 0, 0
         net = 0
         for h in range(self.hands):
             seat = (hero_seat + h) % self.table.seats  # the button moves every hand
@@ -296,6 +296,7 @@ class PokerAdapter(EpisodeAdapter):
                 if decisions > self.max_decisions or room < self._max_new + 1:
                     # out of budget: play check/fold, keep it in the transcript, do not train it
                     self.stats["forced"] += 1
+                    forced += 1
                     text = action_text(legalise(Action("fold"), d)[0], self.fmt, d.to_call > 0)
                     ids = self.builder.action_text(text)
                     tr.add_action(ids, [0.0] * len(ids), trained=False)
@@ -349,4 +350,5 @@ class PokerAdapter(EpisodeAdapter):
                 "decisions": decisions,
                 "offpolicy": stand_in is not None,
             },
+            cut=forced > 0,  # out of budget: ended by forced folds (completions_cut)
         )

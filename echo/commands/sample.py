@@ -13,8 +13,11 @@ the worker's settings (``worker.max_new_tokens``, ``worker.temperature`` unless
 exactly as a worker would. Prints a table: the prompt as the model reads it (its token ids
 decoded), the completion, the reward, and whether the completion was cut at max_new_tokens.
 Multi-turn adapters play whole episodes; the completion is then the episode's transcript (the
-policy's decisions and the environment's replies, special tokens shown) and the reward its
-return. ``--json`` rows also carry the prompt's ``task`` dict.
+policy's decisions and the environment's replies, special tokens shown), the reward its
+return, and ``cut`` says it stopped at a limit (a decision at max_new_tokens without
+end-of-sequence, or the transcript at the adapter's max_completion_tokens). ``--json`` rows
+also carry the prompt's ``task`` dict, and an episode's ``stats`` (the numbers of its ``info``
+that a worker sends).
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ def _completions(
 def _episodes(
     adapter: Any, backend: Any, groups: list[Any], max_new: int, temp: float
 ) -> list[dict[str, Any]]:
-    from dataplane.episodes import backend_generate_fn
+    from dataplane.episodes import backend_generate_fn, episode_cut
+    from dataplane.records import episode_stats
 
     tok = backend.tokenizer
     gen = backend_generate_fn(backend, max_new, temp, groups[0].seed)
@@ -104,9 +108,12 @@ def _episodes(
                     "prompt": _special(tok, g.prompt_ids),
                     "completion": _special(tok, ep.completion_ids),
                     "reward": float(ep.reward),
-                    "cut": False,
+                    # the worker's rule: a decision at max_new_tokens without end-of-sequence,
+                    # or the transcript at the adapter's max_completion_tokens
+                    "cut": episode_cut(ep, adapter),
                     "tokens": len(ep.completion_ids),
                     "task": g.task,
+                    "stats": episode_stats(ep.info)[0],  # what a worker would send
                 }
             )
     return rows
@@ -190,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     Console().print(t)
     mean = sum(r["reward"] for r in rows) / len(rows)
     cut = sum(r["cut"] for r in rows)
-    print(f"mean reward {mean:.3f} over {len(rows)} completions; {cut} cut at max_new_tokens")
+    limit = "at a limit" if rows and "stats" in rows[0] else "at max_new_tokens"
+    print(f"mean reward {mean:.3f} over {len(rows)} completions; {cut} cut {limit}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
