@@ -68,7 +68,14 @@ def patient_phase(fleet: Any, sampler: Any, token: str, seconds: float = 240.0) 
     adm1, checks1 = fleet.admitted(), _failures(url)
 
     groups = [g for batch in _lines(fleet.tmp / f"{NAME}.truth") for g in batch["groups"]]
-    forged = {g["group_id"] for g in groups if g["logprobs_replaced"] > 0}
+    # A group granted again (its first batch refused stale, say) is generated again: a group
+    # counts as forged when every attempt the liar made at it was; one forged once and then
+    # generated honestly is counted apart (which attempt was stored, the ledger cannot say)
+    tries: dict[str, list[bool]] = {}
+    for g in groups:
+        tries.setdefault(g["group_id"], []).append(g["logprobs_replaced"] > 0)
+    forged = {g for g, t in tries.items() if all(t)}
+    mixed = {g for g, t in tries.items() if any(t) and not all(t)}
     # the ledger names each acknowledged record [group id, sample index]
     stored = {key[0] for row in _lines(fleet.tmp / f"{NAME}.ledger") for key in row["stored"]}
     screens = _lines(fleet.run / "screened.jsonl")[screened0:]
@@ -80,10 +87,15 @@ def patient_phase(fleet: Any, sampler: Any, token: str, seconds: float = 240.0) 
         "attack": "patient_liar",
         "wall_s": round(wall, 1),
         "attacker": {"worker": NAME, "groups_generated": len(groups)},
-        "forged_groups_sent": len(forged),
+        "forged_groups_sent": len(forged | mixed),
+        "forged_then_regenerated": len(mixed),
+        "forged_then_regenerated_trained": len((mixed & stored & consumed) - screened),
         "forged_groups_admitted": len(forged & stored),
         "forged_groups_screened": len(forged & screened),
-        "forged_groups_trained": len((forged & consumed) - screened),
+        # the liar's own forged records trained: acknowledged from it, consumed by a step and
+        # not screened out of it (a group the liar left partial is granted again and an honest
+        # worker's records of it are trained under the same group id: those do not count)
+        "forged_groups_trained": len((forged & stored & consumed) - screened),
         "first_screen_step": first_screen,
         "quarantine_step": q.get("step") if q else None,
         "quarantined": q is not None,

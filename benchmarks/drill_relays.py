@@ -169,13 +169,15 @@ _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 LOSS_BOUND_S = 2.0  # issue 52: a black hole's child loses at most this much
 
 
-def child_loss(log: str, since: float) -> dict[str, Any] | None:
-    """What a black hole cost its child, from the child's log (lines after wall time
-    ``since``): the gap between its last install before its first failover and its first
-    install after its last failover or skip (the seconds its rollouts ran on an old version),
-    its usual install interval in the phase, and the failovers and skips (notices naming the
-    relay it left, worker/snapshots.py). None: this worker never failed over."""
-    installs, fails, skips = [], [], []
+def child_loss(log: str, since: float, hole: str) -> dict[str, Any] | None:
+    """What the black hole at endpoint ``hole`` cost its child, from the child's log (lines
+    after wall time ``since``): the gap between its last install before its first failover
+    from the hole and its first install after its last failover from it or skip of it (the
+    seconds its rollouts ran on an old version), its usual install interval in the phase, and
+    the failovers and skips (notices naming the relay it left, worker/snapshots.py). Failovers
+    from other sources (the learner's own endpoint stalls now and then at ten or more versions
+    a second, in the honest run too) are counted apart. None: it never failed over the hole."""
+    installs, fails, skips, others = [], [], [], []
     for line in log.splitlines():
         m = _STAMP.match(line)
         if m is None:
@@ -186,8 +188,8 @@ def child_loss(log: str, since: float) -> dict[str, Any] | None:
         if "installed snapshot v" in line:
             installs.append(t)
         elif "snapshot source" in line and "failed (" in line:
-            fails.append(t)
-        elif "failed here before; asking for another" in line:
+            (fails if f"source {hole} failed" in line else others).append(t)
+        elif "failed here before; asking for another" in line and hole in line:
             skips.append(t)
     if not fails:
         return None
@@ -196,6 +198,7 @@ def child_loss(log: str, since: float) -> dict[str, Any] | None:
     gaps = sorted(b - a for a, b in zip(installs, installs[1:]))
     return {
         "failovers": len(fails),
+        "other_failovers": len(others),
         "skipped_notices": len(skips),
         "lost_s": round(after[0] - before[-1], 3) if before and after else None,
         "usual_install_interval_s": round(gaps[len(gaps) // 2], 3) if gaps else None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -457,8 +458,13 @@ def relay_phase(
     bans = fleet.run / "security" / "bans.txt"
     banned_text = bans.read_text() if bans.exists() else ""
     honest_keys = {w: (fleet.tmp / f"{w}.key").read_text().split()[0] for w in ("w0", "w1")}
+    joined = re.search(
+        rf"worker {name} joined \(.*relay (tcp://[^)\s]+)\)",
+        (fleet.run / "learner.log").read_text(),
+    )
+    hole = joined.group(1) if joined else "?"
     losses = {
-        w: drill_relays.child_loss((fleet.tmp / f"{w}.log").read_text(), wall0)
+        w: drill_relays.child_loss((fleet.tmp / f"{w}.log").read_text(), wall0, hole)
         for w in ("w0", "w1")
     }
     return {

@@ -267,7 +267,9 @@ class Auditor:
             self.expired += 1
             return
         samples = self.token_stats(job.version, snap, job.records)
-        kind = "handback_" if job.prefix else ""  # a prefix's author answers for it
+        # a prefix's author answers for it; a screened group's failure is decisive (the screen
+        # and the recomputation both found the claimed log-probs far from the policy's)
+        kind = "handback_" if job.prefix else "screened_" if job.screened else ""
         for check, (ok, stats) in (
             ("logprob", logprob_check(samples, self.tol)),
             ("sampling", sampling_check(samples, self.alpha, self.clip)),

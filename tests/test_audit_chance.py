@@ -36,3 +36,21 @@ def test_a_key_with_a_failed_check_is_audited_every_group():
 
 def test_without_probation_the_configured_rate_holds_from_the_start():
     assert chance_of(1, probation=0, rate=0.2) == pytest.approx(0.2)
+
+
+def test_a_failed_check_of_a_screened_group_quarantines_at_once(tmp_path):
+    """Issue 52: on a quiet machine the patient liar's second lie was admitted before the
+    audit of its first screened one came back. A screened group whose check fails carries two
+    findings against one claim: quarantine at once; any other failed check is one strike."""
+    from learner.reputation import Reputation, Verdict
+
+    out: list[str] = []
+    rep = Reputation(
+        tmp_path, strikes=2, step=lambda: 7, on_quarantine=lambda w, k, r: out.append(w)
+    )
+    rep.record(Verdict("honest", "k1", "g1", 3, "logprob", False, {}))
+    assert rep.strikes["honest"] == 1 and out == []  # one ordinary failure: a strike
+    rep.record(Verdict("liar", "k2", "g2", 3, "screened_logprob", False, {}))
+    assert out == ["liar"] and "screened_logprob" in rep.quarantined["liar"]
+    rep.record(Verdict("ok", "k3", "g3", 3, "screened_logprob", True, {}))
+    assert rep.strikes["ok"] == 0  # a screened group whose check passes: nothing
