@@ -248,10 +248,21 @@ class TokenStore:
             self._save()
         return token
 
+    def _entry(self, digest: str) -> dict[str, Any] | None:
+        return next((e for h, e in self.tokens.items() if hmac.compare_digest(h, digest)), None)
+
+    def _reread(self) -> bool:
+        try:
+            return self.reload()
+        except SecurityError:  # a corrupt file keeps the last good contents (Gate.reload says so)
+            return False
+
     def redeem(self, token: str, key: str) -> str:
         """ "" when ``key`` may join with ``token``, else the refusal reason."""
         digest = _hash_token(token)
-        entry = next((e for h, e in self.tokens.items() if hmac.compare_digest(h, digest)), None)
+        entry = self._entry(digest)
+        if entry is None and self._reread():  # created since the last poll: a token handed
+            entry = self._entry(digest)  # out at once must not be refused (a stat, no more)
         if entry is None:
             return "bad_token"
         if key in entry["keys"]:

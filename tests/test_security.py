@@ -84,6 +84,22 @@ def test_tokens_hashed_single_use_bound_to_the_redeeming_key(tmp_path):
     assert store.redeem(late, "C" * 40) == "token_expired"
 
 
+def test_a_token_created_since_the_last_poll_is_redeemed_not_refused(tmp_path):
+    """The learner re-reads tokens.json every half second; a worker joining with a token
+    created (`echo-rl token create`, another process) within that half second was refused
+    bad_token and gave up (the liars drill met it one run in three). An unknown token makes
+    the store look at the file once more before refusing."""
+    learner_side = TokenStore(tmp_path / "tokens.json")
+    token = TokenStore(tmp_path / "tokens.json").create(uses=1, ttl_s=60)  # the operator's CLI
+    assert learner_side.redeem(token, "A" * 40) == ""
+    assert learner_side.redeem("echo_nope", "B" * 40) == "bad_token"
+    (tmp_path / "tokens.json").write_text("{corrupt")  # a bad file keeps the last good contents
+    assert (
+        learner_side.redeem(token, "A" * 40) == ""
+        and learner_side.redeem("x", "C" * 40) == "bad_token"
+    )
+
+
 def test_key_list_sees_another_process_append(tmp_path):
     bans = KeyList(tmp_path / "bans.txt")
     KeyList(tmp_path / "bans.txt").add("K" * 40, "test")  # e.g. `echo-rl worker ban`
