@@ -417,7 +417,7 @@ class Learner:
             self.auditor.model_tensors(),
         )
         self.releaser.describe(row)
-        self.feedback.tell(t2 - t1, control.t_bcast or 0.0, self.rows)
+        self.feedback.tell(t2 - t1, control.t_bcast or 0.0, self.rows, control.snapshot_path)
         if self.metrics is not None:
             self.metrics.update(row, control)
         return row

@@ -31,11 +31,14 @@ class CapacityFeedback:
         self._step = step
         self.t_train_ewma: float | None = None
 
-    def tell(self, t_train: float | None, t_bcast: float, rows: list[StepRow]) -> None:
+    def tell(
+        self, t_train: float | None, t_bcast: float, rows: list[StepRow], snapshot_path: str = ""
+    ) -> None:
         """Tell the controller what capacity the learner needs now, and record the decisions
         it took since the last step. ``t_train`` None: after ``--resume``, from the run's own
         history (``rows``, the restored metrics rows), so a restarted learner knows its mu_req
-        before its first step."""
+        before its first step. ``snapshot_path``: what the workers' failed fetches say of the
+        learner's snapshot port (the step's control stats, learner/snapshot_path.py)."""
         lc = self.cfg.learner
         for t in [r.t_train for r in rows if r.t_train] if t_train is None else [t_train]:
             self.t_train_ewma = t_train_average(self.t_train_ewma, t)
@@ -48,8 +51,7 @@ class CapacityFeedback:
         except Infeasible as err:
             # A broadcast that never ends is a port the workers cannot reach, not a kappa to
             # raise, when the workers say so (learner/snapshot_path.py)
-            path = self.server.stats().snapshot_path
-            log.warning("%s", path or err)
+            log.warning("%s", snapshot_path or err)
             need = None
         self.server.set_requirement(need)
         while self.server.members.decisions:

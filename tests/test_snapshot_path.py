@@ -125,3 +125,22 @@ def test_a_worker_reporting_again_and_again_keeps_its_streak():
     clock.t += WINDOW_S + 1  # the head stopped reporting: the streak ends
     w.report("head", "w0", EP, "timeout")  # a new streak starts now
     assert w.verdict(workers=3) is None
+
+
+def test_the_capacity_advice_names_the_port_while_workers_report_it(caplog):
+    """With the snapshot port closed, T_bcast outlasts the step and the learner advised
+    raising kappa; while the workers report the port, the warning is theirs instead."""
+    from types import SimpleNamespace
+
+    from echo.config import EchoConfig
+    from learner.provision import CapacityFeedback
+
+    server = SimpleNamespace(
+        set_requirement=lambda need: None, members=SimpleNamespace(decisions=[])
+    )
+    fb = CapacityFeedback(EchoConfig(), server, trails=None, metrics=None, step=lambda: 1)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="echo.learner"):
+        fb.tell(0.05, 10.0, [])  # T_bcast 10 s > kappa x T_train: infeasible
+        fb.tell(0.05, 10.0, [], "2 worker(s) report ... snapshot port 5556")
+    said = [r.getMessage() for r in caplog.records]
+    assert "raise kappa" in said[0] and said[1].endswith("snapshot port 5556")
