@@ -144,3 +144,46 @@ def test_the_capacity_advice_names_the_port_while_workers_report_it(caplog):
         fb.tell(0.05, 10.0, [], "2 worker(s) report ... snapshot port 5556")
     said = [r.getMessage() for r in caplog.records]
     assert "raise kappa" in said[0] and said[1].endswith("snapshot port 5556")
+
+
+def test_source_requests_with_made_up_reasons_or_in_a_flood_cost_nothing(
+    make_plane,  # noqa: F811
+    zctx,  # noqa: F811
+):
+    """A stranger's reason string never reaches a counter's key (the closed SourceReason set:
+    refused as malformed, the learner serves on); 300 'avoided' requests from one worker are
+    no evidence: no probe, one counter, the plane still answers."""
+    from test_security import ask, peer
+
+    plane = make_plane()
+    payload = bytes(range(256)) * 16
+    m = build_manifest(
+        run_id="t",
+        version=0,
+        tensors=[],
+        payload=payload,
+        chunk_size=1024,
+        dtype="uint8",
+        key=plane.key,
+    )
+    plane.publish(Snapshot(m, payload))
+    sock = peer(plane, zctx)
+    assert isinstance(ask(sock, wire.Join(worker_id="w0", can_relay=False)), wire.JoinAck)
+    good = wire.encode(
+        wire.SourceRequest(
+            worker_id="w0", version=0, bad_source="tcp://10.0.0.9:1", reason="timeout"
+        )
+    )
+    for junk in (good.replace(b"timeout", b"x" * 7), good.replace(b"timeout", b"\xff" * 7)):
+        assert isinstance(ask(sock, junk), wire.Error)  # refused, not counted under its name
+    for _ in range(300):
+        ask(
+            sock,
+            wire.SourceRequest(
+                worker_id="w0", version=0, bad_source="tcp://10.0.0.9:1", reason="avoided"
+            ),
+        )
+    stats = plane.stats()
+    assert set(stats.relay_reports) <= {"avoided:other"} and stats.snapshot_path == ""
+    assert sum(stats.rejected.values()) == 2  # both junk requests counted as refusals
+    assert isinstance(ask(sock, wire.Heartbeat(worker_id="w0", version=-1)), wire.HeartbeatAck)
