@@ -18,6 +18,22 @@ pytestmark = pytest.mark.timeout(60)
 EP = "tcp://203.0.113.5:5556"
 
 
+def published(plane):
+    """A control plane holding version 0, so source requests about it are served."""
+    payload = bytes(range(256)) * 16
+    m = build_manifest(
+        run_id="t",
+        version=0,
+        tensors=[],
+        payload=payload,
+        chunk_size=1024,
+        dtype="uint8",
+        key=plane.key,
+    )
+    plane.publish(Snapshot(m, payload))
+    return plane
+
+
 def watch(served: list[int] | None = None) -> tuple[SnapshotPathWatch, FakeClock]:
     clock = FakeClock()
     box = served if served is not None else [0]
@@ -79,18 +95,7 @@ def test_a_live_learner_names_its_snapshot_port_from_its_workers_source_requests
     whose fetch timed out sends them: the learner's stats and log name the port."""
     from test_security import ask, peer
 
-    plane = make_plane()
-    payload = bytes(range(256)) * 16
-    m = build_manifest(
-        run_id="t",
-        version=0,
-        tensors=[],
-        payload=payload,
-        chunk_size=1024,
-        dtype="uint8",
-        key=plane.key,
-    )
-    plane.publish(Snapshot(m, payload))
+    plane = published(make_plane())
     socks = {w: peer(plane, zctx) for w in ("w0", "w1")}
     for w, s in socks.items():
         ack = ask(s, wire.Join(worker_id=w, can_relay=False))
@@ -155,18 +160,7 @@ def test_source_requests_with_made_up_reasons_or_in_a_flood_cost_nothing(
     no evidence: no probe, one counter, the plane still answers."""
     from test_security import ask, peer
 
-    plane = make_plane()
-    payload = bytes(range(256)) * 16
-    m = build_manifest(
-        run_id="t",
-        version=0,
-        tensors=[],
-        payload=payload,
-        chunk_size=1024,
-        dtype="uint8",
-        key=plane.key,
-    )
-    plane.publish(Snapshot(m, payload))
+    plane = published(make_plane())
     sock = peer(plane, zctx)
     assert isinstance(ask(sock, wire.Join(worker_id="w0", can_relay=False)), wire.JoinAck)
     good = wire.encode(
