@@ -44,21 +44,22 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from broadcast.chunk_checks import ChunkChecks, OnHeld
+from broadcast.dialer import Dialer
+from broadcast.dialer import close as close_connection
 from broadcast.manifest import BaseManifest, ChunkLayout, Manifest, SnapshotError
 from broadcast.shaping import TokenBucket
 from broadcast.store import SnapshotBuffer, SnapshotStore
 from broadcast.tickets import Source
 from echo import wire
 from echo.errors import ReasonError
-from echo.security import KeyPair, curve_client
+from echo.security import KeyPair
 
 # Request ids start at a random point per process: a relay must not tell the learner's
 # probe (learner/verify.py, which draws its ids the same way) from a child by its ids.
 _rids = itertools.count(random.SystemRandom().randrange(1, 1 << 31))
-SOCKET_BUFFER = 8 << 20
 NOT_YET = ("future_version",)  # a source's answer for "I do not hold this version yet"
 NOT_YET_S, NOT_YET_MAX_S = 0.02, 0.5  # first back-off before asking again, and its cap
-REQUEST_BYTES = 4096  # bound on a chunk request or a reply header (a ticket is < 512 bytes)  # large kernel buffers: fewer wake-ups per MiB on fast links
+REQUEST_BYTES = 4096  # bound on a chunk request or a reply header (a ticket is < 512 bytes)
 
 
 class SourceFailed(ReasonError):
@@ -127,9 +128,13 @@ async def fetch_into(
     keys: KeyPair | None = None,
     resolve: Resolve | None = None,
     stall_s: float | None = None,
+    dialer: Dialer | None = None,
 ) -> FetchStats:
     """``timeout_s``: how long a source may answer "not yet"; ``stall_s`` (default
-    ``timeout_s``): how long it may be silent while chunks are asked for."""
+    ``timeout_s``): how long it may be silent while chunks are asked for. ``dialer``: the
+    connections kept from earlier fetches (``broadcast.dialer``; None: this fetch's own,
+    closed when it ends); ``keys`` are used only without one (a dialer has its own)."""
+    dialer = Dialer(ctx, keys, size=0) if dialer is None else dialer
     buf = store.get(version)
     assert buf is not None, "add the SnapshotBuffer to the store before fetching"
     stats = FetchStats()
@@ -158,7 +163,7 @@ async def fetch_into(
                 max_bytes,
                 download,
                 stats,
-                keys,
+                dialer,
                 attempt,
                 timeout_s if stall_s is None else stall_s,
             )
@@ -200,7 +205,7 @@ async def _pull(
     max_bytes: int,
     download: TokenBucket | None,
     stats: FetchStats,
-    keys: KeyPair | None,
+    dialer: Dialer,
     attempt: dict[str, Any] | None = None,
     stall_s: float | None = None,
 ) -> None:
@@ -210,16 +215,10 @@ async def _pull(
         raise SnapshotError(f"version {version} was dropped while it was being fetched")
     todo = iter(buf.missing())
     source = src.endpoint
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if src.key:
-        curve_client(sock, keys or KeyPair.generate(), src.key)
-    # A reply is one chunk and a small header: anything larger is a hostile peer, dropped by
-    # libzmq before it is buffered (an unbounded frame could take gigabytes).
-    sock.setsockopt(zmq.MAXMSGSIZE, buf.layout.chunk_size + REQUEST_BYTES)
-    sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER)
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    sock.connect(address)
+    max_reply = buf.layout.chunk_size + REQUEST_BYTES
+    conn = dialer.open(address, src.key, max_reply)
+    sock, monitor = conn
+    kept = False
     plain: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
     poller = zmq.asyncio.Poller()
     poller.register(sock, zmq.POLLIN)
@@ -298,13 +297,15 @@ async def _pull(
                 if not (pending and cast(int, plain.getsockopt(zmq.EVENTS)) & zmq.POLLIN):
                     break
         _raise_failed(checks)
+        kept = not pending  # nothing in flight: the next fetch from here may use it
     finally:
         try:
             await checks.settle()  # before any slot is asked for again (broadcast.chunk_checks)
         finally:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
+            if kept:
+                dialer.keep(address, src.key, max_reply, conn)
+            else:
+                close_connection(conn)
 
 
 def _raise_failed(checks: ChunkChecks) -> None:

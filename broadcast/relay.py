@@ -27,9 +27,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from broadcast.dialer import SOCKET_BUFFER, Dialer
 from broadcast.fetch import (
     REQUEST_BYTES,
-    SOCKET_BUFFER,
     FetchStats,
     Reattach,
     fetch_into,
@@ -106,6 +106,9 @@ class Relay:
         self.endpoint = ""
         self.down_mbit_measured = 0.0  # this node's fetches, EWMA (the stall bound: _stall)
         self.resolve = None  # punched links (broadcast.nat.links.Tunnels.resolve), if any
+        # Connections to sources kept between fetches: one handshake per source, not per
+        # version (broadcast.dialer).
+        self.dialer = Dialer(ctx, keys)
         self.server: ChunkServer | None = None
         self.zap: ZapHandler | None = None
         self.download = bucket(cfg.down_mbit, cfg.chunk_bytes) if cfg.shape else None
@@ -185,9 +188,9 @@ class Relay:
             max_bytes=self.cfg.max_bytes,
             download=self.download,
             reattach=reattach,
-            keys=self.keys,
             resolve=self.resolve,
             stall_s=self._stall(buf.layout),
+            dialer=self.dialer,
         )
         self._measured(stats)
         return buf, stats
@@ -223,9 +226,9 @@ class Relay:
             max_bytes=self.cfg.max_bytes,
             download=self.download,
             reattach=reattach,
-            keys=self.keys,
             resolve=self.resolve,
             stall_s=self._stall(buf.layout),
+            dialer=self.dialer,
         )
         self._measured(stats)
         return buf.payload, stats
@@ -287,8 +290,10 @@ class Relay:
         self.store.clear()
         self.results.clear()
         self.bases.clear()  # another run's base manifest may differ (its chunks would not verify)
+        self.dialer.close()  # the learner's connection (a new run may have a new key)
 
     def close(self) -> None:
+        self.dialer.close()
         if self.server is not None:
             self.server.sock.close(linger=0)
         if self.zap is not None:

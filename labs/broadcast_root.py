@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from broadcast.coordinator import Coordinator
-from broadcast.fetch import SOCKET_BUFFER
+from broadcast.dialer import SOCKET_BUFFER
 from broadcast.manifest import Manifest
 from broadcast.nat.reflect import Reflector
 from broadcast.relay import bucket

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from broadcast.coordinator import Coordinator
 from broadcast.manifest import ChunkLayout
 from broadcast.reports import KIND
-from broadcast.store import SnapshotStore
+from broadcast.store import SnapshotBuffer, SnapshotStore
 from echo import wire
 from echo.config import EchoConfig
 from echo.security import fingerprint
@@ -107,10 +107,11 @@ class RelayProbes:
         return True
 
     def probe(self, endpoint: str, accuser: str, version: int, chunk: int = -1) -> bool:
-        """Queue the learner's own fetch from ``endpoint`` (``version``, or the newest held);
+        """Queue the learner's own fetch from ``endpoint`` (``version``; -1: the newest the relay
+        installed that the learner holds, ``_held_by``, else the newest held);
         False when there is nothing to probe with or the queue is full (counted)."""
         accused = self.table.relay_keys.get(endpoint)
-        buf = self.store.get(version) if version >= 0 else None
+        buf = self.store.get(version) if version >= 0 else self._held_by(endpoint)
         buf = self.store.latest() if buf is None else buf
         if (
             accused is None
@@ -127,6 +128,15 @@ class RelayProbes:
             self.rejected["verify_queue_full"] += 1
             return False
         return True
+
+    def _held_by(self, endpoint: str) -> SnapshotBuffer | None:
+        """The newest version the relay at ``endpoint`` said it installed that the learner
+        still holds: what it must be able to serve. The learner's newest is often one it has
+        not received yet when versions come many a second, and its "not yet" is an answer, no
+        verdict (the quiet drill's black hole escaped so: issue 52)."""
+        peer = self.coordinator.owner(endpoint) if self.coordinator else None
+        held = [v for v in (peer.installed if peer else ()) if self.store.get(v) is not None]
+        return self.store.get(max(held)) if held else None
 
     def reprobe(self) -> None:
         """Relays whose conviction has run out are probed again before they are planned

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from echo.config import EchoConfig
 from echo.metrics import LearnerMetrics
+from echo.security import LogThrottle
 from echo.steprow import StepRow
 from learner.server import LearnerServer
 from learner.trails import Trails
@@ -30,6 +31,9 @@ class CapacityFeedback:
         self.cfg, self.server, self.trails, self.metrics = cfg, server, trails, metrics
         self._step = step
         self.t_train_ewma: float | None = None
+        # The advice is the same step after step (13 a second in the drill wrote it 13 times
+        # a second): once a minute per kind of advice.
+        self._said = LogThrottle(period_s=60.0)
 
     def tell(
         self, t_train: float | None, t_bcast: float, rows: list[StepRow], snapshot_path: str = ""
@@ -51,7 +55,8 @@ class CapacityFeedback:
         except Infeasible as err:
             # A broadcast that never ends is a port the workers cannot reach, not a kappa to
             # raise, when the workers say so (learner/snapshot_path.py)
-            log.warning("%s", snapshot_path or err)
+            if self._said.ok("port" if snapshot_path else "kappa"):
+                log.warning("%s", snapshot_path or err)
             need = None
         self.server.set_requirement(need)
         while self.server.members.decisions:

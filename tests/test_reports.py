@@ -411,3 +411,31 @@ def test_a_child_skipping_a_relay_it_reported_adds_no_evidence_and_starts_no_pro
     assert c.reports.counts["avoided:other"] == 5
     assert c.reports.counts["timeout:counted"] == 1
     assert rp.rejected["report_probe_limited"] == 0
+
+
+def test_a_timeout_probe_asks_for_a_version_the_relay_installed_not_the_learners_newest(
+    tmp_path,
+):
+    """At ten versions a second the learner's newest is often one a relay has not received yet,
+    and its "not yet" is no verdict: the quiet drill's black hole escaped on such answers
+    (probe:answered). A timeout report is probed on the newest version the relay said it
+    installed that the learner still holds; the newest held when it reported none."""
+    from types import SimpleNamespace
+
+    rp, c, _, keys, _ = probes_for(tmp_path)
+    held = {v: SimpleNamespace(total=4, layout=SimpleNamespace(version=v)) for v in (5, 6, 7)}
+    rp.store = SimpleNamespace(get=held.get, latest=lambda: held[7])
+    asked: list[int] = []
+
+    class Verifier:
+        def submit(self, endpoint, accused, accuser, layout, chunk) -> bool:
+            asked.append(layout.version)
+            return True
+
+    rp.verifier = Verifier()
+    c.owner("tcp://w0").installed = {3: 0.2, 5: 0.1, 6: 0.1}  # 3: no longer held here
+    assert rp.probe("tcp://w0", keys["w1"], -1)
+    c.owner("tcp://w1").installed = {}
+    assert rp.probe("tcp://w1", keys["w1"], -1)
+    assert rp.probe("tcp://w0", keys["w1"], 5)  # a corrupt report names its version
+    assert asked == [6, 7, 5]

@@ -147,7 +147,11 @@ def test_the_capacity_advice_names_the_port_while_workers_report_it(caplog):
     with caplog.at_level(logging.WARNING, logger="echo.learner"):
         fb.tell(0.05, 10.0, [])  # T_bcast 10 s > kappa x T_train: infeasible
         fb.tell(0.05, 10.0, [], "2 worker(s) report ... snapshot port 5556")
+        for _ in range(20):  # the same advice step after step: said once a minute, not each
+            fb.tell(0.05, 10.0, [], "2 worker(s) report ... snapshot port 5556")
+            fb.tell(0.05, 10.0, [])
     said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2
     assert "raise kappa" in said[0] and said[1].endswith("snapshot port 5556")
 
 
