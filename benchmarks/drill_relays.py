@@ -109,6 +109,7 @@ def stranger_reports(t: Any, rounds: int = 20) -> dict[str, Any]:
     from drill_attacks import ask, join_evil
 
     from echo import wire
+    from echo.addresses import same_endpoint
 
     sock, _, ack = join_evil(t, "reporter")
     version = ack.version  # the learner's newest, as its join reply says
@@ -128,7 +129,11 @@ def stranger_reports(t: Any, rounds: int = 20) -> dict[str, Any]:
             )
             replies[got] = replies.get(got, 0) + 1
     sock.close()
-    return {"reports_sent": 3 * rounds, "replies": replies}
+    # Since the join ack may hand a peer as the first source (JoinAck.snapshot_endpoint), the
+    # stranger can be handed the very relay it names: then it is that relay's assigned child
+    # and its reports count, as one witness's (check_stranger).
+    handed = same_endpoint(ack.snapshot_endpoint, t.relay)
+    return {"reports_sent": 3 * rounds, "replies": replies, "handed_the_relay_at_join": handed}
 
 
 ATTACKS = {"stranger_reports": stranger_reports}
@@ -156,7 +161,13 @@ def check_stranger(r: dict[str, Any]) -> list[str]:
     reports = r.get("relay_reports_delta", {})
     out = _honest(r)
     unassigned = sum(n for k, n in reports.items() if k.endswith(":unassigned"))
-    if unassigned < r["attacker"].get("reports_sent", 1):
+    if r["attacker"].get("handed_the_relay_at_join"):
+        # its own source: one witness (its token), whose word never convicts without the
+        # learner's failed probe, and whose probes are bounded per minute
+        probes = sum(n for k, n in reports.items() if k.startswith("probe:"))
+        if probes > PROBES_PER_MIN:
+            out.append(f"one witness started {probes} probes (bound {PROBES_PER_MIN} a minute)")
+    elif unassigned < r["attacker"].get("reports_sent", 1):
         out.append(
             f"only {unassigned} of {r['attacker'].get('reports_sent')} reports counted unassigned"
         )
@@ -166,6 +177,7 @@ def check_stranger(r: dict[str, Any]) -> list[str]:
 
 
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+PROBES_PER_MIN = 4  # security.report_probes_per_min, the default the drill runs with
 LOSS_BOUND_S = 2.0  # issue 52: a black hole's child loses at most this much
 
 

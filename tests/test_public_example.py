@@ -145,3 +145,25 @@ def test_the_quickstarts_windows_flip_volunteers_within_seconds():
     fleet = Fleet(load_config(ROOT / "examples/quickstart.toml"), 0)
     fleet.run(2 * 3600)
     assert any(gap < 60 for _, gap, _ in fleet.gaps())
+
+
+def test_the_cheap_try_is_the_same_deployment_with_settings_that_move_on_cpus():
+    """Issue 55, item 6: examples/public.toml on a small model warned about positions and did
+    not move at lr 1e-6. examples/public-try.toml keeps public.toml's deployment (ports, token
+    joins, timeouts for home links) with smollm2-lora.toml's learning settings (the run
+    docs/does-it-learn.md measured rising on a 2-core CPU) and 30 s provisioning windows."""
+    sets = ["learner.host=0.0.0.0", "learner.public_host=203.0.113.7"]
+    pub = load_config(ROOT / "examples/public.toml", sets)
+    tried = load_config(ROOT / "examples/public-try.toml", sets)
+    lora = load_config(ROOT / "examples/smollm2-lora.toml")
+    assert tried.listen_ports() == pub.listen_ports()
+    assert tried.security == pub.security and tried.transport == pub.transport
+    assert tried.broadcast.timeout_s == pub.broadcast.timeout_s
+    lc, ref = tried.learner, lora.learner
+    for key in ("lr", "beta", "epsilon_high", "dynamic_sampling", "prompts_per_step"):
+        assert getattr(lc, key) == getattr(ref, key), key
+    assert lc.lora == ref.lora and tried.adapter.options == lora.adapter.options
+    assert tried.worker.max_new_tokens == lora.worker.max_new_tokens
+    assert tried.provisioning.window_s <= 30 < pub.provisioning.window_s
+    block = (ROOT / "README.md").read_text().split("## Running for real", 1)[1]
+    assert "examples/public-try.toml" in block.split("## ", 1)[0]
