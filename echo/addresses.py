@@ -46,6 +46,38 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# Addresses that reach only a local network: RFC 1918, shared address space (carrier-grade
+# NAT), link-local, IPv6 unique-local and link-local. Python's ``is_private`` also counts the
+# documentation ranges (192.0.2.0/24, 198.51.100.0/24, 203.0.113.0/24, 2001:db8::/32), which
+# stand for public addresses in examples and in the NAT lab: here they are public.
+LOCAL_NETS = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "169.254.0.0/16",
+        "fc00::/7",
+        "fe80::/10",
+    )
+)
+
+
+def reach(host: str) -> str:
+    """Who can reach ``host``: ``loopback`` (this machine), ``private`` (its network: a LAN, a
+    cloud VPC, behind a carrier-grade NAT), ``public`` (an IP address the internet routes) or
+    ``name`` (a DNS name: whoever resolves it)."""
+    h = canonical_host(host)
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        return "name"
+    if ip.is_loopback:
+        return "loopback"
+    return "private" if any(ip in net for net in LOCAL_NETS) else "public"
+
+
 def _is_ipv6(host: str) -> bool:
     try:
         return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)

@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         "and reachable on the public address, the learner answering (docs/ports.md)",
     )
     _add_config_args(doc, config_required=False)
+    doc.add_argument(
+        "--lan",
+        action="store_true",
+        help="the workers are on this network: a private public address is then right "
+        "(without it, a private address fails: volunteers on the internet cannot reach it)",
+    )
     doc.set_defaults(handler=_doctor)
     _add_model(sub)
     for name, handler, text in PASSTHROUGH:
@@ -327,7 +333,7 @@ def _doctor(args: argparse.Namespace) -> int:
         )
     from learner.doctor import diagnose
 
-    return show(diagnose(cfg, args.run_dir))
+    return show(diagnose(cfg, args.run_dir, lan=args.lan))
 
 
 def _model(args: argparse.Namespace) -> int:

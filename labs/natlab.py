@@ -1,9 +1,17 @@
 """A wide area with real NATs on one host: network namespaces, veth, iptables, tc tbf.
 
-* ``echo-npub``: the learner's side (``10.99.0.1``), uplink shaped at U.
-* Public worker i: namespace ``echo-nw<i>`` on the same "internet" bridge (``10.99.0.<100+i>``).
+The "internet" is a bridge on 198.51.100.0/24 (a documentation range: a public address, as
+``echo.addresses.reach`` counts it, that routes nowhere real).
+
+* ``echo-npub``: the learner's side (``198.51.100.1``), uplink shaped at U. With
+  ``cloud_nat``, as on most clouds: the learner's host has a private address (``10.0.0.2``)
+  behind a 1:1 NAT gateway ``echo-ngw`` that holds the public one, forwards it all to the
+  host and lets in only new TCP connections to the documented ports (``CLOUD_PORTS``, the
+  security group); a connection from the host to its own public address does not loop back.
+* Public worker i: namespace ``echo-nw<i>`` on the same "internet" bridge
+  (``198.51.100.<100+i>``).
 * Home worker i: namespace ``echo-nw<i>`` (``172.16.<i>.2``) behind its own router namespace
-  ``echo-nr<i>`` (WAN ``10.99.0.<10+i>``, LAN ``172.16.<i>.1``). The router masquerades what
+  ``echo-nr<i>`` (WAN ``198.51.100.<10+i>``, LAN ``172.16.<i>.1``). The router masquerades what
   leaves and drops new connections from the WAN, like a home router:
   ``cone`` NAT keeps the source port for every destination (Linux MASQUERADE: endpoint-
   independent mapping, filtering by address and port), ``symmetric`` picks a random port per
@@ -26,7 +34,10 @@ from dataclasses import dataclass
 
 from labs.netns import tbf_burst
 
-ROOT_ADDR = "10.99.0.1"
+NET = "198.51.100"
+ROOT_ADDR = f"{NET}.1"
+CLOUD_PRIVATE = "10.0.0.2"  # the learner's host behind the cloud's 1:1 NAT (``cloud_nat``)
+CLOUD_PORTS = "5555:5558"  # what the cloud's security group lets in (docs/ports.md)
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,10 @@ class Names:
     @property
     def bridge(self) -> str:
         return f"{self.ns}br0"
+
+    @property
+    def gateway(self) -> str:
+        return f"{self.ns}gw"
 
 
 BRIDGE = Names().bridge
@@ -67,7 +82,7 @@ class Node:
 
     @property
     def address(self) -> str:
-        return f"10.99.0.{100 + self.index}" if self.nat == "public" else f"172.16.{self.index}.2"
+        return f"{NET}.{100 + self.index}" if self.nat == "public" else f"172.16.{self.index}.2"
 
 
 def _run(*args: str, ns: str | None = None) -> None:
@@ -112,8 +127,10 @@ def teardown(n: int, names: Names = Names()) -> None:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         for dev in (f"{names.dev}w{i}", f"{names.dev}r{i}"):
             subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
-    subprocess.run(["ip", "netns", "del", names.root], capture_output=True, check=False)
-    subprocess.run(["ip", "link", "del", f"{names.dev}pub"], capture_output=True, check=False)
+    for ns in (names.root, names.gateway):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+    for dev in (f"{names.dev}pub", f"{names.dev}gw"):
+        subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
     subprocess.run(["ip", "link", "del", names.bridge], capture_output=True, check=False)
 
 
@@ -133,7 +150,7 @@ def _home(node: Node, link_mbit: float) -> None:
     r, h, i = node.router, node.ns, node.index
     _run("ip", "netns", "add", r)
     _run("ip", "link", "set", "lo", "up", ns=r)
-    _attach(r, f"{node.names.dev}r{i}", f"10.99.0.{10 + i}", 0, 0, node.names.bridge)
+    _attach(r, f"{node.names.dev}r{i}", f"{NET}.{10 + i}", 0, 0, node.names.bridge)
     _run("ip", "link", "set", "eth0", "name", "wan", ns=r)
     _run("ip", "link", "add", "lan", "netns", r, "type", "veth", "peer", "name", "eth0", "netns", h)
     _run("ip", "addr", "add", f"172.16.{i}.1/24", "dev", "lan", ns=r)
@@ -167,11 +184,101 @@ def _home(node: Node, link_mbit: float) -> None:
     _run(*masq, *(["--random-fully"] if node.nat == "symmetric" else []), ns=r)
 
 
+def _cloud_nat(names: Names, uplink_mbit: float) -> None:
+    """The learner's host ``names.root`` at ``CLOUD_PRIVATE`` behind a 1:1 NAT gateway that
+    holds ``ROOT_ADDR`` (DNAT in, SNAT out, on the WAN side only: no hairpin) and lets in new
+    TCP connections to ``CLOUD_PORTS`` only."""
+    gw, root = names.gateway, names.root
+    _run("ip", "netns", "add", gw)
+    _run("ip", "link", "set", "lo", "up", ns=gw)
+    _attach(gw, f"{names.dev}gw", ROOT_ADDR, 0, 0, names.bridge)
+    _run("ip", "link", "set", "eth0", "name", "wan", ns=gw)
+    _run(
+        "ip",
+        "link",
+        "add",
+        "lan",
+        "netns",
+        gw,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        root,
+    )
+    _run("ip", "addr", "add", "10.0.0.1/24", "dev", "lan", ns=gw)
+    _run("ip", "link", "set", "lan", "up", ns=gw)
+    _run("ip", "addr", "add", f"{CLOUD_PRIVATE}/24", "dev", "eth0", ns=root)
+    _run("ip", "link", "set", "eth0", "up", ns=root)
+    _run("ip", "route", "add", "default", "via", "10.0.0.1", ns=root)
+    _tbf("eth0", uplink_mbit, root)
+    for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0"):
+        _run("sysctl", "-qw", key, ns=gw)
+    nat = ["iptables", "-t", "nat", "-A"]
+    _run(
+        *nat,
+        "PREROUTING",
+        "-i",
+        "wan",
+        "-d",
+        ROOT_ADDR,
+        "-j",
+        "DNAT",
+        "--to-destination",
+        CLOUD_PRIVATE,
+        ns=gw,
+    )
+    _run(
+        *nat,
+        "POSTROUTING",
+        "-o",
+        "wan",
+        "-s",
+        CLOUD_PRIVATE,
+        "-j",
+        "SNAT",
+        "--to-source",
+        ROOT_ADDR,
+        ns=gw,
+    )
+    _run("iptables", "-P", "FORWARD", "DROP", ns=gw)
+    est = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
+    _run("iptables", "-A", "FORWARD", *est, ns=gw)
+    _run("iptables", "-A", "FORWARD", "-i", "lan", "-o", "wan", "-j", "ACCEPT", ns=gw)
+    _run(
+        "iptables",
+        "-A",
+        "FORWARD",
+        "-i",
+        "wan",
+        "-o",
+        "lan",
+        "-p",
+        "tcp",
+        "--dport",
+        CLOUD_PORTS,
+        "-m",
+        "conntrack",
+        "--ctstate",
+        "NEW",
+        "-j",
+        "ACCEPT",
+        ns=gw,
+    )
+
+
 @contextmanager
 def lab(
-    nodes: list[Node], uplink_mbit: float, link_mbit: float, names: Names = Names()
+    nodes: list[Node],
+    uplink_mbit: float,
+    link_mbit: float,
+    names: Names = Names(),
+    cloud_nat: bool = False,
 ) -> Iterator[None]:
-    """The learner's namespace ``names.root`` and every node's; ``nodes`` carry ``names``."""
+    """The learner's namespace ``names.root`` and every node's; ``nodes`` carry ``names``.
+    ``cloud_nat``: the learner's host behind a cloud's 1:1 NAT (``_cloud_nat``)."""
     n = max((x.index for x in nodes), default=-1) + 1
     assert all(x.names == names for x in nodes), "nodes of another lab"
     teardown(n, names)  # leftovers of an interrupted run
@@ -180,7 +287,10 @@ def lab(
         _run("ip", "link", "set", names.bridge, "up")
         _run("ip", "netns", "add", names.root)
         _run("ip", "link", "set", "lo", "up", ns=names.root)
-        _attach(names.root, f"{names.dev}pub", ROOT_ADDR, uplink_mbit, 0, names.bridge)
+        if cloud_nat:
+            _cloud_nat(names, uplink_mbit)
+        else:
+            _attach(names.root, f"{names.dev}pub", ROOT_ADDR, uplink_mbit, 0, names.bridge)
         for node in nodes:
             if node.nat == "public":
                 _run("ip", "netns", "add", node.ns)

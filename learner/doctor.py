@@ -1,28 +1,32 @@
 """``echo-rl doctor``: from the operator's host, is the learner set up so that volunteers can
 take part (docs/ports.md)? Each check prints a verdict and the fix.
 
-Config: the address it hands out (``learner.public_host``; never a wildcard, and loopback or a
-private address only reaches workers that can reach it), fixed ports, encryption. Then each
-port of the layout: bound here (something Echo answers on the bind address), and reachable on
-the public address (from this host: a firewall on this host or a cloud security group that
-drops it shows; a router that does not loop back to its own public address shows as a failure
-too, so the fix says to run ``echo-worker doctor LINE`` from another machine). Last, the
-learner answers a ``doctor`` request on its public address with the key its join line pins.
-The bound ports come from the run's ``learner.json``, the config from ``config.toml``.
+Config: the address it hands out (``learner.public_host``; never a wildcard; loopback reaches
+only this machine, and a private address fails unless ``--lan`` says the fleet is on this
+network). Then each port of the layout: bound here (something Echo answers on the bind
+address), and reachable on the public address. When the public address is one of this host's,
+a failure there is this host's firewall or a wrong address. When it is not (a cloud's 1:1 NAT,
+a port forward: no connection from here loops back), the doctor says so instead of failing,
+and passes on what the learner saw of its workers from outside (``wire.DoctorAck``,
+``learner/outside.py``): joins and NAT probes from public addresses, installs, and the workers'
+reports of a closed chunk port. Last, the learner answers a ``doctor`` request with the key
+its join line pins (on its bound address when the public one does not loop back). The bound
+ports come from the run's ``learner.json``, the config from ``config.toml``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
+import socket
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from broadcast.nat.reflect import NatError, pick_punch_port, probe
 from echo import wire
-from echo.addresses import canonical_host, is_loopback, is_wildcard, public_host_problem
+from echo.addresses import canonical_host, is_loopback, is_wildcard, public_host_problem, reach
 from echo.config import EchoConfig, ListenPorts
 from echo.doctor import Check, ask_learner, port_words, tcp_greeting
 from echo.security import KeyPair, fingerprint
@@ -30,18 +34,21 @@ from echo.security import KeyPair, fingerprint
 PORTS_DOC = "docs/ports.md"
 
 
-def diagnose(cfg: EchoConfig, run_dir: Path | None) -> list[Check]:
+def diagnose(cfg: EchoConfig, run_dir: Path | None, lan: bool = False) -> list[Check]:
     """The config's checks, then (when the run has a learner.json) every port's and the
-    learner's own answer."""
-    out = config_checks(cfg)
+    learner's own answer. ``lan``: the workers are on this network (a private address is
+    then what they should be told)."""
+    out = config_checks(cfg, lan)
     if any(c.status == "fail" for c in out):
         return out
     info = _learner_json(run_dir)
     ports = _ports(cfg, info)
-    local, public = _local_host(cfg), _announced(cfg)
+    where = Where(_local_host(cfg), _announced(cfg))
+    asked = _ask(info, where, ports.control) if info is not None else None
+    ack = asked[0] if asked is not None and isinstance(asked[0], wire.DoctorAck) else None
     for key, port, kind in _layout(cfg, ports):
-        out.append(_port_check(key, port, kind, local, public, cfg))
-    if info is None:
+        out.append(_port_check(key, port, kind, where, cfg, ack))
+    if info is None or asked is None:
         out.append(
             Check(
                 "learner",
@@ -56,17 +63,51 @@ def diagnose(cfg: EchoConfig, run_dir: Path | None) -> list[Check]:
             Check(
                 "learner",
                 "skip",
-                "not asked for its doctor answer: a port above failed, and the request "
-                "would go the same way",
+                "not judged: a port above failed (its answer, if any, is not the path "
+                "workers take)",
                 "fix the failed ports first, then run echo-rl doctor again",
             )
         )
     else:
-        out.append(_answer_check(info))
+        out.append(_answer_check(info, asked))
     return out
 
 
-def config_checks(cfg: EchoConfig) -> list[Check]:
+@dataclass(frozen=True)
+class Where:
+    """Where the doctor runs against the addresses in the config: ``local``, an address the
+    learner is bound on here; ``public``, the one workers are told. ``here``: ``public`` is an
+    address of this host (or the same as ``local``); False behind a 1:1 NAT or a router's port
+    forward, where a connection from this host to ``public`` does not come back in."""
+
+    local: str
+    public: str
+
+    @property
+    def here(self) -> bool:
+        return canonical_host(self.public) == canonical_host(self.local) or on_this_host(
+            self.public
+        )
+
+
+def on_this_host(host: str) -> bool:
+    """Is ``host`` an address of one of this machine's interfaces (can a socket bind it)? A
+    name is resolved; one that does not resolve is not here."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def config_checks(cfg: EchoConfig, lan: bool = False) -> list[Check]:
     lc = cfg.learner
     problem = public_host_problem(lc.host, lc.public_host)
     if problem:
@@ -79,7 +120,7 @@ def config_checks(cfg: EchoConfig) -> list[Check]:
             )
         ]
     host = _announced(cfg)
-    out = [_address_check(host)]
+    out = [_address_check(host, lan)]
     ports = cfg.listen_ports()
     if not is_loopback(lc.host) and not all([ports.control, ports.chunks, *ports.reflectors]):
         out.append(
@@ -126,8 +167,9 @@ def config_checks(cfg: EchoConfig) -> list[Check]:
     return out
 
 
-def _address_check(host: str) -> Check:
-    if is_loopback(host):
+def _address_check(host: str, lan: bool) -> Check:
+    where = reach(host)
+    if where == "loopback":
         return Check(
             "public address",
             "warn",
@@ -135,18 +177,22 @@ def _address_check(host: str) -> Check:
             "for volunteers on other machines: --set "
             "learner.host=0.0.0.0 --set learner.public_host=PUBLIC_IP",
         )
-    try:
-        private = ipaddress.ip_address(canonical_host(host)).is_private
-    except ValueError:
-        private = False  # a DNS name: whoever resolves it
-    if private:
+    if where == "private" and lan:
         return Check(
             "public address",
-            "warn",
-            f"workers are told {host}, a private address: "
-            f"only workers on the same network reach it",
-            "for volunteers on the "
-            "internet set learner.public_host to this machine's public IP or name",
+            "ok",
+            f"workers are told {host}, a private address: workers on this network reach it (--lan)",
+        )
+    if where == "private":
+        return Check(
+            "public address",
+            "fail",
+            f"workers are told {host}, a private address: volunteers outside this network "
+            f"cannot reach it",
+            "set learner.public_host to the address the internet reaches this machine at "
+            "(behind a cloud's 1:1 NAT: its public IP, which is on no interface here; keep "
+            "learner.host at 0.0.0.0). For a fleet on this network only, run echo-rl doctor "
+            f"--lan ({PORTS_DOC})",
         )
     return Check("public address", "ok", f"workers are told {host}")
 
@@ -156,9 +202,10 @@ def _learner_json(run_dir: Path | None) -> dict[str, Any] | None:
     if path is None or not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
+        info = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return info if isinstance(info, dict) else None
 
 
 def _ports(cfg: EchoConfig, info: dict[str, Any] | None) -> ListenPorts:
@@ -197,7 +244,10 @@ def _announced(cfg: EchoConfig) -> str:
     return cfg.learner.public_host or cfg.learner.host
 
 
-def _port_check(key: str, port: int, kind: str, local: str, public: str, cfg: EchoConfig) -> Check:
+def _port_check(
+    key: str, port: int, kind: str, where: Where, cfg: EchoConfig, ack: wire.DoctorAck | None
+) -> Check:
+    local, public = where.local, where.public
     if not port:
         return Check(
             key,
@@ -230,18 +280,70 @@ def _port_check(key: str, port: int, kind: str, local: str, public: str, cfg: Ec
         )
     if canonical_host(public) == canonical_host(local):
         return Check(key, "ok", verdict)
-    status, far, _ = _probe(kind, public, port)
+    status, far, found = _probe(kind, public, port)
     if status == "ok":
         return Check(key, "ok", f"bound on {local}, and {far}")
+    if not where.here:
+        return _outside_check(key, port, kind, where, ack)
+    if found == "refused":  # an address of this host the sockets are not bound on
+        return Check(
+            key,
+            "fail",
+            f"bound on {local}, but on the public address, one of this host's own: {far}",
+            f"learner.public_host ({public}) names an address the learner does not listen "
+            f"on: set learner.host=0.0.0.0 (every interface), or learner.public_host to "
+            f"{local} ({PORTS_DOC})",
+        )
     return Check(
         key,
         "fail",
-        f"bound on {local}, but on the public address: {far}",
+        f"bound on {local}, but on the public address, one of this host's own: {far}",
         f"open TCP {port} to workers in this host's firewall (ufw allow "
-        f"{port}/tcp) and the cloud's security group; check that learner.public_host "
-        f"({public}) is this machine's address. A router or 1:1 NAT that does not "
-        f"loop back shows here too: then run echo-worker doctor LINE from another "
-        f"machine ({PORTS_DOC})",
+        f"{port}/tcp; iptables -S INPUT lists the rule that drops it), then check "
+        f"learner.public_host ({public}) ({PORTS_DOC})",
+    )
+
+
+def _outside_check(
+    key: str, port: int, kind: str, where: Where, ack: wire.DoctorAck | None
+) -> Check:
+    """``public`` is not an address of this host (a 1:1 NAT, a port forward) and this host's
+    connection to it did not come back in, as such NATs do: what it says about workers is
+    only what the learner saw of them (``wire.DoctorAck``, learner/outside.py)."""
+    head = (
+        f"bound on {where.local}; {where.public} is not an address of this host (a cloud's "
+        f"1:1 NAT or a port forward) and a connection from here to it does not loop back"
+    )
+    chunks = key == "learner.chunk_port"
+    if chunks and ack is not None and ack.snapshot_path:
+        return Check(
+            key,
+            "fail",
+            f"{head}; the learner says: {ack.snapshot_path}",
+            f"open TCP {port} to this host in the cloud's security group or the router's "
+            f"forward, as for the other ports ({PORTS_DOC})",
+        )
+    seen = 0 if ack is None else ack.outside_installed if chunks else ack.outside_joined
+    if seen:
+        did = {
+            "learner.chunk_port": "installed snapshots fed from it (directly or through "
+            "their relays)",
+            "learner.port": "joined through it",
+        }.get(key, "had their NAT probe answered on it")
+        return Check(
+            key,
+            "ok",
+            f"{seen} worker(s) from outside {did} (as the learner saw them: {where.public} is "
+            f"not an address of this host and does not loop back, a 1:1 NAT)",
+        )
+    return Check(
+        key,
+        "skip",
+        f"{head}, and no worker from outside has used port {port} yet: only a machine "
+        f"outside can tell whether it is open",
+        "run echo-worker doctor 'JOIN LINE' on a machine outside this network, or run "
+        "echo-rl doctor again once a volunteer has joined: it then reads what the learner "
+        f"saw of its ports ({PORTS_DOC})",
     )
 
 
@@ -256,7 +358,7 @@ def _probe(kind: str, host: str, port: int) -> tuple[str, str, str]:
 def _reflector(host: str, port: int) -> tuple[str, str, str]:
     """A real NAT probe, as a worker sends it: the reflector answers with what it saw."""
 
-    async def one() -> dict:
+    async def one() -> dict[str, Any]:
         _, reply = await probe(
             f"{host}:{port}", "0.0.0.0", pick_punch_port("0.0.0.0"), 0, timeout_s=3.0
         )
@@ -289,19 +391,28 @@ def _http_check(key: str, host: str, port: int) -> Check:
         )
 
 
-def _answer_check(info: dict[str, Any]) -> Check:
-    """The learner answers a doctor request on its public endpoint, with the key its join
-    line carries."""
+def _ask(info: dict[str, Any], where: Where, control: int) -> tuple[Any, str, str]:
+    """The learner's answer to a doctor request with the key its join line pins: (reply,
+    why not, endpoint asked). On its public endpoint when that is an address of this host,
+    else on the bound one (behind a 1:1 NAT the public one does not loop back)."""
     key = (info.get("public_key") or "").encode() or None
-    reply, why = asyncio.run(
-        ask_learner(info["endpoint"], key, KeyPair.generate() if key else None)
-    )
+    endpoint = info["endpoint"]
+    if not where.here and control:
+        endpoint = f"tcp://{where.local}:{control}"
+    reply, why = asyncio.run(ask_learner(endpoint, key, KeyPair.generate() if key else None))
+    return reply, why, endpoint
+
+
+def _answer_check(info: dict[str, Any], asked: tuple[Any, str, str]) -> Check:
+    """The learner answers a doctor request, with the key its join line carries."""
+    reply, why, endpoint = asked
+    key = (info.get("public_key") or "").encode() or None
     if isinstance(reply, wire.DoctorAck):
         named = f"key fingerprint {fingerprint(key)}" if key else "plaintext"
         return Check(
             "learner",
             "ok",
-            f"answers at {info['endpoint']} ({named}): run "
+            f"answers at {endpoint} ({named}): run "
             f"{reply.run_id}, snapshot v{reply.version}, joining: {reply.join}; "
             f"volunteers join with: echo-worker join '{info.get('join', '')}'",
         )
@@ -309,19 +420,19 @@ def _answer_check(info: dict[str, Any]) -> Check:
         return Check(
             "learner",
             "ok",
-            f"answers at {info['endpoint']} (refused the check: {reply.reason}; an older learner?)",
+            f"answers at {endpoint} (refused the check: {reply.reason}; an older learner?)",
         )
     if "refused this worker's key" in why:  # allowlist: it judged the check's throwaway key
         return Check(
             "learner",
             "ok",
-            f"answers at {info['endpoint']} with its key, and refuses "
+            f"answers at {endpoint} with its key, and refuses "
             f"keys it does not know (security.join = allowlist)",
         )
     return Check(
         "learner",
         "fail",
-        f"no answer at {info['endpoint']}: {why}",
+        f"no answer at {endpoint}: {why}",
         "the learner in this run folder is not the one listening: restart it, or "
         "point --run-dir at the run that is running",
     )

@@ -49,6 +49,7 @@ from learner.buffer import ReplayBuffer
 from learner.durable import BufferLog
 from learner.intake import AuditJob
 from learner.listen import count_handshakes, handshake_monitor
+from learner.outside import doctor_ack
 from learner.parts import Inputs, build_parts
 from learner.reputation import Verdict
 from learner.verify import Verifier
@@ -108,7 +109,7 @@ class LearnerServer:
         self.gate, self.table, self.members, self.routes = p.gate, p.table, p.members, p.routes
         self.deliveries, self.intake, self.accounts = p.deliveries, p.intake, p.accounts
         self.reputation, self.rejected = p.reputation, p.rejected
-        p.dispatcher.handlers[wire.Doctor] = self._on_doctor
+        p.dispatcher.handlers[wire.Doctor] = lambda ident, key, msg: doctor_ack(self)
         bc = cfg.broadcast
         # uplink_mbit / link_mbit inform the chain planner; they do not throttle anything.
         self.topology = make_topology(
@@ -335,17 +336,6 @@ class LearnerServer:
         self._stop.set()
 
     # ------------------------------------------------------------------ loop side
-
-    def _on_doctor(self, ident: bytes, key: str, msg: wire.Doctor) -> wire.Message:
-        """A health check (``echo-worker doctor``): the endpoints a worker is handed."""
-        return wire.DoctorAck(
-            run_id=self.run_id,
-            instance_id=self.parts.identity.instance_id,
-            snapshot_endpoint=self.snapshot_endpoint,
-            reflectors=self.reflector.endpoints if self.reflector else [],
-            join=self.cfg.security.join,
-            version=self.routes.latest()[0],
-        )
 
     async def _housekeeping(self) -> None:
         timeout = self.cfg.transport.heartbeat_timeout_s

@@ -241,8 +241,10 @@ def test_the_operator_s_doctor_when_the_public_address_does_not_reach_the_ports(
     rc, out = _rl_doctor(capsys, "--run-dir", str(blocked.run_dir))
     assert rc == 1
     check = _lines(out, "learner.chunk_port")
-    assert "bound on 127.0.0.1, but on the public address" in check
-    assert "learner.public_host" in check and "ufw allow" in check
+    assert "bound on 127.0.0.1, but on the public address, one of this host's own" in check
+    # 127.0.0.2 is this host's (all of 127/8 is), and nothing listens there: not a firewall
+    assert "learner.public_host (127.0.0.2) names an address the learner does not" in check
+    assert "learner.host=0.0.0.0" in check and "ufw" not in check
 
 
 def test_the_operator_s_doctor_when_the_learner_is_not_running(tmp_path, capsys):
@@ -308,7 +310,9 @@ def test_an_allowlist_learner_that_refuses_the_check_s_key_still_answers(monkeyp
         )
 
     monkeypatch.setattr(doctor, "ask_learner", refused)
-    check = doctor._answer_check({"endpoint": "tcp://127.0.0.1:5555", "public_key": "k" * 40})
+    info = {"endpoint": "tcp://127.0.0.1:5555", "public_key": "k" * 40}
+    asked = doctor._ask(info, doctor.Where("127.0.0.1", "127.0.0.1"), 5555)
+    check = doctor._answer_check(info, asked)
     assert check.status == "ok" and "allowlist" in check.verdict
 
 
@@ -324,7 +328,8 @@ def test_the_operator_s_doctor_tells_a_dropping_firewall_from_a_stopped_learner(
         ("refused", "the learner is not running", "start it"),
     ):
         monkeypatch.setattr(doctor, "tcp_greeting", lambda host, port, f=found: f)
-        check = doctor._port_check("learner.chunk_port", 5556, "zmq", "127.0.0.1", "127.0.0.1", cfg)
+        here = doctor.Where("127.0.0.1", "127.0.0.1")
+        check = doctor._port_check("learner.chunk_port", 5556, "zmq", here, cfg, None)
         assert check.status == "fail" and words in check.verdict and fix in check.fix, check
 
 
@@ -338,18 +343,18 @@ def test_the_operator_s_doctor_says_it_did_not_ask_the_learner_after_a_port_fail
     from echo.doctor import Check
     from learner import doctor
 
-    def closed(key, port, kind, local, public, cfg):
+    def closed(key, port, kind, where, cfg, ack):
         return Check(key, "fail", "nothing listens", "start it")
 
-    def never(info):
-        raise AssertionError("asked the learner although a port failed")
+    def never(info, asked):
+        raise AssertionError("judged the learner's answer although a port failed")
 
     monkeypatch.setattr(doctor, "_port_check", closed)
     monkeypatch.setattr(doctor, "_answer_check", never)
     (tmp_path / "learner.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:5555"}))
     last = doctor.diagnose(_cfg(), tmp_path)[-1]
     assert (last.name, last.status) == ("learner", "skip")
-    assert "not asked" in last.verdict and "a port above failed" in last.verdict
+    assert "not judged" in last.verdict and "a port above failed" in last.verdict
 
 
 def test_an_older_learner_without_the_doctor_request_is_a_warning_not_a_failure():
@@ -364,3 +369,93 @@ def test_an_older_learner_without_the_doctor_request_is_a_warning_not_a_failure(
         "",
     )
     assert check.status == "warn" and "older than this echo-worker" in check.verdict
+
+
+# ----------------------------------------------------------------------------- behind a 1:1 NAT
+
+
+def test_addresses_are_told_apart_by_who_can_reach_them():
+    from echo.addresses import reach
+
+    assert [reach(h) for h in ("127.0.0.1", "localhost", "::1")] == ["loopback"] * 3
+    private = ("10.0.0.2", "172.20.1.1", "192.168.1.9", "100.64.3.3", "169.254.1.1", "fd00::1")
+    assert {reach(h) for h in private} == {"private"}
+    # documentation ranges stand for public addresses (examples, the NAT lab)
+    public = ("198.51.100.10", "203.0.113.7", "192.0.2.1", "8.8.8.8", "2001:db8::1")
+    assert {reach(h) for h in public} == {"public"}
+    assert reach("learner.example.org") == "name"
+
+
+def test_a_config_that_tells_workers_a_private_address_fails_unless_the_fleet_is_local(
+    capsys, tmp_path
+):
+    """Issue 55, item 1: learner.host=10.0.0.2 with no public_host (a cloud VM behind a 1:1
+    NAT, configured wrong) passed 8 of 8 checks; volunteers on the internet cannot reach it."""
+    conf = tmp_path / "c.toml"
+    conf.write_text(dump_toml(_cfg()))
+    rc, out = _rl_doctor(capsys, "--config", str(conf), "--set", "learner.host=10.0.0.2")
+    assert rc == 1
+    check = _lines(out, "public address")
+    assert "[FAIL]" in check and "10.0.0.2, a private address" in check
+    assert "learner.public_host" in check and "1:1 NAT" in check and "--lan" in check
+    from learner.doctor import config_checks
+
+    cfg = EchoConfig.model_validate({"learner": {"host": "10.0.0.2"}})
+    assert config_checks(cfg, lan=True)[0].status == "ok"
+
+
+def _behind_nat(monkeypatch, ack=None):
+    """The learner bound on 0.0.0.0 here, told to workers as 198.51.100.10, an address of no
+    interface here; the local probe answers, the one to the public address gets no answer
+    (no hairpin)."""
+    from learner import doctor
+
+    monkeypatch.setattr(
+        doctor, "tcp_greeting", lambda host, port: "zmtp" if host == "127.0.0.1" else "timeout"
+    )
+    where = doctor.Where("127.0.0.1", "198.51.100.10")
+    assert not where.here
+    return lambda key, port: doctor._port_check(key, port, "zmq", where, _cfg(), ack)
+
+
+def test_behind_a_1to1_nat_no_port_is_failed_for_a_hairpin_this_host_cannot_take(monkeypatch):
+    """Before, the correct set-up failed 4 of 7 checks and advised `ufw allow` for open ports.
+    Without a worker from outside yet, the doctor says it cannot tell, and who can."""
+    check = _behind_nat(monkeypatch)("learner.port", 5555)
+    assert check.status == "skip", check
+    assert "198.51.100.10 is not an address of this host" in check.verdict
+    assert "echo-worker doctor" in check.fix and "ufw" not in check.fix
+
+
+def test_behind_a_1to1_nat_the_learner_s_view_of_outside_workers_decides(monkeypatch):
+    from echo import wire
+
+    def ack(**kw):
+        base = dict(run_id="r", instance_id="i", snapshot_endpoint="", join="token", version=3)
+        return wire.DoctorAck(**{**base, **kw})
+
+    seen = _behind_nat(monkeypatch, ack(outside_joined=2, outside_installed=1))
+    control, chunks = seen("learner.port", 5555), seen("learner.chunk_port", 5556)
+    assert control.status == "ok" and "2 worker(s) from outside joined" in control.verdict
+    assert chunks.status == "ok" and "1 worker(s) from outside installed" in chunks.verdict
+    said = "2 worker(s) (w0, w1) report that they cannot fetch snapshots ... port 5556"
+    closed = _behind_nat(monkeypatch, ack(outside_joined=2, snapshot_path=said))
+    check = closed("learner.chunk_port", 5556)
+    assert check.status == "fail" and said in check.verdict
+    assert "security group" in check.fix and "ufw" not in check.fix
+
+
+def test_the_learner_counts_workers_whose_nat_probe_came_from_outside():
+    from types import SimpleNamespace
+
+    from learner.outside import outside_view
+
+    workers = [
+        SimpleNamespace(worker_id="a", nat_address="198.51.100.100:5561"),
+        SimpleNamespace(worker_id="b", nat_address="203.0.113.9:40000"),
+        SimpleNamespace(worker_id="c", nat_address="10.0.0.7:5561"),  # same network
+        SimpleNamespace(worker_id="d", nat_address=""),  # not probed (yet)
+    ]
+    peers = {"a": SimpleNamespace(installed={4: 0.3}), "b": SimpleNamespace(installed={})}
+    assert outside_view(workers, SimpleNamespace(peers=peers)) == (2, 1)
+    assert outside_view(workers, None) == (2, 0)

@@ -1,17 +1,23 @@
 """The README's "Running for real" block is the test (issue 30, item 7).
 
-In network namespaces (labs/natlab.py): a bridge as the internet, a data-center host with
-a public address for the learner (10.99.0.1), one public volunteer (10.99.0.100), two behind
-MASQUERADE home routers and one behind a ``--random-fully`` (symmetric) router. The block is
+In network namespaces (labs/natlab.py): a bridge as the internet, the learner's cloud host on
+a private address (10.0.0.2) behind a 1:1 NAT that holds its public address (198.51.100.1),
+lets in only TCP 5555-5558 and does not loop back (issue 55: most clouds), one public
+volunteer (198.51.100.100), two behind MASQUERADE home routers and one behind a
+``--random-fully`` (symmetric) router. The block is
 read from README.md at test time (tests/readme_run.py) and each command runs as written on the
 host it is meant for, with only the operator's placeholders put in: HOST, the learner key,
 TOKEN, PUBLIC_IP, the id to ban, and the tiny model with sizes for 2 CPU cores
 (``SIZING``). Checked: the learner starts and prints the join line; a token; ``echo-rl doctor``
-on the learner's host and ``echo-worker doctor`` on every volunteer's pass, each NAT told
-apart; four volunteers join; learner steps advance; ``echo-rl workers`` shows the NAT'd
+on the learner's host says it cannot see its public address from there before a volunteer
+joined and passes on what the learner saw after, ``echo-worker doctor`` on every volunteer's
+passes, each NAT told apart, and the doctor fails a config that tells workers the host's
+private address; four volunteers join; learner steps advance; ``echo-rl workers`` shows the NAT'd
 volunteers punchable and one of them fetching through a punched link; ``echo-worker status``
 on each; the id ``echo-rl workers`` printed bans a volunteer, which stops and says so while
-steps go on; a DROP on the snapshot port makes both doctors fail naming the port and the fix;
+steps go on; a DROP on the snapshot port makes both doctors fail naming the port and the fix,
+on the host's firewall and in the cloud's security group (where only the learner's view shows
+it);
 SIGTERM writes summary.json and the README's resume line continues the run.
 """
 
@@ -43,8 +49,8 @@ SIZING = (
     "worker.torch_threads=1",
     "learner.max_steps=100000",
 )
-LEARNER = "10.99.0.1"
-PUBLIC_VOLUNTEER = "10.99.0.100"
+LEARNER = "198.51.100.1"  # labs.natlab.ROOT_ADDR: the cloud gateway's public address
+PUBLIC_VOLUNTEER = "198.51.100.100"
 
 
 def _why_not() -> str:
@@ -176,7 +182,7 @@ def _run_block(tmp: Path, readme: str) -> dict:
     all_steps = rr.steps(readme)
     lab = Lab(tmp, names)
     seen: dict = {"skipped": [s.where() for s in all_steps if s.kind == "torchrun"]}
-    with natlab.lab(lab.nodes, 0, 0, names):
+    with natlab.lab(lab.nodes, 0, 0, names, cloud_nat=True):
         try:
             _learner_to_joins(lab, readme, all_steps, seen)
             _fleet_at_work(lab, all_steps, seen)
@@ -210,6 +216,9 @@ def _learner_to_joins(lab: Lab, readme: str, all_steps, seen) -> None:
     seen["token_says"] = done.stderr
     rl_doctor = rr.one(all_steps, "rl_doctor")
     seen["rl_doctor"] = hosts.run(lab.dc, rl_doctor, ph.argv(rl_doctor)).stdout
+    # the wrong set-up: the host's own (private) address handed out, no public_host
+    wrong = [*ph.argv(rl_doctor), "--set", "learner.host=10.0.0.2", "--set", "learner.public_host="]
+    seen["rl_doctor_wrong"] = hosts.run(lab.dc, rl_doctor, wrong, expect=1).stdout
     wd = rr.one(all_steps, "worker_doctor")
     seen["worker_doctor"] = {
         name: hosts.run(h, wd, ph.argv(wd)).stdout for name, h in lab.volunteers.items()
@@ -253,6 +262,8 @@ def _fleet_at_work(lab: Lab, all_steps, seen) -> None:
         alive=_alive(lab),
     )
     seen["ids"] = ids
+    rl_doctor = rr.one(all_steps, "rl_doctor")  # again, now that volunteers have joined
+    seen["rl_doctor_joined"] = hosts.run(lab.dc, rl_doctor, ph.argv(rl_doctor)).stdout
     status = rr.one(all_steps, "status")
     seen["status"] = {
         n: hosts.run(h, status, ph.argv(status)).stdout for n, h in lab.volunteers.items()
@@ -307,6 +318,56 @@ def _ban_and_closed_port(lab: Lab, all_steps, seen) -> None:
         )
     finally:
         subprocess.run(["ip", "netns", "exec", lab.dc.ns, "iptables", "-D", *drop[2:]], check=True)
+    # the cloud's security group stops letting 5556 in: this host still reaches its own port,
+    # and only the learner's view of its workers' failed fetches shows it
+    from labs import natlab
+
+    gw = natlab.Names(ns=lab.dc.ns.removesuffix("pub")).gateway
+    group = ["iptables", "-I", "FORWARD", "-i", "wan", "-p", "tcp", "--dport", "5556", "-j", "DROP"]
+    rr.wait_for(  # the host firewall's reports age out of the learner's window first
+        "the learner's word on the host firewall's drop to end",
+        lambda: not _port_verdict(lab),
+        90,
+        every=1,
+    )
+    subprocess.run(["ip", "netns", "exec", gw, *group], check=True)
+    try:
+        rr.wait_for(
+            "the learner to name the port closed in the security group",
+            lambda: _port_verdict(lab),
+            60,
+            every=0.5,
+        )
+        rl_doctor = rr.one(all_steps, "rl_doctor")
+        seen["rl_doctor_group"] = hosts.run(lab.dc, rl_doctor, ph.argv(rl_doctor), expect=1).stdout
+    finally:
+        subprocess.run(["ip", "netns", "exec", gw, "iptables", "-D", *group[2:]], check=True)
+
+
+_ASK = """
+import asyncio, json, sys
+from echo.doctor import ask_learner
+from echo.security import KeyPair
+info = json.load(open(sys.argv[1]))
+local = "tcp://127.0.0.1:%d" % info["ports"]["control"]
+reply, why = asyncio.run(ask_learner(local, info["public_key"].encode(), KeyPair.generate()))
+print(getattr(reply, "snapshot_path", "") or "-")
+"""
+
+
+def _port_verdict(lab: Lab) -> bool:
+    """The learner, asked on its host as `echo-rl doctor` asks it (wire.DoctorAck), says its
+    workers report the snapshot port (learner/snapshot_path.py)."""
+    argv = ["ip", "netns", "exec", lab.dc.ns, sys.executable, "-c", _ASK]
+    done = subprocess.run(
+        [*argv, str(lab.run_dir / "learner.json")],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+        timeout=30,
+    )
+    return "snapshot port 5556" in done.stdout
 
 
 def _stop_and_resume(lab: Lab, all_steps, seen) -> None:
@@ -367,14 +428,24 @@ def test_the_readme_block_runs_as_written_across_nat(readme_run):
     assert claim, "README 'Running for real' no longer says what the learner prints"
     assert filled in seen["learner_printed"], (claim, seen["learner_printed"][:2000])
     assert f"echo-worker join '{line}?token=" in seen["token_says"]
-    for key in (
-        "learner.port",
-        "learner.chunk_port",
-        "learner.reflector_ports[0]",
-        "learner.reflector_ports[1]",
-        "metrics.port",
-    ):
-        assert f"[ok  ] {key}:" in seen["rl_doctor"], (key, seen["rl_doctor"])
+    ports = ("learner.port", "learner.chunk_port", "learner.reflector_ports[0]")
+    ports += ("learner.reflector_ports[1]",)
+    # Before any volunteer joined, the learner's host cannot see its public address the way
+    # workers do (no hairpin): each port says so, and who can tell; no failure, no `ufw`.
+    first = seen["rl_doctor"]
+    for key in ports:
+        assert f"[skip] {key}: bound on 127.0.0.1; {LEARNER} is not an address" in first, first
+    assert "[ok  ] metrics.port:" in first and "ufw" not in first and "[FAIL]" not in first
+    # Once they joined, it passes on what the learner saw of them.
+    joined = seen["rl_doctor_joined"]
+    for key in ports:
+        line = next(x for x in joined.splitlines() if f"] {key}:" in x)
+        assert line.startswith(f"[ok  ] {key}: ") and "worker(s) from outside" in line, joined
+    assert "[ok  ] learner: answers at tcp://127.0.0.1:5555" in joined, joined
+    # The wrong set-up (the host's private address handed out) fails, naming it.
+    wrong = seen["rl_doctor_wrong"]
+    assert "[FAIL] public address: workers are told 10.0.0.2, a private address" in wrong
+    assert "learner.public_host" in wrong, wrong
     doc = seen["worker_doctor"]
     for name, out in doc.items():
         assert "[ok  ] learner port" in out and "[ok  ] snapshot port" in out, (name, out)
@@ -428,6 +499,21 @@ def test_a_dropped_snapshot_port_fails_both_doctors_with_the_fix(readme_run):
     snap = [x for x in wk.splitlines() if "snapshot port" in x]
     assert snap and "[FAIL]" in snap[0] and "a firewall drops the connection" in snap[0], wk
     assert "opens TCP 5556" in wk and "learner.chunk_port" in wk
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_port_closed_in_the_cloud_s_security_group_fails_the_doctor_on_the_learner_s_word(
+    readme_run,
+):
+    """The learner's host still reaches its own 5556; only the workers' failed fetches show
+    the security group dropping it, and the doctor passes on the learner's words."""
+    rl = readme_run["rl_doctor_group"]
+    check = "\n".join(x for x in rl.splitlines() if "learner.chunk_port" in x or "fix:" in x)
+    assert "[FAIL] learner.chunk_port" in rl and "the learner says:" in check, rl
+    assert "snapshot port 5556" in check and "security group" in check, rl
+    assert "ufw" not in check and rl.count("[FAIL]") == 1, rl
 
 
 @pytest.mark.netns

@@ -162,6 +162,14 @@ class DoctorAck(Message):
     reflectors: list[str] = Field(default_factory=list, max_length=2)
     join: str = Field(max_length=32)  # how it admits workers: open, token, allowlist
     version: int  # the newest snapshot, -1 before the first
+    # What the learner saw of its ports from outside (``echo-rl doctor`` behind a 1:1 NAT,
+    # where this host cannot reach its own public address): workers in session whose NAT probe
+    # came from a public address (they reached the control and reflector ports), those of them
+    # that installed a snapshot (fed from the chunk port, directly or through their relays),
+    # and what the workers' failed fetches say of the chunk port (learner/snapshot_path.py).
+    outside_joined: int = 0
+    outside_installed: int = 0
+    snapshot_path: str = Field("", max_length=1024)
 
 
 class Error(Message):
