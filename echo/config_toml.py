@@ -94,3 +94,43 @@ def dump_toml(cfg: EchoConfig) -> str:
             out.append(f"\n[{k}]")  # TOML has no null: an unset key is left out
             out.extend(f"{kk} = {fmt(vv)}" for kk, vv in v.items() if vv is not None)
     return "\n".join(out) + "\n"
+
+
+def differences(cfg: EchoConfig) -> list[tuple[str, Any, Any]]:
+    """(dotted key, value, default) for every setting where ``cfg`` differs from the defaults
+    (``EchoConfig()``, docs/config.md), in the config's order. A run's behaviour is the
+    defaults plus these: the learner prints them at start (issue 56: the quickstart's
+    ``learner.beta = 0.1`` lives in its file, and a config written from scratch starts from
+    0.0 without a word). Adapter presets are left out (what the task gets is
+    ``adapter.options``); a dict-valued setting counts as one key."""
+
+    def flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            key = prefix + k
+            if key == "adapter.presets":
+                continue
+            if isinstance(v, dict) and key != "adapter.options":
+                out.update(flat(v, key + "."))
+            else:
+                out[key] = v
+        return out
+
+    have, default = flat(cfg.model_dump()), flat(type(cfg)().model_dump())
+    return [(k, v, default.get(k)) for k, v in have.items() if v != default.get(k)]
+
+
+def say_differences(cfg: EchoConfig, limit: int = 12) -> str:
+    """One line: how many settings differ from the defaults, the first ``limit`` of them."""
+    diff = differences(cfg)
+    if not diff:
+        return "this config is the defaults (docs/config.md)"
+    shown = ", ".join(f"{k} = {v!r} (default {d!r})" for k, v, d in diff[:limit])
+    more = (
+        f", and {len(diff) - limit} more (config.toml in the run folder)"
+        if len(diff) > limit
+        else ""
+    )
+    return (
+        f"this config differs from the defaults (docs/config.md) in {len(diff)} keys: {shown}{more}"
+    )

@@ -46,6 +46,7 @@ from learner.startup import (
     announce,
     freeze_startup_objects,
     reuse_ports,
+    say_config,
     say_length_fit,
     setup_logging,
 )
@@ -103,6 +104,7 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
     if resume:
         reuse_ports(cfg, run_dir)
     (run_dir / "config.toml").write_text(dump_toml(cfg))
+    say_config(cfg)
     say_length_fit(cfg, policy.adapter, policy.tokenizer, policy.model)
     learner = Learner(cfg, run_dir, policy)
     try:

@@ -126,6 +126,18 @@ def announce(
     return metrics_server
 
 
+def say_config(cfg: EchoConfig) -> str:
+    """What this run changes from the defaults (issue 56, "one place for defaults"): the
+    count and the first keys on the terminal, every key in the log. Returns the line."""
+    from echo.config_toml import differences, say_differences
+
+    line = say_differences(cfg)
+    print(line, file=sys.stderr, flush=True)
+    for key, value, default in differences(cfg):
+        log.info("config: %s = %r (default %r)", key, value, default)
+    return line
+
+
 def say_length_fit(cfg: EchoConfig, adapter: Any, tokenizer: Any, model: Any) -> str:
     """A warning, in the log and returned, when the task's sequences outgrow the positions
     the model was built for (issue 56: a 70-token episode on a 64-position model started

@@ -127,3 +127,28 @@ def test_a_tasks_preset_carries_its_generation_settings():
         load_config(qs, ['adapter.name="math"', "adapter.presets.math.generation.max_tokens=3"])
     with pytest.raises(ConfigError, match="max_new_tokens"):
         load_config(qs, ['adapter.name="math"', "adapter.presets.math.generation.max_new_tokens=0"])
+
+
+def test_a_run_says_what_its_config_changes_from_the_defaults(capsys, caplog):
+    """Issue 56: the quickstart's learner.beta = 0.1 lives in its file, and a config written
+    from scratch started from 0.0 without a word. The learner now prints, at start, how many
+    keys differ from the defaults and the first of them, and logs every one."""
+    import logging
+
+    from echo.config_toml import differences
+    from learner.startup import say_config
+
+    quick = load_config(ROOT / "examples/quickstart.toml", [])
+    diff = {k: (v, d) for k, v, d in differences(quick)}
+    assert diff["learner.beta"] == (0.1, 0.0) and diff["model.max_positions"] == (512, 64)
+    assert "learner.lr" not in diff  # the quickstart sets it to the default: no difference
+    assert not any(k.startswith("adapter.presets") for k in diff)
+    scratch = EchoConfig.model_validate({"adapter": {"name": "math"}})
+    assert [k for k, _, _ in differences(scratch)] == ["adapter.name"]
+    with caplog.at_level(logging.INFO, logger="echo.learner"):
+        line = say_config(quick)
+    assert line in capsys.readouterr().err
+    assert "in 12 keys" in line and "learner.beta = 0.1 (default 0.0)" in line
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("config: ")]
+    assert len(logged) == len(diff) and "config: learner.beta = 0.1 (default 0.0)" in logged
+    assert "this config is the defaults" in say_config(EchoConfig())
