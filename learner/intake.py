@@ -39,6 +39,7 @@ from typing import Any
 from dataplane.records import Limits, Record, RecordError, parse_record
 from learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
 from learner.durable import BufferLog
+from learner.faults import FAULTS, FaultBook
 from learner.handback import expand
 from learner.reputation import Reputation, Verdict
 from learner.reward_audit import RewardAuditor, RewardJob
@@ -148,8 +149,11 @@ class Intake:
         probation_groups: int = 0,
         reward_audit: RewardAuditor | None = None,
         reward_audit_rate: float = 0.0,
+        faults: FaultBook | None = None,
     ):
         self.limits, self.buffer, self.work = limits, buffer, work
+        self.faults = faults  # the run's own limits told from a worker's lie (learner.faults)
+        self._faulted: dict[str, tuple[str, str]] = {}  # this batch: group id -> limit refusal
         self.reputation, self.buffer_log = reputation, buffer_log
         # The reward is recomputed only where the adapter says it can be; an expensive one
         # on the reward auditor's thread, for a sample of groups (learner.reward_audit).
@@ -170,11 +174,15 @@ class Intake:
         """Check and admit the records of one batch; durable before the caller acknowledges."""
         out = Outcome()
         groups: dict[str, list[tuple[int, Record]]] = defaultdict(list)
+        self._faulted = {}
         for i, obj in enumerate(raw):
             try:
                 rec = parse_record(obj, self.limits)
             except RecordError as err:
                 out.refuse(err.reason, [i], err.detail)
+                gid = obj.get("group_id") if isinstance(obj, dict) else None
+                if err.reason in FAULTS and isinstance(gid, str):
+                    self._faulted[gid] = (err.reason, err.detail)
                 continue
             if rec.worker_id != sender:  # a record speaks for the worker that sent it, no other
                 out.refuse("identity_mismatch", [i], f"record names {rec.worker_id!r}")
@@ -242,7 +250,8 @@ class Intake:
             return "prompt_mismatch", f"group {gid}: a prompt is not the one granted"
         got = sorted(r.sample_idx for r in recs)
         if got != list(range(group.n)):
-            self._verdict(sender, key, recs, "whole_group", False, {"samples": got[:64]})
+            if not self._runs_own(sender, key, self._faulted.get(gid)):
+                self._verdict(sender, key, recs, "whole_group", False, {"samples": got[:64]})
             return "partial_group", (
                 f"group {gid}: samples {got[:16]} of {group.n}; deliver every "
                 f"sample of a group, once, in one batch"
@@ -250,7 +259,9 @@ class Intake:
         over = _over_budget(group, recs)
         if over:
             # a worker of this release stops there (worker/backends/base.py group_budget)
-            self._verdict(sender, key, recs, "budget", False, {"samples": over[:8]})
+            detail = f"{len(over)} sample(s) past {group.max_new_tokens} tokens"
+            if not self._runs_own(sender, key, ("over_budget", detail)):
+                self._verdict(sender, key, recs, "budget", False, {"samples": over[:8]})
             return "over_budget", (
                 f"group {gid}: samples {over[:8]} run past the task's budget of "
                 f"{group.max_new_tokens} tokens; generate at most that many for it"
@@ -346,6 +357,14 @@ class Intake:
             else:  # its own tokens of two versions (a tail carried across an install)
                 recs, at = one_version(recs, self._rng.choice)
             self.audit(AuditJob(sender, key, recs, probation, at))
+
+    def _runs_own(self, sender: str, key: str, fault: tuple[str, str] | None) -> bool:
+        """Was this refusal the run's own limit, seen alike from independent workers?"""
+        return (
+            fault is not None
+            and self.faults is not None
+            and self.faults.owns(fault[0], sender, key, fault[1])
+        )
 
     def _verdict(
         self, sender: str, key: str, recs: list[Record], check: str, ok: bool, stats: dict[str, Any]

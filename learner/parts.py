@@ -22,6 +22,7 @@ from learner.cpu import CpuBook
 from learner.deliveries import Deliveries, DeliveryLimits
 from learner.dispatch import Dispatcher
 from learner.durable import BufferLog
+from learner.faults import FaultBook
 from learner.fleet import FLEET_FILE, FleetBooks, FleetRecord
 from learner.gate import Gate, security_dir
 from learner.handbacks import Handbacks
@@ -144,6 +145,7 @@ def build_parts(
         audit=audit,
         audit_rate=sc.audit_rate,
         probation_groups=sc.probation_groups,
+        faults=FaultBook(gate.witness, reputation, cfg.adapter.name),
     )
     # docs/preemption.md: hand-backs checked, counted and bounded (learner.handbacks)
     returns = Handbacks(sc, inp.work, audit)

@@ -103,6 +103,15 @@ class Reputation:
                 f"{self.strikes[v.worker_id]} failed checks, the last: {v.check}",
             )
 
+    def forgive(self, worker_id: str, n: int) -> bool:
+        """Take back ``n`` strikes that turned out to be the run's own fault
+        (learner/faults.py); False for a worker already quarantined (its ban stands: the
+        operator lifts it) or with none to take back."""
+        if worker_id in self.quarantined or self.strikes[worker_id] <= 0:
+            return False
+        self.strikes[worker_id] = max(0, self.strikes[worker_id] - n)
+        return True
+
     def quarantine(self, worker_id: str, key: str, reason: str) -> None:
         if worker_id in self.quarantined:
             return
