@@ -408,8 +408,8 @@ def ban_phase(fleet: Fleet, sampler: Sampler) -> dict[str, Any]:
 def relay_phase(
     fleet: Fleet, sampler: Sampler, kind: str, token: str, seconds: float = 240.0
 ) -> dict[str, Any]:
-    """A third worker whose relay is hostile (``benchmarks/drill_relays.py``): its id sorts
-    first, so the chain planner gives it a child; the phase lasts until the learner's counts
+    """A third worker whose relay is hostile (``benchmarks/drill_relays.py``): it declares a
+    fast link, so the chain planner gives it a child; the phase lasts until the learner's counts
     show the child's report handled (or ``seconds``: the worker's start, a publication that
     places it, the child's fetch timeout and the report took over 90 s on a loaded 2-core
     machine, and the phase ended before anything was reported)."""
@@ -433,12 +433,25 @@ def relay_phase(
             name,
             "--identity",
             str(fleet.tmp / f"{name}.key"),
+            # what a relay that wants children says of itself: the planner ranks a new worker
+            # by its declared rates until it has measured it (broadcast/coordinator.py). Without
+            # this the hole could join unmeasured below the honest relays and get no child.
+            "--down-mbit",
+            "10000",
+            "--up-mbit",
+            "10000",
         ],
         fleet.tmp / f"{name}.log",
     )
-    done = {
-        "black_hole": ("probe:unreachable", "timeout:convicted", "disconnected:convicted"),
-        "selective_relay": ("probe:intact", "probe:corrupt", "corrupt:convicted"),
+    # Done when the learner's counts show the attack handled: for the selective relay, its
+    # child's corrupt report and a probe after it (a probe alone may be a late retry of the
+    # phase before: learner/probes.py tries a refused timeout probe again).
+    handled = {
+        "black_hole": (("probe:unreachable", "timeout:convicted", "disconnected:convicted"),),
+        "selective_relay": (
+            ("corrupt:counted", "corrupt:convicted"),
+            ("probe:intact", "probe:corrupt", "corrupt:convicted"),
+        ),
     }[kind]
 
     def reports() -> dict[str, int]:
@@ -449,7 +462,11 @@ def relay_phase(
             if n != row0.get(COL.relay_reports, {}).get(k, 0)
         }
 
-    drill_relays.wait_for(lambda: any(k in reports() for k in done), seconds)
+    def was_handled() -> bool:
+        seen = reports()
+        return all(any(k in seen for k in keys) for keys in handled)
+
+    drill_relays.wait_for(was_handled, seconds)
     fleet.group.stop(name)
     wall = time.monotonic() - t0
     steps = fleet.step() - s0

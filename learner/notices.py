@@ -47,6 +47,7 @@ class Notices:
         routes = self.routes
         assert routes.coordinator is not None
         routes.store.add(SnapshotBuffer(snap.manifest, snap.payload))
+        routes.probes.published(snap.manifest.layout)  # kept for probes of relays behind
         routes.results.add(SnapshotBuffer(snap.manifest.result_layout, snap.full))
         routes.coordinator.publish(snap.version)
         task = asyncio.create_task(self.notify(snap.version, snap.manifest))

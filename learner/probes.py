@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 from broadcast.coordinator import Coordinator
 from broadcast.manifest import ChunkLayout
 from broadcast.reports import KIND
-from broadcast.store import SnapshotBuffer, SnapshotStore
+from broadcast.store import SnapshotStore
 from echo import wire
 from echo.config import EchoConfig
 from echo.security import fingerprint
@@ -27,6 +27,10 @@ from learner.sessions import SessionTable
 from learner.verify import Verifier
 
 log = logging.getLogger("echo.control")
+
+ASKED = 4  # versions a timeout's probe asks for, one chunk each (learner/verify.py)
+LAYOUTS = 64  # versions whose layouts are kept for probes after their payloads went
+RETRIES, RETRY_S = 3, 1.0  # a timeout probe every version refused: tried again, this often
 
 
 class RelayProbes:
@@ -53,6 +57,10 @@ class RelayProbes:
         self.unconfirmed: Counter[str] = Counter()
         self.probed: dict[str, deque[float]] = {}  # witness -> times of its latest probes
         self.reprobing: set[str] = set()  # endpoints with a re-probe in the verifier's queue
+        self.layouts: OrderedDict[int, ChunkLayout] = OrderedDict()  # version -> its layout
+        # timeout probes that may be tried again: endpoint -> (when: 0 while one is under way,
+        # the accuser, tries left); one per relay, so bounded by the relays
+        self.again: dict[str, tuple[float, str, int]] = {}
         self.coordinator: Coordinator | None = None
         self.verifier: Verifier | None = None
 
@@ -89,12 +97,19 @@ class RelayProbes:
             msg.worker_id, msg.bad_source, msg.reason, count=credible, group=witness
         )
         if credible and counts and msg.reason in KIND and self._may_probe(credit):
-            # A timeout is probed on the newest version: by the time the probe runs the
-            # reported one is often superseded, and "no longer held" is an answer, no verdict.
+            # A timeout is probed on the versions the relay likely holds now (_candidates):
+            # by the time the probe runs the reported one is often superseded.
             corrupt = KIND[msg.reason] == "corrupt"
-            self.probe(
-                msg.bad_source, key, msg.version if corrupt else -1, msg.chunk if corrupt else -1
-            )
+            if (
+                self.probe(
+                    msg.bad_source,
+                    key,
+                    msg.version if corrupt else -1,
+                    msg.chunk if corrupt else -1,
+                )
+                and not corrupt
+            ):
+                self.again[msg.bad_source] = (0.0, key, RETRIES)
 
     def _may_probe(self, credit: str) -> bool:
         """At most ``report_probes_per_min`` probes a minute on one witness's reports."""
@@ -106,42 +121,65 @@ class RelayProbes:
         times.append(now)
         return True
 
+    def published(self, layout: ChunkLayout) -> None:
+        """A version's layout (its chunk hashes), kept after the payload is dropped: a relay
+        that is catching up holds versions the learner no longer does, and a probe can still
+        ask for one and check what comes back."""
+        self.layouts[layout.version] = layout
+        while len(self.layouts) > LAYOUTS:
+            self.layouts.popitem(last=False)
+
     def probe(self, endpoint: str, accuser: str, version: int, chunk: int = -1) -> bool:
-        """Queue the learner's own fetch from ``endpoint`` (``version``; -1: the newest the relay
-        installed that the learner holds, ``_held_by``, else the newest held);
+        """Queue the learner's own fetch from ``endpoint``: of ``version`` (a corrupt report's),
+        or for a timeout (-1) of the versions the relay is likeliest to hold (``_candidates``);
         False when there is nothing to probe with or the queue is full (counted)."""
         accused = self.table.relay_keys.get(endpoint)
-        buf = self.store.get(version) if version >= 0 else self._held_by(endpoint)
-        buf = self.store.latest() if buf is None else buf
+        buf = self.store.get(version) if version >= 0 else None
+        asks = [buf.layout] if buf is not None else self._candidates(endpoint)
         if (
             accused is None
-            or buf is None
-            or buf.total == 0
+            or not asks
+            or not asks[0].num_chunks
             or self.verifier is None
             or self.gate.keys is None
             or not self._reachable(endpoint)
         ):
             return False
-        if not 0 <= chunk < buf.total:
-            chunk = random.randrange(buf.total)
-        if not self.verifier.submit(endpoint, accused, accuser, buf.layout, chunk):
+        if not 0 <= chunk < asks[0].num_chunks:
+            chunk = random.randrange(asks[0].num_chunks)
+        if not self.verifier.submit(endpoint, accused, accuser, asks[0], chunk, tuple(asks[1:])):
             self.rejected["verify_queue_full"] += 1
             return False
         return True
 
-    def _held_by(self, endpoint: str) -> SnapshotBuffer | None:
-        """The newest version the relay at ``endpoint`` said it installed that the learner
-        still holds: what it must be able to serve. The learner's newest is often one it has
-        not received yet when versions come many a second, and its "not yet" is an answer, no
-        verdict (the quiet drill's black hole escaped so: issue 52)."""
+    def _candidates(self, endpoint: str) -> list[ChunkLayout]:
+        """For a timeout's probe, newest first: the versions the relay said it installed (its
+        store keeps the last two), then the learner's newest, at most ``ASKED``. One it no
+        longer or not yet holds it refuses at once ("answered", no verdict); one it holds and
+        never serves is a black hole (learner/verify.py). Asking the learner's newest alone
+        let the quiet drill's black hole escape: at twenty versions a second, and catching up
+        after its join, it held none of them (issue 52)."""
         peer = self.coordinator.owner(endpoint) if self.coordinator else None
-        held = [v for v in (peer.installed if peer else ()) if self.store.get(v) is not None]
-        return self.store.get(max(held)) if held else None
+        installed = sorted(peer.installed if peer else (), reverse=True)
+        mine = [b.version for b in reversed(self.store.buffers())]
+        out: dict[int, ChunkLayout] = {}
+        for v in [*installed[:2], *mine]:
+            layout = self.layouts.get(v) or (b.layout if (b := self.store.get(v)) else None)
+            if layout is not None and layout.num_chunks and v not in out:
+                out[v] = layout
+        return list(out.values())[:ASKED]
 
     def reprobe(self) -> None:
-        """Relays whose conviction has run out are probed again before they are planned
-        (from housekeeping; one probe in the queue per relay)."""
+        """Relays whose conviction has run out are probed again before they are planned, and
+        timeout probes that every version refused are tried again (from housekeeping; one
+        probe in the queue per relay)."""
         assert self.coordinator is not None
+        now = self.clock()
+        for endpoint, (due, accuser, left) in list(self.again.items()):
+            if due and now >= due:  # due 0: the first probe is still under way
+                self.again[endpoint] = (0.0, accuser, left)
+                if not self.probe(endpoint, accuser, -1):
+                    del self.again[endpoint]
         for endpoint in self.coordinator.reports.due(time.monotonic()):
             if not self._reachable(endpoint):
                 self.coordinator.lift(endpoint)  # the learner cannot look: another chance
@@ -161,6 +199,14 @@ class RelayProbes:
         ``answered`` (no verdict on anyone: the reporter's report stays unconfirmed)."""
         assert self.coordinator is not None
         self.reprobing.discard(endpoint)
+        again = self.again.pop(endpoint, None)
+        if outcome == "answered" and again is not None and again[2] > 0:
+            # Every version asked was refused: a relay catching up after its join, or one whose
+            # two held versions moved on. Asked again shortly, at most RETRIES times; the
+            # reporter's credit waits for the last answer.
+            self.again[endpoint] = (self.clock() + RETRY_S, again[1], again[2] - 1)
+            self.coordinator.reports.counts["probe:answered_again"] += 1
+            return
         self.coordinator.reports.counts[f"probe:{outcome}"] += 1
         self.coordinator.confirm(endpoint, outcome)
         if outcome == "corrupt":

@@ -46,6 +46,10 @@ class Report:
     accuser: str
     layout: ChunkLayout  # of the payload probed: a version's, a keyframe's or a base model's
     chunk: int
+    # Other versions asked for beside it, one chunk each (a timeout's probe): at ten versions
+    # a second a relay holds two, and which two the learner cannot know. One it does not hold
+    # is refused at once ("answered"); one it holds and never serves is a black hole.
+    alternates: tuple[ChunkLayout, ...] = ()
 
 
 class Verifier:
@@ -58,10 +62,16 @@ class Verifier:
         self.outcomes: dict[str, int] = {}
 
     def submit(
-        self, endpoint: str, accused: str, accuser: str, layout: ChunkLayout, chunk: int
+        self,
+        endpoint: str,
+        accused: str,
+        accuser: str,
+        layout: ChunkLayout,
+        chunk: int,
+        alternates: tuple[ChunkLayout, ...] = (),
     ) -> bool:
         try:
-            self.queue.put_nowait(Report(endpoint, accused, accuser, layout, chunk))
+            self.queue.put_nowait(Report(endpoint, accused, accuser, layout, chunk, alternates))
             return True
         except asyncio.QueueFull:
             return False
@@ -78,55 +88,66 @@ class Verifier:
             verdict(r.endpoint, r.accused, r.accuser, outcome)
 
     async def check(self, r: Report) -> str:
+        """``corrupt`` if any reply fails its hash, else ``intact`` if any chunk came;
+        ``unreachable`` if some request got no answer at all within ``TIMEOUT_S`` (silence, or a
+        version it holds and never served: a relay refuses one it does not hold at once), else
+        ``answered`` (every request refused)."""
         keys = KeyPair.generate()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, r.layout.chunk_size + REQUEST_BYTES)
+        largest = max(lay.chunk_size for lay in (r.layout, *r.alternates))
+        sock.setsockopt(zmq.MAXMSGSIZE, largest + REQUEST_BYTES)
         curve_client(sock, keys, r.accused.encode())
         sock.connect(r.endpoint)
         total = r.layout.num_chunks
-        indices = list(range(r.chunk, min(total, r.chunk + self.window)))
+        asks = [(r.layout, i) for i in range(r.chunk, min(total, r.chunk + self.window))]
+        asks += [(lay, min(r.chunk, lay.num_chunks - 1)) for lay in r.alternates]
         ticket = self.mint(keys.text, r.endpoint)
+        asked: dict[int, tuple[ChunkLayout, int]] = {}
         replies: list[list[bytes]] = []
         try:
-            for index in indices:  # a window of requests, as a child resuming there sends
+            for lay, index in asks:  # a window of requests, as a child resuming there sends
+                rid = next(_rids)
+                asked[rid] = (lay, index)
                 await sock.send(
                     wire.encode(
                         wire.ChunkRequest(
-                            version=r.layout.version,
-                            index=index,
-                            rid=next(_rids),
-                            ticket=ticket,
-                            form=r.layout.form,
+                            version=lay.version, index=index, rid=rid, ticket=ticket, form=lay.form
                         )
                     )
                 )
             async with asyncio.timeout(TIMEOUT_S):
-                for _ in indices:
+                for _ in asks:
                     replies.append(await sock.recv_multipart())
         except (TimeoutError, zmq.ZMQError):
-            if not replies:
-                return "unreachable"
+            pass
         finally:
             sock.close(linger=0)
-        verdicts = [self._judge(r, frames) for frames in replies]
-        return "corrupt" if "corrupt" in verdicts else verdicts[0]
+        verdicts = [self._judge(asked, frames) for frames in replies]
+        for outcome in ("corrupt", "intact"):
+            if outcome in verdicts:
+                return outcome
+        return "unreachable" if len(replies) < len(asks) else "answered"
 
-    def _judge(self, r: Report, frames: list[bytes]) -> str:
+    def _judge(self, asked: dict[int, tuple[ChunkLayout, int]], frames: list[bytes]) -> str:
         try:
             head = wire.decode(frames[0], self.max_bytes)
         except Exception:  # any bytes the relay sends are evidence, not a crash
             return "corrupt"
         if isinstance(head, wire.Error):
             return "answered"  # it answered without the chunk (e.g. a superseded version)
-        index = getattr(head, "index", -1)
-        if not isinstance(head, wire.Chunk) or not 0 <= index < r.layout.num_chunks:
+        lay, index = asked.get(getattr(head, "rid", -1), (None, -1))
+        if (
+            lay is None
+            or not isinstance(head, wire.Chunk)
+            or (head.version, head.index) != (lay.version, index)
+        ):
             return "corrupt"
-        start, end = r.layout.chunk_range(index)
+        start, end = lay.chunk_range(index)
         if len(frames) != 2 or len(frames[1]) != end - start:
             return "corrupt"
         try:
-            r.layout.verify_chunk(index, frames[1])
+            lay.verify_chunk(index, frames[1])
         except SnapshotError:
             return "corrupt"
         return "intact"

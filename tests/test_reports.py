@@ -319,7 +319,7 @@ class FakeVerifier:
     def __init__(self) -> None:
         self.probes: list[tuple[str, str]] = []
 
-    def submit(self, endpoint, accused, accuser, layout, chunk) -> bool:
+    def submit(self, endpoint, accused, accuser, layout, chunk, alternates=()) -> bool:
         self.probes.append((endpoint, accuser))
         return True
 
@@ -343,9 +343,12 @@ def probes_for(tmp_path, **security):
     assert gate.tokens.redeem(other, keys["w4"]) == ""
     c, plan = chain(6)
     now = [1000.0]
-    layout = SimpleNamespace(total=4)
+    layout = SimpleNamespace(total=4, num_chunks=4, version=9)
+    newest = SimpleNamespace(total=4, layout=layout, version=9)
     store = SimpleNamespace(
-        get=lambda v: None, latest=lambda: SimpleNamespace(total=4, layout=layout)
+        get=lambda v: newest if v == 9 else None,
+        latest=lambda: newest,
+        buffers=lambda: [newest],
     )
     table = SimpleNamespace(relay_keys={f"tcp://w{i}": f"relay{i}" for i in range(6)})
     rp = RelayProbes(
@@ -413,29 +416,138 @@ def test_a_child_skipping_a_relay_it_reported_adds_no_evidence_and_starts_no_pro
     assert rp.rejected["report_probe_limited"] == 0
 
 
-def test_a_timeout_probe_asks_for_a_version_the_relay_installed_not_the_learners_newest(
-    tmp_path,
-):
+def test_a_timeout_probe_asks_for_the_versions_the_relay_installed_and_the_newest(tmp_path):
     """At ten versions a second the learner's newest is often one a relay has not received yet,
-    and its "not yet" is no verdict: the quiet drill's black hole escaped on such answers
-    (probe:answered). A timeout report is probed on the newest version the relay said it
-    installed that the learner still holds; the newest held when it reported none."""
+    and a relay that just joined is catching up on older ones; its "not yet" is no verdict:
+    the quiet drill's black hole escaped on such answers (probe:answered). A timeout is probed
+    on the relay's two newest installs (their layouts kept after the payloads went), then the
+    learner's newest; a corrupt report on its own version alone."""
     from types import SimpleNamespace
 
     rp, c, _, keys, _ = probes_for(tmp_path)
-    held = {v: SimpleNamespace(total=4, layout=SimpleNamespace(version=v)) for v in (5, 6, 7)}
-    rp.store = SimpleNamespace(get=held.get, latest=lambda: held[7])
-    asked: list[int] = []
+
+    def buf(v):
+        return SimpleNamespace(total=4, version=v, layout=SimpleNamespace(version=v, num_chunks=4))
+
+    held = {v: buf(v) for v in (5, 6, 7)}
+    rp.store = SimpleNamespace(
+        get=held.get, latest=lambda: held[7], buffers=lambda: [*held.values()]
+    )
+    for v in range(1, 8):
+        rp.published(buf(v).layout)
+    asked: list[list[int]] = []
 
     class Verifier:
-        def submit(self, endpoint, accused, accuser, layout, chunk) -> bool:
-            asked.append(layout.version)
+        def submit(self, endpoint, accused, accuser, layout, chunk, alternates=()) -> bool:
+            asked.append([layout.version, *[a.version for a in alternates]])
             return True
 
     rp.verifier = Verifier()
-    c.owner("tcp://w0").installed = {3: 0.2, 5: 0.1, 6: 0.1}  # 3: no longer held here
+    c.owner("tcp://w0").installed = {2: 0.2, 3: 0.1}  # catching up: versions the learner dropped
     assert rp.probe("tcp://w0", keys["w1"], -1)
     c.owner("tcp://w1").installed = {}
     assert rp.probe("tcp://w1", keys["w1"], -1)
     assert rp.probe("tcp://w0", keys["w1"], 5)  # a corrupt report names its version
-    assert asked == [6, 7, 5]
+    assert asked == [[3, 2, 7, 6], [7, 6, 5], [5]]
+    for v in range(8, 8 + 70):  # a bounded memory of layouts
+        rp.published(buf(v).layout)
+    assert len(rp.layouts) == 64 and min(rp.layouts) == 14
+
+
+@pytest.mark.parametrize(
+    "holds, serves, outcome",
+    [
+        ({4}, True, "intact"),  # an honest relay holding one of the versions asked
+        ({4}, False, "unreachable"),  # a black hole: refuses what it lacks, sits on what it has
+        (set(), True, "answered"),  # holds none of them: every request refused, no verdict
+    ],
+)
+def test_a_timeout_probe_asks_several_versions_and_a_held_one_never_served_convicts(
+    monkeypatch, holds, serves, outcome
+):
+    """The quiet drill's black hole escaped twice on "answered": at twenty versions a second
+    the version the probe named was no longer (or not yet) held, and the hole refused it at
+    once. A timeout's probe now also asks for the learner's other held versions, one chunk
+    each; a version the relay takes and never serves is the black hole's signature."""
+    from learner import verify
+
+    monkeypatch.setattr(verify, "TIMEOUT_S", 1.0)
+    run = RunKey.generate()
+    payloads = {v: bytes([v]) * 4096 for v in (3, 4, 5)}
+    layouts = {
+        v: build_manifest(
+            run_id="t", version=v, tensors=[], payload=p, chunk_size=1024, dtype="uint8", key=run
+        ).layout
+        for v, p in payloads.items()
+    }
+    relay_keys = KeyPair.generate()
+
+    async def body() -> str:
+        ctx = zmq.asyncio.Context()
+        server = ctx.socket(zmq.ROUTER)
+        server.curve_secretkey, server.curve_publickey = relay_keys.secret, relay_keys.public
+        server.curve_server = True
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+
+        async def serve() -> None:
+            while True:
+                ident, frame = await server.recv_multipart()
+                req = wire.decode(frame, 1 << 20)
+                if req.version not in holds:
+                    err = wire.Error(reason="unknown_version", detail="not held", rid=req.rid)
+                    await server.send_multipart([ident, wire.encode(err)])
+                elif serves:
+                    head = wire.Chunk(version=req.version, index=req.index, rid=req.rid)
+                    start = req.index * 1024
+                    body = payloads[req.version][start : start + 1024]
+                    await server.send_multipart([ident, wire.encode(head), body])
+
+        verifier = Verifier(ctx, lambda child, parent: b"t" * 80, 1 << 20, window=2)
+        task = asyncio.ensure_future(serve())
+        try:
+            report = Report(
+                f"tcp://127.0.0.1:{port}",
+                relay_keys.text,
+                "",
+                layouts[5],
+                1,
+                (layouts[4], layouts[3]),
+            )
+            return await verifier.check(report)
+        finally:
+            task.cancel()
+            server.close(linger=0)
+            ctx.destroy(linger=0)
+
+    assert asyncio.run(body()) == outcome
+
+
+def test_a_timeout_probe_every_version_refused_is_asked_again_and_then_convicts(tmp_path):
+    """A black hole still catching up after its join held none of the versions the probe
+    named and refused them all ("answered"); the report then stood unconfirmed and the hole
+    served on. Such a probe is tried again a second later, at most three times, and the
+    reporter's credit waits for the last answer."""
+    rp, c, verifier, keys, now = probes_for(tmp_path)
+    c.sources["w1"] = "tcp://w0"
+    report(rp, keys, "w1", "tcp://w0")
+    assert len(verifier.probes) == 1
+    rp.verdict("tcp://w0", "relay0", keys["w1"], "answered")
+    rp.reprobe()
+    assert len(verifier.probes) == 1  # not yet: a second later
+    now[0] += 1.0
+    rp.reprobe()
+    assert len(verifier.probes) == 2 and verifier.probes[1] == ("tcp://w0", keys["w1"])
+    rp.verdict("tcp://w0", "relay0", keys["w1"], "unreachable")
+    assert c.reports.marks.get("tcp://w0") is not None  # convicted: out of the plan
+    counts = c.reports.counts
+    assert counts["probe:answered_again"] == 1 and counts["probe:unreachable"] == 1
+    assert rp.unconfirmed[rp.gate.witness(keys["w1"]) or keys["w1"]] == 0  # not discredited
+    for _ in range(5):  # a relay that refuses every version, always: three retries, then done
+        c.sources["w2"] = "tcp://w1"
+        report(rp, keys, "w2", "tcp://w1")
+    asked = len(verifier.probes)
+    for _ in range(6):
+        rp.verdict("tcp://w1", "relay1", keys["w2"], "answered")
+        now[0] += 1.0
+        rp.reprobe()
+    assert len(verifier.probes) - asked == 3 and "tcp://w1" not in rp.again
