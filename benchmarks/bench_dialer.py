@@ -1,8 +1,9 @@
-"""A version's fetch with a kept connection against a fresh one per version, over real links.
+"""A version's fetch with a kept connection against a fresh one per version, over slow links.
 
 A source (a CurveZMQ ``ChunkServer`` behind a ZAP handler, as the learner and every relay
-serve) runs in a network namespace whose veth delays every packet by half the round trip each
-way (``tc netem``); a child in the initial namespace fetches ``--versions`` versions in a row,
+serve) runs in its own process behind ``labs.chaos``, a TCP proxy that delays every byte by
+half the round trip each way (this machine's ``tc`` has no netem); a child process fetches
+``--versions`` versions in a row,
 as a worker follows the versions: once opening a new encrypted connection per version (what
 every fetch did before ``broadcast/dialer.py``), once keeping it (``Dialer``). Per version it
 records the fetch's wall time; per round trip time the medians and their ratio. The payload is
@@ -10,9 +11,9 @@ small (one chunk by default, a LoRA adapter's delta), where the connection's set
 a fetch: TCP's handshake and CurveZMQ's HELLO/WELCOME/INITIATE/READY, about three round trips,
 against one for the request and its chunk.
 
-    sudo .venv/bin/python benchmarks/bench_dialer.py [--rtt-ms 0,20,80] [--versions 30]
+    .venv/bin/python benchmarks/bench_dialer.py [--rtt-ms 0,20,80] [--versions 30]
 
-Writes ``benchmarks/results/dialer_rtt.json`` with the machine. Needs root (netns, tc).
+Writes ``benchmarks/results/dialer_rtt.json`` with the machine (RTT 0: no proxy).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-NS, DEV, HOST_IP, NS_IP = "echo-dlr", "echo-dlr0", "10.79.0.1", "10.79.0.2"
 KEY_SEED = bytes(range(32))  # both sides build the same signed manifests from it
 CHUNK = 256 * 1024
 
@@ -75,7 +75,7 @@ async def serve(versions: int, size: int) -> None:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     curve_server(sock, keys)
-    sock.bind(f"tcp://{NS_IP}:*")
+    sock.bind("tcp://127.0.0.1:*")
     store = SnapshotStore(keep=versions)
     for m, payload in manifests(versions, size).values():
         store.add(SnapshotBuffer(m, payload))
@@ -124,51 +124,20 @@ async def follow(endpoint: str, key: bytes, versions: int, size: int, keep: bool
     return took
 
 
-def sh(*args: str, ns: str | None = None, check: bool = True) -> None:
-    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
-    subprocess.run(cmd, check=check, capture_output=True, text=True)
-
-
-def teardown() -> None:
-    sh("ip", "netns", "del", NS, check=False)
-    sh("ip", "link", "del", DEV, check=False)
-
-
-def link(rtt_ms: float) -> None:
-    """The veth pair, each end delaying by half the round trip."""
-    teardown()
-    sh("ip", "netns", "add", NS)
-    sh("ip", "link", "set", "lo", "up", ns=NS)
-    sh("ip", "link", "add", DEV, "type", "veth", "peer", "name", "eth0", "netns", NS)
-    sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", DEV)
-    sh("ip", "link", "set", DEV, "up")
-    sh("ip", "addr", "add", f"{NS_IP}/24", "dev", "eth0", ns=NS)
-    sh("ip", "link", "set", "eth0", "up", ns=NS)
-    if rtt_ms > 0:
-        half = f"{rtt_ms / 2:g}ms"
-        sh("tc", "qdisc", "add", "dev", DEV, "root", "netem", "delay", half)
-        sh("tc", "qdisc", "add", "dev", "eth0", "root", "netem", "delay", half, ns=NS)
-
-
 def run_rtt(rtt_ms: float, versions: int, size: int) -> dict[str, Any]:
-    link(rtt_ms)
-    argv = [
-        "ip",
-        "netns",
-        "exec",
-        NS,
-        sys.executable,
-        __file__,
-        "--serve",
-        "--versions",
-        str(versions),
-        "--size",
-        str(size),
-    ]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    argv = [sys.executable, __file__, "--serve", "--versions", str(versions), "--size", str(size)]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT)]
     try:
-        assert proc.stdout is not None
-        endpoint, key = proc.stdout.readline().split()
+        assert procs[0].stdout is not None
+        endpoint, key = procs[0].stdout.readline().split()
+        if rtt_ms > 0:  # the wide area: half the round trip each way
+            target = endpoint.removeprefix("tcp://")
+            chaos = [sys.executable, "-m", "labs.chaos", "--target", target]
+            chaos += ["--latency-ms", f"{rtt_ms / 2:g}"]
+            procs.append(subprocess.Popen(chaos, stdout=subprocess.PIPE, text=True, cwd=ROOT))
+            assert procs[1].stdout is not None
+            ready = procs[1].stdout.readline().split()
+            endpoint = f"tcp://127.0.0.1:{ready[-1]}"
         row: dict[str, Any] = {"rtt_ms": rtt_ms}
         for mode, keep in (("fresh", False), ("kept", True)):
             took = asyncio.run(follow(endpoint, key.encode(), versions, size, keep))
@@ -180,9 +149,9 @@ def run_rtt(rtt_ms: float, versions: int, size: int) -> dict[str, Any]:
         row["kept_over_fresh"] = round(row["kept"]["median_ms"] / row["fresh"]["median_ms"], 3)
         return row
     finally:
-        proc.kill()
-        proc.wait()
-        teardown()
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,9 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         asyncio.run(serve(args.versions, args.size))
         return 0
-    if os.geteuid() != 0:
-        print("bench_dialer.py: needs root (network namespaces, tc netem)", file=sys.stderr)
-        return 2
     rows = []
     for rtt in [float(x) for x in args.rtt_ms.split(",")]:
         row = run_rtt(rtt, args.versions, args.size)
