@@ -13,7 +13,8 @@ over the start each scheme's last snapshot keeps (1.0: all of it), and how many 
 publication changes (what a delta carries):
 
   * ``nearest``: ``w.to(bfloat16)``, the cast snapshots use today;
-  * ``stochastic``: round up with probability equal to the fraction of a unit (unbiased);
+  * ``stochastic``: round up with probability equal to the fraction of a unit (unbiased;
+    ``echo.models.cast_weights``, what ``broadcast.rounding = "stochastic"`` publishes);
   * ``feedback``: error feedback, the learner keeping each weight's rounding error and adding
     it to the next publication's value before rounding (time-averaged exact);
   * ``float32``: the master itself (what ``broadcast.dtype = "float32"`` sends).
@@ -47,16 +48,6 @@ TEXTS = [
 SCHEMES = ("nearest", "stochastic", "feedback", "float32")
 
 
-def stochastic_bf16(x: Any, gen: Any) -> Any:
-    """Round float32 ``x`` to bfloat16 up or down with the probabilities that make it unbiased:
-    add uniform noise below the 16 bits bf16 drops, then truncate."""
-    import torch
-
-    bits = x.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, generator=gen, dtype=torch.int32)
-    return ((bits + noise) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models/smollm2-135m-instruct"))
@@ -70,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from echo.models import cast_weights
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -98,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
     loss0 = loss_with(None)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(0)
     residual = {n: torch.zeros_like(p) for n, p in params}
     last: dict[str, dict[str, Any]] = {s: {n: start[n].clone() for n, _ in params} for s in SCHEMES}
     changed: dict[str, list[float]] = {s: [] for s in SCHEMES}
@@ -110,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             for scheme in SCHEMES:
                 moved = total = 0
-                for n, p in params:
+                for j, (n, p) in enumerate(params):
                     w = p.detach()
                     if scheme == "nearest":
                         pub = w.to(torch.bfloat16)
-                    elif scheme == "stochastic":
-                        pub = stochastic_bf16(w, gen)
+                    elif scheme == "stochastic":  # what broadcast.rounding = "stochastic" sends
+                        pub = cast_weights(w, "bfloat16", seed=step * 1_000_003 + j)
                     elif scheme == "feedback":
                         target = w + residual[n]
                         pub = target.to(torch.bfloat16)

@@ -273,22 +273,40 @@ def vocab_size(model: Any) -> int:
 # ----------------------------------------------------------------------------- payloads
 
 
+def cast_weights(p: Any, dtype: str, seed: int | None = None) -> Any:
+    """``p`` in ``dtype``, on its device: rounded to nearest, or (``seed`` given, a float32
+    tensor to bfloat16) stochastically: up with probability equal to the fraction of a unit
+    it lies above the lower neighbour, so the cast is unbiased (``broadcast.rounding``)."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    t = p.detach()
+    if seed is None or torch_dtype != torch.bfloat16 or t.dtype != torch.float32:
+        return t.to(torch_dtype)
+    gen = torch.Generator(device=t.device).manual_seed(seed % (1 << 63))
+    bits = t.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, generator=gen, device=t.device, dtype=torch.int32)
+    # the 16 bits bf16 drops, plus noise below them, then cut: a carry rounds the magnitude up
+    return ((bits + noise) & ~0xFFFF).view(torch.float32).to(torch_dtype)
+
+
 def params_to_payload(
-    named: Iterable[tuple[str, Any]], dtype: str
+    named: Iterable[tuple[str, Any]], dtype: str, seed: int | None = None
 ) -> tuple[list[dict[str, Any]], bytes]:
     """Tensors as one contiguous byte stream in ``dtype`` plus a tensor index.
 
     Pass ``model.named_parameters()`` (it lists a tied weight once, so tied embeddings travel
-    once) or the same names picked from a gathered state dict.
+    once) or the same names picked from a gathered state dict. ``seed``: stochastic rounding
+    (``cast_weights``), one stream per tensor drawn from it; None: to nearest.
     """
     import torch
 
-    torch_dtype = getattr(torch, dtype)
     index, parts, offset = [], [], 0
     with torch.no_grad():
-        for name, p in named:
+        for i, (name, p) in enumerate(named):
             # cast on the device (halves the copy for bf16), then to host memory
-            t = p.detach().to(torch_dtype).contiguous().view(-1).cpu()
+            s = None if seed is None else seed * 1_000_003 + i
+            t = cast_weights(p, dtype, s).contiguous().view(-1).cpu()
             raw = t.view(torch.uint8).numpy().tobytes()
             index.append(
                 {
@@ -305,7 +323,7 @@ def params_to_payload(
 
 
 def params_to_spill(
-    named: Iterable[tuple[str, Any]], dtype: str, directory: Path
+    named: Iterable[tuple[str, Any]], dtype: str, directory: Path, seed: int | None = None
 ) -> tuple[list[dict[str, Any]], Any]:
     """``params_to_payload`` written tensor by tensor to a spill file (echo.spill) and mapped
     read-only: the payload never exists whole in RAM (docs/memory.md)."""
@@ -313,13 +331,13 @@ def params_to_spill(
 
     from echo.spill import SpillWriter
 
-    torch_dtype = getattr(torch, dtype)
     index, offset = [], 0
     writer = SpillWriter(directory)
     try:
         with torch.no_grad():
-            for name, p in named:
-                t = p.detach().to(torch_dtype).contiguous().view(-1).cpu()
+            for i, (name, p) in enumerate(named):
+                s = None if seed is None else seed * 1_000_003 + i
+                t = cast_weights(p, dtype, s).contiguous().view(-1).cpu()
                 raw = t.view(torch.uint8).numpy()
                 writer.write(raw)
                 index.append(

@@ -172,10 +172,17 @@ class Release:
         """Hand the version to the publisher thread (it encodes, signs and publishes); the
         caller has checked that the state is finite."""
         named, dtype = self.policy.named_tensors(model_sd), self.cfg.broadcast.dtype
+        # stochastic rounding draws from the run's seed and the version: reproducible
+        seed = (
+            self.cfg.seed * 1_000_003 + version
+            if self.cfg.broadcast.rounding == "stochastic"
+            else None
+        )
         if self.cfg.learner.spill_payloads:  # written tensor by tensor: never whole in RAM
-            tensors, payload = params_to_spill(named, dtype, spill_dir(self.run_dir / "spill"))
+            where = spill_dir(self.run_dir / "spill")
+            tensors, payload = params_to_spill(named, dtype, where, seed)
         else:
-            tensors, payload = params_to_payload(named, dtype)
+            tensors, payload = params_to_payload(named, dtype, seed)
         self.auditor.add_snapshot(version, tensors, payload)  # the bytes workers install
         self.publisher.submit(version, tensors, payload)
 

@@ -152,3 +152,33 @@ def test_a_run_says_what_its_config_changes_from_the_defaults(capsys, caplog):
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("config: ")]
     assert len(logged) == len(diff) and "config: learner.beta = 0.1 (default 0.0)" in logged
     assert "this config is the defaults" in say_config(EchoConfig())
+
+
+def test_stochastic_rounding_is_unbiased_reproducible_and_only_for_float32_to_bf16():
+    """broadcast.rounding = "stochastic" (docs/broadcast.md, "Snapshot precision"): a weight
+    a quarter unit above a bf16 value is sent up a quarter of the time, so the mean of what is
+    sent is the weight (to nearest it always goes down: the update is lost); the same seed
+    gives the same bytes; other casts round to nearest."""
+    import torch
+
+    from echo.models import cast_weights, params_to_payload
+
+    unit = 2.0**-7  # a bf16 unit at 1.0
+    w = torch.full((200_000,), 1.0 + 0.25 * unit)
+    nearest = cast_weights(w, "bfloat16").float()
+    sent = cast_weights(w, "bfloat16", seed=7).float()
+    assert bool((nearest == 1.0).all())  # the quarter unit never shows
+    assert set(sent.unique().tolist()) == {1.0, 1.0 + unit}
+    assert abs(float(sent.mean()) - float(w[0])) < 0.02 * unit  # unbiased
+    neg = cast_weights(-w, "bfloat16", seed=8).float()
+    assert abs(float(neg.mean()) + float(w[0])) < 0.02 * unit  # the sign is kept
+    assert torch.equal(cast_weights(w, "bfloat16", seed=7), cast_weights(w, "bfloat16", seed=7))
+    assert torch.equal(cast_weights(w, "float16", seed=7), w.to(torch.float16))
+    named = [("a", w[:10]), ("b", w[:10])]
+    _, one = params_to_payload(named, "bfloat16", seed=3)
+    _, two = params_to_payload(named, "bfloat16", seed=3)
+    assert one == two and one[:20] != one[20:40]  # per tensor a stream of its own
+    cfg = load_config(None, ['broadcast.rounding="stochastic"'])
+    assert cfg.broadcast.rounding == "stochastic"
+    with pytest.raises(ConfigError, match="rounding"):
+        load_config(None, ['broadcast.rounding="down"'])

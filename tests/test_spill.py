@@ -36,6 +36,10 @@ def test_params_written_to_a_spill_match_the_in_memory_payload(tmp_path):
     assert sindex == index and bytes(spilled) == payload
     buf = SnapshotBuffer(ChunkLayout(3, len(payload), 16, (b"",) * -(-len(payload) // 16)), spilled)
     assert bytes(buf.chunk(1)) == payload[16:32]  # chunks are served as slices of the map
+    # stochastic rounding (broadcast.rounding) sends the same bytes either way
+    _, sto = params_to_payload(named, "bfloat16", seed=5)
+    _, sto_spilled = params_to_spill(named, "bfloat16", tmp_path, seed=5)
+    assert bytes(sto_spilled) == sto and sto != payload
 
 
 def test_the_spill_directory_is_never_tmp_by_default(tmp_path, monkeypatch):
