@@ -120,6 +120,21 @@ def main(argv: list[str] | None = None) -> int:
                 changed[scheme].append(moved / total)
         print(f"step {step + 1}/{args.steps} ({time.perf_counter() - t0:.0f} s)", flush=True)
     master = loss_with({n: p.detach() for n, p in params})
+    # What the publication path pays for it: the whole model cast to a bf16 payload
+    # (echo.models.params_to_payload, as learner/release.py calls it), each way, 3 times.
+    from echo.models import params_to_payload
+
+    cast_s: dict[str, float] = {}
+    for name, seed in (("nearest", None), ("stochastic", 1)):
+        times = []
+        for _ in range(3):
+            t1 = time.perf_counter()
+            params_to_payload(params, "bfloat16", seed)
+            times.append(time.perf_counter() - t1)
+        cast_s[name] = round(min(times), 3)
+    print(
+        f"payload cast (min of 3): nearest {cast_s['nearest']} s, stochastic {cast_s['stochastic']} s"
+    )
     rows = []
     for scheme in SCHEMES:
         loss = loss_with(last[scheme])
@@ -157,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "loss_start": round(loss0, 5),
         "loss_master": round(master, 5),
         "rows": rows,
+        "payload_cast_s": cast_s,
     }
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.json}")
