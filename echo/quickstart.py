@@ -169,6 +169,7 @@ def run_quickstart(
                 f"dashboard: [cyan]{info['metrics']}/[/]  (Prometheus: {info['metrics']}/metrics)"
             )
         plain = [] if cfg.security.curve else ["--insecure"]  # security.curve=false: plaintext
+        line = workers_line(cfg, endpoint, run_dir, n)
         for i in range(n):
             price = prices[i % len(prices)]
             # Each worker is its own identity: one key pair per worker, kept in the run folder.
@@ -177,7 +178,7 @@ def run_quickstart(
                 python_argv(
                     "worker.cli",
                     "join",
-                    endpoint,
+                    line,
                     "--id",
                     f"worker-{i}",
                     "--price",
@@ -203,6 +204,28 @@ def run_quickstart(
         console.print(f"[red]learner exited with code {code}; see {run_dir}/learner.log[/]")
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}")
     return code
+
+
+def workers_line(cfg: EchoConfig, endpoint: str, run_dir: Path, n: int) -> str:
+    """The join line the quickstart's own workers use: with ``security.join = "token"`` (a
+    public config such as examples/public-try.toml, tried on one machine) a token for just
+    these ``n`` workers, made as ``echo-rl token create`` makes one (before, its workers were
+    refused ``token_required`` and the run never stepped); an allow-list names keys the
+    quickstart cannot know, so it says how to run that config instead."""
+    join = cfg.security.join
+    if join == "open":
+        return endpoint
+    if join == "allowlist":
+        raise SystemExit(
+            "echo-rl quickstart: security.join = allowlist admits only listed keys: start the "
+            "learner with echo-rl learn and workers with echo-worker join, or add "
+            "--set 'security.join=\"token\"' to try this config here"
+        )
+    from echo.security import TokenStore
+
+    store = TokenStore(run_dir / "security" / "tokens.json")
+    token = store.create(n, 7 * 24 * 3600.0, note="echo-rl quickstart's own workers")
+    return f"{endpoint}?token={token}"
 
 
 def _startup_error(run_dir: Path, err: Exception) -> str:

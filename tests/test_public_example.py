@@ -167,3 +167,22 @@ def test_the_cheap_try_is_the_same_deployment_with_settings_that_move_on_cpus():
     assert tried.provisioning.window_s <= 30 < pub.provisioning.window_s
     block = (ROOT / "README.md").read_text().split("## Running for real", 1)[1]
     assert "examples/public-try.toml" in block.split("## ", 1)[0]
+
+
+def test_the_quickstart_gives_its_own_workers_a_token_when_the_config_joins_by_token(tmp_path):
+    """`echo-rl quickstart --config examples/public-try.toml` started its workers without a
+    token: every join was refused token_required and the run never stepped. Its workers now
+    join with a token made for just them; an allow-list config is refused with the way out."""
+    from echo.quickstart import workers_line
+    from echo.security import TokenStore
+
+    endpoint = "echo://127.0.0.1:5555/" + "k" * 64
+    tried = load_config(ROOT / "examples/public-try.toml")
+    line = workers_line(tried, endpoint, tmp_path, 4)
+    assert line.startswith(endpoint + "?token=echo_")
+    (entry,) = TokenStore(tmp_path / "security" / "tokens.json").tokens.values()
+    assert entry["uses_left"] == 4 and entry["note"] == "echo-rl quickstart's own workers"
+    assert workers_line(load_config(None), endpoint, tmp_path, 4) == endpoint  # open: as before
+    allow = load_config(None, ['security.join="allowlist"'])
+    with pytest.raises(SystemExit, match="allowlist admits only listed keys"):
+        workers_line(allow, endpoint, tmp_path, 4)
