@@ -191,3 +191,68 @@ def test_a_connection_the_source_dropped_while_idle_is_not_reused():
 
     reused_it, opened, reused = asyncio.run(_with_source(body))
     assert not reused_it and (opened, reused) == (2, 0)
+
+
+def test_junk_a_source_pushes_down_a_kept_connection_fails_that_source_not_the_process():
+    """A kept connection outlives the fetch that opened it: a hostile source can push bytes
+    down it between fetches. The next fetch reads them as a reply: the source fails with a
+    reason (corrupt), the connection is closed, and nothing else is touched."""
+    from broadcast.manifest import SnapshotError
+    from echo import wire
+
+    key = RunKey.generate()
+    payloads = {v: np.random.default_rng(v).bytes(CHUNK) for v in (1, 2)}
+    manifests = {
+        v: build_manifest(
+            run_id="t", version=v, tensors=[], payload=p, chunk_size=CHUNK, dtype="uint8", key=key
+        )
+        for v, p in payloads.items()
+    }
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        server = ctx.socket(zmq.ROUTER)
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        endpoint = f"tcp://127.0.0.1:{port}"
+
+        async def serve():
+            while True:
+                ident, frame = await server.recv_multipart()
+                req = wire.decode(frame, 1 << 20)
+                head = wire.Chunk(version=req.version, index=req.index, rid=req.rid)
+                await server.send_multipart([ident, wire.encode(head), payloads[req.version]])
+                # then, unasked, junk down the same connection
+                await server.send_multipart([ident, b"\xc1\xff not a reply", b"x" * 100])
+
+        dialer = Dialer(ctx, None)
+        store = SnapshotStore(keep=2)
+        task = asyncio.ensure_future(serve())
+        try:
+            store.add(SnapshotBuffer(manifests[1]))
+            await fetch_into(
+                ctx, store, 1, endpoint, window=1, timeout_s=5.0, max_bytes=1 << 20, dialer=dialer
+            )
+            kept = dialer.idle
+            (conn,) = dialer._idle.values()
+            assert await conn.sock.poll(5000)  # the junk has arrived on the idle connection
+            store.add(SnapshotBuffer(manifests[2]))
+            with pytest.raises(SnapshotError, match="corrupt"):
+                await fetch_into(
+                    ctx,
+                    store,
+                    2,
+                    endpoint,
+                    window=1,
+                    timeout_s=5.0,
+                    max_bytes=1 << 20,
+                    dialer=dialer,
+                )
+            return kept, dialer.idle
+        finally:
+            task.cancel()
+            dialer.close()
+            server.close(linger=0)
+            ctx.destroy(linger=0)
+
+    kept, idle = asyncio.run(body())
+    assert (kept, idle) == (1, 0)  # kept after the clean fetch, closed after the junk
