@@ -381,7 +381,7 @@ class LogThrottle:
 # ----------------------------------------------------------------------------- sockets
 
 
-def curve_server(sock: zmq.Socket, keys: KeyPair, zap_domain: bytes = ZAP_DOMAIN) -> None:
+def curve_server(sock: zmq.Socket[Any], keys: KeyPair, zap_domain: bytes = ZAP_DOMAIN) -> None:
     """Make ``sock`` a CURVE server; bind a ``ZapHandler`` on its context first. libzmq 4.3
     by default admits a CURVE client when no ZAP handler is bound (and, with
     ZAP_ENFORCE_DOMAIN, skips ZAP on an empty domain): either way a peer with no ``User-Id``,
@@ -393,7 +393,7 @@ def curve_server(sock: zmq.Socket, keys: KeyPair, zap_domain: bytes = ZAP_DOMAIN
     sock.curve_server = True
 
 
-def curve_client(sock: zmq.Socket, keys: KeyPair, server_key: bytes) -> None:
+def curve_client(sock: zmq.Socket[Any], keys: KeyPair, server_key: bytes) -> None:
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_serverkey = server_key
@@ -402,7 +402,7 @@ def curve_client(sock: zmq.Socket, keys: KeyPair, server_key: bytes) -> None:
 def peer_key(frame: zmq.Frame) -> str:
     """The authenticated public key of the peer that sent ``frame`` ("" on a plaintext socket)."""
     try:
-        return frame.get("User-Id")
+        return str(frame.get("User-Id"))
     except zmq.ZMQError:
         return ""
 

@@ -60,6 +60,7 @@ class Unreachable:
         """One more request went unanswered: a hint to log now, or ""."""
         self.trying()
         now = self.clock()
+        since = now if self.since is None else self.since  # trying() has set it
         if now < self._next_hint:
             return ""
         self._next_hint = now + self.repeat_s
@@ -69,7 +70,7 @@ class Unreachable:
             else "still trying, and will until stopped (--give-up-after SECONDS sets a limit)"
         )
         return (
-            f"no answer from the learner at {self.endpoint} for {now - self.since:.0f} s: "
+            f"no answer from the learner at {self.endpoint} for {now - since:.0f} s: "
             f"{checks(self.endpoint)}. {then}"
         )
 
