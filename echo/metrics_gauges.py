@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
@@ -338,7 +338,7 @@ class FleetGauges:
             self._update_workers(stats.workers)
         self._update_checks(stats)
 
-    def _update_workers(self, workers: dict[str, dict[str, Any]]) -> None:
+    def _update_workers(self, workers: Mapping[str, Mapping[str, Any]]) -> None:
         for gone in set(self.workers) - set(workers):
             for gauge, _ in self.g_w.values():
                 try:
@@ -443,8 +443,8 @@ class InstallGauges:
         for v in sorted(self.installs)[:-KEEP_VERSIONS]:
             del self.installs[v]
         keep = [str(v) for v in sorted(self.installs)]
-        for v in set(self._versions) - set(keep):
-            self.g_bcast_v.remove(v)
-        for v in keep:
-            self.g_bcast_v.labels(version=v).set(max(self.installs[int(v)].values()))
+        for label in set(self._versions) - set(keep):
+            self.g_bcast_v.remove(label)
+        for label in keep:
+            self.g_bcast_v.labels(version=label).set(max(self.installs[int(label)].values()))
         self._versions = keep
