@@ -290,6 +290,13 @@ def cast_weights(p: Any, dtype: str, seed: int | None = None) -> Any:
     return ((bits + noise) & ~0xFFFF).view(torch.float32).to(torch_dtype)
 
 
+def rounding_seed(run_seed: int, rounding: str, version: int) -> int | None:
+    """The seed of version ``version``'s stochastic rounding (``broadcast.rounding``), drawn
+    from the run's seed and the version, so the snapshot workers installed can be rebuilt from
+    the checkpoint (``echo-rl eval --as-sampled``); None: rounded to nearest."""
+    return run_seed * 1_000_003 + version if rounding == "stochastic" else None
+
+
 def params_to_payload(
     named: Iterable[tuple[str, Any]], dtype: str, seed: int | None = None
 ) -> tuple[list[dict[str, Any]], bytes]:

@@ -79,6 +79,9 @@ class StepRow:
     is_weight_mean: float | None = None  # mean importance weight (behaviour -> old policy)
     is_zeroed_frac: float | None = None  # share of tokens whose importance weight was cut to 0
     kl_mean: float | None = None  # nats/token against the reference model
+    # nats/token: KL from the policies the workers sampled with to the learner's at the step's
+    # start, over the trained tokens (what staleness and snapshot rounding put between them)
+    sampling_lag_kl: float | None = None
     grad_norm: float | None = None  # gradient norm before clipping at 1
     loss: float | None = None  # GRPO loss, mean over the step's updates
     skipped_nonfinite: float | None = None  # updates skipped for a non-finite loss or gradient
@@ -179,6 +182,7 @@ TRAINER_FIELDS = (
     "is_weight_mean",
     "is_zeroed_frac",
     "kl_mean",
+    "sampling_lag_kl",
     "grad_norm",
     "loss",
     "skipped_nonfinite",

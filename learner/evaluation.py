@@ -7,6 +7,7 @@ so a figure of one is a figure of the other.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,39 @@ class Policy:
     label: str
     path: Path | None  # None: the untrained model
     state: dict[str, Any] | None = None  # the checkpoint's "model" tensors
+    steps: int | None = None  # learner steps behind it: its version (None: untrained)
+    # installed as the snapshot the learner published for it (``as_sampled``): None, as held
+    sampled: Sampled | None = None
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """How the learner published a version: what workers install and sample from."""
+
+    dtype: str  # broadcast.dtype
+    rounding: str  # broadcast.rounding
+    seed: int | None  # the version's rounding seed (echo.models.rounding_seed); None: nearest
+
+
+def as_sampled(policy: Policy, cfg: Any) -> Policy:
+    """``policy`` as workers sampled it: its weights cast the way the learner published them
+    (``broadcast.dtype``, ``broadcast.rounding`` with the version's own seed), so its score
+    against the checkpoint's is what the snapshot's precision costs (docs/does-it-learn.md,
+    "Snapshot precision")."""
+    from echo.models import rounding_seed
+
+    if policy.steps is None:
+        raise EvalError(
+            "--as-sampled scores a checkpoint as workers sampled it; the untrained model is "
+            "what every worker loads: pass a checkpoint (--checkpoint N|latest|best)"
+        )
+    b = cfg.broadcast
+    how = f"{b.dtype}, rounded {'stochastically' if b.rounding == 'stochastic' else 'to nearest'}"
+    return dataclasses.replace(
+        policy,
+        label=f"{policy.label} as sampled ({how})",
+        sampled=Sampled(b.dtype, b.rounding, rounding_seed(cfg.seed, b.rounding, policy.steps)),
+    )
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -88,7 +122,8 @@ def resolve_policy(run_dir: Path, which: str) -> Policy:
                 )
             path = ckpt / (ckpt / "latest").read_text().strip()
             try:
-                return Policy(f"step {steps_of(path.name)}", path, read_state(path))
+                steps = steps_of(path.name)
+                return Policy(f"step {steps}", path, read_state(path), steps)
             except FileNotFoundError:
                 continue
         raise EvalError(f"{ckpt}: the latest checkpoint kept changing while being read; try again")
@@ -102,7 +137,7 @@ def resolve_policy(run_dir: Path, which: str) -> Policy:
 
     path = files.get(step, ckpt / checkpoint_name(step))
     try:
-        return Policy(f"step {step}", path, read_state(path))
+        return Policy(f"step {step}", path, read_state(path), step)
     except FileNotFoundError:
         raise EvalError(
             f"{run_dir} has no checkpoint of step {step} ({path}); the learner keeps "
@@ -124,7 +159,7 @@ def _best(run_dir: Path) -> Policy:
         )
     path, info = found
     try:
-        return Policy(f"best (step {info.steps})", path, read_state(path))
+        return Policy(f"best (step {info.steps})", path, read_state(path), info.steps)
     except FileNotFoundError:  # replaced by a better one between the two reads
         return _best(run_dir)
 
@@ -195,15 +230,28 @@ def install_policy(backend: Any, policy: Policy, initial: dict[str, Any]) -> Non
                 f"[learner.lora] settings in config.toml changed since?)"
             )
         _load(model, sd, policy)
-        return
-    missing, unexpected = _load(model, sd, policy)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
-        raise EvalError(
-            f"{policy.path}: the checkpoint does not fit the run's model (missing "
-            f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}); "
-            f"was config.toml edited after the run?"
-        )
+    else:
+        missing, unexpected = _load(model, sd, policy)
+        tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise EvalError(
+                f"{policy.path}: the checkpoint does not fit the run's model (missing "
+                f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}); "
+                f"was config.toml edited after the run?"
+            )
+    if policy.sampled is not None:
+        _as_published(model, policy.sampled)
+
+
+def _as_published(model: Any, how: Sampled) -> None:
+    """The model's weights through the learner's own publication and the worker's install:
+    the same tensors in the same order (so the same rounding streams), the same cast."""
+    from echo.lora import adapter_parameters, is_peft
+    from echo.models import install_payload, params_to_payload
+
+    named = list(adapter_parameters(model).items() if is_peft(model) else model.named_parameters())
+    index, payload = params_to_payload(named, how.dtype, how.seed)
+    install_payload(model, index, payload)
 
 
 def _load(model: Any, sd: dict[str, Any], policy: Policy) -> Any:

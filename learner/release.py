@@ -17,7 +17,7 @@ from broadcast.manifest import BaseManifest
 from broadcast.snapshot import RunKey, Snapshot
 from broadcast.versions import VersionEncoder
 from echo.config import EchoConfig, LearnerConfig
-from echo.models import TINY, params_to_payload, params_to_spill
+from echo.models import TINY, params_to_payload, params_to_spill, rounding_seed
 from echo.spill import spill_dir
 from echo.steprow import PUBLISH_FIELDS, StepRow
 from learner import stopping
@@ -172,12 +172,7 @@ class Release:
         """Hand the version to the publisher thread (it encodes, signs and publishes); the
         caller has checked that the state is finite."""
         named, dtype = self.policy.named_tensors(model_sd), self.cfg.broadcast.dtype
-        # stochastic rounding draws from the run's seed and the version: reproducible
-        seed = (
-            self.cfg.seed * 1_000_003 + version
-            if self.cfg.broadcast.rounding == "stochastic"
-            else None
-        )
+        seed = rounding_seed(self.cfg.seed, self.cfg.broadcast.rounding, version)
         if self.cfg.learner.spill_payloads:  # written tensor by tensor: never whole in RAM
             where = spill_dir(self.run_dir / "spill")
             tensors, payload = params_to_spill(named, dtype, where, seed)

@@ -196,6 +196,10 @@ class Trainer:
                 for mb, i in zip(minibatches, shards)
             ]
         batch = self._screen(batch, minibatches, shards, olds)
+        extra[COL.sampling_lag_kl] = sampling_lag(
+            batch,
+            [(self._trained_rows(mb, idx), old) for mb, idx, old in zip(minibatches, shards, olds)],
+        )
         applied: list[dict[str, float]] = []
         for mb, idx, old, ref in zip(minibatches, shards, olds, refs):
             stats = self._update(batch, mb, idx, old, ref)
@@ -233,7 +237,7 @@ class Trainer:
         for mb, idx, old in zip(minibatches, shards, olds):
             if old is None:
                 continue
-            rows = torch.cat([idx[pos] for pos, w in self.micro_batches(mb, idx) if w])
+            rows = self._trained_rows(mb, idx)
             self.screened_rows += screen_rows(
                 rows, old, batch.behaviour_logprobs[rows], batch.loss_mask[rows], self.screen_nats
             )
@@ -242,6 +246,11 @@ class Trainer:
         keep = torch.ones(batch.loss_mask.shape[0], dtype=batch.loss_mask.dtype)
         keep[self.screened_rows] = 0
         return dataclasses.replace(batch, loss_mask=batch.loss_mask * keep.unsqueeze(1))
+
+    def _trained_rows(self, mb: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The batch rows of this rank's shard ``idx`` of mini-batch ``mb`` that train, in the
+        order of their step-start log-probs."""
+        return torch.cat([idx[pos] for pos, w in self.micro_batches(mb, idx) if w])
 
     def _update(
         self,
@@ -402,6 +411,24 @@ class Trainer:
             self.temperature,
             self.answer_tokens,
         )
+
+
+def sampling_lag(
+    batch: LearnerBatch, parts: Sequence[tuple[torch.Tensor, torch.Tensor | None]]
+) -> float:
+    """nats/token: KL from the policy the workers sampled with to the learner's at the step's
+    start (the k3 estimate on the sampled tokens), over every trained token: what the versions
+    between (staleness) and the snapshot's rounding put between the two (docs/does-it-learn.md,
+    "Snapshot precision"). ``parts``: batch rows and their step-start log-probs."""
+    num = den = 0.0
+    for rows, old in parts:
+        if old is None:
+            continue
+        m = batch.loss_mask[rows].to(old.dtype)
+        gap = torch.where(m > 0, old - batch.behaviour_logprobs[rows].to(old.dtype), 0.0)
+        num += float(((torch.expm1(gap) - gap) * m).sum())
+        den += float(m.sum())
+    return num / den if den else math.nan
 
 
 def sampled_entropy(behaviour_logp: torch.Tensor, mask: torch.Tensor) -> float:

@@ -457,3 +457,62 @@ def test_a_config_alone_scores_the_model_before_any_run(tmp_path, capsys):
     assert "--set goes with --config" in capsys.readouterr().err
     assert main(["--config", str(tmp_path / "none.toml"), "--untrained"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_as_sampled_installs_the_snapshot_the_learner_published(tmp_path, rounding):
+    """--as-sampled: the checkpoint's weights as the learner's publication cast them for its
+    version (the same tensors in the same order, so the same rounding streams), bit for bit."""
+    import torch
+
+    from echo.models import params_to_payload, rounding_seed
+    from learner.evaluation import Scorer, as_sampled, install_policy, run_config
+    from learner.policy import Policy as LearnerPolicy
+
+    run = make_run(
+        tmp_path,
+        {
+            "adapter": {"name": "toy-add", "options": {"heldout": 12}},
+            "worker": {"max_new_tokens": 4},
+            "broadcast": {"dtype": "bfloat16", "rounding": rounding},
+        },
+        steps=(3,),
+        noise=1e-3,  # small moves: most of them fall between two bf16 values
+    )
+    cfg = run_config(run)
+    held = resolve_policy(run, "latest")
+    sampled = as_sampled(held, cfg)
+    how = "stochastically" if rounding == "stochastic" else "to nearest"
+    assert sampled.label == f"step 3 as sampled (bfloat16, rounded {how})"
+    # what the learner's Release.send publishes for version 3
+    named = LearnerPolicy(cfg).named_tensors(held.state)
+    index, payload = params_to_payload(named, "bfloat16", rounding_seed(cfg.seed, rounding, 3))
+    scorer = Scorer(cfg, split="heldout", n=12, samples=1, seed=0, threads=1)
+    try:
+        install_policy(scorer.backend, sampled, {})
+        got = dict(scorer.backend.model.named_parameters())
+        buf, nearest_differs = memoryview(payload), 0
+        for e in index:
+            raw = bytearray(buf[e["offset"] : e["offset"] + e["nbytes"]])
+            want = torch.frombuffer(raw, dtype=torch.bfloat16).view(e["shape"]).float()
+            assert torch.equal(got[e["name"]].detach().float(), want), e["name"]
+            nearest = held.state[e["name"]].to(torch.bfloat16).float()
+            nearest_differs += int((want != nearest).sum())
+        assert (nearest_differs > 0) == (rounding == "stochastic")
+        install_policy(scorer.backend, held, {})  # as held: the float32 checkpoint again
+        assert torch.equal(
+            scorer.backend.model.get_parameter(index[0]["name"]).detach(),
+            held.state[index[0]["name"]],
+        )
+    finally:
+        scorer.close()
+    res = evaluate(run, "latest", compare="latest", n=12, samples=2, sampled=True)
+    assert [p["policy"] for p in res["policies"]] == ["step 3", sampled.label]
+    assert res["paired"]["difference"] == f"{sampled.label} - step 3"
+
+
+def test_as_sampled_needs_a_checkpoint(tmp_path, capsys):
+    run = make_run(tmp_path, {"adapter": {"name": "toy-add"}}, steps=(2,))
+    assert main(["--run-dir", str(run), "--untrained", "--as-sampled"]) == 2
+    assert "--as-sampled scores a checkpoint" in capsys.readouterr().err

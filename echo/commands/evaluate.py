@@ -1,7 +1,8 @@
 """``echo-rl eval --run-dir RUN``: the mean reward of a run's policy on its own task, any adapter,
 with a 95 % confidence interval; two policies compared on the same prompts and sampling seeds.
 
-    echo-rl eval --run-dir RUN [--checkpoint N|best | --untrained] [--compare N|latest|best|untrained]
+    echo-rl eval --run-dir RUN [--checkpoint N|best | --untrained] [--as-sampled]
+        [--compare N|latest|best|untrained]
     echo-rl eval --config FILE [--set KEY=VALUE ...] --untrained   # before any run
         [--split auto|train|heldout] [--n 100] [--samples 1] [--temperature T] [--seed 0] [--json]
 
@@ -10,7 +11,8 @@ generation settings and, for a LoRA run, the adapter's shape. The policy is the 
 (``RUN/checkpoints/latest``), the one after N steps (``--checkpoint N``, the file
 ``after-0000000N.pt``; the learner keeps the newest two), the one the run's held-out
 evaluation scored best (``--checkpoint best``, ``checkpoints/best.pt``), or the model the run started from
-(``--untrained``). Generation goes through the worker's transformers backend, with the run's answer restriction, ``worker.max_new_tokens`` and
+(``--untrained``); with ``--as-sampled``, that checkpoint as workers sampled it (the snapshot the learner
+published for its version: ``broadcast.dtype``, ``broadcast.rounding``). Generation goes through the worker's transformers backend, with the run's answer restriction, ``worker.max_new_tokens`` and
 ``worker.temperature`` (unless ``--temperature``); multi-turn adapters play whole episodes.
 
 Prompts come from the adapter's held-out split when it declares one (``--split auto``, the
@@ -35,6 +37,7 @@ from learner.evaluation import (
     EvalError,
     Policy,
     Scorer,
+    as_sampled,
     eval_prompts,
     install_policy,
     load_backend,
@@ -52,6 +55,7 @@ __all__ = [
     "EvalError",
     "Policy",
     "Scorer",
+    "as_sampled",
     "describe",
     "eval_prompts",
     "evaluate",
@@ -78,23 +82,27 @@ def evaluate(
     seed: int = 0,
     threads: int = 2,
     config: Any = None,
+    sampled: bool = False,
 ) -> dict[str, Any]:
     """The result as a dict (what ``--json`` prints). Without a run folder (``run_dir``
     None), ``config`` (an ``EchoConfig``) names the model and task, and only the untrained
-    model can be scored: a score before any run."""
+    model can be scored: a score before any run. ``sampled``: the evaluated policy as workers
+    sampled it (``as_sampled``)."""
     from echo.ci import mean_ci, paired_ci
 
     if run_dir is None:
-        if config is None or policy != "untrained" or compare is not None:
+        if config is None or policy != "untrained" or compare is not None or sampled:
             raise EvalError(
                 "--config scores the model a run would start from (--untrained); a "
-                "checkpoint or --compare needs the run's folder: pass --run-dir"
+                "checkpoint, --as-sampled or --compare needs the run's folder: pass --run-dir"
             )
         cfg = config
         policies = [resolve_policy(Path("."), "untrained")]
     else:
         cfg = run_config(run_dir)
         policies = [resolve_policy(run_dir, policy)]
+        if sampled:
+            policies = [as_sampled(policies[0], cfg)]
         if compare is not None:
             policies.insert(0, resolve_policy(run_dir, compare))
     scorer = Scorer(
@@ -201,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     which.add_argument("--untrained", action="store_true", help="the model the run started from")
     p.add_argument(
+        "--as-sampled",
+        action="store_true",
+        help="the checkpoint as workers sampled it: cast the way the learner published it "
+        "(broadcast.dtype, broadcast.rounding); with --compare latest (the same checkpoint): "
+        "what the snapshot's precision costs",
+    )
+    p.add_argument(
         "--compare",
         default=None,
         metavar="N|latest|best|untrained",
@@ -273,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seed,
             args.threads,
             config,
+            args.as_sampled,
         )
     except (EvalError, AdapterError, ModelError) as err:
         print(f"echo-rl eval: {err}", file=sys.stderr)
