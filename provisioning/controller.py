@@ -45,8 +45,12 @@ them out (hand work to / stop handing work to the worker) and logs them.
   set, by identity, go into the run folder and come back on ``--resume``: a returning key is
   not a stranger, and a worker that was active is active again when it re-joins.
 
-The books (``provisioning.registry``) and the rules (``provisioning.scaling``) are separate
-objects; ``Controller`` holds the lock and the clock and composes them.
+* **Swaps and trials** (``provisioning.trades``): while the level is met, a measured standby
+  worker at least ``SWAP_GAIN`` cheaper per trajectory takes the dearest active one's place,
+  and a never-tried standby worker that could be cheaper goes on probation, one per window.
+
+The books (``provisioning.registry``) and the rules (``provisioning.scaling``,
+``provisioning.trades``) are separate objects; ``Controller`` holds the lock and the clock and composes them.
 """
 
 from __future__ import annotations
@@ -56,27 +60,45 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from echo.ewma import ewma
+from provisioning.decisions import (
+    ACTIVATE,
+    RELEASE,
+    SHORT,
+    SWAP_GAIN,
+    SWAP_SHARE,
+    Decision,
+    Policy,
+)
 from provisioning.registry import (
     ACTIVE,
     STANDBY,
     Registry,
-    Remembered,  # noqa: F401
-    UnknownWorker,  # noqa: F401  (re-exported)
+    Remembered,
+    UnknownWorker,
     WorkerStatus,
     fold,
 )
-from provisioning.scaling import (
-    ACTIVATE,  # noqa: F401  (re-exported)
-    RELEASE,  # noqa: F401  (re-exported)
-    SHORT,  # noqa: F401  (re-exported)
-    SWAP_GAIN,  # noqa: F401  (re-exported)
-    SWAP_SHARE,  # noqa: F401
-    Decision,
-    Policy,
-    Scaler,
-)
+from provisioning.scaling import Scaler
+
+# what callers import from here (the books' and the rules' names, re-exported)
+__all__ = [
+    "ACTIVATE",
+    "ACTIVE",
+    "NEED_MAX",
+    "RELEASE",
+    "SHORT",
+    "STANDBY",
+    "SWAP_GAIN",
+    "SWAP_SHARE",
+    "Controller",
+    "Decision",
+    "Remembered",
+    "UnknownWorker",
+    "WorkerStatus",
+]
 
 NEED_MAX = 1000.0  # the wire's bound on HeartbeatAck.need
 
@@ -165,7 +187,7 @@ class Controller:
                 self._scaler.lost_active()
             self._reg.remove(worker_id)
 
-    def state(self) -> dict[str, dict]:
+    def state(self) -> dict[str, dict[str, Any]]:
         """Every identity's books as plain data (for the run folder): the workers registered
         now (with whether they are active) and those remembered after they left."""
         with self._lock:

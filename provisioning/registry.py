@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from echo.ewma import ewma, time_weight
 
@@ -155,7 +156,7 @@ class Registry:
         while len(self._memory) > self._memory_size:
             self._memory.popitem(last=False)
 
-    def state(self) -> dict[str, dict]:
+    def state(self) -> dict[str, dict[str, Any]]:
         out = {i: asdict(r) for i, r in self._memory.items()}
         for wid, identity in self._identity.items():
             w = self.workers[wid]
@@ -197,7 +198,7 @@ class Registry:
         return sum(1 for w in self.workers.values() if w.state == ACTIVE and not w.measured)
 
     @staticmethod
-    def rank(w: WorkerRecord, typical: float | None) -> tuple:
+    def rank(w: WorkerRecord, typical: float | None) -> tuple[float | int, float | str, str]:
         """Activation order: measured workers by unit cost, then unmeasured ones by failed
         probations and their price over the fleet's typical rate."""
         if w.measured:

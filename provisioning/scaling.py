@@ -6,40 +6,17 @@ the liveness rule (the rules are described in ``provisioning.controller``'s docs
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from provisioning.decisions import (
+    ACTIVATE,
+    RELEASE,
+    SHORT,
+    Decision,
+    Policy,
+    describe,
+)
 from provisioning.registry import ACTIVE, STANDBY, Registry, WorkerRecord
-
-ACTIVATE, RELEASE, SHORT = "activate", "release", "short"
-SWAP_GAIN = 0.2  # a swap must cut the unit cost of the swapped worker by at least this share
-SWAP_SHARE = 0.05  # at most this share of the active workers is swapped per window
-
-
-@dataclass(frozen=True)
-class Decision:
-    time: float
-    action: str  # ACTIVATE, RELEASE, or SHORT (no standby left to close the gap)
-    worker_id: str | None  # None for SHORT
-    reason: str  # human-readable, with the numbers that triggered it
-    c_eff: float  # effective capacity when decided, before this decision (trajectories/s)
-    target: float  # alpha * mu_req (trajectories/s)
-    # Which rule decided (provisioning.words puts it in words for the volunteer): shortfall,
-    # probation, liveness, swap, surplus, probation_over, yielded, short.
-    cause: str = ""
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The scaling knobs (``provisioning.*`` in the learner's config)."""
-
-    alpha: float = 1.1
-    delta: float = 0.2
-    window_s: float = 60.0
-    warmup_s: float = 30.0
-    probation_slots: int = 4
-    probation_ready_s: float = 600.0
-    group_size: int = 1
-    probation_group_s: float = 0.0
+from provisioning.trades import Trades
 
 
 class Scaler:
@@ -50,8 +27,7 @@ class Scaler:
         self.mu_req: float | None = None
         self._low_since: float | None = None  # C_eff < target since (None: not now)
         self._high_since: float | None = None  # C_eff > (alpha + delta) mu_req since
-        self._swap_window: float | None = None  # start of the current swap budget's window
-        self._swapped = 0  # swaps made in it
+        self._trades = Trades(reg, policy)  # swaps and trials
         self.waiting_since: float | None = None  # the learner waits for data since (liveness)
         self._last_activation = -math.inf
         # An active worker left for good (said goodbye, banned, quarantined): capacity lost for
@@ -72,6 +48,7 @@ class Scaler:
         if any(d.action == ACTIVATE for d in decisions):
             self._last_activation = now
         decisions += self._liveness(now)
+        self._trades.activated(decisions)
         return expired + decisions
 
     def lost_active(self) -> None:
@@ -173,67 +150,21 @@ class Scaler:
         self._high_since = _held_since(self._high_since, high, now)
         acted: list[Decision] = []
         replace, self._replace = self._replace and low, False
-        if low and (replace or now - self._low_since >= p.window_s):
-            acted = self._activate(
-                now, c_eff, target, now - self._low_since, lost=now - self._low_since < p.window_s
-            )
-        elif high and now - self._high_since >= p.window_s:
-            acted = self._release(now, c_eff, target, now - self._high_since)
+        low_for = now - self._low_since if self._low_since is not None else 0.0
+        high_for = now - self._high_since if self._high_since is not None else 0.0
+        if low and (replace or low_for >= p.window_s):
+            acted = self._activate(now, c_eff, target, low_for, lost=low_for < p.window_s)
+        elif high and high_for >= p.window_s:
+            acted = self._release(now, c_eff, target, high_for)
         if acted:
             # After acting, a condition must hold for a whole window again. Swaps below do not
             # restart these timers: they keep capacity, and a shortfall must still be met.
             self._low_since = self._high_since = None
             return acted
-        # Swaps are checked at every tick whatever the level (when short, a swap may not lower
-        # C_eff), within a budget of SWAP_SHARE of the active set per window.
-        if self._swap_window is None or now - self._swap_window >= p.window_s:
-            self._swap_window, self._swapped = now, 0
-        return self._swap(now, c_eff, min(target, c_eff))
-
-    def _swap(self, now: float, c_eff: float, target: float) -> list[Decision]:
-        """Trade active workers with the worst unit costs for measured standby
-        workers with the best, pair by pair while each pair is at least ``SWAP_GAIN`` cheaper
-        per trajectory and C_eff stays at ``target`` (the caller passes min(target, C_eff):
-        when short, a swap may not lower capacity); at most ``SWAP_SHARE`` of the active set
-        per window, checked at every tick. Churn otherwise leaves whatever replaced the leavers
-        active for good, while cheaper measured workers wait in standby."""
-        workers = self.reg.workers.values()
-        standby = sorted(
-            (
-                w
-                for w in workers
-                if w.state == STANDBY and not w.yielded and w.measured and w.effective_mu > 0
-            ),
-            key=lambda w: (w.unit_cost, w.worker_id),
-        )
-        active = sorted(
-            (w for w in workers if w.state == ACTIVE and w.measured),
-            key=lambda w: (-w.unit_cost, w.worker_id),
-        )
-        limit = max(1, int(SWAP_SHARE * len(active))) - self._swapped
-        out: list[Decision] = []
-        for best, worst in zip(standby, active[: max(0, limit)]):
-            # (a $0 volunteer's unit cost is 0: nothing is cheaper, and the ratio below would
-            # divide by it; found by tests/test_liveness.py)
-            if worst.unit_cost <= 0 or best.unit_cost > (1 - SWAP_GAIN) * worst.unit_cost:
-                break
-            after = c_eff - worst.effective_mu + best.effective_mu
-            if after < target:
-                continue
-            why = (
-                f"unit-cost check (every {self.p.window_s:g} s); swap: {_describe(best)} per "
-                f"trajectory is {1 - best.unit_cost / worst.unit_cost:.0%} cheaper than "
-                f"{_describe(worst)}"
-            )
-            best.set_active(now)
-            worst.state = STANDBY
-            out += [
-                Decision(now, ACTIVATE, best.worker_id, why, after, target, "swap"),
-                Decision(now, RELEASE, worst.worker_id, why, after, target, "swap"),
-            ]
-            c_eff = after
-            self._swapped += 1
-        return out
+        traded = self._trades.tick(now, c_eff, target, trial=not high)
+        if any(d.cause == "trial" for d in traded):  # an activation: fresh windows after it
+            self._low_since = self._high_since = None
+        return traded
 
     def _activate(
         self, now: float, c_eff: float, target: float, held: float, lost: bool = False
@@ -257,7 +188,9 @@ class Scaler:
         )
         decisions, projected = [], c_eff + (typical or 0.0) * self.reg.on_probation()
         free = self._probation_limit(target - projected) - self.reg.on_probation()
-        for w in self.reg.standby_by_estimate(typical):
+        ranked = self.reg.standby_by_estimate(typical)
+        ranked.sort(key=lambda w: self._trades.just_swapped_out(w.worker_id, now))  # stable
+        for w in ranked:
             if projected >= target:
                 break
             if w.measured:
@@ -266,7 +199,7 @@ class Scaler:
                         now,
                         ACTIVATE,
                         w.worker_id,
-                        f"{why}; {_describe(w)}, cheapest standby per "
+                        f"{why}; {describe(w)}, cheapest standby per "
                         f"trajectory; C_eff -> {projected + w.effective_mu:.4g}/s",
                         projected,
                         target,
@@ -315,11 +248,13 @@ class Scaler:
 
     def _release(self, now: float, c_eff: float, target: float, held: float) -> list[Decision]:
         """The active worker with the worst unit cost whose removal keeps C_eff >= target (one
-        per window)."""
+        per window), among measured workers: a probation is not cut short (cut short, a trial
+        measured nobody and the same worker was tried again and again); it ends when the worker
+        delivers, and its measured cost competes here from then on."""
         spare = [
             w
             for w in self.reg.workers.values()
-            if w.state == ACTIVE and c_eff - w.effective_mu >= target
+            if w.state == ACTIVE and w.measured and c_eff - w.effective_mu >= target
         ]
         if not spare:
             return []  # over-provisioned, but every single release would undershoot
@@ -329,7 +264,7 @@ class Scaler:
         reason = (
             f"C_eff {c_eff:.4g}/s > (alpha+delta)*mu_req = ({p.alpha:g}+{p.delta:g}) "
             f"x {mu_req:.4g} = {bound:.4g}/s for {held:.0f} s (window "
-            f"{p.window_s:g} s); {_describe(w)} has the worst unit cost of those "
+            f"{p.window_s:g} s); {describe(w)} has the worst unit cost of those "
             f"whose removal keeps "
             f"C_eff = {c_eff - w.effective_mu:.4g}/s >= {target:.4g}/s"
         )
@@ -342,11 +277,3 @@ def _held_since(since: float | None, holds: bool, now: float) -> float | None:
     if not holds:
         return None
     return now if since is None else since
-
-
-def _describe(w: WorkerRecord) -> str:
-    per_1k = w.price / 3600 / w.effective_mu * 1000 if w.effective_mu > 0 else math.inf
-    return (
-        f"{w.worker_id} (${w.price:.3g}/h, a={w.availability:.2f} x mu_hat={w.mu_hat:.4g}/s "
-        f"= {w.effective_mu:.4g}/s, ${per_1k:.3g} per 1k trajectories)"
-    )

@@ -7,7 +7,7 @@ pure: the learner's accounts call it for every decision that names a worker.
 
 from __future__ import annotations
 
-from provisioning.controller import ACTIVATE, RELEASE, Decision
+from provisioning.decisions import ACTIVATE, RELEASE, Decision
 
 SENTENCES: dict[tuple[str, str], str] = {
     (ACTIVATE, "shortfall"): "active: the learner needs more capacity, and you are among the "
@@ -15,6 +15,9 @@ SENTENCES: dict[tuple[str, str], str] = {
     (ACTIVATE, "probation"): "active on probation: deliver a group and the learner measures "
     "your throughput",
     (ACTIVATE, "liveness"): "active: the learner has been waiting for data",
+    (ACTIVATE, "trial"): "active on trial: the fleet has enough capacity, but at your price "
+    "you could produce a trajectory for less than an active volunteer; deliver a group and the "
+    "learner measures your throughput",
     (ACTIVATE, "swap"): "active: you produce a trajectory for less than a volunteer who now "
     "stands by",
     (RELEASE, "surplus"): "standby: the fleet has enough capacity; you keep your snapshot "

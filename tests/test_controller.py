@@ -277,8 +277,21 @@ def test_fake_free_joiners_never_outbid_a_measured_paying_worker():
     for f in fakes:  # $0 and silent: the cheapest bid there is
         ctl.add_worker(f, price=0.0)
         rates[f] = 0
-    decisions = run(ctl, clock, 400.0, rates)
-    assert ctl.active_ids() == ["honest"] and decisions == []  # capacity met: no probation at all
+    # Capacity met: the fakes get trials (provisioning.trades), one at a time, one per window,
+    # each at most once; none gains credit or displaces the honest worker.
+    most, decisions = 0, []
+    while clock.t < 400.0:
+        decisions += run(ctl, clock, clock.t + 1.0, rates)
+        active = ctl.active_ids()
+        assert "honest" in active and len(active) <= 2
+        most = max(most, len(active) - 1)
+    trials = [d for d in decisions if d.action == ACTIVATE]
+    assert most == 1 and trials and all(d.cause == "trial" for d in trials)
+    assert len({d.worker_id for d in trials}) == len(trials)  # nobody tried twice
+    gaps = [b.time - a.time for a, b in zip(trials, trials[1:])]
+    assert min(gaps) >= 20.0  # one per window
+    assert all(d.cause == "probation_over" for d in decisions if d.action == RELEASE)
+    assert ctl.c_eff() == pytest.approx(10.0, rel=1e-3)
     # Now short (target 22 > 10): unmeasured workers go on probation, a bounded few at a time.
     ctl.set_requirement(20.0)
     most = 0
@@ -495,3 +508,27 @@ def test_an_active_worker_timing_out_waits_the_window_as_a_blip_may():
     assert run(ctl, clock, 330.0, rates) == []
     [d] = run(ctl, clock, 332.0, rates)
     assert d.worker_id == "s1" and "for 300 s (window 300 s)" in d.reason
+
+
+def test_a_member_that_joins_a_full_fleet_is_tried_and_kept_if_cheaper():
+    # Issue 55: a small fleet's third volunteer joined after two were active and met the
+    # level; nobody is activated when capacity is met, so it stood by unmeasured (and unpaid)
+    # for the whole run. mu_req 13: target 14.3 <= 16 <= 16.9, neither low nor high.
+    ctl, clock = make(window_s=20.0, tau_s=5.0, warmup_s=10.0)
+    ctl.add_worker("a", price=1.0, state="active")
+    ctl.add_worker("b", price=1.0, state="active")
+    ctl.set_requirement(13.0)
+    rates = {"a": 10, "b": 6, "late": 10, "dear": 10}
+    run(ctl, clock, 80.0, rates)
+    ctl.add_worker("dear", price=5.0)  # $5/h at the typical 10/s: dearer than any active one
+    ctl.add_worker("late", price=1.0)
+    decisions = run(ctl, clock, 120.0, rates)
+    trial = [d for d in decisions if d.action == ACTIVATE]
+    assert [(d.worker_id, d.cause) for d in trial] == [("late", "trial")]
+    assert trial[0].time <= 80.0 + 20.0 + 1.0  # within a window
+    assert "unmeasured" in trial[0].reason and "dearest active" in trial[0].reason
+    decisions += run(ctl, clock, 300.0, rates)
+    # measured at 10/s, C_eff 26 > 16.9: the surplus rule releases the worst unit cost, b's
+    assert sorted(ctl.active_ids()) == ["a", "late"]
+    assert [(d.worker_id, d.cause) for d in decisions if d.action == RELEASE] == [("b", "surplus")]
+    assert "dear" not in {d.worker_id for d in decisions}  # never tried: it could not win
