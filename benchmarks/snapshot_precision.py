@@ -45,7 +45,7 @@ TEXTS = [
     "What is 8 + 6? Answer with only the number, like this: \\boxed{7} \\boxed{14}",
     "What is 4 + 4? Answer with only the number, like this: \\boxed{7} \\boxed{8}",
 ]
-SCHEMES = ("nearest", "stochastic", "feedback", "float32")
+SCHEMES = ("nearest", "stochastic", "dither", "feedback", "float32")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                         pub = w.to(torch.bfloat16)
                     elif scheme == "stochastic":  # what broadcast.rounding = "stochastic" sends
                         pub = cast_weights(w, "bfloat16", seed=step * 1_000_003 + j)
+                    elif scheme == "dither":  # the same noise at every publication
+                        pub = cast_weights(w, "bfloat16", seed=j)
                     elif scheme == "feedback":
                         target = w + residual[n]
                         pub = target.to(torch.bfloat16)

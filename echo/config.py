@@ -92,11 +92,14 @@ class BroadcastConfig(_Section):
     # verified at every hop.
     chunk_mib: float = Field(1.0, gt=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # dtype of the published weights
-    # How float32 weights become bf16/fp16 ones (docs/broadcast.md, "Snapshot precision"):
-    # "nearest" sends a weight back to its start until its update passes half a unit, and a
-    # full fine-tune at lr 1e-5 then samples a policy far behind the learner's; "stochastic"
-    # rounds up or down with the probabilities that keep every weight unbiased.
-    rounding: Literal["nearest", "stochastic"] = "nearest"
+    # How float32 weights become bf16 ones (docs/broadcast.md, "Snapshot precision"):
+    # "dither" rounds each weight up when the fraction of a unit it lies above the lower bf16
+    # value passes a threshold drawn once per weight and run (unbiased across weights; a
+    # publication changes only the weights that crossed theirs); "stochastic" draws fresh
+    # thresholds every version (deltas about 3.5x dither's); "nearest" sends a weight back to its
+    # start until its update passes half a unit: a full fine-tune at lr 1e-5 then samples a
+    # policy far behind the learner's.
+    rounding: Literal["dither", "stochastic", "nearest"] = "dither"
     window: int = Field(4, gt=0)  # chunk requests in flight per stream
     uplink_mbit: float = Field(0.0, ge=0)  # learner uplink U: plans k = U/b chains; 0 = unknown
     link_mbit: float = Field(0.0, ge=0)  # nominal worker link b; 0 = median of declared rates

@@ -291,10 +291,16 @@ def cast_weights(p: Any, dtype: str, seed: int | None = None) -> Any:
 
 
 def rounding_seed(run_seed: int, rounding: str, version: int) -> int | None:
-    """The seed of version ``version``'s stochastic rounding (``broadcast.rounding``), drawn
-    from the run's seed and the version, so the snapshot workers installed can be rebuilt from
-    the checkpoint (``echo-rl eval --as-sampled``); None: rounded to nearest."""
-    return run_seed * 1_000_003 + version if rounding == "stochastic" else None
+    """The seed of version ``version``'s rounding (``broadcast.rounding``), so the snapshot
+    workers installed can be rebuilt from the checkpoint (``echo-rl eval --as-sampled``):
+    ``stochastic`` draws fresh noise per version (from the run's seed and the version),
+    ``dither`` the same noise for every version of the run (each weight keeps one threshold,
+    so a publication changes only the weights that crossed theirs); None: to nearest."""
+    if rounding == "stochastic":
+        return run_seed * 1_000_003 + version
+    if rounding == "dither":
+        return run_seed * 1_000_003 - 1  # below every version's: no stochastic stream reused
+    return None
 
 
 def params_to_payload(

@@ -56,7 +56,8 @@ def as_sampled(policy: Policy, cfg: Any) -> Policy:
             "what every worker loads: pass a checkpoint (--checkpoint N|latest|best)"
         )
     b = cfg.broadcast
-    how = f"{b.dtype}, rounded {'stochastically' if b.rounding == 'stochastic' else 'to nearest'}"
+    words = {"stochastic": "rounded stochastically", "dither": "dithered"}
+    how = f"{b.dtype}, {words.get(b.rounding, 'rounded to nearest')}"
     return dataclasses.replace(
         policy,
         label=f"{policy.label} as sampled ({how})",

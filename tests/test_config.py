@@ -182,3 +182,31 @@ def test_stochastic_rounding_is_unbiased_reproducible_and_only_for_float32_to_bf
     assert cfg.broadcast.rounding == "stochastic"
     with pytest.raises(ConfigError, match="rounding"):
         load_config(None, ['broadcast.rounding="down"'])
+
+
+def test_dithered_rounding_is_unbiased_and_changes_only_the_weights_that_moved_past_theirs():
+    """broadcast.rounding = "dither", the default: one threshold per weight for the whole run.
+    Across weights it is as unbiased as stochastic rounding, a weight on the bf16 grid is sent
+    exactly, and a version whose weights moved a little changes only those that crossed their
+    threshold, where fresh noise per version (stochastic) changes a share of all of them."""
+    import torch
+
+    from echo.models import cast_weights, rounding_seed
+
+    assert load_config(None, []).broadcast.rounding == "dither"
+    unit = 2.0**-7
+    seed = {v: rounding_seed(0, "dither", v) for v in (1, 2)}
+    assert seed[1] == seed[2] != rounding_seed(0, "stochastic", 1)
+    assert rounding_seed(0, "nearest", 1) is None
+    w = torch.full((200_000,), 1.0 + 0.25 * unit)
+    sent = cast_weights(w, "bfloat16", seed=seed[1]).float()
+    assert abs(float(sent.mean()) - float(w[0])) < 0.02 * unit  # unbiased across weights
+    on_grid = torch.full((1000,), 1.0 + 3 * unit)
+    assert torch.equal(cast_weights(on_grid, "bfloat16", seed=seed[1]).float(), on_grid)
+    moved = w + 0.05 * unit  # the next version: every weight a twentieth of a unit further
+    again = cast_weights(moved, "bfloat16", seed=seed[2]).float()
+    changed = float((again != sent).float().mean())
+    assert 0.03 < changed < 0.07  # those whose threshold lay in the twentieth crossed it
+    assert bool((again >= sent).all())  # and only upwards, as the weights moved
+    fresh = cast_weights(moved, "bfloat16", seed=rounding_seed(0, "stochastic", 2)).float()
+    assert float((fresh != sent).float().mean()) > 0.3  # fresh noise: a share of all of them

@@ -460,7 +460,7 @@ def test_a_config_alone_scores_the_model_before_any_run(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("rounding", ["dither", "stochastic", "nearest"])
 def test_as_sampled_installs_the_snapshot_the_learner_published(tmp_path, rounding):
     """--as-sampled: the checkpoint's weights as the learner's publication cast them for its
     version (the same tensors in the same order, so the same rounding streams), bit for bit."""
@@ -483,8 +483,10 @@ def test_as_sampled_installs_the_snapshot_the_learner_published(tmp_path, roundi
     cfg = run_config(run)
     held = resolve_policy(run, "latest")
     sampled = as_sampled(held, cfg)
-    how = "stochastically" if rounding == "stochastic" else "to nearest"
-    assert sampled.label == f"step 3 as sampled (bfloat16, rounded {how})"
+    how = {"stochastic": "rounded stochastically", "dither": "dithered"}.get(
+        rounding, "rounded to nearest"
+    )
+    assert sampled.label == f"step 3 as sampled (bfloat16, {how})"
     # what the learner's Release.send publishes for version 3
     named = LearnerPolicy(cfg).named_tensors(held.state)
     index, payload = params_to_payload(named, "bfloat16", rounding_seed(cfg.seed, rounding, 3))
@@ -499,7 +501,7 @@ def test_as_sampled_installs_the_snapshot_the_learner_published(tmp_path, roundi
             assert torch.equal(got[e["name"]].detach().float(), want), e["name"]
             nearest = held.state[e["name"]].to(torch.bfloat16).float()
             nearest_differs += int((want != nearest).sum())
-        assert (nearest_differs > 0) == (rounding == "stochastic")
+        assert (nearest_differs > 0) == (rounding != "nearest")
         install_policy(scorer.backend, held, {})  # as held: the float32 checkpoint again
         assert torch.equal(
             scorer.backend.model.get_parameter(index[0]["name"]).detach(),
