@@ -30,6 +30,18 @@ Writes ``benchmarks/results/snapshot_lag.json`` (per run: training reward of the
 last five steps, ``sampling_lag_kl`` per step, bytes per delta, the evaluations with their 95 %
 intervals; the machine) and ``docs/img/snapshot-lag.png`` (training reward and sampling lag per
 step), and prints a table.
+
+The LoRA twin (examples/smollm2-lora.toml, 10 steps, bf16 dithered against float32 adapters):
+
+    echo-rl quickstart --config examples/smollm2-lora.toml --run-dir runs/lora-dither \
+        --set learner.max_steps=10 &
+    echo-rl quickstart --config examples/smollm2-lora.toml --run-dir runs/lora-float32 \
+        --set learner.max_steps=10 --set broadcast.dtype='"float32"' &
+    # the same two evaluations of each into /tmp/lora/lag-NAME.json and rise-NAME.json
+    python benchmarks/snapshot_lag.py --run bf16-dither=runs/lora-dither \
+        --run float32=runs/lora-float32 --eval-dir /tmp/lora \
+        --json benchmarks/results/snapshot_lag_lora.json --png docs/img/snapshot-lag-lora.png \
+        --title "SmolLM2 LoRA r16, lr 5e-4: adapter snapshots"
 """
 
 from __future__ import annotations
@@ -73,6 +85,7 @@ def summarise(name: str, run: Path, evals: Path) -> dict[str, Any]:
     reward = [r[COL.reward_mean] for r in rows]
     lag = [r.get(COL.sampling_lag_kl) for r in rows]
     deltas = [r[COL.publish_bytes] for r in rows if r.get(COL.publish_encoding) != "full"]
+    changed = [r[COL.delta_changed] for r in rows if r.get(COL.publish_encoding) != "full"]
     first, last = reward[:5], reward[-5:]
     return {
         "run": name,
@@ -87,12 +100,8 @@ def summarise(name: str, run: Path, evals: Path) -> dict[str, Any]:
             statistics.mean(x for x in lag[3:] if x is not None), 5
         ),
         "delta_bytes_mean": round(statistics.mean(deltas)) if deltas else None,
-        "delta_changed_mean": round(
-            statistics.mean(
-                r[COL.delta_changed] for r in rows if r.get(COL.publish_encoding) != "full"
-            ),
-            4,
-        ),
+        "delta_changed_mean": round(statistics.mean(changed), 4) if changed else None,
+        "bytes_per_version_last": rows[-1][COL.publish_bytes],
         "sampled_vs_learner": _eval(evals / f"lag-{name}.json"),
         # the same checkpoint cast to nearest (a copy of the run folder with
         # broadcast.rounding = "nearest"), where the run itself published otherwise
@@ -101,7 +110,7 @@ def summarise(name: str, run: Path, evals: Path) -> dict[str, Any]:
     }
 
 
-def plot(runs: list[dict[str, Any]], png: Path) -> None:
+def plot(runs: list[dict[str, Any]], png: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,7 +123,7 @@ def plot(runs: list[dict[str, Any]], png: Path) -> None:
         lag = [float("nan") if x is None else x for x in r["sampling_lag_kl_per_step"]]
         bottom.plot(steps, lag, marker="o", label=r["rounding"])
     top.set_ylabel("training reward (4 x 8 samples)")
-    top.set_title("SmolLM2 full fine-tuning, lr 1e-5, bf16 snapshots")
+    top.set_title(title)
     bottom.set_ylabel("sampling lag (KL, nats/token)")
     bottom.set_xlabel("learner step")
     for ax in (top, bottom):
@@ -131,15 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-dir", type=Path, default=Path("/tmp"))
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/snapshot_lag.json")
     ap.add_argument("--png", type=Path, default=ROOT / "docs/img/snapshot-lag.png")
+    ap.add_argument("--title", default="SmolLM2 full fine-tuning, lr 1e-5, bf16 snapshots")
     args = ap.parse_args(argv)
     runs = [summarise(n, Path(d), args.eval_dir) for n, d in (x.split("=", 1) for x in args.run)]
     doc = {
-        "command": "python benchmarks/snapshot_lag.py " + " ".join(f"--run {x}" for x in args.run),
+        "command": "python benchmarks/snapshot_lag.py " + " ".join(sys.argv[1:]),
         "machine": machine_info(),
         "runs": runs,
     }
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
-    plot(runs, args.png)
+    plot(runs, args.png, args.title)
     print(f"{'rounding':<11} {'reward 0-4':>10} {'last 5':>7} {'lag KL':>8} {'delta MB':>9}  eval")
     for r in runs:
         ev = r["sampled_vs_learner"] or {}
