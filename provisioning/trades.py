@@ -4,7 +4,10 @@ them at every tick once the level rules have nothing to do).
 * **Swap**: an active worker with one of the worst measured unit costs is traded for a measured
   standby worker at least ``SWAP_GAIN`` cheaper per trajectory, capacity kept; at most
   ``SWAP_SHARE`` of the active set per window. Churn otherwise leaves whatever replaced the
-  leavers active for good, while cheaper measured workers wait in standby.
+  leavers active for good, while cheaper measured workers wait in standby. A worker the loop
+  activated is not swapped out within a window of it, and one a swap released is the shortfall
+  rule's last choice for a window (``tests/test_public_example.py``: no volunteer flipped twice
+  within minutes unless it fails).
 * **Trial**: swaps need a measurement, and a worker is measured only when it works. A fleet
   that has enough capacity activates nobody, so a member that joined after it filled waited in
   standby unmeasured for the whole run, however cheap (issue 55: a small public fleet's only
@@ -58,10 +61,10 @@ class Trades:
         return t is not None and now - t < self.p.window_s
 
     def tick(self, now: float, c_eff: float, target: float, trial: bool) -> list[Decision]:
-        """``target``: alpha * mu_req. Nothing while short: the shortfall rule activates the
-        cheapest standby workers within its window (a swap then released a worker that rule
-        activated again a second later). A trial only when nothing was swapped and ``trial``
-        (the caller's: not above the release bound, where the surplus rule acts instead)."""
+        """``target``: alpha * mu_req. Swaps are checked at every tick whatever the level (when
+        short, a swap may not lower C_eff: at 10,000 workers under churn most swaps happen
+        short); a trial only when nothing was swapped, the level is met and ``trial`` (the
+        caller's: not above the release bound, where the surplus rule acts instead)."""
         if self._swap_window is None or now - self._swap_window >= self.p.window_s:
             self._swap_window, self._swapped = now, 0
         out = self._swap(now, c_eff, min(target, c_eff))
@@ -71,7 +74,8 @@ class Trades:
 
     def _swap(self, now: float, c_eff: float, target: float) -> list[Decision]:
         """Pair by pair while each pair is at least ``SWAP_GAIN`` cheaper per trajectory and
-        C_eff stays at ``target``."""
+        C_eff stays at ``target`` (the caller passes min(target, C_eff)); a worker the loop
+        activated within the last window is not swapped out (``activated``)."""
         workers = self.reg.workers.values()
         standby = sorted(
             (
