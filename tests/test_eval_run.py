@@ -460,10 +460,14 @@ def test_a_config_alone_scores_the_model_before_any_run(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("rounding", ["dither", "stochastic", "nearest"])
-def test_as_sampled_installs_the_snapshot_the_learner_published(tmp_path, rounding):
+@pytest.mark.parametrize(
+    ("rounding", "lora"),
+    [("dither", False), ("stochastic", False), ("nearest", False), ("dither", True)],
+)
+def test_as_sampled_installs_the_snapshot_the_learner_published(tmp_path, rounding, lora):
     """--as-sampled: the checkpoint's weights as the learner's publication cast them for its
-    version (the same tensors in the same order, so the same rounding streams), bit for bit."""
+    version (the same tensors in the same order, so the same rounding streams), bit for bit;
+    with LoRA, the adapter's tensors."""
     import torch
 
     from echo.models import params_to_payload, rounding_seed
@@ -476,6 +480,7 @@ def test_as_sampled_installs_the_snapshot_the_learner_published(tmp_path, roundi
             "adapter": {"name": "toy-add", "options": {"heldout": 12}},
             "worker": {"max_new_tokens": 4},
             "broadcast": {"dtype": "bfloat16", "rounding": rounding},
+            **({"learner": {"lora": {"enabled": True, "rank": 4, "alpha": 8.0}}} if lora else {}),
         },
         steps=(3,),
         noise=1e-3,  # small moves: most of them fall between two bf16 values
