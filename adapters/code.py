@@ -128,7 +128,7 @@ def ask(doc: str) -> str:
 def program(task: dict[str, Any], completion_text: str) -> str:
     """What runs: the header and the body the policy wrote, or (chat) the code of its reply."""
     if not task.get("chat"):
-        return task["header"] + completion_text
+        return str(task["header"]) + completion_text
     block = FENCED.search(completion_text)
     return block.group(1) if block else completion_text
 

@@ -136,4 +136,4 @@ class HFModel:
 
         prompt = render_ids(self.tokenizer, messages, add_generation_prompt=True)
         ids, _ = self.generate([prompt], max_new_tokens, temperature)[0]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))

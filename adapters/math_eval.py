@@ -52,7 +52,7 @@ def evaluate(
     if limit:
         items = items[:limit]
     correct = no_answer = 0
-    examples = []
+    examples: list[dict[str, Any]] = []
     t0 = time.monotonic()
     try:
         for i in range(0, len(items), batch):

@@ -80,7 +80,7 @@ def summary_table(cfg: EchoConfig, rows: list[StepRow], run_dir: Path) -> Table:
     t.add_row("reward, mean of last 10 steps", f"{_mean([r.reward_mean for r in last]):.3f}")
     t.add_row(
         "max staleness (budget S)",
-        f"{max((r.staleness_max for r in rows), default=0)} ({cfg.learner.staleness})",
+        f"{max((r.staleness_max or 0 for r in rows), default=0)} ({cfg.learner.staleness})",
     )
     if rows:
         r = rows[-1]

@@ -45,7 +45,7 @@ class BufferStats:
     admitted: int = 0
     duplicates: int = 0
     dropped_stale: int = 0
-    rejected: Counter = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)
 
 
 class ReplayBuffer:

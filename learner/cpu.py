@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import TypedDict
 
@@ -35,7 +35,7 @@ class CpuBook:
 
     def __init__(self) -> None:
         self.count: Counter[str] = Counter()
-        self.seconds: Counter[str] = Counter()
+        self.seconds: dict[str, float] = defaultdict(float)
         self.native_id: int | None = None  # the control thread's, set when the loop starts
 
     def bind_thread(self) -> None:

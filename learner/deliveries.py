@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from dataplane import rules
-from dataplane.records import Limits
+from dataplane.records import Limits, Record
 from echo import wire
 from echo.ewma import ewma
 from learner.accounts import Accounts
@@ -198,7 +198,7 @@ class Deliveries:
             return Deferred(ack, out.durable)
         return ack
 
-    def _credit(self, w: WorkerState, accepted: list) -> None:
+    def _credit(self, w: WorkerState, accepted: list[Record]) -> None:
         """An admitted batch: the worker's measured rate, and what it was worth to the
         provisioner (stale trajectories earn less, learner.staleness; refused ones nothing)."""
         if accepted:

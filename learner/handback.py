@@ -87,7 +87,7 @@ def check_prefixes(
     prefixes: list[wire.Prefix],
     version: int,
     lim: PrefixLimits,
-    refused: Counter,
+    refused: Counter[str],
 ) -> list[wire.Prefix]:
     """The prefixes to keep for ``group`` (at most one per sample; earlier ones carried over
     where no new one came); refusals are counted in ``refused``."""

@@ -79,7 +79,8 @@ class Notices:
     async def notify(self, version: int, manifest: Manifest) -> None:
         store = self.routes.store
         for n, w in enumerate(self.order(version)):
-            if store.latest() is None or store.latest().version != version:
+            latest = store.latest()
+            if latest is None or latest.version != version:
                 return  # superseded: the next publication's notices carry the newer version
             if self.table.workers.get(w.worker_id) is not w:
                 continue  # left meanwhile

@@ -265,7 +265,9 @@ def _unwired(worker_id: str, key: str, reason: str) -> None:
     raise RuntimeError("quarantine before the server's parts were wired")
 
 
-def _handlers(members: Members, routes: SnapshotRoutes, deliveries: Deliveries) -> dict:
+def _handlers(
+    members: Members, routes: SnapshotRoutes, deliveries: Deliveries
+) -> dict[type[wire.Message], Callable[..., Any]]:
     """Which part answers each request (the doctor's is the server's own, added by it)."""
 
     def on_installed(ident: bytes, key: str, msg: wire.Installed) -> None:

@@ -285,10 +285,11 @@ def _live(run_dir: Path, rows: dict[str, Entry], notes: list[str]) -> str:
         e.down_mbit, e.up_mbit = _num(a.get("down_mbit")), _num(a.get("up_mbit"))
         e.price = _num(a.get("price"), e.price)
     for w in _rows(state, "workers"):
-        e = rows.get(str(w["worker"]))
-        if e is not None:
-            e.transport = str(w.get("transport", ""))
-            e.nat = e.nat or (str(w["nat"]) if w.get("nat") not in (None, "unknown") else "")
+        entry = rows.get(str(w["worker"]))
+        if entry is not None:
+            entry.transport = str(w.get("transport", ""))
+            nat = str(w["nat"]) if w.get("nat") not in (None, "unknown") else ""
+            entry.nat = entry.nat or nat
     _tree(state, rows, notes)
     return url
 

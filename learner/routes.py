@@ -139,6 +139,7 @@ class SnapshotRoutes:
         """``endpoint`` with its server's key and a ticket for ``worker_id`` to pull there;
         through a punched link when the server is only punchable (its punches leave first)."""
         w = self.table.workers.get(worker_id)
+        assert self.coordinator is not None  # attached before the server serves (attach)
         source, punches = self.coordinator.route(worker_id, endpoint)
         for to, punch in punches:
             self.push(to, punch)

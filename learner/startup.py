@@ -92,7 +92,7 @@ def announce(
     metrics server (None without metrics), for the learner to close."""
     metrics_server: MetricsServer | None = None
     join = server.join_line()
-    info = {
+    info: dict[str, Any] = {
         "endpoint": server.endpoint,
         "snapshot_endpoint": server.snapshot_endpoint,
         "join": join,

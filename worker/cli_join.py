@@ -8,7 +8,10 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.multirun import RunSpec
 
 
 def join(args: argparse.Namespace, make_worker: Callable[..., Any] | None = None) -> int:
@@ -128,7 +131,7 @@ def _worker_errors(eg: BaseException) -> list[str]:
 
 
 def _join_many(
-    args: argparse.Namespace, specs: list, make_worker: Callable[..., Any] | None
+    args: argparse.Namespace, specs: list[RunSpec], make_worker: Callable[..., Any] | None
 ) -> int:
     """Several runs in one process (worker/multirun.py): one plain status line per run."""
     import asyncio

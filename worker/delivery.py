@@ -128,7 +128,8 @@ class Deliveries:
             log.info("batch %s not taken yet (%s); will resend", batch.batch_id, reply.reason)
             await asyncio.sleep(0.5)  # back-off before the retry, not a wait for an event
             return None
-        return reply
+        answer: wire.Message = reply
+        return answer
 
     def _record_ack(self, batch_id: str, ack: wire.Ack) -> None:
         keys = self._keys.pop(batch_id, None)

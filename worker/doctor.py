@@ -260,7 +260,8 @@ class RelayListener:
             return 0
         try:
             self.server = await asyncio.start_server(_hang_up, self.host, self.port)
-            return self.server.sockets[0].getsockname()[1]
+            port: int = self.server.sockets[0].getsockname()[1]
+            return port
         except OSError:
             return self.port  # taken: a running worker's relay answers the dial-back
 

@@ -196,7 +196,9 @@ class SnapshotFeed:
         )
         return result, 0.0, True
 
-    def _reattacher(self, version: int, epoch: int, form: str):
+    def _reattacher(
+        self, version: int, epoch: int, form: str
+    ) -> Callable[[Source, SourceFailed], Awaitable[Source]]:
         async def reattach(bad: Source, fail: SourceFailed) -> Source:
             log.warning(
                 "snapshot source %s failed (%s); asking the learner for another",

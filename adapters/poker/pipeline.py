@@ -58,7 +58,7 @@ def episode_return(log: dict[str, Any], unit: float = 2.0, invalid_penalty: floa
     minus ``invalid_penalty`` per invalid action."""
     chips = sum(h["net"] for h in log["hands"])  # = the sum of the turns' chip deltas
     invalid = sum(h["invalid"] for h in log["hands"])
-    return chips / unit - invalid_penalty * invalid
+    return float(chips / unit - invalid_penalty * invalid)
 
 
 def sample_from_log(

@@ -17,6 +17,10 @@ import re
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from learner.roster import Roster
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -143,7 +147,7 @@ def _cell(name: str, value: object) -> str:
     return shlex.quote(str(value)) if name == "key" else str(value)
 
 
-def _list_workers(roster, as_json: bool) -> int:
+def _list_workers(roster: Roster, as_json: bool) -> int:
     """The table (or JSON lines) on stdout; where the figures come from on stderr."""
     if as_json:
         for e in roster.entries:

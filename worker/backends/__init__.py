@@ -26,7 +26,8 @@ def make_backend(name: str, **kwargs: Any) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"unknown worker.backend {name!r}: choose one of {sorted(BACKENDS)}")
     module, cls = BACKENDS[name].split(":")
-    return getattr(import_module(module), cls)(**kwargs)
+    backend: Backend = getattr(import_module(module), cls)(**kwargs)
+    return backend
 
 
 # What the transformers backend's model load imports: seconds of a worker's first install.

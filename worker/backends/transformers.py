@@ -61,11 +61,11 @@ class _Watch(StoppingCriteria):
         if self.budgets is not None:
             self.budgets = self.budgets.to(last.device)
             last = last | (self.budgets <= self.steps)
-        self.done = before | last
+        self.done = done = before | last
         if (self.stop is not None and self.stop.is_set()) or self._tail_ended():
             self.stopped = True
             return torch.ones_like(last)
-        return self.done.clone() if self.budgets is not None else torch.zeros_like(last)
+        return done.clone() if self.budgets is not None else torch.zeros_like(last)
 
     def _tail_ended(self) -> bool:
         if not self.tail or self.done is None:

@@ -106,7 +106,7 @@ class TurnCache:
 
     def keep(
         self, prompts: list[list[int]], plan: Plan, sequences: Any, kept: list[int], cache: Any
-    ):
+    ) -> None:
         """After the call: ``sequences`` = the layout and what was generated, ``kept[j]`` the
         generated tokens row j keeps (up to its end), ``cache`` what the model computed."""
         width = plan.ids.shape[1]
