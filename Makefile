@@ -31,12 +31,22 @@ quickstart: $(VENV)/.installed
 	$(BIN)/echo-rl quickstart $(ARGS)
 
 # Lints and checks the format ([tool.ruff] in pyproject.toml), type-checks ([tool.mypy]: the files it lists,
-# strict), then tests; fails if no test ran (pytest exits 5 when it collects nothing).
+# strict), then tests; fails if no test ran (pytest exits 5 when it collects nothing). The unit and
+# integration tiers run on two pytest-xdist workers (most real-process tests wait on sockets and
+# child processes, so two share the 2-core machine: 0.64x the serial time of those tiers here);
+# the lab tier after them, alone (its namespaces, iptables rules and the host's netns list are
+# shared; pytest-xdist's loadgroup did not keep them on one worker under pytest 9). With ARGS,
+# one plain pytest run of what they select.
 test: $(VENV)/.dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+ifeq ($(strip $(ARGS)),)
+	$(BIN)/python -m pytest -n 2 -m "not lab"
+	$(BIN)/python -m pytest -m lab
+else
 	$(BIN)/python -m pytest $(ARGS)
+endif
 
 # The inner loop: the unit tier (in-process tests; tiers in tests/conftest.py), under 90 s here.
 # `make test` runs all three tiers; `make test ARGS='-m integration'` (or lab) runs one.
