@@ -190,6 +190,7 @@ def test_junk_on_learner_sockets_is_rejected_while_training(cluster):
     assert "rejected message from" in (run / "learner.log").read_text()
 
 
+@pytest.mark.alone  # the goodbye has the last 1 s of a 5 s stop: a loaded machine missed it once
 def test_worker_leaves_cleanly_on_sigterm(cluster):
     run = cluster.learner(max_steps=1000)
     cluster.worker("w0")
