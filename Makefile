@@ -60,7 +60,7 @@ test-fast: $(VENV)/.dev
 test-durations: $(VENV)/.dev
 	$(BIN)/python -m pytest --durations-json tests/durations.json $(ARGS)
 
-# The README's measured figures re-run where this machine can (a row at most 10 minutes, ratios
+# docs/results.md's measured figures re-run where this machine can (a row at most 10 minutes, ratios
 # only) against the stated ones: holds / drifted / not re-runnable here (docs/development.md).
 figures: $(VENV)/.dev
 	$(BIN)/python benchmarks/figures.py $(ARGS)

@@ -1,11 +1,12 @@
-"""The README's measured figures, re-run where this machine can (issue 54, "Figures that hold").
+"""Echo's measured figures (docs/results.md), re-run where this machine can (issue 54, "Figures that
+hold").
 
     .venv/bin/python benchmarks/figures.py [--only ID ...] [--list] [--json FILE]   # make figures
 
-``ROWS`` holds one entry per row of the README's "Measured" table (found by the start of its
+``ROWS`` holds one entry per row of docs/results.md's "Measured" table (found by the start of its
 "what" cell): the command, as argv lists run from the repository root with this interpreter,
 writing into a scratch folder (``{out}``) so a re-run never overwrites the committed results;
-whether it can run here and, if not, why; and the checks: a figure as the README states it
+whether it can run here and, if not, why; and the checks: a figure as the table states it
 (the text, verbatim, and its value), a relative tolerance and how to read the measured value
 from what the command writes. Only ratios, percentages and counts measured within one run are
 compared (never seconds or MB/s, which belong to the machine). Each re-runnable row runs under
@@ -13,7 +14,7 @@ a 10-minute limit (``LIMIT_S``), then a table: row | figure | stated | measured 
 verdict (holds / drifted / failed / not re-runnable here: why), and ``--json`` (default
 benchmarks/results/figures.json) with the machine. Exit code 0 only if every re-run figure holds.
 
-``tests/test_figures.py`` keeps the README and ``ROWS`` from drifting apart and runs every
+``tests/test_figures.py`` keeps that table and ``ROWS`` from drifting apart and runs every
 extraction on the committed result it names, without re-running anything.
 """
 
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+RESULTS = ROOT / "docs" / "results.md"  # its "Measured" table is the registry's other half
 LIMIT_S = 600  # a row (all its runs) that takes longer is not re-runnable here
 SHOWN_PY = ".venv/bin/python"  # how commands are printed; they run with sys.executable
 
@@ -46,7 +47,7 @@ Extract = Callable[[Path], float]
 
 @dataclass(frozen=True)
 class Check:
-    """One figure of a row: ``stated`` is the README's text (verbatim in the row), ``value``
+    """One figure of a row: ``stated`` is the table's text (verbatim in the row), ``value``
     what it states as a number, ``tol`` the relative tolerance (0: must be equal),
     ``extract`` reads the measured value from run ``run``'s output (or its committed result)."""
 
@@ -75,7 +76,7 @@ class Run:
 @dataclass(frozen=True)
 class Row:
     id: str
-    what: str  # how the README row's "what" cell starts
+    what: str  # how the table row's "what" cell starts
     runs: tuple[Run, ...]
     checks: tuple[Check, ...] = ()
     needs: tuple[str, ...] = ()  # keys of NEEDS, probed when the row would run
@@ -117,7 +118,7 @@ def _med_ratio(runs: list[dict[str, Any]], mode: str, key: str, num: Any, den: A
 
 
 def _mid(xs: Iterable[float]) -> float:
-    """the middle of a range, as the README states ranges ("1.23-1.27 x")"""
+    """the middle of a range, as the table states ranges ("1.23-1.27 x")"""
     xs = list(xs)
     return (min(xs) + max(xs)) / 2
 
@@ -1211,12 +1212,12 @@ ROWS: tuple[Row, ...] = (
     ),
 )
 
-# ------------------------------------------------------------------------------ README
+# ------------------------------------------------------------------------------ the table
 
 
-def readme_rows(text: str | None = None) -> list[tuple[str, str, str]]:
-    """(what, figure, command) for each row of the README's "Measured" table."""
-    text = README.read_text() if text is None else text
+def table_rows(text: str | None = None) -> list[tuple[str, str, str]]:
+    """(what, figure, command) for each row of docs/results.md's "Measured" table."""
+    text = RESULTS.read_text() if text is None else text
     start = text.index("\n## Measured") + 1
     rows = []
     for line in text[start:].splitlines()[1:]:
@@ -1382,7 +1383,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title="README figures (benchmarks/figures.py)", show_lines=True)
+    t = Table(title="docs/results.md figures (benchmarks/figures.py)", show_lines=True)
     for col in ("row", "figure", "stated", "measured", "tolerance", "verdict"):
         t.add_column(col, justify="right" if col in ("measured", "tolerance") else "left")
     for r in results:
@@ -1404,7 +1405,7 @@ def print_list() -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title="README figures: the registry (benchmarks/figures.py ROWS)", show_lines=True)
+    t = Table(title="docs/results.md figures: the registry (benchmarks/figures.py ROWS)", show_lines=True)
     for col in ("id", "re-run here", "minutes", "figures", "commands / why not"):
         t.add_column(col)
     for row in ROWS:

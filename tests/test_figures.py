@@ -1,5 +1,5 @@
-"""The README's "Measured" table and ``benchmarks/figures.py`` (``make figures``) cannot drift
-apart (issue 54, item 2): one registry entry per README row, every stated figure verbatim in
+"""docs/results.md's "Measured" table and ``benchmarks/figures.py`` (``make figures``) cannot
+drift apart (issue 54, item 2): one registry entry per table row, every stated figure verbatim in
 its row, a reason wherever a row is not re-run, and every extraction run on the committed
 result it names (nothing is re-run here) and within tolerance of the stated figure, unless the
 registry marks the drift with its reason."""
@@ -7,6 +7,7 @@ registry marks the drift with its reason."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -15,23 +16,23 @@ from benchmarks.figures import ROOT, ROWS
 
 pytestmark = pytest.mark.timeout(60)
 
-README_ROWS = F.readme_rows()
+TABLE_ROWS = F.table_rows()
 
 
 def test_every_readme_row_has_exactly_one_entry():
-    assert len(README_ROWS) >= 25  # the table was found and read
-    for what, _, _ in README_ROWS:
+    assert len(TABLE_ROWS) >= 25  # the table was found and read
+    for what, _, _ in TABLE_ROWS:
         hits = [r.id for r in ROWS if what.startswith(r.what)]
-        assert len(hits) == 1, f"README row {what!r}: entries {hits}"
-    assert len(ROWS) == len(README_ROWS)
+        assert len(hits) == 1, f"results row {what!r}: entries {hits}"
+    assert len(ROWS) == len(TABLE_ROWS)
     assert len({r.id for r in ROWS}) == len(ROWS)
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
 def test_stated_figures_are_verbatim_in_the_row(row):
-    _, figure, _ = F.row_of(row, README_ROWS)
+    _, figure, _ = F.row_of(row, TABLE_ROWS)
     for c in row.checks:
-        assert c.stated in figure, f"{row.id}: {c.stated!r} is not in the README's {figure!r}"
+        assert c.stated in figure, f"{row.id}: {c.stated!r} is not in docs/results.md's {figure!r}"
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
@@ -72,7 +73,7 @@ def test_each_extraction_reads_the_committed_result_and_holds(row, check):
     else:
         assert verdict == "holds", (
             f"{row.id} drifted: {check.figure} reads {measured:.4g} in {path.name} against "
-            f"{check.stated!r} ({check.value:.4g} within {check.tol:.0%}); restate the README "
+            f"{check.stated!r} ({check.value:.4g} within {check.tol:.0%}); restate docs/results.md "
             "or mark the check's drift with its reason"
         )
 
@@ -116,3 +117,35 @@ def test_a_run_of_rows_not_rerunnable_here_writes_the_table_and_json(tmp_path, c
     )
     assert "not re-runnable here" in capsys.readouterr().out
     assert F.main(["--only", "no-such-row", "--json", str(out)]) == 2
+
+
+# ------------------------------------------------------------------ the README's short table
+
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def readme_results() -> list[tuple[str, str, str]]:
+    """(what, figure, details) for each row of the README's "Results" table."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("| ") and not line.startswith(("| what |", "|---")):
+            what, figure, details = (c.strip() for c in line.strip().strip("|").split("|"))
+            rows.append((what, figure, details))
+    return rows
+
+
+def test_the_readme_s_figures_are_the_cited_page_s():
+    """Each figure of the README's short table is stated, number for number, on the page its
+    row cites (docs/results.md, or the page that measured it): the README restates, the page
+    holds the command and the run; a figure changed on one side only fails here."""
+    rows = readme_results()
+    assert len(rows) >= 6
+    for what, figure, details in rows:
+        (page,) = re.findall(r"`(docs/[\w-]+\.md)`", details)
+        text = (ROOT / page).read_text()
+        for number in NUMBER.findall(figure):
+            assert re.search(rf"(?<![\d.]){re.escape(number)}(?![\d]|\.\d)", text), (
+                f"README Results row {what!r}: {number} is not in {page}"
+            )
