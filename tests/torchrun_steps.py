@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-from dataplane.adapter import LearnerBatch
-from echo.config import EchoConfig
-from learner.policy import Policy
+from echo_rl.core.config import EchoConfig
+from echo_rl.data.adapter import LearnerBatch
+from echo_rl.learner.policy import Policy
 
 
 def batch(seed: int, n: int = 16, prompt: int = 4, completion: int = 3) -> LearnerBatch:
@@ -75,7 +75,7 @@ def main(out: str, lora: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    from learner.parallel import exit_rank
+    from echo_rl.learner.parallel import exit_rank
 
     main(sys.argv[1], lora=sys.argv[2:] == ["lora"])
     exit_rank(0)  # as echo-rl learn ends a rank: no finalisation for gloo to abort in
