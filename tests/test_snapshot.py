@@ -2,7 +2,8 @@ import blake3
 import msgpack
 import pytest
 
-from echo_rl.broadcast.manifest import Manifest, parse_base_manifest, parse_manifest
+from echo_rl.broadcast.base_manifest import parse_base_manifest
+from echo_rl.broadcast.manifest import Manifest, parse_manifest
 from echo_rl.broadcast.snapshot import (
     RunKey,
     Snapshot,

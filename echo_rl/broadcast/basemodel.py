@@ -14,7 +14,7 @@ snapshot of its own kind, signed with the run's key and cut into chunks with BLA
     "signature": bytes64,                # Ed25519 over the canonical msgpack of the rest
   }
 
-The declared type is ``echo_rl.broadcast.manifest.BaseManifest`` (its wire map above is written only
+The declared type is ``echo_rl.broadcast.base_manifest.BaseManifest`` (its wire map above is written only
 there). ``kind`` keeps the two apart: a policy manifest has no ``kind`` (and ``check_manifest`` needs
 ``tensors``), so neither verifies as the other. Chunks are requested with form "base" from any
 node holding the whole base (the learner, or a worker that fetched it or found it in its cache),
@@ -37,16 +37,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from echo_rl.broadcast.base_manifest import BaseFile, BaseManifest, parse_base_manifest
 from echo_rl.broadcast.manifest import (
     BASE_KIND,
     BASE_VERSION,
     MAX_BASE_BYTES,
     MAX_FILES,
     NAME,
-    BaseFile,
-    BaseManifest,
     SnapshotError,
-    parse_base_manifest,
     verify_signature,
 )
 from echo_rl.broadcast.snapshot import RunKey, chunk_hashes

@@ -33,6 +33,7 @@ import lz4.block
 import numpy as np
 
 from echo_rl.broadcast.manifest import DTYPE_BYTES, TENSOR_ENCODINGS, TensorEntry
+from echo_rl.core.models import TensorLayout
 from echo_rl.core.spill import drop_pages
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -71,7 +72,7 @@ def _elements(buf: Any, dtype: str, offset: int, nbytes: int) -> np.ndarray[Any,
 
 
 def _encode_tensor(
-    t: dict[str, Any], new: Any, base: Any, stats: DeltaStats, scratch: np.ndarray[Any, Any]
+    t: TensorLayout, new: Any, base: Any, stats: DeltaStats, scratch: np.ndarray[Any, Any]
 ) -> tuple[str, Any]:
     a = _elements(new, t["dtype"], t["offset"], t["nbytes"])
     b = _elements(base, t["dtype"], t["offset"], t["nbytes"])
@@ -101,7 +102,7 @@ def _encode_tensor(
 
 
 def encode(
-    tensors: list[dict[str, Any]], new: Any, base: Any
+    tensors: list[TensorLayout], new: Any, base: Any
 ) -> tuple[list[TensorEntry], bytes, DeltaStats]:
     """Encode ``new`` against ``base`` (both full payloads with the layout ``tensors``, as
     ``echo_rl.core.models.params_to_payload`` gives it).

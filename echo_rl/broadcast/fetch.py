@@ -43,10 +43,11 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.chunk_checks import ChunkChecks, OnHeld
 from echo_rl.broadcast.dialer import Dialer
 from echo_rl.broadcast.dialer import close as close_connection
-from echo_rl.broadcast.manifest import BaseManifest, ChunkLayout, Manifest, SnapshotError
+from echo_rl.broadcast.manifest import ChunkLayout, Manifest, SnapshotError
 from echo_rl.broadcast.shaping import TokenBucket
 from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
 from echo_rl.broadcast.tickets import Source

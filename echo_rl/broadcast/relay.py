@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.dialer import SOCKET_BUFFER, Dialer
 from echo_rl.broadcast.fetch import (
     REQUEST_BYTES,
@@ -35,7 +36,7 @@ from echo_rl.broadcast.fetch import (
     fetch_into,
     stall_bound,
 )
-from echo_rl.broadcast.manifest import BaseManifest, ChunkLayout, Manifest
+from echo_rl.broadcast.manifest import ChunkLayout, Manifest
 from echo_rl.broadcast.memory import keep_chunk_buffers
 from echo_rl.broadcast.shaping import TokenBucket
 from echo_rl.broadcast.source import ChunkServer

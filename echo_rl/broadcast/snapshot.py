@@ -57,6 +57,7 @@ from echo_rl.broadcast.manifest import (
     parse_manifest,
     verify_signature,
 )
+from echo_rl.core.models import TensorLayout
 
 __all__ = [
     "BASE_HASH",
@@ -123,7 +124,7 @@ def build_manifest(
     *,
     run_id: str,
     version: int,
-    tensors: list[dict[str, Any]] | list[TensorEntry],
+    tensors: list[TensorLayout] | list[TensorEntry],
     payload: bytes | bytearray | memoryview,
     chunk_size: int,
     dtype: str,
@@ -140,7 +141,7 @@ def build_manifest(
     hashes = tuple(chunk_hashes(payload, chunk_size))
     if result is None:  # a full snapshot: every tensor sent whole
         entries = tuple(
-            TensorEntry.full(t.to_wire() if isinstance(t, TensorEntry) else t) for t in tensors
+            TensorEntry.full(t.layout() if isinstance(t, TensorEntry) else t) for t in tensors
         )
     else:
         entries = tuple(

@@ -15,7 +15,8 @@ from typing import Any
 
 import blake3
 
-from echo_rl.broadcast.manifest import BaseManifest, ChunkLayout, Manifest
+from echo_rl.broadcast.base_manifest import BaseManifest
+from echo_rl.broadcast.manifest import ChunkLayout, Manifest
 from echo_rl.core.spill import drop_pages
 
 Listener = Callable[[int, int], None]  # (version, chunk index)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import string
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from echo_rl.core.config import ModelConfig
 
@@ -303,9 +303,25 @@ def rounding_seed(run_seed: int, rounding: str, version: int) -> int | None:
     return None
 
 
+class TensorLayout(TypedDict):
+    """One tensor of a payload, as the tensor index lists it: its name, dtype and shape, where
+    its bytes sit in the full payload (``offset``, ``nbytes``) and, once a manifest carries it
+    (``echo_rl.broadcast.manifest.TensorEntry``), its encoding's slice of the payload sent
+    (``enc``, ``doff``, ``dlen``; echo_rl/broadcast/delta.py)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+    enc: NotRequired[str]
+    doff: NotRequired[int]
+    dlen: NotRequired[int]
+
+
 def params_to_payload(
     named: Iterable[tuple[str, Any]], dtype: str, seed: int | None = None
-) -> tuple[list[dict[str, Any]], bytes]:
+) -> tuple[list[TensorLayout], bytes]:
     """Tensors as one contiguous byte stream in ``dtype`` plus a tensor index.
 
     Pass ``model.named_parameters()`` (it lists a tied weight once, so tied embeddings travel
@@ -314,7 +330,9 @@ def params_to_payload(
     """
     import torch
 
-    index, parts, offset = [], [], 0
+    index: list[TensorLayout] = []
+    parts: list[bytes] = []
+    offset = 0
     with torch.no_grad():
         for i, (name, p) in enumerate(named):
             # cast on the device (halves the copy for bf16), then to host memory
@@ -337,14 +355,15 @@ def params_to_payload(
 
 def params_to_spill(
     named: Iterable[tuple[str, Any]], dtype: str, directory: Path, seed: int | None = None
-) -> tuple[list[dict[str, Any]], Any]:
+) -> tuple[list[TensorLayout], Any]:
     """``params_to_payload`` written tensor by tensor to a spill file (echo_rl.core.spill) and mapped
     read-only: the payload never exists whole in RAM (docs/memory.md)."""
     import torch
 
     from echo_rl.core.spill import SpillWriter
 
-    index, offset = [], 0
+    index: list[TensorLayout] = []
+    offset = 0
     writer = SpillWriter(directory)
     try:
         with torch.no_grad():
@@ -369,7 +388,7 @@ def params_to_spill(
     return index, writer.finish()
 
 
-def install_payload(model: Any, index: list[dict[str, Any]], payload: bytes | bytearray) -> None:
+def install_payload(model: Any, index: list[TensorLayout], payload: bytes | bytearray) -> None:
     """Copy a snapshot payload into the model's parameters (shapes and names must match); into
     its LoRA adapter's parameters when ``model`` is a peft model (``echo_rl.core.lora``)."""
     import torch

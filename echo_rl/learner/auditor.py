@@ -43,13 +43,16 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.steprow import StepRow
 from echo_rl.data.answers import answer_bias
 from echo_rl.learner.intake import AuditJob
 from echo_rl.learner.reputation import Verdict
+
+if TYPE_CHECKING:
+    from echo_rl.core.models import TensorLayout
 
 log = logging.getLogger("echo.auditor")
 
@@ -116,7 +119,7 @@ class Auditor:
         self.is_quarantined = is_quarantined
         self.tol, self.alpha, self.clip = sc.audit_logprob_tol, sc.audit_alpha, sc.audit_clip
         self.keep = cfg.learner.staleness + 2  # every version a record may still claim
-        self._snapshots: OrderedDict[int, tuple[list[dict[str, Any]], bytes]] = OrderedDict()
+        self._snapshots: OrderedDict[int, tuple[list[TensorLayout], bytes]] = OrderedDict()
         self._jobs: deque[AuditJob] = deque()
         self._max_jobs = sc.audit_queue
         self._lock = threading.Lock()
@@ -131,7 +134,7 @@ class Auditor:
 
     # ------------------------------------------------------------------ inputs (any thread)
 
-    def add_snapshot(self, version: int, tensors: list[dict[str, Any]], payload: bytes) -> None:
+    def add_snapshot(self, version: int, tensors: list[TensorLayout], payload: bytes) -> None:
         with self._lock:
             # a spilled payload (echo_rl.core.spill) is a read-only map already: kept as it is
             self._snapshots[version] = (
@@ -283,7 +286,7 @@ class Auditor:
             )
 
     def token_stats(
-        self, version: int, snap: tuple[list[dict[str, Any]], bytes], records: list[Any]
+        self, version: int, snap: tuple[list[TensorLayout], bytes], records: list[Any]
     ) -> list[TokenStats]:
         import torch
 

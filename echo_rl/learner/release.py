@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from echo_rl.broadcast.manifest import BaseManifest
+from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.snapshot import RunKey, Snapshot
 from echo_rl.broadcast.versions import VersionEncoder
 from echo_rl.core.config import EchoConfig, LearnerConfig

@@ -15,8 +15,9 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
+from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.coordinator import Coordinator
-from echo_rl.broadcast.manifest import BaseManifest, Manifest
+from echo_rl.broadcast.manifest import Manifest
 from echo_rl.broadcast.nat.links import plain
 from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.broadcast.store import SnapshotStore

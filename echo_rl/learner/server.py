@@ -30,8 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.coordinator import Coordinator
-from echo_rl.broadcast.manifest import BaseManifest
 from echo_rl.broadcast.nat.reflect import Reflector
 from echo_rl.broadcast.snapshot import RunKey, Snapshot
 from echo_rl.broadcast.source import ChunkServer

@@ -26,9 +26,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.basemodel import BaseCache
 from echo_rl.broadcast.fetch import SourceFailed
-from echo_rl.broadcast.manifest import BaseManifest
 from echo_rl.broadcast.relay import Relay
 from echo_rl.broadcast.tickets import Source
 

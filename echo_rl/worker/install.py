@@ -16,9 +16,10 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
+from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.basemodel import verify_base_manifest
 from echo_rl.broadcast.fetch import FetchStats
-from echo_rl.broadcast.manifest import BaseManifest, Manifest
+from echo_rl.broadcast.manifest import Manifest
 from echo_rl.broadcast.memory import trim
 from echo_rl.broadcast.relay import Relay
 from echo_rl.broadcast.snapshot import SnapshotError, verify_manifest

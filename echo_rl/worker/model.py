@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from echo_rl.broadcast.manifest import BaseManifest
+from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.core.config import LoraConfig, ModelConfig
 from echo_rl.data.adapter import Adapter, load_adapter
 from echo_rl.data.answers import check_answer_tokens

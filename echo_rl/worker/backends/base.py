@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from echo_rl.core import wire
+from echo_rl.core.models import TensorLayout
 
 
 @dataclass
@@ -118,7 +119,7 @@ class Backend(ABC):
 
     @abstractmethod
     def install(
-        self, tensors: list[dict[str, Any]], payload: bytes | bytearray, version: int = -1
+        self, tensors: list[TensorLayout], payload: bytes | bytearray, version: int = -1
     ) -> None:
         """Load a verified snapshot's full payload; ``version`` is the snapshot's version."""
 

@@ -32,7 +32,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from echo_rl.core.models import TensorLayout
 
 ALIGN = 64  # bytes: a cache line, and a multiple of every dtype's element size
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DistributedDataParallel
@@ -70,8 +71,8 @@ def engine_name(name: str) -> str:
 
 
 def map_names(
-    index: list[dict[str, Any]], tied: bool, expected: set[str] | None = None
-) -> list[tuple[dict[str, Any], str]]:
+    index: list[TensorLayout], tied: bool, expected: set[str] | None = None
+) -> list[tuple[TensorLayout, str]]:
     """(index entry, engine name) for every tensor the engine must load.
 
     ``expected`` is the checkpoint's name set (``checkpoint_names``); when given, the snapshot
@@ -137,7 +138,7 @@ def aligned(n: int) -> int:
 
 
 def build_layout(
-    index: list[dict[str, Any]], tied: bool, expected: set[str] | None = None
+    index: list[TensorLayout], tied: bool, expected: set[str] | None = None
 ) -> tuple[list[Entry], int]:
     """Where each tensor lies in the shared file, and the file's size."""
     entries, offset = [], 0

@@ -22,6 +22,7 @@ from echo_rl.core import wire
 from echo_rl.core.config import LoraConfig, ModelConfig
 from echo_rl.core.lora import adapter_parameters, load_policy_model
 from echo_rl.core.models import (
+    TensorLayout,
     bf16_compute,
     install_payload,
     load_tokenizer,
@@ -136,7 +137,7 @@ class TransformersBackend(Backend):
         return held[1]
 
     def install(
-        self, tensors: list[dict[str, Any]], payload: bytes | bytearray, version: int = -1
+        self, tensors: list[TensorLayout], payload: bytes | bytearray, version: int = -1
     ) -> None:
         install_payload(self.model, tensors, payload)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from echo_rl.core import wire
 from echo_rl.core.config import ModelConfig
-from echo_rl.core.models import engine_model_dir, load_tokenizer, vocab_size_of_folder
+from echo_rl.core.models import TensorLayout, engine_model_dir, load_tokenizer, vocab_size_of_folder
 from echo_rl.worker.backends.base import (
     Backend,
     Sample,
@@ -179,7 +179,7 @@ class VLLMBackend(Backend):
             self._refit(*pending)
 
     def install(
-        self, tensors: list[dict[str, Any]], payload: bytes | bytearray, version: int = -1
+        self, tensors: list[TensorLayout], payload: bytes | bytearray, version: int = -1
     ) -> None:
         entries, size = build_layout(tensors, self.tied, self.expected)
         if self.asleep:
