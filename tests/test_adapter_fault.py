@@ -13,22 +13,28 @@ from test_control import ctx  # noqa: F401 (fixture)
 from test_trust import trusting  # noqa: F401 (fixture)
 
 from echo_rl.core import wire
-from echo_rl.data.episodes import EpisodeSample
+from echo_rl.data.episodes import EpisodeAdapter, EpisodeSample
 from echo_rl.worker.scoring import AdapterFault, generate_and_score
 from echo_rl.worker.session import WorkerError
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class Game:
+class Game(EpisodeAdapter):
     """A multi-turn adapter whose episodes are ``length`` tokens long."""
 
     name = "mastermind-lite"
-    multi_turn = True
     max_completion_tokens = 48
 
     def __init__(self, length: int):
+        super().__init__({}, None)
         self.length = length
+
+    def prompts(self, rng):
+        raise NotImplementedError  # a worker never draws prompts
+
+    def episode(self, task, seed, sample_idx):
+        raise NotImplementedError  # rollout below plays every episode
 
     def rollout(self, groups, generate):
         n = self.length

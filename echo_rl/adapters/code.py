@@ -29,11 +29,14 @@ import re
 import string
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.data.adapter import Adapter, AdapterError, Prompt
 from echo_rl.data.multiturn import render_ids
 from echo_rl.data.sandbox import Limits, SandboxError, call_entry
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,7 @@ class CodeAdapter(Adapter):
     name = "code"
     expensive_reward = True  # the learner audits a sample of rewards, off its step
 
-    def __init__(self, options: dict[str, Any], tokenizer: Any):
+    def __init__(self, options: dict[str, Any], tokenizer: PreTrainedTokenizerBase):
         super().__init__(options, tokenizer)
         unknown = set(self.options) - OPTIONS
         if unknown:

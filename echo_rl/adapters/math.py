@@ -38,11 +38,14 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.adapters.mathcheck import MathChecker, extract_answer
 from echo_rl.data.adapter import Adapter, AdapterError, Prompt
 from echo_rl.data.multiturn import render_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _OPTIONS = {
     "path",
@@ -58,7 +61,9 @@ _OPTIONS = {
 
 
 def encode_chat(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template, as a plain list."""
     return render_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt)
@@ -98,7 +103,7 @@ def read_jsonl(
 class MathAdapter(Adapter):
     name = "math"
 
-    def __init__(self, options: dict[str, Any], tokenizer: Any):
+    def __init__(self, options: dict[str, Any], tokenizer: PreTrainedTokenizerBase):
         super().__init__(options, tokenizer)
         import importlib.util
 

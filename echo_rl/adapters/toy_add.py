@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.data.adapter import Adapter, AdapterError, Prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 HELDOUT_SEED = 20261126  # which pairs ``heldout`` sets aside: fixed, so every run agrees
 
@@ -41,7 +44,7 @@ HELDOUT_SEED = 20261126  # which pairs ``heldout`` sets aside: fixed, so every r
 class ToyAddAdapter(Adapter):
     name = "toy-add"
 
-    def __init__(self, options: dict[str, Any], tokenizer: Any):
+    def __init__(self, options: dict[str, Any], tokenizer: PreTrainedTokenizerBase):
         super().__init__(options, tokenizer)
         unknown = set(self.options) - {"max_sum", "heldout", "short_tokens", "long_share"}
         if unknown:

@@ -29,6 +29,7 @@ from echo_rl.core.config import LoraConfig
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 
 def is_adapter_name(name: str) -> bool:
@@ -130,7 +131,10 @@ def base_problem(version: int, want: str | None, held: str | None, model_name: s
 
 
 def load_policy_model(
-    model_cfg: Any, lora: LoraConfig | None, tokenizer: Any, dtype: str = "float32"
+    model_cfg: Any,
+    lora: LoraConfig | None,
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: str = "float32",
 ) -> tuple[Any, str | None]:
     """The model versions install into: the base model, wrapped with an (untrained) adapter
     when ``lora`` is enabled; and the base's content hash (None without LoRA)."""

@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from echo_rl.core.config import ModelConfig
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 if TYPE_CHECKING:  # torch and transformers load late: entry points must start instantly
     import torch
 
@@ -103,7 +106,7 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     return tok
 
 
-def tiny_config(cfg: ModelConfig, tokenizer: Any) -> Any:
+def tiny_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
     from transformers import Qwen3Config
 
     return Qwen3Config(
@@ -122,7 +125,7 @@ def tiny_config(cfg: ModelConfig, tokenizer: Any) -> Any:
     )
 
 
-def load_model(cfg: ModelConfig, tokenizer: Any, dtype: str = "float32") -> Any:
+def load_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: str = "float32") -> Any:
     """A causal LM on CPU in ``dtype``: random init (seeded) for tiny, weights from disk else."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3ForCausalLM

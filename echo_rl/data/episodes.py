@@ -38,6 +38,9 @@ from echo_rl.data.advantages import batch_advantages
 from echo_rl.data.records import Record
 from echo_rl.data.rules import derived_seed
 
+if TYPE_CHECKING:
+    from echo_rl.data.adapter import Adapter
+
 if TYPE_CHECKING:  # annotations only: importing the API does not import torch
     from torch import Tensor
 
@@ -215,7 +218,7 @@ def decision_cut(backend: Any, max_new_tokens: int) -> Callable[[list[int]], boo
     return lambda ids: bool(ids) and len(ids) >= max_new_tokens and ids[-1] != eos
 
 
-def episode_cut(sample: Any, adapter: Any) -> bool:
+def episode_cut(sample: Any, adapter: Adapter) -> bool:
     """An episode stopped at a limit (the step row's completions_cut): marked ``cut`` (by the
     adapter, or by ``drive`` for a decision cut short), or its transcript fills the adapter's
     ``max_completion_tokens``."""

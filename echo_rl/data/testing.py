@@ -29,6 +29,9 @@ from echo_rl.data.adapter import Adapter, AdapterError, Prompt
 from echo_rl.data.episodes import EpisodeAdapter, EpisodeSample
 from echo_rl.data.rules import derived_seed
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 if TYPE_CHECKING:  # annotations only: importing this module does not import transformers
     from transformers import PreTrainedTokenizerFast
 
@@ -132,7 +135,12 @@ class PolicyBackend:
     episode that never ends fails the test instead of hanging it."""
 
     def __init__(
-        self, policy: Policy, tokenizer: Any, *, logprob: float = -0.5, max_decisions: int = 64
+        self,
+        policy: Policy,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        logprob: float = -0.5,
+        max_decisions: int = 64,
     ):
         """``tokenizer``: the adapter's (the worker's model has the same one)."""
         self.policy = policy
@@ -156,7 +164,7 @@ class PolicyBackend:
         for slot, g in enumerate(groups):
             turn = Turn(
                 list(g.prompt_ids),
-                self.tokenizer.decode(g.prompt_ids, skip_special_tokens=False),
+                str(self.tokenizer.decode(g.prompt_ids, skip_special_tokens=False)),
                 self.calls,
                 slot,
                 g.seed,

@@ -52,6 +52,8 @@ from echo_rl.learner.intake import AuditJob
 from echo_rl.learner.reputation import Verdict
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from echo_rl.core.models import TensorLayout
 
 log = logging.getLogger("echo.auditor")
@@ -99,7 +101,7 @@ class Auditor:
     def __init__(
         self,
         cfg: EchoConfig,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         report: Callable[[Verdict], None],
         is_quarantined: Callable[[str], bool] = lambda w: False,
         answer_tokens: tuple[int, ...] | None = None,

@@ -11,7 +11,10 @@ import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from echo_rl.data.adapter import Adapter
 
 SPLITS = ("auto", "train", "heldout")
 BATCH = 16  # prompts per generate call
@@ -170,7 +173,7 @@ def _best(run_dir: Path) -> Policy:
 
 
 def eval_prompts(
-    adapter: Any, split: str, n: int, seed: int, name: str = ""
+    adapter: Adapter, split: str, n: int, seed: int, name: str = ""
 ) -> tuple[list[Any], str]:
     """Up to ``n`` prompts of ``split`` and the split actually used (``auto``: heldout when
     the adapter declares one, else train)."""
@@ -269,7 +272,7 @@ def _load(model: Any, sd: dict[str, Any], policy: Policy) -> Any:
 
 def score(
     backend: Any,
-    adapter: Any,
+    adapter: Adapter,
     prompts: list[Any],
     samples: int,
     max_new: int,
@@ -307,11 +310,11 @@ def seeded_groups(prompts: list[Any], samples: int, seed: int, prefix: str) -> l
 
 
 def _rewards(
-    backend: Any, adapter: Any, groups: list[Any], max_new: int, temperature: float
+    backend: Any, adapter: Adapter, groups: list[Any], max_new: int, temperature: float
 ) -> list[list[float]]:
-    if getattr(adapter, "multi_turn", False):
-        from echo_rl.data.episodes import backend_generate_fn
+    from echo_rl.data.episodes import EpisodeAdapter, backend_generate_fn
 
+    if isinstance(adapter, EpisodeAdapter):
         gen = backend_generate_fn(backend, max_new, temperature, groups[0].seed)
         return [[float(ep.reward) for ep in eps] for eps in adapter.rollout(groups, gen)]
     tok = backend.tokenizer

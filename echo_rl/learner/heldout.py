@@ -29,11 +29,14 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from echo_rl.core.config import HeldoutConfig
 from echo_rl.learner.checkpoint import best_checkpoint, keep_best
 from echo_rl.learner.evaluation import HeldoutScore
+
+if TYPE_CHECKING:
+    from echo_rl.data.adapter import Adapter
 
 log = logging.getLogger("echo.learner")
 
@@ -41,7 +44,7 @@ RESULTS_KEPT = 64  # scores waiting for the step loop; the oldest go first (one 
 
 
 def open_heldout(
-    hc: HeldoutConfig, run_dir: Path, max_steps: int, adapter: Any, steps: int
+    hc: HeldoutConfig, run_dir: Path, max_steps: int, adapter: Adapter, steps: int
 ) -> HeldoutEval | None:
     """The evaluator for this run, or None when ``learner.heldout.every`` is 0 or the adapter
     declares no held-out split (said in the log: the run trains without it)."""

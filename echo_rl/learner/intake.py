@@ -34,7 +34,7 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.data.records import Limits, Record, RecordError, parse_record
 from echo_rl.learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
@@ -44,6 +44,9 @@ from echo_rl.learner.handback import expand
 from echo_rl.learner.reputation import Reputation, Verdict
 from echo_rl.learner.reward_audit import RewardAuditor, RewardJob
 from echo_rl.learner.work import WorkQueue
+
+if TYPE_CHECKING:
+    from echo_rl.data.adapter import Adapter
 
 log = logging.getLogger("echo.intake")
 
@@ -143,7 +146,7 @@ class Intake:
         work: WorkQueue,
         reputation: Reputation,
         buffer_log: BufferLog | None = None,
-        adapter: Any = None,
+        adapter: Adapter | None = None,
         audit: Callable[[AuditJob], None] | None = None,
         audit_rate: float = 0.0,
         probation_groups: int = 0,

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.broadcast.store import SnapshotStore
@@ -39,6 +39,9 @@ from echo_rl.learner.staleness import Staleness
 from echo_rl.learner.work import WorkQueue
 from echo_rl.provisioning.controller import Controller
 
+if TYPE_CHECKING:
+    from echo_rl.data.adapter import Adapter
+
 log = logging.getLogger("echo.control")
 
 
@@ -53,7 +56,7 @@ class Inputs:
     work: WorkQueue
     limits: Limits
     buffer_log: BufferLog | None
-    adapter: Any  # recomputes rewards (None: no recomputation, for protocol tests)
+    adapter: Adapter | None  # recomputes rewards (None: no recomputation, for protocol tests)
     audit: Callable[[AuditJob], None] | None  # where groups chosen for audit go
     step: Callable[[], int]  # the learner's current step, for the security files
 
@@ -247,12 +250,12 @@ def build_parts(
     )
 
 
-def _reward_auditor(cfg: EchoConfig, adapter: Any) -> RewardAuditor | None:
+def _reward_auditor(cfg: EchoConfig, adapter: Adapter | None) -> RewardAuditor | None:
     """The thread that recomputes a sample of an expensive reward (echo_rl.learner.reward_audit);
     None for an adapter whose reward the learner recomputes inline, or cannot. Its verdicts
     go to the server's loop: the server wires ``report`` and starts it."""
     sc = cfg.security
-    if not getattr(adapter, "expensive_reward", False) or sc.expensive_reward_check == "every":
+    if adapter is None or not adapter.expensive_reward or sc.expensive_reward_check == "every":
         return None
     return RewardAuditor(adapter, sc.audit_queue, _unwired_report)
 

@@ -29,10 +29,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.data.records import Record
 from echo_rl.learner.reputation import Verdict
+
+if TYPE_CHECKING:
+    from echo_rl.data.adapter import Adapter
 
 log = logging.getLogger("echo.reward_audit")
 
@@ -47,7 +50,7 @@ class RewardJob:
 
 
 class RewardAuditor:
-    def __init__(self, adapter: Any, max_jobs: int, report: Callable[[Verdict], None]):
+    def __init__(self, adapter: Adapter, max_jobs: int, report: Callable[[Verdict], None]):
         self.adapter, self.max_jobs, self.report = adapter, max_jobs, report
         self._jobs: deque[RewardJob] = deque()
         self._cv = threading.Condition()
@@ -136,6 +139,7 @@ class RewardAuditor:
 
     def _score(self, task: dict[str, Any], r: Record) -> float:
         text = self.adapter.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence decodes to one string
         return float(self.adapter.reward(task, r.completion_ids, text))
 
 

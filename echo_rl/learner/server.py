@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.coordinator import Coordinator
@@ -55,6 +55,9 @@ from echo_rl.learner.reputation import Verdict
 from echo_rl.learner.verify import Verifier
 from echo_rl.learner.work import WorkQueue
 
+if TYPE_CHECKING:
+    from echo_rl.data.adapter import Adapter
+
 log = logging.getLogger("echo.control")
 
 # How long the trainer's thread waits for the loop to store a version or answer a stats call
@@ -75,7 +78,7 @@ class LearnerServer:
         limits: Limits,
         buffer_log: BufferLog | None = None,
         run_dir: Path | None = None,
-        adapter: Any = None,
+        adapter: Adapter | None = None,
         audit: Callable[[AuditJob], None] | None = None,
         step: Callable[[], int] = lambda: 0,
     ):

@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.core.config import EchoConfig, ListenPorts
 from echo_rl.core.metrics import LearnerMetrics
@@ -17,6 +17,11 @@ from echo_rl.core.procs import READY_PREFIX
 from echo_rl.core.steprow import StepRow
 from echo_rl.learner.listen import port_taken
 from echo_rl.learner.server import LearnerServer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from echo_rl.data.adapter import Adapter
 
 log = logging.getLogger("echo.learner")
 
@@ -138,7 +143,9 @@ def say_config(cfg: EchoConfig) -> str:
     return line
 
 
-def say_length_fit(cfg: EchoConfig, adapter: Any, tokenizer: Any, model: Any) -> str:
+def say_length_fit(
+    cfg: EchoConfig, adapter: Adapter, tokenizer: PreTrainedTokenizerBase, model: Any
+) -> str:
     """A warning, in the log and returned, when the task's sequences outgrow the positions
     the model was built for (issue 56: a 70-token episode on a 64-position model started
     without a word); "" when they fit. Prompts: the first 64 the adapter draws (a private

@@ -230,11 +230,13 @@ class Generation:
         # an episode's stats and cut, to a learner that admits them (an older one refuses
         # unknown fields, and a refused record would count against this worker)
         shown = self.session.view.get("episode_stats") is True
+        adapter = self.held.adapter
+        assert adapter is not None  # groups were generated: a model and its adapter are held
         records = [
             {
                 **record(g, i, s, r, wid, gen_s, version),
                 **(
-                    episode_fields(s, self.held.adapter)
+                    episode_fields(s, adapter)
                     if shown and getattr(s, "loss_mask", None) is not None
                     else {}
                 ),

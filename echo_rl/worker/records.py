@@ -7,12 +7,15 @@ hand-back of cut samples (docs/preemption.md).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.core import wire
 from echo_rl.data.episodes import episode_cut
 from echo_rl.data.records import MAX_STATS, episode_stats
 from echo_rl.worker.backends import Sample
+
+if TYPE_CHECKING:
+    from echo_rl.data.adapter import Adapter
 
 log = logging.getLogger("echo.worker")
 
@@ -129,7 +132,7 @@ def record(
     }
 
 
-def episode_fields(s: Any, adapter: Any) -> dict[str, Any]:
+def episode_fields(s: Any, adapter: Adapter) -> dict[str, Any]:
     """A multi-turn record's shown-only fields: ``cut`` (``echo_rl.data.episodes.episode_cut``)
     and ``stats``, the numbers of the episode's ``info`` that may travel. A number that may
     not (a name that is no short identifier, NaN or inf, past 1e15, past the 16th) stays here

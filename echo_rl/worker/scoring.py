@@ -10,27 +10,31 @@ still running come back unscored, to be carried into the next rollout (echo_rl/w
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.core import wire
 from echo_rl.worker.backends import Backend, Sample
 from echo_rl.worker.records import cut_episodes
 from echo_rl.worker.session import WorkerError
 
+if TYPE_CHECKING:
+    from echo_rl.data.adapter import Adapter
+
 Scored = list[list[tuple[Sample, float]]]  # per group: its samples and their rewards
 
 
 def generate_and_score(
     backend: Backend,
-    adapter: Any,
+    adapter: Adapter,
     wv: dict[str, Any],
     cut: threading.Event,
     groups: list[wire.Group],
 ) -> Scored:
     """Samples and rewards per group, under ``wv`` (the run's ``[worker]`` view)."""
-    if getattr(adapter, "multi_turn", False):
+    from echo_rl.data.episodes import Cut, EpisodeAdapter, backend_generate_fn
+
+    if isinstance(adapter, EpisodeAdapter):
         # Episodes: one generation per decision, played by the adapter's environment.
-        from echo_rl.data.episodes import Cut, backend_generate_fn
 
         gen = backend_generate_fn(
             backend,
@@ -71,7 +75,7 @@ class AdapterFault(WorkerError):
     count against it (issue 56: over-long episodes had both honest workers banned)."""
 
 
-def check_episode_lengths(adapter: Any, out: Any, max_new_tokens: int) -> None:
+def check_episode_lengths(adapter: Adapter, out: Any, max_new_tokens: int) -> None:
     """Every episode within what the learner admits: ``max(worker.max_new_tokens,
     max_completion_tokens)`` tokens (echo_rl/learner/main.py builds its limits the same way)."""
     bound = getattr(adapter, "max_completion_tokens", 0)
@@ -99,7 +103,7 @@ def tail_share(value: Any) -> float:
 
 
 def _scored(
-    adapter: Any, tok: Any, g: wire.Group, samples: list[Sample]
+    adapter: Adapter, tok: Any, g: wire.Group, samples: list[Sample]
 ) -> list[tuple[Sample, float]]:
     return [
         (

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.adapters.poker.game import (
     LETTER_FORMATS,
@@ -63,6 +63,9 @@ from echo_rl.adapters.poker.render import FORMATS, action_text, render, result_t
 from echo_rl.data.adapter import AdapterError, Prompt
 from echo_rl.data.episodes import Episode, EpisodeAdapter, EpisodeSample
 from echo_rl.data.multiturn import ChatBuilder, ChatFormat, Transcript
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _DEFAULTS: dict[str, Any] = {
     "seats": 2,
@@ -103,7 +106,7 @@ def _mix(*xs: int) -> int:
 class PokerAdapter(EpisodeAdapter):
     name = "poker"
 
-    def __init__(self, options: dict[str, Any], tokenizer: Any):
+    def __init__(self, options: dict[str, Any], tokenizer: PreTrainedTokenizerBase):
         super().__init__(options, tokenizer)
         from echo_rl.core.extras import MissingExtra, require
 
@@ -185,7 +188,9 @@ class PokerAdapter(EpisodeAdapter):
         self._max_new = 64
         self.stats = {"episodes": 0, "decisions": 0, "invalid_actions": 0, "forced": 0}
 
-    def _answer_tokens(self, letters: str, tokenizer: Any) -> tuple[int, ...] | None:
+    def _answer_tokens(
+        self, letters: str, tokenizer: PreTrainedTokenizerBase
+    ) -> tuple[int, ...] | None:
         """The token ids of ``answer_letters`` (None when empty): one token per letter."""
         if not letters:
             return None

@@ -27,7 +27,10 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from echo_rl.data.adapter import Adapter
 
 COLUMNS = [
     ("Rule-based1", "tag"),
@@ -66,7 +69,7 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
 
 
 def play_column(
-    adapter: Any, opponent: str, hands: int, seed: int, generate: Any, batch: int
+    adapter: Adapter, opponent: str, hands: int, seed: int, generate: Any, batch: int
 ) -> dict[str, Any]:
     from types import SimpleNamespace
 

@@ -24,13 +24,16 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.adapters.poker.game import TableConfig, TurnLog, play_hand
 from echo_rl.adapters.poker.players import make_player
 from echo_rl.adapters.poker.render import render, result_text, system_prompt
 from echo_rl.data.episodes import EpisodeRecord, EpisodeSample
 from echo_rl.data.multiturn import ChatFormat, assistant_mask, render_ids, turn_indices
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def hand_entry(turns: Sequence[TurnLog], result: str, net: int, invalid: int) -> dict[str, Any]:
@@ -62,7 +65,7 @@ def episode_return(log: dict[str, Any], unit: float = 2.0, invalid_penalty: floa
 
 
 def sample_from_log(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     log: dict[str, Any],
     *,
     fmt: ChatFormat | None = None,
@@ -151,7 +154,7 @@ def simulate_logs(
 
 
 def records_from_logs(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     logs: Sequence[dict[str, Any]],
     group_size: int,
     *,

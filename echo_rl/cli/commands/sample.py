@@ -26,7 +26,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from echo_rl.data.adapter import Adapter
 
 
 def sample(
@@ -70,7 +73,7 @@ def sample(
 
 
 def _completions(
-    adapter: Any, backend: Any, groups: list[Any], max_new: int, temp: float
+    adapter: Adapter, backend: Any, groups: list[Any], max_new: int, temp: float
 ) -> list[dict[str, Any]]:
     tok = backend.tokenizer
     rows = []
@@ -93,7 +96,7 @@ def _completions(
 
 
 def _episodes(
-    adapter: Any, backend: Any, groups: list[Any], max_new: int, temp: float
+    adapter: Adapter, backend: Any, groups: list[Any], max_new: int, temp: float
 ) -> list[dict[str, Any]]:
     from echo_rl.data.episodes import backend_generate_fn, episode_cut
     from echo_rl.data.records import episode_stats

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
 
 
 class Parallel(ABC):
@@ -37,10 +40,10 @@ class Parallel(ABC):
         return idx[self.rank :: self.world]
 
     @abstractmethod
-    def full_state(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
+    def full_state(self, model: Any, optimizer: Optimizer) -> tuple[dict, dict]:
         """Unsharded model and optimizer state on rank 0 (a collective: all ranks call it)."""
 
-    def live_state(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
+    def live_state(self, model: Any, optimizer: Optimizer) -> tuple[dict, dict]:
         """``full_state`` for a caller that copies it to host memory itself (the release
         thread's ``HostMirror``, into pinned buffers it reuses): where no gather is needed, the
         live tensors, on their device, with no copy. Default: ``full_state``."""
@@ -48,7 +51,7 @@ class Parallel(ABC):
 
     @abstractmethod
     def load_state(
-        self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict, strict: bool = True
+        self, model: Any, optimizer: Optimizer, model_sd: dict, optim_sd: dict, strict: bool = True
     ) -> None:
         """Load rank 0's unsharded state into every rank (a collective). ``strict`` False:
         ``model_sd`` may hold only some of the model's tensors (a LoRA adapter's)."""

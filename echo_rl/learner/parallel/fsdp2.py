@@ -9,7 +9,7 @@ trainer scales each rank's loss to make the average equal the single-process los
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from echo_rl.learner.parallel.base import Parallel
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
 
 
 class FSDP2(Parallel):
@@ -45,13 +48,13 @@ class FSDP2(Parallel):
         fully_shard(model, **opts)
         return model
 
-    def full_state(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
+    def full_state(self, model: Any, optimizer: Optimizer) -> tuple[dict, dict]:
         return get_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
 
     def load_state(
-        self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict, strict: bool = True
+        self, model: Any, optimizer: Optimizer, model_sd: dict, optim_sd: dict, strict: bool = True
     ) -> None:
         set_state_dict(
             model,

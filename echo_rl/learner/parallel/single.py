@@ -8,11 +8,14 @@ asks. The hooks are plain closures, so the reference model's ``deepcopy`` carrie
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from echo_rl.learner.parallel.base import Parallel
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
 
 
 class Single(Parallel):
@@ -27,15 +30,15 @@ class Single(Parallel):
             autocast_forward(model, self.device.type, torch.bfloat16)
         return model
 
-    def live_state(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
+    def live_state(self, model: Any, optimizer: Optimizer) -> tuple[dict, dict]:
         return model.state_dict(), optimizer.state_dict()
 
-    def full_state(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
+    def full_state(self, model: Any, optimizer: Optimizer) -> tuple[dict, dict]:
         # host copies: checkpoints and snapshots are built in host memory (a no-op on the CPU)
         return to_cpu(model.state_dict()), to_cpu(optimizer.state_dict())
 
     def load_state(
-        self, model: Any, optimizer: Any, model_sd: dict, optim_sd: dict, strict: bool = True
+        self, model: Any, optimizer: Optimizer, model_sd: dict, optim_sd: dict, strict: bool = True
     ) -> None:
         model.load_state_dict(
             model_sd, strict=strict

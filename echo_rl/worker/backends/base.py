@@ -14,10 +14,13 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from echo_rl.core import wire
 from echo_rl.core.models import TensorLayout
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -108,7 +111,7 @@ def regroup(groups: list[wire.Group], rows: list[Row], samples: list[Sample]) ->
 
 
 class Backend(ABC):
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     vocab_size: int
     # A LoRA run's backend: the content hash of the base model it holds (echo_rl/core/lora.py), which
     # every version's manifest must name. None: versions are whole models.
