@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from echo_rl.worker.multirun import RunSpec
 
 
@@ -254,7 +256,7 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _logging(args: argparse.Namespace, live: bool, console: Any) -> None:
+def _logging(args: argparse.Namespace, live: bool, console: Console) -> None:
     import logging
 
     if live:  # log lines scroll above the live view instead of tearing it
@@ -338,7 +340,7 @@ def _leave_now(code: int) -> None:
     os._exit(code)
 
 
-def _summary(console: Any, board: Any) -> None:
+def _summary(console: Console, board: Any) -> None:
     from echo_rl.worker.status import table
 
     console.print(table(board.doc, title=f"echo-worker {board.doc.worker_id}: summary"))

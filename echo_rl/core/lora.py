@@ -37,11 +37,20 @@ def is_adapter_name(name: str) -> bool:
     return any(part.startswith("lora_") for part in name.split("."))
 
 
-def is_peft(model: Any) -> bool:
+def is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def adapter_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
+def base_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a peft wrapper holds (its base, with the LoRA layers in place), else the model
+    itself. Checked by duck type: importing peft is left to the runs that use it."""
+    if not is_peft(model):
+        return model
+    inner: torch.nn.Module = model.get_base_model()  # type: ignore[operator]
+    return inner
+
+
+def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The adapter's parameters by name, in the model's order: what a version carries."""
     return {n: p for n, p in model.named_parameters() if is_adapter_name(n)}
 
@@ -59,7 +68,7 @@ def peft_config(cfg: LoraConfig) -> Any:
     )
 
 
-def wrap(model: Any, cfg: LoraConfig) -> Any:
+def wrap(model: torch.nn.Module, cfg: LoraConfig) -> Any:
     """``model`` (frozen) with a LoRA adapter on ``cfg.target_modules``: a peft model whose only
     trainable parameters are the adapter's."""
     from peft import get_peft_model
@@ -78,7 +87,7 @@ def wrap(model: Any, cfg: LoraConfig) -> Any:
         ) from None
 
 
-def linear_names(model: Any) -> list[str]:
+def linear_names(model: torch.nn.Module) -> list[str]:
     """The distinct last names of the model's linear layers (what target_modules may name)."""
     import torch
 
@@ -87,7 +96,7 @@ def linear_names(model: Any) -> list[str]:
     )
 
 
-def base_hash(model: Any) -> str:
+def base_hash(model: torch.nn.Module) -> str:
     """Content hash of a base model (not wrapped yet): hex BLAKE3 of every parameter's name,
     shape and bfloat16 bytes, in order (tied weights once)."""
     import blake3

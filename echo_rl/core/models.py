@@ -49,7 +49,7 @@ class ModelError(ValueError):
     pass
 
 
-def build_tiny_tokenizer(vocab_kind: str = "arith") -> Any:
+def build_tiny_tokenizer(vocab_kind: str = "arith") -> PreTrainedTokenizerBase:
     """A character tokenizer built here (no download). ``arith`` (the default, 24 tokens):
     digits, ``+-*=`` and ``a-f``, what the toy tasks need (a small vocabulary learns fast);
     ``text``: also every printable ASCII character, space and newline."""
@@ -88,7 +88,7 @@ def _model_dir(cfg: ModelConfig) -> Path:
     return path
 
 
-def load_tokenizer(cfg: ModelConfig) -> Any:
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if cfg.name == TINY:
         return build_tiny_tokenizer(cfg.tiny_vocab)
     from transformers import AutoTokenizer
@@ -152,7 +152,7 @@ def load_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: str 
     return model
 
 
-def enable_checkpointing(model: Any) -> None:
+def enable_checkpointing(model: torch.nn.Module) -> None:
     """Activation (gradient) checkpointing on every decoder layer, non-reentrant, so that a
     frozen input (a LoRA base) still passes gradients on. transformers 5 renamed the method."""
     on = getattr(model, "activation_checkpointing_enable", None)
@@ -269,14 +269,14 @@ def bf16_compute(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
-def vocab_size(model: Any) -> int:
+def vocab_size(model: torch.nn.Module) -> int:
     return int(model.get_input_embeddings().num_embeddings)
 
 
 # ----------------------------------------------------------------------------- payloads
 
 
-def cast_weights(p: Any, dtype: str, seed: int | None = None) -> Any:
+def cast_weights(p: torch.Tensor, dtype: str, seed: int | None = None) -> torch.Tensor:
     """``p`` in ``dtype``, on its device: rounded to nearest, or (``seed`` given, a float32
     tensor to bfloat16) stochastically: up with probability equal to the fraction of a unit
     it lies above the lower neighbour, so the cast is unbiased (``broadcast.rounding``)."""
@@ -391,7 +391,9 @@ def params_to_spill(
     return index, writer.finish()
 
 
-def install_payload(model: Any, index: list[TensorLayout], payload: bytes | bytearray) -> None:
+def install_payload(
+    model: torch.nn.Module, index: list[TensorLayout], payload: bytes | bytearray
+) -> None:
     """Copy a snapshot payload into the model's parameters (shapes and names must match); into
     its LoRA adapter's parameters when ``model`` is a peft model (``echo_rl.core.lora``)."""
     import torch

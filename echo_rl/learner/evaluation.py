@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
+    from echo_rl.core.config import EchoConfig
     from echo_rl.data.adapter import Adapter
+    from echo_rl.worker.backends import Backend
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
 SPLITS = ("auto", "train", "heldout")
 BATCH = 16  # prompts per generate call
@@ -79,7 +84,7 @@ def read_state(path: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------- the run folder
 
 
-def run_config(run_dir: Path) -> Any:
+def run_config(run_dir: Path) -> EchoConfig:
     from echo_rl.core.config import ConfigError, load_config
 
     if not run_dir.is_dir():
@@ -205,19 +210,23 @@ def take(it: Any, n: int) -> list[Any]:
 # ----------------------------------------------------------------- the policy
 
 
-def load_backend(cfg: Any, threads: int) -> Any:
+def load_backend(cfg: EchoConfig, threads: int) -> TransformersBackend:
     """The worker's default backend (the engine) for the run's model (base + adapter for
     LoRA)."""
     from echo_rl.worker.backends import make_backend
 
     lora = cfg.learner.lora if cfg.learner.lora.enabled else None
     extra = {"lora": lora} if lora is not None else {}
-    return make_backend(
+    from echo_rl.worker.backends.transformers import TransformersBackend
+
+    backend = make_backend(
         "engine", model_cfg=cfg.model, threads=threads, device=cfg.worker.device, **extra
     )
+    assert isinstance(backend, TransformersBackend)  # the engine holds a transformers model
+    return backend
 
 
-def install_policy(backend: Any, policy: Policy, initial: dict[str, Any]) -> None:
+def install_policy(backend: TransformersBackend, policy: Policy, initial: dict[str, Any]) -> None:
     """Load ``policy``'s weights into ``backend.model``: a checkpoint's, or ``initial`` (the
     weights as loaded, the untrained model). A LoRA checkpoint holds the adapter alone."""
     from echo_rl.core.lora import adapter_parameters, is_peft
@@ -248,7 +257,7 @@ def install_policy(backend: Any, policy: Policy, initial: dict[str, Any]) -> Non
         _as_published(model, policy.sampled)
 
 
-def _as_published(model: Any, how: Sampled) -> None:
+def _as_published(model: torch.nn.Module, how: Sampled) -> None:
     """The model's weights through the learner's own publication and the worker's install:
     the same tensors in the same order (so the same rounding streams), the same cast."""
     from echo_rl.core.lora import adapter_parameters, is_peft
@@ -259,7 +268,7 @@ def _as_published(model: Any, how: Sampled) -> None:
     install_payload(model, index, payload)
 
 
-def _load(model: Any, sd: dict[str, Any], policy: Policy) -> Any:
+def _load(model: torch.nn.Module, sd: dict[str, Any], policy: Policy) -> Any:
     try:
         return model.load_state_dict(sd, strict=False)
     except RuntimeError as exc:  # shapes: another model size or LoRA rank
@@ -271,7 +280,7 @@ def _load(model: Any, sd: dict[str, Any], policy: Policy) -> Any:
 
 
 def score(
-    backend: Any,
+    backend: Backend,
     adapter: Adapter,
     prompts: list[Any],
     samples: int,
@@ -310,7 +319,7 @@ def seeded_groups(prompts: list[Any], samples: int, seed: int, prefix: str) -> l
 
 
 def _rewards(
-    backend: Any, adapter: Adapter, groups: list[Any], max_new: int, temperature: float
+    backend: Backend, adapter: Adapter, groups: list[Any], max_new: int, temperature: float
 ) -> list[list[float]]:
     from echo_rl.data.episodes import EpisodeAdapter, backend_generate_fn
 
@@ -323,7 +332,9 @@ def _rewards(
         [
             float(
                 adapter.reward(
-                    g.task, s.completion_ids, tok.decode(s.completion_ids, skip_special_tokens=True)
+                    g.task,
+                    s.completion_ids,
+                    str(tok.decode(s.completion_ids, skip_special_tokens=True)),
                 )
             )
             for s in samples

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from echo_rl.core.config import EchoConfig
-from echo_rl.core.lora import is_peft
+from echo_rl.core.lora import base_of
 from echo_rl.core.memplan import LearnerPlan, ModelShape, fit_learner
 from echo_rl.core.models import enable_checkpointing, load_model, load_tokenizer
 from echo_rl.data.adapter import load_adapter
@@ -89,7 +89,7 @@ class Policy:
             screen_nats=cfg.security.screen_nats if cfg.security.audit else 0.0,
         )
 
-    def _wrap_lora(self, model: Any, cfg: EchoConfig) -> Any:
+    def _wrap_lora(self, model: torch.nn.Module, cfg: EchoConfig) -> Any:
         from echo_rl.core.lora import base_hash, wrap
 
         self.base_hash = base_hash(model)  # of the base as loaded, before peft renames it
@@ -185,10 +185,10 @@ class Policy:
 PROMPT_TOKENS_ASSUMED = 256  # the plan's prompt length: the adapter's prompts vary
 
 
-def plan_memory(cfg: EchoConfig, model: Any, world: int) -> LearnerPlan:
+def plan_memory(cfg: EchoConfig, model: torch.nn.Module, world: int) -> LearnerPlan:
     """This run's host memory plan (echo_rl/core/memplan.py) with the settings as configured."""
     lc = cfg.learner
-    inner = model.get_base_model() if is_peft(model) else model
+    inner = base_of(model)
     shape = ModelShape(
         params=sum(p.numel() for p in model.parameters()),
         trained=sum(p.numel() for p in model.parameters() if p.requires_grad),

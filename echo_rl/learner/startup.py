@@ -19,6 +19,7 @@ from echo_rl.learner.listen import port_taken
 from echo_rl.learner.server import LearnerServer
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
     from echo_rl.data.adapter import Adapter
@@ -144,7 +145,7 @@ def say_config(cfg: EchoConfig) -> str:
 
 
 def say_length_fit(
-    cfg: EchoConfig, adapter: Adapter, tokenizer: PreTrainedTokenizerBase, model: Any
+    cfg: EchoConfig, adapter: Adapter, tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module
 ) -> str:
     """A warning, in the log and returned, when the task's sequences outgrow the positions
     the model was built for (issue 56: a 70-token episode on a 64-position model started

@@ -8,7 +8,6 @@ import inspect
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -36,7 +35,7 @@ def _blame(batch: LearnerBatch, rows: torch.Tensor) -> list[int]:
 
 
 def token_logprobs(
-    model: Any,
+    model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
@@ -65,7 +64,7 @@ def _trained_span(loss_mask: torch.Tensor) -> tuple[int, int] | None:
 
 
 def _logits(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int
 ) -> torch.Tensor:
     """Logits of the last ``keep`` positions; the LM head runs only there when the model
     supports ``logits_to_keep`` (current transformers models do)."""
@@ -129,7 +128,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: Any,
+        model: torch.nn.Module,
         cfg: LearnerConfig,
         seed: int = 0,
         parallel: Parallel | None = None,
@@ -402,7 +401,9 @@ class Trainer:
     def _policy_logprobs(self, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:
         return self.logprobs(self.model, batch, rows)
 
-    def logprobs(self, model: Any, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:
+    def logprobs(
+        self, model: torch.nn.Module, batch: LearnerBatch, rows: torch.Tensor
+    ) -> torch.Tensor:
         return token_logprobs(
             model,
             batch.input_ids[rows],

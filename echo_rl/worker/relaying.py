@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq.asyncio
 
@@ -18,6 +18,9 @@ from echo_rl.core import wire
 from echo_rl.core.client import Client, RequestTimeout
 from echo_rl.core.security import KeyPair
 from echo_rl.worker.session import RelayOffer, WorkerError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("echo.worker")
 
@@ -118,7 +121,7 @@ class RelayNode:
         else:
             log.warning("NAT report refused: %s", getattr(status, "detail", status))
 
-    def memory(self, model: Any) -> dict[str, int]:
+    def memory(self, model: torch.nn.Module | None) -> dict[str, int]:
         """Where this worker's memory goes (docs/memory.md): its resident set, the model, and
         the snapshot payloads it holds (relay store, full versions, base model)."""
         from echo_rl.core.memstat import payload_bytes, resident, tensor_bytes

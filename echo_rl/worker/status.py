@@ -24,11 +24,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from echo_rl.core import wire
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 STATUS_SCHEMA = 1
 PLAIN_EVERY_S = 60.0
@@ -443,7 +446,7 @@ def plain_line(doc: WorkerStatus) -> str:
 class LiveView:
     """The status as a live table on a terminal (log lines scroll above it)."""
 
-    def __init__(self, console: Any):
+    def __init__(self, console: Console):
         self.console = console
         self.live: Any = None
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from echo_rl.data.adapter import Adapter
+    from echo_rl.worker.backends import Backend
 
 
 def sample(
@@ -73,7 +74,7 @@ def sample(
 
 
 def _completions(
-    adapter: Adapter, backend: Any, groups: list[Any], max_new: int, temp: float
+    adapter: Adapter, backend: Backend, groups: list[Any], max_new: int, temp: float
 ) -> list[dict[str, Any]]:
     tok = backend.tokenizer
     rows = []
@@ -96,7 +97,7 @@ def _completions(
 
 
 def _episodes(
-    adapter: Adapter, backend: Any, groups: list[Any], max_new: int, temp: float
+    adapter: Adapter, backend: Backend, groups: list[Any], max_new: int, temp: float
 ) -> list[dict[str, Any]]:
     from echo_rl.data.episodes import backend_generate_fn, episode_cut
     from echo_rl.data.records import episode_stats

@@ -22,7 +22,7 @@ class Parallel(ABC):
         return self.rank == 0
 
     @abstractmethod
-    def wrap(self, model: Any) -> Any:
+    def wrap(self, model: torch.nn.Module) -> Any:
         """Prepare the model for training (shard it); returns the model to train."""
 
     def to_device(self, batch: Any) -> Any:
@@ -40,10 +40,10 @@ class Parallel(ABC):
         return idx[self.rank :: self.world]
 
     @abstractmethod
-    def full_state(self, model: Any, optimizer: Optimizer) -> tuple[dict, dict]:
+    def full_state(self, model: torch.nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
         """Unsharded model and optimizer state on rank 0 (a collective: all ranks call it)."""
 
-    def live_state(self, model: Any, optimizer: Optimizer) -> tuple[dict, dict]:
+    def live_state(self, model: torch.nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
         """``full_state`` for a caller that copies it to host memory itself (the release
         thread's ``HostMirror``, into pinned buffers it reuses): where no gather is needed, the
         live tensors, on their device, with no copy. Default: ``full_state``."""
@@ -51,7 +51,12 @@ class Parallel(ABC):
 
     @abstractmethod
     def load_state(
-        self, model: Any, optimizer: Optimizer, model_sd: dict, optim_sd: dict, strict: bool = True
+        self,
+        model: torch.nn.Module,
+        optimizer: Optimizer,
+        model_sd: dict,
+        optim_sd: dict,
+        strict: bool = True,
     ) -> None:
         """Load rank 0's unsharded state into every rank (a collective). ``strict`` False:
         ``model_sd`` may hold only some of the model's tensors (a LoRA adapter's)."""

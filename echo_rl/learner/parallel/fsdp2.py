@@ -33,7 +33,7 @@ class FSDP2(Parallel):
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
 
-    def wrap(self, model: Any) -> Any:
+    def wrap(self, model: torch.nn.Module) -> Any:
         from echo_rl.core.models import bf16_compute
 
         # An explicit mesh: the default one is CUDA whenever a GPU is visible, even with
@@ -48,13 +48,18 @@ class FSDP2(Parallel):
         fully_shard(model, **opts)
         return model
 
-    def full_state(self, model: Any, optimizer: Optimizer) -> tuple[dict, dict]:
+    def full_state(self, model: torch.nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
         return get_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
 
     def load_state(
-        self, model: Any, optimizer: Optimizer, model_sd: dict, optim_sd: dict, strict: bool = True
+        self,
+        model: torch.nn.Module,
+        optimizer: Optimizer,
+        model_sd: dict,
+        optim_sd: dict,
+        strict: bool = True,
     ) -> None:
         set_state_dict(
             model,
@@ -84,7 +89,7 @@ class FSDP2(Parallel):
             dist.destroy_process_group()
 
 
-def _decoder_layers(model: Any) -> list[Any]:
+def _decoder_layers(model: torch.nn.Module) -> list[Any]:
     if hasattr(model, "get_base_model"):  # a peft model (LoRA): the layers are its base's
         model = model.get_base_model()
     inner = getattr(model, "model", None)

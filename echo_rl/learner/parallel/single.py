@@ -22,7 +22,7 @@ class Single(Parallel):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
 
-    def wrap(self, model: Any) -> Any:
+    def wrap(self, model: torch.nn.Module) -> Any:
         from echo_rl.core.models import bf16_compute
 
         model = model.to(self.device)
@@ -30,15 +30,20 @@ class Single(Parallel):
             autocast_forward(model, self.device.type, torch.bfloat16)
         return model
 
-    def live_state(self, model: Any, optimizer: Optimizer) -> tuple[dict, dict]:
+    def live_state(self, model: torch.nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
         return model.state_dict(), optimizer.state_dict()
 
-    def full_state(self, model: Any, optimizer: Optimizer) -> tuple[dict, dict]:
+    def full_state(self, model: torch.nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
         # host copies: checkpoints and snapshots are built in host memory (a no-op on the CPU)
         return to_cpu(model.state_dict()), to_cpu(optimizer.state_dict())
 
     def load_state(
-        self, model: Any, optimizer: Optimizer, model_sd: dict, optim_sd: dict, strict: bool = True
+        self,
+        model: torch.nn.Module,
+        optimizer: Optimizer,
+        model_sd: dict,
+        optim_sd: dict,
+        strict: bool = True,
     ) -> None:
         model.load_state_dict(
             model_sd, strict=strict

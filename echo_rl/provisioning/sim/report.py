@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,8 +14,11 @@ from echo_rl.core.steprow import COL
 from echo_rl.provisioning.sim.scenario import ScenarioError, load_scenario
 from echo_rl.provisioning.sim.summary import Baseline, SimSummary
 
+if TYPE_CHECKING:
+    from rich.console import Console
 
-def print_report(result: dict[str, Any], console: Any = None) -> None:
+
+def print_report(result: dict[str, Any], console: Console | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -74,7 +77,7 @@ def print_report(result: dict[str, Any], console: Any = None) -> None:
         console.print(f"[yellow]warning:[/] {w}")
 
 
-def print_centralized(c: dict[str, Any], console: Any) -> None:
+def print_centralized(c: dict[str, Any], console: Console) -> None:
     from rich.table import Table
 
     t = Table(

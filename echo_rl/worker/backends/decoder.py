@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from echo_rl.core.lora import is_peft
+from echo_rl.core.lora import base_of, is_peft
 
 # Architectures whose decoder layer is exactly: x + attn(norm(x)), then x + mlp(norm(x)), with
 # rotary positions, grouped-query attention and (Qwen3) per-head q/k norms.
@@ -46,7 +46,7 @@ class UnsupportedModel(Exception):
     """The model is not one ``Decoder`` runs: the backend falls back to ``generate``."""
 
 
-def check_supported(model: Any) -> None:
+def check_supported(model: torch.nn.Module) -> None:
     """Raise ``UnsupportedModel`` naming why, unless ``Decoder`` computes what the model does."""
     cfg = _causal_lm(model).config
     kind = getattr(cfg, "model_type", None)
@@ -70,8 +70,8 @@ def check_supported(model: Any) -> None:
         )
 
 
-def _causal_lm(model: Any) -> Any:
-    return model.get_base_model() if is_peft(model) else model
+def _causal_lm(model: torch.nn.Module) -> Any:
+    return base_of(model)
 
 
 @dataclass
@@ -131,7 +131,7 @@ class KVCache:
 class Decoder:
     """The forward of ``model`` (a causal LM of ``SUPPORTED``, or a peft model around one)."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: torch.nn.Module):
         check_supported(model)
         lm = _causal_lm(model)
         cfg = lm.config

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.core.lora import is_adapter_name
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SharedBases:
@@ -23,7 +26,7 @@ class SharedBases:
         self._users: dict[str, int] = {}  # base hash -> models attached (the first included)
         self._lock = threading.Lock()  # runs load their models on their own threads
 
-    def attach(self, model: Any, held: str) -> int:
+    def attach(self, model: torch.nn.Module, held: str) -> int:
         """Point ``model``'s base weights at the first model's with base ``held`` (same name,
         shape, dtype and device); the bytes that saves (0 for the first)."""
         with self._lock:

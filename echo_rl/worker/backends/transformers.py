@@ -44,7 +44,7 @@ class _Watch(StoppingCriteria):
 
     def __init__(
         self,
-        backend: Any,
+        backend: Backend,
         stop: threading.Event | None,
         eos: int | None,
         fresh: list[bool],
