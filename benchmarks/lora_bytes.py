@@ -86,7 +86,7 @@ def measure(model: str, name: str, learner: dict[str, Any], steps: int) -> dict[
     from echo_rl.broadcast.snapshot import RunKey
     from echo_rl.broadcast.versions import VersionEncoder
     from echo_rl.core.models import params_to_payload
-    from echo_rl.learner.policy import Policy
+    from echo_rl.learner.policy import Policy, Step, Sync
 
     cfg = config(model, learner)
     policy = Policy(cfg)
@@ -103,9 +103,9 @@ def measure(model: str, name: str, learner: dict[str, Any], steps: int) -> dict[
     for v in range(steps + 1):
         if v:
             t0 = time.perf_counter()
-            policy.command({"op": "step", "batch": data})
+            policy.command(Step(data))
             t_step.append(round(time.perf_counter() - t0, 3))
-        _, full = policy.command({"op": "sync"})
+        _, full = policy.command(Sync())
         tensors, payload = params_to_payload(policy.named_tensors(full[0]), "bfloat16")
         pub = enc.build(v, tensors, payload)
         versions.append(

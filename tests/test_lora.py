@@ -62,12 +62,12 @@ def batch_of(tokenizer, seed: int = 0):
 @pytest.fixture(scope="module")
 def trained(tokenizer):
     """A LoRA policy after one learner step, and its state as a snapshot would carry it."""
-    from echo_rl.learner.policy import Policy
+    from echo_rl.learner.policy import Policy, Step
 
     policy = Policy(lora_cfg())
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     _, batch = batch_of(tokenizer)
-    stats, full = policy.command({"op": "step", "batch": batch, "sync": True})
+    stats, full = policy.command(Step(batch, sync=True))
     return policy, before, stats, full
 
 
@@ -222,7 +222,7 @@ def test_checkpoint_resumes_the_adapter_and_export_writes_it(trained, tokenizer,
     from echo_rl.core.config import dump_toml
     from echo_rl.core.models import load_model
     from echo_rl.learner.checkpoint import export_checkpoint, save_checkpoint
-    from echo_rl.learner.policy import Policy
+    from echo_rl.learner.policy import Load, Policy
 
     policy, _, _, full = trained
     cfg = lora_cfg()
@@ -231,9 +231,7 @@ def test_checkpoint_resumes_the_adapter_and_export_writes_it(trained, tokenizer,
     (run / "config.toml").write_text(dump_toml(cfg))
     save_checkpoint(run, 0, {"model": full[0], "optimizer": full[1], **policy.rng_state()})
     resumed = Policy(cfg)
-    resumed.command(
-        {"op": "load", "state": {"model": full[0], "optimizer": full[1], **policy.rng_state()}}
-    )
+    resumed.command(Load({"model": full[0], "optimizer": full[1], **policy.rng_state()}))
     ids = torch.tensor([[4, 9, 14, 5, 7]])
     with torch.no_grad():
         want = policy.model(input_ids=ids).logits
@@ -253,14 +251,12 @@ def test_checkpoint_resumes_the_adapter_and_export_writes_it(trained, tokenizer,
 
 
 def test_a_checkpoint_of_other_lora_settings_is_refused(trained):
-    from echo_rl.learner.policy import Policy
+    from echo_rl.learner.policy import Load, Policy
 
     policy, _, _, full = trained
     other = Policy(lora_cfg(target_modules=["q_proj"]))
     with pytest.raises(ValueError, match=r"resume with the \[learner.lora\] settings"):
-        other.command(
-            {"op": "load", "state": {"model": full[0], "optimizer": full[1], **policy.rng_state()}}
-        )
+        other.command(Load({"model": full[0], "optimizer": full[1], **policy.rng_state()}))
 
 
 def test_the_bytes_benchmark_measures_published_versions(tmp_path):
@@ -301,7 +297,7 @@ def test_on_a_gpu_a_bf16_worker_holds_the_learner_s_base_and_follows_its_adapter
     """The learner trains on the GPU (float32 weights, bf16 autocast); a worker on the GPU loads
     the base in bf16: the same base hash, and after installing the bf16 adapter version its
     log-probs are the learner's within bf16 noise."""
-    from echo_rl.learner.policy import Policy
+    from echo_rl.learner.policy import Policy, Step
     from echo_rl.learner.trainer import token_logprobs
     from echo_rl.worker.backends import make_backend
 
@@ -309,7 +305,7 @@ def test_on_a_gpu_a_bf16_worker_holds_the_learner_s_base_and_follows_its_adapter
     cfg.learner.device = "cuda"
     policy = Policy(cfg)
     _, batch = batch_of(tokenizer)
-    _, full = policy.command({"op": "step", "batch": batch, "sync": True})
+    _, full = policy.command(Step(batch, sync=True))
     backend = make_backend(
         "transformers", model_cfg=cfg.model, device="cuda", lora=cfg.learner.lora
     )

@@ -197,9 +197,11 @@ def learner_factory(small_cfg, tmp_path):
 
 
 def test_non_finite_state_is_not_published_and_the_previous_version_stays(learner_factory):
+    from echo_rl.learner.policy import Sync
+
     lrn = learner_factory()
     assert lrn.server.store.latest().version == 0
-    _, (model_sd, _) = lrn.policy.command({"op": "sync"})
+    _, (model_sd, _) = lrn.policy.command(Sync())
     poisoned = dict(model_sd)
     name = lrn.policy.param_names[0]
     poisoned[name] = model_sd[name].clone()

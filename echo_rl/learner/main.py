@@ -34,7 +34,7 @@ from echo_rl.learner.durable import BufferLog
 from echo_rl.learner.grants import open_journal
 from echo_rl.learner.heldout import open_heldout
 from echo_rl.learner.memory import memory, say_memory_plan
-from echo_rl.learner.policy import Policy
+from echo_rl.learner.policy import Policy, Step, Sync
 from echo_rl.learner.provision import CapacityFeedback
 from echo_rl.learner.release import Release, Releaser, base_model, release_threaded, run_publisher
 from echo_rl.learner.resume import Resume
@@ -251,7 +251,7 @@ class Learner:
         if self.policy.lora_note:
             log.info("%s", self.policy.lora_note)
         say_memory_plan(self.policy, lc)
-        _, full = self.policy.command({"op": "sync"})
+        _, full = self.policy.command(Sync())
         assert full is not None
         if not resume or self.step == 0:
             self.releaser.save_now(self.step, full)
@@ -376,7 +376,7 @@ class Learner:
         batch = self.adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards)
         # with the release thread the state comes as it lives, for its mirror to copy
         sync = ("live" if self.releaser.live else True) if publish else False
-        stats, full = self.policy.command({"op": "step", "sync": sync, "batch": batch})
+        stats, full = self.policy.command(Step(batch, sync))
         t2 = time.monotonic()
         if stats.get(COL.skipped_nonfinite):  # the trainer names its numbers as the row does
             self.trails.strike(groups, self.policy.trainer.nonfinite_rows)

@@ -4,16 +4,18 @@ Rank 0 drives: each ``command`` is broadcast to the other ranks (which sit in ``
 and then executed everywhere, so collectives (sharded forward/backward, gathering the full
 state for a checkpoint or a snapshot) line up. In a single process the broadcast is a no-op.
 
-Commands: ``{"op": "step", "batch", "sync"}`` (train; with ``sync`` also gather the full
-state: True in host memory, "live" as ``Parallel.live_state`` gives it), ``{"op": "sync"}``,
-``{"op": "load", "state"}``, ``{"op": "stop"}``.
+Commands (``Command``, one declared type each): ``Step(batch, sync)`` trains (with ``sync``
+also gathers the full state: True in host memory, "live" as ``Parallel.live_state`` gives it),
+``Sync()`` gathers it alone, ``Load(state)`` restores a checkpoint, ``Stop()`` releases the
+other ranks.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
@@ -21,12 +23,43 @@ from echo_rl.core.config import EchoConfig
 from echo_rl.core.lora import base_of
 from echo_rl.core.memplan import LearnerPlan, ModelShape, fit_learner
 from echo_rl.core.models import enable_checkpointing, load_model, load_tokenizer
-from echo_rl.data.adapter import load_adapter
+from echo_rl.data.adapter import LearnerBatch, load_adapter
 from echo_rl.data.answers import check_answer_tokens
 from echo_rl.learner.parallel import make_parallel
 from echo_rl.learner.trainer import Trainer
 
 FullState = tuple[dict[str, Any], dict[str, Any]]  # (model state dict, optimizer state dict)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One GRPO step on ``batch``; ``sync``: also gather the full state (True: in host memory,
+    "live": as ``Parallel.live_state`` gives it, for a caller that copies it before the next
+    step)."""
+
+    batch: LearnerBatch
+    sync: bool | Literal["live"] = False
+
+
+@dataclass(frozen=True)
+class Sync:
+    """Gather the full state (a checkpoint's or a snapshot's) without training."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """Restore a checkpoint: ``state`` holds "model", "optimizer" and the three RNG states
+    (``Policy.rng_state``)."""
+
+    state: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Release the other ranks from ``follow``."""
+
+
+Command = Step | Sync | Load | Stop
 
 
 class Policy:
@@ -106,30 +139,30 @@ class Policy:
         )  # for the learner's log (set up later)
         return model
 
-    def command(self, cmd: dict[str, Any]) -> tuple[dict[str, float], FullState | None]:
+    def command(self, cmd: Command) -> tuple[dict[str, float], FullState | None]:
         return self._execute(self.par.broadcast(cmd))
 
     def follow(self) -> None:
         """Non-main ranks: execute rank 0's commands until it says stop."""
         while True:
             cmd = self.par.broadcast(None)
-            if cmd["op"] == "stop":
+            if isinstance(cmd, Stop):
                 return
             self._execute(cmd)
 
-    def _execute(self, cmd: dict[str, Any]) -> tuple[dict[str, float], FullState | None]:
-        op = cmd["op"]
-        stats: dict[str, float] = {}
-        if op == "step":
-            stats = self.trainer.step(self.par.to_device(cmd["batch"]))
-        elif op == "load":
-            self._load(cmd["state"])
-        elif op not in ("sync", "stop"):
-            raise ValueError(f"unknown policy command {op!r}")
-        full = None
-        if cmd.get("sync") or op == "sync":
-            full = self._full_state(live=cmd.get("sync") == "live")
-        return stats, full
+    def _execute(self, cmd: Command) -> tuple[dict[str, float], FullState | None]:
+        match cmd:
+            case Step(batch=batch, sync=sync):
+                stats = self.trainer.step(self.par.to_device(batch))
+                return stats, self._full_state(live=sync == "live") if sync else None
+            case Sync():
+                return {}, self._full_state()
+            case Load(state=state):
+                self._load(state)
+                return {}, None
+            case Stop():
+                return {}, None
+        raise TypeError(f"not a policy command: {cmd!r}")  # a rank sent something else
 
     def _full_state(self, live: bool = False) -> FullState:
         """Model and optimizer state for checkpoints and snapshots: with LoRA the adapter's
@@ -178,7 +211,7 @@ class Policy:
 
     def close(self) -> None:
         if self.par.world > 1 and self.par.is_main:
-            self.par.broadcast({"op": "stop"})
+            self.par.broadcast(Stop())
         self.par.close()
 
 

@@ -29,7 +29,7 @@ from echo_rl.learner.durable import BufferLog, live_after, quarantine, scan_log
 from echo_rl.learner.gate import security_dir
 from echo_rl.learner.grants import load as load_grants
 from echo_rl.learner.grants import open_leases
-from echo_rl.learner.policy import Policy
+from echo_rl.learner.policy import Load, Policy
 from echo_rl.learner.reputation import without_quarantined
 from echo_rl.learner.rows import RunTotals
 from echo_rl.learner.work import WorkQueue
@@ -79,7 +79,7 @@ class Resume:
         live, out = without_quarantined(live, security_dir(self.run_dir))
         aside += out
         if ckpt:
-            self.policy.command({"op": "load", "state": ckpt})
+            self.policy.command(Load(ckpt))
             self.prompt_rng.setstate(ckpt["prompt_rng"])
             self.work.restore(ckpt["work"])
             self.buffer.stats = ckpt["buffer_stats"]
