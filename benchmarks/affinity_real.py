@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.alternate import alternate, save  # noqa: E402
-from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
 
 CONFIG = ROOT / "examples" / "quickstart.toml"
 MAX_NEW = 128
@@ -73,10 +73,10 @@ def lengths(args: argparse.Namespace, samples: int = 256) -> dict[str, Any]:
     """Completion lengths of the untrained model, long and short tasks apart."""
     import random
 
-    from dataplane.adapter import load_adapter
-    from echo import wire
-    from echo.config import load_config
-    from worker.backends.transformers import TransformersBackend
+    from echo_rl.core import wire
+    from echo_rl.core.config import load_config
+    from echo_rl.data.adapter import load_adapter
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     cfg = load_config(config(Path("/tmp"), args, False), [])
     backend = TransformersBackend(cfg.model, threads=1)
@@ -109,7 +109,7 @@ def one_run(affinity: bool, args: argparse.Namespace, folder: Path) -> dict[str,
     group = ProcessGroup()
     try:
         argv = python_argv(
-            "echo.cli", "learn", str(cfg), "--run-dir", str(tmp / "run"),
+            "echo_rl.cli.rl", "learn", str(cfg), "--run-dir", str(tmp / "run"),
             "--set", f"learner.max_steps={args.steps}",
         )  # fmt: skip
         learner = group.start("learner", argv, tmp / "learner.log", pipe_stdout=True)
@@ -127,7 +127,7 @@ def one_run(affinity: bool, args: argparse.Namespace, folder: Path) -> dict[str,
 
 
 def summarise(affinity: bool, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from worker.status import read_status
+    from echo_rl.worker.status import read_status
 
     rows = [json.loads(x) for x in (tmp / "run/metrics.jsonl").read_text().splitlines() if x]
     rest = rows[1:]  # the first step waits for the workers to start

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from echo.machine import write_result
+from echo_rl.core.machine import write_result
 
 
 def alternate(

@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq.asyncio
 
-from broadcast.basemodel import BaseCache, build_base_manifest, verify_base_manifest
-from broadcast.relay import Relay, RelayConfig
-from broadcast.snapshot import RunKey
-from broadcast.tickets import Source
-from worker.base import obtain_base
+from echo_rl.broadcast.basemodel import BaseCache, build_base_manifest, verify_base_manifest
+from echo_rl.broadcast.relay import Relay, RelayConfig
+from echo_rl.broadcast.snapshot import RunKey
+from echo_rl.broadcast.tickets import Source
+from echo_rl.worker.base import obtain_base
 
 
 async def one_run(folder: Path, chunk_kib: int, tmp: Path) -> dict:

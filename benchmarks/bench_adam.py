@@ -3,7 +3,7 @@ in a real ``Trainer.step`` of SmolLM2-135M-Instruct (full fine-tuning), side by 
 
 Two trainers on two copies of the model, the same batch (``bench_learner.make_batch``: B
 sequences of P prompt + C completion tokens) and ``updates`` optimizer updates a step; one
-builds its Adam as the learner does now (``learner.trainer.fusable``: fused where it applies),
+builds its Adam as the learner does now (``echo_rl.learner.trainer.fusable``: fused where it applies),
 the other with the default path (the learner before). Steps alternate between them after a
 warm-up; medians and the ratio of the step times are printed and written with the machine.
 
@@ -42,10 +42,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = ap.parse_args(argv)
     import torch
 
-    from echo.config import LearnerConfig, ModelConfig
-    from echo.machine import write_result
-    from echo.models import load_model, load_tokenizer
-    from learner import trainer as trainer_mod
+    from echo_rl.core.config import LearnerConfig, ModelConfig
+    from echo_rl.core.machine import write_result
+    from echo_rl.core.models import load_model, load_tokenizer
+    from echo_rl.learner import trainer as trainer_mod
 
     torch.set_num_threads(a.threads)
     cfg = ModelConfig(name=a.model)

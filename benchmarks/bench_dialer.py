@@ -5,7 +5,7 @@ serve) runs in its own process behind ``labs.chaos``, a TCP proxy that delays ev
 half the round trip each way (this machine's ``tc`` has no netem); a child process fetches
 ``--versions`` versions in a row,
 as a worker follows the versions: once opening a new encrypted connection per version (what
-every fetch did before ``broadcast/dialer.py``), once keeping it (``Dialer``). Per version it
+every fetch did before ``echo_rl/broadcast/dialer.py``), once keeping it (``Dialer``). Per version it
 records the fetch's wall time; per round trip time the medians and their ratio. The payload is
 small (one chunk by default, a LoRA adapter's delta), where the connection's set-up is most of
 a fetch: TCP's handshake and CurveZMQ's HELLO/WELCOME/INITIATE/READY, about three round trips,
@@ -41,7 +41,7 @@ CHUNK = 256 * 1024
 def manifests(versions: int, size: int) -> dict[int, tuple[Any, bytes]]:
     import numpy as np
 
-    from broadcast.snapshot import RunKey, build_manifest
+    from echo_rl.broadcast.snapshot import RunKey, build_manifest
 
     key = RunKey.from_bytes(KEY_SEED)
     out = {}
@@ -65,9 +65,9 @@ async def serve(versions: int, size: int) -> None:
     import zmq
     import zmq.asyncio
 
-    from broadcast.source import ChunkServer
-    from broadcast.store import SnapshotBuffer, SnapshotStore
-    from echo.security import KeyPair, ZapHandler, curve_server
+    from echo_rl.broadcast.source import ChunkServer
+    from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
+    from echo_rl.core.security import KeyPair, ZapHandler, curve_server
 
     ctx = zmq.asyncio.Context()
     keys = KeyPair.generate()
@@ -90,11 +90,11 @@ async def follow(endpoint: str, key: bytes, versions: int, size: int, keep: bool
     """Fetch every version in turn; seconds per fetch."""
     import zmq.asyncio
 
-    from broadcast.dialer import Dialer
-    from broadcast.fetch import fetch_into
-    from broadcast.store import SnapshotBuffer, SnapshotStore
-    from broadcast.tickets import Source
-    from echo.security import KeyPair
+    from echo_rl.broadcast.dialer import Dialer
+    from echo_rl.broadcast.fetch import fetch_into
+    from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
+    from echo_rl.broadcast.tickets import Source
+    from echo_rl.core.security import KeyPair
 
     ctx = zmq.asyncio.Context()
     keys = KeyPair.generate()

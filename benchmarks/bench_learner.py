@@ -8,7 +8,7 @@ One *learner step* on a batch of B sequences (prompt P + completion C tokens) is
   2. ``updates`` optimizer updates, each on a shuffled 1/updates slice of the batch: forward,
      GRPO loss, backward, grad-norm clip at 1.0, optimizer step.
 
-Ours: ``learner.trainer.Trainer.step(LearnerBatch)``.
+Ours: ``echo_rl.learner.trainer.Trainer.step(LearnerBatch)``.
 TRL:  ``GRPOTrainer`` (trl, token-level loss ``loss_type="bnpo"`` == our ``token-mean``), with its
       own ``_get_per_token_logps_and_entropies`` for step 1, its ``shuffle_sequence_dict`` /
       ``split_tensor_dict`` for the slices, and for each slice the Hugging Face
@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere, installed or not
     sys.path.insert(0, str(ROOT))
 
 PRESETS = {
-    # ModelConfig defaults (echo/config.py): the tiny model the quickstart and tests use
+    # ModelConfig defaults (echo_rl/core/config.py): the tiny model the quickstart and tests use
     "tiny": dict(
         hidden_size=64,
         intermediate_size=256,
@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def model_config(a: argparse.Namespace) -> Any:
-    from echo.config import ModelConfig
+    from echo_rl.core.config import ModelConfig
 
     kw = dict(PRESETS[a.preset])
     if a.hidden:
@@ -132,8 +132,8 @@ def model_config(a: argparse.Namespace) -> Any:
 
 
 def build_model(a: argparse.Namespace, mcfg: Any, tok: Any) -> Any:
-    """``echo.models.load_model`` (tiny Qwen3, seeded random init), or the same with a bigger vocab."""
-    from echo.models import load_model, tiny_config
+    """``echo_rl.core.models.load_model`` (tiny Qwen3, seeded random init), or the same with a bigger vocab."""
+    from echo_rl.core.models import load_model, tiny_config
 
     if not a.vocab or a.vocab == len(tok):
         return load_model(mcfg, tok)
@@ -152,9 +152,9 @@ def make_batch(a: argparse.Namespace, model: Any, tok: Any) -> tuple[Any, dict[s
     """One batch in both layouts: our LearnerBatch and TRL's prompt/completion dict."""
     import torch
 
-    from dataplane.adapter import LearnerBatch
-    from dataplane.advantages import group_advantages
-    from learner.trainer import token_logprobs
+    from echo_rl.data.adapter import LearnerBatch
+    from echo_rl.data.advantages import group_advantages
+    from echo_rl.learner.trainer import token_logprobs
 
     g = torch.Generator().manual_seed(a.seed)
     B, P, C = a.batch, a.prompt_len, a.completion_len
@@ -339,9 +339,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from echo.config import LearnerConfig
-    from echo.models import build_tiny_tokenizer
-    from learner.trainer import Trainer
+    from echo_rl.core.config import LearnerConfig
+    from echo_rl.core.models import build_tiny_tokenizer
+    from echo_rl.learner.trainer import Trainer
 
     console = Console()
     torch.set_num_threads(a.threads)

@@ -4,7 +4,7 @@ deltas built on the training thread, to tell what the thread itself buys on this
 
 Each mode runs the same real training steps of SmolLM2-135M-Instruct on this CPU (Adam at
 ``--lr`` on a fixed SFT batch, float32 weights, bf16 snapshots), and after each step hands the
-version to the learner's own ``learner.publisher.Publisher`` exactly as ``learner/main.py``
+version to the learner's own ``echo_rl.learner.publisher.Publisher`` exactly as ``echo_rl/learner/main.py``
 does (``params_to_payload`` then ``submit``). Per step it records ``t_train`` (forward,
 backward, optimizer) and ``t_publish`` (what the training thread spent on the publication:
 the payload copy plus building it inline, or plus waiting for the hand-over slot). The
@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from echo.steprow import COL  # noqa: E402
+from echo_rl.core.steprow import COL  # noqa: E402
 
 MODES = {
     "before": {"delta": False, "background": False},  # full, on the training thread
@@ -73,7 +73,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def _inline_publisher() -> type:
     """The learner's publisher building on the caller's (training) thread: the old way, the
     baseline this benchmark compares the publisher thread against."""
-    from learner.publisher import Publisher
+    from echo_rl.learner.publisher import Publisher
 
     class InlinePublisher(Publisher):
         def submit(self, version: int, tensors: list[dict[str, Any]], full: bytes) -> None:
@@ -89,9 +89,9 @@ class Arm:
     def __init__(self, name: str, model: Any, lr: float, batch: Any, ckpt_dir: Path):
         import torch
 
-        from broadcast.snapshot import RunKey
-        from broadcast.versions import VersionEncoder
-        from learner.publisher import Publisher
+        from echo_rl.broadcast.snapshot import RunKey
+        from echo_rl.broadcast.versions import VersionEncoder
+        from echo_rl.learner.publisher import Publisher
 
         self.name, self.model, self.batch = name, model, batch
         self.opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -115,19 +115,19 @@ class Arm:
         self.checkpoints = ckpt_dir / name if MODES[name].get("checkpoint") else None
         self.releaser = None
         if MODES[name].get("thread"):
-            from learner.releasing import ReleaseThread
+            from echo_rl.learner.releasing import ReleaseThread
 
             self.releaser = ReleaseThread(lambda v: True, self._save, self._send)
 
     def _save(self, v: Any) -> None:
-        from learner.checkpoint import save_checkpoint
+        from echo_rl.learner.checkpoint import save_checkpoint
 
         assert self.checkpoints is not None
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         save_checkpoint(self.checkpoints, v.steps - 1, {"model": v.model, "optimizer": v.optimizer})
 
     def _send(self, v: Any) -> None:
-        from echo.models import params_to_payload
+        from echo_rl.core.models import params_to_payload
 
         names = [n for n, _ in self.model.named_parameters()]
         tensors, payload = params_to_payload(((n, v.model[n]) for n in names), "bfloat16")
@@ -135,7 +135,7 @@ class Arm:
 
     def publish(self, version: int) -> float:
         """What the training thread spends on a publication (``t_publish``)."""
-        from learner.releasing import Version
+        from echo_rl.learner.releasing import Version
 
         t0 = time.perf_counter()
         model_sd, opt_sd = self.model.state_dict(), self.opt.state_dict()
@@ -192,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from echo.config import ModelConfig
-    from echo.machine import write_result
-    from echo.models import ModelError, load_model, load_tokenizer
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.core.machine import write_result
+    from echo_rl.core.models import ModelError, load_model, load_tokenizer
 
     torch.set_num_threads(args.threads)
     cfg = ModelConfig(name=args.model)

@@ -42,7 +42,7 @@ for p in (ROOT, ROOT / "benchmarks"):
 
 from bench_learner import _loadavg, make_batch  # noqa: E402
 
-from echo.steprow import COL  # noqa: E402
+from echo_rl.core.steprow import COL  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "real_model.json"
 
@@ -85,10 +85,10 @@ def timed(fn: Any, reps: int, sync: Any) -> tuple[list[float], Any]:
 
 
 def bench_learner(a: argparse.Namespace, cfg: Any, sync: Any) -> tuple[dict[str, Any], Any, Any]:
-    from echo.config import LearnerConfig
-    from echo.models import load_model, load_tokenizer
-    from learner.parallel import make_parallel
-    from learner.trainer import Trainer
+    from echo_rl.core.config import LearnerConfig
+    from echo_rl.core.models import load_model, load_tokenizer
+    from echo_rl.learner.parallel import make_parallel
+    from echo_rl.learner.trainer import Trainer
 
     par = make_parallel(a.device)
     tok = load_tokenizer(cfg)
@@ -123,8 +123,8 @@ def bench_learner(a: argparse.Namespace, cfg: Any, sync: Any) -> tuple[dict[str,
 def bench_snapshot(
     a: argparse.Namespace, par: Any, trainer: Any, sync: Any
 ) -> tuple[dict[str, Any], int]:
-    from broadcast.snapshot import RunKey, build_manifest
-    from echo.models import params_to_payload
+    from echo_rl.broadcast.snapshot import RunKey, build_manifest
+    from echo_rl.core.models import params_to_payload
 
     names = [n for n, _ in trainer.model.named_parameters()]
     sync()
@@ -155,9 +155,9 @@ def bench_snapshot(
 def bench_generation(a: argparse.Namespace, cfg: Any, sync: Any) -> dict[str, Any]:
     import torch
 
-    from adapters.math import MathAdapter
-    from echo import wire
-    from worker.backends import make_backend
+    from echo_rl.adapters.math import MathAdapter
+    from echo_rl.core import wire
+    from echo_rl.worker.backends import make_backend
 
     backend = make_backend("transformers", model_cfg=cfg, threads=a.threads, device=a.device)
     adapter = MathAdapter(
@@ -257,9 +257,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     import torch
 
-    from echo.config import ModelConfig
-    from echo.gguf_import import ensure_smollm2
-    from echo.machine import machine_info
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.core.gguf_import import ensure_smollm2
+    from echo_rl.core.machine import machine_info
 
     torch.set_num_threads(a.threads)
     if a.model == parse_args([]).model:

@@ -1,4 +1,4 @@
-"""What the delivery screen (learner/screen.py, security.screen_nats) costs the training step:
+"""What the delivery screen (echo_rl/learner/screen.py, security.screen_nats) costs the training step:
 the same step with the screen on and off, side by side, alternating, on one batch.
 
     python benchmarks/bench_screen.py [--rows 64] [--length 48] [--reps 10] [--model tiny|smollm2]
@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from dataplane.adapter import LearnerBatch  # noqa: E402
-from echo.config import LearnerConfig, ModelConfig  # noqa: E402
-from echo.machine import write_result  # noqa: E402
+from echo_rl.core.config import LearnerConfig, ModelConfig  # noqa: E402
+from echo_rl.core.machine import write_result  # noqa: E402
+from echo_rl.data.adapter import LearnerBatch  # noqa: E402
 
 
 def batch(rows: int, length: int, vocab: int, seed: int = 0) -> LearnerBatch:
@@ -55,8 +55,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/bench_screen.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from echo.models import load_model, load_tokenizer
-    from learner.trainer import Trainer
+    from echo_rl.core.models import load_model, load_tokenizer
+    from echo_rl.learner.trainer import Trainer
 
     mc = (
         ModelConfig()

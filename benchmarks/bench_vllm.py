@@ -1,7 +1,7 @@
 """Rollout tokens/s with vLLM against the transformers backend, on the same GPU and model, and
 the time to install a snapshot into the running engine against the model's size (issue 14).
 
-Each backend is the worker's own (``worker/backends``), fed the same groups (prompts of the
+Each backend is the worker's own (``echo_rl/worker/backends``), fed the same groups (prompts of the
 math task's length, ``n`` samples each, ``--max-new-tokens``); tokens/s counts generated tokens
 (to end-of-sequence or the limit) over the wall time of ``generate``, after one warm-up call.
 Installs time the whole ``Backend.install`` of a bf16 snapshot of the same model (the write to
@@ -46,7 +46,7 @@ ONE_B = {
 
 
 def model_folder(name: str, cache: Path) -> Any:
-    from echo.config import ModelConfig
+    from echo_rl.core.config import ModelConfig
 
     if name == "tiny":
         return ModelConfig()
@@ -74,7 +74,7 @@ def random_qwen3(folder: Path, shape: dict[str, int]) -> Path:
 
 
 def make_groups(tok: Any, count: int, n: int) -> list[Any]:
-    from echo import wire
+    from echo_rl.core import wire
 
     texts = [
         f"Solve step by step: what is {17 * i + 3} times {i + 11}, minus {i}?" for i in range(count)
@@ -86,7 +86,7 @@ def make_groups(tok: Any, count: int, n: int) -> list[Any]:
 
 
 def make(backend: str, cfg: Any) -> Any:
-    from worker.backends import make_backend
+    from echo_rl.worker.backends import make_backend
 
     extra = {"gpu_memory_utilization": 0.6} if backend == "vllm" else {}
     return make_backend(
@@ -97,7 +97,7 @@ def make(backend: str, cfg: Any) -> Any:
 def measure(backend_name: str, cfg: Any, a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from echo.models import load_model, load_tokenizer, params_to_payload
+    from echo_rl.core.models import load_model, load_tokenizer, params_to_payload
 
     b = make(backend_name, cfg)
     src = load_model(cfg, load_tokenizer(cfg), "float32")
@@ -165,7 +165,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch  # noqa: F401 (loaded first so machine_info can name the GPU)
 
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     rows = []
     for m in a.models:

@@ -35,11 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from echo import wire
-    from echo.config import ModelConfig, SecurityConfig
-    from echo.machine import write_result
-    from learner.trainer import token_logprobs
-    from worker.backends import make_backend
+    from echo_rl.core import wire
+    from echo_rl.core.config import ModelConfig, SecurityConfig
+    from echo_rl.core.machine import write_result
+    from echo_rl.learner.trainer import token_logprobs
+    from echo_rl.worker.backends import make_backend
 
     cfg = ModelConfig(name=args.model)
     f32 = make_backend("transformers", model_cfg=cfg, threads=2, dtype="float32")

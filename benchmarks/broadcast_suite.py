@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.machine import write_result  # noqa: E402
+from echo_rl.core.machine import write_result  # noqa: E402
 from labs import bare_chain  # noqa: E402
 from labs.broadcast_bench import main, run_one  # noqa: E402
 from labs.broadcast_root import BenchParams  # noqa: E402

@@ -61,7 +61,7 @@ def t_bcast(extra: list[str], seed: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=3)

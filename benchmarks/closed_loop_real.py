@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from echo.steprow import read_rows  # noqa: E402
-from provisioning.sim.summary import SIM, SimSummary  # noqa: E402
+from echo_rl.core.steprow import read_rows  # noqa: E402
+from echo_rl.provisioning.sim.summary import SIM, SimSummary  # noqa: E402
 
 # (group_s, price $/h): a worker makes one group of group_size trajectories per group_s.
 FLEET = [
@@ -94,10 +94,10 @@ def _go_file(path: Path) -> Any:
 def _member_class() -> Any:
     """A synthetic worker that says it installed the version it joined at, as a real worker
     does once its snapshot is in: the learner counts a joined key as a member (broadcast plan,
-    provisioner) only from its first install report or work request (learner/members.py), and
+    provisioner) only from its first install report or work request (echo_rl/learner/members.py), and
     this benchmark boots its first workers active, in index order, before any asks for work."""
     from benchmarks.load_control import Synthetic
-    from echo import wire
+    from echo_rl.core import wire
 
     class Member(Synthetic):
         async def _join(self) -> Any:
@@ -113,9 +113,9 @@ def _member_class() -> Any:
 async def one_worker(a: argparse.Namespace) -> None:
     import zmq.asyncio
 
-    from dataplane.adapter import load_adapter
-    from echo.models import build_tiny_tokenizer
-    from echo.security import JoinLine, KeyPair
+    from echo_rl.core.models import build_tiny_tokenizer
+    from echo_rl.core.security import JoinLine, KeyPair
+    from echo_rl.data.adapter import load_adapter
 
     tok = build_tiny_tokenizer()
     adapter = load_adapter("toy-add", {"max_sum": 9}, tok)
@@ -142,8 +142,8 @@ async def one_worker(a: argparse.Namespace) -> None:
 
 
 def real_run(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from echo.config import dump_toml, load_config
-    from echo.procs import ProcessGroup, python_argv, wait_ready
+    from echo_rl.core.config import dump_toml, load_config
+    from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
 
     cfg = load_config(ROOT / "examples/quickstart.toml", overrides(a.prompts, a.updates, a.boot))
     conf, run = tmp / "learner.toml", tmp / "run"
@@ -180,7 +180,7 @@ def real_run(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     try:
         learner = group.start(
             "learner",
-            python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+            python_argv("echo_rl.cli.rl", "learn", str(conf), "--run-dir", str(run)),
             tmp / "learner.err",
             pipe_stdout=True,
         )
@@ -221,7 +221,7 @@ def real_run(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def _member(i: int, state: str) -> re.Pattern[str]:
     """The learner's line when worker ``i`` joins the plan and the provisioner in ``state``
-    (learner/members.py: "worker w0 is a member (install): active")."""
+    (echo_rl/learner/members.py: "worker w0 is a member (install): active")."""
     return re.compile(rf"worker w{i} is a member \([^)]*\): {state}\b")
 
 
@@ -266,7 +266,7 @@ def real_figures(real: dict[str, Any]) -> dict[str, Any]:
 def simulate_same(
     real: dict[str, Any], fig: dict[str, Any], tmp: Path, boot: int
 ) -> dict[str, Any]:
-    from provisioning.sim.api import simulate
+    from echo_rl.provisioning.sim.api import simulate
 
     cfg = real["cfg"]
     lc = cfg.learner
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "worker":
         asyncio.run(one_worker(a))
         return 0
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     with tempfile.TemporaryDirectory(prefix="echo-closed-loop-") as d:
         tmp = Path(a.workdir or d)

@@ -1,4 +1,4 @@
-"""How large a fleet one learner core serves: the load model (provisioning.sim.control_load) fed
+"""How large a fleet one learner core serves: the load model (echo_rl.provisioning.sim.control_load) fed
 with the costs benchmarks/load_control.py measured, from 100 to 100,000 workers, with the
 heartbeat and poll periods fixed (before issue 38) and scaled to the fleet (now).
 
@@ -21,7 +21,7 @@ SIZES = [100, 300, 1_000, 3_000, 10_000, 30_000, 100_000]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from provisioning.sim.control_load import ControlCosts, curve, saturation
+    from echo_rl.provisioning.sim.control_load import ControlCosts, curve, saturation
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(

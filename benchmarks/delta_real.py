@@ -46,8 +46,8 @@ def load(model: str, threads: int) -> tuple[Any, Any]:
     folder is missing."""
     import torch
 
-    from echo.config import ModelConfig
-    from echo.models import ModelError, load_model, load_tokenizer
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.core.models import ModelError, load_model, load_tokenizer
 
     torch.set_num_threads(threads)
     cfg = ModelConfig(name=model)
@@ -75,8 +75,8 @@ def measure(prev: bytes, pub: Any, full: bytes) -> dict[str, Any]:
     """One delta against the payload it was built from."""
     import blake3
 
-    from broadcast.delta import decode
-    from broadcast.versions import rebuild
+    from echo_rl.broadcast.delta import decode
+    from echo_rl.broadcast.versions import rebuild
 
     m, st, mb = pub.manifest, pub.stats, len(full) / 1e6
     t0 = time.perf_counter()
@@ -111,9 +111,9 @@ def run_lr(
 ) -> list[dict[str, Any]]:
     import torch
 
-    from broadcast.snapshot import RunKey
-    from broadcast.versions import VersionEncoder
-    from echo.models import params_to_payload
+    from echo_rl.broadcast.snapshot import RunKey
+    from echo_rl.broadcast.versions import VersionEncoder
+    from echo_rl.core.models import params_to_payload
 
     model = copy.deepcopy(base_model)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     model, tok = load(args.model, args.threads)
     batch = sft_batch(tok)

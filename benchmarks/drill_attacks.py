@@ -21,8 +21,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from echo import wire
-from echo.security import JoinLine, KeyPair, curve_client
+from echo_rl.core import wire
+from echo_rl.core.security import JoinLine, KeyPair, curve_client
 
 JUNK = msgpack.packb({"v": 1, "type": ["x"]})  # the 13 bytes that once ended a learner
 ATTACKER_HOST = "127.0.1.1"
@@ -356,7 +356,7 @@ def relay_spellings(t: Target) -> dict[str, Any]:
     """Issue 52: claim an honest relay's address (w0's) in another spelling of its host, and
     the unspecified address; each from a fresh key with the insider's token. Every join must
     be refused (``bad_endpoint``) without spending a use of the token."""
-    from echo.addresses import split_endpoint
+    from echo_rl.core.addresses import split_endpoint
 
     _, host, port = split_endpoint(t.relay)
     replies: dict[str, str] = {}
@@ -386,8 +386,8 @@ def colluding_reporters(t: Target, keys: int = 2, seconds: float = 15.0) -> dict
     they are granted as ``timeout`` and take the next grant, walking the relays. No honest
     relay may be convicted; the learner's probes (one per counted report, bounded per
     witness) find them intact, and the token's keys lose the word together."""
-    from echo.security import TokenStore
-    from learner.gate import security_dir
+    from echo_rl.core.security import TokenStore
+    from echo_rl.learner.gate import security_dir
 
     token = TokenStore(security_dir(t.run_dir) / "tokens.json").create(
         uses=keys, ttl_s=600, note="drill: a leaked token"

@@ -6,8 +6,8 @@ found in it (empty: refused or neutralised, counted, and no honest worker harmed
   * ``forged_handback``: a scripted insider takes groups and hands them back as prefixes of
     tokens it never sampled (log-prob -9999). Expected: the learner checks them before anyone
     continues them, refuses them, strikes and quarantines the insider, and nothing of them is
-    continued (``learner.handbacks``);
-  * ``cherry_pick``: a real worker (``worker.agent.Worker``, its own model) that generates its
+    continued (``echo_rl.learner.handbacks``);
+  * ``cherry_pick``: a real worker (``echo_rl.worker.agent.Worker``, its own model) that generates its
     groups honestly, hands back those whose mean reward is below the median it has seen (as
     finished prefixes), and delivers the rest. Expected: counted per worker, bounded, and
     flagged from the reward percentiles of what it returned;
@@ -40,10 +40,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from drill_attacks import Target, drain, join_evil  # noqa: E402
 
-from echo import wire  # noqa: E402
+from echo_rl.core import wire  # noqa: E402
 
 HONEST = ("w0", "w1")
-STALENESS = 2  # learner.staleness in the drill's config (echo/config.py default)
+STALENESS = 2  # learner.staleness in the drill's config (echo_rl/core/config.py default)
 
 
 # ----------------------------------------------------------------------------- the learner's books
@@ -323,8 +323,8 @@ def check_edge_holder(r: dict[str, Any]) -> list[str]:
 
 
 def _generation(kind: str) -> Any:
-    """The drill worker's generation part (worker.generation.Generation, modified)."""
-    from worker.generation import Generation
+    """The drill worker's generation part (echo_rl.worker.generation.Generation, modified)."""
+    from echo_rl.worker.generation import Generation
 
     class Picker(Generation):
         """Generates honestly; hands back its groups below the median reward it has seen.
@@ -409,8 +409,8 @@ def _generation(kind: str) -> Any:
 
 
 def _make(kind: str) -> Any:
-    """A real worker (worker.agent.Worker) generating with the drill's part."""
-    from worker.agent import Worker
+    """A real worker (echo_rl.worker.agent.Worker) generating with the drill's part."""
+    from echo_rl.worker.agent import Worker
 
     gen = _generation(kind)
 
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("worker", help="run a modified worker: worker --kind KIND join LINE ...")
     w.add_argument("--kind", required=True, choices=("cherry_pick", "edge_holder"))
     args, rest = p.parse_known_args(argv)
-    from worker import cli
+    from echo_rl.cli import worker as cli
 
     cls = _make(args.kind)
     return cli.main(rest, make_worker=lambda *a, **kw: cls(*a, **kw))

@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from echo.steprow import COL  # noqa: E402
+from echo_rl.core.steprow import COL  # noqa: E402
 
 KINDS = ("black_hole", "selective_relay")
 
@@ -50,7 +50,7 @@ def _install_hostile_relay(kind: str) -> None:
     (It used to swap the server's outbox for a hostile queue. When the server began keeping
     one queue per peer, that swap made it crash on its first request: the relay read as
     unreachable and the drill's selective relay never corrupted anything.)"""
-    from broadcast.source import ChunkServer
+    from echo_rl.broadcast.source import ChunkServer
 
     enqueue, next_reply, outgoing = (
         ChunkServer._enqueue,
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kind", required=True, choices=KINDS)
     args, rest = ap.parse_known_args(argv)
     _install_hostile_relay(args.kind)
-    from worker import cli
+    from echo_rl.cli import worker as cli
 
     return cli.main(rest)
 
@@ -108,8 +108,8 @@ def stranger_reports(t: Any, rounds: int = 20) -> dict[str, Any]:
     timeout, disconnected and corrupt reports."""
     from drill_attacks import ask, join_evil
 
-    from echo import wire
-    from echo.addresses import same_endpoint
+    from echo_rl.core import wire
+    from echo_rl.core.addresses import same_endpoint
 
     sock, _, ack = join_evil(t, "reporter")
     version = ack.version  # the learner's newest, as its join reply says
@@ -186,7 +186,7 @@ def child_loss(log: str, since: float, hole: str) -> dict[str, Any] | None:
     after wall time ``since``): the gap between its last install before its first failover
     from the hole and its first install after its last failover from it or skip of it (the
     seconds its rollouts ran on an old version), its usual install interval in the phase, and
-    the failovers and skips (notices naming the relay it left, worker/snapshots.py). Failovers
+    the failovers and skips (notices naming the relay it left, echo_rl/worker/snapshots.py). Failovers
     from other sources (the learner's own endpoint stalls now and then at ten or more versions
     a second, in the honest run too) are counted apart. None: it never failed over the hole."""
     installs, fails, skips, others = [], [], [], []

@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 from drill_attacks import ATTACKER_HOST, Target, reason_of
 
-from echo import wire
+from echo_rl.core import wire
 
 
 def _source(i: int, hosts: str) -> str:

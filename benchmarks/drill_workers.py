@@ -3,7 +3,7 @@
     python benchmarks/drill_workers.py --kind forge_rewards [--truth FILE] join LINE [echo-worker options]
 
 Everything after the drill's own options is ``echo-worker``'s command line: the liar is a real
-worker (``worker.agent.Worker``) started by ``worker.cli.main``, with its CURVE identity, join
+worker (``echo_rl.worker.agent.Worker``) started by ``echo_rl.cli.worker.main``, with its CURVE identity, join
 line and token, speaking the real protocol. Only its generation part's ``generate_and_score``
 is overridden (``LyingGeneration``): the honest samples and the adapter's rewards are computed
 as usual, then one lie is applied to what is delivered. Kinds:
@@ -14,7 +14,7 @@ as usual, then one lie is applied to what is delivered. Kinds:
   * ``patient_logprobs``: honest for its first 8 groups (through probation), then
     ``fake_logprobs`` in one group of every 20 (issue 52);
   * ``fake_logprobs``: every behaviour log-prob claimed as ``--fake-logprob`` (default -20). The
-    learner weighs a token by w = min(exp(logp_old - logp_behaviour), is_cap) (learner.loss,
+    learner weighs a token by w = min(exp(logp_old - logp_behaviour), is_cap) (echo_rl.learner.loss,
     token_truncate): -20 pins w at the cap (2x) on every token of this worker, the most
     weight the truncation allows, and removes the off-policy correction of its stale samples.
     (-0.01, a claimed probability of ~1, would instead shrink w to ~p_old and mute the worker:
@@ -45,10 +45,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo import wire  # noqa: E402
-from worker.agent import Worker  # noqa: E402
-from worker.backends import Sample  # noqa: E402
-from worker.generation import Generation  # noqa: E402
+from echo_rl.core import wire  # noqa: E402
+from echo_rl.worker.agent import Worker  # noqa: E402
+from echo_rl.worker.backends import Sample  # noqa: E402
+from echo_rl.worker.generation import Generation  # noqa: E402
 
 Scored = list[tuple[Sample, float]]  # one group's samples and their rewards
 KINDS = (
@@ -72,7 +72,7 @@ class Lie:
 
 
 class LyingGeneration(Generation):
-    """The worker's generation part (``worker.generation.Generation``) with one lie
+    """The worker's generation part (``echo_rl.worker.generation.Generation``) with one lie
     (``lie.kind``) in what it delivers."""
 
     def __init__(self, *args: Any, lie: Lie, truth: str | None = None, **kwargs: Any):
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fake_logprob > 0:
         print("drill_workers.py: --fake-logprob must be <= 0 (a log-probability)", file=sys.stderr)
         return 2
-    from worker import cli
+    from echo_rl.cli import worker as cli
 
     lie = Lie(args.kind, args.fake_logprob, args.garbage_text, args.drop_share, args.seed)
     return cli.main(

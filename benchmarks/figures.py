@@ -360,7 +360,7 @@ ROWS: tuple[Row, ...] = (
         (
             Run(
                 (
-                    *("-m", "echo.cli", "quickstart", "--run-dir", "{out}/run"),
+                    *("-m", "echo_rl.cli.rl", "quickstart", "--run-dir", "{out}/run"),
                     *("--set", "learner.max_steps=120"),
                 ),
                 "run/metrics.jsonl",
@@ -905,7 +905,7 @@ ROWS: tuple[Row, ...] = (
     Row(
         "sim-10k",
         "simulation of 10,000 workers, 100 steps",
-        (Run(("-m", "echo.cli", "sim", "examples/sim/scale-10k.toml")),),
+        (Run(("-m", "echo_rl.cli.rl", "sim", "examples/sim/scale-10k.toml")),),
         why_not="its only figure is a wall time (17.1 s), which belongs to the machine",
     ),
     Row(
@@ -1405,7 +1405,9 @@ def print_list() -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title="docs/results.md figures: the registry (benchmarks/figures.py ROWS)", show_lines=True)
+    t = Table(
+        title="docs/results.md figures: the registry (benchmarks/figures.py ROWS)", show_lines=True
+    )
     for col in ("id", "re-run here", "minutes", "figures", "commands / why not"):
         t.add_column(col)
     for row in ROWS:
@@ -1461,7 +1463,7 @@ def main(argv: list[str] | None = None) -> int:
         c["verdict"] == "not re-runnable here" for r in results for c in r["checks"]
     )
     print(", ".join(f"{n} {v}" for v, n in counts.items()))
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_result(

@@ -38,7 +38,7 @@ def child(target: str, runs: int, seconds: int, corpus: str, artifacts: str) -> 
     """Runs inside the target's own process: instrument Echo's decoders, then fuzz."""
     import atheris
 
-    with atheris.instrument_imports(include=["echo", "broadcast", "dataplane", "fuzz"]):
+    with atheris.instrument_imports(include=["echo_rl", "fuzz"]):
         from fuzz import decoders
     fn, seeds = decoders.targets()[target]
     for i, seed in enumerate(seeds()):

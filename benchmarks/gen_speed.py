@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def model_config(name: str) -> Any:
-    from echo.config import ModelConfig
+    from echo_rl.core.config import ModelConfig
 
     if name == "tiny":
         return ModelConfig()
@@ -78,7 +78,7 @@ def model_config(name: str) -> Any:
 def prompts(backend: Any, cfg: Any, n: int) -> list[list[int]]:
     if cfg.name == "tiny-qwen3":
         return [[5 + i % 10, 6, 7 + i % 3, 8, 9, 10] for i in range(n)]
-    from adapters.math import MathAdapter
+    from echo_rl.adapters.math import MathAdapter
 
     data = ROOT / "examples" / "data" / "arith_words.jsonl"
     items = MathAdapter({"path": str(data)}, backend.tokenizer).items()
@@ -86,7 +86,7 @@ def prompts(backend: Any, cfg: Any, n: int) -> list[list[int]]:
 
 
 def groups_for(backend: Any, cfg: Any, rows: int) -> list[Any]:
-    from echo import wire
+    from echo_rl.core import wire
 
     n = min(rows, 8)
     count = max(1, rows // n)
@@ -97,7 +97,7 @@ def groups_for(backend: Any, cfg: Any, rows: int) -> list[Any]:
 
 
 def build(cfg: Any, device: str, threads: int, compile: bool = False) -> dict[str, Any]:
-    from worker.backends import make_backend
+    from echo_rl.worker.backends import make_backend
 
     out = {
         "transformers": make_backend("transformers", model_cfg=cfg, threads=threads, device=device),

@@ -145,7 +145,7 @@ def weights(dest: Path) -> int:
     """The GGUF in parts, each in its own folder ``dest/partN`` with the manifest, sized so
     that call N carries ``dest/partN`` (call 0 with ``.whl`` beside it) under the call limit."""
     if not GGUF.is_file():
-        from echo.gguf_import import fetch_smollm2
+        from echo_rl.core.gguf_import import fetch_smollm2
 
         fetch_smollm2(GGUF.parent)
     data = GGUF.read_bytes()

@@ -4,7 +4,7 @@ a park (the model it leaves, to host memory) and an unpark (the model of the run
 is, back to the GPU). Two ways, on the same model, one after the other:
 
   * ``pageable``: ``model.to("cpu")`` and ``model.to("cuda")``, what the worker did before
-    ``worker/backends/parking.py``: fresh pageable host memory at every park;
+    ``echo_rl/worker/backends/parking.py``: fresh pageable host memory at every park;
   * ``pinned``: ``HostParking`` (what ``TransformersBackend.park``/``unpark`` run): host copies
     made once, page-locked, one direct copy a tensor. Its first park, which allocates and pins
     them, is timed apart.
@@ -54,7 +54,7 @@ def _cycles(
 def one_case(model: Any, device: str, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
     import torch
 
-    from worker.backends.parking import HostParking
+    from echo_rl.worker.backends.parking import HostParking
 
     parking = HostParking.whole(model, torch.device(device))
     nbytes = parking.nbytes()

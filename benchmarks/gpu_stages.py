@@ -49,7 +49,7 @@ for _k, _v in (
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from echo.steprow import COL  # noqa: E402
+from echo_rl.core.steprow import COL  # noqa: E402
 
 SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -177,7 +177,7 @@ def stage_model(a: argparse.Namespace, rec: Record) -> None:
             "skipped", f"no SmolLM2 GGUF at {gguf}: stages use its architecture with random weights"
         )
         return
-    from echo.gguf_import import import_gguf
+    from echo_rl.core.gguf_import import import_gguf
 
     t0 = time.perf_counter()
     import_gguf(gguf, SMOLLM2)
@@ -251,8 +251,8 @@ def smollm2_model(a: argparse.Namespace, device: str) -> tuple[Any, str]:
     if a.dry_run:
         return build(TINY, device), "tiny-qwen3 (random init)"
     if real_smollm2():
-        from echo.config import ModelConfig
-        from echo.models import load_model, load_tokenizer
+        from echo_rl.core.config import ModelConfig
+        from echo_rl.core.models import load_model, load_tokenizer
 
         cfg = ModelConfig(name=str(SMOLLM2))
         return load_model(cfg, load_tokenizer(cfg)).to(device), "SmolLM2-135M-Instruct"
@@ -264,7 +264,7 @@ def random_batch(
 ) -> Any:
     import torch
 
-    from dataplane.adapter import LearnerBatch
+    from echo_rl.data.adapter import LearnerBatch
 
     g = torch.Generator().manual_seed(seed)
     vocab = model.get_input_embeddings().num_embeddings
@@ -301,9 +301,9 @@ def step_flops(model: Any, batch: int, prompt: int, completion: int, lora: bool)
 
 
 def lora_wrap(model: Any) -> Any:
-    """Echo's LoRA (``[learner.lora]``: echo/lora.py), at its defaults: r 16, alpha 32, all linear layers."""
-    from echo.config import LoraConfig
-    from echo.lora import wrap
+    """Echo's LoRA (``[learner.lora]``: echo_rl/core/lora.py), at its defaults: r 16, alpha 32, all linear layers."""
+    from echo_rl.core.config import LoraConfig
+    from echo_rl.core.lora import wrap
 
     return wrap(model, LoraConfig(enabled=True))
 
@@ -316,9 +316,9 @@ def learner_case(
 ) -> dict[str, Any]:
     import torch
 
-    from echo.config import LearnerConfig
-    from learner.parallel import make_parallel
-    from learner.trainer import Trainer
+    from echo_rl.core.config import LearnerConfig
+    from echo_rl.learner.parallel import make_parallel
+    from echo_rl.learner.trainer import Trainer
 
     device = _device(a)
     if device == "cuda":
@@ -396,8 +396,8 @@ def stage_learner(a: argparse.Namespace, rec: Record) -> None:
 
 
 def _backend(a: argparse.Namespace) -> Any:
-    from echo.config import ModelConfig
-    from worker.backends import make_backend
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.worker.backends import make_backend
 
     cfg = ModelConfig() if a.dry_run or not real_smollm2() else ModelConfig(name=str(SMOLLM2))
     return make_backend(
@@ -408,7 +408,7 @@ def _backend(a: argparse.Namespace) -> Any:
 def _prompts(backend: Any, cfg: Any, n: int) -> list[list[int]]:
     if cfg.name == "tiny-qwen3":
         return [[5 + i % 10, 6, 7, 8, 9, 10] for i in range(n)]
-    from adapters.math import MathAdapter
+    from echo_rl.adapters.math import MathAdapter
 
     adapter = MathAdapter(
         {"path": str(ROOT / "examples" / "data" / "arith_words.jsonl")}, backend.tokenizer
@@ -422,7 +422,7 @@ def stage_generation(a: argparse.Namespace, rec: Record) -> None:
     alternating, same groups and seeds, every row to 128 new tokens), then the install of a
     version into the worker's backend."""
     from benchmarks import gen_speed
-    from echo.models import params_to_payload
+    from echo_rl.core.models import params_to_payload
 
     backend, cfg = _backend(a)
     sync = _sync(_device(a))
@@ -488,7 +488,7 @@ EVAL_RESERVE_S = 60.0  # of the stage's budget, kept for the held-out evaluation
 
 
 def learning_argv(a: argparse.Namespace, run_dir: Path) -> list[str]:
-    base = [sys.executable, "-m", "echo.cli", "quickstart", "--run-dir", str(run_dir)]
+    base = [sys.executable, "-m", "echo_rl.cli.rl", "quickstart", "--run-dir", str(run_dir)]
     if a.dry_run:
         return base + ["--config", "examples/quickstart.toml", "--set", "learner.max_steps=3"]
     sets = [
@@ -514,7 +514,7 @@ def learning_argv(a: argparse.Namespace, run_dir: Path) -> list[str]:
 def eval_argv(a: argparse.Namespace, run_dir: Path) -> list[str]:
     """The held-out evaluation of the run's last checkpoint against the untrained model, on
     the same prompts and seeds (30 held-out pairs x 4 samples; the dry run: 8 x 2)."""
-    argv = [sys.executable, "-m", "echo.cli", "eval", "--run-dir", str(run_dir)]
+    argv = [sys.executable, "-m", "echo_rl.cli.rl", "eval", "--run-dir", str(run_dir)]
     argv += ["--compare", "untrained", "--json", "--threads", "4"]
     return argv + (["--n", "8", "--samples", "2"] if a.dry_run else ["--samples", "4"])
 

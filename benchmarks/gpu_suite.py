@@ -39,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from echo.steprow import COL  # noqa: E402
+from echo_rl.core.steprow import COL  # noqa: E402
 
 ORDER = ("model", "tests", "learner", "generation", "residency", "relay", "learning")
 # Seconds per stage on the GPU: 9 minutes at most, inside the device's 10-minute command limit.
@@ -133,10 +133,10 @@ def install_wheels(wheels: Path, site: Path) -> dict[str, Any]:
         if run.returncode:
             return {"wheels": found, "error": run.stderr[-2000:]}
         marker.write_text("\n".join(found))
-    from dataplane.testing import write_entry_points
+    from echo_rl.data.testing import write_entry_points
 
     eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][
-        "echo.adapters"
+        "echo_rl.adapters"
     ]
     write_entry_points(site, "echo-rl", eps)
     return {"wheels": found, "site": str(site)}
@@ -175,7 +175,7 @@ def stash_weights(carried: list[Path], stash: Path) -> dict[str, Any]:
 def machine() -> dict[str, Any]:
     import torch
 
-    from echo.machine import machine_info
+    from echo_rl.core.machine import machine_info
 
     info = machine_info()
     if torch.cuda.is_available():

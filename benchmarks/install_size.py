@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", default="HEAD", help="the git revision to compare with")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/install_size.json")
     args = ap.parse_args(argv)
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="echo-install-") as tmp:

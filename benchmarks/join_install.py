@@ -35,9 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.machine import machine_info
-from echo.procs import ProcessGroup, python_argv, wait_ready
-from worker.status import read_status
+from echo_rl.core.machine import machine_info
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
+from echo_rl.worker.status import read_status
 
 INSTALLED = re.compile(r"^(\S+ \S+) INFO echo\.worker: installed snapshot v\d+", re.MULTILINE)
 TIMEOUT_S = 180.0
@@ -74,7 +74,7 @@ def one_worker(group: ProcessGroup, line: str, tmp: Path, i: int) -> dict:
     proc = group.start(
         f"w{i}",
         python_argv(
-            "worker.cli",
+            "echo_rl.cli.worker",
             "join",
             line,
             "--id",
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         learner = group.start(
             "learner",
             python_argv(
-                "echo.cli",
+                "echo_rl.cli.rl",
                 "learn",
                 args.config,
                 "--run-dir",

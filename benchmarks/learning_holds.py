@@ -8,7 +8,7 @@ old defaults against new, held-out at the start, at the best checkpoint and at t
 
 ``run`` is ``echo-rl quickstart --config examples/smollm2-lora.toml`` on the task's files with
 ``learner.heldout.every = 10`` (the run's own held-out evaluation: 30 prompts x 4 samples, the
-same prompts and seeds at every evaluation, learner/heldout.py), the run folder
+same prompts and seeds at every evaluation, echo_rl/learner/heldout.py), the run folder
 ``runs/holds/TASK-MODE-sSEED``. Modes:
 
 - ``old``: examples/smollm2-lora.toml as it shipped before issue 51 (beta 0, a symmetric clip
@@ -17,7 +17,7 @@ same prompts and seeds at every evaluation, learner/heldout.py), the run folder
   true`` (the example's settings since).
 
 ``table`` reads each run folder's ``heldout.jsonl`` (the score after 0 steps is the untrained
-policy's; the paired differences against it are over the same prompts and seeds, echo/ci.py)
+policy's; the paired differences against it are over the same prompts and seeds, echo_rl/core/ci.py)
 and ``metrics.jsonl`` (entropy, groups that scored alike, collapse warnings), and prints the
 table docs/does-it-learn.md shows.
 """
@@ -34,8 +34,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.ci import paired_ci  # noqa: E402
-from echo.machine import machine_info  # noqa: E402
+from echo_rl.core.ci import paired_ci  # noqa: E402
+from echo_rl.core.machine import machine_info  # noqa: E402
 
 MODES = {
     "old": ["learner.beta=0", "learner.epsilon_high=0", "learner.dynamic_sampling=false"],

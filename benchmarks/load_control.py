@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from echo.steprow import COL  # noqa: E402
-from provisioning.sim.control_load import ControlCosts, saturation  # noqa: E402  (no heavy imports)
+from echo_rl.core.steprow import COL  # noqa: E402
+from echo_rl.provisioning.sim.control_load import ControlCosts, saturation  # noqa: E402  (no heavy imports)
 
 # Every synthetic worker comes from 127.0.0.1, one IP prefix: the per-address and per-prefix
 # limits (docs/security.md, "Sybils") would rightly hold a thousand keys from one host to a few
@@ -78,8 +78,8 @@ class Synthetic:
         pair when None. ``price``: what it declares, $/h. ``gate``: an async callable; the worker
         joins and heart-beats at once but asks for work only once it returns (a fleet that
         starts together)."""
-        from echo.client import Client
-        from echo.security import KeyPair
+        from echo_rl.core.client import Client
+        from echo_rl.core.security import KeyPair
 
         self.wid, self.adapter, self.vocab, self.group_s = wid, adapter, vocab, group_s
         self.price, self.gate = price, gate
@@ -96,7 +96,7 @@ class Synthetic:
         self.rng = random.Random(wid)
 
     async def run(self, until: float, ramp_s: float = 0.0) -> None:
-        from echo import wire
+        from echo_rl.core import wire
 
         # A fleet does not join in one millisecond: joins spread over ramp_s (each a CURVE
         # handshake, the costliest message there is, on both sides).
@@ -120,9 +120,9 @@ class Synthetic:
 
     async def _join(self) -> Any:
         """Join, retrying a handshake that failed while many connect at once, as a real
-        worker does (echo.client: a failure is final only after WRONG_KEY_AFTER in a row)."""
-        from echo import wire
-        from echo.client import ConnectionLost
+        worker does (echo_rl.core.client: a failure is final only after WRONG_KEY_AFTER in a row)."""
+        from echo_rl.core import wire
+        from echo_rl.core.client import ConnectionLost
 
         for attempt in range(10):
             try:
@@ -135,7 +135,7 @@ class Synthetic:
                 await asyncio.sleep(0.5 * (attempt + 1))
 
     async def _heartbeats(self, period: float, until: float) -> None:
-        from echo import wire
+        from echo_rl.core import wire
 
         while time.monotonic() < until:
             await asyncio.sleep(period)
@@ -150,7 +150,7 @@ class Synthetic:
                 self.periods.append(period)
 
     async def _notices(self) -> None:
-        from echo import wire
+        from echo_rl.core import wire
 
         while True:
             msg = await self.client.notices.get()
@@ -158,7 +158,7 @@ class Synthetic:
                 self.version = max(self.version, msg.version)
 
     async def _work(self, until: float) -> None:
-        from echo import wire
+        from echo_rl.core import wire
 
         if self.gate is not None:
             await self.gate()
@@ -215,9 +215,9 @@ class Synthetic:
 async def swarm(args: argparse.Namespace) -> dict[str, Any]:
     import zmq.asyncio
 
-    from dataplane.adapter import load_adapter
-    from echo.models import build_tiny_tokenizer
-    from echo.security import JoinLine
+    from echo_rl.core.models import build_tiny_tokenizer
+    from echo_rl.core.security import JoinLine
+    from echo_rl.data.adapter import load_adapter
 
     tok = build_tiny_tokenizer()
     adapter = load_adapter("toy-add", {"max_sum": 9}, tok)
@@ -239,7 +239,7 @@ async def swarm(args: argparse.Namespace) -> dict[str, Any]:
         for w in workers:
             w.client.close()
         ctx.term()
-    # the swarm's ledger, as a real worker's --ledger (learner.run_audit reads it)
+    # the swarm's ledger, as a real worker's --ledger (echo_rl.learner.run_audit reads it)
     args.out.with_suffix(".ledger").write_text(
         "".join(json.dumps(row) + "\n" for w in workers for row in w.ledger)
     )
@@ -284,8 +284,8 @@ def run_once(
     heartbeat_s: float | None = None,
     ramp_s: float = 0.0,
 ) -> dict[str, Any]:
-    from echo.config import dump_toml, load_config
-    from echo.procs import ProcessGroup, python_argv, wait_ready
+    from echo_rl.core.config import dump_toml, load_config
+    from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
     from labs import child_env
 
     extra = [f"worker.heartbeat_s={heartbeat_s}"] if heartbeat_s else []
@@ -384,8 +384,8 @@ def run_once(
 
 def accounting(run: Path, ledgers: list[Path], group_size: int) -> dict[str, int]:
     """Every record the swarm saw acknowledged: trained, dropped by a named rule, or still
-    buffered (learner.run_audit); ``unaccounted`` must be 0."""
-    from learner.run_audit import audit_run
+    buffered (echo_rl.learner.run_audit); ``unaccounted`` must be 0."""
+    from echo_rl.learner.run_audit import audit_run
 
     return audit_run(run, [p for p in ledgers if p.exists()], group_size).accounting()
 
@@ -412,7 +412,7 @@ def cpu_costs(
     budget: float = 0.0,
     records: int = 0,
 ) -> dict[str, Any]:
-    """The learner's CPU per unit of work, from its own counters (learner.cpu): microseconds
+    """The learner's CPU per unit of work, from its own counters (echo_rl.learner.cpu): microseconds
     on the control loop per message of each kind; the loop's time no handler accounts for
     (the sockets' receive path, the chunk server, handshakes) and ZeroMQ's I/O threads (CURVE,
     sockets) shared out per message; the fleet-wide passes (housekeeping, stats) per worker
@@ -458,7 +458,7 @@ def cpu_costs(
 
 
 def control_costs(out: dict[str, Any], batches: int, seconds: float) -> ControlCosts:
-    """The load model's inputs (provisioning.sim.control_load): an empty work request costs what a
+    """The load model's inputs (echo_rl.provisioning.sim.control_load): an empty work request costs what a
     work request costs; admission is one granted request and one trajectory batch per batch."""
     return ControlCosts(
         heartbeat_us=out["heartbeat_us"],
@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     results = []
     with tempfile.TemporaryDirectory(prefix="echo-load-") as tmp:
@@ -630,7 +630,7 @@ def _cpu_table(results: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
     t = Table(
-        title="the learner's CPU per unit of work (its own counters; learner.cpu), and the "
+        title="the learner's CPU per unit of work (its own counters; echo_rl.learner.cpu), and the "
         "fleet one core serves"
     )
     for col in (

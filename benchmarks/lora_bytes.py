@@ -1,7 +1,7 @@
 """Bytes per version with LoRA against full fine-tuning, for SmolLM2-135M-Instruct (issue 32).
 
 For each mode (the whole model; LoRA at the default rank 16 on every linear layer; LoRA rank 8 on
-q_proj and v_proj) the model is built as the learner builds it (``learner.policy.Policy``: peft
+q_proj and v_proj) the model is built as the learner builds it (``echo_rl.learner.policy.Policy``: peft
 wraps the base when ``[learner.lora]`` is on), then takes ``--steps`` real learner steps
 (``Trainer.step``, GRPO on a fixed batch of random completions with +-1 advantages), and after
 each the version is published as the learner publishes it: ``params_to_payload`` in bf16, then
@@ -39,7 +39,7 @@ MODES = {  # name -> [learner] settings
 
 
 def config(model: str, learner: dict[str, Any]) -> Any:
-    from echo.config import EchoConfig
+    from echo_rl.core.config import EchoConfig
 
     return EchoConfig.model_validate(
         {
@@ -54,8 +54,8 @@ def batch(tokenizer: Any, seed: int = 0) -> Any:
     """Two groups of two random completions (24 tokens) after 16-token prompts, advantages +-1."""
     import torch
 
-    from dataplane.adapter import materialise_records
-    from dataplane.records import Record
+    from echo_rl.data.adapter import materialise_records
+    from echo_rl.data.records import Record
 
     g = torch.Generator().manual_seed(seed)
     vocab, first = len(tokenizer), min(100, len(tokenizer) // 2)  # past the special tokens
@@ -83,10 +83,10 @@ def batch(tokenizer: Any, seed: int = 0) -> Any:
 
 
 def measure(model: str, name: str, learner: dict[str, Any], steps: int) -> dict[str, Any]:
-    from broadcast.snapshot import RunKey
-    from broadcast.versions import VersionEncoder
-    from echo.models import params_to_payload
-    from learner.policy import Policy
+    from echo_rl.broadcast.snapshot import RunKey
+    from echo_rl.broadcast.versions import VersionEncoder
+    from echo_rl.core.models import params_to_payload
+    from echo_rl.learner.policy import Policy, Step, Sync
 
     cfg = config(model, learner)
     policy = Policy(cfg)
@@ -103,9 +103,9 @@ def measure(model: str, name: str, learner: dict[str, Any], steps: int) -> dict[
     for v in range(steps + 1):
         if v:
             t0 = time.perf_counter()
-            policy.command({"op": "step", "batch": data})
+            policy.command(Step(data))
             t_step.append(round(time.perf_counter() - t0, 3))
-        _, full = policy.command({"op": "sync"})
+        _, full = policy.command(Sync())
         tensors, payload = params_to_payload(policy.named_tensors(full[0]), "bfloat16")
         pub = enc.build(v, tensors, payload)
         versions.append(
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     if not (Path(args.model) / "config.json").is_file():
         raise SystemExit(f"{args.model}: no model folder; `make smollm2` builds it")

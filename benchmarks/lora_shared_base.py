@@ -1,5 +1,5 @@
 """Host memory of a worker process serving two LoRA runs on one base model, with the base
-shared (worker/backends/shared_base.py) and without (docs/multirun.md).
+shared (echo_rl/worker/backends/shared_base.py) and without (docs/multirun.md).
 
     .venv/bin/python benchmarks/lora_shared_base.py [--model models/smollm2-135m-instruct]
 
@@ -19,16 +19,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.machine import write_result  # noqa: E402
+from echo_rl.core.machine import write_result  # noqa: E402
 
 CHILD = """
 import json, sys
-from echo.config import LoraConfig, ModelConfig
-from echo.memstat import resident
-from broadcast.memory import trim
+from echo_rl.core.config import LoraConfig, ModelConfig
+from echo_rl.core.memstat import resident
+from echo_rl.broadcast.memory import trim
 rss_bytes = lambda: (trim(), resident()["rss_anon"])[1]
-import worker.backends.transformers as tb
-from worker.backends.shared_base import SharedBases
+import echo_rl.worker.backends.transformers as tb
+from echo_rl.worker.backends.shared_base import SharedBases
 share = sys.argv[2] == "shared"
 rows = [rss_bytes()]
 backends = []

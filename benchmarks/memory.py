@@ -7,8 +7,8 @@ For each model: a learner (full fine-tuning, audits on) and ``--workers`` worker
 ``--steps`` learner steps. Every 0.5 s the benchmark reads each process's resident set from
 /proc (VmRSS, its anonymous and file-backed parts); at the end it reads the peak (VmHWM) and
 the processes' own census of what holds memory (the learner's metrics rows and the workers'
-status files, ``memory``; echo.memstat): model, gradients, optimizer, audit model, and
-snapshot payloads in RAM or spilled to files (echo.spill). ``random-0.4b`` is SmolLM2's
+status files, ``memory``; echo_rl.core.memstat): model, gradients, optimizer, audit model, and
+snapshot payloads in RAM or spilled to files (echo_rl.core.spill). ``random-0.4b`` is SmolLM2's
 architecture widened to about 0.42 B parameters (hidden 1280, 20 layers, MLP 3584), random
 weights, written once under ~/.cache/echo/models.
 """
@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from worker.status import read_status  # noqa: E402
+from echo_rl.worker.status import read_status  # noqa: E402
 
 GIB = 1 << 30
 
@@ -54,7 +54,7 @@ def random_model(name: str) -> Path:
 
 
 def config_for(model: str, steps: int, spill: bool, tmp: Path, overrides: list[str]) -> Path:
-    from echo.config import dump_toml, load_config
+    from echo_rl.core.config import dump_toml, load_config
 
     real = model != "tiny"
     base = ROOT / ("examples/smollm2-math.toml" if real else "examples/quickstart.toml")
@@ -114,7 +114,7 @@ class Sampler:
 def run_case(
     model: str, steps: int, workers: int, spill: bool, tmp: Path, overrides: list[str]
 ) -> dict[str, Any]:
-    from echo.procs import ProcessGroup, python_argv, wait_ready
+    from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
 
     conf = config_for(model, steps, spill, tmp, overrides)
     tag = f"{Path(model).name}-{'spill' if spill else 'ram'}"
@@ -125,7 +125,7 @@ def run_case(
     try:
         learner = group.start(
             "learner",
-            python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+            python_argv("echo_rl.cli.rl", "learn", str(conf), "--run-dir", str(run)),
             tmp / f"learner-{tag}.err",
             pipe_stdout=True,
             cwd=ROOT,
@@ -135,7 +135,7 @@ def run_case(
             group.start(
                 f"w{i}",
                 python_argv(
-                    "worker.cli",
+                    "echo_rl.cli.worker",
                     "join",
                     line,
                     "--id",
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(doc, indent=2))
         _report(doc["cases"], doc["machines"])
         return 0
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     cases = []
     with tempfile.TemporaryDirectory(prefix="echo-mem-") as tmp:

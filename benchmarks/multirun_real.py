@@ -31,10 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.machine import write_result  # noqa: E402
-from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
-from echo.steprow import COL  # noqa: E402
-from worker.status import read_status  # noqa: E402
+from echo_rl.core.machine import write_result  # noqa: E402
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
+from echo_rl.core.steprow import COL  # noqa: E402
+from echo_rl.worker.status import read_status  # noqa: E402
 
 SEEDS = {"a": 0, "b": 1}
 
@@ -42,7 +42,7 @@ SEEDS = {"a": 0, "b": 1}
 def _learner(group: ProcessGroup, tmp: Path, run: str, config: Path) -> str:
     seed = SEEDS[run]
     argv = python_argv(
-        "echo.cli", "learn", str(config), "--run-dir", str(tmp / run),
+        "echo_rl.cli.rl", "learn", str(config), "--run-dir", str(tmp / run),
         "--set", f"seed={seed}", "--set", f"model.seed={seed}",
         "--set", "learner.max_steps=100000",
     )  # fmt: skip
@@ -52,7 +52,7 @@ def _learner(group: ProcessGroup, tmp: Path, run: str, config: Path) -> str:
 
 def _worker(group: ProcessGroup, tmp: Path, i: int, lines: list[str]) -> None:
     argv = python_argv(
-        "worker.cli", "join", *lines, "--id", f"w{i}", "--plain",
+        "echo_rl.cli.worker", "join", *lines, "--id", f"w{i}", "--plain",
         "--identity", str(tmp / f"w{i}.key"), "--status-file", str(tmp / f"w{i}.json"),
     )  # fmt: skip
     group.start(f"w{i}", argv, tmp / f"w{i}.log")

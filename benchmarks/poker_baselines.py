@@ -80,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from adapters.poker.adapter import PokerAdapter
-    from adapters.poker.eval import mean_ci
-    from echo.config import ModelConfig
-    from echo.machine import write_result
-    from echo.models import load_tokenizer
+    from echo_rl.adapters.poker.adapter import PokerAdapter
+    from echo_rl.adapters.poker.eval import mean_ci
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.core.machine import write_result
+    from echo_rl.core.models import load_tokenizer
 
     tok = load_tokenizer(ModelConfig())
     ad = PokerAdapter(

@@ -7,7 +7,7 @@ faced + or not =) the run's latest checkpoint (or, with ``--untrained``, its ini
 gives a distribution over its next token. Printed per state: the most likely action letter
 among f / c / b and its probability, and the probability of all tokens that are not an action
 letter (invalid answers: check when free, else fold). A run with ``answer_letters`` samples
-from the softmax over those letters only (dataplane/answers.py): its probabilities are
+from the softmax over those letters only (echo_rl/data/answers.py): its probabilities are
 renormalised over them and its invalid share is 0. A policy that learned poker answers
 differently for a strong and a weak hand; one that did not shows the same row everywhere.
 """
@@ -26,9 +26,9 @@ def policy_map(run: str, untrained: bool = False) -> dict[str, dict[str, float]]
     """{observation: {letter: probability, ..., "invalid": probability}}."""
     import torch
 
-    from adapters.hf import HFModel
-    from adapters.poker.adapter import PokerAdapter
-    from dataplane.answers import answer_bias
+    from echo_rl.adapters.hf import HFModel
+    from echo_rl.adapters.poker.adapter import PokerAdapter
+    from echo_rl.data.answers import answer_bias
 
     m = HFModel(run, untrained=untrained)
     if (

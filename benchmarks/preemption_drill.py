@@ -32,11 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.config import dump_toml, load_config  # noqa: E402
-from echo.machine import machine_info  # noqa: E402
-from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
-from echo.steprow import COL  # noqa: E402
-from worker.status import WorkerStatus, read_status  # noqa: E402
+from echo_rl.core.config import dump_toml, load_config  # noqa: E402
+from echo_rl.core.machine import machine_info  # noqa: E402
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
+from echo_rl.core.steprow import COL  # noqa: E402
+from echo_rl.worker.status import WorkerStatus, read_status  # noqa: E402
 
 
 def schedule(rng: random.Random, spot: int, mean_up: float, count: int = 1000) -> list[list[float]]:
@@ -81,7 +81,9 @@ def run_mode(
     procs = ProcessGroup()
     learner = procs.start(
         "learner",
-        python_argv("echo.cli", "learn", str(run_dir / "drill.toml"), "--run-dir", str(run_dir)),
+        python_argv(
+            "echo_rl.cli.rl", "learn", str(run_dir / "drill.toml"), "--run-dir", str(run_dir)
+        ),
         run_dir / "learner.stderr.log",
         pipe_stdout=True,
     )
@@ -91,7 +93,7 @@ def run_mode(
 
     def start(name: str) -> dict:
         argv = python_argv(
-            "worker.cli",
+            "echo_rl.cli.worker",
             "join",
             line,
             "--id",

@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.machine import machine_info
-from echo.steprow import COL  # noqa: E402
+from echo_rl.core.machine import machine_info
+from echo_rl.core.steprow import COL  # noqa: E402
 
 TARGET = 0.6  # issue 32: every seed's last-10 reward at least this
 RUN_TIMEOUT_S = 900
@@ -67,7 +67,7 @@ def one_seed(seed: int, config: str, sets: list[str], tmp: Path) -> dict:
     argv = [
         sys.executable,
         "-m",
-        "echo.cli",
+        "echo_rl.cli.rl",
         "quickstart",
         "--config",
         config,

@@ -36,7 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.machine import write_result  # noqa: E402
+from echo_rl.core.machine import write_result  # noqa: E402
 from labs import bare_chain  # noqa: E402
 from labs.broadcast_bench import run_one  # noqa: E402
 from labs.broadcast_root import BenchParams  # noqa: E402

@@ -4,7 +4,7 @@
                                                  [--out benchmarks/results/sim]
 
 * fig3c  -- bubble ratio against pool size for S = 2, 3, 4 (paper Fig. 3c), from
-            examples/sim/fig3c-bubble.toml; workers pause for each broadcast (as worker/agent.py
+            examples/sim/fig3c-bubble.toml; workers pause for each broadcast (as echo_rl/worker/agent.py
             does today) and, dotted, keep generating while downloading;
 * fig4   -- T_bcast against N for star-unlimited, star-limited and chains (paper Fig. 4), from
             examples/sim/fig4-broadcast.toml, homogeneous and heterogeneous links;
@@ -18,7 +18,7 @@
 * central -- examples/sim/centralized-8b.toml: Echo against rollouts on the learner's own A100s
             (sync on 8, async 4 + 4) and the saving as the A100's rollout rate grows.
 
-Every result JSON carries the machine it ran on (echo.machine.machine_info).
+Every result JSON carries the machine it ran on (echo_rl.core.machine.machine_info).
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from echo.steprow import COL  # noqa: E402
-from provisioning import capacity  # noqa: E402
-from provisioning.sim.api import simulate  # noqa: E402
-from provisioning.sim.plots import _plt, plot_run  # noqa: E402
-from provisioning.sim.report import _json_default, print_report  # noqa: E402
-from provisioning.sim.summary import SIM  # noqa: E402
+from echo_rl.core.steprow import COL  # noqa: E402
+from echo_rl.provisioning import capacity  # noqa: E402
+from echo_rl.provisioning.sim.api import simulate  # noqa: E402
+from echo_rl.provisioning.sim.plots import _plt, plot_run  # noqa: E402
+from echo_rl.provisioning.sim.report import _json_default, print_report  # noqa: E402
+from echo_rl.provisioning.sim.summary import SIM  # noqa: E402
 
 EX = ROOT / "examples" / "sim"
 OUT = ROOT / "benchmarks" / "results" / "sim"
@@ -56,7 +56,7 @@ def _machine() -> dict[str, Any]:
     import numpy
     import simpy
 
-    from echo.machine import machine_info
+    from echo_rl.core.machine import machine_info
 
     info = machine_info()
     info.update(numpy=numpy.__version__, simpy=simpy.__version__)
@@ -457,8 +457,9 @@ def mean_initial(runs: list[dict[str, Any]], key: str) -> float:
 
 def _full_run(out: Path, scenario: str, name: str, over: dict[str, Any]) -> dict[str, Any]:
     r = simulate(EX / scenario, dict(over, **{"run.name": name}), progress=True)
-    r["command"] = f".venv/bin/python -m provisioning.sim examples/sim/{scenario}" + "".join(
-        f" --set {k}={json.dumps(v)}" for k, v in over.items()
+    r["command"] = (
+        f".venv/bin/python -m echo_rl.provisioning.sim examples/sim/{scenario}"
+        + "".join(f" --set {k}={json.dumps(v)}" for k, v in over.items())
     )
     _write(out, name, r)
     plot_run(r, out)
@@ -532,7 +533,7 @@ def churn_seeds(out: Path) -> dict[str, Any]:
 def central(out: Path) -> dict[str, Any]:
     """Echo against rollouts on the learner's own A100s (examples/sim/centralized-8b.toml): sync
     on 8 GPUs, async 4 + 4, and the saving as the A100's rollout rate grows."""
-    from provisioning.sim.report import print_centralized
+    from echo_rl.provisioning.sim.report import print_centralized
 
     base = _full_run(out, "centralized-8b.toml", "centralized-8b", {})
     rows = list(base["centralized"]["baselines"])

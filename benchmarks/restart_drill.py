@@ -11,9 +11,9 @@ Per round it records:
   * ``releases_after_restart``: provisioner releases in the resumed run (``decisions.jsonl``),
     and how many of them were failed probations;
   * ``restored_leases`` / ``restored_admitted``: leases kept from before the crash and the
-    samples admitted under them (``learner.grants``);
+    samples admitted under them (``echo_rl.learner.grants``);
   * ``lost``: samples a worker saw acknowledged that were neither trained, buffered nor a
-    counted stale drop (``learner.run_audit``), and ``trained_twice``: groups trained twice; both
+    counted stale drop (``echo_rl.learner.run_audit``), and ``trained_twice``: groups trained twice; both
     must be 0.
 
     python benchmarks/restart_drill.py --rounds 20 --out benchmarks/results/restart_drill.json
@@ -36,9 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.config import EchoConfig, dump_toml  # noqa: E402
-from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
-from echo.steprow import COL  # noqa: E402
+from echo_rl.core.config import EchoConfig, dump_toml  # noqa: E402
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
+from echo_rl.core.steprow import COL  # noqa: E402
 
 BATCHES = {  # (prompts_per_step, group_size, max_outstanding_groups, buffer capacity)
     "small": (4, 4, 0, 16),  # fast rounds (tests/test_restart.py)
@@ -137,7 +137,7 @@ class Drill:
         t0 = time.monotonic()
         proc = self.group.start(
             name,
-            python_argv("echo.cli", "learn", str(conf), *where),
+            python_argv("echo_rl.cli.rl", "learn", str(conf), *where),
             self.tmp / f"{name}.err",
             pipe_stdout=True,
         )
@@ -148,7 +148,7 @@ class Drill:
         self.group.start(
             name,
             python_argv(
-                "worker.cli",
+                "echo_rl.cli.worker",
                 "join",
                 self.endpoint,
                 "--id",
@@ -164,8 +164,8 @@ class Drill:
         )
 
     def round(self, kill_at: int) -> Round:
-        from learner.checkpoint import load_checkpoint
-        from learner.run_audit import audit_run
+        from echo_rl.learner.checkpoint import load_checkpoint
+        from echo_rl.learner.run_audit import audit_run
 
         self.learner("first", False, 10_000)
         workers = ["w0", "w1"]
@@ -242,7 +242,7 @@ def table(rounds: list[Round]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=20)

@@ -37,7 +37,7 @@ MODES = ("every", "sampled")
 def one_run(mode: str, steps: int, workers: int, folder: Path) -> dict[str, Any]:
     run_dir = folder / f"{mode}-{len(list(folder.iterdir()))}"
     argv = [
-        sys.executable, "-m", "echo.cli", "quickstart", "--config",
+        sys.executable, "-m", "echo_rl.cli.rl", "quickstart", "--config",
         str(ROOT / "examples" / "code.toml"), "--run-dir", str(run_dir), "--workers",
         str(workers), "--set", f"learner.max_steps={steps}",
         "--set", f"security.expensive_reward_check={mode}",

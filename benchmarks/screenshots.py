@@ -1,7 +1,7 @@
 """Screenshots for docs/observability.md: ``python benchmarks/screenshots.py [--steps N]``.
 
 Runs a short quickstart-like run with the learner in this process (the metrics server wired
-the way ``learner/main.py`` is meant to wire it: ``LearnerMetrics.update(row, control.stats())``
+the way ``echo_rl/learner/main.py`` is meant to wire it: ``LearnerMetrics.update(row, control.stats())``
 after every step, decisions and install times fed as they appear) and 4 worker processes,
 screenshots the live dashboard with headless Chromium, then builds ``echo-rl report`` for the
 run and screenshots that. Writes docs/img/dashboard.png and docs/img/report.png (and keeps the
@@ -23,12 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.config import dump_toml, load_config  # noqa: E402
-from echo.metrics import LearnerMetrics  # noqa: E402
-from echo.procs import ProcessGroup, python_argv  # noqa: E402
-from echo.report import make_report  # noqa: E402
-from learner.main import Learner  # noqa: E402
-from learner.policy import Policy  # noqa: E402
+from echo_rl.cli.report import make_report  # noqa: E402
+from echo_rl.core.config import dump_toml, load_config  # noqa: E402
+from echo_rl.core.metrics import LearnerMetrics  # noqa: E402
+from echo_rl.core.procs import ProcessGroup, python_argv  # noqa: E402
+from echo_rl.learner.main import Learner  # noqa: E402
+from echo_rl.learner.policy import Policy  # noqa: E402
 
 
 def chromium_shot(url: str, png: Path, size: str = "1400,1000") -> None:
@@ -127,13 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         learner.start(False)
         assert learner.server is not None
-        metrics.tree_source = learner.server.relay_tree  # as learner/main.py wires it
+        metrics.tree_source = learner.server.relay_tree  # as echo_rl/learner/main.py wires it
         for i in range(args.workers):
             price = cfg.quickstart.worker_prices[i % len(cfg.quickstart.worker_prices)]
             group.start(
                 f"worker-{i}",
                 python_argv(
-                    "worker.cli",
+                    "echo_rl.cli.worker",
                     "join",
                     learner.server.join_line(),
                     "--id",

@@ -20,8 +20,8 @@ from pathlib import Path
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from echo.machine import write_result  # noqa: E402
-from echo.security import KeyPair, curve_client, curve_server  # noqa: E402
+from echo_rl.core.machine import write_result  # noqa: E402
+from echo_rl.core.security import KeyPair, curve_client, curve_server  # noqa: E402
 
 FRAME = 1 << 20
 RESULTS = Path(__file__).parent / "results" / "security_cost.json"

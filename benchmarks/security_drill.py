@@ -12,7 +12,7 @@ idle HTTP connections, plaintext / wrong-key clients, a live ban, oversize frame
 records what the learner counted (Prometheus ``/metrics``: echo_join_refused, echo_messages_refused,
 echo_chunk_requests_refused, echo_rejected, by reason), whether it kept stepping, the honest
 workers' admitted samples, and the learner's RSS and threads. At the end: RSS within 1.5x of the
-honest run's, nothing a worker saw acknowledged lost or trained twice (``learner.run_audit``), no
+honest run's, nothing a worker saw acknowledged lost or trained twice (``echo_rl.learner.run_audit``), no
 traceback in the learner's log. Writes benchmarks/results/security_drill.json with the machine.
 """
 
@@ -36,9 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from echo.config import dump_toml, load_config  # noqa: E402
-from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
-from echo.steprow import COL  # noqa: E402
+from echo_rl.core.config import dump_toml, load_config  # noqa: E402
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
+from echo_rl.core.steprow import COL  # noqa: E402
 
 OVERRIDES = [
     "learner.max_steps=1000000",
@@ -152,7 +152,7 @@ class Fleet:
         conf.write_text(dump_toml(self.cfg))
         learner = self.group.start(
             "learner",
-            python_argv("echo.cli", "learn", str(conf), "--run-dir", str(self.run)),
+            python_argv("echo_rl.cli.rl", "learn", str(conf), "--run-dir", str(self.run)),
             self.tmp / "learner.err",
             pipe_stdout=True,
         )
@@ -162,7 +162,7 @@ class Fleet:
     def token(self, uses: int, note: str) -> str:
         out = subprocess.run(
             python_argv(
-                "echo.cli",
+                "echo_rl.cli.rl",
                 "token",
                 "create",
                 "--run-dir",
@@ -183,7 +183,7 @@ class Fleet:
         """``echo-worker join``; with ``kind``, the same worker with one lie (or ``honest``),
         logging what it scored to ``<name>.truth`` (benchmarks/drill_workers.py)."""
         prog = (
-            python_argv("worker.cli")
+            python_argv("echo_rl.cli.worker")
             if kind is None
             else [
                 sys.executable,
@@ -366,7 +366,7 @@ def ban_phase(fleet: Fleet, sampler: Sampler) -> dict[str, Any]:
     joined = "w2" in fleet.admitted()
     key = (fleet.tmp / "w2.key").read_text().split()[0]
     subprocess.run(
-        python_argv("echo.cli", "worker", "ban", key, "--run-dir", str(fleet.run)),
+        python_argv("echo_rl.cli.rl", "worker", "ban", key, "--run-dir", str(fleet.run)),
         check=True,
         capture_output=True,
         timeout=60,
@@ -434,7 +434,7 @@ def relay_phase(
             "--identity",
             str(fleet.tmp / f"{name}.key"),
             # what a relay that wants children says of itself: the planner ranks a new worker
-            # by its declared rates until it has measured it (broadcast/coordinator.py). Without
+            # by its declared rates until it has measured it (echo_rl/broadcast/coordinator.py). Without
             # this the hole could join unmeasured below the honest relays and get no child.
             "--down-mbit",
             "10000",
@@ -445,7 +445,7 @@ def relay_phase(
     )
     # Done when the learner's counts show the attack handled: for the selective relay, its
     # child's corrupt report and a probe after it (a probe alone may be a late retry of the
-    # phase before: learner/probes.py tries a refused timeout probe again).
+    # phase before: echo_rl/learner/probes.py tries a refused timeout probe again).
     handled = {
         "black_hole": (("probe:unreachable", "timeout:convicted", "disconnected:convicted"),),
         "selective_relay": (
@@ -773,7 +773,7 @@ def honest_run(tmp: Path, seconds: float) -> dict[str, Any]:
 
 
 def final_checks(fleet: Fleet) -> dict[str, Any]:
-    from learner.run_audit import audit_run
+    from echo_rl.learner.run_audit import audit_run
 
     workers = [n for n in fleet.group.procs if n.startswith("w") and n != "w2"]
     ledgers = [fleet.tmp / f"{w}.ledger" for w in workers]
@@ -971,7 +971,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(only) - set(ORDER))
     if unknown:
         ap.error(f"unknown attack(s) {unknown}: choose from {ORDER}")
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     t0 = time.monotonic()
     keep = Path(args.keep) if args.keep else None

@@ -9,7 +9,7 @@ spread only by a lognormal sigma of 0.2), and half RTX 5090s with half cards 3x 
 slower; each with 2 groups a request (the file's, as ``worker.groups_per_request``) and with 1.
 A request lasts as long as its longest sample, so with 2 groups routing also puts like lengths
 in one request; with 1 only the speeds are left to it. The routing is the learner's own picker
-(``dataplane.affinity.Picker``). Prints a table
+(``echo_rl.data.affinity.Picker``). Prints a table
 (cost per step, bubble, step time, largest staleness, and affinity's ratio to none); writes
 benchmarks/results/sim_affinity.json with the machine.
 """
@@ -35,8 +35,8 @@ FLEETS = {
 
 
 def one(fleet: str, affinity: bool, gpr: int) -> dict[str, Any]:
-    from provisioning.sim.core import Sim
-    from provisioning.sim.scenario import apply_overrides, read_toml, scenario_from_dict
+    from echo_rl.provisioning.sim.core import Sim
+    from echo_rl.provisioning.sim.scenario import apply_overrides, read_toml, scenario_from_dict
 
     data = apply_overrides(
         read_toml(SCENARIO),

@@ -1,5 +1,5 @@
 """Several RL jobs on one fleet of 1,000 rollout workers: shared against dedicated, simulated
-(provisioning/sim/multijob.py; docs/multirun.md).
+(echo_rl/provisioning/sim/multijob.py; docs/multirun.md).
 
     .venv/bin/python benchmarks/sim_multirun.py [--only multirun-2,multirun-3] [--no-sweep]
         [--json benchmarks/results/sim_multirun.json] [--plot docs/img/sim_multirun.png]
@@ -14,13 +14,13 @@ fractions in each mode and the $ per step over all jobs. The variants beside the
 are the controls: the same two jobs in phase, K = 1 (no second model in host memory), four
 jobs with K = 3, and the three- and four-job mixes against an equal dedicated split.
 Last, the 2-, 3- and 4-job files (and 2 jobs with K = 1, 4 jobs with K = 4) with
-``fleet.policy = "turns"``: the real worker's policy (worker/sharing.py) in place of the
+``fleet.policy = "turns"``: the real worker's policy (echo_rl/worker/sharing.py) in place of the
 simulator's heuristic; then the 2-, 3-, 4-job files and 4 jobs with K = 4 with two variants of
 it: ``"turns-decay"`` (books decaying, tau 60 s and 300 s), ``"turns-need"`` (decayed books,
 each job's weight times its learner's need) and ``"turns-needfirst"`` (the asking job with the
 highest need, ties to the least decayed books per weight).
 
-Then the sweep (provisioning/sim/multijob_sweep.py): the 2-, 3- and 4-job files with every
+Then the sweep (echo_rl/provisioning/sim/multijob_sweep.py): the 2-, 3- and 4-job files with every
 job's learner step-time contrast between its phases set to 1 (no phases), 2, 4 (the files
 as written) and 8, time-averaged demand kept, phases offset as in the files and aligned (all
 rollout-bound at once); one line per setting: the worst and best job's ratio, the whole bill's,
@@ -41,11 +41,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from echo.machine import write_result  # noqa: E402
-from provisioning.sim.multijob_bound import fleet_capacity, offline_bound  # noqa: E402
-from provisioning.sim.multijob_report import compare, plot, table  # noqa: E402
-from provisioning.sim.multijob_scenario import MultiScenario, multi_from_dict  # noqa: E402
-from provisioning.sim.multijob_sweep import (  # noqa: E402
+from echo_rl.core.machine import write_result  # noqa: E402
+from echo_rl.provisioning.sim.multijob_bound import fleet_capacity, offline_bound  # noqa: E402
+from echo_rl.provisioning.sim.multijob_report import compare, plot, table  # noqa: E402
+from echo_rl.provisioning.sim.multijob_scenario import MultiScenario, multi_from_dict  # noqa: E402
+from echo_rl.provisioning.sim.multijob_sweep import (  # noqa: E402
     sweep_plot,
     sweep_row,
     sweep_table,
@@ -66,7 +66,7 @@ SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
     # The demand split is not the cheapest dedicated baseline for every job: show equal too.
     ("multirun-3-equal", "multirun-3.toml", {"dedicated.split": "equal"}),
     ("multirun-4-equal", "multirun-4.toml", {"dedicated.split": "equal"}),
-    # The worker's own policy (worker/sharing.py Turns) in place of the heuristic: per device,
+    # The worker's own policy (echo_rl/worker/sharing.py Turns) in place of the heuristic: per device,
     # the asking job with the least device-seconds per weight; K = models on the device.
     ("multirun-2-turns", "multirun-2.toml", {"fleet.policy": "turns"}),
     # echo-worker's default, --resident 1: one model on the device, every switch warm.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from echo.machine import write_result
+from echo_rl.core.machine import write_result
 
 
 def summary_row(s: dict[str, Any]) -> dict[str, Any]:

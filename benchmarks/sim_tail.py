@@ -25,8 +25,8 @@ SCENARIO = ROOT / "examples" / "sim" / "tail-1k.toml"
 
 
 def one(tail: float, row_cost: float) -> dict[str, Any]:
-    from provisioning.sim.core import Sim
-    from provisioning.sim.scenario import load_scenario
+    from echo_rl.provisioning.sim.core import Sim
+    from echo_rl.provisioning.sim.scenario import load_scenario
 
     sc = load_scenario(
         SCENARIO, [f"rollout.tail_cut={tail}", f"rollout.decode_row_cost={row_cost}"]

@@ -5,7 +5,7 @@
 For each pool size: run the real system on loopback (``echo-rl quickstart`` with that many
 worker processes, provisioning off), measure T_train (mean and spread across steps), T_bcast
 and each worker's generation rate (samples / busy second), then simulate exactly those
-numbers with ``provisioning.sim.api.simulate_fixed`` and compare bubble ratios. Writes
+numbers with ``echo_rl.provisioning.sim.api.simulate_fixed`` and compare bubble ratios. Writes
 benchmarks/results/sim_vs_real.json with the machine.
 """
 
@@ -19,11 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.config import load_config  # noqa: E402
-from echo.machine import write_result  # noqa: E402
-from echo.steprow import COL, RunSummary, read_rows  # noqa: E402
-from provisioning.sim.api import simulate_fixed  # noqa: E402
-from provisioning.sim.summary import SIM  # noqa: E402
+from echo_rl.core.config import load_config  # noqa: E402
+from echo_rl.core.machine import write_result  # noqa: E402
+from echo_rl.core.steprow import COL, RunSummary, read_rows  # noqa: E402
+from echo_rl.provisioning.sim.api import simulate_fixed  # noqa: E402
+from echo_rl.provisioning.sim.summary import SIM  # noqa: E402
 
 
 def measure(n: int, steps: int, tmp: Path) -> dict:
@@ -32,7 +32,7 @@ def measure(n: int, steps: int, tmp: Path) -> dict:
     argv = [
         sys.executable,
         "-m",
-        "echo.cli",
+        "echo_rl.cli.rl",
         "quickstart",
         "--workers",
         str(n),

@@ -11,10 +11,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
-from dataplane.adapter import load_adapter
-from dataplane.answers import check_answer_tokens
-from echo.ci import mean_ci
-from echo.commands import evaluate as E
+from echo_rl.cli.commands import evaluate as E
+from echo_rl.core.ci import mean_ci
+from echo_rl.data.adapter import load_adapter
+from echo_rl.data.answers import check_answer_tokens
 
 run = Path("runs/smollm2-full")
 cfg = E.run_config(run)

@@ -12,7 +12,7 @@ the ``echo-rl eval --compare untrained --json`` output of each run. Writes:
 - a JSON with, per run: steps, wall time, the reward of the first and last 10 steps, the bytes
   the learner published per version (``learner_bytes_sent`` differences: keyframes and deltas
   apart), ``t_bcast`` (mean and median), the evaluation (means, 95 % CIs, paired difference),
-  and the machine (``echo.machine.machine_info``) with the load averages given.
+  and the machine (``echo_rl.core.machine.machine_info``) with the load averages given.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.machine import machine_info
-from echo.steprow import COL  # noqa: E402
+from echo_rl.core.machine import machine_info
+from echo_rl.core.steprow import COL  # noqa: E402
 
 
 def rows_of(run: Path) -> list[dict]:

@@ -56,8 +56,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.machine import machine_info  # noqa: E402
-from echo.steprow import COL  # noqa: E402
+from echo_rl.core.machine import machine_info  # noqa: E402
+from echo_rl.core.steprow import COL  # noqa: E402
 
 
 def rows_of(run: Path) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ publication changes (what a delta carries):
 
   * ``nearest``: ``w.to(bfloat16)``, the cast snapshots use today;
   * ``stochastic``: round up with probability equal to the fraction of a unit (unbiased;
-    ``echo.models.cast_weights``, what ``broadcast.rounding = "stochastic"`` publishes);
+    ``echo_rl.core.models.cast_weights``, what ``broadcast.rounding = "stochastic"`` publishes);
   * ``feedback``: error feedback, the learner keeping each weight's rounding error and adding
     it to the next publication's value before rounding (time-averaged exact);
   * ``float32``: the master itself (what ``broadcast.dtype = "float32"`` sends).
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from echo.models import cast_weights
+    from echo_rl.core.models import cast_weights
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {step + 1}/{args.steps} ({time.perf_counter() - t0:.0f} s)", flush=True)
     master = loss_with({n: p.detach() for n, p in params})
     # What the publication path pays for it: the whole model cast to a bf16 payload
-    # (echo.models.params_to_payload, as learner/release.py calls it), each way, 3 times.
-    from echo.models import params_to_payload
+    # (echo_rl.core.models.params_to_payload, as echo_rl/learner/release.py calls it), each way, 3 times.
+    from echo_rl.core.models import params_to_payload
 
     cast_s: dict[str, float] = {}
     for name, seed in (("nearest", None), ("stochastic", 1)):

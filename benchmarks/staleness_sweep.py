@@ -36,8 +36,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.steprow import COL, read_rows  # noqa: E402
-from provisioning.sim.summary import SIM, SimSummary  # noqa: E402
+from echo_rl.core.steprow import COL, read_rows  # noqa: E402
+from echo_rl.provisioning.sim.summary import SIM, SimSummary  # noqa: E402
 
 IS_MODE = {"on": "token_truncate", "off": "none"}
 LAST = 10  # final reward: mean of the last LAST steps' mean reward
@@ -61,7 +61,7 @@ def train(s: int, is_on: str, seed: int, steps: int, workers: int, out: Path) ->
         cmd = [
             sys.executable,
             "-m",
-            "echo.cli",
+            "echo_rl.cli.rl",
             "quickstart",
             "--config",
             str(ROOT / "examples" / "quickstart.toml"),
@@ -113,8 +113,8 @@ def train(s: int, is_on: str, seed: int, steps: int, workers: int, out: Path) ->
 
 def simulate(s: int) -> dict[str, Any]:
     """The paper-scale scenario at this S, controller on (what S costs at scale)."""
-    from provisioning.sim.api import run_scenario
-    from provisioning.sim.scenario import load_scenario
+    from echo_rl.provisioning.sim.api import run_scenario
+    from echo_rl.provisioning.sim.scenario import load_scenario
 
     scen = load_scenario(SIM_SCENARIO, [f"learner.staleness={s}", "provisioning.controller=true"])
     summary = SimSummary.from_json(run_scenario(scen, progress=False, machine=False)["summary"])
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     console = Console()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """The learner's step-time memory: how far a training step rises above the training state, for
 micro-batch sizes and gradient checkpointing (docs/memory.md "Step-time memory"; the constants
-of echo/memplan.py come from it).
+of echo_rl/core/memplan.py come from it).
 
     .venv/bin/python benchmarks/step_memory.py [--model random-0.4b] [--rows 4] [--tokens 140]
         # writes benchmarks/results/step_memory_<model>.json
@@ -54,11 +54,11 @@ def measure(model: str, rows: int, tokens: int, overrides: list[str]) -> dict[st
     """In this process: two steps; the second's rise above the memory before it."""
     import torch
 
-    from broadcast.memory import trim
-    from dataplane.adapter import LearnerBatch
-    from echo.config import load_config
-    from echo.models import enable_checkpointing, load_model, load_tokenizer
-    from learner.trainer import Trainer
+    from echo_rl.broadcast.memory import trim
+    from echo_rl.core.config import load_config
+    from echo_rl.core.models import enable_checkpointing, load_model, load_tokenizer
+    from echo_rl.data.adapter import LearnerBatch
+    from echo_rl.learner.trainer import Trainer
 
     cfg = load_config(ROOT / "examples/smollm2-math.toml", [f"model.name={model}", *overrides])
     tok = load_tokenizer(cfg.model)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one is not None:
         print(json.dumps(measure(model, args.rows, args.tokens, args.one)))
         return 0
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     args.json = args.json or ROOT / "benchmarks/results" / f"step_memory_{Path(model).name}.json"
 

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hold-s", type=float, default=30.0)
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/sybil_joins.json"))
     args = ap.parse_args(argv)
-    from echo.machine import write_result
+    from echo_rl.core.machine import write_result
 
     t0 = time.monotonic()
     load0 = os.getloadavg()

@@ -37,9 +37,9 @@ MAX_NEW = 128
 
 def lengths(samples: int) -> dict[str, Any]:
     """The untrained model's completion lengths, sampled by the worker's backend."""
-    from echo import wire
-    from echo.config import load_config
-    from worker.backends.transformers import TransformersBackend
+    from echo_rl.core import wire
+    from echo_rl.core.config import load_config
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     cfg = load_config(CONFIG, [f"worker.max_new_tokens={MAX_NEW}"])
     backend = TransformersBackend(cfg.model, threads=1)
@@ -65,7 +65,7 @@ def lengths(samples: int) -> dict[str, Any]:
 def one_run(tail: float, steps: int, workers: int, folder: Path) -> dict[str, Any]:
     run_dir = folder / f"tail{tail}-{len(list(folder.iterdir()))}"
     argv = [
-        sys.executable, "-m", "echo.cli", "quickstart", "--config", str(CONFIG),
+        sys.executable, "-m", "echo_rl.cli.rl", "quickstart", "--config", str(CONFIG),
         "--run-dir", str(run_dir), "--workers", str(workers),
         "--set", f"learner.max_steps={steps}", "--set", f"worker.max_new_tokens={MAX_NEW}",
         "--set", f"worker.tail_cut={tail}",

@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/turn_cache_real.py [--rounds 3] [--groups 4] [--n 8]
         [--model tiny|PATH] [--hands 4]
 
-Poker rollouts (``adapters/poker``, ``--hands`` an episode: for the tiny model the quickstart's
+Poker rollouts (``echo_rl/adapters/poker``, ``--hands`` an episode: for the tiny model the quickstart's
 compact observations and answers from the action letters; for a real model, ``--model FOLDER``,
 the text observations and answers in words of up to 8 tokens) through the
-worker's own path (``worker.scoring.generate_and_score``, the transformers backend), with
+worker's own path (``echo_rl.worker.scoring.generate_and_score``, the transformers backend), with
 ``worker.turn_cache`` false and true, alternating, ``--rounds`` times each. Per rollout:
 episodes, decisions, wall time per episode (the rollout's time over its episodes: they are
 played in lockstep), the real tokens prefilled (what each decision's model call had to read
@@ -34,10 +34,10 @@ from benchmarks.alternate import save  # noqa: E402
 
 
 def setup(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], list[Any]]:
-    from dataplane.adapter import load_adapter
-    from echo import wire
-    from echo.config import load_config
-    from worker.backends.transformers import TransformersBackend
+    from echo_rl.core import wire
+    from echo_rl.core.config import load_config
+    from echo_rl.data.adapter import load_adapter
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     sets = [
         "adapter.name=poker",
@@ -68,8 +68,8 @@ def setup(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], list[Any]
 
 
 def one(on: bool, setup_: tuple[Any, Any, dict[str, Any], list[Any]]) -> dict[str, Any]:
-    from worker.backends import transformers as tb
-    from worker.scoring import generate_and_score
+    from echo_rl.worker.backends import transformers as tb
+    from echo_rl.worker.scoring import generate_and_score
 
     backend, adapter, wv, groups = setup_
     turns: list[Any] = []

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
 
 
 def tmux(*args: str) -> str:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         learner = group.start(
             "learner",
             python_argv(
-                "echo.cli",
+                "echo_rl.cli.rl",
                 "learn",
                 str(ROOT / "examples" / "quickstart.toml"),
                 "--run-dir",
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         line = wait_ready(learner, timeout=120)
         worker = python_argv(
-            "worker.cli",
+            "echo_rl.cli.worker",
             "join",
             line,
             "--price",

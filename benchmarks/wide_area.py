@@ -23,11 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo.config import dump_toml, load_config  # noqa: E402
-from echo.machine import write_result  # noqa: E402
-from echo.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
-from echo.security import JoinLine  # noqa: E402
-from echo.steprow import COL  # noqa: E402
+from echo_rl.core.config import dump_toml, load_config  # noqa: E402
+from echo_rl.core.machine import write_result  # noqa: E402
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
+from echo_rl.core.security import JoinLine  # noqa: E402
+from echo_rl.core.steprow import COL  # noqa: E402
 
 SCENARIOS = {
     "clean": [],
@@ -47,9 +47,9 @@ SCENARIOS = {
 
 
 def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Path) -> dict:
+    from echo_rl.learner.run_audit import audit_run
     from labs import child_env
     from labs.chaos import READY_PREFIX
-    from learner.run_audit import audit_run
 
     cfg = load_config(
         ROOT / "examples/quickstart.toml",
@@ -61,7 +61,7 @@ def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Pat
     try:
         learner = group.start(
             "learner",
-            python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+            python_argv("echo_rl.cli.rl", "learn", str(conf), "--run-dir", str(run)),
             tmp / "learner.err",
             pipe_stdout=True,
         )
@@ -87,7 +87,7 @@ def run_scenario(name: str, flags: list[str], steps: int, workers: int, tmp: Pat
             group.start(
                 f"w{i}",
                 python_argv(
-                    "worker.cli",
+                    "echo_rl.cli.worker",
                     "join",
                     proxied,
                     "--id",

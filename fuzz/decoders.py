@@ -20,11 +20,17 @@ import lz4.frame
 import msgpack
 from pydantic import BaseModel
 
-from broadcast.fetch import SourceFailed, check_reply
-from broadcast.manifest import Manifest, signed_bytes
-from broadcast.snapshot import DTYPE_BYTES, RunKey, SnapshotError, build_manifest, verify_manifest
-from dataplane.records import Limits, RecordError, parse_record
-from echo import wire
+from echo_rl.broadcast.fetch import SourceFailed, check_reply
+from echo_rl.broadcast.manifest import Manifest, signed_bytes
+from echo_rl.broadcast.snapshot import (
+    DTYPE_BYTES,
+    RunKey,
+    SnapshotError,
+    build_manifest,
+    verify_manifest,
+)
+from echo_rl.core import wire
+from echo_rl.data.records import Limits, RecordError, parse_record
 
 MAX_BYTES = 1 << 16  # a frame limit small enough that oversize is reachable by mutation
 KEY = RunKey.from_bytes(bytes(range(32)))  # fixed: the seeds are the same on every run

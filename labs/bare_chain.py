@@ -24,7 +24,7 @@ READY = "BARE_HOP_READY "
 
 
 def hop(args: argparse.Namespace) -> int:
-    from broadcast.memory import keep_chunk_buffers
+    from echo_rl.broadcast.memory import keep_chunk_buffers
 
     # The relays' malloc setting (no mmap/munmap and page faults per received chunk): a
     # yardstick without it ran its I/O threads about 10% slower than the relays' (measured
@@ -62,7 +62,7 @@ def hop(args: argparse.Namespace) -> int:
 def run(hops: int, size: int, chunk: int, meter: Any = None) -> float:
     """Seconds from the root's first send until every hop holds the whole payload;
     ``meter`` (a ``labs.cpu_meter.CpuMeter``): the root's and each hop's CPU time over them."""
-    from echo.procs import terminate_with_parent
+    from echo_rl.core.procs import terminate_with_parent
     from labs import child_env
 
     ctx = zmq.Context()

@@ -9,7 +9,7 @@ lower bound of docs/design.md §5, bytes the root sent, and corrupt installs (pa
 from the root's).
 
 ``--publications P`` publishes P versions in a row (the coordinator re-plans at each, on the
-link rates the relays measured for the previous ones: ``broadcast.link_meter``). ``--liar-up-mbit X``
+link rates the relays measured for the previous ones: ``echo_rl.broadcast.link_meter``). ``--liar-up-mbit X``
 shapes relay r00's uplink at X but has it declare 10x X; ``--trust-declared`` plans on the
 declarations alone (the old behaviour). ``--liar-json FILE`` runs the honest fleet, the fleet
 with the liar, and (as a baseline) the liar with declarations trusted, and writes T_bcast per
@@ -35,19 +35,19 @@ from typing import Any
 import blake3
 import numpy as np
 
-from broadcast.coordinator import Coordinator
-from broadcast.manifest import Manifest
-from broadcast.planner import lower_bound_s, star_limited_s, star_unlimited_s
-from broadcast.topology import TOPOLOGIES
-from echo.machine import write_result
-from echo.security import key_hex
-from echo.steprow import COL
+from echo_rl.broadcast.coordinator import Coordinator
+from echo_rl.broadcast.manifest import Manifest
+from echo_rl.broadcast.planner import lower_bound_s, star_limited_s, star_unlimited_s
+from echo_rl.broadcast.topology import TOPOLOGIES
+from echo_rl.core.machine import write_result
+from echo_rl.core.security import key_hex
+from echo_rl.core.steprow import COL
 from labs import child_env, natlab, netns
 from labs.broadcast_root import BenchParams, RecordedVersions, Root
 
 
 def _spawn_relays(root: Root, p: BenchParams) -> dict[str, Any]:
-    from echo.procs import terminate_with_parent
+    from echo_rl.core.procs import terminate_with_parent
 
     rng = random.Random(p.seed)
     corrupt = set(rng.sample(range(p.workers), p.corrupt_relays)) if p.corrupt_relays else set()

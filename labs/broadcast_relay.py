@@ -22,16 +22,16 @@ import blake3
 import zmq
 import zmq.asyncio
 
-from broadcast.nat.links import Tunnels
-from broadcast.nat.reflect import pick_punch_port, probe_all
-from broadcast.relay import Relay, RelayConfig
-from broadcast.snapshot import SnapshotError, verify_manifest
-from broadcast.store import SnapshotBuffer
-from broadcast.tickets import Source
-from broadcast.versions import rebuild
-from echo import wire
-from echo.client import Client
-from echo.security import KeyPair, key_from_hex
+from echo_rl.broadcast.nat.links import Tunnels
+from echo_rl.broadcast.nat.reflect import pick_punch_port, probe_all
+from echo_rl.broadcast.relay import Relay, RelayConfig
+from echo_rl.broadcast.snapshot import SnapshotError, verify_manifest
+from echo_rl.broadcast.store import SnapshotBuffer
+from echo_rl.broadcast.tickets import Source
+from echo_rl.broadcast.versions import rebuild
+from echo_rl.core import wire
+from echo_rl.core.client import Client
+from echo_rl.core.security import KeyPair, key_from_hex
 from labs.doubles import CorruptingRelay
 
 MAX_BYTES = 64 * 2**20

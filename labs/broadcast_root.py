@@ -18,19 +18,19 @@ import blake3
 import zmq
 import zmq.asyncio
 
-from broadcast.coordinator import Coordinator
-from broadcast.dialer import SOCKET_BUFFER
-from broadcast.manifest import Manifest
-from broadcast.nat.reflect import Reflector
-from broadcast.relay import bucket
-from broadcast.snapshot import RunKey, build_manifest
-from broadcast.source import ChunkServer
-from broadcast.store import SnapshotBuffer, SnapshotStore
-from broadcast.tickets import Source, TicketCheck, mint
-from broadcast.topology import make_topology
-from broadcast.versions import VersionEncoder
-from echo import wire
-from echo.security import KeyPair, ZapHandler, curve_server, peer_key
+from echo_rl.broadcast.coordinator import Coordinator
+from echo_rl.broadcast.dialer import SOCKET_BUFFER
+from echo_rl.broadcast.manifest import Manifest
+from echo_rl.broadcast.nat.reflect import Reflector
+from echo_rl.broadcast.relay import bucket
+from echo_rl.broadcast.snapshot import RunKey, build_manifest
+from echo_rl.broadcast.source import ChunkServer
+from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
+from echo_rl.broadcast.tickets import Source, TicketCheck, mint
+from echo_rl.broadcast.topology import make_topology
+from echo_rl.broadcast.versions import VersionEncoder
+from echo_rl.core import wire
+from echo_rl.core.security import KeyPair, ZapHandler, curve_server, peer_key
 from labs import natlab, netns
 from labs.broadcast_relay import MAX_BYTES
 from labs.doubles import DeclaredRatesCoordinator

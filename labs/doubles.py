@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from broadcast.coordinator import Coordinator
-from broadcast.relay import Relay
-from broadcast.source import ChunkServer
-from broadcast.store import SnapshotBuffer
-from learner.durable import BufferLog
+from echo_rl.broadcast.coordinator import Coordinator
+from echo_rl.broadcast.relay import Relay
+from echo_rl.broadcast.source import ChunkServer
+from echo_rl.broadcast.store import SnapshotBuffer
+from echo_rl.learner.durable import BufferLog
 
 
 class CorruptingChunkServer(ChunkServer):

@@ -1,7 +1,7 @@
 """A wide area with real NATs on one host: network namespaces, veth, iptables, tc tbf.
 
 The "internet" is a bridge on 198.51.100.0/24 (a documentation range: a public address, as
-``echo.addresses.reach`` counts it, that routes nowhere real).
+``echo_rl.core.addresses.reach`` counts it, that routes nowhere real).
 
 * ``echo-npub``: the learner's side (``198.51.100.1``), uplink shaped at U. With
   ``cloud_nat``, as on most clouds: the learner's host has a private address (``10.0.0.2``)

@@ -1,7 +1,7 @@
 """Provisioning benchmark: greedy and ours against the exact optimum on random pools.
 
 A lab, not a runtime module: ``benchmarks/bench_provisioning.py`` is the by-path / ``python -m``
-entry point and re-exports ``run`` and ``main``. Pools come from ``provisioning.sim.pools``
+entry point and re-exports ``run`` and ``main``. Pools come from ``echo_rl.provisioning.sim.pools``
 (the simulator draws its random fleets there too). Target: 30-70 % of the pool's throughput.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from provisioning import selection
-from provisioning.sim.pools import GPU_CLASSES, random_pool
+from echo_rl.provisioning import selection
+from echo_rl.provisioning.sim.pools import GPU_CLASSES, random_pool
 
 DEFAULT_JSON = Path("benchmarks/results/provisioning.json")
 GAP_TARGET = 0.01  # targets: ours within 1 % of optimal on average ...
@@ -128,7 +128,7 @@ def _targets(r: dict[str, Any], candidates: int) -> dict[str, Any]:
 def _machine() -> dict[str, Any]:
     import scipy
 
-    from echo.machine import machine_info
+    from echo_rl.core.machine import machine_info
 
     info = machine_info()
     info.update(numpy=np.__version__, scipy=scipy.__version__)

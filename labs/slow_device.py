@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.slowdown < 1:
         ap.error(f"--slowdown {args.slowdown}: use 1 (this machine's speed) or more")
-    from worker.backends.engine import EngineBackend
-    from worker.backends.transformers import TransformersBackend
-    from worker.cli import main as echo_worker
+    from echo_rl.cli.worker import main as echo_worker
+    from echo_rl.worker.backends.engine import EngineBackend
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     for cls in (EngineBackend, TransformersBackend):
         cls.generate = slowed(cls.generate, args.slowdown)  # type: ignore[method-assign]

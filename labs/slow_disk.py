@@ -20,11 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--fsync-delay-s", type=float, required=True)
     args, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
-    import learner.main
-    from echo.cli import main as echo_rl
+    from echo_rl.cli.rl import main as echo_rl
+    from echo_rl.learner import main as learner_main
     from labs.doubles import SlowDiskLog
 
-    learner.main.BufferLog = functools.partial(SlowDiskLog, delay_s=args.fsync_delay_s)
+    learner_main.BufferLog = functools.partial(SlowDiskLog, delay_s=args.fsync_delay_s)
     return echo_rl(rest)
 
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from echo.config import EchoConfig
+from echo_rl.core.config import EchoConfig
 
 TIERS = ("unit", "integration", "lab")
 
@@ -95,7 +95,7 @@ def _worker_status_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from echo.models import build_tiny_tokenizer
+    from echo_rl.core.models import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from echo.procs import READY_PREFIX, ProcessGroup
+from echo_rl.core.procs import READY_PREFIX, ProcessGroup
 
 SECTION = "## Running for real"
 

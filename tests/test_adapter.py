@@ -1,8 +1,8 @@
 import pytest
 
-from adapters.toy_add import ToyAddAdapter
-from dataplane.adapter import AdapterError, load_adapter
-from dataplane.records import Record
+from echo_rl.adapters.toy_add import ToyAddAdapter
+from echo_rl.data.adapter import AdapterError, load_adapter
+from echo_rl.data.records import Record
 
 
 def test_toy_prompts_and_rewards(tokenizer, rng):

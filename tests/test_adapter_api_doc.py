@@ -1,4 +1,4 @@
-"""docs/adapter_api.md is generated from the adapter API's code (dataplane.api_doc): a changed
+"""docs/adapter_api.md is generated from the adapter API's code (echo_rl.data.api_doc): a changed
 signature, default or docstring, a new public name or a hook without words fails here."""
 
 import inspect
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dataplane import api_doc
+from echo_rl.data import api_doc
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "adapter_api.md"
@@ -17,14 +17,14 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_the_page_is_what_the_code_generates():
     assert PAGE.read_text() == api_doc.render(), (
-        "docs/adapter_api.md is out of date: .venv/bin/python -m dataplane.api_doc > docs/adapter_api.md"
+        "docs/adapter_api.md is out of date: .venv/bin/python -m echo_rl.data.api_doc > docs/adapter_api.md"
     )
     assert api_doc.main(["--check", str(PAGE)]) == 0
 
 
 def test_a_changed_signature_makes_the_check_fail(monkeypatch, tmp_path):
     """What a drift looks like: a hook given another parameter, or another default."""
-    from dataplane.episodes import EpisodeAdapter
+    from echo_rl.data.episodes import EpisodeAdapter
 
     def episode(self, task, seed, sample_idx, turns: int = 4):
         """One episode."""
@@ -55,8 +55,8 @@ def test_the_contract_is_stated_where_researchers_asked():
     """Issue 37's questions, answered on the page: what episode yields, env-token log-probs,
     the seed, determinism, recomputes_rewards and max_completion_tokens' relation."""
     text = " ".join(PAGE.read_text().split())
-    from dataplane.adapter import Adapter
-    from dataplane.episodes import EpisodeAdapter
+    from echo_rl.data.adapter import Adapter
+    from echo_rl.data.episodes import EpisodeAdapter
 
     assert "the whole context the policy continues" in text
     assert "0.0 on environment tokens" in text

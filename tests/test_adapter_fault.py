@@ -12,23 +12,29 @@ import pytest
 from test_control import ctx  # noqa: F401 (fixture)
 from test_trust import trusting  # noqa: F401 (fixture)
 
-from dataplane.episodes import EpisodeSample
-from echo import wire
-from worker.scoring import AdapterFault, generate_and_score
-from worker.session import WorkerError
+from echo_rl.core import wire
+from echo_rl.data.episodes import EpisodeAdapter, EpisodeSample
+from echo_rl.worker.scoring import AdapterFault, generate_and_score
+from echo_rl.worker.session import WorkerError
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class Game:
+class Game(EpisodeAdapter):
     """A multi-turn adapter whose episodes are ``length`` tokens long."""
 
     name = "mastermind-lite"
-    multi_turn = True
     max_completion_tokens = 48
 
     def __init__(self, length: int):
+        super().__init__({}, None)
         self.length = length
+
+    def prompts(self, rng):
+        raise NotImplementedError  # a worker never draws prompts
+
+    def episode(self, task, seed, sample_idx):
+        raise NotImplementedError  # rollout below plays every episode
 
     def rollout(self, groups, generate):
         n = self.length
@@ -114,7 +120,7 @@ def test_a_limit_two_independent_workers_overrun_alike_is_the_runs_fault_not_the
 def test_one_witness_under_many_keys_stays_one_and_is_struck():
     """A token's keys are one witness (Gate.witness): a liar's second key does not make its
     over-long records the run's fault."""
-    from learner.faults import FaultBook
+    from echo_rl.learner.faults import FaultBook
 
     class Rep:
         def forgive(self, worker_id, n):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from adapters import math_eval
-from adapters.hf import HFModel
-from adapters.poker import eval as poker_eval
+from echo_rl.adapters import math_eval
+from echo_rl.adapters.hf import HFModel
+from echo_rl.adapters.poker import eval as poker_eval
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "arith.jsonl"
 
@@ -22,7 +22,7 @@ def run_folder(tmp_path, config: dict, state: dict) -> Path:
     """An Echo run folder as the learner leaves it: config.toml and one checkpoint."""
     import torch
 
-    from echo.config import EchoConfig, dump_toml
+    from echo_rl.core.config import EchoConfig, dump_toml
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from adapters.math import MathAdapter
-from adapters.mathcheck import MathChecker, as_fraction, extract_answer
-from dataplane.adapter import AdapterError, Prompt, check_adapter
-from dataplane.testing import build_chatml_char_tokenizer
+from echo_rl.adapters.math import MathAdapter
+from echo_rl.adapters.mathcheck import MathChecker, as_fraction, extract_answer
+from echo_rl.data.adapter import AdapterError, Prompt, check_adapter
+from echo_rl.data.testing import build_chatml_char_tokenizer
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
 
@@ -153,7 +153,7 @@ def test_shipped_data_is_what_the_generator_writes(tmp_path):
 def test_chat_template_is_used_when_the_tokenizer_has_one(chatml):
     """Unset chat_template: the template if there is one, else the raw question; set to true
     without a template: an error saying how to fix it."""
-    from dataplane.testing import build_chatml_char_tokenizer
+    from echo_rl.data.testing import build_chatml_char_tokenizer
 
     bare = build_chatml_char_tokenizer()
     bare.chat_template = None

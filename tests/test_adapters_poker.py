@@ -7,9 +7,16 @@ from types import SimpleNamespace as Group
 
 import pytest
 
-from adapters.poker import PokerAdapter
-from adapters.poker.game import Action, TableConfig, fresh_deck, legalise, parse_action, play_hand
-from adapters.poker.pipeline import (
+from echo_rl.adapters.poker import PokerAdapter
+from echo_rl.adapters.poker.game import (
+    Action,
+    TableConfig,
+    fresh_deck,
+    legalise,
+    parse_action,
+    play_hand,
+)
+from echo_rl.adapters.poker.pipeline import (
     log_messages,
     read_logs,
     records_from_logs,
@@ -17,13 +24,13 @@ from adapters.poker.pipeline import (
     simulate_logs,
     write_logs,
 )
-from adapters.poker.players import CallingStation, Maniac, TightAggressive, chen_score
-from dataplane.adapter import AdapterError, check_adapter
-from dataplane.advantages import group_advantages
-from dataplane.episodes import EpisodeRecord, backend_generate_fn, drive, token_advantages
-from dataplane.multiturn import ChatBuilder, ChatFormat, target_mask, turn_indices
-from dataplane.records import Limits, parse_record
-from dataplane.testing import build_chatml_char_tokenizer
+from echo_rl.adapters.poker.players import CallingStation, Maniac, TightAggressive, chen_score
+from echo_rl.data.adapter import AdapterError, check_adapter
+from echo_rl.data.advantages import group_advantages
+from echo_rl.data.episodes import EpisodeRecord, backend_generate_fn, drive, token_advantages
+from echo_rl.data.multiturn import ChatBuilder, ChatFormat, target_mask, turn_indices
+from echo_rl.data.records import Limits, parse_record
+from echo_rl.data.testing import build_chatml_char_tokenizer
 
 FAST = {"bot_samples": 6}
 
@@ -81,7 +88,7 @@ def test_parse_action(text, action):
 
 
 def test_legalise_folds_invalid_text_and_clamps_sizes():
-    from adapters.poker.game import Decision
+    from echo_rl.adapters.poker.game import Decision
 
     d = Decision(1, 0, "big blind", ("Ah", "Kd"), (), "preflop", 6, 2, 196, 2, 8, 198, [], [], 2)
     assert legalise(None, d) == (Action("fold"), True)  # unparseable: fold, invalid
@@ -116,7 +123,7 @@ def test_deals_are_a_function_of_the_seed():
 
 
 def test_three_rule_based_styles_differ():
-    from adapters.poker.game import Decision
+    from echo_rl.adapters.poker.game import Decision
 
     weak = Decision(
         1,
@@ -458,9 +465,9 @@ def test_worker_path_to_a_learner_step(tokenizer, small_cfg):
     and what the learner does with them (materialise -> one GRPO step), on the tiny model."""
     import torch
 
-    from echo.config import ModelConfig
-    from learner.trainer import Trainer
-    from worker.backends.transformers import TransformersBackend
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.learner.trainer import Trainer
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     mc = ModelConfig(max_positions=512)
     backend = TransformersBackend(mc, threads=1)
@@ -503,7 +510,7 @@ def test_worker_path_to_a_learner_step(tokenizer, small_cfg):
 
 
 def test_chat_builder_refuses_templates_that_do_not_compose():
-    from dataplane.testing import build_chatml_char_tokenizer as build
+    from echo_rl.data.testing import build_chatml_char_tokenizer as build
 
     tok = build()
     tok.chat_template = (
@@ -521,7 +528,7 @@ def test_drive_runs_episodes_in_lockstep():
         for _ in range(k):
             out = yield [k]
             got.append(out[0][0])
-        from dataplane.episodes import EpisodeSample
+        from echo_rl.data.episodes import EpisodeSample
 
         return EpisodeSample(got, [0.0] * len(got), [1] * len(got), float(k))
 
@@ -546,8 +553,8 @@ def test_drive_runs_episodes_in_lockstep():
     ],
 )
 def test_bad_answer_letters_name_the_fix(options, match):
-    from echo.config import ModelConfig
-    from echo.models import load_tokenizer
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.core.models import load_tokenizer
 
     with pytest.raises(AdapterError, match=match):
         PokerAdapter(options, load_tokenizer(ModelConfig()))

@@ -1,21 +1,22 @@
-"""Adapters are found through the ``echo.adapters`` entry-point group, and a bad one fails at
+"""Adapters are found through the ``echo_rl.adapters`` entry-point group, and a bad one fails at
 start-up with a message that says what to implement."""
 
 import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
 
-from dataplane.adapter import AdapterError, load_adapter
-from dataplane.records import Record
-from dataplane.testing import write_entry_points
+from echo_rl.data.adapter import AdapterError, load_adapter
+from echo_rl.data.records import Record
+from echo_rl.data.testing import write_entry_points
 
 THIRD_PARTY = '''
 import random
-from dataplane.adapter import Adapter, Prompt
+from echo_rl.data.adapter import Adapter, Prompt
 
 
 class EchoTask(Adapter):
@@ -32,7 +33,7 @@ class EchoTask(Adapter):
 
 BAD = """
 import random
-from dataplane.adapter import Adapter, Prompt
+from echo_rl.data.adapter import Adapter, Prompt
 
 
 class NoReward(Adapter):
@@ -84,7 +85,7 @@ class SetTask(Base):
             yield Prompt([5], {"answers": {1, 2}})
 
 
-from dataplane.episodes import EpisodeAdapter
+from echo_rl.data.episodes import EpisodeAdapter
 
 
 class NoEpisode(EpisodeAdapter):
@@ -134,6 +135,24 @@ def test_third_party_adapter_is_found_through_its_entry_point(site, tokenizer, r
     assert batch.loss_mask.tolist() == [[0, 1], [0, 1]]
 
 
+def test_an_adapter_in_the_old_entry_point_group_loads_with_a_deprecation_line(
+    site, tokenizer, rng
+):
+    """Installed adapters registered before the package was renamed (group ``echo.adapters``)
+    keep working; the warning names the adapter, its distribution and the group to move to.
+    The current group wins where both name an adapter."""
+    write_entry_points(
+        site, "echo-old-demo", {"echo-demo": "echo_thirdparty_demo:EchoTask"}, group="echo.adapters"
+    )
+    with pytest.warns(FutureWarning, match=r"'echo-demo' \(echo-old-demo\).*echo_rl\.adapters"):
+        ad = load_adapter("echo-demo", {}, tokenizer)
+    assert type(ad).__module__ == "echo_thirdparty_demo"
+    write_entry_points(site, "echo-new-demo", {"echo-demo": "echo_thirdparty_demo:EchoTask"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the current group's entry is taken: no warning
+        assert type(load_adapter("echo-demo", {}, tokenizer)).__module__ == "echo_thirdparty_demo"
+
+
 @pytest.mark.parametrize(
     "target,message",
     [
@@ -142,10 +161,10 @@ def test_third_party_adapter_is_found_through_its_entry_point(site, tokenizer, r
             r"does not implement \['reward'\].*reward\(self, task, "
             r"completion_ids, completion_text\) -> float",
         ),
-        ("echo_bad_adapters:NotAnAdapter", "not a subclass of dataplane.adapter.Adapter"),
+        ("echo_bad_adapters:NotAnAdapter", "not a subclass of echo_rl.data.adapter.Adapter"),
         ("echo_bad_adapters:Missing", "cannot import echo_bad_adapters:Missing"),
         ("no_such_module_xyz:Adapter", "cannot import no_such_module_xyz"),
-        ("echo_bad_adapters:TuplePrompts", "yielded a tuple, expected dataplane.adapter.Prompt"),
+        ("echo_bad_adapters:TuplePrompts", "yielded a tuple, expected echo_rl.data.adapter.Prompt"),
         ("echo_bad_adapters:TextIds", "prompt_ids must be a non-empty list of int"),
         ("echo_bad_adapters:NumpyIds", "prompt_ids must be a non-empty list of int"),
         ("echo_bad_adapters:HugeIds", "outside the tokenizer's vocabulary"),
@@ -177,7 +196,11 @@ def test_workers_can_skip_the_prompt_probe(site, tokenizer):
 
 
 @pytest.mark.parametrize(
-    "name,target", [("math", "adapters.math:MathAdapter"), ("poker", "adapters.poker:PokerAdapter")]
+    "name,target",
+    [
+        ("math", "echo_rl.adapters.math:MathAdapter"),
+        ("poker", "echo_rl.adapters.poker:PokerAdapter"),
+    ],
 )
 def test_in_repo_adapters_load_by_name(site, tokenizer, monkeypatch, name, target):
     # pyproject.toml declares these; a dist-info here makes the test independent of whether
@@ -207,7 +230,7 @@ def test_pip_installed_third_party_package(tmp_path, tokenizer):
         name = "echo-thirdparty-demo"
         version = "0.1.0"
 
-        [project.entry-points."echo.adapters"]
+        [project.entry-points."echo_rl.adapters"]
         echo-demo = "echo_thirdparty_demo:EchoTask"
 
         [tool.setuptools]
@@ -233,7 +256,7 @@ def test_pip_installed_third_party_package(tmp_path, tokenizer):
         capture_output=True,
     )
     code = (
-        "from dataplane.adapter import load_adapter; from echo.models import build_tiny_tokenizer;"
+        "from echo_rl.data.adapter import load_adapter; from echo_rl.core.models import build_tiny_tokenizer;"
         "print(type(load_adapter('echo-demo', {}, build_tiny_tokenizer())).__name__)"
     )
     import os
@@ -266,7 +289,7 @@ def tutorial_files(folder: str = "") -> dict[str, str]:
 def test_the_tutorial_has_a_package_a_registration_and_a_config():
     files = tutorial_files()
     assert {"echo_sort/__init__.py", "pyproject.toml", "sort.toml"} <= set(files)
-    assert "echo.adapters" in files["pyproject.toml"]
+    assert "echo_rl.adapters" in files["pyproject.toml"]
 
 
 @pytest.mark.slow
@@ -306,7 +329,7 @@ def test_the_tutorial_builds_installs_and_trains(tmp_path):
         [
             sys.executable,
             "-m",
-            "echo.cli",
+            "echo_rl.cli.rl",
             "quickstart",
             "--config",
             str(pkg / "sort.toml"),
@@ -327,7 +350,17 @@ def test_the_tutorial_builds_installs_and_trains(tmp_path):
     assert len(rows) == 3 and all(0.0 <= row["reward_mean"] <= 1.0 for row in rows)
     out = tmp_path / "sample.json"
     r = subprocess.run(
-        [sys.executable, "-m", "echo.cli", "sample", str(run), "--n", "2", "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "echo_rl.cli.rl",
+            "sample",
+            str(run),
+            "--n",
+            "2",
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -371,7 +404,7 @@ def _install(files: dict[str, str], tmp_path: Path) -> Path:
 @pytest.mark.timeout(120)
 def test_the_multi_turn_tutorials_game_keeps_the_episode_contract(tmp_path):
     """docs/adapters.md's take-last game, played with scripted decisions through the test kit
-    (``dataplane.testing``, as a worker plays it): every context it
+    (``echo_rl.data.testing``, as a worker plays it): every context it
     yields is the prompt plus the transcript so far, environment tokens carry log-prob 0.0 and
     mask 0, the page's example transcript is what it builds, and replaying the same decisions
     (a preemption's continuation) gives the same episode."""
@@ -382,9 +415,9 @@ def test_the_multi_turn_tutorials_game_keeps_the_episode_contract(tmp_path):
     target = _install(files, tmp_path)
     code = r"""
 import json
-from dataplane.adapter import Prompt, load_adapter
-from dataplane.testing import play_episode, scripted
-from echo.models import build_tiny_tokenizer
+from echo_rl.data.adapter import Prompt, load_adapter
+from echo_rl.data.testing import play_episode, scripted
+from echo_rl.core.models import build_tiny_tokenizer
 tok = build_tiny_tokenizer()
 ad = load_adapter("take-last", {}, tok)
 prompt = tok.encode("7=", add_special_tokens=False)
@@ -443,7 +476,7 @@ def test_the_multi_turn_tutorial_builds_installs_and_trains(tmp_path):
         [
             sys.executable,
             "-m",
-            "echo.cli",
+            "echo_rl.cli.rl",
             "quickstart",
             "--config",
             str(tmp_path / "pkg" / "takelast.toml"),
@@ -475,7 +508,7 @@ def test_the_multi_turn_tutorial_builds_installs_and_trains(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "echo.cli",
+                "echo_rl.cli.rl",
                 "sample",
                 str(run),
                 "--n",

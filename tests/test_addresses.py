@@ -1,4 +1,4 @@
-"""The learner's public address (echo.addresses): what it hands out, how addresses compare,
+"""The learner's public address (echo_rl.core.addresses): what it hands out, how addresses compare,
 and the refusal to start when it would hand out one no worker can use (issue 30)."""
 
 import asyncio
@@ -10,13 +10,11 @@ import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broadcast.fetch import fetch_snapshot
-from broadcast.snapshot import RunKey, Snapshot, build_manifest
-from broadcast.tickets import Source
-from dataplane.adapter import load_adapter
-from dataplane.records import Limits
-from echo import wire
-from echo.addresses import (
+from echo_rl.broadcast.fetch import fetch_snapshot
+from echo_rl.broadcast.snapshot import RunKey, Snapshot, build_manifest
+from echo_rl.broadcast.tickets import Source
+from echo_rl.core import wire
+from echo_rl.core.addresses import (
     canonical_endpoint,
     canonical_host,
     is_loopback,
@@ -24,11 +22,13 @@ from echo.addresses import (
     public_host_problem,
     same_endpoint,
 )
-from echo.config import ConfigError, EchoConfig, load_config
-from echo.security import JoinLine, KeyPair, curve_client
-from learner.buffer import ReplayBuffer
-from learner.server import LearnerServer
-from learner.work import WorkQueue
+from echo_rl.core.config import ConfigError, EchoConfig, load_config
+from echo_rl.core.security import JoinLine, KeyPair, curve_client
+from echo_rl.data.adapter import load_adapter
+from echo_rl.data.records import Limits
+from echo_rl.learner.buffer import ReplayBuffer
+from echo_rl.learner.server import LearnerServer
+from echo_rl.learner.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -255,14 +255,14 @@ SPELLINGS_OF_127_0_0_1 = ("127.1", "0x7f000001", "2130706433", "127.0.0.01", "12
 
 @pytest.mark.parametrize("host", SPELLINGS_OF_127_0_0_1)
 def test_a_declared_relay_host_in_a_loose_numeric_form_is_refused_naming_its_one_spelling(host):
-    from echo.addresses import declared_endpoint
+    from echo_rl.core.addresses import declared_endpoint
 
     with pytest.raises(ValueError, match=r"is 127\.0\.0\.1 written another way; declare it as "):
         declared_endpoint(f"tcp://{host}:7000")
 
 
 def test_a_declared_relay_endpoint_has_one_spelling_or_is_refused_with_the_fix():
-    from echo.addresses import declared_endpoint
+    from echo_rl.core.addresses import declared_endpoint
 
     assert declared_endpoint("tcp://127.0.0.1:7000") == "tcp://127.0.0.1:7000"
     assert declared_endpoint("TCP://localhost:07000") == "tcp://127.0.0.1:7000"
@@ -314,7 +314,7 @@ def test_every_other_spelling_of_a_taken_relay_address_is_refused_at_join(small_
 def test_any_declared_endpoint_is_one_spelling_or_a_short_refusal(text):
     """A join's relay endpoint is a stranger's string: whatever it holds, the answer is a
     canonical endpoint or a ValueError whose message stays short (it goes back on the wire)."""
-    from echo.addresses import declared_endpoint
+    from echo_rl.core.addresses import declared_endpoint
 
     for endpoint in (text, f"tcp://{text}:5560", f"tcp://127.0.0.1:{text}"):
         try:
@@ -358,7 +358,7 @@ def test_junk_relay_endpoints_are_refused_and_counted_and_the_learner_serves_on(
 def test_the_wildcard_message_does_not_send_a_nat_host_to_bind_its_public_address():
     """Issue 55, item 3: behind a 1:1 NAT the public address is on no interface; the old hint
     "or bind learner.host to that address itself" led to "Cannot assign requested address"."""
-    from echo.addresses import public_host_problem
+    from echo_rl.core.addresses import public_host_problem
 
     text = public_host_problem("0.0.0.0", "")
     assert "bind learner.host to that address" not in text

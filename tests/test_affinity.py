@@ -1,4 +1,4 @@
-"""Hardware-affinity routing (learner/affinity.py, docs/scheduling.md "Affinity"): long tasks
+"""Hardware-affinity routing (echo_rl/learner/affinity.py, docs/scheduling.md "Affinity"): long tasks
 to fast workers, nothing held back, and the task budgets it routes by kept by workers and
 checked by the learner."""
 
@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 from pydantic import ValidationError
 
-from dataplane.adapter import AdapterError, Prompt
-from echo import wire
-from learner.affinity import Affinity, LengthBook, Picker, SpeedBook
-from learner.work import WorkQueue
+from echo_rl.core import wire
+from echo_rl.data.adapter import AdapterError, Prompt
+from echo_rl.learner.affinity import Affinity, LengthBook, Picker, SpeedBook
+from echo_rl.learner.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -139,8 +139,8 @@ def test_a_group_budget_out_of_range_is_refused_by_the_wire():
 
 
 def test_the_worker_stops_each_group_at_its_own_budget(tokenizer):
-    from echo.config import ModelConfig
-    from worker.backends.transformers import TransformersBackend
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     backend = TransformersBackend(ModelConfig(max_positions=128))
     backend.restrict_answers(None)
@@ -161,7 +161,7 @@ def test_the_worker_stops_each_group_at_its_own_budget(tokenizer):
 def test_toy_add_short_tasks_carry_a_budget_and_bad_options_are_named(tokenizer):
     import random
 
-    from adapters.toy_add import ToyAddAdapter
+    from echo_rl.adapters.toy_add import ToyAddAdapter
 
     a = ToyAddAdapter({"short_tokens": 4, "long_share": 0.25}, tokenizer)
     got = Counter()
@@ -217,8 +217,8 @@ def test_a_live_learner_routes_grants_and_refuses_samples_over_a_task_budget(sma
 def _sim_lengths(affinity: bool, speed: list[float]):
     import numpy as np
 
-    from provisioning.sim.scenario import RolloutSection
-    from provisioning.sim.tail import Lengths
+    from echo_rl.provisioning.sim.scenario import RolloutSection
+    from echo_rl.provisioning.sim.tail import Lengths
 
     ro = RolloutSection(
         groups_per_request=1, length_mean=400, length_cap=2000, long_share=0.25,
@@ -228,7 +228,7 @@ def _sim_lengths(affinity: bool, speed: list[float]):
 
 
 def test_the_simulator_routes_long_tasks_to_fast_workers_by_the_learner_s_picker():
-    """provisioning/sim/tail.py with two kinds of task: without affinity every worker's
+    """echo_rl/provisioning/sim/tail.py with two kinds of task: without affinity every worker's
     requests are a quarter long; with it the fast worker's are mostly long and the slow
     one's short, and the mix over the fleet is unchanged (nothing dropped, nothing added)."""
     speed = [3.0, 1.0]  # worker 0 fast, worker 1 slow
@@ -254,8 +254,8 @@ def test_affinity_at_scale_is_cheaper_on_a_mixed_fleet_and_keeps_s(tmp_path):
     3x slower, affinity lowers the cost per step; every run keeps its staleness bound."""
     from pathlib import Path
 
-    from provisioning.sim.core import Sim
-    from provisioning.sim.scenario import apply_overrides, read_toml, scenario_from_dict
+    from echo_rl.provisioning.sim.core import Sim
+    from echo_rl.provisioning.sim.scenario import apply_overrides, read_toml, scenario_from_dict
 
     path = Path(__file__).resolve().parents[1] / "examples/sim/affinity-1k.toml"
     cost = {}

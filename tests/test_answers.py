@@ -1,4 +1,4 @@
-"""Restricted answers (dataplane/answers.py): workers sample only the adapter's answer tokens,
+"""Restricted answers (echo_rl/data/answers.py): workers sample only the adapter's answer tokens,
 the learner and the auditor compute log-probs under the same renormalised softmax, admission
 refuses a trained token outside the set, and bad settings stop with the fix."""
 
@@ -7,12 +7,12 @@ import types
 import pytest
 import torch
 
-from dataplane.answers import AnswerTokensError, check_answer_tokens
-from dataplane.records import Limits, RecordError, parse_record
-from echo import wire
-from echo.config import ModelConfig
-from echo.models import load_model, params_to_payload
-from learner.trainer import selective_logprobs, token_logprobs
+from echo_rl.core import wire
+from echo_rl.core.config import ModelConfig
+from echo_rl.core.models import load_model, params_to_payload
+from echo_rl.data.answers import AnswerTokensError, check_answer_tokens
+from echo_rl.data.records import Limits, RecordError, parse_record
+from echo_rl.learner.trainer import selective_logprobs, token_logprobs
 
 LETTERS = (23, 20, 19)  # f, c, b in the tiny tokenizer
 
@@ -30,7 +30,7 @@ def test_selective_logprobs_renormalise_over_the_answer_set():
 
 
 def test_restricted_worker_samples_only_answers_and_the_learner_agrees(tokenizer):
-    from worker.backends import make_backend
+    from echo_rl.worker.backends import make_backend
 
     backend = make_backend("transformers", model_cfg=ModelConfig(), threads=1)
     backend.restrict_answers(LETTERS)
@@ -75,10 +75,10 @@ def test_admission_refuses_a_trained_token_outside_the_answer_set():
 
 
 def test_the_auditor_passes_an_honest_restricted_worker(small_cfg, tokenizer):
-    from dataplane.records import Record
-    from learner.auditor import Auditor
-    from learner.intake import AuditJob
-    from worker.backends import make_backend
+    from echo_rl.data.records import Record
+    from echo_rl.learner.auditor import Auditor
+    from echo_rl.learner.intake import AuditJob
+    from echo_rl.worker.backends import make_backend
 
     model = load_model(small_cfg.model, tokenizer, "float32").eval()
     tensors, payload = params_to_payload(model.named_parameters(), "float32")
@@ -139,7 +139,7 @@ def test_answer_sets_that_can_end_pass():
 
 
 def test_the_vllm_backend_refuses_a_restricted_adapter():
-    from worker.backends.vllm import VLLMBackend
+    from echo_rl.worker.backends.vllm import VLLMBackend
 
     stub = types.SimpleNamespace(answer_tokens=None)
     with pytest.raises(ValueError, match="--backend transformers"):
@@ -163,7 +163,7 @@ def test_poker_learn_trains_with_restricted_answers_end_to_end(tmp_path):
         [
             sys.executable,
             "-m",
-            "echo.cli",
+            "echo_rl.cli.rl",
             "quickstart",
             "--config",
             "examples/poker-learn.toml",
@@ -185,7 +185,17 @@ def test_poker_learn_trains_with_restricted_answers_end_to_end(tmp_path):
     assert not any(rows[-1]["rejected"].values())
     out = tmp_path / "sample.json"
     r = subprocess.run(
-        [sys.executable, "-m", "echo.cli", "sample", str(run), "--n", "2", "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "echo_rl.cli.rl",
+            "sample",
+            str(run),
+            "--n",
+            "2",
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -203,11 +213,11 @@ def test_intake_counts_non_answers_and_junk_and_keeps_admitting(tmp_path):
     counted; the same batch's honest group and another worker's later group are admitted."""
     import itertools
 
-    from dataplane.adapter import Prompt
-    from learner.buffer import ReplayBuffer
-    from learner.intake import Intake
-    from learner.reputation import Reputation
-    from learner.work import WorkQueue
+    from echo_rl.data.adapter import Prompt
+    from echo_rl.learner.buffer import ReplayBuffer
+    from echo_rl.learner.intake import Intake
+    from echo_rl.learner.reputation import Reputation
+    from echo_rl.learner.work import WorkQueue
 
     prompts = (Prompt([1, 2], {"i": i}) for i in itertools.count())
     work = WorkQueue(prompts, group_size=2, max_outstanding=64, lease_timeout_s=60, prefix="r")
@@ -267,7 +277,7 @@ def test_a_bad_answer_set_stops_quickstart_with_one_line_and_its_fix(tmp_path):
         [
             sys.executable,
             "-m",
-            "echo.cli",
+            "echo_rl.cli.rl",
             "quickstart",
             "--config",
             str(root / "examples" / "poker-learn.toml"),

@@ -1,11 +1,11 @@
-"""learner.run_audit: every acknowledged record is trained, dropped by a named rule, or buffered;
+"""echo_rl.learner.run_audit: every acknowledged record is trained, dropped by a named rule, or buffered;
 whatever is none of these is counted as unaccounted, never hidden."""
 
 from __future__ import annotations
 
 import json
 
-from learner.run_audit import audit_run
+from echo_rl.learner.run_audit import audit_run
 
 
 def _write(path, rows):

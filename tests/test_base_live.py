@@ -17,9 +17,9 @@ import pytest
 from test_integration import Cluster
 from test_lora_live import wait_installs
 
-from echo.config import LoraConfig, dump_toml
-from echo.models import engine_model_dir
-from echo.procs import python_argv, wait_ready
+from echo_rl.core.config import LoraConfig, dump_toml
+from echo_rl.core.models import engine_model_dir
+from echo_rl.core.procs import python_argv, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -38,7 +38,7 @@ def start_worker(cluster: Cluster, name: str, home: Path) -> Path:
     cluster.group.start(
         name,
         python_argv(
-            "worker.cli",
+            "echo_rl.cli.worker",
             "join",
             cluster.endpoint,
             "--id",
@@ -73,7 +73,7 @@ def start_learner(cluster: Cluster, host: Path) -> Path:
     conf.write_text(dump_toml(cluster.cfg))
     proc = cluster.group.start(
         "learner",
-        python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+        python_argv("echo_rl.cli.rl", "learn", str(conf), "--run-dir", str(run)),
         cluster.tmp / "learner.err",
         pipe_stdout=True,
         cwd=host,

@@ -1,6 +1,6 @@
 """The base model of a LoRA run travels once (issue 32, item 3): a signed, chunked snapshot of
-its own kind (broadcast.basemodel), fetched from a peer or the learner over the chunk servers,
-every chunk checked, cached on disk by content hash (worker.base)."""
+its own kind (echo_rl.broadcast.basemodel), fetched from a peer or the learner over the chunk servers,
+every chunk checked, cached on disk by content hash (echo_rl.worker.base)."""
 
 from __future__ import annotations
 
@@ -15,26 +15,26 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_security import zctx  # noqa: F401  (a fixture)
 
-from broadcast.basemodel import (
+from echo_rl.broadcast.basemodel import (
     BaseCache,
     build_base_manifest,
     check_base_manifest,
     verify_base_manifest,
 )
-from broadcast.coordinator import Coordinator
-from broadcast.manifest import signed_bytes
-from broadcast.relay import Relay, RelayConfig
-from broadcast.snapshot import (
+from echo_rl.broadcast.coordinator import Coordinator
+from echo_rl.broadcast.manifest import signed_bytes
+from echo_rl.broadcast.relay import Relay, RelayConfig
+from echo_rl.broadcast.snapshot import (
     RunKey,
     Snapshot,
     SnapshotError,
     build_manifest,
     verify_manifest,
 )
-from broadcast.tickets import Source
-from broadcast.topology import make_topology
+from echo_rl.broadcast.tickets import Source
+from echo_rl.broadcast.topology import make_topology
+from echo_rl.worker.base import BaseResult, mismatch, obtain_base
 from labs.doubles import CorruptingRelay
-from worker.base import BaseResult, mismatch, obtain_base
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -276,8 +276,8 @@ def test_the_learner_hands_out_the_base_and_its_sources_and_bans_a_corrupt_relay
 
     from test_security import _plane, ask, eventually, peer
 
-    from echo import wire
-    from echo.security import KeyPair
+    from echo_rl.core import wire
+    from echo_rl.core.security import KeyPair
 
     small_cfg.broadcast.nat_traversal = False  # relay endpoints are trusted: "reachable"
     plane = _plane(small_cfg, tokenizer, tmp_path / "run")
@@ -358,7 +358,7 @@ def test_the_learner_hands_out_the_base_and_its_sources_and_bans_a_corrupt_relay
 def test_a_run_without_a_base_refuses_base_sources(small_cfg, tokenizer, tmp_path, zctx):  # noqa: F811
     from test_security import _plane, ask, peer
 
-    from echo import wire
+    from echo_rl.core import wire
 
     plane = _plane(small_cfg, tokenizer, tmp_path / "run")
     plane.start()

@@ -7,13 +7,19 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from broadcast.coordinator import Coordinator
-from broadcast.relay import Relay, RelayConfig
-from broadcast.snapshot import RunKey, SnapshotError, build_manifest, chunk_hash, verify_manifest
-from broadcast.source import ChunkServer
-from broadcast.store import SnapshotBuffer, SnapshotStore
-from broadcast.topology import Peer, make_topology
-from echo import wire
+from echo_rl.broadcast.coordinator import Coordinator
+from echo_rl.broadcast.relay import Relay, RelayConfig
+from echo_rl.broadcast.snapshot import (
+    RunKey,
+    SnapshotError,
+    build_manifest,
+    chunk_hash,
+    verify_manifest,
+)
+from echo_rl.broadcast.source import ChunkServer
+from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
+from echo_rl.broadcast.topology import Peer, make_topology
+from echo_rl.core import wire
 from labs import child_env
 from labs.doubles import CorruptingChunkServer, CorruptingRelay
 
@@ -236,7 +242,7 @@ def test_coordinator_routes_around_failures_and_measures():
     new = coord.reattach(child, bad, "disconnected")
     assert new != bad  # the reporter re-attaches upstream at once
     relay = next(p for p in coord.peers.values() if p.endpoint == bad)
-    assert relay.alive  # one child's word is not a verdict (broadcast/reports.py) ...
+    assert relay.alive  # one child's word is not a verdict (echo_rl/broadcast/reports.py) ...
     coord.confirm(bad, "unreachable")  # ... the learner's own probe is
     assert not relay.alive
     times = {w: 1.0 + i for i, w in enumerate(sorted(coord.peers))}
@@ -434,7 +440,7 @@ def test_bench_broadcast_in_network_namespaces(tmp_path):
 def test_relay_malloc_tuning_is_accepted_by_glibc():
     """glibc silently keeps its defaults when a threshold is out of range (mallopt returns 0):
     an mmap threshold above 32 MiB would undo the tuning the loopback figure relies on."""
-    from broadcast import memory
+    from echo_rl.broadcast import memory
 
     memory._done = False
     assert memory.keep_chunk_buffers()

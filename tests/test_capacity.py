@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from provisioning.capacity import (
+from echo_rl.provisioning.capacity import (
     CapacityInputs,
     Infeasible,
     choose_kappa,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.checkpoint import (
+from echo_rl.learner.checkpoint import (
     checkpoint_name,
     kept_checkpoints,
     load_checkpoint,
@@ -39,7 +39,7 @@ def test_both_namings_read_as_steps_taken():
 
 
 def test_an_old_run_folder_loads_resumes_and_evaluates(tmp_path):
-    from echo.commands.evaluate import EvalError, resolve_policy
+    from echo_rl.cli.commands.evaluate import EvalError, resolve_policy
 
     ckpt = tmp_path / "checkpoints"
     ckpt.mkdir()

@@ -16,8 +16,8 @@ def run(*args, **kw):
 def test_help_does_not_import_torch():
     code = (
         "import sys, contextlib, io\n"
-        "import echo.cli, worker.cli\n"
-        "for m in (echo.cli, worker.cli):\n"
+        "import echo_rl.cli.rl, echo_rl.cli.worker\n"
+        "for m in (echo_rl.cli.rl, echo_rl.cli.worker):\n"
         "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "        m.main(['--help'])\n"
         "heavy = [m for m in ('torch', 'transformers', 'zmq') if m in sys.modules]\n"
@@ -30,7 +30,7 @@ def test_help_does_not_import_torch():
 def test_bad_config_exits_2_with_key_named(tmp_path):
     r = run(
         "-m",
-        "echo.cli",
+        "echo_rl.cli.rl",
         "learn",
         "examples/quickstart.toml",
         "--set",
@@ -46,7 +46,7 @@ def test_bad_config_exits_2_with_key_named(tmp_path):
 def test_missing_model_is_a_clear_error(tmp_path):
     r = run(
         "-m",
-        "echo.cli",
+        "echo_rl.cli.rl",
         "learn",
         "examples/quickstart.toml",
         "--set",
@@ -59,14 +59,14 @@ def test_missing_model_is_a_clear_error(tmp_path):
 
 
 def test_worker_rejects_bad_address():
-    r = run("-m", "worker.cli", "join", "localhost:5555")
+    r = run("-m", "echo_rl.cli.worker", "join", "localhost:5555")
     assert r.returncode == 2 and "tcp://HOST:PORT" in r.stderr
 
 
 def test_worker_says_why_it_stopped_when_the_error_is_nested(tmp_path, capsys):
     """A refusal met by a delivery task comes out of two TaskGroups: its words must still show."""
-    from worker import cli
-    from worker.agent import WorkerError
+    from echo_rl.cli import worker as cli
+    from echo_rl.worker.agent import WorkerError
 
     class Banned:
         def __init__(self, *args, **kwargs):
@@ -95,9 +95,9 @@ def test_worker_says_why_it_stopped_when_the_error_is_nested(tmp_path, capsys):
 
 def test_quickstart_progress_is_plain_lines_without_a_terminal(capsys, monkeypatch):
     """Piped (CI, a log file), the quickstart prints whole lines, not a bar cut to 80 columns."""
-    from echo import quickstart
-    from echo.config import EchoConfig
-    from echo.steprow import StepRow
+    from echo_rl.cli import quickstart
+    from echo_rl.core.config import EchoConfig
+    from echo_rl.core.steprow import StepRow
 
     rows = [
         StepRow(
@@ -144,10 +144,10 @@ def test_sample_shows_what_a_runs_checkpoint_generates_for_its_task(tmp_path, ca
     generation settings; a folder that is not a run is explained."""
     import json
 
-    from echo import cli
-    from echo.config import dump_toml, load_config
-    from echo.models import load_model, load_tokenizer
-    from learner.checkpoint import save_checkpoint
+    from echo_rl.cli import rl as cli
+    from echo_rl.core.config import dump_toml, load_config
+    from echo_rl.core.models import load_model, load_tokenizer
+    from echo_rl.learner.checkpoint import save_checkpoint
 
     run = tmp_path / "run"
     run.mkdir()
@@ -179,7 +179,7 @@ def test_every_subcommand_is_in_help_with_a_line_of_its_own(capsys):
     subcommands are gone from the product CLI (python -m labs.broadcast_bench instead)."""
     import contextlib
 
-    from echo import cli
+    from echo_rl.cli import rl as cli
 
     with contextlib.suppress(SystemExit):
         cli.main(["--help"])
@@ -203,7 +203,7 @@ def test_every_subcommand_is_in_help_with_a_line_of_its_own(capsys):
 
 
 def test_a_passthrough_subcommand_gets_its_arguments_in_order():
-    from echo import cli
+    from echo_rl.cli import rl as cli
 
     args, rest = cli.build_parser().parse_known_args(
         ["sample", "--checkpoint", "3", "RUN", "--n", "-1"]

@@ -6,8 +6,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from echo import wire
-from echo.client import Client, ConnectionLost, RequestTimeout
+from echo_rl.core import wire
+from echo_rl.core.client import Client, ConnectionLost, RequestTimeout
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,5 +1,5 @@
-"""The code adapter (adapters/code.py) and the expensive-reward audits off the learner's step
-(learner/reward_audit.py; docs/scheduling.md, "A reward pool")."""
+"""The code adapter (echo_rl/adapters/code.py) and the expensive-reward audits off the learner's step
+(echo_rl/learner/reward_audit.py; docs/scheduling.md, "A reward pool")."""
 
 import itertools
 import random
@@ -7,14 +7,14 @@ import threading
 
 import pytest
 
-from adapters.code import TASKS, CodeAdapter
-from dataplane.adapter import AdapterError, Prompt
-from dataplane.records import Limits, Record
-from learner.buffer import ReplayBuffer
-from learner.intake import Intake
-from learner.reputation import Reputation
-from learner.reward_audit import RewardAuditor, RewardJob
-from learner.work import WorkQueue
+from echo_rl.adapters.code import TASKS, CodeAdapter
+from echo_rl.data.adapter import AdapterError, Prompt
+from echo_rl.data.records import Limits, Record
+from echo_rl.learner.buffer import ReplayBuffer
+from echo_rl.learner.intake import Intake
+from echo_rl.learner.reputation import Reputation
+from echo_rl.learner.reward_audit import RewardAuditor, RewardJob
+from echo_rl.learner.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -212,7 +212,7 @@ def test_the_code_example_runs_and_checks_a_sample_of_rewards_off_the_step(tmp_p
     root = Path(__file__).resolve().parents[1]
     run = tmp_path / "run"
     argv = [
-        sys.executable, "-m", "echo.cli", "quickstart", "--config", "examples/code.toml",
+        sys.executable, "-m", "echo_rl.cli.rl", "quickstart", "--config", "examples/code.toml",
         "--run-dir", str(run), "--workers", "2", "--set", "learner.max_steps=4",
     ]  # fmt: skip
     subprocess.run(argv, cwd=root, check=True, stdout=subprocess.DEVNULL, timeout=280)

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from echo.config import ConfigError, EchoConfig, dump_toml, load_config
+from echo_rl.core.config import ConfigError, EchoConfig, dump_toml, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,10 +87,10 @@ def test_dump_round_trips(tmp_path):
 
 
 def test_config_reference_is_generated_from_the_code(tmp_path, capsys):
-    """docs/config.md is what echo.config_doc prints: a key added without regenerating it fails."""
+    """docs/config.md is what echo_rl.core.config_doc prints: a key added without regenerating it fails."""
     from pathlib import Path
 
-    from echo import config_doc
+    from echo_rl.core import config_doc
 
     page = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     assert config_doc.main(["--check", str(page)]) == 0
@@ -135,8 +135,8 @@ def test_a_run_says_what_its_config_changes_from_the_defaults(capsys, caplog):
     keys differ from the defaults and the first of them, and logs every one."""
     import logging
 
-    from echo.config_toml import differences
-    from learner.startup import say_config
+    from echo_rl.core.config_toml import differences
+    from echo_rl.learner.startup import say_config
 
     quick = load_config(ROOT / "examples/quickstart.toml", [])
     diff = {k: (v, d) for k, v, d in differences(quick)}
@@ -161,7 +161,7 @@ def test_stochastic_rounding_is_unbiased_reproducible_and_only_for_float32_to_bf
     gives the same bytes; other casts round to nearest."""
     import torch
 
-    from echo.models import cast_weights, params_to_payload
+    from echo_rl.core.models import cast_weights, params_to_payload
 
     unit = 2.0**-7  # a bf16 unit at 1.0
     w = torch.full((200_000,), 1.0 + 0.25 * unit)
@@ -191,7 +191,7 @@ def test_dithered_rounding_is_unbiased_and_changes_only_the_weights_that_moved_p
     threshold, where fresh noise per version (stochastic) changes a share of all of them."""
     import torch
 
-    from echo.models import cast_weights, rounding_seed
+    from echo_rl.core.models import cast_weights, rounding_seed
 
     assert load_config(None, []).broadcast.rounding == "dither"
     unit = 2.0**-7

@@ -10,16 +10,16 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from broadcast.fetch import fetch_snapshot
-from broadcast.snapshot import RunKey, Snapshot, SnapshotError, build_manifest
-from broadcast.tickets import Source
-from dataplane.adapter import load_adapter
-from dataplane.records import Limits
-from echo import wire
-from echo.security import KeyPair, curve_client
-from learner.buffer import ReplayBuffer
-from learner.server import LearnerServer
-from learner.work import WorkQueue
+from echo_rl.broadcast.fetch import fetch_snapshot
+from echo_rl.broadcast.snapshot import RunKey, Snapshot, SnapshotError, build_manifest
+from echo_rl.broadcast.tickets import Source
+from echo_rl.core import wire
+from echo_rl.core.security import KeyPair, curve_client
+from echo_rl.data.adapter import load_adapter
+from echo_rl.data.records import Limits
+from echo_rl.learner.buffer import ReplayBuffer
+from echo_rl.learner.server import LearnerServer
+from echo_rl.learner.work import WorkQueue
 
 
 def control_plane(cfg, tokenizer, options=None, **work_kw) -> LearnerServer:
@@ -256,8 +256,8 @@ def test_keyframes_from_the_learner_and_refusals_for_versions_gone(plane, client
     """A worker without a delta's base asks where to fetch the version in full: with no peer
     holding it, the learner serves the rebuilt payload itself (form "full", checked against the
     signed result hashes); a version no longer held is refused at once, for either form."""
-    from broadcast.relay import Relay, RelayConfig
-    from broadcast.versions import VersionEncoder
+    from echo_rl.broadcast.relay import Relay, RelayConfig
+    from echo_rl.broadcast.versions import VersionEncoder
 
     ask(client, wire.Join(worker_id="w1"))
     enc = VersionEncoder(run_id="t", key=plane.key, chunk_size=4096, dtype="uint8")
@@ -304,8 +304,8 @@ def test_a_slow_disk_delays_only_the_acknowledgement_not_the_loop(
     """Group commit: the batch's records go to the write-ahead log's writer thread; the loop
     answers a heartbeat sent after the batch while the fsync is still sleeping, and the batch
     is acknowledged only once its records are on disk (and readable back from the log)."""
+    from echo_rl.learner.durable import read_log
     from labs.doubles import SlowDiskLog
-    from learner.durable import read_log
 
     lc = small_cfg.learner
     adapter = load_adapter("toy-add", {}, tokenizer)
@@ -350,9 +350,9 @@ def test_a_slow_disk_delays_only_the_acknowledgement_not_the_loop(
 def test_group_commit_makes_many_appends_durable_in_few_fsyncs(tmp_path):
     import threading
 
-    from dataplane.records import Record
+    from echo_rl.data.records import Record
+    from echo_rl.learner.durable import read_log
     from labs.doubles import SlowDiskLog
-    from learner.durable import read_log
 
     log = SlowDiskLog(tmp_path / "buffer.log", fsync=True, delay_s=0.05)
     futures, lock = [], threading.Lock()
@@ -389,9 +389,9 @@ def test_group_commit_makes_many_appends_durable_in_few_fsyncs(tmp_path):
 def test_a_cancelled_waiter_does_not_kill_the_log_writer(tmp_path):
     """An acknowledgement task cancelled at shutdown cancels its durable future; the writer used
     to die setting it, and the learner's own next append then waited forever (a hung exit)."""
-    from dataplane.records import Record
+    from echo_rl.data.records import Record
+    from echo_rl.learner.durable import read_log
     from labs.doubles import SlowDiskLog
-    from learner.durable import read_log
 
     def rec(g: str) -> Record:
         return Record(

@@ -3,7 +3,7 @@
 import pytest
 from fakes import FakeClock
 
-from provisioning.controller import (
+from echo_rl.provisioning.controller import (
     ACTIVATE,
     RELEASE,
     SHORT,
@@ -233,7 +233,7 @@ def test_every_release_keeps_the_target():
 def test_busy_time_measures_capacity_not_demand():
     """A worker handed little work (the learner's outstanding cap) is not mistaken for a slow
     one when deliveries come with the seconds spent producing them."""
-    from provisioning.controller import Controller
+    from echo_rl.provisioning.controller import Controller
 
     clock = FakeClockForBusy()
     c = Controller(alpha=1.1, delta=0.2, window_s=5, clock=clock, tau_s=1.0, warmup_s=0.0)
@@ -277,7 +277,7 @@ def test_fake_free_joiners_never_outbid_a_measured_paying_worker():
     for f in fakes:  # $0 and silent: the cheapest bid there is
         ctl.add_worker(f, price=0.0)
         rates[f] = 0
-    # Capacity met: the fakes get trials (provisioning.trades), one at a time, one per window,
+    # Capacity met: the fakes get trials (echo_rl.provisioning.trades), one at a time, one per window,
     # each at most once; none gains credit or displaces the honest worker.
     most, decisions = 0, []
     while clock.t < 400.0:

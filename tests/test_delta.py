@@ -8,19 +8,19 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from broadcast.delta import DeltaError, decode, encode
-from broadcast.fetch import SourceFailed
-from broadcast.relay import Relay, RelayConfig
-from broadcast.snapshot import (
+from echo_rl.broadcast.delta import DeltaError, decode, encode
+from echo_rl.broadcast.fetch import SourceFailed
+from echo_rl.broadcast.relay import Relay, RelayConfig
+from echo_rl.broadcast.snapshot import (
     RunKey,
     SnapshotError,
     build_manifest,
     check_manifest,
     verify_manifest,
 )
-from broadcast.store import SnapshotBuffer
-from broadcast.tickets import Source
-from broadcast.versions import BaseMissing, VersionEncoder, rebuild
+from echo_rl.broadcast.store import SnapshotBuffer
+from echo_rl.broadcast.tickets import Source
+from echo_rl.broadcast.versions import BaseMissing, VersionEncoder, rebuild
 from labs.doubles import CorruptingRelay
 
 CHUNK = 4096
@@ -262,8 +262,8 @@ def test_a_full_payload_held_as_a_keyframe_is_never_recycled_under_it():
 
 
 def test_keyframes_come_from_peers_that_installed_the_version_spread_and_never_twice_from_a_failure():
-    from broadcast.coordinator import Coordinator
-    from broadcast.topology import make_topology
+    from echo_rl.broadcast.coordinator import Coordinator
+    from echo_rl.broadcast.topology import make_topology
 
     coord = Coordinator(make_topology("chains"), "tcp://learner")
     for w in ("a", "b", "c", "late"):
@@ -300,7 +300,7 @@ def test_keyframes_come_from_peers_that_installed_the_version_spread_and_never_t
 def test_junk_in_the_delta_fields_is_a_counted_wire_error(fields):
     import msgpack
 
-    from echo import wire
+    from echo_rl.core import wire
 
     frame = msgpack.packb({"v": wire.WIRE_VERSION, "rid": 1, **fields}, use_bin_type=True)
     with pytest.raises(wire.WireError) as err:

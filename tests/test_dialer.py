@@ -1,4 +1,4 @@
-"""A fetch keeps its connection to a source for the next version (broadcast/dialer.py).
+"""A fetch keeps its connection to a source for the next version (echo_rl/broadcast/dialer.py).
 
 Before, every version's fetch opened a fresh encrypted connection: a handshake and a ZAP
 decision at the source per version. Workers sharing one address then ran into the source's
@@ -14,13 +14,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from broadcast.dialer import Dialer
-from broadcast.fetch import fetch_into
-from broadcast.snapshot import RunKey, build_manifest
-from broadcast.source import ChunkServer
-from broadcast.store import SnapshotBuffer, SnapshotStore
-from broadcast.tickets import Source
-from echo.security import KeyPair, ZapHandler, curve_server
+from echo_rl.broadcast.dialer import Dialer
+from echo_rl.broadcast.fetch import fetch_into
+from echo_rl.broadcast.snapshot import RunKey, build_manifest
+from echo_rl.broadcast.source import ChunkServer
+from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
+from echo_rl.broadcast.tickets import Source
+from echo_rl.core.security import KeyPair, ZapHandler, curve_server
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -120,7 +120,7 @@ def test_versions_fetched_in_a_row_cost_one_handshake_and_pass_a_tight_handshake
 def test_without_a_kept_connection_the_handshake_limit_stalls_the_fetch():
     """The old way (a fresh connection per fetch) against the same source: the third fetch's
     handshake is refused "try later" and the fetch hears nothing until its stall bound."""
-    from broadcast.manifest import SnapshotError
+    from echo_rl.broadcast.manifest import SnapshotError
 
     async def body(source, client_ctx):
         with pytest.raises(SnapshotError, match="timeout"):
@@ -166,7 +166,7 @@ def test_a_failed_fetch_closes_its_connection_and_the_idle_set_is_bounded():
             dialer.keep(f"tcp://127.0.0.1:{port}", b"", 1024, conn)
         return after_failure, dialer.idle, dialer.opened
 
-    from broadcast.manifest import SnapshotError
+    from echo_rl.broadcast.manifest import SnapshotError
 
     after_failure, idle, opened = asyncio.run(_with_source(body))
     assert after_failure == 0
@@ -197,8 +197,8 @@ def test_junk_a_source_pushes_down_a_kept_connection_fails_that_source_not_the_p
     """A kept connection outlives the fetch that opened it: a hostile source can push bytes
     down it between fetches. The next fetch reads them as a reply: the source fails with a
     reason (corrupt), the connection is closed, and nothing else is touched."""
-    from broadcast.manifest import SnapshotError
-    from echo import wire
+    from echo_rl.broadcast.manifest import SnapshotError
+    from echo_rl.core import wire
 
     key = RunKey.generate()
     payloads = {v: np.random.default_rng(v).bytes(CHUNK) for v in (1, 2)}

@@ -14,13 +14,7 @@ TOP = (
     "benchmarks/",
     "tests/",
     "docs/",
-    "echo/",
-    "learner/",
-    "worker/",
-    "broadcast/",
-    "dataplane/",
-    "adapters/",
-    "provisioning/",
+    "echo_rl/",
     "examples/",
     ".ci/",
     "labs/",
@@ -69,10 +63,10 @@ def test_the_checker_finds_a_missing_file_and_a_renamed_test(tmp_path):
     doc.write_text(
         "see `tests/test_docs_cite.py::test_what_a_doc_cites_exists`, "
         "`tests/test_docs_cite.py::test_gone`, `benchmarks/results/none.json`, "
-        "`learner/trainer.token_logprobs` and `learner/trainer.nothing_here`"
+        "`echo_rl/learner/trainer.token_logprobs` and `echo_rl/learner/trainer.nothing_here`"
     )
     assert problems(doc) == [
         "tests/test_docs_cite.py::test_gone: no such test",
         "benchmarks/results/none.json: no such file",
-        "learner/trainer.nothing_here: no nothing_here in learner/trainer.py",
+        "echo_rl/learner/trainer.nothing_here: no nothing_here in echo_rl/learner/trainer.py",
     ]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from echo.cli import main as rl_main
-from echo.config import EchoConfig, dump_toml
-from echo.procs import ProcessGroup, python_argv, wait_ready
-from worker.cli import main as worker_main
+from echo_rl.cli.rl import main as rl_main
+from echo_rl.cli.worker import main as worker_main
+from echo_rl.core.config import EchoConfig, dump_toml
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -27,7 +27,7 @@ class Learner:
         conf = tmp / "learner.toml"
         conf.write_text(dump_toml(cfg))
         argv = python_argv(
-            "echo.cli",
+            "echo_rl.cli.rl",
             "learn",
             str(conf),
             "--run-dir",
@@ -103,7 +103,7 @@ def test_a_healthy_learner_passes_every_check(healthy, capsys):
 
 def test_the_entry_point_exits_non_zero_on_a_failure(healthy):
     done = subprocess.run(
-        python_argv("worker.cli", "doctor", healthy.line[:-2] + "00"),
+        python_argv("echo_rl.cli.worker", "doctor", healthy.line[:-2] + "00"),
         capture_output=True,
         text=True,
         timeout=60,
@@ -170,8 +170,8 @@ def test_closed_reflectors_name_the_address_workers_dial_and_the_skipped_relay_p
     group; the relay port, which the reflector would have dialled, is printed as skipped."""
     import asyncio
 
-    from echo.doctor import show
-    from worker.doctor import _nat_checks
+    from echo_rl.core.doctor import show
+    from echo_rl.worker.doctor import _nat_checks
 
     held, ports = _closed_ports("127.0.0.2", 2)
     try:
@@ -196,9 +196,9 @@ def test_a_relay_on_loopback_says_its_port_was_not_checked_and_why(capsys):
     relay port check was left out of the report without a word."""
     import asyncio
 
-    from broadcast.nat.reflect import Reflector
-    from echo.doctor import show
-    from worker.doctor import _nat_checks
+    from echo_rl.broadcast.nat.reflect import Reflector
+    from echo_rl.core.doctor import show
+    from echo_rl.worker.doctor import _nat_checks
 
     async def body():
         ref = Reflector("127.0.0.1")
@@ -301,7 +301,7 @@ def test_the_readme_s_doctor_lines_run_as_written(healthy, capsys):
 def test_an_allowlist_learner_that_refuses_the_check_s_key_still_answers(monkeypatch):
     """With security.join = allowlist the learner refuses the throwaway key the operator's
     doctor asks with: that refusal is the learner's own answer, with its key."""
-    from learner import doctor
+    from echo_rl.learner import doctor
 
     async def refused(*args, **kwargs):
         return None, (
@@ -320,7 +320,7 @@ def test_the_operator_s_doctor_tells_a_dropping_firewall_from_a_stopped_learner(
     """A port that times out even from the learner's own host is a firewall rule dropping it,
     not a learner that is not running (refused): the fix names the firewall (the netns README
     test, tests/test_readme_real.py, drops learner.chunk_port with iptables and sees this)."""
-    from learner import doctor
+    from echo_rl.learner import doctor
 
     cfg = _cfg()
     for found, words, fix in (
@@ -340,8 +340,8 @@ def test_the_operator_s_doctor_says_it_did_not_ask_the_learner_after_a_port_fail
     the report said nothing of it; now it is a skipped check, with the reason."""
     import json
 
-    from echo.doctor import Check
-    from learner import doctor
+    from echo_rl.core.doctor import Check
+    from echo_rl.learner import doctor
 
     def closed(key, port, kind, where, cfg, ack):
         return Check(key, "fail", "nothing listens", "start it")
@@ -358,9 +358,9 @@ def test_the_operator_s_doctor_says_it_did_not_ask_the_learner_after_a_port_fail
 
 
 def test_an_older_learner_without_the_doctor_request_is_a_warning_not_a_failure():
-    from echo import wire
-    from echo.security import JoinLine, KeyPair
-    from worker.doctor import _key_check
+    from echo_rl.core import wire
+    from echo_rl.core.security import JoinLine, KeyPair
+    from echo_rl.worker.doctor import _key_check
 
     line = JoinLine("tcp://127.0.0.1:5555", KeyPair.generate().public)
     check = _key_check(
@@ -375,7 +375,7 @@ def test_an_older_learner_without_the_doctor_request_is_a_warning_not_a_failure(
 
 
 def test_addresses_are_told_apart_by_who_can_reach_them():
-    from echo.addresses import reach
+    from echo_rl.core.addresses import reach
 
     assert [reach(h) for h in ("127.0.0.1", "localhost", "::1")] == ["loopback"] * 3
     private = ("10.0.0.2", "172.20.1.1", "192.168.1.9", "100.64.3.3", "169.254.1.1", "fd00::1")
@@ -398,7 +398,7 @@ def test_a_config_that_tells_workers_a_private_address_fails_unless_the_fleet_is
     check = _lines(out, "public address")
     assert "[FAIL]" in check and "10.0.0.2, a private address" in check
     assert "learner.public_host" in check and "1:1 NAT" in check and "--lan" in check
-    from learner.doctor import config_checks
+    from echo_rl.learner.doctor import config_checks
 
     cfg = EchoConfig.model_validate({"learner": {"host": "10.0.0.2"}})
     assert config_checks(cfg, lan=True)[0].status == "ok"
@@ -408,7 +408,7 @@ def _behind_nat(monkeypatch, ack=None):
     """The learner bound on 0.0.0.0 here, told to workers as 198.51.100.10, an address of no
     interface here; the local probe answers, the one to the public address gets no answer
     (no hairpin)."""
-    from learner import doctor
+    from echo_rl.learner import doctor
 
     monkeypatch.setattr(
         doctor, "tcp_greeting", lambda host, port: "zmtp" if host == "127.0.0.1" else "timeout"
@@ -428,7 +428,7 @@ def test_behind_a_1to1_nat_no_port_is_failed_for_a_hairpin_this_host_cannot_take
 
 
 def test_behind_a_1to1_nat_the_learner_s_view_of_outside_workers_decides(monkeypatch):
-    from echo import wire
+    from echo_rl.core import wire
 
     def ack(**kw):
         base = dict(run_id="r", instance_id="i", snapshot_endpoint="", join="token", version=3)
@@ -448,7 +448,7 @@ def test_behind_a_1to1_nat_the_learner_s_view_of_outside_workers_decides(monkeyp
 def test_the_learner_counts_workers_whose_nat_probe_came_from_outside():
     from types import SimpleNamespace
 
-    from learner.outside import outside_view
+    from echo_rl.learner.outside import outside_view
 
     workers = [
         SimpleNamespace(worker_id="a", nat_address="198.51.100.100:5561"),

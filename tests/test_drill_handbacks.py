@@ -10,8 +10,8 @@ from types import SimpleNamespace
 from worker_doubles import make_generation
 
 from benchmarks import drill_handbacks
-from echo import wire
-from worker.backends import Sample
+from echo_rl.core import wire
+from echo_rl.worker.backends import Sample
 
 
 class Clock:
@@ -27,7 +27,7 @@ class Backend:
 
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "")
     tokens_sampled = 0
-    base_hash = None  # worker.backends.base.Backend's: no LoRA base held
+    base_hash = None  # echo_rl.worker.backends.base.Backend's: no LoRA base held
 
     def __init__(self, worker, clock):
         self.worker, self.clock, self.held_meanwhile = worker, clock, []
@@ -54,11 +54,11 @@ class Client:
 
 def _drill(kind, clock, monkeypatch, client):
     """The drill's generation part alone, its clock the test's."""
-    import worker.generation
+    from echo_rl.worker import generation
 
     fake_time = SimpleNamespace(monotonic=clock.monotonic, time=time.time)
     monkeypatch.setattr(drill_handbacks, "time", fake_time)
-    monkeypatch.setattr(worker.generation, "time", fake_time)
+    monkeypatch.setattr(generation, "time", fake_time)
     g = make_generation(client, None, Adapter(), cls=drill_handbacks._generation(kind))
     g.held.backend = Backend(g, clock)
     return g

@@ -1,4 +1,4 @@
-"""The generation engine (worker/backends/engine.py, worker/backends/decoder.py): its forward
+"""The generation engine (echo_rl/worker/backends/engine.py, echo_rl/worker/backends/decoder.py): its forward
 against the model's own, its samples and log-probs against a full forward recompute, its
 distribution against the transformers backend's, and the backend contract it shares with it
 (budgets, continuations, stop, tail cut, answer restriction, token count, fallback)."""
@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from echo import wire  # noqa: E402
-from echo.config import LoraConfig, ModelConfig  # noqa: E402
+from echo_rl.core import wire  # noqa: E402
+from echo_rl.core.config import LoraConfig, ModelConfig  # noqa: E402
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -23,7 +23,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def engine():
-    from worker.backends import make_backend
+    from echo_rl.worker.backends import make_backend
 
     return make_backend("engine", model_cfg=ModelConfig(), threads=1)
 
@@ -31,7 +31,7 @@ def engine():
 @pytest.fixture(scope="module")
 def small_engine():
     """Four slots: a request of more samples goes through them by continuous batching."""
-    from worker.backends import make_backend
+    from echo_rl.worker.backends import make_backend
 
     return make_backend("engine", model_cfg=ModelConfig(), threads=1, slots=4)
 
@@ -65,7 +65,7 @@ def assert_logprobs_recomputed(model, prompt, sample, temperature, bias=None) ->
 def _check_decoder(model, vocab: int) -> None:
     """prefill of right-padded prompts of different lengths, then decode steps of every slot
     at its own position, against the model's forward over each slot's whole sequence."""
-    from worker.backends.decoder import Decoder
+    from echo_rl.worker.backends.decoder import Decoder
 
     dec = Decoder(model)
     gen = torch.Generator().manual_seed(3)
@@ -106,8 +106,8 @@ def test_decoder_prefill_and_steps_equal_the_models_forward(engine):
 
 
 def test_decoder_runs_an_unmerged_lora_adapter_as_peft_does(tokenizer):
-    from echo.lora import wrap
-    from echo.models import load_model
+    from echo_rl.core.lora import wrap
+    from echo_rl.core.models import load_model
 
     model = wrap(load_model(ModelConfig(), tokenizer), LoraConfig(enabled=True, rank=4, alpha=8))
     gen = torch.Generator().manual_seed(7)
@@ -151,7 +151,7 @@ def test_engine_logprobs_equal_a_full_forward_recompute(engine):
 
 
 def test_answer_restriction_samples_only_the_set_under_the_renormalised_softmax(engine):
-    from dataplane.answers import answer_bias
+    from echo_rl.data.answers import answer_bias
 
     eos = engine.tokenizer.eos_token_id
     allowed = (eos, 5, 9, 17)
@@ -191,8 +191,8 @@ def test_engine_samples_the_distribution_the_transformers_backend_samples(temper
     backend, drawn with different seeds, pass a chi-square two-sample test."""
     from scipy.stats import chi2_contingency
 
-    from worker.backends.engine import EngineBackend
-    from worker.backends.transformers import TransformersBackend
+    from echo_rl.worker.backends.engine import EngineBackend
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     ref = TransformersBackend(ModelConfig(seed=5), threads=1)
     eng = EngineBackend(ModelConfig(), threads=1)
@@ -222,7 +222,7 @@ def test_engine_samples_the_distribution_the_transformers_backend_samples(temper
 
 
 def test_continuous_batching_keeps_every_rows_budget_and_logprobs(small_engine, monkeypatch):
-    from worker.backends import decoder as decoder_mod
+    from echo_rl.worker.backends import decoder as decoder_mod
 
     caches = []
     real = decoder_mod.Decoder.cache
@@ -361,7 +361,7 @@ def test_tokens_sampled_grows_by_the_new_tokens(small_engine):
 def test_unsupported_architectures_are_refused_by_the_decoder():
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
-    from worker.backends.decoder import Decoder, UnsupportedModel, check_supported
+    from echo_rl.worker.backends.decoder import Decoder, UnsupportedModel, check_supported
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=24, n_positions=16, n_embd=8, n_layer=1, n_head=2))
     with pytest.raises(UnsupportedModel, match="gpt2"):
@@ -380,8 +380,8 @@ def test_unsupported_architectures_are_refused_by_the_decoder():
 
 
 def test_the_engine_falls_back_to_generate_for_a_model_it_does_not_run(monkeypatch):
-    from worker.backends import engine as engine_mod
-    from worker.backends.transformers import TransformersBackend
+    from echo_rl.worker.backends import engine as engine_mod
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     def refuse(model):
         raise engine_mod.UnsupportedModel("model_type 'gpt2'")
@@ -400,7 +400,7 @@ def test_the_engine_falls_back_to_generate_for_a_model_it_does_not_run(monkeypat
 def test_a_kept_cuda_workspace_serves_a_request_only_when_it_fits_and_is_not_much_larger():
     """On CUDA the captured step computes every slot and column of the kept workspace: it is
     reused for a request it holds, and not for one it would make pay for 2x its shape."""
-    from worker.backends.engine import _fits
+    from echo_rl.worker.backends.engine import _fits
 
     assert _fits((16, 128, 64), (16, 128, 64)) and _fits((32, 256, 128), (16, 128, 64))
     assert not _fits((16, 128, 64), (32, 128, 64))  # too few slots
@@ -413,8 +413,8 @@ def test_with_every_row_in_a_slot_the_engine_draws_what_generate_draws_for_the_s
     """The exponential race is how torch.multinomial draws one sample too, and both draw a
     [rows, vocab] race per step: on the CPU, same weights and seed, the samples are the same
     (docs/worker.md; why `echo-rl eval`'s untrained score did not move with the switch)."""
-    from worker.backends.engine import EngineBackend
-    from worker.backends.transformers import TransformersBackend
+    from echo_rl.worker.backends.engine import EngineBackend
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     old = TransformersBackend(ModelConfig(), threads=1)
     new = EngineBackend(ModelConfig(), threads=1)

@@ -21,16 +21,16 @@ import pytest
 from test_adapters_registry import MULTI_TURN, tutorial_files
 from worker_doubles import ScriptedClient, make_generation
 
-from dataplane.adapter import Prompt
-from dataplane.episodes import EpisodeAdapter, EpisodeSample, episode_cut
-from dataplane.records import Limits, Record, RecordError, episode_stats, parse_record
-from dataplane.testing import PolicyBackend, Turn, make_groups, play_groups
-from echo import wire
-from echo.control_stats import ControlStats
-from echo.models import build_tiny_tokenizer
-from learner.buffer import ReplayBuffer
-from learner.rows import CutWatch, RunTotals, cut_share, episode_means, metrics_row
-from worker.records import episode_fields, record
+from echo_rl.core import wire
+from echo_rl.core.control_stats import ControlStats
+from echo_rl.core.models import build_tiny_tokenizer
+from echo_rl.data.adapter import Prompt
+from echo_rl.data.episodes import EpisodeAdapter, EpisodeSample, episode_cut
+from echo_rl.data.records import Limits, Record, RecordError, episode_stats, parse_record
+from echo_rl.data.testing import PolicyBackend, Turn, make_groups, play_groups
+from echo_rl.learner.buffer import ReplayBuffer
+from echo_rl.learner.rows import CutWatch, RunTotals, cut_share, episode_means, metrics_row
+from echo_rl.worker.records import episode_fields, record
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,9 +64,9 @@ def test_an_episodes_info_numbers_become_the_records_stats_and_the_rest_stays(ca
     """Numbers under short names travel (bools as 0/1); text and logs stay silently (the
     adapter's free-form use); numbers that cannot travel stay with one warning per key naming
     the adapter, and the record passes the learner's own check."""
-    import worker.records
+    from echo_rl.worker import records
 
-    monkeypatch.setattr(worker.records, "_warned", set())
+    monkeypatch.setattr(records, "_warned", set())
     adapter = SimpleNamespace(name="guess-word", max_completion_tokens=64)
     info = {
         "solved": True,
@@ -129,7 +129,7 @@ def test_a_decision_at_max_new_tokens_without_end_of_sequence_cuts_its_episode()
     groups = make_groups(game, count=1, n=1)
 
     def play(reply: list[int], max_new: int, answers: tuple[int, ...] | None = None) -> Any:
-        from dataplane.episodes import backend_generate_fn
+        from echo_rl.data.episodes import backend_generate_fn
 
         backend = PolicyBackend(lambda turn: reply, tok)
         backend.answer_tokens = answers  # type: ignore[attr-defined]
@@ -185,9 +185,9 @@ def test_records_without_the_new_fields_are_admitted_as_before():
 def test_the_intake_refuses_a_bad_stats_record_and_admits_the_others(tmp_path):
     """A hostile batch: one record's stats malformed. That record is refused and counted
     under bad_stats; the intake goes on, another group of the same batch is admitted."""
-    from learner.intake import Intake
-    from learner.reputation import Reputation
-    from learner.work import WorkQueue
+    from echo_rl.learner.intake import Intake
+    from echo_rl.learner.reputation import Reputation
+    from echo_rl.learner.work import WorkQueue
 
     prompts = (Prompt([1, 2], {"i": i}) for i in itertools.count())
     work = WorkQueue(prompts, group_size=2, max_outstanding=8, lease_timeout_s=60, prefix="r")
@@ -280,7 +280,7 @@ def test_multi_turn_cut_episodes_count_in_completions_cut(caplog):
 
 
 def test_the_dashboard_and_the_gauge_show_the_means():
-    from echo.metrics import LearnerMetrics
+    from echo_rl.core.metrics import LearnerMetrics
 
     m = LearnerMetrics()
     m.update({"step": 0, "completions_cut": 0.25, "episode_stats": {"won": 0.5, "moves": 3.0}})
@@ -294,8 +294,8 @@ def test_the_dashboard_and_the_gauge_show_the_means():
 
 
 def test_the_console_line_shows_the_cut_share_and_the_means():
-    from echo.quickstart import _describe
-    from echo.steprow import StepRow
+    from echo_rl.cli.quickstart import _describe
+    from echo_rl.core.steprow import StepRow
 
     row = StepRow(
         step=3,
@@ -346,8 +346,8 @@ def test_a_multi_turn_run_shows_its_games_in_the_step_row(small_cfg, takelast, t
     them), admitted by the learner's checks and trained in one learner step: the step's row
     has the share of games won, ended illegally and the tokens, and the share of episodes cut,
     as the same episodes played by the test kit say."""
-    from learner.main import Learner
-    from learner.policy import Policy
+    from echo_rl.learner.main import Learner
+    from echo_rl.learner.policy import Policy
 
     groups = make_groups(takelast, count=4, n=4, seed=0)
     kit = [ep for g in play_groups(takelast, groups, policy, max_new_tokens=2) for ep in g]
@@ -388,7 +388,7 @@ def test_a_multi_turn_run_shows_its_games_in_the_step_row(small_cfg, takelast, t
 def test_the_sample_commands_cut_column_fills_for_episodes(takelast):
     """``echo-rl sample`` on a multi-turn run: ``cut`` by the worker's rule (it was always
     blank), and the JSON rows carry the stats a worker would send."""
-    from echo.commands.sample import _episodes
+    from echo_rl.cli.commands.sample import _episodes
 
     groups = make_groups(takelast, count=2, n=3, seed=0)
     backend = PolicyBackend(policy, takelast.tokenizer)
@@ -401,7 +401,7 @@ def test_a_learner_that_does_not_say_it_admits_them_gets_no_stats_nor_cut():
     """An older learner refuses unknown record fields, and a refused sample leaves its group
     partial (a strike): the worker sends ``stats`` and ``cut`` only when the join view says
     ``episode_stats``, which this learner's does."""
-    from echo.config import EchoConfig
+    from echo_rl.core.config import EchoConfig
 
     assert EchoConfig().worker_view()["episode_stats"] is True
     tok = build_tiny_tokenizer()

@@ -4,10 +4,10 @@ import pickle
 
 import pytest
 
-from broadcast.fetch import NotYet, SourceFailed
-from dataplane.records import RecordError
-from echo.errors import ReasonError
-from echo.wire import WireError
+from echo_rl.broadcast.fetch import NotYet, SourceFailed
+from echo_rl.core.errors import ReasonError
+from echo_rl.core.wire import WireError
+from echo_rl.data.records import RecordError
 
 
 @pytest.mark.parametrize(

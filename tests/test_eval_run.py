@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from echo.ci import mean_ci, paired_ci, t975
-from echo.commands.evaluate import (
+from echo_rl.cli.commands.evaluate import (
     EvalError,
     describe,
     eval_prompts,
@@ -26,6 +25,7 @@ from echo.commands.evaluate import (
     main,
     resolve_policy,
 )
+from echo_rl.core.ci import mean_ci, paired_ci, t975
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -47,10 +47,10 @@ def make_run(
     seeded noise (a LoRA run's: its adapter's tensors alone, lora_B made non-zero)."""
     import torch
 
-    from echo.config import EchoConfig, dump_toml
-    from echo.lora import adapter_parameters, load_policy_model
-    from echo.models import load_tokenizer
-    from learner.checkpoint import checkpoint_name
+    from echo_rl.core.config import EchoConfig, dump_toml
+    from echo_rl.core.lora import adapter_parameters, load_policy_model
+    from echo_rl.core.models import load_tokenizer
+    from echo_rl.learner.checkpoint import checkpoint_name
 
     cfg = EchoConfig.model_validate({"model": TINY, **config})
     run = tmp_path / name
@@ -114,8 +114,8 @@ def test_paired_interval_is_that_of_the_differences():
 
 
 def test_toy_add_sets_heldout_pairs_aside_from_training():
-    from adapters.toy_add import ToyAddAdapter
-    from echo.models import build_tiny_tokenizer
+    from echo_rl.adapters.toy_add import ToyAddAdapter
+    from echo_rl.core.models import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     plain = ToyAddAdapter({}, tok)
@@ -131,9 +131,9 @@ def test_toy_add_sets_heldout_pairs_aside_from_training():
 
 
 def test_math_heldout_file_is_disjoint_and_an_overlap_is_refused(tmp_path):
-    from adapters.math import MathAdapter
-    from dataplane.adapter import AdapterError
-    from echo.models import build_tiny_tokenizer
+    from echo_rl.adapters.math import MathAdapter
+    from echo_rl.core.models import build_tiny_tokenizer
+    from echo_rl.data.adapter import AdapterError
 
     tok = build_tiny_tokenizer()
     ad = MathAdapter(
@@ -177,8 +177,8 @@ def test_words_heldout_file_has_no_training_question():
 
 
 def test_an_adapter_without_a_heldout_split_is_told_to_use_train():
-    from adapters.toy_add import ToyAddAdapter
-    from echo.models import build_tiny_tokenizer
+    from echo_rl.adapters.toy_add import ToyAddAdapter
+    from echo_rl.core.models import build_tiny_tokenizer
 
     ad = ToyAddAdapter({}, build_tiny_tokenizer())
     prompts, used = eval_prompts(ad, "auto", 7, 0, "toy-add")
@@ -267,8 +267,8 @@ def test_poker_eval_plays_heldout_episodes(tmp_path):
     for p in res["policies"]:
         assert len(p["per_prompt"]) == 4 and all(math.isfinite(x) for x in p["per_prompt"])
     # held-out deals are not the training stream's
-    from dataplane.adapter import load_adapter
-    from echo.models import build_tiny_tokenizer
+    from echo_rl.core.models import build_tiny_tokenizer
+    from echo_rl.data.adapter import load_adapter
 
     ad = load_adapter("poker", {"obs_format": "compact"}, build_tiny_tokenizer())
     train = {p.task["deal_seed"] for p, _ in zip(ad.prompts(random.Random(0)), range(200))}
@@ -285,7 +285,7 @@ def test_the_tutorial_adapter_evaluates_on_its_heldout_split(tmp_path, monkeypat
     (digit sum a multiple of 7) are never trained on, and eval scores them."""
     import re
 
-    from dataplane.testing import write_entry_points
+    from echo_rl.data.testing import write_entry_points
 
     doc = (ROOT / "docs" / "adapters.md").read_text()
     code = re.search(r"```python file=echo_sort/__init__.py\n(.*?)```", doc, re.DOTALL).group(1)
@@ -304,8 +304,8 @@ def test_the_tutorial_adapter_evaluates_on_its_heldout_split(tmp_path, monkeypat
     res = evaluate(run, "latest", compare="untrained", n=16)
     assert res["adapter"] == "sort-digits" and res["split"] == "heldout" and res["prompts"] == 16
     assert all(0.0 <= x <= 1.0 for p in res["policies"] for x in p["per_prompt"])
-    from dataplane.adapter import load_adapter
-    from echo.models import build_tiny_tokenizer
+    from echo_rl.core.models import build_tiny_tokenizer
+    from echo_rl.data.adapter import load_adapter
 
     tok = build_tiny_tokenizer()
     ad = load_adapter("sort-digits", {}, tok)
@@ -377,7 +377,7 @@ def test_cli_prints_json_and_help_is_instant(tmp_path):
         [
             sys.executable,
             "-m",
-            "echo.cli",
+            "echo_rl.cli.rl",
             "eval",
             "--run-dir",
             str(run),
@@ -398,7 +398,7 @@ def test_cli_prints_json_and_help_is_instant(tmp_path):
     res = json.loads(r.stdout)
     assert res["paired"]["difference"] == "untrained - step 3" and res["prompts"] == 6
     code = (
-        "import sys, echo.commands.evaluate as e; e.build_parser(); "
+        "import sys, echo_rl.cli.commands.evaluate as e; e.build_parser(); "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run(
@@ -411,7 +411,7 @@ def test_cli_prints_json_and_help_is_instant(tmp_path):
     )
     assert out.stdout.strip() == "[]"
     h = subprocess.run(
-        [sys.executable, "-m", "echo.cli", "eval", "--help"],
+        [sys.executable, "-m", "echo_rl.cli.rl", "eval", "--help"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -426,7 +426,7 @@ def test_a_config_alone_scores_the_model_before_any_run(tmp_path, capsys):
     """Issue 56, item 8: `echo-rl eval` wanted a run folder, and a fake one holding only
     config.toml was the way to score a model before training. --config with --untrained
     scores what a run would start from: the same numbers as that run's --untrained."""
-    from echo.config import EchoConfig, dump_toml
+    from echo_rl.core.config import EchoConfig, dump_toml
 
     config = {
         "adapter": {"name": "toy-add", "options": {"heldout": 12}},
@@ -470,9 +470,9 @@ def test_as_sampled_installs_the_snapshot_the_learner_published(tmp_path, roundi
     with LoRA, the adapter's tensors."""
     import torch
 
-    from echo.models import params_to_payload, rounding_seed
-    from learner.evaluation import Scorer, as_sampled, install_policy, run_config
-    from learner.policy import Policy as LearnerPolicy
+    from echo_rl.core.models import params_to_payload, rounding_seed
+    from echo_rl.learner.evaluation import Scorer, as_sampled, install_policy, run_config
+    from echo_rl.learner.policy import Policy as LearnerPolicy
 
     run = make_run(
         tmp_path,

@@ -1,4 +1,4 @@
-"""The one EWMA (echo/ewma.py): same samples in, same values out as each hand-rolled average
+"""The one EWMA (echo_rl/core/ewma.py): same samples in, same values out as each hand-rolled average
 it replaced (the old formulas are written out here), to float rounding."""
 
 import math
@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from broadcast.link_meter import LinkMeter
-from echo.ewma import Ewma, ewma, time_weight
-from provisioning.capacity import t_train_average
-from provisioning.registry import ACTIVE, WorkerRecord, fold
+from echo_rl.broadcast.link_meter import LinkMeter
+from echo_rl.core.ewma import Ewma, ewma, time_weight
+from echo_rl.provisioning.capacity import t_train_average
+from echo_rl.provisioning.registry import ACTIVE, WorkerRecord, fold
 
 SAMPLES = [random.Random(7).uniform(0.01, 50.0) for _ in range(40)]
 
@@ -76,7 +76,7 @@ def test_registry_time_constant_fold_keeps_its_numbers():
 
 
 def test_controller_availability_keeps_its_numbers():
-    from provisioning.controller import Controller
+    from echo_rl.provisioning.controller import Controller
 
     c = Controller(clock=lambda: 0.0)
     c.add_worker("w", price=1.0, mu_prior=1.0)

@@ -1,4 +1,4 @@
-"""Slim installs (echo/extras.py, pyproject.toml extras): a volunteer's `pip install echo-rl`
+"""Slim installs (echo_rl/core/extras.py, pyproject.toml extras): a volunteer's `pip install echo-rl`
 brings none of the simulator's, the reports' or the poker sandbox's packages, a learner and a
 worker train without them, and a command that needs one names the extra that brings it."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from test_integration import Cluster, wait_rows
 
-from echo.extras import EXTRA_OF
-from echo.procs import wait_ready
+from echo_rl.core.extras import EXTRA_OF
+from echo_rl.core.procs import wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = ("scipy", "simpy", "matplotlib", "pandas", "pyarrow", "pokerkit")
@@ -88,13 +88,13 @@ def test_a_learner_and_a_worker_train_without_the_optional_packages(
     cluster = Cluster(tmp_path, small_cfg)
     try:
         conf = tmp_path / "cfg.toml"
-        from echo.config import dump_toml
+        from echo_rl.core.config import dump_toml
 
         conf.write_text(dump_toml(small_cfg))
         run = tmp_path / "run"
         learner = cluster.group.start(
             "learner",
-            [sys.executable, "-m", "echo.cli", "learn", str(conf), "--run-dir", str(run)],
+            [sys.executable, "-m", "echo_rl.cli.rl", "learn", str(conf), "--run-dir", str(run)],
             tmp_path / "learner.err",
             pipe_stdout=True,
             env=without_optional,
@@ -105,7 +105,7 @@ def test_a_learner_and_a_worker_train_without_the_optional_packages(
             [
                 sys.executable,
                 "-m",
-                "worker.cli",
+                "echo_rl.cli.worker",
                 "join",
                 line,
                 "--id",
@@ -133,7 +133,7 @@ def test_a_command_that_needs_an_extra_names_it(argv, extra, without_optional):
     import os
 
     run = subprocess.run(
-        [sys.executable, "-m", "echo.cli", *argv],
+        [sys.executable, "-m", "echo_rl.cli.rl", *argv],
         capture_output=True,
         text=True,
         env={**os.environ, **without_optional},
@@ -148,8 +148,8 @@ def test_the_poker_adapter_names_its_extra(without_optional):
     import os
 
     code = (
-        "from dataplane.adapter import AdapterError, load_adapter\n"
-        "from echo.models import build_tiny_tokenizer\n"
+        "from echo_rl.data.adapter import AdapterError, load_adapter\n"
+        "from echo_rl.core.models import build_tiny_tokenizer\n"
         "try:\n    load_adapter('poker', {}, build_tiny_tokenizer(), check_prompts=False)\n"
         "except AdapterError as err:\n    print(err)\n"
     )

@@ -1,7 +1,7 @@
 """A relay that failed a worker is skipped in the notices the learner sent before it heard the
 report (issue 52, item 4: a black hole's child lost a second stall to those notices).
 
-The feed runs for real (worker/snapshots.py ``SnapshotFeed``) over a stand-in relay that fails
+The feed runs for real (echo_rl/worker/snapshots.py ``SnapshotFeed``) over a stand-in relay that fails
 every fetch from the hole the way ``fetch_into`` does (it calls the feed's reattach with a
 ``timeout``), and a stand-in learner that grants another source.
 """
@@ -13,12 +13,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from broadcast.fetch import FetchStats, SourceFailed
-from broadcast.snapshot import RunKey, build_manifest
-from broadcast.store import SnapshotBuffer, SnapshotStore
-from broadcast.tickets import Source
-from echo import wire
-from worker.snapshots import AVOID_S, AVOIDED, MAX_AVOIDED, SnapshotFeed
+from echo_rl.broadcast.fetch import FetchStats, SourceFailed
+from echo_rl.broadcast.snapshot import RunKey, build_manifest
+from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
+from echo_rl.broadcast.tickets import Source
+from echo_rl.core import wire
+from echo_rl.worker.snapshots import AVOID_S, AVOIDED, MAX_AVOIDED, SnapshotFeed
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -40,7 +40,7 @@ def manifest(version: int):
 
 
 class StandInRelay:
-    """What the feed uses of ``broadcast.relay.Relay``: fetches from ``failing`` stall."""
+    """What the feed uses of ``echo_rl.broadcast.relay.Relay``: fetches from ``failing`` stall."""
 
     def __init__(self, failing: set[str]):
         self.failing = failing

@@ -13,11 +13,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from broadcast.fetch import fetch_into
-from broadcast.snapshot import RunKey, build_manifest, chunk_hash
-from broadcast.source import ChunkServer
-from broadcast.store import SnapshotBuffer, SnapshotStore
-from echo import wire
+from echo_rl.broadcast.fetch import fetch_into
+from echo_rl.broadcast.snapshot import RunKey, build_manifest, chunk_hash
+from echo_rl.broadcast.source import ChunkServer
+from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
+from echo_rl.core import wire
 
 CHUNK = 4096
 MAX_BYTES = 1 << 16
@@ -115,7 +115,9 @@ def test_bad_reply_fails_the_source_and_the_fetch_resumes_elsewhere(name, make_r
     assert buf.digest() == chunk_hash(payload)
 
 
-BIG = 512 << 10  # above broadcast.chunk_checks.THREAD_MIN_BYTES: checked on the hashing thread
+BIG = (
+    512 << 10
+)  # above echo_rl.broadcast.chunk_checks.THREAD_MIN_BYTES: checked on the hashing thread
 
 
 async def _scripted_source(sock, payload, good: set[int], bad_header: bool = False):
@@ -141,7 +143,7 @@ def test_a_chunk_checked_on_the_thread_is_never_held_with_bytes_a_later_source_w
     B overwrote them, would mark B's zeros held (and never fetch them again)."""
     import time as _time
 
-    from broadcast import chunk_checks
+    from echo_rl.broadcast import chunk_checks
 
     real_hash = chunk_checks.chunk_hash
 
@@ -197,7 +199,7 @@ def test_a_chunk_checked_on_the_thread_is_never_held_with_bytes_a_later_source_w
 
 
 def test_the_stall_bound_follows_the_measured_link():
-    from broadcast.fetch import STALL_FLOOR_S, stall_bound
+    from echo_rl.broadcast.fetch import STALL_FLOOR_S, stall_bound
 
     mib = 1 << 20
     assert stall_bound(0.0, mib, 10.0) == 10.0  # nothing measured yet: the configured bound

@@ -1,4 +1,4 @@
-"""The learner's Adam runs its fused kernels where they apply (learner/trainer.py ``fusable``),
+"""The learner's Adam runs its fused kernels where they apply (echo_rl/learner/trainer.py ``fusable``),
 and updates as the default path does."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from learner.trainer import fusable
+from echo_rl.learner.trainer import fusable
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -22,12 +22,12 @@ if not torch.cuda.is_available():
         "no CUDA GPU on this machine (make gpu-check runs these on one)", allow_module_level=True
     )
 
-from dataplane.adapter import LearnerBatch  # noqa: E402
-from echo import wire  # noqa: E402
-from echo.config import LearnerConfig, ModelConfig  # noqa: E402
-from echo.models import load_model, load_tokenizer, params_to_payload  # noqa: E402
-from learner.parallel.single import Single  # noqa: E402
-from learner.trainer import Trainer, token_logprobs  # noqa: E402
+from echo_rl.core import wire  # noqa: E402
+from echo_rl.core.config import LearnerConfig, ModelConfig  # noqa: E402
+from echo_rl.core.models import load_model, load_tokenizer, params_to_payload  # noqa: E402
+from echo_rl.data.adapter import LearnerBatch  # noqa: E402
+from echo_rl.learner.parallel.single import Single  # noqa: E402
+from echo_rl.learner.trainer import Trainer, token_logprobs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(
@@ -80,7 +80,7 @@ def test_learner_step_runs_bf16_autocast_with_float32_weights():
 
 def _backend(name: str) -> Any:
     """The worker's backend ``name`` on CUDA: today's ``generate`` or Echo's engine."""
-    from worker.backends import make_backend
+    from echo_rl.worker.backends import make_backend
 
     return make_backend(name, model_cfg=CFG, device="cuda")
 
@@ -119,7 +119,7 @@ def test_worker_on_cuda_installs_the_learner_snapshot_and_its_logprobs_match(nam
 def test_a_parked_worker_model_comes_back_to_the_gpu_and_samples_the_same(name):
     """--resident: a park moves the worker's model into pinned host copies and frees its GPU
     memory; the unpark brings it back, and it samples what it sampled before
-    (worker/backends/parking.py). The engine drops its captured step and fused weights on
+    (echo_rl/worker/backends/parking.py). The engine drops its captured step and fused weights on
     park and builds them again on unpark."""
     backend = _backend(name)
     groups = [wire.Group(group_id="g", prompt_ids=[5, 6, 7, 8], n=4, seed=3)]
@@ -149,10 +149,10 @@ NCCL_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 from tests.test_gpu import CFG, batch
-from echo.config import LearnerConfig
-from echo.models import load_model, load_tokenizer
-from learner.parallel.fsdp2 import FSDP2
-from learner.trainer import Trainer
+from echo_rl.core.config import LearnerConfig
+from echo_rl.core.models import load_model, load_tokenizer
+from echo_rl.learner.parallel.fsdp2 import FSDP2
+from echo_rl.learner.trainer import Trainer
 import torch.distributed as dist
 par = FSDP2(torch.device("cuda", 0))
 assert dist.get_backend() == "nccl", dist.get_backend()

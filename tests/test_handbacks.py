@@ -1,5 +1,5 @@
-"""Issue 31, items 3 and 4: hand-backs are work products (learner.handbacks) and staleness is
-not free (learner.staleness, provisioning.controller). Hostile cases and the honest ones next
+"""Issue 31, items 3 and 4: hand-backs are work products (echo_rl.learner.handbacks) and staleness is
+not free (learner.staleness, echo_rl.provisioning.controller). Hostile cases and the honest ones next
 to them: a forged prefix is refused and its author struck, never the continuer; a hand-back
 flood is bounded; a cherry-picker is flagged, an honest returner is not; a worker delivering
 at the staleness edge earns less credit and is swapped first."""
@@ -16,20 +16,20 @@ from fakes import FakeClock
 from test_control import ask, batch, connect, ctx, plane, records  # noqa: F401 (fixtures)
 from test_trust import _sample, honest
 
-from broadcast.snapshot import RunKey
-from dataplane.adapter import Prompt, load_adapter
-from dataplane.records import Limits, Record
-from echo import wire
-from echo.config import SecurityConfig
-from echo.models import load_model, params_to_payload
-from learner.auditor import Auditor
-from learner.buffer import ReplayBuffer
-from learner.handback import PrefixLimits
-from learner.handbacks import Handbacks, bias_threshold, checkpoint, midrank
-from learner.server import LearnerServer
-from learner.staleness import Staleness, credit
-from learner.work import WorkQueue
-from provisioning.controller import ACTIVE, Controller
+from echo_rl.broadcast.snapshot import RunKey
+from echo_rl.core import wire
+from echo_rl.core.config import SecurityConfig
+from echo_rl.core.models import load_model, params_to_payload
+from echo_rl.data.adapter import Prompt, load_adapter
+from echo_rl.data.records import Limits, Record
+from echo_rl.learner.auditor import Auditor
+from echo_rl.learner.buffer import ReplayBuffer
+from echo_rl.learner.handback import PrefixLimits
+from echo_rl.learner.handbacks import Handbacks, bias_threshold, checkpoint, midrank
+from echo_rl.learner.server import LearnerServer
+from echo_rl.learner.staleness import Staleness, credit
+from echo_rl.learner.work import WorkQueue
+from echo_rl.provisioning.controller import ACTIVE, Controller
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -175,7 +175,7 @@ def test_prefix_checks_go_to_new_keys_then_to_a_random_share(small_cfg):
 
 
 def _pass(job, check="handback_logprob"):
-    from learner.reputation import Verdict
+    from echo_rl.learner.reputation import Verdict
 
     return Verdict(job.worker_id, job.key, job.group_id, job.version, check, True, {})
 

@@ -1,4 +1,4 @@
-"""The run's held-out evaluation (learner/heldout.py, learner/evaluator.py; docs/learner.md
+"""The run's held-out evaluation (echo_rl/learner/heldout.py, echo_rl/learner/evaluator.py; docs/learner.md
 "Watching the policy"): checkpoints scored by a process beside the learner exactly as
 ``echo-rl eval`` scores them, the best kept as checkpoints/best.pt, a checkpoint waiting behind
 another replaced by a newer one, an evaluator that fails named without stopping the run, and a
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo.config import HeldoutConfig
-from echo.steprow import read_rows
-from learner.checkpoint import best_checkpoint, checkpoint_name
-from learner.evaluation import read_state
-from learner.heldout import HeldoutEval
+from echo_rl.core.config import HeldoutConfig
+from echo_rl.core.steprow import read_rows
+from echo_rl.learner.checkpoint import best_checkpoint, checkpoint_name
+from echo_rl.learner.evaluation import read_state
+from echo_rl.learner.heldout import HeldoutEval
 from tests.test_eval_run import make_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def heldout(run: Path, every: int = 3) -> HeldoutEval:
 
 @pytest.mark.timeout(180)
 def test_checkpoints_are_scored_as_eval_scores_them_and_the_best_is_kept(tmp_path):
-    from echo.commands.evaluate import evaluate
+    from echo_rl.cli.commands.evaluate import evaluate
 
     run = make_run(tmp_path, TOY, steps=(0, 3, 6, 9), noise=2.0)
     ckpt = run / "checkpoints"
@@ -100,7 +100,7 @@ def test_a_run_built_to_collapse_is_warned_stopped_and_keeps_its_best(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "echo.cli",
+        "echo_rl.cli.rl",
         "quickstart",
         "--config",
         str(ROOT / "examples/quickstart.toml"),

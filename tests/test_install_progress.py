@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fakes import FakeClock
 
-from worker.status import InstallProgress, StatusBoard, plain_line, rows
+from echo_rl.worker.status import InstallProgress, StatusBoard, plain_line, rows
 
 
 def _installed_row(board: StatusBoard) -> str:

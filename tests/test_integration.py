@@ -13,10 +13,10 @@ import msgpack
 import pytest
 import zmq
 
-from echo import wire
-from echo.config import EchoConfig, dump_toml
-from echo.procs import ProcessGroup, python_argv, wait_ready
-from echo.security import JoinLine, KeyPair, curve_client
+from echo_rl.core import wire
+from echo_rl.core.config import EchoConfig, dump_toml
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
+from echo_rl.core.security import JoinLine, KeyPair, curve_client
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -54,7 +54,7 @@ class Cluster:
         where = ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
         proc = self.group.start(
             name,
-            python_argv("echo.cli", "learn", str(conf), *where),
+            python_argv("echo_rl.cli.rl", "learn", str(conf), *where),
             self.tmp / f"{name}.err",
             pipe_stdout=True,
         )
@@ -74,7 +74,7 @@ class Cluster:
         self.group.start(
             name,
             python_argv(
-                "worker.cli",
+                "echo_rl.cli.worker",
                 "join",
                 self.endpoint,
                 "--id",
@@ -227,7 +227,7 @@ def test_quickstart_interrupt_leaves_no_orphans(tmp_path):
         [
             sys.executable,
             "-m",
-            "echo.cli",
+            "echo_rl.cli.rl",
             "quickstart",
             "--workers",
             "2",
@@ -265,11 +265,11 @@ def test_quickstart_interrupt_leaves_no_orphans(tmp_path):
 
 @pytest.mark.parametrize("release_thread", ["off", "on"])
 def test_sigkill_learner_and_resume_loses_nothing_acknowledged(cluster, release_thread):
-    """With the release thread on (learner/releasing.py: checkpoints written while the next
+    """With the release thread on (echo_rl/learner/releasing.py: checkpoints written while the next
     step trains, the buffer log compacted only when a checkpoint holds every step taken) a
     SIGKILL loses nothing either."""
-    from learner.checkpoint import load_checkpoint
-    from learner.run_audit import audit_run
+    from echo_rl.learner.checkpoint import load_checkpoint
+    from echo_rl.learner.run_audit import audit_run
 
     fix_learner_port(cluster.cfg)
     cluster.cfg.learner.release_thread = release_thread
@@ -391,7 +391,7 @@ def test_nothing_acknowledged_is_lost_or_trained_twice_over_a_misbehaving_link(c
     connections with RSTs every second or so (messages in flight are lost). Training goes on;
     every batch a worker saw acknowledged is trained on, still buffered or a counted stale drop;
     no sample is trained twice (at-least-once delivery, exactly-once admission)."""
-    from learner.run_audit import audit_run
+    from echo_rl.learner.run_audit import audit_run
 
     cluster.cfg.transport.request_timeout_s = 2.0  # a lost request is retried soon
     cluster.cfg.transport.heartbeat_timeout_s = 8.0

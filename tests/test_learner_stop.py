@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from echo.config import EchoConfig, dump_toml
-from echo.procs import ProcessGroup, python_argv, wait_ready
+from echo_rl.core.config import EchoConfig, dump_toml
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -22,7 +22,7 @@ def _learn(group: ProcessGroup, tmp: Path, cfg: EchoConfig) -> tuple[Path, str]:
     conf.write_text(dump_toml(cfg))
     proc = group.start(
         "learner",
-        python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run_dir)),
+        python_argv("echo_rl.cli.rl", "learn", str(conf), "--run-dir", str(run_dir)),
         tmp / "learner.err",
         pipe_stdout=True,
     )
@@ -48,7 +48,13 @@ def test_sigterm_mid_run_writes_the_summary_of_the_steps_taken(tmp_path, small_c
         group.start(
             "w0",
             python_argv(
-                "worker.cli", "join", join, "--id", "w0", "--identity", str(tmp_path / "w0.key")
+                "echo_rl.cli.worker",
+                "join",
+                join,
+                "--id",
+                "w0",
+                "--identity",
+                str(tmp_path / "w0.key"),
             ),
             tmp_path / "w0.log",
         )

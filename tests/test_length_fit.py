@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from echo.config import EchoConfig
-from learner.startup import say_length_fit
+from echo_rl.core.config import EchoConfig
+from echo_rl.learner.startup import say_length_fit
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,12 +1,12 @@
-"""Link rates measured at both ends (broadcast.link_meter) and the plans made from them."""
+"""Link rates measured at both ends (echo_rl.broadcast.link_meter) and the plans made from them."""
 
 import math
 
 import pytest
 
-from broadcast.coordinator import Coordinator
-from broadcast.link_meter import MAX_MBIT, LinkMeter
-from broadcast.topology import ChainsTopology
+from echo_rl.broadcast.coordinator import Coordinator
+from echo_rl.broadcast.link_meter import MAX_MBIT, LinkMeter
+from echo_rl.broadcast.topology import ChainsTopology
 from labs.doubles import DeclaredRatesCoordinator
 
 ROOT = "tcp://learner:1"

@@ -1,6 +1,6 @@
 """The provisioner's liveness invariant and its memory across a learner restart (issue 39).
 
-Invariant (provisioning/controller.py, "Liveness"): while the learner waits for data and a
+Invariant (echo_rl/provisioning/controller.py, "Liveness"): while the learner waits for data and a
 standby worker exists, someone is activated within one window, whatever the controller
 believes about rates. The property test drives the controller with random event sequences:
 joins (new and returning keys), leaves, crashes (missed heartbeats, then removal), learner
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import pytest
 from fakes import FakeClock
 
-from provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller
-from provisioning.scaling import Scaler
+from echo_rl.provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller
+from echo_rl.provisioning.scaling import Scaler
 
 pytestmark = pytest.mark.timeout(120)
 

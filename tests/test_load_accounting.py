@@ -27,7 +27,7 @@ def test_every_acknowledged_record_is_accounted_for_and_its_cost_measured(tmp_pa
 
 
 def test_the_load_model_saturates_where_the_fleet_fills_one_core():
-    from provisioning.sim.control_load import ControlCosts, load_us, saturation
+    from echo_rl.provisioning.sim.control_load import ControlCosts, load_us, saturation
 
     costs = ControlCosts(heartbeat_us=200.0, poll_us=100.0, sweep_us_per_worker_s=10.0)
     fixed = saturation(costs, 1.0, 500.0, scaled=False)

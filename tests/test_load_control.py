@@ -21,7 +21,7 @@ def test_synthetic_workers_are_served_and_every_acknowledged_record_is_accounted
 def test_the_learner_freezes_its_start_up_objects_out_of_the_collector():
     import gc
 
-    from learner.startup import freeze_startup_objects
+    from echo_rl.learner.startup import freeze_startup_objects
 
     before = gc.get_freeze_count()
     try:

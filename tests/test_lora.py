@@ -1,6 +1,6 @@
 """LoRA (issue 32): the learner trains a peft adapter on the frozen base model; a version is the
 adapter's tensors plus the base model's content hash; workers and the auditor apply it to the
-base they hold, after checking the hash (echo/lora.py)."""
+base they hold, after checking the hash (echo_rl/core/lora.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from broadcast.snapshot import RunKey, SnapshotError, build_manifest, verify_manifest  # noqa: E402
-from echo.config import ConfigError, EchoConfig, load_config  # noqa: E402
-from echo.models import params_to_payload  # noqa: E402
+from echo_rl.broadcast.snapshot import RunKey, SnapshotError, build_manifest, verify_manifest  # noqa: E402
+from echo_rl.core.config import ConfigError, EchoConfig, load_config  # noqa: E402
+from echo_rl.core.models import params_to_payload  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,8 +34,8 @@ def lora_cfg(**lora) -> EchoConfig:
 
 def batch_of(tokenizer, seed: int = 0):
     """Two groups of two samples with rewards 1 and 0: non-zero advantages."""
-    from dataplane.adapter import materialise_records
-    from dataplane.records import Record
+    from echo_rl.data.adapter import materialise_records
+    from echo_rl.data.records import Record
 
     g = torch.Generator().manual_seed(seed)
     groups = []
@@ -62,12 +62,12 @@ def batch_of(tokenizer, seed: int = 0):
 @pytest.fixture(scope="module")
 def trained(tokenizer):
     """A LoRA policy after one learner step, and its state as a snapshot would carry it."""
-    from learner.policy import Policy
+    from echo_rl.learner.policy import Policy, Step
 
     policy = Policy(lora_cfg())
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     _, batch = batch_of(tokenizer)
-    stats, full = policy.command({"op": "step", "batch": batch, "sync": True})
+    stats, full = policy.command(Step(batch, sync=True))
     return policy, before, stats, full
 
 
@@ -85,8 +85,8 @@ def test_lora_is_off_by_default_and_bad_settings_name_the_key():
 
 
 def test_unknown_target_module_is_refused_with_the_model_s_linear_layers(tokenizer):
-    from echo.lora import wrap
-    from echo.models import ModelError, load_model
+    from echo_rl.core.lora import wrap
+    from echo_rl.core.models import ModelError, load_model
 
     model = load_model(EchoConfig().model, tokenizer)
     with pytest.raises(ModelError, match=r"target_modules = \['qkv'\].*q_proj"):
@@ -106,8 +106,8 @@ def test_a_step_trains_the_adapter_only(trained):
 
 
 def test_a_version_is_the_adapter_plus_the_signed_base_hash(trained, tokenizer):
-    from echo.lora import base_hash
-    from echo.models import load_model
+    from echo_rl.core.lora import base_hash
+    from echo_rl.core.models import load_model
 
     policy, _, _, full = trained
     tensors, payload = params_to_payload(policy.named_tensors(full[0]), "bfloat16")
@@ -137,7 +137,7 @@ def test_a_version_is_the_adapter_plus_the_signed_base_hash(trained, tokenizer):
 
 
 def test_adapter_versions_go_as_deltas_and_rebuild_bit_exact(trained):
-    from broadcast.versions import VersionEncoder, rebuild
+    from echo_rl.broadcast.versions import VersionEncoder, rebuild
 
     policy, _, _, full = trained
     enc = VersionEncoder(
@@ -160,8 +160,8 @@ def test_adapter_versions_go_as_deltas_and_rebuild_bit_exact(trained):
 def test_worker_applies_the_version_to_its_base_and_generates_from_the_learner_s_policy(
     trained, tokenizer
 ):
-    from echo.lora import base_problem
-    from worker.backends import make_backend
+    from echo_rl.core.lora import base_problem
+    from echo_rl.worker.backends import make_backend
 
     policy, _, _, full = trained
     cfg = lora_cfg()
@@ -194,7 +194,7 @@ def test_worker_applies_the_version_to_its_base_and_generates_from_the_learner_s
 
 
 def test_auditor_recomputes_under_base_plus_the_claimed_adapter(trained, tokenizer):
-    from learner.auditor import Auditor
+    from echo_rl.learner.auditor import Auditor
 
     policy, _, _, full = trained
     cfg = lora_cfg()
@@ -219,10 +219,10 @@ def test_auditor_recomputes_under_base_plus_the_claimed_adapter(trained, tokeniz
 def test_checkpoint_resumes_the_adapter_and_export_writes_it(trained, tokenizer, tmp_path):
     from peft import PeftModel
 
-    from echo.config import dump_toml
-    from echo.models import load_model
-    from learner.checkpoint import export_checkpoint, save_checkpoint
-    from learner.policy import Policy
+    from echo_rl.core.config import dump_toml
+    from echo_rl.core.models import load_model
+    from echo_rl.learner.checkpoint import export_checkpoint, save_checkpoint
+    from echo_rl.learner.policy import Load, Policy
 
     policy, _, _, full = trained
     cfg = lora_cfg()
@@ -231,9 +231,7 @@ def test_checkpoint_resumes_the_adapter_and_export_writes_it(trained, tokenizer,
     (run / "config.toml").write_text(dump_toml(cfg))
     save_checkpoint(run, 0, {"model": full[0], "optimizer": full[1], **policy.rng_state()})
     resumed = Policy(cfg)
-    resumed.command(
-        {"op": "load", "state": {"model": full[0], "optimizer": full[1], **policy.rng_state()}}
-    )
+    resumed.command(Load({"model": full[0], "optimizer": full[1], **policy.rng_state()}))
     ids = torch.tensor([[4, 9, 14, 5, 7]])
     with torch.no_grad():
         want = policy.model(input_ids=ids).logits
@@ -253,14 +251,12 @@ def test_checkpoint_resumes_the_adapter_and_export_writes_it(trained, tokenizer,
 
 
 def test_a_checkpoint_of_other_lora_settings_is_refused(trained):
-    from learner.policy import Policy
+    from echo_rl.learner.policy import Load, Policy
 
     policy, _, _, full = trained
     other = Policy(lora_cfg(target_modules=["q_proj"]))
     with pytest.raises(ValueError, match=r"resume with the \[learner.lora\] settings"):
-        other.command(
-            {"op": "load", "state": {"model": full[0], "optimizer": full[1], **policy.rng_state()}}
-        )
+        other.command(Load({"model": full[0], "optimizer": full[1], **policy.rng_state()}))
 
 
 def test_the_bytes_benchmark_measures_published_versions(tmp_path):
@@ -281,8 +277,8 @@ def test_the_bytes_benchmark_measures_published_versions(tmp_path):
 def test_base_hash_is_the_same_for_a_float32_and_a_bfloat16_load(tokenizer, tmp_path):
     """The learner loads float32, a GPU worker bfloat16: one base, one hash. Other weights
     (another seed) hash differently."""
-    from echo.lora import load_policy_model
-    from echo.models import ModelConfig, load_model
+    from echo_rl.core.lora import load_policy_model
+    from echo_rl.core.models import ModelConfig, load_model
 
     load_model(ModelConfig(), tokenizer).save_pretrained(tmp_path / "m")
     folder = ModelConfig(name=str(tmp_path / "m"))
@@ -301,15 +297,15 @@ def test_on_a_gpu_a_bf16_worker_holds_the_learner_s_base_and_follows_its_adapter
     """The learner trains on the GPU (float32 weights, bf16 autocast); a worker on the GPU loads
     the base in bf16: the same base hash, and after installing the bf16 adapter version its
     log-probs are the learner's within bf16 noise."""
-    from learner.policy import Policy
-    from learner.trainer import token_logprobs
-    from worker.backends import make_backend
+    from echo_rl.learner.policy import Policy, Step
+    from echo_rl.learner.trainer import token_logprobs
+    from echo_rl.worker.backends import make_backend
 
     cfg = lora_cfg()
     cfg.learner.device = "cuda"
     policy = Policy(cfg)
     _, batch = batch_of(tokenizer)
-    _, full = policy.command({"op": "step", "batch": batch, "sync": True})
+    _, full = policy.command(Step(batch, sync=True))
     backend = make_backend(
         "transformers", model_cfg=cfg.model, device="cuda", lora=cfg.learner.lora
     )
@@ -328,8 +324,8 @@ def test_a_worker_holding_another_base_stops_with_the_fix():
     try, so it ends the worker with the message), not a version skipped and retried forever."""
     from types import SimpleNamespace
 
-    from worker.install import check_base
-    from worker.session import WorkerError
+    from echo_rl.worker.install import check_base
+    from echo_rl.worker.session import WorkerError
 
     backend = SimpleNamespace(base_hash="a" * 64)
     check_base(SimpleNamespace(version=3, base_model="a" * 64), backend, "models/base")
@@ -338,12 +334,12 @@ def test_a_worker_holding_another_base_stops_with_the_fix():
 
 
 def test_evaluation_models_play_a_lora_run_with_its_adapter(trained, tokenizer, tmp_path):
-    """adapters/hf.py (echo-rl eval, frozen opponents) on a LoRA run folder: its base with the
+    """echo_rl/adapters/hf.py (echo-rl eval, frozen opponents) on a LoRA run folder: its base with the
     latest checkpoint's adapter; untrained, the base alone."""
-    from adapters.hf import HFModel
-    from echo.config import dump_toml
-    from echo.models import load_model
-    from learner.checkpoint import save_checkpoint
+    from echo_rl.adapters.hf import HFModel
+    from echo_rl.core.config import dump_toml
+    from echo_rl.core.models import load_model
+    from echo_rl.learner.checkpoint import save_checkpoint
 
     policy, _, _, full = trained
     cfg = lora_cfg()

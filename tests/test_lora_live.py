@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_integration import Cluster, rows, wait_rows
 
-from echo.config import LoraConfig
+from echo_rl.core.config import LoraConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -25,7 +25,7 @@ def cluster(tmp_path, small_cfg):
 
 
 def full_model_bytes(cfg) -> int:
-    from echo.models import load_model, load_tokenizer
+    from echo_rl.core.models import load_model, load_tokenizer
 
     model = load_model(cfg.model, load_tokenizer(cfg.model))
     return sum(p.numel() for p in model.parameters()) * 2  # bf16, tied weights once
@@ -91,7 +91,7 @@ def wait_installs(log: Path, n: int, timeout: float = 120) -> set[int]:
 
 
 def test_a_lora_run_resumes_from_its_adapter_checkpoint(cluster):
-    from learner.checkpoint import load_checkpoint
+    from echo_rl.learner.checkpoint import load_checkpoint
 
     cluster.cfg.learner.lora = LoraConfig(enabled=True, rank=4, alpha=8.0)
     run = cluster.learner("first", max_steps=4)

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from dataplane.advantages import group_advantages
-from learner.loss import LossConfig, grpo_loss
+from echo_rl.data.advantages import group_advantages
+from echo_rl.learner.loss import LossConfig, grpo_loss
 
 CFG = LossConfig(epsilon=0.2, is_cap=2.0)
 
@@ -86,13 +86,13 @@ def test_on_policy_importance_weights_are_one_at_temperature(tokenizer):
     """Workers sample at worker.temperature = 0.7; the learner's step-start log-probs of those
     samples, with the same weights, must be the sampler's: w = exp(old - behaviour) = 1. With the
     logits not divided by the temperature, w is far from 1 (checked below)."""
-    from dataplane.adapter import materialise_records
-    from dataplane.records import Record
-    from echo import wire
-    from echo.config import EchoConfig
-    from learner.policy import Policy
-    from learner.trainer import token_logprobs
-    from worker.backends import make_backend
+    from echo_rl.core import wire
+    from echo_rl.core.config import EchoConfig
+    from echo_rl.data.adapter import materialise_records
+    from echo_rl.data.records import Record
+    from echo_rl.learner.policy import Policy
+    from echo_rl.learner.trainer import token_logprobs
+    from echo_rl.worker.backends import make_backend
 
     cfg = EchoConfig.model_validate({"worker": {"temperature": 0.7, "max_new_tokens": 8}})
     backend = make_backend("transformers", model_cfg=cfg.model, threads=1)
@@ -137,7 +137,7 @@ def test_on_policy_importance_weights_are_one_at_temperature(tokenizer):
 
 def test_temperature_in_low_precision_rows_matches_float32():
     """bf16 logits go row by row in float32; the temperature is applied to that float32 row."""
-    from learner.trainer import selective_logprobs
+    from echo_rl.learner.trainer import selective_logprobs
 
     g = torch.Generator().manual_seed(0)
     logits = (4 * torch.randn(3, 5, 40, generator=g)).bfloat16()
@@ -250,7 +250,7 @@ def test_loss_config_rejects_unknown_choices():
 
 
 def test_batch_and_unscaled_advantages():
-    from dataplane.advantages import batch_advantages
+    from echo_rl.data.advantages import batch_advantages
 
     groups = [[1.0, 0.0], [0.3, 0.3], [2.0, -1.0]]
     flat = [r for g in groups for r in g]
@@ -269,8 +269,8 @@ def test_batch_and_unscaled_advantages():
 
 
 def test_materialise_passes_scale_rewards(tokenizer):
-    from dataplane.adapter import load_adapter
-    from dataplane.records import Record
+    from echo_rl.data.adapter import load_adapter
+    from echo_rl.data.records import Record
 
     ad = load_adapter("toy-add", {}, tokenizer, check_prompts=False)
     groups = [
@@ -298,9 +298,9 @@ def test_materialise_passes_scale_rewards(tokenizer):
 
 
 def test_mask_truncated_completions(tokenizer):
-    from dataplane.adapter import LearnerBatch
-    from echo.config import LearnerConfig
-    from learner.trainer import Trainer, truncated_rows
+    from echo_rl.core.config import LearnerConfig
+    from echo_rl.data.adapter import LearnerBatch
+    from echo_rl.learner.trainer import Trainer, truncated_rows
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     ids = torch.tensor(
@@ -353,7 +353,7 @@ def test_mask_truncated_completions(tokenizer):
     ],
 )
 def test_config_errors_name_the_key_and_the_fix(override, words):
-    from echo.config import ConfigError, load_config
+    from echo_rl.core.config import ConfigError, load_config
 
     extra = ["learner.is_cap=1.0"] if "token_mask" in override else []
     with pytest.raises(ConfigError) as err:

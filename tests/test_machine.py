@@ -2,7 +2,7 @@
 
 import json
 
-from echo.machine import machine_info, write_result
+from echo_rl.core.machine import machine_info, write_result
 
 
 def test_a_result_carries_its_machine(tmp_path):

@@ -1,14 +1,14 @@
-"""What holds memory, counted (echo.memstat), and a worker that generates in bf16 on request
+"""What holds memory, counted (echo_rl.core.memstat), and a worker that generates in bf16 on request
 (worker.dtype; docs/memory.md)."""
 
 from __future__ import annotations
 
 import torch
 
-from echo import wire
-from echo.config import ModelConfig
-from echo.memstat import payload_bytes, resident, tensor_bytes
-from echo.spill import spill
+from echo_rl.core import wire
+from echo_rl.core.config import ModelConfig
+from echo_rl.core.memstat import payload_bytes, resident, tensor_bytes
+from echo_rl.core.spill import spill
 
 
 def test_payloads_are_counted_once_each_in_ram_or_spilled(tmp_path):
@@ -30,7 +30,7 @@ def test_the_resident_set_is_read_from_proc():
 
 
 def test_a_worker_asked_for_bf16_holds_half_the_model_and_still_generates():
-    from worker.backends import make_backend
+    from echo_rl.worker.backends import make_backend
 
     f32 = make_backend("transformers", model_cfg=ModelConfig(), threads=1)
     bf16 = make_backend("transformers", model_cfg=ModelConfig(), threads=1, dtype="bfloat16")

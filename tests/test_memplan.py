@@ -1,4 +1,4 @@
-"""Memory plans and budgets (echo/memplan.py, docs/memory.md): what a learner or a worker says it
+"""Memory plans and budgets (echo_rl/core/memplan.py, docs/memory.md): what a learner or a worker says it
 needs at start-up, what a budget changes, and the refusal when nothing fits."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from echo.memplan import (
+from echo_rl.core.memplan import (
     FIXED_BYTES,
     GIB,
     HostBudget,
@@ -134,7 +134,7 @@ def test_folder_params_reads_safetensors_headers_only(tmp_path):
 
 
 def test_a_policy_over_budget_trains_with_checkpointing(small_cfg):
-    from learner.policy import Policy, plan_memory
+    from echo_rl.learner.policy import Policy, plan_memory
 
     asked = Policy(small_cfg).memory_plan
     small_cfg.learner.host_memory_gb = (
@@ -155,7 +155,7 @@ def test_echo_rl_learn_refuses_a_budget_nothing_fits(tmp_path):
         [
             sys.executable,
             "-m",
-            "echo.cli",
+            "echo_rl.cli.rl",
             "learn",
             "examples/quickstart.toml",
             "--run-dir",
@@ -173,8 +173,8 @@ def test_echo_rl_learn_refuses_a_budget_nothing_fits(tmp_path):
 
 
 def test_a_worker_fits_its_dtype_to_the_volunteers_budget(tmp_path):
-    from worker.model import LoadChoice, fit_memory
-    from worker.session import WorkerError
+    from echo_rl.worker.model import LoadChoice, fit_memory
+    from echo_rl.worker.session import WorkerError
 
     size = (2 * 10_000_000, "bfloat16")  # 10 M parameters in bf16
 
@@ -200,7 +200,7 @@ def test_a_worker_fits_its_dtype_to_the_volunteers_budget(tmp_path):
 def test_a_worker_over_its_budget_leaves_and_the_run_goes_on(tmp_path, small_cfg):
     from test_integration import Cluster, wait_rows
 
-    from echo.procs import python_argv
+    from echo_rl.core.procs import python_argv
 
     cluster = Cluster(tmp_path, small_cfg)
     try:
@@ -208,7 +208,7 @@ def test_a_worker_over_its_budget_leaves_and_the_run_goes_on(tmp_path, small_cfg
         proc = cluster.group.start(
             "small",
             python_argv(
-                "worker.cli",
+                "echo_rl.cli.worker",
                 "join",
                 cluster.endpoint,
                 "--id",
@@ -231,7 +231,7 @@ def test_a_worker_over_its_budget_leaves_and_the_run_goes_on(tmp_path, small_cfg
 
 
 def test_lora_runs_on_one_base_book_it_once():
-    """worker/backends/shared_base.py holds one base for the LoRA runs of a process that
+    """echo_rl/worker/backends/shared_base.py holds one base for the LoRA runs of a process that
     share it; the budget books it once (docs/multirun.md, "Residency")."""
     base = 2 * SHAPE.params  # the base in bfloat16
     run = WorkerPlan(params=SHAPE.params, dtype_bytes=2, payload=1 << 20, spill=True)

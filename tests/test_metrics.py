@@ -1,4 +1,4 @@
-"""The learner's metrics registry, HTTP server and dashboard (echo/metrics.py).
+"""The learner's metrics registry, HTTP server and dashboard (echo_rl/core/metrics.py).
 
 Names and labels are checked against the table in docs/observability.md, so the doc and the
 exporter cannot drift apart."""
@@ -17,8 +17,8 @@ import pytest
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from echo.metrics import LearnerMetrics, from_run_dir  # noqa: E402
-from echo.tree import RelayTree, TreeNode  # noqa: E402
+from echo_rl.core.metrics import LearnerMetrics, from_run_dir  # noqa: E402
+from echo_rl.core.tree import RelayTree, TreeNode  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "observability.md"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -105,7 +105,7 @@ def synthetic_stats(step: int) -> dict:
             "evil": {"audits": 2, "failures": 2, "quarantined": 1},
         },
         "checks": {"reward:ok": 10 * step, "sampling:fail": 2},
-        # learner.accounts: the books, a departed worker's included
+        # echo_rl.learner.accounts: the books, a departed worker's included
         "accounts": {
             "w0": {
                 "state": "active",

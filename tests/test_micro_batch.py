@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dataplane.adapter import LearnerBatch
-from echo.config import LearnerConfig
+from echo_rl.core.config import LearnerConfig
+from echo_rl.data.adapter import LearnerBatch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,16 +35,16 @@ def batch(n: int = 10, length: int = 12, seed: int = 0) -> LearnerBatch:
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    from echo.config import ModelConfig
-    from echo.models import load_model
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.core.models import load_model
 
     torch.manual_seed(0)
     return load_model(ModelConfig(), tokenizer, "float32")
 
 
 def step(model, **learner) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    from echo.models import enable_checkpointing
-    from learner.trainer import Trainer
+    from echo_rl.core.models import enable_checkpointing
+    from echo_rl.learner.trainer import Trainer
 
     m = copy.deepcopy(model)
     if learner.pop("gradient_checkpointing", False):
@@ -79,7 +79,7 @@ def test_micro_batches_and_checkpointing_make_the_same_update(model, learner):
 
 
 def test_every_rank_makes_as_many_micro_batches_and_pads_with_a_weightless_row():
-    from learner.trainer import Trainer
+    from echo_rl.learner.trainer import Trainer
 
     mb = torch.arange(9)  # 9 rows on 2 ranks: shards of 5 and 4
     trainer = Trainer(

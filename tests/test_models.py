@@ -1,10 +1,16 @@
 import pytest
 import torch
 
-from echo import wire
-from echo.config import ModelConfig
-from echo.models import ModelError, install_payload, load_model, load_tokenizer, params_to_payload
-from learner.trainer import token_logprobs
+from echo_rl.core import wire
+from echo_rl.core.config import ModelConfig
+from echo_rl.core.models import (
+    ModelError,
+    install_payload,
+    load_model,
+    load_tokenizer,
+    params_to_payload,
+)
+from echo_rl.learner.trainer import token_logprobs
 
 
 def test_local_hf_folder_loads_through_same_path(tmp_path, tokenizer):
@@ -50,7 +56,7 @@ def test_payload_for_another_model_is_refused(tokenizer):
 
 def test_worker_behaviour_logprobs_match_learner(tokenizer):
     """The worker's sampler log-probs and the learner's recomputation agree at equal weights."""
-    from worker.backends import make_backend
+    from echo_rl.worker.backends import make_backend
 
     backend = make_backend("transformers", model_cfg=ModelConfig(), threads=1)
     groups = [wire.Group(group_id="g", prompt_ids=[4, 14, 5, 17], n=8, seed=3)]
@@ -100,7 +106,7 @@ def test_logprobs_of_the_trained_span_match_the_full_computation(tokenizer):
 
 
 def test_low_precision_logits_go_row_by_row_in_float32():
-    from learner.trainer import selective_logprobs
+    from echo_rl.learner.trainer import selective_logprobs
 
     logits = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, 40, (3, 5), generator=torch.Generator().manual_seed(2))
@@ -134,7 +140,7 @@ def test_low_precision_logits_go_row_by_row_in_float32():
     ],
 )
 def test_device_specs_resolve(spec, rank, count, want):
-    from echo.models import resolve_device
+    from echo_rl.core.models import resolve_device
 
     assert resolve_device(
         spec, "learner.device", local_rank=rank, cuda_count=count
@@ -153,14 +159,14 @@ def test_device_specs_resolve(spec, rank, count, want):
     ],
 )
 def test_bad_device_specs_explain_the_fix(spec, rank, count, match):
-    from echo.models import resolve_device
+    from echo_rl.core.models import resolve_device
 
     with pytest.raises(ModelError, match=match):
         resolve_device(spec, "learner.device", local_rank=rank, cuda_count=count)
 
 
 def test_device_keys_are_validated_in_the_config():
-    from echo.config import ConfigError, load_config
+    from echo_rl.core.config import ConfigError, load_config
 
     cfg = load_config(None, ["learner.device=cuda:1", "worker.device=cpu"])
     assert (cfg.learner.device, cfg.worker.device) == ("cuda:1", "cpu")
@@ -173,8 +179,8 @@ def test_device_keys_are_validated_in_the_config():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_asking_for_cuda_without_one_fails_at_start_up():
-    from learner.parallel import make_parallel
-    from worker.backends import make_backend
+    from echo_rl.learner.parallel import make_parallel
+    from echo_rl.worker.backends import make_backend
 
     with pytest.raises(ModelError, match="learner.device = 'cuda' but no CUDA GPU"):
         make_parallel("cuda")
@@ -184,8 +190,8 @@ def test_asking_for_cuda_without_one_fails_at_start_up():
 
 
 def test_cpu_learner_stays_float32_and_moves_batches_to_its_device(tokenizer):
-    from dataplane.adapter import LearnerBatch
-    from learner.parallel import Single
+    from echo_rl.data.adapter import LearnerBatch
+    from echo_rl.learner.parallel import Single
 
     par = Single("cpu")
     model = par.wrap(load_model(ModelConfig(), tokenizer))
@@ -205,7 +211,7 @@ def test_autocast_forward_covers_the_forward_only(tokenizer):
     a deepcopy (the reference model) autocasts on its own."""
     import copy
 
-    from learner.parallel.single import autocast_forward
+    from echo_rl.learner.parallel.single import autocast_forward
 
     model = load_model(ModelConfig(), tokenizer)
     autocast_forward(model, "cpu", torch.bfloat16)
@@ -229,9 +235,9 @@ def test_autocast_forward_covers_the_forward_only(tokenizer):
 
 def test_a_runs_checkpoint_exports_as_a_model_folder(tmp_path, small_cfg, tokenizer):
     """`echo-rl model export`: the trained policy, loadable by model.name like any HF folder."""
-    from echo.config import dump_toml
-    from echo.gguf_import import ImportFailed
-    from learner.checkpoint import export_checkpoint, save_checkpoint
+    from echo_rl.core.config import dump_toml
+    from echo_rl.core.gguf_import import ImportFailed
+    from echo_rl.learner.checkpoint import export_checkpoint, save_checkpoint
 
     run = tmp_path / "run"
     run.mkdir()
@@ -250,7 +256,7 @@ def test_a_runs_checkpoint_exports_as_a_model_folder(tmp_path, small_cfg, tokeni
 
 
 def test_the_text_vocabulary_spells_ordinary_text_and_keeps_the_arith_ids():
-    from echo.models import build_tiny_tokenizer
+    from echo_rl.core.models import build_tiny_tokenizer
 
     arith, text = build_tiny_tokenizer(), load_tokenizer(ModelConfig(tiny_vocab="text"))
     sentence = "Sort these numbers: 3, 1, 2.\nAnswer (ascending):"
@@ -266,8 +272,8 @@ def test_a_prompt_the_tokenizer_cannot_spell_stops_at_start_up():
     """<unk> in a prompt used to pass the start-up check: the model trained on unreadable text."""
     import random
 
-    from dataplane.adapter import Adapter, AdapterError, Prompt, check_adapter
-    from echo.models import build_tiny_tokenizer
+    from echo_rl.core.models import build_tiny_tokenizer
+    from echo_rl.data.adapter import Adapter, AdapterError, Prompt, check_adapter
 
     class Words(Adapter):
         def prompts(self, rng: random.Random):

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from echo.commands.admin import main as admin_main
-from echo.config import EchoConfig, dump_toml
-from echo.procs import ProcessGroup, python_argv, wait_ready
-from worker.cli import main as worker_main
-from worker.status import read_status
+from echo_rl.cli.commands.admin import main as admin_main
+from echo_rl.cli.worker import main as worker_main
+from echo_rl.core.config import EchoConfig, dump_toml
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
+from echo_rl.worker.status import read_status
 
 
 def _learner(group: ProcessGroup, tmp: Path, name: str, cfg: EchoConfig) -> tuple[Path, str]:
@@ -25,7 +25,7 @@ def _learner(group: ProcessGroup, tmp: Path, name: str, cfg: EchoConfig) -> tupl
     conf.write_text(dump_toml(cfg))
     proc = group.start(
         name,
-        python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+        python_argv("echo_rl.cli.rl", "learn", str(conf), "--run-dir", str(run)),
         tmp / f"{name}.log",
         pipe_stdout=True,
     )
@@ -61,7 +61,7 @@ def test_one_worker_serves_two_runs_and_a_ban_by_one_leaves_the_other(
         worker = group.start(
             "w0",
             python_argv(
-                "worker.cli",
+                "echo_rl.cli.worker",
                 "join",
                 line_a,
                 line_b,
@@ -159,7 +159,7 @@ def test_a_bad_runs_file_names_the_problem(text, says, capsys, tmp_path):
 
 
 def test_a_runs_file_gives_each_run_its_line_share_and_price(tmp_path):
-    from worker.multirun import specs_from_file
+    from echo_rl.worker.multirun import specs_from_file
 
     path = tmp_path / "runs.toml"
     a, b = "echo://10.0.0.1:5555/" + "a" * 64 + "?token=T1", "echo://10.0.0.2:5555/" + "b" * 64
@@ -173,14 +173,17 @@ def test_a_runs_file_gives_each_run_its_line_share_and_price(tmp_path):
 
 def test_the_help_names_the_multirun_flags():
     out = subprocess.run(
-        python_argv("worker.cli", "join", "--help"), capture_output=True, text=True, timeout=30
+        python_argv("echo_rl.cli.worker", "join", "--help"),
+        capture_output=True,
+        text=True,
+        timeout=30,
     ).stdout
     assert "--runs" in out and "--share" in out and "--resident" in out
 
 
 def test_each_run_gets_its_own_relay_ports_two_above_the_last():
-    from worker.cli import build_parser
-    from worker.cli_join import _relay
+    from echo_rl.cli.worker import build_parser
+    from echo_rl.cli.worker_join import _relay
 
     args = build_parser().parse_args(
         ["join", "echo://a:1/" + "a" * 64, "--relay-host", "10.0.0.5", "--no-spill"]
@@ -194,9 +197,9 @@ def test_each_run_gets_its_own_relay_ports_two_above_the_last():
 @pytest.mark.timeout(60)
 def test_the_runs_of_one_process_share_one_memory_budget(tmp_path, monkeypatch):
     """`echo-worker join LINE1 LINE2 --host-memory-gb G` gives every run the one budget
-    (echo.memplan.HostBudget: what the runs need together is checked against G; its own
+    (echo_rl.core.memplan.HostBudget: what the runs need together is checked against G; its own
     rules are tests/test_memplan.py::test_runs_in_one_process_share_its_budget_with_the_fixed_part_counted_once)."""
-    from worker import cli
+    from echo_rl.cli import worker as cli
 
     monkeypatch.setenv("ECHO_STATUS_DIR", str(tmp_path / "status"))
     seen = []

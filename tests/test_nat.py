@@ -18,11 +18,11 @@ import zmq
 import zmq.asyncio
 from test_control import ask, connect, ctx, plane  # noqa: F401 (fixtures)
 
-from broadcast.coordinator import Coordinator
-from broadcast.nat import links as nat_links
-from broadcast.nat.links import Tunnels, plain, split_via, via
-from broadcast.nat.punch import MAGIC
-from broadcast.nat.reflect import (
+from echo_rl.broadcast.coordinator import Coordinator
+from echo_rl.broadcast.nat import links as nat_links
+from echo_rl.broadcast.nat.links import Tunnels, plain, split_via, via
+from echo_rl.broadcast.nat.punch import MAGIC
+from echo_rl.broadcast.nat.reflect import (
     NatError,
     Observation,
     Reflector,
@@ -31,13 +31,13 @@ from broadcast.nat.reflect import (
     probe_all,
     probe_failure,
 )
-from broadcast.nat.tunnel import HEADER, MAX_FRAME, Tunnel
-from broadcast.planner import plan_chains
-from broadcast.relay import Relay, RelayConfig
-from broadcast.snapshot import RunKey, build_manifest
-from broadcast.store import SnapshotBuffer
-from broadcast.topology import Peer, make_topology
-from echo import wire
+from echo_rl.broadcast.nat.tunnel import HEADER, MAX_FRAME, Tunnel
+from echo_rl.broadcast.planner import plan_chains
+from echo_rl.broadcast.relay import Relay, RelayConfig
+from echo_rl.broadcast.snapshot import RunKey, build_manifest
+from echo_rl.broadcast.store import SnapshotBuffer
+from echo_rl.broadcast.topology import Peer, make_topology
+from echo_rl.core import wire
 
 pytestmark = pytest.mark.timeout(60)
 HOST = "127.0.0.1"

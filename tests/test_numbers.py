@@ -20,13 +20,13 @@ import pytest
 import torch
 from test_control import ask, batch, client, ctx, keys, plane, records  # noqa: F401 (fixtures)
 
-from dataplane.adapter import materialise_records
-from dataplane.advantages import group_advantages
-from dataplane.records import Record
-from echo import wire
-from echo.metrics import finite_or_null
-from learner.durable import BufferLog, scan_log
-from learner.trainer import Trainer
+from echo_rl.core import wire
+from echo_rl.core.metrics import finite_or_null
+from echo_rl.data.adapter import materialise_records
+from echo_rl.data.advantages import group_advantages
+from echo_rl.data.records import Record
+from echo_rl.learner.durable import BufferLog, scan_log
+from echo_rl.learner.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,7 +125,7 @@ def _groups(n_groups: int = 2, size: int = 4) -> list[list[Record]]:
 
 @pytest.fixture
 def trainer(small_cfg, tokenizer):
-    from echo.models import load_model
+    from echo_rl.core.models import load_model
 
     torch.manual_seed(0)
     cfg = small_cfg.learner.model_copy(update={"updates_per_step": 1})
@@ -179,8 +179,8 @@ def test_injected_non_finite_gradient_leaves_weights_unchanged(trainer):
 
 @pytest.fixture
 def learner_factory(small_cfg, tmp_path):
-    from learner.main import Learner
-    from learner.policy import Policy
+    from echo_rl.learner.main import Learner
+    from echo_rl.learner.policy import Policy
 
     small_cfg.metrics.enabled = False
     made = []
@@ -197,9 +197,11 @@ def learner_factory(small_cfg, tmp_path):
 
 
 def test_non_finite_state_is_not_published_and_the_previous_version_stays(learner_factory):
+    from echo_rl.learner.policy import Sync
+
     lrn = learner_factory()
     assert lrn.server.store.latest().version == 0
-    _, (model_sd, _) = lrn.policy.command({"op": "sync"})
+    _, (model_sd, _) = lrn.policy.command(Sync())
     poisoned = dict(model_sd)
     name = lrn.policy.param_names[0]
     poisoned[name] = model_sd[name].clone()

@@ -1,4 +1,4 @@
-"""Oracle parity: our GRPO loss (learner/loss.py, docs/design.md §7) against TRL's GRPOTrainer.
+"""Oracle parity: our GRPO loss (echo_rl/learner/loss.py, docs/design.md §7) against TRL's GRPOTrainer.
 
 Identical batches (prompt/completion ids and masks, advantages, old, behaviour and reference
 log-probs) go to
@@ -55,10 +55,10 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 torch = pytest.importorskip("torch")
 trl = pytest.importorskip("trl")
 
-from echo.config import ModelConfig  # noqa: E402
-from echo.models import build_tiny_tokenizer, load_model  # noqa: E402
-from learner.loss import LossConfig, grpo_loss  # noqa: E402
-from learner.trainer import token_logprobs  # noqa: E402
+from echo_rl.core.config import ModelConfig  # noqa: E402
+from echo_rl.core.models import build_tiny_tokenizer, load_model  # noqa: E402
+from echo_rl.learner.loss import LossConfig, grpo_loss  # noqa: E402
+from echo_rl.learner.trainer import token_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -110,7 +110,7 @@ def batch(model_dir, tok):
         completion_ids[i, :lc] = torch.randint(first, vocab, (lc,), generator=g)
         completion_mask[i, :lc] = 1
     # Rewards per group of 2 -> group-normalised advantages of both signs (and one zero group).
-    from dataplane.advantages import group_advantages
+    from echo_rl.data.advantages import group_advantages
 
     rewards = [1.0, 0.0, 0.0, 1.0, 0.3, 0.3, 2.0, -1.0]
     adv = []
@@ -376,10 +376,10 @@ def test_trl_default_kl_differs_from_design(model_dir, tok, batch, tmp_path):
 
 
 def test_advantages_match_trl_formula():
-    """dataplane.advantages vs TRL's group scaling: (r - mean) / (nanstd (Bessel) + 1e-4)."""
+    """echo_rl.data.advantages vs TRL's group scaling: (r - mean) / (nanstd (Bessel) + 1e-4)."""
     from trl.trainer.utils import nanstd
 
-    from dataplane.advantages import group_advantages
+    from echo_rl.data.advantages import group_advantages
 
     g = torch.Generator().manual_seed(3)
     rewards = torch.rand(6, 5, generator=g, dtype=torch.float64)
@@ -432,7 +432,7 @@ def step_records(model_dir, tok):
     """records(temperature): 8 records (4 groups of 2) whose behaviour log-probs sit around the
     model's own at that temperature: far on some rows (the cap binds per token and per sequence),
     close on others. Rows 0 and 5 hit max_new_tokens (= C) without EOS; the rest end in EOS."""
-    from dataplane.records import Record
+    from echo_rl.data.records import Record
 
     g = torch.Generator().manual_seed(17)
     lens = [C, 7, C, 1, 4, C, 9, 3]
@@ -485,9 +485,9 @@ def perturb(model, scale=0.08):
 
 
 def echo_step_loss(model_dir, tok, recs, options, loss_type, temperature):
-    from dataplane.adapter import load_adapter
-    from echo.config import LearnerConfig
-    from learner.trainer import Trainer
+    from echo_rl.core.config import LearnerConfig
+    from echo_rl.data.adapter import load_adapter
+    from echo_rl.learner.trainer import Trainer
 
     lc = LearnerConfig(**options, loss_agg=ECHO_AGG[loss_type])
     trainer = Trainer(
@@ -654,7 +654,7 @@ def test_step_with_grpo_options_matches_trl(
 def test_truncated_is_against_direct_computation(agg, beta):
     """Our w = min(exp(logp_old - logp_behaviour), C), no gradient, vs docs/design.md §7 written out here.
 
-    Float64 elementwise loops (math.exp, explicit min/clip) share no code with learner/loss.py.
+    Float64 elementwise loops (math.exp, explicit min/clip) share no code with echo_rl/learner/loss.py.
     """
     g = torch.Generator().manual_seed(11)
     b, t = 5, 7

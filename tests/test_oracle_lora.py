@@ -1,4 +1,4 @@
-"""Oracle parity with LoRA (issue 32): Echo's step on a peft-wrapped policy (``echo.lora.wrap``)
+"""Oracle parity with LoRA (issue 32): Echo's step on a peft-wrapped policy (``echo_rl.core.lora.wrap``)
 against TRL 1.16's GRPOTrainer given the same peft config (``peft_config=``, TRL wraps the model
 itself): the loss and every adapter gradient within 1e-5, and no gradient on the frozen base.
 
@@ -34,10 +34,10 @@ from test_oracle import (  # noqa: E402, F401
     trl_loss,
 )
 
-from echo.config import LoraConfig  # noqa: E402
-from echo.lora import adapter_parameters, peft_config, wrap  # noqa: E402
-from echo.models import ModelConfig, load_model  # noqa: E402
-from learner.loss import LossConfig  # noqa: E402
+from echo_rl.core.config import LoraConfig  # noqa: E402
+from echo_rl.core.lora import adapter_parameters, peft_config, wrap  # noqa: E402
+from echo_rl.core.models import ModelConfig, load_model  # noqa: E402
+from echo_rl.learner.loss import LossConfig  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -137,9 +137,9 @@ def test_lora_loss_and_adapter_grads_match_trl(
 def echo_step(model_dir, tok, recs, lora, options, loss_type, temperature):
     """Echo's learner path on a LoRA policy: materialise, prepare, step-start and reference
     log-probs (``ref_logprobs``: the adapter disabled), the adapter moves, the mini-batch loss."""
-    from dataplane.adapter import load_adapter
-    from echo.config import LearnerConfig
-    from learner.trainer import Trainer
+    from echo_rl.core.config import LearnerConfig
+    from echo_rl.data.adapter import load_adapter
+    from echo_rl.learner.trainer import Trainer
 
     lc = LearnerConfig(**options, loss_agg=ECHO_AGG[loss_type])
     trainer = Trainer(
@@ -249,7 +249,7 @@ def test_lora_reference_is_the_base_not_the_adapter(model_dir, tok, step_records
     is not TRL's."""
     recs = step_records(0.7)
     _, loss_a, stats = echo_step(model_dir, tok, recs, ALL_LINEAR, {"beta": 0.05}, "dapo", 0.7)
-    from learner import trainer as trainer_mod
+    from echo_rl.learner import trainer as trainer_mod
 
     real = trainer_mod.Trainer.ref_logprobs
     trainer_mod.Trainer.ref_logprobs = lambda self, b, r: self.logprobs(self.model, b, r)

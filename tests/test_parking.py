@@ -1,4 +1,4 @@
-"""A model parked in host memory between turns (worker/backends/parking.py): what a park and an
+"""A model parked in host memory between turns (echo_rl/worker/backends/parking.py): what a park and an
 unpark move, that a version installed while parked is the one that comes back, and that host
 copies are made once. On the CPU the copies are plain host tensors; on a GPU they are pinned
 (tests/test_gpu.py::test_a_parked_worker_model_comes_back_to_the_gpu_and_samples_the_same)."""
@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echo import wire
-from echo.config import ModelConfig
-from echo.models import params_to_payload
-from worker.backends.parking import HostParking
+from echo_rl.core import wire
+from echo_rl.core.config import ModelConfig
+from echo_rl.core.models import params_to_payload
+from echo_rl.worker.backends.parking import HostParking
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _backend():
-    from worker.backends.transformers import TransformersBackend
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     return TransformersBackend(ModelConfig(max_positions=64))
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from broadcast.planner import (
+from echo_rl.broadcast.planner import (
     BYTES_PER_MBIT,
     ChainPlan,
     PlanParams,
@@ -23,8 +23,8 @@ from broadcast.planner import (
     star_limited_s,
     star_unlimited_s,
 )
-from broadcast.topology import TOPOLOGIES, ChainsTopology, Peer, StarTopology, make_topology
-from broadcast.topology.star_unlimited import StarUnlimitedTopology
+from echo_rl.broadcast.topology import TOPOLOGIES, ChainsTopology, Peer, StarTopology, make_topology
+from echo_rl.broadcast.topology.star_unlimited import StarUnlimitedTopology
 
 MiB = 1 << 20
 M = 64 * MiB  # 67,108,864 bytes
@@ -297,8 +297,8 @@ def test_swap_scoring_matches_ordering_the_chain():
     """The local search scores swaps with ``_Members`` (no sorting); every score must equal the
     rate of the swapped chain in the order the planner would give it, or the search would take
     swaps that do not help."""
-    from broadcast.chain_model import ChainModel, link_rates
-    from broadcast.chain_search import _Members
+    from echo_rl.broadcast.chain_model import ChainModel, link_rates
+    from echo_rl.broadcast.chain_search import _Members
 
     rng = random.Random(11)
     for trial in range(400):

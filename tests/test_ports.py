@@ -12,11 +12,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from broadcast.nat.reflect import punch_port_free, reuse_socket
-from broadcast.relay import Relay, RelayConfig, RelayPortTaken
-from echo.config import ConfigError, EchoConfig, ListenPorts, dump_toml, load_config
-from learner.startup import reuse_ports
-from worker.cli import relay_ports
+from echo_rl.broadcast.nat.reflect import punch_port_free, reuse_socket
+from echo_rl.broadcast.relay import Relay, RelayConfig, RelayPortTaken
+from echo_rl.cli.worker import relay_ports
+from echo_rl.core.config import ConfigError, EchoConfig, ListenPorts, dump_toml, load_config
+from echo_rl.learner.startup import reuse_ports
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -262,7 +262,7 @@ def test_a_fixed_punch_port_another_worker_listens_on_is_seen():
 @pytest.mark.slow
 def test_echo_worker_says_its_relay_port_is_taken_and_exits(tmp_path):
     # A real process: echo-worker leaves with os._exit while torch still loads on its warm-up
-    # thread (worker/cli_join.py _leave_now), which would end a pytest process calling main() in it.
+    # thread (echo_rl/cli/worker_join.py _leave_now), which would end a pytest process calling main() in it.
     import subprocess
     import sys
 
@@ -275,7 +275,7 @@ def test_echo_worker_says_its_relay_port_is_taken_and_exits(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "worker.cli",
+                "echo_rl.cli.worker",
                 "join",
                 "tcp://127.0.0.1:9",
                 "--insecure",
@@ -299,7 +299,7 @@ def test_echo_worker_says_its_relay_port_is_taken_and_exits(tmp_path):
 
 
 def test_echo_worker_refuses_a_port_out_of_range(tmp_path, capsys):
-    from worker import cli
+    from echo_rl.cli import worker as cli
 
     rc = cli.main(
         [

@@ -10,16 +10,16 @@ from collections import Counter
 
 import pytest
 
-from dataplane.adapter import Prompt
-from dataplane.records import Limits, RecordError, parse_record
-from echo import wire
-from learner.buffer import ReplayBuffer
-from learner.handback import PrefixLimits, check_prefixes, expand
-from learner.intake import Intake
-from learner.reputation import Reputation
-from learner.work import WorkQueue
-from worker.backends.base import Sample
-from worker.records import runs, versions
+from echo_rl.core import wire
+from echo_rl.data.adapter import Prompt
+from echo_rl.data.records import Limits, RecordError, parse_record
+from echo_rl.learner.buffer import ReplayBuffer
+from echo_rl.learner.handback import PrefixLimits, check_prefixes, expand
+from echo_rl.learner.intake import Intake
+from echo_rl.learner.reputation import Reputation
+from echo_rl.learner.work import WorkQueue
+from echo_rl.worker.backends.base import Sample
+from echo_rl.worker.records import runs, versions
 
 LIM = PrefixLimits(vocab_size=100, max_new_tokens=8, min_logprob=-1e4, staleness=2)
 
@@ -203,8 +203,8 @@ def test_a_stale_continuation_is_generated_again_from_scratch(intake):
 
 @pytest.fixture(scope="module")
 def backend():
-    from echo.config import ModelConfig
-    from worker.backends.transformers import TransformersBackend
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     return TransformersBackend(ModelConfig(max_positions=128), threads=1)
 
@@ -244,11 +244,11 @@ def test_a_cut_episode_is_replayed_at_its_turn_boundary_and_ends_as_if_never_cut
     rewards are those of an uncut run, and the record passes the intake's prefix check."""
     import random
 
-    from adapters.poker.adapter import PokerAdapter
-    from dataplane.episodes import Cut
-    from dataplane.testing import build_chatml_char_tokenizer
-    from learner.intake import own_tokens
-    from worker.records import cut_episodes, episode_versions
+    from echo_rl.adapters.poker.adapter import PokerAdapter
+    from echo_rl.data.episodes import Cut
+    from echo_rl.data.testing import build_chatml_char_tokenizer
+    from echo_rl.learner.intake import own_tokens
+    from echo_rl.worker.records import cut_episodes, episode_versions
 
     tok = build_chatml_char_tokenizer()
     ad = PokerAdapter({"bot_samples": 6, "obs_format": "compact", "opponents": ["station"]}, tok)

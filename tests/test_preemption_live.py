@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_integration import Cluster, fix_learner_port, rows, wait_rows
 
-from echo.procs import python_argv
+from echo_rl.core.procs import python_argv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -27,7 +27,11 @@ def cluster(tmp_path, small_cfg):
 def start_worker(cluster: Cluster, name: str, *flags: str, slowdown: float = 1.0) -> Path:
     """``slowdown`` > 1: the worker on a device that many times slower (``labs.slow_device``)."""
     status = cluster.tmp / f"{name}.json"
-    entry = ("labs.slow_device", "--slowdown", str(slowdown)) if slowdown > 1 else ("worker.cli",)
+    entry = (
+        ("labs.slow_device", "--slowdown", str(slowdown))
+        if slowdown > 1
+        else ("echo_rl.cli.worker",)
+    )
     cluster.group.start(
         name,
         python_argv(
@@ -67,7 +71,7 @@ def wait_status(path: Path, ok, timeout: float = 60) -> dict:
 
 @pytest.mark.parametrize("how", ["sigterm", "notice", "poker"])
 def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster, how):
-    from learner.run_audit import audit_run
+    from echo_rl.learner.run_audit import audit_run
 
     # Long rollouts, so the stop lands mid-generation: with 160 tokens a rollout took about
     # 0.2 s and a CI run's SIGTERM once landed between two (the worker waiting on the learner),
@@ -125,7 +129,7 @@ def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster
     if how != "notice":
         cluster.group.stop("a")  # SIGTERM: cut, hand back, drain, leave
     else:  # a spot notice: the worker stops on its own 2 s (its margin) before the deadline
-        from worker import cli
+        from echo_rl.cli import worker as cli
 
         assert cli.main(["preempt", str(a), "--in", "2.5"]) == 0
         assert cluster.wait("a", 60) == 0
@@ -147,7 +151,7 @@ def test_a_preempted_worker_hands_back_prefixes_another_worker_continues(cluster
 
 
 def test_an_owner_burning_cpu_makes_the_worker_yield_then_resume(cluster):
-    from learner.run_audit import audit_run
+    from echo_rl.learner.run_audit import audit_run
 
     cluster.cfg.worker.max_new_tokens = 64
     run = cluster.learner("learner", max_steps=10_000)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from fakes import FakeClock
 
-from echo.config import EchoConfig, ListenPorts, load_config
-from provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller
+from echo_rl.core.config import EchoConfig, ListenPorts, load_config
+from echo_rl.provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -173,8 +173,8 @@ def test_the_quickstart_gives_its_own_workers_a_token_when_the_config_joins_by_t
     """`echo-rl quickstart --config examples/public-try.toml` started its workers without a
     token: every join was refused token_required and the run never stepped. Its workers now
     join with a token made for just them; an allow-list config is refused with the way out."""
-    from echo.quickstart import workers_line
-    from echo.security import TokenStore
+    from echo_rl.cli.quickstart import workers_line
+    from echo_rl.core.security import TokenStore
 
     endpoint = "echo://127.0.0.1:5555/" + "k" * 64
     tried = load_config(ROOT / "examples/public-try.toml")

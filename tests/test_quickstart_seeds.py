@@ -1,5 +1,5 @@
 """The seed benchmark's figures (benchmarks/quickstart_seeds.py) and the entropy metric it reads
-(``entropy_est`` in metrics.jsonl, learner/trainer.py). No runs: metrics rows and tensors given."""
+(``entropy_est`` in metrics.jsonl, echo_rl/learner/trainer.py). No runs: metrics rows and tensors given."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from learner.trainer import sampled_entropy
+from echo_rl.learner.trainer import sampled_entropy
 
 
 def test_sampled_entropy_is_the_mean_surprisal_of_trained_tokens():

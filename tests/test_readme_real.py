@@ -346,8 +346,8 @@ def _ban_and_closed_port(lab: Lab, all_steps, seen) -> None:
 
 _ASK = """
 import asyncio, json, sys
-from echo.doctor import ask_learner
-from echo.security import KeyPair
+from echo_rl.core.doctor import ask_learner
+from echo_rl.core.security import KeyPair
 info = json.load(open(sys.argv[1]))
 local = "tcp://127.0.0.1:%d" % info["ports"]["control"]
 reply, why = asyncio.run(ask_learner(local, info["public_key"].encode(), KeyPair.generate()))
@@ -357,7 +357,7 @@ print(getattr(reply, "snapshot_path", "") or "-")
 
 def _port_verdict(lab: Lab) -> bool:
     """The learner, asked on its host as `echo-rl doctor` asks it (wire.DoctorAck), says its
-    workers report the snapshot port (learner/snapshot_path.py)."""
+    workers report the snapshot port (echo_rl/learner/snapshot_path.py)."""
     argv = ["ip", "netns", "exec", lab.dc.ns, sys.executable, "-c", _ASK]
     done = subprocess.run(
         [*argv, str(lab.run_dir / "learner.json")],

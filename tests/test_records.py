@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from dataplane.records import Limits, RecordError, parse_record
+from echo_rl.data.records import Limits, RecordError, parse_record
 
 LIM = Limits(vocab_size=24, max_new_tokens=4, group_size=4)
 
@@ -90,8 +90,8 @@ def test_missing_field_and_non_map():
 def test_cut_completions_are_counted():
     """A completion that stops at max_new_tokens without end-of-sequence was cut short: the
     learner's metrics line counts them (completions_cut) and warns when most are."""
-    from dataplane.records import Record
-    from learner.rows import cut_share
+    from echo_rl.data.records import Record
+    from echo_rl.learner.rows import cut_share
 
     eos = 2
 
@@ -107,10 +107,10 @@ def test_cut_completions_are_counted():
 
 
 def test_most_completions_cut_warns_once_per_window_and_reports_the_share(caplog):
-    """learner.rows.CutWatch: the share goes into every row; the warning at most once every
+    """echo_rl.learner.rows.CutWatch: the share goes into every row; the warning at most once every
     CUT_WARN_EVERY steps, and only past CUT_WARN_SHARE."""
-    from dataplane.records import Record
-    from learner.rows import CUT_WARN_EVERY, CutWatch
+    from echo_rl.data.records import Record
+    from echo_rl.learner.rows import CUT_WARN_EVERY, CutWatch
 
     def rec(completion):
         return Record("g", 0, [5], completion, [-0.1] * len(completion), 0.0, 0, "w", 0.1)

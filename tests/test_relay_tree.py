@@ -1,4 +1,4 @@
-"""The relay tree (echo/tree.py, broadcast/tree.py, echo/tree_metrics.py): built from a real
+"""The relay tree (echo_rl/core/tree.py, echo_rl/broadcast/tree.py, echo_rl/core/tree_metrics.py): built from a real
 coordinator's plan, served on /api/state and /metrics, series removed when a worker leaves.
 The live test with a learner and worker processes is tests/test_relay_tree_live.py."""
 
@@ -10,11 +10,11 @@ import urllib.request
 import pydantic
 import pytest
 
-from broadcast.coordinator import Coordinator
-from broadcast.topology import make_topology
-from broadcast.tree import relay_tree
-from echo.metrics import LearnerMetrics
-from echo.tree import LEARNER, RelayTree, TreeNode
+from echo_rl.broadcast.coordinator import Coordinator
+from echo_rl.broadcast.topology import make_topology
+from echo_rl.broadcast.tree import relay_tree
+from echo_rl.core.metrics import LearnerMetrics
+from echo_rl.core.tree import LEARNER, RelayTree, TreeNode
 
 pytestmark = pytest.mark.timeout(60)
 SOURCE = "tcp://learner:1"
@@ -30,7 +30,7 @@ def _coordinator(n: int = 6, uplink: float = 200.0) -> Coordinator:
 
 
 def _expected_parents(c: Coordinator) -> dict[str, str]:
-    """The plan, endpoints turned into worker ids (independent of broadcast.tree)."""
+    """The plan, endpoints turned into worker ids (independent of echo_rl.broadcast.tree)."""
     by_endpoint = {p.endpoint: w for w, p in c.peers.items()}
     return {w: LEARNER if src == SOURCE else by_endpoint[src] for w, src in c.sources.items()}
 

@@ -19,8 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_integration import Cluster  # one loopback cluster for both
 
-from echo.procs import python_argv
-from echo.tree import LEARNER, RelayTree
+from echo_rl.core.procs import python_argv
+from echo_rl.core.tree import LEARNER, RelayTree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 WORKERS = ("w0", "w1", "w2")
@@ -44,7 +44,7 @@ def start_worker(c: Cluster, name: str) -> None:
     c.group.start(
         name,
         python_argv(
-            "worker.cli",
+            "echo_rl.cli.worker",
             "join",
             c.endpoint,
             "--id",

@@ -1,4 +1,4 @@
-"""The release thread (learner/releasing.py): a version's checkpoint and publication off the
+"""The release thread (echo_rl/learner/releasing.py): a version's checkpoint and publication off the
 training thread, in order, checkpoint first, on host copies the next step cannot change."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from learner.releasing import HostMirror, ReleaseThread, Version
+from echo_rl.learner.releasing import HostMirror, ReleaseThread, Version
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

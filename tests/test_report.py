@@ -11,7 +11,7 @@ pd = pytest.importorskip("pandas")
 pytest.importorskip("pyarrow")
 pytest.importorskip("matplotlib")
 
-from echo.report import main, make_report  # noqa: E402
+from echo_rl.cli.report import main, make_report  # noqa: E402
 
 
 def fake_run(

@@ -1,4 +1,4 @@
-"""Relay reports are evidence about a link, not verdicts (broadcast/reports.py, issue 31):
+"""Relay reports are evidence about a link, not verdicts (echo_rl/broadcast/reports.py, issue 31):
 attacks 1, 3 and 4 at the coordinator, the control plane and the learner's probe."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import zmq
 import zmq.asyncio
 from test_security import make_plane, zctx  # noqa: F401 (fixtures)
 
-from broadcast.coordinator import Coordinator
-from broadcast.reports import ReportBook
-from broadcast.snapshot import RunKey, build_manifest
-from broadcast.topology import make_topology
-from echo import wire
-from echo.security import KeyPair
-from learner.verify import Report, Verifier
+from echo_rl.broadcast.coordinator import Coordinator
+from echo_rl.broadcast.reports import ReportBook
+from echo_rl.broadcast.snapshot import RunKey, build_manifest
+from echo_rl.broadcast.topology import make_topology
+from echo_rl.core import wire
+from echo_rl.core.security import KeyPair
+from echo_rl.learner.verify import Report, Verifier
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -169,7 +169,7 @@ def test_the_probe_asks_as_a_resuming_child_with_a_childs_ticket():  # attack 1:
     )
     relay_keys = KeyPair.generate()
     ttl = 3600.0
-    from broadcast.tickets import mint
+    from echo_rl.broadcast.tickets import mint
 
     async def body() -> tuple[list[wire.ChunkRequest], str]:
         ctx = zmq.asyncio.Context()
@@ -223,7 +223,7 @@ def test_reports_reach_the_plane_from_children_only_and_about_old_versions_too(m
     and still counted against the relay."""
     from test_security import ask, peer
 
-    from broadcast.snapshot import Snapshot
+    from echo_rl.broadcast.snapshot import Snapshot
 
     async def assign(plane, worker_id, endpoint):  # the plan sends the child to the relay
         plane.coordinator.sources[worker_id] = endpoint
@@ -291,7 +291,7 @@ def test_a_joiner_pulls_from_a_peer_that_installed_the_version_not_the_learner()
 def test_a_probe_is_not_queued_for_an_empty_payload(make_plane):  # noqa: F811
     """A version with no chunks (an empty delta) gives the probe nothing to ask for: no probe,
     no crash (it was a ValueError from randrange in the message handler)."""
-    from broadcast.snapshot import Snapshot
+    from echo_rl.broadcast.snapshot import Snapshot
 
     plane = make_plane()
     m = build_manifest(
@@ -329,9 +329,9 @@ def probes_for(tmp_path, **security):
     from collections import Counter
     from types import SimpleNamespace
 
-    from echo.config import EchoConfig
-    from learner.gate import Gate
-    from learner.probes import RelayProbes
+    from echo_rl.core.config import EchoConfig
+    from echo_rl.learner.gate import Gate
+    from echo_rl.learner.probes import RelayProbes
 
     cfg = EchoConfig.model_validate({"security": {"join": "token", **security}})
     gate = Gate(cfg.security, tmp_path)
@@ -400,7 +400,7 @@ def test_probes_one_witness_may_start_are_bounded_per_minute(tmp_path):
 
 def test_a_child_skipping_a_relay_it_reported_adds_no_evidence_and_starts_no_probe(tmp_path):
     """Issue 52, item 4: notices sent before the learner heard a child's report still name the
-    relay; the child asks for another source with the reason ``avoided`` (worker/snapshots.py).
+    relay; the child asks for another source with the reason ``avoided`` (echo_rl/worker/snapshots.py).
     That is no second report: nothing counted against the relay, no probe, and the child is
     sent elsewhere, never back to the relay it left."""
     rp, c, verifier, keys, now = probes_for(tmp_path)
@@ -469,7 +469,7 @@ def test_a_timeout_probe_asks_several_versions_and_a_held_one_never_served_convi
     the version the probe named was no longer (or not yet) held, and the hole refused it at
     once. A timeout's probe now also asks for the learner's other held versions, one chunk
     each; a version the relay takes and never serves is the black hole's signature."""
-    from learner import verify
+    from echo_rl.learner import verify
 
     monkeypatch.setattr(verify, "TIMEOUT_S", 1.0)
     run = RunKey.generate()

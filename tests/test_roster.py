@@ -13,18 +13,18 @@ from pathlib import Path
 import pytest
 import zmq
 
-from broadcast.snapshot import RunKey
-from dataplane.adapter import load_adapter
-from dataplane.records import Limits
-from echo import wire
-from echo.commands import admin
-from echo.security import KeyPair, curve_client, fingerprint
-from learner.buffer import ReplayBuffer
-from learner.gate import security_dir
-from learner.reputation import Reputation, Verdict
-from learner.roster import load_roster
-from learner.server import LearnerServer
-from learner.work import WorkQueue
+from echo_rl.broadcast.snapshot import RunKey
+from echo_rl.cli.commands import admin
+from echo_rl.core import wire
+from echo_rl.core.security import KeyPair, curve_client, fingerprint
+from echo_rl.data.adapter import load_adapter
+from echo_rl.data.records import Limits
+from echo_rl.learner.buffer import ReplayBuffer
+from echo_rl.learner.gate import security_dir
+from echo_rl.learner.reputation import Reputation, Verdict
+from echo_rl.learner.roster import load_roster
+from echo_rl.learner.server import LearnerServer
+from echo_rl.learner.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,11 +88,11 @@ def listing(capsys, *args):
 
 def test_workers_lists_ids_fingerprints_states_and_quoted_keys_from_the_live_learner(fleet, capsys):
     pytest.importorskip("prometheus_client")
-    from echo.metrics import LearnerMetrics
+    from echo_rl.core.metrics import LearnerMetrics
 
     plane, run, keys = fleet
     metrics = LearnerMetrics()
-    metrics.accounts_source = plane.accounts.export  # as learner.main wires it
+    metrics.accounts_source = plane.accounts.export  # as echo_rl.learner.main wires it
     metrics.tree_source = plane.relay_tree
     metrics.update({"step": 0}, plane.stats())
     server = metrics.serve("127.0.0.1", 0)
@@ -178,10 +178,10 @@ def test_the_run_folder_alone_gives_quarantines_strikes_and_says_the_learner_is_
 def test_help_is_instant():
     code = (
         "import sys, contextlib, io\n"
-        "import echo.cli\n"
+        "import echo_rl.cli.rl\n"
         "for argv in (['workers', '--help'], ['worker', 'ban', '--help']):\n"
         "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-        "        echo.cli.main(argv)\n"
+        "        echo_rl.cli.rl.main(argv)\n"
         "heavy = [m for m in ('torch', 'transformers', 'zmq', 'pydantic') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
@@ -192,7 +192,7 @@ def test_help_is_instant():
 
 
 def test_parents_roles_and_links_come_from_the_served_tree_which_is_validated():
-    from learner.roster import Entry, _tree
+    from echo_rl.learner.roster import Entry, _tree
 
     rows = {"a": Entry("a", ""), "b": Entry("b", "", down_mbit=51.2, up_mbit=0.0)}
     node = {
@@ -220,7 +220,7 @@ def test_parents_roles_and_links_come_from_the_served_tree_which_is_validated():
 def test_transport_comes_from_the_same_tree_as_parent_and_role():
     """Issue 55, item 4: the workers list said "punched" while the tree said PARENT learner,
     ROLE head; the three now come from one plan."""
-    from learner.roster import Entry, _tree
+    from echo_rl.learner.roster import Entry, _tree
 
     rows = {"h": Entry("h", "", transport="punched")}  # as the workers list had it
     head = {

@@ -1,4 +1,4 @@
-"""The data plane's shared rules (dataplane/rules.py), and that the learner's buffer and the
+"""The data plane's shared rules (echo_rl/data/rules.py), and that the learner's buffer and the
 simulator's counting queue, driven by the same events, agree on every count."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from dataplane import rules
-from dataplane.records import Record
-from dataplane.rules import ReadyQueue
-from learner.buffer import ReplayBuffer
+from echo_rl.data import rules
+from echo_rl.data.records import Record
+from echo_rl.data.rules import ReadyQueue
+from echo_rl.learner.buffer import ReplayBuffer
 
 
 def test_admission_window_is_inclusive_at_both_ends():

@@ -10,16 +10,16 @@ import math
 import pytest
 import torch
 
-from dataplane.adapter import LearnerBatch
-from echo.config import LearnerConfig
+from echo_rl.core.config import LearnerConfig
+from echo_rl.data.adapter import LearnerBatch
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    from echo.config import ModelConfig
-    from echo.models import load_model
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.core.models import load_model
 
     torch.manual_seed(0)
     return load_model(ModelConfig(), tokenizer, "float32")
@@ -32,7 +32,7 @@ def own_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def lag(model, behaviour_shift: torch.Tensor) -> float:
-    from learner.trainer import Trainer
+    from echo_rl.learner.trainer import Trainer
 
     g = torch.Generator().manual_seed(0)
     n, length = behaviour_shift.shape[0], 12

@@ -1,4 +1,4 @@
-"""The code adapter's sandbox (dataplane/sandbox.py) against hostile programs: each one ends in
+"""The code adapter's sandbox (echo_rl/data/sandbox.py) against hostile programs: each one ends in
 bounded time with a result that earns nothing it did not compute, and leaves the machine as it
 was (docs/scheduling.md, "The code adapter's sandbox")."""
 
@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from dataplane.sandbox import Limits, SandboxError, call_entry
+from echo_rl.data.sandbox import Limits, SandboxError, call_entry
 
 pytestmark = pytest.mark.timeout(60)
 FAST = Limits(cpu_s=1, wall_s=3.0)

@@ -1,4 +1,4 @@
-"""Every delivery screened at no extra forward (learner/screen.py, docs/security.md "Screened
+"""Every delivery screened at no extra forward (echo_rl/learner/screen.py, docs/security.md "Screened
 before training"; issue 52, item 3): a row whose claimed log-probs are far from the step-start
 ones is left out of the step before any update, its sender's records of the group go to the
 auditor at once, and honest rows pass."""
@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from dataplane.records import Record
-from echo.config import LearnerConfig
-from learner.screen import audit_screened, screen_rows
+from echo_rl.core.config import LearnerConfig
+from echo_rl.data.records import Record
+from echo_rl.learner.screen import audit_screened, screen_rows
 from tests.test_micro_batch import batch
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,15 +35,15 @@ def test_rows_far_from_the_policy_either_way_are_flagged_and_close_ones_pass():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    from echo.config import ModelConfig
-    from echo.models import load_model
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.core.models import load_model
 
     torch.manual_seed(0)
     return load_model(ModelConfig(), tokenizer, "float32")
 
 
 def test_a_forged_row_is_left_out_before_any_update(model):
-    from learner.trainer import Trainer
+    from echo_rl.learner.trainer import Trainer
 
     b = batch()
     forged = dataclasses.replace(b, behaviour_logprobs=b.behaviour_logprobs.clone())

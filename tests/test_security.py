@@ -17,17 +17,15 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from broadcast.relay import Relay, RelayConfig
-from broadcast.snapshot import RunKey, Snapshot, build_manifest
-from broadcast.store import SnapshotBuffer
-from broadcast.tickets import Ticket, TicketCheck, mint
-from dataplane.adapter import load_adapter
-from dataplane.records import Limits
-from echo import wire
-from echo.commands.admin import parse_duration
-from echo.config import EchoConfig
-from echo.rates import TokenBucket
-from echo.security import (
+from echo_rl.broadcast.relay import Relay, RelayConfig
+from echo_rl.broadcast.snapshot import RunKey, Snapshot, build_manifest
+from echo_rl.broadcast.store import SnapshotBuffer
+from echo_rl.broadcast.tickets import Ticket, TicketCheck, mint
+from echo_rl.cli.commands.admin import parse_duration
+from echo_rl.core import wire
+from echo_rl.core.config import EchoConfig
+from echo_rl.core.rates import TokenBucket
+from echo_rl.core.security import (
     JoinLine,
     KeyList,
     KeyPair,
@@ -37,10 +35,12 @@ from echo.security import (
     curve_server,
     key_hex,
 )
-from learner.buffer import ReplayBuffer
-from learner.gate import security_dir
-from learner.server import LearnerServer
-from learner.work import WorkQueue
+from echo_rl.data.adapter import load_adapter
+from echo_rl.data.records import Limits
+from echo_rl.learner.buffer import ReplayBuffer
+from echo_rl.learner.gate import security_dir
+from echo_rl.learner.server import LearnerServer
+from echo_rl.learner.work import WorkQueue
 
 JUNK = msgpack.packb({"v": 1, "type": ["x"]})  # 13 bytes that once ended a learner
 
@@ -410,7 +410,7 @@ def test_chunk_request_floods_are_dropped_per_peer(make_plane, zctx):
 def test_dashboard_connections_are_bounded_per_address():
     import socket
 
-    from echo.metrics import MAX_PER_IP, LearnerMetrics
+    from echo_rl.core.metrics import MAX_PER_IP, LearnerMetrics
 
     server = LearnerMetrics().serve("127.0.0.1", 0)
     held = []
@@ -605,7 +605,7 @@ def _join(line, tmp_path, *extra):
         [
             sys.executable,
             "-m",
-            "worker.cli",
+            "echo_rl.cli.worker",
             "join",
             line,
             "--identity",

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from provisioning.selection import SelectionError, exact, greedy, ours
-from provisioning.sim.pools import random_pool
+from echo_rl.provisioning.selection import SelectionError, exact, greedy, ours
+from echo_rl.provisioning.sim.pools import random_pool
 
 SOLVERS = (greedy, exact, ours)
 EPS = 1e-9

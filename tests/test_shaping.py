@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from broadcast.shaping import DelayLine, LinkShape, ShapedLink, TokenBucket, message_size
+from echo_rl.broadcast.shaping import DelayLine, LinkShape, ShapedLink, TokenBucket, message_size
 
 MiB = 1 << 20
 C = MiB

@@ -1,5 +1,5 @@
 """LoRA runs of one worker process on the same base model hold it once
-(worker/backends/shared_base.py, docs/multirun.md): the second run's base weights are the
+(echo_rl/worker/backends/shared_base.py, docs/multirun.md): the second run's base weights are the
 first's tensors, its adapter its own, and what it generates is what an unshared backend with
 the same adapter generates."""
 
@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echo import wire
-from echo.config import LoraConfig, ModelConfig
-from echo.lora import adapter_parameters
-from echo.models import params_to_payload
+from echo_rl.core import wire
+from echo_rl.core.config import LoraConfig, ModelConfig
+from echo_rl.core.lora import adapter_parameters
+from echo_rl.core.models import params_to_payload
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _backend():
-    from worker.backends.transformers import TransformersBackend
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     return TransformersBackend(ModelConfig(max_positions=64), lora=LoraConfig(enabled=True))
 
@@ -36,8 +36,8 @@ def _sample(backend):
 
 
 def test_a_second_lora_run_on_the_same_base_shares_it_and_generates_as_if_alone(monkeypatch):
-    import worker.backends.transformers as tb
-    from worker.backends.shared_base import SharedBases
+    import echo_rl.worker.backends.transformers as tb
+    from echo_rl.worker.backends.shared_base import SharedBases
 
     monkeypatch.setattr(tb, "SHARED", SharedBases())  # this test's process-wide registry
     a, b = _backend(), _backend()
@@ -59,9 +59,9 @@ def test_a_second_lora_run_on_the_same_base_shares_it_and_generates_as_if_alone(
 def test_a_hostile_run_cannot_write_the_base_another_run_shares(monkeypatch):
     """A learner is a stranger too: run a's version naming a base tensor is refused whole,
     and the base run b generates over is unchanged."""
-    import worker.backends.transformers as tb
-    from echo.models import ModelError
-    from worker.backends.shared_base import SharedBases
+    import echo_rl.worker.backends.transformers as tb
+    from echo_rl.core.models import ModelError
+    from echo_rl.worker.backends.shared_base import SharedBases
 
     monkeypatch.setattr(tb, "SHARED", SharedBases())
     a, b = _backend(), _backend()
@@ -77,15 +77,15 @@ def test_a_hostile_run_cannot_write_the_base_another_run_shares(monkeypatch):
 
 
 def test_the_memory_budget_books_a_shared_base_once(monkeypatch, tmp_path, tokenizer):
-    """Two LoRA runs of one process loaded through the worker's own path (worker.model
+    """Two LoRA runs of one process loaded through the worker's own path (echo_rl.worker.model
     .load_model) with one --host-memory-gb: the second run's booking is its payloads, not a
-    second base (echo.memplan.HostBudget.loaded)."""
-    import worker.backends.transformers as tb
-    from echo.config import EchoConfig
-    from echo.memplan import HostBudget
-    from echo.models import load_model as build
-    from worker.backends.shared_base import SharedBases
-    from worker.model import LoadChoice, load_model
+    second base (echo_rl.core.memplan.HostBudget.loaded)."""
+    import echo_rl.worker.backends.transformers as tb
+    from echo_rl.core.config import EchoConfig
+    from echo_rl.core.memplan import HostBudget
+    from echo_rl.core.models import load_model as build
+    from echo_rl.worker.backends.shared_base import SharedBases
+    from echo_rl.worker.model import LoadChoice, load_model
 
     monkeypatch.setattr(tb, "SHARED", SharedBases())
     build(ModelConfig(), tokenizer).save_pretrained(tmp_path)  # a base on disk, as a volunteer's

@@ -1,4 +1,4 @@
-"""The device's arbiter for a worker joined to several runs (worker/sharing.py): shares,
+"""The device's arbiter for a worker joined to several runs (echo_rl/worker/sharing.py): shares,
 hand-over when a run cannot use the device, residency and its switches, on a fake clock."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 from fakes import FakeClock
 
-from dataplane.records import Record
-from echo import wire
-from learner.deliveries import Deliveries
-from learner.sessions import WorkerState
-from learner.staleness import Staleness
-from worker.sharing import Turns
+from echo_rl.core import wire
+from echo_rl.data.records import Record
+from echo_rl.learner.deliveries import Deliveries
+from echo_rl.learner.sessions import WorkerState
+from echo_rl.learner.staleness import Staleness
+from echo_rl.worker.sharing import Turns
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -265,7 +265,7 @@ def test_the_books_follow_recent_turns_not_the_whole_day():
 
 
 def test_the_learner_s_need_is_its_requirement_over_its_capacity():
-    from provisioning.controller import NEED_MAX, Controller
+    from echo_rl.provisioning.controller import NEED_MAX, Controller
 
     c = Controller(alpha=1.0, delta=0.5, window_s=10, tau_s=10, warmup_s=0)
     assert c.need() == 1.0  # no requirement yet: nothing to ask for

@@ -1,4 +1,4 @@
-"""Discrete-event simulator (provisioning.sim): behaviour on small scenarios, no timings."""
+"""Discrete-event simulator (echo_rl.provisioning.sim): behaviour on small scenarios, no timings."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import math
 import numpy as np
 import pytest
 
-from broadcast import planner
-from provisioning import capacity
-from provisioning.sim.api import simulate, simulate_fixed
-from provisioning.sim.broadcast import BroadcastModel
-from provisioning.sim.population import build_pool
-from provisioning.sim.report import main
-from provisioning.sim.scenario import ScenarioError, load_scenario, scenario_from_dict
+from echo_rl.broadcast import planner
+from echo_rl.provisioning import capacity
+from echo_rl.provisioning.sim.api import simulate, simulate_fixed
+from echo_rl.provisioning.sim.broadcast import BroadcastModel
+from echo_rl.provisioning.sim.population import build_pool
+from echo_rl.provisioning.sim.report import main
+from echo_rl.provisioning.sim.scenario import ScenarioError, load_scenario, scenario_from_dict
 
 EXAMPLES = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "sim"
 
@@ -154,7 +154,7 @@ def test_worker_whose_first_event_is_join_starts_absent(tmp_path):
 
 
 def test_relay_leaving_delays_its_chain_children_only():
-    from provisioning.sim.core import Sim
+    from echo_rl.provisioning.sim.core import Sim
 
     data = base(
         broadcast__topology="chains",
@@ -299,7 +299,7 @@ def test_chain_times_match_the_planner_prediction():
 
 
 def planner_peer(m: BroadcastModel, i: int):
-    from broadcast.topology.base import Peer
+    from echo_rl.broadcast.topology.base import Peer
 
     return Peer(m.pool.ids[i], float(m.pool.down[i]), float(m.pool.up[i]), True)
 
@@ -418,8 +418,8 @@ def test_simulate_fixed():
     ids=lambda p: p.stem,
 )
 def test_example_scenarios_load_and_start(path):
-    from provisioning.sim.multijob_scenario import load_multi
-    from provisioning.sim.scenario import ScenarioError, load_scenario
+    from echo_rl.provisioning.sim.multijob_scenario import load_multi
+    from echo_rl.provisioning.sim.scenario import ScenarioError, load_scenario
 
     if path.stem.startswith("multirun"):  # several jobs on one fleet: their own loader
         assert load_multi(path).jobs
@@ -436,7 +436,7 @@ def test_example_scenarios_load_and_start(path):
 def test_a_worker_touched_by_a_trace_keeps_its_random_churn(tmp_path):
     """A trace event makes the worker's pending random event stale; the worker must get a new
     one from its new state, not drop out of random churn for the rest of the run."""
-    from provisioning.sim.core import Sim
+    from echo_rl.provisioning.sim.core import Sim
 
     trace = tmp_path / "trace.csv"
     trace.write_text("time_s,worker,event\n1,w0,leave\n2,w0,join\n")
@@ -450,8 +450,8 @@ def test_a_worker_touched_by_a_trace_keeps_its_random_churn(tmp_path):
 
 
 def test_the_install_quantile_is_one_rule_without_float_noise():
-    from broadcast.coordinator import Coordinator, quantile_rank
-    from broadcast.topology import make_topology
+    from echo_rl.broadcast.coordinator import Coordinator, quantile_rank
+    from echo_rl.broadcast.topology import make_topology
 
     assert [quantile_rank(0.9, 10), quantile_rank(1.0, 7), quantile_rank(0.01, 5)] == [9, 7, 1]
     assert quantile_rank(0.3, 10) == 3  # 0.3 * 10 = 3.0000000000000004
@@ -494,8 +494,8 @@ def test_busy_time_measures_capacity_as_the_oracle_does():
 
 
 def test_centralized_baselines_bill_every_gpu_for_the_whole_step():
-    from provisioning.sim.centralized import run_baseline
-    from provisioning.sim.scenario import CentralizedSection
+    from echo_rl.provisioning.sim.centralized import run_baseline
+    from echo_rl.provisioning.sim.scenario import CentralizedSection
 
     c = CentralizedSection(enabled=True, gpus=8, gpu_price=3.0, mu_per_gpu=0.5, train_gpus=4)
     # 2,048 trajectories in requests of 32: 64 requests of 64 s, 8 per GPU on 8 GPUs = 512 s

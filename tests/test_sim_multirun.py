@@ -1,4 +1,4 @@
-"""The multi-job simulator (provisioning/sim/multijob.py): several RL jobs on one fleet, shared
+"""The multi-job simulator (echo_rl/provisioning/sim/multijob.py): several RL jobs on one fleet, shared
 against dedicated. Small fleets (100 workers) so each run takes a fraction of a second."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from provisioning.sim.multijob import JobRun, MultiSim, home_sets
-from provisioning.sim.multijob_report import compare, table
-from provisioning.sim.multijob_scenario import load_multi, multi_from_dict
-from provisioning.sim.multijob_sweep import sweep_row, sweep_table, with_contrast
-from provisioning.sim.scenario import ScenarioError
+from echo_rl.provisioning.sim.multijob import JobRun, MultiSim, home_sets
+from echo_rl.provisioning.sim.multijob_report import compare, table
+from echo_rl.provisioning.sim.multijob_scenario import load_multi, multi_from_dict
+from echo_rl.provisioning.sim.multijob_sweep import sweep_row, sweep_table, with_contrast
+from echo_rl.provisioning.sim.scenario import ScenarioError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -140,7 +140,7 @@ def test_turns_serves_only_jobs_that_ask(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_turns_splits_each_device_by_weight_among_asking_jobs() -> None:
     # Two jobs whose learners want more than the fleet (gates open nearly all the time): each
-    # worker's device-seconds split by weight, 2:1 (Turns' books, worker/sharing.py).
+    # worker's device-seconds split by weight, 2:1 (Turns' books, echo_rl/worker/sharing.py).
     res = compare(
         multi_from_dict(_data([_flat("a", 20, weight=2.0), _flat("b", 20)], policy="turns"))
     )
@@ -318,10 +318,10 @@ def test_sharing_pays_with_offset_phases_and_more_the_stronger_their_contrast() 
 
 
 def test_the_offline_bound_is_the_learner_or_the_fleet_whichever_binds() -> None:
-    """provisioning/sim/multijob_bound.py on cases worked by hand: one job without phases,
+    """echo_rl/provisioning/sim/multijob_bound.py on cases worked by hand: one job without phases,
     steps of 30 s over 1,200 s (40 steps at most), each needing 204 x 16 / 1.6 = 2,040
     worker-seconds."""
-    from provisioning.sim.multijob_bound import offline_bound
+    from echo_rl.provisioning.sim.multijob_bound import offline_bound
 
     job = _job("a", 3, 0)
     job["phases"] = [{"duration_s": 600, "t_train_s": 30}]

@@ -2,8 +2,15 @@ import blake3
 import msgpack
 import pytest
 
-from broadcast.manifest import Manifest, parse_base_manifest, parse_manifest
-from broadcast.snapshot import RunKey, Snapshot, SnapshotError, build_manifest, verify_manifest
+from echo_rl.broadcast.base_manifest import parse_base_manifest
+from echo_rl.broadcast.manifest import Manifest, parse_manifest
+from echo_rl.broadcast.snapshot import (
+    RunKey,
+    Snapshot,
+    SnapshotError,
+    build_manifest,
+    verify_manifest,
+)
 
 
 def make(payload=bytes(range(256)) * 40, chunk=1000, key=None):
@@ -57,7 +64,7 @@ def test_key_round_trip():
 def test_relay_store_reuses_the_buffer_of_the_version_it_evicts():
     """A relay keeps two versions; the third's chunks go into the first's buffer, not into a
     fresh allocation (16 relays faulting in 64 MiB each cost 1 s of T_bcast on 2 cores)."""
-    from broadcast.store import SnapshotBuffer, SnapshotStore
+    from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
 
     key = RunKey.generate()
     m = [
@@ -95,7 +102,7 @@ PINNED = {
 
 
 def _pinned_manifests(tmp_path):
-    from broadcast.basemodel import build_base_manifest
+    from echo_rl.broadcast.basemodel import build_base_manifest
 
     key = RunKey.from_bytes(bytes(range(32)))  # Ed25519 signs deterministically
     payload = bytes(range(256)) * 4

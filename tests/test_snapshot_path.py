@@ -1,5 +1,5 @@
 """A closed snapshot port is named by the learner from its workers' reports (issue 55, item 2;
-learner/snapshot_path.py, docs/ports.md "A closed snapshot port")."""
+echo_rl/learner/snapshot_path.py, docs/ports.md "A closed snapshot port")."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from fakes import FakeClock
 from test_security import make_plane, zctx  # noqa: F401 (fixtures)
 
-from broadcast.snapshot import Snapshot, build_manifest
-from echo import wire
-from learner.snapshot_path import CORROBORATE_S, SAY_EVERY_S, WINDOW_S, SnapshotPathWatch
+from echo_rl.broadcast.snapshot import Snapshot, build_manifest
+from echo_rl.core import wire
+from echo_rl.learner.snapshot_path import CORROBORATE_S, SAY_EVERY_S, WINDOW_S, SnapshotPathWatch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,7 +100,7 @@ def test_a_live_learner_names_its_snapshot_port_from_its_workers_source_requests
     for w, s in socks.items():
         ack = ask(s, wire.Join(worker_id=w, can_relay=False))
         assert isinstance(ack, wire.JoinAck)
-        # the endpoint a worker never avoids (worker/snapshots.py), whatever its source is
+        # the endpoint a worker never avoids (echo_rl/worker/snapshots.py), whatever its source is
         assert ack.learner_snapshot_endpoint == plane.snapshot_endpoint
     assert plane.stats().snapshot_path == ""
     port = plane.snapshot_endpoint.rsplit(":", 1)[1]
@@ -137,8 +137,8 @@ def test_the_capacity_advice_names_the_port_while_workers_report_it(caplog):
     raising kappa; while the workers report the port, the warning is theirs instead."""
     from types import SimpleNamespace
 
-    from echo.config import EchoConfig
-    from learner.provision import CapacityFeedback
+    from echo_rl.core.config import EchoConfig
+    from echo_rl.learner.provision import CapacityFeedback
 
     server = SimpleNamespace(
         set_requirement=lambda need: None, members=SimpleNamespace(decisions=[])

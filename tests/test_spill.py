@@ -1,4 +1,4 @@
-"""echo.spill: payloads kept in unlinked files, read through read-only maps (docs/memory.md)."""
+"""echo_rl.core.spill: payloads kept in unlinked files, read through read-only maps (docs/memory.md)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import blake3
 import pytest
 import torch
 
-from broadcast.manifest import ChunkLayout
-from broadcast.store import SnapshotBuffer
-from echo.models import params_to_payload, params_to_spill
-from echo.spill import drop_pages, spill, spill_dir
+from echo_rl.broadcast.manifest import ChunkLayout
+from echo_rl.broadcast.store import SnapshotBuffer
+from echo_rl.core.models import params_to_payload, params_to_spill
+from echo_rl.core.spill import drop_pages, spill, spill_dir
 
 
 def test_a_spilled_payload_reads_as_the_bytes_and_leaves_no_file(tmp_path):

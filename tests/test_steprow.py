@@ -1,11 +1,11 @@
-"""The declared step row and run summary (echo/steprow.py): the JSON the learner writes
+"""The declared step row and run summary (echo_rl/core/steprow.py): the JSON the learner writes
 keeps its keys and their order, and rows from other versions read back without loss."""
 
 from __future__ import annotations
 
 import json
 
-from echo.steprow import COL, PUBLISH_FIELDS, TRAINER_FIELDS, RunSummary, StepRow
+from echo_rl.core.steprow import COL, PUBLISH_FIELDS, TRAINER_FIELDS, RunSummary, StepRow
 
 
 def test_a_row_writes_its_fields_in_declared_order_and_leaves_out_what_was_not_reported():
@@ -51,7 +51,7 @@ def test_a_summary_reads_back_tolerantly():
 
 
 def test_control_stats_from_a_mapping_keep_defaults_and_ignore_unknown_keys():
-    from echo.control_stats import STAT, ControlStats, as_stats
+    from echo_rl.core.control_stats import STAT, ControlStats, as_stats
 
     s = ControlStats.from_json({"active_workers": 3, "t_bcast": 0.5, "not_a_stat": 1})
     assert s.active_workers == 3 and s.t_bcast == 0.5 and s.rejected == {} and s.decode_s is None

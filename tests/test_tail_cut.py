@@ -12,8 +12,8 @@ from test_handbacks import checked  # noqa: F401 (fixture)
 from test_preemption import _record, intake  # noqa: F401 (fixture)
 from test_trust import _sample
 
-from echo import wire
-from learner.intake import one_version
+from echo_rl.core import wire
+from echo_rl.learner.intake import one_version
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,9 +21,9 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module", params=["transformers", "engine"])
 def backend(request):
     """Both backends cut alike: Hugging Face generate's (a stopping criterion) and the
-    engine's (worker/backends/engine.py, at its look at the slots)."""
-    from echo.config import ModelConfig
-    from worker.backends import make_backend
+    engine's (echo_rl/worker/backends/engine.py, at its look at the slots)."""
+    from echo_rl.core.config import ModelConfig
+    from echo_rl.worker.backends import make_backend
 
     return make_backend(request.param, model_cfg=ModelConfig(max_positions=256), threads=1)
 
@@ -90,7 +90,7 @@ def test_a_group_carried_across_an_install_is_audited_on_one_version_drawn_at_ra
 
 
 def test_one_version_leaves_single_version_and_multi_turn_groups_alone():
-    from dataplane.records import Record
+    from echo_rl.data.records import Record
 
     def rec(versions=None, mask=None):
         return Record(
@@ -122,7 +122,7 @@ def test_a_run_with_the_tail_cut_trains_its_carried_groups_and_strikes_nobody(tm
     root = Path(__file__).resolve().parents[1]
     run = tmp_path / "run"
     argv = [
-        sys.executable, "-m", "echo.cli", "quickstart", "--config", "examples/quickstart.toml",
+        sys.executable, "-m", "echo_rl.cli.rl", "quickstart", "--config", "examples/quickstart.toml",
         "--run-dir", str(run), "--workers", "1", "--set", "learner.max_steps=6",
         "--set", "worker.max_new_tokens=128", "--set", "worker.tail_cut=0.75",
         "--set", "learner.prompts_per_step=8",
@@ -142,8 +142,8 @@ def test_a_run_with_the_tail_cut_trains_its_carried_groups_and_strikes_nobody(tm
 def _lengths(cut: float, row_cost: float = 0.0):
     import numpy as np
 
-    from provisioning.sim.scenario import RolloutSection
-    from provisioning.sim.tail import Lengths
+    from echo_rl.provisioning.sim.scenario import RolloutSection
+    from echo_rl.provisioning.sim.tail import Lengths
 
     ro = RolloutSection(
         groups_per_request=2, length_mean=200, length_cap=800, tail_cut=cut,
@@ -219,7 +219,7 @@ def test_a_carrier_forging_its_older_tokens_is_struck_when_that_version_is_drawn
     ones pass. (The draw is after receipt: a forger cannot choose the run that is checked.)"""
     import torch
 
-    from echo.models import params_to_payload
+    from echo_rl.core.models import params_to_payload
 
     checked.auditor.add_snapshot(1, *params_to_payload(checked.model.named_parameters(), "float32"))
     checked.buffer.set_version(1)
@@ -252,7 +252,7 @@ def test_a_learner_s_junk_tail_cut_turns_the_cut_off_and_generation_goes_on(junk
     (0, 1) means no cut, never an exception out of the rollout."""
     import threading
 
-    from worker.scoring import generate_and_score, tail_share
+    from echo_rl.worker.scoring import generate_and_score, tail_share
 
     assert tail_share(junk) == 0.0 and tail_share(0.75) == 0.75
 
@@ -260,7 +260,7 @@ def test_a_learner_s_junk_tail_cut_turns_the_cut_off_and_generation_goes_on(junk
         tokenizer = type("T", (), {"decode": staticmethod(lambda ids, **kw: "")})()
 
         def generate(self, groups, max_new_tokens, temperature, stop=None):
-            from worker.backends.base import Sample
+            from echo_rl.worker.backends.base import Sample
 
             return [[Sample([5, 2], [-0.1, -0.1]) for _ in range(g.n)] for g in groups]
 

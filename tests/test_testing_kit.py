@@ -1,4 +1,4 @@
-"""The multi-turn test kit (``dataplane.testing``, issue 56): it plays an adapter's episodes as a
+"""The multi-turn test kit (``echo_rl.data.testing``, issue 56): it plays an adapter's episodes as a
 worker does (the worker's own driver gives the same episodes), by the adapter's rules, refuses
 episodes that break the contract, builds the groups a worker is granted, and the docs' example
 tests that use it pass against the tutorial's game."""
@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 from test_adapters_registry import MULTI_TURN, tutorial_files
 
-from adapters.poker import PokerAdapter
-from dataplane.adapter import AdapterError, Prompt
-from dataplane.episodes import EpisodeAdapter, EpisodeSample
-from dataplane.multiturn import Transcript
-from dataplane.testing import (
+from echo_rl.adapters.poker import PokerAdapter
+from echo_rl.core import wire
+from echo_rl.core.models import build_tiny_tokenizer
+from echo_rl.data.adapter import AdapterError, Prompt
+from echo_rl.data.episodes import EpisodeAdapter, EpisodeSample
+from echo_rl.data.multiturn import Transcript
+from echo_rl.data.testing import (
     PolicyBackend,
     Turn,
     build_chatml_char_tokenizer,
@@ -30,8 +32,6 @@ from dataplane.testing import (
     play_groups,
     scripted,
 )
-from echo import wire
-from echo.models import build_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -212,7 +212,7 @@ def test_the_kit_refuses_an_episode_that_breaks_the_contract(
 
 
 def test_make_groups_are_the_groups_a_worker_is_granted(game: EpisodeAdapter, tok: Any) -> None:
-    from learner.evaluation import seeded_groups
+    from echo_rl.learner.evaluation import seeded_groups
 
     groups = make_groups(game, count=3, n=4, seed=5)
     prompts = game.prompts(random.Random(5))
@@ -244,9 +244,9 @@ def test_make_groups_are_the_groups_a_worker_is_granted(game: EpisodeAdapter, to
 
 @pytest.mark.parametrize("adapter", ["take-last", "poker"])
 def test_the_kit_plays_what_the_worker_plays(request: pytest.FixtureRequest, adapter: str) -> None:
-    """The worker's own driver (``worker.scoring.generate_and_score``), given the kit's
+    """The worker's own driver (``echo_rl.worker.scoring.generate_and_score``), given the kit's
     stand-in backend, gives the very episodes the kit returns: the kit cannot drift."""
-    from worker.scoring import generate_and_score
+    from echo_rl.worker.scoring import generate_and_score
 
     if adapter == "poker":
         ad: EpisodeAdapter = PokerAdapter({"bot_samples": 6}, build_chatml_char_tokenizer())

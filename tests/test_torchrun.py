@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo.procs import ProcessGroup, wait_ready
+from echo_rl.core.procs import ProcessGroup, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -81,7 +81,7 @@ def test_fsdp2_lora_two_ranks_match_single_process(tmp_path):
 
 
 def test_learner_runs_under_torchrun_with_a_worker(tmp_path, small_cfg):
-    from echo.config import dump_toml
+    from echo_rl.core.config import dump_toml
 
     conf = tmp_path / "cfg.toml"
     small_cfg.learner.max_steps = 4
@@ -90,7 +90,15 @@ def test_learner_runs_under_torchrun_with_a_worker(tmp_path, small_cfg):
     try:
         learner = group.start(
             "learner",
-            [*TORCHRUN, "-m", "echo.cli", "learn", str(conf), "--run-dir", str(tmp_path / "run")],
+            [
+                *TORCHRUN,
+                "-m",
+                "echo_rl.cli.rl",
+                "learn",
+                str(conf),
+                "--run-dir",
+                str(tmp_path / "run"),
+            ],
             tmp_path / "learner.err",
             pipe_stdout=True,
         )
@@ -100,7 +108,7 @@ def test_learner_runs_under_torchrun_with_a_worker(tmp_path, small_cfg):
             [
                 sys.executable,
                 "-m",
-                "worker.cli",
+                "echo_rl.cli.worker",
                 "join",
                 endpoint,
                 "--id",

@@ -1,5 +1,5 @@
 """A multi-turn rollout's context cache kept from one decision to the next
-(worker/backends/turn_cache.py, ``worker.turn_cache``; docs/scheduling.md "Cache-affine
+(echo_rl/worker/backends/turn_cache.py, ``worker.turn_cache``; docs/scheduling.md "Cache-affine
 turns"): the same samples and log-probs as prefilling every transcript whole, with a fraction
 of the prefill."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from echo import wire
+from echo_rl.core import wire
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _poker():
-    from dataplane.adapter import load_adapter
-    from echo.config import load_config
-    from worker.backends.transformers import TransformersBackend
+    from echo_rl.core.config import load_config
+    from echo_rl.data.adapter import load_adapter
+    from echo_rl.worker.backends.transformers import TransformersBackend
 
     # four hands an episode, answers from the action letters: episodes of several decisions
     cfg = load_config(
@@ -47,7 +47,7 @@ def _poker():
 
 
 def _rollout(backend, adapter, wv, groups, turn_cache):
-    from worker.scoring import generate_and_score
+    from echo_rl.worker.scoring import generate_and_score
 
     return generate_and_score(
         backend, adapter, {**wv, "turn_cache": turn_cache}, threading.Event(), groups
@@ -55,7 +55,7 @@ def _rollout(backend, adapter, wv, groups, turn_cache):
 
 
 def test_the_cache_changes_no_sample_and_saves_most_of_the_prefill():
-    from worker.backends import transformers as tb
+    from echo_rl.worker.backends import transformers as tb
 
     backend, adapter, wv, groups = _poker()
     seen = []
@@ -90,7 +90,7 @@ def test_the_cache_changes_no_sample_and_saves_most_of_the_prefill():
 def test_a_prompt_that_does_not_continue_its_row_starts_afresh():
     import torch
 
-    from worker.backends.turn_cache import TurnCache
+    from echo_rl.worker.backends.turn_cache import TurnCache
 
     t = TurnCache(pad=0)
     first = t.plan([[3, 4], [5, 6, 7]], "cpu")
@@ -145,7 +145,7 @@ def test_a_poker_run_with_the_turn_cache_passes_every_audit(tmp_path):
 
     run = tmp_path / "run"
     argv = [
-        sys.executable, "-m", "echo.cli", "quickstart", "--config", "examples/quickstart.toml",
+        sys.executable, "-m", "echo_rl.cli.rl", "quickstart", "--config", "examples/quickstart.toml",
         "--run-dir", str(run), "--workers", "1", "--set", "learner.max_steps=4",
         "--set", "adapter.name=poker", "--set", "adapter.presets.poker.hands=4",
         "--set", "adapter.presets.poker.max_episode_tokens=600",

@@ -16,17 +16,17 @@ from typing import Any
 import pytest
 import torch
 
-from echo import wire
-from echo.config import ModelConfig, load_config
-from echo.models import (
+from echo_rl.core import wire
+from echo_rl.core.config import ModelConfig, load_config
+from echo_rl.core.models import (
     build_tiny_tokenizer,
     engine_model_dir,
     load_model,
     params_to_payload,
     vocab_size_of_folder,
 )
-from worker.backends import make_backend
-from worker.backends.refit import (
+from echo_rl.worker.backends import make_backend
+from echo_rl.worker.backends.refit import (
     ALIGN,
     RefitError,
     VersionBook,
@@ -36,8 +36,8 @@ from worker.backends.refit import (
     tied_embeddings,
     write_shared,
 )
-from worker.backends.vllm import VLLMBackend, cut_at_eos, sampled_logprobs
-from worker.backends.vllm_ext import EchoRefitExtension, iter_tensors
+from echo_rl.worker.backends.vllm import VLLMBackend, cut_at_eos, sampled_logprobs
+from echo_rl.worker.backends.vllm_ext import EchoRefitExtension, iter_tensors
 
 SMOLLM2 = Path("models/smollm2-135m-instruct")
 
@@ -405,7 +405,7 @@ def test_config_and_cli_accept_vllm_and_name_bad_values(tmp_path):
     assert cfg.worker.backend == "vllm"
     with pytest.raises(Exception, match="worker.backend"):
         load_config(None, ['worker.backend="onnx"'])
-    from worker.cli import build_parser, main
+    from echo_rl.cli.worker import build_parser, main
 
     args = build_parser().parse_args(
         ["join", "tcp://127.0.0.1:1", "--backend", "vllm", "--device", "cuda:1"]

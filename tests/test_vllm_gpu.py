@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo import wire
-from echo.config import ModelConfig
-from echo.models import load_model, load_tokenizer, params_to_payload
+from echo_rl.core import wire
+from echo_rl.core.config import ModelConfig
+from echo_rl.core.models import load_model, load_tokenizer, params_to_payload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -36,8 +36,8 @@ pytest.importorskip(
     "CUDA build of torch==2.13.0 (docs/worker.md)",
 )
 
-from learner.trainer import token_logprobs  # noqa: E402
-from worker.backends.vllm import VLLMBackend  # noqa: E402
+from echo_rl.learner.trainer import token_logprobs  # noqa: E402
+from echo_rl.worker.backends.vllm import VLLMBackend  # noqa: E402
 
 SMOLLM2 = Path("models/smollm2-135m-instruct")
 RESULTS = Path("benchmarks/results/vllm")

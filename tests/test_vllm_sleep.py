@@ -1,6 +1,6 @@
 """A vLLM worker serving more runs than it keeps on the GPU (--resident): its engine sleeps
 between the run's turns (vLLM's sleep mode, level 1: weights to host memory, KV cache freed)
-and wakes for them (worker/backends/vllm.py park/unpark). Through the fake engine of
+and wakes for them (echo_rl/worker/backends/vllm.py park/unpark). Through the fake engine of
 tests/test_vllm_backend.py: the calls and their order, not the GPU's memory (no GPU here; the
 sleep itself has not run on one)."""
 
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from echo.config import ModelConfig
+from echo_rl.core.config import ModelConfig
+from echo_rl.worker.backends.refit import RefitError
+from echo_rl.worker.backends.vllm import VLLMBackend
+from echo_rl.worker.sharing import Turns
 from tests.test_vllm_backend import Params, Prompt, fake_backend, group, perturbed, snapshot
-from worker.backends.refit import RefitError
-from worker.backends.vllm import VLLMBackend
-from worker.sharing import Turns
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,7 +84,7 @@ def test_the_engine_is_built_for_sleep_when_the_device_will_park(
     tmp_path, monkeypatch, runs, resident, sleeps
 ):
     """Turns.parks says whether models will move (more runs than --resident); the worker's
-    load passes it on (worker/model.py LoadChoice.parks) and the engine is built with
+    load passes it on (echo_rl/worker/model.py LoadChoice.parks) and the engine is built with
     enable_sleep_mode only then."""
     import torch
 

@@ -13,9 +13,16 @@ from pathlib import Path
 import pytest
 from test_integration import cluster  # noqa: F401  (the fixture: a learner and workers on loopback)
 
-from echo.procs import python_argv
-from worker import cli
-from worker.status import PlainView, StatusBoard, WorkerStatus, read_status, rows, write_atomic
+from echo_rl.cli import worker as cli
+from echo_rl.core.procs import python_argv
+from echo_rl.worker.status import (
+    PlainView,
+    StatusBoard,
+    WorkerStatus,
+    read_status,
+    rows,
+    write_atomic,
+)
 
 ACCOUNT = {
     "state": "active",
@@ -189,7 +196,7 @@ def _start(cluster, name: str, *lie: str) -> Path:
             *join,
         ]
         if lie
-        else python_argv("worker.cli", *join)
+        else python_argv("echo_rl.cli.worker", *join)
     )
     cluster.group.start(name, argv, cluster.tmp / f"{name}.log")
     return status
@@ -241,7 +248,7 @@ def test_status_file_and_exit_summary_agree_with_the_learners_metrics(cluster):
 
 
 def test_the_status_file_is_one_declared_type(tmp_path):
-    """worker.status.WorkerStatus: a misspelt field fails on the worker; a reader ignores a
+    """echo_rl.worker.status.WorkerStatus: a misspelt field fails on the worker; a reader ignores a
     field it does not know and keeps the fields the worker has not reached absent."""
     import pydantic
 

@@ -15,20 +15,20 @@ import socket
 import pytest
 from fakes import FakeClock
 
-from broadcast.snapshot import RunKey
-from dataplane.adapter import load_adapter
-from dataplane.records import Limits
-from echo import wire
-from echo.security import JoinLine
-from learner.buffer import ReplayBuffer
-from learner.main import LearnerStall, shutdown_reason
-from learner.server import LearnerServer
-from learner.work import WorkQueue
-from provisioning.controller import ACTIVATE, RELEASE, Controller, Decision
-from provisioning.words import SENTENCES, in_words
-from worker.agent import Worker, WorkerError
-from worker.status import StatusBoard, WorkerStatus, rows, state_of
-from worker.unreachable import Unreachable
+from echo_rl.broadcast.snapshot import RunKey
+from echo_rl.core import wire
+from echo_rl.core.security import JoinLine
+from echo_rl.data.adapter import load_adapter
+from echo_rl.data.records import Limits
+from echo_rl.learner.buffer import ReplayBuffer
+from echo_rl.learner.main import LearnerStall, shutdown_reason
+from echo_rl.learner.server import LearnerServer
+from echo_rl.learner.work import WorkQueue
+from echo_rl.provisioning.controller import ACTIVATE, RELEASE, Controller, Decision
+from echo_rl.provisioning.words import SENTENCES, in_words
+from echo_rl.worker.agent import Worker, WorkerError
+from echo_rl.worker.status import StatusBoard, WorkerStatus, rows, state_of
+from echo_rl.worker.unreachable import Unreachable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,7 +96,7 @@ def test_a_worker_facing_a_silent_learner_hints_then_gives_up(caplog, tmp_path):
         give_up_after_s=120,
         clock=lambda: float(next(ticks)),
     )
-    caplog.set_level(logging.WARNING, logger="worker.agent")
+    caplog.set_level(logging.WARNING, logger="echo_rl.worker.agent")
     with pytest.raises(BaseExceptionGroup) as eg:
         asyncio.run(worker.run())
     fatal, rest = eg.value.split(WorkerError)
@@ -113,7 +113,7 @@ def test_a_worker_facing_a_silent_learner_hints_then_gives_up(caplog, tmp_path):
 
 
 def test_give_up_after_must_be_a_positive_number(tmp_path, capsys):
-    from worker import cli
+    from echo_rl.cli import worker as cli
 
     rc = cli.main(
         [
@@ -159,7 +159,7 @@ def test_status_says_installing_until_the_first_install():
 
 
 def test_echo_worker_status_prints_installing_from_the_file(tmp_path, capsys):
-    from worker import cli
+    from echo_rl.cli import worker as cli
 
     path = tmp_path / "w.json"
     path.write_text(json.dumps({"schema": 1, "pid": 0, "updated_at": 0, **_doc().to_json()}))
@@ -186,7 +186,7 @@ def test_status_of_an_exited_worker_ages_the_learner_s_word_from_the_exit(tmp_pa
     ago)": the age the learner gave when it said it, frozen in the file."""
     import time
 
-    from worker import cli
+    from echo_rl.cli import worker as cli
 
     exited = time.time() - 3600
     account = {"state": "left", "message": "run complete", "message_age_s": 0.0}

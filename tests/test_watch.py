@@ -1,4 +1,4 @@
-"""The step loop's eye on its policy (learner/watch.py, docs/learner.md "Watching the policy"):
+"""The step loop's eye on its policy (echo_rl/learner/watch.py, docs/learner.md "Watching the policy"):
 a held-out score that falls below its best by a paired interval, an entropy that collapsed
 while groups score alike, the stop that learner.collapse = "stop" asks for, and DAPO's dynamic
 sampling taking groups whose samples differ in place of those that scored alike."""
@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dataplane.records import Record
-from echo.ci import mean_ci
-from echo.steprow import StepRow
-from learner.buffer import ReplayBuffer
-from learner.evaluation import HeldoutScore
-from learner.watch import PolicyWatch, flat, take_groups
+from echo_rl.core.ci import mean_ci
+from echo_rl.core.steprow import StepRow
+from echo_rl.data.records import Record
+from echo_rl.learner.buffer import ReplayBuffer
+from echo_rl.learner.evaluation import HeldoutScore
+from echo_rl.learner.watch import PolicyWatch, flat, take_groups
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,7 +27,7 @@ def score(steps: int, per_prompt: list[float]) -> HeldoutScore:
 
 @dataclass
 class FakeHeldout:
-    """What PolicyWatch reads of learner/heldout.py: scores as they come back, the best."""
+    """What PolicyWatch reads of echo_rl/learner/heldout.py: scores as they come back, the best."""
 
     pending: list[HeldoutScore] = field(default_factory=list)
     best: HeldoutScore | None = None

@@ -2,7 +2,7 @@ import lz4.frame
 import msgpack
 import pytest
 
-from echo import wire
+from echo_rl.core import wire
 
 
 def test_round_trip_every_request():

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from broadcast.snapshot import SnapshotError, build_manifest, verify_manifest
-from echo import wire
+from echo_rl.broadcast.snapshot import SnapshotError, build_manifest, verify_manifest
+from echo_rl.core import wire
 from fuzz import decoders  # not an installed package: pytest's pythonpath finds it
 
 _N = int(os.environ.get("ECHO_FUZZ_EXAMPLES", "0"))

@@ -12,12 +12,12 @@ import time
 import pytest
 from worker_doubles import ScriptedClient, make_generation
 
-from echo import wire
-from echo.commands.admin import main as admin_main
-from echo.config import dump_toml
-from echo.procs import ProcessGroup, python_argv, wait_ready
-from worker.agent import WorkerError
-from worker.status import WorkerStatus, read_status, rows
+from echo_rl.cli.commands.admin import main as admin_main
+from echo_rl.core import wire
+from echo_rl.core.config import dump_toml
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
+from echo_rl.worker.agent import WorkerError
+from echo_rl.worker.status import WorkerStatus, read_status, rows
 
 BANNED = "this key is banned (banned by the operator)"
 
@@ -41,7 +41,7 @@ def test_a_banned_worker_s_summary_and_status_agree(tmp_path, small_cfg):
     try:
         learner = group.start(
             "learner",
-            python_argv("echo.cli", "learn", str(conf), "--run-dir", str(run)),
+            python_argv("echo_rl.cli.rl", "learn", str(conf), "--run-dir", str(run)),
             tmp_path / "l.log",
             pipe_stdout=True,
         )
@@ -50,7 +50,7 @@ def test_a_banned_worker_s_summary_and_status_agree(tmp_path, small_cfg):
         worker = group.start(
             "w0",
             python_argv(
-                "worker.cli",
+                "echo_rl.cli.worker",
                 "join",
                 line,
                 "--id",

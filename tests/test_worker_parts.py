@@ -12,17 +12,17 @@ from types import SimpleNamespace
 import pytest
 from worker_doubles import VIEW, ScriptedClient, make_generation, make_session, scripted_backend
 
-from broadcast.snapshot import RunKey, build_manifest
-from broadcast.tickets import Source
-from echo import wire
-from echo.client import RequestTimeout
-from worker.backends import Sample
-from worker.delivery import Deliveries
-from worker.install import Installer, check_base
-from worker.lifecycle import STOP_S, Activity, Lifecycle, watch_owner
-from worker.model import LoadChoice
-from worker.session import SessionHooks, WorkerError
-from worker.status import InstallProgress, StatusBoard
+from echo_rl.broadcast.snapshot import RunKey, build_manifest
+from echo_rl.broadcast.tickets import Source
+from echo_rl.core import wire
+from echo_rl.core.client import RequestTimeout
+from echo_rl.worker.backends import Sample
+from echo_rl.worker.delivery import Deliveries
+from echo_rl.worker.install import Installer, check_base
+from echo_rl.worker.lifecycle import STOP_S, Activity, Lifecycle, watch_owner
+from echo_rl.worker.model import LoadChoice
+from echo_rl.worker.session import SessionHooks, WorkerError
+from echo_rl.worker.status import InstallProgress, StatusBoard
 
 KEY = RunKey.from_bytes(bytes(32))
 MANIFEST = build_manifest(
@@ -46,7 +46,7 @@ def _ack(**kw) -> wire.JoinAck:
 
 
 def test_session_retries_a_busy_learner_then_joins_and_says_what_changed(monkeypatch):
-    monkeypatch.setattr("worker.session.JOIN_BACKOFF_S", 0.0)
+    monkeypatch.setattr("echo_rl.worker.session.JOIN_BACKOFF_S", 0.0)
     answers = iter(
         [
             wire.Error(reason="rate_limited", detail="slow down"),
@@ -369,8 +369,8 @@ def test_the_owner_s_work_yields_the_machine_until_it_is_quiet():
 def test_the_relay_node_offers_its_endpoint_takes_the_learner_s_tuning_and_names_a_taken_port():
     import zmq.asyncio
 
-    from broadcast.relay import RelayConfig
-    from worker.relaying import RelayNode
+    from echo_rl.broadcast.relay import RelayConfig
+    from echo_rl.worker.relaying import RelayNode
 
     ctx = zmq.asyncio.Context()
     node = RelayNode(ctx, RelayConfig(down_mbit=8.0), keys=None, run_key=lambda: b"")
@@ -405,8 +405,8 @@ def test_a_failed_nat_probe_says_why_and_what_the_volunteer_can_check(caplog):
 
     import zmq.asyncio
 
-    from broadcast.relay import RelayConfig
-    from worker.relaying import RelayNode
+    from echo_rl.broadcast.relay import RelayConfig
+    from echo_rl.worker.relaying import RelayNode
 
     ctx = zmq.asyncio.Context()
     node = RelayNode(ctx, RelayConfig(), keys=None, run_key=lambda: b"")
@@ -430,7 +430,7 @@ def test_a_failed_nat_probe_says_why_and_what_the_volunteer_can_check(caplog):
 
 def test_carried_groups_go_back_with_their_prefixes_when_the_worker_stops_or_yields():
     """A worker that stops (or yields to its owner) before continuing its carried groups
-    hands them back with what they hold, so another worker finishes them (worker/tail.py)."""
+    hands them back with what they hold, so another worker finishes them (echo_rl/worker/tail.py)."""
     client = ScriptedClient(lambda msg: wire.HandbackAck(groups=1, prefixes=2))
     g = make_generation(client, scripted_backend([[5, 2]]), ADAPTER)
     g.carry.keep(

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from echo.config import EchoConfig, dump_toml
-from echo.procs import ProcessGroup, python_argv, wait_ready
-from echo.security import JoinLine, KeyPair
+from echo_rl.core.config import EchoConfig, dump_toml
+from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
+from echo_rl.core.security import JoinLine, KeyPair
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -58,7 +58,7 @@ class Fleet:
         conf = self.tmp / "learner.toml"
         conf.write_text(dump_toml(cfg))
         argv = python_argv(
-            "echo.cli",
+            "echo_rl.cli.rl",
             "learn",
             str(conf),
             "--run-dir",
@@ -73,7 +73,7 @@ class Fleet:
         proc = self.group.start(
             name,
             python_argv(
-                "worker.cli",
+                "echo_rl.cli.worker",
                 "join",
                 line,
                 "--id",

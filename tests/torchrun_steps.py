@@ -7,16 +7,16 @@ statistics (used by test_torchrun.py).
     ... OUT.pt lora                                            # a LoRA adapter on the frozen base
 
 With ``lora`` the saved state also holds a checkpoint round trip: the adapter's state loaded
-back (``{"op": "load"}``) and gathered again.
+back (``Load``) and gathered again.
 """
 
 import sys
 
 import torch
 
-from dataplane.adapter import LearnerBatch
-from echo.config import EchoConfig
-from learner.policy import Policy
+from echo_rl.core.config import EchoConfig
+from echo_rl.data.adapter import LearnerBatch
+from echo_rl.learner.policy import Load, Policy, Step, Sync
 
 
 def batch(seed: int, n: int = 16, prompt: int = 4, completion: int = 3) -> LearnerBatch:
@@ -55,27 +55,19 @@ def main(out: str, lora: bool = False) -> None:
         return
     poisoned = batch(3)
     poisoned.advantages[5] = float("nan")  # on one rank's shard of one mini-batch
-    stats = [
-        policy.command({"op": "step", "batch": b, "sync": False})[0]
-        for b in (batch(0), batch(1), batch(2), poisoned)
-    ]
-    _, (model_sd, optim_sd) = policy.command({"op": "sync"})
+    stats = [policy.command(Step(b))[0] for b in (batch(0), batch(1), batch(2), poisoned)]
+    _, (model_sd, optim_sd) = policy.command(Sync())
     saved = {"params": {n: t for n, t in policy.named_tensors(model_sd)}, "stats": stats}
     if lora:  # resume from the adapter alone: the same adapter comes back
-        policy.command(
-            {
-                "op": "load",
-                "state": {"model": model_sd, "optimizer": optim_sd, **policy.rng_state()},
-            }
-        )
-        _, (again, _) = policy.command({"op": "sync"})
+        policy.command(Load({"model": model_sd, "optimizer": optim_sd, **policy.rng_state()}))
+        _, (again, _) = policy.command(Sync())
         saved["reloaded"] = dict(policy.named_tensors(again))
     torch.save(saved, out)
     policy.close()
 
 
 if __name__ == "__main__":
-    from learner.parallel import exit_rank
+    from echo_rl.learner.parallel import exit_rank
 
     main(sys.argv[1], lora=sys.argv[2:] == ["lora"])
     exit_rank(0)  # as echo-rl learn ends a rank: no finalisation for gloo to abort in

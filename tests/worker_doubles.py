@@ -1,4 +1,4 @@
-"""In-memory doubles for the worker's parts (worker/session.py, generation.py, delivery.py,
+"""In-memory doubles for the worker's parts (echo_rl/worker/session.py, generation.py, delivery.py,
 install.py): a learner link that answers from a script, and the parts wired to it."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from echo import wire
-from echo.security import JoinLine
-from worker.delivery import Deliveries
-from worker.generation import Generation
-from worker.install import Held
-from worker.lifecycle import Activity, Lifecycle
-from worker.session import RelayOffer, Session, SessionHooks
-from worker.status import StatusBoard
-from worker.unreachable import Unreachable
+from echo_rl.core import wire
+from echo_rl.core.security import JoinLine
+from echo_rl.worker.delivery import Deliveries
+from echo_rl.worker.generation import Generation
+from echo_rl.worker.install import Held
+from echo_rl.worker.lifecycle import Activity, Lifecycle
+from echo_rl.worker.session import RelayOffer, Session, SessionHooks
+from echo_rl.worker.status import StatusBoard
+from echo_rl.worker.unreachable import Unreachable
 
 VIEW = {
     "worker": {
@@ -118,7 +118,7 @@ def make_generation(
 
 def scripted_backend(completions: list[list[int]]) -> Any:
     """A backend answering every group with the same finished completions."""
-    from worker.backends import Sample
+    from echo_rl.worker.backends import Sample
 
     tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "")
     return SimpleNamespace(

@@ -1,1 +1,0 @@
-"""Task adapters shipped with Echo (found through the ``echo.adapters`` entry points)."""

@@ -1,0 +1,384 @@
+"""The worker: join, keep the newest snapshot installed, generate, score, push, heartbeat.
+
+``Worker`` wires a few parts, each with its own state and a small interface, and runs them
+under one asyncio TaskGroup:
+
+  * ``Session`` (echo_rl/worker/session.py): join and re-join, heartbeats, the learner's notices, bans;
+  * ``RelayNode`` (echo_rl/worker/relaying.py): the relay serving snapshot chunks to peers, its punched
+    links, the NAT probe;
+  * ``Installer`` (echo_rl/worker/install.py): the snapshot feed, the model it installs into, a LoRA
+    run's base;
+  * ``Generation`` (echo_rl/worker/generation.py): pull work, generate, score, hand cut samples back;
+  * ``Deliveries`` (echo_rl/worker/delivery.py): every batch delivered at least once, several in flight;
+  * ``Lifecycle`` (echo_rl/worker/lifecycle.py): the stop, its budget, preemption notices, the owner.
+
+Delivery is at-least-once (bounded by ``worker.max_unacked_batches``: when full, the worker
+stops generating until acknowledgements come). If the learner restarts (a heartbeat
+acknowledgement names a new instance, or says it does not know us) the worker joins again and
+carries on with its unacknowledged batches.
+
+Security (docs/security.md): the worker's identity is its CURVE key pair (``--identity``); it
+pins the learner's key from the join line, and tells the user in words when the handshake fails
+(wrong learner key, key refused, plaintext learner) instead of retrying silently. Its relay
+serves only children holding a pull ticket for it. SIGTERM or SIGINT: finish the current group, try
+to deliver what is pending, say ``leave``, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import zmq.asyncio
+
+from echo_rl.broadcast.memory import trim
+from echo_rl.broadcast.relay import RelayConfig
+from echo_rl.core import wire
+from echo_rl.core.client import Client
+from echo_rl.core.security import JoinLine, KeyPair, fingerprint
+from echo_rl.worker.delivery import Deliveries
+from echo_rl.worker.generation import Generation
+from echo_rl.worker.install import Installer
+from echo_rl.worker.lifecycle import (
+    LEAVE_S,
+    Activity,
+    Lifecycle,
+    Owner,
+    in_daemon_thread,
+    watch_owner,
+)
+from echo_rl.worker.model import LoadChoice
+from echo_rl.worker.relaying import RelayNode
+from echo_rl.worker.session import Session, SessionHooks, WorkerError
+from echo_rl.worker.sharing import Turns
+from echo_rl.worker.status import InstallProgress, StatusBoard, exit_text
+from echo_rl.worker.unreachable import Unreachable
+
+if TYPE_CHECKING:
+    from echo_rl.core.memplan import HostBudget
+
+__all__ = ["Worker", "WorkerError"]
+
+log = logging.getLogger("echo.worker")
+DEFAULT_SWITCH_S = sys.getswitchinterval()
+
+BOOT_MAX_BYTES = 64 * 2**20  # frame limit before the learner's config arrives
+MEMORY_EVERY = 5  # status-loop ticks between memory censuses (docs/memory.md)
+# GIL switch interval (Python's default: 5 ms). While the model's libraries import on another
+# thread, this loop (heartbeats, relaying, a stop) gets the GIL back within LOAD_SWITCH_S
+# (echo_rl.worker.lifecycle.STOP_SWITCH_S once stopping). The default returns after the load.
+LOAD_SWITCH_S = 1e-3
+
+
+class Worker:
+    # Builds the generation part (called with Generation's arguments): a drill's worker that
+    # lies or cherry-picks (benchmarks/) brings its own subclass.
+    make_generation: Callable[..., Generation] = Generation
+
+    def __init__(
+        self,
+        endpoint: str | JoinLine,
+        *,
+        worker_id: str | None = None,
+        price: float = 0.0,
+        threads: int | None = None,
+        join_timeout_s: float = 5.0,
+        ledger: str | None = None,
+        relay: RelayConfig | None = None,
+        keys: KeyPair | None = None,
+        backend: str | None = None,
+        device: str | None = None,
+        status: StatusBoard | None = None,
+        show: Callable[[StatusBoard], None] | None = None,
+        migrate: bool = True,
+        owner: Owner | None = None,
+        give_up_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        host_memory_gb: float = 0.0,
+        turns: Turns | None = None,
+        run_name: str = "",
+        host_budget: HostBudget | None = None,
+    ):
+        """``status``: where the worker's status goes (docs/volunteers.md; default: kept in
+        memory only); ``show``: called with it every second (a live view or a plain line).
+        ``migrate``: on SIGTERM, cut the samples being generated and hand them back as
+        prefixes (docs/preemption.md) instead of finishing the current groups; ``owner``: an
+        ``echo_rl.worker.owner`` watch: yield the machine whenever its owner's work appears.
+        ``give_up_after_s``: stop when the learner has not answered a join this long (None:
+        keep trying; either way, say what to check after 30 s). ``host_memory_gb``: the
+        volunteer's memory budget (0: none; echo_rl/core/memplan.py). ``turns``: the device's
+        arbiter when this worker is one of several runs in one process (echo_rl/worker/sharing.py),
+        this run known to it as ``run_name``; they then own the process's signals.
+        ``host_budget``: the memory budget the process's runs share (echo_rl/core/memplan.py)."""
+        self.line = endpoint if isinstance(endpoint, JoinLine) else JoinLine(endpoint, None)
+        self.endpoint = self.line.endpoint
+        # Identity is the key pair; without CURVE (an --insecure learner) the id is all there is.
+        self.keys = (keys or KeyPair.generate()) if self.line.server_key is not None else None
+        default_id = (
+            f"w-{fingerprint(self.keys.public)[:8]}" if self.keys else f"w-{uuid.uuid4().hex[:8]}"
+        )
+        self.worker_id = worker_id or default_id
+        self.price, self.join_timeout_s, self.ledger = price, join_timeout_s, ledger
+        self.relay_cfg = relay or RelayConfig()
+        self.choice = LoadChoice(
+            threads,
+            backend,
+            device,
+            host_memory_gb,
+            spill=bool(self.relay_cfg.spill_dir),
+            shared=host_budget,
+            run=run_name,
+        )
+        self.unreachable = Unreachable(self.endpoint, give_up_after_s, clock=clock)
+        self.status = status or StatusBoard(self.worker_id, self.endpoint, price, None)
+        self.status.update(worker_id=self.worker_id)
+        self.show, self.owner = show, owner
+        self.activity = Activity()
+        self.life = Lifecycle(lambda: self.worker_id, migrate)
+        self.progress = InstallProgress()  # the first install's phases, shown to the volunteer
+        self._side_tasks: set[asyncio.Future[Any]] = set()
+        # Alone, the worker keeps Turns of its own: the same device-time books (idle fraction)
+        # whether it serves one run or several.
+        self.shared = turns is not None
+        self.turns, self.run_name = turns or Turns(), run_name or "run"
+        if not self.shared:
+            self.turns.add(self.run_name)
+
+    # ------------------------------------------------------------------ wiring
+
+    def _assemble(self, client: Client, node: RelayNode) -> None:
+        """The parts, each given what it needs and nothing more."""
+        self.client, self.node = client, node
+        hooks = SessionHooks(
+            joined=self._joined,
+            offer=lambda *a: self.installer.offer(*a),
+            punch=node.tunnels.open,
+            beat=self._beat,
+            need=lambda need: self.turns.set_need(self.run_name, need),
+        )
+        self.session = Session(
+            client,
+            self.line,
+            worker_id=self.worker_id,
+            price=self.price,
+            join_timeout_s=self.join_timeout_s,
+            relay=node.offer(),
+            status=self.status,
+            unreachable=self.unreachable,
+            life=self.life,
+            hooks=hooks,
+        )
+        self.life.worker_id = lambda: self.session.worker_id
+        self.installer = Installer(
+            self.session,
+            node.relay,
+            status=self.status,
+            activity=self.activity,
+            progress=self.progress,
+            choice=self.choice,
+        )
+        self.deliveries = Deliveries(
+            client, lambda: self.session.timeout, self.session.banned, self.ledger
+        )
+        self.generation = self.make_generation(
+            self.session,
+            self.installer,
+            self.deliveries,
+            life=self.life,
+            activity=self.activity,
+            status=self.status,
+        )
+        g, turns, name = self.generation, self.turns, self.run_name
+        g.device_turn, g.device_ready = (lambda: turns.turn(name)), (lambda: turns.bring_on(name))
+        self.installer.share_device(turns, name)
+
+    def _joined(self, ack: wire.JoinAck, restarted: bool, new_run: bool) -> None:
+        self.installer.joined(ack, restarted, new_run)
+        self.node.tune(ack.config)
+        self.progress.joined()
+        if ack.reflectors:  # beside the model load and the first fetch, not before them
+            self._spawn(
+                self.node.probe_nat(
+                    self.client, self.session.worker_id, ack.reflectors, self.session.timeout
+                )
+            )
+
+    def _beat(self, worker_id: str) -> wire.Heartbeat:
+        g = self.generation
+        return wire.Heartbeat(
+            worker_id=worker_id,
+            version=self.installer.held.version,
+            throughput=g.throughput,
+            state=self.activity.state,
+            busy_s=g.busy_s,
+            busy_samples=g.busy_samples,
+            base=self.node.relay.holds_base,
+            runs=len(self.turns.runs),
+            resident=self.turns.on_device(self.run_name),
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> str:
+        sys.setswitchinterval(LOAD_SWITCH_S)  # until the model is loaded (see LOAD_SWITCH_S)
+        ctx = zmq.asyncio.Context()
+        client = Client(
+            ctx, self.endpoint, BOOT_MAX_BYTES, keys=self.keys, server_key=self.line.server_key
+        )
+        try:
+            node = RelayNode(
+                ctx, self.relay_cfg, keys=self.keys, run_key=lambda: self.session.public_key
+            )
+        except WorkerError:
+            client.close()
+            ctx.term()
+            raise
+        self._assemble(client, node)
+        if not self.shared:  # else the runs' owner (echo_rl/worker/multirun.py) takes the signals
+            self.take_signals()
+        failure = "error"
+        try:
+            await self._run_parts()
+        except (Exception, BaseExceptionGroup) as exc:
+            failure = exit_text(exc)  # written once: a reader never sees a bare "error" first
+            raise
+        finally:
+            if self.shared:
+                self.turns.forget(self.run_name)
+            sys.setswitchinterval(DEFAULT_SWITCH_S)
+            _final_status(self.status, self.installer, self.life.exit_reason or failure)
+            node.close()
+            client.close()
+            ctx.term()
+        return self.life.exit_reason
+
+    def take_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.life.stop, f"signal {sig.name}")
+        loop.add_signal_handler(
+            signal.SIGUSR1,
+            lambda: self.life.notice(  # echo-worker preempt
+                self.status.path, self.generation.grant_rtt
+            ),
+        )
+
+    async def _run_parts(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [
+                tg.create_task(self.client.receive_forever()),
+                tg.create_task(self.node.relay.serve_forever()),
+                tg.create_task(self.node.tunnels.serve_forever()),
+                tg.create_task(self._status_loop()),
+            ]
+            if await self.session.join():
+                # Heartbeats start before the (slow) model load so the learner keeps us.
+                tasks += [
+                    tg.create_task(self.session.heartbeats()),
+                    tg.create_task(self.session.notices()),
+                    tg.create_task(self.deliveries.run()),
+                    tg.create_task(self.installer.feed.run()),
+                ]
+                if await self._start_work(tg, tasks):
+                    await self._finish_work()
+                await self._drain()
+            for t in tasks + list(self._side_tasks):
+                t.cancel()
+
+    async def _start_work(self, tg: asyncio.TaskGroup, tasks: list[asyncio.Task[Any]]) -> bool:
+        """Load the model (unless told to stop meanwhile), then generate until told to stop."""
+        await self.life.or_stopped(self.installer.obtain_base())
+        if self.life.stopping.is_set():
+            return False
+        # The model lands on the device: loaded within a turn, so another run's model makes
+        # room first (at most --resident on it; echo_rl/worker/sharing.py).
+        async with self.turns.turn(self.run_name):
+            await self.turns.bring_on(self.run_name)
+            loaded = await self.life.or_stopped(in_daemon_thread(self.installer.load))
+        if loaded is None:
+            return False
+        self.installer.held.backend, self.installer.held.adapter = loaded
+        self.life.loaded = True
+        trim()  # the load's transient copies (a bf16 file read into float32) go back
+        sys.setswitchinterval(DEFAULT_SWITCH_S)
+        self.progress.loaded()
+        # The model and its libraries live as long as the process: out of the
+        # collector's full passes, which would stall heartbeats and relaying. No collection
+        # first: it found ~200 unreachable objects among ~390,000 and held the event loop and
+        # the first install for 0.3-1 s.
+        gc.freeze()
+        self._work_task = tg.create_task(self.generation.run())
+        if self.owner is not None:
+            tasks.append(
+                tg.create_task(watch_owner(self.owner, self.life, self.activity, self.status))
+            )
+        await self.life.stopping.wait()
+        return True
+
+    async def _finish_work(self) -> None:
+        """Told to stop: cut what is being generated and hand it back (or, with --no-migrate,
+        finish the current groups: up to a minute)."""
+        work = self._work_task
+        if self.activity.state != "generating":
+            work.cancel()  # waiting on the learner: nothing to finish
+        await asyncio.wait([work], timeout=self.life.left(LEAVE_S) if self.life.migrate else 60)
+        if not self.life.migrate:  # the groups it finished get the whole budget to be delivered
+            self.life.stop_at = time.monotonic()
+
+    async def _drain(self) -> None:
+        if self.life.exit_reason.startswith("learner shut down"):
+            return  # the run is over: nobody left to deliver to or say goodbye to
+        await self.deliveries.drain(self.life.left(LEAVE_S))
+        await self.session.leave(min(self.life.left(), self.session.timeout))
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        """A side job (a NAT probe) that nothing waits for; cancelled at exit."""
+        task = asyncio.ensure_future(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_done)
+
+    def _side_done(self, task: asyncio.Future[Any]) -> None:
+        self._side_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # said, not left unretrieved
+            log.error("%s", task.exception(), exc_info=task.exception())
+
+    async def _status_loop(self) -> None:
+        """Once a second: the status view and file follow what the worker does."""
+        ticks = 0
+        while True:
+            self._look(ticks)
+            ticks += 1
+            if self.show is not None:
+                self.show(self.status)
+            self.status.flush()
+            await asyncio.sleep(1.0)  # a display period, not a wait for an event
+
+    def _look(self, ticks: int) -> None:
+        """The status's fields that follow the parts: activity, tokens, install, memory."""
+        doc, held = self.status.doc, self.installer.held
+        if doc.activity != self.activity.state:
+            self.status.update(activity=self.activity.state)
+        if held.backend is not None and doc.tokens_sampled != held.backend.tokens_sampled:
+            self.status.update(tokens_sampled=held.backend.tokens_sampled)
+        if held.version < 0:
+            phase = self.progress.phase(self.installer.feed.progress())
+            if phase != doc.install_phase:
+                self.status.update(install_phase=phase)
+        if self.run_name in self.turns.runs:
+            self.status.update(sharing=self.turns.sharing(self.run_name))
+        if ticks % MEMORY_EVERY == 0:
+            self.status.update(memory=self.node.memory(getattr(held.backend, "model", None)))
+
+
+def _final_status(status: StatusBoard, installer: Installer, why: str) -> None:
+    backend = installer.held.backend
+    tokens = {"tokens_sampled": backend.tokens_sampled} if backend else {}
+    status.update(activity="stopped", exit=why, **tokens)
+    status.flush(force=True)

@@ -1,0 +1,37 @@
+"""Owner first (docs/preemption.md): signals that the machine's owner needs it back.
+
+``make_signal(kind, ...)`` picks one implementation by name: ``cpu`` (other processes' CPU
+load), ``nvml`` (other processes on the GPU), ``file`` (a flag file the owner's tools create).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from echo_rl.worker.owner.base import OwnerSignal
+
+SIGNALS = ("auto", "cpu", "nvml", "file")
+
+
+def make_signal(
+    kind: str, *, quiet_s: float = 30.0, cpu_cores: float = 0.5, path: str = "", **kw: Any
+) -> OwnerSignal:
+    if kind == "auto":
+        from echo_rl.worker.owner.nvml import nvml_available
+
+        kind = "nvml" if nvml_available() else "cpu"
+    if kind == "cpu":
+        from echo_rl.worker.owner.cpu import CpuSignal
+
+        return CpuSignal(quiet_s=quiet_s, cores=cpu_cores, **kw)
+    if kind == "nvml":
+        from echo_rl.worker.owner.nvml import NvmlSignal
+
+        return NvmlSignal(quiet_s=quiet_s, **kw)
+    if kind == "file":
+        from echo_rl.worker.owner.file import FileSignal
+
+        if not path:
+            raise ValueError("--owner-signal file needs --owner-file PATH (the flag file)")
+        return FileSignal(path, quiet_s=quiet_s)
+    raise ValueError(f"unknown owner signal {kind!r}: use one of {SIGNALS}")
