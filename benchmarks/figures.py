@@ -106,6 +106,11 @@ def _j(path: Path, name: str = "") -> Any:
     return json.loads((path / name if name else path).read_text())
 
 
+def _either(doc: dict[str, Any], key: str, old: str) -> float:
+    """``doc[key]``, or ``doc[old]`` in a result written before the key was renamed."""
+    return float(doc[key] if key in doc else doc[old])
+
+
 def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
@@ -798,7 +803,9 @@ ROWS: tuple[Row, ...] = (
                 "0.30 s with deltas on the publisher thread vs 0.43 s",
                 0.30 / 0.43,
                 0.2,
-                lambda p: float(_j(p)["t_publish_ratio_after_before"]),
+                lambda p: _either(
+                    _j(p), "t_publish_after_over_before", "t_publish_ratio_after_before"
+                ),
             ),
             # t_train per step: 2.1-2.4 s full inline, 2.8-4.2 s beside the publisher thread
             Check(
@@ -806,7 +813,7 @@ ROWS: tuple[Row, ...] = (
                 "1.31 x longer",
                 1.31,
                 0.15,
-                lambda p: float(_j(p)["step_ratio_after_before"]),
+                lambda p: _either(_j(p), "step_after_over_before", "step_ratio_after_before"),
             ),
         ),
         needs=("smollm2",),
@@ -1428,7 +1435,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", metavar="ID", help="these rows (ids: --list)")
     ap.add_argument("--list", action="store_true", help="the registry, and what can run here")
-    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/figures.json")
+    ap.add_argument(
+        "--json",
+        type=Path,
+        default=ROOT / "benchmarks/results/figures.json",
+        help="where the table goes; with --only, the rows re-run replace theirs in it",
+    )
     args = ap.parse_args(argv)
     if args.list:
         print_list()
@@ -1450,6 +1462,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             k = todo.index(row) + 1
             results.append(run_row(row, pr, f"{row.id} ({k}/{len(todo)})"))
+            results[-1]["at"] = time.time()  # rows re-run later keep their own time
             verdicts = [c["verdict"] for c in results[-1]["checks"]]
             pr.console.print(
                 f"{row.id}: "
@@ -1457,6 +1470,13 @@ def main(argv: list[str] | None = None) -> int:
                 + f" ({results[-1]['wall_s']:.0f} s)"
             )
     print_table(results)
+    reruns: list[dict[str, Any]] = []
+    if args.only and args.json.exists():
+        # a re-run of some rows updates them in the last full table, which stays whole
+        before = json.loads(args.json.read_text())
+        fresh = {r["id"]: r for r in results}
+        results = [fresh.pop(r["id"], r) for r in before.get("rows", [])] + list(fresh.values())
+        reruns = [*before.get("reruns", []), {"rows": args.only, "at": time.time()}]
     compared = [c for r in results for c in r["checks"] if c["verdict"] != "not re-runnable here"]
     counts = {v: sum(c["verdict"] == v for c in compared) for v in ("holds", "drifted", "failed")}
     counts["not re-runnable here"] = sum(
@@ -1475,6 +1495,7 @@ def main(argv: list[str] | None = None) -> int:
             "load": os.getloadavg(),
             "counts": counts,
             "rows": results,
+            "reruns": reruns,
         },
     )
     print(f"wrote {args.json}")
