@@ -38,7 +38,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from echo_rl.adapters.mathcheck import MathChecker, extract_answer
 from echo_rl.data.adapter import Adapter, AdapterError, Prompt
@@ -69,16 +69,24 @@ def encode_chat(
     return render_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt)
 
 
+class MathRow(TypedDict):
+    """One question of a JSONL file, with its line (for messages that name it)."""
+
+    question: str
+    answer: str
+    line: int
+
+
 def read_jsonl(
     path: str | Path, question_key: str = "question", answer_key: str = "answer"
-) -> list[dict[str, str]]:
+) -> list[MathRow]:
     p = Path(path).expanduser()
     if not p.is_file():
         raise AdapterError(
             f"math: options.path = {str(path)!r}: no such file (relative paths are "
             f"taken from the current directory {Path.cwd()})"
         )
-    rows = []
+    rows: list[MathRow] = []
     with p.open() as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -93,7 +101,7 @@ def read_jsonl(
                     f"{answer_key!r} (set options.question_key / answer_key)"
                 )
             rows.append(
-                {"question": str(obj[question_key]), "answer": str(obj[answer_key]), "line": n}
+                MathRow(question=str(obj[question_key]), answer=str(obj[answer_key]), line=n)
             )
     if not rows:
         raise AdapterError(f"math: {p} holds no rows")
@@ -179,6 +187,7 @@ class MathAdapter(Adapter):
 
     def _check_disjoint(self, heldout: str) -> None:
         """A held-out question that training also draws measures memory, not learning."""
+        assert self.path is not None  # a held-out file is checked against the training one
         train = {q["question"] for q in read_jsonl(self.path, self.question_key, self.answer_key)}
         both = [
             q

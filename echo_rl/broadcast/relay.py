@@ -33,6 +33,7 @@ from echo_rl.broadcast.fetch import (
     REQUEST_BYTES,
     FetchStats,
     Reattach,
+    Resolve,
     fetch_into,
     stall_bound,
 )
@@ -106,7 +107,9 @@ class Relay:
         self.bases = SnapshotStore(keep=1, recycle=False)
         self.endpoint = ""
         self.down_mbit_measured = 0.0  # this node's fetches, EWMA (the stall bound: _stall)
-        self.resolve = None  # punched links (echo_rl.broadcast.nat.links.Tunnels.resolve), if any
+        self.resolve: Resolve | None = (
+            None  # punched links (echo_rl.broadcast.nat.links.Tunnels.resolve), if any
+        )
         # Connections to sources kept between fetches: one handshake per source, not per
         # version (echo_rl.broadcast.dialer).
         self.dialer = Dialer(ctx, keys)

@@ -70,7 +70,8 @@ def field_notes(cls: type) -> dict[str, str]:
     for node in body:
         if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
             continue
-        above, i = [], node.lineno - 1
+        above: list[str] = []
+        i = node.lineno - 1
         # comment lines above, at the field's own indentation: a deeper one continues the
         # comment beside the previous field (audit_queue's), not this field's
         while (
@@ -129,7 +130,7 @@ def _plain(ann: Any) -> str:
 
 def _default(info: FieldInfo) -> str:
     if info.default_factory is not None:
-        value = info.default_factory()
+        value = info.default_factory()  # type: ignore[call-arg]  # ours take no arguments
     else:
         value = info.default
     if isinstance(value, str):

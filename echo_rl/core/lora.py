@@ -107,7 +107,7 @@ def base_hash(model: torch.nn.Module) -> str:
         for name, p in model.named_parameters():
             t = p.detach().to(torch.bfloat16).contiguous().cpu()
             h.update(f"{name}|{list(t.shape)}|".encode())
-            h.update(t.view(-1).view(torch.uint8).numpy())
+            h.update(t.view(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 

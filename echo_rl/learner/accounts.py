@@ -48,7 +48,7 @@ class Book:
     active_s: float = 0.0
     accepted: int = 0
     duplicates: int = 0
-    rejected: Counter = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)
     message: str = ""
     message_at: float = field(default_factory=time.monotonic)
     mark: float = field(default_factory=time.monotonic)  # active time is counted up to here

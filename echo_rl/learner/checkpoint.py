@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -49,7 +50,7 @@ def load_or_create_key(run_dir: Path) -> RunKey:
     return key
 
 
-def _atomic_write(path: Path, write) -> None:
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         write(f)
@@ -103,7 +104,8 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
     if not latest.exists():
         return None
     path = run_dir / "checkpoints" / latest.read_text().strip()
-    return torch.load(path, weights_only=False)
+    state: dict[str, Any] = torch.load(path, weights_only=False)
+    return state
 
 
 BEST, BEST_INFO = "best.pt", "best.json"

@@ -15,6 +15,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from echo_rl.learner.checkpoint import load_checkpoint
 from echo_rl.learner.durable import live_after, read_log
@@ -55,7 +56,7 @@ class RunAudit:
         return out
 
 
-def _lines(path: Path) -> list[dict]:
+def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -72,7 +73,7 @@ def audit_run(run_dir: Path, ledgers: Iterable[Path], group_size: int) -> RunAud
     )
 
 
-def _dropped_by(rows: list[dict]) -> dict[str, set[Key]]:
+def _dropped_by(rows: list[dict[str, Any]]) -> dict[str, set[Key]]:
     out: dict[str, set[Key]] = {}
     for row in rows:  # a line without a rule is from before rules were named: stale evictions
         out.setdefault(row.get("rule", "stale"), set()).update(tuple(k) for k in row["pairs"])

@@ -33,6 +33,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from echo_rl.core import wire
 from echo_rl.data import rules
@@ -299,14 +300,14 @@ class WorkQueue:
             self.requeue(gid)
         return len(gids)
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         """Open leases and the id counter, for checkpoints (leases restart their clocks)."""
         return {
             "issued": [it.group.model_dump() for it in self.issued.values()],
             "reissued": self.reissued,
         }
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
         for g in state["issued"]:
             group = wire.Group.model_validate(g)
             self.issued[group.group_id] = Issued(group, "", float("inf"))

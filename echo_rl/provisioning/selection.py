@@ -30,6 +30,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -216,7 +217,8 @@ def _solve_milp(
             f"HiGHS did not prove an optimum (status {res.status}: {res.message}); "
             f"raise time_limit_s or use ours() for a fast near-optimal answer"
         )
-    return res.x > 0.5
+    chosen: np.ndarray[Any, Any] = np.asarray(res.x) > 0.5
+    return chosen
 
 
 @contextmanager

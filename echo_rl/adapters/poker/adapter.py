@@ -315,7 +315,7 @@ class PokerAdapter(EpisodeAdapter):
                     ids, lps = yield prompt + tr.ids
                     tr.add_action(ids, lps)
                     tr.add_context(self.builder.close(ids))
-                    text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                    text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
                     if not self.allow_allin and getattr(parse_action(text), "kind", "") == "allin":
                         text = ""  # refused: played as an invalid action
                 reply = text

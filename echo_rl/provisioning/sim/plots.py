@@ -8,7 +8,7 @@ from typing import Any
 from echo_rl.provisioning.sim.summary import SimSummary
 
 
-def _plt():
+def _plt() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -14,7 +14,7 @@ def nvml_available() -> bool:
         import pynvml
 
         pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetCount() > 0
+        return bool(pynvml.nvmlDeviceGetCount() > 0)
     except Exception:  # no library, no driver, no GPU: the cpu signal is used instead
         return False
 
