@@ -24,6 +24,16 @@ from echo_rl.core.machine import write_result  # noqa: E402
 from echo_rl.core.security import KeyPair, curve_client, curve_server  # noqa: E402
 
 FRAME = 1 << 20
+WAIT_MS = 60_000  # any one receive: far above a frame's time, so only a dead peer reaches it
+
+
+def _joined(proc: mp.process.BaseProcess) -> None:
+    proc.join(WAIT_MS / 1000)
+    if proc.exitcode != 0:
+        proc.kill()
+        raise RuntimeError(f"{proc.name} ended with {proc.exitcode}: see its output above")
+
+
 RESULTS = Path(__file__).parent / "results" / "security_cost.json"
 
 
@@ -67,6 +77,7 @@ def transfer(curve: bool, mib: int) -> dict[str, float]:
     pull = ctx.socket(zmq.PULL)
     if keys:
         curve_server(pull, keys)
+    pull.setsockopt(zmq.RCVTIMEO, WAIT_MS)  # a sender that died is an error, not a hang
     pull.bind("tcp://127.0.0.1:*")
     endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
     proc = mp.get_context("spawn").Process(
@@ -78,7 +89,7 @@ def transfer(curve: bool, mib: int) -> dict[str, float]:
     for _ in range(mib - 1):
         pull.recv(copy=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    proc.join()
+    _joined(proc)
     pull.close(linger=0)
     ctx.term()  # not destroy(): the ZAP thread closes its own socket (sockets are per thread)
     n = mib - 1
@@ -97,7 +108,10 @@ def _echo_server(endpoint_q: mp.Queue, secret: bytes | None, public: bytes | Non
     for _ in range(n):
         ident, msg = r.recv_multipart()
         r.send_multipart([ident, msg])
-    ctx.destroy(linger=500)
+    r.close(linger=500)
+    # not destroy(): it would close the ZAP thread's socket from this thread, which libzmq
+    # does not allow (it aborted or hung one run in four); term() lets that thread close it
+    ctx.term()
 
 
 def first_reply(curve: bool, n: int = 50) -> float:
@@ -114,6 +128,7 @@ def first_reply(curve: bool, n: int = 50) -> float:
     times = []
     for _ in range(n):
         d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.RCVTIMEO, WAIT_MS)
         if keys:
             curve_client(d, KeyPair.generate(), keys.public)
         t0 = time.perf_counter()
@@ -122,7 +137,7 @@ def first_reply(curve: bool, n: int = 50) -> float:
         d.recv()
         times.append(1000 * (time.perf_counter() - t0))
         d.close(linger=0)
-    srv.join()
+    _joined(srv)
     ctx.term()
     return statistics.median(times)
 
