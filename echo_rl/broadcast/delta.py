@@ -33,7 +33,7 @@ import lz4.block
 import numpy as np
 
 from echo_rl.broadcast.manifest import DTYPE_BYTES, TENSOR_ENCODINGS, TensorEntry
-from echo_rl.core.models import TensorLayout
+from echo_rl.core.layout import TensorLayout
 from echo_rl.core.spill import drop_pages
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -28,7 +28,7 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from echo_rl.core.models import TensorLayout
+from echo_rl.core.layout import TensorLayout
 
 SCHEMA = 2
 ENCODINGS = ("full", "delta")  # the payloads a worker can install

@@ -57,7 +57,7 @@ from echo_rl.broadcast.manifest import (
     parse_manifest,
     verify_signature,
 )
-from echo_rl.core.models import TensorLayout
+from echo_rl.core.layout import TensorLayout
 
 __all__ = [
     "BASE_HASH",

@@ -21,7 +21,7 @@ from typing import Any
 from echo_rl.broadcast.delta import DeltaError, DeltaStats, decode, encode
 from echo_rl.broadcast.manifest import Manifest
 from echo_rl.broadcast.snapshot import RunKey, SnapshotError, build_manifest, chunk_hashes
-from echo_rl.core.models import TensorLayout
+from echo_rl.core.layout import TensorLayout
 from echo_rl.core.spill import drop_pages
 
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 import string
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.core.config import ModelConfig
+from echo_rl.core.layout import TensorLayout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -304,22 +305,6 @@ def rounding_seed(run_seed: int, rounding: str, version: int) -> int | None:
     if rounding == "dither":
         return run_seed * 1_000_003 - 1  # below every version's: no stochastic stream reused
     return None
-
-
-class TensorLayout(TypedDict):
-    """One tensor of a payload, as the tensor index lists it: its name, dtype and shape, where
-    its bytes sit in the full payload (``offset``, ``nbytes``) and, once a manifest carries it
-    (``echo_rl.broadcast.manifest.TensorEntry``), its encoding's slice of the payload sent
-    (``enc``, ``doff``, ``dlen``; echo_rl/broadcast/delta.py)."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-    nbytes: int
-    enc: NotRequired[str]
-    doff: NotRequired[int]
-    dlen: NotRequired[int]
 
 
 def params_to_payload(

@@ -54,7 +54,7 @@ from echo_rl.learner.reputation import Verdict
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from echo_rl.core.models import TensorLayout
+    from echo_rl.core.layout import TensorLayout
 
 log = logging.getLogger("echo.auditor")
 

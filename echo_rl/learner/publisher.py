@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from echo_rl.broadcast.snapshot import Snapshot
 from echo_rl.broadcast.versions import Publication, VersionEncoder
-from echo_rl.core.models import TensorLayout
+from echo_rl.core.layout import TensorLayout
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from echo_rl.core import wire
-from echo_rl.core.models import TensorLayout
+from echo_rl.core.layout import TensorLayout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from echo_rl.core.models import TensorLayout
+from echo_rl.core.layout import TensorLayout
 
 ALIGN = 64  # bytes: a cache line, and a multiple of every dtype's element size
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DistributedDataParallel

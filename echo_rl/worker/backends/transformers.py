@@ -20,9 +20,9 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 
 from echo_rl.core import wire
 from echo_rl.core.config import LoraConfig, ModelConfig
+from echo_rl.core.layout import TensorLayout
 from echo_rl.core.lora import adapter_parameters, load_policy_model
 from echo_rl.core.models import (
-    TensorLayout,
     bf16_compute,
     install_payload,
     load_tokenizer,

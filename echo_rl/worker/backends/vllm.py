@@ -26,7 +26,8 @@ from typing import Any
 
 from echo_rl.core import wire
 from echo_rl.core.config import ModelConfig
-from echo_rl.core.models import TensorLayout, engine_model_dir, load_tokenizer, vocab_size_of_folder
+from echo_rl.core.layout import TensorLayout
+from echo_rl.core.models import engine_model_dir, load_tokenizer, vocab_size_of_folder
 from echo_rl.worker.backends.base import (
     Backend,
     Sample,
