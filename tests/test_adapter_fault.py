@@ -31,10 +31,10 @@ class Game(EpisodeAdapter):
         self.length = length
 
     def prompts(self, rng):
-        raise NotImplementedError  # a worker never draws prompts
+        raise AssertionError("a worker never draws prompts")
 
     def episode(self, task, seed, sample_idx):
-        raise NotImplementedError  # rollout below plays every episode
+        raise AssertionError("rollout below plays every episode")
 
     def rollout(self, groups, generate):
         n = self.length

@@ -21,8 +21,8 @@ LAYER = {
     "worker": 3,
     "cli": 4,
 }
-NEVER = {"labs", "benchmarks", "tests", "echo", "learner", "worker", "broadcast", "dataplane"}
-NEVER |= {"adapters", "provisioning"}
+OLD_NAMES = {"echo", "learner", "worker", "broadcast", "dataplane", "adapters", "provisioning"}
+NEVER = {"labs", "benchmarks", "tests"} | OLD_NAMES
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -24,11 +24,9 @@ from typing import TYPE_CHECKING, Any
 from echo_rl.core.config import ModelConfig
 from echo_rl.core.layout import TensorLayout
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
 if TYPE_CHECKING:  # torch and transformers load late: entry points must start instantly
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 TINY = "tiny-qwen3"
 # Digits and arithmetic first: the toy tasks use them; letters keep room for small words.

@@ -38,11 +38,10 @@ from echo_rl.data.advantages import batch_advantages
 from echo_rl.data.records import Record
 from echo_rl.data.rules import derived_seed
 
-if TYPE_CHECKING:
-    from echo_rl.data.adapter import Adapter
-
 if TYPE_CHECKING:  # annotations only: importing the API does not import torch
     from torch import Tensor
+
+    from echo_rl.data.adapter import Adapter
 
 Generated = tuple[list[int], list[float]]
 GenerateFn = Callable[[list[list[int]]], list[Generated]]

@@ -29,11 +29,8 @@ from echo_rl.data.adapter import Adapter, AdapterError, Prompt
 from echo_rl.data.episodes import EpisodeAdapter, EpisodeSample
 from echo_rl.data.rules import derived_seed
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
 if TYPE_CHECKING:  # annotations only: importing this module does not import transformers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     from echo_rl.core import wire
 

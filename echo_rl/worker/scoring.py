@@ -13,6 +13,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from echo_rl.core import wire
+from echo_rl.data.episodes import Cut, EpisodeAdapter, backend_generate_fn
 from echo_rl.worker.backends import Backend, Sample
 from echo_rl.worker.records import cut_episodes
 from echo_rl.worker.session import WorkerError
@@ -31,8 +32,6 @@ def generate_and_score(
     groups: list[wire.Group],
 ) -> Scored:
     """Samples and rewards per group, under ``wv`` (the run's ``[worker]`` view)."""
-    from echo_rl.data.episodes import Cut, EpisodeAdapter, backend_generate_fn
-
     if isinstance(adapter, EpisodeAdapter):
         # Episodes: one generation per decision, played by the adapter's environment.
 
