@@ -1,4 +1,4 @@
-"""What the delivery screen (echo_rl/learner/screen.py, security.screen_nats) costs the training step:
+"""What the delivery screen (echo_rl/control/screen.py, security.screen_nats) costs the training step:
 the same step with the screen on and off, side by side, alternating, on one batch.
 
     python benchmarks/bench_screen.py [--rows 64] [--length 48] [--reps 10] [--model tiny|smollm2]

@@ -94,7 +94,7 @@ def _go_file(path: Path) -> Any:
 def _member_class() -> Any:
     """A synthetic worker that says it installed the version it joined at, as a real worker
     does once its snapshot is in: the learner counts a joined key as a member (broadcast plan,
-    provisioner) only from its first install report or work request (echo_rl/learner/members.py), and
+    provisioner) only from its first install report or work request (echo_rl/control/members.py), and
     this benchmark boots its first workers active, in index order, before any asks for work."""
     from benchmarks.load_control import Synthetic
     from echo_rl.core import wire
@@ -221,7 +221,7 @@ def real_run(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def _member(i: int, state: str) -> re.Pattern[str]:
     """The learner's line when worker ``i`` joins the plan and the provisioner in ``state``
-    (echo_rl/learner/members.py: "worker w0 is a member (install): active")."""
+    (echo_rl/control/members.py: "worker w0 is a member (install): active")."""
     return re.compile(rf"worker w{i} is a member \([^)]*\): {state}\b")
 
 

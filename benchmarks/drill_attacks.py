@@ -386,8 +386,8 @@ def colluding_reporters(t: Target, keys: int = 2, seconds: float = 15.0) -> dict
     they are granted as ``timeout`` and take the next grant, walking the relays. No honest
     relay may be convicted; the learner's probes (one per counted report, bounded per
     witness) find them intact, and the token's keys lose the word together."""
+    from echo_rl.control.gate import security_dir
     from echo_rl.core.security import TokenStore
-    from echo_rl.learner.gate import security_dir
 
     token = TokenStore(security_dir(t.run_dir) / "tokens.json").create(
         uses=keys, ttl_s=600, note="drill: a leaked token"

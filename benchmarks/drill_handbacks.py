@@ -6,7 +6,7 @@ found in it (empty: refused or neutralised, counted, and no honest worker harmed
   * ``forged_handback``: a scripted insider takes groups and hands them back as prefixes of
     tokens it never sampled (log-prob -9999). Expected: the learner checks them before anyone
     continues them, refuses them, strikes and quarantines the insider, and nothing of them is
-    continued (``echo_rl.learner.handbacks``);
+    continued (``echo_rl.control.handbacks``);
   * ``cherry_pick``: a real worker (``echo_rl.worker.agent.Worker``, its own model) that generates its
     groups honestly, hands back those whose mean reward is below the median it has seen (as
     finished prefixes), and delivers the rest. Expected: counted per worker, bounded, and

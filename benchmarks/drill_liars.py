@@ -168,7 +168,7 @@ def _summarize(
         "honest_audits": sum(a.get("worker_id") in honest for a in audits),
         "honest_flags": sum(a.get("worker_id") in honest and not a.get("ok", True) for a in audits),
         "honest_quarantined": [w for w in quarantined if w in honest],
-        # rows the screen left out of their step (echo_rl/learner/screen.py), honest senders' among them
+        # rows the screen left out of their step (echo_rl/control/screen.py), honest senders' among them
         "honest_screened_groups": sum(
             sum(w in honest for w in e.get("workers", []))
             for e in _lines(fleet.run / "screened.jsonl")
@@ -222,7 +222,7 @@ def _true_reward(tmp: Path, honest: list[str], steps: int) -> float | None:
 
 def lie_evidence(fleet: Fleet, liar: str, kind: str) -> dict[str, Any]:
     """What the liar scored and claimed (its truth log), and what the learner stored from it."""
-    from echo_rl.learner.durable import read_log
+    from echo_rl.data.durable import read_log
 
     groups = [g for batch in _lines(fleet.tmp / f"{liar}.truth") for g in batch["groups"]]
     truth = {g["group_id"]: g for g in groups}
@@ -246,7 +246,7 @@ def lie_evidence(fleet: Fleet, liar: str, kind: str) -> dict[str, Any]:
         ),
     }
     if kind in ("fake_logprobs", "patient_logprobs"):
-        # Issue 52: forged groups admitted, screened out of their step (echo_rl/learner/screen.py),
+        # Issue 52: forged groups admitted, screened out of their step (echo_rl/control/screen.py),
         # and trained all the same (consumed by a step without being screened)
         forged = {r.group_id for r in stored if r.logprobs and max(r.logprobs) <= -19.999}
         consumed = {g for e in _lines(fleet.run / "consumed.jsonl") for g in e["groups"]}
@@ -410,7 +410,7 @@ def calibrate_main(argv: list[str]) -> int:
         f"final reward {result['final_reward']}"
     )
     # A screened honest group is left out of one step and its immediate audit passes: no
-    # strike, so it is reported, not failed on (echo_rl/learner/screen.py)
+    # strike, so it is reported, not failed on (echo_rl/control/screen.py)
     return 0 if result["flags"] == result["quarantined"] == 0 else 1
 
 

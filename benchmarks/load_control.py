@@ -412,7 +412,7 @@ def cpu_costs(
     budget: float = 0.0,
     records: int = 0,
 ) -> dict[str, Any]:
-    """The learner's CPU per unit of work, from its own counters (echo_rl.learner.cpu): microseconds
+    """The learner's CPU per unit of work, from its own counters (echo_rl.control.cpu): microseconds
     on the control loop per message of each kind; the loop's time no handler accounts for
     (the sockets' receive path, the chunk server, handshakes) and ZeroMQ's I/O threads (CURVE,
     sockets) shared out per message; the fleet-wide passes (housekeeping, stats) per worker
@@ -630,7 +630,7 @@ def _cpu_table(results: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
     t = Table(
-        title="the learner's CPU per unit of work (its own counters; echo_rl.learner.cpu), and the "
+        title="the learner's CPU per unit of work (its own counters; echo_rl.control.cpu), and the "
         "fleet one core serves"
     )
     for col in (

@@ -11,7 +11,7 @@ Per round it records:
   * ``releases_after_restart``: provisioner releases in the resumed run (``decisions.jsonl``),
     and how many of them were failed probations;
   * ``restored_leases`` / ``restored_admitted``: leases kept from before the crash and the
-    samples admitted under them (``echo_rl.learner.grants``);
+    samples admitted under them (``echo_rl.control.grants``);
   * ``lost``: samples a worker saw acknowledged that were neither trained, buffered nor a
     counted stale drop (``echo_rl.learner.run_audit``), and ``trained_twice``: groups trained twice; both
     must be 0.

@@ -445,7 +445,7 @@ def relay_phase(
     )
     # Done when the learner's counts show the attack handled: for the selective relay, its
     # child's corrupt report and a probe after it (a probe alone may be a late retry of the
-    # phase before: echo_rl/learner/probes.py tries a refused timeout probe again).
+    # phase before: echo_rl/control/probes.py tries a refused timeout probe again).
     handled = {
         "black_hole": (("probe:unreachable", "timeout:convicted", "disconnected:convicted"),),
         "selective_relay": (

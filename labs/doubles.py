@@ -14,7 +14,7 @@ from echo_rl.broadcast.coordinator import Coordinator
 from echo_rl.broadcast.relay import Relay
 from echo_rl.broadcast.source import ChunkServer
 from echo_rl.broadcast.store import SnapshotBuffer
-from echo_rl.learner.durable import BufferLog
+from echo_rl.data.durable import BufferLog
 
 
 class CorruptingChunkServer(ChunkServer):

@@ -1,11 +1,11 @@
-"""The learner's books on each worker (echo_rl.learner.accounts) and what the worker is told of them:
+"""The learner's books on each worker (echo_rl.control.accounts) and what the worker is told of them:
 the rules alone, then on the control plane's real sockets with honest and hostile peers."""
 
 from test_control import ask, client, connect, ctx, keys, plane, records  # noqa: F401  (fixtures: plane, ctx, keys, client)  # noqa: F401
 
+from echo_rl.control.accounts import Accounts
 from echo_rl.core import wire
 from echo_rl.core.security import KeyPair
-from echo_rl.learner.accounts import Accounts
 
 # ------------------------------------------------------------------ the rules
 

@@ -120,7 +120,7 @@ def test_a_limit_two_independent_workers_overrun_alike_is_the_runs_fault_not_the
 def test_one_witness_under_many_keys_stays_one_and_is_struck():
     """A token's keys are one witness (Gate.witness): a liar's second key does not make its
     over-long records the run's fault."""
-    from echo_rl.learner.faults import FaultBook
+    from echo_rl.control.faults import FaultBook
 
     class Rep:
         def forgive(self, worker_id, n):

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from echo_rl.broadcast.fetch import fetch_snapshot
 from echo_rl.broadcast.snapshot import RunKey, Snapshot, build_manifest
 from echo_rl.broadcast.tickets import Source
+from echo_rl.control.server import LearnerServer
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.addresses import (
     canonical_endpoint,
@@ -25,10 +27,8 @@ from echo_rl.core.addresses import (
 from echo_rl.core.config import ConfigError, EchoConfig, load_config
 from echo_rl.core.security import JoinLine, KeyPair, curve_client
 from echo_rl.data.adapter import load_adapter
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.server import LearnerServer
-from echo_rl.learner.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Hardware-affinity routing (echo_rl/learner/affinity.py, docs/scheduling.md "Affinity"): long tasks
+"""Hardware-affinity routing (echo_rl/control/affinity.py, docs/scheduling.md "Affinity"): long tasks
 to fast workers, nothing held back, and the task budgets it routes by kept by workers and
 checked by the learner."""
 
@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 from pydantic import ValidationError
 
+from echo_rl.control.affinity import Affinity, LengthBook, Picker, SpeedBook
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.data.adapter import AdapterError, Prompt
-from echo_rl.learner.affinity import Affinity, LengthBook, Picker, SpeedBook
-from echo_rl.learner.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(120)
 

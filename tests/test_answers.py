@@ -75,9 +75,9 @@ def test_admission_refuses_a_trained_token_outside_the_answer_set():
 
 
 def test_the_auditor_passes_an_honest_restricted_worker(small_cfg, tokenizer):
+    from echo_rl.control.auditor import Auditor
+    from echo_rl.control.intake import AuditJob
     from echo_rl.data.records import Record
-    from echo_rl.learner.auditor import Auditor
-    from echo_rl.learner.intake import AuditJob
     from echo_rl.worker.backends import make_backend
 
     model = load_model(small_cfg.model, tokenizer, "float32").eval()
@@ -213,11 +213,11 @@ def test_intake_counts_non_answers_and_junk_and_keeps_admitting(tmp_path):
     counted; the same batch's honest group and another worker's later group are admitted."""
     import itertools
 
+    from echo_rl.control.intake import Intake
+    from echo_rl.control.reputation import Reputation
+    from echo_rl.control.work import WorkQueue
     from echo_rl.data.adapter import Prompt
-    from echo_rl.learner.buffer import ReplayBuffer
-    from echo_rl.learner.intake import Intake
-    from echo_rl.learner.reputation import Reputation
-    from echo_rl.learner.work import WorkQueue
+    from echo_rl.data.buffer import ReplayBuffer
 
     prompts = (Prompt([1, 2], {"i": i}) for i in itertools.count())
     work = WorkQueue(prompts, group_size=2, max_outstanding=64, lease_timeout_s=60, prefix="r")

@@ -1,4 +1,4 @@
-"""How often the learner audits a worker's groups (echo_rl/learner/intake.py ``Intake.audit_chance``,
+"""How often the learner audits a worker's groups (echo_rl/control/intake.py ``Intake.audit_chance``,
 issue 52): every group during probation and after a failed check, then a chance that falls
 with the key's age to ``security.audit_rate``."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from echo_rl.learner.intake import Intake
+from echo_rl.control.intake import Intake
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -42,7 +42,7 @@ def test_a_failed_check_of_a_screened_group_quarantines_at_once(tmp_path):
     """Issue 52: on a quiet machine the patient liar's second lie was admitted before the
     audit of its first screened one came back. A screened group whose check fails carries two
     findings against one claim: quarantine at once; any other failed check is one strike."""
-    from echo_rl.learner.reputation import Reputation, Verdict
+    from echo_rl.control.reputation import Reputation, Verdict
 
     out: list[str] = []
     rep = Reputation(

@@ -1,4 +1,4 @@
-"""The auditor's time budget (echo_rl/learner/auditor.py ``Auditor.run``, docs/security.md): a credit
+"""The auditor's time budget (echo_rl/control/auditor.py ``Auditor.run``, docs/security.md): a credit
 each step adds to. A round dearer than one step's share (borrowing the trainer's model, one long
 group) still runs once steps have paid for it, and over many steps audits keep their share.
 
@@ -13,8 +13,8 @@ from contextlib import contextmanager
 import pytest
 from fakes import FakeClock
 
-from echo_rl.learner.auditor import Auditor
-from echo_rl.learner.intake import AuditJob
+from echo_rl.control.auditor import Auditor
+from echo_rl.control.intake import AuditJob
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -76,7 +76,7 @@ def test_an_idle_queue_banks_no_burst(small_cfg):
 
 
 def test_a_handed_back_prefix_s_check_runs_every_step_even_in_debt(small_cfg):
-    """A group waits for its prefixes' check before anyone continues it (echo_rl/learner/handbacks.py):
+    """A group waits for its prefixes' check before anyone continues it (echo_rl/control/handbacks.py):
     one such check runs each step whatever the credit, and ordinary audits wait for the debt."""
     clock = FakeClock()
     aud = _auditor(small_cfg, clock, job_s=0.05)  # one job: 5 steps' share

@@ -1,7 +1,7 @@
 import threading
 
+from echo_rl.data.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
 from echo_rl.data.records import Record
-from echo_rl.learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
 
 
 def rec(gid="g", idx=0, version=0, reward=0.0):

@@ -1,5 +1,5 @@
 """The code adapter (echo_rl/adapters/code.py) and the expensive-reward audits off the learner's step
-(echo_rl/learner/reward_audit.py; docs/scheduling.md, "A reward pool")."""
+(echo_rl/control/reward_audit.py; docs/scheduling.md, "A reward pool")."""
 
 import itertools
 import random
@@ -8,13 +8,13 @@ import threading
 import pytest
 
 from echo_rl.adapters.code import TASKS, CodeAdapter
+from echo_rl.control.intake import Intake
+from echo_rl.control.reputation import Reputation
+from echo_rl.control.reward_audit import RewardAuditor, RewardJob
+from echo_rl.control.work import WorkQueue
 from echo_rl.data.adapter import AdapterError, Prompt
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits, Record
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.intake import Intake
-from echo_rl.learner.reputation import Reputation
-from echo_rl.learner.reward_audit import RewardAuditor, RewardJob
-from echo_rl.learner.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(120)
 

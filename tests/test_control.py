@@ -13,13 +13,13 @@ import zmq.asyncio
 from echo_rl.broadcast.fetch import fetch_snapshot
 from echo_rl.broadcast.snapshot import RunKey, Snapshot, SnapshotError, build_manifest
 from echo_rl.broadcast.tickets import Source
+from echo_rl.control.server import LearnerServer
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.security import KeyPair, curve_client
 from echo_rl.data.adapter import load_adapter
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.server import LearnerServer
-from echo_rl.learner.work import WorkQueue
 
 
 def control_plane(cfg, tokenizer, options=None, **work_kw) -> LearnerServer:
@@ -304,7 +304,7 @@ def test_a_slow_disk_delays_only_the_acknowledgement_not_the_loop(
     """Group commit: the batch's records go to the write-ahead log's writer thread; the loop
     answers a heartbeat sent after the batch while the fsync is still sleeping, and the batch
     is acknowledged only once its records are on disk (and readable back from the log)."""
-    from echo_rl.learner.durable import read_log
+    from echo_rl.data.durable import read_log
     from labs.doubles import SlowDiskLog
 
     lc = small_cfg.learner
@@ -350,8 +350,8 @@ def test_a_slow_disk_delays_only_the_acknowledgement_not_the_loop(
 def test_group_commit_makes_many_appends_durable_in_few_fsyncs(tmp_path):
     import threading
 
+    from echo_rl.data.durable import read_log
     from echo_rl.data.records import Record
-    from echo_rl.learner.durable import read_log
     from labs.doubles import SlowDiskLog
 
     log = SlowDiskLog(tmp_path / "buffer.log", fsync=True, delay_s=0.05)
@@ -389,8 +389,8 @@ def test_group_commit_makes_many_appends_durable_in_few_fsyncs(tmp_path):
 def test_a_cancelled_waiter_does_not_kill_the_log_writer(tmp_path):
     """An acknowledgement task cancelled at shutdown cancels its durable future; the writer used
     to die setting it, and the learner's own next append then waited forever (a hung exit)."""
+    from echo_rl.data.durable import read_log
     from echo_rl.data.records import Record
-    from echo_rl.learner.durable import read_log
     from labs.doubles import SlowDiskLog
 
     def rec(g: str) -> Record:

@@ -301,7 +301,7 @@ def test_the_readme_s_doctor_lines_run_as_written(healthy, capsys):
 def test_an_allowlist_learner_that_refuses_the_check_s_key_still_answers(monkeypatch):
     """With security.join = allowlist the learner refuses the throwaway key the operator's
     doctor asks with: that refusal is the learner's own answer, with its key."""
-    from echo_rl.learner import doctor
+    from echo_rl.control import doctor
 
     async def refused(*args, **kwargs):
         return None, (
@@ -320,7 +320,7 @@ def test_the_operator_s_doctor_tells_a_dropping_firewall_from_a_stopped_learner(
     """A port that times out even from the learner's own host is a firewall rule dropping it,
     not a learner that is not running (refused): the fix names the firewall (the netns README
     test, tests/test_readme_real.py, drops learner.chunk_port with iptables and sees this)."""
-    from echo_rl.learner import doctor
+    from echo_rl.control import doctor
 
     cfg = _cfg()
     for found, words, fix in (
@@ -340,8 +340,8 @@ def test_the_operator_s_doctor_says_it_did_not_ask_the_learner_after_a_port_fail
     the report said nothing of it; now it is a skipped check, with the reason."""
     import json
 
+    from echo_rl.control import doctor
     from echo_rl.core.doctor import Check
-    from echo_rl.learner import doctor
 
     def closed(key, port, kind, where, cfg, ack):
         return Check(key, "fail", "nothing listens", "start it")
@@ -398,7 +398,7 @@ def test_a_config_that_tells_workers_a_private_address_fails_unless_the_fleet_is
     check = _lines(out, "public address")
     assert "[FAIL]" in check and "10.0.0.2, a private address" in check
     assert "learner.public_host" in check and "1:1 NAT" in check and "--lan" in check
-    from echo_rl.learner.doctor import config_checks
+    from echo_rl.control.doctor import config_checks
 
     cfg = EchoConfig.model_validate({"learner": {"host": "10.0.0.2"}})
     assert config_checks(cfg, lan=True)[0].status == "ok"
@@ -408,7 +408,7 @@ def _behind_nat(monkeypatch, ack=None):
     """The learner bound on 0.0.0.0 here, told to workers as 198.51.100.10, an address of no
     interface here; the local probe answers, the one to the public address gets no answer
     (no hairpin)."""
-    from echo_rl.learner import doctor
+    from echo_rl.control import doctor
 
     monkeypatch.setattr(
         doctor, "tcp_greeting", lambda host, port: "zmtp" if host == "127.0.0.1" else "timeout"
@@ -448,7 +448,7 @@ def test_behind_a_1to1_nat_the_learner_s_view_of_outside_workers_decides(monkeyp
 def test_the_learner_counts_workers_whose_nat_probe_came_from_outside():
     from types import SimpleNamespace
 
-    from echo_rl.learner.outside import outside_view
+    from echo_rl.control.outside import outside_view
 
     workers = [
         SimpleNamespace(worker_id="a", nat_address="198.51.100.100:5561"),

@@ -104,7 +104,7 @@ def test_drill_worker_refuses_a_positive_fake_logprob(capsys):
     assert "--fake-logprob must be <= 0" in capsys.readouterr().err
 
 
-# Quarantine is the learner's (echo_rl/learner/reputation.py, docs/security.md "Trust but verify").
+# Quarantine is the learner's (echo_rl/control/reputation.py, docs/security.md "Trust but verify").
 SMALL = [
     "learner.prompts_per_step=4",
     "learner.group_size=4",
@@ -114,7 +114,7 @@ SMALL = [
 
 
 # The code adapter's reward is expensive: the learner admits first and its reward auditor
-# rechecks the probation groups on a thread (echo_rl/learner/reward_audit.py), whose verdicts reach the
+# rechecks the probation groups on a thread (echo_rl/control/reward_audit.py), whose verdicts reach the
 # loop, which strikes, bans and tells the liar; toy-add's is recomputed at intake.
 CODE = ["adapter.name=code", "model.tiny_vocab=text", "worker.max_new_tokens=16"]
 

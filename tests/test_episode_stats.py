@@ -25,10 +25,10 @@ from echo_rl.core import wire
 from echo_rl.core.control_stats import ControlStats
 from echo_rl.core.models import build_tiny_tokenizer
 from echo_rl.data.adapter import Prompt
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.episodes import EpisodeAdapter, EpisodeSample, episode_cut
 from echo_rl.data.records import Limits, Record, RecordError, episode_stats, parse_record
 from echo_rl.data.testing import PolicyBackend, Turn, make_groups, play_groups
-from echo_rl.learner.buffer import ReplayBuffer
 from echo_rl.learner.rows import CutWatch, RunTotals, cut_share, episode_means, metrics_row
 from echo_rl.worker.records import episode_fields, record
 
@@ -185,9 +185,9 @@ def test_records_without_the_new_fields_are_admitted_as_before():
 def test_the_intake_refuses_a_bad_stats_record_and_admits_the_others(tmp_path):
     """A hostile batch: one record's stats malformed. That record is refused and counted
     under bad_stats; the intake goes on, another group of the same batch is admitted."""
-    from echo_rl.learner.intake import Intake
-    from echo_rl.learner.reputation import Reputation
-    from echo_rl.learner.work import WorkQueue
+    from echo_rl.control.intake import Intake
+    from echo_rl.control.reputation import Reputation
+    from echo_rl.control.work import WorkQueue
 
     prompts = (Prompt([1, 2], {"i": i}) for i in itertools.count())
     work = WorkQueue(prompts, group_size=2, max_outstanding=8, lease_timeout_s=60, prefix="r")

@@ -1,4 +1,4 @@
-"""Leases survive a learner restart (echo_rl.learner.grants, issue 39): the journal, the work queue's
+"""Leases survive a learner restart (echo_rl.control.grants, issue 39): the journal, the work queue's
 restore, and a restarted control plane that admits the holder's delivery, refuses the same
 group from another key that claims the holder's id, and names ``learner_restarted`` for a
 lease it did not keep."""
@@ -13,16 +13,16 @@ from fakes import FakeClock
 from test_control import ask, batch, connect, ctx, records  # noqa: F401 (fixtures)
 
 from echo_rl.broadcast.snapshot import RunKey
+from echo_rl.control.accounts import Accounts
+from echo_rl.control.fleet import FleetBooks
+from echo_rl.control.grants import GrantJournal, Lease, load, open_leases
+from echo_rl.control.server import LearnerServer
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.security import KeyPair
 from echo_rl.data.adapter import Prompt
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits
-from echo_rl.learner.accounts import Accounts
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.fleet import FleetBooks
-from echo_rl.learner.grants import GrantJournal, Lease, load, open_leases
-from echo_rl.learner.server import LearnerServer
-from echo_rl.learner.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(120)
 

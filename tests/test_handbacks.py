@@ -1,4 +1,4 @@
-"""Issue 31, items 3 and 4: hand-backs are work products (echo_rl.learner.handbacks) and staleness is
+"""Issue 31, items 3 and 4: hand-backs are work products (echo_rl.control.handbacks) and staleness is
 not free (learner.staleness, echo_rl.provisioning.controller). Hostile cases and the honest ones next
 to them: a forged prefix is refused and its author struck, never the continuer; a hand-back
 flood is bounded; a cherry-picker is flagged, an honest returner is not; a worker delivering
@@ -17,18 +17,18 @@ from test_control import ask, batch, connect, ctx, plane, records  # noqa: F401 
 from test_trust import _sample, honest
 
 from echo_rl.broadcast.snapshot import RunKey
+from echo_rl.control.auditor import Auditor
+from echo_rl.control.handback import PrefixLimits
+from echo_rl.control.handbacks import Handbacks, bias_threshold, checkpoint, midrank
+from echo_rl.control.server import LearnerServer
+from echo_rl.control.staleness import Staleness, credit
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.config import SecurityConfig
 from echo_rl.core.models import load_model, params_to_payload
 from echo_rl.data.adapter import Prompt, load_adapter
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits, Record
-from echo_rl.learner.auditor import Auditor
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.handback import PrefixLimits
-from echo_rl.learner.handbacks import Handbacks, bias_threshold, checkpoint, midrank
-from echo_rl.learner.server import LearnerServer
-from echo_rl.learner.staleness import Staleness, credit
-from echo_rl.learner.work import WorkQueue
 from echo_rl.provisioning.controller import ACTIVE, Controller
 
 pytestmark = pytest.mark.timeout(120)
@@ -175,7 +175,7 @@ def test_prefix_checks_go_to_new_keys_then_to_a_random_share(small_cfg):
 
 
 def _pass(job, check="handback_logprob"):
-    from echo_rl.learner.reputation import Verdict
+    from echo_rl.control.reputation import Verdict
 
     return Verdict(job.worker_id, job.key, job.group_id, job.version, check, True, {})
 

@@ -1,6 +1,7 @@
 """Imports go down the layers only, with no exception: within the one package ``echo_rl``,
 ``core`` is layer 0; ``broadcast`` and ``data`` 1; ``adapters`` and ``provisioning`` 2;
-``learner`` and ``worker`` 3; ``cli`` (the two commands) 4, at the top, imported by nothing but
+``control`` (the server) and ``worker`` 3; ``learner`` (the process that builds the server beside
+its trainer) 4; ``cli`` (the two commands) 5, at the top, imported by nothing but
 ``echo_rl/__main__.py``. Runtime modules never import labs/, benchmarks/ or tests/, and nothing
 imports the old top-level names (issue 53: one import name)."""
 
@@ -17,9 +18,10 @@ LAYER = {
     "data": 1,
     "adapters": 2,
     "provisioning": 2,
-    "learner": 3,
+    "control": 3,
     "worker": 3,
-    "cli": 4,
+    "learner": 4,
+    "cli": 5,
 }
 OLD_NAMES = {"echo", "learner", "worker", "broadcast", "dataplane", "adapters", "provisioning"}
 NEVER = {"labs", "benchmarks", "tests"} | OLD_NAMES

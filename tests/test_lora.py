@@ -194,7 +194,7 @@ def test_worker_applies_the_version_to_its_base_and_generates_from_the_learner_s
 
 
 def test_auditor_recomputes_under_base_plus_the_claimed_adapter(trained, tokenizer):
-    from echo_rl.learner.auditor import Auditor
+    from echo_rl.control.auditor import Auditor
 
     policy, _, _, full = trained
     cfg = lora_cfg()

@@ -105,7 +105,7 @@ def synthetic_stats(step: int) -> dict:
             "evil": {"audits": 2, "failures": 2, "quarantined": 1},
         },
         "checks": {"reward:ok": 10 * step, "sampling:fail": 2},
-        # echo_rl.learner.accounts: the books, a departed worker's included
+        # echo_rl.control.accounts: the books, a departed worker's included
         "accounts": {
             "w0": {
                 "state": "active",

@@ -25,8 +25,8 @@ from echo_rl.core import wire
 from echo_rl.core.metrics import finite_or_null
 from echo_rl.data.adapter import materialise_records
 from echo_rl.data.advantages import group_advantages
+from echo_rl.data.durable import BufferLog, scan_log
 from echo_rl.data.records import Record
-from echo_rl.learner.durable import BufferLog, scan_log
 from echo_rl.learner.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,14 +10,14 @@ from collections import Counter
 
 import pytest
 
+from echo_rl.control.handback import PrefixLimits, check_prefixes, expand
+from echo_rl.control.intake import Intake
+from echo_rl.control.reputation import Reputation
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.data.adapter import Prompt
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits, RecordError, parse_record
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.handback import PrefixLimits, check_prefixes, expand
-from echo_rl.learner.intake import Intake
-from echo_rl.learner.reputation import Reputation
-from echo_rl.learner.work import WorkQueue
 from echo_rl.worker.backends.base import Sample
 from echo_rl.worker.records import runs, versions
 
@@ -245,9 +245,9 @@ def test_a_cut_episode_is_replayed_at_its_turn_boundary_and_ends_as_if_never_cut
     import random
 
     from echo_rl.adapters.poker.adapter import PokerAdapter
+    from echo_rl.control.intake import own_tokens
     from echo_rl.data.episodes import Cut
     from echo_rl.data.testing import build_chatml_char_tokenizer
-    from echo_rl.learner.intake import own_tokens
     from echo_rl.worker.records import cut_episodes, episode_versions
 
     tok = build_chatml_char_tokenizer()

@@ -357,7 +357,7 @@ print(getattr(reply, "snapshot_path", "") or "-")
 
 def _port_verdict(lab: Lab) -> bool:
     """The learner, asked on its host as `echo-rl doctor` asks it (wire.DoctorAck), says its
-    workers report the snapshot port (echo_rl/learner/snapshot_path.py)."""
+    workers report the snapshot port (echo_rl/control/snapshot_path.py)."""
     argv = ["ip", "netns", "exec", lab.dc.ns, sys.executable, "-c", _ASK]
     done = subprocess.run(
         [*argv, str(lab.run_dir / "learner.json")],

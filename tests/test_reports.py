@@ -16,9 +16,9 @@ from echo_rl.broadcast.coordinator import Coordinator
 from echo_rl.broadcast.reports import ReportBook
 from echo_rl.broadcast.snapshot import RunKey, build_manifest
 from echo_rl.broadcast.topology import make_topology
+from echo_rl.control.verify import Report, Verifier
 from echo_rl.core import wire
 from echo_rl.core.security import KeyPair
-from echo_rl.learner.verify import Report, Verifier
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -329,9 +329,9 @@ def probes_for(tmp_path, **security):
     from collections import Counter
     from types import SimpleNamespace
 
+    from echo_rl.control.gate import Gate
+    from echo_rl.control.probes import RelayProbes
     from echo_rl.core.config import EchoConfig
-    from echo_rl.learner.gate import Gate
-    from echo_rl.learner.probes import RelayProbes
 
     cfg = EchoConfig.model_validate({"security": {"join": "token", **security}})
     gate = Gate(cfg.security, tmp_path)
@@ -469,7 +469,7 @@ def test_a_timeout_probe_asks_several_versions_and_a_held_one_never_served_convi
     the version the probe named was no longer (or not yet) held, and the hole refused it at
     once. A timeout's probe now also asks for the learner's other held versions, one chunk
     each; a version the relay takes and never serves is the black hole's signature."""
-    from echo_rl.learner import verify
+    from echo_rl.control import verify
 
     monkeypatch.setattr(verify, "TIMEOUT_S", 1.0)
     run = RunKey.generate()

@@ -15,16 +15,16 @@ import zmq
 
 from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.cli.commands import admin
+from echo_rl.control.gate import security_dir
+from echo_rl.control.reputation import Reputation, Verdict
+from echo_rl.control.roster import load_roster
+from echo_rl.control.server import LearnerServer
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.security import KeyPair, curve_client, fingerprint
 from echo_rl.data.adapter import load_adapter
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.gate import security_dir
-from echo_rl.learner.reputation import Reputation, Verdict
-from echo_rl.learner.roster import load_roster
-from echo_rl.learner.server import LearnerServer
-from echo_rl.learner.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,7 +192,7 @@ def test_help_is_instant():
 
 
 def test_parents_roles_and_links_come_from_the_served_tree_which_is_validated():
-    from echo_rl.learner.roster import Entry, _tree
+    from echo_rl.control.roster import Entry, _tree
 
     rows = {"a": Entry("a", ""), "b": Entry("b", "", down_mbit=51.2, up_mbit=0.0)}
     node = {
@@ -220,7 +220,7 @@ def test_parents_roles_and_links_come_from_the_served_tree_which_is_validated():
 def test_transport_comes_from_the_same_tree_as_parent_and_role():
     """Issue 55, item 4: the workers list said "punched" while the tree said PARENT learner,
     ROLE head; the three now come from one plan."""
-    from echo_rl.learner.roster import Entry, _tree
+    from echo_rl.control.roster import Entry, _tree
 
     rows = {"h": Entry("h", "", transport="punched")}  # as the workers list had it
     head = {

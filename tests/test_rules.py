@@ -8,9 +8,9 @@ import random
 import pytest
 
 from echo_rl.data import rules
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Record
 from echo_rl.data.rules import ReadyQueue
-from echo_rl.learner.buffer import ReplayBuffer
 
 
 def test_admission_window_is_inclusive_at_both_ends():

@@ -1,4 +1,4 @@
-"""Every delivery screened at no extra forward (echo_rl/learner/screen.py, docs/security.md "Screened
+"""Every delivery screened at no extra forward (echo_rl/control/screen.py, docs/security.md "Screened
 before training"; issue 52, item 3): a row whose claimed log-probs are far from the step-start
 ones is left out of the step before any update, its sender's records of the group go to the
 auditor at once, and honest rows pass."""
@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
+from echo_rl.control.screen import audit_screened, screen_rows
 from echo_rl.core.config import LearnerConfig
 from echo_rl.data.records import Record
-from echo_rl.learner.screen import audit_screened, screen_rows
 from tests.test_micro_batch import batch
 
 pytestmark = pytest.mark.timeout(120)

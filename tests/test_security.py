@@ -22,6 +22,9 @@ from echo_rl.broadcast.snapshot import RunKey, Snapshot, build_manifest
 from echo_rl.broadcast.store import SnapshotBuffer
 from echo_rl.broadcast.tickets import Ticket, TicketCheck, mint
 from echo_rl.cli.commands.admin import parse_duration
+from echo_rl.control.gate import security_dir
+from echo_rl.control.server import LearnerServer
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.rates import TokenBucket
@@ -36,11 +39,8 @@ from echo_rl.core.security import (
     key_hex,
 )
 from echo_rl.data.adapter import load_adapter
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.gate import security_dir
-from echo_rl.learner.server import LearnerServer
-from echo_rl.learner.work import WorkQueue
 
 JUNK = msgpack.packb({"v": 1, "type": ["x"]})  # 13 bytes that once ended a learner
 

@@ -1,4 +1,4 @@
-"""The learner server's parts, each alone with fakes around it (echo_rl/learner/server.py wires them):
+"""The learner server's parts, each alone with fakes around it (echo_rl/control/server.py wires them):
 the session table, the dispatcher, the snapshot routes' verdicts, the members' joins and
 departures, the deliveries' grants and quarantine, the notices' order."""
 
@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import pytest
 
 from echo_rl.broadcast.store import SnapshotStore
+from echo_rl.control.accounts import Accounts
+from echo_rl.control.deliveries import Deliveries, DeliveryLimits
+from echo_rl.control.dispatch import Dispatcher
+from echo_rl.control.members import Members, RunIdentity
+from echo_rl.control.notices import Notices
+from echo_rl.control.routes import SnapshotRoutes
+from echo_rl.control.sessions import SessionTable, WorkerState
 from echo_rl.core import wire
-from echo_rl.learner.accounts import Accounts
-from echo_rl.learner.deliveries import Deliveries, DeliveryLimits
-from echo_rl.learner.dispatch import Dispatcher
-from echo_rl.learner.members import Members, RunIdentity
-from echo_rl.learner.notices import Notices
-from echo_rl.learner.routes import SnapshotRoutes
-from echo_rl.learner.sessions import SessionTable, WorkerState
 
 
 def _cfg(heartbeat_s: float = 1.0, timeout_s: float = 5.0, per_s: float = 0.0) -> SimpleNamespace:

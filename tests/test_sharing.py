@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 from fakes import FakeClock
 
+from echo_rl.control.deliveries import Deliveries
+from echo_rl.control.sessions import WorkerState
+from echo_rl.control.staleness import Staleness
 from echo_rl.core import wire
 from echo_rl.data.records import Record
-from echo_rl.learner.deliveries import Deliveries
-from echo_rl.learner.sessions import WorkerState
-from echo_rl.learner.staleness import Staleness
 from echo_rl.worker.sharing import Turns
 
 pytestmark = pytest.mark.timeout(30)

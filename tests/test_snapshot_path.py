@@ -1,5 +1,5 @@
 """A closed snapshot port is named by the learner from its workers' reports (issue 55, item 2;
-echo_rl/learner/snapshot_path.py, docs/ports.md "A closed snapshot port")."""
+echo_rl/control/snapshot_path.py, docs/ports.md "A closed snapshot port")."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from fakes import FakeClock
 from test_security import make_plane, zctx  # noqa: F401 (fixtures)
 
 from echo_rl.broadcast.snapshot import Snapshot, build_manifest
+from echo_rl.control.snapshot_path import CORROBORATE_S, SAY_EVERY_S, WINDOW_S, SnapshotPathWatch
 from echo_rl.core import wire
-from echo_rl.learner.snapshot_path import CORROBORATE_S, SAY_EVERY_S, WINDOW_S, SnapshotPathWatch
 
 pytestmark = pytest.mark.timeout(60)
 

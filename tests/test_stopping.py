@@ -1,4 +1,4 @@
-"""A SIGTERM or Ctrl-C is taken at a safe point (echo_rl/learner/stopping.py): raised at once only
+"""A SIGTERM or Ctrl-C is taken at a safe point (echo_rl/core/stopping.py): raised at once only
 while the learner waits (``interruptible()``), else at the next step boundary; never inside
 the write-ahead log's compaction. Cut between the rename and the reopen, the compaction left
 the log's writer thread a closed file, so the learner refused every later batch with
@@ -12,11 +12,11 @@ import threading
 
 import pytest
 
-import echo_rl.learner.durable as durable
+import echo_rl.data.durable as durable
+from echo_rl.core import stopping
+from echo_rl.data.buffer import ReplayBuffer
+from echo_rl.data.durable import BufferLog, read_log
 from echo_rl.data.records import Record
-from echo_rl.learner import stopping
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.durable import BufferLog, read_log
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,12 +11,12 @@ import zmq
 from test_security import JUNK, _plane, ask, eventually, peer, zctx  # noqa: F401 (fixture)
 
 from echo_rl.broadcast.snapshot import Snapshot, build_manifest
+from echo_rl.control import listen as listen_mod
+from echo_rl.control import server as server_mod
+from echo_rl.control.gate import Gate
 from echo_rl.core import wire
 from echo_rl.core.config import SecurityConfig
 from echo_rl.core.security import KeyPair
-from echo_rl.learner import listen as listen_mod
-from echo_rl.learner import server as server_mod
-from echo_rl.learner.gate import Gate
 
 pytestmark = pytest.mark.timeout(60)
 

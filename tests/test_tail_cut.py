@@ -12,8 +12,8 @@ from test_handbacks import checked  # noqa: F401 (fixture)
 from test_preemption import _record, intake  # noqa: F401 (fixture)
 from test_trust import _sample
 
+from echo_rl.control.intake import one_version
 from echo_rl.core import wire
-from echo_rl.learner.intake import one_version
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,5 +1,5 @@
-"""Issue 12: what a worker reports is checked before it trains (echo_rl.learner.intake, echo_rl.learner.auditor,
-echo_rl.learner.reputation, echo_rl.learner.work)."""
+"""Issue 12: what a worker reports is checked before it trains (echo_rl.control.intake, echo_rl.control.auditor,
+echo_rl.control.reputation, echo_rl.control.work)."""
 
 import json
 import math
@@ -11,16 +11,16 @@ from test_control import ask, batch, connect, ctx, records  # noqa: F401 (fixtur
 from test_security import eventually
 
 from echo_rl.broadcast.snapshot import RunKey
+from echo_rl.control.auditor import Auditor, TokenStats, logprob_check, sampling_check
+from echo_rl.control.gate import security_dir
+from echo_rl.control.intake import AuditJob
+from echo_rl.control.server import LearnerServer
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.models import load_model, params_to_payload
 from echo_rl.data.adapter import load_adapter
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits, Record
-from echo_rl.learner.auditor import Auditor, TokenStats, logprob_check, sampling_check
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.gate import security_dir
-from echo_rl.learner.intake import AuditJob
-from echo_rl.learner.server import LearnerServer
-from echo_rl.learner.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -322,7 +322,7 @@ def test_audit_queue_is_bounded_and_drops_non_probation_first(small_cfg, tokeniz
 
 
 def test_a_resume_sets_aside_what_quarantined_workers_had_buffered(tmp_path):
-    from echo_rl.learner.reputation import Reputation, Verdict, without_quarantined
+    from echo_rl.control.reputation import Reputation, Verdict, without_quarantined
 
     rep = Reputation(tmp_path, strikes=1, step=lambda: 7, on_quarantine=lambda *a: None)
     rep.record(Verdict("evil", "k", "g1", 0, "reward", False, {}))

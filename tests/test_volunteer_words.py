@@ -16,14 +16,14 @@ import pytest
 from fakes import FakeClock
 
 from echo_rl.broadcast.snapshot import RunKey
+from echo_rl.control.server import LearnerServer
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.security import JoinLine
 from echo_rl.data.adapter import load_adapter
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits
-from echo_rl.learner.buffer import ReplayBuffer
 from echo_rl.learner.main import LearnerStall, shutdown_reason
-from echo_rl.learner.server import LearnerServer
-from echo_rl.learner.work import WorkQueue
 from echo_rl.provisioning.controller import ACTIVATE, RELEASE, Controller, Decision
 from echo_rl.provisioning.words import SENTENCES, in_words
 from echo_rl.worker.agent import Worker, WorkerError

@@ -12,8 +12,8 @@ import pytest
 
 from echo_rl.core.ci import mean_ci
 from echo_rl.core.steprow import StepRow
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Record
-from echo_rl.learner.buffer import ReplayBuffer
 from echo_rl.learner.evaluation import HeldoutScore
 from echo_rl.learner.watch import PolicyWatch, flat, take_groups
 

@@ -2,8 +2,8 @@ import itertools
 
 from fakes import FakeClock
 
+from echo_rl.control.work import WorkQueue
 from echo_rl.data.adapter import Prompt
-from echo_rl.learner.work import WorkQueue
 
 
 def make(clock, cap=4):

@@ -56,7 +56,7 @@ from echo_rl.core.errors import ReasonError
 from echo_rl.core.security import KeyPair
 
 # Request ids start at a random point per process: a relay must not tell the learner's
-# probe (echo_rl/learner/verify.py, which draws its ids the same way) from a child by its ids.
+# probe (echo_rl/control/verify.py, which draws its ids the same way) from a child by its ids.
 _rids = itertools.count(random.SystemRandom().randrange(1, 1 << 31))
 NOT_YET = ("future_version",)  # a source's answer for "I do not hold this version yet"
 NOT_YET_S, NOT_YET_MAX_S = 0.02, 0.5  # first back-off before asking again, and its cap

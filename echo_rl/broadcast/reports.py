@@ -25,7 +25,7 @@ or may be lying to get an honest relay removed. So (docs/security.md, "Relay rep
 * a child is never struck for a report: the only proof of a false report would be a reply the
   relay signed over the very bytes it sent, and a corrupting relay chooses what it signs. A
   reporter's unconfirmed reports are counted; past a bound the coordinator stops counting its
-  reports as evidence (the caller decides, ``echo_rl.learner.routes``).
+  reports as evidence (the caller decides, ``echo_rl.control.routes``).
 
 Pure bookkeeping on an injectable clock; the coordinator calls it.
 """

@@ -331,7 +331,7 @@ def _doctor(args: argparse.Namespace) -> int:
                 )
             ]
         )
-    from echo_rl.learner.doctor import diagnose
+    from echo_rl.control.doctor import diagnose
 
     return show(diagnose(cfg, args.run_dir, lan=args.lan))
 

@@ -193,7 +193,7 @@ class LearnerConfig(StalenessRules, _Section):
     mask_truncated_completions: bool = False
     torch_threads: int = Field(1, gt=0)  # CPU threads of the learner's torch
     max_outstanding_groups: int = Field(0, ge=0)  # 0: 2 * prompts_per_step
-    # Hardware-affinity routing (docs/scheduling.md, echo_rl/learner/affinity.py): a grant takes, from
+    # Hardware-affinity routing (docs/scheduling.md, echo_rl/control/affinity.py): a grant takes, from
     # a window of the next affinity_window prompts, the one whose expected completion length
     # ranks where the asking worker's measured tokens/s ranks (long tasks to fast workers);
     # one passed over 2 x affinity_window grants goes next. Off: the adapter's order.

@@ -60,7 +60,7 @@ class SecurityConfig(_Section):
     # snapshot version, and a test that the tokens were sampled from it.
     audit: bool = True
     audit_rate: float = Field(0.05, ge=0, le=1)  # share of groups audited after probation
-    # Every delivered row screened in the step-start forward (echo_rl/learner/screen.py): one whose
+    # Every delivered row screened in the step-start forward (echo_rl/control/screen.py): one whose
     # claimed behaviour log-probs are on average more than this many nats per token from the
     # learner's own is left out of the step and its group audited at once. 0: off.
     screen_nats: float = Field(4.0, ge=0)
@@ -79,7 +79,7 @@ class SecurityConfig(_Section):
     # An adapter whose reward is expensive (``expensive_reward``: the code adapter runs a
     # sandboxed program per sample). sampled: not recomputed at intake; a thread recomputes
     # every group of a worker on probation and reward_audit_rate of the others, off the
-    # learner's step (echo_rl/learner/reward_audit.py). every: recomputed at intake, every one, as a
+    # learner's step (echo_rl/control/reward_audit.py). every: recomputed at intake, every one, as a
     # cheap reward is (the learner's loop waits on it).
     expensive_reward_check: Literal["sampled", "every"] = "sampled"
     reward_audit_rate: float = Field(0.1, ge=0, le=1)
@@ -106,6 +106,6 @@ class SecurityConfig(_Section):
     # Cherry-picking: the mean reward percentile of the groups a worker handed back (once
     # completed by others) is tested against 1/2 from handback_bias_min groups on, at checkpoints
     # 25 % apart (Hoeffding, union bound over its life: an honest worker is flagged with
-    # probability at most handback_bias_alpha; echo_rl/learner/handbacks.py). A flagged worker's prefixes are no longer kept; no strike.
+    # probability at most handback_bias_alpha; echo_rl/control/handbacks.py). A flagged worker's prefixes are no longer kept; no strike.
     handback_bias_alpha: float = Field(1e-3, gt=0, lt=1)
     handback_bias_min: int = Field(32, ge=2)  # returned groups completed before the test may flag

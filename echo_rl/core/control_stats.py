@@ -1,6 +1,6 @@
 """The learner server's statistics (``LearnerServer.stats()``), as one declared type: the
 trainer copies some into each step row (``echo_rl.core.steprow``), ``echo_rl.core.metrics`` turns the rest into
-gauges and the dashboard's tables. Built on the server's loop by ``echo_rl.learner.server_stats``;
+gauges and the dashboard's tables. Built on the server's loop by ``echo_rl.control.server_stats``;
 the names are in docs/observability.md.
 
 The per-worker tables (``workers``, ``reputation``, ``accounts``) stay mappings keyed by worker
@@ -19,7 +19,7 @@ Counts = dict[str, int]  # {reason or kind: n}
 
 class WorkerRow(TypedDict, total=False):
     """One worker in ``ControlStats.workers`` (the dashboard's workers table, /metrics' labels):
-    built by ``echo_rl.learner.server_stats``, with ``echo_rl.learner.handbacks``' and ``learner.staleness``'
+    built by ``echo_rl.control.server_stats``, with ``echo_rl.control.handbacks``' and ``learner.staleness``'
     views of the worker."""
 
     price: float  # $/h, as declared
@@ -34,7 +34,7 @@ class WorkerRow(TypedDict, total=False):
     granted: int  # groups handed to it, so far
     returned: int  # groups it returned, so far
     taken_back: int  # groups taken back from it (lease expired, left), so far
-    handed_back: int  # echo_rl.learner.handbacks: groups it handed back
+    handed_back: int  # echo_rl.control.handbacks: groups it handed back
     prefixes_kept: int
     prefixes_refused: int
     forged: int  # groups whose prefixes failed the check
@@ -60,7 +60,7 @@ class ControlStats:
     worker_busy_rate: float = 0.0  # trajectories per busy second, measured over the run
     rejected: Counts = field(default_factory=dict)  # records/frames refused by reason, so far
     handbacks: dict[str, Any] = field(default_factory=dict)  # returned work (docs/preemption.md)
-    # expensive rewards recomputed off the step (echo_rl.learner.reward_audit); empty when inline
+    # expensive rewards recomputed off the step (echo_rl.control.reward_audit); empty when inline
     reward_audit: dict[str, float] = field(default_factory=dict)
     affinity: dict[str, int] = field(default_factory=dict)  # learner.affinity; empty when off
     join_refused: Counts = field(default_factory=dict)  # joins/connections refused by reason
@@ -70,7 +70,7 @@ class ControlStats:
     relay_reports: Counts = field(default_factory=dict)  # relay reports by "reason:outcome"
     relays_marked: int = 0  # relays kept out of plans now
     # workers (one per witness) whose fetches from the learner's own snapshot port failed in the
-    # last 30 s, and what the learner says of it ("": nothing; echo_rl/learner/snapshot_path.py)
+    # last 30 s, and what the learner says of it ("": nothing; echo_rl/control/snapshot_path.py)
     snapshot_path_reporters: int = 0
     snapshot_path: str = ""
     sessions: int = 0  # open sessions now
@@ -82,14 +82,14 @@ class ControlStats:
     keyframes: int = 0  # installs that needed a keyframe, so far
     t_bcast: float | None = None  # s: broadcast time of the latest measured publication
     in_flight_groups: int = 0  # groups handed out and not yet returned
-    restored_leases: int = 0  # leases kept across a restart (echo_rl.learner.grants)
+    restored_leases: int = 0  # leases kept across a restart (echo_rl.control.grants)
     restored_admitted: int = 0  # records admitted under them
     reissued_groups: int = 0  # groups handed out again after a lease expired, so far
     installs: dict[int, dict[str, float]] = field(default_factory=dict)  # {version: {worker: s}}
     workers: dict[str, WorkerRow] = field(default_factory=dict)  # {worker: its row}
     reputation: dict[str, dict[str, Any]] = field(default_factory=dict)  # {worker: checks}
     checks: Counts = field(default_factory=dict)  # checks by "check:outcome", so far
-    # echo_rl.learner.accounts' books
+    # echo_rl.control.accounts' books
     accounts: dict[str, dict[str, Any]] = field(default_factory=dict)
     control_cpu: dict[str, Any] = field(default_factory=dict)  # s of loop CPU by kind, so far
     slow: Counts = field(default_factory=dict)  # calls the loop did not answer in time

@@ -5,7 +5,7 @@ answer with the key the join line pins.
 Each probe says what it found in a short word (``open``, ``refused``, ``timeout``, ``silent``,
 ...) and the checks turn that into a sentence naming the host, the port, the config key or flag
 behind it and what to do. Nothing here needs the planes: the NAT probe lives with the reflector
-(``echo_rl.broadcast.nat.reflect``), the checks that use it in ``echo_rl.worker.doctor`` and ``echo_rl.learner.doctor``.
+(``echo_rl.broadcast.nat.reflect``), the checks that use it in ``echo_rl.worker.doctor`` and ``echo_rl.control.doctor``.
 """
 
 from __future__ import annotations

@@ -265,7 +265,7 @@ class FleetGauges:
                 g(
                     "echo_ack_queue",
                     "batch acknowledgements waiting for the write-ahead "
-                    "log's fsync (group commit; bounded, echo_rl.learner.listen.ACK_QUEUE)",
+                    "log's fsync (group commit; bounded, echo_rl.control.listen.ACK_QUEUE)",
                 ),
                 STAT.ack_queue,
             ),
@@ -273,7 +273,7 @@ class FleetGauges:
                 g(
                     "echo_snapshot_path_reporters",
                     "workers whose fetches from the learner's snapshot port failed in the last "
-                    "30 s, when the learner judges the port unreachable (echo_rl/learner/snapshot_path.py)",
+                    "30 s, when the learner judges the port unreachable (echo_rl/control/snapshot_path.py)",
                 ),
                 STAT.snapshot_path_reporters,
             ),
@@ -368,7 +368,7 @@ class FleetGauges:
 
 
 class AccountGauges:
-    """echo_rl.learner.accounts: each worker's books, exactly what the worker is told (departed workers
+    """echo_rl.control.accounts: each worker's books, exactly what the worker is told (departed workers
     included, bounded); labels that no longer apply are removed."""
 
     def __init__(self, registry: CollectorRegistry) -> None:

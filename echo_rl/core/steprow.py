@@ -56,7 +56,7 @@ class StepRow:
     cost_step_usd: float | None = None  # $: the fleet's price over t_train + t_wait
     rejected: Counts | None = None  # records/frames refused by reason, so far
     handbacks: dict[str, Any] | None = None  # returned work by kind (docs/preemption.md)
-    # an expensive reward's audits off the step, so far (echo_rl.learner.reward_audit); None: inline
+    # an expensive reward's audits off the step, so far (echo_rl.control.reward_audit); None: inline
     reward_audit: dict[str, float] | None = None
     # affinity routing (learner.affinity), so far: prompts routed out of the adapter's order,
     # taken for their age, and prompts with a learned length; None: off
@@ -67,7 +67,7 @@ class StepRow:
     reissued_groups: int | None = None  # groups handed out again after a lease expired, so far
     ready_groups: int | None = None  # whole groups waiting in the buffer now
     partial_groups: int | None = None  # groups with some records in the buffer now
-    restored_leases: int | None = None  # leases kept across a restart (echo_rl.learner.grants)
+    restored_leases: int | None = None  # leases kept across a restart (echo_rl.control.grants)
     restored_admitted: int | None = None  # records admitted under those leases
     relay_reports: Counts | None = None  # relay reports by "reason:outcome" (docs/security.md)
     relays_marked: int | None = None  # relays kept out of plans now

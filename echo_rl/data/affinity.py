@@ -1,5 +1,5 @@
 """Which prompt a grant takes: the adapter's order, or by hardware affinity (long tasks to fast
-workers; echo_rl/learner/affinity.py says what the learner keeps for it, docs/scheduling.md "Affinity").
+workers; echo_rl/control/affinity.py says what the learner keeps for it, docs/scheduling.md "Affinity").
 
 Here: ``LengthBook``, what a prompt's completions are expected to run to (learned from
 admitted completions of the same prompt, or its own token budget), and ``Picker``, which takes

@@ -1,6 +1,6 @@
 """The data plane's rules, once: admission, eviction, take and grant sizes.
 
-The learner (``echo_rl/learner/buffer.py``, ``echo_rl/learner/work.py``, ``echo_rl/learner/deliveries.py``) and the
+The learner (``echo_rl/data/buffer.py``, ``echo_rl/control/work.py``, ``echo_rl/control/deliveries.py``) and the
 simulator (``echo_rl/provisioning/sim/``) both call these, so a simulated run applies exactly the rules
 of a real one (docs/simulator.md, "One set of rules"). Nothing here does I/O, takes a lock or
 reads a clock; the install quantile, the fourth shared rule, is

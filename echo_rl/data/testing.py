@@ -225,7 +225,7 @@ def make_group(
 def make_groups(adapter: Adapter, *, count: int = 1, n: int = 2, seed: int = 0) -> list[wire.Group]:
     """``count`` groups of ``n`` from the adapter's first prompts (``prompts(Random(seed))``),
     as ``echo_rl.core.wire.Group``, the type the learner grants and a worker hands to ``rollout``
-    (echo_rl/learner/work.py builds them from a ``Prompt`` the same way). Group ``i`` is ``test-i``
+    (echo_rl/control/work.py builds them from a ``Prompt`` the same way). Group ``i`` is ``test-i``
     with the seed ``echo-rl eval`` gives it (``echo_rl/learner/evaluation.seeded_groups``)."""
     prompts = adapter.prompts(random.Random(seed))
     return [

@@ -20,18 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from echo_rl.broadcast.memory import trim
+from echo_rl.control.affinity import Affinity, LengthBook, SpeedBook
+from echo_rl.control.auditor import Auditor
+from echo_rl.control.grants import open_journal
+from echo_rl.control.screen import audit_screened
+from echo_rl.control.server import LearnerServer
+from echo_rl.control.work import WorkQueue
+from echo_rl.core import stopping
 from echo_rl.core.config import EchoConfig, dump_toml
 from echo_rl.core.metrics import LearnerMetrics
 from echo_rl.core.spill import spill_dir
 from echo_rl.core.steprow import COL, RunSummary, StepRow
+from echo_rl.data.buffer import ReplayBuffer
+from echo_rl.data.durable import BufferLog
 from echo_rl.data.records import Limits
-from echo_rl.learner import stopping
-from echo_rl.learner.affinity import Affinity, LengthBook, SpeedBook
-from echo_rl.learner.auditor import Auditor
-from echo_rl.learner.buffer import ReplayBuffer
 from echo_rl.learner.checkpoint import load_or_create_key
-from echo_rl.learner.durable import BufferLog
-from echo_rl.learner.grants import open_journal
 from echo_rl.learner.heldout import open_heldout
 from echo_rl.learner.memory import memory, say_memory_plan
 from echo_rl.learner.policy import Policy, Step, Sync
@@ -40,8 +43,6 @@ from echo_rl.learner.release import Release, Releaser, base_model, release_threa
 from echo_rl.learner.resume import Resume
 from echo_rl.learner.rows import CutWatch, RunTotals, finite_row, metrics_row, save_summary
 from echo_rl.learner.rows import summary as run_summary
-from echo_rl.learner.screen import audit_screened
-from echo_rl.learner.server import LearnerServer
 from echo_rl.learner.startup import (
     announce,
     freeze_startup_objects,
@@ -52,9 +53,8 @@ from echo_rl.learner.startup import (
 )
 from echo_rl.learner.trails import Trails
 from echo_rl.learner.watch import PolicyWatch, take_groups
-from echo_rl.learner.work import WorkQueue
 
-Terminated = stopping.Terminated  # raised by a SIGTERM (echo_rl/learner/stopping.py)
+Terminated = stopping.Terminated  # raised by a SIGTERM (echo_rl/core/stopping.py)
 
 log = logging.getLogger("echo.learner")
 
@@ -98,7 +98,7 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
     # trainer runs Python code (benchmarks/load_control.py measures the round trip).
     sys.setswitchinterval(0.001)
     # SIGTERM ends the run like Ctrl-C: workers are told, sockets closed, metrics flushed
-    # (taken while waiting for a batch or between steps: echo_rl/learner/stopping.py).
+    # (taken while waiting for a batch or between steps: echo_rl/core/stopping.py).
     stopping.reset()
     stopping.install()
     if resume:
@@ -142,7 +142,7 @@ def audit_in_policy(cfg: EchoConfig, policy: Policy, run_dir: Path) -> dict[str,
 
 
 class Learner:
-    """Rank 0's side of a run: buffer (with its log), work queue, server (echo_rl.learner.server), checkpoints,
+    """Rank 0's side of a run: buffer (with its log), work queue, server (echo_rl.control.server), checkpoints,
     publication and metrics around the ``Policy``."""
 
     def __init__(self, cfg: EchoConfig, run_dir: Path, policy: Policy):

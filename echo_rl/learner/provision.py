@@ -8,11 +8,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from echo_rl.control.server import LearnerServer
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.metrics import LearnerMetrics
 from echo_rl.core.security import LogThrottle
 from echo_rl.core.steprow import StepRow
-from echo_rl.learner.server import LearnerServer
 from echo_rl.learner.trails import Trails
 from echo_rl.provisioning.capacity import Infeasible, mu_req, t_train_average
 
@@ -42,7 +42,7 @@ class CapacityFeedback:
         it took since the last step. ``t_train`` None: after ``--resume``, from the run's own
         history (``rows``, the restored metrics rows), so a restarted learner knows its mu_req
         before its first step. ``snapshot_path``: what the workers' failed fetches say of the
-        learner's snapshot port (the step's control stats, echo_rl/learner/snapshot_path.py)."""
+        learner's snapshot port (the step's control stats, echo_rl/control/snapshot_path.py)."""
         lc = self.cfg.learner
         for t in [r.t_train for r in rows if r.t_train] if t_train is None else [t_train]:
             self.t_train_ewma = t_train_average(self.t_train_ewma, t)
@@ -54,7 +54,7 @@ class CapacityFeedback:
             )
         except Infeasible as err:
             # A broadcast that never ends is a port the workers cannot reach, not a kappa to
-            # raise, when the workers say so (echo_rl/learner/snapshot_path.py)
+            # raise, when the workers say so (echo_rl/control/snapshot_path.py)
             if self._said.ok("port" if snapshot_path else "kappa"):
                 log.warning("%s", snapshot_path or err)
             need = None

@@ -16,12 +16,12 @@ import torch
 from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.snapshot import RunKey, Snapshot
 from echo_rl.broadcast.versions import VersionEncoder
+from echo_rl.control.auditor import Auditor
+from echo_rl.core import stopping
 from echo_rl.core.config import EchoConfig, LearnerConfig
 from echo_rl.core.models import TINY, params_to_payload, params_to_spill, rounding_seed
 from echo_rl.core.spill import spill_dir
 from echo_rl.core.steprow import PUBLISH_FIELDS, StepRow
-from echo_rl.learner import stopping
-from echo_rl.learner.auditor import Auditor
 from echo_rl.learner.checkpoint import save_checkpoint
 from echo_rl.learner.policy import FullState, Policy
 from echo_rl.learner.publisher import Publisher

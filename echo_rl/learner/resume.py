@@ -2,7 +2,7 @@
 
 From the run folder: the checkpoint (model, optimizer, generators, work queue, totals), the
 buffer log's records still owed to training (minus those of quarantined workers), the leases
-open at the crash (``echo_rl.learner.grants``), and the audit trails cut back to the checkpoint's step
+open at the crash (``echo_rl.control.grants``), and the audit trails cut back to the checkpoint's step
 (lines of the lost steps set aside in ``NAME.lost.jsonl``). Entries that cannot be replayed are
 set aside into ``buffer.log.rejected``, counted, and the resume goes on without them.
 """
@@ -18,21 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from echo_rl.control.gate import security_dir
+from echo_rl.control.grants import load as load_grants
+from echo_rl.control.grants import open_leases
+from echo_rl.control.reputation import without_quarantined
+from echo_rl.control.work import WorkQueue
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.metrics import finite_or_null
 from echo_rl.core.security import KeyList
 from echo_rl.core.steprow import StepRow
+from echo_rl.data.buffer import ReplayBuffer
+from echo_rl.data.durable import BufferLog, live_after, quarantine, scan_log
 from echo_rl.data.records import Limits, Record
-from echo_rl.learner.buffer import ReplayBuffer
 from echo_rl.learner.checkpoint import load_checkpoint
-from echo_rl.learner.durable import BufferLog, live_after, quarantine, scan_log
-from echo_rl.learner.gate import security_dir
-from echo_rl.learner.grants import load as load_grants
-from echo_rl.learner.grants import open_leases
 from echo_rl.learner.policy import Load, Policy
-from echo_rl.learner.reputation import without_quarantined
 from echo_rl.learner.rows import RunTotals
-from echo_rl.learner.work import WorkQueue
 
 log = logging.getLogger("echo.learner")
 
@@ -103,7 +103,7 @@ class Resume:
         return Resumed(self.step, self.totals, self.rows)
 
     def _restore_leases(self, live: list[Record], trained: set[str]) -> None:
-        """Leases open at the crash come back bound to their holders (``echo_rl.learner.grants``),
+        """Leases open at the crash come back bound to their holders (``echo_rl.control.grants``),
         but for groups already trained or whole in the restored buffer."""
         leases, bad = load_grants(self.run_dir / "grants.jsonl")
         counts = Counter(r.group_id for r in live)

@@ -17,8 +17,8 @@ from echo_rl.core.control_stats import ControlStats
 from echo_rl.core.machine import machine_info
 from echo_rl.core.metrics import finite_or_null
 from echo_rl.core.steprow import TRAINER_FIELDS, RunSummary, StepRow
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Record
-from echo_rl.learner.buffer import ReplayBuffer
 
 log = logging.getLogger("echo.learner")
 
@@ -166,11 +166,11 @@ def _control(row: StepRow, control: ControlStats, step_s: float) -> None:
     row.handbacks = c.handbacks  # docs/preemption.md
     row.reward_audit = c.reward_audit or None
     row.affinity = c.affinity or None
-    # the control loop's CPU per kind of message, cumulative (echo_rl.learner.cpu, docs/scale.md)
+    # the control loop's CPU per kind of message, cumulative (echo_rl.control.cpu, docs/scale.md)
     row.control_cpu = c.control_cpu
     row.learner_bytes_sent, row.t_bcast = c.learner_bytes_sent, c.t_bcast
     row.reissued_groups = c.reissued_groups
-    # echo_rl.learner.grants: leases kept across a restart and the samples admitted under them
+    # echo_rl.control.grants: leases kept across a restart and the samples admitted under them
     row.restored_leases, row.restored_admitted = c.restored_leases, c.restored_admitted
     # echo_rl.broadcast.reports: relay reports by reason:outcome, probes by outcome (docs/security.md)
     row.relay_reports, row.relays_marked = c.relay_reports, c.relays_marked

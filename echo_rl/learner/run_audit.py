@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from echo_rl.data.durable import live_after, read_log
 from echo_rl.learner.checkpoint import load_checkpoint
-from echo_rl.learner.durable import live_after, read_log
 
 Key = tuple[str, int]  # (group id, sample index)
 

@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from echo_rl.control.listen import port_taken
+from echo_rl.control.server import LearnerServer
 from echo_rl.core.config import EchoConfig, ListenPorts
 from echo_rl.core.metrics import LearnerMetrics
 from echo_rl.core.metrics_server import MetricsServer
 from echo_rl.core.procs import READY_PREFIX
 from echo_rl.core.steprow import StepRow
-from echo_rl.learner.listen import port_taken
-from echo_rl.learner.server import LearnerServer
 
 if TYPE_CHECKING:
     import torch

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from echo_rl.control.screen import screen_rows
 from echo_rl.core.config import LearnerConfig
 from echo_rl.core.lora import is_peft
 from echo_rl.core.steprow import COL  # the trainer names its numbers as the step row does
@@ -18,7 +19,6 @@ from echo_rl.data.adapter import LearnerBatch
 from echo_rl.data.answers import answer_bias
 from echo_rl.learner.loss import LossConfig, grpo_loss
 from echo_rl.learner.parallel import Parallel, Single
-from echo_rl.learner.screen import screen_rows
 
 log = logging.getLogger("echo.trainer")
 
@@ -140,7 +140,7 @@ class Trainer:
         screen_nats: float = 0.0,
     ):
         self.model = model
-        # echo_rl/learner/screen.py: rows whose claimed log-probs are this far from the step-start
+        # echo_rl/control/screen.py: rows whose claimed log-probs are this far from the step-start
         # ones are left out of the step (0: off; one process only)
         self.screen_nats = screen_nats if (parallel is None or parallel.world == 1) else 0.0
         self.screened_rows: list[int] = []  # rows the last step left out for the screen

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from echo_rl.core.ci import MeanCI, paired_ci
 from echo_rl.core.steprow import StepRow
-from echo_rl.learner.buffer import ReplayBuffer
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.learner.evaluation import HeldoutScore
 from echo_rl.learner.heldout import HeldoutEval
 

@@ -2,7 +2,7 @@
 
 The figures that matter to a volunteer (records accepted, refused and why, checks, earnings,
 the rates the learner measured, the learner's last message) are the learner's accounting
-(``echo_rl.learner.accounts``), delivered in every heartbeat acknowledgement and, at the end, in the
+(``echo_rl.control.accounts``), delivered in every heartbeat acknowledgement and, at the end, in the
 ``farewell`` or ``shutdown`` message: the worker shows them as told, never its own estimate.
 Beside them it shows what only it knows: what it is doing now, the snapshot it installed and
 how long that took, the groups it generated.

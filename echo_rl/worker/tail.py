@@ -7,7 +7,7 @@ holds as its prefixes, and continued in the worker's next rollout beside the new
 where it is never cut again. Each group is still delivered whole, by the one worker that
 generated all of it, so nothing crosses to another worker and no hand-back check is needed.
 A carried sample continued after a new version was installed has tokens of two versions;
-the learner audits one of them, drawn at random (``echo_rl.learner.intake.one_version``).
+the learner audits one of them, drawn at random (``echo_rl.control.intake.one_version``).
 """
 
 from __future__ import annotations

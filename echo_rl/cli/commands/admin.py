@@ -4,7 +4,7 @@ of who may join.
 ``token create`` and ``worker ban`` edit files in ``<run>/security/`` (``echo_rl.core.security``); a
 running learner re-reads them within half a second, so a new token works at once and a ban ends
 the key's live session at its next message. ``workers`` lists what the run folder records about
-each worker (``echo_rl.learner.roster``), with the live learner's view when it answers; ``worker ban``
+each worker (``echo_rl.control.roster``), with the live learner's view when it answers; ``worker ban``
 takes a worker id, a fingerprint or a full key. Keys are printed shell-quoted: Z85 has ``&``,
 ``>`` and ``]``, which cut an unquoted command short.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from echo_rl.learner.roster import Roster
+    from echo_rl.control.roster import Roster
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -78,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    from echo_rl.control.gate import security_dir
+    from echo_rl.control.roster import RosterError, load_roster
     from echo_rl.core.security import KeyList, SecurityError, TokenStore
-    from echo_rl.learner.gate import security_dir
-    from echo_rl.learner.roster import RosterError, load_roster
 
     d = security_dir(args.run_dir)
     try:

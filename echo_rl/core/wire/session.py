@@ -70,7 +70,7 @@ class JoinAck(Message):
 
 class Account(BaseModel):
     """The learner's books on one worker, as the worker is told them (heartbeat_ack, farewell,
-    shutdown) and as /metrics exports them (``echo_rl.learner.accounts``): the volunteer sees the
+    shutdown) and as /metrics exports them (``echo_rl.control.accounts``): the volunteer sees the
     learner's accounting, not its own guess (docs/volunteers.md)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -166,7 +166,7 @@ class DoctorAck(Message):
     # where this host cannot reach its own public address): workers in session whose NAT probe
     # came from a public address (they reached the control and reflector ports), those of them
     # that installed a snapshot (fed from the chunk port, directly or through their relays),
-    # and what the workers' failed fetches say of the chunk port (echo_rl/learner/snapshot_path.py).
+    # and what the workers' failed fetches say of the chunk port (echo_rl/control/snapshot_path.py).
     outside_joined: int = 0
     outside_installed: int = 0
     snapshot_path: str = Field("", max_length=1024)

@@ -7,10 +7,10 @@ What runs, and what it reuses (no second copy of the logic):
 
 * **Learner** (one SimPy process): step t trains on ``N = prompts x group_size`` rollouts taken
   from the replay buffer, oldest first, whole groups only, admissible iff ``u >= v - S``
-  (docs/design.md §3, as ``echo_rl.learner.buffer.ReplayBuffer``); it waits (``T_wait``) until enough are there,
+  (docs/design.md §3, as ``echo_rl.data.buffer.ReplayBuffer``); it waits (``T_wait``) until enough are there,
   then trains ``T_train``; ``v += 1``; every ``kappa`` steps it publishes snapshot ``v``.
   Stale groups are dropped at admission and when the version moves, and counted. Work is
-  handed out like ``echo_rl.learner.work.WorkQueue``: at most ``max_outstanding_groups`` issued plus
+  handed out like ``echo_rl.control.work.WorkQueue``: at most ``max_outstanding_groups`` issued plus
   buffered, so the fleet cannot run far ahead (a worker that gets no grant waits).
 * **Workers** (one SimPy process each, for the whole run): request ``groups_per_request``
   groups, generate them with the installed snapshot (duration ``groups x G / mu_i``, lognormal

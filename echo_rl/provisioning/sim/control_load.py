@@ -1,6 +1,6 @@
 """The learner's control loop as a load model (docs/scale.md): what N workers cost it a
 second, from the per-message costs ``benchmarks/load_control.py`` measures with the learner's
-own counters (echo_rl.learner.cpu), and the fleet size at which one core saturates.
+own counters (echo_rl.control.cpu), and the fleet size at which one core saturates.
 
 Per worker: a heartbeat every period, a work request every poll interval while it has no work
 (standby workers all the time), and its share of the fleet-wide passes (housekeeping, the

@@ -63,7 +63,7 @@ class LearnerSection(StalenessRules, _Section):
     kappa: int = Field(0, ge=0)  # 0: max(1, S-1) (docs/design.md §3)
     price_per_hour: float = Field(3.06, ge=0)  # p_learner, A100 80GB (paper Table 1)
     # Groups issued-and-unfinished plus waiting in the buffer; 0: 2 x prompts_per_step, as in
-    # learner.max_outstanding_groups (echo_rl/learner/work.py). Keeps the fleet from running ahead.
+    # learner.max_outstanding_groups (echo_rl/control/work.py). Keeps the fleet from running ahead.
     max_outstanding_groups: int = Field(0, ge=0)
 
     @property
@@ -217,14 +217,14 @@ class ProvisioningSection(_Section):
     warmup_s: float = Field(30.0, ge=0)
     tick_s: float = Field(10.0, gt=0)
     # What the controller observes. "busy": every delivered batch with the seconds the worker
-    # spent generating it, as the real learner server feeds it (echo_rl/learner/deliveries.py: the batch's
+    # spent generating it, as the real learner server feeds it (echo_rl/control/deliveries.py: the batch's
     # gen_s), so throughput is delivered / busy time. "delivered": deliveries over wall time
     # (the learner before it fed busy time); that rate is capped by the work the learner
     # hands out and by install pauses, so it measures demand once the fleet is large enough.
     # "capacity": each active, installed worker's nominal mu_i x time (an oracle).
     measure: Literal["busy", "delivered", "capacity"] = "busy"
     # What the controller knows of a worker before it delivers. "none", as the real learner
-    # (echo_rl/learner/members.py: no credit before delivery): unmeasured workers are activated on
+    # (echo_rl/control/members.py: no credit before delivery): unmeasured workers are activated on
     # probation. "nominal": each worker's mu_i as a trusted prior (the oracle's knowledge).
     prior: Literal["none", "nominal"] = "none"
     # The real config's keys, with its defaults (echo_rl/core/config.py ProvisioningConfig).

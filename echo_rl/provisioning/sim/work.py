@@ -20,7 +20,7 @@ from echo_rl.provisioning.sim.tail import Lengths
 
 
 class Work:
-    """Hands out work as ``echo_rl.learner.work.WorkQueue`` does and runs one process per worker.
+    """Hands out work as ``echo_rl.control.work.WorkQueue`` does and runs one process per worker.
 
     ``version`` tells the learner's current version (for admission); ``batch_ready`` is called
     after an admitted delivery with the buffer's size. ``provisioner`` gives the controller, if
@@ -171,7 +171,7 @@ class Work:
             u = self.snaps.inst_ver[i]
             ctl = self.prov.ctl
             if ctl is not None and ws.registered[i]:
-                ctl.ready(self.ids[i])  # as a work request does (echo_rl/learner/deliveries.py)
+                ctl.ready(self.ids[i])  # as a work request does (echo_rl/control/deliveries.py)
             carried = len(self.lengths.carry[i])
             ws.busy[i] = g + carried
             epoch = ws.leave_epoch[i]
@@ -205,7 +205,7 @@ class Work:
         admitted = rules.admission(u, self.version(), self.S) == rules.OK
         prov = self.prov
         if prov.observe_delivered and self.ws.registered[i]:
-            # echo_rl/learner/deliveries.py: admitted records only, with the batch's generation seconds
+            # echo_rl/control/deliveries.py: admitted records only, with the batch's generation seconds
             # (none when nothing was admitted: refused work earns nothing).
             prov.ctl.observe(
                 self.ids[i],

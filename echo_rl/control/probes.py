@@ -2,7 +2,7 @@
 reports count as evidence, the fetch the learner then makes from the accused itself, and what
 its outcome sets off (a ban, a strike against the reporter, or nothing).
 
-One object, ``RelayProbes``, owned by ``echo_rl.learner.routes.SnapshotRoutes`` (which hands it each
+One object, ``RelayProbes``, owned by ``echo_rl.control.routes.SnapshotRoutes`` (which hands it each
 report) and fed the verifier's outcomes by the server. It counts refusals into the server's
 counter. Runs on the server's loop.
 """
@@ -19,16 +19,16 @@ from echo_rl.broadcast.coordinator import Coordinator
 from echo_rl.broadcast.manifest import ChunkLayout
 from echo_rl.broadcast.reports import KIND
 from echo_rl.broadcast.store import SnapshotStore
+from echo_rl.control.gate import Gate
+from echo_rl.control.sessions import SessionTable
+from echo_rl.control.verify import Verifier
 from echo_rl.core import wire
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.security import fingerprint
-from echo_rl.learner.gate import Gate
-from echo_rl.learner.sessions import SessionTable
-from echo_rl.learner.verify import Verifier
 
 log = logging.getLogger("echo.control")
 
-ASKED = 4  # versions a timeout's probe asks for, one chunk each (echo_rl/learner/verify.py)
+ASKED = 4  # versions a timeout's probe asks for, one chunk each (echo_rl/control/verify.py)
 LAYOUTS = 64  # versions whose layouts are kept for probes after their payloads went
 RETRIES, RETRY_S = 3, 1.0  # a timeout probe every version refused: tried again, this often
 
@@ -84,7 +84,7 @@ class RelayProbes:
         that relay at once; the report counts as evidence only from a child the plan put there
         whose witness (its token: ``Gate.witness``) the learner's probes have not kept
         contradicting, and then the learner probes the relay itself at once
-        (``echo_rl.learner.verify``), at most ``security.report_probes_per_min`` times a minute for
+        (``echo_rl.control.verify``), at most ``security.report_probes_per_min`` times a minute for
         one witness. A timeout convicts only through that probe (``echo_rl.broadcast.reports``)."""
         assert self.coordinator is not None
         witness = self.gate.witness(key)
@@ -156,7 +156,7 @@ class RelayProbes:
         """For a timeout's probe, newest first: the versions the relay said it installed (its
         store keeps the last two), then the learner's newest, at most ``ASKED``. One it no
         longer or not yet holds it refuses at once ("answered", no verdict); one it holds and
-        never serves is a black hole (echo_rl/learner/verify.py). Asking the learner's newest alone
+        never serves is a black hole (echo_rl/control/verify.py). Asking the learner's newest alone
         let the quiet drill's black hole escape: at twenty versions a second, and catching up
         after its join, it held none of them (issue 52)."""
         peer = self.coordinator.owner(endpoint) if self.coordinator else None

@@ -1,12 +1,12 @@
 """Audits of expensive rewards, off the learner's step.
 
 Workers score their own samples (``Adapter.reward`` runs on the worker). For most adapters the
-learner recomputes every delivered reward inline, at intake (``echo_rl.learner.intake``): cheap, and a
+learner recomputes every delivered reward inline, at intake (``echo_rl.control.intake``): cheap, and a
 worker that lies about one is refused at once. An adapter whose reward is expensive (it declares
 ``expensive_reward``: the code adapter runs a sandboxed program per sample) would make that
 recompute the learner's bottleneck, so for it the learner instead recomputes a sample of groups
 on a thread of its own: every group of a worker on probation (``security.probation_groups``),
-then ``security.reward_audit_rate`` of them. A mismatch is a strike (``echo_rl.learner.reputation``;
+then ``security.reward_audit_rate`` of them. A mismatch is a strike (``echo_rl.control.reputation``;
 strikes lead to quarantine, whose groups are dropped), as a failed log-prob audit is. The group
 itself was admitted already: the same trade as log-prob audits (docs/security.md).
 
@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from echo_rl.control.reputation import Verdict
 from echo_rl.data.records import Record
-from echo_rl.learner.reputation import Verdict
 
 if TYPE_CHECKING:
     from echo_rl.data.adapter import Adapter

@@ -1,5 +1,5 @@
 """The learner server's sessions: a worker *is* its key. Joining binds a key to a worker id
-(with the join policy of ``echo_rl.learner.gate``), and every later message from that key must name
+(with the join policy of ``echo_rl.control.gate``), and every later message from that key must name
 the same id (docs/security.md, "Identity").
 
 Joining is cheap for the learner (docs/security.md, "Sybils"): a joined key is *pending*: it
@@ -11,7 +11,7 @@ request) makes it a *member*: a relay candidate from the next publication, regis
 provisioner. No join or heartbeat re-plans (O(fleet)): a join costs O(1) whatever the fleet.
 
 ``SessionTable`` is the registry alone (key -> id -> ``WorkerState``, relay endpoints, heartbeat
-periods); what a join or a promotion does to the rest of the learner is ``echo_rl.learner.members``.
+periods); what a join or a promotion does to the rest of the learner is ``echo_rl.control.members``.
 It runs on the server's loop.
 """
 

@@ -2,7 +2,7 @@
 learner): for ``echo-rl workers`` and for ``echo-rl worker ban`` by id or fingerprint.
 
 Sources, all written by the learner:
-  * ``fleet.json`` (``echo_rl.learner.fleet``, rewritten every 2 s and at shutdown): each worker id's
+  * ``fleet.json`` (``echo_rl.control.fleet``, rewritten every 2 s and at shutdown): each worker id's
     key and books (price, accepted, refused), and the provisioner's memory by key (measured
     throughput, active or not);
   * ``security/quarantine.jsonl``: quarantined workers (id, key, reason);
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from echo_rl.learner.fleet import FLEET_FILE
+from echo_rl.control.fleet import FLEET_FILE
 
 LIVE_TIMEOUT_S = 2.0
 KEY_LEN = 40

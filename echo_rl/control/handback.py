@@ -11,9 +11,9 @@ was already continued once keeps its earlier prefix as its start, and the sender
 (those after an earlier prefix) all name one version, the snapshot its rollout used. Anything else is refused
 with a counted reason and the sample is generated again from scratch: a refused prefix costs
 tokens, never correctness. The tokens of a kept prefix are the sender's; the worker that
-continues the sample must deliver them unchanged (``echo_rl.learner.intake``), and an audit of the
-continued group checks only the continuing worker's own tokens (``echo_rl.learner.auditor``); the
-sender's own tokens are recomputed before anyone continues them (``echo_rl.learner.handbacks``).
+continues the sample must deliver them unchanged (``echo_rl.control.intake``), and an audit of the
+continued group checks only the continuing worker's own tokens (``echo_rl.control.auditor``); the
+sender's own tokens are recomputed before anyone continues them (``echo_rl.control.handbacks``).
 """
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from echo_rl.control.cpu import CpuBook
+from echo_rl.control.deliveries import Deferred
+from echo_rl.control.dispatch import Dispatcher
+from echo_rl.control.sessions import WorkerState
 from echo_rl.core import wire
 from echo_rl.core.security import ZAP_DOMAIN, curve_server, sender_key
-from echo_rl.learner.cpu import CpuBook
-from echo_rl.learner.deliveries import Deferred
-from echo_rl.learner.dispatch import Dispatcher
-from echo_rl.learner.sessions import WorkerState
 
 log = logging.getLogger("echo.control")
 
@@ -158,7 +158,7 @@ class ControlSocket:
 
     async def send_acks(self) -> None:
         """Acknowledgements, in order, each once its records are durable (group commit,
-        ``echo_rl.learner.durable``): the loop serves heartbeats and chunks meanwhile. A failed write
+        ``echo_rl.data.durable``): the loop serves heartbeats and chunks meanwhile. A failed write
         ends the server: what was not made durable must not be acknowledged, ever."""
         while True:
             ident, deferred = await self.acks.get()

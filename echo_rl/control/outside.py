@@ -15,12 +15,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from echo_rl.broadcast.coordinator import Coordinator
+from echo_rl.control.sessions import WorkerState
 from echo_rl.core import wire
 from echo_rl.core.addresses import reach
-from echo_rl.learner.sessions import WorkerState
 
 if TYPE_CHECKING:
-    from echo_rl.learner.server import LearnerServer
+    from echo_rl.control.server import LearnerServer
 
 
 def outside_view(

@@ -1,20 +1,20 @@
 """Hand-backs are work products (docs/preemption.md, "Hand-backs are checked"; issue 31).
 
 A preempted or yielding worker gives its leases back with prefixes, the samples it had started
-(``echo_rl.learner.handback`` checks their form). This object decides what they are worth and who
+(``echo_rl.control.handback`` checks their form). This object decides what they are worth and who
 answers for them. Only the control-plane thread calls it.
 
 * **Checked before anyone continues them.** The sender's own tokens of each new prefix (those
   after an earlier prefix of the sample, which were checked when that one came back) are
   recomputed under the version they name, with the auditor's own computation
-  (``echo_rl.learner.auditor``: the same forward pass, temperature and restricted answer set;
+  (``echo_rl.control.auditor``: the same forward pass, temperature and restricted answer set;
   its ``logprob`` and ``sampling`` checks, reported as ``handback_logprob`` and
   ``handback_sampling``). Which groups: all of a key's hand-backs until
   ``security.handback_probation`` of its groups passed, then ``security.handback_audit_rate``
   of them, drawn from the OS's randomness after receipt. A group drawn is *held* off the
   queue (``WorkQueue.hand_back(..., hold_until)``) until its verdicts are back: passed, it
   goes to the head of the queue with its new prefixes; failed, without them, and each failed
-  check is a strike against the prefix's **author** (``echo_rl.learner.reputation``). A worker that
+  check is a strike against the prefix's **author** (``echo_rl.control.reputation``). A worker that
   continues a prefix is never blamed for it: no drawn prefix is continued before it passed.
   Held, not sent out at once without its prefixes: then nearly every checked prefix would be
   wasted (the group is granted at the next work request, the check comes between two trainer
@@ -67,14 +67,14 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from echo_rl.control.handback import PrefixLimits, check_prefixes, expand
+from echo_rl.control.intake import AuditJob
+from echo_rl.control.reputation import Verdict
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.config import SecurityConfig
 from echo_rl.core.security import PeerLimits
 from echo_rl.data.records import Record
-from echo_rl.learner.handback import PrefixLimits, check_prefixes, expand
-from echo_rl.learner.intake import AuditJob
-from echo_rl.learner.reputation import Verdict
-from echo_rl.learner.work import WorkQueue
 
 log = logging.getLogger("echo.handbacks")
 

@@ -10,15 +10,15 @@ are handed to it again at once.
 Bounded: at most ``max_outstanding`` groups are in flight (issued and not yet whole) plus
 waiting in the buffer; past that, requests get an empty grant with a retry hint. This keeps the
 fleet from generating data that would go stale before the learner can use it.
-Grants are bound to the worker they were leased to (``holder``; ``echo_rl.learner.intake`` refuses a
+Grants are bound to the worker they were leased to (``holder``; ``echo_rl.control.intake`` refuses a
 delivery from anyone else) and the sampling seed of a group is derived from a learner secret,
 so a worker can neither pick its seeds nor predict another group's. Per worker, groups granted,
 returned whole, taken back (lease expired or worker gone) and handed back (preempted or
 yielded) are counted: a worker that keeps or returns the groups it does not like shows up as
-granted far above returned (``echo_rl.learner.handbacks`` bounds and judges hand-backs). A handed-back
+granted far above returned (``echo_rl.control.handbacks`` bounds and judges hand-backs). A handed-back
 group may be *held* off the queue while its prefixes are checked (``hand_back(..., hold_until)``):
 ``release`` or the hold's deadline puts it back at the head of the queue.
-Leases are written to the grant journal (``echo_rl.learner.grants``) when it is set, so that work in
+Leases are written to the grant journal (``echo_rl.control.grants``) when it is set, so that work in
 flight survives a learner restart: ``restore_leases`` brings them back bound to the same key.
 Only the control-plane thread touches this object.
 """
@@ -35,12 +35,12 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from echo_rl.control.affinity import Affinity
+from echo_rl.control.grants import GrantJournal, Lease
 from echo_rl.core import wire
 from echo_rl.data import rules
 from echo_rl.data.adapter import Prompt
 from echo_rl.data.affinity import Picker
-from echo_rl.learner.affinity import Affinity
-from echo_rl.learner.grants import GrantJournal, Lease
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Issued:
     granted_at: float = 0.0  # when the current holder got it (staleness books, learner.staleness)
     handed_by: tuple[
         str, ...
-    ] = ()  # workers that handed it back, in order (echo_rl.learner.handbacks)
+    ] = ()  # workers that handed it back, in order (echo_rl.control.handbacks)
 
 
 class WorkQueue:
@@ -69,7 +69,7 @@ class WorkQueue:
         affinity: Affinity | None = None,
         window: int = 64,
     ):
-        # which prompt a grant takes: the adapter's order, or by affinity (echo_rl/learner/affinity.py)
+        # which prompt a grant takes: the adapter's order, or by affinity (echo_rl/control/affinity.py)
         self.affinity = affinity
         self.picker = Picker(prompts, window, affinity.book if affinity is not None else None)
         self.group_size = group_size
@@ -87,7 +87,7 @@ class WorkQueue:
         self.taken_back: Counter[str] = Counter()  # ... lease expired or released
         self.handed_back: Counter[str] = Counter()  # ... given back by the holder (handback)
         self.held: dict[str, float] = {}  # group id -> until when it waits for a prefix check
-        self.journal: GrantJournal | None = None  # echo_rl.learner.grants; None: leases die with us
+        self.journal: GrantJournal | None = None  # echo_rl.control.grants; None: leases die with us
         self.restored: set[str] = set()  # groups whose lease came back from the journal
 
     def seed_of(self, group_id: str) -> int:
@@ -156,7 +156,7 @@ class WorkQueue:
                 )
 
     def restore_leases(self, leases: list[Lease]) -> None:
-        """Leases of the instance before a restart (``echo_rl.learner.grants.load``), bound to the
+        """Leases of the instance before a restart (``echo_rl.control.grants.load``), bound to the
         same worker and key, each with a fresh lease clock: the holder may deliver what it
         generated, or it expires and goes to someone else."""
         now = self._clock()
@@ -226,9 +226,9 @@ class WorkQueue:
         """The holder gave the group back (preempted or yielded, docs/preemption.md): it goes
         to the head of the queue carrying ``prefixes``, so the next worker continues those
         samples instead of generating them again; with ``hold_until`` it is kept off the queue
-        until ``release`` (its new prefixes are being checked, ``echo_rl.learner.handbacks``) or that
+        until ``release`` (its new prefixes are being checked, ``echo_rl.control.handbacks``) or that
         time. Counted as handed back, not as taken back: a handback is the worker doing the
-        right thing, within the bounds ``echo_rl.learner.handbacks`` sets."""
+        right thing, within the bounds ``echo_rl.control.handbacks`` sets."""
         item = self.issued.get(group_id)
         if item is None or item.deadline == float("inf"):
             return  # not out, or already given back

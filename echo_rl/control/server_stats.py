@@ -11,19 +11,19 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from echo_rl.broadcast.source import ChunkServer
+from echo_rl.control.accounts import Accounts
+from echo_rl.control.cpu import CpuBook
+from echo_rl.control.gate import Gate
+from echo_rl.control.handbacks import Handbacks
+from echo_rl.control.intake import Intake
+from echo_rl.control.members import Members
+from echo_rl.control.reputation import Reputation
+from echo_rl.control.routes import SnapshotRoutes
+from echo_rl.control.sessions import SessionTable
+from echo_rl.control.staleness import Staleness
+from echo_rl.control.work import WorkQueue
 from echo_rl.core.control_stats import ControlStats, WorkerRow
-from echo_rl.learner.accounts import Accounts
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.cpu import CpuBook
-from echo_rl.learner.gate import Gate
-from echo_rl.learner.handbacks import Handbacks
-from echo_rl.learner.intake import Intake
-from echo_rl.learner.members import Members
-from echo_rl.learner.reputation import Reputation
-from echo_rl.learner.routes import SnapshotRoutes
-from echo_rl.learner.sessions import SessionTable
-from echo_rl.learner.staleness import Staleness
-from echo_rl.learner.work import WorkQueue
+from echo_rl.data.buffer import ReplayBuffer
 
 # The per-worker tables in the stats (dashboard rows, /metrics labels) of a fleet larger than
 # PER_WORKER_FRESH_UP_TO are rebuilt at most every PER_WORKER_EVERY_S: each costs the loop time
@@ -100,7 +100,7 @@ class ServerStats:
             notices=dict(s.noticed),
             ack_queue=ack_queue,
             in_flight_groups=s.work.in_flight,
-            # echo_rl.learner.grants: leases kept across a restart, and what was admitted under them
+            # echo_rl.control.grants: leases kept across a restart, and what was admitted under them
             restored_leases=len(s.work.restored),
             restored_admitted=s.intake.restored_admitted,
             reissued_groups=s.work.reissued,
@@ -165,14 +165,14 @@ class ServerStats:
                 "granted": s.work.granted[w.worker_id],
                 "returned": s.work.returned[w.worker_id],
                 "taken_back": s.work.taken_back[w.worker_id],
-                # echo_rl.learner.handbacks, learner.staleness
+                # echo_rl.control.handbacks, learner.staleness
                 **s.returns.per_worker(w.worker_id),
                 **s.staleness.view(w.worker_id),
             }
             for w in s.table.workers.values()
         }
         # per worker id, quarantined ones included: checks made, failed, quarantined; and
-        # echo_rl.learner.accounts: each worker's books, departed ones included (bounded)
+        # echo_rl.control.accounts: each worker's books, departed ones included (bounded)
         return PerWorker(
             workers, s.reputation.per_worker(), dict(s.reputation.by_check), s.accounts.export()
         )

@@ -13,30 +13,30 @@ from typing import TYPE_CHECKING, Any
 
 from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.broadcast.store import SnapshotStore
+from echo_rl.control.accounts import Accounts
+from echo_rl.control.cpu import CpuBook
+from echo_rl.control.deliveries import Deliveries, DeliveryLimits
+from echo_rl.control.dispatch import Dispatcher
+from echo_rl.control.faults import FaultBook
+from echo_rl.control.fleet import FLEET_FILE, FleetBooks, FleetRecord
+from echo_rl.control.gate import Gate, security_dir
+from echo_rl.control.handbacks import Handbacks
+from echo_rl.control.intake import AuditJob, Intake
+from echo_rl.control.listen import ControlSocket
+from echo_rl.control.members import Members, RunIdentity
+from echo_rl.control.notices import Notices
+from echo_rl.control.reputation import Reputation
+from echo_rl.control.reward_audit import RewardAuditor
+from echo_rl.control.routes import SnapshotRoutes
+from echo_rl.control.server_stats import ServerStats, StatSources
+from echo_rl.control.sessions import SessionTable
+from echo_rl.control.staleness import Staleness
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.config import EchoConfig
+from echo_rl.data.buffer import ReplayBuffer
+from echo_rl.data.durable import BufferLog
 from echo_rl.data.records import Limits
-from echo_rl.learner.accounts import Accounts
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.cpu import CpuBook
-from echo_rl.learner.deliveries import Deliveries, DeliveryLimits
-from echo_rl.learner.dispatch import Dispatcher
-from echo_rl.learner.durable import BufferLog
-from echo_rl.learner.faults import FaultBook
-from echo_rl.learner.fleet import FLEET_FILE, FleetBooks, FleetRecord
-from echo_rl.learner.gate import Gate, security_dir
-from echo_rl.learner.handbacks import Handbacks
-from echo_rl.learner.intake import AuditJob, Intake
-from echo_rl.learner.listen import ControlSocket
-from echo_rl.learner.members import Members, RunIdentity
-from echo_rl.learner.notices import Notices
-from echo_rl.learner.reputation import Reputation
-from echo_rl.learner.reward_audit import RewardAuditor
-from echo_rl.learner.routes import SnapshotRoutes
-from echo_rl.learner.server_stats import ServerStats, StatSources
-from echo_rl.learner.sessions import SessionTable
-from echo_rl.learner.staleness import Staleness
-from echo_rl.learner.work import WorkQueue
 from echo_rl.provisioning.controller import Controller
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def build_parts(
     sc = cfg.security
     gate = Gate(sc, inp.run_dir)
     table = SessionTable(cfg)
-    cpu = CpuBook()  # the loop's CPU per kind of work (echo_rl.learner.cpu, docs/scale.md)
+    cpu = CpuBook()  # the loop's CPU per kind of work (echo_rl.control.cpu, docs/scale.md)
     sockets = ControlSocket(table.workers, cpu)  # bound by the server, on its loop
     rejected: Counter[str] = Counter()
     accounts = Accounts()  # what each worker is told about itself (docs/volunteers.md)
@@ -150,7 +150,7 @@ def build_parts(
         probation_groups=sc.probation_groups,
         faults=FaultBook(gate.witness, reputation, cfg.adapter.name),
     )
-    # docs/preemption.md: hand-backs checked, counted and bounded (echo_rl.learner.handbacks)
+    # docs/preemption.md: hand-backs checked, counted and bounded (echo_rl.control.handbacks)
     returns = Handbacks(sc, inp.work, audit)
     intake.on_complete = returns.completed
     routes = SnapshotRoutes(
@@ -176,7 +176,7 @@ def build_parts(
         routes=routes,
         controller=controller(cfg),
     )
-    # the provisioner's memory and the accounts, saved across a restart (echo_rl.learner.fleet)
+    # the provisioner's memory and the accounts, saved across a restart (echo_rl.control.fleet)
     fleet = FleetRecord(FleetBooks(inp.run_dir / FLEET_FILE), members.controller, accounts)
     # docs/security.md, "Staleness is not free": stale deliveries earn less credit
     staleness = Staleness(cfg.learner.staleness, cfg.provisioning.staleness_discount)
@@ -251,7 +251,7 @@ def build_parts(
 
 
 def _reward_auditor(cfg: EchoConfig, adapter: Adapter | None) -> RewardAuditor | None:
-    """The thread that recomputes a sample of an expensive reward (echo_rl.learner.reward_audit);
+    """The thread that recomputes a sample of an expensive reward (echo_rl.control.reward_audit);
     None for an adapter whose reward the learner recomputes inline, or cannot. Its verdicts
     go to the server's loop: the server wires ``report`` and starts it."""
     sc = cfg.security

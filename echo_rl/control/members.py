@@ -7,7 +7,7 @@ told of new versions last. Its first act beyond joining and heartbeats (an ``ins
 or a work request) makes it a *member*: a relay candidate from the next publication, registered
 with the provisioner. No join or heartbeat re-plans (O(fleet)): a join costs O(1) whatever the
 fleet. The provisioner's ticks are here too: they are about who is in the fleet and in what
-state (its books across a restart are ``echo_rl.learner.fleet.FleetRecord``). Runs on the server's loop.
+state (its books across a restart are ``echo_rl.control.fleet.FleetRecord``). Runs on the server's loop.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from dataclasses import dataclass
 from echo_rl.broadcast.coordinator import Coordinator
 from echo_rl.broadcast.nat.reflect import NatError, Reflector
 from echo_rl.broadcast.snapshot import RunKey
+from echo_rl.control.accounts import Accounts
+from echo_rl.control.gate import Gate
+from echo_rl.control.reputation import Reputation
+from echo_rl.control.routes import SnapshotRoutes
+from echo_rl.control.sessions import SessionTable, WorkerState
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.addresses import declared_endpoint
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.security import fingerprint
-from echo_rl.learner.accounts import Accounts
-from echo_rl.learner.gate import Gate
-from echo_rl.learner.reputation import Reputation
-from echo_rl.learner.routes import SnapshotRoutes
-from echo_rl.learner.sessions import SessionTable, WorkerState
-from echo_rl.learner.work import WorkQueue
 from echo_rl.provisioning.controller import ACTIVE, STANDBY, Controller, Decision
 from echo_rl.provisioning.words import in_words
 
@@ -299,7 +299,7 @@ class Members:
         return wire.Farewell(account=account)
 
     def account(self, w: WorkerState, message: str = "") -> wire.Account:
-        """This worker's books, brought up to date (echo_rl.learner.accounts)."""
+        """This worker's books, brought up to date (echo_rl.control.accounts)."""
         self.refresh_book(w)
         if message:
             self.accounts.note(w.worker_id, message)

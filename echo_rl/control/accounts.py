@@ -200,7 +200,7 @@ class Accounts:
             return {w: b.account(now).model_dump() for w, b in self._books.items()}
 
     def state(self) -> dict[str, dict[str, Any]]:
-        """The counts of every book, by worker id, for the run folder (``echo_rl.learner.fleet``)."""
+        """The counts of every book, by worker id, for the run folder (``echo_rl.control.fleet``)."""
         with self._lock:
             return {
                 w: {

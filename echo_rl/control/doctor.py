@@ -8,7 +8,7 @@ address), and reachable on the public address. When the public address is one of
 a failure there is this host's firewall or a wrong address. When it is not (a cloud's 1:1 NAT,
 a port forward: no connection from here loops back), the doctor says so instead of failing,
 and passes on what the learner saw of its workers from outside (``wire.DoctorAck``,
-``echo_rl/learner/outside.py``): joins and NAT probes from public addresses, installs, and the workers'
+``echo_rl/control/outside.py``): joins and NAT probes from public addresses, installs, and the workers'
 reports of a closed chunk port. Last, the learner answers a ``doctor`` request with the key
 its join line pins (on its bound address when the public one does not loop back). The bound
 ports come from the run's ``learner.json``, the config from ``config.toml``.
@@ -315,7 +315,7 @@ def _outside_check(
 ) -> Check:
     """``public`` is not an address of this host (a 1:1 NAT, a port forward) and this host's
     connection to it did not come back in, as such NATs do: what it says about workers is
-    only what the learner saw of them (``wire.DoctorAck``, echo_rl/learner/outside.py)."""
+    only what the learner saw of them (``wire.DoctorAck``, echo_rl/control/outside.py)."""
     head = (
         f"bound on {where.local}; {where.public} is not an address of this host (a cloud's "
         f"1:1 NAT or a port forward) and a connection from here to it does not loop back"

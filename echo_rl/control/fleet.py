@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from echo_rl.learner.accounts import Accounts
+    from echo_rl.control.accounts import Accounts
     from echo_rl.provisioning.controller import Controller
 
 log = logging.getLogger("echo.fleet")

@@ -19,12 +19,12 @@ from echo_rl.broadcast.source import ChunkServer
 from echo_rl.broadcast.store import SnapshotStore
 from echo_rl.broadcast.tickets import mint
 from echo_rl.broadcast.topology import Topology
+from echo_rl.control.listen import CHUNK_DOMAIN, port_taken, router
+from echo_rl.control.parts import Parts
+from echo_rl.control.verify import Verifier
 from echo_rl.core.addresses import public_endpoint
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.security import ZapHandler
-from echo_rl.learner.listen import CHUNK_DOMAIN, port_taken, router
-from echo_rl.learner.parts import Parts
-from echo_rl.learner.verify import Verifier
 
 
 @dataclass

@@ -26,7 +26,7 @@ the order they were appended, so a ``consume`` never becomes durable before the 
 the records it names; ``compact`` (at a checkpoint) first waits for every pending frame, so a
 checkpoint never contains training on records whose admission could still be lost. The queue
 is unbounded here and bounded by what feeds it: the learner server's pending acknowledgements
-(``echo_rl.learner.listen.ACK_QUEUE``) and one ``consume`` per learner step.
+(``echo_rl.control.listen.ACK_QUEUE``) and one ``consume`` per learner step.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from typing import Any
 
 import msgpack
 
+from echo_rl.core.stopping import uninterrupted
 from echo_rl.data.records import Limits, Record, RecordError, parse_record
-from echo_rl.learner.stopping import uninterrupted
 
 _HEADER = struct.Struct("<II")
 

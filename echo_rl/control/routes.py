@@ -1,9 +1,9 @@
 """The learner server's snapshot routes: who pulls the current snapshot from where, with what
 ticket, and what happens when a worker reports a bad source or a corrupt chunk.
 
-One object, ``SnapshotRoutes``, owned by ``echo_rl.learner.server.LearnerServer``: it reads the session
+One object, ``SnapshotRoutes``, owned by ``echo_rl.control.server.LearnerServer``: it reads the session
 table and the snapshot stores it is given; the reports of bad sources it hands to its
-``RelayProbes`` (``echo_rl.learner.probes``), which probe the accused and count refusals into the
+``RelayProbes`` (``echo_rl.control.probes``), which probe the accused and count refusals into the
 server's counter.
 """
 
@@ -22,13 +22,13 @@ from echo_rl.broadcast.nat.links import plain
 from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.broadcast.store import SnapshotStore
 from echo_rl.broadcast.tickets import Source, mint
+from echo_rl.control.gate import Gate
+from echo_rl.control.probes import RelayProbes
+from echo_rl.control.sessions import SessionTable, WorkerState
+from echo_rl.control.snapshot_path import SnapshotPathWatch
+from echo_rl.control.verify import Verifier
 from echo_rl.core import wire
 from echo_rl.core.config import EchoConfig
-from echo_rl.learner.gate import Gate
-from echo_rl.learner.probes import RelayProbes
-from echo_rl.learner.sessions import SessionTable, WorkerState
-from echo_rl.learner.snapshot_path import SnapshotPathWatch
-from echo_rl.learner.verify import Verifier
 
 log = logging.getLogger("echo.control")
 
@@ -36,7 +36,7 @@ log = logging.getLogger("echo.control")
 class SnapshotRoutes:
     """Where each worker pulls the current snapshot (its place in the plan, a peer, or the
     learner), with what ticket; a report of a bad source or chunk goes to ``probes``
-    (``echo_rl.learner.probes``: the learner's own probe, then a ban or a strike against the
+    (``echo_rl.control.probes``: the learner's own probe, then a ban or a strike against the
     reporter). Runs on the server's loop; the coordinator, verifier and snapshot endpoint exist
     once the loop has bound its sockets (``attach``)."""
 
@@ -65,7 +65,7 @@ class SnapshotRoutes:
         # (version, decode seconds, took a keyframe) per accepted install report; bounded.
         self.installs: deque[tuple[int, float, bool]] = deque(maxlen=1024)
         self.keyframe_installs = 0  # installs that needed a keyframe (the run's total)
-        # reports of bad relays and the learner's own probes of them (echo_rl.learner.probes)
+        # reports of bad relays and the learner's own probes of them (echo_rl.control.probes)
         self.probes = RelayProbes(cfg, gate=gate, table=table, store=store, rejected=rejected)
         self.coordinator: Coordinator | None = None
         self.snapshot_endpoint = ""

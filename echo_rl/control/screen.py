@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from echo_rl.control.intake import AuditJob, one_version
 from echo_rl.data.records import Record
-from echo_rl.learner.intake import AuditJob, one_version
 
 log = logging.getLogger("echo.learner")
 

@@ -4,7 +4,7 @@ Some refusals follow from the run's own limits, not from what a worker chose: a 
 than ``worker.max_new_tokens`` (``bad_length``: an adapter whose episodes outgrow the limit, a
 worker of another release) or a sample past its task's budget (``over_budget``). The record is
 refused either way, and the rest of its group then arrives partial; one worker doing so may be
-lying, and is struck for it (a failed ``whole_group`` or ``budget`` check, echo_rl/learner/intake.py).
+lying, and is struck for it (a failed ``whole_group`` or ``budget`` check, echo_rl/control/intake.py).
 When the same refusal comes from ``NEEDED`` independent witnesses (a token's keys are one,
 ``Gate.witness``; in open mode each key is one), it is the run's own: the learner says so once,
 naming the adapter and the fix, on the console and in the log, forgives the strikes it gave
@@ -24,7 +24,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
-from echo_rl.learner.reputation import Reputation
+from echo_rl.control.reputation import Reputation
 
 log = logging.getLogger("echo.learner")
 

@@ -11,7 +11,7 @@ sets aside what those workers had buffered.
 False alarms: a check with a false-alarm probability of at most ``a`` per honest audit, and
 ``k`` strikes needed, quarantines an honest worker audited ``m`` times with probability at most
 ``C(m, k) a^k`` (union bound). Reward recomputation and whole groups are deterministic (an
-honest worker never fails them); the audit's bounds are in ``echo_rl.learner.auditor``.
+honest worker never fails them); the audit's bounds are in ``echo_rl.control.auditor``.
 
 Only the control-plane thread calls this object.
 """
@@ -30,8 +30,8 @@ from typing import Any
 import msgpack
 
 from echo_rl.core.metrics import finite_or_null
+from echo_rl.data.durable import SetAside
 from echo_rl.data.records import Record
-from echo_rl.learner.durable import SetAside
 
 log = logging.getLogger("echo.reputation")
 
@@ -83,7 +83,7 @@ class Reputation:
         if v.ok or v.worker_id in self.quarantined:
             return
         self.failures[v.worker_id] += 1
-        # A failed check of a group the step-start screen left out (echo_rl/learner/screen.py) is two
+        # A failed check of a group the step-start screen left out (echo_rl/control/screen.py) is two
         # findings against the same claim: quarantined at once. An honest group is screened
         # about once in 48,000 and its check then fails with probability <= audit_alpha.
         self.strikes[v.worker_id] += self.needed if v.check.startswith("screened_") else 1
@@ -105,7 +105,7 @@ class Reputation:
 
     def forgive(self, worker_id: str, n: int) -> bool:
         """Take back ``n`` strikes that turned out to be the run's own fault
-        (echo_rl/learner/faults.py); False for a worker already quarantined (its ban stands: the
+        (echo_rl/control/faults.py); False for a worker already quarantined (its ban stands: the
         operator lifts it) or with none to take back."""
         if worker_id in self.quarantined or self.strikes[worker_id] <= 0:
             return False

@@ -25,7 +25,7 @@ Two checks, each per group:
 Cost is bounded: the trainer thread runs audits between steps for at most
 ``security.audit_budget`` of its time over the run (a credit each step adds to, so a round
 dearer than one step's share waits for it rather than never running; ``Auditor.run``),
-handed-back prefixes first, then groups the step-start screen left out (echo_rl/learner/screen.py;
+handed-back prefixes first, then groups the step-start screen left out (echo_rl/control/screen.py;
 both run in debt, one a round, so they are checked while their snapshot is held), then
 probation jobs, the least-audited worker's first; the queue of waiting jobs is
 bounded (``security.audit_queue``), overflow drops the oldest non-probation job and counts it
@@ -45,11 +45,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from echo_rl.control.intake import AuditJob
+from echo_rl.control.reputation import Verdict
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.steprow import StepRow
 from echo_rl.data.answers import answer_bias
-from echo_rl.learner.intake import AuditJob
-from echo_rl.learner.reputation import Verdict
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -6,7 +6,7 @@ group with a counted reason:
 
   * ``unknown_group``: not a group the learner handed out (or already fulfilled and forgotten);
   * ``learner_restarted``: a group of this run granted by an earlier instance of the learner
-    whose lease the restart did not keep (``echo_rl.learner.grants``; kept leases are admitted);
+    whose lease the restart did not keep (``echo_rl.control.grants``; kept leases are admitted);
   * ``not_your_group``: leased to another worker or key (grants are bound to the key's worker; a
     late delivery after the lease moved on is refused, not credited);
   * ``prompt_mismatch``: the prompt is not the one granted;
@@ -19,7 +19,7 @@ group with a counted reason:
 
 A group that passes is admitted sample by sample into the buffer (duplicates of a finished
 group are acknowledged, not stored again) and, once whole, may be chosen for an audit
-(``echo_rl.learner.auditor``): always during a worker's probation and once a check of it has failed
+(``echo_rl.control.auditor``): always during a worker's probation and once a check of it has failed
 (a strike), then at a rate that falls with the key's age, ``probation_groups / delivered``,
 down to ``security.audit_rate`` (a young key is looked at more: with the defaults half its
 8th group, a tenth of its 40th); drawn after receipt from the OS's randomness so a worker
@@ -36,14 +36,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from echo_rl.control.faults import FAULTS, FaultBook
+from echo_rl.control.handback import expand
+from echo_rl.control.reputation import Reputation, Verdict
+from echo_rl.control.reward_audit import RewardAuditor, RewardJob
+from echo_rl.control.work import WorkQueue
+from echo_rl.data.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
+from echo_rl.data.durable import BufferLog
 from echo_rl.data.records import Limits, Record, RecordError, parse_record
-from echo_rl.learner.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
-from echo_rl.learner.durable import BufferLog
-from echo_rl.learner.faults import FAULTS, FaultBook
-from echo_rl.learner.handback import expand
-from echo_rl.learner.reputation import Reputation, Verdict
-from echo_rl.learner.reward_audit import RewardAuditor, RewardJob
-from echo_rl.learner.work import WorkQueue
 
 if TYPE_CHECKING:
     from echo_rl.data.adapter import Adapter
@@ -65,10 +65,10 @@ class AuditJob:
         return self.records[0].group_id
 
     at_version: int | None = None  # a continued group: the continuing worker's version
-    # A handed-back group's prefixes (``echo_rl.learner.handbacks``), checked before anyone continues
+    # A handed-back group's prefixes (``echo_rl.control.handbacks``), checked before anyone continues
     # them: its verdicts are named ``handback_<check>`` and go first in the auditor's queue.
     prefix: bool = False
-    # A group the step-start screen left out (echo_rl/learner/screen.py): checked at once, before its
+    # A group the step-start screen left out (echo_rl/control/screen.py): checked at once, before its
     # snapshot is dropped, in the auditor's debt if need be.
     screened: bool = False
 
@@ -156,12 +156,12 @@ class Intake:
     ):
         self.limits, self.buffer, self.work = limits, buffer, work
         self.faults = (
-            faults  # the run's own limits told from a worker's lie (echo_rl.learner.faults)
+            faults  # the run's own limits told from a worker's lie (echo_rl.control.faults)
         )
         self._faulted: dict[str, tuple[str, str]] = {}  # this batch: group id -> limit refusal
         self.reputation, self.buffer_log = reputation, buffer_log
         # The reward is recomputed only where the adapter says it can be; an expensive one
-        # on the reward auditor's thread, for a sample of groups (echo_rl.learner.reward_audit).
+        # on the reward auditor's thread, for a sample of groups (echo_rl.control.reward_audit).
         recomputes = getattr(adapter, "recomputes_rewards", False)
         self.reward_audit = reward_audit if recomputes else None
         self.reward_audit_rate = reward_audit_rate
@@ -171,7 +171,7 @@ class Intake:
         self.continued = 0  # samples admitted that continued a handed-back prefix
         self.restored_admitted = 0  # samples admitted under leases from before a restart
         # Called with (sender, the group's records, who had handed it back) when a group is
-        # complete (echo_rl.learner.handbacks ranks its reward); None: nobody listens.
+        # complete (echo_rl.control.handbacks ranks its reward); None: nobody listens.
         self.on_complete: Callable[[str, list[Record], tuple[str, ...]], None] | None = None
         self._rng = random.SystemRandom()
 

@@ -180,7 +180,7 @@ class ReplayBuffer:
         return dropped
 
     def restore(self, records: list[Record], done_groups: set[str]) -> None:
-        """Refill from the write-ahead log after a restart (see ``echo_rl.learner.durable``)."""
+        """Refill from the write-ahead log after a restart (see ``echo_rl.data.durable``)."""
         with self._cond:
             for gid in done_groups:
                 self._mark_done(gid)

@@ -1,8 +1,8 @@
 """Work out and rollouts in: grants, trajectory batches, hand-backs, and what a failed check
 does to the worker that sent them (strikes, then quarantine; docs/security.md).
 
-Admission itself is ``echo_rl.learner.intake``; hand-backs ``echo_rl.learner.handbacks``; strikes
-``echo_rl.learner.reputation``. This object answers the three requests with them, keeps each
+Admission itself is ``echo_rl.control.intake``; hand-backs ``echo_rl.control.handbacks``; strikes
+``echo_rl.control.reputation``. This object answers the three requests with them, keeps each
 worker's measured throughput and tells the provisioner what each delivery was worth. Runs on
 the server's loop.
 """
@@ -16,21 +16,21 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from echo_rl.control.accounts import Accounts
+from echo_rl.control.gate import Gate
+from echo_rl.control.handback import PrefixLimits
+from echo_rl.control.handbacks import Handbacks
+from echo_rl.control.intake import NOT_COUNTED, Intake
+from echo_rl.control.members import Members
+from echo_rl.control.reputation import Reputation, Verdict
+from echo_rl.control.sessions import EWMA_ALPHA, SessionTable, WorkerState
+from echo_rl.control.staleness import Staleness
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.ewma import ewma
 from echo_rl.data import rules
+from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits, Record
-from echo_rl.learner.accounts import Accounts
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.gate import Gate
-from echo_rl.learner.handback import PrefixLimits
-from echo_rl.learner.handbacks import Handbacks
-from echo_rl.learner.intake import NOT_COUNTED, Intake
-from echo_rl.learner.members import Members
-from echo_rl.learner.reputation import Reputation, Verdict
-from echo_rl.learner.sessions import EWMA_ALPHA, SessionTable, WorkerState
-from echo_rl.learner.staleness import Staleness
-from echo_rl.learner.work import WorkQueue
 
 log = logging.getLogger("echo.control")
 
@@ -124,7 +124,7 @@ class Deliveries:
     def on_handback(self, ident: bytes, key: str, msg: wire.Handback) -> wire.Message:
         """Leases given back before the worker stops generating (docs/preemption.md): only
         the holder's own; their prefixes are checked, counted and bounded, and may wait for a
-        recomputation before anyone continues them (``echo_rl.learner.handbacks``)."""
+        recomputation before anyone continues them (``echo_rl.control.handbacks``)."""
         self.table.joined(ident, key, msg.worker_id)
         lim, dl = self.limits.limits, self.limits
         prefix = PrefixLimits(
@@ -231,7 +231,7 @@ class Deliveries:
 
     def record(self, verdict: Verdict) -> None:
         """On the loop: the strike first (a forged prefix's author answers for it), then a
-        held hand-back goes out with or without its prefixes (echo_rl.learner.handbacks)."""
+        held hand-back goes out with or without its prefixes (echo_rl.control.handbacks)."""
         self.reputation.record(verdict)
         self.returns.verdict(verdict)
 

@@ -13,12 +13,12 @@ from collections.abc import Awaitable, Callable
 from echo_rl.broadcast.manifest import Manifest
 from echo_rl.broadcast.snapshot import Snapshot
 from echo_rl.broadcast.store import SnapshotBuffer
+from echo_rl.control.cpu import CpuBook
+from echo_rl.control.members import Members
+from echo_rl.control.routes import SnapshotRoutes
+from echo_rl.control.sessions import SessionTable, WorkerState
 from echo_rl.core import wire
 from echo_rl.core.config import EchoConfig
-from echo_rl.learner.cpu import CpuBook
-from echo_rl.learner.members import Members
-from echo_rl.learner.routes import SnapshotRoutes
-from echo_rl.learner.sessions import SessionTable, WorkerState
 
 
 class Notices:

@@ -9,11 +9,11 @@ object only through ``publish``, ``stats``, ``report`` and ``shutdown``, which h
 thread-safely.
 
 The work is done by parts that each own their state (this object wires them and serves the
-sockets, which ``echo_rl.learner.bind`` binds at start): the session table (``echo_rl.learner.sessions``), joins, heartbeats and the provisioner
-(``echo_rl.learner.members``), snapshot routes and relay reports (``echo_rl.learner.routes``), grants,
-trajectories, hand-backs and quarantine (``echo_rl.learner.deliveries``), publications
-(``echo_rl.learner.notices``), one message's handling (``echo_rl.learner.dispatch``) and the statistics
-(``echo_rl.learner.server_stats``).
+sockets, which ``echo_rl.control.bind`` binds at start): the session table (``echo_rl.control.sessions``), joins, heartbeats and the provisioner
+(``echo_rl.control.members``), snapshot routes and relay reports (``echo_rl.control.routes``), grants,
+trajectories, hand-backs and quarantine (``echo_rl.control.deliveries``), publications
+(``echo_rl.control.notices``), one message's handling (``echo_rl.control.dispatch``) and the statistics
+(``echo_rl.control.server_stats``).
 """
 
 from __future__ import annotations
@@ -38,22 +38,22 @@ from echo_rl.broadcast.source import ChunkServer
 from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
 from echo_rl.broadcast.topology import make_topology
 from echo_rl.broadcast.tree import relay_tree
+from echo_rl.control.bind import Served, bind
+from echo_rl.control.intake import AuditJob
+from echo_rl.control.listen import count_handshakes, handshake_monitor
+from echo_rl.control.outside import doctor_ack
+from echo_rl.control.parts import Inputs, build_parts
+from echo_rl.control.reputation import Verdict
+from echo_rl.control.verify import Verifier
+from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.control_stats import ControlStats
 from echo_rl.core.security import JoinLine
 from echo_rl.core.tree import RelayTree
+from echo_rl.data.buffer import ReplayBuffer
+from echo_rl.data.durable import BufferLog
 from echo_rl.data.records import Limits
-from echo_rl.learner.bind import Served, bind
-from echo_rl.learner.buffer import ReplayBuffer
-from echo_rl.learner.durable import BufferLog
-from echo_rl.learner.intake import AuditJob
-from echo_rl.learner.listen import count_handshakes, handshake_monitor
-from echo_rl.learner.outside import doctor_ack
-from echo_rl.learner.parts import Inputs, build_parts
-from echo_rl.learner.reputation import Verdict
-from echo_rl.learner.verify import Verifier
-from echo_rl.learner.work import WorkQueue
 
 if TYPE_CHECKING:
     from echo_rl.data.adapter import Adapter
@@ -83,7 +83,7 @@ class LearnerServer:
         step: Callable[[], int] = lambda: 0,
     ):
         """``adapter``: recompute rewards with it (None: no recomputation, for protocol tests);
-        ``audit``: where groups chosen for audit go (``echo_rl.learner.auditor``); ``step``: the
+        ``audit``: where groups chosen for audit go (``echo_rl.control.auditor``); ``step``: the
         learner's current step, for the security files."""
         self.cfg = cfg
         self.run_id, self.key, self.buffer, self.work = run_id, key, buffer, work
@@ -121,7 +121,7 @@ class LearnerServer:
             link_mbit=bc.link_mbit or None,
             chunk_bytes=bc.chunk_bytes,
         )
-        # what the sockets serve (echo_rl.learner.bind binds them on the loop, at start)
+        # what the sockets serve (echo_rl.control.bind binds them on the loop, at start)
         self._served = Served(
             self.store, self.results, self.bases, self.topology, key, run_id, self.max_bytes
         )

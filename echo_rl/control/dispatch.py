@@ -11,10 +11,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from echo_rl.control.deliveries import Deferred
+from echo_rl.control.gate import Gate
 from echo_rl.core import wire
 from echo_rl.core.security import LogThrottle
-from echo_rl.learner.deliveries import Deferred
-from echo_rl.learner.gate import Gate
 
 log = logging.getLogger("echo.control")
 
