@@ -33,6 +33,7 @@ import lz4.block
 import numpy as np
 
 from echo_rl.broadcast.manifest import DTYPE_BYTES, TENSOR_ENCODINGS, TensorEntry
+from echo_rl.core.errors import EchoError
 from echo_rl.core.layout import TensorLayout
 from echo_rl.core.spill import drop_pages
 
@@ -40,8 +41,8 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INDEX = np.dtype("<u4")
 
 
-class DeltaError(ValueError):
-    pass
+class DeltaError(EchoError, ValueError):
+    default_reason = "delta"
 
 
 @dataclass

@@ -64,6 +64,9 @@ REQUEST_BYTES = 4096  # bound on a chunk request or a reply header (a ticket is 
 
 
 class SourceFailed(ReasonError):
+    """A snapshot source that failed this fetch; ``reason`` says how (timeout, corrupt,
+    refused, disconnected), ``index`` the chunk when one was at fault."""
+
     def __init__(self, reason: str, detail: str, index: int = -1):
         super().__init__(reason, detail)
         self.index = index  # the chunk that failed, when one did (corrupt)

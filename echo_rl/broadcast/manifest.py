@@ -28,6 +28,7 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from echo_rl.core.errors import EchoError
 from echo_rl.core.layout import TensorLayout
 
 SCHEMA = 2
@@ -62,8 +63,8 @@ NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # a plain file name: no
 Form = Literal["payload", "full", "base"]
 
 
-class SnapshotError(ValueError):
-    pass
+class SnapshotError(EchoError, ValueError):
+    default_reason = "snapshot"
 
 
 def chunk_hash(data: bytes | bytearray | memoryview) -> bytes:

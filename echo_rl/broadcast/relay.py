@@ -44,6 +44,7 @@ from echo_rl.broadcast.source import ChunkServer
 from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
 from echo_rl.broadcast.tickets import Source, TicketCheck
 from echo_rl.core import rates
+from echo_rl.core.errors import EchoError
 from echo_rl.core.security import KeyPair, PeerLimits, ZapHandler, curve_server
 
 MBIT = 125_000.0  # bytes per second in one Mbit/s
@@ -77,8 +78,8 @@ class RelayConfig:
     spill_dir: str = ""
 
 
-class RelayPortTaken(RuntimeError):
-    pass
+class RelayPortTaken(EchoError, RuntimeError):
+    default_reason = "relay_port_taken"
 
 
 class Relay:

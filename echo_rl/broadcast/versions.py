@@ -112,6 +112,8 @@ class VersionEncoder:
 class BaseMissing(SnapshotError):
     """This node does not hold the base a delta was made from: it needs a keyframe."""
 
+    default_reason = "base_missing"
+
 
 def rebuild(
     manifest: Manifest, payload: Any, base: Any | None, out: bytearray | None = None

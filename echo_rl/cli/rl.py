@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from echo_rl.core.errors import EchoError, describe
 from echo_rl.core.extras import MissingExtra
 
 if TYPE_CHECKING:
@@ -244,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     except MissingExtra as err:
         print(err, file=sys.stderr)
         return 2
+    except EchoError as err:  # any of Echo's own errors not handled nearer: one line, its code
+        print(f"echo-rl: {describe(err)}", file=sys.stderr)
+        return 1
 
 
 def _main(argv: list[str] | None = None) -> int:

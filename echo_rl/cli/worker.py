@@ -271,15 +271,19 @@ def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None =
     args = build_parser().parse_args(argv)
     from echo_rl.cli import worker_tools as cli_tools
     from echo_rl.cli.worker_join import join
+    from echo_rl.core.errors import EchoError, describe
 
-    if args.cmd == "status":
-        return cli_tools.status(args)
-    if args.cmd == "preempt":
-        return cli_tools.preempt(args)
-    if args.cmd == "doctor":
-        return cli_tools.doctor(args)
-
-    return join(args, make_worker)
+    try:
+        if args.cmd == "status":
+            return cli_tools.status(args)
+        if args.cmd == "preempt":
+            return cli_tools.preempt(args)
+        if args.cmd == "doctor":
+            return cli_tools.doctor(args)
+        return join(args, make_worker)
+    except EchoError as err:  # any of Echo's own errors not handled nearer: one line, its code
+        print(f"echo-worker: {describe(err)}", file=sys.stderr)
+        return 1
 
 
 def _shares(text: str) -> list[float]:

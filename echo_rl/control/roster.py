@@ -24,13 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from echo_rl.control.fleet import FLEET_FILE
+from echo_rl.core.errors import EchoError
 
 LIVE_TIMEOUT_S = 2.0
 KEY_LEN = 40
 
 
-class RosterError(ValueError):
+class RosterError(EchoError, ValueError):
     """A worker named ambiguously or not at all; the message says what to do."""
+
+    default_reason = "roster"
 
 
 def fingerprint(key: str) -> str:

@@ -27,6 +27,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from echo_rl.core import wire
+from echo_rl.core.errors import EchoError
 from echo_rl.core.security import KeyPair, curve_client
 
 log = logging.getLogger("echo_rl.core.client")
@@ -34,8 +35,10 @@ log = logging.getLogger("echo_rl.core.client")
 NOTICE_QUEUE = 64
 
 
-class RequestTimeout(TimeoutError):
-    pass
+class RequestTimeout(EchoError, TimeoutError):
+    """No reply within the request's timeout."""
+
+    default_reason = "timeout"
 
 
 class ConnectionLost(RequestTimeout):
@@ -43,9 +46,13 @@ class ConnectionLost(RequestTimeout):
     answers the old connection). Raised at once instead of after the timeout; the socket
     reconnects by itself and queues what is sent meanwhile, so the caller may retry now."""
 
+    default_reason = "connection_lost"
+
 
 class HandshakeFailed(ConnectionLost):
     """The encrypted handshake failed: retrying with the same keys will not help."""
+
+    default_reason = "handshake_failed"
 
 
 _HANDSHAKE_EVENTS = (

@@ -11,9 +11,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from echo_rl.core.errors import EchoError
 
-class ConfigError(ValueError):
+
+class ConfigError(EchoError, ValueError):
     """A configuration problem, phrased for the user: key, value, fix."""
+
+    default_reason = "config"
 
 
 class _Section(BaseModel):

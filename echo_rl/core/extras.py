@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 
+from echo_rl.core.errors import EchoError
+
 # top-level module -> the extra that installs it
 EXTRA_OF = {
     "scipy": "sim",
@@ -17,8 +19,10 @@ EXTRA_OF = {
 }
 
 
-class MissingExtra(RuntimeError):
+class MissingExtra(EchoError, RuntimeError):
     """A feature's optional package is not installed."""
+
+    default_reason = "missing_extra"
 
 
 def require(module: str, feature: str) -> None:

@@ -31,7 +31,7 @@ CACHE_DIR = Path("models/.cache")
 
 
 class ImportFailed(ModelError):
-    pass
+    default_reason = "model_import"
 
 
 def check_gguf(path: Path) -> None:

@@ -17,6 +17,8 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from echo_rl.core.errors import EchoError
+
 GIB = 1 << 30
 FIXED_BYTES = GIB // 2  # Python, torch, transformers: 0.40 GiB measured with the tiny model
 # Float32 activations kept for backward, bytes per (token x layer x hidden unit): 99 on
@@ -33,8 +35,10 @@ CHECKPOINT_BYTES = 20
 STEP_BYTES_PER_TRAINED = 3.3
 
 
-class MemoryBudgetError(ValueError):
+class MemoryBudgetError(EchoError, ValueError):
     """The process cannot fit its budget with any setting it may change by itself."""
+
+    default_reason = "memory_budget"
 
 
 @dataclass(frozen=True)

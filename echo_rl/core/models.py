@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo_rl.core.config import ModelConfig
+from echo_rl.core.errors import EchoError
 from echo_rl.core.layout import TensorLayout
 
 if TYPE_CHECKING:  # torch and transformers load late: entry points must start instantly
@@ -44,8 +45,8 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-class ModelError(ValueError):
-    pass
+class ModelError(EchoError, ValueError):
+    default_reason = "model"
 
 
 def build_tiny_tokenizer(vocab_kind: str = "arith") -> PreTrainedTokenizerBase:

@@ -36,6 +36,7 @@ from urllib.parse import parse_qs, urlsplit
 import zmq
 import zmq.utils.z85 as z85
 
+from echo_rl.core.errors import EchoError
 from echo_rl.core.rates import TokenBucket
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -43,8 +44,10 @@ ZAP_DOMAIN = b"echo"  # every CURVE server socket has one: without, libzmq may s
 KEY_ENV = "ECHO_HOME"
 
 
-class SecurityError(ValueError):
+class SecurityError(EchoError, ValueError):
     """A key, token or join line that cannot be used; the message says what to do."""
+
+    default_reason = "security"
 
 
 # ----------------------------------------------------------------------------- keys

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
 
+from echo_rl.core.errors import EchoError
 from echo_rl.data.advantages import batch_advantages
 from echo_rl.data.records import Record
 
@@ -35,10 +36,12 @@ ENTRY_POINT_GROUP = "echo_rl.adapters"
 OLD_ENTRY_POINT_GROUP = "echo.adapters"  # read too, with a deprecation line (issue 53)
 
 
-class AdapterError(ValueError):
+class AdapterError(EchoError, ValueError):
     """A problem with an adapter or its options, found at start-up: raise it from ``__init__``
     with a message that names the option, the value and the fix; the learner, workers, eval
     and sample print it as one line."""
+
+    default_reason = "adapter"
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ class AnswerTokensError(AdapterError):
     """The adapter's answer restriction does not fit the run: a start-up error, printed as one
     line with its fix like every other ``AdapterError``."""
 
+    default_reason = "answer_tokens"
+
 
 def check_answer_tokens(
     tokens: Sequence[int] | None, vocab_size: int, max_new_tokens: int, eos_token_id: int | None

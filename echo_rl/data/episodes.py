@@ -27,6 +27,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from echo_rl.core.errors import EchoError
 from echo_rl.data.adapter import (
     Adapter,
     AdapterError,
@@ -154,11 +155,13 @@ def replay_of(groups: Sequence[Any]) -> dict[int, list[Generated]]:
     return out
 
 
-class Cut(Exception):
+class Cut(EchoError):
     """The worker was preempted between two decisions: the episodes stop here. ``decisions``
     (set by ``drive``): per episode, the decisions made so far, which go back as prefixes
     with their turn lengths and are replayed by the worker that continues the group
     (docs/preemption.md)."""
+
+    default_reason = "preempted"
 
     # per episode index, the decisions made before the cut
     decisions: dict[int, list[Generated]] = {}

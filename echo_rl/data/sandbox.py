@@ -33,6 +33,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from echo_rl.core.errors import EchoError
+
 NOBODY = 65534
 # Imported before the program runs: as root the child drops to ``nobody``, who may not be able
 # to read the interpreter's own folders (under /root, say), so these are what it can import.
@@ -42,8 +44,10 @@ PRELOAD = (
 )  # fmt: skip
 
 
-class SandboxError(RuntimeError):
+class SandboxError(EchoError, RuntimeError):
     """The sandbox cannot be set up on this machine (not a program's fault)."""
+
+    default_reason = "sandbox"
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from echo_rl.core.errors import EchoError
+
 if TYPE_CHECKING:
     import torch
 
@@ -25,8 +27,10 @@ SPLITS = ("auto", "train", "heldout")
 BATCH = 16  # prompts per generate call
 
 
-class EvalError(ValueError):
+class EvalError(EchoError, ValueError):
     """A problem with the command's input: the message names it and the fix."""
+
+    default_reason = "eval_input"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from echo_rl.control.server import LearnerServer
 from echo_rl.control.work import WorkQueue
 from echo_rl.core import stopping
 from echo_rl.core.config import EchoConfig, dump_toml
+from echo_rl.core.errors import EchoError
 from echo_rl.core.metrics import LearnerMetrics
 from echo_rl.core.spill import spill_dir
 from echo_rl.core.steprow import COL, RunSummary, StepRow
@@ -59,8 +60,8 @@ Terminated = stopping.Terminated  # raised by a SIGTERM (echo_rl/core/stopping.p
 log = logging.getLogger("echo.learner")
 
 
-class LearnerStall(RuntimeError):
-    pass
+class LearnerStall(EchoError, RuntimeError):
+    default_reason = "learner_stall"
 
 
 def shutdown_reason(outcome: str | BaseException) -> str:

@@ -19,13 +19,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from echo_rl.core.errors import EchoError
 from echo_rl.core.ewma import ewma
 
 RTOL = 1e-9
 
 
-class Infeasible(ValueError):
+class Infeasible(EchoError, ValueError):
     """No throughput can satisfy the overlap condition with these timings."""
+
+    default_reason = "infeasible"
 
 
 @dataclass(frozen=True)

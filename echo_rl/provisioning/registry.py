@@ -10,6 +10,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from echo_rl.core.errors import EchoError
 from echo_rl.core.ewma import ewma, time_weight
 
 ACTIVE, STANDBY = "active", "standby"
@@ -41,8 +42,10 @@ class Remembered:
         return cls(float(mu), failed, active)
 
 
-class UnknownWorker(KeyError):
+class UnknownWorker(EchoError, KeyError):
     """A call named a worker the controller was never told about (or was told it left)."""
+
+    default_reason = "unknown_worker"
 
 
 @dataclass(frozen=True)

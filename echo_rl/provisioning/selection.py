@@ -34,11 +34,15 @@ from typing import Any
 
 import numpy as np
 
+from echo_rl.core.errors import EchoError
+
 RTOL = 1e-9
 
 
-class SelectionError(ValueError):
+class SelectionError(EchoError, ValueError):
     """The inputs cannot describe a pool of workers (shapes, NaNs, negative values)."""
+
+    default_reason = "selection"
 
 
 @dataclass(frozen=True, eq=False)  # eq on numpy arrays is ambiguous; compare fields instead

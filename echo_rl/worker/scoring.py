@@ -73,6 +73,8 @@ class AdapterFault(WorkerError):
     this worker's lie. The worker stops, saying so, rather than deliver records that would
     count against it (issue 56: over-long episodes had both honest workers banned)."""
 
+    default_reason = "adapter_fault"
+
 
 def check_episode_lengths(adapter: Adapter, out: Any, max_new_tokens: int) -> None:
     """Every episode within what the learner admits: ``max(worker.max_new_tokens,

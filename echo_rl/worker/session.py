@@ -19,6 +19,7 @@ from typing import Any
 from echo_rl.broadcast.tickets import Source
 from echo_rl.core import wire
 from echo_rl.core.client import Client, RequestTimeout
+from echo_rl.core.errors import EchoError
 from echo_rl.core.security import JoinLine
 from echo_rl.worker.lifecycle import Lifecycle
 from echo_rl.worker.status import StatusBoard
@@ -31,8 +32,8 @@ JOIN_RETRY_REASONS = {"rate_limited", "learner_full"}
 JOIN_BACKOFF_S = 2.0  # after a busy learner's refusal, before the next join
 
 
-class WorkerError(RuntimeError):
-    pass
+class WorkerError(EchoError, RuntimeError):
+    default_reason = "worker"
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from echo_rl.broadcast.nat.punch import MAGIC, read_greeting, simultaneous_open
 from echo_rl.broadcast.nat.reflect import NatError, reuse_socket
 from echo_rl.broadcast.nat.tunnel import Tunnel
 from echo_rl.core import wire
+from echo_rl.core.errors import ReasonError
 
 log = logging.getLogger(__name__)
 
@@ -286,10 +287,8 @@ class Tunnels:
         return tunnel.local
 
 
-class LinkFailed(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
+class LinkFailed(ReasonError):
+    """A punched link that could not be made or kept: ``reason`` says which step failed."""
 
 
 class _Lost:

@@ -40,6 +40,7 @@ from typing import Any
 
 import msgpack
 
+from echo_rl.core.errors import EchoError
 from echo_rl.core.rates import TokenBucket
 from echo_rl.core.security import PeerLimits
 
@@ -54,8 +55,8 @@ KEEP_S = 120.0
 KEEP = 4096
 
 
-class NatError(Exception):
-    pass
+class NatError(EchoError):
+    default_reason = "nat"
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ import logging
 import socket
 import struct
 
+from echo_rl.core.errors import EchoError
+
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("!BII")
@@ -33,8 +35,8 @@ MAX_FRAME = 256 * 1024
 READ = 256 * 1024
 
 
-class TunnelError(Exception):
-    pass
+class TunnelError(EchoError):
+    default_reason = "tunnel"
 
 
 class Tunnel:

@@ -21,10 +21,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from echo_rl.core.config import StalenessRules, apply_override, known_keys, parse_override
+from echo_rl.core.errors import EchoError
 
 
-class ScenarioError(ValueError):
+class ScenarioError(EchoError, ValueError):
     """A scenario problem, phrased for the user: key, value, fix."""
+
+    default_reason = "scenario"
 
 
 class _Section(BaseModel):

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from echo_rl.core.errors import EchoError
 from echo_rl.core.lora import base_of, is_peft
 
 # Architectures whose decoder layer is exactly: x + attn(norm(x)), then x + mlp(norm(x)), with
@@ -42,8 +43,10 @@ from echo_rl.core.lora import base_of, is_peft
 SUPPORTED = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 
 
-class UnsupportedModel(Exception):
+class UnsupportedModel(EchoError):
     """The model is not one ``Decoder`` runs: the backend falls back to ``generate``."""
+
+    default_reason = "unsupported_model"
 
 
 def check_supported(model: torch.nn.Module) -> None:

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from echo_rl.core.errors import EchoError
 from echo_rl.core.layout import TensorLayout
 
 ALIGN = 64  # bytes: a cache line, and a multiple of every dtype's element size
@@ -41,8 +42,10 @@ TIED_HEAD = "lm_head.weight"
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-class RefitError(ValueError):
+class RefitError(EchoError, ValueError):
     """A snapshot that does not fit the engine's model, or a refit the engine did not finish."""
+
+    default_reason = "refit"
 
 
 @dataclass(frozen=True)
