@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeAlias, overload
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from echo_rl.core.jsontypes import JsonObject, JsonValue
 
 if TYPE_CHECKING:
     from echo_rl.core.metrics import LearnerMetrics
@@ -23,7 +26,7 @@ class _Handler(BaseHTTPRequestHandler):
     metrics: LearnerMetrics  # set on the subclass made per server
     timeout = 10  # seconds a connection may sit idle (an idle flood must not hold threads)
 
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
+    def log_message(self, format: str, *args: object) -> None:  # quiet
         pass
 
     def _send(self, code: int, body: bytes, ctype: str) -> None:
@@ -34,7 +37,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _json(self, obj: Any) -> None:
+    def _json(self, obj: object) -> None:
         self._send(200, json.dumps(obj, allow_nan=False, default=str).encode(), "application/json")
 
     def do_GET(self) -> None:  # noqa: N802
@@ -54,12 +57,18 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
 
-def _finite(x: Any) -> Any:
+def _finite(x: JsonValue) -> JsonValue:
     """NaN/inf are not JSON: send null."""
     return finite_or_null(x)[0]
 
 
-def finite_or_null(x: Any) -> tuple[Any, int]:
+@overload
+def finite_or_null(x: JsonObject) -> tuple[JsonObject, int]: ...
+@overload
+def finite_or_null(x: JsonValue) -> tuple[JsonValue, int]: ...
+
+
+def finite_or_null(x: JsonValue) -> tuple[JsonValue, int]:
     """``x`` with every non-finite float (nested in dicts, lists, tuples) replaced by None,
     and how many were replaced: what ``json.dumps(..., allow_nan=False)`` accepts."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -68,13 +77,18 @@ def finite_or_null(x: Any) -> tuple[Any, int]:
         items = [(k, finite_or_null(v)) for k, v in x.items()]
         return {k: v for k, (v, _) in items}, sum(n for _, (_, n) in items)
     if isinstance(x, (list, tuple)):
-        items = [finite_or_null(v) for v in x]
-        return [v for v, _ in items], sum(n for _, n in items)
+        elems = [finite_or_null(v) for v in x]
+        return [v for v, _ in elems], sum(n for _, n in elems)
     return x, 0
 
 
 MAX_CONNECTIONS = 32
 MAX_PER_IP = 8
+
+# What socketserver hands a TCP server's request methods: the connection, and the peer's
+# (host, port) or, over IPv6, (host, port, flowinfo, scope_id).
+_Request: TypeAlias = socket.socket | tuple[bytes, socket.socket]
+_Peer: TypeAlias = tuple[str, int] | tuple[str, int, int, int]
 
 
 class _BoundedServer(ThreadingHTTPServer):
@@ -82,8 +96,8 @@ class _BoundedServer(ThreadingHTTPServer):
     ``MAX_PER_IP`` from one address; more are closed at once and counted. 780 idle connections
     then cost 32 threads, not 780, and one address cannot take every slot from the others."""
 
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__(*args, **kw)
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.per_ip: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -97,13 +111,13 @@ class _BoundedServer(ThreadingHTTPServer):
             self.per_ip[ip] = self.per_ip.get(ip, 0) + 1
             return True
 
-    def process_request(self, request: Any, client_address: Any) -> None:
+    def process_request(self, request: _Request, client_address: _Peer) -> None:
         if not self._admit(client_address[0]):
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+    def process_request_thread(self, request: _Request, client_address: _Peer) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:

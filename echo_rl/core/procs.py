@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,9 @@ from pathlib import Path
 READY_PREFIX = "ECHO_LEARNER_READY "
 
 _PR_SET_PDEATHSIG = 1
+
+# Each started child's log (ProcessGroup.start's), for wait_ready's message; gone with the child.
+_LOGS: weakref.WeakKeyDictionary[subprocess.Popen[bytes], Path] = weakref.WeakKeyDictionary()
 
 
 def terminate_with_parent() -> None:
@@ -34,7 +38,7 @@ def terminate_with_parent() -> None:
 
 @dataclass
 class ProcessGroup:
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(
         self,
@@ -45,7 +49,7 @@ class ProcessGroup:
         pipe_stdout: bool = False,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
-    ) -> subprocess.Popen:
+    ) -> subprocess.Popen[bytes]:
         log = open(log_path, "ab")
         proc = subprocess.Popen(
             argv,
@@ -58,7 +62,7 @@ class ProcessGroup:
             cwd=cwd,
         )
         log.close()
-        proc.echo_log = log_path  # type: ignore[attr-defined]  # wait_ready quotes it on failure
+        _LOGS[proc] = log_path  # wait_ready quotes it on failure
         self.procs[name] = proc
         return proc
 
@@ -90,7 +94,7 @@ def python_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def wait_ready(proc: subprocess.Popen, timeout: float) -> str:
+def wait_ready(proc: subprocess.Popen[bytes], timeout: float) -> str:
     """Read the learner's stdout until it prints its address (or dies, or time runs out)."""
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
@@ -112,10 +116,10 @@ def wait_ready(proc: subprocess.Popen, timeout: float) -> str:
     raise RuntimeError(f"learner not ready within {timeout}s" + _log_tail(proc))
 
 
-def _log_tail(proc: subprocess.Popen, chars: int = 3000) -> str:
+def _log_tail(proc: subprocess.Popen[bytes], chars: int = 3000) -> str:
     """The end of a process's log (ProcessGroup.start's), so a failure says why, not 'see its log'
     after the log's temporary folder is gone."""
-    path = getattr(proc, "echo_log", None)
-    if path is None or not Path(path).exists():
+    path = _LOGS.get(proc)
+    if path is None or not path.exists():
         return "; see its log"
-    return f"; the end of {path}:\n" + Path(path).read_text(errors="replace")[-chars:]
+    return f"; the end of {path}:\n" + path.read_text(errors="replace")[-chars:]

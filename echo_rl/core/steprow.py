@@ -17,10 +17,12 @@ declared ones, so a resumed run or a replay loses nothing a newer learner wrote.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+
+from echo_rl.core.jsontypes import JsonObject, JsonValue
 
 Counts = dict[str, int]  # {reason or kind: n}; JSON object keys are strings
 
@@ -34,7 +36,8 @@ class StepRow:
     reward_mean: float | None = None  # mean reward of the batch's records
     staleness_max: int | None = None  # versions: trained-at version minus oldest sampler's
     staleness_mean: float | None = None  # versions, mean over the batch's records
-    staleness_counts: dict[Any, int] | None = None  # {staleness in versions: records}
+    # {staleness in versions: records}; keys are ints as built, strings as read back from JSON
+    staleness_counts: dict[int, int] | dict[str, int] | None = None
     tokens_trained: int | None = None  # generated tokens in the batch (docs/preemption.md)
     mixed_version_samples: int | None = None  # records continued across a preemption
     gen_s_mean: float | None = None  # s: mean busy time of the worker batch each record came in
@@ -55,13 +58,13 @@ class StepRow:
     worker_busy_rate: float | None = None  # trajectories per busy second, measured, whole run
     cost_step_usd: float | None = None  # $: the fleet's price over t_train + t_wait
     rejected: Counts | None = None  # records/frames refused by reason, so far
-    handbacks: dict[str, Any] | None = None  # returned work by kind (docs/preemption.md)
+    handbacks: JsonObject | None = None  # returned work by kind (docs/preemption.md)
     # an expensive reward's audits off the step, so far (echo_rl.control.reward_audit); None: inline
     reward_audit: dict[str, float] | None = None
     # affinity routing (learner.affinity), so far: prompts routed out of the adapter's order,
     # taken for their age, and prompts with a learned length; None: off
     affinity: dict[str, int] | None = None
-    control_cpu: dict[str, Any] | None = None  # s of the control loop's CPU by kind, so far
+    control_cpu: dict[str, float] | None = None  # s of the control loop's CPU by kind, so far
     learner_bytes_sent: int | None = None  # bytes of snapshots the learner served, so far
     t_bcast: float | None = None  # s: broadcast time of the latest measured publication
     reissued_groups: int | None = None  # groups handed out again after a lease expired, so far
@@ -131,7 +134,7 @@ class StepRow:
     episode_stats: dict[str, float] | None = None
     # Not fields of the row: what from_json found that this version does not declare, and
     # which declared fields the source lacked (both written back as they were).
-    extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    extra: JsonObject = field(default_factory=dict, repr=False, compare=False)
     missing: set[str] = field(default_factory=set, repr=False, compare=False)
 
     @staticmethod
@@ -139,9 +142,11 @@ class StepRow:
         """The declared row keys, in the order they are written."""
         return _NAMES
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The row as written: a field left missing is absent unless it was set since."""
-        out = {n: v for n in _NAMES if (v := getattr(self, n)) is not None or n not in self.missing}
+        out: JsonObject = {
+            n: v for n in _NAMES if (v := getattr(self, n)) is not None or n not in self.missing
+        }
         out.update(self.extra)
         return out
 
@@ -151,14 +156,18 @@ class StepRow:
         self.missing.update(names)
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> StepRow:
-        known = {k: v for k, v in doc.items() if k in _NAME_SET}
-        row = cls(**known)
-        row.extra = {k: v for k, v in doc.items() if k not in _NAME_SET}
-        row.missing = _NAME_SET - set(known)
+    def from_json(cls, doc: JsonObject) -> StepRow:
+        """Tolerant, not a validator: a declared field takes the value as read."""
+        row = cls()
+        for k, v in doc.items():
+            if k in _NAME_SET:
+                setattr(row, k, v)
+            else:
+                row.extra[k] = v
+        row.missing = {n for n in _NAMES if n not in doc}
         return row
 
-    def set_reported(self, names: tuple[str, ...], values: dict[str, Any]) -> None:
+    def set_reported(self, names: tuple[str, ...], values: Mapping[str, JsonValue]) -> None:
         """Fields some part reports only when it has them (the trainer's numbers, the newest
         publication): those in ``values`` are set, the rest of ``names`` left missing. A value
         under a name this type does not declare goes to ``extra``."""
@@ -210,7 +219,7 @@ def read_rows(path: Path) -> list[StepRow]:
     return [StepRow.from_json(json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
 
 
-def as_row(row: StepRow | dict[str, Any]) -> StepRow:
+def as_row(row: StepRow | JsonObject) -> StepRow:
     """A row given either way (a dict: read from a file or written by hand in a test)."""
     return row if isinstance(row, StepRow) else StepRow.from_json(row)
 
@@ -228,17 +237,21 @@ class RunSummary:
     bubble_ratio: float  # as the last row's, unrounded
     startup_wait_s: float  # s: step 0's wait (workers joining), not in the bubble ratio
     wall_s: float  # s since the run started
-    last: dict[str, Any] | None  # the last step row as written
-    machine: dict[str, Any]  # echo_rl.core.machine.machine_info()
+    last: JsonObject | None  # the last step row as written
+    machine: JsonObject  # echo_rl.core.machine.machine_info()
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> RunSummary:
+    def from_json(cls, doc: JsonObject) -> RunSummary:
         """Tolerant like StepRow.from_json: a missing field reads as None; unknown ones are
-        dropped (nothing writes summary.json back)."""
-        return cls(**{f.name: doc.get(f.name) for f in fields(cls)})
+        dropped (nothing writes summary.json back). Not a validator: a field takes the value
+        as read."""
+        summary = cls.__new__(cls)
+        for f in fields(cls):
+            setattr(summary, f.name, doc.get(f.name))
+        return summary
 
     @classmethod
     def read(cls, path: Path) -> RunSummary:
