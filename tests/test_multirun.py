@@ -206,8 +206,8 @@ def test_the_runs_of_one_process_share_one_memory_budget(tmp_path, monkeypatch):
 
     class Fake:
         def __init__(self, line, **kw):
-            seen.append((kw["run_name"], kw["host_budget"]))
-            self.status = kw["status"]
+            seen.append((kw["shared"].seat.name, kw["shared"].host_budget))
+            self.status = kw["status"].board
 
         async def run(self):
             return "done"

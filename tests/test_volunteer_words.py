@@ -24,9 +24,9 @@ from echo_rl.data.adapter import load_adapter
 from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits
 from echo_rl.learner.main import LearnerStall, shutdown_reason
-from echo_rl.provisioning.controller import ACTIVATE, RELEASE, Controller, Decision
+from echo_rl.provisioning.controller import ACTIVATE, RELEASE, Controller, Decision, Policy
 from echo_rl.provisioning.words import SENTENCES, in_words
-from echo_rl.worker.agent import Worker, WorkerError
+from echo_rl.worker.agent import Worker, WorkerError, WorkerSettings
 from echo_rl.worker.status import StatusBoard, WorkerStatus, rows, state_of
 from echo_rl.worker.unreachable import Unreachable
 
@@ -92,8 +92,7 @@ def test_a_worker_facing_a_silent_learner_hints_then_gives_up(caplog, tmp_path):
     ticks = itertools.count(0, 10)
     worker = Worker(
         JoinLine(f"tcp://127.0.0.1:{port}", None),
-        join_timeout_s=0.05,
-        give_up_after_s=120,
+        WorkerSettings(join_timeout_s=0.05, give_up_after_s=120),
         clock=lambda: float(next(ticks)),
     )
     caplog.set_level(logging.WARNING, logger="echo_rl.worker.agent")
@@ -238,7 +237,7 @@ def test_every_decision_starts_with_a_sentence_and_ends_with_the_numbers(action,
 
 def test_a_surplus_release_by_the_controller_reads_enough_capacity():
     clock = FakeClock()
-    ctl = Controller(window_s=3.0, warmup_s=0.0, clock=clock)
+    ctl = Controller(Policy(window_s=3.0, warmup_s=0.0), clock=clock)
     for wid, price in (("w1", 0.1), ("w2", 0.9)):
         ctl.add_worker(wid, price, state="active", mu_prior=10.0)
     ctl.set_requirement(1.0)

@@ -14,7 +14,7 @@ from echo_rl.worker.delivery import Deliveries
 from echo_rl.worker.generation import Generation
 from echo_rl.worker.install import Held
 from echo_rl.worker.lifecycle import Activity, Lifecycle
-from echo_rl.worker.session import RelayOffer, Session, SessionHooks
+from echo_rl.worker.session import JoinTerms, RelayOffer, Session, SessionHooks
 from echo_rl.worker.status import StatusBoard
 from echo_rl.worker.unreachable import Unreachable
 
@@ -66,10 +66,7 @@ def make_session(
     s = Session(
         client,
         JoinLine(endpoint, None),
-        worker_id=worker_id,
-        price=0.0,
-        join_timeout_s=0.05,
-        relay=RelayOffer("", 0.0, 0.0),
+        JoinTerms(worker_id, 0.0, RelayOffer("", 0.0, 0.0), 0.05),
         status=StatusBoard(worker_id, endpoint, 0.0, None),
         unreachable=Unreachable(endpoint, None),
         life=Lifecycle(lambda: worker_id),

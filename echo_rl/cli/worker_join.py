@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from echo_rl.worker.agent import WorkerSettings
     from echo_rl.worker.multirun import RunSpec
 
 
@@ -76,7 +77,7 @@ def _join_one(args: argparse.Namespace, text: str, make_worker: Callable[..., An
     from rich.console import Console
 
     from echo_rl.worker import status as st
-    from echo_rl.worker.agent import Worker, WorkerError
+    from echo_rl.worker.agent import StatusOut, Worker, WorkerError
 
     live = sys.stdout.isatty() and not args.plain
     console = Console()
@@ -85,10 +86,11 @@ def _join_one(args: argparse.Namespace, text: str, make_worker: Callable[..., An
     board = st.StatusBoard(args.worker_id or "", line.endpoint, args.price, None)
     worker = (make_worker or Worker)(
         line,
-        **_worker_kwargs(args, keys, owner, _relay(args, line.endpoint, 0)),
-        price=args.price,
-        status=board,
-        show=view.show,
+        settings=_settings(args, args.price, args.ledger),
+        relay=_relay(args, line.endpoint, 0),
+        keys=keys,
+        owner=owner,
+        status=StatusOut(board, view.show),
     )
     # The worker settled its id (from its key, unless --id): the file is named after it.
     board.path = (
@@ -141,8 +143,9 @@ def _join_many(
     from rich.console import Console
 
     from echo_rl.worker import status as st
-    from echo_rl.worker.agent import Worker
+    from echo_rl.worker.agent import SharedRun, StatusOut, Worker
     from echo_rl.worker.multirun import MultiWorker
+    from echo_rl.worker.sharing import DeviceSeat
 
     keys, owner, rc = _common(args)
     if rc is not None:
@@ -157,20 +160,19 @@ def _join_many(
     def make(spec: Any, turns: Any, i: int) -> Any:
         board = st.StatusBoard(args.worker_id or "", spec.line.endpoint, spec.price, None)
         boards.append(board)
-        kwargs = _worker_kwargs(args, keys, owner, _relay(args, spec.line.endpoint, i))
-        if args.ledger:  # each run's books apart
-            kwargs["ledger"] = str(
-                Path(args.ledger).with_name(f"{Path(args.ledger).stem}@{i}.jsonl")
-            )
+        ledger = (  # each run's books apart
+            str(Path(args.ledger).with_name(f"{Path(args.ledger).stem}@{i}.jsonl"))
+            if args.ledger
+            else args.ledger
+        )
         worker = (make_worker or Worker)(
             spec.line,
-            **kwargs,
-            price=spec.price,
-            status=board,
-            show=st.PlainView(logging_status()).show,
-            turns=turns,
-            run_name=spec.name,
-            host_budget=budget,
+            settings=_settings(args, spec.price, ledger),
+            relay=_relay(args, spec.line.endpoint, i),
+            keys=keys,
+            owner=owner,
+            status=StatusOut(board, st.PlainView(logging_status()).show),
+            shared=SharedRun(DeviceSeat(turns, spec.name), budget),
         )
         stem = f"{board.doc.worker_id or 'worker'}@{spec.name.replace(':', '_')}"
         board.path = (
@@ -294,18 +296,18 @@ def _relay(args: argparse.Namespace, endpoint: str, index: int) -> Any:
     )
 
 
-def _worker_kwargs(args: argparse.Namespace, keys: Any, owner: Any, relay: Any) -> dict[str, Any]:
-    return dict(
+def _settings(args: argparse.Namespace, price: float, ledger: str | None) -> WorkerSettings:
+    from echo_rl.worker.agent import WorkerSettings
+
+    return WorkerSettings(
         worker_id=args.worker_id,
+        price=price,
+        ledger=ledger,
+        migrate=not args.no_migrate,
+        give_up_after_s=args.give_up_after,
         threads=args.threads,
-        ledger=args.ledger,
-        relay=relay,
-        keys=keys,
         backend=args.backend,
         device=args.device,
-        migrate=not args.no_migrate,
-        owner=owner,
-        give_up_after_s=args.give_up_after,
         host_memory_gb=args.host_memory_gb,
     )
 

@@ -34,6 +34,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq.asyncio
@@ -56,15 +57,15 @@ from echo_rl.worker.lifecycle import (
 )
 from echo_rl.worker.model import LoadChoice
 from echo_rl.worker.relaying import RelayNode
-from echo_rl.worker.session import Session, SessionHooks, WorkerError
-from echo_rl.worker.sharing import Turns
+from echo_rl.worker.session import JoinTerms, Session, SessionHooks, WorkerError
+from echo_rl.worker.sharing import DeviceSeat, Turns
 from echo_rl.worker.status import InstallProgress, StatusBoard, exit_text
 from echo_rl.worker.unreachable import Unreachable
 
 if TYPE_CHECKING:
     from echo_rl.core.memplan import HostBudget
 
-__all__ = ["Worker", "WorkerError"]
+__all__ = ["SharedRun", "StatusOut", "Worker", "WorkerError", "WorkerSettings"]
 
 log = logging.getLogger("echo.worker")
 DEFAULT_SWITCH_S = sys.getswitchinterval()
@@ -77,6 +78,46 @@ MEMORY_EVERY = 5  # status-loop ticks between memory censuses (docs/memory.md)
 LOAD_SWITCH_S = 1e-3
 
 
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The volunteer's choices (echo-worker join's flags, docs/volunteers.md). ``migrate``: on
+    SIGTERM, cut the samples being generated and hand them back as prefixes
+    (docs/preemption.md) instead of finishing the current groups. ``give_up_after_s``: stop
+    when the learner has not answered a join this long (None: keep trying; either way, say
+    what to check after 30 s). ``threads``, ``backend``, ``device``, ``host_memory_gb``: the
+    model's load (echo_rl/worker/model.py ``LoadChoice``; memory budget 0: none)."""
+
+    worker_id: str | None = None  # None: from the key (w-<fingerprint>)
+    price: float = 0.0
+    join_timeout_s: float = 5.0
+    ledger: str | None = None
+    migrate: bool = True
+    give_up_after_s: float | None = None
+    threads: int | None = None
+    backend: str | None = None
+    device: str | None = None
+    host_memory_gb: float = 0.0
+
+
+@dataclass(frozen=True)
+class StatusOut:
+    """Where the worker's status goes (docs/volunteers.md): the board (and its file), and the
+    view called with it every second (a live view or a plain line; None: none)."""
+
+    board: StatusBoard
+    show: Callable[[StatusBoard], None] | None = None
+
+
+@dataclass(frozen=True)
+class SharedRun:
+    """This worker as one of several runs in one process (echo_rl/worker/multirun.py): its
+    seat at the device's arbiter (echo_rl/worker/sharing.py), and the memory budget the
+    process's runs share (echo_rl/core/memplan.py). Their owner then takes the signals."""
+
+    seat: DeviceSeat
+    host_budget: HostBudget | None = None
+
+
 class Worker:
     # Builds the generation part (called with Generation's arguments): a drill's worker that
     # lies or cherry-picks (benchmarks/) brings its own subclass.
@@ -85,38 +126,19 @@ class Worker:
     def __init__(
         self,
         endpoint: str | JoinLine,
+        settings: WorkerSettings = WorkerSettings(),
         *,
-        worker_id: str | None = None,
-        price: float = 0.0,
-        threads: int | None = None,
-        join_timeout_s: float = 5.0,
-        ledger: str | None = None,
         relay: RelayConfig | None = None,
         keys: KeyPair | None = None,
-        backend: str | None = None,
-        device: str | None = None,
-        status: StatusBoard | None = None,
-        show: Callable[[StatusBoard], None] | None = None,
-        migrate: bool = True,
         owner: Owner | None = None,
-        give_up_after_s: float | None = None,
+        status: StatusOut | None = None,
+        shared: SharedRun | None = None,
         clock: Callable[[], float] = time.monotonic,
-        host_memory_gb: float = 0.0,
-        turns: Turns | None = None,
-        run_name: str = "",
-        host_budget: HostBudget | None = None,
     ):
-        """``status``: where the worker's status goes (docs/volunteers.md; default: kept in
-        memory only); ``show``: called with it every second (a live view or a plain line).
-        ``migrate``: on SIGTERM, cut the samples being generated and hand them back as
-        prefixes (docs/preemption.md) instead of finishing the current groups; ``owner``: an
-        ``echo_rl.worker.owner`` watch: yield the machine whenever its owner's work appears.
-        ``give_up_after_s``: stop when the learner has not answered a join this long (None:
-        keep trying; either way, say what to check after 30 s). ``host_memory_gb``: the
-        volunteer's memory budget (0: none; echo_rl/core/memplan.py). ``turns``: the device's
-        arbiter when this worker is one of several runs in one process (echo_rl/worker/sharing.py),
-        this run known to it as ``run_name``; they then own the process's signals.
-        ``host_budget``: the memory budget the process's runs share (echo_rl/core/memplan.py)."""
+        """``status``: where the worker's status goes (default: kept in memory only).
+        ``owner``: an ``echo_rl.worker.owner`` watch: yield the machine whenever its owner's
+        work appears. ``shared``: this run's place beside others in the process (None: alone).
+        ``clock``: what ``settings.give_up_after_s`` is counted on."""
         self.line = endpoint if isinstance(endpoint, JoinLine) else JoinLine(endpoint, None)
         self.endpoint = self.line.endpoint
         # Identity is the key pair; without CURVE (an --insecure learner) the id is all there is.
@@ -124,32 +146,48 @@ class Worker:
         default_id = (
             f"w-{fingerprint(self.keys.public)[:8]}" if self.keys else f"w-{uuid.uuid4().hex[:8]}"
         )
-        self.worker_id = worker_id or default_id
-        self.price, self.join_timeout_s, self.ledger = price, join_timeout_s, ledger
+        self.settings = settings
+        self.worker_id = settings.worker_id or default_id
         self.relay_cfg = relay or RelayConfig()
-        self.choice = LoadChoice(
-            threads,
-            backend,
-            device,
-            host_memory_gb,
-            spill=bool(self.relay_cfg.spill_dir),
-            shared=host_budget,
-            run=run_name,
-        )
-        self.unreachable = Unreachable(self.endpoint, give_up_after_s, clock=clock)
-        self.status = status or StatusBoard(self.worker_id, self.endpoint, price, None)
-        self.status.update(worker_id=self.worker_id)
-        self.show, self.owner = show, owner
-        self.activity = Activity()
-        self.life = Lifecycle(lambda: self.worker_id, migrate)
-        self.progress = InstallProgress()  # the first install's phases, shown to the volunteer
-        self._side_tasks: set[asyncio.Future[Any]] = set()
         # Alone, the worker keeps Turns of its own: the same device-time books (idle fraction)
         # whether it serves one run or several.
-        self.shared = turns is not None
-        self.turns, self.run_name = turns or Turns(), run_name or "run"
+        self.shared = shared is not None
+        self.turns = shared.seat.turns if shared is not None else Turns()
+        self.run_name = (shared.seat.name if shared is not None else "") or "run"
         if not self.shared:
             self.turns.add(self.run_name)
+        self.choice = LoadChoice(
+            settings.threads,
+            settings.backend,
+            settings.device,
+            settings.host_memory_gb,
+            spill=bool(self.relay_cfg.spill_dir),
+            shared=shared.host_budget if shared is not None else None,
+            run=self.run_name if shared is not None else "",
+        )
+        self.unreachable = Unreachable(self.endpoint, settings.give_up_after_s, clock=clock)
+        self.status = (
+            status.board
+            if status is not None
+            else StatusBoard(self.worker_id, self.endpoint, settings.price, None)
+        )
+        self.status.update(worker_id=self.worker_id)
+        self.show = status.show if status is not None else None
+        self.owner = owner
+        self.activity = Activity()
+        # Who this worker is to the learner now: the status board holds the id a join
+        # settled (a key's session may keep an earlier id; Session._accept writes it there).
+        self.life = Lifecycle(lambda: self.status.doc.worker_id or self.worker_id, settings.migrate)
+        self.progress = InstallProgress()  # the first install's phases, shown to the volunteer
+        self._side_tasks: set[asyncio.Future[Any]] = set()
+        # The parts, built by _assemble once run() has the sockets they talk through.
+        self.client: Client
+        self.node: RelayNode
+        self.session: Session
+        self.installer: Installer
+        self.deliveries: Deliveries
+        self.generation: Generation
+        self._work_task: asyncio.Task[None] | None = None  # generation, once the model is loaded
 
     # ------------------------------------------------------------------ wiring
 
@@ -166,16 +204,15 @@ class Worker:
         self.session = Session(
             client,
             self.line,
-            worker_id=self.worker_id,
-            price=self.price,
-            join_timeout_s=self.join_timeout_s,
-            relay=node.offer(),
+            JoinTerms(
+                self.worker_id, self.settings.price, node.offer(), self.settings.join_timeout_s
+            ),
             status=self.status,
             unreachable=self.unreachable,
             life=self.life,
             hooks=hooks,
         )
-        self.life.worker_id = lambda: self.session.worker_id
+        seat = DeviceSeat(self.turns, self.run_name)
         self.installer = Installer(
             self.session,
             node.relay,
@@ -183,9 +220,10 @@ class Worker:
             activity=self.activity,
             progress=self.progress,
             choice=self.choice,
+            seat=seat,
         )
         self.deliveries = Deliveries(
-            client, lambda: self.session.timeout, self.session.banned, self.ledger
+            client, lambda: self.session.timeout, self.session.banned, self.settings.ledger
         )
         self.generation = self.make_generation(
             self.session,
@@ -194,10 +232,8 @@ class Worker:
             life=self.life,
             activity=self.activity,
             status=self.status,
+            seat=seat,
         )
-        g, turns, name = self.generation, self.turns, self.run_name
-        g.device_turn, g.device_ready = (lambda: turns.turn(name)), (lambda: turns.bring_on(name))
-        self.installer.share_device(turns, name)
 
     def _joined(self, ack: wire.JoinAck, restarted: bool, new_run: bool) -> None:
         self.installer.joined(ack, restarted, new_run)
@@ -326,6 +362,7 @@ class Worker:
         """Told to stop: cut what is being generated and hand it back (or, with --no-migrate,
         finish the current groups: up to a minute)."""
         work = self._work_task
+        assert work is not None  # _start_work started it before saying so
         if self.activity.state != "generating":
             work.cancel()  # waiting on the learner: nothing to finish
         await asyncio.wait([work], timeout=self.life.left(LEAVE_S) if self.life.migrate else 60)

@@ -26,6 +26,7 @@ from echo_rl.worker.lifecycle import Activity, Lifecycle, wait_next
 from echo_rl.worker.records import episode_fields, own_tokens, record, runs
 from echo_rl.worker.scoring import Scored, generate_and_score
 from echo_rl.worker.session import Session
+from echo_rl.worker.sharing import DeviceSeat
 from echo_rl.worker.status import StatusBoard
 from echo_rl.worker.tail import Carry
 
@@ -53,7 +54,10 @@ class Generation:
         life: Lifecycle,
         activity: Activity,
         status: StatusBoard,
+        seat: DeviceSeat | None = None,
     ):
+        """``seat``: this run's turns on the device (echo_rl/worker/sharing.py; None: the
+        device is this run's alone)."""
         self.session, self.installer, self.deliveries = session, installer, deliveries
         self.held = installer.held
         self.life, self.activity, self.status = life, activity, status
@@ -71,9 +75,13 @@ class Generation:
         self.rate_avg = Ewma(0.3)  # samples per busy second, recent
         self.busy_s = 0.0  # cumulative busy time and output, for an unbiased average rate
         self.busy_samples = 0
-        self.device_turn: Callable[[], AbstractAsyncContextManager[Any]] = nullcontext
+        self.device_turn: Callable[[], AbstractAsyncContextManager[Any]] = (
+            nullcontext if seat is None else seat.turn
+        )
         self.retry_after_s = 0.0  # the last empty grant's hint: when to ask again
-        self.device_ready: Callable[[], Awaitable[None]] = _nothing
+        self.device_ready: Callable[[], Awaitable[None]] = (
+            _nothing if seat is None else seat.bring_on
+        )
 
     @property
     def grant_rtt(self) -> float:

@@ -34,6 +34,7 @@ from echo_rl.worker.base import BaseResult, obtain_base, refuse
 from echo_rl.worker.lifecycle import Activity
 from echo_rl.worker.model import LoadChoice, load_model
 from echo_rl.worker.session import Session, WorkerError
+from echo_rl.worker.sharing import DeviceSeat
 from echo_rl.worker.snapshots import SnapshotFeed
 from echo_rl.worker.status import InstallProgress, StatusBoard
 
@@ -67,16 +68,24 @@ class Installer:
         activity: Activity,
         progress: InstallProgress,
         choice: LoadChoice,
+        seat: DeviceSeat | None = None,
     ):
+        """``seat``: this run's turns on the device (echo_rl/worker/sharing.py): installs take
+        its turn, and the load asks it whether models will be parked (vLLM then builds its
+        engine for sleep); None: the device is this run's alone."""
         self.session, self.relay, self.status = session, relay, status
         self.activity, self.progress, self.choice = activity, progress, choice
         self.held = Held()
-        self.feed = SnapshotFeed(relay, self.ask_source, self.report_install)
-        self.feed.on_ready = self._snapshot_ready
+        self.feed = SnapshotFeed(
+            relay, self.ask_source, self.report_install, on_ready=self._snapshot_ready
+        )
         self.new_snapshot = asyncio.Event()  # the feed rebuilt a version to install
         self.version_bytes = (0, "bfloat16")  # the run's full version: size and dtype, at join
-        self.device_turn: Callable[[], AbstractAsyncContextManager[Any]] = nullcontext
-        self.parks: Callable[[], bool] = lambda: False  # the device's Turns.parks, at load
+        self.device_turn: Callable[[], AbstractAsyncContextManager[Any]] = (
+            nullcontext if seat is None else seat.turn
+        )
+        # the device's Turns.parks, at load
+        self.parks: Callable[[], bool] = (lambda: False) if seat is None else seat.parks
         self.base_offer: dict[str, Any] | None = None  # a LoRA run's base, as the join said
         # the base obtained (verified; echo_rl.worker.base): what the loaded model must hash to
         self.base_manifest: BaseManifest | None = None
@@ -121,12 +130,6 @@ class Installer:
         except SnapshotError as err:  # a learner's bug or a forgery: this version is skipped
             log.warning("snapshot v%d not received: %s", version, err)
             return None
-
-    def share_device(self, turns: Any, name: str) -> None:
-        """Installs take ``name``'s turn on the device (echo_rl/worker/sharing.py ``Turns``), and the
-        load asks it whether models will be parked (vLLM then builds its engine for sleep)."""
-        self.device_turn = lambda: turns.turn(name)
-        self.parks = turns.parks
 
     def load(self) -> tuple[Backend, Adapter]:
         """The model (blocking: the worker runs this on a loader thread)."""

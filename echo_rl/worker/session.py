@@ -20,6 +20,7 @@ from echo_rl.broadcast.tickets import Source
 from echo_rl.core import wire
 from echo_rl.core.client import Client, RequestTimeout
 from echo_rl.core.errors import EchoError
+from echo_rl.core.retry import Backoff
 from echo_rl.core.security import JoinLine
 from echo_rl.worker.lifecycle import Lifecycle
 from echo_rl.worker.status import StatusBoard
@@ -29,7 +30,7 @@ log = logging.getLogger("echo.worker")
 
 MIN_HEARTBEAT_S = 0.1  # the shortest heartbeat period a learner may ask for (docs/scale.md)
 JOIN_RETRY_REASONS = {"rate_limited", "learner_full"}
-JOIN_BACKOFF_S = 2.0  # after a busy learner's refusal, before the next join
+JOIN_BACKOFF_S, JOIN_BACKOFF_MAX_S = 2.0, 30.0  # a busy learner's refusals: first wait, cap
 
 
 class WorkerError(EchoError, RuntimeError):
@@ -59,25 +60,39 @@ class SessionHooks:
     need: Callable[[float], None] = lambda need: None
 
 
+@dataclass(frozen=True)
+class JoinTerms:
+    """What this worker joins with: its id (the learner may keep an earlier one for its key),
+    its price, its relay, and how long a join waits for the learner's answer."""
+
+    worker_id: str
+    price: float
+    relay: RelayOffer
+    join_timeout_s: float
+
+
 class Session:
     def __init__(
         self,
         client: Client,
         line: JoinLine,
+        terms: JoinTerms,
         *,
-        worker_id: str,
-        price: float,
-        join_timeout_s: float,
-        relay: RelayOffer,
         status: StatusBoard,
         unreachable: Unreachable,
         life: Lifecycle,
         hooks: SessionHooks,
     ):
-        self.client, self.line, self.worker_id, self.price = client, line, worker_id, price
-        self.join_timeout_s, self.relay, self.status = join_timeout_s, relay, status
+        self.client, self.line, self.worker_id, self.price = (
+            client,
+            line,
+            terms.worker_id,
+            terms.price,
+        )
+        self.join_timeout_s, self.relay, self.status = terms.join_timeout_s, terms.relay, status
         self.unreachable, self.life, self.hooks = unreachable, life, hooks
         self.instance_id = ""
+        self.busy = Backoff(JOIN_BACKOFF_S, JOIN_BACKOFF_MAX_S)  # refusals in a row
         self.run_id = ""
         self.public_key = b""
         self.view: dict[str, Any] = {}  # the learner's config, as the worker needs it
@@ -111,7 +126,7 @@ class Session:
             self.status.update(problem=None)
             if isinstance(ack, wire.Error) and ack.reason in JOIN_RETRY_REASONS:
                 log.warning("learner busy (%s): %s; retrying", ack.reason, ack.detail)
-                await self.life.or_stopped(asyncio.sleep(JOIN_BACKOFF_S))  # cut short by a stop
+                await self.life.or_stopped(asyncio.sleep(self.busy.next()))  # cut short by a stop
                 continue
             if isinstance(ack, wire.Error) and ack.reason == "banned":
                 raise self.banned(ack.detail)  # the status says so, as on any other refusal
@@ -144,6 +159,7 @@ class Session:
             log.info("no answer from learner at %s yet; retrying", self.client.endpoint)
 
     def _accept(self, ack: wire.JoinAck) -> None:
+        self.busy.reset()
         restarted = bool(self.instance_id) and ack.instance_id != self.instance_id
         if restarted:
             log.info(

@@ -30,8 +30,8 @@ import asyncio
 import math
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 
 from echo_rl.worker.status import Sharing
@@ -216,3 +216,21 @@ class Turns:
         """Each run's fraction of the device-seconds used so far."""
         total = sum(r.used_s for r in self.runs.values())
         return {n: (r.used_s / total if total else 0.0) for n, r in self.runs.items()}
+
+
+@dataclass(frozen=True)
+class DeviceSeat:
+    """One run's place at the device's ``Turns``, given to the parts that take turns on it
+    (generation, installs, the model's load) when they are built."""
+
+    turns: Turns
+    name: str
+
+    def turn(self) -> AbstractAsyncContextManager[None]:
+        return self.turns.turn(self.name)
+
+    def bring_on(self) -> Awaitable[None]:
+        return self.turns.bring_on(self.name)
+
+    def parks(self) -> bool:
+        return self.turns.parks()

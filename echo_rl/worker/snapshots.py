@@ -53,13 +53,19 @@ Report = Callable[[int, FetchStats, float, bool], Awaitable[None]]
 
 
 class SnapshotFeed:
-    def __init__(self, relay: Relay, ask: AskSource, report: Report):
-        self.relay, self.ask, self.report = relay, ask, report
+    def __init__(
+        self,
+        relay: Relay,
+        ask: AskSource,
+        report: Report,
+        on_ready: Callable[[], None] = lambda: None,
+    ):
+        """``on_ready``: called when a version is rebuilt and waits to be installed."""
+        self.relay, self.ask, self.report, self.on_ready = relay, ask, report, on_ready
         self.pending: dict[int, tuple[Manifest, Source]] = {}  # verified (Installer.offer)
         self.rebuilt = -1  # newest version rebuilt here
         self.ready: tuple[int, Manifest, Any] | None = None  # rebuilt, not yet installed
         self.offers = asyncio.Event()  # a notice arrived
-        self.on_ready: Callable[[], None] = lambda: None
         self._epoch = 0  # bumped by reset: a fetch of the old run gives up
         self.fetching: int | None = None  # the version being fetched now
         self.root = ""  # the learner's snapshot endpoint (never avoided), set at each join
