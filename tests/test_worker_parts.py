@@ -46,7 +46,7 @@ def _ack(**kw) -> wire.JoinAck:
 
 
 def test_session_retries_a_busy_learner_then_joins_and_says_what_changed(monkeypatch):
-    monkeypatch.setattr("echo_rl.worker.session.JOIN_BACKOFF_S", 0.0)
+    monkeypatch.setattr("echo_rl.worker.session.JOIN_BACKOFF_S", 0.001)
     answers = iter(
         [
             wire.Error(reason="rate_limited", detail="slow down"),
@@ -66,6 +66,7 @@ def test_session_retries_a_busy_learner_then_joins_and_says_what_changed(monkeyp
 
     async def go():
         await s.join()
+        assert s.busy.attempts == 0  # the refusal's back-off starts again from its base
         await s.join()  # the learner restarted: a new instance, the same run
 
     asyncio.run(go())
@@ -147,6 +148,34 @@ def test_a_ban_met_by_a_delivery_ends_it():
     )
     with pytest.raises(WorkerError, match="banned: no"):
         asyncio.run(d._attempt(_batch("b1")))
+
+
+def test_a_refused_delivery_backs_off_with_jitter_and_starts_again_after_a_reply(monkeypatch):
+    """A learner that answers "rate_limited" to a crowd: each resend waits longer (jittered,
+    echo_rl.core.retry), and the first real reply resets the back-off."""
+    import echo_rl.worker.delivery as delivery
+
+    slept: list[float] = []
+
+    async def no_wait(s: float) -> None:
+        slept.append(s)
+
+    monkeypatch.setattr(delivery.asyncio, "sleep", no_wait)
+    replies = iter([wire.Error(reason="rate_limited", detail="slow down")] * 3 + [None])
+    d = Deliveries(
+        ScriptedClient(
+            lambda msg: next(replies) or wire.Ack(batch_id="b1", accepted=2, duplicates=0)
+        ),
+        lambda: 1.0,
+        lambda detail: WorkerError(detail),
+    )
+    for _ in range(3):
+        assert asyncio.run(d._attempt(_batch("b1"))) is None
+    assert len(slept) == 3
+    assert all(p / 2 <= s <= p for s, p in zip(slept, (0.5, 1.0, 2.0), strict=True))
+    assert d.refused.attempts == 3
+    assert isinstance(asyncio.run(d._attempt(_batch("b1"))), wire.Ack)
+    assert d.refused.attempts == 0
 
 
 # ------------------------------------------------------------------ generation

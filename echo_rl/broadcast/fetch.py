@@ -16,7 +16,7 @@ new one and resumes with the chunks it still misses; nothing restarts from zero:
 "Not held yet" is no failure: a parent whose own notice of the version has not been read yet
 (it holds nothing, at start-up, or only a version further back than the one before) answers
 ``future_version``. The request goes to the same source again after a short back-off
-(``NOT_YET_S``, doubling to ``NOT_YET_MAX_S``), in the same window slot, until the parent holds
+(``NOT_YET_S``, doubling to ``NOT_YET_MAX_S``, jittered: echo_rl.core.retry), in the same window slot, until the parent holds
 the version and parks or serves it. A source that still answers so after ``timeout_s`` has
 served nothing in that time and is reported as ``timeout``, like a silent one (before, the
 child reported ``refused`` at once and was sent to the learner: one more stream off the
@@ -53,6 +53,7 @@ from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
 from echo_rl.broadcast.tickets import Source
 from echo_rl.core import wire
 from echo_rl.core.errors import ReasonError
+from echo_rl.core.retry import Backoff
 from echo_rl.core.security import KeyPair
 
 # Request ids start at a random point per process: a relay must not tell the learner's
@@ -251,7 +252,7 @@ async def _pull(
     # Chunks the source does not hold yet (``NotYet``): asked again at ``retry_at``; each keeps
     # its window slot meanwhile. ``not_yet_since``: when the source last had nothing for us.
     deferred: list[int] = []
-    retry_at, backoff = 0.0, NOT_YET_S
+    retry_at, backoff = 0.0, Backoff(NOT_YET_S, NOT_YET_MAX_S)  # jittered: siblings spread
     not_yet_since: float | None = None  # set with the first deferred chunk
     try:
         for _ in range(window):
@@ -272,7 +273,6 @@ async def _pull(
                 for index in deferred:
                     await request(index)
                 deferred.clear()
-                backoff = min(2 * backoff, NOT_YET_MAX_S)
             wait = stall if not deferred else max(0.0, retry_at - time.monotonic())
             events = dict(await poller.poll(wait * 1000))
             if not events:
@@ -289,14 +289,15 @@ async def _pull(
                     got = await _receive(plain, buf, checks, pending, max_bytes, download)
                 except NotYet as ny:
                     if not deferred:
-                        retry_at = time.monotonic() + backoff
+                        retry_at = time.monotonic() + backoff.next()
                     not_yet_since = not_yet_since or time.monotonic()
                     deferred.append(ny.chunk)
                     if attempt is not None:
                         attempt["not_yet"] = attempt.get("not_yet", 0) + 1
                 else:
                     if got:  # the source holds the version now
-                        backoff, not_yet_since = NOT_YET_S, None
+                        backoff.reset()
+                        not_yet_since = None
                     await request_next()
                 if not (pending and cast(int, plain.getsockopt(zmq.EVENTS)) & zmq.POLLIN):
                     break

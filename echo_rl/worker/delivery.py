@@ -18,12 +18,14 @@ from typing import Any, Protocol
 
 from echo_rl.core import wire
 from echo_rl.core.client import RequestTimeout
+from echo_rl.core.retry import Backoff
 from echo_rl.worker.lifecycle import wait_next
 
 log = logging.getLogger("echo.worker")
 
 # Refusals of a batch that say nothing about the batch itself: keep it and send it again.
 RETRY_REASONS = {"not_joined", "rate_limited", "internal_error"}
+RESEND_S, RESEND_MAX_S = 0.5, 8.0  # after such a refusal: first back-off, and its cap
 
 
 class Requests(Protocol):
@@ -53,6 +55,7 @@ class Deliveries:
         self.to_deliver = asyncio.Event()  # a batch needs a delivery started
         self.acked = asyncio.Event()  # a batch left ``unacked``
         self.delivered = 0  # records acknowledged
+        self.refused = Backoff(RESEND_S, RESEND_MAX_S)  # refusals in a row: the next resend
 
     def __len__(self) -> int:
         return len(self.unacked)
@@ -126,8 +129,9 @@ class Deliveries:
             raise self.banned(reply.detail)
         if isinstance(reply, wire.Error) and reply.reason in RETRY_REASONS:
             log.info("batch %s not taken yet (%s); will resend", batch.batch_id, reply.reason)
-            await asyncio.sleep(0.5)  # back-off before the retry, not a wait for an event
+            await asyncio.sleep(self.refused.next())  # back-off with jitter, not an event
             return None
+        self.refused.reset()
         answer: wire.Message = reply
         return answer
 

@@ -20,6 +20,7 @@ from typing import Any
 from echo_rl.core import wire
 from echo_rl.core.client import RequestTimeout
 from echo_rl.core.ewma import Ewma
+from echo_rl.core.retry import at_least
 from echo_rl.worker.delivery import Deliveries
 from echo_rl.worker.install import Installer
 from echo_rl.worker.lifecycle import Activity, Lifecycle, wait_next
@@ -131,7 +132,7 @@ class Generation:
                             # once, when it is delivered.
                             self.measure(self.completed, time.monotonic() - t0)
                 if not groups:
-                    await wait_next(self.installer.new_snapshot, self.retry_after_s)
+                    await wait_next(self.installer.new_snapshot, at_least(self.retry_after_s))
             if prefetch is not None:
                 prefetch.cancel()  # its groups come back to the learner with our leave
         if self.carry.groups:  # stopping with groups cut in their tail: another goes on
