@@ -98,11 +98,16 @@ def groups_for(backend: Any, cfg: Any, rows: int) -> list[Any]:
 
 def build(cfg: Any, device: str, threads: int, compile: bool = False) -> dict[str, Any]:
     from echo_rl.worker.backends import make_backend
+    from echo_rl.worker.backends.engine import EngineTuning
 
     out = {
         "transformers": make_backend("transformers", model_cfg=cfg, threads=threads, device=device),
         "engine": make_backend(
-            "engine", model_cfg=cfg, threads=threads, device=device, compile=compile
+            "engine",
+            model_cfg=cfg,
+            threads=threads,
+            device=device,
+            tuning=EngineTuning(compile=compile),
         ),
     }
     out["engine"].model.load_state_dict(out["transformers"].model.state_dict())

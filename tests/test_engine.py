@@ -32,8 +32,9 @@ def engine():
 def small_engine():
     """Four slots: a request of more samples goes through them by continuous batching."""
     from echo_rl.worker.backends import make_backend
+    from echo_rl.worker.backends.engine import EngineTuning
 
-    return make_backend("engine", model_cfg=ModelConfig(), threads=1, slots=4)
+    return make_backend("engine", model_cfg=ModelConfig(), threads=1, tuning=EngineTuning(slots=4))
 
 
 def recompute(model, prompt, completion, temperature, bias=None) -> list[float]:

@@ -40,7 +40,7 @@ from echo_rl.broadcast.fetch import (
 from echo_rl.broadcast.manifest import ChunkLayout, Manifest
 from echo_rl.broadcast.memory import keep_chunk_buffers
 from echo_rl.broadcast.shaping import TokenBucket
-from echo_rl.broadcast.source import ChunkServer
+from echo_rl.broadcast.source import ChunkServer, ServeLimits
 from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
 from echo_rl.broadcast.tickets import Source, TicketCheck
 from echo_rl.core import rates
@@ -150,9 +150,11 @@ class Relay:
                 cfg.max_bytes,
                 upload=bucket(cfg.up_mbit, cfg.chunk_bytes) if cfg.shape else None,
                 authorize=tickets,
-                max_parked_per_peer=cfg.max_parked_per_peer,
-                max_parked_total=cfg.max_parked_total,
-                requests_per_s=cfg.requests_per_s,
+                limits=ServeLimits(
+                    max_parked_per_peer=cfg.max_parked_per_peer,
+                    max_parked_total=cfg.max_parked_total,
+                    requests_per_s=cfg.requests_per_s,
+                ),
                 results=self.results,
                 bases=self.bases,
             )

@@ -38,6 +38,7 @@ import logging
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -52,6 +53,18 @@ Authorize = Callable[[str, bytes], str]  # (peer key, ticket) -> "" or the refus
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one peer, and all of them, may ask of a chunk server (see the module docstring):
+    requests parked at most ``park_timeout_s``, ``max_parked_per_peer`` per peer and
+    ``max_parked_total`` in all; ``requests_per_s`` per peer (burst 2x)."""
+
+    park_timeout_s: float = 30.0
+    max_parked_per_peer: int = 64
+    max_parked_total: int = 4096
+    requests_per_s: float = 1000.0
+
+
 class ChunkServer:
     def __init__(
         self,
@@ -60,11 +73,8 @@ class ChunkServer:
         max_bytes: int,
         *,
         upload: TokenBucket | None = None,
-        park_timeout_s: float = 30.0,
         authorize: Authorize | None = None,
-        max_parked_per_peer: int = 64,
-        max_parked_total: int = 4096,
-        requests_per_s: float = 1000.0,
+        limits: ServeLimits = ServeLimits(),
         results: SnapshotStore | None = None,
         bases: SnapshotStore | None = None,
     ):
@@ -76,14 +86,15 @@ class ChunkServer:
         self._held = {"full": results, "base": bases}
         self.max_bytes = max_bytes
         self.upload = upload
-        self.park_timeout_s = park_timeout_s
+        self.park_timeout_s = limits.park_timeout_s
         self.authorize = authorize
-        self.max_parked_per_peer = max_parked_per_peer
-        self.max_parked_total = max_parked_total
+        # Attributes of their own: a relay tunes them to the learner's config once joined.
+        self.max_parked_per_peer = limits.max_parked_per_peer
+        self.max_parked_total = limits.max_parked_total
         self.rejected: dict[str, int] = defaultdict(int)
         # Requests per second per peer (burst 2x); past it requests are dropped unanswered
         # and counted: a flood costs a recv and a bucket look-up, not a reply or a log line.
-        self._rate = PeerLimits(requests_per_s, 2 * requests_per_s)
+        self._rate = PeerLimits(limits.requests_per_s, 2 * limits.requests_per_s)
         self._log = LogThrottle()
         # Parked requests: (version, index) -> [(ident, rid, since, peer)]. Bounded as above.
         self._parked: dict[tuple[int, int], list[tuple[bytes, int, float, str]]] = defaultdict(list)

@@ -15,7 +15,7 @@ from echo_rl.broadcast.coordinator import Coordinator
 from echo_rl.broadcast.nat.reflect import Reflector
 from echo_rl.broadcast.reports import ReportBook
 from echo_rl.broadcast.snapshot import RunKey
-from echo_rl.broadcast.source import ChunkServer
+from echo_rl.broadcast.source import ChunkServer, ServeLimits
 from echo_rl.broadcast.store import SnapshotStore
 from echo_rl.broadcast.tickets import mint
 from echo_rl.broadcast.topology import Topology
@@ -91,9 +91,11 @@ async def bind(cfg: EchoConfig, parts: Parts, served: Served) -> Bound:
         served.store,
         served.max_bytes,
         authorize=parts.routes.may_pull,
-        max_parked_per_peer=sc.max_parked_per_peer,
-        max_parked_total=sc.max_parked_total,
-        requests_per_s=sc.peer_chunk_requests_per_s,
+        limits=ServeLimits(
+            max_parked_per_peer=sc.max_parked_per_peer,
+            max_parked_total=sc.max_parked_total,
+            requests_per_s=sc.peer_chunk_requests_per_s,
+        ),
         results=served.results,
         bases=served.bases,
     )

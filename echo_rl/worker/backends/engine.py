@@ -125,12 +125,23 @@ def _fits(have: tuple[int, int, int], need: tuple[int, int, int]) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class EngineTuning:
+    """How the engine's loop runs. ``slots``: samples decoded at once (0: 256 on a GPU, 64 on
+    the CPU); more wait and take the slots that free up. ``cuda_graph``: capture the step on
+    CUDA (False: run it eagerly, for comparison). ``compile``: ``torch.compile`` the step
+    before capturing it (fuses its small kernels; costs a compile per slot shape, so off
+    unless asked). ``sync_every``: steps between two looks at the slots on CUDA."""
+
+    slots: int = 0
+    cuda_graph: bool = True
+    compile: bool = False
+    sync_every: int = 8
+
+
 class EngineBackend(TransformersBackend):
-    """``slots``: samples decoded at once (0: 256 on a GPU, 64 on the CPU); more wait and take
-    the slots that free up. ``cuda_graph``: capture the step on CUDA (False: run it eagerly,
-    for comparison). ``compile``: ``torch.compile`` the step before capturing it (fuses its
-    small kernels; costs a compile per slot shape, so off unless asked). ``sync_every``: steps
-    between two looks at the slots on CUDA."""
+    """The transformers backend's model, sampled by this module's loop (``tuning``:
+    ``EngineTuning``)."""
 
     def __init__(
         self,
@@ -139,10 +150,7 @@ class EngineBackend(TransformersBackend):
         device: str = "cpu",
         lora: LoraConfig | None = None,
         dtype: str = "auto",
-        slots: int = 0,
-        cuda_graph: bool = True,
-        compile: bool = False,
-        sync_every: int = 8,
+        tuning: EngineTuning = EngineTuning(),
     ):
         super().__init__(model_cfg, threads=threads, device=device, lora=lora, dtype=dtype)
         self.decoder: Decoder | None
@@ -153,10 +161,10 @@ class EngineBackend(TransformersBackend):
             self.decoder = None
         self.own_loop = self.decoder is not None  # else every request goes to generate
         cuda = self.device.type == "cuda"
-        self.slots = slots or (256 if cuda else 64)
-        self.graphs = cuda and cuda_graph
-        self.compile = self.graphs and compile
-        self.sync_every = max(1, sync_every) if cuda else 1
+        self.slots = tuning.slots or (256 if cuda else 64)
+        self.graphs = cuda and tuning.cuda_graph
+        self.compile = self.graphs and tuning.compile
+        self.sync_every = max(1, tuning.sync_every) if cuda else 1
         self._ws: Slots | None = None  # reused while requests fit its shape (CUDA)
         self._graph: Any = None  # the captured step of ``_ws``
         self._warned = False  # past the model's positions: said once

@@ -31,6 +31,8 @@ def _stat(pid: str) -> tuple[int, float] | None:
 
 
 class CpuSignal(OwnerSignal):
+    last_seen: str  # OwnerSignal's: what the last sample saw, for the log line
+
     def __init__(self, quiet_s: float = 30.0, cores: float = 0.5, proc: str = "/proc"):
         super().__init__(quiet_s)
         if not cores > 0:

@@ -8,6 +8,8 @@ from echo_rl.worker.owner.base import OwnerSignal
 
 
 class FileSignal(OwnerSignal):
+    last_seen: str  # OwnerSignal's: what the last sample saw, for the log line
+
     def __init__(self, path: str, quiet_s: float = 30.0):
         super().__init__(quiet_s)
         self.path = Path(path)

@@ -20,6 +20,8 @@ def nvml_available() -> bool:
 
 
 class NvmlSignal(OwnerSignal):
+    last_seen: str  # OwnerSignal's: what the last sample saw, for the log line
+
     def __init__(self, quiet_s: float = 30.0, index: int = 0):
         super().__init__(quiet_s)
         try:
