@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from echo_rl.broadcast.fetch import fetch_snapshot
 from echo_rl.broadcast.snapshot import RunKey, Snapshot, build_manifest
 from echo_rl.broadcast.tickets import Source
+from echo_rl.control.parts import Inputs
 from echo_rl.control.server import LearnerServer
 from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
@@ -125,17 +126,19 @@ def _plane(cfg, tokenizer):
     adapter = load_adapter("toy-add", {}, tokenizer)
     return LearnerServer(
         cfg,
-        run_id="t",
-        key=RunKey.generate(),
-        buffer=ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size),
-        work=WorkQueue(
-            adapter.prompts(random.Random(0)),
-            group_size=lc.group_size,
-            max_outstanding=8,
-            lease_timeout_s=30,
-            prefix="t",
+        Inputs(
+            run_id="t",
+            key=RunKey.generate(),
+            buffer=ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size),
+            work=WorkQueue(
+                adapter.prompts(random.Random(0)),
+                group_size=lc.group_size,
+                max_outstanding=8,
+                lease_timeout_s=30,
+                prefix="t",
+            ),
+            limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size),
         ),
-        limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size),
     )
 
 

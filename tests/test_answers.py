@@ -226,7 +226,7 @@ def test_intake_counts_non_answers_and_junk_and_keeps_admitting(tmp_path):
         limits=Limits(24, 8, 2, answer_tokens=frozenset(LETTERS)),
         buffer=buffer,
         work=work,
-        reputation=Reputation(tmp_path, 2, lambda: 0, lambda *a: None),
+        reputation=Reputation(tmp_path, 2, lambda: 0),
     )
 
     def rec(gid, i, ids, worker="evil"):

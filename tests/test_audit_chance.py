@@ -44,13 +44,11 @@ def test_a_failed_check_of_a_screened_group_quarantines_at_once(tmp_path):
     findings against one claim: quarantine at once; any other failed check is one strike."""
     from echo_rl.control.reputation import Reputation, Verdict
 
-    out: list[str] = []
-    rep = Reputation(
-        tmp_path, strikes=2, step=lambda: 7, on_quarantine=lambda w, k, r: out.append(w)
-    )
-    rep.record(Verdict("honest", "k1", "g1", 3, "logprob", False, {}))
-    assert rep.strikes["honest"] == 1 and out == []  # one ordinary failure: a strike
-    rep.record(Verdict("liar", "k2", "g2", 3, "screened_logprob", False, {}))
-    assert out == ["liar"] and "screened_logprob" in rep.quarantined["liar"]
+    rep = Reputation(tmp_path, strikes=2, step=lambda: 7)
+    q = rep.record(Verdict("honest", "k1", "g1", 3, "logprob", False, {}))
+    assert rep.strikes["honest"] == 1 and q is None  # one ordinary failure: a strike
+    q = rep.record(Verdict("liar", "k2", "g2", 3, "screened_logprob", False, {}))
+    assert q is not None and q.worker_id == "liar"
+    assert "screened_logprob" in rep.quarantined["liar"]
     rep.record(Verdict("ok", "k3", "g3", 3, "screened_logprob", True, {}))
     assert rep.strikes["ok"] == 0  # a screened group whose check passes: nothing

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from echo_rl.adapters.code import TASKS, CodeAdapter
-from echo_rl.control.intake import Intake
-from echo_rl.control.reputation import Reputation
+from echo_rl.control.intake import Intake, IntakeChecks
+from echo_rl.control.reputation import Reputation, Verdict
 from echo_rl.control.reward_audit import RewardAuditor, RewardJob
 from echo_rl.control.work import WorkQueue
 from echo_rl.data.adapter import AdapterError, Prompt
@@ -142,7 +142,7 @@ def _recs(gid, rewards, worker="w"):
 
 
 def test_a_misreported_reward_is_a_strike_an_honest_one_is_not(tmp_path, tokenizer):
-    rep = Reputation(tmp_path, 3, lambda: 0, lambda *a: None)
+    rep = Reputation(tmp_path, 3, lambda: 0)
     audit = RewardAuditor(FakeExpensive(tokenizer), 8, rep.record)
     assert audit.check(RewardJob("w", "k", {}, _recs("g1", [1.0, 0.0]), False))
     assert not audit.check(RewardJob("w", "k", {}, _recs("g2", [1.0, 1.0]), False))
@@ -150,14 +150,14 @@ def test_a_misreported_reward_is_a_strike_an_honest_one_is_not(tmp_path, tokeniz
 
 
 def test_a_reward_that_changes_between_recomputes_blames_nobody(tmp_path, tokenizer):
-    rep = Reputation(tmp_path, 1, lambda: 0, lambda *a: None)
+    rep = Reputation(tmp_path, 1, lambda: 0)
     audit = RewardAuditor(FakeExpensive(tokenizer, flaky=True), 8, rep.record)
     assert audit.check(RewardJob("w", "k", {}, _recs("g", [0.5, 0.5]), False))
     assert rep.strikes["w"] == 0 and audit.nondeterministic == 2
 
 
 def test_the_queue_is_bounded_and_keeps_probation_jobs(tmp_path, tokenizer):
-    rep = Reputation(tmp_path, 3, lambda: 0, lambda *a: None)
+    rep = Reputation(tmp_path, 3, lambda: 0)
     audit = RewardAuditor(FakeExpensive(tokenizer), 2, rep.record)  # not started: jobs wait
     audit.submit(RewardJob("w", "k", {}, _recs("p", [1.0]), True))
     for i in range(3):
@@ -171,8 +171,13 @@ def test_intake_admits_at_once_and_the_thread_strikes_a_liar(tmp_path, tokenizer
     admitted (the trade log-prob audits make too), and the auditor's thread strikes it."""
     fake = FakeExpensive(tokenizer)
     struck = threading.Event()
-    rep = Reputation(tmp_path, 1, lambda: 0, lambda *a: struck.set())
-    auditor = RewardAuditor(fake, 8, rep.record)
+    rep = Reputation(tmp_path, 1, lambda: 0)
+
+    def record(v: Verdict) -> None:
+        if rep.record(v) is not None:  # the worker's quarantine, for its caller to carry out
+            struck.set()
+
+    auditor = RewardAuditor(fake, 8, record)
     prompts = (Prompt([1, 2], {"i": i}) for i in itertools.count())
     work = WorkQueue(prompts, group_size=2, max_outstanding=8, lease_timeout_s=60, prefix="r")
     buffer = ReplayBuffer(staleness=2, capacity_groups=8, group_size=2)
@@ -181,9 +186,7 @@ def test_intake_admits_at_once_and_the_thread_strikes_a_liar(tmp_path, tokenizer
         buffer=buffer,
         work=work,
         reputation=rep,
-        adapter=fake,
-        reward_audit=auditor,
-        reward_audit_rate=1.0,
+        checks=IntakeChecks(adapter=fake, reward_audit=auditor, reward_audit_rate=1.0),
     )
     (g,) = work.grant("w", 1, 0)
     raw = [r.to_wire() for r in _recs(g.group_id, [1.0, 1.0])]  # sample 1's is 0.0: a lie

@@ -13,6 +13,7 @@ import zmq.asyncio
 from echo_rl.broadcast.fetch import fetch_snapshot
 from echo_rl.broadcast.snapshot import RunKey, Snapshot, SnapshotError, build_manifest
 from echo_rl.broadcast.tickets import Source
+from echo_rl.control.parts import Inputs
 from echo_rl.control.server import LearnerServer
 from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
@@ -38,11 +39,13 @@ def control_plane(cfg, tokenizer, options=None, **work_kw) -> LearnerServer:
     )
     return LearnerServer(
         cfg,
-        run_id="t",
-        key=RunKey.generate(),
-        buffer=buffer,
-        work=work,
-        limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size),
+        Inputs(
+            run_id="t",
+            key=RunKey.generate(),
+            buffer=buffer,
+            work=work,
+            limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size),
+        ),
     )
 
 
@@ -312,18 +315,20 @@ def test_a_slow_disk_delays_only_the_acknowledgement_not_the_loop(
     log = SlowDiskLog(tmp_path / "buffer.log", fsync=True, delay_s=1.0)
     cp = LearnerServer(
         small_cfg,
-        run_id="t",
-        key=RunKey.generate(),
-        buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
-        work=WorkQueue(
-            adapter.prompts(random.Random(0)),
-            group_size=lc.group_size,
-            max_outstanding=8,
-            lease_timeout_s=30,
-            prefix="t",
+        Inputs(
+            run_id="t",
+            key=RunKey.generate(),
+            buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
+            work=WorkQueue(
+                adapter.prompts(random.Random(0)),
+                group_size=lc.group_size,
+                max_outstanding=8,
+                lease_timeout_s=30,
+                prefix="t",
+            ),
+            limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
+            buffer_log=log,
         ),
-        limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
-        buffer_log=log,
     )
     cp.start()
     try:

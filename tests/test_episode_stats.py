@@ -196,7 +196,7 @@ def test_the_intake_refuses_a_bad_stats_record_and_admits_the_others(tmp_path):
         limits=LIMITS,
         buffer=buffer,
         work=work,
-        reputation=Reputation(tmp_path, 2, lambda: 0, lambda *a: None),
+        reputation=Reputation(tmp_path, 2, lambda: 0),
     )
     bad_g, good_g = work.grant("w0", 2, 0)
     batch = [

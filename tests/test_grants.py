@@ -16,6 +16,7 @@ from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.control.accounts import Accounts
 from echo_rl.control.fleet import FleetBooks
 from echo_rl.control.grants import GrantJournal, Lease, load, open_leases
+from echo_rl.control.parts import Inputs
 from echo_rl.control.server import LearnerServer
 from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
@@ -93,12 +94,14 @@ def _plane(cfg, tmp_path, work, tokenizer) -> LearnerServer:
     buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size)
     return LearnerServer(
         cfg,
-        run_id="run",
-        key=RunKey.generate(),
-        buffer=buffer,
-        work=work,
-        limits=Limits(len(tokenizer), cfg.worker.max_new_tokens, lc.group_size),
-        run_dir=tmp_path,
+        Inputs(
+            run_id="run",
+            key=RunKey.generate(),
+            buffer=buffer,
+            work=work,
+            limits=Limits(len(tokenizer), cfg.worker.max_new_tokens, lc.group_size),
+            run_dir=tmp_path,
+        ),
     )
 
 

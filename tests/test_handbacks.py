@@ -20,6 +20,7 @@ from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.control.auditor import Auditor
 from echo_rl.control.handback import PrefixLimits
 from echo_rl.control.handbacks import Handbacks, bias_threshold, checkpoint, midrank
+from echo_rl.control.parts import Inputs
 from echo_rl.control.server import LearnerServer
 from echo_rl.control.staleness import Staleness, credit
 from echo_rl.control.work import WorkQueue
@@ -62,14 +63,16 @@ def checked(small_cfg, tokenizer, tmp_path):
     aud.add_snapshot(0, *params_to_payload(model.named_parameters(), "float32"))
     cp = LearnerServer(
         small_cfg,
-        run_id="t",
-        key=RunKey.generate(),
-        buffer=buffer,
-        work=work,
-        limits=Limits(len(tokenizer), small_cfg.worker.max_new_tokens, lc.group_size),
-        run_dir=tmp_path,
-        adapter=adapter,
-        audit=aud.submit,
+        Inputs(
+            run_id="t",
+            key=RunKey.generate(),
+            buffer=buffer,
+            work=work,
+            limits=Limits(len(tokenizer), small_cfg.worker.max_new_tokens, lc.group_size),
+            run_dir=tmp_path,
+            adapter=adapter,
+            audit=aud.submit,
+        ),
     )
     box.append(cp)
     cp.start()

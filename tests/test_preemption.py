@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from echo_rl.control.handback import PrefixLimits, check_prefixes, expand
-from echo_rl.control.intake import Intake
+from echo_rl.control.intake import Intake, IntakeChecks
 from echo_rl.control.reputation import Reputation
 from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
@@ -115,14 +115,13 @@ def intake(tmp_path):
     buffer = ReplayBuffer(staleness=2, capacity_groups=8, group_size=2)
     buffer.set_version(4)
     audits = []
-    rep = Reputation(tmp_path, 2, lambda: 0, lambda *a: None)
+    rep = Reputation(tmp_path, 2, lambda: 0)
     it = Intake(
         limits=Limits(100, 8, 2),
         buffer=buffer,
         work=work,
         reputation=rep,
-        audit=audits.append,
-        audit_rate=1.0,
+        checks=IntakeChecks(audit=audits.append, audit_rate=1.0),
     )
     return it, work, buffer, audits
 

@@ -16,6 +16,7 @@ import zmq
 from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.cli.commands import admin
 from echo_rl.control.gate import security_dir
+from echo_rl.control.parts import Inputs
 from echo_rl.control.reputation import Reputation, Verdict
 from echo_rl.control.roster import load_roster
 from echo_rl.control.server import LearnerServer
@@ -46,18 +47,20 @@ def fleet(small_cfg, tokenizer, tmp_path):
     adapter = load_adapter("toy-add", {}, tokenizer)
     plane = LearnerServer(
         small_cfg,
-        run_id="t",
-        key=RunKey.generate(),
-        run_dir=tmp_path,
-        buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
-        work=WorkQueue(
-            adapter.prompts(random.Random(0)),
-            group_size=lc.group_size,
-            max_outstanding=8,
-            lease_timeout_s=30,
-            prefix="t",
+        Inputs(
+            run_id="t",
+            key=RunKey.generate(),
+            run_dir=tmp_path,
+            buffer=ReplayBuffer(lc.staleness, small_cfg.buffer.capacity_groups, lc.group_size),
+            work=WorkQueue(
+                adapter.prompts(random.Random(0)),
+                group_size=lc.group_size,
+                max_outstanding=8,
+                lease_timeout_s=30,
+                prefix="t",
+            ),
+            limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
         ),
-        limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
     )
     plane.start()
     keys = {"w1": KeyPair.generate(), "w2": awkward_key()}
@@ -160,7 +163,7 @@ def test_the_run_folder_alone_gives_quarantines_strikes_and_says_the_learner_is_
 ):
     plane, run, keys = fleet
     plane.shutdown("test over")
-    rep = Reputation(security_dir(run), strikes=3, step=lambda: 7, on_quarantine=lambda *a: None)
+    rep = Reputation(security_dir(run), strikes=3, step=lambda: 7)
     rep.record(Verdict("w2", keys["w2"], "g1", 0, "reward", False, {}))  # as the learner writes
     rep.record(Verdict("w2", keys["w2"], "g2", 0, "reward", True, {}))
     rep.quarantine("w1", keys["w1"], "3 failed checks, the last: logprob")

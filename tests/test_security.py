@@ -23,6 +23,7 @@ from echo_rl.broadcast.store import SnapshotBuffer
 from echo_rl.broadcast.tickets import Ticket, TicketCheck, mint
 from echo_rl.cli.commands.admin import parse_duration
 from echo_rl.control.gate import security_dir
+from echo_rl.control.parts import Inputs
 from echo_rl.control.server import LearnerServer
 from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
@@ -175,12 +176,14 @@ def _plane(cfg: EchoConfig, tokenizer, run_dir):
     )
     return LearnerServer(
         cfg,
-        run_id="t",
-        key=RunKey.generate(),
-        buffer=buffer,
-        work=work,
-        limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size),
-        run_dir=run_dir,
+        Inputs(
+            run_id="t",
+            key=RunKey.generate(),
+            buffer=buffer,
+            work=work,
+            limits=Limits(24, cfg.worker.max_new_tokens, lc.group_size),
+            run_dir=run_dir,
+        ),
     )
 
 

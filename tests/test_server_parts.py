@@ -13,11 +13,12 @@ import pytest
 
 from echo_rl.broadcast.store import SnapshotStore
 from echo_rl.control.accounts import Accounts
-from echo_rl.control.deliveries import Deliveries, DeliveryLimits
+from echo_rl.control.deliveries import Deliveries, DeliveryChecks, DeliveryLimits
 from echo_rl.control.dispatch import Dispatcher
-from echo_rl.control.members import Members, RunIdentity
+from echo_rl.control.members import Books, Members
 from echo_rl.control.notices import Notices
-from echo_rl.control.routes import SnapshotRoutes
+from echo_rl.control.reputation import Quarantine
+from echo_rl.control.routes import RunIdentity, SnapshotRoutes
 from echo_rl.control.sessions import SessionTable, WorkerState
 from echo_rl.core import wire
 
@@ -180,8 +181,7 @@ def _routes(gate: FakeGate, table: SessionTable) -> SnapshotRoutes:
         _cfg(),
         gate=gate,
         table=table,
-        key=None,
-        run_id="r",
+        identity=RunIdentity("r", None, "inst"),
         store=SnapshotStore(),
         results=SnapshotStore(keep=2, recycle=False),
         rejected=Counter(),
@@ -248,8 +248,7 @@ def _members(controller=None) -> tuple[Members, SimpleNamespace]:
         identity=RunIdentity("r", SimpleNamespace(public_bytes=b"P" * 40), "inst"),
         table=table,
         gate=gate,
-        accounts=Accounts(),
-        reputation=rep,
+        books=Books(Accounts(), rep),
         work=work,
         routes=routes,
         controller=controller,
@@ -302,14 +301,8 @@ def _deliveries(active: bool = True):
     )
     pushed: list = []
     d = Deliveries(
-        table=members.table,
         members=members,
-        gate=members.gate,
-        accounts=members.accounts,
-        intake=None,
-        reputation=None,
-        returns=returns,
-        staleness=None,
+        checks=DeliveryChecks(None, None, returns, None),
         buffer=buffer,
         work=work,
         limits=DeliveryLimits(None, 4, False, 1 << 20),
@@ -330,7 +323,7 @@ def test_a_standby_worker_gets_no_work_and_a_retry_interval():
 def test_quarantine_bans_the_key_empties_the_buffer_of_it_and_says_farewell():
     d, members, buffer, returns, pushed = _deliveries()
     members.on_join(b"conn", "KEY1", _join("w1"))
-    d.quarantine("w1", "KEY1", "forged logprobs")
+    d.quarantine(Quarantine("w1", "KEY1", "forged logprobs"))
     assert members.gate.banned == {"KEY1": "quarantined: forged logprobs"}
     assert buffer.removed == ["w1"] and returns.forgotten == ["w1"]
     assert pushed == [(b"conn", "farewell", "w1")]

@@ -14,6 +14,7 @@ from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.control.auditor import Auditor, TokenStats, logprob_check, sampling_check
 from echo_rl.control.gate import security_dir
 from echo_rl.control.intake import AuditJob
+from echo_rl.control.parts import Inputs
 from echo_rl.control.server import LearnerServer
 from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
@@ -131,14 +132,16 @@ def trusting(small_cfg, tokenizer, tmp_path, request):
     jobs: list[AuditJob] = []
     cp = LearnerServer(
         small_cfg,
-        run_id="t",
-        key=RunKey.generate(),
-        buffer=buffer,
-        work=work,
-        limits=Limits(len(tokenizer), small_cfg.worker.max_new_tokens, lc.group_size),
-        run_dir=tmp_path,
-        adapter=adapter,
-        audit=jobs.append,
+        Inputs(
+            run_id="t",
+            key=RunKey.generate(),
+            buffer=buffer,
+            work=work,
+            limits=Limits(len(tokenizer), small_cfg.worker.max_new_tokens, lc.group_size),
+            run_dir=tmp_path,
+            adapter=adapter,
+            audit=jobs.append,
+        ),
     )
     cp.start()
     cp.jobs = jobs
@@ -324,7 +327,7 @@ def test_audit_queue_is_bounded_and_drops_non_probation_first(small_cfg, tokeniz
 def test_a_resume_sets_aside_what_quarantined_workers_had_buffered(tmp_path):
     from echo_rl.control.reputation import Reputation, Verdict, without_quarantined
 
-    rep = Reputation(tmp_path, strikes=1, step=lambda: 7, on_quarantine=lambda *a: None)
+    rep = Reputation(tmp_path, strikes=1, step=lambda: 7)
     rep.record(Verdict("evil", "k", "g1", 0, "reward", False, {}))
     live = [
         Record(

@@ -16,6 +16,7 @@ import pytest
 from fakes import FakeClock
 
 from echo_rl.broadcast.snapshot import RunKey
+from echo_rl.control.parts import Inputs
 from echo_rl.control.server import LearnerServer
 from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
@@ -257,17 +258,19 @@ def test_the_learner_tells_the_volunteer_in_words(small_cfg, tokenizer):
     adapter = load_adapter("toy-add", {}, tokenizer)
     plane = LearnerServer(
         small_cfg,
-        run_id="t",
-        key=RunKey.generate(),
-        buffer=ReplayBuffer(lc.staleness, 16, lc.group_size),
-        work=WorkQueue(
-            adapter.prompts(random.Random(0)),
-            group_size=lc.group_size,
-            max_outstanding=8,
-            lease_timeout_s=30,
-            prefix="t",
+        Inputs(
+            run_id="t",
+            key=RunKey.generate(),
+            buffer=ReplayBuffer(lc.staleness, 16, lc.group_size),
+            work=WorkQueue(
+                adapter.prompts(random.Random(0)),
+                group_size=lc.group_size,
+                max_outstanding=8,
+                lease_timeout_s=30,
+                prefix="t",
+            ),
+            limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
         ),
-        limits=Limits(24, small_cfg.worker.max_new_tokens, lc.group_size),
     )
     plane.accounts.open("w1", "key1", 0.35, True, "joined: active")
 

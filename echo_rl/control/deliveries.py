@@ -16,14 +16,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from echo_rl.control.accounts import Accounts
-from echo_rl.control.gate import Gate
 from echo_rl.control.handback import PrefixLimits
 from echo_rl.control.handbacks import Handbacks
 from echo_rl.control.intake import NOT_COUNTED, Intake
 from echo_rl.control.members import Members
-from echo_rl.control.reputation import Reputation, Verdict
-from echo_rl.control.sessions import EWMA_ALPHA, SessionTable, WorkerState
+from echo_rl.control.reputation import Quarantine, Reputation, Verdict
+from echo_rl.control.sessions import EWMA_ALPHA, WorkerState
 from echo_rl.control.staleness import Staleness
 from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
@@ -55,32 +53,37 @@ class DeliveryLimits:
     max_bytes: int  # transport.max_message_mib, in bytes
 
 
+@dataclass(frozen=True)
+class DeliveryChecks:
+    """What a delivery goes through: admission (``echo_rl.control.intake``), strikes
+    (``echo_rl.control.reputation``), hand-backs (``echo_rl.control.handbacks``) and the credit
+    a stale one earns (``echo_rl.control.staleness``)."""
+
+    intake: Intake
+    reputation: Reputation
+    returns: Handbacks
+    staleness: Staleness
+
+
 class Deliveries:
     def __init__(
         self,
         *,
-        table: SessionTable,
         members: Members,
-        gate: Gate,
-        accounts: Accounts,
-        intake: Intake,
-        reputation: Reputation,
-        returns: Handbacks,
-        staleness: Staleness,
+        checks: DeliveryChecks,
         buffer: ReplayBuffer,
         work: WorkQueue,
         limits: DeliveryLimits,
         rejected: Counter[str],
         push_ident: Callable[[bytes, wire.Message, str], None],
     ):
-        self.table = table
+        """The session table, the gate and the accounts are the members' own."""
         self.members = members
-        self.gate = gate
-        self.accounts = accounts
-        self.intake = intake
-        self.reputation = reputation
-        self.returns = returns
-        self.staleness = staleness
+        self.table, self.gate, self.accounts = members.table, members.gate, members.accounts
+        self.intake = checks.intake
+        self.reputation = checks.reputation
+        self.returns = checks.returns
+        self.staleness = checks.staleness
         self.buffer = buffer
         self.work = work
         self.limits = limits
@@ -164,6 +167,8 @@ class Deliveries:
                 detail=f"count {msg.count!r} but {len(raw)} records: send count=len(records)",
             )
         out = self.intake.batch(msg.worker_id, key, raw)
+        if out.quarantine is not None:  # a check of this batch was the sender's last strike
+            self.quarantine(out.quarantine)
         self.accounts.delivered(
             w.worker_id, len(out.accepted), out.duplicates, out.rejected, out.details
         )
@@ -232,12 +237,15 @@ class Deliveries:
     def record(self, verdict: Verdict) -> None:
         """On the loop: the strike first (a forged prefix's author answers for it), then a
         held hand-back goes out with or without its prefixes (echo_rl.control.handbacks)."""
-        self.reputation.record(verdict)
+        q = self.reputation.record(verdict)
+        if q is not None:
+            self.quarantine(q)
         self.returns.verdict(verdict)
 
-    def quarantine(self, worker_id: str, key: str, reason: str) -> None:
+    def quarantine(self, q: Quarantine) -> None:
         """The worker's key is banned, its unconsumed records leave the buffer, its leases go
-        to others. Runs on the loop (reputation calls it)."""
+        to others. Runs on the loop, once the reputation has sentenced it."""
+        worker_id, key, reason = q.worker_id, q.key, q.reason
         self.gate.ban(key, f"quarantined: {reason}")
         w = self.table.workers.get(worker_id)
         if w is not None:

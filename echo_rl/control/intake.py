@@ -33,14 +33,16 @@ import logging
 import random
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from echo_rl.control.faults import FAULTS, FaultBook
 from echo_rl.control.handback import expand
-from echo_rl.control.reputation import Reputation, Verdict
+from echo_rl.control.reputation import Quarantine, Reputation, Verdict
 from echo_rl.control.reward_audit import RewardAuditor, RewardJob
 from echo_rl.control.work import WorkQueue
+from echo_rl.core import wire
 from echo_rl.data.buffer import ACCEPTED, COMPLETED, DUPLICATE, STALE, ReplayBuffer
 from echo_rl.data.durable import BufferLog
 from echo_rl.data.records import Limits, Record, RecordError, parse_record
@@ -85,12 +87,14 @@ class Outcome:
 
     accepted: list[Record] = field(default_factory=list)
     duplicates: int = 0
-    rejected: Counter = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)
     rejected_idx: list[int] = field(default_factory=list)
     details: dict[str, str] = field(default_factory=dict)  # one example per reason
-    durable: Any = (
-        None  # the buffer log's future for the accepted records (None: nothing to wait for)
-    )
+    # the buffer log's future for the accepted records (None: nothing to wait for)
+    durable: Future[None] | None = None
+    # the sender's quarantine, when a check of this batch was its last strike: the caller
+    # carries it out (echo_rl.control.deliveries)
+    quarantine: Quarantine | None = None
 
     def refuse(self, reason: str, idx: list[int], detail: str = "") -> None:
         self.rejected[reason] += len(idx)
@@ -137,6 +141,25 @@ def one_version(
     return out, at
 
 
+class Completions(Protocol):
+    """Who hears of a group that came back whole (``echo_rl.control.handbacks`` ranks its
+    reward): its sender, its records, and who had handed it back."""
+
+    def completed(self, sender: str, recs: list[Record], handed_by: tuple[str, ...]) -> None: ...
+
+
+@dataclass(frozen=True)
+class IntakeChecks:
+    """How an admitted group is checked beyond its records' own limits (module docstring)."""
+
+    adapter: Adapter | None = None  # recomputes rewards inline (None: no recomputation)
+    audit: Callable[[AuditJob], None] | None = None  # where groups chosen for audit go
+    audit_rate: float = 0.0  # security.audit_rate: the floor of the audit chance
+    probation_groups: int = 0  # security.probation_groups: a key's groups all audited
+    reward_audit: RewardAuditor | None = None  # an expensive reward's auditor thread
+    reward_audit_rate: float = 0.0  # security.reward_audit_rate
+
+
 class Intake:
     def __init__(
         self,
@@ -146,14 +169,12 @@ class Intake:
         work: WorkQueue,
         reputation: Reputation,
         buffer_log: BufferLog | None = None,
-        adapter: Adapter | None = None,
-        audit: Callable[[AuditJob], None] | None = None,
-        audit_rate: float = 0.0,
-        probation_groups: int = 0,
-        reward_audit: RewardAuditor | None = None,
-        reward_audit_rate: float = 0.0,
+        checks: IntakeChecks = IntakeChecks(),
         faults: FaultBook | None = None,
+        completions: Completions | None = None,
     ):
+        """``completions``: told of every group that came back whole (None: nobody listens)."""
+        adapter, reward_audit = checks.adapter, checks.reward_audit
         self.limits, self.buffer, self.work = limits, buffer, work
         self.faults = (
             faults  # the run's own limits told from a worker's lie (echo_rl.control.faults)
@@ -164,19 +185,20 @@ class Intake:
         # on the reward auditor's thread, for a sample of groups (echo_rl.control.reward_audit).
         recomputes = getattr(adapter, "recomputes_rewards", False)
         self.reward_audit = reward_audit if recomputes else None
-        self.reward_audit_rate = reward_audit_rate
+        self.reward_audit_rate = checks.reward_audit_rate
         self.adapter = adapter if recomputes and self.reward_audit is None else None
-        self.audit, self.audit_rate, self.probation_groups = audit, audit_rate, probation_groups
+        self.audit, self.audit_rate = checks.audit, checks.audit_rate
+        self.probation_groups = checks.probation_groups
         self.delivered: Counter[str] = Counter()  # worker id -> whole groups admitted
         self.continued = 0  # samples admitted that continued a handed-back prefix
         self.restored_admitted = 0  # samples admitted under leases from before a restart
-        # Called with (sender, the group's records, who had handed it back) when a group is
-        # complete (echo_rl.control.handbacks ranks its reward); None: nobody listens.
-        self.on_complete: Callable[[str, list[Record], tuple[str, ...]], None] | None = None
+        self.completions = completions
         self._rng = random.SystemRandom()
 
-    def batch(self, sender: str, key: str, raw: list[Any]) -> Outcome:
-        """Check and admit the records of one batch; durable before the caller acknowledges."""
+    def batch(self, sender: str, key: str, raw: list[object]) -> Outcome:
+        """Check and admit the records of one batch; durable before the caller acknowledges.
+        A check that quarantines the sender leaves the quarantine in the outcome, for the
+        caller to carry out."""
         out = Outcome()
         groups: dict[str, list[tuple[int, Record]]] = defaultdict(list)
         self._faulted = {}
@@ -216,7 +238,7 @@ class Intake:
             ) in members:  # a resend of a finished group: counted by the buffer, acknowledged
                 self._store(i, r, out)
             return
-        reason, detail = self._refusal(sender, key, gid, recs)
+        reason, detail = self._refusal(sender, key, gid, recs, out)
         if reason:
             out.refuse(reason, idx, detail)
             return
@@ -233,10 +255,12 @@ class Intake:
             self._maybe_audit(sender, key, recs, prefixes)
             if self.reward_audit is not None and group is not None:
                 self._maybe_audit_reward(self.reward_audit, sender, key, group.task, recs)
-            if self.on_complete is not None:
-                self.on_complete(sender, recs, returners)
+            if self.completions is not None:
+                self.completions.completed(sender, recs, returners)
 
-    def _refusal(self, sender: str, key: str, gid: str, recs: list[Record]) -> tuple[str, str]:
+    def _refusal(
+        self, sender: str, key: str, gid: str, recs: list[Record], out: Outcome
+    ) -> tuple[str, str]:
         holder = self.work.holder(gid)
         if holder is None:
             if self.work.past_instance(gid):
@@ -256,7 +280,7 @@ class Intake:
         got = sorted(r.sample_idx for r in recs)
         if got != list(range(group.n)):
             if not self._runs_own(sender, key, self._faulted.get(gid)):
-                self._verdict(sender, key, recs, "whole_group", False, {"samples": got[:64]})
+                self._verdict(out, sender, key, recs, "whole_group", False, {"samples": got[:64]})
             return "partial_group", (
                 f"group {gid}: samples {got[:16]} of {group.n}; deliver every "
                 f"sample of a group, once, in one batch"
@@ -266,30 +290,30 @@ class Intake:
             # a worker of this release stops there (echo_rl/worker/backends/base.py group_budget)
             detail = f"{len(over)} sample(s) past {group.max_new_tokens} tokens"
             if not self._runs_own(sender, key, ("over_budget", detail)):
-                self._verdict(sender, key, recs, "budget", False, {"samples": over[:8]})
+                self._verdict(out, sender, key, recs, "budget", False, {"samples": over[:8]})
             return "over_budget", (
                 f"group {gid}: samples {over[:8]} run past the task's budget of "
                 f"{group.max_new_tokens} tokens; generate at most that many for it"
             )
         if group.prefixes:
             bad = [r.sample_idx for r in recs if not self._continues(group, r)]
-            self._verdict(sender, key, recs, "prefix", not bad, {"mismatched": bad[:8]})
+            self._verdict(out, sender, key, recs, "prefix", not bad, {"mismatched": bad[:8]})
             if bad:
                 return "prefix_mismatch", (
                     f"group {gid}: samples {bad[:8]} do not start with "
                     f"the prefix handed out (tokens, log-probs, versions)"
                 )
         if self.adapter is not None:
-            bad = self._reward_lies(group.task, recs)
-            self._verdict(sender, key, recs, "reward", not bad, {"mismatched": bad[:8]})
-            if bad:
+            lies = self._reward_lies(self.adapter, group.task, recs)
+            self._verdict(out, sender, key, recs, "reward", not lies, {"mismatched": lies[:8]})
+            if lies:
                 return "reward_mismatch", (
                     f"group {gid}: reported rewards differ from the "
-                    f"adapter's for samples {[b[0] for b in bad[:8]]}"
+                    f"adapter's for samples {[int(b[0]) for b in lies[:8]]}"
                 )
         return "", ""
 
-    def _continues(self, group: Any, rec: Record) -> bool:
+    def _continues(self, group: wire.Group, rec: Record) -> bool:
         p = next((q for q in group.prefixes if q.sample_idx == rec.sample_idx), None)
         if p is None:
             return True
@@ -304,13 +328,16 @@ class Intake:
             and [versions[j] for j in keep[:k]] == expand(p.versions)
         )
 
-    def _reward_lies(self, task: dict[str, Any], recs: list[Record]) -> list[list[float]]:
+    def _reward_lies(
+        self, adapter: Adapter, task: dict[str, Any], recs: list[Record]
+    ) -> list[list[float]]:
         """[sample index, reported, recomputed] for every reward the adapter scores otherwise."""
-        tok = self.adapter.tokenizer
-        bad = []
+        tok = adapter.tokenizer
+        bad: list[list[float]] = []
         for r in recs:
             text = tok.decode(r.completion_ids, skip_special_tokens=True)
-            want = float(self.adapter.reward(task, r.completion_ids, text))
+            assert isinstance(text, str)  # one sequence decodes to one string
+            want = float(adapter.reward(task, r.completion_ids, text))
             if abs(r.reward - want) > 1e-6 * (1.0 + abs(want)):
                 bad.append([r.sample_idx, r.reward, want])
         return bad
@@ -350,7 +377,9 @@ class Intake:
             return 1.0
         return max(self.audit_rate, self.probation_groups / delivered)
 
-    def _maybe_audit(self, sender: str, key: str, recs: list[Record], prefixes: list[Any]) -> None:
+    def _maybe_audit(
+        self, sender: str, key: str, recs: list[Record], prefixes: list[wire.Prefix]
+    ) -> None:
         self.delivered[sender] += 1
         probation = self.delivered[sender] <= self.probation_groups
         chance = self.audit_chance(sender)
@@ -372,14 +401,23 @@ class Intake:
         )
 
     def _verdict(
-        self, sender: str, key: str, recs: list[Record], check: str, ok: bool, stats: dict[str, Any]
+        self,
+        out: Outcome,
+        sender: str,
+        key: str,
+        recs: list[Record],
+        check: str,
+        ok: bool,
+        stats: dict[str, Any],
     ) -> None:
-        self.reputation.record(
+        q = self.reputation.record(
             Verdict(sender, key, recs[0].group_id, min(r.version for r in recs), check, ok, stats)
         )
+        if q is not None:
+            out.quarantine = q  # the caller's to carry out
 
 
-def _over_budget(group: Any, recs: list[Record]) -> list[int]:
+def _over_budget(group: wire.Group, recs: list[Record]) -> list[int]:
     """Samples of a single-turn group with a budget of its own (``wire.Group.max_new_tokens``)
     whose completion is longer than it."""
     most = group.max_new_tokens

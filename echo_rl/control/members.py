@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 
 from echo_rl.broadcast.coordinator import Coordinator
 from echo_rl.broadcast.nat.reflect import NatError, Reflector
-from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.control.accounts import Accounts
 from echo_rl.control.gate import Gate
 from echo_rl.control.reputation import Reputation
-from echo_rl.control.routes import SnapshotRoutes
+from echo_rl.control.routes import RunIdentity, SnapshotRoutes
 from echo_rl.control.sessions import SessionTable, WorkerState
 from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
@@ -72,16 +70,13 @@ _JOINED = {
 
 
 @dataclass(frozen=True)
-class RunIdentity:
-    """What every join_ack and doctor reply names: the run, this learner instance, its key."""
+class Books:
+    """What the learner keeps of each worker: the account it is told about itself
+    (``echo_rl.control.accounts``) and the checks made of it (``echo_rl.control.reputation``),
+    which that account shows."""
 
-    run_id: str
-    key: RunKey
-    instance_id: str
-
-    @staticmethod
-    def new(run_id: str, key: RunKey) -> RunIdentity:
-        return RunIdentity(run_id, key, uuid.uuid4().hex[:12])
+    accounts: Accounts
+    reputation: Reputation
 
 
 class Members:
@@ -94,8 +89,7 @@ class Members:
         identity: RunIdentity,
         table: SessionTable,
         gate: Gate,
-        accounts: Accounts,
-        reputation: Reputation,
+        books: Books,
         work: WorkQueue,
         routes: SnapshotRoutes,
         controller: Controller | None,
@@ -104,8 +98,8 @@ class Members:
         self.identity = identity
         self.table = table
         self.gate = gate
-        self.accounts = accounts
-        self.reputation = reputation
+        self.accounts = books.accounts
+        self.reputation = books.reputation
         self.work = work
         self.routes = routes
         # Without the controller every worker is active; with it, workers join as standby

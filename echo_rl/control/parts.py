@@ -1,5 +1,8 @@
 """The learner server's parts, built and wired once: each gets the objects it works with as
-constructor arguments; those that message workers get the control socket's bound methods.
+constructor arguments, complete (nothing is wired after construction); those that message
+workers get the control socket's bound methods. Where a part decides something another must
+carry out, it returns it: the reputation's quarantine goes back to its caller (the intake's
+outcome, the deliveries' verdict), which the deliveries carry out.
 """
 
 from __future__ import annotations
@@ -9,25 +12,25 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.broadcast.store import SnapshotStore
 from echo_rl.control.accounts import Accounts
 from echo_rl.control.cpu import CpuBook
-from echo_rl.control.deliveries import Deliveries, DeliveryLimits
-from echo_rl.control.dispatch import Dispatcher
+from echo_rl.control.deliveries import Deliveries, DeliveryChecks, DeliveryLimits
+from echo_rl.control.dispatch import Dispatcher, Handler
 from echo_rl.control.faults import FaultBook
 from echo_rl.control.fleet import FLEET_FILE, FleetBooks, FleetRecord
 from echo_rl.control.gate import Gate, security_dir
 from echo_rl.control.handbacks import Handbacks
-from echo_rl.control.intake import AuditJob, Intake
+from echo_rl.control.intake import AuditJob, Intake, IntakeChecks
 from echo_rl.control.listen import ControlSocket
-from echo_rl.control.members import Members, RunIdentity
+from echo_rl.control.members import Books, Members
 from echo_rl.control.notices import Notices
-from echo_rl.control.reputation import Reputation
+from echo_rl.control.reputation import Reputation, Verdict
 from echo_rl.control.reward_audit import RewardAuditor
-from echo_rl.control.routes import SnapshotRoutes
+from echo_rl.control.routes import RunIdentity, SnapshotRoutes
 from echo_rl.control.server_stats import ServerStats, StatSources
 from echo_rl.control.sessions import SessionTable
 from echo_rl.control.staleness import Staleness
@@ -37,7 +40,7 @@ from echo_rl.core.config import EchoConfig
 from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.durable import BufferLog
 from echo_rl.data.records import Limits
-from echo_rl.provisioning.controller import Controller
+from echo_rl.provisioning.controller import Controller, Policy
 
 if TYPE_CHECKING:
     from echo_rl.data.adapter import Adapter
@@ -45,20 +48,36 @@ if TYPE_CHECKING:
 log = logging.getLogger("echo.control")
 
 
-@dataclass
+def _step_zero() -> int:
+    return 0
+
+
+@dataclass(frozen=True)
 class Inputs:
     """What the learner hands its server: the run, its buffer and queue, and the callbacks."""
 
-    run_dir: Path
     run_id: str
     key: RunKey
     buffer: ReplayBuffer
     work: WorkQueue
     limits: Limits
-    buffer_log: BufferLog | None
-    adapter: Adapter | None  # recomputes rewards (None: no recomputation, for protocol tests)
-    audit: Callable[[AuditJob], None] | None  # where groups chosen for audit go
-    step: Callable[[], int]  # the learner's current step, for the security files
+    buffer_log: BufferLog | None = None
+    # key pair, tokens, bans and allow-list live here (None: a throwaway folder, for tests)
+    run_dir: Path | None = None
+    # recomputes rewards (None: no recomputation, for protocol tests)
+    adapter: Adapter | None = None
+    audit: Callable[[AuditJob], None] | None = None  # where groups chosen for audit go
+    step: Callable[[], int] = _step_zero  # the learner's current step, for the security files
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What the server itself lends its parts: the run folder it settled on, where verdicts
+    from other threads go (recorded on its loop, in order) and its answer to a health check."""
+
+    run_dir: Path
+    report: Callable[[Verdict], None]
+    doctor: Callable[[], wire.Message]
 
 
 @dataclass
@@ -111,73 +130,76 @@ def controller(cfg: EchoConfig) -> Controller | None:
     if not pc.enabled:
         return None
     return Controller(
-        pc.alpha,
-        pc.delta,
-        pc.window_s,
+        Policy(
+            pc.alpha,
+            pc.delta,
+            pc.window_s,
+            warmup_s=pc.warmup_s,
+            probation_slots=pc.probation_slots,
+            probation_ready_s=pc.probation_ready_s,
+            group_size=cfg.learner.group_size,
+            probation_group_s=pc.probation_group_s,
+        ),
         tau_s=pc.tau_s,
-        warmup_s=pc.warmup_s,
-        probation_slots=pc.probation_slots,
-        probation_ready_s=pc.probation_ready_s,
-        group_size=cfg.learner.group_size,
-        probation_group_s=pc.probation_group_s,
     )
 
 
 def build_parts(
-    cfg: EchoConfig, inp: Inputs, store: SnapshotStore, results: SnapshotStore
+    cfg: EchoConfig, inp: Inputs, wiring: Wiring, store: SnapshotStore, results: SnapshotStore
 ) -> Parts:
     sc = cfg.security
-    gate = Gate(sc, inp.run_dir)
+    run_dir = wiring.run_dir
+    gate = Gate(sc, run_dir)
     table = SessionTable(cfg)
     cpu = CpuBook()  # the loop's CPU per kind of work (echo_rl.control.cpu, docs/scale.md)
     sockets = ControlSocket(table.workers, cpu)  # bound by the server, on its loop
     rejected: Counter[str] = Counter()
     accounts = Accounts()  # what each worker is told about itself (docs/volunteers.md)
-    # Its quarantine callback is the deliveries' (built below, from the reputation itself).
-    reputation = Reputation(security_dir(inp.run_dir), sc.strikes, inp.step, _unwired)
+    # It records strikes and sentences; whoever hands it a verdict carries out a quarantine.
+    reputation = Reputation(security_dir(run_dir), sc.strikes, inp.step)
     audit = inp.audit if sc.audit else None
+    # docs/preemption.md: hand-backs checked, counted and bounded (echo_rl.control.handbacks)
+    returns = Handbacks(sc, inp.work, audit)
     intake = Intake(
-        reward_audit=_reward_auditor(cfg, inp.adapter),
-        reward_audit_rate=sc.reward_audit_rate,
         limits=inp.limits,
         buffer=inp.buffer,
         work=inp.work,
         reputation=reputation,
         buffer_log=inp.buffer_log,
-        adapter=inp.adapter,
-        audit=audit,
-        audit_rate=sc.audit_rate,
-        probation_groups=sc.probation_groups,
+        checks=IntakeChecks(
+            adapter=inp.adapter,
+            audit=audit,
+            audit_rate=sc.audit_rate,
+            probation_groups=sc.probation_groups,
+            reward_audit=_reward_auditor(cfg, inp.adapter, wiring.report),
+            reward_audit_rate=sc.reward_audit_rate,
+        ),
         faults=FaultBook(gate.witness, reputation, cfg.adapter.name),
+        completions=returns,  # a whole group's reward ranks who had handed it back
     )
-    # docs/preemption.md: hand-backs checked, counted and bounded (echo_rl.control.handbacks)
-    returns = Handbacks(sc, inp.work, audit)
-    intake.on_complete = returns.completed
+    identity = RunIdentity.new(inp.run_id, inp.key)
     routes = SnapshotRoutes(
         cfg,
         gate=gate,
         table=table,
-        key=inp.key,
-        run_id=inp.run_id,
+        identity=identity,
         store=store,
         results=results,
         rejected=rejected,
         push=sockets.push,
     )
-    identity = RunIdentity.new(inp.run_id, inp.key)
     members = Members(
         cfg,
         identity=identity,
         table=table,
         gate=gate,
-        accounts=accounts,
-        reputation=reputation,
+        books=Books(accounts, reputation),
         work=inp.work,
         routes=routes,
         controller=controller(cfg),
     )
     # the provisioner's memory and the accounts, saved across a restart (echo_rl.control.fleet)
-    fleet = FleetRecord(FleetBooks(inp.run_dir / FLEET_FILE), members.controller, accounts)
+    fleet = FleetRecord(FleetBooks(run_dir / FLEET_FILE), members.controller, accounts)
     # docs/security.md, "Staleness is not free": stale deliveries earn less credit
     staleness = Staleness(cfg.learner.staleness, cfg.provisioning.staleness_discount)
     limits = DeliveryLimits(
@@ -187,21 +209,14 @@ def build_parts(
         int(cfg.transport.max_message_mib * 2**20),
     )
     deliveries = Deliveries(
-        table=table,
         members=members,
-        gate=gate,
-        accounts=accounts,
-        intake=intake,
-        reputation=reputation,
-        returns=returns,
-        staleness=staleness,
+        checks=DeliveryChecks(intake, reputation, returns, staleness),
         buffer=inp.buffer,
         work=inp.work,
         limits=limits,
         rejected=rejected,
         push_ident=sockets.push_ident,
     )
-    reputation.on_quarantine = deliveries.quarantine
     notices = Notices(cfg, table=table, members=members, routes=routes, cpu=cpu, send=sockets.send)
     stats = ServerStats(
         StatSources(
@@ -223,7 +238,7 @@ def build_parts(
     )
     dispatcher = Dispatcher(
         gate=gate,
-        handlers=_handlers(members, routes, deliveries),
+        handlers=_handlers(members, routes, deliveries, wiring.doctor),
         max_bytes=limits.max_bytes,
         rejected=rejected,
         end_session=members.end_session,
@@ -250,28 +265,25 @@ def build_parts(
     )
 
 
-def _reward_auditor(cfg: EchoConfig, adapter: Adapter | None) -> RewardAuditor | None:
+def _reward_auditor(
+    cfg: EchoConfig, adapter: Adapter | None, report: Callable[[Verdict], None]
+) -> RewardAuditor | None:
     """The thread that recomputes a sample of an expensive reward (echo_rl.control.reward_audit);
     None for an adapter whose reward the learner recomputes inline, or cannot. Its verdicts
-    go to the server's loop: the server wires ``report`` and starts it."""
+    go to ``report``, the server's loop; the server starts it."""
     sc = cfg.security
     if adapter is None or not adapter.expensive_reward or sc.expensive_reward_check == "every":
         return None
-    return RewardAuditor(adapter, sc.audit_queue, _unwired_report)
-
-
-def _unwired_report(verdict: Any) -> None:
-    raise RuntimeError("a reward verdict before the server wired the auditor")
-
-
-def _unwired(worker_id: str, key: str, reason: str) -> None:
-    raise RuntimeError("quarantine before the server's parts were wired")
+    return RewardAuditor(adapter, sc.audit_queue, report)
 
 
 def _handlers(
-    members: Members, routes: SnapshotRoutes, deliveries: Deliveries
-) -> dict[type[wire.Message], Callable[..., Any]]:
-    """Which part answers each request (the doctor's is the server's own, added by it)."""
+    members: Members,
+    routes: SnapshotRoutes,
+    deliveries: Deliveries,
+    doctor: Callable[[], wire.Message],
+) -> dict[type[wire.Message], Handler]:
+    """Which part answers each request (the doctor's is the server's own)."""
 
     def on_installed(ident: bytes, key: str, msg: wire.Installed) -> None:
         # a pending key that installed a snapshot has done its first useful act
@@ -290,4 +302,5 @@ def _handlers(
         wire.Installed: on_installed,
         wire.NatReport: members.on_nat_report,
         wire.Handback: deliveries.on_handback,
+        wire.Doctor: lambda ident, key, msg: doctor(),
     }

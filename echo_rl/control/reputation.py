@@ -13,7 +13,10 @@ False alarms: a check with a false-alarm probability of at most ``a`` per honest
 ``C(m, k) a^k`` (union bound). Reward recomputation and whole groups are deterministic (an
 honest worker never fails them); the audit's bounds are in ``echo_rl.control.auditor``.
 
-Only the control-plane thread calls this object.
+Reputation decides, its caller acts: ``record`` and ``quarantine`` return the ``Quarantine``
+they sentenced (None otherwise), and the caller bans the key, empties the buffer of it and hands
+its leases out again (``echo_rl.control.deliveries``). Only the control-plane thread calls this
+object.
 """
 
 from __future__ import annotations
@@ -47,18 +50,20 @@ class Verdict:
     stats: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Quarantine:
+    """A worker just quarantined: what its caller must now do to it (ban, empty, reassign)."""
+
+    worker_id: str
+    key: str
+    reason: str
+
+
 class Reputation:
-    def __init__(
-        self,
-        folder: Path,
-        strikes: int,
-        step: Callable[[], int],
-        on_quarantine: Callable[[str, str, str], None],
-    ):
+    def __init__(self, folder: Path, strikes: int, step: Callable[[], int]):
         self.folder = folder
         self.needed = strikes
         self.step = step  # the learner's current step, for the files
-        self.on_quarantine = on_quarantine  # (worker id, key, reason)
         self.strikes: Counter[str] = Counter()
         self.audits: Counter[str] = Counter()  # worker id -> checks made
         self.failures: Counter[str] = Counter()  # worker id -> checks failed
@@ -66,7 +71,9 @@ class Reputation:
         self.quarantined: dict[str, str] = quarantined_workers(folder)  # worker id -> reason
         self._files: dict[str, Any] = {}
 
-    def record(self, v: Verdict) -> None:
+    def record(self, v: Verdict) -> Quarantine | None:
+        """The verdict written and counted; the quarantine it brought, if any (the caller's
+        to carry out)."""
         self.audits[v.worker_id] += 1
         self.by_check[f"{v.check}:{'ok' if v.ok else 'fail'}"] += 1
         self._append(
@@ -81,7 +88,7 @@ class Reputation:
             },
         )
         if v.ok or v.worker_id in self.quarantined:
-            return
+            return None
         self.failures[v.worker_id] += 1
         # A failed check of a group the step-start screen left out (echo_rl/control/screen.py) is two
         # findings against the same claim: quarantined at once. An honest group is screened
@@ -97,11 +104,12 @@ class Reputation:
             v.stats,
         )
         if self.strikes[v.worker_id] >= self.needed:
-            self.quarantine(
+            return self.quarantine(
                 v.worker_id,
                 v.key,
                 f"{self.strikes[v.worker_id]} failed checks, the last: {v.check}",
             )
+        return None
 
     def forgive(self, worker_id: str, n: int) -> bool:
         """Take back ``n`` strikes that turned out to be the run's own fault
@@ -112,9 +120,11 @@ class Reputation:
         self.strikes[worker_id] = max(0, self.strikes[worker_id] - n)
         return True
 
-    def quarantine(self, worker_id: str, key: str, reason: str) -> None:
+    def quarantine(self, worker_id: str, key: str, reason: str) -> Quarantine | None:
+        """Written down and returned for the caller to carry out; None for a worker already
+        quarantined."""
         if worker_id in self.quarantined:
-            return
+            return None
         self.quarantined[worker_id] = reason
         self._append(
             "quarantine.jsonl",
@@ -127,7 +137,7 @@ class Reputation:
             },
         )
         log.error("worker %s QUARANTINED: %s", worker_id, reason)
-        self.on_quarantine(worker_id, key, reason)
+        return Quarantine(worker_id, key, reason)
 
     def _append(self, name: str, entry: dict[str, Any]) -> None:
         """One line, flushed; the files stay open (a check per delivered group is written)."""

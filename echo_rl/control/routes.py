@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from echo_rl.broadcast.base_manifest import BaseManifest
@@ -33,6 +35,20 @@ from echo_rl.core.config import EchoConfig
 log = logging.getLogger("echo.control")
 
 
+@dataclass(frozen=True)
+class RunIdentity:
+    """What every join_ack and doctor reply names: the run, this learner instance, its key;
+    the run and its key sign the snapshot tickets."""
+
+    run_id: str
+    key: RunKey
+    instance_id: str
+
+    @staticmethod
+    def new(run_id: str, key: RunKey) -> RunIdentity:
+        return RunIdentity(run_id, key, uuid.uuid4().hex[:12])
+
+
 class SnapshotRoutes:
     """Where each worker pulls the current snapshot (its place in the plan, a peer, or the
     learner), with what ticket; a report of a bad source or chunk goes to ``probes``
@@ -46,8 +62,7 @@ class SnapshotRoutes:
         *,
         gate: Gate,
         table: SessionTable,
-        key: RunKey,
-        run_id: str,
+        identity: RunIdentity,
         store: SnapshotStore,
         results: SnapshotStore,
         rejected: Counter[str],
@@ -56,8 +71,7 @@ class SnapshotRoutes:
         self.cfg = cfg
         self.gate = gate
         self.table = table
-        self.key = key
-        self.run_id = run_id
+        self.key, self.run_id = identity.key, identity.run_id
         self.store = store
         self.results = results
         self.push = push  # a message to a worker now (a punch before its source)

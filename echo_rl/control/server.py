@@ -26,37 +26,31 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.coordinator import Coordinator
 from echo_rl.broadcast.nat.reflect import Reflector
-from echo_rl.broadcast.snapshot import RunKey, Snapshot
+from echo_rl.broadcast.snapshot import Snapshot
 from echo_rl.broadcast.source import ChunkServer
 from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
 from echo_rl.broadcast.topology import make_topology
 from echo_rl.broadcast.tree import relay_tree
 from echo_rl.control.bind import Served, bind
-from echo_rl.control.intake import AuditJob
 from echo_rl.control.listen import count_handshakes, handshake_monitor
 from echo_rl.control.outside import doctor_ack
-from echo_rl.control.parts import Inputs, build_parts
+from echo_rl.control.parts import Inputs, Wiring, build_parts
 from echo_rl.control.reputation import Verdict
 from echo_rl.control.verify import Verifier
-from echo_rl.control.work import WorkQueue
 from echo_rl.core import wire
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.control_stats import ControlStats
 from echo_rl.core.security import JoinLine
 from echo_rl.core.tree import RelayTree
-from echo_rl.data.buffer import ReplayBuffer
-from echo_rl.data.durable import BufferLog
-from echo_rl.data.records import Limits
 
 if TYPE_CHECKING:
-    from echo_rl.data.adapter import Adapter
+    pass
 
 log = logging.getLogger("echo.control")
 
@@ -67,26 +61,12 @@ TREE_WAIT_S = 2.0  # a dashboard poll or a scrape waits this long for the loop's
 
 
 class LearnerServer:
-    def __init__(
-        self,
-        cfg: EchoConfig,
-        *,
-        run_id: str,
-        key: RunKey,
-        buffer: ReplayBuffer,
-        work: WorkQueue,
-        limits: Limits,
-        buffer_log: BufferLog | None = None,
-        run_dir: Path | None = None,
-        adapter: Adapter | None = None,
-        audit: Callable[[AuditJob], None] | None = None,
-        step: Callable[[], int] = lambda: 0,
-    ):
-        """``adapter``: recompute rewards with it (None: no recomputation, for protocol tests);
-        ``audit``: where groups chosen for audit go (``echo_rl.control.auditor``); ``step``: the
-        learner's current step, for the security files."""
+    def __init__(self, cfg: EchoConfig, inputs: Inputs):
+        """``inputs``: the run, its buffer, queue and limits, and what checks deliveries
+        (``echo_rl.control.parts.Inputs``)."""
         self.cfg = cfg
-        self.run_id, self.key, self.buffer, self.work = run_id, key, buffer, work
+        self.run_id, self.key = inputs.run_id, inputs.key
+        self.buffer, self.work = inputs.buffer, inputs.work
         self.max_bytes = int(cfg.transport.max_message_mib * 2**20)
         self.store = SnapshotStore()
         # Full payloads of the versions held (what a delta rebuilds): served as keyframes to
@@ -95,24 +75,17 @@ class LearnerServer:
         # A LoRA run on a model folder: its base model, served to workers that lack it
         # (``hold_base``, before ``start``; echo_rl.broadcast.basemodel).
         self.bases = SnapshotStore(keep=1, recycle=False)
+        self._loop: asyncio.AbstractEventLoop | None = None  # ``report`` needs it first
         # Key pair, tokens, bans and allow-list live in the run folder (a throwaway one in tests).
-        inputs = Inputs(
-            run_dir or Path(tempfile.mkdtemp(prefix="echo-sec-")),
-            run_id,
-            key,
-            buffer,
-            work,
-            limits,
-            buffer_log,
-            adapter,
-            audit,
-            step,
+        wiring = Wiring(
+            inputs.run_dir or Path(tempfile.mkdtemp(prefix="echo-sec-")),
+            report=self.report,  # called once the loop runs (the reward auditor starts then)
+            doctor=lambda: doctor_ack(self),  # answered once the loop serves
         )
-        p = self.parts = build_parts(cfg, inputs, self.store, self.results)
+        p = self.parts = build_parts(cfg, inputs, wiring, self.store, self.results)
         self.gate, self.table, self.members, self.routes = p.gate, p.table, p.members, p.routes
         self.deliveries, self.intake, self.accounts = p.deliveries, p.intake, p.accounts
         self.reputation, self.rejected = p.reputation, p.rejected
-        p.dispatcher.handlers[wire.Doctor] = lambda ident, key, msg: doctor_ack(self)
         bc = cfg.broadcast
         # uplink_mbit / link_mbit inform the chain planner; they do not throttle anything.
         self.topology = make_topology(
@@ -123,7 +96,13 @@ class LearnerServer:
         )
         # what the sockets serve (echo_rl.control.bind binds them on the loop, at start)
         self._served = Served(
-            self.store, self.results, self.bases, self.topology, key, run_id, self.max_bytes
+            self.store,
+            self.results,
+            self.bases,
+            self.topology,
+            self.key,
+            self.run_id,
+            self.max_bytes,
         )
         self.coordinator: Coordinator | None = None
         self.reflector: Reflector | None = None  # docs/nat.md; None with nat_traversal off
@@ -135,7 +114,6 @@ class LearnerServer:
         self._last_stats = ControlStats()
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name="echo-control", daemon=True)
 
@@ -146,7 +124,6 @@ class LearnerServer:
         if not self._ready.wait(timeout) or self._error:
             raise RuntimeError(f"control plane failed to start: {self._error}")
         if self.intake.reward_audit is not None:  # its verdicts are recorded on this loop
-            self.intake.reward_audit.report = self.report
             self.intake.reward_audit.start()
 
     def _run(self) -> None:

@@ -25,6 +25,8 @@ from echo_rl.control.auditor import Auditor
 from echo_rl.control.grants import open_journal
 from echo_rl.control.screen import audit_screened
 from echo_rl.control.server import LearnerServer
+from echo_rl.control.parts import Inputs
+from echo_rl.control.reputation import Verdict
 from echo_rl.control.work import WorkQueue
 from echo_rl.core import stopping
 from echo_rl.core.config import EchoConfig, dump_toml
@@ -274,16 +276,18 @@ class Learner:
         )
         self.server = LearnerServer(
             self.cfg,
-            run_id=self.run_id,
-            key=self.key,
-            buffer=self.buffer,
-            work=self.work,
-            limits=self.limits,
-            buffer_log=self.log,
-            run_dir=self.run_dir,
-            adapter=self.adapter,
-            audit=self.auditor.submit,
-            step=lambda: self.step,
+            Inputs(
+                run_id=self.run_id,
+                key=self.key,
+                buffer=self.buffer,
+                work=self.work,
+                limits=self.limits,
+                buffer_log=self.log,
+                run_dir=self.run_dir,
+                adapter=self.adapter,
+                audit=self.auditor.submit,
+                step=lambda: self.step,
+            ),
         )
         if resume:
             self.server.parts.fleet.restore()
