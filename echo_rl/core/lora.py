@@ -25,10 +25,12 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from echo_rl.core.config import LoraConfig
+from echo_rl.core.config import LoraConfig, ModelConfig
 
 if TYPE_CHECKING:
     import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftMixedModel, PeftModel
     from transformers import PreTrainedTokenizerBase
 
 
@@ -46,7 +48,9 @@ def base_of(model: torch.nn.Module) -> torch.nn.Module:
     itself. Checked by duck type: importing peft is left to the runs that use it."""
     if not is_peft(model):
         return model
-    inner: torch.nn.Module = model.get_base_model()  # type: ignore[operator]
+    get_base_model = getattr(model, "get_base_model", None)  # nn.Module types it Tensor | Module
+    assert get_base_model is not None  # is_peft checked it
+    inner: torch.nn.Module = get_base_model()
     return inner
 
 
@@ -55,12 +59,13 @@ def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if is_adapter_name(n)}
 
 
-def peft_config(cfg: LoraConfig) -> Any:
+def peft_config(cfg: LoraConfig) -> PeftLoraConfig:
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.alpha,
+        # peft annotates lora_alpha int, but only divides by it: a float alpha is valid
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         bias="none",
@@ -68,7 +73,7 @@ def peft_config(cfg: LoraConfig) -> Any:
     )
 
 
-def wrap(model: torch.nn.Module, cfg: LoraConfig) -> Any:
+def wrap(model: torch.nn.Module, cfg: LoraConfig) -> PeftModel | PeftMixedModel:
     """``model`` (frozen) with a LoRA adapter on ``cfg.target_modules``: a peft model whose only
     trainable parameters are the adapter's."""
     from peft import get_peft_model
@@ -140,7 +145,7 @@ def base_problem(version: int, want: str | None, held: str | None, model_name: s
 
 
 def load_policy_model(
-    model_cfg: Any,
+    model_cfg: ModelConfig,
     lora: LoraConfig | None,
     tokenizer: PreTrainedTokenizerBase,
     dtype: str = "float32",

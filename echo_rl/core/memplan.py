@@ -250,9 +250,9 @@ def folder_params(folder: str | Path) -> int:
 
     total = 0
     for f in sorted(Path(folder).glob("*.safetensors")):
-        total += sum(
-            math.prod(v["shape"]) for k, v in safetensors_header(f).items() if k != "__metadata__"
-        )
+        for k, v in safetensors_header(f).items():  # name -> {dtype, shape, data_offsets}
+            if k != "__metadata__" and isinstance(v, dict) and isinstance(v["shape"], list):
+                total += math.prod(d for d in v["shape"] if isinstance(d, int))
     return total
 
 

@@ -23,11 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from echo_rl.core.config import ModelConfig
 from echo_rl.core.errors import EchoError
+from echo_rl.core.jsontypes import JsonObject
 from echo_rl.core.layout import TensorLayout
 
 if TYPE_CHECKING:  # torch and transformers load late: entry points must start instantly
+    import mmap
+
     import torch
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase, Qwen3Config
 
 TINY = "tiny-qwen3"
 # Digits and arithmetic first: the toy tasks use them; letters keep room for small words.
@@ -106,7 +109,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tok
 
 
-def tiny_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
+def tiny_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Qwen3Config:
     from transformers import Qwen3Config
 
     return Qwen3Config(
@@ -144,25 +147,29 @@ def load_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: str 
             raise ModelError(
                 f"model.name = {cfg.name!r}: not a loadable causal LM ({exc})"
             ) from None
-    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+    if vocab_size(model) < len(tokenizer):
         raise ModelError(
             f"model.name = {cfg.name!r}: tokenizer has {len(tokenizer)} tokens but "
-            f"the model's embedding has {model.get_input_embeddings().num_embeddings}"
+            f"the model's embedding has {vocab_size(model)}"
         )
     return model
 
 
 def enable_checkpointing(model: torch.nn.Module) -> None:
     """Activation (gradient) checkpointing on every decoder layer, non-reentrant, so that a
-    frozen input (a LoRA base) still passes gradients on. transformers 5 renamed the method."""
+    frozen input (a LoRA base) still passes gradients on. transformers 5 renamed the method.
+    (Both looked up by name: nn.Module's ``__getattr__`` types any attribute Tensor | Module.)"""
     on = getattr(model, "activation_checkpointing_enable", None)
     if on is not None:
         on(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    old = getattr(model, "gradient_checkpointing_enable", None)
+    if old is None:
+        raise AttributeError(f"{type(model).__name__} has no gradient_checkpointing_enable")
+    old(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def safetensors_header(path: Path) -> dict[str, Any]:
+def safetensors_header(path: Path) -> JsonObject:
     """A safetensors file's header (tensor name -> dtype, shape, offsets; ``__metadata__``),
     read alone: 8-byte little-endian length, then JSON. Neither torch nor the weights load."""
     import json
@@ -170,7 +177,8 @@ def safetensors_header(path: Path) -> dict[str, Any]:
 
     with path.open("rb") as fh:
         (size,) = struct.unpack("<Q", fh.read(8))
-        return json.loads(fh.read(size))
+        header: JsonObject = json.loads(fh.read(size))
+        return header
 
 
 def vocab_size_of_folder(folder: str | Path) -> int:
@@ -197,7 +205,8 @@ def engine_model_dir(cfg: ModelConfig, cache_root: str | Path | None = None) -> 
 
     key = hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
     root = (
-        Path(cache_root or os.environ.get("ECHO_HOME", Path.home() / ".cache" / "echo")) / "models"
+        Path(cache_root or os.environ.get("ECHO_HOME", str(Path.home() / ".cache" / "echo")))
+        / "models"
     )
     folder = root / f"{TINY}-{key}"
     if (folder / "config.json").is_file():
@@ -270,7 +279,13 @@ def bf16_compute(device: torch.device) -> bool:
 
 
 def vocab_size(model: torch.nn.Module) -> int:
-    return int(model.get_input_embeddings().num_embeddings)
+    """Rows of the model's input embedding (``nn.Embedding.num_embeddings``), looked up by
+    name: nn.Module's ``__getattr__`` types any attribute Tensor | Module."""
+    embeddings = getattr(model, "get_input_embeddings", None)
+    rows = None if embeddings is None else getattr(embeddings(), "num_embeddings", None)
+    if rows is None:
+        raise AttributeError(f"{type(model).__name__} has no input embedding's num_embeddings")
+    return int(rows)
 
 
 # ----------------------------------------------------------------------------- payloads
@@ -307,7 +322,7 @@ def rounding_seed(run_seed: int, rounding: str, version: int) -> int | None:
 
 
 def params_to_payload(
-    named: Iterable[tuple[str, Any]], dtype: str, seed: int | None = None
+    named: Iterable[tuple[str, torch.Tensor]], dtype: str, seed: int | None = None
 ) -> tuple[list[TensorLayout], bytes]:
     """Tensors as one contiguous byte stream in ``dtype`` plus a tensor index.
 
@@ -341,8 +356,8 @@ def params_to_payload(
 
 
 def params_to_spill(
-    named: Iterable[tuple[str, Any]], dtype: str, directory: Path, seed: int | None = None
-) -> tuple[list[TensorLayout], Any]:
+    named: Iterable[tuple[str, torch.Tensor]], dtype: str, directory: Path, seed: int | None = None
+) -> tuple[list[TensorLayout], mmap.mmap | bytes]:
     """``params_to_payload`` written tensor by tensor to a spill file (echo_rl.core.spill) and mapped
     read-only: the payload never exists whole in RAM (docs/memory.md)."""
     import torch
@@ -358,7 +373,7 @@ def params_to_spill(
                 s = None if seed is None else seed * 1_000_003 + i
                 t = cast_weights(p, dtype, s).contiguous().view(-1).cpu()
                 raw = t.view(torch.uint8).numpy()
-                writer.write(raw)
+                writer.write(raw.data)
                 index.append(
                     {
                         "name": name,

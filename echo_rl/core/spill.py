@@ -18,7 +18,10 @@ import mmap
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 
 def spill_dir(root: str | Path | None = None) -> Path:
@@ -43,14 +46,14 @@ class SpillWriter:
         os.unlink(name)  # the mapping keeps the file alive; nothing outlives the process
         self.fd, self.size = fd, 0
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
+    def write(self, data: Buffer) -> None:
         view = memoryview(data).cast("B")
         done = 0
         while done < view.nbytes:
             done += os.write(self.fd, view[done : done + (64 << 20)])
         self.size += view.nbytes
 
-    def read_into(self, buf: Any, offset: int) -> None:
+    def read_into(self, buf: Buffer, offset: int) -> None:
         """Bytes written at ``offset`` read back straight into ``buf`` (a writable buffer):
         no mapped or intermediate copy."""
         view = memoryview(buf).cast("B")
