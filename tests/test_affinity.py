@@ -110,7 +110,7 @@ def test_speed_ranks_come_from_the_learner_s_clock():
 
 
 def test_a_grant_carries_the_task_budget_and_routes_by_rank():
-    aff = Affinity(LengthBook(), SpeedBook())
+    aff = Affinity(LengthBook(), SpeedBook(), window=8)
     q = WorkQueue(
         _prompts(),
         group_size=2,
@@ -118,7 +118,6 @@ def test_a_grant_carries_the_task_budget_and_routes_by_rank():
         lease_timeout_s=30,
         prefix="t",
         affinity=aff,
-        window=8,
     )
     long = q.grant("fast", 2, 0, rank=1.0)
     short = q.grant("slow", 2, 0, rank=0.0)
@@ -127,7 +126,7 @@ def test_a_grant_carries_the_task_budget_and_routes_by_rank():
     # the grant rules are the queue's: the outstanding bound still holds
     q2 = WorkQueue(
         _prompts(), group_size=2, max_outstanding=3, lease_timeout_s=30, prefix="u",
-        affinity=aff, window=8,
+        affinity=aff,
     )  # fmt: skip
     assert len(q2.grant("fast", 10, 0, rank=1.0)) == 3
 
@@ -188,8 +187,7 @@ def test_a_live_learner_routes_grants_and_refuses_samples_over_a_task_budget(sma
         small_cfg,
         tokenizer,
         {"short_tokens": 1, "long_share": 0.0},
-        affinity=Affinity(LengthBook(), SpeedBook()),
-        window=4,
+        affinity=Affinity(LengthBook(), SpeedBook(), window=4),
     )
     plane.start()
     ctx = zmq.Context()

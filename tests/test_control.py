@@ -25,7 +25,7 @@ from echo_rl.data.records import Limits
 
 def control_plane(cfg, tokenizer, options=None, **work_kw) -> LearnerServer:
     """A control plane (not started) for the toy-add task on ``cfg``: with ``options``, the
-    adapter's; ``work_kw``, more of the work queue's (affinity, window)."""
+    adapter's; ``work_kw``, more of the work queue's (affinity)."""
     lc = cfg.learner
     adapter = load_adapter("toy-add", options or {}, tokenizer)
     buffer = ReplayBuffer(lc.staleness, cfg.buffer.capacity_groups, lc.group_size)

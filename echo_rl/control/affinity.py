@@ -33,10 +33,10 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
-from typing import Any
 
 from echo_rl.core.ewma import ewma
 from echo_rl.data.affinity import ALPHA, LengthBook, Picker
+from echo_rl.data.records import Record
 
 __all__ = ["Affinity", "LengthBook", "Picker", "SpeedBook"]
 
@@ -99,12 +99,13 @@ class SpeedBook:
 
 
 class Affinity:
-    """The two books a learner with ``learner.affinity`` keeps, fed by admitted batches."""
+    """The two books a learner with ``learner.affinity`` keeps, fed by admitted batches, and
+    the window of prompts a grant picks among (``learner.affinity_window``)."""
 
-    def __init__(self, book: LengthBook, speeds: SpeedBook):
-        self.book, self.speeds = book, speeds
+    def __init__(self, book: LengthBook, speeds: SpeedBook, window: int = 64):
+        self.book, self.speeds, self.window = book, speeds, window
 
-    def admitted(self, worker_id: str, records: list[Any]) -> None:
+    def admitted(self, worker_id: str, records: list[Record]) -> None:
         """An admitted batch (records with ``prompt_ids`` and ``completion_ids``)."""
         self.speeds.admitted(worker_id, sum(len(r.completion_ids) for r in records))
         for r in records:

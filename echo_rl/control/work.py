@@ -67,11 +67,15 @@ class WorkQueue:
         secret: bytes = b"",
         clock: Callable[[], float] = time.monotonic,
         affinity: Affinity | None = None,
-        window: int = 64,
     ):
         # which prompt a grant takes: the adapter's order, or by affinity (echo_rl/control/affinity.py)
+        # among its window of prompts
         self.affinity = affinity
-        self.picker = Picker(prompts, window, affinity.book if affinity is not None else None)
+        self.picker = (
+            Picker(prompts, affinity.window, affinity.book)
+            if affinity is not None
+            else Picker(prompts)
+        )
         self.group_size = group_size
         self.max_outstanding = max_outstanding
         self.lease_timeout_s = lease_timeout_s

@@ -205,8 +205,11 @@ class Learner:
             lease_timeout_s=lc.lease_timeout_s,
             prefix=f"{self.run_id}.{instance}",
             secret=hashlib.sha256(b"echo group seeds" + self.key.private_bytes()).digest(),
-            affinity=Affinity(LengthBook(), SpeedBook()) if lc.affinity else None,
-            window=lc.affinity_window,
+            affinity=(
+                Affinity(LengthBook(), SpeedBook(), window=lc.affinity_window)
+                if lc.affinity
+                else None
+            ),
         )
         if resume:
             back = Resume(
