@@ -19,19 +19,23 @@ On exit the worker prints a summary table of the final account.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from echo_rl.core import wire
+from echo_rl.core.jsontypes import JsonObject
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
 
 STATUS_SCHEMA = 1
 PLAIN_EVERY_S = 60.0
@@ -107,7 +111,7 @@ class WorkerStatus(BaseModel):
     memory: dict[str, int] | None = None  # bytes by use (docs/memory.md)
     sharing: Sharing | None = None  # joined to several runs (docs/multirun.md)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The file's JSON: what was set (the fields a worker has not reached stay absent)."""
         return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
@@ -143,7 +147,7 @@ class StatusBoard:
 
     # ------------------------------------------------------------------ updates (the worker)
 
-    def update(self, **fields: Any) -> None:
+    def update(self, **fields: object) -> None:
         """Set fields of the status by name (validated: an unknown or mistyped one raises). New
         books are stamped with the time they came (their message's age counts on from it)."""
         if "account" in fields:
@@ -246,7 +250,7 @@ def notice_path(status: Path) -> Path:
     return status.with_name(status.name + ".preempt")
 
 
-def write_atomic(path: Path, doc: dict[str, Any]) -> None:
+def write_atomic(path: Path, doc: JsonObject) -> None:
     """Readers see the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -414,11 +418,14 @@ def _links(a: wire.Account) -> str:
     down, up = a.down_mbit, a.up_mbit
     if not down and not up:
         return "not measured yet"
-    fmt = lambda x: f"{x:.1f} Mbit/s" if x else "not measured"  # noqa: E731
+
+    def fmt(x: float) -> str:
+        return f"{x:.1f} Mbit/s" if x else "not measured"
+
     return f"down {fmt(down)}, up {fmt(up)}"
 
 
-def table(doc: WorkerStatus, title: str = "echo-worker") -> Any:
+def table(doc: WorkerStatus, title: str = "echo-worker") -> Table:
     from rich.table import Table
 
     t = Table(title=title, show_header=False, title_justify="left", expand=False)
@@ -448,7 +455,7 @@ class LiveView:
 
     def __init__(self, console: Console):
         self.console = console
-        self.live: Any = None
+        self.live: Live | None = None
 
     def __enter__(self) -> LiveView:
         from rich.live import Live
@@ -458,16 +465,18 @@ class LiveView:
         return self
 
     def show(self, board: StatusBoard) -> None:
+        assert self.live is not None, "shown inside its with block"
         self.live.update(table(board.doc))
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
+        assert self.live is not None
         self.live.stop()
 
 
 class PlainView:
     """Without a terminal: one plain status line per minute, in the log."""
 
-    def __init__(self, log: Any, every_s: float = PLAIN_EVERY_S):
+    def __init__(self, log: logging.Logger, every_s: float = PLAIN_EVERY_S):
         self.log, self.every_s, self.last = log, every_s, -float("inf")
 
     def __enter__(self) -> PlainView:
@@ -479,5 +488,5 @@ class PlainView:
             self.last = now
             self.log.info("%s", plain_line(board.doc))
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         pass

@@ -15,8 +15,8 @@ device adds nothing to the budget. ``benchmarks/gpu_stages.py residency`` times 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from functools import partial
 
 import torch
 
@@ -35,9 +35,13 @@ class HostParking:
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda" and torch.cuda.is_available()
         seen: set[int] = set()
-        self.params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]  # tied once
+        self.params: list[torch.nn.Parameter] = []
+        for p in params:  # a tied parameter once
+            if id(p) not in seen:
+                seen.add(id(p))
+                self.params.append(p)
         self.buffers = list(buffers)
-        self._host: dict[Any, torch.Tensor] = {}
+        self._host: dict[Hashable, torch.Tensor] = {}
         self.parked = False
 
     @classmethod
@@ -80,12 +84,11 @@ class HostParking:
         if self.pinned:
             torch.cuda.synchronize(self.device)
 
-    def _slots(self) -> Iterable[tuple[Any, torch.Tensor, Any]]:
+    def _slots(self) -> Iterator[tuple[Hashable, torch.Tensor, Callable[[torch.Tensor], None]]]:
+        """(the host copy's key, the tensor where it is now, what puts a tensor in its place)."""
         for p in self.params:
-            yield id(p), p.data, lambda t, p=p: setattr(p, "data", t)
+            yield id(p), p.data, partial(setattr, p, "data")
         for m, name in self.buffers:
-            yield (
-                (id(m), name),
-                m._buffers[name],
-                lambda t, m=m, n=name: m._buffers.__setitem__(n, t),
-            )
+            t = m._buffers[name]
+            assert t is not None  # only buffers that hold a tensor are moved (see ``whole``)
+            yield (id(m), name), t, partial(m._buffers.__setitem__, name)
