@@ -66,6 +66,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from echo_rl.control.handback import PrefixLimits, check_prefixes, expand
 from echo_rl.control.intake import AuditJob
@@ -116,6 +117,20 @@ class Pending:
     verdicts: dict[str, bool] = field(default_factory=dict)
 
 
+class ReturnsView(TypedDict):
+    """One worker's hand-back books as its row in the stats shows them (``WorkerRow``)."""
+
+    handed_back: int
+    prefixes_kept: int
+    prefixes_refused: int
+    forged: int
+    limited: int
+    returns_pct: float | None
+    returns_n: int
+    delivered_pct: float | None
+    cherry_pick: str
+
+
 @dataclass
 class Returns:
     """One worker's hand-back books."""
@@ -132,7 +147,7 @@ class Returns:
     flagged: str = ""  # "low" | "high": it returns the groups it does not like
     tests: int = 0  # checkpoints tested so far
 
-    def view(self) -> dict[str, object]:
+    def view(self) -> ReturnsView:
         def mean(s: float, n: int) -> float | None:
             return round(s / n, 4) if n else None
 
@@ -404,6 +419,6 @@ class Handbacks:
             self.books.popitem(last=False)
         return book
 
-    def per_worker(self, worker_id: str) -> dict[str, object]:
+    def per_worker(self, worker_id: str) -> ReturnsView:
         book = self.books.get(worker_id)
         return (book or Returns()).view()

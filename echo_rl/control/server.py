@@ -22,12 +22,14 @@ import asyncio
 import dataclasses
 import logging
 import mmap
+import random
 import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TypeVar
 
 from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.coordinator import Coordinator
@@ -46,18 +48,17 @@ from echo_rl.control.verify import Verifier
 from echo_rl.core import wire
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.control_stats import ControlStats
+from echo_rl.core.jsontypes import JsonObject
 from echo_rl.core.security import JoinLine
 from echo_rl.core.tree import RelayTree
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("echo.control")
 
 # How long the trainer's thread waits for the loop to store a version or answer a stats call
 # before it goes on without (counted in stats().slow); it never ends the run.
 LOOP_WAIT_S = 10.0
-TREE_WAIT_S = 2.0  # a dashboard poll or a scrape waits this long for the loop's relay tree
+TREE_WAIT_S = 2.0
+T = TypeVar("T")  # a dashboard poll or a scrape waits this long for the loop's relay tree
 
 
 class LearnerServer:
@@ -165,7 +166,7 @@ class LearnerServer:
         finally:
             b.close(curve)
 
-    def bound_ports(self) -> dict[str, Any]:
+    def bound_ports(self) -> dict[str, int | list[int]]:
         """The ports this server listens on (learner.json's "ports"; --resume reuses them)."""
 
         def port(endpoint: str) -> int:
@@ -188,7 +189,12 @@ class LearnerServer:
 
     # ------------------------------------------------------------------ from the trainer's thread
 
-    def _call(self, coro_fn, *args, timeout: float = 30.0) -> Any:
+    def _call(
+        self,
+        coro_fn: Callable[..., Coroutine[object, None, T]],
+        *args: object,
+        timeout: float = 30.0,
+    ) -> T:
         if self._error:
             raise RuntimeError(f"control plane crashed: {self._error}")
         assert self._loop is not None
@@ -244,23 +250,23 @@ class LearnerServer:
     async def _stats(self) -> ControlStats:
         return self.parts.stats.row(self.parts.socket.acks.qsize())
 
-    def work_state(self, prompt_rng: Any) -> tuple[dict[str, Any], Any]:
+    def work_state(self, prompt_rng: random.Random) -> tuple[JsonObject, tuple[object, ...]]:
         """The work queue's leases and the prompt generator's state, for a checkpoint, read on
         the loop that grants work: read from the trainer's thread, a grant meanwhile changed
         the leases under it ("dictionary changed size during iteration" ended a run)."""
 
-        async def read() -> tuple[dict[str, Any], Any]:
+        async def read() -> tuple[JsonObject, tuple[object, ...]]:
             return self.work.state(), prompt_rng.getstate()
 
         if not self._on_loop():
             return self.work.state(), prompt_rng.getstate()  # no loop: nobody else touches them
         return self._call(read, timeout=LOOP_WAIT_S)
 
-    def payloads(self) -> list[Any]:
+    def payloads(self) -> list[object]:
         """The payloads the chunk server holds (versions, full versions, the base model), read
         on the loop that changes them (echo_rl.core.memstat counts them)."""
 
-        async def read() -> list[Any]:
+        async def read() -> list[object]:
             return [
                 buf.payload
                 for store in (self.store, self.results, self.bases)

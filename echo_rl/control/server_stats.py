@@ -64,7 +64,7 @@ class ServerStats:
         t0 = time.thread_time()
         out = self.now(ack_queue)
         cpu.add("stats", time.thread_time() - t0)
-        out.control_cpu = cpu.snapshot()
+        out.control_cpu = dict(cpu.snapshot())
         return out
 
     def now(self, ack_queue: int) -> ControlStats:
@@ -149,7 +149,7 @@ class ServerStats:
     def _tables(self, now: float) -> PerWorker:
         s = self.src
         co = s.routes.coordinator
-        workers = {
+        workers: dict[str, WorkerRow] = {
             w.worker_id: {
                 "price": w.price,
                 "version": w.version,

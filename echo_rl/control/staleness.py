@@ -25,9 +25,20 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import TypedDict
 
-from echo_rl.core.steprow import COL
 from echo_rl.data.records import Record
+
+
+class StalenessView(TypedDict):
+    """One worker's staleness books as its row in the stats shows them (``WorkerRow``; the
+    step row's names, ``echo_rl.core.steprow``, for the same means)."""
+
+    staleness_mean: float | None
+    at_edge: float | None
+    credit_per_trajectory: float | None
+    gen_s_mean: float | None
+
 
 WINDOW = 256  # a worker's last admitted trajectories its view is computed over
 KEEP = 65536  # workers whose books are kept (least recently delivering dropped)
@@ -73,24 +84,24 @@ class Staleness:
             total += credit(s, self.bound, self.discount)
         return total
 
-    def view(self, worker_id: str) -> dict[str, float | None]:
+    def view(self, worker_id: str) -> StalenessView:
         """Mean staleness, share at the edge, credit per trajectory and mean generation
         seconds over the worker's last deliveries (None: nothing delivered yet)."""
         w = self._workers.get(worker_id)
         if w is None or not w.staleness:
             return {
-                COL.staleness_mean: None,
+                "staleness_mean": None,
                 "at_edge": None,
                 "credit_per_trajectory": None,
-                COL.gen_s_mean: None,
+                "gen_s_mean": None,
             }
         n = len(w.staleness)
         # the step row's names: the same means, over this worker's deliveries
         return {
-            COL.staleness_mean: round(sum(w.staleness) / n, 3),
+            "staleness_mean": round(sum(w.staleness) / n, 3),
             "at_edge": round(sum(1 for s in w.staleness if s >= self.bound) / n, 3),
             "credit_per_trajectory": round(
                 sum(credit(s, self.bound, self.discount) for s in w.staleness) / n, 3
             ),
-            COL.gen_s_mean: round(sum(w.gen_s) / n, 3),
+            "gen_s_mean": round(sum(w.gen_s) / n, 3),
         }

@@ -33,11 +33,11 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from echo_rl.control.affinity import Affinity
 from echo_rl.control.grants import GrantJournal, Lease
 from echo_rl.core import wire
+from echo_rl.core.jsontypes import JsonObject
 from echo_rl.data import rules
 from echo_rl.data.adapter import Prompt
 from echo_rl.data.affinity import Picker
@@ -304,19 +304,21 @@ class WorkQueue:
             self.requeue(gid)
         return len(gids)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> JsonObject:
         """Open leases and the id counter, for checkpoints (leases restart their clocks)."""
         return {
             "issued": [it.group.model_dump() for it in self.issued.values()],
             "reissued": self.reissued,
         }
 
-    def restore(self, state: dict[str, Any]) -> None:
-        for g in state["issued"]:
+    def restore(self, state: JsonObject) -> None:
+        issued, reissued = state["issued"], state["reissued"]
+        assert isinstance(issued, list) and isinstance(reissued, int)  # as ``state`` wrote them
+        for g in issued:
             group = wire.Group.model_validate(g)
             self.issued[group.group_id] = Issued(group, "", float("inf"))
             self._requeued.append(group.group_id)  # whoever held it may be gone: hand out again
-        self.reissued = state["reissued"]
+        self.reissued = reissued
 
     @property
     def in_flight(self) -> int:

@@ -30,6 +30,7 @@ class WorkerRow(TypedDict, total=False):
     nat: str  # the reflector's verdict (docs/nat.md)
     transport: str  # how its snapshot link is carried now
     throughput: float  # trajectories/s, measured by the learner (EWMA)
+    runs: int  # docs/multirun.md: runs sharing its device
     admitted: int  # its records admitted, so far
     granted: int  # groups handed to it, so far
     returned: int  # groups it returned, so far
