@@ -24,10 +24,17 @@ import io
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from echo_rl.core.jsontypes import JsonObject
 from echo_rl.core.metrics import _jsonl, learner_price_of
 from echo_rl.core.steprow import COL
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# A run's line in the summary table: name, counts, dollars, seconds (None: not measured).
+SummaryRow = dict[str, str | float | None]
 
 PLOTS = (  # file, y column, title, y label
     ("reward.png", "reward_rolling", "Reward (rolling mean of batch reward)", "reward"),
@@ -37,7 +44,11 @@ PLOTS = (  # file, y column, title, y label
 )
 
 
-def load_run(run_dir: Path, window: int = 5):
+def load_run(
+    run_dir: Path, window: int = 5
+) -> tuple[pd.DataFrame, JsonObject, list[JsonObject], float]:
+    """A run's step rows (with the derived cost and reward columns), its summary.json ({}
+    if absent), its provisioner decisions and the learner's price per hour."""
     import pandas as pd
 
     rows = _jsonl(run_dir / "metrics.jsonl")
@@ -59,12 +70,12 @@ def load_run(run_dir: Path, window: int = 5):
     df["cost_usd"] = df["cost_usd_step"].cumsum()
     df["reward_rolling"] = df[COL.reward_mean].rolling(window, min_periods=window).mean()
     summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary: JsonObject = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     decisions = _jsonl(run_dir / "decisions.jsonl")
     return df, summary, decisions, price
 
 
-def target_reached(df, target: float | None) -> dict[str, Any]:
+def target_reached(df: pd.DataFrame, target: float | None) -> dict[str, float | None]:
     if target is None:
         return {}
     hit = df.index[df["reward_rolling"] >= target]
@@ -80,18 +91,18 @@ def target_reached(df, target: float | None) -> dict[str, Any]:
 
 def summarise(
     name: str,
-    df,
-    summary: dict[str, Any],
-    decisions: list[dict[str, Any]],
+    df: pd.DataFrame,
+    summary: JsonObject,
+    decisions: list[JsonObject],
     price: float,
     target: float | None,
-) -> dict[str, Any]:
+) -> SummaryRow:
     last = df.iloc[-1]
     admitted = float(last.get(COL.admitted, 0) or 0)
     cost = float(last["cost_usd"])
-    t_bcast = df[COL.t_bcast].dropna() if COL.t_bcast in df else []
+    t_bcast = df[COL.t_bcast].dropna() if COL.t_bcast in df else None
     fleet_price = COL.fleet_price_per_hour
-    out = {
+    out: SummaryRow = {
         "run": name,
         "steps": len(df),
         COL.wall_s: float(last[COL.wall_s]) if COL.wall_s in df else None,
@@ -105,7 +116,9 @@ def summarise(
         COL.admitted: int(admitted),
         "learner_price_per_hour": price,
         "fleet_price_per_hour_mean": float(df[fleet_price].mean()) if fleet_price in df else None,
-        "t_bcast_median_s": float(t_bcast.median()) if len(t_bcast) else None,
+        "t_bcast_median_s": (
+            float(t_bcast.median()) if t_bcast is not None and len(t_bcast) else None
+        ),
         "learner_mib_sent": float(last.get(COL.learner_bytes_sent, 0)) / 2**20,
         "decisions": len(decisions),
         "activations": sum(d.get("action") == "activate" for d in decisions),
@@ -116,7 +129,7 @@ def summarise(
     return out
 
 
-def _plot(frames: dict[str, Any], col: str, title: str, ylabel: str) -> bytes:
+def _plot(frames: dict[str, pd.DataFrame], col: str, title: str, ylabel: str) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,7 +152,7 @@ def _plot(frames: dict[str, Any], col: str, title: str, ylabel: str) -> bytes:
     return buf.getvalue()
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: object) -> str:
     if v is None or (isinstance(v, float) and v != v):
         return "–"
     if isinstance(v, float):
@@ -148,17 +161,19 @@ def _fmt(v: Any) -> str:
 
 
 def _html(
-    summaries: list[dict[str, Any]],
+    summaries: list[SummaryRow],
     images: dict[str, bytes],
     target: float | None,
     window: int,
-    decisions: list[dict[str, Any]],
+    decisions: list[JsonObject],
 ) -> str:
     keys = [k for k in summaries[0] if k != "run"]
-    head = "".join(f"<th>{html.escape(s['run'])}</th>" for s in summaries)
+    head = "".join(f"<th>{html.escape(str(s['run']))}</th>" for s in summaries)
     body = "".join(
         f"<tr><th>{html.escape(k)}</th>"
-        + "".join(f'<td id="{html.escape(s["run"])}-{k}">{_fmt(s.get(k))}</td>' for s in summaries)
+        + "".join(
+            f'<td id="{html.escape(str(s["run"]))}-{k}">{_fmt(s.get(k))}</td>' for s in summaries
+        )
         + "</tr>"
         for k in keys
     )
@@ -200,8 +215,9 @@ def make_report(
     import pandas as pd
 
     out.mkdir(parents=True, exist_ok=True)
-    frames: dict[str, Any] = {}
-    summaries, all_decisions = [], []
+    frames: dict[str, pd.DataFrame] = {}
+    summaries: list[SummaryRow] = []
+    all_decisions: list[JsonObject] = []
     for rd in run_dirs:
         base = name = rd.resolve().name
         n = 1
@@ -231,7 +247,7 @@ def make_report(
         all_decisions,
         columns=["run", "step", "action", "worker", "reason", "c_eff", "target", "mu_req"],
     ).to_csv(paths["decisions_csv"], index=False)
-    images = {}
+    images: dict[str, bytes] = {}
     for fname, col, title, ylabel in PLOTS:
         png = _plot(frames, col, title, ylabel)
         (out / fname).write_bytes(png)

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_learn(sub: argparse._SubParsersAction) -> None:
+def _add_learn(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     learn = sub.add_parser("learn", help="run the learner (workers join it with echo-worker join)")
     _add_config_args(learn, config_required=True)
     learn.add_argument(
@@ -91,14 +91,14 @@ def _add_learn(sub: argparse._SubParsersAction) -> None:
     learn.set_defaults(handler=_learn_cmd)
 
 
-def _add_quickstart(sub: argparse._SubParsersAction) -> None:
+def _add_quickstart(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     qs = sub.add_parser("quickstart", help="learner + workers as local processes on loopback")
     _add_config_args(qs, config_required=False)
     qs.add_argument("--workers", type=int, default=None, help="worker processes (default: config)")
     qs.set_defaults(handler=_quickstart)
 
 
-def _add_model(sub: argparse._SubParsersAction) -> None:
+def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     model = sub.add_parser(
         "model",
         help="model folders: import-gguf FILE --out DIR | smollm2 | export --run-dir RUN --out DIR",
@@ -215,10 +215,12 @@ def default_run_dir(run_name: str) -> Path:
     return Path("runs") / f"{run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace) -> tuple[str | None, EchoConfig]:
+    """The config file named (or the default one, if present; None: built-in defaults) and
+    the config it gives with the command line's overrides."""
     from echo_rl.core.config import ConfigError, load_config
 
-    path = getattr(args, "config", None)
+    path: str | None = getattr(args, "config", None)
     if path is None and Path(DEFAULT_CONFIG).is_file():
         path = DEFAULT_CONFIG
     overrides = list(args.overrides)
@@ -255,10 +257,12 @@ def _main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if getattr(args, "passthrough", False):
-        return args.handler(args.cmd, rest)
+        passthrough: Callable[[str, list[str]], int] = args.handler
+        return passthrough(args.cmd, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return args.handler(args)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)
 
 
 def _learn_cmd(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from echo_rl.core.control_stats import ControlStats, as_stats
+from echo_rl.core.jsontypes import JsonObject
 from echo_rl.core.metrics_gauges import AccountGauges, FleetGauges, InstallGauges, StepGauges, num
 from echo_rl.core.metrics_server import MAX_PER_IP, MetricsServer, finite_or_null
 from echo_rl.core.steprow import COL, StepRow, as_row
@@ -215,7 +216,7 @@ class LearnerMetrics:
 # ---------------------------------------------------------------------- recorded runs
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
+def _jsonl(path: Path) -> list[JsonObject]:
     if not path.exists():
         return []
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]

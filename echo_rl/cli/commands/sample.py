@@ -26,11 +26,29 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
+
+from echo_rl.core.jsontypes import JsonObject
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from echo_rl.core.wire import Group
     from echo_rl.data.adapter import Adapter
+    from echo_rl.data.episodes import EpisodeAdapter
     from echo_rl.worker.backends import Backend
+
+
+class SampleRow(TypedDict):
+    """One sampled completion (or episode), as printed and as ``--json`` writes it."""
+
+    prompt: str  # as the model reads it (token ids decoded)
+    completion: str  # an episode: its transcript, special tokens shown
+    reward: float
+    cut: bool  # stopped at max_new_tokens (an episode: at a limit)
+    tokens: int  # completion tokens
+    task: JsonObject  # the prompt's task dict
+    stats: NotRequired[dict[str, float]]  # an episode's info numbers, as a worker sends them
 
 
 def sample(
@@ -41,7 +59,7 @@ def sample(
     seed: int = 0,
     checkpoint: str = "latest",
     threads: int = 2,
-) -> list[dict[str, Any]]:
+) -> list[SampleRow]:
     """Rows of prompt, completion, reward, cut, tokens, task. ``checkpoint``: ``latest``, a
     number of steps, or ``untrained``. Raises ``ValueError`` with the fix for a bad folder,
     checkpoint or adapter."""
@@ -67,6 +85,12 @@ def sample(
     groups = seeded_groups(prompts, samples, seed, "sample")
     try:
         if getattr(adapter, "multi_turn", False):
+            from echo_rl.data.episodes import EpisodeAdapter
+
+            if not isinstance(adapter, EpisodeAdapter):
+                raise ValueError(
+                    f"adapter {type(adapter).__name__} says multi_turn but is no EpisodeAdapter"
+                )
             return _episodes(adapter, backend, groups, max_new, temp)
         return _completions(adapter, backend, groups, max_new, temp)
     finally:
@@ -74,18 +98,18 @@ def sample(
 
 
 def _completions(
-    adapter: Adapter, backend: Backend, groups: list[Any], max_new: int, temp: float
-) -> list[dict[str, Any]]:
+    adapter: Adapter, backend: Backend, groups: list[Group], max_new: int, temp: float
+) -> list[SampleRow]:
     tok = backend.tokenizer
-    rows = []
+    rows: list[SampleRow] = []
     for g, out in zip(groups, backend.generate(groups, max_new, temp)):
         for s in out:
             gen = list(s.completion_ids)
-            text = tok.decode(gen, skip_special_tokens=True)
+            text = str(tok.decode(gen, skip_special_tokens=True))
             cut = len(gen) >= max_new and (not gen or gen[-1] != tok.eos_token_id)
             rows.append(
                 {
-                    "prompt": tok.decode(g.prompt_ids, skip_special_tokens=True),
+                    "prompt": str(tok.decode(g.prompt_ids, skip_special_tokens=True)),
                     "completion": text,
                     "reward": float(adapter.reward(g.task, gen, text)),
                     "cut": cut,
@@ -97,14 +121,14 @@ def _completions(
 
 
 def _episodes(
-    adapter: Adapter, backend: Backend, groups: list[Any], max_new: int, temp: float
-) -> list[dict[str, Any]]:
+    adapter: EpisodeAdapter, backend: Backend, groups: list[Group], max_new: int, temp: float
+) -> list[SampleRow]:
     from echo_rl.data.episodes import backend_generate_fn, episode_cut
     from echo_rl.data.records import episode_stats
 
     tok = backend.tokenizer
     gen = backend_generate_fn(backend, max_new, temp, groups[0].seed)
-    rows = []
+    rows: list[SampleRow] = []
     for g, episodes in zip(groups, adapter.rollout(groups, gen)):
         for ep in episodes:
             rows.append(
@@ -123,10 +147,10 @@ def _episodes(
     return rows
 
 
-def _special(tok: Any, ids: list[int]) -> str:
+def _special(tok: PreTrainedTokenizerBase, ids: list[int]) -> str:
     """Text with special tokens shown (a transcript's turns end with them), padding left out."""
     pad = tok.pad_token_id
-    return tok.decode([t for t in ids if t != pad], skip_special_tokens=False)
+    return str(tok.decode([t for t in ids if t != pad], skip_special_tokens=False))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,21 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    which = (
+    label = (
         "untrained"
         if args.untrained
         else (
             "latest checkpoint" if args.checkpoint == "latest" else f"checkpoint {args.checkpoint}"
         )
     )
-    t = Table(title=f"{args.run_dir}: {which}", show_lines=True)
-    for col, kw in (
-        ("prompt", {"overflow": "fold"}),
-        ("completion", {"overflow": "fold"}),
-        ("reward", {"justify": "right"}),
-        ("cut", {}),
-    ):
-        t.add_column(col, **kw)
+    t = Table(title=f"{args.run_dir}: {label}", show_lines=True)
+    t.add_column("prompt", overflow="fold")
+    t.add_column("completion", overflow="fold")
+    t.add_column("reward", justify="right")
+    t.add_column("cut")
     for r in rows:
         t.add_row(
             r["prompt"][-200:],
