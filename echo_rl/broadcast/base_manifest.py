@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from echo_rl.broadcast.manifest import (
     BASE_HASH,
@@ -19,6 +19,7 @@ from echo_rl.broadcast.manifest import (
     SCHEMA,
     ChunkLayout,
     Form,
+    PackedMap,
     SnapshotError,
     _hashes,
     _int,
@@ -52,7 +53,7 @@ class BaseManifest:
     version: ClassVar[int] = BASE_VERSION
     form: ClassVar[Form] = "base"
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> PackedMap:
         """The map that travels and is signed (its key order fixes the signed bytes)."""
         return {
             "schema": self.schema,
@@ -78,7 +79,7 @@ class BaseManifest:
         )
 
 
-def _files(files: Any, size: int) -> tuple[BaseFile, ...]:
+def _files(files: object, size: int) -> tuple[BaseFile, ...]:
     """Files that tile the payload exactly, each a plain name, none twice."""
     if not isinstance(files, list) or not 1 <= len(files) <= MAX_FILES:
         raise SnapshotError(
@@ -102,7 +103,7 @@ def _files(files: Any, size: int) -> tuple[BaseFile, ...]:
     return tuple(out)
 
 
-def parse_base_manifest(raw: Any) -> BaseManifest:
+def parse_base_manifest(raw: object) -> BaseManifest:
     """A base manifest's map as a ``BaseManifest``: every key a worker reads, its type and
     range, and file names that cannot leave the cache folder."""
     if not isinstance(raw, dict) or raw.get("kind") != BASE_KIND:

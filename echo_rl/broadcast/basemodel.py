@@ -35,7 +35,6 @@ import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from echo_rl.broadcast.base_manifest import BaseFile, BaseManifest, parse_base_manifest
 from echo_rl.broadcast.manifest import (
@@ -111,13 +110,13 @@ def build_base_manifest(
     return replace(manifest, signature=key.sign(manifest.signed_bytes())), payload
 
 
-def check_base_manifest(raw: Any) -> BaseManifest:
+def check_base_manifest(raw: object) -> BaseManifest:
     """The shape of a base manifest's map: every key a worker reads, its type and range, and
     file names that cannot leave the cache folder."""
     return parse_base_manifest(raw)
 
 
-def verify_base_manifest(raw: Any, public_key: bytes, run_id: str | None = None) -> BaseManifest:
+def verify_base_manifest(raw: object, public_key: bytes, run_id: str | None = None) -> BaseManifest:
     """The base manifest a map from the wire holds; refused (SnapshotError) when of the wrong
     shape, of another run, or not signed by this run's key."""
     manifest = parse_base_manifest(raw)
@@ -125,6 +124,7 @@ def verify_base_manifest(raw: Any, public_key: bytes, run_id: str | None = None)
         raise SnapshotError(
             f"base manifest of run {manifest.run_id!r}, this worker joined {run_id!r}"
         )
+    assert isinstance(raw, dict)  # parse_base_manifest refuses anything else
     verify_signature(raw, public_key, "base model")
     return manifest
 

@@ -27,12 +27,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import lz4.block
 import numpy as np
+import numpy.typing as npt
 
 from echo_rl.broadcast.manifest import DTYPE_BYTES, TENSOR_ENCODINGS, TensorEntry
+from echo_rl.broadcast.store import Payload
 from echo_rl.core.errors import EchoError
 from echo_rl.core.layout import TensorLayout
 from echo_rl.core.spill import drop_pages
@@ -67,14 +68,18 @@ class DeltaStats:
         return self.payload_bytes / self.full_bytes if self.full_bytes else 1.0
 
 
-def _elements(buf: Any, dtype: str, offset: int, nbytes: int) -> np.ndarray[Any, Any]:
+def _elements(buf: Payload, dtype: str, offset: int, nbytes: int) -> npt.NDArray[np.generic]:
     raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=offset)
     return raw.view(_UINT[DTYPE_BYTES[dtype]])
 
 
 def _encode_tensor(
-    t: TensorLayout, new: Any, base: Any, stats: DeltaStats, scratch: np.ndarray[Any, Any]
-) -> tuple[str, Any]:
+    t: TensorLayout,
+    new: Payload,
+    base: Payload,
+    stats: DeltaStats,
+    scratch: npt.NDArray[np.uint8],
+) -> tuple[str, bytes | memoryview]:
     a = _elements(new, t["dtype"], t["offset"], t["nbytes"])
     b = _elements(base, t["dtype"], t["offset"], t["nbytes"])
     # Into a buffer reused across tensors: a fresh array per tensor costs its page faults.
@@ -103,7 +108,7 @@ def _encode_tensor(
 
 
 def encode(
-    tensors: list[TensorLayout], new: Any, base: Any
+    tensors: list[TensorLayout], new: Payload, base: Payload
 ) -> tuple[list[TensorEntry], bytes, DeltaStats]:
     """Encode ``new`` against ``base`` (both full payloads with the layout ``tensors``, as
     ``echo_rl.core.models.params_to_payload`` gives it).
@@ -118,7 +123,7 @@ def encode(
     t0 = time.perf_counter()
     stats = DeltaStats()
     entries: list[TensorEntry] = []
-    parts: list[Any] = []
+    parts: list[bytes | memoryview] = []
     off = 0
     scratch = np.empty(max((t["nbytes"] for t in tensors), default=0), dtype=np.uint8)
     for t in tensors:
@@ -147,8 +152,8 @@ def encode(
 
 def decode(
     entries: Sequence[TensorEntry],
-    payload: Any,
-    base: Any,
+    payload: Payload,
+    base: Payload,
     result_size: int,
     out: bytearray | None = None,
 ) -> bytearray:
@@ -167,7 +172,7 @@ def decode(
     return result
 
 
-def _decode_tensor(t: TensorEntry, src: memoryview, base: Any, view: memoryview) -> None:
+def _decode_tensor(t: TensorEntry, src: memoryview, base: Payload, view: memoryview) -> None:
     enc, off, n = t.enc, t.offset, t.nbytes
     data = src[t.doff : t.doff + t.dlen]
     if len(data) != t.dlen or off + n > len(view):

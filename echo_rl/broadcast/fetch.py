@@ -426,5 +426,5 @@ async def fetch_snapshot(
         max_bytes=max_bytes,
         keys=keys,
     )
-    payload: bytearray = buf.payload  # received into a fresh buffer
-    return payload
+    assert isinstance(buf.payload, bytearray)  # received into a fresh buffer
+    return buf.payload

@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal, TypeAlias
 
 import blake3
 import msgpack
@@ -61,6 +61,10 @@ MAX_BASE_BYTES = 1 << 40  # 1 TiB; a worker also needs this much free disk (``Ba
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # a plain file name: no '/', no '..'
 
 Form = Literal["payload", "full", "base"]
+# A map as msgpack carries it (bytes for hashes and signatures): what ``to_wire`` gives, and
+# what a parse (``parse_manifest``) reads into a declared record before anything trusts it.
+Packed: TypeAlias = None | bool | int | float | str | bytes | list["Packed"] | dict[str, "Packed"]
+PackedMap: TypeAlias = dict[str, Packed]
 
 
 class SnapshotError(EchoError, ValueError):
@@ -72,7 +76,7 @@ def chunk_hash(data: bytes | bytearray | memoryview) -> bytes:
     return digest
 
 
-def signed_bytes(wire: Mapping[str, Any]) -> bytes:
+def signed_bytes(wire: Mapping[str, object]) -> bytes:
     """The canonical msgpack of a manifest's map less its signature: what the run's key signs."""
     packed: bytes = msgpack.packb(
         {k: v for k, v in wire.items() if k != "signature"}, use_bin_type=True
@@ -80,10 +84,13 @@ def signed_bytes(wire: Mapping[str, Any]) -> bytes:
     return packed
 
 
-def verify_signature(wire: Mapping[str, Any], public_key: bytes, what: str) -> None:
+def verify_signature(wire: Mapping[str, object], public_key: bytes, what: str) -> None:
     """Refuse a manifest's map (of a checked shape) not signed by this run's key."""
+    signature = wire["signature"]
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(wire["signature"], signed_bytes(wire))
+        if not isinstance(signature, bytes):
+            raise TypeError("signature")
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, signed_bytes(wire))
     except (InvalidSignature, ValueError, TypeError):  # ValueError: packb past its depth limit
         raise SnapshotError(
             f"manifest for {what} fails its Ed25519 signature: not from this "
@@ -156,7 +163,7 @@ class TensorEntry:
         )
 
     @classmethod
-    def encoded(cls, entry: Mapping[str, Any]) -> TensorEntry:
+    def encoded(cls, entry: TensorLayout) -> TensorEntry:
         """A tensor entry of a delta, as a map (``enc``, ``doff``, ``dlen`` given)."""
         return cls(
             str(entry["name"]),
@@ -181,7 +188,7 @@ class TensorEntry:
             dlen=self.dlen,
         )
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> PackedMap:
         return {
             "name": self.name,
             "dtype": self.dtype,
@@ -214,9 +221,9 @@ class Manifest:
     signature: bytes = b""  # Ed25519 over signed_bytes(to_wire())
     schema: ClassVar[int] = SCHEMA
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> PackedMap:
         """The map that travels and is signed (its key order fixes the signed bytes)."""
-        wire: dict[str, Any] = {
+        wire: PackedMap = {
             "schema": self.schema,
             "run_id": self.run_id,
             "version": self.version,
@@ -259,7 +266,7 @@ class Manifest:
 # Reading a map that arrived: every key's type and range, before anything reads it.
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     text = (
         repr(value)
         if isinstance(value, (int, float, str, bytes, type(None)))
@@ -268,7 +275,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int, where: str = "manifest") -> int:
+def _int(obj: Mapping[str, object], key: str, lo: int, hi: int, where: str = "manifest") -> int:
     value = obj.get(key)
     if type(value) is not int or not lo <= value <= hi:  # type(): True is no version
         raise SnapshotError(
@@ -278,7 +285,7 @@ def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int, where: str = "manif
     return value
 
 
-def _hashes(key: str, hashes: Any, size: int, chunk: int) -> tuple[bytes, ...]:
+def _hashes(key: str, hashes: object, size: int, chunk: int) -> tuple[bytes, ...]:
     if not isinstance(hashes, list) or any(
         not isinstance(h, bytes) or len(h) != 32 for h in hashes
     ):
@@ -290,21 +297,21 @@ def _hashes(key: str, hashes: Any, size: int, chunk: int) -> tuple[bytes, ...]:
     return tuple(hashes)
 
 
-def _signature(raw: Mapping[str, Any], where: str, what: str = "") -> bytes:
+def _signature(raw: Mapping[str, object], where: str, what: str = "") -> bytes:
     sig = raw.get("signature")
     if not isinstance(sig, bytes) or len(sig) != 64:
         raise SnapshotError(f"{where} signature is {_show(sig)}, expected 64 bytes{what}")
     return sig
 
 
-def _schema(raw: Mapping[str, Any], where: str) -> None:
+def _schema(raw: Mapping[str, object], where: str) -> None:
     if type(raw.get("schema")) is not int or raw["schema"] != SCHEMA:
         raise SnapshotError(
             f"{where} schema {_show(raw.get('schema'))} is not {SCHEMA}: upgrade echo-rl"
         )
 
 
-def _tensor(i: int, t: Any, result_size: int, payload_size: int) -> TensorEntry:
+def _tensor(i: int, t: object, result_size: int, payload_size: int) -> TensorEntry:
     where = f"manifest tensor {i}"
     if not isinstance(t, dict):
         raise SnapshotError(f"{where} is {_show(t)}, expected a map")
@@ -346,7 +353,7 @@ def _tensor(i: int, t: Any, result_size: int, payload_size: int) -> TensorEntry:
 
 
 def _tensors(
-    raw: Mapping[str, Any], encoding: str, result: int, size: int
+    raw: Mapping[str, object], encoding: str, result: int, size: int
 ) -> tuple[TensorEntry, ...]:
     tensors = raw.get("tensors")
     if not isinstance(tensors, list):
@@ -360,7 +367,12 @@ def _tensors(
 
 
 def _base_version(
-    raw: Mapping[str, Any], encoding: str, version: int, size: int, result: int, same_hashes: bool
+    raw: Mapping[str, object],
+    encoding: str,
+    version: int,
+    size: int,
+    result: int,
+    same_hashes: bool,
 ) -> int:
     """A full snapshot is its own result; a delta names an earlier version as its base."""
     if encoding != "full":
@@ -371,7 +383,7 @@ def _base_version(
     return base
 
 
-def parse_manifest(raw: Any) -> Manifest:
+def parse_manifest(raw: object) -> Manifest:
     """A map from the wire as a ``Manifest``: every key a worker reads, its type and its range
     (the signature is checked apart, ``verify_signature``)."""
     if not isinstance(raw, dict):

@@ -20,9 +20,9 @@ lacks the base; ``receive_keyframe`` is the other end of that.
 from __future__ import annotations
 
 import asyncio
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -41,7 +41,7 @@ from echo_rl.broadcast.manifest import ChunkLayout, Manifest
 from echo_rl.broadcast.memory import keep_chunk_buffers
 from echo_rl.broadcast.shaping import TokenBucket
 from echo_rl.broadcast.source import ChunkServer, ServeLimits
-from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
+from echo_rl.broadcast.store import Payload, SnapshotBuffer, SnapshotStore
 from echo_rl.broadcast.tickets import Source, TicketCheck
 from echo_rl.core import rates
 from echo_rl.core.errors import EchoError
@@ -238,6 +238,7 @@ class Relay:
             dialer=self.dialer,
         )
         self._measured(stats)
+        assert isinstance(buf.payload, bytearray)  # received into a buffer of its own
         return buf.payload, stats
 
     def _stall(self, layout: ChunkLayout) -> float:
@@ -260,25 +261,27 @@ class Relay:
         if self.server is not None:
             self.bases.add(SnapshotBuffer(manifest, self._keep(payload)))
 
-    def _keep(self, payload: Any) -> Any:
+    def _keep(self, payload: Payload) -> Payload:
         """A whole version to keep: spilled to a file when the relay spills (echo_rl.core.spill), else
         its own copy when it is a receive buffer the snapshot store recycles."""
         if self.cfg.spill_dir:
             from echo_rl.core.spill import spill, spill_dir
 
-            return spill(payload, spill_dir(self.cfg.spill_dir))
+            # a map (already spilled elsewhere) is copied through a view, like any buffer
+            data = memoryview(payload) if isinstance(payload, mmap.mmap) else payload
+            return spill(data, spill_dir(self.cfg.spill_dir))
         return bytearray(payload) if self.store.holds(payload) else payload
 
     @property
     def holds_base(self) -> bool:
         return self.bases.latest() is not None
 
-    def base_for(self, manifest: Manifest) -> Any | None:
+    def base_for(self, manifest: Manifest) -> Payload | None:
         """The full payload of the base of a delta, if this node holds it."""
         held = self.results.get(manifest.base_version)
         return held.payload if held is not None and held.done else None
 
-    def hold_result(self, manifest: Manifest, result: Any) -> None:
+    def hold_result(self, manifest: Manifest, result: Payload) -> None:
         """Keep an installed version's full payload (``_keep``). When it is the receive buffer
         of a full version and the relay spills, the snapshot store serves the spilled copy from
         now on and the buffer is freed once its last send is done (docs/memory.md)."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -164,15 +163,16 @@ def build_manifest(
     return replace(manifest, signature=key.sign(manifest.signed_bytes()))
 
 
-def check_manifest(raw: Any) -> Manifest:
+def check_manifest(raw: object) -> Manifest:
     """The manifest's shape: every key a worker reads, its type and its range."""
     return parse_manifest(raw)
 
 
-def verify_manifest(raw: Any, public_key: bytes) -> Manifest:
+def verify_manifest(raw: object, public_key: bytes) -> Manifest:
     """The manifest a map from the wire holds; refused (SnapshotError) when of the wrong shape,
     or not signed by this run's key."""
     manifest = parse_manifest(raw)
+    assert isinstance(raw, dict)  # parse_manifest refuses anything else
     verify_signature(raw, public_key, f"version {manifest.version}")
     return manifest
 

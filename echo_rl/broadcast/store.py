@@ -9,9 +9,10 @@ never copied. Only the newest ``keep`` versions are held.
 from __future__ import annotations
 
 import asyncio
+import mmap
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TypeAlias
 
 import blake3
 
@@ -20,13 +21,16 @@ from echo_rl.broadcast.manifest import ChunkLayout, Manifest
 from echo_rl.core.spill import drop_pages
 
 Listener = Callable[[int, int], None]  # (version, chunk index)
+# A snapshot's bytes held whole: received into a bytearray, published as bytes, a slice of
+# either, or spilled to a file and mapped (echo_rl.core.spill).
+Payload: TypeAlias = bytes | bytearray | memoryview | mmap.mmap
 
 
 class SnapshotBuffer:
     def __init__(
         self,
         what: Manifest | BaseManifest | ChunkLayout,
-        payload: Any = None,
+        payload: Payload | None = None,
         *,
         storage: bytearray | None = None,
     ):
@@ -39,7 +43,7 @@ class SnapshotBuffer:
         self.manifest = what if isinstance(what, Manifest) else None
         self.version = self.layout.version
         self.total = self.layout.num_chunks
-        self.payload: Any
+        self.payload: Payload
         if payload is None:
             size = self.layout.payload_size
             self.payload = (
@@ -144,7 +148,7 @@ class SnapshotStore:
         if self.recycle and isinstance(old.payload, bytearray) and len(self._free) < 2:
             self._free.append(old.payload)
 
-    def holds(self, payload: Any) -> bool:
+    def holds(self, payload: object) -> bool:
         """Is this object one of this store's payload buffers (held or recyclable)?"""
         return any(b.payload is payload for b in self._bufs.values()) or any(
             f is payload for f in self._free
@@ -153,7 +157,7 @@ class SnapshotStore:
     def clear(self) -> None:
         self._bufs.clear()
 
-    def swap_payload(self, old: Any, new: Any) -> bool:
+    def swap_payload(self, old: Payload, new: Payload) -> bool:
         """A complete version's payload ``old`` replaced by ``new`` (the same bytes: a
         spilled copy); its chunks are served from ``new``. False when no held version has it."""
         for buf in self._bufs.values():

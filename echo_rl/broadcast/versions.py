@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from echo_rl.broadcast.delta import DeltaError, DeltaStats, decode, encode
 from echo_rl.broadcast.manifest import Manifest
 from echo_rl.broadcast.snapshot import RunKey, SnapshotError, build_manifest, chunk_hashes
+from echo_rl.broadcast.store import Payload
 from echo_rl.core.layout import TensorLayout
 from echo_rl.core.spill import drop_pages
 
@@ -116,8 +116,8 @@ class BaseMissing(SnapshotError):
 
 
 def rebuild(
-    manifest: Manifest, payload: Any, base: Any | None, out: bytearray | None = None
-) -> Any:
+    manifest: Manifest, payload: Payload, base: Payload | None, out: bytearray | None = None
+) -> Payload:
     """The full payload of a verified manifest whose payload chunks all verified.
 
     ``base``: the full payload of ``manifest.base_version`` held here (None: none). Raises
@@ -138,7 +138,7 @@ def rebuild(
     return result
 
 
-def check_result(manifest: Manifest, result: Any) -> None:
+def check_result(manifest: Manifest, result: Payload) -> None:
     """Every chunk of a rebuilt payload against the signed result hashes."""
     view = memoryview(result)
     if len(view) != manifest.result_size:
