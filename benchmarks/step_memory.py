@@ -58,14 +58,15 @@ def measure(model: str, rows: int, tokens: int, overrides: list[str]) -> dict[st
     from echo_rl.core.config import load_config
     from echo_rl.core.models import enable_checkpointing, load_model, load_tokenizer
     from echo_rl.data.adapter import LearnerBatch
-    from echo_rl.learner.trainer import Trainer
+    from echo_rl.learner.trainer import Sampling, Trainer
 
     cfg = load_config(ROOT / "examples/smollm2-math.toml", [f"model.name={model}", *overrides])
     tok = load_tokenizer(cfg.model)
     net = load_model(cfg.model, tok, "float32")
     if cfg.learner.gradient_checkpointing:
         enable_checkpointing(net)
-    trainer = Trainer(net, cfg.learner, max_new_tokens=16, eos_token_id=tok.eos_token_id)
+    sampling = Sampling(max_new_tokens=16, eos_token_id=tok.eos_token_id)
+    trainer = Trainer(net, cfg.learner, sampling=sampling)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 20_000, (rows, tokens), generator=g)
     mask = torch.zeros(rows, tokens - 1)

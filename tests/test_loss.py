@@ -300,7 +300,7 @@ def test_materialise_passes_scale_rewards(tokenizer):
 def test_mask_truncated_completions(tokenizer):
     from echo_rl.core.config import LearnerConfig
     from echo_rl.data.adapter import LearnerBatch
-    from echo_rl.learner.trainer import Trainer, truncated_rows
+    from echo_rl.learner.trainer import Sampling, Trainer, truncated_rows
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     ids = torch.tensor(
@@ -325,11 +325,12 @@ def test_mask_truncated_completions(tokenizer):
         versions=torch.zeros(4, dtype=torch.long),
     )
     model = torch.nn.Linear(1, 1)  # prepare never runs the model
-    on = Trainer(model, LearnerConfig(mask_truncated_completions=True), eos_token_id=eos)
+    eos_known = Sampling(eos_token_id=eos)
+    on = Trainer(model, LearnerConfig(mask_truncated_completions=True), sampling=eos_known)
     out, extra = on.prepare(batch)
     assert out.loss_mask.sum(1).tolist() == [3, 0, 1, 0] and extra == {"truncated_frac": 0.25}
     assert batch.loss_mask.sum() == 7  # the caller's batch is left alone
-    off, _ = Trainer(model, LearnerConfig(), eos_token_id=eos).prepare(batch)
+    off, _ = Trainer(model, LearnerConfig(), sampling=eos_known).prepare(batch)
     assert off is batch
     with pytest.raises(ValueError, match="eos_token_id"):
         Trainer(model, LearnerConfig(mask_truncated_completions=True))

@@ -487,15 +487,13 @@ def perturb(model, scale=0.08):
 def echo_step_loss(model_dir, tok, recs, options, loss_type, temperature):
     from echo_rl.core.config import LearnerConfig
     from echo_rl.data.adapter import load_adapter
-    from echo_rl.learner.trainer import Trainer
+    from echo_rl.learner.trainer import Sampling, Trainer
 
     lc = LearnerConfig(**options, loss_agg=ECHO_AGG[loss_type])
     trainer = Trainer(
         fresh_model(model_dir, tok),
         lc,
-        temperature=temperature,
-        max_new_tokens=C,
-        eos_token_id=tok.eos_token_id,
+        sampling=Sampling(temperature=temperature, max_new_tokens=C, eos_token_id=tok.eos_token_id),
     )
     adapter = load_adapter("toy-add", {}, tok, check_prompts=False)
     groups = [recs[k : k + 2] for k in range(0, B, 2)]

@@ -139,15 +139,13 @@ def echo_step(model_dir, tok, recs, lora, options, loss_type, temperature):
     log-probs (``ref_logprobs``: the adapter disabled), the adapter moves, the mini-batch loss."""
     from echo_rl.core.config import LearnerConfig
     from echo_rl.data.adapter import load_adapter
-    from echo_rl.learner.trainer import Trainer
+    from echo_rl.learner.trainer import Sampling, Trainer
 
     lc = LearnerConfig(**options, loss_agg=ECHO_AGG[loss_type])
     trainer = Trainer(
         echo_model(model_dir, tok, lora),
         lc,
-        temperature=temperature,
-        max_new_tokens=C,
-        eos_token_id=tok.eos_token_id,
+        sampling=Sampling(temperature=temperature, max_new_tokens=C, eos_token_id=tok.eos_token_id),
     )
     assert trainer.ref_model is None  # no copy of the model: the base is the reference
     adapter = load_adapter("toy-add", {}, tok, check_prompts=False)

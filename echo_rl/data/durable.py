@@ -42,7 +42,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import msgpack
 
@@ -62,16 +61,16 @@ class BufferLog:
         self._f = open(path, "ab")
         self.bytes_written = 0
         self.commits = 0  # fsyncs (or flushes) that made appended frames durable
-        self._pending: queue.Queue[tuple[bytes, Future] | None] = queue.Queue()
+        self._pending: queue.Queue[tuple[bytes, Future[None]] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._writer = threading.Thread(target=self._write_loop, name="echo-wal", daemon=True)
         self._writer.start()
 
-    def _append(self, kind: str, payload: Any) -> Future:
+    def _append(self, kind: str, payload: object) -> Future[None]:
         """Queue a frame; the future resolves when it is durable."""
         body = msgpack.packb([kind, payload], use_bin_type=True)
         frame = _HEADER.pack(len(body), zlib.crc32(body)) + body
-        done: Future = Future()
+        done: Future[None] = Future()
         if self._error is not None:
             raise RuntimeError(f"buffer log writer failed: {self._error!r}") from self._error
         self._pending.put((frame, done))
@@ -115,17 +114,17 @@ class BufferLog:
     def flush(self) -> None:
         """Wait until every frame appended so far is durable."""
         if self._writer.is_alive():
-            done: Future = Future()
+            done: Future[None] = Future()
             self._pending.put((b"", done))
             done.result()
 
-    def admitted(self, records: list[Record]) -> Future | None:
+    def admitted(self, records: list[Record]) -> Future[None] | None:
         """Durable when the returned future resolves (None: nothing to log)."""
         if records:
             return self._append("admit", [asdict(r) for r in records])
         return None
 
-    def consumed(self, step: int, group_ids: list[str]) -> Future:
+    def consumed(self, step: int, group_ids: list[str]) -> Future[None]:
         # Not waited for: frames are written in order, and the checkpoint flushes (compact).
         return self._append("consume", [step, group_ids])
 
@@ -161,7 +160,7 @@ class BufferLog:
             self._f.close()
 
 
-def _settle(done: Future, exc: BaseException | None) -> None:
+def _settle(done: Future[None], exc: BaseException | None) -> None:
     """Resolve a waiter's future. One its waiter cancelled (an acknowledgement task that ended
     with the learner server) is skipped: setting it would raise in the writer thread, which
     then died and left every later append, the learner's own included, waiting forever."""
@@ -244,10 +243,12 @@ def scan_log(
     return admitted, consumed, aside
 
 
-def _replayed(obj: Any, limits: Limits | None, aside: list[SetAside]) -> Record | None:
+def _replayed(obj: object, limits: Limits | None, aside: list[SetAside]) -> Record | None:
     try:
         if limits is not None:
             return parse_record(obj, limits)
+        if not isinstance(obj, dict):
+            raise TypeError(f"a record is a map, not {type(obj).__name__}")
         return Record(**obj)
     except RecordError as err:
         aside.append(SetAside(err.reason, err.detail, _pack(obj)))
@@ -256,9 +257,10 @@ def _replayed(obj: Any, limits: Limits | None, aside: list[SetAside]) -> Record 
     return None
 
 
-def _pack(obj: Any) -> bytes:
+def _pack(obj: object) -> bytes:
     try:
-        return msgpack.packb(obj, use_bin_type=True)
+        packed: bytes = msgpack.packb(obj, use_bin_type=True)
+        return packed
     except Exception:
         return repr(obj).encode()
 

@@ -262,7 +262,7 @@ def _check_answers(ids: list[int], mask: list[int] | None, allowed: frozenset[in
         )
 
 
-def parse_record(obj: Any, limits: Limits) -> Record:
+def parse_record(obj: object, limits: Limits) -> Record:
     """Schema, type and range checks that need no learner state."""
     if not isinstance(obj, dict):
         raise RecordError("invalid_fields", f"record is a {type(obj).__name__}, expected a map")

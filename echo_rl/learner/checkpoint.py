@@ -29,14 +29,50 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, NotRequired, TypedDict
 
 import torch
 
 from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.learner.evaluation import HeldoutScore
 
+if TYPE_CHECKING:
+    from torch.optim.optimizer import StateDict
+
+    from echo_rl.core.config_learner import LoraConfig
+    from echo_rl.core.jsontypes import JsonObject
+    from echo_rl.data.buffer import BufferStats
+    from echo_rl.learner.parallel.base import ModelState
+    from echo_rl.learner.rows import RunTotals
+
 KEEP = 2
+
+
+class RngState(TypedDict):
+    """The generators a resumed run goes on from (``Policy.rng_state``)."""
+
+    trainer_rng: torch.Tensor  # the trainer's mini-batch order
+    torch_rng: torch.Tensor
+    python_rng: tuple[object, ...]  # ``random.getstate()``
+
+
+class CheckpointExtra(RngState):
+    """What a checkpoint holds besides the model and optimizer (``Learner._checkpoint_state``)."""
+
+    step: int  # the index of the last step taken (-1: none yet)
+    row: NotRequired[JsonObject | None]  # that step's metrics row (older checkpoints: none)
+    prompt_rng: tuple[object, ...]  # the work queue's prompt generator
+    work: JsonObject  # the work queue's open leases (``WorkQueue.state``)
+    buffer_stats: BufferStats
+    totals: RunTotals
+    wall_s: float  # the run's seconds so far
+
+
+class CheckpointState(CheckpointExtra):
+    """A checkpoint file's contents (``torch.save``; the file format is this dict)."""
+
+    model: ModelState  # LoRA: the adapter's tensors only
+    optimizer: StateDict
 
 
 def load_or_create_key(run_dir: Path) -> RunKey:
@@ -86,7 +122,7 @@ def kept_checkpoints(run_dir: Path) -> dict[int, Path]:
     return dict(sorted(out.items()))
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
+def save_checkpoint(run_dir: Path, step: int, state: CheckpointState) -> Path:
     """``step``: the index of the last step taken (-1: none yet), as ``state["step"]``; the
     file is named by the steps taken, ``step + 1``. Keeps the newest ``KEEP``."""
     ckpt_dir = run_dir / "checkpoints"
@@ -99,12 +135,12 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
     return path
 
 
-def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+def load_checkpoint(run_dir: Path) -> CheckpointState | None:
     latest = run_dir / "checkpoints" / "latest"
     if not latest.exists():
         return None
     path = run_dir / "checkpoints" / latest.read_text().strip()
-    state: dict[str, Any] = torch.load(path, weights_only=False)
+    state: CheckpointState = torch.load(path, weights_only=False)
     return state
 
 
@@ -152,7 +188,7 @@ def export_checkpoint(
                 f"{run_dir} has no best checkpoint: the run evaluated no held-out split "
                 f"(learner.heldout.every = 0?); leave --checkpoint out for the latest"
             )
-        state = torch.load(found[0], weights_only=False)
+        state: CheckpointState | None = torch.load(found[0], weights_only=False)
     else:
         state = load_checkpoint(run_dir)
     if state is None:
@@ -168,7 +204,9 @@ def export_checkpoint(
     return out
 
 
-def _export_lora(base: Any, lora: Any, adapter_sd: dict[str, Any], out: Path, merged: bool) -> None:
+def _export_lora(
+    base: torch.nn.Module, lora: LoraConfig, adapter_sd: ModelState, out: Path, merged: bool
+) -> None:
     """The trained adapter in peft's format (adapter_config.json, adapter_model.safetensors:
     ``PeftModel.from_pretrained(base, folder)`` loads it) in ``out``; with ``merged``, ``out``
     is the whole model with the adapter merged in (for model.name) and the adapter goes to
@@ -184,6 +222,6 @@ def _export_lora(base: Any, lora: Any, adapter_sd: dict[str, Any], out: Path, me
             "[learner.lora] settings in config.toml changed?)"
         )
     model.load_state_dict({**model.state_dict(), **adapter_sd})
-    model.save_pretrained(out / "adapter" if merged else out)
+    model.save_pretrained(str(out / "adapter" if merged else out))
     if merged:
         model.merge_and_unload().save_pretrained(out)

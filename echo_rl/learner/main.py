@@ -17,31 +17,35 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Literal, TypedDict
+
+import torch
 
 from echo_rl.broadcast.memory import trim
 from echo_rl.control.affinity import Affinity, LengthBook, SpeedBook
 from echo_rl.control.auditor import Auditor
 from echo_rl.control.grants import open_journal
-from echo_rl.control.screen import audit_screened
-from echo_rl.control.server import LearnerServer
 from echo_rl.control.parts import Inputs
 from echo_rl.control.reputation import Verdict
+from echo_rl.control.screen import audit_screened
+from echo_rl.control.server import LearnerServer
 from echo_rl.control.work import WorkQueue
 from echo_rl.core import stopping
 from echo_rl.core.config import EchoConfig, dump_toml
 from echo_rl.core.errors import EchoError
 from echo_rl.core.metrics import LearnerMetrics
+from echo_rl.core.metrics_server import MetricsServer
 from echo_rl.core.spill import spill_dir
 from echo_rl.core.steprow import COL, RunSummary, StepRow
 from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.durable import BufferLog
 from echo_rl.data.records import Limits
-from echo_rl.learner.checkpoint import load_or_create_key
-from echo_rl.learner.heldout import open_heldout
+from echo_rl.learner.checkpoint import CheckpointExtra, load_or_create_key
+from echo_rl.learner.heldout import HeldoutEval, open_heldout
 from echo_rl.learner.memory import memory, say_memory_plan
 from echo_rl.learner.policy import Policy, Step, Sync
 from echo_rl.learner.provision import CapacityFeedback
+from echo_rl.learner.publisher import Publisher
 from echo_rl.learner.release import Release, Releaser, base_model, release_threaded, run_publisher
 from echo_rl.learner.resume import Resume
 from echo_rl.learner.rows import CutWatch, RunTotals, finite_row, metrics_row, save_summary
@@ -115,7 +119,7 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
             learner.start(resume)
         freeze_startup_objects()
         summary = learner.run()
-        reason = shutdown_reason(learner.watch.stop or "complete")
+        reason = shutdown_reason(summary.ended)
         return summary
     except KeyboardInterrupt as stop:
         reason = shutdown_reason(stop)
@@ -135,7 +139,14 @@ def run_learner(cfg: EchoConfig, run_dir: Path, resume: bool = False) -> RunSumm
         learner.close(reason)
 
 
-def audit_in_policy(cfg: EchoConfig, policy: Policy, run_dir: Path) -> dict[str, Any]:
+class AuditBorrow(TypedDict, total=False):
+    """The auditor's arguments for audits on the trainer's own model (none: a copy)."""
+
+    borrow: torch.nn.Module  # the trainer's model, audited between steps
+    spill_to: Path  # where its weights are spilled meanwhile
+
+
+def audit_in_policy(cfg: EchoConfig, policy: Policy, run_dir: Path) -> AuditBorrow:
     """security.audit_model = "policy": audits borrow the trainer's model between steps,
     where that model is one plain float32 module (one process, on the CPU)."""
     par = policy.par
@@ -185,23 +196,16 @@ class Learner:
             if cfg.metrics.enabled
             else None
         )
-        self.metrics_server: Any = None
+        self.metrics_server: MetricsServer | None = None
         self.struck = self.trails.struck  # worker id -> records behind skipped updates
         self.cuts = CutWatch(
             cfg.worker.max_new_tokens, policy.tokenizer.eos_token_id, cfg.adapter.name
         )
-        self.releaser: Releaser | None = None  # a version's way out: built in ``start``
-        self.heldout: Any = None  # echo_rl/learner/heldout.py, built in ``start`` (None: off)
-
-    # ------------------------------------------------------------------ start / restore
-
-    def start(self, resume: bool) -> None:
-        lc = self.cfg.learner
         instance = os.urandom(3).hex()  # group ids never repeat across restarts
         self.work = WorkQueue(
             self.adapter.prompts(self.prompt_rng),
             group_size=lc.group_size,
-            max_outstanding=min(lc.effective_outstanding, self.cfg.buffer.capacity_groups),
+            max_outstanding=min(lc.effective_outstanding, cfg.buffer.capacity_groups),
             lease_timeout_s=lc.lease_timeout_s,
             prefix=f"{self.run_id}.{instance}",
             secret=hashlib.sha256(b"echo group seeds" + self.key.private_bytes()).digest(),
@@ -211,6 +215,19 @@ class Learner:
                 else None
             ),
         )
+        # Built in ``start`` (``--resume`` restores into the buffer and the work queue first):
+        self.auditor: Auditor | None = None  # audits, handed to the server
+        self.release: Release | None = None  # a version's checks and way to the publisher
+        self.publisher: Publisher | None = None  # encodes, signs and publishes (its thread)
+        self.heldout: HeldoutEval | None = None  # echo_rl/learner/heldout.py (None: off)
+        self.watch: PolicyWatch | None = None  # collapse rules over the steps
+        self.releaser: Releaser | None = None  # a version's way out
+        self.feedback: CapacityFeedback | None = None  # the capacity the run needs, told
+
+    # ------------------------------------------------------------------ start / restore
+
+    def start(self, resume: bool) -> None:
+        lc = self.cfg.learner
         if resume:
             back = Resume(
                 self.run_dir,
@@ -225,18 +242,18 @@ class Learner:
             self.step, self.totals, self.rows = back.step, back.totals or self.totals, back.rows
         # leases from here on go to the grant journal, which starts with those open now
         self.work.journal = open_journal(self.run_dir, self.work.issued.values())
-        self._start_server(resume)
-        self.release = Release(
+        server, auditor = self._start_server(resume)
+        self.release = release = Release(
             self.cfg,
             self.run_dir,
             self.policy,
-            self.auditor,
-            run_publisher(self.cfg, self.run_id, self.key, self.policy, self.server.publish),
+            auditor,
+            run_publisher(self.cfg, self.run_id, self.key, self.policy, server.publish),
         )
-        self.publisher = self.release.publisher
+        self.publisher = publisher = release.publisher
         self.heldout = open_heldout(lc.heldout, self.run_dir, lc.max_steps, self.adapter, self.step)
         self.watch = PolicyWatch(lc.collapse, self.heldout)
-        self.releaser = Releaser(
+        self.releaser = releaser = Releaser(
             self.run_dir,
             self.release,
             checkpoint=lc.checkpoint,
@@ -245,10 +262,10 @@ class Learner:
             compact_log=lambda: self.log.compact(self.buffer.contents),
             saved=None if self.heldout is None else self.heldout.offer,
         )
-        self.metrics_server = announce(self.cfg, self.run_dir, self.server, self.metrics, self.rows)
+        self.metrics_server = announce(self.cfg, self.run_dir, server, self.metrics, self.rows)
         log.info(
             "learner up at %s, run %s, step %d, kappa=%d, ranks=%d",
-            self.server.endpoint,
+            server.endpoint,
             self.run_id,
             self.step,
             lc.effective_kappa,
@@ -260,16 +277,17 @@ class Learner:
         _, full = self.policy.command(Sync())
         assert full is not None
         if not resume or self.step == 0:
-            self.releaser.save_now(self.step, full)
-        self.release.publish(self.step, full[0])
-        self.publisher.flush()  # workers that join now get a snapshot at once
-        if self.rows:  # after --resume: the capacity the run needed, from its own history
+            releaser.save_now(self.step, full)
+        release.publish(self.step, full[0])
+        publisher.flush()  # workers that join now get a snapshot at once
+        if self.rows and self.feedback is not None:  # after --resume: the capacity the run
+            # needed, from its own history
             self.feedback.tell(None, self.rows[-1].t_bcast or 0.0, self.rows)
 
-    def _start_server(self, resume: bool) -> None:
+    def _start_server(self, resume: bool) -> tuple[LearnerServer, Auditor]:
         """The auditor, and the server that hands its audits over (and serves the base model
         of a LoRA run); after ``--resume``, with the fleet's books the last instance saved."""
-        self.auditor = Auditor(
+        self.auditor = auditor = Auditor(
             self.cfg,
             self.policy.tokenizer,
             self._report,
@@ -301,19 +319,20 @@ class Learner:
         self.feedback = CapacityFeedback(
             self.cfg, self.server, self.trails, self.metrics, lambda: self.step
         )
+        return self.server, auditor
 
     def _key_of(self, worker_id: str) -> str | None:  # a screened group's sender's key
         return getattr(
             self.server.table.workers.get(worker_id) if self.server else None, "key", None
         )
 
-    def _report(self, verdict: Any) -> None:
+    def _report(self, verdict: Verdict) -> None:
         if self.server is not None:
             self.server.report(verdict)
 
     # ------------------------------------------------------------------ checkpoint / publish
 
-    def _checkpoint_state(self, row: StepRow | None) -> dict[str, Any]:
+    def _checkpoint_state(self, row: StepRow | None) -> CheckpointExtra:
         """What a checkpoint holds besides the model and optimizer, read now, as the last step
         left it (on the training thread, also for a checkpoint the release thread writes)."""
         assert self.server is not None
@@ -333,6 +352,8 @@ class Learner:
     # ------------------------------------------------------------------ the step loop
 
     def run(self) -> RunSummary:
+        assert self.watch is not None and self.releaser is not None  # ``start`` built them
+        assert self.publisher is not None
         with (self.run_dir / "metrics.jsonl").open("a") as metrics:
             while self.step < self.cfg.learner.max_steps:
                 stopping.check()  # a SIGTERM or Ctrl-C that came during the last step
@@ -344,7 +365,6 @@ class Learner:
                 metrics.flush()
                 if self.watch.stop:  # learner.collapse = "stop"
                     break
-        assert self.releaser is not None
         self.releaser.flush()
         self.publisher.flush()
         if self.heldout is not None:
@@ -358,6 +378,9 @@ class Learner:
     def _one_step(self) -> StepRow:
         lc, step = self.cfg.learner, self.step
         version = step  # one version per learner step
+        release, auditor, watch, feedback = self.release, self.auditor, self.watch, self.feedback
+        assert release is not None and auditor is not None and self.publisher is not None
+        assert watch is not None and feedback is not None  # ``start`` built them
         assert self.releaser is not None
         self.releaser.compact(step)
         t0 = time.monotonic()
@@ -383,14 +406,16 @@ class Learner:
         publish = (step + 1) % lc.effective_kappa == 0
         batch = self.adapter.materialise(groups, lc.adv_eps, scale_rewards=lc.scale_rewards)
         # with the release thread the state comes as it lives, for its mirror to copy
-        sync = ("live" if self.releaser.live else True) if publish else False
+        sync: bool | Literal["live"] = (
+            ("live" if self.releaser.live else True) if publish else False
+        )
         stats, full = self.policy.command(Step(batch, sync))
         t2 = time.monotonic()
         if stats.get(COL.skipped_nonfinite):  # the trainer names its numbers as the row does
             self.trails.strike(groups, self.policy.trainer.nonfinite_rows)
         if self.policy.trainer.screened_rows:  # left out of the step: audited at once
             screened = self.policy.trainer.screened_rows
-            audit_screened(groups, screened, self._key_of, self.auditor.submit, self.trails.write)
+            audit_screened(groups, screened, self._key_of, auditor.submit, self.trails.write)
         self.totals.add(step, t1 - t0, t2 - t1)
         self.step += 1
         self.buffer.set_version(self.step)
@@ -414,20 +439,20 @@ class Learner:
         if full is not None:  # checkpoint, then publication (echo_rl.learner.release)
             self.releaser.release_version(self.step, full, row)
         row.t_publish = round(time.monotonic() - t2, 4)
-        row.publish_refused = self.release.refused
-        self.release.describe(row)
+        row.publish_refused = release.refused
+        release.describe(row)
         row.decode_s, row.keyframe_installs = control.decode_s, control.keyframes
-        self.auditor.after_step(row, t2 - t1)
-        self.watch.observe(row, groups + left_out, len(left_out))
+        auditor.after_step(row, t2 - t1)
+        watch.observe(row, groups + left_out, len(left_out))
         trim()  # the step's and the audits' freed transients go back to the kernel
         row.memory = memory(
             self.policy,
             self.publisher,
-            self.server.payloads() + self.auditor.payloads(),
-            self.auditor.model_tensors(),
+            self.server.payloads() + auditor.payloads(),
+            auditor.model_tensors(),
         )
         self.releaser.describe(row)
-        self.feedback.tell(t2 - t1, control.t_bcast or 0.0, self.rows, control.snapshot_path)
+        feedback.tell(t2 - t1, control.t_bcast or 0.0, self.rows, control.snapshot_path)
         if self.metrics is not None:
             self.metrics.update(row, control)
         return row
@@ -437,14 +462,13 @@ class Learner:
             self.releaser.close()
         if self.heldout is not None:
             self.heldout.close()
-        if getattr(self, "publisher", None) is not None:
+        if self.publisher is not None:
             self.publisher.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
         if self.server is not None:
             self.server.shutdown(reason)
         self.log.close()
-        work = getattr(self, "work", None)
-        if work is not None and work.journal is not None:
-            work.journal.close()
+        if self.work.journal is not None:
+            self.work.journal.close()
         self.policy.close()

@@ -15,20 +15,22 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.lora import base_of
 from echo_rl.core.memplan import LearnerPlan, ModelShape, fit_learner
-from echo_rl.core.models import enable_checkpointing, load_model, load_tokenizer
+from echo_rl.core.models import enable_checkpointing, load_model, load_tokenizer, vocab_size
 from echo_rl.data.adapter import LearnerBatch, load_adapter
 from echo_rl.data.answers import check_answer_tokens
 from echo_rl.learner.parallel import make_parallel
-from echo_rl.learner.trainer import Trainer
+from echo_rl.learner.parallel.base import FullState, ModelState
+from echo_rl.learner.trainer import Sampling, Trainer
 
-FullState = tuple[dict[str, Any], dict[str, Any]]  # (model state dict, optimizer state dict)
+if TYPE_CHECKING:
+    from echo_rl.learner.checkpoint import CheckpointState, RngState
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Load:
     """Restore a checkpoint: ``state`` holds "model", "optimizer" and the three RNG states
     (``Policy.rng_state``)."""
 
-    state: dict[str, Any]
+    state: CheckpointState
 
 
 @dataclass(frozen=True)
@@ -68,15 +70,14 @@ class Policy:
         random.seed(cfg.seed)
         self.par = make_parallel(cfg.learner.device)
         self.tokenizer = load_tokenizer(cfg.model)
-        model = load_model(cfg.model, self.tokenizer, "float32")
-        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        loaded = load_model(cfg.model, self.tokenizer, "float32")
+        self.vocab_size = vocab_size(loaded)
         self.lora = cfg.learner.lora.enabled
         self.base_hash: str | None = (
             None  # LoRA: the base model's content hash (echo_rl/core/lora.py)
         )
         self.lora_note = ""  # LoRA: what is trained, in a line
-        if self.lora:
-            model = self._wrap_lora(model, cfg)
+        model = self._wrap_lora(loaded, cfg) if self.lora else loaded
         # What the run needs in host memory, fitted to learner.host_memory_gb (docs/memory.md);
         # run_learner says it once logging is set up.
         asked = plan_memory(cfg, model, self.par.world)
@@ -94,7 +95,8 @@ class Policy:
         )
         if learner_cfg.gradient_checkpointing:  # activations recomputed in backward;
             # non-reentrant, so frozen inputs (LoRA) still get their gradients
-            enable_checkpointing(model.get_base_model() if self.lora else model)
+            # With LoRA, ``loaded`` is the base peft wrapped in place (``get_base_model()``).
+            enable_checkpointing(loaded)
         # Names of the parameters a snapshot carries (tied weights once), as before sharding:
         # every parameter, or with LoRA the adapter's only.
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -115,14 +117,16 @@ class Policy:
             learner_cfg,
             seed=cfg.seed,
             parallel=self.par,
-            temperature=cfg.worker.temperature,
-            max_new_tokens=cfg.worker.max_new_tokens,
-            eos_token_id=self.tokenizer.eos_token_id,
-            answer_tokens=self.answer_tokens,
+            sampling=Sampling(
+                temperature=cfg.worker.temperature,
+                max_new_tokens=cfg.worker.max_new_tokens,
+                eos_token_id=self.tokenizer.eos_token_id,
+                answer_tokens=self.answer_tokens,
+            ),
             screen_nats=cfg.security.screen_nats if cfg.security.audit else 0.0,
         )
 
-    def _wrap_lora(self, model: torch.nn.Module, cfg: EchoConfig) -> Any:
+    def _wrap_lora(self, model: torch.nn.Module, cfg: EchoConfig) -> torch.nn.Module:
         from echo_rl.core.lora import base_hash, wrap
 
         self.base_hash = base_hash(model)  # of the base as loaded, before peft renames it
@@ -144,13 +148,14 @@ class Policy:
 
     def follow(self) -> None:
         """Non-main ranks: execute rank 0's commands until it says stop."""
+        nothing: Command | None = None  # what a follower sends: rank 0's command replaces it
         while True:
-            cmd = self.par.broadcast(None)
+            cmd = self.par.broadcast(nothing)
             if isinstance(cmd, Stop):
                 return
             self._execute(cmd)
 
-    def _execute(self, cmd: Command) -> tuple[dict[str, float], FullState | None]:
+    def _execute(self, cmd: Command | None) -> tuple[dict[str, float], FullState | None]:
         match cmd:
             case Step(batch=batch, sync=sync):
                 stats = self.trainer.step(self.par.to_device(batch))
@@ -174,7 +179,7 @@ class Policy:
             model_sd = {n: model_sd[n] for n in self.param_names if n in model_sd}
         return model_sd, optim_sd
 
-    def _load(self, state: dict[str, Any]) -> None:
+    def _load(self, state: CheckpointState) -> None:
         if self.lora:
             self._check_adapter(state["model"])
         # LoRA: the checkpoint holds the adapter; the frozen base stays as loaded
@@ -189,7 +194,7 @@ class Policy:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
 
-    def _check_adapter(self, adapter_sd: dict[str, Any]) -> None:
+    def _check_adapter(self, adapter_sd: ModelState) -> None:
         """A checkpoint of this adapter: exactly its tensors (a non-strict load would skip
         the others silently)."""
         if set(adapter_sd) != set(self.param_names):
@@ -199,14 +204,14 @@ class Policy:
                 f"with the [learner.lora] settings the run was started with"
             )
 
-    def rng_state(self) -> dict[str, Any]:
+    def rng_state(self) -> RngState:
         return {
             "trainer_rng": self.trainer.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
         }
 
-    def named_tensors(self, model_sd: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    def named_tensors(self, model_sd: ModelState) -> list[tuple[str, torch.Tensor]]:
         return [(n, model_sd[n]) for n in self.param_names]
 
     def close(self) -> None:

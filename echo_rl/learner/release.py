@@ -7,9 +7,9 @@ on a model folder serves to workers that lack it.
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -22,8 +22,9 @@ from echo_rl.core.config import EchoConfig, LearnerConfig
 from echo_rl.core.models import TINY, params_to_payload, params_to_spill, rounding_seed
 from echo_rl.core.spill import spill_dir
 from echo_rl.core.steprow import PUBLISH_FIELDS, StepRow
-from echo_rl.learner.checkpoint import save_checkpoint
-from echo_rl.learner.policy import FullState, Policy
+from echo_rl.learner.checkpoint import CheckpointExtra, CheckpointState, save_checkpoint
+from echo_rl.learner.parallel.base import FullState, ModelState
+from echo_rl.learner.policy import Policy
 from echo_rl.learner.publisher import Publisher
 from echo_rl.learner.releasing import ReleaseThread, Version
 
@@ -56,7 +57,7 @@ class Releaser:
         *,
         checkpoint: bool,
         threaded: bool,
-        state: Callable[[StepRow | None], dict[str, Any]],
+        state: Callable[[StepRow | None], CheckpointExtra],
         compact_log: Callable[[], None],
         saved: Callable[[int, Path], None] | None = None,
     ):
@@ -89,7 +90,7 @@ class Releaser:
         # Whole or not at all: a stop inside torch.save left its zip writer failing in
         # __exit__, a RuntimeError in place of the stop (exit 1, no summary).
         with stopping.uninterrupted():
-            state = {"model": full[0], "optimizer": full[1], **self._state(row)}
+            state: CheckpointState = {"model": full[0], "optimizer": full[1], **self._state(row)}
             path = save_checkpoint(self.run_dir, steps - 1, state)
             self._compact_log()
         if self._saved is not None:
@@ -127,7 +128,8 @@ class Releaser:
         return self.release.finite(v.steps, v.model)
 
     def _save(self, v: Version) -> None:
-        state = {"model": v.model, "optimizer": v.optimizer, **v.extra}
+        assert v.extra is not None  # the releaser's versions carry it
+        state: CheckpointState = {"model": v.model, "optimizer": v.optimizer, **v.extra}
         path = save_checkpoint(self.run_dir, v.steps - 1, state)
         if self._saved is not None:
             self._saved(v.steps, path)
@@ -145,7 +147,7 @@ class Release:
         self.publisher = publisher
         self.refused = 0  # snapshots not published because a tensor was not finite
 
-    def finite(self, version: int, model_sd: dict[str, Any]) -> bool:
+    def finite(self, version: int, model_sd: ModelState) -> bool:
         """A snapshot with a NaN or inf would break every worker that installs it: refuse it,
         loudly; the workers keep the previous version."""
         bad = [
@@ -164,11 +166,11 @@ class Release:
             )
         return not bad
 
-    def publish(self, version: int, model_sd: dict[str, Any]) -> None:
+    def publish(self, version: int, model_sd: ModelState) -> None:
         if self.finite(version, model_sd):
             self.send(version, model_sd)
 
-    def send(self, version: int, model_sd: dict[str, Any]) -> None:
+    def send(self, version: int, model_sd: ModelState) -> None:
         """Hand the version to the publisher thread (it encodes, signs and publishes); the
         caller has checked that the state is finite."""
         named, dtype = self.policy.named_tensors(model_sd), self.cfg.broadcast.dtype
@@ -218,7 +220,7 @@ def run_publisher(
 
 def base_model(
     cfg: EchoConfig, policy: Policy, run_id: str, key: RunKey, run_dir: Path
-) -> tuple[BaseManifest, Any] | None:
+) -> tuple[BaseManifest, bytes | bytearray | mmap.mmap] | None:
     """A LoRA run on a model folder publishes that folder, signed and chunked, to workers
     that lack it (echo_rl.broadcast.basemodel): its (manifest, payload), to hold before the server
     starts; None for the built-in tiny model, which every worker builds."""
@@ -228,6 +230,7 @@ def base_model(
     name = cfg.model.name
     if policy.base_hash is None or name == TINY:
         return None
+    payload: bytes | bytearray | mmap.mmap
     try:
         manifest, payload = build_base_manifest(
             run_id=run_id,

@@ -27,13 +27,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias, TypeVar, cast
 
 import torch
 
+if TYPE_CHECKING:
+    from torch.optim.optimizer import StateDict
+
+    from echo_rl.learner.checkpoint import CheckpointExtra
+    from echo_rl.learner.parallel.base import FullState, ModelState
+
 log = logging.getLogger("echo.learner")
+
+_T = TypeVar("_T")
+# Where a tensor sits in the nested state: the dict keys and list indices down to it.
+_Path: TypeAlias = tuple[Hashable, ...]
+# One tensor's storage as met: (data pointer, shape, dtype, device, strides).
+_Seen: TypeAlias = tuple[int, torch.Size, torch.dtype, torch.device, tuple[int, ...]]
 
 
 class HostMirror:
@@ -44,22 +56,22 @@ class HostMirror:
     shape or dtype is allocated again."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._buffers: dict[_Path, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def copy(self, state: Any) -> Any:
+    def copy(self, state: _T) -> _T:
         """``state`` with every tensor replaced by its host copy. A tensor met twice (tied
         embeddings: two names, one weight) is copied once and stays one tensor."""
-        seen: dict[tuple[Any, ...], torch.Tensor] = {}
+        seen: dict[_Seen, torch.Tensor] = {}
         out = self._walk(state, (), seen)
         if any(key[3].type == "cuda" for key in seen):
             torch.cuda.synchronize()
-        return out
+        return cast(_T, out)  # the same nesting of dicts, lists and tuples as ``state``
 
-    def _walk(self, obj: Any, path: tuple[Any, ...], seen: dict[tuple[Any, ...], Any]) -> Any:
+    def _walk(self, obj: object, path: _Path, seen: dict[_Seen, torch.Tensor]) -> object:
         if isinstance(obj, torch.Tensor):
             key = (obj.data_ptr(), obj.shape, obj.dtype, obj.device, obj.stride())
             if key not in seen:
@@ -71,7 +83,7 @@ class HostMirror:
             return type(obj)(self._walk(v, (*path, i), seen) for i, v in enumerate(obj))
         return obj  # ints, floats, strings: immutable
 
-    def _tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+    def _tensor(self, t: torch.Tensor, path: _Path) -> torch.Tensor:
         t = t.detach()
         buf = self._buffers.get(path)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
@@ -88,10 +100,10 @@ class Version:
     whether to checkpoint it (``learner.checkpoint``), with what else the checkpoint holds."""
 
     steps: int
-    model: dict[str, Any]
-    optimizer: dict[str, Any]
+    model: ModelState
+    optimizer: StateDict
     checkpoint: bool
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: CheckpointExtra | None = None  # None: a version that is never checkpointed here
 
 
 class ReleaseThread:
@@ -118,14 +130,11 @@ class ReleaseThread:
         self._thread = threading.Thread(target=self._run, name="echo-release", daemon=True)
         self._thread.start()
 
-    def freeze(
-        self, model: dict[str, Any], optimizer: dict[str, Any]
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    def freeze(self, model: ModelState, optimizer: StateDict) -> FullState:
         """Host copies of a version's state in the mirror's buffers: waits first until the
         previous version is released (its buffers are the ones being read)."""
         self.flush()
-        frozen: tuple[dict[str, Any], dict[str, Any]] = self.mirror.copy((model, optimizer))
-        return frozen
+        return self.mirror.copy((model, optimizer))
 
     def submit(self, version: Version) -> None:
         """Hand a frozen version over (``freeze`` has waited for the previous one)."""

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from echo_rl.control.gate import security_dir
 from echo_rl.control.grants import load as load_grants
@@ -24,15 +24,17 @@ from echo_rl.control.grants import open_leases
 from echo_rl.control.reputation import without_quarantined
 from echo_rl.control.work import WorkQueue
 from echo_rl.core.config import EchoConfig
+from echo_rl.core.jsontypes import JsonObject
 from echo_rl.core.metrics import finite_or_null
 from echo_rl.core.security import KeyList
 from echo_rl.core.steprow import StepRow
 from echo_rl.data.buffer import ReplayBuffer
-from echo_rl.data.durable import BufferLog, live_after, quarantine, scan_log
+from echo_rl.data.durable import BufferLog, SetAside, live_after, quarantine, scan_log
 from echo_rl.data.records import Limits, Record
 from echo_rl.learner.checkpoint import load_checkpoint
 from echo_rl.learner.policy import Load, Policy
 from echo_rl.learner.rows import RunTotals
+from echo_rl.learner.trails import ConsumedLine, TrailLine
 
 log = logging.getLogger("echo.learner")
 
@@ -92,8 +94,9 @@ class Resume:
         self._set_aside(aside)  # before the compaction drops them from the log
         self.buffer_log.compact(lambda: live)
         self._trim_audit()
-        if ckpt and ckpt.get("row") and not any(r.step == last for r in self.rows):
-            self._restore_row(StepRow.from_json(ckpt["row"]))
+        row = ckpt.get("row") if ckpt else None
+        if row and not any(r.step == last for r in self.rows):
+            self._restore_row(StepRow.from_json(row))
         log.info(
             "resumed at step %d: %d buffered records restored, %d groups already trained",
             self.step,
@@ -135,10 +138,12 @@ class Resume:
         path = self.run_dir / "consumed.jsonl"
         if not path.exists():
             return set()
-        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        rows: list[ConsumedLine] = [
+            json.loads(x) for x in path.read_text().splitlines() if x.strip()
+        ]
         return {g for r in rows if r["step"] < self.step for g in r["groups"]}
 
-    def _set_aside(self, aside: list[Any]) -> None:
+    def _set_aside(self, aside: list[SetAside]) -> None:
         """Log entries that cannot be replayed go to buffer.log.rejected, counted under
         ``set_aside_on_resume``; the resume goes on without them."""
         if not aside:
@@ -159,15 +164,18 @@ class Resume:
             path = self.run_dir / f"{name}.jsonl"
             if not path.exists():
                 continue
-            rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+            rows: list[TrailLine] = [
+                json.loads(x) for x in path.read_text().splitlines() if x.strip()
+            ]
             keep = [r for r in rows if r["step"] < self.step]
             lost = [r for r in rows if r["step"] >= self.step]
             if lost:
                 with (self.run_dir / f"{name}.lost.jsonl").open("a") as f:
                     f.writelines(json.dumps(r) + "\n" for r in lost)
             path.write_text("".join(json.dumps(r) + "\n" for r in keep))
-            if name == "metrics":
-                self.rows = [StepRow.from_json(r) for r in keep]
+            if name == "metrics":  # a metrics line is a whole row, of which TrailLine
+                # declares the step (``StepRow.to_json``)
+                self.rows = [StepRow.from_json(cast(JsonObject, r)) for r in keep]
 
     def _restore_row(self, row: StepRow) -> None:
         """The crash came after the checkpoint and before the step's metrics line."""

@@ -8,13 +8,40 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from echo_rl.data.records import Record
 
 log = logging.getLogger("echo.learner")
+
+
+class TrailLine(TypedDict):
+    """What every line of a trail (and of ``metrics.jsonl``) holds: the learner step it was
+    written at, by which a resume sets aside the lines of the steps the crash undid."""
+
+    step: int
+
+
+class ConsumedLine(TrailLine):
+    """``consumed.jsonl``: the groups a step took from the buffer (trained or left out)."""
+
+    groups: list[str]
+
+
+class DroppedLine(TrailLine):
+    """``dropped.jsonl``: admitted records the buffer dropped, and by which rule."""
+
+    rule: NotRequired[str]  # absent from lines written before rules were named: "stale"
+    pairs: list[list[str | int]]  # [group id, sample index]
+
+
+class NonfiniteLine(TrailLine):
+    """``nonfinite.jsonl``: the groups and senders behind a step's skipped updates."""
+
+    groups: list[str]
+    workers: list[str]
 
 
 class Trails:
@@ -22,7 +49,7 @@ class Trails:
         self.run_dir, self._step = run_dir, step
         self.struck: Counter[str] = Counter()  # worker id -> records behind skipped updates
 
-    def write(self, name: str, entry: dict[str, Any]) -> None:
+    def write(self, name: str, entry: Mapping[str, object]) -> None:
         """Append one entry to ``{name}.jsonl``, keyed by the learner's step."""
         with (self.run_dir / f"{name}.jsonl").open("a") as f:
             f.write(json.dumps({"step": self._step(), **entry}) + "\n")

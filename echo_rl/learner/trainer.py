@@ -8,12 +8,15 @@ import inspect
 import logging
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import overload
 
 import torch
 
 from echo_rl.control.screen import screen_rows
 from echo_rl.core.config import LearnerConfig
-from echo_rl.core.lora import is_peft
+from echo_rl.core.lora import base_of, is_peft
 from echo_rl.core.steprow import COL  # the trainer names its numbers as the step row does
 from echo_rl.data.adapter import LearnerBatch
 from echo_rl.data.answers import answer_bias
@@ -68,12 +71,13 @@ def _logits(
 ) -> torch.Tensor:
     """Logits of the last ``keep`` positions; the LM head runs only there when the model
     supports ``logits_to_keep`` (current transformers models do)."""
-    inner = model.get_base_model() if is_peft(model) else model  # peft passes it on
+    inner = base_of(model)  # peft passes it on
     if "logits_to_keep" in inspect.signature(inner.forward).parameters:
         out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep)
     else:  # an older model class: full logits, then slice
         out = model(input_ids=input_ids, attention_mask=attention_mask)
-    return out.logits[:, -keep:]
+    logits: torch.Tensor = out.logits[:, -keep:]
+    return logits
 
 
 def selective_logprobs(
@@ -120,11 +124,23 @@ def truncated_rows(
     return (last >= 0) & (token != eos_token_id)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How the workers sample, which the trainer's log-probs follow. ``temperature``: the
+    workers' sampling temperature (``worker.temperature``), at which every log-prob is computed;
+    ``max_new_tokens``: the constant of ``seq-mean-token-sum-norm``; ``eos_token_id``: needed
+    by ``mask_truncated_completions``; ``answer_tokens``: the adapter's restricted answers
+    (echo_rl/data/answers.py), under which every log-prob is computed."""
+
+    temperature: float = 1.0
+    max_new_tokens: int = 0
+    eos_token_id: int | None = None
+    answer_tokens: Sequence[int] | None = None
+
+
 class Trainer:
-    """``temperature``: the workers' sampling temperature (``worker.temperature``), at which every
-    log-prob is computed; ``max_new_tokens``: the constant of ``seq-mean-token-sum-norm``;
-    ``eos_token_id``: needed by ``mask_truncated_completions``; ``answer_tokens``: the adapter's
-    restricted answers (echo_rl/data/answers.py), under which every log-prob is computed."""
+    """``sampling``: how the workers sample (``Sampling``); ``screen_nats``: the screen's
+    threshold (echo_rl/control/screen.py, 0: off)."""
 
     def __init__(
         self,
@@ -133,12 +149,11 @@ class Trainer:
         seed: int = 0,
         parallel: Parallel | None = None,
         *,
-        temperature: float = 1.0,
-        max_new_tokens: int = 0,
-        eos_token_id: int | None = None,
-        answer_tokens: Sequence[int] | None = None,
+        sampling: Sampling = Sampling(),
         screen_nats: float = 0.0,
     ):
+        temperature, max_new_tokens = sampling.temperature, sampling.max_new_tokens
+        eos_token_id, answer_tokens = sampling.eos_token_id, sampling.answer_tokens
         self.model = model
         # echo_rl/control/screen.py: rows whose claimed log-probs are this far from the step-start
         # ones are left out of the step (0: off; one process only)
@@ -162,6 +177,10 @@ class Trainer:
         # LoRA the reference is the base model: the policy with its adapter disabled, no copy
         # (as TRL does with a peft_config).
         self.ref_base = cfg.beta > 0 and is_peft(model)
+        # peft's context manager that runs the policy without its adapter: the reference
+        self._disable_adapter: Callable[[], AbstractContextManager[object]] | None = (
+            getattr(model, "disable_adapter", None) if self.ref_base else None
+        )
         self.ref_model = (
             copy.deepcopy(model).eval().requires_grad_(False)
             if cfg.beta > 0 and not self.ref_base
@@ -289,6 +308,24 @@ class Trainer:
             out.append((pos, 1.0) if len(pos) or not rows else (torch.arange(1), 0.0))
         return out
 
+    @overload
+    def _micro_logprobs(
+        self,
+        batch: LearnerBatch,
+        mb: torch.Tensor,
+        idx: torch.Tensor,
+        fn: Callable[[LearnerBatch, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor: ...
+
+    @overload
+    def _micro_logprobs(
+        self,
+        batch: LearnerBatch,
+        mb: torch.Tensor,
+        idx: torch.Tensor,
+        fn: Callable[[LearnerBatch, torch.Tensor], torch.Tensor | None],
+    ) -> torch.Tensor | None: ...
+
     def _micro_logprobs(
         self,
         batch: LearnerBatch,
@@ -300,7 +337,7 @@ class Trainer:
         parts = [(fn(batch, idx[pos]), w) for pos, w in self.micro_batches(mb, idx)]
         if parts[0][0] is None:
             return None
-        return torch.cat([lp for lp, w in parts if w])
+        return torch.cat([lp for lp, w in parts if w and lp is not None])
 
     def _accumulate(
         self,
@@ -322,7 +359,7 @@ class Trainer:
             loss, stats = self.minibatch_loss(
                 batch, rows, old[pos], None if ref is None else ref[pos], denom=denom
             )
-            (loss * weight).backward()  # on every rank even when non-finite: FSDP2's
+            torch.autograd.backward(loss * weight)  # on every rank even when non-finite: FSDP2's
             # collectives must line up
             n = float(batch.loss_mask[rows].sum()) * weight
             for k in self.TOKEN_MEANS:
@@ -393,8 +430,8 @@ class Trainer:
 
     def ref_logprobs(self, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor | None:
         """Reference log-probs of ``rows`` (None when the KL term is off)."""
-        if self.ref_base:
-            with self.model.disable_adapter():
+        if self._disable_adapter is not None:  # ref_base
+            with self._disable_adapter():
                 return self.logprobs(self.model, batch, rows)
         return None if self.ref_model is None else self.logprobs(self.ref_model, batch, rows)
 

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 import torch
+from torch.optim.optimizer import StateDict
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
     from torch.optim import Optimizer
+
+# A model's state dict (name -> tensor); an optimizer's is torch's ``StateDict``.
+ModelState: TypeAlias = dict[str, torch.Tensor]
+# (model state, optimizer state): what a checkpoint and a snapshot are made of
+FullState: TypeAlias = tuple[ModelState, StateDict]
+
+_T = TypeVar("_T")
+_Batch = TypeVar("_Batch", bound="DataclassInstance")
 
 
 class Parallel(ABC):
@@ -22,10 +32,10 @@ class Parallel(ABC):
         return self.rank == 0
 
     @abstractmethod
-    def wrap(self, model: torch.nn.Module) -> Any:
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Prepare the model for training (shard it); returns the model to train."""
 
-    def to_device(self, batch: Any) -> Any:
+    def to_device(self, batch: _Batch) -> _Batch:
         """A copy of a dataclass of tensors (a ``LearnerBatch``) on this rank's device; on the
         CPU the tensors are the same objects."""
         moved = {
@@ -40,10 +50,10 @@ class Parallel(ABC):
         return idx[self.rank :: self.world]
 
     @abstractmethod
-    def full_state(self, model: torch.nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
+    def full_state(self, model: torch.nn.Module, optimizer: Optimizer) -> FullState:
         """Unsharded model and optimizer state on rank 0 (a collective: all ranks call it)."""
 
-    def live_state(self, model: torch.nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
+    def live_state(self, model: torch.nn.Module, optimizer: Optimizer) -> FullState:
         """``full_state`` for a caller that copies it to host memory itself (the release
         thread's ``HostMirror``, into pinned buffers it reuses): where no gather is needed, the
         live tensors, on their device, with no copy. Default: ``full_state``."""
@@ -54,15 +64,15 @@ class Parallel(ABC):
         self,
         model: torch.nn.Module,
         optimizer: Optimizer,
-        model_sd: dict,
-        optim_sd: dict,
+        model_sd: ModelState,
+        optim_sd: StateDict,
         strict: bool = True,
     ) -> None:
         """Load rank 0's unsharded state into every rank (a collective). ``strict`` False:
         ``model_sd`` may hold only some of the model's tensors (a LoRA adapter's)."""
 
     @abstractmethod
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: _T) -> _T:
         """Rank 0's ``obj`` on every rank."""
 
     @abstractmethod

@@ -9,7 +9,7 @@ trainer scales each rank's loss to make the average equal the single-process los
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -17,10 +17,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from echo_rl.learner.parallel.base import Parallel
+from echo_rl.core.lora import base_of
+from echo_rl.learner.parallel.base import FullState, ModelState, Parallel
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
     from torch.optim import Optimizer
+    from torch.optim.optimizer import StateDict
+
+_T = TypeVar("_T")
 
 
 class FSDP2(Parallel):
@@ -33,7 +38,7 @@ class FSDP2(Parallel):
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
 
-    def wrap(self, model: torch.nn.Module) -> Any:
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from echo_rl.core.models import bf16_compute
 
         # An explicit mesh: the default one is CUDA whenever a GPU is visible, even with
@@ -48,30 +53,32 @@ class FSDP2(Parallel):
         fully_shard(model, **opts)
         return model
 
-    def full_state(self, model: torch.nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
-        return get_state_dict(
+    def full_state(self, model: torch.nn.Module, optimizer: Optimizer) -> FullState:
+        model_sd, optim_sd = get_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        # full (unsharded) and offloaded: plain tensors by name, as ``state_dict`` gives them
+        return cast("ModelState", model_sd), optim_sd
 
     def load_state(
         self,
         model: torch.nn.Module,
         optimizer: Optimizer,
-        model_sd: dict,
-        optim_sd: dict,
+        model_sd: ModelState,
+        optim_sd: StateDict,
         strict: bool = True,
     ) -> None:
         set_state_dict(
             model,
             optimizer,
-            model_state_dict=model_sd,
+            model_state_dict=cast("dict[str, ValueType]", model_sd),
             optim_state_dict=optim_sd,
             options=StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True, strict=strict
             ),
         )
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: _T) -> _T:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -89,9 +96,8 @@ class FSDP2(Parallel):
             dist.destroy_process_group()
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[Any]:
-    if hasattr(model, "get_base_model"):  # a peft model (LoRA): the layers are its base's
-        model = model.get_base_model()
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    model = base_of(model)  # a peft model (LoRA): the layers are its base's
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
