@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict, TypeVar
 
 from echo_rl.core.errors import EchoError
 
 if TYPE_CHECKING:
     import torch
 
+    from echo_rl.core import wire
     from echo_rl.core.config import EchoConfig
-    from echo_rl.data.adapter import Adapter
+    from echo_rl.data.adapter import Adapter, Prompt
+    from echo_rl.learner.parallel.base import ModelState
     from echo_rl.worker.backends import Backend
     from echo_rl.worker.backends.transformers import TransformersBackend
 
 SPLITS = ("auto", "train", "heldout")
 BATCH = 16  # prompts per generate call
+
+_T = TypeVar("_T")
 
 
 class EvalError(EchoError, ValueError):
@@ -40,7 +45,7 @@ class Policy:
 
     label: str
     path: Path | None  # None: the untrained model
-    state: dict[str, Any] | None = None  # the checkpoint's "model" tensors
+    state: ModelState | None = None  # the checkpoint's "model" tensors
     steps: int | None = None  # learner steps behind it: its version (None: untrained)
     # installed as the snapshot the learner published for it (``as_sampled``): None, as held
     sampled: Sampled | None = None
@@ -56,7 +61,7 @@ class Sampled:
     seed: int | None
 
 
-def as_sampled(policy: Policy, cfg: Any) -> Policy:
+def as_sampled(policy: Policy, cfg: EchoConfig) -> Policy:
     """``policy`` as workers sampled it: its weights cast the way the learner published them
     (``broadcast.dtype``, ``broadcast.rounding`` with the version's own seed), so its score
     against the checkpoint's is what the snapshot's precision costs (docs/does-it-learn.md,
@@ -78,10 +83,10 @@ def as_sampled(policy: Policy, cfg: Any) -> Policy:
     )
 
 
-def read_state(path: Path) -> dict[str, Any]:
+def read_state(path: Path) -> ModelState:
     import torch
 
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)["model"]
+    state: ModelState = torch.load(path, map_location="cpu", weights_only=False)["model"]
     return state
 
 
@@ -183,7 +188,7 @@ def _best(run_dir: Path) -> Policy:
 
 def eval_prompts(
     adapter: Adapter, split: str, n: int, seed: int, name: str = ""
-) -> tuple[list[Any], str]:
+) -> tuple[list[Prompt], str]:
     """Up to ``n`` prompts of ``split`` and the split actually used (``auto``: heldout when
     the adapter declares one, else train)."""
     rng = random.Random(seed)
@@ -201,9 +206,9 @@ def eval_prompts(
     return take(adapter.prompts(rng), n), "train"
 
 
-def take(it: Any, n: int) -> list[Any]:
+def take(it: Iterable[_T], n: int) -> list[_T]:
     """The first ``n`` items of ``it`` (shared with ``echo-rl sample``)."""
-    out = []
+    out: list[_T] = []
     for p in it:
         out.append(p)
         if len(out) == n:
@@ -230,7 +235,7 @@ def load_backend(cfg: EchoConfig, threads: int) -> TransformersBackend:
     return backend
 
 
-def install_policy(backend: TransformersBackend, policy: Policy, initial: dict[str, Any]) -> None:
+def install_policy(backend: TransformersBackend, policy: Policy, initial: ModelState) -> None:
     """Load ``policy``'s weights into ``backend.model``: a checkpoint's, or ``initial`` (the
     weights as loaded, the untrained model). A LoRA checkpoint holds the adapter alone."""
     from echo_rl.core.lora import adapter_parameters, is_peft
@@ -272,21 +277,23 @@ def _as_published(model: torch.nn.Module, how: Sampled) -> None:
     install_payload(model, index, payload)
 
 
-def _load(model: torch.nn.Module, sd: dict[str, Any], policy: Policy) -> Any:
+def _load(model: torch.nn.Module, sd: ModelState, policy: Policy) -> tuple[list[str], list[str]]:
+    """``sd`` loaded into ``model``: the names it lacked and the names the model lacks."""
     try:
-        return model.load_state_dict(sd, strict=False)
+        keys: tuple[list[str], list[str]] = model.load_state_dict(sd, strict=False)
     except RuntimeError as exc:  # shapes: another model size or LoRA rank
         first = str(exc).strip().splitlines()[-1].strip()
         raise EvalError(
             f"{policy.path}: the checkpoint does not fit the run's model ({first}); "
             f"was config.toml edited after the run?"
         ) from None
+    return keys
 
 
 def score(
     backend: Backend,
     adapter: Adapter,
-    prompts: list[Any],
+    prompts: list[Prompt],
     samples: int,
     max_new: int,
     temperature: float,
@@ -304,7 +311,7 @@ def score(
     return out
 
 
-def seeded_groups(prompts: list[Any], samples: int, seed: int, prefix: str) -> list[Any]:
+def seeded_groups(prompts: list[Prompt], samples: int, seed: int, prefix: str) -> list[wire.Group]:
     """One group of ``samples`` per prompt, its sampling seed from ``seed`` and the prompt's
     index alone (``echo-rl eval`` and ``echo-rl sample`` draw the same numbers for a seed)."""
     from echo_rl.core import wire
@@ -323,7 +330,7 @@ def seeded_groups(prompts: list[Any], samples: int, seed: int, prefix: str) -> l
 
 
 def _rewards(
-    backend: Backend, adapter: Adapter, groups: list[Any], max_new: int, temperature: float
+    backend: Backend, adapter: Adapter, groups: list[wire.Group], max_new: int, temperature: float
 ) -> list[list[float]]:
     from echo_rl.data.episodes import EpisodeAdapter, backend_generate_fn
 
@@ -350,6 +357,19 @@ def _rewards(
 # ----------------------------------------------------------------- a scorer
 
 
+class HeldoutScoreJson(TypedDict):
+    """A ``HeldoutScore`` as the evaluator says it and checkpoints/best.json holds it."""
+
+    steps: int
+    mean: float
+    lo: float
+    hi: float
+    prompts: int
+    samples: int
+    per_prompt: list[float]
+    wall_s: NotRequired[float]  # absent from scores written before it was kept
+
+
 @dataclass(frozen=True)
 class HeldoutScore:
     """One policy's score on a split: the mean over prompts of each prompt's mean reward, its
@@ -365,7 +385,7 @@ class HeldoutScore:
     per_prompt: tuple[float, ...]
     wall_s: float = 0.0  # seconds the scoring took
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> HeldoutScoreJson:
         return {
             "steps": self.steps,
             "mean": round(self.mean, 6),
@@ -378,7 +398,7 @@ class HeldoutScore:
         }
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> HeldoutScore:
+    def from_json(cls, doc: HeldoutScoreJson) -> HeldoutScore:
         return cls(
             steps=int(doc["steps"]),
             mean=float(doc["mean"]),
@@ -398,7 +418,7 @@ class Scorer:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: EchoConfig,
         *,
         split: str,
         n: int,

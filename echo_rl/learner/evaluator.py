@@ -16,11 +16,11 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 
-def _say(doc: dict[str, Any]) -> None:
+def _say(doc: Mapping[str, object]) -> None:
     sys.stdout.write(json.dumps(doc) + "\n")
     sys.stdout.flush()
 

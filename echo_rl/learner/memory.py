@@ -4,15 +4,21 @@ it goes, measured after every step into the metrics row (docs/memory.md)."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from echo_rl.learner.policy import Policy
 from echo_rl.learner.publisher import Publisher
 
+if TYPE_CHECKING:
+    import torch
+
+    from echo_rl.core.config import LearnerConfig
+
 log = logging.getLogger("echo.learner")
 
 
-def say_memory_plan(policy: Policy, lc: Any) -> None:
+def say_memory_plan(policy: Policy, lc: LearnerConfig) -> None:
     """What the run needs in host memory (echo_rl/core/memplan.py), and what a budget changed."""
     plan = policy.memory_plan
     budget = f" (learner.host_memory_gb = {lc.host_memory_gb:g})" if lc.host_memory_gb else ""
@@ -28,7 +34,10 @@ def say_memory_plan(policy: Policy, lc: Any) -> None:
 
 
 def memory(
-    policy: Policy, publisher: Publisher, held_elsewhere: list[Any], audit_model: list[Any]
+    policy: Policy,
+    publisher: Publisher,
+    held_elsewhere: Sequence[object],
+    audit_model: Sequence[torch.Tensor],
 ) -> dict[str, int]:
     """Where the learner's memory goes (docs/memory.md): its resident set, the training
     state, the audit model, and the published versions it holds (in RAM or spilled):
@@ -37,7 +46,7 @@ def memory(
 
     model, opt = policy.model, policy.trainer.optimizer
     base = publisher.encoder._base
-    held = payload_bytes(held_elsewhere + ([base[2]] if base else []))
+    held = payload_bytes([*held_elsewhere, *([base[2]] if base else [])])
     return {
         **resident(),
         "model": tensor_bytes(model.parameters()),

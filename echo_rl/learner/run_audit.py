@@ -15,12 +15,21 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, TypeVar
 
 from echo_rl.data.durable import live_after, read_log
 from echo_rl.learner.checkpoint import load_checkpoint
+from echo_rl.learner.trails import ConsumedLine, DroppedLine
 
 Key = tuple[str, int]  # (group id, sample index)
+_Line = TypeVar("_Line")
+
+
+class LedgerLine(TypedDict):
+    """What this audit reads of a worker's ``--ledger`` line (echo_rl/worker/delivery.py
+    writes it): the (group id, sample index) keys of an acknowledged batch the learner stored."""
+
+    stored: list[list[str | int]]
 
 
 @dataclass
@@ -56,25 +65,32 @@ class RunAudit:
         return out
 
 
-def _lines(path: Path) -> list[dict[str, Any]]:
+def _lines(path: Path, line: type[_Line]) -> list[_Line]:
+    """``path``'s JSON lines as ``line`` declares them (none when there is no file)."""
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def _key(pair: list[str | int]) -> Key:
+    group, idx = pair
+    return str(group), int(idx)
+
+
 def audit_run(run_dir: Path, ledgers: Iterable[Path], group_size: int) -> RunAudit:
-    groups = [g for row in _lines(run_dir / "consumed.jsonl") for g in row["groups"]]
+    consumed = _lines(run_dir / "consumed.jsonl", ConsumedLine)
+    groups = [g for row in consumed for g in row["groups"]]
     ckpt = load_checkpoint(run_dir)
     live, _ = live_after(*read_log(run_dir / "buffer.log"), ckpt["step"] if ckpt else -1)
     return RunAudit(
-        acked={tuple(k) for p in ledgers for row in _lines(p) for k in row["stored"]},
+        acked={_key(k) for p in ledgers for row in _lines(p, LedgerLine) for k in row["stored"]},
         trained={(g, i) for g in groups for i in range(group_size)},
         buffered={(r.group_id, r.sample_idx) for r in live},
-        dropped_by=_dropped_by(_lines(run_dir / "dropped.jsonl")),
+        dropped_by=_dropped_by(_lines(run_dir / "dropped.jsonl", DroppedLine)),
         groups_trained_twice=len(groups) - len(set(groups)),
     )
 
 
-def _dropped_by(rows: list[dict[str, Any]]) -> dict[str, set[Key]]:
+def _dropped_by(rows: list[DroppedLine]) -> dict[str, set[Key]]:
     out: dict[str, set[Key]] = {}
     for row in rows:  # a line without a rule is from before rules were named: stale evictions
-        out.setdefault(row.get("rule", "stale"), set()).update(tuple(k) for k in row["pairs"])
+        out.setdefault(row.get("rule", "stale"), set()).update(_key(k) for k in row["pairs"])
     return out

@@ -26,11 +26,12 @@ import logging
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from echo_rl.core.ci import MeanCI, paired_ci
 from echo_rl.core.steprow import StepRow
 from echo_rl.data.buffer import ReplayBuffer
+from echo_rl.data.records import Record
 from echo_rl.learner.evaluation import HeldoutScore
 from echo_rl.learner.heldout import HeldoutEval
 
@@ -50,14 +51,14 @@ REMEDIES = (
 )
 
 
-def flat(group: Sequence[Any]) -> bool:
+def flat(group: Sequence[Record]) -> bool:
     """Whether every sample of a group got the same reward."""
     return len({r.reward for r in group}) <= 1
 
 
 def take_groups(
     buffer: ReplayBuffer, n: int, timeout: float, dynamic: bool
-) -> tuple[list[list[Any]], list[list[Any]]] | None:
+) -> tuple[list[list[Record]], list[list[Record]]] | None:
     """``n`` whole admissible groups to train, and the groups taken but left out of training
     (dynamic sampling: groups that scored alike, replaced by groups ready in the buffer now,
     at most ``DYNAMIC_TAKE * n`` taken in all; the step does not wait for more). None: not
@@ -91,7 +92,7 @@ class PolicyWatch:
         self.said: set[str] = set()  # reasons already logged
         self.stop: str | None = None  # why the run should end here (mode "stop")
 
-    def observe(self, row: StepRow, groups: Sequence[Sequence[Any]], skipped: int) -> None:
+    def observe(self, row: StepRow, groups: Sequence[Sequence[Record]], skipped: int) -> None:
         """After a step: its row gains the watch's fields; ``groups``: every group the step
         took (those dynamic sampling left out among them, ``skipped`` of them)."""
         self.flat_skipped += skipped
