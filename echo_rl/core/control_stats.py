@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import Any, TypedDict
 
+from echo_rl.core.jsontypes import JsonObject
+
 Counts = dict[str, int]  # {reason or kind: n}
 
 
@@ -91,23 +93,28 @@ class ControlStats:
     reputation: dict[str, dict[str, Any]] = field(default_factory=dict)  # {worker: checks}
     checks: Counts = field(default_factory=dict)  # checks by "check:outcome", so far
     # echo_rl.control.accounts' books
-    accounts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    accounts: dict[str, JsonObject] = field(default_factory=dict)  # {worker: Account dumped}
     control_cpu: dict[str, Any] = field(default_factory=dict)  # s of loop CPU by kind, so far
     slow: Counts = field(default_factory=dict)  # calls the loop did not answer in time
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> ControlStats:
+    def from_json(cls, doc: JsonObject) -> ControlStats:
         """From a mapping (a recorded row's numbers, a test's): missing fields keep their
-        defaults, unknown keys are ignored (nothing writes them back)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in doc.items() if k in names})
+        defaults, unknown keys are ignored (nothing writes them back). Tolerant, not a
+        validator: a field takes the value as read."""
+        stats = cls()
+        for k, v in doc.items():
+            if k in _NAMES:
+                setattr(stats, k, v)
+        return stats
 
 
 # The statistics' names as constants, like the step row's COL (a gauge names its field).
 STAT = SimpleNamespace(**{f.name: f.name for f in fields(ControlStats)})
+_NAMES = frozenset(f.name for f in fields(ControlStats))
 
 
-def as_stats(stats: ControlStats | dict[str, Any] | None) -> ControlStats:
+def as_stats(stats: ControlStats | JsonObject | None) -> ControlStats:
     """Statistics given either way (None: none yet)."""
     if isinstance(stats, ControlStats):
         return stats

@@ -26,9 +26,9 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
@@ -41,7 +41,37 @@ from echo_rl.core.steprow import COL, StepRow, as_row
 from echo_rl.core.tree import RelayTree
 from echo_rl.core.tree_metrics import TreeGauges
 
+
+class Health(TypedDict):
+    """``/health``."""
+
+    ok: bool
+    step: int | None  # the last step done
+    steps: int
+    run_id: str
+    uptime_s: float
+
+
+class DashboardState(TypedDict):
+    """``/api/state``, what the dashboard's JavaScript reads (docs/observability.md)."""
+
+    run_id: str
+    step: int | None
+    steps: int
+    totals: dict[str, float | None]  # cost so far and the last row's headline numbers
+    rows: list[JsonObject]  # the recent rows, ROW_FIELDS and the running cost
+    workers: list[dict[str, object]]  # {"worker": id, **its WorkerRow}
+    checks: list[dict[str, object]]  # {"worker": id, **its reputation}
+    accounts: list[JsonObject]  # {"worker": id, **its Account}
+    decisions: list[dict[str, object]]  # the provisioner's last 20
+    installs: dict[str, dict[str, float]]  # {version: {worker: s}}
+    staleness: dict[str, int]  # {versions: records trained}
+    tree: JsonObject | None  # the relay tree (RelayTree dumped)
+
+
 __all__ = [
+    "DashboardState",
+    "Health",
     "MAX_PER_IP",
     "LearnerMetrics",
     "MetricsServer",
@@ -64,14 +94,12 @@ class LearnerMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
         self.started = time.time()
-        self.decisions: deque[dict[str, Any]] = deque(maxlen=200)
+        self.decisions: deque[dict[str, object]] = deque(maxlen=200)
         self.step_gauges = StepGauges(r, float(learner_price_per_hour), history)
         self.fleet = FleetGauges(r)
         self.books = AccountGauges(r)
         self.install_gauges = InstallGauges(r)
-        self.accounts_source: Callable[[], dict[str, dict[str, Any]]] | None = (
-            None  # Accounts.export
-        )
+        self.accounts_source: Callable[[], dict[str, JsonObject]] | None = None  # Accounts.export
         # echo_rl.core.tree: the current version's relay tree, read live at each scrape and each
         # dashboard poll when ``tree_source`` is set (LearnerServer.relay_tree)
         self.tree: RelayTree | None = None
@@ -99,8 +127,8 @@ class LearnerMetrics:
 
     def update(
         self,
-        row: StepRow | dict[str, Any],
-        control_stats: ControlStats | dict[str, Any] | None = None,
+        row: StepRow | JsonObject,
+        control_stats: ControlStats | JsonObject | None = None,
         installs: dict[int, dict[str, float]] | None = None,
     ) -> None:
         """``row``: the learner's StepRow, or a row as written to metrics.jsonl;
@@ -135,7 +163,7 @@ class LearnerMetrics:
             return
         self.set_tree(tree)
 
-    def add_decision(self, decision: dict[str, Any]) -> None:
+    def add_decision(self, decision: Mapping[str, object]) -> None:
         """A provisioner decision as written to decisions.jsonl (step, action, worker, reason,
         c_eff, target, mu_req)."""
         with self._lock:
@@ -149,7 +177,7 @@ class LearnerMetrics:
         with self._lock:
             return generate_latest(self.registry)
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> Health:
         with self._lock:
             return {
                 "ok": True,
@@ -159,7 +187,7 @@ class LearnerMetrics:
                 "uptime_s": round(time.time() - self.started, 3),
             }
 
-    def state(self, rows: int = 500) -> dict[str, Any]:
+    def state(self, rows: int = 500) -> DashboardState:
         self._pull_accounts()
         self._pull_tree()
         with self._lock:
@@ -183,7 +211,7 @@ class LearnerMetrics:
                 "tree": self.tree.model_dump() if self.tree is not None else None,
             }
 
-    def _totals(self) -> dict[str, Any]:
+    def _totals(self) -> dict[str, float | None]:
         sg = self.step_gauges
         last = StepRow.from_json(sg.rows[-1] if sg.rows else {})
         admitted = num(last.admitted) or 0.0

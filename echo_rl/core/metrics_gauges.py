@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import SupportsFloat, SupportsIndex
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from echo_rl.core.control_stats import STAT, ControlStats
+from echo_rl.core.jsontypes import JsonObject
 from echo_rl.core.steprow import COL, StepRow
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
@@ -55,17 +56,20 @@ ROW_FIELDS = (
 DASHBOARD_COST = "cost_usd"  # a dashboard row's running cost, fleet and learner, $
 
 
-def num(x: Any) -> float | None:
+def num(x: object) -> float | None:
     """A finite float, else None (the metric keeps its last value: one NaN must not stick in
-    a running total such as the cost)."""
+    a running total such as the cost). ``x``: anything float() takes (a number, a numeric
+    string, a numpy scalar); anything else is None too."""
+    if not isinstance(x, (float, int, str, bytes, bytearray, SupportsFloat, SupportsIndex)):
+        return None  # None, a dict, a list: float() would raise TypeError
     try:
-        v = None if x is None else float(x)
+        v = float(x)
     except (TypeError, ValueError, OverflowError):
         return None
-    return v if v is not None and math.isfinite(v) else None
+    return v if math.isfinite(v) else None
 
 
-def _set_from(pairs: tuple[tuple[Gauge, str], ...], source: Any) -> None:
+def _set_from(pairs: tuple[tuple[Gauge, str], ...], source: object) -> None:
     """Each gauge to its field's value, where that is a finite number (else it keeps its
     last). ``source``: a declared type, read by attribute (a field it lacks reads as None)."""
     for gauge, name in pairs:
@@ -88,7 +92,7 @@ class StepGauges:
     def __init__(self, registry: CollectorRegistry, learner_price: float, history: int) -> None:
         g = _gauge(registry)
         self.learner_price = learner_price
-        self.rows: deque[dict[str, Any]] = deque(maxlen=history)  # as /api/state sends them
+        self.rows: deque[JsonObject] = deque(maxlen=history)  # as /api/state sends them
         self.cost_usd = 0.0
         self.steps = 0
         self.last_step: int | None = None
@@ -214,7 +218,7 @@ class StepGauges:
         self._observe_staleness(row)
         self._episode_stats(row.episode_stats)
 
-    def _episode_stats(self, stats: Any) -> None:
+    def _episode_stats(self, stats: object) -> None:
         means = {str(k): num(v) for k, v in stats.items()} if isinstance(stats, dict) else {}
         kept = {k: v for k, v in means.items() if v is not None}
         for gone in self.episode_names - set(kept):
@@ -243,8 +247,8 @@ class FleetGauges:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         g = _gauge(registry)
-        self.workers: dict[str, dict[str, Any]] = {}
-        self.reputation: dict[str, dict[str, Any]] = {}
+        self.workers: dict[str, dict[str, object]] = {}
+        self.reputation: dict[str, dict[str, object]] = {}
         self.by_key = (
             (g("echo_active_workers", "live active workers"), STAT.active_workers),
             (g("echo_standby_workers", "live standby workers"), STAT.standby_workers),
@@ -338,7 +342,7 @@ class FleetGauges:
             self._update_workers(stats.workers)
         self._update_checks(stats)
 
-    def _update_workers(self, workers: Mapping[str, Mapping[str, Any]]) -> None:
+    def _update_workers(self, workers: Mapping[str, Mapping[str, object]]) -> None:
         for gone in set(self.workers) - set(workers):
             for gauge, _ in self.g_w.values():
                 try:
@@ -373,7 +377,7 @@ class AccountGauges:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         g = _gauge(registry)
-        self.accounts: dict[str, dict[str, Any]] = {}
+        self.accounts: dict[str, JsonObject] = {}  # {worker: a wire.Account dumped}
         self.g_acct = {
             "accepted": g(
                 "echo_worker_records_accepted", "records of the worker admitted", ("worker",)
@@ -403,23 +407,29 @@ class AccountGauges:
             ("worker", "state"),
         )
 
-    def update(self, accounts: dict[str, dict[str, Any]]) -> None:
+    def update(self, accounts: Mapping[str, JsonObject]) -> None:
         for wid in set(self.accounts) - set(accounts):
             for gauge in self.g_acct.values():
                 gauge.remove(wid)
         for wid, old in self.accounts.items():  # labels (reason, state) no longer there
             new = accounts.get(wid, {})
-            for reason in set(old.get("rejected", {})) - set(new.get("rejected", {})):
+            for reason in set(_rejected(old)) - set(_rejected(new)):
                 self.g_acct_rejected.remove(wid, reason)
             if old.get("state") != new.get("state"):
                 self.g_acct_state.remove(wid, old.get("state"))
         for wid, a in accounts.items():
             for key, gauge in self.g_acct.items():
                 gauge.labels(worker=wid).set(num(a.get(key)) or 0.0)
-            for reason, n in (a.get("rejected") or {}).items():
+            for reason, n in _rejected(a).items():
                 self.g_acct_rejected.labels(worker=wid, reason=reason).set(num(n) or 0.0)
             self.g_acct_state.labels(worker=wid, state=str(a.get("state"))).set(1.0)
         self.accounts = {wid: dict(a) for wid, a in accounts.items()}
+
+
+def _rejected(account: JsonObject) -> JsonObject:
+    """An account's refused records by reason ({} when it has none)."""
+    rejected = account.get("rejected")
+    return rejected if isinstance(rejected, dict) else {}
 
 
 class InstallGauges:
@@ -436,7 +446,9 @@ class InstallGauges:
             registry=registry,
         )
 
-    def update(self, installs: dict[Any, dict[str, float]]) -> None:
+    def update(self, installs: Mapping[int, Mapping[str, float]]) -> None:
+        """``installs``: {version: {worker: seconds}} (a version read back from JSON may be a
+        string; int() takes both)."""
         for version, times in installs.items():
             if times:
                 self.installs[int(version)] = {w: float(t) for w, t in times.items()}

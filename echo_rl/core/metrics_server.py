@@ -57,7 +57,7 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
 
-def _finite(x: JsonValue) -> JsonValue:
+def _finite(x: object) -> object:
     """NaN/inf are not JSON: send null."""
     return finite_or_null(x)[0]
 
@@ -66,9 +66,11 @@ def _finite(x: JsonValue) -> JsonValue:
 def finite_or_null(x: JsonObject) -> tuple[JsonObject, int]: ...
 @overload
 def finite_or_null(x: JsonValue) -> tuple[JsonValue, int]: ...
+@overload
+def finite_or_null(x: object) -> tuple[object, int]: ...
 
 
-def finite_or_null(x: JsonValue) -> tuple[JsonValue, int]:
+def finite_or_null(x: object) -> tuple[object, int]:
     """``x`` with every non-finite float (nested in dicts, lists, tuples) replaced by None,
     and how many were replaced: what ``json.dumps(..., allow_nan=False)`` accepts."""
     if isinstance(x, float) and not math.isfinite(x):
