@@ -281,7 +281,7 @@ class EchoConfig(_Section):
 # ----------------------------------------------------------------------------- loading
 
 
-def _explain(err: ValidationError, data: dict[str, Any]) -> str:
+def _explain(err: ValidationError, data: dict[str, object]) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
@@ -309,7 +309,7 @@ def _explain(err: ValidationError, data: dict[str, Any]) -> str:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> EchoConfig:
-    data: dict[str, Any] = {}
+    data: dict[str, object] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():

@@ -73,12 +73,12 @@ class AdapterConfig(_Section):
     presets: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @property
-    def effective_options(self) -> dict[str, Any]:
+    def effective_options(self) -> dict[str, object]:
         preset = {k: v for k, v in self.presets.get(self.name, {}).items() if k != "generation"}
         return {**preset, **self.options}
 
     @property
-    def generation(self) -> dict[str, Any]:
+    def generation(self) -> dict[str, object]:
         """The chosen adapter's generation settings from its preset (may be empty)."""
         gen = self.presets.get(self.name, {}).get("generation", {})
         if not isinstance(gen, dict):

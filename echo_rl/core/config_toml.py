@@ -5,7 +5,7 @@ scenarios (``parse_override``, ``apply_override``, ``known_keys``)."""
 from __future__ import annotations
 
 import tomllib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
@@ -15,9 +15,9 @@ if TYPE_CHECKING:
     from echo_rl.core.config import EchoConfig
 
 
-def parse_override(item: str, error: type[Exception] = ConfigError) -> tuple[list[str], Any]:
+def parse_override(item: str, error: type[Exception] = ConfigError) -> tuple[list[str], object]:
     """``section.key=value`` (value in TOML syntax, a bare word being a string) -> (path,
-    value). Shared with the simulator's scenarios, which raise their own ``error``."""
+    value: any TOML value, checked later by the model it configures). Shared with the simulator's scenarios, which raise their own ``error``."""
     if "=" not in item:
         raise error(f"override {item!r} has no '=': write --set section.key=value")
     key, raw = item.split("=", 1)
@@ -30,13 +30,15 @@ def parse_override(item: str, error: type[Exception] = ConfigError) -> tuple[lis
 
 
 def apply_override(
-    data: dict[str, Any], path: list[str], value: Any, error: type[Exception] = ConfigError
+    data: dict[str, object], path: list[str], value: object, error: type[Exception] = ConfigError
 ) -> None:
+    """``value`` set at ``path`` in TOML data (tables made on the way)."""
     node = data
     for part in path[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
             raise error(f"override {'.'.join(path)}: {part!r} is not a table")
+        node = child
     node[path[-1]] = value
 
 
@@ -48,11 +50,11 @@ RENAMED: dict[str, tuple[str, float, str]] = {
 }
 
 
-def renamed_hint(key: str, value: Any) -> str:
+def renamed_hint(key: str, value: object) -> str:
     """What an operator whose TOML still says ``key`` must write instead."""
     new, factor, how = RENAMED[key]
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    converted = f" = {value * factor!r}" if number else ""
+    converted = f" = {value * factor!r}" if isinstance(value, (int, float)) and number else ""
     return (
         f"{key} is now {new} ({how}): write {new.rpartition('.')[2]}{converted} in the "
         f"[{new.partition('.')[0]}] table (or --set {new}=...)"
@@ -73,7 +75,7 @@ def known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 def dump_toml(cfg: EchoConfig) -> str:
     """Resolved config as TOML (written into every run folder)."""
 
-    def fmt(v: Any) -> str:
+    def fmt(v: object) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
         if isinstance(v, str):
@@ -96,7 +98,7 @@ def dump_toml(cfg: EchoConfig) -> str:
     return "\n".join(out) + "\n"
 
 
-def differences(cfg: EchoConfig) -> list[tuple[str, Any, Any]]:
+def differences(cfg: EchoConfig) -> list[tuple[str, object, object]]:
     """(dotted key, value, default) for every setting where ``cfg`` differs from the defaults
     (``EchoConfig()``, docs/config.md), in the config's order. A run's behaviour is the
     defaults plus these: the learner prints them at start (issue 56: the quickstart's
@@ -104,8 +106,8 @@ def differences(cfg: EchoConfig) -> list[tuple[str, Any, Any]]:
     0.0 without a word). Adapter presets are left out (what the task gets is
     ``adapter.options``); a dict-valued setting counts as one key."""
 
-    def flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def flat(data: dict[str, object], prefix: str = "") -> dict[str, object]:
+        out: dict[str, object] = {}
         for k, v in data.items():
             key = prefix + k
             if key == "adapter.presets":
