@@ -18,7 +18,6 @@ import dataclasses
 import inspect
 import sys
 import types
-from typing import Any
 
 from echo_rl.core.config_doc import field_notes, page_cli
 
@@ -74,8 +73,10 @@ def _text(doc: str | None) -> str:
     return "\n\n".join(paras).replace("``", "`")
 
 
-def _sig(name: str, obj: Any) -> str:
+def _sig(name: str, obj: object) -> str:
     """``name(params) -> ret`` with the annotations as written (they are strings here)."""
+    if not callable(obj):  # nothing to call, no signature (inspect would say so)
+        return name
     try:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
@@ -95,12 +96,12 @@ def _sig(name: str, obj: Any) -> str:
     return f"{name}({', '.join(params)}){ret}"
 
 
-def _ann(ann: Any) -> str:
+def _ann(ann: object) -> str:
     text = ann if isinstance(ann, str) else getattr(ann, "__name__", str(ann))
     return text.strip("'\"").replace("typing.", "")
 
 
-def _default(value: Any) -> str:
+def _default(value: object) -> str:
     if value is dataclasses.MISSING:
         return "required"
     if isinstance(value, str):
@@ -144,10 +145,10 @@ def _fields(cls: type) -> list[str]:
     return rows + [""]
 
 
-def _members(cls: type) -> list[tuple[str, Any]]:
+def _members(cls: type) -> list[tuple[str, property | types.FunctionType]]:
     """Public methods and properties defined in ``cls`` itself (a dataclass's generated
     ``__init__`` is its fields table)."""
-    out = []
+    out: list[tuple[str, property | types.FunctionType]] = []
     for name, obj in cls.__dict__.items():
         if name.startswith("_") and name not in ("__init__", "__len__"):
             continue
@@ -179,10 +180,10 @@ def undocumented() -> list[str]:
     return missing
 
 
-def _public() -> list[tuple[str, str, Any]]:
+def _public() -> list[tuple[str, str, object]]:
     import importlib
 
-    out = []
+    out: list[tuple[str, str, object]] = []
     for mod in MODULES:
         m = importlib.import_module(mod)
         for name, obj in vars(m).items():

@@ -36,9 +36,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from echo_rl.core.errors import ReasonError
+from echo_rl.core.jsontypes import JsonObject
 
 
 class RecordError(ReasonError, ValueError):
@@ -66,7 +66,7 @@ class Record:
     # multi-turn: the episode stopped at a limit, as the worker judged it (completions_cut)
     cut: bool | None = None
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> JsonObject:
         """The record as the dict a worker sends (msgpack)."""
         return asdict(self)
 
@@ -214,12 +214,12 @@ def _check_reward(reward: float | int, bound: float) -> None:
 MAX_VERSION_RUNS = 64
 
 
-def check_versions(runs: Any, n: int, oldest: int) -> None:
+def check_versions(runs: object, n: int, oldest: int) -> None:
     """Per-token versions as ``[version, count]`` runs: counts >= 1 summing to ``n``, adjacent
     runs of different versions, and ``oldest`` (the record's ``version``, which the staleness
     rule judges) the smallest. Runs need not increase: a worker that continues a sample may
     hold an older snapshot than the one that started it."""
-    ok = (
+    if not (
         isinstance(runs, list)
         and 1 <= len(runs) <= MAX_VERSION_RUNS
         and all(
@@ -229,8 +229,7 @@ def check_versions(runs: Any, n: int, oldest: int) -> None:
             and r[1] >= 1
             for r in runs
         )
-    )
-    if not ok:
+    ):
         raise RecordError(
             "bad_versions",
             f"versions must be 1..{MAX_VERSION_RUNS} [version, "
