@@ -37,7 +37,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import NotRequired, TypedDict, cast
 
 import zmq
 import zmq.asyncio
@@ -55,6 +55,22 @@ from echo_rl.core import wire
 from echo_rl.core.errors import ReasonError
 from echo_rl.core.retry import Backoff
 from echo_rl.core.security import KeyPair
+
+
+class Attempt(TypedDict):
+    """One source tried by a fetch (``FetchStats.attempts``): where the chunks came from and
+    when (wall-clock seconds), and, once it was left, why."""
+
+    source: str
+    start: float
+    first: float | None  # the first chunk held from it
+    last: float | None
+    chunks: int
+    not_yet: NotRequired[int]  # replies saying it did not hold a chunk yet
+    end: NotRequired[float]
+    reason: NotRequired[str]
+    detail: NotRequired[str]
+
 
 # Request ids start at a random point per process: a relay must not tell the learner's
 # probe (echo_rl/control/verify.py, which draws its ids the same way) from a child by its ids.
@@ -95,7 +111,7 @@ class FetchStats:
     # One entry per source tried, in order: where the chunks came from and when (wall-clock
     # seconds, comparable across processes), and why the source was left (the trace a
     # benchmark writes per node: ``python -m labs.broadcast_bench --trace DIR``).
-    attempts: list[dict[str, Any]] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
 
     @property
     def down_mbit(self) -> float:
@@ -147,7 +163,7 @@ async def fetch_into(
     t0 = time.monotonic()
     for _ in range(max_attempts):
         stats.sources.append(src.endpoint)
-        attempt = {
+        attempt: Attempt = {
             "source": src.endpoint,
             "start": time.time(),
             "first": None,
@@ -176,7 +192,7 @@ async def fetch_into(
             return stats
         except SourceFailed as fail:
             stats.failures.append((src.endpoint, fail.reason))
-            attempt.update(end=time.time(), reason=fail.reason, detail=fail.detail[:200])
+            attempt.update({"end": time.time(), "reason": fail.reason, "detail": fail.detail[:200]})
             if reattach is None:
                 raise SnapshotError(f"fetching version {version} from {src}: {fail}") from None
             new = await reattach(src, fail)
@@ -211,7 +227,7 @@ async def _pull(
     download: TokenBucket | None,
     stats: FetchStats,
     dialer: Dialer,
-    attempt: dict[str, Any] | None = None,
+    attempt: Attempt | None = None,
     stall_s: float | None = None,
 ) -> None:
     stall = timeout_s if stall_s is None else stall_s
@@ -320,7 +336,7 @@ def _raise_failed(checks: ChunkChecks) -> None:
         raise SourceFailed("corrupt", why, index)
 
 
-def _counter(stats: FetchStats, attempt: dict[str, Any] | None) -> OnHeld:
+def _counter(stats: FetchStats, attempt: Attempt | None) -> OnHeld:
     """What a verified chunk adds to the fetch's figures and its attempt's trace."""
 
     def held(index: int, nbytes: int) -> None:

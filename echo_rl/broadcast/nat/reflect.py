@@ -36,7 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import msgpack
 
@@ -229,7 +229,14 @@ def nat_class(first: Observation, second: Observation, relay_endpoint: str) -> t
     return "none", addr
 
 
-def _parse_probe(raw: bytes) -> dict[str, Any]:
+class Probe(TypedDict):
+    """A prober's message, checked: its nonce, and the port to dial back (0: none)."""
+
+    nonce: bytes
+    dial: int
+
+
+def _parse_probe(raw: bytes) -> Probe:
     if not raw or len(raw) > MAX_PROBE:
         raise NatError("probe size")
     try:
