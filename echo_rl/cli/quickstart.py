@@ -11,8 +11,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -21,6 +23,9 @@ from rich.table import Table
 from echo_rl.core.config import EchoConfig, dump_toml
 from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
 from echo_rl.core.steprow import StepRow
+
+if TYPE_CHECKING:
+    from echo_rl.learner.evaluation import HeldoutScoreJson
 
 console = Console()
 
@@ -66,8 +71,10 @@ def _describe(row: StepRow) -> str:
     )
 
 
-def _mean(values: list[Any]) -> float:
-    return sum(values) / len(values) if values else float("nan")
+def _mean(values: Sequence[float | None]) -> float:
+    """The mean of the numbers (a row without one left out); NaN when there are none."""
+    nums = [v for v in values if v is not None]
+    return sum(nums) / len(nums) if nums else float("nan")
 
 
 def summary_table(cfg: EchoConfig, rows: list[StepRow], run_dir: Path) -> Table:
@@ -107,12 +114,14 @@ def _heldout(run_dir: Path) -> dict[str, str]:
     path = run_dir / "heldout.jsonl"
     if not path.exists():
         return {}
-    scores = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    scores: list[HeldoutScoreJson] = [
+        json.loads(line) for line in path.read_text().splitlines() if line.strip()
+    ]
     if not scores:
         return {}
     best = max(scores, key=lambda s: s["mean"])
 
-    def say(s: dict[str, Any]) -> str:
+    def say(s: HeldoutScoreJson) -> str:
         return f"{s['mean']:.3f} [{s['lo']:.3f}, {s['hi']:.3f}] after {s['steps']} steps"
 
     return {
@@ -122,7 +131,7 @@ def _heldout(run_dir: Path) -> dict[str, str]:
     }
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
@@ -243,7 +252,7 @@ def _startup_error(run_dir: Path, err: Exception) -> str:
 PLAIN_EVERY_S = 10.0  # without a terminal: one progress line this often
 
 
-def _follow(cfg: EchoConfig, learner: Any, tail: MetricsTail) -> None:
+def _follow(cfg: EchoConfig, learner: subprocess.Popen[bytes], tail: MetricsTail) -> None:
     """A live progress bar on a terminal; without one (a pipe, CI, a log file) a bar would be
     cut to the terminal width rich assumes, so plain lines instead, every 10 s and at the end."""
     if not console.is_terminal:
@@ -266,7 +275,7 @@ def _follow(cfg: EchoConfig, learner: Any, tail: MetricsTail) -> None:
             _wait(learner, 0.5)  # wake on exit, or redraw twice a second
 
 
-def _follow_plain(cfg: EchoConfig, learner: Any, tail: MetricsTail) -> None:
+def _follow_plain(cfg: EchoConfig, learner: subprocess.Popen[bytes], tail: MetricsTail) -> None:
     last, shown, row = time.monotonic(), None, None
     while True:
         done = learner.poll() is not None
@@ -293,7 +302,7 @@ def _plain(text: str) -> str:
     return Text.from_markup(text).plain
 
 
-def _wait(learner: Any, seconds: float) -> None:
+def _wait(learner: subprocess.Popen[bytes], seconds: float) -> None:
     try:
         learner.wait(seconds)
     except subprocess.TimeoutExpired:
