@@ -31,12 +31,27 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from echo_rl.core import wire
+from echo_rl.core.jsontypes import JsonObject, JsonValue
 
 KEEP_CLOSED = 4096  # books of departed workers kept (for /metrics and a late look)
 MAX_REASONS = 32  # distinct refusal reasons kept per worker (they come from a fixed set)
+
+
+class BookState(TypedDict):
+    """One worker's counts as the run folder keeps them (``fleet.json``'s ``accounts``, by
+    worker id): written by ``Accounts.state``, read back by ``Accounts.restore`` and by
+    ``echo_rl.control.roster``."""
+
+    key: str
+    price: float
+    active_s: float
+    accepted: int
+    duplicates: int
+    rejected: dict[str, int]
+    granted: int
 
 
 @dataclass
@@ -180,26 +195,40 @@ class Accounts:
             for w in closed[: max(0, len(closed) - self.keep)]:
                 del self._books[w]
 
-    def refresh(self, worker_id: str, **live: Any) -> None:
-        """Figures the learner keeps elsewhere (versions, grants, checks, link rates)."""
+    def refresh(
+        self,
+        worker_id: str,
+        *,
+        version: int,
+        install_s: float,
+        nat: str,
+        throughput: float,
+        checks: int,
+        check_failures: int,
+        down_mbit: float,
+        up_mbit: float,
+    ) -> None:
+        """Figures the learner keeps elsewhere (versions, installs, checks, link rates)."""
         with self._lock:
             book = self._books.get(worker_id)
             if book is not None:
-                for k, v in live.items():
-                    setattr(book, k, v)
+                book.version, book.install_s, book.nat = version, install_s, nat
+                book.throughput = throughput
+                book.checks, book.check_failures = checks, check_failures
+                book.down_mbit, book.up_mbit = down_mbit, up_mbit
 
     def account(self, worker_id: str) -> wire.Account | None:
         with self._lock:
             book = self._books.get(worker_id)
             return book.account(time.monotonic()) if book is not None else None
 
-    def export(self) -> dict[str, dict[str, Any]]:
+    def export(self) -> dict[str, JsonObject]:
         """Every book as plain data (for /metrics and the dashboard), from any thread."""
         now = time.monotonic()
         with self._lock:
             return {w: b.account(now).model_dump() for w, b in self._books.items()}
 
-    def state(self) -> dict[str, dict[str, Any]]:
+    def state(self) -> dict[str, BookState]:
         """The counts of every book, by worker id, for the run folder (``echo_rl.control.fleet``)."""
         with self._lock:
             return {
@@ -215,7 +244,7 @@ class Accounts:
                 for w, b in self._books.items()
             }
 
-    def restore(self, state: dict[str, Any]) -> int:
+    def restore(self, state: JsonObject) -> int:
         """Books of the instance before a restart, closed until their worker re-joins with
         the same id and key (``open`` then continues them). Malformed entries are skipped."""
         n = 0
@@ -239,36 +268,40 @@ class Accounts:
             book.message, book.message_at = message, time.monotonic()
 
 
-def _parse_book(worker_id: Any, obj: Any) -> Book | None:
-    """One restored book, or None when the entry is not what ``Accounts.state`` writes."""
+def _parse_book(worker_id: str, obj: JsonValue) -> Book | None:
+    """One restored book, or None when the entry is not what ``Accounts.state`` writes
+    (``BookState``)."""
     try:
-        if (
-            not isinstance(worker_id, str)
-            or not isinstance(obj, dict)
-            or not isinstance(obj["key"], str)
-        ):
+        if not isinstance(obj, dict):
             return None
-        nums = {k: obj[k] for k in ("price", "active_s", "accepted", "duplicates", "granted")}
-        if any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in nums.values()
-        ):
+        key = obj["key"]
+        if not isinstance(key, str):
             return None
+        nums: dict[str, float] = {}
+        for k in ("price", "active_s", "accepted", "duplicates", "granted"):
+            v = obj[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                return None
+            nums[k] = v
         rejected = obj["rejected"]
-        if not isinstance(rejected, dict) or not all(
-            isinstance(k, str) and type(v) is int and v >= 0 for k, v in rejected.items()
-        ):
+        if not isinstance(rejected, dict):
             return None
+        counts: dict[str, int] = {}
+        for reason, n in rejected.items():
+            if type(n) is not int or n < 0:
+                return None
+            counts[reason] = n
     except (KeyError, TypeError):
         return None
     return Book(
         worker_id,
-        obj["key"],
+        key,
         float(nums["price"]),
         state="left",
         active_s=float(nums["active_s"]),
         accepted=int(nums["accepted"]),
         duplicates=int(nums["duplicates"]),
         granted=int(nums["granted"]),
-        rejected=Counter(dict(list(rejected.items())[:MAX_REASONS])),
+        rejected=Counter(dict(list(counts.items())[:MAX_REASONS])),
         message="the learner restarted: these books wait for this worker to re-join",
     )

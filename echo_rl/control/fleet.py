@@ -17,12 +17,15 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
+
+from echo_rl.core.jsontypes import JsonObject
 
 if TYPE_CHECKING:
-    from echo_rl.control.accounts import Accounts
+    from echo_rl.control.accounts import Accounts, BookState
     from echo_rl.provisioning.controller import Controller
 
 log = logging.getLogger("echo.fleet")
@@ -32,12 +35,21 @@ SAVE_EVERY_S = 2.0
 SCHEMA = 1
 
 
+class FleetDoc(TypedDict):
+    """What the learner writes (``FleetRecord.state``; the file adds its schema and the time):
+    the provisioner's memory by key (``Controller.state``) and the accounts by worker id."""
+
+    controller: Mapping[str, Mapping[str, object]]
+    accounts: dict[str, BookState]
+
+
 @dataclass
 class FleetState:
-    """The file's content: the provisioner's memory and the accounts, both by identity."""
+    """The file's content as read back, before the provisioner and the accounts check it:
+    the provisioner's memory and the accounts, both by identity."""
 
-    controller: dict[str, Any] = field(default_factory=dict)  # Controller.state()
-    accounts: dict[str, Any] = field(default_factory=dict)  # Accounts.state()
+    controller: dict[str, object] = field(default_factory=dict)  # Controller.state()
+    accounts: JsonObject = field(default_factory=dict)  # Accounts.state()
 
 
 class FleetBooks:
@@ -51,7 +63,7 @@ class FleetBooks:
         self._last = now
         return True
 
-    def save(self, state: dict[str, Any]) -> None:
+    def save(self, state: FleetDoc) -> None:
         tmp = self.path.with_suffix(".tmp")
         try:
             tmp.write_text(json.dumps({"schema": SCHEMA, "saved_at": time.time(), **state}))
@@ -97,7 +109,7 @@ class FleetRecord:
     def __init__(self, books: FleetBooks, controller: Controller | None, accounts: Accounts):
         self.books, self.controller, self.accounts = books, controller, accounts
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> FleetDoc:
         """What a restarted learner needs to know about its fleet (read on the loop)."""
         return {
             "controller": self.controller.state() if self.controller is not None else {},

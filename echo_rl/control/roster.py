@@ -21,10 +21,10 @@ import json
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from echo_rl.control.fleet import FLEET_FILE
 from echo_rl.core.errors import EchoError
+from echo_rl.core.jsontypes import JsonObject, JsonValue
 
 LIVE_TIMEOUT_S = 2.0
 KEY_LEN = 40
@@ -70,8 +70,9 @@ class Entry:
             return ""
         return f"{self.down_mbit or 0:.0f}/{self.up_mbit or 0:.0f}"
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def as_dict(self) -> dict[str, str | float | int | None]:
+        row: dict[str, str | float | int | None] = asdict(self)
+        return row
 
 
 @dataclass
@@ -158,29 +159,31 @@ def load_roster(run_dir: Path, live: bool = True) -> Roster:
 # ------------------------------------------------------------------ the files
 
 
-def _read_json(path: Path, notes: list[str]) -> Any:
+def _read_json(path: Path, notes: list[str]) -> JsonValue:
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
+        doc: JsonValue = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         notes.append(f"{path} skipped: unreadable ({exc})")
         return None
+    return doc
 
 
-def _fleet(run_dir: Path, rows: dict[str, Entry], notes: list[str]) -> dict[str, Any]:
+def _fleet(run_dir: Path, rows: dict[str, Entry], notes: list[str]) -> JsonObject:
     """Entries from fleet.json's accounts; returns the provisioner's memory by key."""
     doc = _read_json(run_dir / FLEET_FILE, notes)
     if not isinstance(doc, dict):
         return {}
     accounts = doc.get("accounts")
     for wid, book in accounts.items() if isinstance(accounts, dict) else []:
-        if not isinstance(book, dict) or not isinstance(book.get("key"), str):
+        key = book.get("key") if isinstance(book, dict) else None
+        if not isinstance(book, dict) or not isinstance(key, str):
             continue
         rejected = book.get("rejected")
         rows[str(wid)] = Entry(
             str(wid),
-            book["key"],
+            key,
             price=_num(book.get("price")),
             accepted=_int(book.get("accepted")),
             rejected=(
@@ -212,8 +215,9 @@ def _token_keys(path: Path, notes: list[str]) -> list[str]:
     tokens = doc.get("tokens") if isinstance(doc, dict) else None
     keys: list[str] = []
     for entry in tokens.values() if isinstance(tokens, dict) else []:
-        if isinstance(entry, dict) and isinstance(entry.get("keys"), list):
-            keys += [k for k in entry["keys"] if isinstance(k, str) and len(k) == KEY_LEN]
+        listed = entry.get("keys") if isinstance(entry, dict) else None
+        if isinstance(listed, list):
+            keys += [k for k in listed if isinstance(k, str) and len(k) == KEY_LEN]
     return keys
 
 
@@ -240,13 +244,13 @@ def _strikes(path: Path) -> dict[str, int]:
     return out
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
+def _jsonl(path: Path) -> list[JsonObject]:
     if not path.exists():
         return []
     out = []
     for line in path.read_text().splitlines():
         try:
-            row = json.loads(line)
+            row: JsonValue = json.loads(line)
         except ValueError:
             continue
         if isinstance(row, dict):
@@ -261,7 +265,8 @@ def _live(run_dir: Path, rows: dict[str, Entry], notes: list[str]) -> str:
     """Fill state, NAT, transport, rates and strikes from the learner's /api/state (GET only).
     Returns its URL, or "" (with a note) when there is none or it does not answer."""
     info = _read_json(run_dir / "learner.json", notes)
-    url = info.get("metrics", "") if isinstance(info, dict) else ""
+    given = info.get("metrics", "") if isinstance(info, dict) else ""
+    url = str(given) if given else ""
     if not url:
         notes.append("no learner metrics URL in learner.json: states are from the run folder")
         return ""
@@ -297,7 +302,7 @@ def _live(run_dir: Path, rows: dict[str, Entry], notes: list[str]) -> str:
     return url
 
 
-def _tree(state: Any, rows: dict[str, Entry], notes: list[str]) -> None:
+def _tree(state: JsonValue, rows: dict[str, Entry], notes: list[str]) -> None:
     """Parents, roles and transports from the served relay tree (absent from an older
     learner): all three from the one plan, so they cannot disagree (issue 55: the workers
     list's transport, read apart from the tree, said "punched" beside PARENT learner, ROLE
@@ -323,14 +328,15 @@ def _tree(state: Any, rows: dict[str, Entry], notes: list[str]) -> None:
             e.parent, e.role, e.transport = n.parent or "", n.role, n.transport
 
 
-def _rows(state: Any, name: str) -> list[dict[str, Any]]:
+def _rows(state: JsonValue, name: str) -> list[JsonObject]:
     rows = state.get(name) if isinstance(state, dict) else None
-    return [r for r in rows or [] if isinstance(r, dict) and r.get("worker") is not None]
+    listed = rows if isinstance(rows, list) else []
+    return [r for r in listed if isinstance(r, dict) and r.get("worker") is not None]
 
 
-def _num(v: Any, default: float | None = None) -> float | None:
+def _num(v: JsonValue, default: float | None = None) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
 
 
-def _int(v: Any, default: int | None = None) -> int | None:
+def _int(v: JsonValue, default: int | None = None) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else default
