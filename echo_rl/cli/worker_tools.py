@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from echo_rl.cli.worker_join import punch_host, relay_ports
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from echo_rl.worker.status import WorkerStatus
 
 
 def doctor(args: argparse.Namespace) -> int:
@@ -71,7 +76,7 @@ def preempt(args: argparse.Namespace) -> int:
         print(f"echo-worker preempt: {exc}", file=sys.stderr)
         return 1
     pid = doc.pid
-    if doc.exit or not _alive(pid, os):
+    if doc.exit or not _alive(pid):
         print(f"echo-worker preempt: the worker of {path} is not running", file=sys.stderr)
         return 1
     if not args.seconds >= 0:
@@ -86,7 +91,6 @@ def preempt(args: argparse.Namespace) -> int:
 def status(args: argparse.Namespace) -> int:
     """``echo-worker status``: the table from a worker's status file."""
     import json
-    import os
     import time
     from pathlib import Path
 
@@ -106,7 +110,7 @@ def status(args: argparse.Namespace) -> int:
         return 0
     for doc in docs:  # one table per run the worker process serves (docs/multirun.md)
         age = ago(time.time() - doc.updated_at)
-        running = not doc.exit and _alive(doc.pid, os)
+        running = not doc.exit and _alive(doc.pid)
         # an exited worker's last write is its exit
         when = f"exited {age}" if doc.exit else f"updated {age}"
         Console().print(
@@ -119,14 +123,14 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
-def sibling_runs(path: Any, doc: Any) -> list[Any]:
+def sibling_runs(path: Path, doc: WorkerStatus) -> list[Path]:
     """The other status files of the process that wrote ``doc``: a worker joined to several
     runs keeps one per run (``ID@HOST_PORT.json``), all carrying its pid."""
     from echo_rl.worker.status import read_status
 
     if "@" not in path.name or doc.pid <= 0:  # a worker of one run: one file
         return []
-    out = []
+    out: list[Path] = []
     for other in sorted(path.parent.glob("*@*.json")):
         if other == path:
             continue
@@ -138,7 +142,9 @@ def sibling_runs(path: Any, doc: Any) -> list[Any]:
     return out
 
 
-def _alive(pid: int, os: Any) -> bool:
+def _alive(pid: int) -> bool:
+    import os
+
     if pid <= 0:
         return False
     try:
