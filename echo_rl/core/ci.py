@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import TypedDict
 
 # t(0.975, df) for df = 1..30; beyond, the normal quantile is within 2 % of it.
 _T975 = (
@@ -61,6 +61,16 @@ def t975(df: int) -> float:
     return Z975
 
 
+class MeanCIJson(TypedDict):
+    """A ``MeanCI`` as ``as_dict`` gives it (``echo-rl eval --json``)."""
+
+    mean: float
+    lo: float
+    hi: float
+    n: int
+    std: float
+
+
 @dataclass(frozen=True)
 class MeanCI:
     mean: float
@@ -73,8 +83,15 @@ class MeanCI:
     def half(self) -> float:
         return (self.hi - self.lo) / 2
 
-    def as_dict(self) -> dict[str, Any]:
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+    def as_dict(self) -> MeanCIJson:
+        """The fields in order, floats rounded to 6 places."""
+        return {
+            "mean": round(self.mean, 6),
+            "lo": round(self.lo, 6),
+            "hi": round(self.hi, 6),
+            "n": self.n,
+            "std": round(self.std, 6),
+        }
 
 
 def mean_ci(xs: Sequence[float]) -> MeanCI:

@@ -29,7 +29,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 from echo_rl.learner.evaluation import (
     BATCH,
@@ -68,7 +68,48 @@ __all__ = [
     "take",
 ]
 
+if TYPE_CHECKING:
+    from echo_rl.core.ci import MeanCIJson
+    from echo_rl.core.config import EchoConfig
+
 # ----------------------------------------------------------------- the command
+
+
+class PolicyScore(TypedDict):
+    """One policy's line of ``evaluate``'s result."""
+
+    policy: str  # its label (latest, untrained, a step count, as sampled)
+    checkpoint: str | None  # its file; None: the model the run started from
+    reward: MeanCIJson  # mean reward over prompts, 95 % interval
+    per_prompt: list[float]  # each prompt's mean reward
+
+
+class PairedDifference(TypedDict):
+    """``--compare``: the second policy's per-prompt rewards minus the first's."""
+
+    difference: str  # "B - A", by label
+    mean: float
+    lo: float
+    hi: float
+    n: int
+    std: float
+    excludes_zero: bool  # the interval excludes 0: a difference is shown
+
+
+class EvalResult(TypedDict):
+    """What ``echo-rl eval --json`` prints."""
+
+    run_dir: str | None  # None: a score before any run (--config)
+    adapter: str
+    split: str
+    prompts: int
+    samples: int
+    temperature: float
+    max_new_tokens: int
+    seed: int
+    lora: bool
+    policies: list[PolicyScore]
+    paired: NotRequired[PairedDifference]
 
 
 def evaluate(
@@ -81,9 +122,9 @@ def evaluate(
     temperature: float | None = None,
     seed: int = 0,
     threads: int = 2,
-    config: Any = None,
+    config: EchoConfig | None = None,
     sampled: bool = False,
-) -> dict[str, Any]:
+) -> EvalResult:
     """The result as a dict (what ``--json`` prints). Without a run folder (``run_dir``
     None), ``config`` (an ``EchoConfig``) names the model and task, and only the untrained
     model can be scored: a score before any run. ``sampled``: the evaluated policy as workers
@@ -120,7 +161,7 @@ def evaluate(
     finally:
         scorer.close()
     prompts, used, temp, max_new = scorer.prompts, scorer.split, scorer.temperature, scorer.max_new
-    res: dict[str, Any] = {
+    res: EvalResult = {
         "run_dir": str(run_dir) if run_dir is not None else None,
         "adapter": cfg.adapter.name,
         "split": used,
@@ -150,7 +191,7 @@ def evaluate(
     return res
 
 
-def describe(res: dict[str, Any]) -> str:
+def describe(res: EvalResult) -> str:
     """The printed form of ``evaluate``'s result."""
     lines = [
         f"{res['run_dir'] or 'before any run'}: {res['adapter']}, split {res['split']}, "
