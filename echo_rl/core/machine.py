@@ -6,12 +6,16 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+
+from echo_rl.core.jsontypes import JsonObject
 
 
-def machine_info() -> dict[str, Any]:
+def machine_info() -> JsonObject:
+    """Platform, CPUs, memory, Python and the versions of the packages that set speed."""
+
     def ver(pkg: str) -> str | None:
         try:
             return version(pkg)
@@ -39,10 +43,12 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def write_result(path: str | Path, fields: dict[str, Any], *, indent: int = 2) -> dict[str, Any]:
+def write_result(
+    path: str | Path, fields: Mapping[str, object], *, indent: int = 2
+) -> dict[str, object]:
     """A benchmark's ``--json`` file: its fields after the machine it ran on, so no figure is
     stored without the machine that measured it. Returns the document written."""
-    doc = {"machine": machine_info(), **fields}
+    doc: dict[str, object] = {"machine": machine_info(), **fields}
     Path(path).write_text(json.dumps(doc, indent=indent, default=str) + "\n")
     return doc
 
