@@ -43,6 +43,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo_rl.control.intake import AuditJob
@@ -50,8 +51,10 @@ from echo_rl.control.reputation import Verdict
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.steprow import StepRow
 from echo_rl.data.answers import answer_bias
+from echo_rl.data.records import Record
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
     from echo_rl.core.layout import TensorLayout
@@ -68,7 +71,7 @@ class TokenStats:
     claimed: list[float]  # what the worker reported
 
 
-def logprob_check(samples: list[TokenStats], tol: float) -> tuple[bool, dict[str, Any]]:
+def logprob_check(samples: list[TokenStats], tol: float) -> tuple[bool, dict[str, float]]:
     gaps = [
         sum(abs(c - lp) for c, lp in zip(s.claimed, s.logprob)) / len(s.logprob)
         for s in samples
@@ -80,7 +83,7 @@ def logprob_check(samples: list[TokenStats], tol: float) -> tuple[bool, dict[str
 
 def sampling_check(
     samples: list[TokenStats], alpha: float, clip: float
-) -> tuple[bool, dict[str, Any]]:
+) -> tuple[bool, dict[str, float]]:
     total, spread = 0.0, 0.0
     for s in samples:
         for lp, h in zip(s.logprob, s.entropy):
@@ -105,8 +108,8 @@ class Auditor:
         report: Callable[[Verdict], None],
         is_quarantined: Callable[[str], bool] = lambda w: False,
         answer_tokens: tuple[int, ...] | None = None,
-        borrow: Any = None,
-        spill_to: Any = None,
+        borrow: torch.nn.Module | None = None,
+        spill_to: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         """``borrow``: the trainer's own model, audited in between steps instead of a copy
@@ -146,12 +149,12 @@ class Auditor:
             while len(self._snapshots) > self.keep:
                 self._snapshots.popitem(last=False)
 
-    def payloads(self) -> list[Any]:
+    def payloads(self) -> list[object]:
         """The versions held for audits (echo_rl.core.memstat counts them)."""
         with self._lock:
             return [payload for _, payload in self._snapshots.values()]
 
-    def model_tensors(self) -> list[Any]:
+    def model_tensors(self) -> list[torch.Tensor]:
         """The audit model's weights (None before its first audit)."""
         return [] if self._model is None else list(self._model.state_dict().values())
 
@@ -225,9 +228,10 @@ class Auditor:
 
         from echo_rl.core.spill import SpillWriter
 
-        model = self._borrow
+        model, spill_to = self._borrow, self._spill_to
+        assert model is not None and spill_to is not None  # given together (the constructor)
         params = [p for _, p in model.named_parameters()]
-        saved = SpillWriter(self._spill_to)
+        saved = SpillWriter(spill_to)
         try:
             for p in params:
                 saved.write(_raw(p))
@@ -288,7 +292,7 @@ class Auditor:
             )
 
     def token_stats(
-        self, version: int, snap: tuple[list[TensorLayout], bytes], records: list[Any]
+        self, version: int, snap: tuple[list[TensorLayout], bytes], records: list[Record]
     ) -> list[TokenStats]:
         import torch
 
@@ -307,7 +311,7 @@ class Auditor:
         with torch.no_grad():
             return self._batch(records)
 
-    def _batch(self, records: list[Any]) -> list[TokenStats]:
+    def _batch(self, records: list[Record]) -> list[TokenStats]:
         """One right-padded forward pass over the group's samples."""
         import torch
 
@@ -327,7 +331,7 @@ class Auditor:
         return [self._one(rec, logp[i]) for i, rec in enumerate(records)]
 
     @staticmethod
-    def _one(rec: Any, logp: Any) -> TokenStats:
+    def _one(rec: Record, logp: torch.Tensor) -> TokenStats:
         import torch
 
         start = len(rec.prompt_ids) - 1  # position j predicts token j+1
@@ -343,8 +347,8 @@ class Auditor:
         )
 
 
-def _raw(p: Any) -> Any:
-    """A CPU parameter's bytes as a writable uint8 numpy view of its own storage."""
+def _raw(p: torch.Tensor) -> memoryview:
+    """A CPU parameter's bytes: a writable view of its own storage (through numpy)."""
     import torch
 
-    return p.detach().view(-1).view(torch.uint8).numpy()
+    return p.detach().view(-1).view(torch.uint8).numpy().data

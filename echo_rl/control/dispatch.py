@@ -20,8 +20,11 @@ log = logging.getLogger("echo.control")
 
 SMALL_FRAME = 1 << 16
 
-# A handler: (routing id, sender key, message) -> the reply, a Deferred reply or None.
-Handler = Callable[[bytes, str, Any], Any]
+# What a request comes to: a reply, a reply deferred until its records are durable, or none.
+Reply = wire.Message | Deferred | None
+# A handler: (routing id, sender key, message) -> its reply. Each takes its own message type
+# (the dispatcher looks it up by that type), hence Any for the message.
+Handler = Callable[[bytes, str, Any], Reply]
 
 
 def ban_detail(note: str) -> str:
@@ -59,7 +62,7 @@ class Dispatcher:
         self.kind = ""  # the type of the message being handled (the loop's CPU book)
         self._log_gate = LogThrottle()  # one refusal line per peer per 10 s
 
-    async def handle(self, ident: bytes, key: str, frames: list[bytes]) -> Any:
+    async def handle(self, ident: bytes, key: str, frames: list[bytes]) -> Reply:
         """One message from one peer: whatever it holds ends at most this message."""
         msg: wire.Message | None = None
         try:
@@ -91,7 +94,7 @@ class Dispatcher:
             log.exception("internal error handling a message from %s", key or ident.hex())
             return wire.Error(reason="internal_error", detail="see the learner's log")
 
-    async def dispatch(self, ident: bytes, key: str, msg: wire.Message) -> Any:
+    async def dispatch(self, ident: bytes, key: str, msg: wire.Message) -> Reply:
         handler = self.handlers.get(type(msg))
         if handler is None:
             raise wire.WireError("unknown_type", f"{msg.type} is not a request the learner serves")

@@ -22,7 +22,7 @@ import socket
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from echo_rl.broadcast.nat.reflect import NatError, pick_punch_port, probe
 from echo_rl.core import wire
@@ -38,6 +38,29 @@ from echo_rl.core.doctor import Check, ask_learner, port_words, tcp_greeting
 from echo_rl.core.security import KeyPair, fingerprint
 
 PORTS_DOC = "docs/ports.md"
+
+
+class BoundPorts(TypedDict, total=False):
+    """learner.json's ``ports``: what the learner bound (``LearnerServer.bound_ports``, and
+    the dashboard's)."""
+
+    control: int
+    chunks: int
+    reflectors: list[int]
+    metrics: int
+
+
+class LearnerInfo(TypedDict, total=False):
+    """What the doctor reads of a run's learner.json (written by echo_rl.learner.startup)."""
+
+    endpoint: str
+    public_key: str
+    join: str
+    ports: BoundPorts
+
+
+# The learner's answer to a doctor request (None: none came), why not, and where it was asked.
+Asked = tuple[wire.Message | None, str, str]
 
 
 def diagnose(cfg: EchoConfig, run_dir: Path | None, lan: bool = False) -> list[Check]:
@@ -203,23 +226,23 @@ def _address_check(host: str, lan: bool) -> Check:
     return Check("public address", "ok", f"workers are told {host}")
 
 
-def _learner_json(run_dir: Path | None) -> dict[str, Any] | None:
+def _learner_json(run_dir: Path | None) -> LearnerInfo | None:
     path = run_dir / "learner.json" if run_dir is not None else None
     if path is None or not path.exists():
         return None
     try:
-        info = json.loads(path.read_text())
+        info: LearnerInfo = json.loads(path.read_text())  # what the learner wrote
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None
 
 
-def _ports(cfg: EchoConfig, info: dict[str, Any] | None) -> ListenPorts:
+def _ports(cfg: EchoConfig, info: LearnerInfo | None) -> ListenPorts:
     """The ports the learner bound (learner.json), else the ones the config fixes."""
     ports = cfg.listen_ports()
     if info is None:
         return ports
-    p = info.get("ports") or {}
+    p: BoundPorts = info.get("ports") or {}
     refl = p.get("reflectors") or [0, 0]
     return ListenPorts(
         int(p.get("control", 0)),
@@ -364,7 +387,7 @@ def _probe(kind: str, host: str, port: int) -> tuple[str, str, str]:
 def _reflector(host: str, port: int) -> tuple[str, str, str]:
     """A real NAT probe, as a worker sends it: the reflector answers with what it saw."""
 
-    async def one() -> dict[str, Any]:
+    async def one() -> dict[str, object]:
         _, reply = await probe(
             f"{host}:{port}", "0.0.0.0", pick_punch_port("0.0.0.0"), 0, timeout_s=3.0
         )
@@ -397,7 +420,7 @@ def _http_check(key: str, host: str, port: int) -> Check:
         )
 
 
-def _ask(info: dict[str, Any], where: Where, control: int) -> tuple[Any, str, str]:
+def _ask(info: LearnerInfo, where: Where, control: int) -> Asked:
     """The learner's answer to a doctor request with the key its join line pins: (reply,
     why not, endpoint asked). On its public endpoint when that is an address of this host,
     else on the bound one (behind a 1:1 NAT the public one does not loop back)."""
@@ -409,7 +432,7 @@ def _ask(info: dict[str, Any], where: Where, control: int) -> tuple[Any, str, st
     return reply, why, endpoint
 
 
-def _answer_check(info: dict[str, Any], asked: tuple[Any, str, str]) -> Check:
+def _answer_check(info: LearnerInfo, asked: Asked) -> Check:
     """The learner answers a doctor request, with the key its join line carries."""
     reply, why, endpoint = asked
     key = (info.get("public_key") or "").encode() or None

@@ -26,11 +26,14 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from echo_rl.core import wire
+
+if TYPE_CHECKING:
+    from echo_rl.control.work import Issued
 
 log = logging.getLogger("echo.grants")
 
@@ -133,7 +136,7 @@ def open_leases(leases: dict[str, Lease], done: set[str]) -> list[Lease]:
     return [lease for gid, lease in leases.items() if gid not in done]
 
 
-def open_journal(run_dir: Path, issued: Iterable[Any]) -> GrantJournal:
+def open_journal(run_dir: Path, issued: Iterable[Issued]) -> GrantJournal:
     """The run's grant journal (``grants.jsonl``), compacted to the leases open now (``issued``:
     the work queue's, restored ones included)."""
     journal = GrantJournal(run_dir / "grants.jsonl")

@@ -35,7 +35,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from echo_rl.control.faults import FAULTS, FaultBook
 from echo_rl.control.handback import expand
@@ -329,7 +329,7 @@ class Intake:
         )
 
     def _reward_lies(
-        self, adapter: Adapter, task: dict[str, Any], recs: list[Record]
+        self, adapter: Adapter, task: dict[str, object], recs: list[Record]
     ) -> list[list[float]]:
         """[sample index, reported, recomputed] for every reward the adapter scores otherwise."""
         tok = adapter.tokenizer
@@ -362,7 +362,7 @@ class Intake:
         auditor: RewardAuditor,
         sender: str,
         key: str,
-        task: dict[str, Any],
+        task: dict[str, object],
         recs: list[Record],
     ) -> None:
         probation = self.delivered[sender] <= self.probation_groups  # counted by _maybe_audit
@@ -408,7 +408,7 @@ class Intake:
         recs: list[Record],
         check: str,
         ok: bool,
-        stats: dict[str, Any],
+        stats: dict[str, object],
     ) -> None:
         q = self.reputation.record(
             Verdict(sender, key, recs[0].group_id, min(r.version for r in recs), check, ok, stats)

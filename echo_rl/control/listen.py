@@ -9,7 +9,6 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -19,7 +18,7 @@ from echo_rl.control.deliveries import Deferred
 from echo_rl.control.dispatch import Dispatcher
 from echo_rl.control.sessions import WorkerState
 from echo_rl.core import wire
-from echo_rl.core.security import ZAP_DOMAIN, curve_server, sender_key
+from echo_rl.core.security import ZAP_DOMAIN, KeyPair, curve_server, sender_key
 
 log = logging.getLogger("echo.control")
 
@@ -31,7 +30,7 @@ SERVE_BURST = 8  # messages served back to back before the loop lets its other t
 SERVE_SLICE_S = 0.005  # ... or this long, whichever comes first
 
 
-def port_taken(key: str, host: str, port: Any, exc: Exception) -> RuntimeError:
+def port_taken(key: str, host: str, port: object, exc: Exception) -> RuntimeError:
     """A listening port the learner cannot have, said with the key that sets it."""
     return RuntimeError(
         f"cannot listen on {host} port {port} ({key}): {exc}. Another process holds it (a "
@@ -46,7 +45,7 @@ def router(
     port: int,
     max_msg: int,
     key: str,
-    keys: Any,
+    keys: KeyPair | None,
     zap_domain: bytes = b"",
 ) -> zmq.asyncio.Socket:
     """A ROUTER listening on ``host``:``port`` (the config's ``key``), a CURVE server with

@@ -28,10 +28,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import msgpack
 
+from echo_rl.core.jsontypes import JsonObject
 from echo_rl.core.metrics import finite_or_null
 from echo_rl.data.durable import SetAside
 from echo_rl.data.records import Record
@@ -69,7 +70,7 @@ class Reputation:
         self.failures: Counter[str] = Counter()  # worker id -> checks failed
         self.by_check: Counter[str] = Counter()  # "<check>:<ok|fail>"
         self.quarantined: dict[str, str] = quarantined_workers(folder)  # worker id -> reason
-        self._files: dict[str, Any] = {}
+        self._files: dict[str, TextIO] = {}
 
     def record(self, v: Verdict) -> Quarantine | None:
         """The verdict written and counted; the quarantine it brought, if any (the caller's
@@ -139,7 +140,7 @@ class Reputation:
         log.error("worker %s QUARANTINED: %s", worker_id, reason)
         return Quarantine(worker_id, key, reason)
 
-    def _append(self, name: str, entry: dict[str, Any]) -> None:
+    def _append(self, name: str, entry: JsonObject) -> None:
         """One line, flushed; the files stay open (a check per delivered group is written)."""
         f = self._files.get(name)
         if f is None:
@@ -149,7 +150,7 @@ class Reputation:
         f.write(json.dumps(row, allow_nan=False) + "\n")
         f.flush()
 
-    def per_worker(self) -> dict[str, dict[str, Any]]:
+    def per_worker(self) -> dict[str, dict[str, int]]:
         """For /metrics and the dashboard."""
         ids = set(self.audits) | set(self.quarantined)
         return {

@@ -137,7 +137,7 @@ class RewardAuditor:
         self.report(Verdict(job.worker_id, job.key, first.group_id, version, "reward", ok, stats))
         return ok
 
-    def _score(self, task: dict[str, Any], r: Record) -> float:
+    def _score(self, task: dict[str, object], r: Record) -> float:
         text = self.adapter.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
         assert isinstance(text, str)  # one sequence decodes to one string
         return float(self.adapter.reward(task, r.completion_ids, text))

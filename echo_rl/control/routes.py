@@ -15,7 +15,6 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.coordinator import Coordinator
@@ -101,7 +100,7 @@ class SnapshotRoutes:
         run_id: str,
         instance_id: str,
         public_key: bytes,
-        view: dict[str, Any],
+        view: dict[str, object],
         reflectors: list[str],
     ) -> wire.JoinAck:
         """What a joining worker is told: the run, its config view, the newest version and

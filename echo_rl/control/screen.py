@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -52,7 +51,7 @@ def audit_screened(
     rows: list[int],
     key_of: Callable[[str], str | None],
     submit: Callable[[AuditJob], None],
-    write: Callable[[str, dict[str, Any]], None],
+    write: Callable[[str, Mapping[str, object]], None],
     pick: Callable[[list[int]], int] = random.choice,
 ) -> int:
     """The groups behind screened ``rows`` (batch rows in the order of ``groups``' records):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from echo_rl.broadcast.source import ChunkServer
 from echo_rl.control.accounts import Accounts
@@ -23,6 +23,7 @@ from echo_rl.control.sessions import SessionTable
 from echo_rl.control.staleness import Staleness
 from echo_rl.control.work import WorkQueue
 from echo_rl.core.control_stats import ControlStats, WorkerRow
+from echo_rl.core.jsontypes import JsonObject
 from echo_rl.data.buffer import ReplayBuffer
 
 # The per-worker tables in the stats (dashboard rows, /metrics labels) of a fleet larger than
@@ -182,12 +183,12 @@ class PerWorker(NamedTuple):
     """The per-worker tables of a ControlStats, rebuilt together."""
 
     workers: dict[str, WorkerRow]
-    reputation: dict[str, dict[str, Any]]
+    reputation: dict[str, dict[str, int]]
     checks: dict[str, int]
-    accounts: dict[str, dict[str, Any]]
+    accounts: dict[str, JsonObject]
 
 
-def _affinity(work: Any) -> dict[str, int]:
+def _affinity(work: WorkQueue) -> dict[str, int]:
     """learner.affinity's counts (docs/scheduling.md, "Affinity"); empty when off."""
     if work.affinity is None:
         return {}
