@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import zmq.asyncio
 
@@ -179,7 +179,7 @@ class Worker:
         # settled (a key's session may keep an earlier id; Session._accept writes it there).
         self.life = Lifecycle(lambda: self.status.doc.worker_id or self.worker_id, settings.migrate)
         self.progress = InstallProgress()  # the first install's phases, shown to the volunteer
-        self._side_tasks: set[asyncio.Future[Any]] = set()
+        self._side_tasks: set[asyncio.Future[None]] = set()
         # The parts, built by _assemble once run() has the sockets they talk through.
         self.client: Client
         self.node: RelayNode
@@ -328,7 +328,7 @@ class Worker:
             for t in tasks + list(self._side_tasks):
                 t.cancel()
 
-    async def _start_work(self, tg: asyncio.TaskGroup, tasks: list[asyncio.Task[Any]]) -> bool:
+    async def _start_work(self, tg: asyncio.TaskGroup, tasks: list[asyncio.Task[None]]) -> bool:
         """Load the model (unless told to stop meanwhile), then generate until told to stop."""
         await self.life.or_stopped(self.installer.obtain_base())
         if self.life.stopping.is_set():
@@ -375,13 +375,13 @@ class Worker:
         await self.deliveries.drain(self.life.left(LEAVE_S))
         await self.session.leave(min(self.life.left(), self.session.timeout))
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    def _spawn(self, coro: Awaitable[None]) -> None:
         """A side job (a NAT probe) that nothing waits for; cancelled at exit."""
         task = asyncio.ensure_future(coro)
         self._side_tasks.add(task)
         task.add_done_callback(self._side_done)
 
-    def _side_done(self, task: asyncio.Future[Any]) -> None:
+    def _side_done(self, task: asyncio.Future[None]) -> None:
         self._side_tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:  # said, not left unretrieved
             log.error("%s", task.exception(), exc_info=task.exception())

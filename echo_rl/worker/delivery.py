@@ -14,7 +14,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from echo_rl.core import wire
 from echo_rl.core.client import RequestTimeout
@@ -31,7 +31,7 @@ RESEND_S, RESEND_MAX_S = 0.5, 8.0  # after such a refusal: first back-off, and i
 class Requests(Protocol):
     """The learner, as deliveries see it: a request with a timeout (``echo_rl.core.client.Client``)."""
 
-    async def request(self, msg: Any, timeout: float) -> Any: ...
+    async def request(self, msg: wire.Message, timeout: float) -> wire.Message: ...
 
 
 class Deliveries:
@@ -50,7 +50,7 @@ class Deliveries:
         self.client, self.timeout, self.banned, self.ledger = client, timeout, banned, ledger
         self.unacked: OrderedDict[str, wire.Trajectories] = OrderedDict()
         self.groups_of: dict[str, list[str]] = {}  # batch id -> its group ids (while unacked)
-        self._keys: dict[str, list[list[Any]]] = {}  # batch id -> its records' (group, index)
+        self._keys: dict[str, list[list[str | int]]] = {}  # batch id -> its records' [group, index]
         self._delivering: set[str] = set()  # batch ids with a delivery in flight
         self.to_deliver = asyncio.Event()  # a batch needs a delivery started
         self.acked = asyncio.Event()  # a batch left ``unacked``
@@ -60,7 +60,9 @@ class Deliveries:
     def __len__(self) -> int:
         return len(self.unacked)
 
-    def add(self, batch: wire.Trajectories, group_ids: list[str], keys: list[list[Any]]) -> None:
+    def add(
+        self, batch: wire.Trajectories, group_ids: list[str], keys: list[list[str | int]]
+    ) -> None:
         """Queue a batch for delivery; ``keys`` name its records for the ledger."""
         self.unacked[batch.batch_id] = batch
         self.groups_of[batch.batch_id] = group_ids

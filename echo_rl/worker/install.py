@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
@@ -117,14 +117,14 @@ class Installer:
                 ack.version, manifest, Source(ack.snapshot_endpoint, ack.snapshot_key, ack.ticket)
             )
 
-    def offer(self, version: int, raw: dict[str, Any], source: Source) -> None:
+    def offer(self, version: int, raw: Mapping[str, object], source: Source) -> None:
         """A version the learner named, its manifest as it arrived: verified here, once."""
         if version > self.held.version:
             manifest = self._verified(version, raw)
             if manifest is not None:
                 self.feed.offer(version, manifest, source)
 
-    def _verified(self, version: int, raw: dict[str, Any]) -> Manifest | None:
+    def _verified(self, version: int, raw: Mapping[str, object]) -> Manifest | None:
         try:
             return verify_manifest(raw, self.session.public_key)
         except SnapshotError as err:  # a learner's bug or a forgery: this version is skipped
@@ -168,6 +168,8 @@ class Installer:
         if ready is None or ready[0] <= self.held.version:
             return
         version, manifest, result = ready
+        # rebuilt, or received whole into a buffer of the feed's: never a view or a map
+        assert isinstance(result, (bytes, bytearray))
         backend = self.held.backend
         assert backend is not None
         # a WorkerError: out of the try, it ends the worker

@@ -16,10 +16,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from echo_rl.worker.status import StatusBoard, notice_path
 
+T = TypeVar("T")
 log = logging.getLogger("echo.worker")
 
 STOP_S = 4.0
@@ -29,25 +30,29 @@ LEAVE_S = 1.0
 STOP_SWITCH_S = 1e-4
 
 
-async def in_daemon_thread(fn: Callable[[], Any]) -> Any:
+async def in_daemon_thread(fn: Callable[[], T]) -> T:
     """``fn()`` on a daemon thread: unlike ``asyncio.to_thread`` nobody waits for it at exit,
     so a stop during a model load of minutes leaves at once (the load dies with the process)."""
     loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
+    fut: asyncio.Future[T] = loop.create_future()
 
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if not fut.done():
-            fut.set_exception(exc) if exc is not None else fut.set_result(result)
+    def hand_back(settle: Callable[[], None]) -> None:
+        def on_loop() -> None:
+            if not fut.done():
+                settle()
+
+        try:
+            loop.call_soon_threadsafe(on_loop)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits for it any more
 
     def target() -> None:
         try:
-            result, exc = fn(), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task as it is
-            result, exc = None, e
-        try:
-            loop.call_soon_threadsafe(settle, result, exc)
-        except RuntimeError:
-            pass  # the loop is closed: nobody waits for it any more
+            result = fn()
+        except BaseException:  # noqa: BLE001 - handed to the awaiting task as it is
+            hand_back(lambda: fut.set_exception(e))
+            return
+        hand_back(lambda: fut.set_result(result))
 
     threading.Thread(target=target, name="echo-load", daemon=True).start()
     return await fut
@@ -114,7 +119,7 @@ class Lifecycle:
             return STOP_S - reserve
         return max(0.1, self.stop_at + STOP_S - reserve - self.clock())
 
-    async def or_stopped(self, aw: Awaitable[Any]) -> Any:
+    async def or_stopped(self, aw: Awaitable[T]) -> T | None:
         """``aw``'s result, or None as soon as the worker is told to stop (``aw`` is
         cancelled): a stop never waits on a silent learner or a long model load."""
         task = asyncio.ensure_future(aw)

@@ -18,11 +18,14 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from echo_rl.core.security import JoinLine, SecurityError
 from echo_rl.worker.sharing import Turns
 from echo_rl.worker.status import exit_text
+
+if TYPE_CHECKING:
+    from echo_rl.worker.agent import Worker
 
 log = logging.getLogger("echo.worker")
 
@@ -105,9 +108,14 @@ class MultiWorker:
     """The runs' workers and the device they share. ``make(spec, turns, index)`` builds one
     run's ``Worker`` (echo_rl/cli/worker_join.py gives each its own relay ports and status file)."""
 
-    def __init__(self, specs: list[RunSpec], make: Callable[..., Any], resident: int = 1):
+    def __init__(
+        self,
+        specs: list[RunSpec],
+        make: Callable[[RunSpec, Turns, int], Worker],
+        resident: int = 1,
+    ):
         self.turns = Turns(resident, park=self._park, unpark=self._unpark)
-        self.workers: dict[str, Any] = {}
+        self.workers: dict[str, Worker] = {}
         for i, spec in enumerate(specs):
             self.turns.add(spec.name, spec.share, spec.price)
             self.workers[spec.name] = make(spec, self.turns, i)
@@ -124,7 +132,7 @@ class MultiWorker:
                 tg.create_task(self._one(name, worker))
         return self.ended
 
-    async def _one(self, name: str, worker: Any) -> None:
+    async def _one(self, name: str, worker: Worker) -> None:
         """One run to its end; its failure (a ban, a refused key) is its own, not the others'."""
         try:
             self.ended[name] = await worker.run() or "done"

@@ -30,12 +30,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from echo_rl.broadcast.fetch import FetchStats, SourceFailed
 from echo_rl.broadcast.manifest import Manifest
 from echo_rl.broadcast.relay import Relay
 from echo_rl.broadcast.snapshot import SnapshotError
+from echo_rl.broadcast.store import Payload
 from echo_rl.broadcast.tickets import Source
 from echo_rl.broadcast.versions import rebuild
 
@@ -64,7 +64,7 @@ class SnapshotFeed:
         self.relay, self.ask, self.report, self.on_ready = relay, ask, report, on_ready
         self.pending: dict[int, tuple[Manifest, Source]] = {}  # verified (Installer.offer)
         self.rebuilt = -1  # newest version rebuilt here
-        self.ready: tuple[int, Manifest, Any] | None = None  # rebuilt, not yet installed
+        self.ready: tuple[int, Manifest, Payload] | None = None  # rebuilt, not yet installed
         self.offers = asyncio.Event()  # a notice arrived
         self._epoch = 0  # bumped by reset: a fetch of the old run gives up
         self.fetching: int | None = None  # the version being fetched now
@@ -120,7 +120,7 @@ class SnapshotFeed:
         buf = self.relay.store.get(self.fetching) if self.fetching is not None else None
         return (buf.version, buf.count, buf.total) if buf is not None else None
 
-    def take_ready(self) -> tuple[int, Manifest, Any] | None:
+    def take_ready(self) -> tuple[int, Manifest, Payload] | None:
         ready, self.ready = self.ready, None
         return ready
 
@@ -184,8 +184,8 @@ class SnapshotFeed:
         )
 
     async def _rebuild(
-        self, version: int, manifest: Manifest, payload: Any, epoch: int
-    ) -> tuple[Any, float, bool]:
+        self, version: int, manifest: Manifest, payload: Payload, epoch: int
+    ) -> tuple[Payload, float, bool]:
         """The full payload, the rebuild's seconds, and whether it took a keyframe."""
         t0 = time.perf_counter()
         try:
