@@ -23,7 +23,6 @@ import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -108,7 +107,7 @@ def _starts_of(body: list[ast.stmt]) -> set[int]:
     return {n.lineno for n in body}
 
 
-def _type(ann: Any) -> str:
+def _type(ann: object) -> str:
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     if type(None) in args:  # X | None: a key that may stay unset
         rest = [a for a in args if a is not type(None)]
@@ -124,15 +123,12 @@ def _type(ann: Any) -> str:
     return f"`{_plain(ann)}`"
 
 
-def _plain(ann: Any) -> str:
+def _plain(ann: object) -> str:
     return ann.__name__ if isinstance(ann, type) else str(ann).replace("typing.", "")
 
 
 def _default(info: FieldInfo) -> str:
-    if info.default_factory is not None:
-        value = info.default_factory()  # type: ignore[call-arg]  # ours take no arguments
-    else:
-        value = info.default
+    value = info.get_default(call_default_factory=True)  # our factories take no arguments
     if isinstance(value, str):
         return f'`"{value}"`'
     if isinstance(value, bool):

@@ -5,9 +5,12 @@ many holders share one."""
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 _STATUS = {"VmRSS": "rss", "VmHWM": "rss_peak", "RssAnon": "rss_anon", "RssFile": "rss_file"}
 
@@ -26,20 +29,23 @@ def resident() -> dict[str, int]:
     return out
 
 
-def payload_bytes(payloads: Iterable[Any]) -> dict[str, int]:
+def payload_bytes(payloads: Iterable[object]) -> dict[str, int]:
     """Bytes of the distinct payload objects given: ``ram`` (bytes, bytearray) and ``spilled``
-    (read-only maps of files)."""
-    seen: dict[int, Any] = {}
+    (read-only maps of files). None is skipped; anything without a length is a TypeError."""
+    seen: dict[int, Sized] = {}
     for p in payloads:
-        if p is not None:
-            seen.setdefault(id(p), p)
+        if p is None:
+            continue
+        if not isinstance(p, Sized):
+            raise TypeError(f"payload_bytes: a {type(p).__name__} has no length")
+        seen.setdefault(id(p), p)
     out = {"ram": 0, "spilled": 0}
     for p in seen.values():
         out["spilled" if isinstance(p, mmap.mmap) else "ram"] += len(p)
     return out
 
 
-def tensor_bytes(tensors: Iterable[Any]) -> int:
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct tensors given (shared storages counted once). A sharded
     tensor (FSDP's DTensor) counts its local shard: what this process holds."""
     seen: dict[int, int] = {}
