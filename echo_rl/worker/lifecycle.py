@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
@@ -49,10 +50,10 @@ async def in_daemon_thread(fn: Callable[[], T]) -> T:
     def target() -> None:
         try:
             result = fn()
-        except BaseException:  # noqa: BLE001 - handed to the awaiting task as it is
-            hand_back(lambda: fut.set_exception(e))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task as it is
+            hand_back(partial(fut.set_exception, exc))
             return
-        hand_back(lambda: fut.set_result(result))
+        hand_back(partial(fut.set_result, result))
 
     threading.Thread(target=target, name="echo-load", daemon=True).start()
     return await fut
