@@ -29,6 +29,7 @@ INTERNAL = {
     "echo_rl.data.episodes": {
         "replay_of",
         "backend_generate_fn",
+        "GroupBackend",
         "materialise_masked",
         "decision_cut",
         "episode_cut",

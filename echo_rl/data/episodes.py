@@ -25,7 +25,7 @@ import itertools
 from abc import abstractmethod
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from echo_rl.core.errors import EchoError
 from echo_rl.data.adapter import (
@@ -40,8 +40,11 @@ from echo_rl.data.records import Record
 from echo_rl.data.rules import derived_seed
 
 if TYPE_CHECKING:  # annotations only: importing the API does not import torch
+    import threading
+
     from torch import Tensor
 
+    from echo_rl.core import wire
     from echo_rl.data.adapter import Adapter
 
 Generated = tuple[list[int], list[float]]
@@ -139,7 +142,28 @@ def drive(
     return done
 
 
-def replay_of(groups: Sequence[Any]) -> dict[int, list[Generated]]:
+class _Sampled(Protocol):
+    """One sample as a worker backend's ``generate`` returns it (``echo_rl.worker.backends``'s
+    ``Sample``): what ``backend_generate_fn`` reads of it."""
+
+    @property
+    def completion_ids(self) -> list[int]: ...
+
+    @property
+    def logprobs(self) -> list[float]: ...
+
+
+class GroupBackend(Protocol):
+    """What ``backend_generate_fn`` needs of a worker backend (``echo_rl.worker.backends``):
+    ``generate`` over wire groups, samples per group. A backend that keeps a multi-turn
+    context cache has ``new_turn_cache`` and ``generate_turn`` too (found by name)."""
+
+    def generate(
+        self, groups: list[wire.Group], max_new_tokens: int, temperature: float
+    ) -> Sequence[Sequence[_Sampled]]: ...
+
+
+def replay_of(groups: Sequence[wire.Group]) -> dict[int, list[Generated]]:
     """The decisions to replay, per episode index of ``rollout``, from the groups' prefixes
     (``Prefix.turns`` splits a prefix into its decisions)."""
     out: dict[int, list[Generated]] = {}
@@ -168,11 +192,11 @@ class Cut(EchoError):
 
 
 def backend_generate_fn(
-    backend: Any,
+    backend: GroupBackend,
     max_new_tokens: int,
     temperature: float,
     seed: int,
-    stop: Any = None,
+    stop: threading.Event | None = None,
     turn_cache: bool = False,
 ) -> GenerateFn:
     """A ``generate`` over a worker ``Backend`` (its ``generate`` takes wire groups): each
@@ -184,18 +208,20 @@ def backend_generate_fn(
     from echo_rl.core import wire
 
     calls = itertools.count()
-    turns = backend.new_turn_cache() if turn_cache and hasattr(backend, "new_turn_cache") else None
+    new_turn_cache = getattr(backend, "new_turn_cache", None) if turn_cache else None
+    turns = new_turn_cache() if new_turn_cache is not None else None
+    # (ids, log-probs per prompt; whether cut): the backend's one call per round of decisions
+    generate_turn: Callable[..., tuple[list[Generated], bool]] | None = (
+        getattr(backend, "generate_turn", None) if turns is not None else None
+    )
 
     def generate(prompts: list[list[int]]) -> list[Generated]:
         if stop is not None and stop.is_set():
             raise Cut()
         k = next(calls)
-        if turns is not None:
+        if generate_turn is not None:
             call_seed = derived_seed(seed, k)
-            made: list[Generated] = backend.generate_turn(
-                prompts, max_new_tokens, temperature, call_seed, turns
-            )[0]
-            return made
+            return generate_turn(prompts, max_new_tokens, temperature, call_seed, turns)[0]
         groups = [
             wire.Group(group_id=f"ep{k}.{i}", prompt_ids=p, n=1, seed=derived_seed(seed, k))
             for i, p in enumerate(prompts)
@@ -208,7 +234,7 @@ def backend_generate_fn(
     return generate
 
 
-def decision_cut(backend: Any, max_new_tokens: int) -> Callable[[list[int]], bool]:
+def decision_cut(backend: GroupBackend, max_new_tokens: int) -> Callable[[list[int]], bool]:
     """Whether a decision was cut short: it stopped at ``max_new_tokens`` without
     end-of-sequence, though it could have ended (the tokenizer has one and the adapter's answer
     set, if any, holds it: an answer set without it makes every decision one token long by
@@ -220,7 +246,7 @@ def decision_cut(backend: Any, max_new_tokens: int) -> Callable[[list[int]], boo
     return lambda ids: bool(ids) and len(ids) >= max_new_tokens and ids[-1] != eos
 
 
-def episode_cut(sample: Any, adapter: Adapter) -> bool:
+def episode_cut(sample: EpisodeSample, adapter: Adapter) -> bool:
     """An episode stopped at a limit (the step row's completions_cut): marked ``cut`` (by the
     adapter, or by ``drive`` for a decision cut short), or its transcript fills the adapter's
     ``max_completion_tokens``."""
@@ -260,9 +286,11 @@ class EpisodeAdapter(Adapter):
         draw randomness from ``random.Random`` seeded with them, never global state, since a
         preempted episode is replayed from its decisions by another worker."""
 
-    def rollout(self, groups: Sequence[Any], generate: GenerateFn) -> list[list[EpisodeSample]]:
-        """``group.n`` episodes for every group (objects with ``task``, ``n`` and ``seed``),
-        decisions batched across all of them."""
+    def rollout(
+        self, groups: Sequence[wire.Group], generate: GenerateFn
+    ) -> list[list[EpisodeSample]]:
+        """``group.n`` episodes for every group (the worker's ``wire.Group``s: their ``task``,
+        ``n``, ``seed`` and ``prefixes`` are read), decisions batched across all of them."""
         eps = [self.episode(g.task, g.seed, i) for g in groups for i in range(g.n)]
         flat = drive(eps, generate, replay_of(groups))
         out, k = [], 0
