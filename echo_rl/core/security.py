@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 import zmq
@@ -38,6 +38,9 @@ import zmq.utils.z85 as z85
 
 from echo_rl.core.errors import EchoError
 from echo_rl.core.rates import TokenBucket
+
+if TYPE_CHECKING:
+    import zmq.asyncio
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"echo"  # every CURVE server socket has one: without, libzmq may skip ZAP
@@ -205,6 +208,15 @@ def _hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+class TokenEntry(TypedDict):
+    """One join token in tokens.json, under its SHA-256."""
+
+    uses_left: int  # joins of new keys it still admits
+    expires: float  # unix time
+    keys: list[str]  # the keys that redeemed it (each may re-join with it)
+    note: str
+
+
 class TokenStore:
     """Join tokens: random, stored only as SHA-256, with a use count and an expiry; a key that
     redeemed a token may re-join with it (a restart must not burn another use)."""
@@ -213,7 +225,7 @@ class TokenStore:
         self.path = Path(path)
         self.clock = clock
         self._watch = _Watched(self.path)
-        self.tokens: dict[str, dict[str, Any]] = {}
+        self.tokens: dict[str, TokenEntry] = {}
         self.reload()
 
     def reload(self) -> bool:
@@ -251,7 +263,7 @@ class TokenStore:
             self._save()
         return token
 
-    def _entry(self, digest: str) -> dict[str, Any] | None:
+    def _entry(self, digest: str) -> TokenEntry | None:
         return next((e for h, e in self.tokens.items() if hmac.compare_digest(h, digest)), None)
 
     def _reread(self) -> bool:
@@ -384,7 +396,10 @@ class LogThrottle:
 # ----------------------------------------------------------------------------- sockets
 
 
-def curve_server(sock: zmq.Socket[Any], keys: KeyPair, zap_domain: bytes = ZAP_DOMAIN) -> None:
+_T = TypeVar("_T")  # what a socket's recv gives (zmq.Socket's own parameter)
+
+
+def curve_server(sock: zmq.Socket[_T], keys: KeyPair, zap_domain: bytes = ZAP_DOMAIN) -> None:
     """Make ``sock`` a CURVE server; bind a ``ZapHandler`` on its context first. libzmq 4.3
     by default admits a CURVE client when no ZAP handler is bound (and, with
     ZAP_ENFORCE_DOMAIN, skips ZAP on an empty domain): either way a peer with no ``User-Id``,
@@ -396,7 +411,7 @@ def curve_server(sock: zmq.Socket[Any], keys: KeyPair, zap_domain: bytes = ZAP_D
     sock.curve_server = True
 
 
-def curve_client(sock: zmq.Socket[Any], keys: KeyPair, server_key: bytes) -> None:
+def curve_client(sock: zmq.Socket[_T], keys: KeyPair, server_key: bytes) -> None:
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_serverkey = server_key
@@ -431,7 +446,9 @@ class ZapHandler:
     It binds when constructed: build it before binding any CURVE server socket of ``ctx``, so no
     handshake can come before it (``curve_server`` makes such a handshake fail, not pass)."""
 
-    def __init__(self, ctx: Any, decide: Decide, domains: dict[bytes, Decide] | None = None):
+    def __init__(
+        self, ctx: zmq.asyncio.Context, decide: Decide, domains: dict[bytes, Decide] | None = None
+    ):
         self.decide = decide
         self.domains = domains or {}  # a socket with a ZAP domain may have a stricter rule
         self.sock = ctx.socket(zmq.REP)
