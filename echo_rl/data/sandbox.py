@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,7 +132,7 @@ os._exit(0)
 """.replace("NOBODY_UID", str(NOBODY)).replace("PRELOAD", repr(PRELOAD))
 
 
-def call_entry(code: str, entry: str, calls: list[list[Any]], limits: Limits) -> Outcome:
+def call_entry(code: str, entry: str, calls: Sequence[Sequence[object]], limits: Limits) -> Outcome:
     """Run ``code`` in the sandbox and call ``entry(*args)`` for each of ``calls``."""
     job = {
         "code": code,

@@ -23,7 +23,7 @@ import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from echo_rl.data.adapter import Adapter, AdapterError, Prompt
 from echo_rl.data.episodes import EpisodeAdapter, EpisodeSample
@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # annotations only: importing this module does not import tra
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     from echo_rl.core import wire
+    from echo_rl.core.jsontypes import JsonObject
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -148,7 +149,7 @@ class PolicyBackend:
         self.asked: list[tuple[Turn, list[int]]] = []  # every decision and the ids answered
 
     def generate(
-        self, groups: Sequence[wire.Group], max_new_tokens: int, temperature: float, **_: Any
+        self, groups: Sequence[wire.Group], max_new_tokens: int, temperature: float, **_: object
     ) -> list[list[PolicySample]]:
         """``group.n`` samples per group (1 from the worker's ``generate``), each the
         policy's reply to the group's ``prompt_ids``; ``temperature`` is not used."""
@@ -203,7 +204,7 @@ def scripted(replies: Sequence[Reply]) -> Policy:
 
 
 def make_group(
-    prompt: Prompt | dict[str, Any], *, n: int = 1, seed: int = 0, group_id: str = "test-0"
+    prompt: Prompt | JsonObject, *, n: int = 1, seed: int = 0, group_id: str = "test-0"
 ) -> wire.Group:
     """The ``echo_rl.core.wire.Group`` a worker is granted for ``prompt``: its ``prompt_ids``,
     ``task`` and ``max_new_tokens``, ``n`` samples and the group's ``seed``. A bare task dict
@@ -261,7 +262,7 @@ def play_groups(
 
 def play_episode(
     adapter: EpisodeAdapter,
-    prompt: Prompt | dict[str, Any],
+    prompt: Prompt | JsonObject,
     policy: Policy,
     *,
     seed: int = 0,
