@@ -14,7 +14,11 @@ import asyncio
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from echo_rl.core import wire
+    from echo_rl.core.security import KeyPair
 
 ZMTP_SIGNATURE_LEN = 10  # 0xFF, 8 bytes of padding, 0x7F: the first bytes any ZeroMQ peer sends
 TIMEOUT_S = 3.0
@@ -100,8 +104,8 @@ def port_words(found: str, host: str, port: int, what: str) -> tuple[str, str]:
 
 
 async def ask_learner(
-    endpoint: str, server_key: bytes | None, keys: Any, timeout: float = TIMEOUT_S
-) -> tuple[Any, str]:
+    endpoint: str, server_key: bytes | None, keys: KeyPair | None, timeout: float = TIMEOUT_S
+) -> tuple[wire.Message | None, str]:
     """One ``doctor`` request over CurveZMQ, pinning ``server_key``: (the reply, "") or (None,
     why not, in words: the handshake's own explanation when it failed)."""
     import zmq.asyncio

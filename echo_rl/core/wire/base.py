@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -28,7 +28,7 @@ class Message(BaseModel):
     # custom ``__init__``, which would validate received frames in lax mode (``True`` as 1).
     @model_validator(mode="before")
     @classmethod
-    def _default_type(cls, data: Any) -> Any:
+    def _default_type(cls, data: object) -> object:
         if isinstance(data, dict) and "type" not in data:
             data = {**data, "type": cls.TYPE}
         return data

@@ -4,7 +4,8 @@ exception (docs/fuzzing.md); trajectory payloads are inflated and unpacked with 
 from __future__ import annotations
 
 import reprlib
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import NoReturn
 
 import lz4.frame
 import msgpack
@@ -73,12 +74,13 @@ def encode(msg: Message) -> bytes:
     return frame
 
 
-def _reject_ext(code: int, data: bytes) -> Any:
+def _reject_ext(code: int, data: bytes) -> NoReturn:
     raise ValueError(f"msgpack extension type {code} is not part of the wire schema")
 
 
-def unpack(buf: bytes) -> Any:
-    """msgpack -> Python objects with every limit set (``decode``, records, fuzzing).
+def unpack(buf: bytes) -> object:
+    """msgpack -> Python objects with every limit set (``decode``, records, fuzzing): what
+    came is unchecked (JSON's values and bytes), for the caller to narrow or validate.
 
     No string, byte string, array or map may claim more items than ``buf`` has bytes (a 5-byte
     array header cannot make the unpacker reserve 4 G slots), map keys are str or bytes (no
@@ -87,7 +89,7 @@ def unpack(buf: bytes) -> Any:
     msgpack itself (``StackError`` past 1024 levels). Raises whatever msgpack raises.
     """
     n = len(buf)
-    return msgpack.unpackb(
+    obj: object = msgpack.unpackb(
         buf,
         raw=False,
         strict_map_key=True,
@@ -98,6 +100,7 @@ def unpack(buf: bytes) -> Any:
         max_array_len=n,
         max_map_len=n // 2,
     )
+    return obj
 
 
 def _short_repr() -> reprlib.Repr:
@@ -147,7 +150,7 @@ def decode(frame: bytes, max_bytes: int) -> Message:
         raise WireError("invalid_fields", f"{cls.TYPE}.{loc}: {first['msg']}") from None
 
 
-def pack_records(records: list[dict[str, Any]]) -> bytes:
+def pack_records(records: Sequence[Mapping[str, object]]) -> bytes:
     payload: bytes = lz4.frame.compress(msgpack.packb(records, use_bin_type=True))
     return payload
 
@@ -179,7 +182,7 @@ def _inflate(payload: bytes, max_bytes: int) -> bytes:
     )
 
 
-def unpack_records(payload: bytes, max_bytes: int) -> list[Any]:
+def unpack_records(payload: bytes, max_bytes: int) -> list[object]:
     """Decompress and unpack a trajectory payload: a list, each record still to be checked by
     ``echo_rl.data.records.parse_record``. Raises WireError and nothing else."""
     raw = _inflate(payload, max_bytes)
