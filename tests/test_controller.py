@@ -8,13 +8,17 @@ from echo_rl.provisioning.controller import (
     RELEASE,
     SHORT,
     Controller,
+    Policy,
     UnknownWorker,
 )
 
 
-def make(window_s: float = 60.0, **kw) -> tuple[Controller, FakeClock]:
+def make(
+    window_s: float = 60.0, tau_s: float = 60.0, avail_beta: float = 0.2, **kw
+) -> tuple[Controller, FakeClock]:
     clock = FakeClock()
-    return Controller(alpha=1.1, delta=0.2, window_s=window_s, clock=clock, **kw), clock
+    policy = Policy(alpha=1.1, delta=0.2, window_s=window_s, **kw)
+    return Controller(policy, clock=clock, tau_s=tau_s, avail_beta=avail_beta), clock
 
 
 def run(ctl: Controller, clock: FakeClock, until: float, rates: dict[str, int], step: float = 1.0):
@@ -208,7 +212,7 @@ def test_invalid_arguments():
     with pytest.raises(ValueError, match="mu_req"):
         ctl.set_requirement(float("nan"))
     with pytest.raises(ValueError, match="alpha"):
-        Controller(alpha=0.0)
+        Controller(Policy(alpha=0.0))
 
 
 def test_every_release_keeps_the_target():
@@ -236,7 +240,7 @@ def test_busy_time_measures_capacity_not_demand():
     from echo_rl.provisioning.controller import Controller
 
     clock = FakeClockForBusy()
-    c = Controller(alpha=1.1, delta=0.2, window_s=5, clock=clock, tau_s=1.0, warmup_s=0.0)
+    c = Controller(Policy(alpha=1.1, delta=0.2, window_s=5, warmup_s=0.0), clock=clock, tau_s=1.0)
     c.add_worker("idle-ish", price=1.0, state="active", mu_prior=1.0)
     c.add_worker("demand", price=1.0, state="active", mu_prior=1.0)
     for _ in range(60):  # each second: 10 trajectories made in 0.1 s of work, then idle

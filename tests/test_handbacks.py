@@ -30,7 +30,7 @@ from echo_rl.core.models import load_model, params_to_payload
 from echo_rl.data.adapter import Prompt, load_adapter
 from echo_rl.data.buffer import ReplayBuffer
 from echo_rl.data.records import Limits, Record
-from echo_rl.provisioning.controller import ACTIVE, Controller
+from echo_rl.provisioning.controller import ACTIVE, Controller, Policy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -385,7 +385,7 @@ def test_credit_falls_with_staleness_and_never_to_zero():
 
 
 def _controller(clock):
-    c = Controller(alpha=1.0, delta=0.5, window_s=10, clock=clock, tau_s=10, warmup_s=0)
+    c = Controller(Policy(alpha=1.0, delta=0.5, window_s=10, warmup_s=0), clock=clock, tau_s=10)
     for w in ("fresh", "edge"):
         c.add_worker(w, price=1.0, state=ACTIVE, mu_prior=1.0)
     c.add_worker("standby", price=1.0, mu_prior=1.0)
@@ -421,7 +421,7 @@ def test_a_stale_honest_worker_is_still_activated_when_capacity_is_short():
     """A slow link's deliveries are discounted by what they are worth, never refused: short of
     capacity, the controller activates it (at 0.75 credit per trajectory) all the same."""
     clock = FakeClock()
-    c = Controller(alpha=1.0, delta=0.5, window_s=10, clock=clock, tau_s=10, warmup_s=0)
+    c = Controller(Policy(alpha=1.0, delta=0.5, window_s=10, warmup_s=0), clock=clock, tau_s=10)
     c.add_worker("slow", price=0.1, state=ACTIVE)
     c.set_requirement(10.0)
     for _ in range(30):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 from fakes import FakeClock
 
-from echo_rl.provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller
+from echo_rl.provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller, Policy
 from echo_rl.provisioning.scaling import Scaler
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,19 +43,19 @@ class World:
         self.rng = rng
         self.clock = FakeClock()
         self.window_s = rng.choice([1.0, 3.0, 10.0])
-        self.params = dict(
+        tau_s = rng.choice([1.0, 10.0])
+        self.policy = Policy(
             alpha=1.1,
             delta=0.2,
             window_s=self.window_s,
-            clock=self.clock,
-            tau_s=rng.choice([1.0, 10.0]),
             warmup_s=rng.choice([0.0, 2.0, 5.0]),
             probation_slots=rng.choice([0, 1, 4]),
             probation_ready_s=rng.choice([5.0, 60.0]),
             group_size=4,
             probation_group_s=rng.choice([0.0, 5.0]),
         )
-        self.ctl = Controller(**self.params)
+        self.tau_s = tau_s
+        self.ctl = Controller(self.policy, clock=self.clock, tau_s=tau_s)
         self.workers: dict[str, SimWorker] = {}
         self.gone: list[SimWorker] = []  # left earlier; may come back with the same key
         self.buffer = 0.0
@@ -90,7 +90,7 @@ class World:
     def restart(self) -> None:
         """The learner dies and comes back with the books it saved; the workers re-join."""
         state = self.ctl.state()
-        self.ctl = Controller(**self.params)
+        self.ctl = Controller(self.policy, clock=self.clock, tau_s=self.tau_s)
         self.ctl.restore(state)
         for w in self.workers.values():
             w.ready_at = None
@@ -190,7 +190,7 @@ def test_the_invariant_catches_a_controller_without_the_rule(monkeypatch):
 
 def test_liveness_activates_with_no_requirement_and_every_probation_failed():
     clock = FakeClock()
-    ctl = Controller(window_s=3.0, warmup_s=2.0, clock=clock, probation_slots=0)
+    ctl = Controller(Policy(window_s=3.0, warmup_s=2.0, probation_slots=0), clock=clock)
     for wid in ("a", "b"):
         ctl.add_worker(wid, 0.3)
     ctl.waiting(True)
@@ -208,7 +208,7 @@ def test_liveness_activates_with_no_requirement_and_every_probation_failed():
 
 def test_a_restored_controller_knows_returning_keys():
     clock = FakeClock()
-    ctl = Controller(window_s=3.0, warmup_s=0.0, clock=clock, group_size=4)
+    ctl = Controller(Policy(window_s=3.0, warmup_s=0.0, group_size=4), clock=clock)
     ctl.add_worker("a", 0.3, state="active", identity="KA")
     ctl.add_worker("b", 0.3, identity="KB")
     clock.t = 1.0
@@ -217,7 +217,7 @@ def test_a_restored_controller_knows_returning_keys():
     ctl.tick()
     state = ctl.state()
     assert state["KA"] == {"mu_hat": 4.0, "failed_probations": 0, "active": True}
-    again = Controller(window_s=3.0, warmup_s=0.0, clock=clock, group_size=4)
+    again = Controller(Policy(window_s=3.0, warmup_s=0.0, group_size=4), clock=clock)
     assert again.restore({**state, "junk": {"mu_hat": -1}, "": state["KA"]}) == 2
     again.add_worker("a", 0.3, identity="KA")  # re-joins after the restart: active, measured
     again.add_worker("b", 0.3, identity="KB")
@@ -229,7 +229,9 @@ def test_a_restored_controller_knows_returning_keys():
 
 def test_probation_scales_with_the_measured_group_time():
     clock = FakeClock()
-    ctl = Controller(window_s=3.0, warmup_s=2.0, clock=clock, group_size=16, probation_group_s=30.0)
+    ctl = Controller(
+        Policy(window_s=3.0, warmup_s=2.0, group_size=16, probation_group_s=30.0), clock=clock
+    )
     assert ctl.probation_s() == 2.0 + 3.0 + 60.0  # nothing measured: the expected group time
     ctl.add_worker("fast", 0.3, state="active", mu_prior=0.5)  # 16 / 0.5 = 32 s a group
     assert ctl.probation_s() == 2.0 + 3.0 + 64.0

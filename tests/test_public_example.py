@@ -14,7 +14,7 @@ import pytest
 from fakes import FakeClock
 
 from echo_rl.core.config import EchoConfig, ListenPorts, load_config
-from echo_rl.provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller
+from echo_rl.provisioning.controller import ACTIVATE, RELEASE, STANDBY, Controller, Policy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,16 +47,18 @@ class Fleet:
         pc, self.rng, self.clock = cfg.provisioning, random.Random(seed), FakeClock()
         self.group = cfg.learner.group_size
         self.ctl = Controller(
-            pc.alpha,
-            pc.delta,
-            pc.window_s,
+            Policy(
+                pc.alpha,
+                pc.delta,
+                pc.window_s,
+                warmup_s=pc.warmup_s,
+                probation_slots=pc.probation_slots,
+                probation_ready_s=pc.probation_ready_s,
+                group_size=self.group,
+                probation_group_s=pc.probation_group_s,
+            ),
             clock=self.clock,
             tau_s=pc.tau_s,
-            warmup_s=pc.warmup_s,
-            probation_slots=pc.probation_slots,
-            probation_ready_s=pc.probation_ready_s,
-            group_size=self.group,
-            probation_group_s=pc.probation_group_s,
         )
         self.initial_active = pc.initial_active
         prices = [0.1, 0.2, 0.35, 0.35, 0.5, 0.8, 1.0, 1.5, 0.05, 0.3]

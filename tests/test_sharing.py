@@ -265,9 +265,9 @@ def test_the_books_follow_recent_turns_not_the_whole_day():
 
 
 def test_the_learner_s_need_is_its_requirement_over_its_capacity():
-    from echo_rl.provisioning.controller import NEED_MAX, Controller
+    from echo_rl.provisioning.controller import NEED_MAX, Controller, Policy
 
-    c = Controller(alpha=1.0, delta=0.5, window_s=10, tau_s=10, warmup_s=0)
+    c = Controller(Policy(alpha=1.0, delta=0.5, window_s=10, warmup_s=0), tau_s=10)
     assert c.need() == 1.0  # no requirement yet: nothing to ask for
     c.set_requirement(2.0)
     assert c.need() == NEED_MAX  # nobody active

@@ -60,6 +60,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from echo_rl.core.ewma import ewma
@@ -95,6 +96,7 @@ __all__ = [
     "SWAP_SHARE",
     "Controller",
     "Decision",
+    "Policy",
     "Remembered",
     "UnknownWorker",
     "WorkerStatus",
@@ -108,36 +110,25 @@ class Controller:
 
     def __init__(
         self,
-        alpha: float = 1.1,
-        delta: float = 0.2,
-        window_s: float = 60.0,
+        policy: Policy = Policy(),
         clock: Callable[[], float] = time.monotonic,
         *,
         tau_s: float = 60.0,
         avail_beta: float = 0.2,
-        warmup_s: float = 30.0,
         history: int = 1000,
-        probation_slots: int = 4,
-        probation_ready_s: float = 600.0,
         memory: int = 100_000,
-        group_size: int = 1,
-        probation_group_s: float = 0.0,
     ) -> None:
-        """``group_size``: trajectories per group (a group's generation time is group_size /
-        mu_hat); ``probation_group_s``: the expected seconds to generate one group before any
-        worker has been measured (0: none expected beyond the window)."""
-        _check_params(alpha, delta, window_s, tau_s, avail_beta, warmup_s)
-        if probation_slots < 0:
-            raise ValueError(f"probation_slots must be >= 0, got {probation_slots}")
-        self.policy = Policy(
-            alpha,
-            delta,
-            window_s,
-            warmup_s,
-            probation_slots,
-            probation_ready_s,
-            max(1, group_size),
-            max(0.0, probation_group_s),
+        """``policy``: the scaling knobs; its ``group_size`` is the trajectories per group (a
+        group's generation time is group_size / mu_hat), its ``probation_group_s`` the expected
+        seconds to generate one group before any worker has been measured (0: none expected
+        beyond the window). ``tau_s`` and ``avail_beta``: the throughput's and the
+        availability's EWMA; ``history``: decisions kept; ``memory``: identities remembered."""
+        p = policy
+        _check_params(p.alpha, p.delta, p.window_s, tau_s, avail_beta, p.warmup_s)
+        if p.probation_slots < 0:
+            raise ValueError(f"probation_slots must be >= 0, got {p.probation_slots}")
+        self.policy = replace(
+            p, group_size=max(1, p.group_size), probation_group_s=max(0.0, p.probation_group_s)
         )
         self.tau_s, self.avail_beta = tau_s, avail_beta
         self._clock = clock

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -81,8 +82,10 @@ class BroadcastModel:
             off = np.asarray(planner.star_unlimited_s(M, down), dtype=float) + self.lat
             return BcastPlan(idx, off, None, float(off.max()), lb, n, n * M, "star-unlimited")
         if b.topology == "star":
+            U = b.uplink_mbit
+            assert U is not None  # the scenario's check: star needs the learner's uplink
             uniq, inv = np.unique(down, return_inverse=True)
-            per = np.array([planner.star_limited_s(M, float(d), b.uplink_mbit, n) for d in uniq])
+            per = np.array([planner.star_limited_s(M, float(d), U, n) for d in uniq])
             off = per[inv] + self.lat
             return BcastPlan(idx, off, None, float(off.max()), lb, n, n * M, "star")
         return self._chains(idx, lb)
@@ -113,10 +116,9 @@ class BroadcastModel:
         chains = []
         for chain, pred in zip(plan.chains, plan.predictions):
             workers = np.concatenate([members[w] for w in chain])
+            assert pred.rate_mbit is not None  # every simulated peer has its rates
             rate = planner.mbit_to_bytes_per_s(pred.rate_mbit)
-            t = planner.predict_chain_s(
-                self.M, self.c, rate, np.arange(1, len(workers) + 1), self.lat
-            )
+            t = _positions_s(self.M, self.c, rate, len(workers), self.lat)
             off[[pos_of[int(w)] for w in workers]] = t
             chains.append(workers)
         return BcastPlan(
@@ -153,3 +155,15 @@ class BroadcastModel:
 
 
 # ============================================================================ results
+
+
+def _positions_s(
+    M_bytes: float, chunk_bytes: int, rate_bytes_per_s: float, n: int, latency_s: float
+) -> np.ndarray:
+    """``planner.predict_chain_s`` at every position 1..n of one chain, as one array: the
+    model's formula, element for element the same arithmetic."""
+    length = np.arange(1, n + 1)
+    c = min(chunk_bytes, M_bytes)
+    if math.isinf(rate_bytes_per_s):
+        return length * latency_s
+    return (M_bytes + (length - 1) * c) / rate_bytes_per_s + length * latency_s

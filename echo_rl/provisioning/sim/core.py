@@ -6,7 +6,7 @@ parts that do the rest (the model is described in ``echo_rl.provisioning.sim``'s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from echo_rl.provisioning.sim.broadcast import BroadcastModel
 from echo_rl.provisioning.sim.fleet import Churn, Provisioner
 from echo_rl.provisioning.sim.population import build_pool, read_trace
 from echo_rl.provisioning.sim.scenario import Scenario
-from echo_rl.provisioning.sim.state import Counters, Ledger, Snapshots, WorkerState
+from echo_rl.provisioning.sim.state import Counters, Ledger, Shared, Snapshots, WorkerState
 from echo_rl.provisioning.sim.summary import SimSummary
 from echo_rl.provisioning.sim.work import Work
 
@@ -78,43 +78,17 @@ class Sim:
             self.counters,
             self.bmodel.pull_s,
         )
-        self.prov = Provisioner(
-            self.env,
-            sc,
-            self.rng,
-            self.pool,
-            self.ws,
-            self.snaps,
-            self.ledger,
-            self.counters,
-            self.bmodel,
-            self.warnings,
-        )
+        shared = Shared(self.env, sc, self.rng, self.ws, self.snaps, self.ledger, self.counters)
+        self.prov = Provisioner(shared, self.pool, self.bmodel, self.warnings)
         self.work = Work(
-            self.env,
-            sc,
-            self.rng,
+            shared,
             self.pool.ids,
             self.ledger.mu,
-            self.ws,
-            self.snaps,
-            self.ledger,
-            self.counters,
             self.prov,
             lambda: self.version,
             self._batch_arrived,
         )
-        self.churn = Churn(
-            self.env,
-            sc,
-            self.rng,
-            self.ws,
-            self.snaps,
-            self.ledger,
-            self.counters,
-            self.prov,
-            lambda: self.done,
-        )
+        self.churn = Churn(shared, self.prov, lambda: self.done)
         # learner
         self.version = 0
         self.learner_ev: simpy.Event | None = None
@@ -137,7 +111,7 @@ class Sim:
 
     # ------------------------------------------------------------------ learner
 
-    def _wait_for_batch(self, step: int):
+    def _wait_for_batch(self, step: int) -> Generator[simpy.Event, object, bool]:
         """Wait until a batch is buffered; False when the run stalled instead."""
         env, sc, ctl = self.env, self.sc, self.prov.ctl
         self.learner_ev = env.event()
@@ -157,7 +131,7 @@ class Sim:
         self.learner_ev = None
         return True
 
-    def _learner(self):
+    def _learner(self) -> Generator[simpy.Event, object, None]:
         env, sc, work, ledger = self.env, self.sc, self.work, self.ledger
         L = sc.learner
         for step in range(sc.run.steps):
@@ -395,7 +369,7 @@ def results(sim: Sim, wall_s: float, cpu_s: float) -> dict[str, Any]:
     }
 
 
-def _downsample(rows: list[tuple], limit: int) -> list[list[float]]:
+def _downsample(rows: Sequence[tuple[float, ...]], limit: int) -> list[list[float]]:
     if len(rows) <= limit:
         return [list(r) for r in rows]
     keep = np.unique(np.linspace(0, len(rows) - 1, limit).astype(int))

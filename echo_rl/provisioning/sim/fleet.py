@@ -5,7 +5,7 @@ act on the books of ``echo_rl.provisioning.sim.state``; neither knows the learne
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
@@ -21,11 +21,11 @@ from echo_rl.provisioning.controller import (
     STANDBY,
     Controller,
     Decision,
+    Policy,
 )
 from echo_rl.provisioning.sim.broadcast import BroadcastModel
 from echo_rl.provisioning.sim.population import Pool
-from echo_rl.provisioning.sim.scenario import Scenario
-from echo_rl.provisioning.sim.state import Counters, Ledger, Snapshots, WorkerState
+from echo_rl.provisioning.sim.state import Shared
 
 
 class Provisioner:
@@ -33,20 +33,11 @@ class Provisioner:
     closed loop, fed what the control plane feeds it."""
 
     def __init__(
-        self,
-        env: simpy.Environment,
-        sc: Scenario,
-        rng: np.random.Generator,
-        pool: Pool,
-        ws: WorkerState,
-        snaps: Snapshots,
-        ledger: Ledger,
-        counters: Counters,
-        bmodel: BroadcastModel,
-        warnings: list[str],
+        self, shared: Shared, pool: Pool, bmodel: BroadcastModel, warnings: list[str]
     ) -> None:
-        self.env, self.sc, self.rng, self.pool = env, sc, rng, pool
-        self.ws, self.snaps, self.ledger, self.counters = ws, snaps, ledger, counters
+        self.env, self.sc, self.rng, self.pool = shared.env, shared.sc, shared.rng, pool
+        self.ws, self.snaps = shared.ws, shared.snaps
+        self.ledger, self.counters = shared.ledger, shared.counters
         self.bmodel, self.warnings = bmodel, warnings
         self.ctl: Controller | None = None
         self.observe_delivered = False  # feed deliveries to the controller (measure=delivered)
@@ -114,7 +105,8 @@ class Provisioner:
             sel = solver(mu, price, target)
             if not sel.feasible:
                 info["message"] = sel.message
-            return cand[sel.indices]
+            chosen: np.ndarray = cand[sel.indices]
+            return chosen
 
         if p.selection == "all" or p.active or not len(cand):
             chosen = choose(0.0)  # no requirement involved
@@ -151,14 +143,16 @@ class Provisioner:
         p = self.sc.provisioning
         env = self.env
         self.ctl = Controller(
-            alpha=p.alpha,
-            delta=p.delta,
-            window_s=p.window_s,
+            Policy(
+                alpha=p.alpha,
+                delta=p.delta,
+                window_s=p.window_s,
+                warmup_s=p.warmup_s,
+                probation_slots=p.probation_slots,
+                probation_ready_s=p.probation_ready_s,
+            ),
             clock=lambda: env.now,
             tau_s=p.tau_s,
-            warmup_s=p.warmup_s,
-            probation_slots=p.probation_slots,
-            probation_ready_s=p.probation_ready_s,
         )
         # As the learner: no credit before delivery, unless the scenario grants the oracle's.
         self.nominal_prior = p.prior == "nominal" or p.measure == "capacity"
@@ -179,7 +173,7 @@ class Provisioner:
         )
         self.ws.registered[i] = True
 
-    def controller_loop(self, done: Callable[[], bool]):
+    def controller_loop(self, done: Callable[[], bool]) -> Generator[simpy.Event, object, None]:
         assert self.ctl is not None
         index = {wid: i for i, wid in enumerate(self.pool.ids)}
         tick = self.sc.provisioning.tick_s
@@ -215,9 +209,11 @@ class Provisioner:
             rec["reason"] = d.reason if len(self.decisions) < 50 else None
             self.decisions.append(rec)
         if d.action == ACTIVATE:
+            assert d.worker_id is not None  # only SHORT names no worker
             self.counters.activations += 1
             self.activate(index[d.worker_id])
         elif d.action == RELEASE:
+            assert d.worker_id is not None
             self.counters.releases += 1
             self.release(index[d.worker_id])
         elif d.action == SHORT:
@@ -229,20 +225,10 @@ class Churn:
     are lost, its chain children re-attach upstream, and the controller forgets it after
     ``heartbeat_timeout_s``."""
 
-    def __init__(
-        self,
-        env: simpy.Environment,
-        sc: Scenario,
-        rng: np.random.Generator,
-        ws: WorkerState,
-        snaps: Snapshots,
-        ledger: Ledger,
-        counters: Counters,
-        prov: Provisioner,
-        done: Callable[[], bool],
-    ) -> None:
-        self.env, self.sc, self.rng = env, sc, rng
-        self.ws, self.snaps, self.ledger, self.counters = ws, snaps, ledger, counters
+    def __init__(self, shared: Shared, prov: Provisioner, done: Callable[[], bool]) -> None:
+        self.env, self.sc, self.rng = shared.env, shared.sc, shared.rng
+        self.ws, self.snaps = shared.ws, shared.snaps
+        self.ledger, self.counters = shared.ledger, shared.counters
         self.prov, self.done = prov, done
 
     def leave(self, i: int) -> None:
@@ -260,7 +246,7 @@ class Churn:
         if self.prov.ctl is not None and ws.registered[i]:
             self.env.process(self._forget(i, ws.leave_epoch[i]))
 
-    def _forget(self, i: int, epoch: int):
+    def _forget(self, i: int, epoch: int) -> Generator[simpy.Event, object, None]:
         yield self.env.timeout(self.sc.churn.heartbeat_timeout_s)
         ws = self.ws
         if ws.leave_epoch[i] == epoch and not ws.present[i] and ws.registered[i]:
@@ -285,7 +271,7 @@ class Churn:
             self.snaps.pull_latest(i)
         ws.wake_up(i)
 
-    def rates(self):
+    def rates(self) -> Generator[simpy.Event, object, None]:
         """Random leaves and returns at the scenario's per-hour rates."""
         ch, ws = self.sc.churn, self.ws
         lam_l, lam_j = ch.leave_per_hour / 3600.0, ch.rejoin_per_hour / 3600.0
@@ -321,7 +307,7 @@ class Churn:
                 self.join(i)
             schedule(i)
 
-    def trace(self, events: list[tuple[float, int, str]]):
+    def trace(self, events: list[tuple[float, int, str]]) -> Generator[simpy.Event, object, None]:
         """Leaves and returns replayed from a trace (time_s, worker index, event)."""
         for t, i, ev in events:
             if t > self.env.now:

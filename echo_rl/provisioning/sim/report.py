@@ -25,6 +25,7 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
     console = console or Console()
     s = SimSummary.from_json(result["summary"])
     sc = result["scenario"]
+    traj, ev = s.trajectories or {}, s.events or {}  # a run's summary has both
 
     def f(x: Any, fmt: str = ".4g") -> str:
         return "-" if x is None else format(x, fmt)
@@ -57,15 +58,14 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
         ("mu_req at mean T_bcast (traj/s)", f(s.mu_req_at_mean_t_bcast, ".4g")),
         (
             "trajectories trained / dropped stale / lost",
-            f"{s.trajectories['trained']:,} / {s.trajectories[COL.dropped_stale]:,} / "
-            f"{s.trajectories['lost_to_churn']:,}",
+            f"{traj['trained']:,} / {traj[COL.dropped_stale]:,} / {traj['lost_to_churn']:,}",
         ),
-        ("churn leaves / joins", f"{s.events['leaves']} / {s.events['joins']}"),
+        ("churn leaves / joins", f"{ev['leaves']} / {ev['joins']}"),
         (
             "controller activate / release / short",
-            f"{s.events['activations']} / {s.events['releases']} / {s.events['short']}",
+            f"{ev['activations']} / {ev['releases']} / {ev['short']}",
         ),
-        ("simulated time (h)", f(s.sim_time_s / 3600, ".2f")),
+        ("simulated time (h)", f(None if s.sim_time_s is None else s.sim_time_s / 3600, ".2f")),
         ("wall / CPU time (s)", f"{s.wall_s:.2f} / {s.cpu_s:.2f}"),
     ]
     for k, v in rows:

@@ -258,6 +258,10 @@ class ChurnSection(_Section):
     heartbeat_timeout_s: float = Field(15.0, ge=0)  # until the controller forgets a leaver
 
 
+CentralizedMode = Literal["sync", "async"]
+_BOTH_MODES: tuple[CentralizedMode, ...] = ("sync", "async")
+
+
 class CentralizedSection(_Section):
     """Baselines with rollouts on the learner's own GPUs (echo_rl/provisioning/sim/centralized.py)."""
 
@@ -268,7 +272,7 @@ class CentralizedSection(_Section):
     train_gpus: int = Field(4, gt=0)  # async: GPUs that train; the rest generate
     # Time of one update on the training GPUs; None: learner.t_train_s (the same update).
     t_train_s: float | None = Field(None, gt=0)
-    modes: list[Literal["sync", "async"]] = Field(default_factory=lambda: ["sync", "async"])
+    modes: list[CentralizedMode] = Field(default_factory=lambda: list(_BOTH_MODES))
 
     @model_validator(mode="after")
     def _usable(self) -> CentralizedSection:

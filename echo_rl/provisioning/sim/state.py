@@ -8,9 +8,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import simpy
+
+if TYPE_CHECKING:
+    from echo_rl.provisioning.sim.scenario import Scenario
 
 
 @dataclass
@@ -193,3 +197,18 @@ class Snapshots:
             elif self.nxt_ver[j] == self.latest and self.nxt_arrival[j] > now:
                 self.nxt_arrival[j] += delay
         self.chain_of[i] = -1
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What every part of one simulated run works on: the event loop, the scenario, the run's
+    random stream and the books above (``echo_rl.provisioning.sim.core.Sim`` builds them once and
+    hands them to the provisioner, the work and the churn)."""
+
+    env: simpy.Environment
+    sc: Scenario
+    rng: np.random.Generator
+    ws: WorkerState
+    snaps: Snapshots
+    ledger: Ledger
+    counters: Counters

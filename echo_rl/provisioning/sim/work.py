@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import numpy as np
 import simpy
@@ -14,8 +14,7 @@ import simpy
 from echo_rl.data import rules
 from echo_rl.data.rules import ReadyQueue
 from echo_rl.provisioning.sim.fleet import Provisioner
-from echo_rl.provisioning.sim.scenario import Scenario
-from echo_rl.provisioning.sim.state import Counters, Ledger, Snapshots, WorkerState
+from echo_rl.provisioning.sim.state import Shared
 from echo_rl.provisioning.sim.tail import Lengths
 
 
@@ -28,22 +27,18 @@ class Work:
 
     def __init__(
         self,
-        env: simpy.Environment,
-        sc: Scenario,
-        rng: np.random.Generator,
+        shared: Shared,
         ids: list[str],
         mu: list[float],
-        ws: WorkerState,
-        snaps: Snapshots,
-        ledger: Ledger,
-        counters: Counters,
         provisioner: Provisioner,
         version: Callable[[], int],
         batch_ready: Callable[[int], None],
     ) -> None:
-        self.env, self.sc, self.rng = env, sc, rng
+        sc, rng = shared.sc, shared.rng
+        self.env, self.sc, self.rng = shared.env, sc, rng
         self.ids, self.mu = ids, mu
-        self.ws, self.snaps, self.ledger, self.counters = ws, snaps, ledger, counters
+        self.ws, self.snaps = shared.ws, shared.snaps
+        self.ledger, self.counters = shared.ledger, shared.counters
         self.prov, self.version, self.batch_ready = provisioner, version, batch_ready
         L = sc.learner
         self.G, self.S = L.group_size, L.staleness
@@ -100,7 +95,7 @@ class Work:
             self.in_flight += g
             ws.wake_up(i)
 
-    def _sleep(self, i: int):
+    def _sleep(self, i: int) -> Generator[simpy.Event, object, None]:
         ev = self.env.event()
         self.ws.wake[i] = ev
         try:
@@ -114,7 +109,7 @@ class Work:
             self.ws.queued[i] = True
             self.idle.append(i)
 
-    def _wait_for_work(self, i: int):
+    def _wait_for_work(self, i: int) -> Generator[simpy.Event, object, int | None]:
         """Worker i holds no grant: wait for its snapshot or for a slot, or take a grant now.
         Returns the groups granted (None: look again)."""
         ws = self.ws
@@ -144,7 +139,7 @@ class Work:
         self.in_flight += g
         return g
 
-    def worker(self, i: int):
+    def worker(self, i: int) -> Generator[simpy.Event, object, None]:
         """Worker i's process, for the whole run."""
         ws = self.ws
         Gmu = self.G / self.mu[i]
@@ -163,9 +158,10 @@ class Work:
             if not g and len(self.lengths.carry[i]):
                 g = 0  # its carried groups go on, granted more or not (echo_rl/worker/tail.py)
             elif not g:
-                g = yield from self._wait_for_work(i)
-                if g is None:
+                got = yield from self._wait_for_work(i)
+                if got is None:
                     continue
+                g = got
             else:
                 ws.granted[i] = 0
             u = self.snaps.inst_ver[i]
@@ -204,10 +200,11 @@ class Work:
         c.delivered_groups += g
         admitted = rules.admission(u, self.version(), self.S) == rules.OK
         prov = self.prov
-        if prov.observe_delivered and self.ws.registered[i]:
+        ctl = prov.ctl
+        if ctl is not None and prov.observe_delivered and self.ws.registered[i]:
             # echo_rl/control/deliveries.py: admitted records only, with the batch's generation seconds
             # (none when nothing was admitted: refused work earns nothing).
-            prov.ctl.observe(
+            ctl.observe(
                 self.ids[i],
                 g * self.G if admitted else 0,
                 busy_s=gen_s if prov.observe_busy and admitted else None,
