@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from echo_rl.cli.worker_join import relay_ports  # noqa: F401  (tests import it from here)
+
+if TYPE_CHECKING:
+    from echo_rl.worker.agent import Worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None, make_worker: Callable[..., Any] | None = None) -> int:
+def main(argv: list[str] | None = None, make_worker: Callable[..., Worker] | None = None) -> int:
     """``make_worker`` (default ``echo_rl.worker.agent.Worker``) builds the worker from the parsed
     arguments: the security drill passes one that lies (benchmarks/drill_workers.py)."""
     args = build_parser().parse_args(argv)

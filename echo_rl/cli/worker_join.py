@@ -8,16 +8,23 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import logging
+
     from rich.console import Console
 
-    from echo_rl.worker.agent import WorkerSettings
+    from echo_rl.broadcast.relay import RelayConfig
+    from echo_rl.core.security import KeyPair
+    from echo_rl.worker.agent import Worker, WorkerSettings
     from echo_rl.worker.multirun import RunSpec
+    from echo_rl.worker.owner.base import OwnerSignal
+    from echo_rl.worker.sharing import Turns
+    from echo_rl.worker.status import StatusBoard
 
 
-def join(args: argparse.Namespace, make_worker: Callable[..., Any] | None = None) -> int:
+def join(args: argparse.Namespace, make_worker: Callable[..., Worker] | None = None) -> int:
     """``make_worker`` (default ``echo_rl.worker.agent.Worker``) builds the worker from the parsed
     arguments: the security drill passes one that lies (benchmarks/drill_workers.py)."""
     from echo_rl.core.security import SecurityError
@@ -53,7 +60,9 @@ def join(args: argparse.Namespace, make_worker: Callable[..., Any] | None = None
     return _join_many(args, specs, make_worker)
 
 
-def _join_one(args: argparse.Namespace, text: str, make_worker: Callable[..., Any] | None) -> int:
+def _join_one(
+    args: argparse.Namespace, text: str, make_worker: Callable[..., Worker] | None
+) -> int:
     from echo_rl.core.security import JoinLine, SecurityError
 
     try:
@@ -135,7 +144,7 @@ def _worker_errors(eg: BaseException) -> list[str]:
 
 
 def _join_many(
-    args: argparse.Namespace, specs: list[RunSpec], make_worker: Callable[..., Any] | None
+    args: argparse.Namespace, specs: list[RunSpec], make_worker: Callable[..., Worker] | None
 ) -> int:
     """Several runs in one process (echo_rl/worker/multirun.py): one plain status line per run."""
     import asyncio
@@ -157,7 +166,7 @@ def _join_many(
 
     budget = HostBudget(args.host_memory_gb)  # one machine: the runs share its memory
 
-    def make(spec: Any, turns: Any, i: int) -> Any:
+    def make(spec: RunSpec, turns: Turns, i: int) -> Worker:
         board = st.StatusBoard(args.worker_id or "", spec.line.endpoint, spec.price, None)
         boards.append(board)
         ledger = (  # each run's books apart
@@ -199,13 +208,15 @@ def _join_many(
     return 1 if len(many.errors) == len(ended) else 0
 
 
-def logging_status() -> Any:
+def logging_status() -> logging.Logger:
     import logging
 
     return logging.getLogger("echo.worker.status")
 
 
-def _common(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
+def _common(
+    args: argparse.Namespace,
+) -> tuple[KeyPair | None, OwnerSignal | None, int | None]:
     """Checks shared by one run and several: the identity, flags, the owner watch."""
     from echo_rl.core.security import KeyPair, SecurityError, default_identity_path
 
@@ -218,7 +229,7 @@ def _common(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
     if problem:
         print(f"echo-worker: {problem}", file=sys.stderr)
         return None, None, 2
-    owner = None
+    owner: OwnerSignal | None = None
     if args.yield_to_owner:
         from echo_rl.worker.owner import make_signal
 
@@ -277,7 +288,7 @@ def _logging(args: argparse.Namespace, live: bool, console: Console) -> None:
         )
 
 
-def _relay(args: argparse.Namespace, endpoint: str, index: int) -> Any:
+def _relay(args: argparse.Namespace, endpoint: str, index: int) -> RelayConfig:
     """Run ``index``'s relay (docs/ports.md): with several runs, each its own pair of ports,
     two above the previous run's."""
     from echo_rl.broadcast.relay import RelayConfig
@@ -312,7 +323,7 @@ def _settings(args: argparse.Namespace, price: float, ledger: str | None) -> Wor
     )
 
 
-def _warm(args: argparse.Namespace, make_worker: Callable[..., Any] | None) -> None:
+def _warm(args: argparse.Namespace, make_worker: Callable[..., Worker] | None) -> None:
     if make_worker is None:  # the worker this module builds loads its model with them
         from echo_rl.worker.backends import warm
 
@@ -342,7 +353,7 @@ def _leave_now(code: int) -> None:
     os._exit(code)
 
 
-def _summary(console: Console, board: Any) -> None:
+def _summary(console: Console, board: StatusBoard) -> None:
     from echo_rl.worker.status import table
 
     console.print(table(board.doc, title=f"echo-worker {board.doc.worker_id}: summary"))
