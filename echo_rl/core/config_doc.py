@@ -65,7 +65,10 @@ def field_notes(cls: type) -> dict[str, str]:
     lines = source.splitlines()
     tree = ast.parse(source)
     notes: dict[str, str] = {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    cls_def = tree.body[0]
+    if not isinstance(cls_def, ast.ClassDef):
+        raise TypeError(f"{cls.__name__}: its source does not start with a class")
+    body = cls_def.body
     for node in body:
         if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
             continue

@@ -105,8 +105,8 @@ def unpack(buf: bytes) -> object:
 
 def _short_repr() -> reprlib.Repr:
     r = reprlib.Repr()  # bounded in depth and length: a sender's junk goes into our logs
+    # bytes have no limit of their own in reprlib: maxother cuts them (Repr has no maxbytes)
     r.maxlevel, r.maxstring, r.maxother, r.maxlist, r.maxdict = 2, 40, 40, 4, 4
-    r.maxbytes = 40  # type: ignore[attr-defined]
     return r
 
 
