@@ -34,8 +34,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -125,6 +125,11 @@ def _fits(have: tuple[int, int, int], need: tuple[int, int, int]) -> bool:
     )
 
 
+# One decode step over the slots (``EngineBackend._step``, compiled or not): ``columns``, the
+# cache columns it reads (None: all of them, a fixed shape; ``Decoder.step``).
+Step = Callable[["Slots", int | None], None]
+
+
 @dataclass(frozen=True)
 class EngineTuning:
     """How the engine's loop runs. ``slots``: samples decoded at once (0: 256 on a GPU, 64 on
@@ -166,7 +171,7 @@ class EngineBackend(TransformersBackend):
         self.compile = self.graphs and tuning.compile
         self.sync_every = max(1, tuning.sync_every) if cuda else 1
         self._ws: Slots | None = None  # reused while requests fit its shape (CUDA)
-        self._graph: Any = None  # the captured step of ``_ws``
+        self._graph: torch.cuda.CUDAGraph | None = None  # the captured step of ``_ws``
         self._warned = False  # past the model's positions: said once
 
     # -- what moves the weights drops the captured step (it holds their addresses) ----------
@@ -273,11 +278,11 @@ class EngineBackend(TransformersBackend):
         ws.active.logical_and_((tok != ws.eos) & (ws.n < ws.budget))
         ws.tok.copy_(tok)
 
-    def _capture(self, ws: Slots) -> Any:
+    def _capture(self, ws: Slots) -> torch.cuda.CUDAGraph | None:
         """The step as a CUDA graph over ``ws`` (None, and eager steps from then on, if
         capture fails on this model or driver: said once in the log). The warm-up steps run
         on idle slots (``active`` all false), so they change nothing a request reads."""
-        step: Any = self._step
+        step: Step = self._step
         if self.compile:
             try:
                 compiled = torch.compile(self._step, dynamic=False)
@@ -298,7 +303,7 @@ class EngineBackend(TransformersBackend):
             return None
 
 
-def _warm(step: Any, ws: Slots) -> None:
+def _warm(step: Step, ws: Slots) -> None:
     """Two steps on a side stream before a capture, as CUDA graphs ask (lazy initialisation,
     autotuning, a compile), on idle slots."""
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]

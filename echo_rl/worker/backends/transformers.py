@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -34,6 +34,18 @@ from echo_rl.worker.backends.base import Backend, Row, Sample, finish, sample_gr
 from echo_rl.worker.backends.parking import HostParking
 from echo_rl.worker.backends.shared_base import SHARED
 from echo_rl.worker.backends.turn_cache import TurnCache
+
+if TYPE_CHECKING:
+    from transformers import Cache
+
+
+class Generated(Protocol):
+    """What ``generate`` returns as it is called here (``return_dict_in_generate``,
+    ``output_scores``): the sequences, one score tensor per new token, the cache."""
+
+    sequences: torch.Tensor
+    scores: tuple[torch.Tensor, ...]
+    past_key_values: object
 
 
 class _Watch(StoppingCriteria):
@@ -57,10 +69,11 @@ class _Watch(StoppingCriteria):
         # .max_new_tokens) end at it instead of sampling tokens that would be cut.
         self.budgets = torch.tensor(budgets) if budgets and min(budgets) < max(budgets) else None
         self.steps = 0
-        self.done = None
+        self.done: torch.Tensor | None = None
         self.stopped = False
 
-    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+    # Returns what StoppingCriteria declares (a BoolTensor), built by torch as a Tensor.
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> Any:
         last = input_ids[:, -1] == self.eos if self.eos is not None else input_ids[:, -1] < 0
         before = torch.zeros_like(last) if self.done is None else self.done
         self.backend.tokens_sampled += int((~before).sum())  # rows that sampled this token
@@ -227,17 +240,17 @@ class TransformersBackend(Backend):
 
     def _run(
         self,
-        ids: Any,
-        attn: Any,
-        cache: Any,
+        ids: torch.Tensor,
+        attn: torch.Tensor,
+        cache: Cache | None,
         max_new_tokens: int,
         temperature: float,
         seed: int,
         watch: _Watch,
-    ) -> Any:
+    ) -> Generated:
         """One ``generate`` call over a laid-out batch (and the cache of its kept positions)."""
         torch.manual_seed(seed)
-        return self.model.generate(
+        out: Generated = self.model.generate(
             input_ids=ids,
             attention_mask=attn,
             **({"cache": cache} if cache is not None else {}),
@@ -253,3 +266,4 @@ class TransformersBackend(Backend):
             stopping_criteria=StoppingCriteriaList([watch]),
             logits_processor=LogitsProcessorList(answer_processor(self.answer_tokens)),
         )
+        return out

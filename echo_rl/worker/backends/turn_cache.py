@@ -50,7 +50,7 @@ class TurnCache:
         self.prefill_positions = 0  # positions computed for them (padding included)
         self.fresh_tokens = 0  # what prefilling every prompt whole would have read
 
-    def plan(self, prompts: list[list[int]], device: Any) -> Plan:
+    def plan(self, prompts: list[list[int]], device: torch.device) -> Plan:
         self.fresh_tokens += sum(len(p) for p in prompts)
         rows = self._match(prompts)
         if rows is None:
@@ -75,7 +75,7 @@ class TurnCache:
             r += 1
         return out
 
-    def _fresh(self, prompts: list[list[int]], device: Any) -> Plan:
+    def _fresh(self, prompts: list[list[int]], device: torch.device) -> Plan:
         width = max(len(p) for p in prompts)
         ids = [[self.pad] * (width - len(p)) + p for p in prompts]
         mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
@@ -87,7 +87,7 @@ class TurnCache:
             len(prompts) * width,
         )
 
-    def _continue(self, prompts: list[list[int]], rows: list[int], device: Any) -> Plan:
+    def _continue(self, prompts: list[list[int]], rows: list[int], device: torch.device) -> Plan:
         pick = torch.tensor(rows, device=self.ids.device)
         if len(rows) < len(self.seqs):
             self.cache.batch_select_indices(pick)

@@ -158,7 +158,7 @@ class VLLMBackend(Backend):
                 "backend does not support yet: run this worker with "
                 "--backend transformers"
             )
-        super().restrict_answers(None)
+        Backend.restrict_answers(self, None)
 
     def park(self) -> None:
         """Off the GPU between this run's turns (echo_rl/worker/sharing.py). Without sleep mode the
