@@ -46,26 +46,29 @@ actions, results), ``loss_mask`` = 1 on the policy's action tokens, reward = epi
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from echo_rl.adapters.poker.game import (
     LETTER_FORMATS,
     Action,
+    Decision,
     TableConfig,
     legalise,
     parse_action,
     play_hand,
 )
 from echo_rl.adapters.poker.pipeline import hand_entry
-from echo_rl.adapters.poker.players import RULE_PLAYERS, make_player
+from echo_rl.adapters.poker.players import RULE_PLAYERS, LLMSeat, Opponent, Policy, make_player
 from echo_rl.adapters.poker.render import FORMATS, action_text, render, result_text, system_prompt
 from echo_rl.data.adapter import AdapterError, Prompt
-from echo_rl.data.episodes import Episode, EpisodeAdapter, EpisodeSample
+from echo_rl.data.episodes import Episode, EpisodeAdapter, EpisodeSample, GenerateFn
 from echo_rl.data.multiturn import ChatBuilder, ChatFormat, Transcript
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from echo_rl.core import wire
 
 _DEFAULTS: dict[str, Any] = {
     "seats": 2,
@@ -184,7 +187,7 @@ class PokerAdapter(EpisodeAdapter):
         self.system = str(o["system"]) or system_prompt(self.table, self.fmt, self.hands)
         self.chat = ChatFormat.learn(tokenizer, str(o["turn_start_token"]) or None)
         self.builder = ChatBuilder(tokenizer, self.system, self.chat)
-        self._llm_policy: Any = None
+        self._llm_policy: Policy | None = None
         self._max_new = 64
         self.stats = {"episodes": 0, "decisions": 0, "invalid_actions": 0, "forced": 0}
 
@@ -240,21 +243,23 @@ class PokerAdapter(EpisodeAdapter):
 
     # ----------------------------------------------------------------- worker side
 
-    def set_llm_opponent(self, policy: Any) -> None:
+    def set_llm_opponent(self, policy: Policy) -> None:
         """The frozen-model opponent: ``policy(messages) -> action text``."""
         self._llm_policy = policy
 
-    def _llm(self) -> dict[str, Any]:
+    def _llm(self) -> LLMSeat:
         if self._llm_policy is None:
             from echo_rl.adapters.poker.eval import HFChatPolicy
 
             self._llm_policy = HFChatPolicy(self.opponent_model)
-        return {"policy": self._llm_policy, "system": self.system, "render": self.observe}
+        return LLMSeat(self._llm_policy, self.system, self.observe)
 
-    def observe(self, d: Any) -> str:
+    def observe(self, d: Decision) -> str:
         return render(d, self.fmt, self.hint)
 
-    def rollout(self, groups: Any, generate: Any) -> list[list[EpisodeSample]]:
+    def rollout(
+        self, groups: Sequence[wire.Group], generate: GenerateFn
+    ) -> list[list[EpisodeSample]]:
         self._max_new = int(getattr(generate, "max_new_tokens", 64))
         return super().rollout(groups, generate)
 
@@ -269,7 +274,7 @@ class PokerAdapter(EpisodeAdapter):
         opponents = [
             make_player(n, rng.randrange(1 << 30), self.fmt, self.bot_samples, llm) for n in names
         ]
-        stand_in = None
+        stand_in: Opponent | None = None
         if self.offpolicy_player and rng.random() < self.offpolicy_fraction:
             stand_in = make_player(
                 self.offpolicy_player, rng.randrange(1 << 30), self.fmt, self.bot_samples
@@ -282,7 +287,7 @@ class PokerAdapter(EpisodeAdapter):
         net = 0
         for h in range(self.hands):
             seat = (hero_seat + h) % self.table.seats  # the button moves every hand
-            seating: list[Any] = list(opponents)
+            seating: list[Opponent | None] = list(opponents)
             seating.insert(seat, None)
             game = play_hand(
                 seating, (deal * 64 + h) & 0x7FFFFFFF, self.table, h + 1, render=self.observe

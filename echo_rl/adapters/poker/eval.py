@@ -27,10 +27,17 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
+
+from echo_rl.core.jsontypes import JsonObject
 
 if TYPE_CHECKING:
-    from echo_rl.data.adapter import Adapter
+    from transformers import PreTrainedTokenizerBase
+
+    from echo_rl.adapters.hf import HFModel
+    from echo_rl.adapters.poker.adapter import PokerAdapter
+    from echo_rl.adapters.poker.players import Policy
+    from echo_rl.data.episodes import Generated, GenerateFn
 
 COLUMNS = [
     ("Rule-based1", "tag"),
@@ -44,7 +51,11 @@ class HFChatPolicy:
     """A frozen model as a poker player: ``policy(messages) -> action text``."""
 
     def __init__(
-        self, name: str, max_new_tokens: int = 32, temperature: float = 0.0, model: Any = None
+        self,
+        name: str,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        model: HFModel | None = None,
     ):
         from echo_rl.adapters.hf import HFModel
 
@@ -68,14 +79,62 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
     return m, 1.96 * sd / math.sqrt(n)
 
 
+class Column(TypedDict):
+    """One opponent's column: the policy's chips against it over ``hands`` hands."""
+
+    opponent: str
+    hands: int
+    mean_bb: float  # big blinds per hand
+    ci95_bb: float  # half-width of the 95% interval
+    total_chips: int
+    decisions: int
+    invalid_rate: float
+
+
+class TableColumn(Column):
+    column: str  # Table 4's label
+    seconds: float
+
+
+class PokerEval(TypedDict):
+    """What ``evaluate`` returns (and ``--json`` writes, with the command line)."""
+
+    model: str
+    seats: int
+    hands: int
+    unit: str
+    options: JsonObject  # the adapter's options the hands were played under
+    columns: list[TableColumn]
+
+
+class HeroGenerate:
+    """The evaluated model's decisions: ``generate(prompts)`` at its token budget (which the
+    adapter reads as ``max_new_tokens``)."""
+
+    def __init__(self, hero: HFModel, max_new_tokens: int, temperature: float):
+        self.hero = hero
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+
+    def __call__(self, prompts: list[list[int]]) -> list[Generated]:
+        return self.hero.generate(prompts, self.max_new_tokens, self.temperature)
+
+
 def play_column(
-    adapter: Adapter, opponent: str, hands: int, seed: int, generate: Any, batch: int
-) -> dict[str, Any]:
-    from types import SimpleNamespace
+    adapter: PokerAdapter,
+    opponent: str,
+    hands: int,
+    seed: int,
+    generate: GenerateFn,
+    batch: int,
+) -> Column:
+    from echo_rl.core.wire import Group
 
     seats = adapter.table.seats
     tasks = [
-        SimpleNamespace(
+        Group(
+            group_id=f"hand-{h}",
+            prompt_ids=[],
             task={
                 "deal_seed": (seed * 1_000_003 + h) & 0x7FFFFFFF,
                 "hero_seat": h % seats,
@@ -104,6 +163,12 @@ def play_column(
     }
 
 
+def _rule_seat_only(prompts: list[list[int]]) -> list[Generated]:
+    """The policy's seat when a rule-based player fills it: it plays every decision, so
+    nothing is ever asked of a model."""
+    raise AssertionError("a rule-based player plays the policy's seat: no decision to generate")
+
+
 def evaluate(
     model: str,
     hands: int,
@@ -117,11 +182,11 @@ def evaluate(
     obs_format: str | None = None,
     llm: bool = True,
     bot_samples: int = 48,
-    hero: Any = None,
-    opponent_policy: Any = None,
+    hero: HFModel | None = None,
+    opponent_policy: Policy | None = None,
     strength_hint: bool | None = None,
     untrained: bool = False,
-) -> dict[str, Any]:
+) -> PokerEval:
     """Rows of Table 4 for one policy. ``hero``/``opponent_policy`` inject ready objects
     (an ``HFModel``; a ``policy(messages) -> text``) instead of loading folders."""
     from echo_rl.adapters.poker.adapter import PokerAdapter
@@ -130,30 +195,32 @@ def evaluate(
     if rule:
         from echo_rl.data.testing import build_chatml_char_tokenizer
 
-        tokenizer, generate = build_chatml_char_tokenizer(), None
+        tokenizer: PreTrainedTokenizerBase = build_chatml_char_tokenizer()
     else:
         from echo_rl.adapters.hf import HFModel
 
         # poker transcripts outgrow the tiny model's default 64 positions
-        hero = hero or HFModel(
-            model, untrained=untrained, **({"max_positions": 1024} if model == "tiny-qwen3" else {})
-        )
+        if not hero:
+            tiny_positions = model == "tiny-qwen3"
+            hero = (
+                HFModel(model, untrained=untrained, max_positions=1024)
+                if tiny_positions
+                else HFModel(model, untrained=untrained)
+            )
         tokenizer = hero.tokenizer
-
-        def generate(prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-            return hero.generate(prompts, max_new_tokens, temperature)
 
     run = getattr(hero, "run_config", None)
     if max_new_tokens is None:  # as the run generated: a longer budget lets a policy that
         # learned "c" then any token (its end of turn is appended) answer "c5", invalid
         max_new_tokens = run.worker.max_new_tokens if run is not None else 32
-    if generate is not None:
-        generate.max_new_tokens = max_new_tokens  # type: ignore[attr-defined]
+    generate: GenerateFn = (
+        _rule_seat_only if rule or hero is None else HeroGenerate(hero, max_new_tokens, temperature)
+    )
     trained = dict(run.adapter.effective_options if run is not None else {})
     tiny = model == "tiny-qwen3" or (run is not None and run.model.name == "tiny-qwen3")
     fmt = obs_format or trained.get("obs_format") or ("compact" if tiny else "text")
     hint = trained.get("strength_hint", False) if strength_hint is None else strength_hint
-    options: dict[str, Any] = {
+    options: JsonObject = {
         "seats": seats,
         "obs_format": fmt,
         "group_by": "deal",
@@ -170,7 +237,7 @@ def evaluate(
     adapter = PokerAdapter(options, tokenizer)
     if hero is not None:  # answers restricted as the run sampled them (echo_rl/data/answers.py)
         hero.answer_tokens = adapter.answer_tokens
-    columns = []
+    columns: list[TableColumn] = []
     for label, opp in COLUMNS:
         if opp == "llm":
             if not llm:
@@ -185,7 +252,7 @@ def evaluate(
             adapter.set_llm_opponent(opponent_policy)
         t0 = time.monotonic()
         col = play_column(adapter, opp, hands, seed, generate, batch)
-        columns.append({"column": label, **col, "seconds": round(time.monotonic() - t0, 2)})
+        columns.append(TableColumn(column=label, **col, seconds=round(time.monotonic() - t0, 2)))
     return {
         "model": model + (" (untrained)" if untrained else ""),
         "seats": seats,
@@ -196,7 +263,7 @@ def evaluate(
     }
 
 
-def table(result: dict[str, Any]) -> str:
+def table(result: PokerEval) -> str:
     cols = result["columns"]
     head = ["Model"] + [
         c["column"] + (" (" + c["opponent"] + ")" if c["opponent"] != "llm" else "") for c in cols
@@ -204,7 +271,10 @@ def table(result: dict[str, Any]) -> str:
     row = [result["model"]] + [f"{c['mean_bb']:+.3f} ± {c['ci95_bb']:.3f}" for c in cols]
     inv = ["invalid actions"] + [f"{100 * c['invalid_rate']:.1f}%" for c in cols]
     widths = [max(len(a), len(b), len(c)) for a, b, c in zip(head, row, inv)]
-    fmt = lambda cells: "| " + " | ".join(x.ljust(w) for x, w in zip(cells, widths)) + " |"  # noqa: E731
+
+    def fmt(cells: list[str]) -> str:
+        return "| " + " | ".join(x.ljust(w) for x, w in zip(cells, widths)) + " |"
+
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join(
         [

@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
-from echo_rl.adapters.poker.game import RANKS, SUITS, Action, Decision, format_action
+from echo_rl.adapters.poker.game import RANKS, SUITS, Action, Decision, Player, format_action
+
+if TYPE_CHECKING:
+    from pokerkit import Card
 
 
 def chen_score(hole: tuple[str, ...]) -> float:
     """Bill Chen's preflop hand score (about -1 .. 20)."""
-    (r1, s1), (r2, s2) = hole[0], hole[1]
+    (r1, s1), (r2, s2) = tuple(hole[0]), tuple(hole[1])
     value = {"A": 10, "K": 8, "Q": 7, "J": 6, "T": 5}
     a, b = sorted((RANKS.index(r1), RANKS.index(r2)), reverse=True)
     hi = RANKS[a]
@@ -52,7 +56,10 @@ def equity(
     used = set(hole) | set(board)
     deck = [r + s for r in RANKS for s in SUITS if r + s not in used]
     rng = random.Random(seed)
-    parse = lambda cs: list(Card.parse("".join(cs)))  # noqa: E731
+
+    def parse(cs: Iterable[str]) -> list[Card]:
+        return list(Card.parse("".join(cs)))
+
     me = parse(hole)
     won = 0.0
     for _ in range(samples):
@@ -96,6 +103,10 @@ class RuleBased:
 
     def strength(self, d: Decision) -> float:
         return strength(d, self.samples)
+
+    def act(self, d: Decision) -> str:
+        """The action text for ``d``: each style decides."""
+        raise NotImplementedError
 
     def say(self, a: Action, d: Decision, logprob: float = 0.0) -> str:
         self.last_logprob = logprob
@@ -178,6 +189,25 @@ RULE_PLAYERS: dict[str, type[RuleBased]] = {
 Policy = Callable[[list[dict[str, str]]], str]
 
 
+class Opponent(Player, Protocol):
+    """A seat the adapter fills: it acts, reports the log-prob of what it played, and starts
+    each episode afresh."""
+
+    last_logprob: float
+
+    def new_episode(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class LLMSeat:
+    """What an ``llm`` opponent is built from: the frozen model's ``policy``, the system
+    prompt it plays under and how a decision is rendered for it."""
+
+    policy: Policy
+    system: str
+    render: Callable[[Decision], str]
+
+
 class LLMPlayer:
     """A language-model player: keeps (system, user observation, assistant action, ...) and
     asks ``policy`` for the next action text. ``render`` maps a Decision to the observation."""
@@ -203,13 +233,13 @@ class LLMPlayer:
 
 
 def make_player(
-    name: str, seed: int, fmt: str, samples: int = 48, llm: dict[str, Any] | None = None
-) -> Any:
-    """``tag`` / ``station`` / ``maniac``, or ``llm`` (needs ``llm = {policy, system, render}``)."""
+    name: str, seed: int, fmt: str, samples: int = 48, llm: LLMSeat | None = None
+) -> Opponent:
+    """``tag`` / ``station`` / ``maniac``, or ``llm`` (needs the ``llm`` seat's policy)."""
     if name in RULE_PLAYERS:
         return RULE_PLAYERS[name](seed=seed, samples=samples, fmt=fmt)
     if name == "llm":
         if not llm:
             raise ValueError("the llm opponent needs a policy (a frozen model); none configured")
-        return LLMPlayer(llm["policy"], llm["system"], llm["render"])
+        return LLMPlayer(llm.policy, llm.system, llm.render)
     raise ValueError(f"unknown player {name!r}: use one of {sorted(RULE_PLAYERS) + ['llm']}")
