@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from echo_rl.cli.report import make_report  # noqa: E402
 from echo_rl.core.config import dump_toml, load_config  # noqa: E402
-from echo_rl.core.metrics import LearnerMetrics  # noqa: E402
+from echo_rl.core.metrics import LearnerMetrics, LiveSources  # noqa: E402
 from echo_rl.core.procs import ProcessGroup, python_argv  # noqa: E402
 from echo_rl.learner.main import Learner  # noqa: E402
 from echo_rl.learner.policy import Policy  # noqa: E402
@@ -127,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         learner.start(False)
         assert learner.server is not None
-        metrics.tree_source = learner.server.relay_tree  # as echo_rl/learner/main.py wires it
+        metrics.live = LiveSources(
+            tree=learner.server.relay_tree
+        )  # as echo_rl/learner/startup.py does
         for i in range(args.workers):
             price = cfg.quickstart.worker_prices[i % len(cfg.quickstart.worker_prices)]
             group.start(

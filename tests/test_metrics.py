@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from echo_rl.core.metrics import LearnerMetrics, from_run_dir  # noqa: E402
+from echo_rl.core.metrics import LearnerMetrics, LiveSources, from_run_dir  # noqa: E402
 from echo_rl.core.tree import RelayTree, TreeNode  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "observability.md"
@@ -222,7 +222,7 @@ def test_worker_books_follow_the_learner_and_drop_what_is_gone():
         "w0": {"state": "active", "accepted": 5, "rejected": {"stale": 2}, "earned_usd": 0.01},
         "w1": {"state": "standby", "accepted": 0, "rejected": {}, "earned_usd": 0.0},
     }
-    m.accounts_source = lambda: books
+    m.live = LiveSources(accounts=lambda: books)
     text = m.prometheus_text().decode()
     assert 'echo_worker_records_rejected{reason="stale",worker="w0"} 2.0' in text
     assert 'echo_worker_state{state="standby",worker="w1"} 1.0' in text

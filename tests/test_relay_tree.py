@@ -13,7 +13,7 @@ import pytest
 from echo_rl.broadcast.coordinator import Coordinator
 from echo_rl.broadcast.topology import make_topology
 from echo_rl.broadcast.tree import relay_tree
-from echo_rl.core.metrics import LearnerMetrics
+from echo_rl.core.metrics import LearnerMetrics, LiveSources
 from echo_rl.core.tree import LEARNER, RelayTree, TreeNode
 
 pytestmark = pytest.mark.timeout(60)
@@ -99,7 +99,7 @@ def test_metrics_follow_the_tree_and_drop_workers_that_left():
     c.installed("w0", 0)
     c.measured("w0", 0, 40.0, 20.0)
     m = LearnerMetrics()
-    m.tree_source = lambda: relay_tree(c)
+    m.live = LiveSources(tree=lambda: relay_tree(c))
     nat = _samples(m, "echo_worker_nat")
     assert nat == {(("nat", "reachable"), ("worker", f"w{i}")): 1.0 for i in range(3)}
     rates = _samples(m, "echo_worker_link_mbit")
@@ -130,7 +130,7 @@ def test_a_busy_control_loop_keeps_the_last_tree():
             return t
         raise TimeoutError
 
-    m.tree_source = source
+    m.live = LiveSources(tree=source)
     assert m.state()["tree"]["nodes"][0]["worker"] in ("w0", "w1")
     assert m.state()["tree"] == tree.model_dump()  # the second call timed out
 
@@ -138,7 +138,7 @@ def test_a_busy_control_loop_keeps_the_last_tree():
 def test_api_state_serves_the_tree_as_json():
     c = _coordinator(3)
     m = LearnerMetrics()
-    m.tree_source = lambda: relay_tree(c)
+    m.live = LiveSources(tree=lambda: relay_tree(c))
     server = m.serve("127.0.0.1", 0)
     try:
         with urllib.request.urlopen(server.url + "/api/state", timeout=10) as r:

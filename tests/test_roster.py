@@ -91,12 +91,12 @@ def listing(capsys, *args):
 
 def test_workers_lists_ids_fingerprints_states_and_quoted_keys_from_the_live_learner(fleet, capsys):
     pytest.importorskip("prometheus_client")
-    from echo_rl.core.metrics import LearnerMetrics
+    from echo_rl.core.metrics import LearnerMetrics, LiveSources
 
     plane, run, keys = fleet
     metrics = LearnerMetrics()
-    metrics.accounts_source = plane.accounts.export  # as echo_rl.learner.main wires it
-    metrics.tree_source = plane.relay_tree
+    # as echo_rl/learner/startup.py wires it
+    metrics.live = LiveSources(accounts=plane.accounts.export, tree=plane.relay_tree)
     metrics.update({"step": 0}, plane.stats())
     server = metrics.serve("127.0.0.1", 0)
     try:

@@ -12,7 +12,7 @@ The gauges are grouped by source in ``echo_rl.core.metrics_gauges``; the server
 (``echo_rl.core.metrics_server``: stdlib ``http.server``, daemon thread) serves ``/metrics`` (Prometheus text),
 ``/health`` (JSON), ``/api/state`` (JSON for the dashboard) and ``/`` (the dashboard page,
 ``echo_rl/core/dashboard/index.html``, no external assets). The relay tree (``echo_rl.core.tree.RelayTree``) and
-the workers' books are not fed per step: ``tree_source`` and ``accounts_source`` are read at
+the workers' books are not fed per step: ``live.tree`` and ``live.accounts`` (``LiveSources``) are read at
 each scrape and each ``/api/state``.
 
 ``python -m echo_rl.core.metrics serve RUN_DIR [--host H] [--port P]`` serves a recorded run (rows and
@@ -27,6 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
@@ -74,12 +75,23 @@ __all__ = [
     "Health",
     "MAX_PER_IP",
     "LearnerMetrics",
+    "LiveSources",
     "MetricsServer",
     "finite_or_null",
     "from_run_dir",
     "learner_price_of",
     "main",
 ]
+
+
+@dataclass(frozen=True)
+class LiveSources:
+    """What the dashboard and /metrics read live, at each scrape and poll, once serving: the
+    workers' books (``Accounts.export``) and the current version's relay tree
+    (``LearnerServer.relay_tree``; it may raise TimeoutError, and the last tree is kept)."""
+
+    accounts: Callable[[], dict[str, JsonObject]] | None = None
+    tree: Callable[[], RelayTree] | None = None
 
 
 class LearnerMetrics:
@@ -99,11 +111,8 @@ class LearnerMetrics:
         self.fleet = FleetGauges(r)
         self.books = AccountGauges(r)
         self.install_gauges = InstallGauges(r)
-        self.accounts_source: Callable[[], dict[str, JsonObject]] | None = None  # Accounts.export
-        # echo_rl.core.tree: the current version's relay tree, read live at each scrape and each
-        # dashboard poll when ``tree_source`` is set (LearnerServer.relay_tree)
-        self.tree: RelayTree | None = None
-        self.tree_source: Callable[[], RelayTree] | None = None  # may raise TimeoutError: last kept
+        self.tree: RelayTree | None = None  # the last relay tree read (echo_rl.core.tree)
+        self.live = LiveSources()  # given by ``serve``: read at each scrape and poll
         self._tree_gauges = TreeGauges(r)
 
     # The running totals, read by the report and the tests.
@@ -144,8 +153,8 @@ class LearnerMetrics:
                 self.install_gauges.update(inst)
 
     def _pull_accounts(self) -> None:
-        if self.accounts_source is not None:
-            accounts = self.accounts_source()
+        if self.live.accounts is not None:
+            accounts = self.live.accounts()
             with self._lock:
                 self.books.update(accounts)
 
@@ -155,10 +164,10 @@ class LearnerMetrics:
             self._tree_gauges.update(tree)
 
     def _pull_tree(self) -> None:
-        if self.tree_source is None:
+        if self.live.tree is None:
             return
         try:
-            tree = self.tree_source()
+            tree = self.live.tree()
         except (TimeoutError, RuntimeError):  # a busy or stopped control loop: keep the last
             return
         self.set_tree(tree)
@@ -237,7 +246,12 @@ class LearnerMetrics:
 
     # ------------------------------------------------------------------ serving
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
+    def serve(
+        self, host: str = "127.0.0.1", port: int = 0, live: LiveSources | None = None
+    ) -> MetricsServer:
+        """Serve the dashboard and /metrics, reading ``live`` at each scrape from now on."""
+        if live is not None:
+            self.live = live
         return MetricsServer(self, host, port)
 
 

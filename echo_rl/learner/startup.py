@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from echo_rl.control.listen import port_taken
 from echo_rl.control.server import LearnerServer
 from echo_rl.core.config import EchoConfig, ListenPorts
-from echo_rl.core.metrics import LearnerMetrics
+from echo_rl.core.metrics import LearnerMetrics, LiveSources
 from echo_rl.core.metrics_server import MetricsServer
 from echo_rl.core.procs import READY_PREFIX
 from echo_rl.core.steprow import StepRow
@@ -108,12 +108,11 @@ def announce(
     if metrics is not None:
         port = cfg.listen_ports().metrics
         try:
-            metrics_server = metrics.serve(cfg.metrics.host, port)
+            live = LiveSources(accounts=server.accounts.export, tree=server.relay_tree)
+            metrics_server = metrics.serve(cfg.metrics.host, port, live)
         except OSError as exc:
             raise port_taken("metrics.port", cfg.metrics.host, port, exc) from None
         info["ports"]["metrics"] = metrics_server.address[1]
-        metrics.accounts_source = server.accounts.export  # live per scrape
-        metrics.tree_source = server.relay_tree  # live per scrape and poll
         info["metrics"] = metrics_server.url
         for r in rows:  # after --resume: cost and curves continue
             metrics.update(r, {})
