@@ -14,7 +14,6 @@ no reflectors, a probe that failed) is printed as skipped, with the reason.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from echo_rl.broadcast.nat.reflect import (
     NatError,
@@ -26,14 +25,18 @@ from echo_rl.broadcast.nat.reflect import (
 from echo_rl.core import wire
 from echo_rl.core.addresses import split_endpoint
 from echo_rl.core.doctor import Check, ask_learner, port_words, tcp_greeting
-from echo_rl.core.security import JoinLine, fingerprint
+from echo_rl.core.security import JoinLine, KeyPair, fingerprint
 from echo_rl.worker.unreachable import checks as learner_checks
 
 PORTS_DOC = "docs/ports.md"
 
 
 async def diagnose(
-    line: JoinLine, keys: Any, relay_host: str, relay_port: int | None, punch_host: str
+    line: JoinLine,
+    keys: KeyPair | None,
+    relay_host: str,
+    relay_port: int | None,
+    punch_host: str,
 ) -> list[Check]:
     """Every check that applies, stopping where the rest cannot be asked. ``relay_port``:
     the fixed port a public relay listens on (its dial-back is checked), None for a relay
@@ -61,7 +64,7 @@ async def diagnose(
     return out
 
 
-def _key_check(line: JoinLine, reply: Any, why: str) -> Check:
+def _key_check(line: JoinLine, reply: wire.Message | None, why: str) -> Check:
     if reply is None:
         return Check(
             "learner key",
@@ -92,6 +95,7 @@ def _key_check(line: JoinLine, reply: Any, why: str) -> Check:
             f"the learner refused this worker: {reply.reason}: {reply.detail}",
             fix,
         )
+    assert isinstance(reply, wire.DoctorAck)  # a doctor request's answer, or an Error
     named = (
         f"the learner holds the key in the join line (fingerprint "
         f"{fingerprint(line.server_key)}) and answers: run {reply.run_id}, snapshot "
@@ -253,7 +257,7 @@ class RelayListener:
 
     def __init__(self, host: str, port: int | None):
         self.host, self.port = host, port
-        self.server: Any = None
+        self.server: asyncio.Server | None = None
 
     async def __aenter__(self) -> int:
         if self.port is None:

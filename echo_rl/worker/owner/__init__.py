@@ -6,16 +6,22 @@ load), ``nvml`` (other processes on the GPU), ``file`` (a flag file the owner's 
 
 from __future__ import annotations
 
-from typing import Any
-
 from echo_rl.worker.owner.base import OwnerSignal
 
 SIGNALS = ("auto", "cpu", "nvml", "file")
 
 
 def make_signal(
-    kind: str, *, quiet_s: float = 30.0, cpu_cores: float = 0.5, path: str = "", **kw: Any
+    kind: str,
+    *,
+    quiet_s: float = 30.0,
+    cpu_cores: float = 0.5,
+    path: str = "",
+    proc: str = "/proc",
+    index: int = 0,
 ) -> OwnerSignal:
+    """``path``: the flag file (``file``); ``proc``: where the CPU load is read (``cpu``);
+    ``index``: the GPU watched (``nvml``)."""
     if kind == "auto":
         from echo_rl.worker.owner.nvml import nvml_available
 
@@ -23,11 +29,11 @@ def make_signal(
     if kind == "cpu":
         from echo_rl.worker.owner.cpu import CpuSignal
 
-        return CpuSignal(quiet_s=quiet_s, cores=cpu_cores, **kw)
+        return CpuSignal(quiet_s=quiet_s, cores=cpu_cores, proc=proc)
     if kind == "nvml":
         from echo_rl.worker.owner.nvml import NvmlSignal
 
-        return NvmlSignal(quiet_s=quiet_s, **kw)
+        return NvmlSignal(quiet_s=quiet_s, index=index)
     if kind == "file":
         from echo_rl.worker.owner.file import FileSignal
 
