@@ -22,9 +22,12 @@ from __future__ import annotations
 import random
 import re
 import warnings
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from pokerkit import Card, State
 
 RANKS = "23456789TJQKA"
 SUITS = "cdhs"
@@ -51,6 +54,10 @@ class Action:
     amount: int = 0  # raise-to total for "raise"
 
 
+# A seat's history event: ("board", street, cards dealt) or ("act", seat, Action).
+Event = tuple[Literal["board"], str, tuple[str, ...]] | tuple[Literal["act"], int, Action]
+
+
 @dataclass
 class Decision:
     """What a seat sees when it must act (rendered to text for language-model players)."""
@@ -70,7 +77,7 @@ class Decision:
     opponents: list[tuple[int, int, int, bool]]  # (seat, stack, bet, folded)
     # what happened since this seat's previous decision: ("act", seat, Action) and
     # ("board", street, cards) events
-    history: list[tuple[Any, ...]]
+    history: list[Event]
     active: int  # seats still in the hand
     big_blind: int = 2
 
@@ -105,7 +112,7 @@ class Player(Protocol):
     def act(self, decision: Decision) -> str: ...
 
 
-def card_str(c: Any) -> str:
+def card_str(c: Card) -> str:
     return f"{c.rank}{c.suit}"
 
 
@@ -174,7 +181,7 @@ def positions(n: int) -> list[str]:
     return names
 
 
-def _new_state(cfg: TableConfig, deck: list[str]) -> Any:
+def _new_state(cfg: TableConfig, deck: list[str]) -> State:
     from pokerkit import Automation, Card, Mode, NoLimitTexasHoldem
 
     auto = (
@@ -202,7 +209,7 @@ def _new_state(cfg: TableConfig, deck: list[str]) -> Any:
     return state
 
 
-def _deal(state: Any) -> None:
+def _deal(state: State) -> None:
     while True:
         if state.can_deal_hole():
             state.deal_hole()
@@ -214,19 +221,22 @@ def _deal(state: Any) -> None:
             return
 
 
-def _board(state: Any) -> tuple[str, ...]:
+def _board(state: State) -> tuple[str, ...]:
     return tuple(card_str(c[0] if isinstance(c, list) else c) for c in state.board_cards)
 
 
 def _decision(
-    state: Any,
+    state: State,
     cfg: TableConfig,
     hand_no: int,
     seat: int,
     names: list[str],
-    history: list[tuple[Any, ...]],
+    history: list[Event],
 ) -> Decision:
     can_raise = state.can_complete_bet_or_raise_to()
+    # both set whenever a raise is possible
+    lo = state.min_completion_betting_or_raising_to_amount if can_raise else None
+    hi = state.max_completion_betting_or_raising_to_amount if can_raise else None
     return Decision(
         hand_no=hand_no,
         seat=seat,
@@ -238,8 +248,8 @@ def _decision(
         to_call=int(state.checking_or_calling_amount or 0),
         stack=int(state.stacks[seat]),
         bet=int(state.bets[seat]),
-        min_raise_to=int(state.min_completion_betting_or_raising_to_amount) if can_raise else None,
-        max_raise_to=int(state.max_completion_betting_or_raising_to_amount) if can_raise else None,
+        min_raise_to=None if lo is None else int(lo),
+        max_raise_to=None if hi is None else int(hi),
         opponents=[
             (i, int(state.stacks[i]), int(state.bets[i]), not state.statuses[i])
             for i in range(cfg.seats)
@@ -279,7 +289,7 @@ def play_hand(
     deal_seed: int,
     cfg: TableConfig,
     hand_no: int = 1,
-    render: Any = None,
+    render: Callable[[Decision], str] | None = None,
 ) -> Generator[Decision, str, HandResult]:
     """Play one hand. ``players[i] is None``: seat i is external (yield/send). ``render``
     turns a Decision into the observation text logged for the seat (default: repr)."""
@@ -290,9 +300,9 @@ def play_hand(
     state = _new_state(cfg, fresh_deck(deal_seed))
     logs: list[list[TurnLog]] = [[] for _ in range(cfg.seats)]
     invalid = [0] * cfg.seats
-    history: list[list[tuple[Any, ...]]] = [[] for _ in range(cfg.seats)]
+    history: list[list[Event]] = [[] for _ in range(cfg.seats)]
     mark = [cfg.stack] * cfg.seats  # each seat's stack at its previous decision
-    street = -1
+    street: int | None = -1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pokerkit warns on e.g. folds that could be checks
         _deal(state)
@@ -303,7 +313,7 @@ def play_hand(
                 board = _board(state)
                 if board:
                     for h in history:
-                        h.append(("board", STREETS[min(street, 3)], board))
+                        h.append(("board", STREETS[min(street or 0, 3)], board))
             d = _decision(state, cfg, hand_no, seat, names, history[seat])
             history[seat] = []
             player = players[seat]

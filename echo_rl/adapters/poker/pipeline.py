@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from echo_rl.adapters.poker.game import TableConfig, TurnLog, play_hand
 from echo_rl.adapters.poker.players import make_player
@@ -36,16 +35,53 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def hand_entry(turns: Sequence[TurnLog], result: str, net: int, invalid: int) -> dict[str, Any]:
+class TurnEntry(TypedDict):
+    """One decision of a seat in a raw log (``TurnLog`` without what was played)."""
+
+    observation: str
+    action: str
+    chip_delta: int
+    invalid: bool
+    logprob: float
+
+
+class HandEntry(TypedDict):
+    """One hand of a raw log: the seat's turns, the result message, its net chips."""
+
+    turns: list[TurnEntry]
+    result: str
+    net: int
+    invalid: int  # invalid actions in the hand
+
+
+class EpisodeLog(TypedDict):
+    """A raw episode log: one seat's hands, one per line of a ``.jsonl`` (module docstring)."""
+
+    system: str
+    seat: int
+    player: str
+    hands: list[HandEntry]
+
+
+def hand_entry(turns: Sequence[TurnLog], result: str, net: int, invalid: int) -> HandEntry:
     return {
-        "turns": [{k: v for k, v in asdict(t).items() if k != "played"} for t in turns],
+        "turns": [
+            {
+                "observation": t.observation,
+                "action": t.action,
+                "chip_delta": t.chip_delta,
+                "invalid": t.invalid,
+                "logprob": t.logprob,
+            }
+            for t in turns
+        ],
         "result": result,
         "net": int(net),
         "invalid": int(invalid),
     }
 
 
-def log_messages(log: dict[str, Any], show_results: bool = True) -> list[dict[str, str]]:
+def log_messages(log: EpisodeLog, show_results: bool = True) -> list[dict[str, str]]:
     messages = [{"role": "system", "content": log["system"]}]
     for hand in log["hands"]:
         for t in hand["turns"]:
@@ -56,7 +92,7 @@ def log_messages(log: dict[str, Any], show_results: bool = True) -> list[dict[st
     return messages
 
 
-def episode_return(log: dict[str, Any], unit: float = 2.0, invalid_penalty: float = 1.0) -> float:
+def episode_return(log: EpisodeLog, unit: float = 2.0, invalid_penalty: float = 1.0) -> float:
     """Net chips of the episode (the sum of its chip deltas), in units of ``unit`` chips,
     minus ``invalid_penalty`` per invalid action."""
     chips = sum(h["net"] for h in log["hands"])  # = the sum of the turns' chip deltas
@@ -66,7 +102,7 @@ def episode_return(log: dict[str, Any], unit: float = 2.0, invalid_penalty: floa
 
 def sample_from_log(
     tokenizer: PreTrainedTokenizerBase,
-    log: dict[str, Any],
+    log: EpisodeLog,
     *,
     fmt: ChatFormat | None = None,
     show_results: bool = True,
@@ -111,16 +147,16 @@ def simulate_logs(
     hands: int = 1,
     seats: Iterable[int] | None = None,
     samples: int = 48,
-) -> list[dict[str, Any]]:
+) -> list[EpisodeLog]:
     """Rule-based players against each other; one raw log per logged seat and episode."""
     cfg = cfg or TableConfig(seats=len(players))
     logged = list(range(cfg.seats)) if seats is None else list(seats)
-    out = []
+    out: list[EpisodeLog] = []
     for e in range(episodes):
         bots = [
             make_player(p, seed * 7919 + e * 31 + i, fmt, samples) for i, p in enumerate(players)
         ]
-        per_seat: list[list[dict[str, Any]]] = [[] for _ in range(cfg.seats)]
+        per_seat: list[list[HandEntry]] = [[] for _ in range(cfg.seats)]
         for h in range(hands):
             order = [(i + h) % cfg.seats for i in range(cfg.seats)]  # button moves every hand
             game = play_hand(
@@ -155,7 +191,7 @@ def simulate_logs(
 
 def records_from_logs(
     tokenizer: PreTrainedTokenizerBase,
-    logs: Sequence[dict[str, Any]],
+    logs: Sequence[EpisodeLog],
     group_size: int,
     *,
     version: int = 0,
@@ -197,11 +233,12 @@ def records_from_logs(
     return groups
 
 
-def write_logs(path: str | Path, logs: Iterable[dict[str, Any]]) -> None:
+def write_logs(path: str | Path, logs: Iterable[EpisodeLog]) -> None:
     with Path(path).open("w") as f:
         for log in logs:
             f.write(json.dumps(log) + "\n")
 
 
-def read_logs(path: str | Path) -> list[dict[str, Any]]:
+def read_logs(path: str | Path) -> list[EpisodeLog]:
+    """The logs ``write_logs`` wrote, as they were written (not checked again)."""
     return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]

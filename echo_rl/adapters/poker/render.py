@@ -29,12 +29,11 @@ a strong or a weak hand (docs/adapters.md, "Poker that learns").
 
 from __future__ import annotations
 
-from typing import Any
-
 from echo_rl.adapters.poker.game import (
     LETTER_FORMATS,
     Action,
     Decision,
+    Event,
     HandResult,
     TableConfig,
     format_action,
@@ -64,7 +63,7 @@ def _card(c: str) -> str:
     return f"{rank:02d}" + "abcd"["cdhs".index(c[1])]
 
 
-def _event_text(ev: tuple[Any, ...], names: list[str]) -> str:
+def _event_text(ev: Event, names: list[str]) -> str:
     if ev[0] == "board":
         return f"{ev[1]} dealt: {' '.join(ev[2])}"
     seat, a = ev[1], ev[2]
