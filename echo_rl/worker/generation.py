@@ -262,7 +262,9 @@ class Generation:
         self.status.generated(len(groups), len(records))
         self._sent(own_tokens(samples))
         self.deliveries.add(
-            batch, [g.group_id for g in groups], [[r["group_id"], r["sample_idx"]] for r in records]
+            batch,
+            [g.group_id for g in groups],
+            [[g.group_id, i] for g, gs in zip(groups, samples) for i in range(len(gs))],
         )
 
     def _sent(self, tokens: int) -> None:

@@ -7,10 +7,10 @@ hand-back of cut samples (docs/preemption.md).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict
 
 from echo_rl.core import wire
-from echo_rl.data.episodes import episode_cut
+from echo_rl.data.episodes import Generated, episode_cut
 from echo_rl.data.records import MAX_STATS, episode_stats
 from echo_rl.worker.backends import Sample
 
@@ -25,7 +25,29 @@ _warned: set[tuple[str, str]] = set()
 WARN_KEYS = 1024
 
 
-def runs(s: Sample, version: int) -> list[list[int]]:
+class Completion(Protocol):
+    """What a record is made of: a backend's ``Sample`` or an adapter's ``EpisodeSample``."""
+
+    completion_ids: list[int]
+    logprobs: list[float]
+
+
+class VersionFields(TypedDict):
+    """A record's ``version`` (its oldest token's) and, when its tokens' differ, ``versions``
+    (``[version, count]`` runs)."""
+
+    version: int
+    versions: NotRequired[list[list[int]]]
+
+
+class EpisodeFields(TypedDict):
+    """A multi-turn record's shown-only fields (``episode_fields``)."""
+
+    cut: bool
+    stats: NotRequired[dict[str, float]]
+
+
+def runs(s: Completion, version: int) -> list[list[int]]:
     """Per-token versions of a sample as ``[version, count]`` runs: the prefix's (another
     worker's tokens, for a continued sample), then this worker's own tokens."""
     out = [list(r) for r in getattr(s, "prefix_versions", [])]  # episodes have no prefix
@@ -38,7 +60,7 @@ def runs(s: Sample, version: int) -> list[list[int]]:
     return out
 
 
-def versions(s: Sample, version: int) -> dict[str, Any]:
+def versions(s: Completion, version: int) -> VersionFields:
     """The record's ``version`` (its oldest token's: the staleness rule judges that one) and,
     when they differ, the per-token ``versions``."""
     rs = runs(s, version)
@@ -52,7 +74,7 @@ def prefix(g: wire.Group, i: int) -> wire.Prefix | None:
 
 
 def cut_episodes(
-    groups: list[wire.Group], decisions: dict[int, list[Any]]
+    groups: list[wire.Group], decisions: dict[int, list[Generated]]
 ) -> list[list[tuple[Sample, float]]]:
     """Episodes cut between decisions, as unfinished samples: each one's decisions so far
     (replayed ones first, with the versions they came with), and their lengths."""
@@ -76,7 +98,7 @@ def cut_episodes(
     return out
 
 
-def episode_versions(s: Any, old: wire.Prefix | None, version: int) -> dict[str, Any]:
+def episode_versions(loss_mask: list[int], old: wire.Prefix | None, version: int) -> VersionFields:
     """A multi-turn record's versions: the policy's tokens (mask 1) in order are the
     decisions, replayed ones with the prefix's versions, then this worker's; an environment
     token takes the version of the decision before it (the first one's, before any)."""
@@ -85,7 +107,7 @@ def episode_versions(s: Any, old: wire.Prefix | None, version: int) -> dict[str,
     trained = [v for v, c in old.versions for _ in range(c)]
     per_token: list[int | None] = []
     k = 0
-    for m in s.loss_mask:
+    for m in loss_mask:
         if m:
             per_token.append(trained[k] if k < len(trained) else version)
             k += 1
@@ -111,9 +133,10 @@ def own_tokens(samples: list[list[tuple[Sample, float]]]) -> int:
 
 
 def record(
-    g: wire.Group, i: int, s: Any, reward: float, worker_id: str, gen_s: float, version: int
-) -> dict[str, Any]:
+    g: wire.Group, i: int, s: Completion, reward: float, worker_id: str, gen_s: float, version: int
+) -> dict[str, object]:
     """The wire record of sample ``i`` of group ``g`` (echo_rl/data/records.py)."""
+    mask: list[int] | None = getattr(s, "loss_mask", None)  # an episode's
     return {
         "group_id": g.group_id,
         "sample_idx": i,
@@ -123,16 +146,12 @@ def record(
         "reward": reward,
         "worker_id": worker_id,
         "gen_s": gen_s,
-        **(
-            episode_versions(s, prefix(g, i), version)
-            if getattr(s, "loss_mask", None)
-            else versions(s, version)
-        ),
-        **({"loss_mask": s.loss_mask} if getattr(s, "loss_mask", None) is not None else {}),
+        **(episode_versions(mask, prefix(g, i), version) if mask else versions(s, version)),
+        **({"loss_mask": mask} if mask is not None else {}),
     }
 
 
-def episode_fields(s: Any, adapter: Adapter) -> dict[str, Any]:
+def episode_fields(s: Any, adapter: Adapter) -> EpisodeFields:
     """A multi-turn record's shown-only fields: ``cut`` (``echo_rl.data.episodes.episode_cut``)
     and ``stats``, the numbers of the episode's ``info`` that may travel. A number that may
     not (a name that is no short identifier, NaN or inf, past 1e15, past the 16th) stays here
@@ -151,4 +170,7 @@ def episode_fields(s: Any, adapter: Adapter) -> dict[str, Any]:
             new,
             MAX_STATS,
         )
-    return {"cut": episode_cut(s, adapter), **({"stats": stats} if stats else {})}
+    fields: EpisodeFields = {"cut": episode_cut(s, adapter)}
+    if stats:
+        fields["stats"] = stats
+    return fields
