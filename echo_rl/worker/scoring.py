@@ -10,12 +10,13 @@ still running come back unscored, to be carried into the next rollout (echo_rl/w
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from echo_rl.core import wire
 from echo_rl.data.episodes import Cut, EpisodeAdapter, backend_generate_fn
 from echo_rl.worker.backends import Backend, Sample
-from echo_rl.worker.records import cut_episodes
+from echo_rl.worker.records import Completion, cut_episodes
 from echo_rl.worker.session import WorkerError
 
 if TYPE_CHECKING:
@@ -76,7 +77,9 @@ class AdapterFault(WorkerError):
     default_reason = "adapter_fault"
 
 
-def check_episode_lengths(adapter: Adapter, out: Any, max_new_tokens: int) -> None:
+def check_episode_lengths(
+    adapter: Adapter, out: Iterable[Iterable[Completion]], max_new_tokens: int
+) -> None:
     """Every episode within what the learner admits: ``max(worker.max_new_tokens,
     max_completion_tokens)`` tokens (echo_rl/learner/main.py builds its limits the same way)."""
     bound = getattr(adapter, "max_completion_tokens", 0)
@@ -94,7 +97,7 @@ def check_episode_lengths(adapter: Adapter, out: Any, max_new_tokens: int) -> No
         )
 
 
-def tail_share(value: Any) -> float:
+def tail_share(value: object) -> float:
     """The learner's ``worker.tail_cut`` as a share in [0, 1); anything else (a string, a
     bool, NaN, out of range: a learner is a stranger too) is the cut off, not an error that
     would end this run's rollouts."""

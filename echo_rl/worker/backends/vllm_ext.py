@@ -11,13 +11,28 @@ the shared-memory file the backend wrote (``echo_rl/worker/backends/refit.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Collection, Iterator
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RefitReport(TypedDict):
+    """What one engine worker says of a refit: parameters loaded (-1: the model's
+    ``load_weights`` reports nothing), and the first of those the snapshot did not reach."""
+
+    loaded: int
+    untouched: list[str]
+    n_untouched: int
 
 
 def iter_tensors(
-    path: str, entries: list[Any], nbytes: int, device: Any
-) -> Iterator[tuple[str, Any]]:
+    path: str,
+    entries: list[tuple[str, str, list[int], int, int]],
+    nbytes: int,
+    device: str | torch.device,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor on ``device``) for each entry of the shared file, in file order."""
     import torch
 
@@ -30,7 +45,9 @@ def iter_tensors(
 class EchoRefitExtension:
     """Methods vLLM adds to each of its GPU workers (``self`` is that worker)."""
 
-    def echo_refit(self, path: str, entries: list[Any], nbytes: int) -> dict[str, Any]:
+    def echo_refit(
+        self, path: str, entries: list[tuple[str, str, list[int], int, int]], nbytes: int
+    ) -> RefitReport:
         """Load every tensor of the shared file into the running model.
 
         Returns how many engine parameters were loaded and which were not: vLLM fuses q/k/v and
@@ -48,7 +65,7 @@ class EchoRefitExtension:
         return untouched_report(model, loaded)
 
 
-def untouched_report(model: Any, loaded: Any) -> dict[str, Any]:
+def untouched_report(model: torch.nn.Module, loaded: Collection[str] | None) -> RefitReport:
     params = {name for name, _ in model.named_parameters()}
     if loaded is None:  # a model class whose load_weights reports nothing: nothing to compare
         return {"loaded": -1, "untouched": [], "n_untouched": 0}
