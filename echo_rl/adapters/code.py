@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from echo_rl.core.jsontypes import JsonObject
 from echo_rl.data.adapter import Adapter, AdapterError, Prompt
 from echo_rl.data.multiturn import render_ids
 from echo_rl.data.sandbox import Limits, SandboxError, call_entry
@@ -128,7 +129,7 @@ def ask(doc: str) -> str:
     return f"Write a Python function f(x). {doc} Reply with the code only."
 
 
-def program(task: dict[str, Any], completion_text: str) -> str:
+def program(task: JsonObject, completion_text: str) -> str:
     """What runs: the header and the body the policy wrote, or (chat) the code of its reply."""
     if not task.get("chat"):
         return str(task["header"]) + completion_text
@@ -216,6 +217,6 @@ class CodeAdapter(Adapter):
         return right / len(task["expected"])
 
 
-def _same(got: Any, want: Any) -> bool:
+def _same(got: object, want: object) -> bool:
     """Equal as JSON values: 1 is not True, 1.0 is not 1 (Python's == says they are)."""
     return json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)

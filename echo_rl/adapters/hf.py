@@ -13,10 +13,13 @@ seeded init, or the pretrained model); loaded through ``echo_rl.core.models`` li
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from echo_rl.core.config import EchoConfig
 
 
-def run_config(name: str) -> Any:
+def run_config(name: str) -> EchoConfig | None:
     """The config of an Echo run folder (``config.toml`` + ``checkpoints/latest``), else None."""
     p = Path(name)
     if (p / "config.toml").is_file() and (p / "checkpoints" / "latest").is_file():
@@ -34,7 +37,7 @@ class HFModel:
         seed: int = 0,
         device: str = "cpu",
         untrained: bool = False,
-        **model_cfg: Any,
+        **model_cfg: object,
     ):
         import torch
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from echo_rl.adapters.mathcheck import MathChecker, extract_answer
+from echo_rl.core.jsontypes import JsonObject
 from echo_rl.data.adapter import Adapter, AdapterError, Prompt
 from echo_rl.data.multiturn import render_ids
 
@@ -138,7 +139,7 @@ class MathAdapter(Adapter):
                 " = false to feed the raw question text"
             )
         self.checker = MathChecker(float(self.options.get("verify_timeout_s", 5.0)))
-        self._items: list[tuple[list[int], dict[str, Any]]] | None = None
+        self._items: list[tuple[list[int], JsonObject]] | None = None
 
     # ----------------------------------------------------------------- learner side
 
@@ -149,7 +150,7 @@ class MathAdapter(Adapter):
         messages.append({"role": "user", "content": question})
         return encode_chat(self.tokenizer, messages)
 
-    def items(self) -> list[tuple[list[int], dict[str, Any]]]:
+    def items(self) -> list[tuple[list[int], JsonObject]]:
         """(prompt ids, task) for every usable row; read and encoded once, on first use."""
         if self._items is None:
             if not self.path:
@@ -162,10 +163,10 @@ class MathAdapter(Adapter):
                 self._check_disjoint(str(heldout))
         return self._items
 
-    def _encode_file(self, path: str) -> list[tuple[list[int], dict[str, Any]]]:
+    def _encode_file(self, path: str) -> list[tuple[list[int], JsonObject]]:
         rows = read_jsonl(path, self.question_key, self.answer_key)
         unk = getattr(self.tokenizer, "unk_token_id", None)
-        items = []
+        items: list[tuple[list[int], JsonObject]] = []
         for row in rows:
             if unk is not None and unk in self.tokenizer.encode(
                 row["question"], add_special_tokens=False

@@ -17,7 +17,36 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
+
+from echo_rl.core.jsontypes import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    from echo_rl.adapters.hf import HFModel
+
+
+class Example(TypedDict):
+    """One scored question, tails of its text kept, for the report."""
+
+    prompt: str
+    completion: str
+    answer: JsonValue  # the data set's answer
+    reward: float
+
+
+class MathEval(TypedDict):
+    """What ``evaluate`` returns (and ``--json`` writes)."""
+
+    model: str
+    data: str
+    n: int
+    correct: int
+    accuracy: float
+    ci95: list[float]  # Wilson interval, [low, high]
+    no_answer_rate: float
+    checker: dict[str, int]  # the checker's counts: fast, verified, timeouts
+    examples: list[Example]
+    seconds: float
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -38,9 +67,9 @@ def evaluate(
     batch: int = 16,
     max_new_tokens: int = 512,
     temperature: float = 0.0,
-    options: dict[str, Any] | None = None,
-    hero: Any = None,
-) -> dict[str, Any]:
+    options: JsonObject | None = None,
+    hero: HFModel | None = None,
+) -> MathEval:
     from echo_rl.adapters.hf import HFModel
     from echo_rl.adapters.math import MathAdapter
     from echo_rl.adapters.mathcheck import extract_answer
@@ -52,21 +81,21 @@ def evaluate(
     if limit:
         items = items[:limit]
     correct = no_answer = 0
-    examples: list[dict[str, Any]] = []
+    examples: list[Example] = []
     t0 = time.monotonic()
     try:
         for i in range(0, len(items), batch):
             chunk = items[i : i + batch]
             outs = hero.generate([ids for ids, _ in chunk], max_new_tokens, temperature)
             for (ids, task), (gen, _) in zip(chunk, outs):
-                text = tok.decode(gen, skip_special_tokens=True)
+                text = str(tok.decode(gen, skip_special_tokens=True))
                 r = adapter.reward(task, gen, text)
                 correct += r == 1.0
                 no_answer += extract_answer(text) is None
                 if len(examples) < 3:
                     examples.append(
                         {
-                            "prompt": tok.decode(ids, skip_special_tokens=True)[-200:],
+                            "prompt": str(tok.decode(ids, skip_special_tokens=True))[-200:],
                             "completion": text[-200:],
                             "answer": task["answer"],
                             "reward": r,
@@ -104,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-chat-template", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = ap.parse_args(argv)
-    options: dict[str, Any] = {
+    options: JsonObject = {
         "question_key": args.question_key,
         "answer_key": args.answer_key,
         "chat_template": not args.no_chat_template,

@@ -28,7 +28,10 @@ import multiprocessing as mp
 import re
 import threading
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 log = logging.getLogger("echo.adapters.math")
 
@@ -74,7 +77,9 @@ def as_fraction(s: str) -> Fraction | None:
 # ----------------------------------------------------------------------------- the child
 
 
-def _serve(conn: Any, timeout_s: int) -> None:  # runs in the child process, its main thread
+def _serve(
+    conn: Connection[str | bool, tuple[str, str]], timeout_s: int
+) -> None:  # runs in the child process, its main thread
     import warnings
 
     warnings.filterwarnings("ignore")
