@@ -61,7 +61,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from echo_rl.core.ewma import ewma
 from echo_rl.provisioning.decisions import (
@@ -78,6 +77,7 @@ from echo_rl.provisioning.registry import (
     STANDBY,
     Registry,
     Remembered,
+    RememberedDoc,
     UnknownWorker,
     WorkerStatus,
     fold,
@@ -178,7 +178,7 @@ class Controller:
                 self._scaler.lost_active()
             self._reg.remove(worker_id)
 
-    def state(self) -> dict[str, dict[str, Any]]:
+    def state(self) -> dict[str, RememberedDoc]:
         """Every identity's books as plain data (for the run folder): the workers registered
         now (with whether they are active) and those remembered after they left."""
         with self._lock:

@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import TypedDict
 
 from echo_rl.core.errors import EchoError
 from echo_rl.core.ewma import ewma, time_weight
 
 ACTIVE, STANDBY = "active", "standby"
+
+
+class RememberedDoc(TypedDict):
+    """``Remembered`` as the run folder keeps it (``Controller.state``)."""
+
+    mu_hat: float
+    failed_probations: int
+    active: bool
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,13 @@ class Remembered:
         ):
             raise ValueError(f"bad values in a remembered worker: {obj!r:.80}")
         return cls(float(mu), failed, active)
+
+    def doc(self) -> RememberedDoc:
+        return {
+            "mu_hat": self.mu_hat,
+            "failed_probations": self.failed_probations,
+            "active": self.active,
+        }
 
 
 class UnknownWorker(EchoError, KeyError):
@@ -159,13 +174,13 @@ class Registry:
         while len(self._memory) > self._memory_size:
             self._memory.popitem(last=False)
 
-    def state(self) -> dict[str, dict[str, Any]]:
-        out = {i: asdict(r) for i, r in self._memory.items()}
+    def state(self) -> dict[str, RememberedDoc]:
+        out = {i: r.doc() for i, r in self._memory.items()}
         for wid, identity in self._identity.items():
             w = self.workers[wid]
-            out[identity] = asdict(
-                Remembered(w.mu_hat if w.measured else 0.0, w.failed_probations, w.state == ACTIVE)
-            )
+            out[identity] = Remembered(
+                w.mu_hat if w.measured else 0.0, w.failed_probations, w.state == ACTIVE
+            ).doc()
         return out
 
     def restore(self, state: dict[str, object]) -> int:

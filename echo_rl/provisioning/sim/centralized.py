@@ -21,12 +21,22 @@ event loop is needed when nothing joins, leaves or travels over a link.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
-from echo_rl.provisioning.sim.scenario import CentralizedSection
+from echo_rl.core.jsontypes import JsonObject
+from echo_rl.provisioning.sim.scenario import CentralizedSection, Scenario
 from echo_rl.provisioning.sim.summary import Baseline, SimSummary
+
+
+class Comparison(TypedDict):
+    """``compare``'s result (a sim result's ``centralized``)."""
+
+    baselines: list[JsonObject]  # Baseline.to_json() and its echo_saving
+    echo_cost_per_step_usd: float | None
+    echo_bubble_ratio: float | None
+    echo_saving_vs_cheapest: float | None
 
 
 def check(c: CentralizedSection) -> None:
@@ -102,7 +112,7 @@ def run_baseline(
     )
 
 
-def compare(sc: Any, echo_summary: SimSummary) -> dict[str, Any]:
+def compare(sc: Scenario, echo_summary: SimSummary) -> Comparison:
     """Every enabled baseline beside the distributed run's cost per trained step."""
     c: CentralizedSection = sc.centralized
     check(c)
@@ -123,7 +133,7 @@ def compare(sc: Any, echo_summary: SimSummary) -> dict[str, Any]:
     ]
     echo = echo_summary.cost_per_step_usd
     saving = [1.0 - echo / b.cost_per_step_usd if echo is not None else None for b in rows]
-    out = [{**b.to_json(), "echo_saving": s} for b, s in zip(rows, saving)]
+    out: list[JsonObject] = [{**b.to_json(), "echo_saving": s} for b, s in zip(rows, saving)]
     cheapest = min(range(len(rows)), key=lambda i: rows[i].cost_per_step_usd) if rows else None
     return {
         "baselines": out,

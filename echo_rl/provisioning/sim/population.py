@@ -12,7 +12,7 @@ import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import numpy as np
 
@@ -107,13 +107,24 @@ def build_pool(sc: Scenario, rng: np.random.Generator) -> Pool:
     )
 
 
-def _read_pool_csv(path: Path) -> list[dict[str, Any]]:
+class PoolRow(TypedDict):
+    """One worker of a ``pool.file`` CSV; the optional columns only where given."""
+
+    mu: float
+    price: float
+    down_mbit: NotRequired[float]
+    up_mbit: NotRequired[float]
+    reachable: NotRequired[bool]
+    id: NotRequired[str]
+
+
+def _read_pool_csv(path: Path) -> list[PoolRow]:
     if not path.is_file():
         raise ScenarioError(
             f"pool.file {str(path)!r} not found: give a CSV with columns "
             f"mu,price[,down_mbit,up_mbit,reachable,id]"
         )
-    rows = []
+    rows: list[PoolRow] = []
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         missing = {"mu", "price"} - set(reader.fieldnames or [])
@@ -124,10 +135,11 @@ def _read_pool_csv(path: Path) -> list[dict[str, Any]]:
             )
         for line, r in enumerate(reader, start=2):
             try:
-                row: dict[str, Any] = {"mu": float(r["mu"]), "price": float(r["price"])}
-                for k in ("down_mbit", "up_mbit"):
-                    if r.get(k):
-                        row[k] = float(r[k])
+                row: PoolRow = {"mu": float(r["mu"]), "price": float(r["price"])}
+                if r.get("down_mbit"):
+                    row["down_mbit"] = float(r["down_mbit"])
+                if r.get("up_mbit"):
+                    row["up_mbit"] = float(r["up_mbit"])
                 if r.get("reachable"):
                     row["reachable"] = r["reachable"].strip().lower() in ("1", "true", "yes")
                 if r.get("id"):

@@ -10,12 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from echo_rl.core.jsontypes import JsonValue
 from echo_rl.core.steprow import COL
 from echo_rl.provisioning.sim.scenario import ScenarioError, load_scenario
 from echo_rl.provisioning.sim.summary import Baseline, SimSummary
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from echo_rl.provisioning.sim.centralized import Comparison
 
 
 def print_report(result: dict[str, Any], console: Console | None = None) -> None:
@@ -27,7 +30,7 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
     sc = result["scenario"]
     traj, ev = s.trajectories or {}, s.events or {}  # a run's summary has both
 
-    def f(x: Any, fmt: str = ".4g") -> str:
+    def f(x: object, fmt: str = ".4g") -> str:
         return "-" if x is None else format(x, fmt)
 
     t = Table(
@@ -77,7 +80,7 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
         console.print(f"[yellow]warning:[/] {w}")
 
 
-def print_centralized(c: dict[str, Any], console: Console) -> None:
+def print_centralized(c: Comparison, console: Console) -> None:
     from rich.table import Table
 
     t = Table(
@@ -157,13 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if SimSummary.from_json(result["summary"]).stalled else 0
 
 
-def _json_default(x: Any) -> Any:
+def _json_default(x: object) -> JsonValue:
     if isinstance(x, (np.integer,)):
         return int(x)
     if isinstance(x, (np.floating,)):
         return float(x)
     if isinstance(x, np.ndarray):
-        return x.tolist()
+        listed: JsonValue = x.tolist()
+        return listed
     raise TypeError(f"not JSON serialisable: {type(x)}")
 
 

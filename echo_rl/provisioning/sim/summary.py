@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 from types import SimpleNamespace
 from typing import Any
 
+from echo_rl.core.jsontypes import JsonObject
+
 
 @dataclass
 class SimSummary:
@@ -45,7 +47,7 @@ class SimSummary:
     cpu_s: float | None = None  # this process's CPU s: robust to other load on the machine
     planner_wall_s: float | None = None  # s of real time in the broadcast planner
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
@@ -78,7 +80,7 @@ class Baseline:
     cost_per_step_usd: float
     usd_per_1k_trajectories: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
