@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import simpy
 
-from echo_rl.provisioning.sim.core import Sim
+from echo_rl.core.jsontypes import JsonObject, JsonValue
+from echo_rl.provisioning.sim.core import Sim, SimResult
 from echo_rl.provisioning.sim.scenario import (
     Scenario,
     apply_overrides,
@@ -22,7 +22,7 @@ from echo_rl.provisioning.sim.scenario import (
 from echo_rl.provisioning.sim.summary import SimSummary
 
 
-def run_scenario(sc: Scenario, *, progress: bool = False, machine: bool = True) -> dict[str, Any]:
+def run_scenario(sc: Scenario, *, progress: bool = False, machine: bool = True) -> SimResult:
     """Simulate one scenario; returns the result dict (summary, steps, publications, ...)."""
     if progress:
         from rich.progress import (
@@ -60,12 +60,12 @@ def run_scenario(sc: Scenario, *, progress: bool = False, machine: bool = True) 
 
 
 def simulate(
-    scenario: str | Path | dict[str, Any] | Scenario,
-    overrides: list[str] | dict[str, Any] | None = None,
+    scenario: str | Path | dict[str, object] | Scenario,
+    overrides: list[str] | dict[str, object] | None = None,
     *,
     progress: bool = False,
     machine: bool = True,
-) -> dict[str, Any]:
+) -> SimResult:
     """Simulate a scenario given as a TOML path, a raw dict (TOML layout) or a ``Scenario``."""
     if isinstance(scenario, Scenario):
         sc = scenario
@@ -97,7 +97,7 @@ def simulate_fixed(
     generate_during_download: bool = False,
     measure_from_step: int = 0,
     seed: int = 0,
-) -> dict[str, Any]:
+) -> JsonObject:
     """The parameters of a real (e.g. loopback) run, simulated: for sim-vs-reality checks.
 
     ``n_workers`` identical workers of ``mu_per_worker`` trajectories/s, all active, no
@@ -145,6 +145,8 @@ def simulate_fixed(
     }
     res = simulate(data, machine=False)
     out = dict(res["summary"])
-    out["per_step_wait_s"] = [s["wait_s"] for s in res["steps"]]
-    out["per_step_staleness"] = [s["staleness"] for s in res["steps"]]
+    waits: list[JsonValue] = [s["wait_s"] for s in res["steps"]]
+    staleness: list[JsonValue] = [s["staleness"] for s in res["steps"]]
+    out["per_step_wait_s"] = waits
+    out["per_step_staleness"] = staleness
     return out

@@ -8,12 +8,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import numpy as np
 import simpy
 
 from echo_rl.broadcast.coordinator import quantile_rank
+from echo_rl.core.jsontypes import JsonObject, JsonValue
 from echo_rl.core.steprow import COL
 from echo_rl.provisioning import capacity
 from echo_rl.provisioning.sim.broadcast import BroadcastModel
@@ -23,6 +24,23 @@ from echo_rl.provisioning.sim.scenario import Scenario
 from echo_rl.provisioning.sim.state import Counters, Ledger, Shared, Snapshots, WorkerState
 from echo_rl.provisioning.sim.summary import SimSummary
 from echo_rl.provisioning.sim.work import Work
+
+if TYPE_CHECKING:
+    from echo_rl.provisioning.sim.centralized import Comparison
+
+
+class StepRow(TypedDict):
+    """One learner step of a result (``StepRecord``'s fields, in its order)."""
+
+    step: int
+    version: int
+    t_start: float
+    wait_s: float
+    train_s: float
+    staleness: int
+    n_active: int
+    mu_active: float
+    cost_usd: float
 
 
 @dataclass
@@ -37,6 +55,34 @@ class StepRecord:
     mu_active: float
     cost_usd: float
 
+    def row(self) -> StepRow:
+        return {
+            "step": self.step,
+            "version": self.version,
+            "t_start": self.t_start,
+            "wait_s": self.wait_s,
+            "train_s": self.train_s,
+            "staleness": self.staleness,
+            "n_active": self.n_active,
+            "mu_active": self.mu_active,
+            "cost_usd": self.cost_usd,
+        }
+
+
+class PublicationRow(TypedDict):
+    """One publication of a result (``Publication``'s fields, in its order)."""
+
+    version: int
+    time: float
+    recipients: int
+    t_bcast_s: float
+    tail_s: float
+    predicted_s: float
+    lower_bound_s: float | None
+    streams: int
+    egress_gb: float
+    mode: str
+
 
 @dataclass
 class Publication:
@@ -50,6 +96,62 @@ class Publication:
     streams: int
     egress_gb: float
     mode: str
+
+    def row(self) -> PublicationRow:
+        return {
+            "version": self.version,
+            "time": self.time,
+            "recipients": self.recipients,
+            "t_bcast_s": self.t_bcast_s,
+            "tail_s": self.tail_s,
+            "predicted_s": self.predicted_s,
+            "lower_bound_s": self.lower_bound_s,
+            "streams": self.streams,
+            "egress_gb": self.egress_gb,
+            "mode": self.mode,
+        }
+
+
+class PoolInfo(TypedDict):
+    workers: int  # candidates
+    mu_total: float  # trajectories/s, all of them
+    price_total: float  # $/h, all of them
+    classes: list[str]
+
+
+class SimResult(TypedDict):
+    """What a simulated run returns (``Sim.run``; ``echo-rl sim --json`` writes it). The
+    scenario is its dump (``Scenario.model_dump``); ``api.run_scenario`` adds the last three."""
+
+    scenario: JsonObject
+    pool: PoolInfo
+    initial: JsonObject  # how the initial active set was chosen
+    summary: JsonObject  # SimSummary.to_json()
+    steps: list[StepRow]
+    publications: list[PublicationRow]
+    active_timeline: list[list[float]]  # (time, active workers, capacity, cost rate), sampled
+    mu_req_history: list[tuple[float, float | None]]
+    decisions: list[JsonObject]  # the controller's first ones
+    warnings: list[str]
+    centralized: NotRequired[Comparison]
+    machine: NotRequired[JsonObject]
+    started_at: NotRequired[str]
+
+
+def scenario_value(result: SimResult, section: str, key: str) -> JsonValue:
+    """``result["scenario"][section][key]``: a key of the scenario a result was run with."""
+    table = result["scenario"][section]
+    if not isinstance(table, dict):
+        raise TypeError(f"scenario section {section!r} is not a table: {table!r:.80}")
+    return table[key]
+
+
+def scenario_number(result: SimResult, section: str, key: str) -> float:
+    """``scenario_value`` of a number (an int stays one)."""
+    value = scenario_value(result, section, key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"scenario key {section}.{key} is not a number: {value!r:.80}")
+    return value
 
 
 class Sim:
@@ -262,7 +364,7 @@ class Sim:
         )
         return chosen
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> SimResult:
         sc, env = self.sc, self.env
         wall0, cpu0 = time.perf_counter(), time.process_time()
         trace = read_trace(sc, self.pool) if sc.churn.trace else []
@@ -289,7 +391,7 @@ class Sim:
         return results(self, time.perf_counter() - wall0, time.process_time() - cpu0)
 
 
-def results(sim: Sim, wall_s: float, cpu_s: float) -> dict[str, Any]:
+def results(sim: Sim, wall_s: float, cpu_s: float) -> SimResult:
     """The result dict of a finished run: summary, steps, publications, timelines."""
     sc = sim.sc
     L = sc.learner
@@ -360,8 +462,8 @@ def results(sim: Sim, wall_s: float, cpu_s: float) -> dict[str, Any]:
         },
         "initial": sim.prov.initial,
         "summary": summary.to_json(),  # the declared SimSummary, as the result files hold it
-        "steps": [s.__dict__ for s in sim.steps],
-        "publications": [p.__dict__ for p in sim.pubs],
+        "steps": [s.row() for s in sim.steps],
+        "publications": [p.row() for p in sim.pubs],
         "active_timeline": _downsample(sim.ledger.timeline, 2000),
         "mu_req_history": sim.mu_req_history[-2000:],
         "decisions": sim.prov.decisions,

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo_rl.provisioning.sim.summary import SimSummary
+
+if TYPE_CHECKING:
+    from echo_rl.provisioning.sim.core import SimResult
 
 
 def _plt() -> Any:
@@ -17,19 +20,23 @@ def _plt() -> Any:
     return plt
 
 
-def plot_run(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
+def plot_run(result: SimResult, out_dir: str | Path) -> list[Path]:
     """One 2x2 figure per run: learner wait and staleness per step, active set and capacity
     over time, T_bcast per publication, cost per step. Returns the files written."""
+    from echo_rl.provisioning.sim.core import scenario_number, scenario_value
+
     plt = _plt()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sc, s = result["scenario"], SimSummary.from_json(result["summary"])
-    name = sc["run"]["name"]
+    s = SimSummary.from_json(result["summary"])
+    name = scenario_value(result, "run", "name")
+    staleness = scenario_number(result, "learner", "staleness")
+    q = scenario_number(result, "broadcast", "q")
     steps = result["steps"]
     fig, ax = plt.subplots(2, 2, figsize=(12, 8))
     fig.suptitle(
         f"{name}: B = {s.bubble_ratio:.2%}, s_max = {s.staleness_max} "
-        f"(S = {sc['learner']['staleness']}), ${s.cost_per_step_usd:.3f}/step"
+        f"(S = {staleness}), ${s.cost_per_step_usd:.3f}/step"
         if s.bubble_ratio is not None
         else name
     )
@@ -43,9 +50,9 @@ def plot_run(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     a2.step(
         x, [r["staleness"] for r in steps], where="mid", color="tab:blue", label="staleness s_t"
     )
-    a2.axhline(sc["learner"]["staleness"], color="tab:blue", ls=":", lw=1)
+    a2.axhline(staleness, color="tab:blue", ls=":", lw=1)
     a2.set_ylabel("staleness (versions)")
-    a2.set_ylim(bottom=0, top=sc["learner"]["staleness"] + 1)
+    a2.set_ylim(bottom=0, top=staleness + 1)
     a.set_title("learner wait and staleness per step (dotted: S)")
 
     a = ax[0][1]
@@ -61,7 +68,7 @@ def plot_run(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
         a3.step(t, mu, where="post", color="tab:purple", label="sum mu (active)")
         req = [(tt / 3600, r) for tt, r in result["mu_req_history"] if r is not None]
         if req:
-            alpha = sc["provisioning"]["alpha"]
+            alpha = scenario_number(result, "provisioning", "alpha")
             a3.step(
                 [r[0] for r in req] + [(s.sim_time_s or 0.0) / 3600],
                 [alpha * r[1] for r in req] + [alpha * req[-1][1]],
@@ -83,9 +90,9 @@ def plot_run(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
             [p["version"] for p in pubs],
             [p["t_bcast_s"] for p in pubs],
             "o-",
-            label=f"T_bcast (q={sc['broadcast']['q']:g})",
+            label=f"T_bcast (q={q:g})",
         )
-        if sc["broadcast"]["q"] < 1:
+        if q < 1:
             a.plot(
                 [p["version"] for p in pubs],
                 [p["tail_s"] for p in pubs],
@@ -99,11 +106,17 @@ def plot_run(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
             a.plot(
                 [v for v, _ in lbs], [b for _, b in lbs], "k:", label="lower bound (all recipients)"
             )
-        a.axhline(sc["learner"]["t_train_s"], color="tab:red", ls="--", lw=1, label="T_train")
+        a.axhline(
+            scenario_number(result, "learner", "t_train_s"),
+            color="tab:red",
+            ls="--",
+            lw=1,
+            label="T_train",
+        )
         a.legend(fontsize=8)
     a.set_xlabel("published version")
     a.set_ylabel("seconds")
-    a.set_title(f"broadcast per publication ({sc['broadcast']['topology']})")
+    a.set_title(f"broadcast per publication ({scenario_value(result, 'broadcast', 'topology')})")
 
     a = ax[1][1]
     a.plot(x, [r["cost_usd"] for r in steps], color="tab:orange")

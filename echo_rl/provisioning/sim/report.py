@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,24 +19,30 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from echo_rl.provisioning.sim.centralized import Comparison
+    from echo_rl.provisioning.sim.core import SimResult
 
 
-def print_report(result: dict[str, Any], console: Console | None = None) -> None:
+def print_report(result: SimResult, console: Console | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from echo_rl.provisioning.sim.core import scenario_value
+
     console = console or Console()
     s = SimSummary.from_json(result["summary"])
-    sc = result["scenario"]
+
+    def sc(section: str, key: str) -> JsonValue:
+        return scenario_value(result, section, key)
+
     traj, ev = s.trajectories or {}, s.events or {}  # a run's summary has both
 
     def f(x: object, fmt: str = ".4g") -> str:
         return "-" if x is None else format(x, fmt)
 
     t = Table(
-        title=f"sim {sc['run']['name']}: {result['pool']['workers']:,} candidate workers, "
+        title=f"sim {sc('run', 'name')}: {result['pool']['workers']:,} candidate workers, "
         f"{s.steps_done} steps ({s.steps_measured} measured), "
-        f"topology {sc['broadcast']['topology']}"
+        f"topology {sc('broadcast', 'topology')}"
     )
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -48,7 +54,7 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
             "staleness max / mean (S)",
             f"{f(s.staleness_max, 'd')} / "
             f"{f(s.staleness_mean, '.2f')} "
-            f"(S={sc['learner']['staleness']}, kappa={s.kappa})",
+            f"(S={sc('learner', 'staleness')}, kappa={s.kappa})",
         ),
         ("cost per step ($)", f(s.cost_per_step_usd, ".3f")),
         ("$ per 1k trained trajectories", f(s.usd_per_1k_trajectories, ".4f")),

@@ -15,8 +15,9 @@ from __future__ import annotations
 import difflib
 import math
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -338,9 +339,11 @@ def explain(
     return f"invalid {what}:\n  " + "\n  ".join(lines)
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
+def apply_overrides(
+    data: dict[str, object], overrides: list[str] | dict[str, object]
+) -> dict[str, object]:
     """``section.key=value`` strings (or a ``{"section.key": value}`` dict) onto raw data."""
-    items = (
+    items: Iterable[tuple[str | list[str], object]] = (
         overrides.items()
         if isinstance(overrides, dict)
         else (parse_override(o, ScenarioError) for o in overrides)
@@ -350,7 +353,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any])
     return data
 
 
-def scenario_from_dict(data: dict[str, Any], base_dir: str | Path = ".") -> Scenario:
+def scenario_from_dict(data: dict[str, object], base_dir: str | Path = ".") -> Scenario:
     data = dict(data)
     data.setdefault("base_dir", str(base_dir))
     try:
@@ -359,7 +362,7 @@ def scenario_from_dict(data: dict[str, Any], base_dir: str | Path = ".") -> Scen
         raise ScenarioError(_explain(exc)) from None
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
+def read_toml(path: str | Path) -> dict[str, object]:
     p = Path(path)
     if not p.is_file():
         raise ScenarioError(
@@ -372,7 +375,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def load_scenario(
-    path: str | Path, overrides: list[str] | dict[str, Any] | None = None
+    path: str | Path, overrides: list[str] | dict[str, object] | None = None
 ) -> Scenario:
     data = apply_overrides(read_toml(path), overrides or [])
     if "jobs" in data:  # examples/sim/multirun-*.toml: several jobs sharing one fleet
