@@ -26,7 +26,7 @@ better", a job's cost counted as what it pays dedicated).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
@@ -55,7 +55,17 @@ def _grid(sc: MultiScenario) -> list[float]:
     return sorted(edges)
 
 
-def offline_bound(sc: MultiScenario, dedicated_steps: list[int], capacity: float) -> dict[str, Any]:
+class OfflineBound(TypedDict):
+    """``offline_bound``'s optima: the most steps in all, and the best share for every job."""
+
+    cells: int  # grid cells of the relaxation
+    steps_most: list[float]  # per job, at the most steps in all
+    bill_bound: float | None  # those steps over the dedicated ones (None: no dedicated step)
+    every_job_bound: float  # the largest r with every job at r x its dedicated steps
+    steps_every_job: list[float]  # per job, at that r
+
+
+def offline_bound(sc: MultiScenario, dedicated_steps: list[int], capacity: float) -> OfflineBound:
     """The relaxation's two optima for ``sc``; ``capacity``: the fleet's total speed (average
     workers' worth). ``dedicated_steps``: each job's steps on its dedicated split."""
     from scipy.optimize import linprog

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import numpy as np
 
@@ -47,7 +47,55 @@ def split(sc: MultiScenario, rng: np.random.Generator) -> list[int]:
     return [int(k) for k in owner[rng.permutation(n)]]
 
 
-def _mode(sc: MultiScenario, owner: list[int], speed: np.ndarray, shared: bool) -> dict[str, Any]:
+class JobRow(TypedDict):
+    """One job in one mode (``compare`` adds the two ratios to the shared mode's rows)."""
+
+    name: str
+    S: int  # its staleness bound
+    steps: int
+    steps_if_learner_never_waits: float
+    usd_per_step: float | None  # learner and fleet share (None: no step)
+    fleet_usd_per_step: float | None
+    bound_fleet_usd_per_step: float | None  # the packing bound's fleet cost
+    staleness_max: int
+    learner_wait_fraction: float
+    dropped_groups: int
+    cold_loads: int
+    warm_loads: int
+    worker_s: float
+    switch_s: float
+    ratio: NotRequired[float | None]  # dedicated / shared $ per step
+    fleet_cost_over_bound: NotRequired[float | None]
+
+
+class ModeResult(TypedDict):
+    """One mode (dedicated or shared) of a scenario."""
+
+    jobs: list[JobRow]
+    idle_fraction: float
+    switch_fraction: float
+    sync_fraction: float
+    fleet_usd: float
+    usd_per_total_step: float | None
+    held_per_minute: dict[str, list[float]]  # per job, mean workers held per minute
+
+
+class MultiComparison(TypedDict):
+    """``compare``'s result: both modes of one scenario on the same workers."""
+
+    name: str
+    workers: int
+    resident_models: int
+    reach: str
+    horizon_s: float
+    split: str
+    dedicated_workers: dict[str, int]
+    dedicated: ModeResult
+    shared: ModeResult
+    wall_s: float
+
+
+def _mode(sc: MultiScenario, owner: list[int], speed: np.ndarray, shared: bool) -> ModeResult:
     stats = MultiSim(sc, owner, speed, shared).run()
     H, n = sc.run.horizon_s, sc.fleet.workers
     fleet_usd = sc.fleet.price * n * H / 3600.0
@@ -76,7 +124,7 @@ def _mode(sc: MultiScenario, owner: list[int], speed: np.ndarray, shared: bool) 
 
 def _job_row(
     spec: JobSection, s: JobStats, fleet_usd: float, H: float, mean_speed: float, price: float
-) -> dict[str, Any]:
+) -> JobRow:
     learner = spec.learner_price * H / 3600.0
     per = (lambda x: x / s.steps) if s.steps else (lambda x: None)
     # The packing bound: only the worker-seconds its trained groups need, at mean speed.
@@ -99,7 +147,7 @@ def _job_row(
     }
 
 
-def compare(sc: MultiScenario) -> dict[str, Any]:
+def compare(sc: MultiScenario) -> MultiComparison:
     """Both modes of one scenario, on the same workers; ratio = dedicated / shared $ per step."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(sc.run.seed)
@@ -110,10 +158,10 @@ def compare(sc: MultiScenario) -> dict[str, Any]:
     sh = _mode(sc, owner, speed, shared=True)
     for d, x in zip(ded["jobs"], sh["jobs"], strict=True):
         assert x["staleness_max"] <= x["S"] and d["staleness_max"] <= d["S"]
-        ok = d["usd_per_step"] is not None and x["usd_per_step"]
-        x["ratio"] = d["usd_per_step"] / x["usd_per_step"] if ok else None
-        b = x["bound_fleet_usd_per_step"]
-        x["fleet_cost_over_bound"] = x["fleet_usd_per_step"] / b if b else None
+        du, xu = d["usd_per_step"], x["usd_per_step"]
+        x["ratio"] = du / xu if du is not None and xu else None
+        b, fu = x["bound_fleet_usd_per_step"], x["fleet_usd_per_step"]  # both None or neither
+        x["fleet_cost_over_bound"] = fu / b if b and fu is not None else None
     return {
         "name": sc.run.name,
         "workers": sc.fleet.workers,
@@ -128,7 +176,7 @@ def compare(sc: MultiScenario) -> dict[str, Any]:
     }
 
 
-def table(res: dict[str, Any]) -> str:
+def table(res: MultiComparison) -> str:
     """The comparison as a fixed-width text table."""
     ded, sh = res["dedicated"], res["shared"]
     head = (
@@ -164,7 +212,7 @@ def _num(x: float | None, unit: str) -> str:
     return "-" if x is None else f"{x:.2f}{unit}"
 
 
-def plot(results: list[dict[str, Any]], path: str | Path) -> Path:
+def plot(results: list[MultiComparison], path: str | Path) -> Path:
     """Per scenario: dedicated/shared $ per step per job (bars), and the workers each job
     holds over time in shared mode (the phases handing the fleet back and forth)."""
     from echo_rl.provisioning.sim.plots import _plt

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -151,7 +151,7 @@ def _explain(err: ValidationError) -> str:
     )
 
 
-def multi_from_dict(data: dict[str, Any]) -> MultiScenario:
+def multi_from_dict(data: dict[str, object]) -> MultiScenario:
     try:
         return MultiScenario.model_validate(data)
     except ValidationError as exc:

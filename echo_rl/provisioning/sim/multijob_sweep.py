@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
-from echo_rl.provisioning.sim.multijob_bound import fleet_capacity, offline_bound
+from echo_rl.provisioning.sim.multijob_bound import OfflineBound, fleet_capacity, offline_bound
 from echo_rl.provisioning.sim.multijob_scenario import MultiScenario, multi_from_dict
+
+if TYPE_CHECKING:
+    from echo_rl.provisioning.sim.multijob_report import MultiComparison
 
 
 def with_contrast(sc: MultiScenario, contrast: float, aligned: bool = False) -> MultiScenario:
@@ -54,9 +57,32 @@ def with_contrast(sc: MultiScenario, contrast: float, aligned: bool = False) -> 
     return multi_from_dict(data)
 
 
+class SweepRow(TypedDict):
+    """One sweep setting (``sweep_row``): the ratios, the bounds and the steps behind them."""
+
+    jobs: int
+    phases: str  # "aligned" or "offset"
+    contrast: float
+    ratio_min: float | None  # the worst job's dedicated / shared $ per step
+    ratio_max: float | None
+    ratio_per_job: dict[str, float | None]
+    ratio_whole_bill: float | None
+    idle_dedicated: float
+    idle_shared: float
+    ceiling_bound: float | None
+    bill_bound: float | None  # offline bounds (None without the scenario)
+    every_job_bound: float | None
+    steps_dedicated: int
+    steps_shared: int
+    steps_ceiling: float
+    staleness_max_dedicated: list[int]
+    staleness_max_shared: list[int]
+    S: list[int]
+
+
 def sweep_row(
-    res: dict[str, Any], contrast: float, aligned: bool, sc: MultiScenario | None = None
-) -> dict[str, Any]:
+    res: MultiComparison, contrast: float, aligned: bool, sc: MultiScenario | None = None
+) -> SweepRow:
     """One sweep setting, from ``multijob_report.compare``'s result; with ``sc`` (the scenario
     it ran) the offline bounds too."""
     ded, sh = res["dedicated"], res["shared"]
@@ -70,10 +96,10 @@ def sweep_row(
     )
     steps_ded = sum(j["steps"] for j in ded["jobs"])
     ceiling = sum(j["steps_if_learner_never_waits"] for j in sh["jobs"])
-    lp = (
+    lp: OfflineBound | None = (
         offline_bound(sc, [j["steps"] for j in ded["jobs"]], fleet_capacity(sc))
         if sc is not None
-        else {}
+        else None
     )
     return {
         "jobs": len(sh["jobs"]),
@@ -86,8 +112,8 @@ def sweep_row(
         "idle_dedicated": ded["idle_fraction"],
         "idle_shared": sh["idle_fraction"],
         "ceiling_bound": ceiling / steps_ded if steps_ded else None,
-        "bill_bound": lp.get("bill_bound"),
-        "every_job_bound": lp.get("every_job_bound"),
+        "bill_bound": lp["bill_bound"] if lp is not None else None,
+        "every_job_bound": lp["every_job_bound"] if lp is not None else None,
         "steps_dedicated": steps_ded,
         "steps_shared": sum(j["steps"] for j in sh["jobs"]),
         "steps_ceiling": ceiling,
@@ -97,7 +123,7 @@ def sweep_row(
     }
 
 
-def sweep_table(rows: list[dict[str, Any]]) -> str:
+def sweep_table(rows: list[SweepRow]) -> str:
     """The sweep as a fixed-width text table, one line per setting."""
     cols = (
         f"{'jobs':>4} {'phases':<8}{'c':>3}{'ratio min':>10}{'max':>6}{'bill':>6}"
@@ -128,7 +154,7 @@ def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def sweep_plot(rows: list[dict[str, Any]], path: str | Path, target: float = 1.3) -> Path:
+def sweep_plot(rows: list[SweepRow], path: str | Path, target: float = 1.3) -> Path:
     """Dedicated/shared $ per step against contrast, one colour per job count: the band spans
     the jobs' ratios (its lower edge, the worst job, is the line), dashed the whole bill,
     open triangles the offline bound on the worst job, dotted the aligned control's whole bill; the
