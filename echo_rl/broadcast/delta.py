@@ -33,9 +33,8 @@ import numpy as np
 import numpy.typing as npt
 
 from echo_rl.broadcast.manifest import DTYPE_BYTES, TENSOR_ENCODINGS, TensorEntry
-from echo_rl.broadcast.store import Payload
 from echo_rl.core.errors import EchoError
-from echo_rl.core.layout import TensorLayout
+from echo_rl.core.layout import Payload, TensorLayout
 from echo_rl.core.spill import drop_pages
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

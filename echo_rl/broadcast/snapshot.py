@@ -56,7 +56,7 @@ from echo_rl.broadcast.manifest import (
     parse_manifest,
     verify_signature,
 )
-from echo_rl.core.layout import TensorLayout
+from echo_rl.core.layout import Payload, TensorLayout
 
 __all__ = [
     "BASE_HASH",
@@ -109,7 +109,7 @@ class RunKey:
         return self._private.sign(data)
 
 
-def chunk_hashes(data: bytes | bytearray | memoryview, chunk_size: int) -> list[bytes]:
+def chunk_hashes(data: Payload, chunk_size: int) -> list[bytes]:
     """BLAKE3 of every chunk, on up to 4 threads (BLAKE3 releases the GIL)."""
     view = memoryview(data)
     starts = range(0, len(view), chunk_size)
@@ -124,12 +124,12 @@ def build_manifest(
     run_id: str,
     version: int,
     tensors: list[TensorLayout] | list[TensorEntry],
-    payload: bytes | bytearray | memoryview,
+    payload: Payload,
     chunk_size: int,
     dtype: str,
     key: RunKey,
     base_version: int = -1,
-    result: bytes | bytearray | memoryview | None = None,
+    result: Payload | None = None,
     base_model: str | None = None,
 ) -> Manifest:
     """A full snapshot (``tensors``: the layout of ``payload``, as ``params_to_payload`` gives
@@ -180,11 +180,11 @@ def verify_manifest(raw: object, public_key: bytes) -> Manifest:
 @dataclass
 class Snapshot:
     manifest: Manifest
-    payload: bytes | bytearray
-    result: bytes | bytearray | None = None  # the full payload, when ``payload`` is a delta
+    payload: Payload
+    result: Payload | None = None  # the full payload, when ``payload`` is a delta
 
     @property
-    def full(self) -> bytes | bytearray:
+    def full(self) -> Payload:
         return self.payload if self.result is None else self.result
 
     @property

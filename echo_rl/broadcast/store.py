@@ -9,21 +9,17 @@ never copied. Only the newest ``keep`` versions are held.
 from __future__ import annotations
 
 import asyncio
-import mmap
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TypeAlias
 
 import blake3
 
 from echo_rl.broadcast.base_manifest import BaseManifest
 from echo_rl.broadcast.manifest import ChunkLayout, Manifest
+from echo_rl.core.layout import Payload
 from echo_rl.core.spill import drop_pages
 
 Listener = Callable[[int, int], None]  # (version, chunk index)
-# A snapshot's bytes held whole: received into a bytearray, published as bytes, a slice of
-# either, or spilled to a file and mapped (echo_rl.core.spill).
-Payload: TypeAlias = bytes | bytearray | memoryview | mmap.mmap
 
 
 class SnapshotBuffer:

@@ -20,16 +20,15 @@ from dataclasses import dataclass, field
 from echo_rl.broadcast.delta import DeltaError, DeltaStats, decode, encode
 from echo_rl.broadcast.manifest import Manifest
 from echo_rl.broadcast.snapshot import RunKey, SnapshotError, build_manifest, chunk_hashes
-from echo_rl.broadcast.store import Payload
-from echo_rl.core.layout import TensorLayout
+from echo_rl.core.layout import Payload, TensorLayout
 from echo_rl.core.spill import drop_pages
 
 
 @dataclass
 class Publication:
     manifest: Manifest
-    payload: bytes  # what travels (the delta, or the full payload of a keyframe)
-    result: bytes  # the full payload it rebuilds
+    payload: Payload  # what travels (the delta, or the full payload of a keyframe)
+    result: Payload  # the full payload it rebuilds
     stats: DeltaStats = field(default_factory=DeltaStats)
     build_s: float = 0.0  # encode + hashes + signature
 
@@ -54,10 +53,10 @@ class VersionEncoder:
         self.run_id, self.key, self.chunk_size, self.dtype = run_id, key, chunk_size, dtype
         self.base_model = base_model  # LoRA: every version is an adapter for this base model
         self.delta, self.keyframe_every, self.max_ratio = delta, keyframe_every, max_ratio
-        self._base: tuple[int, list[TensorLayout], bytes] | None = None
+        self._base: tuple[int, list[TensorLayout], Payload] | None = None
         self._since_keyframe = 0
 
-    def build(self, version: int, tensors: list[TensorLayout], full: bytes) -> Publication:
+    def build(self, version: int, tensors: list[TensorLayout], full: Payload) -> Publication:
         t0 = time.perf_counter()
         pub = self._delta(version, tensors, full) if self._wants_delta(tensors, full) else None
         if pub is None:
@@ -82,13 +81,15 @@ class VersionEncoder:
         pub.build_s = time.perf_counter() - t0
         return pub
 
-    def _wants_delta(self, tensors: list[TensorLayout], full: bytes) -> bool:
+    def _wants_delta(self, tensors: list[TensorLayout], full: Payload) -> bool:
         if not self.delta or self._base is None or self._since_keyframe + 1 >= self.keyframe_every:
             return False
         _, base_tensors, base = self._base
         return base_tensors == tensors and len(base) == len(full)
 
-    def _delta(self, version: int, tensors: list[TensorLayout], full: bytes) -> Publication | None:
+    def _delta(
+        self, version: int, tensors: list[TensorLayout], full: Payload
+    ) -> Publication | None:
         assert self._base is not None
         base_version, _, base = self._base
         entries, payload, stats = encode(tensors, full, base)

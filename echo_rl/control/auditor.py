@@ -124,7 +124,9 @@ class Auditor:
         self.is_quarantined = is_quarantined
         self.tol, self.alpha, self.clip = sc.audit_logprob_tol, sc.audit_alpha, sc.audit_clip
         self.keep = cfg.learner.staleness + 2  # every version a record may still claim
-        self._snapshots: OrderedDict[int, tuple[list[TensorLayout], bytes]] = OrderedDict()
+        self._snapshots: OrderedDict[int, tuple[list[TensorLayout], bytes | mmap.mmap]] = (
+            OrderedDict()
+        )
         self._jobs: deque[AuditJob] = deque()
         self._max_jobs = sc.audit_queue
         self._lock = threading.Lock()
@@ -139,7 +141,9 @@ class Auditor:
 
     # ------------------------------------------------------------------ inputs (any thread)
 
-    def add_snapshot(self, version: int, tensors: list[TensorLayout], payload: bytes) -> None:
+    def add_snapshot(
+        self, version: int, tensors: list[TensorLayout], payload: bytes | mmap.mmap
+    ) -> None:
         with self._lock:
             # a spilled payload (echo_rl.core.spill) is a read-only map already: kept as it is
             self._snapshots[version] = (
@@ -292,7 +296,10 @@ class Auditor:
             )
 
     def token_stats(
-        self, version: int, snap: tuple[list[TensorLayout], bytes], records: list[Record]
+        self,
+        version: int,
+        snap: tuple[list[TensorLayout], bytes | mmap.mmap],
+        records: list[Record],
     ) -> list[TokenStats]:
         import torch
 

@@ -3,7 +3,12 @@ its own, importing nothing heavy, so a relay or a manifest reader need not load 
 
 from __future__ import annotations
 
-from typing import NotRequired, TypedDict
+import mmap
+from typing import NotRequired, TypeAlias, TypedDict
+
+# A payload's bytes held whole: received into a bytearray, published as bytes, a slice of
+# either, or spilled to a file and mapped (echo_rl.core.spill).
+Payload: TypeAlias = bytes | bytearray | memoryview | mmap.mmap
 
 
 class TensorLayout(TypedDict):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from echo_rl.core.config import ModelConfig
 from echo_rl.core.errors import EchoError
 from echo_rl.core.jsontypes import JsonObject
-from echo_rl.core.layout import TensorLayout
+from echo_rl.core.layout import Payload, TensorLayout
 
 if TYPE_CHECKING:  # torch and transformers load late: entry points must start instantly
     import mmap
@@ -390,9 +390,7 @@ def params_to_spill(
     return index, writer.finish()
 
 
-def install_payload(
-    model: torch.nn.Module, index: list[TensorLayout], payload: bytes | bytearray
-) -> None:
+def install_payload(model: torch.nn.Module, index: list[TensorLayout], payload: Payload) -> None:
     """Copy a snapshot payload into the model's parameters (shapes and names must match); into
     its LoRA adapter's parameters when ``model`` is a peft model (``echo_rl.core.lora``)."""
     import torch

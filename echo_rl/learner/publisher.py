@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from echo_rl.broadcast.snapshot import Snapshot
 from echo_rl.broadcast.versions import Publication, VersionEncoder
-from echo_rl.core.layout import TensorLayout
+from echo_rl.core.layout import Payload, TensorLayout
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,12 @@ class Publisher:
         self.last: Publication | None = None  # the newest publication (its stats)
         self.published = 0
         self.keyframes = 0
-        self._queue: queue.Queue[tuple[int, list[TensorLayout], bytes] | None] = queue.Queue(1)
+        self._queue: queue.Queue[tuple[int, list[TensorLayout], Payload] | None] = queue.Queue(1)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="echo-publisher", daemon=True)
         self._thread.start()
 
-    def submit(self, version: int, tensors: list[TensorLayout], full: bytes) -> None:
+    def submit(self, version: int, tensors: list[TensorLayout], full: Payload) -> None:
         """Hand a version over; blocks while the previous one is still waiting to be built."""
         self._raise()
         self._queue.put((version, tensors, full))
@@ -72,7 +72,7 @@ class Publisher:
             finally:
                 self._queue.task_done()
 
-    def _build(self, version: int, tensors: list[TensorLayout], full: bytes) -> None:
+    def _build(self, version: int, tensors: list[TensorLayout], full: Payload) -> None:
         pub = self.encoder.build(version, tensors, full)
         self.publish(Snapshot(pub.manifest, pub.payload, pub.result))
         self.last = pub

@@ -35,9 +35,9 @@ from echo_rl.broadcast.fetch import FetchStats, SourceFailed
 from echo_rl.broadcast.manifest import Manifest
 from echo_rl.broadcast.relay import Relay
 from echo_rl.broadcast.snapshot import SnapshotError
-from echo_rl.broadcast.store import Payload
 from echo_rl.broadcast.tickets import Source
 from echo_rl.broadcast.versions import rebuild
+from echo_rl.core.layout import Payload
 
 log = logging.getLogger("echo_rl.worker.agent")
 
