@@ -41,10 +41,11 @@ from echo_rl.broadcast.manifest import ChunkLayout, Manifest
 from echo_rl.broadcast.memory import keep_chunk_buffers
 from echo_rl.broadcast.shaping import TokenBucket
 from echo_rl.broadcast.source import ChunkServer, ServeLimits
-from echo_rl.broadcast.store import Payload, SnapshotBuffer, SnapshotStore
+from echo_rl.broadcast.store import SnapshotBuffer, SnapshotStore
 from echo_rl.broadcast.tickets import Source, TicketCheck
 from echo_rl.core import rates
 from echo_rl.core.errors import EchoError
+from echo_rl.core.layout import Payload
 from echo_rl.core.security import KeyPair, PeerLimits, ZapHandler, curve_server
 
 MBIT = 125_000.0  # bytes per second in one Mbit/s
@@ -92,9 +93,12 @@ class Relay:
         *,
         keys: KeyPair | None = None,
         run_key: Callable[[], bytes] | None = None,
+        resolve: Resolve | None = None,
     ):
         """``keys``: serve and fetch over CURVE; ``run_key``: the run's Ed25519 public key
-        (it checks pull tickets; it changes when the worker joins another run)."""
+        (it checks pull tickets; it changes when the worker joins another run); ``resolve``:
+        where a fetch connects for a source, through punched links
+        (``echo_rl.broadcast.nat.links.Tunnels.resolve``), if any."""
         keep_chunk_buffers()  # every relaying process receives chunk after chunk
         self.ctx = ctx
         self.cfg = cfg
@@ -108,9 +112,7 @@ class Relay:
         self.bases = SnapshotStore(keep=1, recycle=False)
         self.endpoint = ""
         self.down_mbit_measured = 0.0  # this node's fetches, EWMA (the stall bound: _stall)
-        self.resolve: Resolve | None = (
-            None  # punched links (echo_rl.broadcast.nat.links.Tunnels.resolve), if any
-        )
+        self.resolve = resolve
         # Connections to sources kept between fetches: one handshake per source, not per
         # version (echo_rl.broadcast.dialer).
         self.dialer = Dialer(ctx, keys)

@@ -60,7 +60,7 @@ class RelayNode:
         self.cfg = cfg
         self.nat = "unknown"  # the learner's verdict on our NAT (docs/nat.md)
         try:
-            self.relay = Relay(ctx, cfg, keys=keys, run_key=run_key)
+            self.relay = Relay(ctx, cfg, keys=keys, run_key=run_key, resolve=self._resolve)
         except RelayPortTaken as exc:
             raise WorkerError(str(exc)) from None
         host = cfg.punch_host or cfg.bind_host
@@ -73,7 +73,11 @@ class RelayNode:
                 f"--punch-port, or 0 to let the OS pick (docs/ports.md)"
             )
         self.tunnels = Tunnels(host, punch or pick_punch_port(host), endpoint=self.relay.endpoint)
-        self.relay.resolve = self.tunnels.resolve
+
+    async def _resolve(self, source: str) -> str:
+        """Where the relay's fetches connect for ``source``: through a punched link when
+        there is one (the tunnels need the relay's endpoint, so they are built after it)."""
+        return await self.tunnels.resolve(source)
 
     def offer(self) -> RelayOffer:
         """What the join says of this relay."""
