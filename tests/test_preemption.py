@@ -299,7 +299,7 @@ def test_a_cut_episode_is_replayed_at_its_turn_boundary_and_ends_as_if_never_cut
         full = whole[p.sample_idx]
         if len(p.turns) == sum(1 for h in full.info["log"]["hands"] for _ in h["turns"]):
             assert s.completion_ids == full.completion_ids and s.reward == full.reward
-        v = episode_versions(s, p, 5)  # the continuing worker holds version 5
+        v = episode_versions(s.loss_mask, p, 5)  # the continuing worker holds version 5
         rec = _record("g", p.sample_idx, s.completion_ids, s.logprobs, v["version"])
         assert v["version"] == 3 and v["versions"][0][0] == 3
         rec = parse_record({**rec, "loss_mask": s.loss_mask, **v}, Limits(10_000, 4096, 3))
