@@ -10,9 +10,12 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
-if TYPE_CHECKING:  # a type only: broadcast.topology imports the planner
+if TYPE_CHECKING:  # types only: broadcast.topology imports the planner
+    import numpy as np
+    import numpy.typing as npt
+
     from echo_rl.broadcast.topology.base import Peer
 
 BYTES_PER_MBIT = 1e6 / 8  # 1 Mbit/s = 125,000 bytes/s (network units are decimal)
@@ -25,11 +28,28 @@ def mbit_to_bytes_per_s(mbit: float) -> float:
     return mbit * BYTES_PER_MBIT
 
 
+@overload
 def predict_chain_s(
     M_bytes: float, chunk_bytes: int, rate_bytes_per_s: float, length: int, latency_s: float = 0.0
-) -> float:
+) -> float: ...
+@overload
+def predict_chain_s(
+    M_bytes: float,
+    chunk_bytes: int,
+    rate_bytes_per_s: float,
+    length: npt.NDArray[np.int_],
+    latency_s: float = 0.0,
+) -> npt.NDArray[np.float64]: ...
+def predict_chain_s(
+    M_bytes: float,
+    chunk_bytes: int,
+    rate_bytes_per_s: float,
+    length: int | npt.NDArray[np.int_],
+    latency_s: float = 0.0,
+) -> object:  # the overloads above give each caller its type
     """docs/design.md §5: the tail gets the last chunk M/rate after the head started, plus one chunk time
-    per extra hop (store-and-forward per chunk), plus the per-hop latency."""
+    per extra hop (store-and-forward per chunk), plus the per-hop latency. ``length`` may be an
+    array of positions (the simulator times a whole chain at once)."""
     c = min(chunk_bytes, M_bytes)
     if math.isinf(rate_bytes_per_s):
         return length * latency_s

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -118,7 +117,8 @@ class BroadcastModel:
             workers = np.concatenate([members[w] for w in chain])
             assert pred.rate_mbit is not None  # every simulated peer has its rates
             rate = planner.mbit_to_bytes_per_s(pred.rate_mbit)
-            t = _positions_s(self.M, self.c, rate, len(workers), self.lat)
+            positions = np.arange(1, len(workers) + 1)
+            t = planner.predict_chain_s(self.M, self.c, rate, positions, self.lat)
             off[[pos_of[int(w)] for w in workers]] = t
             chains.append(workers)
         return BcastPlan(
@@ -155,15 +155,3 @@ class BroadcastModel:
 
 
 # ============================================================================ results
-
-
-def _positions_s(
-    M_bytes: float, chunk_bytes: int, rate_bytes_per_s: float, n: int, latency_s: float
-) -> np.ndarray:
-    """``planner.predict_chain_s`` at every position 1..n of one chain, as one array: the
-    model's formula, element for element the same arithmetic."""
-    length = np.arange(1, n + 1)
-    c = min(chunk_bytes, M_bytes)
-    if math.isinf(rate_bytes_per_s):
-        return length * latency_s
-    return (M_bytes + (length - 1) * c) / rate_bytes_per_s + length * latency_s
