@@ -333,19 +333,20 @@ def test_a_hostile_sender_cannot_stop_a_real_learner(tmp_path, small_cfg):
         # Leases long enough that none of evil's groups expires and goes to w0 under load
         # (its records would then be duplicates, not rejections); Leave releases them.
         run = c.learner(max_steps=10, lease_timeout_s=120.0)
-        c.worker("w0")
-        wait_rows(run, 1)
         ctx = zmq.Context()
         sock = c.dealer(ctx)
         try:
+            # evil takes its groups and sends its batches before the honest worker starts: on
+            # a loaded machine w0 could otherwise hold every group until the run's 10 steps
+            # were over, and evil's requests met a learner that had finished
             ask(sock, wire.Join(worker_id="evil", price=0.1, can_relay=False))
             groups: list = []
             deadline = time.monotonic() + 60
             while len(groups) < 5 and time.monotonic() < deadline:
                 reply = ask(sock, wire.WorkRequest(worker_id="evil", max_groups=5 - len(groups)))
                 if isinstance(reply, wire.Error) or not reply.groups:
-                    # none to hand out yet (w0 holds them), or asked too often: the learner's
-                    # rate limit answers a client that polls in a loop; pace as a worker does
+                    # none to hand out yet, or asked too often: the learner's rate limit
+                    # answers a client that polls in a loop; pace as a worker does
                     assert not isinstance(reply, wire.Error) or reply.reason == "rate_limited"
                     time.sleep(0.2)
                     continue
@@ -353,6 +354,8 @@ def test_a_hostile_sender_cannot_stop_a_real_learner(tmp_path, small_cfg):
             assert len(groups) == 5, groups
             replies = [ask(sock, b) for b in _hostile_batches(groups)]
             sock.send(wire.encode(wire.Leave(worker_id="evil")))
+            c.worker("w0")  # the run then trains on the honest worker's data, to the end
+            wait_rows(run, 1)
         finally:
             sock.close(linger=500)
             ctx.term()
