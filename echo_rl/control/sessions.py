@@ -27,19 +27,6 @@ from echo_rl.core.config import EchoConfig
 
 log = logging.getLogger("echo.control")
 
-_JOIN_FIX = {
-    "banned": "this key is banned from the run",
-    "not_allowlisted": "this key is not on the learner's allow-list: send its public key to the operator",
-    "token_required": "this learner needs a join token: use the join line with ?token=... from its operator",
-    "bad_token": "the token is not valid for this run: ask the operator for a new one",
-    "token_expired": "the token has expired: ask the operator for a new one",
-    "token_used": "the token has no uses left: ask the operator for a new one",
-    "learner_full": "the learner has as many workers as it accepts (security.max_workers)",
-    "rate_limited": "too many joins right now: try again in a few seconds",
-    "id_taken": "another worker holds this id: pick another --id (or none)",
-    "endpoint_taken": "another worker serves at this relay address: check --relay-host",
-}
-
 EWMA_ALPHA = 0.3
 
 
