@@ -16,6 +16,7 @@ from echo_rl.broadcast.nat.reflect import punch_port_free, reuse_socket
 from echo_rl.broadcast.relay import Relay, RelayConfig, RelayPortTaken
 from echo_rl.cli.worker import relay_ports
 from echo_rl.core.config import ConfigError, EchoConfig, ListenPorts, dump_toml, load_config
+from echo_rl.core.errors import EchoError
 from echo_rl.learner.startup import reuse_ports
 
 pytestmark = pytest.mark.timeout(60)
@@ -159,8 +160,9 @@ def test_a_taken_port_stops_the_learner_naming_its_key(small_cfg, tokenizer, key
     try:
         with pytest.raises(
             RuntimeError, match=rf"port {taken}.*learner\.{key}.*set learner\.{key}"
-        ):
+        ) as got:
             plane.start()
+        assert isinstance(got.value, EchoError) and got.value.reason == "port_taken"
     finally:
         holder.close()
 

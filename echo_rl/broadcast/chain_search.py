@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from echo_rl.broadcast.chain_model import (
+    DEFAULT_CHUNK_BYTES,
     EPS,
     ChainModel,
     ChainPlan,
@@ -32,10 +33,26 @@ def plan_chains(
     peers: Sequence[Peer],
     uplink_mbit: float | None = None,
     link_mbit: float | None = None,
-    **params: object,
+    *,
+    snapshot_bytes: int = 0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    latency_s: float = 0.0,
+    chains: int | None = None,
+    extra_chains: bool = True,
+    min_gain: float = 0.05,
 ) -> ChainPlan:
-    """Plan chains from scratch. ``params`` are the other ``PlanParams`` fields."""
-    return plan_with(peers, PlanParams(uplink_mbit=uplink_mbit, link_mbit=link_mbit, **params))  # type: ignore[arg-type]
+    """Plan chains from scratch, with ``PlanParams``' fields (what each means is said there)."""
+    params = PlanParams(
+        uplink_mbit,
+        link_mbit,
+        snapshot_bytes,
+        chunk_bytes,
+        latency_s,
+        chains,
+        extra_chains,
+        min_gain,
+    )
+    return plan_with(peers, params)
 
 
 def plan_with(peers: Sequence[Peer], params: PlanParams) -> ChainPlan:

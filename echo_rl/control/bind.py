@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from echo_rl.broadcast.coordinator import Coordinator
-from echo_rl.broadcast.nat.reflect import Reflector
+from echo_rl.broadcast.nat.reflect import Reflector, ReflectorPortTaken
 from echo_rl.broadcast.reports import ReportBook
 from echo_rl.broadcast.snapshot import RunKey
 from echo_rl.broadcast.source import ChunkServer, ServeLimits
@@ -150,8 +150,7 @@ async def _listen(
         reflector = Reflector(lc.host, advertise=lc.public_host, ports=ports.reflectors)
         try:
             await reflector.start()
-        except OSError as exc:
-            raise port_taken(
-                "learner.reflector_ports", lc.host, getattr(exc, "port", ports.reflectors), exc
-            ) from None
+        except ReflectorPortTaken as exc:
+            cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+            raise port_taken("learner.reflector_ports", lc.host, exc.port, cause) from None
     return zap, ctrl, snap, endpoints, reflector

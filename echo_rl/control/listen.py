@@ -18,6 +18,7 @@ from echo_rl.control.deliveries import Deferred
 from echo_rl.control.dispatch import Dispatcher
 from echo_rl.control.sessions import WorkerState
 from echo_rl.core import wire
+from echo_rl.core.errors import EchoError
 from echo_rl.core.security import ZAP_DOMAIN, KeyPair, curve_server, sender_key
 
 log = logging.getLogger("echo.control")
@@ -30,9 +31,15 @@ SERVE_BURST = 8  # messages served back to back before the loop lets its other t
 SERVE_SLICE_S = 0.005  # ... or this long, whichever comes first
 
 
-def port_taken(key: str, host: str, port: object, exc: Exception) -> RuntimeError:
+class PortTaken(EchoError, RuntimeError):
+    """A listening port the learner cannot have (a start-up error, one line with its fix)."""
+
+    default_reason = "port_taken"
+
+
+def port_taken(key: str, host: str, port: object, exc: Exception) -> PortTaken:
     """A listening port the learner cannot have, said with the key that sets it."""
-    return RuntimeError(
+    return PortTaken(
         f"cannot listen on {host} port {port} ({key}): {exc}. Another process holds it (a "
         f"learner still running?): stop it, or set {key} to a free port (0: the OS picks; "
         f"docs/ports.md)"

@@ -48,6 +48,7 @@ from echo_rl.control.verify import Verifier
 from echo_rl.core import wire
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.control_stats import ControlStats
+from echo_rl.core.errors import EchoError
 from echo_rl.core.jsontypes import JsonObject
 from echo_rl.core.security import JoinLine
 from echo_rl.core.tree import RelayTree
@@ -59,6 +60,13 @@ log = logging.getLogger("echo.control")
 LOOP_WAIT_S = 10.0
 TREE_WAIT_S = 2.0
 T = TypeVar("T")  # a dashboard poll or a scrape waits this long for the loop's relay tree
+
+
+class ControlStartFailed(EchoError, RuntimeError):
+    """The server's loop did not come up; its ``reason`` is the cause's code when it has one
+    (``port_taken``: a port another process holds)."""
+
+    default_reason = "control_start"
 
 
 class LearnerServer:
@@ -123,7 +131,11 @@ class LearnerServer:
     def start(self, timeout: float = 30.0) -> None:
         self._thread.start()
         if not self._ready.wait(timeout) or self._error:
-            raise RuntimeError(f"control plane failed to start: {self._error}")
+            err = self._error
+            reason = err.reason if isinstance(err, EchoError) else None  # e.g. port_taken
+            raise ControlStartFailed(
+                f"control plane failed to start: {err}", reason=reason
+            ) from err
         if self.intake.reward_audit is not None:  # its verdicts are recorded on this loop
             self.intake.reward_audit.start()
 

@@ -205,33 +205,53 @@ def backend_generate_fn(
     ``turn_cache`` (``worker.turn_cache``) and a backend that keeps one (``new_turn_cache``
     and ``generate_turn``: the transformers backend's): each call reads only what is new to
     each episode since the previous one, with the same samples and log-probs."""
-    from echo_rl.core import wire
+    return _BackendGenerate(backend, max_new_tokens, temperature, seed, stop, turn_cache)
 
-    calls = itertools.count()
-    new_turn_cache = getattr(backend, "new_turn_cache", None) if turn_cache else None
-    turns = new_turn_cache() if new_turn_cache is not None else None
-    # (ids, log-probs per prompt; whether cut): the backend's one call per round of decisions
-    generate_turn: Callable[..., tuple[list[Generated], bool]] | None = (
-        getattr(backend, "generate_turn", None) if turns is not None else None
-    )
 
-    def generate(prompts: list[list[int]]) -> list[Generated]:
-        if stop is not None and stop.is_set():
+class _BackendGenerate:
+    """``backend_generate_fn``'s ``generate``: called with a round's prompts; it carries its
+    token budget (``max_new_tokens``, which adapters read) and ``is_cut`` (``drive`` marks an
+    episode cut when one of its decisions was)."""
+
+    def __init__(
+        self,
+        backend: GroupBackend,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        stop: threading.Event | None,
+        turn_cache: bool,
+    ) -> None:
+        self.backend, self.max_new_tokens, self.temperature = backend, max_new_tokens, temperature
+        self.seed, self.stop = seed, stop
+        self.calls = itertools.count()
+        new_turn_cache = getattr(backend, "new_turn_cache", None) if turn_cache else None
+        self.turns = new_turn_cache() if new_turn_cache is not None else None
+        # (ids, log-probs per prompt; whether cut): the backend's one call per round of decisions
+        self.generate_turn: Callable[..., tuple[list[Generated], bool]] | None = (
+            getattr(backend, "generate_turn", None) if self.turns is not None else None
+        )
+        self.is_cut = decision_cut(backend, max_new_tokens)
+        from echo_rl.core.wire import Group  # the wire's pydantic models load with the worker
+
+        self.group = Group
+
+    def __call__(self, prompts: list[list[int]]) -> list[Generated]:
+        if self.stop is not None and self.stop.is_set():
             raise Cut()
-        k = next(calls)
-        if generate_turn is not None:
-            call_seed = derived_seed(seed, k)
-            return generate_turn(prompts, max_new_tokens, temperature, call_seed, turns)[0]
+        k = next(self.calls)
+        if self.generate_turn is not None:
+            call_seed = derived_seed(self.seed, k)
+            out = self.generate_turn(
+                prompts, self.max_new_tokens, self.temperature, call_seed, self.turns
+            )
+            return out[0]
         groups = [
-            wire.Group(group_id=f"ep{k}.{i}", prompt_ids=p, n=1, seed=derived_seed(seed, k))
+            self.group(group_id=f"ep{k}.{i}", prompt_ids=p, n=1, seed=derived_seed(self.seed, k))
             for i, p in enumerate(prompts)
         ]
-        out = backend.generate(groups, max_new_tokens, temperature)
-        return [(s[0].completion_ids, s[0].logprobs) for s in out]
-
-    generate.max_new_tokens = max_new_tokens  # type: ignore[attr-defined]
-    generate.is_cut = decision_cut(backend, max_new_tokens)  # type: ignore[attr-defined]
-    return generate
+        samples = self.backend.generate(groups, self.max_new_tokens, self.temperature)
+        return [(s[0].completion_ids, s[0].logprobs) for s in samples]
 
 
 def decision_cut(backend: GroupBackend, max_new_tokens: int) -> Callable[[list[int]], bool]:

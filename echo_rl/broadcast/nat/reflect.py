@@ -59,6 +59,17 @@ class NatError(EchoError):
     default_reason = "nat"
 
 
+class ReflectorPortTaken(NatError):
+    """A reflector port the OS would not give (another process holds it): ``port``, which of
+    the two, and the OS's words."""
+
+    default_reason = "port_taken"
+
+    def __init__(self, port: int, cause: OSError) -> None:
+        super().__init__(f"port {port}: {cause}")
+        self.port = port
+
+
 @dataclass(frozen=True)
 class Observation:
     ip: str
@@ -138,9 +149,8 @@ class Reflector:
             try:
                 srv = await asyncio.start_server(self._handler(i), self.host, port)
             except OSError as exc:
-                exc.port = port  # type: ignore[attr-defined]  # which of the two was taken
                 self.close()
-                raise
+                raise ReflectorPortTaken(port, exc) from exc
             self._servers.append(srv)
             self.ports.append(srv.sockets[0].getsockname()[1])
 
