@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import numpy as np
@@ -30,7 +29,7 @@ if TYPE_CHECKING:
 
 
 class StepRow(TypedDict):
-    """One learner step of a result (``StepRecord``'s fields, in its order)."""
+    """One learner step of a simulated run, as its result lists it."""
 
     step: int
     version: int
@@ -41,36 +40,10 @@ class StepRow(TypedDict):
     n_active: int
     mu_active: float
     cost_usd: float
-
-
-@dataclass
-class StepRecord:
-    step: int
-    version: int
-    t_start: float
-    wait_s: float
-    train_s: float
-    staleness: int
-    n_active: int
-    mu_active: float
-    cost_usd: float
-
-    def row(self) -> StepRow:
-        return {
-            "step": self.step,
-            "version": self.version,
-            "t_start": self.t_start,
-            "wait_s": self.wait_s,
-            "train_s": self.train_s,
-            "staleness": self.staleness,
-            "n_active": self.n_active,
-            "mu_active": self.mu_active,
-            "cost_usd": self.cost_usd,
-        }
 
 
 class PublicationRow(TypedDict):
-    """One publication of a result (``Publication``'s fields, in its order)."""
+    """One publication of a simulated run, as its result lists it."""
 
     version: int
     time: float
@@ -82,34 +55,6 @@ class PublicationRow(TypedDict):
     streams: int
     egress_gb: float
     mode: str
-
-
-@dataclass
-class Publication:
-    version: int
-    time: float
-    recipients: int
-    t_bcast_s: float  # until fraction q of recipients installed (includes reload)
-    tail_s: float  # last recipient
-    predicted_s: float  # planner's prediction (arrival of the slowest, before reload)
-    lower_bound_s: float | None
-    streams: int
-    egress_gb: float
-    mode: str
-
-    def row(self) -> PublicationRow:
-        return {
-            "version": self.version,
-            "time": self.time,
-            "recipients": self.recipients,
-            "t_bcast_s": self.t_bcast_s,
-            "tail_s": self.tail_s,
-            "predicted_s": self.predicted_s,
-            "lower_bound_s": self.lower_bound_s,
-            "streams": self.streams,
-            "egress_gb": self.egress_gb,
-            "mode": self.mode,
-        }
 
 
 class PoolInfo(TypedDict):
@@ -196,8 +141,8 @@ class Sim:
         self.learner_ev: simpy.Event | None = None
         self.done = False
         self.stalled = False
-        self.steps: list[StepRecord] = []
-        self.pubs: list[Publication] = []
+        self.steps: list[StepRow] = []
+        self.pubs: list[PublicationRow] = []
         self.t_bcast_est: float | None = None
         self.t_train_avg: float | None = None  # as the learner averages it (capacity.py)
         self.mu_req_now: float | None = None
@@ -256,16 +201,16 @@ class Sim:
             ledger.bill()
             cost = L.price_per_hour * (wait + train) / 3600.0 + ledger.cost_workers - cost0
             self.steps.append(
-                StepRecord(
-                    step,
-                    self.version,
-                    t0,
-                    wait,
-                    train,
-                    self.version - oldest,
-                    n_active,
-                    mu_active,
-                    cost,
+                StepRow(
+                    step=step,
+                    version=self.version,
+                    t_start=t0,
+                    wait_s=wait,
+                    train_s=train,
+                    staleness=self.version - oldest,
+                    n_active=n_active,
+                    mu_active=mu_active,
+                    cost_usd=cost,
                 )
             )
             self.version += 1
@@ -299,17 +244,17 @@ class Sim:
         else:
             t_b = tail = 0.0
         self.pubs.append(
-            Publication(
-                v,
-                now,
-                len(idx),
-                t_b,
-                tail,
-                plan.predicted_s,
-                plan.lower_bound_s,
-                plan.streams,
-                plan.egress_bytes / 1e9,
-                plan.mode,
+            PublicationRow(
+                version=v,
+                time=now,
+                recipients=len(idx),
+                t_bcast_s=t_b,  # until fraction q of recipients installed (includes reload)
+                tail_s=tail,  # the last recipient
+                predicted_s=plan.predicted_s,  # the planner's (slowest arrival, before reload)
+                lower_bound_s=plan.lower_bound_s,
+                streams=plan.streams,
+                egress_gb=plan.egress_bytes / 1e9,
+                mode=plan.mode,
             )
         )
         if len(idx):
@@ -395,15 +340,15 @@ def results(sim: Sim, wall_s: float, cpu_s: float) -> SimResult:
     """The result dict of a finished run: summary, steps, publications, timelines."""
     sc = sim.sc
     L = sc.learner
-    steps = [s for s in sim.steps if s.step >= sc.run.measure_from_step]
-    wait = sum(s.wait_s for s in steps)
-    busy = sum(s.train_s for s in steps)
-    cost = sum(s.cost_usd for s in steps)
+    steps = [s for s in sim.steps if s["step"] >= sc.run.measure_from_step]
+    wait = sum(s["wait_s"] for s in steps)
+    busy = sum(s["train_s"] for s in steps)
+    cost = sum(s["cost_usd"] for s in steps)
     trained = len(steps) * L.n
-    pubs = [p for p in sim.pubs if p.recipients]
+    pubs = [p for p in sim.pubs if p["recipients"]]
     c = sim.counters
     G = L.group_size
-    tb = [p.t_bcast_s for p in pubs]
+    tb = [p["t_bcast_s"] for p in pubs]
     t_b_mean = float(np.mean(tb)) if tb else None
     try:
         req = (
@@ -419,16 +364,16 @@ def results(sim: Sim, wall_s: float, cpu_s: float) -> SimResult:
         bubble_ratio=wait / (wait + busy) if steps else None,
         wait_s_per_step=wait / n if steps else None,
         t_train_s_per_step=busy / n if steps else None,
-        staleness_max=max((s.staleness for s in steps), default=None),
-        staleness_mean=float(np.mean([s.staleness for s in steps])) if steps else None,
+        staleness_max=max((s["staleness"] for s in steps), default=None),
+        staleness_mean=float(np.mean([s["staleness"] for s in steps])) if steps else None,
         cost_per_step_usd=cost / n if steps else None,
         usd_per_1k_trajectories=cost / trained * 1000 if trained else None,
         cost_total_usd=cost,
         t_bcast_mean_s=t_b_mean,
         t_bcast_max_s=max(tb) if tb else None,
         publications=len(pubs),
-        active_mean=float(np.mean([s.n_active for s in steps])) if steps else None,
-        mu_active_mean=float(np.mean([s.mu_active for s in steps])) if steps else None,
+        active_mean=float(np.mean([s["n_active"] for s in steps])) if steps else None,
+        mu_active_mean=float(np.mean([s["mu_active"] for s in steps])) if steps else None,
         mu_req_at_mean_t_bcast=req,
         kappa=sim.kappa,
         n_per_step=L.n,
@@ -462,8 +407,8 @@ def results(sim: Sim, wall_s: float, cpu_s: float) -> SimResult:
         },
         "initial": sim.prov.initial,
         "summary": summary.to_json(),  # the declared SimSummary, as the result files hold it
-        "steps": [s.row() for s in sim.steps],
-        "publications": [p.row() for p in sim.pubs],
+        "steps": list(sim.steps),
+        "publications": list(sim.pubs),
         "active_timeline": _downsample(sim.ledger.timeline, 2000),
         "mu_req_history": sim.mu_req_history[-2000:],
         "decisions": sim.prov.decisions,
