@@ -119,11 +119,13 @@ def test_versions_fetched_in_a_row_cost_one_handshake_and_pass_a_tight_handshake
 
 def test_without_a_kept_connection_the_handshake_limit_stalls_the_fetch():
     """The old way (a fresh connection per fetch) against the same source: the third fetch's
-    handshake is refused "try later" and the fetch hears nothing until its stall bound."""
+    handshake is refused "try later" and the fetch fails: it hears nothing until its stall
+    bound, or, when libzmq drops the refused connection first (a loaded machine, one run in
+    six with six at once, before and after issue 53), it is told the source disconnected."""
     from echo_rl.broadcast.manifest import SnapshotError
 
     async def body(source, client_ctx):
-        with pytest.raises(SnapshotError, match="timeout"):
+        with pytest.raises(SnapshotError, match="timeout|disconnected"):
             await _fetch_all(None, source, client_ctx, KeyPair.generate())
         return source.handshakes
 
