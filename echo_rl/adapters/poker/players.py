@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -89,7 +90,7 @@ def strength(d: Decision, samples: int) -> float:
     return equity(tuple(d.hole), tuple(d.board), min(live, 3), samples, 0)
 
 
-class RuleBased:
+class RuleBased(ABC):
     """Shared plumbing: a seeded RNG, the hand-strength estimate, action text."""
 
     name = "rule"
@@ -104,9 +105,9 @@ class RuleBased:
     def strength(self, d: Decision) -> float:
         return strength(d, self.samples)
 
+    @abstractmethod
     def act(self, d: Decision) -> str:
         """The action text for ``d``: each style decides."""
-        raise NotImplementedError
 
     def say(self, a: Action, d: Decision, logprob: float = 0.0) -> str:
         self.last_logprob = logprob
@@ -120,8 +121,8 @@ class RuleBased:
     def passive(self, d: Decision) -> Action:
         return Action("check" if d.can_check else "fold")
 
-    def new_episode(self) -> None:
-        pass
+    def new_episode(self) -> None:  # noqa: B027 (a rule-based style keeps nothing per episode)
+        return None
 
 
 class TightAggressive(RuleBased):
