@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from echo_rl.core.config import EchoConfig, dump_toml  # noqa: E402
-from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready  # noqa: E402
+from echo_rl.core.procs import ProcessGroup, pin_learner_port, python_argv, wait_ready  # noqa: E402
 from echo_rl.core.steprow import COL  # noqa: E402
 
 BATCHES = {  # (prompts_per_step, group_size, max_outstanding_groups, buffer capacity)
@@ -47,8 +46,9 @@ BATCHES = {  # (prompts_per_step, group_size, max_outstanding_groups, buffer cap
 }
 
 
-def drill_config(port: int, batch: str = "small") -> EchoConfig:
-    """The quickstart's provisioning (3-second windows) on the toy task."""
+def drill_config(batch: str = "small") -> EchoConfig:
+    """The quickstart's provisioning (3-second windows) on the toy task; the learner's port is
+    pinned by the drill (pin_learner_port), so the resumed learner comes back on it."""
     prompts, group, outstanding, capacity = BATCHES[batch]
     return EchoConfig.model_validate(
         {
@@ -58,7 +58,6 @@ def drill_config(port: int, batch: str = "small") -> EchoConfig:
                 "max_steps": 10_000,
                 "staleness": 2,
                 "wait_timeout_s": 120,
-                "port": port,
                 "lease_timeout_s": 30.0,
                 "max_outstanding_groups": outstanding,
             },
@@ -99,12 +98,6 @@ class Round:
     workers_exit: list[int | None]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rows(run: Path) -> list[dict]:
     p = run / "metrics.jsonl"
     return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
@@ -125,7 +118,8 @@ class Drill:
     def __init__(self, tmp: Path, steps_after: int = 8, batch: str = "small"):
         self.tmp, self.steps_after = tmp, steps_after
         self.group = ProcessGroup()
-        self.cfg = drill_config(free_port(), batch)
+        self.cfg = drill_config(batch)
+        pin_learner_port(self.cfg)
         self.run = tmp / "run"
 
     def learner(self, name: str, resume: bool, max_steps: int) -> tuple[float, float]:

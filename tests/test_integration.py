@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -15,25 +14,10 @@ import zmq
 
 from echo_rl.core import wire
 from echo_rl.core.config import EchoConfig, dump_toml
-from echo_rl.core.procs import ProcessGroup, python_argv, wait_ready
+from echo_rl.core.procs import ProcessGroup, pin_learner_port, python_argv, wait_ready
 from echo_rl.core.security import JoinLine, KeyPair, curve_client
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def fix_learner_port(cfg: EchoConfig) -> int:
-    """A fixed learner.port (workers find a restarted learner there) with every other learner
-    socket on a port the OS picks: the ports after a free port (chunks, reflector, dashboard
-    at +1..+4, docs/ports.md) may belong to any process's connection meanwhile."""
-    cfg.learner.port = free_port()
-    cfg.learner.chunk_port, cfg.learner.reflector_ports, cfg.metrics.port = 0, [0, 0], 0
-    return cfg.learner.port
 
 
 class Cluster:
@@ -201,7 +185,7 @@ def test_worker_leaves_cleanly_on_sigterm(cluster):
 
 
 def test_worker_survives_learner_restart(cluster):
-    fix_learner_port(cluster.cfg)
+    pin_learner_port(cluster.cfg)
     first = cluster.learner("learner-a", max_steps=1000)
     cluster.worker("w0")
     wait_rows(first, 1)
@@ -271,7 +255,7 @@ def test_sigkill_learner_and_resume_loses_nothing_acknowledged(cluster, release_
     from echo_rl.learner.checkpoint import load_checkpoint
     from echo_rl.learner.run_audit import audit_run
 
-    fix_learner_port(cluster.cfg)
+    pin_learner_port(cluster.cfg)
     cluster.cfg.learner.release_thread = release_thread
     cluster.cfg.learner.staleness = 4  # kappa = 3: steps after a checkpoint are lost and redone
     run = cluster.learner("first", max_steps=10_000)

@@ -17,6 +17,7 @@ from echo_rl.broadcast.relay import Relay, RelayConfig, RelayPortTaken
 from echo_rl.cli.worker import relay_ports
 from echo_rl.core.config import ConfigError, EchoConfig, ListenPorts, dump_toml, load_config
 from echo_rl.core.errors import EchoError
+from echo_rl.core.procs import pin_learner_port
 from echo_rl.learner.startup import reuse_ports
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,6 +53,14 @@ def test_port_0_leaves_every_port_to_the_os_and_loopback_does_by_default():
     assert load_config(None, PUBLIC + ["learner.port=0"]).listen_ports() == ListenPorts(
         0, 0, (0, 0), 0
     )
+
+
+def test_a_pinned_learner_port_leaves_the_other_sockets_to_the_os():
+    """The restart drill's learner comes back on its port; the derived ports beside it (+1..+4)
+    are not reserved by anything and once lost a CI run to an outgoing connection holding one."""
+    cfg = EchoConfig()
+    port = pin_learner_port(cfg)
+    assert port > 0 and cfg.listen_ports() == ListenPorts(port, 0, (0, 0), 0)
 
 
 def test_a_key_that_is_set_wins_over_the_layout():

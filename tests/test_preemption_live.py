@@ -9,16 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
-from test_integration import Cluster, fix_learner_port, rows, wait_rows
+from test_integration import Cluster, rows, wait_rows
 
-from echo_rl.core.procs import python_argv
+from echo_rl.core.procs import pin_learner_port, python_argv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture
 def cluster(tmp_path, small_cfg):
-    fix_learner_port(small_cfg)
+    pin_learner_port(small_cfg)
     c = Cluster(tmp_path, small_cfg)
     yield c
     c.group.stop_all()

@@ -11,12 +11,17 @@ import ctypes
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from echo_rl.core.config import EchoConfig
 
 # The learner prints this line, then its control address, on stdout once it serves.
 READY_PREFIX = "ECHO_LEARNER_READY "
@@ -88,6 +93,23 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS's pick; another process may take it later)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def pin_learner_port(cfg: EchoConfig) -> int:
+    """A fixed learner.port, for a learner that must come back where its workers know it
+    (``--resume`` after a crash), with every other learner socket on a port the OS picks. Left
+    derived, they would sit at port + 1 .. + 4 (docs/ports.md), ports any process's outgoing
+    connection may hold meanwhile: the restart drill lost a run to a reflector port taken so."""
+    cfg.learner.port = free_port(cfg.learner.host)
+    cfg.learner.chunk_port, cfg.learner.reflector_ports, cfg.metrics.port = 0, [0, 0], 0
+    return cfg.learner.port
 
 
 def python_argv(module: str, *args: str) -> list[str]:
