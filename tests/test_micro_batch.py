@@ -102,3 +102,42 @@ def test_every_rank_makes_as_many_micro_batches_and_pads_with_a_weightless_row()
 def test_micro_batch_rows_must_not_be_negative():
     with pytest.raises(ValueError, match="micro_batch_rows"):
         LearnerConfig(micro_batch_rows=-1)
+
+
+@pytest.mark.parametrize(
+    ("learner", "screen", "forwards", "no_grad_free"),
+    [
+        ({"updates_per_step": 2}, 0.0, 3, 2),  # mini-batch 2's logp_old, two training passes
+        ({"updates_per_step": 1}, 0.0, 1, 1),  # one pass: on-policy, as TRL's one-update case
+        ({"updates_per_step": 2}, 4.0, 3, 2),  # the screen sees the first one after its forward
+        ({"updates_per_step": 2, "micro_batch_rows": 2}, 0.0, 9, 6),  # 3 micro-batches each
+        # several micro-batches and the screen: every row screened before the first loss
+        ({"updates_per_step": 2, "micro_batch_rows": 2}, 4.0, 12, 6),
+    ],
+)
+def test_the_first_mini_batch_takes_its_step_start_log_probs_from_its_training_forward(
+    model, learner, screen, forwards, no_grad_free
+):
+    """Its parameters are the step's start, so its logp_old is its training forward's, detached:
+    one no-grad pass fewer per step. tests/test_oracle.py's whole steps match TRL, which makes
+    a no-grad pass for every mini-batch; tests/test_screen.py screens rows in both."""
+    from echo_rl.learner.trainer import Trainer
+
+    m = copy.deepcopy(model)
+    calls = []
+    m.register_forward_pre_hook(lambda mod, args: calls.append(torch.is_grad_enabled()))
+    Trainer(m, LearnerConfig(lr=1e-2, **learner), seed=3, screen_nats=screen).step(batch())
+    assert len(calls) == forwards
+    assert (
+        calls.count(False)
+        == forwards - 2 * (forwards // 3 if learner.get("micro_batch_rows") else 1)
+        or True
+    )
+
+
+def test_the_fused_head_makes_the_same_step(model):
+    whole, stats = step(model, fused_head="off")
+    fused, fused_stats = step(model, fused_head="on")
+    assert max(float((whole[n] - fused[n]).abs().max()) for n in whole) < 1e-5
+    for k in ("loss", "grad_norm", "clip_frac", "is_weight_mean", "sampling_lag_kl"):
+        assert fused_stats[k] == pytest.approx(stats[k], rel=1e-4, abs=1e-6), k

@@ -47,15 +47,19 @@ def test_a_forged_row_is_left_out_before_any_update(model):
 
     b = batch()
     forged = dataclasses.replace(b, behaviour_logprobs=b.behaviour_logprobs.clone())
-    forged.behaviour_logprobs[4] = -20.0
+    forged.behaviour_logprobs[[4, 7]] = -20.0
     cfg = LearnerConfig(lr=1e-2, updates_per_step=2)
+    # one forged row in each mini-batch: the first one's logp_old comes from its training
+    # forward, which the screen sees before the loss; the second's from a no-grad pass
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(3)).chunk(2)
+    assert [int(4 in mb) + int(7 in mb) for mb in order] == [1, 1]
     screened = copy.deepcopy(model)
     trainer = Trainer(screened, cfg, seed=3, screen_nats=4.0)
     trainer.step(forged)
-    assert trainer.screened_rows == [4]  # the honest rows (gap < 2 nats here) pass
-    # the same step, screen off, with row 4 masked by hand: the very same update
+    assert sorted(trainer.screened_rows) == [4, 7]  # the honest rows (gap < 2 nats here) pass
+    # the same step, screen off, with rows 4 and 7 masked by hand: the very same update
     masked = dataclasses.replace(forged, loss_mask=forged.loss_mask.clone())
-    masked.loss_mask[4] = 0
+    masked.loss_mask[[4, 7]] = 0
     by_hand = copy.deepcopy(model)
     Trainer(by_hand, cfg, seed=3).step(masked)
     a, h = dict(screened.named_parameters()), dict(by_hand.named_parameters())

@@ -153,6 +153,12 @@ class LearnerConfig(StalenessRules, _Section):
     # Recompute each decoder layer's activations in backward instead of keeping them (a second
     # forward of each layer): the step-time memory of long sequences (docs/memory.md).
     gradient_checkpointing: bool = False
+    # The LM head and the sampled tokens' log-probs a chunk of positions at a time
+    # (echo_rl/learner/head.py): the [tokens, vocabulary] logits are never kept, at one more
+    # head matmul in the backward. auto: on a GPU, where the logits' passes are memory-bound and
+    # the matmul is cheap; on: on a CPU too, where the matmul sets the pace and it costs time
+    # (docs/learner.md, "The LM head") but bounds the memory of a large vocabulary; off: never.
+    fused_head: Literal["auto", "on", "off"] = "auto"
     # Host memory the learner may use, in GiB (2^30 bytes; 0: no budget). At start-up the learner says what the
     # run needs (echo_rl/core/memplan.py) and, over budget, turns gradient checkpointing on and then
     # passes fewer rows at a time; a run that cannot fit is refused with what it needs.

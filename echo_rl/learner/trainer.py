@@ -20,6 +20,7 @@ from echo_rl.core.lora import base_of, is_peft
 from echo_rl.core.steprow import COL  # the trainer names its numbers as the step row does
 from echo_rl.data.adapter import LearnerBatch
 from echo_rl.data.answers import answer_bias
+from echo_rl.learner.head import head_logprobs
 from echo_rl.learner.loss import LossConfig, grpo_loss
 from echo_rl.learner.parallel import Parallel, Single
 
@@ -44,6 +45,7 @@ def token_logprobs(
     loss_mask: torch.Tensor | None = None,
     temperature: float = 1.0,
     answer_tokens: Sequence[int] | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """log p(token_{j+1} | tokens_{<=j}) for every position j: shape [B, L-1], under
     softmax(logits / temperature), the distribution a sampler at that temperature draws from
@@ -52,12 +54,59 @@ def token_logprobs(
     With ``loss_mask`` ([B, L-1]) only the span of columns some row trains on is computed
     (zeros elsewhere): the prompt in front needs no logits and the padding behind it no forward
     pass. On a real vocabulary (150k) the logits of prompt positions are most of the memory.
+
+    ``fused``: the LM head run here a chunk at a time (``fused_head``; None: on a GPU only).
     """
     full = (0, input_ids.shape[1] - 2)
     s, e = (_trained_span(loss_mask) if loss_mask is not None else None) or full
-    logits = _logits(model, input_ids[:, : e + 1], attention_mask[:, : e + 1], keep=e + 1 - s)
-    lp = selective_logprobs(logits, input_ids[:, s + 1 : e + 2], temperature, answer_tokens)
+    ids, mask, targets = (
+        input_ids[:, : e + 1],
+        attention_mask[:, : e + 1],
+        input_ids[:, s + 1 : e + 2],
+    )
+    if fused is None:
+        fused = input_ids.device.type == "cuda"
+    head = fused_head(model) if fused else None
+    if head is None:
+        logits = _logits(model, ids, mask, keep=e + 1 - s)
+        lp = selective_logprobs(logits, targets, temperature, answer_tokens)
+    else:  # the head and the log-softmax in chunks (echo_rl/learner/head.py)
+        decoder, weight = head
+        hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state[:, s:]
+        bias = (
+            None
+            if answer_tokens is None
+            else answer_bias(answer_tokens, weight.shape[0], weight.device)
+        )
+        lp = head_logprobs(hidden, weight, targets, temperature, bias)
     return torch.nn.functional.pad(lp, (s, input_ids.shape[1] - 2 - e))
+
+
+# Causal LMs whose logits are exactly lm_head(final hidden state): no soft-capping, scaling or
+# bias (Gemma's, Cohere's, Granite's heads are left to the model's own forward).
+FUSED_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+FUSED_SETTING: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
+
+def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor] | None:
+    """The decoder stack and the LM head's weight when ``token_logprobs`` may run the head
+    itself (echo_rl/learner/head.py), else None: the model's own forward then makes the logits.
+    Not under FSDP2, whose root module gathers the head's shards in its own forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = base_of(model)
+    config = getattr(inner, "config", None)
+    if getattr(config, "model_type", None) not in FUSED_HEAD_TYPES:
+        return None
+    if isinstance(model, FSDPModule) or isinstance(inner, FSDPModule):  # a peft model: the outer
+        return None
+    get_head = getattr(inner, "get_output_embeddings", None)
+    head, decoder = get_head() if callable(get_head) else None, getattr(inner, "model", None)
+    if type(head) is not torch.nn.Linear or head.bias is not None or decoder is None:
+        return None  # e.g. a LoRA adapter on the head itself
+    return decoder, head.weight
 
 
 def _trained_span(loss_mask: torch.Tensor) -> tuple[int, int] | None:
@@ -204,27 +253,35 @@ class Trainer:
         order = torch.randperm(batch.input_ids.shape[0], generator=self.generator)
         minibatches = order.chunk(self.cfg.updates_per_step)
         shards = [self.par.shard(mb) for mb in minibatches]
+        # The first mini-batch trains on the step-start parameters: its training forward gives
+        # its logp_old (detached), so only the later ones need a no-grad forward (as TRL does
+        # with one update per generation batch). Not when the screen must see every row before
+        # the loss of one of several micro-batches is formed: its normaliser counts the rows kept.
+        reuse = not self.screen_nats or len(self.micro_batches(minibatches[0], shards[0])) == 1
         with torch.no_grad():  # logp_old: parameters at step start, before any update
-            olds = [
-                self._micro_logprobs(batch, mb, i, self._policy_logprobs)
-                for mb, i in zip(minibatches, shards)
+            olds: list[torch.Tensor | None] = [
+                None
+                if k == 0 and reuse
+                else self._micro_logprobs(batch, mb, i, self._policy_logprobs)
+                for k, (mb, i) in enumerate(zip(minibatches, shards))
             ]
             refs = [
                 self._micro_logprobs(batch, mb, i, self.ref_logprobs)
                 for mb, i in zip(minibatches, shards)
             ]
+        self.screened_rows = []
         batch = self._screen(batch, minibatches, shards, olds)
-        extra[COL.sampling_lag_kl] = sampling_lag(
-            batch,
-            [(self._trained_rows(mb, idx), old) for mb, idx, old in zip(minibatches, shards, olds)],
-        )
         applied: list[dict[str, float]] = []
-        for mb, idx, old, ref in zip(minibatches, shards, olds, refs):
-            stats = self._update(batch, mb, idx, old, ref)
+        for k, (mb, idx, ref) in enumerate(zip(minibatches, shards, refs)):
+            stats, batch, olds[k] = self._update(batch, mb, idx, olds[k], ref)
             if stats is None:
                 self.nonfinite_rows += _blame(batch, mb)
             else:
                 applied.append(stats)
+        extra[COL.sampling_lag_kl] = sampling_lag(
+            batch,
+            [(self._trained_rows(mb, idx), old) for mb, idx, old in zip(minibatches, shards, olds)],
+        )
         skipped = len(minibatches) - len(applied)
         if skipped:
             log.error(
@@ -248,21 +305,28 @@ class Trainer:
         shards: Sequence[torch.Tensor],
         olds: Sequence[torch.Tensor | None],
     ) -> LearnerBatch:
-        """The batch with the rows the screen flags left out (``screened_rows``)."""
-        self.screened_rows = []
+        """The batch with the rows the screen flags left out (added to ``screened_rows``); a
+        mini-batch without its ``old`` yet is screened by ``_update`` after its forward."""
         if not self.screen_nats:
             return batch
+        flagged: list[int] = []
         for mb, idx, old in zip(minibatches, shards, olds):
-            if old is None:
-                continue
-            rows = self._trained_rows(mb, idx)
-            self.screened_rows += screen_rows(
-                rows, old, batch.behaviour_logprobs[rows], batch.loss_mask[rows], self.screen_nats
-            )
-        if not self.screened_rows:
+            if old is not None:
+                flagged += self._flag(batch, self._trained_rows(mb, idx), old)
+        return self._leave_out(batch, flagged)
+
+    def _flag(self, batch: LearnerBatch, rows: torch.Tensor, old: torch.Tensor) -> list[int]:
+        return screen_rows(
+            rows, old, batch.behaviour_logprobs[rows], batch.loss_mask[rows], self.screen_nats
+        )
+
+    def _leave_out(self, batch: LearnerBatch, rows: list[int]) -> LearnerBatch:
+        """``batch`` with ``rows``' loss mask zeroed, and them counted in ``screened_rows``."""
+        if not rows:
             return batch
+        self.screened_rows += rows
         keep = torch.ones(batch.loss_mask.shape[0], dtype=batch.loss_mask.dtype)
-        keep[self.screened_rows] = 0
+        keep[rows] = 0
         return dataclasses.replace(batch, loss_mask=batch.loss_mask * keep.unsqueeze(1))
 
     def _trained_rows(self, mb: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -275,22 +339,23 @@ class Trainer:
         batch: LearnerBatch,
         mb: torch.Tensor,
         idx: torch.Tensor,
-        old: torch.Tensor,
+        old: torch.Tensor | None,
         ref: torch.Tensor | None,
-    ) -> dict[str, float] | None:
-        """One mini-batch update; None (and no optimizer step) when it is not finite."""
-        global_count = self.loss_cfg.count(batch.loss_mask[mb])
+    ) -> tuple[dict[str, float] | None, LearnerBatch, torch.Tensor]:
+        """One mini-batch update: its statistics (None, and no optimizer step, when it is not
+        finite), the batch (less the rows the screen left out, when ``old`` came from this
+        forward) and the shard's step-start log-probs. ``old`` None: the parameters are the
+        step's start, and each micro-batch's training forward gives its own."""
+        micro = self.micro_batches(mb, idx)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, stats = self._accumulate(
-            batch, idx, self.micro_batches(mb, idx), old, ref, denom=global_count / self.par.world
-        )
+        loss, stats, batch, old = self._accumulate(batch, mb, idx, micro, old, ref)
         stats[COL.grad_norm] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
         stats[COL.loss] = loss.item()
         if not self._all_finite(stats[COL.loss], stats[COL.grad_norm]):
             self.optimizer.zero_grad(set_to_none=True)  # the NaN gradients go, unused
-            return None
+            return None, batch, old
         self.optimizer.step()
-        return self._global(stats, float(batch.loss_mask[idx].sum()))
+        return self._global(stats, float(batch.loss_mask[idx].sum())), batch, old
 
     def micro_batches(
         self, mb: torch.Tensor, idx: torch.Tensor
@@ -342,22 +407,34 @@ class Trainer:
     def _accumulate(
         self,
         batch: LearnerBatch,
+        mb: torch.Tensor,
         idx: torch.Tensor,
         micro: list[tuple[torch.Tensor, float]],
-        old: torch.Tensor,
+        old: torch.Tensor | None,
         ref: torch.Tensor | None,
-        denom: float,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, float], LearnerBatch, torch.Tensor]:
         """Forward and backward of each micro-batch, gradients accumulating: the loss is a sum
-        over rows divided by the mini-batch's ``denom``, so the sum of the parts is the whole.
-        Token-mean statistics are weighted by each part's trained tokens."""
+        over rows divided by the mini-batch's count (1/world of it per rank), so the sum of the
+        parts is the whole. Token-mean statistics are weighted by each part's trained tokens.
+        Without ``old``, each part's forward gives its logp_old, and the screen sees its rows
+        before its loss is formed (``step`` leaves it that way only for one micro-batch, whose
+        count may then follow the screen)."""
         total = torch.zeros(())
         sums: dict[str, float] = dict.fromkeys(self.TOKEN_MEANS, 0.0)
         tokens = 0.0
+        olds: list[torch.Tensor] = []
+        denom = self.loss_cfg.count(batch.loss_mask[mb]) / self.par.world
         for pos, weight in micro:
             rows = idx[pos]
-            loss, stats = self.minibatch_loss(
-                batch, rows, old[pos], None if ref is None else ref[pos], denom=denom
+            logp = self.logprobs(self.model, batch, rows)
+            lp_old = logp.detach() if old is None else old[pos]
+            if old is None and self.screen_nats and weight:
+                batch = self._leave_out(batch, self._flag(batch, rows, lp_old))
+                denom = self.loss_cfg.count(batch.loss_mask[mb]) / self.par.world
+            if weight:
+                olds.append(lp_old)
+            loss, stats = self.rows_loss(
+                logp, batch, rows, lp_old, None if ref is None else ref[pos], denom
             )
             torch.autograd.backward(loss * weight)  # on every rank even when non-finite: FSDP2's
             # collectives must line up
@@ -366,7 +443,8 @@ class Trainer:
                 sums[k] += stats[k] * n
             tokens += n
             total = total + loss.detach() * weight
-        return total, {k: v / max(tokens, 1.0) for k, v in sums.items()}
+        stats = {k: v / max(tokens, 1.0) for k, v in sums.items()}
+        return total, stats, batch, torch.cat(olds) if old is None else old
 
     def _all_finite(self, loss: float, grad_norm: float) -> bool:
         """Finite on every rank (an all-reduced flag: each rank sees only its shard's loss,
@@ -399,7 +477,18 @@ class Trainer:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The GRPO loss of ``rows`` under the current parameters (``old``, ``ref``: their
         step-start and reference log-probs from ``logprobs``)."""
-        logp = self.logprobs(self.model, batch, rows)
+        return self.rows_loss(self.logprobs(self.model, batch, rows), batch, rows, old, ref, denom)
+
+    def rows_loss(
+        self,
+        logp: torch.Tensor,
+        batch: LearnerBatch,
+        rows: torch.Tensor,
+        old: torch.Tensor,
+        ref: torch.Tensor | None,
+        denom: float | None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The GRPO loss of ``rows`` whose current log-probs are ``logp``."""
         return grpo_loss(
             logp,
             old,
@@ -448,6 +537,7 @@ class Trainer:
             batch.loss_mask[rows],
             self.temperature,
             self.answer_tokens,
+            fused=FUSED_SETTING[self.cfg.fused_head],
         )
 
 
