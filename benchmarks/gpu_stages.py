@@ -13,12 +13,18 @@ learner and two workers on the GPU). ``--dry-run`` runs every stage's code path 
 the tiny model and small sizes: ``make test`` does, so the script cannot rot between GPU runs.
 
 MFU (model FLOPs utilisation) = counted FLOPs per second / the device's dense bf16 peak
-(PEAK_TFLOPS; null for a device not listed). A learner step is one no-grad forward over the
-batch (the step-start log-probs) plus a forward and backward over it (split into
-``updates_per_step`` mini-batches), so it counts, per sequence of S = P + C tokens,
+(PEAK_TFLOPS; null for a device not listed). A learner step is a forward and backward over the
+batch (split into U = ``updates_per_step`` mini-batches) plus a no-grad forward over the
+mini-batches after the first (their step-start log-probs; the first one's come from its training
+forward), so it counts, per sequence of S = P + C tokens,
 
     forward  F = 2 * (N_mm - V*d) * S  +  2 * V*d * C  +  2 * L * d_attn * S^2
-    step     full fine-tuning: F + 3F = 4F;  LoRA: F + 2F = 3F (no weight gradients of the frozen base)
+    step     full fine-tuning: (U-1)/U F + 3F;  LoRA: (U-1)/U F + 2F (no weight gradients of the
+             frozen base). Runs before issue 50's step (benchmarks/results/gpu/h200-run*) made the
+             no-grad forward over the whole batch and counted 4F and 3F.
+
+The fused LM head's second head matmul in the backward is recomputation, not counted (as
+activation checkpointing's is not).
 
 with N_mm the parameters that multiply (the input embedding excluded unless tied to the head),
 V*d the LM head (evaluated on completion positions only, as ``token_logprobs`` does), L layers,
@@ -284,7 +290,9 @@ def random_batch(
     return lb
 
 
-def step_flops(model: Any, batch: int, prompt: int, completion: int, lora: bool) -> float:
+def step_flops(
+    model: Any, batch: int, prompt: int, completion: int, lora: bool, updates: int = 2
+) -> float:
     """FLOPs of one learner step by the formula in this module's docstring."""
     cfg = model.config
     emb = model.get_input_embeddings().weight
@@ -297,7 +305,7 @@ def step_flops(model: Any, batch: int, prompt: int, completion: int, lora: bool)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     d_attn = cfg.num_attention_heads * head_dim
     fwd = 2 * (n_mm - vd) * seq + 2 * vd * completion + 2 * cfg.num_hidden_layers * d_attn * seq**2
-    return batch * fwd * (3 if lora else 4)
+    return batch * fwd * ((updates - 1) / updates + (2 if lora else 3))
 
 
 def lora_wrap(model: Any) -> Any:
@@ -313,10 +321,12 @@ def learner_case(
     make: Callable[[], tuple[Any, str]],
     lora: bool,
     shape: tuple[int, int, int],
+    settings: dict[str, Any],
 ) -> dict[str, Any]:
     import torch
 
     from echo_rl.core.config import LearnerConfig
+    from echo_rl.core.models import compile_layers
     from echo_rl.learner.parallel import make_parallel
     from echo_rl.learner.trainer import Trainer
 
@@ -327,18 +337,25 @@ def learner_case(
     model, name = make()
     if lora:
         model = lora_wrap(model)
+    cfg = LearnerConfig(lr=1e-6, updates_per_step=2, **settings)
+    if cfg.compile:
+        compile_layers(model)
     par = make_parallel(device)
     model = par.wrap(model)
-    trainer = Trainer(model, LearnerConfig(lr=1e-6, updates_per_step=2), parallel=par)
+    trainer = Trainer(model, cfg, parallel=par)
+    t0 = time.perf_counter()
     B, P, C = shape
     batch = par.to_device(random_batch(model, B, P, C, device))
     times = _timed(lambda: trainer.step(batch), a.reps, _sync(device))
+    first_s = time.perf_counter() - t0 - sum(times)  # the warm-up step: compilation, if any
     step_s = statistics.median(times)
-    flops = step_flops(model, B, P, C, lora)
+    flops = step_flops(model, B, P, C, lora, cfg.updates_per_step)
     peak = peak_tflops()
     out = {
         "model": name,
         "lora": lora,
+        "settings": {"fused_head": cfg.fused_head, "compile": cfg.compile},
+        "first_step_s": first_s,
         "device": str(par.device),
         "params": sum(p.numel() for p in model.parameters()),
         "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -370,19 +387,30 @@ def stage_learner(a: argparse.Namespace, rec: Record) -> None:
         if a.dry_run
         else (lambda: (build(QWEN3_1B, device), "Qwen3 ~1.1B (random init)"))
     )
-    cases = [
-        ("smollm2_full", lambda: smollm2_model(a, device), False),
-        ("qwen3_1b_full", big, False),
-        ("smollm2_lora", lambda: smollm2_model(a, device), True),
-        ("qwen3_1b_lora", big, True),
+    small = lambda: smollm2_model(a, device)  # noqa: E731
+    # Then the same steps with the LM head as the model's forward makes it (the fused head's
+    # baseline, issue 50), the head alone both ways, and SmolLM2 with its layers compiled:
+    # last, so that a compilation past the stage's budget costs only itself.
+    cases: list[tuple[str, Callable[[], tuple[Any, str]], bool, dict[str, Any]]] = [
+        ("smollm2_full", small, False, {}),
+        ("qwen3_1b_full", big, False, {}),
+        ("smollm2_lora", small, True, {}),
+        ("qwen3_1b_lora", big, True, {}),
+        ("smollm2_full_head_off", small, False, {"fused_head": "off"}),
+        ("qwen3_1b_full_head_off", big, False, {"fused_head": "off"}),
+        ("head", small, False, {}),
+        ("smollm2_full_compiled", small, False, {"compile": True}),
     ]
-    for key, make, lora in cases:
+    for key, make, lora, settings in cases:
+        if key == "head":
+            rec.put(key, head_case(a))
+            continue
         why = _lora_available() if lora else None
         if why:
             rec.put(key, {"skipped": why})
             continue
         t0 = time.perf_counter()
-        r = learner_case(a, make, lora, shape)
+        r = learner_case(a, make, lora, shape, settings)
         r["wall_s"] = time.perf_counter() - t0
         rec.put(key, r)
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
@@ -390,6 +418,27 @@ def stage_learner(a: argparse.Namespace, rec: Record) -> None:
             f"{key}: {r['model']}, {r['tokens_per_s']:.0f} tokens/s, {r['tflops_per_s']:.1f} TFLOP/s, MFU {mfu}",
             flush=True,
         )
+
+
+def head_case(a: argparse.Namespace) -> dict[str, Any]:
+    """The LM head alone, plain and fused (benchmarks/bench_head.py): 4,096 positions (a
+    mini-batch of the step above) of SmolLM2's width at its vocabulary and at Qwen's."""
+    import tempfile
+
+    size = ["--tokens", "64", "--hidden", "64", "--vocab", "300"] if a.dry_run else []
+    size = size or ["--tokens", "4096", "--hidden", "576", "--vocab", "49152", "151936"]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "head.json"
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "bench_head.py"), *size, "--json", str(out)],
+            capture_output=True,
+            text=True,
+        )
+        print(run.stdout, end="", flush=True)
+        if run.returncode:
+            return {"failed": run.stderr[-2000:]}
+        doc: dict[str, Any] = json.loads(out.read_text())
+        return doc
 
 
 # ------------------------------------------------------------------------------ generation

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("no benchmark given after --")
     from echo_rl.core.machine import machine_info
 
+    a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
     base = git("rev-parse", a.base)
     after_rev = git("rev-parse", "HEAD") + ("+changes" if git("status", "--porcelain") else "")

@@ -43,6 +43,13 @@ def test_dry_run_exercises_every_stage_and_writes_the_layout(tmp_path):
     for case in ("smollm2_full", "qwen3_1b_full", "smollm2_lora", "qwen3_1b_lora"):
         c = stages["learner"][case]
         assert "skipped" in c or (c["tokens_per_s"] > 0 and c["tflops_per_s"] > 0), case
+    # the fused head's baseline beside it (on a CPU, auto leaves the head unfused on both)
+    for case in ("smollm2_full_head_off", "qwen3_1b_full_head_off"):
+        assert stages["learner"][case]["settings"]["fused_head"] == "off", case
+        assert stages["learner"][case]["tokens_per_s"] > 0, case
+    assert stages["learner"]["smollm2_full_compiled"]["settings"]["compile"] is True
+    head = stages["learner"]["head"]["summary"]["300"]  # the head alone, plain and fused
+    assert head["time_fused_over_plain"] > 0 and head["peak_mib_fused"] > 0
     assert stages["learner"]["smollm2_full"]["mfu"] is None  # no GPU peak to divide by
     for rows in (1, 16, 64):
         assert stages["generation"][f"batch_{rows}"]["sequences"] == rows

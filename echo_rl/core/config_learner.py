@@ -159,6 +159,11 @@ class LearnerConfig(StalenessRules, _Section):
     # the matmul is cheap; on: on a CPU too, where the matmul sets the pace and it costs time
     # (docs/learner.md, "The LM head") but bounds the memory of a large vocabulary; off: never.
     fused_head: Literal["auto", "on", "off"] = "auto"
+    # Each decoder layer through torch.compile (echo_rl/core/models.py compile_layers): on a GPU
+    # a narrow model's step is launch-bound and inductor fuses a layer's small kernels; the first
+    # steps of each sequence length pay the compilation (seconds to a minute). make gpu-check's
+    # learner stage measures it beside eager (docs/gpu.md).
+    compile: bool = False
     # Host memory the learner may use, in GiB (2^30 bytes; 0: no budget). At start-up the learner says what the
     # run needs (echo_rl/core/memplan.py) and, over budget, turns gradient checkpointing on and then
     # passes fewer rows at a time; a run that cannot fit is refused with what it needs.

@@ -3,8 +3,7 @@
 ``log_softmax(h @ W.T / T)[target]`` computed the plain way writes the [tokens, vocabulary]
 logits, keeps them (and their float32 copy) for the backward, and reads them again in
 logsumexp's, gather's and the cast's backward: for SmolLM2's 49k vocabulary that is 192 KiB of
-float32 per trained token, a 150k-vocabulary model three times as much, and on a CPU a third of
-the step's time goes to those passes (the profile in docs/gpu.md, "The learner's step").
+float32 per trained token, for a 152k vocabulary 594 KiB: the largest activation of a step.
 
 Here the forward keeps only each position's log-sum-exp (one float): per chunk of positions it
 computes the logits, the target's logit and the log-sum-exp, and drops the chunk. The backward
@@ -15,7 +14,14 @@ head weight's gradients from it. No tensor larger than one chunk's logits exists
 Numerics follow the plain path: the logits in the model's dtype (or autocast's), then float32
 for the scaling, the log-sum-exp and the gradient, which goes back to the compute dtype for the
 two matmuls (what autograd does through ``.float()``). ``tests/test_head.py`` checks values and
-both gradients against the plain path; the GRPO oracle (tests/test_oracle.py) runs through it.
+both gradients against the plain path, ``tests/test_micro_batch.py`` a whole step.
+
+The price is the extra matmul. On a CPU the head's matmuls set its pace: 1,024 positions of
+SmolLM2's head took 1.40 s fused against 1.22 s plain, forward and backward, at 0.62 x the peak
+memory; at a 152k vocabulary 4.80 against 3.84 s at 0.48 x (``benchmarks/bench_head.py``,
+``benchmarks/results/issue50_cpu/head_cpu.json``). So ``learner.fused_head = auto`` takes it on
+a GPU only, where a matmul costs little beside the memory-bound passes over the logits that it
+saves; that trade is measured by ``make gpu-check`` (docs/gpu.md), and owed until a GPU run.
 """
 
 from __future__ import annotations
@@ -25,14 +31,15 @@ from typing import Any, cast
 
 import torch
 
-# The largest float32 logits chunk the head materialises at once.
-CHUNK_BYTES_CPU = 16 << 20  # near the cache: the chunk's exp and scatter passes stay close
-CHUNK_BYTES_CUDA = 256 << 20  # few launches; a few hundred MiB beside a step's activations
+# A chunk's float32 logits take at most CHUNK_BYTES, and a chunk has at least MIN_ROWS
+# positions: fewer make the head's matmul inefficient (on a CPU, 27-position chunks of a
+# 151,936-token vocabulary took the head from 3.6 to 11.4 s; benchmarks/bench_head.py).
+CHUNK_BYTES = 256 << 20
+MIN_ROWS = 256
 
 
-def chunk_rows(vocab: int, device: torch.device) -> int:
-    budget = CHUNK_BYTES_CUDA if device.type == "cuda" else CHUNK_BYTES_CPU
-    return max(1, budget // (4 * vocab))
+def chunk_rows(vocab: int) -> int:
+    return max(MIN_ROWS, CHUNK_BYTES // (4 * vocab))
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -145,6 +152,6 @@ def head_logprobs(
     lead = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
-    n = chunk_rows(weight.shape[0], h.device) if rows is None else rows
+    n = chunk_rows(weight.shape[0]) if rows is None else rows
     out = _apply(h, weight, t, 1.0 / temperature, bias, n)
     return out.view(lead)

@@ -22,7 +22,13 @@ import torch
 from echo_rl.core.config import EchoConfig
 from echo_rl.core.lora import base_of
 from echo_rl.core.memplan import LearnerPlan, ModelShape, fit_learner
-from echo_rl.core.models import enable_checkpointing, load_model, load_tokenizer, vocab_size
+from echo_rl.core.models import (
+    compile_layers,
+    enable_checkpointing,
+    load_model,
+    load_tokenizer,
+    vocab_size,
+)
 from echo_rl.data.adapter import LearnerBatch, load_adapter
 from echo_rl.data.answers import check_answer_tokens
 from echo_rl.learner.parallel import make_parallel
@@ -97,6 +103,8 @@ class Policy:
             # non-reentrant, so frozen inputs (LoRA) still get their gradients
             # With LoRA, ``loaded`` is the base peft wrapped in place (``get_base_model()``).
             enable_checkpointing(loaded)
+        if learner_cfg.compile:  # before sharding, as torchtitan orders them
+            compile_layers(loaded)
         # Names of the parameters a snapshot carries (tied weights once), as before sharding:
         # every parameter, or with LoRA the adapter's only.
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
