@@ -41,8 +41,12 @@ MODES = {
     "delta-inline": {"delta": True, "background": False},  # deltas, on the training thread
     "after": {"delta": True, "background": True},  # deltas, on the publisher thread
     # As the learner runs with learner.checkpoint (the default): a checkpoint (model and Adam
-    # state, fsynced) before every publication, on the training thread (release_thread off) ...
+    # state, fsynced) before every publication, on the training thread, the publication built
+    # on the publisher thread (the CPU learner before issue 50's publication change) ...
     "checkpoint-inline": {"delta": True, "background": True, "checkpoint": True},
+    # ... the same with the publication built on the training thread too (release_thread off:
+    # the CPU learner since) ...
+    "all-inline": {"delta": True, "background": False, "checkpoint": True},
     # ... or frozen in host copies and released on the release thread (issue 50, the default)
     "release-thread": {"delta": True, "background": True, "checkpoint": True, "thread": True},
 }
@@ -70,19 +74,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _inline_publisher() -> type:
-    """The learner's publisher building on the caller's (training) thread: the old way, the
-    baseline this benchmark compares the publisher thread against."""
-    from echo_rl.learner.publisher import Publisher
-
-    class InlinePublisher(Publisher):
-        def submit(self, version: int, tensors: list[dict[str, Any]], full: bytes) -> None:
-            self._raise()
-            self._build(version, tensors, full)
-
-    return InlinePublisher
-
-
 class Arm:
     """One mode: its own model copy, optimizer and publisher."""
 
@@ -104,12 +95,12 @@ class Arm:
             delta=MODES[name]["delta"],
             keyframe_every=1000,
         )
-        kind = Publisher if MODES[name]["background"] else _inline_publisher()
-        self.publisher = kind(
+        self.publisher = Publisher(
             enc,
             lambda snap: self.sent.append(
                 (snap.manifest.encoding, len(snap.payload), len(snap.full))
             ),
+            threaded=MODES[name]["background"],
         )
         self.rows: list[dict[str, float]] = []
         self.checkpoints = ckpt_dir / name if MODES[name].get("checkpoint") else None

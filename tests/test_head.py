@@ -113,3 +113,21 @@ def test_a_head_with_its_own_processing_keeps_the_models_forward():
     model, _ = tiny()
     model.config.model_type = "gemma2"  # soft-capped logits: only its forward knows
     assert fused_head(model) is None
+
+
+def test_under_autocast_the_head_runs_in_autocasts_dtype_and_float32_weights_get_float32_grads():
+    """bf16 autocast with float32 weights (what a GPU learner runs, tests/test_gpu.py): the
+    fused head's matmuls in bf16 as the plain head's, its gradients back in float32."""
+    h, w, t = inputs(torch.float32, d=64, vocab=300)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = plain(h, w, t)
+    want.sum().backward()
+    want_gh, want_gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = head_logprobs(h, w, t, rows=7)
+    got.sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # the same bf16 logits
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(h.grad, want_gh, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w.grad, want_gw, rtol=2e-2, atol=2e-2)

@@ -211,7 +211,7 @@ def test_non_finite_state_is_not_published_and_the_previous_version_stays(learne
     lrn.publisher.flush()
     assert lrn.server.store.latest().version == 0 and lrn.release.refused == 1
     lrn.release.publish(1, model_sd)
-    lrn.publisher.flush()  # publications are built on the publisher thread
+    lrn.publisher.flush()  # on the publisher thread where the release is threaded
     assert lrn.server.store.latest().version == 1
 
 

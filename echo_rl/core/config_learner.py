@@ -215,13 +215,14 @@ class LearnerConfig(StalenessRules, _Section):
     wait_timeout_s: float = Field(120.0, gt=0)  # give up when no admissible data this long
     price_per_hour: float = Field(0.0, ge=0)  # the learner's own price, $/h, in the cost per step
     checkpoint: bool = True  # checkpoint before every publication (needed for --resume)
-    # Checkpoint and publish each version on a thread of their own, overlapped with the next
-    # step (echo_rl/learner/releasing.py): the training thread waits only for the version's host copy,
-    # and for a release longer than a step. Costs one host copy of the model and optimizer
-    # state. auto: on when the policy trains on a GPU (the host's cores idle during a step),
-    # off on the CPU (benchmarks/bench_publish.py, docs/learner.md: a gain only with a core
-    # free and a step longer than the release). off: both on the training thread, before the
-    # next step.
+    # Checkpoint and publish each version on threads of their own, overlapped with the next
+    # step (echo_rl/learner/releasing.py; the publication's encode, hashes and signature on the
+    # publisher thread): the training thread waits only for the version's host copy, and for a
+    # release longer than a step. Costs one host copy of the model and optimizer state. auto: on
+    # when the policy trains on a GPU (the host's cores idle during a step), off on the CPU
+    # (benchmarks/bench_publish.py, docs/learner.md: a thread beside a step that uses every core
+    # slows it more than the work it takes off). off: all of it on the training thread, before
+    # the next step.
     release_thread: Literal["auto", "on", "off"] = "auto"
     # Published versions (the delta encoder's base, the versions audits and workers may still
     # need) live in files under <run dir>/spill, read through memory maps, instead of in RAM

@@ -9,8 +9,8 @@ The hand-over queue holds one version. Overflow policy: a step that finishes whi
 version is still being built waits for it (back-pressure, measured as ``t_publish``); versions
 are never skipped or reordered, so the base of every delta is a version that was published.
 A failure on the publisher thread is raised on the training thread at the next ``submit`` or
-``flush``, never swallowed. (``benchmarks/bench_publish.py`` measures the old way, built on
-the training thread, with a subclass of its own.)
+``flush``, never swallowed. Without the thread (``learner.release_thread`` off, the CPU's
+default) ``submit`` builds the version itself.
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ log = logging.getLogger(__name__)
 
 
 class Publisher:
-    def __init__(self, encoder: VersionEncoder, publish: Callable[[Snapshot], None]):
+    """``threaded``: build on the publisher thread (a GPU step leaves the host's cores idle);
+    False: on the caller's thread, in ``submit`` (a CPU step uses every core, and a thread
+    beside it slows it more than the build costs: ``benchmarks/bench_publish.py``, mode
+    ``after`` against ``delta-inline``)."""
+
+    def __init__(
+        self, encoder: VersionEncoder, publish: Callable[[Snapshot], None], threaded: bool = True
+    ):
         self.encoder = encoder
         self.publish = publish
         self.last: Publication | None = None  # the newest publication (its stats)
@@ -36,13 +43,22 @@ class Publisher:
         self.keyframes = 0
         self._queue: queue.Queue[tuple[int, list[TensorLayout], Payload] | None] = queue.Queue(1)
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="echo-publisher", daemon=True)
-        self._thread.start()
+        self._thread = (
+            threading.Thread(target=self._run, name="echo-publisher", daemon=True)
+            if threaded
+            else None
+        )
+        if self._thread is not None:
+            self._thread.start()
 
     def submit(self, version: int, tensors: list[TensorLayout], full: Payload) -> None:
-        """Hand a version over; blocks while the previous one is still waiting to be built."""
+        """Hand a version over; blocks while the previous one is still waiting to be built
+        (without the thread: builds it)."""
         self._raise()
-        self._queue.put((version, tensors, full))
+        if self._thread is None:
+            self._build(version, tensors, full)
+        else:
+            self._queue.put((version, tensors, full))
 
     def flush(self) -> None:
         """Wait until every version handed over is published."""
@@ -50,7 +66,7 @@ class Publisher:
         self._raise()
 
     def close(self) -> None:
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(60)
 

@@ -34,7 +34,7 @@ log = logging.getLogger("echo.learner")
 def release_threaded(lc: LearnerConfig, device: torch.device) -> bool:
     """``learner.release_thread``: auto is on for a GPU step, which leaves the host's cores
     idle; on the CPU the step and the workers beside it use them (docs/learner.md,
-    "Durability and resume")."""
+    "Durability and resume"). It places the publication's build (the publisher thread) too."""
     return lc.release_thread == "on" or (lc.release_thread == "auto" and device.type == "cuda")
 
 
@@ -201,7 +201,9 @@ def run_publisher(
     cfg: EchoConfig, run_id: str, key: RunKey, policy: Policy, publish: Callable[[Snapshot], None]
 ) -> Publisher:
     """The run's publisher: versions encoded as ``broadcast`` says (chunks, dtype, deltas and
-    their keyframes), signed with the run's key, naming the base model they train."""
+    their keyframes), signed with the run's key, naming the base model they train; built on a
+    thread of its own where the release is threaded (``release_threaded``), else on the
+    training thread."""
     bc = cfg.broadcast
     return Publisher(
         VersionEncoder(
@@ -215,6 +217,7 @@ def run_publisher(
             base_model=policy.base_hash,
         ),
         publish,
+        threaded=release_threaded(cfg.learner, policy.par.device),
     )
 
 
