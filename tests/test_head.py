@@ -131,3 +131,29 @@ def test_under_autocast_the_head_runs_in_autocasts_dtype_and_float32_weights_get
     assert h.grad.dtype == w.grad.dtype == torch.float32
     torch.testing.assert_close(h.grad, want_gh, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(w.grad, want_gw, rtol=2e-2, atol=2e-2)
+
+
+def test_a_lora_model_gets_the_fused_head_and_the_same_adapter_gradients():
+    """peft's model: the decoder with the adapter's layers in place, the base's head."""
+    from echo_rl.core.config import LoraConfig
+    from echo_rl.core.lora import wrap
+
+    model, _ = tiny()
+    model = wrap(model, LoraConfig(enabled=True))
+    for n, p in model.named_parameters():  # B starts at zero: give the adapter a say
+        if ".lora_B." in n:
+            torch.nn.init.normal_(p, std=0.1)
+    assert fused_head(model) is not None
+    ids = torch.randint(4, 24, (3, 10), generator=torch.Generator().manual_seed(1))
+    attn, loss_mask = torch.ones_like(ids), torch.ones(3, 9)
+    fused = token_logprobs(model, ids, attn, loss_mask, fused=True)
+    fused.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    own = token_logprobs(model, ids, attn, loss_mask, fused=False)
+    own.sum().backward()
+    torch.testing.assert_close(fused, own, rtol=1e-5, atol=1e-6)
+    assert grads and all(".lora_" in n for n in grads)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
