@@ -68,6 +68,23 @@ def test_each_encoding_is_chosen_where_it_is_smallest_and_every_rebuild_is_bit_e
     assert stats.payload_bytes == len(payload) < size
 
 
+@pytest.mark.parametrize("threads", [2, 3, 7, 50])
+def test_an_encode_on_several_threads_is_the_same_bytes_and_counts(threads):
+    """The tensors split into runs encoded at once (issue 50: the publication's build on the
+    host's cores); nothing in the result depends on how many."""
+    tensors, size = layout(5000, 17, 9000, 1, 3000, 5000, 12)
+    rng = np.random.default_rng(1)
+    base = rng.bytes(size)
+    new = bytearray(perturb(base, 0.01, 2))
+    new[: 5000 * 2] = rng.bytes(5000 * 2)  # one tensor all new: full
+    one = encode(tensors, bytes(new), base)
+    many = encode(tensors, bytes(new), base, threads)
+    assert many[0] == one[0] and many[1] == one[1]  # entries (enc, doff, dlen) and payload
+    for k in ("elements", "changed", "full_bytes", "sizes", "chosen", "payload_bytes"):
+        assert getattr(many[2], k) == getattr(one[2], k), k
+    assert bytes(decode(many[0], many[1], base, size)) == bytes(new)
+
+
 def test_bits_not_values_nan_and_negative_zero_round_trip():
     tensors, size = layout(4, dtype="float32", width=4)
     base = np.array([0.0, 1.0, np.nan, 2.0], dtype=np.float32).tobytes()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import lz4.block
@@ -56,6 +57,15 @@ class DeltaStats:
     chosen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TENSOR_ENCODINGS, 0))
     payload_bytes: int = 0
     encode_s: float = 0.0
+
+    def add(self, other: DeltaStats) -> None:
+        """``other``'s counts added in (the stats of another part of the same encode)."""
+        self.elements += other.elements
+        self.changed += other.changed
+        self.full_bytes += other.full_bytes
+        for k in TENSOR_ENCODINGS:
+            self.sizes[k] += other.sizes[k]
+            self.chosen[k] += other.chosen[k]
 
     @property
     def changed_fraction(self) -> float:
@@ -107,10 +117,13 @@ def _encode_tensor(
 
 
 def encode(
-    tensors: list[TensorLayout], new: Payload, base: Payload
+    tensors: list[TensorLayout], new: Payload, base: Payload, threads: int = 1
 ) -> tuple[list[TensorEntry], bytes, DeltaStats]:
     """Encode ``new`` against ``base`` (both full payloads with the layout ``tensors``, as
     ``echo_rl.core.models.params_to_payload`` gives it).
+
+    ``threads``: the tensors are split into that many runs of about equal bytes, encoded at
+    once (numpy's XOR and LZ4 release the GIL); the result does not depend on it.
 
     Returns the manifest's tensor entries (with ``enc``, ``doff``, ``dlen``), the delta payload
     and what the encode measured."""
@@ -120,33 +133,64 @@ def encode(
             f"model layout needs a keyframe"
         )
     t0 = time.perf_counter()
+    runs = _split(tensors, threads)
+    if len(runs) == 1:
+        done = [_encode_run(runs[0], new, base)]
+    else:
+        with ThreadPoolExecutor(len(runs), thread_name_prefix="echo-encode") as pool:
+            done = list(pool.map(lambda run: _encode_run(run, new, base), runs))
     stats = DeltaStats()
     entries: list[TensorEntry] = []
     parts: list[bytes | memoryview] = []
     off = 0
+    for encoded, part_stats in done:
+        stats.add(part_stats)
+        for t, enc, data in encoded:
+            entries.append(
+                TensorEntry(
+                    str(t["name"]),
+                    str(t["dtype"]),
+                    tuple(t["shape"]),
+                    int(t["offset"]),
+                    int(t["nbytes"]),
+                    enc,
+                    off,
+                    len(data),
+                )
+            )
+            parts.append(data)
+            off += len(data)
+    payload = b"".join(parts)
+    stats.payload_bytes = len(payload)
+    stats.encode_s = time.perf_counter() - t0
+    return entries, payload, stats
+
+
+def _split(tensors: list[TensorLayout], n: int) -> list[list[TensorLayout]]:
+    """``tensors`` in at most ``n`` consecutive runs of about equal bytes (none empty)."""
+    total = sum(t["nbytes"] for t in tensors)
+    runs: list[list[TensorLayout]] = [[]]
+    done = 0
+    for t in tensors:
+        if runs[-1] and len(runs) < n and done >= total * len(runs) / n:
+            runs.append([])
+        runs[-1].append(t)
+        done += t["nbytes"]
+    return runs
+
+
+def _encode_run(
+    tensors: list[TensorLayout], new: Payload, base: Payload
+) -> tuple[list[tuple[TensorLayout, str, bytes | memoryview]], DeltaStats]:
+    stats = DeltaStats()
+    out: list[tuple[TensorLayout, str, bytes | memoryview]] = []
     scratch = np.empty(max((t["nbytes"] for t in tensors), default=0), dtype=np.uint8)
     for t in tensors:
         enc, data = _encode_tensor(t, new, base, stats, scratch)
         for whole in (new, base):  # spilled maps: this tensor's pages leave the resident set
             drop_pages(whole, t["offset"], t["offset"] + t["nbytes"])
-        entries.append(
-            TensorEntry(
-                str(t["name"]),
-                str(t["dtype"]),
-                tuple(t["shape"]),
-                int(t["offset"]),
-                int(t["nbytes"]),
-                enc,
-                off,
-                len(data),
-            )
-        )
-        parts.append(data)
-        off += len(data)
-    payload = b"".join(parts)
-    stats.payload_bytes = len(payload)
-    stats.encode_s = time.perf_counter() - t0
-    return entries, payload, stats
+        out.append((t, enc, data))
+    return out, stats
 
 
 def decode(

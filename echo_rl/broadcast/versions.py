@@ -14,6 +14,7 @@ a rebuilt version is installed only if it is bit for bit the learner's. No torch
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -49,8 +50,13 @@ class VersionEncoder:
         keyframe_every: int = 10,
         max_ratio: float = 0.8,
         base_model: str | None = None,
+        threads: int | None = None,
     ):
+        """``threads``: how many of the host's cores a delta's encode may use at once (None:
+        up to 8 of them; they are idle under a GPU step, and between steps on a CPU learner,
+        which builds its publication inline: docs/broadcast.md, "Delta snapshots")."""
         self.run_id, self.key, self.chunk_size, self.dtype = run_id, key, chunk_size, dtype
+        self.threads = min(8, os.cpu_count() or 1) if threads is None else threads
         self.base_model = base_model  # LoRA: every version is an adapter for this base model
         self.delta, self.keyframe_every, self.max_ratio = delta, keyframe_every, max_ratio
         self._base: tuple[int, list[TensorLayout], Payload] | None = None
@@ -92,7 +98,7 @@ class VersionEncoder:
     ) -> Publication | None:
         assert self._base is not None
         base_version, _, base = self._base
-        entries, payload, stats = encode(tensors, full, base)
+        entries, payload, stats = encode(tensors, full, base, self.threads)
         if stats.ratio > self.max_ratio:  # most of the model changed: a keyframe costs as much
             return None
         manifest = build_manifest(
