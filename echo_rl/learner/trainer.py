@@ -72,7 +72,8 @@ def token_logprobs(
         lp = selective_logprobs(logits, targets, temperature, answer_tokens)
     else:  # the head and the log-softmax in chunks (echo_rl/learner/head.py)
         decoder, weight = head
-        hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state[:, s:]
+        out = decoder(input_ids=ids, attention_mask=mask, use_cache=False)
+        hidden = out.last_hidden_state[:, s:]
         bias = (
             None
             if answer_tokens is None
@@ -122,7 +123,9 @@ def _logits(
     supports ``logits_to_keep`` (current transformers models do)."""
     inner = base_of(model)  # peft passes it on
     if "logits_to_keep" in inspect.signature(inner.forward).parameters:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep)
+        out = model(
+            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False
+        )  # no key/value cache: nothing decodes after this pass
     else:  # an older model class: full logits, then slice
         out = model(input_ids=input_ids, attention_mask=attention_mask)
     logits: torch.Tensor = out.logits[:, -keep:]
