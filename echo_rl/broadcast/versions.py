@@ -50,13 +50,12 @@ class VersionEncoder:
         keyframe_every: int = 10,
         max_ratio: float = 0.8,
         base_model: str | None = None,
-        threads: int | None = None,
     ):
-        """``threads``: how many of the host's cores a delta's encode may use at once (None:
-        up to 8 of them; they are idle under a GPU step, and between steps on a CPU learner,
-        which builds its publication inline: docs/broadcast.md, "Delta snapshots")."""
         self.run_id, self.key, self.chunk_size, self.dtype = run_id, key, chunk_size, dtype
-        self.threads = min(8, os.cpu_count() or 1) if threads is None else threads
+        # A delta's encode uses up to 8 of the host's cores: idle under a GPU step, and between
+        # steps on a CPU learner, which builds its publication inline (docs/broadcast.md,
+        # "Delta snapshots"); the bytes do not depend on it.
+        self.threads = min(8, os.cpu_count() or 1)
         self.base_model = base_model  # LoRA: every version is an adapter for this base model
         self.delta, self.keyframe_every, self.max_ratio = delta, keyframe_every, max_ratio
         self._base: tuple[int, list[TensorLayout], Payload] | None = None
