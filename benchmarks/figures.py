@@ -801,25 +801,27 @@ ROWS: tuple[Row, ...] = (
             ),
         ),
         (
-            # one committed run of 6 steps a mode (2026-12-07); t_publish per step: full inline
-            # 0.19-0.23 s, deltas on the thread 0.15-0.23 s
+            # one committed run of 6 steps a mode (2026-12-07, after issue 50's parallel encode);
+            # t_publish per step: full inline 0.21-0.22 s, deltas on the thread 0.16-0.17 s
             Check(
                 "publication wait, deltas on the thread / full inline",
-                "0.16 s with deltas on the publisher thread vs 0.20 s",
-                0.164 / 0.196,
+                "0.16 s with deltas on the publisher thread vs 0.22 s",
+                0.159 / 0.215,
                 0.2,
                 lambda p: _either(
                     _j(p), "t_publish_after_over_before", "t_publish_ratio_after_before"
                 ),
             ),
-            # t_train per step: 0.68-1.13 s full inline, 0.99-2.04 s beside the publisher thread
-            # four runs 1.36 / 1.43 / 1.71 / 1.74 x, the median stated (the code before issue
-            # 53's retyping, same session: 1.66 x; docs/changelog.md)
+            # t_train per step: 0.78-0.80 s full inline, 0.86-1.04 s beside the publisher thread.
+            # Re-stated 2026-12-07 (was 1.57 x, four runs 1.36-1.74): a delta's encode now runs
+            # on both cores, 0.32-0.36 -> 0.15-0.21 s, so the thread takes less from the step;
+            # four runs 1.05 / 1.15 / 1.17 / 1.31 x, the median stated (docs/changelog.md); a
+            # fifth (make figures) 1.445 x: the tolerance covers the spread of the five runs
             Check(
                 "step, deltas on the thread / full inline",
-                "1.57 x longer",
-                1.57,
-                0.15,
+                "1.16 x longer",
+                1.16,
+                0.3,
                 lambda p: _either(_j(p), "step_after_over_before", "step_ratio_after_before"),
             ),
         ),
