@@ -5,7 +5,7 @@ time and memory of one forward and backward, on the device at hand.
         [--vocab 49152 151936] [--json benchmarks/results/head_<device>.json]
 
 Plain: ``hidden @ W.T`` (the model's LM head), then ``selective_logprobs`` (the float32
-log-sum-exp a row at a time), as ``token_logprobs`` runs with ``learner.fused_head = off``.
+log-sum-exp a row at a time), as ``token_logprobs`` runs with ``learner.fused_head = false``.
 Fused: ``head_logprobs``, the head and the log-softmax a chunk of positions at a time. Each
 variant runs in its own process (``--one``), with the same inputs: memory is the process's peak
 (CPU: ``ru_maxrss``, resident; GPU: ``torch.cuda.max_memory_allocated``); time is the median

@@ -99,6 +99,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--beta", type=float, default=0.0, help="KL coefficient (> 0 adds a reference model)"
     )
+    p.add_argument(
+        "--fused-head",
+        choices=["on", "off"],
+        default="on",
+        help="learner.fused_head of our side (on: the default)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=15)
@@ -363,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             epsilon=0.2,
             is_cap=2.0,
             loss_agg="token-mean",
+            fused_head=a.fused_head == "on",
         ),
         seed=a.seed,
     )
@@ -427,6 +434,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "completion_len": a.completion_len,
             "ragged": a.ragged,
             "updates_per_step": a.updates,
+            "fused_head": a.fused_head,
             "beta": a.beta,
             "epsilon": 0.2,
             "is_cap": 2.0,

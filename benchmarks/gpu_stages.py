@@ -396,8 +396,8 @@ def stage_learner(a: argparse.Namespace, rec: Record) -> None:
         ("qwen3_1b_full", big, False, {}),
         ("smollm2_lora", small, True, {}),
         ("qwen3_1b_lora", big, True, {}),
-        ("smollm2_full_head_off", small, False, {"fused_head": "off"}),
-        ("qwen3_1b_full_head_off", big, False, {"fused_head": "off"}),
+        ("smollm2_full_head_off", small, False, {"fused_head": False}),
+        ("qwen3_1b_full_head_off", big, False, {"fused_head": False}),
         ("head", small, False, {}),
         ("smollm2_full_compiled", small, False, {"compile": True}),
     ]

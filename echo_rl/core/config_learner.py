@@ -154,11 +154,11 @@ class LearnerConfig(StalenessRules, _Section):
     # forward of each layer): the step-time memory of long sequences (docs/memory.md).
     gradient_checkpointing: bool = False
     # The LM head and the sampled tokens' log-probs a chunk of positions at a time
-    # (echo_rl/learner/head.py): the [tokens, vocabulary] logits are never kept, at one more
-    # head matmul in the backward. auto: on a GPU, where the logits' passes are memory-bound and
-    # the matmul is cheap; on: on a CPU too, where the matmul sets the pace and it costs time
-    # (docs/learner.md, "The LM head") but bounds the memory of a large vocabulary; off: never.
-    fused_head: Literal["auto", "on", "off"] = "auto"
+    # (echo_rl/learner/head.py) for the model families it knows: the [tokens, vocabulary]
+    # logits are never kept, at one more head matmul in the backward (docs/learner.md, "The LM
+    # head": on this CPU a step as fast or faster, its memory lower). false: the model's own
+    # forward makes the logits.
+    fused_head: bool = True
     # Each decoder layer through torch.compile (echo_rl/core/models.py compile_layers): on a GPU
     # a narrow model's step is launch-bound and inductor fuses a layer's small kernels; the first
     # steps of each sequence length pay the compilation (seconds to a minute). make gpu-check's

@@ -16,12 +16,15 @@ for the scaling, the log-sum-exp and the gradient, which goes back to the comput
 two matmuls (what autograd does through ``.float()``). ``tests/test_head.py`` checks values and
 both gradients against the plain path, ``tests/test_micro_batch.py`` a whole step.
 
-The price is the extra matmul. On a CPU the head's matmuls set its pace: 1,024 positions of
-SmolLM2's head took 1.40 s fused against 1.22 s plain, forward and backward, at 0.62 x the peak
-memory; at a 152k vocabulary 4.80 against 3.84 s at 0.48 x (``benchmarks/bench_head.py``,
-``benchmarks/results/issue50_cpu/head_cpu.json``). So ``learner.fused_head = auto`` takes it on
-a GPU only, where a matmul costs little beside the memory-bound passes over the logits that it
-saves; that trade is measured by ``make gpu-check`` (docs/gpu.md), and owed until a GPU run.
+The price is the extra matmul. Alone, on a CPU, the head costs more time fused: 1,024
+positions of SmolLM2's head took 1.40 s fused against 1.22 s plain, forward and backward, at
+0.62 x the peak memory; at a 152k vocabulary 4.80 against 3.84 s at 0.48 x
+(``benchmarks/bench_head.py``, ``benchmarks/results/issue50_cpu/head_cpu.json``). In a whole
+learner step, whose no-grad pass recomputes nothing and whose plain path writes and faults in
+the logits several times, it did not: a small model with SmolLM2's vocabulary ran 1.05-1.12 x
+faster fused in four of four pairs, a SmolLM2-sized one 0.98 x (one pair; TRL's side of the
+same runs 0.96 x) (``benchmarks/results/issue50_cpu/README.md``). So ``learner.fused_head`` is
+on by default; its GPU side is measured by ``make gpu-check`` (docs/gpu.md), owed.
 """
 
 from __future__ import annotations

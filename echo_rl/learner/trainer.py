@@ -45,7 +45,7 @@ def token_logprobs(
     loss_mask: torch.Tensor | None = None,
     temperature: float = 1.0,
     answer_tokens: Sequence[int] | None = None,
-    fused: bool | None = None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """log p(token_{j+1} | tokens_{<=j}) for every position j: shape [B, L-1], under
     softmax(logits / temperature), the distribution a sampler at that temperature draws from
@@ -55,7 +55,7 @@ def token_logprobs(
     (zeros elsewhere): the prompt in front needs no logits and the padding behind it no forward
     pass. On a real vocabulary (150k) the logits of prompt positions are most of the memory.
 
-    ``fused``: the LM head run here a chunk at a time (``fused_head``; None: on a GPU only).
+    ``fused``: the LM head run here a chunk at a time where ``fused_head`` knows the model.
     """
     full = (0, input_ids.shape[1] - 2)
     s, e = (_trained_span(loss_mask) if loss_mask is not None else None) or full
@@ -64,8 +64,6 @@ def token_logprobs(
         attention_mask[:, : e + 1],
         input_ids[:, s + 1 : e + 2],
     )
-    if fused is None:
-        fused = input_ids.device.type == "cuda"
     head = fused_head(model) if fused else None
     if head is None:
         logits = _logits(model, ids, mask, keep=e + 1 - s)
@@ -86,9 +84,6 @@ def token_logprobs(
 # Causal LMs whose logits are exactly lm_head(final hidden state): no soft-capping, scaling or
 # bias (Gemma's, Cohere's, Granite's heads are left to the model's own forward).
 FUSED_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-
-
-FUSED_SETTING: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
 
 def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor] | None:
@@ -540,7 +535,7 @@ class Trainer:
             batch.loss_mask[rows],
             self.temperature,
             self.answer_tokens,
-            fused=FUSED_SETTING[self.cfg.fused_head],
+            fused=self.cfg.fused_head,
         )
 
 
