@@ -815,13 +815,13 @@ ROWS: tuple[Row, ...] = (
             # t_train per step: 0.78-0.80 s full inline, 0.86-1.04 s beside the publisher thread.
             # Re-stated 2026-12-07 (was 1.57 x, four runs 1.36-1.74): a delta's encode now runs
             # on both cores, 0.32-0.36 -> 0.15-0.21 s, so the thread takes less from the step;
-            # four runs 1.05 / 1.15 / 1.17 / 1.31 x, the median stated (docs/changelog.md); a
-            # fifth (make figures) 1.445 x: the tolerance covers the spread of the five runs
+            # six runs 1.05 / 1.15 / 1.17 / 1.31 / 1.45 / 1.68 x (the last two by make figures),
+            # the median stated; the tolerance covers their spread (docs/changelog.md)
             Check(
                 "step, deltas on the thread / full inline",
-                "1.16 x longer",
-                1.16,
-                0.3,
+                "1.24 x longer",
+                1.24,
+                0.4,
                 lambda p: _either(_j(p), "step_after_over_before", "step_ratio_after_before"),
             ),
         ),
